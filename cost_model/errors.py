@@ -1,0 +1,66 @@
+"""The smp-fx error hierarchy.
+
+It lives in the lowest layer (``cost_model``) so that every layer can raise it without
+an upward import; ``smp_fx`` re-exports it as the public ``smp_fx.SMPError`` family.
+
+A message states the rule, the offending value, the place (node, module path, rank)
+and the fix. ``SMPError.build`` keeps that shape uniform.
+"""
+
+from __future__ import annotations
+
+
+class SMPError(Exception):
+    """Base class of every error smp-fx raises on purpose."""
+
+    @classmethod
+    def build(cls, rule: str, value: object = None, where: str | None = None,
+              fix: str | None = None) -> SMPError:
+        """Make an error whose text reads: rule (got value) [at where]. Fix: fix."""
+        parts = [rule]
+        if value is not None:
+            parts.append(f"(got {value!r})")
+        if where:
+            parts.append(f"at {where}")
+        text = " ".join(parts)
+        if fix:
+            text += f". Fix: {fix}"
+        return cls(text)
+
+
+class SMPConfigError(SMPError, ValueError):
+    """Invalid configuration; raised by ``smp.init`` on every rank before any collective."""
+
+
+class SMPNotImplementedError(SMPError, NotImplementedError):
+    """A known SMP parameter or API whose feature smp-fx does not implement yet."""
+
+
+class SMPTracingError(SMPError):
+    """A model, or a part of it, cannot be captured as a graph."""
+
+
+class SMPPartitionError(SMPError):
+    """No valid partition exists for the graph, costs and configuration given."""
+
+
+class SMPRuntimeError(SMPError, RuntimeError):
+    """Misuse of the runtime API (calls outside ``smp.step``, bad batch, ...) or a failure in it."""
+
+
+class SMPTimeoutError(SMPRuntimeError, TimeoutError):
+    """A blocking wait ran past its timeout; the message names what it waited for."""
+
+
+class SMPCheckpointError(SMPError):
+    """A checkpoint cannot be saved or loaded as asked."""
+
+
+def not_implemented(feature: str, parameter: str | None = None,
+                    fix: str | None = None) -> SMPNotImplementedError:
+    """The one way to say 'known, but not built yet'; never silently ignore a parameter."""
+    what = f"'{parameter}' ({feature})" if parameter else feature
+    return SMPNotImplementedError(
+        f"{what} is not implemented in smp-fx yet. "
+        + (fix or "Remove the setting or use its default; see README 'Not supported yet'.")
+    )

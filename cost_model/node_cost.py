@@ -1,0 +1,43 @@
+"""``NodeCost``: what one fx node costs, the unit every later stage of the compiler sums."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """Cost of one graph node for one microbatch.
+
+    ``param_bytes`` counts each parameter/buffer once, at the first node that reads it, so
+    summing it over a graph gives the model's parameter bytes exactly (tied weights once).
+    ``saved_bytes`` is activation memory autograd keeps for backward (parameters excluded).
+    ``measured`` says whether the times came from a real run (``trace_execution_times``)
+    rather than the analytic roofline; analytic costs are deterministic.
+    """
+
+    fwd_flops: float = 0.0
+    bwd_flops: float = 0.0
+    fwd_time_s: float = 0.0
+    bwd_time_s: float = 0.0
+    param_bytes: int = 0
+    output_bytes: int = 0
+    saved_bytes: int = 0
+    measured: bool = False
+    op: str = ""
+    known: bool = True
+
+    @property
+    def time_s(self) -> float:
+        return self.fwd_time_s + self.bwd_time_s
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> NodeCost:
+        return cls(**data)

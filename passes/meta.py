@@ -1,0 +1,47 @@
+"""The ``node.meta`` keys smp-fx writes, declared once, with typed accessors.
+
+Every key is namespaced ``smp.*``. Values are immutable (frozen dataclasses, tuples,
+str, int) because ``Graph.node_copy`` copies ``meta`` shallowly: a mutable value would be
+shared between a pass's input and output graphs. torch's own keys (``val``,
+``tensor_meta``, ``nn_module_stack``) are read, never written.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+import torch.fx
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class MetaKey(Generic[T]):
+    """A typed handle on one ``node.meta`` entry."""
+
+    name: str
+    doc: str
+
+    def get(self, node: torch.fx.Node, default: Any = None) -> T:
+        return node.meta.get(self.name, default)
+
+    def has(self, node: torch.fx.Node) -> bool:
+        return self.name in node.meta
+
+    def set(self, node: torch.fx.Node, value: T) -> None:
+        node.meta[self.name] = value
+
+
+MODULE_PATH: MetaKey[str] = MetaKey(
+    "smp.module_path", "dotted path of the innermost module this node came from ('' = root)")
+PARAMS: MetaKey[tuple] = MetaKey(
+    "smp.params", "fully qualified names of the parameters and buffers this node reads")
+TENSOR: MetaKey[Any] = MetaKey(
+    "smp.tensor", "passes.shape_prop.TensorInfo (or a tuple of them) for the node's output")
+COST: MetaKey[Any] = MetaKey("smp.cost", "cost_model.NodeCost of the node")
+PIN: MetaKey[int] = MetaKey(
+    "smp.pin", "stage the node must be placed on (from smp.partition / default_partition)")
+STAGE: MetaKey[int] = MetaKey("smp.stage", "pipeline stage chosen for the node")
+
+ALL_KEYS: tuple[MetaKey[Any], ...] = (MODULE_PATH, PARAMS, TENSOR, COST, PIN, STAGE)

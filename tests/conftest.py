@@ -1,0 +1,11 @@
+"""Shared pytest fixtures: a fixed seed for every test."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    torch.manual_seed(0)

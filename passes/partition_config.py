@@ -1,0 +1,109 @@
+"""``PartitionConfig``: everything the partitioner needs to know, and nothing else.
+
+``passes`` cannot import ``smp_fx.config`` (imports only go downward), so ``smp_fx`` builds
+this frozen value from its ``SMPConfig``. It is JSON-serialisable so a plan records the
+exact configuration it was made with, and so every rank can check it made the same plan.
+
+The in-flight microbatch counts follow the schedules: the simple (GPipe, fill-drain)
+schedule keeps every microbatch's activations alive on every stage; the interleaved
+(1F1B) schedule keeps at most ``p - s`` on stage ``s``. Both are capped by
+``active_microbatches`` (SMP's default: ``num_stages + 2``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from cost_model.errors import SMPConfigError
+
+SCHEMA_VERSION = 1
+PIPELINES = ("simple", "interleaved")
+
+
+@dataclass(frozen=True)
+class PartitionConfig:
+    """Configuration of one partitioning run.
+
+    ``link_bandwidth`` (bytes/s) and ``link_latency_s`` give the default boundary
+    communication time ``latency + bytes / bandwidth``; ``device`` names a device spec
+    (``cost_model.device``) that callers may use instead, by passing ``comm_time``
+    explicitly to ``passes.auto_partition.auto_partition``.
+
+    Example::
+
+        >>> PartitionConfig(num_stages=4, microbatches=8).inflight(3)
+        1
+    """
+
+    num_stages: int
+    memory_weight: float = 0.8
+    microbatches: int = 1
+    pipeline: str = "interleaved"
+    active_microbatches: int | None = None
+    auto_partition: bool = True
+    default_partition: int = 0
+    optimizer_state_factor: float = 2.0
+    device: str | None = None
+    link_bandwidth: float = 25e9
+    link_latency_s: float = 10e-6
+
+    def __post_init__(self) -> None:
+        def bad(name: str, rule: str, fix: str) -> SMPConfigError:
+            return SMPConfigError.build(rule, getattr(self, name), f"PartitionConfig.{name}", fix)
+
+        if not isinstance(self.num_stages, int) or self.num_stages < 1:
+            raise bad("num_stages", "num_stages must be an int >= 1", "use 1 or more stages")
+        if not 0.0 <= float(self.memory_weight) <= 1.0:
+            raise bad("memory_weight", "memory_weight must lie in [0, 1]", "e.g. 0.8 or 0.2")
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise bad("microbatches", "microbatches must be an int >= 1", "use 1 or more")
+        if self.pipeline not in PIPELINES:
+            raise bad("pipeline", f"pipeline must be one of {PIPELINES}", "use 'interleaved'")
+        if self.active_microbatches is not None and (
+                not isinstance(self.active_microbatches, int) or self.active_microbatches < 1):
+            raise bad("active_microbatches", "active_microbatches must be None or an int >= 1",
+                      "leave it None for num_stages + 2")
+        if not isinstance(self.default_partition, int) or not (
+                0 <= self.default_partition < self.num_stages):
+            raise bad("default_partition", "default_partition must be in [0, num_stages)",
+                      f"use an index below {self.num_stages}")
+        if self.optimizer_state_factor < 0:
+            raise bad("optimizer_state_factor", "optimizer_state_factor must be >= 0",
+                      "2.0 for Adam, 1.0 for momentum SGD, 0.0 for plain SGD")
+        if self.link_bandwidth <= 0 or self.link_latency_s < 0:
+            raise bad("link_bandwidth", "link_bandwidth must be > 0 and link_latency_s >= 0",
+                      "give bytes/s and seconds")
+
+    @property
+    def active(self) -> int:
+        """Microbatches simultaneously in execution (SMP default ``num_stages + 2``)."""
+        if self.active_microbatches is None:
+            return self.num_stages + 2
+        return self.active_microbatches
+
+    def inflight(self, stage: int) -> int:
+        """Microbatches whose saved activations stage ``stage`` holds at its peak."""
+        m = min(self.microbatches, self.active)
+        if self.pipeline == "interleaved":
+            return min(self.num_stages - stage, m)
+        return m
+
+    def comm_time(self, nbytes: float) -> float:
+        """Default boundary send time: latency + bytes / bandwidth (0 for nothing sent)."""
+        if nbytes <= 0:
+            return 0.0
+        return self.link_latency_s + float(nbytes) / self.link_bandwidth
+
+    def to_json(self) -> dict[str, Any]:
+        return {"schema_version": SCHEMA_VERSION, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PartitionConfig:
+        data = dict(data)
+        version = data.pop("schema_version", SCHEMA_VERSION)
+        if version != SCHEMA_VERSION:
+            raise SMPConfigError.build("unsupported PartitionConfig schema version", version,
+                                       fix=f"re-create the config (schema {SCHEMA_VERSION})")
+        return cls(**data)

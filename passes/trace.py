@@ -1,0 +1,273 @@
+"""Front end: capture a user's ``nn.Module`` as a runnable fx ``GraphModule``.
+
+Two front ends, one contract. ``fx`` is ``torch.fx`` symbolic tracing with a leaf policy
+(torch.nn built-ins + the user's ``leaf_modules``); a submodule whose forward cannot be
+traced symbolically is made a leaf automatically and the reason is logged. ``export`` is
+non-strict ``torch.export`` (Hugging Face models need it). ``auto`` tries fx, then export.
+
+Whatever the front end, the result satisfies the contract downstream passes rely on:
+
+* ``gm(*args, **kwargs)`` computes what ``model(*args, **kwargs)`` computes;
+* parameter/buffer attribute names are the model's original fully qualified names;
+* placeholders for user inputs come first, in order;
+* every node has ``MODULE_PATH`` (innermost module it came from, '' = root) and ``PARAMS``
+  (FQNs of the parameters/buffers it reads; a leaf ``call_module`` lists all of its own).
+
+Example::
+
+    gm = trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
+    assert MODULE_PATH.get(next(n for n in gm.graph.nodes if n.op == "call_module")) == "0"
+
+Nothing here runs the model on real tensors: fx tracing is symbolic and non-strict export
+runs on fake tensors, so a model built on the meta device traces without allocating.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import torch
+import torch.fx
+from torch import nn
+
+from cost_model.errors import SMPTracingError
+from passes.meta import MODULE_PATH, PARAMS
+
+log = logging.getLogger("smp_fx.passes.trace")
+
+Frontend = Literal["auto", "fx", "export"]
+LeafSpec = Iterable[type | str]
+
+MAX_AUTO_LEAVES = 32
+"""How many untraceable submodules may be turned into leaves before fx gives up."""
+
+class _LeafTracer(torch.fx.Tracer):
+    """fx tracer with a leaf policy that remembers which module was being traced on failure."""
+
+    def __init__(self, leaf_types: tuple[type, ...], leaf_paths: frozenset[str]) -> None:
+        super().__init__()
+        self.leaf_types = leaf_types
+        self.leaf_paths = leaf_paths
+        self.path_stack: list[str] = [""]
+        self.failed_path: str | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if module_qualified_name in self.leaf_paths or isinstance(m, self.leaf_types):
+            return True
+        return super().is_leaf_module(m, module_qualified_name)
+
+    def call_module(self, m: nn.Module, forward: Callable[..., Any],
+                    args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        path = self.path_of_module(m)
+        self.path_stack.append(path)
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed_path is None:  # innermost module records itself first
+                self.failed_path = path
+            raise
+        finally:
+            self.path_stack.pop()
+
+    def create_node(self, kind: str, target: Any, args: Any, kwargs: Any,
+                    name: str | None = None, type_expr: Any = None) -> torch.fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        MODULE_PATH.set(node, target if kind == "call_module" else self.path_stack[-1])
+        return node
+
+
+def _split_leaf_spec(leaf_modules: LeafSpec) -> tuple[tuple[type, ...], frozenset[str]]:
+    types = tuple(x for x in leaf_modules if isinstance(x, type))
+    paths = frozenset(x for x in leaf_modules if isinstance(x, str))
+    bad = [x for x in leaf_modules if not isinstance(x, (type, str))]
+    if bad:
+        raise SMPTracingError.build(
+            "leaf_modules entries must be nn.Module types or module paths", bad,
+            fix="pass e.g. leaf_modules=(MyBlock, 'encoder.layer.3')")
+    return types, paths
+
+
+def _param_names_by_module(model: nn.Module) -> dict[str, tuple[str, ...]]:
+    """FQNs (tied aliases included) of the parameters and buffers each module owns."""
+    out: dict[str, tuple[str, ...]] = {}
+    for path, mod in model.named_modules(remove_duplicate=False):
+        names = [n for n, _ in mod.named_parameters(remove_duplicate=False)]
+        names += [n for n, _ in mod.named_buffers(remove_duplicate=False)]
+        prefix = f"{path}." if path else ""
+        out[path] = tuple(prefix + n for n in names)
+    return out
+
+
+def _record_params(gm: torch.fx.GraphModule) -> None:
+    """Set ``PARAMS``: a get_attr node reads its target; a call_module leaf all its own
+    parameters; any other node the parameters of the get_attr nodes among its inputs."""
+    owned = _param_names_by_module(gm)
+    attr_names = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
+    attr_names |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            PARAMS.set(node, (node.target,) if node.target in attr_names else ())
+        elif node.op == "call_module":
+            PARAMS.set(node, owned.get(node.target, ()))
+        else:
+            names = [a.target for a in node.all_input_nodes
+                     if a.op == "get_attr" and a.target in attr_names]
+            PARAMS.set(node, tuple(dict.fromkeys(names)))
+
+
+def _fx_trace(model: nn.Module, kwargs: Mapping[str, Any], leaf_modules: LeafSpec,
+              auto_leaf: bool) -> tuple[torch.fx.GraphModule, list[str]]:
+    """Symbolic trace; on failure make the failing submodule a leaf and retry."""
+    leaf_types, leaf_paths = _split_leaf_spec(leaf_modules)
+    auto: list[str] = []
+    while True:
+        tracer = _LeafTracer(leaf_types, leaf_paths | frozenset(auto))
+        try:
+            graph = tracer.trace(model)
+        except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
+            where = tracer.failed_path
+            if not auto_leaf or not where or len(auto) >= MAX_AUTO_LEAVES:
+                raise _FxFailure(where or "", exc) from exc
+            log.info("fx: module %r (%s) cannot be traced symbolically (%s: %s); "
+                     "making it a leaf", where, type(model.get_submodule(where)).__name__,
+                     type(exc).__name__, exc)
+            auto.append(where)
+            continue
+        gm = torch.fx.GraphModule(model, graph, model.__class__.__name__)
+        _attach_unreferenced_state(gm, model)
+        return gm, auto
+
+
+def _attach_unreferenced_state(gm: torch.fx.GraphModule, model: nn.Module) -> None:
+    """GraphModule copies only the attributes the graph references; register the rest
+    (e.g. a tied alias) so ``gm.state_dict()`` has exactly the model's keys."""
+    have = set(gm.state_dict(keep_vars=True))
+    for name, value in model.state_dict(keep_vars=True).items():
+        if name in have:
+            continue
+        owner_path, _, leaf = name.rpartition(".")
+        owner = gm
+        for part in owner_path.split(".") if owner_path else ():
+            if not hasattr(owner, part):
+                owner.add_module(part, nn.Module())
+            owner = getattr(owner, part)
+        if isinstance(value, nn.Parameter):
+            owner.register_parameter(leaf, value)
+        else:
+            owner.register_buffer(leaf, value)
+
+
+class _FxFailure(Exception):
+    def __init__(self, path: str, exc: BaseException) -> None:
+        super().__init__(f"{path}: {exc}")
+        self.path = path
+        self.exc = exc
+
+
+def _module_path_from_stack(node: torch.fx.Node, leaf_paths: frozenset[str]) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    path = ""
+    for value in stack.values():
+        candidate = value[0] if isinstance(value, tuple) else ""
+        if path in leaf_paths:  # a user leaf: everything inside it belongs to the leaf
+            break
+        path = candidate
+    return path
+
+
+def _export_trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+                  leaf_modules: LeafSpec) -> torch.fx.GraphModule:
+    """Non-strict export; normalised to the trace contract (inputs first, no guard node)."""
+    _, leaf_paths = _split_leaf_spec(leaf_modules)
+    ep = torch.export.export(model, args, dict(kwargs), strict=False)
+    gm = ep.module()
+    graph = gm.graph
+    for node in list(graph.nodes):  # the shape guard is not part of the computation
+        if node.op == "call_module" and str(node.target).startswith("_guards") and not node.users:
+            graph.erase_node(node)
+            if hasattr(gm, str(node.target)):
+                delattr(gm, str(node.target))
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    _order_placeholders(graph, placeholders)
+    for node in graph.nodes:
+        MODULE_PATH.set(node, _module_path_from_stack(node, leaf_paths))
+    graph.lint()
+    gm.recompile()
+    if set(gm.state_dict()) != set(model.state_dict()):
+        raise SMPTracingError.build(
+            "torch.export changed the parameter/buffer names",
+            sorted(set(gm.state_dict()) ^ set(model.state_dict()))[:5], "export front end",
+            "use frontend='fx' with leaf_modules for the offending submodules")
+    return gm
+
+
+def _order_placeholders(graph: torch.fx.Graph, placeholders: Sequence[torch.fx.Node]) -> None:
+    """Put the placeholders at the very top of the graph, in their original order."""
+    anchor = next(iter(graph.nodes))
+    for ph in reversed(placeholders):
+        if ph is not anchor:
+            anchor.prepend(ph)
+        anchor = ph
+
+
+def trace(model: nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None,
+          frontend: Frontend = "auto", leaf_modules: LeafSpec = ()) -> torch.fx.GraphModule:
+    """Capture ``model`` as a GraphModule carrying ``MODULE_PATH`` and ``PARAMS`` on every node.
+
+    ``frontend``: ``"fx"`` (symbolic tracing, automatic leaves), ``"export"`` (non-strict
+    torch.export, shapes specialised to ``args``), ``"auto"``: fx if it traces without
+    automatic leaves (opaque leaves hide structure from the partitioner); otherwise export;
+    if export fails too, the fx graph with automatic leaves if there is one. The chosen
+    front end is stored as ``gm.meta["smp.frontend"]``; automatic leaves as
+    ``gm.meta["smp.auto_leaves"]``.
+    """
+    kwargs = dict(kwargs or {})
+    if frontend not in ("auto", "fx", "export"):
+        raise SMPTracingError.build("frontend must be 'auto', 'fx' or 'export'", frontend,
+                                    fix="pick one of the three")
+    leaf_modules = tuple(leaf_modules)
+    errors: list[str] = []
+    fx_gm: torch.fx.GraphModule | None = None
+    fx_fail: _FxFailure | None = None
+    if frontend in ("auto", "fx"):
+        try:
+            fx_gm, auto = _fx_trace(model, kwargs, leaf_modules, auto_leaf=True)
+            fx_gm.meta["smp.auto_leaves"] = tuple(auto)
+            if frontend == "fx" or not auto:
+                return _finish(fx_gm, "fx")
+            errors.append(f"fx: needed automatic leaves {auto}")
+            log.info("auto: fx graph rejected (%s); trying torch.export", errors[-1])
+        except _FxFailure as fail:
+            fx_fail = fail
+            errors.append(f"fx: module {fail.path!r}: {type(fail.exc).__name__}: {fail.exc}")
+            log.info("auto: fx failed (%s); trying torch.export", errors[-1])
+    if frontend in ("auto", "export"):
+        try:
+            return _finish(_export_trace(model, args, kwargs, leaf_modules), "export")
+        except SMPTracingError:
+            raise
+        except Exception as exc:
+            errors.append(f"export: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+            log.info("export failed: %s", errors[-1])
+    if fx_gm is not None:
+        log.info("auto: falling back to the fx graph with automatic leaves")
+        return _finish(fx_gm, "fx")
+    where = fx_fail.path if fx_fail and fx_fail.path else "<root>"
+    mod_type = type(model.get_submodule(fx_fail.path)).__name__ if fx_fail and fx_fail.path \
+        else type(model).__name__
+    raise SMPTracingError.build(
+        f"model cannot be captured by the {frontend!r} front end(s)", "; ".join(errors),
+        f"module {where!r} ({mod_type})",
+        "make the failing submodule a leaf (leaf_modules=(...,)) so it runs as one opaque "
+        "node, move data-dependent Python control flow out of forward, or partition "
+        "manually with smp.partition")
+
+
+def _finish(gm: torch.fx.GraphModule, frontend: str) -> torch.fx.GraphModule:
+    _record_params(gm)
+    gm.meta["smp.frontend"] = frontend
+    gm.meta.setdefault("smp.auto_leaves", ())
+    log.info("traced with %s: %d nodes", frontend, len(gm.graph.nodes))
+    return gm

@@ -24,6 +24,58 @@ from cost_model.errors import (
 __version__ = "0.1.0"
 
 # --- foundation: init, config, ranks, groups, comm (section owned by the foundation work) ---
+from smp_fx.comm import (  # noqa: E402
+    DP_GROUP,
+    DP_RANK,
+    MP_GROUP,
+    MP_RANK,
+    PP_GROUP,
+    PP_RANK,
+    RDP_GROUP,
+    RDP_RANK,
+    TP_GROUP,
+    TP_RANK,
+    WORLD,
+    WORLD_RANK,
+    CommGroup,
+    RankType,
+    allgather,
+    barrier,
+    broadcast,
+    dp_barrier,
+    dp_rank,
+    dp_size,
+    get_dp_group,
+    get_dp_process_group,
+    get_mp_group,
+    get_mp_process_group,
+    get_pp_group,
+    get_pp_process_group,
+    get_rdp_group,
+    get_rdp_process_group,
+    get_tp_group,
+    get_tp_process_group,
+    get_world_process_group,
+    local_rank,
+    local_size,
+    mp_barrier,
+    mp_rank,
+    mp_size,
+    pp_rank,
+    pp_size,
+    rank,
+    rdp_rank,
+    rdp_size,
+    recv_from,
+    send,
+    size,
+    tp_rank,
+    tp_size,
+)
+from smp_fx.config import SMPConfig  # noqa: E402
+from smp_fx.init import init, is_initialized  # noqa: E402
+from smp_fx.topology import Topology  # noqa: E402
+
 
 # --- manual partitioning and delayed initialization ---
 

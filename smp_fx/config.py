@@ -1,0 +1,363 @@
+"""The SMP configuration: every parameter of the seed's table, typed, range-checked, defaulted.
+
+``load_config`` merges a dict (or a JSON file) with ``SM_HP_MP_PARAMETERS`` (JSON, as
+SageMaker sets it; it wins) and returns a frozen ``SMPConfig`` whose attribute names are the
+parameter names. Everything a single rank can check is checked here; the rules that need the
+world size are in ``resolve_topology``. Both run in ``smp.init`` on every rank before any
+collective, so a bad configuration fails the same way everywhere and never hangs.
+
+A known parameter whose feature smp-fx has not built is accepted at its default, and fails
+with ``SMPNotImplementedError`` where the feature would be used (``require_implemented``),
+never silently ignored. TensorFlow-only parameters are rejected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Union
+
+from cost_model.errors import SMPConfigError, not_implemented
+from smp_fx.topology import Topology, normalize_placement
+
+ENV_VAR = "SM_HP_MP_PARAMETERS"
+SCHEMA_VERSION = 1
+
+IMPLEMENTED = "implemented"
+TOPOLOGY_ONLY = "topology only"
+PLANNED = "planned"
+
+
+@dataclass(frozen=True)
+class Param:
+    """One configuration parameter: its type, valid values, default and build status.
+
+    ``default is None`` means "resolved from other fields" (or required, for the degree);
+    ``used_at`` names the API that must call ``SMPConfig.require_implemented`` for it.
+    """
+
+    name: str
+    kind: type
+    default: Any
+    status: str = IMPLEMENTED
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple[str, ...] = ()
+    used_at: str = ""
+    doc: str = ""
+
+
+_P = Param
+PARAMS: tuple[Param, ...] = (
+    _P("pipeline_parallel_degree", int, None, minimum=1,
+       doc="required; number of pipeline stages (alias: partitions)"),
+    _P("microbatches", int, 1, minimum=1, doc="microbatches per step; batch must divide"),
+    _P("pipeline", str, "interleaved", choices=("interleaved", "simple"), doc="schedule"),
+    _P("optimize", str, "memory", choices=("memory", "speed"),
+       doc="sets memory_weight's default"),
+    _P("placement_strategy", str, "cluster", doc="cluster, spread or a permutation of DPT"),
+    _P("auto_partition", bool, True, doc="automatic partitioning"),
+    _P("default_partition", int, 0, minimum=0,
+       doc="stage of unpinned modules; required when auto_partition is false"),
+    _P("memory_weight", float, None, minimum=0.0, maximum=1.0,
+       doc="0.2 if optimize is speed, else 0.8"),
+    _P("ddp", bool, False, doc="data parallelism over the dp group"),
+    _P("active_microbatches", int, None, minimum=1, doc="default pipeline_parallel_degree + 2"),
+    _P("deterministic_server", bool, False,
+       doc="accepted; smp-fx's executor is deterministic by construction"),
+    _P("offload_activations", bool, False, PLANNED, used_at="DistributedModel"),
+    _P("activation_loading_horizon", int, 4, PLANNED, minimum=1, used_at="DistributedModel"),
+    _P("tensor_parallel_degree", int, 1, TOPOLOGY_ONLY, minimum=1, used_at="DistributedModel",
+       doc="ranks and groups are built; the tensor-parallel rewrite is planned"),
+    _P("fp16", bool, False, PLANNED, used_at="DistributedModel"),
+    _P("fp16_params", bool, False, PLANNED, used_at="DistributedModel"),
+    _P("shard_optimizer_state", bool, False, PLANNED, used_at="DistributedOptimizer"),
+    _P("prescaled_batch", bool, False, PLANNED, used_at="DistributedModel"),
+    _P("skip_tracing", bool, False, PLANNED, used_at="DistributedModel"),
+    _P("sharded_data_parallel_degree", int, 1, PLANNED, minimum=1, used_at="init",
+       doc="> 1 is rejected at smp.init (changes the topology)"),
+    _P("sdp_reduce_bucket_size", int, 500_000_000, PLANNED, minimum=1,
+       used_at="DistributedModel"),
+    _P("sdp_param_persistence_threshold", int, 1_000_000, PLANNED, minimum=0,
+       used_at="DistributedModel"),
+    _P("sdp_max_live_parameters", int, 1_000_000_000, PLANNED, minimum=1,
+       used_at="DistributedModel"),
+    _P("sdp_hierarchical_allgather", bool, True, PLANNED, used_at="DistributedModel"),
+    _P("sdp_gradient_clipping", float, 1.0, PLANNED, minimum=0.0, used_at="DistributedModel"),
+)
+BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
+ALIASES: dict[str, str] = {"partitions": "pipeline_parallel_degree"}
+TENSORFLOW_ONLY: tuple[str, ...] = ("contiguous", "horovod")
+
+ConfigSource = Union[Mapping[str, Any], str, "os.PathLike[str]", "SMPConfig", None]
+
+
+@dataclass(frozen=True)
+class SMPConfig:
+    """The resolved configuration; attribute names are the SMP parameter names."""
+
+    pipeline_parallel_degree: int
+    microbatches: int = 1
+    pipeline: str = "interleaved"
+    optimize: str = "memory"
+    placement_strategy: str = "cluster"
+    auto_partition: bool = True
+    default_partition: int = 0
+    memory_weight: float = 0.8
+    ddp: bool = False
+    active_microbatches: int = 3
+    deterministic_server: bool = False
+    offload_activations: bool = False
+    activation_loading_horizon: int = 4
+    tensor_parallel_degree: int = 1
+    fp16: bool = False
+    fp16_params: bool = False
+    shard_optimizer_state: bool = False
+    prescaled_batch: bool = False
+    skip_tracing: bool = False
+    sharded_data_parallel_degree: int = 1
+    sdp_reduce_bucket_size: int = 500_000_000
+    sdp_param_persistence_threshold: int = 1_000_000
+    sdp_max_live_parameters: int = 1_000_000_000
+    sdp_hierarchical_allgather: bool = True
+    sdp_gradient_clipping: float = 1.0
+    explicit: frozenset[str] = field(default=frozenset(), compare=False)
+    """Names the user set (a default is never 'in use' for ``require_implemented``)."""
+
+    @property
+    def partitions(self) -> int:
+        """SMP's older name for ``pipeline_parallel_degree``."""
+        return self.pipeline_parallel_degree
+
+    @property
+    def placement(self) -> str:
+        """``placement_strategy`` as a permutation of D, P, T (``cluster`` -> ``DPT``)."""
+        return normalize_placement(self.placement_strategy)
+
+    def values(self) -> dict[str, Any]:
+        """Every parameter name -> value (resolved)."""
+        return {p.name: getattr(self, p.name) for p in PARAMS}
+
+    def require_implemented(self, name: str) -> None:
+        """Raise ``SMPNotImplementedError`` if ``name`` is set away from its default but its
+        feature is not built. Call it where the feature would be used (see ``Param.used_at``).
+        """
+        param = _known(name)
+        if param.status == IMPLEMENTED:
+            return
+        value = getattr(self, name)
+        if value != param.default:
+            raise not_implemented(
+                f"{param.status}; set to {value!r}, default {param.default!r}", name,
+                f"remove '{name}' from the configuration or set it to {param.default!r}")
+
+    def check_features(self, used_at: str) -> None:
+        """``require_implemented`` for every parameter whose feature ``used_at`` would use."""
+        for p in PARAMS:
+            if p.used_at == used_at:
+                self.require_implemented(p.name)
+
+    def to_json(self) -> str:
+        return json.dumps({"schema": SCHEMA_VERSION, "values": self.values(),
+                           "explicit": sorted(self.explicit)}, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> SMPConfig:
+        data = json.loads(text)
+        if data.get("schema") != SCHEMA_VERSION:
+            raise SMPConfigError.build("unsupported SMPConfig schema", data.get("schema"),
+                                       "SMPConfig.from_json", f"use schema {SCHEMA_VERSION}")
+        return cls(**data["values"], explicit=frozenset(data["explicit"]))
+
+
+def load_config(config: ConfigSource = None,
+                env: Mapping[str, str] | None = None) -> SMPConfig:
+    """Dict / JSON path / None, overridden key by key by ``SM_HP_MP_PARAMETERS`` -> SMPConfig.
+
+    >>> load_config({"partitions": 2, "microbatches": 4}, env={}).active_microbatches
+    4
+    """
+    env = os.environ if env is None else env
+    if isinstance(config, SMPConfig):
+        base: dict[str, Any] = {n: getattr(config, n) for n in config.explicit}
+    else:
+        base = _canonical(_read_source(config), "the configuration passed to smp.init")
+    text = env.get(ENV_VAR, "").strip()
+    if text:
+        try:
+            override = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise SMPConfigError.build(f"{ENV_VAR} must hold a JSON object", text[:80],
+                                       ENV_VAR, f"fix the JSON ({exc})") from exc
+        base.update(_canonical(override, f"the {ENV_VAR} environment variable"))
+    return _resolve(base)
+
+
+def _read_source(config: Any) -> Mapping[str, Any]:
+    if config is None:
+        return {}
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        try:
+            with open(path, encoding="utf-8") as f:
+                return json.load(f)
+        except FileNotFoundError as exc:
+            raise SMPConfigError.build("configuration file not found", path, "smp.init",
+                                       "pass an existing JSON file or a dict") from exc
+        except json.JSONDecodeError as exc:
+            raise SMPConfigError.build("configuration file is not valid JSON", path,
+                                       "smp.init", f"fix the JSON ({exc})") from exc
+    if isinstance(config, Mapping):
+        return config
+    raise SMPConfigError.build("configuration must be a dict, a JSON file path or None",
+                               type(config).__name__, "smp.init", "pass a dict of parameters")
+
+
+def _canonical(raw: Any, where: str) -> dict[str, Any]:
+    """Reject unknown/TensorFlow keys, fold aliases (a conflict is an error), check types."""
+    if not isinstance(raw, Mapping):
+        raise SMPConfigError.build("configuration must be a JSON object / dict",
+                                   type(raw).__name__, where, "pass {name: value, ...}")
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key in TENSORFLOW_ONLY:
+            raise SMPConfigError.build(f"'{key}' is a TensorFlow-only parameter", value, where,
+                                       f"remove '{key}'; smp-fx implements the PyTorch API")
+        name = ALIASES.get(key, key)
+        if name not in BY_NAME:
+            known = [*BY_NAME, *ALIASES]
+            close = difflib.get_close_matches(str(key), known, n=1, cutoff=0.5)
+            hint = f"did you mean '{close[0]}'?" if close else "see docs/parameters.md"
+            raise SMPConfigError.build(f"unknown configuration parameter '{key}'", value,
+                                       where, hint)
+        checked = _check_value(BY_NAME[name], value, where, key)
+        if name in out and out[name] != checked:
+            raise SMPConfigError.build(
+                "'partitions' and 'pipeline_parallel_degree' are the same parameter and "
+                "disagree", {"partitions": raw.get("partitions"),
+                             "pipeline_parallel_degree": raw.get("pipeline_parallel_degree")},
+                where, "give only one of them")
+        out[name] = checked
+    return out
+
+
+def _check_value(p: Param, value: Any, where: str, key: str) -> Any:
+    place = f"'{key}' in {where}"
+    if p.kind is bool:
+        if not isinstance(value, bool):
+            raise SMPConfigError.build(f"'{key}' must be a bool", value, place, "use true/false")
+        return value
+    if p.kind is int:
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)  # the seed writes 5e8 for integer sizes
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise SMPConfigError.build(f"'{key}' must be an int", value, place,
+                                       "use a whole number")
+    elif p.kind is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SMPConfigError.build(f"'{key}' must be a number", value, place,
+                                       "use a float")
+        value = float(value)
+    elif p.kind is str:
+        if not isinstance(value, str):
+            raise SMPConfigError.build(f"'{key}' must be a string", value, place,
+                                       f"use one of {p.choices}" if p.choices else None)
+        if p.name == "placement_strategy":
+            normalize_placement(value)  # raises with the valid choices
+        elif p.choices and value not in p.choices:
+            raise SMPConfigError.build(f"'{key}' must be one of {', '.join(p.choices)}", value,
+                                       place, f"use one of {p.choices}")
+    if p.minimum is not None and value < p.minimum:
+        raise SMPConfigError.build(f"'{key}' must be >= {p.minimum}", value, place,
+                                   f"use a value >= {p.minimum}")
+    if p.maximum is not None and value > p.maximum:
+        raise SMPConfigError.build(f"'{key}' must be <= {p.maximum}", value, place,
+                                   f"use a value <= {p.maximum}")
+    return value
+
+
+def _resolve(given: dict[str, Any]) -> SMPConfig:
+    """Fill defaults (including the derived ones) and check rules that span fields."""
+    where = "the smp configuration"
+    if "pipeline_parallel_degree" not in given:
+        raise SMPConfigError.build(
+            "'pipeline_parallel_degree' (or 'partitions') is required", None, where,
+            "add e.g. {\"pipeline_parallel_degree\": 1} (pass it to smp.init, --config or "
+            f"{ENV_VAR})")
+    values = {p.name: p.default for p in PARAMS}
+    values.update(given)
+    pp = values["pipeline_parallel_degree"]
+    if values["memory_weight"] is None:
+        values["memory_weight"] = 0.2 if values["optimize"] == "speed" else 0.8
+    if values["active_microbatches"] is None:
+        values["active_microbatches"] = pp + 2
+    if not values["auto_partition"] and "default_partition" not in given:
+        raise SMPConfigError.build("'auto_partition': false requires 'default_partition'",
+                                   None, where, "add 'default_partition' (a stage index)")
+    if values["default_partition"] >= pp:
+        raise SMPConfigError.build(
+            f"'default_partition' must be < pipeline_parallel_degree ({pp})",
+            values["default_partition"], where, f"use a stage in [0, {pp})")
+    if values["tensor_parallel_degree"] > 1 and not values["ddp"]:
+        raise SMPConfigError.build("'tensor_parallel_degree' > 1 requires 'ddp': true",
+                                   values["tensor_parallel_degree"], where, "set 'ddp': true")
+    if values["sharded_data_parallel_degree"] > 1:
+        raise not_implemented("sharded data parallelism", "sharded_data_parallel_degree",
+                              "remove it or set it to 1")
+    return SMPConfig(**values, explicit=frozenset(given))
+
+
+def resolve_topology(config: SMPConfig, world_size: int) -> tuple[Topology, bool]:
+    """(Topology, in_process) for ``world_size`` processes; the world-size rules live here.
+
+    World must be divisible by pp x tp (rdp = world / (pp x tp)), except that a single
+    process may run every pipeline stage itself (``in_process``; tp must then be 1).
+    """
+    pp, tp = config.pipeline_parallel_degree, config.tensor_parallel_degree
+    if world_size == 1 and pp > 1:
+        if tp > 1:
+            raise SMPConfigError.build(
+                "a single process runs all pipeline stages in-process but cannot run "
+                "tensor parallelism", tp, "tensor_parallel_degree",
+                f"launch {pp * tp} (or a multiple) processes, e.g. smp-fx run -n {pp * tp}")
+        return Topology(pp, 1, 1, config.placement), True
+    if world_size % (pp * tp) != 0:
+        raise SMPConfigError.build(
+            f"world size must be divisible by pipeline_parallel_degree x "
+            f"tensor_parallel_degree = {pp} x {tp}", world_size, "smp.init",
+            f"launch a multiple of {pp * tp} processes, or 1 process for an in-process pipeline")
+    return Topology(pp, tp, world_size // (pp * tp), config.placement), False
+
+
+def _known(name: str) -> Param:
+    if name not in BY_NAME:
+        raise SMPConfigError.build("unknown configuration parameter", name,
+                                   "SMPConfig.require_implemented", "see docs/parameters.md")
+    return BY_NAME[name]
+
+
+def parameter_table() -> str:
+    """The Markdown table in docs/parameters.md (name, type, default, status, notes)."""
+    rows = ["| parameter | type | default | status | notes |", "| --- | --- | --- | --- | --- |"]
+    for p in PARAMS:
+        default = {"pipeline_parallel_degree": "required", "memory_weight":
+                   "0.2 if optimize is speed else 0.8", "active_microbatches":
+                   "pipeline_parallel_degree + 2"}.get(p.name, repr(p.default))
+        kind = " / ".join(p.choices) if p.choices else p.kind.__name__
+        rng = "" if p.minimum is None else f" >= {p.minimum}"
+        rng += "" if p.maximum is None else f", <= {p.maximum}"
+        notes = p.doc + (f"; checked at {p.used_at}" if p.used_at else "")
+        rows.append(f"| `{p.name}` | {kind}{rng} | {default} | {p.status} | {notes} |")
+    for alias, target in ALIASES.items():
+        rows.append(f"| `{alias}` | alias | | {IMPLEMENTED} | same as `{target}` |")
+    for name in TENSORFLOW_ONLY:
+        rows.append(f"| `{name}` | | | rejected | TensorFlow-only |")
+    return "\n".join(rows)
+
+
+_FIELDS = {f.name for f in dataclasses.fields(SMPConfig)} - {"explicit"}
+assert _FIELDS == set(BY_NAME), "SMPConfig fields and PARAMS must list the same parameters"

@@ -1,0 +1,193 @@
+"""``auto_partition``: the stage of every node, minimising the largest stage cost.
+
+The pass reduces the graph to numbers (``partitioning.extract``), and for each of a few
+topological orders (``partitioning.order``) solves the chain problem exactly along that
+order, boundary communication included (``partitioning.chain``), then refines the
+assignment by moving boundary nodes between neighbouring stages
+(``partitioning.refine``). Every candidate is scored by the one objective
+(``partitioning.problem.evaluate``) and the best is kept; ties go to the earlier order,
+so the plan is a pure function of (graph, costs, config) on every rank and run.
+
+Pins (``passes.meta.PIN``, written by ``assign_manual``) are hard constraints. Parameters
+read on several stages (tied embeddings) are replicated on each of those stages, their
+memory is charged to each, and ``PartitionResult.shared_params`` names them: the runtime
+must sum their gradients across the owning stages.
+
+Example::
+
+    gm2 = auto_partition(gm, PartitionConfig(num_stages=2))
+    {meta.STAGE.get(n) for n in gm2.graph.nodes}  # {0, 1}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch.fx
+
+from cost_model.errors import SMPPartitionError
+from passes import meta
+from passes.partition_config import PartitionConfig
+from passes.partitioning import chain
+from passes.partitioning.extract import COMPUTE_OPS, problem_from_graph, write_stages
+from passes.partitioning.order import ORDERS, topological_order
+from passes.partitioning.problem import (
+    DagProblem,
+    Evaluation,
+    Objective,
+    chain_arrays,
+    evaluate,
+    make_objective,
+)
+from passes.partitioning.refine import refine
+
+CommTime = Callable[[float], float]
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """One stage of a partition, in seconds / bytes and in objective units (``cost``)."""
+
+    stage: int
+    nodes: tuple[str, ...]
+    time_s: float
+    comm_bytes: float
+    comm_time_s: float
+    param_bytes: float
+    saved_bytes: float
+    inflight: int
+    memory_bytes: float
+    cost: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {**self.__dict__, "nodes": list(self.nodes)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StageCost:
+        return cls(**{**data, "nodes": tuple(data["nodes"])})
+
+
+@dataclass(frozen=True)
+class PartitionResult:
+    """Summary the plan builder reads: per-stage costs, objective, bound, shared parameters.
+
+    ``objective`` is the largest stage cost; ``lower_bound`` is
+    ``max(total / k, largest node)`` in the same units, so ``objective / lower_bound``
+    bounds how far from optimal the plan can be.
+    """
+
+    num_stages: int
+    objective: float
+    lower_bound: float
+    strategy: str
+    stages: tuple[StageCost, ...]
+    shared_params: dict[str, tuple[int, ...]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"num_stages": self.num_stages, "objective": self.objective,
+                "lower_bound": self.lower_bound, "strategy": self.strategy,
+                "stages": [s.to_json() for s in self.stages],
+                "shared_params": {k: list(v) for k, v in self.shared_params.items()}}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PartitionResult:
+        return cls(data["num_stages"], data["objective"], data["lower_bound"],
+                   data["strategy"], tuple(StageCost.from_json(s) for s in data["stages"]),
+                   {k: tuple(v) for k, v in data["shared_params"].items()})
+
+
+def problem_lower_bound(problem: DagProblem, obj: Objective) -> float:
+    """max(total / k, largest node) in objective units (parameters counted once)."""
+    work, saved, _ = chain_arrays(problem, np.arange(problem.n), obj)
+    return chain.lower_bound(work, obj.num_stages, saved, obj.inflight)
+
+
+def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] = ORDERS,
+                  do_refine: bool = True) -> tuple[np.ndarray, str]:
+    """Best stage assignment over ``orders`` (chain solve, then refinement) and its name."""
+    k, n = obj.num_stages, problem.n
+    if k > n:
+        raise SMPPartitionError.build(
+            "more partitions than compute nodes: every partition must be non-empty",
+            f"partitions={k}, compute nodes={n}",
+            fix=f"use at most {n} partitions, or trace with fewer leaf modules")
+    pins = problem.pin_array()
+    best: tuple[float, np.ndarray, str] | None = None
+    failure: SMPPartitionError | None = None
+    for kind in orders:
+        order = topological_order(problem, kind)
+        work, saved, comm = chain_arrays(problem, order, obj)
+        try:
+            sol = chain.solve(work, k, saved=saved, comm=comm,
+                              inflight=np.asarray(obj.inflight, dtype=float), pins=pins[order])
+        except SMPPartitionError as err:
+            failure = failure or err
+            continue
+        stage = np.empty(n, dtype=np.int64)
+        stage[order] = sol.stages(n)
+        name = kind
+        if do_refine:
+            refined = refine(problem, obj, stage)
+            if evaluate(problem, refined, obj).bottleneck < evaluate(problem, stage,
+                                                                     obj).bottleneck:
+                stage, name = refined, f"{kind}+refine"
+        value = evaluate(problem, stage, obj).bottleneck
+        if best is None or value < best[0]:
+            best = (value, stage, name)
+    if best is None:
+        assert failure is not None
+        raise failure
+    return best[1], best[2]
+
+
+def summarize(problem: DagProblem, obj: Objective, stage: np.ndarray, strategy: str
+              ) -> PartitionResult:
+    ev: Evaluation = evaluate(problem, stage, obj)
+    stages = []
+    for s in range(obj.num_stages):
+        nodes = tuple(problem.names[i] for i in np.flatnonzero(stage == s))
+        mem = obj.param_factor * ev.param_bytes[s] + ev.saved_bytes[s] * obj.inflight[s]
+        stages.append(StageCost(s, nodes, float(ev.time_s[s]), float(ev.comm_bytes[s]),
+                                float(ev.comm_time_s[s]), float(ev.param_bytes[s]),
+                                float(ev.saved_bytes[s]), int(obj.inflight[s]), float(mem),
+                                float(ev.cost[s])))
+    return PartitionResult(obj.num_stages, ev.bottleneck, problem_lower_bound(problem, obj),
+                           strategy, tuple(stages), dict(sorted(ev.shared_params.items())))
+
+
+def partition_graph(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
+                    comm_time: CommTime | None = None
+                    ) -> tuple[torch.fx.GraphModule, PartitionResult]:
+    """``auto_partition`` that also returns the ``PartitionResult`` summary."""
+    problem = problem_from_graph(gm)
+    obj = make_objective(problem, pconfig, comm_time)
+    stage, strategy = solve_problem(problem, obj)
+    new = write_stages(gm, dict(zip(problem.names, stage.tolist())))
+    return new, summarize(problem, obj, stage, strategy)
+
+
+def auto_partition(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
+                   comm_time: CommTime | None = None) -> torch.fx.GraphModule:
+    """New GraphModule with ``STAGE`` on every node; ``gm`` is not modified.
+
+    ``comm_time(bytes) -> seconds`` defaults to ``pconfig.comm_time`` (latency + bytes /
+    link bandwidth); pass one built from a ``cost_model.device`` spec to plan for it.
+    """
+    return partition_graph(gm, pconfig, comm_time)[0]
+
+
+def evaluate_stages(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
+                    comm_time: CommTime | None = None, strategy: str = "given"
+                    ) -> PartitionResult:
+    """Score the ``STAGE`` already on ``gm`` (e.g. a manual plan) with the same objective."""
+    problem = problem_from_graph(gm)
+    obj = make_objective(problem, pconfig, comm_time)
+    by_name = {n.name: meta.STAGE.get(n) for n in gm.graph.nodes if n.op in COMPUTE_OPS}
+    missing = [k for k, v in by_name.items() if v is None]
+    if missing:
+        raise SMPPartitionError.build("every compute node needs a STAGE", missing[:5],
+                                      fix="run assign_manual or auto_partition first")
+    return summarize(problem, obj, np.asarray([by_name[n] for n in problem.names]), strategy)

@@ -1,0 +1,144 @@
+"""From an annotated fx GraphModule to a ``DagProblem``, and stage numbers back onto nodes.
+
+Compute nodes are ``call_function`` / ``call_method`` / ``call_module``. The others carry
+no cost and follow the compute nodes (architecture.md "Stage assignment"): placeholders
+and ``get_attr`` nodes go to the earliest stage among their users, the output node to the
+latest stage among its inputs. ``get_attr`` values (parameters, buffers, constants) are
+never sent between stages: every stage that reads them holds a replica, which the
+objective charges to each of those stages and the result reports as shared.
+
+Parameter bytes come from the module's own tensors (meta tensors work) for the names in
+``passes.meta.PARAMS``; a compute node whose names cannot be resolved keeps the
+``NodeCost.param_bytes`` the cost pass gave it, as a parameter of its own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import numpy as np
+import torch
+import torch.fx
+
+from cost_model.errors import SMPPartitionError
+from passes import meta
+from passes.partitioning.problem import DagProblem
+
+COMPUTE_OPS = ("call_function", "call_method", "call_module")
+
+
+def copy_graph_module(gm: torch.fx.GraphModule
+                      ) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, torch.fx.Node]]:
+    """A new GraphModule over a copied graph (meta copied shallowly), sharing the modules."""
+    graph = torch.fx.Graph()
+    mapping: dict[torch.fx.Node, torch.fx.Node] = {}
+    out = graph.graph_copy(gm.graph, mapping)
+    out_node = next(n for n in gm.graph.nodes if n.op == "output")
+    new_out = graph.output(out, getattr(out_node, "type", None))
+    new_out.meta = dict(out_node.meta)
+    mapping[out_node] = new_out
+    return torch.fx.GraphModule(gm, graph, gm.__class__.__name__), mapping
+
+
+def _tensor_bytes(gm: torch.fx.GraphModule, name: str) -> int | None:
+    obj: object = gm
+    for part in name.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    if isinstance(obj, torch.Tensor):
+        return int(obj.numel() * obj.element_size())
+    return None
+
+
+def _value_bytes(node: torch.fx.Node) -> float:
+    cost = meta.COST.get(node)
+    if cost is not None:
+        return float(cost.output_bytes)
+    info = meta.TENSOR.get(node)
+    infos = info if isinstance(info, tuple) else (info,)
+    return float(sum(getattr(i, "nbytes", 0) or 0 for i in infos))
+
+
+def problem_from_graph(gm: torch.fx.GraphModule) -> DagProblem:
+    """Reduce ``gm`` (with ``COST`` on every compute node) to a ``DagProblem``."""
+    nodes = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
+    index = {n: i for i, n in enumerate(nodes)}
+    time, saved = np.zeros(len(nodes)), np.zeros(len(nodes))
+    for i, n in enumerate(nodes):
+        cost = meta.COST.get(n)
+        if cost is None:
+            raise SMPPartitionError.build(
+                "every compute node needs a cost (passes.meta.COST)", None,
+                f"node={n.format_node()}", "run passes.annotate_costs before partitioning")
+        time[i], saved[i] = cost.fwd_time_s + cost.bwd_time_s, cost.saved_bytes
+    preds = tuple(tuple(sorted({index[a] for a in n.all_input_nodes if a in index}))
+                  for n in nodes)
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    out_inputs = tuple(sorted({index[a] for a in output.all_input_nodes if a in index}))
+    producers, vbytes, consumers, to_out = [], [], [], []
+    for n in gm.graph.nodes:
+        if n.op not in (*COMPUTE_OPS, "placeholder"):
+            continue
+        cons = tuple(sorted({index[u] for u in n.users if u in index}))
+        reaches_out = output in n.users
+        if not cons and not reaches_out:
+            continue
+        producers.append(index.get(n, -1))
+        vbytes.append(_value_bytes(n))
+        consumers.append(cons)
+        to_out.append(reaches_out)
+    readers: dict[str, set[int]] = {}
+    sizes: dict[str, float] = {}
+    for n in gm.graph.nodes:
+        if n.op == "get_attr":
+            names = meta.PARAMS.get(n) or (str(n.target),)
+            users = [index[u] for u in n.users if u in index]
+        elif n in index:
+            names = meta.PARAMS.get(n) or ()
+            users = [index[n]]
+        else:
+            continue
+        resolved = {name: _tensor_bytes(gm, name) for name in names}
+        for name, nbytes in resolved.items():
+            if nbytes is not None:
+                sizes[name] = float(nbytes)
+                readers.setdefault(name, set()).update(users)
+        if n in index and not any(v is not None for v in resolved.values()):
+            own = float(meta.COST.get(n).param_bytes)
+            if own > 0:
+                sizes[f"{n.name}:params"] = own
+                readers[f"{n.name}:params"] = {index[n]}
+    pnames = tuple(sorted(name for name in readers if readers[name]))
+    paths = tuple(meta.MODULE_PATH.get(n) or (str(n.target) if n.op == "call_module" else "")
+                  for n in nodes)
+    pins = tuple(int(meta.PIN.get(n, -1)) for n in nodes)
+    return DagProblem(
+        names=tuple(n.name for n in nodes), time=time, saved=saved, preds=preds,
+        val_producer=tuple(producers), val_bytes=np.asarray(vbytes, dtype=np.float64),
+        val_consumers=tuple(consumers), val_to_output=tuple(to_out),
+        output_inputs=out_inputs, param_names=pnames,
+        param_bytes=np.asarray([sizes[p] for p in pnames], dtype=np.float64),
+        param_readers=tuple(tuple(sorted(readers[p])) for p in pnames),
+        module_paths=paths, pins=pins)
+
+
+def write_stages(gm: torch.fx.GraphModule, stages: Mapping[str, int]
+                 ) -> torch.fx.GraphModule:
+    """Copy ``gm`` and set ``STAGE`` on every node: compute nodes from ``stages`` (by name),
+    placeholders / ``get_attr`` at their earliest user, the output at its latest input."""
+    new, _ = copy_graph_module(gm)
+    nodes = list(new.graph.nodes)
+    for n in nodes:
+        if n.op in COMPUTE_OPS:
+            meta.STAGE.set(n, int(stages[n.name]))
+    last = max(stages.values(), default=0)
+    for n in reversed(nodes):
+        if n.op in ("placeholder", "get_attr"):
+            used = [meta.STAGE.get(u) for u in n.users if meta.STAGE.has(u)]
+            meta.STAGE.set(n, int(min(used, default=0)))
+    for n in nodes:
+        if n.op == "output":
+            ins = [meta.STAGE.get(a) for a in n.all_input_nodes if a.op in COMPUTE_OPS]
+            meta.STAGE.set(n, int(max(ins, default=last)))
+    return new

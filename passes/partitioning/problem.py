@@ -1,0 +1,221 @@
+"""The partitioning problem as numbers, and the ONE objective every strategy is scored by.
+
+``DagProblem`` is a graph's compute nodes reduced to what partitioning needs: per-node
+time and saved bytes, compute-to-compute edges, the values that may cross stages (with
+their bytes, producer and consumers), parameters with their readers, module paths (for
+the module-tree and layer baselines) and pins. It holds no torch objects, so algorithms
+and benchmarks can build one from random numbers (``DagProblem.chain``).
+
+The objective (DESIGN.md "Partitioning") for stage ``s`` is
+
+    (1 - w) * (time_s + comm_time(bytes_s)) / T + w * memory_s / M
+
+* ``time_s``: sum of forward + backward node times on the stage.
+* ``bytes_s``: bytes of every value live across the boundary after stage ``s``: produced
+  on a stage ``<= s`` and consumed on a stage ``> s`` (values are relayed stage to stage,
+  so this depends on the boundary only). The last stage sends nothing.
+* ``memory_s = (2 + optimizer_state_factor) * param_bytes_s + saved_s * inflight(s)``;
+  a parameter read on several stages is replicated and counted on each of them.
+* ``T`` = total node time of the graph; ``M`` = ``(2 + f) * total parameter bytes (once)
+  + total saved bytes * min(microbatches, active_microbatches)``. Both are fixed by the
+  graph and config, not by the cut, so the objective of different cuts is comparable;
+  a zero total is replaced by 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from passes.partition_config import PartitionConfig
+
+CommTime = Callable[[float], float]
+
+
+@dataclass(frozen=True)
+class DagProblem:
+    """Compute nodes ``0..n-1`` in a topological order (the graph's), and their values.
+
+    ``val_producer[v] == -1`` marks a graph input: it lives from the earliest stage that
+    consumes it. ``val_to_output[v]`` keeps a value live up to the stage of the output,
+    which is the latest stage of ``output_inputs``.
+    """
+
+    names: tuple[str, ...]
+    time: np.ndarray
+    saved: np.ndarray
+    preds: tuple[tuple[int, ...], ...]
+    val_producer: tuple[int, ...]
+    val_bytes: np.ndarray
+    val_consumers: tuple[tuple[int, ...], ...]
+    val_to_output: tuple[bool, ...]
+    output_inputs: tuple[int, ...]
+    param_names: tuple[str, ...] = ()
+    param_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    param_readers: tuple[tuple[int, ...], ...] = ()
+    module_paths: tuple[str, ...] = ()
+    pins: tuple[int, ...] = ()
+
+    @property
+    def n(self) -> int:
+        return len(self.names)
+
+    def succs(self) -> tuple[tuple[int, ...], ...]:
+        out: list[list[int]] = [[] for _ in range(self.n)]
+        for v, ps in enumerate(self.preds):
+            for p in ps:
+                out[p].append(v)
+        return tuple(tuple(sorted(set(s))) for s in out)
+
+    def pin_array(self) -> np.ndarray:
+        if not self.pins:
+            return np.full(self.n, -1, dtype=np.int64)
+        return np.asarray(self.pins, dtype=np.int64)
+
+    @staticmethod
+    def chain(time: Sequence[float], saved: Sequence[float] | None = None,
+              out_bytes: Sequence[float] | None = None,
+              params: Sequence[float] | None = None) -> DagProblem:
+        """A chain ``0 -> 1 -> ... -> n-1``: node ``i``'s output is read by ``i + 1``."""
+        n = len(time)
+        ob = np.zeros(n) if out_bytes is None else np.asarray(out_bytes, dtype=np.float64)
+        pb = np.zeros(n) if params is None else np.asarray(params, dtype=np.float64)
+        return DagProblem(
+            names=tuple(f"n{i}" for i in range(n)),
+            time=np.asarray(time, dtype=np.float64),
+            saved=np.zeros(n) if saved is None else np.asarray(saved, dtype=np.float64),
+            preds=tuple(() if i == 0 else (i - 1,) for i in range(n)),
+            val_producer=tuple(range(n - 1)), val_bytes=ob[: n - 1],
+            val_consumers=tuple((i + 1,) for i in range(n - 1)),
+            val_to_output=(False,) * (n - 1), output_inputs=(n - 1,),
+            param_names=tuple(f"p{i}" for i in range(n)), param_bytes=pb,
+            param_readers=tuple((i,) for i in range(n)), module_paths=("",) * n)
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The normalised stage cost; built once per (problem, config) by ``make_objective``."""
+
+    num_stages: int
+    memory_weight: float
+    time_total: float
+    memory_total: float
+    param_factor: float
+    inflight: tuple[int, ...]
+    comm_time: CommTime
+
+    @property
+    def a(self) -> float:
+        return (1.0 - self.memory_weight) / self.time_total
+
+    @property
+    def b(self) -> float:
+        return self.memory_weight / self.memory_total
+
+    def stage_cost(self, s: int, time_s: float, comm_bytes: float, param_bytes: float,
+                   saved_bytes: float) -> float:
+        comm = (self.comm_time(comm_bytes)
+                if s < self.num_stages - 1 and comm_bytes > 0 else 0.0)
+        mem = self.param_factor * param_bytes + saved_bytes * self.inflight[s]
+        return self.a * (time_s + comm) + self.b * mem
+
+
+def make_objective(problem: DagProblem, cfg: PartitionConfig,
+                   comm_time: CommTime | None = None) -> Objective:
+    k = cfg.num_stages
+    factor = 2.0 + cfg.optimizer_state_factor
+    t_total = float(problem.time.sum()) or 1.0
+    m_total = (factor * float(np.sum(problem.param_bytes))
+               + float(problem.saved.sum()) * min(cfg.microbatches, cfg.active)) or 1.0
+    return Objective(k, float(cfg.memory_weight), t_total, m_total, factor,
+                     tuple(cfg.inflight(s) for s in range(k)), comm_time or cfg.comm_time)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """Per-stage breakdown of one stage assignment under an ``Objective``."""
+
+    time_s: np.ndarray
+    comm_bytes: np.ndarray
+    comm_time_s: np.ndarray
+    param_bytes: np.ndarray
+    saved_bytes: np.ndarray
+    cost: np.ndarray
+    shared_params: dict[str, tuple[int, ...]]
+
+    @property
+    def bottleneck(self) -> float:
+        return float(self.cost.max())
+
+
+def value_spans(problem: DagProblem, stage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """First stage holding each value and the last stage needing it."""
+    out_stage = int(max((stage[i] for i in problem.output_inputs), default=stage.max()))
+    first = np.empty(len(problem.val_producer), dtype=np.int64)
+    last = np.empty_like(first)
+    for v, (p, cons) in enumerate(zip(problem.val_producer, problem.val_consumers)):
+        cst = [int(stage[c]) for c in cons]
+        first[v] = stage[p] if p >= 0 else min(cst, default=out_stage)
+        hi = max(cst, default=first[v])
+        last[v] = max(hi, out_stage) if problem.val_to_output[v] else hi
+    return first, last
+
+
+def evaluate(problem: DagProblem, stage: Sequence[int] | np.ndarray, obj: Objective
+             ) -> Evaluation:
+    """Score any stage assignment (contiguous or not) with the shared objective."""
+    st = np.asarray(stage, dtype=np.int64)
+    k = obj.num_stages
+    time_s = np.bincount(st, weights=problem.time, minlength=k)
+    saved_s = np.bincount(st, weights=problem.saved, minlength=k)
+    first, last = value_spans(problem, st)
+    diff = np.zeros(k + 1)
+    keep = last > first
+    np.add.at(diff, first[keep], problem.val_bytes[keep])
+    np.add.at(diff, last[keep], -problem.val_bytes[keep])
+    comm_bytes = np.cumsum(diff)[:k]
+    param_s = np.zeros(k)
+    shared: dict[str, tuple[int, ...]] = {}
+    for name, nbytes, readers in zip(problem.param_names, problem.param_bytes,
+                                     problem.param_readers):
+        owners = tuple(sorted({int(st[r]) for r in readers}))
+        for o in owners:
+            param_s[o] += nbytes
+        if len(owners) > 1:
+            shared[name] = owners
+    comm_t = np.array([obj.comm_time(b) if s < k - 1 and b > 0 else 0.0
+                       for s, b in enumerate(comm_bytes)])
+    cost = np.array([obj.stage_cost(s, time_s[s], comm_bytes[s], param_s[s], saved_s[s])
+                     for s in range(k)])
+    return Evaluation(time_s, comm_bytes, comm_t, param_s, saved_s, cost, shared)
+
+
+def chain_arrays(problem: DagProblem, order: Sequence[int], obj: Objective
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(work, saved, comm per cut 0..n) of ``problem`` laid out along ``order``.
+
+    Parameters count at their first reader in the order (replicas of shared parameters are
+    not additive; ``evaluate`` scores them exactly afterwards).
+    """
+    n = problem.n
+    order = np.asarray(order, dtype=np.int64)
+    pos = np.empty(n, dtype=np.int64)
+    pos[order] = np.arange(n)
+    pmem = np.zeros(n)
+    for nbytes, readers in zip(problem.param_bytes, problem.param_readers):
+        if readers:
+            pmem[min(pos[r] for r in readers)] += nbytes
+    work = obj.a * problem.time[order] + obj.b * obj.param_factor * pmem
+    saved = obj.b * problem.saved[order]
+    first, last = value_spans(problem, pos)  # positions act as stages of a 1-node chain
+    diff = np.zeros(n + 2)
+    keep = last > first
+    np.add.at(diff, first[keep] + 1, problem.val_bytes[keep])
+    np.add.at(diff, last[keep] + 1, -problem.val_bytes[keep])
+    live = np.cumsum(diff)[: n + 1]
+    comm = np.zeros(n + 1)
+    for j in range(1, n):
+        comm[j] = obj.a * obj.comm_time(live[j]) if live[j] > 0 else 0.0
+    return work, saved, comm

@@ -159,7 +159,7 @@ def merge_model_state_dicts(parts: Sequence[Mapping[str, Any]],
                     fix="make sure tied/replicated parameters are synchronised before saving")
             merged.setdefault(name, value)
     if layout is None:
-        return OrderedDict(merged)
+        return OrderedDict((k, merged[k]) for k in merge_orders([list(p) for p in parts]))
     out: StateDict = OrderedDict()
     missing = []
     for key in layout.keys:
@@ -176,6 +176,41 @@ def merge_model_state_dicts(parts: Sequence[Mapping[str, Any]],
     for name, value in merged.items():
         if name not in out:
             out[name] = value
+    return out
+
+
+def merge_orders(orders: Sequence[Sequence[str]]) -> list[str]:
+    """One order of all names that keeps the order of every list (each a sub-sequence of
+    the plain model's key order); among free names the earliest-seen goes first.
+
+    Why: without the model, the partial files' own orders are the only evidence of the
+    plain ``state_dict()`` order; a tied name saved by two stages is placed after its
+    predecessors in both.
+    """
+    first_seen: dict[str, int] = {}
+    after: dict[str, set[str]] = {}
+    blockers: dict[str, int] = {}
+    for order in orders:
+        names = [n for n in order if n != PARTIAL_KEY]
+        for name in names:
+            first_seen.setdefault(name, len(first_seen))
+            blockers.setdefault(name, 0)
+        for a, b in zip(names, names[1:]):
+            if b not in after.setdefault(a, set()):
+                after[a].add(b)
+                blockers[b] += 1
+    ready = sorted((n for n, c in blockers.items() if c == 0), key=first_seen.__getitem__)
+    out: list[str] = []
+    while ready:
+        name = ready.pop(0)
+        out.append(name)
+        for nxt in after.get(name, ()):
+            blockers[nxt] -= 1
+            if blockers[nxt] == 0:
+                ready.append(nxt)
+        ready.sort(key=first_seen.__getitem__)
+    if len(out) != len(first_seen):  # contradictory orders: fall back to first-seen order
+        return sorted(first_seen, key=first_seen.__getitem__)
     return out
 
 

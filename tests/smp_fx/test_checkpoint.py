@@ -1,0 +1,243 @@
+"""Tests for smp_fx.checkpoint: naming, atomic writes, safe loading, the partial-save commit
+protocol (ranks simulated by threads), resharding merges and a SIGKILL during a save."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from cost_model.errors import SMPCheckpointError
+from smp_fx import checkpoint as ckpt
+from smp_fx.checkpoint import RankInfo
+from smp_fx.state_dict import PARTIAL_KEY
+
+
+class Custom:
+    """Not a weights-only type: loading it needs weights_only=False."""
+
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+class ThreadGroup:
+    """An all_gather_object for ranks played by threads (bounded waits)."""
+
+    def __init__(self, n: int) -> None:
+        self.barrier = threading.Barrier(n, timeout=20)
+        self.slots: list[Any] = [None] * n
+
+    def gather_for(self, rank: int) -> Callable[[Any], list[Any]]:
+        def gather(value: Any) -> list[Any]:
+            self.slots[rank] = value
+            self.barrier.wait()
+            out = list(self.slots)
+            self.barrier.wait()
+            return out
+        return gather
+
+
+class Crash(Exception):
+    pass
+
+
+def crash_at(gather: Callable[[Any], list[Any]], call: int,
+             after: bool) -> Callable[[Any], list[Any]]:
+    """Die at the ``call``-th gather, before joining it or right after it returned."""
+    count = [0]
+
+    def wrapped(value: Any) -> list[Any]:
+        count[0] += 1
+        if count[0] == call and not after:
+            raise Crash
+        out = gather(value)
+        if count[0] == call and after:
+            raise Crash
+        return out
+    return wrapped
+
+
+def run_ranks(n: int, fn: Callable[[int, Callable[[Any], list[Any]]], None],
+              wrap: dict[int, Callable[[Callable], Callable]] | None = None) -> list[Any]:
+    group = ThreadGroup(n)
+    errors: list[Any] = [None] * n
+
+    def body(rank: int) -> None:
+        gather = group.gather_for(rank)
+        if wrap and rank in wrap:
+            gather = wrap[rank](gather)
+        try:
+            fn(rank, gather)
+        except BaseException as exc:  # collected and checked by the test
+            errors[rank] = exc
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive()
+    return errors
+
+
+def stage_obj(rank: int, value: float) -> dict[str, Any]:
+    model = {f"layer{rank}.weight": torch.full((2, 2), value), PARTIAL_KEY: True}
+    return {"model_state_dict": model, "epoch": int(value)}
+
+
+def save_two(f: str, value: float, wrap: dict | None = None) -> list[Any]:
+    def fn(rank: int, gather: Callable[[Any], list[Any]]) -> None:
+        info = RankInfo(mp_rank=rank, num_files=2, pp_degree=2, pp_rank=rank)
+        ckpt.save_partial(stage_obj(rank, value), f, info, gather)
+    return run_ranks(2, fn, wrap)
+
+
+def test_full_save_is_plain_torch_file_and_leaves_no_temporaries(tmp_path: Path) -> None:
+    f = str(tmp_path / "full.pt")
+    obj = {"w": torch.arange(4.0), "step": 3}
+    ckpt.save(obj, f, partial=False)
+    assert torch.load(f, weights_only=True)["step"] == 3
+    loaded = ckpt.load(f, partial=False)
+    assert torch.equal(loaded["w"], obj["w"])
+    assert sorted(os.listdir(tmp_path)) == ["full.pt"]
+    with pytest.raises(SMPCheckpointError, match="file name"):
+        ckpt.save(obj, open(f, "rb"), partial=False)  # noqa: SIM115
+    with pytest.raises(SMPCheckpointError, match="partial=False"):
+        ckpt.load(f, partial=True)
+
+
+def test_weights_only_refusal_explains_opt_out(tmp_path: Path) -> None:
+    f = str(tmp_path / "custom.pt")
+    ckpt.save({"c": Custom(5)}, f, partial=False)
+    with pytest.raises(SMPCheckpointError, match="weights_only=False"):
+        ckpt.load(f, partial=False)
+    assert ckpt.load(f, partial=False, weights_only=False)["c"].x == 5
+
+
+def test_single_process_partial_save_writes_rank_file_and_index(tmp_path: Path) -> None:
+    f = str(tmp_path / "checkpoint.pt")
+    obj = stage_obj(0, 1.0)
+    ckpt.save(obj, f)  # partial=True is the default
+    assert os.path.exists(f + "_0") and os.path.exists(f + ".smp_index.json")
+    index = ckpt.read_index(f)
+    assert index is not None and index["num_files"] == 1
+    assert index["files"][0]["entries"] == {"model_state_dict": ["layer0.weight"]}
+    loaded = ckpt.load(f)
+    assert torch.equal(loaded["model_state_dict"]["layer0.weight"], torch.ones(2, 2))
+    assert not any(name.endswith((".prev", ".tmp")) for name in os.listdir(tmp_path))
+
+
+def test_two_rank_partial_save_and_reshard_merge(tmp_path: Path) -> None:
+    f = str(tmp_path / "ck.pt")
+    assert save_two(f, 2.0) == [None, None]
+    index = ckpt.read_index(f)
+    assert index is not None and index["pp_degree"] == 2
+    assert [e["file"] for e in index["files"]] == ["ck.pt_0", "ck.pt_1"]
+    # each rank's own file, as a same-layout load reads it
+    own = ckpt.read_partial_file(f, index["files"][1], index["save_id"])
+    assert list(own["model_state_dict"]) == ["layer1.weight", PARTIAL_KEY]
+    # this process is a world of one: a different layout, so all files merge by name
+    merged = ckpt.load(f)
+    assert list(merged["model_state_dict"]) == ["layer0.weight", "layer1.weight", PARTIAL_KEY]
+    assert merged["epoch"] == 2
+    _, objs = ckpt.load_partial_set(f)
+    full = ckpt.merge_partial_objects(objs, full=True)
+    assert PARTIAL_KEY not in full["model_state_dict"]
+
+
+def test_failed_write_on_one_rank_aborts_everywhere(tmp_path: Path) -> None:
+    f = str(tmp_path / "ck.pt")
+    save_two(f, 1.0)
+
+    def fn(rank: int, gather: Callable[[Any], list[Any]]) -> None:
+        info = RankInfo(mp_rank=rank, num_files=2, pp_degree=2, pp_rank=rank)
+        obj: Any = stage_obj(rank, 7.0)
+        if rank == 1:
+            obj = {"bad": lambda: None}  # cannot be pickled
+        ckpt.save_partial(obj, f, info, gather)
+
+    errors = run_ranks(2, fn)
+    assert all(isinstance(e, SMPCheckpointError) for e in errors)
+    assert "mp_rank" in str(errors[0]) and "{1:" in str(errors[0])
+    assert ckpt.load(f)["epoch"] == 1
+    assert not any(name.endswith(".tmp") for name in os.listdir(tmp_path))
+
+
+def test_crash_between_renames_and_index_keeps_previous_loadable(tmp_path: Path) -> None:
+    f = str(tmp_path / "ck.pt")
+    save_two(f, 1.0)
+    # rank 1 dies right after the "all written" gather (before its rename); rank 0 renames
+    # and then dies waiting for rank 1: index and rank 1 are old, rank 0 is new.
+    errors = save_two(f, 2.0, wrap={1: lambda g: crash_at(g, 2, after=True),
+                                    0: lambda g: crash_at(g, 3, after=False)})
+    assert all(isinstance(e, Crash) for e in errors)
+    assert os.path.exists(f + "_0.prev")
+    loaded = ckpt.load(f)
+    assert loaded["epoch"] == 1
+    assert torch.equal(loaded["model_state_dict"]["layer0.weight"], torch.ones(2, 2))
+    # a second interrupted save must not overwrite the committed .prev
+    save_two(f, 3.0, wrap={1: lambda g: crash_at(g, 2, after=True),
+                           0: lambda g: crash_at(g, 3, after=False)})
+    assert ckpt.load(f)["epoch"] == 1
+    # then a clean save commits and cleans up
+    assert save_two(f, 4.0) == [None, None]
+    assert ckpt.load(f)["epoch"] == 4
+    assert not any(n.endswith((".prev", ".tmp")) for n in os.listdir(tmp_path))
+
+
+def test_damaged_set_is_an_error_not_a_guess(tmp_path: Path) -> None:
+    f = str(tmp_path / "ck.pt")
+    save_two(f, 1.0)
+    ckpt.save({"x": 1}, f + "_1", partial=False)  # foreign file in the set
+    with pytest.raises(SMPCheckpointError, match="save id"):
+        ckpt.load(f)
+
+
+SLOW_SAVE = textwrap.dedent("""
+    import sys, time, torch
+    from smp_fx import checkpoint as ckpt
+
+    class Slow:
+        def __reduce__(self):
+            time.sleep(60)
+            return (int, (0,))
+
+    f, partial = sys.argv[1], sys.argv[2] == "partial"
+    ckpt.save({"w": torch.ones(3), "gen": 1}, f, partial=partial)
+    print("saved-first", flush=True)
+    ckpt.save({"w": torch.zeros(3), "gen": 2, "slow": Slow()}, f, partial=partial)
+""")
+
+
+@pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
+def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path: Path, partial: bool) -> None:
+    script = tmp_path / "slow_save.py"
+    script.write_text(SLOW_SAVE)
+    f = str(tmp_path / "ck.pt")
+    proc = subprocess.Popen([sys.executable, str(script), f, "partial" if partial else "full"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(n.endswith(".tmp") for n in os.listdir(tmp_path)):
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the second save never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL
+    loaded = ckpt.load(f, partial=partial)
+    assert loaded["gen"] == 1 and torch.equal(loaded["w"], torch.ones(3))

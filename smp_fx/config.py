@@ -350,7 +350,7 @@ def parameter_table() -> str:
         kind = " / ".join(p.choices) if p.choices else p.kind.__name__
         rng = "" if p.minimum is None else f" >= {p.minimum}"
         rng += "" if p.maximum is None else f", <= {p.maximum}"
-        notes = p.doc + (f"; checked at {p.used_at}" if p.used_at else "")
+        notes = "; ".join(x for x in (p.doc, p.used_at and f"checked at {p.used_at}") if x)
         rows.append(f"| `{p.name}` | {kind}{rng} | {default} | {p.status} | {notes} |")
     for alias, target in ALIASES.items():
         rows.append(f"| `{alias}` | alias | | {IMPLEMENTED} | same as `{target}` |")

@@ -1,0 +1,1 @@
+"""Reusable test helpers (multi-process launching)."""

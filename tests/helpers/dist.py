@@ -1,0 +1,116 @@
+"""Run a function on N real torch.distributed ranks (separate processes) and collect results.
+
+Each rank is a fresh ``spawn``-ed process with the torchrun environment set (``RANK``,
+``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, a free
+``MASTER_PORT``), one intra-op thread, and ``SMP_FX_TIMEOUT_S`` equal to the test's
+timeout, so ``smp.init()`` inside ``fn`` joins a gloo world exactly as under torchrun.
+
+    def _body(scale):            # module level: it is pickled by name
+        import smp_fx as smp
+        smp.init({"pipeline_parallel_degree": 1})
+        return smp.rank() * scale
+
+    assert run_ranks(_body, 2, 10) == [0, 10]
+
+A failing rank raises ``RankFailed`` carrying that rank's traceback; a rank that does not
+report within ``timeout`` seconds raises ``RankFailed`` naming it. Every process is
+reaped before returning.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable, Mapping
+from typing import Any
+
+
+class RankFailed(AssertionError):
+    """One or more ranks raised, crashed, or did not finish in time."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (bound to port 0 and released)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple[Any, ...],
+            out: Any) -> None:
+    os.environ.update(env)
+    try:
+        import torch
+
+        torch.set_num_threads(1)
+        result = fn(*args)
+        out.put((rank, True, result))
+    except BaseException:  # report everything, including SystemExit from the code under test
+        out.put((rank, False, traceback.format_exc()))
+    finally:
+        try:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        except Exception:
+            pass
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+              env: Mapping[str, str] | None = None) -> list[Any]:
+    """Run ``fn(*args)`` on ``world_size`` ranks; return the results ordered by rank."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = []
+    for rank in range(world_size):
+        rank_env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                    "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
+                    "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+                    "SMP_FX_TIMEOUT_S": str(timeout), **dict(env or {})}
+        p = ctx.Process(target=_worker, args=(fn, rank, rank_env, args, out), daemon=True)
+        p.start()
+        procs.append(p)
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    deadline = time.monotonic() + timeout
+    grace_until = deadline
+    try:
+        while len(results) + len(errors) < world_size:
+            left = deadline - time.monotonic()
+            if errors:  # the others are likely blocked on the failed rank: short grace
+                left = min(left, grace_until - time.monotonic())
+            if left <= 0:
+                break
+            try:
+                rank, ok, value = out.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
+                        and r not in results and r not in errors]
+                for r in dead:
+                    errors[r] = f"process exited with code {procs[r].exitcode} without a result"
+                    grace_until = min(grace_until, time.monotonic() + 3.0)
+                continue
+            (results if ok else errors)[rank] = value
+            if not ok and len(errors) == 1:
+                grace_until = time.monotonic() + 3.0
+    finally:
+        for p in procs:
+            p.join(timeout=5 if not errors else 0.5)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+    if errors:
+        first = min(errors)
+        raise RankFailed(f"{len(errors)} of {world_size} ranks failed; rank {first}:\n"
+                         f"{errors[first]}")
+    missing = [r for r in range(world_size) if r not in results]
+    if missing:
+        raise RankFailed(f"ranks {missing} of {world_size} did not finish within {timeout} s")
+    return [results[r] for r in range(world_size)]

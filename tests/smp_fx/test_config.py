@@ -1,0 +1,222 @@
+"""Every configuration parameter: defaults, valid and invalid values, aliases, cross-field
+rules, the environment override, unknown-key suggestions and the not-implemented table."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from cost_model.errors import SMPConfigError, SMPNotImplementedError
+from smp_fx.config import (
+    BY_NAME,
+    ENV_VAR,
+    IMPLEMENTED,
+    PARAMS,
+    SMPConfig,
+    load_config,
+    parameter_table,
+    resolve_topology,
+)
+
+BASE = {"pipeline_parallel_degree": 2}
+
+# Defaults as the seed's table documents them (written out, not read from the code).
+SEED_DEFAULTS: dict[str, Any] = {
+    "microbatches": 1, "pipeline": "interleaved", "optimize": "memory",
+    "placement_strategy": "cluster", "auto_partition": True, "default_partition": 0,
+    "memory_weight": 0.8, "ddp": False, "active_microbatches": 4,
+    "deterministic_server": False, "offload_activations": False,
+    "activation_loading_horizon": 4, "tensor_parallel_degree": 1, "fp16": False,
+    "fp16_params": False, "shard_optimizer_state": False, "prescaled_batch": False,
+    "skip_tracing": False, "sharded_data_parallel_degree": 1,
+    "sdp_reduce_bucket_size": int(5e8), "sdp_param_persistence_threshold": int(1e6),
+    "sdp_max_live_parameters": int(1e9), "sdp_hierarchical_allgather": True,
+    "sdp_gradient_clipping": 1.0,
+}
+
+# name -> (valid values, invalid values); each checked alone on top of BASE (+ needs).
+TABLE: dict[str, tuple[list[Any], list[Any]]] = {
+    "pipeline_parallel_degree": ([1, 2, 8], [0, -1, 1.5, "2", True, None]),
+    "microbatches": ([1, 4, 64], [0, -2, 2.5, "4", False]),
+    "pipeline": (["interleaved", "simple"], ["gpipe", 1, None]),
+    "optimize": (["memory", "speed"], ["fast", 0]),
+    "placement_strategy": (["cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD"],
+                           ["DP", "ring", 3]),
+    "auto_partition": ([True, False], [1, "true", None]),
+    "default_partition": ([0, 1], [-1, 2, 0.5, "0"]),
+    "memory_weight": ([0.0, 0.5, 1.0, 1], [-0.1, 1.01, "0.5", True]),
+    "ddp": ([True, False], [0, "yes"]),
+    "active_microbatches": ([1, 2, 10], [0, -1, "3"]),
+    "deterministic_server": ([True, False], [1]),
+    "offload_activations": ([True, False], ["no"]),
+    "activation_loading_horizon": ([1, 4, 8], [0, 2.2]),
+    "tensor_parallel_degree": ([1, 2], [0, "2"]),
+    "fp16": ([True, False], [1]),
+    "fp16_params": ([True, False], [0]),
+    "shard_optimizer_state": ([True, False], ["x"]),
+    "prescaled_batch": ([True, False], [None]),
+    "skip_tracing": ([True, False], [2]),
+    "sharded_data_parallel_degree": ([1], [0, "1"]),
+    "sdp_reduce_bucket_size": ([1, 5e8, 100], [0, 1.5, "5e8"]),
+    "sdp_param_persistence_threshold": ([0, 1e6], [-1, "x"]),
+    "sdp_max_live_parameters": ([1, 1e9], [0, 0.5]),
+    "sdp_hierarchical_allgather": ([True, False], [1]),
+    "sdp_gradient_clipping": ([0.0, 1.0, 2], [-1.0, "1"]),
+}
+NEEDS = {"tensor_parallel_degree": {"ddp": True}, "auto_partition": {"default_partition": 0}}
+
+
+def _load(cfg: Any, env: dict[str, str] | None = None) -> SMPConfig:
+    return load_config(cfg, env=env or {})
+
+
+def test_table_covers_every_parameter() -> None:
+    assert set(TABLE) == set(BY_NAME) == set(SEED_DEFAULTS) | {"pipeline_parallel_degree"}
+
+
+def test_defaults_match_the_seed() -> None:
+    cfg = _load(BASE)
+    for name, value in SEED_DEFAULTS.items():
+        assert getattr(cfg, name) == value, name
+        assert type(getattr(cfg, name)) is type(value), name
+
+
+@pytest.mark.parametrize("name, value", [(n, v) for n, (ok, _) in TABLE.items() for v in ok])
+def test_valid_values(name: str, value: Any) -> None:
+    cfg = _load({**BASE, **NEEDS.get(name, {}), name: value})
+    got = getattr(cfg, name)
+    assert got == value
+    assert name in cfg.explicit
+
+
+@pytest.mark.parametrize("name, value", [(n, v) for n, (_, bad) in TABLE.items() for v in bad])
+def test_invalid_values(name: str, value: Any) -> None:
+    with pytest.raises(SMPConfigError, match=name):
+        _load({**BASE, **NEEDS.get(name, {}), name: value})
+
+
+def test_integral_floats_become_ints() -> None:
+    cfg = _load({**BASE, "sdp_reduce_bucket_size": 5e8, "microbatches": 4.0})
+    assert cfg.sdp_reduce_bucket_size == 500_000_000 and type(cfg.microbatches) is int
+
+
+def test_pipeline_degree_is_required() -> None:
+    with pytest.raises(SMPConfigError, match="required"):
+        _load({"microbatches": 2})
+    with pytest.raises(SMPConfigError, match="required"):
+        _load(None)
+
+
+def test_partitions_alias() -> None:
+    assert _load({"partitions": 3}).pipeline_parallel_degree == 3
+    assert _load({"partitions": 3}).partitions == 3
+    assert _load({"partitions": 2, "pipeline_parallel_degree": 2}).pipeline_parallel_degree == 2
+    with pytest.raises(SMPConfigError, match="disagree"):
+        _load({"partitions": 2, "pipeline_parallel_degree": 4})
+
+
+@pytest.mark.parametrize("optimize, weight", [("speed", 0.2), ("memory", 0.8)])
+def test_memory_weight_default_follows_optimize(optimize: str, weight: float) -> None:
+    assert _load({**BASE, "optimize": optimize}).memory_weight == weight
+    assert _load({**BASE, "optimize": optimize, "memory_weight": 0.5}).memory_weight == 0.5
+
+
+def test_active_microbatches_default_is_partitions_plus_two() -> None:
+    assert _load({"partitions": 4}).active_microbatches == 6
+
+
+def test_cross_field_rules() -> None:
+    with pytest.raises(SMPConfigError, match="requires 'ddp'"):
+        _load({**BASE, "tensor_parallel_degree": 2})
+    with pytest.raises(SMPConfigError, match="requires 'default_partition'"):
+        _load({**BASE, "auto_partition": False})
+    assert _load({**BASE, "auto_partition": False, "default_partition": 1}).default_partition == 1
+    with pytest.raises(SMPConfigError, match="default_partition"):
+        _load({**BASE, "default_partition": 2})
+    with pytest.raises(SMPNotImplementedError, match="sharded_data_parallel_degree"):
+        _load({**BASE, "sharded_data_parallel_degree": 2})
+
+
+@pytest.mark.parametrize("world, pp, tp, rdp, in_process", [
+    (8, 2, 2, 2, False), (4, 2, 1, 2, False), (1, 1, 1, 1, False), (1, 4, 1, 1, True),
+    (6, 3, 1, 2, False)])
+def test_world_size_rules(world: int, pp: int, tp: int, rdp: int, in_process: bool) -> None:
+    cfg = _load({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "ddp": True})
+    topo, inproc = resolve_topology(cfg, world)
+    assert (topo.pp_size, topo.tp_size, topo.rdp_size, inproc) == (pp, tp, rdp, in_process)
+
+
+@pytest.mark.parametrize("world, pp, tp", [(3, 2, 1), (4, 2, 4), (2, 4, 1), (1, 2, 2)])
+def test_world_size_not_divisible(world: int, pp: int, tp: int) -> None:
+    cfg = _load({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "ddp": True})
+    with pytest.raises(SMPConfigError, match="world size|tensor parallelism"):
+        resolve_topology(cfg, world)
+
+
+@pytest.mark.parametrize("key, suggestion", [
+    ("microbatch", "microbatches"), ("pipeline_parallel_degre", "pipeline_parallel_degree"),
+    ("memory_wieght", "memory_weight"), ("partition", "partitions")])
+def test_unknown_key_suggests_closest(key: str, suggestion: str) -> None:
+    with pytest.raises(SMPConfigError, match=f"did you mean '{suggestion}'"):
+        _load({**BASE, key: 1})
+
+
+@pytest.mark.parametrize("key", ["contiguous", "horovod"])
+def test_tensorflow_only_rejected(key: str) -> None:
+    with pytest.raises(SMPConfigError, match="TensorFlow-only"):
+        _load({**BASE, key: True})
+
+
+def test_env_overrides_dict_and_file(tmp_path: Path) -> None:
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"partitions": 2, "microbatches": 4}))
+    env = {ENV_VAR: json.dumps({"pipeline_parallel_degree": 4, "pipeline": "simple"})}
+    cfg = _load(str(path), env)
+    assert (cfg.pipeline_parallel_degree, cfg.microbatches, cfg.pipeline) == (4, 4, "simple")
+    assert _load(path).microbatches == 4
+    with pytest.raises(SMPConfigError, match="JSON"):
+        _load(BASE, {ENV_VAR: "{not json"})
+    with pytest.raises(SMPConfigError, match=ENV_VAR):
+        _load(BASE, {ENV_VAR: json.dumps({"microbatchez": 2})})
+    with pytest.raises(SMPConfigError, match="not found"):
+        _load(str(tmp_path / "missing.json"))
+    with pytest.raises(SMPConfigError, match="dict"):
+        _load(42)
+
+
+@pytest.mark.parametrize("name", [p.name for p in PARAMS if p.status != IMPLEMENTED
+                                  and p.name != "sharded_data_parallel_degree"])
+def test_unimplemented_fail_at_point_of_use(name: str) -> None:
+    param = BY_NAME[name]
+    value = TABLE[name][0][-1] if TABLE[name][0][-1] != param.default else TABLE[name][0][0]
+    if param.kind is bool:
+        value = not param.default
+    cfg = _load({**BASE, **NEEDS.get(name, {}), name: value})
+    _load(BASE).require_implemented(name)  # default: fine
+    with pytest.raises(SMPNotImplementedError, match=name):
+        cfg.require_implemented(name)
+    with pytest.raises(SMPNotImplementedError, match=name):
+        cfg.check_features(param.used_at)
+
+
+def test_implemented_never_raise_and_json_round_trip() -> None:
+    cfg = _load({**BASE, "ddp": True, "microbatches": 4, "placement_strategy": "PTD"})
+    for p in PARAMS:
+        if p.status == IMPLEMENTED:
+            cfg.require_implemented(p.name)
+    back = SMPConfig.from_json(cfg.to_json())
+    assert back == cfg and back.explicit == cfg.explicit
+    assert _load(cfg) == cfg  # an SMPConfig is a valid source
+    assert cfg.placement == "PTD"
+
+
+def test_parameter_table_lists_everything() -> None:
+    text = parameter_table()
+    for p in PARAMS:
+        assert f"`{p.name}`" in text
+    assert "`partitions`" in text and "TensorFlow-only" in text
+    docs = Path(__file__).resolve().parents[2] / "docs" / "parameters.md"
+    assert text in docs.read_text(), "docs/parameters.md is stale: regenerate the table"

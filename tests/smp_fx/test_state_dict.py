@@ -24,6 +24,7 @@ from smp_fx.state_dict import (
     local_optimizer_state_dict,
     merge_model_state_dicts,
     merge_optimizer_state_dicts,
+    merge_orders,
     merge_partial_optimizer_states,
     optimizer_state_by_name,
     optimizer_state_to_torch,
@@ -145,7 +146,15 @@ def test_merge_without_layout_and_select_into_stage() -> None:
     assert chosen["head.weight"] is full["head.weight"]
     a = {"x": torch.ones(2), PARTIAL_KEY: True}
     b = {"y": torch.zeros(1), "x": torch.ones(2), PARTIAL_KEY: True}
-    assert list(merge_model_state_dicts([a, b])) == ["x", "y"]
+    assert list(merge_model_state_dicts([a, b])) == ["y", "x"]  # b says y comes first
+
+
+def test_merge_orders_recovers_plain_order_from_stage_orders() -> None:
+    plain = ["emb", "b0.w", "b0.b", "b1.w", "b2.w", "b2.b", "head"]
+    stage0 = ["emb", "b0.w", "b0.b", "b1.w", "head"]  # tied head saved by both stages
+    stage1 = ["emb", "b2.w", "b2.b", "head"]
+    assert merge_orders([stage0, stage1]) == plain
+    assert merge_orders([["a", "b"], ["b", "a"]]) == ["a", "b"]  # contradiction: first seen
 
 
 def test_merge_rejects_divergent_replicas_and_missing_keys() -> None:

@@ -8,9 +8,12 @@ objective the partitioner minimised with its lower bound, and what the schedule 
 (sorted keys, floats rounded to 10 significant digits when the plan is built) so golden
 files compare exactly and ``from_json(to_json(p)) == p``.
 
-The objective is DESIGN.md's: stage cost = ``(1 - w) * time_s / time_total + w * memory_s /
-memory_total`` with ``w`` = memory_weight; ``objective`` is the largest stage cost and
-``lower_bound`` = max(sum of node costs / stages, largest node cost) in the same units.
+The objective is DESIGN.md's, evaluated by the partitioner's own code
+(``passes.partitioning.problem``): stage cost = ``(1 - w) * time_s / time_total + w *
+memory_s / memory_total`` with ``w`` = memory_weight; ``objective`` is the largest stage
+cost and ``lower_bound`` = max(sum of node costs / stages, largest node cost) in the same
+units. ``StagePlan.memory`` is the finer breakdown the runtime needs (buffers carry no
+gradient or optimizer state; tied names of one tensor count once per stage).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any
 
+import numpy as np
 import torch
 import torch.fx
 
@@ -29,7 +33,10 @@ from cost_model.node_cost import NodeCost
 from cost_model.schedule import generate
 from cost_model.simulate import SimResult, StageCost, simulate
 from passes import meta
+from passes.auto_partition import summarize
 from passes.partition_config import PartitionConfig
+from passes.partitioning.extract import problem_from_graph
+from passes.partitioning.problem import make_objective
 
 SCHEMA_VERSION = 1
 SHARED_HANDLING = "replicated on every stage that reads it; gradients summed across them"
@@ -125,6 +132,7 @@ class PartitionPlan:
     shared_params: tuple[SharedParam, ...]
     time_total_s: float
     memory_total_bytes: int
+    strategy: str = "given"
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -326,18 +334,22 @@ def _param_table(gm: torch.fx.GraphModule) -> dict[str, tuple[int, int, bool]]:
 
 
 def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig, device: Any = None,
-               comm_time: Callable[[float], float] | None = None) -> PartitionPlan:
+               comm_time: Callable[[float], float] | None = None,
+               strategy: str = "given") -> PartitionPlan:
     """Summarise a staged, costed graph as a ``PartitionPlan`` (the graph is only read).
 
     ``device`` is the ``cost_model.device.DeviceSpec`` the costs were computed for (recorded
     by its ``to_json``); ``comm_time(nbytes)`` prices boundary transfers (default: the
-    config's link model). Example, after the compile passes::
+    config's link model); ``strategy`` records how the stages were chosen. Stage costs,
+    objective and lower bound come from ``passes.partitioning.problem`` (the objective the
+    partitioner minimised); the memory breakdown, boundaries and FLOPs are summed here.
+    Example, after the compile passes::
 
         plan = build_plan(gm, PartitionConfig(num_stages=2), get_device("a100"),
                           comm_time=lambda b: roofline.comm_time(b, spec))
     """
     comm = comm_time or pconfig.comm_time
-    p, w = pconfig.num_stages, float(pconfig.memory_weight)
+    p = pconfig.num_stages
     opt = float(pconfig.optimizer_state_factor)
     stages = _node_stages(gm, p)
     table = _param_table(gm)
@@ -345,10 +357,9 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig, device: Any =
     for node, s in stages.items():
         members[s].append(node)
 
-    # parameters: per stage (tied names deduplicated by tensor), shared ones, first reader
+    # parameters: per stage (tied names deduplicated by tensor) and the shared ones
     readers: dict[int, list[int]] = {}
     names_of: dict[int, list[str]] = {}
-    first_reader: dict[int, torch.fx.Node] = {}
     stage_params: list[list[str]] = [[] for _ in range(p)]
     for node, s in stages.items():
         for name in meta.PARAMS.get(node, ()) or ():
@@ -357,7 +368,6 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig, device: Any =
                     "smp.params names a tensor the graph module does not hold", name,
                     node.format_node(), "trace with passes.trace so names are original FQNs")
             tid = table[name][0]
-            first_reader.setdefault(tid, node)
             names_of.setdefault(tid, [])
             if name not in names_of[tid]:
                 names_of[tid].append(name)
@@ -374,21 +384,14 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig, device: Any =
         return par, par, int(round(opt * par)), buf
 
     boundaries = _boundaries(stages)
-    cut_bytes = [sum(b.nbytes for b in boundaries if b.producer <= s < b.consumers[-1])
-                 for s in range(p - 1)] + [0]
     costs = {n: _cost(n) for n in stages}
-
-    # normalisers: independent of the cut (parameters once, activations at the largest count)
-    time_total = sum(c.time_s for c in costs.values())
+    # the partitioner's own objective, so plan and partitioner can never disagree
+    problem = problem_from_graph(gm)
+    objective_fn = make_objective(problem, pconfig, comm)
+    by_name = {n.name: s for n, s in stages.items()}
+    scored = summarize(problem, objective_fn,
+                       np.asarray([by_name[x] for x in problem.names], dtype=np.int64), strategy)
     inflight = [pconfig.inflight(s) for s in range(p)]
-    all_static = sum(static_of(set(bytes_of)))
-    saved_total = sum(c.saved_bytes for c in costs.values())
-    memory_total = all_static + saved_total * max(inflight)
-
-    def score(time_s: float, memory_b: float) -> float:
-        t = time_s / time_total if time_total > 0 else 0.0
-        m = memory_b / memory_total if memory_total > 0 else 0.0
-        return (1.0 - w) * t + w * m
 
     stage_plans: list[StagePlan] = []
     for s in range(p):
@@ -400,7 +403,7 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig, device: Any =
                               par + grad + opt_b + buf + saved * inflight[s])
         fwd_t = sum(costs[n].fwd_time_s for n in nodes)
         bwd_t = sum(costs[n].bwd_time_s for n in nodes)
-        comm_s = comm(cut_bytes[s]) if s < p - 1 and cut_bytes[s] > 0 else 0.0
+        comm_s = scored.stages[s].comm_time_s
         full = tuple(dict.fromkeys(meta.MODULE_PATH.get(n, "") or "" for n in nodes
                                    if n.op not in ("placeholder", "output")))
         paths = [x for x in full if x] or list(full)
@@ -414,25 +417,19 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig, device: Any =
             time_s=_r(fwd_t + bwd_t + comm_s), memory=mem,
             received=tuple(b for b in boundaries if s in b.consumers),
             sent=tuple(b for b in boundaries if b.producer == s),
-            cost=_r(score(fwd_t + bwd_t + comm_s, mem.total))))
+            cost=_r(scored.stages[s].cost)))
 
-    # lower bound: every node's own cost (its first-read parameters, fewest in flight)
-    fewest = min(inflight)
-    node_scores = []
-    for node, c in costs.items():
-        own = {t for t, r in first_reader.items() if r is node}
-        node_scores.append(score(c.time_s, sum(static_of(own)) + c.saved_bytes * fewest))
-    lower = max(sum(node_scores) / p, max(node_scores, default=0.0))
     objective = max(sp.cost for sp in stage_plans)
     shared = tuple(SharedParam(tuple(names_of[t]), bytes_of[t], tuple(sorted(readers[t])))
                    for t in readers if len(readers[t]) > 1)
     device_json = device.to_json() if device is not None else {"name": pconfig.device}
     plan = PartitionPlan(
         config=pconfig, device=dict(device_json), stages=tuple(stage_plans),
-        objective=_r(objective), lower_bound=_r(lower),
+        objective=_r(objective), lower_bound=_r(scored.lower_bound), strategy=strategy,
         bottleneck_stage=max(range(p), key=lambda i: (stage_plans[i].cost, -i)),
         step_time_s=0.0, bubble_fraction=0.0, shared_params=shared,
-        time_total_s=_r(time_total), memory_total_bytes=int(memory_total))
+        time_total_s=_r(objective_fn.time_total),
+        memory_total_bytes=int(round(objective_fn.memory_total)))
     sim = plan.simulate()
     return dataclasses.replace(plan, step_time_s=_r(sim.step_time_s),
                                bubble_fraction=_r(sim.bubble_fraction))

@@ -1,0 +1,105 @@
+"""``assign_manual``: stages from ``smp.partition`` pins, for ``auto_partition: False``.
+
+A compute node belongs to the innermost pinned module containing its module path; nodes
+of unpinned modules go to ``default_partition`` (a pin on the root module '' acts as that
+default). Module-less glue (root-level function calls, path '') follows its data: it goes
+to the latest stage among its inputs, so it never forces a value back to an earlier stage
+(an input-less glue node goes to its earliest user, else ``default_partition``).
+Placeholders and ``get_attr`` nodes go to their earliest user, the output to its latest
+input. ``PIN`` is written on module nodes (the user's decision) and ``STAGE`` on every node.
+
+Pipelines only send forward, so the stage graph must be acyclic: if a value must go
+from a later stage to an earlier one the pins are contradictory and ``SMPPartitionError``
+names the producer, the consumer, their module paths and stages.
+
+Example::
+
+    gm2 = assign_manual(gm, {"layer1": 1}, default_partition=0, num_stages=2)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch.fx
+
+from cost_model.errors import SMPPartitionError
+from passes import meta
+from passes.partitioning.extract import COMPUTE_OPS, copy_graph_module
+
+
+def _pin_for(path: str, pins: Mapping[str, int]) -> int | None:
+    """Index of the innermost pinned module containing ``path`` (None: no pinned ancestor)."""
+    parts = path.split(".") if path else []
+    for end in range(len(parts), 0, -1):
+        index = pins.get(".".join(parts[:end]))
+        if index is not None:
+            return index
+    return None
+
+
+def assign_manual(gm: torch.fx.GraphModule, pins: Mapping[str, int], default_partition: int,
+                  num_stages: int) -> torch.fx.GraphModule:
+    """New GraphModule with ``STAGE`` on every node (and ``PIN`` on module nodes)."""
+    for path, index in sorted(pins.items()):
+        if not isinstance(index, int) or not 0 <= index < num_stages:
+            raise SMPPartitionError.build(
+                "smp.partition index must be below the number of partitions", index,
+                f"module '{path}' (partitions: {num_stages})",
+                f"use an index in 0..{num_stages - 1} or raise pipeline_parallel_degree")
+    if not 0 <= default_partition < num_stages:
+        raise SMPPartitionError.build(
+            "default_partition must be below the number of partitions", default_partition,
+            f"config (partitions: {num_stages})", f"use 0..{num_stages - 1}")
+    root_default = pins.get("", default_partition)
+    new, _ = copy_graph_module(gm)
+    nodes = list(new.graph.nodes)
+    glue: list[torch.fx.Node] = []
+    for n in nodes:
+        if n.op not in COMPUTE_OPS:
+            continue
+        path = meta.MODULE_PATH.get(n) or (str(n.target) if n.op == "call_module" else "")
+        if not path:
+            glue.append(n)
+            ins = [meta.STAGE.get(a) for a in n.all_input_nodes if meta.STAGE.has(a)]
+            if ins:
+                meta.STAGE.set(n, int(max(ins)))
+            continue
+        pin = _pin_for(path, pins)
+        index = root_default if pin is None else pin
+        meta.PIN.set(n, index)
+        meta.STAGE.set(n, index)
+    for n in reversed(glue):  # input-less glue: earliest user, else the default
+        if not meta.STAGE.has(n):
+            users = [meta.STAGE.get(u) for u in n.users if meta.STAGE.has(u)]
+            meta.STAGE.set(n, int(min(users, default=root_default)))
+    for n in reversed(nodes):
+        if n.op in ("placeholder", "get_attr"):
+            users = [meta.STAGE.get(u) for u in n.users if meta.STAGE.has(u)]
+            meta.STAGE.set(n, int(min(users, default=root_default)))
+    for n in nodes:
+        if n.op == "output":
+            ins = [meta.STAGE.get(a) for a in n.all_input_nodes if a.op in COMPUTE_OPS]
+            meta.STAGE.set(n, int(max(ins, default=num_stages - 1)))
+    _check_forward(nodes)
+    return new
+
+
+def _check_forward(nodes: list[torch.fx.Node]) -> None:
+    """Every compute edge goes to the same or a later stage, else name the offending pair."""
+    for n in nodes:
+        if n.op not in COMPUTE_OPS:
+            continue
+        s = meta.STAGE.get(n)
+        for a in n.all_input_nodes:
+            if a.op in COMPUTE_OPS and meta.STAGE.get(a) > s:
+                raise SMPPartitionError.build(
+                    "manual partitions must form a pipeline: a value cannot go from a later "
+                    "stage to an earlier one",
+                    f"{a.name} (module '{meta.MODULE_PATH.get(a) or ''}', stage "
+                    f"{meta.STAGE.get(a)}) -> {n.name} (module '{meta.MODULE_PATH.get(n) or ''}'"
+                    f", stage {s})",
+                    "the consumer's module",
+                    "place modules in execution order (earlier modules on lower or equal "
+                    "partitions), e.g. move the consumer's module to partition "
+                    f">= {meta.STAGE.get(a)} or the producer's to <= {s}")

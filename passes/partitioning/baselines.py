@@ -1,0 +1,198 @@
+"""Reference partitioners, scored with the same objective as ours (``problem.evaluate``).
+
+Each takes a ``DagProblem`` and ``k`` (the module-tree one also an ``Objective``, since it
+balances cost) and returns a stage per compute node. All are made acyclic by
+``make_monotone`` (a node never runs on a stage before one of its inputs), so every
+result is a valid pipeline plan.
+
+* ``uniform_layers``: equal numbers of "layers". Layers are the integer-named children
+  (``blocks.0``, ``blocks.1``, ...: what ``ModuleList`` / ``Sequential`` produce) of the
+  container holding the most parameter bytes (the deepest on ties). Nodes before the
+  first layer join stage 0, others the stage of the last layer seen. With no such
+  container, or fewer layers than stages, it splits the graph order into equal node counts.
+* ``parameter_balanced``: contiguous split of the graph order minimising the largest
+  stage parameter bytes (DeepSpeed ``partition_method="parameters"``, PiPPy equal size).
+* ``block_partition``: torchgpipe's "balance by time": contiguous blocks of per-node time
+  minimising the largest block sum. Our own iterative version of the idea in Bárány and
+  Grinberg, "Block partitions of sequences": start from the proportional split, then
+  repeatedly move one element across a boundary of the largest block while that lowers
+  the larger of the two blocks.
+* ``module_tree``: SMP's algorithm. Top-down over the module tree; at a module its
+  children (sub-modules and its own nodes) in execution order are cut into
+  ``min(devices, children)`` contiguous segments minimising the largest segment cost;
+  devices go to segments by D'Hondt (largest cost / (seats + 1) next, capped by the
+  segment's node count); a one-child segment holding several devices recurses into it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cost_model.errors import SMPPartitionError
+from passes.partitioning import chain
+from passes.partitioning.problem import DagProblem, Objective, chain_arrays
+
+BASELINES = ("uniform_layers", "parameter_balanced", "block_partition", "module_tree")
+
+
+def make_monotone(problem: DagProblem, stage: np.ndarray) -> np.ndarray:
+    """Raise each node (in graph order) to at least its inputs' stages: an acyclic plan."""
+    st = np.array(stage, dtype=np.int64)
+    for v, preds in enumerate(problem.preds):
+        for p in preds:
+            if st[p] > st[v]:
+                st[v] = st[p]
+    return st
+
+
+def _equal_counts(n: int, k: int) -> np.ndarray:
+    return (np.arange(n) * k) // n
+
+
+def _layers(problem: DagProblem) -> tuple[str, list[str]] | None:
+    """(container path, its integer-named children in execution order) or None."""
+    weight: dict[str, float] = {}
+    kids: dict[str, list[str]] = {}
+    pmem = np.zeros(problem.n)
+    for nbytes, readers in zip(problem.param_bytes, problem.param_readers):
+        if readers:
+            pmem[min(readers)] += nbytes
+    for v, path in enumerate(problem.module_paths):
+        parts = path.split(".") if path else []
+        for i, part in enumerate(parts):
+            if part.isdigit():
+                parent = ".".join(parts[:i])
+                child = ".".join(parts[: i + 1])
+                weight[parent] = weight.get(parent, 0.0) + pmem[v]
+                if child not in kids.setdefault(parent, []):
+                    kids[parent].append(child)
+    if not kids:
+        return None
+    best = max(kids, key=lambda p: (weight[p], p.count(".") if p else -1, p))
+    return best, kids[best]
+
+
+def uniform_layers(problem: DagProblem, k: int) -> np.ndarray:
+    found = _layers(problem)
+    n = problem.n
+    if found is None or len(found[1]) < k:
+        return make_monotone(problem, _equal_counts(n, k))
+    _, layers = found
+    stage_of = {layer: (i * k) // len(layers) for i, layer in enumerate(layers)}
+    st = np.zeros(n, dtype=np.int64)
+    current = 0
+    for v, path in enumerate(problem.module_paths):
+        for layer, s in stage_of.items():
+            if path == layer or path.startswith(layer + "."):
+                current = s
+                break
+        st[v] = current
+    return make_monotone(problem, st)
+
+
+def parameter_balanced(problem: DagProblem, k: int) -> np.ndarray:
+    pmem = np.zeros(problem.n)
+    for nbytes, readers in zip(problem.param_bytes, problem.param_readers):
+        if readers:
+            pmem[min(readers)] += nbytes
+    sol = chain.solve(pmem, k)
+    return make_monotone(problem, sol.stages(problem.n))
+
+
+def block_solve(costs: np.ndarray, k: int) -> np.ndarray:
+    """Stage of each element: contiguous non-empty blocks, iteratively balanced."""
+    costs = np.asarray(costs, dtype=np.float64)
+    n = len(costs)
+    prefix = np.concatenate([[0.0], np.cumsum(costs)])
+    targets = prefix[-1] * np.arange(1, k) / k
+    bounds = [0, *np.searchsorted(prefix, targets, side="left").tolist(), n]
+    for s in range(1, k):  # make every block non-empty
+        bounds[s] = min(max(bounds[s], bounds[s - 1] + 1), n - (k - s))
+
+    def size(s: int) -> float:
+        return float(prefix[bounds[s + 1]] - prefix[bounds[s]])
+
+    for _ in range(4 * n * k):
+        sizes = [size(s) for s in range(k)]
+        s = int(np.argmax(sizes))
+        moved = False
+        for t, edge, step in ((s - 1, s, 1), (s + 1, s + 1, -1)):
+            if not 0 <= t < k or bounds[s + 1] - bounds[s] <= 1:
+                continue
+            bounds[edge] += step
+            if max(size(s), size(t)) < sizes[s]:
+                moved = True
+                break
+            bounds[edge] -= step
+        if not moved:
+            break
+    return np.repeat(np.arange(k), np.diff(bounds))
+
+
+def block_partition(problem: DagProblem, k: int) -> np.ndarray:
+    return make_monotone(problem, block_solve(problem.time, k))
+
+
+def _dhondt(costs: list[float], caps: list[int], seats: int) -> list[int]:
+    got = [1] * len(costs)
+    for _ in range(seats - len(costs)):
+        open_ = [i for i in range(len(costs)) if got[i] < caps[i]]
+        if not open_:
+            break
+        i = max(open_, key=lambda j: (costs[j] / (got[j] + 1), -j))
+        got[i] += 1
+    return got
+
+
+def module_tree(problem: DagProblem, k: int, obj: Objective) -> np.ndarray:
+    work, saved, _ = chain_arrays(problem, np.arange(problem.n), obj)
+    node_cost = work + saved * float(np.mean(obj.inflight))
+    st = np.zeros(problem.n, dtype=np.int64)
+
+    def children(prefix: str, members: list[int]) -> list[tuple[str, list[int]]]:
+        depth = len(prefix.split(".")) if prefix else 0
+        groups: dict[str, list[int]] = {}
+        for v in members:
+            parts = problem.module_paths[v].split(".") if problem.module_paths[v] else []
+            key = ".".join(parts[: depth + 1]) if len(parts) > depth else f"#{v}"
+            groups.setdefault(key, []).append(v)
+        return list(groups.items())  # insertion order = first appearance = execution order
+
+    def place(prefix: str, members: list[int], first: int, devices: int) -> None:
+        kids = children(prefix, members)
+        if devices == 1 or len(members) == 1:
+            st[members] = first
+            return
+        if len(kids) == 1 and not kids[0][0].startswith("#"):
+            place(kids[0][0], kids[0][1], first, devices)
+            return
+        costs = np.array([node_cost[m].sum() for _, m in kids])
+        segs = min(devices, len(kids))
+        cuts = chain.solve(costs, segs).cuts
+        bounds = [0, *cuts, len(kids)]
+        groups = [kids[bounds[i]:bounds[i + 1]] for i in range(segs)]
+        seats = _dhondt([float(costs[bounds[i]:bounds[i + 1]].sum()) for i in range(segs)],
+                        [sum(len(m) for _, m in g) for g in groups], devices)
+        at = first
+        for group, d in zip(groups, seats):
+            if d > 1 and len(group) == 1 and not group[0][0].startswith("#"):
+                place(group[0][0], group[0][1], at, d)
+            else:
+                st[[v for _, m in group for v in m]] = at
+            at += d
+
+    place("", list(range(problem.n)), 0, k)
+    return make_monotone(problem, st)
+
+
+def run_baseline(name: str, problem: DagProblem, obj: Objective) -> np.ndarray:
+    k = obj.num_stages
+    if name == "uniform_layers":
+        return uniform_layers(problem, k)
+    if name == "parameter_balanced":
+        return parameter_balanced(problem, k)
+    if name == "block_partition":
+        return block_partition(problem, k)
+    if name == "module_tree":
+        return module_tree(problem, k, obj)
+    raise SMPPartitionError.build("unknown baseline", name, fix=f"use one of {BASELINES}")

@@ -82,3 +82,4 @@ from smp_fx.topology import Topology  # noqa: E402
 # --- runtime: DistributedModel, DistributedOptimizer, step, StepOutput ---
 
 # --- checkpointing ---
+from smp_fx.checkpoint import load, save  # noqa: E402

@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 
 from cost_model.errors import SMPCheckpointError, not_implemented
+from smp_fx import comm
 from smp_fx import state as smp_state
 from smp_fx.state_dict import (
     GROUP_PARAMS_KEY,
@@ -187,14 +188,7 @@ def current_rank() -> tuple[RankInfo, Gather]:
                     tp_degree=st.axis_size("tp"), tp_rank=st.axis_rank("tp"))
     if info.num_files == 1:
         return info, lambda value: [value]
-    group = st.object_group("mp")
-
-    def gather(value: Any) -> list[Any]:
-        out: list[Any] = [None] * info.num_files
-        dist.all_gather_object(out, value, group=group)
-        return out
-
-    return info, gather
+    return info, lambda value: comm.allgather(value, comm.MP_GROUP)  # bounded, named waits
 
 
 # ------------------------------------------------------------------------- save

@@ -80,6 +80,9 @@ from smp_fx.topology import Topology  # noqa: E402
 # --- manual partitioning and delayed initialization ---
 
 # --- runtime: DistributedModel, DistributedOptimizer, step, StepOutput ---
+from smp_fx.model import DistributedModel, is_tracing  # noqa: E402
+from smp_fx.optimizer import DistributedOptimizer  # noqa: E402
+from smp_fx.step import StepOutput, step  # noqa: E402
 
 # --- checkpointing ---
 from smp_fx.checkpoint import load, save  # noqa: E402

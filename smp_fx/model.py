@@ -1,0 +1,427 @@
+"""``smp.DistributedModel``: the user's model, partitioned at the first ``smp.step`` call.
+
+Before partitioning it behaves like the wrapped module (``parameters()`` are the full
+model's, so an optimizer can be built over them); ``to``/``cuda`` are ignored with a log, as
+SMP does. At the first step the model is traced on the first microbatch, partitioned (the
+plan is computed on every rank and rank 0's stage assignment is broadcast, so every rank
+runs the same plan even with measured costs), split into stages, and each rank moves only
+its own stage's modules to its device. ``model(...)`` and ``model.backward(...)`` are the
+points inside an ``smp.step`` function where the pipeline takes over.
+
+Tied parameters (one ``Parameter`` read on several stages): in-process the stages share the
+very object, so autograd sums its gradient; across processes each owning rank holds a replica
+and the replicas' gradients are all-reduced over a group of the owners after every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from cost_model import schedule as sched
+from cost_model.errors import SMPConfigError, SMPPartitionError, SMPRuntimeError
+from passes import meta
+from passes.split_stages import StagedProgram, split_stages
+from smp_fx import executor as ex
+from smp_fx.transport import DistTransport, InProcessTransport, Transport
+
+log = logging.getLogger("smp_fx.model")
+
+OUTSIDE_STEP = ("The __call__ and backward method calls on the smp.DistributedModel object "
+                "can only be made inside a smp.step-decorated function")
+
+_current: weakref.ref[DistributedModel] | None = None
+_tracing = False
+
+
+def is_tracing() -> bool:
+    """True while the model is being traced and partitioned (the first ``smp.step`` call)."""
+    return _tracing
+
+
+def current_model() -> DistributedModel | None:
+    """The DistributedModel of this process (SMP allows one), or None."""
+    return _current() if _current is not None else None
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The ``DistributedModel`` arguments (DDP ones are kept for the data-parallel work)."""
+
+    trace_device: str = "gpu"
+    trace_execution_times: bool = False
+    overlapping_allreduce: bool = True
+    backward_passes_per_step: int = 1
+    average_grads_across_microbatches: bool = True
+    bucket_cap_mb: int = 25
+    trace_memory_usage: bool = False
+    broadcast_buffers: bool = True
+    gradient_as_bucket_view: bool = False
+
+
+class _Captured(BaseException):
+    """Raised by ``model(...)`` during tracing: the first microbatch's model inputs."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__("captured")
+        self.args, self.kwargs = args, kwargs
+
+
+class _CaptureCtx:
+    pass
+
+
+class DistributedModel(nn.Module):
+    """See the module docstring and the SMP API page (``smp.DistributedModel``)."""
+
+    def __init__(self, module: nn.Module, trace_device: str = "gpu",
+                 trace_execution_times: bool = False, overlapping_allreduce: bool = True,
+                 backward_passes_per_step: int = 1,
+                 average_grads_across_microbatches: bool = True, bucket_cap_mb: int = 25,
+                 trace_memory_usage: bool = False, broadcast_buffers: bool = True,
+                 gradient_as_bucket_view: bool = False) -> None:
+        super().__init__()
+        global _current
+        if trace_device not in ("cpu", "gpu"):
+            raise SMPConfigError.build("trace_device must be 'cpu' or 'gpu'", trace_device,
+                                       "smp.DistributedModel", "pass 'cpu' or 'gpu'")
+        if trace_execution_times and trace_device == "cpu":
+            raise SMPConfigError.build(
+                "trace_execution_times must be False if trace_device is 'cpu'", True,
+                "smp.DistributedModel", "set trace_device='gpu' or trace_execution_times=False")
+        if isinstance(module, torch.jit.ScriptModule):
+            raise SMPConfigError.build("torch.jit.ScriptModules are not supported",
+                                       type(module).__name__, "smp.DistributedModel",
+                                       "wrap the plain nn.Module")
+        self.module = module
+        self.options = ModelOptions(
+            trace_device, trace_execution_times, overlapping_allreduce,
+            backward_passes_per_step, average_grads_across_microbatches, bucket_cap_mb,
+            trace_memory_usage, broadcast_buffers, gradient_as_bucket_view)
+        self._program: StagedProgram | None = None
+        self._executor: ex.Executor | None = None
+        self._runners: dict[int, ex.StageRunner] = {}
+        self._hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._optimizers: list[Any] = []
+        self._tied_groups: list[tuple[Any, list[str]]] = []
+        self._fqn_by_id = {id(p): n for n, p in module.named_parameters()}
+        _current = weakref.ref(self)
+
+    # ---- properties and the SMP methods ----------------------------------------------
+    @property
+    def partitioned(self) -> bool:
+        return self._program is not None
+
+    @property
+    def program(self) -> StagedProgram:
+        if self._program is None:
+            raise SMPRuntimeError.build("the model is not partitioned yet", None,
+                                        "DistributedModel.program",
+                                        "call an smp.step function first")
+        return self._program
+
+    @property
+    def executor(self) -> ex.Executor:
+        assert self._executor is not None
+        return self._executor
+
+    def get_module(self) -> nn.Module:
+        return self.module
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        ctx = ex.current()
+        if isinstance(ctx, _CaptureCtx):
+            raise _Captured(args, kwargs)
+        if ctx is None or self._executor is None or ctx[0] is not self._executor:
+            raise SMPRuntimeError.build(OUTSIDE_STEP, None, "DistributedModel.__call__",
+                                        "call the model inside an @smp.step function")
+        return ctx[0].forward_request(ctx[1], args, kwargs)
+
+    def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
+        """Distributed backward across the stages; like ``torch.autograd.backward``."""
+        ctx = ex.current()
+        if ctx is None or isinstance(ctx, _CaptureCtx) or ctx[0] is not self._executor:
+            raise SMPRuntimeError.build(OUTSIDE_STEP, None, "DistributedModel.backward",
+                                        "call model.backward inside an @smp.step function")
+        ctx[0].backward_request(ctx[1], tensors, grad_tensors)
+
+    def register_post_partition_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
+        """Run ``hook(model)`` (or ``hook(model, optimizer)``) right after partitioning."""
+        handle = RemovableHandle(self._hooks)
+        self._hooks[handle.id] = hook
+        return handle
+
+    def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        seen: set[int] = set()
+        for r in self._local_runners():
+            for name, m in r.stage.module.named_modules():
+                if name and id(m) not in seen and not isinstance(m, torch.fx.GraphModule):
+                    seen.add(id(m))
+                    yield name, m
+
+    def local_modules(self) -> Iterator[nn.Module]:
+        return (m for _, m in self.local_named_modules())
+
+    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        seen: set[int] = set()
+        for r in self._local_runners():
+            for name, p in r.stage.module.named_parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield name, p
+
+    def local_parameters(self) -> Iterator[nn.Parameter]:
+        return (p for _, p in self.local_named_parameters())
+
+    def local_named_buffers(self) -> Iterator[tuple[str, torch.Tensor]]:
+        seen: set[int] = set()
+        for r in self._local_runners():
+            for name, b in r.stage.module.named_buffers():
+                if id(b) not in seen:
+                    seen.add(id(b))
+                    yield name, b
+
+    def local_buffers(self) -> Iterator[torch.Tensor]:
+        return (b for _, b in self.local_named_buffers())
+
+    def _local_runners(self) -> list[ex.StageRunner]:
+        if self._program is None:
+            raise SMPRuntimeError.build("local_* methods need the partitioned model", None,
+                                        "DistributedModel", "call an smp.step function first")
+        return [self._runners[s] for s in sorted(self._runners)]
+
+    def to(self, *args: Any, **kwargs: Any) -> DistributedModel:  # type: ignore[override]
+        log.info("smp-fx: DistributedModel.to(%s) ignored: each rank places its own stage",
+                 args or kwargs)
+        return self
+
+    def cuda(self, device: Any = None) -> DistributedModel:  # type: ignore[override]
+        log.info("smp-fx: DistributedModel.cuda() ignored: each rank places its own stage")
+        return self
+
+    def cpu(self) -> nn.Module:  # type: ignore[override]
+        """Gather every stage's parameters and buffers onto CPU; returns the full module."""
+        if self._program is None or self._in_process:
+            return self.module.cpu()
+        from smp_fx import state
+
+        local = {n: t.detach().cpu() for n, t in
+                 list(self.local_named_parameters()) + list(self.local_named_buffers())}
+        st = state.get()
+        gathered: list[Any] = [None] * st.axis_size("pp")
+        dist.all_gather_object(gathered, local, group=st.object_group("pp"))
+        merged: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            merged.update(part)
+        full = self.module.cpu()
+        with torch.no_grad():
+            for name, t in list(full.named_parameters(remove_duplicate=False)) + \
+                    list(full.named_buffers(remove_duplicate=False)):
+                if name in merged:
+                    t.copy_(merged[name])
+        return full
+
+    # ---- partitioning ------------------------------------------------------------------
+    @property
+    def _in_process(self) -> bool:
+        return self._transport_kind == "in_process"
+
+    def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Trace on one microbatch's model inputs, plan, split, place; same on every rank."""
+        global _tracing
+        from smp_fx import launch, state
+
+        st = state.get()
+        cfg = st.config
+        p = cfg.pipeline_parallel_degree
+        _tracing = True
+        try:
+            gm = _plan_stages(self.module, args, kwargs, p, self.options)
+        finally:
+            _tracing = False
+        multi = not st.in_process and st.axis_size("pp") > 1
+        if not st.in_process and st.world_size > 1:
+            _agree_on_plan(gm, st)
+        program = split_stages(gm, p)
+        timeout_s = launch.timeout().total_seconds()
+        transport: Transport
+        if multi:
+            pp_rank = st.axis_rank("pp")
+            local = [pp_rank]
+            devices = {pp_rank: st.device}
+            groups = DistTransport.make_groups()
+            transport = DistTransport(st.group_ranks("pp"), pp_rank, st.device, timeout_s,
+                                      *groups)
+        else:
+            local = list(range(p))
+            devices = _in_process_devices(p, st.device, program)
+            transport = InProcessTransport(devices)
+        self._transport_kind = "dist" if multi else "in_process"
+        runners = {s: ex.StageRunner(program.stages[s], devices[s]) for s in local}
+        for s, r in runners.items():
+            _materialise(r.module, devices[s])
+        self._program, self._runners = program, runners
+        self._executor = ex.Executor(program, runners, transport, multi, timeout_s, st.rank)
+        if multi:
+            self._tied_groups = _tied_groups(program, st, self._fqn_by_id)
+            if self._tied_groups:
+                self._executor.post_step_hooks.append(self._reduce_tied_grads)
+        for opt in self._optimizers:
+            opt._localize(self)
+        for hook in list(self._hooks.values()):
+            n = len(inspect.signature(hook).parameters)
+            opt = self._optimizers[0] if self._optimizers else None
+            hook(*(self, opt)[:n])
+
+    def _reduce_tied_grads(self) -> None:
+        """Sum the gradients of parameters replicated on several stages over their owners."""
+        params = dict(self.local_named_parameters())
+        for group, names in self._tied_groups:
+            ts = [params[n] for n in names]
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
+                              for p in ts])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for p in ts:
+                g = flat[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                if p.grad is None:
+                    p.grad = g.clone()
+                else:
+                    p.grad.copy_(g)
+
+    def schedule(self, num_microbatches: int, forward_only: bool) -> sched.Schedule:
+        from smp_fx import state
+
+        cfg = state.get().config
+        return sched.generate(cfg.pipeline, cfg.pipeline_parallel_degree, num_microbatches,
+                              cfg.active_microbatches, forward_only=forward_only)
+
+
+def _in_process_devices(p: int, device: torch.device,
+                        program: StagedProgram) -> dict[int, torch.device]:
+    """cuda:0..p-1 when there are that many GPUs and no tied parameters, else one device."""
+    if device.type == "cuda" and torch.cuda.device_count() >= p and not _has_tied(program):
+        return {s: torch.device("cuda", s) for s in range(p)}
+    return {s: device for s in range(p)}
+
+
+def _has_tied(program: StagedProgram) -> bool:
+    seen: set[int] = set()
+    for st in program.stages:
+        ids = {id(p) for p in st.module.parameters()}
+        if ids & seen:
+            return True
+        seen |= ids
+    return False
+
+
+def _materialise(module: nn.Module, device: torch.device) -> None:
+    """Place one stage's parameters on ``device``; meta (delayed-init) ones are created there.
+
+    Delayed initialisation: modules whose parameters are on the meta device get ``to_empty``
+    then ``reset_parameters`` in module order. Values then differ from an eagerly built model
+    with the same seed (the RNG stream is consumed per stage, not for the whole model).
+    """
+    if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
+        module.to_empty(device=device)
+        for m in module.modules():
+            if hasattr(m, "reset_parameters") and not isinstance(m, torch.fx.GraphModule):
+                m.reset_parameters()
+        return
+    module.to(device)
+
+
+def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 num_stages: int, options: ModelOptions) -> torch.fx.GraphModule:
+    """Trace and partition; returns a GraphModule whose nodes carry ``meta.STAGE``.
+
+    Stand-in until ``passes.pipeline.compile_model`` lands: ``passes.trace`` (or
+    ``fx.symbolic_trace``) and an equal split of the computing nodes.
+    """
+    try:
+        from passes.pipeline import compile_model  # type: ignore[import-not-found]
+    except ImportError:
+        compile_model = None
+    if compile_model is not None:
+        from smp_fx import state
+
+        pconfig = _partition_config(state.get().config, options)
+        return compile_model(module, args, kwargs, pconfig).gm
+    gm = torch.fx.symbolic_trace(module)
+    comp = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
+    for i, n in enumerate(comp):
+        meta.STAGE.set(n, i * num_stages // max(len(comp), 1))
+    return gm
+
+
+def _partition_config(cfg: Any, options: ModelOptions) -> Any:
+    from passes.partition_config import PartitionConfig
+
+    return PartitionConfig.from_smp(cfg) if hasattr(PartitionConfig, "from_smp") else \
+        PartitionConfig(num_stages=cfg.pipeline_parallel_degree)
+
+
+def _agree_on_plan(gm: torch.fx.GraphModule, st: Any) -> None:
+    """Adopt world rank 0's stage assignment (measured costs may differ between ranks)."""
+    mine = [(n.name, meta.STAGE.get(n)) for n in gm.graph.nodes]
+    box = [mine]
+    dist.broadcast_object_list(box, src=0, group=st.object_group("world"))
+    theirs = box[0]
+    if [n for n, _ in theirs] != [n for n, _ in mine]:
+        raise SMPPartitionError.build(
+            "ranks traced different graphs", f"{len(theirs)} vs {len(mine)} nodes",
+            f"rank {st.rank}", "make the model and first batch identical on every rank")
+    for node, (_, stage) in zip(gm.graph.nodes, theirs):
+        if stage is not None:
+            meta.STAGE.set(node, stage)
+
+
+def _tied_groups(program: StagedProgram, st: Any,
+                 fqn_by_id: dict[int, str]) -> list[tuple[Any, list[str]]]:
+    """Groups of the pp ranks owning each tied parameter; created collectively on all ranks."""
+    owners: dict[str, list[int]] = {}
+    local_name: dict[tuple[int, str], str] = {}
+    for s, stage in enumerate(program.stages):
+        for name, p in stage.module.named_parameters():
+            canon = fqn_by_id.get(id(p), name)
+            owners.setdefault(canon, [])
+            if s not in owners[canon]:
+                owners[canon].append(s)
+                local_name[(s, canon)] = name
+    by_owner_set: dict[tuple[int, ...], list[str]] = {}
+    for canon, stages in sorted(owners.items()):
+        if len(stages) > 1:
+            by_owner_set.setdefault(tuple(stages), []).append(canon)
+    my_stage = st.axis_rank("pp")
+    out: list[tuple[Any, list[str]]] = []
+    for stages, canons in sorted(by_owner_set.items()):
+        for pipeline in st.topology.groups("pp"):
+            ranks = [pipeline[s] for s in stages]
+            group = dist.new_group(ranks)
+            if st.rank in ranks:
+                out.append((group, [local_name[(my_stage, c)] for c in canons]))
+    return out
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[None]:
+    """Inside it, ``model(...)`` raises ``_Captured`` with its inputs (used by smp.step)."""
+    prev = getattr(ex._tls, "ctx", None)
+    ex._tls.ctx = _CaptureCtx()
+    try:
+        yield
+    finally:
+        ex._tls.ctx = prev

@@ -1,0 +1,132 @@
+"""``smp.DistributedOptimizer``: any torch optimizer, stepping only this rank's parameters.
+
+The wrapped optimizer is built over the full model's parameters before partitioning (from
+the unwrapped model or from ``DistributedModel.parameters()``). At partitioning its param
+groups are narrowed, in place, to the parameters of this rank's stages (hyper-parameters
+kept); a parameter is found by its fully qualified name, so parameters that materialisation
+re-created (delayed initialisation) are mapped too. ``global_index`` keeps, for each local
+parameter, its index in the optimizer's original flat parameter order: the seam for
+checkpointing, which will gather and merge optimizer state by that index.
+
+It is a ``torch.optim.Optimizer`` (LR schedulers accept it); attributes it does not define
+are the wrapped optimizer's.
+
+>>> import torch
+>>> opt = DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
+>>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+>>> opt.step(); sched.step(); opt.param_groups[0]["lr"]
+0.05
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from cost_model.errors import SMPRuntimeError
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """See the module docstring."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: D107
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise SMPRuntimeError.build("DistributedOptimizer wraps a torch.optim.Optimizer",
+                                        type(optimizer).__name__, "smp.DistributedOptimizer",
+                                        "pass an optimizer instance")
+        self.optimizer = optimizer
+        self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
+        self._zero_grad_profile_name = "Optimizer.zero_grad"
+        flat = [p for g in optimizer.param_groups for p in g["params"]]
+        self.global_index: dict[int, int] = {id(p): i for i, p in enumerate(flat)}
+        self._localized = False
+        from smp_fx.model import current_model
+
+        model = current_model()
+        if model is not None:
+            self._names = {id(p): n for n, p in model.module.named_parameters()}
+            model._optimizers.append(self)
+            if model.partitioned:
+                self._localize(model)
+        else:
+            self._names = {}
+
+    # the wrapped optimizer's containers are this optimizer's
+    @property  # type: ignore[override]
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property  # type: ignore[override]
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optimizer.state = value
+
+    @property  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optimizer.defaults = value
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "optimizer":
+            raise AttributeError(name)
+        return getattr(self.optimizer, name)
+
+    def __repr__(self) -> str:
+        return f"DistributedOptimizer({self.optimizer!r})"
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    def _localize(self, model: Any) -> None:
+        """Keep only this rank's parameters, matched by identity, then by name."""
+        if self._localized:
+            return
+        local = dict(model.local_named_parameters())
+        local_ids = {id(p): p for p in local.values()}
+        alias = {n: p for n, p in model.module.named_parameters(remove_duplicate=False)}
+        by_name = {n: local[n] for n in local}
+        for n, p in alias.items():  # tied parameters: any alias of a local one
+            if n not in by_name and id(p) in local_ids:
+                by_name[n] = p
+        index: dict[int, int] = {}
+        for group in self.optimizer.param_groups:
+            kept = []
+            for p in group["params"]:
+                q = local_ids.get(id(p))
+                if q is None:
+                    q = by_name.get(self._names.get(id(p), ""))
+                if q is not None and all(q is not k for k in kept):
+                    kept.append(q)
+                    index[id(q)] = self.global_index[id(p)]
+            group["params"] = kept
+        self.global_index = index
+        self._localized = True

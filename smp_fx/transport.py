@@ -1,0 +1,163 @@
+"""Moving values between pipeline stages: one interface, two transports.
+
+A message is any pytree (tensors, tuples, dicts, ints, ``None``, HF ``ModelOutput``s) sent
+from one stage to another on a *channel*: ``"act"`` (activations, forward), ``"grad"``
+(gradients, backward) or ``"out"`` (the last stage's outputs, to every other pipeline rank).
+Received tensors keep the sender's ``requires_grad`` flag but are new leaves: the autograd
+graph is always cut at a stage boundary, so the executor's path is the same in-process and
+across processes.
+
+- ``InProcessTransport``: every stage lives in this process; a message is the value itself
+  (detached, moved to the receiving stage's device) held in a mailbox.
+- ``DistTransport``: torch.distributed point-to-point. A small header (the pickled tree
+  structure with shapes/dtypes) goes first, then each tensor with ``isend``/``irecv``; gloo
+  on CPU, NCCL on GPU (header tensors live on the transport's device). The ``"out"`` channel
+  uses its own process group so that its messages never interleave with gradients between
+  the same two ranks: NCCL matches point-to-point messages by order, per communicator.
+  Every wait is bounded and raises ``SMPTimeoutError`` naming what it waited for.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+from cost_model.errors import SMPRuntimeError, SMPTimeoutError
+
+CHANNELS = ("act", "grad", "out")
+
+
+class Transport(Protocol):
+    """What the executor needs: ordered sends and receives between stages."""
+
+    def send(self, value: Any, src: int, dst: int, channel: str, mb: int) -> None: ...
+
+    def recv(self, src: int, dst: int, channel: str, mb: int) -> Any: ...
+
+    def finish(self) -> None: ...
+
+
+def _cut(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    out = t.detach()
+    if device is not None and out.device != device:
+        out = out.to(device, non_blocking=True)
+    return out.requires_grad_(t.requires_grad)
+
+
+class InProcessTransport:
+    """All stages in one process: messages are the values, cut from autograd."""
+
+    def __init__(self, devices: dict[int, torch.device] | None = None) -> None:
+        self.devices = devices or {}
+        self._box: dict[tuple[int, int, str, int], Any] = {}
+
+    def send(self, value: Any, src: int, dst: int, channel: str, mb: int) -> None:
+        device = self.devices.get(dst)
+        self._box[(src, dst, channel, mb)] = pytree.tree_map_only(
+            torch.Tensor, lambda t: _cut(t, device), value)
+
+    def recv(self, src: int, dst: int, channel: str, mb: int) -> Any:
+        key = (src, dst, channel, mb)
+        if key not in self._box:
+            raise SMPRuntimeError.build(
+                "in-process receive has no matching send (the lowered order is wrong)",
+                key, f"stage {dst} microbatch {mb}", "report this as an smp-fx bug")
+        return self._box.pop(key)
+
+    def finish(self) -> None:
+        if self._box:
+            left = sorted(self._box)
+            self._box.clear()
+            raise SMPRuntimeError.build("messages were sent but never received", left[:4],
+                                        "end of step", "report this as an smp-fx bug")
+
+
+@dataclass(frozen=True)
+class _TensorMeta:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+
+class DistTransport:
+    """torch.distributed point-to-point between the ranks holding each stage.
+
+    ``ranks[s]`` is the global rank holding stage ``s`` of this rank's pipeline.
+    ``group``/``out_group`` default to the world group and a duplicate of it; both must be
+    created collectively on every rank (``DistTransport.make_groups``).
+    """
+
+    def __init__(self, ranks: list[int], stage: int, device: torch.device,
+                 timeout_s: float, group: Any = None, out_group: Any = None) -> None:
+        self.ranks = ranks
+        self.stage = stage
+        self.device = device
+        self.timeout = timedelta(seconds=timeout_s)
+        self.group = group
+        self.out_group = out_group
+        self._pending: list[tuple[Any, Any]] = []
+
+    @staticmethod
+    def make_groups(backend: str | None = None) -> tuple[Any, Any]:
+        """The (act/grad, out) groups; collective: call on every rank in the same order."""
+        ranks = list(range(dist.get_world_size()))
+        return dist.new_group(ranks, backend=backend), dist.new_group(ranks, backend=backend)
+
+    def _group(self, channel: str) -> Any:
+        return self.out_group if channel == "out" else self.group
+
+    def send(self, value: Any, src: int, dst: int, channel: str, mb: int) -> None:
+        leaves, spec = pytree.tree_flatten(value)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        header_leaves = [_TensorMeta(tuple(t.shape), t.dtype, t.requires_grad)
+                         if isinstance(t, torch.Tensor) else t for t in leaves]
+        payload = pickle.dumps((spec, header_leaves))
+        peer, group = self.ranks[dst], self._group(channel)
+        size = torch.tensor([len(payload)], dtype=torch.int64, device=self.device)
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(self.device)
+        for t in [size, data] + [t.detach().contiguous() for t in tensors]:
+            self._pending.append((dist.isend(t, peer, group=group), t))
+
+    def recv(self, src: int, dst: int, channel: str, mb: int) -> Any:
+        peer, group = self.ranks[src], self._group(channel)
+        what = f"{channel} from stage {src} (rank {peer})"
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        self._wait(dist.irecv(size, peer, group=group), what, dst, mb)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        self._wait(dist.irecv(data, peer, group=group), what, dst, mb)
+        spec, header_leaves = pickle.loads(data.cpu().numpy().tobytes())
+        works, leaves = [], []
+        for leaf in header_leaves:
+            if isinstance(leaf, _TensorMeta):
+                t = torch.empty(leaf.shape, dtype=leaf.dtype, device=self.device)
+                works.append(dist.irecv(t, peer, group=group))
+                leaves.append((t, leaf.requires_grad))
+            else:
+                leaves.append((leaf, None))
+        for w in works:
+            self._wait(w, what, dst, mb)
+        values = [v.requires_grad_(rg) if rg is not None else v for v, rg in leaves]
+        return pytree.tree_unflatten(values, spec)
+
+    def _wait(self, work: Any, what: str, stage: int, mb: int) -> None:
+        try:
+            work.wait(self.timeout)
+        except RuntimeError as exc:
+            raise SMPTimeoutError.build(
+                f"timed out after {self.timeout.total_seconds():.0f}s waiting for {what}",
+                str(exc).splitlines()[0] if str(exc) else None,
+                f"rank {dist.get_rank()} stage {stage} microbatch {mb}",
+                "check that every rank runs the same smp.step calls; a peer may have "
+                "failed (see its log)") from exc
+
+    def finish(self) -> None:
+        """Wait for this step's sends (their buffers stay alive until then)."""
+        pending, self._pending = self._pending, []
+        for work, _ in pending:
+            self._wait(work, "a send to complete", self.stage, -1)

@@ -1,0 +1,130 @@
+"""auto_partition on small traced models: validity, objective behaviour, pins, ties, errors."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch.fx
+
+from cost_model.errors import SMPPartitionError
+from passes import meta
+from passes.auto_partition import (
+    PartitionResult,
+    evaluate_stages,
+    partition_graph,
+    solve_problem,
+)
+from passes.partition_config import PartitionConfig
+from passes.partitioning.extract import COMPUTE_OPS
+from passes.partitioning.problem import DagProblem, evaluate, make_objective
+from tests.passes.partitioning.graphs import tiny_gpt, two_branch
+
+FAST_LINK = {"link_bandwidth": 1e15, "link_latency_s": 0.0}
+
+
+def stages_of(gm: torch.fx.GraphModule) -> dict[str, int]:
+    return {n.name: meta.STAGE.get(n) for n in gm.graph.nodes}
+
+
+def assert_valid(gm: torch.fx.GraphModule, k: int) -> None:
+    st = stages_of(gm)
+    assert all(v is not None and 0 <= v < k for v in st.values())
+    compute = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
+    assert {meta.STAGE.get(n) for n in compute} == set(range(k)), "every stage non-empty"
+    for n in compute:
+        for a in n.all_input_nodes:
+            if a.op in COMPUTE_OPS:
+                assert meta.STAGE.get(a) <= meta.STAGE.get(n), (a.name, n.name)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, 5])
+def test_valid_plan_and_input_untouched(k: int) -> None:
+    gm = tiny_gpt()
+    before = [dict(n.meta) for n in gm.graph.nodes]
+    new, result = partition_graph(gm, PartitionConfig(num_stages=k, microbatches=4))
+    assert new is not gm
+    assert [dict(n.meta) for n in gm.graph.nodes] == before
+    assert_valid(new, k)
+    assert result.objective == pytest.approx(max(s.cost for s in result.stages))
+    assert result.lower_bound <= result.objective * (1 + 1e-9)
+    assert PartitionResult.from_json(result.to_json()) == result
+    again = evaluate_stages(new, PartitionConfig(num_stages=k, microbatches=4))
+    assert again.objective == pytest.approx(result.objective)
+
+
+def test_dag_branches_stay_contiguous() -> None:
+    new, _ = partition_graph(two_branch(), PartitionConfig(num_stages=3))
+    assert_valid(new, 3)
+
+
+def test_memory_weight_zero_balances_time_one_balances_memory() -> None:
+    # time is front-loaded, parameters are back-loaded: the two objectives disagree
+    n = 12
+    time = np.linspace(3.0, 0.1, n)
+    params = np.linspace(0.1, 3.0, n) * 1e6
+    problem = DagProblem.chain(time, params=params)
+    spread = {}
+    for w in (0.0, 1.0):
+        obj = make_objective(problem, PartitionConfig(num_stages=3, memory_weight=w,
+                                                      **FAST_LINK))
+        st, _ = solve_problem(problem, obj)
+        ev = evaluate(problem, st, obj)
+        spread[w] = (ev.time_s.max() / ev.time_s.sum(), ev.param_bytes.max() / params.sum())
+    assert spread[0.0][0] < spread[1.0][0]  # time more balanced with w = 0
+    assert spread[1.0][1] < spread[0.0][1]  # memory more balanced with w = 1
+
+
+def test_inflight_per_schedule() -> None:
+    simple = PartitionConfig(num_stages=4, microbatches=8, pipeline="simple")
+    inter = PartitionConfig(num_stages=4, microbatches=8, pipeline="interleaved")
+    capped = PartitionConfig(num_stages=4, microbatches=8, pipeline="simple",
+                             active_microbatches=3)
+    assert [simple.inflight(s) for s in range(4)] == [6, 6, 6, 6]  # active default p + 2
+    assert [inter.inflight(s) for s in range(4)] == [4, 3, 2, 1]
+    assert [capped.inflight(s) for s in range(4)] == [3, 3, 3, 3]
+    few = PartitionConfig(num_stages=4, microbatches=2, pipeline="interleaved")
+    assert [few.inflight(s) for s in range(4)] == [2, 2, 2, 1]
+    _, result = partition_graph(tiny_gpt(), inter)
+    assert [s.inflight for s in result.stages] == [4, 3, 2, 1]
+    assert PartitionConfig.from_json(inter.to_json()) == inter
+
+
+def test_pins_are_respected() -> None:
+    gm = tiny_gpt()
+    pinned = {"blocks_1_fc1": 2, "relu": 0}
+    for n in gm.graph.nodes:
+        if n.name in pinned:
+            meta.PIN.set(n, pinned[n.name])
+    new, _ = partition_graph(gm, PartitionConfig(num_stages=4))
+    assert_valid(new, 4)
+    st = stages_of(new)
+    assert all(st[name] == s for name, s in pinned.items())
+
+
+def test_deterministic() -> None:
+    cfg = PartitionConfig(num_stages=3, microbatches=4)
+    a = partition_graph(tiny_gpt(), cfg)
+    b = partition_graph(tiny_gpt(), cfg)
+    assert stages_of(a[0]) == stages_of(b[0])
+    assert a[1].to_json() == b[1].to_json()
+
+
+def test_tied_embedding_is_reported_and_charged_twice() -> None:
+    new, result = partition_graph(tiny_gpt(), PartitionConfig(num_stages=2))
+    assert result.shared_params == {"emb.weight": (0, 1)}
+    emb_bytes = 32 * 16 * 4
+    assert all(s.param_bytes >= emb_bytes for s in result.stages)
+    st = stages_of(new)
+    assert st["emb"] == 0 and st["linear"] == 1 and st["emb_weight"] == 1
+
+
+def test_too_many_partitions() -> None:
+    gm = two_branch()
+    with pytest.raises(SMPPartitionError, match="partitions=9, compute nodes=8"):
+        partition_graph(gm, PartitionConfig(num_stages=9))
+
+
+def test_missing_costs_name_the_node() -> None:
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    with pytest.raises(SMPPartitionError, match="annotate_costs"):
+        partition_graph(gm, PartitionConfig(num_stages=1))

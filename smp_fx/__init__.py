@@ -78,6 +78,7 @@ from smp_fx.topology import Topology  # noqa: E402
 
 
 # --- manual partitioning and delayed initialization ---
+from smp_fx.manual import partition, set_partition  # noqa: E402
 
 # --- runtime: DistributedModel, DistributedOptimizer, step, StepOutput ---
 from smp_fx.model import DistributedModel, is_tracing  # noqa: E402

@@ -1,0 +1,1 @@
+"""Directory put on PYTHONPATH by ``smp-fx run``; its ``smdistributed`` package is the shim."""

@@ -1,0 +1,1 @@
+"""Shim of SageMaker's ``smdistributed`` namespace, backed by smp-fx (``smp-fx run`` only)."""

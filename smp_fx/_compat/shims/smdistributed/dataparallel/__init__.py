@@ -1,0 +1,1 @@
+"""Shim: ``smdistributed.dataparallel``; see its ``torch`` submodule."""

@@ -1,0 +1,1 @@
+"""Shim: ``smdistributed.dataparallel.torch`` (``torch_smddp``, ``distributed``, ``parallel``)."""

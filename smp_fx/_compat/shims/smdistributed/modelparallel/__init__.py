@@ -1,0 +1,1 @@
+"""Shim: ``smdistributed.modelparallel``; see its ``torch`` submodule."""

@@ -1,0 +1,102 @@
+"""``smp-fx run -n N [--config cfg.json] script.py [args...]``: torchrun with SMP's names.
+
+The children get the configuration in ``SM_HP_MP_PARAMETERS`` (what ``smp.init`` reads,
+as on SageMaker) and the shim directory on ``PYTHONPATH``, so inside the script
+``import smdistributed.modelparallel.torch as smp`` is ``smp_fx`` and
+``import smdistributed.dataparallel.torch.torch_smddp`` registers the ``smddp`` backend.
+The launcher's own process and environment are untouched.
+
+Single node: torchrun ``--standalone`` (a free rendezvous port). Several nodes: run the
+same command on every node with ``--nnodes``, ``--node-rank`` and ``--rdzv-endpoint``
+(or ``--master-addr``/``--master-port``); they are handed to torchrun unchanged::
+
+    smp-fx run -n 8 --nnodes 2 --node-rank 0 --rdzv-backend c10d \\
+        --rdzv-endpoint host0:29400 --rdzv-id job1 --config cfg.json train.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+from cost_model.errors import SMPConfigError
+from smp_fx._compat import SHIM_DIR
+from smp_fx.config import ENV_VAR, load_config, resolve_topology
+
+# smp-fx run option -> torchrun option, passed through when given.
+PASS_THROUGH: dict[str, str] = {
+    "--nnodes": "--nnodes", "--node-rank": "--node-rank", "--rdzv-backend": "--rdzv-backend",
+    "--rdzv-endpoint": "--rdzv-endpoint", "--rdzv-id": "--rdzv-id",
+    "--master-addr": "--master-addr", "--master-port": "--master-port",
+    "--max-restarts": "--max-restarts",
+}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="smp-fx run", description="Launch a training script on N local processes "
+        "(torchrun) with the SMP configuration and the smdistributed import names.")
+    p.add_argument("-n", "--nproc-per-node", type=int, required=True,
+                   help="processes on this node (one per GPU on a GPU node)")
+    p.add_argument("--config", help="JSON file of SMP parameters (sets SM_HP_MP_PARAMETERS)")
+    p.add_argument("--backend", choices=("gloo", "nccl"),
+                   help="process group backend for smp.init (default: nccl if CUDA, else gloo)")
+    for flag in PASS_THROUGH:
+        p.add_argument(flag, help=f"passed to torchrun as {PASS_THROUGH[flag]}")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the torchrun command and the added environment, run nothing")
+    p.add_argument("script", help="the training script")
+    p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments of the script")
+    return p
+
+
+def build(ns: argparse.Namespace,
+          environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """(torchrun command, environment additions for the children) from parsed options."""
+    if ns.nproc_per_node < 1:
+        raise SMPConfigError.build("-n must be >= 1", ns.nproc_per_node, "smp-fx run",
+                                   "pass the number of processes, e.g. -n 2")
+    added: dict[str, str] = {}
+    if ns.config:
+        params = dict(json.loads(environ[ENV_VAR])) if environ.get(ENV_VAR) else {}
+        with open(ns.config, encoding="utf-8") as f:
+            params.update(json.load(f))
+        cfg = load_config(params, env={})  # fail here, once, rather than in N children
+        if ns.nnodes is None or str(ns.nnodes).isdigit():
+            resolve_topology(cfg, ns.nproc_per_node * int(ns.nnodes or 1))
+        added[ENV_VAR] = json.dumps(params, sort_keys=True)
+    old = environ.get("PYTHONPATH")
+    added["PYTHONPATH"] = str(SHIM_DIR) + (os.pathsep + old if old else "")
+    if ns.backend:
+        added["SMP_FX_BACKEND"] = ns.backend
+    cmd = [sys.executable, "-m", "torch.distributed.run",
+           "--nproc-per-node", str(ns.nproc_per_node)]
+    multi_node = any(getattr(ns, f[2:].replace("-", "_")) is not None
+                     for f in ("--nnodes", "--rdzv-endpoint", "--master-addr"))
+    if not multi_node:
+        cmd.append("--standalone")
+    for flag, target in PASS_THROUGH.items():
+        value = getattr(ns, flag[2:].replace("-", "_"))
+        if value is not None:
+            cmd += [target, str(value)]
+    cmd += [ns.script, *ns.script_args]
+    return cmd, added
+
+
+def main(argv: Sequence[str]) -> int:
+    ns = parser().parse_args(list(argv))
+    try:
+        cmd, added = build(ns, os.environ)
+    except (SMPConfigError, OSError, json.JSONDecodeError) as exc:
+        print(f"smp-fx run: {exc}", file=sys.stderr)
+        return 2
+    if ns.dry_run:
+        for key, value in added.items():
+            print(f"{key}={value}")
+        print(" ".join(cmd))
+        return 0
+    return subprocess.run(cmd, env={**os.environ, **added}, check=False).returncode

@@ -1,0 +1,133 @@
+"""FLOP formulas per canonical op. Pure: shapes in, (forward, backward) FLOPs out.
+
+An op is named canonically (``"linear"``, ``"matmul"``, ``"conv"``, ``"sdpa"``, ...); the
+pass that reads a graph maps fx targets, ``nn.Module`` types and aten overloads to these
+names. A multiply-add counts 2 FLOPs. Backward of a contraction is 2x forward (gradient
+of the input and of the other operand); element-wise and normalisation ops count a small
+constant per element. ``op_flops`` returns ``None`` for an op it does not know, so the
+caller can mark the cost unknown instead of silently calling it free.
+
+Example::
+
+    op_flops("linear", [(8, 32)], (8, 64), {})  # (2*8*32*64, 2 * 2*8*32*64)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+Shape = tuple[int, ...]
+MaybeShape = Shape | None
+
+VIEW_OPS = frozenset({
+    "view", "reshape", "_unsafe_view", "transpose", "t", "permute", "split", "split_with_sizes",
+    "chunk", "unbind", "getitem", "unsqueeze", "squeeze", "flatten", "expand", "expand_as",
+    "slice", "select", "narrow", "alias", "detach", "identity", "getattr", "size", "dim",
+    "numel", "to", "type_as", "view_as", "unflatten", "movedim", "contiguous", "clone",
+    "_to_copy", "type", "float", "lift_fresh_copy", "dropout_eval",
+})
+"""Ops that move or re-label data but do no arithmetic (0 FLOPs)."""
+
+CREATION_OPS = frozenset({
+    "arange", "zeros", "ones", "full", "empty", "zeros_like", "ones_like", "full_like",
+    "empty_like", "scalar_tensor", "tensor", "new_zeros", "new_ones", "new_empty", "new_full",
+    "triu", "tril", "cat", "stack", "sym_size", "eq", "ne", "lt", "le", "gt", "ge",
+    "logical_not", "logical_and", "bitwise_not", "finfo", "_assert_tensor_metadata",
+    "sym_numel", "floordiv", "index_select", "gather", "repeat", "masked_fill_mask",
+    "assert_tensor_metadata", "and", "or", "bitwise_and", "bitwise_or", "any", "all",
+    "item", "sym_constrain_range_for_size", "diff",
+})
+"""Ops producing values without gradient-relevant arithmetic (index math, masks, copies)."""
+
+ELEMENTWISE_COST = {
+    "add": 1, "sub": 1, "mul": 1, "div": 1, "truediv": 1, "neg": 1, "relu": 1, "abs": 1,
+    "pow": 1, "sqrt": 1, "rsqrt": 1, "exp": 1, "log": 1, "where": 1, "masked_fill": 1,
+    "clamp": 1, "maximum": 1, "minimum": 1, "rsub": 1, "iadd": 1, "imul": 1,
+    "gelu": 8, "tanh": 4, "sigmoid": 4, "silu": 5, "dropout": 2, "softmax": 5,
+    "log_softmax": 5, "erf": 4, "leaky_relu": 1, "hardtanh": 1, "cumsum": 1, "index": 1,
+}
+"""FLOPs per output element, forward; backward costs the same per element."""
+
+REDUCTION_OPS = frozenset({"sum", "mean", "amax", "max", "min", "amin", "var", "std",
+                           "norm", "avg_pool", "max_pool", "adaptive_avg_pool"})
+
+NORM_COST = 5
+"""FLOPs per element of a normalisation (mean, variance, scale, shift) forward."""
+
+
+def numel(shape: MaybeShape) -> int:
+    return math.prod(shape) if shape is not None else 0
+
+
+def linear_flops(in_shape: Shape, out_shape: Shape) -> float:
+    """``y = x W^T (+ b)``: 2 * (output elements) * in_features; bias adds are ignored."""
+    return 2.0 * numel(out_shape) * in_shape[-1]
+
+
+def matmul_flops(a: Shape, b: Shape, out_shape: Shape) -> float:
+    """Batched ``a @ b``: 2 * (output elements) * contraction length."""
+    k = a[-1] if len(a) > 1 else a[0]
+    return 2.0 * numel(out_shape) * k
+
+
+def conv_flops(weight: Shape, out_shape: Shape, groups: int = 1) -> float:
+    """2 * (output elements) * (input channels per group) * (kernel elements).
+
+    ``weight`` is ``(C_out, C_in / groups, *kernel)``, so its trailing dims already hold
+    the per-group input channels; ``groups`` is accepted for clarity only.
+    """
+    del groups
+    return 2.0 * numel(out_shape) * numel(weight[1:])
+
+
+def sdpa_flops(q: Shape, k: Shape, v: Shape) -> float:
+    """Attention ``softmax(q k^T) v``: 2*B*H*L*S*E (scores) + 2*B*H*L*S*Ev (mix).
+
+    A causal mask is not subtracted (kernels compute the full square on CPU; the GPU
+    flash kernels skip about half: the figure is an upper bound there).
+    """
+    batch_heads = numel(q[:-2])
+    length, e = q[-2], q[-1]
+    s, ev = k[-2], v[-1]
+    return 2.0 * batch_heads * length * s * e + 2.0 * batch_heads * length * s * ev
+
+
+def op_flops(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
+             attrs: Mapping[str, Any]) -> tuple[float, float] | None:
+    """(forward, backward) FLOPs of one op; ``None`` if the op is unknown.
+
+    ``inputs`` are the shapes of the tensor arguments in call order (``None`` for
+    non-tensors); ``attrs`` carries what shapes alone do not say (``weight`` shape of a
+    conv module, ``groups``).
+    """
+    if op in VIEW_OPS or op in CREATION_OPS:
+        return 0.0, 0.0
+    if output is None and op not in ("sdpa",):
+        return 0.0, 0.0
+    if op == "linear":
+        fwd = linear_flops(inputs[0], output)
+    elif op == "addmm":
+        fwd = matmul_flops(inputs[1], inputs[2], output)
+    elif op in ("matmul", "mm", "bmm", "baddbmm", "einsum_mm"):
+        a, b = (inputs[1], inputs[2]) if op == "baddbmm" else (inputs[0], inputs[1])
+        fwd = matmul_flops(a, b, output)
+    elif op == "conv":
+        weight = attrs.get("weight") or inputs[1]
+        fwd = conv_flops(weight, output, int(attrs.get("groups", 1)))
+    elif op == "sdpa":
+        fwd = sdpa_flops(inputs[0], inputs[1], inputs[2])
+    elif op in ("layer_norm", "batch_norm", "group_norm", "rms_norm"):
+        fwd = NORM_COST * numel(inputs[0])
+    elif op == "embedding":
+        return 0.0, float(numel(output))  # a gather forward; a scatter-add backward
+    elif op in ELEMENTWISE_COST:
+        fwd = ELEMENTWISE_COST[op] * float(numel(output))
+        return fwd, fwd
+    elif op in REDUCTION_OPS:
+        fwd = float(numel(inputs[0])) if inputs and inputs[0] else float(numel(output))
+        return fwd, fwd
+    else:
+        return None
+    return fwd, 2.0 * fwd

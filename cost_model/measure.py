@@ -1,0 +1,206 @@
+"""Measured costs: real forward/backward times and saved-activation bytes.
+
+Used for ``trace_execution_times`` / ``trace_memory_usage``. Measuring runs the model on
+real tensors, so it is done on one rank and the result, a plain mapping
+``node name -> (fwd_s, bwd_s, saved_bytes)``, is broadcast by the runtime so that every
+rank makes the same plan. Analytic costs stay the deterministic default.
+
+Saved bytes are what autograd really keeps: every tensor passed to a
+``torch.autograd.graph.saved_tensors_hooks`` pack hook, parameters excluded, deduplicated
+by storage (a view and its base count once, at the storage's full size). On CUDA the
+measured memory is the ``torch.cuda.max_memory_allocated`` increase instead.
+
+Example::
+
+    measured = measure_nodes(gm, args, repeats=3)
+    gm2 = annotate_costs(gm, spec, measured=measured)
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Iterable, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.utils import _pytree as pytree
+
+Measured = dict[str, tuple[float, float, int]]
+
+
+class SavedCounter:
+    """Counts bytes autograd saves, deduplicated by storage, excluding ``exclude``."""
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
+        self.excluded = {_storage_key(t) for t in exclude}
+        self.seen: set[int] = set()
+        self.by_owner: dict[str, int] = {}
+        self.owner = ""
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in self.excluded and key not in self.seen:
+            self.seen.add(key)
+            nbytes = t.untyped_storage().nbytes()
+            self.by_owner[self.owner] = self.by_owner.get(self.owner, 0) + nbytes
+        return t
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_owner.values())
+
+    @contextmanager
+    def hooks(self) -> Any:
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t):
+            yield self
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def saved_bytes_by_module(model: nn.Module, args: tuple[Any, ...],
+                          kwargs: Mapping[str, Any] | None = None) -> dict[str, int]:
+    """Run ``model`` once for real; bytes saved for backward, attributed to the innermost
+    module running when each tensor was saved ('' = the root's own code).
+
+    Uses the global module forward hooks (removed afterwards), not the model's own hooks.
+    """
+    paths = {id(m): p for p, m in model.named_modules()}
+    state = [*model.parameters(), *model.buffers()]
+    counter = SavedCounter(state)
+    stack: list[str] = [""]
+
+    def pre(mod: nn.Module, _args: Any) -> None:
+        if id(mod) in paths:
+            stack.append(paths[id(mod)])
+            counter.owner = stack[-1]
+
+    def post(mod: nn.Module, _args: Any, _out: Any) -> None:
+        if id(mod) in paths and len(stack) > 1:
+            stack.pop()
+            counter.owner = stack[-1]
+
+    from torch.nn.modules.module import (
+        register_module_forward_hook,
+        register_module_forward_pre_hook,
+    )
+
+    h1 = register_module_forward_pre_hook(pre)
+    h2 = register_module_forward_hook(post)
+    try:
+        with torch.enable_grad(), counter.hooks():
+            model(*args, **dict(kwargs or {}))
+    finally:
+        h1.remove()
+        h2.remove()
+    return dict(counter.by_owner)
+
+
+def _median_time(fn: Callable[[], Any], warmup: int, repeats: int, sync: Callable[[], None]
+                 ) -> tuple[float, Any]:
+    result = None
+    for _ in range(warmup):
+        result = fn()
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        result = fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def _fresh_inputs(value: Any) -> Any:
+    """A detached leaf copy of every float tensor that required grad, so each repeat
+    builds its own small autograd graph rooted at this node."""
+    def one(x: Any) -> Any:
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            return x.detach().requires_grad_(True)
+        return x
+    return pytree.tree_map(one, value)
+
+
+class _Recorder(torch.fx.Interpreter):
+    """Runs the graph once for real and keeps every node's value."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        result = super().run_node(n)
+        self.values[n.name] = result
+        return result
+
+
+def _flat_inputs(gm: torch.fx.GraphModule, args: tuple[Any, ...],
+                 kwargs: dict[str, Any]) -> list[Any]:
+    """Map (args, kwargs) onto placeholders (export graphs flatten them with pytree)."""
+    codegen = gm.graph._codegen
+    if getattr(codegen, "pytree_info", None) is not None:
+        return list(codegen.process_inputs(*args, **kwargs))
+    names = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    return list(args) + [kwargs[name] for name in names[len(args):] if name in kwargs]
+
+
+def measure_nodes(gm: torch.fx.GraphModule, args: tuple[Any, ...],
+                  kwargs: Mapping[str, Any] | None = None, *, times: bool = True,
+                  memory: bool = True, warmup: int = 1, repeats: int = 3) -> Measured:
+    """Time each compute node forward and backward (median of ``repeats`` after ``warmup``)
+    on the device the module and inputs live on, and count its saved bytes.
+
+    Returns ``{node name: (fwd_s, bwd_s, saved_bytes)}``; a field not asked for is 0.
+    """
+    interp = _Recorder(gm)
+    with torch.enable_grad():
+        interp.run(*_flat_inputs(gm, args, dict(kwargs or {})))
+    values = interp.values
+    cuda = any(p.is_cuda for p in gm.parameters())
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    state = [*gm.parameters(), *gm.buffers()]
+    out: Measured = {}
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            continue
+        call = getattr(interp, node.op)
+        nargs = torch.fx.node.map_arg(node.args, lambda a: _fresh_inputs(values[a.name]))
+        nkwargs = torch.fx.node.map_arg(node.kwargs, lambda a: _fresh_inputs(values[a.name]))
+
+        def fwd(call: Any = call, node: torch.fx.Node = node, a: Any = nargs,
+                k: Any = nkwargs) -> Any:
+            with torch.enable_grad():
+                return call(node.target, a, k)
+
+        fwd_s, result = _median_time(fwd, warmup, repeats, sync) if times else (0.0, None)
+        leaves = [t for t in pytree.tree_leaves(result if times else fwd())
+                  if isinstance(t, torch.Tensor) and t.requires_grad]
+        bwd_s = 0.0
+        if times and leaves:
+            def bwd(f: Callable[[], Any] = fwd) -> None:
+                outs = [t for t in pytree.tree_leaves(f())
+                        if isinstance(t, torch.Tensor) and t.requires_grad]
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            total_s, _ = _median_time(bwd, warmup, repeats, sync)
+            bwd_s = max(total_s - fwd_s, 0.0)
+        saved = 0
+        if memory:
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+                before = torch.cuda.memory_allocated()
+                keep = fwd()
+                saved = max(torch.cuda.max_memory_allocated() - before, 0)
+                del keep
+            else:
+                counter = SavedCounter(state)
+                with counter.hooks():
+                    keep = fwd()
+                saved = counter.total
+                del keep
+        out[node.name] = (float(fwd_s), float(bwd_s), int(saved))
+    return out

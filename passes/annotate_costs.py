@@ -1,0 +1,292 @@
+"""Attach a ``NodeCost`` to every node: FLOPs, bytes, saved activations, time.
+
+Reads ``TENSOR`` (from ``shape_prop``) and ``PARAMS`` (from ``trace``); writes ``COST``.
+Each node is first named canonically (``op_name``) from its fx target, module type or aten
+overload, so one table of formulas (``cost_model.flops``/``cost_model.saved``) serves
+both front ends. Unknown ops get ``known=False`` and are logged once per op name.
+
+Memory accounting follows autograd: a value saved by two ops (relu's output is the next
+linear's input) counts once, at the first op that saves it; views resolve to the value
+they alias; parameters and buffers never count as activations; an op none of whose inputs
+needs a gradient saves nothing. Parameter bytes are counted once per parameter object, at
+the first compute node that reads it, so tied weights count once.
+
+Example::
+
+    gm = annotate_costs(shape_prop(trace(model, args), args), get_device("h100"))
+    sum(COST.get(n).param_bytes for n in gm.graph.nodes)  # == model parameter bytes
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from cost_model.device import DeviceSpec
+from cost_model.flops import CREATION_OPS, VIEW_OPS, op_flops
+from cost_model.node_cost import NodeCost
+from cost_model.roofline import roofline_time
+from cost_model.saved import saved_rule
+from passes.graph_utils import copy_graph_module
+from passes.meta import COST, PARAMS, TENSOR
+from passes.shape_prop import TensorInfo, total_nbytes
+
+log = logging.getLogger("smp_fx.cost")
+_warned: set[str] = set()
+
+MODULE_OPS: dict[type, str] = {
+    nn.Linear: "linear", nn.Conv1d: "conv", nn.Conv2d: "conv", nn.Conv3d: "conv",
+    nn.BatchNorm1d: "batch_norm", nn.BatchNorm2d: "batch_norm", nn.BatchNorm3d: "batch_norm",
+    nn.LayerNorm: "layer_norm", nn.GroupNorm: "group_norm", nn.Embedding: "embedding",
+    nn.ReLU: "relu", nn.GELU: "gelu", nn.Tanh: "tanh", nn.Sigmoid: "sigmoid", nn.SiLU: "silu",
+    nn.Softmax: "softmax", nn.LogSoftmax: "log_softmax", nn.Dropout: "dropout",
+    nn.Identity: "identity", nn.Flatten: "flatten", nn.AdaptiveAvgPool1d: "adaptive_avg_pool",
+    nn.AdaptiveAvgPool2d: "adaptive_avg_pool", nn.AvgPool2d: "avg_pool",
+    nn.MaxPool2d: "max_pool", nn.LeakyReLU: "leaky_relu", nn.Hardtanh: "hardtanh",
+}
+
+ALIASES = {
+    "scaled_dot_product_attention": "sdpa", "native_layer_norm": "layer_norm",
+    "conv1d": "conv", "conv2d": "conv", "conv3d": "conv", "convolution": "conv",
+    "native_batch_norm": "batch_norm", "native_batch_norm_legit": "batch_norm",
+    "native_batch_norm_legit_functional": "batch_norm", "native_dropout": "dropout",
+    "adaptive_avg_pool1d": "adaptive_avg_pool", "adaptive_avg_pool2d": "adaptive_avg_pool",
+    "avg_pool2d": "avg_pool", "max_pool2d": "max_pool", "max_pool2d_with_indices": "max_pool",
+    "softmax_int": "softmax", "safe_softmax": "softmax", "split_tensor": "split",
+    "unsafe_view": "view", "contiguous": "contiguous", "sym_size_int": "sym_size",
+}
+COPY_OPS = frozenset({"contiguous", "clone", "_to_copy", "reshape"})
+"""View-like ops that copy when their input is not contiguous."""
+
+
+def op_name(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
+    """Canonical op name of a node (see ``cost_model.flops``)."""
+    if node.op in ("placeholder", "get_attr", "output"):
+        return node.op
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        for cls in type(mod).__mro__:
+            if cls in MODULE_OPS:
+                return MODULE_OPS[cls]
+        return f"module:{type(mod).__name__}"
+    target = node.target
+    if node.op == "call_method":
+        name = str(target)
+    elif isinstance(target, torch._ops.OpOverload):
+        name = target._schema.name.split("::")[-1]
+    elif target is operator.getitem:
+        name = "getitem"
+    else:
+        name = getattr(target, "__name__", str(target))
+    name = name.strip("_") if name not in ("_to_copy", "_unsafe_view") else name
+    return ALIASES.get(name, name)
+
+
+def _attrs(node: torch.fx.Node, op: str, gm: torch.fx.GraphModule) -> dict[str, Any]:
+    """What a formula needs beyond input shapes: module hyper-parameters, dropout p."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(node.target)
+        if op == "conv":
+            return {"weight": tuple(mod.weight.shape), "groups": mod.groups}
+        if op == "layer_norm":
+            return {"norm_dims": len(mod.normalized_shape)}
+        if op == "group_norm":
+            return {"groups": mod.num_groups}
+        if op in ("batch_norm",):
+            return {"training": mod.training}
+        if op == "dropout":
+            return {"p": mod.p, "training": mod.training}
+        return {}
+    args, kwargs = node.args, node.kwargs
+    if op == "layer_norm" and len(args) > 1:
+        return {"norm_dims": len(args[1]) if isinstance(args[1], (list, tuple)) else 1}
+    if op == "embedding" and node.op == "call_function":
+        return {"indices_pos": 1}
+    if op == "dropout":
+        p = args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+        training = args[2] if len(args) > 2 else kwargs.get("training", kwargs.get("train", True))
+        return {"p": p, "training": training}
+    if op == "conv" and len(args) > 6:
+        return {"groups": args[-1] if isinstance(args[-1], int) else 1}
+    return {}
+
+
+def _inputs(node: torch.fx.Node) -> list[Any]:
+    return list(node.args) + [v for v in node.kwargs.values() if isinstance(v, torch.fx.Node)]
+
+
+def _shape(value: Any) -> tuple[int, ...] | None:
+    if isinstance(value, torch.fx.Node):
+        info = TENSOR.get(value)
+        if isinstance(info, TensorInfo):
+            return info.shape
+    return None
+
+
+class _State:
+    """Walks the graph once, tracking grad-requirement, storage aliasing and first uses."""
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.gm = gm
+        self.rg: dict[str, bool] = {}
+        self.base: dict[str, tuple[str, Any]] = {}
+        self.counted: set[tuple[str, Any]] = set()
+        self.seen_params: set[int] = set()
+        self.nodes: dict[str, torch.fx.Node] = {n.name: n for n in gm.graph.nodes}
+
+    def tensor_of(self, name: str) -> torch.Tensor:
+        try:
+            return self.gm.get_parameter(name)
+        except AttributeError:
+            return self.gm.get_buffer(name)
+
+    def key_bytes(self, key: tuple[str, Any]) -> int:
+        node_name, idx = key
+        info = TENSOR.get(self.nodes[node_name])
+        if isinstance(idx, tuple):  # ("copy", bytes)
+            return int(idx[1])
+        if idx is not None and isinstance(info, tuple):
+            return total_nbytes(info[idx]) if idx < len(info) else 0
+        return total_nbytes(info)
+
+
+def _is_float(info: Any) -> bool:
+    return isinstance(info, TensorInfo) and (info.dtype.startswith("float")
+                                             or info.dtype.startswith("bfloat")
+                                             or info.dtype.startswith("complex"))
+
+
+def annotate_costs(gm: torch.fx.GraphModule, device: DeviceSpec,
+                   measured: Mapping[str, Sequence[float | None]] | None = None,
+                   ) -> torch.fx.GraphModule:
+    """A copy of ``gm`` with ``COST`` on every node; ``gm`` itself is not mutated.
+
+    ``measured`` maps node names to ``(fwd_s, bwd_s, saved_bytes or None)`` from
+    ``cost_model.measure``; those nodes get the measured numbers and ``measured=True``.
+    """
+    out = copy_graph_module(gm)
+    st = _State(out)
+    for node in out.graph.nodes:
+        COST.set(node, _node_cost(node, st, device, measured or {}))
+    return out
+
+
+def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
+               measured: Mapping[str, Sequence[float | None]]) -> NodeCost:
+    op = op_name(node, st.gm)
+    info = TENSOR.get(node)
+    out_bytes = total_nbytes(info)
+    params = [st.tensor_of(p) for p in PARAMS.get(node, ())]
+    params_rg = any(p.requires_grad for p in params)
+    in_nodes = _inputs(node)
+    in_rg = [st.rg.get(a.name, False) if isinstance(a, torch.fx.Node) else False
+             for a in in_nodes]
+    _track_alias(node, op, st)
+    if node.op == "get_attr":
+        st.rg[node.name] = params_rg
+        return NodeCost(op=op, output_bytes=out_bytes)
+    if node.op in ("placeholder", "output"):
+        st.rg[node.name] = False
+        return NodeCost(op=op, output_bytes=out_bytes if node.op == "placeholder" else 0)
+    st.rg[node.name] = (any(in_rg) or params_rg) and op not in CREATION_OPS \
+        and (_is_float(info) or isinstance(info, tuple))
+    param_bytes = 0
+    for p in params:
+        if id(p) not in st.seen_params:
+            st.seen_params.add(id(p))
+            param_bytes += p.numel() * p.element_size()
+    shapes = [_shape(a) for a in in_nodes]
+    out_shape = info.shape if isinstance(info, TensorInfo) else None
+    attrs = _attrs(node, op, st.gm)
+    flops = op_flops(op, shapes, out_shape, attrs)
+    rule = saved_rule(op, shapes, out_shape, attrs, in_rg, params_rg)
+    known = flops is not None and rule is not None
+    if not known and op not in _warned:
+        _warned.add(op)
+        log.warning("cost model: no formula for op %r (first seen at node %s); counting "
+                    "0 FLOPs and its output as saved", op, node.format_node())
+    fwd_flops, bwd_flops = flops if flops is not None else (0.0, 0.0)
+    saved = _saved_bytes(node, rule, in_nodes, st) if rule is not None else \
+        (out_bytes if st.rg[node.name] else 0)
+    moved = sum(st.key_bytes((a.name, None)) for a in in_nodes
+                if isinstance(a, torch.fx.Node)) + out_bytes
+    moved += sum(p.numel() * p.element_size() for p in params)
+    dtype = info.dtype if isinstance(info, TensorInfo) else "float32"
+    fwd_t = roofline_time(fwd_flops, moved, device, dtype) if fwd_flops or moved else 0.0
+    bwd_t = roofline_time(bwd_flops, 2 * moved, device, dtype) if st.rg[node.name] else 0.0
+    if op in VIEW_OPS:
+        fwd_t = bwd_t = 0.0
+    cost = NodeCost(fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_time_s=fwd_t,
+                    bwd_time_s=bwd_t, param_bytes=param_bytes, output_bytes=out_bytes,
+                    saved_bytes=saved, op=op, known=known)
+    if node.name in measured:
+        fwd_s, bwd_s, *mem = measured[node.name]
+        mem_bytes = mem[0] if mem and mem[0] is not None else saved
+        cost = NodeCost(fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_time_s=float(fwd_s),
+                        bwd_time_s=float(bwd_s), param_bytes=param_bytes,
+                        output_bytes=out_bytes, saved_bytes=int(mem_bytes), measured=True,
+                        op=op, known=known)
+    return cost
+
+
+def _contiguous(node: Any) -> bool:
+    info = TENSOR.get(node) if isinstance(node, torch.fx.Node) else None
+    return info.contiguous if isinstance(info, TensorInfo) else True
+
+
+def _track_alias(node: torch.fx.Node, op: str, st: _State) -> None:
+    """Record which stored value (node, tuple index) this node's output aliases."""
+    src = node.args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else None
+    own = (node.name, None)
+    if src is None or node.op not in ("call_function", "call_method", "call_module"):
+        st.base[node.name] = own
+        return
+    if op == "getitem" and isinstance(TENSOR.get(src), tuple):
+        if op_name(src, st.gm) in VIEW_OPS:  # split/chunk/unbind: alias the split's input
+            st.base[node.name] = st.base[src.name]
+        else:
+            idx = node.args[1] if isinstance(node.args[1], int) else None
+            st.base[node.name] = (src.name, idx)
+        return
+    if op == "dropout":
+        attrs = _attrs(node, op, st.gm)
+        if not attrs.get("training", True) or float(attrs.get("p", 0.5)) == 0.0:
+            op = "identity"  # dropout that is switched off returns its input
+    if op in COPY_OPS:
+        copies = op in ("clone", "_to_copy") or not _contiguous(src)
+        st.base[node.name] = own if copies else st.base[src.name]
+        return
+    if op in VIEW_OPS and op not in CREATION_OPS:
+        st.base[node.name] = st.base.get(src.name, (src.name, None))
+        return
+    st.base[node.name] = own
+
+
+def _saved_bytes(node: torch.fx.Node, rule: Any, in_nodes: list[Any], st: _State) -> int:
+    keys: list[tuple[str, Any]] = []
+    for pos in rule.inputs:
+        arg = in_nodes[pos] if pos < len(in_nodes) else None
+        if not isinstance(arg, torch.fx.Node):
+            continue
+        base = st.base.get(arg.name, (arg.name, None))
+        if st.nodes[base[0]].op == "get_attr":
+            continue  # parameters and buffers are not activations
+        op = op_name(node, st.gm)
+        if op in ("matmul", "bmm") and not _contiguous(arg):  # folded by a copying reshape
+            keys.append((node.name, ("copy", st.key_bytes((arg.name, None)), pos)))
+            continue
+        keys.append(base)
+    if rule.output:
+        keys.append(st.base.get(node.name, (node.name, None)))
+    total = rule.extra_bytes
+    for key in keys:
+        if key not in st.counted:
+            st.counted.add(key)
+            total += st.key_bytes(key)
+    return total

@@ -169,7 +169,7 @@ class Topology:
         rows = ["rank rdp_rank pp_rank tp_rank"]
         for r in range(self.world_size):
             pp, tp, rdp = self.coords(r)
-            rows.append(f"{r:<4} {rdp:<8} {pp:<7} {tp:<7}")
+            rows.append(f"{r:<4} {rdp:<8} {pp:<7} {tp}")
         return "\n".join(rows)
 
     # --- serialisation -----------------------------------------------------------------------

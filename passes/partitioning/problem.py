@@ -24,6 +24,7 @@ The objective (DESIGN.md "Partitioning") for stage ``s`` is
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -63,11 +64,31 @@ class DagProblem:
         return len(self.names)
 
     def succs(self) -> tuple[tuple[int, ...], ...]:
+        return self._succs
+
+    @functools.cached_property
+    def _succs(self) -> tuple[tuple[int, ...], ...]:
         out: list[list[int]] = [[] for _ in range(self.n)]
         for v, ps in enumerate(self.preds):
             for p in ps:
                 out[p].append(v)
         return tuple(tuple(sorted(set(s))) for s in out)
+
+    @functools.cached_property
+    def _flat(self) -> tuple[np.ndarray, ...]:
+        """CSR layout of consumers and readers, for vectorised evaluation."""
+        counts = np.fromiter((len(c) for c in self.val_consumers), dtype=np.int64,
+                             count=len(self.val_consumers))
+        flat = np.fromiter((c for cs in self.val_consumers for c in cs), dtype=np.int64,
+                           count=int(counts.sum()))
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        rcount = np.fromiter((len(r) for r in self.param_readers), dtype=np.int64,
+                             count=len(self.param_readers))
+        rflat = np.fromiter((r for rs in self.param_readers for r in rs), dtype=np.int64,
+                            count=int(rcount.sum()))
+        rparam = np.repeat(np.arange(len(self.param_readers)), rcount)
+        return (counts, flat, starts, np.asarray(self.val_producer, dtype=np.int64),
+                np.asarray(self.val_to_output, dtype=bool), rflat, rparam)
 
     def pin_array(self) -> np.ndarray:
         if not self.pins:
@@ -152,14 +173,20 @@ class Evaluation:
 
 def value_spans(problem: DagProblem, stage: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """First stage holding each value and the last stage needing it."""
+    stage = np.asarray(stage, dtype=np.int64)
     out_stage = int(max((stage[i] for i in problem.output_inputs), default=stage.max()))
-    first = np.empty(len(problem.val_producer), dtype=np.int64)
-    last = np.empty_like(first)
-    for v, (p, cons) in enumerate(zip(problem.val_producer, problem.val_consumers)):
-        cst = [int(stage[c]) for c in cons]
-        first[v] = stage[p] if p >= 0 else min(cst, default=out_stage)
-        hi = max(cst, default=first[v])
-        last[v] = max(hi, out_stage) if problem.val_to_output[v] else hi
+    counts, flat, starts, prod, to_out = problem._flat[:5]
+    nv = len(counts)
+    lo = np.full(nv, out_stage, dtype=np.int64)
+    hi = np.full(nv, -1, dtype=np.int64)
+    has = counts > 0
+    if flat.size:
+        cst = stage[flat]
+        lo[has] = np.minimum.reduceat(cst, starts[has])
+        hi[has] = np.maximum.reduceat(cst, starts[has])
+    first = np.where(prod >= 0, stage[np.maximum(prod, 0)], lo)
+    last = np.maximum(hi, first)
+    last = np.where(to_out, np.maximum(last, out_stage), last)
     return first, last
 
 
@@ -176,15 +203,14 @@ def evaluate(problem: DagProblem, stage: Sequence[int] | np.ndarray, obj: Object
     np.add.at(diff, first[keep], problem.val_bytes[keep])
     np.add.at(diff, last[keep], -problem.val_bytes[keep])
     comm_bytes = np.cumsum(diff)[:k]
-    param_s = np.zeros(k)
+    rflat, rparam = problem._flat[5:]
+    pairs = np.unique(rparam * k + st[rflat])  # each (parameter, owning stage) once
+    owner_param, owner_stage = pairs // k, pairs % k
+    param_s = np.bincount(owner_stage, weights=problem.param_bytes[owner_param], minlength=k)
     shared: dict[str, tuple[int, ...]] = {}
-    for name, nbytes, readers in zip(problem.param_names, problem.param_bytes,
-                                     problem.param_readers):
-        owners = tuple(sorted({int(st[r]) for r in readers}))
-        for o in owners:
-            param_s[o] += nbytes
-        if len(owners) > 1:
-            shared[name] = owners
+    nown = np.bincount(owner_param, minlength=len(problem.param_names))
+    for q in np.flatnonzero(nown > 1):
+        shared[problem.param_names[q]] = tuple(int(s) for s in owner_stage[owner_param == q])
     comm_t = np.array([obj.comm_time(b) if s < k - 1 and b > 0 else 0.0
                        for s, b in enumerate(comm_bytes)])
     cost = np.array([obj.stage_cost(s, time_s[s], comm_bytes[s], param_s[s], saved_s[s])
@@ -204,9 +230,12 @@ def chain_arrays(problem: DagProblem, order: Sequence[int], obj: Objective
     pos = np.empty(n, dtype=np.int64)
     pos[order] = np.arange(n)
     pmem = np.zeros(n)
-    for nbytes, readers in zip(problem.param_bytes, problem.param_readers):
-        if readers:
-            pmem[min(pos[r] for r in readers)] += nbytes
+    rflat, rparam = problem._flat[5:]
+    if rflat.size:
+        firstpos = np.full(len(problem.param_names), n, dtype=np.int64)
+        np.minimum.at(firstpos, rparam, pos[rflat])
+        keep = firstpos < n
+        np.add.at(pmem, firstpos[keep], problem.param_bytes[keep])
     work = obj.a * problem.time[order] + obj.b * obj.param_factor * pmem
     saved = obj.b * problem.saved[order]
     first, last = value_spans(problem, pos)  # positions act as stages of a 1-node chain

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from passes.partitioning.problem import DagProblem, Objective
+from passes.partitioning.problem import DagProblem, Objective, value_spans
 
 
 class _State:
@@ -46,10 +46,11 @@ class _State:
                                  default=self.st.max()))
         self.frozen = set(problem.output_inputs) | {
             i for i, pin in enumerate(problem.pins) if pin >= 0}
-        self.bytes = np.zeros(k)
-        for v in range(len(problem.val_producer)):
-            f, last = self._span(v)
-            self.bytes[f:last] += problem.val_bytes[v]
+        first, last = value_spans(problem, self.st)
+        diff = np.zeros(k + 1)
+        np.add.at(diff, first, problem.val_bytes)
+        np.add.at(diff, last, -problem.val_bytes)
+        self.bytes = np.cumsum(diff)[:k]
         self.cost = np.array([self._cost(s) for s in range(k)])
 
     def _span(self, v: int) -> tuple[int, int]:

@@ -78,6 +78,7 @@ from smp_fx.topology import Topology  # noqa: E402
 
 
 # --- manual partitioning and delayed initialization ---
+from smp_fx.delayed_init import delay_param_initialization  # noqa: E402,F401
 from smp_fx.manual import partition, set_partition  # noqa: E402
 
 # --- runtime: DistributedModel, DistributedOptimizer, step, StepOutput ---

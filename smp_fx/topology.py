@@ -149,8 +149,9 @@ class Topology:
         """Sorted global ranks of the ``axis`` group that contains ``rank``."""
         shared = _SHARED[_axis(axis)]
         mine = self.coords(rank)
-        return [r for r in range(self.world_size)
-                if all(self.coords(r)[i] == mine[i] for i in shared)]
+        sizes = (self.pp_size, self.tp_size, self.rdp_size)
+        choices = [(mine[i],) if i in shared else range(sizes[i]) for i in range(3)]
+        return sorted(self.rank_of(*c) for c in itertools.product(*choices))
 
     def group_rank(self, axis: str, rank: int) -> int:
         """Rank of ``rank`` inside its ``axis`` group (index in the sorted list)."""
@@ -158,11 +159,14 @@ class Topology:
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every ``axis`` group, ordered by smallest member: the creation order on all ranks."""
-        seen: dict[int, list[int]] = {}
-        for r in range(self.world_size):
-            g = self.group(axis, r)
-            seen.setdefault(g[0], g)
-        return [seen[k] for k in sorted(seen)]
+        covered: set[int] = set()
+        out: list[list[int]] = []
+        for r in range(self.world_size):  # ascending, so each group appears at its minimum
+            if r not in covered:
+                g = self.group(axis, r)
+                covered.update(g)
+                out.append(g)
+        return out
 
     def table(self) -> str:
         """The seed's table layout: one row per rank with rdp, pp and tp ranks."""

@@ -3,6 +3,7 @@ every group work, and SMP's object communication (send/recv_from/broadcast/allga
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -124,3 +125,31 @@ def test_single_process_in_process_pipeline() -> None:
     assert not smp.is_initialized()
     with pytest.raises(SMPRuntimeError, match="smp.init"):
         state.get()
+
+
+def _one_rank_skips_barrier(meeting: str) -> str:
+    import os
+    import time
+
+    # Meet before init so the short timeout below only has to cover the barrier itself.
+    me = int(os.environ["RANK"])
+    open(os.path.join(meeting, str(me)), "w").close()
+    deadline = time.monotonic() + 60
+    while len(os.listdir(meeting)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    smp.init({"pipeline_parallel_degree": 1})
+    if smp.rank() == 1:
+        time.sleep(4)  # never reaches the barrier while rank 0 waits
+        return "skipped"
+    try:
+        smp.barrier()
+    except smp.SMPTimeoutError as exc:
+        return str(exc)
+    return "no timeout"
+
+
+def test_barrier_timeout_names_what_it_waited_for(tmp_path: Path) -> None:
+    out = run_ranks(_one_rank_skips_barrier, 2, str(tmp_path), timeout=30,
+                    env={"SMP_FX_TIMEOUT_S": "2"})
+    assert out[1] == "skipped"
+    assert "timed out waiting for barrier(WORLD)" in out[0] and "rank 0" in out[0]

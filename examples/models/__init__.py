@@ -5,6 +5,7 @@ by path; ``load(name)`` is a convenience for tests and benchmarks."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -18,5 +19,6 @@ def load(name: str) -> ModuleType:
     if spec is None or spec.loader is None:
         raise ImportError(f"cannot load example model {name!r} from {path}")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look the module up by name
     spec.loader.exec_module(module)
     return module

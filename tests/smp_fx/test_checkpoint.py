@@ -214,7 +214,7 @@ SLOW_SAVE = textwrap.dedent("""
 
     f, partial = sys.argv[1], sys.argv[2] == "partial"
     ckpt.save({"w": torch.ones(3), "gen": 1}, f, partial=partial)
-    print("saved-first", flush=True)
+    open(f + ".first-done", "w").close()
     ckpt.save({"w": torch.zeros(3), "gen": 2, "slow": Slow()}, f, partial=partial)
 """)
 
@@ -228,7 +228,8 @@ def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path: Path, partial:
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
-        while not any(n.endswith(".tmp") for n in os.listdir(tmp_path)):
+        while not (os.path.exists(f + ".first-done")
+                   and any(n.endswith(".tmp") for n in os.listdir(tmp_path))):
             assert proc.poll() is None, proc.communicate()
             assert time.monotonic() < deadline, "the second save never started"
             time.sleep(0.05)

@@ -1,0 +1,253 @@
+"""The SMP state-dict methods of ``DistributedModel`` and ``DistributedOptimizer``, as mixins.
+
+Why mixins: the runtime classes own partitioning and stepping; checkpointing needs only a
+few of their facts, used duck-typed here so this module does not import them:
+
+* model: ``module`` (the unwrapped model), ``partitioned``, ``local_named_parameters()``,
+  ``local_named_buffers()`` (original FQNs), ``register_post_partition_hook(hook)``;
+* optimizer: ``optimizer`` (the wrapped torch optimizer; its param groups are narrowed to
+  the local parameters at partitioning), ``global_index`` (id of a held parameter -> its
+  index in the original flat parameter order), ``_localized``.
+
+The optimizer's full parameter order is captured in ``__new__``, before the runtime narrows
+the groups, so a full optimizer state is numbered exactly as the plain optimizer numbers it.
+Full state dicts are gathered over the pipeline group (never the world group), so calling
+``state_dict()`` on the ranks with ``dp_rank() == 0`` only, as the SMP docs say, cannot hang.
+
+Use (the runtime's classes)::
+
+    class DistributedModel(ModelCheckpointMixin, nn.Module): ...
+    class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer): ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.nn.modules.module import _IncompatibleKeys
+
+from cost_model.errors import SMPCheckpointError, not_implemented
+from smp_fx import comm
+from smp_fx import state as smp_state
+from smp_fx.state_dict import (
+    ModelLayout,
+    check_model_keys,
+    is_partial,
+    local_model_state_dict,
+    local_optimizer_state_dict,
+    merge_model_state_dicts,
+    merge_optimizer_state_dicts,
+    optimizer_state_by_name,
+    optimizer_state_to_torch,
+    select_model_state,
+)
+
+StateDict = dict[str, Any]
+
+
+def _gather_pipeline(local: Any) -> list[Any]:
+    """Every pipeline stage's ``local`` (one process per stage), or ``[local]`` in-process."""
+    if not smp_state.is_initialized():
+        return [local]
+    st = smp_state.get()
+    if st.in_process or len(st.group_ranks("pp")) == 1:
+        return [local]
+    if st.axis_size("tp") > 1:
+        raise not_implemented("full state dicts of tensor-parallel models",
+                              fix="save partial checkpoints (local_state_dict) instead")
+    return comm.allgather(local, comm.PP_GROUP)
+
+
+def _to_cpu(value: Any) -> Any:
+    """Detached CPU copies, so gathered state pickles without devices or autograd."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if isinstance(value, Mapping):
+        return type(value)((k, _to_cpu(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return [_to_cpu(v) for v in value]
+    return value
+
+
+class ModelCheckpointMixin:
+    """``local_state_dict`` / ``state_dict`` / ``load_state_dict`` for DistributedModel."""
+
+    module: torch.nn.Module
+    partitioned: bool
+
+    def _smp_layout(self) -> ModelLayout:
+        layout = self.__dict__.get("_smp_layout_cache")
+        if layout is None:
+            layout = ModelLayout.from_module(self.module)
+            self.__dict__["_smp_layout_cache"] = layout
+        return layout
+
+    def _smp_local_tensors(self) -> dict[str, torch.Tensor]:
+        tensors = dict(self.local_named_parameters())  # type: ignore[attr-defined]
+        tensors.update(self.local_named_buffers())  # type: ignore[attr-defined]
+        return tensors
+
+    def local_state_dict(self) -> StateDict:
+        """This rank's parameters and persistent buffers by FQN, with ``_smp_is_partial``."""
+        if not self.partitioned:
+            raise SMPCheckpointError.build(
+                "local_state_dict() needs the partitioned model", "partitioned=False",
+                where="DistributedModel.local_state_dict",
+                fix="call it after the first smp.step call, or use state_dict()")
+        return local_model_state_dict(self._smp_local_tensors(), self._smp_layout())
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> StateDict:  # type: ignore[override]
+        """The full model's state, exactly as the unwrapped model's ``state_dict()``.
+
+        Collective over the pipeline group once partitioned: call it on every rank with
+        ``smp.dp_rank() == 0`` (or on all ranks).
+        """
+        if args or kwargs:
+            raise SMPCheckpointError.build(
+                "DistributedModel.state_dict() takes no arguments", (args, kwargs),
+                fix="call model.state_dict(); use local_state_dict() for this rank's part")
+        if not self.partitioned:
+            return self.module.state_dict()
+        parts = _gather_pipeline(_to_cpu(self.local_state_dict()))
+        return merge_model_state_dicts(parts, self._smp_layout())
+
+    def load_state_dict(self, state_dict: Mapping[str, Any],  # type: ignore[override]
+                        strict: bool = True) -> Any:
+        """Load a full or partial state dict; before partitioning it is applied right after.
+
+        Tensors are matched by name (any tied alias), so partial state saved at another
+        pipeline degree loads as long as every local name is present.
+        """
+        if not self.partitioned:
+            pending = self.__dict__.get("_smp_pending_load")
+            self.__dict__["_smp_pending_load"] = (state_dict, strict)
+            if pending is None:
+                self.register_post_partition_hook(  # type: ignore[attr-defined]
+                    lambda model: model._smp_apply_pending())
+            return _IncompatibleKeys([], [])
+        return self._smp_load_now(state_dict, strict)
+
+    def _smp_apply_pending(self) -> None:
+        pending = self.__dict__.pop("_smp_pending_load", None)
+        if pending is not None:
+            self._smp_load_now(*pending)
+
+    def _smp_load_now(self, state_dict: Mapping[str, Any], strict: bool) -> Any:
+        layout = self._smp_layout()
+        partial = is_partial(state_dict)
+        missing: list[str] = []
+        unexpected: list[str] = []
+        if not partial:
+            missing, unexpected = check_model_keys(state_dict, layout)
+        local = {n: t for n, t in self._smp_local_tensors().items() if n in set(layout.keys)
+                 or any(a in set(layout.keys) for a in layout.names_of(n))}
+        chosen, local_missing = select_model_state(state_dict, list(local), layout)
+        if partial:
+            missing = local_missing
+        if strict and (missing or unexpected):
+            raise SMPCheckpointError.build(
+                "state dict does not match the model (strict=True)",
+                {"missing": missing[:10], "unexpected": unexpected[:10]},
+                where="DistributedModel.load_state_dict",
+                fix="load a state dict of this model, or pass strict=False")
+        with torch.no_grad():
+            for name, value in chosen.items():
+                target = local[name]
+                if tuple(target.shape) != tuple(value.shape):
+                    raise SMPCheckpointError.build(
+                        "shape of a loaded tensor differs from the model's",
+                        (tuple(value.shape), tuple(target.shape)), where=name,
+                        fix="load a checkpoint of the same model configuration")
+                target.copy_(value)
+        return _IncompatibleKeys(missing, unexpected)
+
+
+class OptimizerCheckpointMixin:
+    """``local_state_dict`` / ``state_dict`` / ``load_state_dict`` for DistributedOptimizer."""
+
+    optimizer: torch.optim.Optimizer
+    global_index: dict[int, int]
+
+    def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        self = super().__new__(cls)
+        self.__dict__["_smp_full_names"] = _full_group_names(optimizer,
+                                                             cls._smp_current_model())
+        return self
+
+    @staticmethod
+    def _smp_current_model() -> Any:
+        """The DistributedModel this optimizer belongs to (the last one created)."""
+        from smp_fx.model import current_model  # the runtime imports this module
+
+        return current_model()
+
+    def _smp_flat_names(self) -> list[str | None]:
+        return [n for g in self.__dict__["_smp_full_names"] for n in g]
+
+    def _smp_group_names(self, local: bool) -> list[list[str]]:
+        full = self.__dict__["_smp_full_names"]
+        names = full if not local else [
+            [self._smp_flat_names()[self.global_index[id(p)]] for p in g["params"]]
+            for g in self.optimizer.param_groups]
+        unnamed = [i for g in names for i, n in enumerate(g) if n is None]
+        if unnamed:
+            raise SMPCheckpointError.build(
+                "optimizer parameters that are not parameters of the DistributedModel "
+                "cannot be checkpointed by name", f"{len(unnamed)} parameter(s)",
+                where="DistributedOptimizer",
+                fix="create the model (smp.DistributedModel) before the optimizer, over its "
+                "parameters")
+        return names
+
+    def _smp_is_local(self) -> bool:
+        return bool(getattr(self, "_localized", False))
+
+    def local_state_dict(self) -> StateDict:
+        """This rank's optimizer state keyed by FQN, with ``_smp_is_partial``."""
+        return local_optimizer_state_dict(self.optimizer.state_dict(),
+                                          self._smp_group_names(local=True),
+                                          self._smp_group_names(local=False))
+
+    def state_dict(self) -> StateDict:
+        """The full optimizer state, as the plain optimizer on the unwrapped model has it."""
+        if not self._smp_is_local():
+            return self.optimizer.state_dict()
+        parts = _gather_pipeline(_to_cpu(self.local_state_dict()))
+        return merge_optimizer_state_dicts(parts)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load full (integer ids) or partial (FQN) state; deferred until partitioning."""
+        model = self._smp_current_model()
+        if not self._smp_is_local() and model is not None and not model.partitioned:
+            pending = self.__dict__.get("_smp_pending_load")
+            self.__dict__["_smp_pending_load"] = state_dict
+            if pending is None:
+                model.register_post_partition_hook(lambda m: self._smp_apply_pending())
+            return
+        self._smp_load_now(state_dict)
+
+    def _smp_apply_pending(self) -> None:
+        pending = self.__dict__.pop("_smp_pending_load", None)
+        if pending is not None:
+            self._smp_load_now(pending)
+
+    def _smp_load_now(self, state_dict: Mapping[str, Any]) -> None:
+        if not self._smp_is_local() and not is_partial(state_dict):
+            self.optimizer.load_state_dict(dict(state_dict))  # it is the plain optimizer
+            return
+        by_name = (dict(state_dict) if is_partial(state_dict)
+                   else optimizer_state_by_name(state_dict, self._smp_group_names(local=False)))
+        local = self._smp_group_names(local=self._smp_is_local())
+        self.optimizer.load_state_dict(optimizer_state_to_torch(by_name, local,
+                                                                require_complete=True))
+
+
+def _full_group_names(optimizer: torch.optim.Optimizer,
+                      model: Any) -> list[list[str | None]]:
+    """FQN of every parameter of ``optimizer`` in group order (None where it has none)."""
+    names: dict[int, str] = {}
+    if model is not None:
+        names = {id(p): n for n, p in model.module.named_parameters()}
+    return [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]

@@ -11,6 +11,7 @@ import torch
 
 from smp_fx.checkpoint import RankInfo, save_partial
 from smp_fx.cli.checkpoint import main
+from smp_fx.cli.main import main as smp_fx_main
 from smp_fx.state_dict import ModelLayout, local_model_state_dict, local_optimizer_state_dict
 from tests.smp_fx.test_checkpoint import run_ranks
 from tests.smp_fx.test_state_dict import (
@@ -70,7 +71,7 @@ def test_merge_produces_a_plain_torch_checkpoint(tmp_path: Path,
 def test_info_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     prefix = str(tmp_path / "checkpoint.pt")
     write_partial_checkpoint(prefix)
-    assert main(["info", prefix]) == 0
+    assert smp_fx_main(["checkpoint", "info", prefix]) == 0  # through the smp-fx dispatcher
     text = capsys.readouterr().out
     assert "pp=2" in text and "checkpoint.pt_1: mp_rank 1" in text
     assert main(["merge", str(tmp_path / "missing.pt"), "-o", str(tmp_path / "x.pt")]) == 1

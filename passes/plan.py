@@ -75,7 +75,12 @@ class MemoryBreakdown:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One pipeline stage. Times are per microbatch; ``time_s`` = compute + comm."""
+    """One pipeline stage. Times are per microbatch; ``time_s`` = compute + comm.
+
+    ``out_bytes`` is what crosses the boundary after this stage: every value produced on
+    this or an earlier stage and read on a later one (values are relayed stage to stage);
+    ``comm_time_s`` prices it. ``sent`` / ``received`` list the values by producer.
+    """
 
     index: int
     nodes: tuple[str, ...]
@@ -89,6 +94,7 @@ class StagePlan:
     bwd_time_s: float
     comm_time_s: float
     time_s: float
+    out_bytes: int
     memory: MemoryBreakdown
     received: tuple[BoundaryTensor, ...]
     sent: tuple[BoundaryTensor, ...]
@@ -226,13 +232,13 @@ def summarise_modules(paths: Sequence[str]) -> tuple[str, ...]:
     """Short, ordered names for a stage's modules: ``h.0`` .. ``h.3`` become ``h.[0-3]``.
 
     Each path is cut after its first numeric component (a layer of a ModuleList or
-    Sequential), else after two components; runs of consecutive layer indices under one
+    Sequential), else after three components; runs of consecutive layer indices under one
     parent are then merged.
     """
     heads: list[str] = []
     for path in paths:
         parts = path.split(".") if path else ["<root>"]
-        cut = next((i + 1 for i, part in enumerate(parts) if part.isdigit()), min(2, len(parts)))
+        cut = next((i + 1 for i, part in enumerate(parts) if part.isdigit()), min(3, len(parts)))
         head = ".".join(parts[:cut])
         if head not in heads:
             heads.append(head)
@@ -414,7 +420,8 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig, device: Any =
             fwd_flops=_r(sum(costs[n].fwd_flops for n in nodes)),
             bwd_flops=_r(sum(costs[n].bwd_flops for n in nodes)),
             fwd_time_s=_r(fwd_t), bwd_time_s=_r(bwd_t), comm_time_s=_r(comm_s),
-            time_s=_r(fwd_t + bwd_t + comm_s), memory=mem,
+            time_s=_r(fwd_t + bwd_t + comm_s), out_bytes=int(scored.stages[s].comm_bytes),
+            memory=mem,
             received=tuple(b for b in boundaries if s in b.consumers),
             sent=tuple(b for b in boundaries if b.producer == s),
             cost=_r(scored.stages[s].cost)))

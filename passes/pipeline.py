@@ -1,0 +1,201 @@
+"""``compile_model``: the one readable list of compile passes, from a module to a plan.
+
+DESIGN.md's data flow, in order::
+
+    trace -> shape_prop -> annotate_costs -> (assign_manual | auto_partition) -> build_plan
+
+Each pass is pure (its input GraphModule is not modified) and runs through
+``passes.runner``, which names, times and logs it and checks the ``smp.*`` metadata it
+requires and provides. ``smp.partition`` pins are honoured only with
+``auto_partition=False``, as in SMP (the contexts are ignored otherwise).
+``compare_baselines`` scores the reference partitioners on the same graph and costs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from cost_model import roofline
+from cost_model.device import DeviceSpec, get_device
+from cost_model.errors import SMPConfigError, SMPError
+from passes import meta
+from passes.annotate_costs import annotate_costs
+from passes.assign_manual import assign_manual
+from passes.auto_partition import partition_graph
+from passes.partition_config import PartitionConfig
+from passes.partitioning.baselines import BASELINES, run_baseline
+from passes.partitioning.extract import problem_from_graph, write_stages
+from passes.partitioning.problem import make_objective
+from passes.plan import PartitionPlan, build_plan
+from passes.runner import Pass, run_passes
+from passes.shape_prop import shape_prop
+from passes.trace import trace
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """The staged, costed graph and its plan (``gm`` carries every ``smp.*`` key)."""
+
+    gm: torch.fx.GraphModule
+    plan: PartitionPlan
+    device: DeviceSpec
+
+
+def resolve_device(device: str | DeviceSpec) -> DeviceSpec:
+    return device if isinstance(device, DeviceSpec) else get_device(device)
+
+
+def _announced(passes: Sequence[Pass], progress: Progress | None) -> list[Pass]:
+    """The passes, each reporting its name to ``progress`` before it runs."""
+    if progress is None:
+        return list(passes)
+
+    def wrap(p: Pass) -> Pass:
+        def fn(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+            progress(p.name)
+            return p.fn(gm)
+
+        return dataclasses.replace(p, fn=fn)
+
+    return [wrap(p) for p in passes]
+
+
+def first_microbatch(args: Sequence[Any], microbatches: int) -> tuple[Any, ...]:
+    """The first of ``microbatches`` equal parts of a batch (tensors split on dim 0).
+
+    Costs are per microbatch, so the compiler sees one microbatch, as ``smp.step`` runs
+    the model on one. Non-tensor arguments are passed through unchanged.
+    """
+    out = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor) and a.dim() > 0:
+            if a.shape[0] % microbatches:
+                raise SMPConfigError.build(
+                    "the batch dimension must be divisible by microbatches",
+                    tuple(a.shape), f"positional input {i} (microbatches={microbatches})",
+                    "use a batch size that is a multiple of microbatches")
+            a = a[: a.shape[0] // microbatches]
+        out.append(a)
+    return tuple(out)
+
+
+def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None,
+                  pconfig: PartitionConfig, *, device: str | DeviceSpec = "a100",
+                  frontend: str = "auto", pins: Mapping[str, int] | None = None,
+                  measured: Mapping[str, Sequence[float | None]] | None = None,
+                  leaf_modules: Sequence[Any] = (),
+                  progress: Progress | None = None) -> Compiled:
+    """Trace, cost and partition ``model`` for one microbatch ``(args, kwargs)``.
+
+    ``device`` names a ``cost_model.device`` spec (or is one): analytic costs and boundary
+    transfer times are computed for it. ``pins`` (module path -> stage, from
+    ``smp_fx.manual.pins_by_module_path``) apply when ``pconfig.auto_partition`` is false.
+    ``measured`` replaces analytic node costs (``cost_model.measure``). ``progress`` gets a
+    line before each pass (the CLI prints it on stderr).
+
+    >>> from passes.partition_config import PartitionConfig
+    >>> m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    >>> c = compile_model(m, (torch.randn(2, 4),), None, PartitionConfig(num_stages=2))
+    >>> len(c.plan.stages)
+    2
+    """
+    spec = resolve_device(device)
+    costed = analyse(model, args, kwargs, device=spec, frontend=frontend, measured=measured,
+                     leaf_modules=leaf_modules, progress=progress)
+    return partition(costed, pconfig, device=spec, pins=pins, progress=progress)
+
+
+def analyse(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None,
+            *, device: str | DeviceSpec = "a100", frontend: str = "auto",
+            measured: Mapping[str, Sequence[float | None]] | None = None,
+            leaf_modules: Sequence[Any] = (),
+            progress: Progress | None = None) -> torch.fx.GraphModule:
+    """The first half of ``compile_model``: trace -> shape_prop -> annotate_costs.
+
+    Separate so that one costed graph can be partitioned under many configurations.
+    """
+    spec = resolve_device(device)
+    kw = dict(kwargs or {})
+    passes = [
+        Pass("trace", lambda _: trace(model, tuple(args), kw, frontend, tuple(leaf_modules)),
+             (), (meta.MODULE_PATH, meta.PARAMS)),
+        Pass("shape_prop", lambda gm: shape_prop(gm, tuple(args), kw), (meta.MODULE_PATH,),
+             (meta.TENSOR,)),
+        Pass("annotate_costs", lambda gm: annotate_costs(gm, spec, measured), (meta.TENSOR,),
+             (meta.COST,)),
+    ]
+    # the front end turns the empty graph into the model's graph
+    empty = torch.fx.GraphModule(nn.Module(), torch.fx.Graph())
+    return run_passes(empty, _announced(passes, progress))
+
+
+def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
+              device: str | DeviceSpec = "a100", pins: Mapping[str, int] | None = None,
+              progress: Progress | None = None) -> Compiled:
+    """The second half of ``compile_model``: (assign_manual | auto_partition) -> build_plan.
+
+    ``costed`` (from ``analyse``) is not modified.
+    """
+    spec = resolve_device(device)
+    strategy = ["manual"]
+
+    def comm_time(nbytes: float) -> float:
+        return roofline.comm_time(nbytes, spec)
+
+    def auto(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        new, result = partition_graph(gm, pconfig, comm_time)
+        strategy[0] = result.strategy
+        return new
+
+    def manual(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        return assign_manual(gm, dict(pins or {}), pconfig.default_partition,
+                             pconfig.num_stages)
+
+    passes = [Pass("auto_partition", auto, (meta.COST,), (meta.STAGE,)) if pconfig.auto_partition
+              else Pass("assign_manual", manual, (meta.COST,), (meta.STAGE,))]
+    gm = run_passes(costed, _announced(passes, progress))
+    if progress is not None:
+        progress("build_plan")
+    plan = build_plan(gm, pconfig, spec, comm_time, strategy[0])
+    return Compiled(gm, plan, spec)
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    """A reference partitioner's plan on the same graph and costs (None: not applicable)."""
+
+    name: str
+    plan: PartitionPlan | None
+    error: str = ""
+
+
+def baseline_plans(compiled: Compiled) -> list[BaselineResult]:
+    """Every baseline of ``passes.partitioning.baselines`` as a full plan (same objective)."""
+    gm, cfg = compiled.gm, compiled.plan.config
+
+    def comm_time(nbytes: float) -> float:
+        return roofline.comm_time(nbytes, compiled.device)
+
+    problem = problem_from_graph(gm)
+    objective = make_objective(problem, cfg, comm_time)
+    out = []
+    for name in BASELINES:
+        try:
+            stage = run_baseline(name, problem, objective)
+        except SMPError as exc:  # a baseline that cannot handle this graph is reported
+            out.append(BaselineResult(name, None, f"{type(exc).__name__}: {exc}"))
+            continue
+        staged = write_stages(gm, dict(zip(problem.names, (int(s) for s in stage))))
+        out.append(BaselineResult(name, build_plan(staged, cfg, compiled.device, comm_time,
+                                                   name)))
+    return out
+

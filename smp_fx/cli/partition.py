@@ -1,0 +1,293 @@
+"""``smp-fx partition model.py``: make a partition plan offline and explain it.
+
+Why: choosing ``pipeline_parallel_degree``, ``memory_weight`` and ``microbatches`` is easier
+when one can see, without a cluster, which modules land on which stage, what each stage
+costs, where the bottleneck is, and how the plan compares with simpler partitioners. The
+command loads ``build_model()`` and ``example_inputs(batch_size)`` from a Python file, runs
+the compile passes (``passes.pipeline.compile_model``) with analytic costs for a named
+device, and prints a per-stage table.
+
+Example::
+
+    smp-fx partition examples/models/gpt.py --partitions 4 --microbatches 8 \\
+        --json plan.json --dot plan.dot --timeline plan.png --compare
+
+Costs are per microbatch: the inputs are built for ``--batch-size`` and split along their
+first dimension into ``--microbatches`` parts, as ``smp.step`` splits them; the plan is
+made for the first part. Bad input exits with status 2 and a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import contextlib
+import importlib.util
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+from torch import nn
+
+from cost_model.errors import SMPConfigError, SMPError
+from passes.partition_config import PartitionConfig
+from smp_fx.cli import render
+
+EXIT_BAD_INPUT = 2
+
+# command-line flag -> SMP configuration parameter
+_FLAG_TO_PARAM = {
+    "partitions": "pipeline_parallel_degree",
+    "memory_weight": "memory_weight",
+    "microbatches": "microbatches",
+    "pipeline": "pipeline",
+    "active_microbatches": "active_microbatches",
+    "auto_partition": "auto_partition",
+    "default_partition": "default_partition",
+}
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    """The ``partition`` argument parser (or fill the one a dispatcher made)."""
+    p = parser or argparse.ArgumentParser(
+        prog="smp-fx partition",
+        description="Partition a model into pipeline stages offline and explain the plan.")
+    p.add_argument("model", help="Python file defining build_model() and example_inputs()")
+    p.add_argument("--build-fn", default="build_model", help="model factory name")
+    p.add_argument("--inputs-fn", default="example_inputs",
+                   help="inputs factory name: f(batch_size) -> tuple of positional args")
+    p.add_argument("--build-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="keyword argument for the model factory (repeatable)")
+    p.add_argument("--inputs-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="extra keyword argument for the inputs factory (repeatable)")
+    p.add_argument("--meta", action="store_true",
+                   help="build the model on the meta device (no weight memory)")
+    p.add_argument("--config", metavar="CFG.JSON", help="SMP parameters as a JSON object")
+    p.add_argument("--partitions", type=int, help="pipeline_parallel_degree")
+    p.add_argument("--memory-weight", type=float)
+    p.add_argument("--microbatches", type=int)
+    p.add_argument("--pipeline", choices=("interleaved", "simple"))
+    p.add_argument("--active-microbatches", type=int)
+    p.add_argument("--auto-partition", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--default-partition", type=int)
+    p.add_argument("--optimizer-state-factor", type=float, default=2.0,
+                   help="optimizer state bytes per parameter byte (Adam: 2)")
+    p.add_argument("--batch-size", type=int,
+                   help="global batch for example_inputs (default: one sample per microbatch)")
+    p.add_argument("--frontend", choices=("auto", "fx", "export"), default="auto")
+    p.add_argument("--device", default="a100", help="device spec: h100, a100, v100 or cpu")
+    p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
+    p.add_argument("--dot", metavar="FILE", help="write the graph coloured by stage (dot)")
+    p.add_argument("--timeline", metavar="FILE.png", help="draw the simulated pipeline")
+    p.add_argument("--compare", action="store_true",
+                   help="score the baseline partitioners on the same costs")
+    p.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
+    return p
+
+
+def _literal(text: str) -> Any:
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+        return text
+
+
+def _key_values(items: Sequence[str], flag: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.isidentifier():
+            raise SMPConfigError.build(f"{flag} takes KEY=VALUE", item, flag,
+                                       f"write e.g. {flag} n_layer=4")
+        out[key] = _literal(value)
+    return out
+
+
+def load_model_file(path: str) -> ModuleType:
+    """Import a model file by path (it need not be on ``sys.path`` or in a package)."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"model file not found: {path}")
+    spec = importlib.util.spec_from_file_location(f"smp_fx_user_model_{file.stem}", file)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {path} as a Python module")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses and pickling look their module up here
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(spec.name, None)
+        raise
+    return module
+
+
+def _function(module: ModuleType, name: str, path: str) -> Callable[..., Any]:
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise SMPConfigError.build(f"the model file must define a function {name}()", fn,
+                                   path, f"define {name} or pass its name with --build-fn/"
+                                   "--inputs-fn")
+    return fn
+
+
+def smp_parameters(args: argparse.Namespace) -> dict[str, Any]:
+    """SMP parameters from ``--config`` overridden by the flags that were given."""
+    params: dict[str, Any] = {}
+    if args.config:
+        with open(args.config, encoding="utf-8") as fh:
+            try:
+                params = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise SMPConfigError.build("--config must hold a JSON object", args.config,
+                                           f"line {exc.lineno}", "fix the JSON") from exc
+        if not isinstance(params, dict):
+            raise SMPConfigError.build("--config must hold a JSON object",
+                                       type(params).__name__, args.config, "use {...}")
+    for flag, name in _FLAG_TO_PARAM.items():
+        value = getattr(args, flag)
+        if value is not None:
+            params.pop("partitions" if name == "pipeline_parallel_degree" else name, None)
+            params[name] = value
+    return params
+
+
+def partition_config(params: dict[str, Any], device: str,
+                     optimizer_state_factor: float) -> PartitionConfig:
+    """Validate SMP parameters as ``smp.init`` does and keep what the partitioner needs."""
+    from smp_fx.config import load_config
+
+    cfg = load_config(params, env={})
+    return PartitionConfig(
+        num_stages=cfg.pipeline_parallel_degree, memory_weight=float(cfg.memory_weight),
+        microbatches=cfg.microbatches, pipeline=cfg.pipeline,
+        active_microbatches=cfg.active_microbatches, auto_partition=cfg.auto_partition,
+        default_partition=cfg.default_partition,
+        optimizer_state_factor=optimizer_state_factor, device=device)
+
+
+def _call(fn: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> Any:
+    """Call a user factory; a signature mismatch is bad input, not a crash."""
+    try:
+        return fn(*args, **kwargs)
+    except TypeError as exc:
+        raise SMPConfigError.build(f"{fn.__name__}() could not be called with these arguments",
+                                   str(exc), where, "check --build-arg / --inputs-arg and the "
+                                   "function's signature") from exc
+
+
+def _inputs(fn: Callable[..., Any], batch_size: int, extra: dict[str, Any],
+            where: str) -> tuple[Any, ...]:
+    value = _call(fn, where, batch_size, **extra)
+    if isinstance(value, torch.Tensor):
+        value = (value,)
+    if not isinstance(value, (tuple, list)):
+        raise SMPConfigError.build("example_inputs must return a tuple of positional args",
+                                   type(value).__name__, where, "return (tensor, ...)")
+    return tuple(value)
+
+
+def compare_rows(compiled: Any) -> tuple[list[render.CompareRow], list[str]]:
+    """The plan and every baseline partitioner, scored by the plan's own objective, and a
+    note for each baseline that cannot partition this graph."""
+    from passes.pipeline import baseline_plans
+
+    plans = [(f"smp-fx ({compiled.plan.strategy})", compiled.plan)]
+    notes = []
+    for b in baseline_plans(compiled):
+        if b.plan is None:
+            notes.append(f"{b.name}: not applicable ({b.error.splitlines()[0]})")
+        else:
+            plans.append((b.name, b.plan))
+    rows = [render.CompareRow(name, tuple(s.cost for s in p.stages), p.objective,
+                              p.lower_bound, p.step_time_s) for name, p in plans]
+    return rows, notes
+
+
+class _Progress:
+    """Prints each compile step and its duration on stderr (silent with --quiet)."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.t0 = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        if not self.quiet:
+            print(f"[{time.perf_counter() - self.t0:6.2f}s] {message}", file=sys.stderr,
+                  flush=True)
+
+
+def run(args: argparse.Namespace, out: Any = None) -> int:
+    """Do the work of the command; errors propagate (``main`` turns them into exit 2)."""
+    from passes.pipeline import compile_model, first_microbatch
+
+    out = out or sys.stdout
+    progress = _Progress(args.quiet)
+    pconfig = partition_config(smp_parameters(args), args.device, args.optimizer_state_factor)
+    module = load_model_file(args.model)
+    build = _function(module, args.build_fn, args.model)
+    make_inputs = _function(module, args.inputs_fn, args.model)
+    batch = args.batch_size or pconfig.microbatches
+    if batch < 1 or batch % pconfig.microbatches:
+        raise SMPConfigError.build("the batch size must be divisible by microbatches", batch,
+                                   f"microbatches={pconfig.microbatches}",
+                                   "pick --batch-size as a multiple of --microbatches")
+    progress(f"building {args.build_fn}() from {args.model}" + (" on meta" if args.meta
+                                                                  else ""))
+    ctx = torch.device("meta") if args.meta else contextlib.nullcontext()
+    with ctx:
+        model = _call(build, args.model, **_key_values(args.build_arg, "--build-arg"))
+    if not isinstance(model, nn.Module):
+        raise SMPConfigError.build(f"{args.build_fn}() must return a torch.nn.Module",
+                                   type(model).__name__, args.model, "return the model")
+    inputs = _inputs(make_inputs, batch, _key_values(args.inputs_arg, "--inputs-arg"),
+                     args.model)
+    mb_args = first_microbatch(inputs, pconfig.microbatches)
+    pins = None
+    if not pconfig.auto_partition:
+        from smp_fx.manual import pins_by_module_path
+
+        pins = pins_by_module_path(model)
+    compiled = compile_model(model, mb_args, None, pconfig, device=args.device,
+                             frontend=args.frontend, pins=pins, progress=progress)
+    plan = compiled.plan
+    print(render.format_table(plan), file=out)
+    if args.compare:
+        progress("scoring baselines")
+        print("", file=out)
+        rows, notes = compare_rows(compiled)
+        print(render.format_compare(rows), file=out)
+        for note in notes:
+            print(note, file=out)
+    if args.json:
+        Path(args.json).write_text(plan.dumps(), encoding="utf-8")
+        progress(f"wrote {args.json}")
+    if args.dot:
+        Path(args.dot).write_text(render.to_dot(compiled.gm, plan), encoding="utf-8")
+        progress(f"wrote {args.dot}")
+    if args.timeline:
+        render.draw_timeline(plan.simulate(), args.timeline,
+                             f"{Path(args.model).stem}: {plan.config.num_stages} stages, "
+                             f"{plan.config.pipeline}, step {render.human_time(plan.step_time_s)}"
+                             f", bubble {plan.bubble_fraction:.1%}")
+        progress(f"wrote {args.timeline}")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point: ``smp-fx partition ...``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (SMPError, OSError, ImportError, SyntaxError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"smp-fx partition: error: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""Ways to look at a ``PartitionPlan``: a text table, Graphviz dot, a timeline picture.
+
+Kept apart from the command (``smp_fx.cli.partition``) so tests and notebooks can render a
+plan without argument parsing. Everything here only reads the plan (and the graph for dot).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch.fx
+
+from cost_model.simulate import FORWARD, SimResult
+from passes import meta
+from passes.plan import PartitionPlan
+
+# one fill colour per stage (colour-blind safe Okabe-Ito palette, cycled)
+STAGE_COLOURS = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00",
+                 "#CC79A7", "#999999")
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def human_count(n: float, suffix: str = "") -> str:
+    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}{suffix}"
+    return f"{n:.0f} {suffix}".rstrip()
+
+
+def human_time(s: float) -> str:
+    if s >= 1:
+        return f"{s:.3f} s"
+    if s >= 1e-3:
+        return f"{s * 1e3:.3f} ms"
+    return f"{s * 1e6:.1f} us"
+
+
+def _modules_cell(modules: Sequence[str], width: int = 36) -> str:
+    text = ", ".join(modules) or "-"
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]],
+           right: Sequence[bool]) -> list[str]:
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(header)]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if r else c.ljust(w)
+                         for c, w, r in zip(cells, widths, right)).rstrip()
+
+    return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
+
+
+def summary_line(plan: PartitionPlan) -> str:
+    """Objective, lower bound, their ratio, predicted step time and bubble, on one line."""
+    c = plan.config
+    return (f"objective {plan.objective:.4f}  lower bound {plan.lower_bound:.4f}  "
+            f"ratio {plan.ratio:.3f}  step {human_time(plan.step_time_s)} "
+            f"({c.pipeline}, {c.microbatches} microbatches)  bubble {plan.bubble_fraction:.1%}")
+
+
+def format_table(plan: PartitionPlan) -> str:
+    """The per-stage table the CLI prints; ``*`` marks the bottleneck stage."""
+    header = ["stage", "modules", "params", "param mem", "FLOPs", "time", "comm", "memory",
+              "in flight", "recv", "send", "cost"]
+    rows = []
+    for st in plan.stages:
+        mark = "*" if st.index == plan.bottleneck_stage else " "
+        rows.append([f"{mark}{st.index}", _modules_cell(st.modules), str(len(st.params)),
+                     human_bytes(st.param_bytes), human_count(st.flops, "F"),
+                     human_time(st.time_s), human_time(st.comm_time_s),
+                     human_bytes(st.memory.total), str(st.memory.in_flight),
+                     human_bytes(plan.stages[st.index - 1].out_bytes if st.index else 0),
+                     human_bytes(st.out_bytes),
+                     f"{st.cost:.4f}"])
+    right = [True, False] + [True] * 10
+    lines = [f"plan: {len(plan.stages)} stages on {plan.device.get('name')}, memory_weight "
+             f"{plan.config.memory_weight}, strategy {plan.strategy}"]
+    lines += _table(header, rows, right)
+    for sp in plan.shared_params:
+        lines.append(f"shared: {', '.join(sp.names)} ({human_bytes(sp.nbytes)}) on stages "
+                     f"{', '.join(map(str, sp.stages))}: {sp.handling}")
+    lines.append(f"* bottleneck stage {plan.bottleneck_stage}")
+    lines.append(summary_line(plan))
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True)
+class CompareRow:
+    """One strategy's partition under the plan's objective (for ``--compare``)."""
+
+    name: str
+    stage_costs: tuple[float, ...]
+    bottleneck: float
+    lower_bound: float
+    step_time_s: float | None = None
+
+
+def format_compare(rows: Sequence[CompareRow]) -> str:
+    """Strategies side by side: bottleneck, bottleneck / lower bound, per-stage costs."""
+    best = min(r.bottleneck for r in rows)
+    header = ["strategy", "bottleneck", "/ lower bound", "/ best", "step", "stage costs"]
+    body = [[r.name, f"{r.bottleneck:.4f}",
+             f"{r.bottleneck / r.lower_bound:.3f}" if r.lower_bound > 0 else "-",
+             f"{r.bottleneck / best:.3f}" if best > 0 else "-",
+             human_time(r.step_time_s) if r.step_time_s is not None else "-",
+             " ".join(f"{c:.3f}" for c in r.stage_costs)] for r in rows]
+    return "\n".join(_table(header, body, [False, True, True, True, True, False]))
+
+
+def _dot_id(name: str) -> str:
+    """A quoted dot string; newlines become dot's ``\\n`` line breaks."""
+    text = name.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{text}"'
+
+
+def to_dot(gm: torch.fx.GraphModule, plan: PartitionPlan) -> str:
+    """Graphviz dot text: one cluster per stage, boundary edges labelled with their bytes."""
+    stage_of = {name: st.index for st in plan.stages for name in st.nodes}
+    by_name = {n.name: n for n in gm.graph.nodes}
+    nbytes = {b.value: b.nbytes for st in plan.stages for b in st.sent}
+    lines = ["digraph plan {", "  rankdir=TB;", '  node [shape=box, style="rounded,filled", '
+             'fontname="Helvetica", fontsize=10];', "  edge [fontsize=9];"]
+    for st in plan.stages:
+        colour = STAGE_COLOURS[st.index % len(STAGE_COLOURS)]
+        lines.append(f"  subgraph cluster_stage{st.index} {{")
+        lines.append(f'    label="stage {st.index}: {human_time(st.time_s)}, '
+                     f'{human_bytes(st.memory.total)}"; style=dashed;')
+        for name in st.nodes:
+            node = by_name.get(name)
+            path = meta.MODULE_PATH.get(node, "") if node is not None else ""
+            label = f"{name}\n{path}" if path else name
+            lines.append(f'    {_dot_id(name)} [label={_dot_id(label)}, fillcolor="{colour}"];')
+        lines.append("  }")
+    for node in gm.graph.nodes:
+        for user in node.users:
+            a, b = stage_of.get(node.name), stage_of.get(user.name)
+            attrs = ""
+            if a is not None and b is not None and a != b:
+                size = nbytes.get(node.name)
+                if size is None:  # tuple outputs are listed per element
+                    size = sum(v for k, v in nbytes.items() if k.startswith(node.name + "["))
+                attrs = f' [label="{human_bytes(size)}", color=red, penwidth=2]'
+            lines.append(f"  {_dot_id(node.name)} -> {_dot_id(user.name)}{attrs};")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def draw_timeline(sim: SimResult, path: str, title: str = "") -> None:
+    """PNG of a simulated step: one row per stage, forward/backward coloured, mb numbers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.patches import Patch
+
+    stages = 1 + max((e.stage for e in sim.timeline), default=0)
+    fig, ax = plt.subplots(figsize=(12, 0.6 * stages + 1.6))
+    scale, unit = (1e3, "ms") if sim.step_time_s < 1 else (1.0, "s")
+    colours = {FORWARD: "#56B4E9", "B": "#E69F00"}
+    for e in sim.timeline:
+        start, width = e.start_s * scale, (e.end_s - e.start_s) * scale
+        ax.broken_barh([(start, width)], (e.stage - 0.4, 0.8),
+                       facecolors=colours[e.action.kind], edgecolors="black", linewidth=0.5)
+        if width > 0:
+            ax.text(start + width / 2, e.stage, str(e.action.microbatch), ha="center",
+                    va="center", fontsize=8, clip_on=True)
+    ax.set_yticks(range(stages))
+    ax.set_yticklabels([f"stage {s}" for s in range(stages)])
+    ax.invert_yaxis()
+    ax.set_xlabel(f"time ({unit})")
+    ax.set_xlim(0, sim.step_time_s * scale * 1.01 or 1.0)
+    ax.set_title(title or f"step {human_time(sim.step_time_s)}, bubble "
+                 f"{sim.bubble_fraction:.1%}")
+    ax.legend(handles=[Patch(color=colours[FORWARD], label="forward"),
+                       Patch(color=colours["B"], label="backward")],
+              loc="upper right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,136 @@
+"""``smp-fx partition``: the table, the files it writes, --compare, and bad input -> exit 2.
+
+The CLI runs in-process through ``main(argv)`` for speed; one test runs the installed
+console script in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from passes.plan import PartitionPlan
+from smp_fx.cli import main as cli_main
+from smp_fx.cli.partition import main
+
+ROOT = Path(__file__).resolve().parents[2]
+MODELS = ROOT / "examples" / "models"
+
+
+def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main([*argv, "--quiet"])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
+def test_table_for_four_partitions(capsys: pytest.CaptureFixture[str], name: str) -> None:
+    code, out, err = _run(capsys, str(MODELS / f"{name}.py"), "--partitions", "4",
+                          "--microbatches", "2", "--batch-size", "4")
+    assert code == 0, err
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("stage"))
+    rows = lines[header + 2: header + 6]
+    assert [r.split()[0].lstrip("*") for r in rows] == ["0", "1", "2", "3"]
+    assert sum(r.split()[0].startswith("*") for r in rows) == 1
+    for column in ("modules", "params", "FLOPs", "time", "memory", "recv", "send", "cost"):
+        assert column in lines[header]
+    summary = lines[-1]
+    for word in ("objective", "lower bound", "ratio", "step", "bubble"):
+        assert word in summary
+
+
+def test_json_dot_timeline_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plan_path, dot_path, png_path = tmp_path / "p.json", tmp_path / "p.dot", tmp_path / "t.png"
+    code, out, err = _run(capsys, str(MODELS / "gpt.py"), "--partitions", "2",
+                          "--microbatches", "4", "--batch-size", "8", "--pipeline", "simple",
+                          "--memory-weight", "0.2", "--json", str(plan_path), "--dot",
+                          str(dot_path), "--timeline", str(png_path))
+    assert code == 0, err
+    plan = PartitionPlan.loads(plan_path.read_text())
+    assert plan.config.num_stages == 2 and plan.config.pipeline == "simple"
+    assert plan.config.memory_weight == 0.2 and plan.config.microbatches == 4
+    assert f"objective {plan.objective:.4f}" in out
+    dot = dot_path.read_text()
+    assert dot.startswith("digraph plan {") and dot.rstrip().endswith("}")
+    assert "subgraph cluster_stage0" in dot and "subgraph cluster_stage1" in dot
+    assert "color=red" in dot  # a boundary edge, labelled with its bytes
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_config_file_and_flag_override(tmp_path: Path,
+                                       capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps({"partitions": 4, "microbatches": 2, "memory_weight": 0.5}))
+    out_json = tmp_path / "p.json"
+    code, _, err = _run(capsys, str(MODELS / "mlp.py"), "--config", str(cfg), "--partitions",
+                        "2", "--json", str(out_json), "--batch-size", "4")
+    assert code == 0, err
+    plan = json.loads(out_json.read_text())
+    assert plan["config"]["num_stages"] == 2 and plan["config"]["memory_weight"] == 0.5
+
+
+def test_manual_partition(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = _run(capsys, str(MODELS / "mlp_manual.py"), "--partitions", "2",
+                          "--no-auto-partition", "--default-partition", "1")
+    assert code == 0, err
+    assert "strategy manual" in out and "blocks.[0-2]" in out and "blocks.[3-4], head" in out
+
+
+def test_compare_lists_every_baseline(capsys: pytest.CaptureFixture[str]) -> None:
+    from passes.partitioning.baselines import BASELINES
+
+    code, out, err = _run(capsys, str(MODELS / "cnn.py"), "--partitions", "2", "--compare")
+    assert code == 0, err
+    table = out[out.index("strategy  "):].splitlines()
+    assert "/ lower bound" in table[0]
+    names = [line.split()[0] for line in table[2:] if line.strip()]
+    assert names[0] == "smp-fx"
+    for baseline in BASELINES:
+        assert baseline in out
+    ours = float(table[2].split()[2])
+    others = [float(line.split()[1]) for line in table[3:] if line.split()[0] in BASELINES]
+    assert others and all(ours <= o + 1e-9 for o in others)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["missing_model.py", "--partitions", "2"], "model file not found"),
+        (["{mlp}", "--partitions", "2", "--build-fn", "nope"], "must define a function nope"),
+        (["{mlp}"], "pipeline_parallel_degree"),
+        (["{mlp}", "--partitions", "2", "--microbatches", "3", "--batch-size", "4"],
+         "divisible by microbatches"),
+        (["{mlp}", "--partitions", "500"], "more partitions than compute nodes"),
+        (["{mlp}", "--partitions", "2", "--inputs-fn", "loss_fn"], "could not be called"),
+        (["{mlp}", "--partitions", "2", "--build-fn", "example_inputs"], "torch.nn.Module"),
+        (["{mlp}", "--partitions", "2", "--config", "/nonexistent/cfg.json"], "No such file"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str],
+                                          message: str) -> None:
+    argv = [a.replace("{mlp}", str(MODELS / "mlp.py")) for a in argv]
+    code, out, err = _run(capsys, *argv)
+    assert code == 2
+    errors = [line for line in err.splitlines() if line.startswith("smp-fx partition: error:")]
+    assert len(errors) == 1 and message in errors[0]
+    assert "Traceback" not in err
+
+
+def test_dispatch_and_console_script(tmp_path: Path) -> None:
+    assert "partition" in cli_main.COMMANDS
+    exe = Path(sys.executable).with_name("smp-fx")
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "smp_fx.cli.main"]
+    result = subprocess.run([*cmd, "partition", str(MODELS / "mlp.py"), "--partitions", "2",
+                             "--json", str(tmp_path / "p.json")], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 0, result.stderr
+    assert "bottleneck stage" in result.stdout
+    assert "trace" in result.stderr  # progress lines
+    assert (tmp_path / "p.json").exists()

@@ -179,10 +179,10 @@ def draw_timeline(sim: SimResult, path: str, title: str = "") -> None:
     ax.set_xlabel(f"time ({unit})")
     ax.set_xlim(0, sim.step_time_s * scale * 1.01 or 1.0)
     ax.set_title(title or f"step {human_time(sim.step_time_s)}, bubble "
-                 f"{sim.bubble_fraction:.1%}")
+                 f"{sim.bubble_fraction:.1%}", loc="left")
     ax.legend(handles=[Patch(color=colours[FORWARD], label="forward"),
                        Patch(color=colours["B"], label="backward")],
-              loc="upper right", fontsize=8)
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

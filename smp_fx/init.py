@@ -13,7 +13,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from cost_model.errors import SMPRuntimeError
+from cost_model.errors import SMPConfigError, SMPRuntimeError
 from smp_fx import launch, state
 from smp_fx.config import ConfigSource, SMPConfig, load_config, resolve_topology
 
@@ -35,6 +35,11 @@ def init(config: ConfigSource = None, backend: str | None = None) -> None:
     topology, in_process = resolve_topology(cfg, info.world_size)
     if info.launcher == "existing":
         chosen = str(dist.get_backend())
+        if backend is not None and backend.lower() != chosen:
+            raise SMPConfigError.build(
+                "torch.distributed is already initialised with another backend",
+                {"requested": backend, "existing": chosen}, "smp.init(backend=...)",
+                "drop backend= to reuse the existing process group")
     else:
         chosen = launch.choose_backend(backend)
     if state.is_initialized():

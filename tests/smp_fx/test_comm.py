@@ -87,11 +87,26 @@ def test_eight_ranks_ptd_seed_table() -> None:
     assert out[3]["local"] == (3, 8)
 
 
-def test_four_ranks_spread() -> None:
+def _as_mpirun(config: dict[str, Any], table: dict[int, tuple[int, int, int]]
+               ) -> dict[str, Any]:
+    """Rewrite the torchrun environment into Open MPI's, without MASTER_ADDR (so smp.init
+    takes the mpirun path and joins through tcp://127.0.0.1:MASTER_PORT)."""
+    import os
+
+    for ours, ompi in (("RANK", "RANK"), ("WORLD_SIZE", "SIZE"), ("LOCAL_RANK", "LOCAL_RANK"),
+                       ("LOCAL_WORLD_SIZE", "LOCAL_SIZE")):
+        os.environ[f"OMPI_COMM_WORLD_{ompi}"] = os.environ.pop(ours)
+    del os.environ["MASTER_ADDR"]
+    out = _check_rank(config, table)
+    assert state.get().launch.launcher == "mpirun"
+    return out
+
+
+def test_four_ranks_spread_under_mpirun_env() -> None:
     # spread (TPD) with pp = 2, rdp = 2: ranks 0,1 are stage 0, ranks 2,3 stage 1.
     table = {0: (0, 0, 0), 1: (1, 0, 0), 2: (0, 1, 0), 3: (1, 1, 0)}
     cfg = {"partitions": 2, "ddp": True, "placement_strategy": "spread"}
-    out = run_ranks(_check_rank, 4, cfg, table, timeout=90)
+    out = run_ranks(_as_mpirun, 4, cfg, table, timeout=90)
     assert [o["got"] for o in out] == [None, ("from", 0), None, ("from", 2)]
 
 

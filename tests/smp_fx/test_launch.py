@@ -83,6 +83,11 @@ def test_reuses_user_process_group_and_leaves_it() -> None:
         smp.init({"pipeline_parallel_degree": 1, "ddp": True})
         st = state.get()
         assert st.launch.launcher == "existing" and not st.owns_default_group
+        state._reset()
+        with pytest.raises(SMPConfigError, match="another backend"):
+            smp.init({"pipeline_parallel_degree": 1}, backend="nccl")
+        smp.init({"pipeline_parallel_degree": 1, "ddp": True})
+        st = state.get()
         assert st.backend == "gloo" and st.device == (torch.device("cuda", 0)
                                                       if torch.cuda.is_available()
                                                       else torch.device("cpu"))

@@ -9,8 +9,10 @@ activation cost ``saved`` (scaled per stage by the microbatches in flight), and 
 the cost of sending what is live across cut ``j`` (``comm[n] = 0``: the last stage sends
 nothing). Because ``C_s = W + inflight[s] * S`` is non-decreasing, for a fixed end ``j`` the
 starts ``i`` that keep the stage under a bottleneck ``B`` form a suffix
-``i >= lo_s(j)``: the feasibility of ``B`` is one vectorised sweep over stages with a
-``searchsorted`` per stage, restricted to the band of ends the previous stage can reach.
+``i >= lo_s(j)``: ``j`` is a feasible end iff the latest reachable start before it is one
+of them, i.e. iff the cheapest stage ending at ``j`` costs <= ``B``. The feasibility of
+``B`` is one vectorised sweep over stages, restricted to the band of ends the previous
+stage can reach and the ends from which the rest still fits in the remaining stages.
 
 The bottleneck is found by parametric search: ``B`` is bisected between a lower bound and
 the achieved maximum of the best partition found so far, which is always a real stage
@@ -114,36 +116,53 @@ def _pin_windows(pins: FloatArray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _check(bound: float, prefixes: list[FloatArray], comm: FloatArray, k: int,
-           j0: np.ndarray, j1: np.ndarray, least: FloatArray) -> list[_Band] | None:
-    """Bands of reachable stage ends if every stage can stay <= ``bound``, else None.
+           j0: np.ndarray, j1: np.ndarray, least: FloatArray
+           ) -> tuple[list[_Band] | None, float]:
+    """Bands of reachable stage ends if every stage can stay <= ``bound``.
 
-    ``least`` is the prefix of node costs at their cheapest stage: what is left after an
-    end ``j`` must fit in the remaining stages, which keeps the band of ends narrow.
+    When ``bound`` is infeasible it returns ``(None, t)``: no bound below ``t`` is feasible,
+    because ``t`` is the least value at which any end rejected so far would be accepted
+    (ends only ever get accepted as the bound grows). Probing ``t`` next often hits the
+    optimum exactly. ``least`` is the prefix of node costs at their cheapest stage: what
+    is left after an end ``j`` must fit in the remaining stages, which narrows the band.
     """
     n = len(comm) - 1
     bands: list[_Band] = [_Band(0, np.zeros(1, dtype=np.int64))]
     first, last = 0, 0
+    nxt = np.inf
     for s in range(k):
         cs = prefixes[s]
-        rest = least[n] - (k - 1 - s) * bound * (1.0 + 1e-12)
-        lo = max(first + 1, int(j0[s]), n if s == k - 1 else 0,
-                 int(np.searchsorted(least, rest, side="left")))
-        hi = min(n - (k - 1 - s), int(j1[s]))
-        hi = min(hi, int(np.searchsorted(cs, cs[last] + bound, side="right")) - 1)
+        left = k - 1 - s
+        lo = max(first + 1, int(j0[s]), n if s == k - 1 else 0)
+        if left:
+            scale = left * (1.0 + 1e-12)
+            lo_rest = int(np.searchsorted(least, least[n] - scale * bound, side="left"))
+            if lo_rest > lo:
+                lo = lo_rest
+                nxt = min(nxt, float(least[n] - least[lo - 1]) / scale)
+        hi = min(n - left, int(j1[s]))
+        hi_cost = int(np.searchsorted(cs, cs[last] + bound, side="right")) - 1
+        if hi_cost < hi:
+            hi = hi_cost
+            nxt = min(nxt, float(cs[hi + 1] - cs[last]))
         if lo > hi:
-            return None
+            return None, nxt
         js = np.arange(lo, hi + 1)
-        lo_i = np.searchsorted(cs, cs[js] + comm[js] - bound, side="left")
         prev = bands[-1]
         idx = np.minimum(js - 1 - prev.start, len(prev.last_reach) - 1)
-        ok = prev.last_reach[idx] >= lo_i
+        start = prev.last_reach[idx]  # latest reachable start: the cheapest stage ending at j
+        cost = cs[js] + comm[js] - cs[np.maximum(start, 0)]
+        ok = (cost <= bound) & (start >= 0)
+        over = cost[(~ok) & (start >= 0)]
+        if over.size:
+            nxt = min(nxt, float(over.min()))
         if not ok.any():
-            return None
+            return None, nxt
         pos = np.where(ok, js, -1)
         bands.append(_Band(lo, np.maximum.accumulate(pos)))
         hits = np.flatnonzero(ok)
         first, last = lo + int(hits[0]), lo + int(hits[-1])
-    return bands
+    return bands, nxt
 
 
 def _backtrack(bands: list[_Band], n: int, k: int) -> tuple[int, ...]:
@@ -188,37 +207,41 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
     def achieved(cuts: tuple[int, ...]) -> float:
         return float(stage_costs(cuts, w, sv, cm, infl).max())
 
-    lo = lower_bound(w, k, sv, infl) * (1.0 - 1e-12)
+    lo = lower_bound(w, k, sv, infl) * (1.0 - 1e-12)  # always a lower bound on the optimum
     if np.any(pn >= 0):
         top = float(max(p[-1] for p in prefixes) + cm.max()) * 2.0 + 1.0
-        bands = _check(top, prefixes, cm, k, j0, j1, least)
-        if bands is None:
+        if _check(top, prefixes, cm, k, j0, j1, least)[0] is None:
             raise SMPPartitionError.build(
                 "the pinned nodes cannot be kept on their stages with contiguous stages",
                 f"pins at positions {np.flatnonzero(pn >= 0)[:8].tolist()}",
                 fix="pin in execution order (earlier modules on lower stages)")
-    else:
-        bound = max(lo, 1e-300)
-        bands = _check(bound, prefixes, cm, k, j0, j1, least)
-        while bands is None:
-            lo = bound
-            bound *= 1.5
-            bands = _check(bound, prefixes, cm, k, j0, j1, least)
-    best = _backtrack(bands, n, k)
-    value = achieved(best)
-    for _ in range(200):
-        if value - lo <= rtol * value:
+    best: tuple[int, ...] | None = None
+    value = np.inf
+    excess = 0.5 * rtol  # gallop up from the lower bound: optima are often within a hair
+    probe = max(lo, 1e-300) * (1.0 + excess)
+    threshold_next = False
+    for _ in range(400):
+        bands, nxt = _check(probe, prefixes, cm, k, j0, j1, least)
+        if bands is not None:
+            cand = _backtrack(bands, n, k)
+            cval = achieved(cand)
+            if cval < value:
+                best, value = cand, cval
+            else:  # rounding: the sweep accepted the probe, the direct sums disagree
+                lo = max(lo, probe)
+            threshold_next = False
+        else:
+            lo = max(lo, probe, nxt * (1.0 - 4e-16) if np.isfinite(nxt) else probe)
+            threshold_next = not threshold_next and bool(np.isfinite(nxt))
+        if best is not None and value - lo <= rtol * value:
             break
-        mid = 0.5 * (lo + value)
-        bands = _check(mid, prefixes, cm, k, j0, j1, least)
-        if bands is None:
-            lo = mid
-            continue
-        cand = _backtrack(bands, n, k)
-        cval = achieved(cand)
-        if cval < value:
-            best, value = cand, cval
-        else:  # rounding: the sweep accepted mid but the direct sums say otherwise
-            lo = mid
+        if threshold_next and nxt < value:
+            probe = nxt  # the next value at which anything changes: maybe the optimum
+        elif best is None:
+            excess = min(excess * 16.0, 0.5) if excess < 0.5 else excess * 2.0
+            probe = max(lo, 1e-300) * (1.0 + excess)
+        else:
+            probe = 0.5 * (lo + value)
+    assert best is not None
     costs = stage_costs(best, w, sv, cm, infl)
     return ChainSolution(best, float(costs.max()), tuple(float(c) for c in costs))

@@ -1,0 +1,63 @@
+"""Partitioner speed: a 10,000-node chain into 64 stages (< 0.1 s) and a 10,000-node DAG
+(< 1 s). Prints medians over repeated runs on one core.
+
+* ``chain.solve`` alone: the exact parametric search on prepared cost arrays.
+* ``chain, full``: ``solve_problem`` on a chain ``DagProblem`` with the graph order only
+  (cost layout + solve + refinement), what ``auto_partition`` does per order.
+* ``DAG``: ``solve_problem`` with all three orders, chain solves and refinement.
+
+Run: ``.venv/bin/python benchmarks/partition_speed.py``
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from passes.auto_partition import solve_problem
+from passes.partition_config import PartitionConfig
+from passes.partitioning import chain
+from passes.partitioning.problem import chain_arrays, make_objective
+from passes.partitioning.synthetic import random_chain, random_dag
+
+
+def median_time(repeat: int, fn: Callable[..., object], *args: object, **kwargs: object
+                ) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn(*args, **kwargs)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> int:
+    rng = np.random.default_rng(0)
+    ok = True
+    print(f"{'case':38s} {'n':>6s} {'k':>3s} {'median s':>9s} {'target':>7s}")
+    for kind in ("uniform", "heavy_tailed", "embedding_blocks_head"):
+        problem = random_chain(10_000, kind, rng)
+        obj = make_objective(problem, PartitionConfig(num_stages=64, microbatches=8))
+        work, saved, comm = chain_arrays(problem, np.arange(problem.n), obj)
+        infl = np.asarray(obj.inflight, dtype=float)
+        t = median_time(7, chain.solve, work, 64, saved=saved, comm=comm, inflight=infl)
+        ok &= t < 0.1
+        print(f"{'chain.solve ' + kind:38s} {problem.n:6d} {64:3d} {t:9.4f} {'0.1':>7s}")
+        t = median_time(3, solve_problem, problem, obj, orders=("graph",))
+        print(f"{'chain, full ' + kind:38s} {problem.n:6d} {64:3d} {t:9.4f} {'-':>7s}")
+    for k in (8, 64):
+        problem = random_dag(10_000, rng, width=4)
+        obj = make_objective(problem, PartitionConfig(num_stages=k, microbatches=8))
+        t = median_time(3, solve_problem, problem, obj)
+        ok &= t < 1.0
+        print(f"{'DAG (3 orders + refine)':38s} {problem.n:6d} {k:3d} {t:9.4f} {'1.0':>7s}")
+    print("all targets met" if ok else "TARGET MISSED")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

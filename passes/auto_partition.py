@@ -33,7 +33,7 @@ from passes import meta
 from passes.partition_config import PartitionConfig
 from passes.partitioning import chain
 from passes.partitioning.extract import COMPUTE_OPS, problem_from_graph, write_stages
-from passes.partitioning.order import ORDERS, topological_order
+from passes.partitioning.order import ORDERS, PIN_ORDER, topological_order
 from passes.partitioning.problem import (
     DagProblem,
     Evaluation,
@@ -115,6 +115,8 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
             f"partitions={k}, compute nodes={n}",
             fix=f"use at most {n} partitions, or trace with fewer leaf modules")
     pins = problem.pin_array()
+    if np.any(pins >= 0) and PIN_ORDER not in orders:
+        orders = (*orders, PIN_ORDER)
     best: tuple[float, np.ndarray, str] | None = None
     failure: SMPPartitionError | None = None
     for kind in orders:

@@ -10,7 +10,9 @@ the best, because none wins everywhere:
 * ``"min_live"``: at every step runs the ready node that adds the fewest live bytes
   (bytes it produces minus inputs it frees), a greedy register-pressure heuristic.
 
-All are deterministic: ties break by node index.
+All are deterministic: ties break by node index. With pins, ``"pins"`` (list scheduling
+by the latest stage a node may go to, then the earliest it must go to) gives an order in
+which every pin can be honoured by contiguous stages whenever any order can.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from cost_model.errors import SMPPartitionError
 from passes.partitioning.problem import DagProblem
 
 ORDERS = ("graph", "dfs", "min_live")
+PIN_ORDER = "pins"
 
 
 def topological_order(problem: DagProblem, kind: str) -> np.ndarray:
@@ -68,8 +71,29 @@ def topological_order(problem: DagProblem, kind: str) -> np.ndarray:
                 indeg[u] -= 1
                 if indeg[u] == 0:
                     heapq.heappush(heap, key(u))
+    elif kind == PIN_ORDER:
+        pins = problem.pin_array()
+        big = int(pins.max()) + 1 if n else 0
+        lo = np.where(pins >= 0, pins, 0)
+        for v in range(n):  # the earliest stage v may go to: its pinned ancestors'
+            for p in problem.preds[v]:
+                lo[v] = max(lo[v], lo[p])
+        hi = np.where(pins >= 0, pins, big)
+        for v in range(n - 1, -1, -1):  # the latest: its pinned descendants'
+            for u in succs[v]:
+                hi[v] = min(hi[v], hi[u])
+        heap = [(int(hi[v]), int(lo[v]), v) for v in range(n) if indeg[v] == 0]
+        heapq.heapify(heap)
+        while heap:
+            v = heapq.heappop(heap)[2]
+            out.append(v)
+            for u in succs[v]:
+                indeg[u] -= 1
+                if indeg[u] == 0:
+                    heapq.heappush(heap, (int(hi[u]), int(lo[u]), u))
     else:
-        raise SMPPartitionError.build("unknown topological order", kind, fix=f"use {ORDERS}")
+        raise SMPPartitionError.build("unknown topological order", kind,
+                                      fix=f"use {(*ORDERS, PIN_ORDER)}")
     if len(out) != n:
         raise SMPPartitionError.build("the compute graph has a cycle", f"{len(out)} of {n}",
                                       fix="partition an fx graph (always acyclic)")

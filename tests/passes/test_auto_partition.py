@@ -101,6 +101,26 @@ def test_pins_are_respected() -> None:
     assert all(st[name] == s for name, s in pinned.items())
 
 
+def test_pins_that_the_graph_order_cannot_honour() -> None:
+    # graph order runs branch a before branch b; b_0 pinned to 0 and a_2 to 1 needs b first
+    gm = two_branch()
+    pinned = {"b_0": 0, "a_2": 1, "head": 1}
+    for n in gm.graph.nodes:
+        if n.name in pinned:
+            meta.PIN.set(n, pinned[n.name])
+    new, result = partition_graph(gm, PartitionConfig(num_stages=2))
+    assert_valid(new, 2)
+    st = stages_of(new)
+    assert all(st[name] == s for name, s in pinned.items())
+    bad = {"b_0": 1, "b_1": 0}  # b_1 reads b_0: no contiguous plan exists
+    gm = two_branch()
+    for n in gm.graph.nodes:
+        if n.name in bad:
+            meta.PIN.set(n, bad[n.name])
+    with pytest.raises(SMPPartitionError, match="pinned"):
+        partition_graph(gm, PartitionConfig(num_stages=2))
+
+
 def test_deterministic() -> None:
     cfg = PartitionConfig(num_stages=3, microbatches=4)
     a = partition_graph(tiny_gpt(), cfg)

@@ -70,7 +70,7 @@ def saved_rule(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
         return SavedRule(output=True)
     if op in SAVES_INPUT:
         extra = 8 * numel(output) if op == "max_pool" else 0  # int64 argmax indices
-        return SavedRule(inputs=tensor[:1], extra_bytes=extra)
+        return SavedRule(inputs=tuple(tensor[:1]), extra_bytes=extra)
     if op in ("linear", "conv"):
         weight_grad = params_require_grad or (len(rg) > 1 and rg[1])
         return SavedRule(inputs=(0,) if weight_grad and tensor[:1] == [0] else ())
@@ -89,7 +89,7 @@ def saved_rule(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
         keep = (b,) if not rg[b] else (a, b)
         return SavedRule(inputs=keep)
     if op == "where":  # where(cond, a, b): the boolean condition
-        return SavedRule(inputs=tensor[:1])
+        return SavedRule(inputs=tuple(tensor[:1]))
     if op == "masked_fill":  # masked_fill(x, mask, value): the mask
         return SavedRule(inputs=tuple(tensor[1:2]))
     if op == "embedding":  # embedding(indices) as a module, or aten embedding(weight, idx)

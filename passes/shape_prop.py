@@ -15,6 +15,7 @@ Example::
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +26,8 @@ from torch.utils import _pytree as pytree
 
 from cost_model.errors import SMPTracingError
 from passes.meta import TENSOR
+
+log = logging.getLogger("smp_fx.passes.shape_prop")
 
 
 @dataclass(frozen=True)
@@ -61,11 +64,13 @@ ValueInfo = Any
 
 
 def value_info(value: Any) -> ValueInfo:
-    """``TensorInfo`` for tensors, tuples of them for sequences, ``None`` for the rest."""
+    """``TensorInfo`` for tensors, tuples of them for sequences holding tensors, ``None``
+    for everything else (sizes, ints, tensor-free tuples)."""
     if isinstance(value, torch.Tensor):
         return TensorInfo.of(value)
-    if isinstance(value, (tuple, list)):
-        return tuple(value_info(v) for v in value)
+    if isinstance(value, (tuple, list)) and not isinstance(value, torch.Size):
+        infos = tuple(value_info(v) for v in value)
+        return infos if any(i is not None for i in infos) else None
     return None
 
 
@@ -102,6 +107,8 @@ class _FakeProp(torch.fx.Interpreter):
         return super().fetch_attr(target)
 
     def call_module(self, target: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not self.state:
+            return super().call_module(target, args, kwargs)
         submod = self.module.get_submodule(target)
         prefix = f"{target}."
         sub_state = {k[len(prefix):]: v for k, v in self.state.items() if k.startswith(prefix)}
@@ -137,13 +144,19 @@ def _fake(t: torch.Tensor, mode: FakeTensorMode, device: torch.device) -> torch.
 
 
 def shape_prop(gm: torch.fx.GraphModule, args: tuple[Any, ...] = (),
-               kwargs: dict[str, Any] | None = None,
-               device: str | torch.device = "cpu") -> torch.fx.GraphModule:
+               kwargs: dict[str, Any] | None = None, device: str | torch.device = "cpu",
+               allow_real_run: bool = True) -> torch.fx.GraphModule:
     """Return a copy of ``gm`` with ``TENSOR`` set on every node; ``gm`` is not mutated.
 
     ``args``/``kwargs`` may be real or meta tensors (or containers of them); meta tensors,
     meta parameters and meta buffers are treated as living on ``device``. Nothing is
     allocated: values are fake tensors throughout.
+
+    A leaf with data-dependent control flow cannot run on fake tensors. Then, if
+    ``allow_real_run`` and every input, parameter and buffer is real, one real forward
+    (``torch.no_grad``) supplies the shapes instead, as SMP's tracing step does; values
+    are only measured, never changed. With meta weights, or ``allow_real_run=False``
+    (``skip_tracing``), the ``SMPTracingError`` is raised.
     """
     from passes.graph_utils import copy_graph_module
 
@@ -153,10 +166,19 @@ def shape_prop(gm: torch.fx.GraphModule, args: tuple[Any, ...] = (),
     leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs or {})))
     fake_leaves = [_fake(x, mode, device) if isinstance(x, torch.Tensor) else x for x in leaves]
     fargs, fkwargs = pytree.tree_unflatten(fake_leaves, spec)
-    flat_inputs = _flatten_inputs(gm, fargs, fkwargs)
     prop = _FakeProp(gm, state)
-    with mode:
-        prop.run(*flat_inputs)
+    try:
+        with mode:
+            prop.run(*_flatten_inputs(gm, fargs, fkwargs))
+    except SMPTracingError:
+        tensors = [*gm.parameters(), *gm.buffers()]
+        tensors += [x for x in leaves if isinstance(x, torch.Tensor)]
+        if not allow_real_run or any(t.is_meta for t in tensors):
+            raise
+        log.info("shape_prop: fake tensors failed; measuring shapes with one real forward")
+        prop = _FakeProp(gm, {})
+        with torch.no_grad():
+            prop.run(*_flatten_inputs(gm, tuple(args), dict(kwargs or {})))
     out = copy_graph_module(gm)
     for node in out.graph.nodes:
         TENSOR.set(node, prop.infos.get(node.name))

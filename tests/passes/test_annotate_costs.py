@@ -1,0 +1,121 @@
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from cost_model.device import H100
+from cost_model.measure import saved_bytes_by_module
+from cost_model.node_cost import NodeCost
+from passes import annotate_costs as annotate_costs_module
+from passes.annotate_costs import annotate_costs
+from passes.meta import COST
+from passes.shape_prop import shape_prop
+from passes.trace import trace
+from smp_fx.delayed_init import delay_param_initialization
+from tests.examples.helpers import EXPECTED_FRONTEND, build, example, state_bytes
+
+
+def _costed(name: str, batch: int = 2) -> tuple[nn.Module, tuple, torch.fx.GraphModule]:
+    model, args = build(name, batch)
+    gm = shape_prop(trace(model, args), args)
+    return model, args, annotate_costs(gm, H100)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_FRONTEND))
+def test_param_bytes_exact_and_saved_bytes_match_autograd(name: str) -> None:
+    model, args, gm = _costed(name)
+    costs = [COST.get(n) for n in gm.graph.nodes]
+    assert all(isinstance(c, NodeCost) for c in costs)
+    assert sum(c.param_bytes for c in costs) == state_bytes(model)  # tied weights once
+    actual = sum(saved_bytes_by_module(model, args).values())
+    predicted = sum(c.saved_bytes for c in costs)
+    assert abs(predicted - actual) <= 0.05 * actual, (predicted, actual)
+    assert all(c.known for c in costs), sorted({c.op for c in costs if not c.known})
+
+
+def test_input_not_mutated_and_deterministic() -> None:
+    model, args = build("cnn")
+    gm = shape_prop(trace(model, args), args)
+    a, b = annotate_costs(gm, H100), annotate_costs(gm, H100)
+    assert not any(COST.has(n) for n in gm.graph.nodes)
+    assert [COST.get(n) for n in a.graph.nodes] == [COST.get(n) for n in b.graph.nodes]
+
+
+def _node(gm: torch.fx.GraphModule, target: str) -> torch.fx.Node:
+    return next(n for n in gm.graph.nodes if n.target == target or n.name == target)
+
+
+def test_hand_computed_flops() -> None:
+    b = 4
+    _, _, mlp = _costed("mlp", b)
+    lin = COST.get(_node(mlp, "0"))
+    assert (lin.fwd_flops, lin.bwd_flops) == (2 * b * 32 * 64, 2 * 2 * b * 32 * 64)
+    assert lin.op == "linear" and lin.param_bytes == (32 * 64 + 64) * 4
+    _, _, cnn = _costed("cnn", b)
+    conv = COST.get(_node(cnn, "stem.0"))  # 3 -> 8 channels, 3x3, 16x16 output
+    assert conv.fwd_flops == 2 * (b * 8 * 16 * 16) * (3 * 3 * 3)
+    _, _, gpt = _costed("gpt", b)
+    sdpa = COST.get(next(n for n in gpt.graph.nodes if "scaled_dot" in n.name))
+    heads, t, hd = 4, 16, 8
+    assert sdpa.op == "sdpa" and sdpa.fwd_flops == 2 * 2 * b * heads * t * t * hd
+    head = COST.get(_node(gpt, "lm_head"))
+    assert head.fwd_flops == 2 * b * t * 32 * 128 and head.param_bytes == 0  # tied: counted at wte
+    _, _, bert = _costed("hf_bert", b)
+    linear = COST.get(next(n for n in bert.graph.nodes if n.name == "linear"))
+    assert linear.op == "linear" and linear.fwd_flops == 2 * b * 16 * 32 * 32
+
+
+def test_saved_rules_on_a_small_block() -> None:
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4), nn.LayerNorm(4))
+    x = torch.randn(5, 8)
+    gm = annotate_costs(shape_prop(trace(model, (x,)), (x,)), H100)
+    saved = {n.target: COST.get(n).saved_bytes for n in gm.graph.nodes if n.op == "call_module"}
+    # linear saves its input; relu its output; the second linear reuses relu's output;
+    # layernorm saves its input plus mean and rstd (5 rows, fp32)
+    assert saved == {"0": 5 * 8 * 4, "1": 5 * 16 * 4, "2": 0, "3": 5 * 4 * 4 + 2 * 5 * 4}
+    frozen = nn.Linear(8, 8).requires_grad_(False)
+    gm = annotate_costs(shape_prop(trace(frozen, (x,)), (x,)), H100)
+    assert sum(COST.get(n).saved_bytes for n in gm.graph.nodes) == 0  # nothing needs grad
+
+
+class _Mystery(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+def test_unknown_op_marked_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(_Mystery(), nn.Linear(4, 4), _Mystery())
+    x = torch.randn(2, 4)
+    gm = shape_prop(trace(model, (x,), leaf_modules=(_Mystery,)), (x,))
+    annotate_costs_module._warned.discard("module:_Mystery")
+    with caplog.at_level(logging.WARNING, logger="smp_fx.cost"):
+        out = annotate_costs(gm, H100)
+        annotate_costs(gm, H100)
+    unknown = [COST.get(n) for n in out.graph.nodes if n.op == "call_module" and n.target != "1"]
+    assert [c.known for c in unknown] == [False, False]
+    assert unknown[0].op == "module:_Mystery"
+    assert sum("module:_Mystery" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_measured_numbers_replace_analytic_ones() -> None:
+    model, args = build("mlp")
+    gm = shape_prop(trace(model, args), args)
+    out = annotate_costs(gm, H100, measured={"_0": (1.5, 2.5, 123)})
+    cost = COST.get(_node(out, "_0"))
+    assert (cost.fwd_time_s, cost.bwd_time_s, cost.saved_bytes, cost.measured) == (
+        1.5, 2.5, 123, True)
+    other = COST.get(_node(out, "_2"))
+    assert not other.measured and other.fwd_time_s < 1e-3
+
+
+def test_meta_model_is_costed_without_storage() -> None:
+    with delay_param_initialization():
+        model = example("gpt").build_model(n_layer=4, n_embd=64)
+    args = example("gpt").example_inputs(2)
+    gm = annotate_costs(shape_prop(trace(model, args), args), H100)
+    assert all(p.is_meta for p in gm.parameters())
+    assert sum(COST.get(n).param_bytes for n in gm.graph.nodes) == state_bytes(model)
+    assert sum(COST.get(n).fwd_flops for n in gm.graph.nodes) > 0

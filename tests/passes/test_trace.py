@@ -1,0 +1,129 @@
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+from cost_model.errors import SMPTracingError
+from passes.meta import MODULE_PATH, PARAMS
+from passes.trace import trace
+from smp_fx.delayed_init import delay_param_initialization
+from tests.examples.helpers import (
+    EXPECTED_FRONTEND,
+    DataDependent,
+    WithUntraceable,
+    build,
+    example,
+)
+
+
+@pytest.mark.parametrize("name", sorted(EXPECTED_FRONTEND))
+def test_example_models_trace_runnable_with_original_names(name: str) -> None:
+    model, args = build(name)
+    gm = trace(model, args)
+    assert gm.meta["smp.frontend"] == EXPECTED_FRONTEND[name]
+    torch.testing.assert_close(gm(*args), model(*args))
+    assert set(gm.state_dict()) == set(model.state_dict())
+    nodes = list(gm.graph.nodes)
+    n_ph = sum(n.op == "placeholder" for n in nodes)
+    assert [n.op for n in nodes[:n_ph]] == ["placeholder"] * n_ph  # user inputs first
+    fqns = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    fqns |= {n for n, _ in model.named_buffers(remove_duplicate=False)}
+    for node in nodes:
+        assert MODULE_PATH.has(node) and PARAMS.has(node), node.format_node()
+        assert set(PARAMS.get(node)) <= fqns
+        path = MODULE_PATH.get(node)
+        model.get_submodule(path)  # a real module path
+    used = {p for n in nodes for p in PARAMS.get(n)}
+    params = dict(model.named_parameters())
+    assert set(params) <= used | {n for n in fqns if n not in params}
+
+
+def test_tied_weights_recorded_under_both_names() -> None:
+    model, args = build("gpt")
+    gm = trace(model, args)
+    by_target = {n.target: n for n in gm.graph.nodes if n.op == "call_module"}
+    assert PARAMS.get(by_target["lm_head"]) == ("lm_head.weight",)
+    assert PARAMS.get(by_target["wte"]) == ("wte.weight",)
+    assert gm.get_parameter("lm_head.weight") is gm.get_parameter("wte.weight")
+    assert MODULE_PATH.get(by_target["h.1.attn.c_attn"]) == "h.1.attn.c_attn"
+    sdpa = next(n for n in gm.graph.nodes if "scaled_dot_product" in str(n.target))
+    assert MODULE_PATH.get(sdpa) == "h.0.attn"
+
+
+def test_leaf_call_module_lists_all_its_params() -> None:
+    model, args = build("cnn")
+    gm = trace(model, args, leaf_modules=("layer2",))
+    leaf = next(n for n in gm.graph.nodes if n.target == "layer2")
+    assert leaf.op == "call_module"
+    assert set(PARAMS.get(leaf)) == {f"layer2.{k}" for k in model.layer2.state_dict()}
+    gm2 = trace(model, args, leaf_modules=(type(model.layer1),))
+    assert {n.target for n in gm2.graph.nodes if n.op == "call_module"} >= {
+        "layer1", "layer2", "layer3"}
+    torch.testing.assert_close(gm2(*args), model(*args))
+
+
+def test_untraceable_submodule_becomes_leaf(caplog: pytest.LogCaptureFixture) -> None:
+    model = WithUntraceable()
+    x = torch.randn(3, 8)
+    with caplog.at_level(logging.INFO, logger="smp_fx"):
+        gm = trace(model, (x,))
+    assert gm.meta["smp.frontend"] == "fx"
+    assert gm.meta["smp.auto_leaves"] == ("odd",)
+    assert any("'odd'" in r.getMessage() and "leaf" in r.getMessage() for r in caplog.records)
+    leaf = next(n for n in gm.graph.nodes if n.target == "odd")
+    assert leaf.op == "call_module" and PARAMS.get(leaf) == ("odd.lin.weight", "odd.lin.bias")
+    for sample in (x, -x.abs() - 10):  # both branches of the data-dependent module
+        torch.testing.assert_close(gm(sample), model(sample))
+
+
+def test_untraceable_model_raises_documented_error() -> None:
+    with pytest.raises(SMPTracingError) as info:
+        trace(DataDependent(), (torch.randn(2, 8),))
+    text = str(info.value)
+    assert "DataDependent" in text and "<root>" in text
+    assert "leaf_modules" in text and "smp.partition" in text
+    assert "fx:" in text and "export:" in text
+
+
+def test_frontend_choice_is_honoured() -> None:
+    model, args = build("mlp")
+    gm = trace(model, args, frontend="export")
+    assert gm.meta["smp.frontend"] == "export"
+    torch.testing.assert_close(gm(*args), model(*args))
+    assert MODULE_PATH.get(next(n for n in gm.graph.nodes if "linear" in n.name)) == "0"
+    hf, hargs = build("hf_gpt2")
+    gm = trace(hf, hargs, frontend="fx")  # fx can only hide the whole transformer in a leaf
+    assert gm.meta["smp.auto_leaves"] == ("model.transformer",)
+    torch.testing.assert_close(gm(*hargs), hf(*hargs))
+    with pytest.raises(SMPTracingError):
+        trace(model, args, frontend="jit")  # type: ignore[arg-type]
+
+
+class _Kw(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+        y = self.lin(x)
+        return y * scale if scale is not None else y
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_kwargs_and_nested_inputs(frontend: str) -> None:
+    model, x, s = _Kw(), torch.randn(2, 4), torch.randn(2, 4)
+    gm = trace(model, (x,), {"scale": s}, frontend=frontend)  # type: ignore[arg-type]
+    torch.testing.assert_close(gm(x, scale=s), model(x, scale=s))
+
+
+def test_meta_model_traces_without_storage() -> None:
+    with delay_param_initialization():
+        model = example("gpt").build_model(n_layer=3)
+    args = example("gpt").example_inputs(2)
+    gm = trace(model, args)
+    assert gm.meta["smp.frontend"] == "fx"
+    assert all(p.is_meta for p in gm.parameters())
+    assert len([n for n in gm.graph.nodes if n.op == "call_module"]) > 3 * 6

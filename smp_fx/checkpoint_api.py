@@ -141,8 +141,9 @@ class ModelCheckpointMixin:
         unexpected: list[str] = []
         if not partial:
             missing, unexpected = check_model_keys(state_dict, layout)
-        local = {n: t for n, t in self._smp_local_tensors().items() if n in set(layout.keys)
-                 or any(a in set(layout.keys) for a in layout.names_of(n))}
+        keys = set(layout.keys)  # persistent state only (non-persistent buffers excluded)
+        local = {n: t for n, t in self._smp_local_tensors().items()
+                 if any(a in keys for a in layout.names_of(n))}
         chosen, local_missing = select_model_state(state_dict, list(local), layout)
         if partial:
             missing = local_missing
@@ -170,10 +171,12 @@ class OptimizerCheckpointMixin:
     optimizer: torch.optim.Optimizer
     global_index: dict[int, int]
 
-    def __new__(cls, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+    def __new__(cls, optimizer: torch.optim.Optimizer | None = None, *args: Any,
+                **kwargs: Any) -> Any:
         self = super().__new__(cls)
-        self.__dict__["_smp_full_names"] = _full_group_names(optimizer,
-                                                             cls._smp_current_model())
+        if optimizer is not None:  # None: copy/pickle re-creating the object
+            self.__dict__["_smp_full_names"] = _full_group_names(optimizer,
+                                                                 cls._smp_current_model())
         return self
 
     @staticmethod

@@ -188,3 +188,114 @@ def test_mixins_reshard_partial_and_strict_errors() -> None:
         model.load_state_dict(dict(plain.state_dict(), extra=torch.ones(1)))
     with pytest.raises(SMPCheckpointError, match="partitioned"):
         _wrapped(None, seed=3)[0].local_state_dict()
+
+
+# ---- with the runtime: train 3 steps, save, fresh processes load, train 3 more ----------
+
+MLP_KW = {"in_features": 8, "hidden": 16, "num_classes": 4, "num_blocks": 4}
+
+
+def _runtime_classes() -> tuple[type, type]:
+    """DistributedModel/Optimizer with the checkpoint mixins (composed here until the
+    runtime classes inherit them; then they are used as they are)."""
+    from smp_fx.model import DistributedModel
+    from smp_fx.optimizer import DistributedOptimizer
+
+    model_cls = DistributedModel if issubclass(DistributedModel, ModelCheckpointMixin) else \
+        type("DistributedModel", (ModelCheckpointMixin, DistributedModel), {})
+    opt_cls = DistributedOptimizer if issubclass(DistributedOptimizer, OptimizerCheckpointMixin) \
+        else type("DistributedOptimizer", (OptimizerCheckpointMixin, DistributedOptimizer), {})
+    return model_cls, opt_cls
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 + step)
+    return (torch.randn(8, MLP_KW["in_features"], generator=g),
+            torch.randint(0, MLP_KW["num_classes"], (8,), generator=g))
+
+
+def _fresh(model_cls: type, opt_cls: type) -> tuple[Any, Any, Any]:
+    import smp_fx as smp
+    from examples.models import load
+
+    mlp = load("mlp")
+    torch.manual_seed(0)
+    model = model_cls(mlp.build_model(**MLP_KW))
+    opt = opt_cls(torch.optim.Adam(model.parameters(), lr=0.01))
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = mlp.loss_fn(model(x), y)
+        model.backward(loss)
+        return loss
+
+    def run(steps: range) -> None:
+        for step in steps:
+            opt.zero_grad()
+            train_step(model, *_batch(step))
+            opt.step()
+
+    return model, opt, run
+
+
+def _train_and_save(pp: int, prefix: str) -> None:
+    import smp_fx as smp
+
+    smp.init({"pipeline_parallel_degree": pp, "microbatches": 2})
+    model, opt, run = _fresh(*_runtime_classes())
+    run(range(3))
+    if smp.dp_rank() == 0:
+        smp.save({"model": model.local_state_dict(), "opt": opt.local_state_dict()}, prefix)
+        smp.save({"model": model.state_dict(), "opt": opt.state_dict()}, prefix + ".full",
+                 partial=False)
+
+
+def _resume(pp: int, prefixes: list[tuple[str, bool]]) -> dict[str, Any]:
+    """For each (prefix, partial): fresh model, load before the first step, 3 more steps.
+    Also the uninterrupted 6-step run at this degree. Returns full state dicts."""
+    import smp_fx as smp
+
+    smp.init({"pipeline_parallel_degree": pp, "microbatches": 2})
+    classes = _runtime_classes()
+    out: dict[str, Any] = {}
+    for prefix, partial in prefixes:
+        model, opt, run = _fresh(*classes)
+        ckpt = smp.load(prefix, partial=partial)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["opt"])
+        run(range(3, 6))
+        out[f"{prefix}:{partial}"] = (_to_cpu(model.state_dict()), _to_cpu(opt.state_dict()))
+    model, opt, run = _fresh(*classes)
+    run(range(6))
+    out["reference"] = (_to_cpu(model.state_dict()), _to_cpu(opt.state_dict()))
+    return out
+
+
+def _to_cpu(value: Any) -> Any:
+    from smp_fx.checkpoint_api import _to_cpu as to_cpu
+
+    return to_cpu(value)
+
+
+def _assert_exact(got: tuple[Any, Any], want: tuple[Any, Any]) -> None:
+    assert list(got[0]) == list(want[0])
+    torch.testing.assert_close(dict(got[0]), dict(want[0]), rtol=0, atol=0)
+    assert got[1]["param_groups"] == want[1]["param_groups"]
+    torch.testing.assert_close(got[1]["state"], want[1]["state"], rtol=0, atol=0)
+
+
+@pytest.mark.multiproc
+@pytest.mark.xfail(reason="runtime not usable yet at this commit (smp.step fails in shape_prop "
+                   "on the captured inputs); remove this mark once it works", strict=False)
+def test_resume_same_degree_and_reshard(tmp_path: Path) -> None:
+    a, b = str(tmp_path / "pp2.pt"), str(tmp_path / "pp4.pt")
+    run_ranks(_train_and_save, 2, 2, a, timeout=120)
+    run_ranks(_train_and_save, 4, 4, b, timeout=150)
+    at_pp2 = run_ranks(_resume, 2, 2, [(a, True), (a + ".full", False), (b, True)],
+                       timeout=150)[0]
+    ref = at_pp2["reference"]
+    _assert_exact(at_pp2[f"{a}:True"], ref)  # partial, same degree
+    _assert_exact(at_pp2[f"{a}.full:False"], ref)  # full, same degree
+    _assert_exact(at_pp2[f"{b}:True"], ref)  # partial saved at pp=4, loaded at pp=2
+    at_pp1 = run_ranks(_resume, 1, 1, [(a, True)], timeout=120)[0]
+    _assert_exact(at_pp1[f"{a}:True"], at_pp1["reference"])  # partial pp=2 -> pp=1

@@ -88,6 +88,10 @@ def format_table(plan: PartitionPlan) -> str:
     for sp in plan.shared_params:
         lines.append(f"shared: {', '.join(sp.names)} ({human_bytes(sp.nbytes)}) on stages "
                      f"{', '.join(map(str, sp.stages))}: {sp.handling}")
+    empty = [str(st.index) for st in plan.stages if st.flops == 0 and not st.params]
+    if empty:
+        lines.append(f"note: stage(s) {', '.join(empty)} hold no parameters and no FLOPs "
+                     "(too many partitions for this model, or boundary latency dominates)")
     lines.append(f"* bottleneck stage {plan.bottleneck_stage}")
     lines.append(summary_line(plan))
     return "\n".join(lines)

@@ -10,7 +10,7 @@ device, and prints a per-stage table.
 Example::
 
     smp-fx partition examples/models/gpt.py --partitions 4 --microbatches 8 \\
-        --json plan.json --dot plan.dot --timeline plan.png --compare
+        --json plan.json --dot plan.dot --timeline plan.png --chrome-trace step.json --compare
 
 Costs are per microbatch: the inputs are built for ``--batch-size`` and split along their
 first dimension into ``--microbatches`` parts, as ``smp.step`` splits them; the plan is
@@ -84,6 +84,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     p.add_argument("--dot", metavar="FILE", help="write the graph coloured by stage (dot)")
     p.add_argument("--timeline", metavar="FILE.png", help="draw the simulated pipeline")
+    p.add_argument("--chrome-trace", metavar="FILE.json",
+                   help="write the simulated step for chrome://tracing / Perfetto")
     p.add_argument("--compare", action="store_true",
                    help="score the baseline partitioners on the same costs")
     p.add_argument("--quiet", action="store_true", help="no progress messages on stderr")
@@ -275,6 +277,11 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
                              f"{plan.config.pipeline}, step {render.human_time(plan.step_time_s)}"
                              f", bubble {plan.bubble_fraction:.1%}")
         progress(f"wrote {args.timeline}")
+    if args.chrome_trace:
+        events = plan.simulate().chrome_trace()
+        Path(args.chrome_trace).write_text(json.dumps({"traceEvents": events}),
+                                           encoding="utf-8")
+        progress(f"wrote {args.chrome_trace}")
     return 0
 
 

@@ -47,10 +47,12 @@ def test_table_for_four_partitions(capsys: pytest.CaptureFixture[str], name: str
 
 def test_json_dot_timeline_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plan_path, dot_path, png_path = tmp_path / "p.json", tmp_path / "p.dot", tmp_path / "t.png"
+    trace_path = tmp_path / "trace.json"
     code, out, err = _run(capsys, str(MODELS / "gpt.py"), "--partitions", "2",
                           "--microbatches", "4", "--batch-size", "8", "--pipeline", "simple",
                           "--memory-weight", "0.2", "--json", str(plan_path), "--dot",
-                          str(dot_path), "--timeline", str(png_path))
+                          str(dot_path), "--timeline", str(png_path), "--chrome-trace",
+                          str(trace_path))
     assert code == 0, err
     plan = PartitionPlan.loads(plan_path.read_text())
     assert plan.config.num_stages == 2 and plan.config.pipeline == "simple"
@@ -61,6 +63,9 @@ def test_json_dot_timeline_files(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert "subgraph cluster_stage0" in dot and "subgraph cluster_stage1" in dot
     assert "color=red" in dot  # a boundary edge, labelled with its bytes
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    assert len(events) == 2 * 2 * 4  # stages x (F, B) x microbatches
+    assert {e["name"] for e in events if e["tid"] == 1} >= {"1F0", "1B3"}
 
 
 def test_config_file_and_flag_override(tmp_path: Path,

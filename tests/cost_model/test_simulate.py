@@ -49,8 +49,11 @@ def test_p4_m8_uniform_by_hand(name: str) -> None:
     assert last[0] == ("3F0", 3, 4)
     if name == "interleaved":
         # 1F1B on the last stage: F0 B0 F1 B1 ... back to back from t=3
-        assert [a for a, _, _ in last[:4]] == ["3F0", "3B0", "3F1", "3B1"]
-        assert last[1] == ("3B0", 4, 6)
+        # last stage, 1F1B: F_k over [3 + 3k, 4 + 3k], B_k over [4 + 3k, 6 + 3k]
+        expected = []
+        for k in range(m):
+            expected += [(f"3F{k}", 3 + 3 * k, 4 + 3 * k), (f"3B{k}", 4 + 3 * k, 6 + 3 * k)]
+        assert last == expected
         assert _spans(r, 0)[4] == ("0B0", 10, 12)  # 0F3 ends at 4, B0 climbs back 4..10
     else:
         assert last[8] == ("3B0", 11, 13)

@@ -204,3 +204,57 @@ def measure_nodes(gm: torch.fx.GraphModule, args: tuple[Any, ...],
                 del keep
         out[node.name] = (float(fwd_s), float(bwd_s), int(saved))
     return out
+
+
+def fake_module_cost(module: nn.Module,
+                     make_inputs: Callable[[], tuple[tuple[Any, ...], dict[str, Any]]],
+                     ) -> tuple[float, float, int]:
+    """(forward FLOPs, backward FLOPs, saved bytes) of one opaque module, on fake tensors.
+
+    How the cost model prices a leaf module it has no formula for: the module runs once
+    under ``FakeTensorMode`` (no real memory, meta weights fine) with ``FlopCounterMode``
+    and the saved-tensor hooks, then a fake backward is counted the same way.
+    ``make_inputs`` is called inside the fake mode and builds the fake inputs (set
+    ``requires_grad`` on those that need gradients). Raises whatever the module raises on
+    fake tensors (data-dependent control flow, for instance).
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    mode = FakeTensorMode()
+    memo: dict[int, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for name, t in (*module.named_parameters(remove_duplicate=False),
+                    *module.named_buffers(remove_duplicate=False)):
+        if id(t) not in memo:
+            with mode:
+                fake = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+            memo[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(
+                t, nn.Parameter) else fake
+        state[name] = memo[id(t)]
+    excluded = {v.untyped_storage()._cdata for v in state.values()}
+    seen: set[int] = set()
+    saved = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal saved
+        key = t.untyped_storage()._cdata
+        if key not in excluded and key not in seen:
+            seen.add(key)
+            saved += t.untyped_storage().nbytes()
+        return t
+
+    with mode:
+        args, kwargs = make_inputs()
+        fwd_counter = FlopCounterMode(display=False)
+        with fwd_counter, torch.enable_grad(), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            out = torch.func.functional_call(module, state, args, kwargs, strict=False)
+        outs = [t for t in pytree.tree_leaves(out)
+                if isinstance(t, torch.Tensor) and t.requires_grad]
+        bwd_counter = FlopCounterMode(display=False)
+        if outs:
+            with bwd_counter:
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    return (float(fwd_counter.get_total_flops()), float(bwd_counter.get_total_flops()),
+            int(saved))

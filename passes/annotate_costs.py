@@ -30,6 +30,7 @@ from torch import nn
 
 from cost_model.device import DeviceSpec
 from cost_model.flops import CREATION_OPS, VIEW_OPS, op_flops
+from cost_model.measure import fake_module_cost
 from cost_model.node_cost import NodeCost
 from cost_model.roofline import roofline_time
 from cost_model.saved import saved_rule
@@ -207,13 +208,22 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
     flops = op_flops(op, shapes, out_shape, attrs)
     rule = saved_rule(op, shapes, out_shape, attrs, in_rg, params_rg)
     known = flops is not None and rule is not None
+    leaf_saved: int | None = None
+    if not known and node.op == "call_module":  # an opaque leaf: decompose it on fakes
+        leaf = _leaf_cost(node, in_rg, st)
+        if leaf is not None:
+            flops, leaf_saved, known = (leaf[0], leaf[1]), leaf[2], True
     if not known and op not in _warned:
         _warned.add(op)
         log.warning("cost model: no formula for op %r (first seen at node %s); counting "
                     "0 FLOPs and its output as saved", op, node.format_node())
     fwd_flops, bwd_flops = flops if flops is not None else (0.0, 0.0)
-    saved = _saved_bytes(node, rule, in_nodes, st) if rule is not None else \
-        (out_bytes if st.rg[node.name] else 0)
+    if leaf_saved is not None:
+        saved = leaf_saved
+    elif rule is not None:
+        saved = _saved_bytes(node, rule, in_nodes, st)
+    else:
+        saved = out_bytes if st.rg[node.name] else 0
     moved = sum(st.key_bytes((a.name, None)) for a in in_nodes
                 if isinstance(a, torch.fx.Node)) + out_bytes
     moved += sum(p.numel() * p.element_size() for p in params)
@@ -233,6 +243,33 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
                         output_bytes=out_bytes, saved_bytes=int(mem_bytes), measured=True,
                         op=op, known=known)
     return cost
+
+
+def _leaf_cost(node: torch.fx.Node, in_rg: list[bool], st: _State
+               ) -> tuple[float, float, int] | None:
+    """Price a leaf module with no formula by running it on fake tensors (see
+    ``cost_model.measure.fake_module_cost``); ``None`` if it cannot run on fakes."""
+    rg = dict(zip(node.args, in_rg))
+
+    def fake(a: Any) -> Any:
+        info = TENSOR.get(a) if isinstance(a, torch.fx.Node) else None
+        if isinstance(a, torch.fx.Node) and not isinstance(info, TensorInfo):
+            raise ValueError(f"input {a.name} of leaf {node.name} is not a single tensor")
+        if info is None:
+            return a
+        t = torch.empty(info.shape, dtype=getattr(torch, info.dtype))
+        return t.requires_grad_(rg.get(a, False) and t.is_floating_point())
+
+    def make_inputs() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        return (tuple(fake(a) for a in node.args),
+                {k: fake(v) for k, v in node.kwargs.items()})
+
+    try:
+        return fake_module_cost(st.gm.get_submodule(node.target), make_inputs)
+    except Exception as exc:  # data-dependent code cannot run on fakes: stays unknown
+        log.info("cannot decompose leaf %s on fake tensors: %s: %s", node.target,
+                 type(exc).__name__, exc)
+        return None
 
 
 def _contiguous(node: Any) -> bool:

@@ -33,6 +33,7 @@ import torch.fx
 from torch import nn
 
 from cost_model.errors import SMPTracingError
+from passes.graph_utils import attach_state
 from passes.meta import MODULE_PATH, PARAMS
 
 log = logging.getLogger("smp_fx.passes.trace")
@@ -136,27 +137,8 @@ def _fx_trace(model: nn.Module, kwargs: Mapping[str, Any], leaf_modules: LeafSpe
             auto.append(where)
             continue
         gm = torch.fx.GraphModule(model, graph, model.__class__.__name__)
-        _attach_unreferenced_state(gm, model)
+        attach_state(gm, model)  # e.g. a tied alias the graph never reads
         return gm, auto
-
-
-def _attach_unreferenced_state(gm: torch.fx.GraphModule, model: nn.Module) -> None:
-    """GraphModule copies only the attributes the graph references; register the rest
-    (e.g. a tied alias) so ``gm.state_dict()`` has exactly the model's keys."""
-    have = set(gm.state_dict(keep_vars=True))
-    for name, value in model.state_dict(keep_vars=True).items():
-        if name in have:
-            continue
-        owner_path, _, leaf = name.rpartition(".")
-        owner = gm
-        for part in owner_path.split(".") if owner_path else ():
-            if not hasattr(owner, part):
-                owner.add_module(part, nn.Module())
-            owner = getattr(owner, part)
-        if isinstance(value, nn.Parameter):
-            owner.register_parameter(leaf, value)
-        else:
-            owner.register_buffer(leaf, value)
 
 
 class _FxFailure(Exception):

@@ -3,7 +3,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from cost_model.measure import SavedCounter, measure_nodes, saved_bytes_by_module
+from cost_model.measure import (
+    SavedCounter,
+    fake_module_cost,
+    measure_nodes,
+    saved_bytes_by_module,
+)
 from passes.trace import trace
 
 
@@ -35,3 +40,16 @@ def test_measure_nodes_times_and_memory() -> None:
         assert fwd_s > 0 and bwd_s >= 0 and saved >= 0
     assert measured["_1"][2] == 5 * 16 * 4  # relu keeps its output
     assert measured["_0"][2] == 5 * 8 * 4
+
+
+def test_fake_module_cost_matches_formulas_without_memory() -> None:
+    with torch.device("meta"):
+        block = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    def make_inputs() -> tuple[tuple[torch.Tensor, ...], dict[str, torch.Tensor]]:
+        return (torch.empty(5, 8),), {}
+
+    fwd, bwd, saved = fake_module_cost(block, make_inputs)
+    assert fwd == 2 * 5 * (8 * 16 + 16 * 4)
+    assert bwd == 2 * 5 * 8 * 16 + 2 * 2 * 5 * 16 * 4  # no input grad for the first layer
+    assert saved == 5 * 8 * 4 + 5 * 16 * 4

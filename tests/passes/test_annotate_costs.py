@@ -15,7 +15,13 @@ from passes.meta import COST
 from passes.shape_prop import shape_prop
 from passes.trace import trace
 from smp_fx.delayed_init import delay_param_initialization
-from tests.examples.helpers import EXPECTED_FRONTEND, build, example, state_bytes
+from tests.examples.helpers import (
+    EXPECTED_FRONTEND,
+    DataDependent,
+    build,
+    example,
+    state_bytes,
+)
 
 
 def _costed(name: str, batch: int = 2) -> tuple[nn.Module, tuple, torch.fx.GraphModule]:
@@ -81,23 +87,40 @@ def test_saved_rules_on_a_small_block() -> None:
     assert sum(COST.get(n).saved_bytes for n in gm.graph.nodes) == 0  # nothing needs grad
 
 
-class _Mystery(nn.Module):
+class _Opaque(nn.Module):
+    """A user leaf with no formula: priced by running it on fake tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 6)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * 2
+        return torch.relu(self.lin(x))
+
+
+def test_opaque_leaf_is_decomposed_on_fake_tensors() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), _Opaque())
+    x = torch.randn(3, 4)
+    gm = annotate_costs(shape_prop(trace(model, (x,), leaf_modules=(_Opaque,)), (x,)), H100)
+    cost = COST.get(next(n for n in gm.graph.nodes if n.target == "1"))
+    assert cost.known and cost.op == "module:_Opaque"
+    assert cost.fwd_flops == 2 * 3 * 4 * 6 and cost.bwd_flops == 2 * cost.fwd_flops
+    assert cost.saved_bytes == 3 * 4 * 4 + 3 * 6 * 4  # its input (for lin) + relu's output
+    assert cost.param_bytes == (4 * 6 + 6) * 4
 
 
 def test_unknown_op_marked_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    model = nn.Sequential(_Mystery(), nn.Linear(4, 4), _Mystery())
-    x = torch.randn(2, 4)
-    gm = shape_prop(trace(model, (x,), leaf_modules=(_Mystery,)), (x,))
-    annotate_costs_module._warned.discard("module:_Mystery")
+    model = nn.Sequential(DataDependent(), nn.Linear(8, 8), DataDependent())
+    x = torch.randn(2, 8)
+    gm = shape_prop(trace(model, (x,)), (x,))  # weights are real: one real run for shapes
+    annotate_costs_module._warned.discard("module:DataDependent")
     with caplog.at_level(logging.WARNING, logger="smp_fx.cost"):
         out = annotate_costs(gm, H100)
         annotate_costs(gm, H100)
     unknown = [COST.get(n) for n in out.graph.nodes if n.op == "call_module" and n.target != "1"]
     assert [c.known for c in unknown] == [False, False]
-    assert unknown[0].op == "module:_Mystery"
-    assert sum("module:_Mystery" in r.getMessage() for r in caplog.records) == 1
+    assert unknown[0].op == "module:DataDependent" and unknown[0].fwd_flops == 0
+    assert sum("module:DataDependent" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_measured_numbers_replace_analytic_ones() -> None:
@@ -119,3 +142,14 @@ def test_meta_model_is_costed_without_storage() -> None:
     assert all(p.is_meta for p in gm.parameters())
     assert sum(COST.get(n).param_bytes for n in gm.graph.nodes) == state_bytes(model)
     assert sum(COST.get(n).fwd_flops for n in gm.graph.nodes) > 0
+
+
+def test_fx_graph_with_automatic_leaves_is_fully_costed() -> None:
+    model, args = build("hf_bert")
+    gm = annotate_costs(shape_prop(trace(model, args, frontend="fx"), args), H100)
+    assert gm.meta["smp.auto_leaves"]  # BertEmbeddings / BertSelfAttention are opaque to fx
+    costs = [COST.get(n) for n in gm.graph.nodes]
+    assert all(c.known for c in costs)
+    actual = sum(saved_bytes_by_module(model, args).values())
+    assert abs(sum(c.saved_bytes for c in costs) - actual) <= 0.05 * actual
+    assert sum(c.param_bytes for c in costs) == state_bytes(model)

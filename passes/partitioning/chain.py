@@ -176,13 +176,21 @@ def _backtrack(bands: list[_Band], n: int, k: int) -> tuple[int, ...]:
 
 
 def lower_bound(work: Sequence[float], k: int, saved: Sequence[float] | None = None,
-                inflight: Sequence[float] | None = None) -> float:
-    """max(total / k, largest node), each node at its cheapest (least in-flight) stage."""
+                inflight: Sequence[float] | None = None,
+                comm: Sequence[float] | None = None) -> float:
+    """max(total / k, largest node), each node at its cheapest (least in-flight) stage.
+
+    With ``comm`` (per cut, length n + 1) the ``k - 1`` boundaries each add at least the
+    cheapest cut: ``(total + (k - 1) * min comm) / k`` and ``min comm`` (stage 0 sends).
+    """
     w = np.asarray(work, dtype=np.float64)
     sv = np.zeros(len(w)) if saved is None else np.asarray(saved, dtype=np.float64)
     least = 1.0 if inflight is None else float(np.min(inflight))
     node = w + least * sv
-    return float(max(node.sum() / k, node.max(initial=0.0)))
+    cheapest = 0.0
+    if comm is not None and k > 1 and len(w) > 1:
+        cheapest = float(np.min(np.asarray(comm, dtype=np.float64)[1:len(w)]))
+    return float(max((node.sum() + (k - 1) * cheapest) / k, node.max(initial=0.0), cheapest))
 
 
 def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None,
@@ -207,7 +215,7 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
     def achieved(cuts: tuple[int, ...]) -> float:
         return float(stage_costs(cuts, w, sv, cm, infl).max())
 
-    lo = lower_bound(w, k, sv, infl) * (1.0 - 1e-12)  # always a lower bound on the optimum
+    lo = lower_bound(w, k, sv, infl, cm) * (1.0 - 1e-12)  # a lower bound on the optimum
     if np.any(pn >= 0):
         top = float(max(p[-1] for p in prefixes) + cm.max()) * 2.0 + 1.0
         if _check(top, prefixes, cm, k, j0, j1, least)[0] is None:

@@ -50,6 +50,7 @@ def test_matches_brute_force_on_random_chains() -> None:
         st = sol.stages(n)
         assert np.all((pins < 0) | (pins == st))
         assert lower_bound(work, k, saved, inflight) <= sol.bottleneck * (1 + 1e-12)
+        assert lower_bound(work, k, saved, inflight, comm) <= sol.bottleneck * (1 + 1e-12)
         checked += 1
     assert checked > 200
 

@@ -28,21 +28,30 @@ def _run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]
     return code, out, err
 
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt"])
-def test_table_for_four_partitions(capsys: pytest.CaptureFixture[str], name: str) -> None:
+@pytest.mark.parametrize("name", ["mlp", "cnn", "gpt", "hf_gpt2", "hf_bert"])
+def test_table_for_four_partitions(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                   name: str) -> None:
     code, out, err = _run(capsys, str(MODELS / f"{name}.py"), "--partitions", "4",
-                          "--microbatches", "2", "--batch-size", "4")
+                          "--microbatches", "2", "--batch-size", "4", "--json",
+                          str(tmp_path / "plan.json"))
     assert code == 0, err
+    plan = PartitionPlan.loads((tmp_path / "plan.json").read_text())
     lines = out.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("stage"))
-    rows = lines[header + 2: header + 6]
-    assert [r.split()[0].lstrip("*") for r in rows] == ["0", "1", "2", "3"]
-    assert sum(r.split()[0].startswith("*") for r in rows) == 1
     for column in ("modules", "params", "FLOPs", "time", "memory", "recv", "send", "cost"):
         assert column in lines[header]
+    rows = lines[header + 2: header + 6]
+    assert [r.split()[0].lstrip("*") for r in rows] == ["0", "1", "2", "3"]
+    marked = [r.split()[0].startswith("*") for r in rows]
+    assert marked.index(True) == plan.bottleneck_stage and sum(marked) == 1
+    for row, stage in zip(rows, plan.stages):
+        assert row.split()[-1] == f"{stage.cost:.4f}"
+        assert f" {len(stage.params)} " in row
+    assert sum(len(s.nodes) for s in plan.stages) > 4
     summary = lines[-1]
-    for word in ("objective", "lower bound", "ratio", "step", "bubble"):
-        assert word in summary
+    assert summary.startswith(f"objective {plan.objective:.4f}  lower bound "
+                              f"{plan.lower_bound:.4f}  ratio {plan.ratio:.3f}")
+    assert f"bubble {plan.bubble_fraction:.1%}" in summary
 
 
 def test_json_dot_timeline_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

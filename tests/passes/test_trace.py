@@ -127,3 +127,28 @@ def test_meta_model_traces_without_storage() -> None:
     assert gm.meta["smp.frontend"] == "fx"
     assert all(p.is_meta for p in gm.parameters())
     assert len([n for n in gm.graph.nodes if n.op == "call_module"]) > 3 * 6
+
+
+class _Nested(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor],
+                extra: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.lin(pair[0]) + pair[1] * extra["w"]
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_nested_container_inputs(frontend: str) -> None:
+    from passes.meta import TENSOR
+    from passes.shape_prop import shape_prop
+
+    model = _Nested()
+    args = ((torch.randn(2, 4), torch.randn(2, 4)), {"w": torch.randn(4)})
+    gm = trace(model, args, frontend=frontend)  # type: ignore[arg-type]
+    torch.testing.assert_close(gm(*args), model(*args))
+    out = shape_prop(gm, args)
+    lin = next(n for n in out.graph.nodes
+               if n.op in ("call_module", "call_function") and "lin" in n.name)
+    assert TENSOR.get(lin).shape == (2, 4)

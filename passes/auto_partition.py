@@ -5,8 +5,10 @@ topological orders (``partitioning.order``) solves the chain problem exactly alo
 order, boundary communication included (``partitioning.chain``), then refines the
 assignment by moving boundary nodes between neighbouring stages
 (``partitioning.refine``). Every candidate is scored by the one objective
-(``partitioning.problem.evaluate``) and the best is kept; ties go to the earlier order,
-so the plan is a pure function of (graph, costs, config) on every rank and run.
+(``partitioning.problem.evaluate``) and the best is kept; ties go to the earlier order.
+The winner is then re-solved on its own stage-major order and refined again while that
+improves it (at most 3 rounds). The plan is a pure function of (graph, costs, config) on
+every rank and run.
 
 Pins (``passes.meta.PIN``, written by ``assign_manual``) are hard constraints. Parameters
 read on several stages (tied embeddings) are replicated on each of those stages, their
@@ -142,7 +144,22 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
     if best is None:
         assert failure is not None
         raise failure
-    return best[1], best[2]
+    value, stage, name = best
+    for _ in range(3 if do_refine else 0):
+        # stage-major order of the best plan (topological, as the plan is monotone): an exact
+        # chain solve on it can only see cuts at least as good as the plan's own
+        order = np.lexsort((np.arange(n), stage))
+        work, saved, comm = chain_arrays(problem, order, obj)
+        sol = chain.solve(work, k, saved=saved, comm=comm,
+                          inflight=np.asarray(obj.inflight, dtype=float), pins=pins[order])
+        again = np.empty(n, dtype=np.int64)
+        again[order] = sol.stages(n)
+        again = refine(problem, obj, again)
+        new_value = evaluate(problem, again, obj).bottleneck
+        if not new_value < value * (1.0 - 1e-12):
+            break
+        value, stage, name = new_value, again, f"{name.split('+')[0]}+resolve"
+    return stage, name
 
 
 def summarize(problem: DagProblem, obj: Objective, stage: np.ndarray, strategy: str

@@ -75,6 +75,19 @@ class DagProblem:
         return tuple(tuple(sorted(set(s))) for s in out)
 
     @functools.cached_property
+    def _touching(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+        """Per node: the values it produces or reads, and the parameters it reads."""
+        vals: list[list[int]] = [[] for _ in range(self.n)]
+        for v, (prod, cons) in enumerate(zip(self.val_producer, self.val_consumers)):
+            for u in sorted({prod, *cons} - {-1}):
+                vals[u].append(v)
+        params: list[list[int]] = [[] for _ in range(self.n)]
+        for q, readers in enumerate(self.param_readers):
+            for r in sorted(set(readers)):
+                params[r].append(q)
+        return tuple(map(tuple, vals)), tuple(map(tuple, params))
+
+    @functools.cached_property
     def _flat(self) -> tuple[np.ndarray, ...]:
         """CSR layout of consumers and readers, for vectorised evaluation."""
         counts = np.fromiter((len(c) for c in self.val_consumers), dtype=np.int64,

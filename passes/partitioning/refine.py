@@ -25,21 +25,15 @@ class _State:
         self.p, self.obj = problem, obj
         self.k = obj.num_stages
         self.st = np.array(stage, dtype=np.int64)
-        k, n = self.k, problem.n
+        k = self.k
         self.time = np.bincount(self.st, weights=problem.time, minlength=k).astype(float)
         self.saved = np.bincount(self.st, weights=problem.saved, minlength=k).astype(float)
         self.count = np.bincount(self.st, minlength=k)
         self.succs = problem.succs()
-        self.vals_of: list[list[int]] = [[] for _ in range(n)]
-        for v, (prod, cons) in enumerate(zip(problem.val_producer, problem.val_consumers)):
-            for u in {prod, *cons} - {-1}:
-                self.vals_of[u].append(v)
-        self.params_of: list[list[int]] = [[] for _ in range(n)]
+        self.vals_of, self.params_of = problem._touching
         self.refs = np.zeros((len(problem.param_names), k), dtype=np.int64)
-        for q, readers in enumerate(problem.param_readers):
-            for r in set(readers):
-                self.params_of[r].append(q)
-                self.refs[q, self.st[r]] += 1
+        rflat, rparam = problem._flat[5:]
+        np.add.at(self.refs, (rparam, self.st[rflat]), 1)
         self.pmem = (problem.param_bytes[:, None] * (self.refs > 0)).sum(axis=0) \
             if len(problem.param_names) else np.zeros(k)
         self.out_stage = int(max((self.st[i] for i in problem.output_inputs),

@@ -20,6 +20,12 @@ Example::
 
 Nothing here runs the model on real tensors: fx tracing is symbolic and non-strict export
 runs on fake tensors, so a model built on the meta device traces without allocating.
+
+``skip_tracing`` (SMP config) is read as: no example forward on real tensors at all. The
+front end honours it by construction; ``shape_prop(..., allow_real_run=False)`` refuses
+its one real-run fallback, and measured costs (``cost_model.measure``) must not be taken.
+
+Export graphs are specialised to the shapes of ``args``: trace with one *microbatch*.
 """
 
 from __future__ import annotations
@@ -206,6 +212,7 @@ def trace(model: nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any
     ``gm.meta["smp.auto_leaves"]``.
     """
     kwargs = dict(kwargs or {})
+    args = tuple(args)
     if frontend not in ("auto", "fx", "export"):
         raise SMPTracingError.build("frontend must be 'auto', 'fx' or 'export'", frontend,
                                     fix="pick one of the three")

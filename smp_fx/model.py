@@ -34,6 +34,7 @@ from cost_model import schedule as sched
 from cost_model.errors import SMPConfigError, SMPPartitionError, SMPRuntimeError
 from passes import meta
 from passes.split_stages import StagedProgram, split_stages
+from smp_fx import ddp
 from smp_fx import executor as ex
 from smp_fx.transport import DistTransport, InProcessTransport, Transport
 
@@ -86,6 +87,9 @@ class _CaptureCtx:
 class DistributedModel(nn.Module):
     """See the module docstring and the SMP API page (``smp.DistributedModel``)."""
 
+    # torch DDP reads this in its constructor: wrapping a DistributedModel raises (smp_fx.ddp)
+    _ddp_params_and_buffers_to_ignore = ddp.RejectDDPWrap()
+
     def __init__(self, module: nn.Module, trace_device: str = "gpu",
                  trace_execution_times: bool = False, overlapping_allreduce: bool = True,
                  backward_passes_per_step: int = 1,
@@ -117,6 +121,7 @@ class DistributedModel(nn.Module):
         self._optimizers: list[Any] = []
         self._tied_groups: list[tuple[Any, list[str]]] = []
         self._fqn_by_id = {id(p): n for n, p in module.named_parameters()}
+        self._ddp: ddp.DataParallel | None = None
         _current = weakref.ref(self)
 
     # ---- properties and the SMP methods ----------------------------------------------
@@ -162,6 +167,10 @@ class DistributedModel(nn.Module):
         handle = RemovableHandle(self._hooks)
         self._hooks[handle.id] = hook
         return handle
+
+    def join(self, throw_on_early_termination: bool = False) -> Any:
+        """Context manager for uneven numbers of batches across data-parallel ranks (ddp)."""
+        return ddp.join(self, throw_on_early_termination)
 
     def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
         seen: set[int] = set()
@@ -278,6 +287,8 @@ class DistributedModel(nn.Module):
             self._tied_groups = _tied_groups(program, st, self._fqn_by_id)
             if self._tied_groups:
                 self._executor.post_step_hooks.append(self._reduce_tied_grads)
+        if cfg.ddp:
+            self._ddp = ddp.enable(self)
         for opt in self._optimizers:
             opt._localize(self)
         for hook in list(self._hooks.values()):
@@ -287,6 +298,8 @@ class DistributedModel(nn.Module):
 
     def _reduce_tied_grads(self) -> None:
         """Sum the gradients of parameters replicated on several stages over their owners."""
+        if self._ddp is not None and not self._ddp.reduce_this_step:
+            return  # ddp accumulating (backward_passes_per_step): sum once, when dp reduces
         params = dict(self.local_named_parameters())
         for group, names in self._tied_groups:
             ts = [params[n] for n in names]
@@ -346,32 +359,39 @@ def _materialise(module: nn.Module, device: torch.device) -> None:
 
 def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  num_stages: int, options: ModelOptions) -> torch.fx.GraphModule:
-    """Trace and partition; returns a GraphModule whose nodes carry ``meta.STAGE``.
+    """Trace and partition; returns the traced GraphModule with ``meta.STAGE`` on its nodes.
 
-    Stand-in until ``passes.pipeline.compile_model`` lands: ``passes.trace`` (or
-    ``fx.symbolic_trace``) and an equal split of the computing nodes.
+    Until ``passes.pipeline.compile_model`` lands this composes the passes directly:
+    trace -> shape_prop -> annotate_costs (analytic, deterministic) -> auto_partition.
+    The stages are copied by node name onto the traced graph (ours, fresh), which keeps
+    the front end's pytree codegen (the passes' copies drop it).
     """
-    try:
-        from passes.pipeline import compile_model  # type: ignore[import-not-found]
-    except ImportError:
-        compile_model = None
-    if compile_model is not None:
-        from smp_fx import state
+    from cost_model.device import get_device
+    from passes.annotate_costs import annotate_costs
+    from passes.auto_partition import auto_partition
+    from passes.shape_prop import shape_prop
+    from passes.trace import trace
+    from smp_fx import state
 
-        pconfig = _partition_config(state.get().config, options)
-        return compile_model(module, args, kwargs, pconfig).gm
-    gm = torch.fx.symbolic_trace(module)
-    comp = [n for n in gm.graph.nodes if n.op in ("call_function", "call_method", "call_module")]
-    for i, n in enumerate(comp):
-        meta.STAGE.set(n, i * num_stages // max(len(comp), 1))
+    cfg = state.get().config
+    gm = trace(module, args, kwargs)
+    costed = annotate_costs(shape_prop(gm, args, kwargs), get_device("cpu"))
+    staged = auto_partition(costed, _partition_config(cfg, options))
+    stage_of = {n.name: meta.STAGE.get(n) for n in staged.graph.nodes}
+    for n in gm.graph.nodes:
+        if stage_of.get(n.name) is not None:
+            meta.STAGE.set(n, stage_of[n.name])
     return gm
 
 
 def _partition_config(cfg: Any, options: ModelOptions) -> Any:
     from passes.partition_config import PartitionConfig
 
-    return PartitionConfig.from_smp(cfg) if hasattr(PartitionConfig, "from_smp") else \
-        PartitionConfig(num_stages=cfg.pipeline_parallel_degree)
+    return PartitionConfig(
+        num_stages=cfg.pipeline_parallel_degree, memory_weight=cfg.memory_weight,
+        microbatches=cfg.microbatches, pipeline=cfg.pipeline,
+        active_microbatches=cfg.active_microbatches, auto_partition=cfg.auto_partition,
+        default_partition=cfg.default_partition)
 
 
 def _agree_on_plan(gm: torch.fx.GraphModule, st: Any) -> None:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from cost_model.errors import SMPRuntimeError
+from smp_fx.ddp import guard_optimizer
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -37,6 +38,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                                         type(optimizer).__name__, "smp.DistributedOptimizer",
                                         "pass an optimizer instance")
         self.optimizer = optimizer
+        guard_optimizer(optimizer)  # optimizer.step() inside smp.step raises (smp_fx.ddp)
         self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()

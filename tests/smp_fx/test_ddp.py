@@ -1,0 +1,261 @@
+"""Hybrid pipeline + data parallelism (``ddp: true``, ``smp_fx.ddp``).
+
+The multi-process tests run 4 gloo ranks as pp=2 x dp=2 ("cluster" and "spread"); every
+rank feeds its own shard of the global batch, and the trained parameters must equal one
+process training the unpartitioned model on the concatenated global batch (fp32). One spawn
+per placement runs several scenarios one after another (smp is re-initialised in between).
+The model is the tiny GPT example, whose tied embedding / LM head sits on both stages, so
+the order "dp average, then pipeline sum of the tied replicas" is exercised too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.helpers.dist import run_ranks
+from tests.smp_fx.test_numerics import load_example
+
+GLOBAL_BATCH = 8
+M = 2  # microbatches per replica step
+LR = 0.05
+
+
+def _init(placement: str, pipeline: str) -> None:
+    import smp_fx as smp
+    from smp_fx import state
+
+    state._reset()
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": M, "pipeline": pipeline,
+              "active_microbatches": M, "ddp": True, "placement_strategy": placement})
+
+
+def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The global batches, identical on every rank."""
+    ex = load_example("gpt")
+    torch.manual_seed(1234)
+    return [(ex.example_inputs(GLOBAL_BATCH)[0], ex.example_targets(GLOBAL_BATCH))
+            for _ in range(n)]
+
+
+def _reference(steps: int, accumulate: int) -> dict[str, torch.Tensor]:
+    """One process, the unpartitioned model, the global batches; optimizer step every
+    ``accumulate`` batches (gradients summed in between)."""
+    ex = load_example("gpt")
+    torch.manual_seed(0)
+    ref = ex.build_model()
+    opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
+    for i, (x, y) in enumerate(_batches(steps)):
+        ex.loss_fn(ref(x), y).backward()
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad()
+    return {n: p.detach().clone() for n, p in ref.named_parameters(remove_duplicate=False)}
+
+
+def _train(steps: int, accumulate: int, **model_kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    """smp-fx on this rank's shard of the same batches; returns (model, local params)."""
+    import smp_fx as smp
+
+    ex = load_example("gpt")
+    torch.manual_seed(0)
+    module = ex.build_model()
+    if smp.dp_rank() != 0:  # DDP must broadcast dp_rank 0's weights at partitioning
+        with torch.no_grad():
+            for p in module.parameters():
+                p.add_(1.0)
+    model = smp.DistributedModel(module, **model_kwargs)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9))
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        loss = ex.loss_fn(model(x), y)
+        model.backward(loss)
+        return loss
+
+    shard = GLOBAL_BATCH // smp.dp_size()
+    lo = smp.dp_rank() * shard
+    info: dict[str, Any] = {"grad_spread": []}
+    for i, (x, y) in enumerate(_batches(steps)):
+        train_step(model, x[lo:lo + shard], y[lo:lo + shard])
+        # how far this rank's gradients are from its dp peers' (0 once reduced)
+        g = torch.cat([p.grad.reshape(-1) for _, p in sorted(model.local_named_parameters())])
+        peers = [torch.empty_like(g) for _ in range(smp.dp_size())]
+        dist.all_gather(peers, g, group=smp.get_dp_process_group())
+        info["grad_spread"].append(max((q - g).abs().max().item() for q in peers))
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad()
+    params = {n: p.detach().clone() for n, p in model.local_named_parameters()}
+    return model, {"params": params, **info}
+
+
+def _assert_matches(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
+    assert params, "this rank holds no parameters"
+    for name, p in params.items():
+        torch.testing.assert_close(p, ref[name], atol=1e-5, rtol=0, msg=name)
+
+
+def _body(placement: str) -> dict[str, Any]:
+    import smp_fx as smp
+
+    dist.init_process_group("gloo")
+    out: dict[str, Any] = {}
+
+    # 1. overlapped reduction (1F1B) == the unpartitioned model on the global batch
+    _init(placement, "interleaved")
+    out["coords"] = (smp.pp_rank(), smp.dp_rank(), smp.get_dp_group())
+    ref = _reference(3, 1)
+    model, overlap = _train(3, 1, overlapping_allreduce=True)
+    assert model._ddp is not None and model._ddp.reductions == 3
+    _assert_matches(overlap["params"], ref)
+    assert max(overlap["grad_spread"]) == 0.0
+
+    # 2. reduction at the end of the step: identical numbers
+    _init(placement, "interleaved")
+    model, late = _train(3, 1, overlapping_allreduce=False)
+    assert model._ddp is not None and model._ddp.armed == set()
+    for name, p in late["params"].items():
+        assert torch.equal(p, overlap["params"][name]), name
+
+    # 3. the dp process group is usable by user code
+    t = torch.tensor([float(smp.rank())])
+    dist.all_reduce(t, group=smp.get_dp_process_group())
+    assert t.item() == sum(smp.get_dp_group())
+
+    if placement == "cluster":
+        # 4. backward_passes_per_step=2 == gradient accumulation over two steps
+        _init(placement, "simple")
+        model, bpps = _train(4, 2, backward_passes_per_step=2)
+        _assert_matches(bpps["params"], _reference(4, 2))
+        spread = bpps["grad_spread"]
+        assert spread[0] > 0 and spread[2] > 0, spread  # not reduced after odd steps
+        assert spread[1] == 0 and spread[3] == 0, spread
+        out["reductions"] = model._ddp.reductions
+    else:
+        # 5. uneven inputs: dp_rank 1 runs out one batch early inside model.join()
+        out["join"] = _join_scenario(placement)
+    smp.state._reset()
+    return out
+
+
+def _join_scenario(placement: str) -> bool:
+    import smp_fx as smp
+
+    _init(placement, "interleaved")
+    ex = load_example("gpt")
+    torch.manual_seed(0)
+    model = smp.DistributedModel(ex.build_model())
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        loss = ex.loss_fn(model(x), y)
+        model.backward(loss)
+        return loss
+
+    batches = _batches(3)
+    mine = batches if smp.dp_rank() == 0 else batches[:2]
+    shard = GLOBAL_BATCH // 2
+    with model.join():
+        for x, y in mine:
+            train_step(model, x[:shard], y[:shard])
+            opt.step()
+            opt.zero_grad()
+    flat = torch.cat([p.detach().reshape(-1) for _, p in
+                      sorted(model.local_named_parameters())])
+    peers = [torch.empty_like(flat) for _ in range(smp.dp_size())]
+    dist.all_gather(peers, flat, group=smp.get_dp_process_group())
+    return all(torch.equal(q, flat) for q in peers)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("placement", ["cluster", "spread"])
+def test_pp2_dp2_matches_global_batch(placement: str) -> None:
+    results = run_ranks(_body, 4, placement, timeout=240)
+    coords = [r["coords"] for r in results]
+    assert sorted((pp, dp) for pp, dp, _ in coords) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    if placement == "cluster":  # DPT: a pipeline on adjacent ranks, dp groups [0,2], [1,3]
+        assert [c[0] for c in coords] == [0, 1, 0, 1]
+        assert [c[2] for c in coords] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+        assert all(r["reductions"] == 2 for r in results)
+    else:  # TPD: dp groups [0,1], [2,3]
+        assert [c[0] for c in coords] == [0, 0, 1, 1]
+        assert [c[2] for c in coords] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+        assert all(r["join"] for r in results)
+
+
+# ---- single-process checks -----------------------------------------------------------
+@pytest.fixture()
+def one_rank() -> Any:
+    """A gloo world of one (so DDP can be constructed) with smp initialised, pp=1, ddp."""
+    import smp_fx as smp
+    from smp_fx import state
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    state._reset()
+    smp.init({"pipeline_parallel_degree": 1, "ddp": True})
+    yield smp
+    state._reset()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_wrapping_distributed_model_in_torch_ddp_is_rejected(one_rank: Any) -> None:
+    smp = one_rank
+    model = smp.DistributedModel(nn.Linear(4, 2))
+    with pytest.raises(smp.SMPRuntimeError, match="must not be wrapped"):
+        nn.parallel.DistributedDataParallel(model)
+
+
+def test_optimizer_step_inside_step_is_rejected(one_rank: Any) -> None:
+    smp = one_rank
+    model = smp.DistributedModel(nn.Linear(4, 2))
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def bad_step(model: Any, x: torch.Tensor) -> Any:
+        loss = model(x).sum()
+        model.backward(loss)
+        opt.step()
+        return loss
+
+    @smp.step
+    def raw_step(model: Any, x: torch.Tensor) -> Any:
+        loss = model(x).sum()
+        model.backward(loss)
+        opt.optimizer.step()  # the wrapped torch optimizer is guarded too
+        return loss
+
+    for fn in (bad_step, raw_step):
+        with pytest.raises(smp.SMPRuntimeError, match="outside the smp.step"):
+            fn(model, torch.randn(2, 4))
+    opt.step()  # outside a step it is fine
+
+
+def test_join_requires_ddp() -> None:
+    import smp_fx as smp
+    from smp_fx import state
+
+    state._reset()
+    smp.init({"pipeline_parallel_degree": 1})
+    try:
+        model = smp.DistributedModel(nn.Linear(4, 2))
+        with pytest.raises(smp.SMPConfigError, match="only with ddp"), model.join():
+            pass
+    finally:
+        state._reset()
+
+
+def test_buckets_respect_cap_and_order() -> None:
+    from smp_fx.ddp import buckets
+
+    params = [nn.Parameter(torch.zeros(n)) for n in (10, 300_000, 10, 10)]
+    frozen = nn.Parameter(torch.zeros(3), requires_grad=False)
+    got = buckets([*params, frozen], cap_mb=1.0)  # 1 MiB = 262144 fp32 values
+    assert [[id(p) for p in b] for b in got] == \
+        [[id(params[3]), id(params[2])], [id(params[1])], [id(params[0])]]

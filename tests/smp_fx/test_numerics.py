@@ -3,8 +3,9 @@
 Every test trains the same model with smp-fx and as plain PyTorch and compares the loss,
 every local parameter's gradient after each step, and the parameters and buffers after
 3 optimizer steps (fp32, atol 1e-5). The reference is the unpartitioned model in one
-process running the same microbatches one after another (loss / m backward each), which is what SMP's pipeline computes; for
-models without batch statistics it equals the full-batch gradient.
+process running the same microbatches one after another (loss / m backward each), which
+is what SMP's pipeline computes; for models without batch statistics it equals the
+full-batch gradient.
 """
 
 from __future__ import annotations

@@ -185,6 +185,7 @@ class Executor:
         self.rank = rank
         self.last = program.num_stages - 1
         self.post_step_hooks: list[Callable[[], None]] = []
+        self.pre_step_hooks: list[Callable[[tuple[Op, ...]], None]] = []
         self.stats = StepStats()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
@@ -233,6 +234,8 @@ class Executor:
         m = len(microbatches)
         stages = sorted(self.runners)
         ops = lower(schedule, self.program, stages, self.multi_process)
+        for pre in self.pre_step_hooks:
+            pre(ops)
         self.stats = StepStats({s: 0 for s in stages}, ops)
         self._mbs = [_MbState() for _ in range(m)]
         self._abort = None

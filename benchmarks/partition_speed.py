@@ -6,11 +6,16 @@
   (cost layout + solve + refinement), what ``auto_partition`` does per order.
 * ``DAG``: ``solve_problem`` with all three orders, chain solves and refinement.
 
+Both the wall-clock and the CPU-time (``time.process_time``) medians are printed, with the
+load average: on a shared machine wall time grows with the load, CPU time does not, so the
+targets are checked on CPU time (single-threaded code: the two agree on an idle machine).
+
 Run: ``.venv/bin/python benchmarks/partition_speed.py``
 """
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -26,35 +31,39 @@ from passes.partitioning.synthetic import random_chain, random_dag
 
 
 def median_time(repeat: int, fn: Callable[..., object], *args: object, **kwargs: object
-                ) -> float:
-    times = []
+                ) -> tuple[float, float]:
+    """(median wall seconds, median CPU seconds) over ``repeat`` runs."""
+    wall, cpu = [], []
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn(*args, **kwargs)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        wall.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def main() -> int:
     rng = np.random.default_rng(0)
     ok = True
-    print(f"{'case':38s} {'n':>6s} {'k':>3s} {'median s':>9s} {'target':>7s}")
+    print(f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
+    print(f"{'case':38s} {'n':>6s} {'k':>3s} {'wall s':>8s} {'cpu s':>8s} {'target':>7s}")
     for kind in ("uniform", "heavy_tailed", "embedding_blocks_head"):
         problem = random_chain(10_000, kind, rng)
         obj = make_objective(problem, PartitionConfig(num_stages=64, microbatches=8))
         work, saved, comm = chain_arrays(problem, np.arange(problem.n), obj)
         infl = np.asarray(obj.inflight, dtype=float)
-        t = median_time(7, chain.solve, work, 64, saved=saved, comm=comm, inflight=infl)
-        ok &= t < 0.1
-        print(f"{'chain.solve ' + kind:38s} {problem.n:6d} {64:3d} {t:9.4f} {'0.1':>7s}")
-        t = median_time(3, solve_problem, problem, obj, orders=("graph",))
-        print(f"{'chain, full ' + kind:38s} {problem.n:6d} {64:3d} {t:9.4f} {'-':>7s}")
+        w, c = median_time(7, chain.solve, work, 64, saved=saved, comm=comm, inflight=infl)
+        ok &= c < 0.1
+        print(f"{'chain.solve ' + kind:38s} {problem.n:6d} {64:3d} {w:8.4f} {c:8.4f} {'0.1':>7s}")
+        w, c = median_time(3, solve_problem, problem, obj, orders=("graph",))
+        print(f"{'chain, full ' + kind:38s} {problem.n:6d} {64:3d} {w:8.4f} {c:8.4f} {'-':>7s}")
     for k in (8, 64):
         problem = random_dag(10_000, rng, width=4)
         obj = make_objective(problem, PartitionConfig(num_stages=k, microbatches=8))
-        t = median_time(3, solve_problem, problem, obj)
-        ok &= t < 1.0
-        print(f"{'DAG (3 orders + refine)':38s} {problem.n:6d} {k:3d} {t:9.4f} {'1.0':>7s}")
+        w, c = median_time(3, solve_problem, problem, obj)
+        ok &= c < 1.0
+        print(f"{'DAG (3 orders, refine, re-solve)':38s} {problem.n:6d} {k:3d} {w:8.4f} {c:8.4f}"
+              f" {'1.0':>7s}")
     print("all targets met" if ok else "TARGET MISSED")
     return 0 if ok else 1
 

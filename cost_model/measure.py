@@ -59,6 +59,22 @@ class SavedCounter:
             yield self
 
 
+@contextmanager
+def preserved_state(module: nn.Module) -> Any:
+    """Measuring must leave no trace on the user's model: restore every buffer (batch-norm
+    running statistics move in a training-mode forward) and every ``.grad`` afterwards."""
+    buffers = [(b, b.detach().clone()) for b in module.buffers() if not b.is_meta]
+    grads = [(p, p.grad) for p in module.parameters()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for b, saved in buffers:
+                b.copy_(saved)
+        for p, g in grads:
+            p.grad = g
+
+
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -93,7 +109,7 @@ def saved_bytes_by_module(model: nn.Module, args: tuple[Any, ...],
     h1 = register_module_forward_pre_hook(pre)
     h2 = register_module_forward_hook(post)
     try:
-        with torch.enable_grad(), counter.hooks():
+        with preserved_state(model), torch.enable_grad(), counter.hooks():
             model(*args, **dict(kwargs or {}))
     finally:
         h1.remove()
@@ -101,27 +117,35 @@ def saved_bytes_by_module(model: nn.Module, args: tuple[Any, ...],
     return dict(counter.by_owner)
 
 
-def _median_time(fn: Callable[[], Any], warmup: int, repeats: int, sync: Callable[[], None]
-                 ) -> tuple[float, Any]:
+def _median_time(fn: Callable[[Any], Any], setup: Callable[[], Any], warmup: int,
+                 repeats: int, sync: Callable[[], None]) -> tuple[float, Any]:
+    """Median seconds of ``fn(setup())``; ``setup`` (fresh inputs) is not timed."""
     result = None
     for _ in range(warmup):
-        result = fn()
+        result = fn(setup())
     times = []
     for _ in range(repeats):
+        inputs = setup()
         sync()
         t0 = time.perf_counter()
-        result = fn()
+        result = fn(inputs)
         sync()
         times.append(time.perf_counter() - t0)
     return statistics.median(times), result
 
 
 def _fresh_inputs(value: Any) -> Any:
-    """A detached leaf copy of every float tensor that required grad, so each repeat
-    builds its own small autograd graph rooted at this node."""
+    """A detached copy of every tensor, re-marked as needing grad where it did, so each
+    repeat builds its own small autograd graph rooted at this node. The copy is a clone
+    (not a leaf) so in-place ops (``ReLU(inplace=True)``, ``+=``) are allowed on it."""
     def one(x: Any) -> Any:
-        if isinstance(x, torch.Tensor) and x.requires_grad:
-            return x.detach().requires_grad_(True)
+        if isinstance(x, torch.Tensor):
+            fresh = x.detach()
+            if x.requires_grad:
+                fresh = fresh.requires_grad_(True).clone()
+            else:
+                fresh = fresh.clone()
+            return fresh
         return x
     return pytree.tree_map(one, value)
 
@@ -156,10 +180,17 @@ def measure_nodes(gm: torch.fx.GraphModule, args: tuple[Any, ...],
     on the device the module and inputs live on, and count its saved bytes.
 
     Returns ``{node name: (fwd_s, bwd_s, saved_bytes)}``; a field not asked for is 0.
+    The model's buffers and gradients are left as they were (``preserved_state``).
     """
+    with preserved_state(gm):
+        return _measure(gm, args, dict(kwargs or {}), times, memory, warmup, repeats)
+
+
+def _measure(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
+             times: bool, memory: bool, warmup: int, repeats: int) -> Measured:
     interp = _Recorder(gm)
     with torch.enable_grad():
-        interp.run(*_flat_inputs(gm, args, dict(kwargs or {})))
+        interp.run(*_flat_inputs(gm, args, kwargs))
     values = interp.values
     cuda = any(p.is_cuda for p in gm.parameters())
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -169,39 +200,43 @@ def measure_nodes(gm: torch.fx.GraphModule, args: tuple[Any, ...],
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
         call = getattr(interp, node.op)
-        nargs = torch.fx.node.map_arg(node.args, lambda a: _fresh_inputs(values[a.name]))
-        nkwargs = torch.fx.node.map_arg(node.kwargs, lambda a: _fresh_inputs(values[a.name]))
 
-        def fwd(call: Any = call, node: torch.fx.Node = node, a: Any = nargs,
-                k: Any = nkwargs) -> Any:
+        def setup(node: torch.fx.Node = node) -> tuple[Any, Any]:
+            fresh = lambda a: _fresh_inputs(values[a.name])
+            return (torch.fx.node.map_arg(node.args, fresh),
+                    torch.fx.node.map_arg(node.kwargs, fresh))
+
+        def fwd(inputs: tuple[Any, Any], call: Any = call, node: torch.fx.Node = node) -> Any:
             with torch.enable_grad():
-                return call(node.target, a, k)
+                return call(node.target, *inputs)
 
-        fwd_s, result = _median_time(fwd, warmup, repeats, sync) if times else (0.0, None)
-        leaves = [t for t in pytree.tree_leaves(result if times else fwd())
-                  if isinstance(t, torch.Tensor) and t.requires_grad]
-        bwd_s = 0.0
-        if times and leaves:
-            def bwd(f: Callable[[], Any] = fwd) -> None:
-                outs = [t for t in pytree.tree_leaves(f())
-                        if isinstance(t, torch.Tensor) and t.requires_grad]
+        def bwd(inputs: tuple[Any, Any], fwd: Callable[[Any], Any] = fwd) -> None:
+            outs = [t for t in pytree.tree_leaves(fwd(inputs))
+                    if isinstance(t, torch.Tensor) and t.requires_grad]
+            if outs:
                 torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
-            total_s, _ = _median_time(bwd, warmup, repeats, sync)
-            bwd_s = max(total_s - fwd_s, 0.0)
+
+        fwd_s = bwd_s = 0.0
+        if times:
+            fwd_s, result = _median_time(fwd, setup, warmup, repeats, sync)
+            if any(isinstance(t, torch.Tensor) and t.requires_grad
+                   for t in pytree.tree_leaves(result)):
+                total_s, _ = _median_time(bwd, setup, warmup, repeats, sync)
+                bwd_s = max(total_s - fwd_s, 0.0)
         saved = 0
         if memory:
+            inputs = setup()
             if cuda:
                 torch.cuda.reset_peak_memory_stats()
                 before = torch.cuda.memory_allocated()
-                keep = fwd()
+                keep = fwd(inputs)
                 saved = max(torch.cuda.max_memory_allocated() - before, 0)
-                del keep
             else:
                 counter = SavedCounter(state)
                 with counter.hooks():
-                    keep = fwd()
+                    keep = fwd(inputs)
                 saved = counter.total
-                del keep
+            del keep, inputs
         out[node.name] = (float(fwd_s), float(bwd_s), int(saved))
     return out
 

@@ -53,3 +53,15 @@ def test_fake_module_cost_matches_formulas_without_memory() -> None:
     assert fwd == 2 * 5 * (8 * 16 + 16 * 4)
     assert bwd == 2 * 5 * 8 * 16 + 2 * 2 * 5 * 16 * 4  # no input grad for the first layer
     assert saved == 5 * 8 * 4 + 5 * 16 * 4
+
+
+def test_measuring_leaves_the_model_untouched() -> None:
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(inplace=True))
+    x = torch.randn(5, 4)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    gm = trace(model, (x,))
+    measured = measure_nodes(gm, (x,), warmup=1, repeats=1)
+    saved_bytes_by_module(model, (x,))
+    assert set(measured) == {"_0", "_1", "_2"}
+    torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
+    assert all(p.grad is None for p in model.parameters())

@@ -8,7 +8,7 @@ from passes.partition_config import PartitionConfig
 from passes.partitioning import chain
 from passes.partitioning.order import ORDERS, PIN_ORDER, topological_order
 from passes.partitioning.problem import DagProblem, chain_arrays, evaluate, make_objective
-from passes.partitioning.refine import refine
+from passes.partitioning.refine import _State, refine
 from passes.partitioning.synthetic import random_dag, transformer_dag
 
 
@@ -56,3 +56,25 @@ def test_refine_keeps_plans_valid_and_never_worse() -> None:
             assert set(out.tolist()) == set(range(k))
             assert all(out[p] <= out[v] for v, ps in enumerate(problem.preds) for p in ps)
             assert evaluate(problem, out, obj).bottleneck <= before * (1 + 1e-12)
+
+
+def test_incremental_costs_match_a_full_evaluation() -> None:
+    rng = np.random.default_rng(4)
+    problem = random_dag(120, rng, width=4)
+    k = 4
+    obj = make_objective(problem, PartitionConfig(num_stages=k, microbatches=4))
+    order = topological_order(problem, "dfs")
+    work, saved, comm = chain_arrays(problem, order, obj)
+    st = np.empty(problem.n, dtype=np.int64)
+    st[order] = chain.solve(work, k, saved=saved, comm=comm,
+                            inflight=np.asarray(obj.inflight, dtype=float)).stages(problem.n)
+    state = _State(problem, obj, st)
+    moves = 0
+    for _ in range(400):
+        v = int(rng.integers(0, problem.n))
+        t = int(state.st[v]) + int(rng.choice([-1, 1]))
+        if 0 <= t < k and state.movable(v, t):
+            state.apply(v, t)
+            moves += 1
+    assert moves > 20
+    np.testing.assert_allclose(state.cost, evaluate(problem, state.st, obj).cost, rtol=1e-9)

@@ -76,6 +76,12 @@ if __name__ == '__main__':
 """
 
 
+def _why(res: subprocess.CompletedProcess[str]) -> str:
+    """The children's own messages come first in stderr; torchrun's summary last."""
+    err = res.stderr
+    return err if len(err) < 8000 else err[:6000] + "\n...\n" + err[-2000:]
+
+
 def _run_cli(args: list[str], tmp: Path, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "smp_fx.cli.main", *args], cwd=tmp,
                           capture_output=True, text=True, timeout=150,
@@ -87,7 +93,7 @@ def test_smp_script_under_smp_fx_run(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(textwrap.dedent(SMP_SCRIPT))
     (tmp_path / "cfg.json").write_text(json.dumps({"partitions": 2, "microbatches": 4}))
     res = _run_cli(["run", "-n", "2", "--config", "cfg.json", "train.py"], tmp_path)
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, _why(res)
     lines = sorted(line for line in res.stdout.splitlines() if line.startswith("RANKS"))
     assert lines == ["RANKS 0 2 0 2 0 [0, 1] 4", "RANKS 1 2 1 2 0 [0, 1] 4"]
 
@@ -97,7 +103,7 @@ def test_smddp_guide_script_runs_ddp(tmp_path: Path) -> None:
     (tmp_path / "train.py").write_text(textwrap.dedent(SMDDP_SCRIPT))
     ckpt = tmp_path / "model.pt"
     res = _run_cli(["run", "-n", "2", "train.py"], tmp_path, CKPT=str(ckpt))
-    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.returncode == 0, _why(res)
     rows = sorted(line.split() for line in res.stdout.splitlines()
                   if line.startswith("SMDDP"))
     assert [r[1:5] for r in rows] == [["0", "0", "smddp", "4"], ["1", "1", "smddp", "4"]]

@@ -172,6 +172,7 @@ class DDPStageRunner(ex.StageRunner):
             self.ddp.reducer.prepare_for_forward()
             self.ddp.reducer.prepare_for_backward([])
             self.dp.armed.add(self.stage.index)
+        self.dp.backward_ran.add(self.stage.index)
         torch.autograd.backward(tensors, grads)
 
 
@@ -191,6 +192,7 @@ class DataParallel(Joinable):
         self.reduce_this_step = False
         self.last_backward: dict[int, int] = {}
         self.armed: set[int] = set()
+        self.backward_ran: set[int] = set()
         self.reductions = 0
 
     # executor hooks
@@ -198,6 +200,7 @@ class DataParallel(Joinable):
         """Find each local stage's last backward action; decide whether this step reduces."""
         self.last_backward = {op.stage: op.microbatch for op in ops if op.kind == "B"}
         self.armed = set()
+        self.backward_ran = set()
         training = bool(self.last_backward)
         work = Join.notify_join_context(self)
         if work is not None:  # inside join(): joined ranks shadow this step
@@ -216,12 +219,13 @@ class DataParallel(Joinable):
                 and self.last_backward.get(stage) == microbatch)
 
     def post_step(self) -> None:
-        """Non-overlapping mode (or a last backward that never ran): reduce now."""
+        """Non-overlapping mode: reduce now. A stage whose step ran no backward at all (the
+        step function never called ``model.backward``) has nothing new to reduce."""
         if not self.reduce_this_step:
             return
         self.reductions += 1
         for s in sorted(self.runners):
-            if s in self.armed:
+            if s in self.armed or s not in self.backward_ran:
                 continue
             if self.options.overlapping_allreduce:
                 raise SMPRuntimeError.build(

@@ -1,9 +1,9 @@
 """Hybrid pipeline + data parallelism (``ddp: true``, ``smp_fx.ddp``).
 
-The multi-process tests run 4 gloo ranks as pp=2 x dp=2 ("cluster" and "spread"); every
+The multi-process test runs 4 gloo ranks as pp=2 x dp=2, "cluster" then "spread"; every
 rank feeds its own shard of the global batch, and the trained parameters must equal one
 process training the unpartitioned model on the concatenated global batch (fp32). One spawn
-per placement runs several scenarios one after another (smp is re-initialised in between).
+runs every scenario one after another (smp is re-initialised in between).
 The model is the tiny GPT example, whose tied embedding / LM head sits on both stages, so
 the order "dp average, then pipeline sum of the tied replicas" is exercised too.
 """
@@ -100,35 +100,48 @@ def _assert_matches(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor
         torch.testing.assert_close(p, ref[name], atol=1e-5, rtol=0, msg=name)
 
 
-def _body(placement: str) -> dict[str, Any]:
+def _placement(placement: str) -> dict[str, Any]:
+    """Every scenario for one placement; runs on every rank."""
     import smp_fx as smp
 
-    dist.init_process_group("gloo")
     out: dict[str, Any] = {}
-
-    # 1. overlapped reduction (1F1B) == the unpartitioned model on the global batch
+    # overlapped reduction (1F1B) == the unpartitioned model on the global batch; "spread"
+    # uses many tiny buckets and gradients as bucket views
+    small = {"bucket_cap_mb": 0.001, "gradient_as_bucket_view": True} \
+        if placement == "spread" else {}
     _init(placement, "interleaved")
     out["coords"] = (smp.pp_rank(), smp.dp_rank(), smp.get_dp_group())
     ref = _reference(3, 1)
-    model, overlap = _train(3, 1, overlapping_allreduce=True)
+    model, overlap = _train(3, 1, overlapping_allreduce=True, **small)
     assert model._ddp is not None and model._ddp.reductions == 3
+    assert model._ddp.armed == set(model._ddp.runners)  # reduced inside the last backward
     _assert_matches(overlap["params"], ref)
     assert max(overlap["grad_spread"]) == 0.0
 
-    # 2. reduction at the end of the step: identical numbers
+    # reduction at the end of the step: identical numbers
     _init(placement, "interleaved")
-    model, late = _train(3, 1, overlapping_allreduce=False)
+    model, late = _train(3, 1, overlapping_allreduce=False, **small)
     assert model._ddp is not None and model._ddp.armed == set()
     for name, p in late["params"].items():
         assert torch.equal(p, overlap["params"][name]), name
 
-    # 3. the dp process group is usable by user code
+    # an evaluation step reduces nothing and changes nothing
+    @smp.step
+    def eval_step(model: Any, x: torch.Tensor) -> Any:
+        return model(x)
+
+    with torch.no_grad():
+        eval_step(model, _batches(1)[0][0][:GLOBAL_BATCH // 2])
+    assert model._ddp.reductions == 3
+    assert all(torch.equal(p, late["params"][n]) for n, p in model.local_named_parameters())
+
+    # the dp process group is usable by user code
     t = torch.tensor([float(smp.rank())])
     dist.all_reduce(t, group=smp.get_dp_process_group())
     assert t.item() == sum(smp.get_dp_group())
 
     if placement == "cluster":
-        # 4. backward_passes_per_step=2 == gradient accumulation over two steps
+        # backward_passes_per_step=2 == gradient accumulation over two steps
         _init(placement, "simple")
         model, bpps = _train(4, 2, backward_passes_per_step=2)
         _assert_matches(bpps["params"], _reference(4, 2))
@@ -137,9 +150,18 @@ def _body(placement: str) -> dict[str, Any]:
         assert spread[1] == 0 and spread[3] == 0, spread
         out["reductions"] = model._ddp.reductions
     else:
-        # 5. uneven inputs: dp_rank 1 runs out one batch early inside model.join()
+        # uneven inputs: dp_rank 1 runs out one batch early inside model.join()
         out["join"] = _join_scenario(placement)
-    smp.state._reset()
+    return out
+
+
+def _body() -> dict[str, Any]:
+    """One 4-rank world; smp is re-initialised per placement and scenario."""
+    from smp_fx import state
+
+    dist.init_process_group("gloo")
+    out = {p: _placement(p) for p in ("cluster", "spread")}
+    state._reset()
     return out
 
 
@@ -174,19 +196,21 @@ def _join_scenario(placement: str) -> bool:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("placement", ["cluster", "spread"])
-def test_pp2_dp2_matches_global_batch(placement: str) -> None:
-    results = run_ranks(_body, 4, placement, timeout=240)
-    coords = [r["coords"] for r in results]
-    assert sorted((pp, dp) for pp, dp, _ in coords) == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    if placement == "cluster":  # DPT: a pipeline on adjacent ranks, dp groups [0,2], [1,3]
-        assert [c[0] for c in coords] == [0, 1, 0, 1]
-        assert [c[2] for c in coords] == [[0, 2], [1, 3], [0, 2], [1, 3]]
-        assert all(r["reductions"] == 2 for r in results)
-    else:  # TPD: dp groups [0,1], [2,3]
-        assert [c[0] for c in coords] == [0, 0, 1, 1]
-        assert [c[2] for c in coords] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-        assert all(r["join"] for r in results)
+def test_pp2_dp2_matches_global_batch_cluster_and_spread() -> None:
+    results = run_ranks(_body, 4, timeout=300)
+    cluster = [r["cluster"] for r in results]
+    spread = [r["spread"] for r in results]
+    for per_rank in (cluster, spread):
+        got = sorted((pp, dp) for pp, dp, _ in (r["coords"] for r in per_rank))
+        assert got == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    # cluster (DPT): a pipeline on adjacent ranks, dp groups [0, 2], [1, 3]
+    assert [r["coords"][0] for r in cluster] == [0, 1, 0, 1]
+    assert [r["coords"][2] for r in cluster] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert all(r["reductions"] == 2 for r in cluster)
+    # spread (TPD): dp groups [0, 1], [2, 3]
+    assert [r["coords"][0] for r in spread] == [0, 0, 1, 1]
+    assert [r["coords"][2] for r in spread] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert all(r["join"] for r in spread)
 
 
 # ---- single-process checks -----------------------------------------------------------

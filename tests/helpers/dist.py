@@ -1,6 +1,8 @@
 """Run a function on N real torch.distributed ranks (separate processes) and collect results.
 
-Each rank is a fresh ``spawn``-ed process with the torchrun environment set (``RANK``,
+Each rank is a new process forked from a ``forkserver`` that has imported torch and smp_fx
+once (fast start on a loaded machine, and no state inherited from the test process: the
+server never ran ``smp.init``), with the torchrun environment set (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, a free
 ``MASTER_PORT``), one intra-op thread, and ``SMP_FX_TIMEOUT_S`` equal to the test's
 timeout, so ``smp.init()`` inside ``fn`` joins a gloo world exactly as under torchrun.
@@ -64,7 +66,8 @@ def _worker(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple[
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
               env: Mapping[str, str] | None = None) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` ranks; return the results ordered by rank."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "smp_fx"])
     out = ctx.Queue()
     port = free_port()
     procs = []

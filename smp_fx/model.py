@@ -438,10 +438,14 @@ def _tied_groups(program: StagedProgram, st: Any,
 
 @contextlib.contextmanager
 def capturing() -> Iterator[None]:
-    """Inside it, ``model(...)`` raises ``_Captured`` with its inputs (used by smp.step)."""
+    """Inside it, ``model(...)`` raises ``_Captured`` with its inputs (used by smp.step);
+    ``is_tracing()`` is True."""
+    global _tracing
     prev = getattr(ex._tls, "ctx", None)
     ex._tls.ctx = _CaptureCtx()
+    _tracing = True
     try:
         yield
     finally:
         ex._tls.ctx = prev
+        _tracing = False

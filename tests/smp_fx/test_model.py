@@ -1,0 +1,110 @@
+"""DistributedModel: before/after partitioning, hooks, local views, placement, options."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import smp_fx as smp
+from smp_fx import state
+from tests.helpers.dist import run_ranks
+from tests.smp_fx.test_numerics import Pair, init
+
+
+def _net() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+                         nn.Linear(8, 2))
+
+
+@pytest.fixture
+def fresh() -> Iterator[None]:
+    init(2, 2, "simple")
+    torch.set_num_threads(1)
+    yield
+    state._reset()
+
+
+@smp.step
+def _step(model: Any, x: torch.Tensor) -> Any:
+    seen.append(smp.is_tracing())
+    out = model(x)
+    model.backward(out.sum())
+    return out
+
+
+seen: list[bool] = []
+
+
+def test_lifecycle(fresh: None) -> None:
+    net = _net()
+    model = smp.DistributedModel(net)
+    assert [p for p in model.parameters()] == [p for p in net.parameters()]
+    assert model.to("cuda") is model and model.cuda() is model and not model.partitioned
+    calls: list[Any] = []
+    model.register_post_partition_hook(lambda m: calls.append(("one", m.partitioned)))
+    handle = model.register_post_partition_hook(lambda m, opt: calls.append("removed"))
+    handle.remove()
+    seen.clear()
+    _step(model, torch.randn(4, 4))
+    assert model.partitioned and calls == [("one", True)]
+    assert seen[0] is True and seen[1:] == [False, False]  # traced on the first microbatch
+    assert {n for n, _ in model.local_named_parameters()} == {n for n, _ in
+                                                              net.named_parameters()}
+    assert {n for n, _ in model.local_named_modules()} >= {"0", "2", "4"}
+    assert model.get_module() is net and model.cpu() is net
+    _step(model, torch.randn(4, 4))
+    assert calls == [("one", True)]  # partitioned once
+
+
+def test_option_checks(fresh: None) -> None:
+    with pytest.raises(smp.SMPConfigError, match="trace_device"):
+        smp.DistributedModel(_net(), trace_device="tpu")
+    with pytest.raises(smp.SMPConfigError, match="trace_execution_times"):
+        smp.DistributedModel(_net(), trace_device="cpu", trace_execution_times=True)
+    model = smp.DistributedModel(_net(), bucket_cap_mb=50, broadcast_buffers=False)
+    assert model.options.bucket_cap_mb == 50 and not model.options.broadcast_buffers
+
+
+def test_train_eval_reach_the_stages(fresh: None) -> None:
+    net = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+    model = smp.DistributedModel(net)
+    _step(model, torch.randn(4, 4))
+    model.eval()
+
+    @smp.step
+    def ev(model: Any, x: torch.Tensor) -> Any:
+        return model(x)
+
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        a, b = ev(model, x).concat(), ev(model, x).concat()
+    torch.testing.assert_close(a, b)  # dropout off in eval mode
+    torch.testing.assert_close(a, net(x))
+
+
+def _tied_body() -> dict[str, Any]:
+    """GPT example over 2 processes: the tied embedding/LM head lives on both ranks."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    init(2, 2, "interleaved")
+    pair = Pair("gpt", batch=4)
+    pair.compare(2, 2)
+    names = {n for n, _ in pair.dm.local_named_parameters()}
+    full = pair.dm.cpu()
+    ref = dict(pair.ref.named_parameters())
+    same = [n for n, p in full.named_parameters() if not torch.allclose(p, ref[n], atol=1e-6)]
+    return {"names": names & {"wte.weight", "lm_head.weight"},
+            "groups": len(pair.dm._tied_groups), "cpu_equal": same}
+
+
+@pytest.mark.multiproc
+def test_tied_parameters_across_processes() -> None:
+    r0, r1 = run_ranks(_tied_body, 2, timeout=180)
+    assert r0["names"] == {"wte.weight"} and r1["names"] == {"lm_head.weight"}
+    assert r0["groups"] == r1["groups"] == 1
+    assert r0["cpu_equal"] == r1["cpu_equal"] == []

@@ -18,10 +18,12 @@ result is a valid pipeline plan.
   repeatedly move one element across a boundary of the largest block while that lowers
   the larger of the two blocks.
 * ``module_tree``: SMP's algorithm. Top-down over the module tree; at a module its
-  children (sub-modules and its own nodes) in execution order are cut into
-  ``min(devices, children)`` contiguous segments minimising the largest segment cost;
-  devices go to segments by D'Hondt (largest cost / (seats + 1) next, capped by the
-  segment's node count); a one-child segment holding several devices recurses into it.
+  children (sub-modules and its own nodes) in execution order are cut into contiguous
+  segments minimising the largest segment cost; devices go to segments by D'Hondt
+  (largest cost / (seats + 1) next, capped by the segment's node count). The number of
+  segments (2 .. min(devices, children)) is the one whose largest cost per device is
+  smallest. A segment holding several devices is split again: a one-child segment by
+  recursing into that child, a several-children segment as a module of those children.
 """
 
 from __future__ import annotations
@@ -158,30 +160,31 @@ def module_tree(problem: DagProblem, k: int, obj: Objective) -> np.ndarray:
             groups.setdefault(key, []).append(v)
         return list(groups.items())  # insertion order = first appearance = execution order
 
-    def place(prefix: str, members: list[int], first: int, devices: int) -> None:
-        kids = children(prefix, members)
-        if devices == 1 or len(members) == 1:
-            st[members] = first
+    def place(kids: list[tuple[str, list[int]]], first: int, devices: int) -> None:
+        nodes = [v for _, m in kids for v in m]
+        if devices == 1 or len(nodes) == 1:
+            st[nodes] = first
             return
-        if len(kids) == 1 and not kids[0][0].startswith("#"):
-            place(kids[0][0], kids[0][1], first, devices)
+        if len(kids) == 1:  # a single module: descend into its children
+            place(children(kids[0][0], kids[0][1]), first, devices)
             return
         costs = np.array([node_cost[m].sum() for _, m in kids])
-        segs = min(devices, len(kids))
-        cuts = chain.solve(costs, segs).cuts
-        bounds = [0, *cuts, len(kids)]
-        groups = [kids[bounds[i]:bounds[i + 1]] for i in range(segs)]
-        seats = _dhondt([float(costs[bounds[i]:bounds[i + 1]].sum()) for i in range(segs)],
-                        [sum(len(m) for _, m in g) for g in groups], devices)
+        best: tuple[float, list[list[tuple[str, list[int]]]], list[int]] | None = None
+        for segs in range(2, min(devices, len(kids)) + 1):
+            bounds = [0, *chain.solve(costs, segs).cuts, len(kids)]
+            groups = [kids[bounds[i]:bounds[i + 1]] for i in range(segs)]
+            seg_cost = [float(costs[bounds[i]:bounds[i + 1]].sum()) for i in range(segs)]
+            seats = _dhondt(seg_cost, [sum(len(m) for _, m in g) for g in groups], devices)
+            score = max(c / d for c, d in zip(seg_cost, seats))
+            if best is None or score < best[0] * (1.0 - 1e-12):
+                best = (score, groups, seats)
+        assert best is not None
         at = first
-        for group, d in zip(groups, seats):
-            if d > 1 and len(group) == 1 and not group[0][0].startswith("#"):
-                place(group[0][0], group[0][1], at, d)
-            else:
-                st[[v for _, m in group for v in m]] = at
+        for group, d in zip(best[1], best[2]):
+            place(group, at, d)  # one device: placed; several: split this segment further
             at += d
 
-    place("", list(range(problem.n)), 0, k)
+    place(children("", list(range(problem.n))), 0, k)
     return make_monotone(problem, st)
 
 

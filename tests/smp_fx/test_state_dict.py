@@ -73,7 +73,9 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
 
 
 def plain_setup() -> tuple[Tied, torch.optim.Optimizer, list[list[str]]]:
-    """A trained plain model and Adam with two param groups (names in optimizer order)."""
+    """A trained plain model and Adam with two param groups (names in optimizer order);
+    seeded, so every rank of a multi-process test builds the same one."""
+    torch.manual_seed(0)
     model = Tied()
     named = dict(model.named_parameters())  # tie appears once, as 'emb.weight'
     g0 = ["emb.weight", "body.0.weight", "body.0.bias"]

@@ -161,3 +161,36 @@ def test_dispatch(capsys: pytest.CaptureFixture[str]) -> None:
     assert "run" in capsys.readouterr().out
     assert cli_main(["run", "-n", "2", "--dry-run", "t.py"]) == 0
     assert "torch.distributed.run" in capsys.readouterr().out
+
+
+def test_shim_modules_map_to_smp_fx_and_torch() -> None:
+    """What a launched script sees, checked in-process (path and modules restored after)."""
+    import importlib
+    import sys as _sys
+
+    import torch
+    import torch.distributed as dist
+
+    import smp_fx
+    from smp_fx._compat import SHIM_DIR
+
+    before = set(_sys.modules)
+    _sys.path.insert(0, str(SHIM_DIR))
+    try:
+        smp = importlib.import_module("smdistributed.modelparallel.torch")
+        assert smp is smp_fx
+        importlib.import_module("smdistributed.dataparallel.torch.torch_smddp")
+        sdist = importlib.import_module("smdistributed.dataparallel.torch.distributed")
+        parallel = importlib.import_module("smdistributed.dataparallel.torch.parallel")
+        assert parallel.DistributedDataParallel is torch.nn.parallel.DistributedDataParallel
+        sdist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            assert dist.get_backend() == "smddp"
+            assert (sdist.get_rank(), sdist.get_world_size(), sdist.get_local_rank()) == (0, 1, 0)
+        finally:
+            dist.destroy_process_group()
+    finally:
+        _sys.path.remove(str(SHIM_DIR))
+        for name in set(_sys.modules) - before:
+            if name.startswith("smdistributed"):
+                del _sys.modules[name]

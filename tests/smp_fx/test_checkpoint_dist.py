@@ -37,8 +37,15 @@ def _save_then_load(prefix: str) -> dict[str, Any]:
     smp.barrier()
     loaded = smp.load(prefix)  # every rank loads its mp rank's file
     full = smp.load(prefix + ".full", partial=False)
-    return {"pp": smp.pp_rank(), "keys": sorted(loaded["model_state_dict"]),
-            "step": loaded["step"], "full_from": full["pp"]}
+    # the runtime with two model replicas: full state dicts gathered on dp_rank 0 only
+    model, opt, run = _fresh(*_runtime_classes())
+    run(range(1))
+    n_keys = n_state = -1
+    if smp.dp_rank() == 0:
+        n_keys, n_state = len(model.state_dict()), len(opt.state_dict()["state"])
+    smp.barrier()
+    return {"pp": smp.pp_rank(), "dp": smp.dp_rank(), "keys": sorted(loaded["model_state_dict"]),
+            "step": loaded["step"], "full_from": full["pp"], "full": (n_keys, n_state)}
 
 
 def _load_at_pp1(prefix: str) -> list[str]:
@@ -56,6 +63,8 @@ def test_dp0_saves_partial_every_rank_loads_then_pp1_merges(tmp_path: Path) -> N
     for res in out:
         assert res["keys"] == ["_smp_is_partial", f"stage{res['pp']}.weight"]
         assert res["step"] == 3 and res["full_from"] == 0  # mp rank 0 wrote the full file
+        expected = (2 * (MLP_KW["num_blocks"] + 1),) * 2 if res["dp"] == 0 else (-1, -1)
+        assert res["full"] == expected
     assert {r["pp"] for r in out} == {0, 1}
     merged = run_ranks(_load_at_pp1, 1, prefix, timeout=60)[0]
     assert merged == ["stage0.weight", "stage1.weight"]

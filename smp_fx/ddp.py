@@ -225,7 +225,10 @@ class DataParallel(Joinable):
             return
         self.reductions += 1
         for s in sorted(self.runners):
-            if s in self.armed or s not in self.backward_ran:
+            if s in self.armed:
+                _check_finalized(self.runners[s].ddp, s)
+                continue
+            if s not in self.backward_ran:
                 continue
             if self.options.overlapping_allreduce:
                 raise SMPRuntimeError.build(
@@ -252,6 +255,21 @@ class DataParallel(Joinable):
         """Tell joined ranks (which shadow this step) whether the step trains and reduces."""
         flag = torch.tensor([1.0 if training else 0.0], device=self.device)
         dist.all_reduce(flag, group=self.group)
+
+
+def _check_finalized(wrapper: DistributedDataParallel, stage: int) -> None:
+    """An armed reduction completes only when every parameter got a gradient in the last
+    backward; otherwise some buckets stayed local (replicas would silently diverge)."""
+    try:
+        wrapper.reducer._check_reducer_finalized()
+    except RuntimeError as exc:
+        raise SMPRuntimeError.build(
+            "with overlapping_allreduce, every parameter of a stage must get a gradient in "
+            "the stage's last microbatch backward; some did not, so their buckets were not "
+            "reduced over the data-parallel group", f"stage {stage}",
+            "smp.DistributedModel (ddp)", "set overlapping_allreduce=False (parameters "
+            "without a gradient then contribute zeros), or keep them on the loss path"
+        ) from exc
 
 
 class _StepJoinHook(JoinHook):

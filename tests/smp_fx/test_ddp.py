@@ -152,7 +152,43 @@ def _placement(placement: str) -> dict[str, Any]:
     else:
         # uneven inputs: dp_rank 1 runs out one batch early inside model.join()
         out["join"] = _join_scenario(placement)
+        out["no_grad_error"] = _no_grad_param_scenario(placement)
     return out
+
+
+class _DetachedScale(nn.Module):
+    """``scale`` is a parameter that never gets a gradient (it is read detached)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)) * self.scale.detach())
+
+
+def _no_grad_param_scenario(placement: str) -> str:
+    """Overlapped reduction with a parameter that gets no gradient: an error, not silently
+    unreduced buckets (only on the ranks whose stage holds that parameter)."""
+    import smp_fx as smp
+
+    _init(placement, "simple")
+    torch.manual_seed(0)
+    model = smp.DistributedModel(_DetachedScale())
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor) -> Any:
+        loss = model(x).pow(2).mean()
+        model.backward(loss)
+        return loss
+
+    try:
+        train_step(model, torch.randn(4, 8))
+    except smp.SMPRuntimeError as exc:
+        assert "must get a gradient" in str(exc), exc
+        return "raised"
+    return "ok"
 
 
 def _body() -> dict[str, Any]:
@@ -211,6 +247,9 @@ def test_pp2_dp2_matches_global_batch_cluster_and_spread() -> None:
     assert [r["coords"][0] for r in spread] == [0, 0, 1, 1]
     assert [r["coords"][2] for r in spread] == [[0, 1], [0, 1], [2, 3], [2, 3]]
     assert all(r["join"] for r in spread)
+    raised = {r["coords"][0] for r in spread if r["no_grad_error"] == "raised"}
+    assert len(raised) == 1, [r["no_grad_error"] for r in spread]  # both dp ranks of a stage
+    assert sum(r["no_grad_error"] == "raised" for r in spread) == 2
 
 
 # ---- single-process checks -----------------------------------------------------------

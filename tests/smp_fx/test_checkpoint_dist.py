@@ -218,31 +218,35 @@ def _runtime_classes() -> tuple[type, type]:
     return model_cls, opt_cls
 
 
-def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _batch(step: int, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(1000 + step)
+    if kind == "tied":
+        return torch.randint(0, 7, (8,), generator=g), torch.randint(0, 7, (8,), generator=g)
     return (torch.randn(8, MLP_KW["in_features"], generator=g),
             torch.randint(0, MLP_KW["num_classes"], (8,), generator=g))
 
 
-def _fresh(model_cls: type, opt_cls: type) -> tuple[Any, Any, Any]:
+def _fresh(model_cls: type, opt_cls: type, kind: str = "mlp") -> tuple[Any, Any, Any]:
+    """A DistributedModel + Adam: the MLP example, or ``tied`` (embedding tied to the head,
+    replicated on two stages at pp=2)."""
     import smp_fx as smp
     from examples.models import load
 
     mlp = load("mlp")
     torch.manual_seed(0)
-    model = model_cls(mlp.build_model(**MLP_KW))
+    model = model_cls(Tied() if kind == "tied" else mlp.build_model(**MLP_KW))
     opt = opt_cls(torch.optim.Adam(model.parameters(), lr=0.01))
 
     @smp.step
     def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        loss = mlp.loss_fn(model(x), y)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
         model.backward(loss)
         return loss
 
     def run(steps: range) -> None:
         for step in steps:
             opt.zero_grad()
-            train_step(model, *_batch(step))
+            train_step(model, *_batch(step, kind))
             opt.step()
 
     return model, opt, run
@@ -287,34 +291,37 @@ def _train_and_save(pp: int, prefix: str) -> list[str]:
 
     smp.init({"pipeline_parallel_degree": pp, "microbatches": 2})
     problems = _plain_round_trip(*_runtime_classes()) if pp == 2 else []
-    model, opt, run = _fresh(*_runtime_classes())
-    run(range(3))
-    if smp.dp_rank() == 0:
-        smp.save({"model": model.local_state_dict(), "opt": opt.local_state_dict()}, prefix)
-        smp.save({"model": model.state_dict(), "opt": opt.state_dict()}, prefix + ".full",
-                 partial=False)
+    for kind in ("mlp", "tied") if pp == 2 else ("mlp",):
+        model, opt, run = _fresh(*_runtime_classes(), kind)
+        run(range(3))
+        path = prefix if kind == "mlp" else prefix + ".tied"
+        if smp.dp_rank() == 0:
+            smp.save({"model": model.local_state_dict(), "opt": opt.local_state_dict()}, path)
+            smp.save({"model": model.state_dict(), "opt": opt.state_dict()}, path + ".full",
+                     partial=False)
     return problems
 
 
-def _resume(pp: int, prefixes: list[tuple[str, bool]]) -> bytes:
-    """For each (prefix, partial): fresh model, load before the first step, 3 more steps.
-    Also the uninterrupted 6-step run at this degree. Returns the full state dicts as
-    torch.save bytes (tensors through the result queue would need the rank alive)."""
+def _resume(pp: int, jobs: list[tuple[str, bool, str]]) -> bytes:
+    """For each (prefix, partial, kind): fresh model, load before the first step, 3 more
+    steps; and the uninterrupted 6-step run of each kind at this degree. Returns the full
+    state dicts as torch.save bytes (tensors through the result queue need the rank alive)."""
     import smp_fx as smp
 
     smp.init({"pipeline_parallel_degree": pp, "microbatches": 2})
     classes = _runtime_classes()
     out: dict[str, Any] = {}
-    for prefix, partial in prefixes:
-        model, opt, run = _fresh(*classes)
+    for prefix, partial, kind in jobs:
+        model, opt, run = _fresh(*classes, kind)
         ckpt = smp.load(prefix, partial=partial)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["opt"])
         run(range(3, 6))
         out[f"{prefix}:{partial}"] = (_to_cpu(model.state_dict()), _to_cpu(opt.state_dict()))
-    model, opt, run = _fresh(*classes)
-    run(range(6))
-    out["reference"] = (_to_cpu(model.state_dict()), _to_cpu(opt.state_dict()))
+    for kind in sorted({k for _, _, k in jobs}):
+        model, opt, run = _fresh(*classes, kind)
+        run(range(6))
+        out[f"reference:{kind}"] = (_to_cpu(model.state_dict()), _to_cpu(opt.state_dict()))
     buf = io.BytesIO()
     torch.save(out, buf)
     return buf.getvalue()
@@ -342,11 +349,16 @@ def test_resume_same_degree_and_reshard(tmp_path: Path) -> None:
     a, b = str(tmp_path / "pp2.pt"), str(tmp_path / "pp4.pt")
     assert run_ranks(_train_and_save, 2, 2, a, timeout=120) == [[], []]
     run_ranks(_train_and_save, 4, 4, b, timeout=150)
-    at_pp2 = _unpack(run_ranks(_resume, 2, 2, [(a, True), (a + ".full", False), (b, True)],
-                               timeout=150)[0])
-    ref = at_pp2["reference"]
+    t = a + ".tied"
+    at_pp2 = _unpack(run_ranks(_resume, 2, 2, [(a, True, "mlp"), (a + ".full", False, "mlp"),
+                                               (b, True, "mlp"), (t, True, "tied"),
+                                               (t + ".full", False, "tied")], timeout=150)[0])
+    ref = at_pp2["reference:mlp"]
     _assert_exact(at_pp2[f"{a}:True"], ref)  # partial, same degree
     _assert_exact(at_pp2[f"{a}.full:False"], ref)  # full, same degree
     _assert_exact(at_pp2[f"{b}:True"], ref)  # partial saved at pp=4, loaded at pp=2
-    at_pp1 = _unpack(run_ranks(_resume, 1, 1, [(a, True)], timeout=120)[0])
-    _assert_exact(at_pp1[f"{a}:True"], at_pp1["reference"])  # partial pp=2 -> pp=1
+    _assert_exact(at_pp2[f"{t}:True"], at_pp2["reference:tied"])  # tied, replicated weight
+    _assert_exact(at_pp2[f"{t}.full:False"], at_pp2["reference:tied"])
+    assert "head.weight" in at_pp2[f"{t}:True"][0]  # saved under both tied names
+    at_pp1 = _unpack(run_ranks(_resume, 1, 1, [(a, True, "mlp")], timeout=120)[0])
+    _assert_exact(at_pp1[f"{a}:True"], at_pp1["reference:mlp"])  # partial pp=2 -> pp=1

@@ -344,10 +344,29 @@ def _assert_exact(got: tuple[Any, Any], want: tuple[Any, Any]) -> None:
     torch.testing.assert_close(got[1]["state"], want[1]["state"], rtol=0, atol=0)
 
 
+def _check_cli_merge_matches_full(prefix: str, out: str) -> None:
+    """``smp-fx checkpoint merge`` of the runtime's partial files equals its full checkpoint
+    and loads into the plain model and the plain Adam without smp-fx."""
+    from examples.models import load
+    from smp_fx.cli.main import main
+
+    assert main(["checkpoint", "merge", prefix, "-o", out]) == 0
+    merged = torch.load(out, weights_only=True)
+    full = torch.load(prefix + ".full", weights_only=True)
+    assert_same(dict(merged["model"]), dict(full["model"]))
+    assert_same(merged["opt"], full["opt"])
+    net = load("mlp").build_model(**MLP_KW)
+    net.load_state_dict(merged["model"], strict=True)
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    opt.load_state_dict(merged["opt"])
+    assert_same(opt.state_dict(), full["opt"])
+
+
 @pytest.mark.multiproc
 def test_resume_same_degree_and_reshard(tmp_path: Path) -> None:
     a, b = str(tmp_path / "pp2.pt"), str(tmp_path / "pp4.pt")
     assert run_ranks(_train_and_save, 2, 2, a, timeout=120) == [[], []]
+    _check_cli_merge_matches_full(a, str(tmp_path / "merged.pt"))
     run_ranks(_train_and_save, 4, 4, b, timeout=150)
     t = a + ".tied"
     at_pp2 = _unpack(run_ranks(_resume, 2, 2, [(a, True, "mlp"), (a + ".full", False, "mlp"),

@@ -438,7 +438,11 @@ def load(f: str, map_location: Any = None, pickle_module: Any = pickle, partial:
     same = (index["num_files"] == info.num_files and index["pp_degree"] == info.pp_degree
             and index["tp_degree"] == info.tp_degree)
     if same:
-        entry = next(e for e in index["files"] if e["mp_rank"] == info.mp_rank)
+        entry = next((e for e in index["files"] if e["mp_rank"] == info.mp_rank), None)
+        if entry is None:
+            raise SMPCheckpointError.build(
+                "the checkpoint index has no file for this model-parallel rank", info.mp_rank,
+                where=index_path(f), fix="the index is damaged; restore it from the save")
         return read_partial_file(f, entry, index["save_id"], **load_kw)
     if index["tp_degree"] > 1 or info.tp_degree > 1:
         raise not_implemented(

@@ -149,11 +149,44 @@ def _placement(placement: str) -> dict[str, Any]:
         assert spread[0] > 0 and spread[2] > 0, spread  # not reduced after odd steps
         assert spread[1] == 0 and spread[3] == 0, spread
         out["reductions"] = model._ddp.reductions
+        out["buffers_equal"] = [_buffers_scenario(placement, bb) for bb in (True, False)]
     else:
         # uneven inputs: dp_rank 1 runs out one batch early inside model.join()
         out["join"] = _join_scenario(placement)
         out["no_grad_error"] = _no_grad_param_scenario(placement)
     return out
+
+
+def _buffers_scenario(placement: str, broadcast_buffers: bool) -> bool:
+    """BatchNorm statistics after a step on different shards, then an evaluation step:
+    are they equal across the dp group (broadcast from dp_rank 0 at the step's start)?"""
+    import smp_fx as smp
+
+    _init(placement, "simple")
+    ex = load_example("cnn")
+    torch.manual_seed(0)
+    model = smp.DistributedModel(ex.build_model(), broadcast_buffers=broadcast_buffers)
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        loss = ex.loss_fn(model(x), y)
+        model.backward(loss)
+        return loss
+
+    @smp.step
+    def eval_step(model: Any, x: torch.Tensor) -> Any:
+        return model(x)
+
+    torch.manual_seed(10 + smp.dp_rank())  # each replica its own data
+    x = ex.example_inputs(4)[0]
+    train_step(model, x, ex.example_targets(4))
+    model.eval()
+    with torch.no_grad():
+        eval_step(model, x)
+    bufs = torch.cat([b.reshape(-1).float() for _, b in sorted(model.local_named_buffers())])
+    peers = [torch.empty_like(bufs) for _ in range(smp.dp_size())]
+    dist.all_gather(peers, bufs, group=smp.get_dp_process_group())
+    return all(torch.equal(q, bufs) for q in peers)
 
 
 class _DetachedScale(nn.Module):
@@ -243,6 +276,7 @@ def test_pp2_dp2_matches_global_batch_cluster_and_spread() -> None:
     assert [r["coords"][0] for r in cluster] == [0, 1, 0, 1]
     assert [r["coords"][2] for r in cluster] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert all(r["reductions"] == 2 for r in cluster)
+    assert all(r["buffers_equal"] == [True, False] for r in cluster)
     # spread (TPD): dp groups [0, 1], [2, 3]
     assert [r["coords"][0] for r in spread] == [0, 0, 1, 1]
     assert [r["coords"][2] for r in spread] == [[0, 1], [0, 1], [2, 3], [2, 3]]

@@ -114,12 +114,16 @@ class ModelCheckpointMixin:
         return merge_model_state_dicts(parts, self._smp_layout())
 
     def load_state_dict(self, state_dict: Mapping[str, Any],  # type: ignore[override]
-                        strict: bool = True) -> Any:
+                        strict: bool = True, assign: bool = False) -> Any:
         """Load a full or partial state dict; before partitioning it is applied right after.
 
         Tensors are matched by name (any tied alias), so partial state saved at another
-        pipeline degree loads as long as every local name is present.
+        pipeline degree loads as long as every local name is present. Values are copied
+        into this rank's tensors (``assign=True`` is not supported: stages own them).
         """
+        if assign:
+            raise not_implemented("load_state_dict(assign=True) on a DistributedModel",
+                                  fix="use the default assign=False (values are copied)")
         if not self.partitioned:
             pending = self.__dict__.get("_smp_pending_load")
             self.__dict__["_smp_pending_load"] = (state_dict, strict)

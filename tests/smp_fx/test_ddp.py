@@ -115,6 +115,7 @@ def _placement(placement: str) -> dict[str, Any]:
     model, overlap = _train(3, 1, overlapping_allreduce=True, **small)
     assert model._ddp is not None and model._ddp.reductions == 3
     assert model._ddp.armed == set(model._ddp.runners)  # reduced inside the last backward
+    assert model._tied_groups  # wte / lm_head replicated on both stages: dp avg, then pp sum
     _assert_matches(overlap["params"], ref)
     assert max(overlap["grad_spread"]) == 0.0
 

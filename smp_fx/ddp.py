@@ -47,7 +47,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 from torch.nn.parallel import DistributedDataParallel
 
 from cost_model.errors import SMPConfigError, SMPRuntimeError
@@ -389,5 +389,8 @@ def join(model: Any, throw_on_early_termination: bool = False) -> Iterator[None]
         yield
         return
     model._ddp = dp  # reused by enable() if the first step runs inside the context
-    with Join([dp], throw_on_early_termination=throw_on_early_termination):
-        yield
+    try:
+        with Join([dp], throw_on_early_termination=throw_on_early_termination):
+            yield
+    finally:  # Join leaves its config on the joinable: later steps need no shadowing
+        dp._join_config = _JoinConfig.construct_disabled_join_config()

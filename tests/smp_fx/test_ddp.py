@@ -258,6 +258,9 @@ def _join_scenario(placement: str) -> bool:
             train_step(model, x[:shard], y[:shard])
             opt.step()
             opt.zero_grad()
+    x, y = batches[0]  # after join(): ordinary steps again, on every rank
+    train_step(model, x[:shard], y[:shard])
+    opt.step()
     flat = torch.cat([p.detach().reshape(-1) for _, p in
                       sorted(model.local_named_parameters())])
     peers = [torch.empty_like(flat) for _ in range(smp.dp_size())]

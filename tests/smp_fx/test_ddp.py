@@ -236,12 +236,18 @@ def _body() -> dict[str, Any]:
 
 
 def _join_scenario(placement: str) -> bool:
+    """dp_rank 1 has 2 batches, dp_rank 0 has 3 (both feed the same shard, so the expected
+    result is simple): in the third step the joined rank contributes zeros (DDP: the
+    average is over the whole group), and afterwards every replica is dp_rank 0's."""
     import smp_fx as smp
 
     _init(placement, "interleaved")
     ex = load_example("gpt")
     torch.manual_seed(0)
-    model = smp.DistributedModel(ex.build_model())
+    module = ex.build_model()
+    ref = ex.build_model()
+    ref.load_state_dict(module.state_dict())
+    model = smp.DistributedModel(module)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
 
     @smp.step
@@ -250,17 +256,22 @@ def _join_scenario(placement: str) -> bool:
         model.backward(loss)
         return loss
 
-    batches = _batches(3)
-    mine = batches if smp.dp_rank() == 0 else batches[:2]
-    shard = GLOBAL_BATCH // 2
+    batches = [(x[:4], y[:4]) for x, y in _batches(3)]
     with model.join():
-        for x, y in mine:
-            train_step(model, x[:shard], y[:shard])
+        for x, y in (batches if smp.dp_rank() == 0 else batches[:2]):
+            train_step(model, x, y)
             opt.step()
             opt.zero_grad()
-    x, y = batches[0]  # after join(): ordinary steps again, on every rank
-    train_step(model, x[:shard], y[:shard])
+    train_step(model, *batches[0])  # after join(): ordinary steps again, on every rank
     opt.step()
+
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=LR)
+    for weight, (x, y) in zip((1.0, 1.0, 0.5, 1.0), [*batches, batches[0]]):
+        ref_opt.zero_grad()
+        (weight * ex.loss_fn(ref(x), y)).backward()
+        ref_opt.step()
+    _assert_matches({n: p.detach() for n, p in model.local_named_parameters()},
+                    dict(ref.named_parameters(remove_duplicate=False)))
     flat = torch.cat([p.detach().reshape(-1) for _, p in
                       sorted(model.local_named_parameters())])
     peers = [torch.empty_like(flat) for _ in range(smp.dp_size())]

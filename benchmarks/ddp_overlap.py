@@ -5,8 +5,9 @@ per process). The model is an MLP chain large enough that the gradient all-reduc
 visible part of a step. Each process trains the same model twice, once with
 ``overlapping_allreduce=True`` (buckets are reduced while the stage's last microbatch's
 backward still runs) and once with ``False`` (all buckets reduced after the step), and
-rank 0 prints the median, 10th and 90th percentile step times side by side; a step time is
-the slowest rank's. The modes alternate in phases (a fresh model each: smp allows one at
+rank 0 prints the median, 10th and 90th percentile step times side by side, and the time
+of the bucketed reduction alone (the most overlapping can hide); a step time is the
+slowest rank's. The modes alternate in phases (a fresh model each: smp allows one at
 a time) to share the machine's noise; the first step of a phase (partitioning) and
 ``--warmup`` more are not timed.
 
@@ -84,6 +85,21 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
                 dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
                 if i >= args.warmup:
                     times[name].append(took.item())
+    # the reduction alone (what overlapping can hide at best): the last model's buckets
+    from smp_fx.ddp import allreduce_grads
+
+    dp = model._ddp
+    times["reduction alone"] = []
+    for _ in range(args.steps):
+        for p in model.local_parameters():
+            p.grad = torch.ones_like(p)
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        for s in sorted(dp.runners):
+            allreduce_grads(dp.bucket_lists[s], dp.group, dp.size)
+        took = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+        times["reduction alone"].append(took.item())
     if rank == 0:
         params = sum(p.numel() for p in build(args.hidden, args.layers).parameters())
         out.put((params, times))
@@ -136,6 +152,8 @@ def main() -> int:
         med[name] = statistics.median(ts)
         print(f"{name:14s} {med[name] * 1e3:10.1f} {_pct(ts, 0.1) * 1e3:8.1f} "
               f"{_pct(ts, 0.9) * 1e3:8.1f} {len(ts):6d}")
+    print(f"(the reduction alone takes {med['reduction alone'] * 1e3:.1f} ms: the most "
+          "overlapping can hide)")
     print(f"overlap saves {(1 - med['overlap'] / med['end of step']) * 100:.1f}% "
           "of the step time (median)")
     return 0

@@ -3,7 +3,17 @@
 The multi-process test runs 4 gloo ranks as pp=2 x dp=2, "cluster" then "spread"; every
 rank feeds its own shard of the global batch, and the trained parameters must equal one
 process training the unpartitioned model on the concatenated global batch (fp32). One spawn
-runs every scenario one after another (smp is re-initialised in between).
+runs every scenario one after another (smp is re-initialised in between):
+
+* both placements: overlapped reduction (1F1B) == the global-batch reference, with
+  dp_rank 1 starting from other weights (DDP broadcasts dp_rank 0's at partitioning);
+  reduction at the end of the step gives bit-identical parameters; an evaluation step
+  reduces nothing; user code can all-reduce over ``smp.get_dp_process_group()``;
+* cluster: ``backward_passes_per_step=2`` == gradient accumulation over two steps (and
+  the gradients really are unreduced after odd steps); ``broadcast_buffers`` on / off;
+* spread: ``model.join()`` with one batch fewer on dp_rank 1, against a reference; a
+  parameter without a gradient under overlapped reduction is an error on its stage.
+
 The model is the tiny GPT example, whose tied embedding / LM head sits on both stages, so
 the order "dp average, then pipeline sum of the tied replicas" is exercised too.
 """

@@ -12,7 +12,8 @@ runs every scenario one after another (smp is re-initialised in between):
 * cluster: ``backward_passes_per_step=2`` == gradient accumulation over two steps (and
   the gradients really are unreduced after odd steps); ``broadcast_buffers`` on / off;
 * spread: ``model.join()`` with one batch fewer on dp_rank 1, against a reference; a
-  parameter without a gradient under overlapped reduction is an error on its stage.
+  parameter without a gradient under overlapped reduction is an error on its stage;
+* pp=1 x dp=4 (pure data parallelism) == the reference.
 
 The model is the tiny GPT example, whose tied embedding / LM head sits on both stages, so
 the order "dp average, then pipeline sum of the tied replicas" is exercised too.
@@ -237,10 +238,17 @@ def _no_grad_param_scenario(placement: str) -> str:
 
 def _body() -> dict[str, Any]:
     """One 4-rank world; smp is re-initialised per placement and scenario."""
+    import smp_fx as smp
     from smp_fx import state
 
     dist.init_process_group("gloo")
-    out = {p: _placement(p) for p in ("cluster", "spread")}
+    out: dict[str, Any] = {p: _placement(p) for p in ("cluster", "spread")}
+    # pure data parallelism, pp=1 x dp=4 (the in-process runner path)
+    state._reset()
+    smp.init({"pipeline_parallel_degree": 1, "microbatches": M, "ddp": True})
+    model, pure = _train(3, 1)
+    _assert_matches(pure["params"], _reference(3, 1))
+    out["pure_dp"] = (smp.dp_size(), model._ddp.reductions)
     state._reset()
     return out
 
@@ -309,6 +317,7 @@ def test_pp2_dp2_matches_global_batch_cluster_and_spread() -> None:
     raised = {r["coords"][0] for r in spread if r["no_grad_error"] == "raised"}
     assert len(raised) == 1, [r["no_grad_error"] for r in spread]  # both dp ranks of a stage
     assert sum(r["no_grad_error"] == "raised" for r in spread) == 2
+    assert all(r["pure_dp"] == (4, 3) for r in results)
 
 
 # ---- single-process checks -----------------------------------------------------------

@@ -336,11 +336,20 @@ def _controller(model: Any) -> DataParallel | None:
 def enable(model: Any) -> DataParallel | None:
     """Wrap the partitioned ``model``'s local stages in DDP and hook the executor.
 
-    Called by ``DistributedModel`` at partitioning, on every rank, when ``ddp`` is set;
-    returns the controller to keep as ``model._ddp`` (None with a single replica: nothing
-    to reduce). DDP's constructor broadcasts each stage from dp_rank 0 (collective over the
+    Called by ``DistributedModel`` at partitioning, on every rank; returns the controller to
+    keep as ``model._ddp``, or None without ``ddp`` or with a single replica (nothing to
+    reduce). DDP's constructor broadcasts each stage from dp_rank 0 (collective over the
     stage's dp group).
     """
+    from smp_fx import state
+
+    st = state.get()
+    if not st.config.ddp:
+        if st.axis_size("rdp") > 1:
+            log.warning("smp-fx: %d data-parallel replicas but 'ddp' is false: their "
+                        "gradients are not reduced, so the replicas train independently; "
+                        "set 'ddp': true for data parallelism", st.axis_size("rdp"))
+        return None
     dp = _controller(model)
     if dp is None:
         return None

@@ -287,8 +287,7 @@ class DistributedModel(nn.Module):
             self._tied_groups = _tied_groups(program, st, self._fqn_by_id)
             if self._tied_groups:
                 self._executor.post_step_hooks.append(self._reduce_tied_grads)
-        if cfg.ddp:
-            self._ddp = ddp.enable(self)
+        self._ddp = ddp.enable(self)  # None unless ddp with several replicas
         for opt in self._optimizers:
             opt._localize(self)
         for hook in list(self._hooks.values()):

@@ -252,20 +252,42 @@ def _fresh(model_cls: type, opt_cls: type, kind: str = "mlp") -> tuple[Any, Any,
     return model, opt, run
 
 
-def _plain_round_trip(model_cls: type, opt_cls: type) -> list[str]:
-    """Plain model + plain Adam state -> DistributedModel/Optimizer (loaded before
-    partitioning) -> full state_dict(): must equal the plain ones exactly. Uses the tied
-    model, so both tied names must come back. Returns the mismatches (none expected)."""
-    import smp_fx as smp
+def _plain_state(kind: str) -> tuple[nn.Module, torch.optim.Optimizer, list[list[str]]]:
+    """A plainly trained model and Adam state (tied: two param groups), seeded."""
+    if kind == "tied":
+        return plain_setup()
+    from examples.models import load
 
-    plain, plain_opt, full = plain_setup()
+    torch.manual_seed(0)
+    net = load("mlp").build_model(**MLP_KW)
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    for step in range(2):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(_batch(step, kind)[0]), _batch(step, kind)[1]) \
+            .backward()
+        opt.step()
+    return net, opt, [[n for n, _ in net.named_parameters()]]
+
+
+def _plain_round_trip(model_cls: type, opt_cls: type, kind: str, delayed: bool) -> list[str]:
+    """Plain model + plain Adam state -> DistributedModel/Optimizer (loaded before
+    partitioning) -> full state_dict(): must equal the plain ones exactly. The tied model
+    must give back both tied names; ``delayed`` builds the model on the meta device
+    (smp.delay_param_initialization). Returns the mismatches (none expected)."""
+    import smp_fx as smp
+    from examples.models import load
+
+    plain, plain_opt, full = _plain_state(kind)
     plain_sd, plain_osd = plain.state_dict(), plain_opt.state_dict()
     torch.manual_seed(7)
-    net = Tied()
+    with smp.delay_param_initialization(enabled=delayed):
+        net = Tied() if kind == "tied" else load("mlp").build_model(**MLP_KW)
     model = model_cls(net)
     named = dict(net.named_parameters())
-    opt = opt_cls(torch.optim.Adam([{"params": [named[n] for n in full[0]]},
-                                    {"params": [named[n] for n in full[1]], "lr": 0.5}]))
+    groups = [{"params": [named[n] for n in g]} for g in full]
+    if len(groups) > 1:
+        groups[1]["lr"] = 0.01  # as plain_setup's second group
+    opt = opt_cls(torch.optim.Adam(groups, lr=0.5 if kind == "tied" else 0.01))
     model.load_state_dict(plain_sd)
     opt.load_state_dict(plain_osd)
 
@@ -275,14 +297,14 @@ def _plain_round_trip(model_cls: type, opt_cls: type) -> list[str]:
 
     model.eval()
     with torch.no_grad():
-        evaluate(model, torch.randint(0, 7, (4,)))  # partitions; deferred loads apply
+        evaluate(model, _batch(0, kind)[0][:4])  # partitions; deferred loads apply
     problems = []
     for name, (got, want) in {"model": (dict(model.state_dict()), dict(plain_sd)),
                               "optimizer": (opt.state_dict(), plain_osd)}.items():
         try:
             assert_same(got, want)
         except AssertionError as exc:
-            problems.append(f"{name}: {exc}")
+            problems.append(f"{name} ({kind}, delayed={delayed}): {exc}")
     return problems
 
 
@@ -290,7 +312,9 @@ def _train_and_save(pp: int, prefix: str) -> list[str]:
     import smp_fx as smp
 
     smp.init({"pipeline_parallel_degree": pp, "microbatches": 2})
-    problems = _plain_round_trip(*_runtime_classes()) if pp == 2 else []
+    # delayed init with the tied model across processes hangs in the runtime (see report)
+    problems = [p for kind, delayed in (("tied", False), ("mlp", True)) if pp == 2
+                for p in _plain_round_trip(*_runtime_classes(), kind, delayed)]
     for kind in ("mlp", "tied") if pp == 2 else ("mlp",):
         model, opt, run = _fresh(*_runtime_classes(), kind)
         run(range(3))

@@ -378,6 +378,7 @@ def optimizer_state_to_torch(by_name: Mapping[str, Any],
     if full is not None:
         covered.update({n: gi for gi, g in enumerate(full) for n in g})
     ids: dict[str, int] = {}
+    start = 0
     groups = []
     for gi, (group, wanted) in enumerate(zip(saved_groups, names)):
         for name in wanted:
@@ -391,8 +392,8 @@ def optimizer_state_to_torch(by_name: Mapping[str, Any],
                     "the optimizer state does not cover a parameter of the optimizer", name,
                     where=f"param group {gi}",
                     fix="load the partial files of every model-parallel rank")
-        start = len(ids)
         ids.update({n: i for i, n in enumerate(wanted, start) if n not in ids})
+        start += len(wanted)  # as torch numbers ids: by position over all groups
         groups.append({**_group_hyper(group), "params": [ids[n] for n in wanted]})
     state = {ids[n]: by_name["state"][n] for n in sorted(ids, key=ids.__getitem__)
              if n in by_name["state"]}

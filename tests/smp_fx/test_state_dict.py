@@ -225,3 +225,14 @@ def test_optimizer_merge_errors() -> None:
         optimizer_state_to_torch(optimizer_state_by_name(plain_sd, full), swapped)
     with pytest.raises(SMPCheckpointError, match="number of param groups"):
         optimizer_state_by_name(plain_sd, full[:1])
+
+
+def test_stage_with_an_empty_param_group_round_trips() -> None:
+    model, opt, full = plain_setup()
+    plain_sd = opt.state_dict()
+    stages = [set(full[0]), set(full[1])]  # each stage holds exactly one group
+    opts = make_stage_optimizers(model, full, stages, plain_sd)
+    assert [len(g["params"]) for g in opts[0].param_groups] == [3, 0]
+    parts = [local_optimizer_state_dict(o.state_dict(), stage_names(s, full), full)
+             for o, s in zip(opts, stages)]
+    assert_same(merge_optimizer_state_dicts(parts), plain_sd)

@@ -117,6 +117,7 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
             f"partitions={k}, compute nodes={n}",
             fix=f"use at most {n} partitions, or trace with fewer leaf modules")
     pins = problem.pin_array()
+    heavy = problem.heavy()
     if np.any(pins >= 0) and PIN_ORDER not in orders:
         orders = (*orders, PIN_ORDER)
     best: tuple[float, np.ndarray, str] | None = None
@@ -125,7 +126,7 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
         order = topological_order(problem, kind)
         work, saved, comm = chain_arrays(problem, order, obj)
         try:
-            sol = chain.solve(work, k, saved=saved, comm=comm,
+            sol = chain.solve(work, k, saved=saved, comm=comm, heavy=heavy[order],
                               inflight=np.asarray(obj.inflight, dtype=float), pins=pins[order])
         except SMPPartitionError as err:
             failure = failure or err
@@ -150,7 +151,7 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
         # chain solve on it can only see cuts at least as good as the plan's own
         order = np.lexsort((np.arange(n), stage))
         work, saved, comm = chain_arrays(problem, order, obj)
-        sol = chain.solve(work, k, saved=saved, comm=comm,
+        sol = chain.solve(work, k, saved=saved, comm=comm, heavy=heavy[order],
                           inflight=np.asarray(obj.inflight, dtype=float), pins=pins[order])
         again = np.empty(n, dtype=np.int64)
         again[order] = sol.stages(n)
@@ -159,7 +160,32 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
         if not new_value < value * (1.0 - 1e-12):
             break
         value, stage, name = new_value, again, f"{name.split('+')[0]}+resolve"
+    if do_refine:
+        stage = balance(problem, obj, stage)
     return stage, name
+
+
+def balance(problem: DagProblem, obj: Objective, stage: np.ndarray) -> np.ndarray:
+    """Lexicographic min-max on the plan's stage-major order, then refinement.
+
+    Min-max leaves every stage but the bottleneck free; ``chain.solve_lex`` balances them
+    (the bottleneck kept). The result replaces ``stage`` only when its sorted stage-cost
+    vector (exact DAG objective) is lexicographically smaller, so no stage cost ranking
+    ever gets worse.
+    """
+    n, k = problem.n, obj.num_stages
+    order = np.lexsort((np.arange(n), stage))
+    work, saved, comm = chain_arrays(problem, order, obj)
+    sol = chain.solve_lex(work, k, saved=saved, comm=comm, heavy=problem.heavy()[order],
+                          inflight=np.asarray(obj.inflight, dtype=float),
+                          pins=problem.pin_array()[order])
+    again = np.empty(n, dtype=np.int64)
+    again[order] = sol.stages(n)
+    again = refine(problem, obj, again)
+    if chain.lex_key(evaluate(problem, again, obj).cost) < chain.lex_key(
+            evaluate(problem, stage, obj).cost):
+        return again
+    return stage
 
 
 def summarize(problem: DagProblem, obj: Objective, stage: np.ndarray, strategy: str

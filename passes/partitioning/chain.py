@@ -115,8 +115,25 @@ def _pin_windows(pins: FloatArray, k: int) -> tuple[np.ndarray, np.ndarray]:
     return j0, np.minimum(j1, n)
 
 
+def _anchors(heavy: np.ndarray | None, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """``anchor[j]``: the last position < ``j`` a stage ending at ``j`` must hold (-1: none);
+    ``tail[r]``: the latest end that leaves ``r`` required positions after it.
+
+    Without ``heavy`` every position counts (plain non-empty stages): ``anchor[j] = j - 1``
+    and ``tail[r] = n - r``. With it, only the ``heavy`` positions count.
+    """
+    if heavy is None:
+        return np.arange(-1, n, dtype=np.int64), np.arange(n, -1, -1, dtype=np.int64)
+    pos = np.flatnonzero(heavy)
+    marks = np.where(heavy, np.arange(n), -1)
+    anchor = np.concatenate([[-1], np.maximum.accumulate(marks)]).astype(np.int64)
+    tail = np.concatenate([[n], pos[::-1]]).astype(np.int64)
+    return anchor, tail
+
+
 def _check(bound: float, prefixes: list[FloatArray], comm: FloatArray, k: int,
-           j0: np.ndarray, j1: np.ndarray, least: FloatArray
+           j0: np.ndarray, j1: np.ndarray, least: FloatArray,
+           anchors: tuple[np.ndarray, np.ndarray]
            ) -> tuple[list[_Band] | None, float]:
     """Bands of reachable stage ends if every stage can stay <= ``bound``.
 
@@ -140,7 +157,7 @@ def _check(bound: float, prefixes: list[FloatArray], comm: FloatArray, k: int,
             if lo_rest > lo:
                 lo = lo_rest
                 nxt = min(nxt, float(least[n] - least[lo - 1]) / scale)
-        hi = min(n - left, int(j1[s]))
+        hi = min(int(anchors[1][left]), int(j1[s]))
         hi_cost = int(np.searchsorted(cs, cs[last] + bound, side="right")) - 1
         if hi_cost < hi:
             hi = hi_cost
@@ -149,8 +166,9 @@ def _check(bound: float, prefixes: list[FloatArray], comm: FloatArray, k: int,
             return None, nxt
         js = np.arange(lo, hi + 1)
         prev = bands[-1]
-        idx = np.minimum(js - 1 - prev.start, len(prev.last_reach) - 1)
-        start = prev.last_reach[idx]  # latest reachable start: the cheapest stage ending at j
+        idx = np.minimum(anchors[0][js] - prev.start, len(prev.last_reach) - 1)
+        # latest reachable start keeping the anchor: the cheapest stage ending at j
+        start = np.where(idx >= 0, prev.last_reach[np.maximum(idx, 0)], -1)
         cost = cs[js] + comm[js] - cs[np.maximum(start, 0)]
         ok = (cost <= bound) & (start >= 0)
         over = cost[(~ok) & (start >= 0)]
@@ -165,12 +183,12 @@ def _check(bound: float, prefixes: list[FloatArray], comm: FloatArray, k: int,
     return bands, nxt
 
 
-def _backtrack(bands: list[_Band], n: int, k: int) -> tuple[int, ...]:
+def _backtrack(bands: list[_Band], n: int, k: int, anchor: np.ndarray) -> tuple[int, ...]:
     cuts = []
     j = n
     for s in range(k - 1, 0, -1):
         prev = bands[s]  # band of stage s - 1 ends
-        j = int(prev.last_reach[min(j - 1 - prev.start, len(prev.last_reach) - 1)])
+        j = int(prev.last_reach[min(int(anchor[j]) - prev.start, len(prev.last_reach) - 1)])
         cuts.append(j)
     return tuple(reversed(cuts))
 
@@ -195,16 +213,25 @@ def lower_bound(work: Sequence[float], k: int, saved: Sequence[float] | None = N
 
 def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None,
           comm: Sequence[float] | None = None, inflight: Sequence[float] | None = None,
-          pins: Sequence[int] | None = None, rtol: float = 1e-9) -> ChainSolution:
+          pins: Sequence[int] | None = None, heavy: Sequence[bool] | None = None,
+          rtol: float = 1e-9) -> ChainSolution:
     """Cut ``work`` into ``k`` contiguous non-empty stages minimising the largest stage cost.
 
     ``saved[i]`` is multiplied by ``inflight[s]`` on the stage ``s`` holding node ``i``;
     ``comm`` is per cut (length ``n - 1`` for cuts ``1..n-1``, or ``n + 1`` indexed by cut);
-    ``pins[i] >= 0`` forces node ``i`` onto that stage. Raises ``SMPPartitionError`` when
-    ``k > n`` or the pins cannot be honoured by contiguous stages.
+    ``pins[i] >= 0`` forces node ``i`` onto that stage. ``heavy`` marks the positions that
+    do real work: every stage then holds at least one of them, unless there are fewer than
+    ``k`` or the pins leave no room for it (then stages need only be non-empty). Raises
+    ``SMPPartitionError`` when ``k > n`` or the pins cannot be honoured by contiguous stages.
     """
     w, sv, cm, infl, pn = _prepare(work, k, saved, comm, inflight, pins)
     n = len(w)
+    hv = None if heavy is None else np.asarray(heavy, dtype=bool)
+    if hv is not None and len(hv) != n:
+        raise SMPPartitionError.build("heavy needs one flag per node", len(hv), fix=f"n={n}")
+    if hv is not None and int(hv.sum()) < k:
+        hv = None
+    anchors = _anchors(hv, n)
     wp = np.concatenate([[0.0], np.cumsum(w)])
     sp = np.concatenate([[0.0], np.cumsum(sv)])
     cache: dict[float, FloatArray] = {}
@@ -218,7 +245,9 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
     lo = lower_bound(w, k, sv, infl, cm) * (1.0 - 1e-12)  # a lower bound on the optimum
     if np.any(pn >= 0):
         top = float(max(p[-1] for p in prefixes) + cm.max()) * 2.0 + 1.0
-        if _check(top, prefixes, cm, k, j0, j1, least)[0] is None:
+        if hv is not None and _check(top, prefixes, cm, k, j0, j1, least, anchors)[0] is None:
+            anchors = _anchors(None, n)  # the pins win over the work-on-every-stage wish
+        if _check(top, prefixes, cm, k, j0, j1, least, anchors)[0] is None:
             raise SMPPartitionError.build(
                 "the pinned nodes cannot be kept on their stages with contiguous stages",
                 f"pins at positions {np.flatnonzero(pn >= 0)[:8].tolist()}",
@@ -229,9 +258,9 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
     probe = max(lo, 1e-300) * (1.0 + excess)
     threshold_next = False
     for _ in range(400):
-        bands, nxt = _check(probe, prefixes, cm, k, j0, j1, least)
+        bands, nxt = _check(probe, prefixes, cm, k, j0, j1, least, anchors)
         if bands is not None:
-            cand = _backtrack(bands, n, k)
+            cand = _backtrack(bands, n, k, anchors[0])
             cval = achieved(cand)
             if cval < value:
                 best, value = cand, cval
@@ -253,3 +282,52 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
     assert best is not None
     costs = stage_costs(best, w, sv, cm, infl)
     return ChainSolution(best, float(costs.max()), tuple(float(c) for c in costs))
+
+
+def solve_lex(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None,
+              comm: Sequence[float] | None = None, inflight: Sequence[float] | None = None,
+              pins: Sequence[int] | None = None, heavy: Sequence[bool] | None = None,
+              rtol: float = 1e-9) -> ChainSolution:
+    """``solve``, then balance the stages the bottleneck leaves free (lexicographic min-max).
+
+    Min-max alone is indifferent to every stage but the costliest: with a latency-bound or
+    one-huge-node bottleneck it may leave the other stages nearly empty. This keeps the
+    optimal bottleneck stage of ``solve`` fixed and re-solves the sub-chains on either side
+    of it with their own stage counts, recursively, so the second-largest cost is minimised
+    next, and so on. The result is kept only if its sorted (descending) cost vector is
+    lexicographically no larger than ``solve``'s, so the bottleneck never gets worse.
+    """
+    w, sv, cm, infl, pn = _prepare(work, k, saved, comm, inflight, pins)
+    n = len(w)
+    hv = None if heavy is None else np.asarray(heavy, dtype=bool)
+    first = solve(w, k, saved=sv, comm=cm, inflight=infl, pins=pn, heavy=hv, rtol=rtol)
+
+    def sub(lo: int, hi: int, s0: int, s1: int, sol: ChainSolution | None) -> list[int]:
+        """Cuts inside ``[lo, hi)`` for stages ``s0..s1-1`` (the last pays comm[hi])."""
+        m = s1 - s0
+        if m == 1:
+            return []
+        if sol is None:
+            sw = w[lo:hi].copy()
+            sw[-1] += cm[hi]  # the sub-chain's last node always sits on its last stage
+            sc = cm[lo:hi + 1].copy()
+            sp = np.where(pn[lo:hi] >= 0, pn[lo:hi] - s0, -1)
+            sol = solve(sw, m, saved=sv[lo:hi], comm=sc, inflight=infl[s0:s1], pins=sp,
+                        heavy=None if hv is None else hv[lo:hi], rtol=rtol)
+        b = int(np.argmax(sol.stage_costs))
+        bounds = [0, *sol.cuts, hi - lo]
+        i, j = lo + bounds[b], lo + bounds[b + 1]
+        left = [*sub(lo, i, s0, s0 + b, None), i] if b > 0 else []
+        right = [j, *sub(j, hi, s0 + b + 1, s1, None)] if b < m - 1 else []
+        return left + right
+
+    cuts = tuple(sub(0, n, 0, k, first))
+    costs = stage_costs(cuts, w, sv, cm, infl)
+    if lex_key(costs) <= lex_key(np.asarray(first.stage_costs)):
+        return ChainSolution(cuts, float(costs.max()), tuple(float(c) for c in costs))
+    return first
+
+
+def lex_key(costs: np.ndarray) -> tuple[float, ...]:
+    """Stage costs sorted descending: compare two plans lexicographically by this."""
+    return tuple(float(c) for c in np.sort(np.asarray(costs, dtype=np.float64))[::-1])

@@ -51,6 +51,11 @@ def _tensor_bytes(gm: torch.fx.GraphModule, name: str) -> int | None:
     return None
 
 
+def _flops(node: torch.fx.Node) -> float:
+    cost = meta.COST.get(node)
+    return 0.0 if cost is None else float(cost.fwd_flops + cost.bwd_flops)
+
+
 def _value_bytes(node: torch.fx.Node) -> float:
     cost = meta.COST.get(node)
     if cost is not None:
@@ -120,7 +125,8 @@ def problem_from_graph(gm: torch.fx.GraphModule) -> DagProblem:
         output_inputs=out_inputs, param_names=pnames,
         param_bytes=np.asarray([sizes[p] for p in pnames], dtype=np.float64),
         param_readers=tuple(tuple(sorted(readers[p])) for p in pnames),
-        module_paths=paths, pins=pins)
+        module_paths=paths, pins=pins,
+        flops=np.asarray([_flops(n) for n in nodes], dtype=np.float64))
 
 
 def write_stages(gm: torch.fx.GraphModule, stages: Mapping[str, int]

@@ -58,6 +58,20 @@ class DagProblem:
     param_readers: tuple[tuple[int, ...], ...] = ()
     module_paths: tuple[str, ...] = ()
     pins: tuple[int, ...] = ()
+    flops: np.ndarray = field(default_factory=lambda: np.zeros(0))
+
+    def heavy(self) -> np.ndarray:
+        """Nodes doing real work: FLOPs or parameters (time when FLOPs are not known).
+
+        The solver gives every stage at least one of them when there are enough, so that a
+        latency-bound objective cannot leave a stage holding only glue (getattr, view).
+        """
+        work = self.flops > 0 if len(self.flops) == self.n else self.time > 0
+        mask = np.array(work, dtype=bool)
+        rflat, rparam = self._flat[5:]
+        if rflat.size:
+            mask[rflat[self.param_bytes[rparam] > 0]] = True
+        return mask
 
     @property
     def n(self) -> int:

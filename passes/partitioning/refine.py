@@ -29,6 +29,9 @@ class _State:
         self.time = np.bincount(self.st, weights=problem.time, minlength=k).astype(float)
         self.saved = np.bincount(self.st, weights=problem.saved, minlength=k).astype(float)
         self.count = np.bincount(self.st, minlength=k)
+        self.heavy = problem.heavy()
+        self.hcount = np.bincount(self.st[self.heavy], minlength=k)
+        self.keep_heavy = bool(np.all(self.hcount > 0))  # never take a stage's last one
         self.succs = problem.succs()
         self.vals_of, self.params_of = problem._touching
         self.refs = np.zeros((len(problem.param_names), k), dtype=np.int64)
@@ -65,6 +68,8 @@ class _State:
     def movable(self, v: int, t: int) -> bool:
         s = int(self.st[v])
         if v in self.frozen or self.count[s] <= 1:
+            return False
+        if self.keep_heavy and self.heavy[v] and self.hcount[s] <= 1:
             return False
         if t > s:
             return all(self.st[u] >= t for u in self.succs[v])
@@ -110,6 +115,8 @@ class _State:
         self.saved[t] += self.p.saved[v]
         self.count[s] -= 1
         self.count[t] += 1
+        self.hcount[s] -= int(self.heavy[v])
+        self.hcount[t] += int(self.heavy[v])
         self.st[v] = t
         self.cost[s], self.cost[t] = cs, ct
 

@@ -15,7 +15,7 @@ from passes.auto_partition import (
     solve_problem,
 )
 from passes.partition_config import PartitionConfig
-from passes.partitioning.extract import COMPUTE_OPS
+from passes.partitioning.extract import COMPUTE_OPS, problem_from_graph
 from passes.partitioning.problem import DagProblem, evaluate, make_objective
 from tests.passes.partitioning.graphs import tiny_gpt, two_branch
 
@@ -148,3 +148,29 @@ def test_missing_costs_name_the_node() -> None:
     gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
     with pytest.raises(SMPPartitionError, match="annotate_costs"):
         partition_graph(gm, PartitionConfig(num_stages=1))
+
+
+def test_latency_bound_plan_still_puts_real_work_on_every_stage() -> None:
+    # a link latency far above the whole model's time: every sending stage is latency-bound,
+    # and plain min-max would leave stages 0..k-2 with glue only (getattr, view)
+    gm = tiny_gpt()
+    cfg = PartitionConfig(num_stages=4, microbatches=4, link_latency_s=1e-2)
+    new, result = partition_graph(gm, cfg)
+    assert_valid(new, 4)
+    problem = problem_from_graph(new)
+    heavy = problem.heavy()
+    stage = np.asarray([meta.STAGE.get(n) for n in new.graph.nodes if n.op in COMPUTE_OPS])
+    assert all(heavy[stage == s].any() for s in range(4)), stage
+    assert np.all(problem.flops[heavy] > 0) or problem.param_bytes.sum() > 0
+
+
+def test_balance_never_worsens_the_sorted_stage_costs() -> None:
+    # a huge node fixes the bottleneck; the other stages are balanced, not left lopsided
+    problem = DagProblem.chain([20.0] + [1.0] * 12)
+    obj = make_objective(problem, PartitionConfig(num_stages=4, **FAST_LINK))
+    st, _ = solve_problem(problem, obj)
+    plain, _ = solve_problem(problem, obj, do_refine=False)
+    costs = evaluate(problem, st, obj).cost
+    assert costs.max() == pytest.approx(evaluate(problem, plain, obj).cost.max())
+    assert np.bincount(st).tolist() == [1, 4, 4, 4]
+    assert sorted(costs)[:3] == pytest.approx([sorted(costs)[0]] * 3)

@@ -7,8 +7,15 @@ assignment by moving boundary nodes between neighbouring stages
 (``partitioning.refine``). Every candidate is scored by the one objective
 (``partitioning.problem.evaluate``) and the best is kept; ties go to the earlier order.
 The winner is then re-solved on its own stage-major order and refined again while that
-improves it (at most 3 rounds). The plan is a pure function of (graph, costs, config) on
-every rank and run.
+improves it (at most 3 rounds), and finally balanced: min-max only cares about the costliest
+stage, so ``chain.solve_lex`` keeps that optimum and minimises the next largest stage cost,
+and so on (lexicographic min-max, accepted only if the sorted stage costs get smaller). The
+plan is a pure function of (graph, costs, config) on every rank and run.
+
+Every stage holds at least one node doing real work (FLOPs or parameters,
+``DagProblem.heavy``) whenever the graph has at least ``k`` of them and the pins allow it:
+when link latency dwarfs the model's compute, plain min-max would otherwise leave the sending
+stages with glue nodes only (getattr, views), since any work there raises the bottleneck.
 
 Pins (``passes.meta.PIN``, written by ``assign_manual``) are hard constraints. Parameters
 read on several stages (tied embeddings) are replicated on each of those stages, their

@@ -10,7 +10,8 @@ that most lowers ``max(cost of that stage, cost of the neighbour)``; the sorted 
 stage costs decreases lexicographically, so it terminates. Costs are kept incrementally:
 a move from ``s`` to ``s +- 1`` changes only those two stages (the bytes across every
 other boundary are unchanged), so one step costs O(nodes on the stage x their degree).
-Nodes feeding the graph output and pinned nodes never move.
+Nodes feeding the graph output and pinned nodes never move, and when every stage holds a
+node doing real work (``DagProblem.heavy``) no move takes a stage's last one.
 """
 
 from __future__ import annotations

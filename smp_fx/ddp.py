@@ -355,6 +355,11 @@ def enable(model: Any) -> DataParallel | None:
         return None
     opts = model.options
     executor = model.executor
+    if executor.runners is not model._runners or not hasattr(executor, "pre_step_hooks"):
+        raise SMPRuntimeError.build(
+            "the executor lacks the data-parallel seam (a shared runner dict and "
+            "pre_step_hooks called with the step's ops)", type(executor).__name__,
+            "smp_fx.ddp.enable", "report this as a bug")
     for s in sorted(model._runners):
         base = model._runners[s]
         if not any(p.requires_grad for p in base.stage.module.parameters()):
@@ -369,9 +374,6 @@ def enable(model: Any) -> DataParallel | None:
         model._runners[s] = runner  # the executor holds this very dict
         dp.runners[s] = runner
         dp.bucket_lists[s] = buckets(list(base.stage.module.parameters()), opts.bucket_cap_mb)
-    if executor.runners is not model._runners:
-        raise SMPRuntimeError.build("the executor does not share the model's runner dict",
-                                    None, "smp_fx.ddp.enable", "report this as a bug")
     executor.pre_step_hooks.append(dp.pre_step)
     executor.post_step_hooks.insert(0, dp.post_step)  # dp average before the tied pp sum
     log.info("smp-fx ddp: stages %s wrapped over an rdp group of %d (overlap=%s, bpps=%d)",

@@ -12,10 +12,16 @@ stage, so ``chain.solve_lex`` keeps that optimum and minimises the next largest 
 and so on (lexicographic min-max, accepted only if the sorted stage costs get smaller). The
 plan is a pure function of (graph, costs, config) on every rank and run.
 
+Stage time model (docs/architecture.md): a stage's time per microbatch is
+``max(compute, boundary bytes / link bandwidth)``, since sends are asynchronous and overlap
+the next microbatch's compute; link latency is paid once per hop in pipeline fill / drain
+(the simulator's business), not per stage (``partitioning.problem``). The chain solve stays
+exact under that max.
+
 Every stage holds at least one node doing real work (FLOPs or parameters,
 ``DagProblem.heavy``) whenever the graph has at least ``k`` of them and the pins allow it:
-when link latency dwarfs the model's compute, plain min-max would otherwise leave the sending
-stages with glue nodes only (getattr, views), since any work there raises the bottleneck.
+when a stage's link time dwarfs the model's compute, plain min-max could otherwise leave the
+sending stages with glue nodes only (getattr, views).
 
 Pins (``passes.meta.PIN``, written by ``assign_manual``) are hard constraints. Parameters
 read on several stages (tied embeddings) are replicated on each of those stages, their
@@ -58,7 +64,12 @@ CommTime = Callable[[float], float]
 
 @dataclass(frozen=True)
 class StageCost:
-    """One stage of a partition, in seconds / bytes and in objective units (``cost``)."""
+    """One stage of a partition, in seconds / bytes and in objective units (``cost``).
+
+    ``comm_time_s`` is how long one send of the stage's boundary takes (latency included,
+    what the simulator uses); ``link_time_s`` how long it keeps the link busy, which is
+    what the objective weighs against ``time_s``: ``max(time_s, link_time_s)``.
+    """
 
     stage: int
     nodes: tuple[str, ...]
@@ -70,6 +81,7 @@ class StageCost:
     inflight: int
     memory_bytes: float
     cost: float
+    link_time_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return {**self.__dict__, "nodes": list(self.nodes)}
@@ -110,8 +122,21 @@ class PartitionResult:
 
 def problem_lower_bound(problem: DagProblem, obj: Objective) -> float:
     """max(total / k, largest node) in objective units (parameters counted once)."""
-    work, saved, _ = chain_arrays(problem, np.arange(problem.n), obj)
-    return chain.lower_bound(work, obj.num_stages, saved, obj.inflight)
+    cc = chain_arrays(problem, np.arange(problem.n), obj)
+    return chain.lower_bound(cc.work, obj.num_stages, cc.saved, obj.inflight, time=cc.time)
+
+
+def _solve_order(problem: DagProblem, obj: Objective, order: np.ndarray,
+                 lex: bool = False) -> np.ndarray:
+    """Exact chain solve of ``problem`` laid out along ``order``; the stage of every node."""
+    cc = chain_arrays(problem, order, obj)
+    solver = chain.solve_lex if lex else chain.solve
+    sol = solver(cc.work, obj.num_stages, saved=cc.saved, comm=cc.comm, time=cc.time,
+                 heavy=problem.heavy()[order], inflight=np.asarray(obj.inflight, dtype=float),
+                 pins=problem.pin_array()[order])
+    stage = np.empty(problem.n, dtype=np.int64)
+    stage[order] = sol.stages(problem.n)
+    return stage
 
 
 def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] = ORDERS,
@@ -124,22 +149,16 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
             f"partitions={k}, compute nodes={n}",
             fix=f"use at most {n} partitions, or trace with fewer leaf modules")
     pins = problem.pin_array()
-    heavy = problem.heavy()
     if np.any(pins >= 0) and PIN_ORDER not in orders:
         orders = (*orders, PIN_ORDER)
     best: tuple[float, np.ndarray, str] | None = None
     failure: SMPPartitionError | None = None
     for kind in orders:
-        order = topological_order(problem, kind)
-        work, saved, comm = chain_arrays(problem, order, obj)
         try:
-            sol = chain.solve(work, k, saved=saved, comm=comm, heavy=heavy[order],
-                              inflight=np.asarray(obj.inflight, dtype=float), pins=pins[order])
+            stage = _solve_order(problem, obj, topological_order(problem, kind))
         except SMPPartitionError as err:
             failure = failure or err
             continue
-        stage = np.empty(n, dtype=np.int64)
-        stage[order] = sol.stages(n)
         name = kind
         if do_refine:
             refined = refine(problem, obj, stage)
@@ -156,13 +175,8 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
     for _ in range(3 if do_refine else 0):
         # stage-major order of the best plan (topological, as the plan is monotone): an exact
         # chain solve on it can only see cuts at least as good as the plan's own
-        order = np.lexsort((np.arange(n), stage))
-        work, saved, comm = chain_arrays(problem, order, obj)
-        sol = chain.solve(work, k, saved=saved, comm=comm, heavy=heavy[order],
-                          inflight=np.asarray(obj.inflight, dtype=float), pins=pins[order])
-        again = np.empty(n, dtype=np.int64)
-        again[order] = sol.stages(n)
-        again = refine(problem, obj, again)
+        again = refine(problem, obj,
+                       _solve_order(problem, obj, np.lexsort((np.arange(n), stage))))
         new_value = evaluate(problem, again, obj).bottleneck
         if not new_value < value * (1.0 - 1e-12):
             break
@@ -180,15 +194,8 @@ def balance(problem: DagProblem, obj: Objective, stage: np.ndarray) -> np.ndarra
     vector (exact DAG objective) is lexicographically smaller, so no stage cost ranking
     ever gets worse.
     """
-    n, k = problem.n, obj.num_stages
-    order = np.lexsort((np.arange(n), stage))
-    work, saved, comm = chain_arrays(problem, order, obj)
-    sol = chain.solve_lex(work, k, saved=saved, comm=comm, heavy=problem.heavy()[order],
-                          inflight=np.asarray(obj.inflight, dtype=float),
-                          pins=problem.pin_array()[order])
-    again = np.empty(n, dtype=np.int64)
-    again[order] = sol.stages(n)
-    again = refine(problem, obj, again)
+    order = np.lexsort((np.arange(problem.n), stage))
+    again = refine(problem, obj, _solve_order(problem, obj, order, lex=True))
     if chain.lex_key(evaluate(problem, again, obj).cost) < chain.lex_key(
             evaluate(problem, stage, obj).cost):
         return again
@@ -205,7 +212,7 @@ def summarize(problem: DagProblem, obj: Objective, stage: np.ndarray, strategy: 
         stages.append(StageCost(s, nodes, float(ev.time_s[s]), float(ev.comm_bytes[s]),
                                 float(ev.comm_time_s[s]), float(ev.param_bytes[s]),
                                 float(ev.saved_bytes[s]), int(obj.inflight[s]), float(mem),
-                                float(ev.cost[s])))
+                                float(ev.cost[s]), float(ev.link_time_s[s])))
     return PartitionResult(obj.num_stages, ev.bottleneck, problem_lower_bound(problem, obj),
                            strategy, tuple(stages), dict(sorted(ev.shared_params.items())))
 
@@ -226,7 +233,8 @@ def auto_partition(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
     """New GraphModule with ``STAGE`` on every node; ``gm`` is not modified.
 
     ``comm_time(bytes) -> seconds`` defaults to ``pconfig.comm_time`` (latency + bytes /
-    link bandwidth); pass one built from a ``cost_model.device`` spec to plan for it.
+    link bandwidth); pass one built from a ``cost_model.device`` spec to plan for it. The
+    objective charges its link occupancy (``problem.link_occupancy``: the latency cancels).
     """
     return partition_graph(gm, pconfig, comm_time)[0]
 

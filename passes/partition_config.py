@@ -27,7 +27,9 @@ class PartitionConfig:
     """Configuration of one partitioning run.
 
     ``link_bandwidth`` (bytes/s) and ``link_latency_s`` give the default boundary
-    communication time ``latency + bytes / bandwidth``; ``device`` names a device spec
+    transfer time ``latency + bytes / bandwidth`` (``comm_time``, what one transfer takes)
+    and link occupancy ``bytes / bandwidth`` (``link_time``, what the partition objective
+    charges: docs/architecture.md "Stage time model"); ``device`` names a device spec
     (``cost_model.device``) that callers may use instead, by passing ``comm_time``
     explicitly to ``passes.auto_partition.auto_partition``.
 
@@ -95,6 +97,13 @@ class PartitionConfig:
         if nbytes <= 0:
             return 0.0
         return self.link_latency_s + float(nbytes) / self.link_bandwidth
+
+    def link_time(self, nbytes: float) -> float:
+        """Link occupancy of a send: bytes / bandwidth. The latency delays the arrival but
+        does not keep the link busy (asynchronous sends overlap), so it is not in here."""
+        if nbytes <= 0:
+            return 0.0
+        return float(nbytes) / self.link_bandwidth
 
     def to_json(self) -> dict[str, Any]:
         return {"schema_version": SCHEMA_VERSION, **dataclasses.asdict(self)}

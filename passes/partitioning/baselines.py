@@ -147,8 +147,8 @@ def _dhondt(costs: list[float], caps: list[int], seats: int) -> list[int]:
 
 
 def module_tree(problem: DagProblem, k: int, obj: Objective) -> np.ndarray:
-    work, saved, _ = chain_arrays(problem, np.arange(problem.n), obj)
-    node_cost = work + saved * float(np.mean(obj.inflight))
+    cc = chain_arrays(problem, np.arange(problem.n), obj)
+    node_cost = cc.node_cost(float(np.mean(obj.inflight)))
     st = np.zeros(problem.n, dtype=np.int64)
 
     def children(prefix: str, members: list[int]) -> list[tuple[str, list[int]]]:

@@ -2,17 +2,24 @@
 
 The cost of stage ``s`` covering positions ``[i, j)`` is
 
-    cost(s, i, j) = W[j] - W[i] + inflight[s] * (S[j] - S[i]) + comm[j]
+    cost(s, i, j) = W[j] - W[i] + inflight[s] * (S[j] - S[i]) + max(T[j] - T[i], comm[j])
 
-with ``W``/``S`` prefix sums of the per-node stage-independent cost ``work`` and saved
-activation cost ``saved`` (scaled per stage by the microbatches in flight), and ``comm[j]``
-the cost of sending what is live across cut ``j`` (``comm[n] = 0``: the last stage sends
-nothing). Because ``C_s = W + inflight[s] * S`` is non-decreasing, for a fixed end ``j`` the
-starts ``i`` that keep the stage under a bottleneck ``B`` form a suffix
-``i >= lo_s(j)``: ``j`` is a feasible end iff the latest reachable start before it is one
-of them, i.e. iff the cheapest stage ending at ``j`` costs <= ``B``. The feasibility of
-``B`` is one vectorised sweep over stages, restricted to the band of ends the previous
-stage can reach and the ends from which the rest still fits in the remaining stages.
+with ``W``/``S``/``T`` prefix sums of the per-node stage-independent cost ``work``
+(parameter memory), saved activation cost ``saved`` (scaled per stage by the microbatches
+in flight) and compute ``time``, and ``comm[j]`` the link occupancy of what is live across
+cut ``j`` (``comm[n] = tail_comm``, 0 unless the chain is the head of a longer one: the last
+stage sends nothing). Compute and the send overlap (docs/architecture.md "Stage time
+model"), hence the max; with no ``time`` the max is ``comm[j]`` and comm simply adds.
+
+Exactness: with ``C_s = W + inflight[s] * S`` both arguments of the max and ``C_s`` are
+non-decreasing in ``j - i``, so for a fixed end ``j`` the starts ``i`` that keep the stage
+under a bottleneck ``B`` form a suffix ``i >= lo_s(j)``: ``cost <= B`` iff
+``C_s[i] + T[i] >= C_s[j] + T[j] - B`` and ``C_s[i] >= C_s[j] + comm[j] - B``, each a
+threshold on ``i`` (the suffix starts at the larger). So ``j`` is a feasible end iff the
+latest reachable start before it is one of them, i.e. iff the cheapest stage ending at
+``j`` costs <= ``B``. The feasibility of ``B`` is one vectorised sweep over stages,
+restricted to the band of ends the previous stage can reach and the ends from which the
+rest still fits in the remaining stages.
 
 The bottleneck is found by parametric search: ``B`` is bisected between a lower bound and
 the achieved maximum of the best partition found so far, which is always a real stage
@@ -60,23 +67,32 @@ class _Band:
 
 
 def stage_costs(cuts: Sequence[int], work: FloatArray, saved: FloatArray, comm: FloatArray,
-                inflight: FloatArray) -> np.ndarray:
-    """Cost of every stage of the partition given by ``cuts`` (direct sums, no prefixes)."""
+                inflight: FloatArray, time: FloatArray | None = None,
+                tail_comm: float = 0.0) -> np.ndarray:
+    """Cost of every stage of the partition given by ``cuts`` (direct sums, no prefixes).
+
+    ``comm`` is indexed by cut (length ``n + 1``); ``comm[n]`` is ignored, the last stage
+    pays ``tail_comm``.
+    """
     n = len(work)
+    tm = np.zeros(n) if time is None else np.asarray(time, dtype=np.float64)
     bounds = [0, *cuts, n]
     out = np.empty(len(bounds) - 1)
     for s in range(len(bounds) - 1):
         i, j = bounds[s], bounds[s + 1]
-        c = comm[j] if j < n else 0.0
-        out[s] = float(np.sum(work[i:j])) + inflight[s] * float(np.sum(saved[i:j])) + c
+        c = comm[j] if j < n else tail_comm
+        out[s] = (float(np.sum(work[i:j])) + inflight[s] * float(np.sum(saved[i:j]))
+                  + max(float(np.sum(tm[i:j])), float(c)))
     return out
 
 
 def _prepare(work: Sequence[float], k: int, saved: Sequence[float] | None,
              comm: Sequence[float] | None, inflight: Sequence[float] | None,
-             pins: Sequence[int] | None) -> tuple[FloatArray, ...]:
+             pins: Sequence[int] | None, time: Sequence[float] | None = None,
+             tail_comm: float = 0.0) -> tuple[FloatArray, ...]:
     w = np.asarray(work, dtype=np.float64)
     n = len(w)
+    tm = np.zeros(n) if time is None else np.asarray(time, dtype=np.float64)
     sv = np.zeros(n) if saved is None else np.asarray(saved, dtype=np.float64)
     cm = np.zeros(n + 1) if comm is None else np.asarray(comm, dtype=np.float64)
     if len(cm) == n - 1:  # comm given per internal cut 1..n-1
@@ -87,11 +103,12 @@ def _prepare(work: Sequence[float], k: int, saved: Sequence[float] | None,
         raise SMPPartitionError.build(
             "a chain of n nodes can be cut into at most n non-empty stages", f"n={n}, k={k}",
             fix="ask for fewer partitions or give a finer-grained graph")
-    if len(sv) != n or len(cm) != n + 1 or len(infl) != k or len(pn) != n:
+    if len(sv) != n or len(tm) != n or len(cm) != n + 1 or len(infl) != k or len(pn) != n:
         raise SMPPartitionError.build(
-            "saved/pins need n entries, comm n-1 or n+1, inflight k",
-            (len(sv), len(cm), len(infl), len(pn)), fix=f"n={n}, k={k}")
-    for name, arr in (("work", w), ("saved", sv), ("comm", cm), ("inflight", infl)):
+            "saved/time/pins need n entries, comm n-1 or n+1, inflight k",
+            (len(sv), len(tm), len(cm), len(infl), len(pn)), fix=f"n={n}, k={k}")
+    for name, arr in (("work", w), ("time", tm), ("saved", sv), ("comm", cm),
+                      ("inflight", infl), ("tail_comm", np.array([tail_comm]))):
         if not np.all(np.isfinite(arr)) or np.any(arr < 0):
             raise SMPPartitionError.build(f"chain {name} costs must be finite and >= 0",
                                           fix="check the node costs")
@@ -99,8 +116,8 @@ def _prepare(work: Sequence[float], k: int, saved: Sequence[float] | None,
         raise SMPPartitionError.build("a pin names a stage >= k", int(pn.max()),
                                       fix=f"pin to stages below {k}")
     cm = cm.copy()
-    cm[n] = 0.0
-    return w, sv, cm, infl, pn
+    cm[n] = tail_comm
+    return w, sv, cm, infl, pn, tm
 
 
 def _pin_windows(pins: FloatArray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -131,8 +148,8 @@ def _anchors(heavy: np.ndarray | None, n: int) -> tuple[np.ndarray, np.ndarray]:
     return anchor, tail
 
 
-def _check(bound: float, prefixes: list[FloatArray], comm: FloatArray, k: int,
-           j0: np.ndarray, j1: np.ndarray, least: FloatArray,
+def _check(bound: float, prefixes: list[tuple[FloatArray, FloatArray]], tp: FloatArray,
+           comm: FloatArray, k: int, j0: np.ndarray, j1: np.ndarray, least: FloatArray,
            anchors: tuple[np.ndarray, np.ndarray]
            ) -> tuple[list[_Band] | None, float]:
     """Bands of reachable stage ends if every stage can stay <= ``bound``.
@@ -142,13 +159,15 @@ def _check(bound: float, prefixes: list[FloatArray], comm: FloatArray, k: int,
     (ends only ever get accepted as the bound grows). Probing ``t`` next often hits the
     optimum exactly. ``least`` is the prefix of node costs at their cheapest stage: what
     is left after an end ``j`` must fit in the remaining stages, which narrows the band.
+    ``prefixes[s]`` is ``(C_s, C_s + T)``; a stage costs at least its ``C_s + T``
+    difference, which bounds the band of ends from above.
     """
     n = len(comm) - 1
     bands: list[_Band] = [_Band(0, np.zeros(1, dtype=np.int64))]
     first, last = 0, 0
     nxt = np.inf
     for s in range(k):
-        cs = prefixes[s]
+        cs, full = prefixes[s]
         left = k - 1 - s
         lo = max(first + 1, int(j0[s]), n if s == k - 1 else 0)
         if left:
@@ -158,10 +177,10 @@ def _check(bound: float, prefixes: list[FloatArray], comm: FloatArray, k: int,
                 lo = lo_rest
                 nxt = min(nxt, float(least[n] - least[lo - 1]) / scale)
         hi = min(int(anchors[1][left]), int(j1[s]))
-        hi_cost = int(np.searchsorted(cs, cs[last] + bound, side="right")) - 1
+        hi_cost = int(np.searchsorted(full, full[last] + bound, side="right")) - 1
         if hi_cost < hi:
             hi = hi_cost
-            nxt = min(nxt, float(cs[hi + 1] - cs[last]))
+            nxt = min(nxt, float(full[hi + 1] - full[last]))
         if lo > hi:
             return None, nxt
         js = np.arange(lo, hi + 1)
@@ -169,7 +188,8 @@ def _check(bound: float, prefixes: list[FloatArray], comm: FloatArray, k: int,
         idx = np.minimum(anchors[0][js] - prev.start, len(prev.last_reach) - 1)
         # latest reachable start keeping the anchor: the cheapest stage ending at j
         start = np.where(idx >= 0, prev.last_reach[np.maximum(idx, 0)], -1)
-        cost = cs[js] + comm[js] - cs[np.maximum(start, 0)]
+        st0 = np.maximum(start, 0)
+        cost = cs[js] - cs[st0] + np.maximum(tp[js] - tp[st0], comm[js])
         ok = (cost <= bound) & (start >= 0)
         over = cost[(~ok) & (start >= 0)]
         if over.size:
@@ -195,36 +215,45 @@ def _backtrack(bands: list[_Band], n: int, k: int, anchor: np.ndarray) -> tuple[
 
 def lower_bound(work: Sequence[float], k: int, saved: Sequence[float] | None = None,
                 inflight: Sequence[float] | None = None,
-                comm: Sequence[float] | None = None) -> float:
+                comm: Sequence[float] | None = None,
+                time: Sequence[float] | None = None) -> float:
     """max(total / k, largest node), each node at its cheapest (least in-flight) stage.
 
-    With ``comm`` (per cut, length n + 1) the ``k - 1`` boundaries each add at least the
-    cheapest cut: ``(total + (k - 1) * min comm) / k`` and ``min comm`` (stage 0 sends).
+    With ``comm`` (per cut, length n + 1) each of the ``k - 1`` sending stages costs at
+    least the cheapest cut inside its max: the stage costs sum to at least
+    ``sum(work + saved) + max(sum(time), (k - 1) * min comm)``, and stage 0 costs at least
+    ``min comm``.
     """
     w = np.asarray(work, dtype=np.float64)
+    tm = np.zeros(len(w)) if time is None else np.asarray(time, dtype=np.float64)
     sv = np.zeros(len(w)) if saved is None else np.asarray(saved, dtype=np.float64)
     least = 1.0 if inflight is None else float(np.min(inflight))
-    node = w + least * sv
+    node = w + least * sv + tm
     cheapest = 0.0
     if comm is not None and k > 1 and len(w) > 1:
         cheapest = float(np.min(np.asarray(comm, dtype=np.float64)[1:len(w)]))
-    return float(max((node.sum() + (k - 1) * cheapest) / k, node.max(initial=0.0), cheapest))
+    total = float(np.sum(w + least * sv)) + max(float(tm.sum()), (k - 1) * cheapest)
+    return float(max(total / k, node.max(initial=0.0), cheapest))
 
 
 def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None,
           comm: Sequence[float] | None = None, inflight: Sequence[float] | None = None,
           pins: Sequence[int] | None = None, heavy: Sequence[bool] | None = None,
+          time: Sequence[float] | None = None, tail_comm: float = 0.0,
           rtol: float = 1e-9) -> ChainSolution:
     """Cut ``work`` into ``k`` contiguous non-empty stages minimising the largest stage cost.
 
     ``saved[i]`` is multiplied by ``inflight[s]`` on the stage ``s`` holding node ``i``;
     ``comm`` is per cut (length ``n - 1`` for cuts ``1..n-1``, or ``n + 1`` indexed by cut);
+    ``time[i]`` is compute that overlaps the stage's send (the stage pays the larger of
+    its summed ``time`` and ``comm`` at its end, module docstring); ``tail_comm`` is what
+    the last stage sends (0 for a whole pipeline).
     ``pins[i] >= 0`` forces node ``i`` onto that stage. ``heavy`` marks the positions that
     do real work: every stage then holds at least one of them, unless there are fewer than
     ``k`` or the pins leave no room for it (then stages need only be non-empty). Raises
     ``SMPPartitionError`` when ``k > n`` or the pins cannot be honoured by contiguous stages.
     """
-    w, sv, cm, infl, pn = _prepare(work, k, saved, comm, inflight, pins)
+    w, sv, cm, infl, pn, tm = _prepare(work, k, saved, comm, inflight, pins, time, tail_comm)
     n = len(w)
     hv = None if heavy is None else np.asarray(heavy, dtype=bool)
     if hv is not None and len(hv) != n:
@@ -234,20 +263,29 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
     anchors = _anchors(hv, n)
     wp = np.concatenate([[0.0], np.cumsum(w)])
     sp = np.concatenate([[0.0], np.cumsum(sv)])
-    cache: dict[float, FloatArray] = {}
-    prefixes = [cache.setdefault(float(f), wp + float(f) * sp) for f in infl]
+    tp = np.concatenate([[0.0], np.cumsum(tm)])
+    cache: dict[float, tuple[FloatArray, FloatArray]] = {}
+    for f in infl:
+        if float(f) not in cache:
+            cs = wp + float(f) * sp
+            cache[float(f)] = (cs, cs + tp)
+    prefixes = [cache[float(f)] for f in infl]
     j0, j1 = _pin_windows(pn, k)
-    least = wp + float(infl.min()) * sp
+    least = wp + float(infl.min()) * sp + tp
 
     def achieved(cuts: tuple[int, ...]) -> float:
-        return float(stage_costs(cuts, w, sv, cm, infl).max())
+        return float(stage_costs(cuts, w, sv, cm, infl, tm, cm[n]).max())
 
-    lo = lower_bound(w, k, sv, infl, cm) * (1.0 - 1e-12)  # a lower bound on the optimum
+    def check(bound: float, anchors: tuple[np.ndarray, np.ndarray]
+              ) -> tuple[list[_Band] | None, float]:
+        return _check(bound, prefixes, tp, cm, k, j0, j1, least, anchors)
+
+    lo = lower_bound(w, k, sv, infl, cm, tm) * (1.0 - 1e-12)  # a lower bound on the optimum
     if np.any(pn >= 0):
-        top = float(max(p[-1] for p in prefixes) + cm.max()) * 2.0 + 1.0
-        if hv is not None and _check(top, prefixes, cm, k, j0, j1, least, anchors)[0] is None:
+        top = float(max(p[1][-1] for p in prefixes) + cm.max()) * 2.0 + 1.0
+        if hv is not None and check(top, anchors)[0] is None:
             anchors = _anchors(None, n)  # the pins win over the work-on-every-stage wish
-        if _check(top, prefixes, cm, k, j0, j1, least, anchors)[0] is None:
+        if check(top, anchors)[0] is None:
             raise SMPPartitionError.build(
                 "the pinned nodes cannot be kept on their stages with contiguous stages",
                 f"pins at positions {np.flatnonzero(pn >= 0)[:8].tolist()}",
@@ -258,7 +296,7 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
     probe = max(lo, 1e-300) * (1.0 + excess)
     threshold_next = False
     for _ in range(400):
-        bands, nxt = _check(probe, prefixes, cm, k, j0, j1, least, anchors)
+        bands, nxt = check(probe, anchors)
         if bands is not None:
             cand = _backtrack(bands, n, k, anchors[0])
             cval = achieved(cand)
@@ -280,14 +318,14 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
         else:
             probe = 0.5 * (lo + value)
     assert best is not None
-    costs = stage_costs(best, w, sv, cm, infl)
+    costs = stage_costs(best, w, sv, cm, infl, tm, cm[n])
     return ChainSolution(best, float(costs.max()), tuple(float(c) for c in costs))
 
 
 def solve_lex(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None,
               comm: Sequence[float] | None = None, inflight: Sequence[float] | None = None,
               pins: Sequence[int] | None = None, heavy: Sequence[bool] | None = None,
-              rtol: float = 1e-9) -> ChainSolution:
+              time: Sequence[float] | None = None, rtol: float = 1e-9) -> ChainSolution:
     """``solve``, then balance the stages the bottleneck leaves free (lexicographic min-max).
 
     Min-max alone is indifferent to every stage but the costliest: with a latency-bound or
@@ -297,10 +335,11 @@ def solve_lex(work: Sequence[float], k: int, *, saved: Sequence[float] | None = 
     next, and so on. The result is kept only if its sorted (descending) cost vector is
     lexicographically no larger than ``solve``'s, so the bottleneck never gets worse.
     """
-    w, sv, cm, infl, pn = _prepare(work, k, saved, comm, inflight, pins)
+    w, sv, cm, infl, pn, tm = _prepare(work, k, saved, comm, inflight, pins, time)
     n = len(w)
     hv = None if heavy is None else np.asarray(heavy, dtype=bool)
-    first = solve(w, k, saved=sv, comm=cm, inflight=infl, pins=pn, heavy=hv, rtol=rtol)
+    first = solve(w, k, saved=sv, comm=cm, inflight=infl, pins=pn, heavy=hv, time=tm,
+                  rtol=rtol)
 
     def sub(lo: int, hi: int, s0: int, s1: int, sol: ChainSolution | None) -> list[int]:
         """Cuts inside ``[lo, hi)`` for stages ``s0..s1-1`` (the last pays comm[hi])."""
@@ -308,12 +347,11 @@ def solve_lex(work: Sequence[float], k: int, *, saved: Sequence[float] | None = 
         if m == 1:
             return []
         if sol is None:
-            sw = w[lo:hi].copy()
-            sw[-1] += cm[hi]  # the sub-chain's last node always sits on its last stage
             sc = cm[lo:hi + 1].copy()
             sp = np.where(pn[lo:hi] >= 0, pn[lo:hi] - s0, -1)
-            sol = solve(sw, m, saved=sv[lo:hi], comm=sc, inflight=infl[s0:s1], pins=sp,
-                        heavy=None if hv is None else hv[lo:hi], rtol=rtol)
+            sol = solve(w[lo:hi], m, saved=sv[lo:hi], comm=sc, inflight=infl[s0:s1], pins=sp,
+                        heavy=None if hv is None else hv[lo:hi], time=tm[lo:hi],
+                        tail_comm=float(cm[hi]), rtol=rtol)
         b = int(np.argmax(sol.stage_costs))
         bounds = [0, *sol.cuts, hi - lo]
         i, j = lo + bounds[b], lo + bounds[b + 1]
@@ -322,7 +360,7 @@ def solve_lex(work: Sequence[float], k: int, *, saved: Sequence[float] | None = 
         return left + right
 
     cuts = tuple(sub(0, n, 0, k, first))
-    costs = stage_costs(cuts, w, sv, cm, infl)
+    costs = stage_costs(cuts, w, sv, cm, infl, tm)
     if lex_key(costs) <= lex_key(np.asarray(first.stage_costs)):
         return ChainSolution(cuts, float(costs.max()), tuple(float(c) for c in costs))
     return first

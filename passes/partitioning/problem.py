@@ -8,12 +8,25 @@ and benchmarks can build one from random numbers (``DagProblem.chain``).
 
 The objective (DESIGN.md "Partitioning") for stage ``s`` is
 
-    (1 - w) * (time_s + comm_time(bytes_s)) / T + w * memory_s / M
+    (1 - w) * max(time_s, link_time(bytes_s)) / T + w * memory_s / M
 
 * ``time_s``: sum of forward + backward node times on the stage.
 * ``bytes_s``: bytes of every value live across the boundary after stage ``s``: produced
   on a stage ``<= s`` and consumed on a stage ``> s`` (values are relayed stage to stage,
   so this depends on the boundary only). The last stage sends nothing.
+* ``link_time(bytes)``: how long the message occupies the link, ``bytes / bandwidth``.
+  Stage time model (docs/architecture.md "Stage time model"): the runtime sends with
+  asynchronous point-to-point ops, so a stage's send of microbatch ``i`` overlaps its
+  compute of microbatch ``i + 1``, and the link is a resource of its own. In steady state
+  a stage is therefore occupied per microbatch by the larger of its compute and its link
+  occupancy, not their sum. The per-message latency is NOT in the objective: it delays
+  the arrival of a message but does not occupy the link (several messages can be in
+  flight), so it is paid once per pipeline hop in fill / drain, which the simulator
+  charges in the predicted step time. Charging it to every sending stage made every plan
+  of a small model latency-bound (5 us of latency against 0.5 us of compute), and the
+  optimum then put almost all of the model on the last stage, the one that sends nothing.
+  ``comm_time(bytes)`` (latency + bytes / bandwidth) is still reported per stage, as the
+  duration of one transfer, for the simulator.
 * ``memory_s = (2 + optimizer_state_factor) * param_bytes_s + saved_s * inflight(s)``;
   a parameter read on several stages is replicated and counted on each of them.
 * ``T`` = total node time of the graph; ``M`` = ``(2 + f) * total parameter bytes (once)
@@ -33,6 +46,23 @@ import numpy as np
 from passes.partition_config import PartitionConfig
 
 CommTime = Callable[[float], float]
+
+
+def link_occupancy(comm_time: CommTime) -> CommTime:
+    """The link time of a message from a transfer-time model: ``comm_time(2b) - comm_time(b)``.
+
+    For the affine model ``latency + b / bandwidth`` (``cost_model.roofline.comm_time``,
+    ``PartitionConfig.comm_time``) this is exactly ``b / bandwidth``: the latency cancels.
+    For any other model it is the marginal time of ``b`` more bytes, what a busy link
+    spends per message. Used when a caller passes only a ``comm_time``.
+    """
+
+    def link_time(nbytes: float) -> float:
+        if nbytes <= 0:
+            return 0.0
+        return max(comm_time(2.0 * nbytes) - comm_time(nbytes), 0.0)
+
+    return link_time
 
 
 @dataclass(frozen=True)
@@ -153,6 +183,7 @@ class Objective:
     param_factor: float
     inflight: tuple[int, ...]
     comm_time: CommTime
+    link_time: CommTime
 
     @property
     def a(self) -> float:
@@ -162,23 +193,38 @@ class Objective:
     def b(self) -> float:
         return self.memory_weight / self.memory_total
 
+    def link_s(self, s: int, comm_bytes: float) -> float:
+        """Link occupancy of stage ``s``'s send per microbatch (the last stage sends none)."""
+        if s >= self.num_stages - 1 or comm_bytes <= 0:
+            return 0.0
+        return float(self.link_time(comm_bytes))
+
     def stage_cost(self, s: int, time_s: float, comm_bytes: float, param_bytes: float,
                    saved_bytes: float) -> float:
-        comm = (self.comm_time(comm_bytes)
-                if s < self.num_stages - 1 and comm_bytes > 0 else 0.0)
         mem = self.param_factor * param_bytes + saved_bytes * self.inflight[s]
-        return self.a * (time_s + comm) + self.b * mem
+        return self.a * max(time_s, self.link_s(s, comm_bytes)) + self.b * mem
 
 
 def make_objective(problem: DagProblem, cfg: PartitionConfig,
-                   comm_time: CommTime | None = None) -> Objective:
+                   comm_time: CommTime | None = None,
+                   link_time: CommTime | None = None) -> Objective:
+    """The objective for ``problem`` under ``cfg``.
+
+    ``comm_time(bytes)`` is the duration of one transfer (reported, and simulated);
+    ``link_time(bytes)`` the link occupancy the objective charges. Defaults: the config's
+    link model (``cfg.comm_time``, ``cfg.link_time``); a ``comm_time`` alone implies
+    ``link_occupancy(comm_time)``.
+    """
     k = cfg.num_stages
     factor = 2.0 + cfg.optimizer_state_factor
     t_total = float(problem.time.sum()) or 1.0
     m_total = (factor * float(np.sum(problem.param_bytes))
                + float(problem.saved.sum()) * min(cfg.microbatches, cfg.active)) or 1.0
+    if link_time is None:
+        link_time = cfg.link_time if comm_time is None else link_occupancy(comm_time)
     return Objective(k, float(cfg.memory_weight), t_total, m_total, factor,
-                     tuple(cfg.inflight(s) for s in range(k)), comm_time or cfg.comm_time)
+                     tuple(cfg.inflight(s) for s in range(k)), comm_time or cfg.comm_time,
+                     link_time)
 
 
 @dataclass(frozen=True)
@@ -188,6 +234,7 @@ class Evaluation:
     time_s: np.ndarray
     comm_bytes: np.ndarray
     comm_time_s: np.ndarray
+    link_time_s: np.ndarray
     param_bytes: np.ndarray
     saved_bytes: np.ndarray
     cost: np.ndarray
@@ -240,14 +287,34 @@ def evaluate(problem: DagProblem, stage: Sequence[int] | np.ndarray, obj: Object
         shared[problem.param_names[q]] = tuple(int(s) for s in owner_stage[owner_param == q])
     comm_t = np.array([obj.comm_time(b) if s < k - 1 and b > 0 else 0.0
                        for s, b in enumerate(comm_bytes)])
+    link_t = np.array([obj.link_s(s, b) for s, b in enumerate(comm_bytes)])
     cost = np.array([obj.stage_cost(s, time_s[s], comm_bytes[s], param_s[s], saved_s[s])
                      for s in range(k)])
-    return Evaluation(time_s, comm_bytes, comm_t, param_s, saved_s, cost, shared)
+    return Evaluation(time_s, comm_bytes, comm_t, link_t, param_s, saved_s, cost, shared)
 
 
-def chain_arrays(problem: DagProblem, order: Sequence[int], obj: Objective
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(work, saved, comm per cut 0..n) of ``problem`` laid out along ``order``.
+@dataclass(frozen=True)
+class ChainCosts:
+    """A problem laid out along an order, in objective units, for ``chain.solve``.
+
+    A stage ``[i, j)`` on stage ``s`` costs
+    ``sum(work[i:j]) + inflight[s] * sum(saved[i:j]) + max(sum(time[i:j]), comm[j])``:
+    ``work`` is parameter memory, ``time`` compute, ``comm[j]`` the link occupancy of
+    what is live across cut ``j`` (``comm[0] = comm[n] = 0``).
+    """
+
+    work: np.ndarray
+    time: np.ndarray
+    saved: np.ndarray
+    comm: np.ndarray
+
+    def node_cost(self, inflight: float) -> np.ndarray:
+        """Each node's cost alone on a stage with ``inflight`` microbatches, comm aside."""
+        return self.work + self.time + inflight * self.saved
+
+
+def chain_arrays(problem: DagProblem, order: Sequence[int], obj: Objective) -> ChainCosts:
+    """``problem`` laid out along ``order`` (a topological order) as ``ChainCosts``.
 
     Parameters count at their first reader in the order (replicas of shared parameters are
     not additive; ``evaluate`` scores them exactly afterwards).
@@ -263,7 +330,8 @@ def chain_arrays(problem: DagProblem, order: Sequence[int], obj: Objective
         np.minimum.at(firstpos, rparam, pos[rflat])
         keep = firstpos < n
         np.add.at(pmem, firstpos[keep], problem.param_bytes[keep])
-    work = obj.a * problem.time[order] + obj.b * obj.param_factor * pmem
+    work = obj.b * obj.param_factor * pmem
+    time = obj.a * problem.time[order]
     saved = obj.b * problem.saved[order]
     first, last = value_spans(problem, pos)  # positions act as stages of a 1-node chain
     diff = np.zeros(n + 2)
@@ -273,5 +341,5 @@ def chain_arrays(problem: DagProblem, order: Sequence[int], obj: Objective
     live = np.cumsum(diff)[: n + 1]
     comm = np.zeros(n + 1)
     for j in range(1, n):
-        comm[j] = obj.a * obj.comm_time(live[j]) if live[j] > 0 else 0.0
-    return work, saved, comm
+        comm[j] = obj.a * obj.link_time(live[j]) if live[j] > 0 else 0.0
+    return ChainCosts(work, time, saved, comm)

@@ -178,3 +178,72 @@ def test_solve_lex_against_brute_force() -> None:
         exact += bool(np.allclose(got, ref, rtol=1e-9, atol=1e-12))
         total += 1
     assert exact >= 0.85 * total
+
+
+def overlap_cost(work: np.ndarray, time: np.ndarray, saved: np.ndarray, comm: np.ndarray,
+                 inflight: np.ndarray, cuts: tuple[int, ...], tail: float = 0.0) -> list[float]:
+    """The stage time model written out independently of ``chain.stage_costs``:
+    memory adds, compute and the send overlap (the larger one counts)."""
+    n = len(work)
+    b = [0, *cuts, n]
+    out = []
+    for s in range(len(b) - 1):
+        i, j = b[s], b[s + 1]
+        send = comm[j] if j < n else tail
+        out.append(sum(work[i:j]) + inflight[s] * sum(saved[i:j]) + max(sum(time[i:j]), send))
+    return out
+
+
+def test_overlapped_send_matches_brute_force() -> None:
+    """cost = work + inflight * saved + max(time, comm): exact on random chains."""
+    rng = np.random.default_rng(21)
+    checked = 0
+    for trial in range(300):
+        n = int(rng.integers(1, 10))
+        k = int(rng.integers(1, n + 1))
+        time = (rng.pareto(1.5, n) if trial % 2 else rng.random(n)) * (rng.random(n) < 0.8)
+        work = rng.random(n) * 0.3 * (trial % 3 != 0)
+        saved = rng.random(n) * 0.2 * (trial % 4 == 0)
+        comm = np.concatenate([[0.0], rng.random(n) * (3.0 if trial % 5 == 0 else 0.8)])
+        inflight = rng.integers(1, 5, size=k).astype(float)
+        tail = float(rng.random()) if trial % 6 == 0 else 0.0
+        pins = np.full(n, -1)
+        if trial % 7 == 0:
+            pins[int(rng.integers(0, n))] = int(rng.integers(0, k))
+        best, best_cuts = np.inf, None
+        for cuts in itertools.combinations(range(1, n), k - 1):
+            st = np.zeros(n, dtype=int)
+            for c in cuts:
+                st[c:] += 1
+            if np.any((pins >= 0) & (pins != st)):
+                continue
+            v = max(overlap_cost(work, time, saved, comm, inflight, cuts, tail))
+            if v < best:
+                best, best_cuts = v, cuts
+        if best_cuts is None:
+            continue
+        sol = solve(work, k, time=time, saved=saved, comm=comm, inflight=inflight, pins=pins,
+                    tail_comm=tail)
+        assert sol.bottleneck == pytest.approx(best, rel=1e-9, abs=1e-15), trial
+        assert list(sol.stage_costs) == pytest.approx(
+            overlap_cost(work, time, saved, comm, inflight, sol.cuts, tail))
+        assert lower_bound(work, k, saved, inflight, comm, time) <= best * (1 + 1e-12)
+        lex = solve_lex(work, k, time=time, saved=saved, comm=comm, inflight=inflight,
+                        pins=pins)
+        if tail == 0.0:
+            assert lex.bottleneck == pytest.approx(best, rel=1e-9, abs=1e-15)
+            assert lex_key(np.asarray(lex.stage_costs)) <= lex_key(np.asarray(sol.stage_costs))
+        checked += 1
+    assert checked > 200
+
+
+def test_overlap_lets_a_send_hide_behind_compute() -> None:
+    # 8 equal nodes, every cut sends 1.5 units: additive (time in ``work``) every sending
+    # stage pays compute + send (3.5 at best); overlapped, a stage of 2 nodes (compute 2)
+    # hides its 1.5 send entirely and the balanced split costs 2
+    ones = np.ones(8)
+    comm = np.concatenate([[0.0], np.full(7, 1.5), [0.0]])
+    additive = solve(ones, 4, comm=comm)
+    overlapped = solve(np.zeros(8), 4, time=ones, comm=comm)
+    assert overlapped.cuts == (2, 4, 6) and overlapped.bottleneck == pytest.approx(2.0)
+    assert additive.bottleneck == pytest.approx(3.5)

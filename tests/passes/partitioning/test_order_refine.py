@@ -46,8 +46,8 @@ def test_refine_keeps_plans_valid_and_never_worse() -> None:
         for k in (2, 5, 9):
             obj = make_objective(problem, PartitionConfig(num_stages=k, microbatches=4))
             order = topological_order(problem, ORDERS[seed % 3])
-            work, saved, comm = chain_arrays(problem, order, obj)
-            sol = chain.solve(work, k, saved=saved, comm=comm,
+            cc = chain_arrays(problem, order, obj)
+            sol = chain.solve(cc.work, k, saved=cc.saved, comm=cc.comm, time=cc.time,
                               inflight=np.asarray(obj.inflight, dtype=float))
             st = np.empty(problem.n, dtype=np.int64)
             st[order] = sol.stages(problem.n)
@@ -64,9 +64,9 @@ def test_incremental_costs_match_a_full_evaluation() -> None:
     k = 4
     obj = make_objective(problem, PartitionConfig(num_stages=k, microbatches=4))
     order = topological_order(problem, "dfs")
-    work, saved, comm = chain_arrays(problem, order, obj)
+    cc = chain_arrays(problem, order, obj)
     st = np.empty(problem.n, dtype=np.int64)
-    st[order] = chain.solve(work, k, saved=saved, comm=comm,
+    st[order] = chain.solve(cc.work, k, saved=cc.saved, comm=cc.comm, time=cc.time,
                             inflight=np.asarray(obj.inflight, dtype=float)).stages(problem.n)
     state = _State(problem, obj, st)
     moves = 0

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
 from passes.partition_config import PartitionConfig
-from passes.partitioning.problem import DagProblem, chain_arrays, evaluate, make_objective
+from passes.partitioning.problem import (
+    DagProblem,
+    chain_arrays,
+    evaluate,
+    link_occupancy,
+    make_objective,
+)
 
 
 def test_objective_by_hand() -> None:
@@ -21,14 +29,31 @@ def test_objective_by_hand() -> None:
     assert obj.inflight == (2, 1)  # min(p - s, m)
     ev = evaluate(p, np.array([0, 0, 1]), obj)
     assert ev.comm_bytes.tolist() == [200.0, 0.0]  # node 1's output crosses the boundary
-    t0 = (3.0 + 0.5 + 200.0 / 100.0) / 6.0
+    # stage time = max(compute, link occupancy); the latency is reported, never charged
+    assert ev.comm_time_s.tolist() == pytest.approx([0.5 + 2.0, 0.0])
+    assert ev.link_time_s.tolist() == pytest.approx([2.0, 0.0])
+    t0 = max(3.0, 200.0 / 100.0) / 6.0
     m0 = (4 * 1000.0 + 30.0 * 2) / obj.memory_total
     t1 = 3.0 / 6.0
     m1 = (4 * 500.0 + 30.0 * 1) / obj.memory_total
     assert ev.cost.tolist() == pytest.approx([0.75 * t0 + 0.25 * m0, 0.75 * t1 + 0.25 * m1])
-    work, saved, comm = chain_arrays(p, np.arange(3), obj)
-    assert comm[2] == pytest.approx(0.75 * 2.5 / 6.0) and comm[1] == pytest.approx(
-        0.75 * 1.5 / 6.0)
+    cc = chain_arrays(p, np.arange(3), obj)
+    assert cc.comm.tolist() == pytest.approx([0.0, 0.75 * 1.0 / 6.0, 0.75 * 2.0 / 6.0, 0.0])
+    assert cc.time.tolist() == pytest.approx([0.75 * t / 6.0 for t in (1.0, 2.0, 3.0)])
+    # a slower link: the send now outlasts the stage's compute and sets its time
+    slow = make_objective(p, dataclasses.replace(cfg, link_bandwidth=40.0))
+    ev = evaluate(p, np.array([0, 0, 1]), slow)
+    assert ev.cost[0] == pytest.approx(0.75 * 5.0 / 6.0 + 0.25 * m0)
+
+
+def test_link_occupancy_of_a_transfer_model_drops_the_latency() -> None:
+    cfg = PartitionConfig(num_stages=2, link_bandwidth=1e9, link_latency_s=5e-6)
+    occ = link_occupancy(cfg.comm_time)
+    for nbytes in (0.0, 1.0, 4096.0, 1e9):
+        assert occ(nbytes) == pytest.approx(cfg.link_time(nbytes), rel=1e-6, abs=1e-15)
+    p = DagProblem.chain(time=[1.0, 1.0])
+    assert make_objective(p, cfg, comm_time=cfg.comm_time).link_time(1e6) == pytest.approx(
+        1e-3)
 
 
 def test_shared_parameter_is_charged_to_every_owner() -> None:

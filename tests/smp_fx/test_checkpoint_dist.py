@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from cost_model.errors import SMPCheckpointError
-from smp_fx.checkpoint import merge_partial_objects
+from smp_fx.checkpoint import merge_partial_objects, read_index
 from smp_fx.checkpoint_api import ModelCheckpointMixin, OptimizerCheckpointMixin
 from smp_fx.state_dict import ModelLayout, merge_model_state_dicts, merge_optimizer_state_dicts
 from tests.helpers.dist import run_ranks
@@ -405,3 +405,17 @@ def test_resume_same_degree_and_reshard(tmp_path: Path) -> None:
     assert "head.weight" in at_pp2[f"{t}:True"][0]  # saved under both tied names
     at_pp1 = _unpack(run_ranks(_resume, 1, 1, [(a, True, "mlp")], timeout=120)[0])
     _assert_exact(at_pp1[f"{a}:True"], at_pp1["reference:mlp"])  # partial pp=2 -> pp=1
+
+
+@pytest.mark.multiproc
+def test_in_process_pipeline_resume(tmp_path: Path) -> None:
+    """One process running both stages (pp=2 in-process) saves one partial file; a fresh
+    process resumes exactly (and the plain round trips hold in this mode too)."""
+    a = str(tmp_path / "inproc.pt")
+    assert run_ranks(_train_and_save, 1, 2, a, timeout=120) == [[]]
+    index = read_index(a)
+    assert index is not None and (index["pp_degree"], index["num_files"]) == (2, 1)
+    res = _unpack(run_ranks(_resume, 1, 2, [(a, True, "mlp"), (a + ".tied", True, "tied")],
+                            timeout=120)[0])
+    _assert_exact(res[f"{a}:True"], res["reference:mlp"])
+    _assert_exact(res[f"{a}.tied:True"], res["reference:tied"])

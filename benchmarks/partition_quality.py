@@ -4,6 +4,9 @@ Chains (uniform, embedding + blocks + head, heavy-tailed; n from 8 to 10,000; k 
 64): our bottleneck divided by an INDEPENDENT exact reference (brute force over all cuts
 for n <= 10, an O(k n^2) dynamic programme for n <= 400, else a plain bisection on the
 bottleneck with an unbanded O(k n log n) reachability sweep), which must print 1.000000.
+The reference writes the stage time model out itself (docs/architecture.md "Stage time
+model"): a stage ``[i, j)`` on stage ``s`` costs
+``work + inflight[s] * saved + max(time, comm[j])``, compute and send overlapping.
 
 DAGs (the example models traced and costed by ``passes.pipeline.analyse`` on an A100 spec,
 GPT-like synthetic graphs with tied / untied heads, random layered DAGs): our bottleneck over
@@ -40,22 +43,24 @@ from passes.partitioning.synthetic import (
 )
 
 
-def stage_cost(s: int, i: int, j: int, pw: np.ndarray, ps: np.ndarray, comm: np.ndarray,
-               infl: np.ndarray, n: int) -> float:
-    return pw[j] - pw[i] + infl[s] * (ps[j] - ps[i]) + (comm[j] if j < n else 0.0)
+def stage_cost(s: int, i: int, j: int, pw: np.ndarray, ps: np.ndarray, pt: np.ndarray,
+               comm: np.ndarray, infl: np.ndarray, n: int) -> float:
+    send = comm[j] if j < n else 0.0
+    return pw[j] - pw[i] + infl[s] * (ps[j] - ps[i]) + max(pt[j] - pt[i], send)
 
 
-def reference(work: np.ndarray, saved: np.ndarray, comm: np.ndarray, infl: np.ndarray,
-              k: int) -> float:
+def reference(work: np.ndarray, time: np.ndarray, saved: np.ndarray, comm: np.ndarray,
+              infl: np.ndarray, k: int) -> float:
     """Exact optimum by a method that shares no code with ``passes.partitioning.chain``."""
     n = len(work)
     pw = np.concatenate([[0.0], np.cumsum(work)])
     ps = np.concatenate([[0.0], np.cumsum(saved)])
+    pt = np.concatenate([[0.0], np.cumsum(time)])
     if n <= 10:
         best = np.inf
         for cuts in itertools.combinations(range(1, n), k - 1):
             b = [0, *cuts, n]
-            best = min(best, max(stage_cost(s, b[s], b[s + 1], pw, ps, comm, infl, n)
+            best = min(best, max(stage_cost(s, b[s], b[s + 1], pw, ps, pt, comm, infl, n)
                                  for s in range(k)))
         return best
     if n <= 400:
@@ -65,19 +70,24 @@ def reference(work: np.ndarray, saved: np.ndarray, comm: np.ndarray, infl: np.nd
             g = np.full(n + 1, np.inf)
             for j in range(s + 1, n + 1):
                 i = np.arange(s, j)
-                c = pw[j] - pw[i] + infl[s] * (ps[j] - ps[i]) + (comm[j] if j < n else 0.0)
+                send = comm[j] if j < n else 0.0
+                c = (pw[j] - pw[i] + infl[s] * (ps[j] - ps[i])
+                     + np.maximum(pt[j] - pt[i], send))
                 g[j] = np.min(np.maximum(f[i], c))
             f = g
         return float(f[n])
 
     def feasible(bound: float) -> bool:
+        # a start i serves end j iff both the compute and the send side of the max fit:
+        # (cs + pt)[i] >= (cs + pt)[j] - bound and cs[i] >= cs[j] + comm[j] - bound
         reach = np.zeros(n + 1, dtype=bool)
         reach[0] = True
         for s in range(k):
             cs = pw + infl[s] * ps
             cm = comm.copy()
             cm[n] = 0.0
-            lo = np.searchsorted(cs, cs + cm - bound, side="left")
+            lo = np.maximum(np.searchsorted(cs + pt, cs + pt - bound, side="left"),
+                            np.searchsorted(cs, cs + cm - bound, side="left"))
             count = np.concatenate([[0], np.cumsum(reach)])  # reachable in [0, x)
             j = np.arange(n + 1)
             lo = np.minimum(lo, j)
@@ -86,7 +96,7 @@ def reference(work: np.ndarray, saved: np.ndarray, comm: np.ndarray, infl: np.nd
             reach = new
         return bool(reach[n])
 
-    lo_b, hi_b = 0.0, float(pw[-1] + infl.max() * ps[-1] + comm.max())
+    lo_b, hi_b = 0.0, float(pw[-1] + infl.max() * ps[-1] + pt[-1] + comm.max())
     for _ in range(100):
         mid = 0.5 * (lo_b + hi_b)
         if feasible(mid):
@@ -106,11 +116,12 @@ def chain_rows(rng: np.random.Generator) -> list[float]:
             problem = random_chain(n, kind, rng)
             for k in ks:
                 obj = objective(problem, k)
-                work, saved, comm = chain_arrays(problem, np.arange(n), obj)
+                cc = chain_arrays(problem, np.arange(n), obj)
                 infl = np.asarray(obj.inflight, dtype=float)
-                ours = chain.solve(work, k, saved=saved, comm=comm, inflight=infl).bottleneck
+                ours = chain.solve(cc.work, k, time=cc.time, saved=cc.saved, comm=cc.comm,
+                                   inflight=infl).bottleneck
                 method = "brute" if n <= 10 else "dp" if n <= 400 else "bisect"
-                ref = reference(work, saved, comm, infl, k)
+                ref = reference(cc.work, cc.time, cc.saved, cc.comm, infl, k)
                 ratios.append(ours / ref)
                 print(f"{kind:24s} {n:6d} {k:3d} {ours:12.6g} {ours / ref:9.6f} {method:>8s}")
     return ratios
@@ -145,9 +156,9 @@ def slow_search(problem: DagProblem, obj: Objective, rng: np.random.Generator,
     infl = np.asarray(obj.inflight, dtype=float)
     for _ in range(tries):
         order = random_order(problem, rng)
-        work, saved, comm = chain_arrays(problem, order, obj)
-        sol = chain.solve(work, obj.num_stages, saved=saved, comm=comm, inflight=infl,
-                          heavy=problem.heavy()[order])
+        cc = chain_arrays(problem, order, obj)
+        sol = chain.solve(cc.work, obj.num_stages, time=cc.time, saved=cc.saved, comm=cc.comm,
+                          inflight=infl, heavy=problem.heavy()[order])
         st = np.empty(problem.n, dtype=np.int64)
         st[order] = sol.stages(problem.n)
         best = min(best, evaluate(problem, refine(problem, obj, st), obj).bottleneck)

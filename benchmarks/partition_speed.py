@@ -50,9 +50,10 @@ def main() -> int:
     for kind in ("uniform", "heavy_tailed", "embedding_blocks_head"):
         problem = random_chain(10_000, kind, rng)
         obj = make_objective(problem, PartitionConfig(num_stages=64, microbatches=8))
-        work, saved, comm = chain_arrays(problem, np.arange(problem.n), obj)
+        cc = chain_arrays(problem, np.arange(problem.n), obj)
         infl = np.asarray(obj.inflight, dtype=float)
-        w, c = median_time(7, chain.solve, work, 64, saved=saved, comm=comm, inflight=infl)
+        w, c = median_time(7, chain.solve, cc.work, 64, time=cc.time, saved=cc.saved,
+                           comm=cc.comm, inflight=infl)
         ok &= c < 0.1
         print(f"{'chain.solve ' + kind:38s} {problem.n:6d} {64:3d} {w:8.4f} {c:8.4f} {'0.1':>7s}")
         w, c = median_time(3, solve_problem, problem, obj, orders=("graph",))

@@ -94,7 +94,7 @@ class DagProblem:
         """Nodes doing real work: FLOPs or parameters (time when FLOPs are not known).
 
         The solver gives every stage at least one of them when there are enough, so that a
-        latency-bound objective cannot leave a stage holding only glue (getattr, view).
+        link-bound objective cannot leave a stage holding only glue (getattr, view).
         """
         work = self.flops > 0 if len(self.flops) == self.n else self.time > 0
         mask = np.array(work, dtype=bool)

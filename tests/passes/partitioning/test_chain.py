@@ -195,7 +195,8 @@ def overlap_cost(work: np.ndarray, time: np.ndarray, saved: np.ndarray, comm: np
 
 
 def test_overlapped_send_matches_brute_force() -> None:
-    """cost = work + inflight * saved + max(time, comm): exact on random chains."""
+    """cost = work + inflight * saved + max(time, comm): exact on random chains (with pins,
+    with the every-stage-has-work rule, with a send from the last stage for sub-chains)."""
     rng = np.random.default_rng(21)
     checked = 0
     for trial in range(300):
@@ -210,6 +211,7 @@ def test_overlapped_send_matches_brute_force() -> None:
         pins = np.full(n, -1)
         if trial % 7 == 0:
             pins[int(rng.integers(0, n))] = int(rng.integers(0, k))
+        heavy = time > 0 if trial % 7 and trial % 3 == 2 else None
         best, best_cuts = np.inf, None
         for cuts in itertools.combinations(range(1, n), k - 1):
             st = np.zeros(n, dtype=int)
@@ -217,19 +219,21 @@ def test_overlapped_send_matches_brute_force() -> None:
                 st[c:] += 1
             if np.any((pins >= 0) & (pins != st)):
                 continue
+            if heavy is not None and heavy.sum() >= k and len(set(st[heavy])) < k:
+                continue
             v = max(overlap_cost(work, time, saved, comm, inflight, cuts, tail))
             if v < best:
                 best, best_cuts = v, cuts
         if best_cuts is None:
             continue
         sol = solve(work, k, time=time, saved=saved, comm=comm, inflight=inflight, pins=pins,
-                    tail_comm=tail)
+                    heavy=heavy, tail_comm=tail)
         assert sol.bottleneck == pytest.approx(best, rel=1e-9, abs=1e-15), trial
         assert list(sol.stage_costs) == pytest.approx(
             overlap_cost(work, time, saved, comm, inflight, sol.cuts, tail))
         assert lower_bound(work, k, saved, inflight, comm, time) <= best * (1 + 1e-12)
         lex = solve_lex(work, k, time=time, saved=saved, comm=comm, inflight=inflight,
-                        pins=pins)
+                        pins=pins, heavy=heavy)
         if tail == 0.0:
             assert lex.bottleneck == pytest.approx(best, rel=1e-9, abs=1e-15)
             assert lex_key(np.asarray(lex.stage_costs)) <= lex_key(np.asarray(sol.stage_costs))

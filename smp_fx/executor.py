@@ -172,7 +172,17 @@ class StepStats:
 
 
 class Executor:
-    """Interprets lowered schedules for the stages this rank holds."""
+    """Interprets lowered schedules for the stages this rank holds.
+
+    Turns are granted by position in the op list. Whichever thread is waiting when the next
+    op can run (its microbatch's request has arrived, or it is a transfer) performs it, and
+    keeps going while the following ops can run too: the "conductor" is a baton, not a
+    thread, so a microbatch's own thread usually runs its own work with no thread switch.
+    A driver that hands a result to another waiting thread stops there and lets that thread
+    carry the baton, so only one thread runs Python at a time (no GIL convoys).
+    The calling thread runs microbatch 0's step function itself and drives what is left
+    once every step function has returned.
+    """
 
     def __init__(self, program: StagedProgram, runners: dict[int, StageRunner],
                  transport: Transport, multi_process: bool, timeout_s: float = 300.0,
@@ -185,141 +195,232 @@ class Executor:
         self.rank = rank
         self.last = program.num_stages - 1
         self.post_step_hooks: list[Callable[[], None]] = []
+        # called with the step's ops before it runs; smp_fx.ddp needs it (issue 7): keep it
         self.pre_step_hooks: list[Callable[[tuple[Op, ...]], None]] = []
         self.stats = StepStats()
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
-        self._cv = threading.Condition()
+        self._lock = threading.Lock()
+        self._conds: list[threading.Condition] = []
+        self._main = threading.Condition(self._lock)
         self._mbs: list[_MbState] = []
+        self._done: list[bool] = []
+        self._ops: tuple[Op, ...] = ()
+        self._next = 0
+        self._driving = False
+        self._handed_to = -1
+        self._holder: int | None = None
+        self._running = 0
         self._abort: BaseException | None = None
         self._scale = 1.0
+        self._lowered: dict[tuple[Any, ...], tuple[Op, ...]] = {}
 
     # ---- user-thread side -------------------------------------------------------------
     def forward_request(self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         st = self._mbs[mb]
-        with self._cv:
+        with self._lock:
             if st.f_request is not None:
                 raise SMPRuntimeError.build(
                     "the model may be called once per microbatch inside smp.step", mb,
                     f"rank {self.rank} microbatch {mb}", "call model(...) once per step fn")
             st.f_request = _Request((args, kwargs), torch.is_grad_enabled(), _autocast_state())
-            self._cv.notify_all()
-            self._wait_user(lambda: st.outputs_ready, mb, "its model outputs")
+            self._drive(lambda: st.outputs_ready, mb, "its model outputs")
         return st.outputs
 
     def backward_request(self, mb: int, tensors: Any, grad_tensors: Any) -> None:
         st = self._mbs[mb]
-        with self._cv:
+        with self._lock:
             if st.f_request is None or st.b_request is not None:
                 raise SMPRuntimeError.build(
                     "model.backward must follow model(...) and run once per microbatch", mb,
                     f"rank {self.rank} microbatch {mb}", "call model.backward(loss) once")
             st.b_request = _Request((tensors, grad_tensors), torch.is_grad_enabled(),
                                     _autocast_state())
-            self._cv.notify_all()
-            self._wait_user(lambda: st.backward_done, mb, "its backward pass")
+            self._drive(lambda: st.backward_done, mb, "its backward pass")
 
-    def _wait_user(self, ready: Callable[[], bool], mb: int, what: str) -> None:
-        if not self._cv.wait_for(lambda: ready() or self._abort is not None, self.timeout_s):
-            raise SMPTimeoutError.build(f"timed out waiting for {what}", self.timeout_s,
-                                        f"rank {self.rank} microbatch {mb} (user thread)",
-                                        "a peer rank may have failed; see its log")
-        if self._abort is not None:
-            raise _Aborted()
+    # ---- the baton ----------------------------------------------------------------------
+    def _runnable(self, op: Op) -> bool:
+        if op.kind == "F":
+            return self._mbs[op.microbatch].f_request is not None or self._done[op.microbatch]
+        if op.kind == "WAIT_B":
+            st = self._mbs[op.microbatch]
+            return st.b_request is not None or st.skip_backward or self._done[op.microbatch]
+        return True
 
-    # ---- conductor side ---------------------------------------------------------------
+    def _may_drive(self, mb: int) -> bool:
+        """Whether the thread of ``mb`` (< 0: the caller after its own work) runs the next op.
+
+        Only when no other thread is driving or was just handed the baton, and, for a thread
+        whose step function has returned, when no step function is running Python either.
+        """
+        return (not self._driving and self._holder is None and self._next < len(self._ops)
+                and self._runnable(self._ops[self._next]) and (mb >= 0 or self._running == 0))
+
+    def _drive(self, ready: Callable[[], bool], mb: int, what: str) -> None:
+        """With the lock held: run ops while they can run, until ``ready()``; else sleep."""
+        cond = self._conds[mb] if mb >= 0 else self._main
+        if self._holder == mb:
+            self._holder = None
+        while True:
+            if self._abort is not None:
+                raise _Aborted()
+            if ready():
+                return
+            ops = self._ops
+            if self._may_drive(mb):
+                self._driving = True
+                try:
+                    while self._next < len(ops) and self._runnable(ops[self._next]):
+                        op = ops[self._next]
+                        self._handed_to = -1
+                        self._lock.release()
+                        try:
+                            getattr(self, "_op_" + op.kind.lower())(op)
+                        finally:
+                            self._lock.acquire()
+                        self._next += 1
+                        k = self._handed_to
+                        if k not in (-1, mb) and not self._done[k]:
+                            self._holder = k  # the woken thread carries on from here
+                            break
+                except BaseException as exc:
+                    if self._abort is None and not isinstance(exc, _Aborted):
+                        self._abort = exc
+                    self._wake_all()
+                    raise
+                finally:
+                    self._driving = False
+                    self._main.notify_all()  # the caller may be waiting for the last op
+                if ready():
+                    return
+            if mb < 0 and self._running == 0 and self._holder is None and all(self._done) \
+                    and not self._driving and self._next < len(ops) \
+                    and not self._may_drive(mb):
+                raise SMPRuntimeError.build("the step cannot make progress",
+                                            str(ops[self._next]), f"rank {self.rank}",
+                                            "report this as an smp-fx bug")
+            if mb >= 0:
+                self._running -= 1
+                if self._running == 0:
+                    self._main.notify_all()
+            try:
+                woke = cond.wait(self.timeout_s)
+            finally:
+                if mb >= 0:
+                    self._running += 1
+            if not woke:
+                at = str(ops[self._next]) if self._next < len(ops) else "end of step"
+                raise SMPTimeoutError.build(
+                    f"timed out after {self.timeout_s:.0f}s waiting for {what}", at,
+                    f"rank {self.rank} microbatch {mb if mb >= 0 else 'all'}",
+                    "a peer rank may have failed (see its log), or the step function blocks")
+
+    def _wake_all(self) -> None:
+        for c in self._conds:
+            c.notify_all()
+        self._main.notify_all()
+
+    def _publish(self, mb: int, **updates: Any) -> None:
+        with self._lock:
+            for k, v in updates.items():
+                setattr(self._mbs[mb], k, v)
+            self._handed_to = mb
+            self._conds[mb].notify_all()
+
+    # ---- a step -------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], microbatches: Sequence[tuple[tuple[Any, ...],
             dict[str, Any]]], schedule: sched.Schedule, scale: float) -> list[Any]:
         """Run ``fn`` once per microbatch under ``schedule``; return its results in order."""
         m = len(microbatches)
-        stages = sorted(self.runners)
-        ops = lower(schedule, self.program, stages, self.multi_process)
+        stages = tuple(sorted(self.runners))
+        key = (schedule, stages)
+        if key not in self._lowered:
+            self._lowered[key] = lower(schedule, self.program, stages, self.multi_process)
+        ops = self._lowered[key]
         for pre in self.pre_step_hooks:
             pre(ops)
         self.stats = StepStats({s: 0 for s in stages}, ops)
         self._mbs = [_MbState() for _ in range(m)]
+        self._done = [False] * m
+        self._conds = [threading.Condition(self._lock) for _ in range(m)]
+        self._ops, self._next, self._driving = ops, 0, False
+        self._holder, self._running = None, 0
         self._abort = None
         self._scale = scale
-        if self._pool is None or self._pool_size < m:
+        if m > 1 and (self._pool is None or self._pool_size < m - 1):
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
-            self._pool, self._pool_size = ThreadPoolExecutor(m, "smp-step"), m
+            self._pool, self._pool_size = ThreadPoolExecutor(m - 1, "smp-step"), m - 1
         grad, autocast = torch.is_grad_enabled(), _autocast_state()
-        futures = [self._pool.submit(self._user_thread, fn, mb, a, k, grad, autocast)
-                   for mb, (a, k) in enumerate(microbatches)]
-        self._futures = futures
+        futures: list[Future[Any]] = [
+            self._pool.submit(self._user_thread, fn, mb, a, k, grad, autocast)  # type: ignore
+            for mb, (a, k) in enumerate(microbatches) if mb > 0]
+        results: list[Any] = [None] * m
         try:
-            for op in ops:
-                getattr(self, "_op_" + op.kind.lower())(op)
+            try:
+                results[0] = self._user_thread(fn, 0, *microbatches[0], grad, autocast)
+            except _Aborted:
+                pass
+            with self._lock:
+                self._drive(lambda: all(self._done) and self._next == len(self._ops), -1,
+                            "every microbatch to finish")
+            for mb, f in enumerate(futures, start=1):
+                results[mb] = f.result(timeout=self.timeout_s)
             self.transport.finish()
-            results = [self._result(f, mb) for mb, f in enumerate(futures)]
         except BaseException as exc:
-            with self._cv:
-                self._abort = exc
-                self._cv.notify_all()
+            with self._lock:
+                if self._abort is None:
+                    self._abort = exc
+                self._wake_all()
             for f in futures:
                 with contextlib.suppress(BaseException):
                     f.result(timeout=self.timeout_s)
-            first = next((f.exception() for f in futures if f.done() and f.exception()
-                          is not None and not isinstance(f.exception(), _Aborted)), None)
-            raise (first or exc) from None
+            raise self._abort from None
         finally:
             self._mbs = []
         for hook in self.post_step_hooks:
             hook()
         return results
 
-    def _result(self, f: Future[Any], mb: int) -> Any:
-        try:
-            return f.result(timeout=self.timeout_s)
-        except TimeoutError as exc:
-            raise SMPTimeoutError.build("timed out waiting for the step function to return",
-                                        self.timeout_s, f"rank {self.rank} microbatch {mb}",
-                                        "do not block inside smp.step") from exc
-
     def _user_thread(self, fn: Callable[..., Any], mb: int, args: tuple[Any, ...],
                      kwargs: dict[str, Any], grad: bool, autocast: Any) -> Any:
         _tls.ctx = (self, mb)
+        with self._lock:
+            self._running += 1
         try:
             with _thread_modes(grad, autocast):
                 return fn(*args, **kwargs)
+        except _Aborted:
+            raise
+        except BaseException as exc:
+            with self._lock:
+                if self._abort is None:
+                    self._abort = exc
+                self._wake_all()
+            raise
         finally:
             _tls.ctx = None
-            with self._cv:
-                self._cv.notify_all()
+            with self._lock:
+                self._done[mb] = True
+                self._running -= 1
+                if self._holder == mb:
+                    self._holder = None
+                self._main.notify_all()
+                if self._abort is None and self._may_drive(-2):
+                    # this return may unblock the next op (a skipped backward): run it
+                    with contextlib.suppress(_Aborted):
+                        self._drive(lambda: not self._may_drive(-2), -2, "")
 
-    def _await(self, mb: int, kind: str, stage: int) -> _Request | None:
-        """Wait for microbatch ``mb``'s F or B request; None if its thread returned first."""
-        st, fut = self._mbs[mb], self._futures[mb]
-        attr = "f_request" if kind == "F" else "b_request"
-
-        def ready() -> bool:
-            return getattr(st, attr) is not None or fut.done()
-
-        with self._cv:
-            if not self._cv.wait_for(ready, self.timeout_s):
-                raise SMPTimeoutError.build(
-                    f"timed out waiting for the step function to call "
-                    f"{'model(...)' if kind == 'F' else 'model.backward(...)'}",
-                    self.timeout_s, f"rank {self.rank} stage {stage} microbatch {mb}",
-                    "check the step function does not block")
-            req = getattr(st, attr)
-        if req is None:
-            exc = fut.exception()
-            if exc is not None:
-                raise exc
-            if kind == "F":
-                raise SMPRuntimeError.build(
-                    "the smp.step function returned without calling the DistributedModel",
-                    f"microbatch {mb}", f"rank {self.rank}",
-                    "call model(...) inside every smp.step function")
+    def _request(self, mb: int, kind: str, stage: int) -> _Request | None:
+        """Microbatch ``mb``'s F or B request; None if its thread returned without one."""
+        st = self._mbs[mb]
+        req = st.f_request if kind == "F" else st.b_request
+        if req is None and kind == "F":
+            raise SMPRuntimeError.build(
+                "the smp.step function returned without calling the DistributedModel",
+                f"microbatch {mb}", f"rank {self.rank} stage {stage}",
+                "call model(...) inside every smp.step function")
         return req
-
-    def _publish(self, mb: int, **updates: Any) -> None:
-        with self._cv:
-            for k, v in updates.items():
-                setattr(self._mbs[mb], k, v)
-            self._cv.notify_all()
 
     def _op_recv_act(self, op: Op) -> None:
         vals = self.transport.recv(op.peer, op.stage, "act", op.microbatch)
@@ -328,7 +429,7 @@ class Executor:
 
     def _op_f(self, op: Op) -> None:
         mb, s = op.microbatch, op.stage
-        req = self._await(mb, "F", s)
+        req = self._request(mb, "F", s)
         assert req is not None
         st, runner, stage = self._mbs[mb], self.runners[s], self.program.stages[s]
         received = st.inputs.setdefault(s, {})
@@ -372,9 +473,8 @@ class Executor:
 
     def _op_wait_b(self, op: Op) -> None:
         st = self._mbs[op.microbatch]
-        if st.b_request is None and not st.skip_backward:
-            if self._await(op.microbatch, "B", op.stage) is None:
-                st.skip_backward = True
+        if st.b_request is None:
+            st.skip_backward = True
 
     def _op_recv_grad(self, op: Op) -> None:
         st = self._mbs[op.microbatch]

@@ -5,10 +5,12 @@ It is event driven: an action starts when its stage is free and its input has ar
 Timing model (documented because plans quote its numbers):
 
 - F(s, mb) takes ``fwd_time_s`` of stage s; B(s, mb) takes ``bwd_time_s``.
-- F(s, mb)'s input is F(s-1, mb)'s boundary output, sent over the link s-1 -> s in
-  ``send_fwd_s`` of stage s-1; B(s, mb)'s input is B(s+1, mb)'s gradient, sent in
-  ``send_bwd_s`` of stage s+1. A transfer does not occupy the sender's compute (separate
-  stream) but transfers on one link and direction go one at a time, in the sender's order.
+- F(s, mb)'s input is F(s-1, mb)'s boundary output, sent over the link s-1 -> s: it
+  occupies the link for ``send_fwd_s`` of stage s-1 and arrives ``latency_s`` later;
+  B(s, mb)'s input is B(s+1, mb)'s gradient, sent likewise in ``send_bwd_s`` of stage s+1.
+  A transfer does not occupy the sender's compute (asynchronous send) but transfers on one
+  link and direction go one at a time, in the sender's order; latency delays arrival
+  without keeping the link busy (architecture.md "Stage time model").
 - Memory of stage s = ``static_bytes`` + ``saved_bytes_per_mb`` x microbatches in flight
   (forwarded, not yet backwarded); the peak is over the stage's list. A forward-only
   schedule keeps nothing for backward, so its in-flight count is 0.
@@ -38,6 +40,7 @@ class StageCost:
     send_bwd_s: float = 0.0
     static_bytes: int = 0
     saved_bytes_per_mb: int = 0
+    latency_s: float = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -118,7 +121,7 @@ def simulate(schedule: Sequence[Sequence[Action]],
                     send = cost.send_fwd_s if action.kind == FORWARD else cost.send_bwd_s
                     send_start = max(end, link_free.get(link, 0.0))
                     link_free[link] = send_start + send
-                    arrival[action] = send_start + send
+                    arrival[action] = send_start + send + cost.latency_s
         if not progressed:
             stuck = ", ".join(f"stage {s} at {schedule[s][cursor[s]]}" for s in range(p)
                               if cursor[s] < len(schedule[s]))

@@ -75,11 +75,14 @@ class MemoryBreakdown:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One pipeline stage. Times are per microbatch; ``time_s`` = compute + comm.
+    """One pipeline stage. Times are per microbatch.
 
     ``out_bytes`` is what crosses the boundary after this stage: every value produced on
-    this or an earlier stage and read on a later one (values are relayed stage to stage);
-    ``comm_time_s`` prices it. ``sent`` / ``received`` list the values by producer.
+    this or an earlier stage and read on a later one (values are relayed stage to stage).
+    ``comm_time_s`` is one transfer of it, latency included; ``link_time_s`` how long it
+    keeps the link busy. Sends overlap compute, so the stage's steady-state time is
+    ``time_s = max(fwd_time_s + bwd_time_s, link_time_s)`` (architecture.md "Stage time
+    model"). ``sent`` / ``received`` list the crossing values by producer.
     """
 
     index: int
@@ -93,6 +96,7 @@ class StagePlan:
     fwd_time_s: float
     bwd_time_s: float
     comm_time_s: float
+    link_time_s: float
     time_s: float
     out_bytes: int
     memory: MemoryBreakdown
@@ -153,13 +157,19 @@ class PartitionPlan:
         raise KeyError(node_name)
 
     def stage_costs(self) -> tuple[StageCost, ...]:
-        """The simulator's view of the stages (same numbers the plan's step time used)."""
+        """The simulator's view of the stages (same numbers the plan's step time used).
+
+        Gradients cross the same boundary as the activations did, backwards; the link
+        latency is what a transfer takes beyond its link time.
+        """
+        latency = max((st.comm_time_s - st.link_time_s for st in self.stages
+                       if st.out_bytes > 0), default=0.0)
         out = []
         for s, st in enumerate(self.stages):
-            back = self.stages[s - 1].comm_time_s if s > 0 else 0.0
+            back = self.stages[s - 1].link_time_s if s > 0 else 0.0
             static = st.memory.total - st.memory.activations
-            out.append(StageCost(st.fwd_time_s, st.bwd_time_s, st.comm_time_s, back, static,
-                                 st.memory.activations_per_microbatch))
+            out.append(StageCost(st.fwd_time_s, st.bwd_time_s, st.link_time_s, back, static,
+                                 st.memory.activations_per_microbatch, max(latency, 0.0)))
         return tuple(out)
 
     def simulate(self) -> SimResult:
@@ -410,6 +420,7 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig, device: Any =
         fwd_t = sum(costs[n].fwd_time_s for n in nodes)
         bwd_t = sum(costs[n].bwd_time_s for n in nodes)
         comm_s = scored.stages[s].comm_time_s
+        link_s = scored.stages[s].link_time_s
         full = tuple(dict.fromkeys(meta.MODULE_PATH.get(n, "") or "" for n in nodes
                                    if n.op not in ("placeholder", "output")))
         paths = [x for x in full if x] or list(full)
@@ -420,7 +431,8 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig, device: Any =
             fwd_flops=_r(sum(costs[n].fwd_flops for n in nodes)),
             bwd_flops=_r(sum(costs[n].bwd_flops for n in nodes)),
             fwd_time_s=_r(fwd_t), bwd_time_s=_r(bwd_t), comm_time_s=_r(comm_s),
-            time_s=_r(fwd_t + bwd_t + comm_s), out_bytes=int(scored.stages[s].comm_bytes),
+            link_time_s=_r(link_s), time_s=_r(max(fwd_t + bwd_t, link_s)),
+            out_bytes=int(scored.stages[s].comm_bytes),
             memory=mem,
             received=tuple(b for b in boundaries if s in b.consumers),
             sent=tuple(b for b in boundaries if b.producer == s),

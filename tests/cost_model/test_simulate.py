@@ -38,6 +38,13 @@ def test_transfers_on_one_link_serialise() -> None:
     assert _spans(r, 1)[:2] == [("1F0", 3, 4), ("1F1", 5, 6)]
 
 
+def test_latency_delays_arrival_but_not_the_link() -> None:
+    r = simulate(generate("simple", 2, 2), [StageCost(1.0, 1.0, send_fwd_s=0.5, latency_s=3.0),
+                                            StageCost(1.0, 1.0)])
+    # sends occupy the link over [1, 1.5] and [2, 2.5]; each arrives 3 later
+    assert _spans(r, 1)[:2] == [("1F0", 4.5, 5.5), ("1F1", 5.5, 6.5)]
+
+
 @pytest.mark.parametrize("name", ["simple", "interleaved"])
 def test_p4_m8_uniform_by_hand(name: str) -> None:
     p, m, f, b = 4, 8, 1.0, 2.0

@@ -108,7 +108,11 @@ def test_stage_contents_by_hand(two_stage: torch.fx.GraphModule) -> None:
     assert s1.received == (sent,) and s1.sent == ()
     cfg = plan.config
     assert s0.comm_time_s == pytest.approx(cfg.link_latency_s + 192 / cfg.link_bandwidth)
-    assert s1.comm_time_s == 0.0
+    assert s0.link_time_s == pytest.approx(192 / cfg.link_bandwidth)
+    assert s1.comm_time_s == s1.link_time_s == 0.0
+    # sends overlap compute: a stage is busy for the larger of the two per microbatch
+    assert s0.time_s == pytest.approx(max(18e-3, s0.link_time_s))
+    assert plan.stage_costs()[1].latency_s == pytest.approx(cfg.link_latency_s)
 
 
 def test_shared_params_and_objective(two_stage: torch.fx.GraphModule) -> None:

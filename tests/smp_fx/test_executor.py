@@ -1,0 +1,97 @@
+"""The executor: lowering is data, order follows the schedule, memory follows the simulator."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.fx
+from torch import nn
+
+import smp_fx as smp
+from cost_model import schedule as sched
+from cost_model.simulate import StageCost, simulate
+from passes import meta
+from passes.split_stages import split_stages
+from smp_fx import state
+from smp_fx.executor import Op, lower
+from tests.smp_fx.test_numerics import init
+
+
+def _program(p: int) -> Any:
+    gm = torch.fx.symbolic_trace(nn.Sequential(*[nn.Linear(4, 4) for _ in range(p)]))
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            meta.STAGE.set(n, int(n.target))
+    return split_stages(gm)
+
+
+def test_lowering_adds_the_transfers_each_action_needs() -> None:
+    prog = _program(2)
+    s = sched.generate("interleaved", 2, 2)
+    assert [str(o) for o in lower(s, prog, [0], True)] == [
+        "0F0", "0SEND_ACT0@1", "0F1", "0SEND_ACT1@1",
+        "0RECV_OUT0@1", "0WAIT_B0", "0RECV_GRAD0@1", "0B0",
+        "0RECV_OUT1@1", "0WAIT_B1", "0RECV_GRAD1@1", "0B1"]
+    assert [str(o) for o in lower(s, prog, [1], True)] == [
+        "1RECV_ACT0@0", "1F0", "1SEND_OUT0@0", "1WAIT_B0", "1B0", "1SEND_GRAD0@0",
+        "1RECV_ACT1@0", "1F1", "1SEND_OUT1@0", "1WAIT_B1", "1B1", "1SEND_GRAD1@0"]
+    fwd = sched.generate("simple", 2, 2, forward_only=True)
+    assert [str(o) for o in lower(fwd, prog, [0], True)] == [
+        "0F0", "0SEND_ACT0@1", "0F1", "0SEND_ACT1@1", "0RECV_OUT0@1", "0RECV_OUT1@1"]
+    # in-process: the stages' lists merged in lock-step clock order, no output transfers
+    merged = lower(s, prog, [0, 1], False)
+    ticks = [a for row in sched.clock(s) for a in row if a is not None]
+    assert [o for o in merged if o.kind in ("F", "B")] == [
+        Op(a.kind, a.stage, a.microbatch) for a in ticks]
+    assert [str(a) for a in ticks][:4] == ["0F0", "0F1", "1F0", "1B0"]
+    assert not any("OUT" in o.kind for o in merged)
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+    state._reset()
+
+
+@pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
+def test_saved_activations_in_flight_match_the_simulator(pipeline: str,
+                                                         one_thread: None) -> None:
+    p, m = 4, 8
+    init(p, m, pipeline)
+    model = smp.DistributedModel(nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)]))
+    alive = [0] * p
+    peak = [0] * p
+
+    @smp.step
+    def train(model: Any, x: torch.Tensor) -> Any:
+        out = model(x)
+        model.backward(out.sum())
+        return out
+
+    train(model, torch.randn(16, 4))  # partition
+    # count microbatches whose forward state is alive on each stage, op by op
+    ex = model.executor
+    orig_f, orig_b = ex._op_f, ex._op_b
+
+    def f(op: Op) -> None:
+        orig_f(op)
+        alive[op.stage] += 1
+        peak[op.stage] = max(peak[op.stage], alive[op.stage])
+
+    def b(op: Op) -> None:
+        orig_b(op)
+        alive[op.stage] -= 1
+
+    ex._op_f, ex._op_b = f, b  # type: ignore[method-assign]
+    train(model, torch.randn(16, 4))
+    schedule = sched.generate(pipeline, p, m, m)
+    predicted = simulate(schedule, [StageCost(1.0, 2.0)] * p).peak_in_flight
+    expected = [m] * p if pipeline == "simple" else [min(p - s, m) for s in range(p)]
+    assert peak == list(predicted) == expected
+    assert [ex.stats.peak_in_flight[s] for s in range(p)] == expected

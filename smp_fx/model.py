@@ -31,7 +31,12 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from cost_model import schedule as sched
-from cost_model.errors import SMPConfigError, SMPPartitionError, SMPRuntimeError
+from cost_model.errors import (
+    SMPConfigError,
+    SMPPartitionError,
+    SMPRuntimeError,
+    not_implemented,
+)
 from passes import meta
 from passes.split_stages import StagedProgram, split_stages
 from smp_fx import ddp
@@ -105,6 +110,12 @@ class DistributedModel(nn.Module):
             raise SMPConfigError.build(
                 "trace_execution_times must be False if trace_device is 'cpu'", True,
                 "smp.DistributedModel", "set trace_device='gpu' or trace_execution_times=False")
+        for name, value in (("trace_execution_times", trace_execution_times),
+                            ("trace_memory_usage", trace_memory_usage)):
+            if value:
+                raise not_implemented("measured costs in DistributedModel", name,
+                                      "leave it False: plans use analytic costs; the "
+                                      "'smp-fx partition' CLI can measure offline")
         if isinstance(module, torch.jit.ScriptModule):
             raise SMPConfigError.build("torch.jit.ScriptModules are not supported",
                                        type(module).__name__, "smp.DistributedModel",
@@ -121,6 +132,7 @@ class DistributedModel(nn.Module):
         self._optimizers: list[Any] = []
         self._tied_groups: list[tuple[Any, list[str]]] = []
         self._fqn_by_id = {id(p): n for n, p in module.named_parameters()}
+        self.plan: Any = None  # passes.plan.PartitionPlan once partitioned
         self._ddp: ddp.DataParallel | None = None
         _current = weakref.ref(self)
 
@@ -257,7 +269,7 @@ class DistributedModel(nn.Module):
         p = cfg.pipeline_parallel_degree
         _tracing = True
         try:
-            gm = _plan_stages(self.module, args, kwargs, p, self.options)
+            gm, self.plan = _plan_stages(self.module, args, kwargs, p, self.options)
         finally:
             _tracing = False
         multi = not st.in_process and st.axis_size("pp") > 1
@@ -357,30 +369,41 @@ def _materialise(module: nn.Module, device: torch.device) -> None:
 
 
 def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 num_stages: int, options: ModelOptions) -> torch.fx.GraphModule:
-    """Trace and partition; returns the traced GraphModule with ``meta.STAGE`` on its nodes.
+                 num_stages: int, options: ModelOptions) -> tuple[torch.fx.GraphModule, Any]:
+    """Trace, cost and partition with the compile pipeline; (GraphModule with STAGE, plan).
 
-    Until ``passes.pipeline.compile_model`` lands this composes the passes directly:
-    trace -> shape_prop -> annotate_costs (analytic, deterministic) -> auto_partition.
-    The stages are copied by node name onto the traced graph (ours, fresh), which keeps
-    the front end's pytree codegen (the passes' copies drop it).
+    Analytic costs for the device kind this rank runs on, so the plan is a pure function of
+    the model, the first microbatch and the configuration (every rank makes the same one).
+    With ``auto_partition`` false the ``smp.partition`` pins apply.
     """
-    from cost_model.device import get_device
-    from passes.annotate_costs import annotate_costs
-    from passes.auto_partition import auto_partition
-    from passes.shape_prop import shape_prop
-    from passes.trace import trace
+    from passes.pipeline import compile_model
     from smp_fx import state
+    from smp_fx.manual import pins_by_module_path
 
-    cfg = state.get().config
+    st = state.get()
+    cfg = st.config
+    pins = None if cfg.auto_partition else pins_by_module_path(module)
+    spec = "cpu" if st.device.type == "cpu" else "a100"
+    from passes.trace import trace
+
     gm = trace(module, args, kwargs)
-    costed = annotate_costs(shape_prop(gm, args, kwargs), get_device("cpu"))
-    staged = auto_partition(costed, _partition_config(cfg, options))
-    stage_of = {n.name: meta.STAGE.get(n) for n in staged.graph.nodes}
+    frontend = gm.meta.get("smp.frontend", "auto")
+    compiled = compile_model(module, args, kwargs, _partition_config(cfg, options),
+                             device=spec, pins=pins, frontend=frontend)
+    # The pipeline's graph copies drop the front end's pytree codegen (export's input and
+    # output structure) and gm.meta, so the stages are carried by node name onto our own
+    # trace of the same model and microbatch (tracing is deterministic: same names).
+    stage_of = {n.name: meta.STAGE.get(n) for n in compiled.gm.graph.nodes}
     for n in gm.graph.nodes:
         if stage_of.get(n.name) is not None:
             meta.STAGE.set(n, stage_of[n.name])
-    return gm
+    missing = [n.name for n in gm.graph.nodes
+               if n.op.startswith("call") and meta.STAGE.get(n) is None]
+    if missing:
+        raise SMPPartitionError.build("the compile pipeline left nodes without a stage",
+                                      missing[:5], "DistributedModel partitioning",
+                                      "report this as an smp-fx bug")
+    return gm, compiled.plan
 
 
 def _partition_config(cfg: Any, options: ModelOptions) -> Any:

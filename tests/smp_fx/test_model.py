@@ -65,6 +65,8 @@ def test_option_checks(fresh: None) -> None:
         smp.DistributedModel(_net(), trace_device="tpu")
     with pytest.raises(smp.SMPConfigError, match="trace_execution_times"):
         smp.DistributedModel(_net(), trace_device="cpu", trace_execution_times=True)
+    with pytest.raises(smp.SMPNotImplementedError, match="trace_memory_usage"):
+        smp.DistributedModel(_net(), trace_memory_usage=True)
     model = smp.DistributedModel(_net(), bucket_cap_mb=50, broadcast_buffers=False)
     assert model.options.bucket_cap_mb == 50 and not model.options.broadcast_buffers
 

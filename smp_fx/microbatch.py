@@ -13,6 +13,7 @@ every microbatch, as are the arguments named in ``non_split_inputs``.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -48,19 +49,24 @@ def split_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any], num_mb: int,
     return [(tuple(a), k) for a, k in zip(out_args, out_kwargs)]
 
 
-def _positional_names(fn: Callable[..., Any] | None, n: int) -> list[str]:
+@functools.lru_cache(maxsize=64)
+def _signature_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """Positional parameter names of ``fn`` (cached: inspect.signature is slow per step)."""
     names: list[str] = []
-    if fn is not None:
-        try:
-            params = list(inspect.signature(fn).parameters.values())
-        except (TypeError, ValueError):
-            params = []
-        for p in params:
-            if p.kind is inspect.Parameter.VAR_POSITIONAL:
-                break
-            if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
-                          inspect.Parameter.POSITIONAL_OR_KEYWORD):
-                names.append(p.name)
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    for p in params:
+        if p.kind is inspect.Parameter.VAR_POSITIONAL:
+            break
+        if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD):
+            names.append(p.name)
+    return tuple(names)
+
+
+def _positional_names(fn: Callable[..., Any] | None, n: int) -> list[str]:
+    names: list[str] = list(_signature_names(fn)) if fn is not None else []
     names += [f"arg{i}" for i in range(len(names), n)]
     return names[:n]
 

@@ -1,0 +1,88 @@
+"""DistributedOptimizer: a real Optimizer for LR schedulers; steps only local parameters."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import smp_fx as smp
+from smp_fx import state
+from smp_fx.optimizer import DistributedOptimizer
+from tests.smp_fx.test_numerics import init
+
+
+class _FakeModel:
+    """What _localize reads from a DistributedModel: the module and its local parameters."""
+
+    def __init__(self, module: nn.Module, local: list[str]) -> None:
+        self.module = module
+        self._local = local
+
+    def local_named_parameters(self) -> Any:
+        return [(n, p) for n, p in self.module.named_parameters() if n in self._local]
+
+
+def test_lr_scheduler_and_hyper_parameters() -> None:
+    net = nn.Linear(2, 2)
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.4, momentum=0.9))
+    assert isinstance(opt, torch.optim.Optimizer)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    net(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    sched.step()
+    assert opt.param_groups[0]["lr"] == 0.2 and opt.param_groups[0]["momentum"] == 0.9
+    assert opt.state is opt.optimizer.state and len(opt.state) == 2
+    opt.zero_grad()
+    assert net.weight.grad is None
+
+
+def test_localize_keeps_local_parameters_and_their_global_index() -> None:
+    net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    inner = torch.optim.Adam([{"params": net[0].parameters(), "lr": 0.1},
+                              {"params": net[1].parameters(), "lr": 0.2}])
+    opt = DistributedOptimizer(inner)
+    opt._names = {id(p): n for n, p in net.named_parameters()}
+    opt._localize(_FakeModel(net, ["1.weight", "1.bias"]))
+    assert [len(g["params"]) for g in opt.param_groups] == [0, 2]
+    assert opt.param_groups[1]["lr"] == 0.2
+    assert sorted(opt.global_index.values()) == [2, 3]
+    net(torch.ones(1, 2)).sum().backward()
+    before = net[0].weight.clone()
+    opt.step()  # only the local parameters move
+    assert torch.equal(net[0].weight, before)
+
+
+def test_localize_maps_recreated_parameters_by_name() -> None:
+    net = nn.Linear(2, 2)
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=1.0))
+    opt._names = {id(p): n for n, p in net.named_parameters()}
+    fresh = nn.Linear(2, 2)  # e.g. materialised from the meta device: new tensors
+    opt._localize(_FakeModel(fresh, ["weight", "bias"]))
+    assert opt.param_groups[0]["params"][0] is fresh.weight
+
+
+def test_with_a_distributed_model_and_step_lr() -> None:
+    init(2, 2, "simple")
+    try:
+        net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+        opt = torch.optim.SGD(net.parameters(), lr=0.1)  # from the unwrapped model (seed)
+        model = smp.DistributedModel(net)
+        opt = smp.DistributedOptimizer(opt)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.1)
+
+        @smp.step
+        def train(model: Any, x: torch.Tensor) -> Any:
+            out = model(x)
+            model.backward(out.pow(2).mean())
+            return out
+
+        before = net[0].weight.clone()
+        train(model, torch.randn(4, 4))
+        opt.step()
+        sched.step()
+        assert not torch.equal(net[0].weight, before)
+        assert abs(opt.param_groups[0]["lr"] - 0.01) < 1e-12
+    finally:
+        state._reset()

@@ -78,6 +78,10 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
+        # GPT-2's embedding init (std 0.02): torch's N(0, 1) default, tied into the LM head,
+        # starts the loss near 20 nats instead of ln(vocab).
+        nn.init.normal_(self.wte.weight, std=0.02)
+        nn.init.normal_(self.wpe.weight, std=0.02)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         pos = torch.arange(input_ids.shape[1], device=input_ids.device)

@@ -1,8 +1,9 @@
 """smp-fx's per-step overhead at pipeline_parallel_degree 1, one process.
 
 The same MLP and batch trained by a plain PyTorch step (forward, loss, backward) and by an
-``smp.step`` function (1 microbatch), alternating step by step so load changes on a shared
-machine hit both alike; median of ``--steps`` steps each, one intra-op thread.
+``smp.step`` function (1 microbatch), alternating step by step (and which goes first) so
+load changes on a shared machine hit both alike; median of ``--steps`` steps each, one
+intra-op thread.
 
     python benchmarks/overhead.py
 """
@@ -65,15 +66,18 @@ def main() -> None:
 
     smp_t: list[float] = []
     torch_t: list[float] = []
-    for i in range(args.warmup + args.steps):
+    def timed(fn: Any) -> float:
         t0 = time.perf_counter()
-        train_step(model, x, y)
-        t1 = time.perf_counter()
-        plain_step()
-        t2 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    for i in range(args.warmup + args.steps):
+        first_smp = i % 2 == 0  # alternate which one runs first (cache and clock effects)
+        a = timed(lambda: train_step(model, x, y)) if first_smp else timed(plain_step)
+        b = timed(plain_step) if first_smp else timed(lambda: train_step(model, x, y))
         if i >= args.warmup:
-            smp_t.append(t1 - t0)
-            torch_t.append(t2 - t1)
+            smp_t.append(a if first_smp else b)
+            torch_t.append(b if first_smp else a)
     s, t = statistics.median(smp_t), statistics.median(torch_t)
     print(f"MLP width {args.width} depth {args.depth}, batch {args.batch}, "
           f"{args.microbatches} microbatch(es), pp 1, one process, 1 thread, "

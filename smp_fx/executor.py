@@ -23,6 +23,7 @@ re-raises its exception and every other thread is released.
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -131,7 +132,8 @@ class _MbState:
     grads: dict[int, dict[str, list[Any]]] = field(default_factory=dict)
     send_grads: dict[int, dict[str, list[Any]]] = field(default_factory=dict)
     b_done: int = 0
-    cut: Any = None  # last stage's outputs as handed to the user (leaves)
+    cut: Any = None  # the last stage's outputs as handed to the user
+    used: Any = None  # (indices of output leaves that got a gradient, those that need one)
 
 
 class _Aborted(BaseException):
@@ -446,10 +448,17 @@ class Executor:
                 self.stats.peak_in_flight[s],
                 sum(1 for x in self._mbs if s in x.results and not x.backward_done))
         if s == self.last:
-            cut = pytree.tree_map_only(
-                torch.Tensor, lambda t: t.detach().requires_grad_(t.requires_grad), outs)
-            st.cut = cut
-            self._publish(mb, outputs=self.program.build_outputs(cut), outputs_ready=True)
+            # The user's loss graph hangs off these very tensors, so model.backward(loss)
+            # reaches the stage in one autograd pass; a hook per output records which ones
+            # the loss used (an unused one is an error, as in SMP).
+            got: set[int] = set()
+            need = []
+            for i, t in enumerate(pytree.tree_leaves(outs)):
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(functools.partial(_mark_used, got, i))
+                    need.append(i)
+            st.cut, st.used = outs, (got, need)
+            self._publish(mb, outputs=self.program.build_outputs(outs), outputs_ready=True)
         if not req.grad_enabled:
             st.inputs.pop(s, None)
 
@@ -494,19 +503,14 @@ class Executor:
             return
         req = st.b_request
         assert req is not None
-        stage, runner = self.program.stages[s], self.runners[s]
+        runner = self.runners[s]
         results = st.results.get(s, {})
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         if s == self.last:
-            self._loss_backward(mb, req)
-            out_leaves = pytree.tree_leaves(tuple(results[n] for n in stage.output_names))
-            cut_leaves = pytree.tree_leaves(st.cut)
-            self._check_used(out_leaves, cut_leaves)
-            for t, c in zip(out_leaves, cut_leaves):
-                if isinstance(t, torch.Tensor) and t.requires_grad and c.grad is not None:
-                    tensors.append(t)
-                    grads.append(c.grad)
+            self._loss_backward(mb, req)  # through the user's loss into this stage
+            got, need = st.used
+            self._check_used([i for i in need if i not in got])
         else:
             for name, glist in st.grads.get(s, {}).items():
                 leaves = pytree.tree_leaves(results[name])
@@ -566,11 +570,14 @@ class Executor:
         with _thread_modes(True, req.autocast):
             torch.autograd.backward(ts, scaled)
 
-    def _check_used(self, out_leaves: list[Any], cut_leaves: list[Any]) -> None:
-        for i, c in enumerate(cut_leaves):
-            if isinstance(c, torch.Tensor) and c.requires_grad and c.grad is None:
-                raise SMPRuntimeError.build(
-                    "the argument to smp.DistributedModel.backward() must depend on all "
-                    "model outputs", f"output leaf {i} of model(...) got no gradient",
-                    f"rank {self.rank}",
-                    "use every output in the loss, or do not return it from forward")
+    def _check_used(self, unused: list[int]) -> None:
+        if unused:
+            raise SMPRuntimeError.build(
+                "the argument to smp.DistributedModel.backward() must depend on all "
+                "model outputs", f"output leaf {unused[0]} of model(...) got no gradient",
+                f"rank {self.rank}",
+                "use every output in the loss, or do not return it from forward")
+
+
+def _mark_used(got: set[int], index: int, grad: torch.Tensor) -> None:
+    got.add(index)

@@ -94,7 +94,8 @@ class StageRunner:
 
     The DDP work replaces ``module`` with a ``DistributedDataParallel`` wrapper and uses
     ``no_sync`` for all microbatches but the last; the executor only calls ``forward`` and
-    ``backward`` here.
+    ``backward`` here. On the last stage ``backward`` gets the user's loss tensors (and
+    scaled grads): that one autograd pass runs through the loss into the stage.
     """
 
     def __init__(self, stage: Stage, device: torch.device) -> None:
@@ -508,7 +509,7 @@ class Executor:
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         if s == self.last:
-            self._loss_backward(mb, req)  # through the user's loss into this stage
+            self._loss_backward(mb, req, runner)  # through the user's loss into the stage
             got, need = st.used
             self._check_used([i for i in need if i not in got])
         else:
@@ -548,7 +549,7 @@ class Executor:
         self.transport.send(tuple(grads[n] for n in names), op.stage, op.peer, "grad",
                             op.microbatch)
 
-    def _loss_backward(self, mb: int, req: _Request) -> None:
+    def _loss_backward(self, mb: int, req: _Request, runner: StageRunner) -> None:
         tensors, grad_tensors = req.args
         ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if grad_tensors is None:
@@ -568,7 +569,7 @@ class Executor:
                 g = torch.ones_like(t)
             scaled.append(g * self._scale if self._scale != 1.0 else g)
         with _thread_modes(True, req.autocast):
-            torch.autograd.backward(ts, scaled)
+            runner.backward(ts, scaled, mb)  # the seam (DDP) sees the last stage's pass too
 
     def _check_used(self, unused: list[int]) -> None:
         if unused:

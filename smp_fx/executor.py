@@ -183,8 +183,10 @@ class Executor:
     thread, so a microbatch's own thread usually runs its own work with no thread switch.
     A driver that hands a result to another waiting thread stops there and lets that thread
     carry the baton, so only one thread runs Python at a time (no GIL convoys).
-    The calling thread runs microbatch 0's step function itself and drives what is left
-    once every step function has returned.
+    Step functions start lazily: the calling thread runs each microbatch's function in turn
+    and a pool thread starts one only when the next op needs a microbatch while its driver
+    is stuck mid-function (a pipeline with several microbatches in flight). The calling
+    thread drives what is left once every step function has returned.
     """
 
     def __init__(self, program: StagedProgram, runners: dict[int, StageRunner],
@@ -214,6 +216,10 @@ class Executor:
         self._handed_to = -1
         self._holder: int | None = None
         self._running = 0
+        self._started: list[bool] = []
+        self._futures: dict[int, Future[Any]] = {}
+        self._launch: Any = None
+        self._main_thread: threading.Thread | None = None
         self._abort: BaseException | None = None
         self._scale = 1.0
         self._lowered: dict[tuple[Any, ...], tuple[Op, ...]] = {}
@@ -303,6 +309,7 @@ class Executor:
                                             str(ops[self._next]), f"rank {self.rank}",
                                             "report this as an smp-fx bug")
             if mb >= 0:
+                self._start_needed()
                 self._running -= 1
                 if self._running == 0:
                     self._main.notify_all()
@@ -355,19 +362,27 @@ class Executor:
                 self._pool.shutdown(wait=False)
             self._pool, self._pool_size = ThreadPoolExecutor(m - 1, "smp-step"), m - 1
         grad, autocast = torch.is_grad_enabled(), _autocast_state()
-        futures: list[Future[Any]] = [
-            self._pool.submit(self._user_thread, fn, mb, a, k, grad, autocast)  # type: ignore
-            for mb, (a, k) in enumerate(microbatches) if mb > 0]
+        self._started = [False] * m
+        self._futures = {}
+        self._launch = (fn, microbatches, grad, autocast)
+        self._main_thread = threading.current_thread()
         results: list[Any] = [None] * m
         try:
-            try:
-                results[0] = self._user_thread(fn, 0, *microbatches[0], grad, autocast)
-            except _Aborted:
-                pass
+            while True:  # the calling thread runs every microbatch nobody else started
+                with self._lock:
+                    j = next((k for k in range(m) if not self._started[k]), None)
+                    if j is not None:
+                        self._started[j] = True
+                if j is None:
+                    break
+                try:
+                    results[j] = self._user_thread(fn, j, *microbatches[j], grad, autocast)
+                except _Aborted:
+                    break
             with self._lock:
                 self._drive(lambda: all(self._done) and self._next == len(self._ops), -1,
                             "every microbatch to finish")
-            for mb, f in enumerate(futures, start=1):
+            for mb, f in sorted(self._futures.items()):
                 results[mb] = f.result(timeout=self.timeout_s)
             self.transport.finish()
         except BaseException as exc:
@@ -375,7 +390,7 @@ class Executor:
                 if self._abort is None:
                     self._abort = exc
                 self._wake_all()
-            for f in futures:
+            for f in list(self._futures.values()):
                 with contextlib.suppress(BaseException):
                     f.result(timeout=self.timeout_s)
             raise self._abort from None
@@ -413,6 +428,25 @@ class Executor:
                     # this return may unblock the next op (a skipped backward): run it
                     with contextlib.suppress(_Aborted):
                         self._drive(lambda: not self._may_drive(-2), -2, "")
+                if self._abort is None and threading.current_thread() is not self._main_thread:
+                    self._start_needed()  # the calling thread may be asleep mid-function
+
+    def _start_needed(self) -> None:
+        """With the lock held, by a thread that cannot run it itself: if the next op needs a
+        microbatch whose step function has not started, start it on a pool thread.
+
+        Microbatches start lazily, so a schedule that finishes one microbatch before it
+        needs the next (pp = 1, or the last stage) runs entirely in the calling thread."""
+        if self._driving or self._holder is not None or self._next >= len(self._ops):
+            return
+        op = self._ops[self._next]
+        j = op.microbatch
+        if op.kind == "F" and not self._started[j]:
+            self._started[j] = True
+            fn, mbs, grad, autocast = self._launch
+            assert self._pool is not None
+            self._futures[j] = self._pool.submit(self._user_thread, fn, j, *mbs[j], grad,
+                                                 autocast)
 
     def _request(self, mb: int, kind: str, stage: int) -> _Request | None:
         """Microbatch ``mb``'s F or B request; None if its thread returned without one."""

@@ -52,6 +52,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         from smp_fx.model import current_model
 
         model = current_model()
+        if model is not None and not any(id(p) in model._fqn_by_id for p in flat):
+            model = None  # an optimizer over some other module's parameters: leave it whole
         if model is not None:
             self._names = {id(p): n for n, p in model.module.named_parameters()}
             model._optimizers.append(self)

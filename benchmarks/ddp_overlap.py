@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import socket
 import statistics
 import sys
@@ -137,7 +138,18 @@ def main() -> int:
              for r in range(args.world)]
     for p in procs:
         p.start()
-    params, times = out.get(timeout=1800)
+    deadline = time.monotonic() + 1800
+    while True:  # a crashed worker ends the run instead of hanging it
+        try:
+            params, times = out.get(timeout=5)
+            break
+        except queue.Empty:
+            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+            if failed or time.monotonic() > deadline:
+                for p in procs:
+                    p.kill()
+                print(f"ranks {failed or 'all'} failed or timed out", file=sys.stderr)
+                return 1
     for p in procs:
         p.join(timeout=60)
     dp = args.world // args.pp

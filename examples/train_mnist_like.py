@@ -6,6 +6,7 @@ Synthetic MNIST-shaped data (no download). Auto partitioning over 2 pipeline sta
     python examples/train_mnist_like.py                      # one process, stages in-process
     smp-fx run -n 2 examples/train_mnist_like.py             # 2 processes (gloo on CPU)
     torchrun --nproc-per-node 2 examples/train_mnist_like.py
+    torchrun --nproc-per-node 4 examples/train_mnist_like.py  # pp=2 x dp=2 (ddp)
 
 Under ``smp-fx run`` the SageMaker import name works too:
 ``import smdistributed.modelparallel.torch as smp``.
@@ -89,7 +90,9 @@ def main(argv: list[str] | None = None) -> list[float]:
     torch.manual_seed(0)
 
     # smdistributed: initialize the backend
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "interleaved"})
+    # ("ddp": true: with 4 processes, pp=2 x dp=2 replicas whose gradients are averaged)
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "interleaved",
+              "ddp": True})
 
     # smdistributed: Set the device to the GPU ID used by the current process.
     if torch.cuda.is_available():

@@ -13,7 +13,8 @@ runs every scenario one after another (smp is re-initialised in between):
   the gradients really are unreduced after odd steps); ``broadcast_buffers`` on / off;
 * spread: ``model.join()`` with one batch fewer on dp_rank 1, against a reference; a
   parameter without a gradient under overlapped reduction is an error on its stage;
-* pp=1 x dp=4 (pure data parallelism) == the reference.
+* pp=1 x dp=4 (pure data parallelism) == the reference;
+* examples/train_mnist_like.py runs as pp=2 x dp=2, its stage replicas ending equal.
 
 The model is the tiny GPT example, whose tied embedding / LM head sits on both stages, so
 the order "dp average, then pipeline sum of the tied replicas" is exercised too.
@@ -250,7 +251,33 @@ def _body() -> dict[str, Any]:
     _assert_matches(pure["params"], _reference(3, 1))
     out["pure_dp"] = (smp.dp_size(), model._ddp.reductions)
     state._reset()
+    out["example"] = _example_scenario()
+    state._reset()
     return out
+
+
+def _example_scenario() -> tuple[int, int, bool]:
+    """examples/train_mnist_like.py on these 4 ranks: pp=2 x dp=2, each rank its shard;
+    the replicas of each stage end equal. Returns (dp size, steps, replicas equal)."""
+    import importlib.util
+    from pathlib import Path
+
+    import smp_fx as smp
+    from smp_fx.model import current_model
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "train_mnist_like.py"
+    spec = importlib.util.spec_from_file_location("smp_fx_test_train_mnist_like", path)
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    losses = example.main(["--steps", "4", "--batch-size", "8"])
+    assert all(loss == loss for loss in losses)  # finite, not NaN
+    model = current_model()
+    assert model is not None and model._ddp is not None
+    flat = torch.cat([p.detach().reshape(-1) for _, p in sorted(model.local_named_parameters())])
+    peers = [torch.empty_like(flat) for _ in range(smp.dp_size())]
+    dist.all_gather(peers, flat, group=smp.get_dp_process_group())
+    return smp.dp_size(), len(losses), all(torch.equal(q, flat) for q in peers)
 
 
 def _join_scenario(placement: str) -> bool:
@@ -318,6 +345,7 @@ def test_pp2_dp2_matches_global_batch_cluster_and_spread() -> None:
     assert len(raised) == 1, [r["no_grad_error"] for r in spread]  # both dp ranks of a stage
     assert sum(r["no_grad_error"] == "raised" for r in spread) == 2
     assert all(r["pure_dp"] == (4, 3) for r in results)
+    assert all(r["example"] == (2, 2, True) for r in results)
 
 
 # ---- single-process checks -----------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Each stage's module is wrapped, at partitioning, in ``torch.nn.parallel.
 DistributedDataParallel`` over that stage's data-parallel group; its constructor broadcasts
-the stage's parameters (and, with ``broadcast_buffers``, buffers) from dp_rank 0, which is
-SMP's "broadcast when the model is partitioned". Gradients are averaged over the group once
+the stage's parameters and buffers from dp_rank 0, which is SMP's "broadcast when the model
+is partitioned". Gradients are averaged over the group once
 per step, after all microbatches, as SMP documents.
 
 Why the reducer is armed by hand. DDP decides at *forward* time whether the next backward
@@ -25,7 +25,8 @@ gradients accumulate locally (as under ``no_sync``). Buffers are broadcast from 
 the first forward of every step when ``broadcast_buffers``. ``gradient_as_bucket_view`` is
 forwarded to DDP (it affects the overlapped reduction). Tied parameters replicated over
 pipeline stages: the dp average happens first (during backward, or in the first post-step
-hook), then the runtime's pipeline sum (a later post-step hook), in both modes.
+hook), then the runtime's pipeline sum (a later post-step hook, which ``DistributedModel``
+skips on the accumulating steps of ``backward_passes_per_step``), in both modes.
 
 The reduction group is the *reduced* data-parallel group (rdp): with tensor parallelism,
 tp-sharded parameters must only be averaged over replicas of the same shard, and

@@ -1,3 +1,6 @@
-"""What things cost: FLOPs, bytes, time and memory. Pure numbers in, numbers out; imports torch only."""
+"""What things cost: FLOPs, bytes, time, memory, schedules. Numbers in, numbers out.
+
+Imports torch (and numpy) only; the error hierarchy lives here so every layer can raise it.
+"""
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ class SMPPartitionError(SMPError):
 
 
 class SMPRuntimeError(SMPError, RuntimeError):
-    """Misuse of the runtime API (calls outside ``smp.step``, bad batch, ...) or a failure in it."""
+    """Misuse of the runtime API (calls outside ``smp.step``, bad batch, ...) or its failure."""
 
 
 class SMPTimeoutError(SMPRuntimeError, TimeoutError):

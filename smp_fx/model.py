@@ -41,6 +41,7 @@ from passes import meta
 from passes.split_stages import StagedProgram, split_stages
 from smp_fx import ddp
 from smp_fx import executor as ex
+from smp_fx.delayed_init import is_delayed, materialize
 from smp_fx.transport import DistTransport, InProcessTransport, Transport
 
 log = logging.getLogger("smp_fx.model")
@@ -132,6 +133,10 @@ class DistributedModel(nn.Module):
         self._optimizers: list[Any] = []
         self._tied_groups: list[tuple[Any, list[str]]] = []
         self._fqn_by_id = {id(p): n for n, p in module.named_parameters()}
+        # every alias of a parameter -> its first name (tied weights), fixed before any
+        # materialisation replaces parameter objects
+        self.canonical_names = {n: self._fqn_by_id[id(p)] for n, p in
+                                module.named_parameters(remove_duplicate=False)}
         self.plan: Any = None  # passes.plan.PartitionPlan once partitioned
         self._ddp: ddp.DataParallel | None = None
         _current = weakref.ref(self)
@@ -267,12 +272,16 @@ class DistributedModel(nn.Module):
         st = state.get()
         cfg = st.config
         p = cfg.pipeline_parallel_degree
+        multi = not st.in_process and st.axis_size("pp") > 1
+        if not multi and is_delayed(self.module):
+            # every stage lives in this process: materialise the whole model once, which
+            # keeps tied parameters tied (one Parameter shared by the stages)
+            materialize(self.module, st.device)
         _tracing = True
         try:
             gm, self.plan = _plan_stages(self.module, args, kwargs, p, self.options)
         finally:
             _tracing = False
-        multi = not st.in_process and st.axis_size("pp") > 1
         if not st.in_process and st.world_size > 1:
             _agree_on_plan(gm, st)
         program = split_stages(gm, p)
@@ -291,14 +300,18 @@ class DistributedModel(nn.Module):
             transport = InProcessTransport(devices)
         self._transport_kind = "dist" if multi else "in_process"
         runners = {s: ex.StageRunner(program.stages[s], devices[s]) for s in local}
+        delayed = any(is_delayed(r.module) for r in runners.values())
+        # tied parameters are found by the original objects, before materialising
+        self._tied_groups = _tied_groups(program, st, self._fqn_by_id) if multi else []
         for s, r in runners.items():
             _materialise(r.module, devices[s])
         self._program, self._runners = program, runners
         self._executor = ex.Executor(program, runners, transport, multi, timeout_s, st.rank)
         if multi:
-            self._tied_groups = _tied_groups(program, st, self._fqn_by_id)
             if self._tied_groups:
                 self._executor.post_step_hooks.append(self._reduce_tied_grads)
+                if delayed:  # replicas initialised on different ranks: take the first's
+                    self._broadcast_tied()
         self._ddp = ddp.enable(self)  # None unless ddp with several replicas
         for opt in self._optimizers:
             opt._localize(self)
@@ -306,6 +319,15 @@ class DistributedModel(nn.Module):
             n = len(inspect.signature(hook).parameters)
             opt = self._optimizers[0] if self._optimizers else None
             hook(*(self, opt)[:n])
+
+    def _broadcast_tied(self) -> None:
+        """Give every replica of a tied parameter the lowest owning rank's values."""
+        params = dict(self.local_named_parameters())
+        for group, names in self._tied_groups:
+            src = min(dist.get_process_group_ranks(group))
+            with torch.no_grad():
+                for n in names:
+                    dist.broadcast(params[n].data, src=src, group=group)
 
     def _reduce_tied_grads(self) -> None:
         """Sum the gradients of parameters replicated on several stages over their owners."""
@@ -355,15 +377,14 @@ def _has_tied(program: StagedProgram) -> bool:
 def _materialise(module: nn.Module, device: torch.device) -> None:
     """Place one stage's parameters on ``device``; meta (delayed-init) ones are created there.
 
-    Delayed initialisation: modules whose parameters are on the meta device get ``to_empty``
-    then ``reset_parameters`` in module order. Values then differ from an eagerly built model
-    with the same seed (the RNG stream is consumed per stage, not for the whole model).
+    Delayed initialisation (``smp.delay_param_initialization``): the stage's modules get
+    ``to_empty`` then ``reset_parameters`` (``smp_fx.delayed_init.materialize``), so only
+    this rank's stage is ever allocated. The values then differ from an eagerly built model
+    with the same seed (the RNG stream is consumed per stage, not for the whole model);
+    tied replicas on several ranks are made equal by a broadcast from the first owner.
     """
-    if any(t.is_meta for t in list(module.parameters()) + list(module.buffers())):
-        module.to_empty(device=device)
-        for m in module.modules():
-            if hasattr(m, "reset_parameters") and not isinstance(m, torch.fx.GraphModule):
-                m.reset_parameters()
+    if is_delayed(module):
+        materialize(module, device)
         return
     module.to(device)
 

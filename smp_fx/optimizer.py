@@ -116,11 +116,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return
         local = dict(model.local_named_parameters())
         local_ids = {id(p): p for p in local.values()}
-        alias = {n: p for n, p in model.module.named_parameters(remove_duplicate=False)}
-        by_name = {n: local[n] for n in local}
-        for n, p in alias.items():  # tied parameters: any alias of a local one
-            if n not in by_name and id(p) in local_ids:
-                by_name[n] = p
+        # A local parameter's name may be any alias of a tied one (lm_head.weight for
+        # wte.weight): go through the original object to the optimizer's canonical name.
+        canon = getattr(model, "canonical_names", {})
+        by_name = {canon.get(n, n): q for n, q in local.items()}
         index: dict[int, int] = {}
         for group in self.optimizer.param_groups:
             kept = []

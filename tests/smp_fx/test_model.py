@@ -110,3 +110,60 @@ def test_tied_parameters_across_processes() -> None:
     assert r0["names"] == {"wte.weight"} and r1["names"] == {"lm_head.weight"}
     assert r0["groups"] == r1["groups"] == 1
     assert r0["cpu_equal"] == r1["cpu_equal"] == []
+
+
+def _delayed_body() -> list[float]:
+    """GPT built under delay_param_initialization, 2 processes: only the local stage is
+    materialised, and the tied embedding/LM head replicas start (and stay) equal."""
+    import torch.distributed as dist
+
+    from tests.smp_fx.test_numerics import load_example
+
+    dist.init_process_group("gloo")
+    init(2, 2, "interleaved")
+    ex = load_example("gpt")
+    with smp.delay_param_initialization():
+        net = ex.build_model()
+    model = smp.DistributedModel(net)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def train(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        loss = ex.loss_fn(model(x), y)
+        model.backward(loss)
+        return loss
+
+    for _ in range(2):
+        opt.zero_grad()
+        train(model, ex.example_inputs(4)[0], ex.example_targets(4))
+        opt.step()
+    local = dict(model.local_named_parameters())
+    assert not any(p.is_meta for p in local.values())
+    assert any(p.is_meta for p in net.parameters())  # the other stage was never allocated
+    tied = local.get("wte.weight", local.get("lm_head.weight"))
+    return tied.detach().flatten()[:8].tolist()
+
+
+@pytest.mark.multiproc
+def test_delayed_init_materialises_per_stage() -> None:
+    a, b = run_ranks(_delayed_body, 2, timeout=180)
+    assert a == b
+
+
+def test_delayed_init_in_process_keeps_ties(fresh: None) -> None:
+    from tests.smp_fx.test_numerics import load_example
+
+    ex = load_example("gpt")
+    with smp.delay_param_initialization():
+        net = ex.build_model()
+    model = smp.DistributedModel(net)
+
+    @smp.step
+    def train(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        loss = ex.loss_fn(model(x), y)
+        model.backward(loss)
+        return loss
+
+    train(model, ex.example_inputs(4)[0], ex.example_targets(4))
+    assert net.lm_head.weight is net.wte.weight and not net.wte.weight.is_meta
+    assert net.wte.weight.grad is not None

@@ -8,8 +8,10 @@ never sent between stages: every stage that reads them holds a replica, which th
 objective charges to each of those stages and the result reports as shared.
 
 Parameter bytes come from the module's own tensors (meta tensors work) for the names in
-``passes.meta.PARAMS``; a compute node whose names cannot be resolved keeps the
-``NodeCost.param_bytes`` the cost pass gave it, as a parameter of its own.
+``passes.meta.PARAMS``, one entry per tensor: tied names (GPT's ``wte.weight`` /
+``lm_head.weight``) are one parameter, counted once in the objective as in the plan. A
+compute node whose names cannot be resolved keeps the ``NodeCost.param_bytes`` the cost
+pass gave it, as a parameter of its own.
 """
 
 from __future__ import annotations
@@ -40,15 +42,51 @@ def copy_graph_module(gm: torch.fx.GraphModule
     return torch.fx.GraphModule(gm, graph, gm.__class__.__name__), mapping
 
 
-def _tensor_bytes(gm: torch.fx.GraphModule, name: str) -> int | None:
+def _resolve(gm: torch.fx.GraphModule, name: str) -> torch.Tensor | None:
     obj: object = gm
     for part in name.split("."):
         obj = getattr(obj, part, None)
         if obj is None:
             return None
-    if isinstance(obj, torch.Tensor):
-        return int(obj.numel() * obj.element_size())
-    return None
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
+class _TensorIndex:
+    """Attribute names grouped by the tensor they name (tied weights are one tensor).
+
+    The first name of a tensor is its key: ``gm.named_parameters(remove_duplicate=False)``
+    then ``named_buffers`` order, so a tied pair is keyed by the name that
+    ``named_parameters()`` (which deduplicates) reports, e.g. ``transformer.wte.weight``
+    rather than ``lm_head.weight``. Counting by name charged such a tensor twice to ``M``
+    and twice to a stage reading both names, while the plan counted it once.
+    """
+
+    def __init__(self, gm: torch.fx.GraphModule) -> None:
+        self.gm = gm
+        self.key_of_id: dict[int, str] = {}
+        self.names: dict[str, list[str]] = {}
+        self.nbytes: dict[str, float] = {}
+        self._keep: list[torch.Tensor] = []  # ids stay unique while the tensors live
+        named = [*gm.named_parameters(remove_duplicate=False),
+                 *gm.named_buffers(remove_duplicate=False)]
+        for name, t in named:
+            self._add(name, t)
+
+    def _add(self, name: str, t: torch.Tensor) -> str:
+        key = self.key_of_id.get(id(t))
+        if key is None:
+            key = self.key_of_id[id(t)] = name
+            self.names[key] = []
+            self.nbytes[key] = float(t.numel() * t.element_size())
+            self._keep.append(t)
+        if name not in self.names[key]:
+            self.names[key].append(name)
+        return key
+
+    def key(self, name: str) -> str | None:
+        """The key of the tensor ``name`` resolves to, or None if it names no tensor."""
+        t = _resolve(self.gm, name)
+        return None if t is None else self._add(name, t)
 
 
 def _flops(node: torch.fx.Node) -> float:
@@ -93,6 +131,7 @@ def problem_from_graph(gm: torch.fx.GraphModule) -> DagProblem:
         vbytes.append(_value_bytes(n))
         consumers.append(cons)
         to_out.append(reaches_out)
+    tensors = _TensorIndex(gm)
     readers: dict[str, set[int]] = {}
     sizes: dict[str, float] = {}
     for n in gm.graph.nodes:
@@ -104,17 +143,17 @@ def problem_from_graph(gm: torch.fx.GraphModule) -> DagProblem:
             users = [index[n]]
         else:
             continue
-        resolved = {name: _tensor_bytes(gm, name) for name in names}
-        for name, nbytes in resolved.items():
-            if nbytes is not None:
-                sizes[name] = float(nbytes)
-                readers.setdefault(name, set()).update(users)
-        if n in index and not any(v is not None for v in resolved.values()):
+        keys = {k for k in map(tensors.key, names) if k is not None}
+        for key in keys:
+            sizes[key] = tensors.nbytes[key]
+            readers.setdefault(key, set()).update(users)
+        if n in index and not keys:
             own = float(meta.COST.get(n).param_bytes)
             if own > 0:
                 sizes[f"{n.name}:params"] = own
                 readers[f"{n.name}:params"] = {index[n]}
     pnames = tuple(sorted(name for name in readers if readers[name]))
+    aliases = tuple(tuple(tensors.names.get(p, [p])) for p in pnames)
     paths = tuple(meta.MODULE_PATH.get(n) or (str(n.target) if n.op == "call_module" else "")
                   for n in nodes)
     pins = tuple(int(meta.PIN.get(n, -1)) for n in nodes)
@@ -124,7 +163,7 @@ def problem_from_graph(gm: torch.fx.GraphModule) -> DagProblem:
         val_consumers=tuple(consumers), val_to_output=tuple(to_out),
         output_inputs=out_inputs, param_names=pnames,
         param_bytes=np.asarray([sizes[p] for p in pnames], dtype=np.float64),
-        param_readers=tuple(tuple(sorted(readers[p])) for p in pnames),
+        param_readers=tuple(tuple(sorted(readers[p])) for p in pnames), param_aliases=aliases,
         module_paths=paths, pins=pins,
         flops=np.asarray([_flops(n) for n in nodes], dtype=np.float64))
 

@@ -28,7 +28,8 @@ The objective (DESIGN.md "Partitioning") for stage ``s`` is
   ``comm_time(bytes)`` (latency + bytes / bandwidth) is still reported per stage, as the
   duration of one transfer, for the simulator.
 * ``memory_s = (2 + optimizer_state_factor) * param_bytes_s + saved_s * inflight(s)``;
-  a parameter read on several stages is replicated and counted on each of them.
+  a parameter read on several stages is replicated and counted on each of them. A
+  parameter is a tensor, not a name: tied names are one entry (``param_aliases``).
 * ``T`` = total node time of the graph; ``M`` = ``(2 + f) * total parameter bytes (once)
   + total saved bytes * min(microbatches, active_microbatches)``. Both are fixed by the
   graph and config, not by the cut, so the objective of different cuts is comparable;
@@ -89,6 +90,8 @@ class DagProblem:
     module_paths: tuple[str, ...] = ()
     pins: tuple[int, ...] = ()
     flops: np.ndarray = field(default_factory=lambda: np.zeros(0))
+    param_aliases: tuple[tuple[str, ...], ...] = ()
+    """Per parameter, every name of its tensor (tied weights); empty: the name alone."""
 
     def heavy(self) -> np.ndarray:
         """Nodes doing real work: FLOPs or parameters (time when FLOPs are not known).

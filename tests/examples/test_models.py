@@ -30,3 +30,18 @@ def test_deterministic_and_gpt_overrides() -> None:
     big = example("gpt").build_model(n_layer=3, n_embd=48, n_head=6)
     assert len(big.h) == 3 and big.wte.weight.shape == (128, 48)
     assert big.lm_head.weight is big.wte.weight
+
+
+def test_load_registers_the_module_and_matches_the_cli_loader() -> None:
+    # issue 4: a module run before it is in sys.modules breaks @dataclass (gpt.GPTConfig)
+    import dataclasses
+    import sys
+
+    from examples.models import load
+    from smp_fx.cli.partition import load_model_file
+
+    gpt = load("gpt")
+    assert sys.modules[gpt.__name__] is gpt
+    assert dataclasses.is_dataclass(gpt.GPTConfig)
+    again = load_model_file(gpt.__file__)
+    assert again.__name__ == gpt.__name__ and dataclasses.is_dataclass(again.GPTConfig)

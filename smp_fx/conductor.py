@@ -1,0 +1,337 @@
+"""The conductor: the step function's threads take turns through one ordered op list.
+
+The user's step function runs once per microbatch. ``model(...)`` posts an F request and
+``model.backward(...)`` a B request, then the thread waits. Turns are granted strictly by
+position in the op list (``smp_fx.executor`` lowers a schedule into it), so every rank issues
+its sends and receives in schedule order. The conductor is a baton, not a thread: whichever
+waiting thread finds the next op runnable (its microbatch's request has arrived, or it is a
+transfer) executes it and keeps going; a driver that hands a result to another waiting
+thread stops and lets that thread carry on, so only one thread runs Python at a time.
+Step functions start lazily: the calling thread runs each microbatch's function in turn and
+a pool thread starts one only when the next op needs a microbatch while every driver is
+stuck mid-function (a pipeline with several microbatches in flight). Grad mode and autocast
+captured from the requesting thread apply to the work done for it. A failure in any thread
+aborts the step: the caller re-raises the original exception and every thread is released.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cost_model.errors import SMPRuntimeError, SMPTimeoutError
+
+
+@dataclass
+class _Request:
+    args: Any
+    grad_enabled: bool
+    autocast: tuple[tuple[str, torch.dtype], ...]
+
+
+@dataclass
+class _MbState:
+    """Everything one microbatch holds on this rank during a step."""
+
+    f_request: _Request | None = None
+    b_request: _Request | None = None
+    outputs: Any = None
+    outputs_ready: bool = False
+    backward_done: bool = False
+    skip_backward: bool = False
+    inputs: dict[int, dict[str, Any]] = field(default_factory=dict)     # stage -> name -> value
+    results: dict[int, dict[str, Any]] = field(default_factory=dict)    # stage -> name -> value
+    grads: dict[int, dict[str, list[Any]]] = field(default_factory=dict)
+    send_grads: dict[int, dict[str, list[Any]]] = field(default_factory=dict)
+    b_done: int = 0
+    cut: Any = None  # the last stage's outputs as handed to the user
+    used: Any = None  # (indices of output leaves that got a gradient, those that need one)
+
+
+class _Aborted(BaseException):
+    """Raised in user threads when the step aborts; BaseException so user code cannot eat it."""
+
+
+def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    out = []
+    for dev in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(dev):
+            out.append((dev, torch.get_autocast_dtype(dev)))
+    return tuple(out)
+
+
+@contextlib.contextmanager
+def _thread_modes(grad_enabled: bool, autocast: tuple[tuple[str, torch.dtype], ...]) -> Any:
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.set_grad_enabled(grad_enabled))
+        for dev, dtype in autocast:
+            stack.enter_context(torch.autocast(dev, dtype=dtype))
+        yield
+
+
+_tls = threading.local()
+
+
+def current() -> tuple[Conductor, int] | None:
+    """The (executor, microbatch) of the calling thread inside a step, else None."""
+    return getattr(_tls, "ctx", None)
+
+
+
+class Conductor:
+    """Turn-taking over an op list; a subclass executes the ops (``_execute``)."""
+
+    def __init__(self, timeout_s: float = 300.0, rank: int = 0) -> None:
+        self.timeout_s = timeout_s
+        self.rank = rank
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+        self._lock = threading.Lock()
+        self._conds: list[threading.Condition] = []
+        self._main = threading.Condition(self._lock)
+        self._mbs: list[_MbState] = []
+        self._done: list[bool] = []
+        self._ops: tuple[Any, ...] = ()
+        self._next = 0
+        self._driving = False
+        self._handed_to = -1
+        self._holder: int | None = None
+        self._running = 0
+        self._started: list[bool] = []
+        self._futures: dict[int, Future[Any]] = {}
+        self._launch: Any = None
+        self._main_thread: threading.Thread | None = None
+        self._abort: BaseException | None = None
+
+    def _execute(self, op: Any) -> None:
+        raise NotImplementedError
+
+    # ---- user-thread side -------------------------------------------------------------
+    def forward_request(self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        st = self._mbs[mb]
+        with self._lock:
+            if st.f_request is not None:
+                raise SMPRuntimeError.build(
+                    "the model may be called once per microbatch inside smp.step", mb,
+                    f"rank {self.rank} microbatch {mb}", "call model(...) once per step fn")
+            st.f_request = _Request((args, kwargs), torch.is_grad_enabled(), _autocast_state())
+            self._drive(lambda: st.outputs_ready, mb, "its model outputs")
+        return st.outputs
+
+    def backward_request(self, mb: int, tensors: Any, grad_tensors: Any) -> None:
+        st = self._mbs[mb]
+        with self._lock:
+            if st.f_request is None or st.b_request is not None:
+                raise SMPRuntimeError.build(
+                    "model.backward must follow model(...) and run once per microbatch", mb,
+                    f"rank {self.rank} microbatch {mb}", "call model.backward(loss) once")
+            st.b_request = _Request((tensors, grad_tensors), torch.is_grad_enabled(),
+                                    _autocast_state())
+            self._drive(lambda: st.backward_done, mb, "its backward pass")
+
+    # ---- the baton ----------------------------------------------------------------------
+    def _runnable(self, op: Any) -> bool:
+        if op.kind == "F":
+            return self._mbs[op.microbatch].f_request is not None or self._done[op.microbatch]
+        if op.kind == "WAIT_B":
+            st = self._mbs[op.microbatch]
+            return st.b_request is not None or st.skip_backward or self._done[op.microbatch]
+        return True
+
+    def _may_drive(self, mb: int) -> bool:
+        """Whether the thread of ``mb`` (< 0: the caller after its own work) runs the next op.
+
+        Only when no other thread is driving or was just handed the baton, and, for a thread
+        whose step function has returned, when no step function is running Python either.
+        """
+        return (not self._driving and self._holder is None and self._next < len(self._ops)
+                and self._runnable(self._ops[self._next]) and (mb >= 0 or self._running == 0))
+
+    def _drive(self, ready: Callable[[], bool], mb: int, what: str) -> None:
+        """With the lock held: run ops while they can run, until ``ready()``; else sleep."""
+        cond = self._conds[mb] if mb >= 0 else self._main
+        if self._holder == mb:
+            self._holder = None
+        while True:
+            if self._abort is not None:
+                raise _Aborted()
+            if ready():
+                return
+            ops = self._ops
+            if self._may_drive(mb):
+                self._driving = True
+                try:
+                    while self._next < len(ops) and self._runnable(ops[self._next]):
+                        op = ops[self._next]
+                        self._handed_to = -1
+                        self._lock.release()
+                        try:
+                            self._execute(op)
+                        finally:
+                            self._lock.acquire()
+                        self._next += 1
+                        k = self._handed_to
+                        if k not in (-1, mb) and not self._done[k]:
+                            self._holder = k  # the woken thread carries on from here
+                            break
+                except BaseException as exc:
+                    if self._abort is None and not isinstance(exc, _Aborted):
+                        self._abort = exc
+                    self._wake_all()
+                    raise
+                finally:
+                    self._driving = False
+                    self._main.notify_all()  # the caller may be waiting for the last op
+                if ready():
+                    return
+            if mb < 0 and self._running == 0 and self._holder is None and all(self._done) \
+                    and not self._driving and self._next < len(ops) \
+                    and not self._may_drive(mb):
+                raise SMPRuntimeError.build("the step cannot make progress",
+                                            str(ops[self._next]), f"rank {self.rank}",
+                                            "report this as an smp-fx bug")
+            if mb >= 0:
+                self._start_needed()
+                self._running -= 1
+                if self._running == 0:
+                    self._main.notify_all()
+            try:
+                woke = cond.wait(self.timeout_s)
+            finally:
+                if mb >= 0:
+                    self._running += 1
+            if not woke:
+                at = str(ops[self._next]) if self._next < len(ops) else "end of step"
+                raise SMPTimeoutError.build(
+                    f"timed out after {self.timeout_s:.0f}s waiting for {what}", at,
+                    f"rank {self.rank} microbatch {mb if mb >= 0 else 'all'}",
+                    "a peer rank may have failed (see its log), or the step function blocks")
+
+    def _wake_all(self) -> None:
+        for c in self._conds:
+            c.notify_all()
+        self._main.notify_all()
+
+    def _publish(self, mb: int, **updates: Any) -> None:
+        with self._lock:
+            for k, v in updates.items():
+                setattr(self._mbs[mb], k, v)
+            self._handed_to = mb
+            self._conds[mb].notify_all()
+
+    # ---- a step -------------------------------------------------------------------------
+    def _run_step(self, fn: Callable[..., Any], microbatches: Sequence[tuple[tuple[Any, ...],
+                  dict[str, Any]]], ops: tuple[Any, ...]) -> list[Any]:
+        """Run ``fn`` once per microbatch while ``ops`` are executed in order; its results."""
+        m = len(microbatches)
+        self._mbs = [_MbState() for _ in range(m)]
+        self._done = [False] * m
+        self._conds = [threading.Condition(self._lock) for _ in range(m)]
+        self._ops, self._next, self._driving = ops, 0, False
+        self._holder, self._running = None, 0
+        self._abort = None
+        if m > 1 and (self._pool is None or self._pool_size < m - 1):
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool, self._pool_size = ThreadPoolExecutor(m - 1, "smp-step"), m - 1
+        grad, autocast = torch.is_grad_enabled(), _autocast_state()
+        self._started = [False] * m
+        self._futures = {}
+        self._launch = (fn, microbatches, grad, autocast)
+        self._main_thread = threading.current_thread()
+        results: list[Any] = [None] * m
+        try:
+            while True:  # the calling thread runs every microbatch nobody else started
+                with self._lock:
+                    j = next((k for k in range(m) if not self._started[k]), None)
+                    if j is not None:
+                        self._started[j] = True
+                if j is None:
+                    break
+                try:
+                    results[j] = self._user_thread(fn, j, *microbatches[j], grad, autocast)
+                except _Aborted:
+                    break
+            with self._lock:
+                self._drive(lambda: all(self._done) and self._next == len(self._ops), -1,
+                            "every microbatch to finish")
+            for mb, f in sorted(self._futures.items()):
+                results[mb] = f.result(timeout=self.timeout_s)
+            self.transport.finish()
+        except BaseException as exc:
+            with self._lock:
+                if self._abort is None:
+                    self._abort = exc
+                self._wake_all()
+            for f in list(self._futures.values()):
+                with contextlib.suppress(BaseException):
+                    f.result(timeout=self.timeout_s)
+            raise self._abort from None
+        finally:
+            self._mbs = []
+        return results
+
+    def _user_thread(self, fn: Callable[..., Any], mb: int, args: tuple[Any, ...],
+                     kwargs: dict[str, Any], grad: bool, autocast: Any) -> Any:
+        _tls.ctx = (self, mb)
+        with self._lock:
+            self._running += 1
+        try:
+            with _thread_modes(grad, autocast):
+                return fn(*args, **kwargs)
+        except _Aborted:
+            raise
+        except BaseException as exc:
+            with self._lock:
+                if self._abort is None:
+                    self._abort = exc
+                self._wake_all()
+            raise
+        finally:
+            _tls.ctx = None
+            with self._lock:
+                self._done[mb] = True
+                self._running -= 1
+                if self._holder == mb:
+                    self._holder = None
+                self._main.notify_all()
+                if self._abort is None and self._may_drive(-2):
+                    # this return may unblock the next op (a skipped backward): run it
+                    with contextlib.suppress(_Aborted):
+                        self._drive(lambda: not self._may_drive(-2), -2, "")
+                if self._abort is None and threading.current_thread() is not self._main_thread:
+                    self._start_needed()  # the calling thread may be asleep mid-function
+
+    def _start_needed(self) -> None:
+        """With the lock held, by a thread that cannot run it itself: if the next op needs a
+        microbatch whose step function has not started, start it on a pool thread.
+
+        Microbatches start lazily, so a schedule that finishes one microbatch before it
+        needs the next (pp = 1, or the last stage) runs entirely in the calling thread."""
+        if self._driving or self._holder is not None or self._next >= len(self._ops):
+            return
+        op = self._ops[self._next]
+        j = op.microbatch
+        if op.kind == "F" and not self._started[j]:
+            self._started[j] = True
+            fn, mbs, grad, autocast = self._launch
+            assert self._pool is not None
+            self._futures[j] = self._pool.submit(self._user_thread, fn, j, *mbs[j], grad,
+                                                 autocast)
+
+    def _request(self, mb: int, kind: str, stage: int) -> _Request | None:
+        """Microbatch ``mb``'s F or B request; None if its thread returned without one."""
+        st = self._mbs[mb]
+        req = st.f_request if kind == "F" else st.b_request
+        if req is None and kind == "F":
+            raise SMPRuntimeError.build(
+                "the smp.step function returned without calling the DistributedModel",
+                f"microbatch {mb}", f"rank {self.rank} stage {stage}",
+                "call model(...) inside every smp.step function")
+        return req

@@ -73,3 +73,28 @@ def test_dhondt() -> None:
     assert _dhondt([10.0, 1.0], [9, 9], 5) == [4, 1]
     assert _dhondt([10.0, 1.0], [2, 9], 5) == [2, 3]
     assert _dhondt([3.0, 3.0, 3.0], [9, 9, 9], 4) == [2, 1, 1]
+
+
+def test_module_tree_spreads_gpt_blocks_over_every_device() -> None:
+    # issue 4: embeddings and head each held a device of their own (GPT-2-XL: 1.5x the
+    # best, 6.8x earlier); D'Hondt gives them no seat, they ride with the first / last
+    # block, and the 48 blocks are spread over all 8 devices.
+    problem = transformer_dag(48, d=256, seq=64, vocab=512)
+    for w in (0.0, 0.8):
+        obj = make_objective(problem, PartitionConfig(num_stages=8, microbatches=8,
+                                                      memory_weight=w))
+        st = run_baseline("module_tree", problem, obj)
+        blocks: dict[int, set[int]] = {}
+        for v, path in enumerate(problem.module_paths):
+            if path.startswith("blocks."):
+                blocks.setdefault(int(st[v]), set()).add(int(path.split(".")[1]))
+        counts = [len(blocks.get(s, ())) for s in range(8)]
+        assert min(counts) >= 5 and max(counts) <= 7, (w, counts)
+        assert st[problem.names.index("emb")] == 0
+        ours = evaluate(problem, solve_problem(problem, obj)[0], obj).bottleneck
+        assert evaluate(problem, st, obj).bottleneck <= 1.3 * ours
+
+
+def test_dhondt_may_leave_a_light_party_without_a_seat() -> None:
+    assert _dhondt([0.1, 8.0, 0.2], [9, 9, 9], 8, minimum=0) == [0, 8, 0]
+    assert _dhondt([4.0, 4.0, 0.1], [9, 9, 9], 4, minimum=0) == [2, 2, 0]

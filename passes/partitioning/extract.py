@@ -65,6 +65,7 @@ class _TensorIndex:
         self.gm = gm
         self.key_of_id: dict[int, str] = {}
         self.names: dict[str, list[str]] = {}
+        self.key_of_name: dict[str, str] = {}
         self.nbytes: dict[str, float] = {}
         self._keep: list[torch.Tensor] = []  # ids stay unique while the tensors live
         named = [*gm.named_parameters(remove_duplicate=False),
@@ -79,12 +80,15 @@ class _TensorIndex:
             self.names[key] = []
             self.nbytes[key] = float(t.numel() * t.element_size())
             self._keep.append(t)
-        if name not in self.names[key]:
+        if name not in self.key_of_name:
+            self.key_of_name[name] = key
             self.names[key].append(name)
         return key
 
     def key(self, name: str) -> str | None:
         """The key of the tensor ``name`` resolves to, or None if it names no tensor."""
+        if name in self.key_of_name:
+            return self.key_of_name[name]
         t = _resolve(self.gm, name)
         return None if t is None else self._add(name, t)
 

@@ -316,11 +316,19 @@ class ChainCosts:
         return self.work + self.time + inflight * self.saved
 
 
-def chain_arrays(problem: DagProblem, order: Sequence[int], obj: Objective) -> ChainCosts:
+def chain_arrays(problem: DagProblem, order: Sequence[int], obj: Objective,
+                 replicas: bool = False) -> ChainCosts:
     """``problem`` laid out along ``order`` (a topological order) as ``ChainCosts``.
 
     Parameters count at their first reader in the order (replicas of shared parameters are
-    not additive; ``evaluate`` scores them exactly afterwards).
+    not additive; ``evaluate`` scores them exactly afterwards). That never overcharges, so
+    lower bounds use it, but it hides the replica of a tied weight from the solver: GPT's
+    head stage looks lighter than it is. ``replicas=True`` also charges a parameter read at
+    several positions at its last reader: exact whenever the first and last readers end on
+    different stages (a tied embedding and LM head, for any ``k >= 2``), one copy too many
+    when they share one. A candidate for the solver to try, never a bound: on a 12-block
+    tied GPT at k=4 it finds 0.2141 where first-reader costs give 0.2230 and SMP's module
+    tree 0.2150 (benchmarks/partition_quality.py).
     """
     n = problem.n
     order = np.asarray(order, dtype=np.int64)
@@ -333,6 +341,11 @@ def chain_arrays(problem: DagProblem, order: Sequence[int], obj: Objective) -> C
         np.minimum.at(firstpos, rparam, pos[rflat])
         keep = firstpos < n
         np.add.at(pmem, firstpos[keep], problem.param_bytes[keep])
+        if replicas:
+            lastpos = np.full(len(problem.param_names), -1, dtype=np.int64)
+            np.maximum.at(lastpos, rparam, pos[rflat])
+            again = keep & (lastpos > firstpos)
+            np.add.at(pmem, lastpos[again], problem.param_bytes[again])
     work = obj.b * obj.param_factor * pmem
     time = obj.a * problem.time[order]
     saved = obj.b * problem.saved[order]

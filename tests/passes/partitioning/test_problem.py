@@ -66,3 +66,18 @@ def test_shared_parameter_is_charged_to_every_owner() -> None:
     assert ev.shared_params == {"w": (0, 2)}
     assert evaluate(tied, np.array([0, 0, 0]), make_objective(
         tied, PartitionConfig(num_stages=1))).shared_params == {}
+
+
+def test_chain_arrays_can_charge_a_tied_weight_at_both_ends() -> None:
+    base = DagProblem.chain(time=[1.0, 1.0, 1.0])
+    tied = DagProblem(**{**base.__dict__, "param_names": ("w",),
+                         "param_bytes": np.array([64.0]), "param_readers": ((0, 2),)})
+    obj = make_objective(tied, PartitionConfig(num_stages=3, memory_weight=1.0))
+    unit = obj.b * obj.param_factor * 64.0
+    assert chain_arrays(tied, np.arange(3), obj).work.tolist() == pytest.approx(
+        [unit, 0.0, 0.0])  # first reader only: a bound
+    both = chain_arrays(tied, np.arange(3), obj, replicas=True).work
+    assert both.tolist() == pytest.approx([unit, 0.0, unit])
+    # cut between the readers: the charge equals the exact evaluation per stage
+    ev = evaluate(tied, np.array([0, 1, 2]), obj)
+    assert ev.param_bytes.tolist() == pytest.approx((both / (obj.b * obj.param_factor)).tolist())

@@ -158,3 +158,18 @@ def test_model_called_twice_in_one_microbatch(model: smp.DistributedModel) -> No
 
     with pytest.raises(smp.SMPRuntimeError, match="once per microbatch"):
         twice(model, torch.randn(4, 4))
+
+
+def test_caller_autocast_applies_to_the_stages(model: smp.DistributedModel) -> None:
+    @smp.step
+    def fwd(model: Any, x: torch.Tensor) -> Any:
+        out, _ = model(x)
+        return out
+
+    x = torch.randn(4, 4)
+    with torch.no_grad():
+        fwd(model, x)  # partition in fp32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = fwd(model, x)
+        plain = fwd(model, x)
+    assert out.outputs[0].dtype == torch.bfloat16 and plain.outputs[0].dtype == torch.float32

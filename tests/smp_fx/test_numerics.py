@@ -159,6 +159,26 @@ def test_in_process_grid(name: str, pp: int) -> None:
         state._reset()
 
 
+def _eval_matches(pair: Pair) -> str:
+    """An evaluation step (no backward, under no_grad: forward-only schedule) on every rank
+    returns the reference model's outputs."""
+    import smp_fx as smp
+
+    pair.dm.eval()
+    pair.ref.eval()
+
+    @smp.step
+    def evaluate(model: Any, x: torch.Tensor) -> Any:
+        return model(x)
+
+    with torch.no_grad():
+        out = evaluate(pair.dm, pair.x[0]).concat()
+        torch.testing.assert_close(out, pair.ref(pair.x[0]), atol=1e-5, rtol=0)
+    pair.dm.train()
+    pair.ref.train()
+    return "eval"
+
+
 def _multi_body(pp: int) -> list[str]:
     """Runs on every rank: both schedules, mb 4, two models, one world."""
     import torch.distributed as dist
@@ -173,6 +193,7 @@ def _multi_body(pp: int) -> list[str]:
             pair.compare(3, 4)
             done.append(f"{name}/{pipeline}")
         assert len(list(pair.dm.local_parameters())) < len(list(pair.ref.parameters()))
+        done.append(_eval_matches(pair))
         state._reset()
     return done
 
@@ -181,5 +202,5 @@ def _multi_body(pp: int) -> list[str]:
 @pytest.mark.parametrize("pp", [2, 4])
 def test_multi_process_gloo(pp: int) -> None:
     results = run_ranks(_multi_body, pp, pp, timeout=240)
-    assert all(r == ["cnn/simple", "cnn/interleaved", "gpt/simple", "gpt/interleaved"]
-               for r in results)
+    assert all(r == ["cnn/simple", "cnn/interleaved", "eval", "gpt/simple", "gpt/interleaved",
+                     "eval"] for r in results)

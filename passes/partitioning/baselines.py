@@ -30,11 +30,11 @@ result is a valid pipeline plan.
   embeddings and head do not hold devices of their own while 48 blocks share the rest.
   Inherent, and kept: a cut falls only between children of one module (a device boundary
   never splits a module's child below the level it was seated at); each level balances
-  summed node costs (parameter memory, time, saved activations at the mean in-flight
-  count), so it cannot see the link term, the replication of tied weights or that early
-  stages hold more microbatches (GPT-2-XL, 8 stages: 1.22x the best, stage costs falling
-  from the first stage to the last); and the rounding of devices to whole
-  seats at each level compounds down the tree.
+  summed node costs (time, saved activations at the mean in-flight count, parameter
+  memory with a tied weight in every module holding it), so it cannot see the link term
+  or that early stages hold more microbatches (GPT-2-XL, 8 stages, sequence 1024: 1.22x
+  the best, stage costs falling from the first stage to the last); and the rounding of
+  devices to whole seats at each level compounds down the tree.
 """
 
 from __future__ import annotations
@@ -162,7 +162,9 @@ def _dhondt(costs: list[float], caps: list[int], seats: int, minimum: int = 1) -
 
 
 def module_tree(problem: DagProblem, k: int, obj: Objective) -> np.ndarray:
-    cc = chain_arrays(problem, np.arange(problem.n), obj)
+    # a module's cost includes every parameter it holds: a tied weight counts in both
+    # modules (the LM head holds a replica of the embedding), as SMP costs modules
+    cc = chain_arrays(problem, np.arange(problem.n), obj, replicas=True)
     node_cost = cc.node_cost(float(np.mean(obj.inflight)))
     st = np.zeros(problem.n, dtype=np.int64)
 

@@ -127,9 +127,9 @@ def problem_lower_bound(problem: DagProblem, obj: Objective) -> float:
 
 
 def _solve_order(problem: DagProblem, obj: Objective, order: np.ndarray,
-                 lex: bool = False) -> np.ndarray:
+                 lex: bool = False, replicas: bool = False) -> np.ndarray:
     """Exact chain solve of ``problem`` laid out along ``order``; the stage of every node."""
-    cc = chain_arrays(problem, order, obj)
+    cc = chain_arrays(problem, order, obj, replicas=replicas)
     solver = chain.solve_lex if lex else chain.solve
     sol = solver(cc.work, obj.num_stages, saved=cc.saved, comm=cc.comm, time=cc.time,
                  heavy=problem.heavy()[order], inflight=np.asarray(obj.inflight, dtype=float),
@@ -137,6 +137,18 @@ def _solve_order(problem: DagProblem, obj: Objective, order: np.ndarray,
     stage = np.empty(problem.n, dtype=np.int64)
     stage[order] = sol.stages(problem.n)
     return stage
+
+
+def _charging(problem: DagProblem) -> tuple[bool, ...]:
+    """How the chain solve charges parameters: first reader only, and, when a parameter is
+    read at several places (a tied embedding and LM head), also at its last reader.
+
+    Neither is exact for every cut: first-reader charging hides the replica of a tied
+    weight (GPT's head stage looks lighter than it is), last-reader charging may count one
+    copy too many. Both are solved and ``evaluate`` (exact) picks; ties keep first-reader.
+    """
+    shared = any(len(set(readers)) > 1 for readers in problem.param_readers)
+    return (False, True) if shared else (False,)
 
 
 def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] = ORDERS,
@@ -153,13 +165,14 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
         orders = (*orders, PIN_ORDER)
     best: tuple[float, np.ndarray, str] | None = None
     failure: SMPPartitionError | None = None
-    for kind in orders:
+    for kind, replicas in ((kind, r) for kind in orders for r in _charging(problem)):
         try:
-            stage = _solve_order(problem, obj, topological_order(problem, kind))
+            stage = _solve_order(problem, obj, topological_order(problem, kind),
+                                 replicas=replicas)
         except SMPPartitionError as err:
             failure = failure or err
             continue
-        name = kind
+        name = f"{kind}/replicas" if replicas else kind
         if do_refine:
             refined = refine(problem, obj, stage)
             if evaluate(problem, refined, obj).bottleneck < evaluate(problem, stage,
@@ -175,8 +188,10 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
     for _ in range(3 if do_refine else 0):
         # stage-major order of the best plan (topological, as the plan is monotone): an exact
         # chain solve on it can only see cuts at least as good as the plan's own
-        again = refine(problem, obj,
-                       _solve_order(problem, obj, np.lexsort((np.arange(n), stage))))
+        order = np.lexsort((np.arange(n), stage))
+        again = min((refine(problem, obj, _solve_order(problem, obj, order, replicas=r))
+                     for r in _charging(problem)),
+                    key=lambda st: chain.lex_key(evaluate(problem, st, obj).cost))
         new_value = evaluate(problem, again, obj).bottleneck
         if not new_value < value * (1.0 - 1e-12):
             break
@@ -195,7 +210,9 @@ def balance(problem: DagProblem, obj: Objective, stage: np.ndarray) -> np.ndarra
     ever gets worse.
     """
     order = np.lexsort((np.arange(problem.n), stage))
-    again = refine(problem, obj, _solve_order(problem, obj, order, lex=True))
+    again = min((refine(problem, obj, _solve_order(problem, obj, order, lex=True, replicas=r))
+                 for r in _charging(problem)),
+                key=lambda st: chain.lex_key(evaluate(problem, st, obj).cost))
     if chain.lex_key(evaluate(problem, again, obj).cost) < chain.lex_key(
             evaluate(problem, stage, obj).cost):
         return again

@@ -40,6 +40,7 @@ from cost_model.errors import (
 from passes import meta
 from passes.split_stages import StagedProgram, split_stages
 from smp_fx import ddp
+from smp_fx.checkpoint_api import ModelCheckpointMixin
 from smp_fx import executor as ex
 from smp_fx.delayed_init import is_delayed, materialize
 from smp_fx.transport import DistTransport, InProcessTransport, Transport
@@ -90,7 +91,7 @@ class _CaptureCtx:
     pass
 
 
-class DistributedModel(nn.Module):
+class DistributedModel(ModelCheckpointMixin, nn.Module):
     """See the module docstring and the SMP API page (``smp.DistributedModel``)."""
 
     # torch DDP reads this in its constructor: wrapping a DistributedModel raises (smp_fx.ddp)

@@ -26,10 +26,11 @@ from typing import Any
 import torch
 
 from cost_model.errors import SMPRuntimeError
+from smp_fx.checkpoint_api import OptimizerCheckpointMixin
 from smp_fx.ddp import guard_optimizer
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     """See the module docstring."""
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: D107
@@ -100,12 +101,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict[str, Any]:
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state_dict)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)

@@ -40,8 +40,8 @@ from cost_model.errors import (
 from passes import meta
 from passes.split_stages import StagedProgram, split_stages
 from smp_fx import ddp
-from smp_fx.checkpoint_api import ModelCheckpointMixin
 from smp_fx import executor as ex
+from smp_fx.checkpoint_api import ModelCheckpointMixin
 from smp_fx.delayed_init import is_delayed, materialize
 from smp_fx.transport import DistTransport, InProcessTransport, Transport
 
@@ -133,6 +133,9 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
         self._hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizers: list[Any] = []
         self._tied_groups: list[tuple[Any, list[str]]] = []
+        # tied gradients as they were when the current reduction window began (already
+        # summed over the owners): only what the window adds is summed again
+        self._tied_base: dict[str, torch.Tensor | None] | None = None
         self._fqn_by_id = {id(p): n for n, p in module.named_parameters()}
         # every alias of a parameter -> its first name (tied weights), fixed before any
         # materialisation replaces parameter objects
@@ -303,13 +306,14 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
         runners = {s: ex.StageRunner(program.stages[s], devices[s]) for s in local}
         delayed = any(is_delayed(r.module) for r in runners.values())
         # tied parameters are found by the original objects, before materialising
-        self._tied_groups = _tied_groups(program, st, self._fqn_by_id) if multi else []
+        self._tied_groups = _tied_groups(program, st, self.canonical_names) if multi else []
         for s, r in runners.items():
             _materialise(r.module, devices[s])
         self._program, self._runners = program, runners
         self._executor = ex.Executor(program, runners, transport, multi, timeout_s, st.rank)
         if multi:
             if self._tied_groups:
+                self._executor.pre_step_hooks.append(self._snapshot_tied_grads)
                 self._executor.post_step_hooks.append(self._reduce_tied_grads)
                 if delayed:  # replicas initialised on different ranks: take the first's
                     self._broadcast_tied()
@@ -330,24 +334,47 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
                 for n in names:
                     dist.broadcast(params[n].data, src=src, group=group)
 
+    def _snapshot_tied_grads(self, ops: Any) -> None:
+        """At the start of a reduction window, remember the tied gradients (already summed)."""
+        if self._tied_base is not None:
+            return  # ddp accumulating over several steps: the window began earlier
+        params = dict(self.local_named_parameters())
+        self._tied_base = {
+            n: (None if params[n].grad is None else params[n].grad.detach().clone())
+            for _, names in self._tied_groups for n in names}
+
     def _reduce_tied_grads(self) -> None:
-        """Sum the gradients of parameters replicated on several stages over their owners."""
+        """Sum the gradients of parameters replicated on several stages over their owners.
+
+        Only what this reduction window added is summed: a user accumulating over several
+        steps without ``zero_grad`` must not have earlier (already summed) gradients summed
+        again. After a dp reduction the base is equal on every replica, so the dp average
+        of base + local additions is base + the average of the additions.
+        """
         if self._ddp is not None and not self._ddp.reduce_this_step:
             return  # ddp accumulating (backward_passes_per_step): sum once, when dp reduces
         params = dict(self.local_named_parameters())
+        base = self._tied_base or {}
+        self._tied_base = None
         for group, names in self._tied_groups:
             ts = [params[n] for n in names]
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1)
-                              for p in ts])
+            parts = []
+            for n, p in zip(names, ts):
+                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                b = base.get(n)
+                parts.append((g - b if b is not None else g).reshape(-1))
+            flat = torch.cat(parts)
             dist.all_reduce(flat, group=group)
             offset = 0
-            for p in ts:
+            for n, p in zip(names, ts):
                 g = flat[offset:offset + p.numel()].view_as(p)
                 offset += p.numel()
+                b = base.get(n)
+                total = g + b if b is not None else g.clone()
                 if p.grad is None:
-                    p.grad = g.clone()
+                    p.grad = total
                 else:
-                    p.grad.copy_(g)
+                    p.grad.copy_(total)
 
     def schedule(self, num_microbatches: int, forward_only: bool) -> sched.Schedule:
         from smp_fx import state
@@ -454,13 +481,18 @@ def _agree_on_plan(gm: torch.fx.GraphModule, st: Any) -> None:
 
 
 def _tied_groups(program: StagedProgram, st: Any,
-                 fqn_by_id: dict[int, str]) -> list[tuple[Any, list[str]]]:
-    """Groups of the pp ranks owning each tied parameter; created collectively on all ranks."""
+                 canonical: dict[str, str]) -> list[tuple[Any, list[str]]]:
+    """Groups of the pp ranks owning each tied parameter; created collectively on all ranks.
+
+    Tied-ness comes from the original module's aliases (``canonical``: every name -> its
+    first name), never from parameter identity here: a delayed (meta) model's stages may
+    hold re-created parameters, and every rank must agree on the groups it creates.
+    """
     owners: dict[str, list[int]] = {}
     local_name: dict[tuple[int, str], str] = {}
     for s, stage in enumerate(program.stages):
-        for name, p in stage.module.named_parameters():
-            canon = fqn_by_id.get(id(p), name)
+        for name, _ in stage.module.named_parameters():
+            canon = canonical.get(name, name)
             owners.setdefault(canon, [])
             if s not in owners[canon]:
                 owners[canon].append(s)

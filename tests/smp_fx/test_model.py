@@ -100,8 +100,17 @@ def _tied_body() -> dict[str, Any]:
     full = pair.dm.cpu()
     ref = dict(pair.ref.named_parameters())
     same = [n for n, p in full.named_parameters() if not torch.allclose(p, ref[n], atol=1e-6)]
+    # two steps without zero_grad: the tied gradient accumulates exactly as in the plain
+    # model (earlier, already summed gradients are not summed over the owners again)
+    pair.reset()
+    for _ in range(2):
+        pair.ref_step(2)
+        pair.train_step(pair.dm, *pair.x, pair.y)
+    ref_grads = {n: p.grad for n, p in pair.ref.named_parameters(remove_duplicate=False)}
+    accum_bad = [n for n, p in pair.dm.local_named_parameters()
+                 if not torch.allclose(p.grad, ref_grads[n], atol=1e-5)]
     return {"names": names & {"wte.weight", "lm_head.weight"},
-            "groups": len(pair.dm._tied_groups), "cpu_equal": same}
+            "groups": len(pair.dm._tied_groups), "cpu_equal": same, "accum_bad": accum_bad}
 
 
 @pytest.mark.multiproc
@@ -110,6 +119,7 @@ def test_tied_parameters_across_processes() -> None:
     assert r0["names"] == {"wte.weight"} and r1["names"] == {"lm_head.weight"}
     assert r0["groups"] == r1["groups"] == 1
     assert r0["cpu_equal"] == r1["cpu_equal"] == []
+    assert r0["accum_bad"] == r1["accum_bad"] == []
 
 
 def _delayed_body() -> list[float]:

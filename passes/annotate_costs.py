@@ -168,8 +168,9 @@ def annotate_costs(gm: torch.fx.GraphModule, device: DeviceSpec,
                    ) -> torch.fx.GraphModule:
     """A copy of ``gm`` with ``COST`` on every node; ``gm`` itself is not mutated.
 
-    ``measured`` maps node names to ``(fwd_s, bwd_s, saved_bytes or None)`` from
-    ``cost_model.measure``; those nodes get the measured numbers and ``measured=True``.
+    ``measured`` maps node names to ``(fwd_s, bwd_s, saved_bytes)`` from
+    ``cost_model.measure``; those nodes get the measured numbers and ``measured=True``
+    (a ``None`` field keeps the analytic value: times only, or memory only).
     """
     out = copy_graph_module(gm)
     st = _State(out)
@@ -236,10 +237,13 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
                     bwd_time_s=bwd_t, param_bytes=param_bytes, output_bytes=out_bytes,
                     saved_bytes=saved, op=op, known=known)
     if node.name in measured:
+        # a field measured as None keeps its analytic value (times only, or memory only)
         fwd_s, bwd_s, *mem = measured[node.name]
         mem_bytes = mem[0] if mem and mem[0] is not None else saved
-        cost = NodeCost(fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_time_s=float(fwd_s),
-                        bwd_time_s=float(bwd_s), param_bytes=param_bytes,
+        cost = NodeCost(fwd_flops=fwd_flops, bwd_flops=bwd_flops,
+                        fwd_time_s=fwd_t if fwd_s is None else float(fwd_s),
+                        bwd_time_s=bwd_t if bwd_s is None else float(bwd_s),
+                        param_bytes=param_bytes,
                         output_bytes=out_bytes, saved_bytes=int(mem_bytes), measured=True,
                         op=op, known=known)
     return cost

@@ -153,3 +153,17 @@ def test_fx_graph_with_automatic_leaves_is_fully_costed() -> None:
     actual = sum(saved_bytes_by_module(model, args).values())
     assert abs(sum(c.saved_bytes for c in costs) - actual) <= 0.05 * actual
     assert sum(c.param_bytes for c in costs) == state_bytes(model)
+
+
+def test_unmeasured_fields_keep_analytic_values() -> None:
+    """trace_execution_times alone keeps analytic saved bytes; trace_memory_usage alone
+    keeps analytic times."""
+    model, args = build("mlp")
+    gm = shape_prop(trace(model, args), args)
+    analytic = COST.get(_node(annotate_costs(gm, H100), "_0"))
+    times = COST.get(_node(annotate_costs(gm, H100, measured={"_0": (1.5, 2.5, None)}), "_0"))
+    assert (times.fwd_time_s, times.bwd_time_s) == (1.5, 2.5)
+    assert times.saved_bytes == analytic.saved_bytes and times.measured
+    mem = COST.get(_node(annotate_costs(gm, H100, measured={"_0": (None, None, 7)}), "_0"))
+    assert (mem.fwd_time_s, mem.bwd_time_s) == (analytic.fwd_time_s, analytic.bwd_time_s)
+    assert mem.saved_bytes == 7

@@ -23,8 +23,11 @@ import smdistributed.modelparallel.torch as smp
 import smp_fx
 assert smp is smp_fx
 smp.init()
-print("RANKS", smp.rank(), smp.size(), smp.pp_rank(), smp.pp_size(), smp.dp_rank(),
-      smp.get_mp_group(), smp.state.get().config.microbatches, flush=True)
+import os
+fields = ("RANKS", smp.rank(), smp.size(), smp.pp_rank(), smp.pp_size(), smp.dp_rank(),
+          smp.get_mp_group(), smp.state.get().config.microbatches)
+# one write(2) per line: both ranks share the pipe, and print() may split a line
+os.write(1, (" ".join(map(str, fields)) + chr(10)).encode())
 """
 
 # The structure of the smddp guide's example (seed smddp_pytorch_guide.rst), CPU-sized.
@@ -66,8 +69,9 @@ def main():
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
     flat = torch.cat([p.detach().flatten() for p in model.parameters()])
-    print("SMDDP", dist.get_rank(), local_rank, dist.get_backend(), batch_size,
-          repr(flat.sum().item()), flush=True)
+    fields = ("SMDDP", dist.get_rank(), local_rank, dist.get_backend(), batch_size,
+              repr(flat.sum().item()))
+    os.write(1, (" ".join(map(str, fields)) + chr(10)).encode())  # one write: shared pipe
     if dist.get_rank() == 0:
         torch.save(model.state_dict(), os.environ["CKPT"])
 

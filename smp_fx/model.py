@@ -35,7 +35,6 @@ from cost_model.errors import (
     SMPConfigError,
     SMPPartitionError,
     SMPRuntimeError,
-    not_implemented,
 )
 from passes import meta
 from passes.split_stages import StagedProgram, split_stages
@@ -112,12 +111,17 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
             raise SMPConfigError.build(
                 "trace_execution_times must be False if trace_device is 'cpu'", True,
                 "smp.DistributedModel", "set trace_device='gpu' or trace_execution_times=False")
-        for name, value in (("trace_execution_times", trace_execution_times),
-                            ("trace_memory_usage", trace_memory_usage)):
-            if value:
-                raise not_implemented("measured costs in DistributedModel", name,
-                                      "leave it False: plans use analytic costs; the "
-                                      "'smp-fx partition' CLI can measure offline")
+        from smp_fx import state
+
+        # a configured feature DistributedModel would use but smp-fx lacks (fp16, tensor
+        # parallelism, ...) is an error here, never silently ignored
+        if state.is_initialized():
+            state.get().config.check_features("DistributedModel")
+        if (trace_execution_times or trace_memory_usage) and is_delayed(module):
+            raise SMPConfigError.build(
+                "trace_execution_times / trace_memory_usage run the model, which a model "
+                "built under smp.delay_param_initialization() cannot do", True,
+                "smp.DistributedModel", "leave both False (analytic costs need no weights)")
         if isinstance(module, torch.jit.ScriptModule):
             raise SMPConfigError.build("torch.jit.ScriptModules are not supported",
                                        type(module).__name__, "smp.DistributedModel",
@@ -437,8 +441,11 @@ def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 
     gm = trace(module, args, kwargs)
     frontend = gm.meta.get("smp.frontend", "auto")
+    measured = None
+    if options.trace_execution_times or options.trace_memory_usage:
+        measured = _measured_costs(gm, args, kwargs, options, st)
     compiled = compile_model(module, args, kwargs, _partition_config(cfg, options),
-                             device=spec, pins=pins, frontend=frontend)
+                             device=spec, pins=pins, frontend=frontend, measured=measured)
     # The pipeline's graph copies drop the front end's pytree codegen (export's input and
     # output structure) and gm.meta, so the stages are carried by node name onto our own
     # trace of the same model and microbatch (tracing is deterministic: same names).
@@ -453,6 +460,24 @@ def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
                                       missing[:5], "DistributedModel partitioning",
                                       "report this as an smp-fx bug")
     return gm, compiled.plan
+
+
+def _measured_costs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    options: ModelOptions, st: Any) -> dict[str, tuple[Any, Any, Any]]:
+    """Per-node measured costs (``trace_execution_times`` / ``trace_memory_usage``), taken
+    on world rank 0 and broadcast: measurements are noisy, and every rank must make the
+    same plan. A field not asked for is None, so it keeps its analytic value."""
+    from cost_model.measure import measure_nodes
+
+    times, memory = options.trace_execution_times, options.trace_memory_usage
+    box: list[Any] = [None]
+    if st.rank == 0:
+        raw = measure_nodes(gm, args, kwargs, times=times, memory=memory)
+        box = [{name: (f if times else None, b if times else None, m if memory else None)
+                for name, (f, b, m) in raw.items()}]
+    if not st.in_process and st.world_size > 1:
+        dist.broadcast_object_list(box, src=0, group=st.object_group("world"))
+    return box[0]
 
 
 def _partition_config(cfg: Any, options: ModelOptions) -> Any:

@@ -38,6 +38,10 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
             raise SMPRuntimeError.build("DistributedOptimizer wraps a torch.optim.Optimizer",
                                         type(optimizer).__name__, "smp.DistributedOptimizer",
                                         "pass an optimizer instance")
+        from smp_fx import state
+
+        if state.is_initialized():  # shard_optimizer_state & co: an error, never ignored
+            state.get().config.check_features("DistributedOptimizer")
         self.optimizer = optimizer
         guard_optimizer(optimizer)  # optimizer.step() inside smp.step raises (smp_fx.ddp)
         self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()

@@ -65,8 +65,10 @@ def test_option_checks(fresh: None) -> None:
         smp.DistributedModel(_net(), trace_device="tpu")
     with pytest.raises(smp.SMPConfigError, match="trace_execution_times"):
         smp.DistributedModel(_net(), trace_device="cpu", trace_execution_times=True)
-    with pytest.raises(smp.SMPNotImplementedError, match="trace_memory_usage"):
-        smp.DistributedModel(_net(), trace_memory_usage=True)
+    with smp.delay_param_initialization():
+        delayed = _net()
+    with pytest.raises(smp.SMPConfigError, match="delay_param_initialization"):
+        smp.DistributedModel(delayed, trace_memory_usage=True)
     model = smp.DistributedModel(_net(), bucket_cap_mb=50, broadcast_buffers=False)
     assert model.options.bucket_cap_mb == 50 and not model.options.broadcast_buffers
 
@@ -177,3 +179,35 @@ def test_delayed_init_in_process_keeps_ties(fresh: None) -> None:
     train(model, ex.example_inputs(4)[0], ex.example_targets(4))
     assert net.lm_head.weight is net.wte.weight and not net.wte.weight.is_meta
     assert net.wte.weight.grad is not None
+
+
+def test_measured_costs_plan_and_numerics(fresh: None) -> None:
+    """trace_execution_times / trace_memory_usage: the plan is made from measured costs
+    (times differ from the analytic ones), and training still matches the plain model."""
+    torch.manual_seed(0)
+    net = _net()
+    ref = _net()
+    ref.load_state_dict(net.state_dict())
+    measured = smp.DistributedModel(net, trace_execution_times=True, trace_memory_usage=True)
+    x = torch.randn(4, 4)
+    torch.testing.assert_close(_step(measured, x).concat(), ref(x))
+    analytic = smp.DistributedModel(_net())
+    _step(analytic, x)
+    times = [s.time_s for s in measured.plan.stages]
+    assert times != [s.time_s for s in analytic.plan.stages]
+
+
+def test_unimplemented_configured_feature_is_an_error_at_wrap() -> None:
+    state._reset()
+    smp.init({"pipeline_parallel_degree": 1, "fp16": True})
+    try:
+        with pytest.raises(smp.SMPNotImplementedError, match="fp16"):
+            smp.DistributedModel(_net())
+    finally:
+        state._reset()
+    smp.init({"pipeline_parallel_degree": 1, "shard_optimizer_state": True})
+    try:
+        with pytest.raises(smp.SMPNotImplementedError, match="shard_optimizer_state"):
+            smp.DistributedOptimizer(torch.optim.SGD(_net().parameters(), lr=0.1))
+    finally:
+        state._reset()

@@ -218,5 +218,6 @@ def test_parameter_table_lists_everything() -> None:
     for p in PARAMS:
         assert f"`{p.name}`" in text
     assert "`partitions`" in text and "TensorFlow-only" in text
-    docs = Path(__file__).resolve().parents[2] / "docs" / "parameters.md"
-    assert text in docs.read_text(), "docs/parameters.md is stale: regenerate the table"
+    root = Path(__file__).resolve().parents[2]
+    for doc in ("docs/parameters.md", "README.md"):
+        assert text in (root / doc).read_text(), f"{doc}'s parameter table is stale: regenerate it"

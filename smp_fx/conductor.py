@@ -5,8 +5,9 @@ The user's step function runs once per microbatch. ``model(...)`` posts an F req
 position in the op list (``smp_fx.executor`` lowers a schedule into it), so every rank issues
 its sends and receives in schedule order. The conductor is a baton, not a thread: whichever
 waiting thread finds the next op runnable (its microbatch's request has arrived, or it is a
-transfer) executes it and keeps going; a driver that hands a result to another waiting
-thread stops and lets that thread carry on, so only one thread runs Python at a time.
+transfer) executes it and keeps going; a driver that hands model outputs to another waiting
+thread stops and lets that thread carry on, so only one thread drives at a time. A finished
+backward is not handed over: its thread only has to return, so the driver keeps going.
 Step functions start lazily: the calling thread runs each microbatch's function in turn and
 a pool thread starts one only when the next op needs a microbatch while every driver is
 stuck mid-function (a pipeline with several microbatches in flight). Grad mode and autocast
@@ -218,11 +219,15 @@ class Conductor:
             c.notify_all()
         self._main.notify_all()
 
-    def _publish(self, mb: int, **updates: Any) -> None:
+    def _publish(self, mb: int, hand: bool = True, **updates: Any) -> None:
+        """Update ``mb``'s state and wake its thread. ``hand``: that thread carries on (it
+        must run user code to post its next request); without it (a finished backward:
+        the thread only returns) the driver keeps going, saving a thread switch per op."""
         with self._lock:
             for k, v in updates.items():
                 setattr(self._mbs[mb], k, v)
-            self._handed_to = mb
+            if hand:
+                self._handed_to = mb
             self._conds[mb].notify_all()
 
     # ---- a step -------------------------------------------------------------------------

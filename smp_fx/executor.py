@@ -272,7 +272,7 @@ class Executor(Conductor):
         st.grads.pop(s, None)
         st.b_done += 1
         if st.b_done == len(self.runners):
-            self._publish(mb, backward_done=True)
+            self._publish(mb, hand=False, backward_done=True)
 
     def _op_send_grad(self, op: Op) -> None:
         st = self._mbs[op.microbatch]

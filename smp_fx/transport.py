@@ -35,6 +35,8 @@ import torch.utils._pytree as pytree
 from cost_model.errors import SMPRuntimeError, SMPTimeoutError
 
 CHANNELS = ("act", "grad", "out")
+# Header leaves compared by == (with their types: 1 == 1.0 == True) instead of by pickles.
+_PLAIN = frozenset((type(None), bool, int, float, str))
 
 
 class Transport(Protocol):
@@ -108,7 +110,9 @@ class DistTransport:
         self._pending: list[tuple[Any, Any]] = []
         # The last header sent to / received from each (peer stage, channel): a repeated
         # header (same structure, shapes, dtypes: the usual case) travels as one int64 0.
-        self._sent_header: dict[tuple[int, str], tuple[bytes, list[_TensorMeta]]] = {}
+        # (pickled header, its tensors' metadata, a comparable key of it or None)
+        self._sent_header: dict[tuple[int, str],
+                                tuple[bytes, list[_TensorMeta], tuple[Any, list[Any]] | None]] = {}
         self._recv_header: dict[tuple[int, str], tuple[Any, list[Any]]] = {}
 
     @staticmethod
@@ -125,19 +129,26 @@ class DistTransport:
         tensors = [t.detach().contiguous() for t in leaves if isinstance(t, torch.Tensor)]
         header_leaves = [_TensorMeta(tuple(t.shape), t.dtype, t.requires_grad)
                          if isinstance(t, torch.Tensor) else t for t in leaves]
-        payload = pickle.dumps((spec, header_leaves))
         peer, group = self.ranks[dst], self._group(channel)
         old = self._sent_header.get((dst, channel))
+        # The usual message repeats the last one's header: recognise it without pickling
+        # when every non-tensor leaf is a plain value (whose == is exact and cheap).
+        plain = all(isinstance(x, _TensorMeta) or type(x) in _PLAIN for x in header_leaves)
+        key = (spec, [x if isinstance(x, _TensorMeta) else (type(x), x)
+                      for x in header_leaves]) if plain else None
+        same = old is not None and key is not None and old[2] == key
+        payload = b"" if same else pickle.dumps((spec, header_leaves))
         msgs: list[torch.Tensor]
-        if old is not None and old[0] == payload:  # receiver has the header: say "same"
+        if same or (old is not None and old[0] == payload):  # receiver has it: say "same"
             msgs = [torch.zeros(1, dtype=torch.int64, device=self.device)] + tensors
         else:
             # The receiver pre-posts receives shaped by the old header: fill them with
             # zeros first, then send the new header and the tensors.
             fill = [torch.zeros(m.shape, dtype=m.dtype, device=self.device)
                     for m in (old[1] if old is not None else [])]
-            self._sent_header[(dst, channel)] = (payload, [m for m in header_leaves
-                                                           if isinstance(m, _TensorMeta)])
+            self._sent_header[(dst, channel)] = (
+                payload, [m for m in header_leaves if isinstance(m, _TensorMeta)],
+                key)
             msgs = [torch.tensor([len(payload)], dtype=torch.int64, device=self.device)] + \
                 fill + [torch.frombuffer(bytearray(payload), dtype=torch.uint8)
                         .to(self.device)] + tensors

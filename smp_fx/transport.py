@@ -48,6 +48,8 @@ class Transport(Protocol):
 
     def finish(self) -> None: ...
 
+    def prefetch(self, src: int, dst: int, channel: str, count: int) -> None: ...
+
 
 def _cut(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
     out = t.detach()
@@ -75,6 +77,9 @@ class InProcessTransport:
                 "in-process receive has no matching send (the lowered order is wrong)",
                 key, f"stage {dst} microbatch {mb}", "report this as an smp-fx bug")
         return self._box.pop(key)
+
+    def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:
+        """Nothing to post ahead in-process."""
 
     def finish(self) -> None:
         if self._box:
@@ -114,6 +119,10 @@ class DistTransport:
         self._sent_header: dict[tuple[int, str],
                                 tuple[bytes, list[_TensorMeta], tuple[Any, list[Any]] | None]] = {}
         self._recv_header: dict[tuple[int, str], tuple[Any, list[Any]]] = {}
+        # Receives posted ahead (``prefetch``): the next message's flag and tensors, and how
+        # many more messages this step may be posted ahead, per (peer stage, channel).
+        self._posted: dict[tuple[int, str], tuple[torch.Tensor, Any, list[Any]]] = {}
+        self._ahead: dict[tuple[int, str], int] = {}
 
     @staticmethod
     def make_groups(backend: str | None = None) -> tuple[Any, Any]:
@@ -155,19 +164,50 @@ class DistTransport:
         for t in msgs:
             self._pending.append((dist.isend(t, peer, group=group), t))
 
-    def recv(self, src: int, dst: int, channel: str, mb: int) -> Any:
-        """Receive one message; with a known header, flag and tensors are received at once."""
+    def _post(self, src: int, channel: str) -> tuple[torch.Tensor, Any, list[Any]]:
+        """Post the next message's receives: the flag, and the tensors if the header is known
+        (one round trip, not two)."""
         peer, group = self.ranks[src], self._group(channel)
-        what = f"{channel} from stage {src} (rank {peer})"
         size = torch.empty(1, dtype=torch.int64, device=self.device)
         flag_work = dist.irecv(size, peer, group=group)
         cached = self._recv_header.get((src, channel))
         pre: list[tuple[Any, torch.Tensor]] = []
-        if cached is not None:  # post the tensors' receives now: one round trip, not two
+        if cached is not None:
             for leaf in cached[1]:
                 if isinstance(leaf, _TensorMeta):
                     t = torch.empty(leaf.shape, dtype=leaf.dtype, device=self.device)
                     pre.append((dist.irecv(t, peer, group=group), t))
+        return size, flag_work, pre
+
+    def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:
+        """Expect ``count`` messages from ``src`` on ``channel`` this step, and keep the next
+        one's receives posted ahead of ``recv``, so the data moves while this rank computes.
+
+        Only for a channel with its own process group (``"out"``): receives posted early
+        must not queue ahead of this rank's sends to the same peer (NCCL serialises a
+        communicator's point-to-point operations)."""
+        key = (src, channel)
+        if channel != "out" or count <= 0 or key in self._posted:
+            return
+        self._ahead[key] = count - 1
+        self._posted[key] = self._post(src, channel)
+
+    def recv(self, src: int, dst: int, channel: str, mb: int) -> Any:
+        """Receive one message; with a known header, flag and tensors are received at once."""
+        value = self._recv(src, dst, channel, mb)
+        key = (src, channel)
+        left = self._ahead.get(key, 0)
+        if left > 0:  # post the next expected message's receives now
+            self._ahead[key] = left - 1
+            self._posted[key] = self._post(src, channel)
+        return value
+
+    def _recv(self, src: int, dst: int, channel: str, mb: int) -> Any:
+        peer, group = self.ranks[src], self._group(channel)
+        what = f"{channel} from stage {src} (rank {peer})"
+        posted = self._posted.pop((src, channel), None)
+        size, flag_work, pre = posted if posted is not None else self._post(src, channel)
+        cached = self._recv_header.get((src, channel))
         self._wait(flag_work, what, dst, mb)
         n = int(size.item())
         if n == 0:
@@ -219,3 +259,10 @@ class DistTransport:
         pending, self._pending = self._pending, []
         for work, _ in pending:
             self._wait(work, "a send to complete", self.stage, -1)
+        if self._posted:
+            left = sorted(self._posted)
+            self._posted.clear()
+            self._ahead.clear()
+            raise SMPRuntimeError.build("receives were posted ahead for messages that never "
+                                        "came", left, f"rank {dist.get_rank()} end of step",
+                                        "report this as an smp-fx bug")

@@ -31,6 +31,8 @@ MESSAGES: list[Any] = [
     (torch.ones(3, 2, dtype=torch.float64), None),   # new header: zero fill first
     {"a": [torch.tensor([1, 2]), "x"], "b": None},   # new structure
     {"a": [torch.tensor([3, 4]), "x"], "b": None},   # repeated again
+    (torch.zeros(2), 1),
+    (torch.zeros(2), True),                          # 1 == True, yet a new header
 ]
 
 
@@ -42,19 +44,25 @@ def _body() -> list[bool]:
     groups = DistTransport.make_groups()
     tr = DistTransport([0, 1], rank, torch.device("cpu"), 30.0, *groups)
     ok = []
+
+    def same(got: Any, msg: Any) -> bool:
+        flat_a, flat_b = torch.utils._pytree.tree_flatten(got), \
+            torch.utils._pytree.tree_flatten(msg)
+        return flat_a[1] == flat_b[1] and all(
+            torch.equal(x, y) if isinstance(x, torch.Tensor) else
+            (x == y and type(x) is type(y)) for x, y in zip(flat_a[0], flat_b[0]))
+
+    if rank == 1:  # "out" receives posted ahead, across header changes
+        tr.prefetch(0, 1, "out", len(MESSAGES))
     for i, msg in enumerate(MESSAGES):
+        out_msg = MESSAGES[-1 - i]
         if rank == 0:
             tr.send(msg, 0, 1, "act", i)
-            tr.send((torch.full((2,), float(i)),), 0, 1, "out", i)  # another channel
+            tr.send(out_msg, 0, 1, "out", i)  # another channel
         else:
             got = tr.recv(0, 1, "act", i)
             out = tr.recv(0, 1, "out", i)
-            flat_a, flat_b = torch.utils._pytree.tree_flatten(got), \
-                torch.utils._pytree.tree_flatten(msg)
-            same = flat_a[1] == flat_b[1] and all(
-                torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y
-                for x, y in zip(flat_a[0], flat_b[0]))
-            ok.append(same and torch.equal(out[0], torch.full((2,), float(i))))
+            ok.append(same(got, msg) and same(out, out_msg))
     tr.finish()
     if rank == 1:
         short = DistTransport([0, 1], 1, torch.device("cpu"), 0.5, *groups)

@@ -151,9 +151,15 @@ class Executor(Conductor):
             pre(ops)
         self.stats = StepStats({s: 0 for s in stages}, ops)
         self._scale = scale
-        outs = [op for op in ops if op.kind == "RECV_OUT"]
-        if outs:  # the last stage's outputs arrive while this rank works on other ops
-            self.transport.prefetch(outs[0].peer, outs[0].stage, "out", len(outs))
+        # Receives posted ahead (where the transport allows): the data moves while this
+        # rank works on other ops.
+        for kind, channel in (("RECV_OUT", "out"), ("RECV_ACT", "act")):
+            counts: dict[tuple[int, int], int] = {}
+            for op in ops:
+                if op.kind == kind:
+                    counts[(op.peer, op.stage)] = counts.get((op.peer, op.stage), 0) + 1
+            for (peer, stage), n in counts.items():
+                self.transport.prefetch(peer, stage, channel, n)
         results = self._run_step(fn, microbatches, ops)
         for hook in self.post_step_hooks:
             hook()

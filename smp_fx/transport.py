@@ -183,11 +183,15 @@ class DistTransport:
         """Expect ``count`` messages from ``src`` on ``channel`` this step, and keep the next
         one's receives posted ahead of ``recv``, so the data moves while this rank computes.
 
-        Only for a channel with its own process group (``"out"``): receives posted early
-        must not queue ahead of this rank's sends to the same peer (NCCL serialises a
-        communicator's point-to-point operations)."""
+        Under NCCL only for a channel with its own process group (``"out"``): receives
+        posted early must not queue ahead of this rank's sends to the same peer (NCCL
+        serialises a communicator's point-to-point operations). gloo matches each peer's
+        receives by order alone, so activations are posted ahead too (a rank receives one
+        channel per peer: activations from earlier stages, gradients from later ones).
+        Gradients are not: a skipped backward never receives them."""
         key = (src, channel)
-        if channel != "out" or count <= 0 or key in self._posted:
+        if count <= 0 or key in self._posted or channel == "grad" or (
+                channel != "out" and dist.get_backend(self._group(channel)) != "gloo"):
             return
         self._ahead[key] = count - 1
         self._posted[key] = self._post(src, channel)

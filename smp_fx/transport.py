@@ -17,6 +17,8 @@ across processes.
   on CPU, NCCL on GPU (header tensors live on the transport's device). The ``"out"`` channel
   uses its own process group so that its messages never interleave with gradients between
   the same two ranks: NCCL matches point-to-point messages by order, per communicator.
+  ``prefetch`` keeps the next expected message's receives posted ahead of ``recv`` (the
+  ``"out"`` channel always; activations under gloo), so data moves while the rank computes.
   Every wait is bounded and raises ``SMPTimeoutError`` naming what it waited for.
 """
 

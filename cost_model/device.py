@@ -8,7 +8,6 @@ tests and golden plans must use a fixed spec.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import time
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from cost_model.errors import SMPConfigError
+from cost_model.serial import from_versioned_json, versioned_json
 
 SCHEMA_VERSION = 1
 
@@ -39,16 +39,11 @@ class DeviceSpec:
         return self.peak_flops_bf16 if dtype in ("bfloat16", "float16") else self.peak_flops_fp32
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, **dataclasses.asdict(self)}
+        return versioned_json(self, SCHEMA_VERSION)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> DeviceSpec:
-        data = dict(data)
-        version = data.pop("schema_version", SCHEMA_VERSION)
-        if version != SCHEMA_VERSION:
-            raise SMPConfigError.build("unsupported DeviceSpec schema_version", version,
-                                       fix=f"regenerate the spec (schema {SCHEMA_VERSION})")
-        return cls(**data)
+        return from_versioned_json(cls, data, SCHEMA_VERSION)
 
 
 GB = 1e9

@@ -12,11 +12,11 @@ schedule keeps every microbatch's activations alive on every stage; the interlea
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from cost_model.errors import SMPConfigError
+from cost_model.serial import from_versioned_json, versioned_json
 
 SCHEMA_VERSION = 1
 PIPELINES = ("simple", "interleaved")
@@ -106,13 +106,8 @@ class PartitionConfig:
         return float(nbytes) / self.link_bandwidth
 
     def to_json(self) -> dict[str, Any]:
-        return {"schema_version": SCHEMA_VERSION, **dataclasses.asdict(self)}
+        return versioned_json(self, SCHEMA_VERSION)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PartitionConfig:
-        data = dict(data)
-        version = data.pop("schema_version", SCHEMA_VERSION)
-        if version != SCHEMA_VERSION:
-            raise SMPConfigError.build("unsupported PartitionConfig schema version", version,
-                                       fix=f"re-create the config (schema {SCHEMA_VERSION})")
-        return cls(**data)
+        return from_versioned_json(cls, data, SCHEMA_VERSION)

@@ -21,3 +21,15 @@ def test_cpu_calibration_is_measured_once() -> None:
     spec = calibrate_cpu()
     assert spec.name == "cpu" and spec.peak_flops_fp32 > 1e8 and spec.mem_bandwidth > 1e8
     assert get_device("cpu") is spec  # cached in-process
+
+
+def test_spec_json_round_trip_and_schema_check() -> None:
+    import pytest
+
+    from cost_model.device import DeviceSpec, get_device
+    from cost_model.errors import SMPConfigError
+
+    spec = get_device("h100")
+    assert DeviceSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(SMPConfigError, match="DeviceSpec schema_version"):
+        DeviceSpec.from_json({**spec.to_json(), "schema_version": 99})

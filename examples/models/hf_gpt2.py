@@ -27,6 +27,7 @@ def build_model(n_layer: int = 2, n_embd: int = 32, n_head: int = 4) -> nn.Modul
 
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=n_embd, n_layer=n_layer,
                      n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,  # inside the tiny vocab
                      attn_implementation="eager")
     return GPT2Logits(GPT2LMHeadModel(cfg)).eval()
 

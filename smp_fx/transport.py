@@ -190,9 +190,10 @@ class DistTransport:
         serialises a communicator's point-to-point operations). gloo matches each peer's
         receives by order alone, so activations are posted ahead too (a rank receives one
         channel per peer: activations from earlier stages, gradients from later ones).
-        Gradients are not: a skipped backward never receives them."""
+        The executor posts a gradient only once this rank's backward for its microbatch was
+        asked for: a skipped backward never receives one."""
         key = (src, channel)
-        if count <= 0 or key in self._posted or channel == "grad" or (
+        if count <= 0 or key in self._posted or (
                 channel != "out" and dist.get_backend(self._group(channel)) != "gloo"):
             return
         self._ahead[key] = count - 1

@@ -95,3 +95,44 @@ def test_saved_activations_in_flight_match_the_simulator(pipeline: str,
     expected = [m] * p if pipeline == "simple" else [min(p - s, m) for s in range(p)]
     assert peak == list(predicted) == expected
     assert [ex.stats.peak_in_flight[s] for s in range(p)] == expected
+
+
+def _skip_body() -> list[bool]:
+    """Runs on every rank: gradient receives are posted ahead only for microbatches whose
+    backward was asked for, so a grad-enabled step that skips some backwards still ends."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    init(2, 4, "interleaved")
+    torch.manual_seed(0)
+    model = smp.DistributedModel(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]))
+
+    @smp.step
+    def train(model: Any, x: torch.Tensor, skip: bool) -> Any:
+        out = model(x)
+        if not (skip and x[0, 0] < 0):  # the same decision on every rank
+            model.backward(out.sum())
+        return out
+
+    x = torch.ones(8, 4)
+    x[2:4, 0] = x[6:8, 0] = -1.0  # microbatches 1 and 3 (the last)
+    ok = []
+    grads = []
+    for skip in (False, True, False):
+        model.zero_grad()
+        train(model, x, skip)
+        grads.append([p.grad.clone() for p in model.local_parameters()])
+    ok.append(all(torch.equal(a, b) for a, b in zip(grads[0], grads[2])))
+    ok.append(not all(torch.equal(a, b) for a, b in zip(grads[0], grads[1])))
+    ok.append(not model.executor.transport._posted)
+    dist.barrier()
+    state._reset()
+    return ok
+
+
+@pytest.mark.multiproc
+def test_skipped_backward_leaves_no_gradient_receive_posted() -> None:
+    from tests.helpers.dist import run_ranks
+
+    assert run_ranks(_skip_body, 2, timeout=60) == [[True, True, True]] * 2

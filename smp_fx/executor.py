@@ -19,7 +19,6 @@ its ``StageRunner``, transfers through the ``Transport``).
 from __future__ import annotations
 
 import functools
-from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -139,7 +138,6 @@ class Executor(Conductor):
         self.stats = StepStats()
         self._scale = 1.0
         self._lowered: dict[tuple[Any, ...], tuple[Op, ...]] = {}
-        self._grad_queue: dict[tuple[int, int], deque[int]] = {}
 
     def run(self, fn: Callable[..., Any], microbatches: Sequence[tuple[tuple[Any, ...],
             dict[str, Any]]], schedule: sched.Schedule, scale: float) -> list[Any]:
@@ -162,22 +160,12 @@ class Executor(Conductor):
                     counts[(op.peer, op.stage)] = counts.get((op.peer, op.stage), 0) + 1
             for (peer, stage), n in counts.items():
                 self.transport.prefetch(peer, stage, channel, n)
-        # Gradient receives are posted ahead one message at a time, once this rank's step
-        # function has asked for the microbatch's backward (the peers run the same function,
-        # so they send its gradients; a skipped backward never posts one).
-        self._grad_queue = {}
-        for op in ops:
-            if op.kind == "RECV_GRAD":
-                self._grad_queue.setdefault((op.peer, op.stage), deque()).append(op.microbatch)
         results = self._run_step(fn, microbatches, ops)
         for hook in self.post_step_hooks:
             hook()
         return results
 
     def _execute(self, op: Op) -> None:
-        for (peer, stage), q in self._grad_queue.items():
-            if q and self._mbs[q[0]].b_request is not None:
-                self.transport.prefetch(peer, stage, "grad", 1)
         getattr(self, "_op_" + op.kind.lower())(op)
 
     def _op_recv_act(self, op: Op) -> None:
@@ -242,7 +230,6 @@ class Executor(Conductor):
             st.skip_backward = True
 
     def _op_recv_grad(self, op: Op) -> None:
-        self._grad_queue[(op.peer, op.stage)].popleft()
         st = self._mbs[op.microbatch]
         if st.skip_backward:
             return

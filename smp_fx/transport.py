@@ -190,10 +190,9 @@ class DistTransport:
         serialises a communicator's point-to-point operations). gloo matches each peer's
         receives by order alone, so activations are posted ahead too (a rank receives one
         channel per peer: activations from earlier stages, gradients from later ones).
-        The executor posts a gradient only once this rank's backward for its microbatch was
-        asked for: a skipped backward never receives one."""
+        Gradients are not: a skipped backward never receives them."""
         key = (src, channel)
-        if count <= 0 or key in self._posted or (
+        if count <= 0 or key in self._posted or channel == "grad" or (
                 channel != "out" and dist.get_backend(self._group(channel)) != "gloo"):
             return
         self._ahead[key] = count - 1

@@ -98,8 +98,9 @@ def test_saved_activations_in_flight_match_the_simulator(pipeline: str,
 
 
 def _skip_body() -> list[bool]:
-    """Runs on every rank: gradient receives are posted ahead only for microbatches whose
-    backward was asked for, so a grad-enabled step that skips some backwards still ends."""
+    """Runs on every rank: a grad-enabled step that skips some backwards (the last one
+    included) ends with the right grads and no receive left posted (a gradient receive
+    posted ahead regardless of the skip would be left open)."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")

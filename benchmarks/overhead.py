@@ -25,11 +25,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
 def build_model(width: int, depth: int) -> nn.Module:
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    layers.append(nn.Linear(width, 10))
-    return nn.Sequential(*layers)
+    """The MLP example at benchmark size: ``depth`` Linear(width)+ReLU blocks and a head."""
+    from smp_fx.cli.partition import load_model_file
+
+    mlp = load_model_file(str(Path(__file__).resolve().parents[1] / "examples/models/mlp.py"))
+    return mlp.build_model(in_features=width, hidden=width, num_blocks=depth)
 
 
 def main() -> None:

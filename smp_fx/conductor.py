@@ -1,7 +1,11 @@
 """The conductor: the step function's threads take turns through one ordered op list.
 
 The user's step function runs once per microbatch. ``model(...)`` posts an F request and
-``model.backward(...)`` a B request, then the thread waits. Turns are granted strictly by
+waits for the model outputs; ``model.backward(...)`` posts a B request and returns once it
+cannot run the next op itself: the backward runs at its turn in the schedule, and gradients
+are complete when ``smp.step`` returns (where the seed says optimizer.step() belongs), so a
+step function that has asked for its backward needs no thread of its own any more and the
+calling thread moves on to the next microbatch. Turns are granted strictly by
 position in the op list (``smp_fx.executor`` lowers a schedule into it), so every rank issues
 its sends and receives in schedule order. The conductor is a baton, not a thread: whichever
 waiting thread finds the next op runnable (its microbatch's request has arrived, or it is a
@@ -10,9 +14,12 @@ thread stops and lets that thread carry on, so only one thread drives at a time.
 backward is not handed over: its thread only has to return, so the driver keeps going.
 Step functions start lazily: the calling thread runs each microbatch's function in turn and
 a pool thread starts one only when the next op needs a microbatch while every driver is
-stuck mid-function (a pipeline with several microbatches in flight). Grad mode and autocast
-captured from the requesting thread apply to the work done for it. A failure in any thread
-aborts the step: the caller re-raises the original exception and every thread is released.
+stuck mid-function (a pipeline with several microbatches in flight). A rank whose
+``model(...)`` waits for outputs computed elsewhere starts them all at once (``eager``), so
+every forward request is in before its turn and the driver does not wait for a thread.
+Grad mode and autocast captured from the requesting thread apply to the work done for it.
+A failure in any thread aborts the step: the caller re-raises the original exception and
+every thread is released.
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ class _MbState:
     outputs: Any = None
     outputs_ready: bool = False
     backward_done: bool = False
-    skip_backward: bool = False
+    skip: dict[int, bool] = field(default_factory=dict)  # stage -> its backward was skipped
     inputs: dict[int, dict[str, Any]] = field(default_factory=dict)     # stage -> name -> value
     results: dict[int, dict[str, Any]] = field(default_factory=dict)    # stage -> name -> value
     grads: dict[int, dict[str, list[Any]]] = field(default_factory=dict)
@@ -134,7 +141,7 @@ class Conductor:
                     f"rank {self.rank} microbatch {mb}", "call model.backward(loss) once")
             st.b_request = _Request((tensors, grad_tensors), torch.is_grad_enabled(),
                                     _autocast_state())
-            self._drive(lambda: st.backward_done, mb, "its backward pass")
+            self._drive(lambda: st.backward_done, mb, "its backward pass", wait=False)
 
     # ---- the baton ----------------------------------------------------------------------
     def _runnable(self, op: Any) -> bool:
@@ -142,7 +149,7 @@ class Conductor:
             return self._mbs[op.microbatch].f_request is not None or self._done[op.microbatch]
         if op.kind == "WAIT_B":
             st = self._mbs[op.microbatch]
-            return st.b_request is not None or st.skip_backward or self._done[op.microbatch]
+            return st.b_request is not None or self._done[op.microbatch]
         return True
 
     def _may_drive(self, mb: int) -> bool:
@@ -154,8 +161,9 @@ class Conductor:
         return (not self._driving and self._holder is None and self._next < len(self._ops)
                 and self._runnable(self._ops[self._next]) and (mb >= 0 or self._running == 0))
 
-    def _drive(self, ready: Callable[[], bool], mb: int, what: str) -> None:
-        """With the lock held: run ops while they can run, until ``ready()``; else sleep."""
+    def _drive(self, ready: Callable[[], bool], mb: int, what: str, wait: bool = True) -> None:
+        """With the lock held: run ops while they can run, until ``ready()``; else sleep
+        (``wait``) or return."""
         cond = self._conds[mb] if mb >= 0 else self._main
         if self._holder == mb:
             self._holder = None
@@ -191,6 +199,8 @@ class Conductor:
                     self._main.notify_all()  # the caller may be waiting for the last op
                 if ready():
                     return
+            if not wait:
+                return
             if mb < 0 and self._running == 0 and self._holder is None and all(self._done) \
                     and not self._driving and self._next < len(ops) \
                     and not self._may_drive(mb):
@@ -231,9 +241,13 @@ class Conductor:
             self._conds[mb].notify_all()
 
     # ---- a step -------------------------------------------------------------------------
+    def _check_step(self) -> None:
+        """After every op ran and every step function returned: a subclass's last checks."""
+
     def _run_step(self, fn: Callable[..., Any], microbatches: Sequence[tuple[tuple[Any, ...],
-                  dict[str, Any]]], ops: tuple[Any, ...]) -> list[Any]:
-        """Run ``fn`` once per microbatch while ``ops`` are executed in order; its results."""
+                  dict[str, Any]]], ops: tuple[Any, ...], eager: bool = False) -> list[Any]:
+        """Run ``fn`` once per microbatch while ``ops`` are executed in order; its results.
+        ``eager``: start every microbatch's function at once (see the module doc)."""
         m = len(microbatches)
         self._mbs = [_MbState() for _ in range(m)]
         self._done = [False] * m
@@ -252,11 +266,17 @@ class Conductor:
         self._main_thread = threading.current_thread()
         results: list[Any] = [None] * m
         try:
+            mine: int | None = None
+            if eager:  # microbatch 0 is the calling thread's before any pool thread runs
+                with self._lock:
+                    self._started[0], mine = True, 0
+                    for j in range(1, m):
+                        self._start(j)
             while True:  # the calling thread runs every microbatch nobody else started
                 with self._lock:
-                    j = next((k for k in range(m) if not self._started[k]), None)
+                    j = next((k for k in range(m) if not self._started[k]), mine)
                     if j is not None:
-                        self._started[j] = True
+                        self._started[j], mine = True, None
                 if j is None:
                     break
                 try:
@@ -268,6 +288,7 @@ class Conductor:
                             "every microbatch to finish")
             for mb, f in sorted(self._futures.items()):
                 results[mb] = f.result(timeout=self.timeout_s)
+            self._check_step()
             self.transport.finish()
         except BaseException as exc:
             with self._lock:
@@ -322,13 +343,15 @@ class Conductor:
         if self._driving or self._holder is not None or self._next >= len(self._ops):
             return
         op = self._ops[self._next]
-        j = op.microbatch
-        if op.kind == "F" and not self._started[j]:
-            self._started[j] = True
-            fn, mbs, grad, autocast = self._launch
-            assert self._pool is not None
-            self._futures[j] = self._pool.submit(self._user_thread, fn, j, *mbs[j], grad,
-                                                 autocast)
+        if op.kind == "F" and not self._started[op.microbatch]:
+            self._start(op.microbatch)
+
+    def _start(self, j: int) -> None:
+        """With the lock held: run microbatch ``j``'s step function on a pool thread."""
+        self._started[j] = True
+        fn, mbs, grad, autocast = self._launch
+        assert self._pool is not None
+        self._futures[j] = self._pool.submit(self._user_thread, fn, j, *mbs[j], grad, autocast)
 
     def _request(self, mb: int, kind: str, stage: int) -> _Request | None:
         """Microbatch ``mb``'s F or B request; None if its thread returned without one."""

@@ -4,8 +4,14 @@ Lowering (``lower``) turns a schedule into this rank's list of ``Op``s, adding t
 communication each action needs (data, not code)::
 
     F(s, mb)  ->  RECV_ACT(s, mb, src)...  F(s, mb)  SEND_ACT(s, mb, dst)...  [SEND_OUT...]
-    B(s, mb)  ->  [RECV_OUT(s, mb)]  WAIT_B(s, mb)  RECV_GRAD(s, mb, dst)...  B(s, mb)
+    B(s, mb)  ->  [RECV_OUT(s, mb)]  [WAIT_B(s, mb)]  RECV_GRAD(s, mb, dst)...  B(s, mb)
                   SEND_GRAD(s, mb, src)...
+
+Whether a microbatch's backward runs is the step function's decision (it calls
+``model.backward`` or not), taken where the loss is: ``WAIT_B`` waits for it on the last
+stage (and on a stage that sends nothing on). Every other stage learns it from the
+gradient messages (``SKIP`` when skipped), so its backward never waits for its own step
+function; that the step function decided alike is checked at the end of the step.
 
 Across processes a rank lowers its own stage's list. In-process (all stages here) the
 stages' lists are merged in the lock-step order of ``cost_model.schedule.clock``, and the
@@ -37,7 +43,7 @@ from smp_fx.conductor import (  # noqa: F401 (_tls, current: re-exported for smp
     _tls,
     current,
 )
-from smp_fx.transport import Transport
+from smp_fx.transport import SKIP, Transport
 
 OP_KINDS = ("RECV_ACT", "F", "SEND_ACT", "SEND_OUT", "RECV_OUT", "WAIT_B", "RECV_GRAD", "B",
             "SEND_GRAD")
@@ -81,7 +87,8 @@ def lower(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int
         else:
             if multi_process and a.stage != last:
                 ops.append(Op("RECV_OUT", a.stage, mb, last))
-            ops.append(Op("WAIT_B", a.stage, mb))
+            if a.stage == last or not st.sends:
+                ops.append(Op("WAIT_B", a.stage, mb))
             ops += [Op("RECV_GRAD", a.stage, mb, dst) for dst, _ in st.sends]
             ops.append(Op("B", a.stage, mb))
             ops += [Op("SEND_GRAD", a.stage, mb, src) for src, _ in st.recvs]
@@ -153,14 +160,16 @@ class Executor(Conductor):
         self._scale = scale
         # Receives posted ahead (where the transport allows): the data moves while this
         # rank works on other ops.
-        for kind, channel in (("RECV_OUT", "out"), ("RECV_ACT", "act")):
+        for kind, channel in (("RECV_OUT", "out"), ("RECV_ACT", "act"), ("RECV_GRAD", "grad")):
             counts: dict[tuple[int, int], int] = {}
             for op in ops:
                 if op.kind == kind:
                     counts[(op.peer, op.stage)] = counts.get((op.peer, op.stage), 0) + 1
             for (peer, stage), n in counts.items():
                 self.transport.prefetch(peer, stage, channel, n)
-        results = self._run_step(fn, microbatches, ops)
+        # A rank without the last stage waits for remote outputs in every model(...) call.
+        eager = self.multi_process and self.last not in self.runners
+        results = self._run_step(fn, microbatches, ops, eager)
         for hook in self.post_step_hooks:
             hook()
         return results
@@ -222,18 +231,23 @@ class Executor(Conductor):
             return
         cut = self.transport.recv(op.peer, op.stage, "out", op.microbatch)
         st.cut = cut
-        self._publish(op.microbatch, outputs=self.program.build_outputs(cut), outputs_ready=True)
+        # No hand-over: this stage's backward does not wait for the step function.
+        self._publish(op.microbatch, hand=False, outputs=self.program.build_outputs(cut),
+                      outputs_ready=True)
 
     def _op_wait_b(self, op: Op) -> None:
         st = self._mbs[op.microbatch]
-        if st.b_request is None:
-            st.skip_backward = True
+        st.skip[op.stage] = st.b_request is None
 
     def _op_recv_grad(self, op: Op) -> None:
         st = self._mbs[op.microbatch]
-        if st.skip_backward:
-            return
         grads = self.transport.recv(op.peer, op.stage, "grad", op.microbatch)
+        skipped = grads is SKIP
+        if st.skip.setdefault(op.stage, skipped) != skipped:
+            _inconsistent(op, "the gradient messages from later stages disagree (stage "
+                              f"{op.peer}'s rank {'skipped' if skipped else 'ran'} it)")
+        if skipped:
+            return
         names = dict(self.program.stages[op.stage].sends)[op.peer]
         acc = st.grads.setdefault(op.stage, {})
         for name, g in zip(names, grads):
@@ -242,10 +256,11 @@ class Executor(Conductor):
     def _op_b(self, op: Op) -> None:
         mb, s = op.microbatch, op.stage
         st = self._mbs[mb]
-        if st.skip_backward:
+        if st.skip[s]:
             self._finish_backward(mb, s)
             return
-        req = st.b_request
+        # Off the last stage the step function may not have asked yet (see the module doc).
+        req = st.b_request or st.f_request
         assert req is not None
         runner = self.runners[s]
         results = st.results.get(s, {})
@@ -272,7 +287,7 @@ class Executor(Conductor):
         """Keep the grads to send, free the stage's saved state, release the user thread."""
         st = self._mbs[mb]
         inputs = st.inputs.pop(s, {})
-        if not st.skip_backward:
+        if not st.skip[s]:
             st.send_grads[s] = {
                 n: [t.grad if isinstance(t, torch.Tensor) else None
                     for t in pytree.tree_leaves(inputs[n])]
@@ -285,12 +300,24 @@ class Executor(Conductor):
 
     def _op_send_grad(self, op: Op) -> None:
         st = self._mbs[op.microbatch]
-        if st.skip_backward:
+        if st.skip[op.stage]:  # the receiver expects a message: say there are no gradients
+            self.transport.send(SKIP, op.stage, op.peer, "grad", op.microbatch)
             return
         names = dict(self.program.stages[op.stage].recvs)[op.peer]
         grads = st.send_grads[op.stage]
         self.transport.send(tuple(grads[n] for n in names), op.stage, op.peer, "grad",
                             op.microbatch)
+
+    def _check_step(self) -> None:
+        """A stage whose backward followed the gradient messages: its step function must
+        have decided alike (the last stage's rank saw the same outputs)."""
+        for mb, st in enumerate(self._mbs):
+            for s, skipped in st.skip.items():
+                if skipped == (st.b_request is not None):
+                    _inconsistent(Op("B", s, mb),
+                                  f"this rank's step function {'did' if skipped else 'did not'}"
+                                  " call it, yet the gradient messages say the backward was "
+                                  f"{'skipped' if skipped else 'run'}")
 
     def _loss_backward(self, mb: int, req: _Request, runner: StageRunner) -> None:
         tensors, grad_tensors = req.args
@@ -321,6 +348,14 @@ class Executor(Conductor):
                 "model outputs", f"output leaf {unused[0]} of model(...) got no gradient",
                 f"rank {self.rank}",
                 "use every output in the loss, or do not return it from forward")
+
+
+def _inconsistent(op: Op, what: str) -> None:
+    raise SMPRuntimeError.build(
+        "every pipeline rank must call model.backward for the same microbatches", what,
+        f"stage {op.stage} microbatch {op.microbatch}",
+        "take the decision to call model.backward the same way on every rank (it may "
+        "depend on the model outputs, which every rank sees)")
 
 
 def _mark_used(got: set[int], index: int, grad: torch.Tensor) -> None:

@@ -5,25 +5,33 @@ from one stage to another on a *channel*: ``"act"`` (activations, forward), ``"g
 (gradients, backward) or ``"out"`` (the last stage's outputs, to every other pipeline rank).
 Received tensors keep the sender's ``requires_grad`` flag but are new leaves: the autograd
 graph is always cut at a stage boundary, so the executor's path is the same in-process and
-across processes.
+across processes. ``SKIP`` is a message of its own: a stage that skipped a microbatch's
+backward sends it upstream in place of gradients, so every expected message arrives.
 
 - ``InProcessTransport``: every stage lives in this process; a message is the value itself
   (detached, moved to the receiving stage's device) held in a mailbox.
-- ``DistTransport``: torch.distributed point-to-point. A small header (the pickled tree
-  structure with shapes/dtypes, or 0 for "same as last time") goes first, then each tensor
-  with ``isend``/``irecv``. A receiver that knows the last header posts the flag's and the
-  tensors' receives together (one round trip); a sender whose header changed first fills
-  those pre-posted receives with zeros, so the protocol stays in step. gloo
-  on CPU, NCCL on GPU (header tensors live on the transport's device). The ``"out"`` channel
-  uses its own process group so that its messages never interleave with gradients between
-  the same two ranks: NCCL matches point-to-point messages by order, per communicator.
-  ``prefetch`` keeps the next expected message's receives posted ahead of ``recv`` (the
-  ``"out"`` channel always; activations under gloo), so data moves while the rank computes.
-  Every wait is bounded and raises ``SMPTimeoutError`` naming what it waited for.
+- ``DistTransport``: torch.distributed point-to-point. A message is one *frame* (a byte
+  buffer: an int64 flag, then every tensor of at most 256 KiB copied in at an aligned
+  offset) followed by each larger tensor as its own message. The layout comes from the
+  message's *header* (the pytree structure with shapes/dtypes), which both sides cache per
+  (peer, channel): flag 0 means "same header as last time", the usual case, so a message
+  of small tensors is a single point-to-point message and the receiver can post its
+  receives before the sender sends. A changed header is announced by a frame (and fills
+  for the large tensors) in the old layout carrying the new header's length, then the
+  pickled header, then the message in the new layout; flag -1 is ``SKIP``.
+  ``prefetch`` keeps the next expected message's receives posted ahead of ``recv``, so
+  data moves while the rank computes: under gloo a send whose receive is already posted
+  is written straight to the socket, while one that comes first waits for a round trip
+  through both ranks' gloo threads. Under NCCL only the ``"out"`` channel (its own
+  process group) is posted ahead: NCCL serialises a communicator's point-to-point
+  operations, so a receive posted early would hold back this rank's sends. gloo on CPU,
+  NCCL on GPU (frames live on the transport's device). Every wait is bounded and raises
+  ``SMPTimeoutError`` naming what it waited for.
 """
 
 from __future__ import annotations
 
+import math
 import pickle
 import warnings
 from dataclasses import dataclass
@@ -39,6 +47,20 @@ from cost_model.errors import SMPRuntimeError, SMPTimeoutError
 CHANNELS = ("act", "grad", "out")
 # Header leaves compared by == (with their types: 1 == 1.0 == True) instead of by pickles.
 _PLAIN = frozenset((type(None), bool, int, float, str))
+_ALIGN = 64  # frame offsets: any dtype can be viewed in place
+_PACK_MAX = 256 * 1024  # bytes; a larger tensor is its own message (copying it costs more)
+_NO_HEADER_FRAME = 8  # before any header: the frame is the flag alone
+_SKIP_FLAG = -1
+
+
+class _Skip:
+    """The type of ``SKIP``."""
+
+    def __repr__(self) -> str:
+        return "SKIP"
+
+
+SKIP = _Skip()
 
 
 class Transport(Protocol):
@@ -97,13 +119,74 @@ class _TensorMeta:
     dtype: torch.dtype
     requires_grad: bool
 
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class _Header:
+    """A message's structure and where each tensor travels: ``offsets[i]`` is tensor i's
+    byte offset in the frame, or None when it is a message of its own."""
+
+    payload: bytes  # pickled (spec, leaves): what goes over the wire
+    spec: Any
+    leaves: tuple[Any, ...]  # _TensorMeta or plain values
+    key: Any  # a comparable form of (spec, leaves), None when a leaf is not plain
+    offsets: tuple[int | None, ...]
+    frame_size: int
+
+    @staticmethod
+    def build(payload: bytes, spec: Any, leaves: list[Any], key: Any) -> _Header:
+        offsets: list[int | None] = []
+        end = _ALIGN
+        for m in leaves:
+            if isinstance(m, _TensorMeta):
+                if m.nbytes <= _PACK_MAX:
+                    offsets.append(end)
+                    end += -(-m.nbytes // _ALIGN) * _ALIGN
+                else:
+                    offsets.append(None)
+        return _Header(payload, spec, tuple(leaves), key, tuple(offsets), end)
+
+    @property
+    def metas(self) -> list[_TensorMeta]:
+        return [m for m in self.leaves if isinstance(m, _TensorMeta)]
+
+
+def _frame_size(header: _Header | None) -> int:
+    return header.frame_size if header is not None else _NO_HEADER_FRAME
+
+
+def _flag(frame: torch.Tensor) -> torch.Tensor:
+    return frame[:8].view(torch.int64)
+
+
+def _slot(frame: torch.Tensor, offset: int, meta: _TensorMeta) -> torch.Tensor:
+    """The frame bytes of one tensor, viewed as that tensor (no copy)."""
+    if meta.nbytes == 0:
+        return torch.empty(meta.shape, dtype=meta.dtype, device=frame.device)
+    return frame[offset:offset + meta.nbytes].view(meta.dtype).view(meta.shape)
+
+
+@dataclass
+class _Posted:
+    """The receives of one expected message, posted in the layout of ``header``."""
+
+    header: _Header | None
+    frame: torch.Tensor
+    frame_work: Any
+    large: list[tuple[Any, torch.Tensor]]
+
 
 class DistTransport:
     """torch.distributed point-to-point between the ranks holding each stage.
 
     ``ranks[s]`` is the global rank holding stage ``s`` of this rank's pipeline.
     ``group``/``out_group`` default to the world group and a duplicate of it; both must be
-    created collectively on every rank (``DistTransport.make_groups``).
+    created collectively on every rank (``DistTransport.make_groups``). The ``"out"``
+    channel has its own group so that its messages never interleave with gradients between
+    the same two ranks: NCCL matches point-to-point messages by order, per communicator.
     """
 
     def __init__(self, ranks: list[int], stage: int, device: torch.device,
@@ -114,16 +197,13 @@ class DistTransport:
         self.timeout = timedelta(seconds=timeout_s)
         self.group = group
         self.out_group = out_group
-        self._pending: list[tuple[Any, Any]] = []
-        # The last header sent to / received from each (peer stage, channel): a repeated
-        # header (same structure, shapes, dtypes: the usual case) travels as one int64 0.
-        # (pickled header, its tensors' metadata, a comparable key of it or None)
-        self._sent_header: dict[tuple[int, str],
-                                tuple[bytes, list[_TensorMeta], tuple[Any, list[Any]] | None]] = {}
-        self._recv_header: dict[tuple[int, str], tuple[Any, list[Any]]] = {}
-        # Receives posted ahead (``prefetch``): the next message's flag and tensors, and how
-        # many more messages this step may be posted ahead, per (peer stage, channel).
-        self._posted: dict[tuple[int, str], tuple[torch.Tensor, Any, list[Any]]] = {}
+        self._pending: list[tuple[Any, torch.Tensor]] = []
+        # The last header sent to / received from each (peer stage, channel).
+        self._sent: dict[tuple[int, str], _Header] = {}
+        self._got: dict[tuple[int, str], _Header] = {}
+        # Receives posted ahead (``prefetch``) per (peer stage, channel), and how many more
+        # messages this step may still be posted ahead.
+        self._posted: dict[tuple[int, str], _Posted] = {}
         self._ahead: dict[tuple[int, str], int] = {}
 
     @staticmethod
@@ -135,119 +215,142 @@ class DistTransport:
     def _group(self, channel: str) -> Any:
         return self.out_group if channel == "out" else self.group
 
+    # ---- sending ------------------------------------------------------------------------
+    def _isend(self, t: torch.Tensor, peer: int, group: Any) -> None:
+        self._pending.append((dist.isend(t, peer, group=group), t))
+
+    def _send_fill(self, old: _Header | None, flag: int, peer: int, group: Any) -> None:
+        """A message in ``old``'s layout that carries only ``flag`` (the receiver posted
+        receives shaped by ``old``): a new header's length, or ``_SKIP_FLAG``."""
+        frame = torch.zeros(_frame_size(old), dtype=torch.uint8, device=self.device)
+        _flag(frame).fill_(flag)
+        self._isend(frame, peer, group)
+        if old is not None:
+            for m, off in zip(old.metas, old.offsets):
+                if off is None:
+                    self._isend(torch.zeros(m.shape, dtype=m.dtype, device=self.device),
+                                peer, group)
+
     def send(self, value: Any, src: int, dst: int, channel: str, mb: int) -> None:
+        peer, group = self.ranks[dst], self._group(channel)
+        old = self._sent.get((dst, channel))
+        if value is SKIP:
+            self._send_fill(old, _SKIP_FLAG, peer, group)
+            return
         leaves, spec = pytree.tree_flatten(value)
-        tensors = [t.detach().contiguous() for t in leaves if isinstance(t, torch.Tensor)]
+        tensors = [t.detach() for t in leaves if isinstance(t, torch.Tensor)]
         header_leaves = [_TensorMeta(tuple(t.shape), t.dtype, t.requires_grad)
                          if isinstance(t, torch.Tensor) else t for t in leaves]
-        peer, group = self.ranks[dst], self._group(channel)
-        old = self._sent_header.get((dst, channel))
         # The usual message repeats the last one's header: recognise it without pickling
         # when every non-tensor leaf is a plain value (whose == is exact and cheap).
         plain = all(isinstance(x, _TensorMeta) or type(x) in _PLAIN for x in header_leaves)
         key = (spec, [x if isinstance(x, _TensorMeta) else (type(x), x)
                       for x in header_leaves]) if plain else None
-        same = old is not None and key is not None and old[2] == key
-        payload = b"" if same else pickle.dumps((spec, header_leaves))
-        msgs: list[torch.Tensor]
-        if same or (old is not None and old[0] == payload):  # receiver has it: say "same"
-            msgs = [torch.zeros(1, dtype=torch.int64, device=self.device)] + tensors
-        else:
-            # The receiver pre-posts receives shaped by the old header: fill them with
-            # zeros first, then send the new header and the tensors.
-            fill = [torch.zeros(m.shape, dtype=m.dtype, device=self.device)
-                    for m in (old[1] if old is not None else [])]
-            self._sent_header[(dst, channel)] = (
-                payload, [m for m in header_leaves if isinstance(m, _TensorMeta)],
-                key)
-            msgs = [torch.tensor([len(payload)], dtype=torch.int64, device=self.device)] + \
-                fill + [torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                        .to(self.device)] + tensors
-        for t in msgs:
-            self._pending.append((dist.isend(t, peer, group=group), t))
+        same = old is not None and key is not None and old.key == key
+        if not same:
+            payload = pickle.dumps((spec, header_leaves))
+            if old is None or old.payload != payload:
+                self._send_fill(old, len(payload), peer, group)
+                self._isend(torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                            .to(self.device), peer, group)
+                old = _Header.build(payload, spec, header_leaves, key)
+                self._sent[(dst, channel)] = old
+        frame = torch.empty(old.frame_size, dtype=torch.uint8, device=self.device)
+        _flag(frame).zero_()
+        large = []
+        for t, m, off in zip(tensors, old.metas, old.offsets):
+            if off is None:
+                large.append(t.contiguous())
+            elif m.nbytes:
+                _slot(frame, off, m).copy_(t)
+        self._isend(frame, peer, group)
+        for t in large:
+            self._isend(t, peer, group)
 
-    def _post(self, src: int, channel: str) -> tuple[torch.Tensor, Any, list[Any]]:
-        """Post the next message's receives: the flag, and the tensors if the header is known
-        (one round trip, not two)."""
+    # ---- receiving ----------------------------------------------------------------------
+    def _post(self, src: int, channel: str) -> _Posted:
+        """Post the receives of the next message from ``src``, shaped by the known header."""
         peer, group = self.ranks[src], self._group(channel)
-        size = torch.empty(1, dtype=torch.int64, device=self.device)
-        flag_work = dist.irecv(size, peer, group=group)
-        cached = self._recv_header.get((src, channel))
-        pre: list[tuple[Any, torch.Tensor]] = []
-        if cached is not None:
-            for leaf in cached[1]:
-                if isinstance(leaf, _TensorMeta):
-                    t = torch.empty(leaf.shape, dtype=leaf.dtype, device=self.device)
-                    pre.append((dist.irecv(t, peer, group=group), t))
-        return size, flag_work, pre
+        header = self._got.get((src, channel))
+        frame = torch.empty(_frame_size(header), dtype=torch.uint8, device=self.device)
+        work = dist.irecv(frame, peer, group=group)
+        large = []
+        if header is not None:
+            for m, off in zip(header.metas, header.offsets):
+                if off is None:
+                    t = torch.empty(m.shape, dtype=m.dtype, device=self.device)
+                    large.append((dist.irecv(t, peer, group=group), t))
+        return _Posted(header, frame, work, large)
 
     def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:
         """Expect ``count`` messages from ``src`` on ``channel`` this step, and keep the next
-        one's receives posted ahead of ``recv``, so the data moves while this rank computes.
-
-        Under NCCL only for a channel with its own process group (``"out"``): receives
-        posted early must not queue ahead of this rank's sends to the same peer (NCCL
-        serialises a communicator's point-to-point operations). gloo matches each peer's
-        receives by order alone, so activations are posted ahead too (a rank receives one
-        channel per peer: activations from earlier stages, gradients from later ones).
-        Gradients are not: a skipped backward never receives them."""
+        one's receives posted ahead of ``recv`` (where the backend allows, see the module
+        doc). A rank receives one channel per peer and group (activations from earlier
+        stages, gradients from later ones, outputs on their own group), and gloo matches a
+        peer's messages by order, so receives posted ahead always meet their message."""
         key = (src, channel)
-        if count <= 0 or key in self._posted or channel == "grad" or (
+        if count <= 0 or key in self._posted or (
                 channel != "out" and dist.get_backend(self._group(channel)) != "gloo"):
             return
         self._ahead[key] = count - 1
         self._posted[key] = self._post(src, channel)
 
     def recv(self, src: int, dst: int, channel: str, mb: int) -> Any:
-        """Receive one message; with a known header, flag and tensors are received at once."""
-        value = self._recv(src, dst, channel, mb)
+        """Receive one message (a value, or ``SKIP``)."""
         key = (src, channel)
+        posted = self._posted.pop(key, None)
+        value = self._recv(posted if posted is not None else self._post(src, channel),
+                           src, dst, channel, mb)
         left = self._ahead.get(key, 0)
         if left > 0:  # post the next expected message's receives now
             self._ahead[key] = left - 1
             self._posted[key] = self._post(src, channel)
         return value
 
-    def _recv(self, src: int, dst: int, channel: str, mb: int) -> Any:
-        peer, group = self.ranks[src], self._group(channel)
-        what = f"{channel} from stage {src} (rank {peer})"
-        posted = self._posted.pop((src, channel), None)
-        size, flag_work, pre = posted if posted is not None else self._post(src, channel)
-        cached = self._recv_header.get((src, channel))
-        self._wait(flag_work, what, dst, mb)
-        n = int(size.item())
-        if n == 0:
-            if cached is None:
-                raise SMPRuntimeError.build("a repeated header arrived before any header",
-                                            what, f"stage {dst} microbatch {mb}",
-                                            "report this as an smp-fx bug")
-            spec, header_leaves = cached
-            for w, _ in pre:
-                self._wait(w, what, dst, mb)
-            it = iter(t for _, t in pre)
-            values = [next(it).requires_grad_(m.requires_grad) if isinstance(m, _TensorMeta)
-                      else m for m in header_leaves]
-            return pytree.tree_unflatten(values, spec)
-        for w, _ in pre:  # the sender's zero fill for our pre-posted receives
-            self._wait(w, what, dst, mb)
-        data = torch.empty(n, dtype=torch.uint8, device=self.device)
-        self._wait(dist.irecv(data, peer, group=group), what, dst, mb)
-        with warnings.catch_warnings():  # unpickling a LeafSpec warns in torch 2.13
-            warnings.simplefilter("ignore", FutureWarning)
-            spec, header_leaves = pickle.loads(data.cpu().numpy().tobytes())
-        self._recv_header[(src, channel)] = (spec, header_leaves)
-        works, leaves = [], []
-        for leaf in header_leaves:
+    def _recv(self, posted: _Posted, src: int, dst: int, channel: str, mb: int) -> Any:
+        what = f"{channel} from stage {src} (rank {self.ranks[src]})"
+        self._wait_all(posted, what, dst, mb)
+        flag = int(_flag(posted.frame).item())
+        if flag == _SKIP_FLAG:
+            return SKIP
+        if flag > 0:  # a new header, then the message in its layout
+            data = torch.empty(flag, dtype=torch.uint8, device=self.device)
+            self._wait(dist.irecv(data, self.ranks[src], group=self._group(channel)), what,
+                       dst, mb)
+            payload = data.cpu().numpy().tobytes()
+            with warnings.catch_warnings():  # unpickling a LeafSpec warns in torch 2.13
+                warnings.simplefilter("ignore", FutureWarning)
+                spec, leaves = pickle.loads(payload)
+            self._got[(src, channel)] = _Header.build(payload, spec, leaves, None)
+            posted = self._post(src, channel)
+            self._wait_all(posted, what, dst, mb)
+            flag = int(_flag(posted.frame).item())
+        if flag != 0 or posted.header is None:
+            raise SMPRuntimeError.build("the point-to-point protocol lost step", flag,
+                                        f"{what}, stage {dst} microbatch {mb}",
+                                        "report this as an smp-fx bug")
+        return self._unpack(posted)
+
+    @staticmethod
+    def _unpack(posted: _Posted) -> Any:
+        header = posted.header
+        assert header is not None
+        large = iter(t for _, t in posted.large)
+        offsets = iter(header.offsets)
+        values = []
+        for leaf in header.leaves:
             if isinstance(leaf, _TensorMeta):
-                t = torch.empty(leaf.shape, dtype=leaf.dtype, device=self.device)
-                works.append(dist.irecv(t, peer, group=group))
-                leaves.append((t, leaf.requires_grad))
+                off = next(offsets)
+                t = next(large) if off is None else _slot(posted.frame, off, leaf)
+                values.append(t.requires_grad_(leaf.requires_grad))
             else:
-                leaves.append((leaf, None))
-        for w in works:
-            self._wait(w, what, dst, mb)
-        values = [v.requires_grad_(rg) if rg is not None else v for v, rg in leaves]
-        return pytree.tree_unflatten(values, spec)
+                values.append(leaf)
+        return pytree.tree_unflatten(values, header.spec)
+
+    def _wait_all(self, posted: _Posted, what: str, stage: int, mb: int) -> None:
+        self._wait(posted.frame_work, what, stage, mb)
+        for work, _ in posted.large:
+            self._wait(work, what, stage, mb)
 
     def _wait(self, work: Any, what: str, stage: int, mb: int) -> None:
         try:

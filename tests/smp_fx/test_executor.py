@@ -12,6 +12,7 @@ from torch import nn
 
 import smp_fx as smp
 from cost_model import schedule as sched
+from cost_model.errors import SMPRuntimeError
 from cost_model.simulate import StageCost, simulate
 from passes import meta
 from passes.split_stages import split_stages
@@ -33,8 +34,8 @@ def test_lowering_adds_the_transfers_each_action_needs() -> None:
     s = sched.generate("interleaved", 2, 2)
     assert [str(o) for o in lower(s, prog, [0], True)] == [
         "0F0", "0SEND_ACT0@1", "0F1", "0SEND_ACT1@1",
-        "0RECV_OUT0@1", "0WAIT_B0", "0RECV_GRAD0@1", "0B0",
-        "0RECV_OUT1@1", "0WAIT_B1", "0RECV_GRAD1@1", "0B1"]
+        "0RECV_OUT0@1", "0RECV_GRAD0@1", "0B0",  # the gradient message decides B
+        "0RECV_OUT1@1", "0RECV_GRAD1@1", "0B1"]
     assert [str(o) for o in lower(s, prog, [1], True)] == [
         "1RECV_ACT0@0", "1F0", "1SEND_OUT0@0", "1WAIT_B0", "1B0", "1SEND_GRAD0@0",
         "1RECV_ACT1@0", "1F1", "1SEND_OUT1@0", "1WAIT_B1", "1B1", "1SEND_GRAD1@0"]
@@ -137,3 +138,47 @@ def test_skipped_backward_leaves_no_gradient_receive_posted() -> None:
     from tests.helpers.dist import run_ranks
 
     assert run_ranks(_skip_body, 2, timeout=60) == [[True, True, True]] * 2
+
+
+def _mismatch_body() -> list[str]:
+    """Runs on every rank: the step function decides about model.backward differently on
+    the two ranks, both ways round; rank 0 (its backward follows the gradient messages)
+    names the mismatch, rank 1 finishes its step."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    init(2, 2, "interleaved")
+    torch.manual_seed(0)
+    model = smp.DistributedModel(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]))
+
+    @smp.step
+    def train(model: Any, x: torch.Tensor, skip_rank: int) -> Any:
+        out = model(x)
+        if smp.rank() != skip_rank or x[0, 0] > 0:  # skips microbatch 1 on skip_rank
+            model.backward(out.sum())
+        return out
+
+    x = torch.ones(4, 4)
+    x[2:, 0] = -1.0
+    seen = []
+    for skip_rank in (0, 1):
+        try:
+            train(model, x, skip_rank)
+            seen.append("ok")
+        except SMPRuntimeError as exc:
+            seen.append(str(exc))
+        dist.barrier()
+    state._reset()
+    return seen
+
+
+@pytest.mark.multiproc
+def test_ranks_deciding_backward_differently_is_a_clear_error() -> None:
+    from tests.helpers.dist import run_ranks
+
+    rank0, rank1 = run_ranks(_mismatch_body, 2, timeout=60)
+    assert rank1 == ["ok", "ok"]
+    assert all("must call model.backward for the same microbatches" in m
+               and "stage 0 microbatch 1" in m for m in rank0), rank0
+    assert "did not call it" in rank0[0] and "did call it" in rank0[1]

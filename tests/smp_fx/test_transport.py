@@ -1,4 +1,5 @@
-"""Transports: pytrees arrive intact, header caching stays in step, waits are bounded."""
+"""Transports: pytrees and SKIP arrive intact, header caching and the frame layout stay in
+step across header changes and receives posted ahead, waits are bounded."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from smp_fx.transport import DistTransport, InProcessTransport
+from smp_fx.transport import SKIP, DistTransport, InProcessTransport
 from tests.helpers.dist import run_ranks
 
 
@@ -25,12 +26,19 @@ def test_in_process_cuts_autograd_and_keeps_flags() -> None:
         tr.finish()
 
 
+BIG = torch.arange(300 * 300.0).view(300, 300)  # over the frame limit: its own message
 MESSAGES: list[Any] = [
     (torch.arange(6.0).view(2, 3), 4),
-    (torch.arange(6.0).view(2, 3) + 1, 4),          # same header: flag only
-    (torch.ones(3, 2, dtype=torch.float64), None),   # new header: zero fill first
+    (torch.arange(6.0).view(2, 3) + 1, 4),          # same header: one frame
+    SKIP,                                            # flag only, header kept
+    (torch.arange(6.0).view(2, 3) + 2, 4),
+    (torch.ones(3, 2, dtype=torch.float64), None),   # new header: fill frame first
     {"a": [torch.tensor([1, 2]), "x"], "b": None},   # new structure
     {"a": [torch.tensor([3, 4]), "x"], "b": None},   # repeated again
+    (BIG, torch.zeros(0), torch.tensor([True, False]), torch.arange(12.0).view(3, 4).t()),
+    (BIG + 1, torch.zeros(0), torch.tensor([False, True]), torch.ones(4, 3)),
+    SKIP,                                            # fills the large tensor's receive too
+    (torch.ones(2, requires_grad=True), BIG.double()),
     (torch.zeros(2), 1),
     (torch.zeros(2), True),                          # 1 == True, yet a new header
 ]
@@ -49,11 +57,13 @@ def _body() -> list[bool]:
         flat_a, flat_b = torch.utils._pytree.tree_flatten(got), \
             torch.utils._pytree.tree_flatten(msg)
         return flat_a[1] == flat_b[1] and all(
-            torch.equal(x, y) if isinstance(x, torch.Tensor) else
+            torch.equal(x, y) and x.requires_grad == y.requires_grad
+            if isinstance(x, torch.Tensor) else
             (x == y and type(x) is type(y)) for x, y in zip(flat_a[0], flat_b[0]))
 
-    if rank == 1:  # "out" receives posted ahead, across header changes
+    if rank == 1:  # receives posted ahead ("out" always, "act" under gloo), across changes
         tr.prefetch(0, 1, "out", len(MESSAGES))
+        tr.prefetch(0, 1, "act", len(MESSAGES))
     for i, msg in enumerate(MESSAGES):
         out_msg = MESSAGES[-1 - i]
         if rank == 0:

@@ -14,9 +14,11 @@ thread stops and lets that thread carry on, so only one thread drives at a time.
 backward is not handed over: its thread only has to return, so the driver keeps going.
 Step functions start lazily: the calling thread runs each microbatch's function in turn and
 a pool thread starts one only when the next op needs a microbatch while every driver is
-stuck mid-function (a pipeline with several microbatches in flight). A rank whose
-``model(...)`` waits for outputs computed elsewhere starts them all at once (``eager``), so
-every forward request is in before its turn and the driver does not wait for a thread.
+stuck mid-function (a pipeline with several microbatches in flight). On a rank whose
+``model(...)`` waits for outputs computed elsewhere (``ahead``), each forward starts the
+function of the microbatch whose forward comes next, so its request is in before its turn
+and the driver never waits for a thread to start (starting them all at once would make
+them contend with the step's first forward).
 Grad mode and autocast captured from the requesting thread apply to the work done for it.
 A failure in any thread aborts the step: the caller re-raises the original exception and
 every thread is released.
@@ -91,6 +93,15 @@ def current() -> tuple[Conductor, int] | None:
     return getattr(_tls, "ctx", None)
 
 
+def _next_forwards(ops: Sequence[Any]) -> list[int]:
+    """For each op position, the microbatch of the first F op after it (-1: none)."""
+    out, nxt = [-1] * len(ops), -1
+    for i in range(len(ops) - 1, -1, -1):
+        out[i] = nxt
+        if ops[i].kind == "F":
+            nxt = ops[i].microbatch
+    return out
+
 
 class Conductor:
     """Turn-taking over an op list; a subclass executes the ops (``_execute``)."""
@@ -115,6 +126,7 @@ class Conductor:
         self._futures: dict[int, Future[Any]] = {}
         self._launch: Any = None
         self._main_thread: threading.Thread | None = None
+        self._next_forward: list[int] | None = None
         self._abort: BaseException | None = None
 
     def _execute(self, op: Any) -> None:
@@ -178,6 +190,10 @@ class Conductor:
                 try:
                     while self._next < len(ops) and self._runnable(ops[self._next]):
                         op = ops[self._next]
+                        if op.kind == "F" and self._next_forward is not None:
+                            j = self._next_forward[self._next]
+                            if j >= 0 and not self._started[j]:
+                                self._start(j)
                         self._handed_to = -1
                         self._lock.release()
                         try:
@@ -245,9 +261,9 @@ class Conductor:
         """After every op ran and every step function returned: a subclass's last checks."""
 
     def _run_step(self, fn: Callable[..., Any], microbatches: Sequence[tuple[tuple[Any, ...],
-                  dict[str, Any]]], ops: tuple[Any, ...], eager: bool = False) -> list[Any]:
+                  dict[str, Any]]], ops: tuple[Any, ...], ahead: bool = False) -> list[Any]:
         """Run ``fn`` once per microbatch while ``ops`` are executed in order; its results.
-        ``eager``: start every microbatch's function at once (see the module doc)."""
+        ``ahead``: start step functions a forward ahead (see the module doc)."""
         m = len(microbatches)
         self._mbs = [_MbState() for _ in range(m)]
         self._done = [False] * m
@@ -264,19 +280,14 @@ class Conductor:
         self._futures = {}
         self._launch = (fn, microbatches, grad, autocast)
         self._main_thread = threading.current_thread()
+        self._next_forward = _next_forwards(ops) if ahead else None
         results: list[Any] = [None] * m
         try:
-            mine: int | None = None
-            if eager:  # microbatch 0 is the calling thread's before any pool thread runs
-                with self._lock:
-                    self._started[0], mine = True, 0
-                    for j in range(1, m):
-                        self._start(j)
             while True:  # the calling thread runs every microbatch nobody else started
                 with self._lock:
-                    j = next((k for k in range(m) if not self._started[k]), mine)
+                    j = next((k for k in range(m) if not self._started[k]), None)
                     if j is not None:
-                        self._started[j], mine = True, None
+                        self._started[j] = True
                 if j is None:
                     break
                 try:

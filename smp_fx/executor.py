@@ -3,15 +3,21 @@
 Lowering (``lower``) turns a schedule into this rank's list of ``Op``s, adding the
 communication each action needs (data, not code)::
 
-    F(s, mb)  ->  RECV_ACT(s, mb, src)...  F(s, mb)  SEND_ACT(s, mb, dst)...  [SEND_OUT...]
-    B(s, mb)  ->  [RECV_OUT(s, mb)]  [WAIT_B(s, mb)]  RECV_GRAD(s, mb, dst)...  B(s, mb)
-                  SEND_GRAD(s, mb, src)...
+    F(s, mb)  ->  RECV_ACT(s, mb, src)...  F(s, mb)  SEND_ACT(s, mb, dst)...
+    B(s, mb)  ->  [WAIT_B(s, mb)]  RECV_GRAD(s, mb, dst)...  B(s, mb)  SEND_GRAD(s, mb, src)...
 
 Whether a microbatch's backward runs is the step function's decision (it calls
 ``model.backward`` or not), taken where the loss is: ``WAIT_B`` waits for it on the last
 stage (and on a stage that sends nothing on). Every other stage learns it from the
-gradient messages (``SKIP`` when skipped), so its backward never waits for its own step
-function; that the step function decided alike is checked at the end of the step.
+gradient messages (``(None, ...)`` when skipped), so its backward never waits for its own
+step function; that the step function decided alike is checked at the end of the step.
+
+Across processes the last stage's outputs reach every other rank riding on the gradient
+messages, ``(grads, outputs)``, relayed stage by stage: a ``model(...)`` call off the last
+stage returns when its microbatch's gradients arrive, just before that stage's backward,
+and the outputs cost no message of their own on the busiest rank. A forward-only step has
+no gradients: there the last stage sends them on their own channel, ``SEND_OUT`` after each
+forward and ``RECV_OUT`` at the end of the other ranks' lists.
 
 Across processes a rank lowers its own stage's list. In-process (all stages here) the
 stages' lists are merged in the lock-step order of ``cost_model.schedule.clock``, and the
@@ -43,7 +49,7 @@ from smp_fx.conductor import (  # noqa: F401 (_tls, current: re-exported for smp
     _tls,
     current,
 )
-from smp_fx.transport import SKIP, Transport
+from smp_fx.transport import Transport
 
 OP_KINDS = ("RECV_ACT", "F", "SEND_ACT", "SEND_OUT", "RECV_OUT", "WAIT_B", "RECV_GRAD", "B",
             "SEND_GRAD")
@@ -82,11 +88,9 @@ def lower(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int
             ops += [Op("RECV_ACT", a.stage, mb, src) for src, _ in st.recvs]
             ops.append(Op("F", a.stage, mb))
             ops += [Op("SEND_ACT", a.stage, mb, dst) for dst, _ in st.sends]
-            if multi_process and a.stage == last:
+            if multi_process and forward_only and a.stage == last:
                 ops += [Op("SEND_OUT", a.stage, mb, d) for d in range(p) if d != last]
         else:
-            if multi_process and a.stage != last:
-                ops.append(Op("RECV_OUT", a.stage, mb, last))
             if a.stage == last or not st.sends:
                 ops.append(Op("WAIT_B", a.stage, mb))
             ops += [Op("RECV_GRAD", a.stage, mb, dst) for dst, _ in st.sends]
@@ -144,7 +148,12 @@ class Executor(Conductor):
         self.pre_step_hooks: list[Callable[[tuple[Op, ...]], None]] = []
         self.stats = StepStats()
         self._scale = 1.0
-        self._lowered: dict[tuple[Any, ...], tuple[Op, ...]] = {}
+        self._lowered: dict[tuple[Any, ...], tuple[tuple[Op, ...], list[Any]]] = {}
+        # the value names each (stage, peer) transfer carries
+        self._send_names = {(s, d): names for s, st in enumerate(program.stages)
+                            for d, names in st.sends}
+        self._recv_names = {(s, d): names for s, st in enumerate(program.stages)
+                            for d, names in st.recvs}
 
     def run(self, fn: Callable[..., Any], microbatches: Sequence[tuple[tuple[Any, ...],
             dict[str, Any]]], schedule: sched.Schedule, scale: float) -> list[Any]:
@@ -152,24 +161,20 @@ class Executor(Conductor):
         stages = tuple(sorted(self.runners))
         key = (schedule, stages)
         if key not in self._lowered:
-            self._lowered[key] = lower(schedule, self.program, stages, self.multi_process)
-        ops = self._lowered[key]
+            ops = lower(schedule, self.program, stages, self.multi_process)
+            self._lowered[key] = (ops, _receive_counts(ops))
+        ops, receives = self._lowered[key]
         for pre in self.pre_step_hooks:
             pre(ops)
         self.stats = StepStats({s: 0 for s in stages}, ops)
         self._scale = scale
         # Receives posted ahead (where the transport allows): the data moves while this
         # rank works on other ops.
-        for kind, channel in (("RECV_OUT", "out"), ("RECV_ACT", "act"), ("RECV_GRAD", "grad")):
-            counts: dict[tuple[int, int], int] = {}
-            for op in ops:
-                if op.kind == kind:
-                    counts[(op.peer, op.stage)] = counts.get((op.peer, op.stage), 0) + 1
-            for (peer, stage), n in counts.items():
-                self.transport.prefetch(peer, stage, channel, n)
+        for peer, stage, channel, n in receives:
+            self.transport.prefetch(peer, stage, channel, n)
         # A rank without the last stage waits for remote outputs in every model(...) call.
-        eager = self.multi_process and self.last not in self.runners
-        results = self._run_step(fn, microbatches, ops, eager)
+        ahead = self.multi_process and self.last not in self.runners
+        results = self._run_step(fn, microbatches, ops, ahead)
         for hook in self.post_step_hooks:
             hook()
         return results
@@ -179,7 +184,7 @@ class Executor(Conductor):
 
     def _op_recv_act(self, op: Op) -> None:
         vals = self.transport.recv(op.peer, op.stage, "act", op.microbatch)
-        names = dict(self.program.stages[op.stage].recvs)[op.peer]
+        names = self._recv_names[(op.stage, op.peer)]
         self._mbs[op.microbatch].inputs.setdefault(op.stage, {}).update(zip(names, vals))
 
     def _op_f(self, op: Op) -> None:
@@ -216,7 +221,7 @@ class Executor(Conductor):
             st.inputs.pop(s, None)
 
     def _op_send_act(self, op: Op) -> None:
-        names = dict(self.program.stages[op.stage].sends)[op.peer]
+        names = self._send_names[(op.stage, op.peer)]
         res = self._mbs[op.microbatch].results[op.stage]
         self.transport.send(tuple(res[n] for n in names), op.stage, op.peer, "act",
                             op.microbatch)
@@ -227,11 +232,8 @@ class Executor(Conductor):
 
     def _op_recv_out(self, op: Op) -> None:
         st = self._mbs[op.microbatch]
-        if st.outputs_ready:
-            return
         cut = self.transport.recv(op.peer, op.stage, "out", op.microbatch)
         st.cut = cut
-        # No hand-over: this stage's backward does not wait for the step function.
         self._publish(op.microbatch, hand=False, outputs=self.program.build_outputs(cut),
                       outputs_ready=True)
 
@@ -241,14 +243,18 @@ class Executor(Conductor):
 
     def _op_recv_grad(self, op: Op) -> None:
         st = self._mbs[op.microbatch]
-        grads = self.transport.recv(op.peer, op.stage, "grad", op.microbatch)
-        skipped = grads is SKIP
+        grads, cut = self.transport.recv(op.peer, op.stage, "grad", op.microbatch)
+        if cut is not None and not st.outputs_ready:  # the last stage's outputs, relayed
+            st.cut = cut
+            self._publish(op.microbatch, hand=False, outputs=self.program.build_outputs(cut),
+                          outputs_ready=True)
+        skipped = grads is None
         if st.skip.setdefault(op.stage, skipped) != skipped:
             _inconsistent(op, "the gradient messages from later stages disagree (stage "
                               f"{op.peer}'s rank {'skipped' if skipped else 'ran'} it)")
         if skipped:
             return
-        names = dict(self.program.stages[op.stage].sends)[op.peer]
+        names = self._send_names[(op.stage, op.peer)]
         acc = st.grads.setdefault(op.stage, {})
         for name, g in zip(names, grads):
             acc.setdefault(name, []).append(g)
@@ -300,13 +306,12 @@ class Executor(Conductor):
 
     def _op_send_grad(self, op: Op) -> None:
         st = self._mbs[op.microbatch]
-        if st.skip[op.stage]:  # the receiver expects a message: say there are no gradients
-            self.transport.send(SKIP, op.stage, op.peer, "grad", op.microbatch)
-            return
-        names = dict(self.program.stages[op.stage].recvs)[op.peer]
-        grads = st.send_grads[op.stage]
-        self.transport.send(tuple(grads[n] for n in names), op.stage, op.peer, "grad",
-                            op.microbatch)
+        grads = None  # skipped: the receiver still expects the message (and the outputs)
+        if not st.skip[op.stage]:
+            names = self._recv_names[(op.stage, op.peer)]
+            grads = tuple(st.send_grads[op.stage][n] for n in names)
+        self.transport.send((grads, st.cut if self.multi_process else None), op.stage, op.peer,
+                            "grad", op.microbatch)
 
     def _check_step(self) -> None:
         """A stage whose backward followed the gradient messages: its step function must
@@ -348,6 +353,17 @@ class Executor(Conductor):
                 "model outputs", f"output leaf {unused[0]} of model(...) got no gradient",
                 f"rank {self.rank}",
                 "use every output in the loss, or do not return it from forward")
+
+
+def _receive_counts(ops: Sequence[Op]) -> list[tuple[int, int, str, int]]:
+    """(peer, stage, channel, how many) for each stream of messages ``ops`` receive."""
+    channel = {"RECV_ACT": "act", "RECV_GRAD": "grad", "RECV_OUT": "out"}
+    counts: dict[tuple[int, int, str], int] = {}
+    for op in ops:
+        if op.kind in channel:
+            key = (op.peer, op.stage, channel[op.kind])
+            counts[key] = counts.get(key, 0) + 1
+    return [(*k, n) for k, n in counts.items()]
 
 
 def _inconsistent(op: Op, what: str) -> None:

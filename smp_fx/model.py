@@ -16,6 +16,7 @@ and the replicas' gradients are all-reduced over a group of the owners after eve
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import weakref
@@ -384,8 +385,14 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
         from smp_fx import state
 
         cfg = state.get().config
-        return sched.generate(cfg.pipeline, cfg.pipeline_parallel_degree, num_microbatches,
-                              cfg.active_microbatches, forward_only=forward_only)
+        return _schedule(cfg.pipeline, cfg.pipeline_parallel_degree, num_microbatches,
+                         cfg.active_microbatches, forward_only)
+
+
+@functools.lru_cache(maxsize=32)
+def _schedule(pipeline: str, p: int, m: int, active: int, forward_only: bool) -> sched.Schedule:
+    """``sched.generate``, once per configuration (it runs at every step)."""
+    return sched.generate(pipeline, p, m, active, forward_only=forward_only)
 
 
 def _in_process_devices(p: int, device: torch.device,

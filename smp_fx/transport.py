@@ -5,8 +5,7 @@ from one stage to another on a *channel*: ``"act"`` (activations, forward), ``"g
 (gradients, backward) or ``"out"`` (the last stage's outputs, to every other pipeline rank).
 Received tensors keep the sender's ``requires_grad`` flag but are new leaves: the autograd
 graph is always cut at a stage boundary, so the executor's path is the same in-process and
-across processes. ``SKIP`` is a message of its own: a stage that skipped a microbatch's
-backward sends it upstream in place of gradients, so every expected message arrives.
+across processes.
 
 - ``InProcessTransport``: every stage lives in this process; a message is the value itself
   (detached, moved to the receiving stage's device) held in a mailbox.
@@ -18,7 +17,7 @@ backward sends it upstream in place of gradients, so every expected message arri
   of small tensors is a single point-to-point message and the receiver can post its
   receives before the sender sends. A changed header is announced by a frame (and fills
   for the large tensors) in the old layout carrying the new header's length, then the
-  pickled header, then the message in the new layout; flag -1 is ``SKIP``.
+  pickled header, then the message in the new layout.
   ``prefetch`` keeps the next expected message's receives posted ahead of ``recv``, so
   data moves while the rank computes: under gloo a send whose receive is already posted
   is written straight to the socket, while one that comes first waits for a round trip
@@ -31,6 +30,7 @@ backward sends it upstream in place of gradients, so every expected message arri
 
 from __future__ import annotations
 
+import functools
 import math
 import pickle
 import warnings
@@ -50,17 +50,6 @@ _PLAIN = frozenset((type(None), bool, int, float, str))
 _ALIGN = 64  # frame offsets: any dtype can be viewed in place
 _PACK_MAX = 256 * 1024  # bytes; a larger tensor is its own message (copying it costs more)
 _NO_HEADER_FRAME = 8  # before any header: the frame is the flag alone
-_SKIP_FLAG = -1
-
-
-class _Skip:
-    """The type of ``SKIP``."""
-
-    def __repr__(self) -> str:
-        return "SKIP"
-
-
-SKIP = _Skip()
 
 
 class Transport(Protocol):
@@ -124,6 +113,18 @@ class _TensorMeta:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
+@functools.lru_cache(maxsize=64)
+def _tuple_spec(n: int) -> Any:
+    return pytree.tree_flatten((0,) * n)[1]
+
+
+def _flatten(value: Any) -> tuple[list[Any], Any]:
+    """``pytree.tree_flatten``, with a fast path for the usual message: a tuple of tensors."""
+    if type(value) is tuple and all(type(x) is torch.Tensor for x in value):
+        return list(value), _tuple_spec(len(value))
+    return pytree.tree_flatten(value)
+
+
 @dataclass(frozen=True)
 class _Header:
     """A message's structure and where each tensor travels: ``offsets[i]`` is tensor i's
@@ -133,25 +134,26 @@ class _Header:
     spec: Any
     leaves: tuple[Any, ...]  # _TensorMeta or plain values
     key: Any  # a comparable form of (spec, leaves), None when a leaf is not plain
+    metas: tuple[_TensorMeta, ...]
     offsets: tuple[int | None, ...]
+    nbytes: tuple[int, ...]
     frame_size: int
+    flat_tuple: bool  # the message is a plain tuple of tensors (unflattened without pytree)
 
     @staticmethod
     def build(payload: bytes, spec: Any, leaves: list[Any], key: Any) -> _Header:
+        metas = tuple(m for m in leaves if isinstance(m, _TensorMeta))
         offsets: list[int | None] = []
         end = _ALIGN
-        for m in leaves:
-            if isinstance(m, _TensorMeta):
-                if m.nbytes <= _PACK_MAX:
-                    offsets.append(end)
-                    end += -(-m.nbytes // _ALIGN) * _ALIGN
-                else:
-                    offsets.append(None)
-        return _Header(payload, spec, tuple(leaves), key, tuple(offsets), end)
-
-    @property
-    def metas(self) -> list[_TensorMeta]:
-        return [m for m in self.leaves if isinstance(m, _TensorMeta)]
+        for m in metas:
+            if m.nbytes <= _PACK_MAX:
+                offsets.append(end)
+                end += -(-m.nbytes // _ALIGN) * _ALIGN
+            else:
+                offsets.append(None)
+        flat = len(metas) == len(leaves) and spec == _tuple_spec(len(leaves))
+        return _Header(payload, spec, tuple(leaves), key, metas, tuple(offsets),
+                       tuple(m.nbytes for m in metas), end, flat)
 
 
 def _frame_size(header: _Header | None) -> int:
@@ -162,11 +164,11 @@ def _flag(frame: torch.Tensor) -> torch.Tensor:
     return frame[:8].view(torch.int64)
 
 
-def _slot(frame: torch.Tensor, offset: int, meta: _TensorMeta) -> torch.Tensor:
+def _slot(frame: torch.Tensor, offset: int, nbytes: int, meta: _TensorMeta) -> torch.Tensor:
     """The frame bytes of one tensor, viewed as that tensor (no copy)."""
-    if meta.nbytes == 0:
+    if nbytes == 0:
         return torch.empty(meta.shape, dtype=meta.dtype, device=frame.device)
-    return frame[offset:offset + meta.nbytes].view(meta.dtype).view(meta.shape)
+    return frame[offset:offset + nbytes].view(meta.dtype).view(meta.shape)
 
 
 @dataclass
@@ -220,8 +222,8 @@ class DistTransport:
         self._pending.append((dist.isend(t, peer, group=group), t))
 
     def _send_fill(self, old: _Header | None, flag: int, peer: int, group: Any) -> None:
-        """A message in ``old``'s layout that carries only ``flag`` (the receiver posted
-        receives shaped by ``old``): a new header's length, or ``_SKIP_FLAG``."""
+        """A message in ``old``'s layout that carries only ``flag``, a new header's length
+        (the receiver posted receives shaped by ``old``)."""
         frame = torch.zeros(_frame_size(old), dtype=torch.uint8, device=self.device)
         _flag(frame).fill_(flag)
         self._isend(frame, peer, group)
@@ -234,10 +236,7 @@ class DistTransport:
     def send(self, value: Any, src: int, dst: int, channel: str, mb: int) -> None:
         peer, group = self.ranks[dst], self._group(channel)
         old = self._sent.get((dst, channel))
-        if value is SKIP:
-            self._send_fill(old, _SKIP_FLAG, peer, group)
-            return
-        leaves, spec = pytree.tree_flatten(value)
+        leaves, spec = _flatten(value)
         tensors = [t.detach() for t in leaves if isinstance(t, torch.Tensor)]
         header_leaves = [_TensorMeta(tuple(t.shape), t.dtype, t.requires_grad)
                          if isinstance(t, torch.Tensor) else t for t in leaves]
@@ -258,11 +257,11 @@ class DistTransport:
         frame = torch.empty(old.frame_size, dtype=torch.uint8, device=self.device)
         _flag(frame).zero_()
         large = []
-        for t, m, off in zip(tensors, old.metas, old.offsets):
+        for t, m, off, n in zip(tensors, old.metas, old.offsets, old.nbytes):
             if off is None:
                 large.append(t.contiguous())
-            elif m.nbytes:
-                _slot(frame, off, m).copy_(t)
+            elif n:
+                _slot(frame, off, n, m).copy_(t)
         self._isend(frame, peer, group)
         for t in large:
             self._isend(t, peer, group)
@@ -296,7 +295,7 @@ class DistTransport:
         self._posted[key] = self._post(src, channel)
 
     def recv(self, src: int, dst: int, channel: str, mb: int) -> Any:
-        """Receive one message (a value, or ``SKIP``)."""
+        """Receive one message."""
         key = (src, channel)
         posted = self._posted.pop(key, None)
         value = self._recv(posted if posted is not None else self._post(src, channel),
@@ -311,8 +310,6 @@ class DistTransport:
         what = f"{channel} from stage {src} (rank {self.ranks[src]})"
         self._wait_all(posted, what, dst, mb)
         flag = int(_flag(posted.frame).item())
-        if flag == _SKIP_FLAG:
-            return SKIP
         if flag > 0:  # a new header, then the message in its layout
             data = torch.empty(flag, dtype=torch.uint8, device=self.device)
             self._wait(dist.irecv(data, self.ranks[src], group=self._group(channel)), what,
@@ -336,15 +333,14 @@ class DistTransport:
         header = posted.header
         assert header is not None
         large = iter(t for _, t in posted.large)
-        offsets = iter(header.offsets)
-        values = []
-        for leaf in header.leaves:
-            if isinstance(leaf, _TensorMeta):
-                off = next(offsets)
-                t = next(large) if off is None else _slot(posted.frame, off, leaf)
-                values.append(t.requires_grad_(leaf.requires_grad))
-            else:
-                values.append(leaf)
+        tensors = iter([
+            (next(large) if off is None else _slot(posted.frame, off, n, m))
+            .requires_grad_(m.requires_grad)
+            for m, off, n in zip(header.metas, header.offsets, header.nbytes)])
+        if header.flat_tuple:
+            return tuple(tensors)
+        values = [next(tensors) if isinstance(leaf, _TensorMeta) else leaf
+                  for leaf in header.leaves]
         return pytree.tree_unflatten(values, header.spec)
 
     def _wait_all(self, posted: _Posted, what: str, stage: int, mb: int) -> None:

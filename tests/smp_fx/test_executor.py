@@ -34,14 +34,16 @@ def test_lowering_adds_the_transfers_each_action_needs() -> None:
     s = sched.generate("interleaved", 2, 2)
     assert [str(o) for o in lower(s, prog, [0], True)] == [
         "0F0", "0SEND_ACT0@1", "0F1", "0SEND_ACT1@1",
-        "0RECV_OUT0@1", "0RECV_GRAD0@1", "0B0",  # the gradient message decides B
-        "0RECV_OUT1@1", "0RECV_GRAD1@1", "0B1"]
+        "0RECV_GRAD0@1", "0B0",  # the gradient message decides B and brings the outputs
+        "0RECV_GRAD1@1", "0B1"]
     assert [str(o) for o in lower(s, prog, [1], True)] == [
-        "1RECV_ACT0@0", "1F0", "1SEND_OUT0@0", "1WAIT_B0", "1B0", "1SEND_GRAD0@0",
-        "1RECV_ACT1@0", "1F1", "1SEND_OUT1@0", "1WAIT_B1", "1B1", "1SEND_GRAD1@0"]
+        "1RECV_ACT0@0", "1F0", "1WAIT_B0", "1B0", "1SEND_GRAD0@0",
+        "1RECV_ACT1@0", "1F1", "1WAIT_B1", "1B1", "1SEND_GRAD1@0"]
     fwd = sched.generate("simple", 2, 2, forward_only=True)
     assert [str(o) for o in lower(fwd, prog, [0], True)] == [
         "0F0", "0SEND_ACT0@1", "0F1", "0SEND_ACT1@1", "0RECV_OUT0@1", "0RECV_OUT1@1"]
+    assert [str(o) for o in lower(fwd, prog, [1], True)] == [
+        "1RECV_ACT0@0", "1F0", "1SEND_OUT0@0", "1RECV_ACT1@0", "1F1", "1SEND_OUT1@0"]
     # in-process: the stages' lists merged in lock-step clock order, no output transfers
     merged = lower(s, prog, [0, 1], False)
     ticks = [a for row in sched.clock(s) for a in row if a is not None]

@@ -1,4 +1,4 @@
-"""Transports: pytrees and SKIP arrive intact, header caching and the frame layout stay in
+"""Transports: pytrees arrive intact, header caching and the frame layout stay in
 step across header changes and receives posted ahead, waits are bounded."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from smp_fx.transport import SKIP, DistTransport, InProcessTransport
+from smp_fx.transport import DistTransport, InProcessTransport
 from tests.helpers.dist import run_ranks
 
 
@@ -30,14 +30,14 @@ BIG = torch.arange(300 * 300.0).view(300, 300)  # over the frame limit: its own 
 MESSAGES: list[Any] = [
     (torch.arange(6.0).view(2, 3), 4),
     (torch.arange(6.0).view(2, 3) + 1, 4),          # same header: one frame
-    SKIP,                                            # flag only, header kept
-    (torch.arange(6.0).view(2, 3) + 2, 4),
+    (None, 4),                                       # new header, small frame
+    (torch.arange(6.0).view(2, 3) + 2, 4),           # and back
     (torch.ones(3, 2, dtype=torch.float64), None),   # new header: fill frame first
     {"a": [torch.tensor([1, 2]), "x"], "b": None},   # new structure
     {"a": [torch.tensor([3, 4]), "x"], "b": None},   # repeated again
     (BIG, torch.zeros(0), torch.tensor([True, False]), torch.arange(12.0).view(3, 4).t()),
     (BIG + 1, torch.zeros(0), torch.tensor([False, True]), torch.ones(4, 3)),
-    SKIP,                                            # fills the large tensor's receive too
+    (None, "x"),                                     # fills the large tensor's receive too
     (torch.ones(2, requires_grad=True), BIG.double()),
     (torch.zeros(2), 1),
     (torch.zeros(2), True),                          # 1 == True, yet a new header

@@ -34,6 +34,7 @@ import functools
 import math
 import pickle
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Protocol
@@ -113,16 +114,42 @@ class _TensorMeta:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-@functools.lru_cache(maxsize=64)
-def _tuple_spec(n: int) -> Any:
-    return pytree.tree_flatten((0,) * n)[1]
+def _shape_of(value: Any, leaves: list[torch.Tensor]) -> Any:
+    """The usual message (tensors and None nested in tuples and lists) flattened by hand:
+    its structure as a hashable value, its tensors appended to ``leaves``; None for anything
+    else (``pytree`` then flattens it; it costs several microseconds per node)."""
+    t = type(value)
+    if t is torch.Tensor:
+        leaves.append(value)
+        return "T"
+    if value is None:
+        return "N"
+    if t is tuple or t is list:
+        inner = []
+        for v in value:
+            sub = _shape_of(v, leaves)
+            if sub is None:
+                return None
+            inner.append(sub)
+        return (t is list, tuple(inner))
+    return None
 
 
-def _flatten(value: Any) -> tuple[list[Any], Any]:
-    """``pytree.tree_flatten``, with a fast path for the usual message: a tuple of tensors."""
-    if type(value) is tuple and all(type(x) is torch.Tensor for x in value):
-        return list(value), _tuple_spec(len(value))
-    return pytree.tree_flatten(value)
+def _build(shape: Any, leaves: Iterator[Any]) -> Any:
+    """The inverse of ``_shape_of``."""
+    if shape == "T":
+        return next(leaves)
+    if shape == "N":
+        return None
+    is_list, inner = shape
+    values = [_build(sub, leaves) for sub in inner]
+    return values if is_list else tuple(values)
+
+
+@functools.lru_cache(maxsize=256)
+def _spec_of(shape: Any) -> Any:
+    """The pytree spec of a hand-flattened structure (tensors are leaves, like the 0s)."""
+    return pytree.tree_flatten(_build(shape, iter(lambda: 0, None)))[1]
 
 
 @dataclass(frozen=True)
@@ -133,15 +160,15 @@ class _Header:
     payload: bytes  # pickled (spec, leaves): what goes over the wire
     spec: Any
     leaves: tuple[Any, ...]  # _TensorMeta or plain values
-    key: Any  # a comparable form of (spec, leaves), None when a leaf is not plain
+    shape: Any  # the hand-flattened structure (``_shape_of``), or None: use ``spec``
+    key: Any  # a comparable form of (structure, leaves), None when a leaf is not plain
     metas: tuple[_TensorMeta, ...]
     offsets: tuple[int | None, ...]
     nbytes: tuple[int, ...]
     frame_size: int
-    flat_tuple: bool  # the message is a plain tuple of tensors (unflattened without pytree)
 
     @staticmethod
-    def build(payload: bytes, spec: Any, leaves: list[Any], key: Any) -> _Header:
+    def build(payload: bytes, spec: Any, leaves: list[Any], shape: Any, key: Any) -> _Header:
         metas = tuple(m for m in leaves if isinstance(m, _TensorMeta))
         offsets: list[int | None] = []
         end = _ALIGN
@@ -151,9 +178,8 @@ class _Header:
                 end += -(-m.nbytes // _ALIGN) * _ALIGN
             else:
                 offsets.append(None)
-        flat = len(metas) == len(leaves) and spec == _tuple_spec(len(leaves))
-        return _Header(payload, spec, tuple(leaves), key, metas, tuple(offsets),
-                       tuple(m.nbytes for m in metas), end, flat)
+        return _Header(payload, spec, tuple(leaves), shape, key, metas, tuple(offsets),
+                       tuple(m.nbytes for m in metas), end)
 
 
 def _frame_size(header: _Header | None) -> int:
@@ -236,23 +262,32 @@ class DistTransport:
     def send(self, value: Any, src: int, dst: int, channel: str, mb: int) -> None:
         peer, group = self.ranks[dst], self._group(channel)
         old = self._sent.get((dst, channel))
-        leaves, spec = _flatten(value)
+        leaves: list[Any] = []
+        shape = _shape_of(value, leaves)
+        if shape is None:
+            leaves, spec = pytree.tree_flatten(value)
         tensors = [t.detach() for t in leaves if isinstance(t, torch.Tensor)]
         header_leaves = [_TensorMeta(tuple(t.shape), t.dtype, t.requires_grad)
                          if isinstance(t, torch.Tensor) else t for t in leaves]
         # The usual message repeats the last one's header: recognise it without pickling
         # when every non-tensor leaf is a plain value (whose == is exact and cheap).
-        plain = all(isinstance(x, _TensorMeta) or type(x) in _PLAIN for x in header_leaves)
-        key = (spec, [x if isinstance(x, _TensorMeta) else (type(x), x)
-                      for x in header_leaves]) if plain else None
+        if shape is not None:
+            key: Any = (shape, tuple(header_leaves))
+        elif all(isinstance(x, _TensorMeta) or type(x) in _PLAIN for x in header_leaves):
+            key = (spec, [x if isinstance(x, _TensorMeta) else (type(x), x)
+                          for x in header_leaves])
+        else:
+            key = None
         same = old is not None and key is not None and old.key == key
         if not same:
-            payload = pickle.dumps((spec, header_leaves))
+            if shape is not None:
+                spec = _spec_of(shape)
+            payload = pickle.dumps((spec, header_leaves, shape))
             if old is None or old.payload != payload:
                 self._send_fill(old, len(payload), peer, group)
                 self._isend(torch.frombuffer(bytearray(payload), dtype=torch.uint8)
                             .to(self.device), peer, group)
-                old = _Header.build(payload, spec, header_leaves, key)
+                old = _Header.build(payload, spec, header_leaves, shape, key)
                 self._sent[(dst, channel)] = old
         frame = torch.empty(old.frame_size, dtype=torch.uint8, device=self.device)
         _flag(frame).zero_()
@@ -317,8 +352,8 @@ class DistTransport:
             payload = data.cpu().numpy().tobytes()
             with warnings.catch_warnings():  # unpickling a LeafSpec warns in torch 2.13
                 warnings.simplefilter("ignore", FutureWarning)
-                spec, leaves = pickle.loads(payload)
-            self._got[(src, channel)] = _Header.build(payload, spec, leaves, None)
+                spec, leaves, shape = pickle.loads(payload)
+            self._got[(src, channel)] = _Header.build(payload, spec, leaves, shape, None)
             posted = self._post(src, channel)
             self._wait_all(posted, what, dst, mb)
             flag = int(_flag(posted.frame).item())
@@ -337,8 +372,8 @@ class DistTransport:
             (next(large) if off is None else _slot(posted.frame, off, n, m))
             .requires_grad_(m.requires_grad)
             for m, off, n in zip(header.metas, header.offsets, header.nbytes)])
-        if header.flat_tuple:
-            return tuple(tensors)
+        if header.shape is not None:
+            return _build(header.shape, tensors)
         values = [next(tensors) if isinstance(leaf, _TensorMeta) else leaf
                   for leaf in header.leaves]
         return pytree.tree_unflatten(values, header.spec)

@@ -109,6 +109,8 @@ def _worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    if args.pin:
+        os.sched_setaffinity(0, {rank % os.cpu_count()})
     dist.init_process_group("gloo")
     torch.manual_seed(1)
     x = torch.randn(args.batch, args.width)
@@ -130,6 +132,8 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--pin", action="store_true",
+                    help="pin rank r (and all its threads) to core r")
     args = ap.parse_args()
     from tests.helpers.dist import free_port
 

@@ -127,6 +127,7 @@ class Conductor:
         self._launch: Any = None
         self._main_thread: threading.Thread | None = None
         self._next_forward: list[int] | None = None
+        self._deferred: list[tuple[int, dict[str, Any]]] = []
         self._abort: BaseException | None = None
 
     def _execute(self, op: Any) -> None:
@@ -212,6 +213,7 @@ class Conductor:
                     raise
                 finally:
                     self._driving = False
+                    self._flush(locked=True)
                     self._main.notify_all()  # the caller may be waiting for the last op
                 if ready():
                     return
@@ -256,6 +258,23 @@ class Conductor:
                 self._handed_to = mb
             self._conds[mb].notify_all()
 
+    def _defer(self, mb: int, **updates: Any) -> None:
+        """``_publish`` (without hand-over) at the driver's next ``_flush``: a woken step
+        function competes for the CPU (and the GIL) with the driver's work, so its wake-up
+        waits for a moment when the driver would wait anyway (blocking on a message that has
+        not arrived, or the end of its turn)."""
+        with self._lock:
+            self._deferred.append((mb, updates))
+
+    def _flush(self, locked: bool = False) -> None:
+        """Apply the deferred publications and wake their threads."""
+        with contextlib.nullcontext() if locked else self._lock:
+            for mb, updates in self._deferred:
+                for k, v in updates.items():
+                    setattr(self._mbs[mb], k, v)
+                self._conds[mb].notify_all()
+            self._deferred.clear()
+
     # ---- a step -------------------------------------------------------------------------
     def _check_step(self) -> None:
         """After every op ran and every step function returned: a subclass's last checks."""
@@ -271,6 +290,7 @@ class Conductor:
         self._ops, self._next, self._driving = ops, 0, False
         self._holder, self._running = None, 0
         self._abort = None
+        self._deferred = []
         if m > 1 and (self._pool is None or self._pool_size < m - 1):
             if self._pool is not None:
                 self._pool.shutdown(wait=False)

@@ -141,6 +141,7 @@ class Executor(Conductor):
         self.program = program
         self.runners = runners
         self.transport = transport
+        transport.on_block = self._flush  # held-back step functions run while it waits
         self.multi_process = multi_process
         self.last = program.num_stages - 1
         self.post_step_hooks: list[Callable[[], None]] = []
@@ -148,7 +149,8 @@ class Executor(Conductor):
         self.pre_step_hooks: list[Callable[[tuple[Op, ...]], None]] = []
         self.stats = StepStats()
         self._scale = 1.0
-        self._lowered: dict[tuple[Any, ...], tuple[tuple[Op, ...], list[Any]]] = {}
+        self._lowered: dict[tuple[Any, ...], tuple[tuple[Op, ...], dict[int, Any]]] = {}
+        self._posts: dict[int, list[tuple[int, int, str, int]]] = {}
         # the value names each (stage, peer) transfer carries
         self._send_names = {(s, d): names for s, st in enumerate(program.stages)
                             for d, names in st.sends}
@@ -162,16 +164,12 @@ class Executor(Conductor):
         key = (schedule, stages)
         if key not in self._lowered:
             ops = lower(schedule, self.program, stages, self.multi_process)
-            self._lowered[key] = (ops, _receive_counts(ops))
-        ops, receives = self._lowered[key]
+            self._lowered[key] = (ops, _receive_posts(ops))
+        ops, self._posts = self._lowered[key]
         for pre in self.pre_step_hooks:
             pre(ops)
         self.stats = StepStats({s: 0 for s in stages}, ops)
         self._scale = scale
-        # Receives posted ahead (where the transport allows): the data moves while this
-        # rank works on other ops.
-        for peer, stage, channel, n in receives:
-            self.transport.prefetch(peer, stage, channel, n)
         # A rank without the last stage waits for remote outputs in every model(...) call.
         ahead = self.multi_process and self.last not in self.runners
         results = self._run_step(fn, microbatches, ops, ahead)
@@ -180,6 +178,8 @@ class Executor(Conductor):
         return results
 
     def _execute(self, op: Op) -> None:
+        for peer, stage, channel, n in self._posts.get(self._next, ()):
+            self.transport.prefetch(peer, stage, channel, n)
         getattr(self, "_op_" + op.kind.lower())(op)
 
     def _op_recv_act(self, op: Op) -> None:
@@ -244,10 +244,10 @@ class Executor(Conductor):
     def _op_recv_grad(self, op: Op) -> None:
         st = self._mbs[op.microbatch]
         grads, cut = self.transport.recv(op.peer, op.stage, "grad", op.microbatch)
-        if cut is not None and not st.outputs_ready:  # the last stage's outputs, relayed
+        if cut is not None and st.cut is None:  # the last stage's outputs, relayed
             st.cut = cut
-            self._publish(op.microbatch, hand=False, outputs=self.program.build_outputs(cut),
-                          outputs_ready=True)
+            self._defer(op.microbatch, outputs=self.program.build_outputs(cut),
+                        outputs_ready=True)
         skipped = grads is None
         if st.skip.setdefault(op.stage, skipped) != skipped:
             _inconsistent(op, "the gradient messages from later stages disagree (stage "
@@ -355,15 +355,26 @@ class Executor(Conductor):
                 "use every output in the loss, or do not return it from forward")
 
 
-def _receive_counts(ops: Sequence[Op]) -> list[tuple[int, int, str, int]]:
-    """(peer, stage, channel, how many) for each stream of messages ``ops`` receive."""
+def _receive_posts(ops: Sequence[Op]) -> dict[int, list[tuple[int, int, str, int]]]:
+    """Where each stream of messages ``ops`` receive is announced to the transport
+    (``prefetch``: its receives are then kept posted ahead): op position -> (peer, stage,
+    channel, how many messages this step).
+
+    Before the stream's first receive, or before this rank's first send if that comes
+    earlier: no peer sends this rank anything that depends on this rank's work before this
+    rank has sent something, so that is early enough, and it keeps receives off the start
+    of the step, where posting one right after the previous step's end can stall for
+    milliseconds under gloo."""
     channel = {"RECV_ACT": "act", "RECV_GRAD": "grad", "RECV_OUT": "out"}
-    counts: dict[tuple[int, int, str], int] = {}
-    for op in ops:
+    first_send = next((i for i, op in enumerate(ops) if op.kind.startswith("SEND")), len(ops))
+    streams: dict[tuple[int, int, str], list[int]] = {}
+    for i, op in enumerate(ops):
         if op.kind in channel:
-            key = (op.peer, op.stage, channel[op.kind])
-            counts[key] = counts.get(key, 0) + 1
-    return [(*k, n) for k, n in counts.items()]
+            streams.setdefault((op.peer, op.stage, channel[op.kind]), []).append(i)
+    posts: dict[int, list[tuple[int, int, str, int]]] = {}
+    for key, where in streams.items():
+        posts.setdefault(min(where[0], first_send), []).append((*key, len(where)))
+    return posts
 
 
 def _inconsistent(op: Op, what: str) -> None:

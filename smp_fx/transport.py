@@ -54,7 +54,10 @@ _NO_HEADER_FRAME = 8  # before any header: the frame is the flag alone
 
 
 class Transport(Protocol):
-    """What the executor needs: ordered sends and receives between stages."""
+    """What the executor needs: ordered sends and receives between stages, and a hook
+    called before a receive blocks (``on_block``)."""
+
+    on_block: Any
 
     def send(self, value: Any, src: int, dst: int, channel: str, mb: int) -> None: ...
 
@@ -78,6 +81,7 @@ class InProcessTransport:
     def __init__(self, devices: dict[int, torch.device] | None = None) -> None:
         self.devices = devices or {}
         self._box: dict[tuple[int, int, str, int], Any] = {}
+        self.on_block: Any = None  # never called: nothing here waits
 
     def send(self, value: Any, src: int, dst: int, channel: str, mb: int) -> None:
         device = self.devices.get(dst)
@@ -233,6 +237,9 @@ class DistTransport:
         # messages this step may still be posted ahead.
         self._posted: dict[tuple[int, str], _Posted] = {}
         self._ahead: dict[tuple[int, str], int] = {}
+        # Called before this rank blocks on a message that has not arrived (the executor
+        # wakes the step functions it held back: they run while this rank waits).
+        self.on_block: Any = None
 
     @staticmethod
     def make_groups(backend: str | None = None) -> tuple[Any, Any]:
@@ -384,6 +391,8 @@ class DistTransport:
             self._wait(work, what, stage, mb)
 
     def _wait(self, work: Any, what: str, stage: int, mb: int) -> None:
+        if self.on_block is not None and not work.is_completed():
+            self.on_block()
         try:
             work.wait(self.timeout)
         except RuntimeError as exc:

@@ -184,3 +184,59 @@ def test_ranks_deciding_backward_differently_is_a_clear_error() -> None:
     assert all("must call model.backward for the same microbatches" in m
                and "stage 0 microbatch 1" in m for m in rank0), rank0
     assert "did not call it" in rank0[0] and "did call it" in rank0[1]
+
+
+def test_receive_streams_are_announced_before_the_first_send() -> None:
+    from smp_fx.executor import _receive_posts
+
+    prog = _program(2)
+    s = sched.generate("interleaved", 2, 4)
+    ops0 = lower(s, prog, [0], True)
+    # stage 0 receives only gradients: announced after F0, before its first send
+    assert _receive_posts(ops0) == {1: [(1, 0, "grad", 4)]} and ops0[1].kind == "SEND_ACT"
+    # stage 1's first op is a receive: announced there, counting every message
+    assert _receive_posts(lower(s, prog, [1], True)) == {0: [(0, 1, "act", 4)]}
+
+
+def _slow_first_body(pipeline: str) -> list[float]:
+    """Runs on every rank: microbatch 0's step function is slow to call the model, so
+    the function of microbatch 1 (started a forward ahead on rank 0) is ready first; the
+    step must neither hang nor change the numbers."""
+    import time
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    init(2, 4, pipeline)
+    torch.manual_seed(0)
+    model = smp.DistributedModel(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]))
+
+    @smp.step
+    def train(model: Any, x: torch.Tensor, slow: bool) -> Any:
+        if slow and x[0, 0] == 0:
+            time.sleep(0.2)
+        out = model(x)
+        if torch.is_grad_enabled():
+            model.backward(out.sum())
+        return out.sum()
+
+    x = torch.arange(32.0).view(8, 4) / 32
+    losses = []
+    for slow in (False, True):
+        model.zero_grad()
+        losses.append(train(model, x, slow).reduce_sum().item())
+        with torch.no_grad():
+            losses.append(train(model, x, slow).reduce_sum().item())
+    dist.barrier()
+    state._reset()
+    return losses
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
+def test_a_slow_first_microbatch_neither_hangs_nor_changes_results(pipeline: str) -> None:
+    from tests.helpers.dist import run_ranks
+
+    a, b = run_ranks(_slow_first_body, 2, pipeline, timeout=60)
+    assert a == b and a[0] == a[2] and a[1] == a[3], a

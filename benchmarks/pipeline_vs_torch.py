@@ -4,9 +4,12 @@ Two gloo processes with one intra-op thread each. The model is an MLP chain; smp
 partitions it at its first step and torch's ``PipelineStage`` is built from the very same
 stage GraphModules, so both run the same stage split, microbatch count and schedule
 (simple = ``ScheduleGPipe``, interleaved = ``Schedule1F1B``). Each configuration runs a few
-warm-up steps, then the median of ``--steps`` timed training steps (forward, loss,
-backward for every microbatch; the optimizer step is excluded from both), alternating
-smp-fx and torch steps.
+warm-up steps, then two measures of a training step (forward, loss, backward for every
+microbatch; the optimizer step is excluded from both), smp-fx and torch alternating:
+
+- *latency*: the median of ``--steps`` single steps, each between two barriers;
+- *throughput*: the median, over blocks of ``--block`` steps run back to back (as in
+  training), of the time per step.
 
     python benchmarks/pipeline_vs_torch.py            # prints a table and the ratios
 """
@@ -81,9 +84,10 @@ def _torch_step(args: argparse.Namespace, pipeline: str, program: Any) -> Any:
 
 
 def _compare(args: argparse.Namespace, pipeline: str, x: torch.Tensor,
-             y: torch.Tensor) -> tuple[float, float]:
-    """Median step times (smp-fx, torch), the two alternating step by step (shared machine:
-    alternating keeps load changes from favouring either)."""
+             y: torch.Tensor) -> tuple[float, float, float, float]:
+    """Median step latencies and times per step back to back: (smp-fx, torch, smp-fx,
+    torch), the two alternating (shared machine: alternating keeps load changes from
+    favouring either)."""
     model, train_step = _smp_step(args, pipeline)
     train_step(model, x, y)  # partitions
     sched = _torch_step(args, pipeline, model.program)
@@ -102,7 +106,13 @@ def _compare(args: argparse.Namespace, pipeline: str, x: torch.Tensor,
         if i >= args.warmup:
             smp_t.append(a)
             torch_t.append(b)
-    return statistics.median(smp_t), statistics.median(torch_t)
+    k = args.block
+    smp_b, torch_b = [], []
+    for _ in range(max(args.steps // k, 3)):
+        smp_b.append(_barrier_time(lambda: [train_step(model, x, y) for _ in range(k)]) / k)
+        torch_b.append(_barrier_time(lambda: [torch_run() for _ in range(k)]) / k)
+    return (statistics.median(smp_t), statistics.median(torch_t), statistics.median(smp_b),
+            statistics.median(torch_b))
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
@@ -132,6 +142,7 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=15)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--block", type=int, default=5, help="steps per back-to-back block")
     ap.add_argument("--pin", action="store_true",
                     help="pin rank r (and all its threads) to core r")
     args = ap.parse_args()
@@ -148,10 +159,15 @@ def main() -> None:
         p.join(timeout=60)
     print(f"MLP width {args.width} depth {args.depth}, batch {args.batch}, "
           f"{args.microbatches} microbatches, 2 gloo processes x 1 thread, "
-          f"median of {args.steps} steps")
-    print(f"{'schedule':<12} {'smp-fx ms':>10} {'torch ms':>10} {'smp/torch':>10}")
-    for pipeline, s, t in rows:
-        print(f"{pipeline:<12} {s * 1e3:>10.2f} {t * 1e3:>10.2f} {s / t:>10.3f}")
+          f"latency: median of {args.steps} steps; throughput: median of "
+          f"{max(args.steps // args.block, 3)} blocks of {args.block}"
+          + (", ranks pinned to cores" if args.pin else ""))
+    print(f"{'schedule':<12} {'measure':<11} {'smp-fx ms':>10} {'torch ms':>10} "
+          f"{'smp/torch':>10}")
+    for pipeline, s, t, sb, tb in rows:
+        for what, a, b in (("latency", s, t), ("throughput", sb, tb)):
+            print(f"{pipeline:<12} {what:<11} {a * 1e3:>10.2f} {b * 1e3:>10.2f} "
+                  f"{a / b:>10.3f}")
 
 
 if __name__ == "__main__":

@@ -258,8 +258,9 @@ class Conductor:
                 self._handed_to = mb
             self._conds[mb].notify_all()
 
-    def _defer(self, mb: int, **updates: Any) -> None:
-        """``_publish`` (without hand-over) at the driver's next ``_flush``: a woken step
+    def _defer(self, mb: int, hand: bool = False, **updates: Any) -> None:
+        """``_publish`` (never with hand-over: ``hand`` only mirrors its signature) at the
+        driver's next ``_flush``: a woken step
         function competes for the CPU (and the GIL) with the driver's work, so its wake-up
         waits for a moment when the driver would wait anyway (blocking on a message that has
         not arrived, or the end of its turn)."""

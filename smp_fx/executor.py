@@ -149,7 +149,8 @@ class Executor(Conductor):
         self.pre_step_hooks: list[Callable[[tuple[Op, ...]], None]] = []
         self.stats = StepStats()
         self._scale = 1.0
-        self._lowered: dict[tuple[Any, ...], tuple[tuple[Op, ...], dict[int, Any]]] = {}
+        self._lowered: dict[tuple[Any, ...], tuple[tuple[Op, ...], dict[int, Any], int]] = {}
+        self._last_recv = -1
         self._posts: dict[int, list[tuple[int, int, str, int]]] = {}
         # the value names each (stage, peer) transfer carries
         self._send_names = {(s, d): names for s, st in enumerate(program.stages)
@@ -164,8 +165,10 @@ class Executor(Conductor):
         key = (schedule, stages)
         if key not in self._lowered:
             ops = lower(schedule, self.program, stages, self.multi_process)
-            self._lowered[key] = (ops, _receive_posts(ops))
-        ops, self._posts = self._lowered[key]
+            last_recv = max((i for i, op in enumerate(ops) if op.kind.startswith("RECV")),
+                            default=-1)
+            self._lowered[key] = (ops, _receive_posts(ops), last_recv)
+        ops, self._posts, self._last_recv = self._lowered[key]
         for pre in self.pre_step_hooks:
             pre(ops)
         self.stats = StepStats({s: 0 for s in stages}, ops)
@@ -246,8 +249,10 @@ class Executor(Conductor):
         grads, cut = self.transport.recv(op.peer, op.stage, "grad", op.microbatch)
         if cut is not None and st.cut is None:  # the last stage's outputs, relayed
             st.cut = cut
-            self._defer(op.microbatch, outputs=self.program.build_outputs(cut),
-                        outputs_ready=True)
+            # held back until this rank would wait, unless it will not wait again this step
+            publish = self._publish if self._next == self._last_recv else self._defer
+            publish(op.microbatch, hand=False, outputs=self.program.build_outputs(cut),
+                    outputs_ready=True)
         skipped = grads is None
         if st.skip.setdefault(op.stage, skipped) != skipped:
             _inconsistent(op, "the gradient messages from later stages disagree (stage "

@@ -76,10 +76,26 @@ def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
     return tuple(out)
 
 
-@contextlib.contextmanager
 def _thread_modes(grad_enabled: bool, autocast: tuple[tuple[str, torch.dtype], ...]) -> Any:
+    """A context with the requesting thread's grad mode and autocast in this thread (the
+    usual case, modes already equal, costs nothing: this runs several times per op)."""
+    current = _autocast_state()
+    if current == autocast:
+        if torch.is_grad_enabled() == grad_enabled:
+            return contextlib.nullcontext()
+        return torch.set_grad_enabled(grad_enabled)
+    return _switch_modes(grad_enabled, autocast, current)
+
+
+@contextlib.contextmanager
+def _switch_modes(grad_enabled: bool, autocast: tuple[tuple[str, torch.dtype], ...],
+                  current: tuple[tuple[str, torch.dtype], ...]) -> Any:
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch.set_grad_enabled(grad_enabled))
+        wanted = dict(autocast)
+        for dev, _ in current:  # this thread's own autocast does not apply to the work
+            if dev not in wanted:
+                stack.enter_context(torch.autocast(dev, enabled=False))
         for dev, dtype in autocast:
             stack.enter_context(torch.autocast(dev, dtype=dtype))
         yield

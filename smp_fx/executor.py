@@ -214,7 +214,7 @@ class Executor(Conductor):
             # the loss used (an unused one is an error, as in SMP).
             got: set[int] = set()
             need = []
-            for i, t in enumerate(pytree.tree_leaves(outs)):
+            for i, t in enumerate(_leaves(outs)):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(functools.partial(_mark_used, got, i))
                     need.append(i)
@@ -283,7 +283,7 @@ class Executor(Conductor):
             self._check_used([i for i in need if i not in got])
         else:
             for name, glist in st.grads.get(s, {}).items():
-                leaves = pytree.tree_leaves(results[name])
+                leaves = _leaves(results[name])
                 for i, t in enumerate(leaves):
                     gs = [g[i] for g in glist if g[i] is not None]
                     if gs and isinstance(t, torch.Tensor) and t.requires_grad:
@@ -301,7 +301,7 @@ class Executor(Conductor):
         if not st.skip[s]:
             st.send_grads[s] = {
                 n: [t.grad if isinstance(t, torch.Tensor) else None
-                    for t in pytree.tree_leaves(inputs[n])]
+                    for t in _leaves(inputs[n])]
                 for _, names in self.program.stages[s].recvs for n in names}
         st.results.pop(s, None)
         st.grads.pop(s, None)
@@ -358,6 +358,15 @@ class Executor(Conductor):
                 "model outputs", f"output leaf {unused[0]} of model(...) got no gradient",
                 f"rank {self.rank}",
                 "use every output in the loss, or do not return it from forward")
+
+
+def _leaves(value: Any) -> list[Any]:
+    """``pytree.tree_leaves`` with fast paths for a tensor and a tuple of tensors."""
+    if type(value) is torch.Tensor:
+        return [value]
+    if type(value) is tuple and all(type(v) is torch.Tensor for v in value):
+        return list(value)
+    return pytree.tree_leaves(value)
 
 
 def _receive_posts(ops: Sequence[Op]) -> dict[int, list[tuple[int, int, str, int]]]:

@@ -30,6 +30,7 @@ across processes.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import pickle
@@ -190,8 +191,17 @@ def _frame_size(header: _Header | None) -> int:
     return header.frame_size if header is not None else _NO_HEADER_FRAME
 
 
-def _flag(frame: torch.Tensor) -> torch.Tensor:
-    return frame[:8].view(torch.int64)
+def _get_flag(frame: torch.Tensor) -> int:
+    if frame.device.type == "cpu":  # a direct read: slicing and viewing cost microseconds
+        return ctypes.c_int64.from_address(frame.data_ptr()).value
+    return int(frame[:8].view(torch.int64).item())
+
+
+def _set_flag(frame: torch.Tensor, flag: int) -> None:
+    if frame.device.type == "cpu":
+        ctypes.c_int64.from_address(frame.data_ptr()).value = flag
+    else:
+        frame[:8].view(torch.int64).fill_(flag)
 
 
 def _slot(frame: torch.Tensor, offset: int, nbytes: int, meta: _TensorMeta) -> torch.Tensor:
@@ -258,7 +268,7 @@ class DistTransport:
         """A message in ``old``'s layout that carries only ``flag``, a new header's length
         (the receiver posted receives shaped by ``old``)."""
         frame = torch.zeros(_frame_size(old), dtype=torch.uint8, device=self.device)
-        _flag(frame).fill_(flag)
+        _set_flag(frame, flag)
         self._isend(frame, peer, group)
         if old is not None:
             for m, off in zip(old.metas, old.offsets):
@@ -297,7 +307,7 @@ class DistTransport:
                 old = _Header.build(payload, spec, header_leaves, shape, key)
                 self._sent[(dst, channel)] = old
         frame = torch.empty(old.frame_size, dtype=torch.uint8, device=self.device)
-        _flag(frame).zero_()
+        _set_flag(frame, 0)
         large = []
         for t, m, off, n in zip(tensors, old.metas, old.offsets, old.nbytes):
             if off is None:
@@ -351,7 +361,7 @@ class DistTransport:
     def _recv(self, posted: _Posted, src: int, dst: int, channel: str, mb: int) -> Any:
         what = f"{channel} from stage {src} (rank {self.ranks[src]})"
         self._wait_all(posted, what, dst, mb)
-        flag = int(_flag(posted.frame).item())
+        flag = _get_flag(posted.frame)
         if flag > 0:  # a new header, then the message in its layout
             data = torch.empty(flag, dtype=torch.uint8, device=self.device)
             self._wait(dist.irecv(data, self.ranks[src], group=self._group(channel)), what,
@@ -363,7 +373,7 @@ class DistTransport:
             self._got[(src, channel)] = _Header.build(payload, spec, leaves, shape, None)
             posted = self._post(src, channel)
             self._wait_all(posted, what, dst, mb)
-            flag = int(_flag(posted.frame).item())
+            flag = _get_flag(posted.frame)
         if flag != 0 or posted.header is None:
             raise SMPRuntimeError.build("the point-to-point protocol lost step", flag,
                                         f"{what}, stage {dst} microbatch {mb}",

@@ -336,8 +336,8 @@ class Conductor:
                             "every microbatch to finish")
             for mb, f in sorted(self._futures.items()):
                 results[mb] = f.result(timeout=self.timeout_s)
-            self._check_step()
             self.transport.finish()
+            self._check_step()  # after finish: the transport is in step for the next one
         except BaseException as exc:
             with self._lock:
                 if self._abort is None:

@@ -164,7 +164,7 @@ def _mismatch_body() -> list[str]:
     x = torch.ones(4, 4)
     x[2:, 0] = -1.0
     seen = []
-    for skip_rank in (0, 1):
+    for skip_rank in (0, 1, -1):  # -1: alike again, the model still works
         try:
             train(model, x, skip_rank)
             seen.append("ok")
@@ -180,9 +180,9 @@ def test_ranks_deciding_backward_differently_is_a_clear_error() -> None:
     from tests.helpers.dist import run_ranks
 
     rank0, rank1 = run_ranks(_mismatch_body, 2, timeout=60)
-    assert rank1 == ["ok", "ok"]
+    assert rank1 == ["ok", "ok", "ok"] and rank0[2] == "ok"
     assert all("must call model.backward for the same microbatches" in m
-               and "stage 0 microbatch 1" in m for m in rank0), rank0
+               and "stage 0 microbatch 1" in m for m in rank0[:2]), rank0
     assert "did not call it" in rank0[0] and "did call it" in rank0[1]
 
 

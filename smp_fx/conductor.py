@@ -170,7 +170,8 @@ class Conductor:
                     f"rank {self.rank} microbatch {mb}", "call model.backward(loss) once")
             st.b_request = _Request((tensors, grad_tensors), torch.is_grad_enabled(),
                                     _autocast_state())
-            self._drive(lambda: st.backward_done, mb, "its backward pass", wait=False)
+            self._drive(lambda: st.backward_done, mb, "its backward pass", wait=False,
+                        lazy=True)
 
     # ---- the baton ----------------------------------------------------------------------
     def _runnable(self, op: Any) -> bool:
@@ -190,9 +191,13 @@ class Conductor:
         return (not self._driving and self._holder is None and self._next < len(self._ops)
                 and self._runnable(self._ops[self._next]) and (mb >= 0 or self._running == 0))
 
-    def _drive(self, ready: Callable[[], bool], mb: int, what: str, wait: bool = True) -> None:
+    def _drive(self, ready: Callable[[], bool], mb: int, what: str, wait: bool = True,
+               lazy: bool = False) -> None:
         """With the lock held: run ops while they can run, until ``ready()``; else sleep
-        (``wait``) or return."""
+        (``wait``) or return. ``lazy`` (a thread done with its own microbatch): stop before
+        a receive for a microbatch whose step function has not started, so that function's
+        start overlaps the message in flight instead of following it (its ``model(...)``
+        call drives the receive)."""
         cond = self._conds[mb] if mb >= 0 else self._main
         if self._holder == mb:
             self._holder = None
@@ -202,11 +207,16 @@ class Conductor:
             if ready():
                 return
             ops = self._ops
+            stopped = False
             if self._may_drive(mb):
                 self._driving = True
                 try:
                     while self._next < len(ops) and self._runnable(ops[self._next]):
                         op = ops[self._next]
+                        if lazy and op.kind.startswith("RECV") and not self._started[
+                                op.microbatch]:
+                            stopped = True
+                            break
                         if op.kind == "F" and self._next_forward is not None:
                             j = self._next_forward[self._next]
                             if j >= 0 and not self._started[j]:
@@ -231,7 +241,7 @@ class Conductor:
                     self._driving = False
                     self._flush(locked=True)
                     self._main.notify_all()  # the caller may be waiting for the last op
-                if ready():
+                if ready() or stopped:
                     return
             if not wait:
                 return
@@ -378,7 +388,7 @@ class Conductor:
                 if self._abort is None and self._may_drive(-2):
                     # this return may unblock the next op (a skipped backward): run it
                     with contextlib.suppress(_Aborted):
-                        self._drive(lambda: not self._may_drive(-2), -2, "")
+                        self._drive(lambda: not self._may_drive(-2), -2, "", lazy=True)
                 if self._abort is None and threading.current_thread() is not self._main_thread:
                     self._start_needed()  # the calling thread may be asleep mid-function
 

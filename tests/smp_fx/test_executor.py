@@ -100,17 +100,24 @@ def test_saved_activations_in_flight_match_the_simulator(pipeline: str,
     assert [ex.stats.peak_in_flight[s] for s in range(p)] == expected
 
 
+def _two_rank_model(microbatches: int, pipeline: str) -> Any:
+    """On each of 2 gloo ranks: smp initialised, a 4-layer Linear model, seed 0."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    init(2, microbatches, pipeline)
+    torch.manual_seed(0)
+    return smp.DistributedModel(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]))
+
+
 def _skip_body() -> list[bool]:
     """Runs on every rank: a grad-enabled step that skips some backwards (the last one
     included) ends with the right grads and no receive left posted (a gradient receive
     posted ahead regardless of the skip would be left open)."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    init(2, 4, "interleaved")
-    torch.manual_seed(0)
-    model = smp.DistributedModel(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]))
+    model = _two_rank_model(4, "interleaved")
 
     @smp.step
     def train(model: Any, x: torch.Tensor, skip: bool) -> Any:
@@ -148,11 +155,7 @@ def _mismatch_body() -> list[str]:
     names the mismatch, rank 1 finishes its step."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    init(2, 2, "interleaved")
-    torch.manual_seed(0)
-    model = smp.DistributedModel(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]))
+    model = _two_rank_model(2, "interleaved")
 
     @smp.step
     def train(model: Any, x: torch.Tensor, skip_rank: int) -> Any:
@@ -206,11 +209,7 @@ def _slow_first_body(pipeline: str) -> list[float]:
 
     import torch.distributed as dist
 
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    init(2, 4, pipeline)
-    torch.manual_seed(0)
-    model = smp.DistributedModel(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]))
+    model = _two_rank_model(4, pipeline)
 
     @smp.step
     def train(model: Any, x: torch.Tensor, slow: bool) -> Any:

@@ -11,6 +11,8 @@ Whether a microbatch's backward runs is the step function's decision (it calls
 stage (and on a stage that sends nothing on). Every other stage learns it from the
 gradient messages (``(None, ...)`` when skipped), so its backward never waits for its own
 step function; that the step function decided alike is checked at the end of the step.
+(A stage that sends nothing on, whose results only feed unused values, gets no gradient
+messages: it gets the outputs on their own channel and waits like the last stage.)
 
 Across processes the last stage's outputs reach every other rank riding on the gradient
 messages, ``(grads, outputs)``, relayed stage by stage: a ``model(...)`` call off the last
@@ -80,6 +82,10 @@ def lower(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int
     else:
         actions = [a for row in sched.clock(schedule) for a in row if a is not None]
     forward_only = all(a.kind == sched.FORWARD for a in actions)
+    # who gets the last stage's outputs on their own channel: every rank in a forward-only
+    # step; else only a stage that sends nothing on, so no gradient message reaches it
+    out_to = [d for d in range(p) if d != last and (forward_only or not
+                                                      program.stages[d].sends)]
     ops: list[Op] = []
     for a in actions:
         st = program.stages[a.stage]
@@ -88,9 +94,11 @@ def lower(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int
             ops += [Op("RECV_ACT", a.stage, mb, src) for src, _ in st.recvs]
             ops.append(Op("F", a.stage, mb))
             ops += [Op("SEND_ACT", a.stage, mb, dst) for dst, _ in st.sends]
-            if multi_process and forward_only and a.stage == last:
-                ops += [Op("SEND_OUT", a.stage, mb, d) for d in range(p) if d != last]
+            if multi_process and a.stage == last:
+                ops += [Op("SEND_OUT", a.stage, mb, d) for d in out_to]
         else:
+            if multi_process and a.stage in out_to:
+                ops.append(Op("RECV_OUT", a.stage, mb, last))
             if a.stage == last or not st.sends:
                 ops.append(Op("WAIT_B", a.stage, mb))
             ops += [Op("RECV_GRAD", a.stage, mb, dst) for dst, _ in st.sends]

@@ -239,3 +239,79 @@ def test_a_slow_first_microbatch_neither_hangs_nor_changes_results(pipeline: str
 
     a, b = run_ranks(_slow_first_body, 2, pipeline, timeout=60)
     assert a == b and a[0] == a[2] and a[1] == a[3], a
+
+
+class _DeadEnd(nn.Module):
+    """Stage 1 (``d``) computes a value nothing uses: it sends nothing on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.d, self.b = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        self.d(h)
+        return self.b(h)
+
+
+def test_a_stage_that_sends_nothing_gets_the_outputs_on_their_own_channel() -> None:
+    gm = torch.fx.symbolic_trace(_DeadEnd())
+    for n in gm.graph.nodes:
+        if n.op == "call_module":
+            meta.STAGE.set(n, "adb".index(n.target))
+    prog = split_stages(gm)
+    assert not prog.stages[1].sends
+    s = sched.generate("interleaved", 3, 1)
+    assert [str(o) for o in lower(s, prog, [1], True)] == [
+        "1RECV_ACT0@0", "1F0", "1RECV_OUT0@2", "1WAIT_B0", "1B0", "1SEND_GRAD0@0"]
+    assert [str(o) for o in lower(s, prog, [2], True)] == [
+        "2RECV_ACT0@0", "2F0", "2SEND_OUT0@1", "2WAIT_B0", "2B0", "2SEND_GRAD0@0"]
+    assert [str(o) for o in lower(s, prog, [0], True)] == [
+        "0F0", "0SEND_ACT0@1", "0SEND_ACT0@2", "0RECV_GRAD0@1", "0RECV_GRAD0@2", "0B0"]
+
+
+def _dead_end_body() -> list[Any]:
+    """Runs on 3 ranks: the stage that sends nothing on still returns the outputs to its
+    step function; loss and gradients equal the plain model's."""
+    import copy
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    init(3, 2, "interleaved", auto_partition=False, default_partition=0)
+    torch.manual_seed(0)
+    net = _DeadEnd()
+    ref = copy.deepcopy(net)
+    for i, name in enumerate("adb"):
+        smp.set_partition(getattr(net, name), i)
+    model = smp.DistributedModel(net)
+
+    @smp.step
+    def train(model: Any, x: torch.Tensor) -> Any:
+        loss = model(x).pow(2).sum()
+        model.backward(loss)
+        return loss
+
+    x = torch.arange(16.0).view(4, 4) / 16
+    loss = train(model, x).reduce_sum()
+    ref_loss = ref(x).pow(2).sum()
+    ref_loss.backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    got = {n: p.grad for n, p in model.named_parameters() if n in dict(
+        model.local_named_parameters())}
+    ok = [bool(torch.allclose(loss, ref_loss.detach(), atol=1e-5))]
+    ok += [(got[n] is None and want[n] is None) or bool(torch.allclose(got[n], want[n],
+                                                                        atol=1e-5))
+           for n in got]
+    dist.barrier()
+    state._reset()
+    return ok
+
+
+@pytest.mark.multiproc
+def test_a_stage_that_sends_nothing_runs_across_processes() -> None:
+    from tests.helpers.dist import run_ranks
+
+    for ok in run_ranks(_dead_end_body, 3, timeout=90):
+        assert ok and all(ok), ok

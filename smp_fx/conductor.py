@@ -273,33 +273,34 @@ class Conductor:
             c.notify_all()
         self._main.notify_all()
 
-    def _publish(self, mb: int, hand: bool = True, **updates: Any) -> None:
+    def _publish(self, mb: int, hand: bool = True, defer: bool = False,
+                 **updates: Any) -> None:
         """Update ``mb``'s state and wake its thread. ``hand``: that thread carries on (it
         must run user code to post its next request); without it (a finished backward:
-        the thread only returns) the driver keeps going, saving a thread switch per op."""
+        the thread only returns) the driver keeps going, saving a thread switch per op.
+        ``defer`` (no hand-over): at the driver's next ``_flush`` instead, because a woken
+        step function competes for the CPU (and the GIL) with the driver's work; the driver
+        flushes when it would wait anyway (blocking on a message that has not arrived, or
+        the end of its turn)."""
         with self._lock:
-            for k, v in updates.items():
-                setattr(self._mbs[mb], k, v)
+            if defer:
+                self._deferred.append((mb, updates))
+                return
+            self._apply(mb, updates)
             if hand:
                 self._handed_to = mb
-            self._conds[mb].notify_all()
 
-    def _defer(self, mb: int, hand: bool = False, **updates: Any) -> None:
-        """``_publish`` (never with hand-over: ``hand`` only mirrors its signature) at the
-        driver's next ``_flush``: a woken step
-        function competes for the CPU (and the GIL) with the driver's work, so its wake-up
-        waits for a moment when the driver would wait anyway (blocking on a message that has
-        not arrived, or the end of its turn)."""
-        with self._lock:
-            self._deferred.append((mb, updates))
+    def _apply(self, mb: int, updates: dict[str, Any]) -> None:
+        """With the lock held: update ``mb``'s state and wake its thread."""
+        for k, v in updates.items():
+            setattr(self._mbs[mb], k, v)
+        self._conds[mb].notify_all()
 
     def _flush(self, locked: bool = False) -> None:
-        """Apply the deferred publications and wake their threads."""
+        """Apply the deferred publications."""
         with contextlib.nullcontext() if locked else self._lock:
             for mb, updates in self._deferred:
-                for k, v in updates.items():
-                    setattr(self._mbs[mb], k, v)
-                self._conds[mb].notify_all()
+                self._apply(mb, updates)
             self._deferred.clear()
 
     # ---- a step -------------------------------------------------------------------------

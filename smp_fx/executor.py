@@ -242,10 +242,13 @@ class Executor(Conductor):
                             op.microbatch)
 
     def _op_recv_out(self, op: Op) -> None:
-        st = self._mbs[op.microbatch]
-        cut = self.transport.recv(op.peer, op.stage, "out", op.microbatch)
-        st.cut = cut
-        self._publish(op.microbatch, hand=False, outputs=self.program.build_outputs(cut),
+        self._deliver_outputs(op.microbatch,
+                              self.transport.recv(op.peer, op.stage, "out", op.microbatch))
+
+    def _deliver_outputs(self, mb: int, cut: Any, defer: bool = False) -> None:
+        """The last stage's outputs, received on this rank: to microbatch ``mb``'s thread."""
+        self._mbs[mb].cut = cut
+        self._publish(mb, hand=False, defer=defer, outputs=self.program.build_outputs(cut),
                       outputs_ready=True)
 
     def _op_wait_b(self, op: Op) -> None:
@@ -256,11 +259,8 @@ class Executor(Conductor):
         st = self._mbs[op.microbatch]
         grads, cut = self.transport.recv(op.peer, op.stage, "grad", op.microbatch)
         if cut is not None and st.cut is None:  # the last stage's outputs, relayed
-            st.cut = cut
             # held back until this rank would wait, unless it will not wait again this step
-            publish = self._publish if self._next == self._last_recv else self._defer
-            publish(op.microbatch, hand=False, outputs=self.program.build_outputs(cut),
-                    outputs_ready=True)
+            self._deliver_outputs(op.microbatch, cut, defer=self._next != self._last_recv)
         skipped = grads is None
         if st.skip.setdefault(op.stage, skipped) != skipped:
             _inconsistent(op, "the gradient messages from later stages disagree (stage "

@@ -15,10 +15,10 @@ backward is not handed over: its thread only has to return, so the driver keeps 
 Step functions start lazily: the calling thread runs each microbatch's function in turn and
 a pool thread starts one only when the next op needs a microbatch while every driver is
 stuck mid-function (a pipeline with several microbatches in flight). On a rank whose
-``model(...)`` waits for outputs computed elsewhere (``ahead``), each forward starts the
-function of the microbatch whose forward comes next, so its request is in before its turn
-and the driver never waits for a thread to start (starting them all at once would make
-them contend with the step's first forward).
+``model(...)`` waits for outputs computed elsewhere (``next_forward`` given), each forward
+starts the function of the microbatch whose forward comes next, so its request is in
+before its turn and the driver never waits for a thread to start (starting them all at
+once would make them contend with the step's first forward).
 Grad mode and autocast captured from the requesting thread apply to the work done for it.
 A failure in any thread aborts the step: the caller re-raises the original exception and
 every thread is released.
@@ -142,7 +142,7 @@ class Conductor:
         self._futures: dict[int, Future[Any]] = {}
         self._launch: Any = None
         self._main_thread: threading.Thread | None = None
-        self._next_forward: list[int] | None = None
+        self._next_forward: Sequence[int] | None = None
         self._deferred: list[tuple[int, dict[str, Any]]] = []
         self._abort: BaseException | None = None
 
@@ -308,9 +308,11 @@ class Conductor:
         """After every op ran and every step function returned: a subclass's last checks."""
 
     def _run_step(self, fn: Callable[..., Any], microbatches: Sequence[tuple[tuple[Any, ...],
-                  dict[str, Any]]], ops: tuple[Any, ...], ahead: bool = False) -> list[Any]:
+                  dict[str, Any]]], ops: tuple[Any, ...],
+                  next_forward: Sequence[int] | None = None) -> list[Any]:
         """Run ``fn`` once per microbatch while ``ops`` are executed in order; its results.
-        ``ahead``: start step functions a forward ahead (see the module doc)."""
+        ``next_forward`` (``_next_forwards(ops)``): start step functions a forward ahead
+        (see the module doc)."""
         m = len(microbatches)
         self._mbs = [_MbState() for _ in range(m)]
         self._done = [False] * m
@@ -328,7 +330,7 @@ class Conductor:
         self._futures = {}
         self._launch = (fn, microbatches, grad, autocast)
         self._main_thread = threading.current_thread()
-        self._next_forward = _next_forwards(ops) if ahead else None
+        self._next_forward = next_forward
         results: list[Any] = [None] * m
         try:
             while True:  # the calling thread runs every microbatch nobody else started

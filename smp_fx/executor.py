@@ -46,6 +46,7 @@ from passes.split_stages import Stage, StagedProgram
 from smp_fx.conductor import (  # noqa: F401 (_tls, current: re-exported for smp_fx.model)
     Conductor,
     _MbState,
+    _next_forwards,
     _Request,
     _thread_modes,
     _tls,
@@ -131,6 +132,18 @@ class StageRunner:
         torch.autograd.backward(tensors, grads)
 
 
+@dataclass(frozen=True)
+class _Lowered:
+    """A schedule lowered for this rank, with what every step of it needs: the ops, where
+    each receive stream is announced (``_receive_posts``), the position of the last
+    receive, and the next forward's microbatch per position (``ahead`` ranks only)."""
+
+    ops: tuple[Op, ...]
+    posts: dict[int, list[tuple[int, int, str, int]]]
+    last_recv: int
+    next_forward: list[int] | None
+
+
 @dataclass
 class StepStats:
     """What the last step did: peak microbatches holding saved state, per local stage."""
@@ -157,9 +170,8 @@ class Executor(Conductor):
         self.pre_step_hooks: list[Callable[[tuple[Op, ...]], None]] = []
         self.stats = StepStats()
         self._scale = 1.0
-        self._lowered: dict[tuple[Any, ...], tuple[tuple[Op, ...], dict[int, Any], int]] = {}
-        self._last_recv = -1
-        self._posts: dict[int, list[tuple[int, int, str, int]]] = {}
+        self._lowered: dict[tuple[Any, ...], _Lowered] = {}
+        self._step = _Lowered((), {}, -1, None)  # the running step's
         # the value names each (stage, peer) transfer carries
         self._send_names = {(s, d): names for s, st in enumerate(program.stages)
                             for d, names in st.sends}
@@ -175,21 +187,23 @@ class Executor(Conductor):
             ops = lower(schedule, self.program, stages, self.multi_process)
             last_recv = max((i for i, op in enumerate(ops) if op.kind.startswith("RECV")),
                             default=-1)
-            self._lowered[key] = (ops, _receive_posts(ops), last_recv)
-        ops, self._posts, self._last_recv = self._lowered[key]
+            # A rank without the last stage waits for remote outputs in every model(...)
+            # call: it starts step functions a forward ahead.
+            ahead = self.multi_process and self.last not in self.runners
+            self._lowered[key] = _Lowered(ops, _receive_posts(ops), last_recv,
+                                          _next_forwards(ops) if ahead else None)
+        self._step = step = self._lowered[key]
         for pre in self.pre_step_hooks:
-            pre(ops)
-        self.stats = StepStats({s: 0 for s in stages}, ops)
+            pre(step.ops)
+        self.stats = StepStats({s: 0 for s in stages}, step.ops)
         self._scale = scale
-        # A rank without the last stage waits for remote outputs in every model(...) call.
-        ahead = self.multi_process and self.last not in self.runners
-        results = self._run_step(fn, microbatches, ops, ahead)
+        results = self._run_step(fn, microbatches, step.ops, step.next_forward)
         for hook in self.post_step_hooks:
             hook()
         return results
 
     def _execute(self, op: Op) -> None:
-        for peer, stage, channel, n in self._posts.get(self._next, ()):
+        for peer, stage, channel, n in self._step.posts.get(self._next, ()):
             self.transport.prefetch(peer, stage, channel, n)
         getattr(self, "_op_" + op.kind.lower())(op)
 
@@ -260,7 +274,7 @@ class Executor(Conductor):
         grads, cut = self.transport.recv(op.peer, op.stage, "grad", op.microbatch)
         if cut is not None and st.cut is None:  # the last stage's outputs, relayed
             # held back until this rank would wait, unless it will not wait again this step
-            self._deliver_outputs(op.microbatch, cut, defer=self._next != self._last_recv)
+            self._deliver_outputs(op.microbatch, cut, defer=self._next != self._step.last_recv)
         skipped = grads is None
         if st.skip.setdefault(op.stage, skipped) != skipped:
             _inconsistent(op, "the gradient messages from later stages disagree (stage "

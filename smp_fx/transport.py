@@ -162,7 +162,7 @@ class _Header:
     """A message's structure and where each tensor travels: ``offsets[i]`` is tensor i's
     byte offset in the frame, or None when it is a message of its own."""
 
-    payload: bytes  # pickled (spec, leaves): what goes over the wire
+    payload: bytes  # pickled (spec, leaves, shape): what goes over the wire
     spec: Any
     leaves: tuple[Any, ...]  # _TensorMeta or plain values
     shape: Any  # the hand-flattened structure (``_shape_of``), or None: use ``spec``
@@ -171,6 +171,7 @@ class _Header:
     offsets: tuple[int | None, ...]
     nbytes: tuple[int, ...]
     frame_size: int
+    large: tuple[_TensorMeta, ...]  # the tensors that are messages of their own, in order
 
     @staticmethod
     def build(payload: bytes, spec: Any, leaves: list[Any], shape: Any, key: Any) -> _Header:
@@ -183,12 +184,17 @@ class _Header:
                 end += -(-m.nbytes // _ALIGN) * _ALIGN
             else:
                 offsets.append(None)
+        large = tuple(m for m, off in zip(metas, offsets) if off is None)
         return _Header(payload, spec, tuple(leaves), shape, key, metas, tuple(offsets),
-                       tuple(m.nbytes for m in metas), end)
+                       tuple(m.nbytes for m in metas), end, large)
 
 
 def _frame_size(header: _Header | None) -> int:
     return header.frame_size if header is not None else _NO_HEADER_FRAME
+
+
+def _large(header: _Header | None) -> tuple[_TensorMeta, ...]:
+    return header.large if header is not None else ()
 
 
 def _get_flag(frame: torch.Tensor) -> int:
@@ -270,11 +276,8 @@ class DistTransport:
         frame = torch.zeros(_frame_size(old), dtype=torch.uint8, device=self.device)
         _set_flag(frame, flag)
         self._isend(frame, peer, group)
-        if old is not None:
-            for m, off in zip(old.metas, old.offsets):
-                if off is None:
-                    self._isend(torch.zeros(m.shape, dtype=m.dtype, device=self.device),
-                                peer, group)
+        for m in _large(old):
+            self._isend(torch.zeros(m.shape, dtype=m.dtype, device=self.device), peer, group)
 
     def send(self, value: Any, src: int, dst: int, channel: str, mb: int) -> None:
         peer, group = self.ranks[dst], self._group(channel)
@@ -326,11 +329,9 @@ class DistTransport:
         frame = torch.empty(_frame_size(header), dtype=torch.uint8, device=self.device)
         work = dist.irecv(frame, peer, group=group)
         large = []
-        if header is not None:
-            for m, off in zip(header.metas, header.offsets):
-                if off is None:
-                    t = torch.empty(m.shape, dtype=m.dtype, device=self.device)
-                    large.append((dist.irecv(t, peer, group=group), t))
+        for m in _large(header):
+            t = torch.empty(m.shape, dtype=m.dtype, device=self.device)
+            large.append((dist.irecv(t, peer, group=group), t))
         return _Posted(header, frame, work, large)
 
     def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -11,14 +12,20 @@ from cost_model.errors import SMPPartitionError
 from passes.partitioning.chain import lex_key, lower_bound, solve, solve_lex, stage_costs
 
 
-def brute_force(work: np.ndarray, k: int, saved: np.ndarray, comm: np.ndarray,
-                inflight: np.ndarray, pins: np.ndarray) -> float:
-    n = len(work)
-    best = np.inf
+def cut_sets(n: int, k: int) -> Iterator[tuple[tuple[int, ...], np.ndarray]]:
+    """Every cut of an n-node chain into k non-empty stages: (cuts, stage of each node)."""
     for cuts in itertools.combinations(range(1, n), k - 1):
         st = np.zeros(n, dtype=int)
         for c in cuts:
             st[c:] += 1
+        yield cuts, st
+
+
+def brute_force(work: np.ndarray, k: int, saved: np.ndarray, comm: np.ndarray,
+                inflight: np.ndarray, pins: np.ndarray) -> float:
+    n = len(work)
+    best = np.inf
+    for cuts, st in cut_sets(n, k):
         if np.any((pins >= 0) & (pins != st)):
             continue
         best = min(best, float(stage_costs(cuts, work, saved, comm, inflight).max()))
@@ -101,10 +108,7 @@ def brute_lex(work: np.ndarray, k: int, comm: np.ndarray, inflight: np.ndarray,
     """Smallest descending-sorted stage-cost vector over every cut set (heavy honoured)."""
     n = len(work)
     best = None
-    for cuts in itertools.combinations(range(1, n), k - 1):
-        st = np.zeros(n, dtype=int)
-        for c in cuts:
-            st[c:] += 1
+    for cuts, st in cut_sets(n, k):
         if heavy is not None and heavy.sum() >= k and len(set(st[heavy])) < k:
             continue
         key = lex_key(stage_costs(cuts, work, np.zeros(n), comm, inflight))
@@ -213,10 +217,7 @@ def test_overlapped_send_matches_brute_force() -> None:
             pins[int(rng.integers(0, n))] = int(rng.integers(0, k))
         heavy = time > 0 if trial % 7 and trial % 3 == 2 else None
         best, best_cuts = np.inf, None
-        for cuts in itertools.combinations(range(1, n), k - 1):
-            st = np.zeros(n, dtype=int)
-            for c in cuts:
-                st[c:] += 1
+        for cuts, st in cut_sets(n, k):
             if np.any((pins >= 0) & (pins != st)):
                 continue
             if heavy is not None and heavy.sum() >= k and len(set(st[heavy])) < k:

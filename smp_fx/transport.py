@@ -45,6 +45,7 @@ import torch.distributed as dist
 import torch.utils._pytree as pytree
 
 from cost_model.errors import SMPRuntimeError, SMPTimeoutError
+from smp_fx.buffers import BufferPool
 
 CHANNELS = ("act", "grad", "out")
 # Header leaves compared by == (with their types: 1 == 1.0 == True) instead of by pickles.
@@ -224,7 +225,7 @@ class _Posted:
     header: _Header | None
     frame: torch.Tensor
     frame_work: Any
-    large: list[tuple[Any, torch.Tensor]]
+    large: list[tuple[Any, torch.Tensor, torch.Tensor]]  # (work, tensor, its buffer)
 
 
 class DistTransport:
@@ -246,6 +247,8 @@ class DistTransport:
         self.group = group
         self.out_group = out_group
         self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._buffers = BufferPool(device)
+        self._sent_frames: list[torch.Tensor] = []  # back to the pool once sends complete
         # The last header sent to / received from each (peer stage, channel).
         self._sent: dict[tuple[int, str], _Header] = {}
         self._got: dict[tuple[int, str], _Header] = {}
@@ -309,7 +312,8 @@ class DistTransport:
                             .to(self.device), peer, group)
                 old = _Header.build(payload, spec, header_leaves, shape, key)
                 self._sent[(dst, channel)] = old
-        frame = torch.empty(old.frame_size, dtype=torch.uint8, device=self.device)
+        frame = self._buffers.take(old.frame_size)
+        self._sent_frames.append(frame)
         _set_flag(frame, 0)
         large = []
         for t, m, off, n in zip(tensors, old.metas, old.offsets, old.nbytes):
@@ -326,12 +330,13 @@ class DistTransport:
         """Post the receives of the next message from ``src``, shaped by the known header."""
         peer, group = self.ranks[src], self._group(channel)
         header = self._got.get((src, channel))
-        frame = torch.empty(_frame_size(header), dtype=torch.uint8, device=self.device)
+        frame = self._buffers.take(_frame_size(header))
         work = dist.irecv(frame, peer, group=group)
         large = []
         for m in _large(header):
-            t = torch.empty(m.shape, dtype=m.dtype, device=self.device)
-            large.append((dist.irecv(t, peer, group=group), t))
+            buf = self._buffers.take(m.nbytes)
+            t = _slot(buf, 0, m.nbytes, m)
+            large.append((dist.irecv(t, peer, group=group), t, buf))
         return _Posted(header, frame, work, large)
 
     def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:
@@ -372,6 +377,7 @@ class DistTransport:
                 warnings.simplefilter("ignore", FutureWarning)
                 spec, leaves, shape = pickle.loads(payload)
             self._got[(src, channel)] = _Header.build(payload, spec, leaves, shape, None)
+            self._give_back(posted)
             posted = self._post(src, channel)
             self._wait_all(posted, what, dst, mb)
             flag = _get_flag(posted.frame)
@@ -379,13 +385,20 @@ class DistTransport:
             raise SMPRuntimeError.build("the point-to-point protocol lost step", flag,
                                         f"{what}, stage {dst} microbatch {mb}",
                                         "report this as an smp-fx bug")
-        return self._unpack(posted)
+        value = self._unpack(posted)
+        self._give_back(posted)  # reused once the tensors viewing it are gone
+        return value
+
+    def _give_back(self, posted: _Posted) -> None:
+        self._buffers.give(posted.frame)
+        for _, _, buf in posted.large:
+            self._buffers.give(buf)
 
     @staticmethod
     def _unpack(posted: _Posted) -> Any:
         header = posted.header
         assert header is not None
-        large = iter(t for _, t in posted.large)
+        large = iter(t for _, t, _ in posted.large)
         tensors = iter([
             (next(large) if off is None else _slot(posted.frame, off, n, m))
             .requires_grad_(m.requires_grad)
@@ -398,7 +411,7 @@ class DistTransport:
 
     def _wait_all(self, posted: _Posted, what: str, stage: int, mb: int) -> None:
         self._wait(posted.frame_work, what, stage, mb)
-        for work, _ in posted.large:
+        for work, _, _ in posted.large:
             self._wait(work, what, stage, mb)
 
     def _wait(self, work: Any, what: str, stage: int, mb: int) -> None:
@@ -417,8 +430,11 @@ class DistTransport:
     def finish(self) -> None:
         """Wait for this step's sends (their buffers stay alive until then)."""
         pending, self._pending = self._pending, []
+        frames, self._sent_frames = self._sent_frames, []
         for work, _ in pending:
             self._wait(work, "a send to complete", self.stage, -1)
+        for frame in frames:  # not after a failed wait: the send may still read it
+            self._buffers.give(frame)
         if self._posted:
             left = sorted(self._posted)
             self._posted.clear()

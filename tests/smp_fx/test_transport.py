@@ -91,3 +91,43 @@ def _body() -> list[bool]:
 def test_dist_transport_round_trips_and_times_out() -> None:
     _, ok = run_ranks(_body, 2, timeout=90)
     assert ok == [True] * (len(MESSAGES) + 1)
+
+
+def _reuse_body() -> list[bool]:
+    """Frames are reused across steps, never while a received tensor still views them."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tr = DistTransport([0, 1], rank, torch.device("cpu"), 30.0, *DistTransport.make_groups())
+    ok: list[bool] = []
+    kept: list[torch.Tensor] = []
+    ptrs: list[int] = []
+    for step in range(4):
+        if rank == 1:
+            tr.prefetch(0, 1, "act", 2)
+        for i in range(2):
+            value = torch.full((32, 64), float(10 * step + i))
+            if rank == 0:
+                tr.send((value,), 0, 1, "act", i)
+            else:
+                (got,) = tr.recv(0, 1, "act", i)
+                ok.append(torch.equal(got, value))
+                ptrs.append(got.data_ptr())
+                if step == 1:
+                    kept.append(got)  # views of step 1's frames stay alive
+        tr.finish()
+        dist.barrier()
+    if rank == 1:
+        ok.append(all(torch.equal(k, torch.full((32, 64), float(10 + i)))
+                      for i, k in enumerate(kept)))
+        ok.append(ptrs[4] == ptrs[0] or ptrs[4] == ptrs[1])  # step 2 reuses step 0's frames
+        ok.append(not set(ptrs[4:]) & set(ptrs[2:4]))  # never the kept ones
+    dist.barrier()
+    return ok
+
+
+@pytest.mark.multiproc
+def test_dist_transport_reuses_frames_only_when_free() -> None:
+    _, ok = run_ranks(_reuse_body, 2, timeout=90)
+    assert ok == [True] * 11

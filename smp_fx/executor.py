@@ -368,8 +368,9 @@ class Executor(Conductor):
                         "model.backward needs grad_tensors for a non-scalar tensor",
                         tuple(t.shape), f"rank {self.rank} microbatch {mb}",
                         "pass grad_tensors, or call backward on a scalar loss")
-                g = torch.ones_like(t)
-            scaled.append(g * self._scale if self._scale != 1.0 else g)
+                scaled.append(torch.full_like(t, self._scale))
+            else:
+                scaled.append(g * self._scale if self._scale != 1.0 else g)
         with _thread_modes(True, req.autocast):
             runner.backward(ts, scaled, mb)  # the seam (DDP) sees the last stage's pass too
 

@@ -141,6 +141,12 @@ def _shape_of(value: Any, leaves: list[torch.Tensor]) -> Any:
     return None
 
 
+def _header_leaves(leaves: list[Any]) -> list[Any]:
+    """The leaves as a header lists them: tensors by their metadata."""
+    return [_TensorMeta(tuple(t.shape), t.dtype, t.requires_grad)
+            if isinstance(t, torch.Tensor) else t for t in leaves]
+
+
 def _build(shape: Any, leaves: Iterator[Any]) -> Any:
     """The inverse of ``_shape_of``."""
     if shape == "T":
@@ -248,6 +254,7 @@ class DistTransport:
         self.out_group = out_group
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._buffers = BufferPool(device)
+        self._p2p_cache: dict[tuple[int, int], tuple[Any, int]] = {}
         self._sent_frames: list[torch.Tensor] = []  # back to the pool once sends complete
         # The last header sent to / received from each (peer stage, channel).
         self._sent: dict[tuple[int, str], _Header] = {}
@@ -269,9 +276,26 @@ class DistTransport:
     def _group(self, channel: str) -> Any:
         return self.out_group if channel == "out" else self.group
 
+    def _p2p(self, peer: int, group: Any) -> tuple[Any, int]:
+        """The process group object and ``peer``'s rank in it. Point-to-point calls go to
+        it directly: ``dist.isend``/``irecv`` re-resolve both on every call, a sizeable part
+        of a small message's cost on the pipeline's busiest rank."""
+        key = (peer, id(group))
+        hit = self._p2p_cache.get(key)
+        if hit is None:
+            pg = group if group is not None else dist.distributed_c10d._get_default_group()
+            hit = self._p2p_cache[key] = (pg, dist.get_group_rank(pg, peer))
+        return hit
+
+    def _irecv(self, t: torch.Tensor, peer: int, group: Any) -> Any:
+        pg, group_rank = self._p2p(peer, group)
+        return pg.recv([torch.view_as_real(t) if t.is_complex() else t], group_rank, 0)
+
     # ---- sending ------------------------------------------------------------------------
     def _isend(self, t: torch.Tensor, peer: int, group: Any) -> None:
-        self._pending.append((dist.isend(t, peer, group=group), t))
+        pg, group_rank = self._p2p(peer, group)
+        wire = torch.view_as_real(t) if t.is_complex() else t
+        self._pending.append((pg.send([wire], group_rank, 0), t))
 
     def _send_fill(self, old: _Header | None, flag: int, peer: int, group: Any) -> None:
         """A message in ``old``'s layout that carries only ``flag``, a new header's length
@@ -290,21 +314,22 @@ class DistTransport:
         if shape is None:
             leaves, spec = pytree.tree_flatten(value)
         tensors = [t.detach() for t in leaves if isinstance(t, torch.Tensor)]
-        header_leaves = [_TensorMeta(tuple(t.shape), t.dtype, t.requires_grad)
-                         if isinstance(t, torch.Tensor) else t for t in leaves]
         # The usual message repeats the last one's header: recognise it without pickling
         # when every non-tensor leaf is a plain value (whose == is exact and cheap).
-        if shape is not None:
-            key: Any = (shape, tuple(header_leaves))
-        elif all(isinstance(x, _TensorMeta) or type(x) in _PLAIN for x in header_leaves):
-            key = (spec, [x if isinstance(x, _TensorMeta) else (type(x), x)
-                          for x in header_leaves])
+        header_leaves: list[Any] = []
+        if shape is not None:  # every leaf is a tensor
+            key: Any = (shape, tuple((t.shape, t.dtype, t.requires_grad) for t in leaves))
         else:
-            key = None
+            header_leaves = _header_leaves(leaves)
+            if all(isinstance(x, _TensorMeta) or type(x) in _PLAIN for x in header_leaves):
+                key = (spec, [x if isinstance(x, _TensorMeta) else (type(x), x)
+                              for x in header_leaves])
+            else:
+                key = None
         same = old is not None and key is not None and old.key == key
         if not same:
             if shape is not None:
-                spec = _spec_of(shape)
+                header_leaves, spec = _header_leaves(leaves), _spec_of(shape)
             payload = pickle.dumps((spec, header_leaves, shape))
             if old is None or old.payload != payload:
                 self._send_fill(old, len(payload), peer, group)
@@ -331,12 +356,12 @@ class DistTransport:
         peer, group = self.ranks[src], self._group(channel)
         header = self._got.get((src, channel))
         frame = self._buffers.take(_frame_size(header))
-        work = dist.irecv(frame, peer, group=group)
+        work = self._irecv(frame, peer, group)
         large = []
         for m in _large(header):
             buf = self._buffers.take(m.nbytes)
             t = _slot(buf, 0, m.nbytes, m)
-            large.append((dist.irecv(t, peer, group=group), t, buf))
+            large.append((self._irecv(t, peer, group), t, buf))
         return _Posted(header, frame, work, large)
 
     def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:
@@ -370,7 +395,7 @@ class DistTransport:
         flag = _get_flag(posted.frame)
         if flag > 0:  # a new header, then the message in its layout
             data = torch.empty(flag, dtype=torch.uint8, device=self.device)
-            self._wait(dist.irecv(data, self.ranks[src], group=self._group(channel)), what,
+            self._wait(self._irecv(data, self.ranks[src], self._group(channel)), what,
                        dst, mb)
             payload = data.cpu().numpy().tobytes()
             with warnings.catch_warnings():  # unpickling a LeafSpec warns in torch 2.13

@@ -238,10 +238,11 @@ class DistTransport:
     """torch.distributed point-to-point between the ranks holding each stage.
 
     ``ranks[s]`` is the global rank holding stage ``s`` of this rank's pipeline.
-    ``group``/``out_group`` default to the world group and a duplicate of it; both must be
-    created collectively on every rank (``DistTransport.make_groups``). The ``"out"``
-    channel has its own group so that its messages never interleave with gradients between
-    the same two ranks: NCCL matches point-to-point messages by order, per communicator.
+    ``group``/``out_group`` default to the world group. The runtime passes
+    ``DistTransport.make_groups()`` (created collectively on every rank), which gives the
+    ``"out"`` channel a group of its own, so that its messages never interleave with
+    gradients between the same two ranks: NCCL matches point-to-point messages by order,
+    per communicator.
     """
 
     def __init__(self, ranks: list[int], stage: int, device: torch.device,
@@ -283,7 +284,7 @@ class DistTransport:
         key = (peer, id(group))
         hit = self._p2p_cache.get(key)
         if hit is None:
-            pg = group if group is not None else dist.distributed_c10d._get_default_group()
+            pg = group if group is not None else dist.group.WORLD
             hit = self._p2p_cache[key] = (pg, dist.get_group_rank(pg, peer))
         return hit
 

@@ -131,3 +131,28 @@ def _reuse_body() -> list[bool]:
 def test_dist_transport_reuses_frames_only_when_free() -> None:
     _, ok = run_ranks(_reuse_body, 2, timeout=90)
     assert ok == [True] * 11
+
+
+def _world_body() -> list[bool]:
+    """Without groups both channels use the world group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tr = DistTransport([0, 1], rank, torch.device("cpu"), 30.0)
+    ok = []
+    for i in range(2):
+        if rank == 0:
+            tr.send((torch.full((4,), float(i)),), 0, 1, "act", i)
+        else:
+            (got,) = tr.recv(0, 1, "act", i)
+            ok.append(torch.equal(got, torch.full((4,), float(i))))
+    tr.finish()
+    dist.barrier()
+    return ok
+
+
+@pytest.mark.multiproc
+def test_dist_transport_defaults_to_the_world_group() -> None:
+    _, ok = run_ranks(_world_body, 2, timeout=90)
+    assert ok == [True, True]

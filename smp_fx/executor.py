@@ -135,11 +135,13 @@ class StageRunner:
 @dataclass(frozen=True)
 class _Lowered:
     """A schedule lowered for this rank, with what every step of it needs: the ops, where
-    each receive stream is announced (``_receive_posts``), the position of the last
-    receive, and the next forward's microbatch per position (``ahead`` ranks only)."""
+    each receive stream is announced (``_receive_posts``), how many messages each send
+    stream carries, the position of the last receive, and the next forward's microbatch
+    per position (``ahead`` ranks only)."""
 
     ops: tuple[Op, ...]
     posts: dict[int, list[tuple[int, int, str, int]]]
+    sends: dict[tuple[int, int, str], int]  # (stage, peer, channel) -> messages per step
     last_recv: int
     next_forward: list[int] | None
 
@@ -171,7 +173,7 @@ class Executor(Conductor):
         self.stats = StepStats()
         self._scale = 1.0
         self._lowered: dict[tuple[Any, ...], _Lowered] = {}
-        self._step = _Lowered((), {}, -1, None)  # the running step's
+        self._step = _Lowered((), {}, {}, -1, None)  # the running step's
         # the value names each (stage, peer) transfer carries
         self._send_names = {(s, d): names for s, st in enumerate(program.stages)
                             for d, names in st.sends}
@@ -190,9 +192,11 @@ class Executor(Conductor):
             # A rank without the last stage waits for remote outputs in every model(...)
             # call: it starts step functions a forward ahead.
             ahead = self.multi_process and self.last not in self.runners
-            self._lowered[key] = _Lowered(ops, _receive_posts(ops), last_recv,
-                                          _next_forwards(ops) if ahead else None)
+            self._lowered[key] = _Lowered(ops, _receive_posts(ops), _send_counts(ops),
+                                          last_recv, _next_forwards(ops) if ahead else None)
         self._step = step = self._lowered[key]
+        for (stage, peer, channel), n in step.sends.items():
+            self.transport.plan_sends(stage, peer, channel, n)
         for pre in self.pre_step_hooks:
             pre(step.ops)
         self.stats = StepStats({s: 0 for s in stages}, step.ops)
@@ -412,6 +416,18 @@ def _receive_posts(ops: Sequence[Op]) -> dict[int, list[tuple[int, int, str, int
     for key, where in streams.items():
         posts.setdefault(min(where[0], first_send), []).append((*key, len(where)))
     return posts
+
+
+def _send_counts(ops: Sequence[Op]) -> dict[tuple[int, int, str], int]:
+    """How many messages ``ops`` send per (stage, peer, channel): the transport's receiver
+    counts the same stream from its own ops (``prefetch``)."""
+    channel = {"SEND_ACT": "act", "SEND_GRAD": "grad", "SEND_OUT": "out"}
+    counts: dict[tuple[int, int, str], int] = {}
+    for op in ops:
+        if op.kind in channel:
+            key = (op.stage, op.peer, channel[op.kind])
+            counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def _inconsistent(op: Op, what: str) -> None:

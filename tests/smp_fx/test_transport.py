@@ -3,6 +3,7 @@ step across header changes and receives posted ahead, waits are bounded."""
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -64,19 +65,38 @@ def _body() -> list[bool]:
             if isinstance(x, torch.Tensor) else
             (x == y and type(x) is type(y)) for x, y in zip(flat_a[0], flat_b[0]))
 
-    if rank == 1:  # receives posted ahead ("out" always, "act" under gloo), across changes
-        tr.prefetch(0, 1, "out", len(MESSAGES))
-        tr.prefetch(0, 1, "act", len(MESSAGES))
-    for i, msg in enumerate(MESSAGES):
-        out_msg = MESSAGES[-1 - i]
-        if rank == 0:
-            tr.send(msg, 0, 1, "act", i)
-            tr.send(out_msg, 0, 1, "out", i)  # another channel
+    # Receives posted ahead ("out" always, "act" under gloo), across header changes: in
+    # the second step the sender is late, so each recv posts the next message too while
+    # it waits (two posted in the old layout when a header changes).
+    outstanding = []
+    inner = tr._recv
+
+    def counting(posted: Any, queue: Any, *args: Any) -> Any:
+        outstanding.append(len(queue))
+        return inner(posted, queue, *args)
+
+    tr._recv = counting  # type: ignore[method-assign]
+    for delay in (0.0, 0.01):
+        if rank == 1:
+            tr.prefetch(0, 1, "out", len(MESSAGES))
+            tr.prefetch(0, 1, "act", len(MESSAGES))
         else:
-            got = tr.recv(0, 1, "act", i)
-            out = tr.recv(0, 1, "out", i)
-            ok.append(same(got, msg) and same(out, out_msg))
-    tr.finish()
+            tr.plan_sends(0, 1, "act", len(MESSAGES))
+            tr.plan_sends(0, 1, "out", len(MESSAGES))
+        for i, msg in enumerate(MESSAGES):
+            out_msg = MESSAGES[-1 - i]
+            if rank == 0:
+                time.sleep(delay)
+                tr.send(msg, 0, 1, "act", i)
+                tr.send(out_msg, 0, 1, "out", i)  # another channel
+            else:
+                got = tr.recv(0, 1, "act", i)
+                out = tr.recv(0, 1, "out", i)
+                ok.append(same(got, msg) and same(out, out_msg))
+        tr.finish()
+        dist.barrier()
+    if rank == 1:
+        ok.append(outstanding.count(1) >= len(MESSAGES))
     if rank == 1:
         short = DistTransport([0, 1], 1, torch.device("cpu"), 0.5, *groups)
         try:
@@ -90,7 +110,7 @@ def _body() -> list[bool]:
 @pytest.mark.multiproc
 def test_dist_transport_round_trips_and_times_out() -> None:
     _, ok = run_ranks(_body, 2, timeout=90)
-    assert ok == [True] * (len(MESSAGES) + 1)
+    assert ok == [True] * (2 * len(MESSAGES) + 2)
 
 
 def _reuse_body() -> list[bool]:
@@ -106,6 +126,8 @@ def _reuse_body() -> list[bool]:
     for step in range(4):
         if rank == 1:
             tr.prefetch(0, 1, "act", 2)
+        else:
+            tr.plan_sends(0, 1, "act", 2)
         for i in range(2):
             value = torch.full((32, 64), float(10 * step + i))
             if rank == 0:

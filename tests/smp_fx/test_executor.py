@@ -189,14 +189,14 @@ def test_ranks_deciding_backward_differently_is_a_clear_error() -> None:
     assert "did not call it" in rank0[0] and "did call it" in rank0[1]
 
 
-def test_receive_streams_are_announced_before_the_first_send() -> None:
+def test_receive_streams_are_announced_right_after_the_first_send() -> None:
     from smp_fx.executor import _receive_posts
 
     prog = _program(2)
     s = sched.generate("interleaved", 2, 4)
     ops0 = lower(s, prog, [0], True)
-    # stage 0 receives only gradients: announced after F0, before its first send
-    assert _receive_posts(ops0) == {1: [(1, 0, "grad", 4)]} and ops0[1].kind == "SEND_ACT"
+    # stage 0 receives only gradients: announced right after its first send (F0's)
+    assert _receive_posts(ops0) == {2: [(1, 0, "grad", 4)]} and ops0[1].kind == "SEND_ACT"
     # stage 1's first op is a receive: announced there, counting every message
     assert _receive_posts(lower(s, prog, [1], True)) == {0: [(0, 1, "act", 4)]}
 

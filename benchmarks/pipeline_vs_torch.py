@@ -11,6 +11,10 @@ microbatch; the optimizer step is excluded from both), smp-fx and torch alternat
 - *throughput*: the median, over blocks of ``--block`` steps run back to back (as in
   training), of the time per step.
 
+Each measure prints the ratio of the two medians and, because a shared 2-core machine
+drifts by several percent within a run, the median of the paired ratios (each smp-fx
+step or block over the torch one measured right after it).
+
     python benchmarks/pipeline_vs_torch.py            # prints a table and the ratios
 """
 
@@ -84,10 +88,10 @@ def _torch_step(args: argparse.Namespace, pipeline: str, program: Any) -> Any:
 
 
 def _compare(args: argparse.Namespace, pipeline: str, x: torch.Tensor,
-             y: torch.Tensor) -> tuple[float, float, float, float]:
-    """Median step latencies and times per step back to back: (smp-fx, torch, smp-fx,
-    torch), the two alternating (shared machine: alternating keeps load changes from
-    favouring either)."""
+             y: torch.Tensor) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Step latencies and times per step back to back: (smp-fx, torch, smp-fx, torch), the
+    two alternating (shared machine: alternating keeps load changes from favouring
+    either)."""
     model, train_step = _smp_step(args, pipeline)
     train_step(model, x, y)  # partitions
     sched = _torch_step(args, pipeline, model.program)
@@ -108,11 +112,14 @@ def _compare(args: argparse.Namespace, pipeline: str, x: torch.Tensor,
             torch_t.append(b)
     k = args.block
     smp_b, torch_b = [], []
-    for _ in range(max(args.steps // k, 3)):
+    for _ in range(_blocks(args)):
         smp_b.append(_barrier_time(lambda: [train_step(model, x, y) for _ in range(k)]) / k)
         torch_b.append(_barrier_time(lambda: [torch_run() for _ in range(k)]) / k)
-    return (statistics.median(smp_t), statistics.median(torch_t), statistics.median(smp_b),
-            statistics.median(torch_b))
+    return smp_t, torch_t, smp_b, torch_b
+
+
+def _blocks(args: argparse.Namespace) -> int:
+    return max(args.steps // args.block, 10)
 
 
 def _worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
@@ -140,9 +147,10 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=15)
+    ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--block", type=int, default=5, help="steps per back-to-back block")
+    ap.add_argument("--block", type=int, default=3, help="steps per back-to-back block "
+                    "(at least 10 blocks are timed)")
     ap.add_argument("--pin", action="store_true",
                     help="pin rank r (and all its threads) to core r")
     args = ap.parse_args()
@@ -160,14 +168,16 @@ def main() -> None:
     print(f"MLP width {args.width} depth {args.depth}, batch {args.batch}, "
           f"{args.microbatches} microbatches, 2 gloo processes x 1 thread, "
           f"latency: median of {args.steps} steps; throughput: median of "
-          f"{max(args.steps // args.block, 3)} blocks of {args.block}"
+          f"{_blocks(args)} blocks of {args.block}"
           + (", ranks pinned to cores" if args.pin else ""))
     print(f"{'schedule':<12} {'measure':<11} {'smp-fx ms':>10} {'torch ms':>10} "
-          f"{'smp/torch':>10}")
+          f"{'smp/torch':>10} {'paired':>8}")
     for pipeline, s, t, sb, tb in rows:
         for what, a, b in (("latency", s, t), ("throughput", sb, tb)):
-            print(f"{pipeline:<12} {what:<11} {a * 1e3:>10.2f} {b * 1e3:>10.2f} "
-                  f"{a / b:>10.3f}")
+            ma, mb = statistics.median(a), statistics.median(b)
+            paired = statistics.median(x / y for x, y in zip(a, b))
+            print(f"{pipeline:<12} {what:<11} {ma * 1e3:>10.2f} {mb * 1e3:>10.2f} "
+                  f"{ma / mb:>10.3f} {paired:>8.3f}")
 
 
 if __name__ == "__main__":

@@ -68,7 +68,13 @@ class _Aborted(BaseException):
     """Raised in user threads when the step aborts; BaseException so user code cannot eat it."""
 
 
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
+_NO_CHANGE = contextlib.nullcontext()  # reusable: the usual result of ``_thread_modes``
+
+
 def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
+    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():  # the usual case, one call
+        return ()
     out = []
     for dev in ("cpu", "cuda"):
         if torch.is_autocast_enabled(dev):
@@ -82,7 +88,7 @@ def _thread_modes(grad_enabled: bool, autocast: tuple[tuple[str, torch.dtype], .
     current = _autocast_state()
     if current == autocast:
         if torch.is_grad_enabled() == grad_enabled:
-            return contextlib.nullcontext()
+            return _NO_CHANGE
         return torch.set_grad_enabled(grad_enabled)
     return _switch_modes(grad_enabled, autocast, current)
 
@@ -144,6 +150,7 @@ class Conductor:
         self._main_thread: threading.Thread | None = None
         self._next_forward: Sequence[int] | None = None
         self._deferred: list[tuple[int, dict[str, Any]]] = []
+        self._main_waiting = 0  # threads waiting on ``_main``
         self._abort: BaseException | None = None
 
     def _execute(self, op: Any) -> None:
@@ -240,7 +247,7 @@ class Conductor:
                 finally:
                     self._driving = False
                     self._flush(locked=True)
-                    self._main.notify_all()  # the caller may be waiting for the last op
+                    self._wake_main()  # the caller may be waiting for the last op
                 if ready() or stopped:
                     return
             if not wait:
@@ -255,12 +262,16 @@ class Conductor:
                 self._start_needed()
                 self._running -= 1
                 if self._running == 0:
-                    self._main.notify_all()
+                    self._wake_main()
+            else:
+                self._main_waiting += 1
             try:
                 woke = cond.wait(self.timeout_s)
             finally:
                 if mb >= 0:
                     self._running += 1
+                else:
+                    self._main_waiting -= 1
             if not woke:
                 at = str(ops[self._next]) if self._next < len(ops) else "end of step"
                 raise SMPTimeoutError.build(
@@ -297,11 +308,25 @@ class Conductor:
         self._conds[mb].notify_all()
 
     def _flush(self, locked: bool = False) -> None:
-        """Apply the deferred publications."""
-        with contextlib.nullcontext() if locked else self._lock:
-            for mb, updates in self._deferred:
-                self._apply(mb, updates)
-            self._deferred.clear()
+        """Apply the deferred publications (only the driver defers and flushes them)."""
+        if not self._deferred:
+            return
+        if locked:
+            self._apply_deferred()
+        else:
+            with self._lock:
+                self._apply_deferred()
+
+    def _apply_deferred(self) -> None:
+        for mb, updates in self._deferred:
+            self._apply(mb, updates)
+        self._deferred.clear()
+
+    def _wake_main(self) -> None:
+        """With the lock held: wake a thread waiting on ``_main``, if any (this runs after
+        every driver's turn; a notify costs three Python calls even with nobody waiting)."""
+        if self._main_waiting:
+            self._main.notify_all()
 
     # ---- a step -------------------------------------------------------------------------
     def _check_step(self) -> None:
@@ -387,7 +412,7 @@ class Conductor:
                 self._running -= 1
                 if self._holder == mb:
                     self._holder = None
-                self._main.notify_all()
+                self._wake_main()
                 if self._abort is None and self._may_drive(-2):
                     # this return may unblock the next op (a skipped backward): run it
                     with contextlib.suppress(_Aborted):

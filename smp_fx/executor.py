@@ -174,6 +174,8 @@ class Executor(Conductor):
         self._scale = 1.0
         self._lowered: dict[tuple[Any, ...], _Lowered] = {}
         self._step = _Lowered((), {}, {}, -1, None)  # the running step's
+        self._last: tuple[Any, Any, _Lowered | None] = (None, None, None)  # the last step's
+        # (schedule, stages, lowering)
         # the value names each (stage, peer) transfer carries
         self._send_names = {(s, d): names for s, st in enumerate(program.stages)
                             for d, names in st.sends}
@@ -185,16 +187,23 @@ class Executor(Conductor):
         """Run ``fn`` once per microbatch under ``schedule``; return its results in order."""
         stages = tuple(sorted(self.runners))
         key = (schedule, stages)
-        if key not in self._lowered:
+        # the schedule is usually the very object of the last step (hashing one hashes
+        # every action)
+        last_schedule, last_stages, step = self._last
+        if last_schedule is not schedule or last_stages != stages:
+            step = self._lowered.get(key)
+        if step is None:
             ops = lower(schedule, self.program, stages, self.multi_process)
             last_recv = max((i for i, op in enumerate(ops) if op.kind.startswith("RECV")),
                             default=-1)
             # A rank without the last stage waits for remote outputs in every model(...)
             # call: it starts step functions a forward ahead.
             ahead = self.multi_process and self.last not in self.runners
-            self._lowered[key] = _Lowered(ops, _receive_posts(ops), _send_counts(ops),
-                                          last_recv, _next_forwards(ops) if ahead else None)
-        self._step = step = self._lowered[key]
+            step = self._lowered[key] = _Lowered(
+                ops, _receive_posts(ops), _send_counts(ops), last_recv,
+                _next_forwards(ops) if ahead else None)
+        self._step = step
+        self._last = (schedule, stages, step)
         for (stage, peer, channel), n in step.sends.items():
             self.transport.plan_sends(stage, peer, channel, n)
         for pre in self.pre_step_hooks:

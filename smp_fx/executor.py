@@ -173,9 +173,8 @@ class Executor(Conductor):
         self.stats = StepStats()
         self._scale = 1.0
         self._lowered: dict[tuple[Any, ...], _Lowered] = {}
-        self._step = _Lowered((), {}, {}, -1, None)  # the running step's
-        self._last: tuple[Any, Any, _Lowered | None] = (None, None, None)  # the last step's
-        # (schedule, stages, lowering)
+        self._step = _Lowered((), {}, {}, -1, None)  # the running (or last) step's
+        self._step_key: tuple[Any, ...] = (None, None)  # its (schedule, stages)
         # the value names each (stage, peer) transfer carries
         self._send_names = {(s, d): names for s, st in enumerate(program.stages)
                             for d, names in st.sends}
@@ -189,9 +188,8 @@ class Executor(Conductor):
         key = (schedule, stages)
         # the schedule is usually the very object of the last step (hashing one hashes
         # every action)
-        last_schedule, last_stages, step = self._last
-        if last_schedule is not schedule or last_stages != stages:
-            step = self._lowered.get(key)
+        same = self._step_key[0] is schedule and self._step_key[1] == stages
+        step = self._step if same else self._lowered.get(key)
         if step is None:
             ops = lower(schedule, self.program, stages, self.multi_process)
             last_recv = max((i for i, op in enumerate(ops) if op.kind.startswith("RECV")),
@@ -202,8 +200,7 @@ class Executor(Conductor):
             step = self._lowered[key] = _Lowered(
                 ops, _receive_posts(ops), _send_counts(ops), last_recv,
                 _next_forwards(ops) if ahead else None)
-        self._step = step
-        self._last = (schedule, stages, step)
+        self._step, self._step_key = step, key
         for (stage, peer, channel), n in step.sends.items():
             self.transport.plan_sends(stage, peer, channel, n)
         for pre in self.pre_step_hooks:
@@ -405,6 +402,10 @@ def _leaves(value: Any) -> list[Any]:
     return pytree.tree_leaves(value)
 
 
+_CHANNEL = {"RECV_ACT": "act", "SEND_ACT": "act", "RECV_GRAD": "grad", "SEND_GRAD": "grad",
+            "RECV_OUT": "out", "SEND_OUT": "out"}  # the transport channel of a transfer op
+
+
 def _receive_posts(ops: Sequence[Op]) -> dict[int, list[tuple[int, int, str, int]]]:
     """Where each stream of messages ``ops`` receive is announced to the transport
     (``prefetch``: its receives are then kept posted ahead): op position -> (peer, stage,
@@ -416,7 +417,7 @@ def _receive_posts(ops: Sequence[Op]) -> dict[int, list[tuple[int, int, str, int
     the step, where posting one right after the previous step's end can stall for
     milliseconds under gloo, and off the first send's path, which is the pipeline's fill
     (measured: posting first delayed the first stage's first activation by ~0.1 ms)."""
-    channel = {"RECV_ACT": "act", "RECV_GRAD": "grad", "RECV_OUT": "out"}
+    channel = {k: c for k, c in _CHANNEL.items() if k.startswith("RECV")}
     first_send = next((i for i, op in enumerate(ops) if op.kind.startswith("SEND")), len(ops))
     streams: dict[tuple[int, int, str], list[int]] = {}
     for i, op in enumerate(ops):
@@ -431,11 +432,10 @@ def _receive_posts(ops: Sequence[Op]) -> dict[int, list[tuple[int, int, str, int
 def _send_counts(ops: Sequence[Op]) -> dict[tuple[int, int, str], int]:
     """How many messages ``ops`` send per (stage, peer, channel): the transport's receiver
     counts the same stream from its own ops (``prefetch``)."""
-    channel = {"SEND_ACT": "act", "SEND_GRAD": "grad", "SEND_OUT": "out"}
     counts: dict[tuple[int, int, str], int] = {}
     for op in ops:
-        if op.kind in channel:
-            key = (op.stage, op.peer, channel[op.kind])
+        if op.kind.startswith("SEND"):
+            key = (op.stage, op.peer, _CHANNEL[op.kind])
             counts[key] = counts.get(key, 0) + 1
     return counts
 

@@ -237,6 +237,12 @@ def _slot(frame: torch.Tensor, offset: int, nbytes: int, meta: _TensorMeta) -> t
     return frame[offset:offset + nbytes].view(meta.dtype).view(meta.shape)
 
 
+def _lost_step(flag: int, what: str, stage: int, mb: int) -> SMPRuntimeError:
+    return SMPRuntimeError.build("the point-to-point protocol lost step", flag,
+                                 f"{what}, stage {stage} microbatch {mb}",
+                                 "report this as an smp-fx bug")
+
+
 @dataclass
 class _Posted:
     """The receives of one expected message, posted in the layout of ``header``."""
@@ -441,7 +447,8 @@ class DistTransport:
                 else:
                     skip = self._post(src, channel)
                 self._wait_all(skip, what, dst, mb)
-                self._expect_flag(_get_flag(skip.frame), _SKIP, what, dst, mb)
+                if _get_flag(skip.frame) != _SKIP:
+                    raise _lost_step(_get_flag(skip.frame), what, dst, mb)
                 self._give_back(skip)
             data = torch.empty(flag, dtype=torch.uint8, device=self.device)
             self._wait(self._irecv(data, self.ranks[src], self._group(channel)), what,
@@ -455,19 +462,11 @@ class DistTransport:
             posted = self._post(src, channel)
             self._wait_all(posted, what, dst, mb)
             flag = _get_flag(posted.frame)
-        if posted.header is None:
-            flag = -2
-        self._expect_flag(flag, 0, what, dst, mb)
+        if flag != 0 or posted.header is None:
+            raise _lost_step(flag, what, dst, mb)
         value = self._unpack(posted)
         self._give_back(posted)  # reused once the tensors viewing it are gone
         return value
-
-    @staticmethod
-    def _expect_flag(flag: int, expected: int, what: str, stage: int, mb: int) -> None:
-        if flag != expected:
-            raise SMPRuntimeError.build("the point-to-point protocol lost step", flag,
-                                        f"{what}, stage {stage} microbatch {mb}",
-                                        "report this as an smp-fx bug")
 
     def _give_back(self, posted: _Posted) -> None:
         self._buffers.give(posted.frame)

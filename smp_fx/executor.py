@@ -231,8 +231,7 @@ class Executor(Conductor):
         if stage.program_inputs:
             bound = self.program.bind_inputs(*req.args)
             for name in stage.program_inputs:
-                received[name] = pytree.tree_map_only(
-                    torch.Tensor, lambda t: t.to(runner.device), bound[name])
+                received[name] = _to_device(bound[name], runner.device)
         with _thread_modes(req.grad_enabled, req.autocast):
             outs = runner.forward([received[n] for n in stage.input_names], mb)
         st.results[s] = dict(zip(stage.output_names, outs))
@@ -391,6 +390,14 @@ class Executor(Conductor):
                 "model outputs", f"output leaf {unused[0]} of model(...) got no gradient",
                 f"rank {self.rank}",
                 "use every output in the loss, or do not return it from forward")
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    """``value``'s tensors on ``device`` (a plain tensor already there, the usual model
+    input, skips the pytree walk)."""
+    if type(value) is torch.Tensor and value.device == device:
+        return value
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), value)
 
 
 def _leaves(value: Any) -> list[Any]:

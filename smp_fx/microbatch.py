@@ -33,20 +33,16 @@ def split_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any], num_mb: int,
     Argument names (for ``non_split_inputs`` / ``input_split_axes``) are the parameter names
     of ``fn``'s signature; keyword arguments are matched by their own names.
     """
-    axes = dict(input_split_axes or {})
+    axes = input_split_axes or {}
     names = _positional_names(fn, len(args))
-    out_args: list[list[Any]] = [[] for _ in range(num_mb)]
-    out_kwargs: list[dict[str, Any]] = [{} for _ in range(num_mb)]
-    for positional, (name, value) in [(True, nv) for nv in zip(names, args)] + \
-            [(False, nv) for nv in kwargs.items()]:
-        for mb in range(num_mb):
-            piece = value if name in non_split_inputs else \
-                _slice(value, num_mb, mb, axes.get(name, 0), name)
-            if positional:
-                out_args[mb].append(piece)
-            else:
-                out_kwargs[mb][name] = piece
-    return [(tuple(a), k) for a, k in zip(out_args, out_kwargs)]
+    # each value is cut into all its pieces at once (one ``split`` call per tensor)
+    pieces = [[value] * num_mb if name in non_split_inputs else
+              _pieces(value, num_mb, axes.get(name, 0), name)
+              for name, value in zip(names, args)]
+    kw = {name: [value] * num_mb if name in non_split_inputs else
+          _pieces(value, num_mb, axes.get(name, 0), name) for name, value in kwargs.items()}
+    return [(tuple(p[mb] for p in pieces), {k: p[mb] for k, p in kw.items()})
+            for mb in range(num_mb)]
 
 
 @functools.lru_cache(maxsize=64)
@@ -71,10 +67,17 @@ def _positional_names(fn: Callable[..., Any] | None, n: int) -> list[str]:
     return names[:n]
 
 
-def _slice(value: Any, num_mb: int, mb: int, axis: int, where: str) -> Any:
+_WHOLE = frozenset((type(None), bool, int, float, str))  # passed whole without a look
+
+
+def _pieces(value: Any, num_mb: int, axis: int, where: str) -> list[Any]:
+    """``value`` cut into ``num_mb`` microbatch pieces (or passed whole to each)."""
+    t = type(value)
+    if t in _WHOLE:
+        return [value] * num_mb
     if isinstance(value, torch.Tensor):
         if value.dim() == 0:
-            return value
+            return [value] * num_mb
         size = value.shape[axis]
         if size % num_mb:
             raise SMPRuntimeError.build(
@@ -83,15 +86,24 @@ def _slice(value: Any, num_mb: int, mb: int, axis: int, where: str) -> Any:
                 f"smp.step argument '{where}'",
                 "use drop_last=True in the DataLoader, skip the last batch, or list the "
                 "argument in non_split_inputs")
-        step = size // num_mb
-        return value.narrow(axis, mb * step, step)
-    if hasattr(value, "smp_slice"):
-        return value.smp_slice(num_mb, mb, axis)
+        if size == 0:  # split() refuses a zero split size
+            return [value] * num_mb
+        return list(value.split(size // num_mb, axis))
+    # a module's attributes live in its __dict__ or class: nn.Module.__getattr__ (which
+    # hasattr would run, and which raises) only looks at parameters, buffers and submodules
+    if isinstance(value, torch.nn.Module):
+        sliced = "smp_slice" in value.__dict__ or hasattr(t, "smp_slice")
+    else:
+        sliced = hasattr(value, "smp_slice")
+    if sliced:
+        return [value.smp_slice(num_mb, mb, axis) for mb in range(num_mb)]
     if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_slice(v, num_mb, mb, axis, where) for v in value))
+        parts = [_pieces(v, num_mb, axis, where) for v in value]
+        return [t(*(p[mb] for p in parts)) for mb in range(num_mb)]
     if isinstance(value, (list, tuple)):
-        return type(value)(_slice(v, num_mb, mb, axis, where) for v in value)
+        parts = [_pieces(v, num_mb, axis, where) for v in value]
+        return [t(p[mb] for p in parts) for mb in range(num_mb)]
     if isinstance(value, dict):
-        return type(value)((k, _slice(v, num_mb, mb, axis, f"{where}[{k!r}]"))
-                           for k, v in value.items())
-    return value
+        items = [(k, _pieces(v, num_mb, axis, f"{where}[{k!r}]")) for k, v in value.items()]
+        return [t((k, p[mb]) for k, p in items) for mb in range(num_mb)]
+    return [value] * num_mb

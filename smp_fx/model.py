@@ -300,9 +300,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
             pp_rank = st.axis_rank("pp")
             local = [pp_rank]
             devices = {pp_rank: st.device}
-            groups = DistTransport.make_groups()
             transport = DistTransport(st.group_ranks("pp"), pp_rank, st.device, timeout_s,
-                                      *groups)
+                                      DistTransport.make_groups())
         else:
             local = list(range(p))
             devices = _in_process_devices(p, st.device, program)

@@ -54,7 +54,7 @@ def _body() -> list[bool]:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     groups = DistTransport.make_groups()
-    tr = DistTransport([0, 1], rank, torch.device("cpu"), 30.0, *groups)
+    tr = DistTransport([0, 1], rank, torch.device("cpu"), 30.0, groups)
     ok = []
 
     def same(got: Any, msg: Any) -> bool:
@@ -98,7 +98,7 @@ def _body() -> list[bool]:
     if rank == 1:
         ok.append(outstanding.count(1) >= len(MESSAGES))
     if rank == 1:
-        short = DistTransport([0, 1], 1, torch.device("cpu"), 0.5, *groups)
+        short = DistTransport([0, 1], 1, torch.device("cpu"), 0.5, groups)
         try:
             short.recv(0, 1, "grad", 7)
         except Exception as exc:  # noqa: BLE001
@@ -119,7 +119,7 @@ def _reuse_body() -> list[bool]:
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    tr = DistTransport([0, 1], rank, torch.device("cpu"), 30.0, *DistTransport.make_groups())
+    tr = DistTransport([0, 1], rank, torch.device("cpu"), 30.0, DistTransport.make_groups())
     ok: list[bool] = []
     kept: list[torch.Tensor] = []
     ptrs: list[int] = []

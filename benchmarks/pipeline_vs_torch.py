@@ -147,7 +147,7 @@ def main() -> None:
     ap.add_argument("--depth", type=int, default=8)
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--block", type=int, default=3, help="steps per back-to-back block "
                     "(at least 10 blocks are timed)")

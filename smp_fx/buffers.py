@@ -1,13 +1,14 @@
-"""Reused byte buffers for the multi-process transport's frames.
+"""Reused byte buffers for the multi-process transport's received frames.
 
-Every message the transport moves on CPU lands in a byte buffer (a *frame*, or a large
+Every message the transport receives on CPU lands in a byte buffer (a *frame*, or a large
 tensor's own buffer). Allocating a fresh one per message costs more than the copy into it:
 the C allocator hands frames freed in bulk at the end of a step back to the kernel, and
 the next step's first touches fault every page in again (measured on the pipeline
 benchmark: about 1.7 ms of page faults per step). ``BufferPool`` keeps them instead.
+(Sent frames never leave the transport, which simply reuses them step after step.)
 
-A buffer goes back to the pool when this rank no longer needs it (a send has completed; a
-message has been unpacked), but a received message's tensors are *views* of its buffer
+A buffer goes back to the pool when this rank no longer needs it (its message has been
+unpacked), but a received message's tensors are *views* of its buffer
 that the stage keeps until its backward, and that a caller may keep for longer. So a
 buffer is only handed out again once no tensor views its storage any more: the pool asks
 the storage's use count, which needs a private torch function. Without it (another torch

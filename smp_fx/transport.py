@@ -245,13 +245,34 @@ def _lost_step(flag: int, what: str, stage: int, mb: int) -> SMPRuntimeError:
 
 
 @dataclass
+class _SendFrame:
+    """A reusable frame for one message of a stream, with its tensors' slots viewed out
+    (None: a tensor sent on its own, or an empty one)."""
+
+    header: _Header
+    frame: torch.Tensor
+    views: tuple[torch.Tensor | None, ...]
+
+
+@dataclass
 class _Posted:
-    """The receives of one expected message, posted in the layout of ``header``."""
+    """The receives of one expected message, posted in the layout of ``header``, with the
+    message's tensors already viewed out of their buffers (``views``, in header order, with
+    the sender's ``requires_grad``): made while posting, which is mostly done while this
+    rank waits, instead of after the message arrives, which is on the pipeline's critical
+    path. ``addr``: the frame's address on CPU, where the flag is read directly."""
 
     header: _Header | None
     frame: torch.Tensor
     frame_work: Any
     large: list[tuple[Any, torch.Tensor, torch.Tensor]]  # (work, tensor, its buffer)
+    views: tuple[torch.Tensor, ...] = ()
+    addr: int = 0
+
+    def flag(self) -> int:
+        if self.addr:
+            return ctypes.c_int64.from_address(self.addr).value
+        return _get_flag(self.frame)
 
 
 class DistTransport:
@@ -281,7 +302,10 @@ class DistTransport:
         self._pending: list[tuple[Any, torch.Tensor]] = []
         self._buffers = BufferPool(device)
         self._p2p_cache: dict[tuple[int, int], tuple[Any, int]] = {}
-        self._sent_frames: list[torch.Tensor] = []  # back to the pool once sends complete
+        # Per (peer stage, channel): the frames of a step's messages, reused step after
+        # step (``_send_frame``), and how many this step has used.
+        self._send_frames: dict[tuple[int, str], list[_SendFrame]] = {}
+        self._send_count: dict[tuple[int, str], int] = {}
         # The last header sent to / received from each (peer stage, channel).
         self._sent: dict[tuple[int, str], _Header] = {}
         self._got: dict[tuple[int, str], _Header] = {}
@@ -378,18 +402,39 @@ class DistTransport:
                             .to(self.device), peer, group)
                 old = _Header.build(payload, spec, header_leaves, shape, key)
                 self._sent[(dst, channel)] = old
-        frame = self._buffers.take(old.frame_size)
-        self._sent_frames.append(frame)
-        _set_flag(frame, 0)
+        out = self._send_frame((dst, channel), old)
         large = []
-        for t, m, off, n in zip(tensors, old.metas, old.offsets, old.nbytes):
+        for t, off, view in zip(tensors, old.offsets, out.views):
             if off is None:
                 large.append(t.contiguous())
-            elif n:
-                _slot(frame, off, n, m).copy_(t)
-        self._isend(frame, peer, group)
+            elif view is not None:
+                view.copy_(t)
+        self._isend(out.frame, peer, group)
         for t in large:
             self._isend(t, peer, group)
+
+    def _send_frame(self, key: tuple[int, str], header: _Header) -> _SendFrame:
+        """The frame for this step's next message on stream ``key``: the k-th message of a
+        step reuses the frame (and slot views) of the k-th message of the last step, whose
+        send ``finish`` saw complete. After a step that did not finish (it failed), the
+        count goes on instead, so a frame a send may still read is never written. On an
+        accelerator every frame is new, as the ``BufferPool`` does there (the host does not
+        see when the device is done with one)."""
+        i = self._send_count.get(key, 0)
+        self._send_count[key] = i + 1
+        ring = self._send_frames.setdefault(key, [])
+        if i < len(ring) and ring[i].header is header and self.device.type == "cpu":
+            return ring[i]
+        frame = torch.empty(header.frame_size, dtype=torch.uint8, device=self.device)
+        _set_flag(frame, 0)
+        out = _SendFrame(header, frame, tuple(
+            None if off is None or not n else _slot(frame, off, n, m)
+            for m, off, n in zip(header.metas, header.offsets, header.nbytes)))
+        if i < len(ring):
+            ring[i] = out
+        else:
+            ring.append(out)
+        return out
 
     # ---- receiving ----------------------------------------------------------------------
     def _post(self, src: int, channel: str) -> _Posted:
@@ -403,7 +448,14 @@ class DistTransport:
             buf = self._buffers.take(m.nbytes)
             t = _slot(buf, 0, m.nbytes, m)
             large.append((self._irecv(t, peer, group), t, buf))
-        return _Posted(header, frame, work, large)
+        views: tuple[torch.Tensor, ...] = ()
+        if header is not None:
+            big = iter(t for _, t, _ in large)
+            views = tuple((next(big) if off is None else _slot(frame, off, n, m))
+                          .requires_grad_(m.requires_grad)
+                          for m, off, n in zip(header.metas, header.offsets, header.nbytes))
+        addr = frame.data_ptr() if frame.device.type == "cpu" else 0
+        return _Posted(header, frame, work, large, views, addr)
 
     def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:
         """Expect ``count`` messages from ``src`` on ``channel`` this step, and keep the next
@@ -445,7 +497,7 @@ class DistTransport:
         what = f"{channel} from stage {src} (rank {self.ranks[src]})"
         key = (src, channel)
         self._wait_all(posted, what, dst, mb)
-        flag = _get_flag(posted.frame)
+        flag = posted.flag()
         if flag > 0:  # a new header, then the message in its layout
             if queue or self._left.get(key, 0):  # the next message's skip fill
                 if queue:
@@ -454,8 +506,8 @@ class DistTransport:
                 else:
                     skip = self._post(src, channel)
                 self._wait_all(skip, what, dst, mb)
-                if _get_flag(skip.frame) != _SKIP:
-                    raise _lost_step(_get_flag(skip.frame), what, dst, mb)
+                if skip.flag() != _SKIP:
+                    raise _lost_step(skip.flag(), what, dst, mb)
                 self._give_back(skip)
             data = torch.empty(flag, dtype=torch.uint8, device=self.device)
             self._wait(self._irecv(data, self.ranks[src], self._group(channel)), what,
@@ -468,7 +520,7 @@ class DistTransport:
             self._give_back(posted)
             posted = self._post(src, channel)
             self._wait_all(posted, what, dst, mb)
-            flag = _get_flag(posted.frame)
+            flag = posted.flag()
         if flag != 0 or posted.header is None:
             raise _lost_step(flag, what, dst, mb)
         value = self._unpack(posted)
@@ -484,11 +536,7 @@ class DistTransport:
     def _unpack(posted: _Posted) -> Any:
         header = posted.header
         assert header is not None
-        large = iter(t for _, t, _ in posted.large)
-        tensors = iter([
-            (next(large) if off is None else _slot(posted.frame, off, n, m))
-            .requires_grad_(m.requires_grad)
-            for m, off, n in zip(header.metas, header.offsets, header.nbytes)])
+        tensors = iter(posted.views)
         if header.shape is not None:
             return _build(header.shape, tensors)
         values = [next(tensors) if isinstance(leaf, _TensorMeta) else leaf
@@ -516,11 +564,9 @@ class DistTransport:
     def finish(self) -> None:
         """Wait for this step's sends (their buffers stay alive until then)."""
         pending, self._pending = self._pending, []
-        frames, self._sent_frames = self._sent_frames, []
         for work, _ in pending:
             self._wait(work, "a send to complete", self.stage, -1)
-        for frame in frames:  # not after a failed wait: the send may still read it
-            self._buffers.give(frame)
+        self._send_count.clear()  # not after a failed wait: a send may still read a frame
         posted = sorted(k for k, q in self._posted.items() if q)
         unsent = sorted(k for k, n in self._to_send.items() if n)
         self._posted.clear()

@@ -40,6 +40,8 @@ MESSAGES: list[Any] = [
     (BIG + 1, torch.zeros(0), torch.tensor([False, True]), torch.ones(4, 3)),
     (None, "x"),                                     # fills the large tensor's receive too
     (torch.ones(2, requires_grad=True), BIG.double()),
+    (torch.ones(2), BIG.double().requires_grad_()),  # a large tensor that requires grad,
+    (torch.ones(2), (BIG + 2).double().requires_grad_()),  # its receive posted ahead
     ([torch.ones(2), None], (torch.zeros(1),)),      # flattened by hand: lists, None
     ([torch.ones(2) * 3, None], (torch.ones(1),)),
     ([None, torch.ones(2)], (torch.ones(1),)),       # another structure, same tensors

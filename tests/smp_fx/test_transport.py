@@ -157,6 +157,43 @@ def test_dist_transport_reuses_frames_only_when_free() -> None:
     assert ok == [True] * 11
 
 
+def _send_frames_body() -> list[bool]:
+    """A sent frame is reused by the same message of the next step, but only after
+    ``finish`` saw the last step's sends complete (a failed step never calls it)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tr = DistTransport([0, 1], rank, torch.device("cpu"), 30.0, DistTransport.make_groups())
+    ok: list[bool] = []
+    frames: list[list[int]] = []
+    for step in range(4):
+        for i in range(2):
+            value = torch.full((8, 8), float(10 * step + i))
+            if rank == 0:
+                tr.send((value,), 0, 1, "act", i)
+            else:
+                (got,) = tr.recv(0, 1, "act", i)
+                ok.append(torch.equal(got, value))
+        if rank == 0:
+            frames.append([f.frame.data_ptr() for f in tr._send_frames[(1, "act")]])
+        if step != 1 or rank == 1:  # rank 0's step 1 fails before its finish
+            tr.finish()
+        dist.barrier()
+    if rank == 0:
+        ok.append(len(frames[0]) == 2 and frames[1][:2] == frames[0])  # step 1 reused
+        ok.append(len(frames[2]) == 4)  # step 2 took new frames: step 1's were not seen done
+        ok.append(frames[3] == frames[2])  # after step 2's finish, step 3 reuses from 0
+    dist.barrier()
+    return ok
+
+
+@pytest.mark.multiproc
+def test_dist_transport_reuses_sent_frames_only_after_finish() -> None:
+    sender, receiver = run_ranks(_send_frames_body, 2, timeout=90)
+    assert sender == [True] * 3 and receiver == [True] * 8
+
+
 def _world_body() -> list[bool]:
     """Without groups both channels use the world group."""
     import torch.distributed as dist

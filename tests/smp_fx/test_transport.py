@@ -115,6 +115,21 @@ def test_dist_transport_round_trips_and_times_out() -> None:
     assert ok == [True] * (2 * len(MESSAGES) + 2)
 
 
+def _two_messages(tr: DistTransport, rank: int, step: int, shape: tuple[int, ...],
+                  ok: list[bool]) -> list[torch.Tensor]:
+    """Rank 0 sends step ``step``'s two activations; rank 1 receives them, checks their
+    values into ``ok`` and returns them."""
+    got = []
+    for i in range(2):
+        value = torch.full(shape, float(10 * step + i))
+        if rank == 0:
+            tr.send((value,), 0, 1, "act", i)
+        else:
+            got.append(tr.recv(0, 1, "act", i)[0])
+            ok.append(torch.equal(got[-1], value))
+    return got
+
+
 def _reuse_body() -> list[bool]:
     """Frames are reused across steps, never while a received tensor still views them."""
     import torch.distributed as dist
@@ -130,16 +145,10 @@ def _reuse_body() -> list[bool]:
             tr.prefetch(0, 1, "act", 2)
         else:
             tr.plan_sends(0, 1, "act", 2)
-        for i in range(2):
-            value = torch.full((32, 64), float(10 * step + i))
-            if rank == 0:
-                tr.send((value,), 0, 1, "act", i)
-            else:
-                (got,) = tr.recv(0, 1, "act", i)
-                ok.append(torch.equal(got, value))
-                ptrs.append(got.data_ptr())
-                if step == 1:
-                    kept.append(got)  # views of step 1's frames stay alive
+        for got in _two_messages(tr, rank, step, (32, 64), ok):
+            ptrs.append(got.data_ptr())
+            if step == 1:
+                kept.append(got)  # views of step 1's frames stay alive
         tr.finish()
         dist.barrier()
     if rank == 1:
@@ -168,13 +177,7 @@ def _send_frames_body() -> list[bool]:
     ok: list[bool] = []
     frames: list[list[int]] = []
     for step in range(4):
-        for i in range(2):
-            value = torch.full((8, 8), float(10 * step + i))
-            if rank == 0:
-                tr.send((value,), 0, 1, "act", i)
-            else:
-                (got,) = tr.recv(0, 1, "act", i)
-                ok.append(torch.equal(got, value))
+        _two_messages(tr, rank, step, (8, 8), ok)
         if rank == 0:
             frames.append([f.frame.data_ptr() for f in tr._send_frames[(1, "act")]])
         if step != 1 or rank == 1:  # rank 0's step 1 fails before its finish

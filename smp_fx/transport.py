@@ -218,12 +218,6 @@ def _large(header: _Header | None) -> tuple[_TensorMeta, ...]:
     return header.large if header is not None else ()
 
 
-def _get_flag(frame: torch.Tensor) -> int:
-    if frame.device.type == "cpu":  # a direct read: slicing and viewing cost microseconds
-        return ctypes.c_int64.from_address(frame.data_ptr()).value
-    return int(frame[:8].view(torch.int64).item())
-
-
 def _set_flag(frame: torch.Tensor, flag: int) -> None:
     if frame.device.type == "cpu":
         ctypes.c_int64.from_address(frame.data_ptr()).value = flag
@@ -270,9 +264,9 @@ class _Posted:
     addr: int = 0
 
     def flag(self) -> int:
-        if self.addr:
+        if self.addr:  # a direct read: slicing and viewing cost microseconds
             return ctypes.c_int64.from_address(self.addr).value
-        return _get_flag(self.frame)
+        return int(self.frame[:8].view(torch.int64).item())
 
 
 class DistTransport:

@@ -14,6 +14,7 @@ the first collective.
 
 from __future__ import annotations
 
+import atexit
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -131,6 +132,7 @@ def join(info: LaunchInfo, backend: str, wait: timedelta) -> bool:
     """
     if info.launcher == "existing":
         return False
+    destroy_at_exit()
     if info.launcher == "single":
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1,
                                 timeout=wait)
@@ -149,6 +151,27 @@ def join(info: LaunchInfo, backend: str, wait: timedelta) -> bool:
             f"{info.master_addr}:{info.master_port}",
             "check that every rank was launched and MASTER_ADDR/MASTER_PORT agree") from exc
     return True
+
+
+_AT_EXIT: list[bool] = []  # whether ``destroy_at_exit`` registered its handler
+
+
+def destroy_at_exit() -> None:
+    """Destroy the default process group when the interpreter exits, if nobody did before.
+
+    Scripts written for SMP or SMDDP never call ``destroy_process_group``, and a gloo group
+    left to interpreter finalization can abort the process ("terminate called without an
+    active exception", SIGABRT: its threads still hold tensors whose release needs the
+    interpreter; seen once in about 50 runs of the SMDDP guide script, and reported as
+    pytorch/pytorch#179291). An ``atexit`` handler runs while the interpreter is whole."""
+    if not _AT_EXIT:
+        atexit.register(_destroy_default_group)
+        _AT_EXIT.append(True)
+
+
+def _destroy_default_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _host(addr: str | None) -> str:

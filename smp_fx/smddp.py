@@ -4,7 +4,8 @@ Such a script does ``import smdistributed.dataparallel.torch.torch_smddp`` and t
 ``dist.init_process_group(backend="smddp")``. Importing this module registers ``smddp``
 with ``torch.distributed.Backend.register_backend``; the creator builds a real NCCL process
 group when CUDA is available and a gloo one otherwise, so the collectives, and DDP on top
-of them, are torch's own. Registration is idempotent.
+of them, are torch's own, and destroys it at exit (``launch.destroy_at_exit``: such scripts
+never do). Registration is idempotent.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from smp_fx import launch
+
 NAME = "smddp"
 
 
@@ -24,6 +27,7 @@ def _device() -> str:
 
 def create_backend(store: Any, rank: int, size: int, timeout: timedelta) -> Any:
     """Creator for ``register_backend``: NCCL on a CUDA machine, gloo elsewhere."""
+    launch.destroy_at_exit()
     if _device() == "cuda":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout

@@ -1,7 +1,13 @@
 """The smp-fx error hierarchy.
 
 It lives in the lowest layer (``cost_model``) so that every layer can raise it without
-an upward import; ``smp_fx`` re-exports it as the public ``smp_fx.SMPError`` family.
+an upward import; ``smp_fx`` re-exports it as the public ``smp_fx.SMPError`` family, and
+each class says ``smp_fx`` is its module, so a traceback names it as users import it
+(``smp_fx.SMPTimeoutError``).
+
+Misuse and failures of the user's job (bad configuration, a model that cannot be traced,
+a peer that timed out) get the area's class; a broken invariant of smp-fx itself gets
+``SMPInternalError``, whose message asks for a bug report.
 
 A message states the rule, the offending value, the place (node, module path, rank)
 and the fix. ``SMPError.build`` keeps that shape uniform.
@@ -12,6 +18,10 @@ from __future__ import annotations
 
 class SMPError(Exception):
     """Base class of every error smp-fx raises on purpose."""
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.__module__ = "smp_fx"
 
     @classmethod
     def build(cls, rule: str, value: object = None, where: str | None = None,
@@ -54,6 +64,27 @@ class SMPTimeoutError(SMPRuntimeError, TimeoutError):
 
 class SMPCheckpointError(SMPError):
     """A checkpoint cannot be saved or loaded as asked."""
+
+
+class ScheduleError(SMPConfigError):
+    """A pipeline schedule is malformed, incomplete or would deadlock."""
+
+
+class SMPPassError(SMPError):
+    """A compiler pass failed or broke its contract; the message names it and the passes
+    before it."""
+
+
+class SMPInternalError(SMPError, AssertionError):
+    """An invariant of smp-fx itself does not hold: a bug in smp-fx, not misuse."""
+
+    @classmethod
+    def build(cls, rule: str, value: object = None, where: str | None = None,
+              fix: str | None = "report this as an smp-fx bug") -> SMPError:
+        return super().build(rule, value, where, fix)
+
+
+SMPError.__module__ = "smp_fx"
 
 
 def not_implemented(feature: str, parameter: str | None = None,

@@ -36,17 +36,13 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from cost_model.errors import SMPConfigError
+from cost_model.errors import ScheduleError
 
 FORWARD = "F"
 BACKWARD = "B"
 SCHEDULE_NAMES = ("simple", "interleaved")
 
 _ACTION_RE = re.compile(r"^\s*(\d+)\s*([FB])\s*(\d+)\s*$")
-
-
-class ScheduleError(SMPConfigError):
-    """A schedule is malformed, incomplete or would deadlock."""
 
 
 @dataclass(frozen=True, order=True)

@@ -27,7 +27,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cost_model.schedule import BACKWARD, FORWARD, Action, ScheduleError, dependency, in_flight
+from cost_model.errors import ScheduleError
+from cost_model.schedule import BACKWARD, FORWARD, Action, dependency, in_flight
 
 
 @dataclass(frozen=True)

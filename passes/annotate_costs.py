@@ -29,6 +29,7 @@ import torch.fx
 from torch import nn
 
 from cost_model.device import DeviceSpec
+from cost_model.errors import SMPTracingError
 from cost_model.flops import CREATION_OPS, VIEW_OPS, op_flops
 from cost_model.measure import fake_module_cost
 from cost_model.node_cost import NodeCost
@@ -258,7 +259,9 @@ def _leaf_cost(node: torch.fx.Node, in_rg: list[bool], st: _State
     def fake(a: Any) -> Any:
         info = TENSOR.get(a) if isinstance(a, torch.fx.Node) else None
         if isinstance(a, torch.fx.Node) and not isinstance(info, TensorInfo):
-            raise ValueError(f"input {a.name} of leaf {node.name} is not a single tensor")
+            raise SMPTracingError.build("a leaf priced on fake tensors takes single tensors",
+                                        a.name, f"leaf {node.name}",
+                                        "it keeps an unknown cost (a formula can price it)")
         if info is None:
             return a
         t = torch.empty(info.shape, dtype=getattr(torch, info.dtype))

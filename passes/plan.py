@@ -154,7 +154,9 @@ class PartitionPlan:
         for stage in self.stages:
             if node_name in stage.nodes:
                 return stage.index
-        raise KeyError(node_name)
+        raise SMPPartitionError.build("the plan has no node of this name", node_name,
+                                      "PartitionPlan.stage_of",
+                                      "pass the name of a node of the planned graph")
 
     def stage_costs(self) -> tuple[StageCost, ...]:
         """The simulator's view of the stages (same numbers the plan's step time used).

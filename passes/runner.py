@@ -29,7 +29,7 @@ from typing import Any
 
 import torch.fx
 
-from cost_model.errors import SMPError
+from cost_model.errors import SMPError, SMPPassError
 from passes.meta import MetaKey
 
 log = logging.getLogger("smp_fx.passes")
@@ -45,10 +45,6 @@ class Pass:
     fn: PassFn
     requires: tuple[MetaKey[Any], ...] = ()
     provides: tuple[MetaKey[Any], ...] = ()
-
-
-class SMPPassError(SMPError):
-    """A pass failed or broke its contract; the message names it and the passes before it."""
 
 
 def _missing(gm: torch.fx.GraphModule, keys: Sequence[MetaKey[Any]]) -> list[str]:

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from cost_model.errors import SMPConfigError
+from cost_model.errors import ScheduleError, SMPConfigError
 from cost_model.schedule import (
     Action,
-    ScheduleError,
     clock,
     draw,
     format_schedule,

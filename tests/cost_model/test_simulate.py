@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cost_model.schedule import Action, ScheduleError, generate, parse_schedule
+from cost_model.errors import ScheduleError
+from cost_model.schedule import Action, generate, parse_schedule
 from cost_model.simulate import StageCost, ascii_timeline, simulate
 
 

@@ -7,10 +7,11 @@ import torch
 from torch import nn
 
 from cost_model.device import H100
+from cost_model.errors import SMPPassError
 from passes.annotate_costs import annotate_costs
 from passes.graph_utils import copy_graph_module
 from passes.meta import COST, PARAMS, TENSOR
-from passes.runner import Pass, SMPPassError, run_passes
+from passes.runner import Pass, run_passes
 from passes.shape_prop import shape_prop
 from passes.trace import trace
 

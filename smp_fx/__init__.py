@@ -11,11 +11,14 @@ Every public name is imported here; nothing else in the package is public.
 from __future__ import annotations
 
 from cost_model.errors import (
+    ScheduleError,
     SMPCheckpointError,
     SMPConfigError,
     SMPError,
+    SMPInternalError,
     SMPNotImplementedError,
     SMPPartitionError,
+    SMPPassError,
     SMPRuntimeError,
     SMPTimeoutError,
     SMPTracingError,
@@ -24,7 +27,7 @@ from cost_model.errors import (
 __version__ = "0.1.0"
 
 # --- foundation: init, config, ranks, groups, comm (section owned by the foundation work) ---
-from smp_fx.comm import (  # noqa: E402
+from smp_fx.dist.comm import (  # noqa: E402
     DP_GROUP,
     DP_RANK,
     MP_GROUP,
@@ -73,8 +76,9 @@ from smp_fx.comm import (  # noqa: E402
     tp_size,
 )
 from smp_fx.config import SMPConfig  # noqa: E402
-from smp_fx.init import init, is_initialized  # noqa: E402
-from smp_fx.topology import Topology  # noqa: E402
+from smp_fx.dist.init import init, is_initialized  # noqa: E402
+from smp_fx.dist.topology import Topology  # noqa: E402
+from smp_fx.dist import state  # noqa: E402  (smp.state, as SMP scripts reach it)
 
 
 # --- manual partitioning and delayed initialization ---
@@ -82,9 +86,10 @@ from smp_fx.delayed_init import delay_param_initialization  # noqa: E402,F401
 from smp_fx.manual import partition, set_partition  # noqa: E402
 
 # --- runtime: DistributedModel, DistributedOptimizer, step, StepOutput ---
-from smp_fx.model import DistributedModel, is_tracing  # noqa: E402
+from smp_fx.model import DistributedModel  # noqa: E402
+from smp_fx.runtime.context import is_tracing  # noqa: E402
 from smp_fx.optimizer import DistributedOptimizer  # noqa: E402
-from smp_fx.step import StepOutput, step  # noqa: E402
+from smp_fx.runtime.step import StepOutput, step  # noqa: E402
 
 # --- checkpointing ---
-from smp_fx.checkpoint import load, save  # noqa: E402
+from smp_fx.ckpt.files import load, save  # noqa: E402

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from cost_model.errors import SMPConfigError, not_implemented
-from smp_fx.topology import Topology, normalize_placement
+from smp_fx.dist.topology import Topology, normalize_placement
 
 ENV_VAR = "SM_HP_MP_PARAMETERS"
 SCHEMA_VERSION = 1

@@ -26,6 +26,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as module_mod
 
+from cost_model.errors import SMPRuntimeError
+
 DELAYED_ATTR = "_smp_delayed_init"
 
 
@@ -82,8 +84,6 @@ def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
         if hasattr(m, "reset_parameters"):
             m.reset_parameters()
     if missing:
-        from cost_model.errors import SMPRuntimeError
-
         raise SMPRuntimeError.build(
             "delayed-init modules without reset_parameters() cannot be initialised",
             missing[:5], "smp_fx.delayed_init.materialize",

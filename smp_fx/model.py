@@ -15,11 +15,9 @@ and the replicas' gradients are all-reduced over a group of the owners after eve
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 import logging
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -34,35 +32,28 @@ from torch.utils.hooks import RemovableHandle
 from cost_model import schedule as sched
 from cost_model.errors import (
     SMPConfigError,
+    SMPInternalError,
     SMPPartitionError,
     SMPRuntimeError,
 )
+from cost_model.measure import measure_nodes
 from passes import meta
+from passes.partition_config import PartitionConfig
+from passes.pipeline import compile_model
 from passes.split_stages import StagedProgram, split_stages
-from smp_fx import ddp
-from smp_fx import executor as ex
-from smp_fx.checkpoint_api import ModelCheckpointMixin
+from passes.trace import trace
+from smp_fx.ckpt.mixins import ModelCheckpointMixin
 from smp_fx.delayed_init import is_delayed, materialize
-from smp_fx.transport import DistTransport, InProcessTransport, Transport
+from smp_fx.dist import ddp, launch, state
+from smp_fx.manual import pins_by_module_path
+from smp_fx.runtime import context
+from smp_fx.runtime import executor as ex
+from smp_fx.runtime.transport import DistTransport, InProcessTransport, Transport
 
 log = logging.getLogger("smp_fx.model")
 
 OUTSIDE_STEP = ("The __call__ and backward method calls on the smp.DistributedModel object "
                 "can only be made inside a smp.step-decorated function")
-
-_current: weakref.ref[DistributedModel] | None = None
-_tracing = False
-
-
-def is_tracing() -> bool:
-    """True while the model is being traced and partitioned (the first ``smp.step`` call)."""
-    return _tracing
-
-
-def current_model() -> DistributedModel | None:
-    """The DistributedModel of this process (SMP allows one), or None."""
-    return _current() if _current is not None else None
-
 
 @dataclass(frozen=True)
 class ModelOptions:
@@ -79,22 +70,10 @@ class ModelOptions:
     gradient_as_bucket_view: bool = False
 
 
-class _Captured(BaseException):
-    """Raised by ``model(...)`` during tracing: the first microbatch's model inputs."""
-
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        super().__init__("captured")
-        self.args, self.kwargs = args, kwargs
-
-
-class _CaptureCtx:
-    pass
-
-
 class DistributedModel(ModelCheckpointMixin, nn.Module):
     """See the module docstring and the SMP API page (``smp.DistributedModel``)."""
 
-    # torch DDP reads this in its constructor: wrapping a DistributedModel raises (smp_fx.ddp)
+    # torch DDP reads this in its constructor: wrapping a DistributedModel raises (smp_fx.dist.ddp)
     _ddp_params_and_buffers_to_ignore = ddp.RejectDDPWrap()
 
     def __init__(self, module: nn.Module, trace_device: str = "gpu",
@@ -104,7 +83,6 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
                  trace_memory_usage: bool = False, broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = False) -> None:
         super().__init__()
-        global _current
         if trace_device not in ("cpu", "gpu"):
             raise SMPConfigError.build("trace_device must be 'cpu' or 'gpu'", trace_device,
                                        "smp.DistributedModel", "pass 'cpu' or 'gpu'")
@@ -112,8 +90,6 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
             raise SMPConfigError.build(
                 "trace_execution_times must be False if trace_device is 'cpu'", True,
                 "smp.DistributedModel", "set trace_device='gpu' or trace_execution_times=False")
-        from smp_fx import state
-
         # a configured feature DistributedModel would use but smp-fx lacks (fp16, tensor
         # parallelism, ...) is an error here, never silently ignored
         if state.is_initialized():
@@ -148,7 +124,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
                                 module.named_parameters(remove_duplicate=False)}
         self.plan: Any = None  # passes.plan.PartitionPlan once partitioned
         self._ddp: ddp.DataParallel | None = None
-        _current = weakref.ref(self)
+        context.set_current_model(self)
 
     # ---- properties and the SMP methods ----------------------------------------------
     @property
@@ -172,9 +148,9 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
         return self.module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        ctx = ex.current()
-        if isinstance(ctx, _CaptureCtx):
-            raise _Captured(args, kwargs)
+        if context.capturing_inputs():
+            raise context.Captured(args, kwargs)
+        ctx = context.turn()
         if ctx is None or self._executor is None or ctx[0] is not self._executor:
             raise SMPRuntimeError.build(OUTSIDE_STEP, None, "DistributedModel.__call__",
                                         "call the model inside an @smp.step function")
@@ -182,8 +158,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
 
     def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
         """Distributed backward across the stages; like ``torch.autograd.backward``."""
-        ctx = ex.current()
-        if ctx is None or isinstance(ctx, _CaptureCtx) or ctx[0] is not self._executor:
+        ctx = context.turn()
+        if ctx is None or ctx[0] is not self._executor:
             raise SMPRuntimeError.build(OUTSIDE_STEP, None, "DistributedModel.backward",
                                         "call model.backward inside an @smp.step function")
         ctx[0].backward_request(ctx[1], tensors, grad_tensors)
@@ -250,8 +226,6 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
         """Gather every stage's parameters and buffers onto CPU; returns the full module."""
         if self._program is None or self._in_process:
             return self.module.cpu()
-        from smp_fx import state
-
         local = {n: t.detach().cpu() for n, t in
                  list(self.local_named_parameters()) + list(self.local_named_buffers())}
         st = state.get()
@@ -275,9 +249,6 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
 
     def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Trace on one microbatch's model inputs, plan, split, place; same on every rank."""
-        global _tracing
-        from smp_fx import launch, state
-
         st = state.get()
         cfg = st.config
         p = cfg.pipeline_parallel_degree
@@ -286,11 +257,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
             # every stage lives in this process: materialise the whole model once, which
             # keeps tied parameters tied (one Parameter shared by the stages)
             materialize(self.module, st.device)
-        _tracing = True
-        try:
+        with context.tracing():
             gm, self.plan = _plan_stages(self.module, args, kwargs, p, self.options)
-        finally:
-            _tracing = False
         if not st.in_process and st.world_size > 1:
             _agree_on_plan(gm, st)
         program = split_stages(gm, p)
@@ -381,8 +349,6 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
                     p.grad.copy_(total)
 
     def schedule(self, num_microbatches: int, forward_only: bool) -> sched.Schedule:
-        from smp_fx import state
-
         cfg = state.get().config
         return _schedule(cfg.pipeline, cfg.pipeline_parallel_degree, num_microbatches,
                          cfg.active_microbatches, forward_only)
@@ -435,16 +401,10 @@ def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     the model, the first microbatch and the configuration (every rank makes the same one).
     With ``auto_partition`` false the ``smp.partition`` pins apply.
     """
-    from passes.pipeline import compile_model
-    from smp_fx import state
-    from smp_fx.manual import pins_by_module_path
-
     st = state.get()
     cfg = st.config
     pins = None if cfg.auto_partition else pins_by_module_path(module)
     spec = "cpu" if st.device.type == "cpu" else "a100"
-    from passes.trace import trace
-
     gm = trace(module, args, kwargs)
     frontend = gm.meta.get("smp.frontend", "auto")
     measured = None
@@ -462,9 +422,8 @@ def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     missing = [n.name for n in gm.graph.nodes
                if n.op.startswith("call") and meta.STAGE.get(n) is None]
     if missing:
-        raise SMPPartitionError.build("the compile pipeline left nodes without a stage",
-                                      missing[:5], "DistributedModel partitioning",
-                                      "report this as an smp-fx bug")
+        raise SMPInternalError.build("the compile pipeline left nodes without a stage",
+                                      missing[:5], "DistributedModel partitioning")
     return gm, compiled.plan
 
 
@@ -473,8 +432,6 @@ def _measured_costs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dic
     """Per-node measured costs (``trace_execution_times`` / ``trace_memory_usage``), taken
     on world rank 0 and broadcast: measurements are noisy, and every rank must make the
     same plan. A field not asked for is None, so it keeps its analytic value."""
-    from cost_model.measure import measure_nodes
-
     times, memory = options.trace_execution_times, options.trace_memory_usage
     box: list[Any] = [None]
     if st.rank == 0:
@@ -487,8 +444,6 @@ def _measured_costs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dic
 
 
 def _partition_config(cfg: Any, options: ModelOptions) -> Any:
-    from passes.partition_config import PartitionConfig
-
     return PartitionConfig(
         num_stages=cfg.pipeline_parallel_degree, memory_weight=cfg.memory_weight,
         microbatches=cfg.microbatches, pipeline=cfg.pipeline,
@@ -541,18 +496,3 @@ def _tied_groups(program: StagedProgram, st: Any,
             if st.rank in ranks:
                 out.append((group, [local_name[(my_stage, c)] for c in canons]))
     return out
-
-
-@contextlib.contextmanager
-def capturing() -> Iterator[None]:
-    """Inside it, ``model(...)`` raises ``_Captured`` with its inputs (used by smp.step);
-    ``is_tracing()`` is True."""
-    global _tracing
-    prev = getattr(ex._tls, "ctx", None)
-    ex._tls.ctx = _CaptureCtx()
-    _tracing = True
-    try:
-        yield
-    finally:
-        ex._tls.ctx = prev
-        _tracing = False

@@ -26,8 +26,10 @@ from typing import Any
 import torch
 
 from cost_model.errors import SMPRuntimeError
-from smp_fx.checkpoint_api import OptimizerCheckpointMixin
-from smp_fx.ddp import guard_optimizer
+from smp_fx.ckpt.mixins import OptimizerCheckpointMixin
+from smp_fx.dist import state
+from smp_fx.dist.ddp import guard_optimizer
+from smp_fx.runtime.context import current_model
 
 
 class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
@@ -38,12 +40,10 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
             raise SMPRuntimeError.build("DistributedOptimizer wraps a torch.optim.Optimizer",
                                         type(optimizer).__name__, "smp.DistributedOptimizer",
                                         "pass an optimizer instance")
-        from smp_fx import state
-
         if state.is_initialized():  # shard_optimizer_state & co: an error, never ignored
             state.get().config.check_features("DistributedOptimizer")
         self.optimizer = optimizer
-        guard_optimizer(optimizer)  # optimizer.step() inside smp.step raises (smp_fx.ddp)
+        guard_optimizer(optimizer)  # optimizer.step() inside smp.step raises (smp_fx.dist.ddp)
         self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
@@ -54,8 +54,6 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         flat = [p for g in optimizer.param_groups for p in g["params"]]
         self.global_index: dict[int, int] = {id(p): i for i, p in enumerate(flat)}
         self._localized = False
-        from smp_fx.model import current_model
-
         model = current_model()
         if model is not None and not any(id(p) in model._fqn_by_id for p in flat):
             model = None  # an optimizer over some other module's parameters: leave it whole

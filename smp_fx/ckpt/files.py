@@ -42,15 +42,15 @@ import torch
 import torch.distributed as dist
 
 from cost_model.errors import SMPCheckpointError, not_implemented
-from smp_fx import comm
-from smp_fx import state as smp_state
-from smp_fx.state_dict import (
+from smp_fx.ckpt.state_dict import (
     GROUP_PARAMS_KEY,
     PARTIAL_KEY,
     merge_model_state_dicts,
     merge_optimizer_state_dicts,
     merge_partial_optimizer_states,
 )
+from smp_fx.dist import comm
+from smp_fx.dist import state as smp_state
 
 log = logging.getLogger(__name__)
 

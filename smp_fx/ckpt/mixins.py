@@ -29,9 +29,7 @@ import torch
 from torch.nn.modules.module import _IncompatibleKeys
 
 from cost_model.errors import SMPCheckpointError, not_implemented
-from smp_fx import comm
-from smp_fx import state as smp_state
-from smp_fx.state_dict import (
+from smp_fx.ckpt.state_dict import (
     ModelLayout,
     check_model_keys,
     is_partial,
@@ -43,6 +41,9 @@ from smp_fx.state_dict import (
     optimizer_state_to_torch,
     select_model_state,
 )
+from smp_fx.dist import comm
+from smp_fx.dist import state as smp_state
+from smp_fx.runtime.context import current_model
 
 StateDict = dict[str, Any]
 
@@ -186,8 +187,6 @@ class OptimizerCheckpointMixin:
     @staticmethod
     def _smp_current_model() -> Any:
         """The DistributedModel this optimizer belongs to (the last one created)."""
-        from smp_fx.model import current_model  # the runtime imports this module
-
         return current_model()
 
     def _smp_flat_names(self) -> list[str | None]:

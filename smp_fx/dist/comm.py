@@ -23,7 +23,7 @@ from typing import Any, TypeVar
 import torch.distributed as dist
 
 from cost_model.errors import SMPRuntimeError, SMPTimeoutError
-from smp_fx import state as _state
+from smp_fx.dist import state as _state
 
 T = TypeVar("T")
 

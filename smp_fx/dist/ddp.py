@@ -51,10 +51,12 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 from torch.nn.parallel import DistributedDataParallel
 
-from cost_model.errors import SMPConfigError, SMPRuntimeError
-from smp_fx import executor as ex
+from cost_model.errors import SMPConfigError, SMPInternalError, SMPRuntimeError
+from smp_fx.dist import state
+from smp_fx.runtime import context
+from smp_fx.runtime import executor as ex
 
-log = logging.getLogger("smp_fx.ddp")
+log = logging.getLogger("smp_fx.dist.ddp")
 
 DDP_AROUND_MODEL = (
     "smp.DistributedModel handles data parallelism itself ('ddp': true) and must not be "
@@ -82,7 +84,7 @@ class RejectDDPWrap:
 
 def check_not_inside_step(what: str = "optimizer.step()") -> None:
     """Raise if called from inside an ``smp.step`` function (a microbatch thread)."""
-    if ex.current() is not None:
+    if context.turn() is not None:
         raise SMPRuntimeError.build(STEP_INSIDE, what, "inside an smp.step function",
                                     "move optimizer.step() after the smp.step call returns")
 
@@ -317,8 +319,6 @@ class _StepJoinHook(JoinHook):
 # ---- wiring ------------------------------------------------------------------------------
 def _controller(model: Any) -> DataParallel | None:
     """The model's ``DataParallel`` (created on first use), or None with one replica."""
-    from smp_fx import state
-
     dp: DataParallel | None = getattr(model, "_ddp", None)
     if dp is not None:
         return dp
@@ -342,8 +342,6 @@ def enable(model: Any) -> DataParallel | None:
     reduce). DDP's constructor broadcasts each stage from dp_rank 0 (collective over the
     stage's dp group).
     """
-    from smp_fx import state
-
     st = state.get()
     if not st.config.ddp:
         if st.axis_size("rdp") > 1:
@@ -357,10 +355,10 @@ def enable(model: Any) -> DataParallel | None:
     opts = model.options
     executor = model.executor
     if executor.runners is not model._runners or not hasattr(executor, "pre_step_hooks"):
-        raise SMPRuntimeError.build(
+        raise SMPInternalError.build(
             "the executor lacks the data-parallel seam (a shared runner dict and "
             "pre_step_hooks called with the step's ops)", type(executor).__name__,
-            "smp_fx.ddp.enable", "report this as a bug")
+            "smp_fx.dist.ddp.enable")
     for s in sorted(model._runners):
         base = model._runners[s]
         if not any(p.requires_grad for p in base.stage.module.parameters()):
@@ -391,8 +389,6 @@ def join(model: Any, throw_on_early_termination: bool = False) -> Iterator[None]
     partitioned and wrapped; a rank that runs out of batches then shadows the others'
     steps until all have finished, and all replicas end equal to the last one to finish.
     """
-    from smp_fx import state
-
     if not state.get().config.ddp:
         raise SMPConfigError.build("DistributedModel.join() is supported only with ddp",
                                    False, "ddp", "set 'ddp': true in the smp config")

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from cost_model.errors import SMPConfigError, SMPRuntimeError
-from smp_fx import launch, state
+from smp_fx.dist import launch
+from smp_fx.dist import state
 from smp_fx.config import ConfigSource, SMPConfig, load_config, resolve_topology
 
 
@@ -66,7 +67,7 @@ def _check_same(current: SMPConfig, new: SMPConfig) -> None:
                    if getattr(new, k) != v}
         raise SMPRuntimeError.build(
             "smp.init() was already called with a different configuration", changed,
-            "smp.init", "call smp.init once per process (tests: smp_fx.state._reset())")
+            "smp.init", "call smp.init once per process (tests: smp_fx.dist.state._reset())")
 
 
 def is_initialized() -> bool:

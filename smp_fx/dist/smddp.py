@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from smp_fx import launch
+from smp_fx.dist import launch
 
 NAME = "smddp"
 

@@ -19,15 +19,15 @@ import torch.distributed as dist
 
 from cost_model.errors import SMPRuntimeError
 from smp_fx.config import SMPConfig
-from smp_fx.launch import LaunchInfo
-from smp_fx.topology import Topology
+from smp_fx.dist.launch import LaunchInfo
+from smp_fx.dist.topology import Topology
 
 AXES_BUILT: tuple[str, ...] = ("mp", "dp", "pp", "tp", "rdp")  # creation order, every rank
 
 
 @dataclass(frozen=True)
 class State:
-    """What ``smp.init`` established for this process. Read it via ``smp_fx.state.get()``."""
+    """What ``smp.init`` established for this process. Read it via ``smp_fx.dist.state.get()``."""
 
     config: SMPConfig
     topology: Topology
@@ -99,7 +99,7 @@ def get() -> State:
     """The state set by ``smp.init``; raises before it."""
     if _STATE is None:
         raise SMPRuntimeError.build(
-            "smp.init() has not been called in this process", None, "smp_fx.state.get",
+            "smp.init() has not been called in this process", None, "smp_fx.dist.state.get",
             "call smp.init(config) once at the start of the script, before other smp calls")
     return _STATE
 

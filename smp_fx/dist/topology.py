@@ -1,7 +1,7 @@
 """Rank arithmetic: which (pp, tp, rdp) coordinates each global rank has, and the groups.
 
 Pure: no torch.distributed, so every placement can be checked without processes. The
-process groups in ``smp_fx.state`` are built from the rank lists computed here.
+process groups in ``smp_fx.dist.state`` are built from the rank lists computed here.
 
 Placement follows the SMP seed ("Placement Strategy with Tensor Parallelism"): a
 ``placement_strategy`` is a permutation of the letters D (reduced data parallel), P

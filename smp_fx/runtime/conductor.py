@@ -6,8 +6,8 @@ cannot run the next op itself: the backward runs at its turn in the schedule, an
 are complete when ``smp.step`` returns (where the seed says optimizer.step() belongs), so a
 step function that has asked for its backward needs no thread of its own any more and the
 calling thread moves on to the next microbatch. Turns are granted strictly by
-position in the op list (``smp_fx.executor`` lowers a schedule into it), so every rank issues
-its sends and receives in schedule order. The conductor is a baton, not a thread: whichever
+position in the op list (``smp_fx.runtime.executor`` lowers a schedule into it), so every rank
+issues its sends and receives in schedule order. The conductor is a baton, not a thread: whichever
 waiting thread finds the next op runnable (its microbatch's request has arrived, or it is a
 transfer) executes it and keeps going; a driver that hands model outputs to another waiting
 thread stops and lets that thread carry on, so only one thread drives at a time. A finished
@@ -35,7 +35,8 @@ from typing import Any
 
 import torch
 
-from cost_model.errors import SMPRuntimeError, SMPTimeoutError
+from cost_model.errors import SMPInternalError, SMPRuntimeError, SMPTimeoutError
+from smp_fx.runtime import context
 
 
 @dataclass
@@ -105,14 +106,6 @@ def _switch_modes(grad_enabled: bool, autocast: tuple[tuple[str, torch.dtype], .
         for dev, dtype in autocast:
             stack.enter_context(torch.autocast(dev, dtype=dtype))
         yield
-
-
-_tls = threading.local()
-
-
-def current() -> tuple[Conductor, int] | None:
-    """The (executor, microbatch) of the calling thread inside a step, else None."""
-    return getattr(_tls, "ctx", None)
 
 
 def _next_forwards(ops: Sequence[Any]) -> list[int]:
@@ -255,9 +248,8 @@ class Conductor:
             if mb < 0 and self._running == 0 and self._holder is None and all(self._done) \
                     and not self._driving and self._next < len(ops) \
                     and not self._may_drive(mb):
-                raise SMPRuntimeError.build("the step cannot make progress",
-                                            str(ops[self._next]), f"rank {self.rank}",
-                                            "report this as an smp-fx bug")
+                raise SMPInternalError.build("the step cannot make progress",
+                                            str(ops[self._next]), f"rank {self.rank}")
             if mb >= 0:
                 self._start_needed()
                 self._running -= 1
@@ -391,7 +383,7 @@ class Conductor:
 
     def _user_thread(self, fn: Callable[..., Any], mb: int, args: tuple[Any, ...],
                      kwargs: dict[str, Any], grad: bool, autocast: Any) -> Any:
-        _tls.ctx = (self, mb)
+        context.enter_turn(self, mb)
         with self._lock:
             self._running += 1
         try:
@@ -406,7 +398,7 @@ class Conductor:
                 self._wake_all()
             raise
         finally:
-            _tls.ctx = None
+            context.leave_turn()
             with self._lock:
                 self._done[mb] = True
                 self._running -= 1

@@ -25,7 +25,7 @@ Across processes a rank lowers its own stage's list. In-process (all stages here
 stages' lists are merged in the lock-step order of ``cost_model.schedule.clock``, and the
 last stage's outputs need no ``*_OUT`` ops.
 
-Running a step: ``smp_fx.conductor`` runs the step function once per microbatch and grants
+Running a step: ``smp_fx.runtime.conductor`` runs the step function once per microbatch and grants
 turns in op order; ``Executor._execute`` performs each op (stage forward/backward through
 its ``StageRunner``, transfers through the ``Transport``).
 """
@@ -43,16 +43,13 @@ import torch.utils._pytree as pytree
 from cost_model import schedule as sched
 from cost_model.errors import SMPRuntimeError
 from passes.split_stages import Stage, StagedProgram
-from smp_fx.conductor import (  # noqa: F401 (_tls, current: re-exported for smp_fx.model)
+from smp_fx.runtime.conductor import (
     Conductor,
-    _MbState,
     _next_forwards,
     _Request,
     _thread_modes,
-    _tls,
-    current,
 )
-from smp_fx.transport import Transport
+from smp_fx.runtime.transport import Transport
 
 OP_KINDS = ("RECV_ACT", "F", "SEND_ACT", "SEND_OUT", "RECV_OUT", "WAIT_B", "RECV_GRAD", "B",
             "SEND_GRAD")
@@ -168,7 +165,7 @@ class Executor(Conductor):
         self.multi_process = multi_process
         self.last = program.num_stages - 1
         self.post_step_hooks: list[Callable[[], None]] = []
-        # called with the step's ops before it runs; smp_fx.ddp needs it (issue 7): keep it
+        # called with the step's ops before it runs; smp_fx.dist.ddp needs it (issue 7): keep it
         self.pre_step_hooks: list[Callable[[tuple[Op, ...]], None]] = []
         self.stats = StepStats()
         self._scale = 1.0

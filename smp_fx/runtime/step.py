@@ -1,8 +1,8 @@
 """``smp.step`` and ``StepOutput``.
 
 The decorated function runs once per microbatch, on every rank, with its tensor arguments
-split along the batch axis (``smp_fx.microbatch``). Inside it ``model(...)`` and
-``model.backward(...)`` are the pipeline's turns (``smp_fx.executor``). Its return values
+split along the batch axis (``smp_fx.runtime.microbatch``). Inside it ``model(...)`` and
+``model.backward(...)`` are the pipeline's turns (``smp_fx.runtime.executor``). Its return values
 come back per microbatch: tensors as ``StepOutput`` (``outputs`` list, ``reduce_mean``,
 ``reduce_sum``, ``concat``, ``stack``), other values as lists, keeping tuple/list/dict
 structure. The first call partitions the model, traced on the first microbatch.
@@ -22,13 +22,17 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cost_model.errors import SMPRuntimeError
-from smp_fx import model as model_mod
-from smp_fx.microbatch import split_inputs
+from smp_fx.dist import state
+from smp_fx.runtime import context
+from smp_fx.runtime.microbatch import split_inputs
+
+if TYPE_CHECKING:
+    from smp_fx.model import DistributedModel
 
 
 class StepOutput:
@@ -82,9 +86,7 @@ def step(fn: Callable[..., Any] | None = None, *, non_split_inputs: Sequence[str
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        from smp_fx import state
-
-        model = model_mod.current_model()
+        model = context.current_model()
         if model is None:
             raise SMPRuntimeError.build(
                 "an smp.step function needs an smp.DistributedModel", None, fn.__name__,
@@ -103,13 +105,13 @@ def step(fn: Callable[..., Any] | None = None, *, non_split_inputs: Sequence[str
     return wrapper
 
 
-def _partition_on(model: model_mod.DistributedModel, fn: Callable[..., Any],
+def _partition_on(model: DistributedModel, fn: Callable[..., Any],
                   mb: tuple[tuple[Any, ...], dict[str, Any]]) -> None:
     """Run ``fn`` on the first microbatch only until it calls the model; partition there."""
     try:
-        with model_mod.capturing(), torch.no_grad():
+        with context.capturing(), torch.no_grad():
             fn(*mb[0], **mb[1])
-    except model_mod._Captured as cap:
+    except context.Captured as cap:
         model._partition(cap.args, cap.kwargs)
         return
     raise SMPRuntimeError.build(

@@ -52,8 +52,8 @@ import torch
 import torch.distributed as dist
 import torch.utils._pytree as pytree
 
-from cost_model.errors import SMPRuntimeError, SMPTimeoutError
-from smp_fx.buffers import BufferPool
+from cost_model.errors import SMPInternalError, SMPRuntimeError, SMPTimeoutError
+from smp_fx.runtime.buffers import BufferPool
 
 CHANNELS = ("act", "grad", "out")
 # Header leaves compared by == (with their types: 1 == 1.0 == True) instead of by pickles.
@@ -104,9 +104,9 @@ class InProcessTransport:
     def recv(self, src: int, dst: int, channel: str, mb: int) -> Any:
         key = (src, dst, channel, mb)
         if key not in self._box:
-            raise SMPRuntimeError.build(
+            raise SMPInternalError.build(
                 "in-process receive has no matching send (the lowered order is wrong)",
-                key, f"stage {dst} microbatch {mb}", "report this as an smp-fx bug")
+                key, f"stage {dst} microbatch {mb}")
         return self._box.pop(key)
 
     def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:
@@ -119,8 +119,8 @@ class InProcessTransport:
         if self._box:
             left = sorted(self._box)
             self._box.clear()
-            raise SMPRuntimeError.build("messages were sent but never received", left[:4],
-                                        "end of step", "report this as an smp-fx bug")
+            raise SMPInternalError.build("messages were sent but never received", left[:4],
+                                        "end of step")
 
 
 @dataclass(frozen=True)
@@ -233,9 +233,8 @@ def _slot(frame: torch.Tensor, offset: int, nbytes: int, meta: _TensorMeta) -> t
 
 
 def _lost_step(flag: int, what: str, stage: int, mb: int) -> SMPRuntimeError:
-    return SMPRuntimeError.build("the point-to-point protocol lost step", flag,
-                                 f"{what}, stage {stage} microbatch {mb}",
-                                 "report this as an smp-fx bug")
+    return SMPInternalError.build("the point-to-point protocol lost step", flag,
+                                 f"{what}, stage {stage} microbatch {mb}")
 
 
 @dataclass
@@ -567,7 +566,7 @@ class DistTransport:
         self._left.clear()
         self._to_send.clear()
         if posted or unsent:
-            raise SMPRuntimeError.build(
+            raise SMPInternalError.build(
                 "receives were posted ahead for messages that never came" if posted else
                 "fewer messages were sent than planned", posted or unsent,
-                f"rank {dist.get_rank()} end of step", "report this as an smp-fx bug")
+                f"rank {dist.get_rank()} end of step")

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 import smp_fx as smp
-from smp_fx import state
+from smp_fx.dist import state
 from tests.helpers.dist import run_ranks
 from tests.smp_fx.test_numerics import Pair, init
 

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from smp_fx import state
+from smp_fx.dist import state
 from tests.helpers.dist import run_ranks
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +41,7 @@ def load_example(name: str) -> ModuleType:
 def init(pp: int, m: int, pipeline: str, **extra: Any) -> None:
     """(Re-)initialise smp with this configuration (tests switch configurations freely)."""
     import smp_fx as smp
-    from smp_fx import state
+    from smp_fx.dist import state
 
     state._reset()
     smp.init({"pipeline_parallel_degree": pp, "microbatches": m, "pipeline": pipeline,

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import smp_fx as smp
-from smp_fx import state
+from smp_fx.dist import state
 from smp_fx.optimizer import DistributedOptimizer
 from tests.smp_fx.test_numerics import init
 

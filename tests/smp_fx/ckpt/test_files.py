@@ -1,4 +1,4 @@
-"""Tests for smp_fx.checkpoint: naming, atomic writes, safe loading, the partial-save commit
+"""Tests for smp_fx.ckpt.files: naming, atomic writes, safe loading, the partial-save commit
 protocol (ranks simulated by threads), resharding merges and a SIGKILL during a save."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from cost_model.errors import SMPCheckpointError
-from smp_fx import checkpoint as ckpt
-from smp_fx.checkpoint import RankInfo
-from smp_fx.state_dict import PARTIAL_KEY
+from smp_fx.ckpt import files as ckpt
+from smp_fx.ckpt.files import RankInfo
+from smp_fx.ckpt.state_dict import PARTIAL_KEY
 
 
 class Custom:
@@ -205,7 +205,7 @@ def test_damaged_set_is_an_error_not_a_guess(tmp_path: Path) -> None:
 
 SLOW_SAVE = textwrap.dedent("""
     import sys, time, torch
-    from smp_fx import checkpoint as ckpt
+    from smp_fx.ckpt import files as ckpt
 
     class Slow:
         def __reduce__(self):

@@ -15,11 +15,15 @@ import torch
 from torch import nn
 
 from cost_model.errors import SMPCheckpointError
-from smp_fx.checkpoint import merge_partial_objects, read_index
-from smp_fx.checkpoint_api import ModelCheckpointMixin, OptimizerCheckpointMixin
-from smp_fx.state_dict import ModelLayout, merge_model_state_dicts, merge_optimizer_state_dicts
+from smp_fx.ckpt.files import merge_partial_objects, read_index
+from smp_fx.ckpt.mixins import ModelCheckpointMixin, OptimizerCheckpointMixin
+from smp_fx.ckpt.state_dict import (
+    ModelLayout,
+    merge_model_state_dicts,
+    merge_optimizer_state_dicts,
+)
 from tests.helpers.dist import run_ranks
-from tests.smp_fx.test_state_dict import STAGES_2, STAGES_3, Tied, assert_same, plain_setup
+from tests.smp_fx.ckpt.test_state_dict import STAGES_2, STAGES_3, Tied, assert_same, plain_setup
 
 
 def _stage_state(pp_rank: int) -> dict[str, Any]:
@@ -356,7 +360,7 @@ def _unpack(data: bytes) -> dict[str, Any]:
 
 
 def _to_cpu(value: Any) -> Any:
-    from smp_fx.checkpoint_api import _to_cpu as to_cpu
+    from smp_fx.ckpt.mixins import _to_cpu as to_cpu
 
     return to_cpu(value)
 

@@ -1,4 +1,4 @@
-"""Tests for smp_fx.state_dict: pure merging/splitting by FQN against the plain model.
+"""Tests for smp_fx.ckpt.state_dict: pure merging/splitting by FQN against the plain model.
 
 The "stages" here are simulated in-process: each holds a subset of the plain model's
 parameters and its own torch optimizer over them, as a pipeline rank does.
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from cost_model.errors import SMPCheckpointError
-from smp_fx.state_dict import (
+from smp_fx.ckpt.state_dict import (
     GROUP_PARAMS_KEY,
     PARTIAL_KEY,
     ModelLayout,

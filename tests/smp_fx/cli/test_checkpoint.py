@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 import torch
 
-from smp_fx.checkpoint import RankInfo, save_partial
+from smp_fx.ckpt.files import RankInfo, save_partial
+from smp_fx.ckpt.state_dict import ModelLayout, local_model_state_dict, local_optimizer_state_dict
 from smp_fx.cli.checkpoint import main
 from smp_fx.cli.main import main as smp_fx_main
-from smp_fx.state_dict import ModelLayout, local_model_state_dict, local_optimizer_state_dict
-from tests.smp_fx.test_checkpoint import run_ranks
-from tests.smp_fx.test_state_dict import (
+from tests.smp_fx.ckpt.test_files import run_ranks
+from tests.smp_fx.ckpt.test_state_dict import (
     STAGES_2,
     Tied,
     assert_same,

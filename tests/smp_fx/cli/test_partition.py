@@ -18,7 +18,7 @@ from passes.plan import PartitionPlan
 from smp_fx.cli import main as cli_main
 from smp_fx.cli.partition import main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 MODELS = ROOT / "examples" / "models"
 
 

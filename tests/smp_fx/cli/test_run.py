@@ -16,7 +16,7 @@ import pytest
 from smp_fx.cli.main import main as cli_main
 from smp_fx.cli.run import build, parser
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 SMP_SCRIPT = """
 import smdistributed.modelparallel.torch as smp

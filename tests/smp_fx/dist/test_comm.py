@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 import smp_fx as smp
 from cost_model.errors import SMPRuntimeError
-from smp_fx import state
+from smp_fx.dist import state
 from tests.helpers.dist import RankFailed, run_ranks
 
 pytestmark = pytest.mark.multiproc
@@ -23,7 +23,7 @@ PTD = {0: (0, 0, 0), 1: (1, 0, 0), 2: (0, 0, 1), 3: (1, 0, 1),
 
 
 def _groups_by_hand(me: int, table: dict[int, tuple[int, int, int]]) -> dict[str, list[int]]:
-    """Groups from the table alone (independent of smp_fx.topology)."""
+    """Groups from the table alone (independent of smp_fx.dist.topology)."""
     rdp, pp, tp = table[me]
     same = {"pp": lambda c: c[0] == rdp and c[2] == tp, "tp": lambda c: c[0] == rdp and c[1] == pp,
             "rdp": lambda c: c[1] == pp and c[2] == tp, "dp": lambda c: c[1] == pp,

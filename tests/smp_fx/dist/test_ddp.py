@@ -1,4 +1,4 @@
-"""Hybrid pipeline + data parallelism (``ddp: true``, ``smp_fx.ddp``).
+"""Hybrid pipeline + data parallelism (``ddp: true``, ``smp_fx.dist.ddp``).
 
 The multi-process test runs 4 gloo ranks as pp=2 x dp=2, "cluster" then "spread"; every
 rank feeds its own shard of the global batch, and the trained parameters must equal one
@@ -39,7 +39,7 @@ LR = 0.05
 
 def _init(placement: str, pipeline: str) -> None:
     import smp_fx as smp
-    from smp_fx import state
+    from smp_fx.dist import state
 
     state._reset()
     smp.init({"pipeline_parallel_degree": 2, "microbatches": M, "pipeline": pipeline,
@@ -240,7 +240,7 @@ def _no_grad_param_scenario(placement: str) -> str:
 def _body() -> dict[str, Any]:
     """One 4-rank world; smp is re-initialised per placement and scenario."""
     import smp_fx as smp
-    from smp_fx import state
+    from smp_fx.dist import state
 
     dist.init_process_group("gloo")
     out: dict[str, Any] = {p: _placement(p) for p in ("cluster", "spread")}
@@ -263,9 +263,9 @@ def _example_scenario() -> tuple[int, int, bool]:
     from pathlib import Path
 
     import smp_fx as smp
-    from smp_fx.model import current_model
+    from smp_fx.runtime.context import current_model
 
-    path = Path(__file__).resolve().parents[2] / "examples" / "train_mnist_like.py"
+    path = Path(__file__).resolve().parents[3] / "examples" / "train_mnist_like.py"
     spec = importlib.util.spec_from_file_location("smp_fx_test_train_mnist_like", path)
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
@@ -353,7 +353,7 @@ def test_pp2_dp2_matches_global_batch_cluster_and_spread() -> None:
 def one_rank() -> Any:
     """A gloo world of one (so DDP can be constructed) with smp initialised, pp=1, ddp."""
     import smp_fx as smp
-    from smp_fx import state
+    from smp_fx.dist import state
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     state._reset()
@@ -398,7 +398,7 @@ def test_optimizer_step_inside_step_is_rejected(one_rank: Any) -> None:
 
 def test_join_requires_ddp() -> None:
     import smp_fx as smp
-    from smp_fx import state
+    from smp_fx.dist import state
 
     state._reset()
     smp.init({"pipeline_parallel_degree": 1})
@@ -411,7 +411,7 @@ def test_join_requires_ddp() -> None:
 
 
 def test_buckets_respect_cap_and_order() -> None:
-    from smp_fx.ddp import buckets
+    from smp_fx.dist.ddp import buckets
 
     params = [nn.Parameter(torch.zeros(n)) for n in (10, 300_000, 10, 10)]
     frozen = nn.Parameter(torch.zeros(3), requires_grad=False)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 
 from cost_model.errors import SMPConfigError
-from smp_fx.topology import PERMUTATIONS, Topology, normalize_placement
+from smp_fx.dist.topology import PERMUTATIONS, Topology, normalize_placement
 
 # The seed's tables ("Placement Strategy with Tensor Parallelism"), rows (rank, rdp, pp, tp).
 SEED_DPT = [(0, 0, 0, 0), (1, 0, 0, 1), (2, 0, 1, 0), (3, 0, 1, 1),

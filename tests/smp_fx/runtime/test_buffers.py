@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from smp_fx.buffers import BufferPool
+from smp_fx.runtime.buffers import BufferPool
 
 
 def test_buffer_is_reused_only_when_no_view_is_alive() -> None:

@@ -16,8 +16,8 @@ from cost_model.errors import SMPRuntimeError
 from cost_model.simulate import StageCost, simulate
 from passes import meta
 from passes.split_stages import split_stages
-from smp_fx import state
-from smp_fx.executor import Op, lower
+from smp_fx.dist import state
+from smp_fx.runtime.executor import Op, lower
 from tests.smp_fx.test_numerics import init
 
 
@@ -190,7 +190,7 @@ def test_ranks_deciding_backward_differently_is_a_clear_error() -> None:
 
 
 def test_receive_streams_are_announced_right_after_the_first_send() -> None:
-    from smp_fx.executor import _receive_posts
+    from smp_fx.runtime.executor import _receive_posts
 
     prog = _program(2)
     s = sched.generate("interleaved", 2, 4)

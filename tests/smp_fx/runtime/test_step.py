@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import smp_fx as smp
-from smp_fx import state
-from smp_fx.microbatch import split_inputs
+from smp_fx.dist import state
+from smp_fx.runtime.microbatch import split_inputs
 from tests.smp_fx.test_numerics import init
 
 

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from smp_fx.transport import DistTransport, InProcessTransport
+from smp_fx.runtime.transport import DistTransport, InProcessTransport
 from tests.helpers.dist import run_ranks
 
 

@@ -1,0 +1,100 @@
+"""Who is running: the process's ``DistributedModel``, and what the calling thread is inside.
+
+Three facts are read far from where they are set, so they live here, below every module
+that needs them (the model, ``smp.step``, the conductor, data parallelism, the optimizer
+and the checkpoint methods), which keeps those modules free of import cycles:
+
+- the ``DistributedModel`` of this process (SMP allows one; a new one replaces it);
+- the calling thread's *turn*: the (executor, microbatch) whose step function it runs,
+  set by the conductor around each step function call;
+- *capture*: while ``smp.step`` partitions, the first microbatch's step function runs only
+  until it calls the model, whose inputs are captured (``Captured``) to trace on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from smp_fx.model import DistributedModel
+
+_tls = threading.local()
+_model: weakref.ref[DistributedModel] | None = None
+_tracing = False
+
+
+class Captured(BaseException):
+    """Raised by ``model(...)`` while capturing: the first microbatch's model inputs.
+
+    A ``BaseException`` so that a step function's ``except Exception`` cannot swallow it."""
+
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        super().__init__("captured")
+        self.args, self.kwargs = args, kwargs
+
+
+class _Capturing:
+    """The turn of a thread that captures model inputs instead of running a stage."""
+
+
+def current_model() -> DistributedModel | None:
+    """The DistributedModel of this process, or None."""
+    return _model() if _model is not None else None
+
+
+def set_current_model(model: DistributedModel) -> None:
+    global _model
+    _model = weakref.ref(model)
+
+
+def is_tracing() -> bool:
+    """True while the model is being traced and partitioned (the first ``smp.step`` call)."""
+    return _tracing
+
+
+@contextlib.contextmanager
+def tracing() -> Iterator[None]:
+    """``is_tracing()`` is True inside."""
+    global _tracing
+    _tracing = True
+    try:
+        yield
+    finally:
+        _tracing = False
+
+
+def turn() -> tuple[Any, int] | None:
+    """The (executor, microbatch) whose step function the calling thread runs, else None."""
+    ctx = getattr(_tls, "ctx", None)
+    return None if isinstance(ctx, _Capturing) else ctx
+
+
+def capturing_inputs() -> bool:
+    """Whether ``model(...)`` in this thread must raise ``Captured`` (see ``capturing``)."""
+    return isinstance(getattr(_tls, "ctx", None), _Capturing)
+
+
+def enter_turn(executor: Any, microbatch: int) -> None:
+    """The calling thread now runs ``microbatch``'s step function for ``executor``."""
+    _tls.ctx = (executor, microbatch)
+
+
+def leave_turn() -> None:
+    _tls.ctx = None
+
+
+@contextlib.contextmanager
+def capturing() -> Iterator[None]:
+    """Inside it, ``model(...)`` raises ``Captured`` with its inputs and ``is_tracing()``
+    is True (``smp.step`` partitions on the first microbatch this way)."""
+    prev = getattr(_tls, "ctx", None)
+    _tls.ctx = _Capturing()
+    try:
+        with tracing():
+            yield
+    finally:
+        _tls.ctx = prev

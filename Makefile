@@ -24,6 +24,7 @@ test: $(STAMP)
 
 lint: $(STAMP)
 	$(PY) -m ruff check smp_fx passes cost_model tests examples benchmarks
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV) build *.egg-info

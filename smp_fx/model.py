@@ -32,14 +32,13 @@ from torch.utils.hooks import RemovableHandle
 from cost_model import schedule as sched
 from cost_model.errors import (
     SMPConfigError,
-    SMPInternalError,
     SMPPartitionError,
     SMPRuntimeError,
 )
 from cost_model.measure import measure_nodes
 from passes import meta
-from passes.partition_config import PartitionConfig
-from passes.pipeline import compile_model
+from passes.pipeline import compile_model, resolve_device
+from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram, split_stages
 from passes.trace import trace
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
@@ -122,7 +121,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
         # materialisation replaces parameter objects
         self.canonical_names = {n: self._fqn_by_id[id(p)] for n, p in
                                 module.named_parameters(remove_duplicate=False)}
-        self.plan: Any = None  # passes.plan.PartitionPlan once partitioned
+        self.plan: PartitionPlan | None = None  # once partitioned
         self._ddp: ddp.DataParallel | None = None
         context.set_current_model(self)
 
@@ -394,37 +393,28 @@ def _materialise(module: nn.Module, device: torch.device) -> None:
 
 
 def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 num_stages: int, options: ModelOptions) -> tuple[torch.fx.GraphModule, Any]:
-    """Trace, cost and partition with the compile pipeline; (GraphModule with STAGE, plan).
+                 num_stages: int, options: ModelOptions
+                 ) -> tuple[torch.fx.GraphModule, PartitionPlan]:
+    """Trace once, cost and partition with the compile pipeline; (GraphModule with STAGE, plan).
 
     Analytic costs for the device kind this rank runs on, so the plan is a pure function of
     the model, the first microbatch and the configuration (every rank makes the same one).
-    With ``auto_partition`` false the ``smp.partition`` pins apply.
+    With ``auto_partition`` false the ``smp.partition`` pins apply. Measured costs are
+    taken on the very graph that is then costed, planned and split (``compile_model``'s
+    ``traced``), which keeps the front end's codegen (export's input and output structure).
     """
     st = state.get()
     cfg = st.config
     pins = None if cfg.auto_partition else pins_by_module_path(module)
     spec = "cpu" if st.device.type == "cpu" else "a100"
+    device = resolve_device(spec)
     gm = trace(module, args, kwargs)
-    frontend = gm.meta.get("smp.frontend", "auto")
     measured = None
     if options.trace_execution_times or options.trace_memory_usage:
         measured = _measured_costs(gm, args, kwargs, options, st)
-    compiled = compile_model(module, args, kwargs, _partition_config(cfg, options),
-                             device=spec, pins=pins, frontend=frontend, measured=measured)
-    # The pipeline's graph copies drop the front end's pytree codegen (export's input and
-    # output structure) and gm.meta, so the stages are carried by node name onto our own
-    # trace of the same model and microbatch (tracing is deterministic: same names).
-    stage_of = {n.name: meta.STAGE.get(n) for n in compiled.gm.graph.nodes}
-    for n in gm.graph.nodes:
-        if stage_of.get(n.name) is not None:
-            meta.STAGE.set(n, stage_of[n.name])
-    missing = [n.name for n in gm.graph.nodes
-               if n.op.startswith("call") and meta.STAGE.get(n) is None]
-    if missing:
-        raise SMPInternalError.build("the compile pipeline left nodes without a stage",
-                                      missing[:5], "DistributedModel partitioning")
-    return gm, compiled.plan
+    compiled = compile_model(module, args, kwargs, cfg.partition_config(device.name),
+                             device=device, pins=pins, measured=measured, traced=gm)
+    return compiled.gm, compiled.plan
 
 
 def _measured_costs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -441,14 +431,6 @@ def _measured_costs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dic
     if not st.in_process and st.world_size > 1:
         dist.broadcast_object_list(box, src=0, group=st.object_group("world"))
     return box[0]
-
-
-def _partition_config(cfg: Any, options: ModelOptions) -> Any:
-    return PartitionConfig(
-        num_stages=cfg.pipeline_parallel_degree, memory_weight=cfg.memory_weight,
-        microbatches=cfg.microbatches, pipeline=cfg.pipeline,
-        active_microbatches=cfg.active_microbatches, auto_partition=cfg.auto_partition,
-        default_partition=cfg.default_partition)
 
 
 def _agree_on_plan(gm: torch.fx.GraphModule, st: Any) -> None:

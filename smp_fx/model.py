@@ -19,9 +19,9 @@ import functools
 import inspect
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,9 @@ from smp_fx.manual import pins_by_module_path
 from smp_fx.runtime import context
 from smp_fx.runtime import executor as ex
 from smp_fx.runtime.transport import DistTransport, InProcessTransport, Transport
+
+if TYPE_CHECKING:
+    from smp_fx.optimizer import DistributedOptimizer
 
 log = logging.getLogger("smp_fx.model")
 
@@ -111,7 +114,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
         self._executor: ex.Executor | None = None
         self._runners: dict[int, ex.StageRunner] = {}
         self._hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizers: list[Any] = []
+        self._optimizers: list[DistributedOptimizer] = []
         self._tied_groups: list[tuple[Any, list[str]]] = []
         # tied gradients as they were when the current reduction window began (already
         # summed over the owners): only what the window adds is summed again
@@ -168,6 +171,18 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
         handle = RemovableHandle(self._hooks)
         self._hooks[handle.id] = hook
         return handle
+
+    def owns_parameters(self, params: Iterable[torch.Tensor]) -> bool:
+        """Whether any of ``params`` is a parameter of the wrapped module, as it was at
+        wrapping (materialisation may replace the objects later)."""
+        return any(id(p) in self._fqn_by_id for p in params)
+
+    def attach_optimizer(self, optimizer: DistributedOptimizer) -> None:
+        """Narrow ``optimizer`` to this rank's parameters at partitioning (at once if the
+        model is partitioned); the first one attached is what post-partition hooks get."""
+        self._optimizers.append(optimizer)
+        if self.partitioned:
+            optimizer._localize(self)
 
     def join(self, throw_on_early_termination: bool = False) -> Any:
         """Context manager for uneven numbers of batches across data-parallel ranks (ddp)."""
@@ -293,8 +308,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
             opt._localize(self)
         for hook in list(self._hooks.values()):
             n = len(inspect.signature(hook).parameters)
-            opt = self._optimizers[0] if self._optimizers else None
-            hook(*(self, opt)[:n])
+            first = self._optimizers[0] if self._optimizers else None
+            hook(*(self, first)[:n])
 
     def _broadcast_tied(self) -> None:
         """Give every replica of a tied parameter the lowest owning rank's values."""

@@ -55,13 +55,10 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         self.global_index: dict[int, int] = {id(p): i for i, p in enumerate(flat)}
         self._localized = False
         model = current_model()
-        if model is not None and not any(id(p) in model._fqn_by_id for p in flat):
-            model = None  # an optimizer over some other module's parameters: leave it whole
-        if model is not None:
+        # an optimizer over some other module's parameters is left whole
+        if model is not None and model.owns_parameters(flat):
             self._names = {id(p): n for n, p in model.module.named_parameters()}
-            model._optimizers.append(self)
-            if model.partitioned:
-                self._localize(model)
+            model.attach_optimizer(self)
         else:
             self._names = {}
 

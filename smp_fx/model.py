@@ -72,7 +72,8 @@ class ModelOptions:
     gradient_as_bucket_view: bool = False
 
 
-class DistributedModel(ModelCheckpointMixin, nn.Module):
+# SMP's state_dict() (ModelCheckpointMixin) takes none of Module.state_dict's arguments
+class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
     """See the module docstring and the SMP API page (``smp.DistributedModel``)."""
 
     # torch DDP reads this in its constructor: wrapping a DistributedModel raises (smp_fx.dist.ddp)
@@ -161,10 +162,10 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
     def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
         """Distributed backward across the stages; like ``torch.autograd.backward``."""
         ctx = context.turn()
-        if ctx is None or ctx[0] is not self._executor:
+        if ctx is None or self._executor is None or ctx[0] is not self._executor:
             raise SMPRuntimeError.build(OUTSIDE_STEP, None, "DistributedModel.backward",
                                         "call model.backward inside an @smp.step function")
-        ctx[0].backward_request(ctx[1], tensors, grad_tensors)
+        self._executor.backward_request(ctx[1], tensors, grad_tensors)
 
     def register_post_partition_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
         """Run ``hook(model)`` (or ``hook(model, optimizer)``) right after partitioning."""
@@ -227,12 +228,12 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
                                         "DistributedModel", "call an smp.step function first")
         return [self._runners[s] for s in sorted(self._runners)]
 
-    def to(self, *args: Any, **kwargs: Any) -> DistributedModel:  # type: ignore[override]
+    def to(self, *args: Any, **kwargs: Any) -> DistributedModel:
         log.info("smp-fx: DistributedModel.to(%s) ignored: each rank places its own stage",
                  args or kwargs)
         return self
 
-    def cuda(self, device: Any = None) -> DistributedModel:  # type: ignore[override]
+    def cuda(self, device: Any = None) -> DistributedModel:
         log.info("smp-fx: DistributedModel.cuda() ignored: each rank places its own stage")
         return self
 
@@ -325,9 +326,9 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
         if self._tied_base is not None:
             return  # ddp accumulating over several steps: the window began earlier
         params = dict(self.local_named_parameters())
-        self._tied_base = {
-            n: (None if params[n].grad is None else params[n].grad.detach().clone())
-            for _, names in self._tied_groups for n in names}
+        grads = {n: params[n].grad for _, names in self._tied_groups for n in names}
+        self._tied_base = {n: None if g is None else g.detach().clone()
+                           for n, g in grads.items()}
 
     def _reduce_tied_grads(self) -> None:
         """Sum the gradients of parameters replicated on several stages over their owners.
@@ -486,9 +487,9 @@ def _tied_groups(program: StagedProgram, st: Any,
             by_owner_set.setdefault(tuple(stages), []).append(canon)
     my_stage = st.axis_rank("pp")
     out: list[tuple[Any, list[str]]] = []
-    for stages, canons in sorted(by_owner_set.items()):
+    for owner_stages, canons in sorted(by_owner_set.items()):
         for pipeline in st.topology.groups("pp"):
-            ranks = [pipeline[s] for s in stages]
+            ranks = [pipeline[s] for s in owner_stages]
             group = dist.new_group(ranks)
             if st.rank in ranks:
                 out.append((group, [local_name[(my_stage, c)] for c in canons]))

@@ -63,7 +63,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
             self._names = {}
 
     # the wrapped optimizer's containers are this optimizer's
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
@@ -71,7 +71,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self.optimizer.state
 
@@ -79,7 +79,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.optimizer.state = value
 
-    @property  # type: ignore[override]
+    @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
@@ -95,7 +95,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r})"
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -116,7 +116,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         by_name = {canon.get(n, n): q for n, q in local.items()}
         index: dict[int, int] = {}
         for group in self.optimizer.param_groups:
-            kept = []
+            kept: list[torch.Tensor] = []
             for p in group["params"]:
                 q = local_ids.get(id(p))
                 if q is None:

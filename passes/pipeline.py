@@ -24,7 +24,7 @@ from torch import nn
 
 from cost_model import roofline
 from cost_model.device import DeviceSpec, get_device
-from cost_model.errors import SMPConfigError, SMPError
+from cost_model.errors import SMPError
 from passes import meta
 from passes.annotate_costs import annotate_costs
 from passes.assign_manual import assign_manual
@@ -36,7 +36,7 @@ from passes.partitioning.problem import make_objective
 from passes.plan import PartitionPlan, build_plan
 from passes.runner import Pass, run_passes
 from passes.shape_prop import shape_prop
-from passes.trace import trace
+from passes.trace import Frontend, trace
 
 Progress = Callable[[str], None]
 
@@ -69,38 +69,26 @@ def _announced(passes: Sequence[Pass], progress: Progress | None) -> list[Pass]:
     return [wrap(p) for p in passes]
 
 
-def first_microbatch(args: Sequence[Any], microbatches: int) -> tuple[Any, ...]:
-    """The first of ``microbatches`` equal parts of a batch (tensors split on dim 0).
-
-    Costs are per microbatch, so the compiler sees one microbatch, as ``smp.step`` runs
-    the model on one. Non-tensor arguments are passed through unchanged.
-    """
-    out = []
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor) and a.dim() > 0:
-            if a.shape[0] % microbatches:
-                raise SMPConfigError.build(
-                    "the batch dimension must be divisible by microbatches",
-                    tuple(a.shape), f"positional input {i} (microbatches={microbatches})",
-                    "use a batch size that is a multiple of microbatches")
-            a = a[: a.shape[0] // microbatches]
-        out.append(a)
-    return tuple(out)
-
-
 def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None,
                   pconfig: PartitionConfig, *, device: str | DeviceSpec = "a100",
-                  frontend: str = "auto", pins: Mapping[str, int] | None = None,
+                  frontend: Frontend = "auto", pins: Mapping[str, int] | None = None,
                   measured: Mapping[str, Sequence[float | None]] | None = None,
                   leaf_modules: Sequence[Any] = (),
-                  progress: Progress | None = None) -> Compiled:
+                  progress: Progress | None = None,
+                  traced: torch.fx.GraphModule | None = None) -> Compiled:
     """Trace, cost and partition ``model`` for one microbatch ``(args, kwargs)``.
 
     ``device`` names a ``cost_model.device`` spec (or is one): analytic costs and boundary
     transfer times are computed for it. ``pins`` (module path -> stage, from
     ``smp_fx.manual.pins_by_module_path``) apply when ``pconfig.auto_partition`` is false.
     ``measured`` replaces analytic node costs (``cost_model.measure``). ``progress`` gets a
-    line before each pass (the CLI prints it on stderr).
+    line before each pass (the CLI prints it on stderr). ``traced`` is ``passes.trace``'s
+    graph of ``model`` on ``(args, kwargs)`` when the caller has it already (see
+    ``analyse``).
+
+    ``Compiled.gm`` is the traced graph's copy with every ``smp.*`` key: same node names,
+    same ``gm.meta`` and the same codegen (``torch.export``'s input and output structure),
+    so it is what ``passes.split_stages`` splits for the runtime.
 
     >>> from passes.partition_config import PartitionConfig
     >>> m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
@@ -110,32 +98,38 @@ def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
     """
     spec = resolve_device(device)
     costed = analyse(model, args, kwargs, device=spec, frontend=frontend, measured=measured,
-                     leaf_modules=leaf_modules, progress=progress)
+                     leaf_modules=leaf_modules, progress=progress, traced=traced)
     return partition(costed, pconfig, device=spec, pins=pins, progress=progress)
 
 
 def analyse(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None,
-            *, device: str | DeviceSpec = "a100", frontend: str = "auto",
+            *, device: str | DeviceSpec = "a100", frontend: Frontend = "auto",
             measured: Mapping[str, Sequence[float | None]] | None = None,
             leaf_modules: Sequence[Any] = (),
-            progress: Progress | None = None) -> torch.fx.GraphModule:
+            progress: Progress | None = None,
+            traced: torch.fx.GraphModule | None = None) -> torch.fx.GraphModule:
     """The first half of ``compile_model``: trace -> shape_prop -> annotate_costs.
 
     Separate so that one costed graph can be partitioned under many configurations.
+    With ``traced`` (``passes.trace``'s graph of ``model`` on ``(args, kwargs)``) the trace
+    pass is skipped and costing starts from that graph (not modified): the runtime traces
+    once, measures node times on that graph (``measured``, keyed by its node names), and
+    plans and splits that same graph.
     """
     spec = resolve_device(device)
     kw = dict(kwargs or {})
-    passes = [
+    passes = [] if traced is not None else [
         Pass("trace", lambda _: trace(model, tuple(args), kw, frontend, tuple(leaf_modules)),
-             (), (meta.MODULE_PATH, meta.PARAMS)),
+             (), (meta.MODULE_PATH, meta.PARAMS))]
+    passes += [
         Pass("shape_prop", lambda gm: shape_prop(gm, tuple(args), kw), (meta.MODULE_PATH,),
              (meta.TENSOR,)),
         Pass("annotate_costs", lambda gm: annotate_costs(gm, spec, measured), (meta.TENSOR,),
              (meta.COST,)),
     ]
-    # the front end turns the empty graph into the model's graph
-    empty = torch.fx.GraphModule(nn.Module(), torch.fx.Graph())
-    return run_passes(empty, _announced(passes, progress))
+    # without ``traced`` the front end turns the empty graph into the model's graph
+    start = traced if traced is not None else torch.fx.GraphModule(nn.Module(), torch.fx.Graph())
+    return run_passes(start, _announced(passes, progress))
 
 
 def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,

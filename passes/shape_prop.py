@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.fx
+import torch.fx._pytree as fx_pytree
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
@@ -120,8 +121,8 @@ def _fake_state(gm: torch.nn.Module, mode: FakeTensorMode,
     """Fake copies of all parameters and buffers, tied ones staying tied (same object)."""
     memo: dict[int, torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
-    named = list(gm.named_parameters(remove_duplicate=False))
-    named += list(gm.named_buffers(remove_duplicate=False))
+    named: list[tuple[str, torch.Tensor]] = [*gm.named_parameters(remove_duplicate=False),
+                                             *gm.named_buffers(remove_duplicate=False)]
     for name, t in named:
         if id(t) not in memo:
             memo[id(t)] = _fake(t, mode, device)
@@ -189,8 +190,9 @@ def _flatten_inputs(gm: torch.fx.GraphModule, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> list[Any]:
     """Map (args, kwargs) onto the graph's placeholders (pytree codegen for export graphs)."""
     codegen = gm.graph._codegen
-    if hasattr(codegen, "pytree_info") and codegen.pytree_info is not None:
-        return list(codegen.process_inputs(*args, **kwargs))
+    info = getattr(codegen, "pytree_info", None)
+    if info is not None and info.in_spec is not None:
+        return list(fx_pytree.tree_flatten_spec((tuple(args), dict(kwargs)), info.in_spec))
     names = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values = list(args)
     for ph in names[len(values):]:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from cost_model.errors import SMPConfigError, not_implemented
+from passes.partition_config import PartitionConfig
 from smp_fx.dist.topology import Topology, normalize_placement
 
 ENV_VAR = "SM_HP_MP_PARAMETERS"
@@ -160,6 +161,21 @@ class SMPConfig:
         for p in PARAMS:
             if p.used_at == used_at:
                 self.require_implemented(p.name)
+
+    def partition_config(self, device: str | None = None,
+                         optimizer_state_factor: float = 2.0) -> PartitionConfig:
+        """What the compiler needs of this configuration, planning for the spec ``device``.
+
+        The one translation from SMP parameters to the compiler's ``PartitionConfig``:
+        ``smp-fx partition`` and ``DistributedModel`` both use it, so that they make the
+        same plan from the same configuration.
+        """
+        return PartitionConfig(
+            num_stages=self.pipeline_parallel_degree, memory_weight=float(self.memory_weight),
+            microbatches=self.microbatches, pipeline=self.pipeline,
+            active_microbatches=self.active_microbatches, auto_partition=self.auto_partition,
+            default_partition=self.default_partition,
+            optimizer_state_factor=optimizer_state_factor, device=device)
 
     def to_json(self) -> str:
         return json.dumps({"schema": SCHEMA_VERSION, "values": self.values(),

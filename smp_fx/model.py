@@ -19,9 +19,9 @@ import functools
 import inspect
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -32,14 +32,13 @@ from torch.utils.hooks import RemovableHandle
 from cost_model import schedule as sched
 from cost_model.errors import (
     SMPConfigError,
-    SMPInternalError,
     SMPPartitionError,
     SMPRuntimeError,
 )
 from cost_model.measure import measure_nodes
 from passes import meta
-from passes.partition_config import PartitionConfig
-from passes.pipeline import compile_model
+from passes.pipeline import compile_model, resolve_device
+from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram, split_stages
 from passes.trace import trace
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
@@ -49,6 +48,9 @@ from smp_fx.manual import pins_by_module_path
 from smp_fx.runtime import context
 from smp_fx.runtime import executor as ex
 from smp_fx.runtime.transport import DistTransport, InProcessTransport, Transport
+
+if TYPE_CHECKING:
+    from smp_fx.optimizer import DistributedOptimizer
 
 log = logging.getLogger("smp_fx.model")
 
@@ -70,7 +72,8 @@ class ModelOptions:
     gradient_as_bucket_view: bool = False
 
 
-class DistributedModel(ModelCheckpointMixin, nn.Module):
+# SMP's state_dict() (ModelCheckpointMixin) takes none of Module.state_dict's arguments
+class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
     """See the module docstring and the SMP API page (``smp.DistributedModel``)."""
 
     # torch DDP reads this in its constructor: wrapping a DistributedModel raises (smp_fx.dist.ddp)
@@ -112,7 +115,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
         self._executor: ex.Executor | None = None
         self._runners: dict[int, ex.StageRunner] = {}
         self._hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
-        self._optimizers: list[Any] = []
+        self._optimizers: list[DistributedOptimizer] = []
         self._tied_groups: list[tuple[Any, list[str]]] = []
         # tied gradients as they were when the current reduction window began (already
         # summed over the owners): only what the window adds is summed again
@@ -122,7 +125,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
         # materialisation replaces parameter objects
         self.canonical_names = {n: self._fqn_by_id[id(p)] for n, p in
                                 module.named_parameters(remove_duplicate=False)}
-        self.plan: Any = None  # passes.plan.PartitionPlan once partitioned
+        self.plan: PartitionPlan | None = None  # once partitioned
         self._ddp: ddp.DataParallel | None = None
         context.set_current_model(self)
 
@@ -159,16 +162,28 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
     def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
         """Distributed backward across the stages; like ``torch.autograd.backward``."""
         ctx = context.turn()
-        if ctx is None or ctx[0] is not self._executor:
+        if ctx is None or self._executor is None or ctx[0] is not self._executor:
             raise SMPRuntimeError.build(OUTSIDE_STEP, None, "DistributedModel.backward",
                                         "call model.backward inside an @smp.step function")
-        ctx[0].backward_request(ctx[1], tensors, grad_tensors)
+        self._executor.backward_request(ctx[1], tensors, grad_tensors)
 
     def register_post_partition_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
         """Run ``hook(model)`` (or ``hook(model, optimizer)``) right after partitioning."""
         handle = RemovableHandle(self._hooks)
         self._hooks[handle.id] = hook
         return handle
+
+    def owns_parameters(self, params: Iterable[torch.Tensor]) -> bool:
+        """Whether any of ``params`` is a parameter of the wrapped module, as it was at
+        wrapping (materialisation may replace the objects later)."""
+        return any(id(p) in self._fqn_by_id for p in params)
+
+    def attach_optimizer(self, optimizer: DistributedOptimizer) -> None:
+        """Narrow ``optimizer`` to this rank's parameters at partitioning (at once if the
+        model is partitioned); the first one attached is what post-partition hooks get."""
+        self._optimizers.append(optimizer)
+        if self.partitioned:
+            optimizer._localize(self)
 
     def join(self, throw_on_early_termination: bool = False) -> Any:
         """Context manager for uneven numbers of batches across data-parallel ranks (ddp)."""
@@ -213,12 +228,12 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
                                         "DistributedModel", "call an smp.step function first")
         return [self._runners[s] for s in sorted(self._runners)]
 
-    def to(self, *args: Any, **kwargs: Any) -> DistributedModel:  # type: ignore[override]
+    def to(self, *args: Any, **kwargs: Any) -> DistributedModel:
         log.info("smp-fx: DistributedModel.to(%s) ignored: each rank places its own stage",
                  args or kwargs)
         return self
 
-    def cuda(self, device: Any = None) -> DistributedModel:  # type: ignore[override]
+    def cuda(self, device: Any = None) -> DistributedModel:
         log.info("smp-fx: DistributedModel.cuda() ignored: each rank places its own stage")
         return self
 
@@ -294,8 +309,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
             opt._localize(self)
         for hook in list(self._hooks.values()):
             n = len(inspect.signature(hook).parameters)
-            opt = self._optimizers[0] if self._optimizers else None
-            hook(*(self, opt)[:n])
+            first = self._optimizers[0] if self._optimizers else None
+            hook(*(self, first)[:n])
 
     def _broadcast_tied(self) -> None:
         """Give every replica of a tied parameter the lowest owning rank's values."""
@@ -311,9 +326,9 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):
         if self._tied_base is not None:
             return  # ddp accumulating over several steps: the window began earlier
         params = dict(self.local_named_parameters())
-        self._tied_base = {
-            n: (None if params[n].grad is None else params[n].grad.detach().clone())
-            for _, names in self._tied_groups for n in names}
+        grads = {n: params[n].grad for _, names in self._tied_groups for n in names}
+        self._tied_base = {n: None if g is None else g.detach().clone()
+                           for n, g in grads.items()}
 
     def _reduce_tied_grads(self) -> None:
         """Sum the gradients of parameters replicated on several stages over their owners.
@@ -394,37 +409,28 @@ def _materialise(module: nn.Module, device: torch.device) -> None:
 
 
 def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 num_stages: int, options: ModelOptions) -> tuple[torch.fx.GraphModule, Any]:
-    """Trace, cost and partition with the compile pipeline; (GraphModule with STAGE, plan).
+                 num_stages: int, options: ModelOptions
+                 ) -> tuple[torch.fx.GraphModule, PartitionPlan]:
+    """Trace once, cost and partition with the compile pipeline; (GraphModule with STAGE, plan).
 
     Analytic costs for the device kind this rank runs on, so the plan is a pure function of
     the model, the first microbatch and the configuration (every rank makes the same one).
-    With ``auto_partition`` false the ``smp.partition`` pins apply.
+    With ``auto_partition`` false the ``smp.partition`` pins apply. Measured costs are
+    taken on the very graph that is then costed, planned and split (``compile_model``'s
+    ``traced``), which keeps the front end's codegen (export's input and output structure).
     """
     st = state.get()
     cfg = st.config
     pins = None if cfg.auto_partition else pins_by_module_path(module)
     spec = "cpu" if st.device.type == "cpu" else "a100"
+    device = resolve_device(spec)
     gm = trace(module, args, kwargs)
-    frontend = gm.meta.get("smp.frontend", "auto")
     measured = None
     if options.trace_execution_times or options.trace_memory_usage:
         measured = _measured_costs(gm, args, kwargs, options, st)
-    compiled = compile_model(module, args, kwargs, _partition_config(cfg, options),
-                             device=spec, pins=pins, frontend=frontend, measured=measured)
-    # The pipeline's graph copies drop the front end's pytree codegen (export's input and
-    # output structure) and gm.meta, so the stages are carried by node name onto our own
-    # trace of the same model and microbatch (tracing is deterministic: same names).
-    stage_of = {n.name: meta.STAGE.get(n) for n in compiled.gm.graph.nodes}
-    for n in gm.graph.nodes:
-        if stage_of.get(n.name) is not None:
-            meta.STAGE.set(n, stage_of[n.name])
-    missing = [n.name for n in gm.graph.nodes
-               if n.op.startswith("call") and meta.STAGE.get(n) is None]
-    if missing:
-        raise SMPInternalError.build("the compile pipeline left nodes without a stage",
-                                      missing[:5], "DistributedModel partitioning")
-    return gm, compiled.plan
+    compiled = compile_model(module, args, kwargs, cfg.partition_config(device.name),
+                             device=device, pins=pins, measured=measured, traced=gm)
+    return compiled.gm, compiled.plan
 
 
 def _measured_costs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -441,14 +447,6 @@ def _measured_costs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dic
     if not st.in_process and st.world_size > 1:
         dist.broadcast_object_list(box, src=0, group=st.object_group("world"))
     return box[0]
-
-
-def _partition_config(cfg: Any, options: ModelOptions) -> Any:
-    return PartitionConfig(
-        num_stages=cfg.pipeline_parallel_degree, memory_weight=cfg.memory_weight,
-        microbatches=cfg.microbatches, pipeline=cfg.pipeline,
-        active_microbatches=cfg.active_microbatches, auto_partition=cfg.auto_partition,
-        default_partition=cfg.default_partition)
 
 
 def _agree_on_plan(gm: torch.fx.GraphModule, st: Any) -> None:
@@ -489,9 +487,9 @@ def _tied_groups(program: StagedProgram, st: Any,
             by_owner_set.setdefault(tuple(stages), []).append(canon)
     my_stage = st.axis_rank("pp")
     out: list[tuple[Any, list[str]]] = []
-    for stages, canons in sorted(by_owner_set.items()):
+    for owner_stages, canons in sorted(by_owner_set.items()):
         for pipeline in st.topology.groups("pp"):
-            ranks = [pipeline[s] for s in stages]
+            ranks = [pipeline[s] for s in owner_stages]
             group = dist.new_group(ranks)
             if st.rank in ranks:
                 out.append((group, [local_name[(my_stage, c)] for c in canons]))

@@ -55,18 +55,15 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         self.global_index: dict[int, int] = {id(p): i for i, p in enumerate(flat)}
         self._localized = False
         model = current_model()
-        if model is not None and not any(id(p) in model._fqn_by_id for p in flat):
-            model = None  # an optimizer over some other module's parameters: leave it whole
-        if model is not None:
+        # an optimizer over some other module's parameters is left whole
+        if model is not None and model.owns_parameters(flat):
             self._names = {id(p): n for n, p in model.module.named_parameters()}
-            model._optimizers.append(self)
-            if model.partitioned:
-                self._localize(model)
+            model.attach_optimizer(self)
         else:
             self._names = {}
 
     # the wrapped optimizer's containers are this optimizer's
-    @property  # type: ignore[override]
+    @property
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
@@ -74,7 +71,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     def param_groups(self, value: list[dict[str, Any]]) -> None:
         self.optimizer.param_groups = value
 
-    @property  # type: ignore[override]
+    @property
     def state(self) -> Any:
         return self.optimizer.state
 
@@ -82,7 +79,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     def state(self, value: Any) -> None:
         self.optimizer.state = value
 
-    @property  # type: ignore[override]
+    @property
     def defaults(self) -> dict[str, Any]:
         return self.optimizer.defaults
 
@@ -98,7 +95,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r})"
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -119,7 +116,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         by_name = {canon.get(n, n): q for n, q in local.items()}
         index: dict[int, int] = {}
         for group in self.optimizer.param_groups:
-            kept = []
+            kept: list[torch.Tensor] = []
             for p in group["params"]:
                 q = local_ids.get(id(p))
                 if q is None:

@@ -23,7 +23,7 @@ Use (the runtime's classes)::
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.nn.modules.module import _IncompatibleKeys
@@ -66,7 +66,8 @@ def _to_cpu(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu()
     if isinstance(value, Mapping):
-        return type(value)((k, _to_cpu(v)) for k, v in value.items())
+        rebuild: Any = type(value)  # dict, OrderedDict, ...: the same kind of mapping back
+        return rebuild((k, _to_cpu(v)) for k, v in value.items())
     if isinstance(value, list):
         return [_to_cpu(v) for v in value]
     return value
@@ -76,7 +77,10 @@ class ModelCheckpointMixin:
     """``local_state_dict`` / ``state_dict`` / ``load_state_dict`` for DistributedModel."""
 
     module: torch.nn.Module
-    partitioned: bool
+    if TYPE_CHECKING:  # the host's (read-only on DistributedModel)
+
+        @property
+        def partitioned(self) -> bool: ...
 
     def _smp_layout(self) -> ModelLayout:
         layout = self.__dict__.get("_smp_layout_cache")
@@ -99,7 +103,7 @@ class ModelCheckpointMixin:
                 fix="call it after the first smp.step call, or use state_dict()")
         return local_model_state_dict(self._smp_local_tensors(), self._smp_layout())
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> StateDict:  # type: ignore[override]
+    def state_dict(self, *args: Any, **kwargs: Any) -> StateDict:
         """The full model's state, exactly as the unwrapped model's ``state_dict()``.
 
         Collective over the pipeline group once partitioned: call it on every rank with
@@ -114,7 +118,7 @@ class ModelCheckpointMixin:
         parts = _gather_pipeline(_to_cpu(self.local_state_dict()))
         return merge_model_state_dicts(parts, self._smp_layout())
 
-    def load_state_dict(self, state_dict: Mapping[str, Any],  # type: ignore[override]
+    def load_state_dict(self, state_dict: Mapping[str, Any],
                         strict: bool = True, assign: bool = False) -> Any:
         """Load a full or partial state dict; before partitioning it is applied right after.
 
@@ -205,7 +209,7 @@ class OptimizerCheckpointMixin:
                 where="DistributedOptimizer",
                 fix="create the model (smp.DistributedModel) before the optimizer, over its "
                 "parameters")
-        return names
+        return cast(list[list[str]], names)
 
     def _smp_is_local(self) -> bool:
         return bool(getattr(self, "_localized", False))

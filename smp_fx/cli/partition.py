@@ -12,9 +12,14 @@ Example::
     smp-fx partition examples/models/gpt.py --partitions 4 --microbatches 8 \\
         --json plan.json --dot plan.dot --timeline plan.png --chrome-trace step.json --compare
 
-Costs are per microbatch: the inputs are built for ``--batch-size`` and split along their
-first dimension into ``--microbatches`` parts, as ``smp.step`` splits them; the plan is
-made for the first part. Bad input exits with status 2 and a one-line message.
+Costs are per microbatch: the inputs are built for ``--batch-size`` and split into
+``--microbatches`` parts by ``smp.step``'s own splitter (``smp_fx.runtime.microbatch``:
+every tensor along its batch axis, nested ones too; ``--non-split-input`` and
+``--input-split-axis`` name the model's ``forward`` parameters, as ``non_split_inputs`` and
+``input_split_axes`` name the step function's); the plan is made for the first part, with
+the configuration translated as ``DistributedModel`` translates it, so it is the plan
+``DistributedModel`` makes at its first step on the same batch (same device spec). Bad
+input exits with status 2 and a one-line message.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import argparse
 import ast
 import contextlib
 import importlib.util
+import inspect
 import json
 import sys
 import time
@@ -36,7 +42,11 @@ from torch import nn
 
 from cost_model.errors import SMPConfigError, SMPError
 from passes.partition_config import PartitionConfig
+from passes.pipeline import Compiled, baseline_plans, compile_model
 from smp_fx.cli import render
+from smp_fx.config import load_config
+from smp_fx.manual import pins_by_module_path
+from smp_fx.runtime.microbatch import split_inputs
 
 EXIT_BAD_INPUT = 2
 
@@ -79,6 +89,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="optimizer state bytes per parameter byte (Adam: 2)")
     p.add_argument("--batch-size", type=int,
                    help="global batch for example_inputs (default: one sample per microbatch)")
+    p.add_argument("--non-split-input", action="append", default=[], metavar="NAME",
+                   help="forward parameter passed whole to every microbatch (repeatable)")
+    p.add_argument("--input-split-axis", action="append", default=[], metavar="NAME=AXIS",
+                   help="forward parameter split along AXIS instead of 0 (repeatable)")
     p.add_argument("--frontend", choices=("auto", "fx", "export"), default="auto")
     p.add_argument("--device", default="a100", help="device spec: h100, a100, v100 or cpu")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
@@ -161,15 +175,7 @@ def smp_parameters(args: argparse.Namespace) -> dict[str, Any]:
 def partition_config(params: dict[str, Any], device: str,
                      optimizer_state_factor: float) -> PartitionConfig:
     """Validate SMP parameters as ``smp.init`` does and keep what the partitioner needs."""
-    from smp_fx.config import load_config
-
-    cfg = load_config(params, env={})
-    return PartitionConfig(
-        num_stages=cfg.pipeline_parallel_degree, memory_weight=float(cfg.memory_weight),
-        microbatches=cfg.microbatches, pipeline=cfg.pipeline,
-        active_microbatches=cfg.active_microbatches, auto_partition=cfg.auto_partition,
-        default_partition=cfg.default_partition,
-        optimizer_state_factor=optimizer_state_factor, device=device)
+    return load_config(params, env={}).partition_config(device, optimizer_state_factor)
 
 
 def _call(fn: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> Any:
@@ -193,11 +199,26 @@ def _inputs(fn: Callable[..., Any], batch_size: int, extra: dict[str, Any],
     return tuple(value)
 
 
-def compare_rows(compiled: Any) -> tuple[list[render.CompareRow], list[str]]:
+def _split_axes(model: nn.Module, non_split: Sequence[str],
+                axis_items: Sequence[str]) -> dict[str, int]:
+    """``--input-split-axis`` as a dict, every named parameter checked against ``forward``."""
+    axes = _key_values(axis_items, "--input-split-axis")
+    names = list(inspect.signature(model.forward).parameters)
+    for name in [*non_split, *axes]:
+        if name not in names:
+            raise SMPConfigError.build("the model's forward has no parameter of this name",
+                                       name, "--non-split-input / --input-split-axis",
+                                       f"use one of {names}")
+    for name, axis in axes.items():
+        if not isinstance(axis, int) or isinstance(axis, bool):
+            raise SMPConfigError.build("a split axis must be an integer", axis,
+                                       f"--input-split-axis {name}", f"write {name}=1")
+    return axes
+
+
+def compare_rows(compiled: Compiled) -> tuple[list[render.CompareRow], list[str]]:
     """The plan and every baseline partitioner, scored by the plan's own objective, and a
     note for each baseline that cannot partition this graph."""
-    from passes.pipeline import baseline_plans
-
     plans = [(f"smp-fx ({compiled.plan.strategy})", compiled.plan)]
     notes = []
     for b in baseline_plans(compiled):
@@ -225,8 +246,6 @@ class _Progress:
 
 def run(args: argparse.Namespace, out: Any = None) -> int:
     """Do the work of the command; errors propagate (``main`` turns them into exit 2)."""
-    from passes.pipeline import compile_model, first_microbatch
-
     out = out or sys.stdout
     progress = _Progress(args.quiet)
     pconfig = partition_config(smp_parameters(args), args.device, args.optimizer_state_factor)
@@ -248,13 +267,11 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
                                    type(model).__name__, args.model, "return the model")
     inputs = _inputs(make_inputs, batch, _key_values(args.inputs_arg, "--inputs-arg"),
                      args.model)
-    mb_args = first_microbatch(inputs, pconfig.microbatches)
-    pins = None
-    if not pconfig.auto_partition:
-        from smp_fx.manual import pins_by_module_path
-
-        pins = pins_by_module_path(model)
-    compiled = compile_model(model, mb_args, None, pconfig, device=args.device,
+    axes = _split_axes(model, args.non_split_input, args.input_split_axis)
+    mb_args, mb_kwargs = split_inputs(inputs, {}, pconfig.microbatches, args.non_split_input,
+                                      axes, model.forward)[0]
+    pins = None if pconfig.auto_partition else pins_by_module_path(model)
+    compiled = compile_model(model, mb_args, mb_kwargs, pconfig, device=args.device,
                              frontend=args.frontend, pins=pins, progress=progress)
     plan = compiled.plan
     print(render.format_table(plan), file=out)

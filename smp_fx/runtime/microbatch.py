@@ -5,6 +5,12 @@ otherwise), including tensors nested in lists, tuples and dicts; an object with 
 ``smp_slice(num_mb, mb, axis)`` method slices itself; any other object is passed whole to
 every microbatch, as are the arguments named in ``non_split_inputs``.
 
+This is the one splitter: ``smp.step`` splits with it, and ``smp-fx partition`` plans on
+its first microbatch, so the offline plan is made on exactly the inputs the runtime traces
+and plans on. It lives here, with ``smp.step`` whose rules it implements, and not in
+``passes``: the compiler takes one microbatch and never splits, and both callers that do
+split are in ``smp_fx``.
+
 >>> import torch
 >>> mbs = split_inputs((torch.arange(4), {"y": [torch.zeros(4, 2)]}, "tag"), {}, 2)
 >>> [a[0].tolist() for a, _ in mbs], mbs[1][0][1]["y"][0].shape, mbs[1][0][2]

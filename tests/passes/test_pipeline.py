@@ -10,7 +10,8 @@ from cost_model.device import get_device
 from cost_model.errors import SMPConfigError, SMPPartitionError
 from passes import meta
 from passes.partition_config import PartitionConfig
-from passes.pipeline import analyse, baseline_plans, compile_model, first_microbatch, partition
+from passes.pipeline import analyse, baseline_plans, compile_model, partition
+from passes.trace import trace
 
 
 def _model() -> nn.Module:
@@ -56,12 +57,35 @@ def test_manual_pins_apply_only_without_auto_partition() -> None:
         compile_model(_model(), (torch.randn(2, 8),), None, cfg, pins={"0": 5})
 
 
-def test_first_microbatch() -> None:
-    x, y = torch.arange(8).view(8, 1), torch.zeros(8, 3)
-    a, b, flag = first_microbatch((x, y, True), 4)
-    assert a.tolist() == [[0], [1]] and b.shape == (2, 3) and flag is True
-    with pytest.raises(SMPConfigError, match="divisible by microbatches"):
-        first_microbatch((x,), 3)
+class _KwargsAndDict(nn.Module):
+    """Keyword input and dict output: export's pytree codegen carries that structure."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> dict[str, torch.Tensor]:
+        h = self.a(x).relu()
+        return {"out": self.b(h) * scale, "h": h}
+
+
+@pytest.mark.parametrize("auto", [True, False])
+def test_a_given_trace_is_planned_with_its_codegen_and_meta(auto: bool) -> None:
+    model = _KwargsAndDict()
+    x, scale = torch.randn(2, 4), torch.full((2, 1), 3.0)
+    traced = trace(model, (x,), {"scale": scale}, frontend="export")
+    seen: list[str] = []
+    compiled = compile_model(model, (x,), {"scale": scale},
+                             PartitionConfig(num_stages=2, auto_partition=auto), pins={"b": 1},
+                             traced=traced, progress=seen.append)
+    assert seen[0] == "shape_prop"  # no second trace
+    assert [n.name for n in compiled.gm.graph.nodes] == [n.name for n in traced.graph.nodes]
+    assert compiled.gm.meta["smp.frontend"] == "export"
+    assert not any(meta.STAGE.has(n) for n in traced.graph.nodes)  # input untouched
+    out, want = compiled.gm(x, scale=scale), model(x, scale=scale)
+    assert out.keys() == want.keys()
+    for key in want:
+        torch.testing.assert_close(out[key], want[key])
 
 
 def test_unknown_device_is_a_config_error() -> None:

@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from passes.partition_config import PartitionConfig
-from passes.pipeline import analyse, first_microbatch, partition
+from passes.pipeline import analyse, partition
 from smp_fx.cli.partition import load_model_file
+from smp_fx.runtime.microbatch import split_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden"
@@ -33,7 +34,7 @@ def _costed(name: str) -> tuple[Any, Any]:
     module = load_model_file(str(ROOT / "examples" / "models" / f"{name}.py"))
     torch.manual_seed(0)
     model = module.build_model()
-    args = first_microbatch(module.example_inputs(BATCH), MICROBATCHES)
+    args = split_inputs(module.example_inputs(BATCH), {}, MICROBATCHES)[0][0]
     return model, analyse(model, args, device=DEVICE)
 
 

@@ -197,6 +197,20 @@ def test_measured_costs_plan_and_numerics(fresh: None) -> None:
     assert times != [s.time_s for s in analytic.plan.stages]
 
 
+def test_partitioning_traces_once(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The graph traced for measuring is the one costed, planned and split: the compile
+    pipeline never runs its own trace pass for the runtime."""
+    import passes.pipeline
+
+    def second_trace(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the compile pipeline traced the model again")
+
+    monkeypatch.setattr(passes.pipeline, "trace", second_trace)
+    model = smp.DistributedModel(_net(), trace_execution_times=True)
+    _step(model, torch.randn(4, 4))
+    assert model.partitioned and model.plan is not None
+
+
 def test_unimplemented_configured_feature_is_an_error_at_wrap() -> None:
     state._reset()
     smp.init({"pipeline_parallel_degree": 1, "fp16": True})

@@ -86,3 +86,30 @@ def test_with_a_distributed_model_and_step_lr() -> None:
         assert abs(opt.param_groups[0]["lr"] - 0.01) < 1e-12
     finally:
         state._reset()
+
+
+def test_only_an_optimizer_over_the_models_parameters_attaches_to_it() -> None:
+    """The post-partition hook gets the first optimizer over the wrapped module's parameters;
+    one over another module's parameters is not the model's."""
+    init(2, 2, "simple")
+    try:
+        net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+        model = smp.DistributedModel(net)
+        other = nn.Linear(4, 4)
+        foreign = smp.DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1))
+        assert model.owns_parameters(net.parameters())
+        assert not model.owns_parameters(other.parameters())
+        seen: list[Any] = []
+        model.register_post_partition_hook(lambda m, o: seen.append(o))
+        opt = smp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
+
+        @smp.step
+        def fwd(model: Any, x: torch.Tensor) -> Any:
+            return model(x)
+
+        with torch.no_grad():
+            fwd(model, torch.randn(4, 4))
+        assert seen == [opt] and seen[0] is not foreign
+        assert foreign.param_groups[0]["params"] == list(other.parameters())
+    finally:
+        state._reset()

@@ -13,10 +13,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import smp_fx as smp
+from passes.partitioning.extract import COMPUTE_OPS
 from passes.plan import PartitionPlan
+from passes.split_stages import StagedProgram
 from smp_fx.cli import main as cli_main
-from smp_fx.cli.partition import main
+from smp_fx.cli.partition import load_model_file, main
+from smp_fx.dist import state
 
 ROOT = Path(__file__).resolve().parents[3]
 MODELS = ROOT / "examples" / "models"
@@ -112,6 +117,87 @@ def test_compare_lists_every_baseline(capsys: pytest.CaptureFixture[str]) -> Non
     assert others and all(ours <= o + 1e-9 for o in others)
 
 
+NESTED_MODEL = """
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, batch, table):
+        h = self.a(batch["x"][0]).relu() @ table
+        return self.b(h) + batch["x"][1]
+
+
+def build_model():
+    return Net()
+
+
+def example_inputs(batch_size):
+    return ({"x": [torch.randn(batch_size, 8), torch.randn(batch_size, 8)]},
+            torch.randn(8, 8))
+"""
+
+
+def _runtime_plan(path: Path, config: dict[str, object], batch: int,
+                  non_split: tuple[str, ...]) -> tuple[PartitionPlan, StagedProgram]:
+    """DistributedModel's plan and staged program at its first step on this batch."""
+    example = load_model_file(str(path))
+    state._reset()
+    smp.init(config)
+    try:
+        model = smp.DistributedModel(example.build_model())
+
+        @smp.step(non_split_inputs=non_split)
+        def forward(model: object, batch: object, table: object = None) -> object:
+            return model(batch) if table is None else model(batch, table)
+
+        with torch.no_grad():
+            forward(model, *example.example_inputs(batch))
+        assert model.plan is not None
+        return model.plan, model.program
+    finally:
+        state._reset()
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf_gpt2", "nested"])
+def test_the_cli_plans_what_distributed_model_runs(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str],
+                                                   name: str) -> None:
+    """Same model file, configuration and global batch: ``smp-fx partition --json`` and
+    ``DistributedModel`` make the same plan, and the runtime's stages compute the planned
+    nodes. gpt is fx-traced (tied weights), hf_gpt2 export-captured; nested has a dict of
+    a list of tensors split per microbatch and a table passed whole (``non_split_inputs``)."""
+    path = MODELS / f"{name}.py"
+    flags, non_split = [], ()
+    if name == "nested":
+        path = tmp_path / "nested.py"
+        path.write_text(NESTED_MODEL, encoding="utf-8")
+        flags, non_split = ["--non-split-input", "table"], ("table",)
+    config = {"pipeline_parallel_degree": 2, "microbatches": 2, "pipeline": "interleaved",
+              "memory_weight": 0.5}
+    config_file = tmp_path / "smp.json"
+    config_file.write_text(json.dumps(config), encoding="utf-8")
+    code, _, err = _run(capsys, str(path), "--config", str(config_file), "--batch-size", "4",
+                        "--device", "cpu", "--json", str(tmp_path / "plan.json"), *flags)
+    assert code == 0, err
+    offline = PartitionPlan.loads((tmp_path / "plan.json").read_text())
+    runtime, program = _runtime_plan(path, config, 4, non_split)
+
+    assert [s.nodes for s in runtime.stages] == [s.nodes for s in offline.stages]
+    assert runtime.objective == offline.objective
+    assert [(s.received, s.sent) for s in runtime.stages] == \
+        [(s.received, s.sent) for s in offline.stages]
+    assert runtime.dumps() == offline.dumps()  # config, device, costs and memory too
+    ran = [[n.name for n in stage.module.graph.nodes if n.op in COMPUTE_OPS]
+           for stage in program.stages]
+    computed = {n for names in ran for n in names}
+    assert ran == [[n for n in s.nodes if n in computed] for s in offline.stages]
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -124,6 +210,9 @@ def test_compare_lists_every_baseline(capsys: pytest.CaptureFixture[str]) -> Non
         (["{mlp}", "--partitions", "2", "--inputs-fn", "loss_fn"], "could not be called"),
         (["{mlp}", "--partitions", "2", "--build-fn", "example_inputs"], "torch.nn.Module"),
         (["{mlp}", "--partitions", "2", "--config", "/nonexistent/cfg.json"], "No such file"),
+        (["{mlp}", "--partitions", "2", "--non-split-input", "x"], "no parameter of this name"),
+        (["{mlp}", "--partitions", "2", "--input-split-axis", "input=x"],
+         "must be an integer"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str],

@@ -47,8 +47,9 @@ from smp_fx.dist import ddp, launch, state
 from smp_fx.manual import pins_by_module_path
 from smp_fx.runtime import context
 from smp_fx.runtime import executor as ex
+from smp_fx.runtime.dist_transport import DistTransport
 from smp_fx.runtime.lowering import cached_schedule
-from smp_fx.runtime.transport import DistTransport, InProcessTransport, Transport
+from smp_fx.runtime.transport import InProcessTransport, Transport
 
 log = logging.getLogger("smp_fx.model")
 

@@ -184,7 +184,7 @@ class DistTransport:
                 old = self._sent[key] = wire.header(payload, spec, leaves, flat.shape,
                                                     flat.key)
         out = self._reused_send_frame(key, old)
-        large = wire.pack(old, out.views, flat.tensors())
+        large = wire.pack(old, out.views, flat.tensors)
         self._isend(out.frame, peer, group)
         for t in large:
             self._isend(t, peer, group)

@@ -32,7 +32,7 @@ import pickle
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.utils._pytree as pytree
@@ -58,20 +58,17 @@ class TensorMeta:
         return math.prod(self.shape) * self.dtype.itemsize
 
 
-@dataclass(frozen=True)
-class Flat:
-    """A message flattened for sending: its leaves, its structure, and ``key``, a value
-    equal to the last message's key exactly when the header is the same (None: only the
-    pickled header can tell)."""
+class Flat(NamedTuple):
+    """A message flattened for sending: its leaves and tensors, its structure, and ``key``,
+    a value equal to the last message's key exactly when the header is the same (None: only
+    the pickled header can tell). A tuple: it is made for every message sent."""
 
     leaves: list[Any]
+    tensors: list[torch.Tensor]  # the tensor leaves, detached
     shape: Any  # the hand-flattened structure (``flatten``), or None: ``spec`` describes it
     spec: Any
     key: Any
-    metas: list[Any] | None = None  # ``header_leaves(leaves)``, when already made
-
-    def tensors(self) -> list[torch.Tensor]:
-        return [t.detach() for t in self.leaves if isinstance(t, torch.Tensor)]
+    metas: list[Any] | None  # ``header_leaves(leaves)``, when already made
 
 
 @dataclass(frozen=True)
@@ -97,14 +94,15 @@ def flatten(value: Any) -> Flat:
     leaves: list[Any] = []
     shape = _shape_of(value, leaves)
     if shape is not None:  # every leaf is a tensor
-        return Flat(leaves, shape, None,
-                    (shape, tuple((t.shape, t.dtype, t.requires_grad) for t in leaves)))
+        return Flat(leaves, [t.detach() for t in leaves], shape, None,
+                    (shape, tuple((t.shape, t.dtype, t.requires_grad) for t in leaves)), None)
     leaves, spec = pytree.tree_flatten(value)
     metas = header_leaves(leaves)
     key = None
     if all(isinstance(x, TensorMeta) or type(x) in _PLAIN for x in metas):
         key = (spec, [x if isinstance(x, TensorMeta) else (type(x), x) for x in metas])
-    return Flat(leaves, None, spec, key, metas)
+    tensors = [t.detach() for t in leaves if isinstance(t, torch.Tensor)]
+    return Flat(leaves, tensors, None, spec, key, metas)
 
 
 def _shape_of(value: Any, leaves: list[torch.Tensor]) -> Any:

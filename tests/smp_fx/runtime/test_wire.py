@@ -21,7 +21,7 @@ def _through_a_frame(value: Any) -> Any:
     sent = wire.encode(flat)
     frame = torch.empty(sent.frame_size, dtype=torch.uint8)
     wire.write_flag(frame, 0)
-    large = wire.pack(sent, wire.send_slots(frame, sent), flat.tensors())
+    large = wire.pack(sent, wire.send_slots(frame, sent), flat.tensors)
     got = wire.decode(sent.payload)
     received = bytearray(frame.numpy().tobytes())  # a copy: nothing shared with the sender
     rframe = torch.frombuffer(received, dtype=torch.uint8)

@@ -15,7 +15,6 @@ and the replicas' gradients are all-reduced over a group of the owners after eve
 
 from __future__ import annotations
 
-import functools
 import inspect
 import logging
 from collections import OrderedDict
@@ -47,7 +46,9 @@ from smp_fx.dist import ddp, launch, state
 from smp_fx.manual import pins_by_module_path
 from smp_fx.runtime import context
 from smp_fx.runtime import executor as ex
-from smp_fx.runtime.transport import DistTransport, InProcessTransport, Transport
+from smp_fx.runtime.dist_transport import DistTransport
+from smp_fx.runtime.lowering import cached_schedule
+from smp_fx.runtime.transport import InProcessTransport, Transport
 
 if TYPE_CHECKING:
     from smp_fx.optimizer import DistributedOptimizer
@@ -154,7 +155,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         if context.capturing_inputs():
             raise context.Captured(args, kwargs)
         ctx = context.turn()
-        if ctx is None or self._executor is None or ctx[0] is not self._executor:
+        if ctx is None or self._executor is None or ctx[0] is not self._executor.conductor:
             raise SMPRuntimeError.build(OUTSIDE_STEP, None, "DistributedModel.__call__",
                                         "call the model inside an @smp.step function")
         return ctx[0].forward_request(ctx[1], args, kwargs)
@@ -162,10 +163,10 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
     def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
         """Distributed backward across the stages; like ``torch.autograd.backward``."""
         ctx = context.turn()
-        if ctx is None or self._executor is None or ctx[0] is not self._executor:
+        if ctx is None or self._executor is None or ctx[0] is not self._executor.conductor:
             raise SMPRuntimeError.build(OUTSIDE_STEP, None, "DistributedModel.backward",
                                         "call model.backward inside an @smp.step function")
-        self._executor.backward_request(ctx[1], tensors, grad_tensors)
+        self._executor.conductor.backward_request(ctx[1], tensors, grad_tensors)
 
     def register_post_partition_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
         """Run ``hook(model)`` (or ``hook(model, optimizer)``) right after partitioning."""
@@ -365,14 +366,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
 
     def schedule(self, num_microbatches: int, forward_only: bool) -> sched.Schedule:
         cfg = state.get().config
-        return _schedule(cfg.pipeline, cfg.pipeline_parallel_degree, num_microbatches,
-                         cfg.active_microbatches, forward_only)
-
-
-@functools.lru_cache(maxsize=32)
-def _schedule(pipeline: str, p: int, m: int, active: int, forward_only: bool) -> sched.Schedule:
-    """``sched.generate``, once per configuration (it runs at every step)."""
-    return sched.generate(pipeline, p, m, active, forward_only=forward_only)
+        return cached_schedule(cfg.pipeline, cfg.pipeline_parallel_degree, num_microbatches,
+                               cfg.active_microbatches, forward_only)
 
 
 def _in_process_devices(p: int, device: torch.device,

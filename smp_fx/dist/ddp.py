@@ -55,6 +55,7 @@ from cost_model.errors import SMPConfigError, SMPInternalError, SMPRuntimeError
 from smp_fx.dist import state
 from smp_fx.runtime import context
 from smp_fx.runtime import executor as ex
+from smp_fx.runtime.lowering import Op
 
 log = logging.getLogger("smp_fx.dist.ddp")
 
@@ -199,7 +200,7 @@ class DataParallel(Joinable):
         self.reductions = 0
 
     # executor hooks
-    def pre_step(self, ops: Sequence[ex.Op]) -> None:
+    def pre_step(self, ops: Sequence[Op]) -> None:
         """Find each local stage's last backward action; decide whether this step reduces."""
         self.last_backward = {op.stage: op.microbatch for op in ops if op.kind == "B"}
         self.armed = set()

@@ -5,13 +5,15 @@ waits for the model outputs; ``model.backward(...)`` posts a B request and retur
 cannot run the next op itself: the backward runs at its turn in the schedule, and gradients
 are complete when ``smp.step`` returns (where the seed says optimizer.step() belongs), so a
 step function that has asked for its backward needs no thread of its own any more and the
-calling thread moves on to the next microbatch. Turns are granted strictly by
-position in the op list (``smp_fx.runtime.executor`` lowers a schedule into it), so every rank
-issues its sends and receives in schedule order. The conductor is a baton, not a thread: whichever
-waiting thread finds the next op runnable (its microbatch's request has arrived, or it is a
-transfer) executes it and keeps going; a driver that hands model outputs to another waiting
-thread stops and lets that thread carry on, so only one thread drives at a time. A finished
-backward is not handed over: its thread only has to return, so the driver keeps going.
+calling thread moves on to the next microbatch. Turns are granted strictly by position in
+the op list (``smp_fx.runtime.lowering``), so every rank issues its sends and receives in
+schedule order. The conductor is a baton, not a thread: whichever waiting thread finds the
+next op runnable (its microbatch's request has arrived, or it is a transfer) executes it
+through the ``execute`` callback it was given and keeps going; a driver that hands model
+outputs to another waiting thread stops and lets that thread carry on, so only one thread
+drives at a time. A finished backward is not handed over: its thread only has to return,
+so the driver keeps going.
+
 Step functions start lazily: the calling thread runs each microbatch's function in turn and
 a pool thread starts one only when the next op needs a microbatch while every driver is
 stuck mid-function (a pipeline with several microbatches in flight). On a rank whose
@@ -19,9 +21,11 @@ stuck mid-function (a pipeline with several microbatches in flight). On a rank w
 starts the function of the microbatch whose forward comes next, so its request is in
 before its turn and the driver never waits for a thread to start (starting them all at
 once would make them contend with the step's first forward).
-Grad mode and autocast captured from the requesting thread apply to the work done for it.
-A failure in any thread aborts the step: the caller re-raises the original exception and
-every thread is released.
+
+Grad mode and autocast captured from the requesting thread travel with its request
+(``smp_fx.runtime.modes``). A failure in any thread aborts the step: the caller re-raises
+the original exception and every thread is released. The conductor knows ops only by
+kind and microbatch; what an op does, and every value it moves, is the executor's.
 """
 
 from __future__ import annotations
@@ -30,108 +34,60 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from cost_model.errors import SMPInternalError, SMPRuntimeError, SMPTimeoutError
 from smp_fx.runtime import context
+from smp_fx.runtime.lowering import Op
+from smp_fx.runtime.modes import Autocast, autocast_state, thread_modes
+
+Execute = Callable[[int, Op], None]  # (position in the op list, op): performs one op
+Microbatch = tuple[tuple[Any, ...], dict[str, Any]]  # a step function's (args, kwargs)
 
 
 @dataclass
-class _Request:
+class Request:
+    """What a step function asked for (``model(...)`` or ``model.backward(...)``), with
+    its thread's grad mode and autocast, which apply to the work done for it."""
+
     args: Any
     grad_enabled: bool
-    autocast: tuple[tuple[str, torch.dtype], ...]
+    autocast: Autocast
 
 
 @dataclass
-class _MbState:
-    """Everything one microbatch holds on this rank during a step."""
+class _Turn:
+    """One microbatch's side of the turn-taking during a step."""
 
-    f_request: _Request | None = None
-    b_request: _Request | None = None
+    f_request: Request | None = None
+    b_request: Request | None = None
     outputs: Any = None
     outputs_ready: bool = False
     backward_done: bool = False
-    skip: dict[int, bool] = field(default_factory=dict)  # stage -> its backward was skipped
-    inputs: dict[int, dict[str, Any]] = field(default_factory=dict)     # stage -> name -> value
-    results: dict[int, dict[str, Any]] = field(default_factory=dict)    # stage -> name -> value
-    grads: dict[int, dict[str, list[Any]]] = field(default_factory=dict)
-    send_grads: dict[int, dict[str, list[Any]]] = field(default_factory=dict)
-    b_done: int = 0
-    cut: Any = None  # the last stage's outputs as handed to the user
-    used: Any = None  # (indices of output leaves that got a gradient, those that need one)
 
 
 class _Aborted(BaseException):
     """Raised in user threads when the step aborts; BaseException so user code cannot eat it."""
 
 
-_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None)
-_NO_CHANGE = contextlib.nullcontext()  # reusable: the usual result of ``_thread_modes``
-
-
-def _autocast_state() -> tuple[tuple[str, torch.dtype], ...]:
-    if _ANY_AUTOCAST is not None and not _ANY_AUTOCAST():  # the usual case, one call
-        return ()
-    out = []
-    for dev in ("cpu", "cuda"):
-        if torch.is_autocast_enabled(dev):
-            out.append((dev, torch.get_autocast_dtype(dev)))
-    return tuple(out)
-
-
-def _thread_modes(grad_enabled: bool, autocast: tuple[tuple[str, torch.dtype], ...]) -> Any:
-    """A context with the requesting thread's grad mode and autocast in this thread (the
-    usual case, modes already equal, costs nothing: this runs several times per op)."""
-    current = _autocast_state()
-    if current == autocast:
-        if torch.is_grad_enabled() == grad_enabled:
-            return _NO_CHANGE
-        return torch.set_grad_enabled(grad_enabled)
-    return _switch_modes(grad_enabled, autocast, current)
-
-
-@contextlib.contextmanager
-def _switch_modes(grad_enabled: bool, autocast: tuple[tuple[str, torch.dtype], ...],
-                  current: tuple[tuple[str, torch.dtype], ...]) -> Any:
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(torch.set_grad_enabled(grad_enabled))
-        wanted = dict(autocast)
-        for dev, _ in current:  # this thread's own autocast does not apply to the work
-            if dev not in wanted:
-                stack.enter_context(torch.autocast(dev, enabled=False))
-        for dev, dtype in autocast:
-            stack.enter_context(torch.autocast(dev, dtype=dtype))
-        yield
-
-
-def _next_forwards(ops: Sequence[Any]) -> list[int]:
-    """For each op position, the microbatch of the first F op after it (-1: none)."""
-    out, nxt = [-1] * len(ops), -1
-    for i in range(len(ops) - 1, -1, -1):
-        out[i] = nxt
-        if ops[i].kind == "F":
-            nxt = ops[i].microbatch
-    return out
-
-
 class Conductor:
-    """Turn-taking over an op list; a subclass executes the ops (``_execute``)."""
+    """Turn-taking over an op list; ``execute(position, op)`` performs each op."""
 
-    def __init__(self, timeout_s: float = 300.0, rank: int = 0) -> None:
+    def __init__(self, execute: Execute, timeout_s: float = 300.0, rank: int = 0) -> None:
         self.timeout_s = timeout_s
         self.rank = rank
+        self._execute = execute
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
         self._lock = threading.Lock()
         self._conds: list[threading.Condition] = []
         self._main = threading.Condition(self._lock)
-        self._mbs: list[_MbState] = []
+        self._turns: list[_Turn] = []
         self._done: list[bool] = []
-        self._ops: tuple[Any, ...] = ()
+        self._ops: tuple[Op, ...] = ()
         self._next = 0
         self._driving = False
         self._handed_to = -1
@@ -139,47 +95,102 @@ class Conductor:
         self._running = 0
         self._started: list[bool] = []
         self._futures: dict[int, Future[Any]] = {}
-        self._launch: Any = None
+        self._launch: tuple[Callable[..., Any], Sequence[Microbatch], bool, Autocast] | None = (
+            None)
         self._main_thread: threading.Thread | None = None
         self._next_forward: Sequence[int] | None = None
-        self._deferred: list[tuple[int, dict[str, Any]]] = []
+        self._deferred: list[tuple[int, Any]] = []
         self._main_waiting = 0  # threads waiting on ``_main``
         self._abort: BaseException | None = None
 
-    def _execute(self, op: Any) -> None:
-        raise NotImplementedError
-
     # ---- user-thread side -------------------------------------------------------------
     def forward_request(self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        st = self._mbs[mb]
+        """``model(*args, **kwargs)`` in microbatch ``mb``'s step function: its outputs."""
+        t = self._turns[mb]
         with self._lock:
-            if st.f_request is not None:
+            if t.f_request is not None:
                 raise SMPRuntimeError.build(
                     "the model may be called once per microbatch inside smp.step", mb,
                     f"rank {self.rank} microbatch {mb}", "call model(...) once per step fn")
-            st.f_request = _Request((args, kwargs), torch.is_grad_enabled(), _autocast_state())
-            self._drive(lambda: st.outputs_ready, mb, "its model outputs")
-        return st.outputs
+            t.f_request = Request((args, kwargs), torch.is_grad_enabled(), autocast_state())
+            self._drive(lambda: t.outputs_ready, mb, "its model outputs")
+        return t.outputs
 
     def backward_request(self, mb: int, tensors: Any, grad_tensors: Any) -> None:
-        st = self._mbs[mb]
+        """``model.backward(tensors, grad_tensors)`` in microbatch ``mb``'s step function."""
+        t = self._turns[mb]
         with self._lock:
-            if st.f_request is None or st.b_request is not None:
+            if t.f_request is None or t.b_request is not None:
                 raise SMPRuntimeError.build(
                     "model.backward must follow model(...) and run once per microbatch", mb,
                     f"rank {self.rank} microbatch {mb}", "call model.backward(loss) once")
-            st.b_request = _Request((tensors, grad_tensors), torch.is_grad_enabled(),
-                                    _autocast_state())
-            self._drive(lambda: st.backward_done, mb, "its backward pass", wait=False,
+            t.b_request = Request((tensors, grad_tensors), torch.is_grad_enabled(),
+                                  autocast_state())
+            self._drive(lambda: t.backward_done, mb, "its backward pass", wait=False,
                         lazy=True)
 
+    # ---- executor side: what a turn's op reads and publishes -------------------------
+    def forward_of(self, mb: int, stage: int) -> Request:
+        """Microbatch ``mb``'s F request (its F op is runnable, so it asked or returned)."""
+        req = self._turns[mb].f_request
+        if req is None:
+            raise SMPRuntimeError.build(
+                "the smp.step function returned without calling the DistributedModel",
+                f"microbatch {mb}", f"rank {self.rank} stage {stage}",
+                "call model(...) inside every smp.step function")
+        return req
+
+    def backward_of(self, mb: int) -> Request | None:
+        """Microbatch ``mb``'s B request; None if its step function has not asked (yet)."""
+        return self._turns[mb].b_request
+
+    def publish_outputs(self, mb: int, outputs: Any, hand: bool = True,
+                        defer: bool = False) -> None:
+        """Give microbatch ``mb``'s ``model(...)`` call its outputs and wake its thread.
+
+        ``hand``: that thread carries on driving (it must run user code to post its next
+        request). ``defer`` (no hand-over): at the driver's next ``flush`` instead, because
+        a woken step function competes for the CPU (and the GIL) with the driver's work;
+        the driver flushes when it would wait anyway (blocking on a message that has not
+        arrived, or the end of its turn)."""
+        with self._lock:
+            if defer:
+                self._deferred.append((mb, outputs))
+                return
+            self._give_outputs(mb, outputs)
+            if hand:
+                self._handed_to = mb
+
+    def publish_backward_done(self, mb: int) -> None:
+        """Microbatch ``mb``'s backward is complete on this rank. Not handed over: the
+        thread only returns, so the driver keeps going (a thread switch saved per op)."""
+        with self._lock:
+            self._turns[mb].backward_done = True
+            self._conds[mb].notify_all()
+
+    def flush(self) -> None:
+        """Apply the deferred publications (the transport calls this before it blocks)."""
+        if self._deferred:
+            with self._lock:
+                self._flush_locked()
+
+    def _give_outputs(self, mb: int, outputs: Any) -> None:
+        t = self._turns[mb]
+        t.outputs, t.outputs_ready = outputs, True
+        self._conds[mb].notify_all()
+
+    def _flush_locked(self) -> None:
+        for mb, outputs in self._deferred:
+            self._give_outputs(mb, outputs)
+        self._deferred.clear()
+
     # ---- the baton ----------------------------------------------------------------------
-    def _runnable(self, op: Any) -> bool:
+    def _runnable(self, op: Op) -> bool:
         if op.kind == "F":
-            return self._mbs[op.microbatch].f_request is not None or self._done[op.microbatch]
+            return self._turns[op.microbatch].f_request is not None or self._done[op.microbatch]
         if op.kind == "WAIT_B":
-            st = self._mbs[op.microbatch]
-            return st.b_request is not None or self._done[op.microbatch]
+            return (self._turns[op.microbatch].b_request is not None
+                    or self._done[op.microbatch])
         return True
 
     def _may_drive(self, mb: int) -> bool:
@@ -194,10 +205,7 @@ class Conductor:
     def _drive(self, ready: Callable[[], bool], mb: int, what: str, wait: bool = True,
                lazy: bool = False) -> None:
         """With the lock held: run ops while they can run, until ``ready()``; else sleep
-        (``wait``) or return. ``lazy`` (a thread done with its own microbatch): stop before
-        a receive for a microbatch whose step function has not started, so that function's
-        start overlaps the message in flight instead of following it (its ``model(...)``
-        call drives the receive)."""
+        (``wait``) or return. ``lazy``: see ``_take_turn``."""
         cond = self._conds[mb] if mb >= 0 else self._main
         if self._holder == mb:
             self._holder = None
@@ -206,113 +214,86 @@ class Conductor:
                 raise _Aborted()
             if ready():
                 return
-            ops = self._ops
-            stopped = False
             if self._may_drive(mb):
-                self._driving = True
-                try:
-                    while self._next < len(ops) and self._runnable(ops[self._next]):
-                        op = ops[self._next]
-                        if lazy and op.kind.startswith("RECV") and not self._started[
-                                op.microbatch]:
-                            stopped = True
-                            break
-                        if op.kind == "F" and self._next_forward is not None:
-                            j = self._next_forward[self._next]
-                            if j >= 0 and not self._started[j]:
-                                self._start(j)
-                        self._handed_to = -1
-                        self._lock.release()
-                        try:
-                            self._execute(op)
-                        finally:
-                            self._lock.acquire()
-                        self._next += 1
-                        k = self._handed_to
-                        if k not in (-1, mb) and not self._done[k]:
-                            self._holder = k  # the woken thread carries on from here
-                            break
-                except BaseException as exc:
-                    if self._abort is None and not isinstance(exc, _Aborted):
-                        self._abort = exc
-                    self._wake_all()
-                    raise
-                finally:
-                    self._driving = False
-                    self._flush(locked=True)
-                    self._wake_main()  # the caller may be waiting for the last op
+                stopped = self._take_turn(mb, lazy)
                 if ready() or stopped:
                     return
             if not wait:
                 return
-            if mb < 0 and self._running == 0 and self._holder is None and all(self._done) \
-                    and not self._driving and self._next < len(ops) \
-                    and not self._may_drive(mb):
-                raise SMPInternalError.build("the step cannot make progress",
-                                            str(ops[self._next]), f"rank {self.rank}")
+            self._sleep(cond, mb, what)
+
+    def _take_turn(self, mb: int, lazy: bool) -> bool:
+        """With the lock held: execute ops in order while the next one can run, until the
+        baton is handed to another thread. ``lazy`` (a thread done with its own microbatch):
+        stop before a receive for a microbatch whose step function has not started, so that
+        function's start overlaps the message in flight instead of following it (its
+        ``model(...)`` call drives the receive); returns whether it stopped there."""
+        ops = self._ops
+        self._driving = True
+        try:
+            while self._next < len(ops) and self._runnable(ops[self._next]):
+                op = ops[self._next]
+                if lazy and op.kind.startswith("RECV") and not self._started[op.microbatch]:
+                    return True
+                if op.kind == "F" and self._next_forward is not None:
+                    j = self._next_forward[self._next]
+                    if j >= 0 and not self._started[j]:
+                        self._start(j)
+                self._handed_to = -1
+                self._lock.release()
+                try:
+                    self._execute(self._next, op)
+                finally:
+                    self._lock.acquire()
+                self._next += 1
+                k = self._handed_to
+                if k not in (-1, mb) and not self._done[k]:
+                    self._holder = k  # the woken thread carries on from here
+                    break
+        except BaseException as exc:
+            if self._abort is None and not isinstance(exc, _Aborted):
+                self._abort = exc
+            self._wake_all()
+            raise
+        finally:
+            self._driving = False
+            if self._deferred:
+                self._flush_locked()
+            self._wake_main()  # the caller may be waiting for the last op
+        return False
+
+    def _sleep(self, cond: threading.Condition, mb: int, what: str) -> None:
+        """With the lock held: wait for a wake-up, bounded by the timeout."""
+        ops = self._ops
+        if mb < 0 and self._running == 0 and self._holder is None and all(self._done) \
+                and not self._driving and self._next < len(ops) and not self._may_drive(mb):
+            raise SMPInternalError.build("the step cannot make progress",
+                                         str(ops[self._next]), f"rank {self.rank}")
+        if mb >= 0:
+            self._start_needed()
+            self._running -= 1
+            if self._running == 0:
+                self._wake_main()
+        else:
+            self._main_waiting += 1
+        try:
+            woke = cond.wait(self.timeout_s)
+        finally:
             if mb >= 0:
-                self._start_needed()
-                self._running -= 1
-                if self._running == 0:
-                    self._wake_main()
+                self._running += 1
             else:
-                self._main_waiting += 1
-            try:
-                woke = cond.wait(self.timeout_s)
-            finally:
-                if mb >= 0:
-                    self._running += 1
-                else:
-                    self._main_waiting -= 1
-            if not woke:
-                at = str(ops[self._next]) if self._next < len(ops) else "end of step"
-                raise SMPTimeoutError.build(
-                    f"timed out after {self.timeout_s:.0f}s waiting for {what}", at,
-                    f"rank {self.rank} microbatch {mb if mb >= 0 else 'all'}",
-                    "a peer rank may have failed (see its log), or the step function blocks")
+                self._main_waiting -= 1
+        if not woke:
+            at = str(ops[self._next]) if self._next < len(ops) else "end of step"
+            raise SMPTimeoutError.build(
+                f"timed out after {self.timeout_s:.0f}s waiting for {what}", at,
+                f"rank {self.rank} microbatch {mb if mb >= 0 else 'all'}",
+                "a peer rank may have failed (see its log), or the step function blocks")
 
     def _wake_all(self) -> None:
         for c in self._conds:
             c.notify_all()
         self._main.notify_all()
-
-    def _publish(self, mb: int, hand: bool = True, defer: bool = False,
-                 **updates: Any) -> None:
-        """Update ``mb``'s state and wake its thread. ``hand``: that thread carries on (it
-        must run user code to post its next request); without it (a finished backward:
-        the thread only returns) the driver keeps going, saving a thread switch per op.
-        ``defer`` (no hand-over): at the driver's next ``_flush`` instead, because a woken
-        step function competes for the CPU (and the GIL) with the driver's work; the driver
-        flushes when it would wait anyway (blocking on a message that has not arrived, or
-        the end of its turn)."""
-        with self._lock:
-            if defer:
-                self._deferred.append((mb, updates))
-                return
-            self._apply(mb, updates)
-            if hand:
-                self._handed_to = mb
-
-    def _apply(self, mb: int, updates: dict[str, Any]) -> None:
-        """With the lock held: update ``mb``'s state and wake its thread."""
-        for k, v in updates.items():
-            setattr(self._mbs[mb], k, v)
-        self._conds[mb].notify_all()
-
-    def _flush(self, locked: bool = False) -> None:
-        """Apply the deferred publications (only the driver defers and flushes them)."""
-        if not self._deferred:
-            return
-        if locked:
-            self._apply_deferred()
-        else:
-            with self._lock:
-                self._apply_deferred()
-
-    def _apply_deferred(self) -> None:
-        for mb, updates in self._deferred:
-            self._apply(mb, updates)
-        self._deferred.clear()
 
     def _wake_main(self) -> None:
         """With the lock held: wake a thread waiting on ``_main``, if any (this runs after
@@ -321,17 +302,16 @@ class Conductor:
             self._main.notify_all()
 
     # ---- a step -------------------------------------------------------------------------
-    def _check_step(self) -> None:
-        """After every op ran and every step function returned: a subclass's last checks."""
+    def run(self, fn: Callable[..., Any], microbatches: Sequence[Microbatch],
+            ops: tuple[Op, ...], next_forward: Sequence[int] | None = None
+            ) -> tuple[list[Any], list[bool]]:
+        """Run ``fn`` once per microbatch while ``ops`` are executed in order.
 
-    def _run_step(self, fn: Callable[..., Any], microbatches: Sequence[tuple[tuple[Any, ...],
-                  dict[str, Any]]], ops: tuple[Any, ...],
-                  next_forward: Sequence[int] | None = None) -> list[Any]:
-        """Run ``fn`` once per microbatch while ``ops`` are executed in order; its results.
-        ``next_forward`` (``_next_forwards(ops)``): start step functions a forward ahead
-        (see the module doc)."""
+        Returns ``fn``'s results and, per microbatch, whether its step function called
+        ``model.backward``. ``next_forward`` (``Lowered.next_forward``): start step
+        functions a forward ahead (see the module doc)."""
         m = len(microbatches)
-        self._mbs = [_MbState() for _ in range(m)]
+        self._turns = [_Turn() for _ in range(m)]
         self._done = [False] * m
         self._conds = [threading.Condition(self._lock) for _ in range(m)]
         self._ops, self._next, self._driving = ops, 0, False
@@ -342,7 +322,7 @@ class Conductor:
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
             self._pool, self._pool_size = ThreadPoolExecutor(m - 1, "smp-step"), m - 1
-        grad, autocast = torch.is_grad_enabled(), _autocast_state()
+        grad, autocast = torch.is_grad_enabled(), autocast_state()
         self._started = [False] * m
         self._futures = {}
         self._launch = (fn, microbatches, grad, autocast)
@@ -366,8 +346,7 @@ class Conductor:
                             "every microbatch to finish")
             for mb, f in sorted(self._futures.items()):
                 results[mb] = f.result(timeout=self.timeout_s)
-            self.transport.finish()
-            self._check_step()  # after finish: the transport is in step for the next one
+            asked = [t.b_request is not None for t in self._turns]
         except BaseException as exc:
             with self._lock:
                 if self._abort is None:
@@ -378,16 +357,16 @@ class Conductor:
                     f.result(timeout=self.timeout_s)
             raise self._abort from None
         finally:
-            self._mbs = []
-        return results
+            self._turns = []
+        return results, asked
 
     def _user_thread(self, fn: Callable[..., Any], mb: int, args: tuple[Any, ...],
-                     kwargs: dict[str, Any], grad: bool, autocast: Any) -> Any:
+                     kwargs: dict[str, Any], grad: bool, autocast: Autocast) -> Any:
         context.enter_turn(self, mb)
         with self._lock:
             self._running += 1
         try:
-            with _thread_modes(grad, autocast):
+            with thread_modes(grad, autocast):
                 return fn(*args, **kwargs)
         except _Aborted:
             raise
@@ -427,17 +406,10 @@ class Conductor:
     def _start(self, j: int) -> None:
         """With the lock held: run microbatch ``j``'s step function on a pool thread."""
         self._started[j] = True
+        if self._pool is None or self._launch is None:
+            raise SMPInternalError.build("a step function needs a pool thread, but the step "
+                                         "has one microbatch", j, f"rank {self.rank}")
         fn, mbs, grad, autocast = self._launch
-        assert self._pool is not None
-        self._futures[j] = self._pool.submit(self._user_thread, fn, j, *mbs[j], grad, autocast)
-
-    def _request(self, mb: int, kind: str, stage: int) -> _Request | None:
-        """Microbatch ``mb``'s F or B request; None if its thread returned without one."""
-        st = self._mbs[mb]
-        req = st.f_request if kind == "F" else st.b_request
-        if req is None and kind == "F":
-            raise SMPRuntimeError.build(
-                "the smp.step function returned without calling the DistributedModel",
-                f"microbatch {mb}", f"rank {self.rank} stage {stage}",
-                "call model(...) inside every smp.step function")
-        return req
+        args, kwargs = mbs[j]
+        self._futures[j] = self._pool.submit(self._user_thread, fn, j, args, kwargs, grad,
+                                             autocast)

@@ -5,7 +5,7 @@ that needs them (the model, ``smp.step``, the conductor, data parallelism, the o
 and the checkpoint methods), which keeps those modules free of import cycles:
 
 - the ``DistributedModel`` of this process (SMP allows one; a new one replaces it);
-- the calling thread's *turn*: the (executor, microbatch) whose step function it runs,
+- the calling thread's *turn*: the (conductor, microbatch) whose step function it runs,
   set by the conductor around each step function call;
 - *capture*: while ``smp.step`` partitions, the first microbatch's step function runs only
   until it calls the model, whose inputs are captured (``Captured``) to trace on.
@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from smp_fx.model import DistributedModel
+    from smp_fx.runtime.conductor import Conductor
 
 _tls = threading.local()
 _model: weakref.ref[DistributedModel] | None = None
@@ -67,8 +68,8 @@ def tracing() -> Iterator[None]:
         _tracing = False
 
 
-def turn() -> tuple[Any, int] | None:
-    """The (executor, microbatch) whose step function the calling thread runs, else None."""
+def turn() -> tuple[Conductor, int] | None:
+    """The (conductor, microbatch) whose step function the calling thread runs, else None."""
     ctx = getattr(_tls, "ctx", None)
     return None if isinstance(ctx, _Capturing) else ctx
 
@@ -78,9 +79,9 @@ def capturing_inputs() -> bool:
     return isinstance(getattr(_tls, "ctx", None), _Capturing)
 
 
-def enter_turn(executor: Any, microbatch: int) -> None:
-    """The calling thread now runs ``microbatch``'s step function for ``executor``."""
-    _tls.ctx = (executor, microbatch)
+def enter_turn(conductor: Conductor, microbatch: int) -> None:
+    """The calling thread now runs ``microbatch``'s step function for ``conductor``."""
+    _tls.ctx = (conductor, microbatch)
 
 
 def leave_turn() -> None:

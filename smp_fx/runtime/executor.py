@@ -1,33 +1,23 @@
-"""The one executor: it interprets ``cost_model.schedule`` action lists.
+"""The one executor: it performs the ops of lowered ``cost_model.schedule`` action lists.
 
-Lowering (``lower``) turns a schedule into this rank's list of ``Op``s, adding the
-communication each action needs (data, not code)::
-
-    F(s, mb)  ->  RECV_ACT(s, mb, src)...  F(s, mb)  SEND_ACT(s, mb, dst)...
-    B(s, mb)  ->  [WAIT_B(s, mb)]  RECV_GRAD(s, mb, dst)...  B(s, mb)  SEND_GRAD(s, mb, src)...
+``smp_fx.runtime.lowering`` turns a schedule into this rank's ops; the executor holds a
+``Conductor``, which runs the step function once per microbatch and grants turns in op
+order, and performs each op when its turn comes (``_execute``): stage forward and
+backward through the stage's ``StageRunner``, transfers through the ``Transport``. Every
+value a microbatch holds on this rank during a step (received inputs, stage results,
+gradients) is the executor's (``_MbData``); the conductor sees requests and outputs only.
 
 Whether a microbatch's backward runs is the step function's decision (it calls
 ``model.backward`` or not), taken where the loss is: ``WAIT_B`` waits for it on the last
 stage (and on a stage that sends nothing on). Every other stage learns it from the
 gradient messages (``(None, ...)`` when skipped), so its backward never waits for its own
 step function; that the step function decided alike is checked at the end of the step.
-(A stage that sends nothing on, whose results only feed unused values, gets no gradient
-messages: it gets the outputs on their own channel and waits like the last stage.)
 
 Across processes the last stage's outputs reach every other rank riding on the gradient
 messages, ``(grads, outputs)``, relayed stage by stage: a ``model(...)`` call off the last
 stage returns when its microbatch's gradients arrive, just before that stage's backward,
 and the outputs cost no message of their own on the busiest rank. A forward-only step has
-no gradients: there the last stage sends them on their own channel, ``SEND_OUT`` after each
-forward and ``RECV_OUT`` at the end of the other ranks' lists.
-
-Across processes a rank lowers its own stage's list. In-process (all stages here) the
-stages' lists are merged in the lock-step order of ``cost_model.schedule.clock``, and the
-last stage's outputs need no ``*_OUT`` ops.
-
-Running a step: ``smp_fx.runtime.conductor`` runs the step function once per microbatch and grants
-turns in op order; ``Executor._execute`` performs each op (stage forward/backward through
-its ``StageRunner``, transfers through the ``Transport``).
+no gradients: there they travel on their own channel (``SEND_OUT``/``RECV_OUT``).
 """
 
 from __future__ import annotations
@@ -43,68 +33,10 @@ import torch.utils._pytree as pytree
 from cost_model import schedule as sched
 from cost_model.errors import SMPRuntimeError
 from passes.split_stages import Stage, StagedProgram
-from smp_fx.runtime.conductor import (
-    Conductor,
-    _next_forwards,
-    _Request,
-    _thread_modes,
-)
+from smp_fx.runtime.conductor import Conductor, Microbatch, Request
+from smp_fx.runtime.lowering import Lowered, LoweredCache, Op
+from smp_fx.runtime.modes import thread_modes
 from smp_fx.runtime.transport import Transport
-
-OP_KINDS = ("RECV_ACT", "F", "SEND_ACT", "SEND_OUT", "RECV_OUT", "WAIT_B", "RECV_GRAD", "B",
-            "SEND_GRAD")
-
-
-@dataclass(frozen=True)
-class Op:
-    """One lowered step of a rank's work; ``peer`` is the other stage of a transfer."""
-
-    kind: str
-    stage: int
-    microbatch: int
-    peer: int = -1
-
-    def __str__(self) -> str:
-        peer = f"@{self.peer}" if self.peer >= 0 else ""
-        return f"{self.stage}{self.kind}{self.microbatch}{peer}"
-
-
-def lower(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int],
-          multi_process: bool) -> tuple[Op, ...]:
-    """This rank's op list for ``schedule`` over ``stages`` (one stage, or all in-process)."""
-    p = len(schedule)
-    last = p - 1
-    if multi_process:
-        (s,) = stages
-        actions: list[sched.Action] = list(schedule[s])
-    else:
-        actions = [a for row in sched.clock(schedule) for a in row if a is not None]
-    forward_only = all(a.kind == sched.FORWARD for a in actions)
-    # who gets the last stage's outputs on their own channel: every rank in a forward-only
-    # step; else only a stage that sends nothing on, so no gradient message reaches it
-    out_to = [d for d in range(p) if d != last and (forward_only or not
-                                                      program.stages[d].sends)]
-    ops: list[Op] = []
-    for a in actions:
-        st = program.stages[a.stage]
-        mb = a.microbatch
-        if a.kind == sched.FORWARD:
-            ops += [Op("RECV_ACT", a.stage, mb, src) for src, _ in st.recvs]
-            ops.append(Op("F", a.stage, mb))
-            ops += [Op("SEND_ACT", a.stage, mb, dst) for dst, _ in st.sends]
-            if multi_process and a.stage == last:
-                ops += [Op("SEND_OUT", a.stage, mb, d) for d in out_to]
-        else:
-            if multi_process and a.stage in out_to:
-                ops.append(Op("RECV_OUT", a.stage, mb, last))
-            if a.stage == last or not st.sends:
-                ops.append(Op("WAIT_B", a.stage, mb))
-            ops += [Op("RECV_GRAD", a.stage, mb, dst) for dst, _ in st.sends]
-            ops.append(Op("B", a.stage, mb))
-            ops += [Op("SEND_GRAD", a.stage, mb, src) for src, _ in st.recvs]
-    if multi_process and forward_only and stages[0] != last:
-        ops += [Op("RECV_OUT", stages[0], mb, last) for mb in range(len(schedule[0]))]
-    return tuple(ops)
 
 
 class StageRunner:
@@ -129,18 +61,18 @@ class StageRunner:
         torch.autograd.backward(tensors, grads)
 
 
-@dataclass(frozen=True)
-class _Lowered:
-    """A schedule lowered for this rank, with what every step of it needs: the ops, where
-    each receive stream is announced (``_receive_posts``), how many messages each send
-    stream carries, the position of the last receive, and the next forward's microbatch
-    per position (``ahead`` ranks only)."""
+@dataclass
+class _MbData:
+    """Everything one microbatch holds on this rank during a step (per stage: name -> value)."""
 
-    ops: tuple[Op, ...]
-    posts: dict[int, list[tuple[int, int, str, int]]]
-    sends: dict[tuple[int, int, str], int]  # (stage, peer, channel) -> messages per step
-    last_recv: int
-    next_forward: list[int] | None
+    skip: dict[int, bool] = field(default_factory=dict)  # stage -> its backward was skipped
+    inputs: dict[int, dict[str, Any]] = field(default_factory=dict)
+    results: dict[int, dict[str, Any]] = field(default_factory=dict)
+    grads: dict[int, dict[str, list[Any]]] = field(default_factory=dict)  # from later stages
+    send_grads: dict[int, dict[str, list[Any]]] = field(default_factory=dict)
+    b_done: int = 0  # local stages whose backward finished
+    cut: Any = None  # the last stage's outputs as handed to the user
+    used: Any = None  # (indices of output leaves that got a gradient, those that need one)
 
 
 @dataclass
@@ -151,91 +83,90 @@ class StepStats:
     ops: tuple[Op, ...] = ()
 
 
-class Executor(Conductor):
-    """Interprets lowered schedules for the stages this rank holds (see the module doc)."""
+class Executor:
+    """Performs lowered schedules for the stages this rank holds (see the module doc)."""
 
     def __init__(self, program: StagedProgram, runners: dict[int, StageRunner],
                  transport: Transport, multi_process: bool, timeout_s: float = 300.0,
                  rank: int = 0) -> None:
-        super().__init__(timeout_s, rank)
         self.program = program
         self.runners = runners
         self.transport = transport
-        transport.on_block = self._flush  # held-back step functions run while it waits
         self.multi_process = multi_process
+        self.rank = rank
+        self.conductor = Conductor(self._execute, timeout_s, rank)
+        transport.on_block = self.conductor.flush  # held-back step functions run meanwhile
         self.last = program.num_stages - 1
         self.post_step_hooks: list[Callable[[], None]] = []
-        # called with the step's ops before it runs; smp_fx.dist.ddp needs it (issue 7): keep it
+        # called with the step's ops before it runs (data parallelism finds each stage's
+        # last backward there)
         self.pre_step_hooks: list[Callable[[tuple[Op, ...]], None]] = []
         self.stats = StepStats()
         self._scale = 1.0
-        self._lowered: dict[tuple[Any, ...], _Lowered] = {}
-        self._step = _Lowered((), {}, {}, -1, None)  # the running (or last) step's
-        self._step_key: tuple[Any, ...] = (None, None)  # its (schedule, stages)
+        self._lowerings = LoweredCache(program, multi_process)
+        self._step = Lowered((), {}, {}, -1, None)  # the running (or last) step's
+        self._data: list[_MbData] = []
+        self._at = 0  # the position of the op being performed
         # the value names each (stage, peer) transfer carries
         self._send_names = {(s, d): names for s, st in enumerate(program.stages)
                             for d, names in st.sends}
         self._recv_names = {(s, d): names for s, st in enumerate(program.stages)
                             for d, names in st.recvs}
 
-    def run(self, fn: Callable[..., Any], microbatches: Sequence[tuple[tuple[Any, ...],
-            dict[str, Any]]], schedule: sched.Schedule, scale: float) -> list[Any]:
-        """Run ``fn`` once per microbatch under ``schedule``; return its results in order."""
+    def run(self, fn: Callable[..., Any], microbatches: Sequence[Microbatch],
+            schedule: sched.Schedule, scale: float) -> list[Any]:
+        """Run ``fn`` once per microbatch under ``schedule``; return its results in order.
+
+        ``schedule`` should come from ``lowering.cached_schedule``: the lowering cache then
+        finds the step's ops by identity (``LoweredCache.get``)."""
         stages = tuple(sorted(self.runners))
-        key = (schedule, stages)
-        # the schedule is usually the very object of the last step (hashing one hashes
-        # every action)
-        same = self._step_key[0] is schedule and self._step_key[1] == stages
-        step = self._step if same else self._lowered.get(key)
-        if step is None:
-            ops = lower(schedule, self.program, stages, self.multi_process)
-            last_recv = max((i for i, op in enumerate(ops) if op.kind.startswith("RECV")),
-                            default=-1)
-            # A rank without the last stage waits for remote outputs in every model(...)
-            # call: it starts step functions a forward ahead.
-            ahead = self.multi_process and self.last not in self.runners
-            step = self._lowered[key] = _Lowered(
-                ops, _receive_posts(ops), _send_counts(ops), last_recv,
-                _next_forwards(ops) if ahead else None)
-        self._step, self._step_key = step, key
+        step = self._step = self._lowerings.get(schedule, stages)
         for (stage, peer, channel), n in step.sends.items():
             self.transport.plan_sends(stage, peer, channel, n)
         for pre in self.pre_step_hooks:
             pre(step.ops)
         self.stats = StepStats({s: 0 for s in stages}, step.ops)
         self._scale = scale
-        results = self._run_step(fn, microbatches, step.ops, step.next_forward)
+        self._data = [_MbData() for _ in microbatches]
+        try:
+            results, asked = self.conductor.run(fn, microbatches, step.ops, step.next_forward)
+            self.transport.finish()
+            self._check_step(asked)  # after finish: the transport is in step for the next one
+        finally:
+            self._data = []
         for hook in self.post_step_hooks:
             hook()
         return results
 
-    def _execute(self, op: Op) -> None:
-        for peer, stage, channel, n in self._step.posts.get(self._next, ()):
-            self.transport.prefetch(peer, stage, channel, n)
+    def _execute(self, i: int, op: Op) -> None:
+        """Perform op ``i`` of the step (the conductor's ``execute``)."""
+        posts = self._step.posts.get(i)
+        if posts:
+            for peer, stage, channel, n in posts:
+                self.transport.prefetch(peer, stage, channel, n)
+        self._at = i
         getattr(self, "_op_" + op.kind.lower())(op)
 
     def _op_recv_act(self, op: Op) -> None:
         vals = self.transport.recv(op.peer, op.stage, "act", op.microbatch)
         names = self._recv_names[(op.stage, op.peer)]
-        self._mbs[op.microbatch].inputs.setdefault(op.stage, {}).update(zip(names, vals))
+        self._data[op.microbatch].inputs.setdefault(op.stage, {}).update(zip(names, vals))
 
     def _op_f(self, op: Op) -> None:
         mb, s = op.microbatch, op.stage
-        req = self._request(mb, "F", s)
-        assert req is not None
-        st, runner, stage = self._mbs[mb], self.runners[s], self.program.stages[s]
-        received = st.inputs.setdefault(s, {})
+        req = self.conductor.forward_of(mb, s)
+        d, runner, stage = self._data[mb], self.runners[s], self.program.stages[s]
+        received = d.inputs.setdefault(s, {})
         if stage.program_inputs:
             bound = self.program.bind_inputs(*req.args)
             for name in stage.program_inputs:
                 received[name] = _to_device(bound[name], runner.device)
-        with _thread_modes(req.grad_enabled, req.autocast):
+        with thread_modes(req.grad_enabled, req.autocast):
             outs = runner.forward([received[n] for n in stage.input_names], mb)
-        st.results[s] = dict(zip(stage.output_names, outs))
+        d.results[s] = dict(zip(stage.output_names, outs))
         if req.grad_enabled:
             self.stats.peak_in_flight[s] = max(
-                self.stats.peak_in_flight[s],
-                sum(1 for x in self._mbs if s in x.results and not x.backward_done))
+                self.stats.peak_in_flight[s], sum(1 for x in self._data if s in x.results))
         if s == self.last:
             # The user's loss graph hangs off these very tensors, so model.backward(loss)
             # reaches the stage in one autograd pass; a hook per output records which ones
@@ -246,19 +177,19 @@ class Executor(Conductor):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(functools.partial(_mark_used, got, i))
                     need.append(i)
-            st.cut, st.used = outs, (got, need)
-            self._publish(mb, outputs=self.program.build_outputs(outs), outputs_ready=True)
+            d.cut, d.used = outs, (got, need)
+            self.conductor.publish_outputs(mb, self.program.build_outputs(outs))
         if not req.grad_enabled:
-            st.inputs.pop(s, None)
+            d.inputs.pop(s, None)
 
     def _op_send_act(self, op: Op) -> None:
         names = self._send_names[(op.stage, op.peer)]
-        res = self._mbs[op.microbatch].results[op.stage]
+        res = self._data[op.microbatch].results[op.stage]
         self.transport.send(tuple(res[n] for n in names), op.stage, op.peer, "act",
                             op.microbatch)
 
     def _op_send_out(self, op: Op) -> None:
-        self.transport.send(self._mbs[op.microbatch].cut, op.stage, op.peer, "out",
+        self.transport.send(self._data[op.microbatch].cut, op.stage, op.peer, "out",
                             op.microbatch)
 
     def _op_recv_out(self, op: Op) -> None:
@@ -267,50 +198,49 @@ class Executor(Conductor):
 
     def _deliver_outputs(self, mb: int, cut: Any, defer: bool = False) -> None:
         """The last stage's outputs, received on this rank: to microbatch ``mb``'s thread."""
-        self._mbs[mb].cut = cut
-        self._publish(mb, hand=False, defer=defer, outputs=self.program.build_outputs(cut),
-                      outputs_ready=True)
+        self._data[mb].cut = cut
+        self.conductor.publish_outputs(mb, self.program.build_outputs(cut), hand=False,
+                                       defer=defer)
 
     def _op_wait_b(self, op: Op) -> None:
-        st = self._mbs[op.microbatch]
-        st.skip[op.stage] = st.b_request is None
+        self._data[op.microbatch].skip[op.stage] = (
+            self.conductor.backward_of(op.microbatch) is None)
 
     def _op_recv_grad(self, op: Op) -> None:
-        st = self._mbs[op.microbatch]
+        d = self._data[op.microbatch]
         grads, cut = self.transport.recv(op.peer, op.stage, "grad", op.microbatch)
-        if cut is not None and st.cut is None:  # the last stage's outputs, relayed
+        if cut is not None and d.cut is None:  # the last stage's outputs, relayed
             # held back until this rank would wait, unless it will not wait again this step
-            self._deliver_outputs(op.microbatch, cut, defer=self._next != self._step.last_recv)
+            self._deliver_outputs(op.microbatch, cut, defer=self._at != self._step.last_recv)
         skipped = grads is None
-        if st.skip.setdefault(op.stage, skipped) != skipped:
+        if d.skip.setdefault(op.stage, skipped) != skipped:
             _inconsistent(op, "the gradient messages from later stages disagree (stage "
                               f"{op.peer}'s rank {'skipped' if skipped else 'ran'} it)")
         if skipped:
             return
         names = self._send_names[(op.stage, op.peer)]
-        acc = st.grads.setdefault(op.stage, {})
+        acc = d.grads.setdefault(op.stage, {})
         for name, g in zip(names, grads):
             acc.setdefault(name, []).append(g)
 
     def _op_b(self, op: Op) -> None:
         mb, s = op.microbatch, op.stage
-        st = self._mbs[mb]
-        if st.skip[s]:
+        d = self._data[mb]
+        if d.skip[s]:
             self._finish_backward(mb, s)
             return
         # Off the last stage the step function may not have asked yet (see the module doc).
-        req = st.b_request or st.f_request
-        assert req is not None
+        req = self.conductor.backward_of(mb) or self.conductor.forward_of(mb, s)
         runner = self.runners[s]
-        results = st.results.get(s, {})
+        results = d.results.get(s, {})
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         if s == self.last:
             self._loss_backward(mb, req, runner)  # through the user's loss into the stage
-            got, need = st.used
+            got, need = d.used
             self._check_used([i for i in need if i not in got])
         else:
-            for name, glist in st.grads.get(s, {}).items():
+            for name, glist in d.grads.get(s, {}).items():
                 leaves = _leaves(results[name])
                 for i, t in enumerate(leaves):
                     gs = [g[i] for g in glist if g[i] is not None]
@@ -318,46 +248,46 @@ class Executor(Conductor):
                         tensors.append(t)
                         grads.append(gs[0] if len(gs) == 1 else torch.stack(gs).sum(0))
         if tensors:
-            with _thread_modes(True, req.autocast):
+            with thread_modes(True, req.autocast):
                 runner.backward(tensors, grads, mb)
         self._finish_backward(mb, s)
 
     def _finish_backward(self, mb: int, s: int) -> None:
         """Keep the grads to send, free the stage's saved state, release the user thread."""
-        st = self._mbs[mb]
-        inputs = st.inputs.pop(s, {})
-        if not st.skip[s]:
-            st.send_grads[s] = {
+        d = self._data[mb]
+        inputs = d.inputs.pop(s, {})
+        if not d.skip[s]:
+            d.send_grads[s] = {
                 n: [t.grad if isinstance(t, torch.Tensor) else None
                     for t in _leaves(inputs[n])]
                 for _, names in self.program.stages[s].recvs for n in names}
-        st.results.pop(s, None)
-        st.grads.pop(s, None)
-        st.b_done += 1
-        if st.b_done == len(self.runners):
-            self._publish(mb, hand=False, backward_done=True)
+        d.results.pop(s, None)
+        d.grads.pop(s, None)
+        d.b_done += 1
+        if d.b_done == len(self.runners):
+            self.conductor.publish_backward_done(mb)
 
     def _op_send_grad(self, op: Op) -> None:
-        st = self._mbs[op.microbatch]
+        d = self._data[op.microbatch]
         grads = None  # skipped: the receiver still expects the message (and the outputs)
-        if not st.skip[op.stage]:
+        if not d.skip[op.stage]:
             names = self._recv_names[(op.stage, op.peer)]
-            grads = tuple(st.send_grads[op.stage][n] for n in names)
-        self.transport.send((grads, st.cut if self.multi_process else None), op.stage, op.peer,
+            grads = tuple(d.send_grads[op.stage][n] for n in names)
+        self.transport.send((grads, d.cut if self.multi_process else None), op.stage, op.peer,
                             "grad", op.microbatch)
 
-    def _check_step(self) -> None:
+    def _check_step(self, asked: list[bool]) -> None:
         """A stage whose backward followed the gradient messages: its step function must
-        have decided alike (the last stage's rank saw the same outputs)."""
-        for mb, st in enumerate(self._mbs):
-            for s, skipped in st.skip.items():
-                if skipped == (st.b_request is not None):
+        have decided alike (``asked``: per microbatch, whether it called model.backward)."""
+        for mb, d in enumerate(self._data):
+            for s, skipped in d.skip.items():
+                if skipped == asked[mb]:
                     _inconsistent(Op("B", s, mb),
                                   f"this rank's step function {'did' if skipped else 'did not'}"
                                   " call it, yet the gradient messages say the backward was "
                                   f"{'skipped' if skipped else 'run'}")
 
-    def _loss_backward(self, mb: int, req: _Request, runner: StageRunner) -> None:
+    def _loss_backward(self, mb: int, req: Request, runner: StageRunner) -> None:
         tensors, grad_tensors = req.args
         ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if grad_tensors is None:
@@ -377,7 +307,7 @@ class Executor(Conductor):
                 scaled.append(torch.full_like(t, self._scale))
             else:
                 scaled.append(g * self._scale if self._scale != 1.0 else g)
-        with _thread_modes(True, req.autocast):
+        with thread_modes(True, req.autocast):
             runner.backward(ts, scaled, mb)  # the seam (DDP) sees the last stage's pass too
 
     def _check_used(self, unused: list[int]) -> None:
@@ -404,44 +334,6 @@ def _leaves(value: Any) -> list[Any]:
     if type(value) is tuple and all(type(v) is torch.Tensor for v in value):
         return list(value)
     return pytree.tree_leaves(value)
-
-
-_CHANNEL = {"RECV_ACT": "act", "SEND_ACT": "act", "RECV_GRAD": "grad", "SEND_GRAD": "grad",
-            "RECV_OUT": "out", "SEND_OUT": "out"}  # the transport channel of a transfer op
-
-
-def _receive_posts(ops: Sequence[Op]) -> dict[int, list[tuple[int, int, str, int]]]:
-    """Where each stream of messages ``ops`` receive is announced to the transport
-    (``prefetch``: its receives are then kept posted ahead): op position -> (peer, stage,
-    channel, how many messages this step).
-
-    Before the stream's first receive, or right after this rank's first send if that comes
-    earlier: no peer sends this rank anything that depends on this rank's work before this
-    rank has sent something, so that is early enough. It keeps receives off the start of
-    the step, where posting one right after the previous step's end can stall for
-    milliseconds under gloo, and off the first send's path, which is the pipeline's fill
-    (measured: posting first delayed the first stage's first activation by ~0.1 ms)."""
-    channel = {k: c for k, c in _CHANNEL.items() if k.startswith("RECV")}
-    first_send = next((i for i, op in enumerate(ops) if op.kind.startswith("SEND")), len(ops))
-    streams: dict[tuple[int, int, str], list[int]] = {}
-    for i, op in enumerate(ops):
-        if op.kind in channel:
-            streams.setdefault((op.peer, op.stage, channel[op.kind]), []).append(i)
-    posts: dict[int, list[tuple[int, int, str, int]]] = {}
-    for key, where in streams.items():
-        posts.setdefault(min(where[0], first_send + 1), []).append((*key, len(where)))
-    return posts
-
-
-def _send_counts(ops: Sequence[Op]) -> dict[tuple[int, int, str], int]:
-    """How many messages ``ops`` send per (stage, peer, channel): the transport's receiver
-    counts the same stream from its own ops (``prefetch``)."""
-    counts: dict[tuple[int, int, str], int] = {}
-    for op in ops:
-        if op.kind.startswith("SEND"):
-            key = (op.stage, op.peer, _CHANNEL[op.kind])
-            counts[key] = counts.get(key, 0) + 1
-    return counts
 
 
 def _inconsistent(op: Op, what: str) -> None:

@@ -2,10 +2,10 @@
 
 The decorated function runs once per microbatch, on every rank, with its tensor arguments
 split along the batch axis (``smp_fx.runtime.microbatch``). Inside it ``model(...)`` and
-``model.backward(...)`` are the pipeline's turns (``smp_fx.runtime.executor``). Its return values
-come back per microbatch: tensors as ``StepOutput`` (``outputs`` list, ``reduce_mean``,
-``reduce_sum``, ``concat``, ``stack``), other values as lists, keeping tuple/list/dict
-structure. The first call partitions the model, traced on the first microbatch.
+``model.backward(...)`` are the pipeline's turns (``smp_fx.runtime.conductor``). Its return
+values come back per microbatch: tensors as ``StepOutput`` (``outputs`` list,
+``reduce_mean``, ``reduce_sum``, ``concat``, ``stack``), other values as lists, keeping
+tuple/list/dict structure. The first call partitions the model, traced on the first microbatch.
 
     @smp.step
     def train_step(model, data, target):

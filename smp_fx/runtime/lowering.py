@@ -1,0 +1,233 @@
+"""Lowering: a schedule becomes this rank's op list, with everything a step needs to run it.
+
+Each action of the rank's schedule becomes ops that add the communication it needs
+(data, not code)::
+
+    F(s, mb)  ->  RECV_ACT(s, mb, src)...  F(s, mb)  SEND_ACT(s, mb, dst)...
+    B(s, mb)  ->  [WAIT_B(s, mb)]  RECV_GRAD(s, mb, dst)...  B(s, mb)  SEND_GRAD(s, mb, src)...
+
+``WAIT_B`` (the last stage, and a stage that sends nothing on) waits for the step
+function's decision to call ``model.backward``; other stages learn it from the gradient
+messages (see ``smp_fx.runtime.executor``). Across processes the last stage's outputs
+ride on the gradient messages; a forward-only step has none, so there the last stage sends
+them on their own channel, ``SEND_OUT`` after each forward and ``RECV_OUT`` at the end of
+the other ranks' lists (a stage that sends nothing on gets no gradient messages either: it
+gets ``RECV_OUT`` before its backward). In-process (all stages here) the stages' lists are
+merged in the lock-step order of ``cost_model.schedule.clock`` and need no ``*_OUT`` ops.
+
+``lower`` is a pure function of (schedule, program, this rank's stages) and returns a
+``Lowered``: the ops, where each receive stream is announced to the transport, how many
+messages each send stream carries, the last receive's position and, on a rank that starts
+step functions a forward ahead, the next forward's microbatch at each position.
+``LoweredCache`` keeps one per schedule; its fast path relies on ``cached_schedule``.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from cost_model import schedule as sched
+from passes.split_stages import StagedProgram
+
+OP_KINDS = ("RECV_ACT", "F", "SEND_ACT", "SEND_OUT", "RECV_OUT", "WAIT_B", "RECV_GRAD", "B",
+            "SEND_GRAD")
+# The transport channels: activations (forward), gradients (backward), the last stage's
+# outputs (to every other pipeline rank).
+CHANNELS = ("act", "grad", "out")
+CHANNEL_OF = {"RECV_ACT": "act", "SEND_ACT": "act", "RECV_GRAD": "grad", "SEND_GRAD": "grad",
+              "RECV_OUT": "out", "SEND_OUT": "out"}  # the channel of a transfer op
+
+Stream = tuple[int, int, str]  # (sending stage, receiving stage, channel)
+Post = tuple[int, int, str, int]  # (sending stage, receiving stage, channel, messages)
+
+
+@dataclass(frozen=True)
+class Op:
+    """One lowered step of a rank's work; ``peer`` is the other stage of a transfer.
+
+    >>> str(Op("SEND_ACT", 0, 3, 1)), str(Op("B", 1, 0))
+    ('0SEND_ACT3@1', '1B0')
+    """
+
+    kind: str
+    stage: int
+    microbatch: int
+    peer: int = -1
+
+    def __str__(self) -> str:
+        peer = f"@{self.peer}" if self.peer >= 0 else ""
+        return f"{self.stage}{self.kind}{self.microbatch}{peer}"
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """A schedule lowered for one rank.
+
+    ``posts``: op position -> the receive streams announced to the transport just before
+    that op runs (``receive_posts``). ``sends``: messages per send stream this step
+    (``send_counts``). ``last_recv``: the position of the last receive (-1: none).
+    ``next_forward``: per position, the microbatch of the next forward after it (-1: none),
+    on a rank that starts step functions a forward ahead; else None (``next_forwards``).
+    """
+
+    ops: tuple[Op, ...]
+    posts: Mapping[int, tuple[Post, ...]]
+    sends: Mapping[Stream, int]
+    last_recv: int
+    next_forward: tuple[int, ...] | None
+
+    def lines(self) -> list[str]:
+        """The lowering as text: one line per op, followed by what happens at its position
+        (``post grad 1>0 x4``: a receive stream announced before it; ``start mb1``: the
+        forward starts microbatch 1's step function; ``last recv``), then one line per send
+        stream (``send act 0>1 x4``)."""
+        out = []
+        for i, op in enumerate(self.ops):
+            notes = [f"post {ch} {src}>{dst} x{n}" for src, dst, ch, n in self.posts.get(i, ())]
+            if op.kind == "F" and self.next_forward is not None and self.next_forward[i] >= 0:
+                notes.append(f"start mb{self.next_forward[i]}")
+            if i == self.last_recv:
+                notes.append("last recv")
+            out.append("  ".join([str(op), *notes]))
+        out += [f"send {ch} {src}>{dst} x{n}" for (src, dst, ch), n in self.sends.items()]
+        return out
+
+
+def lower(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int],
+          multi_process: bool) -> Lowered:
+    """``schedule`` lowered for the rank holding ``stages`` (one stage, or all in-process).
+
+    A rank without the last stage, across processes, waits for remote outputs in every
+    ``model(...)`` call: it starts step functions a forward ahead (``next_forward``)."""
+    ops = lower_ops(schedule, program, stages, multi_process)
+    ahead = multi_process and program.num_stages - 1 not in stages
+    return Lowered(ops, receive_posts(ops), send_counts(ops), last_receive(ops),
+                   next_forwards(ops) if ahead else None)
+
+
+def lower_ops(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int],
+              multi_process: bool) -> tuple[Op, ...]:
+    """The op list of ``lower`` (see the module doc)."""
+    p = len(schedule)
+    last = p - 1
+    if multi_process:
+        (s,) = stages
+        actions: list[sched.Action] = list(schedule[s])
+    else:
+        actions = [a for row in sched.clock(schedule) for a in row if a is not None]
+    forward_only = all(a.kind == sched.FORWARD for a in actions)
+    # who gets the last stage's outputs on their own channel: every rank in a forward-only
+    # step; else only a stage that sends nothing on, so no gradient message reaches it
+    out_to = [d for d in range(p) if d != last and (forward_only or not
+                                                      program.stages[d].sends)]
+    ops: list[Op] = []
+    for a in actions:
+        st = program.stages[a.stage]
+        mb = a.microbatch
+        if a.kind == sched.FORWARD:
+            ops += [Op("RECV_ACT", a.stage, mb, src) for src, _ in st.recvs]
+            ops.append(Op("F", a.stage, mb))
+            ops += [Op("SEND_ACT", a.stage, mb, dst) for dst, _ in st.sends]
+            if multi_process and a.stage == last:
+                ops += [Op("SEND_OUT", a.stage, mb, d) for d in out_to]
+        else:
+            if multi_process and a.stage in out_to:
+                ops.append(Op("RECV_OUT", a.stage, mb, last))
+            if a.stage == last or not st.sends:
+                ops.append(Op("WAIT_B", a.stage, mb))
+            ops += [Op("RECV_GRAD", a.stage, mb, dst) for dst, _ in st.sends]
+            ops.append(Op("B", a.stage, mb))
+            ops += [Op("SEND_GRAD", a.stage, mb, src) for src, _ in st.recvs]
+    if multi_process and forward_only and stages[0] != last:
+        ops += [Op("RECV_OUT", stages[0], mb, last) for mb in range(len(schedule[0]))]
+    return tuple(ops)
+
+
+def receive_posts(ops: Sequence[Op]) -> dict[int, tuple[Post, ...]]:
+    """Where each stream of messages ``ops`` receive is announced to the transport
+    (``prefetch``: its receives are then kept posted ahead): op position -> (peer, stage,
+    channel, how many messages this step).
+
+    Before the stream's first receive, or right after this rank's first send if that comes
+    earlier: no peer sends this rank anything that depends on this rank's work before this
+    rank has sent something, so that is early enough. It keeps receives off the start of
+    the step, where posting right after the previous step's end can stall, and off the
+    first send's path, which is the pipeline's fill (docs/performance.md)."""
+    first_send = next((i for i, op in enumerate(ops) if op.kind.startswith("SEND")), len(ops))
+    streams: dict[tuple[int, int, str], list[int]] = {}
+    for i, op in enumerate(ops):
+        if op.kind.startswith("RECV"):
+            streams.setdefault((op.peer, op.stage, CHANNEL_OF[op.kind]), []).append(i)
+    posts: dict[int, list[Post]] = {}
+    for key, where in streams.items():
+        posts.setdefault(min(where[0], first_send + 1), []).append((*key, len(where)))
+    return {i: tuple(p) for i, p in posts.items()}
+
+
+def send_counts(ops: Sequence[Op]) -> dict[Stream, int]:
+    """How many messages ``ops`` send per (stage, peer, channel): the transport's receiver
+    counts the same stream from its own ops (``receive_posts``)."""
+    counts: dict[Stream, int] = {}
+    for op in ops:
+        if op.kind.startswith("SEND"):
+            key = (op.stage, op.peer, CHANNEL_OF[op.kind])
+            counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def last_receive(ops: Sequence[Op]) -> int:
+    """The position of the last receive in ``ops`` (-1: none). After it this rank will not
+    wait for a message again this step."""
+    return max((i for i, op in enumerate(ops) if op.kind.startswith("RECV")), default=-1)
+
+
+def next_forwards(ops: Sequence[Op]) -> tuple[int, ...]:
+    """For each op position, the microbatch of the first F op after it (-1: none)."""
+    out, nxt = [-1] * len(ops), -1
+    for i in range(len(ops) - 1, -1, -1):
+        out[i] = nxt
+        if ops[i].kind == "F":
+            nxt = ops[i].microbatch
+    return tuple(out)
+
+
+@functools.lru_cache(maxsize=32)
+def cached_schedule(pipeline: str, p: int, m: int, active: int,
+                    forward_only: bool) -> sched.Schedule:
+    """``sched.generate``, once per configuration: the same object every step.
+
+    Contract with ``LoweredCache.get``: it recognises the last step's schedule by identity,
+    which hits on every step whose schedule comes from here."""
+    return sched.generate(pipeline, p, m, active, forward_only=forward_only)
+
+
+class LoweredCache:
+    """``lower`` once per (schedule, stages) of one program and one kind of rank."""
+
+    def __init__(self, program: StagedProgram, multi_process: bool) -> None:
+        self.program = program
+        self.multi_process = multi_process
+        self._by_key: dict[tuple[sched.Schedule, tuple[int, ...]], Lowered] = {}
+        self._last: tuple[sched.Schedule | None, tuple[int, ...], Lowered | None] = (
+            None, (), None)
+
+    def get(self, schedule: sched.Schedule, stages: tuple[int, ...]) -> Lowered:
+        """The lowering of ``schedule`` for ``stages``.
+
+        Fast path: the very schedule object of the last call, found by ``is``. Schedules
+        from ``cached_schedule`` are the same object step after step, so every step but a
+        configuration change hits it. Buys hashing the schedule, which hashes every action:
+        4-12 us per step at 2 stages x 4 microbatches (``benchmarks/transport_tricks.py``;
+        docs/performance.md). Any other schedule is still right, found by equality."""
+        last_schedule, last_stages, lowered = self._last
+        if last_schedule is schedule and last_stages == stages and lowered is not None:
+            return lowered
+        key = (schedule, stages)
+        lowered = self._by_key.get(key)
+        if lowered is None:
+            lowered = self._by_key[key] = lower(schedule, self.program, stages,
+                                                self.multi_process)
+        self._last = (schedule, stages, lowered)
+        return lowered

@@ -1,0 +1,208 @@
+"""The torch.distributed transport: pytrees arrive intact, header caching and the frame
+layout stay in step across header changes and receives posted ahead, frames are reused only
+when free, waits are bounded."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+import torch
+
+from smp_fx.runtime.dist_transport import DistTransport
+from tests.helpers.dist import run_ranks
+
+BIG = torch.arange(300 * 300.0).view(300, 300)  # over the frame limit: its own message
+MESSAGES: list[Any] = [
+    (torch.arange(6.0).view(2, 3), 4),
+    (torch.arange(6.0).view(2, 3) + 1, 4),          # same header: one frame
+    (None, 4),                                       # new header, small frame
+    (torch.arange(6.0).view(2, 3) + 2, 4),           # and back
+    (torch.ones(3, 2, dtype=torch.float64), None),   # new header: fill frame first
+    {"a": [torch.tensor([1, 2]), "x"], "b": None},   # new structure
+    {"a": [torch.tensor([3, 4]), "x"], "b": None},   # repeated again
+    (BIG, torch.zeros(0), torch.tensor([True, False]), torch.arange(12.0).view(3, 4).t()),
+    (BIG + 1, torch.zeros(0), torch.tensor([False, True]), torch.ones(4, 3)),
+    (None, "x"),                                     # fills the large tensor's receive too
+    (torch.ones(2, requires_grad=True), BIG.double()),
+    (torch.ones(2), BIG.double().requires_grad_()),  # a large tensor that requires grad,
+    (torch.ones(2), (BIG + 2).double().requires_grad_()),  # its receive posted ahead
+    ([torch.ones(2), None], (torch.zeros(1),)),      # flattened by hand: lists, None
+    ([torch.ones(2) * 3, None], (torch.ones(1),)),
+    ([None, torch.ones(2)], (torch.ones(1),)),       # another structure, same tensors
+    (torch.zeros(2), 1),
+    (torch.zeros(2), True),                          # 1 == True, yet a new header
+]
+
+
+def _body() -> list[bool]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    groups = DistTransport.make_groups()
+    tr = DistTransport([0, 1], rank, torch.device("cpu"), 30.0, groups)
+    ok = []
+
+    def same(got: Any, msg: Any) -> bool:
+        flat_a, flat_b = torch.utils._pytree.tree_flatten(got), \
+            torch.utils._pytree.tree_flatten(msg)
+        return flat_a[1] == flat_b[1] and all(
+            torch.equal(x, y) and x.requires_grad == y.requires_grad
+            if isinstance(x, torch.Tensor) else
+            (x == y and type(x) is type(y)) for x, y in zip(flat_a[0], flat_b[0]))
+
+    # Receives posted ahead ("out" always, "act" under gloo), across header changes: in
+    # the second step the sender is late, so each recv posts the next message too while
+    # it waits (two posted in the old layout when a header changes).
+    outstanding = []
+    inner = tr._recv
+
+    def counting(posted: Any, queue: Any, *args: Any) -> Any:
+        outstanding.append(len(queue))
+        return inner(posted, queue, *args)
+
+    tr._recv = counting  # type: ignore[method-assign]
+    for delay in (0.0, 0.01):
+        if rank == 1:
+            tr.prefetch(0, 1, "out", len(MESSAGES))
+            tr.prefetch(0, 1, "act", len(MESSAGES))
+        else:
+            tr.plan_sends(0, 1, "act", len(MESSAGES))
+            tr.plan_sends(0, 1, "out", len(MESSAGES))
+        for i, msg in enumerate(MESSAGES):
+            out_msg = MESSAGES[-1 - i]
+            if rank == 0:
+                time.sleep(delay)
+                tr.send(msg, 0, 1, "act", i)
+                tr.send(out_msg, 0, 1, "out", i)  # another channel
+            else:
+                got = tr.recv(0, 1, "act", i)
+                out = tr.recv(0, 1, "out", i)
+                ok.append(same(got, msg) and same(out, out_msg))
+        tr.finish()
+        dist.barrier()
+    if rank == 1:
+        ok.append(outstanding.count(1) >= len(MESSAGES))
+    if rank == 1:
+        short = DistTransport([0, 1], 1, torch.device("cpu"), 0.5, groups)
+        try:
+            short.recv(0, 1, "grad", 7)
+        except Exception as exc:  # noqa: BLE001
+            ok.append("grad from stage 0 (rank 0)" in str(exc) and "microbatch 7" in str(exc))
+    dist.barrier()
+    return ok
+
+
+@pytest.mark.multiproc
+def test_dist_transport_round_trips_and_times_out() -> None:
+    _, ok = run_ranks(_body, 2, timeout=90)
+    assert ok == [True] * (2 * len(MESSAGES) + 2)
+
+
+def _two_messages(tr: DistTransport, rank: int, step: int, shape: tuple[int, ...],
+                  ok: list[bool]) -> list[torch.Tensor]:
+    """Rank 0 sends step ``step``'s two activations; rank 1 receives them, checks their
+    values into ``ok`` and returns them."""
+    got = []
+    for i in range(2):
+        value = torch.full(shape, float(10 * step + i))
+        if rank == 0:
+            tr.send((value,), 0, 1, "act", i)
+        else:
+            got.append(tr.recv(0, 1, "act", i)[0])
+            ok.append(torch.equal(got[-1], value))
+    return got
+
+
+def _reuse_body() -> list[bool]:
+    """Frames are reused across steps, never while a received tensor still views them."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tr = DistTransport([0, 1], rank, torch.device("cpu"), 30.0, DistTransport.make_groups())
+    ok: list[bool] = []
+    kept: list[torch.Tensor] = []
+    ptrs: list[int] = []
+    for step in range(4):
+        if rank == 1:
+            tr.prefetch(0, 1, "act", 2)
+        else:
+            tr.plan_sends(0, 1, "act", 2)
+        for got in _two_messages(tr, rank, step, (32, 64), ok):
+            ptrs.append(got.data_ptr())
+            if step == 1:
+                kept.append(got)  # views of step 1's frames stay alive
+        tr.finish()
+        dist.barrier()
+    if rank == 1:
+        ok.append(all(torch.equal(k, torch.full((32, 64), float(10 + i)))
+                      for i, k in enumerate(kept)))
+        ok.append(ptrs[4] == ptrs[0] or ptrs[4] == ptrs[1])  # step 2 reuses step 0's frames
+        ok.append(not set(ptrs[4:]) & set(ptrs[2:4]))  # never the kept ones
+    dist.barrier()
+    return ok
+
+
+@pytest.mark.multiproc
+def test_dist_transport_reuses_frames_only_when_free() -> None:
+    _, ok = run_ranks(_reuse_body, 2, timeout=90)
+    assert ok == [True] * 11
+
+
+def _send_frames_body() -> list[bool]:
+    """A sent frame is reused by the same message of the next step, but only after
+    ``finish`` saw the last step's sends complete (a failed step never calls it)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tr = DistTransport([0, 1], rank, torch.device("cpu"), 30.0, DistTransport.make_groups())
+    ok: list[bool] = []
+    frames: list[list[int]] = []
+    for step in range(4):
+        _two_messages(tr, rank, step, (8, 8), ok)
+        if rank == 0:
+            frames.append([f.frame.data_ptr() for f in tr._send_frames[(1, "act")]])
+        if step != 1 or rank == 1:  # rank 0's step 1 fails before its finish
+            tr.finish()
+        dist.barrier()
+    if rank == 0:
+        ok.append(len(frames[0]) == 2 and frames[1][:2] == frames[0])  # step 1 reused
+        ok.append(len(frames[2]) == 4)  # step 2 took new frames: step 1's were not seen done
+        ok.append(frames[3] == frames[2])  # after step 2's finish, step 3 reuses from 0
+    dist.barrier()
+    return ok
+
+
+@pytest.mark.multiproc
+def test_dist_transport_reuses_sent_frames_only_after_finish() -> None:
+    sender, receiver = run_ranks(_send_frames_body, 2, timeout=90)
+    assert sender == [True] * 3 and receiver == [True] * 8
+
+
+def _world_body() -> list[bool]:
+    """Without groups both channels use the world group."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    tr = DistTransport([0, 1], rank, torch.device("cpu"), 30.0)
+    ok = []
+    for i in range(2):
+        if rank == 0:
+            tr.send((torch.full((4,), float(i)),), 0, 1, "act", i)
+        else:
+            (got,) = tr.recv(0, 1, "act", i)
+            ok.append(torch.equal(got, torch.full((4,), float(i))))
+    tr.finish()
+    dist.barrier()
+    return ok
+
+
+@pytest.mark.multiproc
+def test_dist_transport_defaults_to_the_world_group() -> None:
+    _, ok = run_ranks(_world_body, 2, timeout=90)
+    assert ok == [True, True]

@@ -12,7 +12,8 @@ from torch import nn
 import smp_fx as smp
 from smp_fx.dist import state
 from tests.helpers.dist import run_ranks
-from tests.smp_fx.test_numerics import Pair, init
+from tests.helpers.models import example
+from tests.helpers.numerics import Pair, init
 
 
 def _net() -> nn.Module:
@@ -129,11 +130,9 @@ def _delayed_body() -> list[float]:
     materialised, and the tied embedding/LM head replicas start (and stay) equal."""
     import torch.distributed as dist
 
-    from tests.smp_fx.test_numerics import load_example
-
     dist.init_process_group("gloo")
     init(2, 2, "interleaved")
-    ex = load_example("gpt")
+    ex = example("gpt")
     with smp.delay_param_initialization():
         net = ex.build_model()
     model = smp.DistributedModel(net)
@@ -163,9 +162,7 @@ def test_delayed_init_materialises_per_stage() -> None:
 
 
 def test_delayed_init_in_process_keeps_ties(fresh: None) -> None:
-    from tests.smp_fx.test_numerics import load_example
-
-    ex = load_example("gpt")
+    ex = example("gpt")
     with smp.delay_param_initialization():
         net = ex.build_model()
     model = smp.DistributedModel(net)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.helpers.dist import run_ranks
-from tests.smp_fx.test_numerics import load_example
+from tests.helpers.models import example
 
 GLOBAL_BATCH = 8
 M = 2  # microbatches per replica step
@@ -48,7 +48,7 @@ def _init(placement: str, pipeline: str) -> None:
 
 def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batches, identical on every rank."""
-    ex = load_example("gpt")
+    ex = example("gpt")
     torch.manual_seed(1234)
     return [(ex.example_inputs(GLOBAL_BATCH)[0], ex.example_targets(GLOBAL_BATCH))
             for _ in range(n)]
@@ -57,7 +57,7 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _reference(steps: int, accumulate: int) -> dict[str, torch.Tensor]:
     """One process, the unpartitioned model, the global batches; optimizer step every
     ``accumulate`` batches (gradients summed in between)."""
-    ex = load_example("gpt")
+    ex = example("gpt")
     torch.manual_seed(0)
     ref = ex.build_model()
     opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
@@ -73,7 +73,7 @@ def _train(steps: int, accumulate: int, **model_kwargs: Any) -> tuple[Any, dict[
     """smp-fx on this rank's shard of the same batches; returns (model, local params)."""
     import smp_fx as smp
 
-    ex = load_example("gpt")
+    ex = example("gpt")
     torch.manual_seed(0)
     module = ex.build_model()
     if smp.dp_rank() != 0:  # DDP must broadcast dp_rank 0's weights at partitioning
@@ -176,7 +176,7 @@ def _buffers_scenario(placement: str, broadcast_buffers: bool) -> bool:
     import smp_fx as smp
 
     _init(placement, "simple")
-    ex = load_example("cnn")
+    ex = example("cnn")
     torch.manual_seed(0)
     model = smp.DistributedModel(ex.build_model(), broadcast_buffers=broadcast_buffers)
 
@@ -287,7 +287,7 @@ def _join_scenario(placement: str) -> bool:
     import smp_fx as smp
 
     _init(placement, "interleaved")
-    ex = load_example("gpt")
+    ex = example("gpt")
     torch.manual_seed(0)
     module = ex.build_model()
     ref = ex.build_model()

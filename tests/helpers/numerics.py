@@ -98,11 +98,10 @@ class Pair:
                 worst = max(worst, (p.grad - ref.grad).abs().max().item())
             ref_opt.step()
             opt.step()
-        ref_state = self.ref.state_dict()
+        ref_state = {**ref_params, **dict(self.ref.named_buffers(remove_duplicate=False))}
         for name, t in list(self.dm.local_named_parameters()) + \
                 list(self.dm.local_named_buffers()):
-            torch.testing.assert_close(t.detach(), ref_state[name] if name in ref_state
-                                       else ref_params[name].detach(), atol=1e-5, rtol=0,
+            torch.testing.assert_close(t.detach(), ref_state[name].detach(), atol=1e-5, rtol=0,
                                        msg=_naming(name))
         return worst
 

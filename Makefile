@@ -20,10 +20,10 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q  # testpaths: tests/ and the packages' docstring examples
 
 lint: $(STAMP)
-	$(PY) -m ruff check smp_fx passes cost_model tests examples benchmarks
+	$(PY) -m ruff check smp_fx passes cost_model tests examples benchmarks conftest.py
 	$(PY) -m mypy
 
 clean:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.examples.helpers import EXPECTED_FRONTEND, example
+from tests.helpers.models import EXPECTED_FRONTEND, example
 
 
 @pytest.mark.parametrize("name", sorted(EXPECTED_FRONTEND))

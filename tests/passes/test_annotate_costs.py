@@ -15,7 +15,7 @@ from passes.meta import COST
 from passes.shape_prop import shape_prop
 from passes.trace import trace
 from smp_fx.delayed_init import delay_param_initialization
-from tests.examples.helpers import (
+from tests.helpers.models import (
     EXPECTED_FRONTEND,
     DataDependent,
     build,

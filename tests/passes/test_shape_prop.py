@@ -8,7 +8,7 @@ from passes.meta import TENSOR
 from passes.shape_prop import TensorInfo, shape_prop, total_nbytes
 from passes.trace import trace
 from smp_fx.delayed_init import delay_param_initialization
-from tests.examples.helpers import WithUntraceable, build, example
+from tests.helpers.models import WithUntraceable, build, example
 
 
 def _infos(gm: torch.fx.GraphModule) -> dict[str, object]:

@@ -13,7 +13,7 @@ from cost_model.errors import SMPPartitionError
 from passes import meta
 from passes.split_stages import split_stages
 from passes.trace import trace
-from tests.smp_fx.test_numerics import load_example
+from tests.helpers.models import example
 
 
 def _equal_split(gm: torch.fx.GraphModule, k: int) -> torch.fx.GraphModule:
@@ -25,7 +25,7 @@ def _equal_split(gm: torch.fx.GraphModule, k: int) -> torch.fx.GraphModule:
 
 @pytest.mark.parametrize("name", ["mlp", "cnn", "gpt", "hf_gpt2"])
 def test_example_models_run_exactly(name: str) -> None:
-    ex = load_example(name)
+    ex = example(name)
     model = ex.build_model().eval()
     x = ex.example_inputs(4)
     gm = trace(model, x)

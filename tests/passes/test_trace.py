@@ -10,7 +10,7 @@ from cost_model.errors import SMPTracingError
 from passes.meta import MODULE_PATH, PARAMS
 from passes.trace import trace
 from smp_fx.delayed_init import delay_param_initialization
-from tests.examples.helpers import (
+from tests.helpers.models import (
     EXPECTED_FRONTEND,
     DataDependent,
     WithUntraceable,

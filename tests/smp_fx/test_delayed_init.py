@@ -6,7 +6,7 @@ from torch import nn
 
 import smp_fx
 from smp_fx.delayed_init import delay_param_initialization, is_delayed, materialize
-from tests.examples.helpers import example
+from tests.helpers.models import example
 
 
 def test_meta_construction_marks_modules() -> None:

@@ -11,8 +11,10 @@ from torch import nn
 
 import smp_fx as smp
 from smp_fx.dist import state
+from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
-from tests.smp_fx.test_numerics import Pair, init
+from tests.helpers.models import example
+from tests.helpers.numerics import Pair, init
 
 
 def _net() -> nn.Module:
@@ -100,8 +102,8 @@ def _tied_body() -> dict[str, Any]:
     pair.compare(2, 2)
     names = {n for n, _ in pair.dm.local_named_parameters()}
     full = pair.dm.cpu()
-    ref = dict(pair.ref.named_parameters())
-    same = [n for n, p in full.named_parameters() if not torch.allclose(p, ref[n], atol=1e-6)]
+    cpu_mismatched = mismatched(dict(full.named_parameters()),
+                                dict(pair.ref.named_parameters()), atol=1e-6, rtol=1e-5)
     # two steps without zero_grad: the tied gradient accumulates exactly as in the plain
     # model (earlier, already summed gradients are not summed over the owners again)
     pair.reset()
@@ -109,10 +111,11 @@ def _tied_body() -> dict[str, Any]:
         pair.ref_step(2)
         pair.train_step(pair.dm, *pair.x, pair.y)
     ref_grads = {n: p.grad for n, p in pair.ref.named_parameters(remove_duplicate=False)}
-    accum_bad = [n for n, p in pair.dm.local_named_parameters()
-                 if not torch.allclose(p.grad, ref_grads[n], atol=1e-5)]
+    accum_mismatched = mismatched({n: p.grad for n, p in pair.dm.local_named_parameters()},
+                                  ref_grads, atol=1e-5, rtol=1e-5)
     return {"names": names & {"wte.weight", "lm_head.weight"},
-            "groups": len(pair.dm._tied_groups), "cpu_equal": same, "accum_bad": accum_bad}
+            "groups": len(pair.dm._tied_groups), "cpu_mismatched": cpu_mismatched,
+            "accum_mismatched": accum_mismatched}
 
 
 @pytest.mark.multiproc
@@ -120,8 +123,8 @@ def test_tied_parameters_across_processes() -> None:
     r0, r1 = run_ranks(_tied_body, 2, timeout=180)
     assert r0["names"] == {"wte.weight"} and r1["names"] == {"lm_head.weight"}
     assert r0["groups"] == r1["groups"] == 1
-    assert r0["cpu_equal"] == r1["cpu_equal"] == []
-    assert r0["accum_bad"] == r1["accum_bad"] == []
+    assert r0["cpu_mismatched"] == r1["cpu_mismatched"] == []
+    assert r0["accum_mismatched"] == r1["accum_mismatched"] == []
 
 
 def _delayed_body() -> list[float]:
@@ -129,11 +132,9 @@ def _delayed_body() -> list[float]:
     materialised, and the tied embedding/LM head replicas start (and stay) equal."""
     import torch.distributed as dist
 
-    from tests.smp_fx.test_numerics import load_example
-
     dist.init_process_group("gloo")
     init(2, 2, "interleaved")
-    ex = load_example("gpt")
+    ex = example("gpt")
     with smp.delay_param_initialization():
         net = ex.build_model()
     model = smp.DistributedModel(net)
@@ -163,9 +164,7 @@ def test_delayed_init_materialises_per_stage() -> None:
 
 
 def test_delayed_init_in_process_keeps_ties(fresh: None) -> None:
-    from tests.smp_fx.test_numerics import load_example
-
-    ex = load_example("gpt")
+    ex = example("gpt")
     with smp.delay_param_initialization():
         net = ex.build_model()
     model = smp.DistributedModel(net)

@@ -10,7 +10,7 @@ from torch import nn
 import smp_fx as smp
 from smp_fx.dist import state
 from smp_fx.optimizer import DistributedOptimizer
-from tests.smp_fx.test_numerics import init
+from tests.helpers.numerics import init
 
 
 class _FakeModel:

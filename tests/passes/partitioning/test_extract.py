@@ -6,18 +6,18 @@ import numpy as np
 import pytest
 import torch
 
-from examples.models import load
 from passes.partition_config import PartitionConfig
 from passes.partitioning.extract import problem_from_graph
 from passes.partitioning.problem import evaluate, make_objective
 from passes.pipeline import compile_model
+from tests.helpers.models import example
 
 
 def test_tied_gpt_parameters_counted_once() -> None:
     # issue 4: wte.weight and lm_head.weight are one tensor; counting by name charged it
     # twice to the memory normaliser M and to a stage reading both names.
     torch.manual_seed(0)
-    gpt = load("gpt")
+    gpt = example("gpt")
     model = gpt.build_model()
     assert model.lm_head.weight is model.wte.weight
     unique = sum(p.numel() * p.element_size() for p in model.parameters())

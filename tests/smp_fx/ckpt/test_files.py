@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +20,7 @@ from cost_model.errors import SMPCheckpointError
 from smp_fx.ckpt import files as ckpt
 from smp_fx.ckpt.files import RankInfo
 from smp_fx.ckpt.state_dict import PARTIAL_KEY
+from tests.helpers.threads import run_thread_ranks
 
 
 class Custom:
@@ -28,23 +28,6 @@ class Custom:
 
     def __init__(self, x: int) -> None:
         self.x = x
-
-
-class ThreadGroup:
-    """An all_gather_object for ranks played by threads (bounded waits)."""
-
-    def __init__(self, n: int) -> None:
-        self.barrier = threading.Barrier(n, timeout=20)
-        self.slots: list[Any] = [None] * n
-
-    def gather_for(self, rank: int) -> Callable[[Any], list[Any]]:
-        def gather(value: Any) -> list[Any]:
-            self.slots[rank] = value
-            self.barrier.wait()
-            out = list(self.slots)
-            self.barrier.wait()
-            return out
-        return gather
 
 
 class Crash(Exception):
@@ -67,29 +50,6 @@ def crash_at(gather: Callable[[Any], list[Any]], call: int,
     return wrapped
 
 
-def run_ranks(n: int, fn: Callable[[int, Callable[[Any], list[Any]]], None],
-              wrap: dict[int, Callable[[Callable], Callable]] | None = None) -> list[Any]:
-    group = ThreadGroup(n)
-    errors: list[Any] = [None] * n
-
-    def body(rank: int) -> None:
-        gather = group.gather_for(rank)
-        if wrap and rank in wrap:
-            gather = wrap[rank](gather)
-        try:
-            fn(rank, gather)
-        except BaseException as exc:  # collected and checked by the test
-            errors[rank] = exc
-
-    threads = [threading.Thread(target=body, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=60)
-        assert not t.is_alive()
-    return errors
-
-
 def stage_obj(rank: int, value: float) -> dict[str, Any]:
     model = {f"layer{rank}.weight": torch.full((2, 2), value), PARTIAL_KEY: True}
     return {"model_state_dict": model, "epoch": int(value)}
@@ -99,7 +59,7 @@ def save_two(f: str, value: float, wrap: dict | None = None) -> list[Any]:
     def fn(rank: int, gather: Callable[[Any], list[Any]]) -> None:
         info = RankInfo(mp_rank=rank, num_files=2, pp_degree=2, pp_rank=rank)
         ckpt.save_partial(stage_obj(rank, value), f, info, gather)
-    return run_ranks(2, fn, wrap)
+    return run_thread_ranks(2, fn, wrap)
 
 
 def test_full_save_is_plain_torch_file_and_leaves_no_temporaries(tmp_path: Path) -> None:
@@ -166,7 +126,7 @@ def test_failed_write_on_one_rank_aborts_everywhere(tmp_path: Path) -> None:
             obj = {"bad": lambda: None}  # cannot be pickled
         ckpt.save_partial(obj, f, info, gather)
 
-    errors = run_ranks(2, fn)
+    errors = run_thread_ranks(2, fn)
     assert all(isinstance(e, SMPCheckpointError) for e in errors)
     assert "mp_rank" in str(errors[0]) and "{1:" in str(errors[0])
     assert ckpt.load(f)["epoch"] == 1

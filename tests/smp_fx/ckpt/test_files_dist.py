@@ -22,8 +22,9 @@ from smp_fx.ckpt.state_dict import (
     merge_model_state_dicts,
     merge_optimizer_state_dicts,
 )
+from tests.helpers.ckpt import STAGES_2, STAGES_3, Tied, assert_same, plain_setup
 from tests.helpers.dist import run_ranks
-from tests.smp_fx.ckpt.test_state_dict import STAGES_2, STAGES_3, Tied, assert_same, plain_setup
+from tests.helpers.models import example
 
 
 def _stage_state(pp_rank: int) -> dict[str, Any]:
@@ -234,9 +235,8 @@ def _fresh(model_cls: type, opt_cls: type, kind: str = "mlp") -> tuple[Any, Any,
     """A DistributedModel + Adam: the MLP example, or ``tied`` (embedding tied to the head,
     replicated on two stages at pp=2)."""
     import smp_fx as smp
-    from examples.models import load
 
-    mlp = load("mlp")
+    mlp = example("mlp")
     torch.manual_seed(0)
     model = model_cls(Tied() if kind == "tied" else mlp.build_model(**MLP_KW))
     opt = opt_cls(torch.optim.Adam(model.parameters(), lr=0.01))
@@ -260,10 +260,8 @@ def _plain_state(kind: str) -> tuple[nn.Module, torch.optim.Optimizer, list[list
     """A plainly trained model and Adam state (tied: two param groups), seeded."""
     if kind == "tied":
         return plain_setup()
-    from examples.models import load
-
     torch.manual_seed(0)
-    net = load("mlp").build_model(**MLP_KW)
+    net = example("mlp").build_model(**MLP_KW)
     opt = torch.optim.Adam(net.parameters(), lr=0.01)
     for step in range(2):
         opt.zero_grad()
@@ -279,13 +277,12 @@ def _plain_round_trip(model_cls: type, opt_cls: type, kind: str, delayed: bool) 
     must give back both tied names; ``delayed`` builds the model on the meta device
     (smp.delay_param_initialization). Returns the mismatches (none expected)."""
     import smp_fx as smp
-    from examples.models import load
 
     plain, plain_opt, full = _plain_state(kind)
     plain_sd, plain_osd = plain.state_dict(), plain_opt.state_dict()
     torch.manual_seed(7)
     with smp.delay_param_initialization(enabled=delayed):
-        net = Tied() if kind == "tied" else load("mlp").build_model(**MLP_KW)
+        net = Tied() if kind == "tied" else example("mlp").build_model(**MLP_KW)
     model = model_cls(net)
     named = dict(net.named_parameters())
     groups = [{"params": [named[n] for n in g]} for g in full]
@@ -375,7 +372,6 @@ def _assert_exact(got: tuple[Any, Any], want: tuple[Any, Any]) -> None:
 def _check_cli_merge_matches_full(prefix: str, out: str) -> None:
     """``smp-fx checkpoint merge`` of the runtime's partial files equals its full checkpoint
     and loads into the plain model and the plain Adam without smp-fx."""
-    from examples.models import load
     from smp_fx.cli.main import main
 
     assert main(["checkpoint", "merge", prefix, "-o", out]) == 0
@@ -383,7 +379,7 @@ def _check_cli_merge_matches_full(prefix: str, out: str) -> None:
     full = torch.load(prefix + ".full", weights_only=True)
     assert_same(dict(merged["model"]), dict(full["model"]))
     assert_same(merged["opt"], full["opt"])
-    net = load("mlp").build_model(**MLP_KW)
+    net = example("mlp").build_model(**MLP_KW)
     net.load_state_dict(merged["model"], strict=True)
     opt = torch.optim.Adam(net.parameters(), lr=0.01)
     opt.load_state_dict(merged["opt"])

@@ -6,9 +6,6 @@ parameters and its own torch optimizer over them, as a pipeline rank does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import pytest
 import torch
 from torch import nn
@@ -30,84 +27,15 @@ from smp_fx.ckpt.state_dict import (
     optimizer_state_to_torch,
     select_model_state,
 )
-
-
-class Tied(nn.Module):
-    """Embedding and output head share one weight; a BatchNorm gives buffers."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(7, 4)
-        self.body = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 4))
-        self.head = nn.Linear(4, 7, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.body(self.emb(x)))
-
-
-def assert_same(a: Any, b: Any, path: str = "") -> None:
-    """Exact structural equality, tensors by value/dtype; dict key order included."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor), path
-        assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a, b), path
-    elif isinstance(a, dict):
-        assert isinstance(b, dict), path
-        assert list(a.keys()) == list(b.keys()), f"{path}: {list(a)} != {list(b)}"
-        for k in a:
-            assert_same(a[k], b[k], f"{path}/{k}")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same(x, y, f"{path}[{i}]")
-    else:
-        assert a == b, f"{path}: {a!r} != {b!r}"
-
-
-def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int) -> None:
-    for _ in range(steps):
-        opt.zero_grad()
-        model(torch.randint(0, 7, (5,))).square().mean().backward()
-        opt.step()
-
-
-def plain_setup() -> tuple[Tied, torch.optim.Optimizer, list[list[str]]]:
-    """A trained plain model and Adam with two param groups (names in optimizer order);
-    seeded, so every rank of a multi-process test builds the same one."""
-    torch.manual_seed(0)
-    model = Tied()
-    named = dict(model.named_parameters())  # tie appears once, as 'emb.weight'
-    g0 = ["emb.weight", "body.0.weight", "body.0.bias"]
-    g1 = [n for n in named if n not in g0]
-    opt = torch.optim.Adam([{"params": [named[n] for n in g0]},
-                            {"params": [named[n] for n in g1], "lr": 0.01}], lr=0.1)
-    train(model, opt, 2)
-    return model, opt, [g0, g1]
-
-
-STAGES_2 = [{"emb.weight", "body.0.weight", "body.0.bias", "body.1.weight", "body.1.bias"},
-            {"body.2.weight", "body.2.bias", "emb.weight"}]  # tied weight replicated
-STAGES_3 = [{"emb.weight", "body.0.weight"}, {"body.0.bias", "body.1.weight", "body.1.bias"},
-            {"body.2.weight", "body.2.bias", "emb.weight"}]
-
-
-def stage_names(stage: set[str], full: Sequence[Sequence[str]]) -> list[list[str]]:
-    return [[n for n in g if n in stage] for g in full]
-
-
-def make_stage_optimizers(model: nn.Module, full: list[list[str]], stages: list[set[str]],
-                          plain_sd: dict[str, Any]) -> list[torch.optim.Optimizer]:
-    """One local Adam per stage over its parameters, loaded from the full plain state."""
-    named = dict(model.named_parameters())
-    by_name = optimizer_state_by_name(plain_sd, full)
-    opts = []
-    for stage in stages:
-        local = stage_names(stage, full)
-        opt = torch.optim.Adam([{"params": [named[n] for n in g]} for g in local], lr=0.5)
-        opt.load_state_dict(optimizer_state_to_torch(by_name, local))
-        opts.append(opt)
-    return opts
+from tests.helpers.ckpt import (
+    STAGES_2,
+    STAGES_3,
+    Tied,
+    assert_same,
+    make_stage_optimizers,
+    plain_setup,
+    stage_names,
+)
 
 
 def test_layout_records_tied_names_and_order() -> None:

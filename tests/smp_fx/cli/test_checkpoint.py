@@ -13,8 +13,7 @@ from smp_fx.ckpt.files import RankInfo, save_partial
 from smp_fx.ckpt.state_dict import ModelLayout, local_model_state_dict, local_optimizer_state_dict
 from smp_fx.cli.checkpoint import main
 from smp_fx.cli.main import main as smp_fx_main
-from tests.smp_fx.ckpt.test_files import run_ranks
-from tests.smp_fx.ckpt.test_state_dict import (
+from tests.helpers.ckpt import (
     STAGES_2,
     Tied,
     assert_same,
@@ -22,6 +21,7 @@ from tests.smp_fx.ckpt.test_state_dict import (
     plain_setup,
     stage_names,
 )
+from tests.helpers.threads import run_thread_ranks
 
 
 def write_partial_checkpoint(prefix: str) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -42,7 +42,7 @@ def write_partial_checkpoint(prefix: str) -> tuple[dict[str, Any], dict[str, Any
         save_partial(obj, prefix, RankInfo(mp_rank=rank, num_files=2, pp_degree=2,
                                            pp_rank=rank), gather)
 
-    assert run_ranks(2, fn) == [None, None]
+    assert run_thread_ranks(2, fn) == [None, None]
     return model.state_dict(), plain_opt
 
 

@@ -29,8 +29,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from tests.helpers.compare import mismatched, mismatched_across
 from tests.helpers.dist import run_ranks
-from tests.smp_fx.test_numerics import load_example
+from tests.helpers.models import example
 
 GLOBAL_BATCH = 8
 M = 2  # microbatches per replica step
@@ -48,7 +49,7 @@ def _init(placement: str, pipeline: str) -> None:
 
 def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """The global batches, identical on every rank."""
-    ex = load_example("gpt")
+    ex = example("gpt")
     torch.manual_seed(1234)
     return [(ex.example_inputs(GLOBAL_BATCH)[0], ex.example_targets(GLOBAL_BATCH))
             for _ in range(n)]
@@ -57,7 +58,7 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _reference(steps: int, accumulate: int) -> dict[str, torch.Tensor]:
     """One process, the unpartitioned model, the global batches; optimizer step every
     ``accumulate`` batches (gradients summed in between)."""
-    ex = load_example("gpt")
+    ex = example("gpt")
     torch.manual_seed(0)
     ref = ex.build_model()
     opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
@@ -73,7 +74,7 @@ def _train(steps: int, accumulate: int, **model_kwargs: Any) -> tuple[Any, dict[
     """smp-fx on this rank's shard of the same batches; returns (model, local params)."""
     import smp_fx as smp
 
-    ex = load_example("gpt")
+    ex = example("gpt")
     torch.manual_seed(0)
     module = ex.build_model()
     if smp.dp_rank() != 0:  # DDP must broadcast dp_rank 0's weights at partitioning
@@ -108,8 +109,7 @@ def _train(steps: int, accumulate: int, **model_kwargs: Any) -> tuple[Any, dict[
 
 def _assert_matches(params: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> None:
     assert params, "this rank holds no parameters"
-    for name, p in params.items():
-        torch.testing.assert_close(p, ref[name], atol=1e-5, rtol=0, msg=name)
+    assert mismatched(params, ref, atol=1e-5) == []
 
 
 def _placement(placement: str) -> dict[str, Any]:
@@ -135,8 +135,7 @@ def _placement(placement: str) -> dict[str, Any]:
     _init(placement, "interleaved")
     model, late = _train(3, 1, overlapping_allreduce=False, **small)
     assert model._ddp is not None and model._ddp.armed == set()
-    for name, p in late["params"].items():
-        assert torch.equal(p, overlap["params"][name]), name
+    assert mismatched(late["params"], overlap["params"]) == []
 
     # an evaluation step reduces nothing and changes nothing
     @smp.step
@@ -146,7 +145,7 @@ def _placement(placement: str) -> dict[str, Any]:
     with torch.no_grad():
         eval_step(model, _batches(1)[0][0][:GLOBAL_BATCH // 2])
     assert model._ddp.reductions == 3
-    assert all(torch.equal(p, late["params"][n]) for n, p in model.local_named_parameters())
+    assert mismatched(dict(model.local_named_parameters()), late["params"]) == []
 
     # the dp process group is usable by user code
     t = torch.tensor([float(smp.rank())])
@@ -162,7 +161,7 @@ def _placement(placement: str) -> dict[str, Any]:
         assert spread[0] > 0 and spread[2] > 0, spread  # not reduced after odd steps
         assert spread[1] == 0 and spread[3] == 0, spread
         out["reductions"] = model._ddp.reductions
-        out["buffers_equal"] = [_buffers_scenario(placement, bb) for bb in (True, False)]
+        out["buffers_differ"] = [_buffers_scenario(placement, bb) for bb in (True, False)]
     else:
         # uneven inputs: dp_rank 1 runs out one batch early inside model.join()
         out["join"] = _join_scenario(placement)
@@ -170,13 +169,14 @@ def _placement(placement: str) -> dict[str, Any]:
     return out
 
 
-def _buffers_scenario(placement: str, broadcast_buffers: bool) -> bool:
+def _buffers_scenario(placement: str, broadcast_buffers: bool) -> list[str]:
     """BatchNorm statistics after a step on different shards, then an evaluation step:
-    are they equal across the dp group (broadcast from dp_rank 0 at the step's start)?"""
+    the buffers that differ across the dp group (none once broadcast from dp_rank 0 at the
+    step's start)."""
     import smp_fx as smp
 
     _init(placement, "simple")
-    ex = load_example("cnn")
+    ex = example("cnn")
     torch.manual_seed(0)
     model = smp.DistributedModel(ex.build_model(), broadcast_buffers=broadcast_buffers)
 
@@ -196,10 +196,7 @@ def _buffers_scenario(placement: str, broadcast_buffers: bool) -> bool:
     model.eval()
     with torch.no_grad():
         eval_step(model, x)
-    bufs = torch.cat([b.reshape(-1).float() for _, b in sorted(model.local_named_buffers())])
-    peers = [torch.empty_like(bufs) for _ in range(smp.dp_size())]
-    dist.all_gather(peers, bufs, group=smp.get_dp_process_group())
-    return all(torch.equal(q, bufs) for q in peers)
+    return mismatched_across(dict(model.local_named_buffers()), smp.get_dp_process_group())
 
 
 class _DetachedScale(nn.Module):
@@ -256,38 +253,35 @@ def _body() -> dict[str, Any]:
     return out
 
 
-def _example_scenario() -> tuple[int, int, bool]:
+def _example_scenario() -> tuple[int, int, list[str]]:
     """examples/train_mnist_like.py on these 4 ranks: pp=2 x dp=2, each rank its shard;
-    the replicas of each stage end equal. Returns (dp size, steps, replicas equal)."""
-    import importlib.util
+    the replicas of each stage end equal. Returns (dp size, steps, the parameters that
+    differ across replicas)."""
     from pathlib import Path
 
     import smp_fx as smp
+    from smp_fx.cli.partition import load_model_file
     from smp_fx.runtime.context import current_model
 
-    path = Path(__file__).resolve().parents[3] / "examples" / "train_mnist_like.py"
-    spec = importlib.util.spec_from_file_location("smp_fx_test_train_mnist_like", path)
-    assert spec is not None and spec.loader is not None
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
-    losses = example.main(["--steps", "4", "--batch-size", "8"])
+    script = load_model_file(str(Path(__file__).resolve().parents[3] / "examples" /
+                                 "train_mnist_like.py"))
+    losses = script.main(["--steps", "4", "--batch-size", "8"])
     assert all(loss == loss for loss in losses)  # finite, not NaN
     model = current_model()
     assert model is not None and model._ddp is not None
-    flat = torch.cat([p.detach().reshape(-1) for _, p in sorted(model.local_named_parameters())])
-    peers = [torch.empty_like(flat) for _ in range(smp.dp_size())]
-    dist.all_gather(peers, flat, group=smp.get_dp_process_group())
-    return smp.dp_size(), len(losses), all(torch.equal(q, flat) for q in peers)
+    return smp.dp_size(), len(losses), mismatched_across(dict(model.local_named_parameters()),
+                                                         smp.get_dp_process_group())
 
 
-def _join_scenario(placement: str) -> bool:
+def _join_scenario(placement: str) -> list[str]:
     """dp_rank 1 has 2 batches, dp_rank 0 has 3 (both feed the same shard, so the expected
     result is simple): in the third step the joined rank contributes zeros (DDP: the
-    average is over the whole group), and afterwards every replica is dp_rank 0's."""
+    average is over the whole group), and afterwards every replica is dp_rank 0's.
+    Returns the parameters that differ across replicas."""
     import smp_fx as smp
 
     _init(placement, "interleaved")
-    ex = load_example("gpt")
+    ex = example("gpt")
     torch.manual_seed(0)
     module = ex.build_model()
     ref = ex.build_model()
@@ -317,11 +311,7 @@ def _join_scenario(placement: str) -> bool:
         ref_opt.step()
     _assert_matches({n: p.detach() for n, p in model.local_named_parameters()},
                     dict(ref.named_parameters(remove_duplicate=False)))
-    flat = torch.cat([p.detach().reshape(-1) for _, p in
-                      sorted(model.local_named_parameters())])
-    peers = [torch.empty_like(flat) for _ in range(smp.dp_size())]
-    dist.all_gather(peers, flat, group=smp.get_dp_process_group())
-    return all(torch.equal(q, flat) for q in peers)
+    return mismatched_across(dict(model.local_named_parameters()), smp.get_dp_process_group())
 
 
 @pytest.mark.multiproc
@@ -336,16 +326,19 @@ def test_pp2_dp2_matches_global_batch_cluster_and_spread() -> None:
     assert [r["coords"][0] for r in cluster] == [0, 1, 0, 1]
     assert [r["coords"][2] for r in cluster] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert all(r["reductions"] == 2 for r in cluster)
-    assert all(r["buffers_equal"] == [True, False] for r in cluster)
+    for r in cluster:  # broadcast: equal; not broadcast: each replica's own statistics
+        assert r["buffers_differ"][0] == [], r["buffers_differ"]
+        assert r["buffers_differ"][1] and all(n.endswith(("running_mean", "running_var"))
+                                              for n in r["buffers_differ"][1]), r
     # spread (TPD): dp groups [0, 1], [2, 3]
     assert [r["coords"][0] for r in spread] == [0, 0, 1, 1]
     assert [r["coords"][2] for r in spread] == [[0, 1], [0, 1], [2, 3], [2, 3]]
-    assert all(r["join"] for r in spread)
+    assert [r["join"] for r in spread] == [[]] * 4
     raised = {r["coords"][0] for r in spread if r["no_grad_error"] == "raised"}
     assert len(raised) == 1, [r["no_grad_error"] for r in spread]  # both dp ranks of a stage
     assert sum(r["no_grad_error"] == "raised" for r in spread) == 2
     assert all(r["pure_dp"] == (4, 3) for r in results)
-    assert all(r["example"] == (2, 2, True) for r in results)
+    assert [r["example"] for r in results] == [(2, 2, [])] * 4
 
 
 # ---- single-process checks -----------------------------------------------------------

@@ -23,11 +23,24 @@ def test_buffer_is_reused_only_when_no_view_is_alive() -> None:
     assert pool.take(128).numel() == 128  # another size: a new one
 
 
-def test_kept_buffers_are_bounded() -> None:
+def test_kept_buffers_are_bounded_and_viewed_ones_stay_out() -> None:
+    """Of 100 buffers given back, the newest 64 are kept; a kept one comes out again only
+    once no tensor views it, so while some views live, only the others are handed out."""
     pool = BufferPool(torch.device("cpu"))
     held = [pool.take(8) for _ in range(100)]
-    views = [h[:4] for h in held]  # all still viewed
+    ptrs = [h.data_ptr() for h in held]
+    views = [h[:4] for h in held]
     for h in held:
         pool.give(h)
+    del held, h  # from here only the views (and the pool) hold the buffers
     assert len(pool._kept[8]) == 64
-    assert len(views) == 100
+    # every view is alive (so no address of ours is free): a new buffer, the pool untouched
+    assert pool.take(8).data_ptr() not in ptrs and len(pool._kept[8]) == 64
+    freed = range(37, 100, 2)  # every other kept buffer loses its view
+    for i in freed:
+        views[i] = None
+    out = [pool.take(8) for _ in freed]
+    assert sorted(t.data_ptr() for t in out) == sorted(ptrs[i] for i in freed)
+    assert len(pool._kept[8]) == 64 - len(freed)
+    # the rest are still viewed: the next one is new again
+    assert pool.take(8).data_ptr() not in ptrs

@@ -19,7 +19,7 @@ from passes import meta
 from passes.split_stages import split_stages
 from smp_fx.dist import state
 from smp_fx.runtime.lowering import Op, lower
-from tests.smp_fx.test_numerics import init
+from tests.helpers.numerics import init
 
 
 @pytest.fixture

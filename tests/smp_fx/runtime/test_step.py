@@ -13,7 +13,7 @@ from torch import nn
 import smp_fx as smp
 from smp_fx.dist import state
 from smp_fx.runtime.microbatch import split_inputs
-from tests.smp_fx.test_numerics import init
+from tests.helpers.numerics import init
 
 
 class TwoOut(nn.Module):

@@ -1,22 +1,23 @@
-"""Shared helpers for the front-end tests: load example models, small untraceable modules."""
+"""The models tests run: the example models, loaded by path, and small hand-written ones.
+
+``example(name)`` is the one way tests load ``examples/models/<name>.py``: it goes through
+``examples.models.load``, i.e. the CLI's ``load_model_file``, so a test exercises the very
+module object ``smp-fx partition examples/models/<name>.py`` would build. It is cached per
+process: every test (and every rank of a multi-process test) sees one module, whose classes
+stay the ones registered in ``sys.modules`` (dataclasses and pickling look them up there).
+"""
 
 from __future__ import annotations
 
 import functools
 import logging
-import sys
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[2]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from examples.models import load  # noqa: E402
+from examples.models import load
 
 logging.getLogger("transformers").setLevel(logging.ERROR)
 
@@ -26,10 +27,12 @@ EXPECTED_FRONTEND = {"mlp": "fx", "cnn": "fx", "gpt": "fx", "hf_gpt2": "export",
 
 @functools.cache
 def example(name: str) -> ModuleType:
+    """``examples/models/<name>.py``, imported once per process."""
     return load(name)
 
 
 def build(name: str, batch: int = 2) -> tuple[nn.Module, tuple[Any, ...]]:
+    """A fresh example model (seed 0) and its example inputs for ``batch`` samples."""
     torch.manual_seed(0)
     ex = example(name)
     return ex.build_model(), ex.example_inputs(batch)

@@ -1,0 +1,30 @@
+"""pytest setup shared by the test suite and the packages' ``>>>`` examples.
+
+``make test`` collects ``tests/`` and, with ``--doctest-modules``, every module of
+``smp_fx``, ``passes`` and ``cost_model`` (``testpaths`` and ``addopts`` in pyproject.toml),
+so every example in a docstring runs. Importing a module to read its examples must be free
+of side effects, which holds for all of them but the compatibility shims, ignored below.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from _pytest.doctest import DoctestItem
+
+# The smdistributed shims replace their own ``sys.modules`` entry with ``smp_fx`` and
+# register a torch.distributed backend when imported; only ``smp-fx run``'s children import
+# them (tests/smp_fx/cli/test_run.py runs scripts through them).
+collect_ignore = ["smp_fx/_compat/shims"]
+
+
+@pytest.fixture(autouse=True)
+def _examples_leave_no_state(request: pytest.FixtureRequest) -> Iterator[None]:
+    """An example may call ``smp.init`` as a user would; the tests that run after it in
+    this process must not inherit that state or its process group."""
+    yield
+    if isinstance(request.node, DoctestItem):
+        from smp_fx.dist import state
+
+        state._reset()

@@ -1,0 +1,64 @@
+"""Name the tensors that differ, so a failing check says what differed.
+
+A multi-process test body runs in another process and can only report back a value; a
+bare ``True``/``False`` tells the test that something differed but not what. These return
+the *names* of the tensors that differ (empty when all agree); the test asserts the list is
+empty, and a failure prints it:
+
+    >>> import torch
+    >>> got = {"a.weight": torch.ones(2), "a.bias": torch.zeros(2), "b.weight": None}
+    >>> want = {"a.weight": torch.ones(2), "a.bias": torch.ones(2), "b.weight": None,
+    ...         "c.weight": torch.ones(1)}
+    >>> mismatched(got, want)
+    ['a.bias']
+    >>> mismatched({"a.bias": torch.zeros(2)}, want, atol=1.0)
+    []
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+def mismatched(got: Mapping[str, torch.Tensor | None], want: Mapping[str, torch.Tensor | None],
+               *, atol: float = 0.0, rtol: float = 0.0) -> list[str]:
+    """Names of ``got`` whose tensor differs from ``want``'s (``torch.testing.assert_close``
+    with these tolerances, exact by default; shape, dtype and device count too).
+
+    Only ``got``'s names are checked, so ``want`` may hold more (one stage's parameters
+    against the whole model's). A name ``want`` lacks, or ``None`` on one side only
+    (a gradient that exists on one side), is a mismatch; ``None`` on both sides is not.
+    """
+    bad = []
+    for name, a in got.items():
+        b = want.get(name)
+        if a is None or b is None:
+            if a is not None or b is not None or name not in want:
+                bad.append(name)
+            continue
+        try:
+            torch.testing.assert_close(a.detach(), b.detach(), atol=atol, rtol=rtol)
+        except AssertionError:
+            bad.append(name)
+    return bad
+
+
+def mismatched_across(named: Mapping[str, torch.Tensor], group: Any = None) -> list[str]:
+    """Names whose tensor is not bitwise equal on every rank of the process ``group``
+    (the world by default): e.g. a stage's parameters across its data-parallel replicas.
+
+    A collective: every rank of ``group`` calls it with the same names (in any order).
+    """
+    import torch.distributed as dist
+
+    bad = []
+    for name in sorted(named):
+        mine = named[name].detach().contiguous()
+        peers = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(peers, mine, group=group)
+        if not all(torch.equal(q, mine) for q in peers):
+            bad.append(name)
+    return bad

@@ -62,3 +62,26 @@ def mismatched_across(named: Mapping[str, torch.Tensor], group: Any = None) -> l
         if not all(torch.equal(q, mine) for q in peers):
             bad.append(name)
     return bad
+
+
+class Checks:
+    """Named checks a multi-process body makes; it returns ``report()``, the number made
+    and the names of those that failed, so the test says which check failed on which rank.
+
+    >>> c = Checks()
+    >>> c.expect(1 + 1 == 2, "sum"); c.expect([] == [0], "empty list")
+    >>> c.report()
+    (2, ['empty list'])
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.failed: list[str] = []
+
+    def expect(self, ok: bool, name: str) -> None:
+        self.count += 1
+        if not ok:
+            self.failed.append(name)
+
+    def report(self) -> tuple[int, list[str]]:
+        return self.count, self.failed

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from smp_fx.runtime.dist_transport import DistTransport
+from tests.helpers.compare import Checks
 from tests.helpers.dist import run_ranks
 
 BIG = torch.arange(300 * 300.0).view(300, 300)  # over the frame limit: its own message
@@ -36,14 +37,14 @@ MESSAGES: list[Any] = [
 ]
 
 
-def _body() -> list[bool]:
+def _body() -> tuple[int, list[str]]:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     groups = DistTransport.make_groups()
     tr = DistTransport([0, 1], rank, torch.device("cpu"), 30.0, groups)
-    ok = []
+    ok = Checks()
 
     def same(got: Any, msg: Any) -> bool:
         flat_a, flat_b = torch.utils._pytree.tree_flatten(got), \
@@ -80,29 +81,30 @@ def _body() -> list[bool]:
             else:
                 got = tr.recv(0, 1, "act", i)
                 out = tr.recv(0, 1, "out", i)
-                ok.append(same(got, msg) and same(out, out_msg))
+                ok.expect(same(got, msg) and same(out, out_msg), f"message {i} (delay {delay})")
         tr.finish()
         dist.barrier()
     if rank == 1:
-        ok.append(outstanding.count(1) >= len(MESSAGES))
+        ok.expect(outstanding.count(1) >= len(MESSAGES), "next message posted while waiting")
     if rank == 1:
         short = DistTransport([0, 1], 1, torch.device("cpu"), 0.5, groups)
         try:
             short.recv(0, 1, "grad", 7)
         except Exception as exc:  # noqa: BLE001
-            ok.append("grad from stage 0 (rank 0)" in str(exc) and "microbatch 7" in str(exc))
+            ok.expect("grad from stage 0 (rank 0)" in str(exc) and "microbatch 7" in str(exc),
+                      "timeout names what it waited for")
     dist.barrier()
-    return ok
+    return ok.report()
 
 
 @pytest.mark.multiproc
 def test_dist_transport_round_trips_and_times_out() -> None:
-    _, ok = run_ranks(_body, 2, timeout=90)
-    assert ok == [True] * (2 * len(MESSAGES) + 2)
+    _, report = run_ranks(_body, 2, timeout=90)
+    assert report == (2 * len(MESSAGES) + 2, [])
 
 
 def _two_messages(tr: DistTransport, rank: int, step: int, shape: tuple[int, ...],
-                  ok: list[bool]) -> list[torch.Tensor]:
+                  ok: Checks) -> list[torch.Tensor]:
     """Rank 0 sends step ``step``'s two activations; rank 1 receives them, checks their
     values into ``ok`` and returns them."""
     got = []
@@ -112,18 +114,18 @@ def _two_messages(tr: DistTransport, rank: int, step: int, shape: tuple[int, ...
             tr.send((value,), 0, 1, "act", i)
         else:
             got.append(tr.recv(0, 1, "act", i)[0])
-            ok.append(torch.equal(got[-1], value))
+            ok.expect(torch.equal(got[-1], value), f"step {step} message {len(got) - 1}")
     return got
 
 
-def _reuse_body() -> list[bool]:
+def _reuse_body() -> tuple[int, list[str]]:
     """Frames are reused across steps, never while a received tensor still views them."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     tr = DistTransport([0, 1], rank, torch.device("cpu"), 30.0, DistTransport.make_groups())
-    ok: list[bool] = []
+    ok = Checks()
     kept: list[torch.Tensor] = []
     ptrs: list[int] = []
     for step in range(4):
@@ -138,21 +140,21 @@ def _reuse_body() -> list[bool]:
         tr.finish()
         dist.barrier()
     if rank == 1:
-        ok.append(all(torch.equal(k, torch.full((32, 64), float(10 + i)))
-                      for i, k in enumerate(kept)))
-        ok.append(ptrs[4] == ptrs[0] or ptrs[4] == ptrs[1])  # step 2 reuses step 0's frames
-        ok.append(not set(ptrs[4:]) & set(ptrs[2:4]))  # never the kept ones
+        ok.expect(all(torch.equal(k, torch.full((32, 64), float(10 + i)))
+                      for i, k in enumerate(kept)), "kept tensors keep their values")
+        ok.expect(ptrs[4] == ptrs[0] or ptrs[4] == ptrs[1], "step 2 reuses step 0's frames")
+        ok.expect(not set(ptrs[4:]) & set(ptrs[2:4]), "kept tensors' frames not reused")
     dist.barrier()
-    return ok
+    return ok.report()
 
 
 @pytest.mark.multiproc
 def test_dist_transport_reuses_frames_only_when_free() -> None:
-    _, ok = run_ranks(_reuse_body, 2, timeout=90)
-    assert ok == [True] * 11
+    _, report = run_ranks(_reuse_body, 2, timeout=90)
+    assert report == (11, [])
 
 
-def _send_frames_body() -> list[bool]:
+def _send_frames_body() -> tuple[int, list[str]]:
     """A sent frame is reused by the same message of the next step, but only after
     ``finish`` saw the last step's sends complete (a failed step never calls it)."""
     import torch.distributed as dist
@@ -160,7 +162,7 @@ def _send_frames_body() -> list[bool]:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     tr = DistTransport([0, 1], rank, torch.device("cpu"), 30.0, DistTransport.make_groups())
-    ok: list[bool] = []
+    ok = Checks()
     frames: list[list[int]] = []
     for step in range(4):
         _two_messages(tr, rank, step, (8, 8), ok)
@@ -170,39 +172,39 @@ def _send_frames_body() -> list[bool]:
             tr.finish()
         dist.barrier()
     if rank == 0:
-        ok.append(len(frames[0]) == 2 and frames[1][:2] == frames[0])  # step 1 reused
-        ok.append(len(frames[2]) == 4)  # step 2 took new frames: step 1's were not seen done
-        ok.append(frames[3] == frames[2])  # after step 2's finish, step 3 reuses from 0
+        ok.expect(len(frames[0]) == 2 and frames[1][:2] == frames[0], "step 1 reuses frames")
+        ok.expect(len(frames[2]) == 4, "step 2 takes new frames (step 1's not seen done)")
+        ok.expect(frames[3] == frames[2], "after step 2's finish, step 3 reuses from 0")
     dist.barrier()
-    return ok
+    return ok.report()
 
 
 @pytest.mark.multiproc
 def test_dist_transport_reuses_sent_frames_only_after_finish() -> None:
     sender, receiver = run_ranks(_send_frames_body, 2, timeout=90)
-    assert sender == [True] * 3 and receiver == [True] * 8
+    assert sender == (3, []) and receiver == (8, [])
 
 
-def _world_body() -> list[bool]:
+def _world_body() -> tuple[int, list[str]]:
     """Without groups both channels use the world group."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     tr = DistTransport([0, 1], rank, torch.device("cpu"), 30.0)
-    ok = []
+    ok = Checks()
     for i in range(2):
         if rank == 0:
             tr.send((torch.full((4,), float(i)),), 0, 1, "act", i)
         else:
             (got,) = tr.recv(0, 1, "act", i)
-            ok.append(torch.equal(got, torch.full((4,), float(i))))
+            ok.expect(torch.equal(got, torch.full((4,), float(i))), f"message {i}")
     tr.finish()
     dist.barrier()
-    return ok
+    return ok.report()
 
 
 @pytest.mark.multiproc
 def test_dist_transport_defaults_to_the_world_group() -> None:
-    _, ok = run_ranks(_world_body, 2, timeout=90)
-    assert ok == [True, True]
+    _, report = run_ranks(_world_body, 2, timeout=90)
+    assert report == (2, [])

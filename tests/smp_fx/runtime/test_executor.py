@@ -19,6 +19,7 @@ from passes import meta
 from passes.split_stages import split_stages
 from smp_fx.dist import state
 from smp_fx.runtime.lowering import Op, lower
+from tests.helpers.compare import Checks, mismatched
 from tests.helpers.numerics import init
 
 
@@ -80,7 +81,7 @@ def _two_rank_model(microbatches: int, pipeline: str) -> Any:
     return smp.DistributedModel(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]))
 
 
-def _skip_body() -> list[bool]:
+def _skip_body() -> tuple[int, list[str]]:
     """Runs on every rank: a grad-enabled step that skips some backwards (the last one
     included) ends with the right grads and no receive left posted (a gradient receive
     posted ahead regardless of the skip would be left open)."""
@@ -97,25 +98,27 @@ def _skip_body() -> list[bool]:
 
     x = torch.ones(8, 4)
     x[2:4, 0] = x[6:8, 0] = -1.0  # microbatches 1 and 3 (the last)
-    ok = []
+    ok = Checks()
     grads = []
     for skip in (False, True, False):
         model.zero_grad()
         train(model, x, skip)
         grads.append([p.grad.clone() for p in model.local_parameters()])
-    ok.append(all(torch.equal(a, b) for a, b in zip(grads[0], grads[2])))
-    ok.append(not all(torch.equal(a, b) for a, b in zip(grads[0], grads[1])))
-    ok.append(not model.executor.transport._posted)
+    ok.expect(all(torch.equal(a, b) for a, b in zip(grads[0], grads[2])),
+              "same grads before and after a step with skipped backwards")
+    ok.expect(not all(torch.equal(a, b) for a, b in zip(grads[0], grads[1])),
+              "skipped backwards change the grads")
+    ok.expect(not model.executor.transport._posted, "no receive left posted")
     dist.barrier()
     state._reset()
-    return ok
+    return ok.report()
 
 
 @pytest.mark.multiproc
 def test_skipped_backward_leaves_no_gradient_receive_posted() -> None:
     from tests.helpers.dist import run_ranks
 
-    assert run_ranks(_skip_body, 2, timeout=60) == [[True, True, True]] * 2
+    assert run_ranks(_skip_body, 2, timeout=60) == [(3, [])] * 2
 
 
 def _mismatch_body() -> list[str]:
@@ -227,7 +230,7 @@ def test_a_stage_that_sends_nothing_gets_the_outputs_on_their_own_channel() -> N
         "0F0", "0SEND_ACT0@1", "0SEND_ACT0@2", "0RECV_GRAD0@1", "0RECV_GRAD0@2", "0B0"]
 
 
-def _dead_end_body() -> list[Any]:
+def _dead_end_body() -> list[str]:
     """Runs on 3 ranks: the stage that sends nothing on still returns the outputs to its
     step function; loss and gradients equal the plain model's."""
     import copy
@@ -257,18 +260,15 @@ def _dead_end_body() -> list[Any]:
     want = {n: p.grad for n, p in ref.named_parameters()}
     got = {n: p.grad for n, p in model.named_parameters() if n in dict(
         model.local_named_parameters())}
-    ok = [bool(torch.allclose(loss, ref_loss.detach(), atol=1e-5))]
-    ok += [(got[n] is None and want[n] is None) or bool(torch.allclose(got[n], want[n],
-                                                                        atol=1e-5))
-           for n in got]
+    bad = mismatched({"loss": loss, **got}, {"loss": ref_loss, **want}, atol=1e-5)
     dist.barrier()
     state._reset()
-    return ok
+    return bad
 
 
 @pytest.mark.multiproc
 def test_a_stage_that_sends_nothing_runs_across_processes() -> None:
     from tests.helpers.dist import run_ranks
 
-    for ok in run_ranks(_dead_end_body, 3, timeout=90):
-        assert ok and all(ok), ok
+    for bad in run_ranks(_dead_end_body, 3, timeout=90):
+        assert bad == [], bad

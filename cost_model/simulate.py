@@ -11,6 +11,9 @@ Timing model (documented because plans quote its numbers):
   A transfer does not occupy the sender's compute (asynchronous send) but transfers on one
   link and direction go one at a time, in the sender's order; latency delays arrival
   without keeping the link busy (architecture.md "Stage time model").
+- Fixed costs: every action also takes ``action_overhead_s`` (the runtime's turn and the
+  step function's work) plus ``message_overhead_s`` per message the stage receives or
+  sends for it (posting and completing it takes the rank's own time, unlike latency).
 - Memory of stage s = ``static_bytes`` + ``saved_bytes_per_mb`` x microbatches in flight
   (forwarded, not yet backwarded); the peak is over the stage's list. A forward-only
   schedule keeps nothing for backward, so its in-flight count is 0.
@@ -41,6 +44,14 @@ class StageCost:
     static_bytes: int = 0
     saved_bytes_per_mb: int = 0
     latency_s: float = 0.0
+    action_overhead_s: float = 0.0
+    message_overhead_s: float = 0.0
+
+    def duration(self, kind: str, stage: int, num_stages: int) -> float:
+        """Seconds stage ``stage`` is busy for one action of ``kind`` (F or B)."""
+        messages = (stage > 0) + (stage < num_stages - 1)  # one in, one out, per side
+        work = self.fwd_time_s if kind == FORWARD else self.bwd_time_s
+        return work + self.action_overhead_s + messages * self.message_overhead_s
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -70,6 +81,13 @@ class SimResult:
     peak_in_flight: tuple[int, ...]
     peak_memory_bytes: tuple[int, ...]
     timeline: tuple[TimelineEvent, ...]
+
+    def finish_times(self) -> tuple[float, ...]:
+        """When each stage ends its last action (0 for a stage with none)."""
+        ends = [0.0] * len(self.busy_s)
+        for e in self.timeline:
+            ends[e.stage] = max(ends[e.stage], e.end_s)
+        return tuple(ends)
 
     def chrome_trace(self) -> list[dict[str, Any]]:
         """Events for chrome://tracing / Perfetto (one thread per stage, microseconds)."""
@@ -109,7 +127,7 @@ def simulate(schedule: Sequence[Sequence[Action]],
                 ready = arrival[dep] if dep is not None else 0.0
                 start = max(stage_free[s], ready)
                 cost = stage_costs[s]
-                end = start + (cost.fwd_time_s if action.kind == FORWARD else cost.bwd_time_s)
+                end = start + cost.duration(action.kind, s, p)
                 events.append(TimelineEvent(s, action, start, end))
                 stage_free[s] = end
                 cursor[s] += 1

@@ -29,10 +29,10 @@ import torch.fx
 from torch import nn
 
 from cost_model.device import DeviceSpec
-from cost_model.flops import CREATION_OPS, VIEW_OPS, op_flops
+from cost_model.flops import CREATION_OPS, VIEW_OPS, gemm_dims, op_flops
 from cost_model.measure import fake_module_cost
 from cost_model.node_cost import NodeCost
-from cost_model.roofline import roofline_time
+from cost_model.roofline import op_overhead, roofline_time
 from cost_model.saved import saved_rule
 from passes.graph_utils import copy_graph_module
 from passes.meta import COST, PARAMS, TENSOR
@@ -229,10 +229,14 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
                 if isinstance(a, torch.fx.Node)) + out_bytes
     moved += sum(p.numel() * p.element_size() for p in params)
     dtype = info.dtype if isinstance(info, TensorInfo) else "float32"
-    fwd_t = roofline_time(fwd_flops, moved, device, dtype) if fwd_flops or moved else 0.0
-    bwd_t = roofline_time(bwd_flops, 2 * moved, device, dtype) if st.rg[node.name] else 0.0
+    gemm = gemm_dims(op, shapes, out_shape, attrs)
+    dim = min(gemm) if gemm else None
+    fixed_f, fixed_b = _fixed_time(node, op, device)
     if op in VIEW_OPS:
-        fwd_t = bwd_t = 0.0
+        moved = 0  # a view moves no data; what it costs is its fixed time
+    fwd_t = fixed_f + roofline_time(fwd_flops, moved, device, dtype, dim)
+    bwd_t = fixed_b + roofline_time(bwd_flops, 2 * moved, device, dtype, dim) \
+        if st.rg[node.name] else 0.0
     cost = NodeCost(fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_time_s=fwd_t,
                     bwd_time_s=bwd_t, param_bytes=param_bytes, output_bytes=out_bytes,
                     saved_bytes=saved, op=op, known=known)
@@ -247,6 +251,16 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
                         output_bytes=out_bytes, saved_bytes=int(mem_bytes), measured=True,
                         op=op, known=known)
     return cost
+
+
+def _fixed_time(node: torch.fx.Node, op: str, device: DeviceSpec) -> tuple[float, float]:
+    """(forward, backward) fixed seconds of a node: ``roofline.op_overhead``, except that
+    taking an element of a tuple output is plain Python, no op."""
+    src = node.args[0] if node.args else None
+    if op == "getitem" and isinstance(src, torch.fx.Node) and not isinstance(
+            TENSOR.get(src), TensorInfo):
+        return 0.0, 0.0
+    return op_overhead(op, device, module=node.op == "call_module")
 
 
 def _leaf_cost(node: torch.fx.Node, in_rg: list[bool], st: _State

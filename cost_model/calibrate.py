@@ -1,0 +1,405 @@
+"""Measure the machine this process runs on into a ``DeviceSpec``.
+
+What the cost model needs and how each figure is taken (median of repeats, one process,
+the torch thread count it runs with):
+
+- matmul: ``torch.mm`` with the smallest of (m, k, n) in ``dims`` and the other two
+  ``big`` (each orientation), and ``big`` cubed; the best rate is the peak, each smallest
+  dimension gets its fraction of it (``DeviceSpec.matmul_efficiency``).
+- element-wise: ``a + b`` over tensors of several sizes; the largest gives
+  ``mem_bandwidth``, each size its fraction of it (cache-resident sizes beat it).
+- per-op fixed cost: a chain of ``n`` tiny ops against a chain of one, forward and
+  forward + backward, for each op kind in ``OP_KINDS``; the difference over ``n - 1`` is
+  the cost of one op with its autograd bookkeeping and no arithmetic to speak of.
+- optimizer: ``torch.optim.Adam`` steps over many tiny and a few large tensors, solved for
+  a per-tensor and a per-byte cost.
+- link (``measure_link``, with a process group of two or more ranks): ping-pong between
+  ranks 0 and 1 gives latency and bandwidth; a stream of tiny messages gives the time a
+  rank spends per message.
+
+The smp-fx runtime's own overheads (per action, per step) need the runtime, which this
+layer may not import: ``smp-fx calibrate`` measures them and fills them in.
+
+Example::
+
+    spec = calibrate(quick=True)       # about 0.5 s on a CPU
+    spec.to_json()                     # what `smp-fx calibrate -o FILE.json` writes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn import functional as F
+
+from cost_model.device import DeviceSpec, GiB, OpOverheads, Table
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much to measure: sizes and repeats (``QUICK`` is for specs made at plan time)."""
+
+    matmul_dims: tuple[int, ...]
+    matmul_big: int
+    elementwise_bytes: tuple[int, ...]
+    chain: int
+    repeats: int
+    target_s: float  # wall time of one repeat; tiny ops are called in a loop to fill it
+    op_kinds: tuple[str, ...]
+    link_bytes: tuple[int, ...]
+
+
+FULL = Budget(matmul_dims=(4, 8, 16, 32, 64, 128, 256, 512), matmul_big=512,
+              elementwise_bytes=(3 * 2**12, 3 * 2**16, 3 * 2**20, 3 * 2**24, 3 * 2**26),
+              chain=16, repeats=9, target_s=2e-3,
+              op_kinds=("default", "module", "view", "linear", "matmul", "bmm", "conv",
+                        "layer_norm", "batch_norm", "embedding", "softmax", "sdpa", "gelu",
+                        "relu"),
+              link_bytes=(4, 2**16, 2**22))
+QUICK = Budget(matmul_dims=(16, 64, 192), matmul_big=192,
+               elementwise_bytes=(3 * 2**16, 3 * 2**22), chain=6, repeats=3, target_s=2e-4,
+               op_kinds=("default", "module", "view", "linear"), link_bytes=(4, 2**20))
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return functools.partial(torch.cuda.synchronize, device)
+    return lambda: None
+
+
+def time_per_call(fn: Callable[[], Any], *, repeats: int, target_s: float,
+                  sync: Callable[[], None] = lambda: None) -> float:
+    """Median seconds per call of ``fn``; cheap calls run in a loop long enough to time."""
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    once = max(time.perf_counter() - t0, 1e-7)
+    inner = max(1, min(10_000, int(target_s / once)))
+    times = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        sync()
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
+# ---------------------------------------------------------------------- fixed op costs
+
+
+def _chain(kind: str, n: int, device: torch.device) -> Callable[[], list[torch.Tensor]]:
+    """``n`` tiny ops of ``kind`` (each a fresh autograd node); returns their outputs."""
+    def p(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, requires_grad=True)
+
+    x = p(2, 4)
+    if kind == "default":
+        return lambda: [functools.reduce(lambda v, _: v * 1.5, range(n), x)]
+    if kind == "relu":
+        return lambda: [functools.reduce(lambda v, _: torch.relu(v), range(n), x)]
+    if kind == "gelu":
+        return lambda: [functools.reduce(lambda v, _: F.gelu(v), range(n), x)]
+    if kind == "softmax":
+        return lambda: [functools.reduce(lambda v, _: torch.softmax(v, -1), range(n), x)]
+    if kind == "view":
+        shapes = [(4, 2), (2, 4)]
+        return lambda: [functools.reduce(lambda v, i: v.view(shapes[i % 2]), range(n), x)]
+    if kind == "module":
+        mods = [torch.nn.Identity() for _ in range(n)]
+        return lambda: [functools.reduce(lambda v, m: m(v), mods, x)]
+    if kind == "linear":
+        ws = [(p(4, 4), p(4)) for _ in range(n)]
+        return lambda: [functools.reduce(lambda v, wb: F.linear(v, *wb), ws, x)]
+    if kind == "matmul":
+        ys = [p(4, 4) for _ in range(n)]
+        return lambda: [functools.reduce(torch.matmul, ys, x)]
+    if kind == "bmm":
+        b0 = p(2, 4, 4)
+        ys = [p(2, 4, 4) for _ in range(n)]
+        return lambda: [functools.reduce(torch.bmm, ys, b0)]
+    if kind == "conv":
+        img = p(1, 2, 4, 4)
+        ws = [p(2, 2, 3, 3) for _ in range(n)]
+        return lambda: [functools.reduce(lambda v, w: F.conv2d(v, w, padding=1), ws, img)]
+    if kind == "layer_norm":
+        ws = [(p(4), p(4)) for _ in range(n)]
+        return lambda: [functools.reduce(lambda v, wb: F.layer_norm(v, (4,), *wb), ws, x)]
+    if kind == "batch_norm":
+        ws = [(p(4), p(4)) for _ in range(n)]
+        rm, rv = torch.zeros(4, device=device), torch.ones(4, device=device)
+        return lambda: [functools.reduce(
+            lambda v, wb: F.batch_norm(v, rm, rv, *wb, training=True), ws, x)]
+    if kind == "embedding":
+        idx = torch.tensor([0, 1], device=device)
+        tables = [p(8, 4) for _ in range(n)]
+        return lambda: [F.embedding(idx, w) for w in tables]
+    if kind == "sdpa":
+        q = p(1, 2, 4, 4)
+        return lambda: [functools.reduce(
+            lambda v, _: F.scaled_dot_product_attention(v, v, v), range(n), q)]
+    raise ValueError(f"unknown op kind {kind!r}")
+
+
+def _fwd_bwd_times(run: Callable[[], list[torch.Tensor]], budget: Budget,
+                   sync: Callable[[], None]) -> tuple[float, float]:
+    def fwd() -> None:
+        with torch.enable_grad():
+            run()
+
+    def both() -> None:
+        with torch.enable_grad():
+            outs = run()
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    f = time_per_call(fwd, repeats=budget.repeats, target_s=budget.target_s, sync=sync)
+    fb = time_per_call(both, repeats=budget.repeats, target_s=budget.target_s, sync=sync)
+    return f, max(fb - f, 0.0)
+
+
+def measure_op_overheads(budget: Budget, device: torch.device) -> OpOverheads:
+    """(kind, forward s, backward s) per op kind: chain of ``n`` minus chain of one."""
+    sync = _sync(device)
+    n = budget.chain
+    out = []
+    for kind in budget.op_kinds:
+        f1, b1 = _fwd_bwd_times(_chain(kind, 1, device), budget, sync)
+        fn, bn = _fwd_bwd_times(_chain(kind, n, device), budget, sync)
+        fwd = max(fn - f1, 0.0) / (n - 1)
+        bwd = 0.0 if kind == "module" else max(bn - b1, 0.0) / (n - 1)
+        out.append((kind, fwd, bwd))
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- throughput curves
+
+
+def measure_matmul(budget: Budget, device: torch.device, op_s: float
+                   ) -> tuple[float, float, Table]:
+    """(peak fp32 FLOP/s, peak half FLOP/s, efficiency by smallest dimension)."""
+    sync = _sync(device)
+    big = budget.matmul_big
+
+    def rate(m: int, k: int, n: int, dtype: torch.dtype = torch.float32) -> float:
+        a = torch.randn(m, k, device=device, dtype=dtype)
+        b = torch.randn(k, n, device=device, dtype=dtype)
+        t = time_per_call(lambda: torch.mm(a, b), repeats=budget.repeats,
+                          target_s=budget.target_s, sync=sync)
+        return 2.0 * m * k * n / max(t - op_s, t * 0.05)
+
+    by_dim: dict[int, float] = {}
+    for d in budget.matmul_dims:
+        shapes = [(d, big, big), (big, d, big), (big, big, d)] if d < big else [(d, d, d)]
+        flops = sum(2.0 * m * k * n for m, k, n in shapes)
+        seconds = sum(2.0 * m * k * n / rate(m, k, n) for m, k, n in shapes)
+        by_dim[d] = flops / seconds
+    by_dim[big] = max(by_dim.get(big, 0.0), rate(big, big, big))
+    peak = max(by_dim.values())
+    half_dtype = torch.bfloat16
+    try:
+        peak_half = rate(big, big, big, half_dtype)
+    except RuntimeError:  # no half matmul on this device: the fp32 figure stands in
+        peak_half = peak
+    table = tuple((float(d), by_dim[d] / peak) for d in sorted(by_dim))
+    return peak, peak_half, table
+
+
+def measure_elementwise(budget: Budget, device: torch.device, op_s: float
+                        ) -> tuple[float, Table]:
+    """(memory bandwidth of the largest size, fraction reached by each size)."""
+    sync = _sync(device)
+    rates = []
+    for nbytes in budget.elementwise_bytes:
+        n = max(1, nbytes // 12)  # a + b reads two and writes one float32 tensor
+        a = torch.randn(n, device=device)
+        b = torch.randn(n, device=device)
+        t = time_per_call(functools.partial(torch.add, a, b), repeats=budget.repeats,
+                          target_s=budget.target_s, sync=sync)
+        rates.append((float(12 * n), 12.0 * n / max(t - op_s, t * 0.05)))
+    bandwidth = rates[-1][1]
+    return bandwidth, tuple((b, r / bandwidth) for b, r in rates)
+
+
+def measure_optimizer(budget: Budget, device: torch.device) -> tuple[float, float]:
+    """(seconds per tensor, seconds per parameter byte) of an Adam step."""
+    sync = _sync(device)
+
+    def step_time(count: int, numel: int) -> float:
+        params = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(count)]
+        for q in params:
+            q.grad = torch.randn_like(q)
+        opt = torch.optim.Adam(params, lr=1e-3)
+        return time_per_call(opt.step, repeats=budget.repeats, target_s=budget.target_s,
+                             sync=sync)
+
+    small_n, small_e = 32, 16
+    large_n, large_e = 4, 2**18 if budget is FULL else 2**16
+    ts, tl = step_time(small_n, small_e), step_time(large_n, large_e)
+    bs, bl = 4.0 * small_n * small_e, 4.0 * large_n * large_e
+    # ts = small_n * c + bs * d; tl = large_n * c + bl * d
+    det = small_n * bl - large_n * bs
+    c = (ts * bl - tl * bs) / det
+    d = (small_n * tl - large_n * ts) / det
+    return max(c, 0.0), max(d, 0.0)
+
+
+# ----------------------------------------------------------------------------- link
+
+
+def measure_link(budget: Budget, device: torch.device, group: Any = None
+                 ) -> tuple[float, float, float]:
+    """(latency s, bandwidth bytes/s, per-message s) between ranks 0 and 1 of ``group``.
+
+    Every rank of the group must call it; ranks other than 0 and 1 only join the barriers.
+    """
+    rank = dist.get_rank(group)
+    peer = {0: 1, 1: 0}.get(rank)
+    sync = _sync(device)
+    one_way: list[float] = []
+    for nbytes in budget.link_bytes:
+        buf = torch.zeros(max(1, nbytes // 4), device=device)
+        times: list[float] = []
+        for i in range(budget.repeats * 4 + 2):
+            dist.barrier(group)
+            t0 = time.perf_counter()
+            if peer is not None:
+                ping = dist.get_global_rank(group, peer) if group is not None else peer
+                if rank == 0:
+                    dist.send(buf, ping, group)
+                    dist.recv(buf, ping, group)
+                else:
+                    dist.recv(buf, ping, group)
+                    dist.send(buf, ping, group)
+                sync()
+            if i >= 2:
+                times.append((time.perf_counter() - t0) / 2)
+        one_way.append(statistics.median(times))
+    latency = one_way[0]
+    span = budget.link_bytes[-1] - budget.link_bytes[0]
+    bandwidth = span / max(one_way[-1] - one_way[0], 1e-9)
+    count = 64
+    tiny = [torch.zeros(1, device=device) for _ in range(count)]
+    per_message: list[float] = []
+    for _ in range(budget.repeats):
+        dist.barrier(group)
+        t0 = time.perf_counter()
+        if peer is not None:
+            ping = dist.get_global_rank(group, peer) if group is not None else peer
+            op = dist.isend if rank == 0 else dist.irecv
+            works = [op(t, ping, group) for t in tiny]
+            for w in works:
+                w.wait()
+            sync()
+        per_message.append((time.perf_counter() - t0) / count)
+    dist.barrier(group)
+    return latency, bandwidth, statistics.median(per_message)
+
+
+# ------------------------------------------------------------------------ the spec
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 * GiB
+
+
+def calibrate(name: str = "cpu", device: torch.device | str = "cpu", *,
+              quick: bool = False, link: bool = False, group: Any = None,
+              base: DeviceSpec | None = None) -> DeviceSpec:
+    """Measure ``device`` into a ``DeviceSpec`` called ``name``.
+
+    With ``link`` (torch.distributed initialised, ``group`` of two or more ranks, None for
+    the default group; every rank calls this) the link figures are measured between the
+    group's ranks 0 and 1; otherwise they, and the runtime's overheads, come from ``base``
+    (``LOOPBACK``, gloo-over-loopback estimates, by default).
+    """
+    device = torch.device(device)
+    budget = QUICK if quick else FULL
+    ops = measure_op_overheads(budget, device)
+    op_s = dict((k, f) for k, f, _ in ops)
+    peak, peak_half, mm_table = measure_matmul(budget, device, op_s.get("linear", 0.0))
+    bandwidth, ew_table = measure_elementwise(budget, device, op_s["default"])
+    if quick:  # constructing the first optimizer imports for seconds: estimate it
+        opt_tensor, opt_byte = ADAM_OPS * op_s["default"], ADAM_BYTES / bandwidth
+    else:
+        opt_tensor, opt_byte = measure_optimizer(budget, device)
+    how = (f"measured by cost_model.calibrate ({'quick' if quick else 'full'}) on "
+           f"{device.type}, {torch.get_num_threads()} thread(s)")
+    start = base or LOOPBACK
+    spec = dataclasses.replace(
+        start, name=name, peak_flops_fp32=peak, peak_flops_bf16=peak_half,
+        mem_bandwidth=bandwidth, memory_bytes=_memory_bytes(device),
+        matmul_efficiency=mm_table, elementwise_efficiency=ew_table, op_overheads=ops,
+        optimizer_tensor_s=opt_tensor, optimizer_byte_s=opt_byte)
+    measured = ("peak_flops_fp32", "peak_flops_bf16", "mem_bandwidth", "memory_bytes",
+                "matmul_efficiency", "elementwise_efficiency", "op_overheads",
+                "optimizer_tensor_s", "optimizer_byte_s")
+    spec = spec.with_sources(**{k: how for k in measured})
+    if link:
+        latency, link_bw, per_msg = measure_link(budget, device, group)
+        spec = dataclasses.replace(spec, link_latency_s=latency, link_bandwidth=link_bw,
+                                   message_overhead_s=per_msg)
+        backend = dist.get_backend(group)
+        spec = spec.with_sources(**{k: f"{how}, {backend} between ranks 0 and 1" for k in
+                                    ("link_latency_s", "link_bandwidth",
+                                     "message_overhead_s")})
+    return spec
+
+
+ADAM_OPS, ADAM_BYTES = 12, 16.0
+"""A single-tensor Adam step: about 12 ops per tensor moving 16 bytes per parameter byte
+(lerp, mul, addcmul, sqrt, div, addcdiv, the step counter); the quick estimate."""
+
+LOOPBACK = DeviceSpec(
+    "cpu", 1e11, 1e11, 1e10, 16 * GiB, 5e9, 50e-6, message_overhead_s=50e-6,
+    microbatch_overhead_s=150e-6, step_overhead_s=500e-6,
+    sources=(("link_bandwidth", "estimate for gloo over loopback; `smp-fx calibrate "
+                                "--nproc 2` measures it"),
+             ("link_latency_s", "estimate for gloo over loopback"),
+             ("message_overhead_s", "estimate: posting a gloo send or receive costs "
+                                    "30-90 us of a rank's time (docs/architecture.md)"),
+             ("microbatch_overhead_s", "estimate of the smp-fx runtime per action on a "
+                                       "small CPU; `smp-fx calibrate` measures it"),
+             ("step_overhead_s", "estimate of the smp-fx runtime per step on a small CPU; "
+                                 "`smp-fx calibrate` measures it")))
+"""Starting point of a CPU calibration: what is not measured keeps these estimates."""
+
+
+@functools.lru_cache(maxsize=1)
+def quick_cpu_spec() -> DeviceSpec:
+    """The built-in "cpu" spec: a quick calibration of this CPU, once per process."""
+    return calibrate("cpu", "cpu", quick=True)
+
+
+def figures(spec: DeviceSpec) -> list[tuple[str, str]]:
+    """Human-readable (figure, value) rows of a spec, for the CLI."""
+    rows = [("peak fp32", f"{spec.peak_flops_fp32 / 1e9:.1f} GFLOP/s"),
+            ("memory bandwidth", f"{spec.mem_bandwidth / 1e9:.1f} GB/s"),
+            ("link", f"{spec.link_bandwidth / 1e9:.2f} GB/s, "
+                     f"{spec.link_latency_s * 1e6:.1f} us latency, "
+                     f"{spec.message_overhead_s * 1e6:.1f} us per message"),
+            ("runtime", f"{spec.microbatch_overhead_s * 1e6:.0f} us per action, "
+                        f"{spec.step_overhead_s * 1e6:.0f} us per step"),
+            ("optimizer (Adam)", f"{spec.optimizer_tensor_s * 1e6:.1f} us per tensor + "
+                                 f"{spec.optimizer_byte_s * 1e12:.1f} ps per byte")]
+    rows += [(f"matmul, smallest dim {int(d)}", f"{f:.0%} of peak")
+             for d, f in spec.matmul_efficiency]
+    rows += [(f"op {k}", f"{fw * 1e6:.1f} us fwd, {bw * 1e6:.1f} us bwd")
+             for k, fw, bw in spec.op_overheads]
+    return rows

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cost_model.device import DEFAULT_DEVICE, load_device
 from cost_model.errors import SMPConfigError, SMPError
 from passes.partition_config import PartitionConfig
 from smp_fx.cli import render
@@ -80,7 +81,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--batch-size", type=int,
                    help="global batch for example_inputs (default: one sample per microbatch)")
     p.add_argument("--frontend", choices=("auto", "fx", "export"), default="auto")
-    p.add_argument("--device", default="a100", help="device spec: h100, a100, v100 or cpu")
+    p.add_argument("--device", default=DEFAULT_DEVICE,
+                   help="device spec: h100, a100, v100, cpu (measured here, quick), or a "
+                        "spec file written by `smp-fx calibrate -o FILE.json`")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     p.add_argument("--dot", metavar="FILE", help="write the graph coloured by stage (dot)")
     p.add_argument("--timeline", metavar="FILE.png", help="draw the simulated pipeline")
@@ -229,7 +232,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
 
     out = out or sys.stdout
     progress = _Progress(args.quiet)
-    pconfig = partition_config(smp_parameters(args), args.device, args.optimizer_state_factor)
+    spec = load_device(args.device)
+    pconfig = partition_config(smp_parameters(args), spec.name, args.optimizer_state_factor)
     module = load_model_file(args.model)
     build = _function(module, args.build_fn, args.model)
     make_inputs = _function(module, args.inputs_fn, args.model)
@@ -254,7 +258,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         from smp_fx.manual import pins_by_module_path
 
         pins = pins_by_module_path(model)
-    compiled = compile_model(model, mb_args, None, pconfig, device=args.device,
+    compiled = compile_model(model, mb_args, None, pconfig, device=spec,
                              frontend=args.frontend, pins=pins, progress=progress)
     plan = compiled.plan
     print(render.format_table(plan), file=out)

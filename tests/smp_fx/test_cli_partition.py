@@ -6,6 +6,7 @@ console script in a subprocess.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from cost_model.device import A100
 from passes.plan import PartitionPlan
 from smp_fx.cli import main as cli_main
 from smp_fx.cli.partition import main
@@ -112,6 +114,31 @@ def test_compare_lists_every_baseline(capsys: pytest.CaptureFixture[str]) -> Non
     assert others and all(ours <= o + 1e-9 for o in others)
 
 
+def test_device_spec_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--device takes a spec file (smp-fx calibrate -o FILE.json): the plan is priced with
+    it, records it, and a slower link than the built-in's shows in the boundary times."""
+    spec = dataclasses.replace(A100, name="my-box", link_bandwidth=1e6, link_latency_s=1e-3,
+                               step_overhead_s=0.5)
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec.to_json()), encoding="utf-8")
+    plans = {}
+    for device in (str(path), "a100"):
+        code, out, err = _run(capsys, str(MODELS / "mlp.py"), "--partitions", "2",
+                              "--device", device, "--json", str(tmp_path / "plan.json"))
+        assert code == 0, err
+        plans[device] = PartitionPlan.loads((tmp_path / "plan.json").read_text())
+    mine = plans[str(path)]
+    assert out.startswith("plan: 2 stages on a100") and mine.config.device == "my-box"
+    assert mine.spec().name == "my-box" and mine.spec().link_bandwidth == 1e6
+    s0 = mine.stages[0]
+    assert s0.comm_time_s == pytest.approx(1e-3 + s0.out_bytes / 1e6, rel=1e-6)
+    assert mine.step_time_s >= 0.5 > plans["a100"].step_time_s
+    path.write_text(json.dumps({**spec.to_json(), "schema_version": 1}), encoding="utf-8")
+    code, _, err = _run(capsys, str(MODELS / "mlp.py"), "--partitions", "2", "--device",
+                        str(path))
+    assert code == 2 and "schema_version" in err and "smp-fx calibrate" in err
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -124,6 +151,8 @@ def test_compare_lists_every_baseline(capsys: pytest.CaptureFixture[str]) -> Non
         (["{mlp}", "--partitions", "2", "--inputs-fn", "loss_fn"], "could not be called"),
         (["{mlp}", "--partitions", "2", "--build-fn", "example_inputs"], "torch.nn.Module"),
         (["{mlp}", "--partitions", "2", "--config", "/nonexistent/cfg.json"], "No such file"),
+        (["{mlp}", "--partitions", "2", "--device", "/nonexistent/spec.json"],
+         "built-in name or a JSON file"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str],

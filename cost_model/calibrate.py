@@ -60,7 +60,7 @@ class Budget:
 
 FULL = Budget(matmul_dims=(4, 8, 16, 32, 64, 128, 256, 512), matmul_big=512,
               elementwise_bytes=(3 * 2**12, 3 * 2**16, 3 * 2**20, 3 * 2**24, 3 * 2**26),
-              chain=16, repeats=9, target_s=2e-3,
+              chain=24, repeats=9, target_s=2e-3,
               op_kinds=("default", "module", "view", "linear", "matmul", "bmm", "conv",
                         "layer_norm", "batch_norm", "embedding", "softmax", "sdpa", "gelu",
                         "relu"),
@@ -76,25 +76,37 @@ def _sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
+def clock(device: torch.device) -> Callable[[], float]:
+    """The clock measurements use: this process's CPU time when all the work is on this
+    CPU's one intra-op thread (what the work costs, whatever else the machine runs at the
+    time), else wall time (GPU work, or several threads)."""
+    if device.type == "cpu" and torch.get_num_threads() == 1:
+        return time.process_time
+    return time.perf_counter
+
+
 def time_per_call(fn: Callable[[], Any], *, repeats: int, target_s: float,
-                  sync: Callable[[], None] = lambda: None) -> float:
-    """Median seconds per call of ``fn``; cheap calls run in a loop long enough to time."""
+                  sync: Callable[[], None] = lambda: None,
+                  now: Callable[[], float] = time.perf_counter) -> float:
+    """Seconds per call of ``fn``, best of ``repeats``; cheap calls run in a loop long
+    enough to time. Best, not median: what else runs on the machine only ever adds time
+    (it evicts caches even from a CPU-time measurement), never removes it."""
     fn()
     sync()
-    t0 = time.perf_counter()
+    t0 = now()
     fn()
     sync()
-    once = max(time.perf_counter() - t0, 1e-7)
+    once = max(now() - t0, 1e-7)
     inner = max(1, min(10_000, int(target_s / once)))
     times = []
     for _ in range(repeats):
         sync()
-        t0 = time.perf_counter()
+        t0 = now()
         for _ in range(inner):
             fn()
         sync()
-        times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times)
+        times.append((now() - t0) / inner)
+    return min(times)
 
 
 # ---------------------------------------------------------------------- fixed op costs
@@ -154,7 +166,7 @@ def _chain(kind: str, n: int, device: torch.device) -> Callable[[], list[torch.T
 
 
 def _fwd_bwd_times(run: Callable[[], list[torch.Tensor]], budget: Budget,
-                   sync: Callable[[], None]) -> tuple[float, float]:
+                   device: torch.device) -> tuple[float, float]:
     def fwd() -> None:
         with torch.enable_grad():
             run()
@@ -164,19 +176,20 @@ def _fwd_bwd_times(run: Callable[[], list[torch.Tensor]], budget: Budget,
             outs = run()
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
-    f = time_per_call(fwd, repeats=budget.repeats, target_s=budget.target_s, sync=sync)
-    fb = time_per_call(both, repeats=budget.repeats, target_s=budget.target_s, sync=sync)
+    timing = {"repeats": budget.repeats, "target_s": budget.target_s, "sync": _sync(device),
+              "now": clock(device)}
+    f = time_per_call(fwd, **timing)
+    fb = time_per_call(both, **timing)
     return f, max(fb - f, 0.0)
 
 
 def measure_op_overheads(budget: Budget, device: torch.device) -> OpOverheads:
     """(kind, forward s, backward s) per op kind: chain of ``n`` minus chain of one."""
-    sync = _sync(device)
     n = budget.chain
     out = []
     for kind in budget.op_kinds:
-        f1, b1 = _fwd_bwd_times(_chain(kind, 1, device), budget, sync)
-        fn, bn = _fwd_bwd_times(_chain(kind, n, device), budget, sync)
+        f1, b1 = _fwd_bwd_times(_chain(kind, 1, device), budget, device)
+        fn, bn = _fwd_bwd_times(_chain(kind, n, device), budget, device)
         fwd = max(fn - f1, 0.0) / (n - 1)
         bwd = 0.0 if kind == "module" else max(bn - b1, 0.0) / (n - 1)
         out.append((kind, fwd, bwd))
@@ -188,15 +201,20 @@ def measure_op_overheads(budget: Budget, device: torch.device) -> OpOverheads:
 
 def measure_matmul(budget: Budget, device: torch.device, op_s: float
                    ) -> tuple[float, float, Table]:
-    """(peak fp32 FLOP/s, peak half FLOP/s, efficiency by smallest dimension)."""
-    sync = _sync(device)
+    """(peak fp32 FLOP/s, peak half FLOP/s, efficiency by smallest dimension).
+
+    Timed as models run matmuls: ``F.linear`` (a weight stored (out, in), and a bias),
+    the fixed cost of one linear (``op_s``) taken off.
+    """
     big = budget.matmul_big
+    timing = {"repeats": budget.repeats, "target_s": budget.target_s, "sync": _sync(device),
+              "now": clock(device)}
 
     def rate(m: int, k: int, n: int, dtype: torch.dtype = torch.float32) -> float:
-        a = torch.randn(m, k, device=device, dtype=dtype)
-        b = torch.randn(k, n, device=device, dtype=dtype)
-        t = time_per_call(lambda: torch.mm(a, b), repeats=budget.repeats,
-                          target_s=budget.target_s, sync=sync)
+        x = torch.randn(m, k, device=device, dtype=dtype)
+        w = torch.randn(n, k, device=device, dtype=dtype)
+        b = torch.randn(n, device=device, dtype=dtype)
+        t = time_per_call(functools.partial(F.linear, x, w, b), **timing)
         return 2.0 * m * k * n / max(t - op_s, t * 0.05)
 
     by_dim: dict[int, float] = {}
@@ -207,9 +225,8 @@ def measure_matmul(budget: Budget, device: torch.device, op_s: float
         by_dim[d] = flops / seconds
     by_dim[big] = max(by_dim.get(big, 0.0), rate(big, big, big))
     peak = max(by_dim.values())
-    half_dtype = torch.bfloat16
     try:
-        peak_half = rate(big, big, big, half_dtype)
+        peak_half = rate(big, big, big, torch.bfloat16)
     except RuntimeError:  # no half matmul on this device: the fp32 figure stands in
         peak_half = peak
     table = tuple((float(d), by_dim[d] / peak) for d in sorted(by_dim))
@@ -218,17 +235,27 @@ def measure_matmul(budget: Budget, device: torch.device, op_s: float
 
 def measure_elementwise(budget: Budget, device: torch.device, op_s: float
                         ) -> tuple[float, Table]:
-    """(memory bandwidth of the largest size, fraction reached by each size)."""
-    sync = _sync(device)
+    """(memory bandwidth, fraction of it each size reaches).
+
+    The bandwidth is ``a + b`` into an existing output at the largest size (streaming
+    memory); the fractions time ``a + b`` as models run it, allocating its output, so
+    they include what allocation costs (page faults of large fresh buffers on a CPU).
+    """
+    timing = {"repeats": budget.repeats, "target_s": budget.target_s, "sync": _sync(device),
+              "now": clock(device)}
     rates = []
+    out = None
     for nbytes in budget.elementwise_bytes:
         n = max(1, nbytes // 12)  # a + b reads two and writes one float32 tensor
         a = torch.randn(n, device=device)
         b = torch.randn(n, device=device)
-        t = time_per_call(functools.partial(torch.add, a, b), repeats=budget.repeats,
-                          target_s=budget.target_s, sync=sync)
+        t = time_per_call(functools.partial(torch.add, a, b), **timing)
         rates.append((float(12 * n), 12.0 * n / max(t - op_s, t * 0.05)))
-    bandwidth = rates[-1][1]
+        out = (a, b, torch.empty_like(a))
+    assert out is not None
+    a, b, c = out
+    t = time_per_call(functools.partial(torch.add, a, b, out=c), **timing)
+    bandwidth = 12.0 * a.numel() / t
     return bandwidth, tuple((b, r / bandwidth) for b, r in rates)
 
 
@@ -242,7 +269,7 @@ def measure_optimizer(budget: Budget, device: torch.device) -> tuple[float, floa
             q.grad = torch.randn_like(q)
         opt = torch.optim.Adam(params, lr=1e-3)
         return time_per_call(opt.step, repeats=budget.repeats, target_s=budget.target_s,
-                             sync=sync)
+                             sync=sync, now=clock(device))
 
     small_n, small_e = 32, 16
     large_n, large_e = 4, 2**18 if budget is FULL else 2**16
@@ -310,6 +337,25 @@ def measure_link(budget: Budget, device: torch.device, group: Any = None
 # ------------------------------------------------------------------------ the spec
 
 
+ADAM_OPS, ADAM_BYTES = 12, 16.0
+"""A single-tensor Adam step: about 12 ops per tensor moving 16 bytes per parameter byte
+(lerp, mul, addcmul, sqrt, div, addcdiv, the step counter); the quick estimate."""
+
+LOOPBACK = DeviceSpec(
+    "cpu", 1e11, 1e11, 1e10, 16 * GiB, 5e9, 50e-6, message_overhead_s=50e-6,
+    microbatch_overhead_s=150e-6, step_overhead_s=500e-6,
+    sources=(("link_bandwidth", "estimate for gloo over loopback; `smp-fx calibrate "
+                                "--nproc 2` measures it"),
+             ("link_latency_s", "estimate for gloo over loopback"),
+             ("message_overhead_s", "estimate: posting a gloo send or receive costs "
+                                    "30-90 us of a rank's time (docs/architecture.md)"),
+             ("microbatch_overhead_s", "estimate of the smp-fx runtime per action on a "
+                                       "small CPU; `smp-fx calibrate` measures it"),
+             ("step_overhead_s", "estimate of the smp-fx runtime per step on a small CPU; "
+                                 "`smp-fx calibrate` measures it")))
+"""Starting point of a CPU calibration: what is not measured keeps these estimates."""
+
+
 def _memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return int(torch.cuda.get_device_properties(device).total_memory)
@@ -347,10 +393,14 @@ def calibrate(name: str = "cpu", device: torch.device | str = "cpu", *,
         mem_bandwidth=bandwidth, memory_bytes=_memory_bytes(device),
         matmul_efficiency=mm_table, elementwise_efficiency=ew_table, op_overheads=ops,
         optimizer_tensor_s=opt_tensor, optimizer_byte_s=opt_byte)
-    measured = ("peak_flops_fp32", "peak_flops_bf16", "mem_bandwidth", "memory_bytes",
-                "matmul_efficiency", "elementwise_efficiency", "op_overheads",
-                "optimizer_tensor_s", "optimizer_byte_s")
-    spec = spec.with_sources(**{k: how for k in measured})
+    measured = ["peak_flops_fp32", "peak_flops_bf16", "mem_bandwidth", "memory_bytes",
+                "matmul_efficiency", "elementwise_efficiency", "op_overheads"]
+    estimate = (f"estimate: a single-tensor Adam step is about {ADAM_OPS} ops per tensor and "
+                f"{ADAM_BYTES:.0f} bytes moved per parameter byte, at the measured op cost "
+                "and bandwidth")
+    optimizer = {k: estimate if quick else how for k in ("optimizer_tensor_s",
+                                                         "optimizer_byte_s")}
+    spec = spec.with_sources(**{k: how for k in measured}, **optimizer)
     if link:
         latency, link_bw, per_msg = measure_link(budget, device, group)
         spec = dataclasses.replace(spec, link_latency_s=latency, link_bandwidth=link_bw,
@@ -360,25 +410,6 @@ def calibrate(name: str = "cpu", device: torch.device | str = "cpu", *,
                                     ("link_latency_s", "link_bandwidth",
                                      "message_overhead_s")})
     return spec
-
-
-ADAM_OPS, ADAM_BYTES = 12, 16.0
-"""A single-tensor Adam step: about 12 ops per tensor moving 16 bytes per parameter byte
-(lerp, mul, addcmul, sqrt, div, addcdiv, the step counter); the quick estimate."""
-
-LOOPBACK = DeviceSpec(
-    "cpu", 1e11, 1e11, 1e10, 16 * GiB, 5e9, 50e-6, message_overhead_s=50e-6,
-    microbatch_overhead_s=150e-6, step_overhead_s=500e-6,
-    sources=(("link_bandwidth", "estimate for gloo over loopback; `smp-fx calibrate "
-                                "--nproc 2` measures it"),
-             ("link_latency_s", "estimate for gloo over loopback"),
-             ("message_overhead_s", "estimate: posting a gloo send or receive costs "
-                                    "30-90 us of a rank's time (docs/architecture.md)"),
-             ("microbatch_overhead_s", "estimate of the smp-fx runtime per action on a "
-                                       "small CPU; `smp-fx calibrate` measures it"),
-             ("step_overhead_s", "estimate of the smp-fx runtime per step on a small CPU; "
-                                 "`smp-fx calibrate` measures it")))
-"""Starting point of a CPU calibration: what is not measured keeps these estimates."""
 
 
 @functools.lru_cache(maxsize=1)

@@ -30,6 +30,8 @@ import torch.fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
+from cost_model.calibrate import clock
+
 Measured = dict[str, tuple[float, float, int]]
 
 
@@ -119,7 +121,8 @@ def saved_bytes_by_module(model: nn.Module, args: tuple[Any, ...],
 
 
 def _median_time(fn: Callable[[Any], Any], setup: Callable[[], Any], warmup: int,
-                 repeats: int, sync: Callable[[], None]) -> tuple[float, Any]:
+                 repeats: int, sync: Callable[[], None],
+                 now: Callable[[], float] = time.perf_counter) -> tuple[float, Any]:
     """Median seconds of ``fn(setup())``; ``setup`` (fresh inputs) is not timed."""
     result = None
     for _ in range(warmup):
@@ -128,10 +131,10 @@ def _median_time(fn: Callable[[Any], Any], setup: Callable[[], Any], warmup: int
     for _ in range(repeats):
         inputs = setup()
         sync()
-        t0 = time.perf_counter()
+        t0 = now()
         result = fn(inputs)
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
     return statistics.median(times), result
 
 
@@ -203,7 +206,7 @@ class Harness:
 
     @classmethod
     def measure(cls, interp: torch.fx.Interpreter, warmup: int, repeats: int,
-                sync: Callable[[], None]) -> Harness:
+                sync: Callable[[], None], now: Callable[[], float]) -> Harness:
         x = torch.zeros(4, requires_grad=True)
         fwd_s: dict[int, float] = {}
         bwd_s: dict[int, float] = {}
@@ -219,8 +222,11 @@ class Harness:
                 outs = fwd(inputs)
                 torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
-            fwd_s[k] = _median_time(fwd, setup, warmup + 2, repeats + 4, sync)[0]
-            bwd_s[k] = _median_time(both, setup, warmup + 2, repeats + 4, sync)[0] - fwd_s[k]
+            # the lowest of a few medians: a load spike here would be taken off every node
+            fwd_s[k] = min(_median_time(fwd, setup, warmup + 2, repeats + 4, sync, now)[0]
+                           for _ in range(3))
+            bwd_s[k] = min(_median_time(both, setup, warmup + 2, repeats + 4, sync, now)[0]
+                           for _ in range(3)) - fwd_s[k]
         per_input = max(bwd_s[2] - bwd_s[1], 0.0)
         return cls(fwd_s[1], max(bwd_s[1] - per_input, 0.0), per_input)
 
@@ -248,8 +254,9 @@ def _measure(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, 
     values = interp.values
     cuda = any(p.is_cuda for p in gm.parameters())
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    now = clock(torch.device("cuda" if cuda else "cpu"))
     state = [*gm.parameters(), *gm.buffers()]
-    harness = Harness.measure(interp, warmup, repeats, sync) if times else Harness(0, 0, 0)
+    harness = Harness.measure(interp, warmup, repeats, sync, now) if times else Harness(0, 0, 0)
     out: Measured = {}
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
@@ -273,10 +280,10 @@ def _measure(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, 
 
         fwd_s = bwd_s = 0.0
         if times:
-            fwd_s, result = _median_time(fwd, setup, warmup, repeats, sync)
+            fwd_s, result = _median_time(fwd, setup, warmup, repeats, sync, now)
             if any(isinstance(t, torch.Tensor) and t.requires_grad
                    for t in pytree.tree_leaves(result)):
-                total_s, _ = _median_time(bwd, setup, warmup, repeats, sync)
+                total_s, _ = _median_time(bwd, setup, warmup, repeats, sync, now)
                 bwd_s = max(total_s - fwd_s - harness.backward(_grad_inputs(setup())), 0.0)
             fwd_s = max(fwd_s - harness.forward_s, 0.0)
         saved = 0

@@ -181,17 +181,44 @@ _DATASHEET = {
     "a100": "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)",
     "v100": "NVIDIA V100 Tensor Core GPU datasheet (SXM2 32GB)",
 }
-_LINK_LATENCY = ("order of magnitude of NCCL point-to-point small-message latency over "
-                 "NVLink (nccl-tests sendrecv_perf); not a datasheet figure")
+# Rounded estimates, the same for the three GPUs; `smp-fx calibrate` on the GPU measures them.
+_GPU_MATMUL: Table = ((16.0, 0.03), (64.0, 0.15), (256.0, 0.5), (1024.0, 0.8), (4096.0, 0.9))
+_GPU_ELEMENTWISE: Table = ((1e5, 0.1), (1e7, 0.6), (1e8, 0.85))
+_GPU_OPS: OpOverheads = (("default", 5e-6, 8e-6), ("module", 2e-6, 0.0), ("view", 2e-6, 2e-6))
+_GPU_SOURCES = {
+    "matmul_efficiency": "estimate, after the GEMM throughput-versus-size curves of NVIDIA's "
+                         "'Matrix Multiplication Background User's Guide'; not measured",
+    "elementwise_efficiency": "estimate: small kernels are launch-bound, large streaming "
+                              "kernels reach about 85-90% of HBM peak; not measured",
+    "op_overheads": "estimate: eager PyTorch costs a few microseconds of host time per "
+                    "CUDA kernel launch (PyTorch blog 'Accelerating PyTorch with CUDA "
+                    "Graphs', 2021); autograd adds a node per op in backward",
+    "link_latency_s": "order of magnitude of NCCL point-to-point small-message latency "
+                      "over NVLink (nccl-tests sendrecv_perf); not a datasheet figure",
+    "message_overhead_s": "estimate: host time to enqueue one NCCL send or receive",
+    "microbatch_overhead_s": "order of magnitude of the smp-fx runtime per action from "
+                             "smp-fx calibrate on the 2-core development CPU (host Python; "
+                             "a GPU host's CPU is faster)",
+    "step_overhead_s": "order of magnitude of the smp-fx runtime per step from smp-fx "
+                       "calibrate on the 2-core development CPU",
+    "optimizer_tensor_s": "estimate: a foreach / fused Adam launches a few kernels per "
+                          "group of tensors, about 1 us per tensor",
+    "optimizer_byte_s": "Adam streams 7 bytes per parameter byte (read param, grad, two "
+                        "moments; write param, two moments) at mem_bandwidth",
+}
 
 
 def _gpu(name: str, fp32: float, bf16: float, bandwidth: float, memory: int,
          link: float) -> DeviceSpec:
     sheet = _DATASHEET[name]
     sheet_fields = ("peak_flops_fp32", "peak_flops_bf16", "mem_bandwidth", "memory_bytes")
-    sources = {"link_latency_s": _LINK_LATENCY, **{k: sheet for k in sheet_fields},
+    sources = {**_GPU_SOURCES, **{k: sheet for k in sheet_fields},
                "link_bandwidth": f"{sheet}: NVLink total bandwidth / 2 (one direction)"}
     return DeviceSpec(name, fp32, bf16, bandwidth, memory, link, 5e-6,
+                      matmul_efficiency=_GPU_MATMUL, elementwise_efficiency=_GPU_ELEMENTWISE,
+                      op_overheads=_GPU_OPS, message_overhead_s=10e-6,
+                      microbatch_overhead_s=100e-6, step_overhead_s=100e-6,
+                      optimizer_tensor_s=1e-6, optimizer_byte_s=7.0 / bandwidth,
                       sources=tuple(sorted(sources.items())))
 
 

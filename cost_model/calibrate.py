@@ -30,10 +30,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import os
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +57,7 @@ class Budget:
     target_s: float  # wall time of one repeat; tiny ops are called in a loop to fill it
     op_kinds: tuple[str, ...]
     link_bytes: tuple[int, ...]
+    rounds: int = 3
 
 
 FULL = Budget(matmul_dims=(4, 8, 16, 32, 64, 128, 256, 512), matmul_big=512,
@@ -67,7 +69,8 @@ FULL = Budget(matmul_dims=(4, 8, 16, 32, 64, 128, 256, 512), matmul_big=512,
               link_bytes=(4, 2**16, 2**22))
 QUICK = Budget(matmul_dims=(16, 64, 192), matmul_big=192,
                elementwise_bytes=(3 * 2**16, 3 * 2**22), chain=6, repeats=3, target_s=2e-4,
-               op_kinds=("default", "module", "view", "linear"), link_bytes=(4, 2**20))
+               op_kinds=("default", "module", "view", "linear"), link_bytes=(4, 2**20),
+               rounds=1)
 
 
 def _sync(device: torch.device) -> Callable[[], None]:
@@ -129,8 +132,8 @@ def _chain(kind: str, n: int, device: torch.device) -> Callable[[], list[torch.T
     if kind == "view":
         shapes = [(4, 2), (2, 4)]
         return lambda: [functools.reduce(lambda v, i: v.view(shapes[i % 2]), range(n), x)]
-    if kind == "module":
-        mods = [torch.nn.Identity() for _ in range(n)]
+    if kind == "module":  # nn.Linear modules; F.linear's own cost is taken off later
+        mods = [torch.nn.Linear(4, 4).to(device) for _ in range(n)]
         return lambda: [functools.reduce(lambda v, m: m(v), mods, x)]
     if kind == "linear":
         ws = [(p(4, 4), p(4)) for _ in range(n)]
@@ -186,36 +189,64 @@ def _fwd_bwd_times(run: Callable[[], list[torch.Tensor]], budget: Budget,
 def measure_op_overheads(budget: Budget, device: torch.device) -> OpOverheads:
     """(kind, forward s, backward s) per op kind: chain of ``n`` minus chain of one."""
     n = budget.chain
-    out = []
+    out = {}
     for kind in budget.op_kinds:
-        f1, b1 = _fwd_bwd_times(_chain(kind, 1, device), budget, device)
-        fn, bn = _fwd_bwd_times(_chain(kind, n, device), budget, device)
-        fwd = max(fn - f1, 0.0) / (n - 1)
-        bwd = 0.0 if kind == "module" else max(bn - b1, 0.0) / (n - 1)
-        out.append((kind, fwd, bwd))
-    return tuple(out)
+        short, long = _chain(kind, 1, device), _chain(kind, n, device)
+        rounds = []
+        for _ in range(budget.rounds):  # a difference of two timings: the median of a few
+            f1, b1 = _fwd_bwd_times(short, budget, device)
+            fn, bn = _fwd_bwd_times(long, budget, device)
+            rounds.append(((fn - f1) / (n - 1), (bn - b1) / (n - 1)))
+        out[kind] = (max(statistics.median(r[0] for r in rounds), 0.0),
+                     max(statistics.median(r[1] for r in rounds), 0.0))
+    if "module" in out:  # what calling a module adds to its op (attribute lookups, hooks)
+        linear = out.get("linear") or measure_op_overheads(
+            dataclasses.replace(budget, op_kinds=("linear",)), device)[0][1:]
+        out["module"] = (max(out["module"][0] - linear[0], 0.0), 0.0)
+    return tuple((kind, f, b) for kind, (f, b) in out.items())
 
 
 # ---------------------------------------------------------------- throughput curves
 
 
-def measure_matmul(budget: Budget, device: torch.device, op_s: float
-                   ) -> tuple[float, float, Table]:
+POOL_BYTES = 8 * 2**20
+"""Operands rotate through a pool this large (beyond a CPU core's L2): in a model, a
+layer's weights are not in cache when its turn comes, and timing one matrix over and over
+would measure a cache-resident one."""
+
+
+def _pool(make: Callable[[], Any], nbytes: int) -> Iterator[Any]:
+    """An endless cycle over enough copies of ``make()`` (each ``nbytes``) to fill
+    ``POOL_BYTES``; a single one when one copy is already that large."""
+    copies = max(1, min(1024, POOL_BYTES // max(nbytes, 1)))
+    return itertools.cycle([make() for _ in range(copies)])
+
+
+def measure_matmul(budget: Budget, device: torch.device) -> tuple[float, float, Table]:
     """(peak fp32 FLOP/s, peak half FLOP/s, efficiency by smallest dimension).
 
     Timed as models run matmuls: ``F.linear`` (a weight stored (out, in), and a bias),
-    the fixed cost of one linear (``op_s``) taken off.
+    less the time of the same call on 1 x 1 matrices (the fixed part, which
+    ``measure_op_overheads`` prices with its autograd bookkeeping).
     """
     big = budget.matmul_big
     timing = {"repeats": budget.repeats, "target_s": budget.target_s, "sync": _sync(device),
               "now": clock(device)}
 
-    def rate(m: int, k: int, n: int, dtype: torch.dtype = torch.float32) -> float:
+    def linear_s(m: int, k: int, n: int, dtype: torch.dtype) -> float:
         x = torch.randn(m, k, device=device, dtype=dtype)
-        w = torch.randn(n, k, device=device, dtype=dtype)
-        b = torch.randn(n, device=device, dtype=dtype)
-        t = time_per_call(functools.partial(F.linear, x, w, b), **timing)
-        return 2.0 * m * k * n / max(t - op_s, t * 0.05)
+        weights = _pool(lambda: (torch.randn(n, k, device=device, dtype=dtype),
+                                 torch.randn(n, device=device, dtype=dtype)),
+                        (n * k + n) * x.element_size())
+        return time_per_call(lambda: F.linear(x, *next(weights)), **timing)
+
+    fixed = {torch.float32: linear_s(1, 1, 1, torch.float32)}
+
+    def rate(m: int, k: int, n: int, dtype: torch.dtype = torch.float32) -> float:
+        if dtype not in fixed:
+            fixed[dtype] = linear_s(1, 1, 1, dtype)
+        t = linear_s(m, k, n, dtype)
+        return 2.0 * m * k * n / max(t - fixed[dtype], t * 0.05)
 
     by_dim: dict[int, float] = {}
     for d in budget.matmul_dims:
@@ -233,24 +264,27 @@ def measure_matmul(budget: Budget, device: torch.device, op_s: float
     return peak, peak_half, table
 
 
-def measure_elementwise(budget: Budget, device: torch.device, op_s: float
-                        ) -> tuple[float, Table]:
+def measure_elementwise(budget: Budget, device: torch.device) -> tuple[float, Table]:
     """(memory bandwidth, fraction of it each size reaches).
 
     The bandwidth is ``a + b`` into an existing output at the largest size (streaming
     memory); the fractions time ``a + b`` as models run it, allocating its output, so
     they include what allocation costs (page faults of large fresh buffers on a CPU).
+    The time of the same add on one element (the fixed part) is taken off.
     """
     timing = {"repeats": budget.repeats, "target_s": budget.target_s, "sync": _sync(device),
               "now": clock(device)}
+    one = torch.ones(1, device=device)
+    op_s = time_per_call(lambda: torch.add(one, one), **timing)
     rates = []
     out = None
     for nbytes in budget.elementwise_bytes:
         n = max(1, nbytes // 12)  # a + b reads two and writes one float32 tensor
-        a = torch.randn(n, device=device)
-        b = torch.randn(n, device=device)
-        t = time_per_call(functools.partial(torch.add, a, b), **timing)
+        operands = _pool(lambda n=n: (torch.randn(n, device=device),
+                                      torch.randn(n, device=device)), 8 * n)
+        t = time_per_call(lambda ops=operands: torch.add(*next(ops)), **timing)
         rates.append((float(12 * n), 12.0 * n / max(t - op_s, t * 0.05)))
+        a, b = next(operands)
         out = (a, b, torch.empty_like(a))
     assert out is not None
     a, b, c = out
@@ -379,8 +413,8 @@ def calibrate(name: str = "cpu", device: torch.device | str = "cpu", *,
     budget = QUICK if quick else FULL
     ops = measure_op_overheads(budget, device)
     op_s = dict((k, f) for k, f, _ in ops)
-    peak, peak_half, mm_table = measure_matmul(budget, device, op_s.get("linear", 0.0))
-    bandwidth, ew_table = measure_elementwise(budget, device, op_s["default"])
+    peak, peak_half, mm_table = measure_matmul(budget, device)
+    bandwidth, ew_table = measure_elementwise(budget, device)
     if quick:  # constructing the first optimizer imports for seconds: estimate it
         opt_tensor, opt_byte = ADAM_OPS * op_s["default"], ADAM_BYTES / bandwidth
     else:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import math
 import os
 import statistics
 import time
@@ -42,7 +43,8 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from cost_model.device import DeviceSpec, GiB, OpOverheads, Table
+from cost_model.device import DeviceSpec, GiB, OpOverheads, OpRates, Table
+from cost_model.roofline import GEMM_KINDS
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,7 @@ FULL = Budget(matmul_dims=(4, 8, 16, 32, 64, 128, 256, 512), matmul_big=512,
               chain=24, repeats=9, target_s=2e-3,
               op_kinds=("default", "module", "view", "linear", "matmul", "bmm", "conv",
                         "layer_norm", "batch_norm", "embedding", "softmax", "sdpa", "gelu",
-                        "relu"),
+                        "relu", "tanh"),
               link_bytes=(4, 2**16, 2**22))
 QUICK = Budget(matmul_dims=(16, 64, 192), matmul_big=192,
                elementwise_bytes=(3 * 2**16, 3 * 2**22), chain=6, repeats=3, target_s=2e-4,
@@ -115,56 +117,79 @@ def time_per_call(fn: Callable[[], Any], *, repeats: int, target_s: float,
 # ---------------------------------------------------------------------- fixed op costs
 
 
-def _chain(kind: str, n: int, device: torch.device) -> Callable[[], list[torch.Tensor]]:
-    """``n`` tiny ops of ``kind`` (each a fresh autograd node); returns their outputs."""
+NO_RATE = frozenset({"view", "module"})
+"""Kinds that are a fixed cost only (no data moved, or no op of their own)."""
+
+
+@dataclass(frozen=True)
+class Chain:
+    """``n`` ops of one kind, each a fresh autograd node, and the work of one of them."""
+
+    run: Callable[[], list[torch.Tensor]]
+    units: float  # FLOPs (GEMM kinds) or output elements of one op
+    ref: float  # smallest matmul dimension (GEMM kinds) or bytes one op moves
+
+
+def _chain(kind: str, n: int, device: torch.device, rep: bool = False) -> Chain:
+    """``n`` ops of ``kind`` on tiny operands (their fixed cost) or, with ``rep``, on
+    operands of a representative size (64 K elements; matmuls of 8-9 MFLOP)."""
     def p(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, device=device, requires_grad=True)
 
-    x = p(2, 4)
-    if kind == "default":
-        return lambda: [functools.reduce(lambda v, _: v * 1.5, range(n), x)]
-    if kind == "relu":
-        return lambda: [functools.reduce(lambda v, _: torch.relu(v), range(n), x)]
-    if kind == "gelu":
-        return lambda: [functools.reduce(lambda v, _: F.gelu(v), range(n), x)]
-    if kind == "softmax":
-        return lambda: [functools.reduce(lambda v, _: torch.softmax(v, -1), range(n), x)]
+    def fold(fn: Callable[[torch.Tensor, Any], torch.Tensor], items: Any,
+             start: torch.Tensor) -> Callable[[], list[torch.Tensor]]:
+        return lambda: [functools.reduce(fn, items, start)]
+
+    rows, cols = (64, 1024) if rep else (2, 4)
+    x = p(rows, cols)
+    elems, moved = float(rows * cols), 8.0 * rows * cols
+    unary = {"default": lambda v: v * 1.5, "relu": torch.relu, "gelu": F.gelu,
+             "tanh": torch.tanh, "softmax": lambda v: torch.softmax(v, -1)}
+    if kind in unary:
+        return Chain(fold(lambda v, _: unary[kind](v), range(n), x), elems, moved)
     if kind == "view":
-        shapes = [(4, 2), (2, 4)]
-        return lambda: [functools.reduce(lambda v, i: v.view(shapes[i % 2]), range(n), x)]
+        shapes = [(cols, rows), (rows, cols)]
+        return Chain(fold(lambda v, i: v.view(shapes[i % 2]), range(n), x), 0.0, 0.0)
     if kind == "module":  # nn.Linear modules; F.linear's own cost is taken off later
         mods = [torch.nn.Linear(4, 4).to(device) for _ in range(n)]
-        return lambda: [functools.reduce(lambda v, m: m(v), mods, x)]
-    if kind == "linear":
-        ws = [(p(4, 4), p(4)) for _ in range(n)]
-        return lambda: [functools.reduce(lambda v, wb: F.linear(v, *wb), ws, x)]
-    if kind == "matmul":
-        ys = [p(4, 4) for _ in range(n)]
-        return lambda: [functools.reduce(torch.matmul, ys, x)]
-    if kind == "bmm":
-        b0 = p(2, 4, 4)
-        ys = [p(2, 4, 4) for _ in range(n)]
-        return lambda: [functools.reduce(torch.bmm, ys, b0)]
-    if kind == "conv":
-        img = p(1, 2, 4, 4)
-        ws = [p(2, 2, 3, 3) for _ in range(n)]
-        return lambda: [functools.reduce(lambda v, w: F.conv2d(v, w, padding=1), ws, img)]
+        return Chain(fold(lambda v, m: m(v), mods, p(2, 4)), 0.0, 0.0)
     if kind == "layer_norm":
-        ws = [(p(4), p(4)) for _ in range(n)]
-        return lambda: [functools.reduce(lambda v, wb: F.layer_norm(v, (4,), *wb), ws, x)]
+        ws = [(p(cols), p(cols)) for _ in range(n)]
+        return Chain(fold(lambda v, wb: F.layer_norm(v, (cols,), *wb), ws, x), elems, moved)
     if kind == "batch_norm":
-        ws = [(p(4), p(4)) for _ in range(n)]
-        rm, rv = torch.zeros(4, device=device), torch.ones(4, device=device)
-        return lambda: [functools.reduce(
-            lambda v, wb: F.batch_norm(v, rm, rv, *wb, training=True), ws, x)]
+        shape = (16, 16, 16, 16) if rep else (2, 4)
+        c = shape[1]
+        ws = [(p(c), p(c)) for _ in range(n)]
+        rm, rv = torch.zeros(c, device=device), torch.ones(c, device=device)
+        return Chain(fold(lambda v, wb: F.batch_norm(v, rm, rv, *wb, training=True), ws,
+                          p(*shape)), float(math.prod(shape)), 8.0 * math.prod(shape))
     if kind == "embedding":
-        idx = torch.tensor([0, 1], device=device)
-        tables = [p(8, 4) for _ in range(n)]
-        return lambda: [F.embedding(idx, w) for w in tables]
+        rows, width = (1024, 256) if rep else (8, 4)
+        idx = torch.arange(64 if rep else 2, device=device) % rows
+        tables = [p(rows, width) for _ in range(n)]
+        return Chain(lambda: [F.embedding(idx, w) for w in tables],
+                     float(idx.numel() * width), 8.0 * idx.numel() * width)
+    m, k = (64, 256) if rep else (2, 4)
+    if kind == "linear":
+        ws = [(p(k, k), p(k)) for _ in range(n)]
+        return Chain(fold(lambda v, wb: F.linear(v, *wb), ws, p(m, k)), 2.0 * m * k * k, m)
+    if kind == "matmul":
+        ys = [p(k, k) for _ in range(n)]
+        return Chain(fold(torch.matmul, ys, p(m, k)), 2.0 * m * k * k, m)
+    if kind == "bmm":
+        b, d = (16, 64) if rep else (2, 4)
+        ys = [p(b, d, d) for _ in range(n)]
+        return Chain(fold(torch.bmm, ys, p(b, d, d)), 2.0 * b * d ** 3, d)
+    if kind == "conv":
+        batch, ch, side = (8, 16, 16) if rep else (1, 2, 4)
+        ws = [p(ch, ch, 3, 3) for _ in range(n)]
+        return Chain(fold(lambda v, w: F.conv2d(v, w, padding=1), ws, p(batch, ch, side, side)),
+                     2.0 * batch * ch * side * side * ch * 9, ch)
     if kind == "sdpa":
-        q = p(1, 2, 4, 4)
-        return lambda: [functools.reduce(
-            lambda v, _: F.scaled_dot_product_attention(v, v, v), range(n), q)]
+        heads, length, dim = (16, 64, 32) if rep else (2, 4, 4)
+        q = p(1, heads, length, dim)
+        return Chain(fold(lambda v, _: F.scaled_dot_product_attention(v, v, v), range(n), q),
+                     4.0 * heads * length * length * dim, min(length, dim))
     raise ValueError(f"unknown op kind {kind!r}")
 
 
@@ -186,27 +211,38 @@ def _fwd_bwd_times(run: Callable[[], list[torch.Tensor]], budget: Budget,
     return f, max(fb - f, 0.0)
 
 
-def measure_op_overheads(budget: Budget, device: torch.device) -> OpOverheads:
-    """(kind, forward s, backward s) per op kind: chain of ``n`` minus chain of one."""
-    n = budget.chain
-    out = {}
+def measure_op_costs(budget: Budget, device: torch.device) -> tuple[OpOverheads, OpRates]:
+    """Per op kind: (kind, forward s, backward s) of its fixed part, a chain of ``n`` tiny
+    ops against a chain of one; and (kind, forward s, backward s per unit, reference size)
+    of its work, from a chain of 4 representative ops (the fixed part and the chain's own
+    cost taken off). A backward unit is a forward one, times 2 for GEMM kinds (the
+    gradients of both operands), as ``cost_model.flops`` counts them."""
+    n, reps = budget.chain, 4
+    fixed: dict[str, tuple[float, float]] = {}
+    rates: list[tuple[str, float, float, float]] = []
     for kind in budget.op_kinds:
         short, long = _chain(kind, 1, device), _chain(kind, n, device)
+        big = _chain(kind, reps, device, rep=True) if kind not in NO_RATE else None
         rounds = []
-        for _ in range(budget.rounds):  # a difference of two timings: the median of a few
-            f1, b1 = _fwd_bwd_times(short, budget, device)
-            fn, bn = _fwd_bwd_times(long, budget, device)
-            rounds.append(((fn - f1) / (n - 1), (bn - b1) / (n - 1)))
-        out[kind] = (max(statistics.median(r[0] for r in rounds), 0.0),
-                     max(statistics.median(r[1] for r in rounds), 0.0))
-    if "module" in out:  # what calling a module adds to its op (attribute lookups, hooks)
-        linear = out.get("linear") or measure_op_overheads(
-            dataclasses.replace(budget, op_kinds=("linear",)), device)[0][1:]
-        out["module"] = (max(out["module"][0] - linear[0], 0.0), 0.0)
-    return tuple((kind, f, b) for kind, (f, b) in out.items())
-
-
-# ---------------------------------------------------------------- throughput curves
+        for _ in range(budget.rounds):  # differences of timings: the median of a few
+            f1, b1 = _fwd_bwd_times(short.run, budget, device)
+            fn, bn = _fwd_bwd_times(long.run, budget, device)
+            fop, bop = (fn - f1) / (n - 1), (bn - b1) / (n - 1)
+            work = (0.0, 0.0)
+            if big is not None:
+                fr, br = _fwd_bwd_times(big.run, budget, device)
+                work = ((fr - (f1 - fop)) / reps - fop, (br - (b1 - bop)) / reps - bop)
+            rounds.append((fop, bop, *work))
+        med = [max(statistics.median(r[i] for r in rounds), 0.0) for i in range(4)]
+        fixed[kind] = (med[0], med[1])
+        if big is not None and big.units > 0:
+            bwd_units = big.units * (2.0 if kind in GEMM_KINDS else 1.0)
+            rates.append((kind, med[2] / big.units, med[3] / bwd_units, big.ref))
+    if "module" in fixed:  # what calling a module adds to its op (attribute lookups, hooks)
+        linear = fixed.get("linear") or measure_op_costs(
+            dataclasses.replace(budget, op_kinds=("linear",)), device)[0][0][1:]
+        fixed["module"] = (max(fixed["module"][0] - linear[0], 0.0), 0.0)
+    return tuple((k, f, b) for k, (f, b) in fixed.items()), tuple(rates)
 
 
 POOL_BYTES = 8 * 2**20
@@ -411,7 +447,7 @@ def calibrate(name: str = "cpu", device: torch.device | str = "cpu", *,
     """
     device = torch.device(device)
     budget = QUICK if quick else FULL
-    ops = measure_op_overheads(budget, device)
+    ops, rates = measure_op_costs(budget, device)
     op_s = dict((k, f) for k, f, _ in ops)
     peak, peak_half, mm_table = measure_matmul(budget, device)
     bandwidth, ew_table = measure_elementwise(budget, device)
@@ -426,9 +462,10 @@ def calibrate(name: str = "cpu", device: torch.device | str = "cpu", *,
         start, name=name, peak_flops_fp32=peak, peak_flops_bf16=peak_half,
         mem_bandwidth=bandwidth, memory_bytes=_memory_bytes(device),
         matmul_efficiency=mm_table, elementwise_efficiency=ew_table, op_overheads=ops,
+        op_rates=rates,
         optimizer_tensor_s=opt_tensor, optimizer_byte_s=opt_byte)
     measured = ["peak_flops_fp32", "peak_flops_bf16", "mem_bandwidth", "memory_bytes",
-                "matmul_efficiency", "elementwise_efficiency", "op_overheads"]
+                "matmul_efficiency", "elementwise_efficiency", "op_overheads", "op_rates"]
     estimate = (f"estimate: a single-tensor Adam step is about {ADAM_OPS} ops per tensor and "
                 f"{ADAM_BYTES:.0f} bytes moved per parameter byte, at the measured op cost "
                 "and bandwidth")
@@ -467,4 +504,11 @@ def figures(spec: DeviceSpec) -> list[tuple[str, str]]:
              for d, f in spec.matmul_efficiency]
     rows += [(f"op {k}", f"{fw * 1e6:.1f} us fwd, {bw * 1e6:.1f} us bwd")
              for k, fw, bw in spec.op_overheads]
+    for kind, fw, bw, _ in spec.op_rates:
+        if kind in GEMM_KINDS:
+            rows.append((f"work {kind}", f"{1e-9 / max(fw, 1e-30):.1f} GFLOP/s fwd, "
+                                         f"{1e-9 / max(bw, 1e-30):.1f} bwd"))
+        else:
+            rows.append((f"work {kind}", f"{fw * 1e9:.2f} ns fwd, {bw * 1e9:.2f} ns bwd "
+                                         "per element"))
     return rows

@@ -33,6 +33,7 @@ DEFAULT_DEVICE = "a100"
 
 Table = tuple[tuple[float, float], ...]
 OpOverheads = tuple[tuple[str, float, float], ...]
+OpRates = tuple[tuple[str, float, float, float], ...]
 
 
 def _interp_log(table: Table, x: float) -> float:
@@ -64,6 +65,12 @@ class DeviceSpec:
       (dispatch, kernel launch, autograd bookkeeping) on top of its roofline time; the
       entry ``"default"`` serves ops not listed, ``"module"`` is the extra forward cost
       of calling an ``nn.Module`` (fx leaf modules), ``"view"`` serves view ops.
+    - ``op_rates``: (op kind, forward s, backward s per unit, reference size): what an op
+      of this kind costs per FLOP (matmul kinds) or per output element (the others) at a
+      reference size (smallest matmul dimension, or bytes moved), measured on the machine;
+      the efficiency tables scale it to other sizes. A kind listed here is priced by its
+      rate instead of the roofline (CPU kernels for batch norm or transcendental
+      functions run far below the roofline's peak and bandwidth).
     - ``message_overhead_s``: time a rank's compute loses per point-to-point message it
       sends or receives (posting and completing it); ``link_latency_s`` delays arrival.
     - ``microbatch_overhead_s``: the runtime's work per forward or backward action of a
@@ -84,6 +91,7 @@ class DeviceSpec:
     matmul_efficiency: Table = ()
     elementwise_efficiency: Table = ()
     op_overheads: OpOverheads = ()
+    op_rates: OpRates = ()
     message_overhead_s: float = 0.0
     microbatch_overhead_s: float = 0.0
     step_overhead_s: float = 0.0
@@ -109,6 +117,8 @@ class DeviceSpec:
                 raise bad(name, f"{name} needs (size > 0, fraction > 0) pairs sorted by size")
         if any(f < 0 or b < 0 for _, f, b in self.op_overheads):
             raise bad("op_overheads", "op_overheads needs times >= 0")
+        if any(f < 0 or b < 0 or r < 0 for _, f, b, r in self.op_rates):
+            raise bad("op_rates", "op_rates needs rates and reference sizes >= 0")
 
     def peak_flops(self, dtype: str = "float32") -> float:
         """Peak FLOP/s for a value dtype name (half types use the bf16 tensor-core peak)."""
@@ -127,6 +137,13 @@ class DeviceSpec:
         """(forward, backward) fixed seconds of one ``op`` (``"default"`` if not listed)."""
         table = {name: (f, b) for name, f, b in self.op_overheads}
         return table.get(op, table.get("default", (0.0, 0.0)))
+
+    def op_rate(self, kind: str) -> tuple[float, float, float] | None:
+        """(forward s, backward s per unit, reference size) of an op kind, if measured."""
+        for name, fwd, bwd, ref in self.op_rates:
+            if name == kind:
+                return fwd, bwd, ref
+        return None
 
     def optimizer_time(self, tensors: int, nbytes: float) -> float:
         """Seconds of one optimizer step over ``tensors`` parameters of ``nbytes`` bytes."""
@@ -164,6 +181,8 @@ class DeviceSpec:
             d[key] = tuple((float(x), float(y)) for x, y in d.get(key, ()))
         d["op_overheads"] = tuple((str(o), float(f), float(b))
                                   for o, f, b in d.get("op_overheads", ()))
+        d["op_rates"] = tuple((str(o), float(f), float(b), float(r))
+                              for o, f, b, r in d.get("op_rates", ()))
         d["sources"] = tuple(sorted(dict(d.get("sources", {})).items()))
         return cls(**d)
 

@@ -16,14 +16,19 @@ from collections.abc import Callable
 
 from cost_model.device import DeviceSpec
 from cost_model.errors import SMPConfigError
-from cost_model.flops import VIEW_OPS
+from cost_model.flops import ELEMENTWISE_COST, REDUCTION_OPS, VIEW_OPS
 
-OVERHEAD_KIND = {
+KIND = {
     "addmm": "linear", "mm": "matmul", "baddbmm": "bmm", "einsum_mm": "matmul",
     "log_softmax": "softmax", "native_layer_norm": "layer_norm", "group_norm": "layer_norm",
     "rms_norm": "layer_norm", "threshold": "relu", "hardtanh": "relu", "leaky_relu": "relu",
+    "silu": "gelu", "sigmoid": "tanh", "exp": "tanh", "log": "tanh", "erf": "tanh",
+    "pow": "tanh", "sqrt": "tanh", "rsqrt": "tanh",
 }
-"""Ops priced like a measured kind (``cost_model.calibrate.OP_KINDS``)."""
+"""Ops priced like a measured kind (``cost_model.calibrate``); other element-wise ops and
+reductions are priced like ``"default"`` (a multiply by a scalar)."""
+GEMM_KINDS = frozenset({"linear", "matmul", "bmm", "conv", "sdpa"})
+"""Kinds whose work is counted in FLOPs; the others' in output elements."""
 
 
 def _check(flops: float, nbytes: float) -> None:
@@ -52,13 +57,54 @@ def roofline_time(flops: float, nbytes: float, spec: DeviceSpec, dtype: str = "f
     return max(flops / peak, memory)
 
 
+def kind_of(op: str) -> str:
+    """The measured kind an op is priced as (``"view"`` for ops that move no data)."""
+    if op in VIEW_OPS:
+        return "view"
+    kind = KIND.get(op, op)
+    if kind not in GEMM_KINDS and (op in ELEMENTWISE_COST or op in REDUCTION_OPS) and kind \
+            not in ("relu", "gelu", "tanh", "softmax"):
+        return "default"
+    return kind
+
+
 def op_overhead(op: str, spec: DeviceSpec, *, module: bool = False) -> tuple[float, float]:
     """(forward, backward) fixed seconds of one op; ``module``: called as an fx leaf module."""
-    kind = "view" if op in VIEW_OPS else OVERHEAD_KIND.get(op, op)
-    fwd, bwd = spec.op_overhead(kind)
+    fwd, bwd = spec.op_overhead(kind_of(op))
     if module:
         fwd += spec.op_overhead("module")[0]
     return fwd, bwd
+
+
+def node_times(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
+               out_elems: float, moved: float, dtype: str = "float32",
+               gemm_dim: float | None = None, module: bool = False,
+               backward: bool = True) -> tuple[float, float]:
+    """(forward, backward) seconds of one node: its fixed cost plus its work.
+
+    The work is priced by the spec's measured rate for the op's kind when it has one
+    (per FLOP or per output element at a reference size, scaled to this size by the
+    matmul or element-wise efficiency tables), else by the roofline (backward: its FLOPs
+    and twice the bytes). A view's work is nothing; ``backward`` False: no backward.
+    """
+    fixed_f, fixed_b = op_overhead(op, spec, module=module)
+    kind = kind_of(op)
+    if kind == "view":
+        return fixed_f, fixed_b if backward else 0.0
+    rate = spec.op_rate(kind)
+    if rate is not None:
+        fwd_rate, bwd_rate, ref = rate
+        if kind in GEMM_KINDS:
+            units_f, units_b = fwd_flops, bwd_flops
+            scale = spec.matmul_fraction(ref) / spec.matmul_fraction(gemm_dim or ref)
+        else:
+            units_f = units_b = out_elems
+            scale = spec.bandwidth(ref) / spec.bandwidth(moved) if moved and ref else 1.0
+        fwd, bwd = fixed_f + units_f * fwd_rate * scale, fixed_b + units_b * bwd_rate * scale
+    else:
+        fwd = fixed_f + roofline_time(fwd_flops, moved, spec, dtype, gemm_dim)
+        bwd = fixed_b + roofline_time(bwd_flops, 2 * moved, spec, dtype, gemm_dim)
+    return fwd, bwd if backward else 0.0
 
 
 def comm_time(nbytes: float, spec: DeviceSpec) -> float:

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -32,7 +33,7 @@ from cost_model.device import DeviceSpec
 from cost_model.flops import CREATION_OPS, VIEW_OPS, gemm_dims, op_flops
 from cost_model.measure import fake_module_cost
 from cost_model.node_cost import NodeCost
-from cost_model.roofline import op_overhead, roofline_time
+from cost_model.roofline import node_times
 from cost_model.saved import saved_rule
 from passes.graph_utils import copy_graph_module
 from passes.meta import COST, PARAMS, TENSOR
@@ -230,13 +231,13 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
     moved += sum(p.numel() * p.element_size() for p in params)
     dtype = info.dtype if isinstance(info, TensorInfo) else "float32"
     gemm = gemm_dims(op, shapes, out_shape, attrs)
-    dim = min(gemm) if gemm else None
-    fixed_f, fixed_b = _fixed_time(node, op, device)
-    if op in VIEW_OPS:
-        moved = 0  # a view moves no data; what it costs is its fixed time
-    fwd_t = fixed_f + roofline_time(fwd_flops, moved, device, dtype, dim)
-    bwd_t = fixed_b + roofline_time(bwd_flops, 2 * moved, device, dtype, dim) \
-        if st.rg[node.name] else 0.0
+    if _plain_getitem(node, op):
+        fwd_t = bwd_t = 0.0
+    else:
+        fwd_t, bwd_t = node_times(op, device, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
+                                  out_elems=_elements(info), moved=moved, dtype=dtype,
+                                  gemm_dim=min(gemm) if gemm else None,
+                                  module=node.op == "call_module", backward=st.rg[node.name])
     cost = NodeCost(fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_time_s=fwd_t,
                     bwd_time_s=bwd_t, param_bytes=param_bytes, output_bytes=out_bytes,
                     saved_bytes=saved, op=op, known=known)
@@ -253,14 +254,19 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
     return cost
 
 
-def _fixed_time(node: torch.fx.Node, op: str, device: DeviceSpec) -> tuple[float, float]:
-    """(forward, backward) fixed seconds of a node: ``roofline.op_overhead``, except that
-    taking an element of a tuple output is plain Python, no op."""
+def _plain_getitem(node: torch.fx.Node, op: str) -> bool:
+    """Taking an element of a tuple output is plain Python: no op, no time."""
     src = node.args[0] if node.args else None
-    if op == "getitem" and isinstance(src, torch.fx.Node) and not isinstance(
-            TENSOR.get(src), TensorInfo):
-        return 0.0, 0.0
-    return op_overhead(op, device, module=node.op == "call_module")
+    return op == "getitem" and isinstance(src, torch.fx.Node) and not isinstance(
+        TENSOR.get(src), TensorInfo)
+
+
+def _elements(info: Any) -> int:
+    if isinstance(info, TensorInfo):
+        return math.prod(info.shape)
+    if isinstance(info, tuple):
+        return sum(math.prod(x.shape) for x in info if isinstance(x, TensorInfo))
+    return 0
 
 
 def _leaf_cost(node: torch.fx.Node, in_rg: list[bool], st: _State

@@ -21,6 +21,9 @@ def test_quick_cpu_spec_has_every_measured_field() -> None:
     kinds = {k: (f, b) for k, f, b in spec.op_overheads}
     assert set(kinds) == set(QUICK.op_kinds) and kinds["module"][1] == 0.0
     assert all(f >= 0 and b >= 0 for f, b in kinds.values())
+    rates = {k: (f, b) for k, f, b, _ in spec.op_rates}
+    assert set(rates) == set(QUICK.op_kinds) - {"view", "module"}  # those move no data
+    assert all(f >= 0 and b >= 0 for f, b in rates.values())
     assert spec.optimizer_tensor_s > 0 and spec.optimizer_byte_s > 0
     assert "quick" in spec.source("op_overheads") and "estimate" in spec.source(
         "optimizer_tensor_s")

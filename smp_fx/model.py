@@ -16,6 +16,7 @@ and the replicas' gradients are all-reduced over a group of the owners after eve
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 import logging
@@ -451,8 +452,9 @@ def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     measured = None
     if options.trace_execution_times or options.trace_memory_usage:
         measured = _measured_costs(gm, args, kwargs, options, st)
-    compiled = compile_model(module, args, kwargs, _partition_config(cfg, options),
-                             device=spec, pins=pins, frontend=frontend, measured=measured)
+    pconfig = dataclasses.replace(_partition_config(cfg, options), device=spec.name)
+    compiled = compile_model(module, args, kwargs, pconfig, device=spec, pins=pins,
+                             frontend=frontend, measured=measured)
     # The pipeline's graph copies drop the front end's pytree codegen (export's input and
     # output structure) and gm.meta, so the stages are carried by node name onto our own
     # trace of the same model and microbatch (tracing is deterministic: same names).

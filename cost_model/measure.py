@@ -30,7 +30,7 @@ import torch.fx
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from cost_model.calibrate import clock
+from cost_model.microbench import clock
 
 Measured = dict[str, tuple[float, float, int]]
 

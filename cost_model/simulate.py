@@ -156,6 +156,29 @@ def simulate(schedule: Sequence[Sequence[Action]],
     return SimResult(makespan, bubble, busy, peaks, memory, tuple(events))
 
 
+def training_step_s(sim: SimResult, after_s: Sequence[float],
+                    reductions: Sequence[tuple[Sequence[int], float]] = (),
+                    fixed_s: float = 0.0) -> float:
+    """A whole training step from a simulated pipeline: each stage ends its last action;
+    each reduction ``(stages, seconds)`` (an all-reduce of gradients replicated on those
+    stages) waits for the latest of them and holds them all; then every stage does its
+    own ``after_s`` (its optimizer step); the step ends with the latest stage, plus the
+    runtime's ``fixed_s``. The next step cannot start before.
+
+    >>> from cost_model.schedule import generate
+    >>> r = simulate(generate("simple", 2, 2), [StageCost(1.0, 2.0)] * 2)
+    >>> r.finish_times(), training_step_s(r, [0.5, 0.5], [((0, 1), 1.0)], 0.25)
+    ((9.0, 7.0), 10.75)
+    """
+    ends = list(sim.finish_times())
+    if len(ends) > 1:
+        for stages, seconds in reductions:
+            done = max(ends[s] for s in stages) + seconds
+            for s in stages:
+                ends[s] = done
+    return max(end + after for end, after in zip(ends, after_s)) + fixed_s
+
+
 def ascii_timeline(result: SimResult, columns: int = 72) -> str:
     """A proportional text drawing of a simulated timeline (F = forward, B = backward)."""
     if not result.timeline:
@@ -173,4 +196,4 @@ def ascii_timeline(result: SimResult, columns: int = 72) -> str:
 
 
 __all__ = ["BACKWARD", "FORWARD", "SimResult", "StageCost", "TimelineEvent", "ascii_timeline",
-           "simulate"]
+           "simulate", "training_step_s"]

@@ -37,7 +37,7 @@ from cost_model.device import DEFAULT_DEVICE, DeviceSpec, load_device
 from cost_model.errors import SMPPartitionError
 from cost_model.node_cost import NodeCost
 from cost_model.schedule import generate
-from cost_model.simulate import SimResult, StageCost, simulate
+from cost_model.simulate import SimResult, StageCost, simulate, training_step_s
 from passes import meta
 from passes.auto_partition import summarize
 from passes.partition_config import PartitionConfig
@@ -195,21 +195,13 @@ class PartitionPlan:
         return simulate(sched, self.stage_costs())
 
     def training_step_s(self, sim: SimResult) -> float:
-        """A training step from a simulated pipeline: each stage ends its last action; the
-        owners of a replicated parameter then sum its gradients (an all-reduce, which waits
-        for the latest of them); each stage steps its optimizer; the next step cannot start
-        before the latest stage is done. Plus the runtime's fixed cost per step."""
+        """The training step of ``sim`` (``cost_model.simulate.training_step_s``): the
+        replicated gradients' all-reduce, each stage's optimizer, the fixed step cost."""
         spec = self.spec()
-        ends = list(sim.finish_times())
-        if len(ends) > 1:
-            for shared in self.shared_params:
-                reduce_s = 2.0 * (roofline.comm_time(shared.nbytes, spec)
-                                  + spec.message_overhead_s)
-                done = max(ends[s] for s in shared.stages) + reduce_s
-                for s in shared.stages:
-                    ends[s] = done
-        return max(end + st.optimizer_time_s for end, st in zip(ends, self.stages)) \
-            + spec.step_overhead_s
+        sums = [(sh.stages, 2.0 * (roofline.comm_time(sh.nbytes, spec)
+                                   + spec.message_overhead_s)) for sh in self.shared_params]
+        return training_step_s(sim, [st.optimizer_time_s for st in self.stages], sums,
+                               spec.step_overhead_s)
 
     def to_json(self) -> dict[str, Any]:
         return _to_json(self)

@@ -45,6 +45,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from cost_model import calibrate as measure
+from cost_model import microbench
 from cost_model.device import DeviceSpec
 from cost_model.errors import SMPError
 
@@ -125,8 +126,8 @@ def calibrate(args: argparse.Namespace, world: int) -> DeviceSpec | None:
         # groups, which state._reset() removes again (re-creating the default group under
         # torchrun would rendezvous on keys the first one left in the store)
         dist.init_process_group(launch.choose_backend())
-        budget = measure.QUICK if args.quick else measure.FULL
-        latency, bandwidth, per_message = measure.measure_link(budget, device)
+        budget = microbench.QUICK if args.quick else microbench.FULL
+        latency, bandwidth, per_message = microbench.measure_link(budget, device)
         note = f"measured by smp-fx calibrate, {dist.get_backend()} between ranks 0 and 1"
         spec = dataclasses.replace(spec, link_latency_s=latency, link_bandwidth=bandwidth,
                                    message_overhead_s=per_message)
@@ -187,7 +188,7 @@ def _time_runtime(spec: DeviceSpec, device: torch.device, microbatches: int,
     steps = 8 if args.quick else args.steps
     # one process: its CPU time (steady under other load); several: the wall time, which
     # holds the waits for the other stage that the simulator models
-    now = measure.clock(device) if smp.size() == 1 else time.perf_counter
+    now = microbench.clock(device) if smp.size() == 1 else time.perf_counter
     times = []
     for i in range(steps + 3):
         smp.barrier()

@@ -190,3 +190,24 @@ def test_summarise_modules() -> None:
                                         "transformer.h.4", "lm_head")
     assert summarise_modules(["0", "1", "2", "5"]) == ("[0-2]", "5")
     assert summarise_modules([""]) == ("<root>",)
+
+
+def test_training_step_prices_optimizer_reduction_and_runtime(
+        two_stage: torch.fx.GraphModule) -> None:
+    """The step is the pipeline (each action + 1 ms, each message + 2 ms), then the tied
+    weight's all-reduce over both stages, each stage's Adam step, and 5 ms per step."""
+    spec = dataclasses.replace(A100, microbatch_overhead_s=1e-3, message_overhead_s=2e-3,
+                               step_overhead_s=5e-3, optimizer_tensor_s=1e-3,
+                               optimizer_byte_s=1e-6)
+    plan = build_plan(two_stage, PartitionConfig(num_stages=2, microbatches=4,
+                                                 pipeline="simple"), spec)
+    s0, s1 = plan.stages
+    # stage 0: the tied embedding (320 B) and two Linear(8, 8) (2 x 288 B), 5 tensors
+    assert s0.optimizer_time_s == pytest.approx(5e-3 + 896e-6)
+    assert plan.stage_costs()[0].duration("F", 0, 2) == pytest.approx(
+        s0.fwd_time_s + 1e-3 + 2e-3)  # stage 0 only sends
+    sim = plan.simulate()
+    ends = sim.finish_times()
+    reduce_s = 2 * (spec.link_latency_s + 320 / spec.link_bandwidth + 2e-3)
+    assert plan.step_time_s == pytest.approx(
+        max(ends) + reduce_s + max(s0.optimizer_time_s, s1.optimizer_time_s) + 5e-3)

@@ -2,8 +2,8 @@
 
 ``calibrate`` assembles a spec from the figures ``cost_model.microbench`` measures
 (matmul and element-wise throughput at several sizes, memory bandwidth, the fixed cost and
-the work rate of each op kind, an Adam step, and between two ranks the link), starting
-from ``LOOPBACK`` for what it does not measure. The smp-fx runtime's own costs (per
+the work rate of each op kind, an Adam step), starting from ``LOOPBACK`` for what it does
+not measure; ``with_link`` adds the link between two ranks. The smp-fx runtime's own costs (per
 action, per step) need the runtime, which this layer may not import: ``smp-fx calibrate``
 fits them and fills them in. ``quick_cpu_spec`` is the built-in "cpu" spec.
 
@@ -64,13 +64,10 @@ def _memory_bytes(device: torch.device) -> int:
 
 
 def calibrate(name: str = "cpu", device: torch.device | str = "cpu", *,
-              quick: bool = False, link: bool = False, group: Any = None,
-              base: DeviceSpec | None = None) -> DeviceSpec:
+              quick: bool = False, base: DeviceSpec | None = None) -> DeviceSpec:
     """Measure ``device`` into a ``DeviceSpec`` called ``name``.
 
-    With ``link`` (torch.distributed initialised, ``group`` of two or more ranks, None for
-    the default group; every rank calls this) the link figures are measured between the
-    group's ranks 0 and 1; otherwise they, and the runtime's overheads, come from ``base``
+    The link (``with_link``) and the runtime's overheads keep ``base``'s figures
     (``LOOPBACK``, gloo-over-loopback estimates, by default).
     """
     device = torch.device(device)
@@ -99,16 +96,19 @@ def calibrate(name: str = "cpu", device: torch.device | str = "cpu", *,
                 "and bandwidth")
     optimizer = {k: estimate if quick else how for k in ("optimizer_tensor_s",
                                                          "optimizer_byte_s")}
-    spec = spec.with_sources(**{k: how for k in measured}, **optimizer)
-    if link:
-        latency, link_bw, per_msg = measure_link(budget, device, group)
-        spec = dataclasses.replace(spec, link_latency_s=latency, link_bandwidth=link_bw,
-                                   message_overhead_s=per_msg)
-        backend = dist.get_backend(group)
-        spec = spec.with_sources(**{k: f"{how}, {backend} between ranks 0 and 1" for k in
-                                    ("link_latency_s", "link_bandwidth",
-                                     "message_overhead_s")})
-    return spec
+    return spec.with_sources(**{k: how for k in measured}, **optimizer)
+
+
+def with_link(spec: DeviceSpec, device: torch.device | str = "cpu", *, quick: bool = False,
+              group: Any = None) -> DeviceSpec:
+    """``spec`` with the link measured between ranks 0 and 1 of ``group`` (None: the
+    default group; torch.distributed initialised, two or more ranks, every rank calls)."""
+    budget = QUICK if quick else FULL
+    latency, bandwidth, per_message = measure_link(budget, torch.device(device), group)
+    note = f"measured by cost_model.calibrate, {dist.get_backend(group)} between ranks 0 and 1"
+    spec = dataclasses.replace(spec, link_latency_s=latency, link_bandwidth=bandwidth,
+                               message_overhead_s=per_message)
+    return spec.with_sources(link_latency_s=note, link_bandwidth=note, message_overhead_s=note)
 
 
 @functools.lru_cache(maxsize=1)

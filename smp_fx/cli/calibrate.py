@@ -126,13 +126,7 @@ def calibrate(args: argparse.Namespace, world: int) -> DeviceSpec | None:
         # groups, which state._reset() removes again (re-creating the default group under
         # torchrun would rendezvous on keys the first one left in the store)
         dist.init_process_group(launch.choose_backend())
-        budget = microbench.QUICK if args.quick else microbench.FULL
-        latency, bandwidth, per_message = microbench.measure_link(budget, device)
-        note = f"measured by smp-fx calibrate, {dist.get_backend()} between ranks 0 and 1"
-        spec = dataclasses.replace(spec, link_latency_s=latency, link_bandwidth=bandwidth,
-                                   message_overhead_s=per_message)
-        spec = spec.with_sources(link_latency_s=note, link_bandwidth=note,
-                                 message_overhead_s=note)
+        spec = measure.with_link(spec, device, quick=args.quick)
     timings: dict[int, float] = {}
     plans: dict[int, Any] = {}
     for m in FIT_MICROBATCHES:

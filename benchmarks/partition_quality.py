@@ -21,6 +21,7 @@ Run: ``.venv/bin/python benchmarks/partition_quality.py`` (about a minute on 2 c
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import sys
 import time
@@ -28,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from cost_model.device import A100
+from cost_model.roofline import link_model
 from passes.auto_partition import problem_lower_bound, solve_problem
 from passes.partition_config import PartitionConfig
 from passes.partitioning import chain
@@ -127,10 +130,13 @@ def chain_rows(rng: np.random.Generator) -> list[float]:
     return ratios
 
 
+LINK = dataclasses.replace(A100, link_bandwidth=25e9, link_latency_s=10e-6)
+"""A PCIe-class link: slower than NVLink, so the link term matters in the comparison."""
+
+
 def objective(problem: DagProblem, k: int) -> Objective:
-    cfg = PartitionConfig(num_stages=k, microbatches=8, memory_weight=0.5,
-                          link_bandwidth=25e9, link_latency_s=10e-6)
-    return objective_for(problem, cfg)
+    cfg = PartitionConfig(num_stages=k, microbatches=8, memory_weight=0.5)
+    return objective_for(problem, cfg, *link_model(LINK))
 
 
 def random_order(problem: DagProblem, rng: np.random.Generator) -> np.ndarray:

@@ -94,6 +94,37 @@ def sdpa_flops(q: Shape, k: Shape, v: Shape) -> float:
     return 2.0 * batch_heads * length * s * e + 2.0 * batch_heads * length * s * ev
 
 
+def gemm_dims(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
+              attrs: Mapping[str, Any]) -> tuple[int, int, int] | None:
+    """(m, k, n) of the matmul an op performs (one matrix of a batch), ``None`` if it is no
+    matmul. The smallest of the three sets how close to peak it runs on a real device.
+
+    >>> gemm_dims("linear", [(16, 512)], (16, 2048), {})
+    (16, 512, 2048)
+    """
+    try:
+        if op == "linear" and inputs and inputs[0] and output:
+            return numel(output[:-1]), inputs[0][-1], output[-1]
+        if op in ("matmul", "mm", "bmm", "addmm", "baddbmm", "einsum_mm"):
+            a, b = (inputs[1], inputs[2]) if op in ("addmm", "baddbmm") else inputs[:2]
+            if a is None or b is None:
+                return None
+            m = a[-2] if len(a) > 1 else 1
+            n = b[-1] if len(b) > 1 else 1
+            if op == "matmul" and len(b) == 2:
+                m = numel(a[:-1])  # x @ W folds the batch into the rows
+            return m, a[-1], n
+        if op == "conv" and output:
+            weight = attrs.get("weight") or inputs[1]
+            return output[0] * numel(output[2:]), numel(weight[1:]), weight[0]
+        if op == "sdpa" and inputs[0] and inputs[1]:
+            q, k = inputs[0], inputs[1]
+            return q[-2], q[-1], k[-2]
+    except (IndexError, TypeError):
+        return None
+    return None
+
+
 def op_flops(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
              attrs: Mapping[str, Any]) -> tuple[float, float] | None:
     """(forward, backward) FLOPs of one op; ``None`` if the op is unknown.

@@ -22,12 +22,15 @@ import statistics
 import time
 from collections.abc import Callable, Iterable, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 from torch import nn
 from torch.utils import _pytree as pytree
+
+from cost_model.microbench import clock
 
 Measured = dict[str, tuple[float, float, int]]
 
@@ -118,7 +121,8 @@ def saved_bytes_by_module(model: nn.Module, args: tuple[Any, ...],
 
 
 def _median_time(fn: Callable[[Any], Any], setup: Callable[[], Any], warmup: int,
-                 repeats: int, sync: Callable[[], None]) -> tuple[float, Any]:
+                 repeats: int, sync: Callable[[], None],
+                 now: Callable[[], float] = time.perf_counter) -> tuple[float, Any]:
     """Median seconds of ``fn(setup())``; ``setup`` (fresh inputs) is not timed."""
     result = None
     for _ in range(warmup):
@@ -127,10 +131,10 @@ def _median_time(fn: Callable[[Any], Any], setup: Callable[[], Any], warmup: int
     for _ in range(repeats):
         inputs = setup()
         sync()
-        t0 = time.perf_counter()
+        t0 = now()
         result = fn(inputs)
         sync()
-        times.append(time.perf_counter() - t0)
+        times.append(now() - t0)
     return statistics.median(times), result
 
 
@@ -173,11 +177,67 @@ def _flat_inputs(gm: torch.fx.GraphModule, args: tuple[Any, ...],
     return list(args) + [kwargs[name] for name in names[len(args):] if name in kwargs]
 
 
+def _views(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return tuple(x.view_as(x) for x in xs)
+
+
+def _grad_inputs(inputs: Any) -> int:
+    return sum(1 for t in pytree.tree_leaves(inputs)
+               if isinstance(t, torch.Tensor) and t.requires_grad)
+
+
+@dataclass(frozen=True)
+class Harness:
+    """What timing one node adds to the node's own time, taken off every node so that
+    measured and analytic node times mean the same thing (the op's dispatch and work,
+    its autograd node and its parameters' gradient accumulation) and sum to stage times
+    alike: the interpreter's dispatch and the timer, forward; starting the autograd
+    engine and making the output gradient (once per stage backward in the runtime, in
+    ``DeviceSpec.microbatch_overhead_s``) plus each fresh input's clone and
+    accumulation, backward. Measured on views of 1 and 2 inputs (the views' own cost, a
+    microsecond, is taken off too)."""
+
+    forward_s: float
+    backward_base_s: float
+    backward_per_input_s: float
+
+    def backward(self, grad_inputs: int) -> float:
+        return self.backward_base_s + grad_inputs * self.backward_per_input_s
+
+    @classmethod
+    def measure(cls, interp: torch.fx.Interpreter, warmup: int, repeats: int,
+                sync: Callable[[], None], now: Callable[[], float]) -> Harness:
+        x = torch.zeros(4, requires_grad=True)
+        fwd_s: dict[int, float] = {}
+        bwd_s: dict[int, float] = {}
+        for k in (1, 2):
+            def setup(k: int = k) -> tuple[Any, ...]:
+                return tuple(_fresh_inputs(x) for _ in range(k))
+
+            def fwd(inputs: tuple[Any, ...]) -> Any:
+                with torch.enable_grad():
+                    return interp.call_function(_views, inputs, {})
+
+            def both(inputs: tuple[Any, ...]) -> None:
+                outs = fwd(inputs)
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+            # the lowest of a few medians: a load spike here would be taken off every node
+            fwd_s[k] = min(_median_time(fwd, setup, warmup + 2, repeats + 4, sync, now)[0]
+                           for _ in range(3))
+            bwd_s[k] = min(_median_time(both, setup, warmup + 2, repeats + 4, sync, now)[0]
+                           for _ in range(3)) - fwd_s[k]
+        per_input = max(bwd_s[2] - bwd_s[1], 0.0)
+        return cls(fwd_s[1], max(bwd_s[1] - per_input, 0.0), per_input)
+
+
 def measure_nodes(gm: torch.fx.GraphModule, args: tuple[Any, ...],
                   kwargs: Mapping[str, Any] | None = None, *, times: bool = True,
                   memory: bool = True, warmup: int = 1, repeats: int = 3) -> Measured:
     """Time each compute node forward and backward (median of ``repeats`` after ``warmup``)
-    on the device the module and inputs live on, and count its saved bytes.
+    on the device the module and inputs live on, and count its saved bytes. The times are
+    the node's own, as the analytic costs are: what the measuring adds (``Harness``) is
+    taken off, so both kinds of node time sum to stage times the same way.
 
     Returns ``{node name: (fwd_s, bwd_s, saved_bytes)}``; a field not asked for is 0.
     The model's buffers and gradients are left as they were (``preserved_state``).
@@ -194,7 +254,9 @@ def _measure(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, 
     values = interp.values
     cuda = any(p.is_cuda for p in gm.parameters())
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    now = clock(torch.device("cuda" if cuda else "cpu"))
     state = [*gm.parameters(), *gm.buffers()]
+    harness = Harness.measure(interp, warmup, repeats, sync, now) if times else Harness(0, 0, 0)
     out: Measured = {}
     for node in gm.graph.nodes:
         if node.op not in ("call_function", "call_method", "call_module"):
@@ -218,11 +280,12 @@ def _measure(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, 
 
         fwd_s = bwd_s = 0.0
         if times:
-            fwd_s, result = _median_time(fwd, setup, warmup, repeats, sync)
+            fwd_s, result = _median_time(fwd, setup, warmup, repeats, sync, now)
             if any(isinstance(t, torch.Tensor) and t.requires_grad
                    for t in pytree.tree_leaves(result)):
-                total_s, _ = _median_time(bwd, setup, warmup, repeats, sync)
-                bwd_s = max(total_s - fwd_s, 0.0)
+                total_s, _ = _median_time(bwd, setup, warmup, repeats, sync, now)
+                bwd_s = max(total_s - fwd_s - harness.backward(_grad_inputs(setup())), 0.0)
+            fwd_s = max(fwd_s - harness.forward_s, 0.0)
         saved = 0
         if memory:
             inputs = setup()

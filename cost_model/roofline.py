@@ -1,28 +1,128 @@
-"""Time from work: the roofline ``max(flops / peak, bytes / bandwidth)`` and link time.
+"""Time from work: a roofline with size-dependent efficiency, fixed op costs, link time.
 
-Deliberately simple: per node the compute and memory terms do not overlap across nodes,
-and kernel launch overheads are ignored (they matter for tiny models, which is what
-``trace_execution_times`` is for).
+A node's time is ``fixed + max(flops / (peak * matmul fraction), bytes / bandwidth)``:
+the compute and memory terms of one op overlap, those of different ops do not. The
+matmul fraction depends on the smallest matmul dimension and the bandwidth on the bytes
+moved (``DeviceSpec.matmul_efficiency`` / ``elementwise_efficiency``); the fixed part is
+the op's dispatch, launch and autograd bookkeeping (``DeviceSpec.op_overheads``), which
+dominates small models. Link time is the spec's too: one link model for partitioner,
+plan and simulator.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 from cost_model.device import DeviceSpec
 from cost_model.errors import SMPInternalError
+from cost_model.flops import ELEMENTWISE_COST, REDUCTION_OPS, VIEW_OPS
+
+KIND = {
+    "addmm": "linear", "mm": "matmul", "baddbmm": "bmm", "einsum_mm": "matmul",
+    "log_softmax": "softmax", "native_layer_norm": "layer_norm", "group_norm": "layer_norm",
+    "rms_norm": "layer_norm", "threshold": "relu", "hardtanh": "relu", "leaky_relu": "relu",
+    "silu": "gelu", "sigmoid": "tanh", "exp": "tanh", "log": "tanh", "erf": "tanh",
+    "pow": "tanh", "sqrt": "tanh", "rsqrt": "tanh",
+}
+"""Ops priced like a measured kind (``cost_model.calibrate``); other element-wise ops and
+reductions are priced like ``"default"`` (a multiply by a scalar)."""
+GEMM_KINDS = frozenset({"linear", "matmul", "bmm", "conv", "sdpa"})
+"""Kinds whose work is counted in FLOPs; the others' in output elements."""
 
 
-def roofline_time(flops: float, nbytes: float, spec: DeviceSpec, dtype: str = "float32") -> float:
-    """Seconds to do ``flops`` FLOPs touching ``nbytes`` bytes of memory on ``spec``."""
+def _check(flops: float, nbytes: float) -> None:
     if flops < 0 or nbytes < 0:
         raise SMPInternalError.build("flops and bytes must be >= 0", (flops, nbytes),
-                                     "cost_model.roofline_time")
-    return max(flops / spec.peak_flops(dtype), nbytes / spec.mem_bandwidth)
+                                     "cost_model.roofline")
+
+
+def roofline_time(flops: float, nbytes: float, spec: DeviceSpec, dtype: str = "float32",
+                  gemm_dim: float | None = None) -> float:
+    """Seconds to do ``flops`` FLOPs touching ``nbytes`` bytes on ``spec`` (no fixed cost).
+
+    ``gemm_dim`` is the smallest dimension of the matmul(s) doing the FLOPs (None: not a
+    matmul, the peak applies).
+
+    >>> from cost_model.device import DeviceSpec
+    >>> s = DeviceSpec("x", 1e9, 1e9, 1e9, 1, 1e9, 0.0, matmul_efficiency=((8, .5), (64, 1.)))
+    >>> roofline_time(1e9, 0, s), roofline_time(1e9, 0, s, gemm_dim=8)
+    (1.0, 2.0)
+    """
+    _check(flops, nbytes)
+    peak = spec.peak_flops(dtype)
+    if gemm_dim is not None:
+        peak *= spec.matmul_fraction(gemm_dim)
+    memory = nbytes / spec.bandwidth(nbytes) if nbytes else 0.0
+    return max(flops / peak, memory)
+
+
+def kind_of(op: str) -> str:
+    """The measured kind an op is priced as (``"view"`` for ops that move no data)."""
+    if op in VIEW_OPS:
+        return "view"
+    kind = KIND.get(op, op)
+    if kind not in GEMM_KINDS and (op in ELEMENTWISE_COST or op in REDUCTION_OPS) and kind \
+            not in ("relu", "gelu", "tanh", "softmax"):
+        return "default"
+    return kind
+
+
+def op_overhead(op: str, spec: DeviceSpec, *, module: bool = False) -> tuple[float, float]:
+    """(forward, backward) fixed seconds of one op; ``module``: called as an fx leaf module."""
+    fwd, bwd = spec.op_overhead(kind_of(op))
+    if module:
+        fwd += spec.op_overhead("module")[0]
+    return fwd, bwd
+
+
+def node_times(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
+               out_elems: float, moved: float, dtype: str = "float32",
+               gemm_dim: float | None = None, module: bool = False,
+               backward: bool = True) -> tuple[float, float]:
+    """(forward, backward) seconds of one node: its fixed cost plus its work.
+
+    The work is priced by the spec's measured rate for the op's kind when it has one
+    (per FLOP or per output element at a reference size, scaled to this size by the
+    matmul or element-wise efficiency tables), else by the roofline (backward: its FLOPs
+    and twice the bytes). A view's work is nothing; ``backward`` False: no backward.
+    """
+    fixed_f, fixed_b = op_overhead(op, spec, module=module)
+    kind = kind_of(op)
+    if kind == "view":
+        return fixed_f, fixed_b if backward else 0.0
+    rate = spec.op_rate(kind)
+    if rate is not None:
+        fwd_rate, bwd_rate, ref = rate
+        if kind in GEMM_KINDS:
+            units_f, units_b = fwd_flops, bwd_flops
+            scale = spec.matmul_fraction(ref) / spec.matmul_fraction(gemm_dim or ref)
+        else:
+            units_f = units_b = out_elems
+            scale = spec.bandwidth(ref) / spec.bandwidth(moved) if moved and ref else 1.0
+        fwd, bwd = fixed_f + units_f * fwd_rate * scale, fixed_b + units_b * bwd_rate * scale
+    else:
+        fwd = fixed_f + roofline_time(fwd_flops, moved, spec, dtype, gemm_dim)
+        bwd = fixed_b + roofline_time(bwd_flops, 2 * moved, spec, dtype, gemm_dim)
+    return fwd, bwd if backward else 0.0
 
 
 def comm_time(nbytes: float, spec: DeviceSpec) -> float:
     """Seconds to send ``nbytes`` over one link: latency + bytes / link bandwidth (0 for 0)."""
-    if nbytes < 0:
-        raise SMPInternalError.build("bytes sent must be >= 0", nbytes, "cost_model.comm_time")
+    _check(0.0, nbytes)
     if nbytes == 0:
         return 0.0
     return spec.link_latency_s + nbytes / spec.link_bandwidth
+
+
+def link_time(nbytes: float, spec: DeviceSpec) -> float:
+    """How long a message keeps the link busy: bytes / bandwidth (latency delays arrival
+    but does not occupy the link)."""
+    _check(0.0, nbytes)
+    return nbytes / spec.link_bandwidth if nbytes > 0 else 0.0
+
+
+def link_model(spec: DeviceSpec) -> tuple[Callable[[float], float], Callable[[float], float]]:
+    """(``comm_time``, ``link_time``) of ``spec`` as functions of bytes: what the
+    partitioner's objective takes (``passes.partitioning.problem.make_objective``)."""
+    return functools.partial(comm_time, spec=spec), functools.partial(link_time, spec=spec)

@@ -11,6 +11,9 @@ Timing model (documented because plans quote its numbers):
   A transfer does not occupy the sender's compute (asynchronous send) but transfers on one
   link and direction go one at a time, in the sender's order; latency delays arrival
   without keeping the link busy (architecture.md "Stage time model").
+- Fixed costs: every action also takes ``action_overhead_s`` (the runtime's turn and the
+  step function's work) plus ``message_overhead_s`` per message the stage receives or
+  sends for it (posting and completing it takes the rank's own time, unlike latency).
 - Memory of stage s = ``static_bytes`` + ``saved_bytes_per_mb`` x microbatches in flight
   (forwarded, not yet backwarded); the peak is over the stage's list. A forward-only
   schedule keeps nothing for backward, so its in-flight count is 0.
@@ -42,6 +45,14 @@ class StageCost:
     static_bytes: int = 0
     saved_bytes_per_mb: int = 0
     latency_s: float = 0.0
+    action_overhead_s: float = 0.0
+    message_overhead_s: float = 0.0
+
+    def duration(self, kind: str, stage: int, num_stages: int) -> float:
+        """Seconds stage ``stage`` is busy for one action of ``kind`` (F or B)."""
+        messages = (stage > 0) + (stage < num_stages - 1)  # one in, one out, per side
+        work = self.fwd_time_s if kind == FORWARD else self.bwd_time_s
+        return work + self.action_overhead_s + messages * self.message_overhead_s
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -71,6 +82,13 @@ class SimResult:
     peak_in_flight: tuple[int, ...]
     peak_memory_bytes: tuple[int, ...]
     timeline: tuple[TimelineEvent, ...]
+
+    def finish_times(self) -> tuple[float, ...]:
+        """When each stage ends its last action (0 for a stage with none)."""
+        ends = [0.0] * len(self.busy_s)
+        for e in self.timeline:
+            ends[e.stage] = max(ends[e.stage], e.end_s)
+        return tuple(ends)
 
     def chrome_trace(self) -> list[dict[str, Any]]:
         """Events for chrome://tracing / Perfetto (one thread per stage, microseconds)."""
@@ -110,7 +128,7 @@ def simulate(schedule: Sequence[Sequence[Action]],
                 ready = arrival[dep] if dep is not None else 0.0
                 start = max(stage_free[s], ready)
                 cost = stage_costs[s]
-                end = start + (cost.fwd_time_s if action.kind == FORWARD else cost.bwd_time_s)
+                end = start + cost.duration(action.kind, s, p)
                 events.append(TimelineEvent(s, action, start, end))
                 stage_free[s] = end
                 cursor[s] += 1
@@ -139,6 +157,29 @@ def simulate(schedule: Sequence[Sequence[Action]],
     return SimResult(makespan, bubble, busy, peaks, memory, tuple(events))
 
 
+def training_step_s(sim: SimResult, after_s: Sequence[float],
+                    reductions: Sequence[tuple[Sequence[int], float]] = (),
+                    fixed_s: float = 0.0) -> float:
+    """A whole training step from a simulated pipeline: each stage ends its last action;
+    each reduction ``(stages, seconds)`` (an all-reduce of gradients replicated on those
+    stages) waits for the latest of them and holds them all; then every stage does its
+    own ``after_s`` (its optimizer step); the step ends with the latest stage, plus the
+    runtime's ``fixed_s``. The next step cannot start before.
+
+    >>> from cost_model.schedule import generate
+    >>> r = simulate(generate("simple", 2, 2), [StageCost(1.0, 2.0)] * 2)
+    >>> r.finish_times(), training_step_s(r, [0.5, 0.5], [((0, 1), 1.0)], 0.25)
+    ((9.0, 7.0), 10.75)
+    """
+    ends = list(sim.finish_times())
+    if len(ends) > 1:
+        for stages, seconds in reductions:
+            done = max(ends[s] for s in stages) + seconds
+            for s in stages:
+                ends[s] = done
+    return max(end + after for end, after in zip(ends, after_s)) + fixed_s
+
+
 def ascii_timeline(result: SimResult, columns: int = 72) -> str:
     """A proportional text drawing of a simulated timeline (F = forward, B = backward)."""
     if not result.timeline:
@@ -156,4 +197,4 @@ def ascii_timeline(result: SimResult, columns: int = 72) -> str:
 
 
 __all__ = ["BACKWARD", "FORWARD", "SimResult", "StageCost", "TimelineEvent", "ascii_timeline",
-           "simulate"]
+           "simulate", "training_step_s"]

@@ -20,6 +20,7 @@ Example::
 from __future__ import annotations
 
 import logging
+import math
 import operator
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -30,10 +31,10 @@ from torch import nn
 
 from cost_model.device import DeviceSpec
 from cost_model.errors import SMPTracingError
-from cost_model.flops import CREATION_OPS, VIEW_OPS, op_flops
+from cost_model.flops import CREATION_OPS, VIEW_OPS, gemm_dims, op_flops
 from cost_model.measure import fake_module_cost
 from cost_model.node_cost import NodeCost
-from cost_model.roofline import roofline_time
+from cost_model.roofline import node_times
 from cost_model.saved import saved_rule
 from passes.graph_utils import copy_graph_module
 from passes.meta import COST, PARAMS, TENSOR
@@ -230,10 +231,14 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
                 if isinstance(a, torch.fx.Node)) + out_bytes
     moved += sum(p.numel() * p.element_size() for p in params)
     dtype = info.dtype if isinstance(info, TensorInfo) else "float32"
-    fwd_t = roofline_time(fwd_flops, moved, device, dtype) if fwd_flops or moved else 0.0
-    bwd_t = roofline_time(bwd_flops, 2 * moved, device, dtype) if st.rg[node.name] else 0.0
-    if op in VIEW_OPS:
+    gemm = gemm_dims(op, shapes, out_shape, attrs)
+    if _plain_getitem(node, op):
         fwd_t = bwd_t = 0.0
+    else:
+        fwd_t, bwd_t = node_times(op, device, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
+                                  out_elems=_elements(info), moved=moved, dtype=dtype,
+                                  gemm_dim=min(gemm) if gemm else None,
+                                  module=node.op == "call_module", backward=st.rg[node.name])
     cost = NodeCost(fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_time_s=fwd_t,
                     bwd_time_s=bwd_t, param_bytes=param_bytes, output_bytes=out_bytes,
                     saved_bytes=saved, op=op, known=known)
@@ -248,6 +253,21 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
                         output_bytes=out_bytes, saved_bytes=int(mem_bytes), measured=True,
                         op=op, known=known)
     return cost
+
+
+def _plain_getitem(node: torch.fx.Node, op: str) -> bool:
+    """Taking an element of a tuple output is plain Python: no op, no time."""
+    src = node.args[0] if node.args else None
+    return op == "getitem" and isinstance(src, torch.fx.Node) and not isinstance(
+        TENSOR.get(src), TensorInfo)
+
+
+def _elements(info: Any) -> int:
+    if isinstance(info, TensorInfo):
+        return math.prod(info.shape)
+    if isinstance(info, tuple):
+        return sum(math.prod(x.shape) for x in info if isinstance(x, TensorInfo))
+    return 0
 
 
 def _leaf_cost(node: torch.fx.Node, in_rg: list[bool], st: _State

@@ -249,9 +249,10 @@ def auto_partition(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
                    comm_time: CommTime | None = None) -> torch.fx.GraphModule:
     """New GraphModule with ``STAGE`` on every node; ``gm`` is not modified.
 
-    ``comm_time(bytes) -> seconds`` defaults to ``pconfig.comm_time`` (latency + bytes /
-    link bandwidth); pass one built from a ``cost_model.device`` spec to plan for it. The
-    objective charges its link occupancy (``problem.link_occupancy``: the latency cancels).
+    ``comm_time(bytes) -> seconds`` is the device spec's link model (latency + bytes /
+    link bandwidth, ``cost_model.roofline.comm_time``); it defaults to that of
+    ``cost_model.device.DEFAULT_DEVICE``. The objective charges its link occupancy
+    (``problem.link_occupancy``: the latency cancels).
     """
     return partition_graph(gm, pconfig, comm_time)[0]
 

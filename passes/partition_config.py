@@ -18,7 +18,7 @@ from typing import Any
 from cost_model.errors import SMPConfigError
 from cost_model.serial import from_versioned_json, versioned_json
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 PIPELINES = ("simple", "interleaved")
 
 
@@ -26,12 +26,9 @@ PIPELINES = ("simple", "interleaved")
 class PartitionConfig:
     """Configuration of one partitioning run.
 
-    ``link_bandwidth`` (bytes/s) and ``link_latency_s`` give the default boundary
-    transfer time ``latency + bytes / bandwidth`` (``comm_time``, what one transfer takes)
-    and link occupancy ``bytes / bandwidth`` (``link_time``, what the partition objective
-    charges: docs/architecture.md "Stage time model"); ``device`` names a device spec
-    (``cost_model.device``) that callers may use instead, by passing ``comm_time``
-    explicitly to ``passes.auto_partition.auto_partition``.
+    ``device`` records the name of the device spec (``cost_model.device``) the plan is
+    made for; the spec itself, the one source of link and per-message costs, is handed to
+    the passes beside this config (``passes.pipeline.compile_model(device=...)``).
 
     Example::
 
@@ -48,8 +45,6 @@ class PartitionConfig:
     default_partition: int = 0
     optimizer_state_factor: float = 2.0
     device: str | None = None
-    link_bandwidth: float = 25e9
-    link_latency_s: float = 10e-6
 
     def __post_init__(self) -> None:
         def bad(name: str, rule: str, fix: str) -> SMPConfigError:
@@ -74,9 +69,6 @@ class PartitionConfig:
         if self.optimizer_state_factor < 0:
             raise bad("optimizer_state_factor", "optimizer_state_factor must be >= 0",
                       "2.0 for Adam, 1.0 for momentum SGD, 0.0 for plain SGD")
-        if self.link_bandwidth <= 0 or self.link_latency_s < 0:
-            raise bad("link_bandwidth", "link_bandwidth must be > 0 and link_latency_s >= 0",
-                      "give bytes/s and seconds")
 
     @property
     def active(self) -> int:
@@ -91,19 +83,6 @@ class PartitionConfig:
         if self.pipeline == "interleaved":
             return min(self.num_stages - stage, m)
         return m
-
-    def comm_time(self, nbytes: float) -> float:
-        """Default boundary send time: latency + bytes / bandwidth (0 for nothing sent)."""
-        if nbytes <= 0:
-            return 0.0
-        return self.link_latency_s + float(nbytes) / self.link_bandwidth
-
-    def link_time(self, nbytes: float) -> float:
-        """Link occupancy of a send: bytes / bandwidth. The latency delays the arrival but
-        does not keep the link busy (asynchronous sends overlap), so it is not in here."""
-        if nbytes <= 0:
-            return 0.0
-        return float(nbytes) / self.link_bandwidth
 
     def to_json(self) -> dict[str, Any]:
         return versioned_json(self, SCHEMA_VERSION)

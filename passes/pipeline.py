@@ -23,7 +23,7 @@ import torch.fx
 from torch import nn
 
 from cost_model import roofline
-from cost_model.device import DeviceSpec, get_device
+from cost_model.device import DEFAULT_DEVICE, DeviceSpec, load_device
 from cost_model.errors import SMPError
 from passes import meta
 from passes.annotate_costs import annotate_costs
@@ -51,7 +51,8 @@ class Compiled:
 
 
 def resolve_device(device: str | DeviceSpec) -> DeviceSpec:
-    return device if isinstance(device, DeviceSpec) else get_device(device)
+    """A spec, a built-in spec name or a spec file (``smp-fx calibrate -o FILE.json``)."""
+    return device if isinstance(device, DeviceSpec) else load_device(device)
 
 
 def _announced(passes: Sequence[Pass], progress: Progress | None) -> list[Pass]:
@@ -70,7 +71,7 @@ def _announced(passes: Sequence[Pass], progress: Progress | None) -> list[Pass]:
 
 
 def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None,
-                  pconfig: PartitionConfig, *, device: str | DeviceSpec = "a100",
+                  pconfig: PartitionConfig, *, device: str | DeviceSpec = DEFAULT_DEVICE,
                   frontend: Frontend = "auto", pins: Mapping[str, int] | None = None,
                   measured: Mapping[str, Sequence[float | None]] | None = None,
                   leaf_modules: Sequence[Any] = (),
@@ -103,7 +104,7 @@ def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
 
 
 def analyse(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None,
-            *, device: str | DeviceSpec = "a100", frontend: Frontend = "auto",
+            *, device: str | DeviceSpec = DEFAULT_DEVICE, frontend: Frontend = "auto",
             measured: Mapping[str, Sequence[float | None]] | None = None,
             leaf_modules: Sequence[Any] = (),
             progress: Progress | None = None,
@@ -133,7 +134,7 @@ def analyse(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | N
 
 
 def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
-              device: str | DeviceSpec = "a100", pins: Mapping[str, int] | None = None,
+              device: str | DeviceSpec = DEFAULT_DEVICE, pins: Mapping[str, int] | None = None,
               progress: Progress | None = None) -> Compiled:
     """The second half of ``compile_model``: (assign_manual | auto_partition) -> build_plan.
 

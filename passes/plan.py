@@ -4,7 +4,10 @@ A plan is a pure function of (graph, costs, config): ``build_plan`` reads the ``
 and ``smp.cost`` metadata the compile passes wrote and summarises every stage (its nodes,
 modules, parameters, FLOPs, time, memory and the tensors crossing its boundaries), the
 objective the partitioner minimised with its lower bound, and what the schedule simulator
-(``cost_model.simulate``) predicts for one training step. The JSON form is deterministic
+(``cost_model.simulate``) predicts for one training step: the pipeline's makespan
+(``pipeline_time_s``), then each stage's optimizer step and the sums of replicated
+gradients, plus the runtime's fixed cost per step (``step_time_s``), all priced by the
+plan's device spec. The JSON form is deterministic
 (sorted keys, floats rounded to 10 significant digits when the plan is built) so golden
 files compare exactly and ``from_json(to_json(p)) == p``.
 
@@ -19,6 +22,7 @@ gradient or optimizer state; tied names of one tensor count once per stage).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -28,17 +32,19 @@ import numpy as np
 import torch
 import torch.fx
 
+from cost_model import roofline
+from cost_model.device import DEFAULT_DEVICE, DeviceSpec, load_device
 from cost_model.errors import SMPPartitionError
 from cost_model.node_cost import NodeCost
 from cost_model.schedule import generate
-from cost_model.simulate import SimResult, StageCost, simulate
+from cost_model.simulate import SimResult, StageCost, simulate, training_step_s
 from passes import meta
 from passes.auto_partition import summarize
 from passes.partition_config import PartitionConfig
 from passes.partitioning.extract import problem_from_graph
 from passes.partitioning.problem import make_objective
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 SHARED_HANDLING = "replicated on every stage that reads it; gradients summed across them"
 
 
@@ -83,6 +89,7 @@ class StagePlan:
     keeps the link busy. Sends overlap compute, so the stage's steady-state time is
     ``time_s = max(fwd_time_s + bwd_time_s, link_time_s)`` (architecture.md "Stage time
     model"). ``sent`` / ``received`` list the crossing values by producer.
+    ``optimizer_time_s`` is the stage's optimizer step, once per training step.
     """
 
     index: int
@@ -103,6 +110,7 @@ class StagePlan:
     received: tuple[BoundaryTensor, ...]
     sent: tuple[BoundaryTensor, ...]
     cost: float
+    optimizer_time_s: float = 0.0
 
     @property
     def flops(self) -> float:
@@ -143,6 +151,7 @@ class PartitionPlan:
     time_total_s: float
     memory_total_bytes: int
     strategy: str = "given"
+    pipeline_time_s: float = 0.0
     schema_version: int = SCHEMA_VERSION
 
     @property
@@ -158,12 +167,18 @@ class PartitionPlan:
                                       "PartitionPlan.stage_of",
                                       "pass the name of a node of the planned graph")
 
+    def spec(self) -> DeviceSpec:
+        """The device spec the plan was made for (recorded in ``device``)."""
+        return DeviceSpec.from_json(dict(self.device))
+
     def stage_costs(self) -> tuple[StageCost, ...]:
         """The simulator's view of the stages (same numbers the plan's step time used).
 
         Gradients cross the same boundary as the activations did, backwards; the link
-        latency is what a transfer takes beyond its link time.
+        latency is what a transfer takes beyond its link time. Fixed costs per action and
+        per message come from the device spec.
         """
+        spec = self.spec()
         latency = max((st.comm_time_s - st.link_time_s for st in self.stages
                        if st.out_bytes > 0), default=0.0)
         out = []
@@ -171,7 +186,8 @@ class PartitionPlan:
             back = self.stages[s - 1].link_time_s if s > 0 else 0.0
             static = st.memory.total - st.memory.activations
             out.append(StageCost(st.fwd_time_s, st.bwd_time_s, st.link_time_s, back, static,
-                                 st.memory.activations_per_microbatch, max(latency, 0.0)))
+                                 st.memory.activations_per_microbatch, max(latency, 0.0),
+                                 spec.microbatch_overhead_s, spec.message_overhead_s))
         return tuple(out)
 
     def simulate(self) -> SimResult:
@@ -179,6 +195,15 @@ class PartitionPlan:
         c = self.config
         sched = generate(c.pipeline, c.num_stages, c.microbatches, c.active)
         return simulate(sched, self.stage_costs())
+
+    def training_step_s(self, sim: SimResult) -> float:
+        """The training step of ``sim`` (``cost_model.simulate.training_step_s``): the
+        replicated gradients' all-reduce, each stage's optimizer, the fixed step cost."""
+        spec = self.spec()
+        sums = [(sh.stages, 2.0 * (roofline.comm_time(sh.nbytes, spec)
+                                   + spec.message_overhead_s)) for sh in self.shared_params]
+        return training_step_s(sim, [st.optimizer_time_s for st in self.stages], sums,
+                               spec.step_overhead_s)
 
     def to_json(self) -> dict[str, Any]:
         return _to_json(self)
@@ -351,22 +376,24 @@ def _param_table(gm: torch.fx.GraphModule) -> dict[str, tuple[int, int, bool]]:
     return table
 
 
-def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig, device: Any = None,
+def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
+               device: DeviceSpec | None = None,
                comm_time: Callable[[float], float] | None = None,
                strategy: str = "given") -> PartitionPlan:
     """Summarise a staged, costed graph as a ``PartitionPlan`` (the graph is only read).
 
     ``device`` is the ``cost_model.device.DeviceSpec`` the costs were computed for (recorded
-    by its ``to_json``); ``comm_time(nbytes)`` prices boundary transfers (default: the
-    config's link model); ``strategy`` records how the stages were chosen. Stage costs,
+    by its ``to_json``; default: the spec ``pconfig.device`` names, else
+    ``DEFAULT_DEVICE``); ``comm_time(nbytes)`` prices boundary transfers (default: the
+    spec's link model); ``strategy`` records how the stages were chosen. Stage costs,
     objective and lower bound come from ``passes.partitioning.problem`` (the objective the
     partitioner minimised); the memory breakdown, boundaries and FLOPs are summed here.
     Example, after the compile passes::
 
-        plan = build_plan(gm, PartitionConfig(num_stages=2), get_device("a100"),
-                          comm_time=lambda b: roofline.comm_time(b, spec))
+        plan = build_plan(gm, PartitionConfig(num_stages=2), get_device("a100"))
     """
-    comm = comm_time or pconfig.comm_time
+    spec = device if device is not None else load_device(pconfig.device or DEFAULT_DEVICE)
+    comm = comm_time or functools.partial(roofline.comm_time, spec=spec)
     p = pconfig.num_stages
     opt = float(pconfig.optimizer_state_factor)
     stages = _node_stages(gm, p)
@@ -416,6 +443,7 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig, device: Any =
         nodes = members[s]
         tids = {table[n][0] for n in stage_params[s]}
         par, grad, opt_b, buf = static_of(tids)
+        step_s = spec.optimizer_time(sum(1 for t in tids if trainable[t]), par)
         saved = sum(costs[n].saved_bytes for n in nodes)
         mem = MemoryBreakdown(par, grad, opt_b, buf, saved, inflight[s], saved * inflight[s],
                               par + grad + opt_b + buf + saved * inflight[s])
@@ -438,19 +466,19 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig, device: Any =
             memory=mem,
             received=tuple(b for b in boundaries if s in b.consumers),
             sent=tuple(b for b in boundaries if b.producer == s),
-            cost=_r(scored.stages[s].cost)))
+            cost=_r(scored.stages[s].cost), optimizer_time_s=_r(step_s)))
 
     objective = max(sp.cost for sp in stage_plans)
     shared = tuple(SharedParam(tuple(names_of[t]), bytes_of[t], tuple(sorted(readers[t])))
                    for t in readers if len(readers[t]) > 1)
-    device_json = device.to_json() if device is not None else {"name": pconfig.device}
     plan = PartitionPlan(
-        config=pconfig, device=dict(device_json), stages=tuple(stage_plans),
+        config=pconfig, device=_to_json(spec.to_json()), stages=tuple(stage_plans),
         objective=_r(objective), lower_bound=_r(scored.lower_bound), strategy=strategy,
         bottleneck_stage=max(range(p), key=lambda i: (stage_plans[i].cost, -i)),
         step_time_s=0.0, bubble_fraction=0.0, shared_params=shared,
         time_total_s=_r(objective_fn.time_total),
         memory_total_bytes=int(round(objective_fn.memory_total)))
     sim = plan.simulate()
-    return dataclasses.replace(plan, step_time_s=_r(sim.step_time_s),
+    return dataclasses.replace(plan, step_time_s=_r(plan.training_step_s(sim)),
+                               pipeline_time_s=_r(sim.step_time_s),
                                bubble_fraction=_r(sim.bubble_fraction))

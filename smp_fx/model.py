@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -29,6 +30,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from cost_model import schedule as sched
+from cost_model.device import DEFAULT_DEVICE, DeviceSpec, load_device, spec_for_device_name
 from cost_model.errors import (
     SMPConfigError,
     SMPPartitionError,
@@ -36,7 +38,7 @@ from cost_model.errors import (
 )
 from cost_model.measure import measure_nodes
 from passes import meta
-from passes.pipeline import compile_model, resolve_device
+from passes.pipeline import compile_model
 from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram, split_stages
 from passes.trace import trace
@@ -408,17 +410,17 @@ def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
                  ) -> tuple[torch.fx.GraphModule, PartitionPlan]:
     """Trace once, cost and partition with the compile pipeline; (GraphModule with STAGE, plan).
 
-    Analytic costs for the device kind this rank runs on, so the plan is a pure function of
-    the model, the first microbatch and the configuration (every rank makes the same one).
-    With ``auto_partition`` false the ``smp.partition`` pins apply. Measured costs are
-    taken on the very graph that is then costed, planned and split (``compile_model``'s
-    ``traced``), which keeps the front end's codegen (export's input and output structure).
+    Analytic costs for the device spec ``_plan_device`` picks (the same on every rank), so
+    the plan is a pure function of the model, the first microbatch, the configuration and
+    that spec (every rank makes the same one). With ``auto_partition`` false the
+    ``smp.partition`` pins apply. Measured costs are taken on the very graph that is then
+    costed, planned and split (``compile_model``'s ``traced``), which keeps the front end's
+    codegen (export's input and output structure).
     """
     st = state.get()
     cfg = st.config
     pins = None if cfg.auto_partition else pins_by_module_path(module)
-    spec = "cpu" if st.device.type == "cpu" else "a100"
-    device = resolve_device(spec)
+    device = _plan_device(st)
     gm = trace(module, args, kwargs)
     measured = None
     if options.trace_execution_times or options.trace_memory_usage:
@@ -426,6 +428,40 @@ def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     compiled = compile_model(module, args, kwargs, cfg.partition_config(device.name),
                              device=device, pins=pins, measured=measured, traced=gm)
     return compiled.gm, compiled.plan
+
+
+DEVICE_SPEC_ENV = "SMP_FX_DEVICE_SPEC"
+
+
+def _plan_device(st: Any) -> DeviceSpec:
+    """The ``DeviceSpec`` to plan for, the same on every rank.
+
+    ``SMP_FX_DEVICE_SPEC`` (a built-in name or a file written by ``smp-fx calibrate``)
+    wins; otherwise the built-in spec named in this GPU's name (H100, A100, V100), or
+    "cpu" (measured here, quick) on CPU. World rank 0 resolves it and broadcasts it: a
+    measured spec differs from rank to rank, and every rank must make the same plan. A
+    bad spec is broadcast as its error, so every rank raises it instead of waiting.
+    """
+    box: list[Any] = [None]
+    if st.rank == 0:
+        name = os.environ.get(DEVICE_SPEC_ENV)
+        if not name and st.device.type == "cuda":
+            gpu = torch.cuda.get_device_name(st.device)
+            name = spec_for_device_name(gpu)
+            if name is None:
+                log.warning("no built-in device spec for %r: planning for %r; set %s to a "
+                            "spec file from `smp-fx calibrate` to plan for this GPU", gpu,
+                            DEFAULT_DEVICE, DEVICE_SPEC_ENV)
+                name = DEFAULT_DEVICE
+        try:
+            box = [load_device(name or st.device.type).to_json()]
+        except SMPConfigError as exc:
+            box = [str(exc)]
+    if not st.in_process and st.world_size > 1:
+        dist.broadcast_object_list(box, src=0, group=st.object_group("world"))
+    if isinstance(box[0], str):
+        raise SMPConfigError(f"{box[0]} (from {DEVICE_SPEC_ENV} or the device, on rank 0)")
+    return DeviceSpec.from_json(box[0])
 
 
 def _measured_costs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],

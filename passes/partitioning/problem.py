@@ -44,6 +44,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from cost_model import roofline
+from cost_model.device import DEFAULT_DEVICE, get_device
 from passes.partition_config import PartitionConfig
 
 CommTime = Callable[[float], float]
@@ -52,8 +54,8 @@ CommTime = Callable[[float], float]
 def link_occupancy(comm_time: CommTime) -> CommTime:
     """The link time of a message from a transfer-time model: ``comm_time(2b) - comm_time(b)``.
 
-    For the affine model ``latency + b / bandwidth`` (``cost_model.roofline.comm_time``,
-    ``PartitionConfig.comm_time``) this is exactly ``b / bandwidth``: the latency cancels.
+    For the affine model ``latency + b / bandwidth`` (``cost_model.roofline.comm_time``)
+    this is exactly ``b / bandwidth``: the latency cancels.
     For any other model it is the marginal time of ``b`` more bytes, what a busy link
     spends per message. Used when a caller passes only a ``comm_time``.
     """
@@ -214,20 +216,23 @@ def make_objective(problem: DagProblem, cfg: PartitionConfig,
     """The objective for ``problem`` under ``cfg``.
 
     ``comm_time(bytes)`` is the duration of one transfer (reported, and simulated);
-    ``link_time(bytes)`` the link occupancy the objective charges. Defaults: the config's
-    link model (``cfg.comm_time``, ``cfg.link_time``); a ``comm_time`` alone implies
-    ``link_occupancy(comm_time)``.
+    ``link_time(bytes)`` the link occupancy the objective charges. Both come from a device
+    spec, the one link model (``cost_model.roofline.comm_time`` / ``link_time``); without
+    them, the default spec's (``cost_model.device.DEFAULT_DEVICE``). A ``comm_time`` alone
+    implies ``link_occupancy(comm_time)``.
     """
     k = cfg.num_stages
     factor = 2.0 + cfg.optimizer_state_factor
     t_total = float(problem.time.sum()) or 1.0
     m_total = (factor * float(np.sum(problem.param_bytes))
                + float(problem.saved.sum()) * min(cfg.microbatches, cfg.active)) or 1.0
+    if comm_time is None:
+        comm_time, default_link = roofline.link_model(get_device(DEFAULT_DEVICE))
+        link_time = link_time or default_link
     if link_time is None:
-        link_time = cfg.link_time if comm_time is None else link_occupancy(comm_time)
+        link_time = link_occupancy(comm_time)
     return Objective(k, float(cfg.memory_weight), t_total, m_total, factor,
-                     tuple(cfg.inflight(s) for s in range(k)), comm_time or cfg.comm_time,
-                     link_time)
+                     tuple(cfg.inflight(s) for s in range(k)), comm_time, link_time)
 
 
 @dataclass(frozen=True)

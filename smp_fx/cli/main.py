@@ -15,6 +15,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
             "SageMaker import names"),
     "partition": ("smp_fx.cli.partition", "make a partition plan offline and explain it"),
     "checkpoint": ("smp_fx.cli.checkpoint", "merge partial checkpoint files into one full file"),
+    "calibrate": ("smp_fx.cli.calibrate", "measure this machine into a device spec file for "
+                  "partition --device"),
 }
 
 

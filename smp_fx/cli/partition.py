@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from cost_model.device import DEFAULT_DEVICE, load_device
 from cost_model.errors import SMPConfigError, SMPError
 from passes.partition_config import PartitionConfig
 from passes.pipeline import Compiled, baseline_plans, compile_model
@@ -94,7 +95,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--input-split-axis", action="append", default=[], metavar="NAME=AXIS",
                    help="forward parameter split along AXIS instead of 0 (repeatable)")
     p.add_argument("--frontend", choices=("auto", "fx", "export"), default="auto")
-    p.add_argument("--device", default="a100", help="device spec: h100, a100, v100 or cpu")
+    p.add_argument("--device", default=DEFAULT_DEVICE,
+                   help="device spec: h100, a100, v100, cpu (measured here, quick), or a "
+                        "spec file written by `smp-fx calibrate -o FILE.json`")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     p.add_argument("--dot", metavar="FILE", help="write the graph coloured by stage (dot)")
     p.add_argument("--timeline", metavar="FILE.png", help="draw the simulated pipeline")
@@ -248,7 +251,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     """Do the work of the command; errors propagate (``main`` turns them into exit 2)."""
     out = out or sys.stdout
     progress = _Progress(args.quiet)
-    pconfig = partition_config(smp_parameters(args), args.device, args.optimizer_state_factor)
+    spec = load_device(args.device)
+    pconfig = partition_config(smp_parameters(args), spec.name, args.optimizer_state_factor)
     module = load_model_file(args.model)
     build = _function(module, args.build_fn, args.model)
     make_inputs = _function(module, args.inputs_fn, args.model)
@@ -271,7 +275,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     mb_args, mb_kwargs = split_inputs(inputs, {}, pconfig.microbatches, args.non_split_input,
                                       axes, model.forward)[0]
     pins = None if pconfig.auto_partition else pins_by_module_path(model)
-    compiled = compile_model(model, mb_args, mb_kwargs, pconfig, device=args.device,
+    compiled = compile_model(model, mb_args, mb_kwargs, pconfig, device=spec,
                              frontend=args.frontend, pins=pins, progress=progress)
     plan = compiled.plan
     print(render.format_table(plan), file=out)

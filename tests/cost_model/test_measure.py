@@ -65,3 +65,35 @@ def test_measuring_leaves_the_model_untouched() -> None:
     assert set(measured) == {"_0", "_1", "_2"}
     torch.testing.assert_close(model.state_dict(), before, rtol=0, atol=0)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_node_times_sum_to_the_graph_time() -> None:
+    """Per-node measured times are the nodes' own (the harness is taken off), so they sum
+    to about what the whole graph takes: with the autograd engine's start-up charged to
+    every node instead, a chain of tiny ops would sum to several times the graph."""
+    import statistics
+    import time
+
+    class Chain(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(24):
+                x = torch.tanh(x)
+            return x
+
+    x = torch.randn(2, 4, requires_grad=True)
+    gm = trace(Chain(), (x,))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # so both sides time this process's CPU (clock())
+    try:
+        measured = measure_nodes(gm, (x,), warmup=2, repeats=15, memory=False)
+
+        def whole() -> float:
+            t0 = time.process_time()
+            gm(x).sum().backward()
+            return time.process_time() - t0
+
+        direct = statistics.median(whole() for _ in range(30))
+    finally:
+        torch.set_num_threads(threads)
+    summed = sum(f + b for f, b, _ in measured.values())
+    assert 0.3 < summed / direct < 3.0, (summed, direct)

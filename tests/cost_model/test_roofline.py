@@ -1,10 +1,19 @@
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from cost_model.device import DeviceSpec
 from cost_model.errors import SMPInternalError
-from cost_model.roofline import comm_time, roofline_time
+from cost_model.roofline import (
+    comm_time,
+    kind_of,
+    link_model,
+    link_time,
+    node_times,
+    roofline_time,
+)
 
 SPEC = DeviceSpec("test", peak_flops_fp32=1e12, peak_flops_bf16=4e12, mem_bandwidth=1e11,
                   memory_bytes=10**10, link_bandwidth=1e10, link_latency_s=1e-5)
@@ -21,3 +30,31 @@ def test_compute_and_memory_bound() -> None:
 def test_comm_time() -> None:
     assert comm_time(0, SPEC) == 0.0
     assert comm_time(1e10, SPEC) == pytest.approx(1.0 + 1e-5)
+
+
+def test_link_model_is_the_specs() -> None:
+    comm, link = link_model(SPEC)
+    assert comm(1e10) == comm_time(1e10, SPEC) and link(1e10) == pytest.approx(1.0)
+    assert link_time(0, SPEC) == 0.0
+
+
+def test_node_times_fixed_part_efficiency_and_rates() -> None:
+    spec = dataclasses.replace(
+        SPEC, matmul_efficiency=((16.0, 0.25), (256.0, 1.0)),
+        op_overheads=(("default", 1e-6, 2e-6), ("linear", 3e-6, 4e-6), ("module", 5e-6, 0.0),
+                      ("view", 0.5e-6, 0.5e-6)),
+        op_rates=(("relu", 1e-9, 2e-9, 0.0),))
+    # roofline at a quarter of the peak (smallest matmul dimension 16) plus the fixed part
+    fwd, bwd = node_times("linear", spec, fwd_flops=1e6, bwd_flops=2e6, out_elems=0,
+                          moved=0, gemm_dim=16, module=True)
+    assert fwd == pytest.approx(3e-6 + 5e-6 + 1e6 / 0.25e12)
+    assert bwd == pytest.approx(4e-6 + 2e6 / 0.25e12)
+    assert node_times("addmm", spec, fwd_flops=1e6, bwd_flops=2e6, out_elems=0, moved=0,
+                      gemm_dim=16, backward=False) == (pytest.approx(7e-6), 0.0)
+    # a measured rate replaces the roofline: per output element here
+    assert node_times("relu", spec, fwd_flops=1e3, bwd_flops=1e3, out_elems=1000,
+                      moved=8000) == (pytest.approx(1e-6 + 1e-6), pytest.approx(2e-6 + 2e-6))
+    # views move nothing; element-wise ops without a kind of their own are "default"
+    assert node_times("transpose", spec, fwd_flops=0, bwd_flops=0, out_elems=10,
+                      moved=80) == (0.5e-6, 0.5e-6)
+    assert kind_of("add") == kind_of("sum") == "default" and kind_of("mm") == "matmul"

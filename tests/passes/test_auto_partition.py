@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch.fx
 
+from cost_model.device import A100
 from cost_model.errors import SMPPartitionError
+from cost_model.roofline import link_model
 from passes import meta
 from passes.auto_partition import (
     PartitionResult,
@@ -19,7 +23,7 @@ from passes.partitioning.extract import COMPUTE_OPS, problem_from_graph
 from passes.partitioning.problem import DagProblem, evaluate, make_objective
 from tests.passes.partitioning.graphs import tiny_gpt, two_branch
 
-FAST_LINK = {"link_bandwidth": 1e15, "link_latency_s": 0.0}
+FAST_LINK = link_model(dataclasses.replace(A100, link_bandwidth=1e15, link_latency_s=0.0))
 
 
 def stages_of(gm: torch.fx.GraphModule) -> dict[str, int]:
@@ -65,8 +69,8 @@ def test_memory_weight_zero_balances_time_one_balances_memory() -> None:
     problem = DagProblem.chain(time, params=params)
     spread = {}
     for w in (0.0, 1.0):
-        obj = make_objective(problem, PartitionConfig(num_stages=3, memory_weight=w,
-                                                      **FAST_LINK))
+        obj = make_objective(problem, PartitionConfig(num_stages=3, memory_weight=w),
+                             *FAST_LINK)
         st, _ = solve_problem(problem, obj)
         ev = evaluate(problem, st, obj)
         spread[w] = (ev.time_s.max() / ev.time_s.sum(), ev.param_bytes.max() / params.sum())
@@ -158,9 +162,9 @@ def test_link_latency_does_not_make_a_tiny_model_degenerate() -> None:
     for w in (0.0, 0.8):
         plans = []
         for latency in (0.0, 1e-2):
-            cfg = PartitionConfig(num_stages=4, microbatches=4, memory_weight=w,
-                                  link_latency_s=latency)
-            new, result = partition_graph(tiny_gpt(), cfg)
+            cfg = PartitionConfig(num_stages=4, microbatches=4, memory_weight=w)
+            spec = dataclasses.replace(A100, link_bandwidth=25e9, link_latency_s=latency)
+            new, result = partition_graph(tiny_gpt(), cfg, link_model(spec)[0])
             assert_valid(new, 4)
             time = np.array([s.time_s for s in result.stages])
             assert time.max() < 0.4 * time.sum(), time / time.sum()
@@ -175,8 +179,9 @@ def test_slow_link_plan_still_puts_real_work_on_every_stage() -> None:
     # link-bound whatever it computes, and plain min-max could leave stages 0..k-2 with
     # glue only (getattr, view)
     gm = tiny_gpt()
-    cfg = PartitionConfig(num_stages=4, microbatches=4, link_bandwidth=1e3)
-    new, result = partition_graph(gm, cfg)
+    cfg = PartitionConfig(num_stages=4, microbatches=4)
+    new, result = partition_graph(gm, cfg, link_model(dataclasses.replace(
+        A100, link_bandwidth=1e3))[0])
     assert_valid(new, 4)
     problem = problem_from_graph(new)
     heavy = problem.heavy()
@@ -188,7 +193,7 @@ def test_slow_link_plan_still_puts_real_work_on_every_stage() -> None:
 def test_balance_never_worsens_the_sorted_stage_costs() -> None:
     # a huge node fixes the bottleneck; the other stages are balanced, not left lopsided
     problem = DagProblem.chain([20.0] + [1.0] * 12)
-    obj = make_objective(problem, PartitionConfig(num_stages=4, **FAST_LINK))
+    obj = make_objective(problem, PartitionConfig(num_stages=4), *FAST_LINK)
     st, _ = solve_problem(problem, obj)
     plain, _ = solve_problem(problem, obj, do_refine=False)
     costs = evaluate(problem, st, obj).cost

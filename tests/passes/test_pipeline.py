@@ -89,7 +89,7 @@ def test_a_given_trace_is_planned_with_its_codegen_and_meta(auto: bool) -> None:
 
 
 def test_unknown_device_is_a_config_error() -> None:
-    with pytest.raises(SMPConfigError, match="unknown device"):
+    with pytest.raises(SMPConfigError, match="built-in name or a JSON file"):
         compile_model(_model(), (torch.randn(2, 8),), None, PartitionConfig(num_stages=2),
                       device="tpu9")
 

@@ -6,6 +6,7 @@ plan is tested on its own inputs, independent of the front end and the partition
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +17,7 @@ import torch.fx
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
+from cost_model.device import A100, DEFAULT_DEVICE, get_device
 from cost_model.errors import SMPPartitionError
 from cost_model.node_cost import NodeCost
 from cost_model.schedule import generate
@@ -106,13 +108,14 @@ def test_stage_contents_by_hand(two_stage: torch.fx.GraphModule) -> None:
     assert (sent.value, sent.shape, sent.nbytes, sent.consumers) == ("layers_1", (2, 3, 8),
                                                                       192, (1,))
     assert s1.received == (sent,) and s1.sent == ()
-    cfg = plan.config
-    assert s0.comm_time_s == pytest.approx(cfg.link_latency_s + 192 / cfg.link_bandwidth)
-    assert s0.link_time_s == pytest.approx(192 / cfg.link_bandwidth)
+    spec = get_device(DEFAULT_DEVICE)  # the link model is the device spec's
+    assert plan.spec().name == spec.name and plan.spec().op_overheads == spec.op_overheads
+    assert s0.comm_time_s == pytest.approx(spec.link_latency_s + 192 / spec.link_bandwidth)
+    assert s0.link_time_s == pytest.approx(192 / spec.link_bandwidth)
     assert s1.comm_time_s == s1.link_time_s == 0.0
     # sends overlap compute: a stage is busy for the larger of the two per microbatch
     assert s0.time_s == pytest.approx(max(18e-3, s0.link_time_s))
-    assert plan.stage_costs()[1].latency_s == pytest.approx(cfg.link_latency_s)
+    assert plan.stage_costs()[1].latency_s == pytest.approx(spec.link_latency_s)
 
 
 def test_shared_params_and_objective(two_stage: torch.fx.GraphModule) -> None:
@@ -137,7 +140,8 @@ def test_step_time_comes_from_the_simulator(two_stage: torch.fx.GraphModule,
     cfg = PartitionConfig(num_stages=2, microbatches=4, pipeline=pipeline)
     plan = build_plan(two_stage, cfg)
     sim = simulate(generate(pipeline, 2, 4), plan.stage_costs())
-    assert plan.step_time_s == pytest.approx(sim.step_time_s, rel=1e-9)
+    assert plan.pipeline_time_s == pytest.approx(sim.step_time_s, rel=1e-9)
+    assert plan.step_time_s == pytest.approx(plan.training_step_s(sim), rel=1e-9)
     assert plan.bubble_fraction == pytest.approx(sim.bubble_fraction, rel=1e-9)
     assert 0.0 < plan.bubble_fraction < 1.0
     assert [s.memory.total for s in plan.stages] == list(sim.peak_memory_bytes)
@@ -150,7 +154,7 @@ def test_json_round_trip_and_determinism(two_stage: torch.fx.GraphModule) -> Non
     assert PartitionPlan.loads(plan.dumps()) == plan
     assert build_plan(two_stage, cfg).dumps() == plan.dumps()
     data = json.loads(plan.dumps())
-    assert list(data) == sorted(data) and data["schema_version"] == 1
+    assert list(data) == sorted(data) and data["schema_version"] == 2
     with pytest.raises(SMPPartitionError, match="schema version"):
         PartitionPlan.from_json({**data, "schema_version": 99})
 
@@ -158,8 +162,8 @@ def test_json_round_trip_and_determinism(two_stage: torch.fx.GraphModule) -> Non
 def test_value_crossing_two_cuts_is_counted_on_both() -> None:
     # x, a on stage 0; b on 1; add, output on 2: a's output skips stage 1
     gm = staged(lambda i, n: (0, 0, 1, 2, 2)[i], Skip(), torch.randn(3, 4))
-    cfg = PartitionConfig(num_stages=3, link_bandwidth=1.0, link_latency_s=0.0)
-    s0, s1, s2 = build_plan(gm, cfg).stages
+    spec = dataclasses.replace(A100, link_bandwidth=1.0, link_latency_s=0.0)
+    s0, s1, s2 = build_plan(gm, PartitionConfig(num_stages=3), spec).stages
     assert [(b.value, b.consumers) for b in s0.sent] == [("a", (1, 2))]
     assert [b.value for b in s2.received] == ["a", "b"]
     assert (s0.comm_time_s, s1.comm_time_s) == (48.0, 96.0)  # 48 B per (3, 4) float tensor
@@ -186,3 +190,24 @@ def test_summarise_modules() -> None:
                                         "transformer.h.4", "lm_head")
     assert summarise_modules(["0", "1", "2", "5"]) == ("[0-2]", "5")
     assert summarise_modules([""]) == ("<root>",)
+
+
+def test_training_step_prices_optimizer_reduction_and_runtime(
+        two_stage: torch.fx.GraphModule) -> None:
+    """The step is the pipeline (each action + 1 ms, each message + 2 ms), then the tied
+    weight's all-reduce over both stages, each stage's Adam step, and 5 ms per step."""
+    spec = dataclasses.replace(A100, microbatch_overhead_s=1e-3, message_overhead_s=2e-3,
+                               step_overhead_s=5e-3, optimizer_tensor_s=1e-3,
+                               optimizer_byte_s=1e-6)
+    plan = build_plan(two_stage, PartitionConfig(num_stages=2, microbatches=4,
+                                                 pipeline="simple"), spec)
+    s0, s1 = plan.stages
+    # stage 0: the tied embedding (320 B) and two Linear(8, 8) (2 x 288 B), 5 tensors
+    assert s0.optimizer_time_s == pytest.approx(5e-3 + 896e-6)
+    assert plan.stage_costs()[0].duration("F", 0, 2) == pytest.approx(
+        s0.fwd_time_s + 1e-3 + 2e-3)  # stage 0 only sends
+    sim = plan.simulate()
+    ends = sim.finish_times()
+    reduce_s = 2 * (spec.link_latency_s + 320 / spec.link_bandwidth + 2e-3)
+    assert plan.step_time_s == pytest.approx(
+        max(ends) + reduce_s + max(s0.optimizer_time_s, s1.optimizer_time_s) + 5e-3)

@@ -208,6 +208,24 @@ def test_partitioning_traces_once(fresh: None, monkeypatch: pytest.MonkeyPatch) 
     model = smp.DistributedModel(_net(), trace_execution_times=True)
     _step(model, torch.randn(4, 4))
     assert model.partitioned and model.plan is not None
+def test_plan_device_from_the_environment(fresh: None, tmp_path: Any,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """SMP_FX_DEVICE_SPEC names the spec the runtime plans for: a built-in or a file."""
+    import dataclasses
+    import json
+
+    from cost_model.device import H100
+
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(dataclasses.replace(H100, name="box").to_json()))
+    for value, name in ((str(path), "box"), ("v100", "v100")):
+        monkeypatch.setenv("SMP_FX_DEVICE_SPEC", value)
+        model = smp.DistributedModel(_net())
+        _step(model, torch.randn(4, 4))
+        assert model.plan.spec().name == name
+    monkeypatch.setenv("SMP_FX_DEVICE_SPEC", str(tmp_path / "nope.json"))
+    with pytest.raises(smp.SMPConfigError, match="SMP_FX_DEVICE_SPEC"):
+        _step(smp.DistributedModel(_net()), torch.randn(4, 4))
 
 
 def test_unimplemented_configured_feature_is_an_error_at_wrap() -> None:

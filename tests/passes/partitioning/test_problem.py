@@ -7,6 +7,8 @@ import dataclasses
 import numpy as np
 import pytest
 
+from cost_model.device import A100
+from cost_model.roofline import link_model
 from passes.partition_config import PartitionConfig
 from passes.partitioning.problem import (
     DagProblem,
@@ -21,9 +23,9 @@ def test_objective_by_hand() -> None:
     p = DagProblem.chain(time=[1.0, 2.0, 3.0], saved=[10.0, 20.0, 30.0],
                          out_bytes=[100.0, 200.0, 300.0], params=[1000.0, 0.0, 500.0])
     cfg = PartitionConfig(num_stages=2, memory_weight=0.25, microbatches=3,
-                          pipeline="interleaved", optimizer_state_factor=2.0,
-                          link_bandwidth=100.0, link_latency_s=0.5)
-    obj = make_objective(p, cfg)
+                          pipeline="interleaved", optimizer_state_factor=2.0)
+    spec = dataclasses.replace(A100, link_bandwidth=100.0, link_latency_s=0.5)
+    obj = make_objective(p, cfg, *link_model(spec))
     assert obj.time_total == 6.0
     assert obj.memory_total == 4 * 1500.0 + 60.0 * 3  # params x (1 + 1 + 2), saved x m
     assert obj.inflight == (2, 1)  # min(p - s, m)
@@ -41,19 +43,19 @@ def test_objective_by_hand() -> None:
     assert cc.comm.tolist() == pytest.approx([0.0, 0.75 * 1.0 / 6.0, 0.75 * 2.0 / 6.0, 0.0])
     assert cc.time.tolist() == pytest.approx([0.75 * t / 6.0 for t in (1.0, 2.0, 3.0)])
     # a slower link: the send now outlasts the stage's compute and sets its time
-    slow = make_objective(p, dataclasses.replace(cfg, link_bandwidth=40.0))
+    slow = make_objective(p, cfg, *link_model(dataclasses.replace(spec, link_bandwidth=40.0)))
     ev = evaluate(p, np.array([0, 0, 1]), slow)
     assert ev.cost[0] == pytest.approx(0.75 * 5.0 / 6.0 + 0.25 * m0)
 
 
 def test_link_occupancy_of_a_transfer_model_drops_the_latency() -> None:
-    cfg = PartitionConfig(num_stages=2, link_bandwidth=1e9, link_latency_s=5e-6)
-    occ = link_occupancy(cfg.comm_time)
+    cfg = PartitionConfig(num_stages=2)
+    comm, link = link_model(dataclasses.replace(A100, link_bandwidth=1e9, link_latency_s=5e-6))
+    occ = link_occupancy(comm)
     for nbytes in (0.0, 1.0, 4096.0, 1e9):
-        assert occ(nbytes) == pytest.approx(cfg.link_time(nbytes), rel=1e-6, abs=1e-15)
+        assert occ(nbytes) == pytest.approx(link(nbytes), rel=1e-6, abs=1e-15)
     p = DagProblem.chain(time=[1.0, 1.0])
-    assert make_objective(p, cfg, comm_time=cfg.comm_time).link_time(1e6) == pytest.approx(
-        1e-3)
+    assert make_objective(p, cfg, comm_time=comm).link_time(1e6) == pytest.approx(1e-3)
 
 
 def test_shared_parameter_is_charged_to_every_owner() -> None:

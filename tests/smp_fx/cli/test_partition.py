@@ -6,6 +6,7 @@ console script in a subprocess.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 import smp_fx as smp
+from cost_model.device import A100
 from passes.partitioning.extract import COMPUTE_OPS
 from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram
@@ -196,6 +198,29 @@ def test_the_cli_plans_what_distributed_model_runs(tmp_path: Path,
            for stage in program.stages]
     computed = {n for names in ran for n in names}
     assert ran == [[n for n in s.nodes if n in computed] for s in offline.stages]
+def test_device_spec_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """--device takes a spec file (smp-fx calibrate -o FILE.json): the plan is priced with
+    it, records it, and a slower link than the built-in's shows in the boundary times."""
+    spec = dataclasses.replace(A100, name="my-box", link_bandwidth=1e6, link_latency_s=1e-3,
+                               step_overhead_s=0.5)
+    path = tmp_path / "spec.json"
+    path.write_text(json.dumps(spec.to_json()), encoding="utf-8")
+    plans = {}
+    for device in (str(path), "a100"):
+        code, out, err = _run(capsys, str(MODELS / "mlp.py"), "--partitions", "2",
+                              "--device", device, "--json", str(tmp_path / "plan.json"))
+        assert code == 0, err
+        plans[device] = PartitionPlan.loads((tmp_path / "plan.json").read_text())
+    mine = plans[str(path)]
+    assert out.startswith("plan: 2 stages on a100") and mine.config.device == "my-box"
+    assert mine.spec().name == "my-box" and mine.spec().link_bandwidth == 1e6
+    s0 = mine.stages[0]
+    assert s0.comm_time_s == pytest.approx(1e-3 + s0.out_bytes / 1e6, rel=1e-6)
+    assert mine.step_time_s >= 0.5 > plans["a100"].step_time_s
+    path.write_text(json.dumps({**spec.to_json(), "schema_version": 1}), encoding="utf-8")
+    code, _, err = _run(capsys, str(MODELS / "mlp.py"), "--partitions", "2", "--device",
+                        str(path))
+    assert code == 2 and "schema_version" in err and "smp-fx calibrate" in err
 
 
 @pytest.mark.parametrize(
@@ -213,6 +238,8 @@ def test_the_cli_plans_what_distributed_model_runs(tmp_path: Path,
         (["{mlp}", "--partitions", "2", "--non-split-input", "x"], "no parameter of this name"),
         (["{mlp}", "--partitions", "2", "--input-split-axis", "input=x"],
          "must be an integer"),
+        (["{mlp}", "--partitions", "2", "--device", "/nonexistent/spec.json"],
+         "built-in name or a JSON file"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str],

@@ -1,0 +1,142 @@
+"""Measure the machine this process runs on into a ``DeviceSpec``.
+
+``calibrate`` assembles a spec from the figures ``cost_model.microbench`` measures
+(matmul and element-wise throughput at several sizes, memory bandwidth, the fixed cost and
+the work rate of each op kind, an Adam step), starting from ``LOOPBACK`` for what it does
+not measure; ``with_link`` adds the link between two ranks. The smp-fx runtime's own costs (per
+action, per step) need the runtime, which this layer may not import: ``smp-fx calibrate``
+fits them and fills them in. ``quick_cpu_spec`` is the built-in "cpu" spec.
+
+Example::
+
+    spec = calibrate(quick=True)       # about a second on a CPU
+    spec.to_json()                     # what `smp-fx calibrate -o FILE.json` writes
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cost_model.device import DeviceSpec, GiB
+from cost_model.microbench import (
+    FULL,
+    QUICK,
+    measure_elementwise,
+    measure_link,
+    measure_matmul,
+    measure_op_costs,
+    measure_optimizer,
+)
+from cost_model.roofline import GEMM_KINDS
+
+ADAM_OPS, ADAM_BYTES = 12, 16.0
+"""A single-tensor Adam step: about 12 ops per tensor moving 16 bytes per parameter byte
+(lerp, mul, addcmul, sqrt, div, addcdiv, the step counter); the quick estimate."""
+
+LOOPBACK = DeviceSpec(
+    "cpu", 1e11, 1e11, 1e10, 16 * GiB, 5e9, 50e-6, message_overhead_s=50e-6,
+    microbatch_overhead_s=150e-6, step_overhead_s=500e-6,
+    sources=(("link_bandwidth", "estimate for gloo over loopback; `smp-fx calibrate "
+                                "--nproc 2` measures it"),
+             ("link_latency_s", "estimate for gloo over loopback"),
+             ("message_overhead_s", "estimate: posting a gloo send or receive costs "
+                                    "30-90 us of a rank's time (docs/architecture.md)"),
+             ("microbatch_overhead_s", "estimate of the smp-fx runtime per action on a "
+                                       "small CPU; `smp-fx calibrate` measures it"),
+             ("step_overhead_s", "estimate of the smp-fx runtime per step on a small CPU; "
+                                 "`smp-fx calibrate` measures it")))
+"""Starting point of a CPU calibration: what is not measured keeps these estimates."""
+
+
+def _memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return 16 * GiB
+
+
+def calibrate(name: str = "cpu", device: torch.device | str = "cpu", *,
+              quick: bool = False, base: DeviceSpec | None = None) -> DeviceSpec:
+    """Measure ``device`` into a ``DeviceSpec`` called ``name``.
+
+    The link (``with_link``) and the runtime's overheads keep ``base``'s figures
+    (``LOOPBACK``, gloo-over-loopback estimates, by default).
+    """
+    device = torch.device(device)
+    budget = QUICK if quick else FULL
+    ops, rates = measure_op_costs(budget, device)
+    op_s = dict((k, f) for k, f, _ in ops)
+    peak, peak_half, mm_table = measure_matmul(budget, device)
+    bandwidth, ew_table = measure_elementwise(budget, device)
+    if quick:  # constructing the first optimizer imports for seconds: estimate it
+        opt_tensor, opt_byte = ADAM_OPS * op_s["default"], ADAM_BYTES / bandwidth
+    else:
+        opt_tensor, opt_byte = measure_optimizer(budget, device)
+    how = (f"measured by cost_model.calibrate ({'quick' if quick else 'full'}) on "
+           f"{device.type}, {torch.get_num_threads()} thread(s)")
+    start = base or LOOPBACK
+    spec = dataclasses.replace(
+        start, name=name, peak_flops_fp32=peak, peak_flops_bf16=peak_half,
+        mem_bandwidth=bandwidth, memory_bytes=_memory_bytes(device),
+        matmul_efficiency=mm_table, elementwise_efficiency=ew_table, op_overheads=ops,
+        op_rates=rates,
+        optimizer_tensor_s=opt_tensor, optimizer_byte_s=opt_byte)
+    measured = ["peak_flops_fp32", "peak_flops_bf16", "mem_bandwidth", "memory_bytes",
+                "matmul_efficiency", "elementwise_efficiency", "op_overheads", "op_rates"]
+    estimate = (f"estimate: a single-tensor Adam step is about {ADAM_OPS} ops per tensor and "
+                f"{ADAM_BYTES:.0f} bytes moved per parameter byte, at the measured op cost "
+                "and bandwidth")
+    optimizer = {k: estimate if quick else how for k in ("optimizer_tensor_s",
+                                                         "optimizer_byte_s")}
+    return spec.with_sources(**{k: how for k in measured}, **optimizer)
+
+
+def with_link(spec: DeviceSpec, device: torch.device | str = "cpu", *, quick: bool = False,
+              group: Any = None) -> DeviceSpec:
+    """``spec`` with the link measured between ranks 0 and 1 of ``group`` (None: the
+    default group; torch.distributed initialised, two or more ranks, every rank calls)."""
+    budget = QUICK if quick else FULL
+    latency, bandwidth, per_message = measure_link(budget, torch.device(device), group)
+    note = f"measured by cost_model.calibrate, {dist.get_backend(group)} between ranks 0 and 1"
+    spec = dataclasses.replace(spec, link_latency_s=latency, link_bandwidth=bandwidth,
+                               message_overhead_s=per_message)
+    return spec.with_sources(link_latency_s=note, link_bandwidth=note, message_overhead_s=note)
+
+
+@functools.lru_cache(maxsize=1)
+def quick_cpu_spec() -> DeviceSpec:
+    """The built-in "cpu" spec: a quick calibration of this CPU, once per process."""
+    return calibrate("cpu", "cpu", quick=True)
+
+
+def figures(spec: DeviceSpec) -> list[tuple[str, str]]:
+    """Human-readable (figure, value) rows of a spec, for the CLI."""
+    rows = [("peak fp32", f"{spec.peak_flops_fp32 / 1e9:.1f} GFLOP/s"),
+            ("memory bandwidth", f"{spec.mem_bandwidth / 1e9:.1f} GB/s"),
+            ("link", f"{spec.link_bandwidth / 1e9:.2f} GB/s, "
+                     f"{spec.link_latency_s * 1e6:.1f} us latency, "
+                     f"{spec.message_overhead_s * 1e6:.1f} us per message"),
+            ("runtime", f"{spec.microbatch_overhead_s * 1e6:.0f} us per action, "
+                        f"{spec.step_overhead_s * 1e6:.0f} us per step"),
+            ("optimizer (Adam)", f"{spec.optimizer_tensor_s * 1e6:.1f} us per tensor + "
+                                 f"{spec.optimizer_byte_s * 1e12:.1f} ps per byte")]
+    rows += [(f"matmul, smallest dim {int(d)}", f"{f:.0%} of peak")
+             for d, f in spec.matmul_efficiency]
+    rows += [(f"op {k}", f"{fw * 1e6:.1f} us fwd, {bw * 1e6:.1f} us bwd")
+             for k, fw, bw in spec.op_overheads]
+    for kind, fw, bw, _ in spec.op_rates:
+        if kind in GEMM_KINDS:
+            rows.append((f"work {kind}", f"{1e-9 / max(fw, 1e-30):.1f} GFLOP/s fwd, "
+                                         f"{1e-9 / max(bw, 1e-30):.1f} bwd"))
+        else:
+            rows.append((f"work {kind}", f"{fw * 1e9:.2f} ns fwd, {bw * 1e9:.2f} ns bwd "
+                                         "per element"))
+    return rows

@@ -1,0 +1,235 @@
+"""``smp-fx calibrate [-o FILE.json]``: measure this machine into a device spec file.
+
+Why: ``smp-fx partition`` predicts what a plan will cost before one runs it, and those
+predictions are only as good as the device spec they are priced with. The built-in specs
+carry datasheet figures; this command measures the machine it runs on instead:
+
+1. the device (``cost_model.calibrate``): matmul and element-wise throughput at several
+   sizes, memory bandwidth, the fixed cost of each kind of op, an Adam step;
+2. with two or more processes (``--nproc 2``, or under ``smp-fx run -n 2``), the
+   point-to-point link of the backend between ranks 0 and 1: latency, bandwidth and the
+   time a rank spends per message;
+3. the smp-fx runtime: a tiny model is trained with ``smp.step`` (pipeline degree = the
+   number of processes) at 1 and 8 microbatches, and the runtime's cost per action and
+   per step are fitted so that the plan's predicted step time equals the measured one.
+
+The spec is written as JSON (``DeviceSpec.to_json``); use it with
+``smp-fx partition --device FILE.json`` or ``SMP_FX_DEVICE_SPEC=FILE.json`` for
+``DistributedModel``. Measured with the torch thread count the process has: under
+``smp-fx run -n 2`` (and ``--nproc 2``) that is one thread per process, as in training.
+
+Example::
+
+    smp-fx calibrate --nproc 2 -o cpu2.json
+    smp-fx partition examples/models/gpt.py --partitions 2 --device cpu2.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn import functional as F
+
+from cost_model import calibrate as measure
+from cost_model import microbench
+from cost_model.device import DeviceSpec
+from cost_model.errors import SMPError
+
+FIT_MICROBATCHES = (1, 8)
+FIT_BATCH = 16  # samples per step: two per microbatch at 8
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="smp-fx calibrate",
+        description="Measure this machine (device, link, smp-fx runtime) into a device "
+                    "spec JSON file for smp-fx partition --device and SMP_FX_DEVICE_SPEC.")
+    p.add_argument("-o", "--output", metavar="FILE.json", help="write the spec here "
+                   "(default: print it)")
+    p.add_argument("--nproc", type=int, default=1,
+                   help="processes to measure with (2 or more: the link between two of "
+                        "them, and the runtime at pipeline degree N)")
+    p.add_argument("--name", help="spec name (default: calibrated-<device type>)")
+    p.add_argument("--device", choices=("cpu", "cuda"),
+                   help="device to measure (default: cuda if available)")
+    p.add_argument("--quick", action="store_true",
+                   help="fewer sizes and repeats (about a second; for tests)")
+    p.add_argument("--steps", type=int, default=30,
+                   help="timed smp.step steps per microbatch count in the runtime fit")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``smp-fx calibrate``; returns the exit status."""
+    args = build_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        if args.nproc < 1:
+            raise SMPError.build("--nproc must be >= 1", args.nproc, "smp-fx calibrate",
+                                 "use 1, or 2 to measure the link")
+        if args.nproc > 1 and world == 1:
+            return _relaunch(args, argv)
+        spec = calibrate(args, world)
+    except SMPError as exc:
+        print(f"smp-fx calibrate: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    if spec is not None:
+        _report(spec, args.output)
+    return 0
+
+
+def _relaunch(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
+    """Run this command on ``--nproc`` processes through torchrun, as ``smp-fx run`` does."""
+    given = list(sys.argv[1:] if argv is None else argv)
+    rest: list[str] = []  # the children learn their number from torchrun, not --nproc
+    skip = False
+    for arg in given:
+        if skip or arg.startswith("--nproc="):
+            skip = False
+            continue
+        skip = arg == "--nproc"
+        if not skip:
+            rest.append(arg)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           str(args.nproc), "-m", "smp_fx.cli.calibrate", *rest]
+    return subprocess.run(cmd, check=False).returncode
+
+
+def calibrate(args: argparse.Namespace, world: int) -> DeviceSpec | None:
+    """Measure on this process (one of ``world``); the spec on rank 0, None elsewhere."""
+    import smp_fx as smp
+    from smp_fx import launch, state
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    name = args.name or f"calibrated-{device.type}"
+    spec = measure.calibrate(name, device, quick=args.quick)
+    spec = dataclasses.replace(spec, microbatch_overhead_s=0.0, step_overhead_s=0.0)
+    if world > 1:
+        # one default group for the whole run: each smp.init below only adds its own
+        # groups, which state._reset() removes again (re-creating the default group under
+        # torchrun would rendezvous on keys the first one left in the store)
+        dist.init_process_group(launch.choose_backend())
+        spec = measure.with_link(spec, device, quick=args.quick)
+    timings: dict[int, float] = {}
+    plans: dict[int, Any] = {}
+    for m in FIT_MICROBATCHES:
+        smp.init({"pipeline_parallel_degree": world, "microbatches": m,
+                  "pipeline": "interleaved"})
+        try:
+            timings[m], plans[m] = _time_runtime(spec, device, m, args)
+        finally:
+            state._reset()
+    if int(os.environ.get("RANK", "0")) != 0:
+        return None
+    per_action, per_step = fit_runtime(spec, plans, timings)
+    how = (f"fitted by smp-fx calibrate: smp.step on {world} process(es), a tiny model at "
+           f"{' and '.join(map(str, FIT_MICROBATCHES))} microbatches")
+    spec = dataclasses.replace(spec, microbatch_overhead_s=per_action,
+                               step_overhead_s=per_step)
+    return spec.with_sources(microbatch_overhead_s=how, step_overhead_s=how)
+
+
+def _tiny(stages: int) -> nn.Module:
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU())
+                           for _ in range(2 * stages)], nn.Linear(16, 4))
+
+
+def _time_runtime(spec: DeviceSpec, device: torch.device, microbatches: int,
+                  args: argparse.Namespace) -> tuple[float, Any]:
+    """(median seconds of ``smp.step`` on a tiny model, its plan), on every rank."""
+    import smp_fx as smp
+
+    torch.manual_seed(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "spec.json"
+        path.write_text(json.dumps(spec.to_json()), encoding="utf-8")
+        old = os.environ.get("SMP_FX_DEVICE_SPEC")
+        os.environ["SMP_FX_DEVICE_SPEC"] = str(path)  # plan for what was just measured
+        try:
+            model = smp.DistributedModel(_tiny(smp.pp_size()).to(device))
+            x = torch.randn(FIT_BATCH, 16, device=device)
+            y = torch.randint(0, 4, (FIT_BATCH,), device=device)
+
+            @smp.step
+            def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+                loss = F.cross_entropy(model(x), y)
+                model.backward(loss)
+                return loss
+
+            train_step(model, x, y)
+        finally:
+            if old is None:
+                os.environ.pop("SMP_FX_DEVICE_SPEC", None)
+            else:
+                os.environ["SMP_FX_DEVICE_SPEC"] = old
+    steps = 8 if args.quick else args.steps
+    # one process: its CPU time (steady under other load); several: the wall time, which
+    # holds the waits for the other stage that the simulator models
+    now = microbench.clock(device) if smp.size() == 1 else time.perf_counter
+    times = []
+    for i in range(steps + 3):
+        smp.barrier()
+        t0 = now()
+        train_step(model, x, y)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if i >= 3:
+            times.append(now() - t0)
+    smp.barrier()
+    return statistics.median(times), model.plan
+
+
+def fit_runtime(spec: DeviceSpec, plans: dict[int, Any], timings: dict[int, float]
+                ) -> tuple[float, float]:
+    """(seconds per action, seconds per step) that make the plans' predicted steps (the
+    simulated pipeline plus the fixed step cost; no optimizer step was timed) equal the
+    measured ones. The prediction is linear in the step cost and, along the critical path,
+    in the action cost, so two microbatch counts give a 2 x 2 system."""
+    def predicted(m: int, per_action: float) -> float:
+        s = dataclasses.replace(spec, microbatch_overhead_s=per_action, step_overhead_s=0.0,
+                                optimizer_tensor_s=0.0, optimizer_byte_s=0.0)
+        plan = dataclasses.replace(plans[m], device=s.to_json())
+        return float(plan.training_step_s(plan.simulate()))
+
+    probe = 1e-3
+    (m1, m2) = FIT_MICROBATCHES
+    base = {m: predicted(m, 0.0) for m in (m1, m2)}
+    slope = {m: (predicted(m, probe) - base[m]) / probe for m in (m1, m2)}
+    gap = {m: timings[m] - base[m] for m in (m1, m2)}
+    per_action = (gap[m2] - gap[m1]) / max(slope[m2] - slope[m1], 1e-9)
+    per_action = max(per_action, 0.0)
+    per_step = max(gap[m1] - slope[m1] * per_action, 0.0)
+    return per_action, per_step
+
+
+def _report(spec: DeviceSpec, output: str | None) -> None:
+    text = json.dumps(spec.to_json(), indent=1, sort_keys=True) + "\n"
+    if output:
+        Path(output).write_text(text, encoding="utf-8")
+        width = max(len(k) for k, _ in measure.figures(spec))
+        for key, value in measure.figures(spec):
+            print(f"{key:<{width}}  {value}")
+        print(f"wrote {output}")
+    else:
+        sys.stdout.write(text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,79 @@
+"""``smp-fx calibrate``: the spec file it writes, its runtime fit, and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from cost_model.device import A100, SCHEMA_VERSION, load_device
+from passes.partition_config import PartitionConfig
+from passes.pipeline import compile_model
+from smp_fx.cli import calibrate
+from smp_fx.cli import main as cli_main
+from smp_fx.cli import partition as partition_cli
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_calibration_writes_a_spec_that_partition_reads(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "spec.json"
+    assert cli_main.main(["calibrate", "--quick", "--steps", "3", "-o", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "peak fp32" in out and f"wrote {path}" in out
+    data = json.loads(path.read_text())
+    assert data["schema_version"] == SCHEMA_VERSION and data["name"] == "calibrated-cpu"
+    spec = load_device(str(path))
+    assert spec.microbatch_overhead_s >= 0 and spec.step_overhead_s >= 0
+    assert "fitted by smp-fx calibrate" in spec.source("microbatch_overhead_s")
+    assert "measured" in spec.source("peak_flops_fp32")
+    assert partition_cli.main([str(ROOT / "examples" / "models" / "mlp.py"), "--partitions",
+                               "2", "--device", str(path), "--quiet"]) == 0
+    assert "stages on calibrated-cpu" in capsys.readouterr().out
+
+
+def test_runtime_fit_recovers_the_costs_it_was_given() -> None:
+    """Step times made by the plans' own model with known per-action and per-step costs
+    are fitted back to those costs (pipeline degree 2, so the critical path matters)."""
+    spec = dataclasses.replace(A100, message_overhead_s=20e-6)
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+    plans = {m: compile_model(model, (torch.randn(2, 8),), None,
+                              PartitionConfig(num_stages=2, microbatches=m), device=spec).plan
+             for m in calibrate.FIT_MICROBATCHES}
+    truth = dataclasses.replace(spec, microbatch_overhead_s=150e-6, step_overhead_s=400e-6,
+                                optimizer_tensor_s=0.0, optimizer_byte_s=0.0)
+    timings = {}
+    for m, plan in plans.items():
+        priced = dataclasses.replace(plan, device=truth.to_json())
+        timings[m] = priced.training_step_s(priced.simulate())
+    per_action, per_step = calibrate.fit_runtime(spec, plans, timings)
+    assert per_action == pytest.approx(150e-6, rel=1e-6)
+    assert per_step == pytest.approx(400e-6, rel=1e-6)
+
+
+def test_bad_nproc_is_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert calibrate.main(["--nproc", "0"]) == 2
+    assert "--nproc must be >= 1" in capsys.readouterr().err
+
+
+def _two_ranks(path: str) -> bool:
+    code = calibrate.main(["--quick", "--steps", "3", "-o", path])
+    return code == 0
+
+
+def test_two_processes_measure_the_link_and_fit_the_pipeline(tmp_path: Path) -> None:
+    """What ``smp-fx calibrate --nproc 2`` (or under ``smp-fx run -n 2``) runs on each rank:
+    the link between the two, and the runtime fitted at pipeline degree 2."""
+    from tests.helpers.dist import run_ranks
+
+    path = tmp_path / "spec2.json"
+    assert run_ranks(_two_ranks, 2, str(path), timeout=240) == [True, True]
+    spec = load_device(str(path))
+    assert "gloo between ranks 0 and 1" in spec.source("link_latency_s")
+    assert spec.link_latency_s > 0 and spec.message_overhead_s > 0
+    assert "on 2 process(es)" in spec.source("step_overhead_s")

@@ -68,7 +68,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import smp_fx as smp
-    from smp_fx import launch, state
+    from smp_fx.dist import launch, state
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # one default group; each smp.init below adds (and _reset removes) its own

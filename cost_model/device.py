@@ -119,6 +119,14 @@ class DeviceSpec:
             raise bad("op_overheads", "op_overheads needs times >= 0")
         if any(f < 0 or b < 0 or r < 0 for _, f, b, r in self.op_rates):
             raise bad("op_rates", "op_rates needs rates and reference sizes >= 0")
+        # tables hold floats, as JSON gives them back: a spec equals its round trip
+        for name in ("matmul_efficiency", "elementwise_efficiency"):
+            object.__setattr__(self, name, tuple((float(x), float(y))
+                                                 for x, y in getattr(self, name)))
+        object.__setattr__(self, "op_overheads", tuple(
+            (str(o), float(f), float(b)) for o, f, b in self.op_overheads))
+        object.__setattr__(self, "op_rates", tuple(
+            (str(o), float(f), float(b), float(r)) for o, f, b, r in self.op_rates))
 
     def peak_flops(self, dtype: str = "float32") -> float:
         """Peak FLOP/s for a value dtype name (half types use the bf16 tensor-core peak)."""
@@ -177,12 +185,8 @@ class DeviceSpec:
             raise SMPConfigError.build("a DeviceSpec has exactly the documented fields",
                                        {"unknown": unknown, "missing": missing},
                                        "DeviceSpec.from_json", "re-run `smp-fx calibrate`")
-        for key in ("matmul_efficiency", "elementwise_efficiency"):
-            d[key] = tuple((float(x), float(y)) for x, y in d.get(key, ()))
-        d["op_overheads"] = tuple((str(o), float(f), float(b))
-                                  for o, f, b in d.get("op_overheads", ()))
-        d["op_rates"] = tuple((str(o), float(f), float(b), float(r))
-                              for o, f, b, r in d.get("op_rates", ()))
+        for key in ("matmul_efficiency", "elementwise_efficiency", "op_overheads", "op_rates"):
+            d[key] = tuple(tuple(row) for row in d.get(key, ()))
         d["sources"] = tuple(sorted(dict(d.get("sources", {})).items()))
         return cls(**d)
 

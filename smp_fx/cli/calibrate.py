@@ -112,7 +112,7 @@ def _relaunch(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 def calibrate(args: argparse.Namespace, world: int) -> DeviceSpec | None:
     """Measure on this process (one of ``world``); the spec on rank 0, None elsewhere."""
     import smp_fx as smp
-    from smp_fx import launch, state
+    from smp_fx.dist import launch, state
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":

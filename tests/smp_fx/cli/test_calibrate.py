@@ -17,7 +17,7 @@ from smp_fx.cli import calibrate
 from smp_fx.cli import main as cli_main
 from smp_fx.cli import partition as partition_cli
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_quick_calibration_writes_a_spec_that_partition_reads(

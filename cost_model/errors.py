@@ -15,6 +15,10 @@ and the fix. ``SMPError.build`` keeps that shape uniform.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+_E = TypeVar("_E", bound="SMPError")
+
 
 class SMPError(Exception):
     """Base class of every error smp-fx raises on purpose."""
@@ -24,8 +28,8 @@ class SMPError(Exception):
         cls.__module__ = "smp_fx"
 
     @classmethod
-    def build(cls, rule: str, value: object = None, where: str | None = None,
-              fix: str | None = None) -> SMPError:
+    def build(cls: type[_E], rule: str, value: object = None, where: str | None = None,
+              fix: str | None = None) -> _E:
         """Make an error whose text reads: rule (got value) [at where]. Fix: fix."""
         parts = [rule]
         if value is not None:
@@ -79,8 +83,8 @@ class SMPInternalError(SMPError, AssertionError):
     """An invariant of smp-fx itself does not hold: a bug in smp-fx, not misuse."""
 
     @classmethod
-    def build(cls, rule: str, value: object = None, where: str | None = None,
-              fix: str | None = "report this as an smp-fx bug") -> SMPError:
+    def build(cls: type[_E], rule: str, value: object = None, where: str | None = None,
+              fix: str | None = "report this as an smp-fx bug") -> _E:
         return super().build(rule, value, where, fix)
 
 

@@ -90,7 +90,7 @@ def _fsync_dir(directory: str) -> None:
             os.close(fd)
 
 
-def write_temp(path: str, write: Callable[[IO[bytes]], None]) -> str:
+def write_temp(path: str, write: Callable[[IO[bytes]], object]) -> str:
     """Write a temporary sibling of ``path`` durably and return its name.
 
     The name starts with ``.`` and contains the pid so concurrent writers never collide
@@ -112,7 +112,7 @@ def write_temp(path: str, write: Callable[[IO[bytes]], None]) -> str:
     return tmp
 
 
-def atomic_write(path: str, write: Callable[[IO[bytes]], None]) -> None:
+def atomic_write(path: str, write: Callable[[IO[bytes]], object]) -> None:
     """Replace ``path`` with what ``write`` produces, all or nothing."""
     tmp = write_temp(path, write)
     try:

@@ -48,7 +48,7 @@ from passes import meta
 from passes.partition_config import PartitionConfig
 from passes.partitioning import chain
 from passes.partitioning.extract import COMPUTE_OPS, problem_from_graph, write_stages
-from passes.partitioning.order import ORDERS, PIN_ORDER, topological_order
+from passes.partitioning.order import ORDERS, PIN_ORDER, check_pins, topological_order
 from passes.partitioning.problem import (
     DagProblem,
     Evaluation,
@@ -160,6 +160,7 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
             "more partitions than compute nodes: every partition must be non-empty",
             f"partitions={k}, compute nodes={n}",
             fix=f"use at most {n} partitions, or trace with fewer leaf modules")
+    check_pins(problem)
     pins = problem.pin_array()
     if np.any(pins >= 0) and PIN_ORDER not in orders:
         orders = (*orders, PIN_ORDER)

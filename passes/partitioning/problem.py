@@ -42,6 +42,7 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import networkx as nx
 import numpy as np
 
 from passes.partition_config import PartitionConfig
@@ -149,6 +150,35 @@ class DagProblem:
         rparam = np.repeat(np.arange(len(self.param_readers)), rcount)
         return (counts, flat, starts, np.asarray(self.val_producer, dtype=np.int64),
                 np.asarray(self.val_to_output, dtype=bool), rflat, rparam)
+
+    @functools.cached_property
+    def graph(self) -> nx.DiGraph:
+        """The compute nodes as a ``networkx.DiGraph``, for the graph questions (orders, checks,
+        cuts) the partitioner asks; the cost sums stay on the numpy arrays.
+
+        Node ``i`` has ``name``, ``time`` (forward + backward seconds), ``memory`` (saved bytes
+        per microbatch), ``params`` (bytes of the parameters it reads) and ``pin`` (-1: none);
+        edge ``(u, v)`` has ``bytes``, the size of ``u``'s output. Nodes are in index order,
+        every node's successors in decreasing index order (a depth-first search then enters
+        the lowest-indexed branch last, so its reverse postorder lists it first: the
+        ``"dfs"`` order), so every traversal is deterministic. Built once per problem.
+        """
+        n = self.n
+        out_bytes = [0.0] * n
+        for prod, nbytes in zip(self.val_producer, self.val_bytes.tolist()):
+            if prod >= 0:
+                out_bytes[prod] = nbytes
+        rflat, rparam = self._flat[5:]
+        params = np.bincount(rflat, weights=self.param_bytes[rparam], minlength=n)
+        graph = nx.DiGraph()
+        graph.add_nodes_from(
+            (i, {"name": name, "time": t, "memory": m, "params": p, "pin": pin})
+            for i, (name, t, m, p, pin) in enumerate(zip(
+                self.names, self.time.tolist(), self.saved.tolist(), params.tolist(),
+                self.pin_array().tolist())))
+        graph.add_edges_from((u, v, {"bytes": out_bytes[u]})
+                             for v in range(n - 1, -1, -1) for u in self.preds[v])
+        return graph
 
     def pin_array(self) -> np.ndarray:
         if not self.pins:

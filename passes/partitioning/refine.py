@@ -12,17 +12,24 @@ a move from ``s`` to ``s +- 1`` changes only those two stages (the bytes across 
 other boundary are unchanged), so one step costs O(nodes on the stage x their degree).
 Nodes feeding the graph output and pinned nodes never move, and when every stage holds a
 node doing real work (``DagProblem.heavy``) no move takes a stage's last one.
+
+When no single move helps and the costliest stage is link-bound (its send outlasts its
+compute), ``mincut.cut_boundary`` re-cuts its boundary at a minimum cut, moving a group
+of nodes at once; the loop then goes on from the new assignment. Compute-bound plans never
+reach it, so it costs nothing there.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from passes.partitioning.mincut import cut_boundary
 from passes.partitioning.problem import DagProblem, Objective, value_spans
 
 
 class _State:
-    def __init__(self, problem: DagProblem, obj: Objective, stage: np.ndarray) -> None:
+    def __init__(self, problem: DagProblem, obj: Objective, stage: np.ndarray,
+                 keep_heavy: bool | None = None) -> None:
         self.p, self.obj = problem, obj
         self.k = obj.num_stages
         self.st = np.array(stage, dtype=np.int64)
@@ -32,7 +39,8 @@ class _State:
         self.count = np.bincount(self.st, minlength=k)
         self.heavy = problem.heavy()
         self.hcount = np.bincount(self.st[self.heavy], minlength=k)
-        self.keep_heavy = bool(np.all(self.hcount > 0))  # never take a stage's last one
+        # never take a stage's last heavy node, if every stage had one to begin with
+        self.keep_heavy = bool(np.all(self.hcount > 0)) if keep_heavy is None else keep_heavy
         self.succs = problem.succs()
         self.vals_of, self.params_of = problem._touching
         self.refs = np.zeros((len(problem.param_names), k), dtype=np.int64)
@@ -65,6 +73,10 @@ class _State:
               dsaved: float = 0.0) -> float:
         return self.obj.stage_cost(s, self.time[s] + dtime, self.bytes[s] + dbytes,
                                    self.pmem[s] + dparam, self.saved[s] + dsaved)
+
+    def link_bound(self, s: int) -> bool:
+        """Whether stage ``s``'s send outlasts its compute: its boundary bytes set its cost."""
+        return self.obj.link_s(s, self.bytes[s]) > self.time[s]
 
     def movable(self, v: int, t: int) -> bool:
         s = int(self.st[v])
@@ -127,9 +139,7 @@ def refine(problem: DagProblem, obj: Objective, stage: np.ndarray,
     """Return an assignment whose largest stage cost is no larger than ``stage``'s."""
     state = _State(problem, obj, stage)
     k = obj.num_stages
-    members: list[list[int]] = [[] for _ in range(k)]
-    for v, s in enumerate(state.st):
-        members[s].append(v)
+    members = [np.flatnonzero(state.st == t).tolist() for t in range(k)]
     for _ in range(max_moves):
         s = int(np.argmax(state.cost))
         old = state.cost[s]
@@ -145,7 +155,14 @@ def refine(problem: DagProblem, obj: Objective, stage: np.ndarray,
                 if score < old * (1.0 - 1e-12) and (best is None or score < best[0]):
                     best = (score, v, t)
         if best is None:
-            break
+            if not state.link_bound(s):
+                break
+            cut = cut_boundary(problem, obj, state.st, s, state.frozen, state.keep_heavy)
+            if cut is None:
+                break
+            state = _State(problem, obj, cut, state.keep_heavy)
+            members = [np.flatnonzero(state.st == t).tolist() for t in range(k)]
+            continue
         _, v, t = best
         state.apply(v, t)
         members[s].remove(v)

@@ -103,9 +103,9 @@ def test_incremental_costs_match_a_full_evaluation() -> None:
     moves = 0
     for _ in range(400):
         v = int(rng.integers(0, problem.n))
-        t = int(state.st[v]) + int(rng.choice([-1, 1]))
+        t = state.st[v] + int(rng.choice([-1, 1]))
         if 0 <= t < k and state.movable(v, t):
             state.apply(v, t)
             moves += 1
     assert moves > 20
-    np.testing.assert_allclose(state.cost, evaluate(problem, state.st, obj).cost, rtol=1e-9)
+    np.testing.assert_allclose(state.cost, evaluate(problem, state.stage(), obj).cost, rtol=1e-9)

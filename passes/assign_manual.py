@@ -25,7 +25,8 @@ import torch.fx
 
 from cost_model.errors import SMPPartitionError
 from passes import meta
-from passes.partitioning.extract import COMPUTE_OPS, copy_graph_module
+from passes.graph_utils import copy_graph_module
+from passes.partitioning.extract import COMPUTE_OPS
 
 
 def _pin_for(path: str, pins: Mapping[str, int]) -> int | None:
@@ -52,7 +53,7 @@ def assign_manual(gm: torch.fx.GraphModule, pins: Mapping[str, int], default_par
             "default_partition must be below the number of partitions", default_partition,
             f"config (partitions: {num_stages})", f"use 0..{num_stages - 1}")
     root_default = pins.get("", default_partition)
-    new, _ = copy_graph_module(gm)
+    new = copy_graph_module(gm)
     nodes = list(new.graph.nodes)
     glue: list[torch.fx.Node] = []
     for n in nodes:

@@ -24,22 +24,10 @@ import torch.fx
 
 from cost_model.errors import SMPPartitionError
 from passes import meta
+from passes.graph_utils import copy_graph_module
 from passes.partitioning.problem import DagProblem
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
-
-
-def copy_graph_module(gm: torch.fx.GraphModule
-                      ) -> tuple[torch.fx.GraphModule, dict[torch.fx.Node, torch.fx.Node]]:
-    """A new GraphModule over a copied graph (meta copied shallowly), sharing the modules."""
-    graph = torch.fx.Graph()
-    mapping: dict[torch.fx.Node, torch.fx.Node] = {}
-    out = graph.graph_copy(gm.graph, mapping)
-    out_node = next(n for n in gm.graph.nodes if n.op == "output")
-    new_out = graph.output(out, getattr(out_node, "type", None))
-    new_out.meta = dict(out_node.meta)
-    mapping[out_node] = new_out
-    return torch.fx.GraphModule(gm, graph, gm.__class__.__name__), mapping
 
 
 def _resolve(gm: torch.fx.GraphModule, name: str) -> torch.Tensor | None:
@@ -176,7 +164,7 @@ def write_stages(gm: torch.fx.GraphModule, stages: Mapping[str, int]
                  ) -> torch.fx.GraphModule:
     """Copy ``gm`` and set ``STAGE`` on every node: compute nodes from ``stages`` (by name),
     placeholders / ``get_attr`` at their earliest user, the output at its latest input."""
-    new, _ = copy_graph_module(gm)
+    new = copy_graph_module(gm)
     nodes = list(new.graph.nodes)
     for n in nodes:
         if n.op in COMPUTE_OPS:

@@ -158,8 +158,8 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
     if k > n:
         raise SMPPartitionError.build(
             "more partitions than compute nodes: every partition must be non-empty",
-            f"partitions={k}, compute nodes={n}",
-            fix=f"use at most {n} partitions, or trace with fewer leaf modules")
+            f"partitions={k}, compute nodes={n}", "auto_partition",
+            f"use at most {n} partitions, or trace with fewer leaf modules")
     check_pins(problem)
     pins = problem.pin_array()
     if np.any(pins >= 0) and PIN_ORDER not in orders:
@@ -267,5 +267,6 @@ def evaluate_stages(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
     missing = [k for k, v in by_name.items() if v is None]
     if missing:
         raise SMPPartitionError.build("every compute node needs a STAGE", missing[:5],
-                                      fix="run assign_manual or auto_partition first")
+                                      "evaluate_stages",
+                                      "run assign_manual or auto_partition first")
     return summarize(problem, obj, np.asarray([by_name[n] for n in problem.names]), strategy)

@@ -102,19 +102,24 @@ def _prepare(work: Sequence[float], k: int, saved: Sequence[float] | None,
     if k < 1 or k > n:
         raise SMPPartitionError.build(
             "a chain of n nodes can be cut into at most n non-empty stages", f"n={n}, k={k}",
-            fix="ask for fewer partitions or give a finer-grained graph")
+            "chain.solve", "ask for fewer partitions or give a finer-grained graph")
     if len(sv) != n or len(tm) != n or len(cm) != n + 1 or len(infl) != k or len(pn) != n:
         raise SMPPartitionError.build(
             "saved/time/pins need n entries, comm n-1 or n+1, inflight k",
-            (len(sv), len(tm), len(cm), len(infl), len(pn)), fix=f"n={n}, k={k}")
+            (len(sv), len(tm), len(cm), len(infl), len(pn)), "chain.solve",
+            f"pass arrays sized for n={n}, k={k}")
     for name, arr in (("work", w), ("time", tm), ("saved", sv), ("comm", cm),
                       ("inflight", infl), ("tail_comm", np.array([tail_comm]))):
-        if not np.all(np.isfinite(arr)) or np.any(arr < 0):
-            raise SMPPartitionError.build(f"chain {name} costs must be finite and >= 0",
-                                          fix="check the node costs")
+        bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0))
+        if bad.size:
+            raise SMPPartitionError.build(
+                f"chain {name} costs must be finite and >= 0",
+                f"{arr[bad[0]]} at position {bad[0]}", "chain.solve",
+                "check the node costs (passes.annotate_costs)")
     if np.any(pn >= k):
         raise SMPPartitionError.build("a pin names a stage >= k", int(pn.max()),
-                                      fix=f"pin to stages below {k}")
+                                      f"chain.solve, position {int(np.argmax(pn))}",
+                                      f"pin to stages below {k}")
     cm = cm.copy()
     cm[n] = tail_comm
     return w, sv, cm, infl, pn, tm
@@ -257,7 +262,8 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
     n = len(w)
     hv = None if heavy is None else np.asarray(heavy, dtype=bool)
     if hv is not None and len(hv) != n:
-        raise SMPPartitionError.build("heavy needs one flag per node", len(hv), fix=f"n={n}")
+        raise SMPPartitionError.build("heavy needs one flag per node", len(hv),
+                                      "chain.solve", f"pass n={n} flags")
     if hv is not None and int(hv.sum()) < k:
         hv = None
     anchors = _anchors(hv, n)
@@ -289,7 +295,9 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
             raise SMPPartitionError.build(
                 "the pinned nodes cannot be kept on their stages with contiguous stages",
                 f"pins at positions {np.flatnonzero(pn >= 0)[:8].tolist()}",
-                fix="pin in execution order (earlier modules on lower stages)")
+                f"chain.solve into {k} stages",
+                "pin in execution order (earlier modules on lower stages), leaving every "
+                "stage a node of its own")
     best: tuple[int, ...] | None = None
     value = np.inf
     excess = 0.5 * rtol  # gallop up from the lower bound: optima are often within a hair

@@ -167,5 +167,5 @@ def topological_order(problem: DagProblem, kind: str) -> np.ndarray:
             problem.graph, key=lambda v: (hi_l[v], lo_l[v], v)))
     else:
         raise SMPPartitionError.build("unknown topological order", kind,
-                                      fix=f"use {(*ORDERS, PIN_ORDER)}")
+                                      "topological_order", f"use {(*ORDERS, PIN_ORDER)}")
     return np.asarray(out, dtype=np.int64)

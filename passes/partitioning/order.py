@@ -44,9 +44,10 @@ def check_dag(problem: DagProblem) -> None:
 
     ``DagProblem`` numbers its nodes in a topological order (the ``"graph"`` order and the
     value spans rely on it); a cycle, or an acyclic graph numbered out of order, breaks
-    that. The check is a scan of the edges; networkx names the cycle when there is one.
+    that. The check is a scan of the edges (once per problem); networkx names the cycle
+    when there is one.
     """
-    backward = next(((p, v) for v, ps in enumerate(problem.preds) for p in ps if p >= v), None)
+    backward = problem.backward_edge
     if backward is None:
         return
     try:

@@ -123,17 +123,29 @@ class DagProblem:
         return tuple(tuple(sorted(set(s))) for s in out)
 
     @functools.cached_property
+    def backward_edge(self) -> tuple[int, int] | None:
+        """The first edge ``(u, v)`` with ``u >= v`` (nodes out of topological order), if any."""
+        return next(((p, v) for v, ps in enumerate(self.preds) for p in ps if p >= v), None)
+
+    @functools.cached_property
     def _touching(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
-        """Per node: the values it produces or reads, and the parameters it reads."""
-        vals: list[list[int]] = [[] for _ in range(self.n)]
-        for v, (prod, cons) in enumerate(zip(self.val_producer, self.val_consumers)):
-            for u in sorted({prod, *cons} - {-1}):
-                vals[u].append(v)
-        params: list[list[int]] = [[] for _ in range(self.n)]
-        for q, readers in enumerate(self.param_readers):
-            for r in sorted(set(readers)):
-                params[r].append(q)
-        return tuple(map(tuple, vals)), tuple(map(tuple, params))
+        """Per node: the values it produces or reads, and the parameters it reads (each in
+        increasing index order, once)."""
+        counts, flat, _, prod = self._flat[:4]
+        made = np.flatnonzero(prod >= 0)
+        rflat, rparam = self._flat[5:]
+        return (self._group(np.concatenate([prod[made], flat]),
+                            np.concatenate([made, np.repeat(np.arange(len(counts)), counts)]),
+                            len(counts)),
+                self._group(rflat, rparam, len(self.param_names)))
+
+    def _group(self, nodes: np.ndarray, items: np.ndarray, n_items: int
+               ) -> tuple[tuple[int, ...], ...]:
+        """Per node, the distinct ``items`` paired with it, in increasing order."""
+        key = np.unique(nodes.astype(np.int64) * max(n_items, 1) + items)
+        bounds = np.searchsorted(key // max(n_items, 1), np.arange(self.n + 1)).tolist()
+        flat = (key % max(n_items, 1)).tolist()
+        return tuple(tuple(flat[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
 
     @functools.cached_property
     def _flat(self) -> tuple[np.ndarray, ...]:
@@ -386,6 +398,6 @@ def chain_arrays(problem: DagProblem, order: Sequence[int], obj: Objective,
     np.add.at(diff, last[keep] + 1, -problem.val_bytes[keep])
     live = np.cumsum(diff)[: n + 1]
     comm = np.zeros(n + 1)
-    for j in range(1, n):
-        comm[j] = obj.a * obj.link_time(live[j]) if live[j] > 0 else 0.0
+    a, link_time = obj.a, obj.link_time
+    comm[1:n] = [a * link_time(b) if b > 0 else 0.0 for b in live[1:n].tolist()]
     return ChainCosts(work, time, saved, comm)

@@ -126,14 +126,29 @@ def problem_lower_bound(problem: DagProblem, obj: Objective) -> float:
     return chain.lower_bound(cc.work, obj.num_stages, cc.saved, obj.inflight, time=cc.time)
 
 
+Solved = dict[tuple[bytes, bool], chain.ChainSolution]
+
+
 def _solve_order(problem: DagProblem, obj: Objective, order: np.ndarray,
-                 lex: bool = False, replicas: bool = False) -> np.ndarray:
-    """Exact chain solve of ``problem`` laid out along ``order``; the stage of every node."""
+                 lex: bool = False, replicas: bool = False, solved: Solved | None = None
+                 ) -> np.ndarray:
+    """Exact chain solve of ``problem`` laid out along ``order``; the stage of every node.
+
+    ``solved`` keeps plain solves by (order, charging): the balancing pass re-solves the
+    order the last re-solve round tried, and starts from its solution (one full chain solve
+    fewer, about a tenth of a 10,000-node DAG's time at 64 stages).
+    """
     cc = chain_arrays(problem, order, obj, replicas=replicas)
-    solver = chain.solve_lex if lex else chain.solve
-    sol = solver(cc.work, obj.num_stages, saved=cc.saved, comm=cc.comm, time=cc.time,
-                 heavy=problem.heavy()[order], inflight=np.asarray(obj.inflight, dtype=float),
-                 pins=problem.pin_array()[order])
+    key = (order.tobytes(), replicas)
+    args = dict(saved=cc.saved, comm=cc.comm, time=cc.time, heavy=problem.heavy()[order],
+                inflight=np.asarray(obj.inflight, dtype=float), pins=problem.pin_array()[order])
+    if lex:
+        sol = chain.solve_lex(cc.work, obj.num_stages, **args,
+                              first=None if solved is None else solved.get(key))
+    else:
+        sol = chain.solve(cc.work, obj.num_stages, **args)
+        if solved is not None:
+            solved[key] = sol
     stage = np.empty(problem.n, dtype=np.int64)
     stage[order] = sol.stages(problem.n)
     return stage
@@ -166,6 +181,7 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
         orders = (*orders, PIN_ORDER)
     best: tuple[float, np.ndarray, str] | None = None
     failure: SMPPartitionError | None = None
+    solved: Solved = {}
     for kind, replicas in ((kind, r) for kind in orders for r in _charging(problem)):
         try:
             stage = _solve_order(problem, obj, topological_order(problem, kind),
@@ -174,12 +190,12 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
             failure = failure or err
             continue
         name = f"{kind}/replicas" if replicas else kind
+        value = evaluate(problem, stage, obj).bottleneck
         if do_refine:
             refined = refine(problem, obj, stage)
-            if evaluate(problem, refined, obj).bottleneck < evaluate(problem, stage,
-                                                                     obj).bottleneck:
-                stage, name = refined, f"{kind}+refine"
-        value = evaluate(problem, stage, obj).bottleneck
+            refined_value = evaluate(problem, refined, obj).bottleneck
+            if refined_value < value:
+                stage, name, value = refined, f"{kind}+refine", refined_value
         if best is None or value < best[0]:
             best = (value, stage, name)
     if best is None:
@@ -190,7 +206,8 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
         # stage-major order of the best plan (topological, as the plan is monotone): an exact
         # chain solve on it can only see cuts at least as good as the plan's own
         order = np.lexsort((np.arange(n), stage))
-        again = min((refine(problem, obj, _solve_order(problem, obj, order, replicas=r))
+        again = min((refine(problem, obj, _solve_order(problem, obj, order, replicas=r,
+                                                       solved=solved))
                      for r in _charging(problem)),
                     key=lambda st: chain.lex_key(evaluate(problem, st, obj).cost))
         new_value = evaluate(problem, again, obj).bottleneck
@@ -198,11 +215,12 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
             break
         value, stage, name = new_value, again, f"{name.split('+')[0]}+resolve"
     if do_refine:
-        stage = balance(problem, obj, stage)
+        stage = balance(problem, obj, stage, solved)
     return stage, name
 
 
-def balance(problem: DagProblem, obj: Objective, stage: np.ndarray) -> np.ndarray:
+def balance(problem: DagProblem, obj: Objective, stage: np.ndarray,
+            solved: Solved | None = None) -> np.ndarray:
     """Lexicographic min-max on the plan's stage-major order, then refinement.
 
     Min-max leaves every stage but the bottleneck free; ``chain.solve_lex`` balances them
@@ -211,7 +229,8 @@ def balance(problem: DagProblem, obj: Objective, stage: np.ndarray) -> np.ndarra
     ever gets worse.
     """
     order = np.lexsort((np.arange(problem.n), stage))
-    again = min((refine(problem, obj, _solve_order(problem, obj, order, lex=True, replicas=r))
+    again = min((refine(problem, obj, _solve_order(problem, obj, order, lex=True, replicas=r,
+                                                   solved=solved))
                  for r in _charging(problem)),
                 key=lambda st: chain.lex_key(evaluate(problem, st, obj).cost))
     if chain.lex_key(evaluate(problem, again, obj).cost) < chain.lex_key(

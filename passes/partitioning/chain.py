@@ -333,7 +333,8 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
 def solve_lex(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None,
               comm: Sequence[float] | None = None, inflight: Sequence[float] | None = None,
               pins: Sequence[int] | None = None, heavy: Sequence[bool] | None = None,
-              time: Sequence[float] | None = None, rtol: float = 1e-9) -> ChainSolution:
+              time: Sequence[float] | None = None, rtol: float = 1e-9,
+              first: ChainSolution | None = None) -> ChainSolution:
     """``solve``, then balance the stages the bottleneck leaves free (lexicographic min-max).
 
     Min-max alone is indifferent to every stage but the costliest: with a latency-bound or
@@ -342,12 +343,14 @@ def solve_lex(work: Sequence[float], k: int, *, saved: Sequence[float] | None = 
     of it with their own stage counts, recursively, so the second-largest cost is minimised
     next, and so on. The result is kept only if its sorted (descending) cost vector is
     lexicographically no larger than ``solve``'s, so the bottleneck never gets worse.
+    ``first`` is ``solve``'s result for the same arguments when the caller already has it.
     """
     w, sv, cm, infl, pn, tm = _prepare(work, k, saved, comm, inflight, pins, time)
     n = len(w)
     hv = None if heavy is None else np.asarray(heavy, dtype=bool)
-    first = solve(w, k, saved=sv, comm=cm, inflight=infl, pins=pn, heavy=hv, time=tm,
-                  rtol=rtol)
+    if first is None:
+        first = solve(w, k, saved=sv, comm=cm, inflight=infl, pins=pn, heavy=hv, time=tm,
+                      rtol=rtol)
 
     def sub(lo: int, hi: int, s0: int, s1: int, sol: ChainSolution | None) -> list[int]:
         """Cuts inside ``[lo, hi)`` for stages ``s0..s1-1`` (the last pays comm[hi])."""

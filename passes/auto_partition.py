@@ -1,10 +1,11 @@
 """``auto_partition``: the stage of every node, minimising the largest stage cost.
 
-The pass reduces the graph to numbers (``partitioning.extract``), and for each of a few
-topological orders (``partitioning.order``) solves the chain problem exactly along that
-order, boundary communication included (``partitioning.chain``), then refines the
-assignment by moving boundary nodes between neighbouring stages
-(``partitioning.refine``). Every candidate is scored by the one objective
+The pass reduces the graph to numbers and a networkx graph (``partitioning.extract``,
+``DagProblem.graph``), and for each of a few topological orders (``partitioning.order``)
+solves the chain problem exactly along that order, boundary communication included
+(``partitioning.chain``), then refines the assignment by moving boundary nodes between
+neighbouring stages, one at a time or, on a link-bound stage, a group at a minimum cut
+(``partitioning.refine``, ``partitioning.mincut``). Every candidate is scored by the one objective
 (``partitioning.problem.evaluate``) and the best is kept; ties go to the earlier order.
 The winner is then re-solved on its own stage-major order and refined again while that
 improves it (at most 3 rounds), and finally balanced: min-max only cares about the costliest

@@ -12,12 +12,12 @@ from passes.trace import trace
 
 
 class TiedHead(nn.Module):
-    """The head shares the embedding's weight and the forward reads it only as ``emb``."""
+    """``head.weight`` is a second name of the embedding's weight; the forward never reads it."""
 
     def __init__(self) -> None:
         super().__init__()
         self.emb = nn.Embedding(8, 4)
-        self.head = nn.Linear(4, 8, bias=False)
+        self.head = nn.Module()
         self.head.weight = self.emb.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -128,26 +128,31 @@ def _min_live(problem: DagProblem) -> list[int]:
     for v, (p, cons) in enumerate(zip(problem.val_producer, problem.val_consumers)):
         if p >= 0:
             produced[p] += val_bytes[v]
-        uses_left[v] = len(set(cons))
-        for c in set(cons):
+        readers = set(cons)
+        uses_left[v] = len(readers)
+        for c in readers:
             reads[c].append(v)
 
     def key(u: int) -> tuple[float, int]:
-        freed = sum(val_bytes[v] for v in reads[u] if uses_left[v] == 1)
+        freed = 0.0
+        for v in reads[u]:
+            if uses_left[v] == 1:
+                freed += val_bytes[v]
         return (produced[u] - freed, u)
 
     heap = [key(v) for v in range(n) if indeg[v] == 0]
     heapq.heapify(heap)
     out: list[int] = []
+    push, pop = heapq.heappush, heapq.heappop
     while heap:
-        _, v = heapq.heappop(heap)
+        _, v = pop(heap)
         out.append(v)
         for val in reads[v]:
             uses_left[val] -= 1
         for u in succs[v]:
             indeg[u] -= 1
             if indeg[u] == 0:
-                heapq.heappush(heap, key(u))
+                push(heap, key(u))
     return out
 
 

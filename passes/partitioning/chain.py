@@ -74,6 +74,7 @@ def stage_costs(cuts: Sequence[int], work: FloatArray, saved: FloatArray, comm: 
     ``comm`` is indexed by cut (length ``n + 1``); ``comm[n]`` is ignored, the last stage
     pays ``tail_comm``.
     """
+    work, saved = np.asarray(work, dtype=np.float64), np.asarray(saved, dtype=np.float64)
     n = len(work)
     tm = np.zeros(n) if time is None else np.asarray(time, dtype=np.float64)
     bounds = [0, *cuts, n]
@@ -81,8 +82,8 @@ def stage_costs(cuts: Sequence[int], work: FloatArray, saved: FloatArray, comm: 
     for s in range(len(bounds) - 1):
         i, j = bounds[s], bounds[s + 1]
         c = comm[j] if j < n else tail_comm
-        out[s] = (float(np.sum(work[i:j])) + inflight[s] * float(np.sum(saved[i:j]))
-                  + max(float(np.sum(tm[i:j])), float(c)))
+        out[s] = (float(work[i:j].sum()) + inflight[s] * float(saved[i:j].sum())
+                  + max(float(tm[i:j].sum()), float(c)))
     return out
 
 
@@ -177,12 +178,12 @@ def _check(bound: float, prefixes: list[tuple[FloatArray, FloatArray]], tp: Floa
         lo = max(first + 1, int(j0[s]), n if s == k - 1 else 0)
         if left:
             scale = left * (1.0 + 1e-12)
-            lo_rest = int(np.searchsorted(least, least[n] - scale * bound, side="left"))
+            lo_rest = int(least.searchsorted(least[n] - scale * bound, side="left"))
             if lo_rest > lo:
                 lo = lo_rest
                 nxt = min(nxt, float(least[n] - least[lo - 1]) / scale)
         hi = min(int(anchors[1][left]), int(j1[s]))
-        hi_cost = int(np.searchsorted(full, full[last] + bound, side="right")) - 1
+        hi_cost = int(full.searchsorted(full[last] + bound, side="right")) - 1
         if hi_cost < hi:
             hi = hi_cost
             nxt = min(nxt, float(full[hi + 1] - full[last]))
@@ -203,8 +204,7 @@ def _check(bound: float, prefixes: list[tuple[FloatArray, FloatArray]], tp: Floa
             return None, nxt
         pos = np.where(ok, js, -1)
         bands.append(_Band(lo, np.maximum.accumulate(pos)))
-        hits = np.flatnonzero(ok)
-        first, last = lo + int(hits[0]), lo + int(hits[-1])
+        first, last = lo + int(ok.argmax()), lo + len(ok) - 1 - int(ok[::-1].argmax())
     return bands, nxt
 
 

@@ -7,8 +7,10 @@ the best, because none wins everywhere:
 
 * ``"graph"``: the order the graph was traced in (program order; good for sequential code).
 * ``"dfs"``: reverse postorder of networkx's depth-first search over ``DagProblem.graph``
-  (Tarjan's topological order): a branch, once entered, is finished before its siblings,
-  the lowest-indexed first (the graph lists successors in decreasing index order).
+  (Tarjan's topological order): a branch, once entered, is finished before its siblings.
+  The search starts from the sources in index order and enters successors in decreasing
+  index order (the order the graph lists them), so the reversal puts a node's
+  lowest-indexed branch first and a later source's nodes before an earlier one's.
 * ``"min_live"``: at every step runs the ready node that adds the fewest live bytes
   (bytes it produces minus inputs it frees), a greedy register-pressure heuristic.
 

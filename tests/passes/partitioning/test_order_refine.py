@@ -42,6 +42,9 @@ def test_dfs_finishes_a_branch_before_its_sibling() -> None:
     # graph order interleaves the branches; dfs still runs each to its end
     problem = _with_preds(((), (0,), (0,), (1,), (2,), (3, 4)))
     assert topological_order(problem, "dfs").tolist() == [0, 1, 3, 2, 4, 5]
+    # two sources: the later one's branch comes first, then the earlier one's, then the join
+    problem = _with_preds(((), (0,), (), (2,), (1, 3)))
+    assert topological_order(problem, "dfs").tolist() == [2, 3, 0, 1, 4]
 
 
 def test_a_cycle_or_an_order_out_of_order_is_named() -> None:

@@ -74,6 +74,7 @@ def stage_costs(cuts: Sequence[int], work: FloatArray, saved: FloatArray, comm: 
     ``comm`` is indexed by cut (length ``n + 1``); ``comm[n]`` is ignored, the last stage
     pays ``tail_comm``.
     """
+    work, saved = np.asarray(work, dtype=np.float64), np.asarray(saved, dtype=np.float64)
     n = len(work)
     tm = np.zeros(n) if time is None else np.asarray(time, dtype=np.float64)
     bounds = [0, *cuts, n]
@@ -81,8 +82,8 @@ def stage_costs(cuts: Sequence[int], work: FloatArray, saved: FloatArray, comm: 
     for s in range(len(bounds) - 1):
         i, j = bounds[s], bounds[s + 1]
         c = comm[j] if j < n else tail_comm
-        out[s] = (float(np.sum(work[i:j])) + inflight[s] * float(np.sum(saved[i:j]))
-                  + max(float(np.sum(tm[i:j])), float(c)))
+        out[s] = (float(work[i:j].sum()) + inflight[s] * float(saved[i:j].sum())
+                  + max(float(tm[i:j].sum()), float(c)))
     return out
 
 
@@ -102,19 +103,24 @@ def _prepare(work: Sequence[float], k: int, saved: Sequence[float] | None,
     if k < 1 or k > n:
         raise SMPPartitionError.build(
             "a chain of n nodes can be cut into at most n non-empty stages", f"n={n}, k={k}",
-            fix="ask for fewer partitions or give a finer-grained graph")
+            "chain.solve", "ask for fewer partitions or give a finer-grained graph")
     if len(sv) != n or len(tm) != n or len(cm) != n + 1 or len(infl) != k or len(pn) != n:
         raise SMPPartitionError.build(
             "saved/time/pins need n entries, comm n-1 or n+1, inflight k",
-            (len(sv), len(tm), len(cm), len(infl), len(pn)), fix=f"n={n}, k={k}")
+            (len(sv), len(tm), len(cm), len(infl), len(pn)), "chain.solve",
+            f"pass arrays sized for n={n}, k={k}")
     for name, arr in (("work", w), ("time", tm), ("saved", sv), ("comm", cm),
                       ("inflight", infl), ("tail_comm", np.array([tail_comm]))):
-        if not np.all(np.isfinite(arr)) or np.any(arr < 0):
-            raise SMPPartitionError.build(f"chain {name} costs must be finite and >= 0",
-                                          fix="check the node costs")
+        bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0))
+        if bad.size:
+            raise SMPPartitionError.build(
+                f"chain {name} costs must be finite and >= 0",
+                f"{arr[bad[0]]} at position {bad[0]}", "chain.solve",
+                "check the node costs (passes.annotate_costs)")
     if np.any(pn >= k):
         raise SMPPartitionError.build("a pin names a stage >= k", int(pn.max()),
-                                      fix=f"pin to stages below {k}")
+                                      f"chain.solve, position {int(np.argmax(pn))}",
+                                      f"pin to stages below {k}")
     cm = cm.copy()
     cm[n] = tail_comm
     return w, sv, cm, infl, pn, tm
@@ -172,12 +178,12 @@ def _check(bound: float, prefixes: list[tuple[FloatArray, FloatArray]], tp: Floa
         lo = max(first + 1, int(j0[s]), n if s == k - 1 else 0)
         if left:
             scale = left * (1.0 + 1e-12)
-            lo_rest = int(np.searchsorted(least, least[n] - scale * bound, side="left"))
+            lo_rest = int(least.searchsorted(least[n] - scale * bound, side="left"))
             if lo_rest > lo:
                 lo = lo_rest
                 nxt = min(nxt, float(least[n] - least[lo - 1]) / scale)
         hi = min(int(anchors[1][left]), int(j1[s]))
-        hi_cost = int(np.searchsorted(full, full[last] + bound, side="right")) - 1
+        hi_cost = int(full.searchsorted(full[last] + bound, side="right")) - 1
         if hi_cost < hi:
             hi = hi_cost
             nxt = min(nxt, float(full[hi + 1] - full[last]))
@@ -198,8 +204,7 @@ def _check(bound: float, prefixes: list[tuple[FloatArray, FloatArray]], tp: Floa
             return None, nxt
         pos = np.where(ok, js, -1)
         bands.append(_Band(lo, np.maximum.accumulate(pos)))
-        hits = np.flatnonzero(ok)
-        first, last = lo + int(hits[0]), lo + int(hits[-1])
+        first, last = lo + int(ok.argmax()), lo + len(ok) - 1 - int(ok[::-1].argmax())
     return bands, nxt
 
 
@@ -257,7 +262,8 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
     n = len(w)
     hv = None if heavy is None else np.asarray(heavy, dtype=bool)
     if hv is not None and len(hv) != n:
-        raise SMPPartitionError.build("heavy needs one flag per node", len(hv), fix=f"n={n}")
+        raise SMPPartitionError.build("heavy needs one flag per node", len(hv),
+                                      "chain.solve", f"pass n={n} flags")
     if hv is not None and int(hv.sum()) < k:
         hv = None
     anchors = _anchors(hv, n)
@@ -289,7 +295,9 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
             raise SMPPartitionError.build(
                 "the pinned nodes cannot be kept on their stages with contiguous stages",
                 f"pins at positions {np.flatnonzero(pn >= 0)[:8].tolist()}",
-                fix="pin in execution order (earlier modules on lower stages)")
+                f"chain.solve into {k} stages",
+                "pin in execution order (earlier modules on lower stages), leaving every "
+                "stage a node of its own")
     best: tuple[int, ...] | None = None
     value = np.inf
     excess = 0.5 * rtol  # gallop up from the lower bound: optima are often within a hair
@@ -325,7 +333,8 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
 def solve_lex(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None,
               comm: Sequence[float] | None = None, inflight: Sequence[float] | None = None,
               pins: Sequence[int] | None = None, heavy: Sequence[bool] | None = None,
-              time: Sequence[float] | None = None, rtol: float = 1e-9) -> ChainSolution:
+              time: Sequence[float] | None = None, rtol: float = 1e-9,
+              first: ChainSolution | None = None) -> ChainSolution:
     """``solve``, then balance the stages the bottleneck leaves free (lexicographic min-max).
 
     Min-max alone is indifferent to every stage but the costliest: with a latency-bound or
@@ -334,12 +343,14 @@ def solve_lex(work: Sequence[float], k: int, *, saved: Sequence[float] | None = 
     of it with their own stage counts, recursively, so the second-largest cost is minimised
     next, and so on. The result is kept only if its sorted (descending) cost vector is
     lexicographically no larger than ``solve``'s, so the bottleneck never gets worse.
+    ``first`` is ``solve``'s result for the same arguments when the caller already has it.
     """
     w, sv, cm, infl, pn, tm = _prepare(work, k, saved, comm, inflight, pins, time)
     n = len(w)
     hv = None if heavy is None else np.asarray(heavy, dtype=bool)
-    first = solve(w, k, saved=sv, comm=cm, inflight=infl, pins=pn, heavy=hv, time=tm,
-                  rtol=rtol)
+    if first is None:
+        first = solve(w, k, saved=sv, comm=cm, inflight=infl, pins=pn, heavy=hv, time=tm,
+                      rtol=rtol)
 
     def sub(lo: int, hi: int, s0: int, s1: int, sol: ChainSolution | None) -> list[int]:
         """Cuts inside ``[lo, hi)`` for stages ``s0..s1-1`` (the last pays comm[hi])."""

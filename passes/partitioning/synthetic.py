@@ -30,7 +30,8 @@ def random_chain(n: int, kind: str, rng: np.random.Generator) -> DagProblem:
         time = rng.pareto(1.2, n) + 0.01
         params = (rng.pareto(1.2, n) + 0.01) * 1e6
     else:
-        raise SMPPartitionError.build("unknown chain kind", kind, fix=f"use {CHAIN_KINDS}")
+        raise SMPPartitionError.build("unknown chain kind", kind, "random_chain",
+                                      f"use {CHAIN_KINDS}")
     saved = rng.uniform(0.2, 1.0, n) * 1e5
     out = rng.uniform(0.5, 1.5, n) * 1e5
     return DagProblem.chain(time * 1e-3, saved, out, params)

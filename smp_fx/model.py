@@ -42,6 +42,7 @@ from passes.pipeline import compile_model
 from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram, split_stages
 from passes.trace import trace
+from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
 from smp_fx.delayed_init import is_delayed, materialize
 from smp_fx.dist import ddp, launch, state
@@ -118,6 +119,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         self._executor: ex.Executor | None = None
         self._runners: dict[int, ex.StageRunner] = {}
         self._hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._post_step_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizers: list[DistributedOptimizer] = []
         self._tied_groups: list[tuple[Any, list[str]]] = []
         # tied gradients as they were when the current reduction window began (already
@@ -131,6 +133,10 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         self.plan: PartitionPlan | None = None  # once partitioned
         self._ddp: ddp.DataParallel | None = None
         context.set_current_model(self)
+        checkpoint_api.adopt_pending(model=self)  # smp.resume_from_checkpoint came first
+        for opt in context.waiting_optimizers():
+            if self.owns_parameters(opt.parameters_held()):
+                opt.join_model(self)
 
     # ---- properties and the SMP methods ----------------------------------------------
     @property
@@ -176,6 +182,20 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         self._hooks[handle.id] = hook
         return handle
 
+    def register_post_step_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
+        """Run ``hook(model, optimizer)`` once, when the next ``smp.step`` call has finished
+        (before ``optimizer.step()``): the Hugging Face Trainer loads a resumed optimizer's
+        state this way. ``optimizer`` is this model's DistributedOptimizer, or None."""
+        handle = RemovableHandle(self._post_step_hooks)
+        self._post_step_hooks[handle.id] = hook
+        return handle
+
+    def run_post_step_hooks(self) -> None:
+        """Called by ``smp.step`` after each step: the hooks registered since the last one."""
+        while self._post_step_hooks:
+            _, hook = self._post_step_hooks.popitem(last=False)
+            hook(self, self._optimizers[0] if self._optimizers else None)
+
     def owns_parameters(self, params: Iterable[torch.Tensor]) -> bool:
         """Whether any of ``params`` is a parameter of the wrapped module, as it was at
         wrapping (materialisation may replace the objects later)."""
@@ -204,12 +224,29 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         return (m for _, m in self.local_named_modules())
 
     def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters by the names plain ``named_parameters()`` of the wrapped
+        module gives: a tied parameter by its first registration (T5's ``shared.weight``,
+        GPT-2's ``transformer.wte.weight``), whichever alias its stage reads it by."""
         seen: set[int] = set()
         for r in self._local_runners():
             for name, p in r.stage.module.named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    yield name, p
+                    yield self.canonical_names.get(name, name), p
+
+    # As SMP's: the wrapped module's names, without a "module." prefix, so name-based
+    # parameter groups built on the plain model apply unchanged to the DistributedModel.
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        return self.module.buffers(recurse)
 
     def local_parameters(self) -> Iterator[nn.Parameter]:
         return (p for _, p in self.local_named_parameters())
@@ -504,24 +541,21 @@ def _tied_groups(program: StagedProgram, st: Any,
     hold re-created parameters, and every rank must agree on the groups it creates.
     """
     owners: dict[str, list[int]] = {}
-    local_name: dict[tuple[int, str], str] = {}
     for s, stage in enumerate(program.stages):
         for name, _ in stage.module.named_parameters():
             canon = canonical.get(name, name)
             owners.setdefault(canon, [])
             if s not in owners[canon]:
                 owners[canon].append(s)
-                local_name[(s, canon)] = name
     by_owner_set: dict[tuple[int, ...], list[str]] = {}
     for canon, stages in sorted(owners.items()):
         if len(stages) > 1:
             by_owner_set.setdefault(tuple(stages), []).append(canon)
-    my_stage = st.axis_rank("pp")
     out: list[tuple[Any, list[str]]] = []
     for owner_stages, canons in sorted(by_owner_set.items()):
         for pipeline in st.topology.groups("pp"):
             ranks = [pipeline[s] for s in owner_stages]
             group = dist.new_group(ranks)
-            if st.rank in ranks:
-                out.append((group, [local_name[(my_stage, c)] for c in canons]))
+            if st.rank in ranks:  # local_named_parameters() names them canonically too
+                out.append((group, list(canons)))
     return out

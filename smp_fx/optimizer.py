@@ -9,7 +9,9 @@ parameter, its index in the optimizer's original flat parameter order: the seam 
 checkpointing, which will gather and merge optimizer state by that index.
 
 It is a ``torch.optim.Optimizer`` (LR schedulers accept it); attributes it does not define
-are the wrapped optimizer's.
+are the wrapped optimizer's. An optimizer built before its ``DistributedModel`` (the
+Hugging Face Trainer builds the optimizer, then wraps the model) is adopted by the model
+when the model is created.
 
 >>> import torch
 >>> opt = DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
@@ -26,9 +28,11 @@ from typing import Any
 import torch
 
 from cost_model.errors import SMPRuntimeError
+from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import OptimizerCheckpointMixin
 from smp_fx.dist import state
 from smp_fx.dist.ddp import guard_optimizer
+from smp_fx.runtime import context
 from smp_fx.runtime.context import current_model
 
 
@@ -54,13 +58,40 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         flat = [p for g in optimizer.param_groups for p in g["params"]]
         self.global_index: dict[int, int] = {id(p): i for i, p in enumerate(flat)}
         self._localized = False
+        self._names: dict[int, str] = {}
+        context.set_current_optimizer(self)
         model = current_model()
-        # an optimizer over some other module's parameters is left whole
         if model is not None and model.owns_parameters(flat):
-            self._names = {id(p): n for n, p in model.module.named_parameters()}
-            model.attach_optimizer(self)
-        else:
-            self._names = {}
+            self.join_model(model)
+        else:  # a DistributedModel created later adopts it; over other parameters: left whole
+            context.wait_for_model(self)
+
+    # accelerate (the Hugging Face Trainer's Accelerator.prepare) wraps every optimizer it
+    # is given unless it says it was prepared already. This one steps exactly this rank's
+    # stage parameters, outside smp.step, and needs none of AcceleratedOptimizer's device
+    # placement or loss scaling; wrapped, the Trainer's SMP checkpointing could not reach
+    # local_state_dict.
+    _is_accelerate_prepared = True
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last ``step()`` skipped the update (what accelerate asks of its
+        optimizers). Only loss scaling skips steps, and smp-fx has none (``fp16`` is not
+        implemented), so never."""
+        return False
+
+    def parameters_held(self) -> list[torch.Tensor]:
+        """Every parameter of the wrapped optimizer, in group order."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def join_model(self, model: Any) -> None:
+        """Belong to ``model`` (a DistributedModel holding this optimizer's parameters):
+        parameters are named by its module's names and narrowed at its partitioning."""
+        context.stop_waiting(self)
+        self._names = {id(p): n for n, p in model.module.named_parameters()}
+        self._smp_name_parameters(model)
+        model.attach_optimizer(self)
+        checkpoint_api.adopt_pending(optimizer=self)
 
     # the wrapped optimizer's containers are this optimizer's
     @property

@@ -18,6 +18,13 @@ messages, ``(grads, outputs)``, relayed stage by stage: a ``model(...)`` call of
 stage returns when its microbatch's gradients arrive, just before that stage's backward,
 and the outputs cost no message of their own on the busiest rank. A forward-only step has
 no gradients: there they travel on their own channel (``SEND_OUT``/``RECV_OUT``).
+
+The outputs a rank sends on are the values the last stage produced, whatever the step
+function does with its own: the last stage sends a copy taken at its forward (its step
+function holds the real outputs, which its loss's autograd graph needs), and every other
+rank hands its step function a copy of what it received (an autograd-tracked clone where
+the value requires grad). So a step function may modify its outputs in place, as the
+Hugging Face Trainer's does (``loss /= gradient_accumulation_steps``), on every rank.
 """
 
 from __future__ import annotations
@@ -177,7 +184,7 @@ class Executor:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(functools.partial(_mark_used, got, i))
                     need.append(i)
-            d.cut, d.used = outs, (got, need)
+            d.cut, d.used = (_sent_copy(outs) if self.multi_process else outs), (got, need)
             self.conductor.publish_outputs(mb, self.program.build_outputs(outs))
         if not req.grad_enabled:
             d.inputs.pop(s, None)
@@ -199,8 +206,8 @@ class Executor:
     def _deliver_outputs(self, mb: int, cut: Any, defer: bool = False) -> None:
         """The last stage's outputs, received on this rank: to microbatch ``mb``'s thread."""
         self._data[mb].cut = cut
-        self.conductor.publish_outputs(mb, self.program.build_outputs(cut), hand=False,
-                                       defer=defer)
+        self.conductor.publish_outputs(mb, self.program.build_outputs(_user_copy(cut)),
+                                       hand=False, defer=defer)
 
     def _op_wait_b(self, op: Op) -> None:
         self._data[op.microbatch].skip[op.stage] = (
@@ -334,6 +341,21 @@ def _leaves(value: Any) -> list[Any]:
     if type(value) is tuple and all(type(v) is torch.Tensor for v in value):
         return list(value)
     return pytree.tree_leaves(value)
+
+
+def _sent_copy(outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The last stage's outputs as other ranks get them: detached copies (same
+    ``requires_grad``), immune to what the step function does to the originals."""
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.requires_grad), outputs)
+
+
+def _user_copy(cut: Any) -> Any:
+    """Received outputs as this rank's step function gets them: its own copies, which it may
+    modify in place (a received tensor that requires grad is a leaf, which could not be)
+    while the received values are relayed on unchanged."""
+    with torch.enable_grad():
+        return pytree.tree_map_only(torch.Tensor, torch.clone, cut)
 
 
 def _inconsistent(op: Op, what: str) -> None:

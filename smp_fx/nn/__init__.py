@@ -1,0 +1,24 @@
+"""``smp.nn``: SMP's modules. Names documented by SMP but not built yet raise
+``SMPNotImplementedError`` on access (``smp_fx.namespaces``); built ones are plain
+attributes of this package."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from smp_fx.namespaces import planned
+
+PLANNED: dict[str, str] = {
+    "FusedLayerNorm": "SMP's replacement for apex's FusedLayerNorm",
+    "DistributedLinear": "tensor-parallel Linear",
+    "DistributedEmbedding": "tensor-parallel Embedding",
+    "DistributedTransformerLMHead": "tensor-parallel transformer with LM head",
+    "DistributedTransformer": "tensor-parallel transformer",
+    "DistributedTransformerLayer": "tensor-parallel transformer layer",
+    "DistributedAttentionLayer": "tensor-parallel attention layer",
+    "DistributedTransformerOutputLayer": "tensor-parallel transformer output layer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    planned("smp.nn", name, PLANNED)

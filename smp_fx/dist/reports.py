@@ -133,23 +133,25 @@ def first_failure(directory: Path, exits: Mapping[int, int] | None = None) -> st
         s = started.get(r, {}).get("stage")
         return f"rank {r} (stage {s})" if s is not None else f"rank {r}"
 
-    # follow "this rank points at that one" from the earliest failure
-    start = min(failed, key=lambda r: failed[r]["time"]) if failed else None
-    if start is None:
-        own = [r for r in exits if r not in killed_by_us]
-        start = min(stalled, key=lambda r: stalled[r]["time"]) if stalled else min(own)
-    seen: list[int] = []
-    r = start
-    while r not in seen:
-        seen.append(r)
-        peer = failed.get(r, {}).get("peer_rank")
-        if peer is None or r in stalled:
-            break
-        r = peer
-    then = ""
-    if len(seen) > 1:
-        after = ", then ".join(f"rank {x}" for x in reversed(seen[:-1]))
-        then = f"; {after} failed because of it"
+    def end(r: int) -> int:
+        """Follow "this rank points at that one" to a rank that points nowhere."""
+        seen: list[int] = []
+        while r not in seen:
+            seen.append(r)
+            peer = failed.get(r, {}).get("peer_rank")
+            if peer is None or r in stalled:
+                break
+            r = peer
+        return r
+
+    if failed:
+        r = end(min(failed, key=lambda x: failed[x]["time"]))
+    elif stalled:
+        r = min(stalled, key=lambda x: stalled[x]["time"])
+    else:
+        r = min(x for x in exits if x not in killed_by_us)
+    after = sorted((x for x in failed if x != r and end(x) == r), key=lambda x: failed[x]["time"])
+    then = f"; {', then '.join(f'rank {x}' for x in after)} failed because of it" if after else ""
     if r in stalled:
         record = stalled[r]["record"].splitlines()
         at = next((x.strip() for x in record if x.strip().startswith("next op")),
@@ -172,6 +174,9 @@ def summary(root: str | os.PathLike[str]) -> list[str]:
         exits = ({int(k): int(v) for k, v in exits_data.items()}
                  if i == len(attempts) - 1 else {})
         line = first_failure(directory, exits)
+        if line is None and i < len(attempts) - 1:  # it failed: torchrun restarted the job
+            line = ("a rank failed, and none left a report (the launcher stopped them "
+                    "first); torchrun's log names the first process that exited")
         if line is not None:
             lines.append(f"{directory.name}: {line}")
     return lines

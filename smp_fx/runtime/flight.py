@@ -7,7 +7,7 @@ tells it when the step fails on a peer (a timeout, a lost connection): the last 
 their start times, what it waits for and from whom, and where each microbatch's step
 function is. A rank that waits on no peer (its step function blocks, or never calls the
 model) has no timeout of its own to trip: a watchdog thread tells its record once its step
-has made no progress for 0.9 x the timeout, so it speaks before the ranks waiting on it
+has made no progress for 0.75 x the timeout, so it speaks before the ranks waiting on it
 time out and the launcher stops the job. Every record goes to stderr and, with
 ``SMP_FX_DUMP_DIR`` set, to ``flight_rank<r>.txt`` there; read together, the records name
 the rank that stopped. ``smp-fx run`` gets the same facts through the failure reports
@@ -28,7 +28,7 @@ from smp_fx.dist import reports
 from smp_fx.runtime.lowering import Op, describe, stage_name
 
 LAST_OPS = 8  # ops shown in a record
-STALL_FRACTION = 0.9  # of the timeout: when the watchdog tells a stalled step
+STALL_FRACTION = 0.75  # of the timeout: when the watchdog tells a stalled step
 
 Status = Callable[[], list[str]]  # lines on where the step's threads are (the conductor's)
 
@@ -139,10 +139,11 @@ class FlightRecorder:
 
     # ---- failures ----------------------------------------------------------------------
     def failed(self, exc: BaseException) -> None:
-        """A step failed: tell the record if a peer is involved; report for the launcher."""
+        """A step failed: report it for the launcher (first: the launcher stops this process
+        soon after another one failed), and tell the record if a peer is involved."""
+        reports.failed(self.rank, self.stages, exc)
         if isinstance(exc, (SMPTimeoutError, SMPPeerError)) and self._told_step != self.step:
             self.tell(f"{type(exc).__name__}: {exc}")
-        reports.failed(self.rank, self.stages, exc)
 
     def watch(self) -> None:
         """Start the stall watchdog (once): a daemon thread that ends with this recorder."""

@@ -24,7 +24,8 @@ def test_classify(text: str, kind: str) -> None:
 
 
 def test_backend_words_drop_source_location_and_boilerplate() -> None:
-    assert backend_words(RuntimeError(GLOO_CLOSED)) == "Connection closed by peer [127.0.0.1]:47308"
+    words = backend_words(RuntimeError(GLOO_CLOSED))
+    assert words == "Connection closed by peer [127.0.0.1]:47308"
     assert backend_words(RuntimeError("")) is None
 
 

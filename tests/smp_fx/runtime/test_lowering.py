@@ -135,4 +135,5 @@ def test_every_op_kind_reads_in_words() -> None:
         "receiving the gradients of microbatch 2 from stage 2 (rank 6) for its backward pass",
         "the backward pass of microbatch 2 on stage 1",
         "sending the gradients of microbatch 2 to stage 0 (rank 4)"]
-    assert describe(Op("SEND_ACT", 0, 1, 1)) == "sending the activations of microbatch 1 to stage 1"
+    words = describe(Op("SEND_ACT", 0, 1, 1))
+    assert words == "sending the activations of microbatch 1 to stage 1"

@@ -59,11 +59,21 @@ class SMPPartitionError(SMPError):
 
 
 class SMPRuntimeError(SMPError, RuntimeError):
-    """Misuse of the runtime API (calls outside ``smp.step``, bad batch, ...) or its failure."""
+    """Misuse of the runtime API (calls outside ``smp.step``, bad batch, ...) or its failure.
+
+    ``peer_rank``: the rank this failure points at (a peer that died or did not answer),
+    when there is one; ``smp-fx run`` follows it to the rank that failed first."""
+
+    peer_rank: int | None = None
 
 
 class SMPTimeoutError(SMPRuntimeError, TimeoutError):
     """A blocking wait ran past its timeout; the message names what it waited for."""
+
+
+class SMPPeerError(SMPRuntimeError, ConnectionError):
+    """A peer rank's process is gone (its connection closed or reset): it died or exited.
+    The message names that rank and stage, and what this rank was doing."""
 
 
 class SMPCheckpointError(SMPError):

@@ -44,4 +44,7 @@ PIN: MetaKey[int] = MetaKey(
     "smp.pin", "stage the node must be placed on (from smp.partition / default_partition)")
 STAGE: MetaKey[int] = MetaKey("smp.stage", "pipeline stage chosen for the node")
 
-ALL_KEYS: tuple[MetaKey[Any], ...] = (MODULE_PATH, PARAMS, TENSOR, COST, PIN, STAGE)
+TP: MetaKey[str] = MetaKey(
+    "smp.tp", "tensor-parallel role of a node the rewrite made: col, row, lone or a collective")
+
+ALL_KEYS: tuple[MetaKey[Any], ...] = (MODULE_PATH, PARAMS, TENSOR, COST, PIN, STAGE, TP)

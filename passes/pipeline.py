@@ -36,6 +36,7 @@ from passes.partitioning.problem import make_objective
 from passes.plan import PartitionPlan, build_plan
 from passes.runner import Pass, run_passes
 from passes.shape_prop import shape_prop
+from passes.tensor_parallel import TensorParallelism, TensorParallelPlan, tensor_parallel
 from passes.trace import Frontend, trace
 
 Progress = Callable[[str], None]
@@ -48,6 +49,7 @@ class Compiled:
     gm: torch.fx.GraphModule
     plan: PartitionPlan
     device: DeviceSpec
+    tp_plan: TensorParallelPlan | None = None
 
 
 def resolve_device(device: str | DeviceSpec) -> DeviceSpec:
@@ -76,7 +78,8 @@ def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
                   measured: Mapping[str, Sequence[float | None]] | None = None,
                   leaf_modules: Sequence[Any] = (),
                   progress: Progress | None = None,
-                  traced: torch.fx.GraphModule | None = None) -> Compiled:
+                  traced: torch.fx.GraphModule | None = None,
+                  tp: TensorParallelism | None = None) -> Compiled:
     """Trace, cost and partition ``model`` for one microbatch ``(args, kwargs)``.
 
     ``device`` names a ``cost_model.device`` spec (or is one): analytic costs and boundary
@@ -100,7 +103,7 @@ def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
     spec = resolve_device(device)
     costed = analyse(model, args, kwargs, device=spec, frontend=frontend, measured=measured,
                      leaf_modules=leaf_modules, progress=progress, traced=traced)
-    return partition(costed, pconfig, device=spec, pins=pins, progress=progress)
+    return partition(costed, pconfig, device=spec, pins=pins, progress=progress, tp=tp)
 
 
 def analyse(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None,
@@ -135,10 +138,14 @@ def analyse(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | N
 
 def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
               device: str | DeviceSpec = DEFAULT_DEVICE, pins: Mapping[str, int] | None = None,
-              progress: Progress | None = None) -> Compiled:
-    """The second half of ``compile_model``: (assign_manual | auto_partition) -> build_plan.
+              progress: Progress | None = None,
+              tp: TensorParallelism | None = None) -> Compiled:
+    """The second half of ``compile_model``: (assign_manual | auto_partition) ->
+    tensor_parallel -> build_plan.
 
-    ``costed`` (from ``analyse``) is not modified.
+    ``costed`` (from ``analyse``) is not modified. ``tp`` (this rank's tensor-parallel
+    degree, rank and marked modules) rewrites the staged graph with this rank's shards; the
+    stages are chosen on the unsharded graph, so every tp rank splits the same way.
     """
     spec = resolve_device(device)
     strategy = ["manual"]
@@ -157,11 +164,21 @@ def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
 
     passes = [Pass("auto_partition", auto, (meta.COST,), (meta.STAGE,)) if pconfig.auto_partition
               else Pass("assign_manual", manual, (meta.COST,), (meta.STAGE,))]
+    tp_plan: list[TensorParallelPlan] = []
+
+    def shard(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        assert tp is not None
+        new, made = tensor_parallel(gm, tp)
+        tp_plan.append(made)
+        return new
+
+    if tp is not None and tp.size > 1:
+        passes.append(Pass("tensor_parallel", shard, (meta.STAGE,), (meta.STAGE,)))
     gm = run_passes(costed, _announced(passes, progress))
     if progress is not None:
         progress("build_plan")
     plan = build_plan(gm, pconfig, spec, comm_time, strategy[0])
-    return Compiled(gm, plan, spec)
+    return Compiled(gm, plan, spec, tp_plan[0] if tp_plan else None)
 
 
 @dataclass(frozen=True)

@@ -99,3 +99,6 @@ from smp_fx.ckpt.files import load, save  # noqa: E402
 from smp_fx.ckpt.checkpoint_api import resume_from_checkpoint, save_checkpoint  # noqa: E402
 from smp_fx.dist.state_api import reset  # noqa: E402
 from smp_fx import amp, nn, optimizers  # noqa: E402
+
+# --- tensor parallelism: which modules are distributed ---
+from smp_fx.tp_marking import set_tensor_parallelism, tensor_parallelism  # noqa: E402

@@ -41,17 +41,20 @@ from passes import meta
 from passes.pipeline import compile_model
 from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram, split_stages
+from passes.tensor_parallel import TensorParallelism, TensorParallelPlan
 from passes.trace import trace
 from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
 from smp_fx.delayed_init import is_delayed, materialize
 from smp_fx.dist import ddp, launch, state
+from smp_fx.dist.tensor_parallel import TensorParallelRuntime
 from smp_fx.manual import pins_by_module_path
 from smp_fx.runtime import context
 from smp_fx.runtime import executor as ex
 from smp_fx.runtime.dist_transport import DistTransport
 from smp_fx.runtime.lowering import cached_schedule
 from smp_fx.runtime.transport import InProcessTransport, Transport
+from smp_fx.tp_marking import marked_paths
 
 if TYPE_CHECKING:
     from smp_fx.optimizer import DistributedOptimizer
@@ -131,6 +134,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         self.canonical_names = {n: self._fqn_by_id[id(p)] for n, p in
                                 module.named_parameters(remove_duplicate=False)}
         self.plan: PartitionPlan | None = None  # once partitioned
+        self.tp_plan: TensorParallelPlan | None = None  # once partitioned, with tp > 1
+        self._tp: TensorParallelRuntime | None = None
         self._ddp: ddp.DataParallel | None = None
         context.set_current_model(self)
         checkpoint_api.adopt_pending(model=self)  # smp.resume_from_checkpoint came first
@@ -158,6 +163,10 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
 
     def get_module(self) -> nn.Module:
         return self.module
+
+    def is_distributed_parameter(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is a tensor-parallel shard (False before partitioning)."""
+        return self._tp is not None and self._tp.is_distributed(param)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if context.capturing_inputs():
@@ -313,7 +322,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
             # keeps tied parameters tied (one Parameter shared by the stages)
             materialize(self.module, st.device)
         with context.tracing():
-            gm, self.plan = _plan_stages(self.module, args, kwargs, p, self.options)
+            gm, self.plan, self.tp_plan = _plan_stages(self.module, args, kwargs, p,
+                                                       self.options)
         if not st.in_process and st.world_size > 1:
             _agree_on_plan(gm, st)
         program = split_stages(gm, p)
@@ -345,6 +355,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
                 self._executor.post_step_hooks.append(self._reduce_tied_grads)
                 if delayed:  # replicas initialised on different ranks: take the first's
                     self._broadcast_tied()
+        if self.tp_plan is not None:
+            self._tp = TensorParallelRuntime.attach(self, self.tp_plan, st)
         self._ddp = ddp.enable(self)  # None unless ddp with several replicas
         for opt in self._optimizers:
             opt._localize(self)
@@ -445,7 +457,7 @@ def _materialise(module: nn.Module, device: torch.device) -> None:
 
 def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                  num_stages: int, options: ModelOptions
-                 ) -> tuple[torch.fx.GraphModule, PartitionPlan]:
+                 ) -> tuple[torch.fx.GraphModule, PartitionPlan, TensorParallelPlan | None]:
     """Trace once, cost and partition with the compile pipeline; (GraphModule with STAGE, plan).
 
     Analytic costs for the device spec ``_plan_device`` picks (the same on every rank), so
@@ -463,9 +475,11 @@ def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     measured = None
     if options.trace_execution_times or options.trace_memory_usage:
         measured = _measured_costs(gm, args, kwargs, options, st)
+    tp = TensorParallelism(st.axis_size("tp"), st.axis_rank("tp"), cfg.prescaled_batch,
+                           marked_paths(module))
     compiled = compile_model(module, args, kwargs, cfg.partition_config(device.name),
-                             device=device, pins=pins, measured=measured, traced=gm)
-    return compiled.gm, compiled.plan
+                             device=device, pins=pins, measured=measured, traced=gm, tp=tp)
+    return compiled.gm, compiled.plan, compiled.tp_plan
 
 
 DEVICE_SPEC_ENV = "SMP_FX_DEVICE_SPEC"

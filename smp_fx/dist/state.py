@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cost_model.errors import SMPRuntimeError
+from passes import tp_collectives
 from smp_fx.config import SMPConfig
 from smp_fx.dist import state_api
 from smp_fx.dist.launch import LaunchInfo
@@ -129,6 +130,7 @@ def _reset() -> None:
     to call ``smp.init`` several times in one process)."""
     global _STATE
     state, _STATE = _STATE, None
+    tp_collectives.bind(None, 1, 0)  # the tp group (and its store) must not outlive it
     if state is None or not dist.is_initialized():
         return
     if state.owns_default_group:

@@ -1,0 +1,332 @@
+"""``tensor_parallel``: shard the linears of marked modules across the tensor-parallel group.
+
+For every marked region (an outermost module marked by ``smp.tensor_parallelism``,
+``smp.set_tensor_parallelism`` or an ``smp.nn`` type; given as module paths), the pass
+finds the linears (``nn.Linear`` leaves, ``F.linear`` / ``aten.linear`` on parameters)
+and pairs them Megatron-style:
+
+* a *column-parallel* linear (weight rows split: each rank computes ``out/tp`` features)
+  whose output flows only through element-wise ops (activations, dropout, bias adds,
+  SwiGLU's ``gate * up``) into
+* a *row-parallel* linear (weight columns split) whose partial sums are all-reduced, then
+  its bias is added once.
+
+A linear whose output no element-wise chain carries to another linear is a lone linear
+with ``smp.nn.DistributedLinear``'s semantics: column-parallel, its output all-gathered
+along the features. Collectives are ``call_function`` nodes of ``passes.tp_collectives``.
+With ``prescaled_batch`` false each pair (and each lone linear) gathers its input over the
+tp group's batches and keeps this rank's part of the output.
+
+A region the pass cannot shard (sizes not divisible by tp, a column-sharded value reaching
+anything but an element-wise op or a linear, no linear at all) stays replicated, and
+``TensorParallelPlan.replicated`` says why. The result depends on ``rank``: each rank's
+graph holds its own shards, under the original parameter names; every rank's graph has
+the same nodes, names and stages.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.nn import functional as F
+
+from cost_model.node_cost import NodeCost
+from passes import meta, tp_collectives
+from passes.graph_utils import copy_graph_module
+
+
+@dataclass(frozen=True)
+class TensorParallelism:
+    """The rewrite's inputs: degree, this rank, batch semantics, marked module paths."""
+
+    size: int
+    rank: int
+    prescaled_batch: bool = False
+    marked: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One distributed parameter: split along ``dim`` into ``parts`` equal pieces."""
+
+    name: str
+    dim: int
+    parts: int
+    full_shape: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dim": self.dim, "parts": self.parts,
+                "full_shape": list(self.full_shape)}
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> ShardSpec:
+        return ShardSpec(d["name"], d["dim"], d["parts"], tuple(d["full_shape"]))
+
+
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """What the pass did: sharded parameters and the regions left replicated, with why."""
+
+    size: int
+    sharded: tuple[ShardSpec, ...] = ()
+    replicated: tuple[tuple[str, str], ...] = ()
+    pairs: tuple[tuple[str, str], ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        return {"size": self.size, "sharded": [s.to_json() for s in self.sharded],
+                "replicated": [list(r) for r in self.replicated],
+                "pairs": [list(p) for p in self.pairs]}
+
+    @staticmethod
+    def from_json(d: Mapping[str, Any]) -> TensorParallelPlan:
+        return TensorParallelPlan(d["size"], tuple(ShardSpec.from_json(s) for s in d["sharded"]),
+                                  tuple((a, b) for a, b in d["replicated"]),
+                                  tuple((a, b) for a, b in d["pairs"]))
+
+    def shard_spec(self, name: str) -> ShardSpec | None:
+        return next((s for s in self.sharded if s.name == name), None)
+
+
+ELEMENTWISE_MODULES: tuple[type, ...] = (
+    nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity, nn.LeakyReLU)
+ELEMENTWISE_FUNCTIONS: frozenset[Any] = frozenset({
+    F.gelu, F.relu, F.silu, F.dropout, F.leaky_relu, torch.relu, torch.tanh, torch.sigmoid,
+    torch.mul, torch.add, operator.mul, operator.add, operator.sub, operator.truediv,
+    torch.ops.aten.gelu.default, torch.ops.aten.silu.default, torch.ops.aten.relu.default,
+    torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor, torch.ops.aten.tanh.default,
+    torch.ops.aten.sigmoid.default, torch.ops.aten.dropout.default,
+})
+ELEMENTWISE_METHODS: frozenset[str] = frozenset(
+    {"relu", "sigmoid", "tanh", "mul", "add", "sub", "div", "__mul__", "__add__"})
+LINEAR_FUNCTIONS: frozenset[Any] = frozenset({F.linear, torch.ops.aten.linear.default})
+
+
+@dataclass
+class _Linear:
+    node: torch.fx.Node
+    weight: str
+    bias: str | None
+    weight_value: torch.Tensor
+    bias_value: torch.Tensor | None
+    role: str = ""  # "col", "row" or "lone"
+
+
+def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _as_linear(gm: torch.fx.GraphModule, n: torch.fx.Node) -> _Linear | None:
+    if n.op == "call_module" and type(_attr(gm, str(n.target))) is nn.Linear:
+        mod = _attr(gm, str(n.target))
+        return _Linear(n, f"{n.target}.weight", None if mod.bias is None else f"{n.target}.bias",
+                       mod.weight, mod.bias)
+    if n.op == "call_function" and n.target in LINEAR_FUNCTIONS:
+        args = list(n.args) + [n.kwargs.get("bias")] * (3 - len(n.args))
+        w, b = args[1], args[2]
+        if not (isinstance(w, torch.fx.Node) and w.op == "get_attr"):
+            return None
+        if b is not None and not (isinstance(b, torch.fx.Node) and b.op == "get_attr"):
+            return None
+        return _Linear(n, str(w.target), None if b is None else str(b.target),
+                       _attr(gm, str(w.target)), None if b is None else _attr(gm, str(b.target)))
+    return None
+
+
+def _elementwise(gm: torch.fx.GraphModule, n: torch.fx.Node) -> bool:
+    if n.op == "call_module":
+        return isinstance(_attr(gm, str(n.target)), ELEMENTWISE_MODULES)
+    if n.op == "call_function":
+        return n.target in ELEMENTWISE_FUNCTIONS
+    return n.op == "call_method" and n.target in ELEMENTWISE_METHODS
+
+
+def _in_region(path: str, region: str) -> bool:
+    return region == "" or path == region or path.startswith(region + ".")
+
+
+def regions(marked: Sequence[str]) -> list[tuple[str, ...]]:
+    """The outermost marked paths, siblings grouped (modules created together inside one
+    ``smp.tensor_parallelism`` context form one region)."""
+    outer = sorted({r for r in marked if not any(r != o and _in_region(r, o) for o in marked)})
+    groups: dict[str, list[str]] = {}
+    for path in outer:
+        groups.setdefault(path.rpartition(".")[0] if path else "\0", []).append(path)
+    return [tuple(g) for _, g in sorted(groups.items())]
+
+
+def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int
+             ) -> tuple[list[_Linear], str | None]:
+    """The region's linears with their roles, or a reason to leave it replicated."""
+    nodes = list(gm.graph.nodes)  # element-wise ops between the linears may lie outside
+    linears = {n: lin for n in nodes
+               if any(_in_region(meta.MODULE_PATH.get(n, ""), r) for r in region)
+               and (lin := _as_linear(gm, n)) is not None}
+    if not linears:
+        return [], "no linear layer to shard"
+    col: set[torch.fx.Node] = set()  # values split along the features
+    weights = [lin.weight for lin in linears.values()]
+    if len(set(weights)) != len(weights):
+        return [], "a linear weight is shared by several layers"
+    for n in nodes:
+        ins = [a for a in n.all_input_nodes if a.op != "get_attr"]
+        lin = linears.get(n)
+        if lin is not None:
+            x = n.args[0]
+            if x in col:
+                lin.role = "row"
+            else:
+                lin.role = "col"
+                col.add(n)
+            continue
+        if any(a in col for a in ins):
+            if not _elementwise(gm, n):
+                continue  # judged below: a lone column linear, or a failure
+            if not all(a in col for a in ins) or any(a.op == "get_attr"
+                                                      for a in n.all_input_nodes):
+                return [], (f"{n.name} ({n.target}) mixes a feature-split value with a "
+                            "replicated tensor")
+            col.add(n)
+    for n in col:
+        bad = [u for u in n.users if u not in col and not
+               (u in linears and linears[u].role == "row" and u.args[0] is n)]
+        if not bad:
+            continue
+        if n in linears and all(u not in col for u in n.users):
+            linears[n].role = "lone"
+            continue
+        return [], (f"the feature-split value {n.name} reaches {bad[0].name} "
+                    f"({bad[0].target}), which is neither element-wise nor a linear")
+    for lin in linears.values():
+        out_f, in_f = lin.weight_value.shape
+        dim_size = in_f if lin.role == "row" else out_f
+        if dim_size % size:
+            return [], (f"{lin.weight} has {dim_size} {'in' if lin.role == 'row' else 'out'}"
+                        f" features, not divisible by tensor_parallel_degree {size}")
+    return list(linears.values()), None
+
+
+def _set_param(gm: torch.fx.GraphModule, fqn: str, value: torch.Tensor) -> None:
+    owner_path, _, leaf = fqn.rpartition(".")
+    owner: nn.Module = gm
+    for part in owner_path.split(".") if owner_path else ():
+        owner = getattr(owner, part)
+    owner.register_parameter(leaf, nn.Parameter(value, requires_grad=True))
+
+
+def _replace_module(gm: torch.fx.GraphModule, path: str) -> None:
+    """Put a fresh container at ``path`` (the original leaf module is the user's)."""
+    owner_path, _, leaf = path.rpartition(".")
+    owner: nn.Module = gm
+    for part in owner_path.split(".") if owner_path else ():
+        owner = getattr(owner, part)
+    setattr(owner, leaf, nn.Module())
+
+
+def _shard(value: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
+    return value.detach().chunk(size, dim=dim)[rank].clone()
+
+
+def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism
+                    ) -> tuple[torch.fx.GraphModule, TensorParallelPlan]:
+    """The rewritten copy of ``gm`` for ``tp.rank`` and the plan (module docstring)."""
+    new = copy_graph_module(gm)
+    if tp.size <= 1 or not tp.marked:
+        return new, TensorParallelPlan(tp.size)
+    by_name = {n.name: n for n in new.graph.nodes}
+    sharded: list[ShardSpec] = []
+    replicated: list[tuple[str, str]] = []
+    pairs: list[tuple[str, str]] = []
+    for region in regions(tp.marked):
+        linears, reason = _analyse(new, region, tp.size)
+        if reason is not None:
+            replicated.append((",".join(region), reason))
+            continue
+        for lin in linears:
+            sharded += _rewrite(new, by_name[lin.node.name], lin, tp)
+        cols = [lin for lin in linears if lin.role == "col"]
+        rows = [lin for lin in linears if lin.role == "row"]
+        pairs += [(c.weight.rpartition(".")[0], r.weight.rpartition(".")[0])
+                  for c in cols for r in rows]
+    new.graph.lint()
+    new.recompile()
+    return new, TensorParallelPlan(tp.size, tuple(sharded), tuple(replicated), tuple(pairs))
+
+
+def _insert(graph: torch.fx.Graph, fn: Callable[..., Any], args: Sequence[Any],
+            like: torch.fx.Node) -> torch.fx.Node:
+    n = graph.call_function(fn, tuple(args))
+    n.meta = dict(like.meta)
+    meta.TP.set(n, getattr(fn, "__name__", "op"))
+    meta.COST.set(n, NodeCost())
+    meta.PARAMS.set(n, ())
+    return n
+
+
+def _get_attr(graph: torch.fx.Graph, fqn: str, like: torch.fx.Node) -> torch.fx.Node:
+    n = graph.get_attr(fqn)
+    n.meta = dict(like.meta)
+    meta.COST.set(n, NodeCost())
+    meta.PARAMS.set(n, (fqn,))
+    return n
+
+
+def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: _Linear,
+             tp: TensorParallelism) -> list[ShardSpec]:
+    """Replace ``node`` by its sharded form; the shard specs of its parameters."""
+    size, rank, graph = tp.size, tp.rank, gm.graph
+    w_full, b_full = lin.weight_value, lin.bias_value
+    if node.op == "call_module":
+        _replace_module(gm, str(node.target))
+    w_dim = 1 if lin.role == "row" else 0
+    _set_param(gm, lin.weight, _shard(w_full, w_dim, size, rank))
+    specs = [ShardSpec(lin.weight, w_dim, size, tuple(w_full.shape))]
+    if lin.bias is not None and b_full is not None:
+        if lin.role == "row":
+            _set_param(gm, lin.bias, b_full.detach().clone())
+        else:
+            _set_param(gm, lin.bias, _shard(b_full, 0, size, rank))
+            specs.append(ShardSpec(lin.bias, 0, size, tuple(b_full.shape)))
+    x = node.args[0]
+    gather = not tp.prescaled_batch
+    with graph.inserting_before(node):
+        if lin.role != "row":
+            if gather:
+                x = _insert(graph, tp_collectives.tp_gather_batch, (x,), node)
+            x = _insert(graph, tp_collectives.tp_copy, (x,), node)
+        w = _get_attr(graph, lin.weight, node)
+        args: list[Any] = [x, w]
+        if lin.bias is not None and lin.role != "row":
+            args.append(_get_attr(graph, lin.bias, node))
+        y = graph.call_function(F.linear, tuple(args))
+        y.meta = dict(node.meta)
+        meta.TP.set(y, lin.role)
+        meta.PARAMS.set(y, tuple(a.target for a in args[1:]))
+    with graph.inserting_after(y):
+        out = y
+        if lin.role == "row":
+            out = _insert(graph, tp_collectives.tp_reduce, (out,), node)
+            if lin.bias is not None:
+                with graph.inserting_after(out):
+                    b = _get_attr(graph, lin.bias, node)
+                with graph.inserting_after(b):
+                    out = _insert(graph, operator.add, (out, b), node)
+        elif lin.role == "lone":
+            out = _insert(graph, tp_collectives.tp_gather_last, (out,), node)
+        if gather and lin.role != "col":
+            with graph.inserting_after(out):
+                out = _insert(graph, tp_collectives.tp_split_batch, (out,), node)
+    inputs = node.all_input_nodes
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    for old in (a for a in inputs if a.op == "get_attr" and not a.users):
+        graph.erase_node(old)
+    return specs

@@ -1,0 +1,150 @@
+"""The tensor-parallel collectives the rewritten graph calls, as autograd functions.
+
+``passes.tensor_parallel`` inserts these as ``call_function`` nodes; the runtime binds the
+process group once per rank (``bind``). Every collective smp-fx's tensor parallelism uses is
+built here from ``all_reduce`` and ``all_gather``, which gloo has, so CPU runs need nothing
+gloo lacks (a reduce-scatter, for instance, is an all-reduce followed by a local slice).
+
+Without a bound group of more than one rank every function is the identity: a graph
+rewritten for tp=1, or run by a pass that only propagates shapes, computes the same
+function as the original.
+
+* ``tp_copy``: forward identity, backward all-reduce (the input of a column-parallel linear).
+* ``tp_reduce``: forward all-reduce (the output of a row-parallel linear), backward identity.
+* ``tp_gather_last``: forward all-gather along the last dim, backward the local slice.
+* ``tp_gather_batch`` / ``tp_split_batch``: ``prescaled_batch: false``: a distributed
+  module sees the concatenated batches of its tp group, and each rank keeps its own part of
+  the result. The backward of the split gathers the parts' gradients scaled by 1/tp and the
+  backward of the gather keeps the local part scaled by tp, so every parameter inside sees
+  the tp group's mean gradient and every rank's upstream sees its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class _Bound:
+    group: Any = None
+    size: int = 1
+    rank: int = 0
+
+
+_BOUND = _Bound()
+
+
+def bind(group: Any, size: int, rank: int) -> None:
+    """Use ``group`` (this rank's tensor-parallel group: ``size`` ranks, this one ``rank``)."""
+    _BOUND.group, _BOUND.size, _BOUND.rank = group, size, rank
+
+
+def active() -> bool:
+    return _BOUND.size > 1 and dist.is_available() and dist.is_initialized()
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    out = x.contiguous().clone()
+    dist.all_reduce(out, group=_BOUND.group)
+    return out
+
+
+def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(_BOUND.size)]
+    dist.all_gather(parts, x, group=_BOUND.group)
+    return torch.cat(parts, dim=dim)
+
+
+def _local(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return x.chunk(_BOUND.size, dim=dim)[_BOUND.rank].contiguous()
+
+
+class _Copy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(g)
+
+
+class _Reduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(x)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return g
+
+
+class _GatherLast(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return _all_gather(x, -1)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return _local(g, -1)
+
+
+class _GatherBatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return _all_gather(x, 0)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return _local(g, 0) * _BOUND.size
+
+
+class _SplitBatch(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return _local(x, 0)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        return _all_gather(g, 0) / _BOUND.size
+
+
+def tp_copy(x: torch.Tensor) -> torch.Tensor:
+    return _Copy.apply(x) if active() else x
+
+
+def tp_reduce(x: torch.Tensor) -> torch.Tensor:
+    return _Reduce.apply(x) if active() else x
+
+
+def tp_gather_last(x: torch.Tensor) -> torch.Tensor:
+    return _GatherLast.apply(x) if active() else x
+
+
+def tp_gather_batch(x: torch.Tensor) -> torch.Tensor:
+    return _GatherBatch.apply(x) if active() else x
+
+
+def tp_split_batch(x: torch.Tensor) -> torch.Tensor:
+    return _SplitBatch.apply(x) if active() else x
+
+
+def average_grads(params: list[torch.nn.Parameter]) -> None:
+    """Average the ``.grad`` of ``params`` over the tp group (replicated parameters under
+    ``prescaled_batch: false``, whose tp ranks saw different examples)."""
+    if not active():
+        return
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads]) / _BOUND.size
+    dist.all_reduce(flat, group=_BOUND.group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()

@@ -1,0 +1,83 @@
+"""Which modules tensor parallelism distributes: ``smp.tensor_parallelism`` and
+``smp.set_tensor_parallelism``.
+
+A module is marked by an attribute holding ``(enabled, kwargs)``. Inside
+``smp.tensor_parallelism(enabled, **kwargs)`` every module created is marked with that
+context's setting (the innermost context wins); ``smp.set_tensor_parallelism(module,
+enabled, **kwargs)`` marks ``module`` and its submodules; ``smp.nn`` distributed types are
+marked by construction. ``marked_paths`` gives the paths of the marked-enabled modules of
+a model, which ``passes.tensor_parallel`` turns into regions (the outermost ones win).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+
+ATTR = "_smp_tensor_parallel"
+
+_stack = threading.local()
+_original_init = nn.Module.__init__
+
+
+def _contexts() -> list[tuple[bool, dict[str, Any]]]:
+    if not hasattr(_stack, "items"):
+        _stack.items = []
+    items: list[tuple[bool, dict[str, Any]]] = _stack.items
+    return items
+
+
+def _marking_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+    _original_init(self, *args, **kwargs)
+    ctx = _contexts()
+    if ctx and ATTR not in self.__dict__:
+        object.__setattr__(self, ATTR, (ctx[-1][0], dict(ctx[-1][1])))
+
+
+def mark(module: nn.Module, enabled: bool = True, **kwargs: Any) -> None:
+    """Mark one module (no recursion)."""
+    object.__setattr__(module, ATTR, (bool(enabled), dict(kwargs)))
+
+
+@contextmanager
+def tensor_parallelism(enabled: bool = True, **kwargs: Any) -> Iterator[None]:
+    """Modules created inside are distributed when ``enabled`` (SMP's context manager).
+
+    ``kwargs`` are kept with the mark (SMP passes them to its distributed modules; the fx
+    rewrite takes its settings from the configuration instead).
+    """
+    ctx = _contexts()
+    ctx.append((bool(enabled), dict(kwargs)))
+    if len(ctx) == 1:
+        nn.Module.__init__ = _marking_init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        ctx.pop()
+        if not ctx:
+            nn.Module.__init__ = _original_init  # type: ignore[method-assign]
+
+
+def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **kwargs: Any) -> None:
+    """Enable (or disable) tensor parallelism for ``module`` and its submodules."""
+    for m in module.modules():
+        mark(m, enabled, **kwargs)
+
+
+def is_marked(module: nn.Module) -> bool:
+    value = module.__dict__.get(ATTR)
+    return bool(value and value[0])
+
+
+def marked_paths(model: nn.Module) -> tuple[str, ...]:
+    """Paths of the outermost marked-enabled modules of ``model`` ('' = the root)."""
+    out: list[str] = []
+    for path, m in model.named_modules():
+        if is_marked(m) and not any(path == o or path.startswith(o + ".") or o == ""
+                                    for o in out):
+            out.append(path)
+    return tuple(out)

@@ -173,7 +173,7 @@ def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int
     if not linears:
         return [], "no linear layer to shard"
     col: set[torch.fx.Node] = set()  # values split along the features
-    weights = [lin.weight for lin in linears.values()]
+    weights = [id(lin.weight_value) for lin in linears.values()]
     if len(set(weights)) != len(weights):
         return [], "a linear weight is shared by several layers"
     for n in nodes:

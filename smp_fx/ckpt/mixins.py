@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
 from torch.nn.modules.module import _IncompatibleKeys
 
 from cost_model.errors import SMPCheckpointError, not_implemented
@@ -50,17 +51,33 @@ from smp_fx.runtime.context import current_model
 StateDict = dict[str, Any]
 
 
-def _gather_pipeline(local: Any) -> list[Any]:
-    """Every pipeline stage's ``local`` (one process per stage), or ``[local]`` in-process."""
+def _gather_pipeline(local: Any, tp_gathered: bool = False) -> list[Any]:
+    """Every pipeline stage's ``local`` (one process per stage), or ``[local]`` in-process.
+    ``tp_gathered``: ``local``'s tensor-parallel shards are full tensors already."""
     if not smp_state.is_initialized():
         return [local]
     st = smp_state.get()
     if st.in_process or len(st.group_ranks("pp")) == 1:
         return [local]
-    if st.axis_size("tp") > 1:
+    if st.axis_size("tp") > 1 and not tp_gathered:
         raise not_implemented("full state dicts of tensor-parallel models",
                               fix="save partial checkpoints (local_state_dict) instead")
     return comm.allgather(local, comm.PP_GROUP)
+
+
+def gather_shards(plan: Any, local: StateDict) -> StateDict:
+    """``local`` with every tensor-parallel shard replaced by the full tensor (collective
+    over the tp group): ``state_dict()`` is exactly the unsharded model's."""
+    if plan is None:
+        return local
+    out = dict(local)
+    for spec in plan.sharded:
+        if spec.name in out:
+            t = out[spec.name].contiguous()
+            parts = [torch.empty_like(t) for _ in range(spec.parts)]
+            dist.all_gather(parts, t, group=smp_state.get().object_group("tp"))
+            out[spec.name] = torch.cat(parts, dim=spec.dim)
+    return out
 
 
 def _to_cpu(value: Any) -> Any:
@@ -134,7 +151,8 @@ class ModelCheckpointMixin:
                 fix="call model.state_dict(); use local_state_dict() for this rank's part")
         if not self.partitioned:
             return self.module.state_dict()
-        parts = _gather_pipeline(_to_cpu(self.local_state_dict()))
+        local = gather_shards(self.__dict__.get("tp_plan"), _to_cpu(self.local_state_dict()))
+        parts = _gather_pipeline(local, tp_gathered=True)
         if gather_to_rank0 and _pipeline_rank() != 0:
             return OrderedDict()
         return merge_model_state_dicts(parts, self._smp_layout())

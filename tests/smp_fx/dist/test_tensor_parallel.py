@@ -2,8 +2,8 @@
 
 One spawn of 2 gloo ranks (tp=2) per scenario; each trains 3 Adam steps and compares,
 against one process training the unpartitioned model on the global batch (fp32, 1e-5):
-the loss, the full gradients (shards all-gathered by their shard specs) and the
-parameters after the steps.
+the loss, the full gradients (shards all-gathered by their shard specs), the
+parameters after the steps and ``state_dict()`` (gathered: the unsharded model's).
 
 * an MLP marked with ``smp.tensor_parallelism`` (column -> GELU -> row pair plus a lone
   ``smp.nn.DistributedLinear``), ``prescaled_batch`` false (each rank its own examples)
@@ -141,10 +141,11 @@ def _scenario(kind: str, prescaled: bool) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
     params = _gathered(model, {n: p.detach() for n, p in model.local_named_parameters()})
+    full = model.state_dict()
     shapes = {n: tuple(p.shape) for n, p in model.local_named_parameters()}
     distributed = sorted(n for n, p in model.local_named_parameters()
                          if model.is_distributed_parameter(p))
-    return {"losses": losses, "grads": grads, "params": params, "shapes": shapes,
+    return {"losses": losses, "grads": grads, "state_dict": full, "params": params, "shapes": shapes,
             "distributed": distributed, "plan": model.tp_plan.to_json()}
 
 
@@ -163,6 +164,10 @@ def _checked(kind: str, prescaled: bool) -> dict[str, Any]:
     for step, (got, want) in enumerate(zip(res["grads"], ref_grads)):
         bad += [f"grad {n} step {step}" for n in mismatched(got, want, **TOL)]
     bad += [f"param {n}" for n in mismatched(res["params"], ref_params, **TOL)]
+    # state_dict() is exactly the unsharded model's: names, order, shapes, values
+    if list(res["state_dict"]) != list(ref_params):
+        bad.append(f"state_dict keys {list(res['state_dict'])}")
+    bad += [f"state_dict {n}" for n in mismatched(res["state_dict"], ref_params, **TOL)]
     return {"bad": bad, "losses": res["losses"], "shapes": res["shapes"],
             "distributed": res["distributed"], "plan": res["plan"]}
 

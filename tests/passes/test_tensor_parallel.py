@@ -1,0 +1,68 @@
+"""``passes.tensor_parallel`` on one process: pure, shards by rank, leaves what it cannot
+shard replicated with the reason.
+
+With no tensor-parallel group bound, the collectives are the identity, so rank r's graph
+of a column -> row pair returns its partial sum plus the bias: the ranks' outputs summed
+(bias counted once) equal the unsharded model's.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from passes.tensor_parallel import TensorParallelism, regions, tensor_parallel
+from passes.trace import trace
+
+
+class Pair(nn.Module):
+    def __init__(self, inner: int = 8) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, inner)
+        self.down = nn.Linear(inner, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+def test_ranks_hold_shards_and_sum_to_the_model() -> None:
+    model = Pair()
+    x = torch.randn(3, 4)
+    gm = trace(model, (x,), {})
+    before = [n.name for n in gm.graph.nodes], {k: v.shape for k, v in gm.state_dict().items()}
+    outs = []
+    for rank in range(2):
+        new, plan = tensor_parallel(gm, TensorParallelism(2, rank, True, ("up", "down")))
+        assert plan.pairs == (("up", "down"),) and plan.replicated == ()
+        assert {s.name: s.dim for s in plan.sharded} == {"up.weight": 0, "up.bias": 0,
+                                                         "down.weight": 1}
+        assert new.state_dict()["up.weight"].shape == (4, 4)
+        assert new.state_dict()["down.weight"].shape == (4, 4)
+        outs.append(new(x))
+    # pure: the input graph and its module are untouched
+    assert ([n.name for n in gm.graph.nodes],
+            {k: v.shape for k, v in gm.state_dict().items()}) == before
+    assert model.up.weight.shape == (8, 4)
+    torch.testing.assert_close(outs[0] + outs[1] - model.down.bias, model(x))
+
+
+def test_unshardable_regions_stay_replicated_with_reason() -> None:
+    model = Pair(inner=7)
+    gm = trace(model, (torch.randn(3, 4),), {})
+    new, plan = tensor_parallel(gm, TensorParallelism(2, 0, True, ("up", "down")))
+    assert plan.sharded == ()
+    assert plan.replicated == (("down,up", "up.weight has 7 out features, not divisible by "
+                                "tensor_parallel_degree 2"),)
+    assert [n.name for n in new.graph.nodes] == [n.name for n in gm.graph.nodes]
+
+    shared = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    shared[2].weight = shared[0].weight
+    gm = trace(shared, (torch.randn(3, 4),), {})
+    _, plan = tensor_parallel(gm, TensorParallelism(2, 0, True, ("0", "2")))
+    assert plan.replicated[0][1] == "a linear weight is shared by several layers"
+
+
+def test_regions_group_siblings_and_keep_the_outermost() -> None:
+    assert regions(["a.fc1", "a.fc2", "a.fc1.x", "b"]) == [("b",), ("a.fc1", "a.fc2")]
+    assert regions([""]) == [("",)]

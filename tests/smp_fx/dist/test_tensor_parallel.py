@@ -10,7 +10,8 @@ parameters after the steps and ``state_dict()`` (gathered: the unsharded model's
   and true (both ranks the same examples);
 * a SwiGLU MLP (``gate * up`` -> row) marked with ``smp.set_tensor_parallelism``;
 * a model whose marked linear is not divisible by tp: it stays replicated, the plan says
-  why, and training still matches.
+  why, and training still matches;
+* pp=2 x tp=2 on 4 ranks (one more spawn), the MLP with ``prescaled_batch`` true.
 """
 
 from __future__ import annotations
@@ -116,11 +117,11 @@ def _gathered(model: Any, values: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def _scenario(kind: str, prescaled: bool) -> dict[str, Any]:
+def _scenario(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
     import smp_fx as smp
 
-    smp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True,
-              "prescaled_batch": prescaled})
+    smp.init({"pipeline_parallel_degree": pp, "tensor_parallel_degree": 2, "ddp": True,
+              "prescaled_batch": prescaled, "microbatches": 2})
     model = smp.DistributedModel(_build(kind))
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
 
@@ -145,18 +146,18 @@ def _scenario(kind: str, prescaled: bool) -> dict[str, Any]:
     shapes = {n: tuple(p.shape) for n, p in model.local_named_parameters()}
     distributed = sorted(n for n, p in model.local_named_parameters()
                          if model.is_distributed_parameter(p))
-    return {"losses": losses, "grads": grads, "state_dict": full, "params": params, "shapes": shapes,
-            "distributed": distributed, "plan": model.tp_plan.to_json()}
+    return {"losses": losses, "grads": grads, "state_dict": full, "params": params,
+            "shapes": shapes, "distributed": distributed, "plan": model.tp_plan.to_json()}
 
 
 CASES = (("mlp", False), ("mlp", True), ("swiglu", False), ("odd", True))
 
 
-def _checked(kind: str, prescaled: bool) -> dict[str, Any]:
+def _checked(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
     """One scenario on this rank, compared here with the reference (names of mismatches)."""
     share = GLOBAL_BATCH // 2
     ref_losses, ref_grads, ref_params = _reference(kind, share if prescaled else GLOBAL_BATCH)
-    res = _scenario(kind, prescaled)
+    res = _scenario(kind, prescaled, pp)
     bad: list[str] = []
     if prescaled and not torch.allclose(torch.tensor(res["losses"]), torch.tensor(ref_losses),
                                         atol=1e-5, rtol=1e-5):
@@ -206,3 +207,15 @@ def test_tp2_shards_and_plan() -> None:
     assert odd["distributed"] == []
     [(region, why)] = odd["plan"]["replicated"]
     assert region == "act,fc1,fc2,head" and "33 out features, not divisible" in why
+
+
+def test_pp2_tp2_matches_single_process_model() -> None:
+    """4 ranks, pp=2 x tp=2, 2 microbatches: the column-parallel fc1 ends stage 0 and the
+    row-parallel fc2 begins stage 1, so a feature-split activation crosses the stages."""
+    results = run_ranks(_checked, 4, "mlp", True, 2, timeout=180,
+                        env={"SMP_FX_DEVICE_SPEC": "a100"})
+    for res in results:
+        assert res["bad"] == []
+    held = sorted({tuple(sorted(r["shapes"])) for r in results})
+    assert held == [("fc1.bias", "fc1.weight", "inp.bias", "inp.weight"),
+                    ("fc2.bias", "fc2.weight", "head.bias", "head.weight")]

@@ -11,6 +11,19 @@ checkpointing, which will gather and merge optimizer state by that index.
 It is a ``torch.optim.Optimizer`` (LR schedulers accept it); attributes it does not define
 are the wrapped optimizer's.
 
+Precision and memory (docs/precision.md):
+
+* ``fp16``: the wrapped optimizer steps fp32 master copies of the local parameters
+  (``smp_fx.amp.fp16.MasterWeights``) with a loss scaler built from ``static_loss_scale``,
+  ``dynamic_loss_scale`` and ``dynamic_loss_args`` (Megatron's ``FP16_Optimizer``);
+  ``step`` skips on every rank when any rank overflowed (``overflow``), and
+  ``clip_master_grads`` clips the masters by the whole model's norm. Without ``fp16``
+  these arguments are accepted and unused, as in SMP.
+* ``shard_optimizer_state``: the param groups are narrowed further to the parameters this
+  rank owns in its dp group (``smp_fx.dist.zero``); ``step`` broadcasts them after
+  stepping; ``local_state_dict`` is this rank's shard, ``state_dict`` gathers every shard.
+* sharded data parallelism: ``step`` clips the global norm to ``sdp_gradient_clipping``.
+
 >>> import torch
 >>> opt = DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
 >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -20,28 +33,60 @@ are the wrapped optimizer's.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from cost_model.errors import SMPRuntimeError
-from smp_fx.ckpt.mixins import OptimizerCheckpointMixin
-from smp_fx.dist import state
+from cost_model.errors import SMPRuntimeError, not_implemented
+from smp_fx.amp.fp16 import MasterWeights
+from smp_fx.amp.loss_scaler import LossScaler, make_scaler
+from smp_fx.ckpt.mixins import OptimizerCheckpointMixin, StateDict
+from smp_fx.ckpt.state_dict import merge_partial_optimizer_states
+from smp_fx.dist import clip, comm, state
 from smp_fx.dist.ddp import guard_optimizer
+from smp_fx.dist.zero import OptimizerShards
 from smp_fx.runtime.context import current_model
+
+log = logging.getLogger("smp_fx.optimizer")
+
+MASTER_KEY = "fp32_master"
+"""Per-parameter optimizer state entry holding its fp32 master weight (fp16 training)."""
+SCALER_KEY = "loss_scaler"
+"""Param-group entry holding the loss scaler's state in a saved fp16 optimizer state."""
 
 
 class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     """See the module docstring."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: D107
+    # torch.amp.GradScaler must unscale (and agree on infs) before calling step()
+    _step_supports_amp_scaling = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: float | None = 1.0,
+                 dynamic_loss_scale: bool = False, **dynamic_loss_args: Any) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise SMPRuntimeError.build("DistributedOptimizer wraps a torch.optim.Optimizer",
                                         type(optimizer).__name__, "smp.DistributedOptimizer",
                                         "pass an optimizer instance")
-        if state.is_initialized():  # shard_optimizer_state & co: an error, never ignored
-            state.get().config.check_features("DistributedOptimizer")
+        cfg = state.get().config if state.is_initialized() else None
+        if cfg is not None:  # a configured feature smp-fx lacks: an error, never ignored
+            cfg.check_features("DistributedOptimizer")
+        nested = dynamic_loss_args.pop("dynamic_loss_args", None)  # SMP scripts pass a dict
+        if isinstance(nested, Mapping):
+            dynamic_loss_args = {**nested, **dynamic_loss_args}
+        scaler = make_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
+        self.fp16 = bool(cfg is not None and cfg.fp16)
+        if not self.fp16 and (dynamic_loss_scale or static_loss_scale not in (None, 1.0)):
+            log.info("smp-fx: loss-scaling arguments apply with 'fp16': true only; unused")
+        self._scaler: LossScaler = scaler
+        self._masters: MasterWeights | None = None
+        self._shards: OptimizerShards | None = None
+        self._local_params: list[torch.Tensor] = []
+        self._model_ref: Any = None
+        self.overflow = False
         self.optimizer = optimizer
         guard_optimizer(optimizer)  # optimizer.step() inside smp.step raises (smp_fx.dist.ddp)
         self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
@@ -58,9 +103,11 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         # an optimizer over some other module's parameters is left whole
         if model is not None and model.owns_parameters(flat):
             self._names = {id(p): n for n, p in model.module.named_parameters()}
+            self._model_ref = weakref.ref(model)
             model.attach_optimizer(self)
         else:
             self._names = {}
+            self._local_params = flat
 
     # the wrapped optimizer's containers are this optimizer's
     @property
@@ -95,11 +142,90 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r})"
 
+    # ---- stepping ----------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale ``model.backward`` multiplies the loss by (1.0 without fp16)."""
+        return self._scaler.loss_scale if self._masters is not None else 1.0
+
     def step(self, closure: Any = None) -> Any:
-        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        """Step this rank's parameters; with fp16 skip on every rank if any overflowed;
+        with optimizer-state sharding broadcast what this rank owns (a collective over
+        the dp group: every dp rank calls it)."""
+        masters = self._masters
+        if masters is not None:
+            self.overflow = masters.prepare()
+            self._scaler.update_scale(self.overflow)
+            if self.overflow:
+                log.info("smp-fx fp16: gradient overflow, step skipped; loss scale now %g",
+                         self._scaler.loss_scale)
+                return None
+        self._clip_for_sdp()
+        out = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        if masters is not None:
+            masters.masters_to_model()
+        if self._shards is not None:
+            self._shards.broadcast()
+        return out
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients the optimizer steps by the norm of the whole model; returns
+        that norm (-1 on an fp16 overflow, whose step is skipped anyway), as Megatron's
+        ``FP16_Optimizer.clip_master_grads``. Without fp16 it clips the model's gradients
+        (``DistributedModel.clip_grad_norm_``). A collective: call it on every rank."""
+        model = self._model()
+        masters = self._masters
+        if masters is None:
+            if model is None:
+                params = [p for g in self.param_groups for p in g["params"]]
+                return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+            return clip.clip_grad_norm_(model, max_norm, norm_type)
+        if masters.prepare():
+            return torch.tensor(-1.0)
+        grads = [m.grad for _, m in masters.pairs if m.grad is not None]
+        if model is None:
+            counted = grads
+        else:
+            _, chosen = clip.counted_parameters(model, (p for p, _ in masters.pairs))
+            ids = {id(p) for p in chosen}
+            counted = [m.grad for p, m in masters.pairs if id(p) in ids and m.grad is not None]
+        extra = [self._shards.group] if self._shards is not None else []
+        return clip.clip_grads(grads, counted, max_norm, norm_type, extra_groups=extra)
+
+    def _clip_for_sdp(self) -> None:
+        """Sharded data parallelism clips the global norm at every step, as SMP does."""
+        model = self._model()
+        if model is None or not state.is_initialized():
+            return
+        cfg = state.get().config
+        if cfg.sharded_data_parallel_degree > 1 and cfg.sdp_gradient_clipping > 0:
+            clip.clip_grad_norm_(model, cfg.sdp_gradient_clipping)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of every local parameter (also those another dp rank owns
+        under optimizer-state sharding) and of the fp32 masters."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        _zero_grads(self._local_params, set_to_none)
+        if self._masters is not None:
+            self._masters.zero_grad()
+
+    def local_state_bytes(self) -> int:
+        """Bytes of this rank's optimizer state: every state tensor (a sharded tensor's
+        local part), plus the fp32 master weights with fp16. What sharding divides."""
+        seen: set[int] = set()
+        total = 0
+        tensors = [v for st in self.optimizer.state.values() for v in st.values()]
+        if self._masters is not None:
+            tensors += [m for _, m in self._masters.pairs]
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                local = getattr(t, "_local_tensor", t)
+                total += local.numel() * local.element_size()
+        return total
+
+    def _model(self) -> Any:
+        return self._model_ref() if self._model_ref is not None else None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
@@ -127,3 +253,99 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
             group["params"] = kept
         self.global_index = index
         self._localized = True
+        self._local_params = list(local.values())
+        self._shard(model)
+        if self.fp16:
+            self._masters = MasterWeights(self.optimizer, self._scaler)
+            for p, m in self._masters.pairs:
+                self.global_index[id(m)] = self.global_index[id(p)]
+            model.set_loss_scale(lambda: self.loss_scale)
+            model.executor.pre_step_hooks.append(self._grads_may_change)
+
+    def _shard(self, model: Any) -> None:
+        """Optimizer-state sharding: keep only the parameters this rank owns."""
+        if not state.is_initialized() or not state.get().config.shard_optimizer_state:
+            return
+        st = state.get()
+        ranks = st.group_ranks("dp")
+        if len(ranks) == 1:
+            return
+        if any(model.is_distributed_parameter(p) for p in self._local_params):
+            raise SMPRuntimeError.build(
+                "optimizer-state sharding of tensor-parallel shards is not built",
+                "shard_optimizer_state", "smp.DistributedOptimizer",
+                "set shard_optimizer_state false with tensor parallelism")
+        shards = OptimizerShards(self._local_params, st.group("dp"), ranks,
+                                 st.axis_rank("dp"))
+        for group in self.optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if shards.owns(p)]
+        self._shards = shards
+
+    def _grads_may_change(self, ops: Iterable[Any]) -> None:
+        """Executor pre-step hook: a training step makes the master gradients stale."""
+        if self._masters is not None and any(op.kind == "B" for op in ops):
+            self._masters.mark_stale()
+
+    # ---- checkpoints: fp16 masters and the loss scaler ride in the optimizer state -------
+    def local_state_dict(self) -> StateDict:
+        """This rank's optimizer state (its shard, with optimizer-state sharding) by FQN;
+        with fp16 each parameter's state carries its fp32 master (``fp32_master``) and
+        each param group the loss scaler's state (``loss_scaler``)."""
+        model = self._model()
+        if model is not None and model.shards_parameters:
+            raise not_implemented(
+                "optimizer checkpoints under sharded data parallelism",
+                "sharded_data_parallel_degree", "use shard_optimizer_state to checkpoint")
+        sd = super().local_state_dict()
+        masters = self._masters
+        if masters is not None:
+            names = self._smp_flat_names()
+            for _, m in masters.pairs:
+                name = names[self.global_index[id(m)]]
+                assert name is not None
+                sd["state"].setdefault(name, {})[MASTER_KEY] = m.detach().clone()
+            for g in sd["param_groups"]:
+                g[SCALER_KEY] = self._scaler.state_dict()
+        return sd
+
+    def _smp_gather_parts(self, local: StateDict) -> list[Any]:
+        """With sharding, the stage's shards are merged over the dp group first."""
+        if self._shards is not None:
+            local = merge_partial_optimizer_states(comm.allgather(local, comm.DP_GROUP))
+        return super()._smp_gather_parts(local)
+
+    def _smp_load_now(self, state_dict: Mapping[str, Any]) -> None:
+        super()._smp_load_now(state_dict)
+        masters = self._masters
+        if masters is None:
+            return
+        loaded = False
+        for _, m in masters.pairs:
+            saved = self.optimizer.state.get(m, {}).pop(MASTER_KEY, None)
+            if saved is not None:
+                with torch.no_grad():
+                    m.copy_(saved)
+                loaded = True
+        if not loaded:
+            masters.models_to_masters()
+        for g in self.optimizer.param_groups:
+            sc = g.pop(SCALER_KEY, None)
+            if sc is not None:
+                self._scaler.load_state_dict(sc)
+
+    def after_model_load(self) -> None:
+        """The model's weights were loaded: the fp32 masters follow them."""
+        if self._masters is not None:
+            self._masters.models_to_masters()
+
+
+def _zero_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            p.grad.detach_()
+            p.grad.requires_grad_(False)
+            p.grad.zero_()

@@ -224,8 +224,12 @@ class OptimizerCheckpointMixin:
         """The full optimizer state, as the plain optimizer on the unwrapped model has it."""
         if not self._smp_is_local():
             return self.optimizer.state_dict()
-        parts = _gather_pipeline(_to_cpu(self.local_state_dict()))
+        parts = self._smp_gather_parts(_to_cpu(self.local_state_dict()))
         return merge_optimizer_state_dicts(parts)
+
+    def _smp_gather_parts(self, local: StateDict) -> list[Any]:
+        """Every pipeline stage's partial state (the host may gather more first)."""
+        return _gather_pipeline(local)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load full (integer ids) or partial (FQN) state; deferred until partitioning."""

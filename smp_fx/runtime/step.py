@@ -99,6 +99,7 @@ def step(fn: Callable[..., Any] | None = None, *, non_split_inputs: Sequence[str
         forward_only = not torch.is_grad_enabled()
         schedule = model.schedule(m, forward_only)
         scale = 1.0 / m if model.options.average_grads_across_microbatches else 1.0
+        scale *= model.loss_scale  # fp16: the optimizer's loss scale
         results = model.executor.run(fn, mbs, schedule, scale)
         return _combine(results, detach_outputs)
 
@@ -112,7 +113,7 @@ def _partition_on(model: DistributedModel, fn: Callable[..., Any],
         with context.capturing(), torch.no_grad():
             fn(*mb[0], **mb[1])
     except context.Captured as cap:
-        model._partition(cap.args, cap.kwargs)
+        model._partition(cap.args, cap.kwargs, cap.autocast)
         return
     raise SMPRuntimeError.build(
         "the smp.step function returned without calling the DistributedModel", fn.__name__,

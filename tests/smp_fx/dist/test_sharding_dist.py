@@ -1,0 +1,134 @@
+"""Optimizer-state sharding (ZeRO-1) and sharded data parallelism (FSDP2) on 4 gloo ranks.
+
+Each dp rank trains on its own slice of one batch; the reference is plain Adam on the
+unpartitioned model over the whole batch. One world goes through:
+
+* ``shard_optimizer_state`` at pp=2 x dp=2 (GPT, tied embedding across the stages):
+  parameters equal plain Adam's after 3 steps; each rank holds 1/dp of the optimizer-state
+  bytes within one parameter's state; ``state_dict()`` gathers the plain Adam state;
+  ``local_state_dict()`` reloads at the same dp size; the full state and weights load at
+  another layout (pp=1 x dp=4, ZeRO over 4) and a further step still equals plain Adam;
+* sharded data parallelism at pp=2 x sdp=2 (GPT) and pp=1 x dp=4 x sdp=2 (HSDP, MLP, small
+  units and replicated small parameters): parameters equal plain Adam's with the global
+  norm clipped to ``sdp_gradient_clipping`` after 3 steps.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.compare import Checks, mismatched
+from tests.helpers.dist import run_ranks
+from tests.helpers.twin import Twin, init
+
+ATOL = 1e-5
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    """Adam with eps 1e-4: GPT's attention key bias has an exactly-zero gradient that
+    arrives as ~1e-9 of rounding noise, which the default eps would blow up to +-lr."""
+    return torch.optim.Adam(params, lr=1e-2, eps=1e-4)
+
+
+def _train(t: Twin, opt: Any, ref_opt: Any, steps: int, clip: float = 0.0) -> None:
+    for _ in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        t.smp_step()
+        t.ref_step()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(t.ref.parameters(), clip)
+        opt.step()
+        ref_opt.step()
+
+
+def _zero_checks(c: Checks) -> tuple[dict[str, Any], dict[str, Any], Twin]:
+    import smp_fx as smp
+
+    init(2, 2, shard_optimizer_state=True)
+    t = Twin("gpt")
+    opt = smp.DistributedOptimizer(_adam(t.dm.parameters()))
+    ref_opt = _adam(t.ref.parameters())
+    _train(t, opt, ref_opt, 3)
+    c.expect(not mismatched(t.local(), t.reference(), atol=ATOL), "zero: parameters")
+    mine = opt.local_state_bytes()
+    per_param = {n: 2 * p.numel() * p.element_size() + 4
+                 for n, p in t.dm.local_named_parameters()}
+    total = sum(smp.allgather(mine, smp.DP_GROUP))
+    c.expect(total == sum(per_param.values()), "zero: shards add up to the whole state")
+    c.expect(abs(mine - total / smp.dp_size()) <= max(per_param.values()),
+             "zero: 1/dp of the state within one parameter")
+    full = opt.state_dict()
+    c.expect(_same_state(full, ref_opt.state_dict()), "zero: state_dict() is plain Adam's")
+    shard = opt.local_state_dict()
+    opt.optimizer.state.clear()
+    opt.load_state_dict(shard)
+    c.expect(_same_state(opt.state_dict(), full), "zero: local_state_dict reloads")
+    return full, t.dm.state_dict(), t
+
+
+def _zero_other_layout(c: Checks, opt_sd: dict[str, Any], model_sd: dict[str, Any],
+                       before: Twin) -> None:
+    import smp_fx as smp
+
+    init(1, 1, shard_optimizer_state=True)
+    t = Twin("gpt")
+    t.ref.load_state_dict(before.ref.state_dict())
+    t.dm.load_state_dict(model_sd)
+    opt = smp.DistributedOptimizer(_adam(t.dm.parameters()))
+    opt.load_state_dict(opt_sd)
+    ref_opt = _adam(t.ref.parameters())
+    ref_opt.load_state_dict(copy.deepcopy(opt_sd))  # torch's loading aliases the tensors
+    _train(t, opt, ref_opt, 1)
+    bad = mismatched(t.local(), t.reference(), atol=ATOL)
+    c.expect(not bad, f"zero: dp 2 -> 4 {bad[:4]}")
+
+
+def _sdp_checks(c: Checks) -> None:
+    import smp_fx as smp
+
+    for pp, name, extra in ((2, "gpt", {"sdp_param_persistence_threshold": 100}),
+                            (1, "mlp", {"sdp_reduce_bucket_size": 300,
+                                        "sdp_param_persistence_threshold": 40})):
+        sdp = 2
+        init(pp, 2, sharded_data_parallel_degree=sdp, **extra)
+        t = Twin(name)
+        opt = smp.DistributedOptimizer(_adam(t.dm.parameters()))
+        _train(t, opt, _adam(t.ref.parameters()), 3, clip=1.0)
+        tag = f"sdp pp={pp} dp={smp.dp_size()}"
+        c.expect(not mismatched(t.local(), t.reference(), atol=ATOL), f"{tag}: parameters")
+        sharded = [p for p in t.dm.local_parameters() if hasattr(p, "full_tensor")]
+        c.expect(bool(sharded), f"{tag}: parameters are sharded")
+
+
+def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a["param_groups"] != b["param_groups"] or a["state"].keys() != b["state"].keys():
+        return False
+    return all(not mismatched({k: v for k, v in a["state"][i].items()},
+                              b["state"][i], atol=ATOL) for i in a["state"])
+
+
+def _body() -> tuple[int, list[str]]:
+    import torch.distributed as dist
+
+    from smp_fx.dist import state
+
+    dist.init_process_group("gloo")
+    c = Checks()
+    try:
+        opt_sd, model_sd, twin = _zero_checks(c)
+        _zero_other_layout(c, opt_sd, model_sd, twin)
+        _sdp_checks(c)
+    finally:
+        state._reset()
+    return c.report()
+
+
+@pytest.mark.multiproc
+def test_sharding_on_four_ranks() -> None:
+    for count, failed in run_ranks(_body, 4, timeout=300):
+        assert count >= 10 and not failed, failed

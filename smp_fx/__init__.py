@@ -93,3 +93,6 @@ from smp_fx.runtime.step import StepOutput, step  # noqa: E402
 
 # --- checkpointing ---
 from smp_fx.ckpt.files import load, save  # noqa: E402
+
+# --- precision and memory: global clipping, fp16, smp.amp / smp.nn / smp.optimizers ---
+from smp_fx import amp, nn, optimizers  # noqa: E402

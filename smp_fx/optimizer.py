@@ -174,23 +174,39 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         ``FP16_Optimizer.clip_master_grads``. Without fp16 it clips the model's gradients
         (``DistributedModel.clip_grad_norm_``). A collective: call it on every rank."""
         model = self._model()
-        masters = self._masters
-        if masters is None:
+        if self._masters is None:
             if model is None:
                 params = [p for g in self.param_groups for p in g["params"]]
                 return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
             return clip.clip_grad_norm_(model, max_norm, norm_type)
-        if masters.prepare():
+        if self._masters.prepare():
             return torch.tensor(-1.0)
-        grads = [m.grad for _, m in masters.pairs if m.grad is not None]
-        if model is None:
-            counted = grads
-        else:
-            _, chosen = clip.counted_parameters(model, (p for p, _ in masters.pairs))
-            ids = {id(p) for p in chosen}
-            counted = [m.grad for p, m in masters.pairs if id(p) in ids and m.grad is not None]
-        extra = [self._shards.group] if self._shards is not None else []
+        params = [p for g in self.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        counted, extra = self._norm_terms(params)
         return clip.clip_grads(grads, counted, max_norm, norm_type, extra_groups=extra)
+
+    def global_grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The L2 norm of the whole model's gradients, from ``params`` (parameters this
+        optimizer holds: fp32 masters, or this rank's shard) on every rank; what
+        ``smp.optimizers.FusedLamb`` clips by when wrapped. A collective."""
+        counted, extra = self._norm_terms(params)
+        return clip.global_norm(counted, 2.0, extra)
+
+    def _norm_terms(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
+        """(the gradients of ``params`` this rank counts, the groups to sum over besides
+        the model-parallel one): replicas are counted once, by the model's own parameter
+        behind each master; a sharded optimizer state sums over the dp group too."""
+        model = self._model()
+        if model is None:
+            return [p.grad for p in params if p.grad is not None], []
+        model_of = self._masters.model_of if self._masters is not None else {}
+        behind = [model_of.get(id(p), p) for p in params]
+        _, chosen = clip.counted_parameters(model, behind)
+        ids = {id(q) for q in chosen}
+        counted = [p.grad for p, q in zip(params, behind)
+                   if p.grad is not None and id(q) in ids]
+        return counted, [self._shards.group] if self._shards is not None else []
 
     def _clip_for_sdp(self) -> None:
         """Sharded data parallelism clips the global norm at every step, as SMP does."""
@@ -255,6 +271,8 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         self._localized = True
         self._local_params = list(local.values())
         self._shard(model)
+        if hasattr(self.optimizer, "set_grad_norm_fn"):  # LAMB: the whole model's norm
+            self.optimizer.set_grad_norm_fn(self.global_grad_norm)
         if self.fp16:
             self._masters = MasterWeights(self.optimizer, self._scaler)
             for p, m in self._masters.pairs:

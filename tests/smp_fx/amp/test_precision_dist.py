@@ -12,6 +12,8 @@ One world goes through the configurations (each check names itself on failure):
   unchanged) and agree on the halved loss scale;
 * ``smp.amp.GradScaler``: the same injection skips the step everywhere and leaves one
   scale; the next step is taken everywhere;
+* ``smp.optimizers.FusedLamb`` in a DistributedOptimizer equals FusedLamb on the whole
+  model: it clips by the global gradient norm;
 * bf16 autocast in the step function tracks fp32 within ``BF16_TOL``.
 """
 
@@ -118,6 +120,24 @@ def _grad_scaler_checks(c: Checks) -> None:
     c.expect(bool(mismatched(t.local(), before)), "GradScaler: the next step is taken")
 
 
+def _lamb_checks(c: Checks) -> None:
+    """FusedLamb clips by the global norm: each stage alone would see a part of it."""
+    import smp_fx as smp
+
+    t = Twin("mlp")
+    opt = smp.DistributedOptimizer(smp.optimizers.FusedLamb(t.dm.parameters(), lr=0.01,
+                                                            max_grad_norm=0.05))
+    ref_opt = smp.optimizers.FusedLamb(t.ref.parameters(), lr=0.01, max_grad_norm=0.05)
+    for _ in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        t.smp_step()
+        t.ref_step()
+        opt.step()
+        ref_opt.step()
+    c.expect(not mismatched(t.local(), t.reference(), atol=1e-6), "FusedLamb: global norm")
+
+
 def _bf16_checks(c: Checks) -> None:
     import smp_fx as smp
 
@@ -146,6 +166,7 @@ def _body() -> tuple[int, list[str]]:
         _clip_checks(c)
         _fp16_checks(c)
         _grad_scaler_checks(c)
+        _lamb_checks(c)
         _bf16_checks(c)
     finally:
         state._reset()

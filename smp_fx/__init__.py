@@ -19,6 +19,7 @@ from cost_model.errors import (
     SMPNotImplementedError,
     SMPPartitionError,
     SMPPassError,
+    SMPPeerError,
     SMPRuntimeError,
     SMPTimeoutError,
     SMPTracingError,
@@ -94,5 +95,7 @@ from smp_fx.runtime.step import StepOutput, step  # noqa: E402
 # --- checkpointing ---
 from smp_fx.ckpt.files import load, save  # noqa: E402
 
-# --- precision and memory: global clipping, fp16, smp.amp / smp.nn / smp.optimizers ---
+# --- SMP 1.10 surface real clients use (checkpoint folders, reset, submodule namespaces) ---
+from smp_fx.ckpt.checkpoint_api import resume_from_checkpoint, save_checkpoint  # noqa: E402
+from smp_fx.dist.state_api import reset  # noqa: E402
 from smp_fx import amp, nn, optimizers  # noqa: E402

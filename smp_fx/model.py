@@ -44,6 +44,7 @@ from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram, split_stages
 from passes.trace import trace
 from smp_fx.amp import fp16
+from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
 from smp_fx.delayed_init import is_delayed, materialize
 from smp_fx.dist import clip, ddp, launch, sdp, state
@@ -121,6 +122,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         self._executor: ex.Executor | None = None
         self._runners: dict[int, ex.StageRunner] = {}
         self._hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
+        self._post_step_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizers: list[DistributedOptimizer] = []
         self._tied_groups: list[tuple[Any, list[str]]] = []
         self._tied_duplicates: frozenset[str] = frozenset()
@@ -141,6 +143,10 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         if cfg is not None and (cfg.fp16 or cfg.fp16_params):
             module.half()  # same Parameter objects: an optimizer built earlier still holds them
         context.set_current_model(self)
+        checkpoint_api.adopt_pending(model=self)  # smp.resume_from_checkpoint came first
+        for opt in context.waiting_optimizers():
+            if self.owns_parameters(opt.parameters_held()):
+                opt.join_model(self)
 
     # ---- properties and the SMP methods ----------------------------------------------
     @property
@@ -198,6 +204,20 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         handle = RemovableHandle(self._hooks)
         self._hooks[handle.id] = hook
         return handle
+
+    def register_post_step_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
+        """Run ``hook(model, optimizer)`` once, when the next ``smp.step`` call has finished
+        (before ``optimizer.step()``): the Hugging Face Trainer loads a resumed optimizer's
+        state this way. ``optimizer`` is this model's DistributedOptimizer, or None."""
+        handle = RemovableHandle(self._post_step_hooks)
+        self._post_step_hooks[handle.id] = hook
+        return handle
+
+    def run_post_step_hooks(self) -> None:
+        """Called by ``smp.step`` after each step: the hooks registered since the last one."""
+        while self._post_step_hooks:
+            _, hook = self._post_step_hooks.popitem(last=False)
+            hook(self, self._optimizers[0] if self._optimizers else None)
 
     def owns_parameters(self, params: Iterable[torch.Tensor]) -> bool:
         """Whether any of ``params`` is a parameter of the wrapped module, as it was at
@@ -270,12 +290,29 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         return (m for _, m in self.local_named_modules())
 
     def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This rank's parameters by the names plain ``named_parameters()`` of the wrapped
+        module gives: a tied parameter by its first registration (T5's ``shared.weight``,
+        GPT-2's ``transformer.wte.weight``), whichever alias its stage reads it by."""
         seen: set[int] = set()
         for r in self._local_runners():
             for name, p in r.stage.module.named_parameters():
                 if id(p) not in seen:
                     seen.add(id(p))
-                    yield name, p
+                    yield self.canonical_names.get(name, name), p
+
+    # As SMP's: the wrapped module's names, without a "module." prefix, so name-based
+    # parameter groups built on the plain model apply unchanged to the DistributedModel.
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters(*args, **kwargs)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self.module.parameters(recurse)
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
+        return self.module.named_buffers(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
+        return self.module.buffers(recurse)
 
     def local_parameters(self) -> Iterator[nn.Parameter]:
         return (p for _, p in self.local_named_parameters())
@@ -372,7 +409,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         for s, r in runners.items():
             _materialise(r.module, devices[s])
         self._program, self._runners = program, runners
-        self._executor = ex.Executor(program, runners, transport, multi, timeout_s, st.rank)
+        self._executor = ex.Executor(program, runners, transport, multi, timeout_s, st.rank,
+                                     st.group_ranks("pp") if multi else None)
         if multi:
             if self._tied_groups:
                 self._executor.pre_step_hooks.append(self._snapshot_tied_grads)
@@ -517,7 +555,7 @@ def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 DEVICE_SPEC_ENV = "SMP_FX_DEVICE_SPEC"
 
 
-def _plan_device(st: Any) -> DeviceSpec:
+def _plan_device(st: state.State) -> DeviceSpec:
     """The ``DeviceSpec`` to plan for, the same on every rank.
 
     ``SMP_FX_DEVICE_SPEC`` (a built-in name or a file written by ``smp-fx calibrate``)
@@ -549,7 +587,7 @@ def _plan_device(st: Any) -> DeviceSpec:
 
 
 def _measured_costs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    options: ModelOptions, st: Any) -> dict[str, tuple[Any, Any, Any]]:
+                    options: ModelOptions, st: state.State) -> dict[str, tuple[Any, Any, Any]]:
     """Per-node measured costs (``trace_execution_times`` / ``trace_memory_usage``), taken
     on world rank 0 and broadcast: measurements are noisy, and every rank must make the
     same plan. A field not asked for is None, so it keeps its analytic value."""
@@ -564,7 +602,7 @@ def _measured_costs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dic
     return box[0]
 
 
-def _agree_on_plan(gm: torch.fx.GraphModule, st: Any) -> None:
+def _agree_on_plan(gm: torch.fx.GraphModule, st: state.State) -> None:
     """Adopt world rank 0's stage assignment (measured costs may differ between ranks)."""
     mine = [(n.name, meta.STAGE.get(n)) for n in gm.graph.nodes]
     box = [mine]
@@ -588,7 +626,7 @@ def _tied_duplicates(program: StagedProgram, stage: int,
                      if canonical.get(n, n) in lower)
 
 
-def _tied_groups(program: StagedProgram, st: Any,
+def _tied_groups(program: StagedProgram, st: state.State,
                  canonical: dict[str, str]) -> list[tuple[Any, list[str]]]:
     """Groups of the pp ranks owning each tied parameter; created collectively on all ranks.
 
@@ -597,24 +635,21 @@ def _tied_groups(program: StagedProgram, st: Any,
     hold re-created parameters, and every rank must agree on the groups it creates.
     """
     owners: dict[str, list[int]] = {}
-    local_name: dict[tuple[int, str], str] = {}
     for s, stage in enumerate(program.stages):
         for name, _ in stage.module.named_parameters():
             canon = canonical.get(name, name)
             owners.setdefault(canon, [])
             if s not in owners[canon]:
                 owners[canon].append(s)
-                local_name[(s, canon)] = name
     by_owner_set: dict[tuple[int, ...], list[str]] = {}
     for canon, stages in sorted(owners.items()):
         if len(stages) > 1:
             by_owner_set.setdefault(tuple(stages), []).append(canon)
-    my_stage = st.axis_rank("pp")
     out: list[tuple[Any, list[str]]] = []
     for owner_stages, canons in sorted(by_owner_set.items()):
         for pipeline in st.topology.groups("pp"):
             ranks = [pipeline[s] for s in owner_stages]
             group = dist.new_group(ranks)
-            if st.rank in ranks:
-                out.append((group, [local_name[(my_stage, c)] for c in canons]))
+            if st.rank in ranks:  # local_named_parameters() names them canonically too
+                out.append((group, list(canons)))
     return out

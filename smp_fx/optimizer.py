@@ -9,7 +9,9 @@ parameter, its index in the optimizer's original flat parameter order: the seam 
 checkpointing, which will gather and merge optimizer state by that index.
 
 It is a ``torch.optim.Optimizer`` (LR schedulers accept it); attributes it does not define
-are the wrapped optimizer's.
+are the wrapped optimizer's. An optimizer built before its ``DistributedModel`` (the
+Hugging Face Trainer builds the optimizer, then wraps the model) is adopted by the model
+when the model is created.
 
 Precision and memory (docs/precision.md):
 
@@ -44,11 +46,13 @@ import torch
 from cost_model.errors import SMPRuntimeError, not_implemented
 from smp_fx.amp.fp16 import MasterWeights
 from smp_fx.amp.loss_scaler import LossScaler, make_scaler
+from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import OptimizerCheckpointMixin, StateDict
 from smp_fx.ckpt.state_dict import merge_partial_optimizer_states
 from smp_fx.dist import clip, comm, state
 from smp_fx.dist.ddp import guard_optimizer
 from smp_fx.dist.zero import OptimizerShards
+from smp_fx.runtime import context
 from smp_fx.runtime.context import current_model
 
 log = logging.getLogger("smp_fx.optimizer")
@@ -99,15 +103,41 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         flat = [p for g in optimizer.param_groups for p in g["params"]]
         self.global_index: dict[int, int] = {id(p): i for i, p in enumerate(flat)}
         self._localized = False
+        self._names: dict[int, str] = {}
+        self._local_params = flat  # until a model's partitioning narrows them
+        context.set_current_optimizer(self)
         model = current_model()
-        # an optimizer over some other module's parameters is left whole
         if model is not None and model.owns_parameters(flat):
-            self._names = {id(p): n for n, p in model.module.named_parameters()}
-            self._model_ref = weakref.ref(model)
-            model.attach_optimizer(self)
-        else:
-            self._names = {}
-            self._local_params = flat
+            self.join_model(model)
+        else:  # a DistributedModel created later adopts it; over other parameters: left whole
+            context.wait_for_model(self)
+
+    # accelerate (the Hugging Face Trainer's Accelerator.prepare) wraps every optimizer it
+    # is given unless it says it was prepared already. This one steps exactly this rank's
+    # stage parameters, outside smp.step, and needs none of AcceleratedOptimizer's device
+    # placement or loss scaling; wrapped, the Trainer's SMP checkpointing could not reach
+    # local_state_dict.
+    _is_accelerate_prepared = True
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """Whether the last ``step()`` skipped the update (what accelerate asks of its
+        optimizers): with fp16, when some rank's gradients overflowed."""
+        return self.overflow
+
+    def parameters_held(self) -> list[torch.Tensor]:
+        """Every parameter of the wrapped optimizer, in group order."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def join_model(self, model: Any) -> None:
+        """Belong to ``model`` (a DistributedModel holding this optimizer's parameters):
+        parameters are named by its module's names and narrowed at its partitioning."""
+        context.stop_waiting(self)
+        self._names = {id(p): n for n, p in model.module.named_parameters()}
+        self._model_ref = weakref.ref(model)
+        self._smp_name_parameters(model)
+        model.attach_optimizer(self)
+        checkpoint_api.adopt_pending(optimizer=self)
 
     # the wrapped optimizer's containers are this optimizer's
     @property
@@ -305,32 +335,37 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
             self._masters.mark_stale()
 
     # ---- checkpoints: fp16 masters and the loss scaler ride in the optimizer state -------
-    def local_state_dict(self) -> StateDict:
-        """This rank's optimizer state (its shard, with optimizer-state sharding) by FQN;
-        with fp16 each parameter's state carries its fp32 master (``fp32_master``) and
-        each param group the loss scaler's state (``loss_scaler``)."""
+    def local_state_dict(self, cast_to_cpu: bool = True,
+                         gather_if_shard: bool = True) -> StateDict:
+        """This rank's optimizer state by FQN; with fp16 each parameter's state carries its
+        fp32 master (``fp32_master``) and each param group the loss scaler's state
+        (``loss_scaler``). With optimizer-state sharding, ``gather_if_shard`` merges the
+        shards of this stage's dp group (a collective over it: every dp rank calls it);
+        ``False`` gives this rank's shard alone."""
         model = self._model()
         if model is not None and model.shards_parameters:
             raise not_implemented(
                 "optimizer checkpoints under sharded data parallelism",
                 "sharded_data_parallel_degree", "use shard_optimizer_state to checkpoint")
-        sd = super().local_state_dict()
+        sd = super().local_state_dict(cast_to_cpu, gather_if_shard)
         masters = self._masters
         if masters is not None:
             names = self._smp_flat_names()
             for _, m in masters.pairs:
                 name = names[self.global_index[id(m)]]
                 assert name is not None
-                sd["state"].setdefault(name, {})[MASTER_KEY] = m.detach().clone()
+                saved = m.detach().cpu() if cast_to_cpu else m.detach()
+                sd["state"].setdefault(name, {})[MASTER_KEY] = saved.clone()
             for g in sd["param_groups"]:
                 g[SCALER_KEY] = self._scaler.state_dict()
+        if self._shards is not None and gather_if_shard:
+            sd = merge_partial_optimizer_states(comm.allgather(sd, comm.DP_GROUP))
         return sd
 
-    def _smp_gather_parts(self, local: StateDict) -> list[Any]:
-        """With sharding, the stage's shards are merged over the dp group first."""
-        if self._shards is not None:
-            local = merge_partial_optimizer_states(comm.allgather(local, comm.DP_GROUP))
-        return super()._smp_gather_parts(local)
+    @property
+    def shards_state(self) -> bool:
+        """Whether this rank holds a shard of its stage's optimizer state (ZeRO-1)."""
+        return self._shards is not None
 
     def _smp_load_now(self, state_dict: Mapping[str, Any]) -> None:
         super()._smp_load_now(state_dict)

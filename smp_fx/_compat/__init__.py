@@ -7,3 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 SHIM_DIR = Path(__file__).resolve().parent / "shims"
+
+SMP_API_VERSION = "1.10.0"
+"""The SMP release whose PyTorch API smp-fx implements: ``smdistributed.modelparallel.
+__version__`` under ``smp-fx run``, which clients such as the Hugging Face Trainer compare
+against (1.10 introduced ``save_checkpoint`` / ``resume_from_checkpoint`` and
+``state.module_manager.translate_functions``)."""

@@ -21,9 +21,12 @@ the ``.prev`` files are deleted. A process killed at any point leaves a set that
 reads consistently: the index names the save id, and a file whose id differs is replaced
 by its ``.prev`` twin.
 
-Loading uses ``torch.load(weights_only=True)`` unless told otherwise: state dicts of
-tensors, numbers and strings load safely; an object holding other Python classes needs
-``smp.load(..., weights_only=False)``, for files you trust only.
+Loading uses ``torch.load(weights_only=True)`` unless told otherwise: what SMP scripts
+save (tensors, dicts, lists, tuples, numbers, strings, optimizer and LR-scheduler state
+dicts, numpy arrays and scalars) loads safely; an object holding other Python classes needs
+``smp.load(..., weights_only=False)``, for files you trust only. Passing a custom
+``pickle_module`` asks for that module's unpickler, which the safe loader cannot use, so it
+implies ``weights_only=False`` (trusted files only) unless ``weights_only=True`` is given.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from cost_model.errors import SMPCheckpointError, not_implemented
+from smp_fx.ckpt.atomic import atomic_write, fsync_dir, write_temp
 from smp_fx.ckpt.state_dict import (
     GROUP_PARAMS_KEY,
     PARTIAL_KEY,
@@ -77,74 +81,50 @@ def _prev_path(path: str) -> str:
     return f"{path}.prev"
 
 
-# ------------------------------------------------------------------ atomic file IO
-
-
-def _fsync_dir(directory: str) -> None:
-    """Make a rename durable (POSIX); directories cannot be opened on some platforms."""
-    with suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def write_temp(path: str, write: Callable[[IO[bytes]], None]) -> str:
-    """Write a temporary sibling of ``path`` durably and return its name.
-
-    The name starts with ``.`` and contains the pid so concurrent writers never collide
-    and a leftover from a killed process is recognisable (``.NAME.PID.HEX.tmp``).
-    """
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(directory,
-                       f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            write(fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-    except BaseException:
-        with suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return tmp
-
-
-def atomic_write(path: str, write: Callable[[IO[bytes]], None]) -> None:
-    """Replace ``path`` with what ``write`` produces, all or nothing."""
-    tmp = write_temp(path, write)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        with suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
 def _torch_writer(obj: Any, pickle_module: Any, protocol: int) -> Callable[[IO[bytes]], None]:
     def write(fh: IO[bytes]) -> None:
         torch.save(obj, fh, pickle_module=pickle_module, pickle_protocol=protocol)
     return write
 
 
+def _numpy_safe_globals() -> list[Any]:
+    """The numpy names an array or scalar is pickled with (its reconstructor and dtypes):
+    allowed by the safe loader, as the Hugging Face Trainer allows them for RNG states,
+    since scripts save numpy metrics and RNG states beside their tensors."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    kinds = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
+             np.uint32, np.uint64, np.float16, np.float32, np.float64, np.complex64,
+             np.complex128)
+    return [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype,
+            *(type(np.dtype(k)) for k in kinds)]
+
+
+def resolve_weights_only(weights_only: bool | None, pickle_module: Any) -> bool:
+    """``weights_only`` as given, else safe unless a custom ``pickle_module`` was asked for
+    (its own unpickler is what the caller wants, and the safe loader has its own)."""
+    if weights_only is not None:
+        return weights_only
+    return pickle_module is None or pickle_module is pickle
+
+
 def read_file(path: str, map_location: Any = None, pickle_module: Any = pickle,
-              weights_only: bool = True, **pickle_load_args: Any) -> Any:
+              weights_only: bool | None = None, **pickle_load_args: Any) -> Any:
     """``torch.load`` with the safe loader by default and an error that says how to opt out."""
     if not os.path.exists(path):
         raise SMPCheckpointError.build("checkpoint file does not exist", path,
                                        fix="check the path (partial files end in _<mp_rank>)")
-    if weights_only:
+    if resolve_weights_only(weights_only, pickle_module):
         if pickle_module is not pickle and pickle_module is not None:
             raise SMPCheckpointError.build(
                 "a custom pickle_module cannot be used with weights_only=True",
                 getattr(pickle_module, "__name__", pickle_module), where=path,
-                fix="pass weights_only=False (only for files you trust)")
+                fix="drop weights_only=True to use the module (only for files you trust)")
         try:
-            return torch.load(path, map_location=map_location, weights_only=True,
-                              **pickle_load_args)
+            with torch.serialization.safe_globals(_numpy_safe_globals()):
+                return torch.load(path, map_location=map_location, weights_only=True,
+                                  **pickle_load_args)
         except pickle.UnpicklingError as exc:
             raise SMPCheckpointError.build(
                 "the checkpoint holds objects the safe (weights_only) loader refuses", path,
@@ -246,7 +226,7 @@ def save_partial(obj: Any, f: str, info: RankInfo, gather: Gather,
     _keep_committed(f, target)
     os.replace(tmp, target)
     directory = os.path.dirname(os.path.abspath(target))
-    _fsync_dir(directory)
+    fsync_dir(directory)
     gather("renamed")
     if info.mp_rank == 0:
         text = json.dumps(index, indent=1, sort_keys=True).encode()
@@ -285,12 +265,16 @@ def _keep_committed(f: str, target: str) -> None:
 
 
 def save(obj: Any, f: str, partial: bool = True, pickle_module: Any = pickle,
-         pickle_protocol: int = 2) -> None:
+         pickle_protocol: int = 2, v3: bool = False) -> None:
     """Save ``obj`` as SMP does: per model-parallel rank files when ``partial``.
 
     Call it on the ranks with ``smp.dp_rank() == 0`` (every mp rank of that group when
     ``partial=True``: it is collective over the model-parallel group). With
     ``partial=False`` only mp rank 0 writes ``f``; other ranks return at once.
+    ``v3=True`` is SMP 1.10's format for sharded optimizer state (a file per rank, data
+    parallel ranks included), which needs ``shard_optimizer_state``: not built yet, so it
+    raises ``SMPNotImplementedError``; ``v3=False`` (what the Hugging Face Trainer passes
+    without sharding) is the format above.
 
     Example::
 
@@ -299,6 +283,10 @@ def save(obj: Any, f: str, partial: bool = True, pickle_module: Any = pickle,
                  "/ckpt/checkpoint.pt", partial=True)
     """
     f = _check_path(f)
+    if v3:
+        raise not_implemented("smp.save(..., v3=True): per-rank files of sharded optimizer "
+                              "state", "shard_optimizer_state",
+                              "save with v3=False (the optimizer state is not sharded)")
     if partial:
         info, gather = current_rank()
         save_partial(obj, f, info, gather, pickle_module, pickle_protocol)
@@ -407,13 +395,18 @@ def load_partial_set(f: str, **load_kw: Any) -> tuple[dict[str, Any], list[Any]]
 
 
 def load(f: str, map_location: Any = None, pickle_module: Any = pickle, partial: bool = True,
-         weights_only: bool = True, **pickle_load_args: Any) -> Any:
+         weights_only: bool | None = None, **pickle_load_args: Any) -> Any:
     """Load what ``smp.save`` wrote; with ``partial`` each mp rank reads its own file.
 
     When the partial checkpoint was saved at another pipeline degree (its index says so),
     every file is read and the state dicts are merged by name (resharding); the model and
-    optimizer then take their own parameters. ``weights_only=False`` allows arbitrary
-    pickled objects (trusted files only).
+    optimizer then take their own parameters.
+
+    Safety: by default only tensors, containers, numbers, strings, optimizer and
+    LR-scheduler state and numpy values load (``torch.load(weights_only=True)``).
+    ``weights_only=False`` allows arbitrary pickled objects; so does passing a
+    ``pickle_module`` other than ``pickle`` (as SMP's page documents it), since that module
+    is used to unpickle: both only for files you trust.
 
     Example::
 

@@ -22,6 +22,7 @@ Use (the runtime's classes)::
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, cast
 
@@ -30,6 +31,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from cost_model.errors import SMPCheckpointError, not_implemented
 from smp_fx.ckpt.state_dict import (
+    PARTIAL_KEY,
     ModelLayout,
     check_model_keys,
     is_partial,
@@ -73,6 +75,21 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
+def _pipeline_rank() -> int:
+    st = smp_state.get() if smp_state.is_initialized() else None
+    return 0 if st is None else st.axis_rank("pp")
+
+
+def _merged_partial(state_dict: Mapping[str, Any]) -> StateDict:
+    """Every pipeline rank's partial state dict merged by name (still marked partial)."""
+    parts = _gather_pipeline(_to_cpu(dict(state_dict)))
+    if len(parts) == 1:
+        return dict(state_dict)
+    merged = merge_model_state_dicts(parts)
+    merged[PARTIAL_KEY] = True
+    return merged
+
+
 class ModelCheckpointMixin:
     """``local_state_dict`` / ``state_dict`` / ``load_state_dict`` for DistributedModel."""
 
@@ -103,32 +120,41 @@ class ModelCheckpointMixin:
                 fix="call it after the first smp.step call, or use state_dict()")
         return local_model_state_dict(self._smp_local_tensors(), self._smp_layout())
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> StateDict:
+    def state_dict(self, *args: Any, gather_to_rank0: bool = False,
+                   **kwargs: Any) -> StateDict:
         """The full model's state, exactly as the unwrapped model's ``state_dict()``.
 
         Collective over the pipeline group once partitioned: call it on every rank with
-        ``smp.dp_rank() == 0`` (or on all ranks).
+        ``smp.dp_rank() == 0`` (or on all ranks). With ``gather_to_rank0`` only pipeline
+        rank 0 gets the state (the others get an empty dict), so one process holds it.
         """
         if args or kwargs:
             raise SMPCheckpointError.build(
-                "DistributedModel.state_dict() takes no arguments", (args, kwargs),
+                "DistributedModel.state_dict() takes only gather_to_rank0", (args, kwargs),
                 fix="call model.state_dict(); use local_state_dict() for this rank's part")
         if not self.partitioned:
             return self.module.state_dict()
         parts = _gather_pipeline(_to_cpu(self.local_state_dict()))
+        if gather_to_rank0 and _pipeline_rank() != 0:
+            return OrderedDict()
         return merge_model_state_dicts(parts, self._smp_layout())
 
-    def load_state_dict(self, state_dict: Mapping[str, Any],
-                        strict: bool = True, assign: bool = False) -> Any:
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
+                        assign: bool = False, same_partition_load: bool = False) -> Any:
         """Load a full or partial state dict; before partitioning it is applied right after.
 
-        Tensors are matched by name (any tied alias), so partial state saved at another
-        pipeline degree loads as long as every local name is present. Values are copied
-        into this rank's tensors (``assign=True`` is not supported: stages own them).
+        Tensors are matched by name (any tied alias). A partial state dict is first
+        gathered from every pipeline rank and merged (collective: call it on every rank
+        with ``smp.dp_rank() == 0``, as SMP says), so it loads whatever the partition is
+        now; ``same_partition_load=True`` skips that gather and needs this rank's names in
+        its own part (the partition is the one saved). Values are copied into this rank's
+        tensors (``assign=True`` is not supported: stages own them).
         """
         if assign:
             raise not_implemented("load_state_dict(assign=True) on a DistributedModel",
                                   fix="use the default assign=False (values are copied)")
+        if is_partial(state_dict) and not same_partition_load:
+            state_dict = _merged_partial(state_dict)
         if not self.partitioned:
             pending = self.__dict__.get("_smp_pending_load")
             self.__dict__["_smp_pending_load"] = (state_dict, strict)
@@ -188,6 +214,11 @@ class OptimizerCheckpointMixin:
                                                                  cls._smp_current_model())
         return self
 
+    def _smp_name_parameters(self, model: Any) -> None:
+        """Name this optimizer's parameters by ``model``'s module (an optimizer built before
+        its DistributedModel is named when the model adopts it)."""
+        self.__dict__["_smp_full_names"] = _full_group_names(self.optimizer, model)
+
     @staticmethod
     def _smp_current_model() -> Any:
         """The DistributedModel this optimizer belongs to (the last one created)."""
@@ -214,11 +245,19 @@ class OptimizerCheckpointMixin:
     def _smp_is_local(self) -> bool:
         return bool(getattr(self, "_localized", False))
 
-    def local_state_dict(self) -> StateDict:
-        """This rank's optimizer state keyed by FQN, with ``_smp_is_partial``."""
-        return local_optimizer_state_dict(self.optimizer.state_dict(),
-                                          self._smp_group_names(local=True),
-                                          self._smp_group_names(local=False))
+    def local_state_dict(self, cast_to_cpu: bool = True,
+                         gather_if_shard: bool = True) -> StateDict:
+        """This rank's optimizer state keyed by FQN, with ``_smp_is_partial``.
+
+        ``cast_to_cpu``: tensors as CPU copies (SMP's default), else as the optimizer holds
+        them. ``gather_if_shard`` is for a state sharded over the data-parallel ranks
+        (``shard_optimizer_state``): ``DistributedOptimizer`` gathers the shards; here
+        it is unused.
+        """
+        local = local_optimizer_state_dict(self.optimizer.state_dict(),
+                                           self._smp_group_names(local=True),
+                                           self._smp_group_names(local=False))
+        return _to_cpu(local) if cast_to_cpu else local
 
     def state_dict(self) -> StateDict:
         """The full optimizer state, as the plain optimizer on the unwrapped model has it."""

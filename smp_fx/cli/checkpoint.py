@@ -21,7 +21,8 @@ from collections.abc import Sequence
 import torch
 
 from cost_model.errors import SMPError
-from smp_fx.ckpt.files import atomic_write, load_partial_set, merge_partial_objects, read_index
+from smp_fx.ckpt.atomic import atomic_write
+from smp_fx.ckpt.files import load_partial_set, merge_partial_objects, read_index
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from cost_model.errors import SMPRuntimeError
 from smp_fx.config import SMPConfig
+from smp_fx.dist import state_api
 from smp_fx.dist.launch import LaunchInfo
 from smp_fx.dist.topology import Topology
 
@@ -106,6 +107,16 @@ def get() -> State:
 
 def is_initialized() -> bool:
     return _STATE is not None
+
+
+def __getattr__(name: str) -> Any:
+    """``smp.state.cfg`` and ``smp.state.module_manager``, the two attributes of SMP's state
+    object that scripts read (``smp_fx.dist.state_api``); ``cfg`` needs ``smp.init``."""
+    if name == "cfg":
+        return state_api.ConfigView(get().config)
+    if name == "module_manager":
+        return state_api.module_manager
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _set(state: State) -> None:

@@ -1,7 +1,26 @@
-"""``smp.nn``: modules SMP provides in place of ones it cannot run (apex)."""
+"""``smp.nn``: SMP's modules. Names documented by SMP but not built yet raise
+``SMPNotImplementedError`` on access (``smp_fx.namespaces``); built ones are plain
+attributes of this package."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from smp_fx.namespaces import planned
 from smp_fx.nn.fused_layer_norm import FusedLayerNorm
 
 __all__ = ["FusedLayerNorm"]
+
+PLANNED: dict[str, str] = {
+    "DistributedLinear": "tensor-parallel Linear",
+    "DistributedEmbedding": "tensor-parallel Embedding",
+    "DistributedTransformerLMHead": "tensor-parallel transformer with LM head",
+    "DistributedTransformer": "tensor-parallel transformer",
+    "DistributedTransformerLayer": "tensor-parallel transformer layer",
+    "DistributedAttentionLayer": "tensor-parallel attention layer",
+    "DistributedTransformerOutputLayer": "tensor-parallel transformer output layer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    planned("smp.nn", name, PLANNED)

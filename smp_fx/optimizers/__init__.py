@@ -1,8 +1,21 @@
-"""``smp.optimizers``: optimizers SMP provides in place of apex's fused ones."""
+"""``smp.optimizers``: SMP's fused optimizers, written in plain torch in place of apex's.
+Names documented by SMP but not built yet raise ``SMPNotImplementedError`` on access
+(``smp_fx.namespaces``); built ones are plain attributes of this package."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from smp_fx.namespaces import planned
 from smp_fx.optimizers.lamb import FusedLamb
 from smp_fx.optimizers.novograd import FusedNovoGrad
 
 __all__ = ["FusedLamb", "FusedNovoGrad"]
+
+PLANNED: dict[str, str] = {
+    "FusedAdam": "SMP's replacement for apex's FusedAdam optimizer",
+}
+
+
+def __getattr__(name: str) -> Any:
+    planned("smp.optimizers", name, PLANNED)

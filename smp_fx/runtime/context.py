@@ -4,7 +4,8 @@ Three facts are read far from where they are set, so they live here, below every
 that needs them (the model, ``smp.step``, the conductor, data parallelism, the optimizer
 and the checkpoint methods), which keeps those modules free of import cycles:
 
-- the ``DistributedModel`` of this process (SMP allows one; a new one replaces it);
+- the ``DistributedModel`` of this process (SMP allows one; a new one replaces it), and
+  the ``DistributedOptimizer``s built before it, which it adopts;
 - the calling thread's *turn*: the (conductor, microbatch) whose step function it runs,
   set by the conductor around each step function call;
 - *capture*: while ``smp.step`` partitions, the first microbatch's step function runs only
@@ -21,10 +22,13 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from smp_fx.model import DistributedModel
+    from smp_fx.optimizer import DistributedOptimizer
     from smp_fx.runtime.conductor import Conductor
 
 _tls = threading.local()
 _model: weakref.ref[DistributedModel] | None = None
+_waiting: list[weakref.ref[DistributedOptimizer]] = []
+_optimizer: weakref.ref[DistributedOptimizer] | None = None
 _tracing = False
 
 
@@ -52,6 +56,40 @@ def current_model() -> DistributedModel | None:
 def set_current_model(model: DistributedModel) -> None:
     global _model
     _model = weakref.ref(model)
+
+
+def clear_current_model() -> None:
+    """No DistributedModel in this process any more, nor optimizers (``smp.reset()``)."""
+    global _model, _optimizer
+    _model = _optimizer = None
+    _waiting.clear()
+
+
+def current_optimizer() -> DistributedOptimizer | None:
+    """The last DistributedOptimizer created in this process (SMP's ``state.optimizer``)."""
+    return _optimizer() if _optimizer is not None else None
+
+
+def set_current_optimizer(optimizer: DistributedOptimizer) -> None:
+    global _optimizer
+    _optimizer = weakref.ref(optimizer)
+
+
+def wait_for_model(optimizer: DistributedOptimizer) -> None:
+    """``optimizer`` was built before the DistributedModel whose parameters it holds (the
+    Hugging Face Trainer's order: its optimizer exists before it wraps the model)."""
+    _waiting.append(weakref.ref(optimizer))
+
+
+def waiting_optimizers() -> list[DistributedOptimizer]:
+    """The optimizers still waiting for their DistributedModel (alive ones, oldest first)."""
+    alive = [opt for opt in (ref() for ref in _waiting) if opt is not None]
+    _waiting[:] = [weakref.ref(opt) for opt in alive]
+    return alive
+
+
+def stop_waiting(optimizer: DistributedOptimizer) -> None:
+    _waiting[:] = [ref for ref in _waiting if ref() is not optimizer and ref() is not None]
 
 
 def is_tracing() -> bool:

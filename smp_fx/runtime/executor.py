@@ -18,6 +18,16 @@ messages, ``(grads, outputs)``, relayed stage by stage: a ``model(...)`` call of
 stage returns when its microbatch's gradients arrive, just before that stage's backward,
 and the outputs cost no message of their own on the busiest rank. A forward-only step has
 no gradients: there they travel on their own channel (``SEND_OUT``/``RECV_OUT``).
+
+The outputs a rank sends on are the values the last stage produced, whatever the step
+function does with its own: the last stage sends a copy taken at its forward (its step
+function holds the real outputs, which its loss's autograd graph needs), and every other
+rank hands its step function a copy of what it received (an autograd-tracked clone where
+the value requires grad). So a step function may modify its outputs in place, as the
+Hugging Face Trainer's does (``loss /= gradient_accumulation_steps``), on every rank.
+Each step is recorded in a ``FlightRecorder`` (``smp_fx.runtime.flight``): the start of
+every op, told with the step's state when the step fails on a peer or stalls, and the words
+the transport's errors use to say what this rank was doing.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from cost_model import schedule as sched
 from cost_model.errors import SMPRuntimeError
 from passes.split_stages import Stage, StagedProgram
 from smp_fx.runtime.conductor import Conductor, Microbatch, Request
+from smp_fx.runtime.flight import FlightRecorder
 from smp_fx.runtime.lowering import Lowered, LoweredCache, Op
 from smp_fx.runtime.modes import thread_modes
 from smp_fx.runtime.transport import Transport
@@ -88,14 +99,19 @@ class Executor:
 
     def __init__(self, program: StagedProgram, runners: dict[int, StageRunner],
                  transport: Transport, multi_process: bool, timeout_s: float = 300.0,
-                 rank: int = 0) -> None:
+                 rank: int = 0, stage_ranks: Sequence[int] | None = None) -> None:
         self.program = program
         self.runners = runners
         self.transport = transport
         self.multi_process = multi_process
         self.rank = rank
-        self.conductor = Conductor(self._execute, timeout_s, rank)
+        self.flight = FlightRecorder(rank, sorted(runners), stage_ranks, timeout_s)
+        self.conductor = Conductor(self._execute, timeout_s, rank, self.flight.describe)
+        self.flight.status, self.flight.busy = self.conductor.status, self.conductor.performing
         transport.on_block = self.conductor.flush  # held-back step functions run meanwhile
+        transport.where = self.flight.where
+        if multi_process:
+            self.flight.watch()  # a stalled step is told even if this rank waits on no peer
         self.last = program.num_stages - 1
         self.post_step_hooks: list[Callable[[], None]] = []
         # called with the step's ops before it runs (data parallelism finds each stage's
@@ -128,12 +144,18 @@ class Executor:
         self.stats = StepStats({s: 0 for s in stages}, step.ops)
         self._scale = scale
         self._data = [_MbData() for _ in microbatches]
+        self.flight.begin(step.ops)
         try:
             results, asked = self.conductor.run(fn, microbatches, step.ops, step.next_forward)
+            self.flight.mark(len(step.ops))
             self.transport.finish()
             self._check_step(asked)  # after finish: the transport is in step for the next one
+        except BaseException as exc:
+            self.flight.failed(exc)
+            raise
         finally:
             self._data = []
+            self.flight.end()
         for hook in self.post_step_hooks:
             hook()
         return results
@@ -145,6 +167,7 @@ class Executor:
             for peer, stage, channel, n in posts:
                 self.transport.prefetch(peer, stage, channel, n)
         self._at = i
+        self.flight.mark(i)
         getattr(self, "_op_" + op.kind.lower())(op)
 
     def _op_recv_act(self, op: Op) -> None:
@@ -177,7 +200,7 @@ class Executor:
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(functools.partial(_mark_used, got, i))
                     need.append(i)
-            d.cut, d.used = outs, (got, need)
+            d.cut, d.used = (_sent_copy(outs) if self.multi_process else outs), (got, need)
             self.conductor.publish_outputs(mb, self.program.build_outputs(outs))
         if not req.grad_enabled:
             d.inputs.pop(s, None)
@@ -199,8 +222,8 @@ class Executor:
     def _deliver_outputs(self, mb: int, cut: Any, defer: bool = False) -> None:
         """The last stage's outputs, received on this rank: to microbatch ``mb``'s thread."""
         self._data[mb].cut = cut
-        self.conductor.publish_outputs(mb, self.program.build_outputs(cut), hand=False,
-                                       defer=defer)
+        self.conductor.publish_outputs(mb, self.program.build_outputs(_user_copy(cut)),
+                                       hand=False, defer=defer)
 
     def _op_wait_b(self, op: Op) -> None:
         self._data[op.microbatch].skip[op.stage] = (
@@ -334,6 +357,21 @@ def _leaves(value: Any) -> list[Any]:
     if type(value) is tuple and all(type(v) is torch.Tensor for v in value):
         return list(value)
     return pytree.tree_leaves(value)
+
+
+def _sent_copy(outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The last stage's outputs as other ranks get them: detached copies (same
+    ``requires_grad``), immune to what the step function does to the originals."""
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.requires_grad), outputs)
+
+
+def _user_copy(cut: Any) -> Any:
+    """Received outputs as this rank's step function gets them: its own copies, which it may
+    modify in place (a received tensor that requires grad is a leaf, which could not be)
+    while the received values are relayed on unchanged."""
+    with torch.enable_grad():
+        return pytree.tree_map_only(torch.Tensor, torch.clone, cut)
 
 
 def _inconsistent(op: Op, what: str) -> None:

@@ -55,6 +55,20 @@ class StepOutput:
     def stack(self) -> torch.Tensor:
         return torch.stack(self.outputs)
 
+    def detach(self) -> StepOutput:
+        """The same outputs detached from autograd (the Hugging Face Trainer's
+        ``smp_nested_concat`` calls ``output.detach().concat()``)."""
+        return StepOutput([o.detach() if isinstance(o, torch.Tensor) else o
+                           for o in self.outputs])
+
+    def map(self, fn: Callable[[Any], Any]) -> StepOutput:
+        """Apply ``fn`` to each microbatch's output, in place (as SMP's), and return self."""
+        self.outputs = [fn(o) for o in self.outputs]
+        return self
+
+    def __getitem__(self, microbatch: int) -> Any:
+        return self.outputs[microbatch]
+
     def __len__(self) -> int:
         return len(self.outputs)
 
@@ -75,14 +89,33 @@ def _combine(values: list[Any], detach: bool) -> Any:
     return list(values)
 
 
-def step(fn: Callable[..., Any] | None = None, *, non_split_inputs: Sequence[str] = (),
-         input_split_axes: Mapping[str, int] | None = None,
-         detach_outputs: bool = True) -> Any:
-    """Decorate a training or evaluation step (bare ``@smp.step`` or with options)."""
-    if fn is None:
-        return functools.partial(step, non_split_inputs=non_split_inputs,
-                                 input_split_axes=input_split_axes,
-                                 detach_outputs=detach_outputs)
+def step(non_split_inputs: Callable[..., Any] | Sequence[str] | None = None,
+         input_split_axes: Mapping[str, int] | None = None, detach_outputs: bool = True,
+         func: Callable[..., Any] | None = None) -> Any:
+    """Decorate a training or evaluation step.
+
+    Every form SMP scripts use works: bare ``@smp.step``, ``@smp.step()``, keywords
+    (``@smp.step(non_split_inputs=["x"])``) and the documented positional form
+    ``@smp.step(non_split_inputs, input_split_axes, detach_outputs)``, e.g.
+    ``@smp.step(["x"])``. A callable in the first position is the function itself (the
+    bare decorator), which a list of argument names never is; ``func=`` (the name SMP's
+    own implementation uses) passes the function explicitly.
+
+    >>> @step(["scale"], {"x": 0})
+    ... def f(model, x, scale): ...
+    >>> f.__name__
+    'f'
+    """
+    if callable(non_split_inputs):
+        if func is not None:
+            raise SMPRuntimeError.build(
+                "smp.step got two step functions", (non_split_inputs, func), "smp.step",
+                "pass the function once: @smp.step or smp.step(func=f)")
+        func, non_split_inputs = non_split_inputs, None
+    names = _check_names(non_split_inputs, input_split_axes)
+    if func is None:
+        return functools.partial(step, names, input_split_axes, detach_outputs)
+    fn = func
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -93,7 +126,7 @@ def step(fn: Callable[..., Any] | None = None, *, non_split_inputs: Sequence[str
                 "wrap the model with smp.DistributedModel(model) before the first step")
         cfg = state.get().config
         m = cfg.microbatches
-        mbs = split_inputs(args, kwargs, m, non_split_inputs, input_split_axes, fn)
+        mbs = split_inputs(args, kwargs, m, names, input_split_axes, fn)
         if not model.partitioned:
             _partition_on(model, fn, mbs[0])
         forward_only = not torch.is_grad_enabled()
@@ -101,9 +134,32 @@ def step(fn: Callable[..., Any] | None = None, *, non_split_inputs: Sequence[str
         scale = 1.0 / m if model.options.average_grads_across_microbatches else 1.0
         scale *= model.loss_scale  # fp16: the optimizer's loss scale
         results = model.executor.run(fn, mbs, schedule, scale)
+        model.run_post_step_hooks()
         return _combine(results, detach_outputs)
 
     return wrapper
+
+
+def _check_names(non_split_inputs: Any, input_split_axes: Any) -> tuple[str, ...]:
+    """The argument names of ``non_split_inputs``; bad options fail at decoration, before
+    any step runs (a bare string would otherwise be read as a list of letters)."""
+    if non_split_inputs is None:
+        names: tuple[str, ...] = ()
+    elif isinstance(non_split_inputs, str) or not all(
+            isinstance(n, str) for n in non_split_inputs):
+        raise SMPRuntimeError.build(
+            "smp.step's non_split_inputs must be a list of argument names",
+            non_split_inputs, "smp.step", 'pass e.g. ["mask"] (a list, also for one name)')
+    else:
+        names = tuple(non_split_inputs)
+    if input_split_axes is not None and not (
+            isinstance(input_split_axes, Mapping)
+            and all(isinstance(k, str) and isinstance(v, int)
+                    for k, v in input_split_axes.items())):
+        raise SMPRuntimeError.build(
+            "smp.step's input_split_axes must map argument names to axes",
+            input_split_axes, "smp.step", 'pass e.g. {"x": 1}')
+    return names
 
 
 def _partition_on(model: DistributedModel, fn: Callable[..., Any],

@@ -122,7 +122,9 @@ def _tied_body() -> dict[str, Any]:
 @pytest.mark.multiproc
 def test_tied_parameters_across_processes() -> None:
     r0, r1 = run_ranks(_tied_body, 2, timeout=180)
-    assert r0["names"] == {"wte.weight"} and r1["names"] == {"lm_head.weight"}
+    # the last stage reads the tied weight as lm_head.weight, but names it as plain
+    # named_parameters() does: by its first registration
+    assert r0["names"] == r1["names"] == {"wte.weight"}
     assert r0["groups"] == r1["groups"] == 1
     assert r0["cpu_mismatched"] == r1["cpu_mismatched"] == []
     assert r0["accum_mismatched"] == r1["accum_mismatched"] == []
@@ -242,3 +244,73 @@ def test_unimplemented_configured_feature_is_an_error_at_wrap() -> None:
             smp.DistributedModel(_net())
     finally:
         state._reset()
+
+
+class _SharedFirst(nn.Module):
+    """A weight registered first as ``shared.weight`` (as T5's) and read only by the last
+    stage, through its alias ``lm_head.weight`` (the first stage embeds with its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(16, 8)
+        self.embed = nn.Embedding(16, 8)
+        self.body = nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+        self.lm_head = nn.Linear(8, 16, bias=False)
+        self.lm_head.weight = self.shared.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.body(self.embed(ids)))
+
+
+def test_names_are_plain_named_parameters_names(fresh: None) -> None:
+    plain = _SharedFirst()
+    model = smp.DistributedModel(plain)
+    names = [n for n, _ in plain.named_parameters()]
+    assert names[0] == "shared.weight"
+    assert [n for n, _ in model.named_parameters()] == names  # no "module." prefix, as SMP
+
+    @smp.step
+    def fwd(model: Any, ids: torch.Tensor) -> Any:
+        return model(ids)
+
+    with torch.no_grad():
+        fwd(model, torch.randint(0, 16, (4, 3)))
+    stages = [{n for n, _ in s.module.named_parameters()} for s in model.program.stages]
+    assert "lm_head.weight" in stages[-1]  # the stage holds it by the alias it reads
+    assert "shared.weight" not in set().union(*stages)
+    local = [n for n, _ in model.local_named_parameters()]
+    assert sorted(local) == sorted(names)
+    decay = {n for n in names if n.endswith("weight")}  # a name-based parameter group
+    assert {n for n, _ in model.local_named_parameters() if n in decay} == decay
+
+
+def test_post_step_hook_runs_once_after_the_next_step(fresh: None) -> None:
+    model = smp.DistributedModel(_net())
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    calls: list[tuple[Any, Any, bool]] = []
+    model.register_post_step_hook(lambda m, o: calls.append((m, o, m.partitioned)))
+    removed = model.register_post_step_hook(lambda m, o: calls.append(("removed", o, False)))
+    removed.remove()
+    x = torch.randn(4, 4)
+    _step(model, x)
+    assert calls == [(model, opt, True)]
+    _step(model, x)
+    assert len(calls) == 1  # once
+    model.register_post_step_hook(lambda m, o: calls.append((m, o, True)))
+    _step(model, x)
+    assert len(calls) == 2
+
+
+def test_state_dict_gather_to_rank0_and_same_partition_load(fresh: None) -> None:
+    torch.manual_seed(0)
+    model = smp.DistributedModel(_net())
+    _step(model, torch.randn(4, 4))
+    full = model.state_dict(gather_to_rank0=True)  # one process: it is pipeline rank 0
+    assert list(full) == list(_net().state_dict())
+    other = smp.DistributedModel(_net())
+    _step(other, torch.randn(4, 4))
+    other.load_state_dict(model.local_state_dict(), same_partition_load=True)
+    for (n, a), (_, b) in zip(model.local_named_parameters(), other.local_named_parameters()):
+        torch.testing.assert_close(a, b, msg=n)
+    with pytest.raises(smp.SMPCheckpointError, match="takes only gather_to_rank0"):
+        model.state_dict(prefix="x")

@@ -113,3 +113,34 @@ def test_only_an_optimizer_over_the_models_parameters_attaches_to_it() -> None:
         assert foreign.param_groups[0]["params"] == list(other.parameters())
     finally:
         state._reset()
+
+
+def test_optimizer_built_before_the_model_is_adopted() -> None:
+    """The Hugging Face Trainer's order: the optimizer exists before it wraps the model."""
+    init(2, 2, "simple")
+    try:
+        net = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+        opt = smp.DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=0.1))
+        assert opt._is_accelerate_prepared  # accelerate leaves it unwrapped
+        assert not opt.step_was_skipped
+        model = smp.DistributedModel(net)
+        seen: list[Any] = []
+        model.register_post_partition_hook(lambda m, o: seen.append(o))
+
+        @smp.step
+        def train(model: Any, x: torch.Tensor) -> Any:
+            out = model(x)
+            model.backward(out.pow(2).mean())
+            return out
+
+        train(model, torch.randn(4, 4))
+        opt.step()
+        assert seen == [opt] and opt._localized
+        local = opt.local_state_dict(gather_if_shard=False)
+        assert local["_smp_is_partial"] and set(local["state"]) == {
+            n for n, _ in net.named_parameters()}
+        assert all(t.device.type == "cpu" for s in local["state"].values() for t in s.values()
+                   if isinstance(t, torch.Tensor))
+    finally:
+        smp.reset()
+        state._reset()

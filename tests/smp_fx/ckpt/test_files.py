@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+import smp_fx
 from cost_model.errors import SMPCheckpointError
 from smp_fx.ckpt import files as ckpt
 from smp_fx.ckpt.files import RankInfo
@@ -82,6 +83,62 @@ def test_weights_only_refusal_explains_opt_out(tmp_path: Path) -> None:
     with pytest.raises(SMPCheckpointError, match="weights_only=False"):
         ckpt.load(f, partial=False)
     assert ckpt.load(f, partial=False, weights_only=False)["c"].x == 5
+
+
+def test_custom_pickle_module_needs_no_weights_only_flag(tmp_path: Path) -> None:
+    """SMP's page passes pickle_module alone: that asks for the module's unpickler."""
+    import pickle as std_pickle
+    import types
+
+    calls: list[str] = []
+
+    class Unpickler(std_pickle.Unpickler):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            calls.append("used")
+            super().__init__(*args, **kwargs)
+
+    module = types.ModuleType("counting_pickle")
+    module.__dict__.update({k: v for k, v in vars(std_pickle).items()
+                            if not k.startswith("__")})
+    module.Unpickler = Unpickler  # type: ignore[attr-defined]
+    f = str(tmp_path / "custom.pt")
+    ckpt.save({"c": Custom(7)}, f, partial=False, pickle_module=std_pickle)
+    assert ckpt.load(f, partial=False, pickle_module=module)["c"].x == 7 and calls
+    with pytest.raises(SMPCheckpointError, match="custom pickle_module cannot"):
+        ckpt.load(f, partial=False, pickle_module=module, weights_only=True)
+
+
+def test_what_scripts_save_loads_under_the_safe_default(tmp_path: Path) -> None:
+    import numpy as np
+
+    net = torch.nn.Linear(3, 3)
+    opt = torch.optim.AdamW(net.parameters(), lr=0.1)
+    net(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    scheds = [torch.optim.lr_scheduler.StepLR(opt, 2),
+              torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s),
+              torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10),
+              torch.optim.lr_scheduler.ReduceLROnPlateau(opt)]
+    obj = {"model": net.state_dict(), "opt": opt.state_dict(),
+           "scheds": [s.state_dict() for s in scheds], "step": 3, "lr": 0.1, "name": "run",
+           "flags": (True, None), "rng": torch.get_rng_state(), "np_rng": np.random.get_state(),
+           "metric": np.float64(0.5), "hist": np.arange(3)}
+    f = str(tmp_path / "script.pt")
+    ckpt.save(obj, f, partial=False)
+    loaded = ckpt.load(f, partial=False)  # weights_only: no opt-out needed
+    assert loaded["step"] == 3 and loaded["metric"] == 0.5 and list(loaded["hist"]) == [0, 1, 2]
+    assert loaded["opt"]["param_groups"][0]["lr"] == opt.state_dict()["param_groups"][0]["lr"]
+    opt.load_state_dict(loaded["opt"])
+    for sched, state in zip(scheds, loaded["scheds"]):
+        sched.load_state_dict(state)
+
+
+def test_v3_is_sharded_optimizer_state_not_built(tmp_path: Path) -> None:
+    f = str(tmp_path / "opt.pt")
+    with pytest.raises(smp_fx.SMPNotImplementedError, match="shard_optimizer_state"):
+        ckpt.save({"x": 1}, f, partial=True, v3=True)
+    ckpt.save({"x": 1}, f, partial=True, v3=False)  # what the HF Trainer passes
+    assert ckpt.load(f, partial=True) == {"x": 1}
 
 
 def test_single_process_partial_save_writes_rank_file_and_index(tmp_path: Path) -> None:

@@ -128,7 +128,7 @@ def test_build_single_node_and_environment(tmp_path: Path) -> None:
     cfg.write_text(json.dumps({"pipeline_parallel_degree": 2}))
     cmd, env = build(_ns("-n", "4", "--config", str(cfg), "--backend", "gloo", "t.py", "--lr",
                          "1"), {"PYTHONPATH": "/x", "SM_HP_MP_PARAMETERS": '{"ddp": true}'})
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+    assert cmd[1:] == ["-m", "smp_fx.cli.torchrun", "--nproc-per-node", "4", "--standalone",
                        "t.py", "--lr", "1"]
     assert json.loads(env["SM_HP_MP_PARAMETERS"]) == {"ddp": True,
                                                       "pipeline_parallel_degree": 2}
@@ -164,7 +164,7 @@ def test_dispatch(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["--help"]) == 0
     assert "run" in capsys.readouterr().out
     assert cli_main(["run", "-n", "2", "--dry-run", "t.py"]) == 0
-    assert "torch.distributed.run" in capsys.readouterr().out
+    assert "smp_fx.cli.torchrun" in capsys.readouterr().out
 
 
 def test_shim_modules_map_to_smp_fx_and_torch() -> None:
@@ -186,11 +186,22 @@ def test_shim_modules_map_to_smp_fx_and_torch() -> None:
         importlib.import_module("smdistributed.dataparallel.torch.torch_smddp")
         sdist = importlib.import_module("smdistributed.dataparallel.torch.distributed")
         parallel = importlib.import_module("smdistributed.dataparallel.torch.parallel")
-        assert parallel.DistributedDataParallel is torch.nn.parallel.DistributedDataParallel
+        assert issubclass(parallel.DistributedDataParallel,
+                          torch.nn.parallel.DistributedDataParallel)
         sdist.init_process_group(store=dist.HashStore(), rank=0, world_size=1)
         try:
             assert dist.get_backend() == "smddp"
             assert (sdist.get_rank(), sdist.get_world_size(), sdist.get_local_rank()) == (0, 1, 0)
+            t = torch.arange(4.0)
+            sdist.broadcast(t)  # the guide's default src=0
+            out = torch.empty(4)
+            sdist.all_to_all_single(output_t=out, input_t=t)  # the guide's argument names
+            assert torch.equal(out, t)
+            # the guide's positional order: module, device_ids, output_device,
+            # broadcast_buffers (torch's own third parameter is dim)
+            ddp = parallel.DistributedDataParallel(torch.nn.BatchNorm1d(2), None, None, False)
+            synced = getattr(ddp, "forward_sync_buffers", getattr(ddp, "broadcast_buffers", None))
+            assert ddp.device_ids is None and synced is False
         finally:
             dist.destroy_process_group()
     finally:

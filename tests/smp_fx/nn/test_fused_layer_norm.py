@@ -24,10 +24,9 @@ def test_apex_signature_and_values() -> None:
 
 
 def test_it_partitions_like_any_module() -> None:
-    from tests.helpers.numerics import init
-
     import smp_fx as smp
     from smp_fx.dist import state
+    from tests.helpers.numerics import init
 
     init(2, 1, "simple")
     try:

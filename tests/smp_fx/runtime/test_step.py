@@ -173,3 +173,36 @@ def test_caller_autocast_applies_to_the_stages(model: smp.DistributedModel) -> N
             out = fwd(model, x)
         plain = fwd(model, x)
     assert out.outputs[0].dtype == torch.bfloat16 and plain.outputs[0].dtype == torch.float32
+
+
+def test_every_documented_decorator_form(model: smp.DistributedModel) -> None:
+    def body(model: Any, x: torch.Tensor, scale: torch.Tensor) -> Any:
+        out, _ = model(x)
+        return out * scale.sum()  # scale is whole (not split) in every microbatch
+
+    x, scale = torch.randn(4, 4), torch.ones(4)
+    forms = [smp.step(["scale"])(body),                      # positional, as documented
+             smp.step(["scale"], {"x": 0}, True)(body),     # all three positionally
+             smp.step(non_split_inputs=["scale"])(body),    # keywords
+             smp.step(func=body, non_split_inputs=["scale"])]  # SMP's own keyword
+    with torch.no_grad():
+        outs = [f(model, x, scale).concat() for f in forms]
+        bare = smp.step()(lambda model, x: model(x)[0])(model, x).concat()
+    for out in outs:
+        torch.testing.assert_close(out, model.module(x)[0] * 4)
+    torch.testing.assert_close(bare, model.module(x)[0])
+    with pytest.raises(smp.SMPRuntimeError, match="list of argument names"):
+        smp.step("scale")  # a bare string would split into letters: refused at decoration
+    with pytest.raises(smp.SMPRuntimeError, match="map argument names to axes"):
+        smp.step(["scale"], [1])
+
+
+def test_step_output_methods_clients_use(model: smp.DistributedModel) -> None:
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    out, loss, _ = smp.step(detach_outputs=False)(train.__wrapped__)(model, x, y)
+    assert out.outputs[0].requires_grad
+    detached = out.detach()  # the Hugging Face Trainer's smp_nested_concat: .detach().concat()
+    assert isinstance(detached, smp.StepOutput) and not detached.concat().requires_grad
+    torch.testing.assert_close(detached.concat(), torch.cat([o.detach() for o in out.outputs]))
+    assert detached[1] is detached.outputs[1] and len(detached) == 2
+    assert detached.map(lambda t: t * 0).concat().abs().sum() == 0

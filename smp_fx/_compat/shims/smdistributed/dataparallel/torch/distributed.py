@@ -1,20 +1,22 @@
 """The deprecated ``smdistributed.dataparallel.torch.distributed`` API, mapped onto
-``torch.distributed`` (the smddp guide lists these names). ``init_process_group`` defaults
-to the ``smddp`` backend, as the library did."""
+``torch.distributed`` with the signatures of the smddp guide (seed ``smddp_pytorch_guide.rst``):
+``broadcast``'s ``src`` defaults to 0 and ``all_to_all_single`` takes ``output_t`` /
+``input_t``, where torch's own names and defaults differ. ``group=None`` is torch's spelling
+of the guide's ``group.WORLD`` default. ``init_process_group`` defaults to the ``smddp``
+backend, as the library did."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
+import torch
 import torch.distributed as _dist
 from torch.distributed import (
     ReduceOp,
     all_gather,
     all_reduce,
-    all_to_all_single,
     barrier,
-    broadcast,
     get_rank,
     get_world_size,
     group,
@@ -40,3 +42,19 @@ def init_process_group(*args: Any, **kwargs: Any) -> None:
 def get_local_rank() -> int:
     """Rank of this process on its node (``LOCAL_RANK``, set by torchrun)."""
     return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def broadcast(tensor: torch.Tensor, src: int = 0, group: Any = None,
+              async_op: bool = False) -> Any:
+    """``torch.distributed.broadcast`` from rank ``src`` (0 unless given, as in smddp)."""
+    return _dist.broadcast(tensor, src=src, group=group, async_op=async_op)
+
+
+def all_to_all_single(output_t: torch.Tensor, input_t: torch.Tensor,
+                      output_split_sizes: list[int] | None = None,
+                      input_split_sizes: list[int] | None = None, group: Any = None,
+                      async_op: bool = False) -> Any:
+    """``torch.distributed.all_to_all_single`` under smddp's argument names."""
+    return _dist.all_to_all_single(output_t, input_t, output_split_sizes=output_split_sizes,
+                                   input_split_sizes=input_split_sizes, group=group,
+                                   async_op=async_op)

@@ -1,0 +1,432 @@
+"""``smp.save_checkpoint`` / ``smp.resume_from_checkpoint``: SMP 1.10's checkpoint folders.
+
+Layout under ``path`` (SMP's, with smp-fx's file names inside the partial folder)::
+
+    path/
+      {tag}_partial/           a partial checkpoint (one per save)
+        model.pt_{mp_rank}     model.local_state_dict() of each model-parallel rank
+        optimizer.pt_{mp_rank} optimizer.local_state_dict() of each model-parallel rank
+        model.pt.smp_index.json, optimizer.pt.smp_index.json   (smp.save's indexes)
+        user_content.pt        user_content, if given
+        smp_config.json        the configuration and SMP API version it was saved with
+      {tag}                    a full checkpoint: the model's full state dict (torch.save)
+      user_content_{tag}       user_content of a full checkpoint
+      newest                   partial checkpoints kept, oldest first, one folder a line
+
+Crash safety of a partial save: every rank writes into a staging folder
+``.{tag}_partial.incomplete``; when all ranks succeeded, world rank 0 renames it to
+``{tag}_partial`` (a folder of that name from an earlier save of the same tag is first moved
+to ``.{tag}_partial.replaced``, which a resume uses if a crash came between the two
+renames), then rewrites ``newest`` atomically, and only then deletes the checkpoints that
+``num_kept_partial_checkpoints`` rotates out. So ``newest`` names a complete checkpoint at
+every instant: a process killed anywhere leaves the previous checkpoint loadable, and at
+worst a staging folder or a rotated-out folder behind. Full checkpoints are single files
+written atomically (``smp_fx.ckpt.atomic``).
+
+Every rank calls both functions (they are collective over the world); which ranks write
+what follows SMP: model and optimizer files from the data-parallel rank 0 replica, shared
+files from world rank 0. Loads are deferred until the model is partitioned, as
+``load_state_dict`` is; a resume before the ``DistributedModel`` or the
+``DistributedOptimizer`` exists applies when they are created.
+
+Where SMP's page and SMP's behaviour differ, and what smp-fx follows: ``docs/checkpoints.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from cost_model.errors import SMPCheckpointError
+from smp_fx._compat import SMP_API_VERSION
+from smp_fx.ckpt.atomic import atomic_write, fsync_dir
+from smp_fx.ckpt.files import load, read_file, save
+from smp_fx.ckpt.hf_weights import find_hf_weights, read_hf_weights
+from smp_fx.dist import comm
+from smp_fx.dist import state as smp_state
+from smp_fx.dist.state_api import module_manager
+from smp_fx.runtime import context
+
+log = logging.getLogger(__name__)
+
+NEWEST = "newest"
+MODEL_FILE = "model.pt"
+OPTIMIZER_FILE = "optimizer.pt"
+USER_CONTENT_FILE = "user_content.pt"
+CONFIG_FILE = "smp_config.json"
+PARTIAL_KEY = "_smp_is_partial"
+
+Translate = Callable[[dict[str, Any]], dict[str, Any]]
+
+
+def partial_dir(tag: str) -> str:
+    """The folder name of a partial checkpoint (SMP's: the tag and ``_partial``)."""
+    return f"{tag}_partial"
+
+
+def _staging(name: str) -> str:
+    return f".{name}.incomplete"
+
+
+def _replaced(name: str) -> str:
+    return f".{name}.replaced"
+
+
+# ---------------------------------------------------------------- where this rank is
+
+
+def _world() -> tuple[int, int, Callable[[Any], list[Any]]]:
+    """(world rank, rdp rank, gather over the world): a world of one before smp.init."""
+    if not smp_state.is_initialized():
+        return 0, 0, lambda value: [value]
+    st = smp_state.get()
+    if st.world_size == 1:
+        return 0, 0, lambda value: [value]
+    return st.rank, st.axis_rank("rdp"), lambda value: comm.allgather(value, comm.WORLD)
+
+
+def _agree(gather: Callable[[Any], list[Any]], error: str | None, what: str,
+           cause: BaseException | None = None) -> None:
+    """Raise on every rank if any rank failed, so no rank waits for one that left."""
+    bad = {r: e for r, e in enumerate(gather(error)) if e is not None}
+    if bad:
+        raise SMPCheckpointError.build(f"{what} failed on rank(s)", bad,
+                                       fix="fix the cause on those ranks") from cause
+
+
+def _check_tag(tag: Any, gather: Callable[[Any], list[Any]]) -> str:
+    ok = isinstance(tag, str) and tag not in ("", ".", "..") and os.sep not in tag
+    tags = gather(tag if ok else None)
+    if not ok or any(t != tags[0] for t in tags):
+        raise SMPCheckpointError.build(
+            "a checkpoint tag must be the same non-empty file name (str) on every rank",
+            tags, where="smp.save_checkpoint / smp.resume_from_checkpoint",
+            fix="pass e.g. tag=f'step{step}', computed alike on every rank")
+    return tag
+
+
+# ---------------------------------------------------------------------------- save
+
+
+def save_checkpoint(path: str, tag: str, partial: bool = True, model: Any = None,
+                    optimizer: Any = None, user_content: Any = None,
+                    translate_if_full: bool = True,
+                    num_kept_partial_checkpoints: int | None = None) -> None:
+    """Save a checkpoint of ``model`` and ``optimizer`` under ``path`` (see the module doc).
+
+    ``partial=True`` saves each model-parallel rank's own parameters and optimizer state
+    (the format to resume training from, at this or another pipeline degree) and records it
+    in ``newest``, keeping at most ``num_kept_partial_checkpoints`` of them (None: all).
+    ``partial=False`` saves the full model state dict as one file named ``tag``, translated
+    to Hugging Face names by ``smp.state.module_manager.translate_functions`` when
+    ``translate_if_full``; an optimizer is not saved in a full checkpoint (as in SMP: a
+    warning says so). Collective: call it on every rank.
+
+    Example::
+
+        smp.save_checkpoint("/ckpt", tag=f"total_steps{step}", partial=True, model=model,
+                            optimizer=optimizer, user_content={"step": step},
+                            num_kept_partial_checkpoints=2)
+    """
+    rank, rdp_rank, gather = _world()
+    tag = _check_tag(tag, gather)
+    if num_kept_partial_checkpoints is not None and (
+            isinstance(num_kept_partial_checkpoints, bool)
+            or not isinstance(num_kept_partial_checkpoints, int)
+            or num_kept_partial_checkpoints < 1):
+        raise SMPCheckpointError.build(
+            "num_kept_partial_checkpoints must be None or an int >= 1",
+            num_kept_partial_checkpoints, where="smp.save_checkpoint",
+            fix="pass None to keep every partial checkpoint")
+    if model is None and optimizer is None:
+        log.warning("smp.save_checkpoint: model and optimizer are both None; saving only "
+                    "user_content")
+    if partial:
+        _save_partial(path, tag, model, optimizer, user_content,
+                      num_kept_partial_checkpoints, rank, rdp_rank, gather)
+    else:
+        _save_full(path, tag, model, optimizer, user_content, translate_if_full, rank,
+                   rdp_rank, gather)
+
+
+def _save_partial(path: str, tag: str, model: Any, optimizer: Any, user_content: Any,
+                  num_kept: int | None, rank: int, rdp_rank: int,
+                  gather: Callable[[Any], list[Any]]) -> None:
+    name = partial_dir(tag)
+    staging = os.path.join(path, _staging(name))
+    error: str | None = None
+    if rank == 0:
+        try:
+            os.makedirs(path, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)  # left by a killed save
+            os.makedirs(staging)
+        except OSError as exc:
+            error = f"{type(exc).__name__}: {exc}"
+    _agree(gather, error, f"creating {staging}")
+    cause: BaseException | None = None
+    try:  # everything that can fail on one rank, before any collective of a subgroup
+        model_sd = model.local_state_dict() if model is not None and rdp_rank == 0 else None
+        # a sharded optimizer state gathers its stage's shards: every dp rank takes part
+        sharded = bool(getattr(optimizer, "shards_state", False))
+        opt_sd = (optimizer.local_state_dict()
+                  if optimizer is not None and (rdp_rank == 0 or sharded) else None)
+        opt_sd = opt_sd if rdp_rank == 0 else None
+    except Exception as exc:
+        error, cause = f"{type(exc).__name__}: {exc}", exc
+    _agree(gather, error, "collecting the local state dicts", cause)
+    try:
+        if model_sd is not None:  # collective over this replica's model-parallel group
+            save(model_sd, os.path.join(staging, MODEL_FILE), partial=True)
+        if opt_sd is not None:
+            save(opt_sd, os.path.join(staging, OPTIMIZER_FILE), partial=True)
+        if rank == 0:
+            if user_content is not None:
+                _write_torch(os.path.join(staging, USER_CONTENT_FILE), user_content)
+            _write_json(os.path.join(staging, CONFIG_FILE), _config_record())
+    except Exception as exc:
+        error, cause = f"{type(exc).__name__}: {exc}", exc
+    _agree(gather, error, f"writing the partial checkpoint {name}", cause)
+    if rank == 0:
+        try:
+            _commit(path, name, num_kept)
+        except OSError as exc:
+            error, cause = f"{type(exc).__name__}: {exc}", exc
+    _agree(gather, error, f"committing the partial checkpoint {name}", cause)
+
+
+def _commit(path: str, name: str, num_kept: int | None) -> None:
+    """Rank 0: staging folder -> ``name``, then ``newest``, then rotation (module doc)."""
+    final = os.path.join(path, name)
+    replaced = os.path.join(path, _replaced(name))
+    if os.path.exists(final):
+        shutil.rmtree(replaced, ignore_errors=True)
+        os.replace(final, replaced)
+    os.replace(os.path.join(path, _staging(name)), final)
+    fsync_dir(path)
+    history = [n for n in read_newest(path) if n != name] + [name]
+    rotated: list[str] = []
+    if num_kept is not None:
+        rotated, history = history[:-num_kept], history[-num_kept:]
+    text = "".join(f"{n}\n" for n in history).encode()
+    atomic_write(os.path.join(path, NEWEST), lambda fh: fh.write(text))
+    for old in [*rotated, _replaced(name)]:
+        shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+
+
+def _save_full(path: str, tag: str, model: Any, optimizer: Any, user_content: Any,
+               translate: bool, rank: int, rdp_rank: int,
+               gather: Callable[[Any], list[Any]]) -> None:
+    if optimizer is not None:
+        log.warning("smp.save_checkpoint(partial=False) saves the model only; the optimizer "
+                    "state is saved by partial checkpoints (as in SMP)")
+    error: str | None = None
+    cause: BaseException | None = None
+    try:
+        sd = None
+        if model is not None and rdp_rank == 0:  # collective over the pipeline group
+            sd = dict(model.state_dict())
+        if rank == 0:
+            os.makedirs(path, exist_ok=True)
+            if sd is not None:
+                if translate:
+                    for smp_to_hf, _ in module_manager.translate_functions:
+                        sd = smp_to_hf(sd)
+                else:
+                    sd[PARTIAL_KEY] = False  # marks smp-format names: never translated back
+                _write_torch(os.path.join(path, tag), sd)
+            if user_content is not None:
+                _write_torch(os.path.join(path, f"user_content_{tag}"), user_content)
+    except Exception as exc:
+        error, cause = f"{type(exc).__name__}: {exc}", exc
+    _agree(gather, error, f"writing the full checkpoint {tag}", cause)
+
+
+def _write_torch(path: str, obj: Any) -> None:
+    atomic_write(path, lambda fh: torch.save(obj, fh))
+
+
+def _write_json(path: str, obj: Any) -> None:
+    text = json.dumps(obj, indent=1, sort_keys=True).encode()
+    atomic_write(path, lambda fh: fh.write(text))
+
+
+def _config_record() -> dict[str, Any]:
+    record: dict[str, Any] = {"smp_version": SMP_API_VERSION}
+    if smp_state.is_initialized():
+        record["config"] = smp_state.get().config.values()
+    return record
+
+
+def read_newest(path: str) -> list[str]:
+    """The partial checkpoint folders listed in ``path/newest``, oldest first."""
+    try:
+        with open(os.path.join(path, NEWEST), encoding="utf-8") as fh:
+            return [line.strip() for line in fh if line.strip()]
+    except FileNotFoundError:
+        return []
+
+
+# -------------------------------------------------------------------------- resume
+
+
+_pending: dict[str, Any] = {}
+"""Loads asked for before their DistributedModel / DistributedOptimizer existed."""
+
+
+def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = True,
+                           strict: bool = True, load_optimizer: bool = True,
+                           load_sharded_optimizer_state: bool = True,
+                           translate_function: Translate | None = None) -> Any:
+    """Resume from a checkpoint of ``save_checkpoint``; returns its ``user_content`` (or None).
+
+    ``tag=None`` (partial only) takes the newest partial checkpoint. A partial checkpoint
+    loads at the saved pipeline degree or another one (state is matched by parameter
+    name). ``partial=False`` loads the full file ``path/tag``; its names are translated
+    by ``translate_function``, else by ``smp.state.module_manager.translate_functions``
+    (hf_to_smp) unless it was saved untranslated. When ``path/tag`` does not exist but
+    ``path`` holds the weights ``save_pretrained`` writes (``model.safetensors``, sharded
+    or not), those are loaded: the Hugging Face Trainer asks for ``pytorch_model.bin``
+    while transformers 5 writes only safetensors (a warning names the file used). Full
+    checkpoints hold no optimizer state (SMP's behaviour; a warning says so if
+    ``load_optimizer``). ``load_sharded_optimizer_state`` concerns sharded data
+    parallelism, which smp-fx does not build; it is accepted and has no effect. The loads
+    apply when the model is partitioned. Collective: call it on every rank.
+
+    Example::
+
+        user_content = smp.resume_from_checkpoint("/ckpt", partial=True)
+    """
+    _rank, _rdp, gather = _world()
+    if partial:
+        folder = _partial_folder(path, tag, gather)
+        user = _read_optional(os.path.join(folder, USER_CONTENT_FILE))
+        model_state = _read_partial(folder, MODEL_FILE, context.current_model())
+        opt_state = None
+        if load_optimizer:
+            opt_state = _read_partial(folder, OPTIMIZER_FILE, context.current_optimizer())
+        _apply_model(model_state, strict)
+        if opt_state is not None:
+            _apply_optimizer(opt_state)
+        return user
+    if tag is None:
+        raise SMPCheckpointError.build("tag is required to load a full checkpoint", None,
+                                       where="smp.resume_from_checkpoint(partial=False)",
+                                       fix="pass the tag (the file name) it was saved with")
+    tag = _check_tag(tag, gather)
+    state = _read_full(path, tag)
+    if state.pop(PARTIAL_KEY, None) is not False:  # not saved untranslated by smp
+        if translate_function is not None:
+            state = translate_function(state)
+        else:
+            for _, hf_to_smp in module_manager.translate_functions:
+                state = hf_to_smp(state)
+    if load_optimizer:
+        log.warning("smp.resume_from_checkpoint(partial=False): a full checkpoint holds no "
+                    "optimizer state; only the model is loaded (as in SMP)")
+    _apply_model(state, strict)
+    return _read_optional(os.path.join(path, f"user_content_{tag}"))
+
+
+def _partial_folder(path: str, tag: str | None, gather: Callable[[Any], list[Any]]) -> str:
+    if tag is None:
+        listed = read_newest(path)
+        if not listed:
+            raise SMPCheckpointError.build(
+                "no partial checkpoint is listed in the newest file", os.path.join(path, NEWEST),
+                fix="pass tag=..., or save with smp.save_checkpoint(partial=True) first")
+        name = listed[-1]
+    else:
+        name = partial_dir(_check_tag(tag, gather))
+    folder = os.path.join(path, name)
+    if not os.path.isdir(folder):
+        interrupted = os.path.join(path, _replaced(name))
+        if os.path.isdir(interrupted):
+            log.warning("%s is missing: a save of the same tag was interrupted between its "
+                        "renames; loading the checkpoint it replaced, %s", folder, interrupted)
+            return interrupted
+        raise SMPCheckpointError.build("checkpoint folder does not exist", folder,
+                                       fix="check path and tag (the newest file lists them)")
+    return folder
+
+
+def _read_optional(file: str) -> Any:
+    return read_file(file) if os.path.exists(file) else None
+
+
+def _read_partial(folder: str, file: str, target: Any) -> Any:
+    """This rank's part of ``file`` (None when the checkpoint has none and nothing exists
+    to load it into; an error when ``target``, a model or optimizer, would go without)."""
+    prefix = os.path.join(folder, file)
+    if os.path.exists(f"{prefix}.smp_index.json"):
+        return load(prefix, partial=True)
+    if target is not None:
+        raise SMPCheckpointError.build(
+            "the checkpoint holds no state for the " + type(target).__name__, prefix,
+            fix="save it with that object given, or pass load_optimizer=False")
+    return None
+
+
+def _read_full(path: str, tag: str) -> dict[str, Any]:
+    file = os.path.join(path, tag)
+    if os.path.exists(file):
+        if file.endswith(".safetensors"):
+            return read_hf_weights([file])
+        state = read_file(file)
+        if not isinstance(state, dict):
+            raise SMPCheckpointError.build("a full checkpoint must hold a state dict",
+                                           type(state).__name__, where=file,
+                                           fix="load it with smp.load(partial=False)")
+        return dict(state)
+    found = find_hf_weights(path)
+    if not found:
+        raise SMPCheckpointError.build(
+            "full checkpoint file does not exist", file,
+            fix="check path and tag (a full checkpoint is the file path/tag)")
+    log.warning("%s does not exist; loading the Hugging Face weights in %s (%s), which "
+                "save_pretrained wrote", file, path, ", ".join(map(os.path.basename, found)))
+    return read_hf_weights(found)
+
+
+def _apply_model(state: Any, strict: bool) -> None:
+    if state is None:
+        return
+    model = context.current_model()
+    if model is None:
+        _pending["model"] = (state, strict)
+        return
+    model.load_state_dict(state, strict=strict)
+
+
+def _apply_optimizer(state: Any) -> None:
+    optimizer = context.current_optimizer()
+    if optimizer is None or not _belongs(optimizer):
+        _pending["optimizer"] = state
+        return
+    optimizer.load_state_dict(state)
+
+
+def _belongs(optimizer: Any) -> bool:
+    """Whether ``optimizer`` belongs to the current DistributedModel (not still waiting)."""
+    return optimizer not in context.waiting_optimizers()
+
+
+def adopt_pending(model: Any = None, optimizer: Any = None) -> None:
+    """Apply a resume that came before ``model`` / ``optimizer`` existed (called by the
+    DistributedModel when it is created and by a DistributedOptimizer joining a model)."""
+    if model is not None and "model" in _pending:
+        state, strict = _pending.pop("model")
+        model.load_state_dict(state, strict=strict)
+    if optimizer is not None and "optimizer" in _pending:
+        optimizer.load_state_dict(_pending.pop("optimizer"))
+
+
+def forget_pending() -> None:
+    """``smp.reset()``: drop resumes still waiting for their model or optimizer."""
+    _pending.clear()
+

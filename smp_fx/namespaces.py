@@ -1,0 +1,32 @@
+"""SMP's submodule namespaces (``smp.nn``, ``smp.optimizers``, ``smp.amp``) and their names
+that are known but not built yet.
+
+SMP's API pages name classes under these namespaces (``smp.nn.FusedLayerNorm``,
+``smp.optimizers.FusedLamb``, ``smp.amp.GradScaler``, the tensor-parallel
+``smp.nn.Distributed*`` modules). Each namespace is a real subpackage: built names are
+ordinary attributes of it, and its module ``__getattr__`` answers the others through
+``planned``, which raises ``SMPNotImplementedError`` with what the name is for, so a script
+stops where it uses one with the reason, not with an ``AttributeError`` that reads like a
+typo. A name SMP never had stays an ``AttributeError``.
+
+>>> import smp_fx as smp
+>>> smp.optimizers.FusedAdam  # doctest: +ELLIPSIS
+Traceback (most recent call last):
+...
+smp_fx.SMPNotImplementedError: 'smp.optimizers.FusedAdam' (SMP's replacement for apex's...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NoReturn
+
+from cost_model.errors import not_implemented
+
+
+def planned(namespace: str, name: str, known: Mapping[str, str]) -> NoReturn:
+    """Raise for ``namespace.name``: not implemented if SMP documents it, else missing."""
+    if name in known:
+        raise not_implemented(known[name], f"{namespace}.{name}",
+                              "See README 'Not supported yet'.")
+    raise AttributeError(f"module {namespace!r} has no attribute {name!r}")

@@ -238,8 +238,9 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         return False
 
     def tied_duplicates(self) -> frozenset[str]:
-        """Local parameter names that replicate a tied parameter a lower pipeline stage
-        also holds (in-process stages share one object, so there are none)."""
+        """Local parameter names (``local_named_parameters``') that replicate a tied
+        parameter a lower pipeline stage also holds (in-process stages share one object,
+        so there are none)."""
         return self._tied_duplicates
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
@@ -619,11 +620,12 @@ def _agree_on_plan(gm: torch.fx.GraphModule, st: state.State) -> None:
 
 def _tied_duplicates(program: StagedProgram, stage: int,
                      canonical: dict[str, str]) -> frozenset[str]:
-    """Names of ``stage``'s parameters whose tied twin a lower stage holds too."""
+    """Names (canonical, as ``local_named_parameters`` gives them) of ``stage``'s parameters
+    whose tied twin a lower stage holds too."""
     lower = {canonical.get(n, n) for s in range(stage)
              for n, _ in program.stages[s].module.named_parameters()}
-    return frozenset(n for n, _ in program.stages[stage].module.named_parameters()
-                     if canonical.get(n, n) in lower)
+    mine = {canonical.get(n, n) for n, _ in program.stages[stage].module.named_parameters()}
+    return frozenset(mine & lower)
 
 
 def _tied_groups(program: StagedProgram, st: state.State,

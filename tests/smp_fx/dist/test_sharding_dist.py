@@ -6,7 +6,8 @@ unpartitioned model over the whole batch. One world goes through:
 * ``shard_optimizer_state`` at pp=2 x dp=2 (GPT, tied embedding across the stages):
   parameters equal plain Adam's after 3 steps; each rank holds 1/dp of the optimizer-state
   bytes within one parameter's state; ``state_dict()`` gathers the plain Adam state;
-  ``local_state_dict()`` reloads at the same dp size; the full state and weights load at
+  ``local_state_dict()`` (the stage's merged shards) and ``local_state_dict(gather_if_shard=
+  False)`` (this rank's shard) reload at the same dp size; the full state and weights load at
   another layout (pp=1 x dp=4, ZeRO over 4) and a further step still equals plain Adam;
 * sharded data parallelism at pp=2 x sdp=2 (GPT) and pp=1 x dp=4 x sdp=2 (HSDP, MLP, small
   units and replicated small parameters): parameters equal plain Adam's with the global
@@ -64,10 +65,13 @@ def _zero_checks(c: Checks) -> tuple[dict[str, Any], dict[str, Any], Twin]:
              "zero: 1/dp of the state within one parameter")
     full = opt.state_dict()
     c.expect(_same_state(full, ref_opt.state_dict()), "zero: state_dict() is plain Adam's")
-    shard = opt.local_state_dict()
-    opt.optimizer.state.clear()
-    opt.load_state_dict(shard)
-    c.expect(_same_state(opt.state_dict(), full), "zero: local_state_dict reloads")
+    stage = opt.local_state_dict()  # gather_if_shard: this stage's dp shards merged
+    shard = opt.local_state_dict(gather_if_shard=False)
+    c.expect(len(shard["state"]) < len(stage["state"]), "zero: the shard is a part")
+    for saved in (shard, stage):
+        opt.optimizer.state.clear()
+        opt.load_state_dict(saved)
+        c.expect(_same_state(opt.state_dict(), full), "zero: local_state_dict reloads")
     return full, t.dm.state_dict(), t
 
 

@@ -295,7 +295,9 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
     while transformers 5 writes only safetensors (a warning names the file used). Full
     checkpoints hold no optimizer state (SMP's behaviour; a warning says so if
     ``load_optimizer``). ``load_sharded_optimizer_state`` concerns sharded data
-    parallelism, which smp-fx does not build; it is accepted and has no effect. The loads
+    parallelism, whose checkpoints smp-fx does not build; it is accepted and has no effect
+    (an optimizer-state-sharded checkpoint holds each stage's merged state, which loads at
+    any dp size). The loads
     apply when the model is partitioned. Collective: call it on every rank.
 
     Example::

@@ -7,8 +7,9 @@ unpartitioned model over the whole batch. One world goes through:
   parameters equal plain Adam's after 3 steps; each rank holds 1/dp of the optimizer-state
   bytes within one parameter's state; ``state_dict()`` gathers the plain Adam state;
   ``local_state_dict()`` (the stage's merged shards) and ``local_state_dict(gather_if_shard=
-  False)`` (this rank's shard) reload at the same dp size; the full state and weights load at
-  another layout (pp=1 x dp=4, ZeRO over 4) and a further step still equals plain Adam;
+  False)`` (this rank's shard) reload at the same dp size; ``smp.save_checkpoint`` there
+  resumes at pp=1 x dp=4; the full state and weights load at that layout (ZeRO over 4)
+  and a further step still equals plain Adam;
 * sharded data parallelism at pp=2 x sdp=2 (GPT) and pp=1 x dp=4 x sdp=2 (HSDP, MLP, small
   units and replicated small parameters): parameters equal plain Adam's with the global
   norm clipped to ``sdp_gradient_clipping`` after 3 steps.
@@ -17,6 +18,7 @@ unpartitioned model over the whole batch. One world goes through:
 from __future__ import annotations
 
 import copy
+import shutil
 from typing import Any
 
 import pytest
@@ -47,7 +49,7 @@ def _train(t: Twin, opt: Any, ref_opt: Any, steps: int, clip: float = 0.0) -> No
         ref_opt.step()
 
 
-def _zero_checks(c: Checks) -> tuple[dict[str, Any], dict[str, Any], Twin]:
+def _zero_checks(c: Checks, folder: str) -> tuple[dict[str, Any], dict[str, Any], Twin]:
     import smp_fx as smp
 
     init(2, 2, shard_optimizer_state=True)
@@ -72,18 +74,26 @@ def _zero_checks(c: Checks) -> tuple[dict[str, Any], dict[str, Any], Twin]:
         opt.optimizer.state.clear()
         opt.load_state_dict(saved)
         c.expect(_same_state(opt.state_dict(), full), "zero: local_state_dict reloads")
+    smp.save_checkpoint(folder, "zero", model=t.dm, optimizer=opt)
     return full, t.dm.state_dict(), t
 
 
 def _zero_other_layout(c: Checks, opt_sd: dict[str, Any], model_sd: dict[str, Any],
-                       before: Twin) -> None:
+                       before: Twin, folder: str) -> None:
     import smp_fx as smp
 
     init(1, 1, shard_optimizer_state=True)
     t = Twin("gpt")
     t.ref.load_state_dict(before.ref.state_dict())
-    t.dm.load_state_dict(model_sd)
     opt = smp.DistributedOptimizer(_adam(t.dm.parameters()))
+    smp.resume_from_checkpoint(folder, "zero")  # saved at pp=2 x dp=2
+    t.train_step(t.dm, *t.x_local, t.y_local)  # partitions: the checkpoint loads
+    opt.zero_grad()
+    c.expect(not mismatched(t.local(), {n: model_sd[n] for n in t.local()}),
+             "zero: checkpoint resumes the weights at dp 4")
+    c.expect(_same_state(opt.state_dict(), opt_sd), "zero: checkpoint resumes the state")
+    opt.optimizer.state.clear()
+    t.dm.load_state_dict(model_sd)
     opt.load_state_dict(opt_sd)
     ref_opt = _adam(t.ref.parameters())
     ref_opt.load_state_dict(copy.deepcopy(opt_sd))  # torch's loading aliases the tensors
@@ -109,6 +119,19 @@ def _sdp_checks(c: Checks) -> None:
         c.expect(bool(sharded), f"{tag}: parameters are sharded")
 
 
+def _shared_dir() -> str:
+    """One temporary folder for the world (rank 0 makes it)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        box[0] = tempfile.mkdtemp(prefix="smp_fx_zero_")
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
 def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
     if a["param_groups"] != b["param_groups"] or a["state"].keys() != b["state"].keys():
         return False
@@ -123,12 +146,16 @@ def _body() -> tuple[int, list[str]]:
 
     dist.init_process_group("gloo")
     c = Checks()
+    folder = ""
     try:
-        opt_sd, model_sd, twin = _zero_checks(c)
-        _zero_other_layout(c, opt_sd, model_sd, twin)
+        folder = _shared_dir()
+        opt_sd, model_sd, twin = _zero_checks(c, folder)
+        _zero_other_layout(c, opt_sd, model_sd, twin, folder)
         _sdp_checks(c)
     finally:
         state._reset()
+        if dist.get_rank() == 0 and folder:
+            shutil.rmtree(folder, ignore_errors=True)
     return c.report()
 
 

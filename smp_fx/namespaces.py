@@ -10,10 +10,10 @@ stops where it uses one with the reason, not with an ``AttributeError`` that rea
 typo. A name SMP never had stays an ``AttributeError``.
 
 >>> import smp_fx as smp
->>> smp.optimizers.FusedAdam  # doctest: +ELLIPSIS
+>>> smp.nn.DistributedTransformer  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-smp_fx.SMPNotImplementedError: 'smp.optimizers.FusedAdam' (SMP's replacement for apex's...
+smp_fx.SMPNotImplementedError: 'smp.nn.DistributedTransformer' (tensor-parallel transformer...
 """
 
 from __future__ import annotations

@@ -7,14 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from smp_fx.namespaces import planned
+from smp_fx.optimizers.adam import FusedAdam
 from smp_fx.optimizers.lamb import FusedLamb
 from smp_fx.optimizers.novograd import FusedNovoGrad
 
-__all__ = ["FusedLamb", "FusedNovoGrad"]
+__all__ = ["FusedAdam", "FusedLamb", "FusedNovoGrad"]
 
-PLANNED: dict[str, str] = {
-    "FusedAdam": "SMP's replacement for apex's FusedAdam optimizer",
-}
+PLANNED: dict[str, str] = {}
 
 
 def __getattr__(name: str) -> Any:

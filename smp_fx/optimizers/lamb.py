@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from cost_model.errors import SMPConfigError
+from smp_fx.optimizers.apex_style import ApexStyleOptimizer
 
 GradNormFn = Callable[[list[torch.Tensor]], torch.Tensor]
 
@@ -45,7 +46,7 @@ def local_grad_norm(params: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack(norms))
 
 
-class FusedLamb(torch.optim.Optimizer):
+class FusedLamb(ApexStyleOptimizer):
     """LAMB with ``apex.optimizers.FusedLAMB``'s signature (see the module docstring)."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
@@ -70,17 +71,7 @@ class FusedLamb(torch.optim.Optimizer):
         the global norm over every pipeline and tensor-parallel rank)."""
         self._grad_norm = fn
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """apex's: gradients to None when ``set_grad_none`` (the default)."""
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None
-                          else set_to_none)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _update(self) -> None:
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
         max_norm = float(self.defaults["max_grad_norm"])
         norm = self._grad_norm(params).to(torch.float32)
@@ -89,7 +80,6 @@ class FusedLamb(torch.optim.Optimizer):
         for group in self.param_groups:
             group["step"] = group.get("step", 0) + 1
             self._update_group(group, clip)
-        return loss
 
     def _update_group(self, group: dict[str, Any], clip: torch.Tensor) -> None:
         beta1, beta2 = group["betas"]

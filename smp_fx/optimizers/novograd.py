@@ -21,15 +21,16 @@ scalar), so a parameter whose first gradient comes later starts from its own fir
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from cost_model.errors import SMPConfigError
+from smp_fx.optimizers.apex_style import ApexStyleOptimizer
 
 
-class FusedNovoGrad(torch.optim.Optimizer):
+class FusedNovoGrad(ApexStyleOptimizer):
     """NovoGrad with ``apex.optimizers.FusedNovoGrad``'s signature (see the module doc)."""
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3, bias_correction: bool = True,
@@ -53,21 +54,10 @@ class FusedNovoGrad(torch.optim.Optimizer):
         self.reg_inside_moment = reg_inside_moment
         self.set_grad_none = set_grad_none
 
-    def zero_grad(self, set_to_none: bool | None = None) -> None:
-        """apex's: gradients to None when ``set_grad_none`` (the default)."""
-        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None
-                          else set_to_none)
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _update(self) -> None:
         for group in self.param_groups:
             group["step"] = group.get("step", 0) + 1
             self._update_group(group)
-        return loss
 
     def _update_group(self, group: dict[str, Any]) -> None:
         beta1, beta2 = group["betas"]

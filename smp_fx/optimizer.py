@@ -23,7 +23,8 @@ Precision and memory (docs/precision.md):
   these arguments are accepted and unused, as in SMP.
 * ``shard_optimizer_state``: the param groups are narrowed further to the parameters this
   rank owns in its dp group (``smp_fx.dist.zero``); ``step`` broadcasts them after
-  stepping; ``local_state_dict`` is this rank's shard, ``state_dict`` gathers every shard.
+  stepping; ``local_state_dict()`` merges the stage's shards over the dp group
+  (``gather_if_shard=False``: this rank's shard), ``state_dict`` gathers every shard.
 * sharded data parallelism: ``step`` clips the global norm to ``sdp_gradient_clipping``.
 
 >>> import torch

@@ -24,7 +24,7 @@ local gradient (counted or not): a tied replica is scaled like its twin.
 >>> p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.full((4,), 3.0)
 >>> float(clip_grads([p.grad], [p.grad], max_norm=3.0))  # norm 6 -> halved
 6.0
->>> p.grad.tolist()
+>>> [round(g, 5) for g in p.grad.tolist()]  # times 3 / (6 + 1e-6), as torch's
 [1.5, 1.5, 1.5, 1.5]
 """
 

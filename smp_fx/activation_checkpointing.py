@@ -20,6 +20,7 @@ Example::
 
 from __future__ import annotations
 
+import fnmatch
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -129,18 +130,42 @@ def _run_group(group: nn.Sequential, packed: bool) -> Any:
 
 def checkpoint_rules(model: nn.Module) -> tuple[CheckpointRule, ...]:
     """The marked modules of ``model`` as compiler rules (by module path, in model order)."""
-    root = _unwrap(model)
     out = []
-    for path, mod in root.named_modules():
+    for path, mod in _unwrap(model).named_modules():
         mark = _marks.get(mod)
-        if mark is None:
-            continue
-        children: Sequence[str] = ()
-        if isinstance(mod, nn.Sequential) and not mark.whole:
-            children = tuple(name for name, _ in mod.named_children())
-        out.append(CheckpointRule(path, mark.strategy, mark.preserve_rng_state,
-                                  tuple(children)))
+        if mark is not None:
+            out.append(_rule(path, mod, mark.strategy, mark.preserve_rng_state, mark.whole))
     return tuple(out)
+
+
+def rules_from_patterns(model: nn.Module, patterns: Sequence[str]
+                        ) -> tuple[CheckpointRule, ...]:
+    """Rules for ``smp-fx partition --activation-checkpointing GLOB[:STRATEGY]``: every
+    module whose path matches the glob (``h.*``, ``blocks``; ``''`` is the root), the
+    strategy applying to the matched ``nn.Sequential``s (default ``each``)."""
+    out: list[CheckpointRule] = []
+    for pattern in patterns:
+        glob, _, strategy = pattern.partition(":")
+        found = [(p, m) for p, m in model.named_modules() if fnmatch.fnmatchcase(p, glob)]
+        if not found:
+            raise SMPConfigError.build("no module path matches the pattern", glob,
+                                       "--activation-checkpointing",
+                                       "use a module path or a glob such as 'h.*'")
+        for path, mod in found:
+            if strategy and strategy != "each" and not isinstance(mod, nn.Sequential):
+                raise SMPConfigError.build(
+                    "strategy applies to an nn.Sequential only", f"{path!r}:{strategy}",
+                    "--activation-checkpointing", "drop the strategy for this pattern")
+            out.append(_rule(path, mod, strategy or "each", True, False))
+    return tuple(out)
+
+
+def _rule(path: str, mod: nn.Module, strategy: str, preserve_rng_state: bool,
+          whole: bool) -> CheckpointRule:
+    children: Sequence[str] = ()
+    if isinstance(mod, nn.Sequential) and not whole:
+        children = tuple(name for name, _ in mod.named_children())
+    return CheckpointRule(path, strategy, preserve_rng_state, tuple(children))
 
 
 def clear(model: nn.Module) -> None:

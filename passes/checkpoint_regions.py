@@ -12,8 +12,10 @@ Two passes, around the partitioner:
 - ``mark_regions`` (before): writes ``CKPT_REGION`` and a checkpointed ``COST`` (the
   plain one kept in ``PLAIN_COST``): a region keeps only its inputs (charged to its first
   node), and its backward first recomputes its forward. The partitioner balances these.
+- ``keep_whole`` (after automatic partitioning): a region the partitioner cut moves whole
+  to one of the stages it touched when the stages stay contiguous.
 - ``settle_regions`` (after): a ``contiguous`` region is cut at the stage boundaries; any
-  other region split across stages is dropped (its plain costs restored) with a warning
+  other region still split across stages is dropped (its plain costs restored) with a warning
   under automatic partitioning, and is an error under manual partitioning, where the user
   placed the modules. A region whose nodes cannot be run as one call (an outside node
   between them that both reads the region and feeds it) is dropped with a warning.
@@ -28,15 +30,18 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch.fx
 
 from cost_model.errors import SMPPartitionError
 from passes import meta
 from passes.graph_utils import copy_graph_module
-from passes.partition_config import CheckpointRule
+from passes.partition_config import CheckpointRule, PartitionConfig
+from passes.partitioning.extract import problem_from_graph, write_stages
+from passes.partitioning.problem import evaluate, make_objective
 
 log = logging.getLogger("smp_fx.checkpointing")
 COMPUTE = ("call_function", "call_method", "call_module")
@@ -110,6 +115,48 @@ def mark_regions(gm: torch.fx.GraphModule, rules: Sequence[CheckpointRule]
                 plain, saved_bytes=inputs if i == 0 else 0,
                 bwd_time_s=plain.bwd_time_s + plain.fwd_time_s))
     return out
+
+
+def keep_whole(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
+               comm_time: Callable[[float], float] | None = None) -> torch.fx.GraphModule:
+    """After automatic partitioning: a region the partitioner cut moves whole to the first
+    or the last stage it touched, whichever keeps the stages contiguous and scores better
+    under the partitioner's objective; a region neither move can keep whole stays cut
+    (``settle_regions`` then drops it). ``gm`` is not modified."""
+    problem = problem_from_graph(gm)
+    obj = make_objective(problem, pconfig, comm_time)
+    index = {name: i for i, name in enumerate(problem.names)}
+    stage = np.asarray([meta.STAGE.get(n) for n in gm.graph.nodes if n.name in index],
+                       dtype=np.int64)
+    members: dict[str, list[int]] = {}
+    for n in gm.graph.nodes:
+        region = meta.CKPT_REGION.get(n)
+        if region is not None and not region.per_stage and n.name in index:
+            members.setdefault(region.name, []).append(index[n.name])
+    changed = False
+    for idx in members.values():
+        touched = sorted({int(stage[i]) for i in idx})
+        if len(touched) < 2:
+            continue
+        best, best_score = None, float("inf")
+        for target in (touched[0], touched[-1]):
+            cand = stage.copy()
+            cand[idx] = target
+            if not _monotone(cand, problem.preds) or len(set(cand.tolist())) < len(
+                    set(stage.tolist())):
+                continue
+            score = evaluate(problem, cand, obj).bottleneck
+            if score < best_score:
+                best, best_score = cand, score
+        if best is not None:
+            stage, changed = best, True
+    if not changed:
+        return gm
+    return write_stages(gm, dict(zip(problem.names, (int(s) for s in stage))))
+
+
+def _monotone(stage: np.ndarray, preds: Sequence[Sequence[int]]) -> bool:
+    return all(stage[p] <= stage[i] for i, ps in enumerate(preds) for p in ps)
 
 
 def settle_regions(gm: torch.fx.GraphModule, manual: bool) -> torch.fx.GraphModule:

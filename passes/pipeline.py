@@ -32,7 +32,7 @@ from passes import meta
 from passes.annotate_costs import annotate_costs
 from passes.assign_manual import assign_manual
 from passes.auto_partition import partition_graph
-from passes.checkpoint_regions import mark_regions, settle_regions
+from passes.checkpoint_regions import keep_whole, mark_regions, settle_regions
 from passes.partition_config import PartitionConfig
 from passes.partitioning.baselines import BASELINES, run_baseline
 from passes.partitioning.extract import problem_from_graph, write_stages
@@ -153,7 +153,7 @@ def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
     def auto(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         new, result = partition_graph(gm, pconfig, comm_time)
         strategy[0] = result.strategy
-        return new
+        return keep_whole(new, pconfig, comm_time) if pconfig.checkpointing else new
 
     def manual(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return assign_manual(gm, dict(pins or {}), pconfig.default_partition,

@@ -101,3 +101,13 @@ def test_the_partitioner_balances_with_checkpointing() -> None:
     _, plain = _compile((), w=1.0, batch=512)
     _, ck = _compile(half, w=1.0, batch=512)
     assert len(ck.stages[0].nodes) > len(plain.stages[0].nodes)
+
+
+@pytest.mark.parametrize("strategy", ["group_3", "each"])
+def test_automatic_partitioning_keeps_regions_whole(
+        strategy: str, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="smp_fx.checkpointing"):
+        gm, plan = _compile((_rule(strategy),), batch=512, w=1.0)
+    assert "skipped" not in caplog.text
+    regions = [r for st in plan.stages for r in st.checkpointed]
+    assert len(regions) == len(set(regions)) == (4 if strategy == "group_3" else 11)

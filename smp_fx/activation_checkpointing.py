@@ -74,7 +74,8 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
             f"{type(module).__name__}", "smp.set_activation_checkpointing",
             "use strategy='each' (the module is one region)")
     model = context.current_model()
-    if model is not None and model.partitioned:
+    if model is not None and model.partitioned and any(
+            m is module for m in model.get_module().modules()):
         raise SMPConfigError.build(
             "activation checkpointing is set before the model is partitioned",
             type(module).__name__, "smp.set_activation_checkpointing",

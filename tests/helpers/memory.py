@@ -39,10 +39,14 @@ class Run:
     params: dict[str, torch.Tensor]
     saved: dict[int, dict[int, SavedRecord]]
     plan: Any
+    measured_memory: dict[int, int]
+    """Per stage: parameter, gradient, buffer and optimizer-state bytes held after the last
+    step, plus the bytes kept per microbatch times the most microbatches held at once."""
 
 
 def train(strategy: str | None, offload: bool = False, steps: int = 2, m: int = 2,
-          pipeline: str = "interleaved", ddp: bool = False, seed: int = 0) -> Run:
+          pipeline: str = "interleaved", ddp: bool = False, seed: int = 0,
+          adam: bool = False) -> Run:
     """See the module docstring; ``strategy`` None trains without checkpointing."""
     load_device("cpu")  # the spec is measured once per process, before any seed is set
     init(2, m, pipeline, auto_partition=False, default_partition=0,
@@ -54,7 +58,9 @@ def train(strategy: str | None, offload: bool = False, steps: int = 2, m: int = 
     model = smp.DistributedModel(net)
     if strategy is not None:
         smp.set_activation_checkpointing(net, strategy=strategy)
-    opt = smp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    inner = (torch.optim.Adam(net.parameters(), lr=1e-3) if adam
+             else torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    opt = smp.DistributedOptimizer(inner)
 
     @smp.step
     def step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
@@ -76,5 +82,18 @@ def train(strategy: str | None, offload: bool = False, steps: int = 2, m: int = 
         opt.step()
     saved = {s: dict(k.records) for s, k in model.executor.keepers.items()}
     params = {n: p.detach().clone() for n, p in model.local_named_parameters()}
+    measured = {}
+    for s, stage in enumerate(model.program.stages):
+        ps = list(stage.module.parameters())
+        state_bytes = sum(_nbytes(t) for p in ps for t in inner.state.get(p, {}).values())
+        grads = sum(_nbytes(p.grad) for p in ps)
+        kept = max(r.on_device for r in saved[s].values())
+        measured[s] = (sum(_nbytes(p) for p in ps) + grads + state_bytes
+                       + sum(_nbytes(b) for b in stage.module.buffers())
+                       + kept * model.executor.stats.peak_in_flight[s])
     activation_checkpointing.clear(net)
-    return Run(losses, params, saved, model.plan)
+    return Run(losses, params, saved, model.plan, measured)
+
+
+def _nbytes(t: Any) -> int:
+    return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0

@@ -125,17 +125,25 @@ def test_checkpointing_is_bitwise_the_plain_pipeline(strategy: str, offload: boo
     state._reset()
 
 
-def test_a_checkpointed_gpt_matches_the_unpartitioned_model() -> None:
-    """Every transformer block of the GPT checkpointed: the grid's comparison (loss,
-    gradients, parameters against the plain single-process model) still holds."""
+@pytest.mark.parametrize("name", ["gpt", "hf_gpt2"])
+def test_checkpointed_transformers_match_the_unpartitioned_model(name: str) -> None:
+    """Every transformer block checkpointed (fx-traced, and export-captured aten graphs):
+    the grid's comparison (loss, gradients, parameters against the plain single-process
+    model) still holds."""
+    import re
+
     import smp_fx as smp
 
     init(2, 2, "interleaved")
-    pair = Pair("gpt")
-    for block in pair.dm.module.h:
+    pair = Pair(name)
+    blocks = [m for n, m in pair.dm.module.named_modules()
+              if re.fullmatch(r"(model\.transformer\.)?h\.\d+", n)]
+    for block in blocks:
         smp.set_activation_checkpointing(block)
     pair.compare(2, 2)
-    assert any(st.checkpointed for st in pair.dm.plan.stages)
+    assert sorted(r for st in pair.dm.plan.stages for r in st.checkpointed) == sorted(
+        n for n, m in pair.dm.module.named_modules() if any(m is b for b in blocks))
+    assert len(blocks) >= 2
     state._reset()
 
 

@@ -85,9 +85,11 @@ class _Offloaded:
         if self.loaded is None:
             self.load()
         assert self.loaded is not None
-        if self.stream is not None:
-            torch.cuda.current_stream(self.device).wait_event(self.event)
         out, self.loaded = self.loaded, None
+        if self.stream is not None:
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(self.event)
+            out.record_stream(current)  # made on the side stream, freed after use here
         return out
 
 
@@ -96,7 +98,8 @@ class ActivationKeeper:
 
     def __init__(self, state: Sequence[torch.Tensor], offload: bool = False,
                  track: bool = False) -> None:
-        self.excluded = {_key(t) for t in state}
+        self.state = list(state)
+        self.excluded: set[int] = set()
         self.offload = offload
         self.track = track
         self.records: dict[int, SavedRecord] = {}
@@ -118,6 +121,7 @@ class ActivationKeeper:
             yield
             return
         self._mb, self._plain, self._region, self._sizes = microbatch, set(), {}, {}
+        self.excluded = {_key(t) for t in self.state}  # where they live now (model.to)
         self._handles[microbatch] = []
         _active.keeper = self
         try:

@@ -121,7 +121,7 @@ class ActivationKeeper:
             yield
             return
         self._mb, self._plain, self._region, self._sizes = microbatch, set(), {}, {}
-        self.excluded = {_key(t) for t in self.state}  # where they live now (model.to)
+        self.excluded = {_key(t) for t in self.state}  # where they live at this forward (model.to)
         self._handles[microbatch] = []
         _active.keeper = self
         try:

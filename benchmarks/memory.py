@@ -10,8 +10,8 @@ evenly by ``smp.set_partition``), ``--microbatches`` microbatches, one intra-op 
    (checkpointed step / plain step) over torch's (the same model in one process, each block
    under non-reentrant checkpoint, the same microbatches one after another / the plain
    model). A ratio <= 1.05 means smp-fx's checkpointing costs no more than torch's own.
-   Each time is the smallest median over ``--rounds`` rounds (a shared machine's load
-   changes hit every variant alike).
+   The four variants run in turn, ``--steps`` steps each, over ``--rounds`` rounds (a shared
+   machine's load changes hit them alike); each time is the median of all its steps.
 
     python benchmarks/memory.py [--depth 8 --width 256 --batch 64 --steps 10]
 """
@@ -22,6 +22,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -90,9 +91,9 @@ def time_smp(args: argparse.Namespace, strategy: str | None, offload: bool,
     return statistics.median(times), saved, model.plan
 
 
-def time_torch(args: argparse.Namespace, checkpointed: bool) -> float:
-    """The same model in one process, microbatches one after another (what the pipeline
-    computes), each block under torch's non-reentrant checkpoint or not."""
+def torch_stepper(args: argparse.Namespace, checkpointed: bool) -> Callable[[], None]:
+    """One training step of the same model in one process, microbatches one after another
+    (what the pipeline computes), each block under torch's non-reentrant checkpoint or not."""
     net = build(args.width, args.depth)
     opt = torch.optim.SGD(net.parameters(), lr=1e-3)
     x, y = data(args)
@@ -104,16 +105,65 @@ def time_torch(args: argparse.Namespace, checkpointed: bool) -> float:
                  if checkpointed else block(v))
         return v
 
-    times = []
-    for i in range(args.warmup + args.steps):
-        t0 = time.perf_counter()
+    def run() -> None:
         opt.zero_grad()
         for xm, ym in zip(x.chunk(m), y.chunk(m)):
             (nn.functional.mse_loss(forward(xm), ym) / m).backward()
         opt.step()
-        if i >= args.warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+
+    return run
+
+
+def smp_stepper(args: argparse.Namespace, strategy: str | None) -> Callable[[], None]:
+    """One training step of an smp-fx model (the current configuration), partitioned."""
+    net = build(args.width, args.depth)
+    for block in net[args.depth // 2:]:
+        smp.set_partition(block, 1)
+    model = smp.DistributedModel(net)
+    if strategy is not None:
+        smp.set_activation_checkpointing(net, strategy=strategy)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=1e-3))
+    x, y = data(args)
+
+    @smp.step
+    def step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        loss = nn.functional.mse_loss(model(x), y)
+        model.backward(loss)
+        return loss
+
+    def run() -> None:
+        opt.zero_grad()
+        step(model, x, y)
+        opt.step()
+
+    return run
+
+
+def overhead(args: argparse.Namespace) -> dict[str, float]:
+    """Median step of each variant over ``--rounds`` rounds of ``--steps`` steps, the four
+    in turn within a round (rotating which goes first), so that the machine's changing load
+    hits them alike. An smp-fx variant is built afresh each round (one model per smp
+    session), after a warm-up its partitioning is not timed."""
+    torch_runs = {"torch plain": torch_stepper(args, False),
+                  "torch checkpoint": torch_stepper(args, True)}
+    names = ["torch plain", "torch checkpoint", "smp-fx plain", "smp-fx checkpoint"]
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(args.rounds):
+        for name in names[r % 4:] + names[:r % 4]:
+            if name in torch_runs:
+                run = torch_runs[name]
+            else:
+                state._reset()
+                smp.init({"pipeline_parallel_degree": 2, "microbatches": args.microbatches,
+                          "pipeline": "interleaved", "auto_partition": False,
+                          "default_partition": 0})
+                run = smp_stepper(args, "each" if name.endswith("checkpoint") else None)
+            for i in range(args.warmup + args.steps):
+                t0 = time.perf_counter()
+                run()
+                if i >= args.warmup:
+                    times[name].append(time.perf_counter() - t0)
+    return {n: statistics.median(t) for n, t in times.items()}
 
 
 def kib(n: int) -> str:
@@ -128,7 +178,7 @@ def main() -> None:
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=8)
     args = ap.parse_args()
     torch.set_num_threads(1)
     load_device("cpu")
@@ -147,14 +197,7 @@ def main() -> None:
                           kib(saved[s].offloaded)]
             print(f"{name:13s} {pipeline:11s} {' '.join(cells)} {t * 1e3:8.2f}")
 
-    best: dict[str, float] = {}
-    for _ in range(args.rounds):
-        for key, fn in (("torch plain", lambda: time_torch(args, False)),
-                        ("torch checkpoint", lambda: time_torch(args, True)),
-                        ("smp-fx plain", lambda: time_smp(args, None, False, "interleaved")[0]),
-                        ("smp-fx checkpoint", lambda: time_smp(args, "each", False,
-                                                               "interleaved")[0])):
-            best[key] = min(best.get(key, float("inf")), fn())
+    best = overhead(args)
     torch_over = best["torch checkpoint"] / best["torch plain"]
     smp_over = best["smp-fx checkpoint"] / best["smp-fx plain"]
     print()

@@ -83,7 +83,8 @@ def train(strategy: str | None, offload: bool = False, steps: int = 2, m: int = 
     saved = {s: dict(k.records) for s, k in model.executor.keepers.items()}
     params = {n: p.detach().clone() for n, p in model.local_named_parameters()}
     measured = {}
-    for s, stage in enumerate(model.program.stages):
+    for s in saved:  # this rank's stages
+        stage = model.program.stages[s]
         ps = list(stage.module.parameters())
         state_bytes = sum(_nbytes(t) for p in ps for t in inner.state.get(p, {}).values())
         grads = sum(_nbytes(p.grad) for p in ps)

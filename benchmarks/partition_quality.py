@@ -11,10 +11,11 @@ model"): a stage ``[i, j)`` on stage ``s`` costs
 DAGs (the example models traced and costed by ``passes.pipeline.analyse`` on an A100 spec,
 GPT-like synthetic graphs with tied / untied heads, random layered DAGs): our bottleneck over
 the best known (the best of ours, every baseline, and a slower search: 24 random
-topological orders, each chain-solved and refined) and over the lower bound, next to each
-baseline over the best known. Ours and the slow search give every stage a node with FLOPs or
-parameters (``DagProblem.heavy``) when there are enough; the baselines need not, so on
-latency-bound graphs a baseline could beat us on the bottleneck alone, and would be counted.
+topological orders from networkx, each chain-solved and refined) and over the lower bound,
+next to each baseline over the best known. Ours and the slow search give every stage a node
+with FLOPs or parameters (``DagProblem.heavy``) when there are enough; the baselines need
+not, so on latency-bound graphs a baseline could beat us on the bottleneck alone, and would
+be counted.
 
 Run: ``.venv/bin/python benchmarks/partition_quality.py`` (about a minute on 2 cores).
 """
@@ -27,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+import networkx as nx
 import numpy as np
 
 from cost_model.device import A100
@@ -140,20 +142,10 @@ def objective(problem: DagProblem, k: int) -> Objective:
 
 
 def random_order(problem: DagProblem, rng: np.random.Generator) -> np.ndarray:
-    prio = rng.random(problem.n)
-    indeg = np.array([len(p) for p in problem.preds])
-    succs = problem.succs()
-    ready = [v for v in range(problem.n) if indeg[v] == 0]
-    out = []
-    while ready:
-        v = min(ready, key=lambda u: prio[u])
-        ready.remove(v)
-        out.append(v)
-        for u in succs[v]:
-            indeg[u] -= 1
-            if indeg[u] == 0:
-                ready.append(u)
-    return np.asarray(out)
+    """A random topological order: the ready node of least random priority runs next."""
+    prio = rng.random(problem.n).tolist()
+    return np.asarray(list(nx.lexicographical_topological_sort(problem.graph,
+                                                               key=prio.__getitem__)))
 
 
 def slow_search(problem: DagProblem, obj: Objective, rng: np.random.Generator,

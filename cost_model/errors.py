@@ -15,6 +15,10 @@ and the fix. ``SMPError.build`` keeps that shape uniform.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
+_E = TypeVar("_E", bound="SMPError")
+
 
 class SMPError(Exception):
     """Base class of every error smp-fx raises on purpose."""
@@ -24,8 +28,8 @@ class SMPError(Exception):
         cls.__module__ = "smp_fx"
 
     @classmethod
-    def build(cls, rule: str, value: object = None, where: str | None = None,
-              fix: str | None = None) -> SMPError:
+    def build(cls: type[_E], rule: str, value: object = None, where: str | None = None,
+              fix: str | None = None) -> _E:
         """Make an error whose text reads: rule (got value) [at where]. Fix: fix."""
         parts = [rule]
         if value is not None:
@@ -55,11 +59,21 @@ class SMPPartitionError(SMPError):
 
 
 class SMPRuntimeError(SMPError, RuntimeError):
-    """Misuse of the runtime API (calls outside ``smp.step``, bad batch, ...) or its failure."""
+    """Misuse of the runtime API (calls outside ``smp.step``, bad batch, ...) or its failure.
+
+    ``peer_rank``: the rank this failure points at (a peer that died or did not answer),
+    when there is one; ``smp-fx run`` follows it to the rank that failed first."""
+
+    peer_rank: int | None = None
 
 
 class SMPTimeoutError(SMPRuntimeError, TimeoutError):
     """A blocking wait ran past its timeout; the message names what it waited for."""
+
+
+class SMPPeerError(SMPRuntimeError, ConnectionError):
+    """A peer rank's process is gone (its connection closed or reset): it died or exited.
+    The message names that rank and stage, and what this rank was doing."""
 
 
 class SMPCheckpointError(SMPError):
@@ -79,8 +93,8 @@ class SMPInternalError(SMPError, AssertionError):
     """An invariant of smp-fx itself does not hold: a bug in smp-fx, not misuse."""
 
     @classmethod
-    def build(cls, rule: str, value: object = None, where: str | None = None,
-              fix: str | None = "report this as an smp-fx bug") -> SMPError:
+    def build(cls: type[_E], rule: str, value: object = None, where: str | None = None,
+              fix: str | None = "report this as an smp-fx bug") -> _E:
         return super().build(rule, value, where, fix)
 
 

@@ -14,8 +14,9 @@ Example::
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 Shape = tuple[int, ...]
@@ -116,6 +117,8 @@ def gemm_dims(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
             return m, a[-1], n
         if op == "conv" and output:
             weight = attrs.get("weight") or inputs[1]
+            if weight is None:
+                return None
             return output[0] * numel(output[2:]), numel(weight[1:]), weight[0]
         if op == "sdpa" and inputs[0] and inputs[1]:
             q, k = inputs[0], inputs[1]
@@ -137,18 +140,24 @@ def op_flops(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
         return 0.0, 0.0
     if output is None and op not in ("sdpa",):
         return 0.0, 0.0
+    gemm: tuple[Callable[..., float], tuple[MaybeShape, ...]] | None = None
     if op == "linear":
-        fwd = linear_flops(inputs[0], output)
+        gemm = linear_flops, (inputs[0], output)
     elif op == "addmm":
-        fwd = matmul_flops(inputs[1], inputs[2], output)
+        gemm = matmul_flops, (inputs[1], inputs[2], output)
     elif op in ("matmul", "mm", "bmm", "baddbmm", "einsum_mm"):
         a, b = (inputs[1], inputs[2]) if op == "baddbmm" else (inputs[0], inputs[1])
-        fwd = matmul_flops(a, b, output)
+        gemm = matmul_flops, (a, b, output)
     elif op == "conv":
-        weight = attrs.get("weight") or inputs[1]
-        fwd = conv_flops(weight, output, int(attrs.get("groups", 1)))
+        conv = functools.partial(conv_flops, groups=int(attrs.get("groups", 1)))
+        gemm = conv, (attrs.get("weight") or inputs[1], output)
     elif op == "sdpa":
-        fwd = sdpa_flops(inputs[0], inputs[1], inputs[2])
+        gemm = sdpa_flops, (inputs[0], inputs[1], inputs[2])
+    if gemm is not None:
+        fn, shapes = gemm
+        if any(x is None for x in shapes):
+            return None  # a shape is unknown, so are the FLOPs
+        fwd = fn(*shapes)
     elif op in ("layer_norm", "batch_norm", "group_norm", "rms_norm"):
         fwd = NORM_COST * numel(inputs[0])
     elif op == "embedding":

@@ -154,8 +154,8 @@ def _chain(kind: str, n: int, device: torch.device, rep: bool = False) -> Chain:
         c = shape[1]
         ws = [(p(c), p(c)) for _ in range(n)]
         rm, rv = torch.zeros(c, device=device), torch.ones(c, device=device)
-        return Chain(fold(lambda v, wb: F.batch_norm(v, rm, rv, *wb, training=True), ws,
-                          p(*shape)), float(math.prod(shape)), 8.0 * math.prod(shape))
+        return Chain(fold(lambda v, wb: F.batch_norm(v, rm, rv, wb[0], wb[1], training=True),
+                          ws, p(*shape)), float(math.prod(shape)), 8.0 * math.prod(shape))
     if kind == "embedding":
         rows, width = (1024, 256) if rep else (8, 4)
         idx = torch.arange(64 if rep else 2, device=device) % rows
@@ -175,8 +175,9 @@ def _chain(kind: str, n: int, device: torch.device, rep: bool = False) -> Chain:
         return Chain(fold(torch.bmm, ys, p(b, d, d)), 2.0 * b * d ** 3, d)
     if kind == "conv":
         batch, ch, side = (8, 16, 16) if rep else (1, 2, 4)
-        ws = [p(ch, ch, 3, 3) for _ in range(n)]
-        return Chain(fold(lambda v, w: F.conv2d(v, w, padding=1), ws, p(batch, ch, side, side)),
+        kernels = [p(ch, ch, 3, 3) for _ in range(n)]
+        return Chain(fold(lambda v, w: F.conv2d(v, w, padding=1), kernels,
+                          p(batch, ch, side, side)),
                      2.0 * batch * ch * side * side * ch * 9, ch)
     if kind == "sdpa":
         heads, length, dim = (16, 64, 32) if rep else (2, 4, 4)
@@ -184,6 +185,12 @@ def _chain(kind: str, n: int, device: torch.device, rep: bool = False) -> Chain:
         return Chain(fold(lambda v, _: F.scaled_dot_product_attention(v, v, v), range(n), q),
                      4.0 * heads * length * length * dim, min(length, dim))
     raise ValueError(f"unknown op kind {kind!r}")
+
+
+def _timer(budget: Budget, device: torch.device) -> Callable[[Callable[[], Any]], float]:
+    """``time_per_call`` with the budget's repeats and target and the device's clock."""
+    return functools.partial(time_per_call, repeats=budget.repeats, target_s=budget.target_s,
+                             sync=_sync(device), now=clock(device))
 
 
 def _fwd_bwd_times(run: Callable[[], list[torch.Tensor]], budget: Budget,
@@ -197,10 +204,9 @@ def _fwd_bwd_times(run: Callable[[], list[torch.Tensor]], budget: Budget,
             outs = run()
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
-    timing = {"repeats": budget.repeats, "target_s": budget.target_s, "sync": _sync(device),
-              "now": clock(device)}
-    f = time_per_call(fwd, **timing)
-    fb = time_per_call(both, **timing)
+    timed = _timer(budget, device)
+    f = timed(fwd)
+    fb = timed(both)
     return f, max(fb - f, 0.0)
 
 
@@ -244,6 +250,14 @@ layer's weights are not in cache when its turn comes, and timing one matrix over
 would measure a cache-resident one."""
 
 
+def _two_randn(n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(n, device=device), torch.randn(n, device=device)
+
+
+def _add_next(operands: Iterator[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    return torch.add(*next(operands))
+
+
 def _pool(make: Callable[[], Any], nbytes: int) -> Iterator[Any]:
     """An endless cycle over enough copies of ``make()`` (each ``nbytes``) to fill
     ``POOL_BYTES``; a single one when one copy is already that large."""
@@ -259,15 +273,14 @@ def measure_matmul(budget: Budget, device: torch.device) -> tuple[float, float, 
     ``measure_op_overheads`` prices with its autograd bookkeeping).
     """
     big = budget.matmul_big
-    timing = {"repeats": budget.repeats, "target_s": budget.target_s, "sync": _sync(device),
-              "now": clock(device)}
+    timed = _timer(budget, device)
 
     def linear_s(m: int, k: int, n: int, dtype: torch.dtype) -> float:
         x = torch.randn(m, k, device=device, dtype=dtype)
         weights = _pool(lambda: (torch.randn(n, k, device=device, dtype=dtype),
                                  torch.randn(n, device=device, dtype=dtype)),
                         (n * k + n) * x.element_size())
-        return time_per_call(lambda: F.linear(x, *next(weights)), **timing)
+        return timed(lambda: F.linear(x, *next(weights)))
 
     fixed = {torch.float32: linear_s(1, 1, 1, torch.float32)}
 
@@ -301,23 +314,21 @@ def measure_elementwise(budget: Budget, device: torch.device) -> tuple[float, Ta
     they include what allocation costs (page faults of large fresh buffers on a CPU).
     The time of the same add on one element (the fixed part) is taken off.
     """
-    timing = {"repeats": budget.repeats, "target_s": budget.target_s, "sync": _sync(device),
-              "now": clock(device)}
+    timed = _timer(budget, device)
     one = torch.ones(1, device=device)
-    op_s = time_per_call(lambda: torch.add(one, one), **timing)
+    op_s = timed(lambda: torch.add(one, one))
     rates = []
     out = None
     for nbytes in budget.elementwise_bytes:
         n = max(1, nbytes // 12)  # a + b reads two and writes one float32 tensor
-        operands = _pool(lambda n=n: (torch.randn(n, device=device),
-                                      torch.randn(n, device=device)), 8 * n)
-        t = time_per_call(lambda ops=operands: torch.add(*next(ops)), **timing)
+        operands = _pool(functools.partial(_two_randn, n, device), 8 * n)
+        t = timed(functools.partial(_add_next, operands))
         rates.append((float(12 * n), 12.0 * n / max(t - op_s, t * 0.05)))
         a, b = next(operands)
         out = (a, b, torch.empty_like(a))
     assert out is not None
     a, b, c = out
-    t = time_per_call(functools.partial(torch.add, a, b, out=c), **timing)
+    t = timed(functools.partial(torch.add, a, b, out=c))
     bandwidth = 12.0 * a.numel() / t
     return bandwidth, tuple((b, r / bandwidth) for b, r in rates)
 
@@ -390,7 +401,8 @@ def measure_link(budget: Budget, device: torch.device, group: Any = None
             op = dist.isend if rank == 0 else dist.irecv
             works = [op(t, ping, group) for t in tiny]
             for w in works:
-                w.wait()
+                if w is not None:
+                    w.wait()
             sync()
         per_message.append((time.perf_counter() - t0) / count)
     dist.barrier(group)

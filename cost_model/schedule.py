@@ -182,9 +182,9 @@ def clock(schedule: Sequence[Sequence[Action]]) -> list[list[Action | None]]:
             raise ScheduleError.build("the schedule deadlocks: no stage can run its next action",
                                       waiting, f"clock tick {tick}",
                                       "reorder the lists so every dependency can run first")
-        for s, action in enumerate(row):
-            if action is not None:
-                done_at[action] = tick
+        for s, ran in enumerate(row):
+            if ran is not None:
+                done_at[ran] = tick
                 cursor[s] += 1
         ticks.append(row)
     return ticks

@@ -1,10 +1,11 @@
 """``auto_partition``: the stage of every node, minimising the largest stage cost.
 
-The pass reduces the graph to numbers (``partitioning.extract``), and for each of a few
-topological orders (``partitioning.order``) solves the chain problem exactly along that
-order, boundary communication included (``partitioning.chain``), then refines the
-assignment by moving boundary nodes between neighbouring stages
-(``partitioning.refine``). Every candidate is scored by the one objective
+The pass reduces the graph to numbers and a networkx graph (``partitioning.extract``,
+``DagProblem.graph``), and for each of a few topological orders (``partitioning.order``)
+solves the chain problem exactly along that order, boundary communication included
+(``partitioning.chain``), then refines the assignment by moving boundary nodes between
+neighbouring stages, one at a time or, on a link-bound stage, a group at a minimum cut
+(``partitioning.refine``, ``partitioning.mincut``). Every candidate is scored by the one objective
 (``partitioning.problem.evaluate``) and the best is kept; ties go to the earlier order.
 The winner is then re-solved on its own stage-major order and refined again while that
 improves it (at most 3 rounds), and finally balanced: min-max only cares about the costliest
@@ -48,7 +49,7 @@ from passes import meta
 from passes.partition_config import PartitionConfig
 from passes.partitioning import chain
 from passes.partitioning.extract import COMPUTE_OPS, problem_from_graph, write_stages
-from passes.partitioning.order import ORDERS, PIN_ORDER, topological_order
+from passes.partitioning.order import ORDERS, PIN_ORDER, check_pins, topological_order
 from passes.partitioning.problem import (
     DagProblem,
     Evaluation,
@@ -126,14 +127,29 @@ def problem_lower_bound(problem: DagProblem, obj: Objective) -> float:
     return chain.lower_bound(cc.work, obj.num_stages, cc.saved, obj.inflight, time=cc.time)
 
 
+Solved = dict[tuple[bytes, bool], chain.ChainSolution]
+
+
 def _solve_order(problem: DagProblem, obj: Objective, order: np.ndarray,
-                 lex: bool = False, replicas: bool = False) -> np.ndarray:
-    """Exact chain solve of ``problem`` laid out along ``order``; the stage of every node."""
+                 lex: bool = False, replicas: bool = False, solved: Solved | None = None
+                 ) -> np.ndarray:
+    """Exact chain solve of ``problem`` laid out along ``order``; the stage of every node.
+
+    ``solved`` keeps plain solves by (order, charging): the balancing pass re-solves the
+    order the last re-solve round tried, and starts from its solution (one full chain solve
+    fewer, about a tenth of a 10,000-node DAG's time at 64 stages).
+    """
     cc = chain_arrays(problem, order, obj, replicas=replicas)
-    solver = chain.solve_lex if lex else chain.solve
-    sol = solver(cc.work, obj.num_stages, saved=cc.saved, comm=cc.comm, time=cc.time,
-                 heavy=problem.heavy()[order], inflight=np.asarray(obj.inflight, dtype=float),
-                 pins=problem.pin_array()[order])
+    key = (order.tobytes(), replicas)
+    args = dict(saved=cc.saved, comm=cc.comm, time=cc.time, heavy=problem.heavy()[order],
+                inflight=np.asarray(obj.inflight, dtype=float), pins=problem.pin_array()[order])
+    if lex:
+        sol = chain.solve_lex(cc.work, obj.num_stages, **args,
+                              first=None if solved is None else solved.get(key))
+    else:
+        sol = chain.solve(cc.work, obj.num_stages, **args)
+        if solved is not None:
+            solved[key] = sol
     stage = np.empty(problem.n, dtype=np.int64)
     stage[order] = sol.stages(problem.n)
     return stage
@@ -158,13 +174,15 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
     if k > n:
         raise SMPPartitionError.build(
             "more partitions than compute nodes: every partition must be non-empty",
-            f"partitions={k}, compute nodes={n}",
-            fix=f"use at most {n} partitions, or trace with fewer leaf modules")
+            f"partitions={k}, compute nodes={n}", "auto_partition",
+            f"use at most {n} partitions, or trace with fewer leaf modules")
+    check_pins(problem)
     pins = problem.pin_array()
     if np.any(pins >= 0) and PIN_ORDER not in orders:
         orders = (*orders, PIN_ORDER)
     best: tuple[float, np.ndarray, str] | None = None
     failure: SMPPartitionError | None = None
+    solved: Solved = {}
     for kind, replicas in ((kind, r) for kind in orders for r in _charging(problem)):
         try:
             stage = _solve_order(problem, obj, topological_order(problem, kind),
@@ -173,12 +191,12 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
             failure = failure or err
             continue
         name = f"{kind}/replicas" if replicas else kind
+        value = evaluate(problem, stage, obj).bottleneck
         if do_refine:
             refined = refine(problem, obj, stage)
-            if evaluate(problem, refined, obj).bottleneck < evaluate(problem, stage,
-                                                                     obj).bottleneck:
-                stage, name = refined, f"{kind}+refine"
-        value = evaluate(problem, stage, obj).bottleneck
+            refined_value = evaluate(problem, refined, obj).bottleneck
+            if refined_value < value:
+                stage, name, value = refined, f"{kind}+refine", refined_value
         if best is None or value < best[0]:
             best = (value, stage, name)
     if best is None:
@@ -189,7 +207,8 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
         # stage-major order of the best plan (topological, as the plan is monotone): an exact
         # chain solve on it can only see cuts at least as good as the plan's own
         order = np.lexsort((np.arange(n), stage))
-        again = min((refine(problem, obj, _solve_order(problem, obj, order, replicas=r))
+        again = min((refine(problem, obj, _solve_order(problem, obj, order, replicas=r,
+                                                       solved=solved))
                      for r in _charging(problem)),
                     key=lambda st: chain.lex_key(evaluate(problem, st, obj).cost))
         new_value = evaluate(problem, again, obj).bottleneck
@@ -197,11 +216,12 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
             break
         value, stage, name = new_value, again, f"{name.split('+')[0]}+resolve"
     if do_refine:
-        stage = balance(problem, obj, stage)
+        stage = balance(problem, obj, stage, solved)
     return stage, name
 
 
-def balance(problem: DagProblem, obj: Objective, stage: np.ndarray) -> np.ndarray:
+def balance(problem: DagProblem, obj: Objective, stage: np.ndarray,
+            solved: Solved | None = None) -> np.ndarray:
     """Lexicographic min-max on the plan's stage-major order, then refinement.
 
     Min-max leaves every stage but the bottleneck free; ``chain.solve_lex`` balances them
@@ -210,7 +230,8 @@ def balance(problem: DagProblem, obj: Objective, stage: np.ndarray) -> np.ndarra
     ever gets worse.
     """
     order = np.lexsort((np.arange(problem.n), stage))
-    again = min((refine(problem, obj, _solve_order(problem, obj, order, lex=True, replicas=r))
+    again = min((refine(problem, obj, _solve_order(problem, obj, order, lex=True, replicas=r,
+                                                   solved=solved))
                  for r in _charging(problem)),
                 key=lambda st: chain.lex_key(evaluate(problem, st, obj).cost))
     if chain.lex_key(evaluate(problem, again, obj).cost) < chain.lex_key(
@@ -267,5 +288,6 @@ def evaluate_stages(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
     missing = [k for k, v in by_name.items() if v is None]
     if missing:
         raise SMPPartitionError.build("every compute node needs a STAGE", missing[:5],
-                                      fix="run assign_manual or auto_partition first")
+                                      "evaluate_stages",
+                                      "run assign_manual or auto_partition first")
     return summarize(problem, obj, np.asarray([by_name[n] for n in problem.names]), strategy)

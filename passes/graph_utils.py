@@ -1,10 +1,16 @@
 """Copying a GraphModule without touching the original: the basis of "passes never mutate".
 
-The copy gets a deep-copied ``Graph`` (new ``Node`` objects whose ``meta`` dicts are shallow
-copies, which is safe because every ``smp.*`` value is immutable) and shares the parameter,
-buffer and submodule objects with the original: weights are never duplicated, so copying a
-meta-device GPT-2-XL graph costs nothing. Unreferenced state (e.g. a tied alias such as
-``lm_head.weight``) is re-registered so ``state_dict()`` keys stay exactly the model's.
+``copy_graph_module`` is the one copy every pass makes before it writes ``smp.*`` metadata
+(``annotate_costs``, ``shape_prop``, ``assign_manual``, ``partitioning.extract``). The copy
+gets new ``Node`` objects with the same names in the same order (callers map nodes across
+by name), node ``meta`` dicts that are shallow copies (safe: every ``smp.*`` value is
+immutable), the output node's meta included, and the graph's code generator (an
+export-captured or ``concrete_args`` graph keeps its pytree input/output specs, so the
+copy is called like the original). It shares the parameter, buffer and submodule objects
+with the original: weights are never duplicated, so copying a meta-device GPT-2-XL graph
+costs nothing. State the graph never reads (e.g. a tied alias such as ``lm_head.weight``)
+is re-registered so ``state_dict()`` keys stay exactly the model's, and ``gm.meta`` is
+copied.
 """
 
 from __future__ import annotations
@@ -18,25 +24,20 @@ from torch import nn
 
 
 def copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
-    """A new Graph with new nodes; node meta copied (shallowly), output meta included."""
+    """A new Graph with new nodes (``Graph.__deepcopy__``: ``graph_copy``, which copies each
+    node's meta shallowly, plus the code generator) and the output node's meta."""
     with warnings.catch_warnings():  # pytree codegen deepcopy warns about LeafSpec
         warnings.simplefilter("ignore", FutureWarning)
         new = copy.deepcopy(graph)
     old_out = next(n for n in reversed(graph.nodes) if n.op == "output")
     new_out = next(n for n in reversed(new.nodes) if n.op == "output")
     new_out.meta = dict(old_out.meta)
-    for old, fresh in zip(graph.nodes, new.nodes):
-        if old.name != fresh.name:  # deepcopy keeps names; a mismatch would misplace meta
-            raise AssertionError(f"graph copy renamed {old.name} to {fresh.name}")
-        fresh.meta = dict(old.meta)
     return new
 
 
-def copy_graph_module(gm: torch.fx.GraphModule,
-                      graph: torch.fx.Graph | None = None) -> torch.fx.GraphModule:
-    """A GraphModule over ``graph`` (default: a copy of ``gm.graph``) sharing ``gm``'s state."""
-    new_graph = copy_graph(gm.graph) if graph is None else graph
-    out = torch.fx.GraphModule(gm, new_graph, type(gm).__name__)
+def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A GraphModule over a copy of ``gm.graph`` sharing ``gm``'s state (module doc)."""
+    out = torch.fx.GraphModule(gm, copy_graph(gm.graph), type(gm).__name__)
     attach_state(out, gm)
     out.meta = dict(getattr(gm, "meta", {}))
     return out
@@ -58,10 +59,3 @@ def attach_state(dst: nn.Module, src: nn.Module) -> None:
             owner.register_parameter(leaf, value)
         else:
             owner.register_buffer(leaf, value)
-
-
-def node_by_name(gm: torch.fx.GraphModule, name: str) -> torch.fx.Node:
-    for node in gm.graph.nodes:
-        if node.name == name:
-            return node
-    raise KeyError(name)

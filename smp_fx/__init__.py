@@ -19,6 +19,7 @@ from cost_model.errors import (
     SMPNotImplementedError,
     SMPPartitionError,
     SMPPassError,
+    SMPPeerError,
     SMPRuntimeError,
     SMPTimeoutError,
     SMPTracingError,

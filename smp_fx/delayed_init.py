@@ -81,8 +81,9 @@ def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
         for m, name in group[1:]:
             setattr(m, name, getattr(first_mod, first_name))
     for m in module.modules():
-        if hasattr(m, "reset_parameters"):
-            m.reset_parameters()
+        reset = getattr(m, "reset_parameters", None)
+        if callable(reset):
+            reset()
     if missing:
         raise SMPRuntimeError.build(
             "delayed-init modules without reset_parameters() cannot be initialised",

@@ -337,7 +337,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         for s, r in runners.items():
             _materialise(r.module, devices[s])
         self._program, self._runners = program, runners
-        self._executor = ex.Executor(program, runners, transport, multi, timeout_s, st.rank)
+        self._executor = ex.Executor(program, runners, transport, multi, timeout_s, st.rank,
+                                     st.group_ranks("pp") if multi else None)
         if multi:
             if self._tied_groups:
                 self._executor.pre_step_hooks.append(self._snapshot_tied_grads)

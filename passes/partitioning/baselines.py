@@ -244,4 +244,5 @@ def run_baseline(name: str, problem: DagProblem, obj: Objective) -> np.ndarray:
         return block_partition(problem, k)
     if name == "module_tree":
         return module_tree(problem, k, obj)
-    raise SMPPartitionError.build("unknown baseline", name, fix=f"use one of {BASELINES}")
+    raise SMPPartitionError.build("unknown baseline", name, "run_baseline",
+                                  f"use one of {BASELINES}")

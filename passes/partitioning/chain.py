@@ -42,6 +42,10 @@ import numpy as np
 from cost_model.errors import SMPPartitionError
 
 FloatArray = np.ndarray
+#: What the solvers accept per node: a list or an array (converted once, by ``_prepare``).
+Values = Sequence[float] | np.ndarray
+Ints = Sequence[int] | np.ndarray
+Flags = Sequence[bool] | np.ndarray
 
 
 @dataclass(frozen=True)
@@ -74,6 +78,7 @@ def stage_costs(cuts: Sequence[int], work: FloatArray, saved: FloatArray, comm: 
     ``comm`` is indexed by cut (length ``n + 1``); ``comm[n]`` is ignored, the last stage
     pays ``tail_comm``.
     """
+    work, saved = np.asarray(work, dtype=np.float64), np.asarray(saved, dtype=np.float64)
     n = len(work)
     tm = np.zeros(n) if time is None else np.asarray(time, dtype=np.float64)
     bounds = [0, *cuts, n]
@@ -81,14 +86,14 @@ def stage_costs(cuts: Sequence[int], work: FloatArray, saved: FloatArray, comm: 
     for s in range(len(bounds) - 1):
         i, j = bounds[s], bounds[s + 1]
         c = comm[j] if j < n else tail_comm
-        out[s] = (float(np.sum(work[i:j])) + inflight[s] * float(np.sum(saved[i:j]))
-                  + max(float(np.sum(tm[i:j])), float(c)))
+        out[s] = (float(work[i:j].sum()) + inflight[s] * float(saved[i:j].sum())
+                  + max(float(tm[i:j].sum()), float(c)))
     return out
 
 
-def _prepare(work: Sequence[float], k: int, saved: Sequence[float] | None,
-             comm: Sequence[float] | None, inflight: Sequence[float] | None,
-             pins: Sequence[int] | None, time: Sequence[float] | None = None,
+def _prepare(work: Values, k: int, saved: Values | None,
+             comm: Values | None, inflight: Values | None,
+             pins: Ints | None, time: Values | None = None,
              tail_comm: float = 0.0) -> tuple[FloatArray, ...]:
     w = np.asarray(work, dtype=np.float64)
     n = len(w)
@@ -102,19 +107,24 @@ def _prepare(work: Sequence[float], k: int, saved: Sequence[float] | None,
     if k < 1 or k > n:
         raise SMPPartitionError.build(
             "a chain of n nodes can be cut into at most n non-empty stages", f"n={n}, k={k}",
-            fix="ask for fewer partitions or give a finer-grained graph")
+            "chain.solve", "ask for fewer partitions or give a finer-grained graph")
     if len(sv) != n or len(tm) != n or len(cm) != n + 1 or len(infl) != k or len(pn) != n:
         raise SMPPartitionError.build(
             "saved/time/pins need n entries, comm n-1 or n+1, inflight k",
-            (len(sv), len(tm), len(cm), len(infl), len(pn)), fix=f"n={n}, k={k}")
+            (len(sv), len(tm), len(cm), len(infl), len(pn)), "chain.solve",
+            f"pass arrays sized for n={n}, k={k}")
     for name, arr in (("work", w), ("time", tm), ("saved", sv), ("comm", cm),
                       ("inflight", infl), ("tail_comm", np.array([tail_comm]))):
-        if not np.all(np.isfinite(arr)) or np.any(arr < 0):
-            raise SMPPartitionError.build(f"chain {name} costs must be finite and >= 0",
-                                          fix="check the node costs")
+        bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0))
+        if bad.size:
+            raise SMPPartitionError.build(
+                f"chain {name} costs must be finite and >= 0",
+                f"{arr[bad[0]]} at position {bad[0]}", "chain.solve",
+                "check the node costs (passes.annotate_costs)")
     if np.any(pn >= k):
         raise SMPPartitionError.build("a pin names a stage >= k", int(pn.max()),
-                                      fix=f"pin to stages below {k}")
+                                      f"chain.solve, position {int(np.argmax(pn))}",
+                                      f"pin to stages below {k}")
     cm = cm.copy()
     cm[n] = tail_comm
     return w, sv, cm, infl, pn, tm
@@ -172,12 +182,12 @@ def _check(bound: float, prefixes: list[tuple[FloatArray, FloatArray]], tp: Floa
         lo = max(first + 1, int(j0[s]), n if s == k - 1 else 0)
         if left:
             scale = left * (1.0 + 1e-12)
-            lo_rest = int(np.searchsorted(least, least[n] - scale * bound, side="left"))
+            lo_rest = int(least.searchsorted(least[n] - scale * bound, side="left"))
             if lo_rest > lo:
                 lo = lo_rest
                 nxt = min(nxt, float(least[n] - least[lo - 1]) / scale)
         hi = min(int(anchors[1][left]), int(j1[s]))
-        hi_cost = int(np.searchsorted(full, full[last] + bound, side="right")) - 1
+        hi_cost = int(full.searchsorted(full[last] + bound, side="right")) - 1
         if hi_cost < hi:
             hi = hi_cost
             nxt = min(nxt, float(full[hi + 1] - full[last]))
@@ -198,8 +208,7 @@ def _check(bound: float, prefixes: list[tuple[FloatArray, FloatArray]], tp: Floa
             return None, nxt
         pos = np.where(ok, js, -1)
         bands.append(_Band(lo, np.maximum.accumulate(pos)))
-        hits = np.flatnonzero(ok)
-        first, last = lo + int(hits[0]), lo + int(hits[-1])
+        first, last = lo + int(ok.argmax()), lo + len(ok) - 1 - int(ok[::-1].argmax())
     return bands, nxt
 
 
@@ -213,10 +222,10 @@ def _backtrack(bands: list[_Band], n: int, k: int, anchor: np.ndarray) -> tuple[
     return tuple(reversed(cuts))
 
 
-def lower_bound(work: Sequence[float], k: int, saved: Sequence[float] | None = None,
-                inflight: Sequence[float] | None = None,
-                comm: Sequence[float] | None = None,
-                time: Sequence[float] | None = None) -> float:
+def lower_bound(work: Values, k: int, saved: Values | None = None,
+                inflight: Values | None = None,
+                comm: Values | None = None,
+                time: Values | None = None) -> float:
     """max(total / k, largest node), each node at its cheapest (least in-flight) stage.
 
     With ``comm`` (per cut, length n + 1) each of the ``k - 1`` sending stages costs at
@@ -236,10 +245,10 @@ def lower_bound(work: Sequence[float], k: int, saved: Sequence[float] | None = N
     return float(max(total / k, node.max(initial=0.0), cheapest))
 
 
-def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None,
-          comm: Sequence[float] | None = None, inflight: Sequence[float] | None = None,
-          pins: Sequence[int] | None = None, heavy: Sequence[bool] | None = None,
-          time: Sequence[float] | None = None, tail_comm: float = 0.0,
+def solve(work: Values, k: int, *, saved: Values | None = None,
+          comm: Values | None = None, inflight: Values | None = None,
+          pins: Ints | None = None, heavy: Flags | None = None,
+          time: Values | None = None, tail_comm: float = 0.0,
           rtol: float = 1e-9) -> ChainSolution:
     """Cut ``work`` into ``k`` contiguous non-empty stages minimising the largest stage cost.
 
@@ -257,7 +266,8 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
     n = len(w)
     hv = None if heavy is None else np.asarray(heavy, dtype=bool)
     if hv is not None and len(hv) != n:
-        raise SMPPartitionError.build("heavy needs one flag per node", len(hv), fix=f"n={n}")
+        raise SMPPartitionError.build("heavy needs one flag per node", len(hv),
+                                      "chain.solve", f"pass n={n} flags")
     if hv is not None and int(hv.sum()) < k:
         hv = None
     anchors = _anchors(hv, n)
@@ -289,7 +299,9 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
             raise SMPPartitionError.build(
                 "the pinned nodes cannot be kept on their stages with contiguous stages",
                 f"pins at positions {np.flatnonzero(pn >= 0)[:8].tolist()}",
-                fix="pin in execution order (earlier modules on lower stages)")
+                f"chain.solve into {k} stages",
+                "pin in execution order (earlier modules on lower stages), leaving every "
+                "stage a node of its own")
     best: tuple[int, ...] | None = None
     value = np.inf
     excess = 0.5 * rtol  # gallop up from the lower bound: optima are often within a hair
@@ -322,10 +334,11 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
     return ChainSolution(best, float(costs.max()), tuple(float(c) for c in costs))
 
 
-def solve_lex(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None,
-              comm: Sequence[float] | None = None, inflight: Sequence[float] | None = None,
-              pins: Sequence[int] | None = None, heavy: Sequence[bool] | None = None,
-              time: Sequence[float] | None = None, rtol: float = 1e-9) -> ChainSolution:
+def solve_lex(work: Values, k: int, *, saved: Values | None = None,
+              comm: Values | None = None, inflight: Values | None = None,
+              pins: Ints | None = None, heavy: Flags | None = None,
+              time: Values | None = None, rtol: float = 1e-9,
+              first: ChainSolution | None = None) -> ChainSolution:
     """``solve``, then balance the stages the bottleneck leaves free (lexicographic min-max).
 
     Min-max alone is indifferent to every stage but the costliest: with a latency-bound or
@@ -334,12 +347,14 @@ def solve_lex(work: Sequence[float], k: int, *, saved: Sequence[float] | None = 
     of it with their own stage counts, recursively, so the second-largest cost is minimised
     next, and so on. The result is kept only if its sorted (descending) cost vector is
     lexicographically no larger than ``solve``'s, so the bottleneck never gets worse.
+    ``first`` is ``solve``'s result for the same arguments when the caller already has it.
     """
     w, sv, cm, infl, pn, tm = _prepare(work, k, saved, comm, inflight, pins, time)
     n = len(w)
     hv = None if heavy is None else np.asarray(heavy, dtype=bool)
-    first = solve(w, k, saved=sv, comm=cm, inflight=infl, pins=pn, heavy=hv, time=tm,
-                  rtol=rtol)
+    if first is None:
+        first = solve(w, k, saved=sv, comm=cm, inflight=infl, pins=pn, heavy=hv, time=tm,
+                      rtol=rtol)
 
     def sub(lo: int, hi: int, s0: int, s1: int, sol: ChainSolution | None) -> list[int]:
         """Cuts inside ``[lo, hi)`` for stages ``s0..s1-1`` (the last pays comm[hi])."""

@@ -164,6 +164,10 @@ def write_stages(gm: torch.fx.GraphModule, stages: Mapping[str, int]
                  ) -> torch.fx.GraphModule:
     """Copy ``gm`` and set ``STAGE`` on every node: compute nodes from ``stages`` (by name),
     placeholders / ``get_attr`` at their earliest user, the output at its latest input."""
+    missing = [n.name for n in gm.graph.nodes if n.op in COMPUTE_OPS and n.name not in stages]
+    if missing:
+        raise SMPPartitionError.build("every compute node needs a stage", missing[:5],
+                                      "write_stages", "pass a stage for every compute node")
     new = copy_graph_module(gm)
     nodes = list(new.graph.nodes)
     for n in nodes:

@@ -6,19 +6,28 @@ across many cuts. Three orders are offered; ``auto_partition`` solves on each an
 the best, because none wins everywhere:
 
 * ``"graph"``: the order the graph was traced in (program order; good for sequential code).
-* ``"dfs"``: finishes the branch it is on before starting another (LIFO list scheduling).
+* ``"dfs"``: reverse postorder of networkx's depth-first search over ``DagProblem.graph``
+  (Tarjan's topological order): a branch, once entered, is finished before its siblings.
+  The search starts from the sources in index order and enters successors in decreasing
+  index order (the order the graph lists them), so the reversal puts a node's
+  lowest-indexed branch first and a later source's nodes before an earlier one's.
 * ``"min_live"``: at every step runs the ready node that adds the fewest live bytes
   (bytes it produces minus inputs it frees), a greedy register-pressure heuristic.
 
-All are deterministic: ties break by node index. With pins, ``"pins"`` (list scheduling
-by the latest stage a node may go to, then the earliest it must go to) gives an order in
-which every pin can be honoured by contiguous stages whenever any order can.
+All are deterministic: ties break by node index. With pins, ``"pins"`` (networkx's
+lexicographical topological sort keyed by the latest stage a node may go to, then the
+earliest it must go to) gives an order in which every pin can be honoured by contiguous
+stages whenever any order can.
+
+``check_dag`` and ``check_pins`` reject a problem no order can serve, naming the cycle or
+the path from a node pinned late to one pinned early (networkx finds both).
 """
 
 from __future__ import annotations
 
 import heapq
 
+import networkx as nx
 import numpy as np
 
 from cost_model.errors import SMPPartitionError
@@ -28,73 +37,143 @@ ORDERS = ("graph", "dfs", "min_live")
 PIN_ORDER = "pins"
 
 
+def _path_text(problem: DagProblem, path: list[int]) -> str:
+    return " -> ".join(problem.names[v] for v in path)
+
+
+def check_dag(problem: DagProblem) -> None:
+    """Raise unless every edge goes from a lower to a higher node index.
+
+    ``DagProblem`` numbers its nodes in a topological order (the ``"graph"`` order and the
+    value spans rely on it); a cycle, or an acyclic graph numbered out of order, breaks
+    that. The check is a scan of the edges (once per problem); networkx names the cycle
+    when there is one.
+    """
+    backward = problem.backward_edge
+    if backward is None:
+        return
+    try:
+        cycle = [u for u, _ in nx.find_cycle(problem.graph)]
+    except nx.NetworkXNoCycle:
+        raise SMPPartitionError.build(
+            "compute nodes must be numbered in a topological order",
+            _path_text(problem, list(backward)), "DagProblem.preds",
+            "number the nodes in graph order (problem_from_graph does)") from None
+    raise SMPPartitionError.build(
+        "the compute graph has a cycle", _path_text(problem, [*cycle, cycle[0]]),
+        "DagProblem.preds", "partition an fx graph (always acyclic)")
+
+
+def pin_bounds(problem: DagProblem) -> tuple[np.ndarray, np.ndarray]:
+    """Per node, the earliest stage it may go to (the largest pin among it and its
+    ancestors) and the latest (the smallest pin among it and its descendants; one past
+    the largest pin when there is none).
+
+    One sweep over the edges in index order and one in reverse: ancestors' pins flow
+    forward, descendants' backward (a per-node ``nx.ancestors`` would be quadratic).
+    """
+    n = problem.n
+    pins = problem.pin_array().tolist()
+    big = max(pins, default=-1) + 1
+    lo = [max(p, 0) for p in pins]
+    for v, ps in enumerate(problem.preds):
+        for p in ps:
+            if lo[p] > lo[v]:
+                lo[v] = lo[p]
+    hi = [p if p >= 0 else big for p in pins]
+    succs = problem.succs()
+    for v in range(n - 1, -1, -1):
+        for u in succs[v]:
+            if hi[u] < hi[v]:
+                hi[v] = hi[u]
+    return np.asarray(lo, dtype=np.int64), np.asarray(hi, dtype=np.int64)
+
+
+def check_pins(problem: DagProblem) -> None:
+    """Raise if a value flows from a node pinned to a later stage to one pinned earlier.
+
+    No contiguous plan honours such pins, whatever the order. The message names the path
+    between the two pinned nodes (``nx.ancestors`` and ``nx.shortest_path``).
+    """
+    pins = problem.pin_array()
+    if not np.any(pins >= 0):
+        return
+    lo, _ = pin_bounds(problem)
+    late = np.flatnonzero((pins >= 0) & (lo > pins))
+    if not late.size:
+        return
+    v = int(late[0])
+    graph = problem.graph
+    u = min(a for a in nx.ancestors(graph, v) if pins[a] == lo[v])
+    path = nx.shortest_path(graph, u, v)
+    raise SMPPartitionError.build(
+        "a pinned node feeds a node pinned to an earlier stage: no contiguous plan exists",
+        f"{_path_text(problem, path)} (pinned to {int(pins[u])} and {int(pins[v])})",
+        "the pins of smp.partition / set_partition",
+        "pin in execution order (earlier modules on lower or equal partitions)")
+
+
+def _min_live(problem: DagProblem) -> list[int]:
+    """List scheduling by live-byte growth.
+
+    Hand-written with ``heapq``: a node's priority is fixed when it becomes ready and
+    depends on which of its inputs still have unscheduled readers at that moment, while
+    networkx's lexicographical sort takes one key per node up front.
+    """
+    n = problem.n
+    val_bytes = problem.val_bytes.tolist()
+    succs = problem.succs()
+    indeg = [len(set(p)) for p in problem.preds]
+    produced = [0.0] * n
+    uses_left = [0] * len(val_bytes)
+    reads: list[list[int]] = [[] for _ in range(n)]
+    for v, (p, cons) in enumerate(zip(problem.val_producer, problem.val_consumers)):
+        if p >= 0:
+            produced[p] += val_bytes[v]
+        readers = set(cons)
+        uses_left[v] = len(readers)
+        for c in readers:
+            reads[c].append(v)
+
+    def key(u: int) -> tuple[float, int]:
+        freed = 0.0
+        for v in reads[u]:
+            if uses_left[v] == 1:
+                freed += val_bytes[v]
+        return (produced[u] - freed, u)
+
+    heap = [key(v) for v in range(n) if indeg[v] == 0]
+    heapq.heapify(heap)
+    out: list[int] = []
+    push, pop = heapq.heappush, heapq.heappop
+    while heap:
+        _, v = pop(heap)
+        out.append(v)
+        for val in reads[v]:
+            uses_left[val] -= 1
+        for u in succs[v]:
+            indeg[u] -= 1
+            if indeg[u] == 0:
+                push(heap, key(u))
+    return out
+
+
 def topological_order(problem: DagProblem, kind: str) -> np.ndarray:
     """A permutation of ``0..n-1`` in which every node follows its predecessors."""
     n = problem.n
+    check_dag(problem)
     if kind == "graph":
         return np.arange(n, dtype=np.int64)
-    succs = problem.succs()
-    indeg = np.array([len(set(p)) for p in problem.preds], dtype=np.int64)
-    out: list[int] = []
     if kind == "dfs":
-        stack = [v for v in range(n - 1, -1, -1) if indeg[v] == 0]
-        while stack:
-            v = stack.pop()
-            out.append(v)
-            for u in reversed(succs[v]):
-                indeg[u] -= 1
-                if indeg[u] == 0:
-                    stack.append(u)
+        out = list(nx.dfs_postorder_nodes(problem.graph))[::-1]
     elif kind == "min_live":
-        produced = np.zeros(n)
-        uses_left = np.zeros(len(problem.val_bytes), dtype=np.int64)
-        reads: list[list[int]] = [[] for _ in range(n)]
-        for v, (p, cons) in enumerate(zip(problem.val_producer, problem.val_consumers)):
-            if p >= 0:
-                produced[p] += problem.val_bytes[v]
-            uses_left[v] = len(set(cons))
-            for c in set(cons):
-                reads[c].append(v)
-
-        def key(u: int) -> tuple[float, int]:
-            freed = sum(problem.val_bytes[v] for v in reads[u] if uses_left[v] == 1)
-            return (float(produced[u] - freed), u)
-
-        heap = [key(v) for v in range(n) if indeg[v] == 0]
-        heapq.heapify(heap)
-        while heap:
-            _, v = heapq.heappop(heap)
-            out.append(v)
-            for val in reads[v]:
-                uses_left[val] -= 1
-            for u in succs[v]:
-                indeg[u] -= 1
-                if indeg[u] == 0:
-                    heapq.heappush(heap, key(u))
+        out = _min_live(problem)
     elif kind == PIN_ORDER:
-        pins = problem.pin_array()
-        big = int(pins.max()) + 1 if n else 0
-        lo = np.where(pins >= 0, pins, 0)
-        for v in range(n):  # the earliest stage v may go to: its pinned ancestors'
-            for p in problem.preds[v]:
-                lo[v] = max(lo[v], lo[p])
-        hi = np.where(pins >= 0, pins, big)
-        for v in range(n - 1, -1, -1):  # the latest: its pinned descendants'
-            for u in succs[v]:
-                hi[v] = min(hi[v], hi[u])
-        heap = [(int(hi[v]), int(lo[v]), v) for v in range(n) if indeg[v] == 0]
-        heapq.heapify(heap)
-        while heap:
-            v = heapq.heappop(heap)[2]
-            out.append(v)
-            for u in succs[v]:
-                indeg[u] -= 1
-                if indeg[u] == 0:
-                    heapq.heappush(heap, (int(hi[u]), int(lo[u]), u))
+        lo, hi = pin_bounds(problem)
+        lo_l, hi_l = lo.tolist(), hi.tolist()
+        out = list(nx.lexicographical_topological_sort(
+            problem.graph, key=lambda v: (hi_l[v], lo_l[v], v)))
     else:
         raise SMPPartitionError.build("unknown topological order", kind,
-                                      fix=f"use {(*ORDERS, PIN_ORDER)}")
-    if len(out) != n:
-        raise SMPPartitionError.build("the compute graph has a cycle", f"{len(out)} of {n}",
-                                      fix="partition an fx graph (always acyclic)")
+                                      "topological_order", f"use {(*ORDERS, PIN_ORDER)}")
     return np.asarray(out, dtype=np.int64)

@@ -42,11 +42,13 @@ import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import networkx as nx
 import numpy as np
 
 from cost_model import roofline
 from cost_model.device import DEFAULT_DEVICE, get_device
 from passes.partition_config import PartitionConfig
+from passes.partitioning.chain import Ints, Values
 
 CommTime = Callable[[float], float]
 
@@ -124,17 +126,29 @@ class DagProblem:
         return tuple(tuple(sorted(set(s))) for s in out)
 
     @functools.cached_property
+    def backward_edge(self) -> tuple[int, int] | None:
+        """The first edge ``(u, v)`` with ``u >= v`` (nodes out of topological order), if any."""
+        return next(((p, v) for v, ps in enumerate(self.preds) for p in ps if p >= v), None)
+
+    @functools.cached_property
     def _touching(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
-        """Per node: the values it produces or reads, and the parameters it reads."""
-        vals: list[list[int]] = [[] for _ in range(self.n)]
-        for v, (prod, cons) in enumerate(zip(self.val_producer, self.val_consumers)):
-            for u in sorted({prod, *cons} - {-1}):
-                vals[u].append(v)
-        params: list[list[int]] = [[] for _ in range(self.n)]
-        for q, readers in enumerate(self.param_readers):
-            for r in sorted(set(readers)):
-                params[r].append(q)
-        return tuple(map(tuple, vals)), tuple(map(tuple, params))
+        """Per node: the values it produces or reads, and the parameters it reads (each in
+        increasing index order, once)."""
+        counts, flat, _, prod = self._flat[:4]
+        made = np.flatnonzero(prod >= 0)
+        rflat, rparam = self._flat[5:]
+        return (self._group(np.concatenate([prod[made], flat]),
+                            np.concatenate([made, np.repeat(np.arange(len(counts)), counts)]),
+                            len(counts)),
+                self._group(rflat, rparam, len(self.param_names)))
+
+    def _group(self, nodes: np.ndarray, items: np.ndarray, n_items: int
+               ) -> tuple[tuple[int, ...], ...]:
+        """Per node, the distinct ``items`` paired with it, in increasing order."""
+        key = np.unique(nodes.astype(np.int64) * max(n_items, 1) + items)
+        bounds = np.searchsorted(key // max(n_items, 1), np.arange(self.n + 1)).tolist()
+        flat = (key % max(n_items, 1)).tolist()
+        return tuple(tuple(flat[a:b]) for a, b in zip(bounds[:-1], bounds[1:]))
 
     @functools.cached_property
     def _flat(self) -> tuple[np.ndarray, ...]:
@@ -152,15 +166,49 @@ class DagProblem:
         return (counts, flat, starts, np.asarray(self.val_producer, dtype=np.int64),
                 np.asarray(self.val_to_output, dtype=bool), rflat, rparam)
 
+    @functools.cached_property
+    def graph(self) -> nx.DiGraph:
+        """The compute nodes as a ``networkx.DiGraph``, for the graph questions (orders, checks,
+        cuts) the partitioner asks; the cost sums stay on the numpy arrays.
+
+        Node ``i`` has ``name``, ``time`` (forward + backward seconds), ``memory`` (saved bytes
+        per microbatch), ``params`` (bytes of the parameters it reads) and ``pin`` (-1: none);
+        edge ``(u, v)`` has ``bytes``, the size of ``u``'s output. Nodes are in index order,
+        every node's successors in decreasing index order (a depth-first search then enters
+        the lowest-indexed branch last, so its reverse postorder lists it first: the
+        ``"dfs"`` order), so every traversal is deterministic. Built once per problem, bare
+        and then filled through the live attribute dicts, a fifth cheaper than handing
+        networkx a dict per node and edge (about 40 ms for 10,000 nodes on an idle core).
+        """
+        n = self.n
+        out_bytes = [0.0] * n
+        for prod, nbytes in zip(self.val_producer, self.val_bytes.tolist()):
+            if prod >= 0:
+                out_bytes[prod] = nbytes
+        rflat, rparam = self._flat[5:]
+        params = np.bincount(rflat, weights=self.param_bytes[rparam], minlength=n)
+        graph = nx.DiGraph()
+        graph.add_nodes_from(range(n))
+        for (_, data), name, t, m, p, pin in zip(
+                graph.nodes(data=True), self.names, self.time.tolist(), self.saved.tolist(),
+                params.tolist(), self.pin_array().tolist()):
+            data["name"], data["time"], data["memory"], data["params"], data["pin"] = (
+                name, t, m, p, pin)
+        graph.add_edges_from((u, v) for v in range(n - 1, -1, -1) for u in self.preds[v])
+        for u, succ in graph.adjacency():
+            for data in succ.values():
+                data["bytes"] = out_bytes[u]
+        return graph
+
     def pin_array(self) -> np.ndarray:
         if not self.pins:
             return np.full(self.n, -1, dtype=np.int64)
         return np.asarray(self.pins, dtype=np.int64)
 
     @staticmethod
-    def chain(time: Sequence[float], saved: Sequence[float] | None = None,
-              out_bytes: Sequence[float] | None = None,
-              params: Sequence[float] | None = None) -> DagProblem:
+    def chain(time: Values, saved: Values | None = None,
+              out_bytes: Values | None = None,
+              params: Values | None = None) -> DagProblem:
         """A chain ``0 -> 1 -> ... -> n-1``: node ``i``'s output is read by ``i + 1``."""
         n = len(time)
         ob = np.zeros(n) if out_bytes is None else np.asarray(out_bytes, dtype=np.float64)
@@ -321,7 +369,7 @@ class ChainCosts:
         return self.work + self.time + inflight * self.saved
 
 
-def chain_arrays(problem: DagProblem, order: Sequence[int], obj: Objective,
+def chain_arrays(problem: DagProblem, order: Ints, obj: Objective,
                  replicas: bool = False) -> ChainCosts:
     """``problem`` laid out along ``order`` (a topological order) as ``ChainCosts``.
 
@@ -361,6 +409,6 @@ def chain_arrays(problem: DagProblem, order: Sequence[int], obj: Objective,
     np.add.at(diff, last[keep] + 1, -problem.val_bytes[keep])
     live = np.cumsum(diff)[: n + 1]
     comm = np.zeros(n + 1)
-    for j in range(1, n):
-        comm[j] = obj.a * obj.link_time(live[j]) if live[j] > 0 else 0.0
+    a, link_time = obj.a, obj.link_time
+    comm[1:n] = [a * link_time(b) if b > 0 else 0.0 for b in live[1:n].tolist()]
     return ChainCosts(work, time, saved, comm)

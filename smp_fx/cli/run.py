@@ -6,6 +6,14 @@ as on SageMaker) and the shim directory on ``PYTHONPATH``, so inside the script
 ``import smdistributed.dataparallel.torch.torch_smddp`` registers the ``smddp`` backend.
 The launcher's own process and environment are untouched.
 
+When the job fails, ``smp-fx run`` prints which rank failed first: the children leave
+failure reports in ``SMP_FX_REPORT_DIR`` (a temporary folder unless set) and torchrun's
+view of how each ended (``smp_fx.cli.torchrun``); ``smp_fx.dist.reports`` follows them from
+the ranks that failed waiting on a peer to the one that failed on its own. With
+``--max-restarts N`` torchrun restarts every worker after a failure (elastic restarts), up to
+N times; a script that resumes from its last checkpoint then finishes the run, and the
+summary names the first failure of each failed attempt.
+
 Single node: torchrun ``--standalone`` (a free rendezvous port). Several nodes: run the
 same command on every node with ``--nnodes``, ``--node-rank`` and ``--rdzv-endpoint``
 (or ``--master-addr``/``--master-port``); they are handed to torchrun unchanged::
@@ -19,13 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Mapping, Sequence
 
 from cost_model.errors import SMPConfigError
 from smp_fx._compat import SHIM_DIR
 from smp_fx.config import ENV_VAR, load_config, resolve_topology
+from smp_fx.dist import reports
 
 # smp-fx run option -> torchrun option, passed through when given.
 PASS_THROUGH: dict[str, str] = {
@@ -34,6 +45,9 @@ PASS_THROUGH: dict[str, str] = {
     "--master-addr": "--master-addr", "--master-port": "--master-port",
     "--max-restarts": "--max-restarts",
 }
+
+HELP = {"--max-restarts": "restart every worker up to N times after a failure (torchrun's "
+        "elastic restarts); a script that resumes from its last checkpoint goes on from there"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -46,7 +60,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=("gloo", "nccl"),
                    help="process group backend for smp.init (default: nccl if CUDA, else gloo)")
     for flag in PASS_THROUGH:
-        p.add_argument(flag, help=f"passed to torchrun as {PASS_THROUGH[flag]}")
+        p.add_argument(flag, help=HELP.get(flag, f"passed to torchrun as {PASS_THROUGH[flag]}"))
     p.add_argument("--dry-run", action="store_true",
                    help="print the torchrun command and the added environment, run nothing")
     p.add_argument("script", help="the training script")
@@ -60,6 +74,9 @@ def build(ns: argparse.Namespace,
     if ns.nproc_per_node < 1:
         raise SMPConfigError.build("-n must be >= 1", ns.nproc_per_node, "smp-fx run",
                                    "pass the number of processes, e.g. -n 2")
+    if ns.max_restarts is not None and not str(ns.max_restarts).isdigit():
+        raise SMPConfigError.build("--max-restarts must be a whole number >= 0",
+                                   ns.max_restarts, "smp-fx run", "pass e.g. --max-restarts 2")
     added: dict[str, str] = {}
     if ns.config:
         params = dict(json.loads(environ[ENV_VAR])) if environ.get(ENV_VAR) else {}
@@ -73,7 +90,7 @@ def build(ns: argparse.Namespace,
     added["PYTHONPATH"] = str(SHIM_DIR) + (os.pathsep + old if old else "")
     if ns.backend:
         added["SMP_FX_BACKEND"] = ns.backend
-    cmd = [sys.executable, "-m", "torch.distributed.run",
+    cmd = [sys.executable, "-m", "smp_fx.cli.torchrun",
            "--nproc-per-node", str(ns.nproc_per_node)]
     multi_node = any(getattr(ns, f[2:].replace("-", "_")) is not None
                      for f in ("--nnodes", "--rdzv-endpoint", "--master-addr"))
@@ -99,4 +116,14 @@ def main(argv: Sequence[str]) -> int:
             print(f"{key}={value}")
         print(" ".join(cmd))
         return 0
-    return subprocess.run(cmd, env={**os.environ, **added}, check=False).returncode
+    own = not os.environ.get(reports.ENV)
+    root = tempfile.mkdtemp(prefix="smp-fx-run-") if own else os.environ[reports.ENV]
+    try:
+        env = {**os.environ, **added, reports.ENV: root}
+        code = subprocess.run(cmd, env=env, check=False).returncode
+        for line in reports.summary(root):
+            print(f"smp-fx run: {line}", file=sys.stderr)
+    finally:
+        if own:
+            shutil.rmtree(root, ignore_errors=True)
+    return code

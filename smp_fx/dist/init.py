@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from cost_model.errors import SMPConfigError, SMPRuntimeError
-from smp_fx.dist import launch
+from smp_fx.dist import launch, reports
 from smp_fx.dist import state
 from smp_fx.config import ConfigSource, SMPConfig, load_config, resolve_topology
 
@@ -59,6 +59,9 @@ def init(config: ConfigSource = None, backend: str | None = None) -> None:
     state._set(state.State(config=cfg, topology=topology, launch=info, backend=chosen,
                            device=device, in_process=in_process, owns_default_group=owns,
                            groups=groups, object_groups=objects, created=created))
+    stage = state.get().axis_rank("pp")
+    reports.started(info.rank, stage)  # under smp-fx run: which rank failed first
+    reports.install_excepthook(info.rank, stage)
 
 
 def _check_same(current: SMPConfig, new: SMPConfig) -> None:

@@ -19,6 +19,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -142,8 +143,13 @@ def join(info: LaunchInfo, backend: str, wait: timedelta) -> bool:
     in_env = "MASTER_ADDR" in os.environ and "MASTER_PORT" in os.environ
     method = "env://" if in_env else f"tcp://{_host(info.master_addr)}:{info.master_port}"
     try:
-        dist.init_process_group(backend, init_method=method, rank=info.rank,
-                                world_size=info.world_size, timeout=wait)
+        store = _attempt_store(wait)
+        if store is not None:
+            dist.init_process_group(backend, store=store, rank=info.rank,
+                                    world_size=info.world_size, timeout=wait)
+        else:
+            dist.init_process_group(backend, init_method=method, rank=info.rank,
+                                    world_size=info.world_size, timeout=wait)
     except (RuntimeError, dist.DistStoreError) as exc:
         raise SMPRuntimeError.build(
             f"could not join the process group within {wait.total_seconds():.0f} s", str(exc),
@@ -151,6 +157,22 @@ def join(info: LaunchInfo, backend: str, wait: timedelta) -> bool:
             f"{info.master_addr}:{info.master_port}",
             "check that every rank was launched and MASTER_ADDR/MASTER_PORT agree") from exc
     return True
+
+
+def _attempt_store(wait: timedelta) -> Any:
+    """Under torchrun's restarts (``--max-restarts``), the agent's store with a prefix of
+    this attempt; else None (``env://`` joins the store itself).
+
+    The agent keeps serving one store across the attempts of a job, and ``env://`` joins it
+    without a prefix: the workers of a restart could read the addresses the killed workers
+    of the last attempt published, and fail to connect to them (seen as "Gloo
+    connectFullMesh failed ... Connection refused" in about half of the restarts)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in (None, "0"):
+        return None
+    client = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                           is_master=False, timeout=wait)
+    return dist.PrefixStore(f"smp_fx/attempt{attempt}", client)
 
 
 _AT_EXIT: list[bool] = []  # whether ``destroy_at_exit`` registered its handler

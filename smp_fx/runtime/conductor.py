@@ -24,8 +24,13 @@ once would make them contend with the step's first forward).
 
 Grad mode and autocast captured from the requesting thread travel with its request
 (``smp_fx.runtime.modes``). A failure in any thread aborts the step: the caller re-raises
-the original exception and every thread is released. The conductor knows ops only by
-kind and microbatch; what an op does, and every value it moves, is the executor's.
+the original exception and every thread is released. A thread waiting for its turn while a
+driver performs an op keeps waiting past the timeout: the driver's own wait is bounded (a
+transfer's timeout names the peer it waits for, which says more than "no turn came"), so
+the conductor times out only when no thread is performing an op. ``status`` tells where
+every microbatch's step function is, for the flight record (``smp_fx.runtime.flight``).
+The conductor knows ops only by kind and microbatch; what an op does, and every value it
+moves, is the executor's.
 """
 
 from __future__ import annotations
@@ -73,12 +78,17 @@ class _Aborted(BaseException):
     """Raised in user threads when the step aborts; BaseException so user code cannot eat it."""
 
 
+DRIVER_GRACE = 3  # timeouts a waiting thread gives a driver whose own wait is bounded
+
+
 class Conductor:
     """Turn-taking over an op list; ``execute(position, op)`` performs each op."""
 
-    def __init__(self, execute: Execute, timeout_s: float = 300.0, rank: int = 0) -> None:
+    def __init__(self, execute: Execute, timeout_s: float = 300.0, rank: int = 0,
+                 describe: Callable[[Op], str] = str) -> None:
         self.timeout_s = timeout_s
         self.rank = rank
+        self.describe = describe  # an op in words, for errors and status
         self._execute = execute
         self._pool: ThreadPoolExecutor | None = None
         self._pool_size = 0
@@ -102,6 +112,7 @@ class Conductor:
         self._deferred: list[tuple[int, Any]] = []
         self._main_waiting = 0  # threads waiting on ``_main``
         self._abort: BaseException | None = None
+        self._abort_status: list[str] = []  # ``status`` when the last step aborted
 
     # ---- user-thread side -------------------------------------------------------------
     def forward_request(self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -251,8 +262,8 @@ class Conductor:
                     self._holder = k  # the woken thread carries on from here
                     break
         except BaseException as exc:
-            if self._abort is None and not isinstance(exc, _Aborted):
-                self._abort = exc
+            if not isinstance(exc, _Aborted):
+                self._fail(exc)
             self._wake_all()
             raise
         finally:
@@ -278,17 +289,83 @@ class Conductor:
             self._main_waiting += 1
         try:
             woke = cond.wait(self.timeout_s)
+            grace = DRIVER_GRACE
+            while not woke and self._driving and self._abort is None and grace:
+                woke, grace = cond.wait(self.timeout_s), grace - 1  # its wait is bounded
         finally:
             if mb >= 0:
                 self._running += 1
             else:
                 self._main_waiting -= 1
         if not woke:
-            at = str(ops[self._next]) if self._next < len(ops) else "end of step"
+            who = f"microbatch {mb}'s step function" if mb >= 0 else "the smp.step call"
             raise SMPTimeoutError.build(
-                f"timed out after {self.timeout_s:.0f}s waiting for {what}", at,
-                f"rank {self.rank} microbatch {mb if mb >= 0 else 'all'}",
-                "a peer rank may have failed (see its log), or the step function blocks")
+                f"{who} waited {self.timeout_s:.0f} s for {what}, and no thread performed an "
+                "op", self._next_words(), f"rank {self.rank}",
+                "a step function blocks (on something outside smp-fx, or on another "
+                "microbatch); see the flight record above")
+
+    def _next_words(self) -> str:
+        """With the lock held: the next op and what keeps it from running, in words."""
+        ops, i = self._ops, self._next
+        if i >= len(ops):
+            return "every op of the step is done"
+        op = ops[i]
+        words = f"next op {op}: {self.describe(op)}"
+        if self._driving:
+            return words + ", being performed"
+        if op.kind == "F" and self._turns[op.microbatch].f_request is None \
+                and not self._done[op.microbatch]:
+            return words + f", waiting for microbatch {op.microbatch}'s step function to " \
+                "call model(...)"
+        if op.kind == "WAIT_B" and not self._runnable(op):
+            return words + f", waiting for microbatch {op.microbatch}'s step function"
+        busy = [k for k in range(len(self._turns)) if self._state(k).startswith("running")]
+        return words + ", runnable, but every thread that could perform it runs user code" + (
+            f" (step functions of microbatches {busy})" if busy else "")
+
+    def _state(self, mb: int) -> str:
+        """With the lock held: where microbatch ``mb``'s step function is, in words."""
+        t = self._turns[mb]
+        if self._done[mb]:
+            return "returned"
+        if not self._started[mb]:
+            return "not started"
+        if t.f_request is None:
+            return "running user code before model(...)"
+        if not t.outputs_ready:
+            return "waiting in model(...) for its outputs"
+        if t.b_request is None:
+            return "running user code after model(...)"
+        return "backward done" if t.backward_done else "waiting for its backward turn"
+
+    def status(self) -> list[str]:
+        """Where the step is, for a flight record: the next op and what keeps it, and each
+        microbatch's step function (the lines of the last aborted step between steps)."""
+        if not self._lock.acquire(timeout=1.0):
+            return ["(the conductor's lock is held: a thread is stuck inside it)"]
+        try:
+            if not self._turns or self._abort is not None:
+                return list(self._abort_status)
+            return self._status_lines()
+        finally:
+            self._lock.release()
+
+    def _status_lines(self) -> list[str]:
+        states = "; ".join(f"mb{k} {self._state(k)}" for k in range(len(self._turns)))
+        return [self._next_words(), f"step functions: {states}"]
+
+    def performing(self) -> bool:
+        """Whether a thread is performing an op now (its wait, if any, is bounded)."""
+        return self._driving
+
+    def _fail(self, exc: BaseException) -> None:
+        """With the lock held: abort the step with ``exc`` (the first failure wins), keeping
+        ``status`` as it was when it failed, then release every thread."""
+        if self._abort is None:
+            self._abort = exc
+            self._abort_status = self._status_lines()
+        self._wake_all()
 
     def _wake_all(self) -> None:
         for c in self._conds:
@@ -316,7 +393,7 @@ class Conductor:
         self._conds = [threading.Condition(self._lock) for _ in range(m)]
         self._ops, self._next, self._driving = ops, 0, False
         self._holder, self._running = None, 0
-        self._abort = None
+        self._abort, self._abort_status = None, []
         self._deferred = []
         if m > 1 and (self._pool is None or self._pool_size < m - 1):
             if self._pool is not None:
@@ -349,13 +426,11 @@ class Conductor:
             asked = [t.b_request is not None for t in self._turns]
         except BaseException as exc:
             with self._lock:
-                if self._abort is None:
-                    self._abort = exc
-                self._wake_all()
+                self._fail(exc)
             for f in list(self._futures.values()):
                 with contextlib.suppress(BaseException):
                     f.result(timeout=self.timeout_s)
-            raise self._abort from None
+            raise (self._abort if self._abort is not None else exc) from None
         finally:
             self._turns = []
         return results, asked
@@ -372,9 +447,7 @@ class Conductor:
             raise
         except BaseException as exc:
             with self._lock:
-                if self._abort is None:
-                    self._abort = exc
-                self._wake_all()
+                self._fail(exc)
             raise
         finally:
             context.leave_turn()

@@ -19,15 +19,17 @@ rank's next turn, which in 1F1B is on the pipeline's critical path. Under NCCL o
 ``"out"`` channel is posted ahead: NCCL serialises a communicator's point-to-point
 operations, and a middle stage both receives and sends on the ``"act"`` and ``"grad"``
 channels, so a receive posted early there would hold back its sends. gloo on CPU, NCCL on
-GPU (frames live on the transport's device). Every wait is bounded and raises
-``SMPTimeoutError`` naming what it waited for. Why each speed trick is there, with its
-figures: docs/performance.md.
+GPU (frames live on the transport's device). Every wait is bounded. A failed transfer
+raises ``SMPPeerError`` (the peer's process is gone) or ``SMPTimeoutError`` (it sent
+nothing), naming the peer's rank and stage and, through ``where``, what this rank was doing
+(``smp_fx.runtime.failures``). Why each speed trick is there, with its figures:
+docs/performance.md.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -35,10 +37,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cost_model.errors import SMPError, SMPInternalError, SMPTimeoutError
+from cost_model.errors import SMPError, SMPInternalError
 from smp_fx.runtime import wire
 from smp_fx.runtime.buffers import BufferPool
-from smp_fx.runtime.lowering import CHANNELS
+from smp_fx.runtime.failures import wait_failed
+from smp_fx.runtime.lowering import CHANNELS, stage_name
 
 _Key = tuple[int, str]  # (peer stage, channel): one stream
 
@@ -98,7 +101,7 @@ class DistTransport:
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
         self.groups: dict[str, Any] = dict(groups or {})
-        self._pending: list[tuple[Any, torch.Tensor]] = []
+        self._pending: list[tuple[Any, torch.Tensor, int]] = []  # (work, tensor, peer stage)
         self._buffers = BufferPool(device)
         self._p2p_cache: dict[tuple[int, int], tuple[Any, int]] = {}
         # Per stream: the frames of a step's messages, reused step after step
@@ -118,6 +121,8 @@ class DistTransport:
         # Called before this rank blocks on a message that has not arrived (the executor
         # wakes the step functions it held back: they run while this rank waits).
         self.on_block: Any = None
+        # Where this rank is in its work, for error messages (the executor's flight record).
+        self.where: Callable[[], str] | None = None
 
     @staticmethod
     def make_groups(backend: str | None = None) -> dict[str, Any]:
@@ -144,19 +149,28 @@ class DistTransport:
         return pg.recv([torch.view_as_real(t) if t.is_complex() else t], group_rank, 0)
 
     # ---- sending ------------------------------------------------------------------------
-    def _isend(self, t: torch.Tensor, peer: int, group: Any) -> None:
+    def _isend(self, t: torch.Tensor, peer: int, group: Any, stage: int) -> None:
         pg, group_rank = self._p2p(peer, group)
         wired = torch.view_as_real(t) if t.is_complex() else t
-        self._pending.append((pg.send([wired], group_rank, 0), t))
+        self._pending.append((pg.send([wired], group_rank, 0), t, stage))
 
-    def _send_fill(self, old: wire.Header | None, flag: int, peer: int, group: Any) -> None:
+    def _failed(self, exc: BaseException, peer_stage: int, receiving: bool) -> SMPError:
+        """The error for a transfer with ``peer_stage`` that raised ``exc`` in the backend."""
+        where = self.where() if self.where is not None else (
+            f"rank {dist.get_rank()} ({stage_name(self.stage)})")
+        return wait_failed(exc, stage_name(peer_stage, self.ranks), self.ranks[peer_stage],
+                           receiving, self.timeout.total_seconds(), where)
+
+    def _send_fill(self, old: wire.Header | None, flag: int, peer: int, group: Any,
+                   stage: int) -> None:
         """A message in ``old``'s layout that carries only ``flag``, a new header's length
         (the receiver posted receives shaped by ``old``)."""
         frame = torch.zeros(wire.frame_size(old), dtype=torch.uint8, device=self.device)
         wire.write_flag(frame, flag)
-        self._isend(frame, peer, group)
+        self._isend(frame, peer, group, stage)
         for m in wire.large(old):
-            self._isend(torch.zeros(m.shape, dtype=m.dtype, device=self.device), peer, group)
+            self._isend(torch.zeros(m.shape, dtype=m.dtype, device=self.device), peer, group,
+                        stage)
 
     def plan_sends(self, src: int, dst: int, channel: str, count: int) -> None:
         """This step sends ``count`` messages to ``dst`` on ``channel`` (see ``send``)."""
@@ -166,6 +180,14 @@ class DistTransport:
         """Send one message. A header change while the stream has another message this
         step (``plan_sends``) is followed by a skip fill for that message's receives, which
         the receiver may have posted in the old layout."""
+        try:
+            self._send(value, dst, channel)
+        except SMPError:
+            raise
+        except RuntimeError as exc:  # posting on a connection the peer closed
+            raise self._failed(exc, dst, receiving=False) from exc
+
+    def _send(self, value: Any, dst: int, channel: str) -> None:
         key = (dst, channel)
         peer, group = self.ranks[dst], self._group(channel)
         old = self._sent.get(key)
@@ -176,18 +198,18 @@ class DistTransport:
         if old is None or flat.key is None or old.key != flat.key:
             payload, spec, leaves = wire.payload_of(flat)
             if old is None or old.payload != payload:
-                self._send_fill(old, len(payload), peer, group)
+                self._send_fill(old, len(payload), peer, group, dst)
                 if to_send > 1:
-                    self._send_fill(old, wire.SKIP, peer, group)
+                    self._send_fill(old, wire.SKIP, peer, group, dst)
                 self._isend(torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                            .to(self.device), peer, group)
+                            .to(self.device), peer, group, dst)
                 old = self._sent[key] = wire.header(payload, spec, leaves, flat.shape,
                                                     flat.key)
         out = self._reused_send_frame(key, old)
         large = wire.pack(old, out.views, flat.tensors)
-        self._isend(out.frame, peer, group)
+        self._isend(out.frame, peer, group, dst)
         for t in large:
-            self._isend(t, peer, group)
+            self._isend(t, peer, group, dst)
 
     def _reused_send_frame(self, key: _Key, header: wire.Header) -> _SendFrame:
         """The frame for this step's next message on stream ``key``: the k-th message of a
@@ -244,7 +266,10 @@ class DistTransport:
         self._left[key] = count
         self._ahead[key] = channel == "out" or dist.get_backend(self._group(channel)) == "gloo"
         if self._ahead[key]:
-            self._posted[key] = deque([self._post_next(key)])
+            try:
+                self._posted[key] = deque([self._post_next(key)])
+            except RuntimeError as exc:  # the peer closed the connection already
+                raise self._failed(exc, src, receiving=True) from exc
 
     def _post_next(self, key: _Key) -> _Posted:
         """Post the stream's next expected message (one fewer left to post)."""
@@ -256,21 +281,25 @@ class DistTransport:
     def recv(self, src: int, dst: int, channel: str, mb: int) -> Any:
         """Receive one message; post the next one ahead while waiting (see the module doc)."""
         key = (src, channel)
-        queue = self._posted.setdefault(key, deque())
-        posted = queue.popleft() if queue else self._post_next(key)
-        ahead = self._ahead.get(key, False) and self._left.get(key, 0) > 0
-        if ahead and not queue and not posted.frame_work.is_completed():
-            queue.append(self._post_next(key))
-        value = self._recv(posted, queue, src, dst, channel, mb)
-        if ahead and not queue and self._left[key] > 0:
-            queue.append(self._post_next(key))
+        try:
+            queue = self._posted.setdefault(key, deque())
+            posted = queue.popleft() if queue else self._post_next(key)
+            ahead = self._ahead.get(key, False) and self._left.get(key, 0) > 0
+            if ahead and not queue and not posted.frame_work.is_completed():
+                queue.append(self._post_next(key))
+            value = self._recv(posted, queue, src, dst, channel, mb)
+            if ahead and not queue and self._left[key] > 0:
+                queue.append(self._post_next(key))
+        except SMPError:
+            raise
+        except RuntimeError as exc:  # a lost connection or a timeout, in the backend's words
+            raise self._failed(exc, src, receiving=True) from exc
         return value
 
     def _recv(self, posted: _Posted, queue: deque[_Posted], src: int, dst: int,
               channel: str, mb: int) -> Any:
-        what = f"{channel} from stage {src} (rank {self.ranks[src]})"
         key = (src, channel)
-        self._wait_all(posted, what, dst, mb)
+        self._wait_all(posted)
         flag = posted.flag()
         if flag > 0:  # a new header, then the message in its layout
             if queue or self._left.get(key, 0):  # the next message's skip fill
@@ -279,20 +308,20 @@ class DistTransport:
                     self._left[key] += 1  # posted for a message still to come
                 else:
                     skip = self._post(src, channel)
-                self._wait_all(skip, what, dst, mb)
+                self._wait_all(skip)
                 if skip.flag() != wire.SKIP:
-                    raise _lost_step(skip.flag(), what, dst, mb)
+                    raise _lost_step(skip.flag(), f"{channel} from {stage_name(src, self.ranks)}",
+                                     dst, mb)
                 self._give_back(skip)
             data = torch.empty(flag, dtype=torch.uint8, device=self.device)
-            self._wait(self._irecv(data, self.ranks[src], self._group(channel)), what,
-                       dst, mb)
+            self._wait(self._irecv(data, self.ranks[src], self._group(channel)))
             self._got[key] = wire.decode(data.cpu().numpy().tobytes())
             self._give_back(posted)
             posted = self._post(src, channel)
-            self._wait_all(posted, what, dst, mb)
+            self._wait_all(posted)
             flag = posted.flag()
         if flag != 0 or posted.header is None:
-            raise _lost_step(flag, what, dst, mb)
+            raise _lost_step(flag, f"{channel} from {stage_name(src, self.ranks)}", dst, mb)
         value = wire.unpack(posted.header, posted.views)
         self._give_back(posted)  # reused once the tensors viewing it are gone
         return value
@@ -302,29 +331,26 @@ class DistTransport:
         for _, _, buf in posted.large:
             self._buffers.give(buf)
 
-    def _wait_all(self, posted: _Posted, what: str, stage: int, mb: int) -> None:
-        self._wait(posted.frame_work, what, stage, mb)
+    def _wait_all(self, posted: _Posted) -> None:
+        self._wait(posted.frame_work)
         for work, _, _ in posted.large:
-            self._wait(work, what, stage, mb)
+            self._wait(work)
 
-    def _wait(self, work: Any, what: str, stage: int, mb: int) -> None:
+    def _wait(self, work: Any) -> None:
+        """Bounded wait; the backend's error (a lost peer, a timeout) reaches the public
+        method, which knows the peer and says what it means (``_failed``)."""
         if self.on_block is not None and not work.is_completed():
             self.on_block()
-        try:
-            work.wait(self.timeout)
-        except RuntimeError as exc:
-            raise SMPTimeoutError.build(
-                f"timed out after {self.timeout.total_seconds():.0f}s waiting for {what}",
-                str(exc).splitlines()[0] if str(exc) else None,
-                f"rank {dist.get_rank()} stage {stage} microbatch {mb}",
-                "check that every rank runs the same smp.step calls; a peer may have "
-                "failed (see its log)") from exc
+        work.wait(self.timeout)
 
     def finish(self) -> None:
         """Wait for this step's sends (their buffers stay alive until then)."""
         pending, self._pending = self._pending, []
-        for work, _ in pending:
-            self._wait(work, "a send to complete", self.stage, -1)
+        for work, _, stage in pending:
+            try:
+                self._wait(work)
+            except RuntimeError as exc:
+                raise self._failed(exc, stage, receiving=False) from exc
         self._send_count.clear()  # not after a failed wait: a send may still read a frame
         posted = sorted(k for k, q in self._posted.items() if q)
         unsent = sorted(k for k, n in self._to_send.items() if n)

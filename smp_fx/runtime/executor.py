@@ -25,6 +25,9 @@ function holds the real outputs, which its loss's autograd graph needs), and eve
 rank hands its step function a copy of what it received (an autograd-tracked clone where
 the value requires grad). So a step function may modify its outputs in place, as the
 Hugging Face Trainer's does (``loss /= gradient_accumulation_steps``), on every rank.
+Each step is recorded in a ``FlightRecorder`` (``smp_fx.runtime.flight``): the start of
+every op, told with the step's state when the step fails on a peer or stalls, and the words
+the transport's errors use to say what this rank was doing.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from cost_model import schedule as sched
 from cost_model.errors import SMPRuntimeError
 from passes.split_stages import Stage, StagedProgram
 from smp_fx.runtime.conductor import Conductor, Microbatch, Request
+from smp_fx.runtime.flight import FlightRecorder
 from smp_fx.runtime.lowering import Lowered, LoweredCache, Op
 from smp_fx.runtime.modes import thread_modes
 from smp_fx.runtime.transport import Transport
@@ -95,14 +99,19 @@ class Executor:
 
     def __init__(self, program: StagedProgram, runners: dict[int, StageRunner],
                  transport: Transport, multi_process: bool, timeout_s: float = 300.0,
-                 rank: int = 0) -> None:
+                 rank: int = 0, stage_ranks: Sequence[int] | None = None) -> None:
         self.program = program
         self.runners = runners
         self.transport = transport
         self.multi_process = multi_process
         self.rank = rank
-        self.conductor = Conductor(self._execute, timeout_s, rank)
+        self.flight = FlightRecorder(rank, sorted(runners), stage_ranks, timeout_s)
+        self.conductor = Conductor(self._execute, timeout_s, rank, self.flight.describe)
+        self.flight.status, self.flight.busy = self.conductor.status, self.conductor.performing
         transport.on_block = self.conductor.flush  # held-back step functions run meanwhile
+        transport.where = self.flight.where
+        if multi_process:
+            self.flight.watch()  # a stalled step is told even if this rank waits on no peer
         self.last = program.num_stages - 1
         self.post_step_hooks: list[Callable[[], None]] = []
         # called with the step's ops before it runs (data parallelism finds each stage's
@@ -135,12 +144,18 @@ class Executor:
         self.stats = StepStats({s: 0 for s in stages}, step.ops)
         self._scale = scale
         self._data = [_MbData() for _ in microbatches]
+        self.flight.begin(step.ops)
         try:
             results, asked = self.conductor.run(fn, microbatches, step.ops, step.next_forward)
+            self.flight.mark(len(step.ops))
             self.transport.finish()
             self._check_step(asked)  # after finish: the transport is in step for the next one
+        except BaseException as exc:
+            self.flight.failed(exc)
+            raise
         finally:
             self._data = []
+            self.flight.end()
         for hook in self.post_step_hooks:
             hook()
         return results
@@ -152,6 +167,7 @@ class Executor:
             for peer, stage, channel, n in posts:
                 self.transport.prefetch(peer, stage, channel, n)
         self._at = i
+        self.flight.mark(i)
         getattr(self, "_op_" + op.kind.lower())(op)
 
     def _op_recv_act(self, op: Op) -> None:

@@ -39,6 +39,20 @@ CHANNELS = ("act", "grad", "out")
 CHANNEL_OF = {"RECV_ACT": "act", "SEND_ACT": "act", "RECV_GRAD": "grad", "SEND_GRAD": "grad",
               "RECV_OUT": "out", "SEND_OUT": "out"}  # the channel of a transfer op
 
+# What each op kind does, in words for error messages and flight records ({peer}: the other
+# stage of a transfer, with its rank when known).
+OP_WORDS = {
+    "RECV_ACT": "receiving the activations of microbatch {mb} from {peer} for its forward pass",
+    "F": "the forward pass of microbatch {mb} on stage {stage}",
+    "SEND_ACT": "sending the activations of microbatch {mb} to {peer}",
+    "SEND_OUT": "sending the model outputs of microbatch {mb} to {peer}",
+    "RECV_OUT": "receiving the model outputs of microbatch {mb} from {peer}",
+    "WAIT_B": "waiting for microbatch {mb}'s step function to call model.backward or return",
+    "RECV_GRAD": "receiving the gradients of microbatch {mb} from {peer} for its backward pass",
+    "B": "the backward pass of microbatch {mb} on stage {stage}",
+    "SEND_GRAD": "sending the gradients of microbatch {mb} to {peer}",
+}
+
 Stream = tuple[int, int, str]  # (sending stage, receiving stage, channel)
 Post = tuple[int, int, str, int]  # (sending stage, receiving stage, channel, messages)
 
@@ -59,6 +73,21 @@ class Op:
     def __str__(self) -> str:
         peer = f"@{self.peer}" if self.peer >= 0 else ""
         return f"{self.stage}{self.kind}{self.microbatch}{peer}"
+
+
+def stage_name(stage: int, ranks: Sequence[int] | None = None) -> str:
+    """``stage 1``, or ``stage 1 (rank 3)`` when the ranks holding the stages are known."""
+    return f"stage {stage} (rank {ranks[stage]})" if ranks else f"stage {stage}"
+
+
+def describe(op: Op, ranks: Sequence[int] | None = None) -> str:
+    """``op`` in words; ``ranks[s]``: the global rank holding stage ``s`` (across processes).
+
+    >>> describe(Op("RECV_GRAD", 0, 2, 1), [0, 5])
+    'receiving the gradients of microbatch 2 from stage 1 (rank 5) for its backward pass'
+    """
+    peer = stage_name(op.peer, ranks) if op.peer >= 0 else ""
+    return OP_WORDS[op.kind].format(mb=op.microbatch, stage=op.stage, peer=peer)
 
 
 @dataclass(frozen=True)

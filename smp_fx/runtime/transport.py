@@ -27,10 +27,12 @@ from cost_model.errors import SMPInternalError
 
 class Transport(Protocol):
     """What the executor needs: ordered sends and receives between stages, the per-step
-    message counts of each stream (so receives can be posted ahead), the end of a step, and
-    a hook called before a receive blocks (``on_block``)."""
+    message counts of each stream (so receives can be posted ahead), the end of a step, a
+    hook called before a receive blocks (``on_block``), and one that says where this rank is
+    in its work, for the errors of a failed transfer (``where``, the executor's)."""
 
     on_block: Any
+    where: Any
 
     def send(self, value: Any, src: int, dst: int, channel: str, mb: int) -> None:
         """Send ``value`` from stage ``src`` to stage ``dst`` (in schedule order)."""
@@ -63,6 +65,7 @@ class InProcessTransport:
         self.devices = devices or {}
         self._box: dict[tuple[int, int, str, int], Any] = {}
         self.on_block: Any = None  # never called: nothing here waits
+        self.where: Any = None  # never called: nothing here fails on a peer
 
     def send(self, value: Any, src: int, dst: int, channel: str, mb: int) -> None:
         device = self.devices.get(dst)

@@ -15,8 +15,9 @@ timeout, so ``smp.init()`` inside ``fn`` joins a gloo world exactly as under tor
     assert run_ranks(_body, 2, 10) == [0, 10]
 
 A failing rank raises ``RankFailed`` carrying that rank's traceback; a rank that does not
-report within ``timeout`` seconds raises ``RankFailed`` naming it. Every process is
-reaped before returning.
+report within ``timeout`` seconds raises ``RankFailed`` naming it; a rank listed in
+``may_die`` may end without a result (a fault test kills it): its result is None. Every
+process is reaped before returning.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import queue
 import socket
 import time
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 
@@ -64,7 +65,8 @@ def _worker(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple[
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
-              env: Mapping[str, str] | None = None) -> list[Any]:
+              env: Mapping[str, str] | None = None,
+              may_die: Collection[int] = ()) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` ranks; return the results ordered by rank."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "smp_fx"])
@@ -96,6 +98,9 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)
                         and r not in results and r not in errors]
                 for r in dead:
+                    if r in may_die:
+                        results[r] = None
+                        continue
                     errors[r] = f"process exited with code {procs[r].exitcode} without a result"
                     grace_until = min(grace_until, time.monotonic() + 3.0)
                 continue

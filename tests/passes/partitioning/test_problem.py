@@ -83,3 +83,21 @@ def test_chain_arrays_can_charge_a_tied_weight_at_both_ends() -> None:
     # cut between the readers: the charge equals the exact evaluation per stage
     ev = evaluate(tied, np.array([0, 1, 2]), obj)
     assert ev.param_bytes.tolist() == pytest.approx((both / (obj.b * obj.param_factor)).tolist())
+
+
+def test_graph_carries_the_problem() -> None:
+    # 0 -> 1 -> 3, 0 -> 2 -> 3; node 0's output (100 B) is read by 1 and 2
+    base = DagProblem.chain(time=[1.0, 2.0, 3.0, 4.0], saved=[5.0, 6.0, 7.0, 8.0],
+                            params=[10.0, 0.0, 0.0, 30.0])
+    p = DagProblem(**{**base.__dict__, "preds": ((), (0,), (0,), (1, 2)),
+                      "val_producer": (0, 1, 2), "val_bytes": np.array([100.0, 20.0, 30.0]),
+                      "val_consumers": ((1, 2), (3,), (3,)), "val_to_output": (False,) * 3,
+                      "pins": (0, -1, -1, 1)})
+    g = p.graph
+    assert list(g.nodes) == [0, 1, 2, 3]
+    assert g.nodes[3] == {"name": "n3", "time": 4.0, "memory": 8.0, "params": 30.0, "pin": 1}
+    assert g.nodes[1]["pin"] == -1
+    assert {(u, v): d["bytes"] for u, v, d in g.edges(data=True)} == {
+        (0, 1): 100.0, (0, 2): 100.0, (1, 3): 20.0, (2, 3): 30.0}
+    assert list(g.successors(0)) == [2, 1]  # decreasing: the "dfs" order's tie-break
+    assert p.graph is g

@@ -128,7 +128,7 @@ def test_build_single_node_and_environment(tmp_path: Path) -> None:
     cfg.write_text(json.dumps({"pipeline_parallel_degree": 2}))
     cmd, env = build(_ns("-n", "4", "--config", str(cfg), "--backend", "gloo", "t.py", "--lr",
                          "1"), {"PYTHONPATH": "/x", "SM_HP_MP_PARAMETERS": '{"ddp": true}'})
-    assert cmd[1:] == ["-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
+    assert cmd[1:] == ["-m", "smp_fx.cli.torchrun", "--nproc-per-node", "4", "--standalone",
                        "t.py", "--lr", "1"]
     assert json.loads(env["SM_HP_MP_PARAMETERS"]) == {"ddp": True,
                                                       "pipeline_parallel_degree": 2}
@@ -164,7 +164,7 @@ def test_dispatch(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["--help"]) == 0
     assert "run" in capsys.readouterr().out
     assert cli_main(["run", "-n", "2", "--dry-run", "t.py"]) == 0
-    assert "torch.distributed.run" in capsys.readouterr().out
+    assert "smp_fx.cli.torchrun" in capsys.readouterr().out
 
 
 def test_shim_modules_map_to_smp_fx_and_torch() -> None:

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+import smp_fx as smp
 from smp_fx.runtime.dist_transport import DistTransport
 from tests.helpers.compare import Checks
 from tests.helpers.dist import run_ranks
@@ -88,10 +89,13 @@ def _body() -> tuple[int, list[str]]:
         ok.expect(outstanding.count(1) >= len(MESSAGES), "next message posted while waiting")
     if rank == 1:
         short = DistTransport([0, 1], 1, torch.device("cpu"), 0.5, groups)
+        short.where = lambda: "rank 1 (stage 1) in step 0, while receiving microbatch 7"
         try:
             short.recv(0, 1, "grad", 7)
         except Exception as exc:  # noqa: BLE001
-            ok.expect("grad from stage 0 (rank 0)" in str(exc) and "microbatch 7" in str(exc),
+            ok.expect(isinstance(exc, smp.SMPTimeoutError) and exc.peer_rank == 0
+                      and "stage 0 (rank 0) sent nothing for 0.5 s" in str(exc)
+                      and "while receiving microbatch 7" in str(exc),
                       "timeout names what it waited for")
     dist.barrier()
     return ok.report()

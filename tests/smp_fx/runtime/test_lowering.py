@@ -14,9 +14,12 @@ from cost_model import schedule as sched
 from passes import meta
 from passes.split_stages import split_stages
 from smp_fx.runtime.lowering import (
+    OP_KINDS,
+    OP_WORDS,
     LoweredCache,
     Op,
     cached_schedule,
+    describe,
     lower,
     next_forwards,
     receive_posts,
@@ -115,3 +118,22 @@ def test_the_cache_finds_the_last_schedule_by_identity(monkeypatch: pytest.Monke
     equal = sched.generate("interleaved", 2, 4, 4)
     assert equal is not s and cache.get(equal, (0,)) is first  # an equal one: by hash
     assert cache.get(s, (1,)).ops[0] == Op("RECV_ACT", 1, 0, 0)  # other stages: their own
+
+
+def test_every_op_kind_reads_in_words() -> None:
+    assert set(OP_WORDS) == set(OP_KINDS)
+    ops = [Op("RECV_ACT", 1, 2, 0), Op("F", 1, 2), Op("SEND_ACT", 1, 2, 2),
+           Op("SEND_OUT", 2, 0, 0), Op("RECV_OUT", 0, 1, 2), Op("WAIT_B", 2, 3),
+           Op("RECV_GRAD", 1, 2, 2), Op("B", 1, 2), Op("SEND_GRAD", 1, 2, 0)]
+    assert [describe(op, [4, 5, 6]) for op in ops] == [
+        "receiving the activations of microbatch 2 from stage 0 (rank 4) for its forward pass",
+        "the forward pass of microbatch 2 on stage 1",
+        "sending the activations of microbatch 2 to stage 2 (rank 6)",
+        "sending the model outputs of microbatch 0 to stage 0 (rank 4)",
+        "receiving the model outputs of microbatch 1 from stage 2 (rank 6)",
+        "waiting for microbatch 3's step function to call model.backward or return",
+        "receiving the gradients of microbatch 2 from stage 2 (rank 6) for its backward pass",
+        "the backward pass of microbatch 2 on stage 1",
+        "sending the gradients of microbatch 2 to stage 0 (rank 4)"]
+    words = describe(Op("SEND_ACT", 0, 1, 1))
+    assert words == "sending the activations of microbatch 1 to stage 1"

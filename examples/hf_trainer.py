@@ -33,7 +33,9 @@ Trainer averages the loss per batch as the SMP branch does, instead of dividing 
 the number of label tokens: both runs then optimise the same objective.
 
 The script trains three times, printing one JSON line with the per-step losses of each:
-``gas1`` (gradient_accumulation_steps 1, saving a checkpoint at step 2, then evaluating),
+``gas1`` (gradient_accumulation_steps 1, saving a checkpoint at step 2, then evaluating;
+with ``max_grad_norm`` so large that clipping runs but never scales, and ``grad_norm``: the
+norms the Trainer clipped by, which in SMP mode are each stage's own),
 ``resumed`` (a fresh model resumed from that checkpoint and trained to the same step) and
 ``gas2`` (gradient_accumulation_steps 2).
 """
@@ -49,6 +51,8 @@ from typing import Any
 import torch
 
 VOCAB, SEQ = 64, 16
+# the Trainer's clipping path runs (and logs the norm it clipped by) without scaling anything
+CLIP_NEVER_SCALES = 1e6
 SMP_MODE = "partitions" in os.environ.get("SM_HP_MP_PARAMETERS", "")
 
 
@@ -102,13 +106,14 @@ def build_model() -> torch.nn.Module:
     return model
 
 
-def trainer_for(out: str, gas: int, steps: int, save_steps: int | None) -> Any:
+def trainer_for(out: str, gas: int, steps: int, save_steps: int | None,
+                max_grad_norm: float = 0.0) -> Any:
     from transformers import Trainer, TrainingArguments
 
     args = TrainingArguments(
         output_dir=out, per_device_train_batch_size=4, per_device_eval_batch_size=4,
         gradient_accumulation_steps=gas, max_steps=steps, learning_rate=1e-2,
-        max_grad_norm=0.0, logging_steps=1, report_to=[], seed=0, disable_tqdm=True,
+        max_grad_norm=max_grad_norm, logging_steps=1, report_to=[], seed=0, disable_tqdm=True,
         save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
         dataloader_pin_memory=False)
     model = build_model()
@@ -121,16 +126,18 @@ def trainer_for(out: str, gas: int, steps: int, save_steps: int | None) -> Any:
                    eval_dataset=Tokens(8, 2), optimizers=(optimizer, None))
 
 
-def losses(trainer: Any) -> list[float]:
-    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+def losses(trainer: Any, key: str = "loss") -> list[float]:
+    return [h[key] for h in trainer.state.log_history if key in h]
 
 
 def main(out: str) -> dict[str, Any]:
     if SMP_MODE:
         cpu_device()
-    first = trainer_for(os.path.join(out, "gas1"), gas=1, steps=4, save_steps=2)
+    first = trainer_for(os.path.join(out, "gas1"), gas=1, steps=4, save_steps=2,
+                        max_grad_norm=CLIP_NEVER_SCALES)
     first.train()
-    result: dict[str, Any] = {"gas1": losses(first), "eval": first.evaluate()["eval_loss"]}
+    result: dict[str, Any] = {"gas1": losses(first), "eval": first.evaluate()["eval_loss"],
+                              "grad_norm": losses(first, "grad_norm")}
     resumed = trainer_for(os.path.join(out, "gas1"), gas=1, steps=4, save_steps=None)
     resumed.train(resume_from_checkpoint=os.path.join(out, "gas1", "checkpoint-2"))
     result["resumed"] = losses(resumed)

@@ -59,8 +59,17 @@ def test_trainer_smp_mode_matches_plain_trainer(tmp_path: Path) -> None:
             if proc.poll() is None:
                 proc.kill()
                 proc.communicate()
+    stage_norms = [torch.tensor(r.pop("grad_norm")) for r in smp_ranks]
     assert smp_ranks[0] == smp_ranks[1], "the two pipeline ranks report different losses"
     got = smp_ranks[0]
+    # max_grad_norm clips by each stage's local norm (the Trainer's SMP branch without fp16):
+    # each stage's norm is at most the global one (a tied weight's gradient is complete on
+    # both stages), the stages' norms differ, and together they cover the global norm
+    whole = torch.tensor(plain["grad_norm"])
+    assert len(whole) == 4 and all(len(n) == 4 for n in stage_norms)
+    assert all(bool((n <= whole * (1 + 1e-5)).all()) for n in stage_norms), (stage_norms, whole)
+    assert not torch.allclose(stage_norms[0], stage_norms[1])
+    assert bool((stage_norms[0] ** 2 + stage_norms[1] ** 2 >= whole ** 2 * (1 - 1e-5)).all())
     for run in ("gas1", "resumed", "gas2"):
         assert len(got[run]) == len(plain[run]) == 4, run
         torch.testing.assert_close(torch.tensor(got[run]), torch.tensor(plain[run]),

@@ -6,9 +6,10 @@ SMP's API pages name classes under these namespaces (``smp.nn.FusedLayerNorm``,
 ``smp.nn.Distributed*`` modules), and SMP 1.10 has top-level names of features not built
 yet (``smp.tensor_parallelism``: ``PLANNED`` below, answered by ``smp_fx.__getattr__``).
 Each namespace is a real subpackage: built names are ordinary attributes of it, and its
-module ``__getattr__`` answers the others through ``planned``, which raises ``SMPNotImplementedError`` with what the name is for, so a script
-stops where it uses one with the reason, not with an ``AttributeError`` that reads like a
-typo. A name SMP never had stays an ``AttributeError``.
+module ``__getattr__`` answers the others through ``planned``, which raises
+``SMPNotImplementedError`` with what the name is for, so a script stops where it uses one
+with the reason, not with an ``AttributeError`` that reads like a typo. A name SMP never
+had stays an ``AttributeError``.
 
 >>> import smp_fx as smp
 >>> smp.amp.GradScaler  # doctest: +ELLIPSIS
@@ -23,7 +24,6 @@ from collections.abc import Mapping
 from typing import NoReturn
 
 from cost_model.errors import not_implemented
-
 
 # top-level ``smp.<name>`` of SMP 1.10 not built yet (answered by ``smp_fx.__getattr__``)
 PLANNED: dict[str, str] = {

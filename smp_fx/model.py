@@ -471,7 +471,7 @@ def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 DEVICE_SPEC_ENV = "SMP_FX_DEVICE_SPEC"
 
 
-def _plan_device(st: Any) -> DeviceSpec:
+def _plan_device(st: state.State) -> DeviceSpec:
     """The ``DeviceSpec`` to plan for, the same on every rank.
 
     ``SMP_FX_DEVICE_SPEC`` (a built-in name or a file written by ``smp-fx calibrate``)
@@ -503,7 +503,7 @@ def _plan_device(st: Any) -> DeviceSpec:
 
 
 def _measured_costs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    options: ModelOptions, st: Any) -> dict[str, tuple[Any, Any, Any]]:
+                    options: ModelOptions, st: state.State) -> dict[str, tuple[Any, Any, Any]]:
     """Per-node measured costs (``trace_execution_times`` / ``trace_memory_usage``), taken
     on world rank 0 and broadcast: measurements are noisy, and every rank must make the
     same plan. A field not asked for is None, so it keeps its analytic value."""
@@ -518,7 +518,7 @@ def _measured_costs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dic
     return box[0]
 
 
-def _agree_on_plan(gm: torch.fx.GraphModule, st: Any) -> None:
+def _agree_on_plan(gm: torch.fx.GraphModule, st: state.State) -> None:
     """Adopt world rank 0's stage assignment (measured costs may differ between ranks)."""
     mine = [(n.name, meta.STAGE.get(n)) for n in gm.graph.nodes]
     box = [mine]
@@ -533,7 +533,7 @@ def _agree_on_plan(gm: torch.fx.GraphModule, st: Any) -> None:
             meta.STAGE.set(node, stage)
 
 
-def _tied_groups(program: StagedProgram, st: Any,
+def _tied_groups(program: StagedProgram, st: state.State,
                  canonical: dict[str, str]) -> list[tuple[Any, list[str]]]:
     """Groups of the pp ranks owning each tied parameter; created collectively on all ranks.
 

@@ -37,7 +37,9 @@ The script trains three times, printing one JSON line with the per-step losses o
 with ``max_grad_norm`` so large that clipping runs but never scales, and ``grad_norm``: the
 norms the Trainer clipped by, which in SMP mode are each stage's own),
 ``resumed`` (a fresh model resumed from that checkpoint and trained to the same step) and
-``gas2`` (gradient_accumulation_steps 2).
+``gas2`` (gradient_accumulation_steps 2, evaluating and saving at steps 2 and 4, then
+loading the best of those checkpoints: ``gas2_evals`` and ``best``, the loss evaluated
+after loading it).
 """
 
 from __future__ import annotations
@@ -107,10 +109,14 @@ def build_model() -> torch.nn.Module:
 
 
 def trainer_for(out: str, gas: int, steps: int, save_steps: int | None,
-                max_grad_norm: float = 0.0) -> Any:
+                max_grad_norm: float = 0.0, best: bool = False) -> Any:
+    """A Trainer on a fresh model; ``best``: evaluate at every save and load the best
+    checkpoint at the end."""
     from transformers import Trainer, TrainingArguments
 
-    args = TrainingArguments(
+    at_saves: dict[str, Any] = dict(eval_strategy="steps", eval_steps=save_steps,
+                                    load_best_model_at_end=True) if best else {}
+    args = TrainingArguments(**at_saves,
         output_dir=out, per_device_train_batch_size=4, per_device_eval_batch_size=4,
         gradient_accumulation_steps=gas, max_steps=steps, learning_rate=1e-2,
         max_grad_norm=max_grad_norm, logging_steps=1, report_to=[], seed=0, disable_tqdm=True,
@@ -141,9 +147,12 @@ def main(out: str) -> dict[str, Any]:
     resumed = trainer_for(os.path.join(out, "gas1"), gas=1, steps=4, save_steps=None)
     resumed.train(resume_from_checkpoint=os.path.join(out, "gas1", "checkpoint-2"))
     result["resumed"] = losses(resumed)
-    accumulated = trainer_for(os.path.join(out, "gas2"), gas=2, steps=4, save_steps=None)
+    accumulated = trainer_for(os.path.join(out, "gas2"), gas=2, steps=4, save_steps=2,
+                              best=True)
     accumulated.train()
     result["gas2"] = losses(accumulated)
+    result["gas2_evals"] = losses(accumulated, "eval_loss")
+    result["best"] = accumulated.evaluate()["eval_loss"]
     return result
 
 

@@ -74,7 +74,11 @@ def test_trainer_smp_mode_matches_plain_trainer(tmp_path: Path) -> None:
         assert len(got[run]) == len(plain[run]) == 4, run
         torch.testing.assert_close(torch.tensor(got[run]), torch.tensor(plain[run]),
                                    rtol=1e-5, atol=1e-5, msg=lambda m, r=run: f"{r}: {m}")
-    torch.testing.assert_close(got["eval"], plain["eval"], rtol=1e-5, atol=1e-5)
+    for run in ("eval", "gas2_evals", "best"):
+        torch.testing.assert_close(got[run], plain[run], rtol=1e-5, atol=1e-5)
+    # load_best_model_at_end: the Trainer's SMP branch loads the best checkpoint in full
+    assert len(got["gas2_evals"]) == 2 and got["gas2_evals"][0] != got["gas2_evals"][1]
+    torch.testing.assert_close(got["best"], min(got["gas2_evals"]), rtol=1e-6, atol=1e-6)
     # resuming at step 2 continues as the uninterrupted run did (steps 3 and 4 computed anew)
     torch.testing.assert_close(torch.tensor(got["resumed"][2:]), torch.tensor(got["gas1"][2:]),
                                rtol=1e-6, atol=1e-6)

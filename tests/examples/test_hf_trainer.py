@@ -1,16 +1,19 @@
 """The Hugging Face Trainer's SMP mode on smp-fx (``examples/hf_trainer.py``): at pp=2 on 2
-processes it trains, evaluates, saves and resumes exactly as the plain Trainer does in one
-process.
+processes it trains (gradient accumulation 1 and 2, clipping), evaluates (also during
+training, loading the best checkpoint at the end), predicts, saves and resumes exactly as
+the plain Trainer does in one process.
 
 Both runs start at once (the plain one in its own process, so its ``transformers`` import
 never sees the SMP variables) and each prints one JSON line of per-step losses. The SMP run
 goes through everything of the Trainer's SMP branch: ``smp.init()`` at import,
 ``smp.state.cfg``, ``smp.DistributedModel(model, backward_passes_per_step=...)``,
 ``@smp.step()`` (``smp_forward_backward`` divides the loss in place on every rank),
-``smp_forward_only`` + ``smp_gather`` + ``StepOutput.concat`` in ``evaluate()``,
+``smp_forward_only`` + ``smp_gather`` + ``StepOutput.concat`` in ``evaluate()`` and
+``predict()`` (each wrapping the base model again: the same ``DistributedModel``),
 ``state_dict()`` + ``save_pretrained`` + ``smp.save(optimizer.local_state_dict(...),
 partial=True, v3=False)`` when saving, and ``smp.resume_from_checkpoint`` +
-``register_post_step_hook`` + ``smp.load(..., partial=True)`` when resuming.
+``register_post_step_hook`` + ``smp.load(..., partial=True)`` when resuming, and
+``smp.resume_from_checkpoint(..., partial=False)`` for ``load_best_model_at_end``.
 """
 
 from __future__ import annotations
@@ -74,6 +77,8 @@ def test_trainer_smp_mode_matches_plain_trainer(tmp_path: Path) -> None:
         assert len(got[run]) == len(plain[run]) == 4, run
         torch.testing.assert_close(torch.tensor(got[run]), torch.tensor(plain[run]),
                                    rtol=1e-5, atol=1e-5, msg=lambda m, r=run: f"{r}: {m}")
+    assert got["predict"][0] == plain["predict"][0] == [8, 16, 64]  # logits of every sample
+    torch.testing.assert_close(got["predict"][1:], plain["predict"][1:], rtol=1e-4, atol=1e-3)
     for run in ("eval", "gas2_evals", "best"):
         torch.testing.assert_close(got[run], plain[run], rtol=1e-5, atol=1e-5)
     # load_best_model_at_end: the Trainer's SMP branch loads the best checkpoint in full

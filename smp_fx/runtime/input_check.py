@@ -4,9 +4,9 @@ batch.
 Each pipeline stage reads the step's arguments on its own rank: the first stage its inputs,
 the last stage (say) its labels. SMP's rule is that the ranks of one pipeline group load
 the same data (data is sharded by ``smp.dp_rank()``, not by the global rank; tensor-parallel
-ranks get different batches unless ``prescaled_batch``). A data
-loader sharded by the global rank breaks it without any error: the stages then train on
-pieces of different batches. That is what a torchrun-launched Hugging Face ``Trainer`` in
+ranks get different batches unless ``prescaled_batch``). A data loader sharded by the
+global rank breaks it without any error: the stages then train on pieces of different
+batches. That is what a torchrun-launched Hugging Face ``Trainer`` in
 SMP mode does on GPUs, where accelerate sees ``LOCAL_RANK`` and shards its data loaders by
 the world size. So the first step of a model compares a fingerprint of its tensor arguments
 (shape, dtype and three sums per tensor) across the pipeline group, once: one small
@@ -26,15 +26,16 @@ from smp_fx.dist import comm, state
 
 def fingerprint(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[tuple[Any, ...]]:
     """(where, shape, dtype, sum, sum of squares, sum weighted by position) of every tensor
-    argument, nested ones too."""
+    argument, nested ones too; the sums as ``float.hex`` strings, exact and NaN-safe."""
     out: list[tuple[Any, ...]] = []
 
     def visit(value: Any, where: str) -> None:
         if isinstance(value, torch.Tensor):
             v = value.detach().to(torch.float64).flatten()
             at = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device)
-            out.append((where, tuple(value.shape), str(value.dtype), float(v.sum()),
-                        float((v * v).sum()), float((v * at).sum())))
+            sums = (v.sum(), (v * v).sum(), (v * at).sum())
+            out.append((where, tuple(value.shape), str(value.dtype),
+                        *(float(x).hex() for x in sums)))  # hex: NaN equals NaN
         elif isinstance(value, (list, tuple)):
             for i, item in enumerate(value):
                 visit(item, f"{where}[{i}]")

@@ -17,11 +17,17 @@ def test_fingerprint_sees_every_nested_tensor_and_nothing_else() -> None:
     x = torch.arange(6.0).reshape(2, 3)
     labels = torch.ones(2, dtype=torch.long)
     prints = fingerprint((nn.Linear(1, 1), x), {"batch": {"labels": [labels]}, "flag": True})
-    assert prints == [("argument 1", (2, 3), "torch.float32", 15.0, 55.0, 70.0),
-                      ("argument 'batch'['labels'][0]", (2,), "torch.int64", 2.0, 2.0, 3.0)]
+    assert prints == [("argument 1", (2, 3), "torch.float32", *_hex(15, 55, 70)),
+                      ("argument 'batch'['labels'][0]", (2,), "torch.int64", *_hex(2, 2, 3))]
     moved = x.clone()
     moved[0, 0], moved[1, 2] = 5.0, 0.0  # the same values in other places
     assert fingerprint((moved,), {}) != fingerprint((x,), {})
+    nan = torch.tensor([1.0, float("nan")])
+    assert fingerprint((nan,), {}) == fingerprint((nan.clone(),), {})
+
+
+def _hex(*values: float) -> list[str]:
+    return [float(v).hex() for v in values]
 
 
 def _body(same: bool) -> str:

@@ -43,6 +43,7 @@ from passes.pipeline import compile_model
 from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram, split_stages
 from passes.trace import trace
+from smp_fx.activation_checkpointing import checkpoint_rules
 from smp_fx.amp import fp16
 from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
@@ -51,6 +52,8 @@ from smp_fx.dist import clip, ddp, launch, sdp, state
 from smp_fx.manual import pins_by_module_path
 from smp_fx.runtime import context
 from smp_fx.runtime import executor as ex
+from smp_fx.runtime.activations import ActivationKeeper
+from smp_fx.runtime.checkpointing import outline_regions
 from smp_fx.runtime.dist_transport import DistTransport
 from smp_fx.runtime.lowering import cached_schedule
 from smp_fx.runtime.modes import Autocast, autocast_state, thread_modes
@@ -85,6 +88,17 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
 
     # torch DDP reads this in its constructor: wrapping a DistributedModel raises (smp_fx.dist.ddp)
     _ddp_params_and_buffers_to_ignore = ddp.RejectDDPWrap()
+    options: ModelOptions
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> DistributedModel:
+        """The module this process's DistributedModel already wraps gives that model back:
+        one model per script, as SMP says; the Hugging Face Trainer wraps its base model
+        again for every evaluation, which must run on the same partition and parameters."""
+        module = args[0] if args else kwargs.get("module")
+        current = context.current_model()
+        if current is not None and type(current) is cls and current.module is module:
+            return current
+        return super().__new__(cls)
 
     def __init__(self, module: nn.Module, trace_device: str = "gpu",
                  trace_execution_times: bool = False, overlapping_allreduce: bool = True,
@@ -92,6 +106,18 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
                  average_grads_across_microbatches: bool = True, bucket_cap_mb: int = 25,
                  trace_memory_usage: bool = False, broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = False) -> None:
+        options = ModelOptions(
+            trace_device, trace_execution_times, overlapping_allreduce,
+            backward_passes_per_step, average_grads_across_microbatches, bucket_cap_mb,
+            trace_memory_usage, broadcast_buffers, gradient_as_bucket_view)
+        if "options" in self.__dict__:  # given back by __new__: already wraps this module
+            if options != self.options:
+                raise SMPConfigError.build(
+                    "smp.DistributedModel called again on the module it wraps, with other "
+                    "arguments", {"before": self.options, "now": options},
+                    "smp.DistributedModel", "pass the same arguments, or use the model "
+                    "returned the first time")
+            return
         super().__init__()
         if trace_device not in ("cpu", "gpu"):
             raise SMPConfigError.build("trace_device must be 'cpu' or 'gpu'", trace_device,
@@ -114,10 +140,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
                                        type(module).__name__, "smp.DistributedModel",
                                        "wrap the plain nn.Module")
         self.module = module
-        self.options = ModelOptions(
-            trace_device, trace_execution_times, overlapping_allreduce,
-            backward_passes_per_step, average_grads_across_microbatches, bucket_cap_mb,
-            trace_memory_usage, broadcast_buffers, gradient_as_bucket_view)
+        self.options = options
         self._program: StagedProgram | None = None
         self._executor: ex.Executor | None = None
         self._runners: dict[int, ex.StageRunner] = {}
@@ -412,6 +435,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         self._program, self._runners = program, runners
         self._executor = ex.Executor(program, runners, transport, multi, timeout_s, st.rank,
                                      st.group_ranks("pp") if multi else None)
+        self._checkpoint_stages(runners, cfg)
         if multi:
             if self._tied_groups:
                 self._executor.pre_step_hooks.append(self._snapshot_tied_grads)
@@ -428,6 +452,23 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
             n = len(inspect.signature(hook).parameters)
             first = self._optimizers[0] if self._optimizers else None
             hook(*(self, first)[:n])
+
+    def _checkpoint_stages(self, runners: dict[int, ex.StageRunner], cfg: Any) -> None:
+        """Each local stage runs its checkpointed regions under torch's checkpoint, and
+        gets the saved-tensor hooks that offload their inputs (``offload_activations``)."""
+        assert self.plan is not None and self._executor is not None
+        if cfg.offload_activations and not any(st.checkpointed for st in self.plan.stages):
+            raise SMPConfigError.build(
+                "'offload_activations' moves checkpointed regions' inputs, and no module "
+                "is checkpointed", True, "smp.DistributedModel (first smp.step)",
+                "call smp.set_activation_checkpointing(module) before the first step, or "
+                "drop 'offload_activations'")
+        self._executor.loading_horizon = cfg.activation_loading_horizon
+        for s, r in runners.items():
+            outline_regions(r.stage.module)
+            state_tensors = [*r.stage.module.parameters(), *r.stage.module.buffers()]
+            self._executor.keepers[s] = ActivationKeeper(state_tensors,
+                                                         offload=cfg.offload_activations)
 
     def _broadcast_tied(self) -> None:
         """Give every replica of a tied parameter the lowest owning rank's values."""
@@ -547,9 +588,10 @@ def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     if options.trace_execution_times or options.trace_memory_usage:
         with thread_modes(torch.is_grad_enabled(), autocast):
             measured = _measured_costs(gm, args, kwargs, options, st)
+    pconfig = cfg.partition_config(device.name, checkpointing=checkpoint_rules(module))
     with thread_modes(torch.is_grad_enabled(), autocast):
-        compiled = compile_model(module, args, kwargs, cfg.partition_config(device.name),
-                                 device=device, pins=pins, measured=measured, traced=gm)
+        compiled = compile_model(module, args, kwargs, pconfig, device=device, pins=pins,
+                                 measured=measured, traced=gm)
     return compiled.gm, compiled.plan
 
 

@@ -24,8 +24,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-import torch
-
 from cost_model.errors import SMPConfigError
 from smp_fx.optimizers.apex_style import ApexStyleOptimizer
 
@@ -49,27 +47,9 @@ class FusedAdam(ApexStyleOptimizer):
     def _update(self) -> None:
         for group in self.param_groups:
             group["step"] = group.get("step", 0) + 1
-            beta1, beta2 = group["betas"]
-            step = group["step"]
-            bc1 = 1 - beta1**step if group["bias_correction"] else 1.0
-            bc2 = 1 - beta2**step if group["bias_correction"] else 1.0
-            decay, lr, eps = group["weight_decay"], group["lr"], group["eps"]
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                state = self.state[p]
-                if not state:
-                    state["exp_avg"] = torch.zeros_like(p)
-                    state["exp_avg_sq"] = torch.zeros_like(p)
-                m32, v32, p32 = state["exp_avg"].float(), state["exp_avg_sq"].float(), p.float()
-                g = p.grad.float()
-                if not self.adam_w_mode:
-                    g = g + decay * p32
-                m32.mul_(beta1).add_(g, alpha=1 - beta1)
-                v32.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-                update = (m32 / bc1) / ((v32 / bc2).sqrt() + eps)
-                if self.adam_w_mode:
-                    update = update + decay * p32
-                p.copy_(p32 - lr * update)
-                state["exp_avg"].copy_(m32)
-                state["exp_avg_sq"].copy_(v32)
+                p32, update = self._adam_direction(p, p.grad.float(), group,
+                                                   1 - group["betas"][0], self.adam_w_mode)
+                p.copy_(p32 - group["lr"] * update)

@@ -2,7 +2,8 @@
 
 apex's ``FusedLAMB``, ``FusedNovoGrad`` and ``FusedAdam`` all take ``set_grad_none``
 (``zero_grad`` sets gradients to None unless told otherwise) and accept an optional
-closure in ``step``; the update itself is each optimizer's ``_update``.
+closure in ``step``; the update itself is each optimizer's ``_update``. Adam's direction
+(the moments and the bias-corrected step, with L2 or decoupled decay) is LAMB's too.
 """
 
 from __future__ import annotations
@@ -35,3 +36,29 @@ class ApexStyleOptimizer(torch.optim.Optimizer):
 
     def _update(self) -> None:
         raise NotImplementedError
+
+    def _adam_direction(self, p: torch.Tensor, g: torch.Tensor, group: dict[str, Any],
+                        beta3: float, adam_w_mode: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``p`` in fp32, Adam's update direction ``u`` for the fp32 gradient ``g``):
+        ``m = beta1 m + beta3 g``, ``v = beta2 v + (1 - beta2) g^2``,
+        ``u = (m / bc1) / (sqrt(v / bc2) + eps)`` (+ ``weight_decay * p`` in AdamW mode;
+        L2 mode adds it to ``g`` first). Advances ``p``'s moments in ``self.state``."""
+        beta1, beta2 = group["betas"]
+        step, decay, eps = group["step"], group["weight_decay"], group["eps"]
+        bc1 = 1 - beta1**step if group["bias_correction"] else 1.0
+        bc2 = 1 - beta2**step if group["bias_correction"] else 1.0
+        state = self.state[p]
+        if not state:
+            state["exp_avg"] = torch.zeros_like(p)
+            state["exp_avg_sq"] = torch.zeros_like(p)
+        m32, v32, p32 = state["exp_avg"].float(), state["exp_avg_sq"].float(), p.float()
+        if not adam_w_mode:
+            g = g + decay * p32
+        m32.mul_(beta1).add_(g, alpha=beta3)
+        v32.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        update = (m32 / bc1) / ((v32 / bc2).sqrt() + eps)
+        if adam_w_mode:
+            update = update + decay * p32
+        state["exp_avg"].copy_(m32)
+        state["exp_avg_sq"].copy_(v32)
+        return p32, update

@@ -82,35 +82,16 @@ class FusedLamb(ApexStyleOptimizer):
             self._update_group(group, clip)
 
     def _update_group(self, group: dict[str, Any], clip: torch.Tensor) -> None:
-        beta1, beta2 = group["betas"]
-        step = group["step"]
-        bc1 = 1 - beta1**step if group["bias_correction"] else 1.0
-        bc2 = 1 - beta2**step if group["bias_correction"] else 1.0
-        beta3 = 1 - beta1 if group["grad_averaging"] else 1.0
-        decay, lr, eps = group["weight_decay"], group["lr"], group["eps"]
+        beta3 = 1 - group["betas"][0] if group["grad_averaging"] else 1.0
+        decay, lr = group["weight_decay"], group["lr"]
         for p in group["params"]:
             if p.grad is None:
                 continue
-            state = self.state[p]
-            if not state:
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-            m32 = state["exp_avg"].float()
-            v32 = state["exp_avg_sq"].float()
-            p32 = p.float()
             g = p.grad.float() / clip.to(p.device)
-            if not self.adam_w_mode:
-                g = g + decay * p32
-            m32.mul_(beta1).add_(g, alpha=beta3)
-            v32.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            update = (m32 / bc1) / ((v32 / bc2).sqrt() + eps)
-            if self.adam_w_mode:
-                update = update + decay * p32
+            p32, update = self._adam_direction(p, g, group, beta3, self.adam_w_mode)
             ratio = torch.tensor(lr, dtype=torch.float32, device=p.device)
             if self.use_nvlamb or decay != 0:
                 pn = torch.linalg.vector_norm(p32)
                 un = torch.linalg.vector_norm(update)
                 ratio = torch.where((pn != 0) & (un != 0), lr * pn / un, ratio)
             p.copy_(p32 - ratio * update)
-            state["exp_avg"].copy_(m32)
-            state["exp_avg_sq"].copy_(v32)

@@ -7,10 +7,12 @@ from __future__ import annotations
 from typing import Any
 
 from smp_fx.namespaces import planned
+from smp_fx.nn.fused_layer_norm import FusedLayerNorm
 from smp_fx.nn.linear import DistributedLinear
 
+__all__ = ["DistributedLinear", "FusedLayerNorm"]
+
 PLANNED: dict[str, str] = {
-    "FusedLayerNorm": "SMP's replacement for apex's FusedLayerNorm",
     "DistributedEmbedding": "tensor-parallel Embedding",
     "DistributedTransformerLMHead": "tensor-parallel transformer with LM head",
     "DistributedTransformer": "tensor-parallel transformer",
@@ -18,9 +20,6 @@ PLANNED: dict[str, str] = {
     "DistributedAttentionLayer": "tensor-parallel attention layer",
     "DistributedTransformerOutputLayer": "tensor-parallel transformer output layer",
 }
-
-
-__all__ = ["DistributedLinear"]
 
 
 def __getattr__(name: str) -> Any:

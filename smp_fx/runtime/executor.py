@@ -32,6 +32,7 @@ the transport's errors use to say what this rank was doing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ import torch.utils._pytree as pytree
 from cost_model import schedule as sched
 from cost_model.errors import SMPRuntimeError
 from passes.split_stages import Stage, StagedProgram
+from smp_fx.runtime.activations import ActivationKeeper, prefetch_points
 from smp_fx.runtime.conductor import Conductor, Microbatch, Request
 from smp_fx.runtime.flight import FlightRecorder
 from smp_fx.runtime.lowering import Lowered, LoweredCache, Op
@@ -118,6 +120,10 @@ class Executor:
         # last backward there)
         self.pre_step_hooks: list[Callable[[tuple[Op, ...]], None]] = []
         self.stats = StepStats()
+        # per stage: saved-tensor hooks that count and offload what a forward keeps
+        self.keepers: dict[int, ActivationKeeper] = {}
+        self.loading_horizon = 4
+        self._prefetch: dict[int, list[tuple[int, int]]] = {}
         self._scale = 1.0
         self._lowerings = LoweredCache(program, multi_process)
         self._step = Lowered((), {}, {}, -1, None)  # the running (or last) step's
@@ -141,6 +147,11 @@ class Executor:
             self.transport.plan_sends(stage, peer, channel, n)
         for pre in self.pre_step_hooks:
             pre(step.ops)
+        self._prefetch = {}
+        for s, keeper in self.keepers.items():
+            if keeper.offload:
+                for i, mbs in prefetch_points(step.ops, s, self.loading_horizon).items():
+                    self._prefetch.setdefault(i, []).extend((s, mb) for mb in mbs)
         self.stats = StepStats({s: 0 for s in stages}, step.ops)
         self._scale = scale
         self._data = [_MbData() for _ in microbatches]
@@ -156,6 +167,8 @@ class Executor:
         finally:
             self._data = []
             self.flight.end()
+            for keeper in self.keepers.values():
+                keeper.end_step()
         for hook in self.post_step_hooks:
             hook()
         return results
@@ -168,6 +181,8 @@ class Executor:
                 self.transport.prefetch(peer, stage, channel, n)
         self._at = i
         self.flight.mark(i)
+        for s, mb in self._prefetch.get(i, ()):
+            self.keepers[s].prefetch(mb)
         getattr(self, "_op_" + op.kind.lower())(op)
 
     def _op_recv_act(self, op: Op) -> None:
@@ -184,7 +199,9 @@ class Executor:
             bound = self.program.bind_inputs(*req.args)
             for name in stage.program_inputs:
                 received[name] = _to_device(bound[name], runner.device)
-        with thread_modes(req.grad_enabled, req.autocast):
+        keeper = self.keepers.get(s)
+        with thread_modes(req.grad_enabled, req.autocast), \
+                keeper.forward(mb) if keeper is not None else contextlib.nullcontext():
             outs = runner.forward([received[n] for n in stage.input_names], mb)
         d.results[s] = dict(zip(stage.output_names, outs))
         if req.grad_enabled:

@@ -9,6 +9,7 @@ parameters after the steps and ``state_dict()`` (gathered: the unsharded model's
   ``smp.nn.DistributedLinear``), ``prescaled_batch`` false (each rank its own examples)
   and true (both ranks the same examples);
 * a SwiGLU MLP (``gate * up`` -> row) marked with ``smp.set_tensor_parallelism``;
+* the tiny HF Llama (torch.export graph) with each layer's SwiGLU MLP marked;
 * a model whose marked linear is not divisible by tp: it stays replicated, the plan says
   why, and training still matches;
 * pp=2 x tp=2 on 4 ranks (one more spawn), the MLP with ``prescaled_batch`` true.
@@ -26,6 +27,7 @@ from torch.nn import functional as F
 
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
+from tests.helpers.models import example
 
 GLOBAL_BATCH = 8
 STEPS = 3
@@ -74,14 +76,28 @@ def _build(kind: str) -> nn.Module:
         return MLP()
     if kind == "odd":
         return MLP(inner=33)
+    if kind == "llama":
+        llama = example("hf_llama").build_model()
+        for path, module in llama.named_modules():
+            if path.endswith(".mlp"):  # SwiGLU gate/up -> down, on the torch.export graph
+                smp.set_tensor_parallelism(module)
+        return llama
     model = SwiGLU()
     for name in ("gate", "up", "down"):
         smp.set_tensor_parallelism(getattr(model, name))
     return model
 
 
-def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _loss(kind: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return example("hf_llama").loss_fn(out, y) if kind == "llama" else F.cross_entropy(out, y)
+
+
+def _batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(1234)
+    if kind == "llama":
+        ex = example("hf_llama")
+        return [(ex.example_inputs(GLOBAL_BATCH)[0], ex.example_targets(GLOBAL_BATCH))
+                for _ in range(STEPS)]
     return [(torch.randn(GLOBAL_BATCH, 8), torch.randint(0, 6, (GLOBAL_BATCH,)))
             for _ in range(STEPS)]
 
@@ -91,8 +107,8 @@ def _reference(kind: str, batch: int) -> tuple[list[float], list[dict[str, torch
     model = _build(kind)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     losses, grads = [], []
-    for x, y in _batches():
-        loss = F.cross_entropy(model(x[:batch]), y[:batch])
+    for x, y in _batches(kind):
+        loss = _loss(kind, model(x[:batch]), y[:batch])
         loss.backward()
         losses.append(loss.item())
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
@@ -127,14 +143,14 @@ def _scenario(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
 
     @smp.step
     def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
-        loss = F.cross_entropy(model(x), y)
+        loss = _loss(kind, model(x), y)
         model.backward(loss)
         return loss
 
     share = GLOBAL_BATCH // 2
     lo = 0 if prescaled else smp.tp_rank() * share
     losses, grads = [], []
-    for x, y in _batches():
+    for x, y in _batches(kind):
         loss = train_step(model, x[lo:lo + share], y[lo:lo + share]).reduce_mean()
         got = _gathered(model, {n: p.grad for n, p in model.local_named_parameters()})
         grads.append(got)
@@ -150,7 +166,7 @@ def _scenario(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
             "shapes": shapes, "distributed": distributed, "plan": model.tp_plan.to_json()}
 
 
-CASES = (("mlp", False), ("mlp", True), ("swiglu", False), ("odd", True))
+CASES = (("mlp", False), ("mlp", True), ("swiglu", False), ("odd", True), ("llama", True))
 
 
 def _checked(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
@@ -164,11 +180,16 @@ def _checked(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
         bad.append("loss")
     for step, (got, want) in enumerate(zip(res["grads"], ref_grads)):
         bad += [f"grad {n} step {step}" for n in mismatched(got, want, **TOL)]
-    bad += [f"param {n}" for n in mismatched(res["params"], ref_params, **TOL)]
+    # Llama has gradient entries of ~1e-9 that Adam normalises to a full step, so the
+    # summation-order differences of the sharded matmuls (gradients equal to 1e-5) show
+    # as up to 1 % of one lr=1e-2 step in the parameters
+    param_tol = {"atol": 1e-4, "rtol": 1e-4} if kind == "llama" else TOL
+    bad += [f"param {n}" for n in mismatched(res["params"], ref_params, **param_tol)]
     # state_dict() is exactly the unsharded model's: names, order, shapes, values
     if list(res["state_dict"]) != list(ref_params):
         bad.append(f"state_dict keys {list(res['state_dict'])}")
-    bad += [f"state_dict {n}" for n in mismatched(res["state_dict"], ref_params, **TOL)]
+    bad += [f"state_dict {n}" for n in mismatched(res["state_dict"], ref_params,
+                                                   **param_tol)]
     return {"bad": bad, "losses": res["losses"], "shapes": res["shapes"],
             "distributed": res["distributed"], "plan": res["plan"]}
 

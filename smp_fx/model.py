@@ -51,6 +51,7 @@ from smp_fx.runtime import context
 from smp_fx.runtime import executor as ex
 from smp_fx.runtime.dist_transport import DistTransport
 from smp_fx.runtime.lowering import cached_schedule
+from smp_fx.runtime.shapes import ShapeGuard, guard_for
 from smp_fx.runtime.transport import InProcessTransport, Transport
 
 if TYPE_CHECKING:
@@ -131,6 +132,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         self.canonical_names = {n: self._fqn_by_id[id(p)] for n, p in
                                 module.named_parameters(remove_duplicate=False)}
         self.plan: PartitionPlan | None = None  # once partitioned
+        self._shapes: ShapeGuard | None = None  # once partitioned
         self._ddp: ddp.DataParallel | None = None
         context.set_current_model(self)
         checkpoint_api.adopt_pending(model=self)  # smp.resume_from_checkpoint came first
@@ -166,6 +168,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         if ctx is None or self._executor is None or ctx[0] is not self._executor.conductor:
             raise SMPRuntimeError.build(OUTSIDE_STEP, None, "DistributedModel.__call__",
                                         "call the model inside an @smp.step function")
+        if self._shapes is not None:
+            self._shapes.check_call(args, kwargs)
         return ctx[0].forward_request(ctx[1], args, kwargs)
 
     def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
@@ -339,6 +343,9 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         self._program, self._runners = program, runners
         self._executor = ex.Executor(program, runners, transport, multi, timeout_s, st.rank,
                                      st.group_ranks("pp") if multi else None)
+        self._shapes = guard_for(gm, program)
+        if multi and self._shapes.active:
+            self._executor.check_received = self._shapes.check_received
         if multi:
             if self._tied_groups:
                 self._executor.pre_step_hooks.append(self._snapshot_tied_grads)

@@ -118,6 +118,9 @@ class Executor:
         # last backward there)
         self.pre_step_hooks: list[Callable[[tuple[Op, ...]], None]] = []
         self.stats = StepStats()
+        # checks a stage's received values against this rank's model call before its
+        # forward: (stage, received values by name, rank, call args, call kwargs)
+        self.check_received: Callable[..., None] | None = None
         self._scale = 1.0
         self._lowerings = LoweredCache(program, multi_process)
         self._step = Lowered((), {}, {}, -1, None)  # the running (or last) step's
@@ -184,6 +187,8 @@ class Executor:
             bound = self.program.bind_inputs(*req.args)
             for name in stage.program_inputs:
                 received[name] = _to_device(bound[name], runner.device)
+        if self.check_received is not None and stage.recvs:
+            self.check_received(s, received, self.rank, *req.args)
         with thread_modes(req.grad_enabled, req.autocast):
             outs = runner.forward([received[n] for n in stage.input_names], mb)
         d.results[s] = dict(zip(stage.output_names, outs))

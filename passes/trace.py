@@ -39,6 +39,7 @@ from typing import Any, Literal
 import torch
 import torch.fx
 import torch.fx.experimental._config as fx_config
+import torch.utils._pytree as pytree
 from torch import nn
 
 from cost_model.errors import SMPTracingError
@@ -186,6 +187,7 @@ def _export_trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, 
             graph.erase_node(node)
             if hasattr(gm, str(node.target)):
                 delattr(gm, str(node.target))
+    _meta_to_input_device(graph, model, args, kwargs)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     _order_placeholders(graph, placeholders)
     modules = frozenset(n for n, _ in model.named_modules(remove_duplicate=False))
@@ -199,6 +201,30 @@ def _export_trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, 
             sorted(set(gm.state_dict()) ^ set(model.state_dict()))[:5], "export front end",
             "use frontend='fx' with leaf_modules for the offending submodules")
     return gm
+
+
+def _meta_to_input_device(graph: torch.fx.Graph, model: nn.Module, args: tuple[Any, ...],
+                          kwargs: Mapping[str, Any]) -> None:
+    """A model built under ``torch.device("meta")`` traced with real inputs: export bakes
+    ``device=meta`` into the tensors the model makes from its weights' device (position
+    ids, masks, dtype asserts). Meta weights stand for weights on the inputs' device (as
+    ``shape_prop`` reads them), so those constants are moved there too."""
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return
+    inputs = [x for x in pytree.tree_leaves((args, dict(kwargs)))
+              if isinstance(x, torch.Tensor) and not x.is_meta]
+    if not inputs:
+        return
+    device = inputs[0].device
+    meta = torch.device("meta")
+    moved = 0
+    for node in graph.nodes:
+        if node.kwargs.get("device") == meta:
+            node.update_kwarg("device", device)
+            moved += 1
+    if moved:
+        log.info("export: %d device=meta constants of a meta-built model moved to the "
+                 "inputs' device %s", moved, device)
 
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
@@ -282,10 +308,19 @@ def trace(model: nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any
         else type(model).__name__
     raise SMPTracingError.build(
         f"model cannot be captured by the {frontend!r} front end(s)", "; ".join(errors),
-        f"module {where!r} ({mod_type})",
-        "make the failing submodule a leaf (leaf_modules=(...,)) so it runs as one opaque "
-        "node, move data-dependent Python control flow out of forward, or partition "
-        "manually with smp.partition")
+        f"module {where!r} ({mod_type})", _capture_fix(errors))
+
+
+def _capture_fix(errors: Sequence[str]) -> str:
+    """The fix for a model no front end captured, by what export said."""
+    text = " ".join(errors)
+    if "in output, which is not a known type" in text:
+        return ("make forward return tensors (or tuples/dicts of them): export cannot return "
+                "the object it names; for a Hugging Face model pass use_cache=False (the "
+                "cache is such an object) or wrap it to return .logits")
+    return ("make the failing submodule a leaf (leaf_modules=(...,)) so it runs as one opaque "
+            "node, move data-dependent Python control flow out of forward, or partition "
+            "manually with smp.partition")
 
 
 def _finish(gm: torch.fx.GraphModule, frontend: str) -> torch.fx.GraphModule:

@@ -264,3 +264,33 @@ def test_dispatch_and_console_script(tmp_path: Path) -> None:
     assert "bottleneck stage" in result.stdout
     assert "trace" in result.stderr  # progress lines
     assert (tmp_path / "p.json").exists()
+
+
+META_MODEL = '''
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def build_model():
+    cfg = GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    with torch.device("meta"):
+        return GPT2LMHeadModel(cfg)
+
+
+def example_inputs(batch_size=2):
+    return (torch.randint(0, 128, (batch_size, 16)),)
+'''
+
+
+def test_a_model_built_on_meta_plans_with_cpu_inputs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Hugging Face model built under ``with torch.device("meta")``, as HF and accelerate
+    users build big models, with CPU example inputs."""
+    path = tmp_path / "meta_gpt2.py"
+    path.write_text(META_MODEL)
+    code, out, err = _run(capsys, str(path), "--partitions", "2", "--json",
+                          str(tmp_path / "plan.json"))
+    assert code == 0, err
+    plan = PartitionPlan.loads((tmp_path / "plan.json").read_text())
+    assert len(plan.stages) == 2 and all(s.fwd_flops > 0 for s in plan.stages)

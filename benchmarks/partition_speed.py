@@ -82,8 +82,8 @@ def main() -> int:
     print(f"{'networkx graph (DagProblem.graph)':38s} {problem.n:6d} {'-':>3s} {w:8.4f} {c:8.4f}"
           f" {'-':>7s}")
     problem = random_dag(10_000, rng, width=4)
-    obj = make_objective(problem, PartitionConfig(num_stages=16, microbatches=8,
-                                                  link_bandwidth=1e8))
+    obj = make_objective(problem, PartitionConfig(num_stages=16, microbatches=8),
+                         comm_time=lambda nbytes: nbytes / 1e8)
     w, c = median_time(3, solve_fresh, problem, obj)
     print(f"{'DAG, link-bound (min-cut moves)':38s} {problem.n:6d} {16:3d} {w:8.4f} {c:8.4f}"
           f" {'-':>7s}")

@@ -73,7 +73,7 @@ def op_name(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
     if node.op in ("placeholder", "get_attr", "output"):
         return node.op
     if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
+        mod = gm.get_submodule(str(node.target))
         for cls in type(mod).__mro__:
             if cls in MODULE_OPS:
                 return MODULE_OPS[cls]
@@ -94,7 +94,7 @@ def op_name(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
 def _attrs(node: torch.fx.Node, op: str, gm: torch.fx.GraphModule) -> dict[str, Any]:
     """What a formula needs beyond input shapes: module hyper-parameters, dropout p."""
     if node.op == "call_module":
-        mod = gm.get_submodule(node.target)
+        mod: Any = gm.get_submodule(str(node.target))  # attributes differ per module type
         if op == "conv":
             return {"weight": tuple(mod.weight.shape), "groups": mod.groups}
         if op == "layer_norm":
@@ -292,7 +292,7 @@ def _leaf_cost(node: torch.fx.Node, in_rg: list[bool], st: _State
                 {k: fake(v) for k, v in node.kwargs.items()})
 
     try:
-        return fake_module_cost(st.gm.get_submodule(node.target), make_inputs)
+        return fake_module_cost(st.gm.get_submodule(str(node.target)), make_inputs)
     except Exception as exc:  # data-dependent code cannot run on fakes: stays unknown
         log.info("cannot decompose leaf %s on fake tensors: %s: %s", node.target,
                  type(exc).__name__, exc)

@@ -371,8 +371,8 @@ def _param_table(gm: torch.fx.GraphModule) -> dict[str, tuple[int, int, bool]]:
     table: dict[str, tuple[int, int, bool]] = {}
     for name, t in gm.named_parameters(remove_duplicate=False):
         table[name] = (id(t), t.numel() * t.element_size(), t.requires_grad)
-    for name, t in gm.named_buffers(remove_duplicate=False):
-        table[name] = (id(t), t.numel() * t.element_size(), False)
+    for name, buf in gm.named_buffers(remove_duplicate=False):
+        table[name] = (id(buf), buf.numel() * buf.element_size(), False)
     return table
 
 

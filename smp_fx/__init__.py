@@ -99,3 +99,9 @@ from smp_fx.ckpt.files import load, save  # noqa: E402
 from smp_fx.ckpt.checkpoint_api import resume_from_checkpoint, save_checkpoint  # noqa: E402
 from smp_fx.dist.state_api import reset  # noqa: E402
 from smp_fx import amp, nn, optimizers  # noqa: E402
+from smp_fx import namespaces as _namespaces  # noqa: E402
+
+
+def __getattr__(name: str) -> object:
+    """SMP names not built yet raise ``SMPNotImplementedError`` (``smp_fx.namespaces``)."""
+    _namespaces.planned("smp", name, _namespaces.PLANNED)

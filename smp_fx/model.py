@@ -83,6 +83,17 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
 
     # torch DDP reads this in its constructor: wrapping a DistributedModel raises (smp_fx.dist.ddp)
     _ddp_params_and_buffers_to_ignore = ddp.RejectDDPWrap()
+    options: ModelOptions
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> DistributedModel:
+        """The module this process's DistributedModel already wraps gives that model back:
+        one model per script, as SMP says; the Hugging Face Trainer wraps its base model
+        again for every evaluation, which must run on the same partition and parameters."""
+        module = args[0] if args else kwargs.get("module")
+        current = context.current_model()
+        if current is not None and type(current) is cls and current.module is module:
+            return current
+        return super().__new__(cls)
 
     def __init__(self, module: nn.Module, trace_device: str = "gpu",
                  trace_execution_times: bool = False, overlapping_allreduce: bool = True,
@@ -90,6 +101,18 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
                  average_grads_across_microbatches: bool = True, bucket_cap_mb: int = 25,
                  trace_memory_usage: bool = False, broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = False) -> None:
+        options = ModelOptions(
+            trace_device, trace_execution_times, overlapping_allreduce,
+            backward_passes_per_step, average_grads_across_microbatches, bucket_cap_mb,
+            trace_memory_usage, broadcast_buffers, gradient_as_bucket_view)
+        if "options" in self.__dict__:  # given back by __new__: already wraps this module
+            if options != self.options:
+                raise SMPConfigError.build(
+                    "smp.DistributedModel called again on the module it wraps, with other "
+                    "arguments", {"before": self.options, "now": options},
+                    "smp.DistributedModel", "pass the same arguments, or use the model "
+                    "returned the first time")
+            return
         super().__init__()
         if trace_device not in ("cpu", "gpu"):
             raise SMPConfigError.build("trace_device must be 'cpu' or 'gpu'", trace_device,
@@ -112,10 +135,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
                                        type(module).__name__, "smp.DistributedModel",
                                        "wrap the plain nn.Module")
         self.module = module
-        self.options = ModelOptions(
-            trace_device, trace_execution_times, overlapping_allreduce,
-            backward_passes_per_step, average_grads_across_microbatches, bucket_cap_mb,
-            trace_memory_usage, broadcast_buffers, gradient_as_bucket_view)
+        self.options = options
         self._program: StagedProgram | None = None
         self._executor: ex.Executor | None = None
         self._runners: dict[int, ex.StageRunner] = {}
@@ -478,7 +498,7 @@ def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
 DEVICE_SPEC_ENV = "SMP_FX_DEVICE_SPEC"
 
 
-def _plan_device(st: Any) -> DeviceSpec:
+def _plan_device(st: state.State) -> DeviceSpec:
     """The ``DeviceSpec`` to plan for, the same on every rank.
 
     ``SMP_FX_DEVICE_SPEC`` (a built-in name or a file written by ``smp-fx calibrate``)
@@ -510,7 +530,7 @@ def _plan_device(st: Any) -> DeviceSpec:
 
 
 def _measured_costs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    options: ModelOptions, st: Any) -> dict[str, tuple[Any, Any, Any]]:
+                    options: ModelOptions, st: state.State) -> dict[str, tuple[Any, Any, Any]]:
     """Per-node measured costs (``trace_execution_times`` / ``trace_memory_usage``), taken
     on world rank 0 and broadcast: measurements are noisy, and every rank must make the
     same plan. A field not asked for is None, so it keeps its analytic value."""
@@ -525,7 +545,7 @@ def _measured_costs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dic
     return box[0]
 
 
-def _agree_on_plan(gm: torch.fx.GraphModule, st: Any) -> None:
+def _agree_on_plan(gm: torch.fx.GraphModule, st: state.State) -> None:
     """Adopt world rank 0's stage assignment (measured costs may differ between ranks)."""
     mine = [(n.name, meta.STAGE.get(n)) for n in gm.graph.nodes]
     box = [mine]
@@ -540,7 +560,7 @@ def _agree_on_plan(gm: torch.fx.GraphModule, st: Any) -> None:
             meta.STAGE.set(node, stage)
 
 
-def _tied_groups(program: StagedProgram, st: Any,
+def _tied_groups(program: StagedProgram, st: state.State,
                  canonical: dict[str, str]) -> list[tuple[Any, list[str]]]:
     """Groups of the pp ranks owning each tied parameter; created collectively on all ranks.
 

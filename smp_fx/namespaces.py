@@ -3,11 +3,13 @@ that are known but not built yet.
 
 SMP's API pages name classes under these namespaces (``smp.nn.FusedLayerNorm``,
 ``smp.optimizers.FusedLamb``, ``smp.amp.GradScaler``, the tensor-parallel
-``smp.nn.Distributed*`` modules). Each namespace is a real subpackage: built names are
-ordinary attributes of it, and its module ``__getattr__`` answers the others through
-``planned``, which raises ``SMPNotImplementedError`` with what the name is for, so a script
-stops where it uses one with the reason, not with an ``AttributeError`` that reads like a
-typo. A name SMP never had stays an ``AttributeError``.
+``smp.nn.Distributed*`` modules), and SMP 1.10 has top-level names of features not built
+yet (``smp.tensor_parallelism``: ``PLANNED`` below, answered by ``smp_fx.__getattr__``).
+Each namespace is a real subpackage: built names are ordinary attributes of it, and its
+module ``__getattr__`` answers the others through ``planned``, which raises
+``SMPNotImplementedError`` with what the name is for, so a script stops where it uses one
+with the reason, not with an ``AttributeError`` that reads like a typo. A name SMP never
+had stays an ``AttributeError``.
 
 >>> import smp_fx as smp
 >>> smp.amp.GradScaler  # doctest: +ELLIPSIS
@@ -22,6 +24,13 @@ from collections.abc import Mapping
 from typing import NoReturn
 
 from cost_model.errors import not_implemented
+
+# top-level ``smp.<name>`` of SMP 1.10 not built yet (answered by ``smp_fx.__getattr__``)
+PLANNED: dict[str, str] = {
+    "tensor_parallelism": "context manager marking modules for tensor parallelism",
+    "set_tensor_parallelism": "marks a module for tensor parallelism",
+    "model_creation": "context manager for tensor-parallel model creation",
+}
 
 
 def planned(namespace: str, name: str, known: Mapping[str, str]) -> NoReturn:

@@ -42,6 +42,10 @@ import numpy as np
 from cost_model.errors import SMPPartitionError
 
 FloatArray = np.ndarray
+#: What the solvers accept per node: a list or an array (converted once, by ``_prepare``).
+Values = Sequence[float] | np.ndarray
+Ints = Sequence[int] | np.ndarray
+Flags = Sequence[bool] | np.ndarray
 
 
 @dataclass(frozen=True)
@@ -87,9 +91,9 @@ def stage_costs(cuts: Sequence[int], work: FloatArray, saved: FloatArray, comm: 
     return out
 
 
-def _prepare(work: Sequence[float], k: int, saved: Sequence[float] | None,
-             comm: Sequence[float] | None, inflight: Sequence[float] | None,
-             pins: Sequence[int] | None, time: Sequence[float] | None = None,
+def _prepare(work: Values, k: int, saved: Values | None,
+             comm: Values | None, inflight: Values | None,
+             pins: Ints | None, time: Values | None = None,
              tail_comm: float = 0.0) -> tuple[FloatArray, ...]:
     w = np.asarray(work, dtype=np.float64)
     n = len(w)
@@ -218,10 +222,10 @@ def _backtrack(bands: list[_Band], n: int, k: int, anchor: np.ndarray) -> tuple[
     return tuple(reversed(cuts))
 
 
-def lower_bound(work: Sequence[float], k: int, saved: Sequence[float] | None = None,
-                inflight: Sequence[float] | None = None,
-                comm: Sequence[float] | None = None,
-                time: Sequence[float] | None = None) -> float:
+def lower_bound(work: Values, k: int, saved: Values | None = None,
+                inflight: Values | None = None,
+                comm: Values | None = None,
+                time: Values | None = None) -> float:
     """max(total / k, largest node), each node at its cheapest (least in-flight) stage.
 
     With ``comm`` (per cut, length n + 1) each of the ``k - 1`` sending stages costs at
@@ -241,10 +245,10 @@ def lower_bound(work: Sequence[float], k: int, saved: Sequence[float] | None = N
     return float(max(total / k, node.max(initial=0.0), cheapest))
 
 
-def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None,
-          comm: Sequence[float] | None = None, inflight: Sequence[float] | None = None,
-          pins: Sequence[int] | None = None, heavy: Sequence[bool] | None = None,
-          time: Sequence[float] | None = None, tail_comm: float = 0.0,
+def solve(work: Values, k: int, *, saved: Values | None = None,
+          comm: Values | None = None, inflight: Values | None = None,
+          pins: Ints | None = None, heavy: Flags | None = None,
+          time: Values | None = None, tail_comm: float = 0.0,
           rtol: float = 1e-9) -> ChainSolution:
     """Cut ``work`` into ``k`` contiguous non-empty stages minimising the largest stage cost.
 
@@ -330,10 +334,10 @@ def solve(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None
     return ChainSolution(best, float(costs.max()), tuple(float(c) for c in costs))
 
 
-def solve_lex(work: Sequence[float], k: int, *, saved: Sequence[float] | None = None,
-              comm: Sequence[float] | None = None, inflight: Sequence[float] | None = None,
-              pins: Sequence[int] | None = None, heavy: Sequence[bool] | None = None,
-              time: Sequence[float] | None = None, rtol: float = 1e-9,
+def solve_lex(work: Values, k: int, *, saved: Values | None = None,
+              comm: Values | None = None, inflight: Values | None = None,
+              pins: Ints | None = None, heavy: Flags | None = None,
+              time: Values | None = None, rtol: float = 1e-9,
               first: ChainSolution | None = None) -> ChainSolution:
     """``solve``, then balance the stages the bottleneck leaves free (lexicographic min-max).
 

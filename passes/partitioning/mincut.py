@@ -95,9 +95,9 @@ def _network(problem: DagProblem, stage: np.ndarray, s: int, free: set[int]) -> 
             continue
         e_in, e_out = f"in{val}", f"out{val}"
         cap[(e_in, e_out)] = nbytes
-        for m in ends:
-            cap[(m, e_in)] = np.inf
-            cap[(e_out, m)] = np.inf
+        for end in ends:
+            cap[(end, e_in)] = np.inf
+            cap[(e_out, end)] = np.inf
     net = nx.DiGraph()
     net.add_nodes_from((SOURCE, SINK))
     for (a, b), c in cap.items():

@@ -48,6 +48,7 @@ import numpy as np
 from cost_model import roofline
 from cost_model.device import DEFAULT_DEVICE, get_device
 from passes.partition_config import PartitionConfig
+from passes.partitioning.chain import Ints, Values
 
 CommTime = Callable[[float], float]
 
@@ -205,9 +206,9 @@ class DagProblem:
         return np.asarray(self.pins, dtype=np.int64)
 
     @staticmethod
-    def chain(time: Sequence[float], saved: Sequence[float] | None = None,
-              out_bytes: Sequence[float] | None = None,
-              params: Sequence[float] | None = None) -> DagProblem:
+    def chain(time: Values, saved: Values | None = None,
+              out_bytes: Values | None = None,
+              params: Values | None = None) -> DagProblem:
         """A chain ``0 -> 1 -> ... -> n-1``: node ``i``'s output is read by ``i + 1``."""
         n = len(time)
         ob = np.zeros(n) if out_bytes is None else np.asarray(out_bytes, dtype=np.float64)
@@ -368,7 +369,7 @@ class ChainCosts:
         return self.work + self.time + inflight * self.saved
 
 
-def chain_arrays(problem: DagProblem, order: Sequence[int], obj: Objective,
+def chain_arrays(problem: DagProblem, order: Ints, obj: Objective,
                  replicas: bool = False) -> ChainCosts:
     """``problem`` laid out along ``order`` (a topological order) as ``ChainCosts``.
 

@@ -132,8 +132,8 @@ def random_dag(n: int, rng: np.random.Generator, width: int = 4, skip: float = 0
     preds[last] = tuple(sorted(set(preds[last]) | set(ends)))
     time = (rng.pareto(1.5, n) + 0.1) * 1e-3
     out = rng.uniform(0.1, 1.0, n) * 1e6
-    params = {f"p{v}": (float(rng.pareto(1.5) * 1e6), (v,)) for v in range(n)
-              if rng.random() < 0.6}
+    params: dict[str, tuple[float, tuple[int, ...]]] = {
+        f"p{v}": (float(rng.pareto(1.5) * 1e6), (v,)) for v in range(n) if rng.random() < 0.6}
     paths = [f"layers.{i}" for i, layer in enumerate(layer_of) for _ in layer]
     return _problem([f"n{v}" for v in range(n)], paths, list(time), list(out * 0.5),
                     preds, list(out), params)

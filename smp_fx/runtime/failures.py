@@ -56,19 +56,19 @@ def wait_failed(exc: BaseException, peer: str, peer_rank: int, receiving: bool,
     got = backend_words(exc)
     err: SMPRuntimeError
     if kind == "lost":
-        err = SMPPeerError.build(  # type: ignore[assignment]
+        err = SMPPeerError.build(
             f"lost the connection to {peer}: its process died or exited", got, where,
             f"rank {peer_rank} failed first and its log says why (an error, a kill, running "
             "out of memory); this rank stopped because of it")
     elif kind == "timeout":
         silent = "sent nothing" if receiving else "took no message"
-        err = SMPTimeoutError.build(  # type: ignore[assignment]
+        err = SMPTimeoutError.build(
             f"{peer} {silent} for {timeout_s:g} s", got, where,
             f"rank {peer_rank} is stuck or far behind: its flight record (in its log, and in "
             "$SMP_FX_DUMP_DIR if set) shows where; every rank must make the same smp.step "
             "calls; raise SMP_FX_TIMEOUT_S if the work is just slow")
     else:
-        err = SMPRuntimeError.build(  # type: ignore[assignment]
+        err = SMPRuntimeError.build(
             f"torch.distributed failed {'receiving from' if receiving else 'sending to'} "
             f"{peer}", got, where, "see the error from torch.distributed below")
     err.peer_rank = peer_rank

@@ -29,6 +29,7 @@ import torch
 from cost_model.errors import SMPRuntimeError
 from smp_fx.dist import state
 from smp_fx.runtime import context
+from smp_fx.runtime.input_check import check_same_inputs
 from smp_fx.runtime.microbatch import split_inputs
 
 if TYPE_CHECKING:
@@ -128,6 +129,7 @@ def step(non_split_inputs: Callable[..., Any] | Sequence[str] | None = None,
         m = cfg.microbatches
         mbs = split_inputs(args, kwargs, m, names, input_split_axes, fn)
         if not model.partitioned:
+            check_same_inputs(args, kwargs, fn.__name__)
             _partition_on(model, fn, mbs[0])
         forward_only = not torch.is_grad_enabled()
         schedule = model.schedule(m, forward_only)

@@ -33,7 +33,7 @@ def test_deterministic_and_gpt_overrides() -> None:
 
 
 def test_load_registers_the_module_and_matches_the_cli_loader() -> None:
-    # issue 4: a module run before it is in sys.modules breaks @dataclass (gpt.GPTConfig)
+    """A module run before it is in sys.modules breaks @dataclass (gpt.GPTConfig)."""
     import dataclasses
     import sys
 

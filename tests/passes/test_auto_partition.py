@@ -155,10 +155,10 @@ def test_missing_costs_name_the_node() -> None:
 
 
 def test_link_latency_does_not_make_a_tiny_model_degenerate() -> None:
-    # issue 4: a link latency far above the whole model's compute used to be charged to every
-    # sending stage, so the optimum put ~3/4 of the compute on the last stage (the one that
-    # sends nothing). Sends overlap compute and latency is not link occupancy: the plan is
-    # the same as with no latency at all, and the compute is spread over the stages.
+    # a link latency far above the whole model's compute, charged to every sending stage,
+    # would put ~3/4 of the compute on the last stage (the one that sends nothing). Sends
+    # overlap compute and latency is not link occupancy: the plan is the same as with no
+    # latency at all, and the compute is spread over the stages.
     for w in (0.0, 0.8):
         plans = []
         for latency in (0.0, 1e-2):

@@ -314,3 +314,18 @@ def test_state_dict_gather_to_rank0_and_same_partition_load(fresh: None) -> None
         torch.testing.assert_close(a, b, msg=n)
     with pytest.raises(smp.SMPCheckpointError, match="takes only gather_to_rank0"):
         model.state_dict(prefix="x")
+
+
+def test_wrapping_the_same_module_again_gives_the_same_model(fresh: None) -> None:
+    """The Hugging Face Trainer wraps its base model again for every evaluation."""
+    net = _net()
+    model = smp.DistributedModel(net, backward_passes_per_step=2)
+    _step(model, torch.randn(4, 4))
+    plan = model.plan
+    again = smp.DistributedModel(net, backward_passes_per_step=2)
+    assert again is model and again.partitioned and again.plan is plan
+    _step(again, torch.randn(4, 4))  # the step finds the model it is given
+    with pytest.raises(smp.SMPConfigError, match="called again on the module it wraps"):
+        smp.DistributedModel(net)
+    other = smp.DistributedModel(_net())
+    assert other is not model and not other.partitioned

@@ -76,9 +76,9 @@ def test_dhondt() -> None:
 
 
 def test_module_tree_spreads_gpt_blocks_over_every_device() -> None:
-    # issue 4: embeddings and head each held a device of their own (GPT-2-XL: 1.5x the
-    # best, 6.8x earlier); D'Hondt gives them no seat, they ride with the first / last
-    # block, and the 48 blocks are spread over all 8 devices.
+    # embeddings and head must not hold a device of their own (on GPT-2-XL that costs
+    # 1.5x the best): D'Hondt gives them no seat, they ride with the first / last block,
+    # and the 48 blocks are spread over all 8 devices.
     problem = transformer_dag(48, d=256, seq=64, vocab=512)
     for w in (0.0, 0.8):
         obj = make_objective(problem, PartitionConfig(num_stages=8, microbatches=8,

@@ -14,7 +14,7 @@ from tests.helpers.models import example
 
 
 def test_tied_gpt_parameters_counted_once() -> None:
-    # issue 4: wte.weight and lm_head.weight are one tensor; counting by name charged it
+    # wte.weight and lm_head.weight are one tensor: counted by name it would be charged
     # twice to the memory normaliser M and to a stage reading both names.
     torch.manual_seed(0)
     gpt = example("gpt")

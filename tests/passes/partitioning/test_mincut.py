@@ -31,8 +31,8 @@ def fan_out() -> DagProblem:
 def test_refine_moves_a_group_across_a_link_bound_boundary() -> None:
     problem = fan_out()
     # 100 kB/s: x's 1 MB takes 10 s on the link against 2 s of compute on stage 0
-    obj = make_objective(problem, PartitionConfig(num_stages=2, memory_weight=0.0,
-                                                  link_bandwidth=1e5))
+    obj = make_objective(problem, PartitionConfig(num_stages=2, memory_weight=0.0),
+                         comm_time=lambda nbytes: nbytes / 1e5)
     start = np.array([0, 0, 1, 1, 1, 1])
     assert evaluate(problem, start, obj).link_time_s[0] == 10.0
     # no single move helps: y1 or y2 alone leaves x crossing, and adds its own output

@@ -25,6 +25,7 @@ smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
 # a short bound for the pipeline's waits only: a slow start on a loaded machine is not a fault
 os.environ["SMP_FX_TIMEOUT_S"] = os.environ["PIPELINE_TIMEOUT_S"]
 torch.set_num_threads(1)
+torch.manual_seed(0)  # both pipeline ranks are given the same batches
 model = smp.DistributedModel(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
 
 @smp.step

@@ -66,12 +66,13 @@ def test_step_outputs_and_grads(model: smp.DistributedModel) -> None:
 
 def test_sum_instead_of_average(model: smp.DistributedModel) -> None:
     init(2, 2, "interleaved")
-    dm = smp.DistributedModel(TwoOut(), average_grads_across_microbatches=False)
+    summing, averaging = TwoOut(), TwoOut()
+    averaging.load_state_dict(summing.state_dict())
+    dm = smp.DistributedModel(summing, average_grads_across_microbatches=False)
     x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
     train(dm, x, y)
     g_sum = dm.module.a.weight.grad.clone()
-    dm.module.zero_grad()
-    avg = smp.DistributedModel(dm.module)
+    avg = smp.DistributedModel(averaging)
     train(avg, x, y)
     torch.testing.assert_close(g_sum, 2 * avg.module.a.weight.grad)
 

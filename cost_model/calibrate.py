@@ -113,8 +113,13 @@ def with_link(spec: DeviceSpec, device: torch.device | str = "cpu", *, quick: bo
 
 @functools.lru_cache(maxsize=1)
 def quick_cpu_spec() -> DeviceSpec:
-    """The built-in "cpu" spec: a quick calibration of this CPU, once per process."""
-    return calibrate("cpu", "cpu", quick=True)
+    """The built-in "cpu" spec: a quick calibration of this CPU, once per process.
+
+    Measuring draws random tensors; the global RNG is restored afterwards, so planning
+    (which loads this spec at the first step) leaves the user's random stream (dropout)
+    where it was."""
+    with torch.random.fork_rng(devices=[]):
+        return calibrate("cpu", "cpu", quick=True)
 
 
 def figures(spec: DeviceSpec) -> list[tuple[str, str]]:

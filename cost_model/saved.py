@@ -106,9 +106,10 @@ def saved_rule(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
         channels = inputs[0][1] if inputs[0] and len(inputs[0]) > 1 else 0
         training = bool(attrs.get("training", True))
         return SavedRule(inputs=(0,), extra_bytes=2 * 4 * channels if training else 0)
-    if op == "dropout":
+    if op == "dropout":  # the mask: bool in CUDA's fused kernel, the input's dtype on CPU
         p, training = float(attrs.get("p", 0.5)), bool(attrs.get("training", True))
-        return SavedRule(extra_bytes=numel(output) if training and p > 0 else 0)
+        mask = int(attrs.get("mask_itemsize", 1))
+        return SavedRule(extra_bytes=mask * numel(output) if training and p > 0 else 0)
     if op == "sdpa":  # CPU/flash kernels: q, k, v, output, log-sum-exp (fp32, B*H*L)
         q = inputs[0] or ()
         lse = 4 * math.prod(q[:-1]) if q else 0

@@ -23,6 +23,7 @@ import logging
 import math
 import operator
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,11 +38,28 @@ from cost_model.node_cost import NodeCost
 from cost_model.roofline import node_times
 from cost_model.saved import saved_rule
 from passes.graph_utils import copy_graph_module
-from passes.meta import COST, PARAMS, TENSOR
+from passes.meta import COST, PARAMS, SAVED, TENSOR
 from passes.shape_prop import TensorInfo, total_nbytes
 
 log = logging.getLogger("smp_fx.cost")
 _warned: set[str] = set()
+
+
+@dataclass(frozen=True)
+class SavedValues:
+    """What one node keeps for backward, before deduplication across nodes.
+
+    ``keys`` are (stored value, bytes) pairs: a value is named by the node whose output
+    owns the storage (``name`` or ``name[i]`` for a tuple element), so views and the
+    value itself share a key. ``extra`` counts tensors the op creates only to save them
+    (statistics, masks) and, for an opaque op, all it saves. ``storage`` is the key and
+    bytes of the node's own output. Summing a set of nodes' keys once each plus their
+    extras is what those nodes hold; ``passes.checkpoint_regions`` sums them per stage.
+    """
+
+    keys: tuple[tuple[str, int], ...] = ()
+    extra: int = 0
+    storage: tuple[str, int] = ("", 0)
 
 MODULE_OPS: dict[type, str] = {
     nn.Linear: "linear", nn.Conv1d: "conv", nn.Conv2d: "conv", nn.Conv3d: "conv",
@@ -140,6 +158,7 @@ class _State:
         self.rg: dict[str, bool] = {}
         self.base: dict[str, tuple[str, Any]] = {}
         self.counted: set[tuple[str, Any]] = set()
+        self.saved: dict[str, tuple[tuple[tuple[str, int], ...], int]] = {}
         self.seen_params: set[int] = set()
         self.nodes: dict[str, torch.fx.Node] = {n.name: n for n in gm.graph.nodes}
 
@@ -177,8 +196,19 @@ def annotate_costs(gm: torch.fx.GraphModule, device: DeviceSpec,
     out = copy_graph_module(gm)
     st = _State(out)
     for node in out.graph.nodes:
-        COST.set(node, _node_cost(node, st, device, measured or {}))
+        cost = _node_cost(node, st, device, measured or {})
+        COST.set(node, cost)
+        keys, extra = st.saved.get(node.name, ((), cost.saved_bytes))
+        base = st.base.get(node.name, (node.name, None))
+        SAVED.set(node, SavedValues(keys, extra, (_key_name(base), st.key_bytes(base))))
     return out
+
+
+def _key_name(key: tuple[str, Any]) -> str:
+    name, idx = key
+    if isinstance(idx, tuple):  # ("copy", bytes, input position)
+        return f"{name}#copy{idx[2]}"
+    return name if idx is None else f"{name}[{idx}]"
 
 
 def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
@@ -208,6 +238,9 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
     shapes = [_shape(a) for a in in_nodes]
     out_shape = info.shape if isinstance(info, TensorInfo) else None
     attrs = _attrs(node, op, st.gm)
+    if op == "dropout" and device.name == "cpu" and isinstance(info, TensorInfo):
+        # torch's CPU dropout multiplies by a noise tensor of the input's dtype
+        attrs["mask_itemsize"] = getattr(torch, info.dtype).itemsize
     flops = op_flops(op, shapes, out_shape, attrs)
     rule = saved_rule(op, shapes, out_shape, attrs, in_rg, params_rg)
     known = flops is not None and rule is not None
@@ -227,6 +260,8 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
         saved = _saved_bytes(node, rule, in_nodes, st)
     else:
         saved = out_bytes if st.rg[node.name] else 0
+        if saved:
+            st.saved[node.name] = (((node.name, out_bytes),), 0)
     moved = sum(st.key_bytes((a.name, None)) for a in in_nodes
                 if isinstance(a, torch.fx.Node)) + out_bytes
     moved += sum(p.numel() * p.element_size() for p in params)
@@ -348,6 +383,8 @@ def _saved_bytes(node: torch.fx.Node, rule: Any, in_nodes: list[Any], st: _State
         keys.append(base)
     if rule.output:
         keys.append(st.base.get(node.name, (node.name, None)))
+    st.saved[node.name] = (tuple((_key_name(k), st.key_bytes(k)) for k in dict.fromkeys(keys)),
+                           rule.extra_bytes)
     total = rule.extra_bytes
     for key in keys:
         if key not in st.counted:

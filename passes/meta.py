@@ -44,4 +44,15 @@ PIN: MetaKey[int] = MetaKey(
     "smp.pin", "stage the node must be placed on (from smp.partition / default_partition)")
 STAGE: MetaKey[int] = MetaKey("smp.stage", "pipeline stage chosen for the node")
 
-ALL_KEYS: tuple[MetaKey[Any], ...] = (MODULE_PATH, PARAMS, TENSOR, COST, PIN, STAGE)
+SAVED: MetaKey[Any] = MetaKey(
+    "smp.saved", "passes.annotate_costs.SavedValues: the values the node saves for backward "
+    "(before deduplication across nodes) and the storage its output lives in")
+CKPT_REGION: MetaKey[Any] = MetaKey(
+    "smp.ckpt_region", "passes.checkpoint_regions.Region the node is recomputed in "
+    "(activation checkpointing)")
+PLAIN_COST: MetaKey[Any] = MetaKey(
+    "smp.plain_cost", "the node's COST without checkpointing (restored if its region is "
+    "dropped)")
+
+ALL_KEYS: tuple[MetaKey[Any], ...] = (MODULE_PATH, PARAMS, TENSOR, COST, PIN, STAGE, SAVED,
+                                      CKPT_REGION, PLAIN_COST)

@@ -20,6 +20,41 @@ from cost_model.serial import from_versioned_json, versioned_json
 
 SCHEMA_VERSION = 2
 PIPELINES = ("simple", "interleaved")
+STRATEGIES = ("each", "contiguous")
+"""Checkpointing strategies besides ``group_N`` (N consecutive children per region)."""
+
+
+@dataclass(frozen=True)
+class CheckpointRule:
+    """One module whose nodes run under activation checkpointing.
+
+    ``children`` names the module's children in order when it is an ``nn.Sequential``
+    (the strategy then groups them: ``each`` child, ``group_N`` children, or every
+    ``contiguous`` run of children on one stage); empty for any other module, which is one
+    region. ``preserve_rng_state`` replays the forward's RNG in the recomputation, so
+    dropout draws the same masks twice.
+    """
+
+    module_path: str
+    strategy: str = "each"
+    preserve_rng_state: bool = True
+    children: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "children", tuple(self.children))
+        group = self.strategy.startswith("group_") and self.strategy[6:].isdigit() and int(
+            self.strategy[6:]) >= 1
+        if self.strategy not in STRATEGIES and not group:
+            raise SMPConfigError.build(
+                "a checkpointing strategy is 'each', 'contiguous' or 'group_N' (N >= 1)",
+                self.strategy, f"module {self.module_path!r}", "use strategy='each'")
+
+    @property
+    def group_size(self) -> int:
+        """Children per region: 1 for ``each``, N for ``group_N``, 0 for ``contiguous``."""
+        if self.strategy == "contiguous":
+            return 0
+        return 1 if self.strategy == "each" else int(self.strategy[6:])
 
 
 @dataclass(frozen=True)
@@ -45,8 +80,13 @@ class PartitionConfig:
     default_partition: int = 0
     optimizer_state_factor: float = 2.0
     device: str | None = None
+    checkpointing: tuple[CheckpointRule, ...] = ()
+    offload_activations: bool = False
 
     def __post_init__(self) -> None:
+        rules = tuple(r if isinstance(r, CheckpointRule) else CheckpointRule(**r)
+                      for r in self.checkpointing)
+        object.__setattr__(self, "checkpointing", rules)
         def bad(name: str, rule: str, fix: str) -> SMPConfigError:
             return SMPConfigError.build(rule, getattr(self, name), f"PartitionConfig.{name}", fix)
 
@@ -85,7 +125,13 @@ class PartitionConfig:
         return m
 
     def to_json(self) -> dict[str, Any]:
-        return versioned_json(self, SCHEMA_VERSION)
+        """The versioned fields; the memory features are left out while off, so a plan
+        that uses none of them reads as it always did (and golden files stay put)."""
+        out = versioned_json(self, SCHEMA_VERSION)
+        for name in ("checkpointing", "offload_activations"):
+            if not out[name]:
+                del out[name]
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PartitionConfig:

@@ -2,7 +2,10 @@
 
 DESIGN.md's data flow, in order::
 
-    trace -> shape_prop -> annotate_costs -> (assign_manual | auto_partition) -> build_plan
+    trace -> shape_prop -> annotate_costs -> [mark_regions] -> (assign_manual |
+    auto_partition) -> [settle_regions] -> build_plan
+
+(the bracketed passes run with activation checkpointing, ``PartitionConfig.checkpointing``).
 
 Each pass is pure (its input GraphModule is not modified) and runs through
 ``passes.runner``, which names, times and logs it and checks the ``smp.*`` metadata it
@@ -29,6 +32,7 @@ from passes import meta
 from passes.annotate_costs import annotate_costs
 from passes.assign_manual import assign_manual
 from passes.auto_partition import partition_graph
+from passes.checkpoint_regions import keep_whole, mark_regions, settle_regions
 from passes.partition_config import PartitionConfig
 from passes.partitioning.baselines import BASELINES, run_baseline
 from passes.partitioning.extract import problem_from_graph, write_stages
@@ -149,7 +153,7 @@ def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
     def auto(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         new, result = partition_graph(gm, pconfig, comm_time)
         strategy[0] = result.strategy
-        return new
+        return keep_whole(new, pconfig, comm_time) if pconfig.checkpointing else new
 
     def manual(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         return assign_manual(gm, dict(pins or {}), pconfig.default_partition,
@@ -157,6 +161,13 @@ def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
 
     passes = [Pass("auto_partition", auto, (meta.COST,), (meta.STAGE,)) if pconfig.auto_partition
               else Pass("assign_manual", manual, (meta.COST,), (meta.STAGE,))]
+    if pconfig.checkpointing:
+        rules = pconfig.checkpointing
+        passes.insert(0, Pass("mark_regions", lambda gm: mark_regions(gm, rules),
+                              (meta.COST, meta.SAVED), ()))
+        passes.append(Pass("settle_regions",
+                           lambda gm: settle_regions(gm, not pconfig.auto_partition),
+                           (meta.STAGE,), ()))
     gm = run_passes(costed, _announced(passes, progress))
     if progress is not None:
         progress("build_plan")

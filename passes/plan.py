@@ -25,7 +25,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -40,11 +40,14 @@ from cost_model.schedule import generate
 from cost_model.simulate import SimResult, StageCost, simulate, training_step_s
 from passes import meta
 from passes.auto_partition import summarize
+from passes.checkpoint_regions import stage_activations
 from passes.partition_config import PartitionConfig
 from passes.partitioning.extract import problem_from_graph
 from passes.partitioning.problem import make_objective
 
 SCHEMA_VERSION = 2
+OPTIONAL = {"omit_default": True}
+"""Field metadata: left out of the JSON at its default (features off read as before)."""
 SHARED_HANDLING = "replicated on every stage that reads it; gradients summed across them"
 
 
@@ -67,7 +70,14 @@ class BoundaryTensor:
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes one stage needs at its peak (DESIGN.md "Costs": static + saved x in flight)."""
+    """Bytes one stage needs at its peak (DESIGN.md "Costs": static + saved x in flight).
+
+    With activation checkpointing a region keeps only its inputs (in
+    ``activations_per_microbatch``); while one region is recomputed its own saved values
+    exist too: the largest is ``recompute_transient``, counted once. With offloading the
+    region inputs (``offloaded_per_microbatch``) leave the device after each forward and
+    are not in ``activations_per_microbatch``.
+    """
 
     params: int
     grads: int
@@ -77,6 +87,8 @@ class MemoryBreakdown:
     in_flight: int
     activations: int
     total: int
+    recompute_transient: int = field(default=0, metadata=OPTIONAL)
+    offloaded_per_microbatch: int = field(default=0, metadata=OPTIONAL)
 
 
 @dataclass(frozen=True)
@@ -111,6 +123,8 @@ class StagePlan:
     sent: tuple[BoundaryTensor, ...]
     cost: float
     optimizer_time_s: float = 0.0
+    checkpointed: tuple[str, ...] = field(default=(), metadata=OPTIONAL)
+    recompute_time_s: float = field(default=0.0, metadata=OPTIONAL)
 
     @property
     def flops(self) -> float:
@@ -237,7 +251,8 @@ def _to_json(value: Any) -> Any:
     if isinstance(value, PartitionConfig):
         return value.to_json()
     if hasattr(value, "__dataclass_fields__"):
-        return {f.name: _to_json(getattr(value, f.name)) for f in fields(value)}
+        return {f.name: _to_json(getattr(value, f.name)) for f in fields(value)
+                if not (f.metadata.get("omit_default") and getattr(value, f.name) == f.default)}
     if isinstance(value, Mapping):
         return {str(k): _to_json(v) for k, v in value.items()}
     if isinstance(value, (tuple, list)):
@@ -254,8 +269,9 @@ def _boundary_from_json(b: Mapping[str, Any]) -> BoundaryTensor:
 
 def _stage_from_json(s: Mapping[str, Any]) -> StagePlan:
     d = dict(s)
-    for key in ("nodes", "modules", "module_paths", "params"):
-        d[key] = tuple(d[key])
+    for key in ("nodes", "modules", "module_paths", "params", "checkpointed"):
+        if key in d:
+            d[key] = tuple(d[key])
     d["memory"] = MemoryBreakdown(**d["memory"])
     d["received"] = tuple(_boundary_from_json(b) for b in d["received"])
     d["sent"] = tuple(_boundary_from_json(b) for b in d["sent"])
@@ -444,11 +460,15 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
         tids = {table[n][0] for n in stage_params[s]}
         par, grad, opt_b, buf = static_of(tids)
         step_s = spec.optimizer_time(sum(1 for t in tids if trainable[t]), par)
-        saved = sum(costs[n].saved_bytes for n in nodes)
+        acts = stage_activations(nodes)
+        off = acts.region_inputs if pconfig.offload_activations else 0
+        saved = acts.saved - off
         mem = MemoryBreakdown(par, grad, opt_b, buf, saved, inflight[s], saved * inflight[s],
-                              par + grad + opt_b + buf + saved * inflight[s])
+                              par + grad + opt_b + buf + saved * inflight[s] + acts.transient,
+                              acts.transient, off)
         fwd_t = sum(costs[n].fwd_time_s for n in nodes)
         bwd_t = sum(costs[n].bwd_time_s for n in nodes)
+        recompute_s = sum(costs[n].fwd_time_s for n in nodes if meta.CKPT_REGION.has(n))
         comm_s = scored.stages[s].comm_time_s
         link_s = scored.stages[s].link_time_s
         full = tuple(dict.fromkeys(meta.MODULE_PATH.get(n, "") or "" for n in nodes
@@ -466,7 +486,8 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
             memory=mem,
             received=tuple(b for b in boundaries if s in b.consumers),
             sent=tuple(b for b in boundaries if b.producer == s),
-            cost=_r(scored.stages[s].cost), optimizer_time_s=_r(step_s)))
+            cost=_r(scored.stages[s].cost), optimizer_time_s=_r(step_s),
+            checkpointed=acts.regions, recompute_time_s=_r(recompute_s)))
 
     objective = max(sp.cost for sp in stage_plans)
     shared = tuple(SharedParam(tuple(names_of[t]), bytes_of[t], tuple(sorted(readers[t])))

@@ -95,6 +95,13 @@ from smp_fx.runtime.step import StepOutput, step  # noqa: E402
 # --- checkpointing ---
 from smp_fx.ckpt.files import load, save  # noqa: E402
 
+# --- memory: activation checkpointing (offloading is the offload_activations parameter) ---
+from smp_fx.activation_checkpointing import (  # noqa: E402
+    checkpoint,
+    checkpoint_sequential,
+    set_activation_checkpointing,
+)
+
 # --- SMP 1.10 surface real clients use (checkpoint folders, reset, submodule namespaces) ---
 from smp_fx.ckpt.checkpoint_api import resume_from_checkpoint, save_checkpoint  # noqa: E402
 from smp_fx.dist.state_api import reset  # noqa: E402

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Union
 
 from cost_model.errors import SMPConfigError, not_implemented
-from passes.partition_config import PartitionConfig
+from passes.partition_config import CheckpointRule, PartitionConfig
 from smp_fx.dist.topology import Topology, normalize_placement
 
 ENV_VAR = "SM_HP_MP_PARAMETERS"
@@ -70,8 +70,11 @@ PARAMS: tuple[Param, ...] = (
     _P("active_microbatches", int, None, minimum=1, doc="default pipeline_parallel_degree + 2"),
     _P("deterministic_server", bool, False,
        doc="accepted; smp-fx's executor is deterministic by construction"),
-    _P("offload_activations", bool, False, PLANNED, used_at="DistributedModel"),
-    _P("activation_loading_horizon", int, 4, PLANNED, minimum=1, used_at="DistributedModel"),
+    _P("offload_activations", bool, False,
+       doc="checkpointed regions' inputs leave the device between forward and backward; "
+           "needs microbatches > 1 and activation checkpointing"),
+    _P("activation_loading_horizon", int, 4, minimum=1,
+       doc="schedule tasks before a microbatch's backward its offloaded inputs start back"),
     _P("tensor_parallel_degree", int, 1, TOPOLOGY_ONLY, minimum=1, used_at="DistributedModel",
        doc="ranks and groups are built; the tensor-parallel rewrite is planned"),
     _P("fp16", bool, False, PLANNED, used_at="DistributedModel"),
@@ -163,7 +166,8 @@ class SMPConfig:
                 self.require_implemented(p.name)
 
     def partition_config(self, device: str | None = None,
-                         optimizer_state_factor: float = 2.0) -> PartitionConfig:
+                         optimizer_state_factor: float = 2.0,
+                         checkpointing: tuple[CheckpointRule, ...] = ()) -> PartitionConfig:
         """What the compiler needs of this configuration, planning for the spec ``device``.
 
         The one translation from SMP parameters to the compiler's ``PartitionConfig``:
@@ -175,7 +179,8 @@ class SMPConfig:
             microbatches=self.microbatches, pipeline=self.pipeline,
             active_microbatches=self.active_microbatches, auto_partition=self.auto_partition,
             default_partition=self.default_partition,
-            optimizer_state_factor=optimizer_state_factor, device=device)
+            optimizer_state_factor=optimizer_state_factor, device=device,
+            checkpointing=checkpointing, offload_activations=self.offload_activations)
 
     def to_json(self) -> str:
         return json.dumps({"schema": SCHEMA_VERSION, "values": self.values(),
@@ -318,6 +323,14 @@ def _resolve(given: dict[str, Any]) -> SMPConfig:
         raise SMPConfigError.build(
             f"'default_partition' must be < pipeline_parallel_degree ({pp})",
             values["default_partition"], where, f"use a stage in [0, {pp})")
+    if values["offload_activations"] and min(values["microbatches"],
+                                             values["active_microbatches"]) < 2:
+        raise SMPConfigError.build(
+            "'offload_activations' needs 'microbatches' and 'active_microbatches' > 1 (with "
+            "one microbatch in flight nothing waits between its forward and backward)",
+            {"microbatches": values["microbatches"],
+             "active_microbatches": values["active_microbatches"]}, where,
+            "raise 'microbatches' (and 'active_microbatches') or drop 'offload_activations'")
     if values["tensor_parallel_degree"] > 1 and not values["ddp"]:
         raise SMPConfigError.build("'tensor_parallel_degree' > 1 requires 'ddp': true",
                                    values["tensor_parallel_degree"], where, "set 'ddp': true")

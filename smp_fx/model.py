@@ -42,6 +42,7 @@ from passes.pipeline import compile_model
 from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram, split_stages
 from passes.trace import trace
+from smp_fx.activation_checkpointing import checkpoint_rules
 from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
 from smp_fx.delayed_init import is_delayed, materialize
@@ -49,6 +50,8 @@ from smp_fx.dist import ddp, launch, state
 from smp_fx.manual import pins_by_module_path
 from smp_fx.runtime import context
 from smp_fx.runtime import executor as ex
+from smp_fx.runtime.activations import ActivationKeeper
+from smp_fx.runtime.checkpointing import outline_regions
 from smp_fx.runtime.dist_transport import DistTransport
 from smp_fx.runtime.lowering import cached_schedule
 from smp_fx.runtime.shapes import ShapeGuard, guard_for
@@ -366,6 +369,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         self._shapes = guard_for(gm, program)
         if multi and self._shapes.active:
             self._executor.check_received = self._shapes.check_received
+        self._checkpoint_stages(runners, cfg)
         if multi:
             if self._tied_groups:
                 self._executor.pre_step_hooks.append(self._snapshot_tied_grads)
@@ -379,6 +383,23 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
             n = len(inspect.signature(hook).parameters)
             first = self._optimizers[0] if self._optimizers else None
             hook(*(self, first)[:n])
+
+    def _checkpoint_stages(self, runners: dict[int, ex.StageRunner], cfg: Any) -> None:
+        """Each local stage runs its checkpointed regions under torch's checkpoint, and
+        gets the saved-tensor hooks that offload their inputs (``offload_activations``)."""
+        assert self.plan is not None and self._executor is not None
+        if cfg.offload_activations and not any(st.checkpointed for st in self.plan.stages):
+            raise SMPConfigError.build(
+                "'offload_activations' moves checkpointed regions' inputs, and no module "
+                "is checkpointed", True, "smp.DistributedModel (first smp.step)",
+                "call smp.set_activation_checkpointing(module) before the first step, or "
+                "drop 'offload_activations'")
+        self._executor.loading_horizon = cfg.activation_loading_horizon
+        for s, r in runners.items():
+            outline_regions(r.stage.module)
+            state_tensors = [*r.stage.module.parameters(), *r.stage.module.buffers()]
+            self._executor.keepers[s] = ActivationKeeper(state_tensors,
+                                                         offload=cfg.offload_activations)
 
     def _broadcast_tied(self) -> None:
         """Give every replica of a tied parameter the lowest owning rank's values."""
@@ -490,8 +511,9 @@ def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     measured = None
     if options.trace_execution_times or options.trace_memory_usage:
         measured = _measured_costs(gm, args, kwargs, options, st)
-    compiled = compile_model(module, args, kwargs, cfg.partition_config(device.name),
-                             device=device, pins=pins, measured=measured, traced=gm)
+    pconfig = cfg.partition_config(device.name, checkpointing=checkpoint_rules(module))
+    compiled = compile_model(module, args, kwargs, pconfig, device=device, pins=pins,
+                             measured=measured, traced=gm)
     return compiled.gm, compiled.plan
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -44,6 +45,7 @@ from cost_model.device import DEFAULT_DEVICE, load_device
 from cost_model.errors import SMPConfigError, SMPError
 from passes.partition_config import PartitionConfig
 from passes.pipeline import Compiled, baseline_plans, compile_model
+from smp_fx.activation_checkpointing import rules_from_patterns
 from smp_fx.cli import render
 from smp_fx.config import load_config
 from smp_fx.manual import pins_by_module_path
@@ -86,6 +88,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--active-microbatches", type=int)
     p.add_argument("--auto-partition", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--default-partition", type=int)
+    p.add_argument("--activation-checkpointing", action="append", default=[],
+                   metavar="GLOB[:STRATEGY]",
+                   help="checkpoint the modules whose path matches (strategy each, contiguous "
+                        "or group_N for an nn.Sequential); repeatable")
+    p.add_argument("--offload", action="store_true",
+                   help="offload_activations: checkpointed regions' inputs leave the device")
+    p.add_argument("--memory", action="store_true",
+                   help="print the memory breakdown (always with checkpointing or --offload)")
     p.add_argument("--optimizer-state-factor", type=float, default=2.0,
                    help="optimizer state bytes per parameter byte (Adam: 2)")
     p.add_argument("--batch-size", type=int,
@@ -167,6 +177,8 @@ def smp_parameters(args: argparse.Namespace) -> dict[str, Any]:
         if not isinstance(params, dict):
             raise SMPConfigError.build("--config must hold a JSON object",
                                        type(params).__name__, args.config, "use {...}")
+    if getattr(args, "offload", False):
+        params["offload_activations"] = True
     for flag, name in _FLAG_TO_PARAM.items():
         value = getattr(args, flag)
         if value is not None:
@@ -275,10 +287,15 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     mb_args, mb_kwargs = split_inputs(inputs, {}, pconfig.microbatches, args.non_split_input,
                                       axes, model.forward)[0]
     pins = None if pconfig.auto_partition else pins_by_module_path(model)
+    rules = rules_from_patterns(model, args.activation_checkpointing)
+    pconfig = dataclasses.replace(pconfig, checkpointing=rules)
     compiled = compile_model(model, mb_args, mb_kwargs, pconfig, device=spec,
                              frontend=args.frontend, pins=pins, progress=progress)
     plan = compiled.plan
     print(render.format_table(plan), file=out)
+    if args.memory or rules or args.offload:
+        print("", file=out)
+        print(render.format_memory(plan), file=out)
     if args.compare:
         progress("scoring baselines")
         print("", file=out)

@@ -13,7 +13,7 @@ import torch.fx
 
 from cost_model.simulate import FORWARD, SimResult
 from passes import meta
-from passes.plan import PartitionPlan
+from passes.plan import PartitionPlan, summarise_modules
 
 # one fill colour per stage (colour-blind safe Okabe-Ito palette, cycled)
 STAGE_COLOURS = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00",
@@ -95,6 +95,26 @@ def format_table(plan: PartitionPlan) -> str:
     lines.append(f"* bottleneck stage {plan.bottleneck_stage}")
     lines.append(summary_line(plan))
     return "\n".join(lines)
+
+
+def format_memory(plan: PartitionPlan) -> str:
+    """Each stage's memory: static state, activations per microbatch x in flight, the
+    recompute transient and offloaded bytes of checkpointing, and what recomputation adds
+    to the backward."""
+    header = ["stage", "params+grads", "optimizer", "act/mb", "in flight", "activations",
+              "transient", "offloaded/mb", "recompute", "total", "checkpointed"]
+    rows = []
+    for st in plan.stages:
+        m = st.memory
+        rows.append([str(st.index), human_bytes(m.params + m.grads + m.buffers),
+                     human_bytes(m.optimizer_state), human_bytes(m.activations_per_microbatch),
+                     str(m.in_flight), human_bytes(m.activations),
+                     human_bytes(m.recompute_transient), human_bytes(m.offloaded_per_microbatch),
+                     human_time(st.recompute_time_s), human_bytes(m.total),
+                     _modules_cell(summarise_modules(st.checkpointed)) or "-"])
+    return "\n".join(["memory per stage (activations per microbatch x microbatches in flight; "
+                      "a checkpointed region keeps its inputs)"]
+                     + _table(header, rows, [True] * 10 + [False]))
 
 
 @dataclass(frozen=True)

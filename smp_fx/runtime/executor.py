@@ -32,6 +32,7 @@ the transport's errors use to say what this rank was doing.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ import torch.utils._pytree as pytree
 from cost_model import schedule as sched
 from cost_model.errors import SMPRuntimeError
 from passes.split_stages import Stage, StagedProgram
+from smp_fx.runtime.activations import ActivationKeeper, prefetch_points
 from smp_fx.runtime.conductor import Conductor, Microbatch, Request
 from smp_fx.runtime.flight import FlightRecorder
 from smp_fx.runtime.lowering import Lowered, LoweredCache, Op
@@ -121,6 +123,10 @@ class Executor:
         # checks a stage's received values against this rank's model call before its
         # forward: (stage, received values by name, rank, call args, call kwargs)
         self.check_received: Callable[..., None] | None = None
+        # per stage: saved-tensor hooks that count and offload what a forward keeps
+        self.keepers: dict[int, ActivationKeeper] = {}
+        self.loading_horizon = 4
+        self._prefetch: dict[int, list[tuple[int, int]]] = {}
         self._scale = 1.0
         self._lowerings = LoweredCache(program, multi_process)
         self._step = Lowered((), {}, {}, -1, None)  # the running (or last) step's
@@ -144,6 +150,11 @@ class Executor:
             self.transport.plan_sends(stage, peer, channel, n)
         for pre in self.pre_step_hooks:
             pre(step.ops)
+        self._prefetch = {}
+        for s, keeper in self.keepers.items():
+            if keeper.offload:
+                for i, mbs in prefetch_points(step.ops, s, self.loading_horizon).items():
+                    self._prefetch.setdefault(i, []).extend((s, mb) for mb in mbs)
         self.stats = StepStats({s: 0 for s in stages}, step.ops)
         self._scale = scale
         self._data = [_MbData() for _ in microbatches]
@@ -159,6 +170,8 @@ class Executor:
         finally:
             self._data = []
             self.flight.end()
+            for keeper in self.keepers.values():
+                keeper.end_step()
         for hook in self.post_step_hooks:
             hook()
         return results
@@ -171,6 +184,8 @@ class Executor:
                 self.transport.prefetch(peer, stage, channel, n)
         self._at = i
         self.flight.mark(i)
+        for s, mb in self._prefetch.get(i, ()):
+            self.keepers[s].prefetch(mb)
         getattr(self, "_op_" + op.kind.lower())(op)
 
     def _op_recv_act(self, op: Op) -> None:
@@ -189,7 +204,9 @@ class Executor:
                 received[name] = _to_device(bound[name], runner.device)
         if self.check_received is not None and stage.recvs:
             self.check_received(s, received, self.rank, *req.args)
-        with thread_modes(req.grad_enabled, req.autocast):
+        keeper = self.keepers.get(s)
+        with thread_modes(req.grad_enabled, req.autocast), \
+                keeper.forward(mb) if keeper is not None else contextlib.nullcontext():
             outs = runner.forward([received[n] for n in stage.input_names], mb)
         d.results[s] = dict(zip(stage.output_names, outs))
         if req.grad_enabled:

@@ -66,7 +66,8 @@ TABLE: dict[str, tuple[list[Any], list[Any]]] = {
     "sdp_hierarchical_allgather": ([True, False], [1]),
     "sdp_gradient_clipping": ([0.0, 1.0, 2], [-1.0, "1"]),
 }
-NEEDS = {"tensor_parallel_degree": {"ddp": True}, "auto_partition": {"default_partition": 0}}
+NEEDS = {"tensor_parallel_degree": {"ddp": True}, "auto_partition": {"default_partition": 0},
+         "offload_activations": {"microbatches": 2}}
 
 
 def _load(cfg: Any, env: dict[str, str] | None = None) -> SMPConfig:
@@ -221,3 +222,9 @@ def test_parameter_table_lists_everything() -> None:
     root = Path(__file__).resolve().parents[2]
     for doc in ("docs/parameters.md", "README.md"):
         assert text in (root / doc).read_text(), f"{doc}'s parameter table is stale: regenerate it"
+
+
+def test_offloading_needs_several_microbatches_in_flight() -> None:
+    for extra in ({"microbatches": 1}, {"microbatches": 4, "active_microbatches": 1}):
+        with pytest.raises(SMPConfigError, match="offload_activations.*microbatches"):
+            _load({**BASE, "offload_activations": True, **extra})

@@ -107,3 +107,67 @@ def test_multi_process_gloo(pp: int) -> None:
     results = run_ranks(_multi_body, pp, pp, timeout=240)
     assert all(r == ["cnn/simple", "cnn/interleaved", "eval", "gpt/simple", "gpt/interleaved",
                      "eval"] for r in results)
+
+
+# ---- activation checkpointing and offloading ---------------------------------------------
+@pytest.mark.parametrize("strategy, offload", [("each", False), ("contiguous", False),
+                                               ("group_2", False), ("each", True)])
+def test_checkpointing_is_bitwise_the_plain_pipeline(strategy: str, offload: bool) -> None:
+    """pp 2 in one process, dropout on: checkpointed (and offloaded) training gives the very
+    losses and parameters of the plain pipeline, since recomputation replays the RNG."""
+    from tests.helpers.memory import train
+
+    plain = train(None)
+    run = train(strategy, offload=offload)
+    assert run.plan.stages[0].checkpointed and run.plan.stages[1].checkpointed
+    assert run.losses == plain.losses
+    assert [n for n, p in run.params.items() if not torch.equal(p, plain.params[n])] == []
+    state._reset()
+
+
+@pytest.mark.parametrize("name", ["gpt", "hf_gpt2"])
+def test_checkpointed_transformers_match_the_unpartitioned_model(name: str) -> None:
+    """Every transformer block checkpointed (fx-traced, and export-captured aten graphs):
+    the grid's comparison (loss, gradients, parameters against the plain single-process
+    model) still holds."""
+    import re
+
+    import smp_fx as smp
+
+    init(2, 2, "interleaved")
+    pair = Pair(name)
+    blocks = [m for n, m in pair.dm.module.named_modules()
+              if re.fullmatch(r"(model\.transformer\.)?h\.\d+", n)]
+    for block in blocks:
+        smp.set_activation_checkpointing(block)
+    pair.compare(2, 2)
+    assert sorted(r for st in pair.dm.plan.stages for r in st.checkpointed) == sorted(
+        n for n, m in pair.dm.module.named_modules() if any(m is b for b in blocks))
+    assert len(blocks) >= 2
+    state._reset()
+
+
+def _checkpointing_body() -> list[str]:
+    """pp 2 x dp 2: plain, then checkpointed and offloaded, in one world; the same losses
+    and parameters (bitwise) on every rank."""
+    import torch.distributed as dist
+
+    from tests.helpers.memory import train
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    plain = train(None, ddp=True, seed=dist.get_rank() // 2)
+    run = train("group_2", offload=True, ddp=True, seed=dist.get_rank() // 2)
+    bad = [n for n, p in run.params.items() if not torch.equal(p, plain.params[n])]
+    if run.losses != plain.losses:
+        bad.append(f"losses {run.losses} != {plain.losses}")
+    if not all(st.checkpointed for st in run.plan.stages):
+        bad.append("a stage without regions")
+    state._reset()
+    return bad
+
+
+@pytest.mark.multiproc
+def test_checkpointing_across_processes_with_data_parallelism() -> None:
+    for bad in run_ranks(_checkpointing_body, 4, timeout=240):
+        assert bad == [], bad

@@ -240,6 +240,10 @@ def test_device_spec_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
          "must be an integer"),
         (["{mlp}", "--partitions", "2", "--device", "/nonexistent/spec.json"],
          "built-in name or a JSON file"),
+        (["{mlp}", "--partitions", "2", "--activation-checkpointing", "nothing.*"],
+         "no module path matches"),
+        (["{mlp}", "--partitions", "2", "--microbatches", "1", "--offload"],
+         "offload_activations"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str],
@@ -264,6 +268,28 @@ def test_dispatch_and_console_script(tmp_path: Path) -> None:
     assert "bottleneck stage" in result.stdout
     assert "trace" in result.stderr  # progress lines
     assert (tmp_path / "p.json").exists()
+
+
+def test_activation_checkpointing_shows_the_memory_breakdown(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Checkpointing every block keeps less per microbatch, adds recomputation to the
+    backward and a transient; the breakdown is printed and the JSON records the rules."""
+    gpt = str(MODELS / "gpt.py")
+    base = [gpt, "--partitions", "2", "--microbatches", "4", "--device", "a100",
+            "--memory-weight", "1.0"]
+    code, plain_out, _ = _run(capsys, *base, "--memory", "--json", str(tmp_path / "a.json"))
+    assert code == 0 and "memory per stage" in plain_out
+    code, out, _ = _run(capsys, *base, "--activation-checkpointing", "h.*", "--offload",
+                        "--json", str(tmp_path / "b.json"))
+    assert code == 0 and "memory per stage" in out and "offloaded/mb" in out
+    plain = PartitionPlan.loads((tmp_path / "a.json").read_text())
+    plan = PartitionPlan.loads((tmp_path / "b.json").read_text())
+    assert {r.module_path for r in plan.config.checkpointing} >= {"h.0", "h.1"}
+    assert plan.config.offload_activations
+    per_mb = sum(st.memory.activations_per_microbatch for st in plan.stages)
+    assert per_mb < sum(st.memory.activations_per_microbatch for st in plain.stages)
+    assert any(st.checkpointed and st.recompute_time_s > 0 and st.memory.recompute_transient
+               for st in plan.stages)
 
 
 META_MODEL = '''

@@ -77,21 +77,29 @@ PARAMS: tuple[Param, ...] = (
        doc="schedule tasks before a microbatch's backward its offloaded inputs start back"),
     _P("tensor_parallel_degree", int, 1, TOPOLOGY_ONLY, minimum=1, used_at="DistributedModel",
        doc="ranks and groups are built; the tensor-parallel rewrite is planned"),
-    _P("fp16", bool, False, PLANNED, used_at="DistributedModel"),
-    _P("fp16_params", bool, False, PLANNED, used_at="DistributedModel"),
-    _P("shard_optimizer_state", bool, False, PLANNED, used_at="DistributedOptimizer"),
+    _P("fp16", bool, False, used_at="DistributedModel",
+       doc="half-precision model, fp32 master weights and loss scaling in "
+           "DistributedOptimizer (docs/precision.md)"),
+    _P("fp16_params", bool, False, used_at="DistributedModel",
+       doc="parameters held in half precision (implied by fp16)"),
+    _P("shard_optimizer_state", bool, False, used_at="DistributedOptimizer",
+       doc="ZeRO-1: each stage's optimizer state sharded over its dp group; needs ddp"),
     _P("prescaled_batch", bool, False, PLANNED, used_at="DistributedModel"),
     _P("skip_tracing", bool, False, PLANNED, used_at="DistributedModel"),
-    _P("sharded_data_parallel_degree", int, 1, PLANNED, minimum=1, used_at="init",
-       doc="> 1 is rejected at smp.init (changes the topology)"),
-    _P("sdp_reduce_bucket_size", int, 500_000_000, PLANNED, minimum=1,
-       used_at="DistributedModel"),
-    _P("sdp_param_persistence_threshold", int, 1_000_000, PLANNED, minimum=0,
-       used_at="DistributedModel"),
-    _P("sdp_max_live_parameters", int, 1_000_000_000, PLANNED, minimum=1,
-       used_at="DistributedModel"),
-    _P("sdp_hierarchical_allgather", bool, True, PLANNED, used_at="DistributedModel"),
-    _P("sdp_gradient_clipping", float, 1.0, PLANNED, minimum=0.0, used_at="DistributedModel"),
+    _P("sharded_data_parallel_degree", int, 1, minimum=1, used_at="DistributedModel",
+       doc="FSDP2 over groups of this many dp ranks (docs/precision.md); needs ddp"),
+    _P("sdp_reduce_bucket_size", int, 500_000_000, minimum=1, used_at="DistributedModel",
+       doc="elements per FSDP2 unit (one all-gather and one reduce-scatter each)"),
+    _P("sdp_param_persistence_threshold", int, 1_000_000, minimum=0,
+       used_at="DistributedModel",
+       doc="parameters with fewer elements are replicated, not sharded"),
+    _P("sdp_max_live_parameters", int, 1_000_000_000, minimum=1, used_at="DistributedModel",
+       doc="bound on gathered parameter elements; a plan above it is rejected"),
+    _P("sdp_hierarchical_allgather", bool, True, used_at="DistributedModel",
+       doc="true on one node (flat = hierarchical); explicit true on several nodes is "
+           "rejected"),
+    _P("sdp_gradient_clipping", float, 1.0, minimum=0.0, used_at="DistributedModel",
+       doc="with sdp, the global gradient norm is clipped to this at optimizer.step (0: off)"),
 )
 BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
 ALIASES: dict[str, str] = {"partitions": "pipeline_parallel_degree"}
@@ -334,10 +342,34 @@ def _resolve(given: dict[str, Any]) -> SMPConfig:
     if values["tensor_parallel_degree"] > 1 and not values["ddp"]:
         raise SMPConfigError.build("'tensor_parallel_degree' > 1 requires 'ddp': true",
                                    values["tensor_parallel_degree"], where, "set 'ddp': true")
-    if values["sharded_data_parallel_degree"] > 1:
-        raise not_implemented("sharded data parallelism", "sharded_data_parallel_degree",
-                              "remove it or set it to 1")
+    _check_sharding(values, where)
     return SMPConfig(**values, explicit=frozenset(given))
+
+
+def _check_sharding(values: dict[str, Any], where: str) -> None:
+    """The rules of optimizer-state sharding and sharded data parallelism that one rank can
+    check (the dp size is checked in ``resolve_topology``)."""
+    sdp = values["sharded_data_parallel_degree"]
+    if values["shard_optimizer_state"] and not values["ddp"]:
+        raise SMPConfigError.build("'shard_optimizer_state' requires 'ddp': true", True, where,
+                                   "set 'ddp': true (the state is sharded over the dp group)")
+    if sdp > 1 and not values["ddp"]:
+        raise SMPConfigError.build("'sharded_data_parallel_degree' > 1 requires 'ddp': true",
+                                   sdp, where, "set 'ddp': true")
+    if sdp > 1 and values["shard_optimizer_state"]:
+        raise SMPConfigError.build(
+            "'shard_optimizer_state' and 'sharded_data_parallel_degree' > 1 both shard the "
+            "optimizer state", sdp, where,
+            "drop 'shard_optimizer_state' (sharded data parallelism shards it already)")
+    if sdp > 1 and (values["fp16"] or values["fp16_params"]):
+        raise not_implemented("fp16 with sharded data parallelism",
+                              "sharded_data_parallel_degree",
+                              "use bf16 autocast in the smp.step function with sharded data "
+                              "parallelism")
+    if sdp > 1 and values["tensor_parallel_degree"] > 1:
+        raise not_implemented("sharded data parallelism with tensor parallelism",
+                              "sharded_data_parallel_degree",
+                              "use tensor_parallel_degree 1 with sharded data parallelism")
 
 
 def resolve_topology(config: SMPConfig, world_size: int) -> tuple[Topology, bool]:
@@ -353,13 +385,26 @@ def resolve_topology(config: SMPConfig, world_size: int) -> tuple[Topology, bool
                 "a single process runs all pipeline stages in-process but cannot run "
                 "tensor parallelism", tp, "tensor_parallel_degree",
                 f"launch {pp * tp} (or a multiple) processes, e.g. smp-fx run -n {pp * tp}")
+        _check_sdp_divides(config, 1, world_size, pp)
         return Topology(pp, 1, 1, config.placement), True
     if world_size % (pp * tp) != 0:
         raise SMPConfigError.build(
             f"world size must be divisible by pipeline_parallel_degree x "
             f"tensor_parallel_degree = {pp} x {tp}", world_size, "smp.init",
             f"launch a multiple of {pp * tp} processes, or 1 process for an in-process pipeline")
-    return Topology(pp, tp, world_size // (pp * tp), config.placement), False
+    rdp = world_size // (pp * tp)
+    _check_sdp_divides(config, rdp * tp, world_size, pp)
+    return Topology(pp, tp, rdp, config.placement), False
+
+
+def _check_sdp_divides(config: SMPConfig, dp: int, world_size: int, pp: int) -> None:
+    sdp = config.sharded_data_parallel_degree
+    if sdp > 1 and dp % sdp != 0:
+        raise SMPConfigError.build(
+            "'sharded_data_parallel_degree' must divide the data-parallel degree "
+            f"(world {world_size} / pipeline {pp} = {dp})", sdp,
+            "sharded_data_parallel_degree",
+            f"use a divisor of {dp}, or launch more processes")
 
 
 def _known(name: str) -> Param:

@@ -35,6 +35,7 @@ from cost_model.errors import (
     SMPConfigError,
     SMPPartitionError,
     SMPRuntimeError,
+    not_implemented,
 )
 from cost_model.measure import measure_nodes
 from passes import meta
@@ -43,10 +44,11 @@ from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram, split_stages
 from passes.trace import trace
 from smp_fx.activation_checkpointing import checkpoint_rules
+from smp_fx.amp import fp16
 from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
 from smp_fx.delayed_init import is_delayed, materialize
-from smp_fx.dist import ddp, launch, state
+from smp_fx.dist import clip, ddp, launch, sdp, state
 from smp_fx.manual import pins_by_module_path
 from smp_fx.runtime import context
 from smp_fx.runtime import executor as ex
@@ -54,6 +56,7 @@ from smp_fx.runtime.activations import ActivationKeeper
 from smp_fx.runtime.checkpointing import outline_regions
 from smp_fx.runtime.dist_transport import DistTransport
 from smp_fx.runtime.lowering import cached_schedule
+from smp_fx.runtime.modes import Autocast, autocast_state, thread_modes
 from smp_fx.runtime.shapes import ShapeGuard, guard_for
 from smp_fx.runtime.transport import InProcessTransport, Transport
 
@@ -146,6 +149,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         self._post_step_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizers: list[DistributedOptimizer] = []
         self._tied_groups: list[tuple[Any, list[str]]] = []
+        self._tied_duplicates: frozenset[str] = frozenset()
         # tied gradients as they were when the current reduction window began (already
         # summed over the owners): only what the window adds is summed again
         self._tied_base: dict[str, torch.Tensor | None] | None = None
@@ -157,6 +161,12 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         self.plan: PartitionPlan | None = None  # once partitioned
         self._shapes: ShapeGuard | None = None  # once partitioned
         self._ddp: ddp.DataParallel | None = None
+        self._sdp: sdp.ShardedDataParallel | None = None
+        self._loss_scale: Callable[[], float] | None = None
+        cfg = state.get().config if state.is_initialized() else None
+        self._fp16 = bool(cfg is not None and cfg.fp16)
+        if cfg is not None and (cfg.fp16 or cfg.fp16_params):
+            module.half()  # same Parameter objects: an optimizer built earlier still holds them
         context.set_current_model(self)
         checkpoint_api.adopt_pending(model=self)  # smp.resume_from_checkpoint came first
         for opt in context.waiting_optimizers():
@@ -185,15 +195,28 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         return self.module
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fp16:  # FP16_Module: half inputs in, fp32 outputs out
+            args, kwargs = fp16.half_inputs(args, kwargs)
         if context.capturing_inputs():
-            raise context.Captured(args, kwargs)
+            raise context.Captured(args, kwargs, autocast_state())
         ctx = context.turn()
         if ctx is None or self._executor is None or ctx[0] is not self._executor.conductor:
             raise SMPRuntimeError.build(OUTSIDE_STEP, None, "DistributedModel.__call__",
                                         "call the model inside an @smp.step function")
         if self._shapes is not None:
             self._shapes.check_call(args, kwargs)
-        return ctx[0].forward_request(ctx[1], args, kwargs)
+        out = ctx[0].forward_request(ctx[1], args, kwargs)
+        return fp16.float_outputs(out) if self._fp16 else out
+
+    @property
+    def loss_scale(self) -> float:
+        """What ``model.backward`` multiplies the loss by: the fp16 optimizer's loss scale
+        (``smp.DistributedOptimizer`` with ``fp16``), else 1."""
+        return self._loss_scale() if self._loss_scale is not None else 1.0
+
+    def set_loss_scale(self, scale: Callable[[], float]) -> None:
+        """Let an fp16 optimizer supply the loss scale of every later backward."""
+        self._loss_scale = scale
 
     def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
         """Distributed backward across the stages; like ``torch.autograd.backward``."""
@@ -235,8 +258,52 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         if self.partitioned:
             optimizer._localize(self)
 
+    def is_distributed_parameter(self, param: torch.Tensor) -> bool:
+        """Whether ``param`` is a tensor-parallel shard (each tp rank holds a different
+        part). Every parameter is replicated across tp ranks until the tensor-parallel
+        rewrite exists, so this is False."""
+        return False
+
+    def tied_duplicates(self) -> frozenset[str]:
+        """Local parameter names (``local_named_parameters``') that replicate a tied
+        parameter a lower pipeline stage also holds (in-process stages share one object,
+        so there are none)."""
+        return self._tied_duplicates
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False) -> torch.Tensor:
+        """Clip every local gradient by the total norm of the whole (unpartitioned) model,
+        as FSDP's ``clip_grad_norm_``; returns that norm. Call it on every rank after the
+        ``smp.step`` call (it is a collective over the model-parallel group); see
+        ``smp_fx.dist.clip``."""
+        return clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+
+    @property
+    def shards_parameters(self) -> bool:
+        """Whether sharded data parallelism holds the local parameters as shards."""
+        return self._sdp is not None
+
+    def local_state_dict(self) -> dict[str, Any]:
+        """This rank's parameters and buffers (see ``ModelCheckpointMixin``)."""
+        if self.shards_parameters:
+            raise not_implemented(
+                "checkpoints of sharded data parallel models", "sharded_data_parallel_degree",
+                "checkpoint without sharded data parallelism (optimizer-state sharding, "
+                "shard_optimizer_state, checkpoints)")
+        return super().local_state_dict()
+
+    def _smp_load_now(self, state_dict: Any, strict: bool) -> Any:
+        result = super()._smp_load_now(state_dict, strict)
+        for opt in self._optimizers:  # fp16: the fp32 masters follow the loaded weights
+            opt.after_model_load()
+        return result
+
     def join(self, throw_on_early_termination: bool = False) -> Any:
         """Context manager for uneven numbers of batches across data-parallel ranks (ddp)."""
+        if state.get().config.sharded_data_parallel_degree > 1:
+            raise not_implemented("DistributedModel.join() with sharded data parallelism",
+                                  "sharded_data_parallel_degree",
+                                  "give every data-parallel rank the same number of batches")
         return ddp.join(self, throw_on_early_termination)
 
     def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
@@ -329,8 +396,12 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
     def _in_process(self) -> bool:
         return self._transport_kind == "in_process"
 
-    def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Trace on one microbatch's model inputs, plan, split, place; same on every rank."""
+    def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   autocast: Autocast = ()) -> None:
+        """Trace on one microbatch's model inputs, plan, split, place; same on every rank.
+
+        ``autocast`` is the step function's autocast at its ``model(...)`` call: shapes and
+        costs are taken under it, so the plan counts the bytes the stages will hold."""
         st = state.get()
         cfg = st.config
         p = cfg.pipeline_parallel_degree
@@ -340,7 +411,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
             # keeps tied parameters tied (one Parameter shared by the stages)
             materialize(self.module, st.device)
         with context.tracing():
-            gm, self.plan = _plan_stages(self.module, args, kwargs, p, self.options)
+            gm, self.plan = _plan_stages(self.module, args, kwargs, p, self.options, autocast)
         if not st.in_process and st.world_size > 1:
             _agree_on_plan(gm, st)
         program = split_stages(gm, p)
@@ -361,6 +432,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         delayed = any(is_delayed(r.module) for r in runners.values())
         # tied parameters are found by the original objects, before materialising
         self._tied_groups = _tied_groups(program, st, self.canonical_names) if multi else []
+        if multi:
+            self._tied_duplicates = _tied_duplicates(program, pp_rank, self.canonical_names)
         for s, r in runners.items():
             _materialise(r.module, devices[s])
         self._program, self._runners = program, runners
@@ -376,7 +449,10 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
                 self._executor.post_step_hooks.append(self._reduce_tied_grads)
                 if delayed:  # replicas initialised on different ranks: take the first's
                     self._broadcast_tied()
-        self._ddp = ddp.enable(self)  # None unless ddp with several replicas
+        if cfg.sharded_data_parallel_degree > 1:
+            self._sdp = sdp.enable(self)
+        else:
+            self._ddp = ddp.enable(self)  # None unless ddp with several replicas
         for opt in self._optimizers:
             opt._localize(self)
         for hook in list(self._hooks.values()):
@@ -416,7 +492,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
             return  # ddp accumulating over several steps: the window began earlier
         params = dict(self.local_named_parameters())
         grads = {n: params[n].grad for _, names in self._tied_groups for n in names}
-        self._tied_base = {n: None if g is None else g.detach().clone()
+        self._tied_base = {n: None if g is None else _local_view(g).detach().clone()
                            for n, g in grads.items()}
 
     def _reduce_tied_grads(self) -> None:
@@ -436,26 +512,33 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
             ts = [params[n] for n in names]
             parts = []
             for n, p in zip(names, ts):
-                g = p.grad if p.grad is not None else torch.zeros_like(p)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                g = _local_view(p.grad)
                 b = base.get(n)
                 parts.append((g - b if b is not None else g).reshape(-1))
             flat = torch.cat(parts)
             dist.all_reduce(flat, group=group)
             offset = 0
             for n, p in zip(names, ts):
-                g = flat[offset:offset + p.numel()].view_as(p)
-                offset += p.numel()
+                assert p.grad is not None
+                local = _local_view(p.grad)
+                g = flat[offset:offset + local.numel()].view_as(local)
+                offset += local.numel()
                 b = base.get(n)
-                total = g + b if b is not None else g.clone()
-                if p.grad is None:
-                    p.grad = total
-                else:
-                    p.grad.copy_(total)
+                local.copy_(g + b if b is not None else g)
 
     def schedule(self, num_microbatches: int, forward_only: bool) -> sched.Schedule:
         cfg = state.get().config
         return cached_schedule(cfg.pipeline, cfg.pipeline_parallel_degree, num_microbatches,
                                cfg.active_microbatches, forward_only)
+
+
+def _local_view(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a sharded (DTensor) gradient, else
+    ``t``. Tied replicas on several stages are sharded alike over equal dp groups, so
+    their shards line up."""
+    return getattr(t, "_local_tensor", t)
 
 
 def _in_process_devices(p: int, device: torch.device,
@@ -492,7 +575,7 @@ def _materialise(module: nn.Module, device: torch.device) -> None:
 
 
 def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 num_stages: int, options: ModelOptions
+                 num_stages: int, options: ModelOptions, autocast: Autocast = ()
                  ) -> tuple[torch.fx.GraphModule, PartitionPlan]:
     """Trace once, cost and partition with the compile pipeline; (GraphModule with STAGE, plan).
 
@@ -510,10 +593,12 @@ def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
     gm = trace(module, args, kwargs)
     measured = None
     if options.trace_execution_times or options.trace_memory_usage:
-        measured = _measured_costs(gm, args, kwargs, options, st)
+        with thread_modes(torch.is_grad_enabled(), autocast):
+            measured = _measured_costs(gm, args, kwargs, options, st)
     pconfig = cfg.partition_config(device.name, checkpointing=checkpoint_rules(module))
-    compiled = compile_model(module, args, kwargs, pconfig, device=device, pins=pins,
-                             measured=measured, traced=gm)
+    with thread_modes(torch.is_grad_enabled(), autocast):
+        compiled = compile_model(module, args, kwargs, pconfig, device=device, pins=pins,
+                                 measured=measured, traced=gm)
     return compiled.gm, compiled.plan
 
 
@@ -580,6 +665,16 @@ def _agree_on_plan(gm: torch.fx.GraphModule, st: state.State) -> None:
     for node, (_, stage) in zip(gm.graph.nodes, theirs):
         if stage is not None:
             meta.STAGE.set(node, stage)
+
+
+def _tied_duplicates(program: StagedProgram, stage: int,
+                     canonical: dict[str, str]) -> frozenset[str]:
+    """Names (canonical, as ``local_named_parameters`` gives them) of ``stage``'s parameters
+    whose tied twin a lower stage holds too."""
+    lower = {canonical.get(n, n) for s in range(stage)
+             for n, _ in program.stages[s].module.named_parameters()}
+    mine = {canonical.get(n, n) for n, _ in program.stages[stage].module.named_parameters()}
+    return frozenset(mine & lower)
 
 
 def _tied_groups(program: StagedProgram, st: state.State,

@@ -12,10 +12,10 @@ with the reason, not with an ``AttributeError`` that reads like a typo. A name S
 had stays an ``AttributeError``.
 
 >>> import smp_fx as smp
->>> smp.amp.GradScaler  # doctest: +ELLIPSIS
+>>> smp.nn.DistributedTransformer  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-smp_fx.SMPNotImplementedError: 'smp.amp.GradScaler' (SMP's replacement for torch.amp.GradScaler...
+smp_fx.SMPNotImplementedError: 'smp.nn.DistributedTransformer' (tensor-parallel transformer...
 """
 
 from __future__ import annotations

@@ -13,6 +13,20 @@ are the wrapped optimizer's. An optimizer built before its ``DistributedModel`` 
 Hugging Face Trainer builds the optimizer, then wraps the model) is adopted by the model
 when the model is created.
 
+Precision and memory (docs/precision.md):
+
+* ``fp16``: the wrapped optimizer steps fp32 master copies of the local parameters
+  (``smp_fx.amp.fp16.MasterWeights``) with a loss scaler built from ``static_loss_scale``,
+  ``dynamic_loss_scale`` and ``dynamic_loss_args`` (Megatron's ``FP16_Optimizer``);
+  ``step`` skips on every rank when any rank overflowed (``overflow``), and
+  ``clip_master_grads`` clips the masters by the whole model's norm. Without ``fp16``
+  these arguments are accepted and unused, as in SMP.
+* ``shard_optimizer_state``: the param groups are narrowed further to the parameters this
+  rank owns in its dp group (``smp_fx.dist.zero``); ``step`` broadcasts them after
+  stepping; ``local_state_dict()`` merges the stage's shards over the dp group
+  (``gather_if_shard=False``: this rank's shard), ``state_dict`` gathers every shard.
+* sharded data parallelism: ``step`` clips the global norm to ``sdp_gradient_clipping``.
+
 >>> import torch
 >>> opt = DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
 >>> sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -22,30 +36,62 @@ when the model is created.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from collections import OrderedDict
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
-from cost_model.errors import SMPRuntimeError
+from cost_model.errors import SMPRuntimeError, not_implemented
+from smp_fx.amp.fp16 import MasterWeights
+from smp_fx.amp.loss_scaler import LossScaler, make_scaler
 from smp_fx.ckpt import checkpoint_api
-from smp_fx.ckpt.mixins import OptimizerCheckpointMixin
-from smp_fx.dist import state
+from smp_fx.ckpt.mixins import OptimizerCheckpointMixin, StateDict
+from smp_fx.ckpt.state_dict import merge_partial_optimizer_states
+from smp_fx.dist import clip, comm, state
 from smp_fx.dist.ddp import guard_optimizer
+from smp_fx.dist.zero import OptimizerShards
 from smp_fx.runtime import context
 from smp_fx.runtime.context import current_model
+
+log = logging.getLogger("smp_fx.optimizer")
+
+MASTER_KEY = "fp32_master"
+"""Per-parameter optimizer state entry holding its fp32 master weight (fp16 training)."""
+SCALER_KEY = "loss_scaler"
+"""Param-group entry holding the loss scaler's state in a saved fp16 optimizer state."""
 
 
 class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     """See the module docstring."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:  # noqa: D107
+    # torch.amp.GradScaler must unscale (and agree on infs) before calling step()
+    _step_supports_amp_scaling = False
+
+    def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: float | None = 1.0,
+                 dynamic_loss_scale: bool = False, **dynamic_loss_args: Any) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise SMPRuntimeError.build("DistributedOptimizer wraps a torch.optim.Optimizer",
                                         type(optimizer).__name__, "smp.DistributedOptimizer",
                                         "pass an optimizer instance")
-        if state.is_initialized():  # shard_optimizer_state & co: an error, never ignored
-            state.get().config.check_features("DistributedOptimizer")
+        cfg = state.get().config if state.is_initialized() else None
+        if cfg is not None:  # a configured feature smp-fx lacks: an error, never ignored
+            cfg.check_features("DistributedOptimizer")
+        nested = dynamic_loss_args.pop("dynamic_loss_args", None)  # SMP scripts pass a dict
+        if isinstance(nested, Mapping):
+            dynamic_loss_args = {**nested, **dynamic_loss_args}
+        scaler = make_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
+        self.fp16 = bool(cfg is not None and cfg.fp16)
+        if not self.fp16 and (dynamic_loss_scale or static_loss_scale not in (None, 1.0)):
+            log.info("smp-fx: loss-scaling arguments apply with 'fp16': true only; unused")
+        self._scaler: LossScaler = scaler
+        self._masters: MasterWeights | None = None
+        self._shards: OptimizerShards | None = None
+        self._local_params: list[torch.Tensor] = []
+        self._model_ref: Any = None
+        self.overflow = False
         self.optimizer = optimizer
         guard_optimizer(optimizer)  # optimizer.step() inside smp.step raises (smp_fx.dist.ddp)
         self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
@@ -59,6 +105,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         self.global_index: dict[int, int] = {id(p): i for i, p in enumerate(flat)}
         self._localized = False
         self._names: dict[int, str] = {}
+        self._local_params = flat  # until a model's partitioning narrows them
         context.set_current_optimizer(self)
         model = current_model()
         if model is not None and model.owns_parameters(flat):
@@ -76,9 +123,8 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     @property
     def step_was_skipped(self) -> bool:
         """Whether the last ``step()`` skipped the update (what accelerate asks of its
-        optimizers). Only loss scaling skips steps, and smp-fx has none (``fp16`` is not
-        implemented), so never."""
-        return False
+        optimizers): with fp16, when some rank's gradients overflowed."""
+        return self.overflow
 
     def parameters_held(self) -> list[torch.Tensor]:
         """Every parameter of the wrapped optimizer, in group order."""
@@ -89,6 +135,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         parameters are named by its module's names and narrowed at its partitioning."""
         context.stop_waiting(self)
         self._names = {id(p): n for n, p in model.module.named_parameters()}
+        self._model_ref = weakref.ref(model)
         self._smp_name_parameters(model)
         model.attach_optimizer(self)
         checkpoint_api.adopt_pending(optimizer=self)
@@ -126,11 +173,106 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     def __repr__(self) -> str:
         return f"DistributedOptimizer({self.optimizer!r})"
 
+    # ---- stepping ----------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        """The loss scale ``model.backward`` multiplies the loss by (1.0 without fp16)."""
+        return self._scaler.loss_scale if self._masters is not None else 1.0
+
     def step(self, closure: Any = None) -> Any:
-        return self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        """Step this rank's parameters; with fp16 skip on every rank if any overflowed;
+        with optimizer-state sharding broadcast what this rank owns (a collective over
+        the dp group: every dp rank calls it)."""
+        masters = self._masters
+        if masters is not None:
+            self.overflow = masters.prepare()
+            self._scaler.update_scale(self.overflow)
+            if self.overflow:
+                log.info("smp-fx fp16: gradient overflow, step skipped; loss scale now %g",
+                         self._scaler.loss_scale)
+                return None
+        self._clip_for_sdp()
+        out = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
+        if masters is not None:
+            masters.masters_to_model()
+        if self._shards is not None:
+            self._shards.broadcast()
+        return out
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients the optimizer steps by the norm of the whole model; returns
+        that norm (-1 on an fp16 overflow, whose step is skipped anyway), as Megatron's
+        ``FP16_Optimizer.clip_master_grads``. Without fp16 it clips the model's gradients
+        (``DistributedModel.clip_grad_norm_``). A collective: call it on every rank."""
+        model = self._model()
+        if self._masters is None:
+            if model is None:
+                params = [p for g in self.param_groups for p in g["params"]]
+                return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+            return clip.clip_grad_norm_(model, max_norm, norm_type)
+        if self._masters.prepare():
+            return torch.tensor(-1.0)
+        params = [p for g in self.param_groups for p in g["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        counted, extra = self._norm_terms(params)
+        return clip.clip_grads(grads, counted, max_norm, norm_type, extra_groups=extra)
+
+    def global_grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The L2 norm of the whole model's gradients, from ``params`` (parameters this
+        optimizer holds: fp32 masters, or this rank's shard) on every rank; what
+        ``smp.optimizers.FusedLamb`` clips by when wrapped. A collective."""
+        counted, extra = self._norm_terms(params)
+        return clip.global_norm(counted, 2.0, extra)
+
+    def _norm_terms(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
+        """(the gradients of ``params`` this rank counts, the groups to sum over besides
+        the model-parallel one): replicas are counted once, by the model's own parameter
+        behind each master; a sharded optimizer state sums over the dp group too."""
+        model = self._model()
+        if model is None:
+            return [p.grad for p in params if p.grad is not None], []
+        model_of = self._masters.model_of if self._masters is not None else {}
+        behind = [model_of.get(id(p), p) for p in params]
+        _, chosen = clip.counted_parameters(model, behind)
+        ids = {id(q) for q in chosen}
+        counted = [p.grad for p, q in zip(params, behind)
+                   if p.grad is not None and id(q) in ids]
+        return counted, [self._shards.group] if self._shards is not None else []
+
+    def _clip_for_sdp(self) -> None:
+        """Sharded data parallelism clips the global norm at every step, as SMP does."""
+        model = self._model()
+        if model is None or not state.is_initialized():
+            return
+        cfg = state.get().config
+        if cfg.sharded_data_parallel_degree > 1 and cfg.sdp_gradient_clipping > 0:
+            clip.clip_grad_norm_(model, cfg.sdp_gradient_clipping)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the gradients of every local parameter (also those another dp rank owns
+        under optimizer-state sharding) and of the fp32 masters."""
         self.optimizer.zero_grad(set_to_none=set_to_none)
+        _zero_grads(self._local_params, set_to_none)
+        if self._masters is not None:
+            self._masters.zero_grad()
+
+    def local_state_bytes(self) -> int:
+        """Bytes of this rank's optimizer state: every state tensor (a sharded tensor's
+        local part), plus the fp32 master weights with fp16. What sharding divides."""
+        seen: set[int] = set()
+        total = 0
+        tensors = [v for st in self.optimizer.state.values() for v in st.values()]
+        if self._masters is not None:
+            tensors += [m for _, m in self._masters.pairs]
+        for t in tensors:
+            if isinstance(t, torch.Tensor) and id(t) not in seen:
+                seen.add(id(t))
+                local = getattr(t, "_local_tensor", t)
+                total += local.numel() * local.element_size()
+        return total
+
+    def _model(self) -> Any:
+        return self._model_ref() if self._model_ref is not None else None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
@@ -158,3 +300,106 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
             group["params"] = kept
         self.global_index = index
         self._localized = True
+        self._local_params = list(local.values())
+        self._shard(model)
+        if hasattr(self.optimizer, "set_grad_norm_fn"):  # LAMB: the whole model's norm
+            self.optimizer.set_grad_norm_fn(self.global_grad_norm)
+        if self.fp16:
+            self._masters = MasterWeights(self.optimizer, self._scaler)
+            for p, m in self._masters.pairs:
+                self.global_index[id(m)] = self.global_index[id(p)]
+            model.set_loss_scale(lambda: self.loss_scale)
+            model.executor.pre_step_hooks.append(self._grads_may_change)
+
+    def _shard(self, model: Any) -> None:
+        """Optimizer-state sharding: keep only the parameters this rank owns."""
+        if not state.is_initialized() or not state.get().config.shard_optimizer_state:
+            return
+        st = state.get()
+        ranks = st.group_ranks("dp")
+        if len(ranks) == 1:
+            return
+        if any(model.is_distributed_parameter(p) for p in self._local_params):
+            raise SMPRuntimeError.build(
+                "optimizer-state sharding of tensor-parallel shards is not built",
+                "shard_optimizer_state", "smp.DistributedOptimizer",
+                "set shard_optimizer_state false with tensor parallelism")
+        shards = OptimizerShards(self._local_params, st.group("dp"), ranks,
+                                 st.axis_rank("dp"))
+        for group in self.optimizer.param_groups:
+            group["params"] = [p for p in group["params"] if shards.owns(p)]
+        self._shards = shards
+
+    def _grads_may_change(self, ops: Iterable[Any]) -> None:
+        """Executor pre-step hook: a training step makes the master gradients stale."""
+        if self._masters is not None and any(op.kind == "B" for op in ops):
+            self._masters.mark_stale()
+
+    # ---- checkpoints: fp16 masters and the loss scaler ride in the optimizer state -------
+    def local_state_dict(self, cast_to_cpu: bool = True,
+                         gather_if_shard: bool = True) -> StateDict:
+        """This rank's optimizer state by FQN; with fp16 each parameter's state carries its
+        fp32 master (``fp32_master``) and each param group the loss scaler's state
+        (``loss_scaler``). With optimizer-state sharding, ``gather_if_shard`` merges the
+        shards of this stage's dp group (a collective over it: every dp rank calls it);
+        ``False`` gives this rank's shard alone."""
+        model = self._model()
+        if model is not None and model.shards_parameters:
+            raise not_implemented(
+                "optimizer checkpoints under sharded data parallelism",
+                "sharded_data_parallel_degree", "use shard_optimizer_state to checkpoint")
+        sd = super().local_state_dict(cast_to_cpu, gather_if_shard)
+        masters = self._masters
+        if masters is not None:
+            names = self._smp_flat_names()
+            for _, m in masters.pairs:
+                name = names[self.global_index[id(m)]]
+                assert name is not None
+                saved = m.detach().cpu() if cast_to_cpu else m.detach()
+                sd["state"].setdefault(name, {})[MASTER_KEY] = saved.clone()
+            for g in sd["param_groups"]:
+                g[SCALER_KEY] = self._scaler.state_dict()
+        if self._shards is not None and gather_if_shard:
+            sd = merge_partial_optimizer_states(comm.allgather(sd, comm.DP_GROUP))
+        return sd
+
+    @property
+    def shards_state(self) -> bool:
+        """Whether this rank holds a shard of its stage's optimizer state (ZeRO-1)."""
+        return self._shards is not None
+
+    def _smp_load_now(self, state_dict: Mapping[str, Any]) -> None:
+        super()._smp_load_now(state_dict)
+        masters = self._masters
+        if masters is None:
+            return
+        loaded = False
+        for _, m in masters.pairs:
+            saved = self.optimizer.state.get(m, {}).pop(MASTER_KEY, None)
+            if saved is not None:
+                with torch.no_grad():
+                    m.copy_(saved)
+                loaded = True
+        if not loaded:
+            masters.models_to_masters()
+        for g in self.optimizer.param_groups:
+            sc = g.pop(SCALER_KEY, None)
+            if sc is not None:
+                self._scaler.load_state_dict(sc)
+
+    def after_model_load(self) -> None:
+        """The model's weights were loaded: the fp32 masters follow them."""
+        if self._masters is not None:
+            self._masters.models_to_masters()
+
+
+def _zero_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:
+    for p in params:
+        if p.grad is None:
+            continue
+        if set_to_none:
+            p.grad = None
+        else:
+            p.grad.detach_()
+            p.grad.requires_grad_(False)
+            p.grad.zero_()

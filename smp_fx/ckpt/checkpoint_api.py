@@ -172,8 +172,11 @@ def _save_partial(path: str, tag: str, model: Any, optimizer: Any, user_content:
     cause: BaseException | None = None
     try:  # everything that can fail on one rank, before any collective of a subgroup
         model_sd = model.local_state_dict() if model is not None and rdp_rank == 0 else None
+        # a sharded optimizer state gathers its stage's shards: every dp rank takes part
+        sharded = bool(getattr(optimizer, "shards_state", False))
         opt_sd = (optimizer.local_state_dict()
-                  if optimizer is not None and rdp_rank == 0 else None)
+                  if optimizer is not None and (rdp_rank == 0 or sharded) else None)
+        opt_sd = opt_sd if rdp_rank == 0 else None
     except Exception as exc:
         error, cause = f"{type(exc).__name__}: {exc}", exc
     _agree(gather, error, "collecting the local state dicts", cause)
@@ -292,7 +295,9 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
     while transformers 5 writes only safetensors (a warning names the file used). Full
     checkpoints hold no optimizer state (SMP's behaviour; a warning says so if
     ``load_optimizer``). ``load_sharded_optimizer_state`` concerns sharded data
-    parallelism, which smp-fx does not build; it is accepted and has no effect. The loads
+    parallelism, whose checkpoints smp-fx does not build; it is accepted and has no effect
+    (an optimizer-state-sharded checkpoint holds each stage's merged state, which loads at
+    any dp size). The loads
     apply when the model is partitioned. Collective: call it on every rank.
 
     Example::

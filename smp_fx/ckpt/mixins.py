@@ -250,9 +250,9 @@ class OptimizerCheckpointMixin:
         """This rank's optimizer state keyed by FQN, with ``_smp_is_partial``.
 
         ``cast_to_cpu``: tensors as CPU copies (SMP's default), else as the optimizer holds
-        them. ``gather_if_shard`` gathers a state sharded over the data-parallel ranks
-        (``shard_optimizer_state``); smp-fx does not shard it, so both values give this
-        rank's whole local state.
+        them. ``gather_if_shard`` is for a state sharded over the data-parallel ranks
+        (``shard_optimizer_state``): ``DistributedOptimizer`` gathers the shards; here
+        it is unused.
         """
         local = local_optimizer_state_dict(self.optimizer.state_dict(),
                                            self._smp_group_names(local=True),
@@ -263,8 +263,12 @@ class OptimizerCheckpointMixin:
         """The full optimizer state, as the plain optimizer on the unwrapped model has it."""
         if not self._smp_is_local():
             return self.optimizer.state_dict()
-        parts = _gather_pipeline(_to_cpu(self.local_state_dict()))
+        parts = self._smp_gather_parts(_to_cpu(self.local_state_dict()))
         return merge_optimizer_state_dicts(parts)
+
+    def _smp_gather_parts(self, local: StateDict) -> list[Any]:
+        """Every pipeline stage's partial state (the host may gather more first)."""
+        return _gather_pipeline(local)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load full (integer ids) or partial (FQN) state; deferred until partitioning."""

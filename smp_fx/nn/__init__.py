@@ -7,9 +7,11 @@ from __future__ import annotations
 from typing import Any
 
 from smp_fx.namespaces import planned
+from smp_fx.nn.fused_layer_norm import FusedLayerNorm
+
+__all__ = ["FusedLayerNorm"]
 
 PLANNED: dict[str, str] = {
-    "FusedLayerNorm": "SMP's replacement for apex's FusedLayerNorm",
     "DistributedLinear": "tensor-parallel Linear",
     "DistributedEmbedding": "tensor-parallel Embedding",
     "DistributedTransformerLMHead": "tensor-parallel transformer with LM head",

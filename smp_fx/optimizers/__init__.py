@@ -1,18 +1,19 @@
-"""``smp.optimizers``: SMP's fused optimizers. Names documented by SMP but not built yet
-raise ``SMPNotImplementedError`` on access (``smp_fx.namespaces``); built ones are plain
-attributes of this package."""
+"""``smp.optimizers``: SMP's fused optimizers, written in plain torch in place of apex's.
+Names documented by SMP but not built yet raise ``SMPNotImplementedError`` on access
+(``smp_fx.namespaces``); built ones are plain attributes of this package."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from smp_fx.namespaces import planned
+from smp_fx.optimizers.adam import FusedAdam
+from smp_fx.optimizers.lamb import FusedLamb
+from smp_fx.optimizers.novograd import FusedNovoGrad
 
-PLANNED: dict[str, str] = {
-    "FusedLamb": "SMP's replacement for apex's FusedLAMB optimizer",
-    "FusedNovoGrad": "SMP's replacement for apex's FusedNovoGrad optimizer",
-    "FusedAdam": "SMP's replacement for apex's FusedAdam optimizer",
-}
+__all__ = ["FusedAdam", "FusedLamb", "FusedNovoGrad"]
+
+PLANNED: dict[str, str] = {}
 
 
 def __getattr__(name: str) -> Any:

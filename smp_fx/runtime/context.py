@@ -37,9 +37,11 @@ class Captured(BaseException):
 
     A ``BaseException`` so that a step function's ``except Exception`` cannot swallow it."""
 
-    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def __init__(self, args: tuple[Any, ...], kwargs: dict[str, Any],
+                 autocast: tuple[Any, ...] = ()) -> None:
         super().__init__("captured")
         self.args, self.kwargs = args, kwargs
+        self.autocast = autocast  # the step function's autocast at its model(...) call
 
 
 class _Capturing:

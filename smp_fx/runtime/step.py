@@ -134,6 +134,7 @@ def step(non_split_inputs: Callable[..., Any] | Sequence[str] | None = None,
         forward_only = not torch.is_grad_enabled()
         schedule = model.schedule(m, forward_only)
         scale = 1.0 / m if model.options.average_grads_across_microbatches else 1.0
+        scale *= model.loss_scale  # fp16: the optimizer's loss scale
         results = model.executor.run(fn, mbs, schedule, scale)
         model.run_post_step_hooks()
         return _combine(results, detach_outputs)
@@ -170,7 +171,7 @@ def _partition_on(model: DistributedModel, fn: Callable[..., Any],
         with context.capturing(), torch.no_grad():
             fn(*mb[0], **mb[1])
     except context.Captured as cap:
-        model._partition(cap.args, cap.kwargs)
+        model._partition(cap.args, cap.kwargs, cap.autocast)
         return
     raise SMPRuntimeError.build(
         "the smp.step function returned without calling the DistributedModel", fn.__name__,

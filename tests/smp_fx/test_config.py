@@ -59,7 +59,7 @@ TABLE: dict[str, tuple[list[Any], list[Any]]] = {
     "shard_optimizer_state": ([True, False], ["x"]),
     "prescaled_batch": ([True, False], [None]),
     "skip_tracing": ([True, False], [2]),
-    "sharded_data_parallel_degree": ([1], [0, "1"]),
+    "sharded_data_parallel_degree": ([1, 2], [0, "1"]),
     "sdp_reduce_bucket_size": ([1, 5e8, 100], [0, 1.5, "5e8"]),
     "sdp_param_persistence_threshold": ([0, 1e6], [-1, "x"]),
     "sdp_max_live_parameters": ([1, 1e9], [0, 0.5]),
@@ -67,6 +67,7 @@ TABLE: dict[str, tuple[list[Any], list[Any]]] = {
     "sdp_gradient_clipping": ([0.0, 1.0, 2], [-1.0, "1"]),
 }
 NEEDS = {"tensor_parallel_degree": {"ddp": True}, "auto_partition": {"default_partition": 0},
+         "shard_optimizer_state": {"ddp": True}, "sharded_data_parallel_degree": {"ddp": True},
          "offload_activations": {"microbatches": 2}}
 
 
@@ -137,8 +138,16 @@ def test_cross_field_rules() -> None:
     assert _load({**BASE, "auto_partition": False, "default_partition": 1}).default_partition == 1
     with pytest.raises(SMPConfigError, match="default_partition"):
         _load({**BASE, "default_partition": 2})
-    with pytest.raises(SMPNotImplementedError, match="sharded_data_parallel_degree"):
+    with pytest.raises(SMPConfigError, match="'sharded_data_parallel_degree' > 1 requires"):
         _load({**BASE, "sharded_data_parallel_degree": 2})
+    with pytest.raises(SMPConfigError, match="'shard_optimizer_state' requires 'ddp'"):
+        _load({**BASE, "shard_optimizer_state": True})
+    sharded = {**BASE, "ddp": True, "sharded_data_parallel_degree": 2}
+    assert _load(sharded).sharded_data_parallel_degree == 2
+    with pytest.raises(SMPConfigError, match="both shard the optimizer state"):
+        _load({**sharded, "shard_optimizer_state": True})
+    with pytest.raises(SMPNotImplementedError, match="fp16 with sharded"):
+        _load({**sharded, "fp16": True})
 
 
 @pytest.mark.parametrize("world, pp, tp, rdp, in_process", [

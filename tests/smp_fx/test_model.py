@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 import smp_fx as smp
+from smp_fx.config import IMPLEMENTED, PARAMS
 from smp_fx.dist import state
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
@@ -231,17 +232,16 @@ def test_plan_device_from_the_environment(fresh: None, tmp_path: Any,
 
 
 def test_unimplemented_configured_feature_is_an_error_at_wrap() -> None:
+    planned = [p for p in PARAMS if p.status != IMPLEMENTED and p.used_at == "DistributedModel"
+               and p.kind is bool]
+    if not planned:
+        pytest.skip("every DistributedModel feature is built")
+    name = planned[0].name
     state._reset()
-    smp.init({"pipeline_parallel_degree": 1, "fp16": True})
+    smp.init({"pipeline_parallel_degree": 1, "ddp": True, name: True})
     try:
-        with pytest.raises(smp.SMPNotImplementedError, match="fp16"):
+        with pytest.raises(smp.SMPNotImplementedError, match=name):
             smp.DistributedModel(_net())
-    finally:
-        state._reset()
-    smp.init({"pipeline_parallel_degree": 1, "shard_optimizer_state": True})
-    try:
-        with pytest.raises(smp.SMPNotImplementedError, match="shard_optimizer_state"):
-            smp.DistributedOptimizer(torch.optim.SGD(_net().parameters(), lr=0.1))
     finally:
         state._reset()
 

@@ -35,6 +35,9 @@ def test_unknown_names_stay_attribute_errors(label: str, module: ModuleType) -> 
 
 def test_import_from_a_namespace() -> None:
     with pytest.raises(smp_fx.SMPNotImplementedError):
-        from smp_fx.optimizers import FusedLamb  # noqa: F401
+        from smp_fx.nn import DistributedTransformer  # noqa: F401
+    from smp_fx.optimizers import FusedLamb  # built: an ordinary import
+
+    assert FusedLamb is optimizers.FusedLamb
     with pytest.raises(ImportError):
         from smp_fx.optimizers import FusedAdamW  # noqa: F401

@@ -1,0 +1,129 @@
+"""fp16 training as SMP's ``"fp16": true`` does it: Megatron's ``FP16_Module`` and
+``FP16_Optimizer`` semantics on top of the pipeline.
+
+Model side (``half_inputs`` / ``float_outputs``, applied by ``DistributedModel``): the
+model is converted to half precision when it is wrapped; its floating-point inputs are cast
+to half on the way in and its half outputs to fp32 on the way out, so the loss is computed
+in fp32 and the backward pass enters the model through the cast.
+
+Optimizer side (``MasterWeights``, held by ``DistributedOptimizer``): the optimizer steps
+fp32 *master* copies of this rank's parameters; the model keeps half weights. After a
+training step the half gradients (scaled by the loss scale, which ``model.backward``
+applied) become fp32 master gradients, unscaled, with torch's
+``_amp_foreach_non_finite_check_and_unscale_``; the found-inf flag is agreed over every
+rank (``agree_found_inf``). Then ``step`` either skips (overflow: every rank skips) or
+steps the masters and copies them into the half weights.
+
+Every parameter the optimizer holds gets a master, fp32 ones included (a copy), so the
+model's own gradients are never modified and preparing the master gradients is a pure
+function of them: it may run again after any training step without unscaling twice.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from smp_fx.amp.loss_scaler import LossScaler, agree_found_inf
+
+HALF = torch.float16
+
+
+def half_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]
+                ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """fp32 tensors among the model inputs, in half precision (integer inputs untouched)."""
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(HALF) if t.dtype == torch.float32 else t
+    return pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
+
+
+def float_outputs(outputs: Any) -> Any:
+    """Half tensors among the model outputs, in fp32 (autograd flows through the cast)."""
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.float() if t.dtype == HALF else t
+    return pytree.tree_map_only(torch.Tensor, cast, outputs)
+
+
+class MasterWeights:
+    """fp32 masters of ``optimizer``'s parameters, swapped into its param groups.
+
+    ``pairs`` holds (model parameter, master) in group order; the optimizer's existing
+    state moves onto the masters (``state_dict`` / ``load_state_dict`` round trip, keyed by
+    position, as Megatron's ``FP16_Optimizer`` does).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: LossScaler) -> None:
+        self.scaler = scaler
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        saved = optimizer.state_dict()
+        for group in optimizer.param_groups:
+            masters = []
+            for p in group["params"]:
+                master = torch.nn.Parameter(p.detach().to(torch.float32, copy=True))
+                self.pairs.append((p, master))
+                masters.append(master)
+            group["params"] = masters
+        optimizer.load_state_dict(saved)
+        self.model_of = {id(m): p for p, m in self.pairs}
+        self.overflow = False
+        self._stale = True
+
+    def mark_stale(self) -> None:
+        """The model's gradients changed: prepare the master gradients again."""
+        self._stale = True
+
+    def prepare(self) -> bool:
+        """Master gradients from the model's (unscaled); True if any rank overflowed.
+
+        Runs once per training step however often it is asked (``clip_master_grads`` then
+        ``step``); a collective over the world group when it runs.
+        """
+        if not self._stale:
+            return self.overflow
+        grads: list[torch.Tensor] = []
+        for p, master in self.pairs:
+            if p.grad is None:
+                master.grad = None
+                continue
+            master.grad = p.grad.detach().to(torch.float32, copy=True)
+            grads.append(master.grad)
+        device = grads[0].device if grads else (
+            self.pairs[0][1].device if self.pairs else torch.device("cpu"))
+        found = torch.zeros(1, dtype=torch.float32, device=device)
+        inv = torch.full((1,), 1.0 / self.scaler.loss_scale, dtype=torch.float32,
+                         device=device)
+        for dev, on_dev in _by_device(grads).items():
+            f = found if dev == device else torch.zeros_like(found, device=dev)
+            torch._amp_foreach_non_finite_check_and_unscale_(on_dev, f, inv.to(dev))
+            if f is not found:
+                found = torch.maximum(found, f.to(device))
+        agree_found_inf(found)
+        self.overflow = bool(found.item() > 0)
+        self._stale = False
+        return self.overflow
+
+    def masters_to_model(self) -> None:
+        """Copy the stepped masters into the model's (half) parameters."""
+        with torch.no_grad():
+            for p, master in self.pairs:
+                p.copy_(master)
+
+    def models_to_masters(self) -> None:
+        """Masters from the model's parameters (after the model's weights were loaded)."""
+        with torch.no_grad():
+            for p, master in self.pairs:
+                master.copy_(p)
+
+    def zero_grad(self) -> None:
+        for _, master in self.pairs:
+            master.grad = None
+        self._stale = True
+
+
+def _by_device(tensors: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    out: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault(t.device, []).append(t)
+    return out

@@ -84,6 +84,36 @@ def total_nbytes(info: ValueInfo) -> int:
     return 0
 
 
+_DEVICE_WORDS = ("device mismatch", "on the same device", "expected device", "meta device",
+                 "devices")
+_DATA_WORDS = ("data-dependent", "data dependent", "DataDependent", "nonzero", ".item()",
+               "GuardOnDataDependentSymNode", "dynamic output shape")
+
+
+def diagnose(exc: BaseException) -> tuple[str, str]:
+    """The rule and the fix for an op that failed on fake tensors, by its cause.
+
+    Tensors on different devices (a model built under ``torch.device("meta")`` with
+    tensors the graph made on another device) get their own message; making a module a
+    leaf is the fix only for data-dependent operations, which fake tensors cannot run."""
+    text = f"{type(exc).__name__}: {exc}"
+    if any(w.lower() in text.lower() for w in _DEVICE_WORDS):
+        return ("shape propagation found tensors on different devices (parameters, "
+                "buffers, example inputs or tensors the forward creates)",
+                "put the example inputs on the device the model's weights are on (meta "
+                "weights stand for the inputs' device; a tensor the forward creates on a "
+                "fixed device must follow its inputs: device=x.device), or build the model "
+                "under smp.delay_param_initialization()")
+    if any(w.lower() in text.lower() for w in _DATA_WORDS):
+        return ("shape propagation on fake tensors failed on a data-dependent operation",
+                "make the module a leaf (its output shape is then measured), or remove "
+                "data-dependent operations (.item(), nonzero, Python branches on tensor "
+                "values) from forward")
+    return ("shape propagation on fake tensors failed",
+            "check the example inputs' shapes and dtypes against what forward expects; if "
+            "the failing operation is data-dependent, make its module a leaf")
+
+
 class _FakeProp(torch.fx.Interpreter):
     def __init__(self, gm: torch.fx.GraphModule, state: dict[str, torch.Tensor]) -> None:
         super().__init__(gm, garbage_collect_values=True)
@@ -94,11 +124,11 @@ class _FakeProp(torch.fx.Interpreter):
         try:
             result = super().run_node(n)
         except Exception as exc:
+            rule, fix = diagnose(exc)
             raise SMPTracingError.build(
-                "shape propagation on fake tensors failed", f"{type(exc).__name__}: {exc}",
+                rule, f"{type(exc).__name__}: {exc}",
                 f"node={n.format_node()} (module {n.meta.get('smp.module_path', '?')!r})",
-                "make the module a leaf, or remove data-dependent operations (.item(), "
-                "nonzero, Python branches on tensor values) from forward") from exc
+                fix) from exc
         self.infos[n.name] = value_info(result)
         return result
 

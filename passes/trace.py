@@ -25,7 +25,9 @@ runs on fake tensors, so a model built on the meta device traces without allocat
 front end honours it by construction; ``shape_prop(..., allow_real_run=False)`` refuses
 its one real-run fallback, and measured costs (``cost_model.measure``) must not be taken.
 
-Export graphs are specialised to the shapes of ``args``: trace with one *microbatch*.
+Export graphs keep every input dimension symbolic where the model allows it, and are
+specialised to the shapes of ``args`` elsewhere: trace with one *microbatch*. Which
+dimensions are free is ``gm.meta["smp.input_dims"]`` (``passes.input_dims.InputDims``).
 """
 
 from __future__ import annotations
@@ -36,10 +38,13 @@ from typing import Any, Literal
 
 import torch
 import torch.fx
+import torch.fx.experimental._config as fx_config
+import torch.utils._pytree as pytree
 from torch import nn
 
 from cost_model.errors import SMPTracingError
 from passes.graph_utils import attach_state
+from passes.input_dims import InputDims, auto_dynamic_shapes, input_dims_of, range_constraints
 from passes.meta import MODULE_PATH, PARAMS
 
 log = logging.getLogger("smp_fx.passes.trace")
@@ -154,14 +159,18 @@ class _FxFailure(Exception):
         self.exc = exc
 
 
-def _module_path_from_stack(node: torch.fx.Node, leaf_paths: frozenset[str]) -> str:
+def _module_path_from_stack(node: torch.fx.Node, leaf_paths: frozenset[str],
+                            modules: frozenset[str]) -> str:
+    """The innermost real module on the node's ``nn_module_stack`` (export also records
+    hooks there, e.g. for the size nodes of symbolic dimensions)."""
     stack = node.meta.get("nn_module_stack") or {}
     path = ""
     for value in stack.values():
         candidate = value[0] if isinstance(value, tuple) else ""
         if path in leaf_paths:  # a user leaf: everything inside it belongs to the leaf
             break
-        path = candidate
+        if candidate in modules:
+            path = candidate
     return path
 
 
@@ -169,18 +178,21 @@ def _export_trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, 
                   leaf_modules: LeafSpec) -> torch.fx.GraphModule:
     """Non-strict export; normalised to the trace contract (inputs first, no guard node)."""
     _, leaf_paths = _split_leaf_spec(leaf_modules)
-    ep = torch.export.export(model, args, dict(kwargs), strict=False)
+    ep = _export(model, args, kwargs)
     gm = ep.module()
+    gm.meta["smp.range_constraints"] = range_constraints(ep)
     graph = gm.graph
     for node in list(graph.nodes):  # the shape guard is not part of the computation
         if node.op == "call_module" and str(node.target).startswith("_guards") and not node.users:
             graph.erase_node(node)
             if hasattr(gm, str(node.target)):
                 delattr(gm, str(node.target))
+    _meta_to_input_device(graph, model, args, kwargs)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     _order_placeholders(graph, placeholders)
+    modules = frozenset(n for n, _ in model.named_modules(remove_duplicate=False))
     for node in graph.nodes:
-        MODULE_PATH.set(node, _module_path_from_stack(node, leaf_paths))
+        MODULE_PATH.set(node, _module_path_from_stack(node, leaf_paths, modules))
     graph.lint()
     gm.recompile()
     if set(gm.state_dict()) != set(model.state_dict()):
@@ -189,6 +201,54 @@ def _export_trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, 
             sorted(set(gm.state_dict()) ^ set(model.state_dict()))[:5], "export front end",
             "use frontend='fx' with leaf_modules for the offending submodules")
     return gm
+
+
+def _meta_to_input_device(graph: torch.fx.Graph, model: nn.Module, args: tuple[Any, ...],
+                          kwargs: Mapping[str, Any]) -> None:
+    """A model built under ``torch.device("meta")`` traced with real inputs: export bakes
+    ``device=meta`` into the tensors the model makes from its weights' device (position
+    ids, masks, dtype asserts). Meta weights stand for weights on the inputs' device (as
+    ``shape_prop`` reads them), so those constants are moved there too."""
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return
+    inputs = [x for x in pytree.tree_leaves((args, dict(kwargs)))
+              if isinstance(x, torch.Tensor) and not x.is_meta]
+    if not inputs:
+        return
+    device = inputs[0].device
+    meta = torch.device("meta")
+    moved = 0
+    for node in graph.nodes:
+        if node.kwargs.get("device") == meta:
+            node.update_kwarg("device", device)
+            moved += 1
+    if moved:
+        log.info("export: %d device=meta constants of a meta-built model moved to the "
+                 "inputs' device %s", moved, device)
+
+
+def _export(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """Non-strict export with every input dimension symbolic where the model allows
+    (``passes.input_dims``).
+
+    First size-obliviously (a dimension of the example of size 1 stays symbolic, so a
+    graph traced on one sample per microbatch takes more, and one traced on more takes a
+    microbatch of one), then without (sizes 0 and 1 are specialised); a model export cannot
+    trace either way is exported specialised to these shapes, and a later call with other
+    shapes is refused by name.
+    """
+    dynamic = auto_dynamic_shapes(model, args, kwargs)
+    for oblivious in (True, False):
+        try:
+            with fx_config.patch(backed_size_oblivious=oblivious):  # type: ignore[attr-defined]
+                return torch.export.export(model, args, dict(kwargs), dynamic_shapes=dynamic,
+                                           strict=False)
+        except Exception as exc:  # export raises many types; the static retry tells the rest
+            log.info("export with symbolic input dimensions (size-oblivious: %s) failed "
+                     "(%s: %s)", oblivious, type(exc).__name__,
+                     str(exc).splitlines()[0][:300] if str(exc) else "")
+    log.info("exporting with the example's shapes")
+    return torch.export.export(model, args, dict(kwargs), strict=False)
 
 
 def _order_placeholders(graph: torch.fx.Graph, placeholders: Sequence[torch.fx.Node]) -> None:
@@ -248,15 +308,25 @@ def trace(model: nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any
         else type(model).__name__
     raise SMPTracingError.build(
         f"model cannot be captured by the {frontend!r} front end(s)", "; ".join(errors),
-        f"module {where!r} ({mod_type})",
-        "make the failing submodule a leaf (leaf_modules=(...,)) so it runs as one opaque "
-        "node, move data-dependent Python control flow out of forward, or partition "
-        "manually with smp.partition")
+        f"module {where!r} ({mod_type})", _capture_fix(errors))
+
+
+def _capture_fix(errors: Sequence[str]) -> str:
+    """The fix for a model no front end captured, by what export said."""
+    text = " ".join(errors)
+    if "in output, which is not a known type" in text:
+        return ("make forward return tensors (or tuples/dicts of them): export cannot return "
+                "the object it names; for a Hugging Face model pass use_cache=False (the "
+                "cache is such an object) or wrap it to return .logits")
+    return ("make the failing submodule a leaf (leaf_modules=(...,)) so it runs as one opaque "
+            "node, move data-dependent Python control flow out of forward, or partition "
+            "manually with smp.partition")
 
 
 def _finish(gm: torch.fx.GraphModule, frontend: str) -> torch.fx.GraphModule:
     _record_params(gm)
     gm.meta["smp.frontend"] = frontend
+    gm.meta["smp.input_dims"] = input_dims_of(gm) if frontend == "export" else InputDims.free()
     gm.meta.setdefault("smp.auto_leaves", ())
     log.info("traced with %s: %d nodes", frontend, len(gm.graph.nodes))
     return gm

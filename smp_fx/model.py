@@ -59,6 +59,7 @@ from smp_fx.runtime.checkpointing import outline_regions
 from smp_fx.runtime.dist_transport import DistTransport
 from smp_fx.runtime.lowering import cached_schedule
 from smp_fx.runtime.modes import Autocast, autocast_state, thread_modes
+from smp_fx.runtime.shapes import ShapeGuard, guard_for
 from smp_fx.runtime.transport import InProcessTransport, Transport
 from smp_fx.tp_marking import marked_paths
 
@@ -163,6 +164,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         self.plan: PartitionPlan | None = None  # once partitioned
         self.tp_plan: TensorParallelPlan | None = None  # once partitioned, with tp > 1
         self._tp: TensorParallelRuntime | None = None
+        self._shapes: ShapeGuard | None = None  # once partitioned
         self._ddp: ddp.DataParallel | None = None
         self._sdp: sdp.ShardedDataParallel | None = None
         self._loss_scale: Callable[[], float] | None = None
@@ -210,6 +212,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         if ctx is None or self._executor is None or ctx[0] is not self._executor.conductor:
             raise SMPRuntimeError.build(OUTSIDE_STEP, None, "DistributedModel.__call__",
                                         "call the model inside an @smp.step function")
+        if self._shapes is not None:
+            self._shapes.check_call(args, kwargs)
         out = ctx[0].forward_request(ctx[1], args, kwargs)
         return fp16.float_outputs(out) if self._fp16 else out
 
@@ -439,6 +443,9 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         self._program, self._runners = program, runners
         self._executor = ex.Executor(program, runners, transport, multi, timeout_s, st.rank,
                                      st.group_ranks("pp") if multi else None)
+        self._shapes = guard_for(gm, program)
+        if multi and self._shapes.active:
+            self._executor.check_received = self._shapes.check_received
         self._checkpoint_stages(runners, cfg)
         if multi:
             if self._tied_groups:

@@ -22,10 +22,11 @@ class GPT2Logits(nn.Module):
         return self.model(input_ids=input_ids, use_cache=False).logits
 
 
-def build_model(n_layer: int = 2, n_embd: int = 32, n_head: int = 4) -> nn.Module:
+def build_model(n_layer: int = 2, n_embd: int = 32, n_head: int = 4,
+                n_positions: int = SEQ) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=n_embd, n_layer=n_layer,
+    cfg = GPT2Config(vocab_size=VOCAB, n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
                      n_head=n_head, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                      bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,  # inside the tiny vocab
                      attn_implementation="eager")

@@ -120,6 +120,9 @@ class Executor:
         # last backward there)
         self.pre_step_hooks: list[Callable[[tuple[Op, ...]], None]] = []
         self.stats = StepStats()
+        # checks a stage's received values against this rank's model call before its
+        # forward: (stage, received values by name, rank, call args, call kwargs)
+        self.check_received: Callable[..., None] | None = None
         # per stage: saved-tensor hooks that count and offload what a forward keeps
         self.keepers: dict[int, ActivationKeeper] = {}
         self.loading_horizon = 4
@@ -199,6 +202,8 @@ class Executor:
             bound = self.program.bind_inputs(*req.args)
             for name in stage.program_inputs:
                 received[name] = _to_device(bound[name], runner.device)
+        if self.check_received is not None and stage.recvs:
+            self.check_received(s, received, self.rank, *req.args)
         keeper = self.keepers.get(s)
         with thread_modes(req.grad_enabled, req.autocast), \
                 keeper.forward(mb) if keeper is not None else contextlib.nullcontext():

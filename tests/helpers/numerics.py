@@ -31,11 +31,12 @@ def init(pp: int, m: int, pipeline: str, **extra: Any) -> None:
 class Pair:
     """A reference model and an smp-fx DistributedModel starting from the same weights."""
 
-    def __init__(self, name: str, batch: int = 8, seed: int = 0) -> None:
+    def __init__(self, name: str, batch: int = 8, seed: int = 0,
+                 model_kwargs: dict[str, Any] | None = None) -> None:
         self.ex = example(name)
         torch.manual_seed(seed)
-        self.ref = self.ex.build_model()
-        model = self.ex.build_model()
+        self.ref = self.ex.build_model(**(model_kwargs or {}))
+        model = self.ex.build_model(**(model_kwargs or {}))
         model.load_state_dict(self.ref.state_dict())
         self.initial = {k: v.clone() for k, v in self.ref.state_dict().items()}
         self.dm = smp.DistributedModel(model)
@@ -71,9 +72,12 @@ class Pair:
             total += loss.item() / m
         return total
 
-    def compare(self, steps: int, m: int, lr: float = 0.05) -> float:
+    def compare(self, steps: int, m: int, lr: float = 0.05,
+                batches: list[tuple[tuple[Any, ...], torch.Tensor]] | None = None) -> float:
         """Train ``steps`` steps both ways; assert loss, grads, params, buffers agree.
-        Returns the largest difference seen in the loss and the gradients."""
+        ``batches``: step i trains on ``batches[i]`` (inputs, targets) instead of the
+        pair's one batch. Returns the largest difference seen in the loss and the
+        gradients."""
         self.reset()
         ref_opt = torch.optim.SGD(self.ref.parameters(), lr=lr, momentum=0.9)
         opt = smp.DistributedOptimizer(torch.optim.SGD(self.dm.module.parameters(), lr=lr,
@@ -82,7 +86,9 @@ class Pair:
             opt._localize(self.dm)
         worst = 0.0
         ref_params = dict(self.ref.named_parameters(remove_duplicate=False))
-        for _ in range(steps):
+        for i in range(steps):
+            if batches is not None:
+                self.x, self.y = batches[i]
             ref_opt.zero_grad()
             opt.zero_grad()
             ref_loss = self.ref_step(m)

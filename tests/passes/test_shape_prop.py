@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -71,3 +73,51 @@ def test_data_dependent_leaf_needs_a_real_run() -> None:
     assert TENSOR.get(next(n for n in out.graph.nodes if n.target == "odd")).shape == (3, 8)
     with pytest.raises(SMPTracingError, match="data-dependent"):
         shape_prop(gm, (x,), allow_real_run=False)
+
+
+class _AssertsMetaDevice(torch.nn.Module):
+    """What export records for a model traced with meta weights: an assert that a tensor
+    lives on the meta device, which fails once the tensor is on the inputs' device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        torch.ops.aten._assert_tensor_metadata(h, dtype=h.dtype, device=torch.device("meta"))
+        return h
+
+
+def test_a_device_mismatch_is_named_as_such() -> None:
+    x = torch.randn(2, 3)
+    gm = trace(_AssertsMetaDevice(), (x,), frontend="fx")
+    with pytest.raises(SMPTracingError, match="different devices") as info:
+        shape_prop(gm, (x,), allow_real_run=False)
+    assert "leaf" not in str(info.value)
+    assert "device=x.device" in str(info.value)
+
+
+def test_data_dependent_failure_suggests_a_leaf() -> None:
+    x = torch.randn(3, 8)
+    gm = trace(WithUntraceable(), (x,))
+    with pytest.raises(SMPTracingError, match="data-dependent") as info:
+        shape_prop(gm, (x,), allow_real_run=False)
+    assert "make the module a leaf" in str(info.value)
+
+
+def test_hf_model_built_on_meta_with_cpu_inputs() -> None:
+    """``with torch.device("meta")`` weights, CPU inputs: export bakes device=meta into the
+    tensors the model makes (position ids, dtype asserts); they follow the inputs."""
+    ex = example("hf_gpt2")
+    with torch.device("meta"):
+        meta_model = ex.build_model()
+    torch.manual_seed(0)
+    real_model = ex.build_model()
+    args = ex.example_inputs(2)
+    gm = trace(meta_model, args)
+    assert gm.meta["smp.frontend"] == "export"
+    assert not any(n.kwargs.get("device") == torch.device("meta") for n in gm.graph.nodes)
+    fake = _infos(shape_prop(gm, args, allow_real_run=False))
+    real = _infos(shape_prop(trace(real_model, args), args))
+    assert Counter(map(repr, fake.values())) == Counter(map(repr, real.values()))

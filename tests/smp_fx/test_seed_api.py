@@ -19,6 +19,7 @@ import ast
 import contextlib
 import importlib
 import inspect
+import os
 import pickle
 import re
 import sys
@@ -33,7 +34,12 @@ import torch.distributed as dist
 import smp_fx
 from smp_fx._compat import SHIM_DIR
 
-SEEDS = Path(__file__).resolve().parents[3].parent / "shared" / "seeds"
+# the SMP reference pages live beside the repository (../shared/seeds), as in CI
+SEEDS = Path(os.environ.get("SMP_FX_SEEDS_DIR")
+             or Path(__file__).resolve().parents[2].parent / "shared" / "seeds")
+if not SEEDS.is_dir():
+    raise FileNotFoundError(f"the seed API pages are not at {SEEDS}: check out ../shared beside "
+                            "the repository, or set SMP_FX_SEEDS_DIR to their folder")
 MISSING = object()
 
 

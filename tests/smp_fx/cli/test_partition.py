@@ -290,3 +290,33 @@ def test_activation_checkpointing_shows_the_memory_breakdown(
     assert per_mb < sum(st.memory.activations_per_microbatch for st in plain.stages)
     assert any(st.checkpointed and st.recompute_time_s > 0 and st.memory.recompute_transient
                for st in plan.stages)
+
+
+META_MODEL = '''
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+
+def build_model():
+    cfg = GPT2Config(vocab_size=128, n_positions=16, n_embd=32, n_layer=2, n_head=4,
+                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    with torch.device("meta"):
+        return GPT2LMHeadModel(cfg)
+
+
+def example_inputs(batch_size=2):
+    return (torch.randint(0, 128, (batch_size, 16)),)
+'''
+
+
+def test_a_model_built_on_meta_plans_with_cpu_inputs(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A Hugging Face model built under ``with torch.device("meta")``, as HF and accelerate
+    users build big models, with CPU example inputs."""
+    path = tmp_path / "meta_gpt2.py"
+    path.write_text(META_MODEL)
+    code, out, err = _run(capsys, str(path), "--partitions", "2", "--json",
+                          str(tmp_path / "plan.json"))
+    assert code == 0, err
+    plan = PartitionPlan.loads((tmp_path / "plan.json").read_text())
+    assert len(plan.stages) == 2 and all(s.fwd_flops > 0 for s in plan.stages)

@@ -163,4 +163,9 @@ if __name__ == "__main__":
     torch.set_num_threads(1)
     found = main(sys.argv[1])
     rank = int(os.environ.get("RANK", "0"))
-    os.write(1, (f"RESULT {rank} " + json.dumps(found) + "\n").encode())  # one write: shared pipe
+    # a file per rank: the ranks share one stdout, where another rank's partly flushed line
+    # can run into this one
+    os.makedirs(sys.argv[1], exist_ok=True)
+    with open(os.path.join(sys.argv[1], f"result_{rank}.json"), "w", encoding="utf-8") as fh:
+        json.dump(found, fh)
+    print(f"results of rank {rank} in {sys.argv[1]}/result_{rank}.json")

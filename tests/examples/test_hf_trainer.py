@@ -39,12 +39,12 @@ def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
                             text=True, env=env)
 
 
-def _results(proc: subprocess.Popen[str], ranks: int) -> list[dict[str, Any]]:
+def _results(proc: subprocess.Popen[str], out_dir: Path, ranks: int) -> list[dict[str, Any]]:
     out, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-6000:]
-    lines = sorted(line for line in out.splitlines() if line.startswith("RESULT "))
-    assert len(lines) == ranks, out[-2000:] + err[-4000:]
-    return [json.loads(line.split(" ", 2)[2]) for line in lines]
+    files = [out_dir / f"result_{r}.json" for r in range(ranks)]
+    assert all(f.exists() for f in files), out[-2000:] + err[-4000:]
+    return [json.loads(f.read_text(encoding="utf-8")) for f in files]
 
 
 @pytest.mark.multiproc
@@ -55,8 +55,8 @@ def test_trainer_smp_mode_matches_plain_trainer(tmp_path: Path) -> None:
                       str(tmp_path / "smp")], {**base, **SMP_ENV})
     plain_run = _start([sys.executable, str(SCRIPT), str(tmp_path / "plain")], base)
     try:
-        (plain,) = _results(plain_run, 1)
-        smp_ranks = _results(smp_run, 2)
+        (plain,) = _results(plain_run, tmp_path / "plain", 1)
+        smp_ranks = _results(smp_run, tmp_path / "smp", 2)
     finally:
         for proc in (smp_run, plain_run):
             if proc.poll() is None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
@@ -30,38 +29,31 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from cost_model import schedule as sched
-from cost_model.device import DEFAULT_DEVICE, DeviceSpec, load_device, spec_for_device_name
 from cost_model.errors import (
     SMPConfigError,
-    SMPPartitionError,
     SMPRuntimeError,
     not_implemented,
 )
-from cost_model.measure import measure_nodes
-from passes import meta
-from passes.pipeline import compile_model
 from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram, split_stages
-from passes.tensor_parallel import TensorParallelism, TensorParallelPlan
-from passes.trace import trace
-from smp_fx.activation_checkpointing import checkpoint_rules
+from passes.tensor_parallel import TensorParallelPlan
 from smp_fx.amp import fp16
 from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
 from smp_fx.delayed_init import is_delayed, materialize
 from smp_fx.dist import clip, ddp, launch, sdp, state
 from smp_fx.dist.tensor_parallel import TensorParallelRuntime
-from smp_fx.manual import pins_by_module_path
+from smp_fx.dist.tied import TiedReplicas, has_tied, tied_duplicates, tied_groups
 from smp_fx.runtime import context
 from smp_fx.runtime import executor as ex
 from smp_fx.runtime.activations import ActivationKeeper
 from smp_fx.runtime.checkpointing import outline_regions
 from smp_fx.runtime.dist_transport import DistTransport
 from smp_fx.runtime.lowering import cached_schedule
-from smp_fx.runtime.modes import Autocast, autocast_state, thread_modes
+from smp_fx.runtime.modes import Autocast, autocast_state
+from smp_fx.runtime.planning import agree_on_plan, plan_stages
 from smp_fx.runtime.shapes import ShapeGuard, guard_for
 from smp_fx.runtime.transport import InProcessTransport, Transport
-from smp_fx.tp_marking import marked_paths
 
 if TYPE_CHECKING:
     from smp_fx.optimizer import DistributedOptimizer
@@ -151,11 +143,10 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         self._hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._post_step_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizers: list[DistributedOptimizer] = []
-        self._tied_groups: list[tuple[Any, list[str]]] = []
+        self._tied = TiedReplicas([])
         self._tied_duplicates: frozenset[str] = frozenset()
         # tied gradients as they were when the current reduction window began (already
         # summed over the owners): only what the window adds is summed again
-        self._tied_base: dict[str, torch.Tensor | None] | None = None
         self._fqn_by_id = {id(p): n for n, p in module.named_parameters()}
         # every alias of a parameter -> its first name (tied weights), fixed before any
         # materialisation replaces parameter objects
@@ -414,10 +405,11 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
             # keeps tied parameters tied (one Parameter shared by the stages)
             materialize(self.module, st.device)
         with context.tracing():
-            gm, self.plan, self.tp_plan = _plan_stages(self.module, args, kwargs, p,
-                                                       self.options, autocast)
+            gm, self.plan, self.tp_plan = plan_stages(
+                self.module, args, kwargs, self.options.trace_execution_times,
+                self.options.trace_memory_usage, autocast)
         if not st.in_process and st.world_size > 1:
-            _agree_on_plan(gm, st)
+            agree_on_plan(gm, st)
         program = split_stages(gm, p)
         timeout_s = launch.timeout().total_seconds()
         transport: Transport
@@ -435,9 +427,9 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         runners = {s: ex.StageRunner(program.stages[s], devices[s]) for s in local}
         delayed = any(is_delayed(r.module) for r in runners.values())
         # tied parameters are found by the original objects, before materialising
-        self._tied_groups = _tied_groups(program, st, self.canonical_names) if multi else []
+        self._tied = TiedReplicas(tied_groups(program, st, self.canonical_names) if multi else [])
         if multi:
-            self._tied_duplicates = _tied_duplicates(program, pp_rank, self.canonical_names)
+            self._tied_duplicates = tied_duplicates(program, pp_rank, self.canonical_names)
         for s, r in runners.items():
             _materialise(r.module, devices[s])
         self._program, self._runners = program, runners
@@ -448,11 +440,11 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
             self._executor.check_received = self._shapes.check_received
         self._checkpoint_stages(runners, cfg)
         if multi:
-            if self._tied_groups:
+            if self._tied.groups:
                 self._executor.pre_step_hooks.append(self._snapshot_tied_grads)
                 self._executor.post_step_hooks.append(self._reduce_tied_grads)
                 if delayed:  # replicas initialised on different ranks: take the first's
-                    self._broadcast_tied()
+                    self._tied.broadcast(dict(self.local_named_parameters()))
         if self.tp_plan is not None:
             self._tp = TensorParallelRuntime.attach(self, self.tp_plan, st)
         if cfg.sharded_data_parallel_degree > 1:
@@ -483,56 +475,17 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
             self._executor.keepers[s] = ActivationKeeper(state_tensors,
                                                          offload=cfg.offload_activations)
 
-    def _broadcast_tied(self) -> None:
-        """Give every replica of a tied parameter the lowest owning rank's values."""
-        params = dict(self.local_named_parameters())
-        for group, names in self._tied_groups:
-            src = min(dist.get_process_group_ranks(group))
-            with torch.no_grad():
-                for n in names:
-                    dist.broadcast(params[n].data, src=src, group=group)
+    @property
+    def _tied_groups(self) -> list[tuple[Any, list[str]]]:
+        return self._tied.groups
 
     def _snapshot_tied_grads(self, ops: Any) -> None:
-        """At the start of a reduction window, remember the tied gradients (already summed)."""
-        if self._tied_base is not None:
-            return  # ddp accumulating over several steps: the window began earlier
-        params = dict(self.local_named_parameters())
-        grads = {n: params[n].grad for _, names in self._tied_groups for n in names}
-        self._tied_base = {n: None if g is None else _local_view(g).detach().clone()
-                           for n, g in grads.items()}
+        self._tied.snapshot(dict(self.local_named_parameters()))
 
     def _reduce_tied_grads(self) -> None:
-        """Sum the gradients of parameters replicated on several stages over their owners.
-
-        Only what this reduction window added is summed: a user accumulating over several
-        steps without ``zero_grad`` must not have earlier (already summed) gradients summed
-        again. After a dp reduction the base is equal on every replica, so the dp average
-        of base + local additions is base + the average of the additions.
-        """
         if self._ddp is not None and not self._ddp.reduce_this_step:
             return  # ddp accumulating (backward_passes_per_step): sum once, when dp reduces
-        params = dict(self.local_named_parameters())
-        base = self._tied_base or {}
-        self._tied_base = None
-        for group, names in self._tied_groups:
-            ts = [params[n] for n in names]
-            parts = []
-            for n, p in zip(names, ts):
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                g = _local_view(p.grad)
-                b = base.get(n)
-                parts.append((g - b if b is not None else g).reshape(-1))
-            flat = torch.cat(parts)
-            dist.all_reduce(flat, group=group)
-            offset = 0
-            for n, p in zip(names, ts):
-                assert p.grad is not None
-                local = _local_view(p.grad)
-                g = flat[offset:offset + local.numel()].view_as(local)
-                offset += local.numel()
-                b = base.get(n)
-                local.copy_(g + b if b is not None else g)
+        self._tied.reduce(dict(self.local_named_parameters()))
 
     def schedule(self, num_microbatches: int, forward_only: bool) -> sched.Schedule:
         cfg = state.get().config
@@ -540,29 +493,12 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
                                cfg.active_microbatches, forward_only)
 
 
-def _local_view(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: the local shard of a sharded (DTensor) gradient, else
-    ``t``. Tied replicas on several stages are sharded alike over equal dp groups, so
-    their shards line up."""
-    return getattr(t, "_local_tensor", t)
-
-
 def _in_process_devices(p: int, device: torch.device,
                         program: StagedProgram) -> dict[int, torch.device]:
     """cuda:0..p-1 when there are that many GPUs and no tied parameters, else one device."""
-    if device.type == "cuda" and torch.cuda.device_count() >= p and not _has_tied(program):
+    if device.type == "cuda" and torch.cuda.device_count() >= p and not has_tied(program):
         return {s: torch.device("cuda", s) for s in range(p)}
     return {s: device for s in range(p)}
-
-
-def _has_tied(program: StagedProgram) -> bool:
-    seen: set[int] = set()
-    for st in program.stages:
-        ids = {id(p) for p in st.module.parameters()}
-        if ids & seen:
-            return True
-        seen |= ids
-    return False
 
 
 def _materialise(module: nn.Module, device: torch.device) -> None:
@@ -580,135 +516,3 @@ def _materialise(module: nn.Module, device: torch.device) -> None:
     module.to(device)
 
 
-def _plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                 num_stages: int, options: ModelOptions, autocast: Autocast = ()
-                 ) -> tuple[torch.fx.GraphModule, PartitionPlan, TensorParallelPlan | None]:
-    """Trace once, cost and partition with the compile pipeline; (GraphModule with STAGE, plan).
-
-    Analytic costs for the device spec ``_plan_device`` picks (the same on every rank), so
-    the plan is a pure function of the model, the first microbatch, the configuration and
-    that spec (every rank makes the same one). With ``auto_partition`` false the
-    ``smp.partition`` pins apply. Measured costs are taken on the very graph that is then
-    costed, planned and split (``compile_model``'s ``traced``), which keeps the front end's
-    codegen (export's input and output structure).
-    """
-    st = state.get()
-    cfg = st.config
-    pins = None if cfg.auto_partition else pins_by_module_path(module)
-    device = _plan_device(st)
-    gm = trace(module, args, kwargs)
-    measured = None
-    if options.trace_execution_times or options.trace_memory_usage:
-        with thread_modes(torch.is_grad_enabled(), autocast):
-            measured = _measured_costs(gm, args, kwargs, options, st)
-    pconfig = cfg.partition_config(device.name, checkpointing=checkpoint_rules(module))
-    tp = TensorParallelism(st.axis_size("tp"), st.axis_rank("tp"), cfg.prescaled_batch,
-                           marked_paths(module))
-    with thread_modes(torch.is_grad_enabled(), autocast):
-        compiled = compile_model(module, args, kwargs, pconfig, device=device, pins=pins,
-                                 measured=measured, traced=gm, tp=tp)
-    return compiled.gm, compiled.plan, compiled.tp_plan
-
-
-DEVICE_SPEC_ENV = "SMP_FX_DEVICE_SPEC"
-
-
-def _plan_device(st: state.State) -> DeviceSpec:
-    """The ``DeviceSpec`` to plan for, the same on every rank.
-
-    ``SMP_FX_DEVICE_SPEC`` (a built-in name or a file written by ``smp-fx calibrate``)
-    wins; otherwise the built-in spec named in this GPU's name (H100, A100, V100), or
-    "cpu" (measured here, quick) on CPU. World rank 0 resolves it and broadcasts it: a
-    measured spec differs from rank to rank, and every rank must make the same plan. A
-    bad spec is broadcast as its error, so every rank raises it instead of waiting.
-    """
-    box: list[Any] = [None]
-    if st.rank == 0:
-        name = os.environ.get(DEVICE_SPEC_ENV)
-        if not name and st.device.type == "cuda":
-            gpu = torch.cuda.get_device_name(st.device)
-            name = spec_for_device_name(gpu)
-            if name is None:
-                log.warning("no built-in device spec for %r: planning for %r; set %s to a "
-                            "spec file from `smp-fx calibrate` to plan for this GPU", gpu,
-                            DEFAULT_DEVICE, DEVICE_SPEC_ENV)
-                name = DEFAULT_DEVICE
-        try:
-            box = [load_device(name or st.device.type).to_json()]
-        except SMPConfigError as exc:
-            box = [str(exc)]
-    if not st.in_process and st.world_size > 1:
-        dist.broadcast_object_list(box, src=0, group=st.object_group("world"))
-    if isinstance(box[0], str):
-        raise SMPConfigError(f"{box[0]} (from {DEVICE_SPEC_ENV} or the device, on rank 0)")
-    return DeviceSpec.from_json(box[0])
-
-
-def _measured_costs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
-                    options: ModelOptions, st: state.State) -> dict[str, tuple[Any, Any, Any]]:
-    """Per-node measured costs (``trace_execution_times`` / ``trace_memory_usage``), taken
-    on world rank 0 and broadcast: measurements are noisy, and every rank must make the
-    same plan. A field not asked for is None, so it keeps its analytic value."""
-    times, memory = options.trace_execution_times, options.trace_memory_usage
-    box: list[Any] = [None]
-    if st.rank == 0:
-        raw = measure_nodes(gm, args, kwargs, times=times, memory=memory)
-        box = [{name: (f if times else None, b if times else None, m if memory else None)
-                for name, (f, b, m) in raw.items()}]
-    if not st.in_process and st.world_size > 1:
-        dist.broadcast_object_list(box, src=0, group=st.object_group("world"))
-    return box[0]
-
-
-def _agree_on_plan(gm: torch.fx.GraphModule, st: state.State) -> None:
-    """Adopt world rank 0's stage assignment (measured costs may differ between ranks)."""
-    mine = [(n.name, meta.STAGE.get(n)) for n in gm.graph.nodes]
-    box = [mine]
-    dist.broadcast_object_list(box, src=0, group=st.object_group("world"))
-    theirs = box[0]
-    if [n for n, _ in theirs] != [n for n, _ in mine]:
-        raise SMPPartitionError.build(
-            "ranks traced different graphs", f"{len(theirs)} vs {len(mine)} nodes",
-            f"rank {st.rank}", "make the model and first batch identical on every rank")
-    for node, (_, stage) in zip(gm.graph.nodes, theirs):
-        if stage is not None:
-            meta.STAGE.set(node, stage)
-
-
-def _tied_duplicates(program: StagedProgram, stage: int,
-                     canonical: dict[str, str]) -> frozenset[str]:
-    """Names (canonical, as ``local_named_parameters`` gives them) of ``stage``'s parameters
-    whose tied twin a lower stage holds too."""
-    lower = {canonical.get(n, n) for s in range(stage)
-             for n, _ in program.stages[s].module.named_parameters()}
-    mine = {canonical.get(n, n) for n, _ in program.stages[stage].module.named_parameters()}
-    return frozenset(mine & lower)
-
-
-def _tied_groups(program: StagedProgram, st: state.State,
-                 canonical: dict[str, str]) -> list[tuple[Any, list[str]]]:
-    """Groups of the pp ranks owning each tied parameter; created collectively on all ranks.
-
-    Tied-ness comes from the original module's aliases (``canonical``: every name -> its
-    first name), never from parameter identity here: a delayed (meta) model's stages may
-    hold re-created parameters, and every rank must agree on the groups it creates.
-    """
-    owners: dict[str, list[int]] = {}
-    for s, stage in enumerate(program.stages):
-        for name, _ in stage.module.named_parameters():
-            canon = canonical.get(name, name)
-            owners.setdefault(canon, [])
-            if s not in owners[canon]:
-                owners[canon].append(s)
-    by_owner_set: dict[tuple[int, ...], list[str]] = {}
-    for canon, stages in sorted(owners.items()):
-        if len(stages) > 1:
-            by_owner_set.setdefault(tuple(stages), []).append(canon)
-    out: list[tuple[Any, list[str]]] = []
-    for owner_stages, canons in sorted(by_owner_set.items()):
-        for pipeline in st.topology.groups("pp"):
-            ranks = [pipeline[s] for s in owner_stages]
-            group = dist.new_group(ranks)
-            if st.rank in ranks:  # local_named_parameters() names them canonically too
-                out.append((group, list(canons)))
-    return out

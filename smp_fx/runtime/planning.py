@@ -1,0 +1,130 @@
+"""The first step's plan on this rank: trace once, cost, partition, agree across ranks.
+
+A plan must be the same on every rank, or the stages would not fit together. Everything
+that can differ between ranks is decided on world rank 0 and broadcast: the device spec
+(a measured CPU spec differs per process), measured costs (noisy), and, as a last check,
+the stage of every node. What stays local is deterministic: the trace and the analytic
+costs of the one spec.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx
+from torch import nn
+
+from cost_model.device import DEFAULT_DEVICE, DeviceSpec, load_device, spec_for_device_name
+from cost_model.errors import SMPConfigError, SMPPartitionError
+from cost_model.measure import measure_nodes
+from passes import meta
+from passes.pipeline import compile_model
+from passes.plan import PartitionPlan
+from passes.tensor_parallel import TensorParallelism, TensorParallelPlan
+from passes.trace import trace
+from smp_fx.activation_checkpointing import checkpoint_rules
+from smp_fx.dist import state
+from smp_fx.manual import pins_by_module_path
+from smp_fx.runtime.modes import Autocast, thread_modes
+from smp_fx.tp_marking import marked_paths
+
+log = logging.getLogger("smp_fx.planning")
+
+
+def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+                times: bool = False, memory: bool = False, autocast: Autocast = ()
+                ) -> tuple[torch.fx.GraphModule, PartitionPlan, TensorParallelPlan | None]:
+    """Trace once, cost and partition with the compile pipeline; (GraphModule with STAGE, plan).
+
+    Analytic costs for the device spec ``plan_device`` picks (the same on every rank), so
+    the plan is a pure function of the model, the first microbatch, the configuration and
+    that spec (every rank makes the same one). With ``auto_partition`` false the
+    ``smp.partition`` pins apply. Measured costs are taken on the very graph that is then
+    costed, planned and split (``compile_model``'s ``traced``), which keeps the front end's
+    codegen (export's input and output structure).
+    """
+    st = state.get()
+    cfg = st.config
+    pins = None if cfg.auto_partition else pins_by_module_path(module)
+    device = plan_device(st)
+    gm = trace(module, args, kwargs)
+    measured = None
+    if times or memory:
+        with thread_modes(torch.is_grad_enabled(), autocast):
+            measured = measured_costs(gm, args, kwargs, times, memory, st)
+    pconfig = cfg.partition_config(device.name, checkpointing=checkpoint_rules(module))
+    tp = TensorParallelism(st.axis_size("tp"), st.axis_rank("tp"), cfg.prescaled_batch,
+                           marked_paths(module))
+    with thread_modes(torch.is_grad_enabled(), autocast):
+        compiled = compile_model(module, args, kwargs, pconfig, device=device, pins=pins,
+                                 measured=measured, traced=gm, tp=tp)
+    return compiled.gm, compiled.plan, compiled.tp_plan
+
+
+DEVICE_SPEC_ENV = "SMP_FX_DEVICE_SPEC"
+
+
+def plan_device(st: state.State) -> DeviceSpec:
+    """The ``DeviceSpec`` to plan for, the same on every rank.
+
+    ``SMP_FX_DEVICE_SPEC`` (a built-in name or a file written by ``smp-fx calibrate``)
+    wins; otherwise the built-in spec named in this GPU's name (H100, A100, V100), or
+    "cpu" (measured here, quick) on CPU. World rank 0 resolves it and broadcasts it: a
+    measured spec differs from rank to rank, and every rank must make the same plan. A
+    bad spec is broadcast as its error, so every rank raises it instead of waiting.
+    """
+    box: list[Any] = [None]
+    if st.rank == 0:
+        name = os.environ.get(DEVICE_SPEC_ENV)
+        if not name and st.device.type == "cuda":
+            gpu = torch.cuda.get_device_name(st.device)
+            name = spec_for_device_name(gpu)
+            if name is None:
+                log.warning("no built-in device spec for %r: planning for %r; set %s to a "
+                            "spec file from `smp-fx calibrate` to plan for this GPU", gpu,
+                            DEFAULT_DEVICE, DEVICE_SPEC_ENV)
+                name = DEFAULT_DEVICE
+        try:
+            box = [load_device(name or st.device.type).to_json()]
+        except SMPConfigError as exc:
+            box = [str(exc)]
+    if not st.in_process and st.world_size > 1:
+        dist.broadcast_object_list(box, src=0, group=st.object_group("world"))
+    if isinstance(box[0], str):
+        raise SMPConfigError(f"{box[0]} (from {DEVICE_SPEC_ENV} or the device, on rank 0)")
+    return DeviceSpec.from_json(box[0])
+
+
+def measured_costs(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, Any],
+                   times: bool, memory: bool, st: state.State
+                   ) -> dict[str, tuple[Any, Any, Any]]:
+    """Per-node measured costs (``trace_execution_times`` / ``trace_memory_usage``), taken
+    on world rank 0 and broadcast: measurements are noisy, and every rank must make the
+    same plan. A field not asked for is None, so it keeps its analytic value."""
+    box: list[Any] = [None]
+    if st.rank == 0:
+        raw = measure_nodes(gm, args, kwargs, times=times, memory=memory)
+        box = [{name: (f if times else None, b if times else None, m if memory else None)
+                for name, (f, b, m) in raw.items()}]
+    if not st.in_process and st.world_size > 1:
+        dist.broadcast_object_list(box, src=0, group=st.object_group("world"))
+    return box[0]
+
+
+def agree_on_plan(gm: torch.fx.GraphModule, st: state.State) -> None:
+    """Adopt world rank 0's stage assignment (measured costs may differ between ranks)."""
+    mine = [(n.name, meta.STAGE.get(n)) for n in gm.graph.nodes]
+    box = [mine]
+    dist.broadcast_object_list(box, src=0, group=st.object_group("world"))
+    theirs = box[0]
+    if [n for n, _ in theirs] != [n for n, _ in mine]:
+        raise SMPPartitionError.build(
+            "ranks traced different graphs", f"{len(theirs)} vs {len(mine)} nodes",
+            f"rank {st.rank}", "make the model and first batch identical on every rank")
+    for node, (_, stage) in zip(gm.graph.nodes, theirs):
+        if stage is not None:
+            meta.STAGE.set(node, stage)

@@ -53,6 +53,7 @@ from smp_fx.ckpt.state_dict import (
     merge_optimizer_state_dicts,
     merge_partial_optimizer_states,
 )
+from smp_fx.ckpt.validate import agreed, load_error
 from smp_fx.dist import comm
 from smp_fx.dist import state as smp_state
 
@@ -111,27 +112,28 @@ def resolve_weights_only(weights_only: bool | None, pickle_module: Any) -> bool:
 
 def read_file(path: str, map_location: Any = None, pickle_module: Any = pickle,
               weights_only: bool | None = None, **pickle_load_args: Any) -> Any:
-    """``torch.load`` with the safe loader by default and an error that says how to opt out."""
+    """``torch.load`` with the safe loader by default; a file it cannot read is an error
+    that says what is wrong with the file (``validate.load_error``)."""
     if not os.path.exists(path):
-        raise SMPCheckpointError.build("checkpoint file does not exist", path,
-                                       fix="check the path (partial files end in _<mp_rank>)")
-    if resolve_weights_only(weights_only, pickle_module):
-        if pickle_module is not pickle and pickle_module is not None:
-            raise SMPCheckpointError.build(
-                "a custom pickle_module cannot be used with weights_only=True",
-                getattr(pickle_module, "__name__", pickle_module), where=path,
-                fix="drop weights_only=True to use the module (only for files you trust)")
-        try:
+        fix = "check the path (partial files end in _<mp_rank>)"
+        if os.path.exists(partial_path(path, 0)):
+            fix = f"{path} is a partial checkpoint: load it with partial=True"
+        raise SMPCheckpointError.build("checkpoint file does not exist", path, fix=fix)
+    safe = resolve_weights_only(weights_only, pickle_module)
+    if safe and pickle_module is not pickle and pickle_module is not None:
+        raise SMPCheckpointError.build(
+            "a custom pickle_module cannot be used with weights_only=True",
+            getattr(pickle_module, "__name__", pickle_module), where=path,
+            fix="drop weights_only=True to use the module (only for files you trust)")
+    try:
+        if safe:
             with torch.serialization.safe_globals(_numpy_safe_globals()):
                 return torch.load(path, map_location=map_location, weights_only=True,
                                   **pickle_load_args)
-        except pickle.UnpicklingError as exc:
-            raise SMPCheckpointError.build(
-                "the checkpoint holds objects the safe (weights_only) loader refuses", path,
-                fix="if you trust the file, load it with smp.load(..., weights_only=False); "
-                f"torch said: {str(exc).splitlines()[0]}") from exc
-    return torch.load(path, map_location=map_location, weights_only=False,
-                      pickle_module=pickle_module or pickle, **pickle_load_args)
+        return torch.load(path, map_location=map_location, weights_only=False,
+                          pickle_module=pickle_module or pickle, **pickle_load_args)
+    except Exception as exc:
+        raise load_error(path, exc, safe) from exc
 
 
 # ---------------------------------------------------------------- where this rank is
@@ -314,9 +316,17 @@ def read_index(f: str) -> dict[str, Any] | None:
     path = index_path(f)
     if not os.path.exists(path):
         return None
-    with open(path, encoding="utf-8") as fh:
-        index = json.load(fh)
-    if index.get("format") != INDEX_FORMAT or index.get("version") != INDEX_VERSION:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            index = json.load(fh)
+    except (ValueError, OSError) as exc:
+        raise SMPCheckpointError.build(
+            "the checkpoint index cannot be read", str(exc), path,
+            "restore it with the partial files it belongs to (it is rewritten by every "
+            "smp.save(partial=True))") from exc
+    if not isinstance(index, dict) or index.get("format") != INDEX_FORMAT \
+            or index.get("version") != INDEX_VERSION:
+        index = index if isinstance(index, dict) else {}
         raise SMPCheckpointError.build(
             "unknown checkpoint index format", (index.get("format"), index.get("version")),
             where=path, fix=f"use an index written by this smp-fx ({INDEX_FORMAT} v1)")
@@ -341,17 +351,24 @@ def read_partial_file(f: str, entry: Mapping[str, Any], save_id: str,
     """The object one mp rank saved under the committed ``save_id`` (its ``.prev`` twin
     when a later save was interrupted before its index was written)."""
     path = os.path.join(os.path.dirname(os.path.abspath(f)), entry["file"])
-    for candidate in (path, _prev_path(path)):
-        if os.path.exists(candidate):
-            data = read_file(candidate, **load_kw)
-            if isinstance(data, Mapping) and data.get("save_id") == save_id:
-                if candidate != path:
-                    log.warning("%s belongs to an interrupted save; loading %s, the file of "
-                                "the committed checkpoint %s", path, candidate, save_id)
-                return data["object"]
+    candidates = [c for c in (path, _prev_path(path)) if os.path.exists(c)]
+    if not candidates:
+        raise SMPCheckpointError.build(
+            f"the file of model-parallel rank {entry['mp_rank']} of this partial checkpoint "
+            "is missing", path, where=index_path(f),
+            fix="copy every file of a checkpoint together (NAME_0 ... NAME_<n-1> and "
+            "NAME.smp_index.json), or load another checkpoint")
+    for candidate in candidates:
+        data = read_file(candidate, **load_kw)
+        if isinstance(data, Mapping) and data.get("save_id") == save_id:
+            if candidate != path:
+                log.warning("%s belongs to an interrupted save; loading %s, the file of "
+                            "the committed checkpoint %s", path, candidate, save_id)
+            return data["object"]
     raise SMPCheckpointError.build(
         "no file of this partial checkpoint matches its index (save id)", save_id,
-        where=path, fix="the set was damaged outside smp.save; restore it or use another")
+        where=path, fix="the files come from different saves (copied apart, or the set was "
+        "changed outside smp.save); restore the set or load another checkpoint")
 
 
 def merge_partial_objects(objs: Sequence[Any], full: bool = False) -> Any:
@@ -382,6 +399,33 @@ def merge_partial_objects(objs: Sequence[Any], full: bool = False) -> Any:
             for key in first}
 
 
+def _load_unindexed(f: str, info: RankInfo, load_kw: dict[str, Any]) -> Any:
+    """This rank's file of a partial checkpoint without an index (SMP's own, or one whose
+    index was lost): only at the degrees it was saved with, which the files must show."""
+    path = partial_path(f, info.mp_rank)
+    if not os.path.exists(path):
+        if os.path.exists(f):
+            fix = "pass partial=False to load a full checkpoint saved with partial=False"
+        else:
+            fix = (f"this job has {info.num_files} model-parallel rank(s); the checkpoint "
+                   "was saved with fewer, or its files were not all copied")
+        raise SMPCheckpointError.build("partial checkpoint file not found", path,
+                                       where=f"mp_rank {info.mp_rank}", fix=fix)
+    if os.path.exists(partial_path(f, info.num_files)):
+        raise SMPCheckpointError.build(
+            "the partial checkpoint has more files than this job has model-parallel ranks",
+            partial_path(f, info.num_files), where=f"{f} (no index)",
+            fix=f"load it at the degrees it was saved with, or save it with smp-fx, whose "
+            f"index allows loading at another pipeline degree ({index_path(f)})")
+    data = read_file(path, **load_kw)
+    if isinstance(data, Mapping) and WRAP_KEY in data and data.get("mp_rank") != info.mp_rank:
+        raise SMPCheckpointError.build(
+            "the partial file belongs to another model-parallel rank",
+            f"saved by mp_rank {data.get('mp_rank')}", path,
+            "files were renamed or copied over each other; restore the set")
+    return _unwrap(data)
+
+
 def load_partial_set(f: str, **load_kw: Any) -> tuple[dict[str, Any], list[Any]]:
     """The index and the object of every file of the partial checkpoint ``f``."""
     index = read_index(f)
@@ -408,6 +452,10 @@ def load(f: str, map_location: Any = None, pickle_module: Any = pickle, partial:
     ``pickle_module`` other than ``pickle`` (as SMP's page documents it), since that module
     is used to unpickle: both only for files you trust.
 
+    Collective, as SMP says ("load on all ranks"): every rank reads its part, then the
+    ranks agree, so a file that fails on one rank is an ``SMPCheckpointError`` on every rank
+    instead of a hang in the next collective (``validate.agreed``).
+
     Example::
 
         ckpt = smp.load("/ckpt/checkpoint.pt", partial=True)
@@ -417,17 +465,17 @@ def load(f: str, map_location: Any = None, pickle_module: Any = pickle, partial:
     f = _check_path(f)
     load_kw = dict(map_location=map_location, pickle_module=pickle_module,
                    weights_only=weights_only, **pickle_load_args)
+    return agreed(f"smp.load({f!r})", lambda: _load(f, partial, load_kw))
+
+
+def _load(f: str, partial: bool, load_kw: dict[str, Any]) -> Any:
+    """This rank's part of ``load``."""
     if not partial:
         return read_file(f, **load_kw)
     info, _ = current_rank()
     index = read_index(f)
     if index is None:
-        path = partial_path(f, info.mp_rank)
-        if not os.path.exists(path):
-            raise SMPCheckpointError.build(
-                "partial checkpoint file not found", path, where=f"mp_rank {info.mp_rank}",
-                fix="pass partial=False to load a full checkpoint saved with partial=False")
-        return _unwrap(read_file(path, **load_kw))
+        return _load_unindexed(f, info, load_kw)
     same = (index["num_files"] == info.num_files and index["pp_degree"] == info.pp_degree
             and index["tp_degree"] == info.tp_degree)
     if same:

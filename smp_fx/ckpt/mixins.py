@@ -44,6 +44,7 @@ from smp_fx.ckpt.state_dict import (
     optimizer_state_to_torch,
     select_model_state,
 )
+from smp_fx.ckpt.validate import agreed
 from smp_fx.dist import comm
 from smp_fx.dist import state as smp_state
 from smp_fx.runtime.context import current_model
@@ -188,6 +189,12 @@ class ModelCheckpointMixin:
             self._smp_load_now(*pending)
 
     def _smp_load_now(self, state_dict: Mapping[str, Any], strict: bool) -> Any:
+        """Load on every rank, or fail on every rank (a state dict of another model fails
+        on the ranks whose parameters it lacks: the others must not go on and wait)."""
+        return agreed("DistributedModel.load_state_dict",
+                      lambda: self._smp_load_local(state_dict, strict))
+
+    def _smp_load_local(self, state_dict: Mapping[str, Any], strict: bool) -> Any:
         layout = self._smp_layout()
         partial = is_partial(state_dict)
         missing: list[str] = []
@@ -305,6 +312,11 @@ class OptimizerCheckpointMixin:
             self._smp_load_now(pending)
 
     def _smp_load_now(self, state_dict: Mapping[str, Any]) -> None:
+        """Load on every rank, or fail on every rank (see the model's)."""
+        agreed("DistributedOptimizer.load_state_dict",
+               lambda: self._smp_load_local(state_dict))
+
+    def _smp_load_local(self, state_dict: Mapping[str, Any]) -> None:
         if not self._smp_is_local() and not is_partial(state_dict):
             self.optimizer.load_state_dict(dict(state_dict))  # it is the plain optimizer
             return

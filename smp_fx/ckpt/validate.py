@@ -1,0 +1,115 @@
+"""Loading a checkpoint safely: a bad file is one clear error, on every rank, never a hang.
+
+Two rules every load path follows (``smp.load``, ``DistributedModel.load_state_dict``,
+``DistributedOptimizer.load_state_dict``, and the resume of full training checkpoints):
+
+* **Say what is wrong with the file.** ``torch.load`` fails on a damaged file in many voices
+  (``PytorchStreamReader failed reading zip archive``, ``[Errno 22] Invalid argument``,
+  ``EOFError``, ``invalid load key``, ``Weights only load failed``). ``load_error`` looks at
+  the file itself (empty, not in ``torch.save``'s format, its end missing) and says which,
+  naming the file and the fix.
+* **Agree before going on.** Each rank loads its own file (a partial checkpoint) or its own
+  parameters (a state dict), so a load can fail on one rank only; that rank raises, the
+  others go on into the next collective and wait there until the timeout, far from the
+  cause. ``agreed`` runs a rank's part of a load, then gathers every rank's outcome (one
+  small all-gather over the world group) and, if any failed, raises the same
+  ``SMPCheckpointError`` on every rank, naming each failed rank with its own message. So a
+  load is collective: as SMP says, call it on every rank.
+
+>>> agreed("a load", lambda: 42)   # a world of one: nothing to agree with
+42
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+from collections.abc import Callable
+from typing import TypeVar
+
+from cost_model.errors import SMPCheckpointError
+from smp_fx.dist import comm
+from smp_fx.dist import state as smp_state
+
+T = TypeVar("T")
+
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
+ZIP_END = b"PK\x05\x06"  # its last record: absent when the file was cut short
+_END_SPAN = 65_557  # the end record (22 bytes) plus the longest archive comment
+RESTORE = "restore it from a good copy, or load the previous checkpoint"
+
+
+def load_error(path: str, exc: BaseException, weights_only: bool) -> SMPCheckpointError:
+    """What is wrong with the file at ``path`` that ``torch.load`` failed on with ``exc``."""
+    said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            head = fh.read(4)
+            fh.seek(max(0, size - _END_SPAN))
+            tail = fh.read()
+    except OSError as io_exc:
+        return SMPCheckpointError.build(
+            "the checkpoint file cannot be read", str(io_exc), path,
+            "check the path and its permissions")
+    if size == 0:
+        return SMPCheckpointError.build(
+            "the checkpoint file is empty", path,
+            fix=f"a save was interrupted or the disk filled up: {RESTORE}")
+    if head != ZIP_MAGIC:
+        return SMPCheckpointError.build(
+            "the file is not a checkpoint: it is not in torch.save's format", path,
+            fix="pass the name smp.save was given (partial files are NAME_<mp_rank>; "
+            f"NAME.smp_index.json is their index, not a checkpoint); torch said: {said}")
+    if ZIP_END not in tail:
+        return SMPCheckpointError.build(
+            "the checkpoint file is truncated: its end is missing", f"{path}, {size} bytes",
+            fix=f"it was cut short (an interrupted copy or save, a full disk): {RESTORE}")
+    if weights_only and isinstance(exc, pickle.UnpicklingError):
+        return SMPCheckpointError.build(
+            "the checkpoint holds objects the safe (weights_only) loader refuses", path,
+            fix="if you trust the file, load it with smp.load(..., weights_only=False); "
+            f"torch said: {said}")
+    return SMPCheckpointError.build(
+        "torch.load cannot read the checkpoint file", said, path,
+        "if the file is intact, torch's words say why (a class not importable here, a "
+        f"device this machine lacks: see map_location); if it is damaged, {RESTORE}")
+
+
+def _world_gather() -> Callable[[object], list[object]] | None:
+    """All-gather over the world group, or None when this process is the whole job."""
+    if not smp_state.is_initialized():
+        return None
+    st = smp_state.get()
+    if st.in_process or st.world_size == 1:
+        return None
+    return lambda value: comm.allgather(value, comm.WORLD)
+
+
+def agree_or_raise(error: BaseException | None, what: str) -> None:
+    """Every rank learns whether ``what`` failed anywhere; if it did, every rank raises the
+    same ``SMPCheckpointError`` naming the failed ranks (collective over the world group)."""
+    gather = _world_gather()
+    mine = None if error is None else (str(error) if isinstance(error, SMPCheckpointError)
+                                       else f"{type(error).__name__}: {error}")
+    outcomes = [mine] if gather is None else gather(mine)
+    failed = {r: m for r, m in enumerate(outcomes) if m is not None}
+    if not failed:
+        return
+    if gather is None and isinstance(error, SMPCheckpointError):
+        raise error
+    told = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
+    here = "" if error is not None else " (this rank's part loaded)"
+    raise SMPCheckpointError(
+        f"{what} failed on {len(failed)} of {len(outcomes)} rank(s){here}; {told}") from error
+
+
+def agreed(what: str, fn: Callable[[], T]) -> T:
+    """Run this rank's part of a load, then ``agree_or_raise`` on the outcome."""
+    try:
+        result = fn()
+    except Exception as exc:  # shared with every rank below, then raised on every rank
+        agree_or_raise(exc, what)
+        raise
+    agree_or_raise(None, what)
+    return result

@@ -241,6 +241,9 @@ def _read_source(config: Any) -> Mapping[str, Any]:
         except json.JSONDecodeError as exc:
             raise SMPConfigError.build("configuration file is not valid JSON", path,
                                        "smp.init", f"fix the JSON ({exc})") from exc
+        except (OSError, ValueError) as exc:  # a folder, no permission, a NUL in the name
+            raise SMPConfigError.build("configuration file cannot be read", path, "smp.init",
+                                       f"pass a readable JSON file or a dict ({exc})") from exc
     if isinstance(config, Mapping):
         return config
     raise SMPConfigError.build("configuration must be a dict, a JSON file path or None",

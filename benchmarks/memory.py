@@ -12,6 +12,8 @@ evenly by ``smp.set_partition``), ``--microbatches`` microbatches, one intra-op 
    model). A ratio <= 1.05 means smp-fx's checkpointing costs no more than torch's own.
    The four variants run in turn, ``--steps`` steps each, over ``--rounds`` rounds (a shared
    machine's load changes hit them alike); each time is the median of all its steps.
+3. Adam's state bytes per rank at pp 1 x dp 2 under ``smp-fx run -n 2``, without and with
+   ``shard_optimizer_state`` (sharded: 1/dp of the unsharded state, within one parameter).
 
     python benchmarks/memory.py [--depth 8 --width 256 --batch 64 --steps 10]
 """
@@ -19,8 +21,12 @@ evenly by ``smp.set_partition``), ``--microbatches`` microbatches, one intra-op 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -170,6 +176,62 @@ def kib(n: int) -> str:
     return f"{n / 1024:8.1f}"
 
 
+STATE_SCRIPT = """
+import json, os, sys
+import torch
+from torch import nn
+import smdistributed.modelparallel.torch as smp
+
+smp.init({"pipeline_parallel_degree": 1, "ddp": True,
+          "shard_optimizer_state": sys.argv[1] == "1"})
+torch.set_num_threads(1)
+torch.manual_seed(0)
+width, depth = int(sys.argv[2]), int(sys.argv[3])
+model = smp.DistributedModel(nn.Sequential(*[nn.Linear(width, width) for _ in range(depth)]))
+opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-3))
+
+@smp.step
+def train(model, x):
+    out = model(x)
+    model.backward(out.sum())
+    return out
+
+train(model, torch.randn(8, width))
+opt.step()
+largest = max(p.numel() * p.element_size() for p in model.parameters())
+print("STATE " + json.dumps([smp.rank(), opt.local_state_bytes(), largest]), flush=True)
+"""
+
+
+def optimizer_state(args: argparse.Namespace) -> None:
+    """Adam's state bytes per rank at pp 1 x dp 2 (``smp-fx run -n 2``), without and with
+    ``shard_optimizer_state``: sharded, each rank holds half, within one parameter."""
+    print(f"\nAdam state per rank, MLP {args.depth} x Linear({args.width}), pp 1 x dp 2 "
+          "(smp-fx run -n 2)")
+    with tempfile.TemporaryDirectory() as tmp:
+        script = Path(tmp) / "state.py"
+        script.write_text(STATE_SCRIPT)
+        rows = {}
+        for shard in (0, 1):
+            res = subprocess.run([sys.executable, "-m", "smp_fx.cli.main", "run", "-n", "2",
+                                  str(script), str(shard), str(args.width), str(args.depth)],
+                                 capture_output=True, text=True, timeout=300, cwd=tmp,
+                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
+            found = sorted(json.loads(line[6:]) for line in res.stdout.splitlines()
+                           if line.startswith("STATE "))
+            if res.returncode != 0 or len(found) != 2:
+                raise RuntimeError(f"the optimizer-state run failed:\n{res.stderr[-2000:]}")
+            rows[shard] = found
+    full = rows[0][0][1]
+    for shard, found in rows.items():
+        per_rank = "  ".join(f"rank {r}: {kib(b).strip()} KiB" for r, b, _ in found)
+        print(f"{'sharded' if shard else 'unsharded':10s} {per_rank}")
+    largest = rows[1][0][2]
+    worst = max(abs(b - full / 2) for _, b, _ in rows[1])
+    print(f"sharded vs 1/dp of unsharded: off by at most {kib(int(worst)).strip()} KiB "
+          f"(one parameter is at most {kib(largest).strip()} KiB)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--width", type=int, default=256)
@@ -206,6 +268,7 @@ def main() -> None:
     print(f"checkpointing overhead: torch {torch_over:.3f}x, smp-fx {smp_over:.3f}x, "
           f"ratio {smp_over / torch_over:.3f} (target <= 1.05)")
     state._reset()
+    optimizer_state(args)
 
 
 if __name__ == "__main__":

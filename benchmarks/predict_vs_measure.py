@@ -231,6 +231,11 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--spec", help="use this spec file instead of calibrating")
     ap.add_argument("--quick-calibration", action="store_true")
+    ap.add_argument("--save-measured", metavar="FILE",
+                    help="write the measured step times to FILE (JSON)")
+    ap.add_argument("--measured", metavar="FILE",
+                    help="reuse step times measured before (--save-measured) instead of "
+                         "running: re-predicts only, e.g. after changing the cost model")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--pipelines", default=",".join(SCHEDULES), help=argparse.SUPPRESS)
@@ -245,12 +250,17 @@ def main() -> None:
         if not args.spec:
             calibrate(spec_path, args.quick_calibration)
         rows = []
+        saved_runs: dict[str, Any] = json.loads(Path(args.measured).read_text()) \
+            if args.measured else {}
         print(f"\n{'model':8s} {'pp':>2s} {'schedule':11s} {'predicted':>10s} "
               f"{'measured':>10s} {'(q1-q3)':>17s} {'ratio':>6s} {'cpu':>6s}  same plan")
         for name in args.models:
             predicted = predict(name, spec_path)
             for pp in (1, 2):
-                measured = measure(name, pp, spec_path, args.steps, args.warmup)
+                key = f"{name}/{pp}"
+                if key not in saved_runs:
+                    saved_runs[key] = measure(name, pp, spec_path, args.steps, args.warmup)
+                measured = saved_runs[key]
                 for pipeline in SCHEDULES:
                     plan, got = predicted[(pp, pipeline)]["plan"], measured[pipeline]
                     same = got["stages"] == [list(s.nodes) for s in plan.stages]
@@ -262,6 +272,8 @@ def main() -> None:
                           f"{got['median_s'] * 1e3:8.2f}ms ({got['q1_s'] * 1e3:7.2f}-"
                           f"{got['q3_s'] * 1e3:7.2f}) {ratio:6.3f} {cpu:6.3f}  "
                           f"{'yes' if same else 'NO'}", flush=True)
+    if args.save_measured:
+        Path(args.save_measured).write_text(json.dumps(saved_runs, indent=1))
     errors = [abs(r[-1] - 1.0) for r in rows]
     print(f"\npredicted / measured step time over {len(rows)} configurations: median "
           f"|ratio - 1| = {statistics.median(errors):.3f}, worst = {max(errors):.3f} "

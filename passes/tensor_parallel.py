@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from cost_model.node_cost import NodeCost
-from passes import meta, tp_collectives
+from passes import meta, tp_collectives, tp_rules
 from passes.graph_utils import copy_graph_module
 
 
@@ -53,20 +53,27 @@ class TensorParallelism:
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """One distributed parameter: split along ``dim`` into ``parts`` equal pieces."""
+    """One distributed parameter: split along ``dim`` into ``parts`` equal pieces.
+
+    ``stride`` > 1: along ``dim`` the full tensor is ``stride`` equal blocks (a fused
+    q/k/v projection: 3), each split into ``parts`` pieces; rank r holds piece r of every
+    block, concatenated in block order. Merging: cut each rank's shard into ``stride``
+    blocks, concatenate the ranks' block b pieces, then the blocks."""
 
     name: str
     dim: int
     parts: int
     full_shape: tuple[int, ...]
+    stride: int = 1
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "dim": self.dim, "parts": self.parts,
-                "full_shape": list(self.full_shape)}
+                "full_shape": list(self.full_shape), "stride": self.stride}
 
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> ShardSpec:
-        return ShardSpec(d["name"], d["dim"], d["parts"], tuple(d["full_shape"]))
+        return ShardSpec(d["name"], d["dim"], d["parts"], tuple(d["full_shape"]),
+                         int(d.get("stride", 1)))
 
 
 @dataclass(frozen=True)
@@ -115,6 +122,7 @@ class _Linear:
     weight_value: torch.Tensor
     bias_value: torch.Tensor | None
     role: str = ""  # "col", "row" or "lone"
+    partner: str = ""  # a row linear's column linear (node name)
 
 
 def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
@@ -163,55 +171,96 @@ def regions(marked: Sequence[str]) -> list[tuple[str, ...]]:
     return [tuple(g) for _, g in sorted(groups.items())]
 
 
-def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int
-             ) -> tuple[list[_Linear], str | None]:
-    """The region's linears with their roles, or a reason to leave it replicated."""
-    nodes = list(gm.graph.nodes)  # element-wise ops between the linears may lie outside
-    linears = {n: lin for n in nodes
-               if any(_in_region(meta.MODULE_PATH.get(n, ""), r) for r in region)
-               and (lin := _as_linear(gm, n)) is not None}
+def _linears(gm: torch.fx.GraphModule, region: tuple[str, ...], skip: frozenset[str]
+             ) -> dict[torch.fx.Node, _Linear]:
+    return {n: lin for n in gm.graph.nodes
+            if any(_in_region(meta.MODULE_PATH.get(n, ""), r) for r in region)
+            and (lin := _as_linear(gm, n)) is not None and lin.weight not in skip}
+
+
+def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int,
+             skip: frozenset[str] = frozenset()
+             ) -> tuple[list[_Linear], tp_rules.Rewrites, str | None]:
+    """The region's linears with their roles and the shape edits, or a reason to leave it
+    replicated. A column linear whose output no rule carries on is a lone linear."""
+    linears = _linears(gm, region, skip)
     if not linears:
-        return [], "no linear layer to shard"
-    col: set[torch.fx.Node] = set()  # values split along the features
+        return [], tp_rules.Rewrites(), "no linear layer to shard"
     weights = [id(lin.weight_value) for lin in linears.values()]
     if len(set(weights)) != len(weights):
-        return [], "a linear weight is shared by several layers"
-    for n in nodes:
-        ins = [a for a in n.all_input_nodes if a.op != "get_attr"]
-        lin = linears.get(n)
-        if lin is not None:
-            x = n.args[0]
-            if x in col:
-                lin.role = "row"
-            else:
-                lin.role = "col"
-                col.add(n)
-            continue
-        if any(a in col for a in ins):
-            if not _elementwise(gm, n):
-                continue  # judged below: a lone column linear, or a failure
-            if not all(a in col for a in ins) or any(a.op == "get_attr"
-                                                      for a in n.all_input_nodes):
-                return [], (f"{n.name} ({n.target}) mixes a feature-split value with a "
-                            "replicated tensor")
-            col.add(n)
-    for n in col:
-        bad = [u for u in n.users if u not in col and not
-               (u in linears and linears[u].role == "row" and u.args[0] is n)]
-        if not bad:
-            continue
-        if n in linears and all(u not in col for u in n.users):
-            linears[n].role = "lone"
-            continue
-        return [], (f"the feature-split value {n.name} reaches {bad[0].name} "
-                    f"({bad[0].target}), which is neither element-wise nor a linear")
+        return [], tp_rules.Rewrites(), "a linear weight is shared by several layers"
+    lone: set[torch.fx.Node] = set()
+    while True:
+        rw, reason, culprit = _propagate(gm, linears, lone, size)
+        if culprit is None or culprit in lone:
+            break
+        lone.add(culprit)
+    if reason is not None:
+        return [], rw, reason
     for lin in linears.values():
         out_f, in_f = lin.weight_value.shape
         dim_size = in_f if lin.role == "row" else out_f
-        if dim_size % size:
-            return [], (f"{lin.weight} has {dim_size} {'in' if lin.role == 'row' else 'out'}"
-                        f" features, not divisible by tensor_parallel_degree {size}")
-    return list(linears.values()), None
+        parts = size * rw.strided.get(lin.node.name, 1)
+        if dim_size % parts:
+            return [], rw, (f"{lin.weight} has {dim_size} {'in' if lin.role == 'row' else 'out'}"
+                            f" features, not divisible by tensor_parallel_degree {size}"
+                            + (f" x {parts // size} fused blocks" if parts != size else ""))
+    return list(linears.values()), rw, None
+
+
+def _propagate(gm: torch.fx.GraphModule, linears: dict[torch.fx.Node, _Linear],
+               lone: set[torch.fx.Node], size: int
+               ) -> tuple[tp_rules.Rewrites, str | None, torch.fx.Node | None]:
+    """One sweep of sharding propagation: the edits, the first failure and, when that
+    failure is a column linear's own output, that linear (to retry it as a lone one)."""
+    split: dict[torch.fx.Node, tp_rules.Split] = {}
+    rw = tp_rules.Rewrites()
+    by_name = {n.name: n for n in linears}
+    for n in gm.graph.nodes:
+        lin = linears.get(n)
+        if lin is not None:
+            x = n.args[0]
+            if x in split:
+                rank = len(tp_rules.shape(x) or ())
+                if split[x].dim not in (-1, rank - 1):
+                    return rw, (f"{lin.weight} reads {x.name} split along dim "
+                                f"{split[x].dim}, not its features"), None
+                lin.role, lin.partner = "row", split[x].origin
+            elif n in lone:
+                lin.role = "lone"
+            else:
+                lin.role = "col"
+                out = tp_rules.shape(n)
+                split[n] = tp_rules.Split(-1 if out is None else len(out) - 1, n.name)
+            continue
+        ins = [a for a in n.all_input_nodes if a in split]
+        if not ins:
+            continue
+        try:
+            out_split = _rule(gm, n, split, rw, size, by_name.get)
+        except tp_rules.Unsupported as exc:
+            return rw, str(exc), next((a for a in ins if a in linears), None)
+        if out_split is None:
+            return rw, (f"the split value {ins[0].name} reaches {n.name} ({n.target}), "
+                        "which no sharding rule covers"), next((a for a in ins if a in linears),
+                                                               None)
+        split[n] = out_split
+    return rw, None, None
+
+
+def _rule(gm: torch.fx.GraphModule, n: torch.fx.Node,
+          split: dict[torch.fx.Node, tp_rules.Split], rw: tp_rules.Rewrites, size: int,
+          col: Callable[[str], torch.fx.Node | None]) -> tp_rules.Split | None:
+    if _elementwise(gm, n):
+        ins = [a for a in n.all_input_nodes if a in split]
+        if any(tp_rules.shape(a) is None for a in n.all_input_nodes):
+            if len(ins) != len(n.all_input_nodes) or len({split[a].dim for a in ins}) != 1:
+                raise tp_rules.Unsupported(f"{n.name} ({n.target}) mixes a feature-split "
+                                           "value with a replicated tensor")
+            origins = sorted({o for a in ins for o in split[a].origin.split(",")})
+            return tp_rules.Split(split[ins[0]].dim, ",".join(origins))
+        return tp_rules.elementwise_out(n, split)
+    return tp_rules.propagate(n, split, rw, size, col)
 
 
 def _set_param(gm: torch.fx.GraphModule, fqn: str, value: torch.Tensor) -> None:
@@ -231,13 +280,26 @@ def _replace_module(gm: torch.fx.GraphModule, path: str) -> None:
     setattr(owner, leaf, nn.Module())
 
 
-def _shard(value: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
-    return value.detach().chunk(size, dim=dim)[rank].clone()
+def merge_shards(spec: ShardSpec, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The full tensor from the ranks' shards (in rank order), strides honoured."""
+    blocks = [s.chunk(spec.stride, dim=spec.dim) for s in shards]
+    return torch.cat([torch.cat([b[i] for b in blocks], dim=spec.dim)
+                      for i in range(spec.stride)], dim=spec.dim)
 
 
-def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism
+def _shard(value: torch.Tensor, dim: int, size: int, rank: int, stride: int = 1
+           ) -> torch.Tensor:
+    """This rank's piece: ``value`` along ``dim`` is ``stride`` equal blocks (a fused
+    q/k/v projection), each cut into ``size`` pieces; the rank's pieces concatenated."""
+    blocks = value.detach().chunk(stride, dim=dim)
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).clone()
+
+
+def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
+                    skip: frozenset[str] = frozenset()
                     ) -> tuple[torch.fx.GraphModule, TensorParallelPlan]:
-    """The rewritten copy of ``gm`` for ``tp.rank`` and the plan (module docstring)."""
+    """The rewritten copy of ``gm`` for ``tp.rank`` and the plan (module docstring);
+    linears whose weight is in ``skip`` are left alone (another pass sharded them)."""
     new = copy_graph_module(gm)
     if tp.size <= 1 or not tp.marked:
         return new, TensorParallelPlan(tp.size)
@@ -246,19 +308,37 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism
     replicated: list[tuple[str, str]] = []
     pairs: list[tuple[str, str]] = []
     for region in regions(tp.marked):
-        linears, reason = _analyse(new, region, tp.size)
+        linears, rw, reason = _analyse(new, region, tp.size, skip)
         if reason is not None:
             replicated.append((",".join(region), reason))
             continue
+        names = {lin.node.name: lin.weight.rpartition(".")[0] for lin in linears}
+        for node, pos in rw.divide:
+            _divide_arg(new.graph, node, pos, tp.size)
         for lin in linears:
-            sharded += _rewrite(new, by_name[lin.node.name], lin, tp)
-        cols = [lin for lin in linears if lin.role == "col"]
-        rows = [lin for lin in linears if lin.role == "row"]
-        pairs += [(c.weight.rpartition(".")[0], r.weight.rpartition(".")[0])
-                  for c in cols for r in rows]
+            stride = rw.strided.get(lin.node.name, 1)
+            sharded += _rewrite(new, by_name[lin.node.name], lin, tp, stride)
+        pairs += [(names[c], names[r.node.name]) for r in linears if r.role == "row"
+                  for c in r.partner.split(",")]
     new.graph.lint()
     new.recompile()
     return new, TensorParallelPlan(tp.size, tuple(sharded), tuple(replicated), tuple(pairs))
+
+
+def _divide_arg(graph: torch.fx.Graph, node: torch.fx.Node, pos: int | str,
+                size: int) -> None:
+    """Turn a global size argument of ``node`` into this rank's ``size // tp``."""
+    value = node.args[pos] if isinstance(pos, int) else node.kwargs[pos]
+    if isinstance(value, torch.fx.Node):
+        with graph.inserting_before(node):
+            value = _insert(graph, operator.floordiv, (value, size), node)
+            meta.TENSOR.set(value, None)
+    else:
+        value = value // size
+    if isinstance(pos, int):
+        node.update_arg(pos, value)
+    else:
+        node.update_kwarg(pos, value)
 
 
 def _insert(graph: torch.fx.Graph, fn: Callable[..., Any], args: Sequence[Any],
@@ -280,21 +360,21 @@ def _get_attr(graph: torch.fx.Graph, fqn: str, like: torch.fx.Node) -> torch.fx.
 
 
 def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: _Linear,
-             tp: TensorParallelism) -> list[ShardSpec]:
+             tp: TensorParallelism, stride: int = 1) -> list[ShardSpec]:
     """Replace ``node`` by its sharded form; the shard specs of its parameters."""
     size, rank, graph = tp.size, tp.rank, gm.graph
     w_full, b_full = lin.weight_value, lin.bias_value
     if node.op == "call_module":
         _replace_module(gm, str(node.target))
     w_dim = 1 if lin.role == "row" else 0
-    _set_param(gm, lin.weight, _shard(w_full, w_dim, size, rank))
-    specs = [ShardSpec(lin.weight, w_dim, size, tuple(w_full.shape))]
+    _set_param(gm, lin.weight, _shard(w_full, w_dim, size, rank, stride))
+    specs = [ShardSpec(lin.weight, w_dim, size, tuple(w_full.shape), stride)]
     if lin.bias is not None and b_full is not None:
         if lin.role == "row":
             _set_param(gm, lin.bias, b_full.detach().clone())
         else:
-            _set_param(gm, lin.bias, _shard(b_full, 0, size, rank))
-            specs.append(ShardSpec(lin.bias, 0, size, tuple(b_full.shape)))
+            _set_param(gm, lin.bias, _shard(b_full, 0, size, rank, stride))
+            specs.append(ShardSpec(lin.bias, 0, size, tuple(b_full.shape), stride))
     x = node.args[0]
     gather = not tp.prescaled_batch
     with graph.inserting_before(node):

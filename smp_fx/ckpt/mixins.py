@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.nn.modules.module import _IncompatibleKeys
 
 from cost_model.errors import SMPCheckpointError, not_implemented
+from passes.tensor_parallel import merge_shards
 from smp_fx.ckpt.state_dict import (
     PARTIAL_KEY,
     ModelLayout,
@@ -77,7 +78,7 @@ def gather_shards(plan: Any, local: StateDict) -> StateDict:
             t = out[spec.name].contiguous()
             parts = [torch.empty_like(t) for _ in range(spec.parts)]
             dist.all_gather(parts, t, group=smp_state.get().object_group("tp"))
-            out[spec.name] = torch.cat(parts, dim=spec.dim)
+            out[spec.name] = merge_shards(spec, parts)
     return out
 
 

@@ -66,3 +66,44 @@ def test_unshardable_regions_stay_replicated_with_reason() -> None:
 def test_regions_group_siblings_and_keep_the_outermost() -> None:
     assert regions(["a.fc1", "a.fc2", "a.fc1.x", "b"]) == [("b",), ("a.fc1", "a.fc2")]
     assert regions([""]) == [("",)]
+
+
+def _attention_ranks(heads: int) -> tuple[list[torch.Tensor], torch.Tensor, tuple]:
+    from examples.models.gpt import CausalSelfAttention, GPTConfig
+    from passes.shape_prop import shape_prop
+
+    torch.manual_seed(0)
+    model = CausalSelfAttention(GPTConfig(n_embd=24, n_head=heads))
+    x = torch.randn(2, 5, 24)
+    gm = shape_prop(trace(model, (x,), {}), (x,))
+    outs, plan = [], None
+    for rank in range(2):
+        new, plan = tensor_parallel(gm, TensorParallelism(2, rank, True, ("",)))
+        outs.append(new(x) - (model.c_proj.bias if plan.sharded else 0) / 2)
+    return outs, model(x), plan
+
+
+def test_attention_splits_by_heads_with_the_fused_qkv_strided() -> None:
+    outs, want, plan = _attention_ranks(heads=4)
+    assert plan.replicated == () and plan.pairs == (("c_attn", "c_proj"),)
+    assert {(s.name, s.dim, s.stride) for s in plan.sharded} == {
+        ("c_attn.weight", 0, 3), ("c_attn.bias", 0, 3), ("c_proj.weight", 1, 1)}
+    torch.testing.assert_close(outs[0] + outs[1], want)
+
+
+def test_heads_not_divisible_by_tp_stay_replicated() -> None:
+    outs, want, plan = _attention_ranks(heads=3)
+    assert plan.sharded == ()
+    assert "view" in plan.replicated[0][1] and "tp=2" in plan.replicated[0][1]
+    torch.testing.assert_close(outs[0], want)
+
+
+def test_strided_shards_merge_back() -> None:
+    from passes.tensor_parallel import ShardSpec, _shard, merge_shards
+
+    full = torch.arange(24.0).reshape(12, 2)
+    spec = ShardSpec("w", 0, 2, (12, 2), stride=3)
+    assert ShardSpec.from_json(spec.to_json()) == spec
+    shards = [_shard(full, 0, 2, r, 3) for r in range(2)]
+    assert shards[0][:, 0].tolist() == [0.0, 2.0, 8.0, 10.0, 16.0, 18.0]
+    torch.testing.assert_close(merge_shards(spec, shards), full)

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn import functional as F
 
+from passes.tensor_parallel import merge_shards
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import example
@@ -129,7 +130,7 @@ def _gathered(model: Any, values: dict[str, torch.Tensor]) -> dict[str, torch.Te
             continue
         parts = [torch.empty_like(t) for _ in range(spec.parts)]
         dist.all_gather(parts, t.contiguous(), group=smp.get_tp_process_group())
-        out[name] = torch.cat(parts, dim=spec.dim)
+        out[name] = merge_shards(spec, parts)
     return out
 
 

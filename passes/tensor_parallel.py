@@ -314,7 +314,9 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
             continue
         names = {lin.node.name: lin.weight.rpartition(".")[0] for lin in linears}
         for node, pos in rw.divide:
-            _divide_arg(new.graph, node, pos, tp.size)
+            _scale_arg(new.graph, node, pos, operator.floordiv, tp.size)
+        for node, pos in rw.batch if not tp.prescaled_batch else ():
+            _scale_arg(new.graph, node, pos, operator.mul, tp.size)
         for lin in linears:
             stride = rw.strided.get(lin.node.name, 1)
             sharded += _rewrite(new, by_name[lin.node.name], lin, tp, stride)
@@ -325,16 +327,17 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
     return new, TensorParallelPlan(tp.size, tuple(sharded), tuple(replicated), tuple(pairs))
 
 
-def _divide_arg(graph: torch.fx.Graph, node: torch.fx.Node, pos: int | str,
-                size: int) -> None:
-    """Turn a global size argument of ``node`` into this rank's ``size // tp``."""
+def _scale_arg(graph: torch.fx.Graph, node: torch.fx.Node, pos: int | str,
+               op: Callable[[Any, int], Any], size: int) -> None:
+    """Turn a size argument of ``node`` into this rank's: a global feature size
+    ``// tp``, a local batch size ``* tp`` (the batch gathered over the tp group)."""
     value = node.args[pos] if isinstance(pos, int) else node.kwargs[pos]
     if isinstance(value, torch.fx.Node):
         with graph.inserting_before(node):
-            value = _insert(graph, operator.floordiv, (value, size), node)
+            value = _insert(graph, op, (value, size), node)
             meta.TENSOR.set(value, None)
     else:
-        value = value // size
+        value = op(value, size)
     if isinstance(pos, int):
         node.update_arg(pos, value)
     else:

@@ -45,6 +45,8 @@ class Rewrites:
     plus the strided column linears (node name -> number of fused blocks)."""
 
     divide: list[tuple[torch.fx.Node, int | str]] = field(default_factory=list)
+    batch: list[tuple[torch.fx.Node, int]] = field(default_factory=list)
+    """Batch-size arguments: times tp when each rank gathers the batch (not prescaled)."""
     strided: dict[str, int] = field(default_factory=dict)
 
 
@@ -126,6 +128,8 @@ def _view(n: torch.fx.Node, s: Split, rw: Rewrites, size: int) -> Split:
         pos = j + 1
         if n.args[pos] != -1:
             rw.divide.append((n, pos))
+        if j != 0 and src[0] == out[0] and n.args[1] != -1:
+            rw.batch.append((n, 1))
         return Split(j, s.origin)
     raise Unsupported(f"{n.name} ({n.target}) reshapes the split dim {s.dim} of "
                       f"{src} into {out} across tp={size} pieces")

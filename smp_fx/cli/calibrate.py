@@ -5,7 +5,8 @@ predictions are only as good as the device spec they are priced with. The built-
 carry datasheet figures; this command measures the machine it runs on instead:
 
 1. the device (``cost_model.calibrate``): matmul and element-wise throughput at several
-   sizes, memory bandwidth, the fixed cost of each kind of op, an Adam step;
+   sizes, memory bandwidth, the fixed cost of each kind of op, an Adam step; then how
+   much slower ops run inside a model than alone (``reference_model``);
 2. with two or more processes (``--nproc 2``, or under ``smp-fx run -n 2``), the
    point-to-point link of the backend between ranks 0 and 1: latency, bandwidth and the
    time a rank spends per message;
@@ -52,6 +53,7 @@ from cost_model import calibrate as measure
 from cost_model import microbench
 from cost_model.device import DeviceSpec
 from cost_model.errors import SMPError
+from smp_fx.cli.reference_model import fit_compute_scale
 
 FIT_MICROBATCHES = (1, 8)
 FIT_BATCH = 16  # samples per step: two per microbatch at 8
@@ -131,6 +133,11 @@ def calibrate(args: argparse.Namespace, world: int) -> DeviceSpec | None:
     spec = dataclasses.replace(spec, microbatch_overhead_s=0.0, step_overhead_s=0.0)
     if world > 1:
         spec = measure.with_link(spec, device, quick=args.quick)
+    scale = _from_rank0(lambda: fit_compute_scale(spec, device, 5 if args.quick else 15),
+                        world)
+    spec = dataclasses.replace(spec, compute_scale=scale).with_sources(
+        compute_scale="fitted by smp-fx calibrate: a two-block transformer's forward and "
+                      "backward (CPU time of one process) against its predicted node times")
     per_action, per_step = _from_rank0(lambda: _fit_actions(spec, device, args), world,
                                        everyone=lambda: _fit_actions(spec, device, args))
     spec = dataclasses.replace(spec, microbatch_overhead_s=per_action, step_overhead_s=per_step)
@@ -208,8 +215,8 @@ def _fit_messages(spec: DeviceSpec, device: torch.device, args: argparse.Namespa
                   world: int) -> float | None:
     """Seconds per message (send or receive) that make the plan's predicted steps at
     pipeline degree ``world`` equal the measured ones, the per-action and per-step costs
-    held at their one-stage fit (least squares over the microbatch counts); None on
-    ranks other than 0."""
+    held at their one-stage fit (least squares over the microbatch counts), at least the
+    measured cost of posting one; None on ranks other than 0."""
     timings, plans = _runs(spec, device, args, world)
     if int(os.environ.get("RANK", "0")) != 0:
         return None
@@ -225,7 +232,9 @@ def _fit_messages(spec: DeviceSpec, device: torch.device, args: argparse.Namespa
     slope = {m: (predicted(m, probe) - base[m]) / probe for m in timings}
     num = sum(slope[m] * (timings[m] - base[m]) for m in timings)
     den = sum(slope[m] ** 2 for m in timings)
-    return max(num / den, 0.0) if den > 0 else spec.message_overhead_s
+    # never below what posting a message was measured to cost (``with_link``): a fit
+    # under that is noise in the step times
+    return max(num / den, spec.message_overhead_s) if den > 0 else spec.message_overhead_s
 
 
 def _tiny(stages: int) -> nn.Module:

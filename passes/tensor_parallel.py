@@ -37,7 +37,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from cost_model.node_cost import NodeCost
-from passes import meta, tp_collectives
+from passes import meta, tp_collectives, tp_costs
 from passes.graph_utils import copy_graph_module
 
 
@@ -164,18 +164,19 @@ def regions(marked: Sequence[str]) -> list[tuple[str, ...]]:
 
 
 def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int
-             ) -> tuple[list[_Linear], str | None]:
-    """The region's linears with their roles, or a reason to leave it replicated."""
+             ) -> tuple[list[_Linear], str | None, set[str]]:
+    """The region's linears with their roles, or a reason to leave it replicated; and the
+    element-wise nodes that carry a feature-split value (their work is split too)."""
     nodes = list(gm.graph.nodes)  # element-wise ops between the linears may lie outside
     linears = {n: lin for n in nodes
                if any(_in_region(meta.MODULE_PATH.get(n, ""), r) for r in region)
                and (lin := _as_linear(gm, n)) is not None}
     if not linears:
-        return [], "no linear layer to shard"
+        return [], "no linear layer to shard", set()
     col: set[torch.fx.Node] = set()  # values split along the features
     weights = [id(lin.weight_value) for lin in linears.values()]
     if len(set(weights)) != len(weights):
-        return [], "a linear weight is shared by several layers"
+        return [], "a linear weight is shared by several layers", set()
     for n in nodes:
         ins = [a for a in n.all_input_nodes if a.op != "get_attr"]
         lin = linears.get(n)
@@ -193,7 +194,7 @@ def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int
             if not all(a in col for a in ins) or any(a.op == "get_attr"
                                                       for a in n.all_input_nodes):
                 return [], (f"{n.name} ({n.target}) mixes a feature-split value with a "
-                            "replicated tensor")
+                            "replicated tensor"), set()
             col.add(n)
     for n in col:
         bad = [u for u in n.users if u not in col and not
@@ -204,14 +205,33 @@ def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int
             linears[n].role = "lone"
             continue
         return [], (f"the feature-split value {n.name} reaches {bad[0].name} "
-                    f"({bad[0].target}), which is neither element-wise nor a linear")
+                    f"({bad[0].target}), which is neither element-wise nor a linear"), set()
     for lin in linears.values():
         out_f, in_f = lin.weight_value.shape
         dim_size = in_f if lin.role == "row" else out_f
         if dim_size % size:
             return [], (f"{lin.weight} has {dim_size} {'in' if lin.role == 'row' else 'out'}"
-                        f" features, not divisible by tensor_parallel_degree {size}")
-    return list(linears.values()), None
+                        f" features, not divisible by tensor_parallel_degree {size}"), set()
+    return list(linears.values()), None, {n.name for n in col if n not in linears}
+
+
+def _pairs(linears: Sequence[_Linear], split: set[str]) -> list[tuple[str, str]]:
+    """(column, row) module paths: each row linear with the column linears whose output
+    reaches it through the element-wise chain between them."""
+    cols = [lin for lin in linears if lin.role == "col"]  # graph order
+    out = []
+    for row in (lin for lin in linears if lin.role == "row"):
+        seen: set[str] = set()
+        todo = list(row.node.all_input_nodes)
+        while todo:
+            n = todo.pop()
+            if n.name not in seen:
+                seen.add(n.name)
+                if n.name in split:
+                    todo.extend(n.all_input_nodes)
+        out += [(c.weight.rpartition(".")[0], row.weight.rpartition(".")[0])
+                for c in cols if c.node.name in seen]
+    return out
 
 
 def _set_param(gm: torch.fx.GraphModule, fqn: str, value: torch.Tensor) -> None:
@@ -235,9 +255,14 @@ def _shard(value: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
     return value.detach().chunk(size, dim=dim)[rank].clone()
 
 
-def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism
+def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
+                    comm_time: tp_costs.CommTime | None = None
                     ) -> tuple[torch.fx.GraphModule, TensorParallelPlan]:
-    """The rewritten copy of ``gm`` for ``tp.rank`` and the plan (module docstring)."""
+    """The rewritten copy of ``gm`` for ``tp.rank`` and the plan (module docstring).
+
+    The copy's costs are one rank's (``passes.tp_costs``): split work divided by the
+    degree, each collective priced by ``comm_time(nbytes)`` (the link model; None: free).
+    """
     new = copy_graph_module(gm)
     if tp.size <= 1 or not tp.marked:
         return new, TensorParallelPlan(tp.size)
@@ -246,25 +271,39 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism
     replicated: list[tuple[str, str]] = []
     pairs: list[tuple[str, str]] = []
     for region in regions(tp.marked):
-        linears, reason = _analyse(new, region, tp.size)
+        linears, reason, split = _analyse(new, region, tp.size)
         if reason is not None:
             replicated.append((",".join(region), reason))
             continue
+        for name in split:
+            node = by_name[name]
+            cost = meta.COST.get(node)
+            if cost is not None:
+                meta.COST.set(node, tp_costs.divide(cost, tp.size))
+            meta.TENSOR.set(node, tp_costs.local_info(meta.TENSOR.get(node), -1, tp.size))
+        pairs += _pairs(linears, split)  # before the rewrite replaces the linears' nodes
         for lin in linears:
             sharded += _rewrite(new, by_name[lin.node.name], lin, tp)
-        cols = [lin for lin in linears if lin.role == "col"]
-        rows = [lin for lin in linears if lin.role == "row"]
-        pairs += [(c.weight.rpartition(".")[0], r.weight.rpartition(".")[0])
-                  for c in cols for r in rows]
+    tp_costs.price_collectives(new, tp.size, comm_time)
     new.graph.lint()
     new.recompile()
     return new, TensorParallelPlan(tp.size, tuple(sharded), tuple(replicated), tuple(pairs))
 
 
+#: how each collective's output relates to its input: (split dim, grows)
+_SHAPES: dict[str, tuple[int | None, bool]] = {
+    "tp_copy": (None, False), "tp_reduce": (None, False), "tp_gather_last": (-1, True),
+    "tp_gather_batch": (0, True), "tp_split_batch": (0, False)}
+
+
 def _insert(graph: torch.fx.Graph, fn: Callable[..., Any], args: Sequence[Any],
-            like: torch.fx.Node) -> torch.fx.Node:
+            like: torch.fx.Node, size: int = 1) -> torch.fx.Node:
     n = graph.call_function(fn, tuple(args))
     n.meta = dict(like.meta)
+    src = args[0] if args and isinstance(args[0], torch.fx.Node) else None
+    dim, grow = _SHAPES.get(getattr(fn, "__name__", ""), (None, False))
+    if src is not None:
+        meta.TENSOR.set(n, tp_costs.local_info(meta.TENSOR.get(src), dim, size, grow))
     meta.TP.set(n, getattr(fn, "__name__", "op"))
     meta.COST.set(n, NodeCost())
     meta.PARAMS.set(n, ())
@@ -300,30 +339,35 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: _Linear,
     with graph.inserting_before(node):
         if lin.role != "row":
             if gather:
-                x = _insert(graph, tp_collectives.tp_gather_batch, (x,), node)
-            x = _insert(graph, tp_collectives.tp_copy, (x,), node)
+                x = _insert(graph, tp_collectives.tp_gather_batch, (x,), node, size)
+            x = _insert(graph, tp_collectives.tp_copy, (x,), node, size)
         w = _get_attr(graph, lin.weight, node)
         args: list[Any] = [x, w]
         if lin.bias is not None and lin.role != "row":
             args.append(_get_attr(graph, lin.bias, node))
         y = graph.call_function(F.linear, tuple(args))
         y.meta = dict(node.meta)
+        cost = meta.COST.get(node)
+        if cost is not None:
+            meta.COST.set(y, tp_costs.divide(cost, size, params=True))
+        if lin.role != "row":  # a row linear's partial sums have the full shape
+            meta.TENSOR.set(y, tp_costs.local_info(meta.TENSOR.get(node), -1, size))
         meta.TP.set(y, lin.role)
         meta.PARAMS.set(y, tuple(a.target for a in args[1:]))
     with graph.inserting_after(y):
         out = y
         if lin.role == "row":
-            out = _insert(graph, tp_collectives.tp_reduce, (out,), node)
+            out = _insert(graph, tp_collectives.tp_reduce, (out,), node, size)
             if lin.bias is not None:
                 with graph.inserting_after(out):
                     b = _get_attr(graph, lin.bias, node)
                 with graph.inserting_after(b):
-                    out = _insert(graph, operator.add, (out, b), node)
+                    out = _insert(graph, operator.add, (out, b), node, size)
         elif lin.role == "lone":
-            out = _insert(graph, tp_collectives.tp_gather_last, (out,), node)
+            out = _insert(graph, tp_collectives.tp_gather_last, (out,), node, size)
         if gather and lin.role != "col":
             with graph.inserting_after(out):
-                out = _insert(graph, tp_collectives.tp_split_batch, (out,), node)
+                out = _insert(graph, tp_collectives.tp_split_batch, (out,), node, size)
     inputs = node.all_input_nodes
     node.replace_all_uses_with(out)
     graph.erase_node(node)

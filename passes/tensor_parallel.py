@@ -177,6 +177,9 @@ def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int
     weights = [id(lin.weight_value) for lin in linears.values()]
     if len(set(weights)) != len(weights):
         return [], "a linear weight is shared by several layers", set()
+    shared = _shared_weight(gm, linears)
+    if shared is not None:
+        return [], shared, set()
     for n in nodes:
         ins = [a for a in n.all_input_nodes if a.op != "get_attr"]
         lin = linears.get(n)
@@ -232,6 +235,28 @@ def _pairs(linears: Sequence[_Linear], split: set[str]) -> list[tuple[str, str]]
         out += [(c.weight.rpartition(".")[0], row.weight.rpartition(".")[0])
                 for c in cols if c.node.name in seen]
     return out
+
+
+def _shared_weight(gm: torch.fx.GraphModule, linears: Mapping[torch.fx.Node, _Linear]
+                   ) -> str | None:
+    """Why the region cannot be sharded when a linear's weight or bias tensor is also read
+    by another node (a tied embedding, a second use): sharding would untie them."""
+    mine = {id(t): lin for lin in linears.values()
+            for t in (lin.weight_value, lin.bias_value) if t is not None}
+    for n in gm.graph.nodes:
+        if n in linears or (n.op == "get_attr" and n.users and all(u in linears
+                                                                  for u in n.users)):
+            continue  # a linear itself, or the get_attr feeding its weight / bias
+        for name in meta.PARAMS.get(n, ()) or ():
+            try:
+                t = _attr(gm, name)
+            except AttributeError:
+                continue
+            lin = mine.get(id(t))
+            if lin is not None:
+                return (f"the weight of {lin.weight.rpartition('.')[0]} is shared with "
+                        f"{n.name} (reads {name}): sharding would untie them")
+    return None
 
 
 def _set_param(gm: torch.fx.GraphModule, fqn: str, value: torch.Tensor) -> None:

@@ -66,3 +66,26 @@ def test_unshardable_regions_stay_replicated_with_reason() -> None:
 def test_regions_group_siblings_and_keep_the_outermost() -> None:
     assert regions(["a.fc1", "a.fc2", "a.fc1.x", "b"]) == [("b",), ("a.fc1", "a.fc2")]
     assert regions([""]) == [("",)]
+
+
+def test_a_linear_tied_to_an_embedding_stays_replicated_with_the_reason() -> None:
+    """GPT's lm_head shares wte's weight: sharding it would untie the two, so the region
+    stays replicated, the plan says why, and the tie is intact in the rewritten graph."""
+    import smp_fx as smp
+    from passes.partition_config import PartitionConfig
+    from passes.pipeline import compile_model
+    from smp_fx.tp_marking import marked_paths
+    from tests.helpers.models import example
+
+    ex = example("gpt")
+    torch.manual_seed(0)
+    model = ex.build_model()
+    smp.set_tensor_parallelism(model.lm_head)
+    compiled = compile_model(model, ex.example_inputs(2), None, PartitionConfig(num_stages=1),
+                             tp=TensorParallelism(2, 0, True, marked_paths(model)))
+    assert compiled.tp_plan.sharded == ()
+    assert compiled.tp_plan.replicated == (
+        ("lm_head", "the weight of lm_head is shared with wte (reads wte.weight): sharding "
+                    "would untie them"),)
+    params = dict(compiled.gm.named_parameters(remove_duplicate=False))
+    assert params["lm_head.weight"] is params["wte.weight"]

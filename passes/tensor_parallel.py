@@ -27,7 +27,7 @@ the same nodes, names and stages.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,8 +36,7 @@ import torch.fx
 from torch import nn
 from torch.nn import functional as F
 
-from cost_model.node_cost import NodeCost
-from passes import meta, tp_collectives, tp_costs
+from passes import meta, tp_collectives, tp_costs, tp_graph
 from passes.graph_utils import copy_graph_module
 
 
@@ -117,16 +116,9 @@ class _Linear:
     role: str = ""  # "col", "row" or "lone"
 
 
-def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 def _as_linear(gm: torch.fx.GraphModule, n: torch.fx.Node) -> _Linear | None:
-    if n.op == "call_module" and type(_attr(gm, str(n.target))) is nn.Linear:
-        mod = _attr(gm, str(n.target))
+    if n.op == "call_module" and type(tp_graph.attr(gm, str(n.target))) is nn.Linear:
+        mod = tp_graph.attr(gm, str(n.target))
         return _Linear(n, f"{n.target}.weight", None if mod.bias is None else f"{n.target}.bias",
                        mod.weight, mod.bias)
     if n.op == "call_function" and n.target in LINEAR_FUNCTIONS:
@@ -137,13 +129,14 @@ def _as_linear(gm: torch.fx.GraphModule, n: torch.fx.Node) -> _Linear | None:
         if b is not None and not (isinstance(b, torch.fx.Node) and b.op == "get_attr"):
             return None
         return _Linear(n, str(w.target), None if b is None else str(b.target),
-                       _attr(gm, str(w.target)), None if b is None else _attr(gm, str(b.target)))
+                       tp_graph.attr(gm, str(w.target)),
+                       None if b is None else tp_graph.attr(gm, str(b.target)))
     return None
 
 
 def _elementwise(gm: torch.fx.GraphModule, n: torch.fx.Node) -> bool:
     if n.op == "call_module":
-        return isinstance(_attr(gm, str(n.target)), ELEMENTWISE_MODULES)
+        return isinstance(tp_graph.attr(gm, str(n.target)), ELEMENTWISE_MODULES)
     if n.op == "call_function":
         return n.target in ELEMENTWISE_FUNCTIONS
     return n.op == "call_method" and n.target in ELEMENTWISE_METHODS
@@ -249,7 +242,7 @@ def _shared_weight(gm: torch.fx.GraphModule, linears: Mapping[torch.fx.Node, _Li
             continue  # a linear itself, or the get_attr feeding its weight / bias
         for name in meta.PARAMS.get(n, ()) or ():
             try:
-                t = _attr(gm, name)
+                t = tp_graph.attr(gm, name)
             except AttributeError:
                 continue
             lin = mine.get(id(t))
@@ -257,27 +250,6 @@ def _shared_weight(gm: torch.fx.GraphModule, linears: Mapping[torch.fx.Node, _Li
                 return (f"the weight of {lin.weight.rpartition('.')[0]} is shared with "
                         f"{n.name} (reads {name}): sharding would untie them")
     return None
-
-
-def _set_param(gm: torch.fx.GraphModule, fqn: str, value: torch.Tensor) -> None:
-    owner_path, _, leaf = fqn.rpartition(".")
-    owner: nn.Module = gm
-    for part in owner_path.split(".") if owner_path else ():
-        owner = getattr(owner, part)
-    owner.register_parameter(leaf, nn.Parameter(value, requires_grad=True))
-
-
-def _replace_module(gm: torch.fx.GraphModule, path: str) -> None:
-    """Put a fresh container at ``path`` (the original leaf module is the user's)."""
-    owner_path, _, leaf = path.rpartition(".")
-    owner: nn.Module = gm
-    for part in owner_path.split(".") if owner_path else ():
-        owner = getattr(owner, part)
-    setattr(owner, leaf, nn.Module())
-
-
-def _shard(value: torch.Tensor, dim: int, size: int, rank: int) -> torch.Tensor:
-    return value.detach().chunk(size, dim=dim)[rank].clone()
 
 
 def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
@@ -315,61 +287,33 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
     return new, TensorParallelPlan(tp.size, tuple(sharded), tuple(replicated), tuple(pairs))
 
 
-#: how each collective's output relates to its input: (split dim, grows)
-_SHAPES: dict[str, tuple[int | None, bool]] = {
-    "tp_copy": (None, False), "tp_reduce": (None, False), "tp_gather_last": (-1, True),
-    "tp_gather_batch": (0, True), "tp_split_batch": (0, False)}
-
-
-def _insert(graph: torch.fx.Graph, fn: Callable[..., Any], args: Sequence[Any],
-            like: torch.fx.Node, size: int = 1) -> torch.fx.Node:
-    n = graph.call_function(fn, tuple(args))
-    n.meta = dict(like.meta)
-    src = args[0] if args and isinstance(args[0], torch.fx.Node) else None
-    dim, grow = _SHAPES.get(getattr(fn, "__name__", ""), (None, False))
-    if src is not None:
-        meta.TENSOR.set(n, tp_costs.local_info(meta.TENSOR.get(src), dim, size, grow))
-    meta.TP.set(n, getattr(fn, "__name__", "op"))
-    meta.COST.set(n, NodeCost())
-    meta.PARAMS.set(n, ())
-    return n
-
-
-def _get_attr(graph: torch.fx.Graph, fqn: str, like: torch.fx.Node) -> torch.fx.Node:
-    n = graph.get_attr(fqn)
-    n.meta = dict(like.meta)
-    meta.COST.set(n, NodeCost())
-    meta.PARAMS.set(n, (fqn,))
-    return n
-
-
 def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: _Linear,
              tp: TensorParallelism) -> list[ShardSpec]:
     """Replace ``node`` by its sharded form; the shard specs of its parameters."""
     size, rank, graph = tp.size, tp.rank, gm.graph
     w_full, b_full = lin.weight_value, lin.bias_value
     if node.op == "call_module":
-        _replace_module(gm, str(node.target))
+        tp_graph.replace_module(gm, str(node.target))
     w_dim = 1 if lin.role == "row" else 0
-    _set_param(gm, lin.weight, _shard(w_full, w_dim, size, rank))
+    tp_graph.set_param(gm, lin.weight, tp_graph.shard(w_full, w_dim, size, rank))
     specs = [ShardSpec(lin.weight, w_dim, size, tuple(w_full.shape))]
     if lin.bias is not None and b_full is not None:
         if lin.role == "row":
-            _set_param(gm, lin.bias, b_full.detach().clone())
+            tp_graph.set_param(gm, lin.bias, b_full.detach().clone())
         else:
-            _set_param(gm, lin.bias, _shard(b_full, 0, size, rank))
+            tp_graph.set_param(gm, lin.bias, tp_graph.shard(b_full, 0, size, rank))
             specs.append(ShardSpec(lin.bias, 0, size, tuple(b_full.shape)))
     x = node.args[0]
     gather = not tp.prescaled_batch
     with graph.inserting_before(node):
         if lin.role != "row":
             if gather:
-                x = _insert(graph, tp_collectives.tp_gather_batch, (x,), node, size)
-            x = _insert(graph, tp_collectives.tp_copy, (x,), node, size)
-        w = _get_attr(graph, lin.weight, node)
+                x = tp_graph.insert(graph, tp_collectives.tp_gather_batch, (x,), node, size)
+            x = tp_graph.insert(graph, tp_collectives.tp_copy, (x,), node, size)
+        w = tp_graph.get_attr(graph, lin.weight, node)
         args: list[Any] = [x, w]
         if lin.bias is not None and lin.role != "row":
-            args.append(_get_attr(graph, lin.bias, node))
+            args.append(tp_graph.get_attr(graph, lin.bias, node))
         y = graph.call_function(F.linear, tuple(args))
         y.meta = dict(node.meta)
         cost = meta.COST.get(node)
@@ -382,17 +326,17 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: _Linear,
     with graph.inserting_after(y):
         out = y
         if lin.role == "row":
-            out = _insert(graph, tp_collectives.tp_reduce, (out,), node, size)
+            out = tp_graph.insert(graph, tp_collectives.tp_reduce, (out,), node, size)
             if lin.bias is not None:
                 with graph.inserting_after(out):
-                    b = _get_attr(graph, lin.bias, node)
+                    b = tp_graph.get_attr(graph, lin.bias, node)
                 with graph.inserting_after(b):
-                    out = _insert(graph, operator.add, (out, b), node, size)
+                    out = tp_graph.insert(graph, operator.add, (out, b), node, size)
         elif lin.role == "lone":
-            out = _insert(graph, tp_collectives.tp_gather_last, (out,), node, size)
+            out = tp_graph.insert(graph, tp_collectives.tp_gather_last, (out,), node, size)
         if gather and lin.role != "col":
             with graph.inserting_after(out):
-                out = _insert(graph, tp_collectives.tp_split_batch, (out,), node, size)
+                out = tp_graph.insert(graph, tp_collectives.tp_split_batch, (out,), node, size)
     inputs = node.all_input_nodes
     node.replace_all_uses_with(out)
     graph.erase_node(node)

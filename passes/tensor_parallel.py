@@ -27,7 +27,7 @@ the same nodes, names and stages.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,7 @@ import torch.fx
 from torch import nn
 from torch.nn import functional as F
 
-from passes import meta, tp_collectives, tp_costs, tp_graph
+from passes import meta, tp_collectives, tp_costs, tp_graph, tp_vocab
 from passes.graph_utils import copy_graph_module
 
 
@@ -146,6 +146,12 @@ def _in_region(path: str, region: str) -> bool:
     return region == "" or path == region or path.startswith(region + ".")
 
 
+def _region_test(region: tuple[str, ...]) -> Callable[[torch.fx.Node], bool]:
+    def inside(n: torch.fx.Node) -> bool:
+        return any(_in_region(meta.MODULE_PATH.get(n, ""), r) for r in region)
+    return inside
+
+
 def regions(marked: Sequence[str]) -> list[tuple[str, ...]]:
     """The outermost marked paths, siblings grouped (modules created together inside one
     ``smp.tensor_parallelism`` context form one region)."""
@@ -156,21 +162,27 @@ def regions(marked: Sequence[str]) -> list[tuple[str, ...]]:
     return [tuple(g) for _, g in sorted(groups.items())]
 
 
-def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int
+def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int,
+             embeds: Sequence[tp_vocab.Embedding] = ()
              ) -> tuple[list[_Linear], str | None, set[str]]:
     """The region's linears with their roles, or a reason to leave it replicated; and the
-    element-wise nodes that carry a feature-split value (their work is split too)."""
+    element-wise nodes that carry a feature-split value (their work is split too).
+    ``embeds``: the region's embeddings, split by rows (``passes.tp_vocab``)."""
     nodes = list(gm.graph.nodes)  # element-wise ops between the linears may lie outside
     linears = {n: lin for n in nodes
                if any(_in_region(meta.MODULE_PATH.get(n, ""), r) for r in region)
                and (lin := _as_linear(gm, n)) is not None}
+    for emb in embeds:
+        why = tp_vocab.reason(emb, size)
+        if why is not None:
+            return [], why, set()
     if not linears:
-        return [], "no linear layer to shard", set()
+        return [], None if embeds else "no linear layer to shard", set()
     col: set[torch.fx.Node] = set()  # values split along the features
     weights = [id(lin.weight_value) for lin in linears.values()]
     if len(set(weights)) != len(weights):
         return [], "a linear weight is shared by several layers", set()
-    shared = _shared_weight(gm, linears)
+    shared = _shared_weight(gm, linears, embeds)
     if shared is not None:
         return [], shared, set()
     for n in nodes:
@@ -208,6 +220,11 @@ def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int
         if dim_size % size:
             return [], (f"{lin.weight} has {dim_size} {'in' if lin.role == 'row' else 'out'}"
                         f" features, not divisible by tensor_parallel_degree {size}"), set()
+    rows_split = {id(e.value) for e in embeds}
+    for lin in linears.values():
+        if id(lin.weight_value) in rows_split and lin.role == "row":
+            return [], (f"{lin.weight} is tied to a vocab-parallel embedding but would be "
+                        "split by columns (row-parallel)"), set()
     return list(linears.values()), None, {n.name for n in col if n not in linears}
 
 
@@ -230,25 +247,28 @@ def _pairs(linears: Sequence[_Linear], split: set[str]) -> list[tuple[str, str]]
     return out
 
 
-def _shared_weight(gm: torch.fx.GraphModule, linears: Mapping[torch.fx.Node, _Linear]
-                   ) -> str | None:
-    """Why the region cannot be sharded when a linear's weight or bias tensor is also read
-    by another node (a tied embedding, a second use): sharding would untie them."""
-    mine = {id(t): lin for lin in linears.values()
+def _shared_weight(gm: torch.fx.GraphModule, linears: Mapping[torch.fx.Node, _Linear],
+                   embeds: Sequence[tp_vocab.Embedding] = ()) -> str | None:
+    """Why the region cannot be sharded when a tensor it would shard is also read by a
+    node it does not rewrite (an unmarked tied module, a second use): sharding would untie
+    them. A linear tied to one of the region's embeddings is fine (they share the shard)."""
+    mine = {id(t): lin.weight.rpartition(".")[0] for lin in linears.values()
             for t in (lin.weight_value, lin.bias_value) if t is not None}
+    mine.update({id(e.value): e.weight.rpartition(".")[0] for e in embeds})
+    rewritten = set(linears) | {e.node for e in embeds}
     for n in gm.graph.nodes:
-        if n in linears or (n.op == "get_attr" and n.users and all(u in linears
-                                                                  for u in n.users)):
-            continue  # a linear itself, or the get_attr feeding its weight / bias
+        if n in rewritten or (n.op == "get_attr" and n.users and all(u in rewritten
+                                                                    for u in n.users)):
+            continue  # a rewritten node itself, or the get_attr feeding its parameter
         for name in meta.PARAMS.get(n, ()) or ():
             try:
                 t = tp_graph.attr(gm, name)
             except AttributeError:
                 continue
-            lin = mine.get(id(t))
-            if lin is not None:
-                return (f"the weight of {lin.weight.rpartition('.')[0]} is shared with "
-                        f"{n.name} (reads {name}): sharding would untie them")
+            owner = mine.get(id(t))
+            if owner is not None:
+                return (f"the weight of {owner} is shared with {n.name} (reads {name}): "
+                        "sharding would untie them")
     return None
 
 
@@ -267,11 +287,18 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
     sharded: list[ShardSpec] = []
     replicated: list[tuple[str, str]] = []
     pairs: list[tuple[str, str]] = []
+    ties: tp_graph.Ties = {}
     for region in regions(tp.marked):
-        linears, reason, split = _analyse(new, region, tp.size)
+        embeds = tp_vocab.find(new, _region_test(region))
+        linears, reason, split = _analyse(new, region, tp.size, embeds)
         if reason is not None:
             replicated.append((",".join(region), reason))
             continue
+        for emb in embeds:
+            name, dim, parts, full = tp_vocab.rewrite(new, by_name[emb.node.name], emb,
+                                                      tp.size, tp.rank, not tp.prescaled_batch,
+                                                      ties)
+            sharded.append(ShardSpec(name, dim, parts, full))
         for name in split:
             node = by_name[name]
             cost = meta.COST.get(node)
@@ -280,7 +307,7 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
             meta.TENSOR.set(node, tp_costs.local_info(meta.TENSOR.get(node), -1, tp.size))
         pairs += _pairs(linears, split)  # before the rewrite replaces the linears' nodes
         for lin in linears:
-            sharded += _rewrite(new, by_name[lin.node.name], lin, tp)
+            sharded += _rewrite(new, by_name[lin.node.name], lin, tp, ties)
     tp_costs.price_collectives(new, tp.size, comm_time)
     new.graph.lint()
     new.recompile()
@@ -288,14 +315,15 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
 
 
 def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: _Linear,
-             tp: TensorParallelism) -> list[ShardSpec]:
+             tp: TensorParallelism, ties: tp_graph.Ties) -> list[ShardSpec]:
     """Replace ``node`` by its sharded form; the shard specs of its parameters."""
     size, rank, graph = tp.size, tp.rank, gm.graph
     w_full, b_full = lin.weight_value, lin.bias_value
     if node.op == "call_module":
         tp_graph.replace_module(gm, str(node.target))
     w_dim = 1 if lin.role == "row" else 0
-    tp_graph.set_param(gm, lin.weight, tp_graph.shard(w_full, w_dim, size, rank))
+    tp_graph.set_param(gm, lin.weight, tp_graph.shard(w_full, w_dim, size, rank),
+                       original=w_full, ties=ties)
     specs = [ShardSpec(lin.weight, w_dim, size, tuple(w_full.shape))]
     if lin.bias is not None and b_full is not None:
         if lin.role == "row":

@@ -35,6 +35,7 @@ COLLECTIVES: dict[str, tuple[str | None, str | None]] = {
     "tp_gather_last": ("all_gather", None),
     "tp_gather_batch": ("all_gather", "all_gather"),
     "tp_split_batch": (None, "all_gather"),
+    "tp_vocab_embedding": ("all_reduce", None),
 }
 
 
@@ -72,14 +73,14 @@ def collective_time(kind: str | None, nbytes: float, size: int, comm_time: CommT
 
 
 def price_collectives(gm: torch.fx.GraphModule, size: int, comm_time: CommTime | None) -> None:
-    """Set ``smp.cost`` on every collective node of ``gm`` (in place: ``gm`` is the pass's
-    own copy), from the bytes of the full value it reduces or gathers (``local_info``)."""
+    """Add link time to the cost of every collective node of ``gm`` (in place: ``gm`` is
+    the pass's own copy), from the bytes of the full value it reduces or gathers
+    (``local_info``); a node that also computes (the vocab-parallel lookup) keeps that."""
     for node in gm.graph.nodes:
         kinds = COLLECTIVES.get(str(meta.TP.get(node) or ""))
         if kinds is None:
             continue
         if comm_time is None:
-            meta.COST.set(node, NodeCost(op=str(meta.TP.get(node))))
             continue
         info = meta.TENSOR.get(node)  # the output: the full value, but after a split
         nbytes = float(getattr(info, "nbytes", 0) or 0)
@@ -87,8 +88,9 @@ def price_collectives(gm: torch.fx.GraphModule, size: int, comm_time: CommTime |
             nbytes *= size
         fwd = collective_time(kinds[0], nbytes, size, comm_time)
         bwd = collective_time(kinds[1], nbytes, size, comm_time)
-        meta.COST.set(node, NodeCost(fwd_time_s=fwd, bwd_time_s=bwd,
-                                     op=str(meta.TP.get(node))))
+        base = meta.COST.get(node) or NodeCost(op=str(meta.TP.get(node)))
+        meta.COST.set(node, dataclasses.replace(base, fwd_time_s=base.fwd_time_s + fwd,
+                                                bwd_time_s=base.bwd_time_s + bwd))
 
 
 __all__ = ["COLLECTIVES", "collective_time", "divide", "local_info", "price_collectives"]

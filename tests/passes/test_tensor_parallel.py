@@ -89,3 +89,35 @@ def test_a_linear_tied_to_an_embedding_stays_replicated_with_the_reason() -> Non
                     "would untie them"),)
     params = dict(compiled.gm.named_parameters(remove_duplicate=False))
     assert params["lm_head.weight"] is params["wte.weight"]
+
+
+def test_a_tied_embedding_and_lm_head_marked_together_share_one_vocab_shard() -> None:
+    """Marked together, GPT's wte and lm_head are split by vocabulary rows: one shard
+    Parameter under both names, a vocab-parallel lookup, the logits gathered; a degree
+    that does not divide the vocabulary leaves them replicated with the reason."""
+    import smp_fx as smp
+    from passes.partition_config import PartitionConfig
+    from passes.pipeline import compile_model
+    from smp_fx.tp_marking import marked_paths
+    from tests.helpers.models import example
+
+    ex = example("gpt")
+    torch.manual_seed(0)
+    model = ex.build_model()
+    smp.set_tensor_parallelism(model.wte)
+    smp.set_tensor_parallelism(model.lm_head)
+    for size in (2, 3):
+        compiled = compile_model(model, ex.example_inputs(2), None,
+                                 PartitionConfig(num_stages=1),
+                                 tp=TensorParallelism(size, 0, True, marked_paths(model)))
+        params = dict(compiled.gm.named_parameters(remove_duplicate=False))
+        if size == 3:
+            assert compiled.tp_plan.sharded == ()
+            assert "wte.weight has 128 rows, not divisible by tensor_parallel_degree 3" in \
+                compiled.tp_plan.replicated[0][1]
+            continue
+        assert [s.name for s in compiled.tp_plan.sharded] == ["wte.weight", "lm_head.weight"]
+        assert params["wte.weight"] is params["lm_head.weight"]
+        assert tuple(params["wte.weight"].shape) == (64, 32)
+        targets = [str(getattr(n.target, "__name__", n.target)) for n in compiled.gm.graph.nodes]
+        assert "tp_vocab_embedding" in targets and "tp_gather_last" in targets

@@ -10,6 +10,8 @@ parameters after the steps and ``state_dict()`` (gathered: the unsharded model's
   and true (both ranks the same examples);
 * a SwiGLU MLP (``gate * up`` -> row) marked with ``smp.set_tensor_parallelism``;
 * the tiny HF Llama (torch.export graph) with each layer's SwiGLU MLP marked;
+* the GPT-2-style example with its tied ``wte`` / ``lm_head`` split by vocabulary rows
+  (``passes.tp_vocab``: one shard under both names) and every MLP pair, both batch modes;
 * a model whose marked linear is not divisible by tp: it stays replicated, the plan says
   why, and training still matches;
 * pp=2 x tp=2 on 4 ranks (one more spawn), the MLP with ``prescaled_batch`` true.
@@ -32,6 +34,9 @@ from tests.helpers.models import example
 GLOBAL_BATCH = 8
 STEPS = 3
 TOL = {"atol": 1e-5, "rtol": 1e-5}
+# a parameter whose true gradient is zero (GPT's key bias: softmax ignores it) gets
+# summation-order noise of ~1e-10, which Adam at the default eps turns into full lr steps
+ADAM_EPS = 1e-6
 
 
 class MLP(nn.Module):
@@ -76,6 +81,11 @@ def _build(kind: str) -> nn.Module:
         return MLP()
     if kind == "odd":
         return MLP(inner=33)
+    if kind == "gpt":  # tied wte / lm_head split by vocabulary rows, and every MLP pair
+        gpt = example("gpt").build_model()
+        for module in (gpt.wte, gpt.lm_head, *(block.mlp for block in gpt.h)):
+            smp.set_tensor_parallelism(module)
+        return gpt
     if kind == "llama":
         llama = example("hf_llama").build_model()
         for path, module in llama.named_modules():
@@ -89,13 +99,15 @@ def _build(kind: str) -> nn.Module:
 
 
 def _loss(kind: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return example("hf_llama").loss_fn(out, y) if kind == "llama" else F.cross_entropy(out, y)
+    if kind in ("llama", "gpt"):
+        return example("hf_llama" if kind == "llama" else "gpt").loss_fn(out, y)
+    return F.cross_entropy(out, y)
 
 
 def _batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(1234)
-    if kind == "llama":
-        ex = example("hf_llama")
+    if kind in ("llama", "gpt"):
+        ex = example("hf_llama" if kind == "llama" else "gpt")
         return [(ex.example_inputs(GLOBAL_BATCH)[0], ex.example_targets(GLOBAL_BATCH))
                 for _ in range(STEPS)]
     return [(torch.randn(GLOBAL_BATCH, 8), torch.randint(0, 6, (GLOBAL_BATCH,)))
@@ -105,7 +117,7 @@ def _batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _reference(kind: str, batch: int) -> tuple[list[float], list[dict[str, torch.Tensor]],
                                                dict[str, torch.Tensor]]:
     model = _build(kind)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS)
     losses, grads = [], []
     for x, y in _batches(kind):
         loss = _loss(kind, model(x[:batch]), y[:batch])
@@ -114,7 +126,9 @@ def _reference(kind: str, batch: int) -> tuple[list[float], list[dict[str, torch
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    # every name the plain state_dict() has, tied aliases (GPT's lm_head.weight) included
+    return losses, grads, {n: p.detach().clone()
+                           for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def _gathered(model: Any, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -139,7 +153,7 @@ def _scenario(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
     smp.init({"pipeline_parallel_degree": pp, "tensor_parallel_degree": 2, "ddp": True,
               "prescaled_batch": prescaled, "microbatches": 2})
     model = smp.DistributedModel(_build(kind))
-    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS))
 
     @smp.step
     def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
@@ -166,7 +180,8 @@ def _scenario(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
             "shapes": shapes, "distributed": distributed, "plan": model.tp_plan.to_json()}
 
 
-CASES = (("mlp", False), ("mlp", True), ("swiglu", False), ("odd", True), ("llama", True))
+CASES = (("mlp", False), ("mlp", True), ("swiglu", False), ("odd", True), ("llama", True),
+         ("gpt", False), ("gpt", True))
 
 
 def _checked(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
@@ -180,10 +195,10 @@ def _checked(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
         bad.append("loss")
     for step, (got, want) in enumerate(zip(res["grads"], ref_grads)):
         bad += [f"grad {n} step {step}" for n in mismatched(got, want, **TOL)]
-    # Llama has gradient entries of ~1e-9 that Adam normalises to a full step, so the
+    # Llama and GPT have gradient entries of ~1e-9 that Adam normalises to a full step, so the
     # summation-order differences of the sharded matmuls (gradients equal to 1e-5) show
     # as up to 1 % of one lr=1e-2 step in the parameters
-    param_tol = {"atol": 1e-4, "rtol": 1e-4} if kind == "llama" else TOL
+    param_tol = {"atol": 1e-4, "rtol": 1e-4} if kind in ("llama", "gpt") else TOL
     bad += [f"param {n}" for n in mismatched(res["params"], ref_params, **param_tol)]
     # state_dict() is exactly the unsharded model's: names, order, shapes, values
     if list(res["state_dict"]) != list(ref_params):

@@ -161,14 +161,15 @@ def predict(name: str, spec_path: str) -> dict[tuple[int, str], dict[str, Any]]:
     """Plans for every (pp, schedule) of one model, as ``smp-fx partition`` makes them."""
     from cost_model.device import load_device
     from passes.partition_config import PartitionConfig
-    from passes.pipeline import analyse, first_microbatch, partition
+    from passes.pipeline import analyse, partition
+    from smp_fx.runtime.microbatch import split_inputs
 
     ex = _example(name)
     build, batch = MODELS[name]
     spec = load_device(spec_path)
     torch.manual_seed(0)
     model = ex.build_model(**build)
-    mb = first_microbatch(ex.example_inputs(batch), MICROBATCHES)
+    mb = split_inputs(tuple(ex.example_inputs(batch)), {}, MICROBATCHES)[0][0]
     costed = analyse(model, mb, device=spec)
     out = {}
     for pp in (1, 2):

@@ -78,6 +78,10 @@ class DeviceSpec:
     - ``step_overhead_s``: the runtime's fixed work per training step.
     - ``optimizer_tensor_s`` / ``optimizer_byte_s``: an optimizer step costs
       ``tensors * optimizer_tensor_s + parameter bytes * optimizer_byte_s`` (Adam).
+    - ``compute_scale``: how much slower a model's ops run inside a real forward and
+      backward than the microbenchmarks above time them alone (colder caches, the
+      allocator, autograd's graph); multiplies every node's time. Calibration fits it on
+      a reference model; 1.0 for datasheet specs.
     - ``sources``: (field, where its number comes from) pairs.
     """
 
@@ -97,6 +101,7 @@ class DeviceSpec:
     step_overhead_s: float = 0.0
     optimizer_tensor_s: float = 0.0
     optimizer_byte_s: float = 0.0
+    compute_scale: float = 1.0
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -104,7 +109,8 @@ class DeviceSpec:
             return SMPConfigError.build(rule, getattr(self, name), f"DeviceSpec.{name}",
                                         "re-run smp-fx calibrate or fix the spec file")
 
-        for name in ("peak_flops_fp32", "peak_flops_bf16", "mem_bandwidth", "link_bandwidth"):
+        for name in ("peak_flops_fp32", "peak_flops_bf16", "mem_bandwidth", "link_bandwidth",
+                     "compute_scale"):
             if not float(getattr(self, name)) > 0:
                 raise bad(name, f"{name} must be > 0")
         for name in ("link_latency_s", "message_overhead_s", "microbatch_overhead_s",

@@ -86,7 +86,18 @@ def node_times(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
     (per FLOP or per output element at a reference size, scaled to this size by the
     matmul or element-wise efficiency tables), else by the roofline (backward: its FLOPs
     and twice the bytes). A view's work is nothing; ``backward`` False: no backward.
+    Both times are scaled by the spec's ``compute_scale`` (ops inside a model against ops
+    timed alone).
     """
+    fwd, bwd = _node_times(op, spec, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
+                           out_elems=out_elems, moved=moved, dtype=dtype, gemm_dim=gemm_dim,
+                           module=module, backward=backward)
+    return fwd * spec.compute_scale, bwd * spec.compute_scale
+
+
+def _node_times(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
+                out_elems: float, moved: float, dtype: str, gemm_dim: float | None,
+                module: bool, backward: bool) -> tuple[float, float]:
     fixed_f, fixed_b = op_overhead(op, spec, module=module)
     kind = kind_of(op)
     if kind == "view":

@@ -179,7 +179,7 @@ def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
 
     def shard(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         assert tp is not None
-        new, made = tensor_parallel(gm, tp)
+        new, made = tensor_parallel(gm, tp, comm_time)
         tp_plan.append(made)
         return new
 

@@ -6,19 +6,20 @@ finds the linears (``nn.Linear`` leaves, ``F.linear`` / ``aten.linear`` on param
 and pairs them Megatron-style:
 
 * a *column-parallel* linear (weight rows split: each rank computes ``out/tp`` features)
-  whose output flows only through element-wise ops (activations, dropout, bias adds,
-  SwiGLU's ``gate * up``) into
+  whose output flows through ops the sharding rules of ``passes.tp_rules`` carry a split
+  through (element-wise ops, SwiGLU's ``gate * up``, attention's views into heads,
+  transposes, softmax, sdpa; a fused q/k/v ``split`` makes the linear strided) into
 * a *row-parallel* linear (weight columns split) whose partial sums are all-reduced, then
   its bias is added once.
 
-A linear whose output no element-wise chain carries to another linear is a lone linear
+A linear whose output no rule carries to another linear is a lone linear
 with ``smp.nn.DistributedLinear``'s semantics: column-parallel, its output all-gathered
 along the features. Collectives are ``call_function`` nodes of ``passes.tp_collectives``.
 With ``prescaled_batch`` false each pair (and each lone linear) gathers its input over the
 tp group's batches and keeps this rank's part of the output.
 
-A region the pass cannot shard (sizes not divisible by tp, a column-sharded value reaching
-anything but an element-wise op or a linear, no linear at all) stays replicated, and
+A region the pass cannot shard (sizes not divisible by tp, a split value reaching an op
+with no rule, no linear at all) stays replicated, and
 ``TensorParallelPlan.replicated`` says why. The result depends on ``rank``: each rank's
 graph holds its own shards, under the original parameter names; every rank's graph has
 the same nodes, names and stages.
@@ -36,8 +37,7 @@ import torch.fx
 from torch import nn
 from torch.nn import functional as F
 
-from cost_model.node_cost import NodeCost
-from passes import meta, tp_collectives, tp_rules
+from passes import meta, tp_collectives, tp_costs, tp_graph, tp_rules, tp_vocab
 from passes.graph_utils import copy_graph_module
 
 
@@ -67,8 +67,9 @@ class ShardSpec:
     stride: int = 1
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dim": self.dim, "parts": self.parts,
-                "full_shape": list(self.full_shape), "stride": self.stride}
+        out = {"name": self.name, "dim": self.dim, "parts": self.parts,
+               "full_shape": list(self.full_shape)}
+        return out | ({"stride": self.stride} if self.stride != 1 else {})
 
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> ShardSpec:
@@ -122,19 +123,11 @@ class _Linear:
     weight_value: torch.Tensor
     bias_value: torch.Tensor | None
     role: str = ""  # "col", "row" or "lone"
-    partner: str = ""  # a row linear's column linear (node name)
-
-
-def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
-    obj: Any = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def _as_linear(gm: torch.fx.GraphModule, n: torch.fx.Node) -> _Linear | None:
-    if n.op == "call_module" and type(_attr(gm, str(n.target))) is nn.Linear:
-        mod = _attr(gm, str(n.target))
+    if n.op == "call_module" and type(tp_graph.attr(gm, str(n.target))) is nn.Linear:
+        mod = tp_graph.attr(gm, str(n.target))
         return _Linear(n, f"{n.target}.weight", None if mod.bias is None else f"{n.target}.bias",
                        mod.weight, mod.bias)
     if n.op == "call_function" and n.target in LINEAR_FUNCTIONS:
@@ -145,13 +138,14 @@ def _as_linear(gm: torch.fx.GraphModule, n: torch.fx.Node) -> _Linear | None:
         if b is not None and not (isinstance(b, torch.fx.Node) and b.op == "get_attr"):
             return None
         return _Linear(n, str(w.target), None if b is None else str(b.target),
-                       _attr(gm, str(w.target)), None if b is None else _attr(gm, str(b.target)))
+                       tp_graph.attr(gm, str(w.target)),
+                       None if b is None else tp_graph.attr(gm, str(b.target)))
     return None
 
 
 def _elementwise(gm: torch.fx.GraphModule, n: torch.fx.Node) -> bool:
     if n.op == "call_module":
-        return isinstance(_attr(gm, str(n.target)), ELEMENTWISE_MODULES)
+        return isinstance(tp_graph.attr(gm, str(n.target)), ELEMENTWISE_MODULES)
     if n.op == "call_function":
         return n.target in ELEMENTWISE_FUNCTIONS
     return n.op == "call_method" and n.target in ELEMENTWISE_METHODS
@@ -159,6 +153,12 @@ def _elementwise(gm: torch.fx.GraphModule, n: torch.fx.Node) -> bool:
 
 def _in_region(path: str, region: str) -> bool:
     return region == "" or path == region or path.startswith(region + ".")
+
+
+def _region_test(region: tuple[str, ...]) -> Callable[[torch.fx.Node], bool]:
+    def inside(n: torch.fx.Node) -> bool:
+        return any(_in_region(meta.MODULE_PATH.get(n, ""), r) for r in region)
+    return inside
 
 
 def regions(marked: Sequence[str]) -> list[tuple[str, ...]]:
@@ -171,46 +171,59 @@ def regions(marked: Sequence[str]) -> list[tuple[str, ...]]:
     return [tuple(g) for _, g in sorted(groups.items())]
 
 
-def _linears(gm: torch.fx.GraphModule, region: tuple[str, ...], skip: frozenset[str]
-             ) -> dict[torch.fx.Node, _Linear]:
-    return {n: lin for n in gm.graph.nodes
-            if any(_in_region(meta.MODULE_PATH.get(n, ""), r) for r in region)
-            and (lin := _as_linear(gm, n)) is not None and lin.weight not in skip}
-
-
 def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int,
-             skip: frozenset[str] = frozenset()
-             ) -> tuple[list[_Linear], tp_rules.Rewrites, str | None]:
-    """The region's linears with their roles and the shape edits, or a reason to leave it
-    replicated. A column linear whose output no rule carries on is a lone linear."""
-    linears = _linears(gm, region, skip)
+             embeds: Sequence[tp_vocab.Embedding] = ()
+             ) -> tuple[list[_Linear], str | None, dict[str, int], tp_rules.Rewrites]:
+    """The region's linears with their roles, or a reason to leave it replicated; the
+    nodes that carry a split value with its dim (their work is split too); the shape
+    edits. A column linear whose output no rule carries on is a lone linear.
+    ``embeds``: the region's embeddings, split by rows (``passes.tp_vocab``)."""
+    nodes = list(gm.graph.nodes)  # element-wise ops between the linears may lie outside
+    linears = {n: lin for n in nodes
+               if any(_in_region(meta.MODULE_PATH.get(n, ""), r) for r in region)
+               and (lin := _as_linear(gm, n)) is not None}
+    for emb in embeds:
+        why = tp_vocab.reason(emb, size)
+        if why is not None:
+            return [], why, {}, tp_rules.Rewrites()
     if not linears:
-        return [], tp_rules.Rewrites(), "no linear layer to shard"
+        return [], None if embeds else "no linear layer to shard", {}, tp_rules.Rewrites()
     weights = [id(lin.weight_value) for lin in linears.values()]
     if len(set(weights)) != len(weights):
-        return [], tp_rules.Rewrites(), "a linear weight is shared by several layers"
+        return [], "a linear weight is shared by several layers", {}, tp_rules.Rewrites()
+    shared = _shared_weight(gm, linears, embeds)
+    if shared is not None:
+        return [], shared, {}, tp_rules.Rewrites()
     lone: set[torch.fx.Node] = set()
     while True:
-        rw, reason, culprit = _propagate(gm, linears, lone, size)
+        split, rw, reason, culprit = _propagate(gm, linears, lone, size)
         if culprit is None or culprit in lone:
             break
         lone.add(culprit)
     if reason is not None:
-        return [], rw, reason
+        return [], reason, {}, rw
     for lin in linears.values():
         out_f, in_f = lin.weight_value.shape
         dim_size = in_f if lin.role == "row" else out_f
         parts = size * rw.strided.get(lin.node.name, 1)
         if dim_size % parts:
-            return [], rw, (f"{lin.weight} has {dim_size} {'in' if lin.role == 'row' else 'out'}"
-                            f" features, not divisible by tensor_parallel_degree {size}"
-                            + (f" x {parts // size} fused blocks" if parts != size else ""))
-    return list(linears.values()), rw, None
+            return [], (f"{lin.weight} has {dim_size} {'in' if lin.role == 'row' else 'out'}"
+                        f" features, not divisible by tensor_parallel_degree {size}"
+                        + (f" x {parts // size} fused blocks" if parts != size else "")
+                        ), {}, rw
+    rows_split = {id(e.value) for e in embeds}
+    for lin in linears.values():
+        if id(lin.weight_value) in rows_split and lin.role == "row":
+            return [], (f"{lin.weight} is tied to a vocab-parallel embedding but would be "
+                        "split by columns (row-parallel)"), {}, rw
+    return (list(linears.values()), None,
+            {n.name: d.dim for n, d in split.items() if n not in linears}, rw)
 
 
 def _propagate(gm: torch.fx.GraphModule, linears: dict[torch.fx.Node, _Linear],
                lone: set[torch.fx.Node], size: int
-               ) -> tuple[tp_rules.Rewrites, str | None, torch.fx.Node | None]:
+               ) -> tuple[dict[torch.fx.Node, tp_rules.Split], tp_rules.Rewrites, str | None,
+                  torch.fx.Node | None]:
     """One sweep of sharding propagation: the edits, the first failure and, when that
     failure is a column linear's own output, that linear (to retry it as a lone one)."""
     split: dict[torch.fx.Node, tp_rules.Split] = {}
@@ -223,9 +236,9 @@ def _propagate(gm: torch.fx.GraphModule, linears: dict[torch.fx.Node, _Linear],
             if x in split:
                 rank = len(tp_rules.shape(x) or ())
                 if split[x].dim not in (-1, rank - 1):
-                    return rw, (f"{lin.weight} reads {x.name} split along dim "
+                    return split, rw, (f"{lin.weight} reads {x.name} split along dim "
                                 f"{split[x].dim}, not its features"), None
-                lin.role, lin.partner = "row", split[x].origin
+                lin.role = "row"
             elif n in lone:
                 lin.role = "lone"
             else:
@@ -239,13 +252,13 @@ def _propagate(gm: torch.fx.GraphModule, linears: dict[torch.fx.Node, _Linear],
         try:
             out_split = _rule(gm, n, split, rw, size, by_name.get)
         except tp_rules.Unsupported as exc:
-            return rw, str(exc), next((a for a in ins if a in linears), None)
+            return split, rw, str(exc), next((a for a in ins if a in linears), None)
         if out_split is None:
-            return rw, (f"the split value {ins[0].name} reaches {n.name} ({n.target}), "
+            return split, rw, (f"the split value {ins[0].name} reaches {n.name} ({n.target}), "
                         "which no sharding rule covers"), next((a for a in ins if a in linears),
                                                                None)
         split[n] = out_split
-    return rw, None, None
+    return split, rw, None, None
 
 
 def _rule(gm: torch.fx.GraphModule, n: torch.fx.Node,
@@ -263,21 +276,95 @@ def _rule(gm: torch.fx.GraphModule, n: torch.fx.Node,
     return tp_rules.propagate(n, split, rw, size, col)
 
 
-def _set_param(gm: torch.fx.GraphModule, fqn: str, value: torch.Tensor) -> None:
-    owner_path, _, leaf = fqn.rpartition(".")
-    owner: nn.Module = gm
-    for part in owner_path.split(".") if owner_path else ():
-        owner = getattr(owner, part)
-    owner.register_parameter(leaf, nn.Parameter(value, requires_grad=True))
+def _pairs(linears: Sequence[_Linear], split: set[str]) -> list[tuple[str, str]]:
+    """(column, row) module paths: each row linear with the column linears whose output
+    reaches it through the element-wise chain between them."""
+    cols = [lin for lin in linears if lin.role == "col"]  # graph order
+    out = []
+    for row in (lin for lin in linears if lin.role == "row"):
+        seen: set[str] = set()
+        todo = list(row.node.all_input_nodes)
+        while todo:
+            n = todo.pop()
+            if n.name not in seen:
+                seen.add(n.name)
+                if n.name in split:
+                    todo.extend(n.all_input_nodes)
+        out += [(c.weight.rpartition(".")[0], row.weight.rpartition(".")[0])
+                for c in cols if c.node.name in seen]
+    return out
 
 
-def _replace_module(gm: torch.fx.GraphModule, path: str) -> None:
-    """Put a fresh container at ``path`` (the original leaf module is the user's)."""
-    owner_path, _, leaf = path.rpartition(".")
-    owner: nn.Module = gm
-    for part in owner_path.split(".") if owner_path else ():
-        owner = getattr(owner, part)
-    setattr(owner, leaf, nn.Module())
+def _shared_weight(gm: torch.fx.GraphModule, linears: Mapping[torch.fx.Node, _Linear],
+                   embeds: Sequence[tp_vocab.Embedding] = ()) -> str | None:
+    """Why the region cannot be sharded when a tensor it would shard is also read by a
+    node it does not rewrite (an unmarked tied module, a second use): sharding would untie
+    them. A linear tied to one of the region's embeddings is fine (they share the shard)."""
+    mine = {id(t): lin.weight.rpartition(".")[0] for lin in linears.values()
+            for t in (lin.weight_value, lin.bias_value) if t is not None}
+    mine.update({id(e.value): e.weight.rpartition(".")[0] for e in embeds})
+    rewritten = set(linears) | {e.node for e in embeds}
+    for n in gm.graph.nodes:
+        if n in rewritten or (n.op == "get_attr" and n.users and all(u in rewritten
+                                                                    for u in n.users)):
+            continue  # a rewritten node itself, or the get_attr feeding its parameter
+        for name in meta.PARAMS.get(n, ()) or ():
+            try:
+                t = tp_graph.attr(gm, name)
+            except AttributeError:
+                continue
+            owner = mine.get(id(t))
+            if owner is not None:
+                return (f"the weight of {owner} is shared with {n.name} (reads {name}): "
+                        "sharding would untie them")
+    return None
+
+
+def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
+                    comm_time: tp_costs.CommTime | None = None
+                    ) -> tuple[torch.fx.GraphModule, TensorParallelPlan]:
+    """The rewritten copy of ``gm`` for ``tp.rank`` and the plan (module docstring).
+
+    The copy's costs are one rank's (``passes.tp_costs``): split work divided by the
+    degree, each collective priced by ``comm_time(nbytes)`` (the link model; None: free).
+    """
+    new = copy_graph_module(gm)
+    if tp.size <= 1 or not tp.marked:
+        return new, TensorParallelPlan(tp.size)
+    by_name = {n.name: n for n in new.graph.nodes}
+    sharded: list[ShardSpec] = []
+    replicated: list[tuple[str, str]] = []
+    pairs: list[tuple[str, str]] = []
+    ties: tp_graph.Ties = {}
+    for region in regions(tp.marked):
+        embeds = tp_vocab.find(new, _region_test(region))
+        linears, reason, split, rw = _analyse(new, region, tp.size, embeds)
+        if reason is not None:
+            replicated.append((",".join(region), reason))
+            continue
+        for emb in embeds:
+            name, dim, parts, full = tp_vocab.rewrite(new, by_name[emb.node.name], emb,
+                                                      tp.size, tp.rank, not tp.prescaled_batch,
+                                                      ties)
+            sharded.append(ShardSpec(name, dim, parts, full))
+        for node, pos in rw.divide:
+            _scale_arg(new.graph, node, pos, operator.floordiv, tp.size)
+        for node, pos in rw.batch if not tp.prescaled_batch else ():
+            _scale_arg(new.graph, node, pos, operator.mul, tp.size)
+        for name, dim in split.items():
+            node = by_name[name]
+            cost = meta.COST.get(node)
+            if cost is not None:
+                meta.COST.set(node, tp_costs.divide(cost, tp.size))
+            meta.TENSOR.set(node, tp_costs.local_info(meta.TENSOR.get(node), dim, tp.size))
+        pairs += _pairs(linears, split)  # before the rewrite replaces the linears' nodes
+        for lin in linears:
+            sharded += _rewrite(new, by_name[lin.node.name], lin, tp, ties,
+                                rw.strided.get(lin.node.name, 1))
+    tp_costs.price_collectives(new, tp.size, comm_time)
+    new.graph.lint()
+    new.recompile()
+    return new, TensorParallelPlan(tp.size, tuple(sharded), tuple(replicated), tuple(pairs))
 
 
 def merge_shards(spec: ShardSpec, shards: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -287,46 +374,6 @@ def merge_shards(spec: ShardSpec, shards: Sequence[torch.Tensor]) -> torch.Tenso
                       for i in range(spec.stride)], dim=spec.dim)
 
 
-def _shard(value: torch.Tensor, dim: int, size: int, rank: int, stride: int = 1
-           ) -> torch.Tensor:
-    """This rank's piece: ``value`` along ``dim`` is ``stride`` equal blocks (a fused
-    q/k/v projection), each cut into ``size`` pieces; the rank's pieces concatenated."""
-    blocks = value.detach().chunk(stride, dim=dim)
-    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).clone()
-
-
-def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
-                    skip: frozenset[str] = frozenset()
-                    ) -> tuple[torch.fx.GraphModule, TensorParallelPlan]:
-    """The rewritten copy of ``gm`` for ``tp.rank`` and the plan (module docstring);
-    linears whose weight is in ``skip`` are left alone (another pass sharded them)."""
-    new = copy_graph_module(gm)
-    if tp.size <= 1 or not tp.marked:
-        return new, TensorParallelPlan(tp.size)
-    by_name = {n.name: n for n in new.graph.nodes}
-    sharded: list[ShardSpec] = []
-    replicated: list[tuple[str, str]] = []
-    pairs: list[tuple[str, str]] = []
-    for region in regions(tp.marked):
-        linears, rw, reason = _analyse(new, region, tp.size, skip)
-        if reason is not None:
-            replicated.append((",".join(region), reason))
-            continue
-        names = {lin.node.name: lin.weight.rpartition(".")[0] for lin in linears}
-        for node, pos in rw.divide:
-            _scale_arg(new.graph, node, pos, operator.floordiv, tp.size)
-        for node, pos in rw.batch if not tp.prescaled_batch else ():
-            _scale_arg(new.graph, node, pos, operator.mul, tp.size)
-        for lin in linears:
-            stride = rw.strided.get(lin.node.name, 1)
-            sharded += _rewrite(new, by_name[lin.node.name], lin, tp, stride)
-        pairs += [(names[c], names[r.node.name]) for r in linears if r.role == "row"
-                  for c in r.partner.split(",")]
-    new.graph.lint()
-    new.recompile()
-    return new, TensorParallelPlan(tp.size, tuple(sharded), tuple(replicated), tuple(pairs))
-
-
 def _scale_arg(graph: torch.fx.Graph, node: torch.fx.Node, pos: int | str,
                op: Callable[[Any, int], Any], size: int) -> None:
     """Turn a size argument of ``node`` into this rank's: a global feature size
@@ -334,7 +381,7 @@ def _scale_arg(graph: torch.fx.Graph, node: torch.fx.Node, pos: int | str,
     value = node.args[pos] if isinstance(pos, int) else node.kwargs[pos]
     if isinstance(value, torch.fx.Node):
         with graph.inserting_before(node):
-            value = _insert(graph, op, (value, size), node)
+            value = tp_graph.insert(graph, op, (value, size), node)
             meta.TENSOR.set(value, None)
     else:
         value = op(value, size)
@@ -344,69 +391,57 @@ def _scale_arg(graph: torch.fx.Graph, node: torch.fx.Node, pos: int | str,
         node.update_kwarg(pos, value)
 
 
-def _insert(graph: torch.fx.Graph, fn: Callable[..., Any], args: Sequence[Any],
-            like: torch.fx.Node) -> torch.fx.Node:
-    n = graph.call_function(fn, tuple(args))
-    n.meta = dict(like.meta)
-    meta.TP.set(n, getattr(fn, "__name__", "op"))
-    meta.COST.set(n, NodeCost())
-    meta.PARAMS.set(n, ())
-    return n
-
-
-def _get_attr(graph: torch.fx.Graph, fqn: str, like: torch.fx.Node) -> torch.fx.Node:
-    n = graph.get_attr(fqn)
-    n.meta = dict(like.meta)
-    meta.COST.set(n, NodeCost())
-    meta.PARAMS.set(n, (fqn,))
-    return n
-
-
 def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: _Linear,
-             tp: TensorParallelism, stride: int = 1) -> list[ShardSpec]:
+             tp: TensorParallelism, ties: tp_graph.Ties, stride: int = 1) -> list[ShardSpec]:
     """Replace ``node`` by its sharded form; the shard specs of its parameters."""
     size, rank, graph = tp.size, tp.rank, gm.graph
     w_full, b_full = lin.weight_value, lin.bias_value
     if node.op == "call_module":
-        _replace_module(gm, str(node.target))
+        tp_graph.replace_module(gm, str(node.target))
     w_dim = 1 if lin.role == "row" else 0
-    _set_param(gm, lin.weight, _shard(w_full, w_dim, size, rank, stride))
+    tp_graph.set_param(gm, lin.weight, tp_graph.shard(w_full, w_dim, size, rank, stride),
+                       original=w_full, ties=ties)
     specs = [ShardSpec(lin.weight, w_dim, size, tuple(w_full.shape), stride)]
     if lin.bias is not None and b_full is not None:
         if lin.role == "row":
-            _set_param(gm, lin.bias, b_full.detach().clone())
+            tp_graph.set_param(gm, lin.bias, b_full.detach().clone())
         else:
-            _set_param(gm, lin.bias, _shard(b_full, 0, size, rank, stride))
+            tp_graph.set_param(gm, lin.bias, tp_graph.shard(b_full, 0, size, rank, stride))
             specs.append(ShardSpec(lin.bias, 0, size, tuple(b_full.shape), stride))
     x = node.args[0]
     gather = not tp.prescaled_batch
     with graph.inserting_before(node):
         if lin.role != "row":
             if gather:
-                x = _insert(graph, tp_collectives.tp_gather_batch, (x,), node)
-            x = _insert(graph, tp_collectives.tp_copy, (x,), node)
-        w = _get_attr(graph, lin.weight, node)
+                x = tp_graph.insert(graph, tp_collectives.tp_gather_batch, (x,), node, size)
+            x = tp_graph.insert(graph, tp_collectives.tp_copy, (x,), node, size)
+        w = tp_graph.get_attr(graph, lin.weight, node)
         args: list[Any] = [x, w]
         if lin.bias is not None and lin.role != "row":
-            args.append(_get_attr(graph, lin.bias, node))
+            args.append(tp_graph.get_attr(graph, lin.bias, node))
         y = graph.call_function(F.linear, tuple(args))
         y.meta = dict(node.meta)
+        cost = meta.COST.get(node)
+        if cost is not None:
+            meta.COST.set(y, tp_costs.divide(cost, size, params=True))
+        if lin.role != "row":  # a row linear's partial sums have the full shape
+            meta.TENSOR.set(y, tp_costs.local_info(meta.TENSOR.get(node), -1, size))
         meta.TP.set(y, lin.role)
         meta.PARAMS.set(y, tuple(a.target for a in args[1:]))
     with graph.inserting_after(y):
         out = y
         if lin.role == "row":
-            out = _insert(graph, tp_collectives.tp_reduce, (out,), node)
+            out = tp_graph.insert(graph, tp_collectives.tp_reduce, (out,), node, size)
             if lin.bias is not None:
                 with graph.inserting_after(out):
-                    b = _get_attr(graph, lin.bias, node)
+                    b = tp_graph.get_attr(graph, lin.bias, node)
                 with graph.inserting_after(b):
-                    out = _insert(graph, operator.add, (out, b), node)
+                    out = tp_graph.insert(graph, operator.add, (out, b), node, size)
         elif lin.role == "lone":
-            out = _insert(graph, tp_collectives.tp_gather_last, (out,), node)
+            out = tp_graph.insert(graph, tp_collectives.tp_gather_last, (out,), node, size)
         if gather and lin.role != "col":
             with graph.inserting_after(out):
-                out = _insert(graph, tp_collectives.tp_split_batch, (out,), node)
+                out = tp_graph.insert(graph, tp_collectives.tp_split_batch, (out,), node, size)
     inputs = node.all_input_nodes
     node.replace_all_uses_with(out)
     graph.erase_node(node)

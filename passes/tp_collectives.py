@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn import functional as F
 
 
 @dataclass
@@ -132,6 +133,19 @@ def tp_gather_batch(x: torch.Tensor) -> torch.Tensor:
 
 def tp_split_batch(x: torch.Tensor) -> torch.Tensor:
     return _SplitBatch.apply(x) if active() else x
+
+
+def tp_vocab_embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Embedding lookup with ``weight`` this rank's block of rows (rank r holds rows
+    ``[r * n, (r + 1) * n)``): ids outside the block give zeros, and the sum over the group
+    is the full lookup (forward all-reduce, backward identity, as ``tp_reduce``)."""
+    if not active():
+        return F.embedding(ids, weight)
+    rows = weight.shape[0]
+    local = ids - _BOUND.rank * rows
+    outside = (local < 0) | (local >= rows)
+    out = F.embedding(local.masked_fill(outside, 0), weight)
+    return _Reduce.apply(out.masked_fill(outside.unsqueeze(-1), 0.0))
 
 
 def average_grads(params: list[torch.nn.Parameter]) -> None:

@@ -48,7 +48,7 @@ from smp_fx._compat import SMP_API_VERSION
 from smp_fx.ckpt.atomic import atomic_write, fsync_dir
 from smp_fx.ckpt.files import load, read_file, save
 from smp_fx.ckpt.hf_weights import find_hf_weights, read_hf_weights
-from smp_fx.dist import comm
+from smp_fx.ckpt.validate import agree_or_raise, world_gather
 from smp_fx.dist import state as smp_state
 from smp_fx.dist.state_api import module_manager
 from smp_fx.runtime import context
@@ -83,21 +83,11 @@ def _replaced(name: str) -> str:
 
 def _world() -> tuple[int, int, Callable[[Any], list[Any]]]:
     """(world rank, rdp rank, gather over the world): a world of one before smp.init."""
-    if not smp_state.is_initialized():
+    gather = world_gather()
+    if gather is None:
         return 0, 0, lambda value: [value]
     st = smp_state.get()
-    if st.world_size == 1:
-        return 0, 0, lambda value: [value]
-    return st.rank, st.axis_rank("rdp"), lambda value: comm.allgather(value, comm.WORLD)
-
-
-def _agree(gather: Callable[[Any], list[Any]], error: str | None, what: str,
-           cause: BaseException | None = None) -> None:
-    """Raise on every rank if any rank failed, so no rank waits for one that left."""
-    bad = {r: e for r, e in enumerate(gather(error)) if e is not None}
-    if bad:
-        raise SMPCheckpointError.build(f"{what} failed on rank(s)", bad,
-                                       fix="fix the cause on those ranks") from cause
+    return st.rank, st.axis_rank("rdp"), gather
 
 
 def _check_tag(tag: Any, gather: Callable[[Any], list[Any]]) -> str:
@@ -160,16 +150,15 @@ def _save_partial(path: str, tag: str, model: Any, optimizer: Any, user_content:
                   gather: Callable[[Any], list[Any]]) -> None:
     name = partial_dir(tag)
     staging = os.path.join(path, _staging(name))
-    error: str | None = None
+    cause: BaseException | None = None
     if rank == 0:
         try:
             os.makedirs(path, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)  # left by a killed save
             os.makedirs(staging)
         except OSError as exc:
-            error = f"{type(exc).__name__}: {exc}"
-    _agree(gather, error, f"creating {staging}")
-    cause: BaseException | None = None
+            cause = exc
+    agree_or_raise(cause, f"creating {staging}")
     try:  # everything that can fail on one rank, before any collective of a subgroup
         model_sd = model.local_state_dict() if model is not None and rdp_rank == 0 else None
         # a sharded optimizer state gathers its stage's shards: every dp rank takes part
@@ -178,8 +167,8 @@ def _save_partial(path: str, tag: str, model: Any, optimizer: Any, user_content:
                   if optimizer is not None and (rdp_rank == 0 or sharded) else None)
         opt_sd = opt_sd if rdp_rank == 0 else None
     except Exception as exc:
-        error, cause = f"{type(exc).__name__}: {exc}", exc
-    _agree(gather, error, "collecting the local state dicts", cause)
+        cause = exc
+    agree_or_raise(cause, "collecting the local state dicts")
     try:
         if model_sd is not None:  # collective over this replica's model-parallel group
             save(model_sd, os.path.join(staging, MODEL_FILE), partial=True)
@@ -190,14 +179,14 @@ def _save_partial(path: str, tag: str, model: Any, optimizer: Any, user_content:
                 _write_torch(os.path.join(staging, USER_CONTENT_FILE), user_content)
             _write_json(os.path.join(staging, CONFIG_FILE), _config_record())
     except Exception as exc:
-        error, cause = f"{type(exc).__name__}: {exc}", exc
-    _agree(gather, error, f"writing the partial checkpoint {name}", cause)
+        cause = exc
+    agree_or_raise(cause, f"writing the partial checkpoint {name}")
     if rank == 0:
         try:
             _commit(path, name, num_kept)
         except OSError as exc:
-            error, cause = f"{type(exc).__name__}: {exc}", exc
-    _agree(gather, error, f"committing the partial checkpoint {name}", cause)
+            cause = exc
+    agree_or_raise(cause, f"committing the partial checkpoint {name}")
 
 
 def _commit(path: str, name: str, num_kept: int | None) -> None:
@@ -225,7 +214,6 @@ def _save_full(path: str, tag: str, model: Any, optimizer: Any, user_content: An
     if optimizer is not None:
         log.warning("smp.save_checkpoint(partial=False) saves the model only; the optimizer "
                     "state is saved by partial checkpoints (as in SMP)")
-    error: str | None = None
     cause: BaseException | None = None
     try:
         sd = None
@@ -243,8 +231,8 @@ def _save_full(path: str, tag: str, model: Any, optimizer: Any, user_content: An
             if user_content is not None:
                 _write_torch(os.path.join(path, f"user_content_{tag}"), user_content)
     except Exception as exc:
-        error, cause = f"{type(exc).__name__}: {exc}", exc
-    _agree(gather, error, f"writing the full checkpoint {tag}", cause)
+        cause = exc
+    agree_or_raise(cause, f"writing the full checkpoint {tag}")
 
 
 def _write_torch(path: str, obj: Any) -> None:

@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 
 from cost_model.errors import SMPCheckpointError, not_implemented
+from smp_fx.ckpt import tp_shards
 from smp_fx.ckpt.atomic import atomic_write, fsync_dir, write_temp
 from smp_fx.ckpt.state_dict import (
     GROUP_PARAMS_KEY,
@@ -181,7 +182,7 @@ def entry_names(obj: Any) -> dict[str, list[str]]:
     def names(sd: Mapping[str, Any]) -> list[str]:
         if GROUP_PARAMS_KEY in sd:
             return [n for g in sd["param_groups"] for n in g["params"]]
-        return [str(k) for k in sd if k != PARTIAL_KEY]
+        return [str(k) for k in sd if k not in (PARTIAL_KEY, tp_shards.TP_SHARDS_KEY)]
 
     if isinstance(obj, Mapping) and obj.get(PARTIAL_KEY):
         return {"": names(obj)}
@@ -382,6 +383,7 @@ def merge_partial_objects(objs: Sequence[Any], full: bool = False) -> Any:
     def merge(values: list[Any]) -> Any:
         if not (isinstance(values[0], Mapping) and values[0].get(PARTIAL_KEY)):
             return values[0]
+        values = tp_shards.join(values)  # shards of every tp rank -> full tensors
         if GROUP_PARAMS_KEY in values[0]:
             return (merge_optimizer_state_dicts(values) if full
                     else merge_partial_optimizer_states(values))
@@ -485,11 +487,8 @@ def _load(f: str, partial: bool, load_kw: dict[str, Any]) -> Any:
                 "the checkpoint index has no file for this model-parallel rank", info.mp_rank,
                 where=index_path(f), fix="the index is damaged; restore it from the save")
         return read_partial_file(f, entry, index["save_id"], **load_kw)
-    if index["tp_degree"] > 1 or info.tp_degree > 1:
-        raise not_implemented(
-            "resharding partial checkpoints across a change of tensor-parallel layout",
-            fix="load at the saved degrees, or save a full checkpoint (partial=False)")
-    log.info("resharding %s: saved at pp=%d in %d file(s), loading at pp=%d", f,
-             index["pp_degree"], index["num_files"], info.pp_degree)
+    log.info("resharding %s: saved at pp=%d x tp=%d in %d file(s), loading at pp=%d x tp=%d",
+             f, index["pp_degree"], index["tp_degree"], index["num_files"], info.pp_degree,
+             info.tp_degree)
     _, objs = load_partial_set(f, **load_kw)
     return merge_partial_objects(objs)

@@ -32,6 +32,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from cost_model.errors import SMPCheckpointError, not_implemented
 from passes.tensor_parallel import merge_shards
+from smp_fx.ckpt import tp_shards
 from smp_fx.ckpt.state_dict import (
     PARTIAL_KEY,
     ModelLayout,
@@ -73,6 +74,7 @@ def gather_shards(plan: Any, local: StateDict) -> StateDict:
     if plan is None:
         return local
     out = dict(local)
+    out.pop(tp_shards.TP_SHARDS_KEY, None)  # shards are full tensors below
     for spec in plan.sharded:
         if spec.name in out:
             t = out[spec.name].contiguous()
@@ -80,6 +82,36 @@ def gather_shards(plan: Any, local: StateDict) -> StateDict:
             dist.all_gather(parts, t, group=smp_state.get().object_group("tp"))
             out[spec.name] = merge_shards(spec, parts)
     return out
+
+
+def _tp_rank() -> int:
+    return smp_state.get().axis_rank("tp") if smp_state.is_initialized() else 0
+
+
+def _with_shards(sd: StateDict, plan: Any, entries: Mapping[str, Any]) -> StateDict:
+    """``sd`` saying which of its ``entries`` are this rank's tensor-parallel shards."""
+    table = tp_shards.describe(getattr(plan, "sharded", ()), _tp_rank(), entries)
+    if table:
+        sd[tp_shards.TP_SHARDS_KEY] = table
+    return sd
+
+
+def _refuse_foreign_shards(sd: Mapping[str, Any], plan: Any, names: list[str]) -> None:
+    bad = sorted(set(tp_shards.foreign(sd, plan, _tp_rank())) & set(names))
+    if bad:
+        raise SMPCheckpointError.build(
+            "the state holds tensor-parallel shards of another rank or degree", bad[:5],
+            fix="load partial checkpoints with smp.load(f, partial=True) (or "
+            "smp.resume_from_checkpoint), which re-cuts the shards for this layout")
+
+
+def _cut_shards(chosen: Mapping[str, Any], plan: Any,
+                shapes: Mapping[str, Any]) -> dict[str, Any]:
+    """Full tensors of distributed parameters cut to this rank's shard (a full state dict,
+    or a checkpoint saved at another tensor-parallel degree)."""
+    specs = {s.name: s for s in getattr(plan, "sharded", ())}
+    return {n: tp_shards.cut(v, specs[n], _tp_rank(), tuple(shapes[n])) if n in specs else v
+            for n, v in chosen.items()}
 
 
 def _to_cpu(value: Any) -> Any:
@@ -101,7 +133,8 @@ def _pipeline_rank() -> int:
 
 def _merged_partial(state_dict: Mapping[str, Any]) -> StateDict:
     """Every pipeline rank's partial state dict merged by name (still marked partial)."""
-    parts = _gather_pipeline(_to_cpu(dict(state_dict)))
+    # the pipeline group shares one tp rank: its shards are of one kind, merged by name
+    parts = _gather_pipeline(_to_cpu(dict(state_dict)), tp_gathered=True)
     if len(parts) == 1:
         return dict(state_dict)
     merged = merge_model_state_dicts(parts)
@@ -137,7 +170,8 @@ class ModelCheckpointMixin:
                 "local_state_dict() needs the partitioned model", "partitioned=False",
                 where="DistributedModel.local_state_dict",
                 fix="call it after the first smp.step call, or use state_dict()")
-        return local_model_state_dict(self._smp_local_tensors(), self._smp_layout())
+        out = local_model_state_dict(self._smp_local_tensors(), self._smp_layout())
+        return _with_shards(out, self.__dict__.get("tp_plan"), out)
 
     def state_dict(self, *args: Any, gather_to_rank0: bool = False,
                    **kwargs: Any) -> StateDict:
@@ -205,7 +239,10 @@ class ModelCheckpointMixin:
         keys = set(layout.keys)  # persistent state only (non-persistent buffers excluded)
         local = {n: t for n, t in self._smp_local_tensors().items()
                  if any(a in keys for a in layout.names_of(n))}
+        plan = self.__dict__.get("tp_plan")
+        _refuse_foreign_shards(state_dict, plan, list(local))
         chosen, local_missing = select_model_state(state_dict, list(local), layout)
+        chosen = _cut_shards(chosen, plan, {n: local[n].shape for n in chosen})
         if partial:
             missing = local_missing
         if strict and (missing or unexpected):
@@ -283,6 +320,8 @@ class OptimizerCheckpointMixin:
         local = local_optimizer_state_dict(self.optimizer.state_dict(),
                                            self._smp_group_names(local=True),
                                            self._smp_group_names(local=False))
+        model = self._smp_current_model()
+        local = _with_shards(local, getattr(model, "tp_plan", None), local["state"])
         return _to_cpu(local) if cast_to_cpu else local
 
     def state_dict(self) -> StateDict:
@@ -324,6 +363,14 @@ class OptimizerCheckpointMixin:
         by_name = (dict(state_dict) if is_partial(state_dict)
                    else optimizer_state_by_name(state_dict, self._smp_group_names(local=False)))
         local = self._smp_group_names(local=self._smp_is_local())
+        plan = getattr(self._smp_current_model(), "tp_plan", None)
+        if plan is not None and plan.sharded and is_partial(by_name):
+            names = [n for g in local for n in g]
+            _refuse_foreign_shards(by_name, plan, names)
+            shapes = {n: p.shape for n, p in zip(names, (p for g in self.optimizer.param_groups
+                                                          for p in g["params"]))}
+            by_name["state"] = {**by_name["state"], **_cut_shards(
+                {n: v for n, v in by_name["state"].items() if n in shapes}, plan, shapes)}
         self.optimizer.load_state_dict(optimizer_state_to_torch(by_name, local,
                                                                 require_complete=True))
 

@@ -45,6 +45,8 @@ from torch import nn
 from cost_model.errors import SMPCheckpointError
 
 PARTIAL_KEY = "_smp_is_partial"
+TP_SHARDS_KEY = "_smp_tp_shards"
+"""Tensor-parallel shard descriptions (``smp_fx.ckpt.tp_shards``)."""
 GROUP_PARAMS_KEY = "_smp_group_params"
 LAYOUT_SCHEMA_VERSION = 1
 
@@ -148,8 +150,12 @@ def merge_model_state_dicts(parts: Sequence[Mapping[str, Any]],
     in) and a missing key is an error; without one, keys keep first-seen order.
     """
     merged: dict[str, Any] = {}
+    shards: dict[str, Any] = {}
     for index, part in enumerate(parts):
         for name, value in part.items():
+            if name == TP_SHARDS_KEY:
+                shards.update(value)
+                continue
             if name == PARTIAL_KEY:
                 continue
             if name in merged and not _same_value(merged[name], value):
@@ -159,7 +165,11 @@ def merge_model_state_dicts(parts: Sequence[Mapping[str, Any]],
                     fix="make sure tied/replicated parameters are synchronised before saving")
             merged.setdefault(name, value)
     if layout is None:
-        return OrderedDict((k, merged[k]) for k in merge_orders([list(p) for p in parts]))
+        keys = merge_orders([[k for k in p if k != TP_SHARDS_KEY] for p in parts])
+        out_plain: StateDict = OrderedDict((k, merged[k]) for k in keys)
+        if shards:
+            out_plain[TP_SHARDS_KEY] = shards
+        return out_plain
     out: StateDict = OrderedDict()
     missing = []
     for key in layout.keys:
@@ -176,6 +186,8 @@ def merge_model_state_dicts(parts: Sequence[Mapping[str, Any]],
     for name, value in merged.items():
         if name not in out:
             out[name] = value
+    if shards:
+        out[TP_SHARDS_KEY] = shards
     return out
 
 
@@ -348,8 +360,12 @@ def merge_partial_optimizer_states(parts: Sequence[Mapping[str, Any]]) -> StateD
             state.setdefault(name, value)
     groups = [{**_group_hyper(g), "params": p}
               for g, p in zip(first["param_groups"], group_params)]
-    return {"state": state, "param_groups": groups,
-            GROUP_PARAMS_KEY: [list(n) for n in full_names], PARTIAL_KEY: True}
+    out = {"state": state, "param_groups": groups,
+           GROUP_PARAMS_KEY: [list(n) for n in full_names], PARTIAL_KEY: True}
+    shards = {k: v for part in parts for k, v in dict(part.get(TP_SHARDS_KEY, {})).items()}
+    if shards:
+        out[TP_SHARDS_KEY] = shards
+    return out
 
 
 def optimizer_state_to_torch(by_name: Mapping[str, Any],

@@ -76,7 +76,7 @@ def load_error(path: str, exc: BaseException, weights_only: bool) -> SMPCheckpoi
         f"device this machine lacks: see map_location); if it is damaged, {RESTORE}")
 
 
-def _world_gather() -> Callable[[object], list[object]] | None:
+def world_gather() -> Callable[[object], list[object]] | None:
     """All-gather over the world group, or None when this process is the whole job."""
     if not smp_state.is_initialized():
         return None
@@ -89,7 +89,7 @@ def _world_gather() -> Callable[[object], list[object]] | None:
 def agree_or_raise(error: BaseException | None, what: str) -> None:
     """Every rank learns whether ``what`` failed anywhere; if it did, every rank raises the
     same ``SMPCheckpointError`` naming the failed ranks (collective over the world group)."""
-    gather = _world_gather()
+    gather = world_gather()
     mine = None if error is None else (str(error) if isinstance(error, SMPCheckpointError)
                                        else f"{type(error).__name__}: {error}")
     outcomes = [mine] if gather is None else gather(mine)

@@ -5,13 +5,16 @@ predictions are only as good as the device spec they are priced with. The built-
 carry datasheet figures; this command measures the machine it runs on instead:
 
 1. the device (``cost_model.calibrate``): matmul and element-wise throughput at several
-   sizes, memory bandwidth, the fixed cost of each kind of op, an Adam step;
+   sizes, memory bandwidth, the fixed cost of each kind of op, an Adam step; then how
+   much slower ops run inside a model than alone (``reference_model``);
 2. with two or more processes (``--nproc 2``, or under ``smp-fx run -n 2``), the
    point-to-point link of the backend between ranks 0 and 1: latency, bandwidth and the
    time a rank spends per message;
-3. the smp-fx runtime: a tiny model is trained with ``smp.step`` (pipeline degree = the
-   number of processes) at 1 and 8 microbatches, and the runtime's cost per action and
-   per step are fitted so that the plan's predicted step time equals the measured one.
+3. the smp-fx runtime: a tiny model is trained with ``smp.step`` at 1 and 8 microbatches,
+   first on one stage (each process its own), which fits the runtime's cost per action
+   and per step; then, with two or more processes, at pipeline degree = the number of
+   processes, which fits the runtime's cost per message; each so that the plan's
+   predicted step time equals the measured one.
 
 The spec is written as JSON (``DeviceSpec.to_json``); use it with
 ``smp-fx partition --device FILE.json`` or ``SMP_FX_DEVICE_SPEC=FILE.json`` for
@@ -29,13 +32,15 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +53,7 @@ from cost_model import calibrate as measure
 from cost_model import microbench
 from cost_model.device import DeviceSpec
 from cost_model.errors import SMPError
+from smp_fx.cli.reference_model import fit_compute_scale
 
 FIT_MICROBATCHES = (1, 8)
 FIT_BATCH = 16  # samples per step: two per microbatch at 8
@@ -111,39 +117,124 @@ def _relaunch(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
 def calibrate(args: argparse.Namespace, world: int) -> DeviceSpec | None:
     """Measure on this process (one of ``world``); the spec on rank 0, None elsewhere."""
-    import smp_fx as smp
-    from smp_fx.dist import launch, state
+    from smp_fx.dist import launch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     name = args.name or f"calibrated-{device.type}"
-    spec = measure.calibrate(name, device, quick=args.quick)
-    spec = dataclasses.replace(spec, microbatch_overhead_s=0.0, step_overhead_s=0.0)
     if world > 1:
         # one default group for the whole run: each smp.init below only adds its own
         # groups, which state._reset() removes again (re-creating the default group under
         # torchrun would rendezvous on keys the first one left in the store)
         dist.init_process_group(launch.choose_backend())
+    spec = _from_rank0(lambda: measure.calibrate(name, device, quick=args.quick), world)
+    spec = dataclasses.replace(spec, microbatch_overhead_s=0.0, step_overhead_s=0.0)
+    if world > 1:
         spec = measure.with_link(spec, device, quick=args.quick)
+    scale = _from_rank0(lambda: fit_compute_scale(spec, device, 5 if args.quick else 15),
+                        world)
+    spec = dataclasses.replace(spec, compute_scale=scale).with_sources(
+        compute_scale="fitted by smp-fx calibrate: a two-block transformer's forward and "
+                      "backward (CPU time of one process) against its predicted node times")
+    per_action, per_step = _from_rank0(lambda: _fit_actions(spec, device, args), world,
+                                       everyone=lambda: _fit_actions(spec, device, args))
+    spec = dataclasses.replace(spec, microbatch_overhead_s=per_action, step_overhead_s=per_step)
+    how = (f"fitted by smp-fx calibrate: smp.step on one stage (one process's CPU time), "
+           f"a tiny model at {' and '.join(map(str, FIT_MICROBATCHES))} microbatches")
+    spec = spec.with_sources(microbatch_overhead_s=how, step_overhead_s=how)
+    if world > 1:
+        per_message = _fit_messages(spec, device, args, world)
+        if per_message is not None:
+            spec = dataclasses.replace(spec, message_overhead_s=per_message).with_sources(
+                message_overhead_s=f"fitted by smp-fx calibrate: smp.step at pipeline degree "
+                                   f"{world} (wall time): the runtime's cost per message, "
+                                   "and what ranks computing side by side cost each other, "
+                                   "beyond the one-stage fit")
+    return spec if int(os.environ.get("RANK", "0")) == 0 else None
+
+
+def _from_rank0(fn: Callable[[], Any], world: int, everyone: Callable[[], Any] | None = None
+                ) -> Any:
+    """``fn()`` measured by rank 0 alone (the others wait, or run ``everyone``, which
+    must return what ``fn`` does), its result sent to every rank.
+
+    Why alone: two processes measuring at once on a small machine slow each other down
+    (shared caches and memory bandwidth; op costs came out up to twice as high), and the
+    device and runtime figures must be one process's, as a one-stage run sees them. Every
+    rank must plan with the same figures, so rank 0's are broadcast."""
+    if world == 1:
+        return fn()
+    result = [fn() if dist.get_rank() == 0 else (everyone() if everyone else None)]
+    dist.broadcast_object_list(result, src=0)
+    return result[0]
+
+
+def _runs(spec: DeviceSpec, device: torch.device, args: argparse.Namespace, stages: int
+          ) -> tuple[dict[int, float], dict[int, Any]]:
+    """(median step seconds, plan) at each of FIT_MICROBATCHES on ``stages`` stages."""
+    import smp_fx as smp
+    from smp_fx.dist import state
+
     timings: dict[int, float] = {}
     plans: dict[int, Any] = {}
     for m in FIT_MICROBATCHES:
-        smp.init({"pipeline_parallel_degree": world, "microbatches": m,
+        smp.init({"pipeline_parallel_degree": stages, "microbatches": m,
                   "pipeline": "interleaved"})
         try:
-            timings[m], plans[m] = _time_runtime(spec, device, m, args)
+            timings[m], plans[m] = _time_runtime(spec, device, m, args, alone=stages == 1)
         finally:
             state._reset()
+    return timings, plans
+
+
+def _fit_actions(spec: DeviceSpec, device: torch.device, args: argparse.Namespace
+                 ) -> tuple[float, float]:
+    """The runtime's cost per action and per step, fitted on one stage.
+
+    Why one stage: there nothing but the runtime's own work separates the measured step
+    from the priced compute, so the two figures are not polluted by waiting or message
+    costs (fitted at pipeline degree 2, the cost per action came out ten times too high
+    and over-predicted every one-stage step by 65 %). Every process runs its own
+    one-stage model (dp = the process count, no ddp); rank 0's steps are timed while the
+    others wait (``_from_rank0``)."""
+    ddp_log = logging.getLogger("smp_fx.dist.ddp")
+    level = ddp_log.level
+    ddp_log.setLevel(logging.ERROR)  # the replicas train apart on purpose: no ddp warning
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*'ddp' is false.*")
+            timings, plans = _runs(spec, device, args, 1)
+    finally:
+        ddp_log.setLevel(level)
+    return fit_runtime(spec, plans, timings)
+
+
+def _fit_messages(spec: DeviceSpec, device: torch.device, args: argparse.Namespace,
+                  world: int) -> float | None:
+    """Seconds per message (send or receive) that make the plan's predicted steps at
+    pipeline degree ``world`` equal the measured ones, the per-action and per-step costs
+    held at their one-stage fit (least squares over the microbatch counts), at least the
+    measured cost of posting one; None on ranks other than 0."""
+    timings, plans = _runs(spec, device, args, world)
     if int(os.environ.get("RANK", "0")) != 0:
         return None
-    per_action, per_step = fit_runtime(spec, plans, timings)
-    how = (f"fitted by smp-fx calibrate: smp.step on {world} process(es), a tiny model at "
-           f"{' and '.join(map(str, FIT_MICROBATCHES))} microbatches")
-    spec = dataclasses.replace(spec, microbatch_overhead_s=per_action,
-                               step_overhead_s=per_step)
-    return spec.with_sources(microbatch_overhead_s=how, step_overhead_s=how)
+
+    def predicted(m: int, per_message: float) -> float:
+        s = dataclasses.replace(spec, message_overhead_s=per_message,
+                                optimizer_tensor_s=0.0, optimizer_byte_s=0.0)
+        plan = dataclasses.replace(plans[m], device=s.to_json())
+        return float(plan.training_step_s(plan.simulate()))
+
+    probe = 1e-3
+    base = {m: predicted(m, 0.0) for m in timings}
+    slope = {m: (predicted(m, probe) - base[m]) / probe for m in timings}
+    num = sum(slope[m] * (timings[m] - base[m]) for m in timings)
+    den = sum(slope[m] ** 2 for m in timings)
+    # never below what posting a message was measured to cost (``with_link``): a fit
+    # under that is noise in the step times
+    return max(num / den, spec.message_overhead_s) if den > 0 else spec.message_overhead_s
 
 
 def _tiny(stages: int) -> nn.Module:
@@ -152,8 +243,9 @@ def _tiny(stages: int) -> nn.Module:
 
 
 def _time_runtime(spec: DeviceSpec, device: torch.device, microbatches: int,
-                  args: argparse.Namespace) -> tuple[float, Any]:
-    """(median seconds of ``smp.step`` on a tiny model, its plan), on every rank."""
+                  args: argparse.Namespace, alone: bool = False) -> tuple[float, Any]:
+    """(median seconds of ``smp.step`` on a tiny model, its plan), on every rank;
+    ``alone``: only rank 0 runs the timed steps (the others' time is NaN)."""
     import smp_fx as smp
 
     torch.manual_seed(0)
@@ -180,12 +272,16 @@ def _time_runtime(spec: DeviceSpec, device: torch.device, microbatches: int,
             else:
                 os.environ["SMP_FX_DEVICE_SPEC"] = old
     steps = 8 if args.quick else args.steps
-    # one process: its CPU time (steady under other load); several: the wall time, which
-    # holds the waits for the other stage that the simulator models
-    now = microbench.clock(device) if smp.size() == 1 else time.perf_counter
+    # one stage: the process's CPU time (steady under other load); several: the wall time,
+    # which holds the waits for the other stage that the simulator models
+    now = microbench.clock(device) if smp.pp_size() == 1 else time.perf_counter
+    if alone and smp.rank() != 0:
+        smp.barrier()
+        return float("nan"), model.plan
     times = []
     for i in range(steps + 3):
-        smp.barrier()
+        if not alone:
+            smp.barrier()
         t0 = now()
         train_step(model, x, y)
         if device.type == "cuda":

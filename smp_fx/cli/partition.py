@@ -45,11 +45,13 @@ from cost_model.device import DEFAULT_DEVICE, load_device
 from cost_model.errors import SMPConfigError, SMPError
 from passes.partition_config import PartitionConfig
 from passes.pipeline import Compiled, baseline_plans, compile_model
+from passes.tensor_parallel import TensorParallelism
 from smp_fx.activation_checkpointing import rules_from_patterns
 from smp_fx.cli import render
 from smp_fx.config import load_config
 from smp_fx.manual import pins_by_module_path
 from smp_fx.runtime.microbatch import split_inputs
+from smp_fx.tp_marking import marked_paths
 
 EXIT_BAD_INPUT = 2
 
@@ -62,6 +64,8 @@ _FLAG_TO_PARAM = {
     "active_microbatches": "active_microbatches",
     "auto_partition": "auto_partition",
     "default_partition": "default_partition",
+    "tensor_parallel_degree": "tensor_parallel_degree",
+    "prescaled_batch": "prescaled_batch",
 }
 
 
@@ -88,6 +92,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--active-microbatches", type=int)
     p.add_argument("--auto-partition", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--default-partition", type=int)
+    p.add_argument("--tensor-parallel-degree", type=int,
+                   help="tensor_parallel_degree: shard the modules the model file marks "
+                        "(smp.tensor_parallelism, smp.set_tensor_parallelism, smp.nn); the "
+                        "table shows one rank's time and memory")
+    p.add_argument("--prescaled-batch", action=argparse.BooleanOptionalAction, default=None,
+                   help="prescaled_batch (with --tensor-parallel-degree)")
     p.add_argument("--activation-checkpointing", action="append", default=[],
                    metavar="GLOB[:STRATEGY]",
                    help="checkpoint the modules whose path matches (strategy each, contiguous "
@@ -190,7 +200,27 @@ def smp_parameters(args: argparse.Namespace) -> dict[str, Any]:
 def partition_config(params: dict[str, Any], device: str,
                      optimizer_state_factor: float) -> PartitionConfig:
     """Validate SMP parameters as ``smp.init`` does and keep what the partitioner needs."""
-    return load_config(params, env={}).partition_config(device, optimizer_state_factor)
+    return load_config(_planning(params), env={}).partition_config(device,
+                                                                   optimizer_state_factor)
+
+
+def _planning(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` as the plan sees them: tensor parallelism implies ddp (``smp.init``
+    requires it; gradient reduction does not change the plan)."""
+    tp = params.get("tensor_parallel_degree")
+    if isinstance(tp, int) and tp > 1:
+        return {"ddp": True, **params}
+    return params
+
+
+def tensor_parallelism(params: dict[str, Any], model: nn.Module) -> TensorParallelism | None:
+    """Rank 0's tensor-parallel rewrite for the plan (every tp rank's costs are the same),
+    or None at degree 1."""
+    cfg = load_config(_planning(params), env={})
+    if cfg.tensor_parallel_degree <= 1:
+        return None
+    return TensorParallelism(cfg.tensor_parallel_degree, 0, cfg.prescaled_batch,
+                             marked_paths(model))
 
 
 def _call(fn: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> Any:
@@ -289,10 +319,15 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     pins = None if pconfig.auto_partition else pins_by_module_path(model)
     rules = rules_from_patterns(model, args.activation_checkpointing)
     pconfig = dataclasses.replace(pconfig, checkpointing=rules)
+    tp = tensor_parallelism(smp_parameters(args), model)
     compiled = compile_model(model, mb_args, mb_kwargs, pconfig, device=spec,
-                             frontend=args.frontend, pins=pins, progress=progress)
+                             frontend=args.frontend, pins=pins, progress=progress, tp=tp)
     plan = compiled.plan
     print(render.format_table(plan), file=out)
+    if compiled.tp_plan is not None:
+        print("", file=out)
+        print(render.format_tensor_parallel(compiled.tp_plan, dict(model.named_parameters())),
+              file=out)
     if args.memory or rules or args.offload:
         print("", file=out)
         print(render.format_memory(plan), file=out)

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch.fx
 
 from cost_model.simulate import FORWARD, SimResult
 from passes import meta
 from passes.plan import PartitionPlan, summarise_modules
+from passes.tensor_parallel import TensorParallelPlan
 
 # one fill colour per stage (colour-blind safe Okabe-Ito palette, cycled)
 STAGE_COLOURS = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00",
@@ -65,6 +67,29 @@ def summary_line(plan: PartitionPlan) -> str:
     return (f"objective {plan.objective:.4f}  lower bound {plan.lower_bound:.4f}  "
             f"ratio {plan.ratio:.3f}  step {human_time(plan.step_time_s)} "
             f"({c.pipeline}, {c.microbatches} microbatches)  bubble {plan.bubble_fraction:.1%}")
+
+
+def format_tensor_parallel(tp_plan: TensorParallelPlan, full: dict[str, Any]) -> str:
+    """What the tensor-parallel rewrite did, for the table above it (one rank's costs):
+    every sharded parameter with its split and bytes per rank, every marked region left
+    replicated with the reason."""
+    lines = [f"tensor parallel: degree {tp_plan.size}, {len(tp_plan.sharded)} sharded "
+             f"parameter(s), {len(tp_plan.replicated)} marked region(s) replicated; the table "
+             "is one tp rank's (sharded work and bytes / degree, tp collectives on the link)"]
+    for s in tp_plan.sharded:
+        p = full.get(s.name)
+        nbytes = p.numel() * p.element_size() if p is not None else 0
+        local = list(s.full_shape)
+        local[s.dim] //= s.parts
+        lines.append(f"  sharded     {s.name}: {tuple(s.full_shape)} split on dim {s.dim} "
+                     f"into {s.parts} -> {tuple(local)} per rank "
+                     f"({human_bytes(nbytes / s.parts)} of {human_bytes(nbytes)})")
+    for region, why in tp_plan.replicated:
+        lines.append(f"  replicated  {region}: {why}")
+    if tp_plan.pairs:
+        lines.append("  pairs (column -> row): " + ", ".join(f"{a} -> {b}"
+                                                            for a, b in tp_plan.pairs))
+    return "\n".join(lines)
 
 
 def format_table(plan: PartitionPlan) -> str:

@@ -99,7 +99,8 @@ def test_heads_not_divisible_by_tp_stay_replicated() -> None:
 
 
 def test_strided_shards_merge_back() -> None:
-    from passes.tensor_parallel import ShardSpec, _shard, merge_shards
+    from passes.tensor_parallel import ShardSpec, merge_shards
+    from passes.tp_graph import shard as _shard
 
     full = torch.arange(24.0).reshape(12, 2)
     spec = ShardSpec("w", 0, 2, (12, 2), stride=3)
@@ -107,3 +108,58 @@ def test_strided_shards_merge_back() -> None:
     shards = [_shard(full, 0, 2, r, 3) for r in range(2)]
     assert shards[0][:, 0].tolist() == [0.0, 2.0, 8.0, 10.0, 16.0, 18.0]
     torch.testing.assert_close(merge_shards(spec, shards), full)
+
+
+def test_a_linear_tied_to_an_embedding_stays_replicated_with_the_reason() -> None:
+    """GPT's lm_head shares wte's weight: sharding it would untie the two, so the region
+    stays replicated, the plan says why, and the tie is intact in the rewritten graph."""
+    import smp_fx as smp
+    from passes.partition_config import PartitionConfig
+    from passes.pipeline import compile_model
+    from smp_fx.tp_marking import marked_paths
+    from tests.helpers.models import example
+
+    ex = example("gpt")
+    torch.manual_seed(0)
+    model = ex.build_model()
+    smp.set_tensor_parallelism(model.lm_head)
+    compiled = compile_model(model, ex.example_inputs(2), None, PartitionConfig(num_stages=1),
+                             tp=TensorParallelism(2, 0, True, marked_paths(model)))
+    assert compiled.tp_plan.sharded == ()
+    assert compiled.tp_plan.replicated == (
+        ("lm_head", "the weight of lm_head is shared with wte (reads wte.weight): sharding "
+                    "would untie them"),)
+    params = dict(compiled.gm.named_parameters(remove_duplicate=False))
+    assert params["lm_head.weight"] is params["wte.weight"]
+
+
+def test_a_tied_embedding_and_lm_head_marked_together_share_one_vocab_shard() -> None:
+    """Marked together, GPT's wte and lm_head are split by vocabulary rows: one shard
+    Parameter under both names, a vocab-parallel lookup, the logits gathered; a degree
+    that does not divide the vocabulary leaves them replicated with the reason."""
+    import smp_fx as smp
+    from passes.partition_config import PartitionConfig
+    from passes.pipeline import compile_model
+    from smp_fx.tp_marking import marked_paths
+    from tests.helpers.models import example
+
+    ex = example("gpt")
+    torch.manual_seed(0)
+    model = ex.build_model()
+    smp.set_tensor_parallelism(model.wte)
+    smp.set_tensor_parallelism(model.lm_head)
+    for size in (2, 3):
+        compiled = compile_model(model, ex.example_inputs(2), None,
+                                 PartitionConfig(num_stages=1),
+                                 tp=TensorParallelism(size, 0, True, marked_paths(model)))
+        params = dict(compiled.gm.named_parameters(remove_duplicate=False))
+        if size == 3:
+            assert compiled.tp_plan.sharded == ()
+            assert "wte.weight has 128 rows, not divisible by tensor_parallel_degree 3" in \
+                compiled.tp_plan.replicated[0][1]
+            continue
+        assert [s.name for s in compiled.tp_plan.sharded] == ["wte.weight", "lm_head.weight"]
+        assert params["wte.weight"] is params["lm_head.weight"]
+        assert tuple(params["wte.weight"].shape) == (64, 32)
+        targets = [str(getattr(n.target, "__name__", n.target)) for n in compiled.gm.graph.nodes]
+        assert "tp_vocab_embedding" in targets and "tp_gather_last" in targets

@@ -104,7 +104,7 @@ def test_unindexed_files_of_other_degrees(tmp_path: Path, monkeypatch: pytest.Mo
 
 def _fake_world(monkeypatch: pytest.MonkeyPatch, others: list[Any]) -> None:
     """This rank is rank 0 of a world whose other ranks report ``others``."""
-    monkeypatch.setattr(validate, "_world_gather", lambda: lambda mine: [mine, *others])
+    monkeypatch.setattr(validate, "world_gather", lambda: lambda mine: [mine, *others])
 
 
 def test_a_failure_on_another_rank_fails_this_one(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -124,7 +124,7 @@ def test_this_ranks_own_failure_is_shared_and_raised(monkeypatch: pytest.MonkeyP
         seen.append(mine)
         return [mine, None]
 
-    monkeypatch.setattr(validate, "_world_gather", lambda: gather)
+    monkeypatch.setattr(validate, "world_gather", lambda: gather)
 
     def bad() -> None:
         raise KeyError("w")

@@ -68,7 +68,8 @@ def _two_ranks(path: str) -> bool:
 
 def test_two_processes_measure_the_link_and_fit_the_pipeline(tmp_path: Path) -> None:
     """What ``smp-fx calibrate --nproc 2`` (or under ``smp-fx run -n 2``) runs on each rank:
-    the link between the two, and the runtime fitted at pipeline degree 2."""
+    the link between the two, the runtime fitted on one stage by rank 0 alone, and the
+    cost per message at pipeline degree 2."""
     from tests.helpers.dist import run_ranks
 
     path = tmp_path / "spec2.json"
@@ -76,4 +77,5 @@ def test_two_processes_measure_the_link_and_fit_the_pipeline(tmp_path: Path) -> 
     spec = load_device(str(path))
     assert "gloo between ranks 0 and 1" in spec.source("link_latency_s")
     assert spec.link_latency_s > 0 and spec.message_overhead_s > 0
-    assert "on 2 process(es)" in spec.source("step_overhead_s")
+    assert "one stage" in spec.source("step_overhead_s")
+    assert "pipeline degree 2" in spec.source("message_overhead_s")

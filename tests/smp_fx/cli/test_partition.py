@@ -320,3 +320,46 @@ def test_a_model_built_on_meta_plans_with_cpu_inputs(
     assert code == 0, err
     plan = PartitionPlan.loads((tmp_path / "plan.json").read_text())
     assert len(plan.stages) == 2 and all(s.fwd_flops > 0 for s in plan.stages)
+
+
+TP_MODEL = '''
+import torch
+from torch import nn
+import smp_fx as smp
+
+
+def build_model():
+    layers = [nn.Linear(8, 64)]
+    with smp.tensor_parallelism():
+        layers += [nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64)]
+        layers += [nn.Linear(64, 30)]  # 30 output features: not divisible by 4
+    return nn.Sequential(*layers, nn.Linear(30, 4))
+
+
+def example_inputs(batch_size=4):
+    return (torch.randn(batch_size, 8),)
+'''
+
+
+def test_tensor_parallel_degree_shows_one_ranks_costs_and_the_shards(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "tp_model.py"
+    path.write_text(TP_MODEL)
+    plans = {}
+    for tp in (1, 2):
+        code, out, err = _run(capsys, str(path), "--partitions", "2",
+                              "--tensor-parallel-degree", str(tp), "--json",
+                              str(tmp_path / f"tp{tp}.json"))
+        assert code == 0, err
+        plans[tp] = json.loads((tmp_path / f"tp{tp}.json").read_text())
+        if tp == 2:
+            assert "tensor parallel: degree 2" in out
+            assert "sharded     1.weight: (256, 64) split on dim 0 into 2" in out
+            assert "pairs (column -> row): 1 -> 3" in out
+    param_bytes = [sum(s["param_bytes"] for s in plans[tp]["stages"]) for tp in (1, 2)]
+    sharded = (256 * 64 + 256 + 64 * 256 + 30 * 64 + 30) * 4  # fc pair + lone 30-wide head
+    assert param_bytes[1] == param_bytes[0] - sharded // 2
+    code, out, err = _run(capsys, str(path), "--partitions", "2",
+                          "--tensor-parallel-degree", "4")
+    assert code == 0, err
+    assert "replicated" in out and "not divisible by tensor_parallel_degree 4" in out

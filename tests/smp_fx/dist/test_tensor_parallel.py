@@ -12,6 +12,8 @@ parameters after the steps and ``state_dict()`` (gathered: the unsharded model's
 * the tiny HF Llama (torch.export graph) with each layer's SwiGLU MLP marked;
 * two of the GPT example's blocks, each marked whole (attention split by heads, the fused
   c_attn per q/k/v block), ``prescaled_batch`` false and true;
+* the GPT-2-style example with its tied ``wte`` / ``lm_head`` split by vocabulary rows
+  (``passes.tp_vocab``: one shard under both names) and every MLP pair, both batch modes;
 * a model whose marked linear is not divisible by tp: it stays replicated, the plan says
   why, and training still matches;
 * pp=2 x tp=2 on 4 ranks (one more spawn), the MLP with ``prescaled_batch`` true.
@@ -35,6 +37,9 @@ from tests.helpers.models import example
 GLOBAL_BATCH = 8
 STEPS = 3
 TOL = {"atol": 1e-5, "rtol": 1e-5}
+# a parameter whose true gradient is zero (GPT's key bias: softmax ignores it) gets
+# summation-order noise of ~1e-10, which Adam at the default eps turns into full lr steps
+ADAM_EPS = 1e-6
 
 
 class MLP(nn.Module):
@@ -99,8 +104,13 @@ def _build(kind: str) -> nn.Module:
         return MLP()
     if kind == "odd":
         return MLP(inner=33)
-    if kind == "gpt":
+    if kind == "blocks":
         return Blocks()
+    if kind == "gpt":  # tied wte / lm_head split by vocabulary rows, and every MLP pair
+        gpt = example("gpt").build_model()
+        for module in (gpt.wte, gpt.lm_head, *(block.mlp for block in gpt.h)):
+            smp.set_tensor_parallelism(module)
+        return gpt
     if kind == "llama":
         llama = example("hf_llama").build_model()
         for path, module in llama.named_modules():
@@ -114,23 +124,25 @@ def _build(kind: str) -> nn.Module:
 
 
 def _loss(kind: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return example("hf_llama").loss_fn(out, y) if kind == "llama" else F.cross_entropy(out, y)
+    if kind in ("llama", "gpt"):
+        return example("hf_llama" if kind == "llama" else "gpt").loss_fn(out, y)
+    return F.cross_entropy(out, y)
 
 
 def _batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(1234)
-    if kind == "llama":
-        ex = example("hf_llama")
+    if kind in ("llama", "gpt"):
+        ex = example("hf_llama" if kind == "llama" else "gpt")
         return [(ex.example_inputs(GLOBAL_BATCH)[0], ex.example_targets(GLOBAL_BATCH))
                 for _ in range(STEPS)]
-    shape = (GLOBAL_BATCH, 5, 8) if kind == "gpt" else (GLOBAL_BATCH, 8)
+    shape = (GLOBAL_BATCH, 5, 8) if kind == "blocks" else (GLOBAL_BATCH, 8)
     return [(torch.randn(shape), torch.randint(0, 6, (GLOBAL_BATCH,))) for _ in range(STEPS)]
 
 
 def _reference(kind: str, batch: int) -> tuple[list[float], list[dict[str, torch.Tensor]],
                                                dict[str, torch.Tensor]]:
     model = _build(kind)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS)
     losses, grads = [], []
     for x, y in _batches(kind):
         loss = _loss(kind, model(x[:batch]), y[:batch])
@@ -139,7 +151,9 @@ def _reference(kind: str, batch: int) -> tuple[list[float], list[dict[str, torch
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-    return losses, grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    # every name the plain state_dict() has, tied aliases (GPT's lm_head.weight) included
+    return losses, grads, {n: p.detach().clone()
+                           for n, p in model.named_parameters(remove_duplicate=False)}
 
 
 def _gathered(model: Any, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -164,7 +178,7 @@ def _scenario(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
     smp.init({"pipeline_parallel_degree": pp, "tensor_parallel_degree": 2, "ddp": True,
               "prescaled_batch": prescaled, "microbatches": 2})
     model = smp.DistributedModel(_build(kind))
-    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2))
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS))
 
     @smp.step
     def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
@@ -192,7 +206,7 @@ def _scenario(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
 
 
 CASES = (("mlp", False), ("mlp", True), ("swiglu", False), ("odd", True), ("llama", True),
-         ("gpt", False), ("gpt", True))
+         ("gpt", False), ("gpt", True), ("blocks", False), ("blocks", True))
 
 
 def _checked(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
@@ -206,11 +220,11 @@ def _checked(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
         bad.append("loss")
     for step, (got, want) in enumerate(zip(res["grads"], ref_grads)):
         bad += [f"grad {n} step {step}" for n in mismatched(got, want, **TOL)]
-    # Llama has gradient entries of ~1e-9 that Adam normalises to a full step, so the
+    # Llama and GPT have gradient entries of ~1e-9 that Adam normalises to a full step, so the
     # summation-order differences of the sharded matmuls (gradients equal to 1e-5) show
     # as up to 1 % of one lr=1e-2 step in the parameters
-    param_tol = {"atol": 1e-4, "rtol": 1e-4} if kind == "llama" else TOL
-    if kind == "gpt":  # the key bias's gradient is 0 analytically (softmax ignores a
+    param_tol = {"atol": 1e-4, "rtol": 1e-4} if kind in ("llama", "gpt") else TOL
+    if kind == "blocks":  # the key bias's gradient is 0 analytically (softmax ignores a
         # per-query constant): Adam turns its ~1e-9 rounding into full steps; the
         # gradients above are compared whole, the parameters without that block
         for values in (res["params"], res["state_dict"], ref_params):
@@ -257,13 +271,13 @@ def test_tp2_shards_and_plan() -> None:
     assert mlp[0]["distributed"] == ["fc1.bias", "fc1.weight", "fc2.weight", "head.bias",
                                      "head.weight"]
     assert _run("swiglu", False)[0]["plan"]["pairs"] == [["gate", "down"], ["up", "down"]]
-    gpt = _run("gpt", True)[0]
-    assert gpt["plan"]["replicated"] == []
-    assert gpt["shapes"]["blocks.0.attn.c_attn.weight"] == (24, 16)
-    specs = {d["name"]: d for d in gpt["plan"]["sharded"]}
+    blocks = _run("blocks", True)[0]
+    assert blocks["plan"]["replicated"] == []
+    assert blocks["shapes"]["blocks.0.attn.c_attn.weight"] == (24, 16)
+    specs = {d["name"]: d for d in blocks["plan"]["sharded"]}
     assert specs["blocks.1.attn.c_attn.weight"]["stride"] == 3
     assert specs["blocks.1.attn.c_proj.weight"]["dim"] == 1
-    assert ["blocks.0.attn.c_attn", "blocks.0.attn.c_proj"] in gpt["plan"]["pairs"]
+    assert ["blocks.0.attn.c_attn", "blocks.0.attn.c_proj"] in blocks["plan"]["pairs"]
     odd = _run("odd", True)[0]
     assert odd["distributed"] == []
     [(region, why)] = odd["plan"]["replicated"]

@@ -1,0 +1,96 @@
+"""Editing a tensor-parallel rank's graph: parameters replaced by shards (ties kept),
+collective nodes inserted with their metadata.
+
+Shared by the rewrites of ``passes.tensor_parallel`` (linears) and ``passes.tp_vocab``
+(embeddings). ``Ties`` maps an original tensor to the shard ``Parameter`` that replaced it,
+so names that shared one tensor (a tied embedding and LM head) share the shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from cost_model.node_cost import NodeCost
+from passes import meta, tp_costs
+
+Ties = dict[int, nn.Parameter]
+
+
+def attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def set_param(gm: torch.fx.GraphModule, fqn: str, value: torch.Tensor,
+              original: torch.Tensor | None = None, ties: Ties | None = None) -> None:
+    """Register ``value`` as the parameter ``fqn``; with ``original`` and ``ties``, a
+    tensor already replaced under another name gets the same Parameter back."""
+    owner_path, _, leaf = fqn.rpartition(".")
+    owner: nn.Module = gm
+    for part in owner_path.split(".") if owner_path else ():
+        owner = getattr(owner, part)
+    if original is not None and ties is not None and id(original) in ties:
+        owner.register_parameter(leaf, ties[id(original)])
+        return
+    param = nn.Parameter(value, requires_grad=True)
+    if original is not None and ties is not None:
+        ties[id(original)] = param
+    owner.register_parameter(leaf, param)
+
+
+def replace_module(gm: torch.fx.GraphModule, path: str) -> None:
+    """Put a fresh container at ``path`` (the original leaf module is the user's)."""
+    owner_path, _, leaf = path.rpartition(".")
+    owner: nn.Module = gm
+    for part in owner_path.split(".") if owner_path else ():
+        owner = getattr(owner, part)
+    setattr(owner, leaf, nn.Module())
+
+
+def shard(value: torch.Tensor, dim: int, size: int, rank: int, stride: int = 1
+          ) -> torch.Tensor:
+    """This rank's piece: ``value`` along ``dim`` is ``stride`` equal blocks (a fused
+    q/k/v projection), each cut into ``size`` pieces; the rank's pieces concatenated."""
+    blocks = value.detach().chunk(stride, dim=dim)
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).clone()
+
+
+#: how each collective's output relates to its input: (split dim, grows)
+SHAPES: dict[str, tuple[int | None, bool]] = {
+    "tp_copy": (None, False), "tp_reduce": (None, False), "tp_gather_last": (-1, True),
+    "tp_gather_batch": (0, True), "tp_split_batch": (0, False)}
+
+
+def insert(graph: torch.fx.Graph, fn: Callable[..., Any], args: Sequence[Any],
+           like: torch.fx.Node, size: int = 1) -> torch.fx.Node:
+    """A ``call_function`` node of ``fn`` with ``like``'s metadata, its own shape (by
+    ``SHAPES``), no cost yet (``tp_costs.price_collectives``) and no parameters."""
+    n = graph.call_function(fn, tuple(args))
+    n.meta = dict(like.meta)
+    src = args[0] if args and isinstance(args[0], torch.fx.Node) else None
+    dim, grow = SHAPES.get(getattr(fn, "__name__", ""), (None, False))
+    if src is not None:
+        meta.TENSOR.set(n, tp_costs.local_info(meta.TENSOR.get(src), dim, size, grow))
+    meta.TP.set(n, getattr(fn, "__name__", "op"))
+    meta.COST.set(n, NodeCost())
+    meta.PARAMS.set(n, ())
+    return n
+
+
+def get_attr(graph: torch.fx.Graph, fqn: str, like: torch.fx.Node) -> torch.fx.Node:
+    n = graph.get_attr(fqn)
+    n.meta = dict(like.meta)
+    meta.COST.set(n, NodeCost())
+    meta.PARAMS.set(n, (fqn,))
+    return n
+
+
+__all__ = ["SHAPES", "Ties", "attr", "get_attr", "insert", "replace_module", "set_param",
+           "shard"]

@@ -1,0 +1,116 @@
+"""Vocabulary-parallel embeddings: an embedding's rows split across the tp group.
+
+Why: in a language model the token embedding (and the LM head tied to it) is often the
+largest single tensor. A marked ``nn.Embedding`` (or ``F.embedding`` / ``aten.embedding``
+on a parameter) keeps ``vocab / tp`` rows per rank: each rank looks up the ids that fall in
+its rows, zeroes the others, and the partial embeddings are summed over the group
+(``tp_collectives.tp_vocab_embedding``). An LM head whose weight *is* that embedding's
+(GPT's tied ``lm_head``) is then a lone column-parallel linear over the same rows, so the
+two names keep sharing one shard (``tp_graph.Ties``) and the logits are gathered.
+
+Not built: a vocabulary not divisible by the degree (no padding rows yet), embedding
+options (``padding_idx``, ``max_norm``, ``scale_grad_by_freq``, ``sparse``), a
+vocab-parallel cross entropy (the logits are gathered whole). Each such embedding leaves
+its region replicated, with the reason.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+from torch.nn import functional as F
+
+from passes import meta, tp_collectives, tp_costs, tp_graph
+
+EMBEDDING_FUNCTIONS: frozenset[Any] = frozenset({F.embedding})
+ATEN_EMBEDDING = torch.ops.aten.embedding.default
+
+
+@dataclass
+class Embedding:
+    node: torch.fx.Node
+    weight: str  # FQN of the weight
+    value: torch.Tensor  # the full weight
+    ids: torch.fx.Node
+    options: bool  # a non-default option (padding_idx, max_norm, ...) is set
+
+
+def as_embedding(gm: torch.fx.GraphModule, n: torch.fx.Node) -> Embedding | None:
+    """``n`` as an embedding lookup on a parameter, or None."""
+    if n.op == "call_module" and type(tp_graph.attr(gm, str(n.target))) is nn.Embedding:
+        mod = tp_graph.attr(gm, str(n.target))
+        options = (mod.padding_idx is not None or mod.max_norm is not None
+                   or mod.scale_grad_by_freq or mod.sparse)
+        ids = n.args[0]
+        return Embedding(n, f"{n.target}.weight", mod.weight, ids, bool(options)) \
+            if isinstance(ids, torch.fx.Node) else None
+    if n.op != "call_function" or n.target not in EMBEDDING_FUNCTIONS | {ATEN_EMBEDDING}:
+        return None
+    ids, w = (n.args[1], n.args[0]) if n.target is ATEN_EMBEDDING else (n.args[0], n.args[1])
+    if not (isinstance(w, torch.fx.Node) and w.op == "get_attr"
+            and isinstance(ids, torch.fx.Node)):
+        return None
+    extra = list(n.args[2:]) + list(n.kwargs.values())
+    options = any(a not in (None, False, -1, 2.0) for a in extra)
+    return Embedding(n, str(w.target), tp_graph.attr(gm, str(w.target)), ids, options)
+
+
+def find(gm: torch.fx.GraphModule, in_region: Callable[[torch.fx.Node], bool]
+         ) -> list[Embedding]:
+    return [e for n in gm.graph.nodes if in_region(n) and (e := as_embedding(gm, n))]
+
+
+def reason(emb: Embedding, size: int) -> str | None:
+    """Why ``emb`` cannot be split over ``size`` ranks (None: it can)."""
+    rows = int(emb.value.shape[0])
+    if emb.options:
+        return (f"{emb.weight}: an embedding option (padding_idx, max_norm, "
+                "scale_grad_by_freq, sparse) is set; vocab parallelism takes the defaults")
+    if rows % size:
+        return (f"{emb.weight} has {rows} rows, not divisible by tensor_parallel_degree "
+                f"{size} (padding the vocabulary is not built)")
+    return None
+
+
+def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, emb: Embedding, size: int,
+            rank: int, gather: bool, ties: tp_graph.Ties) -> tuple[str, int, int, tuple[int, ...]]:
+    """Replace ``node`` by this rank's vocab-parallel lookup; (name, dim, parts, full shape)
+    of the shard, for the plan's ShardSpec."""
+    graph = gm.graph
+    if node.op == "call_module":
+        tp_graph.replace_module(gm, str(node.target))
+    tp_graph.set_param(gm, emb.weight, tp_graph.shard(emb.value, 0, size, rank),
+                       original=emb.value, ties=ties)
+    ids = emb.ids
+    with graph.inserting_before(node):
+        if gather:
+            ids = tp_graph.insert(graph, tp_collectives.tp_gather_batch, (ids,), node, size)
+        w = tp_graph.get_attr(graph, emb.weight, node)
+        y = graph.call_function(tp_collectives.tp_vocab_embedding, (ids, w))
+    y.meta = dict(node.meta)
+    meta.TP.set(y, "tp_vocab_embedding")
+    meta.PARAMS.set(y, (emb.weight,))
+    meta.TENSOR.set(y, tp_costs.local_info(meta.TENSOR.get(node), 0 if gather else None,
+                                           size, grow=True))
+    cost = meta.COST.get(node)
+    if cost is not None:  # each rank looks up every id; its table is 1/size of the rows
+        meta.COST.set(y, dataclasses.replace(cost, param_bytes=cost.param_bytes // size))
+    out = y
+    if gather:
+        with graph.inserting_after(y):
+            out = tp_graph.insert(graph, tp_collectives.tp_split_batch, (y,), node, size)
+    inputs = node.all_input_nodes
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    for old in (a for a in inputs if a.op == "get_attr" and not a.users):
+        graph.erase_node(old)
+    return emb.weight, 0, size, tuple(emb.value.shape)
+
+
+__all__ = ["Embedding", "as_embedding", "find", "reason", "rewrite"]

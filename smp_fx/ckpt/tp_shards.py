@@ -1,0 +1,116 @@
+"""Tensor-parallel shards in partial checkpoints: described, joined, re-cut.
+
+Why: at ``tensor_parallel_degree`` N a rank holds 1/N of each distributed parameter (and
+of its optimizer state) under the parameter's own name. A partial checkpoint keeps those
+shards as they are, one file per (pp, tp) rank, and says what each is:
+
+    {"_smp_tp_shards": {name: [dim, parts, index]}, ...}
+
+in every partial model and optimizer state dict that holds one. So a checkpoint saved at
+one tensor-parallel degree loads at another: ``join`` rebuilds the full tensors from the
+files of every tp rank (concatenated along ``dim`` in ``index`` order), and ``cut`` takes
+this rank's shard of a full tensor by the model's current ``ShardSpec``. A tensor without a
+description is whole (replicated, or saved at tp=1).
+
+>>> import torch
+>>> parts = [{"w": torch.tensor([[1.], [2.]]), TP_SHARDS_KEY: {"w": [0, 2, 0]}},
+...          {"w": torch.tensor([[3.], [4.]]), TP_SHARDS_KEY: {"w": [0, 2, 1]}}]
+>>> join(parts)[1]["w"].flatten().tolist()
+[1.0, 2.0, 3.0, 4.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from cost_model.errors import SMPCheckpointError
+from smp_fx.ckpt.state_dict import TP_SHARDS_KEY
+
+
+def describe(sharded: Iterable[Any], tp_rank: int, names: Iterable[str]) -> dict[str, list[int]]:
+    """``{name: [dim, parts, index]}`` for the ``ShardSpec``s among ``names``."""
+    present = set(names)
+    return {s.name: [s.dim, s.parts, tp_rank] for s in sharded if s.name in present}
+
+
+def _entries(part: Mapping[str, Any]) -> Mapping[str, Any]:
+    """The per-name values of a partial state dict: the model's, or the optimizer's state."""
+    state = part.get("state")
+    return state if isinstance(state, Mapping) and "param_groups" in part else part
+
+
+def _concat(pieces: Sequence[Any], dim: int) -> Any:
+    """Shards joined: tensors along ``dim``; an optimizer entry per field (a 0-dim field,
+    Adam's step, is the same on every shard)."""
+    first = pieces[0]
+    if isinstance(first, torch.Tensor):
+        return first if first.dim() == 0 else torch.cat(list(pieces), dim=dim)
+    if isinstance(first, Mapping):
+        return {k: _concat([p[k] for p in pieces], dim) for k in first}
+    return first
+
+
+def join(parts: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``parts`` with every described shard replaced by its full tensor, descriptions
+    dropped (an error when a shard of some name is missing from ``parts``)."""
+    pieces: dict[str, dict[int, Any]] = {}
+    layout: dict[str, tuple[int, int]] = {}
+    for part in parts:
+        entries = _entries(part)
+        for name, (dim, n, index) in dict(part.get(TP_SHARDS_KEY, {})).items():
+            if name in entries:
+                pieces.setdefault(name, {})[index] = entries[name]
+                layout[name] = (dim, n)
+    full: dict[str, Any] = {}
+    for name, by_index in pieces.items():
+        dim, n = layout[name]
+        if sorted(by_index) != list(range(n)):
+            raise SMPCheckpointError.build(
+                "a tensor-parallel parameter's shards are not all in the checkpoint",
+                f"{name}: shards {sorted(by_index)} of {n}",
+                fix="load the partial files of every model-parallel rank (see the index)")
+        full[name] = _concat([by_index[i] for i in range(n)], dim)
+    out = []
+    for part in parts:
+        new = {k: v for k, v in part.items() if k != TP_SHARDS_KEY}
+        if "param_groups" in part and isinstance(part.get("state"), Mapping):
+            new["state"] = {k: full.get(k, v) for k, v in part["state"].items()}
+        else:
+            new.update({k: full[k] for k in part if k in full})
+        out.append(new)
+    return out
+
+
+def cut(value: Any, spec: Any, tp_rank: int, local_shape: Sequence[int]) -> Any:
+    """This rank's shard of a full ``value`` (a tensor, or an optimizer entry of tensors)
+    by ``spec``; a value already of ``local_shape`` is returned as it is."""
+    if isinstance(value, Mapping):
+        return {k: cut(v, spec, tp_rank, local_shape) for k, v in value.items()}
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or \
+            tuple(value.shape) == tuple(local_shape):
+        return value
+    if tuple(value.shape) != tuple(spec.full_shape):
+        raise SMPCheckpointError.build(
+            "a tensor-parallel parameter in the checkpoint has neither the full nor this "
+            "rank's shard shape", (tuple(value.shape), tuple(spec.full_shape),
+                                   tuple(local_shape)), where=spec.name,
+            fix="load a checkpoint of the same model configuration")
+    return value.chunk(spec.parts, dim=spec.dim)[tp_rank].clone()
+
+
+def foreign(part: Mapping[str, Any], plan: Any, tp_rank: int) -> list[str]:
+    """Names whose shard in ``part`` is not this rank's under ``plan`` (another degree or
+    index): such a state must be re-cut from the full tensors (``smp.load`` does)."""
+    specs = {s.name: s for s in getattr(plan, "sharded", ())}
+    bad = []
+    for name, (dim, n, index) in dict(part.get(TP_SHARDS_KEY, {})).items():
+        spec = specs.get(name)
+        if spec is None or (dim, n, index) != (spec.dim, spec.parts, tp_rank):
+            bad.append(name)
+    return bad
+
+
+__all__ = ["TP_SHARDS_KEY", "cut", "describe", "foreign", "join"]

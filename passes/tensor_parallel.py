@@ -357,7 +357,7 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
             if cost is not None:
                 meta.COST.set(node, tp_costs.divide(cost, tp.size))
             meta.TENSOR.set(node, tp_costs.local_info(meta.TENSOR.get(node), dim, tp.size))
-        pairs += _pairs(linears, split)  # before the rewrite replaces the linears' nodes
+        pairs += _pairs(linears, set(split))  # before the rewrite replaces the linears' nodes
         for lin in linears:
             sharded += _rewrite(new, by_name[lin.node.name], lin, tp, ties,
                                 rw.strided.get(lin.node.name, 1))

@@ -58,7 +58,9 @@ def shape(n: Any) -> tuple[int, ...] | None:
     return tuple(info.shape) if hasattr(info, "shape") else None
 
 
-def _norm(dim: int, rank: int) -> int:
+def _norm(dim: Any, rank: int) -> int:
+    if not isinstance(dim, int):
+        raise Unsupported(f"a dim argument {dim!r} that is not a constant")
     return dim + rank if dim < 0 else dim
 
 
@@ -187,7 +189,7 @@ def propagate(n: torch.fx.Node, split: dict[torch.fx.Node, Split], rw: Rewrites,
     if n.op == "call_function" and t is operator.getitem and s is not None:
         return s
     if t in SDPA:
-        qkv = [a for a in n.args[:3]]
+        qkv: list[Any] = list(n.args[:3])
         if not all(a in split and split[a].dim == split[qkv[0]].dim for a in qkv):
             raise Unsupported(f"{n.name} attends over q, k, v not all split by heads")
         if split[qkv[0]].dim >= len(shape(qkv[0]) or ()) - 2:
@@ -200,10 +202,11 @@ def propagate(n: torch.fx.Node, split: dict[torch.fx.Node, Split], rw: Rewrites,
                 raise Unsupported(f"{n.name}'s mask {mask.name} is not broadcast over heads")
         return split[qkv[0]]
     if t in MATMUL:
-        a, b = n.args[0], n.args[1]
-        sa, sb = split.get(a), split.get(b)
-        ra = len(shape(a) or ())
-        if sa and sb and ra - sa.dim == len(shape(b) or ()) - sb.dim and ra - sa.dim > 2:
+        lhs: Any = n.args[0]
+        rhs: Any = n.args[1]
+        sa, sb = split.get(lhs), split.get(rhs)
+        ra = len(shape(lhs) or ())
+        if sa and sb and ra - sa.dim == len(shape(rhs) or ()) - sb.dim and ra - sa.dim > 2:
             return Split(len(shape(n) or ()) - (ra - sa.dim), sa.origin)
         raise Unsupported(f"{n.name} ({t}) multiplies along a split dim")
     return None

@@ -369,9 +369,7 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
 
 def merge_shards(spec: ShardSpec, shards: Sequence[torch.Tensor]) -> torch.Tensor:
     """The full tensor from the ranks' shards (in rank order), strides honoured."""
-    blocks = [s.chunk(spec.stride, dim=spec.dim) for s in shards]
-    return torch.cat([torch.cat([b[i] for b in blocks], dim=spec.dim)
-                      for i in range(spec.stride)], dim=spec.dim)
+    return tp_graph.unshard(shards, spec.dim, spec.stride)
 
 
 def _scale_arg(graph: torch.fx.Graph, node: torch.fx.Node, pos: int | str,

@@ -62,6 +62,14 @@ def shard(value: torch.Tensor, dim: int, size: int, rank: int, stride: int = 1
     return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).clone()
 
 
+def unshard(shards: Sequence[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """The full tensor from the ranks' ``shard`` pieces (in rank order): the inverse of
+    ``shard``, block by block when ``stride`` > 1."""
+    blocks = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([torch.cat([b[i] for b in blocks], dim=dim) for i in range(stride)],
+                     dim=dim)
+
+
 #: how each collective's output relates to its input: (split dim, grows)
 SHAPES: dict[str, tuple[int | None, bool]] = {
     "tp_copy": (None, False), "tp_reduce": (None, False), "tp_gather_last": (-1, True),
@@ -93,4 +101,4 @@ def get_attr(graph: torch.fx.Graph, fqn: str, like: torch.fx.Node) -> torch.fx.N
 
 
 __all__ = ["SHAPES", "Ties", "attr", "get_attr", "insert", "replace_module", "set_param",
-           "shard"]
+           "shard", "unshard"]

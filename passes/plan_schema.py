@@ -1,0 +1,256 @@
+"""The ``PartitionPlan`` value: its dataclasses and their JSON form (``passes.plan`` builds it).
+
+The JSON form is deterministic (sorted keys, floats rounded to 10 significant digits when
+the plan is built) so golden files compare exactly and ``from_json(to_json(p)) == p``.
+Fields marked ``OPTIONAL`` are left out at their default, so plans without a feature read
+as before.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from cost_model import roofline
+from cost_model.device import DeviceSpec
+from cost_model.errors import SMPPartitionError
+from cost_model.schedule import generate
+from cost_model.simulate import SimResult, StageCost, simulate, training_step_s
+from passes.partition_config import PartitionConfig
+
+SCHEMA_VERSION = 2
+OPTIONAL = {"omit_default": True}
+"""Field metadata: left out of the JSON at its default (features off read as before)."""
+SHARED_HANDLING = "replicated on every stage that reads it; gradients summed across them"
+
+
+def _r(x: float) -> float:
+    """Round to 10 significant digits: stable JSON across summation-order noise."""
+    return float(f"{float(x):.10g}")
+
+
+@dataclass(frozen=True)
+class BoundaryTensor:
+    """A value crossing a stage boundary: produced on ``producer``, read on ``consumers``."""
+
+    value: str
+    shape: tuple[int, ...]
+    dtype: str
+    nbytes: int
+    producer: int
+    consumers: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes one stage needs at its peak (DESIGN.md "Costs": static + saved x in flight).
+
+    With activation checkpointing a region keeps only its inputs (in
+    ``activations_per_microbatch``); while one region is recomputed its own saved values
+    exist too: the largest is ``recompute_transient``, counted once. With offloading the
+    region inputs (``offloaded_per_microbatch``) leave the device after each forward and
+    are not in ``activations_per_microbatch``.
+    """
+
+    params: int
+    grads: int
+    optimizer_state: int
+    buffers: int
+    activations_per_microbatch: int
+    in_flight: int
+    activations: int
+    total: int
+    recompute_transient: int = field(default=0, metadata=OPTIONAL)
+    offloaded_per_microbatch: int = field(default=0, metadata=OPTIONAL)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """One pipeline stage. Times are per microbatch.
+
+    ``out_bytes`` is what crosses the boundary after this stage: every value produced on
+    this or an earlier stage and read on a later one (values are relayed stage to stage).
+    ``comm_time_s`` is one transfer of it, latency included; ``link_time_s`` how long it
+    keeps the link busy. Sends overlap compute, so the stage's steady-state time is
+    ``time_s = max(fwd_time_s + bwd_time_s, link_time_s)`` (architecture.md "Stage time
+    model"). ``sent`` / ``received`` list the crossing values by producer.
+    ``optimizer_time_s`` is the stage's optimizer step, once per training step.
+    """
+
+    index: int
+    nodes: tuple[str, ...]
+    modules: tuple[str, ...]
+    module_paths: tuple[str, ...]
+    params: tuple[str, ...]
+    param_bytes: int
+    fwd_flops: float
+    bwd_flops: float
+    fwd_time_s: float
+    bwd_time_s: float
+    comm_time_s: float
+    link_time_s: float
+    time_s: float
+    out_bytes: int
+    memory: MemoryBreakdown
+    received: tuple[BoundaryTensor, ...]
+    sent: tuple[BoundaryTensor, ...]
+    cost: float
+    optimizer_time_s: float = 0.0
+    checkpointed: tuple[str, ...] = field(default=(), metadata=OPTIONAL)
+    recompute_time_s: float = field(default=0.0, metadata=OPTIONAL)
+
+    @property
+    def flops(self) -> float:
+        return self.fwd_flops + self.bwd_flops
+
+    @property
+    def sent_bytes(self) -> int:
+        return sum(b.nbytes for b in self.sent)
+
+    @property
+    def received_bytes(self) -> int:
+        return sum(b.nbytes for b in self.received)
+
+
+@dataclass(frozen=True)
+class SharedParam:
+    """A parameter (or a set of tied names of one tensor) read on more than one stage."""
+
+    names: tuple[str, ...]
+    nbytes: int
+    stages: tuple[int, ...]
+    handling: str = SHARED_HANDLING
+
+
+@dataclass(frozen=True)
+class PartitionPlan:
+    """The plan for one model, configuration and device. See the module docstring."""
+
+    config: PartitionConfig
+    device: Mapping[str, Any]
+    stages: tuple[StagePlan, ...]
+    objective: float
+    lower_bound: float
+    bottleneck_stage: int
+    step_time_s: float
+    bubble_fraction: float
+    shared_params: tuple[SharedParam, ...]
+    time_total_s: float
+    memory_total_bytes: int
+    strategy: str = "given"
+    pipeline_time_s: float = 0.0
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def ratio(self) -> float:
+        """Objective over its lower bound (1.0 = provably optimal)."""
+        return self.objective / self.lower_bound if self.lower_bound > 0 else 1.0
+
+    def stage_of(self, node_name: str) -> int:
+        for stage in self.stages:
+            if node_name in stage.nodes:
+                return stage.index
+        raise SMPPartitionError.build("the plan has no node of this name", node_name,
+                                      "PartitionPlan.stage_of",
+                                      "pass the name of a node of the planned graph")
+
+    def spec(self) -> DeviceSpec:
+        """The device spec the plan was made for (recorded in ``device``)."""
+        return DeviceSpec.from_json(dict(self.device))
+
+    def stage_costs(self) -> tuple[StageCost, ...]:
+        """The simulator's view of the stages (same numbers the plan's step time used).
+
+        Gradients cross the same boundary as the activations did, backwards; the link
+        latency is what a transfer takes beyond its link time. Fixed costs per action and
+        per message come from the device spec.
+        """
+        spec = self.spec()
+        latency = max((st.comm_time_s - st.link_time_s for st in self.stages
+                       if st.out_bytes > 0), default=0.0)
+        out = []
+        for s, st in enumerate(self.stages):
+            back = self.stages[s - 1].link_time_s if s > 0 else 0.0
+            static = st.memory.total - st.memory.activations
+            out.append(StageCost(st.fwd_time_s, st.bwd_time_s, st.link_time_s, back, static,
+                                 st.memory.activations_per_microbatch, max(latency, 0.0),
+                                 spec.microbatch_overhead_s, spec.message_overhead_s))
+        return tuple(out)
+
+    def simulate(self) -> SimResult:
+        """Re-run the simulator on this plan's stages and schedule."""
+        c = self.config
+        sched = generate(c.pipeline, c.num_stages, c.microbatches, c.active)
+        return simulate(sched, self.stage_costs())
+
+    def training_step_s(self, sim: SimResult) -> float:
+        """The training step of ``sim`` (``cost_model.simulate.training_step_s``): the
+        replicated gradients' all-reduce, each stage's optimizer, the fixed step cost."""
+        spec = self.spec()
+        sums = [(sh.stages, 2.0 * (roofline.comm_time(sh.nbytes, spec)
+                                   + spec.message_overhead_s)) for sh in self.shared_params]
+        return training_step_s(sim, [st.optimizer_time_s for st in self.stages], sums,
+                               spec.step_overhead_s)
+
+    def to_json(self) -> dict[str, Any]:
+        return _to_json(self)
+
+    def dumps(self) -> str:
+        """Deterministic text: sorted keys, one-space indent, trailing newline."""
+        return json.dumps(self.to_json(), sort_keys=True, indent=1) + "\n"
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PartitionPlan:
+        version = data.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise SMPPartitionError.build("unsupported PartitionPlan schema version", version,
+                                          "PartitionPlan.from_json",
+                                          f"re-create the plan (schema {SCHEMA_VERSION})")
+        d = dict(data)
+        d["config"] = PartitionConfig.from_json(d["config"])
+        d["device"] = dict(d["device"])
+        d["stages"] = tuple(_stage_from_json(s) for s in d["stages"])
+        d["shared_params"] = tuple(SharedParam(tuple(p["names"]), p["nbytes"],
+                                               tuple(p["stages"]), p["handling"])
+                                   for p in d["shared_params"])
+        return cls(**d)
+
+    @classmethod
+    def loads(cls, text: str) -> PartitionPlan:
+        return cls.from_json(json.loads(text))
+
+
+def _to_json(value: Any) -> Any:
+    if isinstance(value, PartitionConfig):
+        return value.to_json()
+    if hasattr(value, "__dataclass_fields__"):
+        return {f.name: _to_json(getattr(value, f.name)) for f in fields(value)
+                if not (f.metadata.get("omit_default") and getattr(value, f.name) == f.default)}
+    if isinstance(value, Mapping):
+        return {str(k): _to_json(v) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return [_to_json(v) for v in value]
+    if isinstance(value, float):
+        return _r(value)
+    return value
+
+
+def _boundary_from_json(b: Mapping[str, Any]) -> BoundaryTensor:
+    return BoundaryTensor(b["value"], tuple(b["shape"]), b["dtype"], b["nbytes"], b["producer"],
+                          tuple(b["consumers"]))
+
+
+def _stage_from_json(s: Mapping[str, Any]) -> StagePlan:
+    d = dict(s)
+    for key in ("nodes", "modules", "module_paths", "params", "checkpointed"):
+        if key in d:
+            d[key] = tuple(d[key])
+    d["memory"] = MemoryBreakdown(**d["memory"])
+    d["received"] = tuple(_boundary_from_json(b) for b in d["received"])
+    d["sent"] = tuple(_boundary_from_json(b) for b in d["sent"])
+    return StagePlan(**d)
+
+
+# ----------------------------------------------------------------------------- building

@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from smp_fx.namespaces import planned
+from smp_fx.nn.embedding import DistributedEmbedding
 from smp_fx.nn.fused_layer_norm import FusedLayerNorm
 from smp_fx.nn.linear import DistributedLinear
 
-__all__ = ["DistributedLinear", "FusedLayerNorm"]
+__all__ = ["DistributedEmbedding", "DistributedLinear", "FusedLayerNorm"]
 
 PLANNED: dict[str, str] = {
-    "DistributedEmbedding": "tensor-parallel Embedding",
     "DistributedTransformerLMHead": "tensor-parallel transformer with LM head",
     "DistributedTransformer": "tensor-parallel transformer",
     "DistributedTransformerLayer": "tensor-parallel transformer layer",

@@ -12,8 +12,9 @@ parameters after the steps and ``state_dict()`` (gathered: the unsharded model's
 * the tiny HF Llama (torch.export graph) with each layer's SwiGLU MLP marked;
 * two of the GPT example's blocks, each marked whole (attention split by heads, the fused
   c_attn per q/k/v block), ``prescaled_batch`` false and true;
-* the GPT-2-style example with its tied ``wte`` / ``lm_head`` split by vocabulary rows
-  (``passes.tp_vocab``: one shard under both names) and every MLP pair, both batch modes;
+* the whole GPT-2-style example: its tied ``wte`` / ``lm_head`` split by vocabulary rows
+  (``passes.tp_vocab``: one shard under both names) and every block marked whole
+  (attention by heads with the fused ``c_attn`` strided, the MLP pair), both batch modes;
 * a model whose marked linear is not divisible by tp: it stays replicated, the plan says
   why, and training still matches;
 * pp=2 x tp=2 on 4 ranks (one more spawn), the MLP with ``prescaled_batch`` true.
@@ -106,9 +107,9 @@ def _build(kind: str) -> nn.Module:
         return MLP(inner=33)
     if kind == "blocks":
         return Blocks()
-    if kind == "gpt":  # tied wte / lm_head split by vocabulary rows, and every MLP pair
-        gpt = example("gpt").build_model()
-        for module in (gpt.wte, gpt.lm_head, *(block.mlp for block in gpt.h)):
+    if kind == "gpt":  # the whole GPT-2-style example: tied wte / lm_head split by
+        gpt = example("gpt").build_model()  # vocabulary rows, every block whole (heads, MLP)
+        for module in (gpt.wte, gpt.lm_head, *gpt.h):
             smp.set_tensor_parallelism(module)
         return gpt
     if kind == "llama":
@@ -278,6 +279,10 @@ def test_tp2_shards_and_plan() -> None:
     assert specs["blocks.1.attn.c_attn.weight"]["stride"] == 3
     assert specs["blocks.1.attn.c_proj.weight"]["dim"] == 1
     assert ["blocks.0.attn.c_attn", "blocks.0.attn.c_proj"] in blocks["plan"]["pairs"]
+    gpt = _run("gpt", True)[0]  # the whole GPT-2-style example is sharded, nothing left out
+    assert gpt["plan"]["replicated"] == []
+    assert {"wte.weight", "h.0.attn.c_attn.weight", "h.1.mlp.c_proj.weight"} <= set(
+        gpt["distributed"])
     odd = _run("odd", True)[0]
     assert odd["distributed"] == []
     [(region, why)] = odd["plan"]["replicated"]

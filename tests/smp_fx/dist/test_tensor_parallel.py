@@ -9,7 +9,8 @@ parameters after the steps and ``state_dict()`` (gathered: the unsharded model's
   ``smp.nn.DistributedLinear``), ``prescaled_batch`` false (each rank its own examples)
   and true (both ranks the same examples);
 * a SwiGLU MLP (``gate * up`` -> row) marked with ``smp.set_tensor_parallelism``;
-* the tiny HF Llama (torch.export graph) with each layer's SwiGLU MLP marked;
+* the tiny HF Llama (torch.export graph) with each layer's attention (by heads: GQA 4:2
+  with the kv heads split, RoPE) and SwiGLU MLP marked, both batch modes;
 * two of the GPT example's blocks, each marked whole (attention split by heads, the fused
   c_attn per q/k/v block), ``prescaled_batch`` false and true;
 * the whole GPT-2-style example: its tied ``wte`` / ``lm_head`` split by vocabulary rows
@@ -114,8 +115,8 @@ def _build(kind: str) -> nn.Module:
         return gpt
     if kind == "llama":
         llama = example("hf_llama").build_model()
-        for path, module in llama.named_modules():
-            if path.endswith(".mlp"):  # SwiGLU gate/up -> down, on the torch.export graph
+        for path, module in llama.named_modules():  # on the torch.export graph: attention
+            if path.endswith((".self_attn", ".mlp")):  # by heads (GQA 4:2, RoPE), SwiGLU
                 smp.set_tensor_parallelism(module)
         return llama
     model = SwiGLU()
@@ -207,7 +208,7 @@ def _scenario(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
 
 
 CASES = (("mlp", False), ("mlp", True), ("swiglu", False), ("odd", True), ("llama", True),
-         ("gpt", False), ("gpt", True), ("blocks", False), ("blocks", True))
+         ("llama", False), ("gpt", False), ("gpt", True), ("blocks", False), ("blocks", True))
 
 
 def _checked(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
@@ -283,6 +284,8 @@ def test_tp2_shards_and_plan() -> None:
     assert gpt["plan"]["replicated"] == []
     assert {"wte.weight", "h.0.attn.c_attn.weight", "h.1.mlp.c_proj.weight"} <= set(
         gpt["distributed"])
+    llama = _run("llama", True)[0]  # every layer's q/k/v/o (GQA 4:2, RoPE) and SwiGLU
+    assert len(llama["distributed"]) == 14 and llama["plan"]["replicated"] == []
     odd = _run("odd", True)[0]
     assert odd["distributed"] == []
     [(region, why)] = odd["plan"]["replicated"]

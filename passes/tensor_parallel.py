@@ -27,6 +27,7 @@ the same nodes, names and stages.
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -34,11 +35,10 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch import nn
-from torch.nn import functional as F
 
 from passes import meta, tp_collectives, tp_costs, tp_graph, tp_rules, tp_vocab
 from passes.graph_utils import copy_graph_module
+from passes.tp_linears import Linear, as_linear, sharded_node
 
 
 @dataclass(frozen=True)
@@ -101,56 +101,6 @@ class TensorParallelPlan:
         return next((s for s in self.sharded if s.name == name), None)
 
 
-ELEMENTWISE_MODULES: tuple[type, ...] = (
-    nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity, nn.LeakyReLU)
-ELEMENTWISE_FUNCTIONS: frozenset[Any] = frozenset({
-    F.gelu, F.relu, F.silu, F.dropout, F.leaky_relu, torch.relu, torch.tanh, torch.sigmoid,
-    torch.mul, torch.add, operator.mul, operator.add, operator.sub, operator.truediv,
-    torch.ops.aten.gelu.default, torch.ops.aten.silu.default, torch.ops.aten.relu.default,
-    torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor, torch.ops.aten.tanh.default,
-    torch.ops.aten.sigmoid.default, torch.ops.aten.dropout.default,
-})
-ELEMENTWISE_METHODS: frozenset[str] = frozenset(
-    {"relu", "sigmoid", "tanh", "mul", "add", "sub", "div", "__mul__", "__add__"})
-LINEAR_FUNCTIONS: frozenset[Any] = frozenset({F.linear, torch.ops.aten.linear.default})
-
-
-@dataclass
-class _Linear:
-    node: torch.fx.Node
-    weight: str
-    bias: str | None
-    weight_value: torch.Tensor
-    bias_value: torch.Tensor | None
-    role: str = ""  # "col", "row" or "lone"
-
-
-def _as_linear(gm: torch.fx.GraphModule, n: torch.fx.Node) -> _Linear | None:
-    if n.op == "call_module" and type(tp_graph.attr(gm, str(n.target))) is nn.Linear:
-        mod = tp_graph.attr(gm, str(n.target))
-        return _Linear(n, f"{n.target}.weight", None if mod.bias is None else f"{n.target}.bias",
-                       mod.weight, mod.bias)
-    if n.op == "call_function" and n.target in LINEAR_FUNCTIONS:
-        args = list(n.args) + [n.kwargs.get("bias")] * (3 - len(n.args))
-        w, b = args[1], args[2]
-        if not (isinstance(w, torch.fx.Node) and w.op == "get_attr"):
-            return None
-        if b is not None and not (isinstance(b, torch.fx.Node) and b.op == "get_attr"):
-            return None
-        return _Linear(n, str(w.target), None if b is None else str(b.target),
-                       tp_graph.attr(gm, str(w.target)),
-                       None if b is None else tp_graph.attr(gm, str(b.target)))
-    return None
-
-
-def _elementwise(gm: torch.fx.GraphModule, n: torch.fx.Node) -> bool:
-    if n.op == "call_module":
-        return isinstance(tp_graph.attr(gm, str(n.target)), ELEMENTWISE_MODULES)
-    if n.op == "call_function":
-        return n.target in ELEMENTWISE_FUNCTIONS
-    return n.op == "call_method" and n.target in ELEMENTWISE_METHODS
-
-
 def _in_region(path: str, region: str) -> bool:
     return region == "" or path == region or path.startswith(region + ".")
 
@@ -172,8 +122,8 @@ def regions(marked: Sequence[str]) -> list[tuple[str, ...]]:
 
 
 def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int,
-             embeds: Sequence[tp_vocab.Embedding] = ()
-             ) -> tuple[list[_Linear], str | None, dict[str, int], tp_rules.Rewrites]:
+             embeds: Sequence[tp_vocab.Embedding] = (), prescaled: bool = True
+             ) -> tuple[list[Linear], str | None, dict[str, int], tp_rules.Rewrites]:
     """The region's linears with their roles, or a reason to leave it replicated; the
     nodes that carry a split value with its dim (their work is split too); the shape
     edits. A column linear whose output no rule carries on is a lone linear.
@@ -181,7 +131,7 @@ def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int,
     nodes = list(gm.graph.nodes)  # element-wise ops between the linears may lie outside
     linears = {n: lin for n in nodes
                if any(_in_region(meta.MODULE_PATH.get(n, ""), r) for r in region)
-               and (lin := _as_linear(gm, n)) is not None}
+               and (lin := as_linear(gm, n)) is not None}
     for emb in embeds:
         why = tp_vocab.reason(emb, size)
         if why is not None:
@@ -196,15 +146,18 @@ def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int,
         return [], shared, {}, tp_rules.Rewrites()
     lone: set[torch.fx.Node] = set()
     while True:
-        split, rw, reason, culprit = _propagate(gm, linears, lone, size)
+        split, rw, reason, culprit = tp_rules.sweep(gm, linears, lone, size)
         if culprit is None or culprit in lone:
             break
         lone.add(culprit)
     if reason is not None:
         return [], reason, {}, rw
+    if rw.batch_reads and not prescaled:
+        return [], (f"{rw.batch_reads[0].name} reads the batch size of a split value at run "
+                    "time, which prescaled_batch false gathers (trace with torch.export, or "
+                    "set prescaled_batch true)"), {}, rw
     for lin in linears.values():
-        out_f, in_f = lin.weight_value.shape
-        dim_size = in_f if lin.role == "row" else out_f
+        dim_size = lin.in_features if lin.role == "row" else lin.out_features
         parts = size * rw.strided.get(lin.node.name, 1)
         if dim_size % parts:
             return [], (f"{lin.weight} has {dim_size} {'in' if lin.role == 'row' else 'out'}"
@@ -220,63 +173,7 @@ def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int,
             {n.name: d.dim for n, d in split.items() if n not in linears}, rw)
 
 
-def _propagate(gm: torch.fx.GraphModule, linears: dict[torch.fx.Node, _Linear],
-               lone: set[torch.fx.Node], size: int
-               ) -> tuple[dict[torch.fx.Node, tp_rules.Split], tp_rules.Rewrites, str | None,
-                  torch.fx.Node | None]:
-    """One sweep of sharding propagation: the edits, the first failure and, when that
-    failure is a column linear's own output, that linear (to retry it as a lone one)."""
-    split: dict[torch.fx.Node, tp_rules.Split] = {}
-    rw = tp_rules.Rewrites()
-    by_name = {n.name: n for n in linears}
-    for n in gm.graph.nodes:
-        lin = linears.get(n)
-        if lin is not None:
-            x = n.args[0]
-            if x in split:
-                rank = len(tp_rules.shape(x) or ())
-                if split[x].dim not in (-1, rank - 1):
-                    return split, rw, (f"{lin.weight} reads {x.name} split along dim "
-                                f"{split[x].dim}, not its features"), None
-                lin.role = "row"
-            elif n in lone:
-                lin.role = "lone"
-            else:
-                lin.role = "col"
-                out = tp_rules.shape(n)
-                split[n] = tp_rules.Split(-1 if out is None else len(out) - 1, n.name)
-            continue
-        ins = [a for a in n.all_input_nodes if a in split]
-        if not ins:
-            continue
-        try:
-            out_split = _rule(gm, n, split, rw, size, by_name.get)
-        except tp_rules.Unsupported as exc:
-            return split, rw, str(exc), next((a for a in ins if a in linears), None)
-        if out_split is None:
-            return split, rw, (f"the split value {ins[0].name} reaches {n.name} ({n.target}), "
-                        "which no sharding rule covers"), next((a for a in ins if a in linears),
-                                                               None)
-        split[n] = out_split
-    return split, rw, None, None
-
-
-def _rule(gm: torch.fx.GraphModule, n: torch.fx.Node,
-          split: dict[torch.fx.Node, tp_rules.Split], rw: tp_rules.Rewrites, size: int,
-          col: Callable[[str], torch.fx.Node | None]) -> tp_rules.Split | None:
-    if _elementwise(gm, n):
-        ins = [a for a in n.all_input_nodes if a in split]
-        if any(tp_rules.shape(a) is None for a in n.all_input_nodes):
-            if len(ins) != len(n.all_input_nodes) or len({split[a].dim for a in ins}) != 1:
-                raise tp_rules.Unsupported(f"{n.name} ({n.target}) mixes a feature-split "
-                                           "value with a replicated tensor")
-            origins = sorted({o for a in ins for o in split[a].origin.split(",")})
-            return tp_rules.Split(split[ins[0]].dim, ",".join(origins))
-        return tp_rules.elementwise_out(n, split)
-    return tp_rules.propagate(n, split, rw, size, col)
-
-
-def _pairs(linears: Sequence[_Linear], split: set[str]) -> list[tuple[str, str]]:
+def _pairs(linears: Sequence[Linear], split: set[str]) -> list[tuple[str, str]]:
     """(column, row) module paths: each row linear with the column linears whose output
     reaches it through the element-wise chain between them."""
     cols = [lin for lin in linears if lin.role == "col"]  # graph order
@@ -295,7 +192,7 @@ def _pairs(linears: Sequence[_Linear], split: set[str]) -> list[tuple[str, str]]
     return out
 
 
-def _shared_weight(gm: torch.fx.GraphModule, linears: Mapping[torch.fx.Node, _Linear],
+def _shared_weight(gm: torch.fx.GraphModule, linears: Mapping[torch.fx.Node, Linear],
                    embeds: Sequence[tp_vocab.Embedding] = ()) -> str | None:
     """Why the region cannot be sharded when a tensor it would shard is also read by a
     node it does not rewrite (an unmarked tied module, a second use): sharding would untie
@@ -305,9 +202,8 @@ def _shared_weight(gm: torch.fx.GraphModule, linears: Mapping[torch.fx.Node, _Li
     mine.update({id(e.value): e.weight.rpartition(".")[0] for e in embeds})
     rewritten = set(linears) | {e.node for e in embeds}
     for n in gm.graph.nodes:
-        if n in rewritten or (n.op == "get_attr" and n.users and all(u in rewritten
-                                                                    for u in n.users)):
-            continue  # a rewritten node itself, or the get_attr feeding its parameter
+        if n in rewritten or (n.op == "get_attr" and all(u in rewritten for u in n.users)):
+            continue  # a rewritten node itself, or a get_attr feeding only those (or none)
         for name in meta.PARAMS.get(n, ()) or ():
             try:
                 t = tp_graph.attr(gm, name)
@@ -338,7 +234,7 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
     ties: tp_graph.Ties = {}
     for region in regions(tp.marked):
         embeds = tp_vocab.find(new, _region_test(region))
-        linears, reason, split, rw = _analyse(new, region, tp.size, embeds)
+        linears, reason, split, rw = _analyse(new, region, tp.size, embeds, tp.prescaled_batch)
         if reason is not None:
             replicated.append((",".join(region), reason))
             continue
@@ -351,6 +247,16 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
             _scale_arg(new.graph, node, pos, operator.floordiv, tp.size)
         for node, pos in rw.batch if not tp.prescaled_batch else ():
             _scale_arg(new.graph, node, pos, operator.mul, tp.size)
+        for node in rw.runtime:
+            sizes = node.args[1]
+            with new.graph.inserting_before(node):
+                local = tp_graph.insert(new.graph, tp_rules.local_sizes, (sizes, tp.size), node)
+            meta.TENSOR.set(local, None)
+            node.update_arg(1, local)
+        for node, operand in rw.gather if not tp.prescaled_batch else ():
+            with new.graph.inserting_before(node):
+                node.replace_input_with(operand, tp_graph.insert(
+                    new.graph, tp_collectives.tp_gather_batch, (operand,), node, tp.size))
         for name, dim in split.items():
             node = by_name[name]
             cost = meta.COST.get(node)
@@ -362,9 +268,25 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
             sharded += _rewrite(new, by_name[lin.node.name], lin, tp, ties,
                                 rw.strided.get(lin.node.name, 1))
     tp_costs.price_collectives(new, tp.size, comm_time)
+    tp_graph.retie(new, ties)
+    sharded = _with_aliases(new, sharded)
     new.graph.lint()
     new.recompile()
     return new, TensorParallelPlan(tp.size, tuple(sharded), tuple(replicated), tuple(pairs))
+
+
+def _with_aliases(gm: torch.fx.GraphModule, sharded: Sequence[ShardSpec]) -> list[ShardSpec]:
+    """One spec per name: a shard tied under several names (torch.export reads HF GPT-2's
+    tied ``wte`` through ``lm_head.weight``) gets a spec under each, so the runtime finds
+    it under whichever name ``named_parameters()`` keeps."""
+    names: dict[int, list[str]] = {}
+    for name, p in gm.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    out: dict[str, ShardSpec] = {}
+    for spec in sharded:
+        for name in [spec.name, *names.get(id(tp_graph.attr(gm, spec.name)), [])]:
+            out.setdefault(name, dataclasses.replace(spec, name=name))
+    return list(out.values())
 
 
 def merge_shards(spec: ShardSpec, shards: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -372,31 +294,38 @@ def merge_shards(spec: ShardSpec, shards: Sequence[torch.Tensor]) -> torch.Tenso
     return tp_graph.unshard(shards, spec.dim, spec.stride)
 
 
-def _scale_arg(graph: torch.fx.Graph, node: torch.fx.Node, pos: int | str,
+def _scale_arg(graph: torch.fx.Graph, node: torch.fx.Node, pos: tp_rules.ArgPos,
                op: Callable[[Any, int], Any], size: int) -> None:
     """Turn a size argument of ``node`` into this rank's: a global feature size
     ``// tp``, a local batch size ``* tp`` (the batch gathered over the tp group)."""
-    value = node.args[pos] if isinstance(pos, int) else node.kwargs[pos]
+    if isinstance(pos, tuple):
+        value = node.args[pos[0]][pos[1]]  # type: ignore[index]
+    else:
+        value = node.args[pos] if isinstance(pos, int) else node.kwargs[pos]
     if isinstance(value, torch.fx.Node):
         with graph.inserting_before(node):
             value = tp_graph.insert(graph, op, (value, size), node)
             meta.TENSOR.set(value, None)
     else:
         value = op(value, size)
-    if isinstance(pos, int):
+    if isinstance(pos, tuple):
+        sizes = list(node.args[pos[0]])  # type: ignore[arg-type]
+        sizes[pos[1]] = value
+        node.update_arg(pos[0], sizes)
+    elif isinstance(pos, int):
         node.update_arg(pos, value)
     else:
         node.update_kwarg(pos, value)
 
 
-def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: _Linear,
+def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: Linear,
              tp: TensorParallelism, ties: tp_graph.Ties, stride: int = 1) -> list[ShardSpec]:
     """Replace ``node`` by its sharded form; the shard specs of its parameters."""
     size, rank, graph = tp.size, tp.rank, gm.graph
     w_full, b_full = lin.weight_value, lin.bias_value
     if node.op == "call_module":
         tp_graph.replace_module(gm, str(node.target))
-    w_dim = 1 if lin.role == "row" else 0
+    w_dim = lin.weight_dim()
     tp_graph.set_param(gm, lin.weight, tp_graph.shard(w_full, w_dim, size, rank, stride),
                        original=w_full, ties=ties)
     specs = [ShardSpec(lin.weight, w_dim, size, tuple(w_full.shape), stride)]
@@ -406,7 +335,8 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: _Linear,
         else:
             tp_graph.set_param(gm, lin.bias, tp_graph.shard(b_full, 0, size, rank, stride))
             specs.append(ShardSpec(lin.bias, 0, size, tuple(b_full.shape), stride))
-    x = node.args[0]
+    x = node.args[lin.x_pos]
+    assert isinstance(x, torch.fx.Node)
     gather = not tp.prescaled_batch
     with graph.inserting_before(node):
         if lin.role != "row":
@@ -414,10 +344,10 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: _Linear,
                 x = tp_graph.insert(graph, tp_collectives.tp_gather_batch, (x,), node, size)
             x = tp_graph.insert(graph, tp_collectives.tp_copy, (x,), node, size)
         w = tp_graph.get_attr(graph, lin.weight, node)
-        args: list[Any] = [x, w]
+        b = None
         if lin.bias is not None and lin.role != "row":
-            args.append(tp_graph.get_attr(graph, lin.bias, node))
-        y = graph.call_function(F.linear, tuple(args))
+            b = tp_graph.get_attr(graph, lin.bias, node)
+        y = sharded_node(graph, lin, x, w, b)
         y.meta = dict(node.meta)
         cost = meta.COST.get(node)
         if cost is not None:
@@ -425,7 +355,7 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: _Linear,
         if lin.role != "row":  # a row linear's partial sums have the full shape
             meta.TENSOR.set(y, tp_costs.local_info(meta.TENSOR.get(node), -1, size))
         meta.TP.set(y, lin.role)
-        meta.PARAMS.set(y, tuple(a.target for a in args[1:]))
+        meta.PARAMS.set(y, tuple(str(a.target) for a in (w, b) if a is not None))
     with graph.inserting_after(y):
         out = y
         if lin.role == "row":

@@ -45,6 +45,15 @@ def set_param(gm: torch.fx.GraphModule, fqn: str, value: torch.Tensor,
     owner.register_parameter(leaf, param)
 
 
+def retie(gm: torch.fx.GraphModule, ties: Ties) -> None:
+    """Point every other name still holding a replaced tensor at its shard (torch.export
+    keeps HF GPT-2's tied ``wte.weight`` attribute while the graph reads ``lm_head.weight``)."""
+    for name, p in list(gm.named_parameters(remove_duplicate=False)):
+        shard = ties.get(id(p))
+        if shard is not None and shard is not p:
+            set_param(gm, name, shard, original=p, ties=ties)
+
+
 def replace_module(gm: torch.fx.GraphModule, path: str) -> None:
     """Put a fresh container at ``path`` (the original leaf module is the user's)."""
     owner_path, _, leaf = path.rpartition(".")
@@ -100,5 +109,5 @@ def get_attr(graph: torch.fx.Graph, fqn: str, like: torch.fx.Node) -> torch.fx.N
     return n
 
 
-__all__ = ["SHAPES", "Ties", "attr", "get_attr", "insert", "replace_module", "set_param",
+__all__ = ["SHAPES", "Ties", "attr", "get_attr", "insert", "replace_module", "retie", "set_param",
            "shard", "unshard"]

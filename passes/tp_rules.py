@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx
+from torch import nn
 from torch.nn import functional as F
 
-from passes import meta
+from passes import meta, tp_graph
+from passes.tp_linears import Linear
 
 
 class Unsupported(Exception):
@@ -39,15 +41,27 @@ class Split:
     origin: str
 
 
+ArgPos = int | str | tuple[int, int]
+"""Where a size argument is: a position, a kwarg name, or (position, index in a list)."""
+
+
 @dataclass
 class Rewrites:
     """Argument edits the rewrite applies: (node, position or kwarg name) -> divide by tp;
     plus the strided column linears (node name -> number of fused blocks)."""
 
-    divide: list[tuple[torch.fx.Node, int | str]] = field(default_factory=list)
-    batch: list[tuple[torch.fx.Node, int]] = field(default_factory=list)
+    divide: list[tuple[torch.fx.Node, ArgPos]] = field(default_factory=list)
+    batch: list[tuple[torch.fx.Node, ArgPos]] = field(default_factory=list)
     """Batch-size arguments: times tp when each rank gathers the batch (not prescaled)."""
     strided: dict[str, int] = field(default_factory=dict)
+    runtime: list[torch.fx.Node] = field(default_factory=list)
+    batch_reads: list[torch.fx.Node] = field(default_factory=list)
+    """``size()`` reads of a split value that include its batch: gathered when the batch is,
+    which a view of the reassembled output would then get wrong (not prescaled)."""
+    """Views whose size tuple is computed at run time (``local_sizes`` wraps it)."""
+    gather: list[tuple[torch.fx.Node, torch.fx.Node]] = field(default_factory=list)
+    """(consumer, replicated operand with the batch on dim 0): gathered like the chain's
+    batch when each rank gathers it (not prescaled)."""
 
 
 def shape(n: Any) -> tuple[int, ...] | None:
@@ -65,6 +79,18 @@ def _norm(dim: Any, rank: int) -> int:
 
 
 PASS_THROUGH_METHODS = frozenset({"contiguous", "float", "half", "to", "type_as", "clone"})
+PASS_THROUGH_FUNCTIONS: frozenset[Any] = frozenset({
+    torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default,
+    torch.ops.aten.clone.default, torch.ops.aten.alias.default, torch.ops.aten.contiguous.default,
+    torch.ops.aten._assert_tensor_metadata.default})
+"""Ops whose output (if any) is split like their first input: casts, copies, and
+torch.export's dtype assertions (which name no sizes)."""
+SLICES: frozenset[Any] = frozenset({torch.ops.aten.slice.Tensor, torch.ops.aten.narrow.default})
+CATS: frozenset[Any] = frozenset({torch.cat, torch.ops.aten.cat.default})
+UNSQUEEZES: frozenset[Any] = frozenset({"unsqueeze", torch.unsqueeze,
+                                        torch.ops.aten.unsqueeze.default})
+EXPANDS: frozenset[Any] = frozenset({"expand", torch.ops.aten.expand.default})
+SIZE_READS: frozenset[Any] = frozenset({torch.ops.aten.sym_size.int, "size"})
 TRANSPOSES: frozenset[Any] = frozenset({"transpose", torch.transpose,
                                         torch.ops.aten.transpose.int})
 VIEWS: frozenset[Any] = frozenset({"view", "reshape", torch.reshape,
@@ -74,7 +100,7 @@ SPLITS: frozenset[Any] = frozenset({"split", torch.split, torch.ops.aten.split.T
 SDPA: frozenset[Any] = frozenset({F.scaled_dot_product_attention,
                                   torch.ops.aten.scaled_dot_product_attention.default})
 SOFTMAX: frozenset[Any] = frozenset({"softmax", F.softmax, torch.softmax,
-                                     torch.ops.aten._softmax.default})
+                                     torch.ops.aten._softmax.default, torch.ops.aten.softmax.int})
 MATMUL: frozenset[Any] = frozenset({"matmul", torch.matmul, operator.matmul, torch.bmm,
                                     torch.ops.aten.matmul.default, torch.ops.aten.bmm.default})
 
@@ -83,7 +109,8 @@ def _arg(n: torch.fx.Node, i: int, name: str, default: Any = None) -> Any:
     return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
 
 
-def elementwise_out(n: torch.fx.Node, split: dict[torch.fx.Node, Split]) -> Split:
+def elementwise_out(n: torch.fx.Node, split: dict[torch.fx.Node, Split],
+                    rw: Rewrites | None = None) -> Split:
     """Broadcasting: split inputs aligned on one dim (counted from the end); replicated
     tensor inputs must have size 1 there (RoPE's cos/sin, masks) or not reach it."""
     out = shape(n)
@@ -108,15 +135,39 @@ def elementwise_out(n: torch.fx.Node, split: dict[torch.fx.Node, Split]) -> Spli
         if s[len(s) - k] != 1:
             raise Unsupported(f"{n.name} ({n.target}) mixes a split value with the "
                               f"replicated {a.name} of size {s[len(s) - k]} on the split dim")
+        if rw is not None:
+            _batched_operand(n, a, out, rw)
     return Split(len(out) - k, ",".join(sorted(origins)))
+
+
+def _batched_operand(n: torch.fx.Node, a: torch.fx.Node, out: tuple[int, ...],
+                     rw: Rewrites) -> None:
+    """Record a replicated operand that has the batch on dim 0 (an attention mask of
+    shape (b, 1, t, t)): with ``prescaled_batch`` false the split chain runs on the tp
+    group's gathered batch, so the operand is gathered too."""
+    s = shape(a)
+    if s is not None and len(s) == len(out) and s[0] == out[0] != 1:
+        rw.gather.append((n, a))
 
 
 def _view(n: torch.fx.Node, s: Split, rw: Rewrites, size: int) -> Split:
     """A reshape keeps the split when the split dim is the leading factor of an output dim
-    (merge) or an output dim is its leading factor (split into heads)."""
+    (merge) or an output dim is its leading factor (split into heads). The sizes are
+    separate arguments (``x.view(b, t, h, d)``) or one list (``aten.view(x, [b, t, h, d])``)."""
     src, out = shape(n.args[0]), shape(n)
     if src is None or out is None:
         raise Unsupported(f"{n.name} has no static shape")
+    runtime = len(out) > 1 and len(n.args) == 2 and isinstance(n.args[1], torch.fx.Node)
+    if runtime:  # HF Conv1D under fx: x.view(x.size()[:-1] + (nf,)), a tuple built at run
+        return _view_runtime_sizes(n, s, src, out, rw, size)  # time
+    listed = len(n.args) == 2 and isinstance(n.args[1], (tuple, list))
+    dims: list[Any] = list(n.args[1]) if listed else list(n.args[1:])  # type: ignore[arg-type]
+    if len(dims) != len(out):
+        raise Unsupported(f"{n.name} ({n.target}) has {len(dims)} sizes for {len(out)} dims")
+
+    def at(k: int) -> int | tuple[int, int]:
+        return (1, k) if listed else k + 1
+
     before = math.prod(src[:s.dim])
     for j in range(len(out)):
         if math.prod(out[:j]) != before:
@@ -125,16 +176,58 @@ def _view(n: torch.fx.Node, s: Split, rw: Rewrites, size: int) -> Split:
         ok = (d % o == 0 and math.prod(out[j:]) >= d) or (o % d == 0)
         if not ok or o % size:
             break
-        if len(n.args) == 2 and isinstance(n.args[1], (tuple, list)):
-            raise Unsupported(f"{n.name} ({n.target}) takes its shape as one list")
-        pos = j + 1
-        if n.args[pos] != -1:
-            rw.divide.append((n, pos))
-        if j != 0 and src[0] == out[0] and n.args[1] != -1:
-            rw.batch.append((n, 1))
+        if dims[j] != -1 and not _size_read(dims[j]):
+            rw.divide.append((n, at(j)))
+        if j != 0 and dims[0] != -1 and (src[0] == out[0] or _reads_batch(dims[0])):
+            rw.batch.append((n, at(0)))
         return Split(j, s.origin)
     raise Unsupported(f"{n.name} ({n.target}) reshapes the split dim {s.dim} of "
                       f"{src} into {out} across tp={size} pieces")
+
+
+def _view_runtime_sizes(n: torch.fx.Node, s: Split, src: tuple[int, ...],
+                        out: tuple[int, ...], rw: Rewrites, size: int) -> Split:
+    """A view whose sizes are one tuple computed at run time: only a split that stays the
+    last dim is carried (a linear's 2-D output viewed back to ``(b, t, features)``); the
+    rewrite wraps the tuple in ``local_sizes``."""
+    if s.dim != len(src) - 1 or out[-1] != src[-1] or out[-1] % size:
+        raise Unsupported(f"{n.name} ({n.target}) reshapes the split dim with sizes "
+                          "computed at run time")
+    rw.runtime.append(n)
+    return Split(len(out) - 1, s.origin)
+
+
+def local_sizes(sizes: Sequence[int], size: int) -> tuple[int, ...]:
+    """A view's run-time sizes for this rank's piece: the last (split) dim ``// size``, the
+    first inferred (-1), so a batch gathered over the tp group fits as well."""
+    return (-1, *sizes[1:-1], sizes[-1] // size)
+
+
+def _expand(n: torch.fx.Node, s: Split, rw: Rewrites) -> Split:
+    """``expand`` (GQA's repeat of the kv heads): the split dim keeps its place counted
+    from the end; its size argument, unless -1, becomes this rank's."""
+    src, out = shape(n.args[0]), shape(n)
+    sizes = n.args[1] if len(n.args) == 2 else None
+    if src is None or out is None or not isinstance(sizes, (list, tuple)):
+        raise Unsupported(f"{n.name} ({n.target}) has no static shape or size list")
+    j = s.dim + len(out) - len(src)
+    if sizes[j] != -1:
+        rw.divide.append((n, (1, j)))
+    if j != 0 and sizes[0] != -1 and (src[0] == out[0] or _reads_batch(sizes[0])):
+        rw.batch.append((n, (1, 0)))
+    return Split(j, s.origin)
+
+
+def _size_read(n: Any) -> bool:
+    return isinstance(n, torch.fx.Node) and n.target in SIZE_READS
+
+
+def _reads_batch(value: Any) -> bool:
+    """Whether a size argument reads dim 0 of a graph input (torch.export's
+    ``sym_size(input_ids, 0)``): the local batch size, which a gathered batch multiplies."""
+    return (isinstance(value, torch.fx.Node) and value.target in SIZE_READS
+            and len(value.args) == 2 and isinstance(value.args[1], int) and value.args[1] == 0
+            and isinstance(value.args[0], torch.fx.Node) and value.args[0].op == "placeholder")
 
 
 def _size_of(piece: Any, n: torch.fx.Node) -> int:
@@ -156,7 +249,8 @@ def propagate(n: torch.fx.Node, split: dict[torch.fx.Node, Split], rw: Rewrites,
     t = n.target
     x = n.args[0] if n.args else None
     s = split.get(x) if isinstance(x, torch.fx.Node) else None
-    if n.op == "call_method" and t in PASS_THROUGH_METHODS and s is not None:
+    if s is not None and ((n.op == "call_method" and t in PASS_THROUGH_METHODS)
+                          or (n.op == "call_function" and t in PASS_THROUGH_FUNCTIONS)):
         return s
     if t in TRANSPOSES and s is not None:
         rank = len(shape(x) or ())
@@ -180,6 +274,12 @@ def propagate(n: torch.fx.Node, split: dict[torch.fx.Node, Split], rw: Rewrites,
             return s
         whole, piece = (shape(x) or (0,) * (dim + 1))[dim], n.args[1]
         src = col_fused(s.origin)
+        while (x is not src and isinstance(x, torch.fx.Node) and x.target in VIEWS
+               and isinstance(x.args[0], torch.fx.Node) and x.args[0] in split
+               and split[x.args[0]].origin == s.origin
+               and dim == len(shape(x) or ()) - 1
+               and (shape(x) or ())[-1:] == (shape(x.args[0]) or ())[-1:]):
+            x = x.args[0]  # Conv1D: the addmm's 2-D output viewed back to (b, t, 3c)
         if src is not x or not isinstance(piece, (int, torch.fx.Node)):
             raise Unsupported(f"{n.name} splits the split dim of a value that is not a "
                               "column linear's output (a fused projection)")
@@ -188,6 +288,24 @@ def propagate(n: torch.fx.Node, split: dict[torch.fx.Node, Split], rw: Rewrites,
         return s
     if n.op == "call_function" and t is operator.getitem and s is not None:
         return s
+    if t in UNSQUEEZES and s is not None:
+        at_dim = _norm(_arg(n, 1, "dim", 0), len(shape(n) or ()))
+        return Split(s.dim + (1 if at_dim <= s.dim else 0), s.origin)
+    if t in EXPANDS and s is not None:
+        return _expand(n, s, rw)
+    if t in SLICES and s is not None:
+        if _norm(_arg(n, 1, "dim", 0), len(shape(x) or ())) == s.dim:
+            raise Unsupported(f"{n.name} slices the split dim")
+        return s
+    if t in CATS:
+        listed = n.args[0] if isinstance(n.args[0], (list, tuple)) else ()
+        parts = [p for p in listed if isinstance(p, torch.fx.Node) and p in split]
+        dim = _norm(_arg(n, 1, "dim", 0), len(shape(n) or ()))
+        if not parts or len(parts) != len(listed) or len({split[p].dim for p in parts}) != 1:
+            raise Unsupported(f"{n.name} concatenates split and replicated values")
+        if dim == split[parts[0]].dim:
+            raise Unsupported(f"{n.name} concatenates along the split dim")
+        return Split(split[parts[0]].dim, ",".join(sorted({split[p].origin for p in parts})))
     if t in SDPA:
         qkv: list[Any] = list(n.args[:3])
         if not all(a in split and split[a].dim == split[qkv[0]].dim for a in qkv):
@@ -200,6 +318,7 @@ def propagate(n: torch.fx.Node, split: dict[torch.fx.Node, Split], rw: Rewrites,
             k = len(shape(qkv[0]) or ()) - split[qkv[0]].dim
             if ms is None or (len(ms) >= k and ms[len(ms) - k] != 1):
                 raise Unsupported(f"{n.name}'s mask {mask.name} is not broadcast over heads")
+            _batched_operand(n, mask, shape(qkv[0]) or (), rw)
         return split[qkv[0]]
     if t in MATMUL:
         lhs: Any = n.args[0]
@@ -210,3 +329,86 @@ def propagate(n: torch.fx.Node, split: dict[torch.fx.Node, Split], rw: Rewrites,
             return Split(len(shape(n) or ()) - (ra - sa.dim), sa.origin)
         raise Unsupported(f"{n.name} ({t}) multiplies along a split dim")
     return None
+
+
+ELEMENTWISE_MODULES: tuple[type, ...] = (
+    nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity, nn.LeakyReLU)
+ELEMENTWISE_FUNCTIONS: frozenset[Any] = frozenset({
+    F.gelu, F.relu, F.silu, F.dropout, F.leaky_relu, torch.relu, torch.tanh, torch.sigmoid,
+    torch.mul, torch.add, torch.pow, operator.mul, operator.add, operator.sub,
+    operator.truediv, operator.pow,
+    torch.ops.aten.gelu.default, torch.ops.aten.silu.default, torch.ops.aten.relu.default,
+    torch.ops.aten.mul.Tensor, torch.ops.aten.add.Tensor, torch.ops.aten.tanh.default,
+    torch.ops.aten.sigmoid.default, torch.ops.aten.dropout.default,
+    torch.ops.aten.pow.Tensor_Scalar, torch.ops.aten.sub.Tensor, torch.ops.aten.div.Tensor,
+    torch.ops.aten.neg.default, torch.neg, operator.neg,
+})
+ELEMENTWISE_METHODS: frozenset[str] = frozenset(
+    {"relu", "sigmoid", "tanh", "mul", "add", "sub", "div", "pow", "__mul__", "__add__"})
+
+
+def elementwise(gm: torch.fx.GraphModule, n: torch.fx.Node) -> bool:
+    if n.op == "call_module":
+        return isinstance(tp_graph.attr(gm, str(n.target)), ELEMENTWISE_MODULES)
+    if n.op == "call_function":
+        return n.target in ELEMENTWISE_FUNCTIONS
+    return n.op == "call_method" and n.target in ELEMENTWISE_METHODS
+
+
+def sweep(gm: torch.fx.GraphModule, linears: dict[torch.fx.Node, Linear],
+          lone: set[torch.fx.Node], size: int
+          ) -> tuple[dict[torch.fx.Node, Split], Rewrites, str | None, torch.fx.Node | None]:
+    """One sweep of sharding propagation over the graph, setting each linear's role: the
+    split values, the edits, the first failure and, when that failure is a column linear's
+    own output, that linear (the caller retries it as a lone one)."""
+    split: dict[torch.fx.Node, Split] = {}
+    rw = Rewrites()
+    by_name = {n.name: n for n in linears}
+    for n in gm.graph.nodes:
+        lin = linears.get(n)
+        if lin is not None:
+            x = lin.x
+            if x in split:
+                rank = len(shape(x) or ())
+                if split[x].dim not in (-1, rank - 1):
+                    return split, rw, (f"{lin.weight} reads {x.name} split along dim "
+                                       f"{split[x].dim}, not its features"), None
+                lin.role = "row"
+            elif n in lone:
+                lin.role = "lone"
+            else:
+                lin.role = "col"
+                out = shape(n)
+                split[n] = Split(-1 if out is None else len(out) - 1, n.name)
+            continue
+        ins = [a for a in n.all_input_nodes if a in split]
+        if not ins:
+            continue
+        if _size_read(n):  # the local tensor's sizes, read at run time: already local
+            if _norm(_arg(n, 1, "dim", 0), len(shape(n.args[0]) or (0,))) == 0:
+                rw.batch_reads.append(n)
+            continue
+        culprit = next((a for a in ins if a in linears), None)
+        try:
+            out_split = _rule(gm, n, split, rw, size, by_name.get)
+        except Unsupported as exc:
+            return split, rw, str(exc), culprit
+        if out_split is None:
+            return split, rw, (f"the split value {ins[0].name} reaches {n.name} ({n.target}), "
+                               "which no sharding rule covers"), culprit
+        split[n] = out_split
+    return split, rw, None, None
+
+
+def _rule(gm: torch.fx.GraphModule, n: torch.fx.Node, split: dict[torch.fx.Node, Split],
+          rw: Rewrites, size: int, col: Callable[[str], torch.fx.Node | None]) -> Split | None:
+    if elementwise(gm, n):
+        ins = [a for a in n.all_input_nodes if a in split]
+        if any(shape(a) is None for a in n.all_input_nodes):
+            if len(ins) != len(n.all_input_nodes) or len({split[a].dim for a in ins}) != 1:
+                raise Unsupported(f"{n.name} ({n.target}) mixes a feature-split "
+                                  "value with a replicated tensor")
+            origins = sorted({o for a in ins for o in split[a].origin.split(",")})
+            return Split(split[ins[0]].dim, ",".join(origins))
+        return elementwise_out(n, split, rw)
+    return propagate(n, split, rw, size, col)

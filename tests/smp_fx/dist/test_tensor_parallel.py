@@ -16,6 +16,10 @@ parameters after the steps and ``state_dict()`` (gathered: the unsharded model's
 * the whole GPT-2-style example: its tied ``wte`` / ``lm_head`` split by vocabulary rows
   (``passes.tp_vocab``: one shard under both names) and every block marked whole
   (attention by heads with the fused ``c_attn`` strided, the MLP pair), both batch modes;
+* HF GPT-2 marked whole on its torch.export graph: ``Conv1D`` is ``addmm`` with an
+  ``(in, out)`` weight (split along dim 1 as a column, dim 0 as a row), ``c_attn`` fused
+  and strided, the causal mask (batch on dim 0) gathered with the batch, the tied
+  ``wte`` / ``lm_head`` one shard under both names, ``wpe`` by rows; both batch modes;
 * a model whose marked linear is not divisible by tp: it stays replicated, the plan says
   why, and training still matches;
 * pp=2 x tp=2 on 4 ranks (one more spawn), the MLP with ``prescaled_batch`` true.
@@ -113,6 +117,10 @@ def _build(kind: str) -> nn.Module:
         for module in (gpt.wte, gpt.lm_head, *gpt.h):
             smp.set_tensor_parallelism(module)
         return gpt
+    if kind == "hf_gpt2":  # Conv1D (addmm, (in, out) weights) on the torch.export graph:
+        gpt2 = example("hf_gpt2").build_model()  # the whole model marked: c_attn strided,
+        smp.set_tensor_parallelism(gpt2.model)  # tied wte / lm_head and wpe by rows
+        return gpt2
     if kind == "llama":
         llama = example("hf_llama").build_model()
         for path, module in llama.named_modules():  # on the torch.export graph: attention
@@ -125,16 +133,19 @@ def _build(kind: str) -> nn.Module:
     return model
 
 
+EXAMPLES = {"llama": "hf_llama", "gpt": "gpt", "hf_gpt2": "hf_gpt2"}
+
+
 def _loss(kind: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if kind in ("llama", "gpt"):
-        return example("hf_llama" if kind == "llama" else "gpt").loss_fn(out, y)
+    if kind in EXAMPLES:
+        return example(EXAMPLES[kind]).loss_fn(out, y)
     return F.cross_entropy(out, y)
 
 
 def _batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(1234)
-    if kind in ("llama", "gpt"):
-        ex = example("hf_llama" if kind == "llama" else "gpt")
+    if kind in EXAMPLES:
+        ex = example(EXAMPLES[kind])
         return [(ex.example_inputs(GLOBAL_BATCH)[0], ex.example_targets(GLOBAL_BATCH))
                 for _ in range(STEPS)]
     shape = (GLOBAL_BATCH, 5, 8) if kind == "blocks" else (GLOBAL_BATCH, 8)
@@ -208,7 +219,8 @@ def _scenario(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
 
 
 CASES = (("mlp", False), ("mlp", True), ("swiglu", False), ("odd", True), ("llama", True),
-         ("llama", False), ("gpt", False), ("gpt", True), ("blocks", False), ("blocks", True))
+         ("llama", False), ("gpt", False), ("gpt", True), ("blocks", False), ("blocks", True),
+         ("hf_gpt2", False), ("hf_gpt2", True))
 
 
 def _checked(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
@@ -225,7 +237,7 @@ def _checked(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
     # Llama and GPT have gradient entries of ~1e-9 that Adam normalises to a full step, so the
     # summation-order differences of the sharded matmuls (gradients equal to 1e-5) show
     # as up to 1 % of one lr=1e-2 step in the parameters
-    param_tol = {"atol": 1e-4, "rtol": 1e-4} if kind in ("llama", "gpt") else TOL
+    param_tol = {"atol": 1e-4, "rtol": 1e-4} if kind in EXAMPLES else TOL
     if kind == "blocks":  # the key bias's gradient is 0 analytically (softmax ignores a
         # per-query constant): Adam turns its ~1e-9 rounding into full steps; the
         # gradients above are compared whole, the parameters without that block
@@ -284,8 +296,20 @@ def test_tp2_shards_and_plan() -> None:
     assert gpt["plan"]["replicated"] == []
     assert {"wte.weight", "h.0.attn.c_attn.weight", "h.1.mlp.c_proj.weight"} <= set(
         gpt["distributed"])
+    gpt2 = _run("hf_gpt2", True)[0]  # HF GPT-2 whole: Conv1D weights are (in, out), so a
+    assert gpt2["plan"]["replicated"] == []  # column split is dim 1 and a row split dim 0
+    specs = {d["name"]: d for d in gpt2["plan"]["sharded"]}
+    assert specs["model.transformer.h.0.attn.c_attn.weight"] == {
+        "name": "model.transformer.h.0.attn.c_attn.weight", "dim": 1, "parts": 2,
+        "full_shape": [32, 96], "stride": 3}
+    assert specs["model.transformer.h.1.mlp.c_proj.weight"]["dim"] == 0
+    assert gpt2["shapes"]["model.transformer.wte.weight"] == (64, 32)  # tied: one shard
+    assert specs["model.lm_head.weight"]["dim"] == 0
     llama = _run("llama", True)[0]  # every layer's q/k/v/o (GQA 4:2, RoPE) and SwiGLU
     assert len(llama["distributed"]) == 14 and llama["plan"]["replicated"] == []
+    attn = "model.model.layers.1.self_attn"  # by heads: q, k, v each pair with o_proj
+    assert {(f"{attn}.{p}_proj", f"{attn}.o_proj") for p in "qkv"} <= {
+        tuple(p) for p in llama["plan"]["pairs"]}
     odd = _run("odd", True)[0]
     assert odd["distributed"] == []
     [(region, why)] = odd["plan"]["replicated"]

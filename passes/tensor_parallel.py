@@ -272,7 +272,7 @@ def _rule(gm: torch.fx.GraphModule, n: torch.fx.Node,
                                            "value with a replicated tensor")
             origins = sorted({o for a in ins for o in split[a].origin.split(",")})
             return tp_rules.Split(split[ins[0]].dim, ",".join(origins))
-        return tp_rules.elementwise_out(n, split)
+        return tp_rules.elementwise_out(n, split, rw)
     return tp_rules.propagate(n, split, rw, size, col)
 
 
@@ -351,6 +351,7 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
             _scale_arg(new.graph, node, pos, operator.floordiv, tp.size)
         for node, pos in rw.batch if not tp.prescaled_batch else ():
             _scale_arg(new.graph, node, pos, operator.mul, tp.size)
+        tp_graph.gather_operands(new.graph, rw.gather if not tp.prescaled_batch else [], tp.size)
         for name, dim in split.items():
             node = by_name[name]
             cost = meta.COST.get(node)

@@ -48,6 +48,10 @@ class Rewrites:
     batch: list[tuple[torch.fx.Node, int]] = field(default_factory=list)
     """Batch-size arguments: times tp when each rank gathers the batch (not prescaled)."""
     strided: dict[str, int] = field(default_factory=dict)
+    gather: list[tuple[torch.fx.Node, torch.fx.Node]] = field(default_factory=list)
+    """(consumer, replicated operand with a batch dim) of a split value: the operand is
+    gathered over the tp group's batches like the split value (not prescaled), e.g. a
+    padding mask ``[N, 1, 1, S]`` added to the scores of the gathered batch."""
 
 
 def shape(n: Any) -> tuple[int, ...] | None:
@@ -83,9 +87,11 @@ def _arg(n: torch.fx.Node, i: int, name: str, default: Any = None) -> Any:
     return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
 
 
-def elementwise_out(n: torch.fx.Node, split: dict[torch.fx.Node, Split]) -> Split:
+def elementwise_out(n: torch.fx.Node, split: dict[torch.fx.Node, Split],
+                    rw: Rewrites | None = None) -> Split:
     """Broadcasting: split inputs aligned on one dim (counted from the end); replicated
-    tensor inputs must have size 1 there (RoPE's cos/sin, masks) or not reach it."""
+    tensor inputs must have size 1 there (RoPE's cos/sin, masks) or not reach it. One
+    that reaches the batch dim (dim 0) with more than 1 row is noted in ``rw.gather``."""
     out = shape(n)
     if out is None:
         raise Unsupported(f"{n.name} has no static shape")
@@ -108,6 +114,8 @@ def elementwise_out(n: torch.fx.Node, split: dict[torch.fx.Node, Split]) -> Spli
         if s[len(s) - k] != 1:
             raise Unsupported(f"{n.name} ({n.target}) mixes a split value with the "
                               f"replicated {a.name} of size {s[len(s) - k]} on the split dim")
+        if rw is not None and len(s) == len(out) and s[0] != 1:
+            rw.gather.append((n, a))
     return Split(len(out) - k, ",".join(sorted(origins)))
 
 

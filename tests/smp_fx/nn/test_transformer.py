@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import operator
 from typing import Any
 
 import pytest
@@ -17,6 +18,7 @@ from torch.nn import functional as F
 
 import smp_fx as smp
 from examples.models.gpt import GPT, GPTConfig
+from passes import tp_collectives
 from passes.shape_prop import shape_prop
 from passes.tensor_parallel import TensorParallelism, tensor_parallel
 from passes.trace import trace
@@ -168,14 +170,19 @@ def _ranks(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[list[Any
 
 def test_lm_head_is_sharded_whole_by_the_rewrite() -> None:
     """Every linear in a pair (attention by heads, the MLP), the tied word embedding and
-    LM head by vocabulary rows; the small position table stays whole."""
+    LM head by vocabulary rows; the small position table stays whole; the padding mask
+    is gathered with the batch."""
     _, lm = _gpt_and_lm_head()
     model = _Wrap(lm)
     ids, mask = torch.randint(0, 32, (2, 8)), torch.zeros(2, 8)
     gm = shape_prop(trace(model, (ids, mask), {}, frontend="fx"), (ids, mask))
     assert gm.meta["smp.auto_leaves"] == ()
-    _, plan = tensor_parallel(gm, TensorParallelism(2, 1, False, marked_paths(model)))
+    new, plan = tensor_parallel(gm, TensorParallelism(2, 1, False, marked_paths(model)))
     assert plan.replicated == ()
+    # prescaled_batch false: the padding mask joins the gathered batch once, for both layers
+    [mask_gather] = [n for n in new.graph.nodes if n.target is tp_collectives.tp_gather_batch
+                     and n.args[0].target is operator.mul]
+    assert len(mask_gather.users) == 2
     dims = {s.name: s.dim for s in plan.sharded}
     weights = {n for n, _ in model.named_parameters(remove_duplicate=False)
                if n.endswith(("query.weight", "key.weight", "value.weight", "dense1.weight",

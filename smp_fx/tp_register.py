@@ -15,6 +15,8 @@ instance of a registered class that is marked for tensor parallelism
 ``Registered(*init_hook(*args, **kwargs))``, where ``Registered`` is a subclass of
 ``dist_module`` whose ``forward`` applies ``forward_hook`` and ``return_hook`` around
 ``dist_module.forward``; the fx rewrite then distributes it like any ``smp.nn`` module.
+This happens at every ``tensor_parallel_degree``, 1 included, so a script computes the
+same function whatever the degree.
 The class must be exactly the registered one (a subclass is not replaced), registration
 must come before the instances are built, and the last registration of a class wins.
 

@@ -22,8 +22,11 @@ tables are small and stay whole on every rank (a replicated lookup), so only the
 embedding needs a vocabulary divisible by the degree.
 
 Used as the root of a ``DistributedModel``, a tuple argument is one opaque input to fx
-tracing: give the model a ``forward`` that builds the tuple (``None`` items then stay
-``None`` while tracing), as ``tests/smp_fx/dist/test_tp_modules.py`` does.
+tracing (``SMPTracingError`` below; the ``auto`` front end then captures it with
+``torch.export``, whose graph reads the tied weight under one name, so the rewrite leaves
+the LM head replicated, saying why): give the model a ``forward`` that builds the tuple
+(``None`` items then stay ``None`` while tracing), as
+``tests/smp_fx/dist/test_tp_modules.py`` does.
 """
 
 from __future__ import annotations

@@ -266,3 +266,18 @@ def test_smp_signatures_and_defaults() -> None:
 def test_unsupported_options_raise_not_implemented(build: Any) -> None:
     with pytest.raises(smp.SMPNotImplementedError):
         build()
+
+
+def test_default_layout_transformer_is_sharded_whole() -> None:
+    """SMP's default layout (post layer norms, no causal mask, relu) shards the same:
+    three heads pairs and one MLP pair per layer, nothing replicated."""
+    torch.manual_seed(0)
+    body = smp.nn.DistributedTransformer(num_layers=2, **SMALL, intermediate_size=32,
+                                         activation="relu")
+    model = _Pass(body)
+    x, mask = torch.randn(2, 5, 16), torch.zeros(2, 1, 1, 5)
+    torch.testing.assert_close(model(x, mask)[0], body.seq_layers[1](body.seq_layers[0](
+        (x, mask)))[0])
+    gm = shape_prop(trace(model, (x, mask), {}, frontend="fx"), (x, mask))
+    _, plan = tensor_parallel(gm, TensorParallelism(2, 0, True, marked_paths(model)))
+    assert plan.replicated == () and len(plan.pairs) == 8 and len(plan.sharded) == 20

@@ -8,7 +8,10 @@ the parameters after the steps equal the unpartitioned model's on one process (f
 shards every linear and the tied word embedding / LM head, and leaves nothing replicated.
 
 Cases: ``prescaled_batch`` true with a padding mask (SMP's 0-1, 1 = masked), and false
-(each rank its own examples, gathered over the tp group) with a padding mask.
+(each rank its own examples, gathered over the tp group) with a padding mask; and
+``smp.tp_register``: a user's module registered with ``DistributedTransformer`` (hooks),
+marked, replaced by ``DistributedModel`` and sharded, against one process running the
+same replacement.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+import smp_fx as smp
+from smp_fx.tp_register import replace_registered
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
 from tests.smp_fx.dist.test_tensor_parallel import ADAM_EPS, STEPS, TOL, _gathered
@@ -33,8 +38,6 @@ class LM(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        import smp_fx as smp
-
         self.lm = smp.nn.DistributedTransformerLMHead(
             num_layers=2, num_attention_heads=4, attention_head_size=4, hidden_size=16,
             intermediate_size=32, vocab_size=VOCAB, num_positions=SEQ,
@@ -45,9 +48,45 @@ class LM(nn.Module):
         return self.lm((input_ids, attention_mask))
 
 
-def _build() -> LM:
+@smp.tp_register(smp.nn.DistributedTransformer,
+                 init_hook=lambda config: ((), config),
+                 forward_hook=lambda x, mask: (((x, mask),), {}),
+                 return_hook=lambda out: out[0])
+class UserBlocks(nn.Module):
+    """A user's transformer body with its own interface, registered (SMP's example)."""
+
+    def __init__(self, config: dict[str, Any]) -> None:
+        super().__init__()
+        self.fc = nn.Linear(config["hidden_size"], config["hidden_size"])
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class Registered(nn.Module):
+    """``UserBlocks`` marked: DistributedModel swaps in a DistributedTransformer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 16)
+        with smp.tensor_parallelism():
+            self.body = UserBlocks({"num_layers": 2, "num_attention_heads": 4,
+                                    "attention_head_size": 4, "hidden_size": 16,
+                                    "intermediate_size": 32, "attention_dropout_prob": 0.0,
+                                    "hidden_dropout_prob": 0.0, "causal_mask_size": SEQ,
+                                    "use_normal_initialization": True})
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        additive = attention_mask[:, None, None, :] * -10000.0
+        return self.head(self.body(self.emb(input_ids), additive))
+
+
+def _build(kind: str) -> nn.Module:
+    """The model as the user builds it, and, for the reference, with the registered
+    module replaced as DistributedModel does (the same random draws)."""
     torch.manual_seed(0)
-    return LM()
+    return LM() if kind == "lm" else Registered()
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -65,9 +104,9 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1), y.flatten())
 
 
-def _reference(batch: int) -> tuple[list[float], list[dict[str, torch.Tensor]],
-                                    dict[str, torch.Tensor]]:
-    model = _build()
+def _reference(kind: str, batch: int) -> tuple[list[float], list[dict[str, torch.Tensor]],
+                                               dict[str, torch.Tensor]]:
+    model = replace_registered(_build(kind))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS)
     losses, grads = [], []
     for ids, mask, y in _batches():
@@ -81,14 +120,12 @@ def _reference(batch: int) -> tuple[list[float], list[dict[str, torch.Tensor]],
                            for n, p in model.named_parameters(remove_duplicate=False)}
 
 
-def _checked(prescaled: bool) -> dict[str, Any]:
-    import smp_fx as smp
-
+def _checked(kind: str, prescaled: bool) -> dict[str, Any]:
     share = GLOBAL_BATCH // 2
-    ref_losses, ref_grads, ref_params = _reference(share if prescaled else GLOBAL_BATCH)
+    ref_losses, ref_grads, ref_params = _reference(kind, share if prescaled else GLOBAL_BATCH)
     smp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True,
               "prescaled_batch": prescaled, "microbatches": 2})
-    model = smp.DistributedModel(_build())
+    model = smp.DistributedModel(_build(kind))
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS))
 
     @smp.step
@@ -120,19 +157,19 @@ def _checked(prescaled: bool) -> dict[str, Any]:
             "local": {n: tuple(p.shape) for n, p in model.local_named_parameters()}}
 
 
-_RESULTS: dict[bool, list[Any]] = {}
+_RESULTS: dict[tuple[str, bool], list[Any]] = {}
 
 
-def _run(prescaled: bool) -> list[Any]:
-    if prescaled not in _RESULTS:
-        _RESULTS[prescaled] = run_ranks(_checked, 2, prescaled, timeout=180,
-                                        env={"SMP_FX_DEVICE_SPEC": "a100"})
-    return _RESULTS[prescaled]
+def _run(kind: str, prescaled: bool) -> list[Any]:
+    if (kind, prescaled) not in _RESULTS:
+        _RESULTS[kind, prescaled] = run_ranks(_checked, 2, kind, prescaled, timeout=180,
+                                              env={"SMP_FX_DEVICE_SPEC": "a100"})
+    return _RESULTS[kind, prescaled]
 
 
 @pytest.mark.parametrize("prescaled", [True, False])
 def test_lm_head_tp2_matches_single_process(prescaled: bool) -> None:
-    results = _run(prescaled)
+    results = _run("lm", prescaled)
     for res in results:
         assert res["bad"] == []
         assert res["replicated"] == ()
@@ -145,4 +182,17 @@ def test_lm_head_tp2_matches_single_process(prescaled: bool) -> None:
     # dense2) + the word embedding and its tied LM head
     if not prescaled:  # each rank's loss is its own examples'; their mean is the global
         mean = torch.tensor([results[0]["losses"], results[1]["losses"]]).mean(0)
-        torch.testing.assert_close(mean, torch.tensor(_reference(GLOBAL_BATCH)[0]), **TOL)
+        torch.testing.assert_close(mean, torch.tensor(_reference("lm", GLOBAL_BATCH)[0]),
+                                   **TOL)
+
+
+def test_registered_module_tp2_matches_single_process() -> None:
+    """smp.tp_register end to end: the marked UserBlocks becomes a DistributedTransformer
+    (init / forward / return hooks) that the rewrite shards; training equals one process
+    running the same replacement."""
+    for res in _run("registered", True):
+        assert res["bad"] == [] and res["replicated"] == ()
+        assert "body.fc.weight" not in res["local"]
+        assert res["local"]["body.seq_layers.0.attention.key.weight"] == (8, 16)
+        assert len(res["sharded"]) == 20 and not any(n.startswith(("emb", "head"))
+                                                      for n in res["sharded"])

@@ -253,10 +253,7 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
                 local = tp_graph.insert(new.graph, tp_rules.local_sizes, (sizes, tp.size), node)
             meta.TENSOR.set(local, None)
             node.update_arg(1, local)
-        for node, operand in rw.gather if not tp.prescaled_batch else ():
-            with new.graph.inserting_before(node):
-                node.replace_input_with(operand, tp_graph.insert(
-                    new.graph, tp_collectives.tp_gather_batch, (operand,), node, tp.size))
+        tp_graph.gather_operands(new.graph, rw.gather if not tp.prescaled_batch else [], tp.size)
         for name, dim in split.items():
             node = by_name[name]
             cost = meta.COST.get(node)

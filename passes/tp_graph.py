@@ -16,7 +16,7 @@ import torch.fx
 from torch import nn
 
 from cost_model.node_cost import NodeCost
-from passes import meta, tp_costs
+from passes import meta, tp_collectives, tp_costs
 
 Ties = dict[int, nn.Parameter]
 
@@ -109,5 +109,20 @@ def get_attr(graph: torch.fx.Graph, fqn: str, like: torch.fx.Node) -> torch.fx.N
     return n
 
 
-__all__ = ["SHAPES", "Ties", "attr", "get_attr", "insert", "replace_module", "retie", "set_param",
-           "shard", "unshard"]
+def gather_operands(graph: torch.fx.Graph,
+                    uses: Sequence[tuple[torch.fx.Node, torch.fx.Node]], size: int) -> None:
+    """Feed each (consumer, operand) the operand gathered over the tp group's batches
+    (``tp_collectives.tp_gather_batch``, one gather per operand, before its first
+    consumer: ``uses`` are in graph order): the consumer's split input holds the group's
+    batch (``prescaled_batch`` false)."""
+    gathered: dict[torch.fx.Node, torch.fx.Node] = {}
+    for consumer, operand in uses:
+        if operand not in gathered:
+            with graph.inserting_before(consumer):
+                gathered[operand] = insert(graph, tp_collectives.tp_gather_batch, (operand,),
+                                           operand, size)
+        consumer.replace_input_with(operand, gathered[operand])
+
+
+__all__ = ["SHAPES", "Ties", "attr", "gather_operands", "get_attr", "insert",
+           "replace_module", "retie", "set_param", "shard", "unshard"]

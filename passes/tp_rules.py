@@ -55,13 +55,14 @@ class Rewrites:
     """Batch-size arguments: times tp when each rank gathers the batch (not prescaled)."""
     strided: dict[str, int] = field(default_factory=dict)
     runtime: list[torch.fx.Node] = field(default_factory=list)
+    """Views whose size tuple is computed at run time (``local_sizes`` wraps it)."""
     batch_reads: list[torch.fx.Node] = field(default_factory=list)
     """``size()`` reads of a split value that include its batch: gathered when the batch is,
     which a view of the reassembled output would then get wrong (not prescaled)."""
-    """Views whose size tuple is computed at run time (``local_sizes`` wraps it)."""
     gather: list[tuple[torch.fx.Node, torch.fx.Node]] = field(default_factory=list)
-    """(consumer, replicated operand with the batch on dim 0): gathered like the chain's
-    batch when each rank gathers it (not prescaled)."""
+    """(consumer, replicated operand with the batch on dim 0) of a split value: gathered
+    over the tp group's batches like the split value when not prescaled (an attention
+    mask ``[N, 1, t, t]`` added to the scores of the gathered batch)."""
 
 
 def shape(n: Any) -> tuple[int, ...] | None:
@@ -112,7 +113,8 @@ def _arg(n: torch.fx.Node, i: int, name: str, default: Any = None) -> Any:
 def elementwise_out(n: torch.fx.Node, split: dict[torch.fx.Node, Split],
                     rw: Rewrites | None = None) -> Split:
     """Broadcasting: split inputs aligned on one dim (counted from the end); replicated
-    tensor inputs must have size 1 there (RoPE's cos/sin, masks) or not reach it."""
+    tensor inputs must have size 1 there (RoPE's cos/sin, masks) or not reach it. One
+    that reaches the batch dim (dim 0) with more than 1 row is noted in ``rw.gather``."""
     out = shape(n)
     if out is None:
         raise Unsupported(f"{n.name} has no static shape")

@@ -109,6 +109,7 @@ from smp_fx import amp, nn, optimizers  # noqa: E402
 
 # --- tensor parallelism: which modules are distributed ---
 from smp_fx.tp_marking import set_tensor_parallelism, tensor_parallelism  # noqa: E402
+from smp_fx.tp_register import tp_register, tp_register_with_module  # noqa: E402
 from smp_fx import namespaces as _namespaces  # noqa: E402
 
 

@@ -54,6 +54,7 @@ from smp_fx.runtime.modes import Autocast, autocast_state
 from smp_fx.runtime.planning import agree_on_plan, plan_stages
 from smp_fx.runtime.shapes import ShapeGuard, guard_for
 from smp_fx.runtime.transport import InProcessTransport, Transport
+from smp_fx.tp_register import replace_registered
 
 if TYPE_CHECKING:
     from smp_fx.optimizer import DistributedOptimizer
@@ -135,6 +136,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
             raise SMPConfigError.build("torch.jit.ScriptModules are not supported",
                                        type(module).__name__, "smp.DistributedModel",
                                        "wrap the plain nn.Module")
+        replace_registered(module)  # smp.tp_register: marked instances -> distributed
         self.module = module
         self.options = options
         self._program: StagedProgram | None = None

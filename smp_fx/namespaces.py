@@ -12,10 +12,10 @@ with the reason, not with an ``AttributeError`` that reads like a typo. A name S
 had stays an ``AttributeError``.
 
 >>> import smp_fx as smp
->>> smp.nn.DistributedTransformer  # doctest: +ELLIPSIS
+>>> smp.model_creation  # doctest: +ELLIPSIS
 Traceback (most recent call last):
 ...
-smp_fx.SMPNotImplementedError: 'smp.nn.DistributedTransformer' (tensor-parallel transformer...
+smp_fx.SMPNotImplementedError: 'smp.model_creation' (context manager for tensor-parallel...
 """
 
 from __future__ import annotations

@@ -7,19 +7,22 @@ from __future__ import annotations
 from typing import Any
 
 from smp_fx.namespaces import planned
+from smp_fx.nn.attention import DistributedAttentionLayer, DistributedTransformerOutputLayer
 from smp_fx.nn.embedding import DistributedEmbedding
 from smp_fx.nn.fused_layer_norm import FusedLayerNorm
 from smp_fx.nn.linear import DistributedLinear
+from smp_fx.nn.transformer import (
+    DistributedTransformer,
+    DistributedTransformerLayer,
+    DistributedTransformerLMHead,
+)
 
-__all__ = ["DistributedEmbedding", "DistributedLinear", "FusedLayerNorm"]
+__all__ = ["DistributedAttentionLayer", "DistributedEmbedding", "DistributedLinear",
+           "DistributedTransformer", "DistributedTransformerLMHead",
+           "DistributedTransformerLayer", "DistributedTransformerOutputLayer",
+           "FusedLayerNorm"]
 
-PLANNED: dict[str, str] = {
-    "DistributedTransformerLMHead": "tensor-parallel transformer with LM head",
-    "DistributedTransformer": "tensor-parallel transformer",
-    "DistributedTransformerLayer": "tensor-parallel transformer layer",
-    "DistributedAttentionLayer": "tensor-parallel attention layer",
-    "DistributedTransformerOutputLayer": "tensor-parallel transformer output layer",
-}
+PLANNED: dict[str, str] = {}
 
 
 def __getattr__(name: str) -> Any:

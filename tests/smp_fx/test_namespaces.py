@@ -35,7 +35,10 @@ def test_unknown_names_stay_attribute_errors(label: str, module: ModuleType) -> 
 
 def test_import_from_a_namespace() -> None:
     with pytest.raises(smp_fx.SMPNotImplementedError):
-        from smp_fx.nn import DistributedTransformer  # noqa: F401
+        from smp_fx import model_creation  # noqa: F401
+    from smp_fx.nn import DistributedTransformer  # built since: an ordinary import
+
+    assert DistributedTransformer is nn.DistributedTransformer
     from smp_fx.optimizers import FusedLamb  # built: an ordinary import
 
     assert FusedLamb is optimizers.FusedLamb

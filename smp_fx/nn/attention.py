@@ -1,0 +1,163 @@
+"""``smp.nn.DistributedAttentionLayer`` and ``smp.nn.DistributedTransformerOutputLayer``:
+the two halves of SMP's transformer layer, as plain torch modules.
+
+Both are marked for tensor parallelism by construction (``smp_fx.tp_marking.mark``) and
+are written so that the fx rewrite (``passes.tensor_parallel``) shards every linear:
+
+* attention: ``query`` / ``key`` / ``value`` are column-parallel, their outputs viewed into
+  ``num_attention_heads`` heads (an explicit count, so the rewrite divides it by tp), the
+  scores are ``softmax(Q K^T / sqrt(d) + masks)``, and ``dense`` is the row-parallel linear
+  that sums the heads' parts: each rank computes ``heads / tp`` heads;
+* output layer: ``dense1`` (column) -> activation -> ``dense2`` (row), Megatron's MLP pair.
+
+Layer norms, dropout after the row linear and the residual act on replicated values.
+At tp=1 (or unmarked) both compute exactly the documented function.
+
+Masks are additive (``-10000`` where masked, as Hugging Face's BERT / GPT-2): the
+``attention_mask`` a layer takes is ``[N, 1, 1, S]`` (or ``[N, 1, S, S]``), added to the
+scores; ``causal_mask_size`` (not None) adds a causal mask (keys after the query masked).
+SMP sizes a stored mask by it; here the mask is built for the sequence at hand (an fx
+trace cannot slice a stored buffer by a symbolic length), so the size is only recorded.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from cost_model.errors import not_implemented
+from smp_fx.tp_marking import mark
+
+MASKED = -10000.0
+"""The additive score of a masked position (exp() of it is 0 in fp32 and fp16)."""
+
+
+def activation_module(activation: str) -> nn.Module:
+    """SMP's activations: ``"gelu"`` (exact, erf) and ``"relu"``."""
+    if activation == "gelu":
+        return nn.GELU()
+    if activation == "relu":
+        return nn.ReLU()
+    raise not_implemented(f"activation {activation!r}", "activation",
+                          fix="use 'gelu' or 'relu' (SMP's two activations)")
+
+
+def init_linear(linear: nn.Linear, normal: bool, std: float) -> None:
+    """``use_normal_initialization``: weights ``N(0, initializer_range)``, biases 0;
+    otherwise torch's default initialisation is kept."""
+    if normal:
+        with torch.no_grad():
+            nn.init.normal_(linear.weight, std=std)
+            if linear.bias is not None:
+                linear.bias.zero_()
+
+
+def causal_mask(positions: torch.Tensor) -> torch.Tensor:
+    """``[S, S]`` for the ``S`` positions given: 0 where a query may attend (key <= query),
+    ``MASKED`` after. Built from the sequence at hand (a tensor op, so fx traces it with
+    a symbolic ``S``)."""
+    return (positions[None, :] > positions[:, None]).to(torch.float32) * MASKED
+
+
+class DistributedAttentionLayer(nn.Module):
+    """Multi-head self-attention with residual and layer norms, split by heads under tp.
+
+    ``forward((hidden_states, attention_mask))`` -> ``hidden_states`` (one tensor,
+    ``[N, S, hidden_size]``). ``attention_mask`` is additive (module docstring) or None.
+    ``pre_layernorm`` normalises the input of the attention (the residual is the raw
+    input), ``post_layernorm`` the sum of the residual and the attention's output.
+    ``cross_attention`` is not built.
+    """
+
+    def __init__(self, num_attention_heads: int = 32, attention_head_size: int = 32,
+                 hidden_size: int = 1024, attention_dropout_prob: float = 0.1,
+                 hidden_dropout_prob: float = 0.1, layernorm_epsilon: float = 1e-5,
+                 initializer_range: float = 0.02, use_normal_initialization: bool = False,
+                 cross_attention: bool = False, causal_mask_size: int | None = None,
+                 pre_layernorm: bool = False, post_layernorm: bool = True) -> None:
+        if cross_attention:
+            raise not_implemented("attention over a second (encoder) sequence",
+                                  "DistributedAttentionLayer(cross_attention=True)",
+                                  fix="use cross_attention=False (self-attention)")
+        super().__init__()
+        self.num_attention_heads = num_attention_heads
+        self.attention_head_size = attention_head_size
+        inner = num_attention_heads * attention_head_size
+        self.query = nn.Linear(hidden_size, inner)
+        self.key = nn.Linear(hidden_size, inner)
+        self.value = nn.Linear(hidden_size, inner)
+        self.dense = nn.Linear(inner, hidden_size)
+        for linear in (self.query, self.key, self.value, self.dense):
+            init_linear(linear, use_normal_initialization, initializer_range)
+        self.attention_dropout = nn.Dropout(attention_dropout_prob)
+        self.dropout = nn.Dropout(hidden_dropout_prob)
+        self.pre_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon) \
+            if pre_layernorm else None
+        self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon) \
+            if post_layernorm else None
+        self.causal_mask_size = causal_mask_size
+        mark(self)
+
+    def _heads(self, x: torch.Tensor, b: Any, s: Any) -> torch.Tensor:
+        """``[N, S, heads * d]`` -> ``[N, heads, S, d]`` (the head count stays explicit:
+        the rewrite divides it by tp)."""
+        return x.view(b, s, self.num_attention_heads, self.attention_head_size).transpose(1, 2)
+
+    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        hidden_states, attention_mask = inputs[0], inputs[1]
+        x = hidden_states if self.pre_layernorm is None else self.pre_layernorm(hidden_states)
+        b, s = x.shape[0], x.shape[1]
+        q = self._heads(self.query(x), b, s)
+        k = self._heads(self.key(x), b, s)
+        v = self._heads(self.value(x), b, s)
+        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.attention_head_size)
+        if self.causal_mask_size is not None:
+            causal = causal_mask(torch.arange(s, device=x.device))
+            scores = scores + causal.to(x.dtype)
+        if attention_mask is not None:
+            scores = scores + attention_mask
+        probs = self.attention_dropout(torch.softmax(scores, dim=-1))
+        context = torch.matmul(probs, v).transpose(1, 2).contiguous()
+        context = context.view(b, s, self.num_attention_heads * self.attention_head_size)
+        out = self.dropout(self.dense(context)) + hidden_states
+        return out if self.layernorm is None else self.layernorm(out)
+
+
+class DistributedTransformerOutputLayer(nn.Module):
+    """The transformer's MLP with residual and layer norms: ``dense1`` -> activation ->
+    ``dense2`` -> dropout, plus the input; a column -> row pair under tp.
+
+    ``forward(hidden_states)`` -> ``hidden_states`` (``[N, S, hidden_size]``).
+    ``pre_layernorm`` / ``post_layernorm`` as in ``DistributedAttentionLayer``.
+    """
+
+    def __init__(self, hidden_size: int = 1024, intermediate_size: int = 4096,
+                 hidden_dropout_prob: float = 0.1, activation: str = "gelu",
+                 layernorm_epsilon: float = 1e-5, initializer_range: float = 0.02,
+                 use_normal_initialization: bool = False, pre_layernorm: bool = False,
+                 post_layernorm: bool = True) -> None:
+        act = activation_module(activation)
+        super().__init__()
+        self.dense1 = nn.Linear(hidden_size, intermediate_size)
+        self.activation = act
+        self.dense2 = nn.Linear(intermediate_size, hidden_size)
+        for linear in (self.dense1, self.dense2):
+            init_linear(linear, use_normal_initialization, initializer_range)
+        self.dropout = nn.Dropout(hidden_dropout_prob)
+        self.pre_layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon) \
+            if pre_layernorm else None
+        self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon) \
+            if post_layernorm else None
+        mark(self)
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        x = hidden_states if self.pre_layernorm is None else self.pre_layernorm(hidden_states)
+        out = self.dropout(self.dense2(self.activation(self.dense1(x)))) + hidden_states
+        return out if self.layernorm is None else self.layernorm(out)
+
+
+__all__ = ["MASKED", "DistributedAttentionLayer", "DistributedTransformerOutputLayer",
+           "activation_module", "causal_mask", "init_linear"]

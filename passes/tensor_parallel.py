@@ -39,8 +39,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from passes import meta, tp_collectives, tp_costs, tp_graph, tp_rules, tp_vocab
-from passes.tp_plan import ShardSpec, TensorParallelPlan, merge_shards
 from passes.graph_utils import copy_graph_module
+from passes.tp_plan import ShardSpec, TensorParallelPlan, merge_shards
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ import torch.fx
 from torch import nn
 from torch.nn import functional as F
 
-from passes import meta, tp_collectives, tp_costs, tp_graph, tp_rules, tp_vocab
+from passes import meta, tp_collectives, tp_costs, tp_graph, tp_loss, tp_rules, tp_vocab
 from passes.graph_utils import copy_graph_module
 from passes.tp_plan import ShardSpec, TensorParallelPlan, merge_shards
 
@@ -293,12 +293,14 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
     replicated: list[tuple[str, str]] = []
     pairs: list[tuple[str, str]] = []
     ties: tp_graph.Ties = {}
+    vocab_embeds: list[tp_vocab.Embedding] = []
     for region in regions(tp.marked):
         embeds = tp_vocab.find(new, _region_test(region))
         linears, reason, split, rw = _analyse(new, region, tp.size, embeds)
         if reason is not None:
             replicated.append((",".join(region), reason))
             continue
+        vocab_embeds += embeds
         for emb in embeds:
             sharded.append(tp_vocab.rewrite(new, by_name[emb.node.name], emb, tp.size,
                                             tp.rank, not tp.prescaled_batch, ties))
@@ -316,6 +318,9 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
         for lin in linears:
             sharded += _rewrite(new, by_name[lin.node.name], lin, tp, ties,
                                 rw.strided.get(lin.node.name, 1))
+    vocab = [s for s in sharded if any(s.name == e.weight for e in vocab_embeds)]
+    tp_loss.fuse(new, tp.size, not tp.prescaled_batch,
+                 tp_loss.vocab_heads(new, vocab, tp.rank))  # a loss of the vocab logits
     tp_costs.price_collectives(new, tp.size, comm_time)
     new.graph.lint()
     new.recompile()

@@ -49,10 +49,19 @@ def active() -> bool:
     return _BOUND.size > 1 and dist.is_available() and dist.is_initialized()
 
 
-def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, op: Any = None) -> torch.Tensor:
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=_BOUND.group)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM if op is None else op, group=_BOUND.group)
     return out
+
+
+def group_all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """``x`` reduced (``"sum"`` or ``"max"``) over the bound tp group, no autograd; ``x``
+    itself without a group (for ops that build their own backward: the vocab-parallel
+    cross entropy)."""
+    if not active():
+        return x
+    return _all_reduce(x, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
 
 
 def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:

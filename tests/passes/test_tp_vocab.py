@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.fx
 from torch import nn
+from torch.nn import functional as F
 
 from passes.tensor_parallel import (
     ShardSpec,
@@ -99,3 +101,78 @@ def test_padded_shard_is_what_the_plan_prices() -> None:
     [node] = [n for n in compiled.gm.graph.nodes if meta.TP.get(n) == "tp_vocab_embedding"]
     assert meta.COST.get(node).param_bytes == 32 * 8 * 4
     assert compiled.tp_plan.sharded[0].pad == 1
+
+
+class LossInside(nn.Module):
+    """The GPT-2-style example (vocabulary 63) with its loss computed in the forward:
+    ``F.cross_entropy`` of the tied LM head's logits, flattened to tokens."""
+
+    def __init__(self, vocab: int = 63, also_logits: bool = False) -> None:
+        super().__init__()
+        from tests.helpers.models import example
+
+        self.gpt = example("gpt").build_model(vocab_size=vocab)
+        self.also_logits = also_logits
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> object:
+        logits = self.gpt(ids)
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=0)
+        return (loss, logits) if self.also_logits else loss
+
+
+def test_vocab_parallel_cross_entropy_is_the_plain_one_on_every_column() -> None:
+    """Without a group the op covers the columns it is given: from column 0 with the
+    padding column masked it is ``F.cross_entropy`` per token, ignored tokens 0, and its
+    gradient is the plain one (zero on the padding column)."""
+    from passes import tp_loss
+
+    torch.manual_seed(0)
+    logits = torch.randn(6, 8) * 3
+    target = torch.tensor([1, 6, 0, 3, -100, 2])
+    got_x = logits.clone().requires_grad_()
+    want_x = logits[:, :7].clone().requires_grad_()
+    got = tp_loss.tp_vocab_cross_entropy(got_x, target, 0, 7)
+    want = F.cross_entropy(want_x, target, reduction="none")
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    weights = torch.arange(6.0)
+    (got * weights).sum().backward()
+    (want * weights).sum().backward()
+    assert got_x.grad is not None and want_x.grad is not None
+    torch.testing.assert_close(got_x.grad[:, :7], want_x.grad, atol=1e-6, rtol=1e-6)
+    assert torch.count_nonzero(got_x.grad[:, 7]) == 0
+    for reduction in ("mean", "sum", "none"):
+        torch.testing.assert_close(tp_loss.token_loss(got, target, reduction),
+                                   F.cross_entropy(logits[:, :7], target, reduction=reduction),
+                                   atol=1e-6, rtol=1e-6)
+
+
+def _targets(gm: torch.fx.GraphModule) -> list[str]:
+    return [str(getattr(n.target, "__name__", n.target)) for n in gm.graph.nodes]
+
+
+@pytest.mark.parametrize("prescaled", [True, False])
+def test_a_loss_of_the_vocab_logits_is_fused_and_the_logits_stay_split(prescaled: bool) -> None:
+    import smp_fx as smp
+    from passes.partition_config import PartitionConfig
+    from passes.pipeline import compile_model
+    from smp_fx.tp_marking import marked_paths
+
+    torch.manual_seed(0)
+    for also_logits in (False, True):
+        model = LossInside(also_logits=also_logits)
+        smp.set_tensor_parallelism(model.gpt.wte)
+        smp.set_tensor_parallelism(model.gpt.lm_head)
+        ids = torch.randint(0, 63, (2, 16))
+        compiled = compile_model(model, (ids, ids), None, PartitionConfig(num_stages=1),
+                                 tp=TensorParallelism(2, 1, prescaled, marked_paths(model)))
+        names = _targets(compiled.gm)
+        if also_logits:  # the logits are an output too: gathered whole, the loss plain
+            assert "tp_gather_last" in names and "cross_entropy" in names
+            assert "tp_vocab_cross_entropy" not in names
+            continue
+        assert "tp_vocab_cross_entropy" in names and "token_loss" in names
+        assert "tp_gather_last" not in names and "cross_entropy" not in names
+        [ce] = [n for n in compiled.gm.graph.nodes if n.target is not None
+                and getattr(n.target, "__name__", "") == "tp_vocab_cross_entropy"]
+        assert ce.args[2:] == (32, 63, 0)  # rank 1's first column, the vocabulary, ignore
+        assert names.count("tp_gather_batch") == (0 if prescaled else 3)  # ids, h, targets

@@ -14,9 +14,10 @@ A vocabulary ``V`` the degree does not divide is padded to ``ceil(V / tp) * tp``
 head's gathered logits are sliced back to ``V`` columns, so their gradients stay zero and
 ``state_dict()`` / checkpoints hold the unpadded table (``merge_shards``, ``tp_shards``).
 
-Not built: embedding options (``padding_idx``, ``max_norm``, ``scale_grad_by_freq``,
-``sparse``), a vocab-parallel cross entropy (the logits are gathered whole). Each such
-embedding leaves its region replicated, with the reason.
+A loss the model's forward takes of those logits is computed without gathering them
+(``passes.tp_loss``). Not built: embedding options (``padding_idx``, ``max_norm``,
+``scale_grad_by_freq``, ``sparse``): such an embedding leaves its region replicated, with
+the reason.
 """
 
 from __future__ import annotations

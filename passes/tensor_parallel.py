@@ -30,15 +30,16 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 
-from passes import meta, tp_collectives, tp_costs, tp_graph, tp_rules, tp_vocab
+from passes import meta, tp_collectives, tp_costs, tp_graph, tp_loss, tp_rules, tp_vocab
 from passes.graph_utils import copy_graph_module
 from passes.tp_linears import Linear, as_linear, sharded_node
+from passes.tp_plan import ShardSpec, TensorParallelPlan, merge_shards
 
 
 @dataclass(frozen=True)
@@ -51,54 +52,6 @@ class TensorParallelism:
     marked: tuple[str, ...] = ()
 
 
-@dataclass(frozen=True)
-class ShardSpec:
-    """One distributed parameter: split along ``dim`` into ``parts`` equal pieces.
-
-    ``stride`` > 1: along ``dim`` the full tensor is ``stride`` equal blocks (a fused
-    q/k/v projection: 3), each split into ``parts`` pieces; rank r holds piece r of every
-    block, concatenated in block order. Merging: cut each rank's shard into ``stride``
-    blocks, concatenate the ranks' block b pieces, then the blocks."""
-
-    name: str
-    dim: int
-    parts: int
-    full_shape: tuple[int, ...]
-    stride: int = 1
-
-    def to_json(self) -> dict[str, Any]:
-        out = {"name": self.name, "dim": self.dim, "parts": self.parts,
-               "full_shape": list(self.full_shape)}
-        return out | ({"stride": self.stride} if self.stride != 1 else {})
-
-    @staticmethod
-    def from_json(d: Mapping[str, Any]) -> ShardSpec:
-        return ShardSpec(d["name"], d["dim"], d["parts"], tuple(d["full_shape"]),
-                         int(d.get("stride", 1)))
-
-
-@dataclass(frozen=True)
-class TensorParallelPlan:
-    """What the pass did: sharded parameters and the regions left replicated, with why."""
-
-    size: int
-    sharded: tuple[ShardSpec, ...] = ()
-    replicated: tuple[tuple[str, str], ...] = ()
-    pairs: tuple[tuple[str, str], ...] = field(default=())
-
-    def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "sharded": [s.to_json() for s in self.sharded],
-                "replicated": [list(r) for r in self.replicated],
-                "pairs": [list(p) for p in self.pairs]}
-
-    @staticmethod
-    def from_json(d: Mapping[str, Any]) -> TensorParallelPlan:
-        return TensorParallelPlan(d["size"], tuple(ShardSpec.from_json(s) for s in d["sharded"]),
-                                  tuple((a, b) for a, b in d["replicated"]),
-                                  tuple((a, b) for a, b in d["pairs"]))
-
-    def shard_spec(self, name: str) -> ShardSpec | None:
-        return next((s for s in self.sharded if s.name == name), None)
 
 
 def _in_region(path: str, region: str) -> bool:
@@ -156,7 +109,13 @@ def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int,
         return [], (f"{rw.batch_reads[0].name} reads the batch size of a split value at run "
                     "time, which prescaled_batch false gathers (trace with torch.export, or "
                     "set prescaled_batch true)"), {}, rw
+    rows_split = {id(e.value) for e in embeds}
     for lin in linears.values():
+        if id(lin.weight_value) in rows_split and lin.role != "row":
+            if lin.role == "col" and tp_vocab.padding(lin.out_features, size):
+                return [], (f"{lin.weight} is tied to a padded vocab-parallel embedding but "
+                            "its logits feed a row-parallel linear (padding columns)"), {}, rw
+            continue  # split by the embedding's (padded) rows
         dim_size = lin.in_features if lin.role == "row" else lin.out_features
         parts = size * rw.strided.get(lin.node.name, 1)
         if dim_size % parts:
@@ -164,7 +123,6 @@ def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int,
                         f" features, not divisible by tensor_parallel_degree {size}"
                         + (f" x {parts // size} fused blocks" if parts != size else "")
                         ), {}, rw
-    rows_split = {id(e.value) for e in embeds}
     for lin in linears.values():
         if id(lin.weight_value) in rows_split and lin.role == "row":
             return [], (f"{lin.weight} is tied to a vocab-parallel embedding but would be "
@@ -232,17 +190,17 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
     replicated: list[tuple[str, str]] = []
     pairs: list[tuple[str, str]] = []
     ties: tp_graph.Ties = {}
+    vocab_embeds: list[tp_vocab.Embedding] = []
     for region in regions(tp.marked):
         embeds = tp_vocab.find(new, _region_test(region))
         linears, reason, split, rw = _analyse(new, region, tp.size, embeds, tp.prescaled_batch)
         if reason is not None:
             replicated.append((",".join(region), reason))
             continue
+        vocab_embeds += embeds
         for emb in embeds:
-            name, dim, parts, full = tp_vocab.rewrite(new, by_name[emb.node.name], emb,
-                                                      tp.size, tp.rank, not tp.prescaled_batch,
-                                                      ties)
-            sharded.append(ShardSpec(name, dim, parts, full))
+            sharded.append(tp_vocab.rewrite(new, by_name[emb.node.name], emb, tp.size,
+                                            tp.rank, not tp.prescaled_batch, ties))
         for node, pos in rw.divide:
             _scale_arg(new.graph, node, pos, operator.floordiv, tp.size)
         for node, pos in rw.batch if not tp.prescaled_batch else ():
@@ -264,6 +222,9 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
         for lin in linears:
             sharded += _rewrite(new, by_name[lin.node.name], lin, tp, ties,
                                 rw.strided.get(lin.node.name, 1))
+    vocab = [s for s in sharded if any(s.name == e.weight for e in vocab_embeds)]
+    tp_loss.fuse(new, tp.size, not tp.prescaled_batch,
+                 tp_loss.vocab_heads(new, vocab, tp.rank))  # a loss of the vocab logits
     tp_costs.price_collectives(new, tp.size, comm_time)
     tp_graph.retie(new, ties)
     sharded = _with_aliases(new, sharded)
@@ -284,11 +245,6 @@ def _with_aliases(gm: torch.fx.GraphModule, sharded: Sequence[ShardSpec]) -> lis
         for name in [spec.name, *names.get(id(tp_graph.attr(gm, spec.name)), [])]:
             out.setdefault(name, dataclasses.replace(spec, name=name))
     return list(out.values())
-
-
-def merge_shards(spec: ShardSpec, shards: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The full tensor from the ranks' shards (in rank order), strides honoured."""
-    return tp_graph.unshard(shards, spec.dim, spec.stride)
 
 
 def _scale_arg(graph: torch.fx.Graph, node: torch.fx.Node, pos: tp_rules.ArgPos,
@@ -323,15 +279,19 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: Linear,
     if node.op == "call_module":
         tp_graph.replace_module(gm, str(node.target))
     w_dim = lin.weight_dim()
-    tp_graph.set_param(gm, lin.weight, tp_graph.shard(w_full, w_dim, size, rank, stride),
+    # a lone LM head tied to a padded vocab-parallel embedding: its rows are padded too
+    pad = 0 if lin.role == "row" else tp_vocab.padding(lin.out_features, size)
+    tp_graph.set_param(gm, lin.weight, tp_graph.shard(tp_graph.pad(w_full, w_dim, pad), w_dim,
+                                                      size, rank, stride),
                        original=w_full, ties=ties)
-    specs = [ShardSpec(lin.weight, w_dim, size, tuple(w_full.shape), stride)]
+    specs = [ShardSpec(lin.weight, w_dim, size, tuple(w_full.shape), stride, pad)]
     if lin.bias is not None and b_full is not None:
         if lin.role == "row":
             tp_graph.set_param(gm, lin.bias, b_full.detach().clone())
         else:
-            tp_graph.set_param(gm, lin.bias, tp_graph.shard(b_full, 0, size, rank, stride))
-            specs.append(ShardSpec(lin.bias, 0, size, tuple(b_full.shape), stride))
+            tp_graph.set_param(gm, lin.bias, tp_graph.shard(tp_graph.pad(b_full, 0, pad), 0,
+                                                            size, rank, stride))
+            specs.append(ShardSpec(lin.bias, 0, size, tuple(b_full.shape), stride, pad))
     x = node.args[lin.x_pos]
     assert isinstance(x, torch.fx.Node)
     gather = not tp.prescaled_batch
@@ -348,7 +308,10 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: Linear,
         y.meta = dict(node.meta)
         cost = meta.COST.get(node)
         if cost is not None:
-            meta.COST.set(y, tp_costs.divide(cost, size, params=True))
+            cost = tp_costs.divide(cost, size, params=True)
+            meta.COST.set(y, cost if not pad else dataclasses.replace(  # the padded shard
+                cost, param_bytes=cost.param_bytes * (w_full.shape[0] + pad)
+                // w_full.shape[0]))
         if lin.role != "row":  # a row linear's partial sums have the full shape
             meta.TENSOR.set(y, tp_costs.local_info(meta.TENSOR.get(node), -1, size))
         meta.TP.set(y, lin.role)
@@ -363,7 +326,10 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: Linear,
                 with graph.inserting_after(b):
                     out = tp_graph.insert(graph, operator.add, (out, b), node, size)
         elif lin.role == "lone":
-            out = tp_graph.insert(graph, tp_collectives.tp_gather_last, (out,), node, size)
+            out = tp_graph.insert(graph, tp_collectives.tp_gather_last,
+                                  (out, int(w_full.shape[0])) if pad else (out,), node, size)
+            if pad:  # sliced back to the vocabulary
+                meta.TENSOR.set(out, meta.TENSOR.get(node))
         if gather and lin.role != "col":
             with graph.inserting_after(out):
                 out = tp_graph.insert(graph, tp_collectives.tp_split_batch, (out,), node, size)
@@ -373,3 +339,7 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: Linear,
     for old in (a for a in inputs if a.op == "get_attr" and not a.users):
         graph.erase_node(old)
     return specs
+
+
+__all__ = ["ShardSpec", "TensorParallelPlan", "TensorParallelism", "merge_shards", "regions",
+           "tensor_parallel"]

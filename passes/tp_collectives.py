@@ -11,7 +11,8 @@ function as the original.
 
 * ``tp_copy``: forward identity, backward all-reduce (the input of a column-parallel linear).
 * ``tp_reduce``: forward all-reduce (the output of a row-parallel linear), backward identity.
-* ``tp_gather_last``: forward all-gather along the last dim, backward the local slice.
+* ``tp_gather_last``: forward all-gather along the last dim (optionally sliced to the
+  unpadded vocabulary), backward the local slice.
 * ``tp_gather_batch`` / ``tp_split_batch``: ``prescaled_batch: false``: a distributed
   module sees the concatenated batches of its tp group, and each rank keeps its own part of
   the result. The backward of the split gathers the parts' gradients scaled by 1/tp and the
@@ -48,10 +49,19 @@ def active() -> bool:
     return _BOUND.size > 1 and dist.is_available() and dist.is_initialized()
 
 
-def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+def _all_reduce(x: torch.Tensor, op: Any = None) -> torch.Tensor:
     out = x.contiguous().clone()
-    dist.all_reduce(out, group=_BOUND.group)
+    dist.all_reduce(out, op=dist.ReduceOp.SUM if op is None else op, group=_BOUND.group)
     return out
+
+
+def group_all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """``x`` reduced (``"sum"`` or ``"max"``) over the bound tp group, no autograd; ``x``
+    itself without a group (for ops that build their own backward: the vocab-parallel
+    cross entropy)."""
+    if not active():
+        return x
+    return _all_reduce(x, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
 
 
 def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -87,12 +97,15 @@ class _Reduce(torch.autograd.Function):
 
 class _GatherLast(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return _all_gather(x, -1)
+    def forward(ctx: Any, x: torch.Tensor, full: int | None) -> torch.Tensor:
+        y = _all_gather(x, -1)
+        ctx.pad = 0 if full is None else y.shape[-1] - full
+        return y if full is None else y[..., :full]
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        return _local(g, -1)
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        # the padding columns were dropped: their gradient is zero
+        return _local(F.pad(g, (0, ctx.pad)) if ctx.pad else g, -1), None
 
 
 class _GatherBatch(torch.autograd.Function):
@@ -123,8 +136,10 @@ def tp_reduce(x: torch.Tensor) -> torch.Tensor:
     return _Reduce.apply(x) if active() else x
 
 
-def tp_gather_last(x: torch.Tensor) -> torch.Tensor:
-    return _GatherLast.apply(x) if active() else x
+def tp_gather_last(x: torch.Tensor, full: int | None = None) -> torch.Tensor:
+    """All-gather along the last dim; ``full``: keep only the first ``full`` features (the
+    logits of a padded vocabulary, sliced back to the vocabulary)."""
+    return _GatherLast.apply(x, full) if active() else x
 
 
 def tp_gather_batch(x: torch.Tensor) -> torch.Tensor:
@@ -135,17 +150,21 @@ def tp_split_batch(x: torch.Tensor) -> torch.Tensor:
     return _SplitBatch.apply(x) if active() else x
 
 
-def tp_vocab_embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Embedding lookup with ``weight`` this rank's block of rows (rank r holds rows
-    ``[r * n, (r + 1) * n)``): ids outside the block give zeros, and the sum over the group
-    is the full lookup (forward all-reduce, backward identity, as ``tp_reduce``)."""
-    if not active():
+def tp_vocab_embedding(ids: torch.Tensor, weight: torch.Tensor,
+                       start: int | None = None) -> torch.Tensor:
+    """Embedding lookup with ``weight`` this rank's block of rows ``[start, start + n)``
+    (``start`` None: ``rank * n``): ids outside the block give zeros, and the sum over the
+    group is the full lookup (forward all-reduce, backward identity, as ``tp_reduce``).
+    Without a group the partial lookup of ``start``'s block is returned as it is (the
+    ranks' outputs sum to the full lookup), or the plain lookup when ``start`` is None."""
+    if not active() and start is None:
         return F.embedding(ids, weight)
     rows = weight.shape[0]
-    local = ids - _BOUND.rank * rows
+    local = ids - (_BOUND.rank * rows if start is None else start)
     outside = (local < 0) | (local >= rows)
-    out = F.embedding(local.masked_fill(outside, 0), weight)
-    return _Reduce.apply(out.masked_fill(outside.unsqueeze(-1), 0.0))
+    out = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(
+        outside.unsqueeze(-1), 0.0)
+    return _Reduce.apply(out) if active() else out
 
 
 def average_grads(params: list[torch.nn.Parameter]) -> None:

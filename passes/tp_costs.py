@@ -36,6 +36,7 @@ COLLECTIVES: dict[str, tuple[str | None, str | None]] = {
     "tp_gather_batch": ("all_gather", "all_gather"),
     "tp_split_batch": (None, "all_gather"),
     "tp_vocab_embedding": ("all_reduce", None),
+    "tp_vocab_cross_entropy": ("all_reduce", None),  # max, sum of exp, target logit
 }
 
 

@@ -79,6 +79,21 @@ def unshard(shards: Sequence[torch.Tensor], dim: int, stride: int = 1) -> torch.
                      dim=dim)
 
 
+def pad(value: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
+    """``value`` with ``rows`` zero rows appended along ``dim`` (a vocabulary padded to a
+    multiple of the degree); ``value`` itself when ``rows`` is 0."""
+    if not rows:
+        return value
+    extra = list(value.shape)
+    extra[dim] = rows
+    return torch.cat([value.detach(), value.new_zeros(extra)], dim=dim)
+
+
+def unpad(value: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
+    """``value`` without its last ``rows`` rows along ``dim`` (the inverse of ``pad``)."""
+    return value.narrow(dim, 0, value.shape[dim] - rows).contiguous() if rows else value
+
+
 #: how each collective's output relates to its input: (split dim, grows)
 SHAPES: dict[str, tuple[int | None, bool]] = {
     "tp_copy": (None, False), "tp_reduce": (None, False), "tp_gather_last": (-1, True),
@@ -125,4 +140,4 @@ def gather_operands(graph: torch.fx.Graph,
 
 
 __all__ = ["SHAPES", "Ties", "attr", "gather_operands", "get_attr", "insert",
-           "replace_module", "retie", "set_param", "shard", "unshard"]
+           "pad", "replace_module", "retie", "set_param", "shard", "unpad", "unshard"]

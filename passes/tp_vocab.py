@@ -8,10 +8,16 @@ its rows, zeroes the others, and the partial embeddings are summed over the grou
 (GPT's tied ``lm_head``) is then a lone column-parallel linear over the same rows, so the
 two names keep sharing one shard (``tp_graph.Ties``) and the logits are gathered.
 
-Not built: a vocabulary not divisible by the degree (no padding rows yet), embedding
-options (``padding_idx``, ``max_norm``, ``scale_grad_by_freq``, ``sparse``), a
-vocab-parallel cross entropy (the logits are gathered whole). Each such embedding leaves
-its region replicated, with the reason.
+A vocabulary ``V`` the degree does not divide is padded to ``ceil(V / tp) * tp`` rows
+(zero rows appended; ``ShardSpec.pad`` records how many): each rank holds
+``ceil(V / tp)`` rows, the padding rows are never looked up (ids < V) and the tied LM
+head's gathered logits are sliced back to ``V`` columns, so their gradients stay zero and
+``state_dict()`` / checkpoints hold the unpadded table (``merge_shards``, ``tp_shards``).
+
+A loss the model's forward takes of those logits is computed without gathering them
+(``passes.tp_loss``). Not built: embedding options (``padding_idx``, ``max_norm``,
+``scale_grad_by_freq``, ``sparse``): such an embedding leaves its region replicated, with
+the reason.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from passes import meta, tp_collectives, tp_costs, tp_graph
+from passes.tp_plan import ShardSpec
 
 EMBEDDING_FUNCTIONS: frozenset[Any] = frozenset({F.embedding})
 ATEN_EMBEDDING = torch.ops.aten.embedding.default
@@ -67,40 +74,51 @@ def find(gm: torch.fx.GraphModule, in_region: Callable[[torch.fx.Node], bool]
 
 
 def reason(emb: Embedding, size: int) -> str | None:
-    """Why ``emb`` cannot be split over ``size`` ranks (None: it can)."""
+    """Why ``emb`` cannot be split over ``size`` ranks (None: it can; a vocabulary the
+    degree does not divide is padded)."""
     rows = int(emb.value.shape[0])
     if emb.options:
         return (f"{emb.weight}: an embedding option (padding_idx, max_norm, "
                 "scale_grad_by_freq, sparse) is set; vocab parallelism takes the defaults")
-    if rows % size:
-        return (f"{emb.weight} has {rows} rows, not divisible by tensor_parallel_degree "
-                f"{size} (padding the vocabulary is not built)")
+    if rows < size:
+        return f"{emb.weight} has {rows} rows, fewer than tensor_parallel_degree {size}"
     return None
 
 
+def padding(rows: int, size: int) -> int:
+    """Zero rows appended so that ``size`` ranks hold ``ceil(rows / size)`` rows each."""
+    return -rows % size
+
+
 def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, emb: Embedding, size: int,
-            rank: int, gather: bool, ties: tp_graph.Ties) -> tuple[str, int, int, tuple[int, ...]]:
-    """Replace ``node`` by this rank's vocab-parallel lookup; (name, dim, parts, full shape)
-    of the shard, for the plan's ShardSpec."""
+            rank: int, gather: bool, ties: tp_graph.Ties) -> ShardSpec:
+    """Replace ``node`` by this rank's vocab-parallel lookup (the table padded to a
+    multiple of ``size`` rows); the shard's spec for the plan."""
     graph = gm.graph
     if node.op == "call_module":
         tp_graph.replace_module(gm, str(node.target))
-    tp_graph.set_param(gm, emb.weight, tp_graph.shard(emb.value, 0, size, rank),
+    rows = int(emb.value.shape[0])
+    pad = padding(rows, size)
+    local_rows = (rows + pad) // size
+    tp_graph.set_param(gm, emb.weight,
+                       tp_graph.shard(tp_graph.pad(emb.value, 0, pad), 0, size, rank),
                        original=emb.value, ties=ties)
     ids = emb.ids
     with graph.inserting_before(node):
         if gather:
             ids = tp_graph.insert(graph, tp_collectives.tp_gather_batch, (ids,), node, size)
         w = tp_graph.get_attr(graph, emb.weight, node)
-        y = graph.call_function(tp_collectives.tp_vocab_embedding, (ids, w))
+        y = graph.call_function(tp_collectives.tp_vocab_embedding,
+                                (ids, w, rank * local_rows))
     y.meta = dict(node.meta)
     meta.TP.set(y, "tp_vocab_embedding")
     meta.PARAMS.set(y, (emb.weight,))
     meta.TENSOR.set(y, tp_costs.local_info(meta.TENSOR.get(node), 0 if gather else None,
                                            size, grow=True))
     cost = meta.COST.get(node)
-    if cost is not None:  # each rank looks up every id; its table is 1/size of the rows
-        meta.COST.set(y, dataclasses.replace(cost, param_bytes=cost.param_bytes // size))
+    if cost is not None:  # each rank looks up every id; its table is its padded rows
+        meta.COST.set(y, dataclasses.replace(
+            cost, param_bytes=cost.param_bytes * local_rows // rows))
     out = y
     if gather:
         with graph.inserting_after(y):
@@ -110,7 +128,7 @@ def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, emb: Embedding, size:
     graph.erase_node(node)
     for old in (a for a in inputs if a.op == "get_attr" and not a.users):
         graph.erase_node(old)
-    return emb.weight, 0, size, tuple(emb.value.shape)
+    return ShardSpec(emb.weight, 0, size, tuple(emb.value.shape), pad=pad)
 
 
-__all__ = ["Embedding", "as_embedding", "find", "reason", "rewrite"]
+__all__ = ["Embedding", "as_embedding", "find", "padding", "reason", "rewrite"]

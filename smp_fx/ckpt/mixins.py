@@ -68,6 +68,14 @@ def _gather_pipeline(local: Any, tp_gathered: bool = False) -> list[Any]:
     return comm.allgather(local, comm.PP_GROUP)
 
 
+def _gather_tensor(spec: Any, t: torch.Tensor) -> torch.Tensor:
+    """The full tensor of this rank's shard ``t`` (collective over the tp group)."""
+    t = t.contiguous()
+    parts = [torch.empty_like(t) for _ in range(spec.parts)]
+    dist.all_gather(parts, t, group=smp_state.get().object_group("tp"))
+    return merge_shards(spec, parts)
+
+
 def gather_shards(plan: Any, local: StateDict) -> StateDict:
     """``local`` with every tensor-parallel shard replaced by the full tensor (collective
     over the tp group): ``state_dict()`` is exactly the unsharded model's."""
@@ -77,10 +85,27 @@ def gather_shards(plan: Any, local: StateDict) -> StateDict:
     out.pop(tp_shards.TP_SHARDS_KEY, None)  # shards are full tensors below
     for spec in plan.sharded:
         if spec.name in out:
-            t = out[spec.name].contiguous()
-            parts = [torch.empty_like(t) for _ in range(spec.parts)]
-            dist.all_gather(parts, t, group=smp_state.get().object_group("tp"))
-            out[spec.name] = merge_shards(spec, parts)
+            out[spec.name] = _gather_tensor(spec, out[spec.name])
+    return out
+
+
+def gather_optimizer_shards(plan: Any, local: StateDict) -> StateDict:
+    """A partial optimizer state (by FQN) with every field of a tensor-parallel
+    parameter's state (Adam's moments, an fp16 master; not a 0-dim step) gathered over
+    the tp group and merged like the parameter: the unsharded optimizer's state. The
+    ranks of a tp group hold the same names and fields (one stage), so they gather in the
+    same order."""
+    if plan is None or not plan.sharded:
+        return local
+    out = dict(local)
+    out.pop(tp_shards.TP_SHARDS_KEY, None)
+    state = dict(out["state"])
+    for spec in plan.sharded:
+        entry = state.get(spec.name)
+        if isinstance(entry, Mapping):
+            state[spec.name] = {k: _gather_tensor(spec, v) if isinstance(v, torch.Tensor)
+                                and v.dim() > 0 else v for k, v in entry.items()}
+    out["state"] = state
     return out
 
 
@@ -325,15 +350,19 @@ class OptimizerCheckpointMixin:
         return _to_cpu(local) if cast_to_cpu else local
 
     def state_dict(self) -> StateDict:
-        """The full optimizer state, as the plain optimizer on the unwrapped model has it."""
+        """The full optimizer state, as the plain optimizer on the unwrapped model has it:
+        tensor-parallel shards of the state gathered over the tp group and merged (padding
+        dropped), then every pipeline stage's part merged. Collective over the tp and
+        pipeline groups: call it on every rank with ``smp.dp_rank() == 0`` (or all)."""
         if not self._smp_is_local():
             return self.optimizer.state_dict()
-        parts = self._smp_gather_parts(_to_cpu(self.local_state_dict()))
-        return merge_optimizer_state_dicts(parts)
+        plan = getattr(self._smp_current_model(), "tp_plan", None)
+        local = gather_optimizer_shards(plan, _to_cpu(self.local_state_dict()))
+        return merge_optimizer_state_dicts(self._smp_gather_parts(local))
 
     def _smp_gather_parts(self, local: StateDict) -> list[Any]:
-        """Every pipeline stage's partial state (the host may gather more first)."""
-        return _gather_pipeline(local)
+        """Every pipeline stage's partial state, its tp shards already gathered."""
+        return _gather_pipeline(local, tp_gathered=True)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load full (integer ids) or partial (FQN) state; deferred until partitioning."""
@@ -364,9 +393,10 @@ class OptimizerCheckpointMixin:
                    else optimizer_state_by_name(state_dict, self._smp_group_names(local=False)))
         local = self._smp_group_names(local=self._smp_is_local())
         plan = getattr(self._smp_current_model(), "tp_plan", None)
-        if plan is not None and plan.sharded and is_partial(by_name):
-            names = [n for g in local for n in g]
-            _refuse_foreign_shards(by_name, plan, names)
+        if plan is not None and plan.sharded:  # full tensors (a full state dict, another
+            names = [n for g in local for n in g]  # degree) are cut to this rank's shards
+            if is_partial(by_name):
+                _refuse_foreign_shards(by_name, plan, names)
             shapes = {n: p.shape for n, p in zip(names, (p for g in self.optimizer.param_groups
                                                           for p in g["params"]))}
             by_name["state"] = {**by_name["state"], **_cut_shards(

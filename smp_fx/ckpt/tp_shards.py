@@ -4,14 +4,16 @@ Why: at ``tensor_parallel_degree`` N a rank holds 1/N of each distributed parame
 of its optimizer state) under the parameter's own name. A partial checkpoint keeps those
 shards as they are, one file per (pp, tp) rank, and says what each is:
 
-    {"_smp_tp_shards": {name: [dim, parts, index, stride]}, ...}
+    {"_smp_tp_shards": {name: [dim, parts, index, stride(, pad)]}, ...}
 
 in every partial model and optimizer state dict that holds one. So a checkpoint saved at
 one tensor-parallel degree loads at another: ``join`` rebuilds the full tensors from the
 files of every tp rank (``tp_graph.unshard``: along ``dim`` in ``index`` order, block by
-block when ``stride`` > 1, a fused projection), and ``cut`` takes this rank's shard of a
-full tensor by the model's current ``ShardSpec`` (``tp_graph.shard``). A tensor without a
-description is whole (replicated, or saved at tp=1).
+block when ``stride`` > 1, a fused projection; the ``pad`` zero rows of a padded
+vocabulary dropped), and ``cut`` takes this rank's shard of a full tensor by the model's
+current ``ShardSpec`` (``tp_graph.shard``, after re-padding). A tensor without a
+description is whole (replicated, or saved at tp=1). ``pad`` is written only when set, so
+unpadded descriptions keep their four fields.
 
 >>> import torch
 >>> parts = [{"w": torch.tensor([[1.], [2.]]), TP_SHARDS_KEY: {"w": [0, 2, 0]}},
@@ -33,10 +35,16 @@ from smp_fx.ckpt.state_dict import TP_SHARDS_KEY
 
 
 def describe(sharded: Iterable[Any], tp_rank: int, names: Iterable[str]) -> dict[str, list[int]]:
-    """``{name: [dim, parts, index, stride]}`` for the ``ShardSpec``s among ``names``."""
+    """``{name: [dim, parts, index, stride(, pad)]}`` for the ``ShardSpec``s among ``names``."""
     present = set(names)
-    return {s.name: [s.dim, s.parts, tp_rank, getattr(s, "stride", 1)] for s in sharded
-            if s.name in present}
+    return {s.name: [s.dim, s.parts, tp_rank, getattr(s, "stride", 1)]
+            + ([s.pad] if getattr(s, "pad", 0) else []) for s in sharded if s.name in present}
+
+
+def _layout(entry: Sequence[int]) -> tuple[int, int, int, int, int]:
+    """(dim, parts, index, stride, pad) of a description (older ones lack the tail)."""
+    dim, parts, index, *rest = entry
+    return (dim, parts, index, rest[0] if rest else 1, rest[1] if len(rest) > 1 else 0)
 
 
 def _entries(part: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -45,14 +53,16 @@ def _entries(part: Mapping[str, Any]) -> Mapping[str, Any]:
     return state if isinstance(state, Mapping) and "param_groups" in part else part
 
 
-def _concat(pieces: Sequence[Any], dim: int, stride: int = 1) -> Any:
-    """Shards joined: tensors along ``dim`` (block by block when ``stride`` > 1); an
-    optimizer entry per field (a 0-dim field, Adam's step, is the same on every shard)."""
+def _concat(pieces: Sequence[Any], dim: int, stride: int = 1, pad: int = 0) -> Any:
+    """Shards joined: tensors along ``dim`` (block by block when ``stride`` > 1, the
+    ``pad`` padding rows dropped); an optimizer entry per field (a 0-dim field, Adam's
+    step, is the same on every shard)."""
     first = pieces[0]
     if isinstance(first, torch.Tensor):
-        return first if first.dim() == 0 else tp_graph.unshard(pieces, dim, stride)
+        return first if first.dim() == 0 else tp_graph.unpad(
+            tp_graph.unshard(pieces, dim, stride), dim, pad)
     if isinstance(first, Mapping):
-        return {k: _concat([p[k] for p in pieces], dim, stride) for k in first}
+        return {k: _concat([p[k] for p in pieces], dim, stride, pad) for k in first}
     return first
 
 
@@ -60,22 +70,23 @@ def join(parts: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """``parts`` with every described shard replaced by its full tensor, descriptions
     dropped (an error when a shard of some name is missing from ``parts``)."""
     pieces: dict[str, dict[int, Any]] = {}
-    layout: dict[str, tuple[int, int, int]] = {}
+    layout: dict[str, tuple[int, int, int, int]] = {}
     for part in parts:
         entries = _entries(part)
-        for name, (dim, n, index, *rest) in dict(part.get(TP_SHARDS_KEY, {})).items():
+        for name, entry in dict(part.get(TP_SHARDS_KEY, {})).items():
+            dim, n, index, stride, pad = _layout(entry)
             if name in entries:
                 pieces.setdefault(name, {})[index] = entries[name]
-                layout[name] = (dim, n, rest[0] if rest else 1)
+                layout[name] = (dim, n, stride, pad)
     full: dict[str, Any] = {}
     for name, by_index in pieces.items():
-        dim, n, stride = layout[name]
+        dim, n, stride, pad = layout[name]
         if sorted(by_index) != list(range(n)):
             raise SMPCheckpointError.build(
                 "a tensor-parallel parameter's shards are not all in the checkpoint",
                 f"{name}: shards {sorted(by_index)} of {n}",
                 fix="load the partial files of every model-parallel rank (see the index)")
-        full[name] = _concat([by_index[i] for i in range(n)], dim, stride)
+        full[name] = _concat([by_index[i] for i in range(n)], dim, stride, pad)
     out = []
     for part in parts:
         new = {k: v for k, v in part.items() if k != TP_SHARDS_KEY}
@@ -101,7 +112,8 @@ def cut(value: Any, spec: Any, tp_rank: int, local_shape: Sequence[int]) -> Any:
             "rank's shard shape", (tuple(value.shape), tuple(spec.full_shape),
                                    tuple(local_shape)), where=spec.name,
             fix="load a checkpoint of the same model configuration")
-    return tp_graph.shard(value, spec.dim, spec.parts, tp_rank, getattr(spec, "stride", 1))
+    return tp_graph.shard(tp_graph.pad(value, spec.dim, getattr(spec, "pad", 0)), spec.dim,
+                          spec.parts, tp_rank, getattr(spec, "stride", 1))
 
 
 def foreign(part: Mapping[str, Any], plan: Any, tp_rank: int) -> list[str]:
@@ -109,11 +121,11 @@ def foreign(part: Mapping[str, Any], plan: Any, tp_rank: int) -> list[str]:
     index): such a state must be re-cut from the full tensors (``smp.load`` does)."""
     specs = {s.name: s for s in getattr(plan, "sharded", ())}
     bad = []
-    for name, (dim, n, index, *rest) in dict(part.get(TP_SHARDS_KEY, {})).items():
+    for name, entry in dict(part.get(TP_SHARDS_KEY, {})).items():
         spec = specs.get(name)
-        stride = rest[0] if rest else 1
-        if spec is None or (dim, n, index, stride) != (spec.dim, spec.parts, tp_rank,
-                                                      getattr(spec, "stride", 1)):
+        if spec is None or _layout(entry) != (spec.dim, spec.parts, tp_rank,
+                                              getattr(spec, "stride", 1),
+                                              getattr(spec, "pad", 0)):
             bad.append(name)
     return bad
 

@@ -79,11 +79,12 @@ def format_tensor_parallel(tp_plan: TensorParallelPlan, full: dict[str, Any]) ->
     for s in tp_plan.sharded:
         p = full.get(s.name)
         nbytes = p.numel() * p.element_size() if p is not None else 0
-        local = list(s.full_shape)
-        local[s.dim] //= s.parts
+        local = s.local_shape  # padding rows included (a padded vocabulary)
+        share = nbytes * local[s.dim] / max(s.full_shape[s.dim], 1)
+        padded = f" padded by {s.pad}" if s.pad else ""
         lines.append(f"  sharded     {s.name}: {tuple(s.full_shape)} split on dim {s.dim} "
-                     f"into {s.parts} -> {tuple(local)} per rank "
-                     f"({human_bytes(nbytes / s.parts)} of {human_bytes(nbytes)})")
+                     f"into {s.parts}{padded} -> {tuple(local)} per rank "
+                     f"({human_bytes(share)} of {human_bytes(nbytes)})")
     for region, why in tp_plan.replicated:
         lines.append(f"  replicated  {region}: {why}")
     if tp_plan.pairs:

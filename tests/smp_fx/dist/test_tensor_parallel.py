@@ -20,6 +20,8 @@ parameters after the steps and ``state_dict()`` (gathered: the unsharded model's
   ``(in, out)`` weight (split along dim 1 as a column, dim 0 as a row), ``c_attn`` fused
   and strided, the causal mask (batch on dim 0) gathered with the batch, the tied
   ``wte`` / ``lm_head`` one shard under both names, ``wpe`` by rows; both batch modes;
+* the same with a vocabulary of 63 (padded to 64 rows, 32 per rank; the logits sliced
+  back to 63): equal to one process, the padding rows and their gradients stay zero;
 * a model whose marked linear is not divisible by tp: it stays replicated, the plan says
   why, and training still matches;
 * pp=2 x tp=2 on 4 ranks (one more spawn), the MLP with ``prescaled_batch`` true.
@@ -46,6 +48,7 @@ TOL = {"atol": 1e-5, "rtol": 1e-5}
 # a parameter whose true gradient is zero (GPT's key bias: softmax ignores it) gets
 # summation-order noise of ~1e-10, which Adam at the default eps turns into full lr steps
 ADAM_EPS = 1e-6
+ODD_VOCAB = 63  # not divisible by tp=2: the vocab-parallel embedding is padded to 64 rows
 
 
 class MLP(nn.Module):
@@ -112,8 +115,10 @@ def _build(kind: str) -> nn.Module:
         return MLP(inner=33)
     if kind == "blocks":
         return Blocks()
-    if kind == "gpt":  # the whole GPT-2-style example: tied wte / lm_head split by
-        gpt = example("gpt").build_model()  # vocabulary rows, every block whole (heads, MLP)
+    if kind in ("gpt", "gpt63"):  # the whole GPT-2-style example: tied wte / lm_head split
+        # by vocabulary rows (63: padded to 64), every block whole (heads, MLP)
+        gpt = example("gpt").build_model(**({"vocab_size": ODD_VOCAB} if kind == "gpt63"
+                                            else {}))
         for module in (gpt.wte, gpt.lm_head, *gpt.h):
             smp.set_tensor_parallelism(module)
         return gpt
@@ -133,7 +138,7 @@ def _build(kind: str) -> nn.Module:
     return model
 
 
-EXAMPLES = {"llama": "hf_llama", "gpt": "gpt", "hf_gpt2": "hf_gpt2"}
+EXAMPLES = {"llama": "hf_llama", "gpt": "gpt", "gpt63": "gpt", "hf_gpt2": "hf_gpt2"}
 
 
 def _loss(kind: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -144,6 +149,11 @@ def _loss(kind: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 def _batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(1234)
+    if kind == "gpt63":
+        ex = example("gpt")
+        return [(ex.example_inputs(GLOBAL_BATCH, vocab_size=ODD_VOCAB)[0],
+                 torch.randint(0, ODD_VOCAB, ex.example_targets(GLOBAL_BATCH).shape))
+                for _ in range(STEPS)]
     if kind in EXAMPLES:
         ex = example(EXAMPLES[kind])
         return [(ex.example_inputs(GLOBAL_BATCH)[0], ex.example_targets(GLOBAL_BATCH))
@@ -201,26 +211,44 @@ def _scenario(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
 
     share = GLOBAL_BATCH // 2
     lo = 0 if prescaled else smp.tp_rank() * share
-    losses, grads = [], []
+    losses, grads, padding = [], [], []
     for x, y in _batches(kind):
         loss = train_step(model, x[lo:lo + share], y[lo:lo + share]).reduce_mean()
-        got = _gathered(model, {n: p.grad for n, p in model.local_named_parameters()})
-        grads.append(got)
+        local_grads = {n: p.grad for n, p in model.local_named_parameters()}
+        padding += _padding_rows(model, local_grads)
+        grads.append(_gathered(model, local_grads))
         losses.append(loss.item())
         opt.step()
         opt.zero_grad()
-    params = _gathered(model, {n: p.detach() for n, p in model.local_named_parameters()})
+    local = {n: p.detach() for n, p in model.local_named_parameters()}
+    padding += _padding_rows(model, local)
+    params = _gathered(model, local)
     full = model.state_dict()
     shapes = {n: tuple(p.shape) for n, p in model.local_named_parameters()}
     distributed = sorted(n for n, p in model.local_named_parameters()
                          if model.is_distributed_parameter(p))
     return {"losses": losses, "grads": grads, "state_dict": full, "params": params,
-            "shapes": shapes, "distributed": distributed, "plan": model.tp_plan.to_json()}
+            "shapes": shapes, "distributed": distributed, "plan": model.tp_plan.to_json(),
+            "padding": padding}
+
+
+def _padding_rows(model: Any, values: dict[str, torch.Tensor]) -> list[float]:
+    """The largest magnitude in the padding rows of this rank's shards (the last rank
+    holds them): 0 when the padded vocabulary's extra rows stay zero, gradients too."""
+    import smp_fx as smp
+
+    out = []
+    for name, t in values.items():
+        spec = model.tp_plan.shard_spec(name)
+        if spec is not None and spec.pad and smp.tp_rank() == spec.parts - 1:
+            out.append(float(t.narrow(spec.dim, t.shape[spec.dim] - spec.pad,
+                                      spec.pad).abs().max()))
+    return out
 
 
 CASES = (("mlp", False), ("mlp", True), ("swiglu", False), ("odd", True), ("llama", True),
          ("llama", False), ("gpt", False), ("gpt", True), ("blocks", False), ("blocks", True),
-         ("hf_gpt2", False), ("hf_gpt2", True))
+         ("hf_gpt2", False), ("hf_gpt2", True), ("gpt63", False), ("gpt63", True))
 
 
 def _checked(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
@@ -251,8 +279,11 @@ def _checked(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
         bad.append(f"state_dict keys {list(res['state_dict'])}")
     bad += [f"state_dict {n}" for n in mismatched(res["state_dict"], ref_params,
                                                    **param_tol)]
+    if any(v != 0.0 for v in res["padding"]):
+        bad.append(f"padding rows {res['padding']}")
     return {"bad": bad, "losses": res["losses"], "shapes": res["shapes"],
-            "distributed": res["distributed"], "plan": res["plan"]}
+            "distributed": res["distributed"], "plan": res["plan"],
+            "padding": res["padding"]}
 
 
 _RESULTS: dict[tuple[str, bool], list[Any]] = {}
@@ -305,6 +336,12 @@ def test_tp2_shards_and_plan() -> None:
     assert specs["model.transformer.h.1.mlp.c_proj.weight"]["dim"] == 0
     assert gpt2["shapes"]["model.transformer.wte.weight"] == (64, 32)  # tied: one shard
     assert specs["model.lm_head.weight"]["dim"] == 0
+    for rank, res in enumerate(_run("gpt63", False)):  # 63 rows padded to 32 per rank
+        assert res["plan"]["replicated"] == [] and res["shapes"]["wte.weight"] == (32, 32)
+        specs = {d["name"]: d for d in res["plan"]["sharded"]}
+        assert specs["wte.weight"]["pad"] == specs["lm_head.weight"]["pad"] == 1
+        assert specs["wte.weight"]["full_shape"] == [ODD_VOCAB, 32]
+        assert len(res["padding"]) == (STEPS + 1 if rank == 1 else 0)  # checked: zeros
     llama = _run("llama", True)[0]  # every layer's q/k/v/o (GQA 4:2, RoPE) and SwiGLU
     assert len(llama["distributed"]) == 14 and llama["plan"]["replicated"] == []
     attn = "model.model.layers.1.self_attn"  # by heads: q, k, v each pair with o_proj

@@ -40,6 +40,7 @@ from passes import meta, tp_collectives, tp_costs, tp_graph, tp_loss, tp_rules, 
 from passes.graph_utils import copy_graph_module
 from passes.tp_linears import Linear, as_linear, sharded_node
 from passes.tp_plan import ShardSpec, TensorParallelPlan, merge_shards
+from passes.tp_sequence import sequence_parallel
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,9 @@ class TensorParallelism:
     rank: int
     prescaled_batch: bool = False
     marked: tuple[str, ...] = ()
+    sequence_parallel: bool = False
+    """``optimize: "memory"``: chunk the activations between pairs by sequence
+    (``passes.tp_sequence``)."""
 
 
 
@@ -191,12 +195,15 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
     pairs: list[tuple[str, str]] = []
     ties: tp_graph.Ties = {}
     vocab_embeds: list[tp_vocab.Embedding] = []
+    done: list[str] = []
+    held_part: list[str] = []  # nodes whose output each rank holds 1/tp of
     for region in regions(tp.marked):
         embeds = tp_vocab.find(new, _region_test(region))
         linears, reason, split, rw = _analyse(new, region, tp.size, embeds, tp.prescaled_batch)
         if reason is not None:
             replicated.append((",".join(region), reason))
             continue
+        done += region
         vocab_embeds += embeds
         for emb in embeds:
             sharded.append(tp_vocab.rewrite(new, by_name[emb.node.name], emb, tp.size,
@@ -219,9 +226,16 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
                 meta.COST.set(node, tp_costs.divide(cost, tp.size))
             meta.TENSOR.set(node, tp_costs.local_info(meta.TENSOR.get(node), dim, tp.size))
         pairs += _pairs(linears, set(split))  # before the rewrite replaces the linears' nodes
+        held_part += [*split, *(lin.node.name for lin in linears if lin.role != "row")]
         for lin in linears:
             sharded += _rewrite(new, by_name[lin.node.name], lin, tp, ties,
                                 rw.strided.get(lin.node.name, 1))
+    chunked_params: tuple[str, ...] = ()
+    if tp.sequence_parallel and done:
+        chunked_params, chunked = sequence_parallel(new, _region_test(tuple(done)), tp.size,
+                                                    not tp.prescaled_batch)
+        held_part += chunked
+    tp_costs.divide_saved(new, set(held_part), tp.size)
     vocab = [s for s in sharded if any(s.name == e.weight for e in vocab_embeds)]
     tp_loss.fuse(new, tp.size, not tp.prescaled_batch,
                  tp_loss.vocab_heads(new, vocab, tp.rank))  # a loss of the vocab logits
@@ -230,7 +244,8 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
     sharded = _with_aliases(new, sharded)
     new.graph.lint()
     new.recompile()
-    return new, TensorParallelPlan(tp.size, tuple(sharded), tuple(replicated), tuple(pairs))
+    return new, TensorParallelPlan(tp.size, tuple(sharded), tuple(replicated), tuple(pairs),
+                                   chunked_params)
 
 
 def _with_aliases(gm: torch.fx.GraphModule, sharded: Sequence[ShardSpec]) -> list[ShardSpec]:

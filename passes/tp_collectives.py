@@ -18,6 +18,15 @@ function as the original.
   the result. The backward of the split gathers the parts' gradients scaled by 1/tp and the
   backward of the gather keeps the local part scaled by tp, so every parameter inside sees
   the tp group's mean gradient and every rank's upstream sees its own.
+* sequence parallelism (``optimize: "memory"``, ``passes.tp_sequence``): between a
+  row-parallel linear and the next column-parallel one each rank holds a chunk of the
+  sequence dim ``dim``. ``tp_seq_reduce_scatter`` (the row output: forward reduce-scatter,
+  backward all-gather) and ``tp_seq_gather`` (the column input: forward all-gather,
+  backward reduce-scatter) replace ``tp_reduce`` and ``tp_copy``; at the edges of the
+  chunked part ``tp_seq_scatter`` (forward the local chunk, backward all-gather) and
+  ``tp_seq_unscatter`` (forward all-gather, backward the local chunk) convert to and from
+  replicated values. ``sum_grads`` completes the gradients of parameters that saw only
+  this rank's chunk (layer norms, row biases).
 """
 
 from __future__ import annotations
@@ -150,6 +159,84 @@ def tp_split_batch(x: torch.Tensor) -> torch.Tensor:
     return _SplitBatch.apply(x) if active() else x
 
 
+def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """Sum over the group, keep this rank's chunk of ``dim``: an all-reduce and a slice,
+    as gloo has no reduce-scatter (the link model prices the real one)."""
+    return _local(_all_reduce(x), dim)
+
+
+class _SeqGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.dim = dim
+        return _all_gather(x, dim)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _reduce_scatter(g, ctx.dim), None
+
+
+class _SeqReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.dim = dim
+        return _reduce_scatter(x, dim)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather(g, ctx.dim), None
+
+
+class _SeqScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.dim = dim
+        return _local(x, dim)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather(g, ctx.dim), None
+
+
+class _SeqUnscatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
+        ctx.dim = dim
+        return _all_gather(x, dim)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _local(g, ctx.dim), None
+
+
+def tp_seq_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return _SeqGather.apply(x, dim) if active() else x
+
+
+def tp_seq_reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return _SeqReduceScatter.apply(x, dim) if active() else x
+
+
+def tp_seq_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return _SeqScatter.apply(x, dim) if active() else x
+
+
+def tp_seq_unscatter(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return _SeqUnscatter.apply(x, dim) if active() else x
+
+
+def tp_seq_full_shape(x: torch.Tensor, dim: int, gathered: bool) -> torch.Size:
+    """The replicated value's shape read from this rank's chunk, without communication:
+    the sequence dim times the degree; ``gathered``: the batch back to this rank's."""
+    if not active():
+        return x.shape
+    shape = list(x.shape)
+    shape[dim] *= _BOUND.size
+    if gathered:
+        shape[0] //= _BOUND.size
+    return torch.Size(shape)
+
+
 def tp_vocab_embedding(ids: torch.Tensor, weight: torch.Tensor,
                        start: int | None = None) -> torch.Tensor:
     """Embedding lookup with ``weight`` this rank's block of rows ``[start, start + n)``
@@ -170,12 +257,25 @@ def tp_vocab_embedding(ids: torch.Tensor, weight: torch.Tensor,
 def average_grads(params: list[torch.nn.Parameter]) -> None:
     """Average the ``.grad`` of ``params`` over the tp group (replicated parameters under
     ``prescaled_batch: false``, whose tp ranks saw different examples)."""
+    _reduce_grads(params, _BOUND.size)
+
+
+def sum_grads(params: list[torch.nn.Parameter]) -> None:
+    """Sum the ``.grad`` of ``params`` over the tp group: parameters read only by
+    sequence-parallel ops, whose gradient on each rank covers its chunk of the sequence."""
+    _reduce_grads(params, 1)
+
+
+def _reduce_grads(params: list[torch.nn.Parameter], divisor: int) -> None:
+    """All-reduce the gradients of ``params`` as one flat buffer, divided by ``divisor``."""
     if not active():
         return
     grads = [p.grad for p in params if p.grad is not None]
     if not grads:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads]) / _BOUND.size
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    if divisor != 1:
+        flat /= divisor
     dist.all_reduce(flat, group=_BOUND.group)
     offset = 0
     for g in grads:

@@ -18,7 +18,7 @@ sharded tensors themselves; the rest is here:
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch.fx
@@ -37,7 +37,15 @@ COLLECTIVES: dict[str, tuple[str | None, str | None]] = {
     "tp_split_batch": (None, "all_gather"),
     "tp_vocab_embedding": ("all_reduce", None),
     "tp_vocab_cross_entropy": ("all_reduce", None),  # max, sum of exp, target logit
+    "tp_seq_reduce_scatter": ("reduce_scatter", "all_gather"),
+    "tp_seq_gather": ("all_gather", "reduce_scatter"),
+    "tp_seq_scatter": (None, "all_gather"),
+    "tp_seq_unscatter": ("all_gather", None),
 }
+
+
+CHUNK_OUTPUTS = frozenset({"tp_split_batch", "tp_seq_reduce_scatter", "tp_seq_scatter"})
+"""Collectives whose output is this rank's part: the value moved is ``size`` times it."""
 
 
 def divide(cost: NodeCost, size: int, params: bool = False) -> NodeCost:
@@ -47,6 +55,35 @@ def divide(cost: NodeCost, size: int, params: bool = False) -> NodeCost:
         fwd_time_s=cost.fwd_time_s / size, bwd_time_s=cost.bwd_time_s / size,
         output_bytes=cost.output_bytes // size, saved_bytes=cost.saved_bytes // size,
         param_bytes=cost.param_bytes // size if params else cost.param_bytes)
+
+
+def divide_saved(gm: torch.fx.GraphModule, split: Collection[str], size: int) -> None:
+    """One rank's saved bytes (``meta.SAVED``, in place): a stored value owned by a node in
+    ``split`` (its output is held 1/size per rank: feature-split, a column linear's
+    output, a sequence chunk) counts 1/size, and so do such a node's extras (masks)."""
+    for node in gm.graph.nodes:
+        saved = meta.SAVED.get(node)
+        if saved is None:
+            continue
+        keys = tuple((k, b // size if _owner(k) in split else b) for k, b in saved.keys)
+        name, nbytes = saved.storage
+        meta.SAVED.set(node, dataclasses.replace(
+            saved, keys=keys, extra=saved.extra // size if node.name in split else saved.extra,
+            storage=(name, nbytes // size if _owner(name) in split else nbytes)))
+
+
+def rename_saved(node: torch.fx.Node, owner: str, new: str, nbytes: int) -> None:
+    """``node`` saves ``new`` (``nbytes``) where it saved ``owner``'s value: a column
+    linear fed by a sequence gather keeps the gathered input, not the chunk."""
+    saved = meta.SAVED.get(node)
+    if saved is not None:
+        keys = tuple((new, nbytes) if _owner(k) == owner else (k, b) for k, b in saved.keys)
+        meta.SAVED.set(node, dataclasses.replace(saved, keys=keys))
+
+
+def _owner(key: str) -> str:
+    """The node name in a saved-value key (``name``, ``name[i]``, ``name#copyN``)."""
+    return key.split("[", 1)[0].split("#", 1)[0]
 
 
 def local_info(info: Any, dim: int | None, size: int, grow: bool = False) -> Any:
@@ -85,7 +122,7 @@ def price_collectives(gm: torch.fx.GraphModule, size: int, comm_time: CommTime |
             continue
         info = meta.TENSOR.get(node)  # the output: the full value, but after a split
         nbytes = float(getattr(info, "nbytes", 0) or 0)
-        if meta.TP.get(node) == "tp_split_batch":
+        if meta.TP.get(node) in CHUNK_OUTPUTS:
             nbytes *= size
         fwd = collective_time(kinds[0], nbytes, size, comm_time)
         bwd = collective_time(kinds[1], nbytes, size, comm_time)
@@ -94,4 +131,5 @@ def price_collectives(gm: torch.fx.GraphModule, size: int, comm_time: CommTime |
                                                 bwd_time_s=base.bwd_time_s + bwd))
 
 
-__all__ = ["COLLECTIVES", "collective_time", "divide", "local_info", "price_collectives"]
+__all__ = ["COLLECTIVES", "collective_time", "divide", "divide_saved", "local_info",
+           "price_collectives", "rename_saved"]

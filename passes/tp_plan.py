@@ -63,17 +63,23 @@ class TensorParallelPlan:
     sharded: tuple[ShardSpec, ...] = ()
     replicated: tuple[tuple[str, str], ...] = ()
     pairs: tuple[tuple[str, str], ...] = field(default=())
+    sequence_parallel: tuple[str, ...] = ()
+    """``optimize: "memory"``: the replicated parameters read by sequence-chunked ops
+    (``passes.tp_sequence``), whose gradients are summed over the tp group."""
 
     def to_json(self) -> dict[str, Any]:
-        return {"size": self.size, "sharded": [s.to_json() for s in self.sharded],
-                "replicated": [list(r) for r in self.replicated],
-                "pairs": [list(p) for p in self.pairs]}
+        out = {"size": self.size, "sharded": [s.to_json() for s in self.sharded],
+               "replicated": [list(r) for r in self.replicated],
+               "pairs": [list(p) for p in self.pairs]}
+        return out | ({"sequence_parallel": list(self.sequence_parallel)}
+                      if self.sequence_parallel else {})
 
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> TensorParallelPlan:
         return TensorParallelPlan(d["size"], tuple(ShardSpec.from_json(s) for s in d["sharded"]),
                                   tuple((a, b) for a, b in d["replicated"]),
-                                  tuple((a, b) for a, b in d["pairs"]))
+                                  tuple((a, b) for a, b in d["pairs"]),
+                                  tuple(d.get("sequence_parallel", ())))
 
     def shard_spec(self, name: str) -> ShardSpec | None:
         return next((s for s in self.sharded if s.name == name), None)

@@ -220,7 +220,7 @@ def tensor_parallelism(params: dict[str, Any], model: nn.Module) -> TensorParall
     if cfg.tensor_parallel_degree <= 1:
         return None
     return TensorParallelism(cfg.tensor_parallel_degree, 0, cfg.prescaled_batch,
-                             marked_paths(model))
+                             marked_paths(model), sequence_parallel=cfg.optimize == "memory")
 
 
 def _call(fn: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> Any:

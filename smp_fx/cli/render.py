@@ -90,6 +90,10 @@ def format_tensor_parallel(tp_plan: TensorParallelPlan, full: dict[str, Any]) ->
     if tp_plan.pairs:
         lines.append("  pairs (column -> row): " + ", ".join(f"{a} -> {b}"
                                                             for a, b in tp_plan.pairs))
+    if tp_plan.sequence_parallel:
+        lines.append("  sequence-parallel (optimize: memory): activations between the pairs "
+                     "held by sequence chunk; gradients summed over tp for "
+                     + ", ".join(tp_plan.sequence_parallel))
     return "\n".join(lines)
 
 

@@ -40,6 +40,8 @@ class TensorParallelRuntime:
         self._distributed_ids = {id(p) for p in distributed}
         self.replicated = replicated
         self.average_replicated = average_replicated
+        self.chunked: list[nn.Parameter] = []
+        """Read by sequence-chunked ops: gradients summed over tp after each step."""
         self._training = False
 
     @staticmethod
@@ -51,6 +53,8 @@ class TensorParallelRuntime:
         rt = TensorParallelRuntime(plan, [p for n, p in local if n in names],
                                    [p for n, p in local if n not in names],
                                    not st.config.prescaled_batch)
+        chunked = set(plan.sequence_parallel)
+        rt.chunked = [p for n, p in local if n in chunked]
         model.executor.pre_step_hooks.append(rt.pre_step)
         model.executor.post_step_hooks.append(rt.post_step)
         for region, why in plan.replicated:
@@ -64,5 +68,7 @@ class TensorParallelRuntime:
         self._training = any(op.kind == "B" for op in ops)
 
     def post_step(self) -> None:
+        if self._training and self.chunked:
+            tp_collectives.sum_grads(self.chunked)  # each rank's covers its sequence chunk
         if self._training and self.average_replicated:
             tp_collectives.average_grads(self.replicated)

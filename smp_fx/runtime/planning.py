@@ -58,7 +58,7 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             measured = measured_costs(gm, args, kwargs, times, memory, st)
     pconfig = cfg.partition_config(device.name, checkpointing=checkpoint_rules(module))
     tp = TensorParallelism(st.axis_size("tp"), st.axis_rank("tp"), cfg.prescaled_batch,
-                           marked_paths(module))
+                           marked_paths(module), sequence_parallel=cfg.optimize == "memory")
     with thread_modes(torch.is_grad_enabled(), autocast):
         compiled = compile_model(module, args, kwargs, pconfig, device=device, pins=pins,
                                  measured=measured, traced=gm, tp=tp)

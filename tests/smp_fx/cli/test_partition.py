@@ -363,3 +363,52 @@ def test_tensor_parallel_degree_shows_one_ranks_costs_and_the_shards(
                           "--tensor-parallel-degree", "4")
     assert code == 0, err
     assert "replicated" in out and "not divisible by tensor_parallel_degree 4" in out
+
+
+TP_BLOCKS = '''
+import torch
+from torch import nn
+import smp_fx as smp
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln = nn.LayerNorm(16)
+        self.fc1 = nn.Linear(16, 64)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(64, 16)
+
+    def forward(self, x):
+        return x + self.fc2(self.act(self.fc1(self.ln(x))))
+
+
+def build_model():
+    blocks = [Block() for _ in range(4)]
+    for block in blocks:
+        smp.set_tensor_parallelism(block)
+    return nn.Sequential(*blocks)
+
+
+def example_inputs(batch_size=4):
+    return (torch.randn(batch_size, 32, 16),)
+'''
+
+
+def test_optimize_memory_chunks_the_sequence_and_the_plan_holds_less(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "tp_blocks.py"
+    path.write_text(TP_BLOCKS)
+    totals = {}
+    for optimize in ("speed", "memory"):
+        config = tmp_path / f"{optimize}.json"
+        config.write_text(json.dumps({"optimize": optimize, "memory_weight": 0.5}))
+        code, out, err = _run(capsys, str(path), "--partitions", "2", "--config", str(config),
+                              "--tensor-parallel-degree", "2", "--json",
+                              str(tmp_path / f"plan_{optimize}.json"))
+        assert code == 0, err
+        assert ("sequence-parallel (optimize: memory)" in out) == (optimize == "memory")
+        plan = json.loads((tmp_path / f"plan_{optimize}.json").read_text())
+        totals[optimize] = sum(s["memory"]["activations"] for s in plan["stages"])
+    assert "1.ln.weight" in out and "0.fc2.bias" in out
+    assert totals["memory"] < totals["speed"]

@@ -22,6 +22,9 @@ parameters after the steps and ``state_dict()`` (gathered: the unsharded model's
   ``wte`` / ``lm_head`` one shard under both names, ``wpe`` by rows; both batch modes;
 * the same with a vocabulary of 63 (padded to 64 rows, 32 per rank; the logits sliced
   back to 63): equal to one process, the padding rows and their gradients stay zero;
+* ``optimize: "memory"`` (the default, so every case above) chunks the sequence between
+  the pairs where a marked region has layer norms / residuals there (GPT example, blocks:
+  ``passes.tp_sequence``); ``"speed"`` cases keep them replicated;
 * a model whose marked linear is not divisible by tp: it stays replicated, the plan says
   why, and training still matches;
 * pp=2 x tp=2 on 4 ranks (one more spawn), the MLP with ``prescaled_batch`` true.
@@ -158,7 +161,7 @@ def _batches(kind: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ex = example(EXAMPLES[kind])
         return [(ex.example_inputs(GLOBAL_BATCH)[0], ex.example_targets(GLOBAL_BATCH))
                 for _ in range(STEPS)]
-    shape = (GLOBAL_BATCH, 5, 8) if kind == "blocks" else (GLOBAL_BATCH, 8)
+    shape = (GLOBAL_BATCH, 6, 8) if kind == "blocks" else (GLOBAL_BATCH, 8)
     return [(torch.randn(shape), torch.randint(0, 6, (GLOBAL_BATCH,))) for _ in range(STEPS)]
 
 
@@ -195,11 +198,12 @@ def _gathered(model: Any, values: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def _scenario(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
+def _scenario(kind: str, prescaled: bool, pp: int = 1, optimize: str = "memory"
+              ) -> dict[str, Any]:
     import smp_fx as smp
 
     smp.init({"pipeline_parallel_degree": pp, "tensor_parallel_degree": 2, "ddp": True,
-              "prescaled_batch": prescaled, "microbatches": 2})
+              "prescaled_batch": prescaled, "microbatches": 2, "optimize": optimize})
     model = smp.DistributedModel(_build(kind))
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS))
 
@@ -251,11 +255,12 @@ CASES = (("mlp", False), ("mlp", True), ("swiglu", False), ("odd", True), ("llam
          ("hf_gpt2", False), ("hf_gpt2", True), ("gpt63", False), ("gpt63", True))
 
 
-def _checked(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
+def _checked(kind: str, prescaled: bool, pp: int = 1, optimize: str = "memory"
+             ) -> dict[str, Any]:
     """One scenario on this rank, compared here with the reference (names of mismatches)."""
     share = GLOBAL_BATCH // 2
     ref_losses, ref_grads, ref_params = _reference(kind, share if prescaled else GLOBAL_BATCH)
-    res = _scenario(kind, prescaled, pp)
+    res = _scenario(kind, prescaled, pp, optimize)
     bad: list[str] = []
     if prescaled and not torch.allclose(torch.tensor(res["losses"]), torch.tensor(ref_losses),
                                         atol=1e-5, rtol=1e-5):
@@ -286,22 +291,43 @@ def _checked(kind: str, prescaled: bool, pp: int = 1) -> dict[str, Any]:
             "padding": res["padding"]}
 
 
-_RESULTS: dict[tuple[str, bool], list[Any]] = {}
+_RESULTS: dict[tuple[str, bool, str], list[Any]] = {}
 
 
-def _run(kind: str, prescaled: bool) -> list[Any]:
+def _run(kind: str, prescaled: bool, optimize: str = "memory") -> list[Any]:
     """One spawn per case (re-initialising gloo inside one spawn races on the store);
     a built-in device spec, as measuring the CPU's on rank 0 is slow on a loaded machine."""
-    if (kind, prescaled) not in _RESULTS:
-        _RESULTS[kind, prescaled] = run_ranks(_checked, 2, kind, prescaled, timeout=180,
-                                              env={"SMP_FX_DEVICE_SPEC": "a100"})
-    return _RESULTS[kind, prescaled]
+    if (kind, prescaled, optimize) not in _RESULTS:
+        _RESULTS[kind, prescaled, optimize] = run_ranks(
+            _checked, 2, kind, prescaled, 1, optimize, timeout=180,
+            env={"SMP_FX_DEVICE_SPEC": "a100"})
+    return _RESULTS[kind, prescaled, optimize]
 
 
 @pytest.mark.parametrize(("kind", "prescaled"), CASES)
 def test_tp2_matches_single_process_model(kind: str, prescaled: bool) -> None:
     for res in _run(kind, prescaled):
         assert res["bad"] == [], (kind, prescaled)
+
+
+@pytest.mark.parametrize(("kind", "prescaled"), (("gpt", False), ("blocks", True)))
+def test_tp2_optimize_speed_matches_single_process_model(kind: str, prescaled: bool) -> None:
+    """``optimize: "speed"``: activations between the pairs replicated (no sequence
+    chunks); the cases above run the default ``"memory"``."""
+    for res in _run(kind, prescaled, "speed"):
+        assert res["bad"] == [] and "sequence_parallel" not in res["plan"], (kind, prescaled)
+
+
+def test_optimize_memory_chunks_the_sequence_between_pairs() -> None:
+    """``optimize: "memory"`` (default): between a row and the next column linear each rank
+    holds half the sequence; the layer norms and row biases there have their gradients
+    summed over tp (listed in the plan). Both batch modes; the equality with one process
+    is asserted by the cases above."""
+    for prescaled in (False, True):
+        chunked = _run("gpt", prescaled)[0]["plan"]["sequence_parallel"]
+        assert {"h.0.ln_2.weight", "h.1.ln_1.bias", "h.1.mlp.c_proj.bias"} <= set(chunked)
+        assert "h.0.ln_1.weight" not in chunked  # before the first pair: replicated
+        assert "blocks.0.ln_2.weight" in _run("blocks", prescaled)[0]["plan"]["sequence_parallel"]
 
 
 def test_tp2_shards_and_plan() -> None:

@@ -19,7 +19,6 @@ import inspect
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -35,25 +34,23 @@ from cost_model.errors import (
     not_implemented,
 )
 from passes.plan import PartitionPlan
-from passes.split_stages import StagedProgram, split_stages
+from passes.split_stages import StagedProgram
 from passes.tensor_parallel import TensorParallelPlan
 from smp_fx.amp import fp16
 from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
 from smp_fx.delayed_init import is_delayed, materialize
-from smp_fx.dist import clip, ddp, launch, sdp, state
+from smp_fx.dist import clip, ddp, sdp, state
 from smp_fx.dist.tensor_parallel import TensorParallelRuntime
-from smp_fx.dist.tied import TiedReplicas, has_tied, tied_duplicates, tied_groups
+from smp_fx.dist.tied import TiedReplicas
+from smp_fx.model_options import ModelOptions
 from smp_fx.runtime import context
 from smp_fx.runtime import executor as ex
-from smp_fx.runtime.activations import ActivationKeeper
-from smp_fx.runtime.checkpointing import outline_regions
-from smp_fx.runtime.dist_transport import DistTransport
 from smp_fx.runtime.lowering import cached_schedule
 from smp_fx.runtime.modes import Autocast, autocast_state
-from smp_fx.runtime.planning import agree_on_plan, plan_stages
-from smp_fx.runtime.shapes import ShapeGuard, guard_for
-from smp_fx.runtime.transport import InProcessTransport, Transport
+from smp_fx.runtime.placement import place_stages
+from smp_fx.runtime.planning import plan_stages
+from smp_fx.runtime.shapes import ShapeGuard
 from smp_fx.tp_register import replace_registered
 
 if TYPE_CHECKING:
@@ -63,21 +60,6 @@ log = logging.getLogger("smp_fx.model")
 
 OUTSIDE_STEP = ("The __call__ and backward method calls on the smp.DistributedModel object "
                 "can only be made inside a smp.step-decorated function")
-
-@dataclass(frozen=True)
-class ModelOptions:
-    """The ``DistributedModel`` arguments (DDP ones are kept for the data-parallel work)."""
-
-    trace_device: str = "gpu"
-    trace_execution_times: bool = False
-    overlapping_allreduce: bool = True
-    backward_passes_per_step: int = 1
-    average_grads_across_microbatches: bool = True
-    bucket_cap_mb: int = 25
-    trace_memory_usage: bool = False
-    broadcast_buffers: bool = True
-    gradient_as_bucket_view: bool = False
-
 
 # SMP's state_dict() (ModelCheckpointMixin) takes none of Module.state_dict's arguments
 class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
@@ -116,26 +98,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
                     "returned the first time")
             return
         super().__init__()
-        if trace_device not in ("cpu", "gpu"):
-            raise SMPConfigError.build("trace_device must be 'cpu' or 'gpu'", trace_device,
-                                       "smp.DistributedModel", "pass 'cpu' or 'gpu'")
-        if trace_execution_times and trace_device == "cpu":
-            raise SMPConfigError.build(
-                "trace_execution_times must be False if trace_device is 'cpu'", True,
-                "smp.DistributedModel", "set trace_device='gpu' or trace_execution_times=False")
-        # a configured feature DistributedModel would use but smp-fx lacks (fp16, tensor
-        # parallelism, ...) is an error here, never silently ignored
-        if state.is_initialized():
-            state.get().config.check_features("DistributedModel")
-        if (trace_execution_times or trace_memory_usage) and is_delayed(module):
-            raise SMPConfigError.build(
-                "trace_execution_times / trace_memory_usage run the model, which a model "
-                "built under smp.delay_param_initialization() cannot do", True,
-                "smp.DistributedModel", "leave both False (analytic costs need no weights)")
-        if isinstance(module, torch.jit.ScriptModule):
-            raise SMPConfigError.build("torch.jit.ScriptModules are not supported",
-                                       type(module).__name__, "smp.DistributedModel",
-                                       "wrap the plain nn.Module")
+        options.check(module)
         replace_registered(module)  # smp.tp_register: marked instances -> distributed
         self.module = module
         self.options = options
@@ -396,11 +359,13 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
                    autocast: Autocast = ()) -> None:
         """Trace on one microbatch's model inputs, plan, split, place; same on every rank.
 
+        Placing is ``smp_fx.runtime.placement``; what reads the model (tied-gradient hooks,
+        tensor and data parallelism, optimizers, post-partition hooks) is wired here.
+
         ``autocast`` is the step function's autocast at its ``model(...)`` call: shapes and
         costs are taken under it, so the plan counts the bytes the stages will hold."""
         st = state.get()
         cfg = st.config
-        p = cfg.pipeline_parallel_degree
         multi = not st.in_process and st.axis_size("pp") > 1
         if not multi and is_delayed(self.module):
             # every stage lives in this process: materialise the whole model once, which
@@ -410,42 +375,16 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
             gm, self.plan, self.tp_plan = plan_stages(
                 self.module, args, kwargs, self.options.trace_execution_times,
                 self.options.trace_memory_usage, autocast)
-        if not st.in_process and st.world_size > 1:
-            agree_on_plan(gm, st)
-        program = split_stages(gm, p)
-        timeout_s = launch.timeout().total_seconds()
-        transport: Transport
-        if multi:
-            pp_rank = st.axis_rank("pp")
-            local = [pp_rank]
-            devices = {pp_rank: st.device}
-            transport = DistTransport(st.group_ranks("pp"), pp_rank, st.device, timeout_s,
-                                      DistTransport.make_groups())
-        else:
-            local = list(range(p))
-            devices = _in_process_devices(p, st.device, program)
-            transport = InProcessTransport(devices)
+        placed = place_stages(gm, self.plan, self.canonical_names, st)
         self._transport_kind = "dist" if multi else "in_process"
-        runners = {s: ex.StageRunner(program.stages[s], devices[s]) for s in local}
-        delayed = any(is_delayed(r.module) for r in runners.values())
-        # tied parameters are found by the original objects, before materialising
-        self._tied = TiedReplicas(tied_groups(program, st, self.canonical_names) if multi else [])
-        if multi:
-            self._tied_duplicates = tied_duplicates(program, pp_rank, self.canonical_names)
-        for s, r in runners.items():
-            _materialise(r.module, devices[s])
-        self._program, self._runners = program, runners
-        self._executor = ex.Executor(program, runners, transport, multi, timeout_s, st.rank,
-                                     st.group_ranks("pp") if multi else None)
-        self._shapes = guard_for(gm, program)
-        if multi and self._shapes.active:
-            self._executor.check_received = self._shapes.check_received
-        self._checkpoint_stages(runners, cfg)
+        self._tied, self._tied_duplicates = placed.tied, placed.tied_duplicates
+        self._program, self._runners = placed.program, placed.runners
+        self._executor, self._shapes = placed.executor, placed.shapes
         if multi:
             if self._tied.groups:
                 self._executor.pre_step_hooks.append(self._snapshot_tied_grads)
                 self._executor.post_step_hooks.append(self._reduce_tied_grads)
-                if delayed:  # replicas initialised on different ranks: take the first's
+                if placed.delayed:  # replicas initialised on different ranks: take the first's
                     self._tied.broadcast(dict(self.local_named_parameters()))
         if self.tp_plan is not None:
             self._tp = TensorParallelRuntime.attach(self, self.tp_plan, st)
@@ -459,23 +398,6 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
             n = len(inspect.signature(hook).parameters)
             first = self._optimizers[0] if self._optimizers else None
             hook(*(self, first)[:n])
-
-    def _checkpoint_stages(self, runners: dict[int, ex.StageRunner], cfg: Any) -> None:
-        """Each local stage runs its checkpointed regions under torch's checkpoint, and
-        gets the saved-tensor hooks that offload their inputs (``offload_activations``)."""
-        assert self.plan is not None and self._executor is not None
-        if cfg.offload_activations and not any(st.checkpointed for st in self.plan.stages):
-            raise SMPConfigError.build(
-                "'offload_activations' moves checkpointed regions' inputs, and no module "
-                "is checkpointed", True, "smp.DistributedModel (first smp.step)",
-                "call smp.set_activation_checkpointing(module) before the first step, or "
-                "drop 'offload_activations'")
-        self._executor.loading_horizon = cfg.activation_loading_horizon
-        for s, r in runners.items():
-            outline_regions(r.stage.module)
-            state_tensors = [*r.stage.module.parameters(), *r.stage.module.buffers()]
-            self._executor.keepers[s] = ActivationKeeper(state_tensors,
-                                                         offload=cfg.offload_activations)
 
     @property
     def _tied_groups(self) -> list[tuple[Any, list[str]]]:
@@ -493,28 +415,4 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         cfg = state.get().config
         return cached_schedule(cfg.pipeline, cfg.pipeline_parallel_degree, num_microbatches,
                                cfg.active_microbatches, forward_only)
-
-
-def _in_process_devices(p: int, device: torch.device,
-                        program: StagedProgram) -> dict[int, torch.device]:
-    """cuda:0..p-1 when there are that many GPUs and no tied parameters, else one device."""
-    if device.type == "cuda" and torch.cuda.device_count() >= p and not has_tied(program):
-        return {s: torch.device("cuda", s) for s in range(p)}
-    return {s: device for s in range(p)}
-
-
-def _materialise(module: nn.Module, device: torch.device) -> None:
-    """Place one stage's parameters on ``device``; meta (delayed-init) ones are created there.
-
-    Delayed initialisation (``smp.delay_param_initialization``): the stage's modules get
-    ``to_empty`` then ``reset_parameters`` (``smp_fx.delayed_init.materialize``), so only
-    this rank's stage is ever allocated. The values then differ from an eagerly built model
-    with the same seed (the RNG stream is consumed per stage, not for the whole model);
-    tied replicas on several ranks are made equal by a broadcast from the first owner.
-    """
-    if is_delayed(module):
-        materialize(module, device)
-        return
-    module.to(device)
-
 

@@ -46,8 +46,9 @@ import torch
 from cost_model.errors import SMPCheckpointError
 from smp_fx._compat import SMP_API_VERSION
 from smp_fx.ckpt.atomic import atomic_write, fsync_dir
-from smp_fx.ckpt.files import load, read_file, save
+from smp_fx.ckpt.files import load, save
 from smp_fx.ckpt.hf_weights import find_hf_weights, read_hf_weights
+from smp_fx.ckpt.safe_load import read_file
 from smp_fx.ckpt.validate import agree_or_raise, world_gather
 from smp_fx.dist import state as smp_state
 from smp_fx.dist.state_api import module_manager

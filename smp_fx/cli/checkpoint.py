@@ -22,7 +22,8 @@ import torch
 
 from cost_model.errors import SMPError
 from smp_fx.ckpt.atomic import atomic_write
-from smp_fx.ckpt.files import load_partial_set, merge_partial_objects, read_index
+from smp_fx.ckpt.files import load_partial_set, merge_partial_objects
+from smp_fx.ckpt.layout import read_index
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:

@@ -28,7 +28,8 @@ the original exception and every thread is released. A thread waiting for its tu
 driver performs an op keeps waiting past the timeout: the driver's own wait is bounded (a
 transfer's timeout names the peer it waits for, which says more than "no turn came"), so
 the conductor times out only when no thread is performing an op. ``status`` tells where
-every microbatch's step function is, for the flight record (``smp_fx.runtime.flight``).
+every microbatch's step function is, for the flight record (``smp_fx.runtime.flight``),
+in the words of ``smp_fx.runtime.turns``.
 The conductor knows ops only by kind and microbatch; what an op does, and every value it
 moves, is the executor's.
 """
@@ -39,7 +40,6 @@ import contextlib
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,30 +48,16 @@ from cost_model.errors import SMPInternalError, SMPRuntimeError, SMPTimeoutError
 from smp_fx.runtime import context
 from smp_fx.runtime.lowering import Op
 from smp_fx.runtime.modes import Autocast, autocast_state, thread_modes
+from smp_fx.runtime.turns import (
+    Microbatch,
+    Request,
+    StepView,
+    Turn,
+    next_op_words,
+    status_lines,
+)
 
 Execute = Callable[[int, Op], None]  # (position in the op list, op): performs one op
-Microbatch = tuple[tuple[Any, ...], dict[str, Any]]  # a step function's (args, kwargs)
-
-
-@dataclass
-class Request:
-    """What a step function asked for (``model(...)`` or ``model.backward(...)``), with
-    its thread's grad mode and autocast, which apply to the work done for it."""
-
-    args: Any
-    grad_enabled: bool
-    autocast: Autocast
-
-
-@dataclass
-class _Turn:
-    """One microbatch's side of the turn-taking during a step."""
-
-    f_request: Request | None = None
-    b_request: Request | None = None
-    outputs: Any = None
-    outputs_ready: bool = False
-    backward_done: bool = False
 
 
 class _Aborted(BaseException):
@@ -95,7 +81,7 @@ class Conductor:
         self._lock = threading.Lock()
         self._conds: list[threading.Condition] = []
         self._main = threading.Condition(self._lock)
-        self._turns: list[_Turn] = []
+        self._turns: list[Turn] = []
         self._done: list[bool] = []
         self._ops: tuple[Op, ...] = ()
         self._next = 0
@@ -301,43 +287,14 @@ class Conductor:
             who = f"microbatch {mb}'s step function" if mb >= 0 else "the smp.step call"
             raise SMPTimeoutError.build(
                 f"{who} waited {self.timeout_s:.0f} s for {what}, and no thread performed an "
-                "op", self._next_words(), f"rank {self.rank}",
+                "op", next_op_words(self._view(), self.describe), f"rank {self.rank}",
                 "a step function blocks (on something outside smp-fx, or on another "
                 "microbatch); see the flight record above")
 
-    def _next_words(self) -> str:
-        """With the lock held: the next op and what keeps it from running, in words."""
-        ops, i = self._ops, self._next
-        if i >= len(ops):
-            return "every op of the step is done"
-        op = ops[i]
-        words = f"next op {op}: {self.describe(op)}"
-        if self._driving:
-            return words + ", being performed"
-        if op.kind == "F" and self._turns[op.microbatch].f_request is None \
-                and not self._done[op.microbatch]:
-            return words + f", waiting for microbatch {op.microbatch}'s step function to " \
-                "call model(...)"
-        if op.kind == "WAIT_B" and not self._runnable(op):
-            return words + f", waiting for microbatch {op.microbatch}'s step function"
-        busy = [k for k in range(len(self._turns)) if self._state(k).startswith("running")]
-        return words + ", runnable, but every thread that could perform it runs user code" + (
-            f" (step functions of microbatches {busy})" if busy else "")
-
-    def _state(self, mb: int) -> str:
-        """With the lock held: where microbatch ``mb``'s step function is, in words."""
-        t = self._turns[mb]
-        if self._done[mb]:
-            return "returned"
-        if not self._started[mb]:
-            return "not started"
-        if t.f_request is None:
-            return "running user code before model(...)"
-        if not t.outputs_ready:
-            return "waiting in model(...) for its outputs"
-        if t.b_request is None:
-            return "running user code after model(...)"
-        return "backward done" if t.backward_done else "waiting for its backward turn"
+    def _view(self) -> StepView:
+        """With the lock held: the step now, for the words of ``smp_fx.runtime.turns``."""
+        return StepView(self._ops, self._next, self._driving, self._turns, self._started,
+                        self._done, self._runnable)
 
     def status(self) -> list[str]:
         """Where the step is, for a flight record: the next op and what keeps it, and each
@@ -352,8 +309,7 @@ class Conductor:
             self._lock.release()
 
     def _status_lines(self) -> list[str]:
-        states = "; ".join(f"mb{k} {self._state(k)}" for k in range(len(self._turns)))
-        return [self._next_words(), f"step functions: {states}"]
+        return status_lines(self._view(), self.describe)
 
     def performing(self) -> bool:
         """Whether a thread is performing an op now (its wait, if any, is bounded)."""
@@ -388,7 +344,7 @@ class Conductor:
         ``model.backward``. ``next_forward`` (``Lowered.next_forward``): start step
         functions a forward ahead (see the module doc)."""
         m = len(microbatches)
-        self._turns = [_Turn() for _ in range(m)]
+        self._turns = [Turn() for _ in range(m)]
         self._done = [False] * m
         self._conds = [threading.Condition(self._lock) for _ in range(m)]
         self._ops, self._next, self._driving = ops, 0, False

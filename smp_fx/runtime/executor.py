@@ -45,11 +45,12 @@ from cost_model import schedule as sched
 from cost_model.errors import SMPRuntimeError
 from passes.split_stages import Stage, StagedProgram
 from smp_fx.runtime.activations import ActivationKeeper, prefetch_points
-from smp_fx.runtime.conductor import Conductor, Microbatch, Request
+from smp_fx.runtime.conductor import Conductor
 from smp_fx.runtime.flight import FlightRecorder
 from smp_fx.runtime.lowering import Lowered, LoweredCache, Op
 from smp_fx.runtime.modes import thread_modes
 from smp_fx.runtime.transport import Transport
+from smp_fx.runtime.turns import Microbatch, Request
 
 
 class StageRunner:

@@ -19,7 +19,9 @@ import torch
 import smp_fx
 from cost_model.errors import SMPCheckpointError
 from smp_fx.ckpt import files as ckpt
-from smp_fx.ckpt.files import RankInfo
+from smp_fx.ckpt.commit import save_partial
+from smp_fx.ckpt.layout import read_index
+from smp_fx.ckpt.ranks import RankInfo
 from smp_fx.ckpt.state_dict import PARTIAL_KEY
 from tests.helpers.threads import run_thread_ranks
 
@@ -59,7 +61,7 @@ def stage_obj(rank: int, value: float) -> dict[str, Any]:
 def save_two(f: str, value: float, wrap: dict | None = None) -> list[Any]:
     def fn(rank: int, gather: Callable[[Any], list[Any]]) -> None:
         info = RankInfo(mp_rank=rank, num_files=2, pp_degree=2, pp_rank=rank)
-        ckpt.save_partial(stage_obj(rank, value), f, info, gather)
+        save_partial(stage_obj(rank, value), f, info, gather)
     return run_thread_ranks(2, fn, wrap)
 
 
@@ -146,7 +148,7 @@ def test_single_process_partial_save_writes_rank_file_and_index(tmp_path: Path) 
     obj = stage_obj(0, 1.0)
     ckpt.save(obj, f)  # partial=True is the default
     assert os.path.exists(f + "_0") and os.path.exists(f + ".smp_index.json")
-    index = ckpt.read_index(f)
+    index = read_index(f)
     assert index is not None and index["num_files"] == 1
     assert index["files"][0]["entries"] == {"model_state_dict": ["layer0.weight"]}
     loaded = ckpt.load(f)
@@ -157,7 +159,7 @@ def test_single_process_partial_save_writes_rank_file_and_index(tmp_path: Path) 
 def test_two_rank_partial_save_and_reshard_merge(tmp_path: Path) -> None:
     f = str(tmp_path / "ck.pt")
     assert save_two(f, 2.0) == [None, None]
-    index = ckpt.read_index(f)
+    index = read_index(f)
     assert index is not None and index["pp_degree"] == 2
     assert [e["file"] for e in index["files"]] == ["ck.pt_0", "ck.pt_1"]
     # each rank's own file, as a same-layout load reads it
@@ -181,7 +183,7 @@ def test_failed_write_on_one_rank_aborts_everywhere(tmp_path: Path) -> None:
         obj: Any = stage_obj(rank, 7.0)
         if rank == 1:
             obj = {"bad": lambda: None}  # cannot be pickled
-        ckpt.save_partial(obj, f, info, gather)
+        save_partial(obj, f, info, gather)
 
     errors = run_thread_ranks(2, fn)
     assert all(isinstance(e, SMPCheckpointError) for e in errors)

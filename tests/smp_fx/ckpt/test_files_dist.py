@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from cost_model.errors import SMPCheckpointError
-from smp_fx.ckpt.files import merge_partial_objects, read_index
+from smp_fx.ckpt.files import merge_partial_objects
+from smp_fx.ckpt.layout import read_index
 from smp_fx.ckpt.mixins import ModelCheckpointMixin, OptimizerCheckpointMixin
 from smp_fx.ckpt.state_dict import (
     ModelLayout,

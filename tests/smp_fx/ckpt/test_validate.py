@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import smp_fx as smp
-from smp_fx.ckpt import files, validate
-from smp_fx.ckpt.files import RankInfo, load_partial_set, save_partial
+from smp_fx.ckpt import files, layout, validate
+from smp_fx.ckpt.commit import save_partial
+from smp_fx.ckpt.files import load_partial_set
+from smp_fx.ckpt.ranks import RankInfo
 from tests.helpers.threads import run_thread_ranks
 
 
@@ -82,7 +84,7 @@ def test_files_of_different_saves_do_not_mix(tmp_path: Path) -> None:
 def test_a_damaged_index_is_named(tmp_path: Path) -> None:
     prefix = str(tmp_path / "ck.pt")
     _save_set(prefix, 0.0)
-    Path(files.index_path(prefix)).write_text('{"format": "smp-fx-partial')
+    Path(layout.index_path(prefix)).write_text('{"format": "smp-fx-partial')
     with pytest.raises(smp.SMPCheckpointError, match="the checkpoint index cannot be read"):
         smp.load(prefix)
 
@@ -97,7 +99,7 @@ def test_unindexed_files_of_other_degrees(tmp_path: Path, monkeypatch: pytest.Mo
     with pytest.raises(smp.SMPCheckpointError, match="more files than this job has"):
         smp.load(prefix)
     os.unlink(f"{prefix}_2")
-    torch.save({files.WRAP_KEY: 1, "save_id": "x", "mp_rank": 0, "object": {}}, f"{prefix}_1")
+    torch.save({layout.WRAP_KEY: 1, "save_id": "x", "mp_rank": 0, "object": {}}, f"{prefix}_1")
     with pytest.raises(smp.SMPCheckpointError, match="belongs to another model-parallel rank"):
         smp.load(prefix)
 

@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 
-from smp_fx.ckpt.files import RankInfo, save_partial
+from smp_fx.ckpt.commit import save_partial
+from smp_fx.ckpt.ranks import RankInfo
 from smp_fx.ckpt.state_dict import ModelLayout, local_model_state_dict, local_optimizer_state_dict
 from smp_fx.cli.checkpoint import main
 from smp_fx.cli.main import main as smp_fx_main

@@ -1,0 +1,54 @@
+"""Where this rank is for checkpointing: the file it writes and the degrees it runs at.
+
+Apart from saving and loading because both ask it, and tests replace ``current_rank`` to
+play a rank of a larger job in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from cost_model.errors import SMPCheckpointError
+from smp_fx.dist import comm
+from smp_fx.dist import state as smp_state
+
+Gather = Callable[[Any], list[Any]]
+"""all_gather_object over the model-parallel group: this rank's value -> every rank's."""
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """This process's place for checkpointing: which file it writes, which degrees it runs.
+
+    ``num_files`` is the number of processes in the model-parallel group (1 when one
+    process runs every stage), so a partial checkpoint has exactly that many files.
+    """
+
+    mp_rank: int = 0
+    num_files: int = 1
+    pp_degree: int = 1
+    pp_rank: int = 0
+    tp_degree: int = 1
+    tp_rank: int = 0
+
+
+def current_rank() -> tuple[RankInfo, Gather]:
+    """RankInfo and the mp-group gather for this process (a world of one before smp.init)."""
+    if not smp_state.is_initialized():
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            raise SMPCheckpointError.build(
+                "partial checkpoints in a multi-process job need smp.init",
+                f"world size {dist.get_world_size()}", where="smp.save/smp.load",
+                fix="call smp.init(config) before saving or loading")
+        return RankInfo(), lambda value: [value]
+    st = smp_state.get()
+    info = RankInfo(mp_rank=st.axis_rank("mp"), num_files=len(st.group_ranks("mp")),
+                    pp_degree=st.axis_size("pp"), pp_rank=st.axis_rank("pp"),
+                    tp_degree=st.axis_size("tp"), tp_rank=st.axis_rank("tp"))
+    if info.num_files == 1:
+        return info, lambda value: [value]
+    return info, lambda value: comm.allgather(value, comm.MP_GROUP)  # bounded, named waits

@@ -15,6 +15,10 @@ other); the medians and the smp-fx / torch ratio are printed (target <= 1.0). Th
 parameter bytes each rank holds beside what smp-fx's tensor-parallel plan predicts:
 sharded parameters / tp + replicated ones.
 
+``--optimize speed`` (default) is the comparable setting: torch's plan has no sequence
+parallelism. ``--optimize memory`` shows what chunking costs here (gloo has no
+reduce-scatter: it is an all-reduce and a slice, then one more all-gather).
+
     python benchmarks/tp_vs_torch.py                 # about a minute
     python benchmarks/tp_vs_torch.py --width 256 --rounds 5
 """
@@ -69,7 +73,7 @@ def _smp_runner(args: argparse.Namespace, x: torch.Tensor, y: torch.Tensor) -> t
     import smp_fx as smp
 
     smp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True,
-              "prescaled_batch": True, "microbatches": 1})
+              "prescaled_batch": True, "microbatches": 1, "optimize": args.optimize})
     torch.manual_seed(0)
     model = smp.DistributedModel(MLP(args.width, args.blocks, marked=True))
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-4))
@@ -174,6 +178,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--optimize", choices=("speed", "memory"), default="speed",
+                    help="smp-fx's optimize: speed matches torch's plan (activations between "
+                         "the pairs replicated); memory chunks them by sequence")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -181,7 +188,7 @@ def main() -> None:
         return
     cmd = [sys.executable, "-m", "smp_fx.cli.main", "run", "-n", "2", __file__, "--worker",
            *[f"--{k}={getattr(args, k)}" for k in ("width", "blocks", "batch", "rounds",
-                                                   "steps", "warmup")]]
+                                                   "steps", "warmup", "optimize")]]
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=1200,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})

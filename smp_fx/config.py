@@ -59,7 +59,8 @@ PARAMS: tuple[Param, ...] = (
     _P("microbatches", int, 1, minimum=1, doc="microbatches per step; batch must divide"),
     _P("pipeline", str, "interleaved", choices=("interleaved", "simple"), doc="schedule"),
     _P("optimize", str, "memory", choices=("memory", "speed"),
-       doc="sets memory_weight's default"),
+       doc="sets memory_weight's default; at tp > 1, memory: sequence-parallel activations"
+           " between the tp pairs"),
     _P("placement_strategy", str, "cluster", doc="cluster, spread or a permutation of DPT"),
     _P("auto_partition", bool, True, doc="automatic partitioning"),
     _P("default_partition", int, 0, minimum=0,

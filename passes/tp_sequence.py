@@ -40,9 +40,13 @@ from torch.nn import functional as F
 
 from passes import meta, tp_collectives, tp_costs, tp_graph, tp_rules
 
-ROW_NORMS: frozenset[Any] = frozenset({F.layer_norm, torch.ops.aten.layer_norm.default})
+ROW_NORMS: frozenset[Any] = frozenset({F.layer_norm, torch.ops.aten.layer_norm.default,
+                                      torch.ops.aten.rsqrt.default, torch.rsqrt})
+LAST_DIM_MEANS: frozenset[Any] = frozenset({torch.ops.aten.mean.dim, torch.mean, "mean"})
+"""RMSNorm on torch.export graphs: ``mean(x.pow(2), [-1], keepdim=True)``, ``rsqrt``."""
 ROW_NORM_MODULES: tuple[type, ...] = (nn.LayerNorm,)
 BATCH_EDGES = ("tp_split_batch", "tp_gather_batch")
+ASSERTIONS: frozenset[Any] = frozenset({torch.ops.aten._assert_tensor_metadata.default})
 
 
 def _seq_dim(n: torch.fx.Node, size: int, gathered: bool) -> int | None:
@@ -61,6 +65,12 @@ def _rowwise(gm: torch.fx.GraphModule, n: torch.fx.Node) -> bool:
             tp_rules.elementwise(gm, n)
     if n.op == "call_function" and n.target in ROW_NORMS:
         return True
+    if n.target in LAST_DIM_MEANS and n.op in ("call_function", "call_method"):
+        dims, keep = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim"),
+                      n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False))
+        rank = len(tp_rules.shape(n.args[0]) or ())
+        return bool(keep) and list(dims if isinstance(dims, (list, tuple)) else [dims]) in (
+            [-1], [rank - 1])
     if n.op == "call_function" and n.target in tp_rules.PASS_THROUGH_FUNCTIONS:
         return True
     return tp_rules.elementwise(gm, n)
@@ -109,15 +119,29 @@ def sequence_parallel(gm: torch.fx.GraphModule, inside: Callable[[torch.fx.Node]
         if gathered and role in BATCH_EDGES:
             chunked[n] = chunked[ins[0]]  # dropped: the chunked part keeps the gathered batch
             continue
+        if n.target in ASSERTIONS:
+            chunked[n] = chunked[ins[0]]  # torch.export's dtype check: any chunk passes
+            continue
         mine: list[tuple[torch.fx.Node, torch.fx.Node]] = []
         if inside(n) and _rowwise(gm, n) and _operands_fit(n, chunked, mine):
             d = _seq_dim(n, size, gathered)
             if d is not None and d == chunked[ins[0]]:
                 chunked[n] = d
                 entries += mine
-    if not any(meta.TP.get(n) is None for n in chunked):
-        return (), ()  # nothing but collectives would be chunked
+    if not any(meta.TP.get(n) is None for n in chunked) or _exits_outnumber(chunked):
+        return (), ()  # nothing but collectives chunked, or more gathers than it saves
     return _rewrite(gm, chunked, entries, size, gathered)
+
+
+def _exits_outnumber(chunked: dict[torch.fx.Node, int]) -> bool:
+    """Whether more chunked values leave to replicated consumers (an all-gather each) than
+    row outputs are chunked (an all-reduce each becomes a reduce-scatter): then chunking
+    would add link traffic, and the part stays replicated."""
+    rows = sum(1 for n in chunked if meta.TP.get(n) == "tp_reduce")
+    exits = sum(1 for v in chunked if any(
+        u not in chunked and meta.TP.get(u) != "tp_copy" and not _shape_read(u)
+        for u in v.users))
+    return exits > rows
 
 
 def _insert(gm: torch.fx.GraphModule, fn: Callable[..., Any], x: torch.fx.Node, dim: int,
@@ -175,6 +199,7 @@ def _exits(gm: torch.fx.GraphModule, v: torch.fx.Node, d: int,
     the replicated value."""
     graph = gm.graph
     back: torch.fx.Node | None = None
+    gather: torch.fx.Node | None = None
     for user in list(v.users):
         if user in chunked:
             continue
@@ -189,7 +214,12 @@ def _exits(gm: torch.fx.GraphModule, v: torch.fx.Node, d: int,
             user.replace_all_uses_with(full)
             graph.erase_node(user)
             continue
+        if meta.TP.get(user) == "tp_copy" and gather is not None:
+            user.replace_all_uses_with(gather)  # q, k and v share one gather of the chunk
+            graph.erase_node(user)
+            continue
         if meta.TP.get(user) == "tp_copy":
+            gather = user
             user.target = tp_collectives.tp_seq_gather
             user.args = (v, d)
             meta.TP.set(user, "tp_seq_gather")

@@ -129,6 +129,11 @@ def _build(kind: str) -> nn.Module:
         gpt2 = example("hf_gpt2").build_model()  # the whole model marked: c_attn strided,
         smp.set_tensor_parallelism(gpt2.model)  # tied wte / lm_head and wpe by rows
         return gpt2
+    if kind == "llama_layers":  # whole decoder layers: RMSNorm and residuals chunked by
+        llama = example("hf_llama").build_model()  # sequence between the pairs (memory)
+        for layer in llama.model.model.layers:
+            smp.set_tensor_parallelism(layer)
+        return llama
     if kind == "llama":
         llama = example("hf_llama").build_model()
         for path, module in llama.named_modules():  # on the torch.export graph: attention
@@ -141,7 +146,8 @@ def _build(kind: str) -> nn.Module:
     return model
 
 
-EXAMPLES = {"llama": "hf_llama", "gpt": "gpt", "gpt63": "gpt", "hf_gpt2": "hf_gpt2"}
+EXAMPLES = {"llama": "hf_llama", "llama_layers": "hf_llama", "gpt": "gpt", "gpt63": "gpt",
+            "hf_gpt2": "hf_gpt2"}
 
 
 def _loss(kind: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -252,7 +258,8 @@ def _padding_rows(model: Any, values: dict[str, torch.Tensor]) -> list[float]:
 
 CASES = (("mlp", False), ("mlp", True), ("swiglu", False), ("odd", True), ("llama", True),
          ("llama", False), ("gpt", False), ("gpt", True), ("blocks", False), ("blocks", True),
-         ("hf_gpt2", False), ("hf_gpt2", True), ("gpt63", False), ("gpt63", True))
+         ("hf_gpt2", False), ("hf_gpt2", True), ("gpt63", False), ("gpt63", True),
+         ("llama_layers", False), ("llama_layers", True))
 
 
 def _checked(kind: str, prescaled: bool, pp: int = 1, optimize: str = "memory"
@@ -328,6 +335,8 @@ def test_optimize_memory_chunks_the_sequence_between_pairs() -> None:
         assert {"h.0.ln_2.weight", "h.1.ln_1.bias", "h.1.mlp.c_proj.bias"} <= set(chunked)
         assert "h.0.ln_1.weight" not in chunked  # before the first pair: replicated
         assert "blocks.0.ln_2.weight" in _run("blocks", prescaled)[0]["plan"]["sequence_parallel"]
+        llama = _run("llama_layers", prescaled)[0]["plan"]["sequence_parallel"]  # RMSNorm
+        assert "model.model.layers.1.input_layernorm.weight" in llama
 
 
 def test_tp2_shards_and_plan() -> None:

@@ -15,9 +15,12 @@ the steps and ``state_dict()`` (the plain model's names, order and values; 1e-4 
   owners of the tie (``smp_fx.dist.tied``) -- checked: the stage-1 ranks hold
   ``wte.weight`` as a tied duplicate, sharded;
 * the tiny HF Llama (torch.export graph; each layer's ``self_attn`` and ``mlp`` marked;
-  ``spread``, simple, 2 microbatches, ``prescaled_batch`` true);
+  ``spread``, simple, 2 microbatches, ``prescaled_batch`` true): the stage cut falls
+  inside the attention, so stage 1 receives head-split scores (the runtime's shape guard
+  must take a rank's part);
 * HF GPT-2 marked whole (``PTD``, interleaved, 2 microbatches, ``prescaled_batch`` false):
-  its tied ``wte`` / ``lm_head`` on the torch.export graph across the stages.
+  its tied ``wte`` / ``lm_head`` on the torch.export graph across the stages, and stage 1
+  receives values on the tp group's gathered batch.
 """
 
 from __future__ import annotations
@@ -70,6 +73,7 @@ def _grid(kind: str, ref_grads: list[dict[str, torch.Tensor]],
           ref_params: dict[str, torch.Tensor]) -> dict[str, Any]:
     """This rank's part of the 8-rank run, compared here (names of mismatches)."""
     import smp_fx as smp
+    from passes import meta
 
     placement, pipeline, m, prescaled = CONFIGS[kind]
     smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True,
@@ -109,7 +113,12 @@ def _grid(kind: str, ref_grads: list[dict[str, torch.Tensor]],
         bad.append(f"state_dict keys {list(full)}")
     bad += [f"state_dict {n}" for n in mismatched(full, ref_params, **PARAM_TOL)]
     assert model.tp_plan is not None
-    return {"bad": bad, "pp": smp.pp_rank(), "replicated": model.tp_plan.to_json()["replicated"],
+    stage = model.program.stages[smp.pp_rank()]
+    received = {n for _, names in stage.recvs for n in names}
+    return {"received": {n.name: (meta.TP_SPLIT.get(n), meta.TP_GATHERED.get(n, False))
+                         for n in stage.module.graph.nodes
+                         if n.op == "placeholder" and n.name in received},
+            "bad": bad, "pp": smp.pp_rank(), "replicated": model.tp_plan.to_json()["replicated"],
             "local": sorted(n for n, _ in model.local_named_parameters()),
             "tied_duplicates": sorted(model.tied_duplicates()),
             "shapes": {n: tuple(p.shape) for n, p in model.local_named_parameters()},
@@ -134,6 +143,13 @@ def test_grid_matches_single_process_model(kind: str) -> None:
     assert all(r["replicated"] == [] for r in results)  # everything marked is sharded
     stages = sorted({tuple(r["local"]) for r in results})
     assert len(stages) == 2  # two stages, each held alike by its 4 (rdp, tp) ranks
+    # the cut falls inside a tp pair: stage 1 receives one rank's part of a value, which
+    # the shape guard of torch.export graphs must accept (fx graphs: the guard is off)
+    marks = {m for r in results for m in r["received"].values()}
+    if kind == "llama":  # the head-split attention scores, (b, heads / tp, t, t)
+        assert any(split == 1 and not gathered for split, gathered in marks), marks
+    if kind == "hf_gpt2":  # values on the tp group's gathered batch (prescaled false)
+        assert any(gathered for _, gathered in marks), marks
 
 
 @pytest.mark.parametrize("kind", list(TIED))

@@ -46,6 +46,13 @@ STAGE: MetaKey[int] = MetaKey("smp.stage", "pipeline stage chosen for the node")
 
 TP: MetaKey[str] = MetaKey(
     "smp.tp", "tensor-parallel role of a node the rewrite made: col, row, lone or a collective")
+TP_SPLIT: MetaKey[int] = MetaKey(
+    "smp.tp_split", "dim along which tensor parallelism splits the node's value (each rank "
+    "holds 1/tp of it: a column linear's features, attention's heads)")
+TP_GATHERED: MetaKey[bool] = MetaKey(
+    "smp.tp_gathered", "the value holds the tensor-parallel group's batches gathered "
+    "(prescaled_batch false, between a tp_gather_batch and its tp_split_batch): its batch "
+    "is tp times the rank's own")
 
 SAVED: MetaKey[Any] = MetaKey(
     "smp.saved", "passes.annotate_costs.SavedValues: the values the node saves for backward "
@@ -58,4 +65,4 @@ PLAIN_COST: MetaKey[Any] = MetaKey(
     "dropped)")
 
 ALL_KEYS: tuple[MetaKey[Any], ...] = (MODULE_PATH, PARAMS, TENSOR, COST, PIN, STAGE, SAVED,
-                                      CKPT_REGION, PLAIN_COST, TP)
+                                      CKPT_REGION, PLAIN_COST, TP, TP_SPLIT, TP_GATHERED)

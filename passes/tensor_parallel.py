@@ -225,6 +225,7 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
             if cost is not None:
                 meta.COST.set(node, tp_costs.divide(cost, tp.size))
             meta.TENSOR.set(node, tp_costs.local_info(meta.TENSOR.get(node), dim, tp.size))
+            meta.TP_SPLIT.set(node, dim)
         pairs += _pairs(linears, set(split))  # before the rewrite replaces the linears' nodes
         held_part += [*split, *(lin.node.name for lin in linears if lin.role != "row")]
         for lin in linears:
@@ -241,6 +242,7 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
                  tp_loss.vocab_heads(new, vocab, tp.rank))  # a loss of the vocab logits
     tp_costs.price_collectives(new, tp.size, comm_time)
     tp_graph.retie(new, ties)
+    tp_graph.mark_gathered(new.graph)
     sharded = _with_aliases(new, sharded)
     new.graph.lint()
     new.recompile()
@@ -329,6 +331,7 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: Linear,
                 // w_full.shape[0]))
         if lin.role != "row":  # a row linear's partial sums have the full shape
             meta.TENSOR.set(y, tp_costs.local_info(meta.TENSOR.get(node), -1, size))
+            meta.TP_SPLIT.set(y, -1)
         meta.TP.set(y, lin.role)
         meta.PARAMS.set(y, tuple(str(a.target) for a in (w, b) if a is not None))
     with graph.inserting_after(y):

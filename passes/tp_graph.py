@@ -139,5 +139,21 @@ def gather_operands(graph: torch.fx.Graph,
         consumer.replace_input_with(operand, gathered[operand])
 
 
-__all__ = ["SHAPES", "Ties", "attr", "gather_operands", "get_attr", "insert",
+def mark_gathered(graph: torch.fx.Graph) -> None:
+    """Mark (``meta.TP_GATHERED``) every value computed on the tp group's gathered batch:
+    a ``tp_gather_batch`` and what reads it, up to the ``tp_split_batch`` that keeps this
+    rank's part. The runtime's shape guard cannot evaluate such a value's batch size from
+    the rank's inputs (it is ``tp`` times theirs, on a dim the region's views may move),
+    which matters once a pipeline cut falls inside a pair."""
+    gathered: set[torch.fx.Node] = set()
+    for n in graph.nodes:
+        n.meta.pop(meta.TP_GATHERED.name, None)  # inserted nodes copied their like's meta
+        role = meta.TP.get(n)
+        if role == "tp_gather_batch" or (role != "tp_split_batch" and any(
+                a in gathered for a in n.all_input_nodes)):
+            gathered.add(n)
+            meta.TP_GATHERED.set(n, True)
+
+
+__all__ = ["SHAPES", "Ties", "attr", "gather_operands", "get_attr", "insert", "mark_gathered",
            "pad", "replace_module", "retie", "set_param", "shard", "unpad", "unshard"]

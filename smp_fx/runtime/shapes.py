@@ -13,7 +13,14 @@ admits without re-tracing or re-partitioning. ``ShapeGuard`` is the runtime's si
   must run each step on inputs of the same shapes. A rank evaluates the symbolic shapes of
   the values its stage receives with its own inputs' sizes, and a received value of another
   shape names the input dimension the ranks disagree on instead of failing somewhere
-  inside the stage (or, worse, not failing).
+  inside the stage (or, worse, not failing). Only the dimensions that follow the inputs
+  (symbolic ones) are compared: a static size is the model's own, and tensor parallelism
+  gives each rank its part of it (a head-split attention score crossing the stages has
+  ``heads / tp`` heads; the dim ``passes.meta.TP_SPLIT`` names is not compared, as a
+  symbolic one may hold the heads too, ``batch * heads``). A value computed on the tp
+  group's gathered batch (``passes.meta.TP_GATHERED``, ``prescaled_batch`` false) is not
+  checked: its batch is ``tp`` times the rank's, on a dim the tp region's views may have
+  moved.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from cost_model.errors import SMPRuntimeError
+from passes import meta
 from passes.input_dims import Free, InputDims, shapes_by_placeholder
 from passes.split_stages import StagedProgram
 
@@ -95,13 +103,14 @@ class ShapeGuard:
             got = received.get(name)
             if want is None or not isinstance(got, torch.Tensor):
                 continue
-            shape, exprs = want
-            if tuple(got.shape) != shape:
+            shape, exprs, symbolic = want
+            if got.dim() != len(shape) or any(got.shape[i] != shape[i] for i in symbolic):
                 raise self._disagree(name, tuple(got.shape), shape, exprs, rank, args, kwargs)
 
     def _expect(self, stage: int, bindings: dict[str, tuple[int, str, int]]
                 ) -> dict[str, Any]:
-        """Received value name -> (expected shape, symbolic expression per dimension)."""
+        """Received value name -> (expected shape, symbolic expression per dimension,
+        the symbolic dims' indices); None: unchecked."""
         st = self.program.stages[stage]
         received = {n for _, names in st.recvs for n in names}
         values = {s: v[0] for s, v in bindings.items()}
@@ -110,11 +119,15 @@ class ShapeGuard:
             if node.op != "placeholder" or node.name not in received:
                 continue
             val = node.meta.get("val")
-            if not isinstance(val, torch.Tensor):
+            if not isinstance(val, torch.Tensor) or meta.TP_GATHERED.get(node, False):
                 out[node.name] = None
                 continue
             shape, exprs = _evaluate(val.shape, values)
-            out[node.name] = None if shape is None else (shape, exprs)
+            split = meta.TP_SPLIT.get(node)
+            split = None if split is None else split % val.dim()
+            symbolic = tuple(i for i, d in enumerate(val.shape)
+                             if not isinstance(d, int) and i != split)
+            out[node.name] = None if shape is None else (shape, exprs, symbolic)
         return out
 
     def _disagree(self, name: str, got: tuple[int, ...], want: tuple[int, ...],

@@ -5,7 +5,8 @@ Hugging Face GPT-2 and Llama (export-captured) at pp=2 train on batches of 8, 8,
 equal plain PyTorch in loss, gradients and parameters; the model is partitioned once (in
 process, and on 2 processes for GPT-2). A dimension the graph fixed is refused by name
 before anything runs, and a rank that receives a value of another shape than its own
-inputs give names the input dimension.
+inputs give names the input dimension; a tensor-parallel part of a value (static sizes
+split, a marked split or gathered-batch value) is not a disagreement.
 """
 
 from __future__ import annotations
@@ -74,6 +75,44 @@ def _receiving_another_shape_names_the_input_dimension(pair: Pair) -> None:
                        match=r"different shapes.*input 'input_ids' dimension 1: 24 on this "
                              r"rank, 32 on the sending rank"):
         guard.check_received(1, bad, 1, *mb)
+    _tensor_parallel_parts_pass(pair, received, bad, mb)
+
+
+def _tensor_parallel_parts_pass(pair: Pair, received: dict[str, torch.Tensor],
+                                bad: dict[str, torch.Tensor], mb: Any) -> None:
+    """With tp a value crossing the stages inside a pair is one rank's part: its static
+    sizes (heads, features) are not the traced ones, the dim the rewrite split
+    (``meta.TP_SPLIT``) may be a symbolic one, and a value on the tp group's gathered
+    batch (``meta.TP_GATHERED``) has tp times the rank's batch."""
+    from passes import meta
+
+    guard = pair.dm._shapes
+    expected = guard._expect(1, guard._bindings(*mb))
+    static = {n: [i for i in range(t.dim()) if i not in expected[n][2]]
+              for n, t in received.items()}
+    parts = {n: torch.zeros(*(d // 2 if i in static[n][-1:] else d
+                              for i, d in enumerate(t.shape)))
+             for n, t in received.items()}  # the last static dim halved, as a tp shard
+    assert any(parts[n].shape != t.shape for n, t in received.items())
+    guard.check_received(1, parts, 1, *mb)
+    placeholders = {n.name: n for n in pair.dm.program.stages[1].module.graph.nodes
+                    if n.op == "placeholder" and n.name in received}
+    name = next(n for n, t in received.items() if t.shape[1] == 24)
+    meta.TP_SPLIT.set(placeholders[name], 1)  # the seq dim marked split: not compared
+    guard._expected.clear()
+    try:
+        guard.check_received(1, {**received, name: bad[name]}, 1, *mb)
+        with pytest.raises(SMPRuntimeError, match="different shapes"):  # the others still are
+            guard.check_received(1, bad, 1, *mb)
+        for node in placeholders.values():
+            meta.TP_GATHERED.set(node, True)
+        guard._expected.clear()
+        guard.check_received(1, bad, 1, *mb)  # a gathered batch: nothing compared
+    finally:
+        for node in placeholders.values():
+            node.meta.pop(meta.TP_SPLIT.name, None)
+            node.meta.pop(meta.TP_GATHERED.name, None)
+        guard._expected.clear()
 
 
 

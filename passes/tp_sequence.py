@@ -133,6 +133,11 @@ def sequence_parallel(gm: torch.fx.GraphModule, inside: Callable[[torch.fx.Node]
     return _rewrite(gm, chunked, entries, size, gathered)
 
 
+def _cut_dim(n: torch.fx.Node) -> int:
+    """The sequence dim a ``tp_seq_scatter`` node cuts (its second argument)."""
+    return int(n.args[1])  # type: ignore[arg-type]
+
+
 def _exits_outnumber(chunked: dict[torch.fx.Node, int]) -> bool:
     """Whether more chunked values leave to replicated consumers (an all-gather each) than
     row outputs are chunked (an all-reduce each becomes a reduce-scatter): then chunking
@@ -186,6 +191,9 @@ def _rewrite(gm: torch.fx.GraphModule, chunked: dict[torch.fx.Node, int],
             params += [str(a.target) for a in n.all_input_nodes if a.op == "get_attr"]
             params += list(meta.PARAMS.get(n, ()) or ()) if n.op == "call_module" else []
         meta.TENSOR.set(n, tp_costs.local_info(meta.TENSOR.get(n), d, size))
+        meta.TP_SPLIT.set(n, d)
+    for chunk in entered.values():
+        meta.TP_SPLIT.set(chunk, _cut_dim(chunk))
     names = tuple(n.name for n in chunked)
     for v, d in chunked.items():
         _exits(gm, v, d, chunked, size, gathered)

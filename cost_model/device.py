@@ -78,10 +78,11 @@ class DeviceSpec:
     - ``step_overhead_s``: the runtime's fixed work per training step.
     - ``optimizer_tensor_s`` / ``optimizer_byte_s``: an optimizer step costs
       ``tensors * optimizer_tensor_s + parameter bytes * optimizer_byte_s`` (Adam).
-    - ``compute_scale``: how much slower a model's ops run inside a real forward and
-      backward than the microbenchmarks above time them alone (colder caches, the
-      allocator, autograd's graph); multiplies every node's time. Calibration fits it on
-      a reference model; 1.0 for datasheet specs.
+    - ``compute_scale`` / ``overhead_scale``: how much slower a model's ops run inside a
+      real forward and backward than the microbenchmarks above time them alone (colder
+      caches, the allocator, autograd's graph): ``compute_scale`` multiplies each node's
+      work, ``overhead_scale`` its fixed cost (``op_overheads``). Calibration fits both on
+      a reference model at several sizes; 1.0 for datasheet specs.
     - ``sources``: (field, where its number comes from) pairs.
     """
 
@@ -102,6 +103,7 @@ class DeviceSpec:
     optimizer_tensor_s: float = 0.0
     optimizer_byte_s: float = 0.0
     compute_scale: float = 1.0
+    overhead_scale: float = 1.0
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -110,7 +112,7 @@ class DeviceSpec:
                                         "re-run smp-fx calibrate or fix the spec file")
 
         for name in ("peak_flops_fp32", "peak_flops_bf16", "mem_bandwidth", "link_bandwidth",
-                     "compute_scale"):
+                     "compute_scale", "overhead_scale"):
             if not float(getattr(self, name)) > 0:
                 raise bad(name, f"{name} must be > 0")
         for name in ("link_latency_s", "message_overhead_s", "microbatch_overhead_s",

@@ -86,22 +86,24 @@ def node_times(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
     (per FLOP or per output element at a reference size, scaled to this size by the
     matmul or element-wise efficiency tables), else by the roofline (backward: its FLOPs
     and twice the bytes). A view's work is nothing; ``backward`` False: no backward.
-    Both times are scaled by the spec's ``compute_scale`` (ops inside a model against ops
-    timed alone).
+    In place in a model ops run slower than timed alone: the fixed costs are scaled by
+    the spec's ``overhead_scale``, the work by its ``compute_scale``.
     """
-    fwd, bwd = _node_times(op, spec, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
-                           out_elems=out_elems, moved=moved, dtype=dtype, gemm_dim=gemm_dim,
-                           module=module, backward=backward)
-    return fwd * spec.compute_scale, bwd * spec.compute_scale
-
-
-def _node_times(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
-                out_elems: float, moved: float, dtype: str, gemm_dim: float | None,
-                module: bool, backward: bool) -> tuple[float, float]:
     fixed_f, fixed_b = op_overhead(op, spec, module=module)
+    work_f, work_b = _work(op, spec, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
+                           out_elems=out_elems, moved=moved, dtype=dtype, gemm_dim=gemm_dim)
+    fwd = fixed_f * spec.overhead_scale + work_f * spec.compute_scale
+    bwd = fixed_b * spec.overhead_scale + work_b * spec.compute_scale
+    return fwd, bwd if backward else 0.0
+
+
+def _work(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
+          out_elems: float, moved: float, dtype: str, gemm_dim: float | None
+          ) -> tuple[float, float]:
+    """(forward, backward) seconds of the node's work, its fixed cost left out."""
     kind = kind_of(op)
     if kind == "view":
-        return fixed_f, fixed_b if backward else 0.0
+        return 0.0, 0.0
     rate = spec.op_rate(kind)
     if rate is not None:
         fwd_rate, bwd_rate, ref = rate
@@ -111,11 +113,9 @@ def _node_times(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float
         else:
             units_f = units_b = out_elems
             scale = spec.bandwidth(ref) / spec.bandwidth(moved) if moved and ref else 1.0
-        fwd, bwd = fixed_f + units_f * fwd_rate * scale, fixed_b + units_b * bwd_rate * scale
-    else:
-        fwd = fixed_f + roofline_time(fwd_flops, moved, spec, dtype, gemm_dim)
-        bwd = fixed_b + roofline_time(bwd_flops, 2 * moved, spec, dtype, gemm_dim)
-    return fwd, bwd if backward else 0.0
+        return units_f * fwd_rate * scale, units_b * bwd_rate * scale
+    return (roofline_time(fwd_flops, moved, spec, dtype, gemm_dim),
+            roofline_time(bwd_flops, 2 * moved, spec, dtype, gemm_dim))
 
 
 def comm_time(nbytes: float, spec: DeviceSpec) -> float:

@@ -53,7 +53,7 @@ from cost_model import calibrate as measure
 from cost_model import microbench
 from cost_model.device import DeviceSpec
 from cost_model.errors import SMPError
-from smp_fx.cli.reference_model import fit_compute_scale
+from smp_fx.cli.reference_model import fit_scales
 
 FIT_MICROBATCHES = (1, 8)
 FIT_BATCH = 16  # samples per step: two per microbatch at 8
@@ -133,11 +133,13 @@ def calibrate(args: argparse.Namespace, world: int) -> DeviceSpec | None:
     spec = dataclasses.replace(spec, microbatch_overhead_s=0.0, step_overhead_s=0.0)
     if world > 1:
         spec = measure.with_link(spec, device, quick=args.quick)
-    scale = _from_rank0(lambda: fit_compute_scale(spec, device, 5 if args.quick else 15),
-                        world)
-    spec = dataclasses.replace(spec, compute_scale=scale).with_sources(
-        compute_scale="fitted by smp-fx calibrate: a two-block transformer's forward and "
-                      "backward (CPU time of one process) against its predicted node times")
+    overhead, work = _from_rank0(lambda: fit_scales(spec, device, 5 if args.quick else 15),
+                                 world)
+    how_scaled = ("fitted by smp-fx calibrate: a two-block transformer's forward and backward "
+                  "at three sizes (CPU time of one process) against its predicted fixed "
+                  "costs and work, least squares")
+    spec = dataclasses.replace(spec, compute_scale=work, overhead_scale=overhead).with_sources(
+        compute_scale=how_scaled, overhead_scale=how_scaled)
     per_action, per_step = _from_rank0(lambda: _fit_actions(spec, device, args), world,
                                        everyone=lambda: _fit_actions(spec, device, args))
     spec = dataclasses.replace(spec, microbatch_overhead_s=per_action, step_overhead_s=per_step)

@@ -58,3 +58,9 @@ def test_node_times_fixed_part_efficiency_and_rates() -> None:
     assert node_times("transpose", spec, fwd_flops=0, bwd_flops=0, out_elems=10,
                       moved=80) == (0.5e-6, 0.5e-6)
     assert kind_of("add") == kind_of("sum") == "default" and kind_of("mm") == "matmul"
+    # in place in a model: the fixed costs times overhead_scale, the work times compute_scale
+    scaled = dataclasses.replace(spec, overhead_scale=3.0, compute_scale=1.5)
+    assert node_times("relu", scaled, fwd_flops=1e3, bwd_flops=1e3, out_elems=1000,
+                      moved=8000) == (pytest.approx(3e-6 + 1.5e-6), pytest.approx(6e-6 + 3e-6))
+    assert node_times("transpose", scaled, fwd_flops=0, bwd_flops=0, out_elems=10,
+                      moved=80) == (pytest.approx(1.5e-6), pytest.approx(1.5e-6))

@@ -79,3 +79,22 @@ def test_two_processes_measure_the_link_and_fit_the_pipeline(tmp_path: Path) -> 
     assert spec.link_latency_s > 0 and spec.message_overhead_s > 0
     assert "one stage" in spec.source("step_overhead_s")
     assert "pipeline degree 2" in spec.source("message_overhead_s")
+
+
+def test_scales_fit_recovers_fixed_and_work_factors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Measured = 2.5 x predicted fixed costs + 1.2 x predicted work at each reference size
+    is fitted back to (2.5, 1.2); absurd fits are clamped to the limits."""
+    from smp_fx.cli import reference_model as ref
+
+    rows = {(1, 8): (4e-4, 2e-4), (2, 16): (4e-4, 9e-4), (ref.BATCH, ref.SEQ): (4e-4, 6e-3)}
+
+    def fake(spec: object, device: object, batch: int, tokens: int, repeats: int
+             ) -> tuple[float, float, float]:
+        fixed, work = rows[batch, tokens]
+        return fixed, work, 2.5 * fixed + 1.2 * work
+
+    monkeypatch.setattr(ref, "_size_row", fake)
+    assert ref.fit_scales(A100, torch.device("cpu")) == (pytest.approx(2.5), pytest.approx(1.2))
+    rows = {k: (f, w * 100) for k, (f, w) in rows.items()}
+    monkeypatch.setattr(ref, "_size_row", lambda s, d, b, t, r: (*rows[b, t], 1e-9))
+    assert ref.fit_scales(A100, torch.device("cpu")) == ref.LIMITS[:1] * 2

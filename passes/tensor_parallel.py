@@ -219,6 +219,7 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
             meta.TENSOR.set(local, None)
             node.update_arg(1, local)
         tp_graph.gather_operands(new.graph, rw.gather if not tp.prescaled_batch else [], tp.size)
+        tp_graph.scatter_operands(new.graph, rw.slices, tp.size)
         for name, dim in split.items():
             node = by_name[name]
             cost = meta.COST.get(node)

@@ -23,10 +23,12 @@ function as the original.
   sequence dim ``dim``. ``tp_seq_reduce_scatter`` (the row output: forward reduce-scatter,
   backward all-gather) and ``tp_seq_gather`` (the column input: forward all-gather,
   backward reduce-scatter) replace ``tp_reduce`` and ``tp_copy``; at the edges of the
-  chunked part ``tp_seq_scatter`` (forward the local chunk, backward all-gather) and
+  chunked part ``tp_scatter`` (forward the local chunk, backward all-gather) and
   ``tp_seq_unscatter`` (forward all-gather, backward the local chunk) convert to and from
   replicated values. ``sum_grads`` completes the gradients of parameters that saw only
   this rank's chunk (layer norms, row biases).
+* ``tp_scatter`` also gives a head-split attention this rank's heads of a replicated key
+  or value (grouped-query attention whose kv heads tp does not divide).
 """
 
 from __future__ import annotations
@@ -187,7 +189,7 @@ class _SeqReduceScatter(torch.autograd.Function):
         return _all_gather(g, ctx.dim), None
 
 
-class _SeqScatter(torch.autograd.Function):
+class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
         ctx.dim = dim
@@ -217,8 +219,8 @@ def tp_seq_reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
     return _SeqReduceScatter.apply(x, dim) if active() else x
 
 
-def tp_seq_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return _SeqScatter.apply(x, dim) if active() else x
+def tp_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return _Scatter.apply(x, dim) if active() else x
 
 
 def tp_seq_unscatter(x: torch.Tensor, dim: int) -> torch.Tensor:

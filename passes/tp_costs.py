@@ -39,12 +39,12 @@ COLLECTIVES: dict[str, tuple[str | None, str | None]] = {
     "tp_vocab_cross_entropy": ("all_reduce", None),  # max, sum of exp, target logit
     "tp_seq_reduce_scatter": ("reduce_scatter", "all_gather"),
     "tp_seq_gather": ("all_gather", "reduce_scatter"),
-    "tp_seq_scatter": (None, "all_gather"),
+    "tp_scatter": (None, "all_gather"),
     "tp_seq_unscatter": ("all_gather", None),
 }
 
 
-CHUNK_OUTPUTS = frozenset({"tp_split_batch", "tp_seq_reduce_scatter", "tp_seq_scatter"})
+CHUNK_OUTPUTS = frozenset({"tp_split_batch", "tp_seq_reduce_scatter", "tp_scatter"})
 """Collectives whose output is this rank's part: the value moved is ``size`` times it."""
 
 

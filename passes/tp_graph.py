@@ -8,7 +8,7 @@ so names that shared one tensor (a tied embedding and LM head) share the shard.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -139,6 +139,24 @@ def gather_operands(graph: torch.fx.Graph,
         consumer.replace_input_with(operand, gathered[operand])
 
 
+def scatter_operands(graph: torch.fx.Graph,
+                     slices: Mapping[tuple[torch.fx.Node, torch.fx.Node], int],
+                     size: int) -> None:
+    """Feed each head-split consumer this rank's chunk (``tp_collectives.tp_scatter``) of
+    its replicated operand along the recorded dim, after the operand's batch gather when
+    ``gather_operands`` gave it one."""
+    for (operand, consumer), dim in slices.items():
+        read = next((a for a in consumer.all_input_nodes if a is operand or (
+            a.target is tp_collectives.tp_gather_batch and a.args[0] is operand)), None)
+        if read is None:
+            continue
+        with graph.inserting_before(consumer):
+            cut = insert(graph, tp_collectives.tp_scatter, (read, dim), consumer, size)
+        meta.TENSOR.set(cut, tp_costs.local_info(meta.TENSOR.get(read), dim, size))
+        meta.TP_SPLIT.set(cut, dim)
+        consumer.replace_input_with(read, cut)
+
+
 def mark_gathered(graph: torch.fx.Graph) -> None:
     """Mark (``meta.TP_GATHERED``) every value computed on the tp group's gathered batch:
     a ``tp_gather_batch`` and what reads it, up to the ``tp_split_batch`` that keeps this
@@ -156,4 +174,5 @@ def mark_gathered(graph: torch.fx.Graph) -> None:
 
 
 __all__ = ["SHAPES", "Ties", "attr", "gather_operands", "get_attr", "insert", "mark_gathered",
-           "pad", "replace_module", "retie", "set_param", "shard", "unpad", "unshard"]
+           "pad", "replace_module", "retie", "scatter_operands", "set_param", "shard", "unpad",
+           "unshard"]

@@ -59,6 +59,9 @@ class Rewrites:
     batch_reads: list[torch.fx.Node] = field(default_factory=list)
     """``size()`` reads of a split value that include its batch: gathered when the batch is,
     which a view of the reassembled output would then get wrong (not prescaled)."""
+    slices: dict[tuple[torch.fx.Node, torch.fx.Node], int] = field(default_factory=dict)
+    """(replicated operand, head-split consumer) -> dim: the consumer reads this rank's
+    heads of the operand (``tp_scatter``)."""
     gather: list[tuple[torch.fx.Node, torch.fx.Node]] = field(default_factory=list)
     """(consumer, replicated operand with the batch on dim 0) of a split value: gathered
     over the tp group's batches like the split value when not prescaled (an attention
@@ -146,9 +149,11 @@ def _batched_operand(n: torch.fx.Node, a: torch.fx.Node, out: tuple[int, ...],
                      rw: Rewrites) -> None:
     """Record a replicated operand that has the batch on dim 0 (an attention mask of
     shape (b, 1, t, t)): with ``prescaled_batch`` false the split chain runs on the tp
-    group's gathered batch, so the operand is gathered too."""
+    group's gathered batch, so the operand is gathered too. A batch of one cannot be told
+    from a broadcast: such an operand is gathered as well (tp equal copies of a constant
+    broadcast the same way; a per-example one must be gathered)."""
     s = shape(a)
-    if s is not None and len(s) == len(out) and s[0] == out[0] != 1:
+    if s is not None and len(s) == len(out) and s[0] == out[0]:
         rw.gather.append((n, a))
 
 
@@ -218,6 +223,22 @@ def _expand(n: torch.fx.Node, s: Split, rw: Rewrites) -> Split:
     if j != 0 and sizes[0] != -1 and (src[0] == out[0] or _reads_batch(sizes[0])):
         rw.batch.append((n, (1, 0)))
     return Split(j, s.origin)
+
+
+def _slice_operand(n: torch.fx.Node, operand: Any, k: int, size: int, rw: Rewrites) -> bool:
+    """A replicated operand of a head-split op (grouped-query attention's key or value when
+    tp does not divide the kv heads): each rank takes its heads (``tp_scatter`` along the
+    dim ``k`` from the end), when that dim has the split dim's full size."""
+    s, out = shape(operand), shape(n)
+    if s is None or out is None or len(s) < k or s[len(s) - k] % size:
+        return False
+    if s[len(s) - k] == 1:
+        return True  # broadcast over the heads: nothing to cut
+    if s[len(s) - k] != out[len(out) - k]:
+        return False
+    rw.slices[operand, n] = len(s) - k
+    _batched_operand(n, operand, out, rw)
+    return True
 
 
 def _size_read(n: Any) -> bool:
@@ -310,7 +331,12 @@ def propagate(n: torch.fx.Node, split: dict[torch.fx.Node, Split], rw: Rewrites,
         return Split(split[parts[0]].dim, ",".join(sorted({split[p].origin for p in parts})))
     if t in SDPA:
         qkv: list[Any] = list(n.args[:3])
-        if not all(a in split and split[a].dim == split[qkv[0]].dim for a in qkv):
+        k_heads = len(shape(qkv[0]) or ()) - split[qkv[0]].dim if qkv[0] in split else 0
+        for kv in qkv[1:]:  # GQA with kv heads tp does not divide: k, v replicated
+            if kv not in split and k_heads > 2:
+                _slice_operand(n, kv, k_heads, size, rw)
+        if not all(a in split or (a, n) in rw.slices for a in qkv) or not all(
+                split[a].dim == split[qkv[0]].dim for a in qkv if a in split):
             raise Unsupported(f"{n.name} attends over q, k, v not all split by heads")
         if split[qkv[0]].dim >= len(shape(qkv[0]) or ()) - 2:
             raise Unsupported(f"{n.name}'s q is split along its sequence or head features")
@@ -329,6 +355,12 @@ def propagate(n: torch.fx.Node, split: dict[torch.fx.Node, Split], rw: Rewrites,
         ra = len(shape(lhs) or ())
         if sa and sb and ra - sa.dim == len(shape(rhs) or ()) - sb.dim and ra - sa.dim > 2:
             return Split(len(shape(n) or ()) - (ra - sa.dim), sa.origin)
+        one = sa or sb
+        if one is not None and (sa is None or sb is None):
+            mine, other = (lhs, rhs) if sa else (rhs, lhs)
+            k = len(shape(mine) or ()) - one.dim
+            if k > 2 and _slice_operand(n, other, k, size, rw):
+                return Split(len(shape(n) or ()) - k, one.origin)
         raise Unsupported(f"{n.name} ({t}) multiplies along a split dim")
     return None
 

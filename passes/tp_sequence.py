@@ -10,7 +10,7 @@ parallelism) each rank keeps ``seq / tp`` of them instead:
   bytes on the link, and the result is this rank's chunk;
 * ops that work row by row along the features (element-wise ops, residual adds, dropout,
   layer norm, casts) inside a marked region compute on the chunk; a replicated operand of
-  the full shape (the residual stream) enters through ``tp_seq_scatter`` (a local slice);
+  the full shape (the residual stream) enters through ``tp_scatter`` (a local slice);
 * a column linear's ``tp_copy`` becomes ``tp_seq_gather`` (all-gather forward,
   reduce-scatter backward); any other consumer gets the value back through
   ``tp_seq_unscatter`` (all-gather).
@@ -134,7 +134,7 @@ def sequence_parallel(gm: torch.fx.GraphModule, inside: Callable[[torch.fx.Node]
 
 
 def _cut_dim(n: torch.fx.Node) -> int:
-    """The sequence dim a ``tp_seq_scatter`` node cuts (its second argument)."""
+    """The sequence dim a ``tp_scatter`` node cuts (its second argument)."""
     return int(n.args[1])  # type: ignore[arg-type]
 
 
@@ -170,7 +170,7 @@ def _rewrite(gm: torch.fx.GraphModule, chunked: dict[torch.fx.Node, int],
                     x = tp_graph.insert(graph, tp_collectives.tp_gather_batch, (x,), operand,
                                         size)
                 with graph.inserting_after(x):
-                    entered[operand] = _insert(gm, tp_collectives.tp_seq_scatter, x,
+                    entered[operand] = _insert(gm, tp_collectives.tp_scatter, x,
                                                chunked[consumer], operand, size, False)
         consumer.replace_input_with(operand, entered[operand])
     for n, d in list(chunked.items()):

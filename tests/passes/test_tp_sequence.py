@@ -46,7 +46,7 @@ def test_memory_chunks_layer_norms_and_residuals_between_the_pairs() -> None:
     assert _roles(memory).count("tp_seq_reduce_scatter") == 4
     assert _roles(memory).count("tp_seq_gather") == 3
     assert _roles(memory).count("tp_copy") == 1  # the first pair's input is replicated
-    assert _roles(memory).count("tp_seq_scatter") == 1  # block 0's input joins its residual
+    assert _roles(memory).count("tp_scatter") == 1  # block 0's input joins its residual
     assert _roles(memory).count("tp_seq_unscatter") == 1  # the output leaves replicated
     assert "tp_reduce" not in _roles(memory)
     assert plan.sequence_parallel == (

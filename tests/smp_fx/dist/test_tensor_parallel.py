@@ -204,11 +204,11 @@ def _gathered(model: Any, values: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def _scenario(kind: str, prescaled: bool, pp: int = 1, optimize: str = "memory"
+def _scenario(kind: str, prescaled: bool, pp: int = 1, optimize: str = "memory", tp: int = 2
               ) -> dict[str, Any]:
     import smp_fx as smp
 
-    smp.init({"pipeline_parallel_degree": pp, "tensor_parallel_degree": 2, "ddp": True,
+    smp.init({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "ddp": True,
               "prescaled_batch": prescaled, "microbatches": 2, "optimize": optimize})
     model = smp.DistributedModel(_build(kind))
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS))
@@ -219,7 +219,7 @@ def _scenario(kind: str, prescaled: bool, pp: int = 1, optimize: str = "memory"
         model.backward(loss)
         return loss
 
-    share = GLOBAL_BATCH // 2
+    share = GLOBAL_BATCH // tp
     lo = 0 if prescaled else smp.tp_rank() * share
     losses, grads, padding = [], [], []
     for x, y in _batches(kind):
@@ -262,12 +262,12 @@ CASES = (("mlp", False), ("mlp", True), ("swiglu", False), ("odd", True), ("llam
          ("llama_layers", False), ("llama_layers", True))
 
 
-def _checked(kind: str, prescaled: bool, pp: int = 1, optimize: str = "memory"
+def _checked(kind: str, prescaled: bool, pp: int = 1, optimize: str = "memory", tp: int = 2
              ) -> dict[str, Any]:
     """One scenario on this rank, compared here with the reference (names of mismatches)."""
-    share = GLOBAL_BATCH // 2
+    share = GLOBAL_BATCH // tp
     ref_losses, ref_grads, ref_params = _reference(kind, share if prescaled else GLOBAL_BATCH)
-    res = _scenario(kind, prescaled, pp, optimize)
+    res = _scenario(kind, prescaled, pp, optimize, tp)
     bad: list[str] = []
     if prescaled and not torch.allclose(torch.tensor(res["losses"]), torch.tensor(ref_losses),
                                         atol=1e-5, rtol=1e-5):
@@ -398,3 +398,22 @@ def test_pp2_tp2_matches_single_process_model() -> None:
     held = sorted({tuple(sorted(r["shapes"])) for r in results})
     assert held == [("fc1.bias", "fc1.weight", "inp.bias", "inp.weight"),
                     ("fc2.bias", "fc2.weight", "head.bias", "head.weight")]
+
+
+def test_tp4_gqa_with_kv_heads_tp_does_not_divide() -> None:
+    """The tiny HF Llama (4 query heads, 2 kv heads) at tp=4 on 4 ranks, each layer's
+    attention and MLP marked: q splits by heads (one per rank), k and v stay whole on every
+    rank (DistributedLinear: sharded weight, gathered output) and each rank attends with its
+    query head's kv head (``tp_scatter`` of the repeated kv); equal to one process on the
+    global batch with ``prescaled_batch`` false (batches gathered, then the heads cut).
+    Each rank's microbatch is one example, whose batch dim of 1 looks like a broadcast:
+    the per-example key must still be gathered (it was not, and the ranks attended with
+    their own example's keys)."""
+    results = run_ranks(_checked, 4, "llama", False, 1, "memory", 4, timeout=240,
+                        env={"SMP_FX_DEVICE_SPEC": "a100"})
+    for res in results:
+        assert res["bad"] == []
+        assert res["plan"]["replicated"] == [] and len(res["distributed"]) == 14
+        attn = "model.model.layers.0.self_attn"
+        assert [f"{attn}.q_proj", f"{attn}.o_proj"] in res["plan"]["pairs"]
+        assert not any(p[0] == f"{attn}.k_proj" for p in res["plan"]["pairs"])

@@ -33,6 +33,7 @@ function as the original.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -167,48 +168,27 @@ def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
     return _local(_all_reduce(x), dim)
 
 
-class _SeqGather(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
+def _along_dim(name: str, forward: Callable[[torch.Tensor, int], torch.Tensor],
+               backward: Callable[[torch.Tensor, int], torch.Tensor]) -> Any:
+    """An autograd function of ``(x, dim)``: ``forward(x, dim)``, gradient
+    ``backward(g, dim)`` (the sequence-parallel and head-cut collectives differ only in
+    which pair of ``_all_gather``, ``_reduce_scatter`` and ``_local`` they use)."""
+
+    def fwd(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
         ctx.dim = dim
-        return _all_gather(x, dim)
+        return forward(x, dim)
 
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _reduce_scatter(g, ctx.dim), None
+    def bwd(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return backward(g, ctx.dim), None
 
-
-class _SeqReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
-        ctx.dim = dim
-        return _reduce_scatter(x, dim)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather(g, ctx.dim), None
+    return type(name, (torch.autograd.Function,),
+                {"forward": staticmethod(fwd), "backward": staticmethod(bwd)})
 
 
-class _Scatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
-        ctx.dim = dim
-        return _local(x, dim)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _all_gather(g, ctx.dim), None
-
-
-class _SeqUnscatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
-        ctx.dim = dim
-        return _all_gather(x, dim)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _local(g, ctx.dim), None
+_SeqGather = _along_dim("_SeqGather", _all_gather, _reduce_scatter)
+_SeqReduceScatter = _along_dim("_SeqReduceScatter", _reduce_scatter, _all_gather)
+_Scatter = _along_dim("_Scatter", _local, _all_gather)
+_SeqUnscatter = _along_dim("_SeqUnscatter", _all_gather, _local)
 
 
 def tp_seq_gather(x: torch.Tensor, dim: int) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 ``passes.tensor_parallel`` inserts these as ``call_function`` nodes; the runtime binds the
 process group once per rank (``bind``). Every collective smp-fx's tensor parallelism uses is
-built here from ``all_reduce`` and ``all_gather``, which gloo has, so CPU runs need nothing
-gloo lacks (a reduce-scatter, for instance, is an all-reduce followed by a local slice).
+built here from ``all_reduce`` and ``all_gather``, which gloo has, plus ``reduce_scatter``
+where the backend has it (else an all-reduce followed by a local slice), so CPU runs need
+nothing gloo lacks.
 
 Without a bound group of more than one rank every function is the identity: a graph
 rewritten for tp=1, or run by a pass that only propagates shapes, computes the same
@@ -162,9 +163,23 @@ def tp_split_batch(x: torch.Tensor) -> torch.Tensor:
     return _SplitBatch.apply(x) if active() else x
 
 
+_NATIVE_REDUCE_SCATTER: dict[str, bool] = {}
+"""Per backend: whether ``reduce_scatter_tensor`` works (gloo gained it in recent torch)."""
+
+
 def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum over the group, keep this rank's chunk of ``dim``: an all-reduce and a slice,
-    as gloo has no reduce-scatter (the link model prices the real one)."""
+    """Sum over the group, keep this rank's chunk of ``dim``: the backend's reduce-scatter
+    (half an all-reduce's traffic), else, where it has none (gloo of older torch), an
+    all-reduce and a slice: the same sums."""
+    backend = str(dist.get_backend(_BOUND.group))
+    if _NATIVE_REDUCE_SCATTER.get(backend, True):
+        src = x.movedim(dim, 0).contiguous()
+        out = src.new_empty((src.shape[0] // _BOUND.size, *src.shape[1:]))
+        try:
+            dist.reduce_scatter_tensor(out, src, group=_BOUND.group)
+            return out.movedim(0, dim).contiguous()
+        except (RuntimeError, NotImplementedError, AttributeError):
+            _NATIVE_REDUCE_SCATTER[backend] = False
     return _local(_all_reduce(x), dim)
 
 

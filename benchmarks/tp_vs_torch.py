@@ -16,8 +16,9 @@ parameter bytes each rank holds beside what smp-fx's tensor-parallel plan predic
 sharded parameters / tp + replicated ones.
 
 ``--optimize speed`` (default) is the comparable setting: torch's plan has no sequence
-parallelism. ``--optimize memory`` shows what chunking costs here (gloo has no
-reduce-scatter: it is an all-reduce and a slice, then one more all-gather).
+parallelism. ``--optimize memory`` shows what chunking costs here (a reduce-scatter
+and an all-gather per pair boundary instead of one all-reduce; on 2 cores the slicing
+and the extra calls cost more than the halved activations save).
 
     python benchmarks/tp_vs_torch.py                 # about a minute
     python benchmarks/tp_vs_torch.py --width 256 --rounds 5

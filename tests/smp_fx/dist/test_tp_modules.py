@@ -258,12 +258,21 @@ def test_registered_module_tp2_matches_single_process() -> None:
                                                       for n in res["sharded"])
 
 
-def test_cross_attention_lm_head_with_labels_tp2_matches_single_process() -> None:
+@pytest.mark.parametrize("prescaled", [True, False])
+def test_cross_attention_lm_head_with_labels_tp2_matches_single_process(prescaled: bool
+                                                                         ) -> None:
     """Cross attention and labels at tp=2: the loss the model computes, the gathered
     gradients and the parameters after 3 Adam steps equal one process; the cross
     attention is sharded by heads like self attention (7 pairs a layer, nothing
-    replicated) and the loss is the fused vocab-parallel cross entropy."""
-    for res in _run("cross", True):
+    replicated) and the loss is the fused vocab-parallel cross entropy. With
+    ``prescaled_batch`` false each half has as many ignored labels, so the mean of the
+    ranks' losses is the global batch's."""
+    results = _run("cross", prescaled)
+    if not prescaled:
+        mean = torch.tensor([results[0]["losses"], results[1]["losses"]]).mean(0)
+        torch.testing.assert_close(mean, torch.tensor(_reference("cross", GLOBAL_BATCH)[0]),
+                                   **TOL)
+    for res in results:
         assert res["bad"] == [] and res["replicated"] == ()
         assert res["widths"] == [VOCAB // 2] * 2 * STEPS  # fused: 2 microbatches a step
         assert res["local"]["lm.transformer.seq_layers.1.crossattention.key.weight"] == (8, 16)

@@ -70,7 +70,7 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     over the targets not ignored. Shifting the labels (the last target ``IGNORE_INDEX``)
     equals slicing both (Hugging Face's GPT-2) and keeps the logits' path to the loss a
     reshape, which ``passes.tp_loss`` fuses under tp."""
-    targets = F.pad(labels[:, 1:], (0, 1), value=IGNORE_INDEX)
+    targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], 1)
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
                            ignore_index=IGNORE_INDEX)
 

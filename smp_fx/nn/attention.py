@@ -18,6 +18,15 @@ Masks are additive (``-10000`` where masked, as Hugging Face's BERT / GPT-2): th
 scores; ``causal_mask_size`` (not None) adds a causal mask (keys after the query masked).
 SMP sizes a stored mask by it; here the mask is built for the sequence at hand (an fx
 trace cannot slice a stored buffer by a symbolic length), so the size is only recorded.
+
+Cross attention (``cross_attention=True``, SMP's encoder-decoder sublayer): the queries
+come from the hidden states, the keys and values from ``cross_states`` (another sequence,
+``[N, S_cross, hidden_size]``, e.g. an encoder's output), masked by the additive
+``cross_mask`` (``[N, 1, 1, S_cross]``). ``key`` / ``value`` are column-parallel all the
+same (the cross states are replicated, like the hidden states), so the rewrite splits the
+sublayer by heads exactly as self attention. ``pre_layernorm`` normalises the queries'
+input only (GPT-2's ``ln_cross_attn``): the cross states are used as given. There is no
+causal mask over another sequence, so ``causal_mask_size`` must stay None.
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cost_model.errors import not_implemented
+from cost_model.errors import SMPConfigError, not_implemented
 from smp_fx.tp_marking import mark
 
 MASKED = -10000.0
@@ -69,7 +78,10 @@ class DistributedAttentionLayer(nn.Module):
     ``[N, S, hidden_size]``). ``attention_mask`` is additive (module docstring) or None.
     ``pre_layernorm`` normalises the input of the attention (the residual is the raw
     input), ``post_layernorm`` the sum of the residual and the attention's output.
-    ``cross_attention`` is not built.
+    With ``cross_attention``: ``forward((hidden_states, cross_states, attention_mask,
+    cross_mask))`` (SMP's order), the keys and values from ``cross_states`` masked by
+    ``cross_mask`` (additive or None); ``attention_mask`` belongs to the self attention
+    and is not used here.
     """
 
     def __init__(self, num_attention_heads: int = 32, attention_head_size: int = 32,
@@ -78,11 +90,13 @@ class DistributedAttentionLayer(nn.Module):
                  initializer_range: float = 0.02, use_normal_initialization: bool = False,
                  cross_attention: bool = False, causal_mask_size: int | None = None,
                  pre_layernorm: bool = False, post_layernorm: bool = True) -> None:
-        if cross_attention:
-            raise not_implemented("attention over a second (encoder) sequence",
-                                  "DistributedAttentionLayer(cross_attention=True)",
-                                  fix="use cross_attention=False (self-attention)")
+        if cross_attention and causal_mask_size is not None:
+            raise SMPConfigError.build(
+                "cross attention attends to another sequence, which has no causal order",
+                causal_mask_size, "DistributedAttentionLayer(cross_attention=True)",
+                "leave causal_mask_size None (the self attention holds the causal mask)")
         super().__init__()
+        self.cross_attention = cross_attention
         self.num_attention_heads = num_attention_heads
         self.attention_head_size = attention_head_size
         inner = num_attention_heads * attention_head_size
@@ -106,13 +120,18 @@ class DistributedAttentionLayer(nn.Module):
         the rewrite divides it by tp)."""
         return x.view(b, s, self.num_attention_heads, self.attention_head_size).transpose(1, 2)
 
-    def forward(self, inputs: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-        hidden_states, attention_mask = inputs[0], inputs[1]
+    def forward(self, inputs: tuple[Any, ...]) -> torch.Tensor:
+        hidden_states = inputs[0]
+        if self.cross_attention:  # (hidden_states, cross_states, attention_mask, cross_mask)
+            source, attention_mask = inputs[1], inputs[3]
+        else:
+            source, attention_mask = None, inputs[1]
         x = hidden_states if self.pre_layernorm is None else self.pre_layernorm(hidden_states)
+        kv = x if source is None else source
         b, s = x.shape[0], x.shape[1]
         q = self._heads(self.query(x), b, s)
-        k = self._heads(self.key(x), b, s)
-        v = self._heads(self.value(x), b, s)
+        k = self._heads(self.key(kv), b, kv.shape[1])
+        v = self._heads(self.value(kv), b, kv.shape[1])
         scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.attention_head_size)
         if self.causal_mask_size is not None:
             causal = causal_mask(torch.arange(s, device=x.device))

@@ -8,12 +8,27 @@ word embedding and the tied output projection by vocabulary rows (``passes.tp_vo
 
 Inputs and outputs follow SMP: the layer and the transformer take a tuple
 ``(hidden_states, attention_mask)`` and return one, so layers chain; ``attention_mask`` is
-additive (``[N, 1, 1, S]``, ``-10000`` where masked) or None. The LM head takes the tuple
-``(input_ids, attention_mask, token_type_ids, position_ids)`` (trailing items may be left
-out); its ``attention_mask`` is SMP's 0-1 ``[N, S]`` tensor where **1 marks a masked
-position** (padding), turned into the additive form inside. It returns the logits
-``[N, S, vocab_size]`` (``add_lm_head``) or the final hidden states; the loss is the
-caller's (SMP's ``labels`` item is not built: a non-None one raises).
+additive (``[N, 1, 1, S]``, ``-10000`` where masked) or None. With
+``add_cross_attention`` each layer runs a cross-attention sublayer (queries from the
+hidden states, keys / values from ``cross_states``, ``[N, S_cross, hidden_size]``) between
+its self attention and its MLP, with the same layer-norm layout, and the tuple is SMP's
+``(hidden_states, cross_states, attention_mask, cross_mask)`` in and out (``cross_mask``
+additive ``[N, 1, 1, S_cross]`` or None).
+
+The LM head takes the tuple ``(input_ids, attention_mask, token_type_ids, position_ids,
+labels)``, or with ``add_cross_attention`` ``(input_ids, attention_mask, token_type_ids,
+position_ids, cross_states, cross_mask, labels)`` (SMP's page lists ``cross_states``
+twice; one is read here). Trailing items may be left out, any may be None. Its
+``attention_mask`` and ``cross_mask`` are SMP's 0-1 ``[N, S]`` / ``[N, S_cross]`` tensors
+where **1 marks a masked position** (padding), turned into the additive form inside. It
+returns the logits ``[N, S, vocab_size]`` (``add_lm_head``) or the final hidden states;
+given ``labels`` (``[N, S]`` token ids, ``-100`` ignored) it returns the next-token
+language-model loss instead: the mean cross entropy of position ``i``'s logits against
+``labels[:, i + 1]`` (GPT-2's shift; SMP's page does not say). The shift is applied to the
+labels (the last position's target becomes ``-100``), not by slicing the logits, so the
+logits reach ``F.cross_entropy`` through a ``flatten`` alone and, under tp, the rewrite
+fuses the gather of the tied head's logits and the loss into a vocab-parallel cross
+entropy (``passes.tp_loss``): the full logits are never built.
 
 Where SMP's page is silent: with ``pre_layernorm`` and no ``post_layernorm`` (GPT-2's
 layout) the LM head applies a final layer norm to the transformer's output (GPT-2's
@@ -35,8 +50,9 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from cost_model.errors import SMPConfigError, SMPTracingError, not_implemented
+from cost_model.errors import SMPConfigError, SMPTracingError
 from smp_fx.nn.attention import (
     MASKED,
     DistributedAttentionLayer,
@@ -44,20 +60,29 @@ from smp_fx.nn.attention import (
 )
 from smp_fx.tp_marking import mark
 
-Pair = tuple[torch.Tensor, Any]
+Pair = tuple[Any, ...]
+IGNORE_INDEX = -100
+"""The label ``F.cross_entropy`` ignores: padding, and the shifted-out last position."""
 
 
-def _no_cross_attention(add_cross_attention: bool, where: str) -> None:
-    if add_cross_attention:
-        raise not_implemented("cross attention over an encoder's states",
-                              f"{where}(add_cross_attention=True)",
-                              fix="use add_cross_attention=False (decoder/encoder only)")
+def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy: ``logits[:, i]`` against ``labels[:, i + 1]``, the mean
+    over the targets not ignored. Shifting the labels (the last target ``IGNORE_INDEX``)
+    equals slicing both (Hugging Face's GPT-2) and keeps the logits' path to the loss a
+    reshape, which ``passes.tp_loss`` fuses under tp."""
+    targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], 1)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                           ignore_index=IGNORE_INDEX)
 
 
 class DistributedTransformerLayer(nn.Module):
-    """``DistributedAttentionLayer`` then ``DistributedTransformerOutputLayer``.
+    """``DistributedAttentionLayer`` then ``DistributedTransformerOutputLayer``; with
+    ``add_cross_attention`` a cross ``DistributedAttentionLayer`` (``crossattention``,
+    never causal) between them.
 
-    ``forward((hidden_states, attention_mask))`` -> ``(hidden_states, attention_mask)``.
+    ``forward((hidden_states, attention_mask))`` -> ``(hidden_states, attention_mask)``;
+    with ``add_cross_attention`` ``forward((hidden_states, cross_states, attention_mask,
+    cross_mask))`` -> the same four, ``hidden_states`` updated.
     """
 
     def __init__(self, num_attention_heads: int = 32, attention_head_size: int = 32,
@@ -67,13 +92,17 @@ class DistributedTransformerLayer(nn.Module):
                  initializer_range: float = 0.02, use_normal_initialization: bool = False,
                  causal_mask_size: int | None = None, add_cross_attention: bool = False,
                  pre_layernorm: bool = False, post_layernorm: bool = True) -> None:
-        _no_cross_attention(add_cross_attention, "DistributedTransformerLayer")
         super().__init__()
         self.attention = DistributedAttentionLayer(
             num_attention_heads, attention_head_size, hidden_size, attention_dropout_prob,
             hidden_dropout_prob, layernorm_epsilon, initializer_range,
             use_normal_initialization, causal_mask_size=causal_mask_size,
             pre_layernorm=pre_layernorm, post_layernorm=post_layernorm)
+        self.crossattention = DistributedAttentionLayer(
+            num_attention_heads, attention_head_size, hidden_size, attention_dropout_prob,
+            hidden_dropout_prob, layernorm_epsilon, initializer_range,
+            use_normal_initialization, cross_attention=True, pre_layernorm=pre_layernorm,
+            post_layernorm=post_layernorm) if add_cross_attention else None
         self.output = DistributedTransformerOutputLayer(
             hidden_size, intermediate_size, hidden_dropout_prob, activation,
             layernorm_epsilon, initializer_range, use_normal_initialization,
@@ -81,15 +110,21 @@ class DistributedTransformerLayer(nn.Module):
         mark(self)
 
     def forward(self, inputs: Pair) -> Pair:
-        hidden_states, attention_mask = inputs[0], inputs[1]
+        if self.crossattention is None:
+            hidden_states, attention_mask = inputs[0], inputs[1]
+            attended = self.attention((hidden_states, attention_mask))
+            return self.output(attended), attention_mask
+        hidden_states, cross_states, attention_mask, cross_mask = inputs[:4]
         attended = self.attention((hidden_states, attention_mask))
-        return self.output(attended), attention_mask
+        attended = self.crossattention((attended, cross_states, attention_mask, cross_mask))
+        return self.output(attended), cross_states, attention_mask, cross_mask
 
 
 class DistributedTransformer(nn.Module):
     """``num_layers`` ``DistributedTransformerLayer``\\ s in sequence (``seq_layers``).
 
-    ``forward((hidden_states, attention_mask))`` -> ``(hidden_states, attention_mask)``.
+    ``forward((hidden_states, attention_mask))`` -> ``(hidden_states, attention_mask)``;
+    with ``add_cross_attention`` the layer's four-item tuple in and out.
     """
 
     def __init__(self, num_layers: int = 12, num_attention_heads: int = 32,
@@ -100,19 +135,19 @@ class DistributedTransformer(nn.Module):
                  use_normal_initialization: bool = False,
                  causal_mask_size: int | None = None, add_cross_attention: bool = False,
                  pre_layernorm: bool = False, post_layernorm: bool = True) -> None:
-        _no_cross_attention(add_cross_attention, "DistributedTransformer")
         super().__init__()
         self.num_layers = num_layers
+        self.add_cross_attention = add_cross_attention
         self.seq_layers = nn.ModuleList([DistributedTransformerLayer(
             num_attention_heads, attention_head_size, hidden_size, intermediate_size,
             attention_dropout_prob, hidden_dropout_prob, activation, layernorm_epsilon,
             initializer_range, use_normal_initialization, causal_mask_size,
-            pre_layernorm=pre_layernorm, post_layernorm=post_layernorm)
+            add_cross_attention, pre_layernorm=pre_layernorm, post_layernorm=post_layernorm)
             for _ in range(num_layers)])
         mark(self)
 
     def forward(self, inputs: Pair) -> Pair:
-        out: Pair = (inputs[0], inputs[1])
+        out: Pair = tuple(inputs[:4] if self.add_cross_attention else inputs[:2])
         for layer in self.seq_layers:
             out = layer(out)
         return out
@@ -129,9 +164,10 @@ class _TableLookup(nn.Embedding):
 class DistributedTransformerLMHead(nn.Module):
     """Embeddings, a ``DistributedTransformer`` and an LM head tied to the word embedding.
 
-    ``forward((input_ids, attention_mask, token_type_ids, position_ids))`` -> logits
-    (module docstring for the items; None or left out: no mask, no token types,
-    positions ``0 .. S-1``).
+    ``forward((input_ids, attention_mask, token_type_ids, position_ids, labels))`` ->
+    logits, or the loss when ``labels`` is given; with ``add_cross_attention``
+    ``cross_states, cross_mask`` come before ``labels`` (module docstring for the items;
+    None or left out: no mask, no token types, positions ``0 .. S-1``, logits).
     """
 
     def __init__(self, num_layers: int = 12, num_attention_heads: int = 32,
@@ -144,8 +180,8 @@ class DistributedTransformerLMHead(nn.Module):
                  causal_mask_size: int | None = None, add_cross_attention: bool = False,
                  pre_layernorm: bool = False, post_layernorm: bool = True,
                  num_token_types: int = 0, add_lm_head: bool = True) -> None:
-        _no_cross_attention(add_cross_attention, "DistributedTransformerLMHead")
         super().__init__()
+        self.add_cross_attention = add_cross_attention
         self.word_embedding = nn.Embedding(vocab_size, hidden_size)
         self.position_embedding = _TableLookup(num_positions, hidden_size)
         self.token_type_embedding = _TableLookup(num_token_types, hidden_size) \
@@ -158,7 +194,8 @@ class DistributedTransformerLMHead(nn.Module):
             num_layers, num_attention_heads, attention_head_size, hidden_size,
             intermediate_size, attention_dropout_prob, hidden_dropout_prob, activation,
             layernorm_epsilon, initializer_range, use_normal_initialization,
-            causal_mask_size, pre_layernorm=pre_layernorm, post_layernorm=post_layernorm)
+            causal_mask_size, add_cross_attention, pre_layernorm=pre_layernorm,
+            post_layernorm=post_layernorm)
         self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon) \
             if pre_layernorm and not post_layernorm else None
         self.lm_head: nn.Linear | None = None
@@ -175,12 +212,11 @@ class DistributedTransformerLMHead(nn.Module):
                 "call it from a module whose forward builds the tuple "
                 "(model((input_ids, attention_mask)) inside your own forward)")
         input_ids = inputs[0]
-        attention_mask, token_type_ids, position_ids, labels = (
-            inputs[i] if i < len(inputs) else None for i in range(1, 5))
-        if labels is not None:
-            raise not_implemented("a loss computed inside the LM head",
-                                  "DistributedTransformerLMHead labels",
-                                  fix="leave labels out and compute the loss on the logits")
+        items = [inputs[i] if i < len(inputs) else None
+                 for i in range(1, 7 if self.add_cross_attention else 5)]
+        attention_mask, token_type_ids, position_ids = items[:3]
+        cross_states, cross_mask = items[3:5] if self.add_cross_attention else (None, None)
+        labels = items[-1]
         if position_ids is None:
             position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
         x = self.word_embedding(input_ids) + self.position_embedding(position_ids)
@@ -191,14 +227,33 @@ class DistributedTransformerLMHead(nn.Module):
                     None, "DistributedTransformerLMHead.forward",
                     "pass num_token_types > 0, or None as token_type_ids")
             x = x + self.token_type_embedding(token_type_ids)
-        additive = None
-        if attention_mask is not None:  # SMP's 0-1 mask, 1 = masked -> [N, 1, 1, S]
-            additive = attention_mask[:, None, None, :].to(x.dtype) * MASKED
-        hidden = self.transformer((self.dropout(x), additive))[0]
+        state: Pair = (self.dropout(x), _additive(attention_mask, x.dtype))
+        if self.add_cross_attention:
+            if cross_states is None:
+                raise SMPConfigError.build(
+                    "an LM head built with add_cross_attention=True needs cross_states",
+                    None, "DistributedTransformerLMHead.forward",
+                    "pass (input_ids, attention_mask, token_type_ids, position_ids, "
+                    "cross_states, cross_mask, labels)")
+            state = (state[0], cross_states, state[1], _additive(cross_mask, x.dtype))
+        hidden = self.transformer(state)[0]
         if self.layernorm is not None:
             hidden = self.layernorm(hidden)
-        return hidden if self.lm_head is None else self.lm_head(hidden)
+        if self.lm_head is None:
+            if labels is not None:
+                raise SMPConfigError.build(
+                    "labels need the LM head's logits", None,
+                    "DistributedTransformerLMHead.forward",
+                    "build it with add_lm_head=True, or leave labels out")
+            return hidden
+        logits = self.lm_head(hidden)
+        return logits if labels is None else lm_loss(logits, labels)
 
 
-__all__ = ["DistributedTransformer", "DistributedTransformerLMHead",
-           "DistributedTransformerLayer"]
+def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """SMP's 0-1 ``[N, S]`` mask (1 = masked) as the layers' additive ``[N, 1, 1, S]``."""
+    return None if mask is None else mask[:, None, None, :].to(dtype) * MASKED
+
+
+__all__ = ["IGNORE_INDEX", "DistributedTransformer", "DistributedTransformerLMHead",
+           "DistributedTransformerLayer", "lm_loss"]

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 import smp_fx as smp
 from examples.models.gpt import GPT, GPTConfig
-from passes import tp_collectives
+from passes import tp_collectives, tp_loss
 from passes.shape_prop import shape_prop
 from passes.tensor_parallel import TensorParallelism, tensor_parallel
 from passes.trace import trace
@@ -33,16 +33,19 @@ def _ln(x: torch.Tensor, ln: nn.LayerNorm) -> torch.Tensor:
 
 
 def _attention_ref(layer: Any, x: torch.Tensor, mask: torch.Tensor | None,
-                   causal: bool) -> torch.Tensor:
-    """softmax(Q K^T / sqrt(d) + masks) V, then dense, residual, layer norms."""
+                   causal: bool, source: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(Q K^T / sqrt(d) + masks) V, then dense, residual, layer norms; keys and
+    values from ``source`` (cross attention, not normalised) when given."""
     h = _ln(x, layer.pre_layernorm) if layer.pre_layernorm is not None else x
     n, s, _ = x.shape
     heads, d = layer.num_attention_heads, layer.attention_head_size
 
-    def split(lin: nn.Linear) -> torch.Tensor:
-        return (h @ lin.weight.T + lin.bias).reshape(n, s, heads, d).permute(0, 2, 1, 3)
+    def split(lin: nn.Linear, inp: torch.Tensor) -> torch.Tensor:
+        return (inp @ lin.weight.T + lin.bias).reshape(n, inp.shape[1], heads, d) \
+            .permute(0, 2, 1, 3)
 
-    q, k, v = split(layer.query), split(layer.key), split(layer.value)
+    kv = h if source is None else source
+    q, k, v = split(layer.query, h), split(layer.key, kv), split(layer.value, kv)
     scores = q @ k.transpose(2, 3) / math.sqrt(d)
     if causal:
         later = torch.arange(s)[None, :] > torch.arange(s)[:, None]
@@ -195,14 +198,19 @@ def test_lm_head_is_sharded_whole_by_the_rewrite() -> None:
             "lm.transformer.seq_layers.0.output.dense2") in plan.pairs
 
 
-@pytest.mark.parametrize("which", ["attention", "output"])
+@pytest.mark.parametrize("which", ["attention", "cross", "output"])
 def test_rank_partials_sum_to_the_layer(which: str) -> None:
     """pre_layernorm only: each rank returns its heads' (features') partial sum + bias +
     the residual, so the two ranks' outputs less one bias and one residual are the
-    layer's output."""
+    layer's output (cross attention: keys / values from the cross states)."""
     torch.manual_seed(0)
     x = torch.randn(2, 5, 16)
-    if which == "attention":
+    if which == "cross":
+        layer = smp.nn.DistributedAttentionLayer(**SMALL, cross_attention=True,
+                                                 pre_layernorm=True, post_layernorm=False)
+        _, cross, mask, cmask = _cross_inputs(2)
+        inputs, model = (x, cross, mask, cmask), _PassAll(layer)
+    elif which == "attention":
         layer: nn.Module = smp.nn.DistributedAttentionLayer(
             **SMALL, causal_mask_size=5, pre_layernorm=True, post_layernorm=False)
         mask = torch.zeros(2, 1, 1, 5)
@@ -215,8 +223,8 @@ def test_rank_partials_sum_to_the_layer(which: str) -> None:
                                                          post_layernorm=False)
         inputs, model = (x,), layer
     outs, plan = _ranks(model, inputs)
-    assert plan.replicated == () and len(plan.pairs) == (3 if which == "attention" else 1)
-    bias = layer.dense.bias if which == "attention" else layer.dense2.bias
+    assert plan.replicated == () and len(plan.pairs) == (1 if which == "output" else 3)
+    bias = layer.dense2.bias if which == "output" else layer.dense.bias
     torch.testing.assert_close(outs[0] + outs[1] - bias - x, model(*inputs))
 
 
@@ -227,6 +235,15 @@ class _Pass(nn.Module):
 
     def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         return self.layer((x, mask))
+
+
+class _PassAll(nn.Module):
+    def __init__(self, layer: nn.Module) -> None:
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, *items: torch.Tensor) -> Any:
+        return self.layer(items)
 
 
 def test_smp_signatures_and_defaults() -> None:
@@ -254,15 +271,8 @@ def test_smp_signatures_and_defaults() -> None:
 
 
 @pytest.mark.parametrize("build", [
-    lambda: smp.nn.DistributedAttentionLayer(**SMALL, cross_attention=True),
-    lambda: smp.nn.DistributedTransformerLayer(**SMALL, add_cross_attention=True),
-    lambda: smp.nn.DistributedTransformerLMHead(num_layers=1, **SMALL,
-                                                add_cross_attention=True),
     lambda: smp.nn.DistributedTransformerOutputLayer(16, 32, activation="swish"),
-    lambda: smp.nn.DistributedTransformerLMHead(num_layers=1, **SMALL, vocab_size=8,
-                                                num_positions=4)(
-        (torch.zeros(1, 2, dtype=torch.long), None, None, None, torch.zeros(1, 2))),
-], ids=["cross_attention", "layer_cross", "lm_cross", "activation", "labels"])
+], ids=["activation"])
 def test_unsupported_options_raise_not_implemented(build: Any) -> None:
     with pytest.raises(smp.SMPNotImplementedError):
         build()
@@ -281,3 +291,127 @@ def test_default_layout_transformer_is_sharded_whole() -> None:
     gm = shape_prop(trace(model, (x, mask), {}, frontend="fx"), (x, mask))
     _, plan = tensor_parallel(gm, TensorParallelism(2, 0, True, marked_paths(model)))
     assert plan.replicated == () and len(plan.pairs) == 8 and len(plan.sharded) == 20
+
+
+def _cross_inputs(n: int = 3, s: int = 5, sc: int = 7) -> tuple[torch.Tensor, ...]:
+    """Hidden states, cross states (another length), an additive self mask and a cross
+    mask that pads the second example's last three cross positions."""
+    x, cross = torch.randn(n, s, 16), torch.randn(n, sc, 16)
+    mask, cmask = torch.zeros(n, 1, 1, s), torch.zeros(n, 1, 1, sc)
+    mask[0, ..., s - 1] = -10000.0
+    cmask[1, ..., sc - 3:] = -10000.0
+    return x, cross, mask, cmask
+
+
+@pytest.mark.parametrize(("pre", "post"), [(False, True), (True, False)])
+def test_cross_attention_layer_attends_to_the_cross_states(pre: bool, post: bool) -> None:
+    """Queries from the hidden states (pre-normalised), keys and values from the cross
+    states as given, masked by the cross mask; the self mask is not used."""
+    torch.manual_seed(0)
+    layer = smp.nn.DistributedAttentionLayer(**SMALL, cross_attention=True,
+                                             pre_layernorm=pre, post_layernorm=post)
+    x, cross, mask, cmask = _cross_inputs()
+    want = _attention_ref(layer, x, cmask, False, source=cross)
+    torch.testing.assert_close(layer((x, cross, mask, cmask)), want)
+    torch.testing.assert_close(layer((x, cross, None, cmask)), want)
+    torch.testing.assert_close(layer((x, cross, mask, None)),
+                               _attention_ref(layer, x, None, False, source=cross))
+    with pytest.raises(smp.SMPConfigError, match="causal"):
+        smp.nn.DistributedAttentionLayer(**SMALL, cross_attention=True, causal_mask_size=4)
+
+
+def test_cross_layer_and_transformer_thread_the_four_items() -> None:
+    """Self attention (causal), cross attention, MLP; the tuple passes through."""
+    torch.manual_seed(0)
+    body = smp.nn.DistributedTransformer(num_layers=2, **SMALL, intermediate_size=32,
+                                         causal_mask_size=5, add_cross_attention=True,
+                                         pre_layernorm=True, post_layernorm=True)
+    x, cross, mask, cmask = _cross_inputs()
+    h = x
+    for layer in body.seq_layers:
+        assert layer.crossattention.causal_mask_size is None
+        h = _attention_ref(layer.attention, h, mask, True)
+        h = _attention_ref(layer.crossattention, h, cmask, False, source=cross)
+        out = layer.output
+        inner = F.gelu(_ln(h, out.pre_layernorm) @ out.dense1.weight.T + out.dense1.bias)
+        h = _ln(inner @ out.dense2.weight.T + out.dense2.bias + h, out.layernorm)
+    got = body((x, cross, mask, cmask))
+    assert len(got) == 4 and all(a is b for a, b in zip(got[1:], (cross, mask, cmask)))
+    torch.testing.assert_close(got[0], h)
+    assert smp.nn.DistributedTransformerLayer(**SMALL).crossattention is None
+
+
+def _shifted_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Hugging Face GPT-2's: drop the last logits and the first labels."""
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+
+
+def test_lm_head_labels_give_the_shifted_loss() -> None:
+    """labels (item 5): the next-token loss of the GPT-2 example's logits; -100 ignored."""
+    gpt, lm = _gpt_and_lm_head()
+    ids, labels = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    labels[0, 5:] = -100
+    torch.testing.assert_close(lm((ids, None, None, None, labels)),
+                               _shifted_loss(gpt(ids), labels))
+    torch.testing.assert_close(lm((ids, None, None, None, None)), gpt(ids))
+    with pytest.raises(smp.SMPConfigError, match="add_lm_head"):
+        smp.nn.DistributedTransformerLMHead(num_layers=1, **SMALL, vocab_size=32,
+                                            num_positions=8, add_lm_head=False)(
+            (ids, None, None, None, labels))
+
+
+def _cross_lm() -> nn.Module:
+    torch.manual_seed(0)
+    return smp.nn.DistributedTransformerLMHead(
+        num_layers=2, **SMALL, intermediate_size=32, vocab_size=32, num_positions=8,
+        causal_mask_size=8, add_cross_attention=True, pre_layernorm=True,
+        post_layernorm=False, use_normal_initialization=True)
+
+
+def test_lm_head_with_cross_attention_and_labels() -> None:
+    """(ids, mask, types, positions, cross_states, cross_mask, labels): the 0-1 masks
+    made additive, the cross states reach every layer, the loss is the shifted one."""
+    lm = _cross_lm()
+    ids, labels = torch.randint(0, 32, (2, 8)), torch.randint(0, 32, (2, 8))
+    pad, cpad = torch.zeros(2, 8), torch.zeros(2, 6)
+    pad[1, 6:], cpad[0, 4:] = 1.0, 1.0
+    cross = torch.randn(2, 6, 16)
+    x = lm.word_embedding(ids) + lm.position_embedding.weight[:8]
+    hidden = lm.transformer((x, cross, pad[:, None, None, :] * -10000.0,
+                             cpad[:, None, None, :] * -10000.0))[0]
+    logits = _ln(hidden, lm.layernorm) @ lm.word_embedding.weight.T
+    torch.testing.assert_close(lm((ids, pad, None, None, cross, cpad)), logits)
+    torch.testing.assert_close(lm((ids, pad, None, None, cross, cpad, labels)),
+                               _shifted_loss(logits, labels))
+    assert not torch.allclose(lm((ids, pad, None, None, cross)), logits)  # cross mask used
+    with pytest.raises(smp.SMPConfigError, match="cross_states"):
+        lm((ids, pad))
+
+
+class _CrossLM(nn.Module):
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, ids: torch.Tensor, cross: torch.Tensor, cmask: torch.Tensor,
+                labels: torch.Tensor) -> torch.Tensor:
+        return self.lm((ids, None, None, None, cross, cmask, labels))
+
+
+@pytest.mark.parametrize("prescaled", [True, False])
+def test_cross_lm_head_is_sharded_whole_and_its_loss_fused(prescaled: bool) -> None:
+    """Cross attention splits by heads like self attention (its key / value read the
+    replicated cross states): 7 pairs a layer, nothing replicated; the labels' loss of
+    the tied head's logits becomes the vocab-parallel cross entropy (no logits gather)."""
+    model = _CrossLM(_cross_lm())
+    inputs = (torch.randint(0, 32, (2, 8)), torch.randn(2, 6, 16), torch.zeros(2, 6),
+              torch.randint(0, 32, (2, 8)))
+    gm = shape_prop(trace(model, inputs, {}, frontend="fx"), inputs)
+    new, plan = tensor_parallel(gm, TensorParallelism(2, 1, prescaled, marked_paths(model)))
+    assert plan.replicated == () and len(plan.pairs) == 14 and len(plan.sharded) == 36
+    prefix = "lm.transformer.seq_layers.1.crossattention"
+    assert {(f"{prefix}.{lin}", f"{prefix}.dense") for lin in ("query", "key", "value")} \
+        <= set(plan.pairs)
+    targets = [n.target for n in new.graph.nodes if n.op == "call_function"]
+    assert tp_loss.tp_vocab_cross_entropy in targets and F.cross_entropy not in targets
+    assert tp_collectives.tp_gather_last not in targets

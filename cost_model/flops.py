@@ -48,11 +48,16 @@ ELEMENTWISE_COST = {
     "clamp": 1, "maximum": 1, "minimum": 1, "rsub": 1, "iadd": 1, "imul": 1,
     "gelu": 8, "tanh": 4, "sigmoid": 4, "silu": 5, "dropout": 2, "softmax": 5,
     "log_softmax": 5, "erf": 4, "leaky_relu": 1, "hardtanh": 1, "cumsum": 1, "index": 1,
+    "sin": 4, "cos": 4,
 }
 """FLOPs per output element, forward; backward costs the same per element."""
 
 REDUCTION_OPS = frozenset({"sum", "mean", "amax", "max", "min", "amin", "var", "std",
                            "norm", "avg_pool", "max_pool", "adaptive_avg_pool"})
+
+LOSS_COST = {"cross_entropy": 6, "cross_entropy_loss": 6, "nll_loss": 1,
+             "tp_vocab_cross_entropy": 6}
+"""FLOPs per logit of a loss inside the model (log-softmax and the target's pick)."""
 
 NORM_COST = 5
 """FLOPs per element of a normalisation (mean, variance, scale, shift) forward."""
@@ -164,6 +169,9 @@ def op_flops(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
         return 0.0, float(numel(output))  # a gather forward; a scatter-add backward
     elif op in ELEMENTWISE_COST:
         fwd = ELEMENTWISE_COST[op] * float(numel(output))
+        return fwd, fwd
+    elif op in LOSS_COST:  # a scalar out of the logits: priced per input element
+        fwd = LOSS_COST[op] * float(numel(inputs[0])) if inputs and inputs[0] else 0.0
         return fwd, fwd
     elif op in REDUCTION_OPS:
         fwd = float(numel(inputs[0])) if inputs and inputs[0] else float(numel(output))

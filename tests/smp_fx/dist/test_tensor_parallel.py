@@ -88,6 +88,32 @@ class SwiGLU(nn.Module):
         return self.out(h + self.down(F.silu(self.gate(h)) * self.up(h)))
 
 
+class ResidualBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.up, self.down = nn.LayerNorm(16), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.ln(x))))
+
+
+class ResidualMLP(nn.Module):
+    """Three pre-norm residual blocks on 2-D (tokens, features) values, each marked whole:
+    under ``optimize: "memory"`` norms and residuals are chunked along dim 0."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import smp_fx as smp
+
+        self.inp, self.out = nn.Linear(8, 16), nn.Linear(16, 6)
+        self.blocks = nn.Sequential(*(ResidualBlock() for _ in range(3)))
+        for block in self.blocks:
+            smp.set_tensor_parallelism(block)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.blocks(self.inp(x)))
+
+
 class Blocks(nn.Module):
     """Two of the GPT example's decoder blocks (attention + MLP) on per-token features,
     each block marked whole: attention splits by heads, the fused c_attn per q/k/v."""
@@ -118,6 +144,8 @@ def _build(kind: str) -> nn.Module:
         return MLP(inner=33)
     if kind == "blocks":
         return Blocks()
+    if kind == "resmlp":
+        return ResidualMLP()
     if kind in ("gpt", "gpt63"):  # the whole GPT-2-style example: tied wte / lm_head split
         # by vocabulary rows (63: padded to 64), every block whole (heads, MLP)
         gpt = example("gpt").build_model(**({"vocab_size": ODD_VOCAB} if kind == "gpt63"
@@ -259,7 +287,7 @@ def _padding_rows(model: Any, values: dict[str, torch.Tensor]) -> list[float]:
 CASES = (("mlp", False), ("mlp", True), ("swiglu", False), ("odd", True), ("llama", True),
          ("llama", False), ("gpt", False), ("gpt", True), ("blocks", False), ("blocks", True),
          ("hf_gpt2", False), ("hf_gpt2", True), ("gpt63", False), ("gpt63", True),
-         ("llama_layers", False), ("llama_layers", True))
+         ("llama_layers", False), ("llama_layers", True), ("resmlp", False), ("resmlp", True))
 
 
 def _checked(kind: str, prescaled: bool, pp: int = 1, optimize: str = "memory", tp: int = 2
@@ -335,6 +363,8 @@ def test_optimize_memory_chunks_the_sequence_between_pairs() -> None:
         assert {"h.0.ln_2.weight", "h.1.ln_1.bias", "h.1.mlp.c_proj.bias"} <= set(chunked)
         assert "h.0.ln_1.weight" not in chunked  # before the first pair: replicated
         assert "blocks.0.ln_2.weight" in _run("blocks", prescaled)[0]["plan"]["sequence_parallel"]
+        assert "blocks.1.ln.weight" in _run("resmlp", prescaled)[0]["plan"][
+            "sequence_parallel"]  # 2-D values: chunked along the tokens (dim 0)
         llama = _run("llama_layers", prescaled)[0]["plan"]["sequence_parallel"]  # RMSNorm
         assert "model.model.layers.1.input_layernorm.weight" in llama
 

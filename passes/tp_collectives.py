@@ -163,8 +163,11 @@ def tp_split_batch(x: torch.Tensor) -> torch.Tensor:
     return _SplitBatch.apply(x) if active() else x
 
 
+_reduce_scatter_into: Any = getattr(dist, "reduce_scatter_single", None) or getattr(
+    dist, "reduce_scatter_tensor", None)
+"""torch 2.13 renamed ``reduce_scatter_tensor`` (now deprecated) ``reduce_scatter_single``."""
 _NATIVE_REDUCE_SCATTER: dict[str, bool] = {}
-"""Per backend: whether ``reduce_scatter_tensor`` works (gloo gained it in recent torch)."""
+"""Per backend: whether the reduce-scatter works (gloo gained it in recent torch)."""
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -172,11 +175,11 @@ def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
     (half an all-reduce's traffic), else, where it has none (gloo of older torch), an
     all-reduce and a slice: the same sums."""
     backend = str(dist.get_backend(_BOUND.group))
-    if _NATIVE_REDUCE_SCATTER.get(backend, True):
+    if _reduce_scatter_into is not None and _NATIVE_REDUCE_SCATTER.get(backend, True):
         src = x.movedim(dim, 0).contiguous()
         out = src.new_empty((src.shape[0] // _BOUND.size, *src.shape[1:]))
         try:
-            dist.reduce_scatter_tensor(out, src, group=_BOUND.group)
+            _reduce_scatter_into(out, src, group=_BOUND.group)
             return out.movedim(0, dim).contiguous()
         except (RuntimeError, NotImplementedError, AttributeError):
             _NATIVE_REDUCE_SCATTER[backend] = False

@@ -146,12 +146,14 @@ def _build(kind: str) -> nn.Module:
         return Blocks()
     if kind == "resmlp":
         return ResidualMLP()
-    if kind in ("gpt", "gpt63"):  # the whole GPT-2-style example: tied wte / lm_head split
-        # by vocabulary rows (63: padded to 64), every block whole (heads, MLP)
+    if kind in ("gpt", "gpt63", "gpt_ckpt"):  # the whole GPT-2-style example: tied wte /
+        # lm_head split by vocabulary rows (63: padded to 64), every block whole (heads, MLP)
         gpt = example("gpt").build_model(**({"vocab_size": ODD_VOCAB} if kind == "gpt63"
                                             else {}))
         for module in (gpt.wte, gpt.lm_head, *gpt.h):
             smp.set_tensor_parallelism(module)
+        for block in gpt.h if kind == "gpt_ckpt" else ():  # checkpointed too: shards and
+            smp.set_activation_checkpointing(block)  # sequence chunks recomputed in backward
         return gpt
     if kind == "hf_gpt2":  # Conv1D (addmm, (in, out) weights) on the torch.export graph:
         gpt2 = example("hf_gpt2").build_model()  # the whole model marked: c_attn strided,
@@ -174,7 +176,8 @@ def _build(kind: str) -> nn.Module:
     return model
 
 
-EXAMPLES = {"llama": "hf_llama", "llama_layers": "hf_llama", "gpt": "gpt", "gpt63": "gpt",
+EXAMPLES = {"llama": "hf_llama", "llama_layers": "hf_llama", "gpt": "gpt", "gpt_ckpt": "gpt",
+            "gpt63": "gpt",
             "hf_gpt2": "hf_gpt2"}
 
 
@@ -287,7 +290,8 @@ def _padding_rows(model: Any, values: dict[str, torch.Tensor]) -> list[float]:
 CASES = (("mlp", False), ("mlp", True), ("swiglu", False), ("odd", True), ("llama", True),
          ("llama", False), ("gpt", False), ("gpt", True), ("blocks", False), ("blocks", True),
          ("hf_gpt2", False), ("hf_gpt2", True), ("gpt63", False), ("gpt63", True),
-         ("llama_layers", False), ("llama_layers", True), ("resmlp", False), ("resmlp", True))
+         ("llama_layers", False), ("llama_layers", True), ("resmlp", False), ("resmlp", True),
+         ("gpt_ckpt", False))
 
 
 def _checked(kind: str, prescaled: bool, pp: int = 1, optimize: str = "memory", tp: int = 2

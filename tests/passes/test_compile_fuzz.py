@@ -25,6 +25,7 @@ from passes import meta
 from passes.partition_config import PartitionConfig
 from passes.pipeline import compile_model
 from smp_fx import SMPError
+from smp_fx.dist import state
 from smp_fx.manual import pins_by_module_path
 from tests.helpers.numerics import init
 
@@ -162,3 +163,4 @@ def test_random_dags_compile_to_valid_plans_that_compute_the_model(
                                        msg=lambda d, n=name: f"gradient of {n}: {d}")
     finally:
         smp.reset()
+        state._reset()  # smp.init too: later tests in this process must not inherit it

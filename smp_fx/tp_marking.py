@@ -14,9 +14,14 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
+
+from passes.tensor_parallel import TensorParallelism
+
+if TYPE_CHECKING:
+    from smp_fx.config import SMPConfig
 
 ATTR = "_smp_tensor_parallel"
 
@@ -81,3 +86,12 @@ def marked_paths(model: nn.Module) -> tuple[str, ...]:
                                     for o in out):
             out.append(path)
     return tuple(out)
+
+
+def rewrite_inputs(cfg: SMPConfig, rank: int, model: nn.Module) -> TensorParallelism:
+    """What the tensor-parallel rewrite needs of a configuration and a model for tp rank
+    ``rank``: the one translation ``DistributedModel`` and ``smp-fx partition`` share
+    (degree, batch semantics, the marked modules, ``optimize: "memory"`` -> sequence
+    chunks)."""
+    return TensorParallelism(cfg.tensor_parallel_degree, rank, cfg.prescaled_batch,
+                             marked_paths(model), sequence_parallel=cfg.optimize == "memory")

@@ -51,7 +51,7 @@ from smp_fx.cli import render
 from smp_fx.config import load_config
 from smp_fx.manual import pins_by_module_path
 from smp_fx.runtime.microbatch import split_inputs
-from smp_fx.tp_marking import marked_paths
+from smp_fx.tp_marking import rewrite_inputs
 
 EXIT_BAD_INPUT = 2
 
@@ -219,8 +219,7 @@ def tensor_parallelism(params: dict[str, Any], model: nn.Module) -> TensorParall
     cfg = load_config(_planning(params), env={})
     if cfg.tensor_parallel_degree <= 1:
         return None
-    return TensorParallelism(cfg.tensor_parallel_degree, 0, cfg.prescaled_batch,
-                             marked_paths(model), sequence_parallel=cfg.optimize == "memory")
+    return rewrite_inputs(cfg, 0, model)
 
 
 def _call(fn: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> Any:

@@ -35,12 +35,13 @@ class TensorParallelRuntime:
     """This rank's tensor-parallel state for one partitioned ``DistributedModel``."""
 
     def __init__(self, plan: TensorParallelPlan, distributed: list[nn.Parameter],
-                 replicated: list[nn.Parameter], average_replicated: bool) -> None:
+                 replicated: list[nn.Parameter], average_replicated: bool,
+                 chunked: list[nn.Parameter]) -> None:
         self.plan = plan
         self._distributed_ids = {id(p) for p in distributed}
         self.replicated = replicated
         self.average_replicated = average_replicated
-        self.chunked: list[nn.Parameter] = []
+        self.chunked = chunked
         """Read by sequence-chunked ops: gradients summed over tp after each step."""
         self._training = False
 
@@ -50,11 +51,11 @@ class TensorParallelRuntime:
         tp_collectives.bind(st.group("tp"), st.axis_size("tp"), st.axis_rank("tp"))
         names = {s.name for s in plan.sharded}
         local = list(model.local_named_parameters())
+        chunked = set(plan.sequence_parallel)
         rt = TensorParallelRuntime(plan, [p for n, p in local if n in names],
                                    [p for n, p in local if n not in names],
-                                   not st.config.prescaled_batch)
-        chunked = set(plan.sequence_parallel)
-        rt.chunked = [p for n, p in local if n in chunked]
+                                   not st.config.prescaled_batch,
+                                   [p for n, p in local if n in chunked])
         model.executor.pre_step_hooks.append(rt.pre_step)
         model.executor.post_step_hooks.append(rt.post_step)
         for region, why in plan.replicated:

@@ -24,13 +24,13 @@ from cost_model.measure import measure_nodes
 from passes import meta
 from passes.pipeline import compile_model
 from passes.plan import PartitionPlan
-from passes.tensor_parallel import TensorParallelism, TensorParallelPlan
+from passes.tensor_parallel import TensorParallelPlan
 from passes.trace import trace
 from smp_fx.activation_checkpointing import checkpoint_rules
 from smp_fx.dist import state
 from smp_fx.manual import pins_by_module_path
 from smp_fx.runtime.modes import Autocast, thread_modes
-from smp_fx.tp_marking import marked_paths
+from smp_fx.tp_marking import rewrite_inputs
 
 log = logging.getLogger("smp_fx.planning")
 
@@ -57,8 +57,7 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         with thread_modes(torch.is_grad_enabled(), autocast):
             measured = measured_costs(gm, args, kwargs, times, memory, st)
     pconfig = cfg.partition_config(device.name, checkpointing=checkpoint_rules(module))
-    tp = TensorParallelism(st.axis_size("tp"), st.axis_rank("tp"), cfg.prescaled_batch,
-                           marked_paths(module), sequence_parallel=cfg.optimize == "memory")
+    tp = rewrite_inputs(cfg, st.axis_rank("tp"), module)
     with thread_modes(torch.is_grad_enabled(), autocast):
         compiled = compile_model(module, args, kwargs, pconfig, device=device, pins=pins,
                                  measured=measured, traced=gm, tp=tp)

@@ -328,8 +328,8 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: Linear,
         if cost is not None:
             cost = tp_costs.divide(cost, size, params=True)
             meta.COST.set(y, cost if not pad else dataclasses.replace(  # the padded shard
-                cost, param_bytes=cost.param_bytes * (w_full.shape[0] + pad)
-                // w_full.shape[0]))
+                cost, param_bytes=cost.param_bytes * (lin.out_features + pad)
+                // lin.out_features))
         if lin.role != "row":  # a row linear's partial sums have the full shape
             meta.TENSOR.set(y, tp_costs.local_info(meta.TENSOR.get(node), -1, size))
             meta.TP_SPLIT.set(y, -1)
@@ -346,7 +346,7 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: Linear,
                     out = tp_graph.insert(graph, operator.add, (out, b), node, size)
         elif lin.role == "lone":
             out = tp_graph.insert(graph, tp_collectives.tp_gather_last,
-                                  (out, int(w_full.shape[0])) if pad else (out,), node, size)
+                                  (out, lin.out_features) if pad else (out,), node, size)
             if pad:  # sliced back to the vocabulary
                 meta.TENSOR.set(out, meta.TENSOR.get(node))
         if gather and lin.role != "col":

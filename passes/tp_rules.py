@@ -117,7 +117,7 @@ def elementwise_out(n: torch.fx.Node, split: dict[torch.fx.Node, Split],
                     rw: Rewrites | None = None) -> Split:
     """Broadcasting: split inputs aligned on one dim (counted from the end); replicated
     tensor inputs must have size 1 there (RoPE's cos/sin, masks) or not reach it. One
-    that reaches the batch dim (dim 0) with more than 1 row is noted in ``rw.gather``."""
+    with the output's batch on dim 0 is noted in ``rw.gather`` (``_batched_operand``)."""
     out = shape(n)
     if out is None:
         raise Unsupported(f"{n.name} has no static shape")
@@ -185,8 +185,7 @@ def _view(n: torch.fx.Node, s: Split, rw: Rewrites, size: int) -> Split:
             break
         if dims[j] != -1 and not _size_read(dims[j]):
             rw.divide.append((n, at(j)))
-        if j != 0 and dims[0] != -1 and (src[0] == out[0] or _reads_batch(dims[0])):
-            rw.batch.append((n, at(0)))
+        _note_batch(n, j, dims[0], src, out, at(0), rw)
         return Split(j, s.origin)
     raise Unsupported(f"{n.name} ({n.target}) reshapes the split dim {s.dim} of "
                       f"{src} into {out} across tp={size} pieces")
@@ -220,8 +219,7 @@ def _expand(n: torch.fx.Node, s: Split, rw: Rewrites) -> Split:
     j = s.dim + len(out) - len(src)
     if sizes[j] != -1:
         rw.divide.append((n, (1, j)))
-    if j != 0 and sizes[0] != -1 and (src[0] == out[0] or _reads_batch(sizes[0])):
-        rw.batch.append((n, (1, 0)))
+    _note_batch(n, j, sizes[0], src, out, (1, 0), rw)
     return Split(j, s.origin)
 
 
@@ -248,9 +246,18 @@ def _size_read(n: Any) -> bool:
 def _reads_batch(value: Any) -> bool:
     """Whether a size argument reads dim 0 of a graph input (torch.export's
     ``sym_size(input_ids, 0)``): the local batch size, which a gathered batch multiplies."""
-    return (isinstance(value, torch.fx.Node) and value.target in SIZE_READS
-            and len(value.args) == 2 and isinstance(value.args[1], int) and value.args[1] == 0
-            and isinstance(value.args[0], torch.fx.Node) and value.args[0].op == "placeholder")
+    return (_size_read(value) and len(value.args) == 2 and isinstance(value.args[1], int)
+            and value.args[1] == 0 and isinstance(value.args[0], torch.fx.Node)
+            and value.args[0].op == "placeholder")
+
+
+def _note_batch(n: torch.fx.Node, j: int, first: Any, src: tuple[int, ...],
+                out: tuple[int, ...], pos: ArgPos, rw: Rewrites) -> None:
+    """A view or expand that keeps the split off dim 0 names the batch in its first size
+    (unless -1) when dim 0 is unchanged or that size reads the input's batch: it is
+    multiplied by tp when the batch is gathered (``rw.batch``)."""
+    if j != 0 and first != -1 and (src[0] == out[0] or _reads_batch(first)):
+        rw.batch.append((n, pos))
 
 
 def _size_of(piece: Any, n: torch.fx.Node) -> int:

@@ -133,11 +133,6 @@ def sequence_parallel(gm: torch.fx.GraphModule, inside: Callable[[torch.fx.Node]
     return _rewrite(gm, chunked, entries, size, gathered)
 
 
-def _cut_dim(n: torch.fx.Node) -> int:
-    """The sequence dim a ``tp_scatter`` node cuts (its second argument)."""
-    return int(n.args[1])  # type: ignore[arg-type]
-
-
 def _exits_outnumber(chunked: dict[torch.fx.Node, int]) -> bool:
     """Whether more chunked values leave to replicated consumers (an all-gather each) than
     row outputs are chunked (an all-reduce each becomes a reduce-scatter): then chunking
@@ -153,6 +148,8 @@ def _insert(gm: torch.fx.GraphModule, fn: Callable[..., Any], x: torch.fx.Node, 
             like: torch.fx.Node, size: int, grow: bool) -> torch.fx.Node:
     n = tp_graph.insert(gm.graph, fn, (x, dim), like)
     meta.TENSOR.set(n, tp_costs.local_info(meta.TENSOR.get(x), dim, size, grow))
+    if not grow:  # a chunk of ``dim``
+        meta.TP_SPLIT.set(n, dim)
     return n
 
 
@@ -192,8 +189,6 @@ def _rewrite(gm: torch.fx.GraphModule, chunked: dict[torch.fx.Node, int],
             params += list(meta.PARAMS.get(n, ()) or ()) if n.op == "call_module" else []
         meta.TENSOR.set(n, tp_costs.local_info(meta.TENSOR.get(n), d, size))
         meta.TP_SPLIT.set(n, d)
-    for chunk in entered.values():
-        meta.TP_SPLIT.set(chunk, _cut_dim(chunk))
     names = tuple(n.name for n in chunked)
     for v, d in chunked.items():
         _exits(gm, v, d, chunked, size, gathered)

@@ -91,6 +91,7 @@ def _size_row(spec: DeviceSpec, device: torch.device, batch: int, tokens: int,
     """(predicted fixed s, predicted work s, measured s) of one forward and backward."""
     from passes import meta
     from passes.pipeline import analyse
+    from passes.trace import trace
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
@@ -98,8 +99,10 @@ def _size_row(spec: DeviceSpec, device: torch.device, batch: int, tokens: int,
         ids = torch.randint(0, VOCAB, (batch, tokens), device=device)
         grad = torch.randn(batch, tokens, VOCAB, device=device)
 
+    traced = trace(model, (ids,), {})
+
     def predicted(overhead_scale: float) -> float:
-        costed = analyse(model, (ids,), device=dataclasses.replace(
+        costed = analyse(model, (ids,), traced=traced, device=dataclasses.replace(
             spec, compute_scale=1.0, overhead_scale=overhead_scale))
         return sum(c.fwd_time_s + c.bwd_time_s for n in costed.graph.nodes
                    if (c := meta.COST.get(n)) is not None)

@@ -34,6 +34,12 @@ from tests.smp_fx.dist.test_tensor_parallel import ADAM_EPS, STEPS, TOL, _gather
 
 GLOBAL_BATCH = 8
 SEQ, VOCAB = 8, 32
+TINY: dict[str, Any] = {
+    "num_layers": 2, "num_attention_heads": 4, "attention_head_size": 4, "hidden_size": 16,
+    "intermediate_size": 32, "vocab_size": VOCAB, "num_positions": SEQ,
+    "attention_dropout_prob": 0.0, "hidden_dropout_prob": 0.0, "causal_mask_size": SEQ,
+    "pre_layernorm": True, "post_layernorm": False, "use_normal_initialization": True}
+"""The LM heads of both models: 2 layers, hidden 16, 4 heads, vocabulary 32."""
 
 
 class LM(nn.Module):
@@ -41,11 +47,7 @@ class LM(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.lm = smp.nn.DistributedTransformerLMHead(
-            num_layers=2, num_attention_heads=4, attention_head_size=4, hidden_size=16,
-            intermediate_size=32, vocab_size=VOCAB, num_positions=SEQ,
-            attention_dropout_prob=0.0, hidden_dropout_prob=0.0, causal_mask_size=SEQ,
-            pre_layernorm=True, post_layernorm=False, use_normal_initialization=True)
+        self.lm = smp.nn.DistributedTransformerLMHead(**TINY)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         return self.lm((input_ids, attention_mask))
@@ -56,12 +58,7 @@ class CrossLM(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.lm = smp.nn.DistributedTransformerLMHead(
-            num_layers=2, num_attention_heads=4, attention_head_size=4, hidden_size=16,
-            intermediate_size=32, vocab_size=VOCAB, num_positions=SEQ,
-            attention_dropout_prob=0.0, hidden_dropout_prob=0.0, causal_mask_size=SEQ,
-            add_cross_attention=True, pre_layernorm=True, post_layernorm=False,
-            use_normal_initialization=True)
+        self.lm = smp.nn.DistributedTransformerLMHead(**TINY, add_cross_attention=True)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 cross_states: torch.Tensor, cross_mask: torch.Tensor,

@@ -83,8 +83,10 @@ def place_stages(gm: torch.fx.GraphModule, plan: PartitionPlan,
     # tied parameters are found by the original objects, before materialising
     tied = TiedReplicas(tied_groups(program, st, canonical_names) if multi else [])
     duplicates = tied_duplicates(program, pp_rank, canonical_names) if multi else frozenset()
+    traced_on = _state_device(gm)
     for s, r in runners.items():
         _materialise(r.module, devices[s])
+        _retarget_devices(r.stage.module, traced_on, devices[s])
     executor = ex.Executor(program, runners, transport, multi, timeout_s, st.rank,
                            st.group_ranks("pp") if multi else None)
     shapes = guard_for(gm, program)
@@ -117,6 +119,39 @@ def _in_process_devices(p: int, device: torch.device,
     if device.type == "cuda" and torch.cuda.device_count() >= p and not has_tied(program):
         return {s: torch.device("cuda", s) for s in range(p)}
     return {s: device for s in range(p)}
+
+
+def _state_device(module: nn.Module) -> torch.device | None:
+    """Where ``module``'s weights are (the device the plan traced on); None if all meta."""
+    return next((t.device for t in [*module.parameters(), *module.buffers()]
+                 if t.device.type != "meta"), None)
+
+
+def _retarget_devices(module: nn.Module, traced_on: torch.device | None,
+                      device: torch.device) -> None:
+    """Point the devices the trace baked into a stage's graph at the stage's ``device``.
+
+    torch.export writes the device it traced on into factory calls and casts
+    (``arange(..., device=cpu)``, ``to(device=cpu)``, ``_assert_tensor_metadata``): a host
+    model traced on the first step, then placed on a GPU, would otherwise make its position
+    ids on the host and assert its activations are there. fx graphs read ``x.device`` at run
+    time and hold none. Delayed-init models (meta weights) traced on the inputs' device."""
+    if not isinstance(module, torch.fx.GraphModule) or traced_on in (None, device):
+        return
+    changed = False
+
+    def swap(arg: Any) -> Any:
+        nonlocal changed
+        if isinstance(arg, torch.device) and arg == traced_on:
+            changed = True
+            return device
+        return arg
+
+    for node in module.graph.nodes:
+        node.args = torch.fx.node.map_aggregate(node.args, swap)
+        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
+    if changed:
+        module.recompile()
 
 
 def _materialise(module: nn.Module, device: torch.device) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx
+import torch.utils._pytree as pytree
 from torch import nn
 
 from cost_model.device import DEFAULT_DEVICE, DeviceSpec, load_device, spec_for_device_name
@@ -49,6 +50,7 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     """
     st = state.get()
     cfg = st.config
+    args, kwargs = on_module_device(module, (args, kwargs))
     pins = None if cfg.auto_partition else pins_by_module_path(module)
     device = plan_device(st)
     gm = trace(module, args, kwargs)
@@ -62,6 +64,23 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         compiled = compile_model(module, args, kwargs, pconfig, device=device, pins=pins,
                                  measured=measured, traced=gm, tp=tp)
     return compiled.gm, compiled.plan, compiled.tp_plan
+
+
+def on_module_device(module: nn.Module, value: Any) -> Any:
+    """``value``'s tensors on the device of ``module``'s weights, for tracing.
+
+    The SMP way builds the model on the host and puts the batch on the rank's GPU
+    (``data.to(torch.device("cuda", smp.local_rank()))``); the runtime places each stage's
+    weights on its device only after the plan is made, so the first step traces a host
+    model with device inputs. A copy of the first microbatch goes to the weights' device;
+    the training itself reads the batch where it is. Meta weights (delayed initialisation)
+    follow the inputs' device, so nothing moves then."""
+    device = next((t.device for t in [*module.parameters(), *module.buffers()]
+                   if t.device.type != "meta"), None)
+    if device is None:
+        return value
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t if t.device == device else t.to(device), value)
 
 
 DEVICE_SPEC_ENV = "SMP_FX_DEVICE_SPEC"

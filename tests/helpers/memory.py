@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import smp_fx as smp
+from smp_fx.dist import state
 from cost_model.device import load_device
 from smp_fx import activation_checkpointing
 from smp_fx.runtime.activations import SavedRecord
@@ -70,6 +71,7 @@ def train(strategy: str | None, offload: bool = False, steps: int = 2, m: int = 
 
     gen = torch.Generator().manual_seed(seed + 1)
     x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+    x, y = x.to(state.get().device), y.to(state.get().device)  # as an SMP script does
     losses = []
     for i in range(steps):
         torch.manual_seed(100 + i)

@@ -23,10 +23,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cost_model.device import DeviceSpec, GiB
+from cost_model.device import DeviceSpec, GiB, OpRates
 from cost_model.microbench import (
+    ACCELERATOR,
     FULL,
     QUICK,
+    Budget,
     measure_elementwise,
     measure_link,
     measure_matmul,
@@ -71,10 +73,11 @@ def calibrate(name: str = "cpu", device: torch.device | str = "cpu", *,
     (``LOOPBACK``, gloo-over-loopback estimates, by default).
     """
     device = torch.device(device)
-    budget = QUICK if quick else FULL
+    budget = _budget(device, quick)
     ops, rates = measure_op_costs(budget, device)
     op_s = dict((k, f) for k, f, _ in ops)
     peak, peak_half, mm_table = measure_matmul(budget, device)
+    rates = _at_most_peak(rates, peak)
     bandwidth, ew_table = measure_elementwise(budget, device)
     if quick:  # constructing the first optimizer imports for seconds: estimate it
         opt_tensor, opt_byte = ADAM_OPS * op_s["default"], ADAM_BYTES / bandwidth
@@ -99,11 +102,23 @@ def calibrate(name: str = "cpu", device: torch.device | str = "cpu", *,
     return spec.with_sources(**{k: how for k in measured}, **optimizer)
 
 
+def _budget(device: torch.device, quick: bool) -> Budget:
+    return QUICK if quick else FULL if device.type == "cpu" else ACCELERATOR
+
+
+def _at_most_peak(rates: OpRates, peak: float) -> OpRates:
+    """A matmul kind's work no faster than the peak: a kernel that hides under its launch
+    (a GPU runs it while the host queues the next) times as almost free, and its fitted
+    seconds per FLOP would price every matmul of that kind at nothing."""
+    return tuple((k, max(f, 1.0 / peak), max(b, 1.0 / peak), ref) if k in GEMM_KINDS
+                 else (k, f, b, ref) for k, f, b, ref in rates)
+
+
 def with_link(spec: DeviceSpec, device: torch.device | str = "cpu", *, quick: bool = False,
               group: Any = None) -> DeviceSpec:
     """``spec`` with the link measured between ranks 0 and 1 of ``group`` (None: the
     default group; torch.distributed initialised, two or more ranks, every rank calls)."""
-    budget = QUICK if quick else FULL
+    budget = _budget(torch.device(device), quick)
     latency, bandwidth, per_message = measure_link(budget, torch.device(device), group)
     note = f"measured by cost_model.calibrate, {dist.get_backend(group)} between ranks 0 and 1"
     spec = dataclasses.replace(spec, link_latency_s=latency, link_bandwidth=bandwidth,

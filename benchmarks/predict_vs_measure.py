@@ -16,6 +16,8 @@ activations x microbatches in flight).
 
     python benchmarks/predict_vs_measure.py                # all, about 5 minutes
     python benchmarks/predict_vs_measure.py --models mlp gpt --steps 10
+    python benchmarks/predict_vs_measure.py --degrees 1             # one GPU
+    python benchmarks/predict_vs_measure.py --degrees 1 --spec h100 # the built-in spec
 """
 
 from __future__ import annotations
@@ -96,7 +98,10 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     model = smp.DistributedModel(model)
     optimizer = smp.DistributedOptimizer(optimizer)
-    inputs, target = ex.example_inputs(batch), ex.example_targets(batch)
+    device = torch.device("cuda", smp.local_rank()) if torch.cuda.is_available() else \
+        torch.device("cpu")  # where an SMP script puts its batches
+    inputs = tuple(x.to(device) for x in ex.example_inputs(batch))
+    target = ex.example_targets(batch).to(device)
 
     @smp.step
     def train_step(model: Any, *args: torch.Tensor) -> Any:
@@ -112,6 +117,8 @@ def _train(args: argparse.Namespace) -> dict[str, Any]:
         optimizer.zero_grad()
         train_step(model, *inputs, target)
         optimizer.step()
+        if torch.cuda.is_available():  # the step's kernels are done, not only queued
+            torch.cuda.synchronize()
         if i >= args.warmup:
             wall.append(time.perf_counter() - t0)
             cpu.append(time.process_time() - c0)
@@ -157,7 +164,8 @@ def saved_bytes_by_stage(gm: torch.fx.GraphModule, args: tuple[Any, ...],
     return total
 
 
-def predict(name: str, spec_path: str) -> dict[tuple[int, str], dict[str, Any]]:
+def predict(name: str, spec_path: str, degrees: tuple[int, ...] = (1, 2)
+            ) -> dict[tuple[int, str], dict[str, Any]]:
     """Plans for every (pp, schedule) of one model, as ``smp-fx partition`` makes them."""
     from cost_model.device import load_device
     from passes.partition_config import PartitionConfig
@@ -172,7 +180,7 @@ def predict(name: str, spec_path: str) -> dict[tuple[int, str], dict[str, Any]]:
     mb = split_inputs(tuple(ex.example_inputs(batch)), {}, MICROBATCHES)[0][0]
     costed = analyse(model, mb, device=spec)
     out = {}
-    for pp in (1, 2):
+    for pp in degrees:
         for pipeline in SCHEDULES:
             cfg = PartitionConfig(num_stages=pp, microbatches=MICROBATCHES, pipeline=pipeline,
                                   device=spec.name, memory_weight=0.8)
@@ -201,14 +209,15 @@ def measure(name: str, pp: int, spec_path: str, steps: int, warmup: int
     return {r["pipeline"]: r for r in results}
 
 
-def calibrate(path: str, quick: bool) -> None:
-    cmd = [sys.executable, "-m", "smp_fx.cli.main", "calibrate", "--nproc", "2", "-o", path]
+def calibrate(path: str, quick: bool, nproc: int) -> None:
+    cmd = [sys.executable, "-m", "smp_fx.cli.main", "calibrate", "--nproc", str(nproc),
+           "-o", path]
     cmd += ["--quick"] if quick else []
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"smp-fx calibrate failed:\n{proc.stderr[-3000:]}")
-    print(f"smp-fx calibrate --nproc 2: {time.perf_counter() - t0:.1f} s")
+    print(f"smp-fx calibrate --nproc {nproc}: {time.perf_counter() - t0:.1f} s")
     print("\n".join("  " + ln for ln in proc.stdout.splitlines() if not ln.startswith("wrote")))
 
 
@@ -230,7 +239,10 @@ def main() -> None:
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--spec", help="use this spec file instead of calibrating")
+    ap.add_argument("--spec", help="use this spec (a file, or a built-in name such as h100) "
+                                   "instead of calibrating")
+    ap.add_argument("--degrees", type=int, nargs="*", default=[1, 2], choices=[1, 2],
+                    help="pipeline degrees (one GPU: 1 only, a rank per GPU)")
     ap.add_argument("--quick-calibration", action="store_true")
     ap.add_argument("--save-measured", metavar="FILE",
                     help="write the measured step times to FILE (JSON)")
@@ -249,15 +261,15 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         spec_path = args.spec or str(Path(tmp) / "spec.json")
         if not args.spec:
-            calibrate(spec_path, args.quick_calibration)
+            calibrate(spec_path, args.quick_calibration, max(args.degrees))
         rows = []
         saved_runs: dict[str, Any] = json.loads(Path(args.measured).read_text()) \
             if args.measured else {}
         print(f"\n{'model':8s} {'pp':>2s} {'schedule':11s} {'predicted':>10s} "
               f"{'measured':>10s} {'(q1-q3)':>17s} {'ratio':>6s} {'cpu':>6s}  same plan")
         for name in args.models:
-            predicted = predict(name, spec_path)
-            for pp in (1, 2):
+            predicted = predict(name, spec_path, tuple(args.degrees))
+            for pp in args.degrees:
                 key = f"{name}/{pp}"
                 if key not in saved_runs:
                     saved_runs[key] = measure(name, pp, spec_path, args.steps, args.warmup)

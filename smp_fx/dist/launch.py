@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -183,9 +184,10 @@ def destroy_at_exit() -> None:
 
     Scripts written for SMP or SMDDP never call ``destroy_process_group``, and a gloo group
     left to interpreter finalization can abort the process ("terminate called without an
-    active exception", SIGABRT: its threads still hold tensors whose release needs the
-    interpreter; seen once in about 50 runs of the SMDDP guide script, and reported as
-    pytorch/pytorch#179291). An ``atexit`` handler runs while the interpreter is whole."""
+    active exception", SIGABRT: its threads still hold objects whose release needs the
+    interpreter; torch considered registering the same handler itself in
+    pytorch/pytorch#179291). An ``atexit`` handler runs while the interpreter is whole; it
+    also waits for the backend's threads (``_let_backend_threads_finish``)."""
     if not _AT_EXIT:
         atexit.register(_destroy_default_group)
         _AT_EXIT.append(True)
@@ -194,6 +196,24 @@ def destroy_at_exit() -> None:
 def _destroy_default_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+    _let_backend_threads_finish()
+
+
+BACKEND_GRACE_S = 0.05
+
+
+def _let_backend_threads_finish() -> None:
+    """Release the GIL for ``BACKEND_GRACE_S`` before the interpreter is torn down.
+
+    A gloo worker thread frees a finished collective after it has woken the waiting
+    thread, and freeing it drops a Python object the work captured (the autograd thread's
+    state, for DDP's gradient all-reduce), which needs the GIL. A script that ends right
+    after its last backward can reach interpreter finalization first; the worker is then
+    cancelled inside a C++ destructor, which aborts the process ("terminate called without
+    an active exception": gdb shows ``ProcessGroupGloo::runLoop`` ->
+    ``~AsyncAllreduceWork`` -> ``take_gil`` -> ``pthread_exit``). Seen in 5 of 90 runs of
+    the SMDDP guide script on a loaded 2-core machine; the pause gives the worker the GIL."""
+    time.sleep(BACKEND_GRACE_S)
 
 
 def _host(addr: str | None) -> str:

@@ -4,26 +4,24 @@ Messages travel in the wire format of ``smp_fx.runtime.wire``: one frame, then e
 tensor on its own. Both sides cache each stream's header, so the usual message of small
 tensors is a single point-to-point message and the receiver can post its receives before
 the sender sends. A changed header is announced by a frame (and fills for the large
-tensors) in the old layout carrying the new header's length, then, when the stream has
-another message this step, a second such fill flagged ``SKIP`` (the receiver may have
-posted that message's receives in the old layout too), then the pickled header, then the
-message in the new layout. Both sides know how many messages each stream carries in a step
-(``prefetch`` and ``plan_sends``, from ``smp_fx.runtime.lowering``).
+tensors) in the old layout carrying the new header's length, then one such fill flagged
+``SKIP`` per receive the receiver may have posted in the old layout for the stream's later
+messages this step (``_skips``), then the pickled header, then the message in the new
+layout. Both sides know how many messages each stream carries in a step (``prefetch`` and
+``plan_sends``, from ``smp_fx.runtime.lowering``).
 
-``prefetch`` keeps the next expected message's receives posted ahead of ``recv``, so data
-moves while the rank computes: under gloo a send whose receive is already posted is written
-straight to the socket, while one that comes first waits for a round trip through both
-ranks' gloo threads. A ``recv`` that is about to wait also posts the message after the
-awaited one (at most two are posted): posting is spent better while waiting than in the
-rank's next turn, which in 1F1B is on the pipeline's critical path. Under NCCL only the
-``"out"`` channel is posted ahead: NCCL serialises a communicator's point-to-point
-operations, and a middle stage both receives and sends on the ``"act"`` and ``"grad"``
-channels, so a receive posted early there would hold back its sends. gloo on CPU, NCCL on
-GPU (frames live on the transport's device). Every wait is bounded. A failed transfer
-raises ``SMPPeerError`` (the peer's process is gone) or ``SMPTimeoutError`` (it sent
-nothing), naming the peer's rank and stage and, through ``where``, what this rank was doing
-(``smp_fx.runtime.failures``). Why each speed trick is there, with its figures:
-docs/performance.md.
+``prefetch`` posts the receives of every message a stream expects this step at once
+(``_post_all``), so data moves while the rank computes: under gloo a send whose receive is
+already posted is written straight to the socket, while one that comes first waits for a
+round trip through both ranks' gloo threads. Under NCCL only the ``"out"`` channel is
+posted ahead: NCCL serialises a communicator's point-to-point operations, and a middle
+stage both receives and sends on the ``"act"`` and ``"grad"`` channels, so a receive posted
+early there would hold back its sends; there ``recv`` posts the message it waits for. gloo
+on CPU, NCCL on GPU (frames live on the transport's device). Every wait is bounded. A
+failed transfer raises ``SMPPeerError`` (the peer's process is gone) or
+``SMPTimeoutError`` (it sent nothing), naming the peer's rank and stage and, through
+``where``, what this rank was doing (``smp_fx.runtime.failures``). Why each speed trick is
+there, with its figures: docs/performance.md.
 """
 
 from __future__ import annotations
@@ -111,9 +109,9 @@ class DistTransport:
         # The last header sent to / received from each stream.
         self._sent: dict[_Key, wire.Header] = {}
         self._got: dict[_Key, wire.Header] = {}
-        # Per stream: receives posted ahead (at most two, oldest first), how many more
-        # messages this step expects and has not posted, whether it may post ahead (the
-        # backend), and how many messages this step still sends.
+        # Per stream: receives posted ahead (oldest first), how many more messages this
+        # step expects and has not posted, whether it posts ahead (the backend), and how
+        # many messages this step still sends.
         self._posted: dict[_Key, deque[_Posted]] = {}
         self._left: dict[_Key, int] = {}
         self._ahead: dict[_Key, bool] = {}
@@ -172,6 +170,18 @@ class DistTransport:
             self._isend(torch.zeros(m.shape, dtype=m.dtype, device=self.device), peer, group,
                         stage)
 
+    def _posts_ahead(self, channel: str) -> bool:
+        """Whether a stream on ``channel`` keeps its receives posted ahead (see the module
+        doc); sender and receiver decide it alike, so the sender knows how many receives in
+        an old layout a header change must fill."""
+        return channel == "out" or dist.get_backend(self._group(channel)) == "gloo"
+
+    def _skips(self, channel: str, later: int) -> int:
+        """Skip fills after a header change with ``later`` more messages this step: one per
+        receive the other side may have posted for them in the old layout (all of them on a
+        stream posted ahead, else the one a waiting ``recv`` posts)."""
+        return later if self._posts_ahead(channel) else min(later, 1)
+
     def plan_sends(self, src: int, dst: int, channel: str, count: int) -> None:
         """This step sends ``count`` messages to ``dst`` on ``channel`` (see ``send``)."""
         self._to_send[(dst, channel)] = count
@@ -199,7 +209,7 @@ class DistTransport:
             payload, spec, leaves = wire.payload_of(flat)
             if old is None or old.payload != payload:
                 self._send_fill(old, len(payload), peer, group, dst)
-                if to_send > 1:
+                for _ in range(self._skips(channel, to_send - 1)):
                     self._send_fill(old, wire.SKIP, peer, group, dst)
                 self._isend(torch.frombuffer(bytearray(payload), dtype=torch.uint8)
                             .to(self.device), peer, group, dst)
@@ -254,22 +264,36 @@ class DistTransport:
         return _Posted(header, frame, work, large, views, addr)
 
     def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:
-        """Expect ``count`` messages from ``src`` on ``channel`` this step, and keep the next
-        one's receives posted ahead of ``recv`` (where the backend allows, see the module
-        doc). Each channel has its own group, a rank receives at most one channel per peer
-        and group (activations from earlier stages, gradients from later ones, outputs),
+        """Expect ``count`` messages from ``src`` on ``channel`` this step, and post all
+        their receives ahead of ``recv`` (where the backend allows, see the module doc).
+        Each channel has its own group, a rank receives at most one channel per peer and
+        group (activations from earlier stages, gradients from later ones, outputs),
         and gloo matches a peer's messages by order, so receives posted ahead always meet
         their message."""
         key = (src, channel)
         if count <= 0 or self._posted.get(key):
             return
         self._left[key] = count
-        self._ahead[key] = channel == "out" or dist.get_backend(self._group(channel)) == "gloo"
+        self._ahead[key] = self._posts_ahead(channel)
         if self._ahead[key]:
             try:
-                self._posted[key] = deque([self._post_next(key)])
+                self._posted[key] = self._post_all(key)
             except RuntimeError as exc:  # the peer closed the connection already
                 raise self._failed(exc, src, receiving=True) from exc
+
+    def _post_all(self, key: _Key) -> deque[_Posted]:
+        """Post every message the stream still expects this step.
+
+        Why all and not the next one or two: a sender with several messages in a row (the
+        first stage's forwards under the simple schedule) writes each straight to the
+        socket only if its receive is already posted; one that comes first waits for a
+        round trip through both ranks' gloo threads, so a burst is throttled to the
+        receiver's pace. The buffers are the ones the stage holds anyway once the messages
+        are in. Figures: docs/performance.md."""
+        queue: deque[_Posted] = deque()
+        while self._left.get(key, 0):
+            queue.append(self._post_next(key))
+        return queue
 
     def _post_next(self, key: _Key) -> _Posted:
         """Post the stream's next expected message (one fewer left to post)."""
@@ -279,17 +303,15 @@ class DistTransport:
         return self._post(*key)
 
     def recv(self, src: int, dst: int, channel: str, mb: int) -> Any:
-        """Receive one message; post the next one ahead while waiting (see the module doc)."""
+        """Receive one message (its receives posted ahead where the stream does, see the
+        module doc); after a header change, post the rest in the new layout."""
         key = (src, channel)
         try:
             queue = self._posted.setdefault(key, deque())
             posted = queue.popleft() if queue else self._post_next(key)
-            ahead = self._ahead.get(key, False) and self._left.get(key, 0) > 0
-            if ahead and not queue and not posted.frame_work.is_completed():
-                queue.append(self._post_next(key))
             value = self._recv(posted, queue, src, dst, channel, mb)
-            if ahead and not queue and self._left[key] > 0:
-                queue.append(self._post_next(key))
+            if self._ahead.get(key, False) and not queue:  # after a header change
+                queue.extend(self._post_all(key))
         except SMPError:
             raise
         except RuntimeError as exc:  # a lost connection or a timeout, in the backend's words
@@ -302,10 +324,10 @@ class DistTransport:
         self._wait_all(posted)
         flag = posted.flag()
         if flag > 0:  # a new header, then the message in its layout
-            if queue or self._left.get(key, 0):  # the next message's skip fill
-                if queue:
+            for _ in range(self._skips(channel, len(queue) + self._left.get(key, 0))):
+                if queue:  # posted in the old layout for a message still to come
                     skip = queue.popleft()
-                    self._left[key] += 1  # posted for a message still to come
+                    self._left[key] += 1
                 else:
                     skip = self._post(src, channel)
                 self._wait_all(skip)

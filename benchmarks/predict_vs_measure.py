@@ -170,6 +170,7 @@ def predict(name: str, spec_path: str, degrees: tuple[int, ...] = (1, 2)
     from cost_model.device import load_device
     from passes.partition_config import PartitionConfig
     from passes.pipeline import analyse, partition
+    from passes.trace import trace
     from smp_fx.runtime.microbatch import split_inputs
 
     ex = _example(name)
@@ -178,13 +179,15 @@ def predict(name: str, spec_path: str, degrees: tuple[int, ...] = (1, 2)
     torch.manual_seed(0)
     model = ex.build_model(**build)
     mb = split_inputs(tuple(ex.example_inputs(batch)), {}, MICROBATCHES)[0][0]
-    costed = analyse(model, mb, device=spec)
+    traced = trace(model, mb, {})
     out = {}
     for pp in degrees:
+        priced = spec.for_stages(pp)  # as smp-fx partition and DistributedModel price it
+        costed = analyse(model, mb, device=priced, traced=traced)
         for pipeline in SCHEDULES:
             cfg = PartitionConfig(num_stages=pp, microbatches=MICROBATCHES, pipeline=pipeline,
                                   device=spec.name, memory_weight=0.8)
-            compiled = partition(costed, cfg, device=spec)
+            compiled = partition(costed, cfg, device=priced)
             saved = saved_bytes_by_stage(compiled.gm, mb, pp)
             out[(pp, pipeline)] = {"plan": compiled.plan, "saved": saved}
     return out

@@ -150,7 +150,9 @@ def figures(spec: DeviceSpec) -> list[tuple[str, str]]:
                                  f"{spec.optimizer_byte_s * 1e12:.1f} ps per byte"),
             ("compute scale", f"{spec.compute_scale:.2f} x the op work below, "
                               f"{spec.overhead_scale:.2f} x the fixed costs (ops inside a "
-                              "model against ops timed alone)")]
+                              "model against ops timed alone)"),
+            ("pipelined scale", f"{spec.pipelined_scale:.2f} x both past one stage (the "
+                                "ranks of a pipeline sharing this host)")]
     rows += [(f"matmul, smallest dim {int(d)}", f"{f:.0%} of peak")
              for d, f in spec.matmul_efficiency]
     rows += [(f"op {k}", f"{fw * 1e6:.1f} us fwd, {bw * 1e6:.1f} us bwd")

@@ -83,6 +83,10 @@ class DeviceSpec:
       caches, the allocator, autograd's graph): ``compute_scale`` multiplies each node's
       work, ``overhead_scale`` its fixed cost (``op_overheads``). Calibration fits both on
       a reference model at several sizes; 1.0 for datasheet specs.
+    - ``pipelined_scale``: how much slower the ops run again when the ranks of a pipeline
+      share this host's cores (their threads and caches), fitted by ``smp-fx calibrate
+      --nproc N`` on the reference model at pipeline degree N; 1.0 where each rank has its
+      own device. ``for_stages`` folds it into the two scales above.
     - ``sources``: (field, where its number comes from) pairs.
     """
 
@@ -104,6 +108,7 @@ class DeviceSpec:
     optimizer_byte_s: float = 0.0
     compute_scale: float = 1.0
     overhead_scale: float = 1.0
+    pipelined_scale: float = 1.0
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -112,7 +117,7 @@ class DeviceSpec:
                                         "re-run smp-fx calibrate or fix the spec file")
 
         for name in ("peak_flops_fp32", "peak_flops_bf16", "mem_bandwidth", "link_bandwidth",
-                     "compute_scale", "overhead_scale"):
+                     "compute_scale", "overhead_scale", "pipelined_scale"):
             if not float(getattr(self, name)) > 0:
                 raise bad(name, f"{name} must be > 0")
         for name in ("link_latency_s", "message_overhead_s", "microbatch_overhead_s",
@@ -135,6 +140,17 @@ class DeviceSpec:
             (str(o), float(f), float(b)) for o, f, b in self.op_overheads))
         object.__setattr__(self, "op_rates", tuple(
             (str(o), float(f), float(b), float(r)) for o, f, b, r in self.op_rates))
+
+    def for_stages(self, num_stages: int) -> DeviceSpec:
+        """The spec a plan of ``num_stages`` stages is priced with: past one stage the ops
+        run ``pipelined_scale`` times slower (both in-place factors), which is then spent
+        (1.0), so a plan's recorded spec is never scaled twice."""
+        if num_stages <= 1 or self.pipelined_scale == 1.0:
+            return self
+        s = self.pipelined_scale
+        return dataclasses.replace(self, compute_scale=self.compute_scale * s,
+                                   overhead_scale=self.overhead_scale * s,
+                                   pipelined_scale=1.0)
 
     def peak_flops(self, dtype: str = "float32") -> float:
         """Peak FLOP/s for a value dtype name (half types use the bf16 tensor-core peak)."""

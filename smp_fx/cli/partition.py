@@ -294,6 +294,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     progress = _Progress(args.quiet)
     spec = load_device(args.device)
     pconfig = partition_config(smp_parameters(args), spec.name, args.optimizer_state_factor)
+    spec = spec.for_stages(pconfig.num_stages)
     module = load_model_file(args.model)
     build = _function(module, args.build_fn, args.model)
     make_inputs = _function(module, args.inputs_fn, args.model)

@@ -52,7 +52,7 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     cfg = st.config
     args, kwargs = on_module_device(module, (args, kwargs))
     pins = None if cfg.auto_partition else pins_by_module_path(module)
-    device = plan_device(st)
+    device = plan_device(st).for_stages(cfg.pipeline_parallel_degree)
     gm = trace(module, args, kwargs)
     measured = None
     if times or memory:

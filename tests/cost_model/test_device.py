@@ -76,3 +76,15 @@ def test_spec_for_device_name() -> None:
     assert spec_for_device_name("NVIDIA A100-SXM4-40GB") == "a100"
     assert spec_for_device_name("Tesla V100-SXM2-32GB") == "v100"
     assert spec_for_device_name("NVIDIA GeForce RTX 4090") is None
+
+
+def test_a_pipeline_folds_the_pipelined_scale_in_once() -> None:
+    spec = dataclasses.replace(A100, compute_scale=1.5, overhead_scale=2.0, pipelined_scale=1.2)
+    assert spec.for_stages(1) is spec
+    two = spec.for_stages(2)
+    assert (two.compute_scale, two.overhead_scale, two.pipelined_scale) == (
+        pytest.approx(1.8), pytest.approx(2.4), 1.0)
+    assert two.for_stages(2) == two  # a plan's recorded spec is not scaled again
+    assert DeviceSpec.from_json(spec.to_json()) == spec
+    with pytest.raises(SMPConfigError, match="pipelined_scale must be > 0"):
+        dataclasses.replace(A100, pipelined_scale=0.0)

@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 import smp_fx as smp
-from smp_fx.dist import state
 from cost_model.device import load_device
 from smp_fx import activation_checkpointing
+from smp_fx.dist import state
 from smp_fx.runtime.activations import SavedRecord
 from tests.helpers.numerics import init
 

@@ -69,7 +69,7 @@ def _two_ranks(path: str) -> bool:
 def test_two_processes_measure_the_link_and_fit_the_pipeline(tmp_path: Path) -> None:
     """What ``smp-fx calibrate --nproc 2`` (or under ``smp-fx run -n 2``) runs on each rank:
     the link between the two, the runtime fitted on one stage by rank 0 alone, and the
-    cost per message at pipeline degree 2."""
+    cost per message and the pipelined scale at pipeline degree 2."""
     from tests.helpers.dist import run_ranks
 
     path = tmp_path / "spec2.json"
@@ -79,6 +79,8 @@ def test_two_processes_measure_the_link_and_fit_the_pipeline(tmp_path: Path) -> 
     assert spec.link_latency_s > 0 and spec.message_overhead_s > 0
     assert "one stage" in spec.source("step_overhead_s")
     assert "pipeline degree 2" in spec.source("message_overhead_s")
+    assert "pipeline degree 2" in spec.source("pipelined_scale")
+    assert calibrate.PIPELINED_LIMITS[0] <= spec.pipelined_scale <= calibrate.PIPELINED_LIMITS[1]
 
 
 def test_scales_fit_recovers_fixed_and_work_factors(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -98,3 +100,27 @@ def test_scales_fit_recovers_fixed_and_work_factors(monkeypatch: pytest.MonkeyPa
     rows = {k: (f, w * 100) for k, (f, w) in rows.items()}
     monkeypatch.setattr(ref, "_size_row", lambda s, d, b, t, r: (*rows[b, t], 1e-9))
     assert ref.fit_scales(A100, torch.device("cpu")) == ref.LIMITS[:1] * 2
+
+
+def test_joint_fit_solves_both_figures() -> None:
+    """Rows (d/d per-message, d/d scale, residual) made from known figures give them back."""
+    rows = [(a, b, a * 1.5e-4 + b * 0.3) for a, b in ((4000.0, 0.1), (9000.0, 0.2),
+                                                       (300.0, 0.9))]
+    msg, extra = calibrate._least_squares(rows)
+    assert msg == pytest.approx(1.5e-4) and extra == pytest.approx(0.3)
+
+
+def test_conv_factor_is_fitted_in_place_and_clamped(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On this CPU the factor lies within the limits; a measured time of nothing or of an
+    hour is clamped to them."""
+    from smp_fx.cli import reference_model as ref
+
+    spec = dataclasses.replace(A100, op_overheads=(("default", 5e-6, 8e-6),
+                                                   ("conv", 40e-6, 120e-6)))
+    lo, hi = ref.LIMITS
+    assert lo <= ref.fit_conv_scale(spec, torch.device("cpu"), repeats=3) <= hi
+    for seconds, limit in ((0.0, lo), (3600.0, hi)):
+        ticks = iter([0.0, seconds] * 100)
+        monkeypatch.setattr(ref.microbench, "clock",
+                            lambda device, ticks=ticks: lambda: next(ticks))
+        assert ref.fit_conv_scale(spec, torch.device("cpu"), repeats=3) == limit

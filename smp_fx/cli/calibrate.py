@@ -62,6 +62,7 @@ from smp_fx.cli.reference_model import (
     Reference,
     fit_conv_scale,
     fit_scales,
+    least_squares,
 )
 
 FIT_MICROBATCHES = (1, 8)
@@ -283,26 +284,14 @@ def _fit_pipeline(spec: DeviceSpec, device: torch.device, args: argparse.Namespa
                      (predicted(plan, 0.0, 2.0) - base) / measured,
                      (measured - base) / measured))
     floor = spec.message_overhead_s
-    msg, extra = _least_squares(rows)
+    solved = least_squares(rows)
+    msg, extra = solved if solved is not None else (floor, 0.0)
     if msg < floor:  # hold it at the floor, fit the scale alone
         b2 = sum(b * b for _, b, _ in rows)
         extra = sum(b * (r - a * floor) for a, b, r in rows) / b2 if b2 > 0 else 0.0
         msg = floor
     lo, hi = PIPELINED_LIMITS
     return msg, min(max(1.0 + extra, lo), hi)
-
-
-def _least_squares(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
-    """(x, y) minimising the sum of (a x + b y - r)^2 over ``rows`` of (a, b, r)."""
-    aa = sum(a * a for a, _, _ in rows)
-    bb = sum(b * b for _, b, _ in rows)
-    ab = sum(a * b for a, b, _ in rows)
-    ar = sum(a * r for a, _, r in rows)
-    br = sum(b * r for _, b, r in rows)
-    det = aa * bb - ab * ab
-    if not det > 0:
-        return (ar / aa if aa > 0 else 0.0), 0.0
-    return (ar * bb - br * ab) / det, (br * aa - ar * ab) / det
 
 
 PIPELINED_LIMITS = (0.5, 4.0)

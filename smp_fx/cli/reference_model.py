@@ -90,17 +90,12 @@ def fit_scales(spec: DeviceSpec, device: torch.device, repeats: int = 15
     forward and backward (CPU time, median of ``repeats``) over ``SIZES`` against its
     predicted fixed costs and work (module docstring), each clamped to ``LIMITS``."""
     rows = [_size_row(spec, device, batch, tokens, repeats) for batch, tokens in SIZES]
-    ff = sum(f * f for f, _, _ in rows)
-    ww = sum(w * w for _, w, _ in rows)
-    fw = sum(f * w for f, w, _ in rows)
-    fm = sum(f * m for f, _, m in rows)
-    wm = sum(w * m for _, w, m in rows)
-    det = ff * ww - fw * fw
-    if not det > 0:
+    solved = least_squares(rows)
+    if solved is None:
         raise SMPError.build("the reference model's predicted fixed costs and work must "
-                             "not be proportional", det, "smp-fx calibrate (scales)",
+                             "not be proportional", rows, "smp-fx calibrate (scales)",
                              "check the spec's op figures (all zero?)")
-    fixed, work = (fm * ww - wm * fw) / det, (wm * ff - fm * fw) / det
+    fixed, work = solved
     lo, hi = LIMITS
     return min(max(fixed, lo), hi), min(max(work, lo), hi)
 
@@ -115,8 +110,6 @@ def fit_conv_scale(spec: DeviceSpec, device: torch.device, repeats: int = 15) ->
     against 6 and 30 us for the tiny ones that do not), which grows less in place than the
     dispatch-bound fixed costs ``overhead_scale`` is fitted on: with that factor alone the
     example CNN was predicted 1.17-1.24 x its measured step."""
-    from passes import meta
-    from passes.pipeline import analyse
     from passes.trace import trace
 
     with torch.random.fork_rng(devices=[]):
@@ -129,23 +122,10 @@ def fit_conv_scale(spec: DeviceSpec, device: torch.device, repeats: int = 15) ->
     def predicted(conv: float) -> float:
         ops = tuple((k, f * conv, b * conv) if k == "conv" else (k, f, b)
                     for k, f, b in spec.op_overheads)
-        costed = analyse(model, (x,), traced=traced,
-                         device=dataclasses.replace(spec, op_overheads=ops))
-        return sum(c.fwd_time_s + c.bwd_time_s for n in costed.graph.nodes
-                   if (c := meta.COST.get(n)) is not None)
+        return _predicted(model, x, traced, dataclasses.replace(spec, op_overheads=ops))
 
     rest, conv = predicted(0.0), predicted(1.0) - predicted(0.0)
-    now = microbench.clock(device)
-
-    def once() -> float:
-        model.zero_grad(set_to_none=True)
-        t0 = now()
-        model(x).backward(grad)
-        return now() - t0
-
-    for _ in range(3):
-        once()
-    measured = statistics.median(once() for _ in range(repeats))
+    measured = _measured(model, x, grad, device, repeats)
     if not conv > 0:
         return 1.0
     lo, hi = LIMITS
@@ -155,8 +135,6 @@ def fit_conv_scale(spec: DeviceSpec, device: torch.device, repeats: int = 15) ->
 def _size_row(spec: DeviceSpec, device: torch.device, batch: int, tokens: int,
               repeats: int) -> tuple[float, float, float]:
     """(predicted fixed s, predicted work s, measured s) of one forward and backward."""
-    from passes import meta
-    from passes.pipeline import analyse
     from passes.trace import trace
 
     with torch.random.fork_rng(devices=[]):
@@ -168,24 +146,53 @@ def _size_row(spec: DeviceSpec, device: torch.device, batch: int, tokens: int,
     traced = trace(model, (ids,), {})
 
     def predicted(overhead_scale: float) -> float:
-        costed = analyse(model, (ids,), traced=traced, device=dataclasses.replace(
+        return _predicted(model, ids, traced, dataclasses.replace(
             spec, compute_scale=1.0, overhead_scale=overhead_scale))
-        return sum(c.fwd_time_s + c.bwd_time_s for n in costed.graph.nodes
-                   if (c := meta.COST.get(n)) is not None)
 
     both = predicted(1.0)
     fixed = predicted(2.0) - both
+    return fixed, both - fixed, _measured(model, ids, grad, device, repeats)
+
+
+def _predicted(model: nn.Module, x: torch.Tensor, traced: torch.fx.GraphModule,
+               spec: DeviceSpec) -> float:
+    """The predicted forward and backward of ``model`` on ``x`` (its trace) under ``spec``."""
+    from passes import meta
+    from passes.pipeline import analyse
+
+    costed = analyse(model, (x,), traced=traced, device=spec)
+    return sum(c.fwd_time_s + c.bwd_time_s for n in costed.graph.nodes
+               if (c := meta.COST.get(n)) is not None)
+
+
+def _measured(model: nn.Module, x: torch.Tensor, grad: torch.Tensor, device: torch.device,
+              repeats: int) -> float:
+    """Median seconds of one forward and backward (the device's clock), after 3 warm-ups."""
     now = microbench.clock(device)
 
     def once() -> float:
         model.zero_grad(set_to_none=True)
         t0 = now()
-        model(ids).backward(grad)
+        model(x).backward(grad)
         return now() - t0
 
     for _ in range(3):
         once()
-    return fixed, both - fixed, statistics.median(once() for _ in range(repeats))
+    return statistics.median(once() for _ in range(repeats))
 
 
-__all__ = ["ConvReference", "Reference", "fit_conv_scale", "fit_scales"]
+def least_squares(rows: list[tuple[float, float, float]]) -> tuple[float, float] | None:
+    """(x, y) minimising the sum of (a x + b y - r)^2 over ``rows`` of (a, b, r); None when
+    the two columns are proportional."""
+    aa = sum(a * a for a, _, _ in rows)
+    bb = sum(b * b for _, b, _ in rows)
+    ab = sum(a * b for a, b, _ in rows)
+    ar = sum(a * r for a, _, r in rows)
+    br = sum(b * r for _, b, r in rows)
+    det = aa * bb - ab * ab
+    if not det > 0:
+        return None
+    return (ar * bb - br * ab) / det, (br * aa - ar * ab) / det
+
+
+__all__ = ["ConvReference", "Reference", "fit_conv_scale", "fit_scales", "least_squares"]

@@ -28,6 +28,30 @@ def init(pp: int, m: int, pipeline: str, **extra: Any) -> None:
               "active_microbatches": max(m, 1), **extra})
 
 
+def train_step_of(ex: Any) -> Any:
+    """The ``smp.step`` function of an example model: forward, its loss, backward;
+    returns (outputs, loss)."""
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        out = model(x)
+        loss = ex.loss_fn(out, y)
+        model.backward(loss)
+        return out, loss
+
+    return train_step
+
+
+def twin_models(name: str) -> tuple[Any, torch.nn.Module, smp.DistributedModel]:
+    """(example module, plain model, DistributedModel of a copy with the same weights)."""
+    ex = example(name)
+    torch.manual_seed(0)
+    ref = ex.build_model()
+    model = ex.build_model()
+    model.load_state_dict(ref.state_dict())
+    return ex, ref, smp.DistributedModel(model)
+
+
 class Pair:
     """A reference model and an smp-fx DistributedModel starting from the same weights."""
 
@@ -46,16 +70,7 @@ class Pair:
         self.y = self.ex.example_targets(batch).to(device)
         self.ref.to(device)  # the smp-fx model is placed by its runtime
 
-        ex = self.ex
-
-        @smp.step
-        def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
-            out = model(x)
-            loss = ex.loss_fn(out, y)
-            model.backward(loss)
-            return out, loss
-
-        self.train_step = train_step
+        self.train_step = train_step_of(self.ex)
 
     def reset(self) -> None:
         """Both models back to the initial weights, grads cleared."""

@@ -12,7 +12,6 @@ NCCL between processes needs a GPU per rank and is not covered by one GPU.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import torch
@@ -20,8 +19,7 @@ import torch
 import smp_fx as smp
 from smp_fx.dist import state
 from tests.helpers.memory import train
-from tests.helpers.models import example
-from tests.helpers.numerics import Pair, init
+from tests.helpers.numerics import Pair, init, train_step_of, twin_models
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -52,35 +50,16 @@ def test_pipeline_on_the_gpu_equals_the_plain_model(name: str, pipeline: str) ->
         assert p.device.type == "cuda" and p.grad is not None and p.grad.device.type == "cuda", n
 
 
-def _step(ex: Any) -> Any:
-    @smp.step
-    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
-        out = model(x)
-        loss = ex.loss_fn(out, y)
-        model.backward(loss)
-        return out, loss
-
-    return train_step
-
-
-def _models(name: str) -> tuple[Any, torch.nn.Module, smp.DistributedModel]:
-    ex = example(name)
-    torch.manual_seed(0)
-    ref = ex.build_model()
-    model = ex.build_model()
-    model.load_state_dict(ref.state_dict())
-    return ex, ref.cuda(), smp.DistributedModel(model)
-
-
 def test_fp16_trains_with_the_loss_scaler_on_the_gpu() -> None:
     """fp16 parameters on the GPU; the scaler's scale and overflow flag live there too; the
     losses follow the fp32 model's within half precision."""
     init(2, 2, "interleaved", fp16=True)
-    ex, ref, dm = _models("mlp")
+    ex, ref, dm = twin_models("mlp")
+    ref.cuda()
     opt = smp.DistributedOptimizer(torch.optim.Adam(dm.parameters(), lr=1e-3),
                                    dynamic_loss_scale=True, init_scale=2.0**12)
     ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
-    step = _step(ex)
+    step = train_step_of(ex)
     x, y = ex.example_inputs(8)[0].cuda(), ex.example_targets(8).cuda()
     for _ in range(3):
         opt.zero_grad()
@@ -101,8 +80,9 @@ def test_bf16_autocast_reaches_the_stages_and_equals_plain_autocast() -> None:
     bf16 outputs as the plain model under the same autocast, and its gradients to bf16's
     rounding (1.5e-5 apart seen on an H100)."""
     init(2, 2, "simple")
-    ex, ref, dm = _models("mlp")
-    step = _step(ex)
+    ex, ref, dm = twin_models("mlp")
+    ref.cuda()
+    step = train_step_of(ex)
     x, y = ex.example_inputs(8)[0].cuda(), ex.example_targets(8).cuda()
     with torch.autocast("cuda", dtype=torch.bfloat16):
         out, loss = step(dm, x, y)

@@ -14,23 +14,13 @@ import torch
 
 import smp_fx as smp
 from smp_fx.dist import state
-from tests.helpers.models import example
-from tests.helpers.numerics import init
+from tests.helpers.numerics import init, twin_models
 
 
 @pytest.fixture(autouse=True)
 def _fresh() -> Iterator[None]:
     yield
     state._reset()
-
-
-def _models(name: str) -> tuple[Any, torch.nn.Module, smp.DistributedModel]:
-    ex = example(name)
-    torch.manual_seed(0)
-    ref = ex.build_model()
-    model = ex.build_model()
-    model.load_state_dict(ref.state_dict())
-    return ex, ref, smp.DistributedModel(model)
 
 
 def _step_fn(ex: Any) -> Any:
@@ -45,7 +35,7 @@ def _step_fn(ex: Any) -> Any:
 
 def test_fp16_model_optimizer_and_checkpoint() -> None:
     init(2, 2, "interleaved", fp16=True)
-    ex, ref, dm = _models("mlp")
+    ex, ref, dm = twin_models("mlp")
     assert all(p.dtype == torch.float16 for p in dm.module.parameters())
     opt = smp.DistributedOptimizer(torch.optim.Adam(dm.parameters(), lr=1e-3),
                                    dynamic_loss_scale=True, init_scale=2.0**12)
@@ -81,7 +71,7 @@ def test_fp16_model_optimizer_and_checkpoint() -> None:
 
 def test_default_scale_overflows_fp16_until_it_fits() -> None:
     init(2, 1, "simple", fp16=True)
-    ex, _, dm = _models("mlp")
+    ex, _, dm = twin_models("mlp")
     opt = smp.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1),
                                    static_loss_scale=None, dynamic_loss_scale=True)
     before = [p.detach().clone() for p in dm.module.parameters()]
@@ -103,7 +93,7 @@ def test_bf16_autocast_reaches_the_plan() -> None:
     shapes = {}
     for dtype in (None, torch.bfloat16):
         init(2, 1, "simple")
-        ex, _, dm = _models("mlp")
+        ex, _, dm = twin_models("mlp")
         step = _step_fn(ex)
         x, y = ex.example_inputs(4)[0], ex.example_targets(4)
         with torch.autocast("cpu", dtype=dtype or torch.float32, enabled=dtype is not None):
@@ -117,7 +107,7 @@ def test_bf16_autocast_reaches_the_plan() -> None:
 
 def test_grad_scaler_in_one_process_is_torchs() -> None:
     init(2, 1, "simple")
-    ex, ref, dm = _models("mlp")
+    ex, ref, dm = twin_models("mlp")
     opt = smp.DistributedOptimizer(torch.optim.SGD(dm.parameters(), lr=0.1))
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     scaler = smp.amp.GradScaler(init_scale=4.0)

@@ -106,8 +106,10 @@ def test_joint_fit_solves_both_figures() -> None:
     """Rows (d/d per-message, d/d scale, residual) made from known figures give them back."""
     rows = [(a, b, a * 1.5e-4 + b * 0.3) for a, b in ((4000.0, 0.1), (9000.0, 0.2),
                                                        (300.0, 0.9))]
-    msg, extra = calibrate._least_squares(rows)
-    assert msg == pytest.approx(1.5e-4) and extra == pytest.approx(0.3)
+    from smp_fx.cli.reference_model import least_squares
+
+    assert least_squares(rows) == (pytest.approx(1.5e-4), pytest.approx(0.3))
+    assert least_squares([(1.0, 2.0, 3.0), (2.0, 4.0, 1.0)]) is None  # proportional
 
 
 def test_conv_factor_is_fitted_in_place_and_clamped(monkeypatch: pytest.MonkeyPatch) -> None:

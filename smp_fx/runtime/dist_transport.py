@@ -288,8 +288,11 @@ class DistTransport:
         first stage's forwards under the simple schedule) writes each straight to the
         socket only if its receive is already posted; one that comes first waits for a
         round trip through both ranks' gloo threads, so a burst is throttled to the
-        receiver's pace. The buffers are the ones the stage holds anyway once the messages
-        are in. Figures: docs/performance.md."""
+        receiver's pace. The cost is memory: a buffer per message of the step from its
+        start, which the simple schedule holds anyway; under 1F1B up to one boundary
+        tensor per microbatch more than it would hold at once (small beside the
+        activations a stage saves, and not in the plan's memory). Figures:
+        docs/performance.md."""
         queue: deque[_Posted] = deque()
         while self._left.get(key, 0):
             queue.append(self._post_next(key))

@@ -29,7 +29,7 @@ from smp_fx.runtime import executor as ex
 from smp_fx.runtime.activations import ActivationKeeper
 from smp_fx.runtime.checkpointing import outline_regions
 from smp_fx.runtime.dist_transport import DistTransport
-from smp_fx.runtime.planning import agree_on_plan
+from smp_fx.runtime.planning import agree_on_plan, weights_device
 from smp_fx.runtime.shapes import ShapeGuard, guard_for
 from smp_fx.runtime.transport import InProcessTransport, Transport
 
@@ -83,7 +83,7 @@ def place_stages(gm: torch.fx.GraphModule, plan: PartitionPlan,
     # tied parameters are found by the original objects, before materialising
     tied = TiedReplicas(tied_groups(program, st, canonical_names) if multi else [])
     duplicates = tied_duplicates(program, pp_rank, canonical_names) if multi else frozenset()
-    traced_on = _state_device(gm)
+    traced_on = weights_device(gm)  # where the plan traced
     for s, r in runners.items():
         _materialise(r.module, devices[s])
         _retarget_devices(r.stage.module, traced_on, devices[s])
@@ -119,12 +119,6 @@ def _in_process_devices(p: int, device: torch.device,
     if device.type == "cuda" and torch.cuda.device_count() >= p and not has_tied(program):
         return {s: torch.device("cuda", s) for s in range(p)}
     return {s: device for s in range(p)}
-
-
-def _state_device(module: nn.Module) -> torch.device | None:
-    """Where ``module``'s weights are (the device the plan traced on); None if all meta."""
-    return next((t.device for t in [*module.parameters(), *module.buffers()]
-                 if t.device.type != "meta"), None)
 
 
 def _retarget_devices(module: nn.Module, traced_on: torch.device | None,

@@ -20,7 +20,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from cost_model.device import DEFAULT_DEVICE, DeviceSpec, load_device, spec_for_device_name
-from cost_model.errors import SMPConfigError, SMPPartitionError
+from cost_model.errors import SMPConfigError, SMPPartitionError, not_implemented
 from cost_model.measure import measure_nodes
 from passes import meta
 from passes.pipeline import compile_model
@@ -51,6 +51,14 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     st = state.get()
     cfg = st.config
     args, kwargs = on_module_device(module, (args, kwargs))
+    if times and (weights_device(module) or st.device).type != st.device.type:
+        raise not_implemented(
+            f"timing nodes on {st.device.type} while the weights are on "
+            f"{weights_device(module)}", "trace_execution_times",
+            "the weights stay where the model was built until the plan places each stage, "
+            "so the times would be the host's: build the model on the device (it must fit "
+            "there), or leave trace_execution_times False (the analytic costs of this "
+            "device's spec; `smp-fx calibrate` on it measures one)")
     pins = None if cfg.auto_partition else pins_by_module_path(module)
     device = plan_device(st).for_stages(cfg.pipeline_parallel_degree)
     gm = trace(module, args, kwargs)
@@ -66,6 +74,12 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     return compiled.gm, compiled.plan, compiled.tp_plan
 
 
+def weights_device(module: nn.Module) -> torch.device | None:
+    """Where ``module``'s weights are; None if all of them are meta (delayed init)."""
+    return next((t.device for t in [*module.parameters(), *module.buffers()]
+                 if t.device.type != "meta"), None)
+
+
 def on_module_device(module: nn.Module, value: Any) -> Any:
     """``value``'s tensors on the device of ``module``'s weights, for tracing.
 
@@ -75,8 +89,7 @@ def on_module_device(module: nn.Module, value: Any) -> Any:
     model with device inputs. A copy of the first microbatch goes to the weights' device;
     the training itself reads the batch where it is. Meta weights (delayed initialisation)
     follow the inputs' device, so nothing moves then."""
-    device = next((t.device for t in [*module.parameters(), *module.buffers()]
-                   if t.device.type != "meta"), None)
+    device = weights_device(module)
     if device is None:
         return value
     return pytree.tree_map_only(

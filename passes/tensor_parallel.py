@@ -78,6 +78,23 @@ def regions(marked: Sequence[str]) -> list[tuple[str, ...]]:
     return [tuple(g) for _, g in sorted(groups.items())]
 
 
+def tied_regions(gm: torch.fx.GraphModule, groups: Sequence[tuple[str, ...]]
+                 ) -> list[tuple[str, ...]]:
+    """``groups`` with the regions that hold one tensor merged: a tied LM head and its
+    embedding marked apart (HF GPT-2's ``lm_head`` and ``transformer.wte`` are not
+    siblings) share one shard, so they are sharded together or not at all."""
+    params = list(gm.named_parameters(remove_duplicate=False))
+    out: list[tuple[tuple[str, ...], set[int]]] = []
+    for region in groups:
+        ids = {id(p) for name, p in params
+               if any(_in_region(name.rpartition(".")[0], r) for r in region)}
+        for i in [i for i, (_, held) in enumerate(out) if held & ids][::-1]:
+            merged, held = out.pop(i)
+            region, ids = tuple(sorted({*merged, *region})), ids | held
+        out.append((region, ids))
+    return [region for region, _ in out]
+
+
 def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int,
              embeds: Sequence[tp_vocab.Embedding] = (), prescaled: bool = True
              ) -> tuple[list[Linear], str | None, dict[str, int], tp_rules.Rewrites]:
@@ -197,7 +214,7 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
     vocab_embeds: list[tp_vocab.Embedding] = []
     done: list[str] = []
     held_part: list[str] = []  # nodes whose output each rank holds 1/tp of
-    for region in regions(tp.marked):
+    for region in tied_regions(new, regions(tp.marked)):
         embeds = tp_vocab.find(new, _region_test(region))
         linears, reason, split, rw = _analyse(new, region, tp.size, embeds, tp.prescaled_batch)
         if reason is not None:

@@ -33,6 +33,10 @@ from passes.tp_plan import ShardSpec
 CROSS_ENTROPY: frozenset[Any] = frozenset({F.cross_entropy,
                                            torch.ops.aten.cross_entropy_loss.default})
 RESHAPES = frozenset({"flatten", "view", "reshape", "contiguous"})
+aten = torch.ops.aten
+ATEN_RESHAPES: dict[Any, str] = {  # torch.export's reshapes, as the method they are
+    aten.view.default: "view", aten.reshape.default: "reshape", aten._unsafe_view.default:
+    "view", aten.contiguous.default: "contiguous", aten.flatten.using_ints: "flatten"}
 REDUCTIONS = ("none", "mean", "sum")  # aten's reduction enum order
 
 
@@ -120,18 +124,47 @@ def _options(ce: torch.fx.Node) -> tuple[torch.fx.Node, Any, int, str] | None:
     return logits, target, int(a.get("ignore_index", -100)), str(reduction)
 
 
+def _float_cast(n: torch.fx.Node) -> bool:
+    """``n`` only casts its input to a floating dtype (HF's ``logits.float()`` upcast, as
+    ``Tensor.float`` / ``.to(dtype)`` or torch.export's ``aten.to.dtype`` /
+    ``aten._to_copy``): element-wise, so it works on this rank's columns alike."""
+    if n.op == "call_method" and n.target == "float":
+        return len(n.args) == 1 and not n.kwargs
+    if (n.op, n.target) in (("call_method", "to"), ("call_function", aten.to.dtype)):
+        dtype, rest = (n.args[1] if len(n.args) > 1 else None), n.args[2:]
+        return isinstance(dtype, torch.dtype) and dtype.is_floating_point and \
+            not any(rest) and not any(n.kwargs.values())
+    if n.target is aten._to_copy.default:
+        dtype = n.kwargs.get("dtype")
+        return len(n.args) == 1 and isinstance(dtype, torch.dtype) and \
+            dtype.is_floating_point and set(n.kwargs) <= {"dtype", "layout"} and \
+            n.kwargs.get("layout", torch.strided) == torch.strided
+    return False
+
+
+def _check_only(n: torch.fx.Node) -> bool:
+    """``n`` is torch.export's dtype / device / layout assertion (no shape), which this
+    rank's columns pass as the gathered logits do."""
+    return n.target is aten._assert_tensor_metadata.default and len(n.args) == 1 and \
+        n.kwargs.get("size") is None and n.kwargs.get("stride") is None
+
+
 def _local_reshape(n: torch.fx.Node, vocab: int) -> dict[int, Any] | None:
     """The argument edits (position -> new value, ``vocab`` still to be replaced by the
-    local width) that make the reshape ``n`` work on this rank's columns, or None when it
-    would mix the vocabulary dim with others."""
-    if n.op != "call_method" or n.target not in RESHAPES or not n.args:
+    local width) that make the reshape or float cast ``n`` work on this rank's columns,
+    or None when it would mix the vocabulary dim with others."""
+    if _float_cast(n):
+        return {}
+    method = n.target if n.op == "call_method" else ATEN_RESHAPES.get(n.target) \
+        if n.op == "call_function" else None
+    if method not in RESHAPES or not n.args:
         return None
-    if n.target == "contiguous":
+    if method == "contiguous":
         return {}
     shape = getattr(meta.TENSOR.get(n.args[0]), "shape", None)  # type: ignore[arg-type]
     if not shape:
         return None
-    if n.target == "flatten":
+    if method == "flatten":
         end = n.args[2] if len(n.args) > 2 else n.kwargs.get("end_dim", -1)
         return {} if isinstance(end, int) and end % len(shape) != len(shape) - 1 else None
     if n.kwargs:
@@ -144,18 +177,19 @@ def _local_reshape(n: torch.fx.Node, vocab: int) -> dict[int, Any] | None:
 
 def _chain(head: torch.fx.Node, gather: bool, vocab: int
            ) -> tuple[list[torch.fx.Node], list[torch.fx.Node], torch.fx.Node] | None:
-    """(collectives, reshapes, cross entropy) from a vocab-parallel head to its loss."""
+    """(collectives, reshapes and casts, cross entropy) from a vocab-parallel head to its
+    loss; metadata assertions (``_check_only``) on the way are not uses."""
     collectives, cur = [], head
     for fn in (tp_collectives.tp_gather_last,) + ((tp_collectives.tp_split_batch,)
                                                   if gather else ()):
-        users = list(cur.users)
+        users = [u for u in cur.users if not _check_only(u)]
         if len(users) != 1 or users[0].target is not fn:
             return None
         cur = users[0]
         collectives.append(cur)
     reshapes: list[torch.fx.Node] = []
-    while len(cur.users) == 1:
-        user = next(iter(cur.users))
+    while len(users := [u for u in cur.users if not _check_only(u)]) == 1:
+        user = users[0]
         if user.op == "call_function" and user.target in CROSS_ENTROPY:
             return collectives, reshapes, user
         if _local_reshape(user, vocab) is None:
@@ -214,6 +248,8 @@ def fuse(gm: torch.fx.GraphModule, size: int, gather: bool,
             _localise(r, vocab, n_local, size if gather else 1)
         (reshapes[0] if reshapes else ce).replace_input_with(collectives[-1], head)
         for c in reversed(collectives):
+            for check in list(c.users):  # dtype asserts: the local columns' dtype is theirs
+                check.replace_input_with(c, head)
             graph.erase_node(c)
         with graph.inserting_before(ce):
             t = target

@@ -400,8 +400,8 @@ def sweep(gm: torch.fx.GraphModule, linears: dict[torch.fx.Node, Linear],
           lone: set[torch.fx.Node], size: int
           ) -> tuple[dict[torch.fx.Node, Split], Rewrites, str | None, torch.fx.Node | None]:
     """One sweep of sharding propagation over the graph, setting each linear's role: the
-    split values, the edits, the first failure and, when that failure is a column linear's
-    own output, that linear (the caller retries it as a lone one)."""
+    split values, the edits, the first failure and the column linear to retry as a lone one
+    (the failure is at its output, or an op no rule covers reads a value of it alone)."""
     split: dict[torch.fx.Node, Split] = {}
     rw = Rewrites()
     by_name = {n.name: n for n in linears}
@@ -434,9 +434,10 @@ def sweep(gm: torch.fx.GraphModule, linears: dict[torch.fx.Node, Linear],
             out_split = _rule(gm, n, split, rw, size, by_name.get)
         except Unsupported as exc:
             return split, rw, str(exc), culprit
-        if out_split is None:
+        if out_split is None:  # the culprit behind views, casts (HF: logits.float())
             return split, rw, (f"the split value {ins[0].name} reaches {n.name} ({n.target}), "
-                               "which no sharding rule covers"), culprit
+                               "which no sharding rule covers"),\
+                culprit or by_name.get(split[ins[0]].origin)
         split[n] = out_split
     return split, rw, None, None
 

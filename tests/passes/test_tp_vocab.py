@@ -176,3 +176,65 @@ def test_a_loss_of_the_vocab_logits_is_fused_and_the_logits_stay_split(prescaled
                 and getattr(n.target, "__name__", "") == "tp_vocab_cross_entropy"]
         assert ce.args[2:] == (32, 63, 0)  # rank 1's first column, the vocabulary, ignore
         assert names.count("tp_gather_batch") == (0 if prescaled else 3)  # ids, h, targets
+
+
+class HFLoss(nn.Module):
+    """The tiny HF GPT-2 (vocabulary 128) trained with ``labels=``: transformers computes
+    the loss in the forward (``ForCausalLMLoss``: ``logits.float()``, labels padded with
+    -100 and shifted, ``view(-1, V)``, ``cross_entropy(ignore_index=-100)``), the mean or,
+    with ``num_items``, the sum divided by the count of labels not ignored."""
+
+    def __init__(self, num_items: bool = False) -> None:
+        super().__init__()
+        from tests.helpers.models import example
+
+        self.model = example("hf_gpt2").build_model().model
+        self.num_items = num_items
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        extra = {"num_items_in_batch": (labels[:, 1:] != -100).sum()} if self.num_items else {}
+        loss: torch.Tensor = self.model(input_ids=ids, labels=labels, use_cache=False,
+                                        **extra).loss
+        return loss
+
+
+def hf_labels(ids: torch.Tensor) -> torch.Tensor:
+    """Labels of ``ids`` with every third token ignored (-100)."""
+    labels = ids.clone()
+    labels.view(-1)[::3] = -100
+    return labels
+
+
+@pytest.mark.parametrize(("num_items", "prescaled"), [(False, True), (True, False)])
+def test_a_hugging_face_loss_with_labels_is_fused(num_items: bool, prescaled: bool) -> None:
+    """HF GPT-2 (torch.export graph) with its tied ``lm_head`` and ``transformer.wte``
+    marked apart (not siblings: one region as they hold one tensor): the float cast, the
+    view and ``aten.cross_entropy_loss`` become the fused loss on this rank's 64 columns,
+    ignore_index -100 and the reduction kept (``sum`` then HF's division, or ``mean``)."""
+    import smp_fx as smp
+    from passes import meta
+    from passes.partition_config import PartitionConfig
+    from passes.pipeline import compile_model
+    from smp_fx.tp_marking import marked_paths
+
+    torch.manual_seed(0)
+    model = HFLoss(num_items)
+    smp.set_tensor_parallelism(model.model.transformer.wte)
+    smp.set_tensor_parallelism(model.model.lm_head)
+    ids = torch.randint(0, 128, (2, 16))
+    compiled = compile_model(model, (ids, hf_labels(ids)), None, PartitionConfig(num_stages=1),
+                             tp=TensorParallelism(2, 1, prescaled, marked_paths(model)))
+    plan = compiled.tp_plan
+    assert plan.replicated == () and {s.name for s in plan.sharded} == {
+        "model.lm_head.weight", "model.transformer.wte.weight"}
+    names = _targets(compiled.gm)
+    assert "tp_gather_last" not in names and "aten.cross_entropy_loss.default" not in names
+    [ce] = [n for n in compiled.gm.graph.nodes
+            if getattr(n.target, "__name__", "") == "tp_vocab_cross_entropy"]
+    assert ce.args[2:] == (64, 128, -100)  # rank 1's first column, the vocabulary, ignore
+    assert meta.TENSOR.get(ce.args[0]).shape == (32 * (1 if prescaled else 2), 64)
+    [loss] = [n for n in compiled.gm.graph.nodes if getattr(n.target, "__name__", "") ==
+              "token_loss"]
+    assert loss.args[2:] == ("sum" if num_items else "mean", -100)
+    assert [str(u.target) for u in loss.users] == (["aten.div.Tensor"] if num_items
+                                                   else ["output"])

@@ -110,14 +110,14 @@ def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int,
         why = tp_vocab.reason(emb, size)
         if why is not None:
             return [], why, {}, tp_rules.Rewrites()
+    shared = _shared_weight(gm, linears, embeds)  # an embedding alone too (HF's wte)
+    if shared is not None:
+        return [], shared, {}, tp_rules.Rewrites()
     if not linears:
         return [], None if embeds else "no linear layer to shard", {}, tp_rules.Rewrites()
     weights = [id(lin.weight_value) for lin in linears.values()]
     if len(set(weights)) != len(weights):
         return [], "a linear weight is shared by several layers", {}, tp_rules.Rewrites()
-    shared = _shared_weight(gm, linears, embeds)
-    if shared is not None:
-        return [], shared, {}, tp_rules.Rewrites()
     lone: set[torch.fx.Node] = set()
     while True:
         split, rw, reason, culprit = tp_rules.sweep(gm, linears, lone, size)

@@ -10,7 +10,9 @@ logit comes from the rank that owns its column; the padding columns of a padded 
 are masked out. Per-token losses are then reduced like the original call (``token_loss``).
 
 Fused only where it is exact: the logits flow from the head to the loss through
-``flatten`` / ``view`` / ``reshape`` / ``contiguous`` alone (no other use), the loss sees
+``flatten`` / ``view`` / ``reshape`` / ``contiguous`` (methods or torch.export's aten ops)
+and float casts alone (Hugging Face's ``ForCausalLMLoss`` upcasts with ``logits.float()``;
+no other use but torch.export's dtype assertions), the loss sees
 ``[tokens, V]`` logits and ``[tokens]`` class targets, with no class weights and no label
 smoothing. Anything else keeps the gathered logits. With ``prescaled_batch`` false the
 targets are gathered like the head's input and the per-token losses split back, so each

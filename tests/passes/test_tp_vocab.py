@@ -238,3 +238,25 @@ def test_a_hugging_face_loss_with_labels_is_fused(num_items: bool, prescaled: bo
     assert loss.args[2:] == ("sum" if num_items else "mean", -100)
     assert [str(u.target) for u in loss.users] == (["aten.div.Tensor"] if num_items
                                                    else ["output"])
+
+
+def test_an_embedding_tied_to_an_unmarked_head_stays_replicated() -> None:
+    """HF GPT-2's ``transformer.wte`` marked without ``lm_head``: sharding the embedding
+    alone would hand the unmarked head half the vocabulary rows, so the region stays
+    replicated with the reason and the graph computes the model."""
+    import smp_fx as smp
+    from passes.partition_config import PartitionConfig
+    from passes.pipeline import compile_model
+    from smp_fx.tp_marking import marked_paths
+
+    torch.manual_seed(0)
+    model = HFLoss()
+    smp.set_tensor_parallelism(model.model.transformer.wte)
+    ids = torch.randint(0, 128, (2, 16))
+    labels = hf_labels(ids)
+    compiled = compile_model(model, (ids, labels), None, PartitionConfig(num_stages=1),
+                             tp=TensorParallelism(2, 1, True, marked_paths(model)))
+    assert compiled.tp_plan.sharded == ()
+    [(region, why)] = compiled.tp_plan.replicated
+    assert region == "model.transformer.wte" and "sharding would untie them" in why
+    torch.testing.assert_close(compiled.gm(ids, labels), model(ids, labels))

@@ -144,6 +144,14 @@ def _float_cast(n: torch.fx.Node) -> bool:
     return False
 
 
+def uncast(n: torch.fx.Node) -> torch.fx.Node:
+    """``n`` without its float casts: the node they cast (a linear whose logits HF upcasts
+    before the loss is the one ``tp_rules.sweep`` retries as lone)."""
+    while _float_cast(n) and isinstance(n.args[0], torch.fx.Node):
+        n = n.args[0]
+    return n
+
+
 def _check_only(n: torch.fx.Node) -> bool:
     """``n`` is torch.export's dtype / device / layout assertion (no shape), which this
     rank's columns pass as the gathered logits do."""
@@ -277,4 +285,4 @@ def fuse(gm: torch.fx.GraphModule, size: int, gather: bool,
     return fused
 
 
-__all__ = ["fuse", "token_loss", "tp_vocab_cross_entropy", "vocab_heads"]
+__all__ = ["fuse", "token_loss", "tp_vocab_cross_entropy", "uncast", "vocab_heads"]

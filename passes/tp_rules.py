@@ -24,7 +24,7 @@ import torch.fx
 from torch import nn
 from torch.nn import functional as F
 
-from passes import meta, tp_graph
+from passes import meta, tp_graph, tp_loss
 from passes.tp_linears import Linear
 
 
@@ -401,7 +401,8 @@ def sweep(gm: torch.fx.GraphModule, linears: dict[torch.fx.Node, Linear],
           ) -> tuple[dict[torch.fx.Node, Split], Rewrites, str | None, torch.fx.Node | None]:
     """One sweep of sharding propagation over the graph, setting each linear's role: the
     split values, the edits, the first failure and the column linear to retry as a lone one
-    (the failure is at its output, or an op no rule covers reads a value of it alone)."""
+    (the failure is at its output or a float cast of it, or an op no rule covers reads a
+    value of it alone)."""
     split: dict[torch.fx.Node, Split] = {}
     rw = Rewrites()
     by_name = {n.name: n for n in linears}
@@ -429,7 +430,7 @@ def sweep(gm: torch.fx.GraphModule, linears: dict[torch.fx.Node, Linear],
             if _norm(_arg(n, 1, "dim", 0), len(shape(n.args[0]) or (0,))) == 0:
                 rw.batch_reads.append(n)
             continue
-        culprit = next((a for a in ins if a in linears), None)
+        culprit = next((c for a in ins if (c := tp_loss.uncast(a)) in linears), None)
         try:
             out_split = _rule(gm, n, split, rw, size, by_name.get)
         except Unsupported as exc:

@@ -184,11 +184,16 @@ class HFLoss(nn.Module):
     -100 and shifted, ``view(-1, V)``, ``cross_entropy(ignore_index=-100)``), the mean or,
     with ``num_items``, the sum divided by the count of labels not ignored."""
 
-    def __init__(self, num_items: bool = False) -> None:
+    def __init__(self, num_items: bool = False, vocab: int = 128) -> None:
         super().__init__()
         from tests.helpers.models import example
 
         self.model = example("hf_gpt2").build_model().model
+        if vocab != 128:  # the same config, another vocabulary (GPT-2's 50257 is odd)
+            config = self.model.config
+            config.vocab_size, config.bos_token_id, config.eos_token_id = (vocab,) + (
+                vocab - 1,) * 2
+            self.model = type(self.model)(config).eval()
         self.num_items = num_items
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -260,3 +265,41 @@ def test_an_embedding_tied_to_an_unmarked_head_stays_replicated() -> None:
     [(region, why)] = compiled.tp_plan.replicated
     assert region == "model.transformer.wte" and "sharding would untie them" in why
     torch.testing.assert_close(compiled.gm(ids, labels), model(ids, labels))
+
+
+class CastLoss(LossInside):
+    """``LossInside`` (torch.fx) with HF's loss written out: ``logits.float()``, a view to
+    ``[tokens, V]``, ignore_index -100 and the sum over the tokens divided by their count."""
+
+    def forward(self, ids: torch.Tensor, targets: torch.Tensor) -> object:
+        logits = self.gpt(ids).float().view(-1, 63)
+        flat = targets.flatten()
+        return F.cross_entropy(logits, flat, reduction="sum") / (flat != -100).sum()
+
+
+@pytest.mark.parametrize("prescaled", [True, False])
+def test_a_float_cast_before_the_loss_is_fused_on_the_fx_graph(prescaled: bool) -> None:
+    """The cast of a padded vocabulary's logits (63 columns: the view cannot split them)
+    makes the head lone, as without the cast, and the cast and view run on its columns."""
+    import smp_fx as smp
+    from passes import meta
+    from passes.partition_config import PartitionConfig
+    from passes.pipeline import compile_model
+    from smp_fx.tp_marking import marked_paths
+
+    torch.manual_seed(0)
+    model = CastLoss()
+    smp.set_tensor_parallelism(model.gpt.wte)
+    smp.set_tensor_parallelism(model.gpt.lm_head)
+    ids = torch.randint(0, 63, (2, 16))
+    compiled = compile_model(model, (ids, hf_labels(ids)), None, PartitionConfig(num_stages=1),
+                             tp=TensorParallelism(2, 1, prescaled, marked_paths(model)))
+    names = _targets(compiled.gm)
+    assert "tp_gather_last" not in names and "cross_entropy" not in names
+    [view] = [n for n in compiled.gm.graph.nodes if n.target == "view"
+              and n.args[0].target == "float"]  # of the head's own (padded) 32 columns
+    assert view.args[1:] == (-1, 32) and meta.TENSOR.get(view).shape == (32 * (
+        1 if prescaled else 2), 32)
+    [ce] = [n for n in compiled.gm.graph.nodes
+            if getattr(n.target, "__name__", "") == "tp_vocab_cross_entropy"]
+    assert ce.args[0].args[0].target == "float" and ce.args[2:] == (32, 63, -100)

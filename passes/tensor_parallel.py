@@ -36,7 +36,16 @@ from typing import Any
 import torch
 import torch.fx
 
-from passes import meta, tp_collectives, tp_costs, tp_graph, tp_loss, tp_rules, tp_vocab
+from passes import (
+    meta,
+    tp_collectives,
+    tp_costs,
+    tp_graph,
+    tp_loss,
+    tp_rules,
+    tp_sweep,
+    tp_vocab,
+)
 from passes.graph_utils import copy_graph_module
 from passes.tp_linears import Linear, as_linear, sharded_node
 from passes.tp_plan import ShardSpec, TensorParallelPlan, merge_shards
@@ -120,7 +129,7 @@ def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int,
         return [], "a linear weight is shared by several layers", {}, tp_rules.Rewrites()
     lone: set[torch.fx.Node] = set()
     while True:
-        split, rw, reason, culprit = tp_rules.sweep(gm, linears, lone, size)
+        split, rw, reason, culprit = tp_sweep.sweep(gm, linears, lone, size)
         if culprit is None or culprit in lone:
             break
         lone.add(culprit)

@@ -146,7 +146,7 @@ def _float_cast(n: torch.fx.Node) -> bool:
 
 def uncast(n: torch.fx.Node) -> torch.fx.Node:
     """``n`` without its float casts: the node they cast (a linear whose logits HF upcasts
-    before the loss is the one ``tp_rules.sweep`` retries as lone)."""
+    before the loss is the one ``tp_sweep.sweep`` retries as lone)."""
     while _float_cast(n) and isinstance(n.args[0], torch.fx.Node):
         n = n.args[0]
     return n

@@ -24,8 +24,7 @@ import torch.fx
 from torch import nn
 from torch.nn import functional as F
 
-from passes import meta, tp_graph, tp_loss
-from passes.tp_linears import Linear
+from passes import meta, tp_graph
 
 
 class Unsupported(Exception):
@@ -76,7 +75,7 @@ def shape(n: Any) -> tuple[int, ...] | None:
     return tuple(info.shape) if hasattr(info, "shape") else None
 
 
-def _norm(dim: Any, rank: int) -> int:
+def norm_dim(dim: Any, rank: int) -> int:
     if not isinstance(dim, int):
         raise Unsupported(f"a dim argument {dim!r} that is not a constant")
     return dim + rank if dim < 0 else dim
@@ -109,7 +108,7 @@ MATMUL: frozenset[Any] = frozenset({"matmul", torch.matmul, operator.matmul, tor
                                     torch.ops.aten.matmul.default, torch.ops.aten.bmm.default})
 
 
-def _arg(n: torch.fx.Node, i: int, name: str, default: Any = None) -> Any:
+def arg(n: torch.fx.Node, i: int, name: str, default: Any = None) -> Any:
     return n.args[i] if len(n.args) > i else n.kwargs.get(name, default)
 
 
@@ -183,7 +182,7 @@ def _view(n: torch.fx.Node, s: Split, rw: Rewrites, size: int) -> Split:
         ok = (d % o == 0 and math.prod(out[j:]) >= d) or (o % d == 0)
         if not ok or o % size:
             break
-        if dims[j] != -1 and not _size_read(dims[j]):
+        if dims[j] != -1 and not size_read(dims[j]):
             rw.divide.append((n, at(j)))
         _note_batch(n, j, dims[0], src, out, at(0), rw)
         return Split(j, s.origin)
@@ -239,14 +238,14 @@ def _slice_operand(n: torch.fx.Node, operand: Any, k: int, size: int, rw: Rewrit
     return True
 
 
-def _size_read(n: Any) -> bool:
+def size_read(n: Any) -> bool:
     return isinstance(n, torch.fx.Node) and n.target in SIZE_READS
 
 
 def _reads_batch(value: Any) -> bool:
     """Whether a size argument reads dim 0 of a graph input (torch.export's
     ``sym_size(input_ids, 0)``): the local batch size, which a gathered batch multiplies."""
-    return (_size_read(value) and len(value.args) == 2 and isinstance(value.args[1], int)
+    return (size_read(value) and len(value.args) == 2 and isinstance(value.args[1], int)
             and value.args[1] == 0 and isinstance(value.args[0], torch.fx.Node)
             and value.args[0].op == "placeholder")
 
@@ -267,7 +266,7 @@ def _size_of(piece: Any, n: torch.fx.Node) -> int:
         return piece
     first = next(u for u in n.users if u.target is operator.getitem and u.args[1] == 0)
     out = shape(first)
-    dim = _arg(n, 2, "dim", 0)
+    dim = arg(n, 2, "dim", 0)
     if out is None:
         raise Unsupported(f"{n.name} has no static shape")
     return out[dim]
@@ -284,22 +283,22 @@ def propagate(n: torch.fx.Node, split: dict[torch.fx.Node, Split], rw: Rewrites,
         return s
     if t in TRANSPOSES and s is not None:
         rank = len(shape(x) or ())
-        a, b = _norm(n.args[1], rank), _norm(n.args[2], rank)
+        a, b = norm_dim(n.args[1], rank), norm_dim(n.args[2], rank)
         return Split(b if s.dim == a else a if s.dim == b else s.dim, s.origin)
     if t in ("permute", torch.permute) and s is not None:
         dims = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (tuple, list)) \
             else n.args[1:]
         rank = len(dims)
-        return Split([_norm(d, rank) for d in dims].index(s.dim), s.origin)
+        return Split([norm_dim(d, rank) for d in dims].index(s.dim), s.origin)
     if t in VIEWS and s is not None:
         return _view(n, s, rw, size)
     if t in SOFTMAX and s is not None:
-        dim = _arg(n, 1, "dim")
-        if _norm(dim, len(shape(x) or ())) == s.dim:
+        dim = arg(n, 1, "dim")
+        if norm_dim(dim, len(shape(x) or ())) == s.dim:
             raise Unsupported(f"{n.name} normalises over the split dim")
         return s
     if t in SPLITS and s is not None:
-        dim = _norm(_arg(n, 2, "dim", 0), len(shape(x) or ()))
+        dim = norm_dim(arg(n, 2, "dim", 0), len(shape(x) or ()))
         if dim != s.dim:
             return s
         whole, piece = (shape(x) or (0,) * (dim + 1))[dim], n.args[1]
@@ -319,18 +318,18 @@ def propagate(n: torch.fx.Node, split: dict[torch.fx.Node, Split], rw: Rewrites,
     if n.op == "call_function" and t is operator.getitem and s is not None:
         return s
     if t in UNSQUEEZES and s is not None:
-        at_dim = _norm(_arg(n, 1, "dim", 0), len(shape(n) or ()))
+        at_dim = norm_dim(arg(n, 1, "dim", 0), len(shape(n) or ()))
         return Split(s.dim + (1 if at_dim <= s.dim else 0), s.origin)
     if t in EXPANDS and s is not None:
         return _expand(n, s, rw)
     if t in SLICES and s is not None:
-        if _norm(_arg(n, 1, "dim", 0), len(shape(x) or ())) == s.dim:
+        if norm_dim(arg(n, 1, "dim", 0), len(shape(x) or ())) == s.dim:
             raise Unsupported(f"{n.name} slices the split dim")
         return s
     if t in CATS:
         listed = n.args[0] if isinstance(n.args[0], (list, tuple)) else ()
         parts = [p for p in listed if isinstance(p, torch.fx.Node) and p in split]
-        dim = _norm(_arg(n, 1, "dim", 0), len(shape(n) or ()))
+        dim = norm_dim(arg(n, 1, "dim", 0), len(shape(n) or ()))
         if not parts or len(parts) != len(listed) or len({split[p].dim for p in parts}) != 1:
             raise Unsupported(f"{n.name} concatenates split and replicated values")
         if dim == split[parts[0]].dim:
@@ -347,7 +346,7 @@ def propagate(n: torch.fx.Node, split: dict[torch.fx.Node, Split], rw: Rewrites,
             raise Unsupported(f"{n.name} attends over q, k, v not all split by heads")
         if split[qkv[0]].dim >= len(shape(qkv[0]) or ()) - 2:
             raise Unsupported(f"{n.name}'s q is split along its sequence or head features")
-        mask = _arg(n, 3, "attn_mask")
+        mask = arg(n, 3, "attn_mask")
         if isinstance(mask, torch.fx.Node) and mask not in split:
             ms = shape(mask)
             k = len(shape(qkv[0]) or ()) - split[qkv[0]].dim
@@ -396,54 +395,7 @@ def elementwise(gm: torch.fx.GraphModule, n: torch.fx.Node) -> bool:
     return n.op == "call_method" and n.target in ELEMENTWISE_METHODS
 
 
-def sweep(gm: torch.fx.GraphModule, linears: dict[torch.fx.Node, Linear],
-          lone: set[torch.fx.Node], size: int
-          ) -> tuple[dict[torch.fx.Node, Split], Rewrites, str | None, torch.fx.Node | None]:
-    """One sweep of sharding propagation over the graph, setting each linear's role: the
-    split values, the edits, the first failure and the column linear to retry as a lone one
-    (the failure is at its output or a float cast of it, or an op no rule covers reads a
-    value of it alone)."""
-    split: dict[torch.fx.Node, Split] = {}
-    rw = Rewrites()
-    by_name = {n.name: n for n in linears}
-    for n in gm.graph.nodes:
-        lin = linears.get(n)
-        if lin is not None:
-            x = lin.x
-            if x in split:
-                rank = len(shape(x) or ())
-                if split[x].dim not in (-1, rank - 1):
-                    return split, rw, (f"{lin.weight} reads {x.name} split along dim "
-                                       f"{split[x].dim}, not its features"), None
-                lin.role = "row"
-            elif n in lone:
-                lin.role = "lone"
-            else:
-                lin.role = "col"
-                out = shape(n)
-                split[n] = Split(-1 if out is None else len(out) - 1, n.name)
-            continue
-        ins = [a for a in n.all_input_nodes if a in split]
-        if not ins:
-            continue
-        if _size_read(n):  # the local tensor's sizes, read at run time: already local
-            if _norm(_arg(n, 1, "dim", 0), len(shape(n.args[0]) or (0,))) == 0:
-                rw.batch_reads.append(n)
-            continue
-        culprit = next((c for a in ins if (c := tp_loss.uncast(a)) in linears), None)
-        try:
-            out_split = _rule(gm, n, split, rw, size, by_name.get)
-        except Unsupported as exc:
-            return split, rw, str(exc), culprit
-        if out_split is None:  # the culprit behind views, casts (HF: logits.float())
-            return split, rw, (f"the split value {ins[0].name} reaches {n.name} ({n.target}), "
-                               "which no sharding rule covers"),\
-                culprit or by_name.get(split[ins[0]].origin)
-        split[n] = out_split
-    return split, rw, None, None
-
-
-def _rule(gm: torch.fx.GraphModule, n: torch.fx.Node, split: dict[torch.fx.Node, Split],
+def rule(gm: torch.fx.GraphModule, n: torch.fx.Node, split: dict[torch.fx.Node, Split],
           rw: Rewrites, size: int, col: Callable[[str], torch.fx.Node | None]) -> Split | None:
     if elementwise(gm, n):
         ins = [a for a in n.all_input_nodes if a in split]

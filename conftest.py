@@ -8,10 +8,21 @@ of side effects, which holds for all of them but the compatibility shims, ignore
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 
 import pytest
 from _pytest.doctest import DoctestItem
+
+GPU_TESTS_ENV = "SMP_FX_TEST_GPU"
+"""``1``: keep the GPUs visible and run ``tests/smp_fx/test_cuda.py`` on them.
+
+Otherwise the suite hides them (before anything imports torch), so ``make test`` on a GPU
+machine runs what CI runs: single-process tests would place their stages on ``cuda:0``
+against host references, and multi-process ones would pick NCCL, which needs a GPU per
+rank. The GPU tests: ``SMP_FX_TEST_GPU=1 pytest -m gpu``."""
+if os.environ.get(GPU_TESTS_ENV) != "1":
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 # The smdistributed shims replace their own ``sys.modules`` entry with ``smp_fx`` and
 # register a torch.distributed backend when imported; only ``smp-fx run``'s children import

@@ -6,7 +6,8 @@ and the numerics there equal to the plain model on the same device (TF32 off, cu
 deterministic, fp32, 1e-5); fp16 with the loss scaler's tensors on the GPU; bf16 autocast
 carried from the step function's thread into the threads that run the work; activation
 offloading through pinned host memory and a side stream, which must not change a number.
-NCCL between processes needs a GPU per rank and is not covered by one GPU.
+NCCL between processes needs a GPU per rank and is not covered by one GPU. Run with
+``SMP_FX_TEST_GPU=1 pytest -m gpu`` (``make test`` hides the GPUs: see conftest.py).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ from smp_fx.dist import state
 from tests.helpers.memory import train
 from tests.helpers.numerics import Pair, init, train_step_of, twin_models
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(),
+    reason="needs a CUDA device, and SMP_FX_TEST_GPU=1 (the suite hides GPUs otherwise)")]
 
 
 @pytest.fixture(autouse=True)

@@ -10,10 +10,12 @@ messages this step (``_skips``), then the pickled header, then the message in th
 layout. Both sides know how many messages each stream carries in a step (``prefetch`` and
 ``plan_sends``, from ``smp_fx.runtime.lowering``).
 
-``prefetch`` posts the receives of every message a stream expects this step at once
-(``_post_all``), so data moves while the rank computes: under gloo a send whose receive is
-already posted is written straight to the socket, while one that comes first waits for a
-round trip through both ranks' gloo threads. Under NCCL only the ``"out"`` channel is
+``prefetch`` posts the first expected message's receives, and a ``recv`` about to wait
+posts all the rest of the step's (``_post_all``; otherwise the next one stays posted), so
+data moves while the rank computes: under gloo a send whose receive is already posted is
+written straight to the socket, while one that comes first waits for a round trip through
+both ranks' gloo threads. Posting is done while waiting, not at the step's entry, which in
+1F1B is on the pipeline's critical path. Under NCCL only the ``"out"`` channel is
 posted ahead: NCCL serialises a communicator's point-to-point operations, and a middle
 stage both receives and sends on the ``"act"`` and ``"grad"`` channels, so a receive posted
 early there would hold back its sends; there ``recv`` posts the message it waits for. gloo
@@ -264,8 +266,9 @@ class DistTransport:
         return _Posted(header, frame, work, large, views, addr)
 
     def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:
-        """Expect ``count`` messages from ``src`` on ``channel`` this step, and post all
-        their receives ahead of ``recv`` (where the backend allows, see the module doc).
+        """Expect ``count`` messages from ``src`` on ``channel`` this step, and post the
+        first one's receives ahead of ``recv`` (where the backend allows, see the module
+        doc).
         Each channel has its own group, a rank receives at most one channel per peer and
         group (activations from earlier stages, gradients from later ones, outputs),
         and gloo matches a peer's messages by order, so receives posted ahead always meet
@@ -277,12 +280,13 @@ class DistTransport:
         self._ahead[key] = self._posts_ahead(channel)
         if self._ahead[key]:
             try:
-                self._posted[key] = self._post_all(key)
+                self._posted[key] = deque([self._post_next(key)])
             except RuntimeError as exc:  # the peer closed the connection already
                 raise self._failed(exc, src, receiving=True) from exc
 
     def _post_all(self, key: _Key) -> deque[_Posted]:
-        """Post every message the stream still expects this step.
+        """Post every message the stream still expects this step (``recv`` does it when it
+        is about to wait, and after a header change).
 
         Why all and not the next one or two: a sender with several messages in a row (the
         first stage's forwards under the simple schedule) writes each straight to the
@@ -306,15 +310,18 @@ class DistTransport:
         return self._post(*key)
 
     def recv(self, src: int, dst: int, channel: str, mb: int) -> Any:
-        """Receive one message (its receives posted ahead where the stream does, see the
-        module doc); after a header change, post the rest in the new layout."""
+        """Receive one message; where the stream posts ahead (see the module doc), post the
+        rest of the step's while waiting for it, else keep the next one posted."""
         key = (src, channel)
         try:
             queue = self._posted.setdefault(key, deque())
             posted = queue.popleft() if queue else self._post_next(key)
-            value = self._recv(posted, queue, src, dst, channel, mb)
-            if self._ahead.get(key, False) and not queue:  # after a header change
+            ahead = self._ahead.get(key, False)
+            if ahead and not posted.frame_work.is_completed():  # about to wait: post the rest
                 queue.extend(self._post_all(key))
+            value = self._recv(posted, queue, src, dst, channel, mb)
+            if ahead and not queue and self._left.get(key, 0):  # keep the next one posted
+                queue.append(self._post_next(key))
         except SMPError:
             raise
         except RuntimeError as exc:  # a lost connection or a timeout, in the backend's words

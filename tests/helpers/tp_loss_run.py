@@ -1,0 +1,92 @@
+"""A model whose forward computes its loss, trained at tp=2 (2 gloo ranks) against one process.
+
+``compare_at_tp2(build, batches, prescaled)`` runs on each rank (``run_ranks``): the plain
+model ``build()`` trains on ``batches()`` as the reference, then the ``DistributedModel``
+of another ``build()`` does, 3 Adam steps, and every loss, full gradient and the final
+``state_dict()`` are compared. The vocab-parallel cross entropy is spied on: ``widths``
+are the logits' widths it saw (this rank's columns), so a test can tell the loss was fused.
+
+``prescaled_batch`` false: rank r feeds half r of the batch and its loss is that half's
+mean, so the reference is the mean of the halves' losses (one microbatch, as a
+microbatch's loss is its own mean); true: both ranks the first half.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from passes import tp_loss
+from tests.helpers.compare import mismatched
+from tests.smp_fx.dist.test_tensor_parallel import ADAM_EPS, GLOBAL_BATCH, _gathered
+
+Batches = list[tuple[torch.Tensor, torch.Tensor]]
+_ORIGINAL = tp_loss.tp_vocab_cross_entropy
+WIDTHS: list[int] = []
+
+
+def _spy(logits: torch.Tensor, *args: Any) -> torch.Tensor:
+    """The fused op, recording the width of the logits it sees (this rank's columns)."""
+    WIDTHS.append(int(logits.shape[-1]))
+    return _ORIGINAL(logits, *args)
+
+
+def _reference(build: Callable[[], nn.Module], batches: Callable[[], Batches], prescaled: bool
+               ) -> tuple[list[list[float]], list[dict[str, torch.Tensor]],
+                          dict[str, torch.Tensor]]:
+    model = build()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS)
+    share = GLOBAL_BATCH // 2
+    losses, grads = [], []
+    for x, y in batches():
+        halves = [model(x[:share], y[:share])] if prescaled else [
+            model(x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]) for r in (0, 1)]
+        (sum(halves) / len(halves)).backward()
+        losses.append([h.item() for h in halves])
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        opt.step()
+        opt.zero_grad()
+    return losses, grads, {n: p.detach().clone() for n, p in model.state_dict().items()}
+
+
+def compare_at_tp2(build: Callable[[], nn.Module], batches: Callable[[], Batches],
+                   prescaled: bool) -> dict[str, Any]:
+    """On one of 2 ranks: what differs from one process (``bad``), the spied widths, and
+    the tp plan's replicated regions and number of sharded tensors."""
+    import smp_fx as smp
+
+    ref_losses, ref_grads, ref_params = _reference(build, batches, prescaled)
+    tp_loss.tp_vocab_cross_entropy = _spy  # type: ignore[assignment]
+    smp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True,
+              "prescaled_batch": prescaled, "microbatches": 1})
+    model = smp.DistributedModel(build())
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS))
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        loss = model(x, y)
+        model.backward(loss)
+        return loss
+
+    share = GLOBAL_BATCH // 2
+    lo = 0 if prescaled else smp.tp_rank() * share
+    bad = []
+    for step, (x, y) in enumerate(batches()):
+        loss = train_step(model, x[lo:lo + share], y[lo:lo + share]).reduce_mean()
+        want = ref_losses[step][0 if prescaled else smp.tp_rank()]
+        if abs(loss.item() - want) > 1e-5:
+            bad.append(f"loss step {step}: {loss.item()} != {want}")
+        got = _gathered(model, {n: p.grad for n, p in model.local_named_parameters()})
+        bad += [f"grad {n} step {step}" for n in mismatched(got, ref_grads[step],
+                                                            atol=1e-5, rtol=1e-5)]
+        opt.step()
+        opt.zero_grad()
+    # tiny gradients (the key bias's) that Adam normalises to full steps: see
+    # test_tensor_parallel; the parameters agree to 1e-4
+    bad += [f"state_dict {n}" for n in mismatched(model.state_dict(), ref_params,
+                                                  atol=1e-4, rtol=1e-4)]
+    return {"bad": bad, "widths": sorted(set(WIDTHS)), "replicated": model.tp_plan.replicated,
+            "sharded": len(model.tp_plan.sharded)}

@@ -235,12 +235,11 @@ def _gathered(model: Any, values: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def _scenario(kind: str, prescaled: bool, pp: int = 1, optimize: str = "memory", tp: int = 2
-              ) -> dict[str, Any]:
+def trainable(kind: str) -> tuple[Any, Any, Any]:
+    """(the ``DistributedModel`` of example ``kind``, its Adam, the ``smp.step`` function
+    that trains it on ``(x, y)`` with the example's loss)."""
     import smp_fx as smp
 
-    smp.init({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "ddp": True,
-              "prescaled_batch": prescaled, "microbatches": 2, "optimize": optimize})
     model = smp.DistributedModel(_build(kind))
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS))
 
@@ -249,6 +248,17 @@ def _scenario(kind: str, prescaled: bool, pp: int = 1, optimize: str = "memory",
         loss = _loss(kind, model(x), y)
         model.backward(loss)
         return loss
+
+    return model, opt, train_step
+
+
+def _scenario(kind: str, prescaled: bool, pp: int = 1, optimize: str = "memory", tp: int = 2
+              ) -> dict[str, Any]:
+    import smp_fx as smp
+
+    smp.init({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "ddp": True,
+              "prescaled_batch": prescaled, "microbatches": 2, "optimize": optimize})
+    model, opt, train_step = trainable(kind)
 
     share = GLOBAL_BATCH // tp
     lo = 0 if prescaled else smp.tp_rank() * share

@@ -34,7 +34,14 @@ import torch.distributed as dist
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import example
-from tests.smp_fx.dist.test_tensor_parallel import ADAM_EPS, EXAMPLES, _build, _gathered, _loss
+from tests.smp_fx.dist.test_tensor_parallel import (
+    ADAM_EPS,
+    EXAMPLES,
+    _build,
+    _gathered,
+    _loss,
+    trainable,
+)
 from tests.smp_fx.dist.test_tp_grid import expected_ranks
 
 GLOBAL_BATCH, STEPS = 16, 3  # 16: 4 dp ranks x 4 microbatches of one example
@@ -84,14 +91,7 @@ def _grid(kind: str, ref_grads: list[dict[str, torch.Tensor]],
     got = {"rdp": smp.rdp_rank(), "pp": smp.pp_rank(), "tp": smp.tp_rank()}
     if got != want:
         bad.append(f"ranks {got} != {want}")
-    model = smp.DistributedModel(_build(kind))
-    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS))
-
-    @smp.step
-    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
-        loss = _loss(kind, model(x), y)
-        model.backward(loss)
-        return loss
+    model, opt, train_step = trainable(kind)
 
     # prescaled: the tp ranks of a group share the rdp shard; else each dp rank its own
     parts, index = (smp.rdp_size(), smp.rdp_rank()) if prescaled else (smp.dp_size(),

@@ -24,6 +24,7 @@ from tests.smp_fx.dist.test_tensor_parallel import (
     _batches,
     _build,
     _loss,
+    trainable,
 )
 
 KIND = "gpt63"
@@ -52,14 +53,7 @@ def _body() -> dict[str, Any]:
     want, plain, plain_opt = _plain()
     smp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True,
               "prescaled_batch": False, "microbatches": 1})
-    model = smp.DistributedModel(_build(KIND))
-    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS))
-
-    @smp.step
-    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
-        loss = _loss(KIND, model(x), y)
-        model.backward(loss)
-        return loss
+    model, opt, train_step = trainable(KIND)
 
     share = GLOBAL_BATCH // 2
     lo = smp.tp_rank() * share

@@ -14,9 +14,8 @@ import torch
 import torch.distributed as dist
 
 from cost_model.errors import SMPConfigError, SMPRuntimeError
-from smp_fx.dist import launch, reports
-from smp_fx.dist import state
 from smp_fx.config import ConfigSource, SMPConfig, load_config, resolve_topology
+from smp_fx.dist import launch, reports, state
 
 
 def init(config: ConfigSource = None, backend: str | None = None) -> None:

@@ -12,9 +12,7 @@ import torch.distributed as dist
 
 import smp_fx as smp
 from cost_model.errors import SMPConfigError
-from smp_fx.dist import launch
-from smp_fx.dist import smddp
-from smp_fx.dist import state
+from smp_fx.dist import launch, smddp, state
 
 TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4",
             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}

@@ -51,10 +51,11 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     st = state.get()
     cfg = st.config
     args, kwargs = on_module_device(module, (args, kwargs))
-    if times and (weights_device(module) or st.device).type != st.device.type:
+    weights = weights_device(module) or st.device
+    if times and weights.type != st.device.type:
         raise not_implemented(
-            f"timing nodes on {st.device.type} while the weights are on "
-            f"{weights_device(module)}", "trace_execution_times",
+            f"timing nodes on {st.device.type} while the weights are on {weights}",
+            "trace_execution_times",
             "the weights stay where the model was built until the plan places each stage, "
             "so the times would be the host's: build the model on the device (it must fit "
             "there), or leave trace_execution_times False (the analytic costs of this "

@@ -10,11 +10,13 @@ carry datasheet figures; this command measures the machine it runs on instead:
 2. with two or more processes (``--nproc 2``, or under ``smp-fx run -n 2``), the
    point-to-point link of the backend between ranks 0 and 1: latency, bandwidth and the
    time a rank spends per message;
-3. the smp-fx runtime: a tiny model is trained with ``smp.step`` at 1 and 8 microbatches,
-   first on one stage (each process its own), which fits the runtime's cost per action
-   and per step; then, with two or more processes, at pipeline degree = the number of
-   processes, together with the reference transformer at that degree, which fit the
-   runtime's cost per message and how much slower ops run when the ranks share the host
+3. the smp-fx runtime (``runtime_fit``): the reference transformer's training step with
+   Adam on one stage, which scales the in-place factors and Adam's figures to a real
+   step; a tiny model trained with ``smp.step`` at 1 and 8 microbatches, first on one
+   stage (each process its own), which fits the runtime's cost per action and per step;
+   then, with two or more processes, at pipeline degree = the number of processes,
+   together with the reference transformer at that degree, which fit the runtime's cost
+   per message and how much slower ops run when the ranks share the host
    (``pipelined_scale``); each so that the plans' predicted step times equal the
    measured ones.
 
@@ -34,39 +36,28 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import logging
 import os
-import statistics
 import subprocess
 import sys
-import tempfile
-import time
-import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.nn import functional as F
 
 from cost_model import calibrate as measure
-from cost_model import microbench
 from cost_model.device import DeviceSpec
 from cost_model.errors import SMPError
-from smp_fx.cli.reference_model import (
-    BATCH,
-    SEQ,
-    VOCAB,
-    Reference,
-    fit_conv_scale,
-    fit_scales,
-    least_squares,
+from smp_fx.cli.reference_model import fit_conv_scale, fit_scales
+from smp_fx.cli.runtime_fit import (
+    FIT_MICROBATCHES,
+    IN_STEP_MICROBATCHES,
+    PIPELINED_MICROBATCHES,
+    fit_actions,
+    fit_in_step,
+    fit_pipeline,
 )
-
-FIT_MICROBATCHES = (1, 8)
-FIT_BATCH = 16  # samples per step: two per microbatch at 8
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,14 +150,16 @@ def calibrate(args: argparse.Namespace, world: int) -> DeviceSpec | None:
             op_overheads=f"{spec.source('op_overheads')}; conv's then x {conv:.2f}, fitted "
                          "in place on a small ResNet-style stack (its forward and backward "
                          "against the prediction)")
-    per_action, per_step = _from_rank0(lambda: _fit_actions(spec, device, args), world,
-                                       everyone=lambda: _fit_actions(spec, device, args))
+    spec = _in_step(spec, _from_rank0(lambda: fit_in_step(spec, device, args), world,
+                                      everyone=lambda: fit_in_step(spec, device, args)))
+    per_action, per_step = _from_rank0(lambda: fit_actions(spec, device, args), world,
+                                       everyone=lambda: fit_actions(spec, device, args))
     spec = dataclasses.replace(spec, microbatch_overhead_s=per_action, step_overhead_s=per_step)
     how = (f"fitted by smp-fx calibrate: smp.step on one stage (one process's CPU time), "
            f"a tiny model at {' and '.join(map(str, FIT_MICROBATCHES))} microbatches")
     spec = spec.with_sources(microbatch_overhead_s=how, step_overhead_s=how)
     if world > 1:
-        fitted = _fit_pipeline(spec, device, args, world)
+        fitted = fit_pipeline(spec, device, args, world)
         if fitted is not None:
             how = (f"fitted by smp-fx calibrate: smp.step at pipeline degree {world} (wall "
                    f"time), a tiny model at {' and '.join(map(str, FIT_MICROBATCHES))} "
@@ -176,6 +169,24 @@ def calibrate(args: argparse.Namespace, world: int) -> DeviceSpec | None:
                                        pipelined_scale=fitted[1]).with_sources(
                 message_overhead_s=how, pipelined_scale=how)
     return spec if int(os.environ.get("RANK", "0")) == 0 else None
+
+
+def _in_step(spec: DeviceSpec, scales: tuple[float, float]) -> DeviceSpec:
+    """``spec`` with ``fit_in_step``'s factors folded in: the node scale into both in-place
+    factors, the optimizer scale into Adam's figures; the sources say so."""
+    nodes, adam = scales
+    how = (f"; then x {{:.2f}}, fitted by smp-fx calibrate on the reference transformer's "
+           f"training step on one stage ({IN_STEP_MICROBATCHES} microbatches, then Adam) "
+           "against its prediction")
+    spec = dataclasses.replace(
+        spec, compute_scale=spec.compute_scale * nodes,
+        overhead_scale=spec.overhead_scale * nodes,
+        optimizer_tensor_s=spec.optimizer_tensor_s * adam,
+        optimizer_byte_s=spec.optimizer_byte_s * adam)
+    return spec.with_sources(**{k: spec.source(k) + how.format(nodes)
+                                for k in ("compute_scale", "overhead_scale")},
+                             **{k: spec.source(k) + how.format(adam)
+                                for k in ("optimizer_tensor_s", "optimizer_byte_s")})
 
 
 def _from_rank0(fn: Callable[[], Any], world: int, everyone: Callable[[], Any] | None = None
@@ -192,195 +203,6 @@ def _from_rank0(fn: Callable[[], Any], world: int, everyone: Callable[[], Any] |
     result = [fn() if dist.get_rank() == 0 else (everyone() if everyone else None)]
     dist.broadcast_object_list(result, src=0)
     return result[0]
-
-
-def _runs(spec: DeviceSpec, device: torch.device, args: argparse.Namespace, stages: int
-          ) -> tuple[dict[int, float], dict[int, Any]]:
-    """(median step seconds, plan) at each of FIT_MICROBATCHES on ``stages`` stages."""
-    import smp_fx as smp
-    from smp_fx.dist import state
-
-    timings: dict[int, float] = {}
-    plans: dict[int, Any] = {}
-    for m in FIT_MICROBATCHES:
-        smp.init({"pipeline_parallel_degree": stages, "microbatches": m,
-                  "pipeline": "interleaved"})
-        try:
-            timings[m], plans[m] = _time_runtime(spec, device, m, args, alone=stages == 1)
-        finally:
-            state._reset()
-    return timings, plans
-
-
-def _fit_actions(spec: DeviceSpec, device: torch.device, args: argparse.Namespace
-                 ) -> tuple[float, float]:
-    """The runtime's cost per action and per step, fitted on one stage.
-
-    Why one stage: there nothing but the runtime's own work separates the measured step
-    from the priced compute, so the two figures are not polluted by waiting or message
-    costs (fitted at pipeline degree 2, the cost per action came out ten times too high
-    and over-predicted every one-stage step by 65 %). Every process runs its own
-    one-stage model (dp = the process count, no ddp); rank 0's steps are timed while the
-    others wait (``_from_rank0``)."""
-    ddp_log = logging.getLogger("smp_fx.dist.ddp")
-    level = ddp_log.level
-    ddp_log.setLevel(logging.ERROR)  # the replicas train apart on purpose: no ddp warning
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*'ddp' is false.*")
-            timings, plans = _runs(spec, device, args, 1)
-    finally:
-        ddp_log.setLevel(level)
-    return fit_runtime(spec, plans, timings)
-
-
-PIPELINED_MICROBATCHES = 4
-
-
-def _fit_pipeline(spec: DeviceSpec, device: torch.device, args: argparse.Namespace,
-                  world: int) -> tuple[float, float] | None:
-    """(seconds per message, ``pipelined_scale``) at pipeline degree ``world``; None on
-    ranks other than 0.
-
-    The runtime's cost per message (posting and completing a send or receive) and how
-    much slower each rank's ops run when the pipeline's ranks share the host: a tiny model
-    (almost all messages and actions) at two microbatch counts and the reference
-    transformer (almost all compute) are trained, and both figures are fitted together,
-    least squares of the relative errors, the prediction being linear in each. Why the
-    second: on 2 CPU cores the GPT example's ops ran 12-23 % slower at pipeline degree 2
-    than alone (torch.profiler), which neither the one-process fits nor a tiny model
-    show; fitted one after the other, the per-message cost absorbed it and the scale
-    moved between runs. The per-message cost stays at least what posting one was
-    measured to cost (``with_link``)."""
-    import smp_fx as smp
-    from smp_fx.dist import state
-
-    tiny_times, tiny_plans = _runs(spec, device, args, world)
-    smp.init({"pipeline_parallel_degree": world, "microbatches": PIPELINED_MICROBATCHES,
-              "pipeline": "interleaved"})
-    try:
-        ref_time, ref_plan = _time_runtime(spec, device, PIPELINED_MICROBATCHES, args,
-                                           reference=True)
-    finally:
-        state._reset()
-    if int(os.environ.get("RANK", "0")) != 0:
-        return None
-    runs = [(tiny_times[m], tiny_plans[m]) for m in tiny_times] + [(ref_time, ref_plan)]
-    priced = dataclasses.replace(spec, optimizer_tensor_s=0.0, optimizer_byte_s=0.0)
-
-    def predicted(plan: Any, per_message: float, scale: float) -> float:
-        stages = tuple(dataclasses.replace(st, fwd_time_s=st.fwd_time_s * scale,
-                                           bwd_time_s=st.bwd_time_s * scale)
-                       for st in plan.stages)
-        s = dataclasses.replace(priced, message_overhead_s=per_message)
-        p = dataclasses.replace(plan, stages=stages, device=s.to_json())
-        return float(p.training_step_s(p.simulate()))
-
-    probe = 1e-3
-    rows = []  # per run, relative: (d/d per_message, d/d scale, measured - base)
-    for measured, plan in runs:
-        base = predicted(plan, 0.0, 1.0)
-        rows.append(((predicted(plan, probe, 1.0) - base) / probe / measured,
-                     (predicted(plan, 0.0, 2.0) - base) / measured,
-                     (measured - base) / measured))
-    floor = spec.message_overhead_s
-    solved = least_squares(rows)
-    msg, extra = solved if solved is not None else (floor, 0.0)
-    if msg < floor:  # hold it at the floor, fit the scale alone
-        b2 = sum(b * b for _, b, _ in rows)
-        extra = sum(b * (r - a * floor) for a, b, r in rows) / b2 if b2 > 0 else 0.0
-        msg = floor
-    lo, hi = PIPELINED_LIMITS
-    return msg, min(max(1.0 + extra, lo), hi)
-
-
-PIPELINED_LIMITS = (0.5, 4.0)
-
-
-def _tiny(stages: int) -> nn.Module:
-    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.ReLU())
-                           for _ in range(2 * stages)], nn.Linear(16, 4))
-
-
-def _time_runtime(spec: DeviceSpec, device: torch.device, microbatches: int,
-                  args: argparse.Namespace, alone: bool = False, reference: bool = False
-                  ) -> tuple[float, Any]:
-    """(median seconds of ``smp.step`` on a tiny model, or with ``reference`` the reference
-    transformer, and its plan), on every rank; ``alone``: only rank 0 runs the timed
-    steps (the others' time is NaN)."""
-    import smp_fx as smp
-
-    torch.manual_seed(0)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "spec.json"
-        path.write_text(json.dumps(spec.to_json()), encoding="utf-8")
-        old = os.environ.get("SMP_FX_DEVICE_SPEC")
-        os.environ["SMP_FX_DEVICE_SPEC"] = str(path)  # plan for what was just measured
-        try:
-            if reference:
-                model = smp.DistributedModel(Reference().to(device))
-                x = torch.randint(0, VOCAB, (BATCH, SEQ), device=device)
-                y = x
-            else:
-                model = smp.DistributedModel(_tiny(smp.pp_size()).to(device))
-                x = torch.randn(FIT_BATCH, 16, device=device)
-                y = torch.randint(0, 4, (FIT_BATCH,), device=device)
-
-            @smp.step
-            def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
-                out = model(x)  # the reference's loss: the mean, nearly free and unpriced
-                loss = out.mean() if reference else F.cross_entropy(out, y)
-                model.backward(loss)
-                return loss
-
-            train_step(model, x, y)
-        finally:
-            if old is None:
-                os.environ.pop("SMP_FX_DEVICE_SPEC", None)
-            else:
-                os.environ["SMP_FX_DEVICE_SPEC"] = old
-    steps = 8 if args.quick else args.steps
-    # one stage: the process's CPU time (steady under other load); several: the wall time,
-    # which holds the waits for the other stage that the simulator models
-    now = microbench.clock(device) if smp.pp_size() == 1 else time.perf_counter
-    if alone and smp.rank() != 0:
-        smp.barrier()
-        return float("nan"), model.plan
-    times = []
-    for i in range(steps + 3):
-        if not alone:
-            smp.barrier()
-        t0 = now()
-        train_step(model, x, y)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if i >= 3:
-            times.append(now() - t0)
-    smp.barrier()
-    return statistics.median(times), model.plan
-
-
-def fit_runtime(spec: DeviceSpec, plans: dict[int, Any], timings: dict[int, float]
-                ) -> tuple[float, float]:
-    """(seconds per action, seconds per step) that make the plans' predicted steps (the
-    simulated pipeline plus the fixed step cost; no optimizer step was timed) equal the
-    measured ones. The prediction is linear in the step cost and, along the critical path,
-    in the action cost, so two microbatch counts give a 2 x 2 system."""
-    def predicted(m: int, per_action: float) -> float:
-        s = dataclasses.replace(spec, microbatch_overhead_s=per_action, step_overhead_s=0.0,
-                                optimizer_tensor_s=0.0, optimizer_byte_s=0.0)
-        plan = dataclasses.replace(plans[m], device=s.to_json())
-        return float(plan.training_step_s(plan.simulate()))
-
-    probe = 1e-3
-    (m1, m2) = FIT_MICROBATCHES
-    base = {m: predicted(m, 0.0) for m in (m1, m2)}
-    slope = {m: (predicted(m, probe) - base[m]) / probe for m in (m1, m2)}
-    gap = {m: timings[m] - base[m] for m in (m1, m2)}
-    per_action = (gap[m2] - gap[m1]) / max(slope[m2] - slope[m1], 1e-9)
-    per_action = max(per_action, 0.0)
-    per_step = max(gap[m1] - slope[m1] * per_action, 0.0)
-    return per_action, per_step
 
 
 def _report(spec: DeviceSpec, output: str | None) -> None:

@@ -18,6 +18,12 @@ activations x microbatches in flight).
     python benchmarks/predict_vs_measure.py --models mlp gpt --steps 10
     python benchmarks/predict_vs_measure.py --degrees 1             # one GPU
     python benchmarks/predict_vs_measure.py --degrees 1 --spec h100 # the built-in spec
+    python benchmarks/predict_vs_measure.py --rounds 3 --steps 20   # about 13 minutes
+
+``--rounds N`` repeats the whole comparison (a fresh calibration, fresh measurements) and
+reports each configuration's median ratio too: on the 2-core development VM the host's
+speed moves by 10-25 % between minutes, so three calibrations in a row predicted one model
+up to 23 % apart and one round is one draw of that noise.
 """
 
 from __future__ import annotations
@@ -237,6 +243,46 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:.2f}"
 
 
+def _round(args: argparse.Namespace, rnd: int, spec_path: str, saved_runs: dict[str, Any]
+           ) -> list[tuple[Any, ...]]:
+    """One calibration (unless ``--spec``), then every configuration predicted and measured
+    (or taken from ``saved_runs``, where the measurements are kept); the rows printed."""
+    if not args.spec:
+        calibrate(spec_path, args.quick_calibration, max(args.degrees))
+    rows = []
+    print(f"\n{'model':8s} {'pp':>2s} {'schedule':11s} {'predicted':>10s} "
+          f"{'measured':>10s} {'(q1-q3)':>17s} {'ratio':>6s} {'cpu':>6s}  same plan")
+    for name in args.models:
+        predicted = predict(name, spec_path, tuple(args.degrees))
+        for pp in args.degrees:
+            key = f"{name}/{pp}" + (f"#{rnd}" if rnd else "")
+            if key not in saved_runs:
+                saved_runs[key] = measure(name, pp, spec_path, args.steps, args.warmup)
+            measured = saved_runs[key]
+            for pipeline in SCHEDULES:
+                plan, got = predicted[(pp, pipeline)]["plan"], measured[pipeline]
+                same = got["stages"] == [list(s.nodes) for s in plan.stages]
+                ratio = plan.step_time_s / got["median_s"]
+                cpu = _busy_s(plan) / sum(got["cpu_s"])
+                rows.append((name, pp, pipeline, plan, predicted[(pp, pipeline)]["saved"],
+                             got, cpu, ratio))
+                print(f"{name:8s} {pp:2d} {pipeline:11s} {plan.step_time_s * 1e3:8.2f}ms "
+                      f"{got['median_s'] * 1e3:8.2f}ms ({got['q1_s'] * 1e3:7.2f}-"
+                      f"{got['q3_s'] * 1e3:7.2f}) {ratio:6.3f} {cpu:6.3f}  "
+                      f"{'yes' if same else 'NO'}", flush=True)
+    _summary("predicted / measured step time", [r[-1] for r in rows])
+    _summary("cpu: predicted busy time of all ranks / their measured CPU time per step "
+             "(what the work costs, whatever else runs)", [r[-2] for r in rows], targets=False)
+    return rows
+
+
+def _summary(what: str, ratios: list[float], targets: bool = True) -> None:
+    errors = [abs(r - 1.0) for r in ratios]
+    print(f"{what} over {len(ratios)} configurations: median |ratio - 1| = "
+          f"{statistics.median(errors):.3f}, worst = {max(errors):.3f}"
+          + (" (targets 0.10, 0.20)" if targets else ""))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="*", default=list(MODELS), choices=list(MODELS))
@@ -247,6 +293,9 @@ def main() -> None:
     ap.add_argument("--degrees", type=int, nargs="*", default=[1, 2], choices=[1, 2],
                     help="pipeline degrees (one GPU: 1 only, a rank per GPU)")
     ap.add_argument("--quick-calibration", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="calibrate and measure this many times; with more than one, the "
+                         "median of each configuration's ratios is reported too")
     ap.add_argument("--save-measured", metavar="FILE",
                     help="write the measured step times to FILE (JSON)")
     ap.add_argument("--measured", metavar="FILE",
@@ -261,43 +310,28 @@ def main() -> None:
         return
     torch.set_num_threads(1)
     t_start = time.perf_counter()
+    saved_runs: dict[str, Any] = json.loads(Path(args.measured).read_text()) \
+        if args.measured else {}
+    by_round = []
     with tempfile.TemporaryDirectory() as tmp:
-        spec_path = args.spec or str(Path(tmp) / "spec.json")
-        if not args.spec:
-            calibrate(spec_path, args.quick_calibration, max(args.degrees))
-        rows = []
-        saved_runs: dict[str, Any] = json.loads(Path(args.measured).read_text()) \
-            if args.measured else {}
-        print(f"\n{'model':8s} {'pp':>2s} {'schedule':11s} {'predicted':>10s} "
-              f"{'measured':>10s} {'(q1-q3)':>17s} {'ratio':>6s} {'cpu':>6s}  same plan")
-        for name in args.models:
-            predicted = predict(name, spec_path, tuple(args.degrees))
-            for pp in args.degrees:
-                key = f"{name}/{pp}"
-                if key not in saved_runs:
-                    saved_runs[key] = measure(name, pp, spec_path, args.steps, args.warmup)
-                measured = saved_runs[key]
-                for pipeline in SCHEDULES:
-                    plan, got = predicted[(pp, pipeline)]["plan"], measured[pipeline]
-                    same = got["stages"] == [list(s.nodes) for s in plan.stages]
-                    ratio = plan.step_time_s / got["median_s"]
-                    cpu = _busy_s(plan) / sum(got["cpu_s"])
-                    rows.append((name, pp, pipeline, plan, predicted[(pp, pipeline)]["saved"],
-                                 got, cpu, ratio))
-                    print(f"{name:8s} {pp:2d} {pipeline:11s} {plan.step_time_s * 1e3:8.2f}ms "
-                          f"{got['median_s'] * 1e3:8.2f}ms ({got['q1_s'] * 1e3:7.2f}-"
-                          f"{got['q3_s'] * 1e3:7.2f}) {ratio:6.3f} {cpu:6.3f}  "
-                          f"{'yes' if same else 'NO'}", flush=True)
+        for rnd in range(args.rounds):
+            if args.rounds > 1:
+                print(f"\n=== round {rnd + 1} of {args.rounds}")
+            by_round.append(_round(args, rnd, args.spec or str(Path(tmp) / "spec.json"),
+                                   saved_runs))
     if args.save_measured:
         Path(args.save_measured).write_text(json.dumps(saved_runs, indent=1))
-    errors = [abs(r[-1] - 1.0) for r in rows]
-    print(f"\npredicted / measured step time over {len(rows)} configurations: median "
-          f"|ratio - 1| = {statistics.median(errors):.3f}, worst = {max(errors):.3f} "
-          f"(targets 0.10, 0.20)")
-    cpu_errors = [abs(r[-2] - 1.0) for r in rows]
-    print(f"cpu: predicted busy time of all ranks / their measured CPU time per step "
-          f"(what the work costs, whatever else runs): median |ratio - 1| = "
-          f"{statistics.median(cpu_errors):.3f}, worst = {max(cpu_errors):.3f}")
+    rows = by_round[0]
+    if args.rounds > 1:
+        print(f"\nmedian over the {args.rounds} rounds (a fresh calibration and fresh "
+              "measurements each) of every configuration's predicted / measured ratio:")
+        medians = []
+        for i, (name, pp, pipeline, *_) in enumerate(rows):
+            ratios = [r[i][-1] for r in by_round]
+            medians.append(statistics.median(ratios))
+            print(f"{name:8s} {pp:2d} {pipeline:11s} {medians[-1]:6.3f}  ("
+                  + " ".join(f"{x:.3f}" for x in ratios) + ")")
+        _summary("medians over rounds", medians)
     print("\nmemory per stage: predicted activations per microbatch / bytes autograd saved "
           "(KiB, ratio); predicted stage total (MiB: parameters, gradients, Adam state, "
           "buffers, activations x microbatches in flight)")

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -150,10 +151,10 @@ def calibrate(args: argparse.Namespace, world: int) -> DeviceSpec | None:
             op_overheads=f"{spec.source('op_overheads')}; conv's then x {conv:.2f}, fitted "
                          "in place on a small ResNet-style stack (its forward and backward "
                          "against the prediction)")
-    spec = _in_step(spec, _from_rank0(lambda: fit_in_step(spec, device, args), world,
-                                      everyone=lambda: fit_in_step(spec, device, args)))
-    per_action, per_step = _from_rank0(lambda: fit_actions(spec, device, args), world,
-                                       everyone=lambda: fit_actions(spec, device, args))
+    in_step = functools.partial(fit_in_step, spec, device, args)  # every rank joins it
+    spec = _in_step(spec, _from_rank0(in_step, world, everyone=in_step))
+    actions = functools.partial(fit_actions, spec, device, args)
+    per_action, per_step = _from_rank0(actions, world, everyone=actions)
     spec = dataclasses.replace(spec, microbatch_overhead_s=per_action, step_overhead_s=per_step)
     how = (f"fitted by smp-fx calibrate: smp.step on one stage (one process's CPU time), "
            f"a tiny model at {' and '.join(map(str, FIT_MICROBATCHES))} microbatches")

@@ -124,10 +124,11 @@ def fit_conv_scale(spec: DeviceSpec, device: torch.device, repeats: int = 15) ->
                     for k, f, b in spec.op_overheads)
         return _predicted(model, x, traced, dataclasses.replace(spec, op_overheads=ops))
 
-    rest, conv = predicted(0.0), predicted(1.0) - predicted(0.0)
-    measured = _measured(model, x, grad, device, repeats)
+    rest = predicted(0.0)
+    conv = predicted(1.0) - rest
     if not conv > 0:
         return 1.0
+    measured = _measured(model, x, grad, device, repeats)
     lo, hi = LIMITS
     return min(max((measured - rest) / conv, lo), hi)
 

@@ -268,9 +268,8 @@ class DistTransport:
     def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:
         """Expect ``count`` messages from ``src`` on ``channel`` this step, and post the
         first one's receives ahead of ``recv`` (where the backend allows, see the module
-        doc).
-        Each channel has its own group, a rank receives at most one channel per peer and
-        group (activations from earlier stages, gradients from later ones, outputs),
+        doc). Each channel has its own group, a rank receives at most one channel per peer
+        and group (activations from earlier stages, gradients from later ones, outputs),
         and gloo matches a peer's messages by order, so receives posted ahead always meet
         their message."""
         key = (src, channel)

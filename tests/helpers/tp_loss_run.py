@@ -1,6 +1,7 @@
 """A model whose forward computes its loss, trained at tp=2 (2 gloo ranks) against one process.
 
-``compare_at_tp2(build, batches, prescaled)`` runs on each rank (``run_ranks``): the plain
+``compare_at_tp2(build, batches, prescaled)`` runs on each rank (``run_ranks``; ``run_at_tp2``
+starts both ranks and checks what every such test requires): the plain
 model ``build()`` trains on ``batches()`` as the reference, then the ``DistributedModel``
 of another ``build()`` does, 3 Adam steps, and every loss, full gradient and the final
 ``state_dict()`` are compared. The vocab-parallel cross entropy is spied on: ``widths``
@@ -90,3 +91,19 @@ def compare_at_tp2(build: Callable[[], nn.Module], batches: Callable[[], Batches
                                                   atol=1e-4, rtol=1e-4)]
     return {"bad": bad, "widths": sorted(set(WIDTHS)), "replicated": model.tp_plan.replicated,
             "sharded": len(model.tp_plan.sharded)}
+
+
+def run_at_tp2(build: Callable[[], nn.Module], batches: Callable[[], Batches],
+               prescaled: bool) -> list[dict[str, Any]]:
+    """``compare_at_tp2`` on 2 gloo ranks (plans priced with the ``a100`` spec); each rank's
+    result, checked for what every such test requires: nothing differs from one process
+    and no region stayed replicated."""
+    from tests.helpers.dist import run_ranks
+
+    results = run_ranks(compare_at_tp2, 2, build, batches, prescaled, timeout=180,
+                        env={"SMP_FX_DEVICE_SPEC": "a100"})
+    for rank, res in enumerate(results):
+        assert isinstance(res, dict), f"rank {rank}: {res}"
+        assert res["bad"] == [], f"rank {rank}: {res['bad']}"
+        assert res["replicated"] == (), f"rank {rank}: {res['replicated']}"
+    return results

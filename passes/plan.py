@@ -30,7 +30,8 @@ import torch
 import torch.fx
 
 from cost_model import roofline
-from cost_model.device import DEFAULT_DEVICE, DeviceSpec, load_device
+from cost_model.device import DeviceSpec
+from cost_model.devices import DEFAULT_DEVICE, load_device
 from cost_model.errors import SMPPartitionError
 from cost_model.node_cost import NodeCost
 from passes import meta

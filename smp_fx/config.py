@@ -23,7 +23,7 @@ from typing import Any, Union
 
 from cost_model.errors import SMPConfigError, not_implemented
 from passes.partition_config import CheckpointRule, PartitionConfig
-from smp_fx.dist.topology import Topology, normalize_placement
+from smp_fx.topology import Topology, normalize_placement
 
 ENV_VAR = "SM_HP_MP_PARAMETERS"
 SCHEMA_VERSION = 1

@@ -39,19 +39,19 @@ from passes.tensor_parallel import TensorParallelPlan
 from smp_fx.amp import fp16
 from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
-from smp_fx.delayed_init import is_delayed, materialize
-from smp_fx.dist import clip, ddp, sdp, state
-from smp_fx.dist.tensor_parallel import TensorParallelRuntime
-from smp_fx.dist.tied import TiedReplicas
+from smp_fx.marking.delayed_init import is_delayed, materialize
+from smp_fx.marking.tp_register import replace_registered
 from smp_fx.model_options import ModelOptions
-from smp_fx.runtime import context
+from smp_fx.parallel import clip, ddp, sdp
+from smp_fx.parallel.tensor_parallel import TensorParallelRuntime
+from smp_fx.parallel.tied import TiedReplicas
 from smp_fx.runtime import executor as ex
 from smp_fx.runtime.lowering import cached_schedule
 from smp_fx.runtime.modes import Autocast, autocast_state
 from smp_fx.runtime.placement import place_stages
 from smp_fx.runtime.planning import plan_stages
 from smp_fx.runtime.shapes import ShapeGuard
-from smp_fx.tp_register import replace_registered
+from smp_fx.world import context, state
 
 if TYPE_CHECKING:
     from smp_fx.optimizer import DistributedOptimizer
@@ -65,7 +65,8 @@ OUTSIDE_STEP = ("The __call__ and backward method calls on the smp.DistributedMo
 class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
     """See the module docstring and the SMP API page (``smp.DistributedModel``)."""
 
-    # torch DDP reads this in its constructor: wrapping a DistributedModel raises (smp_fx.dist.ddp)
+    # torch DDP reads this in its constructor: wrapping a DistributedModel raises
+    # (smp_fx.parallel.ddp)
     _ddp_params_and_buffers_to_ignore = ddp.RejectDDPWrap()
     options: ModelOptions
 
@@ -234,7 +235,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         """Clip every local gradient by the total norm of the whole (unpartitioned) model,
         as FSDP's ``clip_grad_norm_``; returns that norm. Call it on every rank after the
         ``smp.step`` call (it is a collective over the model-parallel group); see
-        ``smp_fx.dist.clip``."""
+        ``smp_fx.parallel.clip``."""
         return clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
 
     @property

@@ -22,7 +22,7 @@ Precision and memory (docs/precision.md):
   ``clip_master_grads`` clips the masters by the whole model's norm. Without ``fp16``
   these arguments are accepted and unused, as in SMP.
 * ``shard_optimizer_state``: the param groups are narrowed further to the parameters this
-  rank owns in its dp group (``smp_fx.dist.zero``); ``step`` broadcasts them after
+  rank owns in its dp group (``smp_fx.parallel.zero``); ``step`` broadcasts them after
   stepping; ``local_state_dict()`` merges the stage's shards over the dp group
   (``gather_if_shard=False``: this rank's shard), ``state_dict`` gathers every shard.
 * sharded data parallelism: ``step`` clips the global norm to ``sdp_gradient_clipping``.
@@ -50,11 +50,11 @@ from smp_fx.amp.loss_scaler import LossScaler, make_scaler
 from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import OptimizerCheckpointMixin, StateDict
 from smp_fx.ckpt.state_dict import merge_partial_optimizer_states
-from smp_fx.dist import clip, comm, state
-from smp_fx.dist.ddp import guard_optimizer
-from smp_fx.dist.zero import OptimizerShards
-from smp_fx.runtime import context
-from smp_fx.runtime.context import current_model
+from smp_fx.parallel import clip
+from smp_fx.parallel.ddp import guard_optimizer
+from smp_fx.parallel.zero import OptimizerShards
+from smp_fx.world import comm, context, state
+from smp_fx.world.context import current_model
 
 log = logging.getLogger("smp_fx.optimizer")
 
@@ -93,7 +93,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         self._model_ref: Any = None
         self.overflow = False
         self.optimizer = optimizer
-        guard_optimizer(optimizer)  # optimizer.step() inside smp.step raises (smp_fx.dist.ddp)
+        guard_optimizer(optimizer)  # optimizer.step() inside smp.step raises (smp_fx.parallel.ddp)
         self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()

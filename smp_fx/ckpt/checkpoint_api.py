@@ -50,9 +50,9 @@ from smp_fx.ckpt.files import load, save
 from smp_fx.ckpt.hf_weights import find_hf_weights, read_hf_weights
 from smp_fx.ckpt.safe_load import read_file
 from smp_fx.ckpt.validate import agree_or_raise, world_gather
-from smp_fx.dist import state as smp_state
-from smp_fx.dist.state_api import module_manager
-from smp_fx.runtime import context
+from smp_fx.world import context
+from smp_fx.world import state as smp_state
+from smp_fx.world.state_api import module_manager
 
 log = logging.getLogger(__name__)
 

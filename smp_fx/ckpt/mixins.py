@@ -47,9 +47,9 @@ from smp_fx.ckpt.state_dict import (
     select_model_state,
 )
 from smp_fx.ckpt.validate import agreed
-from smp_fx.dist import comm
-from smp_fx.dist import state as smp_state
-from smp_fx.runtime.context import current_model
+from smp_fx.world import comm
+from smp_fx.world import state as smp_state
+from smp_fx.world.context import current_model
 
 StateDict = dict[str, Any]
 

@@ -119,7 +119,7 @@ def _relaunch(args: argparse.Namespace, argv: Sequence[str] | None) -> int:
 
 def calibrate(args: argparse.Namespace, world: int) -> DeviceSpec | None:
     """Measure on this process (one of ``world``); the spec on rank 0, None elsewhere."""
-    from smp_fx.dist import launch
+    from smp_fx.world import launch
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if device.type == "cuda":

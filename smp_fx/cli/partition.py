@@ -41,17 +41,17 @@ from typing import Any
 import torch
 from torch import nn
 
-from cost_model.device import DEFAULT_DEVICE, load_device
+from cost_model.devices import DEFAULT_DEVICE, load_device
 from cost_model.errors import SMPConfigError, SMPError
 from passes.partition_config import PartitionConfig
 from passes.pipeline import Compiled, baseline_plans, compile_model
 from passes.tensor_parallel import TensorParallelism
-from smp_fx.activation_checkpointing import rules_from_patterns
 from smp_fx.cli import render
 from smp_fx.config import load_config
-from smp_fx.manual import pins_by_module_path
+from smp_fx.marking.activation_checkpointing import rules_from_patterns
+from smp_fx.marking.manual import pins_by_module_path
+from smp_fx.marking.tensor_parallelism import rewrite_inputs
 from smp_fx.runtime.microbatch import split_inputs
-from smp_fx.tp_marking import rewrite_inputs
 
 EXIT_BAD_INPUT = 2
 

@@ -45,7 +45,7 @@ def _runs(spec: DeviceSpec, device: torch.device, args: argparse.Namespace, stag
           ) -> tuple[dict[int, float], dict[int, Any]]:
     """(median step seconds, plan) at each of FIT_MICROBATCHES on ``stages`` stages."""
     import smp_fx as smp
-    from smp_fx.dist import state
+    from smp_fx.world import state
 
     timings: dict[int, float] = {}
     plans: dict[int, Any] = {}
@@ -92,7 +92,7 @@ def fit_in_step(spec: DeviceSpec, device: torch.device, args: argparse.Namespace
     1.09 x its prediction while its single forward and backward ran 1.02-1.05 x theirs,
     and the example models' Adam steps 0.97-1.32 x theirs."""
     import smp_fx as smp
-    from smp_fx.dist import state
+    from smp_fx.world import state
 
     with _replicas_apart():
         smp.init({"pipeline_parallel_degree": 1, "microbatches": IN_STEP_MICROBATCHES,
@@ -117,7 +117,7 @@ def fit_in_step(spec: DeviceSpec, device: torch.device, args: argparse.Namespace
 def _replicas_apart() -> Iterator[None]:
     """Every process trains its own one-stage replica on purpose (dp = the process count,
     no ddp): the runtime's warnings about that are silenced."""
-    ddp_log = logging.getLogger("smp_fx.dist.ddp")
+    ddp_log = logging.getLogger("smp_fx.parallel.ddp")
     level = ddp_log.level
     ddp_log.setLevel(logging.ERROR)
     try:
@@ -162,7 +162,7 @@ def fit_pipeline(spec: DeviceSpec, device: torch.device, args: argparse.Namespac
     moved between runs. The per-message cost stays at least what posting one was
     measured to cost (``with_link``)."""
     import smp_fx as smp
-    from smp_fx.dist import state
+    from smp_fx.world import state
 
     tiny_times, tiny_plans = _runs(spec, device, args, world)
     smp.init({"pipeline_parallel_degree": world, "microbatches": PIPELINED_MICROBATCHES,

@@ -45,7 +45,6 @@ from typing import Any
 import torch
 
 from cost_model.errors import SMPInternalError, SMPRuntimeError, SMPTimeoutError
-from smp_fx.runtime import context
 from smp_fx.runtime.lowering import Op
 from smp_fx.runtime.modes import Autocast, autocast_state, thread_modes
 from smp_fx.runtime.turns import (
@@ -56,6 +55,7 @@ from smp_fx.runtime.turns import (
     next_op_words,
     status_lines,
 )
+from smp_fx.world import context
 
 Execute = Callable[[int, Op], None]  # (position in the op list, op): performs one op
 

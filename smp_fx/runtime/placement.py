@@ -22,9 +22,8 @@ from torch import nn
 from cost_model.errors import SMPConfigError
 from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram, split_stages
-from smp_fx.delayed_init import is_delayed, materialize
-from smp_fx.dist import launch, state
-from smp_fx.dist.tied import TiedReplicas, has_tied, tied_duplicates, tied_groups
+from smp_fx.marking.delayed_init import is_delayed, materialize
+from smp_fx.parallel.tied import TiedReplicas, has_tied, tied_duplicates, tied_groups
 from smp_fx.runtime import executor as ex
 from smp_fx.runtime.activations import ActivationKeeper
 from smp_fx.runtime.checkpointing import outline_regions
@@ -32,6 +31,7 @@ from smp_fx.runtime.dist_transport import DistTransport
 from smp_fx.runtime.planning import agree_on_plan, weights_device
 from smp_fx.runtime.shapes import ShapeGuard, guard_for
 from smp_fx.runtime.transport import InProcessTransport, Transport
+from smp_fx.world import launch, state
 
 
 @dataclass(frozen=True)
@@ -152,7 +152,7 @@ def _materialise(module: nn.Module, device: torch.device) -> None:
     """Place one stage's parameters on ``device``; meta (delayed-init) ones are created there.
 
     Delayed initialisation (``smp.delay_param_initialization``): the stage's modules get
-    ``to_empty`` then ``reset_parameters`` (``smp_fx.delayed_init.materialize``), so only
+    ``to_empty`` then ``reset_parameters`` (``smp_fx.marking.delayed_init.materialize``), so only
     this rank's stage is ever allocated. The values then differ from an eagerly built model
     with the same seed (the RNG stream is consumed per stage, not for the whole model);
     tied replicas on several ranks are made equal by a broadcast from the first owner.

@@ -19,7 +19,8 @@ import torch.fx
 import torch.utils._pytree as pytree
 from torch import nn
 
-from cost_model.device import DEFAULT_DEVICE, DeviceSpec, load_device, spec_for_device_name
+from cost_model.device import DeviceSpec
+from cost_model.devices import DEFAULT_DEVICE, load_device, spec_for_device_name
 from cost_model.errors import SMPConfigError, SMPPartitionError, not_implemented
 from cost_model.measure import measure_nodes
 from passes import meta
@@ -27,11 +28,11 @@ from passes.pipeline import compile_model
 from passes.plan import PartitionPlan
 from passes.tensor_parallel import TensorParallelPlan
 from passes.trace import trace
-from smp_fx.activation_checkpointing import checkpoint_rules
-from smp_fx.dist import state
-from smp_fx.manual import pins_by_module_path
+from smp_fx.marking.activation_checkpointing import checkpoint_rules
+from smp_fx.marking.manual import pins_by_module_path
+from smp_fx.marking.tensor_parallelism import rewrite_inputs
 from smp_fx.runtime.modes import Autocast, thread_modes
-from smp_fx.tp_marking import rewrite_inputs
+from smp_fx.world import state
 
 log = logging.getLogger("smp_fx.planning")
 

@@ -11,7 +11,7 @@ from torch import nn
 
 import smp_fx as smp
 from smp_fx.config import IMPLEMENTED, PARAMS
-from smp_fx.dist import state
+from smp_fx.world import state
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import example
@@ -217,7 +217,7 @@ def test_plan_device_from_the_environment(fresh: None, tmp_path: Any,
     import dataclasses
     import json
 
-    from cost_model.device import H100
+    from cost_model.devices import H100
 
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(dataclasses.replace(H100, name="box").to_json()))

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cost_model.device import A100, SCHEMA_VERSION, load_device
+from cost_model.device import SCHEMA_VERSION
+from cost_model.devices import A100, load_device
 from smp_fx.cli import calibrate, runtime_fit
 from smp_fx.cli import main as cli_main
 from smp_fx.cli import partition as partition_cli

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from cost_model.calibrate import LOOPBACK
-from cost_model.device import A100
+from cost_model.devices import A100
 from passes.partition_config import PartitionConfig
 from passes.pipeline import compile_model
 from smp_fx.cli import runtime_fit

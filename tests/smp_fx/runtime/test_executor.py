@@ -17,8 +17,8 @@ from cost_model.errors import SMPRuntimeError
 from cost_model.simulate import StageCost, simulate
 from passes import meta
 from passes.split_stages import split_stages
-from smp_fx.dist import state
 from smp_fx.runtime.lowering import Op, lower
+from smp_fx.world import state
 from tests.helpers.compare import Checks, mismatched
 from tests.helpers.numerics import init
 

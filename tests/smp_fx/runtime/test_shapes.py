@@ -19,7 +19,7 @@ from torch import nn
 
 import smp_fx as smp
 from cost_model.errors import SMPRuntimeError
-from smp_fx.dist import state
+from smp_fx.world import state
 from tests.helpers.dist import run_ranks
 from tests.helpers.numerics import Pair, init
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,39 +97,81 @@ class StepStats:
     ops: tuple[Op, ...] = ()
 
 
-class Executor:
-    """Performs lowered schedules for the stages this rank holds (see the module doc)."""
+PreStep = Callable[[tuple[Op, ...]], None]
+"""A hook run before each step with the step's ops (data parallelism finds each stage's last
+backward there)."""
+PostStep = Callable[[], None]
+"""A hook run after each step (gradient reductions)."""
 
-    def __init__(self, program: StagedProgram, runners: dict[int, StageRunner],
-                 transport: Transport, multi_process: bool, timeout_s: float = 300.0,
-                 rank: int = 0, stage_ranks: Sequence[int] | None = None) -> None:
+
+@dataclass(frozen=True)
+class StepHooks:
+    """What one parallelism does around every step: ``pre`` before it, with its ops, and
+    ``post`` after it (its gradient reduction); None where it does nothing then."""
+
+    pre: PreStep | None = None
+    post: PostStep | None = None
+
+
+@dataclass(frozen=True)
+class ExecutorOptions:
+    """How this rank's executor runs, fixed at construction.
+
+    ``multi_process``: each stage in a process of its own (else every stage in this one);
+    ``stage_ranks``: the global rank of each stage's process (multi-process only);
+    ``loading_horizon``: ``activation_loading_horizon``, how far ahead offloaded
+    activations come back."""
+
+    multi_process: bool
+    timeout_s: float = 300.0
+    rank: int = 0
+    stage_ranks: tuple[int, ...] | None = None
+    loading_horizon: int = 4
+
+
+class Executor:
+    """Performs lowered schedules for the stages this rank holds (see the module doc).
+
+    Everything it runs with is given at construction: the stage runners (data parallelism
+    may have wrapped them), the activation keepers, the received-shape check and the step
+    hooks, in the order ``smp_fx.parallel.build`` composed them; nothing is added later.
+    """
+
+    def __init__(self, program: StagedProgram, runners: Mapping[int, StageRunner],
+                 transport: Transport, options: ExecutorOptions, *,
+                 keepers: Mapping[int, ActivationKeeper] | None = None,
+                 check_received: Callable[..., None] | None = None,
+                 pre_step_hooks: Sequence[PreStep] = (),
+                 post_step_hooks: Sequence[PostStep] = ()) -> None:
         self.program = program
-        self.runners = runners
+        self.runners: Mapping[int, StageRunner] = dict(runners)
         self.transport = transport
-        self.multi_process = multi_process
-        self.rank = rank
-        self.flight = FlightRecorder(rank, sorted(runners), stage_ranks, timeout_s)
-        self.conductor = Conductor(self._execute, timeout_s, rank, self.flight.describe)
+        self.options = options
+        self.multi_process = options.multi_process
+        self.rank = options.rank
+        timeout_s = options.timeout_s
+        self.flight = FlightRecorder(options.rank, sorted(runners), options.stage_ranks,
+                                     timeout_s)
+        self.conductor = Conductor(self._execute, timeout_s, options.rank,
+                                   self.flight.describe)
         self.flight.status, self.flight.busy = self.conductor.status, self.conductor.performing
         transport.on_block = self.conductor.flush  # held-back step functions run meanwhile
         transport.where = self.flight.where
-        if multi_process:
+        if options.multi_process:
             self.flight.watch()  # a stalled step is told even if this rank waits on no peer
         self.last = program.num_stages - 1
-        self.post_step_hooks: list[Callable[[], None]] = []
-        # called with the step's ops before it runs (data parallelism finds each stage's
-        # last backward there)
-        self.pre_step_hooks: list[Callable[[tuple[Op, ...]], None]] = []
+        self.pre_step_hooks: tuple[PreStep, ...] = tuple(pre_step_hooks)
+        self.post_step_hooks: tuple[PostStep, ...] = tuple(post_step_hooks)
         self.stats = StepStats()
         # checks a stage's received values against this rank's model call before its
         # forward: (stage, received values by name, rank, call args, call kwargs)
-        self.check_received: Callable[..., None] | None = None
+        self.check_received = check_received
         # per stage: saved-tensor hooks that count and offload what a forward keeps
-        self.keepers: dict[int, ActivationKeeper] = {}
-        self.loading_horizon = 4
+        self.keepers: Mapping[int, ActivationKeeper] = dict(keepers or {})
+        self.loading_horizon = options.loading_horizon
         self._prefetch: dict[int, list[tuple[int, int]]] = {}
         self._scale = 1.0
-        self._lowerings = LoweredCache(program, multi_process)
+        self._lowerings = LoweredCache(program, options.multi_process)
         self._step = Lowered((), {}, {}, -1, None)  # the running (or last) step's
         self._data: list[_MbData] = []
         self._at = 0  # the position of the op being performed

@@ -54,6 +54,7 @@ from smp_fx.runtime.lowering import cached_schedule
 from smp_fx.runtime.modes import Autocast, autocast_state
 from smp_fx.runtime.placement import multi_process
 from smp_fx.runtime.planning import plan_stages
+from smp_fx.runtime.seams import StageRunner
 from smp_fx.world import context, state
 
 log = logging.getLogger("smp_fx.model")
@@ -319,7 +320,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
                                         "DistributedModel", "call an smp.step function first")
         return self._parallelized
 
-    def _local_runners(self) -> list[ex.StageRunner]:
+    def _local_runners(self) -> list[StageRunner]:
         runners = self._local().runners
         return [runners[s] for s in sorted(runners)]
 

@@ -52,13 +52,14 @@ from smp_fx.parallel.tensor_parallel import TensorParallelRuntime
 from smp_fx.parallel.tied import TiedReplicas, tied_duplicates, tied_groups
 from smp_fx.parallel.zero import OptimizerShards, shard_state
 from smp_fx.runtime.checkpointing import ActivationCheckpointing
-from smp_fx.runtime.executor import Executor, PostStep, PreStep, StageRunner, StepHooks
+from smp_fx.runtime.executor import Executor
 from smp_fx.runtime.placement import (
     local_named_parameters,
     multi_process,
     place_stages,
     split_for_rank,
 )
+from smp_fx.runtime.seams import PostStep, PreStep, StageRunner, StepHooks
 from smp_fx.runtime.shapes import ShapeGuard
 from smp_fx.world import state
 

@@ -56,9 +56,8 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinCon
 from torch.nn.parallel import DistributedDataParallel
 
 from cost_model.errors import SMPConfigError, SMPRuntimeError
-from smp_fx.runtime import executor as ex
-from smp_fx.runtime.executor import StepHooks
 from smp_fx.runtime.lowering import Op
+from smp_fx.runtime.seams import StageRunner, StepHooks
 from smp_fx.world import context, state
 
 log = logging.getLogger("smp_fx.parallel.ddp")
@@ -170,14 +169,14 @@ def allreduce_grads(bucket_list: Sequence[Sequence[nn.Parameter]], group: Any, s
 
 
 # ---- the stage runner ------------------------------------------------------------------
-class DDPStageRunner(ex.StageRunner):
+class DDPStageRunner(StageRunner):
     """A ``StageRunner`` whose module is the stage wrapped in DDP (see the module docstring).
 
     ``stage.module`` stays the plain stage GraphModule (names, optimizer, checkpoints);
     only the executor's calls go through the wrapper.
     """
 
-    def __init__(self, base: ex.StageRunner, wrapper: DistributedDataParallel,
+    def __init__(self, base: StageRunner, wrapper: DistributedDataParallel,
                  dp: DataParallel) -> None:
         super().__init__(base.stage, base.device)
         self.module = wrapper
@@ -221,13 +220,13 @@ class DataParallel(Joinable):
         self.backward_ran: set[int] = set()
         self.reductions = 0
 
-    def wrap(self, runners: Mapping[int, ex.StageRunner]) -> dict[int, ex.StageRunner]:
+    def wrap(self, runners: Mapping[int, StageRunner]) -> dict[int, StageRunner]:
         """The local stages' runners with each stage wrapped in DDP over the group.
 
         Collective over each stage's dp group (DDP's constructor broadcasts the stage from
         dp_rank 0); ``stage.module`` stays the plain stage (names, optimizer, checkpoints)."""
         opts = self.options
-        out: dict[int, ex.StageRunner] = {}
+        out: dict[int, StageRunner] = {}
         for s in sorted(runners):
             base = runners[s]
             if not any(p.requires_grad for p in base.stage.module.parameters()):

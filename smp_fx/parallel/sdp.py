@@ -48,8 +48,8 @@ from torch import nn
 from cost_model.errors import SMPConfigError, not_implemented
 from smp_fx.parallel.ddp import DataParallelOptions, allreduce_grads, buckets
 from smp_fx.parallel.zero import broadcast_flat
-from smp_fx.runtime.executor import StageRunner, StepHooks
 from smp_fx.runtime.lowering import Op
+from smp_fx.runtime.seams import StageRunner, StepHooks
 from smp_fx.world import state
 
 log = logging.getLogger("smp_fx.parallel.sdp")

@@ -36,7 +36,7 @@ from passes import meta
 from passes.checkpoint_regions import COMPUTE, region_inputs
 from passes.plan import PartitionPlan
 from smp_fx.runtime.activations import ActivationKeeper, region_hooks
-from smp_fx.runtime.executor import StageRunner, StepHooks
+from smp_fx.runtime.seams import StageRunner, StepHooks
 
 
 class RegionCall:

@@ -23,8 +23,9 @@ from torch import nn
 from passes.split_stages import StagedProgram, split_stages
 from smp_fx.marking.delayed_init import is_delayed, materialize
 from smp_fx.runtime.dist_transport import DistTransport
-from smp_fx.runtime.executor import ExecutorOptions, StageRunner
+from smp_fx.runtime.executor import ExecutorOptions
 from smp_fx.runtime.planning import agree_on_plan, weights_device
+from smp_fx.runtime.seams import StageRunner
 from smp_fx.runtime.shapes import ShapeGuard, guard_for
 from smp_fx.runtime.transport import InProcessTransport, Transport
 from smp_fx.world import launch, state

@@ -145,7 +145,6 @@ def test_no_import_circles() -> None:
 # (importing module, imported module) still to mend; being moved (the parallelisms' build,
 # the calibration library, typed protocols for the context); must end empty.
 UPWARD_TO_MEND = {
-    ("smp_fx.cli.runtime_fit", "smp_fx"),
     ("smp_fx.runtime.placement", "smp_fx.parallel.tied"),
     ("smp_fx.world.context", "smp_fx.model"),
     ("smp_fx.world.context", "smp_fx.optimizer"),

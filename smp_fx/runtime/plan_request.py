@@ -66,7 +66,8 @@ def plan_request(cfg: SMPConfig, module: nn.Module, device: DeviceSpec, tp_rank:
 
     ``checkpointing`` replaces the modules ``module`` marks for activation checkpointing
     (``smp-fx partition --activation-checkpointing`` patterns); ``optimizer_state_factor``
-    is optimizer state bytes per parameter byte (Adam: 2)."""
+    is optimizer state bytes per parameter byte (Adam: 2). Build it after ``module`` was
+    traced: ``smp.checkpoint`` called in a forward marks its module only then."""
     spec = device.for_stages(cfg.pipeline_parallel_degree)
     rules = checkpoint_rules(module) if checkpointing is None else checkpointing
     pins = None if cfg.auto_partition else tuple(pins_by_module_path(module).items())

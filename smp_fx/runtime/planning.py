@@ -59,12 +59,14 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             "so the times would be the host's: build the model on the device (it must fit "
             "there), or leave trace_execution_times False (the analytic costs of this "
             "device's spec; `smp-fx calibrate` on it measures one)")
-    request = plan_request(cfg, module, plan_device(st), st.axis_rank("tp"))
+    device = plan_device(st)
     gm = trace(module, args, kwargs)
     measured = None
     if times or memory:
         with thread_modes(torch.is_grad_enabled(), autocast):
             measured = measured_costs(gm, args, kwargs, times, memory, st)
+    # after the trace: smp.checkpoint inside the forward marks its module while traced
+    request = plan_request(cfg, module, device, st.axis_rank("tp"))
     with thread_modes(torch.is_grad_enabled(), autocast):
         compiled = request.compile(module, args, kwargs, measured=measured, traced=gm)
     return compiled.gm, compiled.plan, compiled.tp_plan

@@ -315,6 +315,10 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
     def local_buffers(self) -> Iterator[torch.Tensor]:
         return (b for _, b in self.local_named_buffers())
 
+    def holds_stage(self, index: int) -> bool:
+        """Whether this rank runs pipeline stage ``index`` (once partitioned)."""
+        return index in self._runners
+
     def _local_runners(self) -> list[ex.StageRunner]:
         if self._program is None:
             raise SMPRuntimeError.build("local_* methods need the partitioned model", None,

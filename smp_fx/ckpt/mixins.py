@@ -46,6 +46,7 @@ from smp_fx.ckpt.state_dict import (
     optimizer_state_to_torch,
     select_model_state,
 )
+from smp_fx.ckpt.unread_state import unread_state
 from smp_fx.ckpt.validate import agreed
 from smp_fx.dist import comm
 from smp_fx.dist import state as smp_state
@@ -186,6 +187,13 @@ class ModelCheckpointMixin:
     def _smp_local_tensors(self) -> dict[str, torch.Tensor]:
         tensors = dict(self.local_named_parameters())  # type: ignore[attr-defined]
         tensors.update(self.local_named_buffers())  # type: ignore[attr-defined]
+        if self.holds_stage(0):  # type: ignore[attr-defined]
+            unread = self.__dict__.get("_smp_unread_cache")
+            if unread is None:
+                stages = [s.module for s in self.program.stages]  # type: ignore[attr-defined]
+                unread = unread_state(self.module, stages)
+                self.__dict__["_smp_unread_cache"] = unread
+            tensors.update(unread)
         return tensors
 
     def local_state_dict(self) -> StateDict:

@@ -32,7 +32,9 @@ and ``gas2`` (gradient_accumulation_steps 2, evaluating and saving at steps 2 an
 loading the best checkpoint: ``gas2_evals`` and ``best``). The checkpoint files are
 listed under ``checkpoint_files``.
 
-``--train-only --batch B`` trains 4 steps at per-device batch ``B`` instead, saves the model
+``--train-only --batch B [--optim NAME]`` trains 4 steps at per-device batch ``B`` instead
+(``TrainingArguments.optim``: e.g. ``sgd``, whose parameters show gradient differences that
+Adam would scale up where a gradient is only rounding noise), saves the model
 with ``trainer.save_model(OUT_DIR/final)`` and records the samples this rank read
 (``samples``, one list per step).
 """
@@ -95,7 +97,7 @@ def training_args(out: str, **kwargs: Any) -> Any:
 
 
 def trainer_for(out: str, gas: int, steps: int, save_steps: int | None, batch: int = 4,
-                max_grad_norm: float = 0.0, best: bool = False) -> Any:
+                max_grad_norm: float = 0.0, best: bool = False, **extra: Any) -> Any:
     """A Trainer on a fresh model; ``best``: evaluate at every save and load the best
     checkpoint at the end."""
     from transformers import Trainer
@@ -106,7 +108,7 @@ def trainer_for(out: str, gas: int, steps: int, save_steps: int | None, batch: i
                          per_device_eval_batch_size=4, gradient_accumulation_steps=gas,
                          max_steps=steps, max_grad_norm=max_grad_norm,
                          save_strategy="steps" if save_steps else "no",
-                         save_steps=save_steps or 500)
+                         save_steps=save_steps or 500, **extra)
     return Trainer(model=build_model(), args=args, train_dataset=Tokens(64, 1),
                    eval_dataset=Tokens(8, 2))
 
@@ -137,9 +139,9 @@ def full(out: str) -> dict[str, Any]:
     return result
 
 
-def train_only(out: str, batch: int) -> dict[str, Any]:
+def train_only(out: str, batch: int, optim: str) -> dict[str, Any]:
     trainer = trainer_for(os.path.join(out, "run"), gas=1, steps=4, save_steps=None,
-                          batch=batch)
+                          batch=batch, optim=optim)
     data = trainer.train_dataset
     trainer.train()
     trainer.save_model(os.path.join(out, "final"))
@@ -154,8 +156,9 @@ if __name__ == "__main__":
     cli.add_argument("out")
     cli.add_argument("--train-only", action="store_true")
     cli.add_argument("--batch", type=int, default=4)
+    cli.add_argument("--optim", default="adamw_torch", help="TrainingArguments.optim")
     ns = cli.parse_args()
-    found = train_only(ns.out, ns.batch) if ns.train_only else full(ns.out)
+    found = train_only(ns.out, ns.batch, ns.optim) if ns.train_only else full(ns.out)
     rank = int(os.environ.get("RANK", "0"))
     # a file per rank: the ranks share one stdout, where another rank's partly flushed line
     # can run into this one

@@ -172,8 +172,12 @@ def merge_model_state_dicts(parts: Sequence[Mapping[str, Any]],
         return out_plain
     out: StateDict = OrderedDict()
     missing = []
+    order = {k: i for i, k in enumerate(layout.keys)}
     for key in layout.keys:
-        source = next((a for a in layout.names_of(key) if a in merged), None)
+        # every name of a tied tensor takes the value of its first name, as one object: the
+        # merged dict shares it as the plain model's does (save_pretrained keeps one copy)
+        names = sorted(layout.names_of(key), key=lambda n: order.get(n, len(order)))
+        source = next((a for a in names if a in merged), None)
         if source is None:
             missing.append(key)
         else:

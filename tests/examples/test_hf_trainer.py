@@ -52,21 +52,7 @@ def _results(proc: subprocess.Popen[str], out_dir: Path, ranks: int) -> list[dic
 
 @pytest.mark.multiproc
 def test_trainer_smp_mode_matches_plain_trainer(tmp_path: Path) -> None:
-    base = {k: v for k, v in os.environ.items() if k not in SMP_ENV}
-    # transformers 4.x reads its own RNG-state files with torch.load's pre-2.6 default
-    base.update(OMP_NUM_THREADS="1", SMP_FX_TIMEOUT_S="300", TOKENIZERS_PARALLELISM="false",
-                TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
-    smp_run = _start([sys.executable, "-m", "smp_fx.cli.main", "run", "-n", "2", str(SCRIPT),
-                      str(tmp_path / "smp")], {**base, **SMP_ENV})
-    plain_run = _start([sys.executable, str(SCRIPT), str(tmp_path / "plain")], base)
-    try:
-        (plain,) = _results(plain_run, tmp_path / "plain", 1)
-        smp_ranks = _results(smp_run, tmp_path / "smp", 2)
-    finally:
-        for proc in (smp_run, plain_run):
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+    plain, smp_ranks = _run_pair(tmp_path, 2, SMP_ENV, [], [])
     stage_norms = [torch.tensor(r.pop("grad_norm")) for r in smp_ranks]
     assert smp_ranks[0] == smp_ranks[1], "the two pipeline ranks report different losses"
     got = smp_ranks[0]
@@ -106,3 +92,54 @@ def _check_stage_norms(stage_norms: list[torch.Tensor], plain_norms: list[float]
     assert all(bool((n <= whole * (1 + 1e-5)).all()) for n in stage_norms), (stage_norms, whole)
     assert not torch.allclose(stage_norms[0], stage_norms[1])
     assert bool((stage_norms[0] ** 2 + stage_norms[1] ** 2 >= whole ** 2 * (1 - 1e-5)).all())
+
+
+def _run_pair(tmp_path: Path, ranks: int, smp_env: dict[str, str], smp_args: list[str],
+              plain_args: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The script in SMP mode on ``ranks`` processes beside the plain Trainer in one."""
+    base = {k: v for k, v in os.environ.items() if k not in SMP_ENV}
+    # transformers 4.x reads its own RNG-state files with torch.load's pre-2.6 default
+    base.update(OMP_NUM_THREADS="1", SMP_FX_TIMEOUT_S="300", TOKENIZERS_PARALLELISM="false",
+                TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
+    smp_run = _start([sys.executable, "-m", "smp_fx.cli.main", "run", "-n", str(ranks),
+                      str(SCRIPT), str(tmp_path / "smp"), *smp_args], {**base, **smp_env})
+    plain_run = _start([sys.executable, str(SCRIPT), str(tmp_path / "plain"), *plain_args],
+                       base)
+    try:
+        (plain,) = _results(plain_run, tmp_path / "plain", 1)
+        return plain, _results(smp_run, tmp_path / "smp", ranks)
+    finally:
+        for proc in (smp_run, plain_run):
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+
+
+@pytest.mark.multiproc
+def test_trainer_pp2_dp2_trains_each_replica_on_its_shard(tmp_path: Path) -> None:
+    """pp=2 x dp=2 on 4 processes, per-device batch 4, against the plain Trainer at batch 8
+    (the same global batches): every pipeline's ranks read the same samples, the two
+    data-parallel replicas read disjoint halves of each global batch (SMP's rule:
+    ``smp.dp_rank()`` / ``smp.dp_size()``), and the parameters saved by ``save_model`` after
+    4 SGD steps equal the plain Trainer's."""
+    from safetensors.torch import load_file
+
+    env = {**SMP_ENV, "SM_HP_MP_PARAMETERS": json.dumps(
+        {"partitions": 2, "microbatches": 2, "ddp": True})}
+    plain, ranks = _run_pair(tmp_path, 4, env, ["--train-only", "--batch", "4", "--optim", "sgd"],
+                             ["--train-only", "--batch", "8", "--optim", "sgd"])
+    replicas: dict[str, list[list[int]]] = {}
+    for r in ranks:
+        steps = r["samples"][:4]
+        replicas.setdefault(json.dumps(steps), steps)
+    assert len(replicas) == 2, "each pipeline reads one shard, the two pipelines differ"
+    first, second = replicas.values()
+    for k in range(4):
+        assert not set(first[k]) & set(second[k]), f"step {k}: the replicas' shards overlap"
+        assert sorted(first[k] + second[k]) == sorted(plain["samples"][k]), f"step {k}"
+    torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(plain["losses"]),
+                               rtol=1e-5, atol=1e-5)
+    got = load_file(str(tmp_path / "smp" / "final" / "model.safetensors"))
+    want = load_file(str(tmp_path / "plain" / "final" / "model.safetensors"))
+    assert list(got) == list(want)  # the model's own names, the tied head saved once as HF does
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -39,7 +39,8 @@ from passes.tensor_parallel import TensorParallelPlan
 from smp_fx.amp import fp16
 from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
-from smp_fx.delayed_init import is_delayed, materialize
+from smp_fx.ckpt.pretrained import SafetensorsState, pretrained_files
+from smp_fx.delayed_init import allocate, is_delayed, materialize
 from smp_fx.dist import clip, ddp, sdp, state
 from smp_fx.dist.tensor_parallel import TensorParallelRuntime
 from smp_fx.dist.tied import TiedReplicas
@@ -129,6 +130,9 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         if cfg is not None and (cfg.fp16 or cfg.fp16_params):
             module.half()  # same Parameter objects: an optimizer built earlier still holds them
         context.set_current_model(self)
+        files = pretrained_files(module)
+        if files is not None:  # from_pretrained under delay_param_initialization
+            self.load_state_dict(SafetensorsState(files))  # each rank its stages, once placed
         checkpoint_api.adopt_pending(model=self)  # smp.resume_from_checkpoint came first
         for opt in context.waiting_optimizers():
             if self.owns_parameters(opt.parameters_held()):
@@ -371,15 +375,16 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         st = state.get()
         cfg = st.config
         multi = not st.in_process and st.axis_size("pp") > 1
+        initialize = pretrained_files(self.module) is None  # else: loaded per stage
         if not multi and is_delayed(self.module):
             # every stage lives in this process: materialise the whole model once, which
             # keeps tied parameters tied (one Parameter shared by the stages)
-            materialize(self.module, st.device)
+            (materialize if initialize else allocate)(self.module, st.device)
         with context.tracing():
             gm, self.plan, self.tp_plan = plan_stages(
                 self.module, args, kwargs, self.options.trace_execution_times,
                 self.options.trace_memory_usage, autocast)
-        placed = place_stages(gm, self.plan, self.canonical_names, st)
+        placed = place_stages(gm, self.plan, self.canonical_names, st, initialize)
         self._transport_kind = "dist" if multi else "in_process"
         self._tied, self._tied_duplicates = placed.tied, placed.tied_duplicates
         self._program, self._runners = placed.program, placed.runners

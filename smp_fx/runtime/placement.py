@@ -22,7 +22,7 @@ from torch import nn
 from cost_model.errors import SMPConfigError
 from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram, split_stages
-from smp_fx.delayed_init import is_delayed, materialize
+from smp_fx.delayed_init import allocate, is_delayed, materialize
 from smp_fx.dist import launch, state
 from smp_fx.dist.tied import TiedReplicas, has_tied, tied_duplicates, tied_groups
 from smp_fx.runtime import executor as ex
@@ -55,11 +55,14 @@ class Placement:
 
 
 def place_stages(gm: torch.fx.GraphModule, plan: PartitionPlan,
-                 canonical_names: dict[str, str], st: state.State) -> Placement:
+                 canonical_names: dict[str, str], st: state.State,
+                 initialize: bool = True) -> Placement:
     """Split the planned ``gm`` and place this rank's stages (see the module docstring).
 
     ``canonical_names`` maps every alias of a parameter to its first name (tied weights);
-    it must come from the module before any materialisation replaced parameter objects."""
+    it must come from the module before any materialisation replaced parameter objects.
+    ``initialize=False``: delayed-init stages are allocated, not initialised (their weights
+    are loaded next)."""
     cfg = st.config
     p = cfg.pipeline_parallel_degree
     multi = not st.in_process and st.axis_size("pp") > 1
@@ -85,7 +88,7 @@ def place_stages(gm: torch.fx.GraphModule, plan: PartitionPlan,
     duplicates = tied_duplicates(program, pp_rank, canonical_names) if multi else frozenset()
     traced_on = weights_device(gm)  # where the plan traced
     for s, r in runners.items():
-        _materialise(r.module, devices[s])
+        _materialise(r.module, devices[s], initialize)
         _retarget_devices(r.stage.module, traced_on, devices[s])
     executor = ex.Executor(program, runners, transport, multi, timeout_s, st.rank,
                            st.group_ranks("pp") if multi else None)
@@ -148,7 +151,7 @@ def _retarget_devices(module: nn.Module, traced_on: torch.device | None,
         module.recompile()
 
 
-def _materialise(module: nn.Module, device: torch.device) -> None:
+def _materialise(module: nn.Module, device: torch.device, initialize: bool) -> None:
     """Place one stage's parameters on ``device``; meta (delayed-init) ones are created there.
 
     Delayed initialisation (``smp.delay_param_initialization``): the stage's modules get
@@ -158,6 +161,6 @@ def _materialise(module: nn.Module, device: torch.device) -> None:
     tied replicas on several ranks are made equal by a broadcast from the first owner.
     """
     if is_delayed(module):
-        materialize(module, device)
+        (materialize if initialize else allocate)(module, device)
         return
     module.to(device)

@@ -40,6 +40,7 @@ from smp_fx.amp import fp16
 from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
 from smp_fx.ckpt.pretrained import SafetensorsState, pretrained_files
+from smp_fx.ckpt.unread_state import unread_state
 from smp_fx.delayed_init import allocate, is_delayed, materialize
 from smp_fx.dist import clip, ddp, sdp, state
 from smp_fx.dist.tensor_parallel import TensorParallelRuntime
@@ -106,6 +107,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         self._program: StagedProgram | None = None
         self._executor: ex.Executor | None = None
         self._runners: dict[int, ex.StageRunner] = {}
+        self._unread: dict[str, torch.Tensor] | None = None
         self._hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._post_step_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizers: list[DistributedOptimizer] = []
@@ -319,9 +321,14 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
     def local_buffers(self) -> Iterator[torch.Tensor]:
         return (b for _, b in self.local_named_buffers())
 
-    def holds_stage(self, index: int) -> bool:
-        """Whether this rank runs pipeline stage ``index`` (once partitioned)."""
-        return index in self._runners
+    def local_unread_state(self) -> dict[str, torch.Tensor]:
+        """The wrapped module's state that no stage reads, kept by the rank of stage 0
+        (``smp_fx.ckpt.unread_state``); empty elsewhere."""
+        if 0 not in self._runners:
+            return {}
+        if self._unread is None:
+            self._unread = unread_state(self.module, [s.module for s in self.program.stages])
+        return self._unread
 
     def _local_runners(self) -> list[ex.StageRunner]:
         if self._program is None:

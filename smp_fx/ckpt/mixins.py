@@ -46,7 +46,6 @@ from smp_fx.ckpt.state_dict import (
     optimizer_state_to_torch,
     select_model_state,
 )
-from smp_fx.ckpt.unread_state import unread_state
 from smp_fx.ckpt.validate import agreed
 from smp_fx.dist import comm
 from smp_fx.dist import state as smp_state
@@ -177,6 +176,8 @@ class ModelCheckpointMixin:
         @property
         def partitioned(self) -> bool: ...
 
+        def local_unread_state(self) -> dict[str, torch.Tensor]: ...
+
     def _smp_layout(self) -> ModelLayout:
         layout = self.__dict__.get("_smp_layout_cache")
         if layout is None:
@@ -187,13 +188,7 @@ class ModelCheckpointMixin:
     def _smp_local_tensors(self) -> dict[str, torch.Tensor]:
         tensors = dict(self.local_named_parameters())  # type: ignore[attr-defined]
         tensors.update(self.local_named_buffers())  # type: ignore[attr-defined]
-        if self.holds_stage(0):  # type: ignore[attr-defined]
-            unread = self.__dict__.get("_smp_unread_cache")
-            if unread is None:
-                stages = [s.module for s in self.program.stages]  # type: ignore[attr-defined]
-                unread = unread_state(self.module, stages)
-                self.__dict__["_smp_unread_cache"] = unread
-            tensors.update(unread)
+        tensors.update(self.local_unread_state())
         return tensors
 
     def local_state_dict(self) -> StateDict:

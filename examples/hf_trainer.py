@@ -35,8 +35,8 @@ listed under ``checkpoint_files``.
 ``--train-only --batch B [--optim NAME]`` trains 4 steps at per-device batch ``B`` instead
 (``TrainingArguments.optim``: e.g. ``sgd``, whose parameters show gradient differences that
 Adam would scale up where a gradient is only rounding noise), saves the model
-with ``trainer.save_model(OUT_DIR/final)`` and records the samples this rank read
-(``samples``, one list per step).
+with ``trainer.save_model(OUT_DIR/final)``, evaluates and predicts, and records the samples
+this rank read for training (``samples``, one list per step).
 """
 
 from __future__ import annotations
@@ -144,9 +144,11 @@ def train_only(out: str, batch: int, optim: str) -> dict[str, Any]:
                           batch=batch, optim=optim)
     data = trainer.train_dataset
     trainer.train()
+    read = list(data.read)
     trainer.save_model(os.path.join(out, "final"))
-    read = data.read
-    return {"losses": losses(trainer),
+    logits = torch.as_tensor(trainer.predict(Tokens(8, 3)).predictions)
+    return {"losses": losses(trainer), "eval": trainer.evaluate()["eval_loss"],
+            "predict": [list(logits.shape), logits.sum().item(), logits.abs().sum().item()],
             "samples": [read[i:i + batch] for i in range(0, len(read), batch)]}
 
 

@@ -31,6 +31,8 @@ from typing import Any
 import pytest
 import torch
 
+from smp_fx._compat import SHIM_DIR
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "hf_trainer.py"
 SMP_ENV = {"SM_HP_MP_PARAMETERS": json.dumps({"partitions": 2, "microbatches": 2}),
@@ -95,14 +97,22 @@ def _check_stage_norms(stage_norms: list[torch.Tensor], plain_norms: list[float]
 
 
 def _run_pair(tmp_path: Path, ranks: int, smp_env: dict[str, str], smp_args: list[str],
-              plain_args: list[str]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The script in SMP mode on ``ranks`` processes beside the plain Trainer in one."""
+              plain_args: list[str], torchrun: bool = False
+              ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The script in SMP mode on ``ranks`` processes (``smp-fx run``, or plain torchrun
+    with the shim directory on ``PYTHONPATH``) beside the plain Trainer in one."""
     base = {k: v for k, v in os.environ.items() if k not in SMP_ENV}
     # transformers 4.x reads its own RNG-state files with torch.load's pre-2.6 default
     base.update(OMP_NUM_THREADS="1", SMP_FX_TIMEOUT_S="300", TOKENIZERS_PARALLELISM="false",
                 TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
-    smp_run = _start([sys.executable, "-m", "smp_fx.cli.main", "run", "-n", str(ranks),
-                      str(SCRIPT), str(tmp_path / "smp"), *smp_args], {**base, **smp_env})
+    launch = [sys.executable, "-m", "smp_fx.cli.main", "run", "-n", str(ranks)]
+    if torchrun:
+        launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                  "--nproc-per-node", str(ranks)]
+        smp_env = {**smp_env, "PYTHONPATH": os.pathsep.join(
+            p for p in (str(SHIM_DIR), os.environ.get("PYTHONPATH")) if p)}
+    smp_run = _start([*launch, str(SCRIPT), str(tmp_path / "smp"), *smp_args],
+                     {**base, **smp_env})
     plain_run = _start([sys.executable, str(SCRIPT), str(tmp_path / "plain"), *plain_args],
                        base)
     try:
@@ -117,17 +127,18 @@ def _run_pair(tmp_path: Path, ranks: int, smp_env: dict[str, str], smp_args: lis
 
 @pytest.mark.multiproc
 def test_trainer_pp2_dp2_trains_each_replica_on_its_shard(tmp_path: Path) -> None:
-    """pp=2 x dp=2 on 4 processes, per-device batch 4, against the plain Trainer at batch 8
+    """pp=2 x dp=2 on 4 processes launched by plain torchrun (the shim directory on
+    ``PYTHONPATH``), per-device batch 4, against the plain Trainer at batch 8
     (the same global batches): every pipeline's ranks read the same samples, the two
     data-parallel replicas read disjoint halves of each global batch (SMP's rule:
     ``smp.dp_rank()`` / ``smp.dp_size()``), and the parameters saved by ``save_model`` after
-    4 SGD steps equal the plain Trainer's."""
+    4 SGD steps, the evaluation loss and the predictions equal the plain Trainer's."""
     from safetensors.torch import load_file
 
     env = {**SMP_ENV, "SM_HP_MP_PARAMETERS": json.dumps(
         {"partitions": 2, "microbatches": 2, "ddp": True})}
     plain, ranks = _run_pair(tmp_path, 4, env, ["--train-only", "--batch", "4", "--optim", "sgd"],
-                             ["--train-only", "--batch", "8", "--optim", "sgd"])
+                             ["--train-only", "--batch", "8", "--optim", "sgd"], torchrun=True)
     replicas: dict[str, list[list[int]]] = {}
     for r in ranks:
         steps = r["samples"][:4]
@@ -137,8 +148,13 @@ def test_trainer_pp2_dp2_trains_each_replica_on_its_shard(tmp_path: Path) -> Non
     for k in range(4):
         assert not set(first[k]) & set(second[k]), f"step {k}: the replicas' shards overlap"
         assert sorted(first[k] + second[k]) == sorted(plain["samples"][k]), f"step {k}"
-    torch.testing.assert_close(torch.tensor(ranks[0]["losses"]), torch.tensor(plain["losses"]),
-                               rtol=1e-5, atol=1e-5)
+    for r in ranks:  # evaluation reads every sample on every rank: the plain Trainer's
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(plain["losses"]),
+                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(r["eval"], plain["eval"], rtol=1e-5, atol=1e-5)
+        assert r["predict"][0] == plain["predict"][0] == [8, 16, 64]
+        torch.testing.assert_close(r["predict"][1:], plain["predict"][1:], rtol=1e-4,
+                                   atol=1e-3)
     got = load_file(str(tmp_path / "smp" / "final" / "model.safetensors"))
     want = load_file(str(tmp_path / "plain" / "final" / "model.safetensors"))
     assert list(got) == list(want)  # the model's own names, the tied head saved once as HF does

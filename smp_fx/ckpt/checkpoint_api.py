@@ -47,7 +47,7 @@ from cost_model.errors import SMPCheckpointError
 from smp_fx._compat import SMP_API_VERSION
 from smp_fx.ckpt.atomic import atomic_write, fsync_dir
 from smp_fx.ckpt.files import load, save
-from smp_fx.ckpt.hf_export import is_pretrained, save_pretrained_state
+from smp_fx.ckpt.hf_export import is_pretrained, safetensors_available, save_pretrained_state
 from smp_fx.ckpt.hf_weights import find_hf_weights, read_hf_weights
 from smp_fx.ckpt.safe_load import read_file
 from smp_fx.ckpt.validate import agree_or_raise, world_gather
@@ -228,7 +228,12 @@ def _save_full(path: str, tag: str, model: Any, optimizer: Any, user_content: An
             os.makedirs(path, exist_ok=True)
             module = getattr(model, "module", None)
             if sd is not None and module is not None and is_pretrained(module):
-                save_pretrained_state(path, sd, module)  # what from_pretrained(path) loads
+                if safetensors_available():
+                    save_pretrained_state(path, sd, module)  # what from_pretrained(path) loads
+                else:  # transformers 4.2x does not install it; SMP's own file is still written
+                    log.warning("smp.save_checkpoint(partial=False): no safetensors package, "
+                                "so %s gets no save_pretrained weights (pip install "
+                                "safetensors)", path)
             if sd is not None:
                 if translate:
                     for smp_to_hf, _ in module_manager.translate_functions:

@@ -64,15 +64,23 @@ def model_from_config(config_path: str) -> nn.Module:
         return cls(config)
 
 
+def safetensors_available() -> bool:
+    """Whether the ``safetensors`` package is there (transformers installs it from 4.3x on;
+    smp-fx imports it only when it writes or reads such files)."""
+    try:
+        import safetensors  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def save_pretrained_state(folder: str, state: Mapping[str, Any], model: nn.Module) -> None:
     """Write ``state`` (the full model state, by the model's names) into ``folder`` as
     ``model.save_pretrained`` does, in safetensors."""
-    try:
-        import safetensors  # noqa: F401  # save_pretrained needs it for safetensors files
-    except ImportError as exc:
+    if not safetensors_available():
         raise SMPCheckpointError.build(
             "writing .safetensors weights needs the safetensors package", folder,
-            fix="pip install safetensors (transformers installs it from 4.3x on)") from exc
+            fix="pip install safetensors (transformers installs it from 4.3x on)")
     tied = tie_aliases(state, ModelLayout.from_module(model))
     kwargs: dict[str, Any] = {"state_dict": tied}
     save: Any = model.save_pretrained

@@ -1,7 +1,10 @@
-"""The ready launch scripts in ``examples/launch/`` start ``train_tiny.py`` at pp = 2 x
-dp = 2 on 4 processes, under stand-ins for ``srun`` and ``mpirun`` that set each task's
-variables by hand exactly as those launchers document them (two "nodes" of two tasks on
-localhost), and train as one process with plain PyTorch does."""
+"""The ready launch scripts in ``examples/launch/`` start ``train_tiny.py`` at pp = 2 on 2
+processes, under stand-ins for ``srun`` and ``mpirun`` that set each task's variables by
+hand exactly as those launchers document them (two "nodes" of one task each on localhost,
+so the rendezvous host comes from the node list or ``-H``), and train as one process with
+plain PyTorch does. (pp = 2 x dp = 2 on 4 ranks under srun's and mpirun's variables:
+``tests/smp_fx/dist/test_comm.py``; two launchers at pp = 2 x dp = 2:
+``tests/smp_fx/cli/test_run_nodes.py``.)"""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ LAUNCH = REPO / "examples" / "launch"
 FAKE = '''#!{python}
 import os, subprocess, sys
 kind, args = os.path.basename(sys.argv[0]), sys.argv[1:]
-n, per_node, cmd = 4, 2, []
+n, per_node, cmd = 2, 1, []
 while args:
     a = args.pop(0)
     if a in ("-np", "-n"):
@@ -62,7 +65,8 @@ def _run_script(tmp_path: Path, script: str, args: list[str], env: dict[str, str
     res = subprocess.run(["bash", str(LAUNCH / script), *args], cwd=REPO, text=True,
                          capture_output=True, timeout=300,
                          env={**os.environ, "PATH": path, "OMP_NUM_THREADS": "1",
-                              "SMP_FX_TIMEOUT_S": "120", **env})
+                              "SMP_FX_TIMEOUT_S": "120", "SM_HP_MP_PARAMETERS": json.dumps(
+                                  {"partitions": 2, "microbatches": 2}), **env})
     assert res.returncode == 0, res.stderr[-4000:]
 
 
@@ -71,8 +75,8 @@ def _check(out: Path, launcher: str) -> None:
 
     ref = reference()
     ranks = [json.loads((out / f"result_{r}.json").read_text(encoding="utf-8"))
-             for r in range(4)]
-    assert [r["ranks"][:4] for r in ranks] == [[r, 4, r % 2, 2] for r in range(4)]
+             for r in range(2)]
+    assert [r["ranks"][:4] for r in ranks] == [[r, 2, 0, 1] for r in range(2)]
     assert {r["launcher"] for r in ranks} == {launcher}
     for r in ranks:
         torch.testing.assert_close(r["losses"], ref["losses"], rtol=1e-5, atol=1e-6)
@@ -91,7 +95,7 @@ def test_slurm_sbatch_script(tmp_path: Path) -> None:
 @pytest.mark.multiproc
 def test_mpirun_script(tmp_path: Path) -> None:
     out = tmp_path / "mpirun"
-    _run_script(tmp_path, "mpirun.sh", ["-np", "4", "-H", "localhost:2,localhost:2",
+    _run_script(tmp_path, "mpirun.sh", ["-np", "2", "-H", "localhost:1,localhost:1",
                                              "examples/launch/train_tiny.py", str(out)],
                 {"MASTER_PORT": str(free_port())})
     _check(out, "mpirun")

@@ -29,10 +29,10 @@ PACKAGES = ("cost_model", "passes", "smp_fx")
 SMP_FX_LAYERS: tuple[tuple[str, ...], ...] = (
     ("smp_fx._compat", "smp_fx.config", "smp_fx.topology", "smp_fx.namespaces"),
     ("smp_fx.world",),
+    ("smp_fx.ckpt",),
     ("smp_fx.marking", "smp_fx.amp"),
     ("smp_fx.runtime",),
     ("smp_fx.parallel",),
-    ("smp_fx.ckpt",),
     ("smp_fx.model", "smp_fx.model_options", "smp_fx.optimizer", "smp_fx.step",
      "smp_fx.reset", "smp_fx.nn", "smp_fx.optimizers"),
     ("smp_fx.calibration", "smp_fx.cli"),

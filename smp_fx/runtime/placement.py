@@ -21,7 +21,7 @@ import torch.fx
 from torch import nn
 
 from passes.split_stages import StagedProgram, split_stages
-from smp_fx.marking.delayed_init import is_delayed, materialize
+from smp_fx.marking.delayed_init import allocate, is_delayed, materialize
 from smp_fx.runtime.dist_transport import DistTransport
 from smp_fx.runtime.executor import ExecutorOptions
 from smp_fx.runtime.planning import agree_on_plan, weights_device
@@ -66,9 +66,13 @@ def split_for_rank(gm: torch.fx.GraphModule, st: state.State) -> StagedProgram:
     return split_stages(gm, st.config.pipeline_parallel_degree)
 
 
-def place_stages(gm: torch.fx.GraphModule, program: StagedProgram,
-                 st: state.State) -> Placement:
-    """Place this rank's stages of ``program`` (split from ``gm``): see the module doc."""
+def place_stages(gm: torch.fx.GraphModule, program: StagedProgram, st: state.State,
+                 initialize: bool = True) -> Placement:
+    """Place this rank's stages of ``program`` (split from ``gm``): see the module doc.
+
+    ``initialize=False``: delayed-init stages are allocated, not initialised (their weights
+    are loaded next: a ``from_pretrained`` model built under
+    ``smp.delay_param_initialization``)."""
     cfg = st.config
     p = cfg.pipeline_parallel_degree
     multi = multi_process(st)
@@ -88,7 +92,7 @@ def place_stages(gm: torch.fx.GraphModule, program: StagedProgram,
     delayed = any(is_delayed(r.module) for r in runners.values())
     traced_on = weights_device(gm)  # where the plan traced
     for s, r in runners.items():
-        _materialise(r.module, devices[s])
+        _materialise(r.module, devices[s], initialize)
         _retarget_devices(r.stage.module, traced_on, devices[s])
     options = ExecutorOptions(multi, timeout_s, st.rank,
                               tuple(st.group_ranks("pp")) if multi else None,
@@ -144,7 +148,7 @@ def _retarget_devices(module: nn.Module, traced_on: torch.device | None,
         module.recompile()
 
 
-def _materialise(module: nn.Module, device: torch.device) -> None:
+def _materialise(module: nn.Module, device: torch.device, initialize: bool) -> None:
     """Place one stage's parameters on ``device``; meta (delayed-init) ones are created there.
 
     Delayed initialisation (``smp.delay_param_initialization``): the stage's modules get
@@ -154,7 +158,7 @@ def _materialise(module: nn.Module, device: torch.device) -> None:
     tied replicas on several ranks are made equal by a broadcast from the first owner.
     """
     if is_delayed(module):
-        materialize(module, device)
+        (materialize if initialize else allocate)(module, device)
         return
     module.to(device)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -76,7 +77,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         again for every evaluation, which must run on the same partition and parameters."""
         module = args[0] if args else kwargs.get("module")
         current = context.current_model()
-        if current is not None and type(current) is cls and current.module is module:
+        if current is not None and type(current) is cls and \
+                (current.module is module or current.built() is module):
             return current
         return super().__new__(cls)
 
@@ -100,7 +102,10 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
             return
         super().__init__()
         options.check(module)
-        replace_registered(module)  # smp.tp_register: marked instances -> distributed
+        # what the script built (the root may be replaced below; not kept alive)
+        object.__setattr__(self, "_built", weakref.ref(module))
+        # smp.tp_register and SMP's Hugging Face replacements: marked instances -> distributed
+        module = replace_registered(module)
         self.module = module
         self.options = options
         self._program: StagedProgram | None = None
@@ -134,6 +139,12 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         for opt in context.waiting_optimizers():
             if self.owns_parameters(opt.parameters_held()):
                 opt.join_model(self)
+
+    def built(self) -> nn.Module | None:
+        """The module the script passed in (``module`` unless its root was replaced by its
+        distributed version), while it is alive."""
+        ref: weakref.ref[nn.Module] = self.__dict__["_built"]
+        return ref()
 
     # ---- properties and the SMP methods ----------------------------------------------
     @property

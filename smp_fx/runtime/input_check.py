@@ -216,7 +216,8 @@ def _replace(args: tuple[Any, ...], kwargs: dict[str, Any], values: Mapping[Path
             items = [rebuild(v, (*path, i)) for i, v in enumerate(value)]
             return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
         if isinstance(value, Mapping):
-            return type(value)({k: rebuild(v, (*path, k)) for k, v in value.items()})
+            rebuilt = {k: rebuild(v, (*path, k)) for k, v in value.items()}
+            return rebuilt if type(value) is dict else type(value)(rebuilt)  # type: ignore[call-arg]
         return value
 
     return (tuple(rebuild(a, (i,)) for i, a in enumerate(args)),

@@ -106,9 +106,9 @@ PARAMS: tuple[Param, ...] = (
     _P("sdp_gradient_clipping", float, 1.0, minimum=0.0, used_at="DistributedModel",
        doc="with sdp, the global gradient norm is clipped to this at optimizer.step (0: off)"),
     # SMP 1.11-1.15
-    _P("bf16", bool, False, PLANNED, used_at="DistributedModel",
-       doc="bf16 weights with fp32 master weights (SMP: with sharded data parallelism); "
-           "excludes fp16"),
+    _P("bf16", bool, False, used_at="DistributedModel",
+       doc="bf16 weights, fp32 master weights in DistributedOptimizer, no loss scaling "
+           "(docs/precision.md); excludes fp16"),
     _P("delayed_parameter_initialization", bool, False,
        doc="smp.model_creation creates the parameters on the meta device; each stage's are "
            "initialised on the rank that holds it (smp.delay_param_initialization)"),
@@ -406,8 +406,8 @@ def _check_sharding(values: dict[str, Any], where: str) -> None:
             "'shard_optimizer_state' and 'sharded_data_parallel_degree' > 1 both shard the "
             "optimizer state", sdp, where,
             "drop 'shard_optimizer_state' (sharded data parallelism shards it already)")
-    if sdp > 1 and (values["fp16"] or values["fp16_params"]):
-        raise not_implemented("fp16 with sharded data parallelism",
+    if sdp > 1 and (values["fp16"] or values["fp16_params"] or values["bf16"]):
+        raise not_implemented("fp16 / bf16 with sharded data parallelism",
                               "sharded_data_parallel_degree",
                               "use bf16 autocast in the smp.step function with sharded data "
                               "parallelism")

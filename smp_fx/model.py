@@ -131,9 +131,10 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         self._sdp: sdp.ShardedDataParallel | None = None
         self._loss_scale: Callable[[], float] | None = None
         cfg = state.get().config if state.is_initialized() else None
-        self._fp16 = bool(cfg is not None and cfg.fp16)
-        if cfg is not None and (cfg.fp16 or cfg.fp16_params):
-            module.half()  # same Parameter objects: an optimizer built earlier still holds them
+        self._half = fp16.training_dtype(cfg)  # fp16 or bf16 training: half in, fp32 out
+        if cfg is not None and (cfg.fp16 or cfg.fp16_params or cfg.bf16):
+            # same Parameter objects: an optimizer built earlier still holds them
+            module.to(self._half or fp16.HALF)
         context.set_current_model(self)
         checkpoint_api.adopt_pending(model=self)  # smp.resume_from_checkpoint came first
         for opt in context.waiting_optimizers():
@@ -172,8 +173,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         return self._tp is not None and self._tp.is_distributed(param)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._fp16:  # FP16_Module: half inputs in, fp32 outputs out
-            args, kwargs = fp16.half_inputs(args, kwargs)
+        if self._half is not None:  # FP16_Module: half inputs in, fp32 outputs out
+            args, kwargs = fp16.half_inputs(args, kwargs, self._half)
         if context.capturing_inputs():
             raise context.Captured(args, kwargs, autocast_state())
         ctx = context.turn()
@@ -183,7 +184,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         if self._shapes is not None:
             self._shapes.check_call(args, kwargs)
         out = ctx[0].forward_request(ctx[1], args, kwargs)
-        return fp16.float_outputs(out) if self._fp16 else out
+        return fp16.float_outputs(out, self._half) if self._half is not None else out
 
     @property
     def loss_scale(self) -> float:

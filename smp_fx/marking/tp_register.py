@@ -27,8 +27,12 @@ optimizer from ``DistributedModel.parameters()``. A marked root is replaced too:
 ``replace_registered`` returns the new root, which the ``DistributedModel`` wraps.
 
 SMP's own replacements of Hugging Face models (``register_predefined``, filled by
-``smp_fx.nn.huggingface``) apply the same way to marked instances of their classes, after
-a user's registration of the same class; they start from the original's weights.
+``smp_fx.nn.huggingface``) apply to instances of their classes *created* inside
+``smp.tensor_parallelism()`` / ``smp.model_creation(tensor_parallelism=True)``, after a
+user's registration of the same class; they start from the original's weights. A Hugging
+Face model marked afterwards with ``smp.set_tensor_parallelism`` is not replaced (SMP
+replaced it too): the rewrite distributes its own modules (Hugging Face GPT-2's
+``Conv1D``s, say), which smp-fx's tensor parallelism does directly.
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ from typing import Any, TypeVar
 from torch import nn
 
 from cost_model.errors import SMPConfigError
-from smp_fx.marking.tensor_parallelism import ATTR, is_marked, mark
+from smp_fx.marking.tensor_parallelism import ATTR, created_marked, is_marked, mark
 
 INIT_ARGS = "_smp_tp_init_args"
 _PATCHED = "_smp_tp_patched_init"
@@ -177,6 +181,8 @@ def _distributed(module: nn.Module, reg: Registration, path: str) -> nn.Module:
 
 
 Predefined = Callable[[nn.Module, dict[str, Any]], nn.Module]
+PREDEFINED_ATTR = "_smp_predefined_replacement"
+"""Set on a module SMP's predefined replacement built."""
 _PREDEFINED: dict[str, Predefined] = {}
 """SMP's own replacements (Hugging Face models, ``smp_fx.nn.huggingface``), by the class's
 ``module.QualName``: ``build(instance, tensor_parallelism kwargs)`` -> its distributed
@@ -201,11 +207,12 @@ def _replace_one(module: nn.Module, path: str) -> nn.Module | None:
     if reg is not None:
         return _distributed(module, reg, path)
     build = _PREDEFINED.get(_class_path(module))
-    if build is None:
+    if build is None or not created_marked(module):
         return None
     new = build(module, dict(module.__dict__[ATTR][1]))
     if not is_marked(new):
         mark(new)
+    object.__setattr__(new, PREDEFINED_ATTR, True)
     return new
 
 
@@ -229,7 +236,22 @@ def replace_registered(model: nn.Module) -> nn.Module:
                 visit(child, path + ".")
 
     visit(model, "")
+    _only_replacements_distributed(model)
     return model
+
+
+def _only_replacements_distributed(model: nn.Module) -> None:
+    """Where SMP's own replacement took a submodule (BERT's encoder), the rest of what was
+    created with it for tensor parallelism (embeddings, pooler, heads) is left whole, as
+    SMP distributes only the modules it supports; marks set with
+    ``smp.set_tensor_parallelism`` or by ``smp.nn`` modules stay."""
+    inside = {id(m) for r in model.modules() if getattr(r, PREDEFINED_ATTR, False)
+              for m in r.modules()}
+    if not inside:
+        return
+    for m in model.modules():
+        if id(m) not in inside and created_marked(m):
+            mark(m, False, **m.__dict__[ATTR][1])
 
 
 __all__ = ["Registration", "registration", "replace_registered", "tp_register",

@@ -15,9 +15,11 @@ materialises per stage like any delayed module. Replacing registers the family's
 translate functions in ``smp.state.module_manager`` (full checkpoints are saved in Hugging
 Face's names and loaded from them, as SMP does).
 
-Families: ``gpt2`` (``GPT2LMHeadModel``). SMP also replaced GPT-J, GPT-Neo, GPT-NeoX,
-BERT and RoBERTa; each would be a module like ``gpt2``: a rule table, an ``init_kwargs``
-from its config and a ``forward`` taking the Hugging Face arguments.
+Families: ``gpt2`` (``GPT2LMHeadModel``), ``bert`` and ``roberta`` (their encoders).
+SMP also replaced GPT-J, GPT-Neo and GPT-NeoX; each would be a module like ``gpt2``: a rule
+table, an ``init_kwargs`` from its config and a ``forward`` taking the Hugging Face
+arguments, once ``smp.nn``'s transformer has what they need (rotary embeddings, GPT-J's
+parallel attention and MLP, GPT-Neo's local attention).
 """
 
 from __future__ import annotations

@@ -4,12 +4,14 @@ rules: one table per model family, read in both directions.
 A ``Rename`` maps one Hugging Face name pattern to one smp name pattern, a ``Fused`` one
 Hugging Face tensor to several smp tensors (GPT-2's ``c_attn`` holds the query, key and
 value projections side by side). Patterns hold ``{layer}`` (a layer index), ``{kind}``
-(``weight`` or ``bias``) and ``{last}`` (the last layer's index: GPT-2's final layer norm
-is the last smp layer's ``output.layernorm``). ``transpose`` marks Hugging Face's
+(``weight`` or ``bias``), ``{last}`` (the last layer's index: GPT-2's final layer norm
+is the last smp layer's ``output.layernorm``) and ``{prefix}`` (any leading module path,
+e.g. ``bert.``, where SMP replaces a submodule such as BERT's encoder). ``transpose`` marks Hugging Face's
 ``Conv1D``, whose weight is ``(in, out)``, the transpose of ``nn.Linear``'s; a fused
 tensor's parts lie along the output features. Names that match ``dropped`` (Hugging Face
 buffers SMP's modules do not have) are left out; any other name no rule matches is an
-error naming it, so a model of another architecture is never translated half-way.
+error naming it, so a model of another architecture is never translated half-way, unless
+the family replaces a submodule only (``passthrough``: the rest keeps its names).
 
 The tensors of the result are views of the input where the layout allows (renames,
 transposes, split parts); only fusing builds new tensors. A family's module
@@ -33,7 +35,8 @@ import torch
 
 from cost_model.errors import SMPCheckpointError
 
-FIELDS = {"layer": r"\d+", "kind": r"weight|bias", "last": r"\d+"}
+FIELDS = {"layer": r"\d+", "kind": r"weight|bias", "last": r"\d+",
+          "prefix": r"(?:[A-Za-z_]\w*\.)*?"}
 
 
 @dataclass(frozen=True)
@@ -91,9 +94,11 @@ def _oriented(t: torch.Tensor, kind: str, transpose: bool) -> torch.Tensor:
 
 
 def hf_to_smp(state_dict: Mapping[str, Any], rules: Sequence[Rule], family: str,
-              layers_prefix: str = "", dropped: Sequence[str] = ()) -> StateDict:
+              layers_prefix: str = "", dropped: Sequence[str] = (),
+              passthrough: bool = False) -> StateDict:
     """Hugging Face names -> smp names by ``rules``; ``layers_prefix`` (e.g.
-    ``transformer.h``) is where ``{last}`` is counted."""
+    ``transformer.h``) is where ``{last}`` is counted; ``passthrough`` keeps the names no
+    rule matches."""
     last = str(_layers(state_dict, layers_prefix)) if layers_prefix else "-1"
     out: StateDict = {}
     for key, value in state_dict.items():
@@ -113,15 +118,17 @@ def hf_to_smp(state_dict: Mapping[str, Any], rules: Sequence[Rule], family: str,
                     out[name.format(**fields)] = part
             break
         else:
-            raise _unknown(key, family, "translate_hf_state_dict_to_smdistributed")
+            if not passthrough:
+                raise _unknown(key, family, "translate_hf_state_dict_to_smdistributed")
+            out[key] = value
     return out
 
 
 def smp_to_hf(state_dict: Mapping[str, Any], rules: Sequence[Rule], family: str,
-              layers_prefix: str = "") -> StateDict:
+              layers_prefix: str = "", passthrough: bool = False) -> StateDict:
     """smp names -> Hugging Face names by ``rules`` (fused tensors rebuilt from all their
     parts); ``layers_prefix`` (e.g. ``transformer.seq_layers``) is where ``{last}`` is
-    counted."""
+    counted; ``passthrough`` keeps the names no rule matches."""
     last = str(_layers(state_dict, layers_prefix)) if layers_prefix else "-1"
     out: StateDict = {}
     pending: dict[tuple[str, str], dict[int, Any]] = {}
@@ -142,7 +149,9 @@ def smp_to_hf(state_dict: Mapping[str, Any], rules: Sequence[Rule], family: str,
                 pending.setdefault((target, kind), {})[index] = (value, rule)
             break
         else:
-            raise _unknown(key, family, "translate_state_dict_to_hf")
+            if not passthrough:
+                raise _unknown(key, family, "translate_state_dict_to_hf")
+            out[key] = value
     for (target, kind), parts in pending.items():
         rule = next(iter(parts.values()))[1]
         if len(parts) != len(rule.smp):

@@ -117,9 +117,17 @@ def test_replaced_by_the_distributed_transformer_with_the_original_function() ->
 
 
 def test_not_replaced_outside_tensor_parallelism_and_under_the_context_manager() -> None:
+    """Replaced when created for tensor parallelism; marked afterwards, the Hugging Face
+    modules stay (the rewrite distributes them directly)."""
     init(1, 1, "simple")
     plain = smp.DistributedModel(GPT2LMHeadModel(tiny()))
     assert type(plain.get_module()) is GPT2LMHeadModel
+    smp.reset()
+    state._reset()
+    init(1, 1, "simple")
+    later = GPT2LMHeadModel(tiny())
+    smp.set_tensor_parallelism(later)
+    assert smp.DistributedModel(later).get_module() is later
     smp.reset()
     state._reset()
     init(1, 1, "simple")

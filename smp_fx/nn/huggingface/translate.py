@@ -6,8 +6,9 @@ Hugging Face tensor to several smp tensors (GPT-2's ``c_attn`` holds the query, 
 value projections side by side). Patterns hold ``{layer}`` (a layer index), ``{kind}``
 (``weight`` or ``bias``), ``{last}`` (the last layer's index: GPT-2's final layer norm
 is the last smp layer's ``output.layernorm``) and ``{prefix}`` (any leading module path,
-e.g. ``bert.``, where SMP replaces a submodule such as BERT's encoder). ``transpose`` marks Hugging Face's
-``Conv1D``, whose weight is ``(in, out)``, the transpose of ``nn.Linear``'s; a fused
+e.g. ``bert.``, where SMP replaces a submodule such as BERT's encoder). ``transpose``
+marks Hugging Face's ``Conv1D``, whose weight is ``(in, out)``, the transpose of
+``nn.Linear``'s; a fused
 tensor's parts lie along the output features. Names that match ``dropped`` (Hugging Face
 buffers SMP's modules do not have) are left out; any other name no rule matches is an
 error naming it, so a model of another architecture is never translated half-way, unless

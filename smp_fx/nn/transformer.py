@@ -31,11 +31,18 @@ logits reach ``F.cross_entropy`` through a ``flatten`` alone and, under tp, the 
 fuses the gather of the tied head's logits and the loss into a vocab-parallel cross
 entropy (``passes.tensor_parallel.loss``): the full logits are never built.
 
-Where SMP's page is silent: with ``pre_layernorm`` and no ``post_layernorm`` (GPT-2's
-layout) the LM head applies a final layer norm to the transformer's output (GPT-2's
-``ln_f``), since the layers leave their sum un-normalised. The position and token-type
-tables are small and stay whole on every rank (a replicated lookup), so only the word
-embedding needs a vocabulary divisible by the degree.
+Layer norms as SMP lays them out: with both ``pre_layernorm`` and ``post_layernorm`` a
+layer's attention keeps only its pre layer norm while its output layer has both, and a
+transformer gives the post layer norm to its last layer only, so its output is normalised
+once (``seq_layers[-1].output.layernorm``: where SMP's GPT-2 keeps ``ln_f``). Where SMP's
+page is silent: with ``pre_layernorm`` and no ``post_layernorm`` the LM head applies a
+final layer norm of its own (``layernorm``) to the transformer's output, since the layers
+leave their sum un-normalised. Token types without a token-type table are looked up in the
+word embedding (SMP's code, as Hugging Face's GPT-2). The position and token-type tables
+are small and stay whole on every rank (a replicated lookup), so only the word embedding
+needs a vocabulary divisible by the degree. ``embed`` and ``body`` are the LM head's two
+halves, which SMP's Hugging Face replacements (``smp_fx.nn.huggingface``) call with their
+own arguments.
 
 Used as the root of a ``DistributedModel``, a tuple argument is one opaque input to fx
 tracing (``SMPTracingError`` below; the ``auto`` front end then captures it with

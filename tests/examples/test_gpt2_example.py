@@ -7,14 +7,15 @@ the script in one process, step by step (rtol 1e-5 on the loss of the whole batc
 
 * pp=2 through SMP's ``DistributedTransformerLMHead`` (``--use_distributed_transformer 1``,
   the script's default), the data read on pipeline rank 0 only and empty tensors on rank 1;
-* pp=2 on the Hugging Face model itself (``--use_distributed_transformer 0``);
 * tp=2 with ``prescaled_batch`` false (each tp rank reads its own half of the batch);
 * pp=2 x tp=2, saving a partial checkpoint at step 3 (its ``user_content`` holds the
   ``GPT2Config``, the argument dict and the scheduler's state), then resumed from it in a
   new job: steps 4 and 5 equal the uninterrupted run's.
 
 The runs start one after another (the reference beside the first); on a loaded 2-core
-machine the whole test takes about three minutes.
+machine the whole test takes three to five minutes (most of it starting processes). The
+Hugging Face model itself at pp=2 (``--use_distributed_transformer 0``) is run by AWS's
+script in docs/clients.md.
 """
 
 from __future__ import annotations
@@ -58,6 +59,7 @@ def _close(got: dict[str, Any], want: dict[str, Any], steps: list[int], what: st
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(900)
 def test_example_trains_like_one_process_and_resumes_exactly(tmp_path: Path) -> None:
     data = tmp_path / "data"
     subprocess.run([sys.executable, SCRIPT, "--make_data", str(data)], cwd=REPO, check=True)
@@ -65,8 +67,6 @@ def test_example_trains_like_one_process_and_resumes_exactly(tmp_path: Path) -> 
     ref_proc = _start(1, common, tmp_path / "ref.json")
     runs = {
         "pp2 distributed transformer": (2, ["--pipeline_parallel_degree", "2"]),
-        "pp2 Hugging Face model": (2, ["--pipeline_parallel_degree", "2",
-                                       "--use_distributed_transformer", "0"]),
         "tp2, prescaled_batch false": (2, ["--tensor_parallel_degree", "2",
                                            "--prescaled_batch", "0",
                                            "--train_batch_size", "2"]),

@@ -47,6 +47,7 @@ def _two_ranks(path: str) -> bool:
     return code == 0
 
 
+@pytest.mark.multiproc
 def test_two_processes_measure_the_link_and_fit_the_pipeline(tmp_path: Path) -> None:
     """What ``smp-fx calibrate --nproc 2`` (or under ``smp-fx run -n 2``) runs on each rank:
     the link between the two, the runtime fitted on one stage by rank 0 alone, and the

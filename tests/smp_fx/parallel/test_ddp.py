@@ -32,6 +32,7 @@ from torch import nn
 from tests.helpers.compare import mismatched, mismatched_across
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import example
+from tests.helpers.reference import train_plain
 
 GLOBAL_BATCH = 8
 M = 2  # microbatches per replica step
@@ -62,12 +63,8 @@ def _reference(steps: int, accumulate: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     ref = ex.build_model()
     opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
-    for i, (x, y) in enumerate(_batches(steps)):
-        ex.loss_fn(ref(x), y).backward()
-        if (i + 1) % accumulate == 0:
-            opt.step()
-            opt.zero_grad()
-    return {n: p.detach().clone() for n, p in ref.named_parameters(remove_duplicate=False)}
+    return train_plain(ref, opt, _batches(steps), lambda m, b: ex.loss_fn(m(b[0]), b[1]),
+                       accumulate=accumulate).params
 
 
 def _train(steps: int, accumulate: int, **model_kwargs: Any) -> tuple[Any, dict[str, Any]]:
@@ -249,7 +246,6 @@ def _body() -> dict[str, Any]:
     out["pure_dp"] = (smp.dp_size(), model._ddp.reductions)
     state._reset()
     out["example"] = _example_scenario()
-    state._reset()
     return out
 
 

@@ -19,7 +19,6 @@ from torch import nn
 
 import smp_fx as smp
 from cost_model.errors import SMPRuntimeError
-from smp_fx.world import state
 from tests.helpers.dist import run_ranks
 from tests.helpers.numerics import Pair, init
 
@@ -33,13 +32,7 @@ def _batches(pair: Pair, shapes: tuple[tuple[int, int], ...]) -> list[Any]:
             for b, s in shapes]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-    state._reset()
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("name", ["hf_gpt2", "hf_llama"])
@@ -162,7 +155,6 @@ def _two_ranks() -> list[float]:
     pair.x, pair.y = batches[0]
     worst = pair.compare(len(shapes), 2, batches=batches)
     assert pair.dm._executor is not None and pair.dm._executor.check_received is not None
-    state._reset()
     return [worst]
 
 

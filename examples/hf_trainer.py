@@ -34,7 +34,8 @@ the number of label tokens: both runs then optimise the same objective.
 
 The script trains three times, printing one JSON line with the per-step losses of each:
 ``gas1`` (gradient_accumulation_steps 1, saving a checkpoint at step 2, then evaluating
-and predicting: ``predict`` holds the logits' shape, sum and sum of magnitudes;
+and predicting: ``predict`` holds the logits' shape, then per sample their sum and sum
+of magnitudes, so samples gathered in another order show;
 with ``max_grad_norm`` so large that clipping runs but never scales, and ``grad_norm``: the
 norms the Trainer clipped by, which in SMP mode are each stage's own),
 ``resumed`` (a fresh model resumed from that checkpoint and trained to the same step) and
@@ -146,7 +147,9 @@ def main(out: str) -> dict[str, Any]:
     result: dict[str, Any] = {"gas1": losses(first), "eval": first.evaluate()["eval_loss"],
                               "grad_norm": losses(first, "grad_norm")}
     logits = torch.as_tensor(first.predict(Tokens(8, 3)).predictions)
-    result["predict"] = [list(logits.shape), logits.sum().item(), logits.abs().sum().item()]
+    per_sample = logits.flatten(1)
+    result["predict"] = [list(logits.shape), per_sample.sum(1).tolist(),
+                         per_sample.abs().sum(1).tolist()]
     resumed = trainer_for(os.path.join(out, "gas1"), gas=1, steps=4, save_steps=None)
     resumed.train(resume_from_checkpoint=os.path.join(out, "gas1", "checkpoint-2"))
     result["resumed"] = losses(resumed)

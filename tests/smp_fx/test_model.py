@@ -10,7 +10,6 @@ from torch import nn
 
 import smp_fx as smp
 from smp_fx.config import IMPLEMENTED, PARAMS
-from smp_fx.world import state
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import example
@@ -252,13 +251,9 @@ def test_unimplemented_configured_feature_is_an_error_at_wrap() -> None:
     if not planned:
         pytest.skip("every DistributedModel feature is built")
     name = planned[0].name
-    state._reset()
     smp.init({"pipeline_parallel_degree": 1, "ddp": True, name: True})
-    try:
-        with pytest.raises(smp.SMPNotImplementedError, match=name):
-            smp.DistributedModel(_net())
-    finally:
-        state._reset()
+    with pytest.raises(smp.SMPNotImplementedError, match=name):
+        smp.DistributedModel(_net())
 
 
 class _SharedFirst(nn.Module):

@@ -387,16 +387,10 @@ def test_optimizer_step_inside_step_is_rejected(one_rank: Any) -> None:
 
 def test_join_requires_ddp() -> None:
     import smp_fx as smp
-    from smp_fx.world import state
-
-    state._reset()
     smp.init({"pipeline_parallel_degree": 1})
-    try:
-        model = smp.DistributedModel(nn.Linear(4, 2))
-        with pytest.raises(smp.SMPConfigError, match="only with ddp"), model.join():
-            pass
-    finally:
-        state._reset()
+    model = smp.DistributedModel(nn.Linear(4, 2))
+    with pytest.raises(smp.SMPConfigError, match="only with ddp"), model.join():
+        pass
 
 
 def test_buckets_respect_cap_and_order() -> None:

@@ -10,11 +10,13 @@ stage in range, no value flows from a later stage to an earlier one, the plan li
 node once. Then one training step through ``DistributedModel`` equals the plain model's
 outputs and gradients.
 
-The one refusal a model of this family can earn is manual pins against its data flow
-(``SMPPartitionError``, "manual partitions must form a pipeline"); automatic partitioning
-and every step of a compiled plan must succeed. Anything else fails the test, in particular
-an ``SMPPassError`` wrapping a crash inside a pass and an ``SMPInternalError``
-(``tests.helpers.refusals``), and at least half the examples must compute.
+The refusals a model of this family can earn (``SMPPartitionError``): manual pins against
+its data flow ("manual partitions must form a pipeline"), and, partitioned automatically,
+more stages than compute nodes (``NODES_PER_OP``; exactly when there are fewer nodes than
+stages). Every other compile and every step of a compiled plan must succeed; anything else
+fails the test, in particular an ``SMPPassError`` wrapping a crash inside a pass and an
+``SMPInternalError`` (``tests.helpers.refusals``), and at least half the examples must
+compute.
 ``SMP_FX_FUZZ_EXAMPLES`` raises the number of examples.
 """
 
@@ -46,7 +48,7 @@ WIDTH, BATCH = 6, 4
 OPS = ("linear", "relu", "tanh", "add", "mul", "catlinear", "swap")
 OUTCOMES: Counter[str] = Counter()
 MIN_COMPUTED = 0.5
-"""The share of examples that must compute (about 0.9 do; refusals are manual pins only)."""
+"""The share of examples that must compute (about 0.9 do)."""
 
 
 class RandomDag(nn.Module):
@@ -100,6 +102,16 @@ def dags(draw: Any) -> RandomDag:
     return RandomDag(inputs, spec, (last, *extra))
 
 
+NODES_PER_OP = {"linear": 1, "relu": 1, "tanh": 1, "add": 1, "mul": 1, "catlinear": 2,
+                "swap": 3}
+"""The calls ``RandomDag.forward`` makes per op (catlinear: cat, linear; swap: two slices
+and a cat): the compute nodes of any trace of it, counted without smp-fx's tracer."""
+
+
+def _compute_nodes(model: RandomDag) -> int:
+    return sum(NODES_PER_OP[op] for op, _, _ in model.spec)
+
+
 def _check_plan(gm: torch.fx.GraphModule, plan: Any, stages: int) -> None:
     compute = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output", "get_attr")]
     for n in compute:
@@ -141,11 +153,16 @@ def _compile_and_compute(model: RandomDag, pp: int, m: int, pipeline: str, manua
             num_stages=pp, microbatches=m, pipeline=pipeline, auto_partition=not manual),
             pins=pins)
     except SMPPartitionError as exc:
-        assert manual, f"automatic partitioning refused a valid model: {exc}"
-        assert_refusal(exc, SMPPartitionError, "manual partitions must form a pipeline")
-        event("refused: manual pins against the data flow")
+        if manual:
+            assert_refusal(exc, SMPPartitionError, "manual partitions must form a pipeline")
+            event("refused: manual pins against the data flow")
+        else:
+            assert pp > _compute_nodes(model), f"refused a partitionable model: {exc}"
+            assert_refusal(exc, SMPPartitionError, "more partitions than compute nodes")
+            event("refused: more stages than compute nodes")
         OUTCOMES["refused"] += 1
         return
+    assert manual or pp <= _compute_nodes(model), "a stage without compute nodes was planned"
     _check_plan(compiled.gm, compiled.plan, pp)
 
     ref = RandomDag(model.inputs, model.spec, model.outputs)

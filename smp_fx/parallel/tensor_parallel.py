@@ -25,6 +25,7 @@ from torch import nn
 
 from passes.tensor_parallel import TensorParallelPlan
 from passes.tensor_parallel import collectives as tp_collectives
+from passes.tensor_parallel.coverage import coverage
 from smp_fx.runtime.lowering import Op
 from smp_fx.world import state
 
@@ -58,8 +59,10 @@ class TensorParallelRuntime:
                                    [p for n, p in local if n in chunked])
         model.executor.pre_step_hooks.append(rt.pre_step)
         model.executor.post_step_hooks.append(rt.post_step)
-        for region, why in plan.replicated:
-            log.warning("smp-fx tensor parallelism: %s stays replicated: %s", region, why)
+        if st.rank == 0:  # one report for the model (every rank's plan is the same)
+            report = coverage(plan)
+            level = logging.WARNING if plan.replicated else logging.INFO
+            log.log(level, "smp-fx %s", report.text())
         return rt
 
     def is_distributed(self, param: torch.Tensor) -> bool:

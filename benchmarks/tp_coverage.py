@@ -87,7 +87,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     for name in args.archs.split(","):
         smp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True,
-                  "prescaled_batch": True, "microbatches": 1})
+                  "prescaled_batch": True, "microbatches": 1, "optimize": args.optimize})
         model = smp.DistributedModel(hf_zoo.build(name))
         opt = smp.DistributedOptimizer(_optimizer(model.parameters(), args))
 
@@ -97,15 +97,60 @@ def worker(args: argparse.Namespace) -> None:
             model.backward(loss)
             return loss
 
-        for x, y in _batches(name, args.steps):
+        for step, (x, y) in enumerate(_batches(name, args.steps)):
             opt.zero_grad()
             train_step(model, x, y)
+            if step == 0 and args.grads:
+                grads = _full_grads(model)
+                if smp.rank() == 0:
+                    torch.save(grads, Path(args.out) / f"{name}.grad.pt")
             opt.step()
         state = model.state_dict()
         if smp.rank() == 0:
             torch.save({k: v.detach().cpu() for k, v in state.items()},
                        Path(args.out) / f"{name}.pt")
         smp.reset()
+
+
+def _full_grads(model: Any) -> dict[str, torch.Tensor]:
+    """The model's first-step gradients, shards all-gathered over tp and merged."""
+    import torch.distributed as dist
+
+    import smp_fx as smp
+    from passes.tensor_parallel import merge_shards
+
+    out = {}
+    for name, p in model.local_named_parameters():
+        g = p.grad if p.grad is not None else torch.zeros_like(p)
+        spec = model.tp_plan.shard_spec(name)
+        if spec is not None:
+            parts = [torch.empty_like(g) for _ in range(spec.parts)]
+            dist.all_gather(parts, g.contiguous(), group=smp.get_tp_process_group())
+            g = merge_shards(spec, parts)
+        out[name] = g.detach().cpu()
+    return out
+
+
+def first_grads(name: str) -> dict[str, torch.Tensor]:
+    """One process's first-step gradients on the plain model."""
+    model = hf_zoo.build(name, marked=False)
+    x, y = _batches(name, 1)[0]
+    hf_zoo.loss_fn(model(*x), y).backward()
+    return {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
+            for n, p in model.named_parameters()}
+
+
+def grad_notes(name: str, grads: dict[str, torch.Tensor], worst: str,
+               ref_state: dict[str, torch.Tensor], got_state: dict[str, torch.Tensor]) -> str:
+    """The largest first-step gradient difference (before any optimizer step) and, at the
+    entry of the largest final difference, the size of that entry's first gradient."""
+    ref = first_grads(name)
+    diff = max(((ref[k] - grads[k]).abs().max().item(), k) for k in ref if k in grads)
+    note = f"grad diff {diff[0]:.1e} ({diff[1]})"
+    if worst in ref:
+        at = (ref_state[worst].float() - got_state[worst].float()).abs().argmax()
+        note += f"; |grad| at the worst entry {ref[worst].flatten()[at].abs().item():.1e}"
+    return note
 
 
 def compare(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], tol: float
@@ -142,8 +187,14 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--eps", type=float, default=1e-8, help="Adam's eps")
     ap.add_argument("--tol", type=float, default=1e-5)
+    ap.add_argument("--optimize", choices=("speed", "memory"), default="memory",
+                    help="SMP's optimize: memory chunks the activations between the pairs "
+                         "by sequence")
     ap.add_argument("--no-train", action="store_true", help="coverage only")
     ap.add_argument("--lone", action="store_true", help="also list the lone linears")
+    ap.add_argument("--grads", action="store_true",
+                    help="also compare the first step's gradients (before the optimizer) "
+                         "and show the first gradient at the worst final entry")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -161,12 +212,14 @@ def main() -> None:
             print(f"  {name}: {'replicated' if (module, why) in two.replicated else 'lone'} "
                   f"{module}: {why}", flush=True)
     results: dict[str, tuple[bool, float, str]] = {}
+    notes: dict[str, str] = {}
     if not args.no_train:
         with tempfile.TemporaryDirectory() as out:
             cmd = [sys.executable, "-m", "smp_fx.cli.main", "run", "-n", "2", __file__,
                    "--worker", f"--out={out}", f"--archs={args.archs}",
                    f"--steps={args.steps}", f"--optimizer={args.optimizer}",
-                   f"--lr={args.lr}", f"--eps={args.eps}"]
+                   f"--lr={args.lr}", f"--eps={args.eps}", f"--optimize={args.optimize}"
+                   ] + (["--grads"] if args.grads else [])
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
                                   timeout=3600, env={**os.environ, "OMP_NUM_THREADS": "1",
                                                      "SMP_FX_DEVICE_SPEC": "a100"})
@@ -176,7 +229,11 @@ def main() -> None:
                     results[name] = (False, float("inf"), "the tp=2 run did not finish")
                     continue
                 got = torch.load(path, weights_only=True)
-                results[name] = compare(reference(name, args), got, args.tol)
+                ref = reference(name, args)
+                results[name] = compare(ref, got, args.tol)
+                if args.grads:
+                    grads = torch.load(Path(out) / f"{name}.grad.pt", weights_only=True)
+                    notes[name] = grad_notes(name, grads, results[name][2], ref, got)
             if proc.returncode != 0:
                 print(f"the tp=2 run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     opt = args.optimizer if args.optimizer == "sgd" else f"adam eps={args.eps:g}"
@@ -193,6 +250,8 @@ def main() -> None:
             num = f"{'equal' if ok else 'DIFFER'} {worst:.1e} {where}"
         print(f"{name:<13} {two.share:>6.3f} {four.share:>6.3f} {two.pairs:>5} "
               f"{len(two.lone):>4} {len(two.replicated):>4}  {num}")
+        if name in notes:
+            print(f"{'':<13} {notes[name]}")
     print(f"total {time.perf_counter() - t0:.0f} s")
 
 

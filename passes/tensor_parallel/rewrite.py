@@ -198,12 +198,13 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: Linear,
                                                 size, rank, stride),
                     original=w_full, ties=ties)
     specs = [ShardSpec(lin.weight, w_dim, size, tuple(w_full.shape), stride, pad)]
-    if lin.bias is not None and b_full is not None:
-        if lin.role == "row":
-            graph.set_param(gm, lin.bias, b_full.detach().clone())
+    if lin.bias is not None and b_full is not None:  # ties: a bias read under two names
+        if lin.role == "row":  # (BERT's decoder.bias and predictions.bias) stays one tensor
+            graph.set_param(gm, lin.bias, b_full.detach().clone(), original=b_full, ties=ties)
         else:
-            graph.set_param(gm, lin.bias, graph.shard(graph.pad(b_full, 0, pad), 0,
-                                                      size, rank, stride))
+            graph.set_param(gm, lin.bias, graph.shard(graph.pad(b_full, 0, pad), 0, size,
+                                                      rank, stride),
+                            original=b_full, ties=ties)
             specs.append(ShardSpec(lin.bias, 0, size, tuple(b_full.shape), stride, pad))
     x = node.args[lin.x_pos]
     assert isinstance(x, torch.fx.Node)

@@ -30,6 +30,7 @@ holds (shards and replicated parameters), and the shard shapes the structure imp
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from typing import Any
@@ -99,10 +100,23 @@ def _reference(arch: str) -> tuple[list[dict[str, torch.Tensor]], dict[str, torc
     return grads, {k: v.clone() for k, v in model.state_dict().items()}
 
 
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
 def _case(arch: str, ref_grads: list[dict[str, torch.Tensor]],
           ref_state: dict[str, torch.Tensor]) -> dict[str, Any]:
     import smp_fx as smp
 
+    log = logging.getLogger("smp_fx.parallel.tensor_parallel")
+    lines = _Lines()
+    log.addHandler(lines)
+    log.setLevel(logging.INFO)
     smp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True,
               "prescaled_batch": True, "microbatches": 1})
     model = smp.DistributedModel(hf_zoo.build(arch))
@@ -130,7 +144,9 @@ def _case(arch: str, ref_grads: list[dict[str, torch.Tensor]],
     assert model.tp_plan is not None and model.plan is not None
     coverage = model.tp_coverage()
     assert coverage is not None
+    log.removeHandler(lines)
     result = {"bad": bad, "plan_bytes": model.plan.stages[0].memory.params,
+              "reports": [ln for ln in lines.lines if "parameter elements sharded" in ln],
               "held_bytes": sum(held.values()), "pairs": len(model.tp_plan.pairs),
               "replicated": list(model.tp_plan.replicated), "share": coverage.share,
               "shapes": {n: tuple(p.shape) for n, p in model.local_named_parameters()}}
@@ -167,5 +183,8 @@ def test_structure_matches_one_process_with_its_shards(arch: str) -> None:
         assert r["replicated"] == [], r["replicated"]
         assert r["share"] >= 0.9 and r["pairs"] == PAIRS[arch], (r["share"], r["pairs"])
         assert r["plan_bytes"] == r["held_bytes"], (r["plan_bytes"], r["held_bytes"])
+        # the coverage report, logged once, on rank 0
+        assert len(r["reports"]) == (1 if rank == 0 else 0), r["reports"]
+        assert f"{r['share']:.1%}" in (r["reports"] or [""])[0] or rank
         for name, shape in SHAPES[arch].items():
             assert r["shapes"].get(name) == shape, (name, r["shapes"].get(name))

@@ -158,20 +158,23 @@ def copy_operand(n: torch.fx.Node, a: torch.fx.Node, rw: Rewrites) -> None:
 
 
 NO_GRAD: frozenset[Any] = frozenset({"detach", torch.ops.aten.detach.default, "size",
-                                     torch.ops.aten.sym_size.int})
+                                     torch.ops.aten.sym_size.int, getattr, "dim"})
+"""Ops whose value carries no gradient: detaching, and reading sizes, dtypes, devices
+(``mask.to(weight.dtype)`` reads the weight but takes no gradient from it)."""
 
 
 def grad_flow(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     """The nodes whose value a gradient can flow into: floating values computed from a
-    trainable parameter or a floating graph input (a pipeline stage's received value).
-    Buffers (RoPE's frequencies), masks and sizes carry none."""
+    trainable parameter. The rewrite sees the whole model before it is split into stages,
+    so its inputs are the batch (whose gradient the step does not return); buffers (RoPE's
+    frequencies), masks and sizes carry none."""
     out: set[torch.fx.Node] = set()
     for n in gm.graph.nodes:
         dtype = getattr(meta.TENSOR.get(n, None), "dtype", None)  # a name: "torch.float32"
         if dtype is not None and "float" not in str(dtype) and "bfloat" not in str(dtype):
             continue
         if n.op == "placeholder":
-            need = dtype is not None
+            need = False
         elif n.op == "get_attr":
             obj: Any = gm
             for part in str(n.target).split("."):

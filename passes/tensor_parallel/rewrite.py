@@ -2,8 +2,8 @@
 
 For every marked region (an outermost module marked by ``smp.tensor_parallelism``,
 ``smp.set_tensor_parallelism`` or an ``smp.nn`` type; given as module paths), the pass
-finds the linears (``nn.Linear`` leaves, ``F.linear`` / ``aten.linear`` on parameters)
-and pairs them Megatron-style:
+finds the linears (``passes.tensor_parallel.linears``) and embeddings and pairs the
+linears Megatron-style (``passes.tensor_parallel.analysis`` decides the roles):
 
 * a *column-parallel* linear (weight rows split: each rank computes ``out/tp`` features)
   whose output flows through ops the sharding rules of ``passes.tensor_parallel.rules`` carry a
@@ -19,11 +19,12 @@ along the features. Collectives are ``call_function`` nodes of
 With ``prescaled_batch`` false each pair (and each lone linear) gathers its input over the
 tp group's batches and keeps this rank's part of the output.
 
-A region the pass cannot shard (sizes not divisible by tp, a split value reaching an op
-with no rule, no linear at all) stays replicated, and
-``TensorParallelPlan.replicated`` says why. The result depends on ``rank``: each rank's
-graph holds its own shards, under the original parameter names; every rank's graph has
-the same nodes, names and stages.
+What cannot be sharded is decided per linear and embedding (a size tp does not divide,
+a tensor another node reads): only that one stays replicated, and
+``TensorParallelPlan.replicated`` says why; ``TensorParallelPlan.lone`` says why each
+lone linear has no partner. The result depends on ``rank``: each rank's graph holds its
+own shards, under the original parameter names; every rank's graph has the same nodes,
+names and stages.
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ from smp_fx.ckpt.state_dict import (
 from smp_fx.ckpt.validate import agreed
 from smp_fx.world import comm
 from smp_fx.world import state as smp_state
-from smp_fx.world.context import current_model
+from smp_fx.world.context import ProcessModel, current_model
 
 StateDict = dict[str, Any]
 
@@ -176,6 +176,8 @@ class ModelCheckpointMixin:
         @property
         def partitioned(self) -> bool: ...
 
+        def local_unread_state(self) -> dict[str, torch.Tensor]: ...
+
     def _smp_layout(self) -> ModelLayout:
         layout = self.__dict__.get("_smp_layout_cache")
         if layout is None:
@@ -186,6 +188,7 @@ class ModelCheckpointMixin:
     def _smp_local_tensors(self) -> dict[str, torch.Tensor]:
         tensors = dict(self.local_named_parameters())  # type: ignore[attr-defined]
         tensors.update(self.local_named_buffers())  # type: ignore[attr-defined]
+        tensors.update(self.local_unread_state())
         return tensors
 
     def local_state_dict(self) -> StateDict:
@@ -267,7 +270,7 @@ class ModelCheckpointMixin:
         plan = self.__dict__.get("tp_plan")
         _refuse_foreign_shards(state_dict, plan, list(local))
         chosen, local_missing = select_model_state(state_dict, list(local), layout)
-        chosen = _cut_shards(chosen, plan, {n: local[n].shape for n in chosen})
+        specs = {s.name: s for s in getattr(plan, "sharded", ())}
         if partial:
             missing = local_missing
         if strict and (missing or unexpected):
@@ -277,8 +280,11 @@ class ModelCheckpointMixin:
                 where="DistributedModel.load_state_dict",
                 fix="load a state dict of this model, or pass strict=False")
         with torch.no_grad():
-            for name, value in chosen.items():
+            for name in chosen:  # one tensor at a time (a lazily read state is read here)
                 target = local[name]
+                value = chosen[name]
+                if name in specs:  # a full tensor of a distributed parameter: this rank's cut
+                    value = tp_shards.cut(value, specs[name], _tp_rank(), tuple(target.shape))
                 if tuple(target.shape) != tuple(value.shape):
                     raise SMPCheckpointError.build(
                         "shape of a loaded tensor differs from the model's",
@@ -302,13 +308,13 @@ class OptimizerCheckpointMixin:
                                                                  cls._smp_current_model())
         return self
 
-    def _smp_name_parameters(self, model: Any) -> None:
+    def _smp_name_parameters(self, model: ProcessModel) -> None:
         """Name this optimizer's parameters by ``model``'s module (an optimizer built before
         its DistributedModel is named when the model adopts it)."""
         self.__dict__["_smp_full_names"] = _full_group_names(self.optimizer, model)
 
     @staticmethod
-    def _smp_current_model() -> Any:
+    def _smp_current_model() -> ProcessModel | None:
         """The DistributedModel this optimizer belongs to (the last one created)."""
         return current_model()
 
@@ -406,7 +412,7 @@ class OptimizerCheckpointMixin:
 
 
 def _full_group_names(optimizer: torch.optim.Optimizer,
-                      model: Any) -> list[list[str | None]]:
+                      model: ProcessModel | None) -> list[list[str | None]]:
     """FQN of every parameter of ``optimizer`` in group order (None where it has none)."""
     names: dict[int, str] = {}
     if model is not None:

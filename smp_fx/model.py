@@ -41,6 +41,7 @@ from cost_model.errors import (
 from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram
 from passes.tensor_parallel import TensorParallelPlan
+from passes.tensor_parallel.coverage import Coverage, coverage
 from smp_fx.amp import fp16
 from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
@@ -170,6 +171,12 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
 
     def get_module(self) -> nn.Module:
         return self.module
+
+    def tp_coverage(self) -> Coverage | None:
+        """How much tensor parallelism shards (``passes.tensor_parallel.coverage``): the
+        share of parameter elements sharded, each replicated linear or embedding and each
+        lone linear with the reason; None before partitioning or at degree 1."""
+        return None if self.tp_plan is None else coverage(self.tp_plan)
 
     def is_distributed_parameter(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is a tensor-parallel shard (False before partitioning)."""

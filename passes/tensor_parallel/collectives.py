@@ -28,8 +28,11 @@ function as the original.
   ``tp_seq_unscatter`` (forward all-gather, backward the local chunk) convert to and from
   replicated values. ``sum_grads`` completes the gradients of parameters that saw only
   this rank's chunk (layer norms, row biases).
-* ``tp_scatter`` also gives a head-split attention this rank's heads of a replicated key
-  or value (grouped-query attention whose kv heads tp does not divide).
+* ``tp_scatter`` also gives a head-split op this rank's heads of a replicated operand
+  (grouped-query attention's key or value when tp does not divide the kv heads, a
+  relative position bias, ALiBi: then in each block of heads of a batch merged with them).
+* ``tp_sum``: forward all-reduce of each rank's partial sum over a split dim (times a
+  scale: a mean's parts), backward the scaled gradient (a full-width RMSNorm's mean).
 """
 
 from __future__ import annotations
@@ -77,15 +80,24 @@ def group_all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return _all_reduce(x, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
 
 
-def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, block: int = 0) -> torch.Tensor:
+    """The ranks' parts of ``dim`` joined; ``block`` > 0: the whole dim is blocks of that
+    many entries, each rank holding its chunk of every block (``Split.block``)."""
     x = x.contiguous()
     parts = [torch.empty_like(x) for _ in range(_BOUND.size)]
     dist.all_gather(parts, x, group=_BOUND.group)
-    return torch.cat(parts, dim=dim)
+    if not block:
+        return torch.cat(parts, dim=dim)
+    blocks = [p.unflatten(dim, (-1, block // _BOUND.size)) for p in parts]
+    return torch.cat(blocks, dim=dim + 1).flatten(dim, dim + 1)
 
 
-def _local(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return x.chunk(_BOUND.size, dim=dim)[_BOUND.rank].contiguous()
+def _local(x: torch.Tensor, dim: int, block: int = 0) -> torch.Tensor:
+    """This rank's chunk of ``dim`` (of each of its blocks of ``block`` entries)."""
+    if not block:
+        return x.chunk(_BOUND.size, dim=dim)[_BOUND.rank].contiguous()
+    blocks = x.unflatten(dim, (-1, block))
+    return blocks.chunk(_BOUND.size, dim=dim + 1)[_BOUND.rank].flatten(dim, dim + 1).contiguous()
 
 
 class _Copy(torch.autograd.Function):
@@ -205,8 +217,30 @@ def _along_dim(name: str, forward: Callable[[torch.Tensor, int], torch.Tensor],
 
 _SeqGather = _along_dim("_SeqGather", _all_gather, _reduce_scatter)
 _SeqReduceScatter = _along_dim("_SeqReduceScatter", _reduce_scatter, _all_gather)
-_Scatter = _along_dim("_Scatter", _local, _all_gather)
 _SeqUnscatter = _along_dim("_SeqUnscatter", _all_gather, _local)
+
+
+class _Scatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, block: int) -> torch.Tensor:
+        ctx.dim, ctx.block = dim, block
+        return _local(x, dim, block)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _all_gather(g, ctx.dim, ctx.block), None, None
+
+
+class _Sum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        out = _all_reduce(x)
+        return out * scale if scale != 1.0 else out
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return (g * ctx.scale if ctx.scale != 1.0 else g), None
 
 
 def tp_seq_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -217,8 +251,17 @@ def tp_seq_reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
     return _SeqReduceScatter.apply(x, dim) if active() else x
 
 
-def tp_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return _Scatter.apply(x, dim) if active() else x
+def tp_scatter(x: torch.Tensor, dim: int, block: int = 0) -> torch.Tensor:
+    """This rank's chunk of a replicated ``x`` along ``dim`` (of each of its blocks of
+    ``block`` entries, when ``block`` > 0); backward all-gather."""
+    return _Scatter.apply(x, dim, block) if active() else x
+
+
+def tp_sum(x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """The sum over the group of each rank's partial sum (or mean, with ``scale`` 1/tp)
+    over its part of a split dim; backward the gradient times ``scale``, as it stands (the
+    replicated result enters the split ops by ``tp_copy``, which sums their parts)."""
+    return _Sum.apply(x, scale) if active() else x
 
 
 def tp_seq_unscatter(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -237,19 +280,23 @@ def tp_seq_full_shape(x: torch.Tensor, dim: int, gathered: bool) -> torch.Size:
     return torch.Size(shape)
 
 
-def tp_vocab_embedding(ids: torch.Tensor, weight: torch.Tensor,
-                       start: int | None = None) -> torch.Tensor:
+def tp_vocab_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int | None = None,
+                       padding_idx: int | None = None) -> torch.Tensor:
     """Embedding lookup with ``weight`` this rank's block of rows ``[start, start + n)``
     (``start`` None: ``rank * n``): ids outside the block give zeros, and the sum over the
     group is the full lookup (forward all-reduce, backward identity, as ``tp_reduce``).
+    ``padding_idx`` (a row of the full table) gets no gradient, on the rank that holds it.
     Without a group the partial lookup of ``start``'s block is returned as it is (the
     ranks' outputs sum to the full lookup), or the plain lookup when ``start`` is None."""
     if not active() and start is None:
-        return F.embedding(ids, weight)
+        return F.embedding(ids, weight, padding_idx)
     rows = weight.shape[0]
-    local = ids - (_BOUND.rank * rows if start is None else start)
+    first = _BOUND.rank * rows if start is None else start
+    local = ids - first
     outside = (local < 0) | (local >= rows)
-    out = F.embedding(local.masked_fill(outside, 0), weight).masked_fill(
+    pad = None if padding_idx is None or not 0 <= padding_idx - first < rows \
+        else padding_idx - first
+    out = F.embedding(local.masked_fill(outside, 0), weight, pad).masked_fill(
         outside.unsqueeze(-1), 0.0)
     return _Reduce.apply(out) if active() else out
 

@@ -32,6 +32,7 @@ CommTime = Callable[[float], float]
 COLLECTIVES: dict[str, tuple[str | None, str | None]] = {
     "tp_copy": (None, "all_reduce"),
     "tp_reduce": ("all_reduce", None),
+    "tp_sum": ("all_reduce", None),
     "tp_gather_last": ("all_gather", None),
     "tp_gather_batch": ("all_gather", "all_gather"),
     "tp_split_batch": (None, "all_gather"),

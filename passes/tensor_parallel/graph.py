@@ -98,7 +98,8 @@ def unpad(value: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
 
 #: how each collective's output relates to its input: (split dim, grows)
 SHAPES: dict[str, tuple[int | None, bool]] = {
-    "tp_copy": (None, False), "tp_reduce": (None, False), "tp_gather_last": (-1, True),
+    "tp_copy": (None, False), "tp_reduce": (None, False), "tp_sum": (None, False),
+    "tp_gather_last": (-1, True),
     "tp_gather_batch": (0, True), "tp_split_batch": (0, False)}
 
 
@@ -126,14 +127,20 @@ def get_attr(graph: torch.fx.Graph, fqn: str, like: torch.fx.Node) -> torch.fx.N
     return n
 
 
-def replace_node(graph: torch.fx.Graph, node: torch.fx.Node, new: torch.fx.Node) -> None:
+def replace_node(graph: torch.fx.Graph, node: torch.fx.Node, new: torch.fx.Node,
+                 views: Sequence[torch.fx.Node] = ()) -> None:
     """Put ``new`` (a linear's or embedding's sharded form, inserted beside it) in place of
     ``node``: its uses read ``new``, and ``node`` goes with the ``get_attr`` nodes of the
-    full tensors that only it read."""
+    full tensors that only it read, and the ``views`` of them (a transposed weight) it
+    alone used."""
     inputs = node.all_input_nodes
     node.replace_all_uses_with(new)
     graph.erase_node(node)
-    for old in (a for a in inputs if a.op == "get_attr" and not a.users):
+    for view in views:
+        if not view.users:
+            inputs += view.all_input_nodes
+            graph.erase_node(view)
+    for old in dict.fromkeys(a for a in inputs if a.op == "get_attr" and not a.users):
         graph.erase_node(old)
 
 
@@ -152,22 +159,57 @@ def gather_operands(graph: torch.fx.Graph,
         consumer.replace_input_with(operand, gathered[operand])
 
 
+def _read_of(consumer: torch.fx.Node, operand: torch.fx.Node) -> torch.fx.Node | None:
+    """The input of ``consumer`` that is ``operand``, or its batch gather
+    (``gather_operands``), or None."""
+    return next((a for a in consumer.all_input_nodes if a is operand or (
+        a.target is collectives.tp_gather_batch and a.args[0] is operand)), None)
+
+
 def scatter_operands(graph: torch.fx.Graph,
-                     slices: Mapping[tuple[torch.fx.Node, torch.fx.Node], int],
+                     slices: Mapping[tuple[torch.fx.Node, torch.fx.Node], tuple[int, int]],
                      size: int) -> None:
     """Feed each head-split consumer this rank's chunk (``collectives.tp_scatter``) of
-    its replicated operand along the recorded dim, after the operand's batch gather when
-    ``gather_operands`` gave it one."""
-    for (operand, consumer), dim in slices.items():
-        read = next((a for a in consumer.all_input_nodes if a is operand or (
-            a.target is collectives.tp_gather_batch and a.args[0] is operand)), None)
+    its replicated operand along the recorded (dim, blocks), after the operand's batch
+    gather when ``gather_operands`` gave it one."""
+    for (operand, consumer), (dim, block) in slices.items():
+        read = _read_of(consumer, operand)
         if read is None:
             continue
         with graph.inserting_before(consumer):
-            cut = insert(graph, collectives.tp_scatter, (read, dim), consumer, size)
+            cut = insert(graph, collectives.tp_scatter, (read, dim, block), consumer, size)
         meta.TENSOR.set(cut, costs.local_info(meta.TENSOR.get(read), dim, size))
         meta.TP_SPLIT.set(cut, dim)
         consumer.replace_input_with(read, cut)
+
+
+def copy_operands(graph: torch.fx.Graph, uses: Sequence[tuple[torch.fx.Node, torch.fx.Node]],
+                  size: int) -> None:
+    """Feed each (replicated operand, consumer) the operand through ``tp_copy`` (identity
+    forward, all-reduce of the gradient): the consumer works on a split value, so each
+    rank's gradient of the operand covers its part. One copy per operand (its batch
+    gather's, when it has one), shared by its split consumers."""
+    copied: dict[torch.fx.Node, torch.fx.Node] = {}
+    for operand, consumer in uses:
+        read = _read_of(consumer, operand)
+        if read is None:
+            continue
+        if read not in copied:
+            with graph.inserting_after(read):
+                copied[read] = insert(graph, collectives.tp_copy, (read,), read, size)
+        consumer.replace_input_with(read, copied[read])
+
+
+def complete_partials(graph: torch.fx.Graph, partial: Mapping[torch.fx.Node, float],
+                      size: int) -> None:
+    """Follow each sum or mean over a split dim by ``collectives.tp_sum`` (the ranks'
+    parts summed, times the scale), which its users then read."""
+    for node, scale in partial.items():
+        users = list(node.users)
+        with graph.inserting_after(node):
+            total = insert(graph, collectives.tp_sum, (node, scale), node, size)
+        for user in users:
+            user.replace_input_with(node, total)
 
 
 def mark_gathered(graph: torch.fx.Graph) -> None:
@@ -186,6 +228,7 @@ def mark_gathered(graph: torch.fx.Graph) -> None:
             meta.TP_GATHERED.set(n, True)
 
 
-__all__ = ["SHAPES", "Ties", "attr", "gather_operands", "get_attr", "insert", "mark_gathered",
+__all__ = ["SHAPES", "Ties", "attr", "complete_partials", "copy_operands", "gather_operands",
+           "get_attr", "insert", "mark_gathered",
            "pad", "replace_module", "replace_node", "retie", "scatter_operands", "set_param",
            "shard", "unpad", "unshard"]

@@ -57,7 +57,10 @@ class ShardSpec:
 
 @dataclass(frozen=True)
 class TensorParallelPlan:
-    """What the pass did: sharded parameters and the regions left replicated, with why."""
+    """What the pass did: the sharded parameters, the linears and embeddings left whole
+    (module, why: ``replicated``; also a marked region with nothing to shard), the column
+    -> row pairs, the lone linears (module, why no partner), and ``elements``: (parameter
+    elements sharded, all of the model's), each tensor once."""
 
     size: int
     sharded: tuple[ShardSpec, ...] = ()
@@ -66,20 +69,33 @@ class TensorParallelPlan:
     sequence_parallel: tuple[str, ...] = ()
     """``optimize: "memory"``: the replicated parameters read by sequence-chunked ops
     (``passes.tensor_parallel.sequence``), whose gradients are summed over the tp group."""
+    lone: tuple[tuple[str, str], ...] = ()
+    elements: tuple[int, int] = (0, 0)
+
+    @property
+    def share(self) -> float:
+        """The share of the model's parameter elements that are sharded (0 to 1)."""
+        done, total = self.elements
+        return done / total if total else 0.0
 
     def to_json(self) -> dict[str, Any]:
         out = {"size": self.size, "sharded": [s.to_json() for s in self.sharded],
                "replicated": [list(r) for r in self.replicated],
                "pairs": [list(p) for p in self.pairs]}
+        out |= {"lone": [list(r) for r in self.lone]} if self.lone else {}
+        out |= {"elements": list(self.elements)} if any(self.elements) else {}
         return out | ({"sequence_parallel": list(self.sequence_parallel)}
                       if self.sequence_parallel else {})
 
     @staticmethod
     def from_json(d: Mapping[str, Any]) -> TensorParallelPlan:
+        done, total = d.get("elements", (0, 0))
         return TensorParallelPlan(d["size"], tuple(ShardSpec.from_json(s) for s in d["sharded"]),
                                   tuple((a, b) for a, b in d["replicated"]),
                                   tuple((a, b) for a, b in d["pairs"]),
-                                  tuple(d.get("sequence_parallel", ())))
+                                  tuple(d.get("sequence_parallel", ())),
+                                  tuple((a, b) for a, b in d.get("lone", ())),
+                                  (int(done), int(total)))
 
     def shard_spec(self, name: str) -> ShardSpec | None:
         return next((s for s in self.sharded if s.name == name), None)

@@ -32,10 +32,22 @@ class Unsupported(Exception):
 @dataclass(frozen=True)
 class Split:
     """Split along ``dim`` of the node's output; ``origin``: the column linears' nodes
-    (comma-separated names: SwiGLU's ``gate * up`` has two)."""
+    (comma-separated names: SwiGLU's ``gate * up`` has two). ``block`` > 0: the dim is
+    blocks of ``block`` entries, each cut into the ranks' chunks (a batch merged with the
+    heads, BLOOM's and DeBERTa's ``(b * heads, t, d)``: block = heads, and rank r holds its
+    heads of every example); a size in heads, so any batch fits."""
 
     dim: int
     origin: str
+    block: int = 0
+
+
+class Replicated:
+    """A rule's answer for an output that is whole on every rank although an input is
+    split (a sum over the split dim, completed by an all-reduce): ``REPLICATED``."""
+
+
+REPLICATED = Replicated()
 
 
 ArgPos = int | str | tuple[int, int]
@@ -56,9 +68,22 @@ class Rewrites:
     batch_reads: list[torch.fx.Node] = field(default_factory=list)
     """``size()`` reads of a split value that include its batch: gathered when the batch is,
     which a view of the reassembled output would then get wrong (not prescaled)."""
-    slices: dict[tuple[torch.fx.Node, torch.fx.Node], int] = field(default_factory=dict)
-    """(replicated operand, head-split consumer) -> dim: the consumer reads this rank's
-    heads of the operand (``tp_scatter``)."""
+    slices: dict[tuple[torch.fx.Node, torch.fx.Node], tuple[int, int]] = field(
+        default_factory=dict)
+    """(replicated operand, head-split consumer) -> (dim, block): the consumer reads this
+    rank's heads of the operand (``tp_scatter``)."""
+    copies: list[tuple[torch.fx.Node, torch.fx.Node]] = field(default_factory=list)
+    """(replicated operand, consumer) where the operand broadcasts over a split value and
+    may carry a gradient: each rank's gradient of it covers its part only, so it enters
+    through ``tp_copy`` (backward all-reduce): a per-head norm's weight, a learned scale."""
+    partial: dict[torch.fx.Node, float] = field(default_factory=dict)
+    """Sums and means over the split dim -> scale: each rank's is over its part, so an
+    all-reduce times the scale completes it (``tp_sum``: OLMo-2's full-width q/k norm)."""
+    grad: set[torch.fx.Node] = field(default_factory=set)
+    """The nodes a gradient can flow into (``grad_flow``), read by ``copy_operand``."""
+    merged: list[torch.fx.Node] = field(default_factory=list)
+    """Views merging the batch into a split dim (``Split.block``): under prescaled_batch
+    false a gathered batch would change the blocks, which is not built."""
     gather: list[tuple[torch.fx.Node, torch.fx.Node]] = field(default_factory=list)
     """(consumer, replicated operand with the batch on dim 0) of a split value: gathered
     over the tp group's batches like the split value when not prescaled (an attention
@@ -88,35 +113,78 @@ def size_read(n: Any) -> bool:
 
 
 def elementwise_out(n: torch.fx.Node, split: dict[torch.fx.Node, Split],
-                    rw: Rewrites | None = None) -> Split:
-    """Broadcasting: split inputs aligned on one dim (counted from the end); replicated
-    tensor inputs must have size 1 there (RoPE's cos/sin, masks) or not reach it. One
-    with the output's batch on dim 0 is noted in ``rw.gather`` (``batched_operand``)."""
+                    rw: Rewrites | None = None, size: int = 1) -> Split:
+    """Broadcasting: split inputs aligned on one dim (counted from the end); a replicated
+    tensor input has size 1 there (RoPE's cos/sin, masks: then it enters by ``tp_copy``
+    when it may carry a gradient), does not reach it (the same), or has the split dim's
+    full size: then each rank reads its part (``slice_operand``: T5's and Swin's relative
+    position biases added to head-split scores). One with the output's batch on dim 0 is
+    noted in ``rw.gather`` (``batched_operand``)."""
     out = shape(n)
     if out is None:
         raise Unsupported(f"{n.name} has no static shape")
-    from_end: set[int] = set()
+    from_end: set[tuple[int, int]] = set()
     origins: set[str] = set()
     for a in n.all_input_nodes:
         if a in split:
             s = shape(a)
             if s is None:
                 raise Unsupported(f"{a.name} has no static shape")
-            from_end.add(len(s) - split[a].dim)
+            from_end.add((len(s) - split[a].dim, split[a].block))
             origins.update(split[a].origin.split(","))
     if len(from_end) != 1:
         raise Unsupported(f"{n.name} ({n.target}) combines values split on different dims")
-    k = from_end.pop()
+    k, block = from_end.pop()
     for a in n.all_input_nodes:
         s = shape(a)
-        if a in split or s is None or len(s) < k:
+        if a in split or s is None:
             continue
-        if s[len(s) - k] != 1:
+        if len(s) < k or s[len(s) - k] == 1:  # broadcast over the split dim
+            if rw is not None:
+                if len(s) >= k:
+                    batched_operand(n, a, out, rw)
+                copy_operand(n, a, rw)
+        elif rw is None or not slice_operand(n, a, k, size, rw, block):
             raise Unsupported(f"{n.name} ({n.target}) mixes a split value with the "
                               f"replicated {a.name} of size {s[len(s) - k]} on the split dim")
-        if rw is not None:
-            batched_operand(n, a, out, rw)
-    return Split(len(out) - k, ",".join(sorted(origins)))
+    return Split(len(out) - k, ",".join(sorted(origins)), block)
+
+
+def copy_operand(n: torch.fx.Node, a: torch.fx.Node, rw: Rewrites) -> None:
+    """Note a replicated operand ``a`` broadcast over ``n``'s split value for ``tp_copy``
+    (``Rewrites.copies``), when a gradient can reach it (``Rewrites.grad``)."""
+    if a in rw.grad:
+        rw.copies.append((a, n))
+
+
+NO_GRAD: frozenset[Any] = frozenset({"detach", torch.ops.aten.detach.default, "size",
+                                     torch.ops.aten.sym_size.int, getattr, "dim"})
+"""Ops whose value carries no gradient: detaching, and reading sizes, dtypes, devices
+(``mask.to(weight.dtype)`` reads the weight but takes no gradient from it)."""
+
+
+def grad_flow(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
+    """The nodes whose value a gradient can flow into: floating values computed from a
+    trainable parameter. The rewrite sees the whole model before it is split into stages,
+    so its inputs are the batch (whose gradient the step does not return); buffers (RoPE's
+    frequencies), masks and sizes carry none."""
+    out: set[torch.fx.Node] = set()
+    for n in gm.graph.nodes:
+        dtype = getattr(meta.TENSOR.get(n, None), "dtype", None)  # a name: "torch.float32"
+        if dtype is not None and "float" not in str(dtype) and "bfloat" not in str(dtype):
+            continue
+        if n.op == "placeholder":
+            need = False
+        elif n.op == "get_attr":
+            obj: Any = gm
+            for part in str(n.target).split("."):
+                obj = getattr(obj, part, None)
+            need = bool(getattr(obj, "requires_grad", False))
+        else:
+            need = n.target not in NO_GRAD and any(a in out for a in n.all_input_nodes)
+        if need:
+            out.add(n)
+    return out
 
 
 def batched_operand(n: torch.fx.Node, a: torch.fx.Node, out: tuple[int, ...],
@@ -131,18 +199,21 @@ def batched_operand(n: torch.fx.Node, a: torch.fx.Node, out: tuple[int, ...],
         rw.gather.append((n, a))
 
 
-def slice_operand(n: torch.fx.Node, operand: Any, k: int, size: int, rw: Rewrites) -> bool:
+def slice_operand(n: torch.fx.Node, operand: Any, k: int, size: int, rw: Rewrites,
+                  block: int = 0) -> bool:
     """A replicated operand of a head-split op (grouped-query attention's key or value when
-    tp does not divide the kv heads): each rank takes its heads (``tp_scatter`` along the
-    dim ``k`` from the end), when that dim has the split dim's full size."""
+    tp does not divide the kv heads, a relative position bias): each rank takes its heads
+    (``tp_scatter`` along the dim ``k`` from the end, in each block of ``block`` entries),
+    when that dim has the split dim's full size."""
     s, out = shape(operand), shape(n)
     if s is None or out is None or len(s) < k or s[len(s) - k] % size:
         return False
     if s[len(s) - k] == 1:
+        copy_operand(n, operand, rw)
         return True  # broadcast over the heads: nothing to cut
-    if s[len(s) - k] != out[len(out) - k]:
+    if s[len(s) - k] != out[len(out) - k] or (block and (s[len(s) - k] % block or block % size)):
         return False
-    rw.slices[operand, n] = len(s) - k
+    rw.slices[operand, n] = (len(s) - k, block)
     batched_operand(n, operand, out, rw)
     return True
 
@@ -170,11 +241,12 @@ class Ctx:
         return self.split.get(self.x) if isinstance(self.x, torch.fx.Node) else None
 
 
-Rule = Callable[[Ctx], Split | None]
-"""The split of a node's output given its inputs' (some split); None: no rule carries it
-(the caller names the op); ``Unsupported``: a rule that covers the op but not this use."""
+Rule = Callable[[Ctx], Split | Replicated | None]
+"""The split of a node's output given its inputs' (some split), or ``REPLICATED``; None:
+no rule carries it (the caller names the op); ``Unsupported``: a rule that covers the op
+but not this use."""
 
 
-__all__ = ["ArgPos", "Ctx", "Rewrites", "Rule", "Split", "Unsupported", "arg",
-           "batched_operand", "elementwise_out", "norm_dim", "shape", "size_read",
-           "slice_operand"]
+__all__ = ["REPLICATED", "ArgPos", "Ctx", "Replicated", "Rewrites", "Rule", "Split",
+           "Unsupported", "arg", "batched_operand", "copy_operand", "elementwise_out",
+           "grad_flow", "norm_dim", "shape", "size_read", "slice_operand"]

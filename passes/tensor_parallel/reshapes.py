@@ -1,14 +1,16 @@
-"""The sharding rules of shape ops: transposes, permutes, views and reshapes, ``split``
-of a fused projection, unsqueeze, expand, slices, concatenation.
+"""The sharding rules of shape ops: transposes, permutes, views and reshapes, ``split`` /
+``chunk`` of a fused projection, unsqueeze, expand, select, slices, concatenation, stacks.
 
-A reshape keeps a split when the split dim stays a whole factor of one output dim; the
-size arguments the op names are then this rank's (``Rewrites.divide``), and the batch a
-size names is multiplied when the tp group's batches are gathered (``Rewrites.batch``).
-``rules.RULES`` maps the op targets to these functions.
+A reshape keeps a split when the ranks' chunks stay whole rows of one output dim (the
+split's blocks counted in flat order: ``Split.block``); the size arguments the op names
+are then this rank's (``Rewrites.divide``), and the batch a size names is multiplied when
+the tp group's batches are gathered (``Rewrites.batch``). ``rules.RULES`` maps the op
+targets to these functions.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import operator
 from collections.abc import Sequence
@@ -17,7 +19,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from passes.tensor_parallel.ops import VIEWS
+from passes.tensor_parallel.ops import STACKS, VIEWS
 from passes.tensor_parallel.propagation import (
     ArgPos,
     Ctx,
@@ -28,13 +30,22 @@ from passes.tensor_parallel.propagation import (
     norm_dim,
     shape,
     size_read,
+    slice_operand,
 )
 
 
+def _moved(s: Split, dim: int) -> Split:
+    return dataclasses.replace(s, dim=dim)
+
+
 def _view(n: torch.fx.Node, s: Split, rw: Rewrites, size: int) -> Split:
-    """A reshape keeps the split when the split dim is the leading factor of an output dim
-    (merge) or an output dim is its leading factor (split into heads). The sizes are
-    separate arguments (``x.view(b, t, h, d)``) or one list (``aten.view(x, [b, t, h, d])``)."""
+    """A reshape keeps the split when, in flat order, each rank's chunk of every block
+    is whole rows of one output dim ``j``: the blocks before it (``a``) are the output
+    dims before ``j`` times ``o`` blocks of dim ``j``, and a block of dim ``j`` divides by
+    tp (into heads: ``(b, t, c) -> (b, t, h, d)``; merged: ``(b, t, h, d) -> (b, t, c)``;
+    heads into the batch: ``(b, h, t, d) -> (b * h, t, d)``, ``o = b``). The sizes are
+    separate arguments (``x.view(b, t, h, d)``) or one list (``aten.view(x, [b, t, h,
+    d])``)."""
     src, out = shape(n.args[0]), shape(n)
     if src is None or out is None:
         raise Unsupported(f"{n.name} has no static shape")
@@ -49,20 +60,76 @@ def _view(n: torch.fx.Node, s: Split, rw: Rewrites, size: int) -> Split:
     def at(k: int) -> int | tuple[int, int]:
         return (1, k) if listed else k + 1
 
-    before = math.prod(src[:s.dim])
-    for j in range(len(out)):
-        if math.prod(out[:j]) != before:
-            continue
-        d, o = src[s.dim], out[j]
-        ok = (d % o == 0 and math.prod(out[j:]) >= d) or (o % d == 0)
-        if not ok or o % size:
-            break
+    j = _view_dim(src, out, s, size)
+    if j is not None:
+        o = math.prod(src[:s.dim]) * (src[s.dim] // s.block if s.block else 1) \
+            // math.prod(out[:j])
         if dims[j] != -1 and not size_read(dims[j]):
             rw.divide.append((n, at(j)))
+        if o > 1:
+            rw.merged.append(n)
         _note_batch(n, j, dims[0], src, out, at(0), rw)
-        return Split(j, s.origin)
+        return Split(j, s.origin, out[j] // o if o > 1 else 0)
     raise Unsupported(f"{n.name} ({n.target}) reshapes the split dim {s.dim} of "
                       f"{src} into {out} across tp={size} pieces")
+
+
+def _view_dim(src: tuple[int, ...], out: tuple[int, ...], s: Split, size: int) -> int | None:
+    """The output dim that holds the split after a reshape of ``src`` into ``out``
+    (``_view``), or None. A size-1 dim where the split would start (one kv head) is a
+    refusal, not skipped: the split would land on the head features."""
+    a = math.prod(src[:s.dim]) * (src[s.dim] // s.block if s.block else 1)
+    for j in range(len(out)):
+        c = math.prod(out[:j])
+        if a % c or out[j] % (a // c):
+            continue
+        rows = out[j] // (a // c)
+        if rows == 1 and out[j] > 1:
+            continue  # dim j is all blocks: the split starts in the next one
+        return j if rows % size == 0 else None
+    return None
+
+
+def flatten(c: Ctx, s: Split) -> Split:
+    """``flatten`` (GPT-J's interleaved rotation flattened back): a reshape that names no
+    size, by the shapes alone."""
+    src, out = shape(c.x), shape(c.node)
+    j = None if src is None or out is None else _view_dim(src, out, s, c.size)
+    if j is None or src is None or out is None:
+        raise Unsupported(f"{c.node.name} flattens the split dim across tp={c.size} pieces")
+    o = math.prod(src[:s.dim]) * (src[s.dim] // s.block if s.block else 1) // math.prod(out[:j])
+    if o > 1:
+        c.rw.merged.append(c.node)
+    return Split(j, s.origin, out[j] // o if o > 1 else 0)
+
+
+def repeat(c: Ctx, s: Split) -> Split:
+    """``repeat`` (DeBERTa's relative embeddings per example): tiles along other dims keep
+    the split; tiles of the split dim make it blocks of its size (every tile is this
+    rank's chunk)."""
+    src, out = shape(c.x), shape(c.node)
+    if src is None or out is None:
+        raise Unsupported(f"{c.node.name} has no static shape")
+    d = s.dim + len(out) - len(src)
+    if out[d] == src[s.dim]:
+        return _moved(s, d)
+    return Split(d, s.origin, s.block or src[s.dim])
+
+
+def gather(c: Ctx, s: Split) -> Split:
+    """``gather`` along another dim than the split one (DeBERTa's relative positions
+    picked per query): the index is cut to this rank's part like an operand."""
+    n = c.node
+    rank = len(shape(c.x) or ())
+    dim, index = norm_dim(arg(n, 1, "dim", 0), rank), arg(n, 2, "index")
+    if dim == s.dim:
+        raise Unsupported(f"{n.name} gathers along the split dim")
+    if isinstance(index, torch.fx.Node) and index in c.split:
+        if (c.split[index].dim, c.split[index].block) != (s.dim, s.block):
+            raise Unsupported(f"{n.name}'s index is split unlike its input")
+    elif not slice_operand(n, index, rank - s.dim, c.size, c.rw, s.block):
+        raise Unsupported(f"{n.name}'s index does not span the split dim")
+    return s
 
 
 def _view_runtime_sizes(n: torch.fx.Node, s: Split, src: tuple[int, ...],
@@ -94,7 +161,7 @@ def _expand(n: torch.fx.Node, s: Split, rw: Rewrites) -> Split:
     if sizes[j] != -1:
         rw.divide.append((n, (1, j)))
     _note_batch(n, j, sizes[0], src, out, (1, 0), rw)
-    return Split(j, s.origin)
+    return _moved(s, j)
 
 
 def _reads_batch(value: Any) -> bool:
@@ -131,7 +198,7 @@ def transpose(c: Ctx, s: Split) -> Split:
     """The split dim follows the swap."""
     rank = len(shape(c.x) or ())
     a, b = norm_dim(c.node.args[1], rank), norm_dim(c.node.args[2], rank)
-    return Split(b if s.dim == a else a if s.dim == b else s.dim, s.origin)
+    return _moved(s, b if s.dim == a else a if s.dim == b else s.dim)
 
 
 def permute(c: Ctx, s: Split) -> Split:
@@ -140,7 +207,7 @@ def permute(c: Ctx, s: Split) -> Split:
     dims = n.args[1] if len(n.args) == 2 and isinstance(n.args[1], (tuple, list)) \
         else n.args[1:]
     rank = len(dims)
-    return Split([norm_dim(d, rank) for d in dims].index(s.dim), s.origin)
+    return _moved(s, [norm_dim(d, rank) for d in dims].index(s.dim))
 
 
 def reshape(c: Ctx, s: Split) -> Split:
@@ -149,10 +216,13 @@ def reshape(c: Ctx, s: Split) -> Split:
 
 
 def split_fused(c: Ctx, s: Split) -> Split:
-    """``split`` along another dim keeps the split; along the split dim it must cut a
-    column linear's own output (a fused q/k/v projection): that linear becomes strided
-    (each block sharded alike) and the piece size is divided."""
+    """``split`` / ``chunk`` along another dim keeps the split (NeoX's and BLOOM's q, k, v
+    interleaved per head); along the split dim it must cut a column linear's own output
+    into equal pieces (a fused projection: GPT's ``c_attn``, Phi-3's ``qkv_proj`` and
+    ``gate_up_proj``): that linear becomes strided (each block sharded alike) and the
+    piece size, or nothing for ``chunk``, is this rank's."""
     n, x = c.node, c.x
+    chunk = _is_chunk(n)
     dim = norm_dim(arg(n, 2, "dim", 0), len(shape(x) or ()))
     if dim != s.dim:
         return s
@@ -164,18 +234,57 @@ def split_fused(c: Ctx, s: Split) -> Split:
            and dim == len(shape(x) or ()) - 1
            and (shape(x) or ())[-1:] == (shape(x.args[0]) or ())[-1:]):
         x = x.args[0]  # Conv1D: the addmm's 2-D output viewed back to (b, t, 3c)
-    if src is not x or not isinstance(piece, (int, torch.fx.Node)):
+    sizes = list(piece) if isinstance(piece, (list, tuple)) else None
+    if sizes and len(set(sizes)) == 1:
+        piece = sizes[0]  # split_with_sizes of equal pieces
+    if src is not x or s.block or not isinstance(piece, (int, torch.fx.Node)) or (
+            chunk and not isinstance(piece, int)):
         raise Unsupported(f"{n.name} splits the split dim of a value that is not a "
-                          "column linear's output (a fused projection)")
-    c.rw.strided[s.origin] = whole // _size_of(piece, n)
-    c.rw.divide.append((n, 1))
+                          "column linear's output into equal pieces (a fused projection)")
+    c.rw.strided[s.origin] = piece if isinstance(piece, int) and chunk else \
+        whole // _size_of(piece, n)
+    if sizes:
+        c.rw.divide += [(n, (1, i)) for i in range(len(sizes))]
+    elif not chunk:
+        c.rw.divide.append((n, 1))
     return s
+
+
+def _is_chunk(n: torch.fx.Node) -> bool:
+    return n.target in ("chunk", torch.chunk, torch.ops.aten.chunk.default)
+
+
+def unbind(c: Ctx, s: Split) -> Split:
+    """``unbind`` along another dim: the pieces (taken by ``getitem``) keep the split."""
+    dim = norm_dim(arg(c.node, 1, "dim", 0), len(shape(c.x) or ()))
+    if dim == s.dim:
+        raise Unsupported(f"{c.node.name} unbinds the split dim")
+    return _moved(s, s.dim - (1 if dim < s.dim else 0))
+
+
+def select(c: Ctx, s: Split) -> Split:
+    """``select`` (BLOOM's and Falcon's q, k, v picked from a per-head fused view) or
+    ``squeeze`` of another dim than the split one: the split dim moves up by one when the
+    dropped dim is before it."""
+    n = c.node
+    rank = len(shape(c.x) or ())
+    if n.target not in ("select", torch.select, torch.ops.aten.select.int):  # a squeeze
+        dims = arg(n, 1, "dim", None)
+        listed = dims if isinstance(dims, (list, tuple)) else [dims]
+        src = shape(c.x) or ()
+        gone = [d for d in range(rank) if src[d] == 1] if dims is None else \
+            [norm_dim(d, rank) for d in listed if src[norm_dim(d, rank)] == 1]
+    else:
+        gone = [norm_dim(arg(n, 1, "dim", 0), rank)]
+    if s.dim in gone:
+        raise Unsupported(f"{n.name} drops the split dim")
+    return _moved(s, s.dim - sum(1 for d in gone if d < s.dim))
 
 
 def unsqueeze(c: Ctx, s: Split) -> Split:
     """A new dim before the split dim moves it by one."""
     at_dim = norm_dim(arg(c.node, 1, "dim", 0), len(shape(c.node) or ()))
-    return Split(s.dim + (1 if at_dim <= s.dim else 0), s.origin)
+    return _moved(s, s.dim + (1 if at_dim <= s.dim else 0))
 
 
 def expand(c: Ctx, s: Split) -> Split:
@@ -184,24 +293,76 @@ def expand(c: Ctx, s: Split) -> Split:
 
 
 def narrow(c: Ctx, s: Split) -> Split:
-    """A slice (RoPE's halves) along another dim than the split one."""
-    if norm_dim(arg(c.node, 1, "dim", 0), len(shape(c.x) or ())) == s.dim:
-        raise Unsupported(f"{c.node.name} slices the split dim")
+    """A slice (RoPE's halves) along another dim than the split one keeps the split. Along
+    the split dim it must take one of equal blocks of a column linear's own output (a
+    fused projection cut by slices: Phi-3's ``qkv[..., :q_pos]``): that linear becomes
+    strided, as for ``split``, and the bounds are this rank's."""
+    n = c.node
+    dim = norm_dim(arg(n, 1, "dim", 0), len(shape(c.x) or ()))
+    if dim != s.dim:
+        return s
+    whole = (shape(c.x) or (0,) * (dim + 1))[dim]
+    narrowing = n.target is torch.ops.aten.narrow.default
+    start = arg(n, 2, "start", None) or 0
+    end = start + arg(n, 3, "length", 0) if narrowing else arg(n, 3, "end", None)
+    end = whole if end is None or (isinstance(end, int) and end > whole) else end
+    step = 1 if narrowing else arg(n, 4, "step", 1)
+    if (c.col_fused(s.origin) is not _fused_source(c, s) or s.block or step != 1
+            or not isinstance(start, int) or not isinstance(end, int) or end <= start):
+        raise Unsupported(f"{n.name} slices the split dim")
+    length = end - start
+    blocks = whole // length
+    if whole % length or start % length or c.rw.strided.get(s.origin, blocks) != blocks:
+        raise Unsupported(f"{n.name} slices the split dim into blocks of unequal size")
+    c.rw.strided[s.origin] = blocks
+    c.rw.divide += [(n, i) for i in (2, 3) if len(n.args) > i and isinstance(n.args[i], int)]
     return s
 
 
+def _fused_source(c: Ctx, s: Split) -> Any:
+    """The value a fused projection's pieces are cut from: the op's input, back through
+    views that keep the last dim (Conv1D's 2-D output viewed back to ``(b, t, 3c)``)."""
+    x, src = c.x, c.col_fused(s.origin)
+    while (x is not src and isinstance(x, torch.fx.Node) and x.target in VIEWS
+           and isinstance(x.args[0], torch.fx.Node) and x.args[0] in c.split
+           and c.split[x.args[0]].origin == s.origin
+           and (shape(x) or ())[-1:] == (shape(x.args[0]) or ())[-1:]):
+        x = x.args[0]
+    return x
+
+
 def cat(c: Ctx) -> Split:
-    """Values all split alike, concatenated along another dim (RoPE's rotated halves)."""
+    """Values split alike, concatenated along another dim (RoPE's rotated halves); a
+    replicated part with all of the split dim (a key cache's past entries) is read as
+    this rank's part (``slice_operand``); an empty 1-D part (an empty cache: ``cat``
+    skips it) is left as it is. ``stack`` (GPT-J's interleaved rotation) of values all
+    split alike, the new dim counted."""
     n = c.node
     listed = n.args[0] if isinstance(n.args[0], (list, tuple)) else ()
     parts = [p for p in listed if isinstance(p, torch.fx.Node) and p in c.split]
-    dim = norm_dim(arg(n, 1, "dim", 0), len(shape(n) or ()))
-    if not parts or len(parts) != len(listed) or len({c.split[p].dim for p in parts}) != 1:
-        raise Unsupported(f"{n.name} concatenates split and replicated values")
-    if dim == c.split[parts[0]].dim:
+    stack = n.target in STACKS
+    rank = len(shape(n) or ())
+    dim = norm_dim(arg(n, 1, "dim", 0), rank)
+    if not parts or len({(c.split[p].dim, c.split[p].block) for p in parts}) != 1:
+        raise Unsupported(f"{n.name} concatenates values split on different dims")
+    first = c.split[parts[0]]
+    d = first.dim + (1 if stack and dim <= first.dim else 0)
+    if dim == d and not stack:
         raise Unsupported(f"{n.name} concatenates along the split dim")
-    return Split(c.split[parts[0]].dim, ",".join(sorted({c.split[p].origin for p in parts})))
+    k = rank - d
+    for p in listed:
+        if p in parts or _empty(p):
+            continue
+        if stack or not (isinstance(p, torch.fx.Node)
+                         and slice_operand(n, p, k, c.size, c.rw, first.block)):
+            raise Unsupported(f"{n.name} concatenates split values with the replicated "
+                              f"{getattr(p, 'name', p)}, which does not span the split dim")
+    return Split(d, ",".join(sorted({c.split[p].origin for p in parts})), first.block)
 
 
-__all__ = ["cat", "expand", "local_sizes", "narrow", "permute", "reshape", "split_fused",
-           "transpose", "unsqueeze"]
+def _empty(p: Any) -> bool:
+    return shape(p) == (0,)
+
+
+__all__ = ["cat", "expand", "flatten", "gather", "local_sizes", "narrow", "permute",
+           "repeat", "reshape", "select", "split_fused", "transpose", "unbind", "unsqueeze"]

@@ -2,8 +2,8 @@
 
 For every marked region (an outermost module marked by ``smp.tensor_parallelism``,
 ``smp.set_tensor_parallelism`` or an ``smp.nn`` type; given as module paths), the pass
-finds the linears (``nn.Linear`` leaves, ``F.linear`` / ``aten.linear`` on parameters)
-and pairs them Megatron-style:
+finds the linears (``passes.tensor_parallel.linears``) and embeddings and pairs the
+linears Megatron-style (``passes.tensor_parallel.analysis`` decides the roles):
 
 * a *column-parallel* linear (weight rows split: each rank computes ``out/tp`` features)
   whose output flows through ops the sharding rules of ``passes.tensor_parallel.rules`` carry a
@@ -19,18 +19,19 @@ along the features. Collectives are ``call_function`` nodes of
 With ``prescaled_batch`` false each pair (and each lone linear) gathers its input over the
 tp group's batches and keeps this rank's part of the output.
 
-A region the pass cannot shard (sizes not divisible by tp, a split value reaching an op
-with no rule, no linear at all) stays replicated, and
-``TensorParallelPlan.replicated`` says why. The result depends on ``rank``: each rank's
-graph holds its own shards, under the original parameter names; every rank's graph has
-the same nodes, names and stages.
+What cannot be sharded is decided per linear and embedding (a size tp does not divide,
+a tensor another node reads): only that one stays replicated, and
+``TensorParallelPlan.replicated`` says why; ``TensorParallelPlan.lone`` says why each
+lone linear has no partner. The result depends on ``rank``: each rank's graph holds its
+own shards, under the original parameter names; every rank's graph has the same nodes,
+names and stages.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import operator
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,10 +40,10 @@ import torch.fx
 
 from passes import meta
 from passes.graph_utils import copy_graph_module
-from passes.tensor_parallel import collectives, costs, graph, loss, sweep, vocab
-from passes.tensor_parallel.linears import Linear, as_linear, sharded_node
+from passes.tensor_parallel import analysis, collectives, costs, graph, loss, vocab
+from passes.tensor_parallel.linears import Linear, sharded_node
 from passes.tensor_parallel.plan import ShardSpec, TensorParallelPlan, merge_shards
-from passes.tensor_parallel.propagation import ArgPos, Rewrites
+from passes.tensor_parallel.propagation import ArgPos
 from passes.tensor_parallel.reshapes import local_sizes
 from passes.tensor_parallel.sequence import sequence_parallel
 
@@ -59,144 +60,6 @@ class TensorParallelism:
     """``optimize: "memory"``: chunk the activations between pairs by sequence
     (``passes.tensor_parallel.sequence``)."""
 
-
-
-
-def _in_region(path: str, region: str) -> bool:
-    return region == "" or path == region or path.startswith(region + ".")
-
-
-def _region_test(region: tuple[str, ...]) -> Callable[[torch.fx.Node], bool]:
-    def inside(n: torch.fx.Node) -> bool:
-        return any(_in_region(meta.MODULE_PATH.get(n, ""), r) for r in region)
-    return inside
-
-
-def regions(marked: Sequence[str]) -> list[tuple[str, ...]]:
-    """The outermost marked paths, siblings grouped (modules created together inside one
-    ``smp.tensor_parallelism`` context form one region)."""
-    outer = sorted({r for r in marked if not any(r != o and _in_region(r, o) for o in marked)})
-    groups: dict[str, list[str]] = {}
-    for path in outer:
-        groups.setdefault(path.rpartition(".")[0] if path else "\0", []).append(path)
-    return [tuple(g) for _, g in sorted(groups.items())]
-
-
-def tied_regions(gm: torch.fx.GraphModule, groups: Sequence[tuple[str, ...]]
-                 ) -> list[tuple[str, ...]]:
-    """``groups`` with the regions that hold one tensor merged: a tied LM head and its
-    embedding marked apart (HF GPT-2's ``lm_head`` and ``transformer.wte`` are not
-    siblings) share one shard, so they are sharded together or not at all."""
-    params = list(gm.named_parameters(remove_duplicate=False))
-    out: list[tuple[tuple[str, ...], set[int]]] = []
-    for region in groups:
-        ids = {id(p) for name, p in params
-               if any(_in_region(name.rpartition(".")[0], r) for r in region)}
-        for i in [i for i, (_, held) in enumerate(out) if held & ids][::-1]:
-            merged, held = out.pop(i)
-            region, ids = tuple(sorted({*merged, *region})), ids | held
-        out.append((region, ids))
-    return [region for region, _ in out]
-
-
-def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int,
-             embeds: Sequence[vocab.Embedding] = (), prescaled: bool = True
-             ) -> tuple[list[Linear], str | None, dict[str, int], Rewrites]:
-    """The region's linears with their roles, or a reason to leave it replicated; the
-    nodes that carry a split value with its dim (their work is split too); the shape
-    edits. A column linear whose output no rule carries on is a lone linear.
-    ``embeds``: the region's embeddings, split by rows (``passes.tensor_parallel.vocab``)."""
-    nodes = list(gm.graph.nodes)  # element-wise ops between the linears may lie outside
-    linears = {n: lin for n in nodes
-               if any(_in_region(meta.MODULE_PATH.get(n, ""), r) for r in region)
-               and (lin := as_linear(gm, n)) is not None}
-    for emb in embeds:
-        why = vocab.reason(emb, size)
-        if why is not None:
-            return [], why, {}, Rewrites()
-    shared = _shared_weight(gm, linears, embeds)  # an embedding alone too (HF's wte)
-    if shared is not None:
-        return [], shared, {}, Rewrites()
-    if not linears:
-        return [], None if embeds else "no linear layer to shard", {}, Rewrites()
-    weights = [id(lin.weight_value) for lin in linears.values()]
-    if len(set(weights)) != len(weights):
-        return [], "a linear weight is shared by several layers", {}, Rewrites()
-    lone: set[torch.fx.Node] = set()
-    while True:
-        split, rw, reason, culprit = sweep.sweep(gm, linears, lone, size)
-        if culprit is None or culprit in lone:
-            break
-        lone.add(culprit)
-    if reason is not None:
-        return [], reason, {}, rw
-    if rw.batch_reads and not prescaled:
-        return [], (f"{rw.batch_reads[0].name} reads the batch size of a split value at run "
-                    "time, which prescaled_batch false gathers (trace with torch.export, or "
-                    "set prescaled_batch true)"), {}, rw
-    rows_split = {id(e.value) for e in embeds}
-    for lin in linears.values():
-        if id(lin.weight_value) in rows_split and lin.role != "row":
-            if lin.role == "col" and vocab.padding(lin.out_features, size):
-                return [], (f"{lin.weight} is tied to a padded vocab-parallel embedding but "
-                            "its logits feed a row-parallel linear (padding columns)"), {}, rw
-            continue  # split by the embedding's (padded) rows
-        dim_size = lin.in_features if lin.role == "row" else lin.out_features
-        parts = size * rw.strided.get(lin.node.name, 1)
-        if dim_size % parts:
-            return [], (f"{lin.weight} has {dim_size} {'in' if lin.role == 'row' else 'out'}"
-                        f" features, not divisible by tensor_parallel_degree {size}"
-                        + (f" x {parts // size} fused blocks" if parts != size else "")
-                        ), {}, rw
-    for lin in linears.values():
-        if id(lin.weight_value) in rows_split and lin.role == "row":
-            return [], (f"{lin.weight} is tied to a vocab-parallel embedding but would be "
-                        "split by columns (row-parallel)"), {}, rw
-    return (list(linears.values()), None,
-            {n.name: d.dim for n, d in split.items() if n not in linears}, rw)
-
-
-def _pairs(linears: Sequence[Linear], split: set[str]) -> list[tuple[str, str]]:
-    """(column, row) module paths: each row linear with the column linears whose output
-    reaches it through the element-wise chain between them."""
-    cols = [lin for lin in linears if lin.role == "col"]  # graph order
-    out = []
-    for row in (lin for lin in linears if lin.role == "row"):
-        seen: set[str] = set()
-        todo = list(row.node.all_input_nodes)
-        while todo:
-            n = todo.pop()
-            if n.name not in seen:
-                seen.add(n.name)
-                if n.name in split:
-                    todo.extend(n.all_input_nodes)
-        out += [(c.weight.rpartition(".")[0], row.weight.rpartition(".")[0])
-                for c in cols if c.node.name in seen]
-    return out
-
-
-def _shared_weight(gm: torch.fx.GraphModule, linears: Mapping[torch.fx.Node, Linear],
-                   embeds: Sequence[vocab.Embedding] = ()) -> str | None:
-    """Why the region cannot be sharded when a tensor it would shard is also read by a
-    node it does not rewrite (an unmarked tied module, a second use): sharding would untie
-    them. A linear tied to one of the region's embeddings is fine (they share the shard)."""
-    mine = {id(t): lin.weight.rpartition(".")[0] for lin in linears.values()
-            for t in (lin.weight_value, lin.bias_value) if t is not None}
-    mine.update({id(e.value): e.weight.rpartition(".")[0] for e in embeds})
-    rewritten = set(linears) | {e.node for e in embeds}
-    for n in gm.graph.nodes:
-        if n in rewritten or (n.op == "get_attr" and all(u in rewritten for u in n.users)):
-            continue  # a rewritten node itself, or a get_attr feeding only those (or none)
-        for name in meta.PARAMS.get(n, ()) or ():
-            try:
-                t = graph.attr(gm, name)
-            except AttributeError:
-                continue
-            owner = mine.get(id(t))
-            if owner is not None:
-                return (f"the weight of {owner} is shared with {n.name} (reads {name}): "
-                        "sharding would untie them")
-    return None
 
 
 def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
@@ -218,11 +81,13 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
     vocab_embeds: list[vocab.Embedding] = []
     done: list[str] = []
     held_part: list[str] = []  # nodes whose output each rank holds 1/tp of
-    for region in tied_regions(new, regions(tp.marked)):
-        embeds = vocab.find(new, _region_test(region))
-        linears, reason, split, rw = _analyse(new, region, tp.size, embeds, tp.prescaled_batch)
-        if reason is not None:
-            replicated.append((",".join(region), reason))
+    lone: list[tuple[str, str]] = []
+    for region in analysis.tied_regions(new, analysis.regions(tp.marked)):
+        found = analysis.analyse(new, region, tp.size, tp.prescaled_batch)
+        replicated += found.replicated
+        lone += found.lone
+        linears, embeds, split, rw = found.linears, found.embeds, found.split, found.rw
+        if not linears and not embeds:
             continue
         done += region
         vocab_embeds += embeds
@@ -240,7 +105,9 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
             meta.TENSOR.set(local, None)
             node.update_arg(1, local)
         graph.gather_operands(new.graph, rw.gather if not tp.prescaled_batch else [], tp.size)
+        graph.copy_operands(new.graph, rw.copies, tp.size)
         graph.scatter_operands(new.graph, rw.slices, tp.size)
+        graph.complete_partials(new.graph, rw.partial, tp.size)
         for name, dim in split.items():
             node = by_name[name]
             cost = meta.COST.get(node)
@@ -248,15 +115,15 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
                 meta.COST.set(node, costs.divide(cost, tp.size))
             meta.TENSOR.set(node, costs.local_info(meta.TENSOR.get(node), dim, tp.size))
             meta.TP_SPLIT.set(node, dim)
-        pairs += _pairs(linears, set(split))  # before the rewrite replaces the linears' nodes
+        pairs += analysis.pairs(linears, set(split))  # before the linears' nodes are replaced
         held_part += [*split, *(lin.node.name for lin in linears if lin.role != "row")]
         for lin in linears:
             sharded += _rewrite(new, by_name[lin.node.name], lin, tp, ties,
                                 rw.strided.get(lin.node.name, 1))
     chunked_params: tuple[str, ...] = ()
     if tp.sequence_parallel and done:
-        chunked_params, chunked = sequence_parallel(new, _region_test(tuple(done)), tp.size,
-                                                    not tp.prescaled_batch)
+        chunked_params, chunked = sequence_parallel(
+            new, analysis.region_test(tuple(done)), tp.size, not tp.prescaled_batch)
         held_part += chunked
     costs.divide_saved(new, set(held_part), tp.size)
     vocab_shards = [s for s in sharded if any(s.name == e.weight for e in vocab_embeds)]
@@ -269,7 +136,15 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
     new.graph.lint()
     new.recompile()
     return new, TensorParallelPlan(tp.size, tuple(sharded), tuple(replicated), tuple(pairs),
-                                   chunked_params)
+                                   chunked_params, tuple(lone), _elements(gm, sharded))
+
+
+def _elements(gm: torch.fx.GraphModule, sharded: Sequence[ShardSpec]) -> tuple[int, int]:
+    """(parameter elements sharded, all parameter elements) of the model, each tensor
+    counted once (tied names share one)."""
+    total = {id(p): p.numel() for p in gm.parameters()}
+    done = {id(graph.attr(gm, s.name)) for s in sharded}
+    return sum(n for t, n in total.items() if t in done), sum(total.values())
 
 
 def _with_aliases(gm: torch.fx.GraphModule, sharded: Sequence[ShardSpec]) -> list[ShardSpec]:
@@ -324,12 +199,13 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: Linear,
                                                 size, rank, stride),
                     original=w_full, ties=ties)
     specs = [ShardSpec(lin.weight, w_dim, size, tuple(w_full.shape), stride, pad)]
-    if lin.bias is not None and b_full is not None:
-        if lin.role == "row":
-            graph.set_param(gm, lin.bias, b_full.detach().clone())
+    if lin.bias is not None and b_full is not None:  # ties: a bias read under two names
+        if lin.role == "row":  # (BERT's decoder.bias and predictions.bias) stays one tensor
+            graph.set_param(gm, lin.bias, b_full.detach().clone(), original=b_full, ties=ties)
         else:
-            graph.set_param(gm, lin.bias, graph.shard(graph.pad(b_full, 0, pad), 0,
-                                                      size, rank, stride))
+            graph.set_param(gm, lin.bias, graph.shard(graph.pad(b_full, 0, pad), 0, size,
+                                                      rank, stride),
+                            original=b_full, ties=ties)
             specs.append(ShardSpec(lin.bias, 0, size, tuple(b_full.shape), stride, pad))
     x = node.args[lin.x_pos]
     assert isinstance(x, torch.fx.Node)
@@ -373,9 +249,9 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: Linear,
         if gather and lin.role != "col":
             with g.inserting_after(out):
                 out = graph.insert(g, collectives.tp_split_batch, (out,), node, size)
-    graph.replace_node(g, node, out)
+    graph.replace_node(g, node, out, lin.views)
     return specs
 
 
-__all__ = ["ShardSpec", "TensorParallelPlan", "TensorParallelism", "merge_shards", "regions",
+__all__ = ["ShardSpec", "TensorParallelPlan", "TensorParallelism", "merge_shards",
            "tensor_parallel"]

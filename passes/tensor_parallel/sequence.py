@@ -41,7 +41,7 @@ from torch.nn import functional as F
 from passes import meta
 from passes.tensor_parallel import collectives, costs, graph
 from passes.tensor_parallel.ops import PASS_THROUGH_FUNCTIONS, elementwise
-from passes.tensor_parallel.propagation import shape
+from passes.tensor_parallel.propagation import grad_flow, shape
 
 ROW_NORMS: frozenset[Any] = frozenset({F.layer_norm, torch.ops.aten.layer_norm.default,
                                        torch.ops.aten.rsqrt.default, torch.rsqrt})
@@ -173,6 +173,7 @@ def _rewrite(gm: torch.fx.GraphModule, chunked: dict[torch.fx.Node, int],
                     entered[operand] = _insert(gm, collectives.tp_scatter, x,
                                                chunked[consumer], operand, size, False)
         consumer.replace_input_with(operand, entered[operand])
+    _copy_broadcast_operands(gm, chunked, size)
     for n, d in list(chunked.items()):
         role = meta.TP.get(n)
         if role in BATCH_EDGES:
@@ -196,6 +197,27 @@ def _rewrite(gm: torch.fx.GraphModule, chunked: dict[torch.fx.Node, int],
     for v, d in chunked.items():
         _exits(gm, v, d, chunked, size, gathered)
     return tuple(dict.fromkeys(params)), names
+
+
+def _copy_broadcast_operands(gm: torch.fx.GraphModule, chunked: dict[torch.fx.Node, int],
+                             size: int) -> None:
+    """A computed replicated operand of a chunked op that broadcasts over the sequence
+    (Gemma's ``1 + weight`` scale of its RMSNorm) gets, on each rank, the gradient of its
+    chunk only: it enters through ``tp_copy``, whose backward sums them. Parameters read
+    directly (``get_attr``) are summed after the step instead (``sum_grads``)."""
+    g = gm.graph
+    grad = grad_flow(gm)
+    copied: dict[torch.fx.Node, torch.fx.Node] = {}
+    for n in list(chunked):
+        if meta.TP.get(n) is not None:
+            continue  # a collective
+        for a in n.all_input_nodes:
+            if a in chunked or a.op == "get_attr" or a not in grad or meta.TP.get(a):
+                continue
+            if a not in copied:
+                with g.inserting_after(a):
+                    copied[a] = graph.insert(g, collectives.tp_copy, (a,), a, size)
+            n.replace_input_with(a, copied[a])
 
 
 def _exits(gm: torch.fx.GraphModule, v: torch.fx.Node, d: int,

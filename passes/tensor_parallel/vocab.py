@@ -14,10 +14,12 @@ A vocabulary ``V`` the degree does not divide is padded to ``ceil(V / tp) * tp``
 head's gathered logits are sliced back to ``V`` columns, so their gradients stay zero and
 ``state_dict()`` / checkpoints hold the unpadded table (``merge_shards``, ``tp_shards``).
 
-A loss the model's forward takes of those logits is computed without gathering them
-(``passes.tensor_parallel.loss``). Not built: embedding options (``padding_idx``, ``max_norm``,
-``scale_grad_by_freq``, ``sparse``): such an embedding leaves its region replicated, with
-the reason.
+A ``padding_idx`` (OPT's, RoPE-less BERT-likes', BART's) keeps its meaning: the rank whose
+rows hold it looks it up with that local padding row, so its gradient stays zero there and
+nowhere else. A loss the model's forward takes of those logits is computed without
+gathering them (``passes.tensor_parallel.loss``). Not built: ``max_norm``,
+``scale_grad_by_freq`` and ``sparse``: such an embedding stays replicated, with the
+reason.
 """
 
 from __future__ import annotations
@@ -46,27 +48,41 @@ class Embedding:
     weight: str  # FQN of the weight
     value: torch.Tensor  # the full weight
     ids: torch.fx.Node
-    options: bool  # a non-default option (padding_idx, max_norm, ...) is set
+    options: bool  # max_norm, scale_grad_by_freq or sparse is set
+    padding_idx: int | None = None  # the row whose gradient stays zero (>= 0)
+
+
+F_EMBEDDING_ARGS = ("input", "weight", "padding_idx", "max_norm", "norm_type",
+                    "scale_grad_by_freq", "sparse")
+ATEN_EMBEDDING_ARGS = ("weight", "indices", "padding_idx", "scale_grad_by_freq", "sparse")
 
 
 def as_embedding(gm: torch.fx.GraphModule, n: torch.fx.Node) -> Embedding | None:
     """``n`` as an embedding lookup on a parameter, or None."""
     if n.op == "call_module" and type(graph.attr(gm, str(n.target))) is nn.Embedding:
         mod = graph.attr(gm, str(n.target))
-        options = (mod.padding_idx is not None or mod.max_norm is not None
-                   or mod.scale_grad_by_freq or mod.sparse)
+        options = mod.max_norm is not None or mod.scale_grad_by_freq or mod.sparse
         ids = n.args[0]
-        return Embedding(n, f"{n.target}.weight", mod.weight, ids, bool(options)) \
-            if isinstance(ids, torch.fx.Node) else None
+        return Embedding(n, f"{n.target}.weight", mod.weight, ids, bool(options),
+                         mod.padding_idx) if isinstance(ids, torch.fx.Node) else None
     if n.op != "call_function" or n.target not in EMBEDDING_FUNCTIONS | {ATEN_EMBEDDING}:
         return None
-    ids, w = (n.args[1], n.args[0]) if n.target is ATEN_EMBEDDING else (n.args[0], n.args[1])
+    names = ATEN_EMBEDDING_ARGS if n.target is ATEN_EMBEDDING else F_EMBEDDING_ARGS
+    a: dict[str, Any] = {**dict(zip(names, n.args)), **n.kwargs}
+    ids, w = a.get("indices", a.get("input")), a.get("weight")
     if not (isinstance(w, torch.fx.Node) and w.op == "get_attr"
             and isinstance(ids, torch.fx.Node)):
         return None
-    extra = list(n.args[2:]) + list(n.kwargs.values())
-    options = any(a not in (None, False, -1, 2.0) for a in extra)
-    return Embedding(n, str(w.target), graph.attr(gm, str(w.target)), ids, options)
+    value = graph.attr(gm, str(w.target))
+    options = a.get("max_norm") is not None or bool(a.get("scale_grad_by_freq")) or \
+        bool(a.get("sparse"))
+    pad = a.get("padding_idx")
+    if n.target is ATEN_EMBEDDING and pad == -1:
+        pad = None  # aten's "no padding row"
+    elif isinstance(pad, int) and pad < 0:
+        pad += int(value.shape[0])
+    return Embedding(n, str(w.target), value, ids, options,
+                     pad if isinstance(pad, int) else None)
 
 
 def find(gm: torch.fx.GraphModule, in_region: Callable[[torch.fx.Node], bool]
@@ -79,8 +95,8 @@ def reason(emb: Embedding, size: int) -> str | None:
     degree does not divide is padded)."""
     rows = int(emb.value.shape[0])
     if emb.options:
-        return (f"{emb.weight}: an embedding option (padding_idx, max_norm, "
-                "scale_grad_by_freq, sparse) is set; vocab parallelism takes the defaults")
+        return (f"{emb.weight}: an embedding option (max_norm, scale_grad_by_freq, sparse) "
+                "is set, which the vocabulary split does not keep")
     if rows < size:
         return f"{emb.weight} has {rows} rows, fewer than tensor_parallel_degree {size}"
     return None
@@ -110,7 +126,7 @@ def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, emb: Embedding, size:
             ids = graph.insert(g, collectives.tp_gather_batch, (ids,), node, size)
         w = graph.get_attr(g, emb.weight, node)
         y = g.call_function(collectives.tp_vocab_embedding,
-                            (ids, w, rank * local_rows))
+                            (ids, w, rank * local_rows, emb.padding_idx))
     y.meta = dict(node.meta)
     meta.TP.set(y, "tp_vocab_embedding")
     meta.PARAMS.set(y, (emb.weight,))

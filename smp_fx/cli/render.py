@@ -16,6 +16,7 @@ from cost_model.simulate import FORWARD, SimResult
 from passes import meta
 from passes.plan import PartitionPlan, summarise_modules
 from passes.tensor_parallel import TensorParallelPlan
+from passes.tensor_parallel.coverage import coverage
 
 # one fill colour per stage (colour-blind safe Okabe-Ito palette, cycled)
 STAGE_COLOURS = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00",
@@ -71,11 +72,13 @@ def summary_line(plan: PartitionPlan) -> str:
 
 def format_tensor_parallel(tp_plan: TensorParallelPlan, full: dict[str, Any]) -> str:
     """What the tensor-parallel rewrite did, for the table above it (one rank's costs):
-    every sharded parameter with its split and bytes per rank, every marked region left
-    replicated with the reason."""
-    lines = [f"tensor parallel: degree {tp_plan.size}, {len(tp_plan.sharded)} sharded "
-             f"parameter(s), {len(tp_plan.replicated)} marked region(s) replicated; the table "
-             "is one tp rank's (sharded work and bytes / degree, tp collectives on the link)"]
+    the coverage report (the share of parameter elements sharded; every replicated linear
+    or embedding and every lone linear with the reason), then every sharded parameter with
+    its split and bytes per rank."""
+    lines = [coverage(tp_plan).text(lone=True),
+             f"tensor parallel: degree {tp_plan.size}, {len(tp_plan.sharded)} sharded "
+             f"parameter(s); the table is one tp rank's (sharded work and bytes / degree, tp "
+             "collectives on the link)"]
     for s in tp_plan.sharded:
         p = full.get(s.name)
         nbytes = p.numel() * p.element_size() if p is not None else 0
@@ -85,8 +88,6 @@ def format_tensor_parallel(tp_plan: TensorParallelPlan, full: dict[str, Any]) ->
         lines.append(f"  sharded     {s.name}: {tuple(s.full_shape)} split on dim {s.dim} "
                      f"into {s.parts}{padded} -> {tuple(local)} per rank "
                      f"({human_bytes(share)} of {human_bytes(nbytes)})")
-    for region, why in tp_plan.replicated:
-        lines.append(f"  replicated  {region}: {why}")
     if tp_plan.pairs:
         lines.append("  pairs (column -> row): " + ", ".join(f"{a} -> {b}"
                                                             for a, b in tp_plan.pairs))

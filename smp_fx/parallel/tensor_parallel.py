@@ -28,6 +28,7 @@ from torch import nn
 
 from passes.tensor_parallel import TensorParallelPlan
 from passes.tensor_parallel import collectives as tp_collectives
+from passes.tensor_parallel.coverage import coverage
 from smp_fx.runtime.lowering import Op
 from smp_fx.runtime.seams import StepHooks
 from smp_fx.world import state
@@ -64,8 +65,10 @@ class TensorParallelRuntime:
                                    [p for n, p in params if n not in names],
                                    not st.config.prescaled_batch,
                                    [p for n, p in params if n in chunked])
-        for region, why in plan.replicated:
-            log.warning("smp-fx tensor parallelism: %s stays replicated: %s", region, why)
+        if st.rank == 0:  # one report for the model (every rank's plan is the same)
+            report = coverage(plan)
+            level = logging.WARNING if plan.replicated else logging.INFO
+            log.log(level, "smp-fx %s", report.text())
         return rt
 
     def hooks(self) -> StepHooks:

@@ -12,8 +12,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from passes.shape_prop import shape_prop
 from passes.tensor_parallel import TensorParallelism, tensor_parallel
-from passes.tensor_parallel.rewrite import regions
+from passes.tensor_parallel.analysis import regions
 from passes.trace import trace
 
 
@@ -48,20 +49,51 @@ def test_ranks_hold_shards_and_sum_to_the_model() -> None:
     torch.testing.assert_close(outs[0] + outs[1] - model.down.bias, model(x))
 
 
-def test_unshardable_regions_stay_replicated_with_reason() -> None:
+def test_what_cannot_be_sharded_stays_replicated_alone_with_the_reason() -> None:
+    """``up`` has 7 outputs, which tp=2 does not divide: it stays whole, and so the region
+    around it is not lost: ``down`` (now fed a replicated value) is a lone linear, its
+    output gathered. The plan names the module, the node and why."""
     model = Pair(inner=7)
-    gm = trace(model, (torch.randn(3, 4),), {})
-    new, plan = tensor_parallel(gm, TensorParallelism(2, 0, True, ("up", "down")))
-    assert plan.sharded == ()
-    assert plan.replicated == (("down,up", "up.weight has 7 out features, not divisible by "
-                                "tensor_parallel_degree 2"),)
-    assert [n.name for n in new.graph.nodes] == [n.name for n in gm.graph.nodes]
+    x = torch.randn(3, 4)
+    gm = shape_prop(trace(model, (x,), {}), (x,))
+    outs = []
+    for rank in range(2):
+        new, plan = tensor_parallel(gm, TensorParallelism(2, rank, True, ("up", "down")))
+        assert [m for m, _ in plan.replicated] == ["up"]
+        assert "up.weight has 7 out features, not divisible by tensor_parallel_degree 2" in \
+            plan.replicated[0][1]
+        assert [m for m, _ in plan.lone] == ["down"] and "output" in plan.lone[0][1]
+        assert {s.name for s in plan.sharded} == {"down.weight", "down.bias"}
+        assert plan.elements == (4 * 7 + 4, 7 * 4 + 7 + 4 * 7 + 4)
+        outs.append(new(x))  # no group bound: the gather is the identity, one half each
+    torch.testing.assert_close(torch.cat(outs, -1), model(x))
 
-    shared = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
-    shared[2].weight = shared[0].weight
-    gm = trace(shared, (torch.randn(3, 4),), {})
-    _, plan = tensor_parallel(gm, TensorParallelism(2, 0, True, ("0", "2")))
-    assert plan.replicated[0][1] == "a linear weight is shared by several layers"
+
+def test_a_linear_applied_twice_is_sharded_once() -> None:
+    """One layer called twice (ALBERT shares its layers across depth): both calls take
+    the same role and read one shard."""
+    shared = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = shared
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.body(self.body(x))
+
+    model = Twice()
+    x = torch.randn(3, 4)
+    gm = shape_prop(trace(model, (x,), {}), (x,))
+    outs = []
+    for rank in range(2):
+        new, plan = tensor_parallel(gm, TensorParallelism(2, rank, True, ("body",)))
+        assert plan.replicated == () and plan.lone == ()
+        assert set(plan.pairs) == {("body.0", "body.2")}
+        assert new.state_dict()["body.0.weight"].shape == (4, 4)
+        outs.append(new)
+    # each rank's graph sums its partial outputs per call: checked end to end on 2
+    # processes (tests/smp_fx/parallel/test_tp_structures.py)
 
 
 def test_regions_group_siblings_and_keep_the_outermost() -> None:
@@ -80,7 +112,7 @@ def _attention_ranks(heads: int) -> tuple[list[torch.Tensor], torch.Tensor, tupl
     outs, plan = [], None
     for rank in range(2):
         new, plan = tensor_parallel(gm, TensorParallelism(2, rank, True, ("",)))
-        outs.append(new(x) - (model.c_proj.bias if plan.sharded else 0) / 2)
+        outs.append(new(x) - model.c_proj.bias / 2)
     return outs, model(x), plan
 
 
@@ -92,11 +124,22 @@ def test_attention_splits_by_heads_with_the_fused_qkv_strided() -> None:
     torch.testing.assert_close(outs[0] + outs[1], want)
 
 
-def test_heads_not_divisible_by_tp_stay_replicated() -> None:
-    outs, want, plan = _attention_ranks(heads=3)
-    assert plan.sharded == ()
-    assert "view" in plan.replicated[0][1] and "tp=2" in plan.replicated[0][1]
-    torch.testing.assert_close(outs[0], want)
+def test_heads_not_divisible_by_tp_make_the_projections_lone() -> None:
+    """3 heads at tp=2: the fused c_attn cannot split by heads, so it is a lone linear
+    (sharded, output gathered), attention runs whole on every rank, and c_proj (fed a
+    replicated value) is lone too; the plan says why. (Without a tp group the gathers
+    are the identity, so the numerics are checked on 2 processes.)"""
+    from examples.models.gpt import CausalSelfAttention, GPTConfig
+
+    model = CausalSelfAttention(GPTConfig(n_embd=24, n_head=3))
+    x = torch.randn(2, 5, 24)
+    gm = shape_prop(trace(model, (x,), {}), (x,))
+    _, plan = tensor_parallel(gm, TensorParallelism(2, 0, True, ("",)))
+    assert plan.replicated == () and plan.pairs == ()
+    assert [m for m, _ in plan.lone] == ["c_attn", "c_proj"]
+    assert "view" in plan.lone[0][1] and "tp=2" in plan.lone[0][1]
+    assert {s.name for s in plan.sharded} == {"c_attn.weight", "c_attn.bias",
+                                              "c_proj.weight", "c_proj.bias"}
 
 
 def test_strided_shards_merge_back() -> None:
@@ -128,8 +171,8 @@ def test_a_linear_tied_to_an_embedding_stays_replicated_with_the_reason() -> Non
                              tp=TensorParallelism(2, 0, True, marked_paths(model)))
     assert compiled.tp_plan.sharded == ()
     assert compiled.tp_plan.replicated == (
-        ("lm_head", "the weight of lm_head is shared with wte (reads wte.weight): sharding "
-                    "would untie them"),)
+        ("lm_head", "lm_head.weight is also read by wte (wte, in wte) (as wte.weight), which "
+                    "the rewrite does not replace: sharding would untie them"),)
     params = dict(compiled.gm.named_parameters(remove_duplicate=False))
     assert params["lm_head.weight"] is params["wte.weight"]
 

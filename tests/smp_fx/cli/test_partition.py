@@ -360,7 +360,15 @@ def test_tensor_parallel_degree_shows_one_ranks_costs_and_the_shards(
     code, out, err = _run(capsys, str(path), "--partitions", "2",
                           "--tensor-parallel-degree", "4")
     assert code == 0, err
-    assert "replicated" in out and "not divisible by tensor_parallel_degree 4" in out
+    # the 30-wide linear alone stays whole; the pair around it is still sharded
+    total = 8 * 64 + 64 + 64 * 256 + 256 + 256 * 64 + 64 + 64 * 30 + 30 + 30 * 4 + 4
+    done = 64 * 256 + 256 + 256 * 64
+    assert f"tensor parallelism at degree 4: {done / total:.1%} of {total:,} parameter " \
+           "elements sharded" in out
+    assert "1 column -> row pairs, 0 lone linears, 1 linear or embedding replicated" in out
+    assert "replicated 4: 4.weight has 30 out features, not divisible by " \
+           "tensor_parallel_degree 4" in out
+    assert "pairs (column -> row): 1 -> 3" in out
 
 
 TP_BLOCKS = '''

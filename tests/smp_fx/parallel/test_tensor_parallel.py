@@ -424,10 +424,11 @@ def test_tp2_shards_and_plan() -> None:
     attn = "model.model.layers.1.self_attn"  # by heads: q, k, v each pair with o_proj
     assert {(f"{attn}.{p}_proj", f"{attn}.o_proj") for p in "qkv"} <= {
         tuple(p) for p in llama["plan"]["pairs"]}
-    odd = _run("odd", True)[0]
-    assert odd["distributed"] == []
-    [(region, why)] = odd["plan"]["replicated"]
-    assert region == "act,fc1,fc2,head" and "33 out features, not divisible" in why
+    odd = _run("odd", True)[0]  # fc1's 33 outputs: fc1 alone stays whole, and fc2 (fed a
+    assert odd["distributed"] == ["fc2.bias", "fc2.weight", "head.weight"]  # whole value)
+    [(module, why)] = odd["plan"]["replicated"]  # pairs with the head across the residual
+    assert module == "fc1" and "33 out features, not divisible" in why
+    assert odd["plan"]["pairs"] == [["fc2", "head"]]
 
 
 @pytest.mark.multiproc

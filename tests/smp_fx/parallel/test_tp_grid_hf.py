@@ -1,0 +1,105 @@
+"""pp=2 x tp=2 x rdp=2 on 8 gloo ranks with Hugging Face architectures marked whole.
+
+As ``test_tp_grid_models`` (one spawn of 8 ranks per model, the plain model trained on the
+global batch in the test process and shipped to the ranks), for four structures of
+``examples/models/hf_zoo.py``: an encoder-decoder (BART: cross-attention, the shared
+embedding read by both stacks across the stage cut), MoE experts (Mixtral), a fused q/k/v
+cut by slices (Phi-3) and ALiBi (BLOOM, heads merged with the batch). 3 SGD steps; every
+rank checks every local gradient at every step (shards all-gathered over tp, 1e-5) and
+``state_dict()`` after them (the plain model's names, order and values).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from examples.models import hf_zoo
+from tests.helpers.compare import mismatched
+from tests.helpers.dist import run_ranks
+from tests.smp_fx.parallel.test_tensor_parallel import _gathered
+from tests.smp_fx.parallel.test_tp_grid import expected_ranks
+
+GLOBAL_BATCH, STEPS, LR = 8, 3, 0.1
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+# arch -> (placement, pipeline, microbatches, prescaled_batch)
+CONFIGS = {"bart": ("cluster", "interleaved", 2, False),
+           "mixtral": ("spread", "simple", 2, True),
+           "phi3": ("PTD", "interleaved", 2, False),
+           "bloom": ("cluster", "simple", 2, True)}
+
+
+def _batches(arch: str) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
+    torch.manual_seed(1234)
+    return [(hf_zoo.inputs(arch, GLOBAL_BATCH), hf_zoo.targets(arch, GLOBAL_BATCH))
+            for _ in range(STEPS)]
+
+
+def _reference(arch: str) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    model = hf_zoo.build(arch, marked=False)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    grads = []
+    for x, y in _batches(arch):
+        opt.zero_grad()
+        hf_zoo.loss_fn(model(*x), y).backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+        opt.step()
+    return grads, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _grid(arch: str, path: str) -> dict[str, Any]:
+    import smp_fx as smp
+
+    ref_grads, ref_state = torch.load(path, weights_only=True)
+    placement, pipeline, m, prescaled = CONFIGS[arch]
+    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True,
+              "placement_strategy": placement, "pipeline": pipeline, "microbatches": m,
+              "prescaled_batch": prescaled})
+    bad: list[str] = []
+    want = expected_ranks(placement, dist.get_rank())
+    got = {"rdp": smp.rdp_rank(), "pp": smp.pp_rank(), "tp": smp.tp_rank()}
+    if got != want:
+        bad.append(f"ranks {got} != {want}")
+    model = smp.DistributedModel(hf_zoo.build(arch))
+    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
+
+    @smp.step
+    def train_step(model: Any, x: tuple[torch.Tensor, ...], y: torch.Tensor) -> Any:
+        loss = hf_zoo.loss_fn(model(*x), y)
+        model.backward(loss)
+        return loss
+
+    # prescaled: the tp ranks of a group share the rdp shard; else each dp rank its own
+    parts, index = (smp.rdp_size(), smp.rdp_rank()) if prescaled else (smp.dp_size(),
+                                                                        smp.dp_rank())
+    share = GLOBAL_BATCH // parts
+    sl = slice(index * share, (index + 1) * share)
+    for step, (x, y) in enumerate(_batches(arch)):
+        opt.zero_grad()
+        train_step(model, tuple(t[sl] for t in x), y[sl])
+        grads = _gathered(model, {n: p.grad for n, p in model.local_named_parameters()
+                                  if p.grad is not None})
+        bad += [f"grad {n} step {step}" for n in mismatched(grads, ref_grads[step], **TOL)]
+        opt.step()
+    state = model.state_dict()
+    if list(state) != list(ref_state):
+        bad.append(f"state_dict keys {sorted(set(state) ^ set(ref_state))[:4]}")
+    bad += [f"state_dict {n}" for n in mismatched(state, ref_state, **TOL)]
+    assert model.tp_plan is not None
+    return {"bad": bad, "pp": smp.pp_rank(), "replicated": list(model.tp_plan.replicated),
+            "pairs": len(model.tp_plan.pairs)}
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("arch", list(CONFIGS))
+def test_hf_grid_matches_single_process_model(arch: str, tmp_path: Any) -> None:
+    path = str(tmp_path / "reference.pt")  # by file: too many tensors to hand to processes
+    torch.save(_reference(arch), path)
+    results = run_ranks(_grid, 8, arch, path, timeout=400, env={"SMP_FX_DEVICE_SPEC": "a100"})
+    assert [r["bad"] for r in results] == [[]] * 8, [r["bad"] for r in results]
+    assert all(r["replicated"] == [] and r["pairs"] > 0 for r in results)
+    assert {r["pp"] for r in results} == {0, 1}

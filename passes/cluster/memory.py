@@ -16,7 +16,8 @@ fp32      4      4      0                       8            plain
 ========  =====  =====  ======================  ===========  =================================
 
 ``zero1`` (``shard_optimizer_state``) divides masters and Adam state by the data-parallel
-degree; ``fsdp`` (``sharded_data_parallel_degree`` = dp) divides everything and gathers
+degree (Adam's per-tensor step counters, 4 bytes each, count too); ``fsdp``
+(``sharded_data_parallel_degree`` = dp) divides everything and gathers
 two layers' parameters at a time (FSDP2 prefetches one unit ahead). Activations are the
 bytes a microbatch keeps on the rank (``passes.cluster.profile``) times the microbatches
 the schedule holds in flight there (``cost_model.schedule_cost.in_flight_at``), plus the
@@ -48,6 +49,8 @@ class StateBytes:
     reduce: int
 
 
+STEP_BYTES = 4
+"""torch's Adam keeps a float32 step counter per parameter tensor."""
 STATE = {"bf16": StateBytes(4, 4, 0, 8, 4), "fp16": StateBytes(2, 2, 8, 8, 2),
          "fp32": StateBytes(4, 4, 0, 8, 4)}
 
@@ -88,7 +91,7 @@ class MemoryPerGPU:
 
 def memory_per_gpu(*, elems: int, buffers: int, kept: int, in_flight: float, transient: int,
                    precision: str, zero: str, dp: int, layer_elems: int, boundary: int,
-                   output_bytes: int, pipelined: bool) -> MemoryPerGPU:
+                   output_bytes: int, pipelined: bool, tensors: int = 0) -> MemoryPerGPU:
     """One rank's peak: ``elems`` trainable parameter elements, ``buffers`` bytes of
     buffers, ``kept`` activation bytes per microbatch held ``in_flight`` times,
     ``boundary`` the bytes of one pipeline message.
@@ -104,7 +107,7 @@ def memory_per_gpu(*, elems: int, buffers: int, kept: int, in_flight: float, tra
                                    "use none, zero1 or fsdp")
     s = state_bytes(precision)
     params, grads = elems * s.param, elems * s.grad
-    optimizer = elems * (s.master + s.optimizer)
+    optimizer = elems * (s.master + s.optimizer) + STEP_BYTES * tensors
     comm = 0
     if zero == "zero1" and dp > 1:
         optimizer = -(-optimizer // dp)

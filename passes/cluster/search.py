@@ -13,9 +13,8 @@ layers); dp is the rest and divides the global batch; the microbatch size divide
 per-replica batch (at most ``max_mbs``); v in 1, 2, 3, 4, 6, 8 for ``interleaved``,
 ``simple`` (looped BFS) and ``zero_bubble``, 2 for ``zbv``; recompute none, selective,
 full (only none without repeated layers); sp with tp > 1; sharding none, zero1 and fsdp
-(fsdp at tp = 1 and not with fp16, as the runtime has it). ``allowed`` may refuse more (what the runtime
-cannot run yet) and says why. A candidate fits when its busiest GPU's memory
-(``passes.cluster.memory``) is within ``ClusterSpec.usable_memory_bytes``; fitting
+with dp > 1. ``allowed`` may refuse more (what the runtime cannot run yet) and says why.
+A candidate fits when its busiest GPU's memory (``passes.cluster.memory``) is within ``ClusterSpec.usable_memory_bytes``; fitting
 candidates are ranked by predicted step time.
 """
 
@@ -83,11 +82,8 @@ def schedule_options(pp: int, m: int, layers: int) -> Iterator[tuple[str, int]]:
             yield "zbv", 2
 
 
-def _zeros(tp: int, dp: int, precision: str) -> tuple[str, ...]:
-    """Sharding modes the runtime has at these degrees: fsdp at tp = 1 and not with fp16."""
-    if dp == 1:
-        return ("none",)
-    return ZERO if tp == 1 and precision != "fp16" else ("none", "zero1")
+def _zeros(dp: int) -> tuple[str, ...]:
+    return ZERO if dp > 1 else ("none",)
 
 
 def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | None = None,
@@ -148,7 +144,7 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
                             if ranks is None:
                                 refuse(f"pp x vp = {pp * v} chunks exceed the model's parts")
                                 continue
-                            for zero in _zeros(tp, dp, setting.precision):
+                            for zero in _zeros(dp):
                                 if not want("zero", zero):
                                     continue
                                 cand = Candidate(tp, pp, dp, mbs, v, sched, rc, sp, zero)
@@ -212,9 +208,6 @@ def check_fixed(fixed: Mapping[str, Any], gpus: int, global_batch: int, layers: 
         raise bad("sequence parallelism needs tp > 1", "sp=true, tp=1", "drop sp or raise tp")
     if fixed.get("zero") in ("zero1", "fsdp") and fixed.get("dp") == 1:
         raise bad("sharding needs data parallelism (dp > 1)", fixed["zero"], "drop zero")
-    if fixed.get("zero") == "fsdp" and fixed.get("tp", 1) > 1:
-        raise bad("fsdp with tensor parallelism is not built in smp-fx", fixed,
-                  "use zero1, or tp=1")
     if fixed.get("schedule") == "zbv" and fixed.get("vp", 2) != 2:
         raise bad("zbv runs two chunks per rank", fixed.get("vp"), "set vp=2")
 

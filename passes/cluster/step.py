@@ -188,26 +188,27 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting) -> Pri
         ends.append(pipeline - drain + exposed[r] + tied_s + opt[r])
         drain += times[r].bwd_s / v + hop
     step = max(ends) + spec.step_overhead_s
-    # memory: every rank, the largest kept
-    best_mem: MemoryPerGPU | None = None
-    mem_rank = 0
-    boundary = max((g for _, g in ranks.hops), default=0)
-    for r in range(p):
-        mem = memory_per_gpu(
-            elems=ranks.elems[r], buffers=ranks.buffers[r], kept=ranks.kept[r],
-            in_flight=in_flight_at(c.schedule, p, m, v, r), transient=ranks.transient[r],
-            precision=setting.precision, zero=c.zero, dp=c.dp,
-            layer_elems=ranks.layer_elems, boundary=boundary,
-            output_bytes=profile.output_bytes, pipelined=p > 1)
-        if best_mem is None or mem.total > best_mem.total:
-            best_mem, mem_rank = mem, r
-    assert best_mem is not None
+    mems = memory_by_rank(c, ranks, profile, setting)
+    mem_rank = max(range(p), key=lambda r: (mems[r].total, -r))
     tp_step = m * max(ranks.tp_s)
     pp_step = m * max(occupancy) if p > 1 else 0.0
     comm = CommTimes(tp_step, pp_step, dp_s, max(exposed), zero_s, fsdp_s, tied_s, algorithm)
     hw = sum(ranks.flops) * m * c.tp * c.dp
-    return Priced(c, m, step, pipeline, sched.bubble_fraction, max(opt), comm, best_mem,
+    return Priced(c, m, step, pipeline, sched.bubble_fraction, max(opt), comm, mems[mem_rank],
                   mem_rank, ranks.layers, hw)
+
+
+def memory_by_rank(c: Candidate, ranks: Ranks, profile: Profile,
+                   setting: Setting) -> list[MemoryPerGPU]:
+    """Each pipeline rank's peak memory (``passes.cluster.memory``) under ``c``'s schedule."""
+    m = c.microbatches(setting.global_batch)
+    boundary = max((g for _, g in ranks.hops), default=0)
+    return [memory_per_gpu(
+        elems=ranks.elems[r], buffers=ranks.buffers[r], kept=ranks.kept[r],
+        in_flight=in_flight_at(c.schedule, c.pp, m, c.vp, r), transient=ranks.transient[r],
+        precision=setting.precision, zero=c.zero, dp=c.dp, layer_elems=ranks.layer_elems,
+        boundary=boundary, output_bytes=profile.output_bytes, pipelined=c.pp > 1,
+        tensors=ranks.tensors[r]) for r in range(c.pp)]
 
 
 def model_flops(profile: Profile) -> float:
@@ -216,5 +217,5 @@ def model_flops(profile: Profile) -> float:
     return sum(u.fwd_flops + u.bwd_flops for u in profile.units())
 
 
-__all__ = ["DDP_BUCKET_BYTES", "CommTimes", "Priced", "Setting", "dp_placement", "model_flops",
-           "price"]
+__all__ = ["DDP_BUCKET_BYTES", "CommTimes", "Priced", "Setting", "dp_placement",
+           "memory_by_rank", "model_flops", "price"]

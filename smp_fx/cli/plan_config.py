@@ -12,13 +12,16 @@ exists:
 - v > 1 needs the ``virtual_pipeline_degree`` key;
 - ``selective`` recomputation needs a module around the attention core, which the runtime
   checkpoints by module only (``smp.set_activation_checkpointing``);
-- ``fsdp`` with tensor parallelism, and ``fp16`` with ``fsdp``, are not built.
+- sharding (``zero1``, ``fsdp``) with tensor parallelism, and ``fp16`` with ``fsdp``, are
+  not built.
 
 The configuration: degrees, ``microbatches``, ``pipeline``, ``ddp`` (any data or tensor
 parallelism), ``prescaled_batch`` at tp > 1 (the planner prices Megatron's semantics: the
 tp ranks share the batch; feed every rank of a tp group the same samples), ``optimize``
-(``memory`` turns on sequence parallelism at tp > 1), ``memory_weight`` 0 past one stage
-(the planner balances stages by time), ``shard_optimizer_state`` (``zero1``),
+(``memory`` turns on sequence parallelism at tp > 1), ``auto_partition`` false past one
+stage (the script pins each layer to the pipeline rank the plan gives it,
+``layers_per_rank``, with ``smp.set_partition``: the stages run are the stages priced),
+``shard_optimizer_state`` (``zero1``),
 ``sharded_data_parallel_degree`` (``fsdp``) and ``fp16``. bf16 is autocast in the step
 function and full recomputation ``smp.set_activation_checkpointing`` on each layer: SMP
 has no configuration key for either, so ``script_notes`` says what the script does.
@@ -47,8 +50,8 @@ def runtime_refusal(c: Candidate, precision: str) -> str | None:
     if c.recompute == "selective":
         return ("the runtime checkpoints modules; selective recomputation needs the "
                 "attention core as a module")
-    if c.zero == "fsdp" and c.tp > 1:
-        return "fsdp with tensor parallelism is not built in smp-fx"
+    if c.zero != "none" and c.tp > 1:
+        return f"{c.zero} with tensor parallelism is not built in smp-fx"
     if c.zero == "fsdp" and precision == "fp16":
         return "fp16 with fsdp is not built in smp-fx (bf16 autocast is)"
     return None
@@ -71,8 +74,9 @@ def smp_config(rec: PlanRecord, precision: str) -> dict[str, Any]:
         "microbatches": rec.microbatches, "pipeline": c.schedule if c.pp > 1 else "interleaved",
         "ddp": c.dp > 1 or c.tp > 1, "optimize": "memory" if c.sp else "speed",
     }
-    if c.pp > 1:
-        cfg["memory_weight"] = 0.0
+    if c.pp > 1:  # the plan's stages: its layers pinned to ranks by the script
+        cfg["auto_partition"] = False
+        cfg["default_partition"] = 0
     if c.vp > 1:
         cfg["virtual_pipeline_degree"] = c.vp
     if c.tp > 1:
@@ -91,6 +95,11 @@ def smp_config(rec: PlanRecord, precision: str) -> dict[str, Any]:
 def script_notes(rec: PlanRecord, precision: str, layer_path: str) -> list[str]:
     """What the training script does that the configuration cannot say."""
     notes = []
+    if rec.pp > 1:
+        notes.append(f"pin the layers ({layer_path or 'the repeated layers'}) to pipeline "
+                     f"ranks with smp.set_partition, {list(rec.details.get('layers_per_rank', []))}"
+                     " layers per rank in order, the modules after them to the last rank "
+                     "(examples/train_planned.py --plan PLAN.json does)")
     if rec.recompute == "full":
         notes.append(f"recompute full: smp.set_activation_checkpointing(m) on each layer "
                      f"({layer_path or 'the repeated layers'})")

@@ -39,9 +39,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "examples"))
 
-from cost_model.cluster import MEGATRON_FIT, ClusterSpec, get_cluster  # noqa: E402
 from models.gpt import build_model, example_inputs  # noqa: E402
-from passes.cluster.model import Prepared, Profiler, prepare  # noqa: E402
+
+from cost_model.cluster import MEGATRON_FIT, ClusterSpec, get_cluster  # noqa: E402
+from passes.cluster.model import Prepared, prepare  # noqa: E402
 from passes.cluster.planner import plan  # noqa: E402
 from passes.cluster.step import Setting  # noqa: E402
 
@@ -176,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
             ok_b += pick_step <= step * (1 + 1e-9) and fits
             pick_txt = best.candidate.label()
         print(f"{row.params_b:>6.1f}B {row.gpus:>5} {row.tp:>2} {row.pp:>3} {row.dp:>3} "
-              f"{row.mbs:>3} {row.vp:>2} {row.tflops:>9.1f} {pred:>9.1f} {pred / row.tflops:>6.3f} "
+              f"{row.mbs:>3} {row.vp:>2} {row.tflops:>9.1f} {pred:>9.1f} "
+              f"{pred / row.tflops:>6.3f} "
               f"{pub_step:>8.2f}s {step:>8.2f}s {pick_step:>8.2f}s {pick_mem:>7.1f}Gi  {pick_txt}",
               flush=True)
     errs = [abs(r - 1) for r in ratios]

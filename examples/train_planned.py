@@ -10,8 +10,9 @@ parallelism when the configuration has tp > 1 (the planner prices the whole mode
 sharded), checkpoints each layer with ``--recompute full``, feeds every replica its share
 of a synthetic global batch (every rank of a tensor-parallel group the same samples, as
 ``prescaled_batch`` asks), pins each layer to the pipeline rank the plan gives it
-(``--plan``: the configuration sets ``auto_partition`` false) and trains with Adam. ``--reference`` trains the unpartitioned
-model on the whole batch in plain PyTorch on rank 0 too and compares the losses. Each rank
+(``--plan``: the configuration sets ``auto_partition`` false) and trains with Adam.
+``--reference`` trains the unpartitioned model on the whole batch in plain PyTorch on
+rank 0 too and compares the losses. Each rank
 writes what it measured (``--out``): the median step time and the bytes it holds at its
 peak, counted as the plan counts them (parameters, gradients, Adam state, and the
 activations its stages keep per microbatch, counted by saved-tensor hooks, times the most
@@ -71,6 +72,9 @@ def batches(args: argparse.Namespace) -> list[tuple[torch.Tensor, torch.Tensor]]
 
 
 def _nbytes(t: Any) -> int:
+    """Bytes this process holds of ``t`` (a sharded DTensor: its local shard)."""
+    if hasattr(t, "to_local"):
+        t = t.to_local()
     return t.numel() * t.element_size() if isinstance(t, torch.Tensor) else 0
 
 

@@ -14,8 +14,8 @@ per-replica batch (at most ``max_mbs``); v in 1, 2, 3, 4, 6, 8 for ``interleaved
 ``simple`` (looped BFS) and ``zero_bubble``, 2 for ``zbv``; recompute none, selective,
 full (only none without repeated layers); sp with tp > 1; sharding none, zero1 and fsdp
 with dp > 1. ``allowed`` may refuse more (what the runtime cannot run yet) and says why.
-A candidate fits when its busiest GPU's memory (``passes.cluster.memory``) is within ``ClusterSpec.usable_memory_bytes``; fitting
-candidates are ranked by predicted step time.
+A candidate fits when its busiest GPU's memory (``passes.cluster.memory``) is within
+``ClusterSpec.usable_memory_bytes``; fitting candidates are ranked by predicted step time.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from passes.cluster.candidate import Candidate
 from passes.cluster.memory import ZERO
 from passes.cluster.model import Profiler
 from passes.cluster.stages import Ranks, rank_loads
-from passes.cluster.step import Priced, Setting, price
+from passes.cluster.step import Links, Priced, Setting, links, price
 
 VIRTUAL = (2, 3, 4, 6, 8)
 Allowed = Callable[[Candidate], "str | None"]
@@ -59,7 +59,9 @@ class SearchResult:
 
 
 def divisors(n: int) -> list[int]:
-    """>>> divisors(12)
+    """Every divisor of ``n``, ascending.
+
+    >>> divisors(12)
     [1, 2, 3, 4, 6, 12]
     """
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -100,6 +102,7 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
     heap: list[tuple[float, int, Priced]] = []
     result = SearchResult([], 0, 0, None)
     loads: dict[tuple[Any, ...], Ranks | None] = {}
+    link_of: dict[tuple[Any, ...], Links] = {}
     last_report = start
 
     def refuse(reason: str) -> None:
@@ -109,9 +112,10 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
         return key not in fixed or fixed[key] == value
 
     tps = [t for t in divisors(n) if want("tp", t) and (t <= gpn or "tp" in fixed)]
+    unshardable: set[int] = set()
     for tp in tps:
         for sp in ((False, True) if tp > 1 else (False,)):
-            if not want("sp", sp):
+            if not want("sp", sp) or tp in unshardable:
                 continue
             for pp in divisors(n // tp):
                 dp = n // (tp * pp)
@@ -123,11 +127,15 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
                 for mbs in divisors(batch // dp):
                     if mbs > max_mbs and "mbs" not in fixed or not want("mbs", mbs):
                         continue
+                    if tp in unshardable:
+                        break
                     prof = profiler(mbs, tp, sp)
-                    if prof.replicated:
-                        refuse(f"tp {tp}: the rewrite leaves {prof.replicated[0][0]!r} "
-                               f"replicated ({prof.replicated[0][1]})")
-                        continue
+                    if prof.replicated:  # the sizes do not divide: no microbatch size helps
+                        unshardable.add(tp)
+                        refuse(f"tp {tp}: the tensor-parallel rewrite leaves "
+                               f"{prof.replicated[0][0] or 'the model'!r} replicated "
+                               f"({prof.replicated[0][1].split(' (')[0]})")
+                        break
                     m = batch // (dp * mbs)
                     for rc in prof.recompute_modes:
                         if not want("recompute", rc):
@@ -144,6 +152,7 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
                             if ranks is None:
                                 refuse(f"pp x vp = {pp * v} chunks exceed the model's parts")
                                 continue
+                            link = link_of.get(key)
                             for zero in _zeros(dp):
                                 if not want("zero", zero):
                                     continue
@@ -152,7 +161,9 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
                                 if why is not None:
                                     refuse(why)
                                     continue
-                                priced = price(cand, ranks, prof, setting)
+                                if link is None:
+                                    link = link_of[key] = links(cand, ranks, setting)
+                                priced = price(cand, ranks, prof, setting, link)
                                 result.considered += 1
                                 if (result.smallest is None or priced.memory_bytes
                                         < result.smallest.memory_bytes):

@@ -24,8 +24,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from cost_model.schedule_cost import RankTimes
 from cost_model.device import DeviceSpec
+from cost_model.schedule_cost import RankTimes
 from passes.cluster.profile import PartCost, Profile
 from passes.partitioning.chain import solve
 
@@ -64,32 +64,38 @@ def chunk_ranks(p: int, v: int, schedule: str) -> list[int]:
 def split_layers(head: float, first: float, layer: float, tail: float, n: int,
                  k: int) -> tuple[int, ...]:
     """Layers per chunk (``k`` of them; the first also holds the head, the last the tail)
-    minimising the slowest chunk (module docstring).
+    minimising the slowest chunk, then the largest layer count (module docstring).
 
     >>> split_layers(0.5, 1.0, 1.0, 0.5, 8, 4)
     (2, 2, 2, 2)
     >>> split_layers(0.0, 1.0, 1.0, 3.0, 8, 3)
-    (4, 4, 0)
+    (3, 4, 1)
     """
     if k == 1:
         return (n,)
-    best: tuple[float, int, tuple[int, ...]] | None = None
+    mid = k - 2
+    best: tuple[float, int, int, int] | None = None
     q = math.ceil(n / k)
     top = n if k == 2 else min(n, q + 2 + int(max(head, tail) / max(layer, 1e-30)))
+    extra_first = max(0.0, first - layer)
     for x in range(0, top + 1):
+        t0 = head + (first + (x - 1) * layer if x else 0.0)
         ys = [n - x] if k == 2 else range(0, min(top, n - x) + 1)
         for y in ys:
             rest = n - x - y
-            mid = k - 2
             if rest < 0 or (mid > 0 and rest < mid) or (mid == 0 and rest != 0):
                 continue
-            counts = [x, *_even(rest, mid), y]
-            chunks = _chunk_times(counts, head, first, layer, tail)
-            key = (max(chunks), max(counts), tuple(counts))
+            widest = -(-rest // mid) if mid else 0  # _even gives the extra to the first
+            t_mid = widest * layer + (extra_first if x == 0 else 0.0) if widest else 0.0
+            holds_first = x == 0 and rest == 0
+            t_last = tail + ((first + (y - 1) * layer if holds_first else y * layer)
+                             if y else 0.0)
+            key = (max(t0, t_mid, t_last), max(x, widest, y), x, y)
             if best is None or key < best:
                 best = key
     assert best is not None
-    return best[2]
+    _, _, x, y = best
+    return (x, *_even(n - x - y, mid), y)
 
 
 def _even(total: int, parts: int) -> list[int]:
@@ -97,18 +103,6 @@ def _even(total: int, parts: int) -> list[int]:
         return []
     base, extra = divmod(total, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
-
-
-def _chunk_times(counts: list[int], head: float, first: float, layer: float,
-                 tail: float) -> list[float]:
-    out, start = [], 0
-    for i, c in enumerate(counts):
-        t = (head if i == 0 else 0.0) + (tail if i == len(counts) - 1 else 0.0)
-        if c:
-            t += (first if start == 0 else layer) + (c - 1) * layer
-        out.append(t)
-        start += c
-    return out
 
 
 @functools.lru_cache(maxsize=4096)

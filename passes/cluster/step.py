@@ -31,10 +31,13 @@ earlier than rank 0, which its exposed reduction may fill.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
+import numpy as np
+
 from cost_model.cluster import ClusterSpec
-from cost_model.collectives import Collective, collective_time, p2p_time
+from cost_model.collectives import Collective, Fabric, collective_time, p2p_time
 from cost_model.schedule_cost import RankTimes, in_flight_at, price_schedule
 from passes.cluster.candidate import Candidate
 from passes.cluster.memory import MemoryPerGPU, memory_per_gpu, state_bytes
@@ -55,6 +58,11 @@ class Setting:
     precision: str = "bf16"
     compute_factor: float = 1.0
     """How much slower ops run than the spec says (processes sharing a host's cores)."""
+
+    @functools.cached_property
+    def fabric(self) -> Fabric:
+        """The cluster's links at NCCL's bandwidth (computed once per setting)."""
+        return self.cluster.fabric()
 
 
 @dataclass(frozen=True)
@@ -108,33 +116,43 @@ def dp_placement(c: Candidate, gpus_per_node: int) -> tuple[int, int]:
     return nodes, max(1, min(gpus_per_node, c.gpus) // per_node)
 
 
-def _crosses(c: Candidate, stage: int, gpus_per_node: int) -> bool:
+def crosses_node(c: Candidate, stage: int, gpus_per_node: int) -> bool:
     """Whether the hop from pipeline rank ``stage`` to the next crosses a node."""
     nxt = (stage + 1) % c.pp
     return (stage * c.tp) // gpus_per_node != (nxt * c.tp) // gpus_per_node
 
 
-def _dp(kind: str, nbytes: float, c: Candidate, cluster: ClusterSpec) -> Collective:
-    nodes, concurrent = dp_placement(c, cluster.gpus_per_node)
-    return collective_time(kind, nbytes, c.dp, cluster.fabric(), nodes=nodes,
-                           concurrent=concurrent)
+@dataclass(frozen=True)
+class Links:
+    """What the pipeline's messages do to one set of rank loads (``links``): the ranks'
+    times (a link-bound rank runs at its messages' pace), one hop, each rank's link
+    occupancy per microbatch, and the loads as arrays for the per-candidate sums."""
+
+    times: tuple[RankTimes, ...]
+    hop_s: float
+    occupancy: tuple[float, ...]
+    bwd: np.ndarray
+    total: np.ndarray
+    elems: np.ndarray
+    tensors: np.ndarray
+    layers: np.ndarray
+    boundary: int
 
 
-def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting) -> Priced:
-    """The step of candidate ``c`` (module docstring); ``ranks`` is ``rank_loads`` of it."""
-    cl, spec = setting.cluster, setting.cluster.device
-    fabric = cl.fabric()
-    m = c.microbatches(setting.global_batch)
-    p, v = c.pp, c.vp
-    s_bytes = state_bytes(setting.precision)
-    # pipeline messages: one GPU's share of the links, hops in chunk order
+def links(c: Candidate, ranks: Ranks, setting: Setting) -> Links:
+    """The pipeline messages of ``ranks`` at ``c``'s tp and pp (module docstring, 2); the
+    same for every candidate sharing them, so the search computes it once."""
+    p, gpn, fabric = c.pp, setting.cluster.gpus_per_node, setting.fabric
     send_f = send_b = 0.0
     occupancy = [0.0] * p
+    sends: dict[tuple[int, bool], float] = {}
     for i, (act, grad) in enumerate(ranks.hops):
         stage = i % p
-        across = _crosses(c, stage, cl.gpus_per_node)
-        tf, tb = p2p_time(act, fabric, across_nodes=across), p2p_time(grad, fabric,
-                                                                       across_nodes=across)
+        across = crosses_node(c, stage, gpn)
+        for nbytes in (act, grad):
+            if (nbytes, across) not in sends:
+                sends[(nbytes, across)] = p2p_time(nbytes, fabric, across_nodes=across)
+        tf, tb = sends[(act, across)], sends[(grad, across)]
         send_f, send_b = send_f + tf, send_b + tb
         occupancy[stage] += tf
         occupancy[(stage + 1) % p] += tb
@@ -143,59 +161,116 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting) -> Pri
     for r, t in enumerate(ranks.times):
         scale = occupancy[r] / t.total_s if t.total_s > 0 and occupancy[r] > t.total_s else 1.0
         times.append(RankTimes(t.fwd_s * scale, t.bwd_s * scale, t.wgrad_s * scale))
-    sched = price_schedule(c.schedule, times, m, v, hop_s=hop)
+    return Links(tuple(times), hop, tuple(occupancy),
+                 np.array([t.bwd_s for t in times]), np.array([t.total_s for t in times]),
+                 np.array(ranks.elems, dtype=np.float64),
+                 np.array(ranks.tensors, dtype=np.float64),
+                 np.array(ranks.layers, dtype=np.float64),
+                 max((g for _, g in ranks.hops), default=0))
+
+
+def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
+          link: Links | None = None) -> Priced:
+    """The step of candidate ``c`` (module docstring); ``ranks`` is ``rank_loads`` of it and
+    ``link`` its ``links`` (computed here when not given)."""
+    cl, spec = setting.cluster, setting.cluster.device
+    fabric = setting.fabric
+    lk = link if link is not None else links(c, ranks, setting)
+    m = c.microbatches(setting.global_batch)
+    p, v = c.pp, c.vp
+    s_bytes = state_bytes(setting.precision)
+    sched = price_schedule(c.schedule, lk.times, m, v, hop_s=lk.hop_s)
     pipeline = sched.pipeline_s
-    # data parallelism
+    # data parallelism, per distinct load (most ranks carry the same)
+    nodes, concurrent = dp_placement(c, cl.gpus_per_node)
+    colls: dict[tuple[str, float], Collective] = {}
+
+    def dp(kind: str, nbytes: float) -> Collective:
+        if (kind, nbytes) not in colls:
+            colls[(kind, nbytes)] = collective_time(kind, nbytes, c.dp, fabric, nodes=nodes,
+                                                    concurrent=concurrent)
+        return colls[(kind, nbytes)]
+
     dp_s = zero_s = fsdp_s = tied_s = 0.0
     algorithm = "none"
-    exposed = [0.0] * p
+    exposed = np.zeros(p)
     fsdp_extra = 0.0
-    for r in range(p):
-        grad_bytes = ranks.elems[r] * s_bytes.reduce
-        if c.dp > 1 and c.zero == "fsdp":
-            gather = _dp("all_gather", ranks.elems[r] * s_bytes.param, c, cl).seconds
-            scatter = _dp("reduce_scatter", grad_bytes, c, cl).seconds
-            per_mb = 2 * gather + scatter
-            fsdp_s = max(fsdp_s, m * per_mb)
-            fsdp_extra = max(fsdp_extra, m * max(0.0, per_mb - times[r].total_s)
-                             + gather / max(ranks.layers[r], 1))
-        elif c.dp > 1:
-            coll = _dp("all_reduce", grad_bytes, c, cl)
-            algorithm = coll.algorithm
-            window = times[r].bwd_s / v
-            bucket = coll.seconds * min(1.0, DDP_BUCKET_BYTES / max(grad_bytes, 1))
-            exposed[r] = max(coll.seconds - window, bucket)
-            dp_s = max(dp_s, coll.seconds)
+    if c.dp > 1:
+        per_elems = {e: (e * s_bytes.reduce, e * s_bytes.param) for e in set(ranks.elems)}
+        if c.zero == "fsdp":
+            for r in range(p):
+                grad_bytes, param_bytes = per_elems[ranks.elems[r]]
+                gather = dp("all_gather", param_bytes).seconds
+                per_mb = 2 * gather + dp("reduce_scatter", grad_bytes).seconds
+                fsdp_s = max(fsdp_s, m * per_mb)
+                fsdp_extra = max(fsdp_extra, m * max(0.0, per_mb - float(lk.total[r]))
+                                 + gather / max(ranks.layers[r], 1))
+        else:
+            reduce = np.array([dp("all_reduce", per_elems[e][0]).seconds
+                               for e in ranks.elems])
+            grads = lk.elems * s_bytes.reduce
+            bucket = reduce * np.minimum(1.0, DDP_BUCKET_BYTES / np.maximum(grads, 1.0))
+            exposed = np.maximum(reduce - lk.bwd / v, bucket)
+            dp_s = float(reduce.max())
+            algorithm = dp("all_reduce", per_elems[ranks.elems[0]][0]).algorithm
             if c.zero == "zero1":
-                z = _dp("all_gather", ranks.elems[r] * s_bytes.param, c, cl).seconds
-                zero_s = max(zero_s, z)
-                exposed[r] += z
-    for key, elems in {k: n for s in ranks.shared for k, n in s}.items():
-        holders = sum(1 for s in ranks.shared if key in dict(s))
+                gathers = np.array([dp("all_gather", per_elems[e][1]).seconds
+                                    for e in ranks.elems])
+                zero_s = float(gathers.max())
+                exposed = exposed + gathers
+    for key, elems in {k: n for sh in ranks.shared for k, n in sh}.items():
+        holders = sum(1 for sh in ranks.shared if key in dict(sh))
         if holders > 1:
-            t = collective_time("all_reduce", elems * s_bytes.reduce, holders, fabric,
-                                nodes=holders if c.pp * c.tp > cl.gpus_per_node else 1)
-            tied_s = max(tied_s, t.seconds)
+            tied = collective_time("all_reduce", elems * s_bytes.reduce, holders, fabric,
+                                   nodes=holders if c.pp * c.tp > cl.gpus_per_node else 1)
+            tied_s = max(tied_s, tied.seconds)
     pipeline += fsdp_extra
-    opt = []
     shard = c.dp if c.zero != "none" and c.dp > 1 else 1
-    for r in range(p):
-        fp32_bytes = ranks.elems[r] * 4 / shard
-        opt.append(spec.optimizer_time(max(1, ranks.tensors[r] // shard), fp32_bytes))
-    drain = 0.0
-    ends = []
-    for r in range(p):
-        ends.append(pipeline - drain + exposed[r] + tied_s + opt[r])
-        drain += times[r].bwd_s / v + hop
-    step = max(ends) + spec.step_overhead_s
-    mems = memory_by_rank(c, ranks, profile, setting)
-    mem_rank = max(range(p), key=lambda r: (mems[r].total, -r))
+    opt = (np.maximum(1.0, np.floor(lk.tensors / shard)) * spec.optimizer_tensor_s
+           + lk.elems * 4 / shard * spec.optimizer_byte_s)
+    drain = np.concatenate([[0.0], np.cumsum(lk.bwd / v + lk.hop_s)[:-1]])
+    step = float(np.max(pipeline - drain + exposed + tied_s + opt)) + spec.step_overhead_s
+    mem_rank, mem = peak_memory(c, ranks, profile, setting, lk.boundary)
     tp_step = m * max(ranks.tp_s)
-    pp_step = m * max(occupancy) if p > 1 else 0.0
-    comm = CommTimes(tp_step, pp_step, dp_s, max(exposed), zero_s, fsdp_s, tied_s, algorithm)
+    pp_step = m * max(lk.occupancy) if p > 1 else 0.0
+    comm = CommTimes(tp_step, pp_step, dp_s, float(exposed.max()), zero_s, fsdp_s, tied_s,
+                     algorithm)
     hw = sum(ranks.flops) * m * c.tp * c.dp
-    return Priced(c, m, step, pipeline, sched.bubble_fraction, max(opt), comm, mems[mem_rank],
+    return Priced(c, m, step, pipeline, sched.bubble_fraction, float(opt.max()), comm, mem,
                   mem_rank, ranks.layers, hw)
+
+
+def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: int,
+            r: int, boundary: int) -> MemoryPerGPU:
+    return memory_per_gpu(
+        elems=ranks.elems[r], buffers=ranks.buffers[r], kept=ranks.kept[r],
+        in_flight=in_flight_at(c.schedule, c.pp, m, c.vp, r), transient=ranks.transient[r],
+        precision=setting.precision, zero=c.zero, dp=c.dp, layer_elems=ranks.layer_elems,
+        boundary=boundary, output_bytes=profile.output_bytes, pipelined=c.pp > 1,
+        tensors=ranks.tensors[r])
+
+
+def peak_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
+                boundary: int | None = None) -> tuple[int, MemoryPerGPU]:
+    """The rank holding the most, and what it holds. Activations in flight never grow with
+    the rank index, so of a run of ranks with equal loads the first holds the most: only
+    those are priced."""
+    m = c.microbatches(setting.global_batch)
+    if boundary is None:
+        boundary = max((g for _, g in ranks.hops), default=0)
+    best: tuple[int, MemoryPerGPU] | None = None
+    last = None
+    for r in range(c.pp):
+        sig = (ranks.elems[r], ranks.tensors[r], ranks.kept[r], ranks.transient[r],
+               ranks.buffers[r])
+        if sig == last:
+            continue
+        last = sig
+        mem = _memory(c, ranks, profile, setting, m, r, boundary)
+        if best is None or mem.total > best[1].total:
+            best = (r, mem)
+    assert best is not None
+    return best
 
 
 def memory_by_rank(c: Candidate, ranks: Ranks, profile: Profile,
@@ -203,12 +278,7 @@ def memory_by_rank(c: Candidate, ranks: Ranks, profile: Profile,
     """Each pipeline rank's peak memory (``passes.cluster.memory``) under ``c``'s schedule."""
     m = c.microbatches(setting.global_batch)
     boundary = max((g for _, g in ranks.hops), default=0)
-    return [memory_per_gpu(
-        elems=ranks.elems[r], buffers=ranks.buffers[r], kept=ranks.kept[r],
-        in_flight=in_flight_at(c.schedule, c.pp, m, c.vp, r), transient=ranks.transient[r],
-        precision=setting.precision, zero=c.zero, dp=c.dp, layer_elems=ranks.layer_elems,
-        boundary=boundary, output_bytes=profile.output_bytes, pipelined=c.pp > 1,
-        tensors=ranks.tensors[r]) for r in range(c.pp)]
+    return [_memory(c, ranks, profile, setting, m, r, boundary) for r in range(c.pp)]
 
 
 def model_flops(profile: Profile) -> float:
@@ -217,5 +287,5 @@ def model_flops(profile: Profile) -> float:
     return sum(u.fwd_flops + u.bwd_flops for u in profile.units())
 
 
-__all__ = ["DDP_BUCKET_BYTES", "CommTimes", "Priced", "Setting", "dp_placement",
-           "memory_by_rank", "model_flops", "price"]
+__all__ = ["DDP_BUCKET_BYTES", "CommTimes", "Links", "Priced", "Setting", "crosses_node",
+           "dp_placement", "links", "memory_by_rank", "model_flops", "peak_memory", "price"]

@@ -22,7 +22,9 @@ tp ranks share the batch; feed every rank of a tp group the same samples), ``opt
 stage (the script pins each layer to the pipeline rank the plan gives it,
 ``layers_per_rank``, with ``smp.set_partition``: the stages run are the stages priced),
 ``shard_optimizer_state`` (``zero1``),
-``sharded_data_parallel_degree`` (``fsdp``) and ``fp16``. bf16 is autocast in the step
+``sharded_data_parallel_degree`` (``fsdp``, with ``sdp_gradient_clipping`` 0: SMP clips
+the gradients' norm to 1.0 by default there, which would make the sharded run train
+differently from the unsharded one) and ``fp16``. bf16 is autocast in the step
 function and full recomputation ``smp.set_activation_checkpointing`` on each layer: SMP
 has no configuration key for either, so ``script_notes`` says what the script does.
 """
@@ -85,6 +87,7 @@ def smp_config(rec: PlanRecord, precision: str) -> dict[str, Any]:
         cfg["shard_optimizer_state"] = True
     if c.zero == "fsdp":
         cfg["sharded_data_parallel_degree"] = c.dp
+        cfg["sdp_gradient_clipping"] = 0.0  # SMP clips at 1.0 there; the plan changes no math
     if precision == "fp16":
         cfg["fp16"] = True
     config = load_config(dict(cfg), env={})
@@ -96,10 +99,11 @@ def script_notes(rec: PlanRecord, precision: str, layer_path: str) -> list[str]:
     """What the training script does that the configuration cannot say."""
     notes = []
     if rec.pp > 1:
+        per_rank = list(rec.details.get("layers_per_rank", []))
         notes.append(f"pin the layers ({layer_path or 'the repeated layers'}) to pipeline "
-                     f"ranks with smp.set_partition, {list(rec.details.get('layers_per_rank', []))}"
-                     " layers per rank in order, the modules after them to the last rank "
-                     "(examples/train_planned.py --plan PLAN.json does)")
+                     f"ranks with smp.set_partition, {per_rank} layers per rank in order, "
+                     "the modules after them to the last rank (examples/train_planned.py "
+                     "--plan PLAN.json does)")
     if rec.recompute == "full":
         notes.append(f"recompute full: smp.set_activation_checkpointing(m) on each layer "
                      f"({layer_path or 'the repeated layers'})")

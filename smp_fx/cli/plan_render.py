@@ -5,10 +5,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from cost_model.collectives import p2p_time
 from cost_model.schedule import SCHEDULE_NAMES, generate
 from cost_model.simulate import SimResult, StageCost, simulate
 from passes.cluster.planner import Planned
 from passes.cluster.result import PlanRecord
+from passes.cluster.step import crosses_node
 from smp_fx.cli.render import _table, human_bytes, human_time
 
 HEADER = ("#", "tp", "pp", "dp", "mbs", "m", "schedule", "v", "recompute", "sp", "zero",
@@ -93,13 +95,18 @@ def simulate_best(planned: Planned) -> SimResult | None:
     if c.vp != 1 or (c.pp > 1 and c.schedule not in SCHEDULE_NAMES):
         return None
     ranks = planned.ranks(c)
-    fabric = planned.setting.cluster.fabric()
+    cluster = planned.setting.cluster
+    fabric = cluster.fabric()
     send = [0.0] * c.pp
     back = [0.0] * c.pp
+    latency = 0.0
     for i, (act, grad) in enumerate(ranks.hops):
-        send[i] = act / fabric.intra_bandwidth
-        back[i + 1] = grad / fabric.intra_bandwidth
-    costs = [StageCost(t.fwd_s, t.bwd_s, send[r], back[r], latency_s=fabric.intra_latency_s)
+        across = crosses_node(c, i, cluster.gpus_per_node)
+        lat = fabric.inter_latency_s if across else fabric.intra_latency_s
+        send[i] = p2p_time(act, fabric, across_nodes=across) - lat
+        back[i + 1] = p2p_time(grad, fabric, across_nodes=across) - lat
+        latency = max(latency, lat)
+    costs = [StageCost(t.fwd_s, t.bwd_s, send[r], back[r], latency_s=latency)
              for r, t in enumerate(ranks.times)]
     name = c.schedule if c.pp > 1 else "interleaved"
     return simulate(generate(name, c.pp, best.microbatches), costs)

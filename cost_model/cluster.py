@@ -146,13 +146,13 @@ class ClusterSpec:
 
 
 # ------------------------------------------------------------------------ built-in clusters
-MEGATRON_FIT: Table = ((16.0, 0.03), (96.0, 0.1374), (160.0, 0.1374), (512.0, 0.7148),
-                       (4096.0, 0.7148))
+MEGATRON_FIT: Table = ((16.0, 0.03), (96.0, 0.1163), (160.0, 0.1163), (512.0, 0.7906),
+                       (4096.0, 0.7906))
 """The A100's matmul efficiency by smallest dimension in the built-in A100 clusters: two
 figures fitted on Megatron-LM SC'21 Table 1 alone (``benchmarks/megatron_table.py --fit``):
-matmuls whose smallest dimension is a head dimension (96-160: attention, 13.7% of peak:
+matmuls whose smallest dimension is a head dimension (96-160: attention, 11.6% of peak:
 the unfused softmax, mask and dropout traffic of those runs, which a fused ``sdpa`` node
-does not show, is in it) and large matmuls (512 and up: 71.5%); the 16 entry is the
+does not show, is in it) and large matmuls (512 and up: 79.1%); the 16 entry is the
 device's estimate."""
 _FIT_SOURCE = ("fitted on Megatron-LM SC'21 (arXiv 2104.04473) Table 1 only, by "
                "benchmarks/megatron_table.py --fit (least squares of log predicted / "

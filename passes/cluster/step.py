@@ -77,11 +77,13 @@ class CommTimes:
     fsdp: float
     tied: float
     dp_algorithm: str = "none"
+    fsdp_exposed: float = 0.0
 
     def to_json(self) -> dict[str, object]:
         return {"tp_s": self.tp, "pp_s": self.pp, "dp_s": self.dp,
                 "dp_exposed_s": self.dp_exposed, "zero_s": self.zero, "fsdp_s": self.fsdp,
-                "tied_s": self.tied, "dp_algorithm": self.dp_algorithm}
+                "fsdp_exposed_s": self.fsdp_exposed, "tied_s": self.tied,
+                "dp_algorithm": self.dp_algorithm}
 
 
 @dataclass(frozen=True)
@@ -234,7 +236,7 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
     tp_step = m * max(ranks.tp_s)
     pp_step = m * max(lk.occupancy) if p > 1 else 0.0
     comm = CommTimes(tp_step, pp_step, dp_s, float(exposed.max()), zero_s, fsdp_s, tied_s,
-                     algorithm)
+                     algorithm, fsdp_extra)
     hw = sum(ranks.flops) * m * c.tp * c.dp
     return Priced(c, m, step, pipeline, sched.bubble_fraction, float(opt.max()), comm, mem,
                   mem_rank, ranks.layers, hw)

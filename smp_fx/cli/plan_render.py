@@ -16,6 +16,8 @@ from smp_fx.cli.render import _table, human_bytes, human_time
 HEADER = ("#", "tp", "pp", "dp", "mbs", "m", "schedule", "v", "recompute", "sp", "zero",
           "step", "tokens/s", "TF/GPU model", "TF/GPU hw", "MFU", "mem/GPU", "bubble",
           "tp comm", "pp comm", "dp comm (exposed)")
+"""Communication per step on the busiest rank; dp comm is the gradient all-reduce (and
+ZeRO-1's parameter broadcast), or FSDP's gathers and reduce-scatters."""
 
 
 def _row(i: int, r: PlanRecord) -> list[str]:
@@ -26,7 +28,15 @@ def _row(i: int, r: PlanRecord) -> list[str]:
             f"{r.model_tflops_per_gpu:.1f}", f"{r.hardware_tflops_per_gpu:.1f}",
             f"{r.mfu:.1%}", human_bytes(r.memory_bytes_per_gpu), f"{r.bubble_fraction:.1%}",
             human_time(comm.get("tp_s", 0.0)), human_time(comm.get("pp_s", 0.0)),
-            f"{human_time(comm.get('dp_s', 0.0))} ({human_time(comm.get('dp_exposed_s', 0.0))})"]
+            _dp_cell(r.zero, comm)]
+
+
+def _dp_cell(zero: str, comm: dict) -> str:
+    if zero == "fsdp":
+        return (f"{human_time(comm.get('fsdp_s', 0.0))} "
+                f"({human_time(comm.get('fsdp_exposed_s', 0.0))})")
+    total = comm.get("dp_s", 0.0) + comm.get("zero_s", 0.0)
+    return f"{human_time(total)} ({human_time(comm.get('dp_exposed_s', 0.0))})"
 
 
 def format_plans(planned: Planned) -> str:

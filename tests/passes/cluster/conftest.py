@@ -3,10 +3,8 @@ the planner's prices can be compared with ``compile_model``'s number for number.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
-import pytest
 import torch
 
 from cost_model.cluster import ClusterSpec
@@ -33,8 +31,3 @@ def link_cluster(gpus_per_node: int = 8, memory_gib: float | None = None) -> Clu
         spec = dataclasses.replace(spec, memory_bytes=int(memory_gib * 1024**3))
     return ClusterSpec("test", spec, gpus_per_node, spec.link_bandwidth, spec.link_bandwidth,
                        spec.link_latency_s, spec.link_latency_s)
-
-
-@pytest.fixture
-def inputs() -> Any:
-    return functools.partial(gpt_inputs)

@@ -17,7 +17,8 @@ fp32      4      4      0                       8            plain
 
 ``zero1`` (``shard_optimizer_state``) divides masters and Adam state by the data-parallel
 degree (Adam's per-tensor step counters, 4 bytes each, count too); ``fsdp``
-(``sharded_data_parallel_degree`` = dp) divides everything and gathers
+(``sharded_data_parallel_degree`` = dp) divides everything but the tensors below SMP's
+``sdp_param_persistence_threshold`` (``whole``: kept on every rank) and gathers
 two layers' parameters at a time (FSDP2 prefetches one unit ahead). Activations are the
 bytes a microbatch keeps on the rank (``passes.cluster.profile``) times the microbatches
 the schedule holds in flight there (``cost_model.schedule_cost.in_flight_at``), plus the
@@ -91,7 +92,8 @@ class MemoryPerGPU:
 
 def memory_per_gpu(*, elems: int, buffers: int, kept: int, in_flight: float, transient: int,
                    precision: str, zero: str, dp: int, layer_elems: int, boundary: int,
-                   output_bytes: int, pipelined: bool, tensors: int = 0) -> MemoryPerGPU:
+                   output_bytes: int, pipelined: bool, tensors: int = 0,
+                   whole: int = 0) -> MemoryPerGPU:
     """One rank's peak: ``elems`` trainable parameter elements, ``buffers`` bytes of
     buffers, ``kept`` activation bytes per microbatch held ``in_flight`` times,
     ``boundary`` the bytes of one pipeline message.
@@ -111,8 +113,12 @@ def memory_per_gpu(*, elems: int, buffers: int, kept: int, in_flight: float, tra
     comm = 0
     if zero == "zero1" and dp > 1:
         optimizer = -(-optimizer // dp)
-    if zero == "fsdp" and dp > 1:
-        params, grads, optimizer = -(-params // dp), -(-grads // dp), -(-optimizer // dp)
+    if zero == "fsdp" and dp > 1:  # ``whole`` elements stay unsharded
+        part = min(whole, elems)
+        params = part * s.param + -(-(elems - part) * s.param // dp)
+        grads = part * s.grad + -(-(elems - part) * s.grad // dp)
+        optimizer = part * (s.master + s.optimizer) + STEP_BYTES * tensors \
+            + -(-(elems - part) * (s.master + s.optimizer) // dp)
         comm += 2 * layer_elems * (s.param + s.grad)  # two gathered units and their grads
     elif dp > 1:
         comm += elems * s.grad  # DDP's bucket buffers

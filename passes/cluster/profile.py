@@ -26,7 +26,6 @@ is a part of its own and only ``none`` applies.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +43,8 @@ from passes.tensor_parallel import TensorParallelism, tensor_parallel
 from passes.tp_costs import COLLECTIVES
 
 RECOMPUTE = ("none", "selective", "full")
+PERSISTENCE_THRESHOLD = 1_000_000
+"""SMP's default ``sdp_param_persistence_threshold``: smaller tensors are not sharded."""
 WGRAD_OPS = frozenset({"linear", "matmul", "addmm", "mm", "conv"})
 """Ops whose backward is half input gradient, half weight gradient (when they read a
 parameter)."""
@@ -78,6 +79,9 @@ class PartCost:
     buffer_bytes: int
     out_bytes: int
     """What crosses a pipeline boundary placed right after this part (values relayed)."""
+    small_elems: int = 0
+    """Elements of its trainable tensors below ``PERSISTENCE_THRESHOLD`` (shared ones
+    included): sharded data parallelism keeps them whole."""
 
     def times(self, recompute: str) -> tuple[float, float]:
         """(forward, backward) seconds; the backward re-runs what is recomputed."""
@@ -217,7 +221,7 @@ def _part_cost(nodes: list[torch.fx.Node], later: set[torch.fx.Node], layer: boo
             saved_sel, transient_sel = _with_region(nodes, core, "attention core")
             sel_s = sum(meta.COST.get(n).fwd_time_s for n in core)
             sel_flops = sum(meta.COST.get(n).fwd_flops for n in core)
-    own_elems = own_tensors = buffers = 0
+    own_elems = own_tensors = buffers = small = 0
     shared: dict[str, int] = {}
     seen: set[int] = set()
     for n in nodes:
@@ -230,7 +234,10 @@ def _part_cost(nodes: list[torch.fx.Node], later: set[torch.fx.Node], layer: boo
             seen.add(tid)
             if not trainable:
                 buffers += size
-            elif readers.get(tid, 1) > 1:
+                continue
+            if size < PERSISTENCE_THRESHOLD:
+                small += size
+            if readers.get(tid, 1) > 1:
                 shared[names[tid]] = size
             else:
                 own_elems, own_tensors = own_elems + size, own_tensors + 1
@@ -242,7 +249,8 @@ def _part_cost(nodes: list[torch.fx.Node], later: set[torch.fx.Node], layer: boo
         saved=saved, saved_full=saved_full, transient_full=transient_full,
         saved_selective=saved_sel, transient_selective=transient_sel, selective_fwd_s=sel_s,
         selective_flops=sel_flops, param_elems=own_elems, param_tensors=own_tensors,
-        shared=tuple(sorted(shared.items())), buffer_bytes=buffers, out_bytes=out_bytes)
+        shared=tuple(sorted(shared.items())), buffer_bytes=buffers, out_bytes=out_bytes,
+        small_elems=small)
 
 
 def _nbytes(node: torch.fx.Node) -> int:
@@ -310,17 +318,5 @@ def model_dtype(precision: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
 
-def scaled(p: PartCost, factor: float) -> PartCost:
-    """``p`` with its compute times multiplied by ``factor`` (collectives unchanged): ranks
-    sharing a host's cores run their ops ``factor`` times slower."""
-    if factor == 1.0:
-        return p
-    f = factor
-    return dataclasses.replace(
-        p, fwd_s=(p.fwd_s - p.tp_fwd_s) * f + p.tp_fwd_s,
-        bwd_s=(p.bwd_s - p.tp_bwd_s) * f + p.tp_bwd_s, wgrad_s=p.wgrad_s * f,
-        selective_fwd_s=p.selective_fwd_s * f)
-
-
-__all__ = ["RECOMPUTE", "PartCost", "Profile", "attention_core", "model_dtype", "price_parts",
-           "profile", "scaled", "split_parts"]
+__all__ = ["PERSISTENCE_THRESHOLD", "RECOMPUTE", "PartCost", "Profile", "attention_core",
+           "model_dtype", "price_parts", "profile", "split_parts"]

@@ -47,6 +47,8 @@ class Ranks:
     hops: tuple[tuple[int, int], ...]
     """(activation bytes, gradient bytes with the outputs) of each chunk boundary."""
     layer_elems: int
+    small: tuple[int, ...] = ()
+    """Elements of tensors below the persistence threshold, per rank."""
 
 
 def chunk_ranks(p: int, v: int, schedule: str) -> list[int]:
@@ -157,7 +159,7 @@ def rank_loads(profile: Profile, recompute: str, p: int, v: int, schedule: str,
     factor = compute_factor * (spec.pipelined_scale if p > 1 else 1.0)
     owner = chunk_ranks(p, v, schedule)
     f, b, w, tp, flops = ([0.0] * p for _ in range(5))
-    elems, tensors, buffers, kept, transient, layers = ([0] * p for _ in range(6))
+    elems, tensors, buffers, kept, transient, layers, small = ([0] * p for _ in range(7))
     shared: list[dict[str, int]] = [{} for _ in range(p)]
     hops: list[tuple[int, int]] = []
     layer_parts = set(map(id, profile.parts[1:3])) if profile.layers else set()
@@ -174,6 +176,7 @@ def rank_loads(profile: Profile, recompute: str, p: int, v: int, schedule: str,
             w[r] += n * part.wgrad_s * factor
             tp[r] += n * (part.tp_fwd_s + part.tp_bwd_s + rc_comm)
             elems[r] += n * part.param_elems
+            small[r] += n * part.small_elems
             tensors[r] += n * part.param_tensors
             for key, size in part.shared:
                 if key not in shared[r]:
@@ -195,7 +198,7 @@ def rank_loads(profile: Profile, recompute: str, p: int, v: int, schedule: str,
                  tuple(elems[r] + sum(shared[r].values()) for r in range(p)), tuple(tensors),
                  tuple(tuple(sorted(s.items())) for s in shared), tuple(buffers), tuple(kept),
                  tuple(transient), tuple(flops), tuple(layers), tuple(hops),
-                 max(part.param_elems for part in profile.parts))
+                 max(part.param_elems for part in profile.parts), tuple(small))
 
 
 __all__ = ["Ranks", "chunk_ranks", "chunks_of", "rank_loads", "split_layers"]

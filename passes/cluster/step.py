@@ -21,7 +21,9 @@ runtime runs it:
    least the last 25 MiB bucket; ``zero1`` then broadcasts the updated parameters from
    their owners (an all-gather's worth); ``fsdp`` all-gathers each rank's parameters for
    every microbatch's forward and backward and reduce-scatters its gradients, overlapped
-   with that microbatch's compute. Tied weights on two ranks sum their gradients.
+   with that microbatch's compute, and all-reduces the tensors it keeps whole (below
+   ``sdp_param_persistence_threshold``) after the step. Tied weights on two ranks sum
+   their gradients.
 4. **Optimizer**: ``DeviceSpec.optimizer_time`` over the rank's (sharded) fp32 state; the
    runtime's fixed cost per step.
 
@@ -201,12 +203,15 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
         per_elems = {e: (e * s_bytes.reduce, e * s_bytes.param) for e in set(ranks.elems)}
         if c.zero == "fsdp":
             for r in range(p):
-                grad_bytes, param_bytes = per_elems[ranks.elems[r]]
-                gather = dp("all_gather", param_bytes).seconds
-                per_mb = 2 * gather + dp("reduce_scatter", grad_bytes).seconds
+                small = ranks.small[r] if ranks.small else 0
+                big = ranks.elems[r] - small
+                gather = dp("all_gather", big * s_bytes.param).seconds
+                per_mb = 2 * gather + dp("reduce_scatter", big * s_bytes.reduce).seconds
                 fsdp_s = max(fsdp_s, m * per_mb)
                 fsdp_extra = max(fsdp_extra, m * max(0.0, per_mb - float(lk.total[r]))
                                  + gather / max(ranks.layers[r], 1))
+                # the unsharded small tensors: summed over dp after the step, not hidden
+                exposed[r] = dp("all_reduce", small * s_bytes.reduce).seconds
         else:
             reduce = np.array([dp("all_reduce", per_elems[e][0]).seconds
                                for e in ranks.elems])
@@ -249,7 +254,7 @@ def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: i
         in_flight=in_flight_at(c.schedule, c.pp, m, c.vp, r), transient=ranks.transient[r],
         precision=setting.precision, zero=c.zero, dp=c.dp, layer_elems=ranks.layer_elems,
         boundary=boundary, output_bytes=profile.output_bytes, pipelined=c.pp > 1,
-        tensors=ranks.tensors[r])
+        tensors=ranks.tensors[r], whole=ranks.small[r] if ranks.small else 0)
 
 
 def peak_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,

@@ -34,7 +34,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from cost_model.cluster import ClusterSpec, cluster_for_device, cluster_names, load_cluster
+from cost_model.cluster import (
+    DEVICE_CLUSTER,
+    ClusterSpec,
+    cluster_for_device,
+    cluster_names,
+    load_cluster,
+)
 from cost_model.device import load_device
 from cost_model.errors import SMPConfigError, SMPError
 from passes.cluster.candidate import parse_fix
@@ -90,8 +96,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     return p
 
 
-def make_cluster(args: argparse.Namespace) -> ClusterSpec:
-    """The cluster the flags describe (``--cluster`` or ``--device`` plus overrides)."""
+def make_cluster(args: argparse.Namespace, gpus: int = 1) -> ClusterSpec:
+    """The cluster the flags describe (``--cluster`` or ``--device`` plus overrides); a
+    device without a built-in node (``cpu``, a calibrated file) is one host of ``gpus``
+    processes unless ``--gpus-per-node`` says otherwise."""
     mem = int(args.gpu_memory_gib * GiB) if args.gpu_memory_gib else None
     if args.cluster:
         base = load_cluster(args.cluster)
@@ -104,7 +112,11 @@ def make_cluster(args: argparse.Namespace) -> ClusterSpec:
         if mem is not None:
             changes["device"] = replace(base.device, memory_bytes=mem)
         return replace(base, **changes) if changes else base
-    return cluster_for_device(load_device(args.device), gpus_per_node=args.gpus_per_node,
+    device = load_device(args.device)
+    per_node = args.gpus_per_node
+    if per_node is None and device.name not in DEVICE_CLUSTER:
+        per_node = gpus
+    return cluster_for_device(device, gpus_per_node=per_node,
                               intra_node_bandwidth=args.intra_node_bandwidth,
                               inter_node_bandwidth=args.inter_node_bandwidth,
                               memory_bytes=mem)
@@ -175,7 +187,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
 
     fixed = parse_fix(args.fix)
     counts = gpu_counts(args.gpus)
-    cluster = make_cluster(args)
+    cluster = make_cluster(args, max(counts))
     prepared = prepare_model(args, progress)
     allowed = None
     if args.emit_config:

@@ -23,8 +23,7 @@ test: $(STAMP)
 	$(PY) -m pytest -q  # testpaths: tests/ and the packages' docstring examples
 
 lint: $(STAMP)
-	$(PY) -m ruff check smp_fx passes cost_model tests examples benchmarks conftest.py \
-		smp_fx/dist tests/smp_fx/dist  # ruff skips folders named dist unless named
+	$(PY) -m ruff check smp_fx passes cost_model tests examples benchmarks conftest.py
 	$(PY) -m mypy
 
 clean:

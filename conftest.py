@@ -36,6 +36,6 @@ def _examples_leave_no_state(request: pytest.FixtureRequest) -> Iterator[None]:
     this process must not inherit that state or its process group."""
     yield
     if isinstance(request.node, DoctestItem):
-        from smp_fx.dist import state
+        from smp_fx.world import state
 
         state._reset()

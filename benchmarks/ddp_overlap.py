@@ -48,7 +48,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
     sys.path.insert(0, str(ROOT))
     torch.set_num_threads(args.threads)
     import smp_fx as smp
-    from smp_fx.dist import state
+    from smp_fx.world import state
 
     smp.init({"pipeline_parallel_degree": args.pp, "microbatches": args.microbatches,
               "pipeline": args.pipeline, "ddp": True, "placement_strategy": "cluster"})
@@ -87,9 +87,9 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
                 if i >= args.warmup:
                     times[name].append(took.item())
     # the reduction alone (what overlapping can hide at best): the last model's buckets
-    from smp_fx.dist.ddp import allreduce_grads
+    from smp_fx.parallel.ddp import allreduce_grads
 
-    dp = model._ddp
+    dp = model.parallelized.data_parallel
     times["reduction alone"] = []
     for _ in range(args.steps):
         for p in model.local_parameters():

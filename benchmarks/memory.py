@@ -39,9 +39,9 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import smp_fx as smp  # noqa: E402
-from cost_model.device import load_device  # noqa: E402
-from smp_fx import activation_checkpointing  # noqa: E402
-from smp_fx.dist import state  # noqa: E402
+from cost_model.devices import load_device  # noqa: E402
+from smp_fx.marking import activation_checkpointing  # noqa: E402
+from smp_fx.world import state  # noqa: E402
 
 CONFIGS = (("none", None, False), ("each", "each", False), ("contiguous", "contiguous", False),
            ("group_2", "group_2", False), ("each+offload", "each", True))

@@ -31,7 +31,7 @@ from pathlib import Path
 import networkx as nx
 import numpy as np
 
-from cost_model.device import A100
+from cost_model.devices import A100
 from cost_model.roofline import link_model
 from passes.auto_partition import problem_lower_bound, solve_problem
 from passes.partition_config import PartitionConfig

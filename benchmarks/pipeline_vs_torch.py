@@ -55,7 +55,7 @@ def _barrier_time(fn: Any) -> float:
 
 def _smp_step(args: argparse.Namespace, pipeline: str) -> tuple[Any, Any]:
     import smp_fx as smp
-    from smp_fx.dist import state
+    from smp_fx.world import state
 
     state._reset()
     smp.init({"pipeline_parallel_degree": 2, "microbatches": args.microbatches,

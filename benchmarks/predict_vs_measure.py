@@ -76,7 +76,7 @@ def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import smp_fx as smp
-    from smp_fx.dist import launch, state
+    from smp_fx.world import launch, state
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:  # one default group; each smp.init below adds (and _reset removes) its own
@@ -173,7 +173,7 @@ def saved_bytes_by_stage(gm: torch.fx.GraphModule, args: tuple[Any, ...],
 def predict(name: str, spec_path: str, degrees: tuple[int, ...] = (1, 2)
             ) -> dict[tuple[int, str], dict[str, Any]]:
     """Plans for every (pp, schedule) of one model, as ``smp-fx partition`` makes them."""
-    from cost_model.device import load_device
+    from cost_model.devices import load_device
     from passes.partition_config import PartitionConfig
     from passes.pipeline import analyse, partition
     from passes.trace import trace

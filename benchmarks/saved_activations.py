@@ -21,7 +21,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cost_model.device import H100  # noqa: E402
+from cost_model.devices import H100  # noqa: E402
 from cost_model.measure import saved_bytes_by_module  # noqa: E402
 from examples.models import NAMES, load  # noqa: E402
 from passes.annotate_costs import annotate_costs  # noqa: E402

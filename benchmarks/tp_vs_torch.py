@@ -5,7 +5,7 @@ tensor-parallel degree 2 on 2 gloo processes, both ranks on the same batch (smp-
 ``prescaled_batch: true``, which is what torch's plan computes):
 
 * smp-fx: the blocks marked with ``smp.tensor_parallelism()``, the automatic column ->
-  row rewrite (``passes/tensor_parallel.py``), ``smp.step``, ``DistributedOptimizer``;
+  row rewrite (``passes/tensor_parallel/rewrite.py``), ``smp.step``, ``DistributedOptimizer``;
 * torch: ``parallelize_module`` with a hand-written plan (``ColwiseParallel`` for each
   block's first linear, ``RowwiseParallel`` for its second) on a 1-D ``DeviceMesh``.
 

@@ -17,13 +17,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from cost_model.device import get_device  # noqa: E402
+from cost_model.devices import get_device  # noqa: E402
 from examples.models import load  # noqa: E402
 from passes.annotate_costs import annotate_costs  # noqa: E402
 from passes.meta import COST  # noqa: E402
 from passes.shape_prop import shape_prop  # noqa: E402
 from passes.trace import trace  # noqa: E402
-from smp_fx.delayed_init import delay_param_initialization  # noqa: E402
+from smp_fx.marking.delayed_init import delay_param_initialization  # noqa: E402
 
 
 def main() -> None:

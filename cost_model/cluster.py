@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from cost_model.collectives import Fabric
-from cost_model.device import A100, GB, H100, V100, DeviceSpec, GiB, Table
+from cost_model.device import GB, DeviceSpec, GiB, Table
+from cost_model.devices import A100, H100, V100, load_device
 from cost_model.errors import SMPConfigError
 
 SCHEMA_VERSION = 1
@@ -128,8 +129,6 @@ class ClusterSpec:
                                        "see docs/planning.md for the fields")
         device = d["device"]
         if isinstance(device, str):
-            from cost_model.device import load_device
-
             d["device"] = load_device(device)
         elif isinstance(device, dict):
             d["device"] = DeviceSpec.from_json(device)

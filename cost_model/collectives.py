@@ -3,7 +3,7 @@
 Why: at scale the plan is decided by what the collectives cost: tensor-parallel
 all-reduces over NVLink inside a node, data-parallel all-reduces (or reduce-scatter +
 all-gather) over the inter-node fabric, and how many groups share a node's network cards.
-This module is the one place those formulas live; ``passes.tp_costs`` prices the
+This module is the one place those formulas live; ``passes.tensor_parallel.costs`` prices the
 tensor-parallel collectives of a rewritten graph with ``ring_steps`` and the cluster
 planner (``passes.cluster``) prices every collective of a plan with ``collective_time``.
 

@@ -6,29 +6,26 @@ matmuls and element-wise ops come to them, the fixed cost of an op, of a message
 microbatch and of a step, and what an optimizer step costs. It is the one source of link
 costs: the partitioner, the plan and the simulator all read them from here.
 
-Built-in specs: "h100", "a100", "v100" carry datasheet figures (SXM parts, dense, no
-sparsity) and rounded estimates for the rest; each says where its numbers come from
-(``sources``). "cpu" is measured on this machine, once per process, by the quick mode of
-``cost_model.calibrate``: it is *not* deterministic, so analytic tests and golden plans
-use a fixed spec. ``smp-fx calibrate -o FILE.json`` measures any machine fully and
-``load_device`` reads the file back.
+Built-in specs (``cost_model.devices``): "h100", "a100", "v100" carry datasheet figures
+(SXM parts, dense, no sparsity) and rounded estimates for the rest; each says where its
+numbers come from (``sources``). "cpu" is measured on this machine, once per process, by
+the quick mode of ``cost_model.calibrate``: it is *not* deterministic, so analytic tests
+and golden plans use a fixed spec. ``smp-fx calibrate -o FILE.json`` measures any machine
+fully and ``cost_model.devices.load_device`` reads the file back.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import json
 import math
 from dataclasses import MISSING, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 from cost_model.errors import SMPConfigError
 from cost_model.serial import versioned_json
 
 SCHEMA_VERSION = 2
-DEFAULT_DEVICE = "a100"
 """The spec a plan is made for when the caller names none."""
 
 Table = tuple[tuple[float, float], ...]
@@ -222,118 +219,3 @@ class DeviceSpec:
 
 GB = 1e9
 GiB = 1024**3
-
-_DATASHEET = {
-    "h100": "NVIDIA H100 Tensor Core GPU datasheet (SXM5)",
-    "a100": "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB)",
-    "v100": "NVIDIA V100 Tensor Core GPU datasheet (SXM2 32GB)",
-}
-# Rounded estimates, the same for the three GPUs; `smp-fx calibrate` on the GPU measures them.
-_GPU_MATMUL: Table = ((16.0, 0.03), (64.0, 0.15), (256.0, 0.5), (1024.0, 0.8), (4096.0, 0.9))
-_GPU_ELEMENTWISE: Table = ((1e5, 0.1), (1e7, 0.6), (1e8, 0.85))
-_GPU_OPS: OpOverheads = (
-    ("default", 11e-6, 15e-6), ("module", 3e-6, 0.0), ("view", 3.5e-6, 7e-6),
-    ("linear", 20e-6, 90e-6), ("matmul", 15e-6, 60e-6), ("bmm", 18e-6, 60e-6),
-    ("conv", 18e-6, 47e-6), ("layer_norm", 19e-6, 50e-6), ("batch_norm", 27e-6, 56e-6),
-    ("embedding", 12e-6, 54e-6), ("softmax", 11.5e-6, 23e-6), ("sdpa", 20e-6, 80e-6),
-    ("gelu", 9.5e-6, 17e-6), ("relu", 10.5e-6, 17e-6), ("tanh", 9.5e-6, 18e-6))
-_GPU_OVERHEAD_SCALE = 1.5
-_H100_HOST = ("measured by smp-fx calibrate on an H100 80GB HBM3 machine (torch 2.11+cu130, "
-              "one process; the mean of two runs, 2026-11-26, rounded); host time, so a "
-              "faster or slower host CPU moves it, and the other GPUs get the H100's")
-_GPU_SOURCES = {
-    "matmul_efficiency": "estimate, after the GEMM throughput-versus-size curves of NVIDIA's "
-                         "'Matrix Multiplication Background User's Guide'; not measured",
-    "elementwise_efficiency": "estimate: small kernels are launch-bound, large streaming "
-                              "kernels reach about 85-90% of HBM peak; not measured",
-    "op_overheads": f"{_H100_HOST}: eager PyTorch's launch, dispatch and autograd "
-                    "bookkeeping per op, which bounds small models' steps",
-    "overhead_scale": f"{_H100_HOST}: fitted on the reference transformer (1.27 and 1.83)",
-    "link_latency_s": "order of magnitude of NCCL point-to-point small-message latency "
-                      "over NVLink (nccl-tests sendrecv_perf); not a datasheet figure",
-    "message_overhead_s": "estimate: host time to enqueue one NCCL send or receive",
-    "microbatch_overhead_s": "order of magnitude of the smp-fx runtime per action from "
-                             "smp-fx calibrate on the 2-core development CPU (host Python; "
-                             "a GPU host's CPU is faster)",
-    "step_overhead_s": "order of magnitude of the smp-fx runtime per step from smp-fx "
-                       "calibrate on the 2-core development CPU",
-    "optimizer_tensor_s": f"{_H100_HOST}: torch.optim.Adam's default (foreach) step, "
-                          "11.5 and 12.8 us per tensor",
-    "optimizer_byte_s": "Adam streams 7 bytes per parameter byte (read param, grad, two "
-                        "moments; write param, two moments) at mem_bandwidth",
-}
-
-
-def _gpu(name: str, fp32: float, bf16: float, bandwidth: float, memory: int,
-         link: float) -> DeviceSpec:
-    sheet = _DATASHEET[name]
-    sheet_fields = ("peak_flops_fp32", "peak_flops_bf16", "mem_bandwidth", "memory_bytes")
-    sources = {**_GPU_SOURCES, **{k: sheet for k in sheet_fields},
-               "link_bandwidth": f"{sheet}: NVLink total bandwidth / 2 (one direction)"}
-    return DeviceSpec(name, fp32, bf16, bandwidth, memory, link, 5e-6,
-                      matmul_efficiency=_GPU_MATMUL, elementwise_efficiency=_GPU_ELEMENTWISE,
-                      op_overheads=_GPU_OPS, message_overhead_s=10e-6,
-                      microbatch_overhead_s=100e-6, step_overhead_s=100e-6,
-                      optimizer_tensor_s=12e-6, optimizer_byte_s=7.0 / bandwidth,
-                      overhead_scale=_GPU_OVERHEAD_SCALE,
-                      sources=tuple(sorted(sources.items())))
-
-
-H100 = _gpu("h100", 67e12, 989.4e12, 3.35e12, 80 * GiB, 450 * GB)
-A100 = _gpu("a100", 19.5e12, 312e12, 2.039e12, 80 * GiB, 300 * GB)
-V100 = _gpu("v100", 15.7e12, 125e12, 0.9e12, 32 * GiB, 150 * GB)
-
-_FIXED: dict[str, DeviceSpec] = {s.name: s for s in (H100, A100, V100)}
-
-
-def device_names() -> tuple[str, ...]:
-    return (*_FIXED, "cpu")
-
-
-def get_device(name: str) -> DeviceSpec:
-    """A spec by name: "h100", "a100", "v100" (datasheet) or "cpu" (measured here, quick).
-
-    >>> get_device("a100").link_bandwidth
-    300000000000.0
-    """
-    key = name.lower()
-    if key == "cpu":
-        from cost_model.calibrate import quick_cpu_spec
-
-        return quick_cpu_spec()
-    if key not in _FIXED:
-        raise SMPConfigError.build("unknown device spec name", name, "cost_model.get_device",
-                                   f"use one of {list(device_names())}, a spec file "
-                                   "written by `smp-fx calibrate`, or build a DeviceSpec")
-    return _FIXED[key]
-
-
-def load_device(name_or_path: str) -> DeviceSpec:
-    """A built-in spec by name, or a spec JSON file (``smp-fx calibrate -o FILE.json``)."""
-    if name_or_path.lower() in device_names():
-        return get_device(name_or_path)
-    path = Path(name_or_path)
-    if not path.is_file():
-        raise SMPConfigError.build("a device spec is a built-in name or a JSON file",
-                                   name_or_path, "device spec",
-                                   f"use one of {list(device_names())} or write a file with "
-                                   "`smp-fx calibrate -o FILE.json`")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SMPConfigError.build("a device spec file must hold a JSON object", str(exc),
-                                   str(path), "re-run `smp-fx calibrate -o FILE.json`") from exc
-    if not isinstance(data, dict):
-        raise SMPConfigError.build("a device spec file must hold a JSON object",
-                                   type(data).__name__, str(path), "re-run smp-fx calibrate")
-    return DeviceSpec.from_json(data)
-
-
-def spec_for_device_name(device_name: str) -> str | None:
-    """The built-in spec for an accelerator's marketing name (``torch.cuda.get_device_name``):
-    "NVIDIA H100 80GB HBM3" -> "h100"; ``None`` if no built-in matches."""
-    upper = device_name.upper()
-    for key in _FIXED:
-        if key.upper() in upper:
-            return key
-    return None

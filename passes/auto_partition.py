@@ -272,7 +272,7 @@ def auto_partition(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
 
     ``comm_time(bytes) -> seconds`` is the device spec's link model (latency + bytes /
     link bandwidth, ``cost_model.roofline.comm_time``); it defaults to that of
-    ``cost_model.device.DEFAULT_DEVICE``. The objective charges its link occupancy
+    ``cost_model.devices.DEFAULT_DEVICE``. The objective charges its link occupancy
     (``problem.link_occupancy``: the latency cancels).
     """
     return partition_graph(gm, pconfig, comm_time)[0]

@@ -1,6 +1,6 @@
 """``compile_model``: the one readable list of compile passes, from a module to a plan.
 
-DESIGN.md's data flow, in order::
+The compiler's data flow (docs/architecture.md), in order::
 
     trace -> shape_prop -> annotate_costs -> [mark_regions] -> (assign_manual |
     auto_partition) -> [settle_regions] -> build_plan
@@ -26,7 +26,8 @@ import torch.fx
 from torch import nn
 
 from cost_model import roofline
-from cost_model.device import DEFAULT_DEVICE, DeviceSpec, load_device
+from cost_model.device import DeviceSpec
+from cost_model.devices import DEFAULT_DEVICE, load_device
 from cost_model.errors import SMPError
 from passes import meta
 from passes.annotate_costs import annotate_costs
@@ -88,7 +89,7 @@ def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
 
     ``device`` names a ``cost_model.device`` spec (or is one): analytic costs and boundary
     transfer times are computed for it. ``pins`` (module path -> stage, from
-    ``smp_fx.manual.pins_by_module_path``) apply when ``pconfig.auto_partition`` is false.
+    ``smp_fx.marking.manual.pins_by_module_path``) apply when ``pconfig.auto_partition`` is false.
     ``measured`` replaces analytic node costs (``cost_model.measure``). ``progress`` gets a
     line before each pass (the CLI prints it on stderr). ``traced`` is ``passes.trace``'s
     graph of ``model`` on ``(args, kwargs)`` when the caller has it already (see

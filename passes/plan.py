@@ -11,7 +11,7 @@ plan's device spec. The JSON form is deterministic
 (sorted keys, floats rounded to 10 significant digits when the plan is built) so golden
 files compare exactly and ``from_json(to_json(p)) == p``.
 
-The objective is DESIGN.md's, evaluated by the partitioner's own code
+The objective is SMP's (docs/architecture.md), evaluated by the partitioner's own code
 (``passes.partitioning.problem``): stage cost = ``(1 - w) * time_s / time_total + w *
 memory_s / memory_total`` with ``w`` = memory_weight; ``objective`` is the largest stage
 cost and ``lower_bound`` = max(sum of node costs / stages, largest node cost) in the same
@@ -30,7 +30,8 @@ import torch
 import torch.fx
 
 from cost_model import roofline
-from cost_model.device import DEFAULT_DEVICE, DeviceSpec, load_device
+from cost_model.device import DeviceSpec
+from cost_model.devices import DEFAULT_DEVICE, load_device
 from cost_model.errors import SMPPartitionError
 from cost_model.node_cost import NodeCost
 from passes import meta

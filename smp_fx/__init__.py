@@ -28,7 +28,7 @@ from cost_model.errors import (
 __version__ = "0.1.0"
 
 # --- foundation: init, config, ranks, groups, comm (section owned by the foundation work) ---
-from smp_fx.dist.comm import (  # noqa: E402
+from smp_fx.world.comm import (  # noqa: E402
     DP_GROUP,
     DP_RANK,
     MP_GROUP,
@@ -77,26 +77,26 @@ from smp_fx.dist.comm import (  # noqa: E402
     tp_size,
 )
 from smp_fx.config import SMPConfig  # noqa: E402
-from smp_fx.dist.init import init, is_initialized  # noqa: E402
-from smp_fx.dist.topology import Topology  # noqa: E402
-from smp_fx.dist import state  # noqa: E402  (smp.state, as SMP scripts reach it)
+from smp_fx.world.init import init, is_initialized  # noqa: E402
+from smp_fx.topology import Topology  # noqa: E402
+from smp_fx.world import state  # noqa: E402  (smp.state, as SMP scripts reach it)
 
 
 # --- manual partitioning and delayed initialization ---
-from smp_fx.delayed_init import delay_param_initialization  # noqa: E402,F401
-from smp_fx.manual import partition, set_partition  # noqa: E402
+from smp_fx.marking.delayed_init import delay_param_initialization  # noqa: E402,F401
+from smp_fx.marking.manual import partition, set_partition  # noqa: E402
 
 # --- runtime: DistributedModel, DistributedOptimizer, step, StepOutput ---
 from smp_fx.model import DistributedModel  # noqa: E402
-from smp_fx.runtime.context import is_tracing  # noqa: E402
+from smp_fx.world.context import is_tracing  # noqa: E402
 from smp_fx.optimizer import DistributedOptimizer  # noqa: E402
-from smp_fx.runtime.step import StepOutput, step  # noqa: E402
+from smp_fx.step import StepOutput, step  # noqa: E402
 
 # --- checkpointing ---
 from smp_fx.ckpt.files import load, save  # noqa: E402
 
 # --- memory: activation checkpointing (offloading is the offload_activations parameter) ---
-from smp_fx.activation_checkpointing import (  # noqa: E402
+from smp_fx.marking.activation_checkpointing import (  # noqa: E402
     checkpoint,
     checkpoint_sequential,
     set_activation_checkpointing,
@@ -104,12 +104,12 @@ from smp_fx.activation_checkpointing import (  # noqa: E402
 
 # --- SMP 1.10 surface real clients use (checkpoint folders, reset, submodule namespaces) ---
 from smp_fx.ckpt.checkpoint_api import resume_from_checkpoint, save_checkpoint  # noqa: E402
-from smp_fx.dist.state_api import reset  # noqa: E402
+from smp_fx.reset import reset  # noqa: E402
 from smp_fx import amp, nn, optimizers  # noqa: E402
 
 # --- tensor parallelism: which modules are distributed ---
-from smp_fx.tp_marking import set_tensor_parallelism, tensor_parallelism  # noqa: E402
-from smp_fx.tp_register import tp_register, tp_register_with_module  # noqa: E402
+from smp_fx.marking.tensor_parallelism import set_tensor_parallelism, tensor_parallelism  # noqa: E402
+from smp_fx.marking.tp_register import tp_register, tp_register_with_module  # noqa: E402
 from smp_fx import namespaces as _namespaces  # noqa: E402
 
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from cost_model.errors import SMPConfigError
-from smp_fx.delayed_init import is_delayed
-from smp_fx.dist import state
+from smp_fx.marking.delayed_init import is_delayed
+from smp_fx.world import state
 
 
 @dataclass(frozen=True)

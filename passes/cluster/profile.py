@@ -40,7 +40,7 @@ from passes.checkpoint_regions import COMPUTE, Region, stage_activations
 from passes.cluster.layers import KEPT, Repeats, layer_of
 from passes.shape_prop import shape_prop
 from passes.tensor_parallel import TensorParallelism, tensor_parallel
-from passes.tp_costs import COLLECTIVES
+from passes.tensor_parallel.costs import COLLECTIVES
 
 RECOMPUTE = ("none", "selective", "full")
 PERSISTENCE_THRESHOLD = 1_000_000

@@ -17,7 +17,7 @@ runtime runs it:
    replicas). A rank whose messages take longer than its compute is link-bound.
 3. **Data parallelism** (``cost_model.collectives``): the gradients are all-reduced over
    the dp group, started before each rank's last backward (DDP armed there, as
-   ``smp_fx.dist.ddp`` does), so only what outlasts that backward is exposed, and at
+   ``smp_fx.parallel.ddp`` does), so only what outlasts that backward is exposed, and at
    least the last 25 MiB bucket; ``zero1`` then broadcasts the updated parameters from
    their owners (an all-gather's worth); ``fsdp`` all-gathers each rank's parameters for
    every microbatch's forward and backward and reduce-scatters its gradients, overlapped

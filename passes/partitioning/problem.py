@@ -6,7 +6,7 @@ their bytes, producer and consumers), parameters with their readers, module path
 the module-tree and layer baselines) and pins. It holds no torch objects, so algorithms
 and benchmarks can build one from random numbers (``DagProblem.chain``).
 
-The objective (DESIGN.md "Partitioning") for stage ``s`` is
+The objective (docs/architecture.md, "Partitioning") for stage ``s`` is
 
     (1 - w) * max(time_s, link_time(bytes_s)) / T + w * memory_s / M
 
@@ -46,7 +46,7 @@ import networkx as nx
 import numpy as np
 
 from cost_model import roofline
-from cost_model.device import DEFAULT_DEVICE, get_device
+from cost_model.devices import DEFAULT_DEVICE, get_device
 from passes.partition_config import PartitionConfig
 from passes.partitioning.chain import Ints, Values
 
@@ -266,7 +266,7 @@ def make_objective(problem: DagProblem, cfg: PartitionConfig,
     ``comm_time(bytes)`` is the duration of one transfer (reported, and simulated);
     ``link_time(bytes)`` the link occupancy the objective charges. Both come from a device
     spec, the one link model (``cost_model.roofline.comm_time`` / ``link_time``); without
-    them, the default spec's (``cost_model.device.DEFAULT_DEVICE``). A ``comm_time`` alone
+    them, the default spec's (``cost_model.devices.DEFAULT_DEVICE``). A ``comm_time`` alone
     implies ``link_occupancy(comm_time)``.
     """
     k = cfg.num_stages

@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from smp_fx.amp.loss_scaler import agree_found_inf
-from smp_fx.dist import state
+from smp_fx.world import state
 
 
 class GradScaler(torch.amp.GradScaler):

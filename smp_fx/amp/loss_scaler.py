@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from cost_model.errors import SMPConfigError
-from smp_fx.dist import state
+from smp_fx.world import state
 
 DYNAMIC_ARGS = ("init_scale", "scale_factor", "scale_window", "min_scale", "delayed_shift",
                 "consecutive_hysteresis")

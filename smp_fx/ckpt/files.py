@@ -44,7 +44,7 @@ from smp_fx.ckpt.state_dict import (
     merge_partial_optimizer_states,
 )
 from smp_fx.ckpt.validate import agreed
-from smp_fx.dist import state as smp_state
+from smp_fx.world import state as smp_state
 
 log = logging.getLogger(__name__)
 

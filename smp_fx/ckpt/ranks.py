@@ -13,8 +13,8 @@ from typing import Any
 import torch.distributed as dist
 
 from cost_model.errors import SMPCheckpointError
-from smp_fx.dist import comm
-from smp_fx.dist import state as smp_state
+from smp_fx.world import comm
+from smp_fx.world import state as smp_state
 
 Gather = Callable[[Any], list[Any]]
 """all_gather_object over the model-parallel group: this rank's value -> every rank's."""

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from cost_model.errors import SMPCheckpointError
-from passes import tp_graph
+from passes.tensor_parallel import graph as tp_graph
 from smp_fx.ckpt.state_dict import TP_SHARDS_KEY
 
 

@@ -28,8 +28,8 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from cost_model.errors import SMPCheckpointError
-from smp_fx.dist import comm
-from smp_fx.dist import state as smp_state
+from smp_fx.world import comm
+from smp_fx.world import state as smp_state
 
 T = TypeVar("T")
 

@@ -41,7 +41,7 @@ from cost_model.cluster import (
     cluster_names,
     load_cluster,
 )
-from cost_model.device import load_device
+from cost_model.devices import load_device
 from cost_model.errors import SMPConfigError, SMPError
 from passes.cluster.candidate import parse_fix
 from passes.cluster.memory import PRECISIONS

@@ -8,7 +8,7 @@ The launcher's own process and environment are untouched.
 
 When the job fails, ``smp-fx run`` prints which rank failed first: the children leave
 failure reports in ``SMP_FX_REPORT_DIR`` (a temporary folder unless set) and torchrun's
-view of how each ended (``smp_fx.cli.torchrun``); ``smp_fx.dist.reports`` follows them from
+view of how each ended (``smp_fx.cli.torchrun``); ``smp_fx.world.reports`` follows them from
 the ranks that failed waiting on a peer to the one that failed on its own. With
 ``--max-restarts N`` torchrun restarts every worker after a failure (elastic restarts), up to
 N times; a script that resumes from its last checkpoint then finishes the run, and the
@@ -36,7 +36,7 @@ from collections.abc import Mapping, Sequence
 from cost_model.errors import SMPConfigError
 from smp_fx._compat import SHIM_DIR
 from smp_fx.config import ENV_VAR, load_config, resolve_topology
-from smp_fx.dist import reports
+from smp_fx.world import reports
 
 # smp-fx run option -> torchrun option, passed through when given.
 PASS_THROUGH: dict[str, str] = {

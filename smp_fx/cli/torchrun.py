@@ -4,7 +4,7 @@
 ``python -m torch.distributed.run ...``: the same launcher with the same options. When
 workers fail, torchrun raises ``ChildFailedError`` holding each failed worker's exit code
 (negative: the signal that killed it); those go to ``$SMP_FX_REPORT_DIR/exits.json``
-(``smp_fx.dist.reports``) before torchrun reports them as usual, so the summary can tell a
+(``smp_fx.world.reports``) before torchrun reports them as usual, so the summary can tell a
 rank that was killed (SIGKILL, out of memory) from the ranks the launcher stopped after it
 (SIGTERM).
 """
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from torch.distributed import run as torch_run
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from smp_fx.dist import reports
+from smp_fx.world import reports
 
 
 def main(argv: Sequence[str]) -> None:

@@ -1,7 +1,8 @@
 """``smp.nn.DistributedAttentionLayer`` and ``smp.nn.DistributedTransformerOutputLayer``:
 the two halves of SMP's transformer layer, as plain torch modules.
 
-Both are marked for tensor parallelism by construction (``smp_fx.tp_marking.mark``) and
+Both are marked for tensor parallelism by construction
+(``smp_fx.marking.tensor_parallelism.mark``) and
 are written so that the fx rewrite (``passes.tensor_parallel``) shards every linear:
 
 * attention: ``query`` / ``key`` / ``value`` are column-parallel, their outputs viewed into
@@ -38,7 +39,7 @@ import torch
 from torch import nn
 
 from cost_model.errors import SMPConfigError, not_implemented
-from smp_fx.tp_marking import mark
+from smp_fx.marking.tensor_parallelism import mark
 
 MASKED = -10000.0
 """The additive score of a masked position (exp() of it is 0 in fp32 and fp16)."""

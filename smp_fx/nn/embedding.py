@@ -1,8 +1,8 @@
 """``smp.nn.DistributedEmbedding``: an embedding that tensor parallelism distributes.
 
 An ``nn.Embedding`` (same arguments, parameters and function at tp=1) marked for tensor
-parallelism. Under ``tensor_parallel_degree > 1`` the rewrite (``passes.tp_vocab``) keeps
-``num_embeddings / tp`` rows per rank and sums the ranks' partial lookups, so the output
+parallelism. Under ``tensor_parallel_degree > 1`` the rewrite (``passes.tensor_parallel.vocab``)
+keeps ``num_embeddings / tp`` rows per rank and sums the ranks' partial lookups, so the output
 is replicated like the plain layer's. SMP documents its split along the embedding
 dimension; the function and the user-visible output are the same, the rows split keeps a
 tied LM head on the same shard. ``initializer_range`` is the standard deviation of the
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from cost_model.errors import not_implemented
-from smp_fx.tp_marking import mark
+from smp_fx.marking.tensor_parallelism import mark
 
 
 class DistributedEmbedding(nn.Embedding):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from smp_fx.tp_marking import mark
+from smp_fx.marking.tensor_parallelism import mark
 
 
 class DistributedLinear(nn.Linear):

@@ -4,7 +4,8 @@
 Each is marked for tensor parallelism by construction; a model that holds one is traced by
 the fx front end and the rewrite (``passes.tensor_parallel``) splits every attention by
 heads and every MLP as a column -> row pair (``smp_fx.nn.attention``), and the LM head's
-word embedding and the tied output projection by vocabulary rows (``passes.tp_vocab``).
+word embedding and the tied output projection by vocabulary rows
+(``passes.tensor_parallel.vocab``).
 
 Inputs and outputs follow SMP: the layer and the transformer take a tuple
 ``(hidden_states, attention_mask)`` and return one, so layers chain; ``attention_mask`` is
@@ -28,7 +29,7 @@ language-model loss instead: the mean cross entropy of position ``i``'s logits a
 labels (the last position's target becomes ``-100``), not by slicing the logits, so the
 logits reach ``F.cross_entropy`` through a ``flatten`` alone and, under tp, the rewrite
 fuses the gather of the tied head's logits and the loss into a vocab-parallel cross
-entropy (``passes.tp_loss``): the full logits are never built.
+entropy (``passes.tensor_parallel.loss``): the full logits are never built.
 
 Where SMP's page is silent: with ``pre_layernorm`` and no ``post_layernorm`` (GPT-2's
 layout) the LM head applies a final layer norm to the transformer's output (GPT-2's
@@ -41,7 +42,7 @@ tracing (``SMPTracingError`` below; the ``auto`` front end then captures it with
 ``torch.export``, whose graph reads the tied weight under one name, so the rewrite leaves
 the LM head replicated, saying why): give the model a ``forward`` that builds the tuple
 (``None`` items then stay ``None`` while tracing), as
-``tests/smp_fx/dist/test_tp_modules.py`` does.
+``tests/smp_fx/parallel/test_tp_modules.py`` does.
 """
 
 from __future__ import annotations
@@ -53,12 +54,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from cost_model.errors import SMPConfigError, SMPTracingError
+from smp_fx.marking.tensor_parallelism import mark
 from smp_fx.nn.attention import (
     MASKED,
     DistributedAttentionLayer,
     DistributedTransformerOutputLayer,
 )
-from smp_fx.tp_marking import mark
 
 Pair = tuple[Any, ...]
 IGNORE_INDEX = -100
@@ -69,7 +70,7 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Next-token cross entropy: ``logits[:, i]`` against ``labels[:, i + 1]``, the mean
     over the targets not ignored. Shifting the labels (the last target ``IGNORE_INDEX``)
     equals slicing both (Hugging Face's GPT-2) and keeps the logits' path to the loss a
-    reshape, which ``passes.tp_loss`` fuses under tp."""
+    reshape, which ``passes.tensor_parallel.loss`` fuses under tp."""
     targets = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], 1)
     return F.cross_entropy(logits.flatten(0, 1), targets.flatten(),
                            ignore_index=IGNORE_INDEX)

@@ -11,7 +11,7 @@ has made no progress for 0.75 x the timeout, so it speaks before the ranks waiti
 time out and the launcher stops the job. Every record goes to stderr and, with
 ``SMP_FX_DUMP_DIR`` set, to ``flight_rank<r>.txt`` there; read together, the records name
 the rank that stopped. ``smp-fx run`` gets the same facts through the failure reports
-(``smp_fx.dist.reports``).
+(``smp_fx.world.reports``).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ import weakref
 from collections.abc import Callable, Sequence
 
 from cost_model.errors import SMPPeerError, SMPTimeoutError
-from smp_fx.dist import reports
 from smp_fx.runtime.lowering import Op, describe, stage_name
+from smp_fx.world import reports
 
 LAST_OPS = 8  # ops shown in a record
 STALL_FRACTION = 0.75  # of the timeout: when the watchdog tells a stalled step

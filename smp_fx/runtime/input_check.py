@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from cost_model.errors import SMPRuntimeError
-from smp_fx.dist import comm, state
+from smp_fx.world import comm, state
 
 
 def fingerprint(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[tuple[Any, ...]]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 
 from cost_model.calibrate import quick_cpu_spec
-from cost_model.device import DeviceSpec, get_device
+from cost_model.device import DeviceSpec
+from cost_model.devices import get_device
 from cost_model.microbench import QUICK
 
 

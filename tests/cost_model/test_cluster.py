@@ -14,7 +14,7 @@ from cost_model.cluster import (
     get_cluster,
     load_cluster,
 )
-from cost_model.device import A100, get_device
+from cost_model.devices import A100, get_device
 from cost_model.errors import SMPConfigError
 
 FIGURES = ("gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth",

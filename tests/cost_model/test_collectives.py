@@ -15,7 +15,7 @@ from cost_model.collectives import (
     ring_steps,
 )
 from cost_model.errors import SMPConfigError
-from passes.tp_costs import collective_time as tp_collective_time
+from passes.tensor_parallel.costs import collective_time as tp_collective_time
 
 DGX = Fabric(intra_bandwidth=235e9, intra_latency_s=5e-6, inter_bandwidth=180e9,
              inter_latency_s=10e-6, gpus_per_node=8)

@@ -6,16 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from cost_model.device import (
-    A100,
-    H100,
-    SCHEMA_VERSION,
-    V100,
-    DeviceSpec,
-    get_device,
-    load_device,
-    spec_for_device_name,
-)
+from cost_model.device import SCHEMA_VERSION, DeviceSpec
+from cost_model.devices import A100, H100, V100, get_device, load_device, spec_for_device_name
 from cost_model.errors import SMPConfigError
 
 

@@ -17,10 +17,10 @@ import torch
 from torch import nn
 
 import smp_fx as smp
-from cost_model.device import load_device
-from smp_fx import activation_checkpointing
-from smp_fx.dist import state
+from cost_model.devices import load_device
+from smp_fx.marking import activation_checkpointing
 from smp_fx.runtime.activations import SavedRecord
+from smp_fx.world import state
 from tests.helpers.numerics import init
 
 STAGE_1_FROM = 4

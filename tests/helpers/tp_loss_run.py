@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from passes import tp_loss
+from passes.tensor_parallel import loss as tp_loss
 from tests.helpers.compare import mismatched
-from tests.smp_fx.dist.test_tensor_parallel import ADAM_EPS, GLOBAL_BATCH, _gathered
+from tests.smp_fx.parallel.test_tensor_parallel import ADAM_EPS, GLOBAL_BATCH, _gathered
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
 _ORIGINAL = tp_loss.tp_vocab_cross_entropy

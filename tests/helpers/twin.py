@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import smp_fx as smp
-from smp_fx.dist import state
+from smp_fx.world import state
 from tests.helpers.models import example
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from cost_model.device import H100
+from cost_model.devices import H100
 from cost_model.measure import saved_bytes_by_module
 from cost_model.node_cost import NodeCost
 from passes import annotate_costs as annotate_costs_module
@@ -14,7 +14,7 @@ from passes.annotate_costs import annotate_costs
 from passes.meta import COST
 from passes.shape_prop import shape_prop
 from passes.trace import trace
-from smp_fx.delayed_init import delay_param_initialization
+from smp_fx.marking.delayed_init import delay_param_initialization
 from tests.helpers.models import (
     EXPECTED_FRONTEND,
     DataDependent,

@@ -12,7 +12,7 @@ from passes import meta
 from passes.assign_manual import assign_manual
 from passes.auto_partition import evaluate_stages
 from passes.partition_config import PartitionConfig
-from smp_fx.manual import partition, pins_by_module_path
+from smp_fx.marking.manual import partition, pins_by_module_path
 from tests.passes.partitioning.graphs import annotate, tiny_gpt
 
 

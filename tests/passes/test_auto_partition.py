@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch.fx
 
-from cost_model.device import A100
+from cost_model.devices import A100
 from cost_model.errors import SMPPartitionError
 from cost_model.roofline import link_model
 from passes import meta

@@ -25,8 +25,8 @@ from passes import meta
 from passes.partition_config import PartitionConfig
 from passes.pipeline import compile_model
 from smp_fx import SMPError
-from smp_fx.dist import state
-from smp_fx.manual import pins_by_module_path
+from smp_fx.marking.manual import pins_by_module_path
+from smp_fx.world import state
 from tests.helpers.numerics import init
 
 EXAMPLES = max(int(os.environ.get("SMP_FX_FUZZ_EXAMPLES", "150")) // 10, 12)

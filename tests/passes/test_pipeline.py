@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from cost_model.device import get_device
+from cost_model.devices import get_device
 from cost_model.errors import SMPConfigError, SMPPartitionError
 from passes import meta
 from passes.partition_config import PartitionConfig

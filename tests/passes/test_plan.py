@@ -17,7 +17,7 @@ import torch.fx
 from torch import nn
 from torch.fx.passes.shape_prop import ShapeProp
 
-from cost_model.device import A100, DEFAULT_DEVICE, get_device
+from cost_model.devices import A100, DEFAULT_DEVICE, get_device
 from cost_model.errors import SMPPartitionError
 from cost_model.node_cost import NodeCost
 from cost_model.schedule import generate

@@ -74,7 +74,7 @@ def test_golden_plan(costed: dict[str, Any], name: str, k: int, w: float,
 
 
 def test_golden_manual_plan() -> None:
-    from smp_fx.manual import pins_by_module_path
+    from smp_fx.marking.manual import pins_by_module_path
 
     model, gm = _costed("mlp_manual")
     pins = pins_by_module_path(model)

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from cost_model.device import H100
+from cost_model.devices import H100
 from cost_model.errors import SMPPassError
 from passes.annotate_costs import annotate_costs
 from passes.graph_utils import copy_graph_module

@@ -9,7 +9,7 @@ from cost_model.errors import SMPTracingError
 from passes.meta import TENSOR
 from passes.shape_prop import TensorInfo, shape_prop, total_nbytes
 from passes.trace import trace
-from smp_fx.delayed_init import delay_param_initialization
+from smp_fx.marking.delayed_init import delay_param_initialization
 from tests.helpers.models import WithUntraceable, build, example
 
 

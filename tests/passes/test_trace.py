@@ -9,7 +9,7 @@ from torch import nn
 from cost_model.errors import SMPTracingError
 from passes.meta import MODULE_PATH, PARAMS
 from passes.trace import trace
-from smp_fx.delayed_init import delay_param_initialization
+from smp_fx.marking.delayed_init import delay_param_initialization
 from tests.helpers.models import (
     EXPECTED_FRONTEND,
     DataDependent,

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import smp_fx as smp
-from smp_fx.dist import state
+from smp_fx.world import state
 from tests.helpers.memory import train
 from tests.helpers.numerics import Pair, init, train_step_of, twin_models
 

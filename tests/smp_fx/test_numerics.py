@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from smp_fx.dist import state
+from smp_fx.world import state
 from tests.helpers.dist import run_ranks
 from tests.helpers.numerics import Pair, init
 

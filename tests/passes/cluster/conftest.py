@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from cost_model.cluster import ClusterSpec
-from cost_model.device import get_device
+from cost_model.devices import get_device
 from examples.models import gpt
 
 

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from cost_model.device import get_device
+from cost_model.devices import get_device
 from passes.cluster.model import Profiler, prepare
 from passes.cluster.stages import chunk_ranks, rank_loads, split_layers
 from tests.passes.cluster.conftest import gpt_inputs, link_cluster, tiny_gpt

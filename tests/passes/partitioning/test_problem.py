@@ -7,7 +7,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from cost_model.device import A100
+from cost_model.devices import A100
 from cost_model.roofline import link_model
 from passes.partition_config import PartitionConfig
 from passes.partitioning.problem import (

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import smp_fx as smp
-from smp_fx.dist import state
+from smp_fx.world import state
 from tests.helpers.numerics import init, twin_models
 
 

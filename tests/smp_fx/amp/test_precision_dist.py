@@ -158,7 +158,7 @@ def _bf16_checks(c: Checks) -> None:
 def _body() -> tuple[int, list[str]]:
     import torch.distributed as dist
 
-    from smp_fx.dist import state
+    from smp_fx.world import state
 
     dist.init_process_group("gloo")
     c = Checks()

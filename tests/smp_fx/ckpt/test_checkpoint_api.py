@@ -21,7 +21,7 @@ import torch
 
 import smp_fx as smp
 from smp_fx.ckpt import checkpoint_api
-from smp_fx.dist import state
+from smp_fx.world import state
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import example
 from tests.helpers.numerics import init

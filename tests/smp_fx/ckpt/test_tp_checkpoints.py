@@ -85,7 +85,7 @@ class Run:
 
     def __init__(self, tp: int, seed: int, kind: str = "mlp") -> None:
         import smp_fx as smp
-        from smp_fx.dist import state
+        from smp_fx.world import state
 
         state._reset()
         smp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": tp, "ddp": True,

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from passes import tp_graph
 from passes.tensor_parallel import ShardSpec
+from passes.tensor_parallel import graph as tp_graph
 from smp_fx import SMPError
 from smp_fx.ckpt import tp_shards
 

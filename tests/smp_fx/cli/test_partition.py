@@ -17,13 +17,13 @@ import pytest
 import torch
 
 import smp_fx as smp
-from cost_model.device import A100
+from cost_model.devices import A100
 from passes.partitioning.extract import COMPUTE_OPS
 from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram
 from smp_fx.cli import main as cli_main
 from smp_fx.cli.partition import load_model_file, main
-from smp_fx.dist import state
+from smp_fx.world import state
 
 ROOT = Path(__file__).resolve().parents[3]
 MODELS = ROOT / "examples" / "models"

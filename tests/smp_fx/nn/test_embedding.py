@@ -11,7 +11,7 @@ import smp_fx as smp
 from passes.partition_config import PartitionConfig
 from passes.pipeline import compile_model
 from passes.tensor_parallel import TensorParallelism
-from smp_fx.tp_marking import is_marked, marked_paths
+from smp_fx.marking.tensor_parallelism import is_marked, marked_paths
 
 
 class LM(nn.Module):

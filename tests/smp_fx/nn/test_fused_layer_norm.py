@@ -25,7 +25,7 @@ def test_apex_signature_and_values() -> None:
 
 def test_it_partitions_like_any_module() -> None:
     import smp_fx as smp
-    from smp_fx.dist import state
+    from smp_fx.world import state
     from tests.helpers.numerics import init
 
     init(2, 1, "simple")

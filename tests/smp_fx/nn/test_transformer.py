@@ -18,11 +18,12 @@ from torch.nn import functional as F
 
 import smp_fx as smp
 from examples.models.gpt import GPT, GPTConfig
-from passes import tp_collectives, tp_loss
 from passes.shape_prop import shape_prop
 from passes.tensor_parallel import TensorParallelism, tensor_parallel
+from passes.tensor_parallel import collectives as tp_collectives
+from passes.tensor_parallel import loss as tp_loss
 from passes.trace import trace
-from smp_fx.tp_marking import is_marked, marked_paths
+from smp_fx.marking.tensor_parallelism import is_marked, marked_paths
 
 SMALL = {"num_attention_heads": 4, "attention_head_size": 4, "hidden_size": 16,
          "attention_dropout_prob": 0.0, "hidden_dropout_prob": 0.0}

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from cost_model.schedule import generate
-from smp_fx.dist import state
 from smp_fx.runtime.activations import ActivationKeeper, prefetch_points
 from smp_fx.runtime.lowering import Op
+from smp_fx.world import state
 from tests.helpers.memory import train
 
 

@@ -17,8 +17,8 @@ from cost_model.errors import SMPRuntimeError
 from cost_model.simulate import StageCost, simulate
 from passes import meta
 from passes.split_stages import split_stages
-from smp_fx.dist import state
 from smp_fx.runtime.lowering import Op, lower
+from smp_fx.world import state
 from tests.helpers.compare import Checks, mismatched
 from tests.helpers.numerics import init
 
@@ -52,13 +52,13 @@ def test_saved_activations_in_flight_match_the_simulator(pipeline: str,
     ex = model.executor
     orig_f, orig_b = ex._op_f, ex._op_b
 
-    def f(op: Op) -> None:
-        orig_f(op)
+    def f(run: Any, op: Op) -> None:
+        orig_f(run, op)
         alive[op.stage] += 1
         peak[op.stage] = max(peak[op.stage], alive[op.stage])
 
-    def b(op: Op) -> None:
-        orig_b(op)
+    def b(run: Any, op: Op) -> None:
+        orig_b(run, op)
         alive[op.stage] -= 1
 
     ex._op_f, ex._op_b = f, b  # type: ignore[method-assign]

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 import smp_fx as smp
-from smp_fx.dist import state
 from smp_fx.runtime import planning
+from smp_fx.world import state
 from tests.helpers.numerics import init
 
 

@@ -24,7 +24,7 @@ from torch.distributed import (
     is_initialized,
 )
 
-from smp_fx.dist.smddp import NAME, register
+from smp_fx.world.smddp import NAME, register
 
 __all__ = ["ReduceOp", "all_gather", "all_reduce", "all_to_all_single", "barrier",
            "broadcast", "get_local_rank", "get_rank", "get_world_size", "group",

@@ -3,6 +3,6 @@
 
 from __future__ import annotations
 
-from smp_fx.dist.smddp import register
+from smp_fx.world.smddp import register
 
 register()

@@ -1,0 +1,180 @@
+"""Editing a tensor-parallel rank's graph: parameters replaced by shards (ties kept),
+collective nodes inserted with their metadata.
+
+Shared by the rewrites of ``passes.tensor_parallel`` (linears) and ``passes.tensor_parallel.vocab``
+(embeddings). ``Ties`` maps an original tensor to the shard ``Parameter`` that replaced it,
+so names that shared one tensor (a tied embedding and LM head) share the shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from cost_model.node_cost import NodeCost
+from passes import meta
+from passes.tensor_parallel import collectives as tp_collectives
+from passes.tensor_parallel import costs as tp_costs
+
+Ties = dict[int, nn.Parameter]
+
+
+def attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    obj: Any = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def set_param(gm: torch.fx.GraphModule, fqn: str, value: torch.Tensor,
+              original: torch.Tensor | None = None, ties: Ties | None = None) -> None:
+    """Register ``value`` as the parameter ``fqn``; with ``original`` and ``ties``, a
+    tensor already replaced under another name gets the same Parameter back."""
+    owner_path, _, leaf = fqn.rpartition(".")
+    owner: nn.Module = gm
+    for part in owner_path.split(".") if owner_path else ():
+        owner = getattr(owner, part)
+    if original is not None and ties is not None and id(original) in ties:
+        owner.register_parameter(leaf, ties[id(original)])
+        return
+    param = nn.Parameter(value, requires_grad=True)
+    if original is not None and ties is not None:
+        ties[id(original)] = param
+    owner.register_parameter(leaf, param)
+
+
+def retie(gm: torch.fx.GraphModule, ties: Ties) -> None:
+    """Point every other name still holding a replaced tensor at its shard (torch.export
+    keeps HF GPT-2's tied ``wte.weight`` attribute while the graph reads ``lm_head.weight``)."""
+    for name, p in list(gm.named_parameters(remove_duplicate=False)):
+        shard = ties.get(id(p))
+        if shard is not None and shard is not p:
+            set_param(gm, name, shard, original=p, ties=ties)
+
+
+def replace_module(gm: torch.fx.GraphModule, path: str) -> None:
+    """Put a fresh container at ``path`` (the original leaf module is the user's)."""
+    owner_path, _, leaf = path.rpartition(".")
+    owner: nn.Module = gm
+    for part in owner_path.split(".") if owner_path else ():
+        owner = getattr(owner, part)
+    setattr(owner, leaf, nn.Module())
+
+
+def shard(value: torch.Tensor, dim: int, size: int, rank: int, stride: int = 1
+          ) -> torch.Tensor:
+    """This rank's piece: ``value`` along ``dim`` is ``stride`` equal blocks (a fused
+    q/k/v projection), each cut into ``size`` pieces; the rank's pieces concatenated."""
+    blocks = value.detach().chunk(stride, dim=dim)
+    return torch.cat([b.chunk(size, dim=dim)[rank] for b in blocks], dim=dim).clone()
+
+
+def unshard(shards: Sequence[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
+    """The full tensor from the ranks' ``shard`` pieces (in rank order): the inverse of
+    ``shard``, block by block when ``stride`` > 1."""
+    blocks = [s.chunk(stride, dim=dim) for s in shards]
+    return torch.cat([torch.cat([b[i] for b in blocks], dim=dim) for i in range(stride)],
+                     dim=dim)
+
+
+def pad(value: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
+    """``value`` with ``rows`` zero rows appended along ``dim`` (a vocabulary padded to a
+    multiple of the degree); ``value`` itself when ``rows`` is 0."""
+    if not rows:
+        return value
+    extra = list(value.shape)
+    extra[dim] = rows
+    return torch.cat([value.detach(), value.new_zeros(extra)], dim=dim)
+
+
+def unpad(value: torch.Tensor, dim: int, rows: int) -> torch.Tensor:
+    """``value`` without its last ``rows`` rows along ``dim`` (the inverse of ``pad``)."""
+    return value.narrow(dim, 0, value.shape[dim] - rows).contiguous() if rows else value
+
+
+#: how each collective's output relates to its input: (split dim, grows)
+SHAPES: dict[str, tuple[int | None, bool]] = {
+    "tp_copy": (None, False), "tp_reduce": (None, False), "tp_gather_last": (-1, True),
+    "tp_gather_batch": (0, True), "tp_split_batch": (0, False)}
+
+
+def insert(graph: torch.fx.Graph, fn: Callable[..., Any], args: Sequence[Any],
+           like: torch.fx.Node, size: int = 1) -> torch.fx.Node:
+    """A ``call_function`` node of ``fn`` with ``like``'s metadata, its own shape (by
+    ``SHAPES``), no cost yet (``tp_costs.price_collectives``) and no parameters."""
+    n = graph.call_function(fn, tuple(args))
+    n.meta = dict(like.meta)
+    src = args[0] if args and isinstance(args[0], torch.fx.Node) else None
+    dim, grow = SHAPES.get(getattr(fn, "__name__", ""), (None, False))
+    if src is not None:
+        meta.TENSOR.set(n, tp_costs.local_info(meta.TENSOR.get(src), dim, size, grow))
+    meta.TP.set(n, getattr(fn, "__name__", "op"))
+    meta.COST.set(n, NodeCost())
+    meta.PARAMS.set(n, ())
+    return n
+
+
+def get_attr(graph: torch.fx.Graph, fqn: str, like: torch.fx.Node) -> torch.fx.Node:
+    n = graph.get_attr(fqn)
+    n.meta = dict(like.meta)
+    meta.COST.set(n, NodeCost())
+    meta.PARAMS.set(n, (fqn,))
+    return n
+
+
+def gather_operands(graph: torch.fx.Graph,
+                    uses: Sequence[tuple[torch.fx.Node, torch.fx.Node]], size: int) -> None:
+    """Feed each (consumer, operand) the operand gathered over the tp group's batches
+    (``tp_collectives.tp_gather_batch``, one gather per operand, before its first
+    consumer: ``uses`` are in graph order): the consumer's split input holds the group's
+    batch (``prescaled_batch`` false)."""
+    gathered: dict[torch.fx.Node, torch.fx.Node] = {}
+    for consumer, operand in uses:
+        if operand not in gathered:
+            with graph.inserting_before(consumer):
+                gathered[operand] = insert(graph, tp_collectives.tp_gather_batch, (operand,),
+                                           operand, size)
+        consumer.replace_input_with(operand, gathered[operand])
+
+
+def scatter_operands(graph: torch.fx.Graph,
+                     slices: Mapping[tuple[torch.fx.Node, torch.fx.Node], int],
+                     size: int) -> None:
+    """Feed each head-split consumer this rank's chunk (``tp_collectives.tp_scatter``) of
+    its replicated operand along the recorded dim, after the operand's batch gather when
+    ``gather_operands`` gave it one."""
+    for (operand, consumer), dim in slices.items():
+        read = next((a for a in consumer.all_input_nodes if a is operand or (
+            a.target is tp_collectives.tp_gather_batch and a.args[0] is operand)), None)
+        if read is None:
+            continue
+        with graph.inserting_before(consumer):
+            cut = insert(graph, tp_collectives.tp_scatter, (read, dim), consumer, size)
+        meta.TENSOR.set(cut, tp_costs.local_info(meta.TENSOR.get(read), dim, size))
+        meta.TP_SPLIT.set(cut, dim)
+        consumer.replace_input_with(read, cut)
+
+
+def mark_gathered(graph: torch.fx.Graph) -> None:
+    """Mark (``meta.TP_GATHERED``) every value computed on the tp group's gathered batch:
+    a ``tp_gather_batch`` and what reads it, up to the ``tp_split_batch`` that keeps this
+    rank's part. The runtime's shape guard cannot evaluate such a value's batch size from
+    the rank's inputs (it is ``tp`` times theirs, on a dim the region's views may move),
+    which matters once a pipeline cut falls inside a pair."""
+    gathered: set[torch.fx.Node] = set()
+    for n in graph.nodes:
+        n.meta.pop(meta.TP_GATHERED.name, None)  # inserted nodes copied their like's meta
+        role = meta.TP.get(n)
+        if role == "tp_gather_batch" or (role != "tp_split_batch" and any(
+                a in gathered for a in n.all_input_nodes)):
+            gathered.add(n)
+            meta.TP_GATHERED.set(n, True)
+
+
+__all__ = ["SHAPES", "Ties", "attr", "gather_operands", "get_attr", "insert", "mark_gathered",
+           "pad", "replace_module", "retie", "scatter_operands", "set_param", "shard", "unpad",
+           "unshard"]

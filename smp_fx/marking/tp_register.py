@@ -1,0 +1,197 @@
+"""``smp.tp_register`` and ``smp.tp_register_with_module``: a user's module class gets a
+distributed version that replaces its tensor-parallel instances.
+
+SMP's semantics: ``dist_module`` (an ``smp.nn`` distributed module, or any module class)
+is the distributed version of ``module_cls``. ``init_hook`` takes the arguments of
+``module_cls.__init__`` (its signature must match that ``__init__``'s, without ``self``)
+and returns ``(args, kwargs)`` for ``dist_module.__init__``; ``forward_hook`` does the same
+for ``forward``; ``return_hook`` turns the distributed module's output into what the
+original ``forward`` returns. Absent hooks pass arguments / outputs through unchanged.
+
+How smp-fx does it: registering wraps ``module_cls.__init__`` so each instance records
+the arguments it was built with. ``smp.DistributedModel`` (before tracing) replaces every
+instance of a registered class that is marked for tensor parallelism
+(``smp.tensor_parallelism``, ``smp.set_tensor_parallelism``) by
+``Registered(*init_hook(*args, **kwargs))``, where ``Registered`` is a subclass of
+``dist_module`` whose ``forward`` applies ``forward_hook`` and ``return_hook`` around
+``dist_module.forward``; the fx rewrite then distributes it like any ``smp.nn`` module.
+This happens at every ``tensor_parallel_degree``, 1 included, so a script computes the
+same function whatever the degree.
+The class must be exactly the registered one (a subclass is not replaced), registration
+must come before the instances are built, and the last registration of a class wins.
+
+The replacement is built afresh: its parameters are the distributed module's own
+initialisation, not the original module's (SMP's distributed modules are created the
+same way; load a checkpoint after wrapping to start from trained weights), so build the
+optimizer from ``DistributedModel.parameters()``. The model's root cannot be replaced.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from torch import nn
+
+from cost_model.errors import SMPConfigError, not_implemented
+from smp_fx.marking.tensor_parallelism import is_marked, mark
+
+INIT_ARGS = "_smp_tp_init_args"
+_PATCHED = "_smp_tp_patched_init"
+M = TypeVar("M", bound=type[nn.Module])
+Hook = Callable[..., Any]
+
+
+@dataclass(frozen=True)
+class Registration:
+    """A registered class's distributed version and hooks; ``replacement`` is the
+    ``dist_module`` subclass that applies the forward / return hooks."""
+
+    dist_module: type[nn.Module]
+    init_hook: Hook | None
+    forward_hook: Hook | None
+    return_hook: Hook | None
+    replacement: type[nn.Module]
+
+
+_REGISTRY: dict[type[nn.Module], Registration] = {}
+
+
+def _check_class(value: Any, what: str, where: str) -> None:
+    if not (isinstance(value, type) and issubclass(value, nn.Module)):
+        raise SMPConfigError.build(f"{what} must be an nn.Module subclass", value, where,
+                                   f"pass a module class as {what}")
+
+
+def _same_signature(hook: Hook, method: Callable[..., Any], name: str, where: str) -> None:
+    """SMP: the hook's signature is exactly the method's without ``self`` (names, kinds,
+    defaults), so the recorded arguments bind to it as they bound to the method."""
+    try:
+        want = list(inspect.signature(method).parameters.values())[1:]
+        got = list(inspect.signature(hook).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a readable signature
+        return
+    if [(p.name, p.kind, p.default) for p in got] != \
+            [(p.name, p.kind, p.default) for p in want]:
+        raise SMPConfigError.build(
+            f"{name} must have the signature of {method.__qualname__} without self",
+            f"({', '.join(map(str, got))}) for ({', '.join(map(str, want))})", where,
+            f"define {name} with exactly the parameters of the original method")
+
+
+def _replacement(dist_module: type[nn.Module], forward_hook: Hook | None,
+                 return_hook: Hook | None) -> type[nn.Module]:
+    """The ``dist_module`` subclass whose ``forward`` translates arguments and output."""
+    if forward_hook is None and return_hook is None:
+        return dist_module
+    base_forward = dist_module.forward
+
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if forward_hook is not None:
+            args, kwargs = forward_hook(*args, **kwargs)
+        out = base_forward(self, *args, **kwargs)
+        return out if return_hook is None else return_hook(out)
+
+    return type(f"Registered{dist_module.__name__}", (dist_module,),
+                {"forward": forward, "__module__": dist_module.__module__,
+                 "__doc__": f"{dist_module.__name__} with registered forward/return hooks."})
+
+
+def _record_init_args(module_cls: type[nn.Module]) -> None:
+    """Wrap ``module_cls.__init__`` (once) to keep each exact instance's arguments."""
+    if module_cls.__dict__.get(_PATCHED):
+        return
+    original = module_cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        if type(self) is module_cls:
+            object.__setattr__(self, INIT_ARGS, (args, dict(kwargs)))
+
+    module_cls.__init__ = __init__  # type: ignore[method-assign]
+    setattr(module_cls, _PATCHED, True)
+
+
+def tp_register_with_module(module_cls: type[nn.Module], dist_module: type[nn.Module],
+                            init_hook: Hook | None = None, forward_hook: Hook | None = None,
+                            return_hook: Hook | None = None) -> None:
+    """Register ``dist_module`` as the distributed version of ``module_cls``."""
+    where = "smp.tp_register_with_module"
+    _check_class(module_cls, "module_cls", where)
+    _check_class(dist_module, "dist_module", where)
+    for name, hook in (("init_hook", init_hook), ("forward_hook", forward_hook),
+                       ("return_hook", return_hook)):
+        if hook is not None and not callable(hook):
+            raise SMPConfigError.build(f"{name} must be callable or None", hook, where,
+                                       f"pass a function as {name}")
+    if init_hook is not None:
+        _same_signature(init_hook, module_cls.__init__, "init_hook", where)
+    if forward_hook is not None:
+        _same_signature(forward_hook, module_cls.forward, "forward_hook", where)
+    _record_init_args(module_cls)
+    _REGISTRY[module_cls] = Registration(dist_module, init_hook, forward_hook, return_hook,
+                                         _replacement(dist_module, forward_hook, return_hook))
+
+
+def tp_register(dist_module: type[nn.Module], init_hook: Hook | None = None,
+                forward_hook: Hook | None = None,
+                return_hook: Hook | None = None) -> Callable[[M], M]:
+    """Class decorator: the decorated module class gets ``dist_module`` as its
+    distributed version (``tp_register_with_module`` on it)."""
+    _check_class(dist_module, "dist_module", "smp.tp_register")
+
+    def decorate(module_cls: M) -> M:
+        tp_register_with_module(module_cls, dist_module, init_hook, forward_hook, return_hook)
+        return module_cls
+
+    return decorate
+
+
+def registration(module_cls: type) -> Registration | None:
+    return _REGISTRY.get(module_cls)
+
+
+def _distributed(module: nn.Module, reg: Registration, path: str) -> nn.Module:
+    recorded = module.__dict__.get(INIT_ARGS)
+    if recorded is None:
+        raise SMPConfigError.build(
+            f"{type(module).__name__} is registered with smp.tp_register but this instance "
+            "was built before the registration (its arguments are unknown)", path,
+            "smp.DistributedModel", "register the class before building the model")
+    args, kwargs = recorded
+    if reg.init_hook is not None:
+        args, kwargs = reg.init_hook(*args, **kwargs)
+    new = reg.replacement(*args, **kwargs)
+    if not is_marked(new):  # a user's dist_module: it is the distributed version
+        mark(new)
+    return new
+
+
+def replace_registered(model: nn.Module) -> nn.Module:
+    """Replace, in place, the marked instances of registered classes below ``model`` by
+    their distributed versions (outermost first; a replacement is not searched again)."""
+    if _REGISTRY and type(model) in _REGISTRY and is_marked(model):
+        raise not_implemented("replacing the model's root by its registered distributed "
+                              "version", f"smp.tp_register({type(model).__name__})",
+                              fix="wrap the registered module in a container module")
+
+    def visit(module: nn.Module, prefix: str) -> None:
+        for name, child in list(module.named_children()):
+            path = f"{prefix}{name}"
+            reg = _REGISTRY.get(type(child))
+            if reg is not None and is_marked(child):
+                setattr(module, name, _distributed(child, reg, path))
+            else:
+                visit(child, path + ".")
+
+    if _REGISTRY:
+        visit(model, "")
+    return model
+
+
+__all__ = ["Registration", "registration", "replace_registered", "tp_register",
+           "tp_register_with_module"]

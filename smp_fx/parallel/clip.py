@@ -1,0 +1,199 @@
+"""Global gradient norms and clipping over a partitioned model: the unpartitioned model's norm.
+
+A stage holds only its parameters, so ``torch.nn.utils.clip_grad_norm_`` on one rank sees
+a part of the model and clips by a part's norm (each stage by a different factor). Here
+each rank sums the p-th powers of the gradients it *counts* and the sums are all-reduced
+over the model-parallel group (pp x tp), so every rank gets the norm of the whole model
+and scales its gradients by the same factor.
+
+Which local gradients count (the contract between the precision and tensor-parallel work):
+a parameter counts unless it is a replica of a tied parameter also held by a lower pipeline
+stage (``DistributedModel.tied_duplicates``), and, with tensor parallelism, only on
+tp_rank 0 unless it is tensor-parallel-distributed
+(``DistributedModel.is_distributed_parameter``): replicated copies count once.
+Data-parallel replicas are not summed: after the dp reduction their gradients are equal.
+Two exceptions are sums over more ranks: gradients sharded over the dp group (FSDP2's
+``DTensor`` gradients under sharded data parallelism, summed over their shard mesh
+dimensions) and fp32 master gradients held by one dp rank each (optimizer-state sharding
+with fp16; the caller passes the dp group in ``extra_groups``).
+
+The clip factor is torch's, ``max_norm / (total + 1e-6)`` capped at 1, applied to every
+local gradient (counted or not): a tied replica is scaled like its twin.
+
+>>> import torch
+>>> p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.full((4,), 3.0)
+>>> float(clip_grads([p.grad], [p.grad], max_norm=3.0))  # norm 6 -> halved
+6.0
+>>> [round(g, 5) for g in p.grad.tolist()]  # times 3 / (6 + 1e-6), as torch's
+[1.5, 1.5, 1.5, 1.5]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cost_model.errors import SMPRuntimeError
+from smp_fx.world import state
+
+try:  # FSDP2's gradients; absent on torch builds without torch.distributed.tensor
+    from torch.distributed.tensor import DTensor, Shard
+except ImportError:  # pragma: no cover
+    DTensor = None  # type: ignore[assignment,misc]
+    Shard = None  # type: ignore[assignment,misc]
+
+
+class PartitionedModel(Protocol):
+    """A ``DistributedModel`` as norms read it: its local parameters and which count."""
+
+    @property
+    def partitioned(self) -> bool: ...
+
+    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+    def tied_duplicates(self) -> frozenset[str]: ...
+    def is_distributed_parameter(self, param: torch.Tensor) -> bool: ...
+
+
+def counted_parameters(model: PartitionedModel, params: Iterable[torch.Tensor] | None = None
+                       ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(every local parameter with a gradient, the subset this rank counts in the norm).
+
+    ``params`` narrows the local parameters (e.g. a user's list); parameters that are not
+    this rank's are ignored, as they hold no gradient here.
+    """
+    wanted = None if params is None else {id(p) for p in params}
+    dup = model.tied_duplicates()
+    tp0 = _tp_rank() == 0
+    everything: list[torch.Tensor] = []
+    counted: list[torch.Tensor] = []
+    for name, p in model.local_named_parameters():
+        if p.grad is None or (wanted is not None and id(p) not in wanted):
+            continue
+        everything.append(p)
+        if name not in dup and (tp0 or model.is_distributed_parameter(p)):
+            counted.append(p)
+    return everything, counted
+
+
+def global_norm(counted: Sequence[torch.Tensor], norm_type: float = 2.0,
+                extra_groups: Sequence[Any] = ()) -> torch.Tensor:
+    """The norm of ``counted`` gradient tensors over the model-parallel group (and any
+    ``extra_groups``), as an fp32 scalar on the tensors' device (CPU if there are none)."""
+    p = float(norm_type)
+    if p <= 0 and not math.isinf(p):
+        raise SMPRuntimeError.build("norm_type must be > 0 or inf", norm_type,
+                                    "smp clip_grad_norm_", "use 2.0 (default), 1.0 or inf")
+    device = counted[0].device if counted else _device()
+    plain = [g for g in counted if not _is_dtensor(g)]
+    total = _power_sum([g.detach() for g in plain], p, device)
+    for group, tensors in _sharded(counted).items():
+        part = _power_sum(tensors, p, device)
+        _reduce(part, p, group)
+        total = torch.maximum(total, part) if math.isinf(p) else total + part
+    for group in (*extra_groups, *_mp_groups()):
+        _reduce(total, p, group)
+    norm = total if math.isinf(p) else total.pow(1.0 / p)
+    return norm.to(torch.float32)
+
+
+def clip_grads(grads: Sequence[torch.Tensor], counted: Sequence[torch.Tensor],
+               max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
+               extra_groups: Sequence[Any] = ()) -> torch.Tensor:
+    """Scale every tensor of ``grads`` so that the global norm of ``counted`` is at most
+    ``max_norm``; returns that norm (before clipping), as ``clip_grad_norm_`` does."""
+    total = global_norm(counted, norm_type, extra_groups)
+    if error_if_nonfinite and not torch.isfinite(total):
+        raise SMPRuntimeError.build(
+            "the total gradient norm is not finite, so it cannot be clipped", float(total),
+            "smp clip_grad_norm_", "pass error_if_nonfinite=False to clip anyway")
+    coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+    with torch.no_grad():
+        for g in grads:
+            local = _local(g)
+            local.mul_(coef.to(local.device, local.dtype))
+    return total
+
+
+def clip_grad_norm_(model: PartitionedModel, max_norm: float, norm_type: float = 2.0,
+                    error_if_nonfinite: bool = False,
+                    params: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
+    """Clip the partitioned ``model``'s gradients by the norm of the whole model.
+
+    A collective over the model-parallel group: every rank of it calls it, with the same
+    ``params`` selection. Before partitioning (no gradients yet) it is a no-op returning 0.
+    """
+    if not model.partitioned:
+        return torch.zeros((), dtype=torch.float32)
+    everything, counted = counted_parameters(model, params)
+    return clip_grads(_grads(everything), _grads(counted), max_norm, norm_type,
+                      error_if_nonfinite)
+
+
+def _device() -> torch.device:
+    return state.get().device if state.is_initialized() else torch.device("cpu")
+
+
+def _tp_rank() -> int:
+    return state.get().axis_rank("tp") if state.is_initialized() else 0
+
+
+def _mp_groups() -> list[Any]:
+    """The model-parallel group when it spans several processes (nothing in-process)."""
+    if not state.is_initialized():
+        return []
+    st = state.get()
+    if st.in_process or st.world_size == 1 or len(st.group_ranks("mp")) == 1:
+        return []
+    return [st.group("mp")]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    return DTensor is not None and isinstance(t, DTensor)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t`` (a DTensor's local shard, else ``t`` itself)."""
+    local: torch.Tensor = getattr(t, "_local_tensor", t)
+    return local
+
+
+def _grads(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [p.grad for p in params if p.grad is not None]
+
+
+def _sharded(tensors: Sequence[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
+    """DTensor gradients by the process group of the mesh dimension they are sharded on
+    (their local shards, detached)."""
+    out: dict[Any, list[torch.Tensor]] = {}
+    for t in tensors:
+        if not _is_dtensor(t):
+            continue
+        dt: Any = t
+        dims = [d for d, pl in enumerate(dt.placements) if isinstance(pl, Shard)]
+        if len(dims) != 1:
+            raise SMPRuntimeError.build(
+                "a sharded gradient must be sharded on exactly one mesh dimension",
+                dt.placements, "smp clip_grad_norm_", "shard parameters with FSDP2 only")
+        out.setdefault(dt.device_mesh.get_group(dims[0]), []).append(_local(t).detach())
+    return out
+
+
+def _power_sum(tensors: Sequence[torch.Tensor], p: float,
+               device: torch.device) -> torch.Tensor:
+    """sum |t|_p^p over ``tensors`` (max for inf) in float64; each tensor's norm in fp32,
+    as ``torch.nn.utils.clip_grad_norm_`` computes it."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    norms = torch.stack([torch.linalg.vector_norm(t, p, dtype=torch.float32).to(device)
+                         for t in tensors]).double()
+    return norms.max() if math.isinf(p) else norms.pow(p).sum()
+
+
+def _reduce(value: torch.Tensor, p: float, group: Any) -> None:
+    op = dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM
+    dist.all_reduce(value, op=op, group=group)

@@ -1,0 +1,430 @@
+"""Hybrid pipeline + data parallelism (``ddp: true``): one DDP wrapper per local stage.
+
+Each stage's module is wrapped, at partitioning, in ``torch.nn.parallel.
+DistributedDataParallel`` over that stage's data-parallel group; its constructor broadcasts
+the stage's parameters and buffers from dp_rank 0, which is SMP's "broadcast when the model
+is partitioned". Gradients are averaged over the group once
+per step, after all microbatches, as SMP documents.
+
+Why the reducer is armed by hand. DDP decides at *forward* time whether the next backward
+reduces (``no_sync`` only changes what ``forward`` does). A pipeline stage runs several
+forwards before their backwards (fill-drain: ``F0 F1 F2 F3 B0 B1 B2 B3``), so running the
+last forward outside ``no_sync`` would arm the reducer for ``B0`` and reduce a partial sum.
+So every forward runs under ``no_sync`` and, on a reducing step, the reducer is armed
+(``prepare_for_backward``, what DDP's forward does) right before the stage's *last* backward
+action in the step's op list, whatever the schedule. Gradients accumulated over the earlier
+microbatches are then reduced bucket by bucket (``bucket_cap_mb``) as that backward produces
+them: the reduction overlaps the last microbatch's backward (``overlapping_allreduce``).
+
+With ``overlapping_allreduce=False`` nothing is armed; after the step the gradients are
+all-reduced explicitly in buckets of ``bucket_cap_mb``, scaled by ``1 / dp`` before the sum
+as DDP's reducer does, so both modes give the same numbers.
+
+``backward_passes_per_step = k`` reduces on every k-th training step only; in between
+gradients accumulate locally (as under ``no_sync``). Buffers are broadcast from dp_rank 0 at
+the first forward of every step when ``broadcast_buffers``. ``gradient_as_bucket_view`` is
+forwarded to DDP (it affects the overlapped reduction). Tied parameters replicated over
+pipeline stages: the dp average happens first (during backward, or in the first post-step
+hook), then the tied pipeline sum (a later post-step hook, which ``TiedReplicas`` skips
+on the accumulating steps of ``backward_passes_per_step``), in both modes.
+
+The reduction group is the *reduced* data-parallel group (rdp): with tensor parallelism,
+tp-sharded parameters must only be averaged over replicas of the same shard, and
+replicated ones have equal gradients across tp ranks, so rdp is right for both; without
+tensor parallelism rdp is the dp group.
+
+Uneven inputs: ``DistributedModel.join()`` enters ``torch.distributed.algorithms.join.Join``
+with one ``Joinable`` per model whose hook shadows a whole step's collectives on ranks that
+ran out of data (see ``_StepJoinHook``).
+
+``DataParallel`` is the data-parallel step of the parallelisms' build
+(``smp_fx.parallel.build``): it wraps the stage runners (``wrap``) and hooks the step
+(``hooks``); ``for_build`` decides whether it applies.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, ClassVar, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
+from torch.nn.parallel import DistributedDataParallel
+
+from cost_model.errors import SMPConfigError, SMPRuntimeError
+from smp_fx.runtime.lowering import Op
+from smp_fx.runtime.seams import StageRunner, StepHooks
+from smp_fx.world import context, state
+
+log = logging.getLogger("smp_fx.parallel.ddp")
+
+DDP_AROUND_MODEL = (
+    "smp.DistributedModel handles data parallelism itself ('ddp': true) and must not be "
+    "wrapped in torch.nn.parallel.DistributedDataParallel")
+STEP_INSIDE = ("optimizer.step() must be called outside the smp.step-decorated function "
+               "(gradients and their data-parallel reduction are complete only after it)")
+
+
+class DataParallelOptions(Protocol):
+    """The ``smp.DistributedModel`` arguments data parallelism reads."""
+
+    @property
+    def overlapping_allreduce(self) -> bool: ...
+    @property
+    def backward_passes_per_step(self) -> int: ...
+    @property
+    def bucket_cap_mb(self) -> int: ...
+    @property
+    def broadcast_buffers(self) -> bool: ...
+    @property
+    def gradient_as_bucket_view(self) -> bool: ...
+
+
+# ---- misuse detection ------------------------------------------------------------------
+class RejectDDPWrap:
+    """Class attribute of ``DistributedModel`` named ``_ddp_params_and_buffers_to_ignore``.
+
+    DDP's constructor reads that attribute with ``hasattr`` before any collective; ``hasattr``
+    only swallows ``AttributeError``, so raising ``SMPRuntimeError`` here stops the wrap with
+    a clear message on every rank, without a hang.
+    """
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if obj is None:
+            raise AttributeError("_ddp_params_and_buffers_to_ignore")
+        raise SMPRuntimeError.build(
+            DDP_AROUND_MODEL, type(obj).__name__, "torch.nn.parallel.DistributedDataParallel",
+            "pass the smp.DistributedModel itself to the smp.step function; set 'ddp': true")
+
+
+def check_not_inside_step(what: str = "optimizer.step()") -> None:
+    """Raise if called from inside an ``smp.step`` function (a microbatch thread)."""
+    if context.turn() is not None:
+        raise SMPRuntimeError.build(STEP_INSIDE, what, "inside an smp.step function",
+                                    "move optimizer.step() after the smp.step call returns")
+
+
+def _optimizer_step_pre_hook(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    check_not_inside_step(f"{type(optimizer).__name__}.step()")
+
+
+def guard_optimizer(optimizer: torch.optim.Optimizer) -> Any:
+    """Register the inside-step check as a step pre-hook of ``optimizer`` (torch's public
+    hook API), so the wrapped optimizer is caught too when stepped directly."""
+    return optimizer.register_step_pre_hook(_optimizer_step_pre_hook)
+
+
+# ---- explicit bucketed reduction --------------------------------------------------------
+def buckets(params: Sequence[nn.Parameter], cap_mb: float) -> list[list[nn.Parameter]]:
+    """Parameters in reverse order (the order backward produces them, as DDP assumes) in
+    buckets of at most ``cap_mb`` MiB, one dtype/device per bucket; a larger parameter gets
+    a bucket of its own."""
+    cap = max(1, int(cap_mb * 1024 * 1024))
+    out: list[list[nn.Parameter]] = []
+    open_: dict[tuple[torch.dtype, torch.device], tuple[list[nn.Parameter], list[int]]] = {}
+    for p in reversed([p for p in params if p.requires_grad]):
+        key = (p.dtype, p.device)
+        nbytes = p.numel() * p.element_size()
+        cur = open_.get(key)
+        if cur is None or (cur[0] and cur[1][0] + nbytes > cap):
+            cur = ([], [0])
+            out.append(cur[0])
+            open_[key] = cur
+        cur[0].append(p)
+        cur[1][0] += nbytes
+    return out
+
+
+def allreduce_grads(bucket_list: Sequence[Sequence[nn.Parameter]], group: Any, size: int,
+                    zeros: bool = False) -> None:
+    """Average ``.grad`` over ``group``: scale by 1/size, sum; all buckets in flight at once.
+
+    A parameter without a gradient contributes zeros and receives the average. ``zeros``
+    (a rank that has joined, i.e. ran out of data) contributes zeros and keeps its grads.
+    """
+    scale = 1.0 / size
+    works = []
+    for bucket in bucket_list:
+        flat = torch.cat([
+            torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+            if zeros or p.grad is None else p.grad.detach().reshape(-1) for p in bucket])
+        flat.mul_(scale)
+        works.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
+    for work, flat, bucket in works:
+        work.wait()
+        if zeros:
+            continue
+        offset = 0
+        for p in bucket:
+            g = flat[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+            if p.grad is None:
+                p.grad = g.clone()
+            else:
+                p.grad.detach().copy_(g)
+
+
+# ---- the stage runner ------------------------------------------------------------------
+class DDPStageRunner(StageRunner):
+    """A ``StageRunner`` whose module is the stage wrapped in DDP (see the module docstring).
+
+    ``stage.module`` stays the plain stage GraphModule (names, optimizer, checkpoints);
+    only the executor's calls go through the wrapper.
+    """
+
+    def __init__(self, base: StageRunner, wrapper: DistributedDataParallel,
+                 dp: DataParallel) -> None:
+        super().__init__(base.stage, base.device)
+        self.module = wrapper
+        self.ddp = wrapper
+        self.dp = dp
+
+    def forward(self, inputs: Sequence[Any], microbatch: int) -> tuple[Any, ...]:
+        with self.ddp.no_sync():
+            return tuple(self.ddp(*inputs))
+
+    def backward(self, tensors: list[torch.Tensor], grads: list[torch.Tensor],
+                 microbatch: int) -> None:
+        if self.dp.arm_now(self.stage.index, microbatch):
+            # what DDP's forward does when it is not under no_sync
+            self.ddp.reducer.prepare_for_forward()
+            self.ddp.reducer.prepare_for_backward([])
+            self.dp.armed.add(self.stage.index)
+        self.dp.backward_ran.add(self.stage.index)
+        torch.autograd.backward(tensors, grads)
+
+
+# ---- the per-model controller ------------------------------------------------------------
+class DataParallel(Joinable):
+    """The data-parallel state of one partitioned ``DistributedModel`` on this rank."""
+
+    name: ClassVar[str] = "data_parallel"
+
+    def __init__(self, options: DataParallelOptions, group: Any, size: int,
+                 device: torch.device) -> None:
+        super().__init__()
+        self.options = options
+        self.group = group
+        self.size = size
+        self.device = device
+        self.runners: dict[int, DDPStageRunner] = {}
+        self.bucket_lists: dict[int, list[list[nn.Parameter]]] = {}
+        self.training_steps = 0
+        self.reduce_this_step = False
+        self.last_backward: dict[int, int] = {}
+        self.armed: set[int] = set()
+        self.backward_ran: set[int] = set()
+        self.reductions = 0
+
+    def wrap(self, runners: Mapping[int, StageRunner]) -> dict[int, StageRunner]:
+        """The local stages' runners with each stage wrapped in DDP over the group.
+
+        Collective over each stage's dp group (DDP's constructor broadcasts the stage from
+        dp_rank 0); ``stage.module`` stays the plain stage (names, optimizer, checkpoints)."""
+        opts = self.options
+        out: dict[int, StageRunner] = {}
+        for s in sorted(runners):
+            base = runners[s]
+            if not any(p.requires_grad for p in base.stage.module.parameters()):
+                raise SMPConfigError.build(
+                    "with ddp, every pipeline stage needs a trainable parameter", f"stage {s}",
+                    "smp.DistributedModel", "repartition (smp.partition / default_partition)")
+            wrapper = DistributedDataParallel(
+                base.stage.module, process_group=self.group, bucket_cap_mb=opts.bucket_cap_mb,
+                forward_sync_buffers=opts.broadcast_buffers,  # buffers are synced at init anyway
+                gradient_as_bucket_view=opts.gradient_as_bucket_view)
+            runner = DDPStageRunner(base, wrapper, self)
+            out[s] = self.runners[s] = runner
+            self.bucket_lists[s] = buckets(list(base.stage.module.parameters()),
+                                           opts.bucket_cap_mb)
+        log.info("smp-fx ddp: stages %s wrapped over an rdp group of %d (overlap=%s, bpps=%d)",
+                 sorted(self.runners), self.size, opts.overlapping_allreduce,
+                 opts.backward_passes_per_step)
+        return out
+
+    def hooks(self) -> StepHooks:
+        """Before a step: find each stage's last backward; after it: the dp average (it
+        runs before the tied pipeline sum, ``smp_fx.parallel.build.POST_STEP_ORDER``)."""
+        return StepHooks(self.pre_step, self.post_step)
+
+    def disable_join(self) -> None:
+        """Later steps run outside ``join()``: nothing shadows them any more (``Join``
+        leaves its configuration on the joinable)."""
+        self._join_config = _JoinConfig.construct_disabled_join_config()
+
+    # executor hooks
+    def pre_step(self, ops: Sequence[Op]) -> None:
+        """Find each local stage's last backward action; decide whether this step reduces."""
+        self.last_backward = {op.stage: op.microbatch for op in ops if op.kind == "B"}
+        self.armed = set()
+        self.backward_ran = set()
+        training = bool(self.last_backward)
+        work = Join.notify_join_context(self)
+        if work is not None:  # inside join(): joined ranks shadow this step
+            work.wait()
+            self._agree_join_step(training)
+        if training:
+            self.training_steps += 1
+        bpps = self.options.backward_passes_per_step
+        self.reduce_this_step = training and self.training_steps % bpps == 0
+        if self.options.broadcast_buffers:
+            for r in self.runners.values():
+                r.ddp.require_forward_param_sync = True
+
+    def arm_now(self, stage: int, microbatch: int) -> bool:
+        return (self.reduce_this_step and self.options.overlapping_allreduce
+                and self.last_backward.get(stage) == microbatch)
+
+    def post_step(self) -> None:
+        """Non-overlapping mode: reduce now. A stage whose step ran no backward at all (the
+        step function never called ``model.backward``) has nothing new to reduce."""
+        if not self.reduce_this_step:
+            return
+        self.reductions += 1
+        for s in sorted(self.runners):
+            if s in self.armed:
+                _check_finalized(self.runners[s].ddp, s)
+                continue
+            if s not in self.backward_ran:
+                continue
+            if self.options.overlapping_allreduce:
+                raise SMPRuntimeError.build(
+                    "the stage's last backward of the step did not run, so its gradients "
+                    "were not reduced over the data-parallel group", f"stage {s}",
+                    "smp.DistributedModel (ddp)",
+                    "call model.backward for every microbatch, or set "
+                    "overlapping_allreduce=False")
+            allreduce_grads(self.bucket_lists[s], self.group, self.size)
+
+    # Joinable
+    def join_hook(self, **kwargs: Any) -> JoinHook:
+        return _StepJoinHook(self)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self) -> Any:
+        return self.group
+
+    def _agree_join_step(self, training: bool) -> None:
+        """Tell joined ranks (which shadow this step) whether the step trains and reduces."""
+        flag = torch.tensor([1.0 if training else 0.0], device=self.device)
+        dist.all_reduce(flag, group=self.group)
+
+
+def _check_finalized(wrapper: DistributedDataParallel, stage: int) -> None:
+    """An armed reduction completes only when every parameter got a gradient in the last
+    backward; otherwise some buckets stayed local (replicas would silently diverge)."""
+    try:
+        wrapper.reducer._check_reducer_finalized()
+    except RuntimeError as exc:
+        raise SMPRuntimeError.build(
+            "with overlapping_allreduce, every parameter of a stage must get a gradient in "
+            "the stage's last microbatch backward; some did not, so their buckets were not "
+            "reduced over the data-parallel group", f"stage {stage}",
+            "smp.DistributedModel (ddp)", "set overlapping_allreduce=False (parameters "
+            "without a gradient then contribute zeros), or keep them on the loss path"
+        ) from exc
+
+
+class _StepJoinHook(JoinHook):
+    """Runs on a rank that ran out of data, once per step of the others: it issues the same
+    collectives as a step on its stages (buffer broadcast, and on reducing steps the gradient
+    reduction with zero contributions)."""
+
+    def __init__(self, dp: DataParallel) -> None:
+        self.dp = dp
+
+    def main_hook(self) -> None:
+        dp = self.dp
+        if not dp.runners:
+            raise SMPRuntimeError.build(
+                "a rank joined before running any smp.step, so it cannot shadow the others",
+                None, "DistributedModel.join", "give every data-parallel rank >= 1 batch")
+        flag = torch.zeros(1, device=dp.device)
+        dist.all_reduce(flag, group=dp.group)
+        training = flag.item() > 0
+        if training:
+            dp.training_steps += 1
+        reduce = training and dp.training_steps % dp.options.backward_passes_per_step == 0
+        for _, r in sorted(dp.runners.items()):
+            ddp = r.ddp
+            if training:
+                ddp.reducer._rebuild_buckets()
+            if dp.options.broadcast_buffers and ddp.modules_buffers:
+                ddp._sync_buffers()
+        if not reduce:
+            return
+        for s, r in sorted(dp.runners.items()):
+            if dp.options.overlapping_allreduce:
+                r.ddp._match_all_reduce_for_bwd_pass()
+                r.ddp.reducer._push_all_rebuilt_params()
+            else:
+                allreduce_grads(dp.bucket_lists[s], dp.group, dp.size, zeros=True)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        """Make every replica equal to one that saw all the data (DDP's final sync)."""
+        for _, r in sorted(self.dp.runners.items()):
+            r.ddp._sync_final_model(is_last_joiner)
+
+
+# ---- the build's data-parallel step -------------------------------------------------------
+def controller(options: DataParallelOptions) -> DataParallel | None:
+    """A ``DataParallel`` for a model with ``options`` on this rank, or None with one
+    replica (nothing to reduce). Creating it runs no collective."""
+    st = state.get()
+    size = st.axis_size("rdp")
+    if size == 1:
+        return None
+    if options.backward_passes_per_step < 1:
+        raise SMPConfigError.build("backward_passes_per_step must be >= 1",
+                                   options.backward_passes_per_step, "smp.DistributedModel",
+                                   "pass 1 (reduce every step) or more")
+    return DataParallel(options, st.group("rdp"), size, st.device)
+
+
+def for_build(options: DataParallelOptions, early: DataParallel | None
+              ) -> DataParallel | None:
+    """The ``DataParallel`` the build applies (``early``: the one ``join()`` made before the
+    first step), or None without ``ddp`` or with a single replica."""
+    st = state.get()
+    if not st.config.ddp:
+        if st.axis_size("rdp") > 1:
+            log.warning("smp-fx: %d data-parallel replicas but 'ddp' is false: their "
+                        "gradients are not reduced, so the replicas train independently; "
+                        "set 'ddp': true for data parallelism", st.axis_size("rdp"))
+        return None
+    return early if early is not None else controller(options)
+
+
+def check_join() -> None:
+    """``DistributedModel.join()`` needs ``ddp``."""
+    if not state.get().config.ddp:
+        raise SMPConfigError.build("DistributedModel.join() is supported only with ddp",
+                                   False, "ddp", "set 'ddp': true in the smp config")
+
+
+@contextmanager
+def join(dp: DataParallel | None, throw_on_early_termination: bool = False
+         ) -> Iterator[None]:
+    """``DistributedModel.join()``: train with uneven numbers of batches across replicas.
+
+    Every rank must run at least one step inside (or before) it, so that every stage is
+    partitioned and wrapped; a rank that runs out of batches then shadows the others'
+    steps until all have finished, and all replicas end equal to the last one to finish.
+    ``dp`` None (a single replica): nothing can be uneven.
+    """
+    if dp is None:
+        yield
+        return
+    try:
+        with Join([dp], throw_on_early_termination=throw_on_early_termination):
+            yield
+    finally:
+        dp.disable_join()

@@ -1,0 +1,244 @@
+"""Sharded data parallelism (``sharded_data_parallel_degree``) on FSDP2 ``fully_shard``.
+
+Each local pipeline stage is sharded over groups of ``sharded_data_parallel_degree`` ranks
+of its data-parallel group: parameters, gradients and optimizer state live as ``DTensor``
+shards, gathered for each unit's forward and backward and reduce-scattered after its
+backward. With a degree below the dp size the shard groups are replicated (HSDP, a 2-D
+mesh: replicate x shard). Gradients are averaged over the whole dp group, as with DDP.
+
+How SMP's ``sdp_*`` parameters map onto FSDP2 (docs/precision.md):
+
+* ``sdp_reduce_bucket_size`` (elements): the stage's leaf modules, in the order the stage
+  graph calls them, are grouped greedily into FSDP2 units (``fully_shard`` of a list of
+  modules) of at most this many sharded elements; a unit is one all-gather and one
+  reduce-scatter, i.e. one bucket. A single module above it is a unit of its own.
+  Parameters no unit takes (read through ``get_attr``, shared by several modules, or in a
+  module the graph calls twice) form the stage's root unit.
+* ``sdp_param_persistence_threshold`` (elements): smaller parameters are not sharded
+  (FSDP2 ``ignored_params``); they stay whole on every rank and their gradients are
+  averaged over the dp group after the step (sum, then an explicit division).
+* ``sdp_max_live_parameters`` (elements): a bound on gathered elements. Units are
+  resharded after each forward and backward and FSDP2 prefetches at most the next unit in
+  backward, so at most the root unit plus two neighbouring units are gathered at once;
+  a plan whose bound exceeds the value is rejected (``ShardPlan.live_numel``).
+* ``sdp_hierarchical_allgather``: on one node a hierarchical all-gather is the flat one
+  (the default, true, is honoured); an explicit true across several nodes is rejected,
+  FSDP2 has no two-level all-gather.
+* ``sdp_gradient_clipping``: ``DistributedOptimizer.step`` clips the global norm to it
+  (0 turns it off; ``smp_fx.parallel.clip`` sums the shards' squares over the shard group).
+
+Reductions use sums with an explicit division (``set_force_sum_reduction_for_comms``):
+gloo's averaging reduce ops are not to be trusted (pytorch issue #162338). Parameters and
+buffers are broadcast from dp rank 0 before sharding (SMP's "broadcast at partitioning");
+buffers again at every step with ``broadcast_buffers``. ``enable`` is the sharded
+data-parallel step of the parallelisms' build (``smp_fx.parallel.build``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+import torch.fx
+from torch import nn
+
+from cost_model.errors import SMPConfigError, not_implemented
+from smp_fx.parallel.ddp import DataParallelOptions, allreduce_grads, buckets
+from smp_fx.parallel.zero import broadcast_flat
+from smp_fx.runtime.lowering import Op
+from smp_fx.runtime.seams import StageRunner, StepHooks
+from smp_fx.world import state
+
+log = logging.getLogger("smp_fx.parallel.sdp")
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How one stage is sharded: units of leaf modules, the root unit, the replicated."""
+
+    units: tuple[tuple[str, ...], ...]
+    unit_numels: tuple[int, ...]
+    root_numel: int
+    persistent: tuple[str, ...]
+
+    @property
+    def live_numel(self) -> int:
+        """Most sharded elements gathered at once: the root and two neighbouring units."""
+        pair = max((a + b for a, b in zip(self.unit_numels, self.unit_numels[1:])),
+                   default=max(self.unit_numels, default=0))
+        return self.root_numel + pair
+
+
+def plan_units(gm: torch.fx.GraphModule, bucket: int, threshold: int) -> ShardPlan:
+    """Group ``gm``'s called leaf modules into units of at most ``bucket`` sharded elements
+    (parameters of at least ``threshold`` elements are sharded, the rest persist).
+
+    >>> import torch.fx
+    >>> seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    >>> p = plan_units(torch.fx.symbolic_trace(seq), bucket=40, threshold=5)
+    >>> p.units, p.unit_numels, p.persistent
+    ((('0', '1'),), (32,), ('0.bias', '1.bias'))
+    """
+    names = {id(p): n for n, p in gm.named_parameters()}
+    persistent = tuple(n for n, p in gm.named_parameters() if p.numel() < threshold)
+    calls: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            calls[str(node.target)] = calls.get(str(node.target), 0) + 1
+    holders: dict[int, int] = {}
+    for _, mod in gm.named_modules():
+        for p in mod.parameters(recurse=False):
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    fetched = {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
+    units: list[tuple[str, ...]] = []
+    numels: list[int] = []
+    current: list[str] = []
+    size = 0
+    taken = 0
+    for target, count in calls.items():
+        mod = gm.get_submodule(target)
+        params = [p for p in mod.parameters() if p.numel() >= threshold]
+        if count > 1 or not params or any(
+                holders[id(p)] > 1 or names.get(id(p)) in fetched for p in params):
+            continue
+        n = sum(p.numel() for p in params)
+        if current and size + n > bucket:
+            units.append(tuple(current))
+            numels.append(size)
+            current, size = [], 0
+        current.append(target)
+        size += n
+        taken += n
+    if current:
+        units.append(tuple(current))
+        numels.append(size)
+    sharded = sum(p.numel() for p in gm.parameters() if p.numel() >= threshold)
+    return ShardPlan(tuple(units), tuple(numels), sharded - taken, persistent)
+
+
+def _mesh(st: state.State) -> Any:
+    """This rank's FSDP2 mesh over its dp group: 1-D (shard) or 2-D (replicate, shard).
+
+    Every rank creates every stage's sub-groups, in one order (``new_group`` is collective
+    over the world), before building its own mesh from them.
+    """
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    sdp = st.config.sharded_data_parallel_degree
+    mine = st.group_ranks("dp")
+    device_type = st.device.type
+    if sdp == len(mine):
+        return DeviceMesh.from_group(st.group("dp"), device_type)
+    shard_of: dict[int, Any] = {}
+    rep_of: dict[int, Any] = {}
+    for ranks in st.topology.groups("dp"):
+        grid = [ranks[i:i + sdp] for i in range(0, len(ranks), sdp)]
+        for row in grid:
+            g = dist.new_group(row)
+            shard_of.update({r: g for r in row})
+        for col in zip(*grid):
+            g = dist.new_group(list(col))
+            rep_of.update({r: g for r in col})
+    me = st.rank
+    layout = torch.tensor(mine).view(len(mine) // sdp, sdp)
+    return DeviceMesh.from_group([rep_of[me], shard_of[me]], device_type, mesh=layout,
+                                 mesh_dim_names=("replicate", "shard"))
+
+
+def _check_nodes(st: state.State) -> None:
+    """An explicit hierarchical all-gather across several nodes cannot be honoured."""
+    cfg = st.config
+    if "sdp_hierarchical_allgather" not in cfg.explicit or not cfg.sdp_hierarchical_allgather:
+        return
+    nodes = {r // max(st.local_size, 1) for r in st.group_ranks("dp")}
+    if len(nodes) > 1:
+        raise SMPConfigError.build(
+            "sdp_hierarchical_allgather: FSDP2 has no two-level all-gather across nodes",
+            True, "sdp_hierarchical_allgather",
+            "remove it (the backend's all-gather is used; numerics are the same)")
+
+
+class ShardedDataParallel:
+    """The sharded stages of one partitioned ``DistributedModel`` on this rank."""
+
+    name: ClassVar[str] = "data_parallel"
+
+    def __init__(self, options: DataParallelOptions, runners: Mapping[int, StageRunner],
+                 st: state.State) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        cfg = st.config
+        self.group = st.group("dp")
+        self.size = len(st.group_ranks("dp"))
+        self.src = st.group_ranks("dp")[0]
+        self.broadcast_buffers = options.broadcast_buffers
+        self.plans: dict[int, ShardPlan] = {}
+        self.persistent: dict[int, list[nn.Parameter]] = {}
+        self.buffers: list[torch.Tensor] = []
+        self._training = False
+        mesh = _mesh(st)
+        for s in sorted(runners):
+            gm = runners[s].stage.module
+            plan = plan_units(gm, cfg.sdp_reduce_bucket_size,
+                              cfg.sdp_param_persistence_threshold)
+            if plan.live_numel > cfg.sdp_max_live_parameters:
+                raise SMPConfigError.build(
+                    "the sharding plan gathers more parameters at once than "
+                    "sdp_max_live_parameters allows (root unit + two neighbouring units)",
+                    {"live": plan.live_numel, "limit": cfg.sdp_max_live_parameters},
+                    f"stage {s}", "raise sdp_max_live_parameters or lower "
+                    "sdp_reduce_bucket_size")
+            named = dict(gm.named_parameters())
+            keep = [named[n] for n in plan.persistent]
+            broadcast_flat([*gm.parameters(), *gm.buffers()], self.src, self.group)
+            for unit in plan.units:
+                mods = [gm.get_submodule(t) for t in unit]
+                sharded = fully_shard(mods, mesh=mesh, ignored_params=set(keep))
+                sharded[0].set_force_sum_reduction_for_comms(True)  # the unit's one state
+            root = fully_shard(gm, mesh=mesh, ignored_params=set(keep))
+            root.set_force_sum_reduction_for_comms(True)
+            self.plans[s] = plan
+            self.persistent[s] = keep
+            self.buffers += list(gm.buffers())
+        self.cap_mb = cfg.sdp_reduce_bucket_size * 4 / 2**20
+
+    def hooks(self) -> StepHooks:
+        """Before a step: buffers from dp rank 0; after it: the replicated parameters'
+        average (before the tied pipeline sum, ``smp_fx.parallel.build.POST_STEP_ORDER``)."""
+        return StepHooks(self.pre_step, self.post_step)
+
+    def pre_step(self, ops: Sequence[Op]) -> None:
+        """Note whether the step trains; broadcast buffers from dp rank 0 (DDP's default)."""
+        self._training = any(op.kind == "B" for op in ops)
+        if self.broadcast_buffers and self.buffers:
+            broadcast_flat(self.buffers, self.src, self.group)
+
+    def post_step(self) -> None:
+        """Average the replicated (persistent) parameters' gradients over the dp group."""
+        if not self._training:
+            return
+        for s in sorted(self.persistent):
+            if self.persistent[s]:
+                allreduce_grads(buckets(self.persistent[s], self.cap_mb), self.group, self.size)
+
+
+def enable(options: DataParallelOptions, runners: Mapping[int, StageRunner]
+           ) -> ShardedDataParallel:
+    """Shard the local stages of ``runners`` (on every rank, at partitioning; collective
+    over the dp groups)."""
+    st = state.get()
+    if options.backward_passes_per_step != 1:
+        raise not_implemented("backward_passes_per_step with sharded data parallelism",
+                              "sharded_data_parallel_degree",
+                              "accumulate by calling smp.step several times before "
+                              "optimizer.step (gradients accumulate in their shards)")
+    _check_nodes(st)
+    sdp = ShardedDataParallel(options, runners, st)
+    log.info("smp-fx sdp: stages %s sharded over %d of %d dp ranks; units %s",
+             sorted(sdp.plans), st.config.sharded_data_parallel_degree, sdp.size,
+             {s: len(p.units) for s, p in sdp.plans.items()})
+    return sdp

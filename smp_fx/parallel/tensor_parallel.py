@@ -1,0 +1,85 @@
+"""The runtime side of tensor parallelism: the group the rewritten graph's collectives use,
+which local parameters are shards, and the gradient averaging ``prescaled_batch`` needs.
+
+``passes.tensor_parallel`` gives each rank a graph holding its own shards. Here:
+
+* the collectives of ``passes.tensor_parallel.collectives`` are bound to this rank's tp group;
+* ``is_distributed(p)``: the local parameters named in the plan's shard specs;
+* gradient reduction: distributed parameters are averaged over the rdp group (replicas of
+  the same shard) and replicated ones over the dp group. ``smp_fx.parallel.ddp`` averages every
+  local parameter over rdp; with ``prescaled_batch: false`` the tp ranks of a group saw
+  different examples, so after each training step the replicated parameters' gradients
+  are averaged over the tp group too, which makes their reduction a dp average. With
+  ``prescaled_batch: true`` the tp ranks saw the same examples and their replicated
+  gradients are already equal.
+
+``TensorParallelRuntime.bind`` is the tensor-parallel step of the parallelisms' build
+(``smp_fx.parallel.build``), after the tied replicas and before activation checkpointing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from passes.tensor_parallel import TensorParallelPlan
+from passes.tensor_parallel import collectives as tp_collectives
+from smp_fx.runtime.lowering import Op
+from smp_fx.runtime.seams import StepHooks
+from smp_fx.world import state
+
+log = logging.getLogger("smp_fx.parallel.tensor_parallel")
+
+
+class TensorParallelRuntime:
+    """This rank's tensor-parallel state for one partitioned ``DistributedModel``."""
+
+    name: ClassVar[str] = "tensor_parallel"
+
+    def __init__(self, plan: TensorParallelPlan, distributed: list[nn.Parameter],
+                 replicated: list[nn.Parameter], average_replicated: bool,
+                 chunked: list[nn.Parameter]) -> None:
+        self.plan = plan
+        self._distributed_ids = {id(p) for p in distributed}
+        self.replicated = replicated
+        self.average_replicated = average_replicated
+        self.chunked = chunked
+        """Read by sequence-chunked ops: gradients summed over tp after each step."""
+        self._training = False
+
+    @staticmethod
+    def bind(plan: TensorParallelPlan, local: Iterable[tuple[str, nn.Parameter]],
+             st: state.State) -> TensorParallelRuntime:
+        """Bind the collectives to this rank's tp group (called at partitioning); ``local``:
+        this rank's parameters by name (``DistributedModel.local_named_parameters``)."""
+        tp_collectives.bind(st.group("tp"), st.axis_size("tp"), st.axis_rank("tp"))
+        names = {s.name for s in plan.sharded}
+        params = list(local)
+        chunked = set(plan.sequence_parallel)
+        rt = TensorParallelRuntime(plan, [p for n, p in params if n in names],
+                                   [p for n, p in params if n not in names],
+                                   not st.config.prescaled_batch,
+                                   [p for n, p in params if n in chunked])
+        for region, why in plan.replicated:
+            log.warning("smp-fx tensor parallelism: %s stays replicated: %s", region, why)
+        return rt
+
+    def hooks(self) -> StepHooks:
+        """Before a step: whether it trains; after it: the sums and averages over tp."""
+        return StepHooks(self.pre_step, self.post_step)
+
+    def is_distributed(self, param: torch.Tensor) -> bool:
+        return id(param) in self._distributed_ids
+
+    def pre_step(self, ops: Sequence[Op]) -> None:
+        self._training = any(op.kind == "B" for op in ops)
+
+    def post_step(self) -> None:
+        if self._training and self.chunked:
+            tp_collectives.sum_grads(self.chunked)  # each rank's covers its sequence chunk
+        if self._training and self.average_replicated:
+            tp_collectives.average_grads(self.replicated)

@@ -1,0 +1,163 @@
+"""Tied parameters across pipeline stages: one ``Parameter`` read on several stages.
+
+In one process the stages share the very object, so autograd sums its gradient. Across
+processes each owning rank holds a replica; the replicas start equal (a broadcast from the
+first owner when they were initialised apart) and their gradients are summed over a group
+of the owners after every step, so they stay equal. ``TiedReplicas`` is the first step of
+the parallelisms' build (``smp_fx.parallel.build``); its sum runs after the data-parallel
+average (see ``TiedReplicas.reduce``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from passes.split_stages import StagedProgram
+from smp_fx.runtime.lowering import Op
+from smp_fx.runtime.placement import local_named_parameters
+from smp_fx.runtime.seams import StageRunner, StepHooks
+from smp_fx.world import state
+
+
+class ReductionWindow(Protocol):
+    """Data parallelism as the tied sum sees it: whether the step now ending reduces
+    (``backward_passes_per_step`` accumulates over several steps, then reduces once)."""
+
+    @property
+    def reduce_this_step(self) -> bool: ...
+
+
+class TiedReplicas:
+    """The tied parameters this rank replicates, and the summing of their gradients.
+
+    ``groups`` pairs a process group of the pipeline ranks owning some tied parameters
+    with those parameters' names on this rank; ``duplicates`` are the local names whose
+    tied twin a lower stage holds too (counted once in a norm). ``snapshot`` (before a
+    step's backward) and ``reduce`` (after it) bracket one reduction window; with
+    ``window`` (data parallelism accumulating over several steps) the sum waits for the
+    step that reduces over the data-parallel group.
+    """
+
+    name: ClassVar[str] = "tied"
+
+    def __init__(self, groups: list[tuple[Any, list[str]]], duplicates: frozenset[str],
+                 runners: Mapping[int, StageRunner], canonical: Mapping[str, str],
+                 window: ReductionWindow | None = None) -> None:
+        self.groups = groups
+        self.duplicates = duplicates
+        self._runners = runners
+        self._canonical = canonical
+        self._window = window
+        self._base: dict[str, torch.Tensor | None] | None = None
+
+    def hooks(self) -> StepHooks:
+        return StepHooks(self.pre_step, self.post_step)
+
+    def _params(self) -> dict[str, nn.Parameter]:
+        return dict(local_named_parameters(self._runners, self._canonical))
+
+    def pre_step(self, ops: Sequence[Op]) -> None:
+        self.snapshot(self._params())
+
+    def post_step(self) -> None:
+        if self._window is not None and not self._window.reduce_this_step:
+            return  # ddp accumulating (backward_passes_per_step): sum once, when dp reduces
+        self.reduce(self._params())
+
+    def broadcast(self) -> None:
+        """Give every replica of a tied parameter the lowest owning rank's values."""
+        params = self._params()
+        for group, names in self.groups:
+            src = min(dist.get_process_group_ranks(group))
+            with torch.no_grad():
+                for n in names:
+                    dist.broadcast(params[n].data, src=src, group=group)
+
+    def snapshot(self, params: Mapping[str, nn.Parameter]) -> None:
+        """At the start of a reduction window, remember the tied gradients (already summed)."""
+        if self._base is not None:
+            return  # ddp accumulating over several steps: the window began earlier
+        grads = {n: params[n].grad for _, names in self.groups for n in names}
+        self._base = {n: None if g is None else local_view(g).detach().clone()
+                      for n, g in grads.items()}
+
+    def reduce(self, params: Mapping[str, nn.Parameter]) -> None:
+        """Sum the gradients of parameters replicated on several stages over their owners.
+
+        Only what this reduction window added is summed: a user accumulating over several
+        steps without ``zero_grad`` must not have earlier (already summed) gradients summed
+        again. After a dp reduction the base is equal on every replica, so the dp average
+        of base + local additions is base + the average of the additions.
+        """
+        base = self._base or {}
+        self._base = None
+        for group, names in self.groups:
+            ts = [params[n] for n in names]
+            parts = []
+            for n, p in zip(names, ts):
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                g = local_view(p.grad)
+                b = base.get(n)
+                parts.append((g - b if b is not None else g).reshape(-1))
+            flat = torch.cat(parts)
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for n, p in zip(names, ts):
+                assert p.grad is not None
+                local = local_view(p.grad)
+                g = flat[offset:offset + local.numel()].view_as(local)
+                offset += local.numel()
+                b = base.get(n)
+                local.copy_(g + b if b is not None else g)
+
+
+def tied_duplicates(program: StagedProgram, stage: int,
+                     canonical: dict[str, str]) -> frozenset[str]:
+    """Names (canonical, as ``local_named_parameters`` gives them) of ``stage``'s parameters
+    whose tied twin a lower stage holds too."""
+    lower = {canonical.get(n, n) for s in range(stage)
+             for n, _ in program.stages[s].module.named_parameters()}
+    mine = {canonical.get(n, n) for n, _ in program.stages[stage].module.named_parameters()}
+    return frozenset(mine & lower)
+
+
+def tied_groups(program: StagedProgram, st: state.State,
+                 canonical: dict[str, str]) -> list[tuple[Any, list[str]]]:
+    """Groups of the pp ranks owning each tied parameter; created collectively on all ranks.
+
+    Tied-ness comes from the original module's aliases (``canonical``: every name -> its
+    first name), never from parameter identity here: a delayed (meta) model's stages may
+    hold re-created parameters, and every rank must agree on the groups it creates.
+    """
+    owners: dict[str, list[int]] = {}
+    for s, stage in enumerate(program.stages):
+        for name, _ in stage.module.named_parameters():
+            canon = canonical.get(name, name)
+            owners.setdefault(canon, [])
+            if s not in owners[canon]:
+                owners[canon].append(s)
+    by_owner_set: dict[tuple[int, ...], list[str]] = {}
+    for canon, stages in sorted(owners.items()):
+        if len(stages) > 1:
+            by_owner_set.setdefault(tuple(stages), []).append(canon)
+    out: list[tuple[Any, list[str]]] = []
+    for owner_stages, canons in sorted(by_owner_set.items()):
+        for pipeline in st.topology.groups("pp"):
+            ranks = [pipeline[s] for s in owner_stages]
+            group = dist.new_group(ranks)
+            if st.rank in ranks:  # local_named_parameters() names them canonically too
+                out.append((group, list(canons)))
+    return out
+
+
+def local_view(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of ``t``: the local shard of a sharded (DTensor) gradient, else
+    ``t``. Tied replicas on several stages are sharded alike over equal dp groups, so
+    their shards line up."""
+    return getattr(t, "_local_tensor", t)

@@ -1,0 +1,126 @@
+"""``shard_optimizer_state``: ZeRO stage 1 over each stage's data-parallel group.
+
+Every dp replica of a pipeline stage holds the same parameters and, after the dp
+reduction, the same gradients; only the optimizer state differs in where it lives. Each
+parameter is *owned* by one rank of the dp group (``assign_owners``: largest parameters
+first, each to the least-loaded rank, so every rank holds 1/dp of the state within one
+parameter). A rank's torch optimizer keeps only the parameters it owns (its param groups
+are narrowed, hyper-parameters and LR schedulers untouched), so it creates state for
+those only; after it steps them, each owner broadcasts its updated parameters to the
+group (``OptimizerShards.broadcast``, one flat message per owner and dtype).
+
+Whole parameters are the unit, as SMP's "balanced" sharding and torch's
+``ZeroRedundancyOptimizer`` do; the wrapped optimizer stays the user's own object (an LR
+scheduler built on it before partitioning keeps working), which ``ZeroRedundancyOptimizer``
+(it builds its own optimizer from a class) would not allow.
+
+>>> assign_owners([10, 7, 5, 3, 1], 2)
+[0, 1, 1, 0, 1]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cost_model.errors import SMPRuntimeError
+from smp_fx.world import state
+
+
+def assign_owners(numels: Sequence[int], n: int) -> list[int]:
+    """The owning rank (0..n-1) of each parameter: largest first to the least-loaded rank,
+    ties to the lower index; a pure function of the sizes, so every rank computes it."""
+    loads = [0] * n
+    owner = [0] * len(numels)
+    for i in sorted(range(len(numels)), key=lambda j: (-numels[j], j)):
+        r = min(range(n), key=lambda k: (loads[k], k))
+        owner[i] = r
+        loads[r] += numels[i]
+    return owner
+
+
+def shard_state(params: Sequence[torch.Tensor],
+                is_distributed: Callable[[torch.Tensor], bool]) -> OptimizerShards | None:
+    """ZeRO-1 where an optimizer binds to its model: ``params`` (its local parameters)
+    divided among the dp group's ranks, or None without ``shard_optimizer_state`` or with
+    a single dp rank. Tensor-parallel shards (``is_distributed``) cannot be sharded."""
+    if not state.is_initialized() or not state.get().config.shard_optimizer_state:
+        return None
+    st = state.get()
+    ranks = st.group_ranks("dp")
+    if len(ranks) == 1:
+        return None
+    if any(is_distributed(p) for p in params):
+        raise SMPRuntimeError.build(
+            "optimizer-state sharding of tensor-parallel shards is not built",
+            "shard_optimizer_state", "smp.DistributedOptimizer",
+            "set shard_optimizer_state false with tensor parallelism")
+    return OptimizerShards(params, st.group("dp"), ranks, st.axis_rank("dp"))
+
+
+def broadcast_flat(tensors: Sequence[torch.Tensor], src: int, group: Any) -> None:
+    """Broadcast ``tensors`` from global rank ``src`` over ``group``, one message per dtype
+    and device, and write them back in place on the receivers."""
+    _finish(_start(tensors, src, group))
+
+
+_Pending = list[tuple[Any, torch.Tensor, list[torch.Tensor], int]]
+
+
+def _start(tensors: Sequence[torch.Tensor], src: int, group: Any) -> _Pending:
+    pending: _Pending = []
+    for same in _by_kind(tensors).values():
+        flat = torch.cat([t.detach().reshape(-1) for t in same])
+        work = dist.broadcast(flat, src=src, group=group, async_op=True)
+        pending.append((work, flat, same, src))
+    return pending
+
+
+def _finish(pending: _Pending) -> None:
+    me = dist.get_rank()
+    for work, flat, same, src in pending:
+        work.wait()
+        if me == src:
+            continue
+        offset = 0
+        with torch.no_grad():
+            for t in same:
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+class OptimizerShards:
+    """One stage's parameters divided among the ranks of its dp group (``ranks``, global
+    ranks in dp order; this process is ``ranks[index]``)."""
+
+    def __init__(self, params: Sequence[torch.Tensor], group: Any, ranks: Sequence[int],
+                 index: int) -> None:
+        self.params = list(params)
+        self.group = group
+        self.ranks = list(ranks)
+        self.index = index
+        self.owner = assign_owners([p.numel() for p in self.params], len(self.ranks))
+        self._owned = {id(p) for p, o in zip(self.params, self.owner) if o == index}
+
+    def owns(self, param: torch.Tensor) -> bool:
+        return id(param) in self._owned
+
+    def broadcast(self) -> None:
+        """Every owner sends its parameters' new values to the rest of the group."""
+        pending: _Pending = []
+        for r, src in enumerate(self.ranks):
+            mine = [p for p, o in zip(self.params, self.owner) if o == r]
+            if mine:
+                pending += _start(mine, src, self.group)
+        _finish(pending)
+
+
+def _by_kind(tensors: Sequence[torch.Tensor]) -> dict[tuple[torch.dtype, torch.device],
+                                                        list[torch.Tensor]]:
+    out: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        out.setdefault((t.dtype, t.device), []).append(t)
+    return out

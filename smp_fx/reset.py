@@ -1,0 +1,22 @@
+"""``smp.reset()``: forget the model-specific state of this process.
+
+It reaches the three places that hold such state (the process's model and optimizers in
+``smp_fx.world.context``, resumes waiting for them in ``smp_fx.ckpt.checkpoint_api``, and
+the translate functions of ``smp.state.module_manager``), so it sits above all three.
+"""
+
+from __future__ import annotations
+
+from smp_fx.ckpt import checkpoint_api
+from smp_fx.world import context
+from smp_fx.world.state_api import module_manager
+
+
+def reset() -> None:
+    """Forget the model-specific state (SMP's ``smp.reset()``): the ``DistributedModel``,
+    its optimizer and pending loads, and the translate functions. ``smp.init``, the
+    configuration and the process groups stay, so a new ``DistributedModel`` can be
+    built and trained in the same process (tests, several Trainers in one script)."""
+    context.clear_current_model()
+    checkpoint_api.forget_pending()
+    module_manager.reset()

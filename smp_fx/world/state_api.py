@@ -1,0 +1,84 @@
+"""What SMP scripts read from ``smp.state``: ``cfg`` and ``module_manager``.
+
+SMP exposes its process state as ``smp.state``; real clients (the Hugging Face Trainer
+among them) read two things from it: ``smp.state.cfg.<parameter>`` (``fp16``,
+``prescaled_batch``, ``shard_optimizer_state``, ...) and
+``smp.state.module_manager.translate_functions`` (pairs of state-dict translators between
+smp's and Hugging Face's parameter names, applied when full checkpoints are saved and
+loaded). In smp-fx ``smp.state`` is the module ``smp_fx.world.state``, which resolves these
+two names through this module.
+
+>>> from smp_fx.config import load_config
+>>> cfg = ConfigView(load_config({"partitions": 2}, env={}))
+>>> cfg.pipeline_parallel_degree, cfg.partitions, cfg.fp16
+(2, 2, False)
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable
+from typing import Any
+
+from smp_fx.config import ALIASES, BY_NAME, SMPConfig
+
+StateDict = dict[str, Any]
+Translator = Callable[[StateDict], StateDict]
+
+
+class ConfigView:
+    """Read-only attribute access to the configuration's parameters, as ``smp.state.cfg``.
+
+    Every parameter of the configuration table and its aliases (``partitions``) reads its
+    resolved value; ``get_config_dict()`` gives them all, as SMP's does. Assigning is an
+    error: the configuration is fixed by ``smp.init`` on every rank alike, and a value
+    changed on one rank would make ranks disagree.
+    """
+
+    __slots__ = ("_config",)
+
+    def __init__(self, config: SMPConfig) -> None:
+        object.__setattr__(self, "_config", config)
+
+    def __getattr__(self, name: str) -> Any:
+        param = ALIASES.get(name, name)
+        if param in BY_NAME:
+            return getattr(self._config, param)
+        close = difflib.get_close_matches(name, [*BY_NAME, *ALIASES], n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise AttributeError(f"smp.state.cfg has no parameter '{name}'{hint}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"smp.state.cfg is read-only (tried to set '{name}'): pass the "
+                             "parameter to smp.init or SM_HP_MP_PARAMETERS instead")
+
+    def get_config_dict(self) -> dict[str, Any]:
+        """Every parameter name -> its resolved value."""
+        return self._config.values()
+
+    def __repr__(self) -> str:
+        return f"ConfigView({self._config.values()!r})"
+
+
+class ModuleManager:
+    """SMP's ``state.module_manager`` as far as clients read it: ``translate_functions``.
+
+    ``translate_functions`` is a list of ``(smp_to_hf, hf_to_smp)`` pairs, each a function
+    from a state dict to a state dict. smp-fx keeps the original module's parameter names
+    in every stage, so it needs no translation of its own and the list starts empty;
+    tensor-parallel modules that rename parameters register theirs here. Full checkpoints
+    run ``smp_to_hf`` on save (``translate_if_full``) and ``hf_to_smp`` on load.
+    """
+
+    def __init__(self) -> None:
+        self.translate_functions: list[tuple[Translator, Translator]] = []
+
+    def register_translate_function(self, functions: tuple[Translator, Translator]) -> None:
+        """Add one ``(smp_to_hf, hf_to_smp)`` pair."""
+        self.translate_functions.append(functions)
+
+    def reset(self) -> None:
+        self.translate_functions.clear()
+
+
+module_manager = ModuleManager()

@@ -1,0 +1,165 @@
+"""Optimizer-state sharding (ZeRO-1) and sharded data parallelism (FSDP2) on 4 gloo ranks.
+
+Each dp rank trains on its own slice of one batch; the reference is plain Adam on the
+unpartitioned model over the whole batch. One world goes through:
+
+* ``shard_optimizer_state`` at pp=2 x dp=2 (GPT, tied embedding across the stages):
+  parameters equal plain Adam's after 3 steps; each rank holds 1/dp of the optimizer-state
+  bytes within one parameter's state; ``state_dict()`` gathers the plain Adam state;
+  ``local_state_dict()`` (the stage's merged shards) and ``local_state_dict(gather_if_shard=
+  False)`` (this rank's shard) reload at the same dp size; ``smp.save_checkpoint`` there
+  resumes at pp=1 x dp=4; the full state and weights load at that layout (ZeRO over 4)
+  and a further step still equals plain Adam;
+* sharded data parallelism at pp=2 x sdp=2 (GPT) and pp=1 x dp=4 x sdp=2 (HSDP, MLP, small
+  units and replicated small parameters): parameters equal plain Adam's with the global
+  norm clipped to ``sdp_gradient_clipping`` after 3 steps.
+"""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from typing import Any
+
+import pytest
+import torch
+
+from tests.helpers.compare import Checks, mismatched
+from tests.helpers.dist import run_ranks
+from tests.helpers.twin import Twin, init
+
+ATOL = 1e-5
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    """Adam with eps 1e-4: GPT's attention key bias has an exactly-zero gradient that
+    arrives as ~1e-9 of rounding noise, which the default eps would blow up to +-lr."""
+    return torch.optim.Adam(params, lr=1e-2, eps=1e-4)
+
+
+def _train(t: Twin, opt: Any, ref_opt: Any, steps: int, clip: float = 0.0) -> None:
+    for _ in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        t.smp_step()
+        t.ref_step()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(t.ref.parameters(), clip)
+        opt.step()
+        ref_opt.step()
+
+
+def _zero_checks(c: Checks, folder: str) -> tuple[dict[str, Any], dict[str, Any], Twin]:
+    import smp_fx as smp
+
+    init(2, 2, shard_optimizer_state=True)
+    t = Twin("gpt")
+    opt = smp.DistributedOptimizer(_adam(t.dm.parameters()))
+    ref_opt = _adam(t.ref.parameters())
+    _train(t, opt, ref_opt, 3)
+    c.expect(not mismatched(t.local(), t.reference(), atol=ATOL), "zero: parameters")
+    mine = opt.local_state_bytes()
+    per_param = {n: 2 * p.numel() * p.element_size() + 4
+                 for n, p in t.dm.local_named_parameters()}
+    total = sum(smp.allgather(mine, smp.DP_GROUP))
+    c.expect(total == sum(per_param.values()), "zero: shards add up to the whole state")
+    c.expect(abs(mine - total / smp.dp_size()) <= max(per_param.values()),
+             "zero: 1/dp of the state within one parameter")
+    full = opt.state_dict()
+    c.expect(_same_state(full, ref_opt.state_dict()), "zero: state_dict() is plain Adam's")
+    stage = opt.local_state_dict()  # gather_if_shard: this stage's dp shards merged
+    shard = opt.local_state_dict(gather_if_shard=False)
+    c.expect(len(shard["state"]) < len(stage["state"]), "zero: the shard is a part")
+    for saved in (shard, stage):
+        opt.optimizer.state.clear()
+        opt.load_state_dict(saved)
+        c.expect(_same_state(opt.state_dict(), full), "zero: local_state_dict reloads")
+    smp.save_checkpoint(folder, "zero", model=t.dm, optimizer=opt)
+    return full, t.dm.state_dict(), t
+
+
+def _zero_other_layout(c: Checks, opt_sd: dict[str, Any], model_sd: dict[str, Any],
+                       before: Twin, folder: str) -> None:
+    import smp_fx as smp
+
+    init(1, 1, shard_optimizer_state=True)
+    t = Twin("gpt")
+    t.ref.load_state_dict(before.ref.state_dict())
+    opt = smp.DistributedOptimizer(_adam(t.dm.parameters()))
+    smp.resume_from_checkpoint(folder, "zero")  # saved at pp=2 x dp=2
+    t.train_step(t.dm, *t.x_local, t.y_local)  # partitions: the checkpoint loads
+    opt.zero_grad()
+    c.expect(not mismatched(t.local(), {n: model_sd[n] for n in t.local()}),
+             "zero: checkpoint resumes the weights at dp 4")
+    c.expect(_same_state(opt.state_dict(), opt_sd), "zero: checkpoint resumes the state")
+    opt.optimizer.state.clear()
+    t.dm.load_state_dict(model_sd)
+    opt.load_state_dict(opt_sd)
+    ref_opt = _adam(t.ref.parameters())
+    ref_opt.load_state_dict(copy.deepcopy(opt_sd))  # torch's loading aliases the tensors
+    _train(t, opt, ref_opt, 1)
+    bad = mismatched(t.local(), t.reference(), atol=ATOL)
+    c.expect(not bad, f"zero: dp 2 -> 4 {bad[:4]}")
+
+
+def _sdp_checks(c: Checks) -> None:
+    import smp_fx as smp
+
+    for pp, name, extra in ((2, "gpt", {"sdp_param_persistence_threshold": 100}),
+                            (1, "mlp", {"sdp_reduce_bucket_size": 300,
+                                        "sdp_param_persistence_threshold": 40})):
+        sdp = 2
+        init(pp, 2, sharded_data_parallel_degree=sdp, **extra)
+        t = Twin(name)
+        opt = smp.DistributedOptimizer(_adam(t.dm.parameters()))
+        _train(t, opt, _adam(t.ref.parameters()), 3, clip=1.0)
+        tag = f"sdp pp={pp} dp={smp.dp_size()}"
+        c.expect(not mismatched(t.local(), t.reference(), atol=ATOL), f"{tag}: parameters")
+        sharded = [p for p in t.dm.local_parameters() if hasattr(p, "full_tensor")]
+        c.expect(bool(sharded), f"{tag}: parameters are sharded")
+
+
+def _shared_dir() -> str:
+    """One temporary folder for the world (rank 0 makes it)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        box[0] = tempfile.mkdtemp(prefix="smp_fx_zero_")
+    dist.broadcast_object_list(box, src=0)
+    return str(box[0])
+
+
+def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a["param_groups"] != b["param_groups"] or a["state"].keys() != b["state"].keys():
+        return False
+    return all(not mismatched({k: v for k, v in a["state"][i].items()},
+                              b["state"][i], atol=ATOL) for i in a["state"])
+
+
+def _body() -> tuple[int, list[str]]:
+    import torch.distributed as dist
+
+    from smp_fx.world import state
+
+    dist.init_process_group("gloo")
+    c = Checks()
+    folder = ""
+    try:
+        folder = _shared_dir()
+        opt_sd, model_sd, twin = _zero_checks(c, folder)
+        _zero_other_layout(c, opt_sd, model_sd, twin, folder)
+        _sdp_checks(c)
+    finally:
+        state._reset()
+        if dist.get_rank() == 0 and folder:
+            shutil.rmtree(folder, ignore_errors=True)
+    return c.report()
+
+
+@pytest.mark.multiproc
+def test_sharding_on_four_ranks() -> None:
+    for count, failed in run_ranks(_body, 4, timeout=300):
+        assert count >= 10 and not failed, failed

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch.fx
 
+from cost_model.collectives import ring_over
 from cost_model.node_cost import NodeCost
 from passes import meta
 
@@ -100,15 +101,13 @@ def local_info(info: Any, dim: int | None, size: int, grow: bool = False) -> Any
 
 
 def collective_time(kind: str | None, nbytes: float, size: int, comm_time: CommTime) -> float:
-    """Seconds of one ring collective moving ``nbytes`` (the full tensor) over ``size`` ranks.
+    """Seconds of one ring collective moving ``nbytes`` (the full tensor) over ``size`` ranks
+    (``cost_model.collectives.ring_over``: the one ring formula, the cluster planner's too).
 
     >>> collective_time("all_reduce", 8e6, 2, lambda n: 1e-4 + n / 1e9)
     0.0082
     """
-    if kind is None or size <= 1 or nbytes <= 0:
-        return 0.0
-    steps = 2 * (size - 1) if kind == "all_reduce" else size - 1
-    return steps * comm_time(nbytes / size)
+    return ring_over(kind, nbytes, size, comm_time)
 
 
 def price_collectives(gm: torch.fx.GraphModule, size: int, comm_time: CommTime | None) -> None:

@@ -1,0 +1,1 @@
+"""The cluster planner behind ``smp-fx plan`` (docs/planning.md): ``planner.plan`` is the entry."""

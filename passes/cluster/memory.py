@@ -1,0 +1,133 @@
+"""Memory per GPU of a plan: model state by precision and sharding, activations in flight.
+
+Why: a plan that does not fit is worthless however fast it is predicted to be, and what
+fits is set by smp-fx's runtime, not by a textbook: its precision modes keep different
+copies of each parameter, its data parallelism holds bucket buffers, its pipeline sends
+the model's outputs to every rank. Bytes per trainable parameter element (``STATE``):
+
+========  =====  =====  ======================  ===========  =================================
+mode      param  grad   master (weights+grads)  Adam (m, v)  as smp-fx runs it
+========  =====  =====  ======================  ===========  =================================
+bf16      4      4      0                       8            autocast over fp32 parameters
+                                                             (docs/precision.md)
+fp16      2      2      8                       8            ``fp16: true``: half model, fp32
+                                                             masters and unscaled master grads
+fp32      4      4      0                       8            plain
+========  =====  =====  ======================  ===========  =================================
+
+``zero1`` (``shard_optimizer_state``) divides masters and Adam state by the data-parallel
+degree (Adam's per-tensor step counters, 4 bytes each, count too); ``fsdp``
+(``sharded_data_parallel_degree`` = dp) divides everything but the tensors below SMP's
+``sdp_param_persistence_threshold`` (``whole``: kept on every rank) and gathers
+two layers' parameters at a time (FSDP2 prefetches one unit ahead). Activations are the
+bytes a microbatch keeps on the rank (``passes.cluster.profile``) times the microbatches
+the schedule holds in flight there (``cost_model.schedule_cost.in_flight_at``), plus the
+largest recompute transient. Buffers: DDP's gradient buckets (a copy of the gradients:
+``gradient_as_bucket_view`` is off by default), two frames per pipeline channel, and the
+model's outputs, which smp-fx hands to the step function on every pipeline rank (with the
+loss's log-softmax of them). The cluster's reserve and allocator margin are taken off the
+GPU's memory before comparing (``ClusterSpec.usable_memory_bytes``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from cost_model.errors import SMPConfigError
+
+ZERO = ("none", "zero1", "fsdp")
+PRECISIONS = ("bf16", "fp16", "fp32")
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per trainable parameter element, and per element of the reduced gradient."""
+
+    param: int
+    grad: int
+    master: int
+    optimizer: int
+    reduce: int
+
+
+STEP_BYTES = 4
+"""torch's Adam keeps a float32 step counter per parameter tensor."""
+STATE = {"bf16": StateBytes(4, 4, 0, 8, 4), "fp16": StateBytes(2, 2, 8, 8, 2),
+         "fp32": StateBytes(4, 4, 0, 8, 4)}
+
+
+def state_bytes(precision: str) -> StateBytes:
+    if precision not in STATE:
+        raise SMPConfigError.build("precision is one of " + ", ".join(PRECISIONS), precision,
+                                   "--precision", "use bf16, fp16 or fp32")
+    return STATE[precision]
+
+
+@dataclass(frozen=True)
+class MemoryPerGPU:
+    """Bytes one GPU holds at its peak (module docstring); ``total`` sums them."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    transient: int
+    buffers: int
+    outputs: int
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return (self.params + self.grads + self.optimizer + self.activations + self.transient
+                + self.buffers + self.outputs)
+
+    def to_json(self) -> dict[str, int]:
+        return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
+                "activations": self.activations, "transient": self.transient,
+                "buffers": self.buffers, "outputs": self.outputs, "total": self.total}
+
+
+def memory_per_gpu(*, elems: int, buffers: int, kept: int, in_flight: float, transient: int,
+                   precision: str, zero: str, dp: int, layer_elems: int, boundary: int,
+                   output_bytes: int, pipelined: bool, tensors: int = 0,
+                   whole: int = 0) -> MemoryPerGPU:
+    """One rank's peak: ``elems`` trainable parameter elements, ``buffers`` bytes of
+    buffers, ``kept`` activation bytes per microbatch held ``in_flight`` times,
+    ``boundary`` the bytes of one pipeline message.
+
+    >>> m = memory_per_gpu(elems=10, buffers=0, kept=100, in_flight=2, transient=0,
+    ...                    precision="bf16", zero="none", dp=1, layer_elems=10, boundary=0,
+    ...                    output_bytes=0, pipelined=False)
+    >>> m.params, m.grads, m.optimizer, m.activations, m.total
+    (40, 40, 80, 200, 360)
+    """
+    if zero not in ZERO:
+        raise SMPConfigError.build("zero is one of " + ", ".join(ZERO), zero, "--fix zero",
+                                   "use none, zero1 or fsdp")
+    s = state_bytes(precision)
+    params, grads = elems * s.param, elems * s.grad
+    optimizer = elems * (s.master + s.optimizer) + STEP_BYTES * tensors
+    comm = 0
+    if zero == "zero1" and dp > 1:
+        optimizer = -(-optimizer // dp)
+    if zero == "fsdp" and dp > 1:  # ``whole`` elements stay unsharded
+        part = min(whole, elems)
+        params = part * s.param + -(-(elems - part) * s.param // dp)
+        grads = part * s.grad + -(-(elems - part) * s.grad // dp)
+        optimizer = part * (s.master + s.optimizer) + STEP_BYTES * tensors \
+            + -(-(elems - part) * (s.master + s.optimizer) // dp)
+        comm += 2 * layer_elems * (s.param + s.grad)  # two gathered units and their grads
+    elif dp > 1:
+        comm += elems * s.grad  # DDP's bucket buffers
+    if pipelined:
+        comm += 2 * 2 * boundary  # a frame per channel each way
+    return MemoryPerGPU(int(params), int(grads), int(optimizer),
+                        int(round(kept * in_flight)), int(transient), int(comm + buffers),
+                        2 * int(output_bytes))
+
+
+__all__ = ["PRECISIONS", "STATE", "ZERO", "MemoryPerGPU", "StateBytes", "memory_per_gpu",
+           "state_bytes"]

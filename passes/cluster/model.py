@@ -1,0 +1,120 @@
+"""The model the planner prices: traced once, its layers found, its parts priced on demand.
+
+Why: tracing a 1T-parameter GPT takes a couple of seconds on the meta device; pricing its
+parts takes a tenth of a second per (microbatch size, tp degree, sequence parallelism).
+``prepare`` traces once and keeps two layers (``passes.cluster.layers``); ``Profiler``
+prices the reduced graph for each setting the search asks for, once
+(``passes.cluster.profile``), on the cluster's device and tensor-parallel link.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+from torch import nn
+
+from cost_model.cluster import ClusterSpec
+from cost_model.collectives import bus_bandwidth
+from passes.cluster.layers import Repeats, find_repeats, keep_layers
+from passes.cluster.profile import Profile, profile
+from passes.trace import Frontend, trace
+
+Inputs = Callable[[int], tuple[Any, ...]]
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the plan reports of the model."""
+
+    name: str
+    parameters: int
+    layers: int
+    layer_path: str
+    tokens_per_sample: int
+    nodes: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "parameters": self.parameters, "layers": self.layers,
+                "layer_path": self.layer_path, "tokens_per_sample": self.tokens_per_sample,
+                "graph_nodes": self.nodes}
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """The traced model reduced for pricing (``graph``), its layers and inputs."""
+
+    graph: torch.fx.GraphModule
+    repeats: Repeats | None
+    inputs: Inputs
+    info: ModelInfo
+
+
+def parameter_count(model: nn.Module) -> int:
+    """Trainable elements, tied tensors once."""
+    seen: set[int] = set()
+    total = 0
+    for p in model.parameters():
+        if id(p) not in seen and p.requires_grad:
+            seen.add(id(p))
+            total += p.numel()
+    return total
+
+
+def prepare(model: nn.Module, inputs: Inputs, name: str = "model",
+            frontend: Frontend = "fx") -> Prepared:
+    """Trace ``model`` (on the meta device, typically) on one sample, find its repeated
+    layers and keep two (the whole graph when it has none)."""
+    sample = inputs(1)
+    gm = trace(model, tuple(sample), None, frontend)
+    repeats = find_repeats(gm)
+    reduced = keep_layers(gm, repeats) if repeats is not None else gm
+    first = next((x for x in sample if isinstance(x, torch.Tensor)), None)
+    tokens = int(first.numel()) if first is not None else 1
+    info = ModelInfo(name, parameter_count(model), repeats.count if repeats else 0,
+                     f"{repeats.parent}.N" if repeats else "", tokens, len(gm.graph.nodes))
+    return Prepared(reduced, repeats, inputs, info)
+
+
+class Profiler:
+    """``Profile``s of a prepared model on a cluster, each priced once (module docstring)."""
+
+    def __init__(self, prepared: Prepared, cluster: ClusterSpec,
+                 marked: tuple[str, ...] = ("",)) -> None:
+        self.prepared = prepared
+        self.cluster = cluster
+        self.marked = marked
+        self._cache: dict[tuple[int, int, bool], Profile] = {}
+
+    def tp_comm(self, tp: int) -> Callable[[float], float]:
+        """One message of a tp ring: NVLink inside a node, the network beyond one."""
+        fabric = self.cluster.fabric()
+        nodes = math.ceil(tp / self.cluster.gpus_per_node)
+        if nodes <= 1:
+            lat, bw = fabric.intra_latency_s, fabric.intra_bandwidth
+        else:
+            lat, bw = fabric.inter_latency_s, bus_bandwidth(fabric, tp, nodes)
+
+        def comm(nbytes: float) -> float:
+            return lat + nbytes / bw if nbytes > 0 else 0.0
+
+        return comm
+
+    def __call__(self, mbs: int, tp: int, sp: bool) -> Profile:
+        key = (mbs, tp, sp)
+        if key not in self._cache:
+            p = self.prepared
+            self._cache[key] = profile(p.graph, p.repeats, p.inputs, mbs, tp, sp,
+                                       self.cluster.device, self.tp_comm(tp), self.marked)
+        return self._cache[key]
+
+    @property
+    def priced(self) -> int:
+        return len(self._cache)
+
+
+__all__ = ["Inputs", "ModelInfo", "Prepared", "Profiler", "parameter_count", "prepare"]

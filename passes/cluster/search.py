@@ -1,0 +1,227 @@
+"""The search over degrees, microbatching, schedules, recomputation and sharding.
+
+Why this order of loops: what is costly is pricing a model's parts (a tenth of a second
+per microbatch size, tp degree and sequence parallelism, ``passes.cluster.model``) and
+cutting them into stages (cached per recompute mode, chunk count and placement,
+``passes.cluster.stages``); everything inside is closed form (``passes.cluster.step``),
+microseconds per candidate. So the loops go tp -> sp -> pp -> microbatch size ->
+recompute -> (schedule, v) -> sharding, and ``--fix`` prunes each as early as it can.
+
+The space: tp divides the GPU count and stays within a node unless fixed beyond it; pp
+divides what is left and the model has at least pp x v layers (parts, without repeated
+layers); dp is the rest and divides the global batch; the microbatch size divides the
+per-replica batch (at most ``max_mbs``); v in 1, 2, 3, 4, 6, 8 for ``interleaved``,
+``simple`` (looped BFS) and ``zero_bubble``, 2 for ``zbv``; recompute none, selective,
+full (only none without repeated layers); sp with tp > 1; sharding none, zero1 and fsdp
+with dp > 1. ``allowed`` may refuse more (what the runtime cannot run yet) and says why.
+A candidate fits when its busiest GPU's memory (``passes.cluster.memory``) is within
+``ClusterSpec.usable_memory_bytes``; fitting candidates are ranked by predicted step time.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from cost_model.errors import SMPConfigError
+from cost_model.schedule_cost import check
+from passes.cluster.candidate import Candidate
+from passes.cluster.memory import ZERO
+from passes.cluster.model import Profiler
+from passes.cluster.stages import Ranks, rank_loads
+from passes.cluster.step import Links, Priced, Setting, links, price
+
+VIRTUAL = (2, 3, 4, 6, 8)
+Allowed = Callable[[Candidate], "str | None"]
+Progress = Callable[[str], None]
+
+
+@dataclass
+class SearchResult:
+    """The ranked plans that fit (best first) and what the search saw."""
+
+    ranked: list[Priced]
+    considered: int
+    fitting: int
+    smallest: Priced | None
+    """The candidate needing the least memory, fitting or not."""
+    refused: dict[str, int] = field(default_factory=dict)
+    """Why candidates were left out (``allowed``'s reasons, profile problems), counted."""
+    seconds: float = 0.0
+    profiles: int = 0
+
+    @property
+    def best(self) -> Priced | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def divisors(n: int) -> list[int]:
+    """Every divisor of ``n``, ascending.
+
+    >>> divisors(12)
+    [1, 2, 3, 4, 6, 12]
+    """
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def schedule_options(pp: int, m: int, layers: int) -> Iterator[tuple[str, int]]:
+    """(schedule, v) pairs worth pricing at this pipeline degree (module docstring)."""
+    if pp == 1:
+        yield "interleaved", 1
+        return
+    for name in ("simple", "interleaved", "zero_bubble"):
+        yield name, 1
+    for v in VIRTUAL:
+        if pp * v > max(layers, 1):
+            break
+        for name in ("interleaved", "simple", "zero_bubble"):
+            if check(name, pp, m, v) is None:
+                yield name, v
+        if v == 2 and check("zbv", pp, m, 2) is None:
+            yield "zbv", 2
+
+
+def _zeros(dp: int) -> tuple[str, ...]:
+    return ZERO if dp > 1 else ("none",)
+
+
+def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | None = None,
+           allowed: Allowed | None = None, top_k: int = 10, max_mbs: int = 64,
+           progress: Progress | None = None) -> SearchResult:
+    """Price every candidate of the space (module docstring) not excluded by ``fixed`` or
+    ``allowed``; keep the ``top_k`` fastest that fit."""
+    fixed = dict(fixed or {})
+    start = time.perf_counter()
+    n, batch = setting.gpus, setting.global_batch
+    gpn = setting.cluster.gpus_per_node
+    usable = setting.cluster.usable_memory_bytes
+    layers = profiler.prepared.info.layers
+    heap: list[tuple[float, int, Priced]] = []
+    result = SearchResult([], 0, 0, None)
+    loads: dict[tuple[Any, ...], Ranks | None] = {}
+    link_of: dict[tuple[Any, ...], Links] = {}
+    last_report = start
+
+    def refuse(reason: str) -> None:
+        result.refused[reason] = result.refused.get(reason, 0) + 1
+
+    def want(key: str, value: Any) -> bool:
+        return key not in fixed or fixed[key] == value
+
+    tps = [t for t in divisors(n) if want("tp", t) and (t <= gpn or "tp" in fixed)]
+    unshardable: set[int] = set()
+    for tp in tps:
+        for sp in ((False, True) if tp > 1 else (False,)):
+            if not want("sp", sp) or tp in unshardable:
+                continue
+            for pp in divisors(n // tp):
+                dp = n // (tp * pp)
+                if not (want("pp", pp) and want("dp", dp)) or (layers and pp > layers):
+                    continue
+                if batch % dp:
+                    refuse(f"global batch {batch} not divisible by dp {dp}")
+                    continue
+                for mbs in divisors(batch // dp):
+                    if mbs > max_mbs and "mbs" not in fixed or not want("mbs", mbs):
+                        continue
+                    if tp in unshardable:
+                        break
+                    prof = profiler(mbs, tp, sp)
+                    if prof.replicated:  # the sizes do not divide: no microbatch size helps
+                        unshardable.add(tp)
+                        refuse(f"tp {tp}: the tensor-parallel rewrite leaves "
+                               f"{prof.replicated[0][0] or 'the model'!r} replicated "
+                               f"({prof.replicated[0][1].split(' (')[0]})")
+                        break
+                    m = batch // (dp * mbs)
+                    for rc in prof.recompute_modes:
+                        if not want("recompute", rc):
+                            continue
+                        for sched, v in schedule_options(pp, m, layers or 10**9):
+                            if not (want("schedule", sched) and want("vp", v)):
+                                continue
+                            key = (mbs, tp, sp, rc, pp, v, sched == "zbv")
+                            if key not in loads:
+                                loads[key] = rank_loads(prof, rc, pp, v, sched,
+                                                        setting.cluster.device,
+                                                        setting.compute_factor)
+                            ranks = loads[key]
+                            if ranks is None:
+                                refuse(f"pp x vp = {pp * v} chunks exceed the model's parts")
+                                continue
+                            link = link_of.get(key)
+                            for zero in _zeros(dp):
+                                if not want("zero", zero):
+                                    continue
+                                cand = Candidate(tp, pp, dp, mbs, v, sched, rc, sp, zero)
+                                why = allowed(cand) if allowed is not None else None
+                                if why is not None:
+                                    refuse(why)
+                                    continue
+                                if link is None:
+                                    link = link_of[key] = links(cand, ranks, setting)
+                                priced = price(cand, ranks, prof, setting, link)
+                                result.considered += 1
+                                if (result.smallest is None or priced.memory_bytes
+                                        < result.smallest.memory_bytes):
+                                    result.smallest = priced
+                                if priced.memory_bytes > usable:
+                                    continue
+                                result.fitting += 1
+                                item = (-priced.step_time_s, result.fitting, priced)
+                                if len(heap) < top_k:
+                                    heapq.heappush(heap, item)
+                                elif item > heap[0]:
+                                    heapq.heapreplace(heap, item)
+                now = time.perf_counter()
+                if progress is not None and now - last_report > 2.0:
+                    last_report = now
+                    best = max(heap)[2].step_time_s if heap else float("nan")
+                    progress(f"tp {tp}{' sp' if sp else ''} pp {pp}: {result.considered} "
+                             f"candidates priced, {result.fitting} fit, best step "
+                             f"{best:.4g} s")
+    result.ranked = [item[2] for item in sorted(heap, key=lambda x: (-x[0], x[1]))]
+    result.seconds = time.perf_counter() - start
+    result.profiles = profiler.priced
+    return result
+
+
+def check_fixed(fixed: Mapping[str, Any], gpus: int, global_batch: int, layers: int) -> None:
+    """Reject fixed values no candidate can have, naming the rule."""
+    def bad(rule: str, value: Any, fix: str) -> SMPConfigError:
+        return SMPConfigError.build(rule, value, "--fix", fix)
+
+    for key in ("tp", "pp", "dp"):
+        if key in fixed and gpus % fixed[key]:
+            raise bad(f"{key} divides the GPU count ({gpus})", fixed[key],
+                      f"pick {key} among {divisors(gpus)}")
+    degrees = [fixed[k] for k in ("tp", "pp", "dp") if k in fixed]
+    prod = 1
+    for d in degrees:
+        prod *= d
+    if gpus % prod or (len(degrees) == 3 and prod != gpus):
+        raise bad("tp x pp x dp equals the GPU count", {k: fixed[k] for k in ("tp", "pp", "dp")
+                                                        if k in fixed},
+                  f"make their product {gpus}")
+    if "dp" in fixed and global_batch % fixed["dp"]:
+        raise bad(f"dp divides the global batch ({global_batch})", fixed["dp"],
+                  "change dp or --global-batch")
+    if "dp" in fixed and "mbs" in fixed and (global_batch // fixed["dp"]) % fixed["mbs"]:
+        raise bad("the microbatch size divides the batch per replica",
+                  (fixed["mbs"], global_batch // fixed["dp"]), "change mbs")
+    if "pp" in fixed and layers and fixed["pp"] * fixed.get("vp", 1) > layers:
+        raise bad(f"pp x vp chunks each hold a layer (the model has {layers})",
+                  fixed["pp"] * fixed.get("vp", 1), "lower pp or vp")
+    if fixed.get("sp") and fixed.get("tp", 2) == 1:
+        raise bad("sequence parallelism needs tp > 1", "sp=true, tp=1", "drop sp or raise tp")
+    if fixed.get("zero") in ("zero1", "fsdp") and fixed.get("dp") == 1:
+        raise bad("sharding needs data parallelism (dp > 1)", fixed["zero"], "drop zero")
+    if fixed.get("schedule") == "zbv" and fixed.get("vp", 2) != 2:
+        raise bad("zbv runs two chunks per rank", fixed.get("vp"), "set vp=2")
+
+
+__all__ = ["VIRTUAL", "SearchResult", "check_fixed", "divisors", "schedule_options",
+           "search"]

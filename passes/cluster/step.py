@@ -1,0 +1,298 @@
+"""The predicted training step of one candidate: stages, schedule, collectives, optimizer.
+
+Why one function: the search calls ``price`` for every candidate, and ``--fix`` with every
+key given calls it once; both must give the same number. How a step is priced, as smp-fx's
+runtime runs it:
+
+1. **Stages** (``passes.cluster.stages``): the parts of ``passes.cluster.profile`` (head,
+   layers, tail) cut into ``pp x vp`` contiguous chunks, the slowest minimised. A rank's
+   forward, backward and weight-gradient time per microbatch are its chunks' sums, plus
+   the runtime's cost per action and per message (``DeviceSpec.microbatch_overhead_s`` /
+   ``message_overhead_s``), as the simulator charges them.
+2. **Pipeline.** ``cost_model.schedule_cost.price_schedule`` gives the makespan and the
+   bubble. Point-to-point messages carry a boundary's activations forward and its
+   gradients back, the latter with the model's outputs (smp-fx hands them to every
+   rank); a hop between nodes runs on one GPU's share of the node's network (SMP's
+   ``cluster`` placement: tp ranks innermost, then pipeline stages, then data-parallel
+   replicas). A rank whose messages take longer than its compute is link-bound.
+3. **Data parallelism** (``cost_model.collectives``): the gradients are all-reduced over
+   the dp group, started before each rank's last backward (DDP armed there, as
+   ``smp_fx.parallel.ddp`` does), so only what outlasts that backward is exposed, and at
+   least the last 25 MiB bucket; ``zero1`` then broadcasts the updated parameters from
+   their owners (an all-gather's worth); ``fsdp`` all-gathers each rank's parameters for
+   every microbatch's forward and backward and reduce-scatters its gradients, overlapped
+   with that microbatch's compute, and all-reduces the tensors it keeps whole (below
+   ``sdp_param_persistence_threshold``) after the step. Tied weights on two ranks sum
+   their gradients.
+4. **Optimizer**: ``DeviceSpec.optimizer_time`` over the rank's (sharded) fp32 state; the
+   runtime's fixed cost per step.
+
+The step ends with the last rank: rank r finishes its last backward ``r`` hops of drain
+earlier than rank 0, which its exposed reduction may fill.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+from cost_model.cluster import ClusterSpec
+from cost_model.collectives import Collective, Fabric, collective_time, p2p_time
+from cost_model.schedule_cost import RankTimes, in_flight_at, price_schedule
+from passes.cluster.candidate import Candidate
+from passes.cluster.memory import MemoryPerGPU, memory_per_gpu, state_bytes
+from passes.cluster.profile import Profile
+from passes.cluster.stages import Ranks
+
+DDP_BUCKET_BYTES = 25 * 1024 * 1024
+"""torch DDP's default ``bucket_cap_mb``: the last bucket's reduction is never hidden."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """What a search holds fixed: the cluster, its size, the batch, the precision."""
+
+    cluster: ClusterSpec
+    gpus: int
+    global_batch: int
+    precision: str = "bf16"
+    compute_factor: float = 1.0
+    """How much slower ops run than the spec says (processes sharing a host's cores)."""
+
+    @functools.cached_property
+    def fabric(self) -> Fabric:
+        """The cluster's links at NCCL's bandwidth (computed once per setting)."""
+        return self.cluster.fabric()
+
+
+@dataclass(frozen=True)
+class CommTimes:
+    """Seconds per step on the slowest rank by kind; ``*_exposed``: not hidden by compute."""
+
+    tp: float
+    pp: float
+    dp: float
+    dp_exposed: float
+    zero: float
+    fsdp: float
+    tied: float
+    dp_algorithm: str = "none"
+    fsdp_exposed: float = 0.0
+
+    def to_json(self) -> dict[str, object]:
+        return {"tp_s": self.tp, "pp_s": self.pp, "dp_s": self.dp,
+                "dp_exposed_s": self.dp_exposed, "zero_s": self.zero, "fsdp_s": self.fsdp,
+                "fsdp_exposed_s": self.fsdp_exposed, "tied_s": self.tied,
+                "dp_algorithm": self.dp_algorithm}
+
+
+@dataclass(frozen=True)
+class Priced:
+    """A candidate with its predicted step (module docstring) and memory."""
+
+    candidate: Candidate
+    microbatches: int
+    step_time_s: float
+    pipeline_s: float
+    bubble_fraction: float
+    optimizer_s: float
+    comm: CommTimes
+    memory: MemoryPerGPU
+    memory_rank: int
+    layers_per_rank: tuple[int, ...]
+    hardware_flops: float
+    """FLOPs every GPU executes in one step, summed (recompute and replicated work in)."""
+
+    @property
+    def memory_bytes(self) -> int:
+        return self.memory.total
+
+
+def dp_placement(c: Candidate, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, groups sharing each node's network) of one data-parallel group under SMP's
+    ``cluster`` placement (tp innermost, then pp, then dp)."""
+    inner = c.tp * c.pp
+    per_node = max(1, gpus_per_node // inner) if inner < gpus_per_node else 1
+    per_node = min(per_node, c.dp)
+    nodes = max(1, c.dp // per_node)
+    return nodes, max(1, min(gpus_per_node, c.gpus) // per_node)
+
+
+def crosses_node(c: Candidate, stage: int, gpus_per_node: int) -> bool:
+    """Whether the hop from pipeline rank ``stage`` to the next crosses a node."""
+    nxt = (stage + 1) % c.pp
+    return (stage * c.tp) // gpus_per_node != (nxt * c.tp) // gpus_per_node
+
+
+@dataclass(frozen=True)
+class Links:
+    """What the pipeline's messages do to one set of rank loads (``links``): the ranks'
+    times (a link-bound rank runs at its messages' pace), one hop, each rank's link
+    occupancy per microbatch, and the loads as arrays for the per-candidate sums."""
+
+    times: tuple[RankTimes, ...]
+    hop_s: float
+    occupancy: tuple[float, ...]
+    bwd: np.ndarray
+    total: np.ndarray
+    elems: np.ndarray
+    tensors: np.ndarray
+    layers: np.ndarray
+    boundary: int
+
+
+def links(c: Candidate, ranks: Ranks, setting: Setting) -> Links:
+    """The pipeline messages of ``ranks`` at ``c``'s tp and pp (module docstring, 2); the
+    same for every candidate sharing them, so the search computes it once."""
+    p, gpn, fabric = c.pp, setting.cluster.gpus_per_node, setting.fabric
+    send_f = send_b = 0.0
+    occupancy = [0.0] * p
+    sends: dict[tuple[int, bool], float] = {}
+    for i, (act, grad) in enumerate(ranks.hops):
+        stage = i % p
+        across = crosses_node(c, stage, gpn)
+        for nbytes in (act, grad):
+            if (nbytes, across) not in sends:
+                sends[(nbytes, across)] = p2p_time(nbytes, fabric, across_nodes=across)
+        tf, tb = sends[(act, across)], sends[(grad, across)]
+        send_f, send_b = send_f + tf, send_b + tb
+        occupancy[stage] += tf
+        occupancy[(stage + 1) % p] += tb
+    hop = (send_f + send_b) / (2 * len(ranks.hops)) if ranks.hops else 0.0
+    times = []
+    for r, t in enumerate(ranks.times):
+        scale = occupancy[r] / t.total_s if t.total_s > 0 and occupancy[r] > t.total_s else 1.0
+        times.append(RankTimes(t.fwd_s * scale, t.bwd_s * scale, t.wgrad_s * scale))
+    return Links(tuple(times), hop, tuple(occupancy),
+                 np.array([t.bwd_s for t in times]), np.array([t.total_s for t in times]),
+                 np.array(ranks.elems, dtype=np.float64),
+                 np.array(ranks.tensors, dtype=np.float64),
+                 np.array(ranks.layers, dtype=np.float64),
+                 max((g for _, g in ranks.hops), default=0))
+
+
+def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
+          link: Links | None = None) -> Priced:
+    """The step of candidate ``c`` (module docstring); ``ranks`` is ``rank_loads`` of it and
+    ``link`` its ``links`` (computed here when not given)."""
+    cl, spec = setting.cluster, setting.cluster.device
+    fabric = setting.fabric
+    lk = link if link is not None else links(c, ranks, setting)
+    m = c.microbatches(setting.global_batch)
+    p, v = c.pp, c.vp
+    s_bytes = state_bytes(setting.precision)
+    sched = price_schedule(c.schedule, lk.times, m, v, hop_s=lk.hop_s)
+    pipeline = sched.pipeline_s
+    # data parallelism, per distinct load (most ranks carry the same)
+    nodes, concurrent = dp_placement(c, cl.gpus_per_node)
+    colls: dict[tuple[str, float], Collective] = {}
+
+    def dp(kind: str, nbytes: float) -> Collective:
+        if (kind, nbytes) not in colls:
+            colls[(kind, nbytes)] = collective_time(kind, nbytes, c.dp, fabric, nodes=nodes,
+                                                    concurrent=concurrent)
+        return colls[(kind, nbytes)]
+
+    dp_s = zero_s = fsdp_s = tied_s = 0.0
+    algorithm = "none"
+    exposed = np.zeros(p)
+    fsdp_extra = 0.0
+    if c.dp > 1:
+        per_elems = {e: (e * s_bytes.reduce, e * s_bytes.param) for e in set(ranks.elems)}
+        if c.zero == "fsdp":
+            for r in range(p):
+                small = ranks.small[r] if ranks.small else 0
+                big = ranks.elems[r] - small
+                gather = dp("all_gather", big * s_bytes.param).seconds
+                per_mb = 2 * gather + dp("reduce_scatter", big * s_bytes.reduce).seconds
+                fsdp_s = max(fsdp_s, m * per_mb)
+                fsdp_extra = max(fsdp_extra, m * max(0.0, per_mb - float(lk.total[r]))
+                                 + gather / max(ranks.layers[r], 1))
+                # the unsharded small tensors: summed over dp after the step, not hidden
+                exposed[r] = dp("all_reduce", small * s_bytes.reduce).seconds
+        else:
+            reduce = np.array([dp("all_reduce", per_elems[e][0]).seconds
+                               for e in ranks.elems])
+            grads = lk.elems * s_bytes.reduce
+            bucket = reduce * np.minimum(1.0, DDP_BUCKET_BYTES / np.maximum(grads, 1.0))
+            exposed = np.maximum(reduce - lk.bwd / v, bucket)
+            dp_s = float(reduce.max())
+            algorithm = dp("all_reduce", per_elems[ranks.elems[0]][0]).algorithm
+            if c.zero == "zero1":
+                gathers = np.array([dp("all_gather", per_elems[e][1]).seconds
+                                    for e in ranks.elems])
+                zero_s = float(gathers.max())
+                exposed = exposed + gathers
+    for key, elems in {k: n for sh in ranks.shared for k, n in sh}.items():
+        holders = sum(1 for sh in ranks.shared if key in dict(sh))
+        if holders > 1:
+            tied = collective_time("all_reduce", elems * s_bytes.reduce, holders, fabric,
+                                   nodes=holders if c.pp * c.tp > cl.gpus_per_node else 1)
+            tied_s = max(tied_s, tied.seconds)
+    pipeline += fsdp_extra
+    shard = c.dp if c.zero != "none" and c.dp > 1 else 1
+    opt = (np.maximum(1.0, np.floor(lk.tensors / shard)) * spec.optimizer_tensor_s
+           + lk.elems * 4 / shard * spec.optimizer_byte_s)
+    drain = np.concatenate([[0.0], np.cumsum(lk.bwd / v + lk.hop_s)[:-1]])
+    step = float(np.max(pipeline - drain + exposed + tied_s + opt)) + spec.step_overhead_s
+    mem_rank, mem = peak_memory(c, ranks, profile, setting, lk.boundary)
+    tp_step = m * max(ranks.tp_s)
+    pp_step = m * max(lk.occupancy) if p > 1 else 0.0
+    comm = CommTimes(tp_step, pp_step, dp_s, float(exposed.max()), zero_s, fsdp_s, tied_s,
+                     algorithm, fsdp_extra)
+    hw = sum(ranks.flops) * m * c.tp * c.dp
+    return Priced(c, m, step, pipeline, sched.bubble_fraction, float(opt.max()), comm, mem,
+                  mem_rank, ranks.layers, hw)
+
+
+def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: int,
+            r: int, boundary: int) -> MemoryPerGPU:
+    return memory_per_gpu(
+        elems=ranks.elems[r], buffers=ranks.buffers[r], kept=ranks.kept[r],
+        in_flight=in_flight_at(c.schedule, c.pp, m, c.vp, r), transient=ranks.transient[r],
+        precision=setting.precision, zero=c.zero, dp=c.dp, layer_elems=ranks.layer_elems,
+        boundary=boundary, output_bytes=profile.output_bytes, pipelined=c.pp > 1,
+        tensors=ranks.tensors[r], whole=ranks.small[r] if ranks.small else 0)
+
+
+def peak_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
+                boundary: int | None = None) -> tuple[int, MemoryPerGPU]:
+    """The rank holding the most, and what it holds. Activations in flight never grow with
+    the rank index, so of a run of ranks with equal loads the first holds the most: only
+    those are priced."""
+    m = c.microbatches(setting.global_batch)
+    if boundary is None:
+        boundary = max((g for _, g in ranks.hops), default=0)
+    best: tuple[int, MemoryPerGPU] | None = None
+    last = None
+    for r in range(c.pp):
+        sig = (ranks.elems[r], ranks.tensors[r], ranks.kept[r], ranks.transient[r],
+               ranks.buffers[r])
+        if sig == last:
+            continue
+        last = sig
+        mem = _memory(c, ranks, profile, setting, m, r, boundary)
+        if best is None or mem.total > best[1].total:
+            best = (r, mem)
+    assert best is not None
+    return best
+
+
+def memory_by_rank(c: Candidate, ranks: Ranks, profile: Profile,
+                   setting: Setting) -> list[MemoryPerGPU]:
+    """Each pipeline rank's peak memory (``passes.cluster.memory``) under ``c``'s schedule."""
+    m = c.microbatches(setting.global_batch)
+    boundary = max((g for _, g in ranks.hops), default=0)
+    return [_memory(c, ranks, profile, setting, m, r, boundary) for r in range(c.pp)]
+
+
+def model_flops(profile: Profile) -> float:
+    """FLOPs of one microbatch through the whole model, forward and backward, no recompute
+    (``profile`` at tensor-parallel degree 1)."""
+    return sum(u.fwd_flops + u.bwd_flops for u in profile.units())
+
+
+__all__ = ["DDP_BUCKET_BYTES", "CommTimes", "Links", "Priced", "Setting", "crosses_node",
+           "dp_placement", "links", "memory_by_rank", "model_flops", "peak_memory", "price"]

@@ -1,0 +1,255 @@
+"""``smp-fx plan MODEL.py --gpus N --global-batch B``: choose and price a cluster plan.
+
+Why: "which configuration, and how fast will it be?" is the first question of anyone with a
+model and a cluster. The command builds the model (``build_model()``; ``--meta`` on the meta
+device), traces it once, and searches tensor, pipeline and data parallel degrees,
+microbatching, schedule and virtual stages, recomputation, sequence parallelism and
+sharding (``passes.cluster``) on a cluster: ``--cluster NAME|FILE.json``, or ``--device
+a100|h100|v100|cpu|FILE.json`` with ``--gpus-per-node``, the bandwidths and
+``--gpu-memory-gib``. It prints the top plans, why the best wins, and optionally writes
+them (``--json``), the best's SMP configuration (``--emit-config``: ``smp-fx run`` and
+``smp.init`` take it; the search then keeps to what the runtime can run), its simulated
+step (``--timeline``), or, for ``--gpus 64,128,...``, the scaling curve (``--plot``).
+
+Example::
+
+    smp-fx plan examples/models/gpt.py --meta --build-arg n_layer=128 \\
+        --build-arg n_embd=25600 --build-arg n_head=160 --build-arg vocab_size=51200 \\
+        --build-arg seq_len=2048 --inputs-arg seq_len=2048 --inputs-arg vocab_size=51200 \\
+        --cluster dgx-a100-80gb --gpus 3072 --global-batch 3072 --precision fp16
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from cost_model.cluster import (
+    DEVICE_CLUSTER,
+    ClusterSpec,
+    cluster_for_device,
+    cluster_names,
+    load_cluster,
+)
+from cost_model.devices import load_device
+from cost_model.errors import SMPConfigError, SMPError
+from passes.cluster.candidate import parse_fix
+from passes.cluster.memory import PRECISIONS
+from passes.cluster.model import Prepared, prepare
+from passes.cluster.planner import Planned, plan
+from passes.cluster.profile import model_dtype
+from passes.cluster.step import Setting
+from smp_fx.cli import plan_render
+from smp_fx.cli.partition import _call, _function, _inputs, _key_values, load_model_file
+from smp_fx.cli.plan_config import runtime_refusal, script_notes, smp_config
+
+EXIT_BAD_INPUT = 2
+GiB = 1024**3
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    p = parser or argparse.ArgumentParser(
+        prog="smp-fx plan", description="Choose tensor, pipeline and data parallel degrees, "
+        "microbatching, schedule and recomputation for a GPU cluster, and predict the step.")
+    p.add_argument("model", help="Python file defining build_model() and example_inputs()")
+    p.add_argument("--build-fn", default="build_model")
+    p.add_argument("--inputs-fn", default="example_inputs",
+                   help="f(batch_size) -> inputs; its batch size 1 gives one sample's shape")
+    p.add_argument("--build-arg", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--inputs-arg", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--meta", action="store_true", help="build the model on the meta device")
+    p.add_argument("--frontend", choices=("fx", "export", "auto"), default="fx")
+    p.add_argument("--gpus", required=True, help="GPU count, or a list 64,128,... (scaling)")
+    p.add_argument("--global-batch", type=int, required=True, help="samples per step")
+    p.add_argument("--cluster", help=f"built-in ({', '.join(cluster_names())}) or JSON file")
+    p.add_argument("--device", default="a100",
+                   help="a100, h100, v100 (their built-in node), cpu, or a spec file")
+    p.add_argument("--gpu-memory-gib", type=float)
+    p.add_argument("--gpus-per-node", type=int)
+    p.add_argument("--intra-node-bandwidth", type=float,
+                   help="bytes/s per GPU, one direction (NVLink)")
+    p.add_argument("--inter-node-bandwidth", type=float,
+                   help="bytes/s per node, one direction, all network cards together")
+    p.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    p.add_argument("--fix", help="tp=8,pp=8,... (keys tp pp dp mbs vp schedule recompute sp "
+                                 "zero): price these, search the rest")
+    p.add_argument("--top", type=int, default=5, help="plans to show")
+    p.add_argument("--max-mbs", type=int, default=64, help="largest microbatch size tried")
+    p.add_argument("--json", metavar="FILE", help="write model, cluster, best and candidates")
+    p.add_argument("--emit-config", metavar="CFG.JSON",
+                   help="write the best runnable plan's SMP configuration")
+    p.add_argument("--timeline", metavar="FILE.png", help="draw the best plan's step")
+    p.add_argument("--tokens", type=float, default=3e11,
+                   help="tokens of a training run, for the GPU-hours of the scaling curve")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the scaling curve (--gpus list)")
+    p.add_argument("--quiet", action="store_true", help="no progress on stderr")
+    return p
+
+
+def make_cluster(args: argparse.Namespace, gpus: int = 1) -> ClusterSpec:
+    """The cluster the flags describe (``--cluster`` or ``--device`` plus overrides); a
+    device without a built-in node (``cpu``, a calibrated file) is one host of ``gpus``
+    processes unless ``--gpus-per-node`` says otherwise."""
+    mem = int(args.gpu_memory_gib * GiB) if args.gpu_memory_gib else None
+    if args.cluster:
+        base = load_cluster(args.cluster)
+        from dataclasses import replace
+
+        changes: dict[str, Any] = {}
+        for key in ("gpus_per_node", "intra_node_bandwidth", "inter_node_bandwidth"):
+            if getattr(args, key) is not None:
+                changes[key] = getattr(args, key)
+        if mem is not None:
+            changes["device"] = replace(base.device, memory_bytes=mem)
+        return replace(base, **changes) if changes else base
+    device = load_device(args.device)
+    per_node = args.gpus_per_node
+    if per_node is None and device.name not in DEVICE_CLUSTER:
+        per_node = gpus
+    return cluster_for_device(device, gpus_per_node=per_node,
+                              intra_node_bandwidth=args.intra_node_bandwidth,
+                              inter_node_bandwidth=args.inter_node_bandwidth,
+                              memory_bytes=mem)
+
+
+def gpu_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError as exc:
+        raise SMPConfigError.build("--gpus takes N or N1,N2,...", text, "--gpus",
+                                   "write --gpus 64 or --gpus 64,128,256") from exc
+    if not counts or min(counts) < 1:
+        raise SMPConfigError.build("--gpus needs counts >= 1", text, "--gpus", "--gpus 8")
+    return counts
+
+
+def host_factor(cluster: ClusterSpec, gpus: int) -> float:
+    """How much slower each process computes when a host's processes outnumber its cores
+    (a CPU cluster: ``cpu`` or a calibrated CPU spec): processes per host / cores."""
+    if torch.cuda.is_available() or "cpu" not in cluster.device.name:
+        return 1.0
+    per_host = min(gpus, cluster.gpus_per_node)
+    return max(1.0, per_host / max(os.cpu_count() or 1, 1))
+
+
+def prepare_model(args: argparse.Namespace, progress: Any) -> Prepared:
+    module = load_model_file(args.model)
+    build = _function(module, args.build_fn, args.model)
+    make_inputs = _function(module, args.inputs_fn, args.model)
+    extra = _key_values(args.inputs_arg, "--inputs-arg")
+    progress(f"building {args.build_fn}() from {args.model}" + (" on meta" if args.meta
+                                                                  else ""))
+    with torch.device("meta") if args.meta else contextlib.nullcontext():
+        model = _call(build, args.model, **_key_values(args.build_arg, "--build-arg"))
+    if not isinstance(model, nn.Module):
+        raise SMPConfigError.build(f"{args.build_fn}() must return a torch.nn.Module",
+                                   type(model).__name__, args.model, "return the model")
+    model = model.to(model_dtype(args.precision))
+
+    def inputs(batch: int) -> tuple[Any, ...]:
+        return _inputs(make_inputs, batch, extra, args.model)
+
+    progress("tracing once, finding repeated layers")
+    prepared = prepare(model, inputs, Path(args.model).stem, args.frontend)
+    info = prepared.info
+    progress(f"{info.nodes} nodes, {info.parameters:,} parameters, "
+             + (f"{info.layers} layers ({info.layer_path}): two priced" if info.layers
+                else "no repeated layers: every node priced"))
+    return prepared
+
+
+def _json_doc(planned: Planned, prepared: Prepared, cluster: ClusterSpec, gpus: int,
+              args: argparse.Namespace) -> dict[str, Any]:
+    return {"model": {**prepared.info.to_json(), "global_batch": args.global_batch,
+                      "precision": args.precision, "gpus": gpus},
+            "cluster": cluster.to_json(), "best": planned.best.to_json(),
+            "candidates": [r.to_json() for r in planned.records]}
+
+
+def run(args: argparse.Namespace, out: Any = None) -> int:
+    out = out or sys.stdout
+    t0 = time.perf_counter()
+
+    def progress(message: str) -> None:
+        if not args.quiet:
+            print(f"[{time.perf_counter() - t0:6.2f}s] {message}", file=sys.stderr,
+                  flush=True)
+
+    fixed = parse_fix(args.fix)
+    counts = gpu_counts(args.gpus)
+    cluster = make_cluster(args, max(counts))
+    prepared = prepare_model(args, progress)
+    allowed = None
+    if args.emit_config:
+        def allowed(c: Any) -> str | None:
+            return runtime_refusal(c, args.precision)
+        progress("--emit-config: keeping to plans smp-fx's runtime can run today")
+    points = []
+    planned: Planned | None = None
+    for gpus in counts:
+        setting = Setting(cluster, gpus, args.global_batch, args.precision,
+                          host_factor(cluster, gpus))
+        if setting.compute_factor > 1:
+            progress(f"{min(gpus, cluster.gpus_per_node)} processes share "
+                     f"{os.cpu_count()} cores: compute priced {setting.compute_factor:.1f}x "
+                     "slower")
+        planned = plan(prepared, setting, fixed=fixed, allowed=allowed, top_k=args.top,
+                       max_mbs=args.max_mbs, progress=progress)
+        print(f"plan for {prepared.info.name} on {gpus} x {cluster.device.name} "
+              f"({cluster.name}, {cluster.gpus_per_node} per node), global batch "
+              f"{args.global_batch}, {args.precision}", file=out)
+        print(plan_render.format_plans(planned), file=out)
+        print("", file=out)
+        best = planned.best
+        hours = args.tokens / best.tokens_per_s / 3600 * gpus if best.tokens_per_s else 0.0
+        points.append(plan_render.ScalePoint(gpus, best, hours))
+    assert planned is not None
+    if len(points) > 1:
+        print(plan_render.format_scaling(points, args.tokens), file=out)
+        if args.plot:
+            plan_render.plot_scaling(points, args.plot, f"{prepared.info.name} on "
+                                     f"{cluster.name}, global batch {args.global_batch}")
+            progress(f"wrote {args.plot}")
+    gpus = counts[-1]
+    if args.json:
+        doc = _json_doc(planned, prepared, cluster, gpus, args)
+        Path(args.json).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n",
+                                   encoding="utf-8")
+        progress(f"wrote {args.json}")
+    if args.emit_config:
+        cfg = smp_config(planned.best, args.precision)
+        Path(args.emit_config).write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n",
+                                          encoding="utf-8")
+        print(f"wrote {args.emit_config}: smp-fx run -n {gpus} --config {args.emit_config} "
+              "SCRIPT.py", file=out)
+        for note in script_notes(planned.best, args.precision, prepared.info.layer_path):
+            print(f"  in the script: {note}", file=out)
+    if args.timeline:
+        why = plan_render.draw(planned, args.timeline, f"{prepared.info.name}: "
+                               f"{planned.best.candidate.label()}")
+        print(why if why else f"wrote {args.timeline}", file=out)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return run(args)
+    except (SMPError, OSError, ImportError, SyntaxError) as exc:
+        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        print(f"smp-fx plan: error: {message}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+
+
+if __name__ == "__main__":
+    sys.exit(main())

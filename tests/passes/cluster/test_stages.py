@@ -1,0 +1,67 @@
+"""Cutting a model's parts into pipeline chunks, and each rank's share."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from cost_model.devices import get_device
+from passes.cluster.model import Profiler, prepare
+from passes.cluster.stages import chunk_ranks, rank_loads, split_layers
+from tests.passes.cluster.conftest import gpt_inputs, link_cluster, tiny_gpt
+
+
+def _brute(head: float, first: float, layer: float, tail: float, n: int, k: int) -> float:
+    best = float("inf")
+    for cuts in itertools.combinations(range(n + 1), k - 1):
+        counts = [b - a for a, b in zip((0, *cuts), (*cuts, n))]
+        if any(c == 0 for c in counts[1:-1]):
+            continue  # middle chunks hold a layer
+        times, start = [], 0
+        for i, c in enumerate(counts):
+            t = (head if i == 0 else 0) + (tail if i == k - 1 else 0)
+            t += (first + (c - 1) * layer if start == 0 else c * layer) if c else 0
+            times.append(t)
+            start += c
+        best = min(best, max(times))
+    return best
+
+
+@pytest.mark.parametrize("head, tail", [(0.1, 0.2), (0.0, 1.5), (2.5, 0.3), (0.7, 0.7)])
+@pytest.mark.parametrize("n, k", [(4, 2), (6, 3), (8, 4), (9, 4), (7, 7), (12, 5)])
+def test_split_is_the_exact_minimum(head: float, tail: float, n: int, k: int) -> None:
+    counts = split_layers(head, 1.2, 1.0, tail, n, k)
+    assert sum(counts) == n and len(counts) == k
+    times, start = [], 0
+    for i, c in enumerate(counts):
+        t = (head if i == 0 else 0) + (tail if i == k - 1 else 0)
+        t += (1.2 + (c - 1) * 1.0 if start == 0 else c * 1.0) if c else 0
+        times.append(t)
+        start += c
+    assert max(times) == pytest.approx(_brute(head, 1.2, 1.0, tail, n, k))
+
+
+def test_chunk_placement() -> None:
+    assert chunk_ranks(3, 1, "interleaved") == [0, 1, 2]
+    assert chunk_ranks(3, 2, "interleaved") == [0, 1, 2, 0, 1, 2]
+    assert chunk_ranks(3, 2, "zbv") == [0, 1, 2, 2, 1, 0]
+
+
+def test_rank_loads_sum_to_the_model() -> None:
+    prof = Profiler(prepare(tiny_gpt(8), gpt_inputs), link_cluster())(2, 1, False)
+    spec = get_device("a100")
+    whole = rank_loads(prof, "none", 1, 1, "interleaved", spec)
+    assert whole is not None
+    for pp, v, sched in ((2, 1, "simple"), (4, 1, "interleaved"), (2, 2, "interleaved"),
+                         (2, 2, "zbv")):
+        ranks = rank_loads(prof, "none", pp, v, sched, spec)
+        assert ranks is not None
+        assert sum(ranks.layers) == 8
+        assert sum(ranks.kept) == whole.kept[0]
+        assert sum(ranks.flops) == pytest.approx(whole.flops[0])
+        # the tied embedding is held by the first and the last rank
+        shared = [dict(s) for s in ranks.shared]
+        assert "wte.weight" in shared[0] and "wte.weight" in shared[-1 if sched != "zbv" else 0]
+        assert len(ranks.hops) == pp * v - 1
+    assert rank_loads(prof, "none", 4, 4, "interleaved", spec) is None  # 16 chunks, 8 layers

@@ -1,0 +1,107 @@
+"""``smp-fx plan``: the table, --json / --fix / --emit-config round trips, bad input."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cost_model.cluster import ClusterSpec, get_cluster
+from passes.cluster.result import PLAN_KEYS, PlanRecord
+from smp_fx.cli import main as cli_main
+from smp_fx.cli import plan as plan_cli
+from smp_fx.config import load_config
+
+ROOT = Path(__file__).resolve().parents[3]
+GPT = ["--build-arg", "n_layer=4", "--build-arg", "n_embd=32", "--build-arg", "n_head=4",
+       "--build-arg", "vocab_size=64", "--build-arg", "seq_len=16", "--inputs-arg",
+       "seq_len=16", "--inputs-arg", "vocab_size=64"]
+
+
+def _plan(*extra: str) -> list[str]:
+    return [str(ROOT / "examples/models/gpt.py"), *GPT, "--device", "a100", "--gpus", "8",
+            "--global-batch", "16", "--quiet", *extra]
+
+
+def test_table_json_and_fix_round_trip(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "plan.json"
+    assert cli_main.main(["plan", *_plan("--json", str(out), "--top", "3")]) == 0
+    text = capsys.readouterr().out
+    assert "tokens/s" in text and "best:" in text and "dgx-a100-80gb" in text
+    doc = json.loads(out.read_text())
+    assert set(doc) == {"model", "cluster", "best", "candidates"}
+    assert set(PLAN_KEYS) <= set(doc["best"])
+    assert doc["best"] == doc["candidates"][0] and len(doc["candidates"]) == 3
+    assert doc["model"]["layers"] == 4 and doc["model"]["global_batch"] == 16
+    assert ClusterSpec.from_json(doc["cluster"]) == get_cluster("dgx-a100-80gb")
+    for cand in doc["candidates"]:
+        assert PlanRecord.from_json(cand).to_json() == cand
+    # --fix with every key of a plan prices exactly that plan again
+    best = PlanRecord.from_json(doc["best"])
+    again = tmp_path / "again.json"
+    assert plan_cli.main(_plan("--fix", best.fix_text(), "--json", str(again))) == 0
+    fixed = json.loads(again.read_text())["best"]
+    assert fixed == doc["best"]
+
+
+def test_emit_config_is_what_smp_init_takes(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture) -> None:
+    cfg_path, json_path = tmp_path / "cfg.json", tmp_path / "plan.json"
+    assert plan_cli.main(_plan("--fix", "pp=2,tp=2", "--emit-config", str(cfg_path),
+                               "--json", str(json_path))) == 0
+    text = capsys.readouterr().out
+    assert "smp-fx run -n 8 --config" in text and "set_partition" in text
+    cfg = json.loads(cfg_path.read_text())
+    best = json.loads(json_path.read_text())["best"]
+    smp = load_config(cfg, env={})
+    assert (smp.pipeline_parallel_degree, smp.tensor_parallel_degree, smp.microbatches) == (
+        best["pp"], best["tp"], best["microbatches"])
+    assert smp.pipeline == best["schedule"] and smp.prescaled_batch is True
+    assert smp.optimize == ("memory" if best["sp"] else "speed")
+    # only what the runtime has: v = 1, its schedules, no selective, no sharding with tp
+    assert best["vp"] == 1 and best["schedule"] in ("simple", "interleaved")
+    assert best["recompute"] != "selective" and best["zero"] == "none"
+
+
+def test_emit_config_refuses_what_the_runtime_cannot_run(capsys) -> None:
+    assert plan_cli.main(_plan("--fix", "pp=2,schedule=zbv", "--emit-config",
+                               "/dev/null")) == 2
+    assert "no configuration can be priced" in capsys.readouterr().err
+    # without --emit-config the same plan is priced (the runtime need not exist)
+    assert plan_cli.main(_plan("--fix", "pp=2,schedule=zbv")) == 0
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--fix", "tp=3"], "tp divides the GPU count"),
+    (["--fix", "pp=2,tp=2,dp=4"], "tp x pp x dp equals the GPU count"),
+    (["--fix", "warp=9"], "--fix takes KEY=VALUE"),
+    (["--gpu-memory-gib", "2.0001"], "no plan fits in GPU memory"),
+    (["--gpu-memory-gib", "1"], "memory_reserved_bytes must be >= 0 and below"),
+    (["--cluster", "dgx-z9000"], "a cluster is a built-in name or a JSON file"),
+])
+def test_bad_input_is_one_line_and_exit_2(extra, message, capsys) -> None:
+    assert plan_cli.main(_plan(*extra)) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("smp-fx plan: error:") and message in err and "\n" not in err
+
+
+def test_bad_cluster_file_rejected(tmp_path: Path, capsys) -> None:
+    doc = get_cluster("dgx-h100").to_json()
+    doc["inter_node_bandwidth"] = -1
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(doc))
+    assert plan_cli.main(_plan("--cluster", str(path))) == 2
+    assert "inter_node_bandwidth must be > 0" in capsys.readouterr().err
+
+
+def test_scaling_curve_and_timeline(tmp_path: Path, capsys) -> None:
+    png, curve = tmp_path / "t.png", tmp_path / "s.png"
+    assert plan_cli.main(_plan("--fix", "schedule=interleaved,vp=1,pp=2", "--timeline",
+                               str(png))) == 0
+    assert png.stat().st_size > 0
+    args = _plan("--plot", str(curve), "--tokens", "1e9")
+    args[args.index("--gpus") + 1] = "4,8,16"
+    assert plan_cli.main(args) == 0
+    text = capsys.readouterr().out
+    assert "GPU-hours (1e+09 tok)" in text and curve.stat().st_size > 0

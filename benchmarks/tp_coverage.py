@@ -1,7 +1,7 @@
 """Tensor parallelism over Hugging Face architectures: how much is sharded, and is it right.
 
 For each tiny model of ``examples/models/hf_zoo.py`` (27 architectures, built from configs,
-marked whole with ``smp.tensor_parallelism()`` as SMP's documentation shows):
+marked whole; GPT-2, BERT and RoBERTa as Hugging Face builds them, not SMP's replacements):
 
 * the share of parameter elements sharded at tensor-parallel degree 2 and 4 (the plan's
   coverage report, as ``smp-fx partition`` prints it), with the column -> row pairs, lone

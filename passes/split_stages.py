@@ -106,13 +106,16 @@ class StagedProgram:
             flat = fx_pytree.tree_flatten_spec((args, kwargs), self.in_spec)
             return {name: v for (name, _, _), v in zip(self.placeholders, flat)}
         out: dict[str, Any] = {}
-        extra = set(kwargs) - {target for _, target, _ in self.placeholders}
-        if extra or len(args) > len(self.placeholders):
+        named = [(n, t, d) for n, t, d in self.placeholders if not t.startswith("*")]
+        star = next((n for n, t, _ in self.placeholders if _is_star(t, 1)), None)
+        star2 = next((n for n, t, _ in self.placeholders if _is_star(t, 2)), None)
+        extra = set(kwargs) - {target for _, target, _ in named}
+        if (extra and star2 is None) or (len(args) > len(named) and star is None):
             raise SMPPartitionError.build(
                 "model called with arguments the traced forward does not take",
                 sorted(extra) or f"{len(args)} positional", "DistributedModel.__call__",
                 f"call it with the traced signature {[t for _, t, _ in self.placeholders]}")
-        for i, (name, target, default) in enumerate(self.placeholders):
+        for i, (name, target, default) in enumerate(named):
             if i < len(args):
                 out[name] = args[i]
             elif target in kwargs:
@@ -123,6 +126,10 @@ class StagedProgram:
                 raise SMPPartitionError.build(
                     "model call is missing a required argument", target,
                     "DistributedModel.__call__", "pass every argument the forward requires")
+        if star is not None:  # ``forward(self, *inputs)``: fx's one placeholder, a tuple
+            out[star] = tuple(args[len(named):])
+        if star2 is not None:
+            out[star2] = {k: kwargs[k] for k in extra}
         return out
 
     def build_outputs(self, last_outputs: tuple[Any, ...]) -> Any:
@@ -155,6 +162,11 @@ class _NoDefault:
 
 
 _NO_DEFAULT: Any = _NoDefault()
+
+
+def _is_star(target: str, stars: int) -> bool:
+    """``target`` is fx's placeholder for ``*args`` (1) or ``**kwargs`` (2)."""
+    return target.startswith("*" * stars) and not target.startswith("*" * (stars + 1))
 
 
 def _map_refs(tree: Any, fn: Any) -> Any:

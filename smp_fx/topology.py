@@ -3,7 +3,7 @@
 Pure: no torch.distributed, so every placement can be checked without processes. The
 process groups in ``smp_fx.world.state`` are built from the rank lists computed here.
 
-Placement follows the SMP seed ("Placement Strategy with Tensor Parallelism"): a
+Placement follows SMP's documentation ("Placement Strategy with Tensor Parallelism"): a
 ``placement_strategy`` is a permutation of the letters D (reduced data parallel), P
 (pipeline) and T (tensor); the right-most letter varies fastest over consecutive global
 ranks, the left-most slowest. ``"cluster"`` is ``"DPT"`` and ``"spread"`` is ``"TPD"``.

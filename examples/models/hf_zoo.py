@@ -5,8 +5,7 @@ Each is 2 layers of hidden size 64 (4 heads of 16), vocabulary 128, sequence 16,
 mode (no dropout), wrapped so ``forward(*inputs)`` returns the logits: causal and masked
 language models take ``input_ids``, encoder-decoders ``(input_ids, decoder_input_ids)``,
 image classifiers ``pixel_values`` (16 x 16, 3 channels). ``build(name, marked=True)``
-builds the whole model under ``smp.tensor_parallelism()``, as SMP's documentation shows
-for Hugging Face models.
+marks the whole model for tensor parallelism (``build``'s docstring says how).
 
     model = build("gpt_neox")
     logits = model(*inputs("gpt_neox", 2))
@@ -14,7 +13,6 @@ for Hugging Face models.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,8 +129,14 @@ class Logits(nn.Module):
 
 
 def build(name: str, marked: bool = True, seed: int = 0) -> nn.Module:
-    """Architecture ``name`` from its config (seed ``seed``), marked whole with
-    ``smp.tensor_parallelism()`` unless ``marked`` is False; eager attention."""
+    """Architecture ``name`` from its config (seed ``seed``), marked whole for tensor
+    parallelism unless ``marked`` is False; eager attention.
+
+    Marked by ``smp.set_tensor_parallelism`` once built, so what is sharded is Hugging
+    Face's own model: built inside ``smp.tensor_parallelism()``, as SMP does, GPT-2 and
+    BERT's and RoBERTa's encoders would be replaced by SMP's distributed modules
+    (``smp_fx.nn.huggingface``, tested on their own); every other architecture is marked
+    alike either way."""
     import transformers
 
     import smp_fx as smp
@@ -141,8 +145,9 @@ def build(name: str, marked: bool = True, seed: int = 0) -> nn.Module:
     config = getattr(transformers, arch.config)(**arch.kwargs)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    with smp.tensor_parallelism() if marked else contextlib.nullcontext():
-        model = Logits(getattr(transformers, arch.model)(config), arch.kind)
+    model = Logits(getattr(transformers, arch.model)(config), arch.kind)
+    if marked:
+        smp.set_tensor_parallelism(model)
     return model.eval()
 
 

@@ -120,3 +120,25 @@ def test_trailing_empty_stage_passes_outputs_through() -> None:
     torch.testing.assert_close(prog.run(x), gm(x))
     with pytest.raises(SMPPartitionError, match="past the last stage"):
         split_stages(_staged(nn.Sequential(nn.Linear(2, 2)), {"_0": 2}), num_stages=2)
+
+
+class StarArgs(nn.Module):
+    """``forward(self, *inputs, **options)``: fx makes one placeholder of each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, *inputs: torch.Tensor, **options: float) -> torch.Tensor:
+        h = self.a(inputs[0] * inputs[1])
+        return self.b(h) * options["scale"]
+
+
+def test_star_args_and_kwargs_are_bound_as_the_forward_takes_them() -> None:
+    gm = torch.fx.symbolic_trace(StarArgs())
+    for n in gm.graph.nodes:
+        if n.op.startswith("call"):
+            meta.STAGE.set(n, 1 if "b" in n.name or n.name.startswith("mul_1") else 0)
+    prog = split_stages(gm)
+    x, y = torch.randn(3, 4), torch.randn(3, 4)
+    torch.testing.assert_close(prog.run(x, y, scale=2.0), gm(x, y, scale=2.0), atol=0, rtol=0)

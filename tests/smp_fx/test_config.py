@@ -24,7 +24,7 @@ from smp_fx.config import (
 
 BASE = {"pipeline_parallel_degree": 2}
 
-# Defaults as the seed's table documents them (written out, not read from the code).
+# Defaults as the table of SMP's documentation gives them (written out, not read from the code).
 SEED_DEFAULTS: dict[str, Any] = {
     "microbatches": 1, "pipeline": "interleaved", "optimize": "memory",
     "placement_strategy": "cluster", "auto_partition": True, "default_partition": 0,

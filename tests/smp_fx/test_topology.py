@@ -1,4 +1,5 @@
-"""Pure rank arithmetic: the seed's tables, every permutation, groups and their invariants."""
+"""Pure rank arithmetic: the tables of SMP's documentation, every permutation, groups and
+their invariants."""
 
 from __future__ import annotations
 
@@ -9,15 +10,16 @@ import pytest
 from cost_model.errors import SMPConfigError
 from smp_fx.topology import PERMUTATIONS, Topology, normalize_placement
 
-# The seed's tables ("Placement Strategy with Tensor Parallelism"), rows (rank, rdp, pp, tp).
-SEED_DPT = [(0, 0, 0, 0), (1, 0, 0, 1), (2, 0, 1, 0), (3, 0, 1, 1),
+# The tables of SMP's documentation ("Placement Strategy with Tensor Parallelism"), rows
+# (rank, rdp, pp, tp).
+DOC_DPT = [(0, 0, 0, 0), (1, 0, 0, 1), (2, 0, 1, 0), (3, 0, 1, 1),
             (4, 1, 0, 0), (5, 1, 0, 1), (6, 1, 1, 0), (7, 1, 1, 1)]
-SEED_PTD = [(0, 0, 0, 0), (1, 1, 0, 0), (2, 0, 0, 1), (3, 1, 0, 1),
+DOC_PTD = [(0, 0, 0, 0), (1, 1, 0, 0), (2, 0, 0, 1), (3, 1, 0, 1),
             (4, 0, 1, 0), (5, 1, 1, 0), (6, 0, 1, 1), (7, 1, 1, 1)]
 
 
-@pytest.mark.parametrize("placement, table", [("DPT", SEED_DPT), ("PTD", SEED_PTD),
-                                              ("cluster", SEED_DPT)])
+@pytest.mark.parametrize("placement, table", [("DPT", DOC_DPT), ("PTD", DOC_PTD),
+                                              ("cluster", DOC_DPT)])
 def test_seed_tensor_parallel_tables(placement: str, table: list[tuple[int, ...]]) -> None:
     topo = Topology(pp_size=2, tp_size=2, rdp_size=2, placement=placement)
     for rank, rdp, pp, tp in table:

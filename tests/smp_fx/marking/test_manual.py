@@ -19,7 +19,7 @@ class Child(nn.Module):
 
 
 class Model(nn.Module):
-    """The seed's example."""
+    """The example of SMP's documentation."""
 
     def __init__(self) -> None:
         super().__init__()

@@ -3,7 +3,7 @@
 One spawn of 8 processes runs a covering set of configurations one after another (one
 default group; ``smp.init`` / ``state._reset`` per configuration). Each checks:
 
-* the rank -> (rdp, pp, tp) mapping of its ``placement_strategy`` against the seed page's
+* the rank -> (rdp, pp, tp) mapping of its ``placement_strategy`` against SMP's documented
   rule (the right-most letter varies fastest over the global ranks; ``cluster`` = "DPT",
   ``spread`` = "TPD"; the page's own "DPT" and "PTD" tables are the test's examples);
 * 3 Adam steps of the tensor-parallel MLP (a marked column -> GELU -> row pair and a lone
@@ -35,7 +35,7 @@ CONFIGS = (("cluster", "simple", 2, False), ("spread", "interleaved", 4, True),
 
 
 def expected_ranks(placement: str, rank: int) -> dict[str, int]:
-    """(rdp, pp, tp) of ``rank`` by the seed page's rule."""
+    """(rdp, pp, tp) of ``rank`` by SMP's documented rule."""
     order = {"cluster": "DPT", "spread": "TPD"}.get(placement, placement)
     out, rest = {}, rank
     for letter in reversed(order):

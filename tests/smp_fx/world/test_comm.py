@@ -1,5 +1,6 @@
-"""Real gloo processes: the seed's placements produce exactly these groups, collectives over
-every group work, and SMP's object communication (send/recv_from/broadcast/allgather)."""
+"""Real gloo processes: the placements of SMP's documentation produce exactly these groups,
+collectives over every group work, and SMP's object communication (send / recv_from /
+broadcast / allgather)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from tests.helpers.dist import RankFailed, run_ranks
 
 pytestmark = pytest.mark.multiproc
 
-# Seed table for "PTD" with tp = pp = rdp = 2: rank -> (rdp_rank, pp_rank, tp_rank).
+# The table of SMP's documentation for "PTD" with tp = pp = rdp = 2:
+# rank -> (rdp_rank, pp_rank, tp_rank).
 PTD = {0: (0, 0, 0), 1: (1, 0, 0), 2: (0, 0, 1), 3: (1, 0, 1),
        4: (0, 1, 0), 5: (1, 1, 0), 6: (0, 1, 1), 7: (1, 1, 1)}
 

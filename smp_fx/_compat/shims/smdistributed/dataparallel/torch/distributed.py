@@ -1,5 +1,6 @@
 """The deprecated ``smdistributed.dataparallel.torch.distributed`` API, mapped onto
-``torch.distributed`` with the signatures of the smddp guide (seed ``smddp_pytorch_guide.rst``):
+``torch.distributed`` with the signatures of the smddp guide (SMP's documentation,
+``smddp_pytorch_guide.rst``):
 ``broadcast``'s ``src`` defaults to 0 and ``all_to_all_single`` takes ``output_t`` /
 ``input_t``, where torch's own names and defaults differ. ``group=None`` is torch's spelling
 of the guide's ``group.WORLD`` default. ``init_process_group`` defaults to the ``smddp``

@@ -209,34 +209,42 @@ def to_dot(gm: torch.fx.GraphModule, plan: PartitionPlan) -> str:
 
 
 def draw_timeline(sim: SimResult, path: str, title: str = "") -> None:
-    """PNG of a simulated step: one row per stage, forward/backward coloured, mb numbers."""
+    """PNG of a simulated step: one row per rank; forward, backward, input and weight
+    gradients coloured; each box labelled with its microbatch (and chunk, when a rank
+    holds several)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     from matplotlib.patches import Patch
 
-    stages = 1 + max((e.stage for e in sim.timeline), default=0)
-    fig, ax = plt.subplots(figsize=(12, 0.6 * stages + 1.6))
+    ranks = 1 + max((e.rank for e in sim.timeline), default=0)
+    several = len({e.action.stage for e in sim.timeline}) > ranks
+    fig, ax = plt.subplots(figsize=(12, 0.6 * ranks + 1.6))
     scale, unit = (1e3, "ms") if sim.step_time_s < 1 else (1.0, "s")
-    colours = {FORWARD: "#56B4E9", "B": "#E69F00"}
+    colours = {FORWARD: "#56B4E9", "B": "#E69F00", "I": "#D55E00", "W": "#009E73"}
     for e in sim.timeline:
         start, width = e.start_s * scale, (e.end_s - e.start_s) * scale
-        ax.broken_barh([(start, width)], (e.stage - 0.4, 0.8),
-                       facecolors=colours[e.action.kind], edgecolors="black", linewidth=0.5)
+        ax.broken_barh([(start, width)], (e.rank - 0.4, 0.8),
+                       facecolors=colours[e.action.kind], edgecolors="black", linewidth=0.5,
+                       alpha=0.65 if several and e.action.stage >= ranks else 1.0)
         if width > 0:
-            ax.text(start + width / 2, e.stage, str(e.action.microbatch), ha="center",
-                    va="center", fontsize=8, clip_on=True)
-    ax.set_yticks(range(stages))
-    ax.set_yticklabels([f"stage {s}" for s in range(stages)])
+            label = (f"{e.action.microbatch}" if not several
+                     else f"{e.action.microbatch}\n c{e.action.stage}")
+            ax.text(start + width / 2, e.rank, label, ha="center", va="center",
+                    fontsize=6 if several else 8, clip_on=True)
+    ax.set_yticks(range(ranks))
+    ax.set_yticklabels([f"rank {r}" for r in range(ranks)])
     ax.invert_yaxis()
     ax.set_xlabel(f"time ({unit})")
     ax.set_xlim(0, sim.step_time_s * scale * 1.01 or 1.0)
     ax.set_title(title or f"step {human_time(sim.step_time_s)}, bubble "
                  f"{sim.bubble_fraction:.1%}", loc="left")
-    ax.legend(handles=[Patch(color=colours[FORWARD], label="forward"),
-                       Patch(color=colours["B"], label="backward")],
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=2, fontsize=8, frameon=False)
+    kinds = sorted({e.action.kind for e in sim.timeline}, key="FBIW".index)
+    names = {FORWARD: "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
+    ax.legend(handles=[Patch(color=colours[k], label=names[k]) for k in kinds],
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(kinds), fontsize=8,
+              frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

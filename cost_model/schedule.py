@@ -72,6 +72,7 @@ from cost_model.actions import (
 )
 from cost_model.errors import ScheduleError
 from cost_model.schedule_check import (
+    chunk_peaks,
     clock,
     draw,
     in_flight,
@@ -79,6 +80,7 @@ from cost_model.schedule_check import (
     num_chunks_of,
     validate,
 )
+from cost_model.schedule_greedy import greedy
 
 SCHEDULE_NAMES = ("simple", "interleaved", "zero_bubble", "zbv")
 SPLIT_BACKWARD = ("zero_bubble", "zbv")
@@ -88,6 +90,16 @@ SPLIT_BACKWARD = ("zero_bubble", "zbv")
 def default_placement(name: str, num_ranks: int, virtual: int) -> Placement:
     """Where chunks go for a schedule: the V for ``zbv``, round robin otherwise."""
     return v_shape(num_ranks) if name == "zbv" else round_robin(num_ranks, virtual)
+
+
+def default_active(name: str, num_ranks: int, num_microbatches: int, virtual: int = 1) -> int:
+    """``active_microbatches`` when it is not set: SMP's ``num_ranks + 2`` where a cap
+    shortens the schedule's warm-up (``simple``; ``interleaved`` and ``zero_bubble`` at
+    v = 1), else ``num_microbatches`` (no cap: the interleaved orders and ZB-V fix their
+    own warm-up, and SMP's default would refuse them at p + 2 < their peak)."""
+    if name == "simple" or name in ("interleaved", "zero_bubble") and virtual == 1:
+        return num_ranks + 2
+    return max(num_microbatches, 1)
 
 
 def check_virtual(name: str, num_ranks: int, num_microbatches: int, virtual: int) -> None:
@@ -257,11 +269,15 @@ def generate(name: str, num_stages: int, num_microbatches: int,
     """Per-rank action lists for SMP's ``pipeline`` = ``name`` on ``num_stages`` ranks with
     ``virtual_stages`` chunks each.
 
-    ``active_microbatches`` (default ``num_stages + 2``, SMP's) caps the microbatches in
-    flight on a rank: ``simple`` runs in waves, ``interleaved`` and ``zero_bubble`` at v = 1
-    shorten their warm-up; the interleaved orders at v > 1 and ``zbv`` fix their warm-up,
-    so a cap below their peak is a ``ScheduleError`` naming the peak. ``placement`` (the
-    rank of each chunk) defaults to ``default_placement``. ``forward_only`` (evaluation)
+    ``active_microbatches`` (default ``default_active``: SMP's ``num_stages + 2`` where it
+    applies) caps the microbatches in flight on a rank: ``simple`` runs in waves,
+    ``interleaved`` and ``zero_bubble`` at v = 1 shorten their warm-up; the interleaved
+    orders at v > 1 and ``zbv`` fix their warm-up, so a cap below their peak is a
+    ``ScheduleError`` naming the peak. ``placement`` (the
+    rank of each chunk) defaults to ``default_placement``; ``interleaved`` and
+    ``zero_bubble`` on any other placement are list-scheduled (``schedule_greedy``) with
+    their preference, capped at ``p + 2`` microbatches unless a cap is given.
+    ``forward_only`` (evaluation)
     emits forwards only, chunk by chunk: nothing is saved for backward.
 
     >>> [" ".join(map(str, s)) for s in generate("interleaved", 2, 2)]
@@ -276,7 +292,8 @@ def generate(name: str, num_stages: int, num_microbatches: int,
                                   "set pipeline to 'simple', 'interleaved', 'zero_bubble' or "
                                   "'zbv'")
     capped = active_microbatches is not None
-    active = num_stages + 2 if active_microbatches is None else active_microbatches
+    active = (default_active(name, p, m, virtual_stages) if active_microbatches is None
+              else active_microbatches)
     _check_sizes(p, m, active)
     check_virtual(name, p, m, virtual_stages)
     where = placement if placement is not None else default_placement(name, p, virtual_stages)
@@ -289,6 +306,10 @@ def generate(name: str, num_stages: int, num_microbatches: int,
     if forward_only:
         return tuple(tuple(Action(c, FORWARD, mb) for c in mine[r] for mb in range(m))
                      for r in range(p))
+    if name in ("interleaved", "zero_bubble") and tuple(where) != default_placement(
+            name, p, virtual_stages):  # the constructions are for round robin: list-schedule
+        return greedy(where, m, active if capped else min(active, p + 2),
+                      split=name in SPLIT_BACKWARD)
     if name == "zbv" and tuple(where) != v_shape(p):
         raise ScheduleError.build("pipeline 'zbv' runs on the V placement", where,
                                   "cost_model.schedule.generate", "leave placement unset")
@@ -306,7 +327,8 @@ def generate(name: str, num_stages: int, num_microbatches: int,
 
 
 __all__ = ["BACKWARD", "FORWARD", "INPUT_GRAD", "SCHEDULE_NAMES", "SPLIT_BACKWARD",
-           "WEIGHT_GRAD", "Action", "Placement", "Schedule", "check_virtual", "chunks_of",
-           "clock", "default_placement", "draw", "format_schedule", "generate", "in_flight",
-           "microbatches_in_flight", "num_chunks_of", "parse_schedule", "placement_of",
-           "round_robin", "v_shape", "validate"]
+           "WEIGHT_GRAD", "Action", "Placement", "Schedule", "check_virtual", "chunk_peaks",
+           "chunks_of", "clock", "default_active", "default_placement", "draw",
+           "format_schedule", "generate", "in_flight", "microbatches_in_flight",
+           "num_chunks_of", "parse_schedule", "placement_of", "round_robin", "v_shape",
+           "validate"]

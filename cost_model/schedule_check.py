@@ -90,6 +90,21 @@ def in_flight(actions: Sequence[Action]) -> list[int]:
     return out
 
 
+def chunk_peaks(schedule: Sequence[Sequence[Action]]) -> dict[int, int]:
+    """Per chunk, the most microbatches whose activations it holds at once (forwarded, and
+    not yet through their B or W): what the partitioner charges its saved bytes by."""
+    peaks: dict[int, int] = {}
+    for actions in schedule:
+        held: dict[int, int] = {}
+        for a in actions:
+            if a.kind == FORWARD:
+                held[a.stage] = held.get(a.stage, 0) + 1
+            elif a.kind in (BACKWARD, WEIGHT_GRAD):
+                held[a.stage] -= 1
+            peaks[a.stage] = max(peaks.get(a.stage, 0), held.get(a.stage, 0))
+    return peaks
+
+
 def microbatches_in_flight(actions: Sequence[Action]) -> list[int]:
     """Distinct microbatches one rank holds anything of after each of its actions: what
     ``active_microbatches`` caps (with one chunk per rank, the same as ``in_flight``)."""
@@ -220,4 +235,5 @@ def draw(schedule: Sequence[Sequence[Action]]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["clock", "draw", "in_flight", "microbatches_in_flight", "num_chunks_of", "validate"]
+__all__ = ["chunk_peaks", "clock", "draw", "in_flight", "microbatches_in_flight",
+           "num_chunks_of", "validate"]

@@ -40,8 +40,12 @@ def _pin_for(path: str, pins: Mapping[str, int]) -> int | None:
 
 
 def assign_manual(gm: torch.fx.GraphModule, pins: Mapping[str, int], default_partition: int,
-                  num_stages: int) -> torch.fx.GraphModule:
-    """New GraphModule with ``STAGE`` on every node (and ``PIN`` on module nodes)."""
+                  num_stages: int, check_forward: bool = True) -> torch.fx.GraphModule:
+    """New GraphModule with ``STAGE`` on every node (and ``PIN`` on module nodes).
+
+    ``check_forward=False`` leaves values that go back to an earlier partition alone: with
+    several chunks per rank (``passes.manual_chunks``) the pins name ranks, and the chunks
+    they are cut into are what must only send forward."""
     for path, index in sorted(pins.items()):
         if not isinstance(index, int) or not 0 <= index < num_stages:
             raise SMPPartitionError.build(
@@ -82,7 +86,8 @@ def assign_manual(gm: torch.fx.GraphModule, pins: Mapping[str, int], default_par
         if n.op == "output":
             ins = [meta.STAGE.get(a) for a in n.all_input_nodes if a.op in COMPUTE_OPS]
             meta.STAGE.set(n, int(max(ins, default=num_stages - 1)))
-    _check_forward(nodes)
+    if check_forward:
+        _check_forward(nodes)
     return new
 
 

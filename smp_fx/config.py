@@ -21,7 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from cost_model import schedule as sched
 from cost_model.errors import SMPConfigError, not_implemented
+from cost_model.schedule import SCHEDULE_NAMES, SPLIT_BACKWARD
 from passes.partition_config import CheckpointRule, PartitionConfig
 from smp_fx.topology import Topology, normalize_placement
 
@@ -50,6 +52,9 @@ class Param:
     choices: tuple[str, ...] = ()
     used_at: str = ""
     doc: str = ""
+    planned_values: tuple[str, ...] = ()
+    """Values that plan (``smp-fx partition``) but whose runtime is not built yet: setting
+    one raises ``SMPNotImplementedError`` at ``used_at``."""
 
 
 _P = Param
@@ -57,7 +62,15 @@ PARAMS: tuple[Param, ...] = (
     _P("pipeline_parallel_degree", int, None, minimum=1,
        doc="required; number of pipeline stages (alias: partitions)"),
     _P("microbatches", int, 1, minimum=1, doc="microbatches per step; batch must divide"),
-    _P("pipeline", str, "interleaved", choices=("interleaved", "simple"), doc="schedule"),
+    _P("pipeline", str, "interleaved", choices=SCHEDULE_NAMES, used_at="DistributedModel",
+       planned_values=SPLIT_BACKWARD,
+       doc="schedule: simple (GPipe; looped BFS at v > 1), interleaved (1F1B; Megatron's "
+           "interleaved 1F1B at v > 1), zero_bubble (ZB-H1; interleaved zero bubble at "
+           "v > 1), zbv (ZB-V, v = 2); the last two are smp-fx extensions (docs/schedules.md)"),
+    _P("virtual_pipeline_degree", int, 1, PLANNED, minimum=1, used_at="DistributedModel",
+       doc="smp-fx extension (SMP has no such key): chunks (virtual stages) per pipeline "
+           "rank; interleaved and zero_bubble at v > 1 need microbatches a multiple of "
+           "pipeline_parallel_degree, zbv needs 2 (docs/schedules.md)"),
     _P("optimize", str, "memory", choices=("memory", "speed"),
        doc="sets memory_weight's default; at tp > 1, memory: sequence-parallel activations"
            " between the tp pairs"),
@@ -68,7 +81,9 @@ PARAMS: tuple[Param, ...] = (
     _P("memory_weight", float, None, minimum=0.0, maximum=1.0,
        doc="0.2 if optimize is speed, else 0.8"),
     _P("ddp", bool, False, doc="data parallelism over the dp group"),
-    _P("active_microbatches", int, None, minimum=1, doc="default pipeline_parallel_degree + 2"),
+    _P("active_microbatches", int, None, minimum=1,
+       doc="default pipeline_parallel_degree + 2 where the schedule's warm-up obeys a cap "
+           "(simple; interleaved and zero_bubble at v = 1), else microbatches"),
     _P("deterministic_server", bool, False,
        doc="accepted; smp-fx's executor is deterministic by construction"),
     _P("offload_activations", bool, False,
@@ -117,6 +132,7 @@ class SMPConfig:
     pipeline_parallel_degree: int
     microbatches: int = 1
     pipeline: str = "interleaved"
+    virtual_pipeline_degree: int = 1
     optimize: str = "memory"
     placement_strategy: str = "cluster"
     auto_partition: bool = True
@@ -161,9 +177,13 @@ class SMPConfig:
         feature is not built. Call it where the feature would be used (see ``Param.used_at``).
         """
         param = _known(name)
+        value = getattr(self, name)
+        if value in param.planned_values:
+            raise not_implemented(
+                f"{name}={value!r} plans (smp-fx partition) but does not run yet", name,
+                f"use smp-fx partition to inspect it; run with {name}={param.default!r}")
         if param.status == IMPLEMENTED:
             return
-        value = getattr(self, name)
         if value != param.default:
             raise not_implemented(
                 f"{param.status}; set to {value!r}, default {param.default!r}", name,
@@ -190,7 +210,8 @@ class SMPConfig:
             active_microbatches=self.active_microbatches, auto_partition=self.auto_partition,
             default_partition=self.default_partition,
             optimizer_state_factor=optimizer_state_factor, device=device,
-            checkpointing=checkpointing, offload_activations=self.offload_activations)
+            checkpointing=checkpointing, offload_activations=self.offload_activations,
+            virtual_stages=self.virtual_pipeline_degree)
 
     def to_json(self) -> str:
         return json.dumps({"schema": SCHEMA_VERSION, "values": self.values(),
@@ -328,7 +349,9 @@ def _resolve(given: dict[str, Any]) -> SMPConfig:
     if values["memory_weight"] is None:
         values["memory_weight"] = 0.2 if values["optimize"] == "speed" else 0.8
     if values["active_microbatches"] is None:
-        values["active_microbatches"] = pp + 2
+        values["active_microbatches"] = sched.default_active(
+            values["pipeline"], pp, values["microbatches"], values["virtual_pipeline_degree"])
+    _check_schedule(values, "active_microbatches" in given)
     if not values["auto_partition"] and "default_partition" not in given:
         raise SMPConfigError.build("'auto_partition': false requires 'default_partition'",
                                    None, where, "add 'default_partition' (a stage index)")
@@ -349,6 +372,18 @@ def _resolve(given: dict[str, Any]) -> SMPConfig:
                                    values["tensor_parallel_degree"], where, "set 'ddp': true")
     _check_sharding(values, where)
     return SMPConfig(**values, explicit=frozenset(given))
+
+
+def _check_schedule(values: dict[str, Any], cap_given: bool) -> None:
+    """The schedule, chunks per rank and microbatches must make a schedule that runs: the
+    generator's own checks (``cost_model.schedule``) raise ``SMPConfigError`` saying what
+    would work (a microbatch count the interleaving cannot take, ``zbv`` at v != 2, a cap
+    below the schedule's fixed warm-up)."""
+    name, pp, m = values["pipeline"], values["pipeline_parallel_degree"], values["microbatches"]
+    v = values["virtual_pipeline_degree"]
+    sched.check_virtual(name, pp, m, v)
+    if cap_given and sched.default_active(name, pp, m, v) == m:  # a fixed warm-up: its peak
+        sched.generate(name, pp, m, values["active_microbatches"], virtual_stages=v)
 
 
 def _check_sharding(values: dict[str, Any], where: str) -> None:
@@ -425,11 +460,14 @@ def parameter_table() -> str:
     for p in PARAMS:
         default = {"pipeline_parallel_degree": "required", "memory_weight":
                    "0.2 if optimize is speed else 0.8", "active_microbatches":
-                   "pipeline_parallel_degree + 2"}.get(p.name, repr(p.default))
+                   "see notes"}.get(p.name, repr(p.default))
         kind = " / ".join(p.choices) if p.choices else p.kind.__name__
         rng = "" if p.minimum is None else f" >= {p.minimum}"
         rng += "" if p.maximum is None else f", <= {p.maximum}"
-        notes = "; ".join(x for x in (p.doc, p.used_at and f"checked at {p.used_at}") if x)
+        planned = p.planned_values and (f"{' and '.join(p.planned_values)} plan but do not "
+                                        "run yet")
+        notes = "; ".join(x for x in (p.doc, planned, p.used_at and f"checked at {p.used_at}")
+                          if x)
         rows.append(f"| `{p.name}` | {kind}{rng} | {default} | {p.status} | {notes} |")
     for alias, target in ALIASES.items():
         rows.append(f"| `{alias}` | alias | | {IMPLEMENTED} | same as `{target}` |")

@@ -41,7 +41,7 @@ def greedy(placement: Sequence[int], num_microbatches: int, active: int, split: 
 
     >>> from cost_model.actions import format_schedule
     >>> format_schedule(greedy((0, 0, 1, 1), 2, 2, split=False))
-    ['0F0 1F0 0F1 1F1 1B0 0B0 1B1 0B1', '2F0 3F0 3B0 2F1 2B0 3F1 3B1 2B1']
+    ['0F0 1F0 0F1 1F1 1B0 0B0 1B1 0B1', '2F0 3F0 3B0 2B0 2F1 3F1 3B1 2B1']
     """
     n, m = len(placement), num_microbatches
     ranks = 1 + max(placement, default=-1)

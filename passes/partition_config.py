@@ -150,8 +150,11 @@ class PartitionConfig:
     def _peaks(self) -> dict[int, int]:
         return sched.chunk_peaks(self.schedule())
 
-    def inflight(self, stage: int) -> int:
-        """Microbatches whose saved activations chunk ``stage`` holds at its peak."""
+    def inflight(self, stage: int, placement: sched.Placement | None = None) -> int:
+        """Microbatches whose saved activations chunk ``stage`` holds at its peak (under
+        ``placement``, default ``placement``)."""
+        if placement is not None and tuple(placement) != self.placement:
+            return sched.chunk_peaks(self.schedule(placement)).get(stage, 0)
         return self._peaks.get(stage, 0)
 
     def to_json(self) -> dict[str, Any]:

@@ -238,11 +238,11 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
     costs = {n: _cost(n) for n in stages}
     # the partitioner's own objective, so plan and partitioner can never disagree
     problem = problem_from_graph(gm)
-    objective_fn = make_objective(problem, pconfig, comm)
+    objective_fn = make_objective(problem, pconfig, comm, placement=rank_of)
     by_name = {n.name: s for n, s in stages.items()}
     scored = summarize(problem, objective_fn,
                        np.asarray([by_name[x] for x in problem.names], dtype=np.int64), strategy)
-    inflight = [pconfig.inflight(s) for s in range(p)]
+    inflight = list(objective_fn.inflight)
 
     stage_plans: list[StagePlan] = []
     for s in range(p):
@@ -283,7 +283,8 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
             wgrad_time_s=_r(min(wg.time_s, bwd_t)) if wg is not None else 0.0))
 
     objective = max(sp.cost for sp in stage_plans)
-    shared = tuple(SharedParam(tuple(names_of[t]), bytes_of[t], tuple(sorted(readers[t])))
+    shared = tuple(SharedParam(tuple(names_of[t]), bytes_of[t], tuple(sorted(readers[t])),
+                               _handling(sorted(readers[t]), rank_of))
                    for t in readers if len(readers[t]) > 1)
     plan = PartitionPlan(
         config=pconfig, device=_to_json(spec.to_json()), stages=tuple(stage_plans),
@@ -302,14 +303,28 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
                                bubble_rate=_r(sim.bubble_rate) if detail else 0.0)
 
 
+def _handling(chunks: Sequence[int], rank_of: Sequence[int]) -> str:
+    """How a parameter read by several chunks is held: one copy when they share a rank."""
+    ranks = sorted({rank_of[c] for c in chunks})
+    if len(ranks) == 1:
+        return (f"one copy on rank {ranks[0]}, shared by its chunks; gradients accumulate "
+                "in place")
+    return SHARED_HANDLING
+
+
 def _rank_plans(plan: PartitionPlan, sim: SimResult) -> tuple[RankPlan, ...]:
-    """Each rank's chunks and memory: the chunks' static bytes, the simulated peak of what
-    they keep for backward (a pending W holding its share), their largest transient."""
+    """Each rank's chunks and memory: the chunks' static bytes (a parameter two of its
+    chunks read counted once), the simulated peak of what they keep for backward (a
+    pending W holding its share), their largest transient."""
+    factor = 2.0 + plan.config.optimizer_state_factor
     out = []
     for r in range(plan.num_ranks):
         chunks = tuple(c for c, owner in enumerate(plan.rank_of) if owner == r)
         mems = [plan.stages[c].memory for c in chunks]
         static = sum(m.params + m.grads + m.optimizer_state + m.buffers for m in mems)
+        for sh in plan.shared_params:
+            copies = sum(1 for c in sh.stages if plan.rank_of[c] == r)
+            static -= int(round(max(copies - 1, 0) * factor * sh.nbytes))
         transient = max((m.recompute_transient for m in mems), default=0)
         static_sim = sum(plan.stages[c].memory.total - plan.stages[c].memory.activations
                          for c in chunks)

@@ -46,6 +46,7 @@ import networkx as nx
 import numpy as np
 
 from cost_model import roofline
+from cost_model import schedule as sched
 from cost_model.devices import DEFAULT_DEVICE, get_device
 from passes.partition_config import PartitionConfig
 from passes.partitioning.chain import Ints, Values
@@ -268,14 +269,17 @@ class Objective:
 
 def make_objective(problem: DagProblem, cfg: PartitionConfig,
                    comm_time: CommTime | None = None,
-                   link_time: CommTime | None = None) -> Objective:
+                   link_time: CommTime | None = None,
+                   placement: Sequence[int] | None = None) -> Objective:
     """The objective for ``problem`` under ``cfg``.
 
     ``comm_time(bytes)`` is the duration of one transfer (reported, and simulated);
     ``link_time(bytes)`` the link occupancy the objective charges. Both come from a device
     spec, the one link model (``cost_model.roofline.comm_time`` / ``link_time``); without
     them, the default spec's (``cost_model.devices.DEFAULT_DEVICE``). A ``comm_time`` alone
-    implies ``link_occupancy(comm_time)``.
+    implies ``link_occupancy(comm_time)``. ``placement`` (the rank of every chunk; default
+    the pipeline's, ``PartitionConfig.placement``) decides which boundaries stay on a rank
+    and how many microbatches each chunk holds.
     """
     k = cfg.num_chunks
     factor = 2.0 + cfg.optimizer_state_factor
@@ -287,10 +291,12 @@ def make_objective(problem: DagProblem, cfg: PartitionConfig,
         link_time = link_time or default_link
     if link_time is None:
         link_time = link_occupancy(comm_time)
-    place = cfg.placement
+    place = tuple(placement) if placement is not None else cfg.placement
     local = tuple(place[c] == place[c + 1] for c in range(k - 1)) + (True,)
+    peaks = (sched.chunk_peaks(cfg.schedule(place)) if place != cfg.placement
+             else {s: cfg.inflight(s) for s in range(k)})
     return Objective(k, float(cfg.memory_weight), t_total, m_total, factor,
-                     tuple(cfg.inflight(s) for s in range(k)), comm_time, link_time,
+                     tuple(peaks.get(s, 0) for s in range(k)), comm_time, link_time,
                      local if any(local[:-1]) else ())
 
 

@@ -61,12 +61,33 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]],
     return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
+def shape_words(plan: PartitionPlan) -> str:
+    """``4 stages``, or ``4 ranks x 2 chunks`` when a rank holds several."""
+    v = plan.config.virtual_stages
+    return (f"{plan.num_ranks} ranks x {v} chunks" if v > 1
+            else f"{len(plan.stages)} stages")
+
+
 def summary_line(plan: PartitionPlan) -> str:
-    """Objective, lower bound, their ratio, predicted step time and bubble, on one line."""
+    """Objective, lower bound, their ratio, predicted step time and bubble, on one line
+    (with the papers' bubble rate, idle over ideal, for the smp-fx schedules)."""
     c = plan.config
+    rate = f" (rate {plan.bubble_rate:.1%})" if plan.ranks else ""
     return (f"objective {plan.objective:.4f}  lower bound {plan.lower_bound:.4f}  "
             f"ratio {plan.ratio:.3f}  step {human_time(plan.step_time_s)} "
-            f"({c.pipeline}, {c.microbatches} microbatches)  bubble {plan.bubble_fraction:.1%}")
+            f"({c.pipeline}, {c.microbatches} microbatches)  bubble {plan.bubble_fraction:.1%}"
+            f"{rate}")
+
+
+def format_ranks(plan: PartitionPlan) -> list[str]:
+    """One row per rank: its chunks, their time, and its memory at the schedule's peak."""
+    header = ["rank", "chunks", "time", "static", "activations", "memory"]
+    rows = []
+    for r in plan.ranks:
+        time_s = sum(plan.stages[c].fwd_time_s + plan.stages[c].bwd_time_s for c in r.chunks)
+        rows.append([str(r.index), ", ".join(map(str, r.chunks)), human_time(time_s),
+                     human_bytes(r.static), human_bytes(r.activations), human_bytes(r.total)])
+    return _table(header, rows, [True, False, True, True, True, True])
 
 
 def format_tensor_parallel(tp_plan: TensorParallelPlan, full: dict[str, Any]) -> str:
@@ -98,23 +119,32 @@ def format_tensor_parallel(tp_plan: TensorParallelPlan, full: dict[str, Any]) ->
 
 
 def format_table(plan: PartitionPlan) -> str:
-    """The per-stage table the CLI prints; ``*`` marks the bottleneck stage."""
-    header = ["stage", "modules", "params", "param mem", "FLOPs", "time", "comm", "memory",
-              "in flight", "recv", "send", "cost"]
+    """The per-stage table the CLI prints; ``*`` marks the bottleneck stage. With several
+    chunks per rank a stage is a chunk: a ``rank`` column, then ``format_ranks``."""
+    chunked = plan.config.virtual_stages > 1
+    header = ["stage", *(["rank"] if chunked else []), "modules", "params", "param mem",
+              "FLOPs", "time", "comm", "memory", "in flight", "recv", "send", "cost"]
     rows = []
     for st in plan.stages:
         mark = "*" if st.index == plan.bottleneck_stage else " "
-        rows.append([f"{mark}{st.index}", _modules_cell(st.modules), str(len(st.params)),
+        rows.append([f"{mark}{st.index}",
+                     *([str(plan.rank_of[st.index])] if chunked else []),
+                     _modules_cell(st.modules), str(len(st.params)),
                      human_bytes(st.param_bytes), human_count(st.flops, "F"),
                      human_time(st.time_s), human_time(st.comm_time_s),
                      human_bytes(st.memory.total), str(st.memory.in_flight),
                      human_bytes(plan.stages[st.index - 1].out_bytes if st.index else 0),
                      human_bytes(st.out_bytes),
                      f"{st.cost:.4f}"])
-    right = [True, False] + [True] * 10
-    lines = [f"plan: {len(plan.stages)} stages on {plan.device.get('name')}, memory_weight "
-             f"{plan.config.memory_weight}, strategy {plan.strategy}"]
+    right = [True, *([True] if chunked else []), False] + [True] * 10
+    kind = "chunks" if chunked else "stages"
+    lines = [f"plan: {len(plan.stages)} {kind} on {plan.device.get('name')}"
+             + (f" ({shape_words(plan)}, placement {list(plan.rank_of)})" if chunked else "")
+             + f", memory_weight {plan.config.memory_weight}, strategy {plan.strategy}"]
     lines += _table(header, rows, right)
+    if plan.ranks:
+        lines.append("")
+        lines += format_ranks(plan)
     for sp in plan.shared_params:
         lines.append(f"shared: {', '.join(sp.names)} ({human_bytes(sp.nbytes)}) on stages "
                      f"{', '.join(map(str, sp.stages))}: {sp.handling}")

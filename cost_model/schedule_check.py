@@ -212,8 +212,8 @@ def validate(schedule: Sequence[Sequence[Action]], num_stages: int, num_microbat
 def draw(schedule: Sequence[Sequence[Action]]) -> str:
     """ASCII table of the unit-clock execution: one row per rank, one column per tick.
 
-    With one chunk per rank a cell reads ``F0`` (kind, microbatch); with several it names
-    the chunk too: ``2F0``.
+    With one chunk per rank a row is a stage and a cell reads ``F0`` (kind, microbatch);
+    with several a row is a rank and a cell names the chunk too: ``2F0``.
     """
     ticks = clock(schedule)
     several = num_chunks_of(schedule) > len(schedule)
@@ -221,7 +221,8 @@ def draw(schedule: Sequence[Sequence[Action]]) -> str:
     def cell(a: Action) -> str:
         return str(a) if several else f"{a.kind}{a.microbatch}"
 
-    labels = ["clock"] + [f"stage{s}" for s in range(len(schedule))]
+    row = "rank" if several else "stage"
+    labels = ["clock"] + [f"{row}{s}" for s in range(len(schedule))]
     label_w = max(len(x) for x in labels)
     cell_w = max([len(cell(a)) for s in schedule for a in s] + [len(str(len(ticks) - 1))])
     lines = ["  ".join([labels[0].ljust(label_w)]

@@ -266,4 +266,4 @@ def test_validate_with_chunks_checks_dependencies_across_ranks() -> None:
 
 def test_draw_names_chunks_when_a_rank_has_several() -> None:
     assert draw(generate("zbv", 1, 1, virtual_stages=2)).splitlines()[1] == (
-        "stage0  0F0  1F0  1I0  1W0  0I0  0W0")
+        "rank0  0F0  1F0  1I0  1W0  0I0  0W0")

@@ -221,8 +221,8 @@ def draw(schedule: Sequence[Sequence[Action]]) -> str:
     def cell(a: Action) -> str:
         return str(a) if several else f"{a.kind}{a.microbatch}"
 
-    row = "rank" if several else "stage"
-    labels = ["clock"] + [f"{row}{s}" for s in range(len(schedule))]
+    word = "rank" if several else "stage"
+    labels = ["clock"] + [f"{word}{s}" for s in range(len(schedule))]
     label_w = max(len(x) for x in labels)
     cell_w = max([len(cell(a)) for s in schedule for a in s] + [len(str(len(ticks) - 1))])
     lines = ["  ".join([labels[0].ljust(label_w)]

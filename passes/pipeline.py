@@ -1,6 +1,6 @@
 """``compile_model``: the one readable list of compile passes, from a module to a plan.
 
-DESIGN.md's data flow, in order::
+The compiler's data flow (docs/architecture.md), in order::
 
     trace -> shape_prop -> annotate_costs -> [mark_regions] -> (assign_manual |
     auto_partition) -> [settle_regions] -> build_plan

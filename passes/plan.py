@@ -11,7 +11,7 @@ plan's device spec. The JSON form is deterministic
 (sorted keys, floats rounded to 10 significant digits when the plan is built) so golden
 files compare exactly and ``from_json(to_json(p)) == p``.
 
-The objective is DESIGN.md's, evaluated by the partitioner's own code
+The objective is SMP's (docs/architecture.md), evaluated by the partitioner's own code
 (``passes.partitioning.problem``): stage cost = ``(1 - w) * time_s / time_total + w *
 memory_s / memory_total`` with ``w`` = memory_weight; ``objective`` is the largest stage
 cost and ``lower_bound`` = max(sum of node costs / stages, largest node cost) in the same

@@ -44,7 +44,7 @@ class BoundaryTensor:
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes one stage needs at its peak (DESIGN.md "Costs": static + saved x in flight).
+    """Bytes one stage needs at its peak (docs/memory.md: static + saved x in flight).
 
     With activation checkpointing a region keeps only its inputs (in
     ``activations_per_microbatch``); while one region is recomputed its own saved values

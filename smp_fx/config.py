@@ -1,4 +1,4 @@
-"""The SMP configuration: every parameter of the seed's table, typed, range-checked, defaulted.
+"""The SMP configuration: every parameter of SMP's table, typed, range-checked, defaulted.
 
 ``load_config`` merges a dict (or a JSON file) with ``SM_HP_MP_PARAMETERS`` (JSON, as
 SageMaker sets it; it wins) and returns a frozen ``SMPConfig`` whose attribute names are the
@@ -308,7 +308,7 @@ def _check_value(p: Param, value: Any, where: str, key: str) -> Any:
         return value
     if p.kind is int:
         if isinstance(value, float) and value.is_integer():
-            value = int(value)  # the seed writes 5e8 for integer sizes
+            value = int(value)  # SMP's documentation writes 5e8 for integer sizes
         if isinstance(value, bool) or not isinstance(value, int):
             raise SMPConfigError.build(f"'{key}' must be an int", value, place,
                                        "use a whole number")

@@ -169,7 +169,7 @@ class Topology:
         return out
 
     def table(self) -> str:
-        """The seed's table layout: one row per rank with rdp, pp and tp ranks."""
+        """The table layout of SMP's documentation: one row per rank with rdp, pp and tp ranks."""
         rows = ["rank rdp_rank pp_rank tp_rank"]
         for r in range(self.world_size):
             pp, tp, rdp = self.coords(r)

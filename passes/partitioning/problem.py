@@ -6,7 +6,7 @@ their bytes, producer and consumers), parameters with their readers, module path
 the module-tree and layer baselines) and pins. It holds no torch objects, so algorithms
 and benchmarks can build one from random numbers (``DagProblem.chain``).
 
-The objective (DESIGN.md "Partitioning") for stage ``s`` is
+The objective (docs/architecture.md, "Partitioning") for stage ``s`` is
 
     (1 - w) * max(time_s, link_time(bytes_s)) / T + w * memory_s / M
 

@@ -10,7 +10,7 @@ How creation is recorded, without touching the user's model: a thread-local stac
 indices, and a ``WeakKeyDictionary`` module -> index (modules stay collectable; nothing is
 stored on them). torch has no global *construction* hook: its global
 ``register_module_module_registration_hook`` fires when a module is assigned to a parent,
-which is not the seed's rule (a module built inside a context and attached outside it, or
+which is not SMP's rule (a module built inside a context and attached outside it, or
 a root model built inside one, would be missed; one built outside and attached inside
 would be wrongly pinned). So while at least one context is open in any thread,
 ``nn.Module.__init__`` is wrapped by a recorder that notes the innermost index of the
@@ -19,7 +19,7 @@ when the last one closes (counted under a lock, so it is re-entrant and thread-s
 modules created with no context open in their thread are not recorded.
 
 The index is checked against the number of partitions when the plan is made
-(``passes.assign_manual``), because the seed's scripts may build the model before or after
+(``passes.assign_manual``), because SMP scripts may build the model before or after
 ``smp.init``; a negative or non-int index is rejected at once.
 
 Example::

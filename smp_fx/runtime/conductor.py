@@ -3,7 +3,7 @@
 The user's step function runs once per microbatch. ``model(...)`` posts an F request and
 waits for the model outputs; ``model.backward(...)`` posts a B request and returns once it
 cannot run the next op itself: the backward runs at its turn in the schedule, and gradients
-are complete when ``smp.step`` returns (where the seed says optimizer.step() belongs), so a
+are complete when ``smp.step`` returns (where SMP's documentation puts optimizer.step()), so a
 step function that has asked for its backward needs no thread of its own any more and the
 calling thread moves on to the next microbatch. Turns are granted strictly by position in
 the op list (``smp_fx.runtime.lowering``), so every rank issues its sends and receives in

@@ -127,6 +127,17 @@ def check_virtual(name: str, num_ranks: int, num_microbatches: int, virtual: int
             "pipeline 'simple' (looped BFS) or 'zbv'")
 
 
+def check_config(name: str, num_ranks: int, num_microbatches: int, virtual: int,
+                 active_given: int | None) -> None:
+    """What ``smp.init`` checks of a schedule: ``check_virtual``, and an explicit
+    ``active_microbatches`` below what a fixed warm-up (the interleaved orders at v > 1,
+    ZB-V) holds. Both raise ``ScheduleError`` (an ``SMPConfigError``) with what works."""
+    check_virtual(name, num_ranks, num_microbatches, virtual)
+    if active_given is not None and default_active(name, num_ranks, num_microbatches,
+                                                   virtual) == num_microbatches:
+        generate(name, num_ranks, num_microbatches, active_given, virtual_stages=virtual)
+
+
 def _waves(m: int, active: int) -> list[range]:
     return [range(start, min(start + active, m)) for start in range(0, m, active)]
 
@@ -327,7 +338,8 @@ def generate(name: str, num_stages: int, num_microbatches: int,
 
 
 __all__ = ["BACKWARD", "FORWARD", "INPUT_GRAD", "SCHEDULE_NAMES", "SPLIT_BACKWARD",
-           "WEIGHT_GRAD", "Action", "Placement", "Schedule", "check_virtual", "chunk_peaks",
+           "WEIGHT_GRAD", "Action", "Placement", "Schedule", "check_config", "check_virtual",
+           "chunk_peaks",
            "chunks_of", "clock", "default_active", "default_placement", "draw",
            "format_schedule", "generate", "in_flight", "microbatches_in_flight",
            "num_chunks_of", "parse_schedule", "placement_of", "round_robin", "v_shape",

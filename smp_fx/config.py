@@ -52,9 +52,7 @@ class Param:
     choices: tuple[str, ...] = ()
     used_at: str = ""
     doc: str = ""
-    planned_values: tuple[str, ...] = ()
-    """Values that plan (``smp-fx partition``) but whose runtime is not built yet: setting
-    one raises ``SMPNotImplementedError`` at ``used_at``."""
+    planned_values: tuple[str, ...] = ()  # plan (smp-fx partition) but raise at used_at
 
 
 _P = Param
@@ -64,13 +62,10 @@ PARAMS: tuple[Param, ...] = (
     _P("microbatches", int, 1, minimum=1, doc="microbatches per step; batch must divide"),
     _P("pipeline", str, "interleaved", choices=SCHEDULE_NAMES, used_at="DistributedModel",
        planned_values=SPLIT_BACKWARD,
-       doc="schedule: simple (GPipe; looped BFS at v > 1), interleaved (1F1B; Megatron's "
-           "interleaved 1F1B at v > 1), zero_bubble (ZB-H1; interleaved zero bubble at "
-           "v > 1), zbv (ZB-V, v = 2); the last two are smp-fx extensions (docs/schedules.md)"),
+       doc="schedule (docs/schedules.md); zero_bubble and zbv are smp-fx extensions"),
     _P("virtual_pipeline_degree", int, 1, PLANNED, minimum=1, used_at="DistributedModel",
-       doc="smp-fx extension (SMP has no such key): chunks (virtual stages) per pipeline "
-           "rank; interleaved and zero_bubble at v > 1 need microbatches a multiple of "
-           "pipeline_parallel_degree, zbv needs 2 (docs/schedules.md)"),
+       doc="smp-fx extension (SMP has no such key): chunks per pipeline rank "
+           "(docs/schedules.md)"),
     _P("optimize", str, "memory", choices=("memory", "speed"),
        doc="sets memory_weight's default; at tp > 1, memory: sequence-parallel activations"
            " between the tp pairs"),
@@ -81,9 +76,8 @@ PARAMS: tuple[Param, ...] = (
     _P("memory_weight", float, None, minimum=0.0, maximum=1.0,
        doc="0.2 if optimize is speed, else 0.8"),
     _P("ddp", bool, False, doc="data parallelism over the dp group"),
-    _P("active_microbatches", int, None, minimum=1,
-       doc="default pipeline_parallel_degree + 2 where the schedule's warm-up obeys a cap "
-           "(simple; interleaved and zero_bubble at v = 1), else microbatches"),
+    _P("active_microbatches", int, None, minimum=1, doc="pipeline_parallel_degree + 2 where "
+       "a cap shortens the warm-up (simple; v = 1), else microbatches"),
     _P("deterministic_server", bool, False,
        doc="accepted; smp-fx's executor is deterministic by construction"),
     _P("offload_activations", bool, False,
@@ -179,9 +173,8 @@ class SMPConfig:
         param = _known(name)
         value = getattr(self, name)
         if value in param.planned_values:
-            raise not_implemented(
-                f"{name}={value!r} plans (smp-fx partition) but does not run yet", name,
-                f"use smp-fx partition to inspect it; run with {name}={param.default!r}")
+            raise not_implemented(f"{name}={value!r} plans but does not run yet", name,
+                                  f"inspect it with smp-fx partition; run {param.default!r}")
         if param.status == IMPLEMENTED:
             return
         if value != param.default:
@@ -351,7 +344,9 @@ def _resolve(given: dict[str, Any]) -> SMPConfig:
     if values["active_microbatches"] is None:
         values["active_microbatches"] = sched.default_active(
             values["pipeline"], pp, values["microbatches"], values["virtual_pipeline_degree"])
-    _check_schedule(values, "active_microbatches" in given)
+    sched.check_config(values["pipeline"], pp, values["microbatches"],
+                       values["virtual_pipeline_degree"],
+                       values["active_microbatches"] if "active_microbatches" in given else None)
     if not values["auto_partition"] and "default_partition" not in given:
         raise SMPConfigError.build("'auto_partition': false requires 'default_partition'",
                                    None, where, "add 'default_partition' (a stage index)")
@@ -372,18 +367,6 @@ def _resolve(given: dict[str, Any]) -> SMPConfig:
                                    values["tensor_parallel_degree"], where, "set 'ddp': true")
     _check_sharding(values, where)
     return SMPConfig(**values, explicit=frozenset(given))
-
-
-def _check_schedule(values: dict[str, Any], cap_given: bool) -> None:
-    """The schedule, chunks per rank and microbatches must make a schedule that runs: the
-    generator's own checks (``cost_model.schedule``) raise ``SMPConfigError`` saying what
-    would work (a microbatch count the interleaving cannot take, ``zbv`` at v != 2, a cap
-    below the schedule's fixed warm-up)."""
-    name, pp, m = values["pipeline"], values["pipeline_parallel_degree"], values["microbatches"]
-    v = values["virtual_pipeline_degree"]
-    sched.check_virtual(name, pp, m, v)
-    if cap_given and sched.default_active(name, pp, m, v) == m:  # a fixed warm-up: its peak
-        sched.generate(name, pp, m, values["active_microbatches"], virtual_stages=v)
 
 
 def _check_sharding(values: dict[str, Any], where: str) -> None:

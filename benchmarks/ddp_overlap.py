@@ -89,7 +89,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
     # the reduction alone (what overlapping can hide at best): the last model's buckets
     from smp_fx.parallel.ddp import allreduce_grads
 
-    dp = model._ddp
+    dp = model.parallelized.data_parallel
     times["reduction alone"] = []
     for _ in range(args.steps):
         for p in model.local_parameters():

@@ -11,6 +11,10 @@ points inside an ``smp.step`` function where the pipeline takes over.
 Tied parameters (one ``Parameter`` read on several stages): in-process the stages share the
 very object, so autograd sums its gradient; across processes each owning rank holds a replica
 and the replicas' gradients are all-reduced over a group of the owners after every step.
+
+What runs the partitioned model (stages, runners, executor, and every parallelism in its
+order) is one value, ``parallelized``, built by ``smp_fx.parallel.build.parallelize``.
+Optimizers bind to it through ``DistributedOptimizer.bind``.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ import inspect
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,19 +46,16 @@ from smp_fx.ckpt.mixins import ModelCheckpointMixin
 from smp_fx.marking.delayed_init import is_delayed, materialize
 from smp_fx.marking.tp_register import replace_registered
 from smp_fx.model_options import ModelOptions
-from smp_fx.parallel import clip, ddp, sdp
-from smp_fx.parallel.tensor_parallel import TensorParallelRuntime
-from smp_fx.parallel.tied import TiedReplicas
+from smp_fx.optimizer import DistributedOptimizer
+from smp_fx.parallel import clip, ddp
+from smp_fx.parallel.build import Parallelized, parallelize
 from smp_fx.runtime import executor as ex
 from smp_fx.runtime.lowering import cached_schedule
 from smp_fx.runtime.modes import Autocast, autocast_state
-from smp_fx.runtime.placement import place_stages
+from smp_fx.runtime.placement import multi_process
 from smp_fx.runtime.planning import plan_stages
-from smp_fx.runtime.shapes import ShapeGuard
+from smp_fx.runtime.seams import StageRunner
 from smp_fx.world import context, state
-
-if TYPE_CHECKING:
-    from smp_fx.optimizer import DistributedOptimizer
 
 log = logging.getLogger("smp_fx.model")
 
@@ -76,7 +77,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         again for every evaluation, which must run on the same partition and parameters."""
         module = args[0] if args else kwargs.get("module")
         current = context.current_model()
-        if current is not None and type(current) is cls and current.module is module:
+        if isinstance(current, cls) and type(current) is cls and current.module is module:
             return current
         return super().__new__(cls)
 
@@ -103,16 +104,12 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         replace_registered(module)  # smp.tp_register: marked instances -> distributed
         self.module = module
         self.options = options
-        self._program: StagedProgram | None = None
-        self._executor: ex.Executor | None = None
-        self._runners: dict[int, ex.StageRunner] = {}
+        self._parallelized: Parallelized | None = None  # once partitioned
         self._hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._post_step_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizers: list[DistributedOptimizer] = []
-        self._tied = TiedReplicas([])
-        self._tied_duplicates: frozenset[str] = frozenset()
-        # tied gradients as they were when the current reduction window began (already
-        # summed over the owners): only what the window adds is summed again
+        # join() before the first step: the data parallelism the build will apply
+        self._early_dp: ddp.DataParallel | None = None
         self._fqn_by_id = {id(p): n for n, p in module.named_parameters()}
         # every alias of a parameter -> its first name (tied weights), fixed before any
         # materialisation replaces parameter objects
@@ -120,11 +117,6 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
                                 module.named_parameters(remove_duplicate=False)}
         self.plan: PartitionPlan | None = None  # once partitioned
         self.tp_plan: TensorParallelPlan | None = None  # once partitioned, with tp > 1
-        self._tp: TensorParallelRuntime | None = None
-        self._shapes: ShapeGuard | None = None  # once partitioned
-        self._ddp: ddp.DataParallel | None = None
-        self._sdp: sdp.ShardedDataParallel | None = None
-        self._loss_scale: Callable[[], float] | None = None
         cfg = state.get().config if state.is_initialized() else None
         self._fp16 = bool(cfg is not None and cfg.fp16)
         if cfg is not None and (cfg.fp16 or cfg.fp16_params):
@@ -132,33 +124,38 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         context.set_current_model(self)
         checkpoint_api.adopt_pending(model=self)  # smp.resume_from_checkpoint came first
         for opt in context.waiting_optimizers():
-            if self.owns_parameters(opt.parameters_held()):
+            if isinstance(opt, DistributedOptimizer) and \
+                    self.owns_parameters(opt.parameters_held()):
                 opt.join_model(self)
 
     # ---- properties and the SMP methods ----------------------------------------------
     @property
     def partitioned(self) -> bool:
-        return self._program is not None
+        return self._parallelized is not None
+
+    @property
+    def parallelized(self) -> Parallelized:
+        """What runs the partitioned model: stages, runners, executor and the parallelisms
+        the build applied, in order (``smp_fx.parallel.build``)."""
+        if self._parallelized is None:
+            raise SMPRuntimeError.build("the model is not partitioned yet", None,
+                                        "DistributedModel", "call an smp.step function first")
+        return self._parallelized
 
     @property
     def program(self) -> StagedProgram:
-        if self._program is None:
-            raise SMPRuntimeError.build("the model is not partitioned yet", None,
-                                        "DistributedModel.program",
-                                        "call an smp.step function first")
-        return self._program
+        return self.parallelized.program
 
     @property
     def executor(self) -> ex.Executor:
-        assert self._executor is not None
-        return self._executor
+        return self.parallelized.executor
 
     def get_module(self) -> nn.Module:
         return self.module
 
     def is_distributed_parameter(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is a tensor-parallel shard (False before partitioning)."""
-        return self._tp is not None and self._tp.is_distributed(param)
+        return self._parallelized is not None and self._parallelized.is_distributed(param)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._fp16:  # FP16_Module: half inputs in, fp32 outputs out
@@ -166,31 +163,31 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         if context.capturing_inputs():
             raise context.Captured(args, kwargs, autocast_state())
         ctx = context.turn()
-        if ctx is None or self._executor is None or ctx[0] is not self._executor.conductor:
+        built = self._parallelized
+        if ctx is None or built is None or ctx[0] is not built.executor.conductor:
             raise SMPRuntimeError.build(OUTSIDE_STEP, None, "DistributedModel.__call__",
                                         "call the model inside an @smp.step function")
-        if self._shapes is not None:
-            self._shapes.check_call(args, kwargs)
+        built.shapes.check_call(args, kwargs)
         out = ctx[0].forward_request(ctx[1], args, kwargs)
         return fp16.float_outputs(out) if self._fp16 else out
 
     @property
     def loss_scale(self) -> float:
-        """What ``model.backward`` multiplies the loss by: the fp16 optimizer's loss scale
-        (``smp.DistributedOptimizer`` with ``fp16``), else 1."""
-        return self._loss_scale() if self._loss_scale is not None else 1.0
-
-    def set_loss_scale(self, scale: Callable[[], float]) -> None:
-        """Let an fp16 optimizer supply the loss scale of every later backward."""
-        self._loss_scale = scale
+        """What ``model.backward`` multiplies the loss by: the loss scale of the fp16
+        optimizer bound to the model (``smp.DistributedOptimizer`` with ``fp16``), else 1."""
+        built = self._parallelized
+        if built is None or built.precision is None:
+            return 1.0
+        return built.precision.loss_scale
 
     def backward(self, tensors: Any, grad_tensors: Any = None) -> None:
         """Distributed backward across the stages; like ``torch.autograd.backward``."""
         ctx = context.turn()
-        if ctx is None or self._executor is None or ctx[0] is not self._executor.conductor:
+        built = self._parallelized
+        if ctx is None or built is None or ctx[0] is not built.executor.conductor:
             raise SMPRuntimeError.build(OUTSIDE_STEP, None, "DistributedModel.backward",
                                         "call model.backward inside an @smp.step function")
-        self._executor.conductor.backward_request(ctx[1], tensors, grad_tensors)
+        ctx[0].backward_request(ctx[1], tensors, grad_tensors)
 
     def register_post_partition_hook(self, hook: Callable[..., Any]) -> RemovableHandle:
         """Run ``hook(model)`` (or ``hook(model, optimizer)``) right after partitioning."""
@@ -218,17 +215,18 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         return any(id(p) in self._fqn_by_id for p in params)
 
     def attach_optimizer(self, optimizer: DistributedOptimizer) -> None:
-        """Narrow ``optimizer`` to this rank's parameters at partitioning (at once if the
-        model is partitioned); the first one attached is what post-partition hooks get."""
+        """Bind ``optimizer`` to this rank's part of the model at partitioning (at once if
+        the model is partitioned); the first one attached is what post-partition hooks get."""
         self._optimizers.append(optimizer)
-        if self.partitioned:
-            optimizer._localize(self)
+        if self._parallelized is not None:
+            optimizer.bind(self._parallelized.binding())
 
     def tied_duplicates(self) -> frozenset[str]:
         """Local parameter names (``local_named_parameters``') that replicate a tied
         parameter a lower pipeline stage also holds (in-process stages share one object,
-        so there are none)."""
-        return self._tied_duplicates
+        so there are none; none before partitioning)."""
+        built = self._parallelized
+        return built.tied_duplicates if built is not None else frozenset()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False) -> torch.Tensor:
@@ -241,7 +239,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
     @property
     def shards_parameters(self) -> bool:
         """Whether sharded data parallelism holds the local parameters as shards."""
-        return self._sdp is not None
+        return self._parallelized is not None and self._parallelized.sharded is not None
 
     def local_state_dict(self) -> dict[str, Any]:
         """This rank's parameters and buffers (see ``ModelCheckpointMixin``)."""
@@ -264,7 +262,12 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
             raise not_implemented("DistributedModel.join() with sharded data parallelism",
                                   "sharded_data_parallel_degree",
                                   "give every data-parallel rank the same number of batches")
-        return ddp.join(self, throw_on_early_termination)
+        ddp.check_join()
+        if self._parallelized is not None:
+            dp = self._parallelized.data_parallel
+        else:  # the first step runs inside: the build applies this one
+            dp = self._early_dp = self._early_dp or ddp.controller(self.options)
+        return ddp.join(dp, throw_on_early_termination)
 
     def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
         seen: set[int] = set()
@@ -281,12 +284,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         """This rank's parameters by the names plain ``named_parameters()`` of the wrapped
         module gives: a tied parameter by its first registration (T5's ``shared.weight``,
         GPT-2's ``transformer.wte.weight``), whichever alias its stage reads it by."""
-        seen: set[int] = set()
-        for r in self._local_runners():
-            for name, p in r.stage.module.named_parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield self.canonical_names.get(name, name), p
+        return self._local().local_named_parameters()
 
     # As SMP's: the wrapped module's names, without a "module." prefix, so name-based
     # parameter groups built on the plain model apply unchanged to the DistributedModel.
@@ -316,11 +314,15 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
     def local_buffers(self) -> Iterator[torch.Tensor]:
         return (b for _, b in self.local_named_buffers())
 
-    def _local_runners(self) -> list[ex.StageRunner]:
-        if self._program is None:
+    def _local(self) -> Parallelized:
+        if self._parallelized is None:
             raise SMPRuntimeError.build("local_* methods need the partitioned model", None,
                                         "DistributedModel", "call an smp.step function first")
-        return [self._runners[s] for s in sorted(self._runners)]
+        return self._parallelized
+
+    def _local_runners(self) -> list[StageRunner]:
+        runners = self._local().runners
+        return [runners[s] for s in sorted(runners)]
 
     def to(self, *args: Any, **kwargs: Any) -> DistributedModel:
         log.info("smp-fx: DistributedModel.to(%s) ignored: each rank places its own stage",
@@ -333,7 +335,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
 
     def cpu(self) -> nn.Module:  # type: ignore[override]
         """Gather every stage's parameters and buffers onto CPU; returns the full module."""
-        if self._program is None or self._in_process:
+        if self._parallelized is None or not self._parallelized.multi:
             return self.module.cpu()
         local = {n: t.detach().cpu() for n, t in
                  list(self.local_named_parameters()) + list(self.local_named_buffers())}
@@ -352,23 +354,18 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         return full
 
     # ---- partitioning ------------------------------------------------------------------
-    @property
-    def _in_process(self) -> bool:
-        return self._transport_kind == "in_process"
-
     def _partition(self, args: tuple[Any, ...], kwargs: dict[str, Any],
                    autocast: Autocast = ()) -> None:
-        """Trace on one microbatch's model inputs, plan, split, place; same on every rank.
+        """Trace on one microbatch's model inputs, plan, then build; same on every rank.
 
-        Placing is ``smp_fx.runtime.placement``; what reads the model (tied-gradient hooks,
-        tensor and data parallelism, optimizers, post-partition hooks) is wired here.
+        Planning is ``smp_fx.runtime.planning``; placing the stages and applying the
+        parallelisms in their order is ``smp_fx.parallel.build.parallelize``. Then the
+        optimizers bind and the post-partition hooks run.
 
         ``autocast`` is the step function's autocast at its ``model(...)`` call: shapes and
         costs are taken under it, so the plan counts the bytes the stages will hold."""
         st = state.get()
-        cfg = st.config
-        multi = not st.in_process and st.axis_size("pp") > 1
-        if not multi and is_delayed(self.module):
+        if not multi_process(st) and is_delayed(self.module):
             # every stage lives in this process: materialise the whole model once, which
             # keeps tied parameters tied (one Parameter shared by the stages)
             materialize(self.module, st.device)
@@ -376,41 +373,16 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
             gm, self.plan, self.tp_plan = plan_stages(
                 self.module, args, kwargs, self.options.trace_execution_times,
                 self.options.trace_memory_usage, autocast)
-        placed = place_stages(gm, self.plan, self.canonical_names, st)
-        self._transport_kind = "dist" if multi else "in_process"
-        self._tied, self._tied_duplicates = placed.tied, placed.tied_duplicates
-        self._program, self._runners = placed.program, placed.runners
-        self._executor, self._shapes = placed.executor, placed.shapes
-        if multi:
-            if self._tied.groups:
-                self._executor.pre_step_hooks.append(self._snapshot_tied_grads)
-                self._executor.post_step_hooks.append(self._reduce_tied_grads)
-                if placed.delayed:  # replicas initialised on different ranks: take the first's
-                    self._tied.broadcast(dict(self.local_named_parameters()))
-        if self.tp_plan is not None:
-            self._tp = TensorParallelRuntime.attach(self, self.tp_plan, st)
-        if cfg.sharded_data_parallel_degree > 1:
-            self._sdp = sdp.enable(self)
-        else:
-            self._ddp = ddp.enable(self)  # None unless ddp with several replicas
+        self._parallelized = parallelize(gm, self.plan, self.tp_plan, self.canonical_names,
+                                         self.options, self._early_dp)
+        self._early_dp = None
+        binding = self._parallelized.binding()
         for opt in self._optimizers:
-            opt._localize(self)
+            opt.bind(binding)
         for hook in list(self._hooks.values()):
             n = len(inspect.signature(hook).parameters)
             first = self._optimizers[0] if self._optimizers else None
             hook(*(self, first)[:n])
-
-    @property
-    def _tied_groups(self) -> list[tuple[Any, list[str]]]:
-        return self._tied.groups
-
-    def _snapshot_tied_grads(self, ops: Any) -> None:
-        self._tied.snapshot(dict(self.local_named_parameters()))
-
-    def _reduce_tied_grads(self) -> None:
-        if self._ddp is not None and not self._ddp.reduce_this_step:
-            return  # ddp accumulating (backward_passes_per_step): sum once, when dp reduces
-        self._tied.reduce(dict(self.local_named_parameters()))
 
     def schedule(self, num_microbatches: int, forward_only: bool) -> sched.Schedule:
         cfg = state.get().config

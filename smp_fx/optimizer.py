@@ -1,7 +1,8 @@
 """``smp.DistributedOptimizer``: any torch optimizer, stepping only this rank's parameters.
 
 The wrapped optimizer is built over the full model's parameters before partitioning (from
-the unwrapped model or from ``DistributedModel.parameters()``). At partitioning its param
+the unwrapped model or from ``DistributedModel.parameters()``). At partitioning the model
+binds it (``bind``, with the ``OptimizerBinding`` of ``smp_fx.parallel.build``): its param
 groups are narrowed, in place, to the parameters of this rank's stages (hyper-parameters
 kept); a parameter is found by its fully qualified name, so parameters that materialisation
 re-created (delayed initialisation) are mapped too. ``global_index`` keeps, for each local
@@ -39,8 +40,8 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -51,10 +52,15 @@ from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import OptimizerCheckpointMixin, StateDict
 from smp_fx.ckpt.state_dict import merge_partial_optimizer_states
 from smp_fx.parallel import clip
+from smp_fx.parallel.build import OptimizerBinding
 from smp_fx.parallel.ddp import guard_optimizer
 from smp_fx.parallel.zero import OptimizerShards
+from smp_fx.runtime.lowering import Op
 from smp_fx.world import comm, context, state
 from smp_fx.world.context import current_model
+
+if TYPE_CHECKING:
+    from smp_fx.model import DistributedModel
 
 log = logging.getLogger("smp_fx.optimizer")
 
@@ -90,7 +96,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         self._masters: MasterWeights | None = None
         self._shards: OptimizerShards | None = None
         self._local_params: list[torch.Tensor] = []
-        self._model_ref: Any = None
+        self._model_ref: weakref.ref[DistributedModel] | None = None
         self.overflow = False
         self.optimizer = optimizer
         guard_optimizer(optimizer)  # optimizer.step() inside smp.step raises (smp_fx.parallel.ddp)
@@ -109,7 +115,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         context.set_current_optimizer(self)
         model = current_model()
         if model is not None and model.owns_parameters(flat):
-            self.join_model(model)
+            self.join_model(cast("DistributedModel", model))  # the one model kind there is
         else:  # a DistributedModel created later adopts it; over other parameters: left whole
             context.wait_for_model(self)
 
@@ -130,7 +136,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         """Every parameter of the wrapped optimizer, in group order."""
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
-    def join_model(self, model: Any) -> None:
+    def join_model(self, model: DistributedModel) -> None:
         """Belong to ``model`` (a DistributedModel holding this optimizer's parameters):
         parameters are named by its module's names and narrowed at its partitioning."""
         context.stop_waiting(self)
@@ -271,21 +277,31 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
                 total += local.numel() * local.element_size()
         return total
 
-    def _model(self) -> Any:
+    def _model(self) -> DistributedModel | None:
         return self._model_ref() if self._model_ref is not None else None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
 
-    def _localize(self, model: Any) -> None:
-        """Keep only this rank's parameters, matched by identity, then by name."""
+    def bind(self, binding: OptimizerBinding) -> None:
+        """Step only this rank's part of the partitioned model (its ``binding``; called by
+        ``DistributedModel`` at partitioning, or when attached to a partitioned model).
+
+        Keeps this rank's parameters, matched by identity, then by name; with
+        ``shard_optimizer_state`` only those this rank owns in its dp group (ZeRO-1); with
+        ``fp16`` steps fp32 masters and gives the model its loss scale. Once: a second call
+        changes nothing."""
         if self._localized:
             return
-        local = dict(model.local_named_parameters())
+        if self.fp16 and binding.precision is None:
+            raise SMPRuntimeError.build(
+                "an fp16 optimizer binds to a model partitioned without fp16", True,
+                "smp.DistributedOptimizer", "keep 'fp16' the same from smp.init on")
+        local = dict(binding.local_parameters)
         local_ids = {id(p): p for p in local.values()}
         # A local parameter's name may be any alias of a tied one (lm_head.weight for
         # wte.weight): go through the original object to the optimizer's canonical name.
-        canon = getattr(model, "canonical_names", {})
+        canon = binding.canonical_names
         by_name = {canon.get(n, n): q for n, q in local.items()}
         index: dict[int, int] = {}
         for group in self.optimizer.param_groups:
@@ -301,37 +317,22 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         self.global_index = index
         self._localized = True
         self._local_params = list(local.values())
-        self._shard(model)
+        self._shards = binding.state_shards(self._local_params)
+        if self._shards is not None:  # ZeRO-1: keep only the parameters this rank owns
+            shards = self._shards
+            for group in self.optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if shards.owns(p)]
         if hasattr(self.optimizer, "set_grad_norm_fn"):  # LAMB: the whole model's norm
             self.optimizer.set_grad_norm_fn(self.global_grad_norm)
-        if self.fp16:
+        if self.fp16 and binding.precision is not None:
             self._masters = MasterWeights(self.optimizer, self._scaler)
             for p, m in self._masters.pairs:
                 self.global_index[id(m)] = self.global_index[id(p)]
-            model.set_loss_scale(lambda: self.loss_scale)
-            model.executor.pre_step_hooks.append(self._grads_may_change)
+            binding.precision.scale_with(self)
 
-    def _shard(self, model: Any) -> None:
-        """Optimizer-state sharding: keep only the parameters this rank owns."""
-        if not state.is_initialized() or not state.get().config.shard_optimizer_state:
-            return
-        st = state.get()
-        ranks = st.group_ranks("dp")
-        if len(ranks) == 1:
-            return
-        if any(model.is_distributed_parameter(p) for p in self._local_params):
-            raise SMPRuntimeError.build(
-                "optimizer-state sharding of tensor-parallel shards is not built",
-                "shard_optimizer_state", "smp.DistributedOptimizer",
-                "set shard_optimizer_state false with tensor parallelism")
-        shards = OptimizerShards(self._local_params, st.group("dp"), ranks,
-                                 st.axis_rank("dp"))
-        for group in self.optimizer.param_groups:
-            group["params"] = [p for p in group["params"] if shards.owns(p)]
-        self._shards = shards
-
-    def _grads_may_change(self, ops: Iterable[Any]) -> None:
-        """Executor pre-step hook: a training step makes the master gradients stale."""
+    def grads_may_change(self, ops: Sequence[Op]) -> None:
+        """Before each step (the model's mixed-precision hook): a training step makes the
+        master gradients stale."""
         if self._masters is not None and any(op.kind == "B" for op in ops):
             self._masters.mark_stale()
 

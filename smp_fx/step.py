@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from cost_model.errors import SMPRuntimeError
+from smp_fx.model import DistributedModel
 from smp_fx.runtime.input_check import check_same_inputs
 from smp_fx.runtime.microbatch import split_inputs
 from smp_fx.world import context, state
-
-if TYPE_CHECKING:
-    from smp_fx.model import DistributedModel
 
 
 class StepOutput:
@@ -120,7 +118,7 @@ def step(non_split_inputs: Callable[..., Any] | Sequence[str] | None = None,
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         model = context.current_model()
-        if model is None:
+        if not isinstance(model, DistributedModel):
             raise SMPRuntimeError.build(
                 "an smp.step function needs an smp.DistributedModel", None, fn.__name__,
                 "wrap the model with smp.DistributedModel(model) before the first step")

@@ -52,6 +52,7 @@ from smp_fx.ckpt.safe_load import read_file
 from smp_fx.ckpt.validate import agree_or_raise, world_gather
 from smp_fx.world import context
 from smp_fx.world import state as smp_state
+from smp_fx.world.context import ProcessModel, ProcessOptimizer
 from smp_fx.world.state_api import module_manager
 
 log = logging.getLogger(__name__)
@@ -105,8 +106,9 @@ def _check_tag(tag: Any, gather: Callable[[Any], list[Any]]) -> str:
 # ---------------------------------------------------------------------------- save
 
 
-def save_checkpoint(path: str, tag: str, partial: bool = True, model: Any = None,
-                    optimizer: Any = None, user_content: Any = None,
+def save_checkpoint(path: str, tag: str, partial: bool = True,
+                    model: ProcessModel | None = None,
+                    optimizer: ProcessOptimizer | None = None, user_content: Any = None,
                     translate_if_full: bool = True,
                     num_kept_partial_checkpoints: int | None = None) -> None:
     """Save a checkpoint of ``model`` and ``optimizer`` under ``path`` (see the module doc).
@@ -146,7 +148,8 @@ def save_checkpoint(path: str, tag: str, partial: bool = True, model: Any = None
                    rdp_rank, gather)
 
 
-def _save_partial(path: str, tag: str, model: Any, optimizer: Any, user_content: Any,
+def _save_partial(path: str, tag: str, model: ProcessModel | None,
+                  optimizer: ProcessOptimizer | None, user_content: Any,
                   num_kept: int | None, rank: int, rdp_rank: int,
                   gather: Callable[[Any], list[Any]]) -> None:
     name = partial_dir(tag)
@@ -209,7 +212,8 @@ def _commit(path: str, name: str, num_kept: int | None) -> None:
         shutil.rmtree(os.path.join(path, old), ignore_errors=True)
 
 
-def _save_full(path: str, tag: str, model: Any, optimizer: Any, user_content: Any,
+def _save_full(path: str, tag: str, model: ProcessModel | None,
+               optimizer: ProcessOptimizer | None, user_content: Any,
                translate: bool, rank: int, rdp_rank: int,
                gather: Callable[[Any], list[Any]]) -> None:
     if optimizer is not None:
@@ -402,12 +406,13 @@ def _apply_optimizer(state: Any) -> None:
     optimizer.load_state_dict(state)
 
 
-def _belongs(optimizer: Any) -> bool:
+def _belongs(optimizer: ProcessOptimizer) -> bool:
     """Whether ``optimizer`` belongs to the current DistributedModel (not still waiting)."""
     return optimizer not in context.waiting_optimizers()
 
 
-def adopt_pending(model: Any = None, optimizer: Any = None) -> None:
+def adopt_pending(model: ProcessModel | None = None,
+                  optimizer: ProcessOptimizer | None = None) -> None:
     """Apply a resume that came before ``model`` / ``optimizer`` existed (called by the
     DistributedModel when it is created and by a DistributedOptimizer joining a model)."""
     if model is not None and "model" in _pending:

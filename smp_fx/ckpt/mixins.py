@@ -49,7 +49,7 @@ from smp_fx.ckpt.state_dict import (
 from smp_fx.ckpt.validate import agreed
 from smp_fx.world import comm
 from smp_fx.world import state as smp_state
-from smp_fx.world.context import current_model
+from smp_fx.world.context import ProcessModel, current_model
 
 StateDict = dict[str, Any]
 
@@ -302,13 +302,13 @@ class OptimizerCheckpointMixin:
                                                                  cls._smp_current_model())
         return self
 
-    def _smp_name_parameters(self, model: Any) -> None:
+    def _smp_name_parameters(self, model: ProcessModel) -> None:
         """Name this optimizer's parameters by ``model``'s module (an optimizer built before
         its DistributedModel is named when the model adopts it)."""
         self.__dict__["_smp_full_names"] = _full_group_names(self.optimizer, model)
 
     @staticmethod
-    def _smp_current_model() -> Any:
+    def _smp_current_model() -> ProcessModel | None:
         """The DistributedModel this optimizer belongs to (the last one created)."""
         return current_model()
 
@@ -406,7 +406,7 @@ class OptimizerCheckpointMixin:
 
 
 def _full_group_names(optimizer: torch.optim.Optimizer,
-                      model: Any) -> list[list[str | None]]:
+                      model: ProcessModel | None) -> list[list[str | None]]:
     """FQN of every parameter of ``optimizer`` in group order (None where it has none)."""
     names: dict[int, str] = {}
     if model is not None:

@@ -31,11 +31,12 @@ local gradient (counted or not): a tied replica is scaled like its twin.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from cost_model.errors import SMPRuntimeError
 from smp_fx.world import state
@@ -47,7 +48,18 @@ except ImportError:  # pragma: no cover
     Shard = None  # type: ignore[assignment,misc]
 
 
-def counted_parameters(model: Any, params: Iterable[torch.Tensor] | None = None
+class PartitionedModel(Protocol):
+    """A ``DistributedModel`` as norms read it: its local parameters and which count."""
+
+    @property
+    def partitioned(self) -> bool: ...
+
+    def local_named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]: ...
+    def tied_duplicates(self) -> frozenset[str]: ...
+    def is_distributed_parameter(self, param: torch.Tensor) -> bool: ...
+
+
+def counted_parameters(model: PartitionedModel, params: Iterable[torch.Tensor] | None = None
                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(every local parameter with a gradient, the subset this rank counts in the norm).
 
@@ -107,7 +119,7 @@ def clip_grads(grads: Sequence[torch.Tensor], counted: Sequence[torch.Tensor],
     return total
 
 
-def clip_grad_norm_(model: Any, max_norm: float, norm_type: float = 2.0,
+def clip_grad_norm_(model: PartitionedModel, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False,
                     params: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
     """Clip the partitioned ``model``'s gradients by the norm of the whole model.

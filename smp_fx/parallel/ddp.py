@@ -25,8 +25,8 @@ gradients accumulate locally (as under ``no_sync``). Buffers are broadcast from 
 the first forward of every step when ``broadcast_buffers``. ``gradient_as_bucket_view`` is
 forwarded to DDP (it affects the overlapped reduction). Tied parameters replicated over
 pipeline stages: the dp average happens first (during backward, or in the first post-step
-hook), then the runtime's pipeline sum (a later post-step hook, which ``DistributedModel``
-skips on the accumulating steps of ``backward_passes_per_step``), in both modes.
+hook), then the tied pipeline sum (a later post-step hook, which ``TiedReplicas`` skips
+on the accumulating steps of ``backward_passes_per_step``), in both modes.
 
 The reduction group is the *reduced* data-parallel group (rdp): with tensor parallelism,
 tp-sharded parameters must only be averaged over replicas of the same shard, and
@@ -36,14 +36,18 @@ tensor parallelism rdp is the dp group.
 Uneven inputs: ``DistributedModel.join()`` enters ``torch.distributed.algorithms.join.Join``
 with one ``Joinable`` per model whose hook shadows a whole step's collectives on ranks that
 ran out of data (see ``_StepJoinHook``).
+
+``DataParallel`` is the data-parallel step of the parallelisms' build
+(``smp_fx.parallel.build``): it wraps the stage runners (``wrap``) and hooks the step
+(``hooks``); ``for_build`` decides whether it applies.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -51,9 +55,9 @@ from torch import nn
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinConfig
 from torch.nn.parallel import DistributedDataParallel
 
-from cost_model.errors import SMPConfigError, SMPInternalError, SMPRuntimeError
-from smp_fx.runtime import executor as ex
+from cost_model.errors import SMPConfigError, SMPRuntimeError
 from smp_fx.runtime.lowering import Op
+from smp_fx.runtime.seams import StageRunner, StepHooks
 from smp_fx.world import context, state
 
 log = logging.getLogger("smp_fx.parallel.ddp")
@@ -63,6 +67,21 @@ DDP_AROUND_MODEL = (
     "wrapped in torch.nn.parallel.DistributedDataParallel")
 STEP_INSIDE = ("optimizer.step() must be called outside the smp.step-decorated function "
                "(gradients and their data-parallel reduction are complete only after it)")
+
+
+class DataParallelOptions(Protocol):
+    """The ``smp.DistributedModel`` arguments data parallelism reads."""
+
+    @property
+    def overlapping_allreduce(self) -> bool: ...
+    @property
+    def backward_passes_per_step(self) -> int: ...
+    @property
+    def bucket_cap_mb(self) -> int: ...
+    @property
+    def broadcast_buffers(self) -> bool: ...
+    @property
+    def gradient_as_bucket_view(self) -> bool: ...
 
 
 # ---- misuse detection ------------------------------------------------------------------
@@ -150,14 +169,14 @@ def allreduce_grads(bucket_list: Sequence[Sequence[nn.Parameter]], group: Any, s
 
 
 # ---- the stage runner ------------------------------------------------------------------
-class DDPStageRunner(ex.StageRunner):
+class DDPStageRunner(StageRunner):
     """A ``StageRunner`` whose module is the stage wrapped in DDP (see the module docstring).
 
     ``stage.module`` stays the plain stage GraphModule (names, optimizer, checkpoints);
     only the executor's calls go through the wrapper.
     """
 
-    def __init__(self, base: ex.StageRunner, wrapper: DistributedDataParallel,
+    def __init__(self, base: StageRunner, wrapper: DistributedDataParallel,
                  dp: DataParallel) -> None:
         super().__init__(base.stage, base.device)
         self.module = wrapper
@@ -183,7 +202,10 @@ class DDPStageRunner(ex.StageRunner):
 class DataParallel(Joinable):
     """The data-parallel state of one partitioned ``DistributedModel`` on this rank."""
 
-    def __init__(self, options: Any, group: Any, size: int, device: torch.device) -> None:
+    name: ClassVar[str] = "data_parallel"
+
+    def __init__(self, options: DataParallelOptions, group: Any, size: int,
+                 device: torch.device) -> None:
         super().__init__()
         self.options = options
         self.group = group
@@ -197,6 +219,42 @@ class DataParallel(Joinable):
         self.armed: set[int] = set()
         self.backward_ran: set[int] = set()
         self.reductions = 0
+
+    def wrap(self, runners: Mapping[int, StageRunner]) -> dict[int, StageRunner]:
+        """The local stages' runners with each stage wrapped in DDP over the group.
+
+        Collective over each stage's dp group (DDP's constructor broadcasts the stage from
+        dp_rank 0); ``stage.module`` stays the plain stage (names, optimizer, checkpoints)."""
+        opts = self.options
+        out: dict[int, StageRunner] = {}
+        for s in sorted(runners):
+            base = runners[s]
+            if not any(p.requires_grad for p in base.stage.module.parameters()):
+                raise SMPConfigError.build(
+                    "with ddp, every pipeline stage needs a trainable parameter", f"stage {s}",
+                    "smp.DistributedModel", "repartition (smp.partition / default_partition)")
+            wrapper = DistributedDataParallel(
+                base.stage.module, process_group=self.group, bucket_cap_mb=opts.bucket_cap_mb,
+                forward_sync_buffers=opts.broadcast_buffers,  # buffers are synced at init anyway
+                gradient_as_bucket_view=opts.gradient_as_bucket_view)
+            runner = DDPStageRunner(base, wrapper, self)
+            out[s] = self.runners[s] = runner
+            self.bucket_lists[s] = buckets(list(base.stage.module.parameters()),
+                                           opts.bucket_cap_mb)
+        log.info("smp-fx ddp: stages %s wrapped over an rdp group of %d (overlap=%s, bpps=%d)",
+                 sorted(self.runners), self.size, opts.overlapping_allreduce,
+                 opts.backward_passes_per_step)
+        return out
+
+    def hooks(self) -> StepHooks:
+        """Before a step: find each stage's last backward; after it: the dp average (it
+        runs before the tied pipeline sum, ``smp_fx.parallel.build.POST_STEP_ORDER``)."""
+        return StepHooks(self.pre_step, self.post_step)
+
+    def disable_join(self) -> None:
+        """Later steps run outside ``join()``: nothing shadows them any more (``Join``
+        leaves its configuration on the joinable)."""
+        self._join_config = _JoinConfig.construct_disabled_join_config()
 
     # executor hooks
     def pre_step(self, ops: Sequence[Op]) -> None:
@@ -316,32 +374,25 @@ class _StepJoinHook(JoinHook):
             r.ddp._sync_final_model(is_last_joiner)
 
 
-# ---- wiring ------------------------------------------------------------------------------
-def _controller(model: Any) -> DataParallel | None:
-    """The model's ``DataParallel`` (created on first use), or None with one replica."""
-    dp: DataParallel | None = getattr(model, "_ddp", None)
-    if dp is not None:
-        return dp
+# ---- the build's data-parallel step -------------------------------------------------------
+def controller(options: DataParallelOptions) -> DataParallel | None:
+    """A ``DataParallel`` for a model with ``options`` on this rank, or None with one
+    replica (nothing to reduce). Creating it runs no collective."""
     st = state.get()
     size = st.axis_size("rdp")
     if size == 1:
         return None
-    opts = model.options
-    if opts.backward_passes_per_step < 1:
+    if options.backward_passes_per_step < 1:
         raise SMPConfigError.build("backward_passes_per_step must be >= 1",
-                                   opts.backward_passes_per_step, "smp.DistributedModel",
+                                   options.backward_passes_per_step, "smp.DistributedModel",
                                    "pass 1 (reduce every step) or more")
-    return DataParallel(opts, st.group("rdp"), size, st.device)
+    return DataParallel(options, st.group("rdp"), size, st.device)
 
 
-def enable(model: Any) -> DataParallel | None:
-    """Wrap the partitioned ``model``'s local stages in DDP and hook the executor.
-
-    Called by ``DistributedModel`` at partitioning, on every rank; returns the controller to
-    keep as ``model._ddp``, or None without ``ddp`` or with a single replica (nothing to
-    reduce). DDP's constructor broadcasts each stage from dp_rank 0 (collective over the
-    stage's dp group).
-    """
+def for_build(options: DataParallelOptions, early: DataParallel | None
+              ) -> DataParallel | None:
+    """The ``DataParallel`` the build applies (``early``: the one ``join()`` made before the
+    first step), or None without ``ddp`` or with a single replica."""
     st = state.get()
     if not st.config.ddp:
         if st.axis_size("rdp") > 1:
@@ -349,56 +400,31 @@ def enable(model: Any) -> DataParallel | None:
                         "gradients are not reduced, so the replicas train independently; "
                         "set 'ddp': true for data parallelism", st.axis_size("rdp"))
         return None
-    dp = _controller(model)
-    if dp is None:
-        return None
-    opts = model.options
-    executor = model.executor
-    if executor.runners is not model._runners or not hasattr(executor, "pre_step_hooks"):
-        raise SMPInternalError.build(
-            "the executor lacks the data-parallel seam (a shared runner dict and "
-            "pre_step_hooks called with the step's ops)", type(executor).__name__,
-            "smp_fx.parallel.ddp.enable")
-    for s in sorted(model._runners):
-        base = model._runners[s]
-        if not any(p.requires_grad for p in base.stage.module.parameters()):
-            raise SMPConfigError.build(
-                "with ddp, every pipeline stage needs a trainable parameter", f"stage {s}",
-                "smp.DistributedModel", "repartition (smp.partition / default_partition)")
-        wrapper = DistributedDataParallel(
-            base.stage.module, process_group=dp.group, bucket_cap_mb=opts.bucket_cap_mb,
-            forward_sync_buffers=opts.broadcast_buffers,  # buffers are synced at init anyway
-            gradient_as_bucket_view=opts.gradient_as_bucket_view)
-        runner = DDPStageRunner(base, wrapper, dp)
-        model._runners[s] = runner  # the executor holds this very dict
-        dp.runners[s] = runner
-        dp.bucket_lists[s] = buckets(list(base.stage.module.parameters()), opts.bucket_cap_mb)
-    executor.pre_step_hooks.append(dp.pre_step)
-    executor.post_step_hooks.insert(0, dp.post_step)  # dp average before the tied pp sum
-    log.info("smp-fx ddp: stages %s wrapped over an rdp group of %d (overlap=%s, bpps=%d)",
-             sorted(dp.runners), dp.size, opts.overlapping_allreduce,
-             opts.backward_passes_per_step)
-    return dp
+    return early if early is not None else controller(options)
+
+
+def check_join() -> None:
+    """``DistributedModel.join()`` needs ``ddp``."""
+    if not state.get().config.ddp:
+        raise SMPConfigError.build("DistributedModel.join() is supported only with ddp",
+                                   False, "ddp", "set 'ddp': true in the smp config")
 
 
 @contextmanager
-def join(model: Any, throw_on_early_termination: bool = False) -> Iterator[None]:
+def join(dp: DataParallel | None, throw_on_early_termination: bool = False
+         ) -> Iterator[None]:
     """``DistributedModel.join()``: train with uneven numbers of batches across replicas.
 
     Every rank must run at least one step inside (or before) it, so that every stage is
     partitioned and wrapped; a rank that runs out of batches then shadows the others'
     steps until all have finished, and all replicas end equal to the last one to finish.
+    ``dp`` None (a single replica): nothing can be uneven.
     """
-    if not state.get().config.ddp:
-        raise SMPConfigError.build("DistributedModel.join() is supported only with ddp",
-                                   False, "ddp", "set 'ddp': true in the smp config")
-    dp = _controller(model)
-    if dp is None:  # a single replica: nothing can be uneven
+    if dp is None:
         yield
         return
-    model._ddp = dp  # reused by enable() if the first step runs inside the context
     try:
         with Join([dp], throw_on_early_termination=throw_on_early_termination):
             yield
-    finally:  # Join leaves its config on the joinable: later steps need no shadowing
-        dp._join_config = _JoinConfig.construct_disabled_join_config()
+    finally:
+        dp.disable_join()

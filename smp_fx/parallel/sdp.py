@@ -30,23 +30,26 @@ How SMP's ``sdp_*`` parameters map onto FSDP2 (docs/precision.md):
 Reductions use sums with an explicit division (``set_force_sum_reduction_for_comms``):
 gloo's averaging reduce ops are not to be trusted (pytorch issue #162338). Parameters and
 buffers are broadcast from dp rank 0 before sharding (SMP's "broadcast at partitioning");
-buffers again at every step with ``broadcast_buffers``.
+buffers again at every step with ``broadcast_buffers``. ``enable`` is the sharded
+data-parallel step of the parallelisms' build (``smp_fx.parallel.build``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.fx
 from torch import nn
 
 from cost_model.errors import SMPConfigError, not_implemented
-from smp_fx.parallel.ddp import allreduce_grads, buckets
+from smp_fx.parallel.ddp import DataParallelOptions, allreduce_grads, buckets
 from smp_fx.parallel.zero import broadcast_flat
+from smp_fx.runtime.lowering import Op
+from smp_fx.runtime.seams import StageRunner, StepHooks
 from smp_fx.world import state
 
 log = logging.getLogger("smp_fx.parallel.sdp")
@@ -116,7 +119,7 @@ def plan_units(gm: torch.fx.GraphModule, bucket: int, threshold: int) -> ShardPl
     return ShardPlan(tuple(units), tuple(numels), sharded - taken, persistent)
 
 
-def _mesh(st: Any) -> Any:
+def _mesh(st: state.State) -> Any:
     """This rank's FSDP2 mesh over its dp group: 1-D (shard) or 2-D (replicate, shard).
 
     Every rank creates every stage's sub-groups, in one order (``new_group`` is collective
@@ -146,7 +149,7 @@ def _mesh(st: Any) -> Any:
                                  mesh_dim_names=("replicate", "shard"))
 
 
-def _check_nodes(st: Any) -> None:
+def _check_nodes(st: state.State) -> None:
     """An explicit hierarchical all-gather across several nodes cannot be honoured."""
     cfg = st.config
     if "sdp_hierarchical_allgather" not in cfg.explicit or not cfg.sdp_hierarchical_allgather:
@@ -162,21 +165,24 @@ def _check_nodes(st: Any) -> None:
 class ShardedDataParallel:
     """The sharded stages of one partitioned ``DistributedModel`` on this rank."""
 
-    def __init__(self, model: Any, st: Any) -> None:
+    name: ClassVar[str] = "data_parallel"
+
+    def __init__(self, options: DataParallelOptions, runners: Mapping[int, StageRunner],
+                 st: state.State) -> None:
         from torch.distributed.fsdp import fully_shard
 
         cfg = st.config
         self.group = st.group("dp")
         self.size = len(st.group_ranks("dp"))
         self.src = st.group_ranks("dp")[0]
-        self.broadcast_buffers = model.options.broadcast_buffers
+        self.broadcast_buffers = options.broadcast_buffers
         self.plans: dict[int, ShardPlan] = {}
         self.persistent: dict[int, list[nn.Parameter]] = {}
         self.buffers: list[torch.Tensor] = []
         self._training = False
         mesh = _mesh(st)
-        for s in sorted(model.executor.runners):
-            gm = model.executor.runners[s].stage.module
+        for s in sorted(runners):
+            gm = runners[s].stage.module
             plan = plan_units(gm, cfg.sdp_reduce_bucket_size,
                               cfg.sdp_param_persistence_threshold)
             if plan.live_numel > cfg.sdp_max_live_parameters:
@@ -191,8 +197,8 @@ class ShardedDataParallel:
             broadcast_flat([*gm.parameters(), *gm.buffers()], self.src, self.group)
             for unit in plan.units:
                 mods = [gm.get_submodule(t) for t in unit]
-                fully_shard(mods, mesh=mesh, ignored_params=set(keep))
-                mods[0].set_force_sum_reduction_for_comms(True)  # the unit's one state
+                sharded = fully_shard(mods, mesh=mesh, ignored_params=set(keep))
+                sharded[0].set_force_sum_reduction_for_comms(True)  # the unit's one state
             root = fully_shard(gm, mesh=mesh, ignored_params=set(keep))
             root.set_force_sum_reduction_for_comms(True)
             self.plans[s] = plan
@@ -200,7 +206,12 @@ class ShardedDataParallel:
             self.buffers += list(gm.buffers())
         self.cap_mb = cfg.sdp_reduce_bucket_size * 4 / 2**20
 
-    def pre_step(self, ops: Sequence[Any]) -> None:
+    def hooks(self) -> StepHooks:
+        """Before a step: buffers from dp rank 0; after it: the replicated parameters'
+        average (before the tied pipeline sum, ``smp_fx.parallel.build.POST_STEP_ORDER``)."""
+        return StepHooks(self.pre_step, self.post_step)
+
+    def pre_step(self, ops: Sequence[Op]) -> None:
         """Note whether the step trains; broadcast buffers from dp rank 0 (DDP's default)."""
         self._training = any(op.kind == "B" for op in ops)
         if self.broadcast_buffers and self.buffers:
@@ -215,18 +226,18 @@ class ShardedDataParallel:
                 allreduce_grads(buckets(self.persistent[s], self.cap_mb), self.group, self.size)
 
 
-def enable(model: Any) -> ShardedDataParallel:
-    """Shard the partitioned ``model``'s local stages (on every rank, at partitioning)."""
+def enable(options: DataParallelOptions, runners: Mapping[int, StageRunner]
+           ) -> ShardedDataParallel:
+    """Shard the local stages of ``runners`` (on every rank, at partitioning; collective
+    over the dp groups)."""
     st = state.get()
-    if model.options.backward_passes_per_step != 1:
+    if options.backward_passes_per_step != 1:
         raise not_implemented("backward_passes_per_step with sharded data parallelism",
                               "sharded_data_parallel_degree",
                               "accumulate by calling smp.step several times before "
                               "optimizer.step (gradients accumulate in their shards)")
     _check_nodes(st)
-    sdp = ShardedDataParallel(model, st)
-    model.executor.pre_step_hooks.append(sdp.pre_step)
-    model.executor.post_step_hooks.insert(0, sdp.post_step)  # before the tied pp sum
+    sdp = ShardedDataParallel(options, runners, st)
     log.info("smp-fx sdp: stages %s sharded over %d of %d dp ranks; units %s",
              sorted(sdp.plans), st.config.sharded_data_parallel_degree, sdp.size,
              {s: len(p.units) for s, p in sdp.plans.items()})

@@ -12,13 +12,16 @@ which local parameters are shards, and the gradient averaging ``prescaled_batch`
   are averaged over the tp group too, which makes their reduction a dp average. With
   ``prescaled_batch: true`` the tp ranks saw the same examples and their replicated
   gradients are already equal.
+
+``TensorParallelRuntime.bind`` is the tensor-parallel step of the parallelisms' build
+(``smp_fx.parallel.build``), after the tied replicas and before activation checkpointing.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterable, Sequence
+from typing import ClassVar
 
 import torch
 from torch import nn
@@ -26,6 +29,7 @@ from torch import nn
 from passes.tensor_parallel import TensorParallelPlan
 from passes.tensor_parallel import collectives as tp_collectives
 from smp_fx.runtime.lowering import Op
+from smp_fx.runtime.seams import StepHooks
 from smp_fx.world import state
 
 log = logging.getLogger("smp_fx.parallel.tensor_parallel")
@@ -33,6 +37,8 @@ log = logging.getLogger("smp_fx.parallel.tensor_parallel")
 
 class TensorParallelRuntime:
     """This rank's tensor-parallel state for one partitioned ``DistributedModel``."""
+
+    name: ClassVar[str] = "tensor_parallel"
 
     def __init__(self, plan: TensorParallelPlan, distributed: list[nn.Parameter],
                  replicated: list[nn.Parameter], average_replicated: bool,
@@ -46,21 +52,25 @@ class TensorParallelRuntime:
         self._training = False
 
     @staticmethod
-    def attach(model: Any, plan: TensorParallelPlan, st: state.State) -> TensorParallelRuntime:
-        """Bind the collectives and hook the model's executor (called at partitioning)."""
+    def bind(plan: TensorParallelPlan, local: Iterable[tuple[str, nn.Parameter]],
+             st: state.State) -> TensorParallelRuntime:
+        """Bind the collectives to this rank's tp group (called at partitioning); ``local``:
+        this rank's parameters by name (``DistributedModel.local_named_parameters``)."""
         tp_collectives.bind(st.group("tp"), st.axis_size("tp"), st.axis_rank("tp"))
         names = {s.name for s in plan.sharded}
-        local = list(model.local_named_parameters())
+        params = list(local)
         chunked = set(plan.sequence_parallel)
-        rt = TensorParallelRuntime(plan, [p for n, p in local if n in names],
-                                   [p for n, p in local if n not in names],
+        rt = TensorParallelRuntime(plan, [p for n, p in params if n in names],
+                                   [p for n, p in params if n not in names],
                                    not st.config.prescaled_batch,
-                                   [p for n, p in local if n in chunked])
-        model.executor.pre_step_hooks.append(rt.pre_step)
-        model.executor.post_step_hooks.append(rt.post_step)
+                                   [p for n, p in params if n in chunked])
         for region, why in plan.replicated:
             log.warning("smp-fx tensor parallelism: %s stays replicated: %s", region, why)
         return rt
+
+    def hooks(self) -> StepHooks:
+        """Before a step: whether it trains; after it: the sums and averages over tp."""
+        return StepHooks(self.pre_step, self.post_step)
 
     def is_distributed(self, param: torch.Tensor) -> bool:
         return id(param) in self._distributed_ids

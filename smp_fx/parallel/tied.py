@@ -3,42 +3,82 @@
 In one process the stages share the very object, so autograd sums its gradient. Across
 processes each owning rank holds a replica; the replicas start equal (a broadcast from the
 first owner when they were initialised apart) and their gradients are summed over a group
-of the owners after every step, so they stay equal.
+of the owners after every step, so they stay equal. ``TiedReplicas`` is the first step of
+the parallelisms' build (``smp_fx.parallel.build``); its sum runs after the data-parallel
+average (see ``TiedReplicas.reduce``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from passes.split_stages import StagedProgram
+from smp_fx.runtime.lowering import Op
+from smp_fx.runtime.placement import local_named_parameters
+from smp_fx.runtime.seams import StageRunner, StepHooks
 from smp_fx.world import state
+
+
+class ReductionWindow(Protocol):
+    """Data parallelism as the tied sum sees it: whether the step now ending reduces
+    (``backward_passes_per_step`` accumulates over several steps, then reduces once)."""
+
+    @property
+    def reduce_this_step(self) -> bool: ...
 
 
 class TiedReplicas:
     """The tied parameters this rank replicates, and the summing of their gradients.
 
     ``groups`` pairs a process group of the pipeline ranks owning some tied parameters
-    with those parameters' names on this rank. ``snapshot`` (before a step's backward)
-    and ``reduce`` (after it) bracket one reduction window.
+    with those parameters' names on this rank; ``duplicates`` are the local names whose
+    tied twin a lower stage holds too (counted once in a norm). ``snapshot`` (before a
+    step's backward) and ``reduce`` (after it) bracket one reduction window; with
+    ``window`` (data parallelism accumulating over several steps) the sum waits for the
+    step that reduces over the data-parallel group.
     """
 
-    def __init__(self, groups: list[tuple[Any, list[str]]]) -> None:
+    name: ClassVar[str] = "tied"
+
+    def __init__(self, groups: list[tuple[Any, list[str]]], duplicates: frozenset[str],
+                 runners: Mapping[int, StageRunner], canonical: Mapping[str, str],
+                 window: ReductionWindow | None = None) -> None:
         self.groups = groups
+        self.duplicates = duplicates
+        self._runners = runners
+        self._canonical = canonical
+        self._window = window
         self._base: dict[str, torch.Tensor | None] | None = None
 
-    def broadcast(self, params: dict[str, nn.Parameter]) -> None:
+    def hooks(self) -> StepHooks:
+        return StepHooks(self.pre_step, self.post_step)
+
+    def _params(self) -> dict[str, nn.Parameter]:
+        return dict(local_named_parameters(self._runners, self._canonical))
+
+    def pre_step(self, ops: Sequence[Op]) -> None:
+        self.snapshot(self._params())
+
+    def post_step(self) -> None:
+        if self._window is not None and not self._window.reduce_this_step:
+            return  # ddp accumulating (backward_passes_per_step): sum once, when dp reduces
+        self.reduce(self._params())
+
+    def broadcast(self) -> None:
         """Give every replica of a tied parameter the lowest owning rank's values."""
+        params = self._params()
         for group, names in self.groups:
             src = min(dist.get_process_group_ranks(group))
             with torch.no_grad():
                 for n in names:
                     dist.broadcast(params[n].data, src=src, group=group)
 
-    def snapshot(self, params: dict[str, nn.Parameter]) -> None:
+    def snapshot(self, params: Mapping[str, nn.Parameter]) -> None:
         """At the start of a reduction window, remember the tied gradients (already summed)."""
         if self._base is not None:
             return  # ddp accumulating over several steps: the window began earlier
@@ -46,7 +86,7 @@ class TiedReplicas:
         self._base = {n: None if g is None else local_view(g).detach().clone()
                       for n, g in grads.items()}
 
-    def reduce(self, params: dict[str, nn.Parameter]) -> None:
+    def reduce(self, params: Mapping[str, nn.Parameter]) -> None:
         """Sum the gradients of parameters replicated on several stages over their owners.
 
         Only what this reduction window added is summed: a user accumulating over several
@@ -121,13 +161,3 @@ def local_view(t: torch.Tensor) -> torch.Tensor:
     ``t``. Tied replicas on several stages are sharded alike over equal dp groups, so
     their shards line up."""
     return getattr(t, "_local_tensor", t)
-
-
-def has_tied(program: StagedProgram) -> bool:
-    seen: set[int] = set()
-    for st in program.stages:
-        ids = {id(p) for p in st.module.parameters()}
-        if ids & seen:
-            return True
-        seen |= ids
-    return False

@@ -20,11 +20,14 @@ scheduler built on it before partitioning keeps working), which ``ZeroRedundancy
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from cost_model.errors import SMPRuntimeError
+from smp_fx.world import state
 
 
 def assign_owners(numels: Sequence[int], n: int) -> list[int]:
@@ -37,6 +40,25 @@ def assign_owners(numels: Sequence[int], n: int) -> list[int]:
         owner[i] = r
         loads[r] += numels[i]
     return owner
+
+
+def shard_state(params: Sequence[torch.Tensor],
+                is_distributed: Callable[[torch.Tensor], bool]) -> OptimizerShards | None:
+    """ZeRO-1 where an optimizer binds to its model: ``params`` (its local parameters)
+    divided among the dp group's ranks, or None without ``shard_optimizer_state`` or with
+    a single dp rank. Tensor-parallel shards (``is_distributed``) cannot be sharded."""
+    if not state.is_initialized() or not state.get().config.shard_optimizer_state:
+        return None
+    st = state.get()
+    ranks = st.group_ranks("dp")
+    if len(ranks) == 1:
+        return None
+    if any(is_distributed(p) for p in params):
+        raise SMPRuntimeError.build(
+            "optimizer-state sharding of tensor-parallel shards is not built",
+            "shard_optimizer_state", "smp.DistributedOptimizer",
+            "set shard_optimizer_state false with tensor parallelism")
+    return OptimizerShards(params, st.group("dp"), ranks, st.axis_rank("dp"))
 
 
 def broadcast_flat(tensors: Sequence[torch.Tensor], src: int, group: Any) -> None:

@@ -15,19 +15,28 @@ data parallelism and checkpoint files see no difference); only its graph changes
 region's GraphModule is deliberately not a registered submodule, so its parameters are
 not listed twice; it refers to the same Parameter objects, so outline after the stage's
 parameters reached their device.
+
+``ActivationCheckpointing`` is this as one step of the parallelisms' build
+(``smp_fx.parallel.build``): it outlines every local stage's regions and gives each stage
+the saved-tensor hooks (``ActivationKeeper``) that count what its forwards keep and, with
+``offload_activations``, move the regions' inputs off the device.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 import torch.fx
 import torch.utils.checkpoint
 
+from cost_model.errors import SMPConfigError
 from passes import meta
 from passes.checkpoint_regions import COMPUTE, region_inputs
-from smp_fx.runtime.activations import region_hooks
+from passes.plan import PartitionPlan
+from smp_fx.runtime.activations import ActivationKeeper, region_hooks
+from smp_fx.runtime.seams import StageRunner, StepHooks
 
 
 class RegionCall:
@@ -53,6 +62,33 @@ class RegionCall:
 
     def __repr__(self) -> str:
         return f"RegionCall({self.name!r})"
+
+
+class ActivationCheckpointing:
+    """Activation checkpointing and offloading on this rank's stages (a build step).
+
+    Nothing to do around a step: the executor drives the keepers it is given
+    (``keepers``: per local stage), which count every forward's saved tensors, checkpointed
+    or not."""
+
+    name: ClassVar[str] = "activation_checkpointing"
+
+    def __init__(self, plan: PartitionPlan, runners: Mapping[int, StageRunner],
+                 offload: bool) -> None:
+        if offload and not any(st.checkpointed for st in plan.stages):
+            raise SMPConfigError.build(
+                "'offload_activations' moves checkpointed regions' inputs, and no module "
+                "is checkpointed", True, "smp.DistributedModel (first smp.step)",
+                "call smp.set_activation_checkpointing(module) before the first step, or "
+                "drop 'offload_activations'")
+        self.keepers: dict[int, ActivationKeeper] = {}
+        for s, r in sorted(runners.items()):
+            outline_regions(r.stage.module)
+            state_tensors = [*r.stage.module.parameters(), *r.stage.module.buffers()]
+            self.keepers[s] = ActivationKeeper(state_tensors, offload=offload)
+
+    def hooks(self) -> StepHooks:
+        return StepHooks()
 
 
 def outline_regions(module: torch.fx.GraphModule) -> list[RegionCall]:

@@ -28,13 +28,18 @@ Hugging Face Trainer's does (``loss /= gradient_accumulation_steps``), on every 
 Each step is recorded in a ``FlightRecorder`` (``smp_fx.runtime.flight``): the start of
 every op, told with the step's state when the step fails on a peer or stalls, and the words
 the transport's errors use to say what this rank was doing.
+
+Everything else the executor holds during a step (its lowering, the loss scale, the values
+of every microbatch, the offloaded activations' prefetch points, the statistics) is one
+``_StepRun``, made for each step and dropped after it; what the executor keeps between steps
+is what it was built with and the lowering cache.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,37 +47,16 @@ import torch
 import torch.utils._pytree as pytree
 
 from cost_model import schedule as sched
-from cost_model.errors import SMPRuntimeError
-from passes.split_stages import Stage, StagedProgram
+from cost_model.errors import SMPInternalError, SMPRuntimeError
+from passes.split_stages import StagedProgram
 from smp_fx.runtime.activations import ActivationKeeper, prefetch_points
 from smp_fx.runtime.conductor import Conductor
 from smp_fx.runtime.flight import FlightRecorder
 from smp_fx.runtime.lowering import Lowered, LoweredCache, Op
 from smp_fx.runtime.modes import thread_modes
+from smp_fx.runtime.seams import PostStep, PreStep, StageRunner
 from smp_fx.runtime.transport import Transport
 from smp_fx.runtime.turns import Microbatch, Request
-
-
-class StageRunner:
-    """Runs one stage's module: the seam where data parallelism wraps ``module``.
-
-    The DDP work replaces ``module`` with a ``DistributedDataParallel`` wrapper and uses
-    ``no_sync`` for all microbatches but the last; the executor only calls ``forward`` and
-    ``backward`` here. On the last stage ``backward`` gets the user's loss tensors (and
-    scaled grads): that one autograd pass runs through the loss into the stage.
-    """
-
-    def __init__(self, stage: Stage, device: torch.device) -> None:
-        self.stage = stage
-        self.module: torch.nn.Module = stage.module
-        self.device = device
-
-    def forward(self, inputs: Sequence[Any], microbatch: int) -> tuple[Any, ...]:
-        return tuple(self.module(*inputs))
-
-    def backward(self, tensors: list[torch.Tensor], grads: list[torch.Tensor],
-                 microbatch: int) -> None:
-        torch.autograd.backward(tensors, grads)
 
 
 @dataclass
@@ -97,42 +81,78 @@ class StepStats:
     ops: tuple[Op, ...] = ()
 
 
-class Executor:
-    """Performs lowered schedules for the stages this rank holds (see the module doc)."""
+@dataclass(eq=False, slots=True)
+class _StepRun:
+    """What the executor holds during one step: its lowering, the loss scale, each
+    microbatch's values, the ops after which offloaded activations come back, the
+    statistics, and the position of the op being performed."""
 
-    def __init__(self, program: StagedProgram, runners: dict[int, StageRunner],
-                 transport: Transport, multi_process: bool, timeout_s: float = 300.0,
-                 rank: int = 0, stage_ranks: Sequence[int] | None = None) -> None:
+    lowered: Lowered
+    scale: float
+    data: list[_MbData]
+    prefetch: dict[int, list[tuple[int, int]]]
+    stats: StepStats
+    at: int = 0
+
+
+@dataclass(frozen=True)
+class ExecutorOptions:
+    """How this rank's executor runs, fixed at construction.
+
+    ``multi_process``: each stage in a process of its own (else every stage in this one);
+    ``stage_ranks``: the global rank of each stage's process (multi-process only);
+    ``loading_horizon``: ``activation_loading_horizon``, how far ahead offloaded
+    activations come back."""
+
+    multi_process: bool
+    timeout_s: float = 300.0
+    rank: int = 0
+    stage_ranks: tuple[int, ...] | None = None
+    loading_horizon: int = 4
+
+
+class Executor:
+    """Performs lowered schedules for the stages this rank holds (see the module doc).
+
+    Everything it runs with is given at construction: the stage runners (data parallelism
+    may have wrapped them), the activation keepers, the received-shape check and the step
+    hooks, in the order ``smp_fx.parallel.build`` composed them; nothing is added later.
+    """
+
+    def __init__(self, program: StagedProgram, runners: Mapping[int, StageRunner],
+                 transport: Transport, options: ExecutorOptions, *,
+                 keepers: Mapping[int, ActivationKeeper] | None = None,
+                 check_received: Callable[..., None] | None = None,
+                 pre_step_hooks: Sequence[PreStep] = (),
+                 post_step_hooks: Sequence[PostStep] = ()) -> None:
         self.program = program
-        self.runners = runners
+        self.runners: Mapping[int, StageRunner] = dict(runners)
         self.transport = transport
-        self.multi_process = multi_process
-        self.rank = rank
-        self.flight = FlightRecorder(rank, sorted(runners), stage_ranks, timeout_s)
-        self.conductor = Conductor(self._execute, timeout_s, rank, self.flight.describe)
+        self.options = options
+        self.multi_process = options.multi_process
+        self.rank = options.rank
+        timeout_s = options.timeout_s
+        self.flight = FlightRecorder(options.rank, sorted(runners), options.stage_ranks,
+                                     timeout_s)
+        self.conductor = Conductor(self._execute, timeout_s, options.rank,
+                                   self.flight.describe)
         self.flight.status, self.flight.busy = self.conductor.status, self.conductor.performing
         transport.on_block = self.conductor.flush  # held-back step functions run meanwhile
         transport.where = self.flight.where
-        if multi_process:
+        if options.multi_process:
             self.flight.watch()  # a stalled step is told even if this rank waits on no peer
         self.last = program.num_stages - 1
-        self.post_step_hooks: list[Callable[[], None]] = []
-        # called with the step's ops before it runs (data parallelism finds each stage's
-        # last backward there)
-        self.pre_step_hooks: list[Callable[[tuple[Op, ...]], None]] = []
+        self.pre_step_hooks: tuple[PreStep, ...] = tuple(pre_step_hooks)
+        self.post_step_hooks: tuple[PostStep, ...] = tuple(post_step_hooks)
         self.stats = StepStats()
         # checks a stage's received values against this rank's model call before its
         # forward: (stage, received values by name, rank, call args, call kwargs)
-        self.check_received: Callable[..., None] | None = None
+        self.check_received = check_received
         # per stage: saved-tensor hooks that count and offload what a forward keeps
-        self.keepers: dict[int, ActivationKeeper] = {}
-        self.loading_horizon = 4
-        self._prefetch: dict[int, list[tuple[int, int]]] = {}
-        self._scale = 1.0
-        self._lowerings = LoweredCache(program, multi_process)
-        self._step = Lowered((), {}, {}, -1, None)  # the running (or last) step's
-        self._data: list[_MbData] = []
-        self._at = 0  # the position of the op being performed
+        self.keepers: Mapping[int, ActivationKeeper] = dict(keepers or {})
+        self.loading_horizon = options.loading_horizon
+        self._lowerings = LoweredCache(program, options.multi_process)
+        self._run: _StepRun | None = None  # the running step's
         # the value names each (stage, peer) transfer carries
         self._send_names = {(s, d): names for s, st in enumerate(program.stages)
                             for d, names in st.sends}
@@ -146,30 +166,30 @@ class Executor:
         ``schedule`` should come from ``lowering.cached_schedule``: the lowering cache then
         finds the step's ops by identity (``LoweredCache.get``)."""
         stages = tuple(sorted(self.runners))
-        step = self._step = self._lowerings.get(schedule, stages)
+        step = self._lowerings.get(schedule, stages)
         for (stage, peer, channel), n in step.sends.items():
             self.transport.plan_sends(stage, peer, channel, n)
         for pre in self.pre_step_hooks:
             pre(step.ops)
-        self._prefetch = {}
+        prefetch: dict[int, list[tuple[int, int]]] = {}
         for s, keeper in self.keepers.items():
             if keeper.offload:
                 for i, mbs in prefetch_points(step.ops, s, self.loading_horizon).items():
-                    self._prefetch.setdefault(i, []).extend((s, mb) for mb in mbs)
+                    prefetch.setdefault(i, []).extend((s, mb) for mb in mbs)
         self.stats = StepStats({s: 0 for s in stages}, step.ops)
-        self._scale = scale
-        self._data = [_MbData() for _ in microbatches]
+        run = self._run = _StepRun(step, scale, [_MbData() for _ in microbatches], prefetch,
+                                   self.stats)
         self.flight.begin(step.ops)
         try:
             results, asked = self.conductor.run(fn, microbatches, step.ops, step.next_forward)
             self.flight.mark(len(step.ops))
             self.transport.finish()
-            self._check_step(asked)  # after finish: the transport is in step for the next one
+            self._check_step(run, asked)  # after finish: the transport is ready for the next
         except BaseException as exc:
             self.flight.failed(exc)
             raise
         finally:
-            self._data = []
+            self._run = None
             self.flight.end()
             for keeper in self.keepers.values():
                 keeper.end_step()
@@ -179,25 +199,29 @@ class Executor:
 
     def _execute(self, i: int, op: Op) -> None:
         """Perform op ``i`` of the step (the conductor's ``execute``)."""
-        posts = self._step.posts.get(i)
+        run = self._run
+        if run is None:
+            raise SMPInternalError.build("an op was performed outside a step", str(op),
+                                         f"rank {self.rank}")
+        posts = run.lowered.posts.get(i)
         if posts:
             for peer, stage, channel, n in posts:
                 self.transport.prefetch(peer, stage, channel, n)
-        self._at = i
+        run.at = i
         self.flight.mark(i)
-        for s, mb in self._prefetch.get(i, ()):
+        for s, mb in run.prefetch.get(i, ()):
             self.keepers[s].prefetch(mb)
-        getattr(self, "_op_" + op.kind.lower())(op)
+        getattr(self, "_op_" + op.kind.lower())(run, op)
 
-    def _op_recv_act(self, op: Op) -> None:
+    def _op_recv_act(self, run: _StepRun, op: Op) -> None:
         vals = self.transport.recv(op.peer, op.stage, "act", op.microbatch)
         names = self._recv_names[(op.stage, op.peer)]
-        self._data[op.microbatch].inputs.setdefault(op.stage, {}).update(zip(names, vals))
+        run.data[op.microbatch].inputs.setdefault(op.stage, {}).update(zip(names, vals))
 
-    def _op_f(self, op: Op) -> None:
+    def _op_f(self, run: _StepRun, op: Op) -> None:
         mb, s = op.microbatch, op.stage
         req = self.conductor.forward_of(mb, s)
-        d, runner, stage = self._data[mb], self.runners[s], self.program.stages[s]
+        d, runner, stage = run.data[mb], self.runners[s], self.program.stages[s]
         received = d.inputs.setdefault(s, {})
         if stage.program_inputs:
             bound = self.program.bind_inputs(*req.args)
@@ -211,8 +235,8 @@ class Executor:
             outs = runner.forward([received[n] for n in stage.input_names], mb)
         d.results[s] = dict(zip(stage.output_names, outs))
         if req.grad_enabled:
-            self.stats.peak_in_flight[s] = max(
-                self.stats.peak_in_flight[s], sum(1 for x in self._data if s in x.results))
+            run.stats.peak_in_flight[s] = max(
+                run.stats.peak_in_flight[s], sum(1 for x in run.data if s in x.results))
         if s == self.last:
             # The user's loss graph hangs off these very tensors, so model.backward(loss)
             # reaches the stage in one autograd pass; a hook per output records which ones
@@ -228,36 +252,36 @@ class Executor:
         if not req.grad_enabled:
             d.inputs.pop(s, None)
 
-    def _op_send_act(self, op: Op) -> None:
+    def _op_send_act(self, run: _StepRun, op: Op) -> None:
         names = self._send_names[(op.stage, op.peer)]
-        res = self._data[op.microbatch].results[op.stage]
+        res = run.data[op.microbatch].results[op.stage]
         self.transport.send(tuple(res[n] for n in names), op.stage, op.peer, "act",
                             op.microbatch)
 
-    def _op_send_out(self, op: Op) -> None:
-        self.transport.send(self._data[op.microbatch].cut, op.stage, op.peer, "out",
+    def _op_send_out(self, run: _StepRun, op: Op) -> None:
+        self.transport.send(run.data[op.microbatch].cut, op.stage, op.peer, "out",
                             op.microbatch)
 
-    def _op_recv_out(self, op: Op) -> None:
-        self._deliver_outputs(op.microbatch,
+    def _op_recv_out(self, run: _StepRun, op: Op) -> None:
+        self._deliver_outputs(run, op.microbatch,
                               self.transport.recv(op.peer, op.stage, "out", op.microbatch))
 
-    def _deliver_outputs(self, mb: int, cut: Any, defer: bool = False) -> None:
+    def _deliver_outputs(self, run: _StepRun, mb: int, cut: Any, defer: bool = False) -> None:
         """The last stage's outputs, received on this rank: to microbatch ``mb``'s thread."""
-        self._data[mb].cut = cut
+        run.data[mb].cut = cut
         self.conductor.publish_outputs(mb, self.program.build_outputs(_user_copy(cut)),
                                        hand=False, defer=defer)
 
-    def _op_wait_b(self, op: Op) -> None:
-        self._data[op.microbatch].skip[op.stage] = (
+    def _op_wait_b(self, run: _StepRun, op: Op) -> None:
+        run.data[op.microbatch].skip[op.stage] = (
             self.conductor.backward_of(op.microbatch) is None)
 
-    def _op_recv_grad(self, op: Op) -> None:
-        d = self._data[op.microbatch]
+    def _op_recv_grad(self, run: _StepRun, op: Op) -> None:
+        d = run.data[op.microbatch]
         grads, cut = self.transport.recv(op.peer, op.stage, "grad", op.microbatch)
         if cut is not None and d.cut is None:  # the last stage's outputs, relayed
             # held back until this rank would wait, unless it will not wait again this step
-            self._deliver_outputs(op.microbatch, cut, defer=self._at != self._step.last_recv)
+            self._deliver_outputs(run, op.microbatch, cut, defer=run.at != run.lowered.last_recv)
         skipped = grads is None
         if d.skip.setdefault(op.stage, skipped) != skipped:
             _inconsistent(op, "the gradient messages from later stages disagree (stage "
@@ -269,11 +293,11 @@ class Executor:
         for name, g in zip(names, grads):
             acc.setdefault(name, []).append(g)
 
-    def _op_b(self, op: Op) -> None:
+    def _op_b(self, run: _StepRun, op: Op) -> None:
         mb, s = op.microbatch, op.stage
-        d = self._data[mb]
+        d = run.data[mb]
         if d.skip[s]:
-            self._finish_backward(mb, s)
+            self._finish_backward(run, mb, s)
             return
         # Off the last stage the step function may not have asked yet (see the module doc).
         req = self.conductor.backward_of(mb) or self.conductor.forward_of(mb, s)
@@ -282,7 +306,7 @@ class Executor:
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         if s == self.last:
-            self._loss_backward(mb, req, runner)  # through the user's loss into the stage
+            self._loss_backward(run, mb, req, runner)  # through the loss into the stage
             got, need = d.used
             self._check_used([i for i in need if i not in got])
         else:
@@ -296,11 +320,11 @@ class Executor:
         if tensors:
             with thread_modes(True, req.autocast):
                 runner.backward(tensors, grads, mb)
-        self._finish_backward(mb, s)
+        self._finish_backward(run, mb, s)
 
-    def _finish_backward(self, mb: int, s: int) -> None:
+    def _finish_backward(self, run: _StepRun, mb: int, s: int) -> None:
         """Keep the grads to send, free the stage's saved state, release the user thread."""
-        d = self._data[mb]
+        d = run.data[mb]
         inputs = d.inputs.pop(s, {})
         if not d.skip[s]:
             d.send_grads[s] = {
@@ -313,8 +337,8 @@ class Executor:
         if d.b_done == len(self.runners):
             self.conductor.publish_backward_done(mb)
 
-    def _op_send_grad(self, op: Op) -> None:
-        d = self._data[op.microbatch]
+    def _op_send_grad(self, run: _StepRun, op: Op) -> None:
+        d = run.data[op.microbatch]
         grads = None  # skipped: the receiver still expects the message (and the outputs)
         if not d.skip[op.stage]:
             names = self._recv_names[(op.stage, op.peer)]
@@ -322,10 +346,10 @@ class Executor:
         self.transport.send((grads, d.cut if self.multi_process else None), op.stage, op.peer,
                             "grad", op.microbatch)
 
-    def _check_step(self, asked: list[bool]) -> None:
+    def _check_step(self, run: _StepRun, asked: list[bool]) -> None:
         """A stage whose backward followed the gradient messages: its step function must
         have decided alike (``asked``: per microbatch, whether it called model.backward)."""
-        for mb, d in enumerate(self._data):
+        for mb, d in enumerate(run.data):
             for s, skipped in d.skip.items():
                 if skipped == asked[mb]:
                     _inconsistent(Op("B", s, mb),
@@ -333,7 +357,8 @@ class Executor:
                                   " call it, yet the gradient messages say the backward was "
                                   f"{'skipped' if skipped else 'run'}")
 
-    def _loss_backward(self, mb: int, req: Request, runner: StageRunner) -> None:
+    def _loss_backward(self, run: _StepRun, mb: int, req: Request,
+                       runner: StageRunner) -> None:
         tensors, grad_tensors = req.args
         ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if grad_tensors is None:
@@ -350,9 +375,9 @@ class Executor:
                         "model.backward needs grad_tensors for a non-scalar tensor",
                         tuple(t.shape), f"rank {self.rank} microbatch {mb}",
                         "pass grad_tensors, or call backward on a scalar loss")
-                scaled.append(torch.full_like(t, self._scale))
+                scaled.append(torch.full_like(t, run.scale))
             else:
-                scaled.append(g * self._scale if self._scale != 1.0 else g)
+                scaled.append(g * run.scale if run.scale != 1.0 else g)
         with thread_modes(True, req.autocast):
             runner.backward(ts, scaled, mb)  # the seam (DDP) sees the last stage's pass too
 

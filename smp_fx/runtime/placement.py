@@ -1,17 +1,18 @@
 """Placing a planned model on this rank: split it, pick the transport, build the runners.
 
-``DistributedModel`` partitions in two halves: deciding (trace and plan,
-``smp_fx.runtime.planning``) and placing (this module): the stages split from the planned
-graph, the devices and transport (one process runs every stage, or each process its own),
-each local stage's modules materialised on its device, the executor with its activation
-keepers and checkpointed regions, the shape guard, and which tied parameters this rank
-replicates. The result is a value the model adopts whole; what the model wires on top of
-it (tied-gradient hooks, tensor and data parallelism, optimizers, post-partition hooks) reads
-the model and stays there. Identical on every rank, as the plan is.
+``DistributedModel`` partitions in three parts: deciding (trace and plan,
+``smp_fx.runtime.planning``), placing (this module) and composing the parallelisms
+(``smp_fx.parallel.build``, which calls in here). Placing is: the stages split from the
+planned graph (``split_for_rank``, world rank 0's assignment on every rank), then
+(``place_stages``) the devices and transport (one process runs every stage, or each
+process its own), each local stage's modules materialised on its device, the shape guard
+and the executor's options. The result is a value the build adopts whole; identical on
+every rank, as the plan is.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,16 +20,12 @@ import torch
 import torch.fx
 from torch import nn
 
-from cost_model.errors import SMPConfigError
-from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram, split_stages
 from smp_fx.marking.delayed_init import is_delayed, materialize
-from smp_fx.parallel.tied import TiedReplicas, has_tied, tied_duplicates, tied_groups
-from smp_fx.runtime import executor as ex
-from smp_fx.runtime.activations import ActivationKeeper
-from smp_fx.runtime.checkpointing import outline_regions
 from smp_fx.runtime.dist_transport import DistTransport
+from smp_fx.runtime.executor import ExecutorOptions
 from smp_fx.runtime.planning import agree_on_plan, weights_device
+from smp_fx.runtime.seams import StageRunner
 from smp_fx.runtime.shapes import ShapeGuard, guard_for
 from smp_fx.runtime.transport import InProcessTransport, Transport
 from smp_fx.world import launch, state
@@ -36,36 +33,45 @@ from smp_fx.world import launch, state
 
 @dataclass(frozen=True)
 class Placement:
-    """This rank's share of the partitioned model, ready to run.
+    """This rank's share of the partitioned model, on its devices.
 
-    ``multi``: the stages run in several processes (one each); else all in this one.
-    ``delayed``: a local stage was built under ``smp.delay_param_initialization`` (its tied
-    replicas must then be made equal across ranks). ``tied_duplicates``: local names of tied
-    parameters a lower stage also holds (none in-process, where stages share the object).
+    ``runners``: the local stages' plain runners (the build may wrap them). ``delayed``: a
+    local stage was built under ``smp.delay_param_initialization`` (tied replicas must then
+    be made equal across ranks). ``options``: what the executor runs with.
     """
 
     program: StagedProgram
-    runners: dict[int, ex.StageRunner]
-    executor: ex.Executor
+    runners: dict[int, StageRunner]
+    transport: Transport
     shapes: ShapeGuard
-    multi: bool
     delayed: bool
-    tied: TiedReplicas
-    tied_duplicates: frozenset[str]
+    options: ExecutorOptions
+
+    @property
+    def multi(self) -> bool:
+        """The stages run in several processes (one each); else all in this one."""
+        return self.options.multi_process
 
 
-def place_stages(gm: torch.fx.GraphModule, plan: PartitionPlan,
-                 canonical_names: dict[str, str], st: state.State) -> Placement:
-    """Split the planned ``gm`` and place this rank's stages (see the module docstring).
+def multi_process(st: state.State) -> bool:
+    """Whether this job's pipeline stages live in processes of their own."""
+    return not st.in_process and st.axis_size("pp") > 1
 
-    ``canonical_names`` maps every alias of a parameter to its first name (tied weights);
-    it must come from the module before any materialisation replaced parameter objects."""
-    cfg = st.config
-    p = cfg.pipeline_parallel_degree
-    multi = not st.in_process and st.axis_size("pp") > 1
+
+def split_for_rank(gm: torch.fx.GraphModule, st: state.State) -> StagedProgram:
+    """The stages of the planned ``gm``: world rank 0's stage of every node, on every rank
+    (measured costs may differ between ranks, the plan must not)."""
     if not st.in_process and st.world_size > 1:
         agree_on_plan(gm, st)
-    program = split_stages(gm, p)
+    return split_stages(gm, st.config.pipeline_parallel_degree)
+
+
+def place_stages(gm: torch.fx.GraphModule, program: StagedProgram,
+                 st: state.State) -> Placement:
+    """Place this rank's stages of ``program`` (split from ``gm``): see the module doc."""
+    cfg = st.config
+    p = cfg.pipeline_parallel_degree
+    multi = multi_process(st)
     timeout_s = launch.timeout().total_seconds()
     transport: Transport
     if multi:
@@ -78,45 +84,35 @@ def place_stages(gm: torch.fx.GraphModule, plan: PartitionPlan,
         local = list(range(p))
         devices = _in_process_devices(p, st.device, program)
         transport = InProcessTransport(devices)
-    runners = {s: ex.StageRunner(program.stages[s], devices[s]) for s in local}
+    runners = {s: StageRunner(program.stages[s], devices[s]) for s in local}
     delayed = any(is_delayed(r.module) for r in runners.values())
-    # tied parameters are found by the original objects, before materialising
-    tied = TiedReplicas(tied_groups(program, st, canonical_names) if multi else [])
-    duplicates = tied_duplicates(program, pp_rank, canonical_names) if multi else frozenset()
     traced_on = weights_device(gm)  # where the plan traced
     for s, r in runners.items():
         _materialise(r.module, devices[s])
         _retarget_devices(r.stage.module, traced_on, devices[s])
-    executor = ex.Executor(program, runners, transport, multi, timeout_s, st.rank,
-                           st.group_ranks("pp") if multi else None)
-    shapes = guard_for(gm, program)
-    if multi and shapes.active:
-        executor.check_received = shapes.check_received
-    _checkpoint_stages(plan, executor, runners, cfg)
-    return Placement(program, runners, executor, shapes, multi, delayed, tied, duplicates)
+    options = ExecutorOptions(multi, timeout_s, st.rank,
+                              tuple(st.group_ranks("pp")) if multi else None,
+                              cfg.activation_loading_horizon)
+    return Placement(program, runners, transport, guard_for(gm, program), delayed, options)
 
 
-def _checkpoint_stages(plan: PartitionPlan, executor: ex.Executor,
-                       runners: dict[int, ex.StageRunner], cfg: Any) -> None:
-    """Each local stage runs its checkpointed regions under torch's checkpoint, and
-    gets the saved-tensor hooks that offload their inputs (``offload_activations``)."""
-    if cfg.offload_activations and not any(st.checkpointed for st in plan.stages):
-        raise SMPConfigError.build(
-            "'offload_activations' moves checkpointed regions' inputs, and no module "
-            "is checkpointed", True, "smp.DistributedModel (first smp.step)",
-            "call smp.set_activation_checkpointing(module) before the first step, or "
-            "drop 'offload_activations'")
-    executor.loading_horizon = cfg.activation_loading_horizon
-    for s, r in runners.items():
-        outline_regions(r.stage.module)
-        state_tensors = [*r.stage.module.parameters(), *r.stage.module.buffers()]
-        executor.keepers[s] = ActivationKeeper(state_tensors, offload=cfg.offload_activations)
+def local_named_parameters(runners: Mapping[int, StageRunner], canonical: Mapping[str, str]
+                           ) -> Iterator[tuple[str, nn.Parameter]]:
+    """The parameters of the local stages, each once, by the names plain
+    ``named_parameters()`` of the wrapped module gives (``canonical``: every alias of a
+    tied parameter -> its first name), whichever alias its stage reads it by."""
+    seen: set[int] = set()
+    for s in sorted(runners):
+        for name, p in runners[s].stage.module.named_parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                yield canonical.get(name, name), p
 
 
 def _in_process_devices(p: int, device: torch.device,
                         program: StagedProgram) -> dict[int, torch.device]:
     """cuda:0..p-1 when there are that many GPUs and no tied parameters, else one device."""
-    if device.type == "cuda" and torch.cuda.device_count() >= p and not has_tied(program):
+    if device.type == "cuda" and torch.cuda.device_count() >= p and not _has_tied(program):
         return {s: torch.device("cuda", s) for s in range(p)}
     return {s: device for s in range(p)}
 
@@ -161,3 +157,14 @@ def _materialise(module: nn.Module, device: torch.device) -> None:
         materialize(module, device)
         return
     module.to(device)
+
+
+def _has_tied(program: StagedProgram) -> bool:
+    """Whether a parameter object is read on several stages (in-process stages share it)."""
+    seen: set[int] = set()
+    for st in program.stages:
+        ids = {id(p) for p in st.module.parameters()}
+        if ids & seen:
+            return True
+        seen |= ids
+    return False

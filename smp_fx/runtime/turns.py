@@ -6,13 +6,16 @@ made it, since they apply to the work done for it (``smp_fx.runtime.modes``). Th
 (what keeps the next op from running, where every step function is) are what a timeout and
 the flight record (``smp_fx.runtime.flight``) tell a person: they are written from a
 ``StepView`` the conductor takes with its lock held, so they can change for clarity without
-touching the turn-taking (``smp_fx.runtime.conductor``).
+touching the turn-taking (``smp_fx.runtime.conductor``). ``StepTurns`` is everything one
+step's turn-taking holds, made for each step.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any
 
 from smp_fx.runtime.lowering import Op
@@ -57,6 +60,79 @@ class StepView:
     started: Sequence[bool]
     done: Sequence[bool]
     runnable: Callable[[Op], bool]
+
+
+Launch = tuple[Callable[..., Any], Sequence[Microbatch], bool, Autocast]
+"""A step's (step function, microbatches, grad mode, autocast) its threads start from."""
+
+
+@dataclass(eq=False, slots=True)
+class StepTurns:
+    """One step's turn-taking state, made by ``Conductor.run`` for each step and read and
+    written with the conductor's lock held (``conds`` and ``main`` wait on that lock).
+
+    ``next``: the position of the next op to run; ``driving``: a thread is executing ops;
+    ``handed_to``: the microbatch whose thread the last op handed model outputs to;
+    ``holder``: the thread that carries on driving after a hand-over; ``running``: threads
+    running user code; ``main_waiting``: threads waiting on ``main``; ``deferred``: outputs
+    held back until the driver flushes; ``abort``: the failure that aborted the step, and
+    ``abort_status`` the status lines when it did."""
+
+    ops: tuple[Op, ...]
+    turns: list[Turn]
+    conds: list[threading.Condition]
+    main: threading.Condition
+    launch: Launch
+    main_thread: threading.Thread
+    next_forward: Sequence[int] | None
+    done: list[bool]
+    started: list[bool]
+    next: int = 0
+    driving: bool = False
+    handed_to: int = -1
+    holder: int | None = None
+    running: int = 0
+    main_waiting: int = 0
+    futures: dict[int, Future[Any]] = field(default_factory=dict)
+    deferred: list[tuple[int, Any]] = field(default_factory=list)
+    abort: BaseException | None = None
+    abort_status: list[str] = field(default_factory=list)
+
+    def runnable(self, op: Op) -> bool:
+        """Whether ``op`` can run now: a forward once its step function asked (or returned),
+        a wait for the backward decision once it was taken; anything else at once."""
+        if op.kind == "F":
+            return self.turns[op.microbatch].f_request is not None or self.done[op.microbatch]
+        if op.kind == "WAIT_B":
+            return self.turns[op.microbatch].b_request is not None or self.done[op.microbatch]
+        return True
+
+    def view(self) -> StepView:
+        """The step now, for the words below."""
+        return StepView(self.ops, self.next, self.driving, self.turns, self.started,
+                        self.done, self.runnable)
+
+    def give_outputs(self, mb: int, outputs: Any) -> None:
+        t = self.turns[mb]
+        t.outputs, t.outputs_ready = outputs, True
+        self.conds[mb].notify_all()
+
+    def flush(self) -> None:
+        """Hand out the deferred outputs."""
+        for mb, outputs in self.deferred:
+            self.give_outputs(mb, outputs)
+        self.deferred.clear()
+
+    def wake_all(self) -> None:
+        for c in self.conds:
+            c.notify_all()
+        self.main.notify_all()
+
+    def wake_main(self) -> None:
+        """Wake a thread waiting on ``main``, if any (this runs after every driver's turn;
+        a notify costs three Python calls even with nobody waiting)."""
+        if self.main_waiting:
+            self.main.notify_all()
 
 
 def step_function_state(view: StepView, mb: int) -> str:

@@ -10,6 +10,9 @@ and the checkpoint methods), which keeps those modules free of import cycles:
   set by the conductor around each step function call;
 - *capture*: while ``smp.step`` partitions, the first microbatch's step function runs only
   until it calls the model, whose inputs are captured (``Captured``) to trace on.
+
+Sitting below the model, the optimizer and the conductor, it names them by what the code
+here and below reads of them: ``ProcessModel``, ``ProcessOptimizer`` and ``TurnTaker``.
 """
 
 from __future__ import annotations
@@ -17,18 +20,56 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
-    from smp_fx.model import DistributedModel
-    from smp_fx.optimizer import DistributedOptimizer
-    from smp_fx.runtime.conductor import Conductor
+    from passes.tensor_parallel import TensorParallelPlan
+
+
+class ProcessModel(Protocol):
+    """The process's ``smp.DistributedModel``, as checkpoints, marking and the optimizer
+    read it."""
+
+    @property
+    def module(self) -> nn.Module: ...
+    @property
+    def tp_plan(self) -> TensorParallelPlan | None: ...
+    @property
+    def partitioned(self) -> bool: ...
+
+    def get_module(self) -> nn.Module: ...
+    def owns_parameters(self, params: Iterable[torch.Tensor]) -> bool: ...
+    def register_post_partition_hook(self, hook: Callable[..., Any]) -> RemovableHandle: ...
+    def local_state_dict(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> Any: ...
+
+
+class ProcessOptimizer(Protocol):
+    """An ``smp.DistributedOptimizer``, as checkpoints and a later model read it."""
+
+    def parameters_held(self) -> list[torch.Tensor]: ...
+    def local_state_dict(self) -> dict[str, Any]: ...
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None: ...
+
+
+class TurnTaker(Protocol):
+    """The conductor as a step function's ``model(...)`` and ``model.backward`` ask it."""
+
+    def forward_request(self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any]
+                        ) -> Any: ...
+    def backward_request(self, mb: int, tensors: Any, grad_tensors: Any) -> None: ...
+
 
 _tls = threading.local()
-_model: weakref.ref[DistributedModel] | None = None
-_waiting: list[weakref.ref[DistributedOptimizer]] = []
-_optimizer: weakref.ref[DistributedOptimizer] | None = None
+_model: weakref.ref[ProcessModel] | None = None
+_waiting: list[weakref.ref[ProcessOptimizer]] = []
+_optimizer: weakref.ref[ProcessOptimizer] | None = None
 _tracing = False
 
 
@@ -48,12 +89,12 @@ class _Capturing:
     """The turn of a thread that captures model inputs instead of running a stage."""
 
 
-def current_model() -> DistributedModel | None:
+def current_model() -> ProcessModel | None:
     """The DistributedModel of this process, or None."""
     return _model() if _model is not None else None
 
 
-def set_current_model(model: DistributedModel) -> None:
+def set_current_model(model: ProcessModel) -> None:
     global _model
     _model = weakref.ref(model)
 
@@ -65,30 +106,30 @@ def clear_current_model() -> None:
     _waiting.clear()
 
 
-def current_optimizer() -> DistributedOptimizer | None:
+def current_optimizer() -> ProcessOptimizer | None:
     """The last DistributedOptimizer created in this process (SMP's ``state.optimizer``)."""
     return _optimizer() if _optimizer is not None else None
 
 
-def set_current_optimizer(optimizer: DistributedOptimizer) -> None:
+def set_current_optimizer(optimizer: ProcessOptimizer) -> None:
     global _optimizer
     _optimizer = weakref.ref(optimizer)
 
 
-def wait_for_model(optimizer: DistributedOptimizer) -> None:
+def wait_for_model(optimizer: ProcessOptimizer) -> None:
     """``optimizer`` was built before the DistributedModel whose parameters it holds (the
     Hugging Face Trainer's order: its optimizer exists before it wraps the model)."""
     _waiting.append(weakref.ref(optimizer))
 
 
-def waiting_optimizers() -> list[DistributedOptimizer]:
+def waiting_optimizers() -> list[ProcessOptimizer]:
     """The optimizers still waiting for their DistributedModel (alive ones, oldest first)."""
     alive = [opt for opt in (ref() for ref in _waiting) if opt is not None]
     _waiting[:] = [weakref.ref(opt) for opt in alive]
     return alive
 
 
-def stop_waiting(optimizer: DistributedOptimizer) -> None:
+def stop_waiting(optimizer: ProcessOptimizer) -> None:
     _waiting[:] = [ref for ref in _waiting if ref() is not optimizer and ref() is not None]
 
 
@@ -108,7 +149,7 @@ def tracing() -> Iterator[None]:
         _tracing = False
 
 
-def turn() -> tuple[Conductor, int] | None:
+def turn() -> tuple[TurnTaker, int] | None:
     """The (conductor, microbatch) whose step function the calling thread runs, else None."""
     ctx = getattr(_tls, "ctx", None)
     return None if isinstance(ctx, _Capturing) else ctx
@@ -119,7 +160,7 @@ def capturing_inputs() -> bool:
     return isinstance(getattr(_tls, "ctx", None), _Capturing)
 
 
-def enter_turn(conductor: Conductor, microbatch: int) -> None:
+def enter_turn(conductor: TurnTaker, microbatch: int) -> None:
     """The calling thread now runs ``microbatch``'s step function for ``conductor``."""
     _tls.ctx = (conductor, microbatch)
 

@@ -100,7 +100,7 @@ class Pair:
         opt = smp.DistributedOptimizer(torch.optim.SGD(self.dm.module.parameters(), lr=lr,
                                                        momentum=0.9))
         if self.dm.partitioned:
-            opt._localize(self.dm)
+            opt.bind(self.dm.parallelized.binding())
         worst = 0.0
         ref_params = dict(self.ref.named_parameters(remove_duplicate=False))
         for i in range(steps):

@@ -9,19 +9,16 @@ from torch import nn
 
 import smp_fx as smp
 from smp_fx.optimizer import DistributedOptimizer
+from smp_fx.parallel.build import OptimizerBinding
 from smp_fx.world import state
 from tests.helpers.numerics import init
 
 
-class _FakeModel:
-    """What _localize reads from a DistributedModel: the module and its local parameters."""
-
-    def __init__(self, module: nn.Module, local: list[str]) -> None:
-        self.module = module
-        self._local = local
-
-    def local_named_parameters(self) -> Any:
-        return [(n, p) for n, p in self.module.named_parameters() if n in self._local]
+def _binding(module: nn.Module, local: list[str]) -> OptimizerBinding:
+    """What a partitioned model hands its optimizer: here ``local`` of ``module``'s
+    parameters, none of them tensor-parallel shards, without fp16."""
+    return OptimizerBinding(tuple((n, p) for n, p in module.named_parameters() if n in local),
+                            {}, lambda p: False, None)
 
 
 def test_lr_scheduler_and_hyper_parameters() -> None:
@@ -38,13 +35,13 @@ def test_lr_scheduler_and_hyper_parameters() -> None:
     assert net.weight.grad is None
 
 
-def test_localize_keeps_local_parameters_and_their_global_index() -> None:
+def test_bind_keeps_local_parameters_and_their_global_index() -> None:
     net = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
     inner = torch.optim.Adam([{"params": net[0].parameters(), "lr": 0.1},
                               {"params": net[1].parameters(), "lr": 0.2}])
     opt = DistributedOptimizer(inner)
     opt._names = {id(p): n for n, p in net.named_parameters()}
-    opt._localize(_FakeModel(net, ["1.weight", "1.bias"]))
+    opt.bind(_binding(net, ["1.weight", "1.bias"]))
     assert [len(g["params"]) for g in opt.param_groups] == [0, 2]
     assert opt.param_groups[1]["lr"] == 0.2
     assert sorted(opt.global_index.values()) == [2, 3]
@@ -54,13 +51,15 @@ def test_localize_keeps_local_parameters_and_their_global_index() -> None:
     assert torch.equal(net[0].weight, before)
 
 
-def test_localize_maps_recreated_parameters_by_name() -> None:
+def test_bind_maps_recreated_parameters_by_name() -> None:
     net = nn.Linear(2, 2)
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=1.0))
     opt._names = {id(p): n for n, p in net.named_parameters()}
     fresh = nn.Linear(2, 2)  # e.g. materialised from the meta device: new tensors
-    opt._localize(_FakeModel(fresh, ["weight", "bias"]))
+    opt.bind(_binding(fresh, ["weight", "bias"]))
     assert opt.param_groups[0]["params"][0] is fresh.weight
+    opt.bind(_binding(net, ["weight"]))  # bound once: a second binding changes nothing
+    assert opt.param_groups[0]["params"] == [fresh.weight, fresh.bias]
 
 
 def test_with_a_distributed_model_and_step_lr() -> None:

@@ -55,6 +55,13 @@ def _batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(n)]
 
 
+def _reductions(model: Any) -> int:
+    """How many steps the model's data parallelism reduced on."""
+    dp = model.parallelized.data_parallel
+    assert dp is not None
+    return int(dp.reductions)
+
+
 def _reference(steps: int, accumulate: int) -> dict[str, torch.Tensor]:
     """One process, the unpartitioned model, the global batches; optimizer step every
     ``accumulate`` batches (gradients summed in between)."""
@@ -125,16 +132,19 @@ def _placement(placement: str) -> dict[str, Any]:
     out["coords"] = (smp.pp_rank(), smp.dp_rank(), smp.get_dp_group())
     ref = _reference(3, 1)
     model, overlap = _train(3, 1, overlapping_allreduce=True, **small)
-    assert model._ddp is not None and model._ddp.reductions == 3
-    assert model._ddp.armed == set(model._ddp.runners)  # reduced inside the last backward
-    assert model._tied_groups  # wte / lm_head replicated on both stages: dp avg, then pp sum
+    dp = model.parallelized.data_parallel
+    assert dp is not None and dp.reductions == 3
+    assert dp.armed == set(dp.runners)  # reduced inside the last backward
+    tied = model.parallelized.tied
+    assert tied is not None and tied.groups  # wte / lm_head on both stages: dp avg, pp sum
     _assert_matches(overlap["params"], ref)
     assert max(overlap["grad_spread"]) == 0.0
 
     # reduction at the end of the step: identical numbers
     _init(placement, "interleaved")
     model, late = _train(3, 1, overlapping_allreduce=False, **small)
-    assert model._ddp is not None and model._ddp.armed == set()
+    dp = model.parallelized.data_parallel
+    assert dp is not None and dp.armed == set()
     assert mismatched(late["params"], overlap["params"]) == []
 
     # an evaluation step reduces nothing and changes nothing
@@ -144,7 +154,7 @@ def _placement(placement: str) -> dict[str, Any]:
 
     with torch.no_grad():
         eval_step(model, _batches(1)[0][0][:GLOBAL_BATCH // 2])
-    assert model._ddp.reductions == 3
+    assert dp.reductions == 3
     assert mismatched(dict(model.local_named_parameters()), late["params"]) == []
 
     # the dp process group is usable by user code
@@ -160,7 +170,7 @@ def _placement(placement: str) -> dict[str, Any]:
         spread = bpps["grad_spread"]
         assert spread[0] > 0 and spread[2] > 0, spread  # not reduced after odd steps
         assert spread[1] == 0 and spread[3] == 0, spread
-        out["reductions"] = model._ddp.reductions
+        out["reductions"] = _reductions(model)
         out["buffers_differ"] = [_buffers_scenario(placement, bb) for bb in (True, False)]
     else:
         # uneven inputs: dp_rank 1 runs out one batch early inside model.join()
@@ -246,7 +256,7 @@ def _body() -> dict[str, Any]:
     smp.init({"pipeline_parallel_degree": 1, "microbatches": M, "ddp": True})
     model, pure = _train(3, 1)
     _assert_matches(pure["params"], _reference(3, 1))
-    out["pure_dp"] = (smp.dp_size(), model._ddp.reductions)
+    out["pure_dp"] = (smp.dp_size(), _reductions(model))
     state._reset()
     out["example"] = _example_scenario()
     state._reset()
@@ -268,7 +278,8 @@ def _example_scenario() -> tuple[int, int, list[str]]:
     losses = script.main(["--steps", "4", "--batch-size", "8"])
     assert all(loss == loss for loss in losses)  # finite, not NaN
     model = current_model()
-    assert model is not None and model._ddp is not None
+    assert isinstance(model, smp.DistributedModel)
+    assert model.parallelized.data_parallel is not None
     return smp.dp_size(), len(losses), mismatched_across(dict(model.local_named_parameters()),
                                                          smp.get_dp_process_group())
 

@@ -52,13 +52,13 @@ def test_saved_activations_in_flight_match_the_simulator(pipeline: str,
     ex = model.executor
     orig_f, orig_b = ex._op_f, ex._op_b
 
-    def f(op: Op) -> None:
-        orig_f(op)
+    def f(run: Any, op: Op) -> None:
+        orig_f(run, op)
         alive[op.stage] += 1
         peak[op.stage] = max(peak[op.stage], alive[op.stage])
 
-    def b(op: Op) -> None:
-        orig_b(op)
+    def b(run: Any, op: Op) -> None:
+        orig_b(run, op)
         alive[op.stage] -= 1
 
     ex._op_f, ex._op_b = f, b  # type: ignore[method-assign]

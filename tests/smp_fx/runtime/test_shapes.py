@@ -62,7 +62,7 @@ def _receiving_another_shape_names_the_input_dimension(pair: Pair) -> None:
     """What a pp rank checks before its stage's forward across processes: the values it
     receives against the shapes its own inputs give (here activations built for sequence
     length 32 while this rank's inputs have 24)."""
-    guard = pair.dm._shapes
+    guard = pair.dm.parallelized.shapes
     assert guard is not None and guard.active
     mb = ((torch.randint(0, pair.ex.VOCAB, (2, 24)),), {})
     expected = guard._expect(1, guard._bindings(*mb))
@@ -86,7 +86,7 @@ def _tensor_parallel_parts_pass(pair: Pair, received: dict[str, torch.Tensor],
     batch (``meta.TP_GATHERED``) has tp times the rank's batch."""
     from passes import meta
 
-    guard = pair.dm._shapes
+    guard = pair.dm.parallelized.shapes
     expected = guard._expect(1, guard._bindings(*mb))
     static = {n: [i for i in range(t.dim()) if i not in expected[n][2]]
               for n, t in received.items()}
@@ -161,7 +161,7 @@ def _two_ranks() -> list[float]:
     batches = _batches(pair, shapes)
     pair.x, pair.y = batches[0]
     worst = pair.compare(len(shapes), 2, batches=batches)
-    assert pair.dm._executor is not None and pair.dm._executor.check_received is not None
+    assert pair.dm.executor.check_received is not None
     state._reset()
     return [worst]
 

@@ -1,0 +1,54 @@
+"""Mixed precision's step of the parallelisms' build: the loss scale and stale masters.
+
+With ``fp16`` the model's weights are halved when it is wrapped (``DistributedModel``: an
+optimizer built earlier must keep holding the same objects), and the fp16 optimizer steps
+fp32 master copies (``smp_fx.amp.fp16.MasterWeights``). What the running model needs of
+that optimizer is two things, given here when it binds (``DistributedOptimizer.bind``):
+the loss scale every ``model.backward`` multiplies the loss by, and, before every training
+step, word that its master gradients are stale. Last in the build's order: it reads only
+what the steps before it left.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import ClassVar, Protocol
+
+from smp_fx.runtime.lowering import Op
+from smp_fx.runtime.seams import StepHooks
+
+
+class LossScaling(Protocol):
+    """An fp16 optimizer as the running model sees it."""
+
+    @property
+    def loss_scale(self) -> float: ...
+
+    def grads_may_change(self, ops: Sequence[Op]) -> None: ...
+
+
+class MixedPrecision:
+    """The fp16 optimizers bound to one partitioned model; the last one's loss scale
+    applies (one optimizer per model is the usual case)."""
+
+    name: ClassVar[str] = "mixed_precision"
+
+    def __init__(self) -> None:
+        self._scaling: list[LossScaling] = []
+
+    def scale_with(self, optimizer: LossScaling) -> None:
+        """``optimizer`` scales every later backward's loss and keeps fp32 masters."""
+        self._scaling.append(optimizer)
+
+    @property
+    def loss_scale(self) -> float:
+        """What ``model.backward`` multiplies the loss by (1 before an optimizer binds)."""
+        return self._scaling[-1].loss_scale if self._scaling else 1.0
+
+    def pre_step(self, ops: Sequence[Op]) -> None:
+        for optimizer in self._scaling:
+            optimizer.grads_may_change(ops)
+
+    def hooks(self) -> StepHooks:
+        """Before a step: a training step makes the masters' gradients stale."""
+        return StepHooks(self.pre_step)

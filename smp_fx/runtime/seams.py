@@ -1,0 +1,56 @@
+"""What the parallelisms plug into the executor: the stage runner and the step hooks.
+
+The executor calls a local stage only through its ``StageRunner`` and runs, around every
+step, the hooks it was built with (``StepHooks`` of each parallelism, in the order
+``smp_fx.parallel.build`` composes them). Here, below both, so that a parallelism can name
+them without importing the executor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from passes.split_stages import Stage
+from smp_fx.runtime.lowering import Op
+
+
+class StageRunner:
+    """Runs one stage's module: the seam where data parallelism wraps ``module``.
+
+    The DDP work replaces ``module`` with a ``DistributedDataParallel`` wrapper and uses
+    ``no_sync`` for all microbatches but the last; the executor only calls ``forward`` and
+    ``backward`` here. On the last stage ``backward`` gets the user's loss tensors (and
+    scaled grads): that one autograd pass runs through the loss into the stage.
+    """
+
+    def __init__(self, stage: Stage, device: torch.device) -> None:
+        self.stage = stage
+        self.module: torch.nn.Module = stage.module
+        self.device = device
+
+    def forward(self, inputs: Sequence[Any], microbatch: int) -> tuple[Any, ...]:
+        return tuple(self.module(*inputs))
+
+    def backward(self, tensors: list[torch.Tensor], grads: list[torch.Tensor],
+                 microbatch: int) -> None:
+        torch.autograd.backward(tensors, grads)
+
+
+PreStep = Callable[[tuple[Op, ...]], None]
+"""A hook run before each step with the step's ops (data parallelism finds each stage's last
+backward there)."""
+PostStep = Callable[[], None]
+"""A hook run after each step (gradient reductions)."""
+
+
+@dataclass(frozen=True)
+class StepHooks:
+    """What one parallelism does around every step: ``pre`` before it, with its ops, and
+    ``post`` after it (its gradient reduction); None where it does nothing then."""
+
+    pre: PreStep | None = None
+    post: PostStep | None = None

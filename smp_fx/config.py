@@ -23,7 +23,7 @@ from typing import Any, Union
 
 from cost_model import schedule as sched
 from cost_model.errors import SMPConfigError, not_implemented
-from cost_model.schedule import SCHEDULE_NAMES, SPLIT_BACKWARD
+from cost_model.schedule import SCHEDULE_NAMES
 from passes.partition_config import CheckpointRule, PartitionConfig
 from smp_fx.topology import Topology, normalize_placement
 
@@ -52,7 +52,6 @@ class Param:
     choices: tuple[str, ...] = ()
     used_at: str = ""
     doc: str = ""
-    planned_values: tuple[str, ...] = ()  # plan (smp-fx partition) but raise at used_at
 
 
 _P = Param
@@ -60,10 +59,9 @@ PARAMS: tuple[Param, ...] = (
     _P("pipeline_parallel_degree", int, None, minimum=1,
        doc="required; number of pipeline stages (alias: partitions)"),
     _P("microbatches", int, 1, minimum=1, doc="microbatches per step; batch must divide"),
-    _P("pipeline", str, "interleaved", choices=SCHEDULE_NAMES, used_at="DistributedModel",
-       planned_values=SPLIT_BACKWARD,
+    _P("pipeline", str, "interleaved", choices=SCHEDULE_NAMES,
        doc="schedule (docs/schedules.md); zero_bubble and zbv are smp-fx extensions"),
-    _P("virtual_pipeline_degree", int, 1, PLANNED, minimum=1, used_at="DistributedModel",
+    _P("virtual_pipeline_degree", int, 1, minimum=1,
        doc="smp-fx extension (SMP has no such key): chunks per pipeline rank "
            "(docs/schedules.md)"),
     _P("optimize", str, "memory", choices=("memory", "speed"),
@@ -171,12 +169,9 @@ class SMPConfig:
         feature is not built. Call it where the feature would be used (see ``Param.used_at``).
         """
         param = _known(name)
-        value = getattr(self, name)
-        if value in param.planned_values:
-            raise not_implemented(f"{name}={value!r} plans but does not run yet", name,
-                                  f"inspect it with smp-fx partition; run {param.default!r}")
         if param.status == IMPLEMENTED:
             return
+        value = getattr(self, name)
         if value != param.default:
             raise not_implemented(
                 f"{param.status}; set to {value!r}, default {param.default!r}", name,
@@ -447,10 +442,7 @@ def parameter_table() -> str:
         kind = " / ".join(p.choices) if p.choices else p.kind.__name__
         rng = "" if p.minimum is None else f" >= {p.minimum}"
         rng += "" if p.maximum is None else f", <= {p.maximum}"
-        planned = p.planned_values and (f"{' and '.join(p.planned_values)} plan but do not "
-                                        "run yet")
-        notes = "; ".join(x for x in (p.doc, planned, p.used_at and f"checked at {p.used_at}")
-                          if x)
+        notes = "; ".join(x for x in (p.doc, p.used_at and f"checked at {p.used_at}") if x)
         rows.append(f"| `{p.name}` | {kind}{rng} | {default} | {p.status} | {notes} |")
     for alias, target in ALIASES.items():
         rows.append(f"| `{alias}` | alias | | {IMPLEMENTED} | same as `{target}` |")

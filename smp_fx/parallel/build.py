@@ -160,7 +160,7 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
     multi = multi_process(st)
     # tied parameters are found by their names, on every rank, before materialising
     groups = tied_groups(program, st, dict(canonical)) if multi else []
-    placed = place_stages(gm, program, st)
+    placed = place_stages(gm, program, st, plan.rank_of)
     runners: dict[int, StageRunner] = dict(placed.runners)
     dp = None if cfg.sharded_data_parallel_degree > 1 else ddp.for_build(options, early_dp)
     applied: list[Parallelism] = []

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,7 +55,8 @@ from smp_fx.runtime.flight import FlightRecorder
 from smp_fx.runtime.lowering import Lowered, LoweredCache, Op
 from smp_fx.runtime.modes import thread_modes
 from smp_fx.runtime.seams import PostStep, PreStep, StageRunner
-from smp_fx.runtime.transport import Transport
+from smp_fx.runtime.split_backward import PendingW
+from smp_fx.runtime.transport import InProcessTransport, Transport
 from smp_fx.runtime.turns import Microbatch, Request
 
 
@@ -68,7 +69,8 @@ class _MbData:
     results: dict[int, dict[str, Any]] = field(default_factory=dict)
     grads: dict[int, dict[str, list[Any]]] = field(default_factory=dict)  # from later stages
     send_grads: dict[int, dict[str, list[Any]]] = field(default_factory=dict)
-    b_done: int = 0  # local stages whose backward finished
+    pending: dict[int, PendingW] = field(default_factory=dict)  # stage -> its W, after its I
+    b_done: int = 0  # local stages whose backward finished (its B, or its W)
     cut: Any = None  # the last stage's outputs as handed to the user
     used: Any = None  # (indices of output leaves that got a gradient, those that need one)
 
@@ -152,6 +154,9 @@ class Executor:
         self.keepers: Mapping[int, ActivationKeeper] = dict(keepers or {})
         self.loading_horizon = options.loading_horizon
         self._lowerings = LoweredCache(program, options.multi_process)
+        # transfers between two stages of this rank stay here (chunks of one rank)
+        self._local: Transport = (InProcessTransport({s: r.device for s, r in runners.items()})
+                                  if options.multi_process else transport)
         self._run: _StepRun | None = None  # the running step's
         # the value names each (stage, peer) transfer carries
         self._send_names = {(s, d): names for s, st in enumerate(program.stages)
@@ -213,8 +218,12 @@ class Executor:
             self.keepers[s].prefetch(mb)
         getattr(self, "_op_" + op.kind.lower())(run, op)
 
+    def _via(self, peer: int) -> Transport:
+        """The transport to stage ``peer``: this process's mailbox for a local stage."""
+        return self._local if peer in self.runners else self.transport
+
     def _op_recv_act(self, run: _StepRun, op: Op) -> None:
-        vals = self.transport.recv(op.peer, op.stage, "act", op.microbatch)
+        vals = self._via(op.peer).recv(op.peer, op.stage, "act", op.microbatch)
         names = self._recv_names[(op.stage, op.peer)]
         run.data[op.microbatch].inputs.setdefault(op.stage, {}).update(zip(names, vals))
 
@@ -236,7 +245,8 @@ class Executor:
         d.results[s] = dict(zip(stage.output_names, outs))
         if req.grad_enabled:
             run.stats.peak_in_flight[s] = max(
-                run.stats.peak_in_flight[s], sum(1 for x in run.data if s in x.results))
+                run.stats.peak_in_flight[s],
+                sum(1 for x in run.data if s in x.results or s in x.pending))
         if s == self.last:
             # The user's loss graph hangs off these very tensors, so model.backward(loss)
             # reaches the stage in one autograd pass; a hook per output records which ones
@@ -255,16 +265,16 @@ class Executor:
     def _op_send_act(self, run: _StepRun, op: Op) -> None:
         names = self._send_names[(op.stage, op.peer)]
         res = run.data[op.microbatch].results[op.stage]
-        self.transport.send(tuple(res[n] for n in names), op.stage, op.peer, "act",
-                            op.microbatch)
+        self._via(op.peer).send(tuple(res[n] for n in names), op.stage, op.peer, "act",
+                                op.microbatch)
 
     def _op_send_out(self, run: _StepRun, op: Op) -> None:
-        self.transport.send(run.data[op.microbatch].cut, op.stage, op.peer, "out",
-                            op.microbatch)
+        self._via(op.peer).send(run.data[op.microbatch].cut, op.stage, op.peer, "out",
+                                op.microbatch)
 
     def _op_recv_out(self, run: _StepRun, op: Op) -> None:
         self._deliver_outputs(run, op.microbatch,
-                              self.transport.recv(op.peer, op.stage, "out", op.microbatch))
+                              self._via(op.peer).recv(op.peer, op.stage, "out", op.microbatch))
 
     def _deliver_outputs(self, run: _StepRun, mb: int, cut: Any, defer: bool = False) -> None:
         """The last stage's outputs, received on this rank: to microbatch ``mb``'s thread."""
@@ -278,7 +288,7 @@ class Executor:
 
     def _op_recv_grad(self, run: _StepRun, op: Op) -> None:
         d = run.data[op.microbatch]
-        grads, cut = self.transport.recv(op.peer, op.stage, "grad", op.microbatch)
+        grads, cut = self._via(op.peer).recv(op.peer, op.stage, "grad", op.microbatch)
         if cut is not None and d.cut is None:  # the last stage's outputs, relayed
             # held back until this rank would wait, unless it will not wait again this step
             self._deliver_outputs(run, op.microbatch, cut, defer=run.at != run.lowered.last_recv)
@@ -296,43 +306,96 @@ class Executor:
     def _op_b(self, run: _StepRun, op: Op) -> None:
         mb, s = op.microbatch, op.stage
         d = run.data[mb]
-        if d.skip[s]:
-            self._finish_backward(run, mb, s)
-            return
+        if not d.skip[s]:
+            req, tensors, grads = self._backward_roots(run, mb, s)
+            if tensors:
+                with thread_modes(True, req.autocast):  # the seam (DDP) sees every pass
+                    self.runners[s].backward(tensors, grads, mb)
+            self._check_last(d, s)
+        self._finish_backward(run, mb, s)
+        self._backward_done(run, mb)
+
+    def _op_i(self, run: _StepRun, op: Op) -> None:
+        """A split backward's input gradients (``split_backward``): sent on now, the
+        weight gradients kept for this stage's ``W`` of the microbatch."""
+        mb, s = op.microbatch, op.stage
+        d = run.data[mb]
+        got: list[torch.Tensor | None] = []
+        if not d.skip[s]:
+            req, tensors, grads = self._backward_roots(run, mb, s)
+            inputs = self._input_leaves(d, s)
+            if tensors:
+                with thread_modes(True, req.autocast):
+                    got, d.pending[s] = self.runners[s].backward_input(
+                        tensors, grads, [t for t in inputs if isinstance(t, torch.Tensor)], mb)
+            self._check_last(d, s)
+        self._finish_backward(run, mb, s, iter(got))
+
+    def _op_w(self, run: _StepRun, op: Op) -> None:
+        mb, s = op.microbatch, op.stage
+        d = run.data[mb]
+        pending = d.pending.pop(s, None)
+        if pending is not None:
+            req = self.conductor.backward_of(mb) or self.conductor.forward_of(mb, s)
+            with thread_modes(True, req.autocast):
+                self.runners[s].backward_weight(pending, mb)
+        self._backward_done(run, mb)
+
+    def _backward_roots(self, run: _StepRun, mb: int, s: int
+                        ) -> tuple[Request, list[torch.Tensor], list[torch.Tensor]]:
+        """Where stage ``s``'s backward of microbatch ``mb`` starts: the user's loss tensors
+        (scaled) on the last stage, else its outputs and the gradients received for them."""
+        d = run.data[mb]
         # Off the last stage the step function may not have asked yet (see the module doc).
         req = self.conductor.backward_of(mb) or self.conductor.forward_of(mb, s)
-        runner = self.runners[s]
+        if s == self.last:
+            return req, *self._loss_roots(run, mb, req)
         results = d.results.get(s, {})
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
+        for name, glist in d.grads.get(s, {}).items():
+            leaves = _leaves(results[name])
+            for i, t in enumerate(leaves):
+                gs = [g[i] for g in glist if g[i] is not None]
+                if gs and isinstance(t, torch.Tensor) and t.requires_grad:
+                    tensors.append(t)
+                    grads.append(gs[0] if len(gs) == 1 else torch.stack(gs).sum(0))
+        return req, tensors, grads
+
+    def _check_last(self, d: _MbData, s: int) -> None:
         if s == self.last:
-            self._loss_backward(run, mb, req, runner)  # through the loss into the stage
             got, need = d.used
             self._check_used([i for i in need if i not in got])
-        else:
-            for name, glist in d.grads.get(s, {}).items():
-                leaves = _leaves(results[name])
-                for i, t in enumerate(leaves):
-                    gs = [g[i] for g in glist if g[i] is not None]
-                    if gs and isinstance(t, torch.Tensor) and t.requires_grad:
-                        tensors.append(t)
-                        grads.append(gs[0] if len(gs) == 1 else torch.stack(gs).sum(0))
-        if tensors:
-            with thread_modes(True, req.autocast):
-                runner.backward(tensors, grads, mb)
-        self._finish_backward(run, mb, s)
 
-    def _finish_backward(self, run: _StepRun, mb: int, s: int) -> None:
-        """Keep the grads to send, free the stage's saved state, release the user thread."""
+    def _input_leaves(self, d: _MbData, s: int) -> list[Any]:
+        """The leaves of every value stage ``s`` received, in ``recvs`` order."""
+        inputs = d.inputs.get(s, {})
+        return [t for _, names in self.program.stages[s].recvs for n in names
+                for t in _leaves(inputs[n])]
+
+    def _finish_backward(self, run: _StepRun, mb: int, s: int,
+                         input_grads: Iterator[torch.Tensor | None] | None = None) -> None:
+        """Keep the grads to send (the inputs' ``.grad`` after a B, ``input_grads`` in input
+        order after an I), free the stage's saved state."""
         d = run.data[mb]
         inputs = d.inputs.pop(s, {})
         if not d.skip[s]:
-            d.send_grads[s] = {
-                n: [t.grad if isinstance(t, torch.Tensor) else None
-                    for t in _leaves(inputs[n])]
-                for _, names in self.program.stages[s].recvs for n in names}
+            def grad_of(t: Any) -> Any:
+                if not isinstance(t, torch.Tensor):
+                    return None
+                if input_grads is None:
+                    return t.grad
+                return next(input_grads, None)
+
+            d.send_grads[s] = {n: [grad_of(t) for t in _leaves(inputs[n])]
+                               for _, names in self.program.stages[s].recvs for n in names}
         d.results.pop(s, None)
         d.grads.pop(s, None)
+
+    def _backward_done(self, run: _StepRun, mb: int) -> None:
+        """One local stage finished microbatch ``mb``'s backward (its B, or its W); after
+        the last, release the user thread."""
+        d = run.data[mb]
         d.b_done += 1
         if d.b_done == len(self.runners):
             self.conductor.publish_backward_done(mb)
@@ -343,8 +406,8 @@ class Executor:
         if not d.skip[op.stage]:
             names = self._recv_names[(op.stage, op.peer)]
             grads = tuple(d.send_grads[op.stage][n] for n in names)
-        self.transport.send((grads, d.cut if self.multi_process else None), op.stage, op.peer,
-                            "grad", op.microbatch)
+        self._via(op.peer).send((grads, d.cut if self.multi_process else None), op.stage,
+                                op.peer, "grad", op.microbatch)
 
     def _check_step(self, run: _StepRun, asked: list[bool]) -> None:
         """A stage whose backward followed the gradient messages: its step function must
@@ -357,8 +420,10 @@ class Executor:
                                   " call it, yet the gradient messages say the backward was "
                                   f"{'skipped' if skipped else 'run'}")
 
-    def _loss_backward(self, run: _StepRun, mb: int, req: Request,
-                       runner: StageRunner) -> None:
+    def _loss_roots(self, run: _StepRun, mb: int, req: Request
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``model.backward(tensors, grad_tensors)`` of microbatch ``mb``: the tensors and
+        their gradients, scaled by the step's loss scale."""
         tensors, grad_tensors = req.args
         ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if grad_tensors is None:
@@ -378,8 +443,7 @@ class Executor:
                 scaled.append(torch.full_like(t, run.scale))
             else:
                 scaled.append(g * run.scale if run.scale != 1.0 else g)
-        with thread_modes(True, req.autocast):
-            runner.backward(ts, scaled, mb)  # the seam (DDP) sees the last stage's pass too
+        return ts, scaled
 
     def _check_used(self, unused: list[int]) -> None:
         if unused:

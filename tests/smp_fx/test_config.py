@@ -269,10 +269,3 @@ def test_active_microbatches_default_follows_the_schedule() -> None:
         cfg = _load({**BASE, "microbatches": 8, "virtual_pipeline_degree": 2, "pipeline": pipe})
         assert cfg.active_microbatches == 8
         assert cfg.partition_config().virtual_stages == 2
-
-
-def test_schedules_without_a_runtime_yet_fail_where_the_model_is_wrapped() -> None:
-    for extra in ({"pipeline": "zero_bubble"}, {"virtual_pipeline_degree": 2}):
-        cfg = _load({**BASE, "microbatches": 4, **extra})
-        with pytest.raises(SMPNotImplementedError, match="pipeline|virtual_pipeline_degree"):
-            cfg.check_features("DistributedModel")

@@ -159,7 +159,7 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
     program = split_for_rank(gm, st)
     multi = multi_process(st)
     # tied parameters are found by their names, on every rank, before materialising
-    groups = tied_groups(program, st, dict(canonical)) if multi else []
+    groups = tied_groups(program, st, dict(canonical), plan.rank_of) if multi else []
     placed = place_stages(gm, program, st, plan.rank_of)
     runners: dict[int, StageRunner] = dict(placed.runners)
     dp = None if cfg.sharded_data_parallel_degree > 1 else ddp.for_build(options, early_dp)
@@ -167,7 +167,8 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
 
     tied = None
     if groups:
-        duplicates = tied_duplicates(program, st.axis_rank("pp"), dict(canonical))
+        duplicates = tied_duplicates(program, st.axis_rank("pp"), dict(canonical),
+                                     plan.rank_of)
         tied = TiedReplicas(groups, duplicates, runners, canonical, window=dp)
         if placed.delayed:  # replicas initialised on different ranks: take the first's
             tied.broadcast()

@@ -256,6 +256,9 @@ class DataParallel(Joinable):
         self.reduce_this_step = False
         self.last_backward: dict[int, int] = {}
         self.last_weight: dict[int, int] = {}  # a split backward's last W per stage
+        self.stage_params: dict[int, list[nn.Parameter]] = {}
+        self.shared_local = False  # a parameter several local stages (chunks) read
+        self._bucketed_for: Any = None  # the op list the bucket lists were made for
         self.started: dict[int, Reduction] = {}  # reductions started after a stage's last W
         self.armed: set[int] = set()
         self.backward_ran: set[int] = set()
@@ -280,8 +283,10 @@ class DataParallel(Joinable):
                 gradient_as_bucket_view=opts.gradient_as_bucket_view)
             runner = DDPStageRunner(base, wrapper, self)
             out[s] = self.runners[s] = runner
-            self.bucket_lists[s] = buckets(list(base.stage.module.parameters()),
-                                           opts.bucket_cap_mb)
+            self.stage_params[s] = list(base.stage.module.parameters())
+            self.bucket_lists[s] = buckets(self.stage_params[s], opts.bucket_cap_mb)
+        ids = [id(p) for params in self.stage_params.values() for p in params]
+        self.shared_local = len(ids) != len(set(ids))
         log.info("smp-fx ddp: stages %s wrapped over an rdp group of %d (overlap=%s, bpps=%d)",
                  sorted(self.runners), self.size, opts.overlapping_allreduce,
                  opts.backward_passes_per_step)
@@ -302,6 +307,8 @@ class DataParallel(Joinable):
         """Find each local stage's last backward action; decide whether this step reduces."""
         self.last_backward = {op.stage: op.microbatch for op in ops if op.kind == "B"}
         self.last_weight = {op.stage: op.microbatch for op in ops if op.kind == "W"}
+        if self.shared_local and ops is not self._bucketed_for:
+            self._own_shared(ops)
         self.armed = set()
         self.started = {}
         self.backward_ran = set()
@@ -318,9 +325,24 @@ class DataParallel(Joinable):
             for r in self.runners.values():
                 r.ddp.require_forward_param_sync = True
 
+    def _own_shared(self, ops: Sequence[Op]) -> None:
+        """A parameter several local stages read (a tied embedding and head in ZB-V's V on
+        rank 0) is reduced once, with the stage whose last backward comes last in ``ops``:
+        reduced earlier, the later stage's gradients would be lost."""
+        last = {op.stage: i for i, op in enumerate(ops) if op.kind in ("B", "W")}
+        owner: dict[int, int] = {}
+        for s in sorted(self.stage_params, key=lambda s: last.get(s, -1)):
+            for p in self.stage_params[s]:
+                owner[id(p)] = s
+        for s, params in self.stage_params.items():
+            self.bucket_lists[s] = buckets([p for p in params if owner[id(p)] == s],
+                                           self.options.bucket_cap_mb)
+        self._bucketed_for = ops
+
     def arm_now(self, stage: int, microbatch: int) -> bool:
+        # two DDP reducers of one parameter would each reduce it: reduce explicitly instead
         return (self.reduce_this_step and self.options.overlapping_allreduce
-                and self.last_backward.get(stage) == microbatch)
+                and not self.shared_local and self.last_backward.get(stage) == microbatch)
 
     def reduce_after_weight(self, stage: int, microbatch: int) -> bool:
         return (self.reduce_this_step and self.options.overlapping_allreduce
@@ -341,7 +363,7 @@ class DataParallel(Joinable):
                 continue
             if s not in self.backward_ran:
                 continue
-            if self.options.overlapping_allreduce:
+            if self.options.overlapping_allreduce and not self.shared_local:
                 raise SMPRuntimeError.build(
                     "the stage's last backward of the step did not run, so its gradients "
                     "were not reduced over the data-parallel group", f"stage {s}",

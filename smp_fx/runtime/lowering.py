@@ -42,6 +42,11 @@ OP_KINDS = ("RECV_ACT", "F", "SEND_ACT", "SEND_OUT", "RECV_OUT", "WAIT_B", "RECV
             "I", "W", "SEND_GRAD")
 BACKWARD_OPS = ("B", "I")
 """The ops that produce a stage's input gradients (what the stage before waits for)."""
+
+
+def trains(ops: Sequence[Op]) -> bool:
+    """Whether a step's ops run a backward (a B, or a split backward's I)."""
+    return any(op.kind in BACKWARD_OPS for op in ops)
 # The transport channels: activations (forward), gradients (backward), the last stage's
 # outputs (to every other pipeline rank).
 CHANNELS = ("act", "grad", "out")

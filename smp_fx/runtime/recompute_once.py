@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from smp_fx.runtime.activations import rebuild_sink
 from smp_fx.runtime.modes import Autocast, autocast_state, thread_modes
 
 
@@ -61,6 +62,7 @@ class _Frame:
         self.count = 0
         self.rebuilt: list[torch.Tensor] | None = None
         self.rebuilt_bytes = 0
+        self.sink = rebuild_sink()  # the microbatch's record when activations are counted
 
     def pack(self, t: torch.Tensor) -> tuple[_Frame, int]:
         index = self.count
@@ -89,7 +91,11 @@ class _Frame:
             raise RuntimeError(f"a checkpointed region saved {self.count} values in its "
                                f"forward and {len(got)} in its recompute")
         self.rebuilt = got
-        self.rebuilt_bytes = sum(t.numel() * t.element_size() for t in got)
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in got
+                    if isinstance(t, torch.Tensor)}
+        self.rebuilt_bytes = sum(storages.values())
+        if self.sink is not None:
+            self.sink(self.rebuilt_bytes)
 
 
 def _never(handle: Any) -> torch.Tensor:  # the recompute's own graph is never run

@@ -18,8 +18,8 @@ driven: an action starts when its rank is free and its input has arrived. Timing
   per message its rank receives or sends for it (a neighbour chunk on another rank).
 - Memory of rank r = the ``static_bytes`` of its chunks + what its chunks keep for
   backward, at the peak over its list: a forward adds ``saved_bytes_per_mb``, an input
-  gradient releases all but ``wgrad_saved_bytes_per_mb`` (what a pending W holds), the W
-  or a full B releases the rest. A forward-only schedule keeps nothing.
+  gradient leaves ``wgrad_saved_bytes_per_mb`` (what a pending W holds), the W or a full B
+  releases it all. A forward-only schedule keeps nothing.
 - ``bubble_fraction`` = 1 - (sum of busy time) / (ranks x makespan): the idle share of one
   step. ``bubble_rate`` is the papers' convention: with steps back to back and no barrier
   between them, a rank repeats every ``max_r (last end_r - first start_r)``; the rate is
@@ -56,8 +56,8 @@ class StageCost:
     """What one microbatch costs on one chunk (virtual stage), as the simulator needs it.
 
     ``wgrad_time_s`` is the weight-gradient part of ``bwd_time_s`` (what a W takes; I takes
-    the rest). ``wgrad_saved_bytes_per_mb`` is what a pending W holds of the saved bytes
-    (None: all of them, the safe bound).
+    the rest). ``wgrad_saved_bytes_per_mb`` is what a microbatch holds from its I to its W
+    (None: what its forward saved); it may exceed that (the I's own products kept for W).
     """
 
     fwd_time_s: float
@@ -91,7 +91,7 @@ class StageCost:
         """Bytes a microbatch keeps between its I and its W."""
         if self.wgrad_saved_bytes_per_mb is None:
             return self.saved_bytes_per_mb
-        return min(self.wgrad_saved_bytes_per_mb, self.saved_bytes_per_mb)
+        return self.wgrad_saved_bytes_per_mb
 
     def to_json(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -253,11 +253,11 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
         acts = stage_activations(nodes)
         off = acts.region_inputs if pconfig.offload_activations else 0
         saved = acts.saved - off
-        wg = weight_grads(nodes, trainable_names) if split else None
+        wg = weight_grads(nodes, trainable_names, acts.rebuilt) if split else None
         mem = MemoryBreakdown(par, grad, opt_b, buf, saved, inflight[s], saved * inflight[s],
                               par + grad + opt_b + buf + saved * inflight[s] + acts.transient,
                               acts.transient, off,
-                              min(wg.held_bytes, saved) if wg is not None else 0)
+                              saved + off + wg.held_bytes if wg is not None else 0)
         fwd_t = sum(costs[n].fwd_time_s for n in nodes)
         bwd_t = sum(costs[n].bwd_time_s for n in nodes)
         recompute_s = sum(costs[n].fwd_time_s for n in nodes if meta.CKPT_REGION.has(n))

@@ -65,7 +65,8 @@ class MemoryBreakdown:
     offloaded_per_microbatch: int = field(default=0, metadata=OPTIONAL)
     pending_w_per_microbatch: int = field(default=0, metadata=OPTIONAL)
     """With a split backward: what a microbatch keeps from its I until its W
-    (``passes.weight_grads``); ``in_flight`` counts such microbatches in full."""
+    (``passes.weight_grads``): its activations (offloaded ones back for the I), the
+    gradients recorded at the joins and the checkpointed regions rebuilt."""
 
 
 @dataclass(frozen=True)

@@ -1,18 +1,22 @@
 """What a split backward's weight gradient (W) costs and holds, for the plan and simulator.
 
 Zero-bubble schedules run a chunk's backward as I (the gradients of its inputs) and, later,
-W (the gradients of its parameters). The runtime splits each operation that reads a
-trainable parameter: I computes its input gradient and keeps the output gradient it was
-given; W later computes the weight gradient from it and from what the operation saved.
-So between a microbatch's I and its W a chunk holds, per parameterised operation, the
-values it saved for backward (once per storage, as ``stage_activations`` counts them) and
-the gradient of its output. Inside an activation-checkpointed region these are the values
-the recompute rebuilt during I: they are counted the same way, and nothing is recomputed
-again for W.
+W (the gradients of its parameters), both from the autograd graph the forward recorded
+(``smp_fx.runtime.split_backward``). I keeps that graph: between a microbatch's I and its W
+the chunk still holds everything its forward saved, plus
 
-W's time is estimated as half the backward time of those operations: a matmul's backward
-is two matmuls of its forward's size, one for each gradient; element-wise parameterised
-operations (norms, biases) are cheap either way.
+- the gradient each *join* was given during I (an operation where a parameter's path meets
+  the input path, a linear's matmul): one tensor the size of the operation's output;
+- in an activation-checkpointed region, what the recompute during I rebuilt: the region's
+  own saved values, kept for the W (``smp_fx.runtime.recompute_once``), so nothing is
+  recomputed twice.
+
+So a pending W holds the chunk's activations per microbatch, plus ``held_bytes`` on top
+(``MemoryBreakdown.pending_w_per_microbatch`` is their sum); W releases all of it.
+
+W's time is estimated as half the backward time of the operations that read a trainable
+parameter: a matmul's backward is two matmuls of its forward's size, one per gradient;
+element-wise parameterised operations (norms, biases) are cheap either way.
 """
 
 from __future__ import annotations
@@ -31,17 +35,19 @@ WEIGHT_SHARE = 0.5
 
 @dataclass(frozen=True)
 class WeightGrads:
-    """One chunk's W per microbatch: seconds, and bytes held from its I until it runs."""
+    """One chunk's W per microbatch: seconds, and the bytes a pending W holds beyond the
+    chunk's activations (the joins' gradients, the checkpointed regions rebuilt)."""
 
     time_s: float
     held_bytes: int
 
 
-def weight_grads(nodes: Sequence[torch.fx.Node], trainable: Collection[str]) -> WeightGrads:
+def weight_grads(nodes: Sequence[torch.fx.Node], trainable: Collection[str],
+                 rebuilt: int = 0) -> WeightGrads:
     """The W account of the chunk made of ``nodes``; ``trainable`` names the parameters
-    that get gradients (tied names of one tensor all listed)."""
-    held: dict[str, int] = {}
-    extra = 0
+    that get gradients (tied names of one tensor all listed); ``rebuilt``: what recomputing
+    the chunk's checkpointed regions rebuilds (``StageActivations.rebuilt``)."""
+    grads: dict[str, int] = {}
     time_s = 0.0
     for n in nodes:
         if not any(name in trainable for name in meta.PARAMS.get(n, ()) or ()):
@@ -49,14 +55,8 @@ def weight_grads(nodes: Sequence[torch.fx.Node], trainable: Collection[str]) -> 
         cost = meta.COST.get(n) if meta.COST.has(n) else None
         if cost is not None:
             time_s += WEIGHT_SHARE * cost.bwd_time_s
-        saved = meta.SAVED.get(n)
-        if saved is not None:
-            held.update(saved.keys)
-            extra += saved.extra
-        elif cost is not None:
-            extra += cost.saved_bytes
-        held[f"{n.name}#grad"] = total_nbytes(meta.TENSOR.get(n))
-    return WeightGrads(time_s, sum(held.values()) + extra)
+        grads[n.name] = total_nbytes(meta.TENSOR.get(n))
+    return WeightGrads(time_s, sum(grads.values()) + rebuilt)
 
 
 __all__ = ["WEIGHT_SHARE", "WeightGrads", "weight_grads"]

@@ -51,7 +51,8 @@ def test_split_backward_carries_the_weight_gradient() -> None:
     whole, split = _plan("interleaved", 1), _plan("zero_bubble", 1)
     for st in split.stages:
         assert 0 < st.wgrad_time_s < st.bwd_time_s
-        assert 0 < st.memory.pending_w_per_microbatch <= st.memory.activations_per_microbatch
+        # the kept graph: every saved activation, plus the gradients recorded at the joins
+        assert st.memory.pending_w_per_microbatch > st.memory.activations_per_microbatch
     assert all(st.wgrad_time_s == 0 for st in whole.stages) and not whole.ranks
     # zero bubble: a shorter pipeline than 1F1B on the same cut
     assert split.pipeline_time_s < whole.pipeline_time_s

@@ -16,9 +16,12 @@ identity on its input whose backward sleeps as long (the input-gradient path) an
 identity on its weight whose backward sleeps as long (the weight-gradient path; the first
 block's input needs no gradient, so it has no input-gradient sleep). Every sleep records its
 start and end: a rank's busy time is the sum, and the measured bubble of a step is
-``1 - sum(busy) / (ranks x step)``, the simulator's ``bubble_fraction``. The simulator
-(``cost_model.simulate``) runs the same lists with each chunk's sleeps as its costs. Each
-figure is the minimum of ``--retries`` steps after a warm-up step.
+``1 - sum(busy) / (ranks x step)``, for smp-fx and torch alike. For smp-fx the bubble is
+also taken from per-action timestamps (its flight record: each F, B, I and W op's duration,
+overheads included), and the simulator (``cost_model.simulate``) runs the same lists with
+each chunk's actions priced by their median measured duration: the two bubbles differ only
+by what the executor adds between actions (transfers, turns). Each figure is the fastest of
+``--retries`` steps after a warm-up step, smp-fx's and torch's alternating.
 
 Then, without a target, the real-compute MLP of ``benchmarks/pipeline_vs_torch.py`` (no
 sleeps) at p = 2 under each schedule.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import statistics
 import sys
 import threading
 import time
@@ -122,33 +126,60 @@ class Row:
     torch_s: float
     smp_bubble: float
     torch_bubble: float
+    action_bubble: float
     sim_bubble: float
     sim_s: float
 
 
-def _timed(step: Callable[[], Any], retries: int, ranks: int) -> tuple[float, float]:
-    """(step seconds, measured bubble) of the fastest of ``retries`` steps after one
-    warm-up; the bubble from every rank's sleeps in that step."""
+Durations = dict[tuple[int, str], list[float]]
+"""(chunk, kind) -> seconds of each such action of a step (smp-fx's flight record)."""
+
+
+def _timed(step: Callable[[], Any], ranks: int, executor: Any = None
+           ) -> tuple[float, float, Durations]:
+    """One step between barriers: (seconds, measured bubble, every rank's action durations
+    when ``executor``, smp-fx's, is given); the bubble from every rank's sleeps."""
+    with _SPANS_LOCK:
+        _SPANS.clear()
+    dist.barrier()
+    t0 = time.perf_counter()
     step()
-    best: tuple[float, float] | None = None
+    dist.barrier()
+    seconds = time.perf_counter() - t0
+    with _SPANS_LOCK:
+        busy = sum(b - a for a, b in _SPANS)
+    mine: Durations = {}
+    if executor is not None:  # each action op lasts until the next op starts
+        flight = executor.flight
+        for i, op in enumerate(flight.ops):
+            if op.kind in ("F", "B", "I", "W"):
+                mine.setdefault((op.stage, op.kind), []).append(
+                    flight.starts[i + 1] - flight.starts[i])
+    everyone: list[Any] = [None] * ranks
+    dist.all_gather_object(everyone, (seconds, busy, mine))
+    step_s = max(s for s, _, _ in everyone)
+    durations: Durations = {}
+    for _, _, d in everyone:
+        for key, values in d.items():
+            durations.setdefault(key, []).extend(values)
+    return step_s, 1.0 - sum(b for _, b, _ in everyone) / (ranks * step_s), durations
+
+
+def _alternating(smp_step: Callable[[], Any], torch_step: Callable[[], Any], ranks: int,
+                 retries: int, executor: Any
+                 ) -> tuple[tuple[float, float, Durations], tuple[float, float, Durations]]:
+    """The fastest of ``retries`` steps of each after one warm-up each, the two alternating
+    (a shared machine's load changes then favour neither)."""
+    smp_step()
+    torch_step()
+    best_smp = best_torch = None
     for _ in range(retries):
-        with _SPANS_LOCK:
-            _SPANS.clear()
-        dist.barrier()
-        t0 = time.perf_counter()
-        step()
-        dist.barrier()
-        seconds = time.perf_counter() - t0
-        with _SPANS_LOCK:
-            busy = sum(b - a for a, b in _SPANS)
-        everyone: list[Any] = [None] * ranks
-        dist.all_gather_object(everyone, (seconds, busy))
-        step_s = max(s for s, _ in everyone)
-        bubble = 1.0 - sum(b for _, b in everyone) / (ranks * step_s)
-        if best is None or step_s < best[0]:
-            best = (step_s, bubble)
-    assert best is not None
-    return best
+        a = _timed(smp_step, ranks, executor)
+        b = _timed(torch_step, ranks)
+        best_smp = a if best_smp is None or a[0] < best_smp[0] else best_smp
+        best_torch = b if best_torch is None or b[0] < best_torch[0] else best_torch
+    assert best_smp is not None and best_torch is not None
+    return best_smp, best_torch
 
 
 def _smp_model(m: int, pipeline: str, v: int, model: nn.Module, active: int | None = None
@@ -204,26 +235,25 @@ def _torch_step(sched: Any, rank_of: tuple[int, ...], x: torch.Tensor,
     return run
 
 
-def _simulated(program: Any, pipeline: str, v: int, p: int, m: int, rank_of: tuple[int, ...],
-               active: int) -> tuple[float, float]:
-    """The simulator on the same lists, each chunk priced by its sleeps."""
+def _simulated(pipeline: str, v: int, p: int, m: int, rank_of: tuple[int, ...],
+               durations: Durations) -> tuple[float, float]:
+    """The simulator on the same lists, each chunk's actions priced by their measured
+    median durations (the step the smp-fx figures come from)."""
     from cost_model.schedule import generate
     from cost_model.simulate import StageCost, simulate
 
+    def med(c: int, kind: str) -> float:
+        values = durations.get((c, kind), [])
+        return statistics.median(values) if values else 0.0
+
     costs = []
-    for st in program.stages:
-        f = i = w = 0.0
-        for node in st.module.graph.nodes:
-            if node.op == "call_function" and node.target is sleep_id:
-                fwd_s, bwd_s = float(node.args[1]), float(node.args[2])
-                f += fwd_s
-                if node.args[0].op == "get_attr":
-                    w += bwd_s
-                elif node.args[0].op != "placeholder" or st.index > 0:
-                    i += bwd_s
-        costs.append(StageCost(f, i + w, wgrad_time_s=w))
-    sched = generate(pipeline, p, m, active, virtual_stages=v, placement=rank_of)
-    result = simulate(sched, costs)
+    for c in range(len(rank_of)):
+        if (c, "B") in durations:
+            costs.append(StageCost(med(c, "F"), med(c, "B")))
+        else:
+            costs.append(StageCost(med(c, "F"), med(c, "I") + med(c, "W"),
+                                   wgrad_time_s=med(c, "W")))
+    result = simulate(generate(pipeline, p, m, m, virtual_stages=v, placement=rank_of), costs)
     return result.bubble_fraction, result.step_time_s
 
 
@@ -237,13 +267,16 @@ def _sleep_rows(args: argparse.Namespace) -> list[Row]:
         x = torch.randn(args.batch, args.width)
         y = torch.zeros(args.batch)  # the sum loss ignores it
         dm, train_step = _smp_model(m, pipeline, v, model, active=m)
-        smp_s, smp_bubble = _timed(functools.partial(train_step, dm, x, y), args.retries, p)
+        train_step(dm, x, y)  # partitions
         program, rank_of = dm.program, tuple(dm.plan.rank_of)
         sched = _torch_schedule(torch_name, program, rank_of, m)
-        torch_s, torch_bubble = _timed(_torch_step(sched, rank_of, x, y), args.retries, p)
-        sim_bubble, sim_s = _simulated(program, pipeline, v, p, m, rank_of, m)
+        (smp_s, smp_bubble, durations), (torch_s, torch_bubble, _) = _alternating(
+            functools.partial(train_step, dm, x, y), _torch_step(sched, rank_of, x, y), p,
+            args.retries, dm.executor)
+        sim_bubble, sim_s = _simulated(pipeline, v, p, m, rank_of, durations)
+        busy = sum(sum(values) for values in durations.values())
         rows.append(Row(pipeline, v, torch_name, smp_s, torch_s, smp_bubble, torch_bubble,
-                        sim_bubble, sim_s))
+                        1.0 - busy / (p * smp_s), sim_bubble, sim_s))
     return rows
 
 
@@ -259,10 +292,12 @@ def _mlp_rows(args: argparse.Namespace) -> list[tuple[str, int, str, float, floa
         torch.manual_seed(0)
         dm, train_step = _smp_model(MLP_MICROBATCHES, pipeline, v, build_model(512, 8),
                                     active=MLP_MICROBATCHES)
-        smp_s, _ = _timed(functools.partial(train_step, dm, x, y), args.retries * 3, 2)
+        train_step(dm, x, y)  # partitions
         program, rank_of = dm.program, tuple(dm.plan.rank_of)
         sched = _torch_schedule(torch_name, program, rank_of, MLP_MICROBATCHES)
-        torch_s, _ = _timed(_torch_step(sched, rank_of, x, y), args.retries * 3, 2)
+        (smp_s, _, _), (torch_s, _, _) = _alternating(
+            functools.partial(train_step, dm, x, y), _torch_step(sched, rank_of, x, y), 2,
+            args.retries * 3, None)
         rows.append((pipeline, v, torch_name, smp_s, torch_s))
     return rows
 
@@ -301,14 +336,16 @@ def _run(world: int, args: argparse.Namespace) -> dict[str, Any]:
 def _print(world: int, args: argparse.Namespace, result: dict[str, Any]) -> None:
     print(f"\np = {world} gloo processes x 1 thread, m = {args.microbatches}, {2 * world} "
           f"sleep blocks ({args.sleep_ms:g} ms each in F, I and W), min of {args.retries}")
+    print("bubble by sleeps: 1 - sleeping / (ranks x step), smp-fx and torch alike; by actions:"
+          " smp-fx's action ops' durations instead, beside the simulator's on them")
     print(f"{'smp-fx schedule':<17} {'torch':<30} {'smp-fx s':>9} {'torch s':>8} "
-          f"{'ratio':>6} {'bubble':>7} {'torch':>6} {'sim':>6} {'|d|':>6}")
+          f"{'ratio':>6} {'sleeps':>7} {'torch':>6} {'actions':>8} {'sim':>6} {'|d|':>6}")
     rows: list[Row] = result["sleep"]
     for r in rows:
         print(f"{r.pipeline + f' v={r.v}':<17} {r.torch_name:<30} {r.smp_s:>9.3f} "
               f"{r.torch_s:>8.3f} {r.smp_s / r.torch_s:>6.3f} {r.smp_bubble:>7.3f} "
-              f"{r.torch_bubble:>6.3f} {r.sim_bubble:>6.3f} "
-              f"{abs(r.smp_bubble - r.sim_bubble):>6.3f}")
+              f"{r.torch_bubble:>6.3f} {r.action_bubble:>8.3f} {r.sim_bubble:>6.3f} "
+              f"{abs(r.action_bubble - r.sim_bubble):>6.3f}")
     by = {(r.pipeline, r.v): r for r in rows}
     zbv, one = by[("zbv", 2)], by[("interleaved", 1)]
     print(f"ZB-V / 1F1B step: {zbv.smp_s / one.smp_s:.3f} (smp-fx), "

@@ -4,8 +4,14 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.smp-fx-installed
+# A second environment with a transformers 4.x (the SMP containers' generation of the
+# Hugging Face Trainer), where `make test` runs the Trainer tests again.
+TF4_VENV ?= .venv-transformers4
+TF4_SPEC ?= transformers==4.46.3 accelerate==1.1.1
+TF4_PY := $(TF4_VENV)/bin/python
+TF4_STAMP := $(TF4_VENV)/.smp-fx-installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test test-transformers4 lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -14,17 +20,28 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
+$(TF4_STAMP): pyproject.toml
+	test -x $(TF4_PY) || $(PYTHON) -m venv $(TF4_VENV)
+	$(TF4_PY) -m pip install -q "$(TORCH_SPEC)"
+	$(TF4_PY) -m pip install -q $(TF4_SPEC) pytest pytest-timeout networkx numpy
+	$(TF4_PY) -m pip install -q --no-deps -e .
+	touch $(TF4_STAMP)
+
 setup: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-test: $(STAMP)
+test: $(STAMP) $(TF4_STAMP)
 	$(PY) -m pytest -q  # testpaths: tests/ and the packages' docstring examples
+	$(MAKE) --no-print-directory test-transformers4
+
+test-transformers4: $(TF4_STAMP)  # the Hugging Face Trainer tests with transformers 4.x
+	$(TF4_PY) -m pytest -q -p no:cacheprovider tests/examples/test_hf_trainer.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check smp_fx passes cost_model tests examples benchmarks conftest.py
 	$(PY) -m mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(TF4_VENV) build *.egg-info

@@ -1,6 +1,7 @@
-"""The Hugging Face Trainer's own SMP mode, on smp-fx: train, evaluate, save, resume.
+"""A Hugging Face Trainer script, written for the Trainer alone: train, evaluate, predict,
+save and resume. Nothing in it knows smp-fx.
 
-In SMP mode (2 processes, 2 pipeline stages)::
+In SMP mode (2 processes, 2 pipeline stages), as on SageMaker::
 
     SM_HP_MP_PARAMETERS='{"partitions": 2, "microbatches": 2}' \\
     SM_FRAMEWORK_PARAMS='{"sagemaker_mpi_enabled": true}' \\
@@ -12,43 +13,38 @@ and, to compare, the plain Trainer in one process::
 
 The Trainer switches to its SMP branch by itself when ``SM_HP_MP_PARAMETERS`` holds
 ``"partitions"``, ``SM_FRAMEWORK_PARAMS`` holds ``"sagemaker_mpi_enabled": true`` and
-``smdistributed`` is importable (``smp-fx run`` makes it so): it then calls ``smp.init()``,
-wraps the model in ``smp.DistributedModel(model, backward_passes_per_step=...)``, trains
-through ``@smp.step`` functions, evaluates with ``smp_forward_only`` / ``smp_gather`` /
-``StepOutput.concat``, saves with ``smp.save(..., partial=True)`` and resumes with
-``smp.resume_from_checkpoint``. Two things differ from a script on SageMaker, both outside
-the Trainer's code:
+``smdistributed`` is importable (``smp-fx run`` makes it so). The same script runs with
+transformers 4.26, 4.46 and 5.x (``docs/clients.md``: what each version's SMP branch does
+and what smp-fx adjusts).
 
-* ``cpu_device()``: the SMP branch of ``TrainingArguments`` hard-codes
-  ``torch.device("cuda", smp.local_rank())``. Without CUDA, the name ``torch`` inside
-  ``transformers.training_args`` (only there) is given a view of torch whose
-  ``device("cuda", i)`` is the CPU and whose ``cuda.set_device`` does nothing.
-* the optimizer is passed in (``optimizers=(smp.DistributedOptimizer(AdamW(...)), None)``):
-  transformers 5's SMP branch never builds one (it delays creating the optimizer until the
-  model is wrapped, then skips creating it for a wrapped model). smp-fx adopts a
-  DistributedOptimizer built before the DistributedModel.
+The model says it takes no loss kwargs (``accepts_loss_kwargs = False``): from 4.46 on the
+plain Trainer otherwise divides the summed loss by the number of label tokens, which its
+SMP branch never passes; with the flag both modes average the loss per batch and
+optimise the same objective (the attribute means nothing to earlier versions).
 
-The model says it takes no loss kwargs (``accepts_loss_kwargs = False``), so the plain
-Trainer averages the loss per batch as the SMP branch does, instead of dividing a sum by
-the number of label tokens: both runs then optimise the same objective.
+``python examples/hf_trainer.py OUT_DIR`` trains three times and writes
+``OUT_DIR/result_{rank}.json`` with the per-step losses of each: ``gas1``
+(gradient_accumulation_steps 1, a checkpoint at step 2, then ``evaluate()`` and
+``predict()``: ``predict`` holds the logits' shape, sum and sum of magnitudes; with
+``max_grad_norm`` so large that clipping runs but never scales, and ``grad_norm``, the
+norms the Trainer clipped by), ``resumed`` (a fresh model resumed from that checkpoint)
+and ``gas2`` (gradient_accumulation_steps 2, evaluating and saving at steps 2 and 4, then
+loading the best checkpoint: ``gas2_evals`` and ``best``). The checkpoint files are
+listed under ``checkpoint_files``.
 
-The script trains three times, printing one JSON line with the per-step losses of each:
-``gas1`` (gradient_accumulation_steps 1, saving a checkpoint at step 2, then evaluating
-and predicting: ``predict`` holds the logits' shape, sum and sum of magnitudes;
-with ``max_grad_norm`` so large that clipping runs but never scales, and ``grad_norm``: the
-norms the Trainer clipped by, which in SMP mode are each stage's own),
-``resumed`` (a fresh model resumed from that checkpoint and trained to the same step) and
-``gas2`` (gradient_accumulation_steps 2, evaluating and saving at steps 2 and 4, then
-loading the best of those checkpoints: ``gas2_evals`` and ``best``, the loss evaluated
-after loading it).
+``--train-only --batch B [--optim NAME]`` trains 4 steps at per-device batch ``B`` instead
+(``TrainingArguments.optim``: e.g. ``sgd``, whose parameters show gradient differences that
+Adam would scale up where a gradient is only rounding noise), saves the model
+with ``trainer.save_model(OUT_DIR/final)``, evaluates and predicts, and records the samples
+this rank read for training (``samples``, one list per step).
 """
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import os
-import sys
-import types
 from typing import Any
 
 import torch
@@ -56,43 +52,21 @@ import torch
 VOCAB, SEQ = 64, 16
 # the Trainer's clipping path runs (and logs the norm it clipped by) without scaling anything
 CLIP_NEVER_SCALES = 1e6
-SMP_MODE = "partitions" in os.environ.get("SM_HP_MP_PARAMETERS", "")
-
-
-class _TorchWithCudaOnCpu(types.ModuleType):
-    """torch, except that ``device("cuda", i)`` is the CPU and ``cuda.set_device`` is a
-    no-op; everything else is torch's own."""
-
-    def __init__(self) -> None:
-        super().__init__("torch")
-        self.cuda = types.SimpleNamespace(**vars(torch.cuda))
-        self.cuda.set_device = lambda device: None
-
-    def device(self, kind: Any, *index: Any) -> torch.device:
-        return torch.device("cpu") if str(kind).startswith("cuda") else torch.device(kind, *index)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(torch, name)
-
-
-def cpu_device() -> None:
-    """Point the Trainer's hard-coded SMP device at the CPU when there is no CUDA."""
-    import transformers.training_args as training_args
-
-    if not torch.cuda.is_available():
-        training_args.torch = _TorchWithCudaOnCpu()  # type: ignore[assignment]
 
 
 class Tokens(torch.utils.data.Dataset):
-    """Random token sequences; a language model's labels are its inputs."""
+    """Random token sequences; a language model's labels are its inputs. Remembers which
+    samples it handed out (``read``)."""
 
     def __init__(self, n: int, seed: int) -> None:
         self.ids = torch.randint(0, VOCAB, (n, SEQ), generator=torch.Generator().manual_seed(seed))
+        self.read: list[int] = []
 
     def __len__(self) -> int:
         return len(self.ids)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        self.read.append(int(i))
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
@@ -109,37 +83,41 @@ def build_model() -> torch.nn.Module:
     return model
 
 
-def trainer_for(out: str, gas: int, steps: int, save_steps: int | None,
-                max_grad_norm: float = 0.0, best: bool = False) -> Any:
+def training_args(out: str, **kwargs: Any) -> Any:
+    """``TrainingArguments`` under the names of the installed transformers (4.2x calls the
+    evaluation schedule ``evaluation_strategy``, 5.x ``eval_strategy``)."""
+    from transformers import TrainingArguments
+
+    fields = {f.name for f in dataclasses.fields(TrainingArguments)}
+    if "eval_strategy" in kwargs and "eval_strategy" not in fields:
+        kwargs["evaluation_strategy"] = kwargs.pop("eval_strategy")
+    return TrainingArguments(output_dir=out, report_to=[], seed=0, disable_tqdm=True,
+                             logging_steps=1, learning_rate=1e-2, dataloader_pin_memory=False,
+                             **kwargs)
+
+
+def trainer_for(out: str, gas: int, steps: int, save_steps: int | None, batch: int = 4,
+                max_grad_norm: float = 0.0, best: bool = False, **extra: Any) -> Any:
     """A Trainer on a fresh model; ``best``: evaluate at every save and load the best
     checkpoint at the end."""
-    from transformers import Trainer, TrainingArguments
+    from transformers import Trainer
 
     at_saves: dict[str, Any] = dict(eval_strategy="steps", eval_steps=save_steps,
                                     load_best_model_at_end=True) if best else {}
-    args = TrainingArguments(**at_saves,
-        output_dir=out, per_device_train_batch_size=4, per_device_eval_batch_size=4,
-        gradient_accumulation_steps=gas, max_steps=steps, learning_rate=1e-2,
-        max_grad_norm=max_grad_norm, logging_steps=1, report_to=[], seed=0, disable_tqdm=True,
-        save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
-        dataloader_pin_memory=False)
-    model = build_model()
-    optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    if SMP_MODE:
-        import smdistributed.modelparallel.torch as smp
-
-        optimizer = smp.DistributedOptimizer(optimizer)
-    return Trainer(model=model, args=args, train_dataset=Tokens(64, 1),
-                   eval_dataset=Tokens(8, 2), optimizers=(optimizer, None))
+    args = training_args(out, **at_saves, per_device_train_batch_size=batch,
+                         per_device_eval_batch_size=4, gradient_accumulation_steps=gas,
+                         max_steps=steps, max_grad_norm=max_grad_norm,
+                         save_strategy="steps" if save_steps else "no",
+                         save_steps=save_steps or 500, **extra)
+    return Trainer(model=build_model(), args=args, train_dataset=Tokens(64, 1),
+                   eval_dataset=Tokens(8, 2))
 
 
 def losses(trainer: Any, key: str = "loss") -> list[float]:
     return [h[key] for h in trainer.state.log_history if key in h]
 
 
-def main(out: str) -> dict[str, Any]:
-    if SMP_MODE:
-        cpu_device()
+def full(out: str) -> dict[str, Any]:
     first = trainer_for(os.path.join(out, "gas1"), gas=1, steps=4, save_steps=2,
                         max_grad_norm=CLIP_NEVER_SCALES)
     first.train()
@@ -147,8 +125,10 @@ def main(out: str) -> dict[str, Any]:
                               "grad_norm": losses(first, "grad_norm")}
     logits = torch.as_tensor(first.predict(Tokens(8, 3)).predictions)
     result["predict"] = [list(logits.shape), logits.sum().item(), logits.abs().sum().item()]
+    checkpoint = os.path.join(out, "gas1", "checkpoint-2")
+    result["checkpoint_files"] = sorted(os.listdir(checkpoint))
     resumed = trainer_for(os.path.join(out, "gas1"), gas=1, steps=4, save_steps=None)
-    resumed.train(resume_from_checkpoint=os.path.join(out, "gas1", "checkpoint-2"))
+    resumed.train(resume_from_checkpoint=checkpoint)
     result["resumed"] = losses(resumed)
     accumulated = trainer_for(os.path.join(out, "gas2"), gas=2, steps=4, save_steps=2,
                               best=True)
@@ -159,13 +139,32 @@ def main(out: str) -> dict[str, Any]:
     return result
 
 
+def train_only(out: str, batch: int, optim: str) -> dict[str, Any]:
+    trainer = trainer_for(os.path.join(out, "run"), gas=1, steps=4, save_steps=None,
+                          batch=batch, optim=optim)
+    data = trainer.train_dataset
+    trainer.train()
+    read = list(data.read)
+    trainer.save_model(os.path.join(out, "final"))
+    logits = torch.as_tensor(trainer.predict(Tokens(8, 3)).predictions)
+    return {"losses": losses(trainer), "eval": trainer.evaluate()["eval_loss"],
+            "predict": [list(logits.shape), logits.sum().item(), logits.abs().sum().item()],
+            "samples": [read[i:i + batch] for i in range(0, len(read), batch)]}
+
+
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    found = main(sys.argv[1])
+    cli = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    cli.add_argument("out")
+    cli.add_argument("--train-only", action="store_true")
+    cli.add_argument("--batch", type=int, default=4)
+    cli.add_argument("--optim", default="adamw_torch", help="TrainingArguments.optim")
+    ns = cli.parse_args()
+    found = train_only(ns.out, ns.batch, ns.optim) if ns.train_only else full(ns.out)
     rank = int(os.environ.get("RANK", "0"))
     # a file per rank: the ranks share one stdout, where another rank's partly flushed line
     # can run into this one
-    os.makedirs(sys.argv[1], exist_ok=True)
-    with open(os.path.join(sys.argv[1], f"result_{rank}.json"), "w", encoding="utf-8") as fh:
+    os.makedirs(ns.out, exist_ok=True)
+    with open(os.path.join(ns.out, f"result_{rank}.json"), "w", encoding="utf-8") as fh:
         json.dump(found, fh)
-    print(f"results of rank {rank} in {sys.argv[1]}/result_{rank}.json")
+    print(f"results of rank {rank} in {ns.out}/result_{rank}.json")

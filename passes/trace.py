@@ -21,6 +21,10 @@ Example::
 Nothing here runs the model on real tensors: fx tracing is symbolic and non-strict export
 runs on fake tensors, so a model built on the meta device traces without allocating.
 
+Outputs of a class torch's pytree does not know (the ``ModelOutput`` of transformers 4.2x)
+are captured through ``passes.model_outputs``: flat in the graph, rebuilt as the model's
+own class by the graph's output spec.
+
 ``skip_tracing`` (SMP config) is read as: no example forward on real tensors at all. The
 front end honours it by construction; ``shape_prop(..., allow_real_run=False)`` refuses
 its one real-run fallback, and measured costs (``cost_model.measure``) must not be taken.
@@ -46,6 +50,7 @@ from cost_model.errors import SMPTracingError
 from passes.graph_utils import attach_state
 from passes.input_dims import InputDims, auto_dynamic_shapes, input_dims_of, range_constraints
 from passes.meta import MODULE_PATH, PARAMS
+from passes.model_outputs import capture_outputs
 
 log = logging.getLogger("smp_fx.passes.trace")
 
@@ -178,7 +183,11 @@ def _export_trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, 
                   leaf_modules: LeafSpec) -> torch.fx.GraphModule:
     """Non-strict export; normalised to the trace contract (inputs first, no guard node)."""
     _, leaf_paths = _split_leaf_spec(leaf_modules)
-    ep = _export(model, args, kwargs)
+    remove_hook = capture_outputs(model)  # outputs torch's pytree does not know (4.2x HF)
+    try:
+        ep = _export(model, args, kwargs)
+    finally:
+        remove_hook()
     gm = ep.module()
     gm.meta["smp.range_constraints"] = range_constraints(ep)
     graph = gm.graph

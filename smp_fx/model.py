@@ -43,7 +43,9 @@ from passes.tensor_parallel import TensorParallelPlan
 from smp_fx.amp import fp16
 from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
-from smp_fx.marking.delayed_init import is_delayed, materialize
+from smp_fx.ckpt.pretrained import SafetensorsState, pretrained_files
+from smp_fx.ckpt.unread_state import unread_state
+from smp_fx.marking.delayed_init import allocate, is_delayed, materialize
 from smp_fx.marking.tp_register import replace_registered
 from smp_fx.model_options import ModelOptions
 from smp_fx.optimizer import DistributedOptimizer
@@ -105,6 +107,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         self.module = module
         self.options = options
         self._parallelized: Parallelized | None = None  # once partitioned
+        self._unread: dict[str, torch.Tensor] | None = None
         self._hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._post_step_hooks: OrderedDict[int, Callable[..., Any]] = OrderedDict()
         self._optimizers: list[DistributedOptimizer] = []
@@ -122,6 +125,9 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         if cfg is not None and (cfg.fp16 or cfg.fp16_params):
             module.half()  # same Parameter objects: an optimizer built earlier still holds them
         context.set_current_model(self)
+        files = pretrained_files(module)
+        if files is not None:  # from_pretrained under delay_param_initialization
+            self.load_state_dict(SafetensorsState(files))  # each rank its stages, once placed
         checkpoint_api.adopt_pending(model=self)  # smp.resume_from_checkpoint came first
         for opt in context.waiting_optimizers():
             if isinstance(opt, DistributedOptimizer) and \
@@ -314,6 +320,16 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
     def local_buffers(self) -> Iterator[torch.Tensor]:
         return (b for _, b in self.local_named_buffers())
 
+    def local_unread_state(self) -> dict[str, torch.Tensor]:
+        """The wrapped module's state that no stage reads, kept by the rank of stage 0
+        (``smp_fx.ckpt.unread_state``); empty elsewhere."""
+        local = self._local()
+        if 0 not in local.runners:
+            return {}
+        if self._unread is None:
+            self._unread = unread_state(self.module, [s.module for s in local.program.stages])
+        return self._unread
+
     def _local(self) -> Parallelized:
         if self._parallelized is None:
             raise SMPRuntimeError.build("local_* methods need the partitioned model", None,
@@ -365,16 +381,17 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         ``autocast`` is the step function's autocast at its ``model(...)`` call: shapes and
         costs are taken under it, so the plan counts the bytes the stages will hold."""
         st = state.get()
+        initialize = pretrained_files(self.module) is None  # else: loaded per stage
         if not multi_process(st) and is_delayed(self.module):
             # every stage lives in this process: materialise the whole model once, which
             # keeps tied parameters tied (one Parameter shared by the stages)
-            materialize(self.module, st.device)
+            (materialize if initialize else allocate)(self.module, st.device)
         with context.tracing():
             gm, self.plan, self.tp_plan = plan_stages(
                 self.module, args, kwargs, self.options.trace_execution_times,
                 self.options.trace_memory_usage, autocast)
         self._parallelized = parallelize(gm, self.plan, self.tp_plan, self.canonical_names,
-                                         self.options, self._early_dp)
+                                         self.options, self._early_dp, initialize)
         self._early_dp = None
         binding = self._parallelized.binding()
         for opt in self._optimizers:

@@ -1,9 +1,10 @@
 """Editing a tensor-parallel rank's graph: parameters replaced by shards (ties kept),
-collective nodes inserted with their metadata.
+collective nodes inserted with their metadata, a node replaced by its sharded form.
 
-Shared by the rewrites of ``passes.tensor_parallel`` (linears) and ``passes.tensor_parallel.vocab``
-(embeddings). ``Ties`` maps an original tensor to the shard ``Parameter`` that replaced it,
-so names that shared one tensor (a tied embedding and LM head) share the shard.
+Shared by the rewrites of linears (``rewrite``), embeddings (``vocab``), the loss
+(``loss``) and sequence chunks (``sequence``). ``Ties`` maps an original tensor to the
+shard ``Parameter`` that replaced it, so names that shared one tensor (a tied embedding
+and LM head) share the shard.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from torch import nn
 
 from cost_model.node_cost import NodeCost
 from passes import meta
-from passes.tensor_parallel import collectives as tp_collectives
-from passes.tensor_parallel import costs as tp_costs
+from passes.tensor_parallel import collectives, costs
 
 Ties = dict[int, nn.Parameter]
 
@@ -105,13 +105,13 @@ SHAPES: dict[str, tuple[int | None, bool]] = {
 def insert(graph: torch.fx.Graph, fn: Callable[..., Any], args: Sequence[Any],
            like: torch.fx.Node, size: int = 1) -> torch.fx.Node:
     """A ``call_function`` node of ``fn`` with ``like``'s metadata, its own shape (by
-    ``SHAPES``), no cost yet (``tp_costs.price_collectives``) and no parameters."""
+    ``SHAPES``), no cost yet (``costs.price_collectives``) and no parameters."""
     n = graph.call_function(fn, tuple(args))
     n.meta = dict(like.meta)
     src = args[0] if args and isinstance(args[0], torch.fx.Node) else None
     dim, grow = SHAPES.get(getattr(fn, "__name__", ""), (None, False))
     if src is not None:
-        meta.TENSOR.set(n, tp_costs.local_info(meta.TENSOR.get(src), dim, size, grow))
+        meta.TENSOR.set(n, costs.local_info(meta.TENSOR.get(src), dim, size, grow))
     meta.TP.set(n, getattr(fn, "__name__", "op"))
     meta.COST.set(n, NodeCost())
     meta.PARAMS.set(n, ())
@@ -126,17 +126,28 @@ def get_attr(graph: torch.fx.Graph, fqn: str, like: torch.fx.Node) -> torch.fx.N
     return n
 
 
+def replace_node(graph: torch.fx.Graph, node: torch.fx.Node, new: torch.fx.Node) -> None:
+    """Put ``new`` (a linear's or embedding's sharded form, inserted beside it) in place of
+    ``node``: its uses read ``new``, and ``node`` goes with the ``get_attr`` nodes of the
+    full tensors that only it read."""
+    inputs = node.all_input_nodes
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    for old in (a for a in inputs if a.op == "get_attr" and not a.users):
+        graph.erase_node(old)
+
+
 def gather_operands(graph: torch.fx.Graph,
                     uses: Sequence[tuple[torch.fx.Node, torch.fx.Node]], size: int) -> None:
     """Feed each (consumer, operand) the operand gathered over the tp group's batches
-    (``tp_collectives.tp_gather_batch``, one gather per operand, before its first
+    (``collectives.tp_gather_batch``, one gather per operand, before its first
     consumer: ``uses`` are in graph order): the consumer's split input holds the group's
     batch (``prescaled_batch`` false)."""
     gathered: dict[torch.fx.Node, torch.fx.Node] = {}
     for consumer, operand in uses:
         if operand not in gathered:
             with graph.inserting_before(consumer):
-                gathered[operand] = insert(graph, tp_collectives.tp_gather_batch, (operand,),
+                gathered[operand] = insert(graph, collectives.tp_gather_batch, (operand,),
                                            operand, size)
         consumer.replace_input_with(operand, gathered[operand])
 
@@ -144,17 +155,17 @@ def gather_operands(graph: torch.fx.Graph,
 def scatter_operands(graph: torch.fx.Graph,
                      slices: Mapping[tuple[torch.fx.Node, torch.fx.Node], int],
                      size: int) -> None:
-    """Feed each head-split consumer this rank's chunk (``tp_collectives.tp_scatter``) of
+    """Feed each head-split consumer this rank's chunk (``collectives.tp_scatter``) of
     its replicated operand along the recorded dim, after the operand's batch gather when
     ``gather_operands`` gave it one."""
     for (operand, consumer), dim in slices.items():
         read = next((a for a in consumer.all_input_nodes if a is operand or (
-            a.target is tp_collectives.tp_gather_batch and a.args[0] is operand)), None)
+            a.target is collectives.tp_gather_batch and a.args[0] is operand)), None)
         if read is None:
             continue
         with graph.inserting_before(consumer):
-            cut = insert(graph, tp_collectives.tp_scatter, (read, dim), consumer, size)
-        meta.TENSOR.set(cut, tp_costs.local_info(meta.TENSOR.get(read), dim, size))
+            cut = insert(graph, collectives.tp_scatter, (read, dim), consumer, size)
+        meta.TENSOR.set(cut, costs.local_info(meta.TENSOR.get(read), dim, size))
         meta.TP_SPLIT.set(cut, dim)
         consumer.replace_input_with(read, cut)
 
@@ -176,5 +187,5 @@ def mark_gathered(graph: torch.fx.Graph) -> None:
 
 
 __all__ = ["SHAPES", "Ties", "attr", "gather_operands", "get_attr", "insert", "mark_gathered",
-           "pad", "replace_module", "retie", "scatter_operands", "set_param", "shard", "unpad",
-           "unshard"]
+           "pad", "replace_module", "replace_node", "retie", "scatter_operands", "set_param",
+           "shard", "unpad", "unshard"]

@@ -22,7 +22,7 @@ import torch.fx
 from torch import nn
 from torch.nn import functional as F
 
-from passes.tensor_parallel import graph as tp_graph
+from passes.tensor_parallel import graph
 
 LINEAR_FUNCTIONS: frozenset[Any] = frozenset({F.linear, torch.ops.aten.linear.default})
 ADDMM_FUNCTIONS: frozenset[Any] = frozenset({torch.addmm, torch.ops.aten.addmm.default})
@@ -66,8 +66,8 @@ def _param(n: Any) -> bool:
 
 def as_linear(gm: torch.fx.GraphModule, n: torch.fx.Node) -> Linear | None:
     """``n`` as a ``Linear``, or None when it is not one (or its weight is computed)."""
-    if n.op == "call_module" and type(tp_graph.attr(gm, str(n.target))) is nn.Linear:
-        mod = tp_graph.attr(gm, str(n.target))
+    if n.op == "call_module" and type(graph.attr(gm, str(n.target))) is nn.Linear:
+        mod = graph.attr(gm, str(n.target))
         x = n.args[0]
         if not isinstance(x, torch.fx.Node):
             return None
@@ -88,19 +88,19 @@ def as_linear(gm: torch.fx.GraphModule, n: torch.fx.Node) -> Linear | None:
             and (b is None or (isinstance(b, torch.fx.Node) and _param(b)))):
         return None
     bias = None if b is None else str(b.target)
-    return Linear(n, x, str(w.target), bias, tp_graph.attr(gm, str(w.target)),
-                  None if bias is None else tp_graph.attr(gm, bias), transposed)
+    return Linear(n, x, str(w.target), bias, graph.attr(gm, str(w.target)),
+                  None if bias is None else graph.attr(gm, bias), transposed)
 
 
-def sharded_node(graph: torch.fx.Graph, lin: Linear, x: torch.fx.Node, w: torch.fx.Node,
+def sharded_node(g: torch.fx.Graph, lin: Linear, x: torch.fx.Node, w: torch.fx.Node,
                  b: torch.fx.Node | None) -> torch.fx.Node:
     """The node computing the rank's part: ``x @ shard^T (+ bias shard)`` in ``lin``'s
     layout (a row linear's bias is added after the reduction, so ``b`` is None there)."""
     if not lin.transposed:
-        return graph.call_function(F.linear, (x, w) if b is None else (x, w, b))
+        return g.call_function(F.linear, (x, w) if b is None else (x, w, b))
     if b is None:
-        return graph.call_function(torch.mm, (x, w))
-    return graph.call_function(torch.addmm, (b, x, w))
+        return g.call_function(torch.mm, (x, w))
+    return g.call_function(torch.addmm, (b, x, w))
 
 
 __all__ = ["ADDMM_FUNCTIONS", "LINEAR_FUNCTIONS", "Linear", "as_linear", "sharded_node"]

@@ -30,9 +30,7 @@ import torch.fx
 from torch.nn import functional as F
 
 from passes import meta
-from passes.tensor_parallel import collectives as tp_collectives
-from passes.tensor_parallel import costs as tp_costs
-from passes.tensor_parallel import graph as tp_graph
+from passes.tensor_parallel import collectives, costs, graph
 from passes.tensor_parallel.plan import ShardSpec
 
 CROSS_ENTROPY: frozenset[Any] = frozenset({F.cross_entropy,
@@ -52,15 +50,15 @@ class _VocabCrossEntropy(torch.autograd.Function):
         n = logits.shape[-1]
         cols = torch.arange(start, start + n, device=logits.device)
         x = logits.masked_fill(cols >= vocab, float("-inf"))  # padding columns
-        top = tp_collectives.group_all_reduce(x.detach().max(-1).values, "max")
+        top = collectives.group_all_reduce(x.detach().max(-1).values, "max")
         exp = (x - top.unsqueeze(-1)).exp()
-        total = tp_collectives.group_all_reduce(exp.sum(-1))
+        total = collectives.group_all_reduce(exp.sum(-1))
         local = target - start
         owned = (local >= 0) & (local < n)
         index = local.clamp(0, n - 1).unsqueeze(-1)
         picked = torch.where(owned, (x - top.unsqueeze(-1)).gather(-1, index).squeeze(-1),
                              torch.zeros((), dtype=x.dtype, device=x.device))
-        picked = tp_collectives.group_all_reduce(picked)
+        picked = collectives.group_all_reduce(picked)
         ignored = target == ignore_index
         loss = (total.log() - picked).masked_fill(ignored, 0.0)
         ctx.save_for_backward(exp / total.unsqueeze(-1), index, owned & ~ignored, ignored)
@@ -149,7 +147,7 @@ def _float_cast(n: torch.fx.Node) -> bool:
 
 def uncast(n: torch.fx.Node) -> torch.fx.Node:
     """``n`` without its float casts: the node they cast (a linear whose logits HF upcasts
-    before the loss is the one ``tp_sweep.sweep`` retries as lone)."""
+    before the loss is the one ``sweep.sweep`` retries as lone)."""
     while _float_cast(n) and isinstance(n.args[0], torch.fx.Node):
         n = n.args[0]
     return n
@@ -192,19 +190,19 @@ def _chain(head: torch.fx.Node, gather: bool, vocab: int
            ) -> tuple[list[torch.fx.Node], list[torch.fx.Node], torch.fx.Node] | None:
     """(collectives, reshapes and casts, cross entropy) from a vocab-parallel head to its
     loss; metadata assertions (``_check_only``) on the way are not uses."""
-    collectives, cur = [], head
-    for fn in (tp_collectives.tp_gather_last,) + ((tp_collectives.tp_split_batch,)
-                                                  if gather else ()):
+    comms, cur = [], head
+    for fn in (collectives.tp_gather_last,) + ((collectives.tp_split_batch,)
+                                               if gather else ()):
         users = [u for u in cur.users if not _check_only(u)]
         if len(users) != 1 or users[0].target is not fn:
             return None
         cur = users[0]
-        collectives.append(cur)
+        comms.append(cur)
     reshapes: list[torch.fx.Node] = []
     while len(users := [u for u in cur.users if not _check_only(u)]) == 1:
         user = users[0]
         if user.op == "call_function" and user.target in CROSS_ENTROPY:
-            return collectives, reshapes, user
+            return comms, reshapes, user
         if _local_reshape(user, vocab) is None:
             return None
         reshapes.append(user)
@@ -228,11 +226,11 @@ def vocab_heads(gm: torch.fx.GraphModule, vocab: Sequence[ShardSpec], rank: int
                 ) -> dict[str, tuple[int, int]]:
     """The rewritten LM heads (lone linears) whose weight is a vocab-parallel embedding's
     shard in ``vocab``: node name -> (this rank's first column, vocabulary size)."""
-    shards = {id(tp_graph.attr(gm, s.name)): s for s in vocab}
+    shards = {id(graph.attr(gm, s.name)): s for s in vocab}
     heads = {}
     for n in gm.graph.nodes:
         w = n.args[1] if meta.TP.get(n) == "lone" and len(n.args) > 1 else None
-        spec = shards.get(id(tp_graph.attr(gm, str(w.target)))) \
+        spec = shards.get(id(graph.attr(gm, str(w.target)))) \
             if isinstance(w, torch.fx.Node) and w.op == "get_attr" else None
         if spec is not None:
             heads[n.name] = (rank * spec.local_shape[0], spec.full_shape[0])
@@ -244,46 +242,46 @@ def fuse(gm: torch.fx.GraphModule, size: int, gather: bool,
     """Fuse every vocab-parallel head's gather and cross entropy (module docstring).
     ``heads``: node name of a rewritten tied LM head -> (its first column, vocabulary).
     Returns the fused heads' names."""
-    graph, fused = gm.graph, []
-    by_name = {n.name: n for n in graph.nodes}
+    g, fused = gm.graph, []
+    by_name = {n.name: n for n in g.nodes}
     for name, (start, vocab) in heads.items():
         head = by_name[name]
         found = _chain(head, gather, vocab)
         opts = None if found is None else _options(found[2])
         if found is None or opts is None:
             continue
-        collectives, reshapes, ce = found
+        comms, reshapes, ce = found
         logits, target, ignore_index, reduction = opts
         weight = head.args[1]
         assert isinstance(weight, torch.fx.Node)
-        n_local = int(tp_graph.attr(gm, str(weight.target)).shape[0])
+        n_local = int(graph.attr(gm, str(weight.target)).shape[0])
         for r in reshapes:  # before the collectives go: the edits read the input's shape
             _localise(r, vocab, n_local, size if gather else 1)
-        (reshapes[0] if reshapes else ce).replace_input_with(collectives[-1], head)
-        for c in reversed(collectives):
+        (reshapes[0] if reshapes else ce).replace_input_with(comms[-1], head)
+        for c in reversed(comms):
             for check in list(c.users):  # dtype asserts: the local columns' dtype is theirs
                 check.replace_input_with(c, head)
-            graph.erase_node(c)
-        with graph.inserting_before(ce):
+            g.erase_node(c)
+        with g.inserting_before(ce):
             t = target
             if gather:
-                t = tp_graph.insert(graph, tp_collectives.tp_gather_batch, (target,), ce, size)
-            per = tp_graph.insert(graph, tp_vocab_cross_entropy,
-                                  (logits, t, start, vocab, ignore_index), ce, size)
+                t = graph.insert(g, collectives.tp_gather_batch, (target,), ce, size)
+            per = graph.insert(g, tp_vocab_cross_entropy,
+                               (logits, t, start, vocab, ignore_index), ce, size)
             info = meta.TENSOR.get(logits)
             if info is not None and info.shape:
                 meta.TENSOR.set(per, dataclasses.replace(info, shape=info.shape[:1],
                                                          nbytes=info.shape[0] * 4))
             cost = meta.COST.get(ce)
             if cost is not None:
-                meta.COST.set(per, tp_costs.divide(cost, size))
+                meta.COST.set(per, costs.divide(cost, size))
             if gather:
-                per = tp_graph.insert(graph, tp_collectives.tp_split_batch, (per,), ce, size)
-            out = tp_graph.insert(graph, token_loss, (per, target, reduction, ignore_index),
-                                  ce, size)
+                per = graph.insert(g, collectives.tp_split_batch, (per,), ce, size)
+            out = graph.insert(g, token_loss, (per, target, reduction, ignore_index),
+                               ce, size)
         meta.TENSOR.set(out, meta.TENSOR.get(ce))
         ce.replace_all_uses_with(out)
-        graph.erase_node(ce)
+        g.erase_node(ce)
         fused.append(name)
     return fused
 

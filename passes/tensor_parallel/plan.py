@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from passes.tensor_parallel import graph as tp_graph
+from passes.tensor_parallel import graph
 
 
 @dataclass(frozen=True)
@@ -88,7 +88,7 @@ class TensorParallelPlan:
 def merge_shards(spec: ShardSpec, shards: Sequence[torch.Tensor]) -> torch.Tensor:
     """The full tensor from the ranks' shards (in rank order), strides honoured and the
     padding rows dropped: exactly the unsharded parameter's shape."""
-    return tp_graph.unpad(tp_graph.unshard(shards, spec.dim, spec.stride), spec.dim, spec.pad)
+    return graph.unpad(graph.unshard(shards, spec.dim, spec.stride), spec.dim, spec.pad)
 
 
 __all__ = ["ShardSpec", "TensorParallelPlan", "merge_shards"]

@@ -39,15 +39,11 @@ import torch.fx
 
 from passes import meta
 from passes.graph_utils import copy_graph_module
-from passes.tensor_parallel import collectives as tp_collectives
-from passes.tensor_parallel import costs as tp_costs
-from passes.tensor_parallel import graph as tp_graph
-from passes.tensor_parallel import loss as tp_loss
-from passes.tensor_parallel import rules as tp_rules
-from passes.tensor_parallel import sweep as tp_sweep
-from passes.tensor_parallel import vocab as tp_vocab
+from passes.tensor_parallel import collectives, costs, graph, loss, sweep, vocab
 from passes.tensor_parallel.linears import Linear, as_linear, sharded_node
 from passes.tensor_parallel.plan import ShardSpec, TensorParallelPlan, merge_shards
+from passes.tensor_parallel.propagation import ArgPos, Rewrites
+from passes.tensor_parallel.reshapes import local_sizes
 from passes.tensor_parallel.sequence import sequence_parallel
 
 
@@ -104,8 +100,8 @@ def tied_regions(gm: torch.fx.GraphModule, groups: Sequence[tuple[str, ...]]
 
 
 def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int,
-             embeds: Sequence[tp_vocab.Embedding] = (), prescaled: bool = True
-             ) -> tuple[list[Linear], str | None, dict[str, int], tp_rules.Rewrites]:
+             embeds: Sequence[vocab.Embedding] = (), prescaled: bool = True
+             ) -> tuple[list[Linear], str | None, dict[str, int], Rewrites]:
     """The region's linears with their roles, or a reason to leave it replicated; the
     nodes that carry a split value with its dim (their work is split too); the shape
     edits. A column linear whose output no rule carries on is a lone linear.
@@ -115,20 +111,20 @@ def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int,
                if any(_in_region(meta.MODULE_PATH.get(n, ""), r) for r in region)
                and (lin := as_linear(gm, n)) is not None}
     for emb in embeds:
-        why = tp_vocab.reason(emb, size)
+        why = vocab.reason(emb, size)
         if why is not None:
-            return [], why, {}, tp_rules.Rewrites()
+            return [], why, {}, Rewrites()
     shared = _shared_weight(gm, linears, embeds)  # an embedding alone too (HF's wte)
     if shared is not None:
-        return [], shared, {}, tp_rules.Rewrites()
+        return [], shared, {}, Rewrites()
     if not linears:
-        return [], None if embeds else "no linear layer to shard", {}, tp_rules.Rewrites()
+        return [], None if embeds else "no linear layer to shard", {}, Rewrites()
     weights = [id(lin.weight_value) for lin in linears.values()]
     if len(set(weights)) != len(weights):
-        return [], "a linear weight is shared by several layers", {}, tp_rules.Rewrites()
+        return [], "a linear weight is shared by several layers", {}, Rewrites()
     lone: set[torch.fx.Node] = set()
     while True:
-        split, rw, reason, culprit = tp_sweep.sweep(gm, linears, lone, size)
+        split, rw, reason, culprit = sweep.sweep(gm, linears, lone, size)
         if culprit is None or culprit in lone:
             break
         lone.add(culprit)
@@ -141,7 +137,7 @@ def _analyse(gm: torch.fx.GraphModule, region: tuple[str, ...], size: int,
     rows_split = {id(e.value) for e in embeds}
     for lin in linears.values():
         if id(lin.weight_value) in rows_split and lin.role != "row":
-            if lin.role == "col" and tp_vocab.padding(lin.out_features, size):
+            if lin.role == "col" and vocab.padding(lin.out_features, size):
                 return [], (f"{lin.weight} is tied to a padded vocab-parallel embedding but "
                             "its logits feed a row-parallel linear (padding columns)"), {}, rw
             continue  # split by the embedding's (padded) rows
@@ -180,7 +176,7 @@ def _pairs(linears: Sequence[Linear], split: set[str]) -> list[tuple[str, str]]:
 
 
 def _shared_weight(gm: torch.fx.GraphModule, linears: Mapping[torch.fx.Node, Linear],
-                   embeds: Sequence[tp_vocab.Embedding] = ()) -> str | None:
+                   embeds: Sequence[vocab.Embedding] = ()) -> str | None:
     """Why the region cannot be sharded when a tensor it would shard is also read by a
     node it does not rewrite (an unmarked tied module, a second use): sharding would untie
     them. A linear tied to one of the region's embeddings is fine (they share the shard)."""
@@ -193,7 +189,7 @@ def _shared_weight(gm: torch.fx.GraphModule, linears: Mapping[torch.fx.Node, Lin
             continue  # a rewritten node itself, or a get_attr feeding only those (or none)
         for name in meta.PARAMS.get(n, ()) or ():
             try:
-                t = tp_graph.attr(gm, name)
+                t = graph.attr(gm, name)
             except AttributeError:
                 continue
             owner = mine.get(id(t))
@@ -204,7 +200,7 @@ def _shared_weight(gm: torch.fx.GraphModule, linears: Mapping[torch.fx.Node, Lin
 
 
 def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
-                    comm_time: tp_costs.CommTime | None = None
+                    comm_time: costs.CommTime | None = None
                     ) -> tuple[torch.fx.GraphModule, TensorParallelPlan]:
     """The rewritten copy of ``gm`` for ``tp.rank`` and the plan (module docstring).
 
@@ -218,12 +214,12 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
     sharded: list[ShardSpec] = []
     replicated: list[tuple[str, str]] = []
     pairs: list[tuple[str, str]] = []
-    ties: tp_graph.Ties = {}
-    vocab_embeds: list[tp_vocab.Embedding] = []
+    ties: graph.Ties = {}
+    vocab_embeds: list[vocab.Embedding] = []
     done: list[str] = []
     held_part: list[str] = []  # nodes whose output each rank holds 1/tp of
     for region in tied_regions(new, regions(tp.marked)):
-        embeds = tp_vocab.find(new, _region_test(region))
+        embeds = vocab.find(new, _region_test(region))
         linears, reason, split, rw = _analyse(new, region, tp.size, embeds, tp.prescaled_batch)
         if reason is not None:
             replicated.append((",".join(region), reason))
@@ -231,8 +227,8 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
         done += region
         vocab_embeds += embeds
         for emb in embeds:
-            sharded.append(tp_vocab.rewrite(new, by_name[emb.node.name], emb, tp.size,
-                                            tp.rank, not tp.prescaled_batch, ties))
+            sharded.append(vocab.rewrite(new, by_name[emb.node.name], emb, tp.size,
+                                         tp.rank, not tp.prescaled_batch, ties))
         for node, pos in rw.divide:
             _scale_arg(new.graph, node, pos, operator.floordiv, tp.size)
         for node, pos in rw.batch if not tp.prescaled_batch else ():
@@ -240,17 +236,17 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
         for node in rw.runtime:
             sizes = node.args[1]
             with new.graph.inserting_before(node):
-                local = tp_graph.insert(new.graph, tp_rules.local_sizes, (sizes, tp.size), node)
+                local = graph.insert(new.graph, local_sizes, (sizes, tp.size), node)
             meta.TENSOR.set(local, None)
             node.update_arg(1, local)
-        tp_graph.gather_operands(new.graph, rw.gather if not tp.prescaled_batch else [], tp.size)
-        tp_graph.scatter_operands(new.graph, rw.slices, tp.size)
+        graph.gather_operands(new.graph, rw.gather if not tp.prescaled_batch else [], tp.size)
+        graph.scatter_operands(new.graph, rw.slices, tp.size)
         for name, dim in split.items():
             node = by_name[name]
             cost = meta.COST.get(node)
             if cost is not None:
-                meta.COST.set(node, tp_costs.divide(cost, tp.size))
-            meta.TENSOR.set(node, tp_costs.local_info(meta.TENSOR.get(node), dim, tp.size))
+                meta.COST.set(node, costs.divide(cost, tp.size))
+            meta.TENSOR.set(node, costs.local_info(meta.TENSOR.get(node), dim, tp.size))
             meta.TP_SPLIT.set(node, dim)
         pairs += _pairs(linears, set(split))  # before the rewrite replaces the linears' nodes
         held_part += [*split, *(lin.node.name for lin in linears if lin.role != "row")]
@@ -262,13 +258,13 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
         chunked_params, chunked = sequence_parallel(new, _region_test(tuple(done)), tp.size,
                                                     not tp.prescaled_batch)
         held_part += chunked
-    tp_costs.divide_saved(new, set(held_part), tp.size)
-    vocab = [s for s in sharded if any(s.name == e.weight for e in vocab_embeds)]
-    tp_loss.fuse(new, tp.size, not tp.prescaled_batch,
-                 tp_loss.vocab_heads(new, vocab, tp.rank))  # a loss of the vocab logits
-    tp_costs.price_collectives(new, tp.size, comm_time)
-    tp_graph.retie(new, ties)
-    tp_graph.mark_gathered(new.graph)
+    costs.divide_saved(new, set(held_part), tp.size)
+    vocab_shards = [s for s in sharded if any(s.name == e.weight for e in vocab_embeds)]
+    loss.fuse(new, tp.size, not tp.prescaled_batch,
+              loss.vocab_heads(new, vocab_shards, tp.rank))  # a loss of the vocab logits
+    costs.price_collectives(new, tp.size, comm_time)
+    graph.retie(new, ties)
+    graph.mark_gathered(new.graph)
     sharded = _with_aliases(new, sharded)
     new.graph.lint()
     new.recompile()
@@ -285,12 +281,12 @@ def _with_aliases(gm: torch.fx.GraphModule, sharded: Sequence[ShardSpec]) -> lis
         names.setdefault(id(p), []).append(name)
     out: dict[str, ShardSpec] = {}
     for spec in sharded:
-        for name in [spec.name, *names.get(id(tp_graph.attr(gm, spec.name)), [])]:
+        for name in [spec.name, *names.get(id(graph.attr(gm, spec.name)), [])]:
             out.setdefault(name, dataclasses.replace(spec, name=name))
     return list(out.values())
 
 
-def _scale_arg(graph: torch.fx.Graph, node: torch.fx.Node, pos: tp_rules.ArgPos,
+def _scale_arg(g: torch.fx.Graph, node: torch.fx.Node, pos: ArgPos,
                op: Callable[[Any, int], Any], size: int) -> None:
     """Turn a size argument of ``node`` into this rank's: a global feature size
     ``// tp``, a local batch size ``* tp`` (the batch gathered over the tp group)."""
@@ -299,8 +295,8 @@ def _scale_arg(graph: torch.fx.Graph, node: torch.fx.Node, pos: tp_rules.ArgPos,
     else:
         value = node.args[pos] if isinstance(pos, int) else node.kwargs[pos]
     if isinstance(value, torch.fx.Node):
-        with graph.inserting_before(node):
-            value = tp_graph.insert(graph, op, (value, size), node)
+        with g.inserting_before(node):
+            value = graph.insert(g, op, (value, size), node)
             meta.TENSOR.set(value, None)
     else:
         value = op(value, size)
@@ -315,73 +311,69 @@ def _scale_arg(graph: torch.fx.Graph, node: torch.fx.Node, pos: tp_rules.ArgPos,
 
 
 def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: Linear,
-             tp: TensorParallelism, ties: tp_graph.Ties, stride: int = 1) -> list[ShardSpec]:
+             tp: TensorParallelism, ties: graph.Ties, stride: int = 1) -> list[ShardSpec]:
     """Replace ``node`` by its sharded form; the shard specs of its parameters."""
-    size, rank, graph = tp.size, tp.rank, gm.graph
+    size, rank, g = tp.size, tp.rank, gm.graph
     w_full, b_full = lin.weight_value, lin.bias_value
     if node.op == "call_module":
-        tp_graph.replace_module(gm, str(node.target))
+        graph.replace_module(gm, str(node.target))
     w_dim = lin.weight_dim()
     # a lone LM head tied to a padded vocab-parallel embedding: its rows are padded too
-    pad = 0 if lin.role == "row" else tp_vocab.padding(lin.out_features, size)
-    tp_graph.set_param(gm, lin.weight, tp_graph.shard(tp_graph.pad(w_full, w_dim, pad), w_dim,
-                                                      size, rank, stride),
-                       original=w_full, ties=ties)
+    pad = 0 if lin.role == "row" else vocab.padding(lin.out_features, size)
+    graph.set_param(gm, lin.weight, graph.shard(graph.pad(w_full, w_dim, pad), w_dim,
+                                                size, rank, stride),
+                    original=w_full, ties=ties)
     specs = [ShardSpec(lin.weight, w_dim, size, tuple(w_full.shape), stride, pad)]
     if lin.bias is not None and b_full is not None:
         if lin.role == "row":
-            tp_graph.set_param(gm, lin.bias, b_full.detach().clone())
+            graph.set_param(gm, lin.bias, b_full.detach().clone())
         else:
-            tp_graph.set_param(gm, lin.bias, tp_graph.shard(tp_graph.pad(b_full, 0, pad), 0,
-                                                            size, rank, stride))
+            graph.set_param(gm, lin.bias, graph.shard(graph.pad(b_full, 0, pad), 0,
+                                                      size, rank, stride))
             specs.append(ShardSpec(lin.bias, 0, size, tuple(b_full.shape), stride, pad))
     x = node.args[lin.x_pos]
     assert isinstance(x, torch.fx.Node)
     gather = not tp.prescaled_batch
-    with graph.inserting_before(node):
+    with g.inserting_before(node):
         if lin.role != "row":
             if gather:
-                x = tp_graph.insert(graph, tp_collectives.tp_gather_batch, (x,), node, size)
-            x = tp_graph.insert(graph, tp_collectives.tp_copy, (x,), node, size)
-        w = tp_graph.get_attr(graph, lin.weight, node)
+                x = graph.insert(g, collectives.tp_gather_batch, (x,), node, size)
+            x = graph.insert(g, collectives.tp_copy, (x,), node, size)
+        w = graph.get_attr(g, lin.weight, node)
         b = None
         if lin.bias is not None and lin.role != "row":
-            b = tp_graph.get_attr(graph, lin.bias, node)
-        y = sharded_node(graph, lin, x, w, b)
+            b = graph.get_attr(g, lin.bias, node)
+        y = sharded_node(g, lin, x, w, b)
         y.meta = dict(node.meta)
         cost = meta.COST.get(node)
         if cost is not None:
-            cost = tp_costs.divide(cost, size, params=True)
+            cost = costs.divide(cost, size, params=True)
             meta.COST.set(y, cost if not pad else dataclasses.replace(  # the padded shard
                 cost, param_bytes=cost.param_bytes * (lin.out_features + pad)
                 // lin.out_features))
         if lin.role != "row":  # a row linear's partial sums have the full shape
-            meta.TENSOR.set(y, tp_costs.local_info(meta.TENSOR.get(node), -1, size))
+            meta.TENSOR.set(y, costs.local_info(meta.TENSOR.get(node), -1, size))
             meta.TP_SPLIT.set(y, -1)
         meta.TP.set(y, lin.role)
         meta.PARAMS.set(y, tuple(str(a.target) for a in (w, b) if a is not None))
-    with graph.inserting_after(y):
+    with g.inserting_after(y):
         out = y
         if lin.role == "row":
-            out = tp_graph.insert(graph, tp_collectives.tp_reduce, (out,), node, size)
+            out = graph.insert(g, collectives.tp_reduce, (out,), node, size)
             if lin.bias is not None:
-                with graph.inserting_after(out):
-                    b = tp_graph.get_attr(graph, lin.bias, node)
-                with graph.inserting_after(b):
-                    out = tp_graph.insert(graph, operator.add, (out, b), node, size)
+                with g.inserting_after(out):
+                    b = graph.get_attr(g, lin.bias, node)
+                with g.inserting_after(b):
+                    out = graph.insert(g, operator.add, (out, b), node, size)
         elif lin.role == "lone":
-            out = tp_graph.insert(graph, tp_collectives.tp_gather_last,
-                                  (out, lin.out_features) if pad else (out,), node, size)
+            out = graph.insert(g, collectives.tp_gather_last,
+                               (out, lin.out_features) if pad else (out,), node, size)
             if pad:  # sliced back to the vocabulary
                 meta.TENSOR.set(out, meta.TENSOR.get(node))
         if gather and lin.role != "col":
-            with graph.inserting_after(out):
-                out = tp_graph.insert(graph, tp_collectives.tp_split_batch, (out,), node, size)
-    inputs = node.all_input_nodes
-    node.replace_all_uses_with(out)
-    graph.erase_node(node)
-    for old in (a for a in inputs if a.op == "get_attr" and not a.users):
-        graph.erase_node(old)
+            with g.inserting_after(out):
+                out = graph.insert(g, collectives.tp_split_batch, (out,), node, size)
+    graph.replace_node(g, node, out)
     return specs
 
 

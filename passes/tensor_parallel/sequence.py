@@ -21,7 +21,7 @@ batch: the batch split after a row output and the gather before a column input a
 dropped inside it, and the edges convert (gather the batch then slice; unscatter then
 split the batch). Parameters read by chunked ops (layer norm weights, row biases) see
 only their chunk's gradient: ``sequence_parallel`` returns their names, whose gradients
-the runtime sums over the tp group (``tp_collectives.sum_grads``).
+the runtime sums over the tp group (``collectives.sum_grads``).
 
 The numbers are the plain model's; what changes is the bytes each rank holds and saves
 between the pairs (1/tp), at no extra link bytes over an all-reduce.
@@ -39,13 +39,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from passes import meta
-from passes.tensor_parallel import collectives as tp_collectives
-from passes.tensor_parallel import costs as tp_costs
-from passes.tensor_parallel import graph as tp_graph
-from passes.tensor_parallel import rules as tp_rules
+from passes.tensor_parallel import collectives, costs, graph
+from passes.tensor_parallel.ops import PASS_THROUGH_FUNCTIONS, elementwise
+from passes.tensor_parallel.propagation import shape
 
 ROW_NORMS: frozenset[Any] = frozenset({F.layer_norm, torch.ops.aten.layer_norm.default,
-                                      torch.ops.aten.rsqrt.default, torch.rsqrt})
+                                       torch.ops.aten.rsqrt.default, torch.rsqrt})
 LAST_DIM_MEANS: frozenset[Any] = frozenset({torch.ops.aten.mean.dim, torch.mean, "mean"})
 """RMSNorm on torch.export graphs: ``mean(x.pow(2), [-1], keepdim=True)``, ``rsqrt``."""
 ROW_NORM_MODULES: tuple[type, ...] = (nn.LayerNorm,)
@@ -55,7 +54,7 @@ ASSERTIONS: frozenset[Any] = frozenset({torch.ops.aten._assert_tensor_metadata.d
 
 def _seq_dim(n: torch.fx.Node, size: int, gathered: bool) -> int | None:
     """The sequence dim of ``n``'s value when it can be chunked over ``size`` ranks."""
-    s = tp_rules.shape(n)
+    s = shape(n)
     if s is None or len(s) < 2:
         return None
     d = len(s) - 2
@@ -65,35 +64,35 @@ def _seq_dim(n: torch.fx.Node, size: int, gathered: bool) -> int | None:
 
 def _rowwise(gm: torch.fx.GraphModule, n: torch.fx.Node) -> bool:
     if n.op == "call_module":
-        return isinstance(tp_graph.attr(gm, str(n.target)), ROW_NORM_MODULES) or \
-            tp_rules.elementwise(gm, n)
+        return isinstance(graph.attr(gm, str(n.target)), ROW_NORM_MODULES) or \
+            elementwise(gm, n)
     if n.op == "call_function" and n.target in ROW_NORMS:
         return True
     if n.target in LAST_DIM_MEANS and n.op in ("call_function", "call_method"):
         dims, keep = (n.args[1] if len(n.args) > 1 else n.kwargs.get("dim"),
                       n.args[2] if len(n.args) > 2 else n.kwargs.get("keepdim", False))
-        rank = len(tp_rules.shape(n.args[0]) or ())
+        rank = len(shape(n.args[0]) or ())
         return bool(keep) and list(dims if isinstance(dims, (list, tuple)) else [dims]) in (
             [-1], [rank - 1])
-    if n.op == "call_function" and n.target in tp_rules.PASS_THROUGH_FUNCTIONS:
+    if n.op == "call_function" and n.target in PASS_THROUGH_FUNCTIONS:
         return True
-    return tp_rules.elementwise(gm, n)
+    return elementwise(gm, n)
 
 
 def _operands_fit(n: torch.fx.Node, chunked: dict[torch.fx.Node, int],
                   entries: list[tuple[torch.fx.Node, torch.fx.Node]]) -> bool:
     """Whether every other tensor operand of ``n`` is chunked alike, broadcast over the
     sequence dim, or replicated with ``n``'s full shape (then it enters by a slice)."""
-    out = tp_rules.shape(n)
+    out = shape(n)
     if out is None:
         return False
     k = 2  # the sequence dim counted from the end
     for a in n.all_input_nodes:
         if a in chunked:
-            if len(tp_rules.shape(a) or ()) != len(out):
+            if len(shape(a) or ()) != len(out):
                 return False
             continue
-        s = tp_rules.shape(a)
+        s = shape(a)
         if s is None or a.op == "get_attr" or len(s) < k or s[len(s) - k] == 1:
             continue
         if s != out:
@@ -150,8 +149,8 @@ def _exits_outnumber(chunked: dict[torch.fx.Node, int]) -> bool:
 
 def _insert(gm: torch.fx.GraphModule, fn: Callable[..., Any], x: torch.fx.Node, dim: int,
             like: torch.fx.Node, size: int, grow: bool) -> torch.fx.Node:
-    n = tp_graph.insert(gm.graph, fn, (x, dim), like)
-    meta.TENSOR.set(n, tp_costs.local_info(meta.TENSOR.get(x), dim, size, grow))
+    n = graph.insert(gm.graph, fn, (x, dim), like)
+    meta.TENSOR.set(n, costs.local_info(meta.TENSOR.get(x), dim, size, grow))
     if not grow:  # a chunk of ``dim``
         meta.TP_SPLIT.set(n, dim)
     return n
@@ -160,38 +159,38 @@ def _insert(gm: torch.fx.GraphModule, fn: Callable[..., Any], x: torch.fx.Node, 
 def _rewrite(gm: torch.fx.GraphModule, chunked: dict[torch.fx.Node, int],
              entries: list[tuple[torch.fx.Node, torch.fx.Node]], size: int,
              gathered: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    graph = gm.graph
+    g = gm.graph
     params: list[str] = []
     entered: dict[torch.fx.Node, torch.fx.Node] = {}
     for consumer, operand in entries:
         if operand not in entered:
-            with graph.inserting_after(operand):
+            with g.inserting_after(operand):
                 x = operand
                 if gathered:
-                    x = tp_graph.insert(graph, tp_collectives.tp_gather_batch, (x,), operand,
-                                        size)
-                with graph.inserting_after(x):
-                    entered[operand] = _insert(gm, tp_collectives.tp_scatter, x,
+                    x = graph.insert(g, collectives.tp_gather_batch, (x,), operand,
+                                     size)
+                with g.inserting_after(x):
+                    entered[operand] = _insert(gm, collectives.tp_scatter, x,
                                                chunked[consumer], operand, size, False)
         consumer.replace_input_with(operand, entered[operand])
     for n, d in list(chunked.items()):
         role = meta.TP.get(n)
         if role in BATCH_EDGES:
             n.replace_all_uses_with(n.args[0])  # type: ignore[arg-type]
-            graph.erase_node(n)
+            g.erase_node(n)
             del chunked[n]
             continue
         if role == "tp_reduce":
-            n.target = tp_collectives.tp_seq_reduce_scatter
+            n.target = collectives.tp_seq_reduce_scatter
             n.args = (n.args[0], d)
             meta.TP.set(n, "tp_seq_reduce_scatter")
         else:
             cost = meta.COST.get(n)
             if cost is not None:
-                meta.COST.set(n, tp_costs.divide(cost, size))
+                meta.COST.set(n, costs.divide(cost, size))
             params += [str(a.target) for a in n.all_input_nodes if a.op == "get_attr"]
             params += list(meta.PARAMS.get(n, ()) or ()) if n.op == "call_module" else []
-        meta.TENSOR.set(n, tp_costs.local_info(meta.TENSOR.get(n), d, size))
+        meta.TENSOR.set(n, costs.local_info(meta.TENSOR.get(n), d, size))
         meta.TP_SPLIT.set(n, d)
     names = tuple(n.name for n in chunked)
     for v, d in chunked.items():
@@ -204,45 +203,45 @@ def _exits(gm: torch.fx.GraphModule, v: torch.fx.Node, d: int,
     """Give ``v``'s consumers outside the chunked part what they expect: a column linear's
     input the gathered sequence (its ``tp_copy`` becomes ``tp_seq_gather``), anything else
     the replicated value."""
-    graph = gm.graph
+    g = gm.graph
     back: torch.fx.Node | None = None
     gather: torch.fx.Node | None = None
     for user in list(v.users):
         if user in chunked:
             continue
         if _shape_read(user):
-            with graph.inserting_before(user):
-                full = tp_graph.insert(graph, tp_collectives.tp_seq_full_shape, (v, d, gathered),
-                                       user)
+            with g.inserting_before(user):
+                full = graph.insert(g, collectives.tp_seq_full_shape, (v, d, gathered),
+                                    user)
                 meta.TENSOR.set(full, None)
                 if user.op == "call_method" and len(user.args) > 1:  # x.size(k)
-                    full = tp_graph.insert(graph, operator.getitem, (full, user.args[1]), user)
+                    full = graph.insert(g, operator.getitem, (full, user.args[1]), user)
                     meta.TENSOR.set(full, None)
             user.replace_all_uses_with(full)
-            graph.erase_node(user)
+            g.erase_node(user)
             continue
         if meta.TP.get(user) == "tp_copy" and gather is not None:
             user.replace_all_uses_with(gather)  # q, k and v share one gather of the chunk
-            graph.erase_node(user)
+            g.erase_node(user)
             continue
         if meta.TP.get(user) == "tp_copy":
             gather = user
-            user.target = tp_collectives.tp_seq_gather
+            user.target = collectives.tp_seq_gather
             user.args = (v, d)
             meta.TP.set(user, "tp_seq_gather")
-            full = tp_costs.local_info(meta.TENSOR.get(v), d, size, True)
+            full = costs.local_info(meta.TENSOR.get(v), d, size, True)
             meta.TENSOR.set(user, full)
             for linear in user.users:  # it saves the gathered input, not the chunk
-                tp_costs.rename_saved(linear, v.name, user.name,
-                                      int(getattr(full, "nbytes", 0) or 0))
+                costs.rename_saved(linear, v.name, user.name,
+                                   int(getattr(full, "nbytes", 0) or 0))
             continue
         if back is None:
-            with graph.inserting_after(v):
-                back = _insert(gm, tp_collectives.tp_seq_unscatter, v, d, v, size, True)
+            with g.inserting_after(v):
+                back = _insert(gm, collectives.tp_seq_unscatter, v, d, v, size, True)
             if gathered:
-                with graph.inserting_after(back):
-                    back = tp_graph.insert(graph, tp_collectives.tp_split_batch, (back,), v,
-                                           size)
+                with g.inserting_after(back):
+                    back = graph.insert(g, collectives.tp_split_batch, (back,), v,
+                                        size)
         user.replace_input_with(v, back)
 
 

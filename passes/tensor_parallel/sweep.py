@@ -12,18 +12,18 @@ from __future__ import annotations
 import torch
 import torch.fx
 
-from passes.tensor_parallel import loss as tp_loss
+from passes.tensor_parallel import loss
 from passes.tensor_parallel.linears import Linear
-from passes.tensor_parallel.rules import (
+from passes.tensor_parallel.propagation import (
     Rewrites,
     Split,
     Unsupported,
     arg,
     norm_dim,
-    rule,
     shape,
     size_read,
 )
+from passes.tensor_parallel.rules import rule
 
 
 def sweep(gm: torch.fx.GraphModule, linears: dict[torch.fx.Node, Linear],
@@ -60,7 +60,7 @@ def sweep(gm: torch.fx.GraphModule, linears: dict[torch.fx.Node, Linear],
             if norm_dim(arg(n, 1, "dim", 0), len(shape(n.args[0]) or (0,))) == 0:
                 rw.batch_reads.append(n)
             continue
-        culprit = next((c for a in ins if (c := tp_loss.uncast(a)) in linears), None)
+        culprit = next((c for a in ins if (c := loss.uncast(a)) in linears), None)
         try:
             out_split = rule(gm, n, split, rw, size, by_name.get)
         except Unsupported as exc:

@@ -4,9 +4,9 @@ Why: in a language model the token embedding (and the LM head tied to it) is oft
 largest single tensor. A marked ``nn.Embedding`` (or ``F.embedding`` / ``aten.embedding``
 on a parameter) keeps ``vocab / tp`` rows per rank: each rank looks up the ids that fall in
 its rows, zeroes the others, and the partial embeddings are summed over the group
-(``tp_collectives.tp_vocab_embedding``). An LM head whose weight *is* that embedding's
+(``collectives.tp_vocab_embedding``). An LM head whose weight *is* that embedding's
 (GPT's tied ``lm_head``) is then a lone column-parallel linear over the same rows, so the
-two names keep sharing one shard (``tp_graph.Ties``) and the logits are gathered.
+two names keep sharing one shard (``graph.Ties``) and the logits are gathered.
 
 A vocabulary ``V`` the degree does not divide is padded to ``ceil(V / tp) * tp`` rows
 (zero rows appended; ``ShardSpec.pad`` records how many): each rank holds
@@ -33,9 +33,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from passes import meta
-from passes.tensor_parallel import collectives as tp_collectives
-from passes.tensor_parallel import costs as tp_costs
-from passes.tensor_parallel import graph as tp_graph
+from passes.tensor_parallel import collectives, costs, graph
 from passes.tensor_parallel.plan import ShardSpec
 
 EMBEDDING_FUNCTIONS: frozenset[Any] = frozenset({F.embedding})
@@ -53,8 +51,8 @@ class Embedding:
 
 def as_embedding(gm: torch.fx.GraphModule, n: torch.fx.Node) -> Embedding | None:
     """``n`` as an embedding lookup on a parameter, or None."""
-    if n.op == "call_module" and type(tp_graph.attr(gm, str(n.target))) is nn.Embedding:
-        mod = tp_graph.attr(gm, str(n.target))
+    if n.op == "call_module" and type(graph.attr(gm, str(n.target))) is nn.Embedding:
+        mod = graph.attr(gm, str(n.target))
         options = (mod.padding_idx is not None or mod.max_norm is not None
                    or mod.scale_grad_by_freq or mod.sparse)
         ids = n.args[0]
@@ -68,7 +66,7 @@ def as_embedding(gm: torch.fx.GraphModule, n: torch.fx.Node) -> Embedding | None
         return None
     extra = list(n.args[2:]) + list(n.kwargs.values())
     options = any(a not in (None, False, -1, 2.0) for a in extra)
-    return Embedding(n, str(w.target), tp_graph.attr(gm, str(w.target)), ids, options)
+    return Embedding(n, str(w.target), graph.attr(gm, str(w.target)), ids, options)
 
 
 def find(gm: torch.fx.GraphModule, in_region: Callable[[torch.fx.Node], bool]
@@ -94,43 +92,39 @@ def padding(rows: int, size: int) -> int:
 
 
 def rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, emb: Embedding, size: int,
-            rank: int, gather: bool, ties: tp_graph.Ties) -> ShardSpec:
+            rank: int, gather: bool, ties: graph.Ties) -> ShardSpec:
     """Replace ``node`` by this rank's vocab-parallel lookup (the table padded to a
     multiple of ``size`` rows); the shard's spec for the plan."""
-    graph = gm.graph
+    g = gm.graph
     if node.op == "call_module":
-        tp_graph.replace_module(gm, str(node.target))
+        graph.replace_module(gm, str(node.target))
     rows = int(emb.value.shape[0])
     pad = padding(rows, size)
     local_rows = (rows + pad) // size
-    tp_graph.set_param(gm, emb.weight,
-                       tp_graph.shard(tp_graph.pad(emb.value, 0, pad), 0, size, rank),
-                       original=emb.value, ties=ties)
+    graph.set_param(gm, emb.weight,
+                    graph.shard(graph.pad(emb.value, 0, pad), 0, size, rank),
+                    original=emb.value, ties=ties)
     ids = emb.ids
-    with graph.inserting_before(node):
+    with g.inserting_before(node):
         if gather:
-            ids = tp_graph.insert(graph, tp_collectives.tp_gather_batch, (ids,), node, size)
-        w = tp_graph.get_attr(graph, emb.weight, node)
-        y = graph.call_function(tp_collectives.tp_vocab_embedding,
-                                (ids, w, rank * local_rows))
+            ids = graph.insert(g, collectives.tp_gather_batch, (ids,), node, size)
+        w = graph.get_attr(g, emb.weight, node)
+        y = g.call_function(collectives.tp_vocab_embedding,
+                            (ids, w, rank * local_rows))
     y.meta = dict(node.meta)
     meta.TP.set(y, "tp_vocab_embedding")
     meta.PARAMS.set(y, (emb.weight,))
-    meta.TENSOR.set(y, tp_costs.local_info(meta.TENSOR.get(node), 0 if gather else None,
-                                           size, grow=True))
+    meta.TENSOR.set(y, costs.local_info(meta.TENSOR.get(node), 0 if gather else None,
+                                        size, grow=True))
     cost = meta.COST.get(node)
     if cost is not None:  # each rank looks up every id; its table is its padded rows
         meta.COST.set(y, dataclasses.replace(
             cost, param_bytes=cost.param_bytes * local_rows // rows))
     out = y
     if gather:
-        with graph.inserting_after(y):
-            out = tp_graph.insert(graph, tp_collectives.tp_split_batch, (y,), node, size)
-    inputs = node.all_input_nodes
-    node.replace_all_uses_with(out)
-    graph.erase_node(node)
-    for old in (a for a in inputs if a.op == "get_attr" and not a.users):
-        graph.erase_node(old)
+        with g.inserting_after(y):
+            out = graph.insert(g, collectives.tp_split_batch, (y,), node, size)
+    graph.replace_node(g, node, out)
     return ShardSpec(emb.weight, 0, size, tuple(emb.value.shape), pad=pad)
 
 

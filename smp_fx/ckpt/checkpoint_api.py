@@ -47,6 +47,7 @@ from cost_model.errors import SMPCheckpointError
 from smp_fx._compat import SMP_API_VERSION
 from smp_fx.ckpt.atomic import atomic_write, fsync_dir
 from smp_fx.ckpt.files import load, save
+from smp_fx.ckpt.hf_export import is_pretrained, safetensors_available, save_pretrained_state
 from smp_fx.ckpt.hf_weights import find_hf_weights, read_hf_weights
 from smp_fx.ckpt.safe_load import read_file
 from smp_fx.ckpt.validate import agree_or_raise, world_gather
@@ -119,7 +120,10 @@ def save_checkpoint(path: str, tag: str, partial: bool = True,
     ``partial=False`` saves the full model state dict as one file named ``tag``, translated
     to Hugging Face names by ``smp.state.module_manager.translate_functions`` when
     ``translate_if_full``; an optimizer is not saved in a full checkpoint (as in SMP: a
-    warning says so). Collective: call it on every rank.
+    warning says so). A model that wraps a Hugging Face ``PreTrainedModel`` is also written
+    into ``path`` as its ``save_pretrained`` writes it (configuration and safetensors
+    weights: ``from_pretrained(path)`` loads it; ``smp_fx.ckpt.hf_export``). Collective:
+    call it on every rank.
 
     Example::
 
@@ -226,6 +230,14 @@ def _save_full(path: str, tag: str, model: ProcessModel | None,
             sd = dict(model.state_dict())
         if rank == 0:
             os.makedirs(path, exist_ok=True)
+            module = getattr(model, "module", None)
+            if sd is not None and module is not None and is_pretrained(module):
+                if safetensors_available():
+                    save_pretrained_state(path, sd, module)  # what from_pretrained(path) loads
+                else:  # transformers 4.2x does not install it; SMP's own file is still written
+                    log.warning("smp.save_checkpoint(partial=False): no safetensors package, "
+                                "so %s gets no save_pretrained weights (pip install "
+                                "safetensors)", path)
             if sd is not None:
                 if translate:
                     for smp_to_hf, _ in module_manager.translate_functions:

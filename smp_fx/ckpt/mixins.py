@@ -176,6 +176,8 @@ class ModelCheckpointMixin:
         @property
         def partitioned(self) -> bool: ...
 
+        def local_unread_state(self) -> dict[str, torch.Tensor]: ...
+
     def _smp_layout(self) -> ModelLayout:
         layout = self.__dict__.get("_smp_layout_cache")
         if layout is None:
@@ -186,6 +188,7 @@ class ModelCheckpointMixin:
     def _smp_local_tensors(self) -> dict[str, torch.Tensor]:
         tensors = dict(self.local_named_parameters())  # type: ignore[attr-defined]
         tensors.update(self.local_named_buffers())  # type: ignore[attr-defined]
+        tensors.update(self.local_unread_state())
         return tensors
 
     def local_state_dict(self) -> StateDict:
@@ -267,7 +270,7 @@ class ModelCheckpointMixin:
         plan = self.__dict__.get("tp_plan")
         _refuse_foreign_shards(state_dict, plan, list(local))
         chosen, local_missing = select_model_state(state_dict, list(local), layout)
-        chosen = _cut_shards(chosen, plan, {n: local[n].shape for n in chosen})
+        specs = {s.name: s for s in getattr(plan, "sharded", ())}
         if partial:
             missing = local_missing
         if strict and (missing or unexpected):
@@ -277,8 +280,11 @@ class ModelCheckpointMixin:
                 where="DistributedModel.load_state_dict",
                 fix="load a state dict of this model, or pass strict=False")
         with torch.no_grad():
-            for name, value in chosen.items():
+            for name in chosen:  # one tensor at a time (a lazily read state is read here)
                 target = local[name]
+                value = chosen[name]
+                if name in specs:  # a full tensor of a distributed parameter: this rank's cut
+                    value = tp_shards.cut(value, specs[name], _tp_rank(), tuple(target.shape))
                 if tuple(target.shape) != tuple(value.shape):
                     raise SMPCheckpointError.build(
                         "shape of a loaded tensor differs from the model's",

@@ -35,7 +35,7 @@ Example::
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,8 +172,12 @@ def merge_model_state_dicts(parts: Sequence[Mapping[str, Any]],
         return out_plain
     out: StateDict = OrderedDict()
     missing = []
+    order = {k: i for i, k in enumerate(layout.keys)}
     for key in layout.keys:
-        source = next((a for a in layout.names_of(key) if a in merged), None)
+        # every name of a tied tensor takes the value of its first name, as one object: the
+        # merged dict shares it as the plain model's does (save_pretrained keeps one copy)
+        names = sorted(layout.names_of(key), key=lambda n: order.get(n, len(order)))
+        source = next((a for a in names if a in merged), None)
         if source is None:
             missing.append(key)
         else:
@@ -236,13 +240,36 @@ def check_model_keys(sd: Mapping[str, Any], layout: ModelLayout) -> tuple[list[s
     return missing, unexpected
 
 
+class Selected(Mapping[str, Any]):
+    """``name -> sd[source]``, each value looked up when it is read: a state that reads its
+    tensors on demand (``smp_fx.ckpt.pretrained.SafetensorsState``) is then read one tensor
+    at a time by a loop over this mapping, never whole."""
+
+    def __init__(self, sd: Mapping[str, Any], sources: Mapping[str, str]) -> None:
+        self._sd = sd
+        self._sources = dict(sources)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._sd[self._sources[name]]
+
+    def __contains__(self, name: object) -> bool:  # Mapping's own would read the value
+        return name in self._sources
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._sources)
+
+    def __len__(self) -> int:
+        return len(self._sources)
+
+
 def select_model_state(sd: Mapping[str, Any], wanted: Iterable[str],
-                       layout: ModelLayout | None = None) -> tuple[StateDict, list[str]]:
-    """The entries of ``sd`` for the names in ``wanted`` (found under any tied alias).
+                       layout: ModelLayout | None = None) -> tuple[Selected, list[str]]:
+    """The entries of ``sd`` for the names in ``wanted`` (found under any tied alias), as a
+    mapping that reads each when asked (``Selected``).
 
     Returns (selected, missing). Used to load a full or merged state into one stage.
     """
-    selected: StateDict = OrderedDict()
+    sources: dict[str, str] = {}
     missing: list[str] = []
     for name in wanted:
         aliases = layout.names_of(name) if layout is not None else (name,)
@@ -250,8 +277,8 @@ def select_model_state(sd: Mapping[str, Any], wanted: Iterable[str],
         if source is None:
             missing.append(name)
         else:
-            selected[name] = sd[source]
-    return selected, missing
+            sources[name] = source
+    return Selected(sd, sources), missing
 
 
 # ----------------------------------------------------------------------- optimizer

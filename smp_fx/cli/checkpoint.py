@@ -1,28 +1,39 @@
-"""``smp-fx checkpoint``: inspect partial checkpoints and merge them into one full file.
+"""``smp-fx checkpoint``: inspect partial checkpoints, merge them into one full file, or
+export a model's into what Hugging Face's ``from_pretrained`` loads.
 
 Why: a partial checkpoint (``checkpoint.pt_0``, ``checkpoint.pt_1``, ... plus
 ``checkpoint.pt.smp_index.json``) needs smp-fx to load; ``merge`` turns it into a single
 file in plain torch formats, usable with ``torch.load`` + ``model.load_state_dict(strict=True)``
-+ ``optimizer.load_state_dict`` on the unwrapped model, no smp-fx needed.
++ ``optimizer.load_state_dict`` on the unwrapped model, no smp-fx needed. ``export`` writes
+a partial model state saved at any pp x tp (``smp.save(model.local_state_dict(), ...,
+partial=True)``, or the ``model.pt`` of a ``smp.save_checkpoint`` folder) as
+``save_pretrained`` writes the model: ``config.json`` and safetensors weights under the
+model's own names, a tied weight once (``smp_fx.ckpt.hf_export``); the configuration comes
+from ``--config`` (a ``config.json`` or the folder holding it), by default from the
+checkpoint's folder or the one above it.
 
 Example::
 
     smp-fx checkpoint info /ckpt/checkpoint.pt
     smp-fx checkpoint merge /ckpt/checkpoint.pt -o /ckpt/full.pt
+    smp-fx checkpoint export /ckpt/step100_partial --config /model -o /exported
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import pickle
 import sys
 from collections.abc import Sequence
 
 import torch
 
-from cost_model.errors import SMPError
+from cost_model.errors import SMPCheckpointError, SMPError
 from smp_fx.ckpt.atomic import atomic_write
+from smp_fx.ckpt.checkpoint_api import MODEL_FILE
 from smp_fx.ckpt.files import load_partial_set, merge_partial_objects
+from smp_fx.ckpt.hf_export import model_from_config, save_pretrained_state
 from smp_fx.ckpt.layout import read_index
 
 
@@ -38,7 +49,48 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                        help="allow arbitrary pickled objects (trusted files only)")
     info = sub.add_parser("info", help="print what a partial checkpoint's index records")
     info.add_argument("prefix")
+    export = sub.add_parser("export", help="write a partial model checkpoint as "
+                            "Hugging Face's save_pretrained does (from_pretrained loads it)")
+    export.add_argument("prefix", help="the smp.save path of the model's partial state, or "
+                        "a smp.save_checkpoint {tag}_partial folder")
+    export.add_argument("-o", "--output", required=True, help="the folder to write")
+    export.add_argument("--config", help="config.json of the model, or its folder (default: "
+                        "found beside the checkpoint or one folder up)")
     return parser
+
+
+def _model_prefix(prefix: str) -> str:
+    """A ``save_checkpoint`` folder stands for its model file."""
+    inside = os.path.join(prefix, MODEL_FILE)
+    return inside if os.path.isdir(prefix) and read_index(inside) is not None else prefix
+
+
+def _config_near(prefix: str) -> str:
+    here = os.path.dirname(os.path.abspath(prefix))
+    for folder in (here, os.path.dirname(here)):
+        if os.path.isfile(os.path.join(folder, "config.json")):
+            return folder
+    raise SMPCheckpointError.build(
+        "no config.json beside the checkpoint or one folder up", here,
+        where="smp-fx checkpoint export", fix="pass --config path/to/config.json")
+
+
+def export(prefix: str, output: str, config: str | None = None) -> str:
+    """Write the model of the partial checkpoint ``prefix`` into ``output`` as
+    ``save_pretrained`` does; returns a one-line summary."""
+    prefix = _model_prefix(prefix)
+    index, objs = load_partial_set(prefix, map_location="cpu", weights_only=True)
+    state = merge_partial_objects(objs, full=True)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor)
+                                               for v in state.values()):
+        raise SMPCheckpointError.build(
+            "export needs a model's state dict", type(state).__name__, where=prefix,
+            fix="pass the checkpoint of model.local_state_dict() (a save_checkpoint "
+            "folder's model.pt), not an optimizer's")
+    model = model_from_config(config or _config_near(prefix))
+    save_pretrained_state(output, state, model)
+    return (f"exported {len(state)} tensors saved at pp={index['pp_degree']} "
+            f"tp={index['tp_degree']} as {type(model).__name__} into {output}")
 
 
 def merge(prefix: str, output: str, weights_only: bool = True) -> str:
@@ -72,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.action == "merge":
             print(merge(args.prefix, args.output, args.weights_only))
+        elif args.action == "export":
+            print(export(args.prefix, args.output, args.config))
         else:
             print(describe(args.prefix))
     except SMPError as exc:

@@ -14,7 +14,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("smp_fx.cli.run", "launch N local processes through torchrun with smp-fx's "
             "SageMaker import names"),
     "partition": ("smp_fx.cli.partition", "make a partition plan offline and explain it"),
-    "checkpoint": ("smp_fx.cli.checkpoint", "merge partial checkpoint files into one full file"),
+    "checkpoint": ("smp_fx.cli.checkpoint", "inspect, merge or export (Hugging Face) partial "
+                   "checkpoints"),
     "calibrate": ("smp_fx.cli.calibrate", "measure this machine into a device spec file for "
                   "partition --device"),
 }

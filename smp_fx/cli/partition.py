@@ -21,10 +21,10 @@ Costs are per microbatch: the inputs are built for ``--batch-size`` and split in
 ``--microbatches`` parts by ``smp.step``'s own splitter (``smp_fx.runtime.microbatch``:
 every tensor along its batch axis, nested ones too; ``--non-split-input`` and
 ``--input-split-axis`` name the model's ``forward`` parameters, as ``non_split_inputs`` and
-``input_split_axes`` name the step function's); the plan is made for the first part, with
-the configuration translated as ``DistributedModel`` translates it, so it is the plan
-``DistributedModel`` makes at its first step on the same batch (same device spec). Bad
-input exits with status 2 and a one-line message.
+``input_split_axes`` name the step function's); the plan is made for the first part, from
+the planning request ``DistributedModel`` builds too (``smp_fx.runtime.plan_request``), so
+it is the plan ``DistributedModel`` makes at its first step on the same batch (same device
+spec). Bad input exits with status 2 and a one-line message.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
-import dataclasses
 import importlib.util
 import inspect
 import json
@@ -49,15 +48,12 @@ from torch import nn
 from cost_model.devices import DEFAULT_DEVICE, load_device
 from cost_model.errors import SMPConfigError, SMPError
 from cost_model.schedule import SCHEDULE_NAMES
-from passes.partition_config import PartitionConfig
-from passes.pipeline import Compiled, baseline_plans, compile_model
-from passes.tensor_parallel import TensorParallelism
+from passes.pipeline import Compiled, baseline_plans
 from smp_fx.cli import render
-from smp_fx.config import load_config
+from smp_fx.config import SMPConfig, load_config
 from smp_fx.marking.activation_checkpointing import rules_from_patterns
-from smp_fx.marking.manual import pins_by_module_path
-from smp_fx.marking.tensor_parallelism import rewrite_inputs
 from smp_fx.runtime.microbatch import split_inputs
+from smp_fx.runtime.plan_request import plan_request
 
 EXIT_BAD_INPUT = 2
 
@@ -209,11 +205,9 @@ def smp_parameters(args: argparse.Namespace) -> dict[str, Any]:
     return params
 
 
-def partition_config(params: dict[str, Any], device: str,
-                     optimizer_state_factor: float) -> PartitionConfig:
-    """Validate SMP parameters as ``smp.init`` does and keep what the partitioner needs."""
-    return load_config(_planning(params), env={}).partition_config(device,
-                                                                   optimizer_state_factor)
+def smp_config(params: dict[str, Any]) -> SMPConfig:
+    """Validate SMP parameters as ``smp.init`` does (the configuration parsed once)."""
+    return load_config(_planning(params), env={})
 
 
 def _planning(params: dict[str, Any]) -> dict[str, Any]:
@@ -223,15 +217,6 @@ def _planning(params: dict[str, Any]) -> dict[str, Any]:
     if isinstance(tp, int) and tp > 1:
         return {"ddp": True, **params}
     return params
-
-
-def tensor_parallelism(params: dict[str, Any], model: nn.Module) -> TensorParallelism | None:
-    """Rank 0's tensor-parallel rewrite for the plan (every tp rank's costs are the same),
-    or None at degree 1."""
-    cfg = load_config(_planning(params), env={})
-    if cfg.tensor_parallel_degree <= 1:
-        return None
-    return rewrite_inputs(cfg, 0, model)
 
 
 def _call(fn: Callable[..., Any], where: str, *args: Any, **kwargs: Any) -> Any:
@@ -305,15 +290,14 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     out = out or sys.stdout
     progress = _Progress(args.quiet)
     spec = load_device(args.device)
-    pconfig = partition_config(smp_parameters(args), spec.name, args.optimizer_state_factor)
-    spec = spec.for_stages(pconfig.num_stages)
+    cfg = smp_config(smp_parameters(args))
     module = load_model_file(args.model)
     build = _function(module, args.build_fn, args.model)
     make_inputs = _function(module, args.inputs_fn, args.model)
-    batch = args.batch_size or pconfig.microbatches
-    if batch < 1 or batch % pconfig.microbatches:
+    batch = args.batch_size or cfg.microbatches
+    if batch < 1 or batch % cfg.microbatches:
         raise SMPConfigError.build("the batch size must be divisible by microbatches", batch,
-                                   f"microbatches={pconfig.microbatches}",
+                                   f"microbatches={cfg.microbatches}",
                                    "pick --batch-size as a multiple of --microbatches")
     progress(f"building {args.build_fn}() from {args.model}" + (" on meta" if args.meta
                                                                   else ""))
@@ -326,21 +310,22 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     inputs = _inputs(make_inputs, batch, _key_values(args.inputs_arg, "--inputs-arg"),
                      args.model)
     axes = _split_axes(model, args.non_split_input, args.input_split_axis)
-    mb_args, mb_kwargs = split_inputs(inputs, {}, pconfig.microbatches, args.non_split_input,
+    mb_args, mb_kwargs = split_inputs(inputs, {}, cfg.microbatches, args.non_split_input,
                                       axes, model.forward)[0]
-    pins = None if pconfig.auto_partition else pins_by_module_path(model)
-    rules = rules_from_patterns(model, args.activation_checkpointing)
-    pconfig = dataclasses.replace(pconfig, checkpointing=rules)
-    tp = tensor_parallelism(smp_parameters(args), model)
-    compiled = compile_model(model, mb_args, mb_kwargs, pconfig, device=spec,
-                             frontend=args.frontend, pins=pins, progress=progress, tp=tp)
+    # tensor parallelism: rank 0's rewrite (every tp rank's costs are the same)
+    request = plan_request(cfg, model, spec, tp_rank=0,
+                           checkpointing=rules_from_patterns(model,
+                                                             args.activation_checkpointing),
+                           optimizer_state_factor=args.optimizer_state_factor)
+    compiled = request.compile(model, mb_args, mb_kwargs, frontend=args.frontend,
+                               progress=progress)
     plan = compiled.plan
     print(render.format_table(plan), file=out)
     if compiled.tp_plan is not None:
         print("", file=out)
         print(render.format_tensor_parallel(compiled.tp_plan, dict(model.named_parameters())),
               file=out)
-    if args.memory or rules or args.offload:
+    if args.memory or request.config.checkpointing or args.offload:
         print("", file=out)
         print(render.format_memory(plan), file=out)
     if args.compare:

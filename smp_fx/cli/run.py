@@ -2,8 +2,9 @@
 
 The children get the configuration in ``SM_HP_MP_PARAMETERS`` (what ``smp.init`` reads,
 as on SageMaker) and the shim directory on ``PYTHONPATH``, so inside the script
-``import smdistributed.modelparallel.torch as smp`` is ``smp_fx`` and
-``import smdistributed.dataparallel.torch.torch_smddp`` registers the ``smddp`` backend.
+``import smdistributed.modelparallel.torch as smp`` is ``smp_fx``,
+``import smdistributed.dataparallel.torch.torch_smddp`` registers the ``smddp`` backend, and
+the Hugging Face Trainer's SMP mode gets its adjustments (``smp_fx._compat.hf_trainer``).
 The launcher's own process and environment are untouched.
 
 When the job fails, ``smp-fx run`` prints which rank failed first: the children leave

@@ -10,6 +10,11 @@ with ``materialize(module, device)`` (``to_empty`` + ``reset_parameters``).
 The compiler front end (``passes.trace`` / ``shape_prop`` / ``annotate_costs``) works on
 such a model without allocating its weights.
 
+A Hugging Face ``from_pretrained`` inside the context builds the model on meta too and
+records its safetensors files; ``DistributedModel`` then allocates each stage without
+initialising it (``allocate``) and each rank reads its own stage's weights from the files
+(``smp_fx.ckpt.pretrained``).
+
 Example::
 
     with smp.delay_param_initialization():
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -41,13 +47,15 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
     def mark(mod: nn.Module, *_: object) -> None:
         object.__setattr__(mod, DELAYED_ATTR, True)
 
+    from smp_fx.ckpt.pretrained import meta_from_pretrained
+
     handles = [
         module_mod.register_module_parameter_registration_hook(mark),
         module_mod.register_module_buffer_registration_hook(mark),
         module_mod.register_module_module_registration_hook(mark),
     ]
     try:
-        with torch.device("meta"):
+        with torch.device("meta"), meta_from_pretrained():
             yield
     finally:
         for h in handles:
@@ -59,6 +67,32 @@ def is_delayed(module: nn.Module) -> bool:
     if getattr(module, DELAYED_ATTR, False):
         return True
     return any(t.is_meta for t in (*module.parameters(), *module.buffers()))
+
+
+def allocate(module: nn.Module, device: torch.device | str) -> nn.Module:
+    """Give ``module``'s meta parameters and buffers uninitialised memory on ``device`` and
+    move the others there; tied parameters stay tied. For weights that are loaded next
+    (``smp_fx.ckpt.pretrained``): nothing is initialised, and real buffers (a mask computed
+    in ``__init__``) keep their values."""
+    moved: dict[int, Any] = {}
+
+    def place(value: torch.Tensor) -> torch.Tensor:
+        new = moved.get(id(value))
+        if new is None:
+            data = (torch.empty_like(value, device=device) if value.is_meta
+                    else value.detach().to(device))
+            new = (nn.Parameter(data, requires_grad=value.requires_grad)
+                   if isinstance(value, nn.Parameter) else data)
+            moved[id(value)] = new
+        return new
+
+    for m in module.modules():
+        for table in (m._parameters, m._buffers):
+            for name, value in list(table.items()):
+                if value is not None:
+                    table[name] = place(value)  # type: ignore[assignment]
+    object.__setattr__(module, DELAYED_ATTR, False)
+    return module
 
 
 def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:

@@ -146,21 +146,22 @@ class Parallelized:
 
 def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
                 tp_plan: TensorParallelPlan | None, canonical: Mapping[str, str],
-                options: DataParallelOptions, early_dp: DataParallel | None = None
-                ) -> Parallelized:
+                options: DataParallelOptions, early_dp: DataParallel | None = None,
+                initialize: bool = True) -> Parallelized:
     """Place the planned ``gm`` on this rank and apply the parallelisms in ``ORDER``.
 
     Identical on every rank (the collectives it runs come in one order). ``canonical``:
     every alias of a parameter -> its first name, from the module before any
     materialisation replaced parameter objects. ``early_dp``: the ``DataParallel`` that
-    ``DistributedModel.join()`` made before the first step, to apply."""
+    ``DistributedModel.join()`` made before the first step, to apply. ``initialize=False``:
+    delayed-init stages are allocated for weights loaded next, not initialised."""
     st = state.get()
     cfg = st.config
     program = split_for_rank(gm, st)
     multi = multi_process(st)
     # tied parameters are found by their names, on every rank, before materialising
     groups = tied_groups(program, st, dict(canonical), plan.rank_of) if multi else []
-    placed = place_stages(gm, program, st, plan.rank_of)
+    placed = place_stages(gm, program, st, plan.rank_of, initialize)
     runners: dict[int, StageRunner] = dict(placed.runners)
     dp = None if cfg.sharded_data_parallel_degree > 1 else ddp.for_build(options, early_dp)
     applied: list[Parallelism] = []

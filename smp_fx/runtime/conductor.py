@@ -90,7 +90,8 @@ class Conductor:
     # ---- user-thread side -------------------------------------------------------------
     def forward_request(self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``model(*args, **kwargs)`` in microbatch ``mb``'s step function: its outputs."""
-        s = self._running_step()
+        s = self._step
+        assert s is not None  # called during a step only (a turn, an op)
         t = s.turns[mb]
         with self._lock:
             if t.f_request is not None:
@@ -103,7 +104,8 @@ class Conductor:
 
     def backward_request(self, mb: int, tensors: Any, grad_tensors: Any) -> None:
         """``model.backward(tensors, grad_tensors)`` in microbatch ``mb``'s step function."""
-        s = self._running_step()
+        s = self._step
+        assert s is not None  # called during a step only (a turn, an op)
         t = s.turns[mb]
         with self._lock:
             if t.f_request is None or t.b_request is not None:
@@ -115,17 +117,12 @@ class Conductor:
             self._drive(s, lambda: t.backward_done, mb, "its backward pass", wait=False,
                         lazy=True)
 
-    def _running_step(self) -> StepTurns:
-        s = self._step
-        if s is None:
-            raise SMPInternalError.build("a turn was asked for outside a step", None,
-                                         f"rank {self.rank}")
-        return s
-
     # ---- executor side: what a turn's op reads and publishes -------------------------
     def forward_of(self, mb: int, stage: int) -> Request:
         """Microbatch ``mb``'s F request (its F op is runnable, so it asked or returned)."""
-        req = self._running_step().turns[mb].f_request
+        s = self._step
+        assert s is not None
+        req = s.turns[mb].f_request
         if req is None:
             raise SMPRuntimeError.build(
                 "the smp.step function returned without calling the DistributedModel",
@@ -135,7 +132,9 @@ class Conductor:
 
     def backward_of(self, mb: int) -> Request | None:
         """Microbatch ``mb``'s B request; None if its step function has not asked (yet)."""
-        return self._running_step().turns[mb].b_request
+        s = self._step
+        assert s is not None
+        return s.turns[mb].b_request
 
     def publish_outputs(self, mb: int, outputs: Any, hand: bool = True,
                         defer: bool = False) -> None:
@@ -146,7 +145,8 @@ class Conductor:
         a woken step function competes for the CPU (and the GIL) with the driver's work;
         the driver flushes when it would wait anyway (blocking on a message that has not
         arrived, or the end of its turn)."""
-        s = self._running_step()
+        s = self._step
+        assert s is not None  # called during a step only (a turn, an op)
         with self._lock:
             if defer:
                 s.deferred.append((mb, outputs))
@@ -158,7 +158,8 @@ class Conductor:
     def publish_backward_done(self, mb: int) -> None:
         """Microbatch ``mb``'s backward is complete on this rank. Not handed over: the
         thread only returns, so the driver keeps going (a thread switch saved per op)."""
-        s = self._running_step()
+        s = self._step
+        assert s is not None  # called during a step only (a turn, an op)
         with self._lock:
             s.turns[mb].backward_done = True
             s.conds[mb].notify_all()

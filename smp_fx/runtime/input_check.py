@@ -67,5 +67,5 @@ def check_same_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any], where: s
     raise SMPRuntimeError.build(
         "every rank of a pipeline group must be given the same batch",
         {"differs": first, "ranks": [ranks[0], ranks[differ[0]]]}, where,
-        "shard the data by smp.dp_rank() / smp.dp_size(), not by the global rank (with the "
-        "Hugging Face Trainer on GPUs: launch without LOCAL_RANK, or see docs/clients.md)")
+        "shard the data by smp.dp_rank() / smp.dp_size(), not by the global rank (the "
+        "Hugging Face Trainer: run it with the smdistributed shims, see docs/clients.md)")

@@ -21,7 +21,7 @@ import torch.fx
 from torch import nn
 
 from passes.split_stages import StagedProgram, split_stages
-from smp_fx.marking.delayed_init import is_delayed, materialize
+from smp_fx.marking.delayed_init import allocate, is_delayed, materialize
 from smp_fx.runtime.dist_transport import DistTransport
 from smp_fx.runtime.executor import ExecutorOptions
 from smp_fx.runtime.planning import agree_on_plan, weights_device
@@ -78,11 +78,14 @@ def lanes(rank_of: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def place_stages(gm: torch.fx.GraphModule, program: StagedProgram,
-                 st: state.State, rank_of: Sequence[int] | None = None) -> Placement:
+def place_stages(gm: torch.fx.GraphModule, program: StagedProgram, st: state.State,
+                 rank_of: Sequence[int] | None = None, initialize: bool = True) -> Placement:
     """Place this rank's stages of ``program`` (split from ``gm``): see the module doc.
+
     ``rank_of``: the pipeline rank of each stage (the plan's placement; default one stage
-    per rank)."""
+    per rank). ``initialize=False``: delayed-init stages are allocated, not initialised
+    (their weights are loaded next: a ``from_pretrained`` model built under
+    ``smp.delay_param_initialization``)."""
     cfg = st.config
     p = cfg.pipeline_parallel_degree
     rank_of = tuple(rank_of) if rank_of is not None else tuple(range(p))
@@ -106,7 +109,7 @@ def place_stages(gm: torch.fx.GraphModule, program: StagedProgram,
     delayed = any(is_delayed(r.module) for r in runners.values())
     traced_on = weights_device(gm)  # where the plan traced
     for s, r in runners.items():
-        _materialise(r.module, devices[s])
+        _materialise(r.module, devices[s], initialize)
         _retarget_devices(r.stage.module, traced_on, devices[s])
     options = ExecutorOptions(multi, timeout_s, st.rank,
                               tuple(stage_ranks) if multi else None,
@@ -164,7 +167,7 @@ def _retarget_devices(module: nn.Module, traced_on: torch.device | None,
         module.recompile()
 
 
-def _materialise(module: nn.Module, device: torch.device) -> None:
+def _materialise(module: nn.Module, device: torch.device, initialize: bool) -> None:
     """Place one stage's parameters on ``device``; meta (delayed-init) ones are created there.
 
     Delayed initialisation (``smp.delay_param_initialization``): the stage's modules get
@@ -174,7 +177,7 @@ def _materialise(module: nn.Module, device: torch.device) -> None:
     tied replicas on several ranks are made equal by a broadcast from the first owner.
     """
     if is_delayed(module):
-        materialize(module, device)
+        (materialize if initialize else allocate)(module, device)
         return
     module.to(device)
 

@@ -24,14 +24,11 @@ from cost_model.devices import DEFAULT_DEVICE, load_device, spec_for_device_name
 from cost_model.errors import SMPConfigError, SMPPartitionError, not_implemented
 from cost_model.measure import measure_nodes
 from passes import meta
-from passes.pipeline import compile_model
 from passes.plan import PartitionPlan
 from passes.tensor_parallel import TensorParallelPlan
 from passes.trace import trace
-from smp_fx.marking.activation_checkpointing import checkpoint_rules
-from smp_fx.marking.manual import pins_by_module_path
-from smp_fx.marking.tensor_parallelism import rewrite_inputs
 from smp_fx.runtime.modes import Autocast, thread_modes
+from smp_fx.runtime.plan_request import plan_request
 from smp_fx.world import state
 
 log = logging.getLogger("smp_fx.planning")
@@ -44,10 +41,11 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 
     Analytic costs for the device spec ``plan_device`` picks (the same on every rank), so
     the plan is a pure function of the model, the first microbatch, the configuration and
-    that spec (every rank makes the same one). With ``auto_partition`` false the
-    ``smp.partition`` pins apply. Measured costs are taken on the very graph that is then
-    costed, planned and split (``compile_model``'s ``traced``), which keeps the front end's
-    codegen (export's input and output structure).
+    that spec (every rank makes the same one); the request is ``plan_request``'s, as
+    ``smp-fx partition``'s is. With ``auto_partition`` false the ``smp.partition`` pins
+    apply. Measured costs are taken on the very graph that is then costed, planned and
+    split (``compile_model``'s ``traced``), which keeps the front end's codegen (export's
+    input and output structure).
     """
     st = state.get()
     cfg = st.config
@@ -61,18 +59,16 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             "so the times would be the host's: build the model on the device (it must fit "
             "there), or leave trace_execution_times False (the analytic costs of this "
             "device's spec; `smp-fx calibrate` on it measures one)")
-    pins = None if cfg.auto_partition else pins_by_module_path(module)
-    device = plan_device(st).for_stages(cfg.pipeline_parallel_degree)
+    device = plan_device(st)
     gm = trace(module, args, kwargs)
     measured = None
     if times or memory:
         with thread_modes(torch.is_grad_enabled(), autocast):
             measured = measured_costs(gm, args, kwargs, times, memory, st)
-    pconfig = cfg.partition_config(device.name, checkpointing=checkpoint_rules(module))
-    tp = rewrite_inputs(cfg, st.axis_rank("tp"), module)
+    # after the trace: smp.checkpoint inside the forward marks its module while traced
+    request = plan_request(cfg, module, device, st.axis_rank("tp"))
     with thread_modes(torch.is_grad_enabled(), autocast):
-        compiled = compile_model(module, args, kwargs, pconfig, device=device, pins=pins,
-                                 measured=measured, traced=gm, tp=tp)
+        compiled = request.compile(module, args, kwargs, measured=measured, traced=gm)
     return compiled.gm, compiled.plan, compiled.tp_plan
 
 

@@ -1,11 +1,14 @@
 """How this process was launched, and joining the default torch.distributed group.
 
-Three launchers are recognised from the environment, in this order: torchrun (``RANK``,
+Four launchers are recognised from the environment, in this order: torchrun (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``),
 mpirun (``OMPI_COMM_WORLD_RANK``/``SIZE``/``LOCAL_RANK``/``LOCAL_SIZE``; ``MASTER_ADDR``
-defaults to 127.0.0.1 on one node and is required across nodes) and none (a world of one
-process, joined through an in-memory store so collectives still work). A process group the
-user already initialised is reused as is.
+defaults to 127.0.0.1 on one node and is required across nodes), SLURM's ``srun``
+(``SLURM_PROCID`` / ``SLURM_NTASKS`` / ``SLURM_LOCALID``, tasks per node, and the first
+host of the step's node list as ``MASTER_ADDR`` unless it is set: ``smp_fx.world.slurm``)
+and none (a world of one process, joined through an in-memory store so collectives still
+work). ``MASTER_PORT`` defaults to 29500 for mpirun and srun. A process group the user
+already initialised is reused as is.
 
 Reading the environment (``detect``) is separate from joining (``join``) so that
 ``smp.init`` can validate the configuration against the world size on every rank before
@@ -26,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from cost_model.errors import SMPConfigError, SMPRuntimeError
+from smp_fx.world import slurm
 
 BACKEND_ENV = "SMP_FX_BACKEND"
 TIMEOUT_ENV = "SMP_FX_TIMEOUT_S"
@@ -38,7 +42,7 @@ BACKENDS = ("gloo", "nccl")
 class LaunchInfo:
     """Where this process sits in the job, as the launcher told it."""
 
-    launcher: str  # "torchrun" | "mpirun" | "single" | "existing"
+    launcher: str  # "torchrun" | "mpirun" | "slurm" | "single" | "existing"
     rank: int
     world_size: int
     local_rank: int
@@ -79,12 +83,21 @@ def detect(env: Mapping[str, str] | None = None) -> LaunchInfo:
         local_size = (_int_env(env, "OMPI_COMM_WORLD_LOCAL_SIZE")
                       if "OMPI_COMM_WORLD_LOCAL_SIZE" in env else world)
         launcher = "mpirun"
+    elif slurm.launched_by_srun(env):
+        found = slurm.task(env)
+        rank, world = found.rank, found.world_size
+        local_rank, local_size = found.local_rank, found.local_size
+        launcher = "slurm"
+        if world == 1:  # srun -n 1: a world of one, joined like a script run alone
+            return LaunchInfo("single", 0, 1, 0, 1)
     else:
         return LaunchInfo("single", 0, 1, 0, 1)
     if not 0 <= rank < world:
         raise SMPConfigError.build("rank must be in [0, world size)", (rank, world), launcher,
                                    "check the launcher's environment")
     addr = env.get("MASTER_ADDR")
+    if addr is None and launcher == "slurm":
+        addr = found.first_host  # rank 0 runs on the step's first node
     if addr is None:
         if local_size < world:
             raise SMPConfigError.build(

@@ -109,6 +109,9 @@ class FakeModel(ModelCheckpointMixin, nn.Module):
     def local_named_buffers(self) -> Any:
         return self._named(self.module.named_buffers())
 
+    def local_unread_state(self) -> dict[str, torch.Tensor]:
+        return {}
+
 
 class FakeOptimizer(OptimizerCheckpointMixin):
     """The runtime facts the optimizer mixin uses: optimizer, global_index, _localized."""

@@ -271,13 +271,16 @@ def _example_scenario() -> tuple[int, int, list[str]]:
 
     import smp_fx as smp
     from smp_fx.cli.partition import load_model_file
-    from smp_fx.world.context import current_model
 
     script = load_model_file(str(Path(__file__).resolve().parents[3] / "examples" /
                                  "train_mnist_like.py"))
+    # the script's model lives in main(); keep it (the process only holds it weakly)
+    held: list[Any] = []
+    train = script.train
+    script.train = lambda model, *rest: (held.append(model), train(model, *rest))[1]
     losses = script.main(["--steps", "4", "--batch-size", "8"])
     assert all(loss == loss for loss in losses)  # finite, not NaN
-    model = current_model()
+    model = held[0]
     assert isinstance(model, smp.DistributedModel)
     assert model.parallelized.data_parallel is not None
     return smp.dp_size(), len(losses), mismatched_across(dict(model.local_named_parameters()),

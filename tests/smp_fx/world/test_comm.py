@@ -110,6 +110,31 @@ def test_four_ranks_spread_under_mpirun_env() -> None:
     assert [o["got"] for o in out] == [None, ("from", 0), None, ("from", 2)]
 
 
+def _as_srun(config: dict[str, Any], table: dict[int, tuple[int, int, int]]
+             ) -> dict[str, Any]:
+    """Rewrite the torchrun environment into what srun sets for a one-node step (no
+    MASTER_ADDR: the node list names the rendezvous host)."""
+    import os
+
+    world = os.environ.pop("WORLD_SIZE")
+    os.environ.update(SLURM_PROCID=os.environ.pop("RANK"), SLURM_NTASKS=world,
+                      SLURM_LOCALID=os.environ.pop("LOCAL_RANK"), SLURM_NODEID="0",
+                      SLURM_TASKS_PER_NODE=os.environ.pop("LOCAL_WORLD_SIZE"),
+                      SLURM_JOB_NODELIST="localhost")
+    del os.environ["MASTER_ADDR"]
+    out = _check_rank(config, table)
+    info = state.get().launch
+    assert (info.launcher, info.master_addr) == ("slurm", "localhost")
+    return out
+
+
+def test_four_ranks_spread_under_srun_env() -> None:
+    table = {0: (0, 0, 0), 1: (1, 0, 0), 2: (0, 1, 0), 3: (1, 1, 0)}
+    cfg = {"partitions": 2, "ddp": True, "placement_strategy": "spread"}
+    out = run_ranks(_as_srun, 4, cfg, table, timeout=90)
+    assert [o["got"] for o in out] == [None, ("from", 0), None, ("from", 2)]
+
+
 def _bad_world() -> None:
     smp.init({"pipeline_parallel_degree": 4})
 

@@ -1,0 +1,105 @@
+"""Model outputs that torch's pytree does not know, captured anyway and rebuilt as returned.
+
+``torch.export`` can only return pytrees: tensors in tuples, lists, dicts and the types
+registered with ``torch.utils._pytree``. Hugging Face models return ``ModelOutput``
+objects (an ``OrderedDict`` subclass and a dataclass); transformers registers every
+``ModelOutput`` class with torch's pytree from 4.3x on, but the 4.2x that SageMaker's SMP
+containers pin does not, and export then fails ("Found <class ...CausalLMOutput...> in
+output, which is not a known type").
+
+Rather than registering someone else's classes in torch's global registry (which would
+change how other code flattens them), the capture wraps each such output in
+``RebuiltOutput``, a type of our own that *is* registered: it flattens to the output's
+values and unflattens to ``cls(**fields)`` (a dataclass such as ``ModelOutput``) or
+``cls(mapping)``. So the captured graph returns flat tensors like any other, its output
+spec remembers the class and the keys, and the program's outputs (``split_stages``'s
+``build_outputs``, on every rank) are the very class the plain model returns, with the
+same keys in the same order. Types that are already registered are left alone.
+
+Example::
+
+    >>> from collections import OrderedDict
+    >>> import torch
+    >>> class Out(OrderedDict):
+    ...     pass
+    >>> wrapped = wrap_unknown_outputs((Out(a=torch.ones(1)), torch.zeros(1)))
+    >>> leaves, spec = pytree.tree_flatten(wrapped)
+    >>> rebuilt = pytree.tree_unflatten(leaves, spec)
+    >>> type(rebuilt[0]).__name__, list(rebuilt[0])
+    ('Out', ['a'])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch.utils._pytree as pytree
+from torch import nn
+
+
+class RebuiltOutput:
+    """A mapping output of an unregistered class, held for flattening (module doc)."""
+
+    __slots__ = ("cls", "keys", "values")
+
+    def __init__(self, cls: type, keys: tuple[Any, ...], values: tuple[Any, ...]) -> None:
+        self.cls = cls
+        self.keys = keys
+        self.values = values
+
+
+def _flatten(node: RebuiltOutput) -> tuple[list[Any], Any]:
+    return list(node.values), (node.cls, node.keys)
+
+
+def _unflatten(values: Any, context: Any) -> Any:
+    cls, keys = context
+    fields = dict(zip(keys, values))
+    build: Callable[..., Any] = cls
+    return build(**fields) if dataclasses.is_dataclass(cls) else build(fields)
+
+
+pytree.register_pytree_node(RebuiltOutput, _flatten, _unflatten)
+
+
+def _unknown_mapping(value: Any) -> bool:
+    return isinstance(value, Mapping) and type(value) not in pytree.SUPPORTED_NODES
+
+
+def wrap_unknown_outputs(value: Any) -> Any:
+    """``value`` with every mapping of an unregistered type wrapped in ``RebuiltOutput``,
+    nested ones too (inside tuples, lists, dicts and the wrapped mappings' values)."""
+    if _unknown_mapping(value):
+        return RebuiltOutput(type(value), tuple(value.keys()),
+                             tuple(wrap_unknown_outputs(v) for v in value.values()))
+    t = type(value)
+    if t is tuple or t is list:
+        return t(wrap_unknown_outputs(v) for v in value)
+    if t is dict:
+        return {k: wrap_unknown_outputs(v) for k, v in value.items()}
+    return value
+
+
+def has_unknown_outputs(value: Any) -> bool:
+    """Whether ``wrap_unknown_outputs`` would wrap anything in ``value``."""
+    if _unknown_mapping(value):
+        return True
+    if type(value) in (tuple, list):
+        return any(has_unknown_outputs(v) for v in value)
+    if type(value) is dict:
+        return any(has_unknown_outputs(v) for v in value.values())
+    return False
+
+
+def capture_outputs(model: nn.Module) -> Callable[[], None]:
+    """While capturing ``model``: a forward hook (run after the model's own) that wraps its
+    unregistered outputs; returns the function that removes it. The model itself is not
+    changed, and the hook is gone once the capture ends."""
+
+    def hook(module: nn.Module, args: Any, output: Any) -> Any:
+        return wrap_unknown_outputs(output) if has_unknown_outputs(output) else None
+
+    handle = model.register_forward_hook(hook)
+    return handle.remove

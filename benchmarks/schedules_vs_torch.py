@@ -16,11 +16,13 @@ identity on its input whose backward sleeps as long (the input-gradient path) an
 identity on its weight whose backward sleeps as long (the weight-gradient path; the first
 block's input needs no gradient, so it has no input-gradient sleep). Every sleep records its
 start and end: a rank's busy time is the sum, and the measured bubble of a step is
-``1 - sum(busy) / (ranks x step)``, for smp-fx and torch alike. For smp-fx the bubble is
-also taken from per-action timestamps (its flight record: each F, B, I and W op's duration,
-overheads included), and the simulator (``cost_model.simulate``) runs the same lists with
-each chunk's actions priced by their median measured duration: the two bubbles differ only
-by what the executor adds between actions (transfers, turns). Each figure is the fastest of
+``1 - sum(busy) / (ranks x step)``, for smp-fx and torch alike, beside the simulator
+(``cost_model.simulate``) running the same lists with each chunk priced by its sleeps alone
+("sim0": what the time between sleeps, transfers and turns included, adds shows as their
+difference). For smp-fx the bubble is also taken from per-action timestamps (its flight
+record: each F, B, I and W op's duration, overheads included), beside the simulator with
+each chunk's actions priced by their median measured duration: the two differ only by what
+the executor adds between actions. Each figure is the fastest of
 ``--retries`` steps after a warm-up step, smp-fx's and torch's alternating.
 
 Then, without a target, the real-compute MLP of ``benchmarks/pipeline_vs_torch.py`` (no
@@ -129,6 +131,7 @@ class Row:
     action_bubble: float
     sim_bubble: float
     sim_s: float
+    sleep_sim_bubble: float
 
 
 Durations = dict[tuple[int, str], list[float]]
@@ -235,6 +238,25 @@ def _torch_step(sched: Any, rank_of: tuple[int, ...], x: torch.Tensor,
     return run
 
 
+def _sleep_costs(program: Any) -> list[Any]:
+    """Each chunk's F, I and W priced by its sleeps alone (no executor, no transfers)."""
+    from cost_model.simulate import StageCost
+
+    costs = []
+    for st in program.stages:
+        f = i = w = 0.0
+        for node in st.module.graph.nodes:
+            if node.op == "call_function" and node.target is sleep_id:
+                fwd_s, bwd_s = float(node.args[1]), float(node.args[2])
+                f += fwd_s
+                if node.args[0].op == "get_attr":
+                    w += bwd_s
+                elif node.args[0].op != "placeholder" or st.index > 0:
+                    i += bwd_s
+        costs.append(StageCost(f, i + w, wgrad_time_s=w))
+    return costs
+
+
 def _simulated(pipeline: str, v: int, p: int, m: int, rank_of: tuple[int, ...],
                durations: Durations) -> tuple[float, float]:
     """The simulator on the same lists, each chunk's actions priced by their measured
@@ -258,6 +280,9 @@ def _simulated(pipeline: str, v: int, p: int, m: int, rank_of: tuple[int, ...],
 
 
 def _sleep_rows(args: argparse.Namespace) -> list[Row]:
+    from cost_model.schedule import generate
+    from cost_model.simulate import simulate
+
     p, m = dist.get_world_size(), args.microbatches
     rows = []
     for pipeline, v, torch_name in PAIRS:
@@ -275,8 +300,10 @@ def _sleep_rows(args: argparse.Namespace) -> list[Row]:
             args.retries, dm.executor)
         sim_bubble, sim_s = _simulated(pipeline, v, p, m, rank_of, durations)
         busy = sum(sum(values) for values in durations.values())
+        sleep_sim = simulate(generate(pipeline, p, m, m, virtual_stages=v, placement=rank_of),
+                             _sleep_costs(program)).bubble_fraction
         rows.append(Row(pipeline, v, torch_name, smp_s, torch_s, smp_bubble, torch_bubble,
-                        1.0 - busy / (p * smp_s), sim_bubble, sim_s))
+                        1.0 - busy / (p * smp_s), sim_bubble, sim_s, sleep_sim))
     return rows
 
 
@@ -336,16 +363,19 @@ def _run(world: int, args: argparse.Namespace) -> dict[str, Any]:
 def _print(world: int, args: argparse.Namespace, result: dict[str, Any]) -> None:
     print(f"\np = {world} gloo processes x 1 thread, m = {args.microbatches}, {2 * world} "
           f"sleep blocks ({args.sleep_ms:g} ms each in F, I and W), min of {args.retries}")
-    print("bubble by sleeps: 1 - sleeping / (ranks x step), smp-fx and torch alike; by actions:"
-          " smp-fx's action ops' durations instead, beside the simulator's on them")
+    print("bubble by sleeps: 1 - sleeping / (ranks x step), smp-fx and torch alike, beside the"
+          " simulator priced by the sleeps (sim0);\nby actions: smp-fx's action ops' durations"
+          " instead, beside the simulator priced by those durations (sim)")
     print(f"{'smp-fx schedule':<17} {'torch':<30} {'smp-fx s':>9} {'torch s':>8} "
-          f"{'ratio':>6} {'sleeps':>7} {'torch':>6} {'actions':>8} {'sim':>6} {'|d|':>6}")
+          f"{'ratio':>6} {'sleeps':>7} {'torch':>6} {'sim0':>6} {'|d|':>6} {'actions':>8} "
+          f"{'sim':>6} {'|d|':>6}")
     rows: list[Row] = result["sleep"]
     for r in rows:
         print(f"{r.pipeline + f' v={r.v}':<17} {r.torch_name:<30} {r.smp_s:>9.3f} "
               f"{r.torch_s:>8.3f} {r.smp_s / r.torch_s:>6.3f} {r.smp_bubble:>7.3f} "
-              f"{r.torch_bubble:>6.3f} {r.action_bubble:>8.3f} {r.sim_bubble:>6.3f} "
-              f"{abs(r.action_bubble - r.sim_bubble):>6.3f}")
+              f"{r.torch_bubble:>6.3f} {r.sleep_sim_bubble:>6.3f} "
+              f"{abs(r.smp_bubble - r.sleep_sim_bubble):>6.3f} {r.action_bubble:>8.3f} "
+              f"{r.sim_bubble:>6.3f} {abs(r.action_bubble - r.sim_bubble):>6.3f}")
     by = {(r.pipeline, r.v): r for r in rows}
     zbv, one = by[("zbv", 2)], by[("interleaved", 1)]
     print(f"ZB-V / 1F1B step: {zbv.smp_s / one.smp_s:.3f} (smp-fx), "

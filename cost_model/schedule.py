@@ -287,7 +287,10 @@ def generate(name: str, num_stages: int, num_microbatches: int,
     ``ScheduleError`` naming the peak. ``placement`` (the
     rank of each chunk) defaults to ``default_placement``; ``interleaved`` and
     ``zero_bubble`` on any other placement are list-scheduled (``schedule_greedy``) with
-    their preference, capped at ``p + 2`` microbatches unless a cap is given.
+    their preference, capped at ``p + 2`` microbatches unless a cap is given; ``simple``
+    runs looped BFS over each rank's chunks. A given placement may hold more or fewer
+    chunks on one rank than on another (a manual partition whose modules come back to an
+    earlier rank: ``passes.manual_chunks``); every rank holds one at least.
     ``forward_only`` (evaluation)
     emits forwards only, chunk by chunk: nothing is saved for backward.
 
@@ -308,11 +311,11 @@ def generate(name: str, num_stages: int, num_microbatches: int,
     _check_sizes(p, m, active)
     check_virtual(name, p, m, virtual_stages)
     where = placement if placement is not None else default_placement(name, p, virtual_stages)
-    if len(where) != p * virtual_stages or sorted(set(where)) != list(range(p)) or any(
-            len(chunks_of(where, r)) != virtual_stages for r in range(p)):
+    if sorted(set(where)) != list(range(p)):
         raise ScheduleError.build(
-            f"a placement gives each of the {p} ranks {virtual_stages} chunk(s)", where,
-            f"pipeline={name!r}", "place p x v chunks, v on each rank")
+            f"a placement gives each of the {p} ranks at least one chunk", where,
+            f"pipeline={name!r}", "place p x v chunks, v on each rank, or pin modules to "
+            "every rank")
     mine = [chunks_of(where, r) for r in range(p)]
     if forward_only:
         return tuple(tuple(Action(c, FORWARD, mb) for c in mine[r] for mb in range(m))

@@ -1,20 +1,24 @@
-"""``manual_chunks``: a manual partition cut into chunks when each rank holds several.
+"""``manual_chunks``: a manual partition cut into chunks when a rank holds several.
 
-With ``virtual_pipeline_degree`` v > 1, ``smp.partition(i)`` and ``default_partition``
-still name pipeline *ranks*, as in SMP (``assign_manual`` writes them on the nodes). This
-pass turns them into chunks (virtual stages), numbered in model order:
+``smp.partition(i)`` and ``default_partition`` name pipeline *ranks*, as in SMP
+(``assign_manual`` writes them on the nodes). A rank holds several chunks (virtual stages)
+when ``virtual_pipeline_degree`` v > 1, or when the partition's modules come back to it
+after a later rank's (AWS's GPT-2 example pins only the transformer layers, so ``ln_f``
+and ``lm_head`` fall to rank 0 after rank 1's layers: SMP ran that). This pass turns the
+rank pins into chunks, numbered in model order:
 
 1. The model's modules, in execution order, form *runs* of consecutive nodes on one rank:
    pins ``0 0 1 1 0 0 1 1`` over eight layers are four runs, on ranks 0, 1, 0, 1.
-2. Each rank needs exactly v chunks. A rank with fewer runs has its costliest run cut in
+2. Each rank needs at least v chunks. A rank with fewer runs has its costliest run cut in
    two (at the node that best balances forward plus backward time) until it has v; a rank
-   with more runs than v cannot be chunked (``SMPPartitionError``: raise v, or pin its
-   modules contiguously).
+   with more runs keeps one chunk per run, so ranks may hold different numbers of chunks
+   (pins ``0 0 1 1 0`` at v = 1: chunks on ranks 0, 1, 0). Every rank needs one chunk at
+   least (``SMPPartitionError`` names an empty one).
 3. Chunks are the pieces in execution order; the *placement* is the rank of each. Pins
    that alternate over the ranks give Megatron's round robin; contiguous pins give each
    rank v neighbouring chunks (valid, but without interleaving's smaller bubble); any
    other order is kept as the pins dictate, so a rank may hold non-contiguous chunks in
-   any order.
+   any order, list-scheduled (``cost_model.schedule_greedy``).
 
 Module-less glue follows its data (the latest chunk among its inputs, else its earliest
 user); placeholders and ``get_attr`` nodes go to their earliest user, the output to its
@@ -70,15 +74,12 @@ def manual_chunks(gm: torch.fx.GraphModule, num_ranks: int, virtual: int
     for rank, members in runs:
         pieces[rank].append(members)
     for rank, mine in pieces.items():
-        if len(mine) > virtual:
-            starts = ", ".join(repr(meta.MODULE_PATH.get(run[0]) or run[0].name)
-                               for run in mine[:virtual + 1])
+        if not mine:
             raise SMPPartitionError.build(
-                f"with virtual_pipeline_degree {virtual} each rank's pinned modules form at "
-                f"most {virtual} runs in execution order", f"{len(mine)} runs",
-                f"rank {rank} (runs starting at {starts}, ...)",
-                f"set virtual_pipeline_degree to {len(mine)} or more, or pin the rank's "
-                "modules contiguously")
+                "every pipeline rank holds a module when a manual partition is cut into "
+                "chunks", f"rank {rank}: no module pinned to it", "manual partition",
+                f"pin a module to partition {rank} (smp.partition / smp.set_partition), or "
+                f"lower pipeline_parallel_degree to {num_ranks - 1}")
         while len(mine) < virtual:
             splittable = [run for run in mine if len(run) > 1]
             if not splittable:

@@ -31,7 +31,7 @@ from cost_model.devices import DEFAULT_DEVICE, load_device
 from cost_model.errors import SMPError
 from passes import meta
 from passes.annotate_costs import annotate_costs
-from passes.assign_manual import assign_manual
+from passes.assign_manual import assign_manual, backward_edge
 from passes.auto_partition import partition_graph
 from passes.checkpoint_regions import keep_whole, mark_regions, settle_regions
 from passes.manual_chunks import manual_chunks
@@ -166,10 +166,11 @@ def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
         return keep_whole(new, pconfig, comm_time) if pconfig.checkpointing else new
 
     def manual(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        chunked = pconfig.virtual_stages > 1
         ranked = assign_manual(gm, dict(pins or {}), pconfig.default_partition,
-                               pconfig.num_stages, check_forward=not chunked)
-        if not chunked:
+                               pconfig.num_stages, check_forward=False)
+        # pins name ranks; a rank holds several chunks at v > 1, or when the model's
+        # modules come back to it after a later rank's (a value would go back)
+        if pconfig.virtual_stages == 1 and backward_edge(ranked) is None:
             return ranked
         new, where = manual_chunks(ranked, pconfig.num_stages, pconfig.virtual_stages)
         placement.append(where)

@@ -189,16 +189,18 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
     partitioner minimised); the memory breakdown, boundaries and FLOPs are summed here.
     With ``virtual_stages`` > 1 the plan's stages are the chunks (``smp.stage`` holds the
     chunk), ``placement`` gives each chunk's rank (default: the pipeline's,
-    ``PartitionConfig.placement``) and ``ranks`` each rank's memory; with a split backward
-    (``zero_bubble``, ``zbv``) each chunk also carries its W's time and held bytes.
+    ``PartitionConfig.placement``; a manual partition's may hold more chunks on one rank
+    than on another, ``passes.manual_chunks``) and ``ranks`` each rank's memory; with a
+    split backward (``zero_bubble``, ``zbv``) each chunk also carries its W's time and held
+    bytes.
     Example, after the compile passes::
 
         plan = build_plan(gm, PartitionConfig(num_stages=2), get_device("a100"))
     """
     spec = device if device is not None else load_device(pconfig.device or DEFAULT_DEVICE)
     comm = comm_time or functools.partial(roofline.comm_time, spec=spec)
-    p = pconfig.num_chunks
     rank_of = tuple(placement) if placement is not None else pconfig.placement
+    p = len(rank_of)
     split = pconfig.pipeline in SPLIT_BACKWARD
     opt = float(pconfig.optimizer_state_factor)
     stages = _node_stages(gm, p)
@@ -293,9 +295,9 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
         step_time_s=0.0, bubble_fraction=0.0, shared_params=shared,
         time_total_s=_r(objective_fn.time_total),
         memory_total_bytes=int(round(objective_fn.memory_total)),
-        placement=rank_of if pconfig.virtual_stages > 1 else ())
+        placement=rank_of if rank_of != tuple(range(p)) else ())
     sim = plan.simulate()
-    detail = pconfig.virtual_stages > 1 or split
+    detail = bool(plan.placement) or split
     return dataclasses.replace(plan, step_time_s=_r(plan.training_step_s(sim)),
                                pipeline_time_s=_r(sim.step_time_s),
                                bubble_fraction=_r(sim.bubble_fraction),

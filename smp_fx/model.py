@@ -403,8 +403,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
 
     def schedule(self, num_microbatches: int, forward_only: bool) -> sched.Schedule:
         cfg = state.get().config
-        v = cfg.virtual_pipeline_degree
-        placement = self.plan.rank_of if self.plan is not None and v > 1 else None
+        placement = self.plan.placement or None if self.plan is not None else None
         return cached_schedule(cfg.pipeline, cfg.pipeline_parallel_degree, num_microbatches,
-                               cfg.active_microbatches, forward_only, v, placement)
+                               cfg.active_microbatches, forward_only,
+                               cfg.virtual_pipeline_degree, placement)
 

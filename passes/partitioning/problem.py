@@ -281,7 +281,8 @@ def make_objective(problem: DagProblem, cfg: PartitionConfig,
     the pipeline's, ``PartitionConfig.placement``) decides which boundaries stay on a rank
     and how many microbatches each chunk holds.
     """
-    k = cfg.num_chunks
+    place = tuple(placement) if placement is not None else cfg.placement
+    k = len(place)
     factor = 2.0 + cfg.optimizer_state_factor
     t_total = float(problem.time.sum()) or 1.0
     m_total = (factor * float(np.sum(problem.param_bytes))
@@ -291,7 +292,6 @@ def make_objective(problem: DagProblem, cfg: PartitionConfig,
         link_time = link_time or default_link
     if link_time is None:
         link_time = link_occupancy(comm_time)
-    place = tuple(placement) if placement is not None else cfg.placement
     local = tuple(place[c] == place[c + 1] for c in range(k - 1)) + (True,)
     peaks = (sched.chunk_peaks(cfg.schedule(place)) if place != cfg.placement
              else {s: cfg.inflight(s) for s in range(k)})

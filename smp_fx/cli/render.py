@@ -62,10 +62,14 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]],
 
 
 def shape_words(plan: PartitionPlan) -> str:
-    """``4 stages``, or ``4 ranks x 2 chunks`` when a rank holds several."""
+    """``4 stages``, ``4 ranks x 2 chunks`` when each rank holds several, or ``3 chunks on
+    2 ranks`` when a manual partition gives ranks different numbers."""
     v = plan.config.virtual_stages
-    return (f"{plan.num_ranks} ranks x {v} chunks" if v > 1
-            else f"{len(plan.stages)} stages")
+    if not plan.placement:
+        return f"{len(plan.stages)} stages"
+    if len(plan.stages) == plan.num_ranks * v:
+        return f"{plan.num_ranks} ranks x {v} chunks"
+    return f"{len(plan.stages)} chunks on {plan.num_ranks} ranks"
 
 
 def summary_line(plan: PartitionPlan) -> str:
@@ -121,7 +125,7 @@ def format_tensor_parallel(tp_plan: TensorParallelPlan, full: dict[str, Any]) ->
 def format_table(plan: PartitionPlan) -> str:
     """The per-stage table the CLI prints; ``*`` marks the bottleneck stage. With several
     chunks per rank a stage is a chunk: a ``rank`` column, then ``format_ranks``."""
-    chunked = plan.config.virtual_stages > 1
+    chunked = bool(plan.placement)
     header = ["stage", *(["rank"] if chunked else []), "modules", "params", "param mem",
               "FLOPs", "time", "comm", "memory", "in flight", "recv", "send", "cost"]
     rows = []

@@ -157,7 +157,7 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
     delayed-init stages are allocated for weights loaded next, not initialised."""
     st = state.get()
     cfg = st.config
-    program = split_for_rank(gm, st)
+    program = split_for_rank(gm, st, len(plan.rank_of))
     multi = multi_process(st)
     # tied parameters are found by their names, on every rank, before materialising
     groups = tied_groups(program, st, dict(canonical), plan.rank_of) if multi else []

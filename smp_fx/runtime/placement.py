@@ -58,14 +58,15 @@ def multi_process(st: state.State) -> bool:
     return not st.in_process and st.axis_size("pp") > 1
 
 
-def split_for_rank(gm: torch.fx.GraphModule, st: state.State) -> StagedProgram:
-    """The stages (chunks, with ``virtual_pipeline_degree`` > 1) of the planned ``gm``: world
-    rank 0's stage of every node, on every rank (measured costs may differ between ranks,
-    the plan must not)."""
+def split_for_rank(gm: torch.fx.GraphModule, st: state.State, num_stages: int
+                   ) -> StagedProgram:
+    """The ``num_stages`` stages (the plan's chunks: p x ``virtual_pipeline_degree``, or
+    what a manual partition's placement holds) of the planned ``gm``: world rank 0's stage
+    of every node, on every rank (measured costs may differ between ranks, the plan must
+    not)."""
     if not st.in_process and st.world_size > 1:
         agree_on_plan(gm, st)
-    cfg = st.config
-    return split_stages(gm, cfg.pipeline_parallel_degree * cfg.virtual_pipeline_degree)
+    return split_stages(gm, num_stages)
 
 
 def lanes(rank_of: Sequence[int]) -> tuple[int, ...]:
@@ -99,7 +100,7 @@ def place_stages(gm: torch.fx.GraphModule, program: StagedProgram, st: state.Sta
         pp_ranks = st.group_ranks("pp")
         stage_ranks = [pp_ranks[r] for r in rank_of]
         transport = DistTransport(stage_ranks, local[0], st.device, timeout_s,
-                                  DistTransport.make_groups(lanes=cfg.virtual_pipeline_degree),
+                                  DistTransport.make_groups(lanes=1 + max(lanes(rank_of))),
                                   lanes(rank_of))
     else:
         local = list(range(len(rank_of)))

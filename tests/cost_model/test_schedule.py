@@ -138,8 +138,10 @@ def test_generate_rejects_bad_arguments() -> None:
         generate("zbv", 2, 4, virtual_stages=3)
     with pytest.raises(ScheduleError, match="virtual_pipeline_degree must be an integer"):
         generate("simple", 2, 4, virtual_stages=0)
-    with pytest.raises(ScheduleError, match="each of the 2 ranks 2 chunk"):
-        generate("simple", 2, 4, virtual_stages=2, placement=(0, 0, 0, 1))
+    with pytest.raises(ScheduleError, match="each of the 2 ranks at least one chunk"):
+        generate("simple", 2, 4, virtual_stages=2, placement=(0, 0, 0, 0))
+    with pytest.raises(ScheduleError, match="'zbv' runs on the V placement"):
+        generate("zbv", 2, 4, virtual_stages=2, placement=(0, 1, 0, 0))
     with pytest.raises(ScheduleError, match="num_microbatches must be an integer >= 1"):
         generate("simple", 2, 0)
     with pytest.raises(ScheduleError, match="active_microbatches"):
@@ -267,3 +269,15 @@ def test_validate_with_chunks_checks_dependencies_across_ranks() -> None:
 def test_draw_names_chunks_when_a_rank_has_several() -> None:
     assert draw(generate("zbv", 1, 1, virtual_stages=2)).splitlines()[1] == (
         "rank0  0F0  1F0  1I0  1W0  0I0  0W0")
+
+
+@pytest.mark.parametrize("name", ["simple", "interleaved", "zero_bubble"])
+@pytest.mark.parametrize("placement", [(0, 1, 0), (0, 1, 2, 3, 0), (0, 0, 0, 1)])
+def test_uneven_placements_of_a_manual_partition_run(name: str, placement: tuple[int, ...]
+                                                     ) -> None:
+    # a manual partition whose modules come back to an earlier rank: ranks hold different
+    # numbers of chunks; the lists are valid and hold each chunk's work on its rank
+    p = 1 + max(placement)
+    schedule = generate(name, p, 4, placement=placement)
+    validate(schedule, p, 4, num_chunks=len(placement))
+    assert placement_of(schedule) == placement

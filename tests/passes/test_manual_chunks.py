@@ -50,11 +50,25 @@ def test_the_order_the_pins_dictate_is_kept() -> None:
     assert [stage[f"_{i}"] for i in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
 
 
-def test_more_runs_than_chunks_name_the_rank_and_the_fix() -> None:
+def test_more_runs_than_chunks_keep_a_chunk_per_run() -> None:
     pins = {str(i): i % 2 for i in range(8)}  # four runs per rank
-    with pytest.raises(SMPPartitionError, match=r"at most 2 runs.*rank 0.*'0', '2', '4'.*"
-                       r"virtual_pipeline_degree to 4"):
-        _chunks(_mlp(), pins, 2, 2)
+    stage, placement = _chunks(_mlp(), pins, 2, 2)
+    assert placement == (0, 1) * 4
+    assert [stage[f"_{i}"] for i in range(8)] == list(range(8))
+
+
+def test_modules_that_come_back_to_a_rank_become_its_chunks() -> None:
+    # AWS's GPT-2 notebook: layers pinned 0, 0, 1, 1; the head falls back to rank 0
+    pins = {"0": 0, "1": 0, "2": 1, "3": 1, "4": 0}
+    stage, placement = _chunks(_mlp(5), pins, 2, 1)
+    assert placement == (0, 1, 0)
+    assert [stage[f"_{i}"] for i in range(5)] == [0, 0, 1, 1, 2]
+    assert stage["output"] == 2
+
+
+def test_a_rank_without_modules_is_named() -> None:
+    with pytest.raises(SMPPartitionError, match=r"rank 1: no module pinned.*partition 1"):
+        _chunks(_mlp(3), {"0": 0, "1": 2, "2": 0}, 3, 1)
 
 
 def test_a_rank_with_too_few_layers_is_a_config_error() -> None:
@@ -72,3 +86,21 @@ def test_a_manual_plan_records_its_placement() -> None:
     assert [r.chunks for r in plan.ranks] == [(0, 1), (2, 3)]
     # chunk 0 hands over to chunk 1 on rank 0: no link; chunk 1 sends to rank 1
     assert plan.stages[0].link_time_s == 0.0 < plan.stages[1].link_time_s
+
+
+@pytest.mark.parametrize("pipeline", ["simple", "interleaved", "zero_bubble"])
+def test_a_plan_that_comes_back_is_chunked_at_v1(pipeline: str) -> None:
+    cfg = PartitionConfig(num_stages=2, microbatches=4, pipeline=pipeline,
+                          auto_partition=False)
+    pins = {"0": 0, "1": 0, "2": 1, "3": 1, "4": 0}
+    plan = compile_model(_mlp(5), (torch.zeros(4, 8),), None, cfg, pins=pins).plan
+    assert plan.placement == (0, 1, 0)
+    assert [r.chunks for r in plan.ranks] == [(0, 2), (1,)]
+    assert 0.0 < plan.bubble_fraction < 1.0
+
+
+def test_a_plan_that_goes_forward_stays_one_stage_per_rank() -> None:
+    cfg = PartitionConfig(num_stages=2, microbatches=4, auto_partition=False)
+    plan = compile_model(_mlp(4), (torch.zeros(4, 8),), None, cfg,
+                         pins={"0": 0, "1": 0, "2": 1, "3": 1}).plan
+    assert plan.placement == () and plan.ranks == ()

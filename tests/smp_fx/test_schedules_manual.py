@@ -4,8 +4,8 @@ AWS's GPT-2 example (``--manual_partition 1``) pins only the transformer layers 
 ``smp.set_partition``; the final norm and the head fall to ``default_partition`` 0 and run
 after rank 1's layers. The plan cuts such pins into chunks in model order (here chunks on
 ranks 0, 1, 0; ``passes.manual_chunks``), list-scheduled, and training equals one process
-on the global batch: gradients every step and parameters after 3 Adam steps within 1e-5,
-in one process and across 2 processes. The model ties its head to its embedding, both on
+on the global batch: the loss and gradients every step and parameters after 3 Adam steps
+within 1e-5, in one process and across 2 processes. The model ties its head to its embedding, both on
 rank 0 (two chunks of one rank share the parameter).
 """
 
@@ -89,9 +89,11 @@ def _case(pp: int, name: str, v: int, layers: int = LAYERS) -> tuple[int, ...]:
         ids = torch.randint(0, VOCAB, (8, 6), generator=g)
         opt.zero_grad()
         ref_opt.zero_grad()
-        train_step(model, ids)
+        loss = train_step(model, ids).reduce_mean()  # the loss every rank reports
         logits = ref(ids)
-        F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1)).backward()
+        ref_loss = F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), ids[:, 1:].reshape(-1))
+        ref_loss.backward()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=0, atol=1e-5)
         want = dict(ref.named_parameters())
         for n, p in model.local_named_parameters():
             torch.testing.assert_close(p.grad, want[n].grad, rtol=0, atol=1e-5,

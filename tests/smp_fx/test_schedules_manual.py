@@ -5,8 +5,8 @@ AWS's GPT-2 example (``--manual_partition 1``) pins only the transformer layers 
 after rank 1's layers. The plan cuts such pins into chunks in model order (here chunks on
 ranks 0, 1, 0; ``passes.manual_chunks``), list-scheduled, and training equals one process
 on the global batch: the loss and gradients every step and parameters after 3 Adam steps
-within 1e-5, in one process and across 2 processes. The model ties its head to its embedding, both on
-rank 0 (two chunks of one rank share the parameter).
+within 1e-5, in one process and across 2 processes. The model ties its head to its
+embedding, both on rank 0 (two chunks of one rank share the parameter).
 """
 
 from __future__ import annotations

@@ -1,87 +1,269 @@
-"""Pipeline schedules as data: per-stage lists of ``Action`` values.
+"""Pipeline schedules as data: per-rank lists of ``Action`` values, and their generators.
 
-A schedule is ``tuple[tuple[Action, ...], ...]``: one tuple per pipeline stage, in the
-order that stage executes its work. The runtime executor and the simulator
-(``cost_model.simulate``) interpret the very same tuples, so there is exactly one source of
-truth for what a schedule does; no schedule here has a hand-written loop elsewhere.
+A schedule is ``tuple[tuple[Action, ...], ...]``: one tuple per pipeline rank, in the order
+that rank executes its work (``cost_model.actions`` defines the values: chunks, the kinds
+F / B / I / W, placements). The runtime executor and the simulator (``cost_model.simulate``)
+interpret the very same tuples, so there is exactly one source of truth for what a schedule
+does; no schedule has a hand-written loop elsewhere. ``validate`` (``schedule_check``)
+checks any list, generated or written by hand.
 
-Two generators, named as SMP's ``pipeline`` parameter names them:
+Generators, named as SMP's ``pipeline`` parameter names them, with ``v`` chunks per rank
+(``virtual_pipeline_degree``, an smp-fx extension):
 
-``"simple"`` (fill-drain, GPipe). Every stage runs all forwards of a wave, then all its
-backwards. Backwards run in *forward* microbatch order (0, 1, ...), as SMP's step function
-calls ``model.backward`` for microbatch 0 first and as ``torch.distributed.pipelining``'s
-GPipe does. ``active_microbatches`` (at most that many microbatches forwarded and not yet
-backwarded on a stage) splits the batch into waves of fill-drain. p=2, m=2 on a unit clock::
+``"simple"``: fill-drain. v = 1 is GPipe; v > 1 is looped BFS (Lamy-Poirier, arXiv
+2211.05953): each rank runs every forward of its first chunk, then of its next, and the
+backwards chunk by chunk in reverse. Backwards run in *forward* microbatch order, as SMP's
+step function calls ``model.backward`` for microbatch 0 first. ``active_microbatches``
+splits the batch into waves. Bubble (p - 1) / (v m) of the ideal step (m >= p). p=2, m=2::
 
     clock   0   1   2   3   4   5
     stage0  F0  F1  .   .   B0  B1
     stage1  .   F0  F1  B0  B1  .
 
-``"interleaved"`` (1F1B, backward as soon as possible). Stage ``s`` runs
-``min(p - s, m, active_microbatches)`` warm-up forwards and then alternates one backward,
-one forward, and finally drains the remaining backwards. A stage therefore holds at most
-``min(p - s, m)`` microbatches' activations, against ``m`` for ``"simple"``. p=2, m=3::
+``"interleaved"``: backward as soon as possible (1F1B). v = 1: rank ``r`` runs
+``min(p - r, m, active_microbatches)`` forwards, then alternates one backward and one
+forward, and drains; it holds ``min(p - r, m)`` microbatches, against ``m`` for
+``"simple"``. p=2, m=3::
 
     clock   0   1   2   3   4   5   6   7
     stage0  F0  F1  .   B0  F2  B1  .   B2
     stage1  .   F0  B0  F1  B1  F2  B2  .
 
-``validate`` checks that a list is complete, ordered and deadlock-free; ``draw`` prints the
-tables above (``clock`` is the unit-time execution they show).
+v > 1 is Megatron's interleaved 1F1B (Narayanan et al., SC'21, section 2.2.2): microbatches
+pass a rank in groups of p, chunk by chunk (forwards in chunk order, backwards in reverse),
+after ``(v - 1) p + 2 (p - 1 - r) + 1`` forwards; m must be a multiple of p. Bubble
+(p - 1) / (v m), at v times the point-to-point messages.
+
+``"zero_bubble"``: each backward split into I (input gradient, on the critical path) and W
+(weight gradient, which nothing in the pipeline waits for). v = 1 is ZB-H1 (Qi et al.,
+ICLR 2024, arXiv 2401.10241): 1F1B's warm-up, each I as early as 1F1B's B, and rank ``r``
+keeping ``r`` weight gradients back to fill the drain, so every rank holds p microbatches
+at most (1F1B's peak); bubble (p - 1)(T_F + T_I - T_W), a third of 1F1B's when
+T_F = T_I = T_W. v > 1 interleaves the same way over Megatron's order, with ``(v - 1) p +
+p - r`` warm-up forwards (m a multiple of p).
+
+``"zbv"``: ZB-V, v = 2 in a V (``actions.v_shape``: rank r holds chunks r and 2p - 1 - r):
+rank r fills its first chunk's pipe, alternates its two chunks' forwards until the first
+input gradient comes back, runs F I W per chunk in steady state, and drains with the input
+gradients first and the weight gradients filling the tail. About zero bubble at 1F1B's
+activation memory when T_F = T_I = T_W and m >= 2p - 1 (fewer microbatches are the same
+pattern with the missing ones left out).
 """
 
 from __future__ import annotations
 
-import re
+from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
 
+from cost_model.actions import (
+    BACKWARD,
+    FORWARD,
+    INPUT_GRAD,
+    WEIGHT_GRAD,
+    Action,
+    Placement,
+    Schedule,
+    chunks_of,
+    format_schedule,
+    parse_schedule,
+    placement_of,
+    round_robin,
+    v_shape,
+)
 from cost_model.errors import ScheduleError
+from cost_model.schedule_check import (
+    chunk_peaks,
+    clock,
+    draw,
+    in_flight,
+    microbatches_in_flight,
+    num_chunks_of,
+    validate,
+)
+from cost_model.schedule_greedy import greedy
 
-FORWARD = "F"
-BACKWARD = "B"
-SCHEDULE_NAMES = ("simple", "interleaved")
-
-_ACTION_RE = re.compile(r"^\s*(\d+)\s*([FB])\s*(\d+)\s*$")
+SCHEDULE_NAMES = ("simple", "interleaved", "zero_bubble", "zbv")
+SPLIT_BACKWARD = ("zero_bubble", "zbv")
+"""Schedules whose backward is an I and a W."""
 
 
-@dataclass(frozen=True, order=True)
-class Action:
-    """One unit of pipeline work: ``kind`` ("F" or "B") of ``microbatch`` on ``stage``.
+def default_placement(name: str, num_ranks: int, virtual: int) -> Placement:
+    """Where chunks go for a schedule: the V for ``zbv``, round robin otherwise."""
+    return v_shape(num_ranks) if name == "zbv" else round_robin(num_ranks, virtual)
 
-    >>> str(Action(2, "F", 0)), Action.parse("1B3")
-    ('2F0', Action(stage=1, kind='B', microbatch=3))
+
+def default_active(name: str, num_ranks: int, num_microbatches: int, virtual: int = 1) -> int:
+    """``active_microbatches`` when it is not set: SMP's ``num_ranks + 2`` where a cap
+    shortens the schedule's warm-up (``simple``; ``interleaved`` and ``zero_bubble`` at
+    v = 1), else ``num_microbatches`` (no cap: the interleaved orders and ZB-V fix their
+    own warm-up, and SMP's default would refuse them at p + 2 < their peak)."""
+    if name == "simple" or name in ("interleaved", "zero_bubble") and virtual == 1:
+        return num_ranks + 2
+    return max(num_microbatches, 1)
+
+
+def check_virtual(name: str, num_ranks: int, num_microbatches: int, virtual: int) -> None:
+    """The combinations of schedule, chunks per rank and microbatches that cannot run.
+
+    ``zbv`` needs exactly two chunks per rank; Megatron's interleaving (``interleaved`` and
+    ``zero_bubble`` at v > 1) passes microbatches in groups of p, so m must be a multiple
+    of p. Raised as ``ScheduleError`` (an ``SMPConfigError``) with what would work.
     """
-
-    stage: int
-    kind: str
-    microbatch: int
-
-    def __post_init__(self) -> None:
-        if self.kind not in (FORWARD, BACKWARD):
-            raise ScheduleError.build(
-                "an action's kind must be 'F' or 'B'", self.kind, f"Action({self.stage}, "
-                f"{self.kind!r}, {self.microbatch})", "use 'F' for forward, 'B' for backward")
-        if self.stage < 0 or self.microbatch < 0:
-            raise ScheduleError.build(
-                "an action's stage and microbatch must be >= 0",
-                (self.stage, self.microbatch), "Action", "use non-negative indices")
-
-    def __str__(self) -> str:
-        return f"{self.stage}{self.kind}{self.microbatch}"
-
-    @classmethod
-    def parse(cls, text: str) -> Action:
-        """Inverse of ``str``: ``"2F0"`` -> ``Action(2, "F", 0)``."""
-        match = _ACTION_RE.match(text)
-        if match is None:
-            raise ScheduleError.build(
-                "an action string reads '<stage><F|B><microbatch>'", text, "Action.parse",
-                "write e.g. '2F0' or '1B3'")
-        return cls(int(match.group(1)), match.group(2), int(match.group(3)))
+    where = f"pipeline={name!r}, virtual_pipeline_degree={virtual}"
+    if not isinstance(virtual, int) or virtual < 1:
+        raise ScheduleError.build("virtual_pipeline_degree must be an integer >= 1", virtual,
+                                  where, "use 1 (one chunk per rank) or more")
+    if name == "zbv" and virtual != 2:
+        raise ScheduleError.build("pipeline 'zbv' places exactly two chunks per rank (a V)",
+                                  virtual, where, "set virtual_pipeline_degree to 2")
+    if name in ("interleaved", "zero_bubble") and virtual > 1 and num_microbatches % num_ranks:
+        lower = num_microbatches - num_microbatches % num_ranks
+        options = " or ".join(str(x) for x in (lower, lower + num_ranks) if x > 0)
+        raise ScheduleError.build(
+            f"interleaving over {virtual} chunks passes microbatches in groups of "
+            f"pipeline_parallel_degree ({num_ranks}): microbatches must be a multiple of it",
+            num_microbatches, where,
+            f"set microbatches to {options}, or virtual_pipeline_degree to 1, or use "
+            "pipeline 'simple' (looped BFS) or 'zbv'")
 
 
-Schedule = tuple[tuple[Action, ...], ...]
+def check_config(name: str, num_ranks: int, num_microbatches: int, virtual: int,
+                 active_given: int | None) -> None:
+    """What ``smp.init`` checks of a schedule: ``check_virtual``, and an explicit
+    ``active_microbatches`` below what a fixed warm-up (the interleaved orders at v > 1,
+    ZB-V) holds. Both raise ``ScheduleError`` (an ``SMPConfigError``) with what works."""
+    check_virtual(name, num_ranks, num_microbatches, virtual)
+    if active_given is not None and default_active(name, num_ranks, num_microbatches,
+                                                   virtual) == num_microbatches:
+        generate(name, num_ranks, num_microbatches, active_given, virtual_stages=virtual)
+
+
+def _waves(m: int, active: int) -> list[range]:
+    return [range(start, min(start + active, m)) for start in range(0, m, active)]
+
+
+def _simple(mine: Sequence[int], m: int, active: int) -> list[Action]:
+    out: list[Action] = []
+    for wave in _waves(m, active):
+        out += [Action(c, FORWARD, mb) for c in mine for mb in wave]
+        out += [Action(c, BACKWARD, mb) for c in reversed(mine) for mb in wave]
+    return out
+
+
+def _grouped(mine: Sequence[int], m: int, p: int, reverse: bool) -> list[tuple[int, int]]:
+    """Megatron's order of (chunk, microbatch) on one rank: groups of ``p`` microbatches,
+    each run through the rank's chunks in turn (in reverse for backwards)."""
+    v = len(mine)
+    chunks = list(reversed(mine)) if reverse else list(mine)
+    if v == 1:
+        return [(chunks[0], mb) for mb in range(m)]
+    return [(chunks[(k // p) % v], (k // (p * v)) * p + k % p) for k in range(v * m)]
+
+
+def _one_f_one_b(order_f: list[tuple[int, int]], order_b: list[tuple[int, int]], warmup: int,
+                 split: bool, keep_back: int) -> list[Action]:
+    """``warmup`` forwards, then one backward and one forward in turn, then the drain.
+
+    With ``split`` each backward is an I; the W of the oldest I follows it once more than
+    ``keep_back`` W's are pending, and the W's kept back run at the end, oldest first.
+    """
+    out = [Action(c, FORWARD, mb) for c, mb in order_f[:warmup]]
+    pending: deque[tuple[int, int]] = deque()
+    next_f = warmup
+    for c, mb in order_b:
+        out.append(Action(c, INPUT_GRAD if split else BACKWARD, mb))
+        if split:
+            pending.append((c, mb))
+            if len(pending) > keep_back:
+                wc, wmb = pending.popleft()
+                out.append(Action(wc, WEIGHT_GRAD, wmb))
+        if next_f < len(order_f):
+            c_f, mb_f = order_f[next_f]
+            out.append(Action(c_f, FORWARD, mb_f))
+            next_f += 1
+    out += [Action(c, WEIGHT_GRAD, mb) for c, mb in pending]
+    return out
+
+
+def _interleaved(mine: Sequence[int], rank: int, p: int, m: int, active: int) -> list[Action]:
+    v = len(mine)
+    warmup = min(p - rank, m, active) if v == 1 else min((v - 1) * p + 2 * (p - 1 - rank) + 1,
+                                                         v * m)
+    return _one_f_one_b(_grouped(mine, m, p, False), _grouped(mine, m, p, True), warmup,
+                        split=False, keep_back=0)
+
+
+def _zero_bubble(mine: Sequence[int], rank: int, p: int, m: int, active: int) -> list[Action]:
+    v = len(mine)
+    if v == 1:
+        warmup = min(p - rank, m, active)
+        keep_back = max(0, min(rank, active - warmup))
+    else:
+        warmup, keep_back = min((v - 1) * p + p - rank, v * m), rank
+    return _one_f_one_b(_grouped(mine, m, p, False), _grouped(mine, m, p, True), warmup,
+                        split=True, keep_back=keep_back)
+
+
+def _zbv(mine: Sequence[int], rank: int, p: int, m: int) -> list[Action]:
+    """ZB-V on one rank, built for ``max(m, 2p - 1)`` microbatches, the extra ones dropped.
+
+    ``down`` is the rank's chunk on the way down the V (chunk ``rank``), ``up`` the one on
+    the way back (``2p - 1 - rank``); ``nf``, ``ni``, ``nw`` count each chunk's F, I, W.
+    """
+    down, up = mine
+    full = max(m, 2 * p - 1)
+    nf = {down: 0, up: 0}
+    ni = {down: 0, up: 0}
+    nw = {down: 0, up: 0}
+    out: list[Action] = []
+
+    def run(kind: str, c: int) -> None:
+        count = {FORWARD: nf, INPUT_GRAD: ni, WEIGHT_GRAD: nw}[kind]
+        out.append(Action(c, kind, count[c]))
+        count[c] += 1
+
+    for _ in range(2 * (p - rank) - 1):  # fill: the down chunk until the up chunk's first F
+        run(FORWARD, down)
+    for _ in range(rank):  # the two chunks' forwards in turn until the first I is back
+        run(FORWARD, up)
+        run(FORWARD, down)
+    for _ in range(p - rank):  # the up chunk in 1F-1I-1W
+        run(FORWARD, up)
+        run(INPUT_GRAD, up)
+        run(WEIGHT_GRAD, up)
+    while nf[down] < full or nf[up] < nf[down]:  # steady: both chunks in 1F-1I-1W
+        if nf[down] < full:
+            run(FORWARD, down)
+        run(INPUT_GRAD, down)
+        run(WEIGHT_GRAD, down)
+        run(FORWARD, up)
+        run(INPUT_GRAD, up)
+        run(WEIGHT_GRAD, up)
+    for _ in range(rank):  # drain: input gradients first, on the critical path
+        run(INPUT_GRAD, down)
+        run(INPUT_GRAD, up)
+    for _ in range(p - rank):
+        run(INPUT_GRAD, down)
+        run(WEIGHT_GRAD, down)
+    while nw[up] < ni[up]:  # the weight gradients kept back fill the tail
+        run(WEIGHT_GRAD, up)
+    while nw[down] < ni[down]:
+        run(WEIGHT_GRAD, down)
+    if not nf == ni == nw == {down: full, up: full}:
+        raise ScheduleError.build("ZB-V's phases leave every chunk's F, I and W balanced",
+                                  (nf, ni, nw), f"rank {rank}", "report this as a bug")
+    return [a for a in out if a.microbatch < m]
+
+
+def _rank_list(name: str, mine: Sequence[int], rank: int, p: int, m: int, active: int
+               ) -> list[Action]:
+    if name == "simple":
+        return _simple(mine, m, active)
+    if name == "interleaved":
+        return _interleaved(mine, rank, p, m, active)
+    if name == "zero_bubble":
+        return _zero_bubble(mine, rank, p, m, active)
+    return _zbv(mine, rank, p, m)
 
 
 def _check_sizes(num_stages: int, num_microbatches: int, active: int) -> None:
@@ -92,186 +274,76 @@ def _check_sizes(num_stages: int, num_microbatches: int, active: int) -> None:
                                       "cost_model.schedule.generate", f"pass {name}=1 or more")
 
 
-def _simple_stage(stage: int, m: int, active: int) -> tuple[Action, ...]:
-    actions: list[Action] = []
-    for start in range(0, m, active):
-        wave = range(start, min(start + active, m))
-        actions += [Action(stage, FORWARD, mb) for mb in wave]
-        actions += [Action(stage, BACKWARD, mb) for mb in wave]
-    return tuple(actions)
-
-
-def _interleaved_stage(stage: int, p: int, m: int, active: int) -> tuple[Action, ...]:
-    warmup = min(p - stage, m, active)
-    actions = [Action(stage, FORWARD, mb) for mb in range(warmup)]
-    next_f, next_b = warmup, 0
-    while next_b < m:
-        actions.append(Action(stage, BACKWARD, next_b))
-        next_b += 1
-        if next_f < m:
-            actions.append(Action(stage, FORWARD, next_f))
-            next_f += 1
-    return tuple(actions)
-
-
 def generate(name: str, num_stages: int, num_microbatches: int,
-             active_microbatches: int | None = None, forward_only: bool = False) -> Schedule:
-    """Per-stage action lists for SMP's ``pipeline`` = ``name``.
+             active_microbatches: int | None = None, forward_only: bool = False,
+             virtual_stages: int = 1, placement: Placement | None = None) -> Schedule:
+    """Per-rank action lists for SMP's ``pipeline`` = ``name`` on ``num_stages`` ranks with
+    ``virtual_stages`` chunks each.
 
-    ``active_microbatches`` defaults to ``num_stages + 2`` (SMP's default) and is a hard cap
-    on microbatches in flight on any stage. ``forward_only`` (evaluation) emits forwards only,
-    in microbatch order: nothing is saved for backward, so nothing is in flight.
+    ``active_microbatches`` (default ``default_active``: SMP's ``num_stages + 2`` where it
+    applies) caps the microbatches in flight on a rank: ``simple`` runs in waves,
+    ``interleaved`` and ``zero_bubble`` at v = 1 shorten their warm-up; the interleaved
+    orders at v > 1 and ``zbv`` fix their warm-up, so a cap below their peak is a
+    ``ScheduleError`` naming the peak. ``placement`` (the
+    rank of each chunk) defaults to ``default_placement``; ``interleaved`` and
+    ``zero_bubble`` on any other placement are list-scheduled (``schedule_greedy``) with
+    their preference, capped at ``p + 2`` microbatches unless a cap is given; ``simple``
+    runs looped BFS over each rank's chunks. A given placement may hold more or fewer
+    chunks on one rank than on another (a manual partition whose modules come back to an
+    earlier rank: ``passes.manual_chunks``); every rank holds one at least.
+    ``forward_only`` (evaluation)
+    emits forwards only, chunk by chunk: nothing is saved for backward.
 
     >>> [" ".join(map(str, s)) for s in generate("interleaved", 2, 2)]
     ['0F0 0F1 0B0 0B1', '1F0 1B0 1F1 1B1']
+    >>> [" ".join(map(str, s)) for s in generate("zero_bubble", 2, 2)]
+    ['0F0 0F1 0I0 0W0 0I1 0W1', '1F0 1I0 1F1 1I1 1W0 1W1']
     """
-    active = num_stages + 2 if active_microbatches is None else active_microbatches
-    _check_sizes(num_stages, num_microbatches, active)
+    p, m = num_stages, num_microbatches
     if name not in SCHEDULE_NAMES:
         raise ScheduleError.build("the pipeline schedule must be one of " + str(SCHEDULE_NAMES),
                                   name, "cost_model.schedule.generate",
-                                  "set pipeline to 'simple' or 'interleaved'")
+                                  "set pipeline to 'simple', 'interleaved', 'zero_bubble' or "
+                                  "'zbv'")
+    capped = active_microbatches is not None
+    active = (default_active(name, p, m, virtual_stages) if active_microbatches is None
+              else active_microbatches)
+    _check_sizes(p, m, active)
+    check_virtual(name, p, m, virtual_stages)
+    where = placement if placement is not None else default_placement(name, p, virtual_stages)
+    if sorted(set(where)) != list(range(p)):
+        raise ScheduleError.build(
+            f"a placement gives each of the {p} ranks at least one chunk", where,
+            f"pipeline={name!r}", "place p x v chunks, v on each rank, or pin modules to "
+            "every rank")
+    mine = [chunks_of(where, r) for r in range(p)]
     if forward_only:
-        return tuple(tuple(Action(s, FORWARD, mb) for mb in range(num_microbatches))
-                     for s in range(num_stages))
-    if name == "simple":
-        return tuple(_simple_stage(s, num_microbatches, active) for s in range(num_stages))
-    return tuple(_interleaved_stage(s, num_stages, num_microbatches, active)
-                 for s in range(num_stages))
+        return tuple(tuple(Action(c, FORWARD, mb) for c in mine[r] for mb in range(m))
+                     for r in range(p))
+    if name in ("interleaved", "zero_bubble") and tuple(where) != default_placement(
+            name, p, virtual_stages):  # the constructions are for round robin: list-schedule
+        return greedy(where, m, active if capped else min(active, p + 2),
+                      split=name in SPLIT_BACKWARD)
+    if name == "zbv" and tuple(where) != v_shape(p):
+        raise ScheduleError.build("pipeline 'zbv' runs on the V placement", where,
+                                  "cost_model.schedule.generate", "leave placement unset")
+    schedule = tuple(tuple(_rank_list(name, mine[r], r, p, m, active)) for r in range(p))
+    if capped:
+        peaks = [max(microbatches_in_flight(s), default=0) for s in schedule]
+        if max(peaks) > active:
+            rank = peaks.index(max(peaks))
+            raise ScheduleError.build(
+                f"pipeline {name!r} at virtual_pipeline_degree {virtual_stages} holds "
+                f"{max(peaks)} microbatches on rank {rank}: active_microbatches cannot be lower",
+                active, f"p={p}, m={m}", f"leave active_microbatches unset or set it to "
+                f">= {max(peaks)}")
+    return schedule
 
 
-def dependency(action: Action, num_stages: int) -> Action | None:
-    """The action on another stage whose output ``action`` consumes (None: it needs none).
-
-    F(s, mb) needs F(s-1, mb)'s activations; B(s, mb) needs B(s+1, mb)'s gradients. The last
-    stage's B(mb) depends on its own F(mb), which its list orders (checked by ``validate``).
-    """
-    if action.kind == FORWARD:
-        return Action(action.stage - 1, FORWARD, action.microbatch) if action.stage > 0 else None
-    if action.stage < num_stages - 1:
-        return Action(action.stage + 1, BACKWARD, action.microbatch)
-    return None
-
-
-def clock(schedule: Sequence[Sequence[Action]]) -> list[list[Action | None]]:
-    """Run the lists in lock step, one time unit per action, transfers instantaneous.
-
-    Returns one row per clock tick with each stage's action (None = idle). A stage runs its
-    next action at tick t when the action it depends on finished at a tick before t. Raises
-    ``ScheduleError`` naming the first tick at which no stage can move (a deadlock).
-    """
-    p = len(schedule)
-    done_at: dict[Action, int] = {}
-    cursor = [0] * p
-    ticks: list[list[Action | None]] = []
-    total = sum(len(s) for s in schedule)
-    while len(done_at) < total:
-        tick = len(ticks)
-        row: list[Action | None] = [None] * p
-        for s in range(p):
-            if cursor[s] == len(schedule[s]):
-                continue
-            action = schedule[s][cursor[s]]
-            dep = dependency(action, p)
-            if dep is None or done_at.get(dep, tick) < tick:
-                row[s] = action
-        if all(a is None for a in row):
-            waiting = ", ".join(f"stage {s} waits at {schedule[s][cursor[s]]} for "
-                                f"{dependency(schedule[s][cursor[s]], p)}"
-                                for s in range(p) if cursor[s] < len(schedule[s]))
-            raise ScheduleError.build("the schedule deadlocks: no stage can run its next action",
-                                      waiting, f"clock tick {tick}",
-                                      "reorder the lists so every dependency can run first")
-        for s, ran in enumerate(row):
-            if ran is not None:
-                done_at[ran] = tick
-                cursor[s] += 1
-        ticks.append(row)
-    return ticks
-
-
-def in_flight(actions: Sequence[Action]) -> list[int]:
-    """Microbatches forwarded but not yet backwarded after each action of one stage."""
-    count, out = 0, []
-    for action in actions:
-        count += 1 if action.kind == FORWARD else -1
-        out.append(count)
-    return out
-
-
-def validate(schedule: Sequence[Sequence[Action]], num_stages: int, num_microbatches: int,
-             forward_only: bool = False, active_microbatches: int | None = None) -> int:
-    """Check a schedule; return its length in unit clock ticks.
-
-    Rules: one list per stage holding only that stage's actions; each (stage, microbatch)
-    has exactly one F and (unless ``forward_only``) exactly one B, the B after the F; no more
-    than ``active_microbatches`` in flight (when given); and the lists run to completion
-    when every stage executes its own list in order (see ``clock``).
-    """
-    if len(schedule) != num_stages:
-        raise ScheduleError.build("a schedule has one action list per stage",
-                                  len(schedule), f"num_stages={num_stages}",
-                                  "generate it with the same num_stages")
-    kinds = (FORWARD,) if forward_only else (FORWARD, BACKWARD)
-    for s, actions in enumerate(schedule):
-        where = f"stage {s}"
-        seen: dict[tuple[str, int], int] = {}
-        for i, action in enumerate(actions):
-            if action.stage != s:
-                raise ScheduleError.build("a stage's list holds only that stage's actions",
-                                          str(action), where, "move the action to its stage")
-            if action.kind not in kinds or action.microbatch >= num_microbatches:
-                raise ScheduleError.build(
-                    f"actions are {'/'.join(kinds)} of microbatches 0..{num_microbatches - 1}",
-                    str(action), where, "drop the action or fix the microbatch count")
-            key = (action.kind, action.microbatch)
-            if key in seen:
-                raise ScheduleError.build("each (stage, microbatch) has exactly one F and one B",
-                                          str(action), f"{where}, positions {seen[key]} and "
-                                          f"{i}", "remove the duplicate")
-            if action.kind == BACKWARD and (FORWARD, action.microbatch) not in seen:
-                raise ScheduleError.build("a backward comes after its forward on its stage",
-                                          str(action), f"{where}, position {i}",
-                                          "put F before B for this microbatch")
-            seen[key] = i
-        missing = [f"{s}{k}{mb}" for k in kinds for mb in range(num_microbatches)
-                   if (k, mb) not in seen]
-        if missing:
-            raise ScheduleError.build("each (stage, microbatch) has exactly one F and one B",
-                                      f"missing {' '.join(missing[:6])}", where,
-                                      "add the missing actions")
-        if active_microbatches is not None and not forward_only:
-            peak = max(in_flight(actions), default=0)
-            if peak > active_microbatches:
-                raise ScheduleError.build("at most active_microbatches may be in flight",
-                                          peak, f"{where} (cap {active_microbatches})",
-                                          "interleave backwards earlier or raise the cap")
-    return len(clock(schedule))
-
-
-def format_schedule(schedule: Sequence[Sequence[Action]]) -> list[str]:
-    """One line per stage of space-separated action strings (round-trips via ``parse``)."""
-    return [" ".join(str(a) for a in actions) for actions in schedule]
-
-
-def parse_schedule(lines: Sequence[str]) -> Schedule:
-    """Inverse of ``format_schedule``."""
-    return tuple(tuple(Action.parse(tok) for tok in line.split()) for line in lines)
-
-
-def draw(schedule: Sequence[Sequence[Action]]) -> str:
-    """ASCII table of the unit-clock execution: one row per stage, one column per tick."""
-    ticks = clock(schedule)
-    labels = ["clock"] + [f"stage{s}" for s in range(len(schedule))]
-    label_w = max(len(x) for x in labels)
-    cell_w = max([len(f"{a.kind}{a.microbatch}") for s in schedule for a in s]
-                 + [len(str(len(ticks) - 1))])
-    lines = ["  ".join([labels[0].ljust(label_w)]
-                       + [str(t).ljust(cell_w) for t in range(len(ticks))]).rstrip()]
-    for s in range(len(schedule)):
-        cells = [labels[s + 1].ljust(label_w)]
-        for row in ticks:
-            a = row[s]
-            cells.append((f"{a.kind}{a.microbatch}" if a else ".").ljust(cell_w))
-        lines.append("  ".join(cells).rstrip())
-    return "\n".join(lines)
+__all__ = ["BACKWARD", "FORWARD", "INPUT_GRAD", "SCHEDULE_NAMES", "SPLIT_BACKWARD",
+           "WEIGHT_GRAD", "Action", "Placement", "Schedule", "check_config", "check_virtual",
+           "chunk_peaks",
+           "chunks_of", "clock", "default_active", "default_placement", "draw",
+           "format_schedule", "generate", "in_flight", "microbatches_in_flight",
+           "num_chunks_of", "parse_schedule", "placement_of", "round_robin", "v_shape",
+           "validate"]

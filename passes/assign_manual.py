@@ -8,9 +8,11 @@ to the latest stage among its inputs, so it never forces a value back to an earl
 Placeholders and ``get_attr`` nodes go to their earliest user, the output to its latest
 input. ``PIN`` is written on module nodes (the user's decision) and ``STAGE`` on every node.
 
-Pipelines only send forward, so the stage graph must be acyclic: if a value must go
-from a later stage to an earlier one the pins are contradictory and ``SMPPartitionError``
-names the producer, the consumer, their module paths and stages.
+Pipelines only send forward, so the stage graph must be acyclic: with ``check_forward``, if
+a value must go from a later stage to an earlier one ``SMPPartitionError`` names the
+producer, the consumer, their module paths and stages. ``passes.pipeline`` asks without the
+check and runs such a partition as chunks instead (SMP ran modules that come back to an
+earlier rank: ``passes.manual_chunks``).
 
 Example::
 
@@ -40,8 +42,13 @@ def _pin_for(path: str, pins: Mapping[str, int]) -> int | None:
 
 
 def assign_manual(gm: torch.fx.GraphModule, pins: Mapping[str, int], default_partition: int,
-                  num_stages: int) -> torch.fx.GraphModule:
-    """New GraphModule with ``STAGE`` on every node (and ``PIN`` on module nodes)."""
+                  num_stages: int, check_forward: bool = True) -> torch.fx.GraphModule:
+    """New GraphModule with ``STAGE`` on every node (and ``PIN`` on module nodes).
+
+    ``check_forward=False`` leaves values that go back to an earlier partition alone: the
+    pins then name ranks, and the chunks ``passes.manual_chunks`` cuts them into are what
+    must only send forward (with several chunks per rank, or a partition whose modules come
+    back to an earlier rank: ``backward_edge`` finds one)."""
     for path, index in sorted(pins.items()):
         if not isinstance(index, int) or not 0 <= index < num_stages:
             raise SMPPartitionError.build(
@@ -82,25 +89,38 @@ def assign_manual(gm: torch.fx.GraphModule, pins: Mapping[str, int], default_par
         if n.op == "output":
             ins = [meta.STAGE.get(a) for a in n.all_input_nodes if a.op in COMPUTE_OPS]
             meta.STAGE.set(n, int(max(ins, default=num_stages - 1)))
-    _check_forward(nodes)
+    if check_forward:
+        _check_forward(new)
     return new
 
 
-def _check_forward(nodes: list[torch.fx.Node]) -> None:
-    """Every compute edge goes to the same or a later stage, else name the offending pair."""
-    for n in nodes:
+def backward_edge(gm: torch.fx.GraphModule) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """The first (producer, consumer) compute edge of ``gm`` (``STAGE`` on every node) that
+    goes to an earlier stage, or None when the stages form a pipeline."""
+    for n in gm.graph.nodes:
         if n.op not in COMPUTE_OPS:
             continue
         s = meta.STAGE.get(n)
         for a in n.all_input_nodes:
             if a.op in COMPUTE_OPS and meta.STAGE.get(a) > s:
-                raise SMPPartitionError.build(
-                    "manual partitions must form a pipeline: a value cannot go from a later "
-                    "stage to an earlier one",
-                    f"{a.name} (module '{meta.MODULE_PATH.get(a) or ''}', stage "
-                    f"{meta.STAGE.get(a)}) -> {n.name} (module '{meta.MODULE_PATH.get(n) or ''}'"
-                    f", stage {s})",
-                    "the consumer's module",
-                    "place modules in execution order (earlier modules on lower or equal "
-                    "partitions), e.g. move the consumer's module to partition "
-                    f">= {meta.STAGE.get(a)} or the producer's to <= {s}")
+                return a, n
+    return None
+
+
+def _check_forward(gm: torch.fx.GraphModule) -> None:
+    """Every compute edge goes to the same or a later stage, else name the offending pair."""
+    edge = backward_edge(gm)
+    if edge is None:
+        return
+    a, n = edge
+    s = meta.STAGE.get(n)
+    raise SMPPartitionError.build(
+        "manual partitions must form a pipeline: a value cannot go from a later "
+        "stage to an earlier one",
+        f"{a.name} (module '{meta.MODULE_PATH.get(a) or ''}', stage "
+        f"{meta.STAGE.get(a)}) -> {n.name} (module '{meta.MODULE_PATH.get(n) or ''}'"
+        f", stage {s})",
+        "the consumer's module",
+        "place modules in execution order (earlier modules on lower or equal "
+        "partitions), e.g. move the consumer's module to partition "
+        f">= {meta.STAGE.get(a)} or the producer's to <= {s}")

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch.fx
 
-from cost_model.errors import SMPPartitionError
+from cost_model.errors import SMPConfigError, SMPPartitionError
 from passes import meta
 from passes.partition_config import PartitionConfig
 from passes.partitioning import chain
@@ -260,6 +260,14 @@ def partition_graph(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
                     ) -> tuple[torch.fx.GraphModule, PartitionResult]:
     """``auto_partition`` that also returns the ``PartitionResult`` summary."""
     problem = problem_from_graph(gm)
+    if pconfig.virtual_stages > 1 and problem.n < pconfig.num_chunks:
+        fits = problem.n // pconfig.num_stages
+        raise SMPConfigError.build(
+            f"virtual_pipeline_degree {pconfig.virtual_stages} cuts the model into "
+            f"{pconfig.num_chunks} chunks, each with at least one layer",
+            f"{problem.n} compute nodes", "auto_partition",
+            f"set virtual_pipeline_degree to {fits} or less" if fits >= 1 else
+            "lower pipeline_parallel_degree")
     obj = make_objective(problem, pconfig, comm_time)
     stage, strategy = solve_problem(problem, obj)
     new = write_stages(gm, dict(zip(problem.names, stage.tolist())))

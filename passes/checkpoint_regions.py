@@ -64,6 +64,9 @@ class StageActivations:
     region_inputs: int
     transient: int
     regions: tuple[str, ...]
+    rebuilt: int = 0
+    """Every region's own saved values together: what recomputing them all rebuilds (a
+    split backward's I rebuilds each region once and keeps it until the W)."""
 
 
 def _under(path: str, prefix: str) -> bool:
@@ -273,12 +276,13 @@ def stage_activations(nodes: Sequence[torch.fx.Node]) -> StageActivations:
     keys, extra = _keys(plain)
     held = dict(keys)
     inputs: dict[str, int] = {}
-    transient = 0
+    transient = rebuilt = 0
     for members in regions.values():
         inputs.update(_input_storages(members))
         own, own_extra = _keys(members)
         transient = max(transient, sum(own.values()) + own_extra)
+        rebuilt += sum(own.values()) + own_extra
     held.update(inputs)
     leaving = sum(b for k, b in inputs.items() if k not in keys)
     return StageActivations(sum(held.values()) + extra, leaving, transient,
-                            tuple(regions))
+                            tuple(regions), rebuilt)

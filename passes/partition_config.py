@@ -4,22 +4,28 @@
 this frozen value from its ``SMPConfig``. It is JSON-serialisable so a plan records the
 exact configuration it was made with, and so every rank can check it made the same plan.
 
-The in-flight microbatch counts follow the schedules: the simple (GPipe, fill-drain)
-schedule keeps every microbatch's activations alive on every stage; the interleaved
-(1F1B) schedule keeps at most ``p - s`` on stage ``s``. Both are capped by
-``active_microbatches`` (SMP's default: ``num_stages + 2``).
+The in-flight microbatch counts are read off the schedule itself
+(``cost_model.schedule.chunk_peaks``): the simple (GPipe, fill-drain) schedule keeps every
+microbatch's activations alive on every stage; the interleaved (1F1B) schedule keeps at
+most ``p - s`` on stage ``s``; the zero-bubble and interleaved orders as their lists say.
+``active_microbatches`` caps them (``cost_model.schedule.default_active`` when unset).
+
+With ``virtual_stages`` v > 1 the model is cut into ``num_stages x v`` chunks, placed on
+the ``num_stages`` pipeline ranks by ``placement`` (round robin; the V for ``zbv``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
+from cost_model import schedule as sched
 from cost_model.errors import SMPConfigError
 from cost_model.serial import from_versioned_json, versioned_json
 
 SCHEMA_VERSION = 2
-PIPELINES = ("simple", "interleaved")
+PIPELINES = sched.SCHEDULE_NAMES
 STRATEGIES = ("each", "contiguous")
 """Checkpointing strategies besides ``group_N`` (N consecutive children per region)."""
 
@@ -82,6 +88,7 @@ class PartitionConfig:
     device: str | None = None
     checkpointing: tuple[CheckpointRule, ...] = ()
     offload_activations: bool = False
+    virtual_stages: int = 1
 
     def __post_init__(self) -> None:
         rules = tuple(r if isinstance(r, CheckpointRule) else CheckpointRule(**r)
@@ -98,6 +105,9 @@ class PartitionConfig:
             raise bad("microbatches", "microbatches must be an int >= 1", "use 1 or more")
         if self.pipeline not in PIPELINES:
             raise bad("pipeline", f"pipeline must be one of {PIPELINES}", "use 'interleaved'")
+        if not isinstance(self.virtual_stages, int) or self.virtual_stages < 1:
+            raise bad("virtual_stages", "virtual_stages (virtual_pipeline_degree) must be an "
+                      "int >= 1", "use 1 (one chunk per rank) or more")
         if self.active_microbatches is not None and (
                 not isinstance(self.active_microbatches, int) or self.active_microbatches < 1):
             raise bad("active_microbatches", "active_microbatches must be None or an int >= 1",
@@ -109,20 +119,43 @@ class PartitionConfig:
         if self.optimizer_state_factor < 0:
             raise bad("optimizer_state_factor", "optimizer_state_factor must be >= 0",
                       "2.0 for Adam, 1.0 for momentum SGD, 0.0 for plain SGD")
+        sched.check_virtual(self.pipeline, self.num_stages, self.microbatches,
+                            self.virtual_stages)
 
     @property
     def active(self) -> int:
-        """Microbatches simultaneously in execution (SMP default ``num_stages + 2``)."""
+        """Microbatches simultaneously in execution (``cost_model.schedule.default_active``
+        when unset: SMP's ``num_stages + 2`` where the schedule obeys a cap)."""
         if self.active_microbatches is None:
-            return self.num_stages + 2
+            return sched.default_active(self.pipeline, self.num_stages, self.microbatches,
+                                        self.virtual_stages)
         return self.active_microbatches
 
-    def inflight(self, stage: int) -> int:
-        """Microbatches whose saved activations stage ``stage`` holds at its peak."""
-        m = min(self.microbatches, self.active)
-        if self.pipeline == "interleaved":
-            return min(self.num_stages - stage, m)
-        return m
+    @property
+    def num_chunks(self) -> int:
+        """Pieces the model is cut into: ``num_stages x virtual_stages``."""
+        return self.num_stages * self.virtual_stages
+
+    @property
+    def placement(self) -> sched.Placement:
+        """The rank of every chunk under this pipeline (round robin; the V for ``zbv``)."""
+        return sched.default_placement(self.pipeline, self.num_stages, self.virtual_stages)
+
+    def schedule(self, placement: sched.Placement | None = None) -> sched.Schedule:
+        """This configuration's action lists (``placement`` defaults to ``placement``)."""
+        return sched.generate(self.pipeline, self.num_stages, self.microbatches, self.active,
+                              virtual_stages=self.virtual_stages, placement=placement)
+
+    @functools.cached_property
+    def _peaks(self) -> dict[int, int]:
+        return sched.chunk_peaks(self.schedule())
+
+    def inflight(self, stage: int, placement: sched.Placement | None = None) -> int:
+        """Microbatches whose saved activations chunk ``stage`` holds at its peak (under
+        ``placement``, default ``placement``)."""
+        if placement is not None and tuple(placement) != self.placement:
+            return sched.chunk_peaks(self.schedule(placement)).get(stage, 0)
+        return self._peaks.get(stage, 0)
 
     def to_json(self) -> dict[str, Any]:
         """The versioned fields; the memory features are left out while off, so a plan
@@ -131,6 +164,8 @@ class PartitionConfig:
         for name in ("checkpointing", "offload_activations"):
             if not out[name]:
                 del out[name]
+        if out["virtual_stages"] == 1:
+            del out["virtual_stages"]
         return out
 
     @classmethod

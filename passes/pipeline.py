@@ -31,9 +31,10 @@ from cost_model.devices import DEFAULT_DEVICE, load_device
 from cost_model.errors import SMPError
 from passes import meta
 from passes.annotate_costs import annotate_costs
-from passes.assign_manual import assign_manual
+from passes.assign_manual import assign_manual, backward_edge
 from passes.auto_partition import partition_graph
 from passes.checkpoint_regions import keep_whole, mark_regions, settle_regions
+from passes.manual_chunks import manual_chunks
 from passes.partition_config import PartitionConfig
 from passes.partitioning.baselines import BASELINES, run_baseline
 from passes.partitioning.extract import problem_from_graph, write_stages
@@ -154,6 +155,7 @@ def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
     """
     spec = resolve_device(device)
     strategy = ["manual"]
+    placement: list[tuple[int, ...]] = []
 
     def comm_time(nbytes: float) -> float:
         return roofline.comm_time(nbytes, spec)
@@ -164,8 +166,15 @@ def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
         return keep_whole(new, pconfig, comm_time) if pconfig.checkpointing else new
 
     def manual(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        return assign_manual(gm, dict(pins or {}), pconfig.default_partition,
-                             pconfig.num_stages)
+        ranked = assign_manual(gm, dict(pins or {}), pconfig.default_partition,
+                               pconfig.num_stages, check_forward=False)
+        # pins name ranks; a rank holds several chunks at v > 1, or when the model's
+        # modules come back to it after a later rank's (a value would go back)
+        if pconfig.virtual_stages == 1 and backward_edge(ranked) is None:
+            return ranked
+        new, where = manual_chunks(ranked, pconfig.num_stages, pconfig.virtual_stages)
+        placement.append(where)
+        return new
 
     passes = [Pass("auto_partition", auto, (meta.COST,), (meta.STAGE,)) if pconfig.auto_partition
               else Pass("assign_manual", manual, (meta.COST,), (meta.STAGE,))]
@@ -189,7 +198,8 @@ def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
     gm = run_passes(costed, _announced(passes, progress))
     if progress is not None:
         progress("build_plan")
-    plan = build_plan(gm, pconfig, spec, comm_time, strategy[0])
+    plan = build_plan(gm, pconfig, spec, comm_time, strategy[0],
+                      placement[0] if placement else None)
     return Compiled(gm, plan, spec, tp_plan[0] if tp_plan else None)
 
 

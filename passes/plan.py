@@ -34,6 +34,8 @@ from cost_model.device import DeviceSpec
 from cost_model.devices import DEFAULT_DEVICE, load_device
 from cost_model.errors import SMPPartitionError
 from cost_model.node_cost import NodeCost
+from cost_model.schedule import SPLIT_BACKWARD
+from cost_model.simulate import SimResult
 from passes import meta
 from passes.auto_partition import summarize
 from passes.checkpoint_regions import stage_activations
@@ -47,14 +49,17 @@ from passes.plan_schema import (
     BoundaryTensor,
     MemoryBreakdown,
     PartitionPlan,
+    RankPlan,
     SharedParam,
     StagePlan,
     _r,
     _to_json,
 )
+from passes.weight_grads import weight_grads
 
 __all__ = ["OPTIONAL", "SCHEMA_VERSION", "SHARED_HANDLING", "BoundaryTensor", "MemoryBreakdown",
-           "PartitionPlan", "SharedParam", "StagePlan", "build_plan", "summarise_modules"]
+           "PartitionPlan", "RankPlan", "SharedParam", "StagePlan", "build_plan",
+           "summarise_modules"]
 
 
 
@@ -172,7 +177,8 @@ def _param_table(gm: torch.fx.GraphModule) -> dict[str, tuple[int, int, bool]]:
 def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
                device: DeviceSpec | None = None,
                comm_time: Callable[[float], float] | None = None,
-               strategy: str = "given") -> PartitionPlan:
+               strategy: str = "given", placement: Sequence[int] | None = None
+               ) -> PartitionPlan:
     """Summarise a staged, costed graph as a ``PartitionPlan`` (the graph is only read).
 
     ``device`` is the ``cost_model.device.DeviceSpec`` the costs were computed for (recorded
@@ -181,13 +187,21 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
     spec's link model); ``strategy`` records how the stages were chosen. Stage costs,
     objective and lower bound come from ``passes.partitioning.problem`` (the objective the
     partitioner minimised); the memory breakdown, boundaries and FLOPs are summed here.
+    With ``virtual_stages`` > 1 the plan's stages are the chunks (``smp.stage`` holds the
+    chunk), ``placement`` gives each chunk's rank (default: the pipeline's,
+    ``PartitionConfig.placement``; a manual partition's may hold more chunks on one rank
+    than on another, ``passes.manual_chunks``) and ``ranks`` each rank's memory; with a
+    split backward (``zero_bubble``, ``zbv``) each chunk also carries its W's time and held
+    bytes.
     Example, after the compile passes::
 
         plan = build_plan(gm, PartitionConfig(num_stages=2), get_device("a100"))
     """
     spec = device if device is not None else load_device(pconfig.device or DEFAULT_DEVICE)
     comm = comm_time or functools.partial(roofline.comm_time, spec=spec)
-    p = pconfig.num_stages
+    rank_of = tuple(placement) if placement is not None else pconfig.placement
+    p = len(rank_of)
+    split = pconfig.pipeline in SPLIT_BACKWARD
     opt = float(pconfig.optimizer_state_factor)
     stages = _node_stages(gm, p)
     table = _param_table(gm)
@@ -215,6 +229,7 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
                 stage_params[s].append(name)
     bytes_of = {tid: nbytes for tid, nbytes, _ in table.values()}
     trainable = {tid: grad for tid, _, grad in table.values()}
+    trainable_names = {name for name, (_, _, grad) in table.items() if grad}
 
     def static_of(tids: set[int]) -> tuple[int, int, int, int]:
         par = sum(bytes_of[t] for t in tids if trainable[t])
@@ -225,11 +240,11 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
     costs = {n: _cost(n) for n in stages}
     # the partitioner's own objective, so plan and partitioner can never disagree
     problem = problem_from_graph(gm)
-    objective_fn = make_objective(problem, pconfig, comm)
+    objective_fn = make_objective(problem, pconfig, comm, placement=rank_of)
     by_name = {n.name: s for n, s in stages.items()}
     scored = summarize(problem, objective_fn,
                        np.asarray([by_name[x] for x in problem.names], dtype=np.int64), strategy)
-    inflight = [pconfig.inflight(s) for s in range(p)]
+    inflight = list(objective_fn.inflight)
 
     stage_plans: list[StagePlan] = []
     for s in range(p):
@@ -240,9 +255,11 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
         acts = stage_activations(nodes)
         off = acts.region_inputs if pconfig.offload_activations else 0
         saved = acts.saved - off
+        wg = weight_grads(nodes, trainable_names, acts.rebuilt) if split else None
         mem = MemoryBreakdown(par, grad, opt_b, buf, saved, inflight[s], saved * inflight[s],
                               par + grad + opt_b + buf + saved * inflight[s] + acts.transient,
-                              acts.transient, off)
+                              acts.transient, off,
+                              saved + off + wg.held_bytes if wg is not None else 0)
         fwd_t = sum(costs[n].fwd_time_s for n in nodes)
         bwd_t = sum(costs[n].bwd_time_s for n in nodes)
         recompute_s = sum(costs[n].fwd_time_s for n in nodes if meta.CKPT_REGION.has(n))
@@ -264,10 +281,12 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
             received=tuple(b for b in boundaries if s in b.consumers),
             sent=tuple(b for b in boundaries if b.producer == s),
             cost=_r(scored.stages[s].cost), optimizer_time_s=_r(step_s),
-            checkpointed=acts.regions, recompute_time_s=_r(recompute_s)))
+            checkpointed=acts.regions, recompute_time_s=_r(recompute_s),
+            wgrad_time_s=_r(min(wg.time_s, bwd_t)) if wg is not None else 0.0))
 
     objective = max(sp.cost for sp in stage_plans)
-    shared = tuple(SharedParam(tuple(names_of[t]), bytes_of[t], tuple(sorted(readers[t])))
+    shared = tuple(SharedParam(tuple(names_of[t]), bytes_of[t], tuple(sorted(readers[t])),
+                               _handling(sorted(readers[t]), rank_of))
                    for t in readers if len(readers[t]) > 1)
     plan = PartitionPlan(
         config=pconfig, device=_to_json(spec.to_json()), stages=tuple(stage_plans),
@@ -275,8 +294,42 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
         bottleneck_stage=max(range(p), key=lambda i: (stage_plans[i].cost, -i)),
         step_time_s=0.0, bubble_fraction=0.0, shared_params=shared,
         time_total_s=_r(objective_fn.time_total),
-        memory_total_bytes=int(round(objective_fn.memory_total)))
+        memory_total_bytes=int(round(objective_fn.memory_total)),
+        placement=rank_of if rank_of != tuple(range(p)) else ())
     sim = plan.simulate()
+    detail = bool(plan.placement) or split
     return dataclasses.replace(plan, step_time_s=_r(plan.training_step_s(sim)),
                                pipeline_time_s=_r(sim.step_time_s),
-                               bubble_fraction=_r(sim.bubble_fraction))
+                               bubble_fraction=_r(sim.bubble_fraction),
+                               ranks=_rank_plans(plan, sim) if detail else (),
+                               bubble_rate=_r(sim.bubble_rate) if detail else 0.0)
+
+
+def _handling(chunks: Sequence[int], rank_of: Sequence[int]) -> str:
+    """How a parameter read by several chunks is held: one copy when they share a rank."""
+    ranks = sorted({rank_of[c] for c in chunks})
+    if len(ranks) == 1:
+        return (f"one copy on rank {ranks[0]}, shared by its chunks; gradients accumulate "
+                "in place")
+    return SHARED_HANDLING
+
+
+def _rank_plans(plan: PartitionPlan, sim: SimResult) -> tuple[RankPlan, ...]:
+    """Each rank's chunks and memory: the chunks' static bytes (a parameter two of its
+    chunks read counted once), the simulated peak of what they keep for backward (a
+    pending W holding its share), their largest transient."""
+    factor = 2.0 + plan.config.optimizer_state_factor
+    out = []
+    for r in range(plan.num_ranks):
+        chunks = tuple(c for c, owner in enumerate(plan.rank_of) if owner == r)
+        mems = [plan.stages[c].memory for c in chunks]
+        static = sum(m.params + m.grads + m.optimizer_state + m.buffers for m in mems)
+        for sh in plan.shared_params:
+            copies = sum(1 for c in sh.stages if plan.rank_of[c] == r)
+            static -= int(round(max(copies - 1, 0) * factor * sh.nbytes))
+        transient = max((m.recompute_transient for m in mems), default=0)
+        static_sim = sum(plan.stages[c].memory.total - plan.stages[c].memory.activations
+                         for c in chunks)
+        acts = sim.peak_memory_bytes[r] - static_sim
+        out.append(RankPlan(r, chunks, static, acts, static + acts + transient))
+    return tuple(out)

@@ -16,7 +16,6 @@ from typing import Any
 from cost_model import roofline
 from cost_model.device import DeviceSpec
 from cost_model.errors import SMPPartitionError
-from cost_model.schedule import generate
 from cost_model.simulate import SimResult, StageCost, simulate, training_step_s
 from passes.partition_config import PartitionConfig
 
@@ -64,6 +63,10 @@ class MemoryBreakdown:
     total: int
     recompute_transient: int = field(default=0, metadata=OPTIONAL)
     offloaded_per_microbatch: int = field(default=0, metadata=OPTIONAL)
+    pending_w_per_microbatch: int = field(default=0, metadata=OPTIONAL)
+    """With a split backward: what a microbatch keeps from its I until its W
+    (``passes.weight_grads``): its activations (offloaded ones back for the I), the
+    gradients recorded at the joins and the checkpointed regions rebuilt."""
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,8 @@ class StagePlan:
     optimizer_time_s: float = 0.0
     checkpointed: tuple[str, ...] = field(default=(), metadata=OPTIONAL)
     recompute_time_s: float = field(default=0.0, metadata=OPTIONAL)
+    wgrad_time_s: float = field(default=0.0, metadata=OPTIONAL)
+    """With a split backward: the weight-gradient part (W) of ``bwd_time_s``."""
 
     @property
     def flops(self) -> float:
@@ -125,6 +130,23 @@ class SharedParam:
 
 
 @dataclass(frozen=True)
+class RankPlan:
+    """One pipeline rank holding several chunks (``virtual_stages`` > 1) or running a
+    split backward: its chunks, and its memory at the schedule's peak.
+
+    ``activations`` is the simulated peak of what the rank's chunks keep for backward
+    along its action list (a pending W holding only its share); ``total`` adds every
+    chunk's parameters, gradients, optimizer state, buffers and recompute transient.
+    """
+
+    index: int
+    chunks: tuple[int, ...]
+    static: int
+    activations: int
+    total: int
+
+
+@dataclass(frozen=True)
 class PartitionPlan:
     """The plan for one model, configuration and device. See the module docstring."""
 
@@ -142,6 +164,21 @@ class PartitionPlan:
     strategy: str = "given"
     pipeline_time_s: float = 0.0
     schema_version: int = SCHEMA_VERSION
+    placement: tuple[int, ...] = field(default=(), metadata=OPTIONAL)
+    """The rank of every chunk (``stages`` are chunks, in model order); empty: chunk s on
+    rank s (one chunk per rank)."""
+    ranks: tuple[RankPlan, ...] = field(default=(), metadata=OPTIONAL)
+    bubble_rate: float = field(default=0.0, metadata=OPTIONAL)
+    """The papers' bubble over the ideal step (``SimResult.bubble_rate``), when ``ranks``."""
+
+    @property
+    def rank_of(self) -> tuple[int, ...]:
+        """The rank of every chunk."""
+        return self.placement or tuple(range(len(self.stages)))
+
+    @property
+    def num_ranks(self) -> int:
+        return 1 + max(self.rank_of, default=-1)
 
     @property
     def ratio(self) -> float:
@@ -174,25 +211,33 @@ class PartitionPlan:
         for s, st in enumerate(self.stages):
             back = self.stages[s - 1].link_time_s if s > 0 else 0.0
             static = st.memory.total - st.memory.activations
+            pending = st.memory.pending_w_per_microbatch
             out.append(StageCost(st.fwd_time_s, st.bwd_time_s, st.link_time_s, back, static,
                                  st.memory.activations_per_microbatch, max(latency, 0.0),
-                                 spec.microbatch_overhead_s, spec.message_overhead_s))
+                                 spec.microbatch_overhead_s, spec.message_overhead_s,
+                                 st.wgrad_time_s, pending if st.wgrad_time_s > 0 else None))
         return tuple(out)
 
     def simulate(self) -> SimResult:
-        """Re-run the simulator on this plan's stages and schedule."""
-        c = self.config
-        sched = generate(c.pipeline, c.num_stages, c.microbatches, c.active)
-        return simulate(sched, self.stage_costs())
+        """Re-run the simulator on this plan's chunks, placement and schedule."""
+        return simulate(self.config.schedule(self.rank_of), self.stage_costs())
 
     def training_step_s(self, sim: SimResult) -> float:
         """The training step of ``sim`` (``cost_model.simulate.training_step_s``): the
-        replicated gradients' all-reduce, each stage's optimizer, the fixed step cost."""
+        replicated gradients' all-reduce over the ranks holding them, each rank's
+        optimizer (its chunks' in turn), the fixed step cost."""
         spec = self.spec()
-        sums = [(sh.stages, 2.0 * (roofline.comm_time(sh.nbytes, spec)
-                                   + spec.message_overhead_s)) for sh in self.shared_params]
-        return training_step_s(sim, [st.optimizer_time_s for st in self.stages], sums,
-                               spec.step_overhead_s)
+        rank_of = self.rank_of
+        sums = []
+        for sh in self.shared_params:
+            ranks = tuple(sorted({rank_of[s] for s in sh.stages}))
+            if len(ranks) > 1:  # tied chunks on one rank sum their gradients in place
+                sums.append((ranks, 2.0 * (roofline.comm_time(sh.nbytes, spec)
+                                           + spec.message_overhead_s)))
+        after = [0.0] * self.num_ranks
+        for s, st in enumerate(self.stages):
+            after[rank_of[s]] += st.optimizer_time_s
+        return training_step_s(sim, after, sums, spec.step_overhead_s)
 
     def to_json(self) -> dict[str, Any]:
         return _to_json(self)
@@ -215,6 +260,9 @@ class PartitionPlan:
         d["shared_params"] = tuple(SharedParam(tuple(p["names"]), p["nbytes"],
                                                tuple(p["stages"]), p["handling"])
                                    for p in d["shared_params"])
+        d["placement"] = tuple(d.get("placement", ()))
+        d["ranks"] = tuple(RankPlan(r["index"], tuple(r["chunks"]), r["static"],
+                                    r["activations"], r["total"]) for r in d.get("ranks", ()))
         return cls(**d)
 
     @classmethod

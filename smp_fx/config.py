@@ -21,7 +21,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
+from cost_model import schedule as sched
 from cost_model.errors import SMPConfigError, not_implemented
+from cost_model.schedule import SCHEDULE_NAMES
 from passes.partition_config import CheckpointRule, PartitionConfig
 from smp_fx.topology import Topology, normalize_placement
 
@@ -60,7 +62,11 @@ PARAMS: tuple[Param, ...] = (
     _P("pipeline_parallel_degree", int, None, minimum=1,
        doc="required; number of pipeline stages (alias: partitions)"),
     _P("microbatches", int, 1, minimum=1, doc="microbatches per step; batch must divide"),
-    _P("pipeline", str, "interleaved", choices=("interleaved", "simple"), doc="schedule"),
+    _P("pipeline", str, "interleaved", choices=SCHEDULE_NAMES,
+       doc="schedule (docs/schedules.md); zero_bubble and zbv are smp-fx extensions"),
+    _P("virtual_pipeline_degree", int, 1, minimum=1,
+       doc="smp-fx extension (SMP has no such key): chunks per pipeline rank "
+           "(docs/schedules.md)"),
     _P("optimize", str, "memory", choices=("memory", "speed"),
        doc="sets memory_weight's default; at tp > 1, memory: sequence-parallel activations"
            " between the tp pairs"),
@@ -71,7 +77,8 @@ PARAMS: tuple[Param, ...] = (
     _P("memory_weight", float, None, minimum=0.0, maximum=1.0,
        doc="0.2 if optimize is speed, else 0.8"),
     _P("ddp", bool, False, doc="data parallelism over the dp group"),
-    _P("active_microbatches", int, None, minimum=1, doc="default pipeline_parallel_degree + 2"),
+    _P("active_microbatches", int, None, minimum=1, doc="pipeline_parallel_degree + 2 where "
+       "a cap shortens the warm-up (simple; v = 1), else microbatches"),
     _P("deterministic_server", bool, False,
        doc="accepted; smp-fx's executor is deterministic by construction"),
     _P("offload_activations", bool, False,
@@ -142,6 +149,7 @@ class SMPConfig:
     pipeline_parallel_degree: int
     microbatches: int = 1
     pipeline: str = "interleaved"
+    virtual_pipeline_degree: int = 1
     optimize: str = "memory"
     placement_strategy: str = "cluster"
     auto_partition: bool = True
@@ -222,7 +230,8 @@ class SMPConfig:
             active_microbatches=self.active_microbatches, auto_partition=self.auto_partition,
             default_partition=self.default_partition,
             optimizer_state_factor=optimizer_state_factor, device=device,
-            checkpointing=checkpointing, offload_activations=self.offload_activations)
+            checkpointing=checkpointing, offload_activations=self.offload_activations,
+            virtual_stages=self.virtual_pipeline_degree)
 
     def to_json(self) -> str:
         return json.dumps({"schema": SCHEMA_VERSION, "values": self.values(),
@@ -360,7 +369,11 @@ def _resolve(given: dict[str, Any]) -> SMPConfig:
     if values["memory_weight"] is None:
         values["memory_weight"] = 0.2 if values["optimize"] == "speed" else 0.8
     if values["active_microbatches"] is None:
-        values["active_microbatches"] = pp + 2
+        values["active_microbatches"] = sched.default_active(
+            values["pipeline"], pp, values["microbatches"], values["virtual_pipeline_degree"])
+    sched.check_config(values["pipeline"], pp, values["microbatches"],
+                       values["virtual_pipeline_degree"],
+                       values["active_microbatches"] if "active_microbatches" in given else None)
     if not values["auto_partition"] and "default_partition" not in given:
         raise SMPConfigError.build("'auto_partition': false requires 'default_partition'",
                                    None, where, "add 'default_partition' (a stage index)")
@@ -465,7 +478,7 @@ def parameter_table() -> str:
     for p in PARAMS:
         default = {"pipeline_parallel_degree": "required", "memory_weight":
                    "0.2 if optimize is speed else 0.8", "active_microbatches":
-                   "pipeline_parallel_degree + 2"}.get(p.name, repr(p.default))
+                   "see notes"}.get(p.name, repr(p.default))
         kind = " / ".join(p.choices) if p.choices else p.kind.__name__
         rng = "" if p.minimum is None else f" >= {p.minimum}"
         rng += "" if p.maximum is None else f", <= {p.maximum}"

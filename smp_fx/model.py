@@ -422,6 +422,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
 
     def schedule(self, num_microbatches: int, forward_only: bool) -> sched.Schedule:
         cfg = state.get().config
+        placement = self.plan.placement or None if self.plan is not None else None
         return cached_schedule(cfg.pipeline, cfg.pipeline_parallel_degree, num_microbatches,
-                               cfg.active_microbatches, forward_only)
+                               cfg.active_microbatches, forward_only,
+                               cfg.virtual_pipeline_degree, placement)
 

@@ -55,7 +55,7 @@ from smp_fx.parallel import clip
 from smp_fx.parallel.build import OptimizerBinding
 from smp_fx.parallel.ddp import guard_optimizer
 from smp_fx.parallel.zero import OptimizerShards
-from smp_fx.runtime.lowering import Op
+from smp_fx.runtime.lowering import Op, trains
 from smp_fx.world import comm, context, state
 from smp_fx.world.context import current_model
 
@@ -335,7 +335,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     def grads_may_change(self, ops: Sequence[Op]) -> None:
         """Before each step (the model's mixed-precision hook): a training step makes the
         master gradients stale."""
-        if self._masters is not None and any(op.kind == "B" for op in ops):
+        if self._masters is not None and trains(ops):
             self._masters.mark_stale()
 
     # ---- checkpoints: fp16 masters and the loss scaler ride in the optimizer state -------

@@ -46,6 +46,7 @@ import networkx as nx
 import numpy as np
 
 from cost_model import roofline
+from cost_model import schedule as sched
 from cost_model.devices import DEFAULT_DEVICE, get_device
 from passes.partition_config import PartitionConfig
 from passes.partitioning.chain import Ints, Values
@@ -237,6 +238,9 @@ class Objective:
     inflight: tuple[int, ...]
     comm_time: CommTime
     link_time: CommTime
+    local: tuple[bool, ...] = ()
+    """Per stage (chunk): its successor runs on the same rank, so its boundary crosses no
+    link (the middle of ZB-V's V). Empty: every boundary crosses one."""
 
     @property
     def a(self) -> float:
@@ -246,9 +250,14 @@ class Objective:
     def b(self) -> float:
         return self.memory_weight / self.memory_total
 
+    def crosses_no_link(self, s: int) -> bool:
+        """Stage ``s`` hands its boundary to a chunk on its own rank."""
+        return bool(self.local) and self.local[s]
+
     def link_s(self, s: int, comm_bytes: float) -> float:
-        """Link occupancy of stage ``s``'s send per microbatch (the last stage sends none)."""
-        if s >= self.num_stages - 1 or comm_bytes <= 0:
+        """Link occupancy of stage ``s``'s send per microbatch (the last stage sends none,
+        nor does a chunk whose successor is on its own rank)."""
+        if s >= self.num_stages - 1 or comm_bytes <= 0 or self.crosses_no_link(s):
             return 0.0
         return float(self.link_time(comm_bytes))
 
@@ -260,16 +269,20 @@ class Objective:
 
 def make_objective(problem: DagProblem, cfg: PartitionConfig,
                    comm_time: CommTime | None = None,
-                   link_time: CommTime | None = None) -> Objective:
+                   link_time: CommTime | None = None,
+                   placement: Sequence[int] | None = None) -> Objective:
     """The objective for ``problem`` under ``cfg``.
 
     ``comm_time(bytes)`` is the duration of one transfer (reported, and simulated);
     ``link_time(bytes)`` the link occupancy the objective charges. Both come from a device
     spec, the one link model (``cost_model.roofline.comm_time`` / ``link_time``); without
     them, the default spec's (``cost_model.devices.DEFAULT_DEVICE``). A ``comm_time`` alone
-    implies ``link_occupancy(comm_time)``.
+    implies ``link_occupancy(comm_time)``. ``placement`` (the rank of every chunk; default
+    the pipeline's, ``PartitionConfig.placement``) decides which boundaries stay on a rank
+    and how many microbatches each chunk holds.
     """
-    k = cfg.num_stages
+    place = tuple(placement) if placement is not None else cfg.placement
+    k = len(place)
     factor = 2.0 + cfg.optimizer_state_factor
     t_total = float(problem.time.sum()) or 1.0
     m_total = (factor * float(np.sum(problem.param_bytes))
@@ -279,8 +292,12 @@ def make_objective(problem: DagProblem, cfg: PartitionConfig,
         link_time = link_time or default_link
     if link_time is None:
         link_time = link_occupancy(comm_time)
+    local = tuple(place[c] == place[c + 1] for c in range(k - 1)) + (True,)
+    peaks = (sched.chunk_peaks(cfg.schedule(place)) if place != cfg.placement
+             else {s: cfg.inflight(s) for s in range(k)})
     return Objective(k, float(cfg.memory_weight), t_total, m_total, factor,
-                     tuple(cfg.inflight(s) for s in range(k)), comm_time, link_time)
+                     tuple(peaks.get(s, 0) for s in range(k)), comm_time, link_time,
+                     local if any(local[:-1]) else ())
 
 
 @dataclass(frozen=True)
@@ -341,8 +358,8 @@ def evaluate(problem: DagProblem, stage: Sequence[int] | np.ndarray, obj: Object
     nown = np.bincount(owner_param, minlength=len(problem.param_names))
     for q in np.flatnonzero(nown > 1):
         shared[problem.param_names[q]] = tuple(int(s) for s in owner_stage[owner_param == q])
-    comm_t = np.array([obj.comm_time(b) if s < k - 1 and b > 0 else 0.0
-                       for s, b in enumerate(comm_bytes)])
+    comm_t = np.array([obj.comm_time(b) if s < k - 1 and b > 0 and not obj.crosses_no_link(s)
+                       else 0.0 for s, b in enumerate(comm_bytes)])
     link_t = np.array([obj.link_s(s, b) for s, b in enumerate(comm_bytes)])
     cost = np.array([obj.stage_cost(s, time_s[s], comm_bytes[s], param_s[s], saved_s[s])
                      for s in range(k)])

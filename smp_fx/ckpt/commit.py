@@ -75,6 +75,8 @@ def save_partial(obj: Any, f: str, info: RankInfo, gather: Gather,
              "pp_degree": info.pp_degree, "tp_degree": info.tp_degree,
              "num_files": info.num_files,
              "files": [{k: v for k, v in m.items() if k != "save_id"} for m in files]}
+    if info.placement:  # chunks on the ranks (virtual_pipeline_degree > 1)
+        index["placement"] = list(info.placement)
     target = partial_path(f, info.mp_rank)
     wrapped = {WRAP_KEY: PARTIAL_FORMAT, "save_id": save_id, "mp_rank": info.mp_rank,
                "object": obj}

@@ -191,9 +191,10 @@ def load(f: str, map_location: Any = None, pickle_module: Any = pickle, partial:
          weights_only: bool | None = None, **pickle_load_args: Any) -> Any:
     """Load what ``smp.save`` wrote; with ``partial`` each mp rank reads its own file.
 
-    When the partial checkpoint was saved at another pipeline degree (its index says so),
-    every file is read and the state dicts are merged by name (resharding); the model and
-    optimizer then take their own parameters.
+    When the partial checkpoint was saved at another pipeline degree or chunk placement
+    (``virtual_pipeline_degree``; its index says so), every file is read and the state
+    dicts are merged by name (resharding); the model and optimizer then take their own
+    parameters.
 
     Safety: by default only tensors, containers, numbers, strings, optimizer and
     LR-scheduler state and numpy values load (``torch.load(weights_only=True)``).
@@ -225,9 +226,7 @@ def _load(f: str, partial: bool, load_kw: dict[str, Any]) -> Any:
     index = read_index(f)
     if index is None:
         return _load_unindexed(f, info, load_kw)
-    same = (index["num_files"] == info.num_files and index["pp_degree"] == info.pp_degree
-            and index["tp_degree"] == info.tp_degree)
-    if same:
+    if info.same_layout(index):
         entry = next((e for e in index["files"] if e["mp_rank"] == info.mp_rank), None)
         if entry is None:
             raise SMPCheckpointError.build(

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from cost_model import schedule as sched
 from cost_model.errors import SMPCheckpointError
 from smp_fx.world import comm
 from smp_fx.world import state as smp_state
@@ -34,6 +35,17 @@ class RankInfo:
     pp_rank: int = 0
     tp_degree: int = 1
     tp_rank: int = 0
+    placement: tuple[int, ...] = ()
+    """The pipeline rank of each chunk (``virtual_pipeline_degree`` > 1); empty: one stage
+    per rank. A partial file holds its rank's chunks, so a checkpoint saved with another
+    placement is read like one saved at another degree."""
+
+    def same_layout(self, index: dict[str, Any]) -> bool:
+        """Whether a partial checkpoint's ``index`` was saved at these degrees and chunks,
+        so this rank's file holds exactly this rank's parameters."""
+        return (index["num_files"] == self.num_files and index["pp_degree"] == self.pp_degree
+                and index["tp_degree"] == self.tp_degree
+                and tuple(index.get("placement", ())) == self.placement)
 
 
 def current_rank() -> tuple[RankInfo, Gather]:
@@ -46,9 +58,13 @@ def current_rank() -> tuple[RankInfo, Gather]:
                 fix="call smp.init(config) before saving or loading")
         return RankInfo(), lambda value: [value]
     st = smp_state.get()
+    cfg = st.config
+    v = cfg.virtual_pipeline_degree
     info = RankInfo(mp_rank=st.axis_rank("mp"), num_files=len(st.group_ranks("mp")),
                     pp_degree=st.axis_size("pp"), pp_rank=st.axis_rank("pp"),
-                    tp_degree=st.axis_size("tp"), tp_rank=st.axis_rank("tp"))
+                    tp_degree=st.axis_size("tp"), tp_rank=st.axis_rank("tp"),
+                    placement=sched.default_placement(cfg.pipeline, st.axis_size("pp"), v)
+                    if v > 1 else ())
     if info.num_files == 1:
         return info, lambda value: [value]
     return info, lambda value: comm.allgather(value, comm.MP_GROUP)  # bounded, named waits

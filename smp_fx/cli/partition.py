@@ -11,6 +11,11 @@ Example::
 
     smp-fx partition examples/models/gpt.py --partitions 4 --microbatches 8 \\
         --json plan.json --dot plan.dot --timeline plan.png --chrome-trace step.json --compare
+    smp-fx partition examples/models/gpt.py --partitions 4 --microbatches 8 \\
+        --virtual-pipeline-degree 2 --pipeline zbv --timeline zbv.png
+
+With ``--virtual-pipeline-degree V`` the table has one row per chunk (and the rank holding
+it), then one row per rank: its chunks and its memory at the schedule's peak.
 
 Costs are per microbatch: the inputs are built for ``--batch-size`` and split into
 ``--microbatches`` parts by ``smp.step``'s own splitter (``smp_fx.runtime.microbatch``:
@@ -42,6 +47,7 @@ from torch import nn
 
 from cost_model.devices import DEFAULT_DEVICE, load_device
 from cost_model.errors import SMPConfigError, SMPError
+from cost_model.schedule import SCHEDULE_NAMES
 from passes.pipeline import Compiled, baseline_plans
 from smp_fx.cli import render
 from smp_fx.config import SMPConfig, load_config
@@ -57,6 +63,7 @@ _FLAG_TO_PARAM = {
     "memory_weight": "memory_weight",
     "microbatches": "microbatches",
     "pipeline": "pipeline",
+    "virtual_pipeline_degree": "virtual_pipeline_degree",
     "active_microbatches": "active_microbatches",
     "auto_partition": "auto_partition",
     "default_partition": "default_partition",
@@ -84,7 +91,12 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--partitions", type=int, help="pipeline_parallel_degree")
     p.add_argument("--memory-weight", type=float)
     p.add_argument("--microbatches", type=int)
-    p.add_argument("--pipeline", choices=("interleaved", "simple"))
+    p.add_argument("--pipeline", choices=SCHEDULE_NAMES,
+                   help="schedule: simple (GPipe; looped BFS at v > 1), interleaved (1F1B; "
+                        "Megatron's interleaved 1F1B at v > 1), zero_bubble (ZB-H1; "
+                        "interleaved zero bubble at v > 1), zbv (ZB-V, v = 2)")
+    p.add_argument("--virtual-pipeline-degree", type=int, metavar="V",
+                   help="virtual_pipeline_degree: chunks per pipeline rank (smp-fx extension)")
     p.add_argument("--active-microbatches", type=int)
     p.add_argument("--auto-partition", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--default-partition", type=int)
@@ -331,9 +343,10 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         progress(f"wrote {args.dot}")
     if args.timeline:
         render.draw_timeline(plan.simulate(), args.timeline,
-                             f"{Path(args.model).stem}: {plan.config.num_stages} stages, "
-                             f"{plan.config.pipeline}, step {render.human_time(plan.step_time_s)}"
-                             f", bubble {plan.bubble_fraction:.1%}")
+                             f"{Path(args.model).stem}: {render.shape_words(plan)}, "
+                             f"{plan.config.pipeline}, {plan.config.microbatches} microbatches, "
+                             f"pipeline {render.human_time(plan.pipeline_time_s)}, bubble "
+                             f"{plan.bubble_fraction:.1%}")
         progress(f"wrote {args.timeline}")
     if args.chrome_trace:
         events = plan.simulate().chrome_trace()

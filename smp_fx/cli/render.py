@@ -62,12 +62,37 @@ def _table(header: Sequence[str], rows: Sequence[Sequence[str]],
     return [line(header), line(["-" * w for w in widths]), *(line(r) for r in rows)]
 
 
+def shape_words(plan: PartitionPlan) -> str:
+    """``4 stages``, ``4 ranks x 2 chunks`` when each rank holds several, or ``3 chunks on
+    2 ranks`` when a manual partition gives ranks different numbers."""
+    v = plan.config.virtual_stages
+    if not plan.placement:
+        return f"{len(plan.stages)} stages"
+    if len(plan.stages) == plan.num_ranks * v:
+        return f"{plan.num_ranks} ranks x {v} chunks"
+    return f"{len(plan.stages)} chunks on {plan.num_ranks} ranks"
+
+
 def summary_line(plan: PartitionPlan) -> str:
-    """Objective, lower bound, their ratio, predicted step time and bubble, on one line."""
+    """Objective, lower bound, their ratio, predicted step time and bubble, on one line
+    (with the papers' bubble rate, idle over ideal, for the smp-fx schedules)."""
     c = plan.config
+    rate = f" (rate {plan.bubble_rate:.1%})" if plan.ranks else ""
     return (f"objective {plan.objective:.4f}  lower bound {plan.lower_bound:.4f}  "
             f"ratio {plan.ratio:.3f}  step {human_time(plan.step_time_s)} "
-            f"({c.pipeline}, {c.microbatches} microbatches)  bubble {plan.bubble_fraction:.1%}")
+            f"({c.pipeline}, {c.microbatches} microbatches)  bubble {plan.bubble_fraction:.1%}"
+            f"{rate}")
+
+
+def format_ranks(plan: PartitionPlan) -> list[str]:
+    """One row per rank: its chunks, their time, and its memory at the schedule's peak."""
+    header = ["rank", "chunks", "time", "static", "activations", "memory"]
+    rows = []
+    for r in plan.ranks:
+        time_s = sum(plan.stages[c].fwd_time_s + plan.stages[c].bwd_time_s for c in r.chunks)
+        rows.append([str(r.index), ", ".join(map(str, r.chunks)), human_time(time_s),
+                     human_bytes(r.static), human_bytes(r.activations), human_bytes(r.total)])
+    return _table(header, rows, [True, False, True, True, True, True])
 
 
 def format_tensor_parallel(tp_plan: TensorParallelPlan, full: dict[str, Any]) -> str:
@@ -99,23 +124,32 @@ def format_tensor_parallel(tp_plan: TensorParallelPlan, full: dict[str, Any]) ->
 
 
 def format_table(plan: PartitionPlan) -> str:
-    """The per-stage table the CLI prints; ``*`` marks the bottleneck stage."""
-    header = ["stage", "modules", "params", "param mem", "FLOPs", "time", "comm", "memory",
-              "in flight", "recv", "send", "cost"]
+    """The per-stage table the CLI prints; ``*`` marks the bottleneck stage. With several
+    chunks per rank a stage is a chunk: a ``rank`` column, then ``format_ranks``."""
+    chunked = bool(plan.placement)
+    header = ["stage", *(["rank"] if chunked else []), "modules", "params", "param mem",
+              "FLOPs", "time", "comm", "memory", "in flight", "recv", "send", "cost"]
     rows = []
     for st in plan.stages:
         mark = "*" if st.index == plan.bottleneck_stage else " "
-        rows.append([f"{mark}{st.index}", _modules_cell(st.modules), str(len(st.params)),
+        rows.append([f"{mark}{st.index}",
+                     *([str(plan.rank_of[st.index])] if chunked else []),
+                     _modules_cell(st.modules), str(len(st.params)),
                      human_bytes(st.param_bytes), human_count(st.flops, "F"),
                      human_time(st.time_s), human_time(st.comm_time_s),
                      human_bytes(st.memory.total), str(st.memory.in_flight),
                      human_bytes(plan.stages[st.index - 1].out_bytes if st.index else 0),
                      human_bytes(st.out_bytes),
                      f"{st.cost:.4f}"])
-    right = [True, False] + [True] * 10
-    lines = [f"plan: {len(plan.stages)} stages on {plan.device.get('name')}, memory_weight "
-             f"{plan.config.memory_weight}, strategy {plan.strategy}"]
+    right = [True, *([True] if chunked else []), False] + [True] * 10
+    kind = "chunks" if chunked else "stages"
+    lines = [f"plan: {len(plan.stages)} {kind} on {plan.device.get('name')}"
+             + (f" ({shape_words(plan)}, placement {list(plan.rank_of)})" if chunked else "")
+             + f", memory_weight {plan.config.memory_weight}, strategy {plan.strategy}"]
     lines += _table(header, rows, right)
+    if plan.ranks:
+        lines.append("")
+        lines += format_ranks(plan)
     for sp in plan.shared_params:
         lines.append(f"shared: {', '.join(sp.names)} ({human_bytes(sp.nbytes)}) on stages "
                      f"{', '.join(map(str, sp.stages))}: {sp.handling}")
@@ -210,34 +244,42 @@ def to_dot(gm: torch.fx.GraphModule, plan: PartitionPlan) -> str:
 
 
 def draw_timeline(sim: SimResult, path: str, title: str = "") -> None:
-    """PNG of a simulated step: one row per stage, forward/backward coloured, mb numbers."""
+    """PNG of a simulated step: one row per rank; forward, backward, input and weight
+    gradients coloured; each box labelled with its microbatch (and chunk, when a rank
+    holds several)."""
     import matplotlib
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
     from matplotlib.patches import Patch
 
-    stages = 1 + max((e.stage for e in sim.timeline), default=0)
-    fig, ax = plt.subplots(figsize=(12, 0.6 * stages + 1.6))
+    ranks = 1 + max((e.rank for e in sim.timeline), default=0)
+    several = len({e.action.stage for e in sim.timeline}) > ranks
+    fig, ax = plt.subplots(figsize=(12, 0.6 * ranks + 1.6))
     scale, unit = (1e3, "ms") if sim.step_time_s < 1 else (1.0, "s")
-    colours = {FORWARD: "#56B4E9", "B": "#E69F00"}
+    colours = {FORWARD: "#56B4E9", "B": "#E69F00", "I": "#D55E00", "W": "#009E73"}
     for e in sim.timeline:
         start, width = e.start_s * scale, (e.end_s - e.start_s) * scale
-        ax.broken_barh([(start, width)], (e.stage - 0.4, 0.8),
-                       facecolors=colours[e.action.kind], edgecolors="black", linewidth=0.5)
+        ax.broken_barh([(start, width)], (e.rank - 0.4, 0.8),
+                       facecolors=colours[e.action.kind], edgecolors="black", linewidth=0.5,
+                       alpha=0.65 if several and e.action.stage >= ranks else 1.0)
         if width > 0:
-            ax.text(start + width / 2, e.stage, str(e.action.microbatch), ha="center",
-                    va="center", fontsize=8, clip_on=True)
-    ax.set_yticks(range(stages))
-    ax.set_yticklabels([f"stage {s}" for s in range(stages)])
+            label = (f"{e.action.microbatch}" if not several
+                     else f"{e.action.microbatch}\n c{e.action.stage}")
+            ax.text(start + width / 2, e.rank, label, ha="center", va="center",
+                    fontsize=6 if several else 8, clip_on=True)
+    ax.set_yticks(range(ranks))
+    ax.set_yticklabels([f"rank {r}" for r in range(ranks)])
     ax.invert_yaxis()
     ax.set_xlabel(f"time ({unit})")
     ax.set_xlim(0, sim.step_time_s * scale * 1.01 or 1.0)
     ax.set_title(title or f"step {human_time(sim.step_time_s)}, bubble "
                  f"{sim.bubble_fraction:.1%}", loc="left")
-    ax.legend(handles=[Patch(color=colours[FORWARD], label="forward"),
-                       Patch(color=colours["B"], label="backward")],
-              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=2, fontsize=8, frameon=False)
+    kinds = sorted({e.action.kind for e in sim.timeline}, key="FBIW".index)
+    names = {FORWARD: "forward", "B": "backward", "I": "input gradient", "W": "weight gradient"}
+    ax.legend(handles=[Patch(color=colours[k], label=names[k]) for k in kinds],
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=len(kinds), fontsize=8,
+              frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -157,18 +157,19 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
     delayed-init stages are allocated for weights loaded next, not initialised."""
     st = state.get()
     cfg = st.config
-    program = split_for_rank(gm, st)
+    program = split_for_rank(gm, st, len(plan.rank_of))
     multi = multi_process(st)
     # tied parameters are found by their names, on every rank, before materialising
-    groups = tied_groups(program, st, dict(canonical)) if multi else []
-    placed = place_stages(gm, program, st, initialize)
+    groups = tied_groups(program, st, dict(canonical), plan.rank_of) if multi else []
+    placed = place_stages(gm, program, st, plan.rank_of, initialize)
     runners: dict[int, StageRunner] = dict(placed.runners)
     dp = None if cfg.sharded_data_parallel_degree > 1 else ddp.for_build(options, early_dp)
     applied: list[Parallelism] = []
 
     tied = None
     if groups:
-        duplicates = tied_duplicates(program, st.axis_rank("pp"), dict(canonical))
+        duplicates = tied_duplicates(program, st.axis_rank("pp"), dict(canonical),
+                                     plan.rank_of)
         tied = TiedReplicas(groups, duplicates, runners, canonical, window=dp)
         if placed.delayed:  # replicas initialised on different ranks: take the first's
             tied.broadcast()

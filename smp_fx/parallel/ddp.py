@@ -16,6 +16,13 @@ action in the step's op list, whatever the schedule. Gradients accumulated over 
 microbatches are then reduced bucket by bucket (``bucket_cap_mb``) as that backward produces
 them: the reduction overlaps the last microbatch's backward (``overlapping_allreduce``).
 
+With a split backward (``pipeline`` ``zero_bubble`` or ``zbv``) the weight gradients come
+from a stage's W actions, several autograd passes the reducer cannot follow: there nothing
+is armed, and right after the stage's last W of a reducing step its buckets are all-reduced
+explicitly, without waiting (``start_allreduce``); the step's end waits for them. The
+reduction overlaps the rest of the pipeline, as it starts once the stage's gradients are
+final.
+
 With ``overlapping_allreduce=False`` nothing is armed; after the step the gradients are
 all-reduced explicitly in buckets of ``bucket_cap_mb``, scaled by ``1 / dp`` before the sum
 as DDP's reducer does, so both modes give the same numbers.
@@ -58,6 +65,7 @@ from torch.nn.parallel import DistributedDataParallel
 from cost_model.errors import SMPConfigError, SMPRuntimeError
 from smp_fx.runtime.lowering import Op
 from smp_fx.runtime.seams import StageRunner, StepHooks
+from smp_fx.runtime.split_backward import PendingW
 from smp_fx.world import context, state
 
 log = logging.getLogger("smp_fx.parallel.ddp")
@@ -146,14 +154,29 @@ def allreduce_grads(bucket_list: Sequence[Sequence[nn.Parameter]], group: Any, s
     A parameter without a gradient contributes zeros and receives the average. ``zeros``
     (a rank that has joined, i.e. ran out of data) contributes zeros and keeps its grads.
     """
+    finish_allreduce(start_allreduce(bucket_list, group, size, zeros), zeros)
+
+
+Reduction = list[tuple[Any, torch.Tensor, Sequence[nn.Parameter]]]
+"""The buckets of one ``start_allreduce`` in flight: (work, flat buffer, parameters)."""
+
+
+def start_allreduce(bucket_list: Sequence[Sequence[nn.Parameter]], group: Any, size: int,
+                    zeros: bool = False) -> Reduction:
+    """Launch ``allreduce_grads``'s bucket sums without waiting (``finish_allreduce``)."""
     scale = 1.0 / size
-    works = []
+    works: Reduction = []
     for bucket in bucket_list:
         flat = torch.cat([
             torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
             if zeros or p.grad is None else p.grad.detach().reshape(-1) for p in bucket])
         flat.mul_(scale)
         works.append((dist.all_reduce(flat, group=group, async_op=True), flat, bucket))
+    return works
+
+
+def finish_allreduce(works: Reduction, zeros: bool = False) -> None:
+    """Wait for ``start_allreduce``'s sums and write the averages into ``.grad``."""
     for work, flat, bucket in works:
         work.wait()
         if zeros:
@@ -197,6 +220,22 @@ class DDPStageRunner(StageRunner):
         self.dp.backward_ran.add(self.stage.index)
         torch.autograd.backward(tensors, grads)
 
+    def backward_input(self, tensors: list[torch.Tensor], grads: list[torch.Tensor],
+                       inputs: list[torch.Tensor], microbatch: int
+                       ) -> tuple[list[torch.Tensor | None], PendingW]:
+        """A split backward's I produces no weight gradient: nothing is armed."""
+        self.dp.backward_ran.add(self.stage.index)
+        return super().backward_input(tensors, grads, inputs, microbatch)
+
+    def backward_weight(self, pending: PendingW, microbatch: int) -> None:
+        """A split backward's W; after the stage's last W of a reducing step, its bucketed
+        all-reduce starts at once (DDP's reducer cannot follow weight gradients computed in
+        several autograd passes) and overlaps the rest of the pipeline."""
+        super().backward_weight(pending, microbatch)
+        if self.dp.reduce_after_weight(self.stage.index, microbatch):
+            self.dp.started[self.stage.index] = start_allreduce(
+                self.dp.bucket_lists[self.stage.index], self.dp.group, self.dp.size)
+
 
 # ---- the per-model controller ------------------------------------------------------------
 class DataParallel(Joinable):
@@ -216,6 +255,11 @@ class DataParallel(Joinable):
         self.training_steps = 0
         self.reduce_this_step = False
         self.last_backward: dict[int, int] = {}
+        self.last_weight: dict[int, int] = {}  # a split backward's last W per stage
+        self.stage_params: dict[int, list[nn.Parameter]] = {}
+        self.shared_local = False  # a parameter several local stages (chunks) read
+        self._bucketed_for: Any = None  # the op list the bucket lists were made for
+        self.started: dict[int, Reduction] = {}  # reductions started after a stage's last W
         self.armed: set[int] = set()
         self.backward_ran: set[int] = set()
         self.reductions = 0
@@ -239,8 +283,10 @@ class DataParallel(Joinable):
                 gradient_as_bucket_view=opts.gradient_as_bucket_view)
             runner = DDPStageRunner(base, wrapper, self)
             out[s] = self.runners[s] = runner
-            self.bucket_lists[s] = buckets(list(base.stage.module.parameters()),
-                                           opts.bucket_cap_mb)
+            self.stage_params[s] = list(base.stage.module.parameters())
+            self.bucket_lists[s] = buckets(self.stage_params[s], opts.bucket_cap_mb)
+        ids = [id(p) for params in self.stage_params.values() for p in params]
+        self.shared_local = len(ids) != len(set(ids))
         log.info("smp-fx ddp: stages %s wrapped over an rdp group of %d (overlap=%s, bpps=%d)",
                  sorted(self.runners), self.size, opts.overlapping_allreduce,
                  opts.backward_passes_per_step)
@@ -260,9 +306,13 @@ class DataParallel(Joinable):
     def pre_step(self, ops: Sequence[Op]) -> None:
         """Find each local stage's last backward action; decide whether this step reduces."""
         self.last_backward = {op.stage: op.microbatch for op in ops if op.kind == "B"}
+        self.last_weight = {op.stage: op.microbatch for op in ops if op.kind == "W"}
+        if self.shared_local and ops is not self._bucketed_for:
+            self._own_shared(ops)
         self.armed = set()
+        self.started = {}
         self.backward_ran = set()
-        training = bool(self.last_backward)
+        training = bool(self.last_backward or self.last_weight)
         work = Join.notify_join_context(self)
         if work is not None:  # inside join(): joined ranks shadow this step
             work.wait()
@@ -275,9 +325,28 @@ class DataParallel(Joinable):
             for r in self.runners.values():
                 r.ddp.require_forward_param_sync = True
 
+    def _own_shared(self, ops: Sequence[Op]) -> None:
+        """A parameter several local stages read (a tied embedding and head in ZB-V's V on
+        rank 0) is reduced once, with the stage whose last backward comes last in ``ops``:
+        reduced earlier, the later stage's gradients would be lost."""
+        last = {op.stage: i for i, op in enumerate(ops) if op.kind in ("B", "W")}
+        owner: dict[int, int] = {}
+        for s in sorted(self.stage_params, key=lambda s: last.get(s, -1)):
+            for p in self.stage_params[s]:
+                owner[id(p)] = s
+        for s, params in self.stage_params.items():
+            self.bucket_lists[s] = buckets([p for p in params if owner[id(p)] == s],
+                                           self.options.bucket_cap_mb)
+        self._bucketed_for = ops
+
     def arm_now(self, stage: int, microbatch: int) -> bool:
+        # two DDP reducers of one parameter would each reduce it: reduce explicitly instead
         return (self.reduce_this_step and self.options.overlapping_allreduce
-                and self.last_backward.get(stage) == microbatch)
+                and not self.shared_local and self.last_backward.get(stage) == microbatch)
+
+    def reduce_after_weight(self, stage: int, microbatch: int) -> bool:
+        return (self.reduce_this_step and self.options.overlapping_allreduce
+                and self.last_weight.get(stage) == microbatch)
 
     def post_step(self) -> None:
         """Non-overlapping mode: reduce now. A stage whose step ran no backward at all (the
@@ -289,9 +358,12 @@ class DataParallel(Joinable):
             if s in self.armed:
                 _check_finalized(self.runners[s].ddp, s)
                 continue
+            if s in self.started:
+                finish_allreduce(self.started.pop(s))
+                continue
             if s not in self.backward_ran:
                 continue
-            if self.options.overlapping_allreduce:
+            if self.options.overlapping_allreduce and not self.shared_local:
                 raise SMPRuntimeError.build(
                     "the stage's last backward of the step did not run, so its gradients "
                     "were not reduced over the data-parallel group", f"stage {s}",

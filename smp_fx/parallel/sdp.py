@@ -48,7 +48,7 @@ from torch import nn
 from cost_model.errors import SMPConfigError, not_implemented
 from smp_fx.parallel.ddp import DataParallelOptions, allreduce_grads, buckets
 from smp_fx.parallel.zero import broadcast_flat
-from smp_fx.runtime.lowering import Op
+from smp_fx.runtime.lowering import Op, trains
 from smp_fx.runtime.seams import StageRunner, StepHooks
 from smp_fx.world import state
 
@@ -213,7 +213,7 @@ class ShardedDataParallel:
 
     def pre_step(self, ops: Sequence[Op]) -> None:
         """Note whether the step trains; broadcast buffers from dp rank 0 (DDP's default)."""
-        self._training = any(op.kind == "B" for op in ops)
+        self._training = trains(ops)
         if self.broadcast_buffers and self.buffers:
             broadcast_flat(self.buffers, self.src, self.group)
 

@@ -29,7 +29,7 @@ from torch import nn
 from passes.tensor_parallel import TensorParallelPlan
 from passes.tensor_parallel import collectives as tp_collectives
 from passes.tensor_parallel.coverage import coverage
-from smp_fx.runtime.lowering import Op
+from smp_fx.runtime.lowering import Op, trains
 from smp_fx.runtime.seams import StepHooks
 from smp_fx.world import state
 
@@ -79,7 +79,7 @@ class TensorParallelRuntime:
         return id(param) in self._distributed_ids
 
     def pre_step(self, ops: Sequence[Op]) -> None:
-        self._training = any(op.kind == "B" for op in ops)
+        self._training = trains(ops)
 
     def post_step(self) -> None:
         if self._training and self.chunked:

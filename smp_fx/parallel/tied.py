@@ -117,39 +117,46 @@ class TiedReplicas:
                 local.copy_(g + b if b is not None else g)
 
 
-def tied_duplicates(program: StagedProgram, stage: int,
-                     canonical: dict[str, str]) -> frozenset[str]:
-    """Names (canonical, as ``local_named_parameters`` gives them) of ``stage``'s parameters
-    whose tied twin a lower stage holds too."""
-    lower = {canonical.get(n, n) for s in range(stage)
-             for n, _ in program.stages[s].module.named_parameters()}
-    mine = {canonical.get(n, n) for n, _ in program.stages[stage].module.named_parameters()}
-    return frozenset(mine & lower)
+def tied_duplicates(program: StagedProgram, pp_rank: int, canonical: dict[str, str],
+                    rank_of: Sequence[int] | None = None) -> frozenset[str]:
+    """Names (canonical, as ``local_named_parameters`` gives them) of pipeline rank
+    ``pp_rank``'s parameters whose tied twin a lower rank holds too (``rank_of``: the rank
+    of each stage, chunks of one rank sharing their parameters; default one stage each)."""
+    rank_of = list(rank_of) if rank_of is not None else list(range(len(program.stages)))
+
+    def names(ranks: Any) -> set[str]:
+        return {canonical.get(n, n) for s, st in enumerate(program.stages) if rank_of[s] in ranks
+                for n, _ in st.module.named_parameters()}
+
+    return frozenset(names({pp_rank}) & names(set(range(pp_rank))))
 
 
-def tied_groups(program: StagedProgram, st: state.State,
-                 canonical: dict[str, str]) -> list[tuple[Any, list[str]]]:
+def tied_groups(program: StagedProgram, st: state.State, canonical: dict[str, str],
+                rank_of: Sequence[int] | None = None) -> list[tuple[Any, list[str]]]:
     """Groups of the pp ranks owning each tied parameter; created collectively on all ranks.
 
     Tied-ness comes from the original module's aliases (``canonical``: every name -> its
     first name), never from parameter identity here: a delayed (meta) model's stages may
     hold re-created parameters, and every rank must agree on the groups it creates.
+    ``rank_of``: the pipeline rank of each stage; chunks of one rank share one parameter,
+    so a tied parameter only its chunks read needs no group.
     """
+    rank_of = list(rank_of) if rank_of is not None else list(range(len(program.stages)))
     owners: dict[str, list[int]] = {}
     for s, stage in enumerate(program.stages):
         for name, _ in stage.module.named_parameters():
             canon = canonical.get(name, name)
             owners.setdefault(canon, [])
-            if s not in owners[canon]:
-                owners[canon].append(s)
+            if rank_of[s] not in owners[canon]:
+                owners[canon].append(rank_of[s])
     by_owner_set: dict[tuple[int, ...], list[str]] = {}
-    for canon, stages in sorted(owners.items()):
-        if len(stages) > 1:
-            by_owner_set.setdefault(tuple(stages), []).append(canon)
+    for canon, ranks_of in sorted(owners.items()):
+        if len(ranks_of) > 1:
+            by_owner_set.setdefault(tuple(sorted(ranks_of)), []).append(canon)
     out: list[tuple[Any, list[str]]] = []
-    for owner_stages, canons in sorted(by_owner_set.items()):
+    for owner_ranks, canons in sorted(by_owner_set.items()):
         for pipeline in st.topology.groups("pp"):
-            ranks = [pipeline[s] for s in owner_stages]
+            ranks = [pipeline[r] for r in sorted(owner_ranks)]
             group = dist.new_group(ranks)
             if st.rank in ranks:  # local_named_parameters() names them canonically too
                 out.append((group, list(canons)))

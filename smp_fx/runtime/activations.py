@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +38,7 @@ class SavedRecord:
 
     saved: int = 0
     offloaded: int = 0
+    rebuilt: int = 0  # checkpointed regions rebuilt for a split backward, kept until its W
 
     @property
     def on_device(self) -> int:
@@ -123,6 +124,7 @@ class ActivationKeeper:
         self._mb, self._plain, self._region, self._sizes = microbatch, set(), {}, {}
         self.excluded = {_key(t) for t in self.state}  # where they live at this forward (model.to)
         self._handles[microbatch] = []
+        record = self.records[microbatch] = SavedRecord()
         _active.keeper = self
         try:
             with torch.autograd.graph.saved_tensors_hooks(self._pack_plain, _unpack):
@@ -131,9 +133,8 @@ class ActivationKeeper:
             _active.keeper = None
         sizes = self._sizes
         leaving = sum(b for k, b in self._region.items() if k not in self._plain)
-        self.records[microbatch] = SavedRecord(
-            sum(sizes.get(k, 0) for k in self._plain | set(self._region)),
-            leaving if self.offload else 0)
+        record.saved = sum(sizes.get(k, 0) for k in self._plain | set(self._region))
+        record.offloaded = leaving if self.offload else 0
         for h in self._handles[microbatch]:
             h.settle()
 
@@ -181,6 +182,21 @@ def _unpack(packed: Any) -> torch.Tensor:
     return packed.unpack() if isinstance(packed, _Offloaded) else packed
 
 
+def rebuild_sink() -> Callable[[int], None] | None:
+    """Where a checkpointed region made in this thread's stage forward reports the bytes
+    its recompute rebuilt and keeps (``smp_fx.runtime.recompute_once``): that microbatch's
+    record (None outside a counting stage forward)."""
+    keeper = getattr(_active, "keeper", None)
+    if keeper is None:
+        return None
+    record = keeper.records[keeper._mb]
+
+    def sink(nbytes: int) -> None:
+        record.rebuilt += nbytes
+
+    return sink
+
+
 def region_hooks() -> contextlib.AbstractContextManager[Any]:
     """The hooks a checkpointed region's inputs are saved under on this thread's stage."""
     keeper = getattr(_active, "keeper", None)
@@ -194,16 +210,17 @@ def _key(t: torch.Tensor) -> int:
 def prefetch_points(ops: Sequence[Op], stage: int, horizon: int) -> dict[int, list[int]]:
     """Op position -> microbatches whose offloaded inputs start back before that op.
 
-    A stage's tasks are its ``F`` and ``B`` ops in schedule order; microbatch m's inputs
-    start back ``horizon`` tasks before ``B(m)``, and never before the task after
-    ``F(m)`` (they must have left first).
+    A stage's tasks are its ``F``, ``B``, ``I`` and ``W`` ops in schedule order; microbatch
+    m's inputs start back ``horizon`` tasks before its backward (``B(m)``, or ``I(m)``,
+    which rebuilds the regions), and never before the task after ``F(m)`` (they must have
+    left first).
     """
-    tasks = [(i, op) for i, op in enumerate(ops) if op.stage == stage and op.kind in "FB"
-             and len(op.kind) == 1]
+    tasks = [(i, op) for i, op in enumerate(ops) if op.stage == stage
+             and op.kind in ("F", "B", "I", "W")]
     forward_at = {op.microbatch: k for k, (_, op) in enumerate(tasks) if op.kind == "F"}
     out: dict[int, list[int]] = {}
     for k, (_, op) in enumerate(tasks):
-        if op.kind != "B" or op.microbatch not in forward_at:
+        if op.kind not in ("B", "I") or op.microbatch not in forward_at:
             continue
         at = max(k - horizon, forward_at[op.microbatch] + 1)
         out.setdefault(tasks[at][0], []).append(op.microbatch)

@@ -16,6 +16,11 @@ region's GraphModule is deliberately not a registered submodule, so its paramete
 not listed twice; it refers to the same Parameter objects, so outline after the stage's
 parameters reached their device.
 
+Under a split backward (``pipeline`` ``zero_bubble`` or ``zbv``) a region is rebuilt by
+``smp_fx.runtime.recompute_once`` instead: torch's checkpoint rebuilds it for each backward
+pass, and the I and the W of a microbatch are two; rebuilt once, the region keeps what the
+recompute made from its I to its W.
+
 ``ActivationCheckpointing`` is this as one step of the parallelisms' build
 (``smp_fx.parallel.build``): it outlines every local stage's regions and gives each stage
 the saved-tensor hooks (``ActivationKeeper``) that count what its forwards keep and, with
@@ -32,10 +37,12 @@ import torch.fx
 import torch.utils.checkpoint
 
 from cost_model.errors import SMPConfigError
+from cost_model.schedule import SPLIT_BACKWARD
 from passes import meta
 from passes.checkpoint_regions import COMPUTE, region_inputs
 from passes.plan import PartitionPlan
 from smp_fx.runtime.activations import ActivationKeeper, region_hooks
+from smp_fx.runtime.recompute_once import checkpoint_once
 from smp_fx.runtime.seams import StageRunner, StepHooks
 
 
@@ -43,10 +50,11 @@ class RegionCall:
     """One checkpointed region: ``call(*inputs)`` returns the region's outputs as a tuple."""
 
     def __init__(self, name: str, module: torch.fx.GraphModule,
-                 preserve_rng_state: bool) -> None:
+                 preserve_rng_state: bool, once: bool = False) -> None:
         self.name = name
         self.module = module
         self.preserve_rng_state = preserve_rng_state
+        self.once = once  # a split backward: rebuild once for its I and W (recompute_once)
         self.__name__ = "checkpoint_" + "".join(c if c.isalnum() else "_" for c in name)
 
     def __call__(self, *inputs: Any) -> tuple[Any, ...]:
@@ -57,6 +65,9 @@ class RegionCall:
         if not torch.is_grad_enabled():
             return tuple(run(*inputs))
         with region_hooks():  # the region's inputs are saved here, its insides by torch
+            if self.once:
+                return tuple(checkpoint_once(run, *inputs,
+                                             preserve_rng_state=self.preserve_rng_state))
             return tuple(torch.utils.checkpoint.checkpoint(
                 run, *inputs, use_reentrant=False, preserve_rng_state=self.preserve_rng_state))
 
@@ -82,8 +93,9 @@ class ActivationCheckpointing:
                 "call smp.set_activation_checkpointing(module) before the first step, or "
                 "drop 'offload_activations'")
         self.keepers: dict[int, ActivationKeeper] = {}
+        once = plan.config.pipeline in SPLIT_BACKWARD
         for s, r in sorted(runners.items()):
-            outline_regions(r.stage.module)
+            outline_regions(r.stage.module, once)
             state_tensors = [*r.stage.module.parameters(), *r.stage.module.buffers()]
             self.keepers[s] = ActivationKeeper(state_tensors, offload=offload)
 
@@ -91,8 +103,9 @@ class ActivationCheckpointing:
         return StepHooks()
 
 
-def outline_regions(module: torch.fx.GraphModule) -> list[RegionCall]:
-    """Rewrite ``module``'s graph in place: each region's nodes become one region call.
+def outline_regions(module: torch.fx.GraphModule, once: bool = False) -> list[RegionCall]:
+    """Rewrite ``module``'s graph in place: each region's nodes become one region call
+    (``once``: rebuilt once for a split backward's I and W, ``recompute_once``).
 
     Nodes outside a region that read its outputs move after the call (the compiler
     checked none of them feeds the region back). Returns the region calls, in order.
@@ -105,7 +118,7 @@ def outline_regions(module: torch.fx.GraphModule) -> list[RegionCall]:
             members.setdefault(region.name, []).append(node)
     calls = []
     for name, nodes in members.items():
-        calls.append(_outline(module, name, nodes))
+        calls.append(_outline(module, name, nodes, once))
     if calls:
         graph.lint()
         module.recompile()
@@ -113,7 +126,7 @@ def outline_regions(module: torch.fx.GraphModule) -> list[RegionCall]:
 
 
 def _outline(module: torch.fx.GraphModule, name: str,
-             nodes: list[torch.fx.Node]) -> RegionCall:
+             nodes: list[torch.fx.Node], once: bool) -> RegionCall:
     graph = module.graph
     inside = set(nodes)
     inputs = region_inputs(nodes)
@@ -130,7 +143,7 @@ def _outline(module: torch.fx.GraphModule, name: str,
     sub.output(tuple(env[n] for n in outputs))
     region = meta.CKPT_REGION.get(nodes[0])
     call_obj = RegionCall(name, torch.fx.GraphModule(module, sub, class_name="Region"),
-                          region.preserve_rng_state)
+                          region.preserve_rng_state, once)
     # outside nodes after the first region node that read it move after the call
     later: list[torch.fx.Node] = []
     moved: set[torch.fx.Node] = set()

@@ -392,7 +392,9 @@ class Conductor:
         if s.driving or s.holder is not None or s.next >= len(s.ops):
             return
         op = s.ops[s.next]
-        if op.kind == "F" and not s.started[op.microbatch]:
+        # a forward, or the receive a lazy driver stopped before (``_take_turn``): with
+        # several stages on a rank the thread waiting for its outputs may be asleep
+        if (op.kind == "F" or op.kind.startswith("RECV")) and not s.started[op.microbatch]:
             self._start(s, op.microbatch)
 
     def _start(self, s: StepTurns, j: int) -> None:

@@ -83,24 +83,28 @@ def _lost_step(flag: int, what: str, stage: int, mb: int) -> SMPError:
 class DistTransport:
     """torch.distributed point-to-point between the ranks holding each stage.
 
-    ``ranks[s]`` is the global rank holding stage ``s`` of this rank's pipeline.
-    ``groups`` maps a channel to its process group; a channel it does not name uses the
-    world group. The runtime passes ``DistTransport.make_groups()`` (created collectively on
-    every rank): a group, and so a connection, per channel. Under NCCL this keeps the
-    ``"out"`` messages from interleaving with gradients between the same two ranks (NCCL
-    matches point-to-point messages by order, per communicator). Under gloo it keeps a
+    ``ranks[s]`` is the global rank holding stage ``s`` of this rank's pipeline (a rank may
+    hold several stages, chunks of the model; ``lanes[s]`` is stage ``s``'s index among its
+    rank's). ``groups`` maps a (channel, lane) to its process group; one it does not name
+    uses the world group. The runtime passes ``DistTransport.make_groups()`` (created
+    collectively on every rank): a group, and so a connection, per channel and lane. Under
+    NCCL this keeps the ``"out"`` messages from interleaving with gradients between the
+    same two ranks (NCCL matches point-to-point messages by order, per communicator).
+    Under gloo it keeps a
     rank's sends off the connection its incoming messages arrive on: gloo locks a
     connection while its thread reads a message in, and a send that needs the same lock
     waits (1F1B steps 2-3 % faster with a connection per channel; docs/performance.md).
     """
 
     def __init__(self, ranks: list[int], stage: int, device: torch.device,
-                 timeout_s: float, groups: Mapping[str, Any] | None = None) -> None:
+                 timeout_s: float, groups: Mapping[tuple[str, int], Any] | None = None,
+                 lanes: tuple[int, ...] | None = None) -> None:
         self.ranks = ranks
         self.stage = stage
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
-        self.groups: dict[str, Any] = dict(groups or {})
+        self.groups: dict[tuple[str, int], Any] = dict(groups or {})
+        self.lanes = lanes if lanes is not None else (0,) * len(ranks)
         self._pending: list[tuple[Any, torch.Tensor, int]] = []  # (work, tensor, peer stage)
         self._buffers = BufferPool(device)
         self._p2p_cache: dict[tuple[int, int], tuple[Any, int]] = {}
@@ -125,13 +129,20 @@ class DistTransport:
         self.where: Callable[[], str] | None = None
 
     @staticmethod
-    def make_groups(backend: str | None = None) -> dict[str, Any]:
-        """A process group per channel; collective: call on every rank in the same order."""
+    def make_groups(backend: str | None = None, lanes: int = 1) -> dict[tuple[str, int], Any]:
+        """A process group per channel and lane; collective: call on every rank in the same
+        order. ``lanes``: the most stages (chunks) a rank holds. A stream between two ranks
+        uses the lane of its sending stage: the chunks of one rank have distinct lanes, so
+        two streams between the same two ranks on one channel (chunks 0 -> 1 and 2 -> 3 of a
+        round robin) never share a group, and each keeps its own order (NCCL matches
+        point-to-point messages by order per communicator, gloo per peer and tag)."""
         ranks = list(range(dist.get_world_size()))
-        return {channel: dist.new_group(ranks, backend=backend) for channel in CHANNELS}
+        return {(channel, lane): dist.new_group(ranks, backend=backend)
+                for lane in range(lanes) for channel in CHANNELS}
 
-    def _group(self, channel: str) -> Any:
-        return self.groups.get(channel)
+    def _group(self, channel: str, src: int) -> Any:
+        """The group of the stream ``src`` sends on ``channel`` (its lane's)."""
+        return self.groups.get((channel, self.lanes[src]))
 
     def _p2p(self, peer: int, group: Any) -> tuple[Any, int]:
         """The process group object and ``peer``'s rank in it. Point-to-point calls go to
@@ -176,7 +187,7 @@ class DistTransport:
         """Whether a stream on ``channel`` keeps its receives posted ahead (see the module
         doc); sender and receiver decide it alike, so the sender knows how many receives in
         an old layout a header change must fill."""
-        return channel == "out" or dist.get_backend(self._group(channel)) == "gloo"
+        return channel == "out" or dist.get_backend(self._group(channel, self.stage)) == "gloo"
 
     def _skips(self, channel: str, later: int) -> int:
         """Skip fills after a header change with ``later`` more messages this step: one per
@@ -193,15 +204,15 @@ class DistTransport:
         step (``plan_sends``) is followed by a skip fill for that message's receives, which
         the receiver may have posted in the old layout."""
         try:
-            self._send(value, dst, channel)
+            self._send(value, src, dst, channel)
         except SMPError:
             raise
         except RuntimeError as exc:  # posting on a connection the peer closed
             raise self._failed(exc, dst, receiving=False) from exc
 
-    def _send(self, value: Any, dst: int, channel: str) -> None:
+    def _send(self, value: Any, src: int, dst: int, channel: str) -> None:
         key = (dst, channel)
-        peer, group = self.ranks[dst], self._group(channel)
+        peer, group = self.ranks[dst], self._group(channel, src)
         old = self._sent.get(key)
         to_send = self._to_send.get(key, 0)
         if to_send:
@@ -250,7 +261,7 @@ class DistTransport:
     # ---- receiving ----------------------------------------------------------------------
     def _post(self, src: int, channel: str) -> _Posted:
         """Post the receives of the next message from ``src``, shaped by the known header."""
-        peer, group = self.ranks[src], self._group(channel)
+        peer, group = self.ranks[src], self._group(channel, src)
         header = self._got.get((src, channel))
         frame = self._buffers.take(wire.frame_size(header))
         work = self._irecv(frame, peer, group)
@@ -345,7 +356,7 @@ class DistTransport:
                                      dst, mb)
                 self._give_back(skip)
             data = torch.empty(flag, dtype=torch.uint8, device=self.device)
-            self._wait(self._irecv(data, self.ranks[src], self._group(channel)))
+            self._wait(self._irecv(data, self.ranks[src], self._group(channel, src)))
             self._got[key] = wire.decode(data.cpu().numpy().tobytes())
             self._give_back(posted)
             posted = self._post(src, channel)

@@ -5,7 +5,15 @@
 order, and performs each op when its turn comes (``_execute``): stage forward and
 backward through the stage's ``StageRunner``, transfers through the ``Transport``. Every
 value a microbatch holds on this rank during a step (received inputs, stage results,
-gradients) is the executor's (``_MbData``); the conductor sees requests and outputs only.
+gradients) is the executor's (``MbData``); the conductor sees requests and outputs only.
+
+A rank may hold several stages (chunks of the model, ``virtual_pipeline_degree``): each has
+its runner, and a transfer between two of them stays in this process (``_via``: a mailbox of
+its own). A split backward (``pipeline`` ``zero_bubble`` or ``zbv``) runs as an ``I`` op,
+which computes the stage's input gradients only and sends them on
+(``StageRunner.backward_input``, ``smp_fx.runtime.split_backward``), and a later ``W`` op,
+which computes its weight gradients from the graph the I kept (``backward_weight``); a
+microbatch's backward on the rank is done after its last B or W.
 
 Whether a microbatch's backward runs is the step function's decision (it calls
 ``model.backward`` or not), taken where the loss is: ``WAIT_B`` waits for it on the last
@@ -31,7 +39,7 @@ the transport's errors use to say what this rank was doing.
 
 Everything else the executor holds during a step (its lowering, the loss scale, the values
 of every microbatch, the offloaded activations' prefetch points, the statistics) is one
-``_StepRun``, made for each step and dropped after it; what the executor keeps between steps
+``StepRun``, made for each step and dropped after it; what the executor keeps between steps
 is what it was built with and the lowering cache.
 """
 
@@ -39,12 +47,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from cost_model import schedule as sched
 from cost_model.errors import SMPInternalError, SMPRuntimeError
@@ -52,47 +59,13 @@ from passes.split_stages import StagedProgram
 from smp_fx.runtime.activations import ActivationKeeper, prefetch_points
 from smp_fx.runtime.conductor import Conductor
 from smp_fx.runtime.flight import FlightRecorder
-from smp_fx.runtime.lowering import Lowered, LoweredCache, Op
+from smp_fx.runtime.lowering import LoweredCache, Op
 from smp_fx.runtime.modes import thread_modes
 from smp_fx.runtime.seams import PostStep, PreStep, StageRunner
-from smp_fx.runtime.transport import Transport
+from smp_fx.runtime.step_data import MbData, StepRun, StepStats
+from smp_fx.runtime.transport import InProcessTransport, Transport
 from smp_fx.runtime.turns import Microbatch, Request
-
-
-@dataclass
-class _MbData:
-    """Everything one microbatch holds on this rank during a step (per stage: name -> value)."""
-
-    skip: dict[int, bool] = field(default_factory=dict)  # stage -> its backward was skipped
-    inputs: dict[int, dict[str, Any]] = field(default_factory=dict)
-    results: dict[int, dict[str, Any]] = field(default_factory=dict)
-    grads: dict[int, dict[str, list[Any]]] = field(default_factory=dict)  # from later stages
-    send_grads: dict[int, dict[str, list[Any]]] = field(default_factory=dict)
-    b_done: int = 0  # local stages whose backward finished
-    cut: Any = None  # the last stage's outputs as handed to the user
-    used: Any = None  # (indices of output leaves that got a gradient, those that need one)
-
-
-@dataclass
-class StepStats:
-    """What the last step did: peak microbatches holding saved state, per local stage."""
-
-    peak_in_flight: dict[int, int] = field(default_factory=dict)
-    ops: tuple[Op, ...] = ()
-
-
-@dataclass(eq=False, slots=True)
-class _StepRun:
-    """What the executor holds during one step: its lowering, the loss scale, each
-    microbatch's values, the ops after which offloaded activations come back, the
-    statistics, and the position of the op being performed."""
-
-    lowered: Lowered
-    scale: float
-    data: list[_MbData]
-    prefetch: dict[int, list[tuple[int, int]]]
-    stats: StepStats
-    at: int = 0
+from smp_fx.runtime.values import leaves, sent_copy, to_device, user_copy
 
 
 @dataclass(frozen=True)
@@ -152,7 +125,10 @@ class Executor:
         self.keepers: Mapping[int, ActivationKeeper] = dict(keepers or {})
         self.loading_horizon = options.loading_horizon
         self._lowerings = LoweredCache(program, options.multi_process)
-        self._run: _StepRun | None = None  # the running step's
+        # transfers between two stages of this rank stay here (chunks of one rank)
+        self._local: Transport = (InProcessTransport({s: r.device for s, r in runners.items()})
+                                  if options.multi_process else transport)
+        self._run: StepRun | None = None  # the running step's
         # the value names each (stage, peer) transfer carries
         self._send_names = {(s, d): names for s, st in enumerate(program.stages)
                             for d, names in st.sends}
@@ -177,7 +153,7 @@ class Executor:
                 for i, mbs in prefetch_points(step.ops, s, self.loading_horizon).items():
                     prefetch.setdefault(i, []).extend((s, mb) for mb in mbs)
         self.stats = StepStats({s: 0 for s in stages}, step.ops)
-        run = self._run = _StepRun(step, scale, [_MbData() for _ in microbatches], prefetch,
+        run = self._run = StepRun(step, scale, [MbData() for _ in microbatches], prefetch,
                                    self.stats)
         self.flight.begin(step.ops)
         try:
@@ -213,12 +189,16 @@ class Executor:
             self.keepers[s].prefetch(mb)
         getattr(self, "_op_" + op.kind.lower())(run, op)
 
-    def _op_recv_act(self, run: _StepRun, op: Op) -> None:
-        vals = self.transport.recv(op.peer, op.stage, "act", op.microbatch)
+    def _via(self, peer: int) -> Transport:
+        """The transport to stage ``peer``: this process's mailbox for a local stage."""
+        return self._local if peer in self.runners else self.transport
+
+    def _op_recv_act(self, run: StepRun, op: Op) -> None:
+        vals = self._via(op.peer).recv(op.peer, op.stage, "act", op.microbatch)
         names = self._recv_names[(op.stage, op.peer)]
         run.data[op.microbatch].inputs.setdefault(op.stage, {}).update(zip(names, vals))
 
-    def _op_f(self, run: _StepRun, op: Op) -> None:
+    def _op_f(self, run: StepRun, op: Op) -> None:
         mb, s = op.microbatch, op.stage
         req = self.conductor.forward_of(mb, s)
         d, runner, stage = run.data[mb], self.runners[s], self.program.stages[s]
@@ -226,7 +206,7 @@ class Executor:
         if stage.program_inputs:
             bound = self.program.bind_inputs(*req.args)
             for name in stage.program_inputs:
-                received[name] = _to_device(bound[name], runner.device)
+                received[name] = to_device(bound[name], runner.device)
         if self.check_received is not None and stage.recvs:
             self.check_received(s, received, self.rank, *req.args)
         keeper = self.keepers.get(s)
@@ -236,49 +216,50 @@ class Executor:
         d.results[s] = dict(zip(stage.output_names, outs))
         if req.grad_enabled:
             run.stats.peak_in_flight[s] = max(
-                run.stats.peak_in_flight[s], sum(1 for x in run.data if s in x.results))
+                run.stats.peak_in_flight[s],
+                sum(1 for x in run.data if s in x.results or s in x.pending))
         if s == self.last:
             # The user's loss graph hangs off these very tensors, so model.backward(loss)
             # reaches the stage in one autograd pass; a hook per output records which ones
             # the loss used (an unused one is an error, as in SMP).
             got: set[int] = set()
             need = []
-            for i, t in enumerate(_leaves(outs)):
+            for i, t in enumerate(leaves(outs)):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(functools.partial(_mark_used, got, i))
                     need.append(i)
-            d.cut, d.used = (_sent_copy(outs) if self.multi_process else outs), (got, need)
+            d.cut, d.used = (sent_copy(outs) if self.multi_process else outs), (got, need)
             self.conductor.publish_outputs(mb, self.program.build_outputs(outs))
         if not req.grad_enabled:
             d.inputs.pop(s, None)
 
-    def _op_send_act(self, run: _StepRun, op: Op) -> None:
+    def _op_send_act(self, run: StepRun, op: Op) -> None:
         names = self._send_names[(op.stage, op.peer)]
         res = run.data[op.microbatch].results[op.stage]
-        self.transport.send(tuple(res[n] for n in names), op.stage, op.peer, "act",
-                            op.microbatch)
+        self._via(op.peer).send(tuple(res[n] for n in names), op.stage, op.peer, "act",
+                                op.microbatch)
 
-    def _op_send_out(self, run: _StepRun, op: Op) -> None:
-        self.transport.send(run.data[op.microbatch].cut, op.stage, op.peer, "out",
-                            op.microbatch)
+    def _op_send_out(self, run: StepRun, op: Op) -> None:
+        self._via(op.peer).send(run.data[op.microbatch].cut, op.stage, op.peer, "out",
+                                op.microbatch)
 
-    def _op_recv_out(self, run: _StepRun, op: Op) -> None:
+    def _op_recv_out(self, run: StepRun, op: Op) -> None:
         self._deliver_outputs(run, op.microbatch,
-                              self.transport.recv(op.peer, op.stage, "out", op.microbatch))
+                              self._via(op.peer).recv(op.peer, op.stage, "out", op.microbatch))
 
-    def _deliver_outputs(self, run: _StepRun, mb: int, cut: Any, defer: bool = False) -> None:
+    def _deliver_outputs(self, run: StepRun, mb: int, cut: Any, defer: bool = False) -> None:
         """The last stage's outputs, received on this rank: to microbatch ``mb``'s thread."""
         run.data[mb].cut = cut
-        self.conductor.publish_outputs(mb, self.program.build_outputs(_user_copy(cut)),
+        self.conductor.publish_outputs(mb, self.program.build_outputs(user_copy(cut)),
                                        hand=False, defer=defer)
 
-    def _op_wait_b(self, run: _StepRun, op: Op) -> None:
+    def _op_wait_b(self, run: StepRun, op: Op) -> None:
         run.data[op.microbatch].skip[op.stage] = (
             self.conductor.backward_of(op.microbatch) is None)
 
-    def _op_recv_grad(self, run: _StepRun, op: Op) -> None:
+    def _op_recv_grad(self, run: StepRun, op: Op) -> None:
         d = run.data[op.microbatch]
-        grads, cut = self.transport.recv(op.peer, op.stage, "grad", op.microbatch)
+        grads, cut = self._via(op.peer).recv(op.peer, op.stage, "grad", op.microbatch)
         if cut is not None and d.cut is None:  # the last stage's outputs, relayed
             # held back until this rank would wait, unless it will not wait again this step
             self._deliver_outputs(run, op.microbatch, cut, defer=run.at != run.lowered.last_recv)
@@ -293,60 +274,112 @@ class Executor:
         for name, g in zip(names, grads):
             acc.setdefault(name, []).append(g)
 
-    def _op_b(self, run: _StepRun, op: Op) -> None:
+    def _op_b(self, run: StepRun, op: Op) -> None:
         mb, s = op.microbatch, op.stage
         d = run.data[mb]
-        if d.skip[s]:
-            self._finish_backward(run, mb, s)
-            return
+        if not d.skip[s]:
+            req, tensors, grads = self._backward_roots(run, mb, s)
+            if tensors:
+                with thread_modes(True, req.autocast):  # the seam (DDP) sees every pass
+                    self.runners[s].backward(tensors, grads, mb)
+            self._check_last(d, s)
+        self._finish_backward(run, mb, s)
+        self._backward_done(run, mb)
+
+    def _op_i(self, run: StepRun, op: Op) -> None:
+        """A split backward's input gradients (``split_backward``): sent on now, the
+        weight gradients kept for this stage's ``W`` of the microbatch."""
+        mb, s = op.microbatch, op.stage
+        d = run.data[mb]
+        got: list[torch.Tensor | None] = []
+        if not d.skip[s]:
+            req, tensors, grads = self._backward_roots(run, mb, s)
+            inputs = self._inputleaves(d, s)
+            if tensors:
+                with thread_modes(True, req.autocast):
+                    got, d.pending[s] = self.runners[s].backward_input(
+                        tensors, grads, [t for t in inputs if isinstance(t, torch.Tensor)], mb)
+            self._check_last(d, s)
+        self._finish_backward(run, mb, s, iter(got))
+
+    def _op_w(self, run: StepRun, op: Op) -> None:
+        mb, s = op.microbatch, op.stage
+        d = run.data[mb]
+        pending = d.pending.pop(s, None)
+        if pending is not None:
+            req = self.conductor.backward_of(mb) or self.conductor.forward_of(mb, s)
+            with thread_modes(True, req.autocast):
+                self.runners[s].backward_weight(pending, mb)
+        self._backward_done(run, mb)
+
+    def _backward_roots(self, run: StepRun, mb: int, s: int
+                        ) -> tuple[Request, list[torch.Tensor], list[torch.Tensor]]:
+        """Where stage ``s``'s backward of microbatch ``mb`` starts: the user's loss tensors
+        (scaled) on the last stage, else its outputs and the gradients received for them."""
+        d = run.data[mb]
         # Off the last stage the step function may not have asked yet (see the module doc).
         req = self.conductor.backward_of(mb) or self.conductor.forward_of(mb, s)
-        runner = self.runners[s]
+        if s == self.last:
+            return req, *self._loss_roots(run, mb, req)
         results = d.results.get(s, {})
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
+        for name, glist in d.grads.get(s, {}).items():
+            for i, t in enumerate(leaves(results[name])):
+                gs = [g[i] for g in glist if g[i] is not None]
+                if gs and isinstance(t, torch.Tensor) and t.requires_grad:
+                    tensors.append(t)
+                    grads.append(gs[0] if len(gs) == 1 else torch.stack(gs).sum(0))
+        return req, tensors, grads
+
+    def _check_last(self, d: MbData, s: int) -> None:
         if s == self.last:
-            self._loss_backward(run, mb, req, runner)  # through the loss into the stage
             got, need = d.used
             self._check_used([i for i in need if i not in got])
-        else:
-            for name, glist in d.grads.get(s, {}).items():
-                leaves = _leaves(results[name])
-                for i, t in enumerate(leaves):
-                    gs = [g[i] for g in glist if g[i] is not None]
-                    if gs and isinstance(t, torch.Tensor) and t.requires_grad:
-                        tensors.append(t)
-                        grads.append(gs[0] if len(gs) == 1 else torch.stack(gs).sum(0))
-        if tensors:
-            with thread_modes(True, req.autocast):
-                runner.backward(tensors, grads, mb)
-        self._finish_backward(run, mb, s)
 
-    def _finish_backward(self, run: _StepRun, mb: int, s: int) -> None:
-        """Keep the grads to send, free the stage's saved state, release the user thread."""
+    def _inputleaves(self, d: MbData, s: int) -> list[Any]:
+        """The leaves of every value stage ``s`` received, in ``recvs`` order."""
+        inputs = d.inputs.get(s, {})
+        return [t for _, names in self.program.stages[s].recvs for n in names
+                for t in leaves(inputs[n])]
+
+    def _finish_backward(self, run: StepRun, mb: int, s: int,
+                         input_grads: Iterator[torch.Tensor | None] | None = None) -> None:
+        """Keep the grads to send (the inputs' ``.grad`` after a B, ``input_grads`` in input
+        order after an I), free the stage's saved state."""
         d = run.data[mb]
         inputs = d.inputs.pop(s, {})
         if not d.skip[s]:
-            d.send_grads[s] = {
-                n: [t.grad if isinstance(t, torch.Tensor) else None
-                    for t in _leaves(inputs[n])]
-                for _, names in self.program.stages[s].recvs for n in names}
+            def grad_of(t: Any) -> Any:
+                if not isinstance(t, torch.Tensor):
+                    return None
+                if input_grads is None:
+                    return t.grad
+                return next(input_grads, None)
+
+            d.send_grads[s] = {n: [grad_of(t) for t in leaves(inputs[n])]
+                               for _, names in self.program.stages[s].recvs for n in names}
         d.results.pop(s, None)
         d.grads.pop(s, None)
+
+    def _backward_done(self, run: StepRun, mb: int) -> None:
+        """One local stage finished microbatch ``mb``'s backward (its B, or its W); after
+        the last, release the user thread."""
+        d = run.data[mb]
         d.b_done += 1
         if d.b_done == len(self.runners):
             self.conductor.publish_backward_done(mb)
 
-    def _op_send_grad(self, run: _StepRun, op: Op) -> None:
+    def _op_send_grad(self, run: StepRun, op: Op) -> None:
         d = run.data[op.microbatch]
         grads = None  # skipped: the receiver still expects the message (and the outputs)
         if not d.skip[op.stage]:
             names = self._recv_names[(op.stage, op.peer)]
             grads = tuple(d.send_grads[op.stage][n] for n in names)
-        self.transport.send((grads, d.cut if self.multi_process else None), op.stage, op.peer,
-                            "grad", op.microbatch)
+        self._via(op.peer).send((grads, d.cut if self.multi_process else None), op.stage,
+                                op.peer, "grad", op.microbatch)
 
-    def _check_step(self, run: _StepRun, asked: list[bool]) -> None:
+    def _check_step(self, run: StepRun, asked: list[bool]) -> None:
         """A stage whose backward followed the gradient messages: its step function must
         have decided alike (``asked``: per microbatch, whether it called model.backward)."""
         for mb, d in enumerate(run.data):
@@ -357,8 +390,10 @@ class Executor:
                                   " call it, yet the gradient messages say the backward was "
                                   f"{'skipped' if skipped else 'run'}")
 
-    def _loss_backward(self, run: _StepRun, mb: int, req: Request,
-                       runner: StageRunner) -> None:
+    def _loss_roots(self, run: StepRun, mb: int, req: Request
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``model.backward(tensors, grad_tensors)`` of microbatch ``mb``: the tensors and
+        their gradients, scaled by the step's loss scale."""
         tensors, grad_tensors = req.args
         ts = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
         if grad_tensors is None:
@@ -378,8 +413,7 @@ class Executor:
                 scaled.append(torch.full_like(t, run.scale))
             else:
                 scaled.append(g * run.scale if run.scale != 1.0 else g)
-        with thread_modes(True, req.autocast):
-            runner.backward(ts, scaled, mb)  # the seam (DDP) sees the last stage's pass too
+        return ts, scaled
 
     def _check_used(self, unused: list[int]) -> None:
         if unused:
@@ -388,38 +422,6 @@ class Executor:
                 "model outputs", f"output leaf {unused[0]} of model(...) got no gradient",
                 f"rank {self.rank}",
                 "use every output in the loss, or do not return it from forward")
-
-
-def _to_device(value: Any, device: torch.device) -> Any:
-    """``value``'s tensors on ``device`` (a plain tensor already there, the usual model
-    input, skips the pytree walk)."""
-    if type(value) is torch.Tensor and value.device == device:
-        return value
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), value)
-
-
-def _leaves(value: Any) -> list[Any]:
-    """``pytree.tree_leaves`` with fast paths for a tensor and a tuple of tensors."""
-    if type(value) is torch.Tensor:
-        return [value]
-    if type(value) is tuple and all(type(v) is torch.Tensor for v in value):
-        return list(value)
-    return pytree.tree_leaves(value)
-
-
-def _sent_copy(outputs: tuple[Any, ...]) -> tuple[Any, ...]:
-    """The last stage's outputs as other ranks get them: detached copies (same
-    ``requires_grad``), immune to what the step function does to the originals."""
-    return pytree.tree_map_only(
-        torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.requires_grad), outputs)
-
-
-def _user_copy(cut: Any) -> Any:
-    """Received outputs as this rank's step function gets them: its own copies, which it may
-    modify in place (a received tensor that requires grad is a leaf, which could not be)
-    while the received values are relayed on unchanged."""
-    with torch.enable_grad():
-        return pytree.tree_map_only(torch.Tensor, torch.clone, cut)
 
 
 def _inconsistent(op: Op, what: str) -> None:

@@ -5,6 +5,13 @@ Each action of the rank's schedule becomes ops that add the communication it nee
 
     F(s, mb)  ->  RECV_ACT(s, mb, src)...  F(s, mb)  SEND_ACT(s, mb, dst)...
     B(s, mb)  ->  [WAIT_B(s, mb)]  RECV_GRAD(s, mb, dst)...  B(s, mb)  SEND_GRAD(s, mb, src)...
+    I(s, mb)  ->  [WAIT_B(s, mb)]  RECV_GRAD(s, mb, dst)...  I(s, mb)  SEND_GRAD(s, mb, src)...
+    W(s, mb)  ->  W(s, mb)
+
+A stage is a chunk of the model (``cost_model.actions``); a rank may hold several, and
+runs its own list of the schedule. A transfer between two chunks of one rank is an op like
+any other, but stays in the process (the executor's own mailbox): it is no stream of the
+transport's (``receive_posts`` and ``send_counts`` leave it out).
 
 ``WAIT_B`` (the last stage, and a stage that sends nothing on) waits for the step
 function's decision to call ``model.backward``; other stages learn it from the gradient
@@ -32,7 +39,14 @@ from cost_model import schedule as sched
 from passes.split_stages import StagedProgram
 
 OP_KINDS = ("RECV_ACT", "F", "SEND_ACT", "SEND_OUT", "RECV_OUT", "WAIT_B", "RECV_GRAD", "B",
-            "SEND_GRAD")
+            "I", "W", "SEND_GRAD")
+BACKWARD_OPS = ("B", "I")
+"""The ops that produce a stage's input gradients (what the stage before waits for)."""
+
+
+def trains(ops: Sequence[Op]) -> bool:
+    """Whether a step's ops run a backward (a B, or a split backward's I)."""
+    return any(op.kind in BACKWARD_OPS for op in ops)
 # The transport channels: activations (forward), gradients (backward), the last stage's
 # outputs (to every other pipeline rank).
 CHANNELS = ("act", "grad", "out")
@@ -50,6 +64,8 @@ OP_WORDS = {
     "WAIT_B": "waiting for microbatch {mb}'s step function to call model.backward or return",
     "RECV_GRAD": "receiving the gradients of microbatch {mb} from {peer} for its backward pass",
     "B": "the backward pass of microbatch {mb} on stage {stage}",
+    "I": "the input gradients of microbatch {mb} on stage {stage}",
+    "W": "the weight gradients of microbatch {mb} on stage {stage}",
     "SEND_GRAD": "sending the gradients of microbatch {mb} to {peer}",
 }
 
@@ -126,31 +142,37 @@ class Lowered:
 
 def lower(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int],
           multi_process: bool) -> Lowered:
-    """``schedule`` lowered for the rank holding ``stages`` (one stage, or all in-process).
+    """``schedule`` lowered for the rank holding ``stages`` (its chunks, or all in-process).
 
     A rank without the last stage, across processes, waits for remote outputs in every
-    ``model(...)`` call: it starts step functions a forward ahead (``next_forward``)."""
+    ``model(...)`` call: it starts step functions a forward ahead (``next_forward``). A
+    transfer between two stages of this rank (chunks of one rank) stays in the process:
+    it is an op like any other, but no stream of the transport's."""
     ops = lower_ops(schedule, program, stages, multi_process)
     ahead = multi_process and program.num_stages - 1 not in stages
-    return Lowered(ops, receive_posts(ops), send_counts(ops), last_receive(ops),
+    local = frozenset(stages) if multi_process else frozenset()
+    return Lowered(ops, receive_posts(ops, local), send_counts(ops, local), last_receive(ops),
                    next_forwards(ops) if ahead else None)
 
 
 def lower_ops(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int],
               multi_process: bool) -> tuple[Op, ...]:
     """The op list of ``lower`` (see the module doc)."""
-    p = len(schedule)
-    last = p - 1
+    rank_of = sched.placement_of(schedule)
+    last = len(rank_of) - 1
     if multi_process:
-        (s,) = stages
-        actions: list[sched.Action] = list(schedule[s])
+        actions: list[sched.Action] = list(schedule[rank_of[stages[0]]])
     else:
         actions = [a for row in sched.clock(schedule) for a in row if a is not None]
     forward_only = all(a.kind == sched.FORWARD for a in actions)
-    # who gets the last stage's outputs on their own channel: every rank in a forward-only
-    # step; else only a stage that sends nothing on, so no gradient message reaches it
-    out_to = [d for d in range(p) if d != last and (forward_only or not
-                                                      program.stages[d].sends)]
+    # who gets the last stage's outputs on their own channel: a stage of every other rank
+    # in a forward-only step (its highest); else a stage that sends nothing on, so no
+    # gradient message reaches it
+    if forward_only:
+        out_to = [max(c for c, r in enumerate(rank_of) if r == rank)
+                  for rank in sorted(set(rank_of)) if rank != rank_of[last]]
+    else:
+        out_to = [d for d in range(len(rank_of)) if d != last and not program.stages[d].sends]
     ops: list[Op] = []
     for a in actions:
         st = program.stages[a.stage]
@@ -161,20 +183,25 @@ def lower_ops(schedule: sched.Schedule, program: StagedProgram, stages: Sequence
             ops += [Op("SEND_ACT", a.stage, mb, dst) for dst, _ in st.sends]
             if multi_process and a.stage == last:
                 ops += [Op("SEND_OUT", a.stage, mb, d) for d in out_to]
+        elif a.kind == sched.WEIGHT_GRAD:
+            ops.append(Op("W", a.stage, mb))
         else:
-            if multi_process and a.stage in out_to:
+            if multi_process and not forward_only and a.stage in out_to:
                 ops.append(Op("RECV_OUT", a.stage, mb, last))
             if a.stage == last or not st.sends:
                 ops.append(Op("WAIT_B", a.stage, mb))
             ops += [Op("RECV_GRAD", a.stage, mb, dst) for dst, _ in st.sends]
-            ops.append(Op("B", a.stage, mb))
+            ops.append(Op(a.kind, a.stage, mb))
             ops += [Op("SEND_GRAD", a.stage, mb, src) for src, _ in st.recvs]
-    if multi_process and forward_only and stages[0] != last:
-        ops += [Op("RECV_OUT", stages[0], mb, last) for mb in range(len(schedule[0]))]
+    if multi_process and forward_only and last not in stages:
+        mine = max(stages)
+        m = sum(1 for a in actions if a.stage == mine)
+        ops += [Op("RECV_OUT", mine, mb, last) for mb in range(m)]
     return tuple(ops)
 
 
-def receive_posts(ops: Sequence[Op]) -> dict[int, tuple[Post, ...]]:
+def receive_posts(ops: Sequence[Op], local: frozenset[int] = frozenset()
+                  ) -> dict[int, tuple[Post, ...]]:
     """Where each stream of messages ``ops`` receive is announced to the transport
     (``prefetch``: its receives are then kept posted ahead): op position -> (peer, stage,
     channel, how many messages this step).
@@ -184,10 +211,11 @@ def receive_posts(ops: Sequence[Op]) -> dict[int, tuple[Post, ...]]:
     rank has sent something, so that is early enough. It keeps receives off the start of
     the step, where posting right after the previous step's end can stall, and off the
     first send's path, which is the pipeline's fill (docs/performance.md)."""
-    first_send = next((i for i, op in enumerate(ops) if op.kind.startswith("SEND")), len(ops))
+    first_send = next((i for i, op in enumerate(ops)
+                       if op.kind.startswith("SEND") and op.peer not in local), len(ops))
     streams: dict[tuple[int, int, str], list[int]] = {}
     for i, op in enumerate(ops):
-        if op.kind.startswith("RECV"):
+        if op.kind.startswith("RECV") and op.peer not in local:
             streams.setdefault((op.peer, op.stage, CHANNEL_OF[op.kind]), []).append(i)
     posts: dict[int, list[Post]] = {}
     for key, where in streams.items():
@@ -195,12 +223,12 @@ def receive_posts(ops: Sequence[Op]) -> dict[int, tuple[Post, ...]]:
     return {i: tuple(p) for i, p in posts.items()}
 
 
-def send_counts(ops: Sequence[Op]) -> dict[Stream, int]:
-    """How many messages ``ops`` send per (stage, peer, channel): the transport's receiver
-    counts the same stream from its own ops (``receive_posts``)."""
+def send_counts(ops: Sequence[Op], local: frozenset[int] = frozenset()) -> dict[Stream, int]:
+    """How many messages ``ops`` send per (stage, peer, channel) to a stage not in ``local``:
+    the transport's receiver counts the same stream from its own ops (``receive_posts``)."""
     counts: dict[Stream, int] = {}
     for op in ops:
-        if op.kind.startswith("SEND"):
+        if op.kind.startswith("SEND") and op.peer not in local:
             key = (op.stage, op.peer, CHANNEL_OF[op.kind])
             counts[key] = counts.get(key, 0) + 1
     return counts
@@ -213,23 +241,32 @@ def last_receive(ops: Sequence[Op]) -> int:
 
 
 def next_forwards(ops: Sequence[Op]) -> tuple[int, ...]:
-    """For each op position, the microbatch of the first F op after it (-1: none)."""
+    """For each op position, the microbatch of the next F op after it that starts a
+    microbatch on this rank (its first F here; later chunks' forwards of a microbatch the
+    rank already holds start nothing), or -1."""
+    first: dict[int, int] = {}
+    for i, op in enumerate(ops):
+        if op.kind == "F":
+            first.setdefault(op.microbatch, i)
+    starts = set(first.values())
     out, nxt = [-1] * len(ops), -1
     for i in range(len(ops) - 1, -1, -1):
         out[i] = nxt
-        if ops[i].kind == "F":
+        if i in starts:
             nxt = ops[i].microbatch
     return tuple(out)
 
 
 @functools.lru_cache(maxsize=32)
-def cached_schedule(pipeline: str, p: int, m: int, active: int,
-                    forward_only: bool) -> sched.Schedule:
+def cached_schedule(pipeline: str, p: int, m: int, active: int, forward_only: bool,
+                    virtual: int = 1, placement: tuple[int, ...] | None = None
+                    ) -> sched.Schedule:
     """``sched.generate``, once per configuration: the same object every step.
 
     Contract with ``LoweredCache.get``: it recognises the last step's schedule by identity,
     which hits on every step whose schedule comes from here."""
-    return sched.generate(pipeline, p, m, active, forward_only=forward_only)
+    return sched.generate(pipeline, p, m, active, forward_only=forward_only,
+                          virtual_stages=virtual, placement=placement)
 
 
 class LoweredCache:

@@ -12,7 +12,7 @@ every rank, as the plan is.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,35 +58,53 @@ def multi_process(st: state.State) -> bool:
     return not st.in_process and st.axis_size("pp") > 1
 
 
-def split_for_rank(gm: torch.fx.GraphModule, st: state.State) -> StagedProgram:
-    """The stages of the planned ``gm``: world rank 0's stage of every node, on every rank
-    (measured costs may differ between ranks, the plan must not)."""
+def split_for_rank(gm: torch.fx.GraphModule, st: state.State, num_stages: int
+                   ) -> StagedProgram:
+    """The ``num_stages`` stages (the plan's chunks: p x ``virtual_pipeline_degree``, or
+    what a manual partition's placement holds) of the planned ``gm``: world rank 0's stage
+    of every node, on every rank (measured costs may differ between ranks, the plan must
+    not)."""
     if not st.in_process and st.world_size > 1:
         agree_on_plan(gm, st)
-    return split_stages(gm, st.config.pipeline_parallel_degree)
+    return split_stages(gm, num_stages)
+
+
+def lanes(rank_of: Sequence[int]) -> tuple[int, ...]:
+    """Each chunk's index among its rank's chunks (0 for every stage at one per rank)."""
+    seen: dict[int, int] = {}
+    out = []
+    for r in rank_of:
+        out.append(seen.get(r, 0))
+        seen[r] = out[-1] + 1
+    return tuple(out)
 
 
 def place_stages(gm: torch.fx.GraphModule, program: StagedProgram, st: state.State,
-                 initialize: bool = True) -> Placement:
+                 rank_of: Sequence[int] | None = None, initialize: bool = True) -> Placement:
     """Place this rank's stages of ``program`` (split from ``gm``): see the module doc.
 
-    ``initialize=False``: delayed-init stages are allocated, not initialised (their weights
-    are loaded next: a ``from_pretrained`` model built under
+    ``rank_of``: the pipeline rank of each stage (the plan's placement; default one stage
+    per rank). ``initialize=False``: delayed-init stages are allocated, not initialised
+    (their weights are loaded next: a ``from_pretrained`` model built under
     ``smp.delay_param_initialization``)."""
     cfg = st.config
     p = cfg.pipeline_parallel_degree
+    rank_of = tuple(rank_of) if rank_of is not None else tuple(range(p))
     multi = multi_process(st)
     timeout_s = launch.timeout().total_seconds()
     transport: Transport
     if multi:
         pp_rank = st.axis_rank("pp")
-        local = [pp_rank]
-        devices = {pp_rank: st.device}
-        transport = DistTransport(st.group_ranks("pp"), pp_rank, st.device, timeout_s,
-                                  DistTransport.make_groups())
+        local = [c for c, r in enumerate(rank_of) if r == pp_rank]
+        devices = {c: st.device for c in local}
+        pp_ranks = st.group_ranks("pp")
+        stage_ranks = [pp_ranks[r] for r in rank_of]
+        transport = DistTransport(stage_ranks, local[0], st.device, timeout_s,
+                                  DistTransport.make_groups(lanes=1 + max(lanes(rank_of))),
+                                  lanes(rank_of))
     else:
-        local = list(range(p))
-        devices = _in_process_devices(p, st.device, program)
+        local = list(range(len(rank_of)))
+        devices = _in_process_devices(rank_of, st.device, program)
         transport = InProcessTransport(devices)
     runners = {s: StageRunner(program.stages[s], devices[s]) for s in local}
     delayed = any(is_delayed(r.module) for r in runners.values())
@@ -95,7 +113,7 @@ def place_stages(gm: torch.fx.GraphModule, program: StagedProgram, st: state.Sta
         _materialise(r.module, devices[s], initialize)
         _retarget_devices(r.stage.module, traced_on, devices[s])
     options = ExecutorOptions(multi, timeout_s, st.rank,
-                              tuple(st.group_ranks("pp")) if multi else None,
+                              tuple(stage_ranks) if multi else None,
                               cfg.activation_loading_horizon)
     return Placement(program, runners, transport, guard_for(gm, program), delayed, options)
 
@@ -113,12 +131,14 @@ def local_named_parameters(runners: Mapping[int, StageRunner], canonical: Mappin
                 yield canonical.get(name, name), p
 
 
-def _in_process_devices(p: int, device: torch.device,
+def _in_process_devices(rank_of: Sequence[int], device: torch.device,
                         program: StagedProgram) -> dict[int, torch.device]:
-    """cuda:0..p-1 when there are that many GPUs and no tied parameters, else one device."""
+    """Rank r's stages on cuda:r when there are that many GPUs and no tied parameters, else
+    every stage on one device."""
+    p = 1 + max(rank_of)
     if device.type == "cuda" and torch.cuda.device_count() >= p and not _has_tied(program):
-        return {s: torch.device("cuda", s) for s in range(p)}
-    return {s: device for s in range(p)}
+        return {s: torch.device("cuda", r) for s, r in enumerate(rank_of)}
+    return {s: device for s in range(len(rank_of))}
 
 
 def _retarget_devices(module: nn.Module, traced_on: torch.device | None,

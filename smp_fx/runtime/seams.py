@@ -16,6 +16,7 @@ import torch
 
 from passes.split_stages import Stage
 from smp_fx.runtime.lowering import Op
+from smp_fx.runtime.split_backward import PendingW, input_grads, weight_grads
 
 
 class StageRunner:
@@ -23,8 +24,9 @@ class StageRunner:
 
     The DDP work replaces ``module`` with a ``DistributedDataParallel`` wrapper and uses
     ``no_sync`` for all microbatches but the last; the executor only calls ``forward`` and
-    ``backward`` here. On the last stage ``backward`` gets the user's loss tensors (and
-    scaled grads): that one autograd pass runs through the loss into the stage.
+    ``backward`` (or, for a split backward, ``backward_input`` then ``backward_weight``)
+    here. On the last stage the backward gets the user's loss tensors (and scaled grads):
+    that one autograd pass runs through the loss into the stage.
     """
 
     def __init__(self, stage: Stage, device: torch.device) -> None:
@@ -38,6 +40,17 @@ class StageRunner:
     def backward(self, tensors: list[torch.Tensor], grads: list[torch.Tensor],
                  microbatch: int) -> None:
         torch.autograd.backward(tensors, grads)
+
+    def backward_input(self, tensors: list[torch.Tensor], grads: list[torch.Tensor],
+                       inputs: list[torch.Tensor], microbatch: int
+                       ) -> tuple[list[torch.Tensor | None], PendingW]:
+        """A split backward's I (``smp_fx.runtime.split_backward``): the gradients of
+        ``inputs`` only, and what the W of this microbatch needs."""
+        return input_grads(tensors, grads, inputs, list(self.stage.module.parameters()))
+
+    def backward_weight(self, pending: PendingW, microbatch: int) -> None:
+        """A split backward's W: the stage's weight gradients, accumulated into ``.grad``."""
+        weight_grads(pending)
 
 
 PreStep = Callable[[tuple[Op, ...]], None]

@@ -7,6 +7,9 @@ the script in one process, step by step (rtol 1e-5 on the loss of the whole batc
 
 * pp=2 through SMP's ``DistributedTransformerLMHead`` (``--use_distributed_transformer 1``,
   the script's default), the data read on pipeline rank 0 only and empty tensors on rank 1;
+* the same with the notebook's ``--manual_partition 1``: only the layers are pinned, so the
+  final norm and the head fall to partition 0 after partition 1's layers (chunks on ranks
+  0, 1, 0);
 * tp=2 with ``prescaled_batch`` false (each tp rank reads its own half of the batch);
 * pp=2 x tp=2, saving a partial checkpoint at step 3 (its ``user_content`` holds the
   ``GPT2Config``, the argument dict and the scheduler's state), then resumed from it in a
@@ -67,6 +70,8 @@ def test_example_trains_like_one_process_and_resumes_exactly(tmp_path: Path) -> 
     ref_proc = _start(1, common, tmp_path / "ref.json")
     runs = {
         "pp2 distributed transformer": (2, ["--pipeline_parallel_degree", "2"]),
+        "pp2, the notebook's manual partition": (2, ["--pipeline_parallel_degree", "2",
+                                                     "--manual_partition", "1"]),
         "tp2, prescaled_batch false": (2, ["--tensor_parallel_degree", "2",
                                            "--prescaled_batch", "0",
                                            "--train_batch_size", "2"]),

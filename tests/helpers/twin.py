@@ -30,11 +30,12 @@ def init(pp: int, m: int, **extra: Any) -> None:
 class Twin:
     """``dm`` (a DistributedModel) and ``ref`` from the same weights; see the module doc."""
 
-    def __init__(self, name: str, per_rank: int = 4, seed: int = 0) -> None:
+    def __init__(self, name: str, per_rank: int = 4, seed: int = 0,
+                 model_kwargs: dict[str, Any] | None = None) -> None:
         self.ex = ex = example(name)
         torch.manual_seed(seed)
-        self.ref = ex.build_model()
-        model = ex.build_model()
+        self.ref = ex.build_model(**(model_kwargs or {}))
+        model = ex.build_model(**(model_kwargs or {}))
         model.load_state_dict(self.ref.state_dict())
         self.initial = {k: v.clone() for k, v in self.ref.state_dict().items()}
         torch.manual_seed(seed + 1)

@@ -141,9 +141,11 @@ def test_random_dags_compile_to_valid_plans_that_compute_the_model() -> None:
 def _compile_and_compute(model: RandomDag, pp: int, m: int, pipeline: str, manual: bool,
                          data: Any) -> None:
     linears = [layer for layer in model.layers if isinstance(layer, nn.Linear)]
+    drawn: list[int] = []
     if manual:
         for layer in linears:
-            smp.set_partition(layer, data.draw(hs.integers(0, pp - 1)))
+            drawn.append(data.draw(hs.integers(0, pp - 1)))
+            smp.set_partition(layer, drawn[-1])
     torch.manual_seed(0)
     xs = tuple(torch.randn(BATCH, WIDTH) for _ in range(model.inputs))
     mb = tuple(x[:BATCH // m] for x in xs)
@@ -153,9 +155,10 @@ def _compile_and_compute(model: RandomDag, pp: int, m: int, pipeline: str, manua
             num_stages=pp, microbatches=m, pipeline=pipeline, auto_partition=not manual),
             pins=pins)
     except SMPPartitionError as exc:
-        if manual:
-            assert_refusal(exc, SMPPartitionError, "manual partitions must form a pipeline")
-            event("refused: manual pins against the data flow")
+        if manual:  # pins coming back to an earlier rank are chunks, each rank needs one
+            assert set(range(pp)) - set(drawn), f"refused pins on every rank: {exc}"
+            assert_refusal(exc, SMPPartitionError, "every pipeline rank holds a module")
+            event("refused: a pipeline rank without a module")
         else:
             assert pp > _compute_nodes(model), f"refused a partitionable model: {exc}"
             assert_refusal(exc, SMPPartitionError, "more partitions than compute nodes")
@@ -163,7 +166,9 @@ def _compile_and_compute(model: RandomDag, pp: int, m: int, pipeline: str, manua
         OUTCOMES["refused"] += 1
         return
     assert manual or pp <= _compute_nodes(model), "a stage without compute nodes was planned"
-    _check_plan(compiled.gm, compiled.plan, pp)
+    # pins that come back to an earlier rank are chunks: more stages than ranks
+    assert compiled.plan.num_ranks == pp
+    _check_plan(compiled.gm, compiled.plan, len(compiled.plan.rank_of))
 
     ref = RandomDag(model.inputs, model.spec, model.outputs)
     ref.load_state_dict(model.state_dict())

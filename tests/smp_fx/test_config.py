@@ -47,7 +47,8 @@ LATER_DEFAULTS: dict[str, Any] = {
 TABLE: dict[str, tuple[list[Any], list[Any]]] = {
     "pipeline_parallel_degree": ([1, 2, 8], [0, -1, 1.5, "2", True, None]),
     "microbatches": ([1, 4, 64], [0, -2, 2.5, "4", False]),
-    "pipeline": (["interleaved", "simple"], ["gpipe", 1, None]),
+    "pipeline": (["interleaved", "simple", "zero_bubble"], ["gpipe", 1, None]),
+    "virtual_pipeline_degree": ([1, 2, 4], [0, -1, 1.5, "2"]),
     "optimize": (["memory", "speed"], ["fast", 0]),
     "placement_strategy": (["cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD"],
                            ["DP", "ring", 3]),
@@ -82,7 +83,10 @@ TABLE: dict[str, tuple[list[Any], list[Any]]] = {
 NEEDS = {"tensor_parallel_degree": {"ddp": True}, "auto_partition": {"default_partition": 0},
          "ddp_port": {"ddp": True},
          "shard_optimizer_state": {"ddp": True}, "sharded_data_parallel_degree": {"ddp": True},
-         "offload_activations": {"microbatches": 2}}
+         "offload_activations": {"microbatches": 2},
+         "virtual_pipeline_degree": {"microbatches": 4}}
+EXTENSIONS = {"virtual_pipeline_degree"}
+"""smp-fx's own parameters: SMP's documentation has no such keys."""
 
 
 def _load(cfg: Any, env: dict[str, str] | None = None) -> SMPConfig:
@@ -90,8 +94,8 @@ def _load(cfg: Any, env: dict[str, str] | None = None) -> SMPConfig:
 
 
 def test_table_covers_every_parameter() -> None:
-    assert set(TABLE) == set(BY_NAME) == \
-        set(SEED_DEFAULTS) | set(LATER_DEFAULTS) | {"pipeline_parallel_degree"}
+    assert set(TABLE) == set(BY_NAME) == (set(SEED_DEFAULTS) | set(LATER_DEFAULTS)
+                                          | {"pipeline_parallel_degree"} | EXTENSIONS)
 
 
 def test_defaults_match_the_seed() -> None:
@@ -271,3 +275,30 @@ def test_offloading_needs_several_microbatches_in_flight() -> None:
     for extra in ({"microbatches": 1}, {"microbatches": 4, "active_microbatches": 1}):
         with pytest.raises(SMPConfigError, match="offload_activations.*microbatches"):
             _load({**BASE, "offload_activations": True, **extra})
+
+
+def test_schedule_combinations_that_cannot_run_say_what_would() -> None:
+    with pytest.raises(SMPConfigError, match=r"multiple of it \(got 6\).*set microbatches "
+                       r"to 4 or 8"):
+        _load({"pipeline_parallel_degree": 4, "microbatches": 6, "virtual_pipeline_degree": 2})
+    with pytest.raises(SMPConfigError, match="zbv.*exactly two chunks.*set virtual_pipeline"):
+        _load({**BASE, "microbatches": 4, "pipeline": "zbv"})
+    with pytest.raises(SMPConfigError, match="holds 4 microbatches.*>= 4"):
+        _load({**BASE, "microbatches": 4, "pipeline": "zbv", "virtual_pipeline_degree": 2,
+               "active_microbatches": 2})
+    # looped BFS takes any microbatch count; zbv any at v = 2
+    _load({**BASE, "microbatches": 3, "pipeline": "simple", "virtual_pipeline_degree": 3})
+    _load({**BASE, "microbatches": 3, "pipeline": "zbv", "virtual_pipeline_degree": 2})
+
+
+def test_active_microbatches_default_follows_the_schedule() -> None:
+    # SMP's p + 2 where a cap shortens the warm-up; no cap (= microbatches) where the
+    # interleaved order or the V fixes it
+    assert _load({**BASE, "microbatches": 8}).active_microbatches == 4
+    assert _load({**BASE, "microbatches": 8, "pipeline": "zero_bubble"}).active_microbatches == 4
+    assert _load({**BASE, "microbatches": 8, "virtual_pipeline_degree": 2,
+                  "pipeline": "simple"}).active_microbatches == 4
+    for pipe in ("interleaved", "zero_bubble", "zbv"):
+        cfg = _load({**BASE, "microbatches": 8, "virtual_pipeline_degree": 2, "pipeline": pipe})
+        assert cfg.active_microbatches == 8
+        assert cfg.partition_config().virtual_stages == 2

@@ -51,6 +51,20 @@ def test_pipeline_on_the_gpu_equals_the_plain_model(name: str, pipeline: str) ->
         assert p.device.type == "cuda" and p.grad is not None and p.grad.device.type == "cuda", n
 
 
+@pytest.mark.parametrize(("pipeline", "v"), [("simple", 2), ("interleaved", 2),
+                                             ("zero_bubble", 1), ("zero_bubble", 2),
+                                             ("zbv", 2)])
+@pytest.mark.parametrize("name", ["mlp", "gpt"])
+def test_chunked_and_zero_bubble_schedules_on_the_gpu(name: str, pipeline: str,
+                                                      v: int) -> None:
+    init(2, 4, pipeline, virtual_pipeline_degree=v)
+    pair = Pair(name, device="cuda")
+    pair.compare(3, 4)
+    assert len(pair.dm.program.stages) == 2 * v
+    for n, p in pair.dm.local_named_parameters():
+        assert p.device.type == "cuda" and p.grad is not None and p.grad.device.type == "cuda", n
+
+
 def test_fp16_trains_with_the_loss_scaler_on_the_gpu() -> None:
     """fp16 parameters on the GPU; the scaler's scale and overflow flag live there too; the
     losses follow the fp32 model's within half precision."""

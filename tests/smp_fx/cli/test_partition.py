@@ -84,6 +84,43 @@ def test_json_dot_timeline_files(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert {e["name"] for e in events if e["tid"] == 1} >= {"1F0", "1B3"}
 
 
+@pytest.mark.parametrize(("pipeline", "kinds"), [("interleaved", "FB"), ("zbv", "FIW")])
+def test_chunks_per_rank(tmp_path: Path, capsys: pytest.CaptureFixture[str], pipeline: str,
+                         kinds: str) -> None:
+    plan_path, png_path = tmp_path / "p.json", tmp_path / "t.png"
+    trace_path = tmp_path / "trace.json"
+    code, out, err = _run(capsys, str(MODELS / "mlp.py"), "--partitions", "2",
+                          "--microbatches", "4", "--batch-size", "8", "--pipeline", pipeline,
+                          "--virtual-pipeline-degree", "2", "--json", str(plan_path),
+                          "--timeline", str(png_path), "--chrome-trace", str(trace_path))
+    assert code == 0, err
+    plan = PartitionPlan.loads(plan_path.read_text())
+    assert plan.config.virtual_stages == 2 and len(plan.stages) == 4
+    lines = out.splitlines()
+    assert lines[0].startswith("plan: 4 chunks") and f"placement {list(plan.rank_of)}" in lines[0]
+    header = lines[1].split()
+    assert header[:3] == ["stage", "rank", "modules"]
+    rows = lines[3:7]
+    assert [int(r.split()[1]) for r in rows] == list(plan.rank_of)
+    ranks = next(i for i, line in enumerate(lines) if line.startswith("rank  chunks"))
+    assert [line.split()[:3] for line in lines[ranks + 2:ranks + 4]] == [
+        [str(r.index), *f"{r.chunks[0]}, {r.chunks[1]}".split()] for r in plan.ranks]
+    assert "(rate " in lines[-1]
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    events = json.loads(trace_path.read_text())["traceEvents"]
+    assert len(events) == 4 * len(kinds) * 4  # chunks x kinds x microbatches
+    assert {e["name"][1] for e in events} == set(kinds)
+    assert {e["args"]["chunk"] for e in events if e["tid"] == 0} == {
+        c for c, r in enumerate(plan.rank_of) if r == 0}
+
+
+def test_a_schedule_that_cannot_run_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = _run(capsys, str(MODELS / "mlp.py"), "--partitions", "2", "--microbatches",
+                        "3", "--batch-size", "6", "--virtual-pipeline-degree", "2")
+    assert code == 2 and "microbatches must be a multiple" in err
+    assert "set microbatches to 2 or 4" in err
+
+
 def test_config_file_and_flag_override(tmp_path: Path,
                                        capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "cfg.json"

@@ -137,3 +137,46 @@ def test_every_op_kind_reads_in_words() -> None:
         "sending the gradients of microbatch 2 to stage 0 (rank 4)"]
     words = describe(Op("SEND_ACT", 0, 1, 1))
     assert words == "sending the activations of microbatch 1 to stage 1"
+
+
+def test_chunks_of_one_rank_and_a_split_backward_as_text() -> None:
+    prog = _program(4)
+    s = sched.generate("zbv", 2, 2, virtual_stages=2)
+    assert sched.format_schedule(s) == [
+        "0F0 0F1 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 0I1 0W1",
+        "1F0 2F0 1F1 2F1 2I0 2W0 1I0 1W0 2I1 2W1 1I1 1W1"]
+    # rank 1 holds chunks 1 and 2 of the V: 1 -> 2 is handed over in the process, so it is
+    # no stream of the transport's (no post, no send count); I sends its gradients on at
+    # once, W sends nothing; a forward starts the step function of the next new microbatch
+    assert lower(s, prog, [1, 2], True).lines() == [
+        "1RECV_ACT0@0  post act 0>1 x2", "1F0  start mb1", "1SEND_ACT0@2", "2RECV_ACT0@1",
+        "2F0  start mb1", "2SEND_ACT0@3", "1RECV_ACT1@0  post grad 3>2 x2", "1F1",
+        "1SEND_ACT1@2", "2RECV_ACT1@1", "2F1", "2SEND_ACT1@3", "2RECV_GRAD0@3", "2I0",
+        "2SEND_GRAD0@1", "2W0", "1RECV_GRAD0@2", "1I0", "1SEND_GRAD0@0", "1W0",
+        "2RECV_GRAD1@3", "2I1", "2SEND_GRAD1@1", "2W1", "1RECV_GRAD1@2  last recv", "1I1",
+        "1SEND_GRAD1@0", "1W1",
+        "send act 2>3 x2", "send grad 1>0 x2"]
+    # rank 0 holds the first and the last chunk: the loss's decision waits at 3I0
+    assert [str(o) for o in lower(s, prog, [0, 3], True).ops][4:9] == [
+        "3RECV_ACT0@2", "3F0", "3WAIT_B0", "3I0", "3SEND_GRAD0@2"]
+    # in-process every chunk is here: the lists merged in clock order, I and W included
+    merged = lower(s, prog, [0, 1, 2, 3], False).ops
+    ticks = [a for row in sched.clock(s) for a in row if a is not None]
+    assert [o for o in merged if o.kind in "FIWB"] == [
+        Op(a.kind, a.stage, a.microbatch) for a in ticks]
+
+
+def test_round_robin_chunks_lower_per_rank() -> None:
+    prog = _program(4)
+    s = sched.generate("interleaved", 2, 2, virtual_stages=2)
+    ops = lower(s, prog, [0, 2], True)
+    # both of rank 0's gradient streams come from rank 1 (chunks 1 and 3): two streams
+    assert ops.lines()[:3] == [
+        "0F0  start mb1", "0SEND_ACT0@1", "0F1  post act 1>2 x2  post grad 3>2 x2  post grad "
+        "1>0 x2"]
+    assert dict(ops.sends) == {(0, 1, "act"): 2, (2, 3, "act"): 2, (2, 1, "grad"): 2}
+    fwd = sched.generate("zbv", 2, 2, virtual_stages=2, forward_only=True)
+    # evaluation: the last chunk's outputs reach rank 1 on their own channel, at its
+    # highest chunk
+    assert [str(o) for o in lower(fwd, prog, [1, 2], True).ops][-2:] == [
+        "2RECV_OUT0@3", "2RECV_OUT1@3"]

@@ -1,0 +1,186 @@
+"""The split backward: a chunk's input gradients now (I), its weight gradients later (W).
+
+Both come from the autograd graph the chunk's forward recorded; nothing is computed twice.
+The graph, read from the roots of the backward (the chunk's outputs, or the user's loss on
+the last chunk) down, has an *input path*: the nodes through which the chunk's inputs are
+reached. Every parameter's own path (its ``AccumulateGrad`` and the nodes above it that
+lead only to parameters) joins the input path at some nodes, the *joins* (a linear's
+``AddmmBackward``: its input edge is on the input path, its weight edge is not).
+
+- I asks autograd for the gradients of the chunk's inputs only, keeping the graph; on the
+  way, a pre-hook on each join records the gradient it was given. The joins execute only
+  their input-path outputs: nothing of the parameters' paths runs.
+- W asks, per join, for the gradients of the parameters under its parameter-side edges,
+  starting from the recorded gradient: the join executes only its parameter-side outputs
+  (its input-path edge leads to no parameter asked for), so every gradient is computed
+  once. The gradients accumulate into ``.grad`` through each parameter's
+  ``AccumulateGrad``, whose hooks (DDP's reducer) fire as in a full backward.
+
+A parameter used twice in one chunk (reached from two joins) is reached through the input
+path as well, so autograd cannot compute it apart from I: I computes its gradient (asking
+for it at its ``AccumulateGrad``) and W accumulates it, through that node, so its hooks
+still fire at W. A chunk
+whose inputs need no gradient (the first) has no input path: I does nothing and W runs the
+whole backward from the roots.
+
+Between I and W the graph is kept: the chunk holds what its forward saved (and, in a
+checkpointed region, what the recompute rebuilt), plus each join's recorded gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.autograd.graph import GradientEdge, Node, get_gradient_edge
+
+
+@dataclass
+class _Join:
+    node: Node
+    grads: tuple[torch.Tensor | None, ...] | None = None
+    params: list[torch.Tensor] = field(default_factory=list)
+    roots: list[torch.Tensor] = field(default_factory=list)
+    """Set for a root off the input path (an output made from parameters alone): W starts
+    from these outputs with their given gradients (``grads``) instead of the node's."""
+
+
+@dataclass
+class PendingW:
+    """One microbatch's W on one chunk: the joins with their recorded gradients, or the
+    roots themselves when the chunk has no input path."""
+
+    joins: list[_Join]
+    roots: list[torch.Tensor] = field(default_factory=list)
+    root_grads: list[torch.Tensor] = field(default_factory=list)
+    root_params: list[torch.Tensor] = field(default_factory=list)
+    shared: list[tuple[GradientEdge, torch.Tensor]] = field(default_factory=list)
+    """Parameters used twice in the chunk: autograd reaches them through the input path
+    anyway, so I computes their gradients and W only accumulates them."""
+
+    @property
+    def held_grad_bytes(self) -> int:
+        """Bytes of the gradients recorded at the joins (what W adds to the kept graph)."""
+        return sum(g.numel() * g.element_size() for j in self.joins for g in j.grads or ()
+                   if g is not None)
+
+
+def _edge(t: torch.Tensor) -> GradientEdge:
+    return get_gradient_edge(t)
+
+
+def _parents(roots: Sequence[Node]) -> dict[Node, list[Node]]:
+    """Every node under ``roots`` -> the nodes whose next functions name it."""
+    parents: dict[Node, list[Node]] = {r: [] for r in roots}
+    todo = list(roots)
+    while todo:
+        node = todo.pop()
+        for nxt, _ in node.next_functions:
+            if nxt is None:
+                continue
+            if nxt not in parents:
+                parents[nxt] = []
+                todo.append(nxt)
+            parents[nxt].append(node)
+    return parents
+
+
+def _above(starts: Sequence[Node], parents: dict[Node, list[Node]]) -> set[Node]:
+    """``starts`` and every node that reaches one of them (toward the roots)."""
+    seen = {s for s in starts if s in parents}
+    todo = list(seen)
+    while todo:
+        for up in parents[todo.pop()]:
+            if up not in seen:
+                seen.add(up)
+                todo.append(up)
+    return seen
+
+
+def input_grads(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor],
+                inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+                ) -> tuple[list[torch.Tensor | None], PendingW]:
+    """I: the gradients of ``inputs`` (None where one needs none), and what W needs."""
+    used = [(r, g) for r, g in zip(roots, root_grads) if r.requires_grad]
+    wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    trainable = [p for p in params if p.requires_grad]
+    if not used:
+        return [None] * len(inputs), PendingW([])
+    root_nodes = [_edge(r).node for r, _ in used]  # a relayed input is its own root
+    parents = _parents(root_nodes)
+    input_nodes = [_edge(t).node for t in wanted]
+    path = _above(input_nodes, parents)
+    if not path:  # nothing to give back: W is the whole backward
+        return [None] * len(inputs), PendingW(
+            [], [r for r, _ in used], [g for _, g in used],
+            [p for p in trainable if _edge(p).node in parents])
+    joins: dict[Node, _Join] = {}
+    reached: dict[Node, int] = {}
+    for p in trainable:
+        acc = _edge(p).node
+        if acc not in parents:
+            continue  # the chunk's outputs do not depend on it
+        todo, seen = [acc], {acc}
+        while todo:
+            node = todo.pop()
+            if not parents[node] and node not in path:  # a root made of parameters alone
+                mine = [(r, g) for r, g in used if _edge(r).node is node]
+                join = joins.setdefault(node, _Join(node, roots=[r for r, _ in mine]))
+                join.grads = tuple(g for _, g in mine)
+                if all(q is not p for q in join.params):
+                    join.params.append(p)
+                    reached[acc] = reached.get(acc, 0) + 1
+            for up in parents[node]:
+                if up in path:
+                    join = joins.setdefault(up, _Join(up))
+                    if all(q is not p for q in join.params):
+                        join.params.append(p)
+                        reached[acc] = reached.get(acc, 0) + 1
+                elif up not in seen:
+                    seen.add(up)
+                    todo.append(up)
+    shared = [p for p in trainable if reached.get(_edge(p).node, 0) > 1]
+    for join in joins.values():
+        join.params = [p for p in join.params if all(p is not q for q in shared)]
+    handles = [j.node.register_prehook(_recorder(j)) for j in joins.values()
+               if j.params and not j.roots]
+    try:
+        asked: Any = [*wanted, *map(_edge, shared)]  # tensors and edges: both are allowed
+        got = torch.autograd.grad([r for r, _ in used], asked, [g for _, g in used],
+                                  retain_graph=True, allow_unused=True)
+    finally:
+        for h in handles:
+            h.remove()
+    it = iter(got[:len(wanted)])
+    grads = [next(it) if isinstance(t, torch.Tensor) and t.requires_grad else None
+             for t in inputs]
+    pending = PendingW([j for j in joins.values() if j.params])
+    pending.shared = [(_edge(p), g) for p, g in zip(shared, got[len(wanted):]) if g is not None]
+    return grads, pending
+
+
+def _recorder(join: _Join) -> Any:
+    def record(grad_outputs: tuple[torch.Tensor | None, ...]) -> None:
+        join.grads = tuple(grad_outputs)
+
+    return record
+
+
+def weight_grads(pending: PendingW) -> None:
+    """W: accumulate every parameter's gradient from what ``input_grads`` kept."""
+    if pending.roots:
+        torch.autograd.backward(pending.roots, pending.root_grads, inputs=pending.root_params)
+        return
+    for edge, grad in pending.shared:  # through its AccumulateGrad: its hooks fire
+        torch.autograd.backward([edge], [grad])
+    for join in pending.joins:
+        if join.grads is None:
+            continue  # the join got no gradient: its parameters get none this microbatch
+        if join.roots:
+            torch.autograd.backward(join.roots, list(join.grads), inputs=join.params)
+            continue
+        outs = [GradientEdge(join.node, i) for i, g in enumerate(join.grads) if g is not None]
+        torch.autograd.backward(outs, [g for g in join.grads if g is not None],
+                                inputs=join.params)

@@ -1,0 +1,319 @@
+"""Calibrate a GPU, plan a ~1B GPT on it at pp = 1 with full recomputation, and measure it.
+
+The GPU check of the cluster planner (docs/planning.md, "On a GPU"):
+
+1. calibrate this device into a ``DeviceSpec``: ``cost_model.calibrate`` (the device
+   figures of ``smp-fx calibrate``), then on CUDA the figures that decide a large bf16 GPT
+   measured again at its sizes (``gpu_figures``): bf16 matmul efficiency by smallest
+   dimension (up to 8192), the fused causal attention's rate at the model's head shape,
+   element-wise bandwidth by size, and Adam's step at realistic sizes;
+2. price the GPT with the planner (``smp-fx plan``'s own code: ``smp_fx.cli.plan.main``,
+   ``--device`` the spec, ``--gpus 1``, ``--fix tp=1,pp=1,dp=1,recompute=full``, bf16);
+3. train the same configuration through smp-fx (``smp.init`` with the emitted
+   configuration, ``smp.set_activation_checkpointing`` on each block, the step function
+   under ``torch.autocast(device, torch.bfloat16)``: bf16 as the planner prices it, autocast
+   over fp32 weights, docs/planning.md), Adam; the median of the timed steps after warm-up
+   (synchronized) and ``torch.cuda.max_memory_allocated`` beside the prediction.
+
+    PYTHONPATH=. python3 benchmarks/plan_gpu.py --out plan_gpu.json          # a GPU
+    .venv/bin/python benchmarks/plan_gpu.py --tiny --out /tmp/plan_gpu.json  # CPU, seconds
+
+On the CPU (``--tiny``) the quick cpu spec prices the plan and bf16 autocast runs on the
+CPU, which the spec does not price: that run checks the script, not the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+T0 = time.perf_counter()
+GiB = 1024**3
+
+
+def say(message: str) -> None:
+    print(f"[{time.perf_counter() - T0:7.1f}s] {message}", flush=True)
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiny", action="store_true", help="4 layers x 64 on the CPU, seconds")
+    ap.add_argument("--n-layer", type=int, default=24)
+    ap.add_argument("--n-embd", type=int, default=2048)
+    ap.add_argument("--n-head", type=int, default=16)
+    ap.add_argument("--vocab-size", type=int, default=50304)
+    ap.add_argument("--seq-len", type=int, default=1024)
+    ap.add_argument("--global-batch", type=int, default=8)
+    ap.add_argument("--fix", default="tp=1,pp=1,dp=1,recompute=full")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps (the median)")
+    ap.add_argument("--out", type=Path, help="write the figures here (JSON)")
+    args = ap.parse_args(argv)
+    if args.tiny:
+        args.n_layer, args.n_embd, args.n_head, args.vocab_size, args.seq_len = 4, 64, 4, 128, 32
+        args.global_batch, args.warmup, args.steps = 4, 1, 3
+    return args
+
+
+# ------------------------------------------------------------------------- calibration
+def _gpu_time(fn: Callable[[], Any], iters: int) -> float:
+    """Seconds per call of ``fn`` back to back on the GPU (CUDA events), best of 3 rounds."""
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3 / iters)
+    return best
+
+
+def _matmul_table(device: torch.device, big: int = 8192) -> tuple[float, tuple[Any, ...]]:
+    """(bf16 peak, efficiency by smallest dimension): ``F.linear`` as models run it, the
+    three placements of the small dimension averaged as ``cost_model.microbench`` does."""
+    def rate(m: int, k: int, n: int) -> float:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
+        flops = 2.0 * m * k * n
+        return flops / _gpu_time(lambda: F.linear(x, w), max(3, min(50, int(2e13 / flops))))
+
+    by_dim = {}
+    for d in (16, 64, 128, 256, 512, 1024, 2048, 4096, big):
+        shapes = [(d, big, big), (big, d, big), (big, big, d)] if d < big else [(d, d, d)]
+        seconds = sum(2.0 * m * k * n / rate(m, k, n) for m, k, n in shapes)
+        by_dim[d] = sum(2.0 * m * k * n for m, k, n in shapes) / seconds
+    peak = max(by_dim.values())
+    return peak, tuple((float(d), r / peak) for d, r in sorted(by_dim.items()))
+
+
+def _sdpa_rate(device: torch.device, heads: int, seq: int, head_dim: int
+               ) -> tuple[str, float, float, float]:
+    """The causal fused attention's (kind, fwd s, bwd s per FLOP, reference dimension) at
+    the model's head shape, FLOPs counted as ``cost_model.flops.sdpa_flops`` counts them
+    (the full square: the rate absorbs the causal kernel's skipped half)."""
+    from cost_model.flops import sdpa_flops
+
+    shape = (2, heads, seq, head_dim)
+    q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    flops = sdpa_flops(shape, shape, shape)
+    fwd = _gpu_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 20)
+    grad = torch.randn(shape, device=device, dtype=torch.bfloat16)
+
+    def both() -> None:
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+
+    bwd = max(_gpu_time(both, 20) - fwd, 0.0)
+    return "sdpa", fwd / flops, bwd / (2 * flops), float(min(seq, head_dim))
+
+
+def _bandwidth(device: torch.device) -> tuple[float, tuple[Any, ...]]:
+    """(bytes/s, fraction by bytes moved) of ``a + b`` allocating its output, as models do."""
+    rates = []
+    for nbytes in (3 * 2**12, 3 * 2**16, 3 * 2**20, 3 * 2**24, 3 * 2**28):
+        n = nbytes // 12
+        a, b = torch.randn(n, device=device), torch.randn(n, device=device)
+        rates.append((float(nbytes), nbytes / _gpu_time(functools.partial(torch.add, a, b), 50)))
+    peak = max(r for _, r in rates)
+    return peak, tuple((s, r / peak) for s, r in rates)
+
+
+def _adam(device: torch.device) -> tuple[float, float]:
+    """(s per tensor, s per parameter byte) of torch's Adam (its CUDA default, foreach)."""
+    def step_s(count: int, numel: int) -> float:
+        ps = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(count)]
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        return _gpu_time(torch.optim.Adam(ps, lr=1e-3).step, 5)
+
+    (n1, e1), (n2, e2) = (256, 1024), (8, 2**24)
+    t1, t2 = step_s(n1, e1), step_s(n2, e2)
+    b1, b2 = 4.0 * n1 * e1, 4.0 * n2 * e2
+    det = n1 * b2 - n2 * b1
+    return max((t1 * b2 - t2 * b1) / det, 0.0), max((n1 * t2 - n2 * t1) / det, 0.0)
+
+
+def gpu_figures(spec: Any, device: torch.device, heads: int, seq: int, head_dim: int) -> Any:
+    """``spec`` with what decides a large bf16 GPT measured at its sizes (module doc).
+
+    The fixed cost per op is set to zero and the GEMM and element-wise kinds priced by the
+    roofline (peak x efficiency, bandwidth): on a GPU the host queues an op while earlier
+    kernels run, so a large model's step is its kernels' time; the per-op host costs and
+    small-operand rates of ``cost_model.calibrate`` would be added on top of it."""
+    peak, table = _matmul_table(device)
+    say(f"  bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; efficiency by smallest dim "
+        + ", ".join(f"{int(d)}: {f:.0%}" for d, f in table))
+    sdpa = _sdpa_rate(device, heads, seq, head_dim)
+    say(f"  causal sdpa ({heads} heads x {seq} x {head_dim}): {1e-12 / sdpa[1]:.0f} TFLOP/s "
+        f"fwd, {1e-12 / sdpa[2]:.0f} bwd (full-square FLOPs)")
+    bandwidth, ew = _bandwidth(device)
+    say(f"  bandwidth {bandwidth / 1e9:.0f} GB/s; by size "
+        + ", ".join(f"{int(s) >> 10} KiB: {f:.0%}" for s, f in ew))
+    per_tensor, per_byte = _adam(device)
+    say(f"  Adam {per_tensor * 1e6:.1f} us per tensor + {per_byte * 1e12:.2f} ps per byte")
+    how = "measured by benchmarks/plan_gpu.py at the GPT's sizes (CUDA events)"
+    spec = dataclasses.replace(
+        spec, peak_flops_bf16=peak, matmul_efficiency=table, mem_bandwidth=bandwidth,
+        elementwise_efficiency=ew, op_rates=(sdpa,), op_overheads=(),
+        optimizer_tensor_s=per_tensor, optimizer_byte_s=per_byte)
+    return spec.with_sources(
+        peak_flops_bf16=how, matmul_efficiency=how + ", bf16, relative to the bf16 peak",
+        mem_bandwidth=how, elementwise_efficiency=how, op_rates=how + ": causal sdpa only; "
+        "other kinds by the roofline", optimizer_tensor_s=how, optimizer_byte_s=how,
+        op_overheads="zero: the host's per-op cost overlaps the kernels on a GPU")
+
+
+def calibrate(args: argparse.Namespace, device: torch.device) -> Any:
+    from cost_model import calibrate as measure
+
+    if device.type != "cuda":
+        say("calibrating: the quick cpu spec (cost_model.calibrate.quick_cpu_spec)")
+        return measure.quick_cpu_spec()
+    name = torch.cuda.get_device_name(device).replace(" ", "-").lower()
+    say(f"calibrating {name}: cost_model.calibrate (smp-fx calibrate's device figures)")
+    spec = measure.calibrate(f"calibrated-{name}", device)
+    say("calibrating: the figures of a large bf16 GPT at its sizes")
+    return gpu_figures(spec, device, args.n_head, args.seq_len, args.n_embd // args.n_head)
+
+
+# ---------------------------------------------------------------------------- planning
+def plan(args: argparse.Namespace, spec_file: Path, work: Path) -> tuple[dict[str, Any],
+                                                                          dict[str, Any]]:
+    from smp_fx.cli import plan as plan_cli
+
+    sizes = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head,
+             "vocab_size": args.vocab_size, "seq_len": args.seq_len}
+    argv = [str(ROOT / "examples/models/gpt.py"), "--meta"]
+    argv += [x for k, v in sizes.items() for x in ("--build-arg", f"{k}={v}")]
+    argv += ["--inputs-arg", f"seq_len={args.seq_len}", "--inputs-arg",
+             f"vocab_size={args.vocab_size}", "--device", str(spec_file), "--gpus", "1",
+             "--global-batch", str(args.global_batch), "--fix", args.fix, "--top", "3",
+             "--json", str(work / "plan.json"), "--emit-config", str(work / "cfg.json")]
+    say("$ smp-fx plan " + " ".join(argv))
+    if plan_cli.main(argv) != 0:
+        raise SystemExit("smp-fx plan failed (its error is above)")
+    return (json.loads((work / "plan.json").read_text())["best"],
+            json.loads((work / "cfg.json").read_text()))
+
+
+# ----------------------------------------------------------------------------- measuring
+def measure(args: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
+            device: torch.device) -> dict[str, Any]:
+    from models.gpt import build_model
+
+    import smp_fx as smp
+
+    smp.init(cfg)
+    torch.manual_seed(0)
+    with device:
+        net = build_model(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+                          vocab_size=args.vocab_size, seq_len=args.seq_len)
+    if best["recompute"] == "full":
+        for block in net.h:
+            smp.set_activation_checkpointing(block)
+    inner = torch.optim.Adam(net.parameters(), lr=1e-4)
+    model = smp.DistributedModel(net)
+    optimizer = smp.DistributedOptimizer(inner)
+
+    @smp.step
+    def train_step(model: Any, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, torch.bfloat16):  # the planner's bf16
+            loss = F.cross_entropy(model(ids).flatten(0, 1), target.flatten())
+        model.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(0, args.vocab_size, (args.global_batch, args.seq_len + 1), generator=g)
+    ids, target = seq[:, :-1].to(device), seq[:, 1:].to(device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    times, losses = [], []
+    for i in range(args.warmup + args.steps):
+        if i == args.warmup and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        sync()
+        t0 = time.perf_counter()
+        optimizer.zero_grad()
+        out = train_step(model, ids, target)
+        optimizer.step()
+        sync()
+        took = time.perf_counter() - t0
+        losses.append(float(out.reduce_mean().item()))
+        if i >= args.warmup:
+            times.append(took)
+        say(f"  step {i}{' (warm-up)' if i < args.warmup else ''}: {took * 1e3:.1f} ms, "
+            f"loss {losses[-1]:.3f}")
+    peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+    return {"step_time_s": statistics.median(times), "step_times_s": times,
+            "peak_memory_bytes": peak, "losses": losses}
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    say(f"device {device}: torch {torch.__version__}"
+        + (f", {torch.cuda.get_device_name(device)}" if device.type == "cuda" else ""))
+    work = Path(tempfile.mkdtemp(prefix="plan_gpu_"))
+    spec = calibrate(args, device)
+    spec_file = work / "spec.json"
+    spec_file.write_text(json.dumps(spec.to_json(), indent=1, sort_keys=True))
+    say(f"calibrated; spec in {spec_file}")
+    best, cfg = plan(args, spec_file, work)
+    mem = best["details"]["memory"]
+    say(f"predicted: step {best['step_time_s'] * 1e3:.1f} ms, memory "
+        f"{best['memory_bytes_per_gpu'] / GiB:.2f} GiB (mbs {best['mbs']} x "
+        f"{best['microbatches']} microbatches, recompute {best['recompute']}); "
+        f"configuration {cfg}")
+    got = measure(args, best, cfg, device)
+    figures: dict[str, Any] = {
+        "device": str(spec.name), "model": {k: getattr(args, k) for k in (
+            "n_layer", "n_embd", "n_head", "vocab_size", "seq_len", "global_batch")},
+        "fix": args.fix, "plan": {k: best[k] for k in ("tp", "pp", "dp", "mbs", "microbatches",
+                                                         "recompute", "step_time_s",
+                                                         "memory_bytes_per_gpu", "mfu")},
+        "predicted_memory": mem, "measured": got, "spec": spec.to_json()}
+    step_ratio = got["step_time_s"] / best["step_time_s"]
+    figures["step_ratio"] = step_ratio
+    print(f"step time:  predicted {best['step_time_s'] * 1e3:9.1f} ms   measured "
+          f"{got['step_time_s'] * 1e3:9.1f} ms (median of {args.steps})   measured/predicted "
+          f"{step_ratio:.3f}  (target within 10 %: {abs(step_ratio - 1) <= 0.10})", flush=True)
+    if got["peak_memory_bytes"] is not None:
+        mem_ratio = got["peak_memory_bytes"] / best["memory_bytes_per_gpu"]
+        figures["memory_ratio"] = mem_ratio
+        print(f"peak memory: predicted {best['memory_bytes_per_gpu'] / GiB:8.2f} GiB   "
+              f"measured {got['peak_memory_bytes'] / GiB:8.2f} GiB (max_memory_allocated)   "
+              f"measured/predicted {mem_ratio:.3f}  (target within 5 %: "
+              f"{abs(mem_ratio - 1) <= 0.05})", flush=True)
+        print("  predicted: " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in mem.items())
+              + " GiB", flush=True)
+    else:
+        print("peak memory: not measured on the CPU (torch.cuda.max_memory_allocated only)",
+              flush=True)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")
+        say(f"wrote {args.out}")
+    return figures
+
+
+if __name__ == "__main__":
+    main()

@@ -267,7 +267,8 @@ def measure(args: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    gpu = torch.cuda.is_available() and not args.tiny
+    device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     say(f"device {device}: torch {torch.__version__}"

@@ -60,6 +60,9 @@ class Setting:
     precision: str = "bf16"
     compute_factor: float = 1.0
     """How much slower ops run than the spec says (processes sharing a host's cores)."""
+    step_temporary: bool = False
+    """The optimizer step makes a float32 temporary of the parameters it steps (torch's
+    Adam on CUDA, ``foreach``; ``passes.cluster.memory``)."""
 
     @functools.cached_property
     def fabric(self) -> Fabric:
@@ -254,7 +257,8 @@ def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: i
         in_flight=in_flight_at(c.schedule, c.pp, m, c.vp, r), transient=ranks.transient[r],
         precision=setting.precision, zero=c.zero, dp=c.dp, layer_elems=ranks.layer_elems,
         boundary=boundary, output_bytes=profile.output_bytes, pipelined=c.pp > 1,
-        tensors=ranks.tensors[r], whole=ranks.small[r] if ranks.small else 0)
+        tensors=ranks.tensors[r], whole=ranks.small[r] if ranks.small else 0,
+        step_temporary=setting.step_temporary)
 
 
 def peak_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,

@@ -81,6 +81,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--inter-node-bandwidth", type=float,
                    help="bytes/s per node, one direction, all network cards together")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    p.add_argument("--adam", choices=("foreach", "fused"), default="foreach",
+                   help="the Adam the script steps with on a GPU: torch's default "
+                   "(foreach: a float32 temporary of the parameters at the step) or a fused "
+                   "one (apex, torch's fused=True: none)")
     p.add_argument("--fix", help="tp=8,pp=8,... (keys tp pp dp mbs vp schedule recompute sp "
                                  "zero): price these, search the rest")
     p.add_argument("--top", type=int, default=5, help="plans to show")
@@ -198,7 +202,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     planned: Planned | None = None
     for gpus in counts:
         setting = Setting(cluster, gpus, args.global_batch, args.precision,
-                          host_factor(cluster, gpus))
+                          host_factor(cluster, gpus), step_temporary=args.adam == "foreach"
+                          and "cpu" not in cluster.device.name)
         if setting.compute_factor > 1:
             progress(f"{min(gpus, cluster.gpus_per_node)} processes share "
                      f"{os.cpu_count()} cores: compute priced {setting.compute_factor:.1f}x "

@@ -59,17 +59,17 @@ def test_emit_config_is_what_smp_init_takes(tmp_path: Path,
         best["pp"], best["tp"], best["microbatches"])
     assert smp.pipeline == best["schedule"] and smp.prescaled_batch is True
     assert smp.optimize == ("memory" if best["sp"] else "speed")
-    # only what the runtime has: v = 1, its schedules, no selective, no sharding with tp
-    assert best["vp"] == 1 and best["schedule"] in ("simple", "interleaved")
+    assert smp.virtual_pipeline_degree == best["vp"]
+    # only what the runtime has: no selective recomputation, no sharding with tp
     assert best["recompute"] != "selective" and best["zero"] == "none"
 
 
 def test_emit_config_refuses_what_the_runtime_cannot_run(capsys) -> None:
-    assert plan_cli.main(_plan("--fix", "pp=2,schedule=zbv", "--emit-config",
+    assert plan_cli.main(_plan("--fix", "pp=2,recompute=selective", "--emit-config",
                                "/dev/null")) == 2
     assert "no configuration can be priced" in capsys.readouterr().err
     # without --emit-config the same plan is priced (the runtime need not exist)
-    assert plan_cli.main(_plan("--fix", "pp=2,schedule=zbv")) == 0
+    assert plan_cli.main(_plan("--fix", "pp=2,recompute=selective")) == 0
 
 
 @pytest.mark.parametrize("extra, message", [

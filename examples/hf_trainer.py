@@ -25,7 +25,8 @@ optimise the same objective (the attribute means nothing to earlier versions).
 ``python examples/hf_trainer.py OUT_DIR`` trains three times and writes
 ``OUT_DIR/result_{rank}.json`` with the per-step losses of each: ``gas1``
 (gradient_accumulation_steps 1, a checkpoint at step 2, then ``evaluate()`` and
-``predict()``: ``predict`` holds the logits' shape, sum and sum of magnitudes; with
+``predict()``: ``predict`` holds the logits' shape, then per sample their sum and sum of
+magnitudes, so samples gathered in another order show; with
 ``max_grad_norm`` so large that clipping runs but never scales, and ``grad_norm``, the
 norms the Trainer clipped by), ``resumed`` (a fresh model resumed from that checkpoint)
 and ``gas2`` (gradient_accumulation_steps 2, evaluating and saving at steps 2 and 4, then
@@ -124,7 +125,9 @@ def full(out: str) -> dict[str, Any]:
     result: dict[str, Any] = {"gas1": losses(first), "eval": first.evaluate()["eval_loss"],
                               "grad_norm": losses(first, "grad_norm")}
     logits = torch.as_tensor(first.predict(Tokens(8, 3)).predictions)
-    result["predict"] = [list(logits.shape), logits.sum().item(), logits.abs().sum().item()]
+    per_sample = logits.flatten(1)
+    result["predict"] = [list(logits.shape), per_sample.sum(1).tolist(),
+                         per_sample.abs().sum(1).tolist()]
     checkpoint = os.path.join(out, "gas1", "checkpoint-2")
     result["checkpoint_files"] = sorted(os.listdir(checkpoint))
     resumed = trainer_for(os.path.join(out, "gas1"), gas=1, steps=4, save_steps=None)

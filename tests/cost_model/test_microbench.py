@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from cost_model.microbench import QUICK, measure_link, time_per_call
@@ -24,6 +25,7 @@ def _link() -> tuple[float, float, float]:
     return measure_link(QUICK, torch.device("cpu"))
 
 
+@pytest.mark.multiproc
 def test_measure_link_between_two_ranks() -> None:
     results = run_ranks(_link, 2, timeout=120)
     for latency, bandwidth, per_message in results:

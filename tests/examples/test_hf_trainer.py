@@ -64,7 +64,14 @@ def test_trainer_smp_mode_matches_plain_trainer(tmp_path: Path) -> None:
         torch.testing.assert_close(torch.tensor(got[run]), torch.tensor(plain[run]),
                                    rtol=1e-5, atol=1e-5, msg=lambda m, r=run: f"{r}: {m}")
     assert got["predict"][0] == plain["predict"][0] == [8, 16, 64]  # logits of every sample
-    torch.testing.assert_close(got["predict"][1:], plain["predict"][1:], rtol=1e-4, atol=1e-3)
+    for checksum in (1, 2):  # per sample, in order: its logits' sum and sum of magnitudes
+        mine, theirs = torch.tensor(got["predict"][checksum]), torch.tensor(
+            plain["predict"][checksum])
+        assert mine.shape == theirs.shape == (8,)
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-3)
+    # the per-sample sums tell the samples apart, so an order change cannot pass unseen
+    sums = torch.tensor(plain["predict"][1])
+    assert bool(((sums[:, None] - sums[None, :]).abs() + torch.eye(8) * 1e9 > 1e-2).all()), sums
     for run in ("eval", "gas2_evals", "best"):
         torch.testing.assert_close(got[run], plain[run], rtol=1e-5, atol=1e-5)
     # load_best_model_at_end: the Trainer's SMP branch loads the best checkpoint in full

@@ -1,5 +1,5 @@
 """Checkpoint test fixtures: a tiny model with a tied weight and buffers, a plainly trained
-Adam over it, and how pipeline stages would split it.
+Adam over it, how pipeline stages would split it, and a save killed half-way.
 
 The "stages" are simulated: each holds a subset of the plain model's parameters (the tied
 weight on the first and the last) and its own torch optimizer over them, as a pipeline rank
@@ -8,7 +8,13 @@ does; the checkpoint tests merge and split their states against the plain ones.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -95,3 +101,32 @@ def make_stage_optimizers(model: nn.Module, full: list[list[str]], stages: list[
         opt.load_state_dict(optimizer_state_to_torch(by_name, local))
         opts.append(opt)
     return opts
+
+
+def kill_mid_save(script: str, args: Sequence[str], saving: Callable[[], bool],
+                  folder: Path, timeout: float = 120.0) -> None:
+    """Run ``script`` (Python source, written to ``folder``) with ``args`` in a fresh
+    interpreter, SIGKILL it as soon as ``saving()`` says its save is under way, and check
+    it died of that signal. The script must make the save slow enough to be caught (an
+    object whose pickling sleeps). The process is reaped on every path; a script that ends
+    before ``saving()`` holds fails with its output, one that never gets there in
+    ``timeout`` seconds fails too."""
+    path = folder / "slow_save.py"
+    path.write_text(script)
+    repo = Path(__file__).resolve().parents[2]
+    proc = subprocess.Popen([sys.executable, str(path), *args], cwd=repo,
+                            env={**os.environ, "PYTHONPATH": str(repo)},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + timeout
+        while not saving():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, "the save to interrupt never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL

@@ -13,6 +13,14 @@ empty, and a failure prints it:
     ['a.bias']
     >>> mismatched({"a.bias": torch.zeros(2)}, want, atol=1.0)
     []
+
+Nothing to compare is an error, not agreement (an empty stage or a filter that dropped
+every name would otherwise pass):
+
+    >>> mismatched({}, want)
+    Traceback (most recent call last):
+    ...
+    ValueError: nothing to compare: got holds no tensors
 """
 
 from __future__ import annotations
@@ -31,7 +39,10 @@ def mismatched(got: Mapping[str, torch.Tensor | None], want: Mapping[str, torch.
     Only ``got``'s names are checked, so ``want`` may hold more (one stage's parameters
     against the whole model's). A name ``want`` lacks, or ``None`` on one side only
     (a gradient that exists on one side), is a mismatch; ``None`` on both sides is not.
+    An empty ``got`` raises ``ValueError``: a check of nothing cannot pass.
     """
+    if not got:
+        raise ValueError("nothing to compare: got holds no tensors")
     bad = []
     for name, a in got.items():
         b = want.get(name)
@@ -51,8 +62,12 @@ def mismatched_across(named: Mapping[str, torch.Tensor], group: Any = None) -> l
     (the world by default): e.g. a stage's parameters across its data-parallel replicas.
 
     A collective: every rank of ``group`` calls it with the same names (in any order).
+    An empty ``named`` raises ``ValueError``, as in ``mismatched``.
     """
     import torch.distributed as dist
+
+    if not named:
+        raise ValueError("nothing to compare: named holds no tensors")
 
     bad = []
     for name in sorted(named):

@@ -6,6 +6,8 @@ server never ran ``smp.init``), with the torchrun environment set (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, a free
 ``MASTER_PORT``), one intra-op thread, and ``SMP_FX_TIMEOUT_S`` equal to the test's
 timeout, so ``smp.init()`` inside ``fn`` joins a gloo world exactly as under torchrun.
+After ``fn`` the rank forgets smp's state and destroys its process groups, so ``fn`` need
+not clean up.
 
     def _body(scale):            # module level: it is pickled by name
         import smp_fx as smp
@@ -56,8 +58,14 @@ def _worker(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple[
         out.put((rank, False, traceback.format_exc()))
     finally:
         try:
+            import sys
+
             import torch.distributed as dist
 
+            if "smp_fx.world.state" in sys.modules:  # smp's state and groups go first
+                from smp_fx.world import state
+
+                state._reset()
             if dist.is_initialized():
                 dist.destroy_process_group()
         except Exception:

@@ -22,6 +22,7 @@ from torch import nn
 
 from passes.tensor_parallel import loss as tp_loss
 from tests.helpers.compare import mismatched
+from tests.helpers.reference import train_plain
 from tests.smp_fx.parallel.test_tensor_parallel import ADAM_EPS, GLOBAL_BATCH, _gathered
 
 Batches = list[tuple[torch.Tensor, torch.Tensor]]
@@ -41,16 +42,17 @@ def _reference(build: Callable[[], nn.Module], batches: Callable[[], Batches], p
     model = build()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS)
     share = GLOBAL_BATCH // 2
-    losses, grads = [], []
-    for x, y in batches():
+    losses: list[list[float]] = []
+
+    def loss_of(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x, y = batch
         halves = [model(x[:share], y[:share])] if prescaled else [
             model(x[r * share:(r + 1) * share], y[r * share:(r + 1) * share]) for r in (0, 1)]
-        (sum(halves) / len(halves)).backward()
         losses.append([h.item() for h in halves])
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-    return losses, grads, {n: p.detach().clone() for n, p in model.state_dict().items()}
+        return sum(halves) / len(halves)
+
+    run = train_plain(model, opt, batches(), loss_of)
+    return losses, run.grads, run.state
 
 
 def compare_at_tp2(build: Callable[[], nn.Module], batches: Callable[[], Batches],

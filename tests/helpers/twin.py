@@ -66,10 +66,12 @@ class Twin:
         dist.all_reduce(loss, group=smp.get_dp_process_group())
         return float(loss) / smp.dp_size()
 
-    def ref_step(self) -> float:
-        """The reference's forward and backward on the whole batch; its loss."""
-        loss = self.ex.loss_fn(self.ref(*self.x), self.y)
-        loss.backward()
+    def ref_step(self, autocast: torch.dtype | None = None) -> float:
+        """The reference's forward and backward on the whole batch (under ``autocast``, as
+        ``smp_step`` runs its step function); its loss."""
+        with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=autocast is not None):
+            loss = self.ex.loss_fn(self.ref(*self.x), self.y)
+            loss.backward()
         return float(loss.detach())
 
     def local(self, grads: bool = False) -> dict[str, torch.Tensor | None]:

@@ -51,8 +51,9 @@ def test_unkept_promise_and_failure_and_mutation() -> None:
     def boom(g: torch.fx.GraphModule) -> torch.fx.GraphModule:
         raise KeyError("x")
 
-    with pytest.raises(SMPPassError, match="'boom' failed.*KeyError"):
+    with pytest.raises(SMPPassError, match="'boom' failed.*KeyError") as info:
         run_passes(gm, [("boom", boom, (), ())])
+    assert isinstance(info.value.__cause__, KeyError)  # how a test tells a crash (refusals.py)
 
     def mutate(g: torch.fx.GraphModule) -> torch.fx.GraphModule:
         for n in g.graph.nodes:

@@ -37,7 +37,6 @@ def _exact_kernels() -> Iterator[None]:
     yield
     (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
      torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark) = saved
-    state._reset()
 
 
 @pytest.mark.parametrize("pipeline", ["simple", "interleaved"])

@@ -21,12 +21,14 @@ def _run(cmd: list[str], timeout: float = 240) -> list[float]:
             if line.startswith("step ")]
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("script", ["train_mnist_like.py", "train_mnist_manual.py"])
 def test_mnist_examples_one_process(script: str) -> None:
     losses = _run([sys.executable, f"examples/{script}", "--steps", "2", "--batch-size", "16"])
     assert len(losses) == 2
 
 
+@pytest.mark.multiproc
 def test_gpt_example_learns_in_one_process() -> None:
     losses = _run([sys.executable, "examples/train_gpt.py", "--steps", "12"])
     assert len(losses) == 4 and losses[-1] < losses[0]

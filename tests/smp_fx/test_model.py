@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,7 +10,6 @@ from torch import nn
 
 import smp_fx as smp
 from smp_fx.config import IMPLEMENTED, PARAMS
-from smp_fx.world import state
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import example
@@ -24,11 +22,8 @@ def _net() -> nn.Module:
 
 
 @pytest.fixture
-def fresh() -> Iterator[None]:
+def fresh(one_thread: None) -> None:
     init(2, 2, "simple")
-    torch.set_num_threads(1)
-    yield
-    state._reset()
 
 
 @smp.step
@@ -190,14 +185,33 @@ def test_delayed_init_in_process_keeps_ties(fresh: None) -> None:
 
 def test_measured_costs_plan_and_numerics(fresh: None) -> None:
     """trace_execution_times / trace_memory_usage: the plan is made from measured costs
-    (times differ from the analytic ones), and training still matches the plain model."""
+    (times differ from the analytic ones), and training still matches the plain model:
+    every step's outputs and gradients, and the parameters after each optimizer step."""
     torch.manual_seed(0)
     net = _net()
     ref = _net()
     ref.load_state_dict(net.state_dict())
     measured = smp.DistributedModel(net, trace_execution_times=True, trace_memory_usage=True)
+    opt = smp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    tol = {"atol": 1e-5, "rtol": 1e-5}
+    for step in range(3):
+        x = torch.randn(4, 4)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        out = _step(measured, x).concat()
+        want = ref(x)
+        (want.sum() / 2).backward()  # the step's backward, averaged over its 2 microbatches
+        torch.testing.assert_close(out, want, **tol, msg=lambda m, s=step: f"step {s}: {m}")
+        got_grads = {n: p.grad for n, p in measured.local_named_parameters()}
+        assert set(got_grads) == {n for n, _ in ref.named_parameters()}  # both stages here
+        assert mismatched(got_grads, {n: p.grad for n, p in ref.named_parameters()},
+                          **tol) == [], step
+        opt.step()
+        ref_opt.step()
+        assert mismatched(dict(measured.local_named_parameters()),
+                          dict(ref.named_parameters()), **tol) == [], step
     x = torch.randn(4, 4)
-    torch.testing.assert_close(_step(measured, x).concat(), ref(x))
     analytic = smp.DistributedModel(_net())
     _step(analytic, x)
     times = [s.time_s for s in measured.plan.stages]
@@ -242,13 +256,9 @@ def test_unimplemented_configured_feature_is_an_error_at_wrap() -> None:
     if not planned:
         pytest.skip("every DistributedModel feature is built")
     name = planned[0].name
-    state._reset()
     smp.init({"pipeline_parallel_degree": 1, "ddp": True, name: True})
-    try:
-        with pytest.raises(smp.SMPNotImplementedError, match=name):
-            smp.DistributedModel(_net())
-    finally:
-        state._reset()
+    with pytest.raises(smp.SMPNotImplementedError, match=name):
+        smp.DistributedModel(_net())
 
 
 class _SharedFirst(nn.Module):

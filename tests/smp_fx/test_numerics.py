@@ -21,7 +21,6 @@ from typing import Any
 import pytest
 import torch
 
-from smp_fx.world import state
 from tests.helpers.dist import run_ranks
 from tests.helpers.numerics import Pair, init
 
@@ -35,13 +34,7 @@ MICROBATCHES = (1, 2, 4, 8)
 MICROBATCHES_OF = {"hf_bert": (2, 8)}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    """One intra-op thread: the machine is shared and the step threads add their own."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.mark.parametrize("pp", [1, 2, 4])
@@ -50,16 +43,13 @@ def test_in_process_grid(name: str, pp: int) -> None:
     """Every microbatch count (BERT: its two) and schedule. The model is partitioned once
     per microbatch count (the export front end specialises shapes to the traced
     microbatch)."""
-    try:
-        for m in MICROBATCHES_OF.get(name, MICROBATCHES):
-            init(pp, m, "simple")
-            pair = Pair(name)
-            for pipeline in SCHEDULES:
-                init(pp, m, pipeline)
-                pair.compare(3, m)
-            assert pair.dm.partitioned and len(pair.dm.program.stages) == pp
-    finally:
-        state._reset()
+    for m in MICROBATCHES_OF.get(name, MICROBATCHES):
+        init(pp, m, "simple")
+        pair = Pair(name)
+        for pipeline in SCHEDULES:
+            init(pp, m, pipeline)
+            pair.compare(3, m)
+        assert pair.dm.partitioned and len(pair.dm.program.stages) == pp
 
 
 def _eval_matches(pair: Pair) -> str:
@@ -97,7 +87,6 @@ def _multi_body(pp: int) -> list[str]:
             done.append(f"{name}/{pipeline}")
         assert len(list(pair.dm.local_parameters())) < len(list(pair.ref.parameters()))
         done.append(_eval_matches(pair))
-        state._reset()
     return done
 
 
@@ -122,7 +111,6 @@ def test_checkpointing_is_bitwise_the_plain_pipeline(strategy: str, offload: boo
     assert run.plan.stages[0].checkpointed and run.plan.stages[1].checkpointed
     assert run.losses == plain.losses
     assert [n for n, p in run.params.items() if not torch.equal(p, plain.params[n])] == []
-    state._reset()
 
 
 @pytest.mark.parametrize("name", ["gpt", "hf_gpt2"])
@@ -144,7 +132,6 @@ def test_checkpointed_transformers_match_the_unpartitioned_model(name: str) -> N
     assert sorted(r for st in pair.dm.plan.stages for r in st.checkpointed) == sorted(
         n for n, m in pair.dm.module.named_modules() if any(m is b for b in blocks))
     assert len(blocks) >= 2
-    state._reset()
 
 
 def _checkpointing_body() -> list[str]:
@@ -155,7 +142,6 @@ def _checkpointing_body() -> list[str]:
     from tests.helpers.memory import train
 
     dist.init_process_group("gloo")
-    torch.set_num_threads(1)
     plain = train(None, ddp=True, seed=dist.get_rank() // 2)
     run = train("group_2", offload=True, ddp=True, seed=dist.get_rank() // 2)
     bad = [n for n, p in run.params.items() if not torch.equal(p, plain.params[n])]
@@ -163,7 +149,6 @@ def _checkpointing_body() -> list[str]:
         bad.append(f"losses {run.losses} != {plain.losses}")
     if not all(st.checkpointed for st in run.plan.stages):
         bad.append("a stage without regions")
-    state._reset()
     return bad
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -12,7 +11,6 @@ from torch import nn
 
 import smp_fx as smp
 from smp_fx.runtime.microbatch import split_inputs
-from smp_fx.world import state
 from tests.helpers.numerics import init
 
 
@@ -28,11 +26,9 @@ class TwoOut(nn.Module):
 
 
 @pytest.fixture
-def model() -> Iterator[smp.DistributedModel]:
+def model(one_thread: None) -> smp.DistributedModel:
     init(2, 2, "interleaved")
-    torch.set_num_threads(1)
-    yield smp.DistributedModel(TwoOut())
-    state._reset()
+    return smp.DistributedModel(TwoOut())
 
 
 @smp.step

@@ -1,19 +1,21 @@
 """Fuzzed step inputs: whatever a user passes to an ``smp.step`` function, the step either
-computes what the plain model computes on the same microbatches, or raises an ``SMPError``
-that names the input, never a raw exception and never a hang.
+computes what the plain model computes on the same microbatches, or, exactly where SMP's
+rules say the input is invalid, raises the ``SMPRuntimeError`` that names the input; never
+a raw exception, never a hang.
 
 Two layers. ``split_inputs`` (pure, fast, many examples) against an independent statement
 of SMP's splitting rules: nested dicts / lists / tuples / namedtuples, tensors of any dtype
 and size (0-dim, zero-size, indivisible batches), non-tensor leaves, ``smp_slice`` objects,
 ``non_split_inputs``. Then whole steps (in-process pipeline, pp 1 and 2): a model that
-reads every tensor leaf of a nested argument, trained one step both ways.
-``SMP_FX_FUZZ_EXAMPLES`` raises the number of examples.
+reads every tensor leaf of a nested argument, trained one step both ways; an input the
+independent statement of the rules (``_expected``) accepts must compute, and at least half
+the examples must. ``SMP_FX_FUZZ_EXAMPLES`` raises the number of examples.
 """
 
 from __future__ import annotations
 
 import os
-from collections import namedtuple
+from collections import Counter, namedtuple
 from typing import Any
 
 import pytest
@@ -24,9 +26,10 @@ from hypothesis import strategies as hs
 from torch import nn
 
 import smp_fx as smp
-from smp_fx import SMPError
+from smp_fx import SMPError, SMPRuntimeError, SMPTracingError
 from smp_fx.runtime.microbatch import split_inputs
 from tests.helpers.numerics import init
+from tests.helpers.refusals import assert_refusal
 
 EXAMPLES = int(os.environ.get("SMP_FX_FUZZ_EXAMPLES", "150"))
 SPLIT = settings(max_examples=EXAMPLES, deadline=None,
@@ -35,6 +38,16 @@ STEPS = settings(max_examples=max(EXAMPLES // 10, 12), deadline=None,
                  suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 DTYPES = (torch.float32, torch.float64, torch.int64, torch.bool)
 Pair = namedtuple("Pair", "a b")
+STEP_OUTCOMES: Counter[str] = Counter()
+MIN_COMPUTED = 0.5
+"""The share of whole steps that must compute (about 0.9 do: the rest are indivisible)."""
+UNQUOTED = frozenset("\"'\\\n\r\x00")
+STRING_REFUSAL = (SMPTracingError, "export: SyntaxError")
+"""A known limitation, not one of SMP's rules: a string leaf holding a quote, a backslash,
+a line break or a NUL character is valid input, but the torch.export capture (the front end
+for ``Reader``) writes it unescaped into the source it generates, which Python refuses.
+smp-fx must fix it; until then exactly this error is accepted for exactly such inputs (the
+hypothesis event counts them)."""
 
 
 class Sliceable:
@@ -165,16 +178,27 @@ class Reader(nn.Module):
         return self.fc2(h)
 
 
+def _has_unquoted_string(value: Any) -> bool:
+    return any(isinstance(leaf, str) and UNQUOTED & set(leaf)
+               for leaf in pytree.tree_leaves(value))
+
+
 def _step_inputs(batch: int) -> hs.SearchStrategy[Any]:
     return hs.dictionaries(hs.sampled_from("abc"), _nested(batch, sliceable=False),
                            max_size=3)
 
 
+def test_a_step_on_nested_inputs_equals_the_model_or_is_an_smp_error() -> None:
+    STEP_OUTCOMES.clear()
+    _step_on_nested_inputs()
+    computed, total = STEP_OUTCOMES["computed"], sum(STEP_OUTCOMES.values())
+    assert total and computed >= MIN_COMPUTED * total, STEP_OUTCOMES
+
+
 @STEPS
 @given(data=hs.data(), batch=hs.sampled_from((2, 4)), m=hs.sampled_from((1, 2)),
        pp=hs.sampled_from((1, 2)))
-def test_a_step_on_nested_inputs_equals_the_model_or_is_an_smp_error(
-        data: Any, batch: int, m: int, pp: int) -> None:
+def _step_on_nested_inputs(data: Any, batch: int, m: int, pp: int) -> None:
     extra = data.draw(_step_inputs(batch))
     torch.manual_seed(0)
     ref = Reader()
@@ -195,14 +219,26 @@ def test_a_step_on_nested_inputs_equals_the_model_or_is_an_smp_error(
             model.backward(out.sum())
             return out
 
-        try:
-            outs = step(dm, x, extra)
-        except SMPError as exc:
-            assert slices is None or "extra" in str(exc) or "input" in str(exc), exc
-            event(f"SMPError: {str(exc).splitlines()[0][:60]}")
+        if slices is None:  # SMP's rule: an indivisible batch is refused, naming the input
+            with pytest.raises(SMPError) as err:
+                step(dm, x, extra)
+            assert_refusal(err.value, SMPRuntimeError, "divisible by microbatches")
+            assert "smp.step argument" in str(err.value), err.value
+            event("refused: indivisible batch")
+            STEP_OUTCOMES["refused"] += 1
             return
+        if _has_unquoted_string(extra):
+            try:
+                outs = step(dm, x, extra)
+            except SMPError as exc:
+                assert_refusal(exc, *STRING_REFUSAL)
+                event("known limitation: a quote, backslash, line break or NUL in a string")
+                STEP_OUTCOMES["known limitation"] += 1
+                return
+        else:
+            outs = step(dm, x, extra)
         event("computed")
-        assert slices is not None, "an indivisible batch was accepted"
+        STEP_OUTCOMES["computed"] += 1
         for mb, (xs, es) in enumerate(slices):
             out = ref(xs, es)
             (out.sum() / m).backward()  # smp averages gradients across microbatches

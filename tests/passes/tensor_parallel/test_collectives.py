@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -39,6 +40,7 @@ def _rank_checks() -> dict[str, Any]:
     return out
 
 
+@pytest.mark.multiproc
 def test_sequence_collectives_and_reduce_scatter_fallback() -> None:
     for res in run_ranks(_rank_checks, 2, timeout=60):
         assert res == {"same_sums": True, "reduce_scatter": True, "gather_shape": (2, 8, 3),

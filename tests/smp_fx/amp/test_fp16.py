@@ -6,21 +6,12 @@ The multi-process behaviour (agreement across ranks) is in ``test_precision_dist
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
 import torch
 
 import smp_fx as smp
-from smp_fx.world import state
 from tests.helpers.numerics import init, twin_models
-
-
-@pytest.fixture(autouse=True)
-def _fresh() -> Iterator[None]:
-    yield
-    state._reset()
 
 
 def _step_fn(ex: Any) -> Any:
@@ -100,7 +91,6 @@ def test_bf16_autocast_reaches_the_plan() -> None:
             step(dm, x, y)
         sent = dm.plan.to_json()["stages"][0]["sent"][0]
         shapes[dtype] = (sent["dtype"], dm.plan.stages[0].memory.activations_per_microbatch)
-        state._reset()
     assert shapes[None][0] == "float32" and shapes[torch.bfloat16][0] == "bfloat16"
     assert shapes[torch.bfloat16][1] < shapes[None][1]
 

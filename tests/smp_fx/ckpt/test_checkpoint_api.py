@@ -7,12 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
-import subprocess
-import sys
 import textwrap
-import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +16,15 @@ import torch
 
 import smp_fx as smp
 from smp_fx.ckpt import checkpoint_api
-from smp_fx.world import state
+from tests.helpers.ckpt import kill_mid_save
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import example
 from tests.helpers.numerics import init
 
-REPO = Path(__file__).resolve().parents[3]
-
 
 @pytest.fixture(autouse=True)
-def _fresh() -> Iterator[None]:
+def _fresh(one_thread: None) -> None:
     init(2, 2, "interleaved")
-    torch.set_num_threads(1)
-    yield
-    smp.reset()
-    state._reset()
 
 
 class Run:
@@ -283,27 +272,10 @@ SLOW_SAVE = textwrap.dedent("""
 
 @pytest.mark.multiproc
 def test_sigkill_during_save_checkpoint_leaves_previous_loadable(tmp_path: Path) -> None:
-    script = tmp_path / "slow_save.py"
-    script.write_text(SLOW_SAVE)
     path = str(tmp_path / "ck")
     staging = os.path.join(path, ".b_partial.incomplete")
-    proc = subprocess.Popen([sys.executable, str(script), path], cwd=REPO,
-                            env={**os.environ, "PYTHONPATH": str(REPO)},
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 120
-        while not (os.path.isdir(staging)
-                   and any(n.endswith(".tmp") for n in os.listdir(staging))):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the second save never started"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
+    kill_mid_save(SLOW_SAVE, [path], lambda: os.path.isdir(staging) and any(
+        n.endswith(".tmp") for n in os.listdir(staging)), tmp_path)
     assert checkpoint_api.read_newest(path) == ["a_partial"]
     resumed = Run(seed=7)
     assert smp.resume_from_checkpoint(path)["gen"] == 1

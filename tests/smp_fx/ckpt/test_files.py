@@ -4,11 +4,7 @@ protocol (ranks simulated by threads), resharding merges and a SIGKILL during a 
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
-import sys
 import textwrap
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +19,7 @@ from smp_fx.ckpt.commit import save_partial
 from smp_fx.ckpt.layout import read_index
 from smp_fx.ckpt.ranks import RankInfo
 from smp_fx.ckpt.state_dict import PARTIAL_KEY
+from tests.helpers.ckpt import kill_mid_save
 from tests.helpers.threads import run_thread_ranks
 
 
@@ -238,26 +235,12 @@ SLOW_SAVE = textwrap.dedent("""
 """)
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
 def test_sigkill_during_save_leaves_previous_checkpoint(tmp_path: Path, partial: bool) -> None:
-    script = tmp_path / "slow_save.py"
-    script.write_text(SLOW_SAVE)
     f = str(tmp_path / "ck.pt")
-    proc = subprocess.Popen([sys.executable, str(script), f, "partial" if partial else "full"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while not (os.path.exists(f + ".first-done")
-                   and any(n.endswith(".tmp") for n in os.listdir(tmp_path))):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "the second save never started"
-            time.sleep(0.05)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=30)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait(timeout=30)
-    assert proc.returncode == -signal.SIGKILL
+    kill_mid_save(SLOW_SAVE, [f, "partial" if partial else "full"], lambda: os.path.exists(
+        f + ".first-done") and any(n.endswith(".tmp") for n in os.listdir(tmp_path)),
+        tmp_path, timeout=60)
     loaded = ckpt.load(f, partial=partial)
     assert loaded["gen"] == 1 and torch.equal(loaded["w"], torch.ones(3))

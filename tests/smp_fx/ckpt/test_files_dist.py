@@ -1,7 +1,15 @@
-"""Multi-process checkpoint tests (gloo, real ranks via tests/helpers/dist.py).
+"""Checkpoints across pipeline stages: on real ranks, and the mixins against stand-ins.
 
-File-level: smp.save / smp.load over real model-parallel groups, called by dp_rank 0 only
-(the seed's pattern), and loaded at another pipeline degree.
+* On real ranks (gloo processes via tests/helpers/dist.py, ``multiproc``): smp.save /
+  smp.load over real model-parallel groups, called by dp_rank 0 only (the pattern of SMP's
+  documentation) and loaded at another pipeline degree; the runtime's DistributedModel and
+  DistributedOptimizer trained, saved, resumed and resharded.
+* In one process, no ranks: the checkpoint mixins against ``FakeModel`` and
+  ``FakeOptimizer``, stand-ins that hold only what the mixins read. What they fake: the
+  stages (a set of local names per "stage" instead of a partitioned program) and the
+  optimizer's binding to the model at partitioning (``FakeOptimizer.localize`` keeps the
+  local parameters in the param groups, as the runtime's binding does). The runtime's own
+  binding is what the real-rank tests above and tests/smp_fx/test_optimizer.py exercise.
 """
 
 from __future__ import annotations
@@ -76,7 +84,7 @@ def test_dp0_saves_partial_every_rank_loads_then_pp1_merges(tmp_path: Path) -> N
     assert merged == ["stage0.weight", "stage1.weight"]
 
 
-# ---- the checkpoint mixins against a minimal stand-in of the runtime's contract ---------
+# ---- the checkpoint mixins against stand-ins of the runtime's contract (one process) -----
 
 
 class FakeModel(ModelCheckpointMixin, nn.Module):
@@ -114,7 +122,11 @@ class FakeModel(ModelCheckpointMixin, nn.Module):
 
 
 class FakeOptimizer(OptimizerCheckpointMixin):
-    """The runtime facts the optimizer mixin uses: optimizer, global_index, _localized."""
+    """The runtime facts the optimizer mixin uses: optimizer, global_index, _localized.
+
+    Faked: the binding to the model. ``localize`` (called by ``FakeModel.partition``) drops
+    the parameters the stage does not hold from the param groups, the effect of the
+    runtime's binding, without its mapping of re-created parameters by name."""
 
     model: FakeModel | None = None
 

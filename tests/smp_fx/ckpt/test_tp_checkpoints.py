@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -171,6 +172,7 @@ def _body(tmp: str) -> dict[str, Any]:
     return {"bad": bad, "foreign_refused": _foreign_refused()}
 
 
+@pytest.mark.multiproc
 def test_checkpoints_reshard_across_tensor_parallel_degrees(tmp_path: Any) -> None:
     results = run_ranks(_body, 2, str(tmp_path), timeout=300)
     for rank, r in enumerate(results):

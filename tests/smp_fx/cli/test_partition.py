@@ -150,19 +150,16 @@ def _runtime_plan(path: Path, config: dict[str, object], batch: int,
     example = load_model_file(str(path))
     state._reset()
     smp.init(config)
-    try:
-        model = smp.DistributedModel(example.build_model())
+    model = smp.DistributedModel(example.build_model())
 
-        @smp.step(non_split_inputs=non_split)
-        def forward(model: object, batch: object, table: object = None) -> object:
-            return model(batch) if table is None else model(batch, table)
+    @smp.step(non_split_inputs=non_split)
+    def forward(model: object, batch: object, table: object = None) -> object:
+        return model(batch) if table is None else model(batch, table)
 
-        with torch.no_grad():
-            forward(model, *example.example_inputs(batch))
-        assert model.plan is not None
-        return model.plan, model.program
-    finally:
-        state._reset()
+    with torch.no_grad():
+        forward(model, *example.example_inputs(batch))
+    assert model.plan is not None
+    return model.plan, model.program
 
 
 @pytest.mark.parametrize("name", ["gpt", "hf_gpt2", "nested"])
@@ -256,6 +253,7 @@ def test_bad_input_is_one_line_and_exit_2(capsys: pytest.CaptureFixture[str], ar
     assert "Traceback" not in err
 
 
+@pytest.mark.multiproc
 def test_dispatch_and_console_script(tmp_path: Path) -> None:
     assert "partition" in cli_main.COMMANDS
     exe = Path(sys.executable).with_name("smp-fx")

@@ -10,7 +10,6 @@ from torch import nn
 
 import smp_fx as smp
 from smp_fx.marking import activation_checkpointing as ac
-from smp_fx.world import state
 from tests.helpers.memory import mlp_stack
 from tests.helpers.numerics import init
 
@@ -95,7 +94,6 @@ def test_smp_checkpoint_in_a_forward_makes_regions() -> None:
     for n, p in model.local_named_parameters():
         torch.testing.assert_close(p.grad, dict(ref.named_parameters())[n].grad)
     ac.clear(net)
-    state._reset()
 
 
 def test_offloading_without_checkpointing_is_an_error() -> None:
@@ -108,7 +106,6 @@ def test_offloading_without_checkpointing_is_an_error() -> None:
 
     with pytest.raises(smp.SMPConfigError, match="no module is checkpointed"):
         step(model, torch.randn(4, 16))
-    state._reset()
 
 
 def test_marking_after_partitioning_is_an_error() -> None:
@@ -123,4 +120,3 @@ def test_marking_after_partitioning_is_an_error() -> None:
     step(model, torch.randn(4, 16))
     with pytest.raises(smp.SMPConfigError, match="before the model is partitioned"):
         smp.set_activation_checkpointing(net[0])
-    state._reset()

@@ -5,7 +5,6 @@ fx rewrite then shards it; registration errors name the rule."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,7 +17,6 @@ from passes.tensor_parallel import TensorParallelism, tensor_parallel
 from passes.trace import trace
 from smp_fx.marking.tensor_parallelism import marked_paths
 from smp_fx.marking.tp_register import registration, replace_registered
-from smp_fx.world import state
 from tests.helpers.numerics import init
 
 CONFIG = {"num_layers": 1, "num_attention_heads": 4, "attention_head_size": 4,
@@ -110,11 +108,8 @@ def test_the_replacement_is_sharded_by_the_rewrite() -> None:
 
 
 @pytest.fixture
-def fresh() -> Iterator[None]:
+def fresh(one_thread: None) -> None:
     init(1, 2, "simple")
-    torch.set_num_threads(1)
-    yield
-    state._reset()
 
 
 def test_distributed_model_replaces_before_tracing(fresh: None) -> None:

@@ -25,24 +25,20 @@ def test_apex_signature_and_values() -> None:
 
 def test_it_partitions_like_any_module() -> None:
     import smp_fx as smp
-    from smp_fx.world import state
     from tests.helpers.numerics import init
 
     init(2, 1, "simple")
-    try:
-        net = torch.nn.Sequential(torch.nn.Linear(5, 5), FusedLayerNorm(5),
-                                  torch.nn.Linear(5, 2))
-        ref = torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.LayerNorm(5),
-                                  torch.nn.Linear(5, 2))
-        ref.load_state_dict(net.state_dict())
-        model = smp.DistributedModel(net)
-        x = torch.randn(4, 5)
+    net = torch.nn.Sequential(torch.nn.Linear(5, 5), FusedLayerNorm(5),
+                              torch.nn.Linear(5, 2))
+    ref = torch.nn.Sequential(torch.nn.Linear(5, 5), torch.nn.LayerNorm(5),
+                              torch.nn.Linear(5, 2))
+    ref.load_state_dict(net.state_dict())
+    model = smp.DistributedModel(net)
+    x = torch.randn(4, 5)
 
-        @smp.step
-        def fwd(model: smp.DistributedModel, x: torch.Tensor) -> torch.Tensor:
-            return model(x)
+    @smp.step
+    def fwd(model: smp.DistributedModel, x: torch.Tensor) -> torch.Tensor:
+        return model(x)
 
-        with torch.no_grad():
-            torch.testing.assert_close(fwd(model, x).concat(), ref(x))
-    finally:
-        state._reset()
+    with torch.no_grad():
+        torch.testing.assert_close(fwd(model, x).concat(), ref(x))

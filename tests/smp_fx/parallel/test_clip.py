@@ -11,28 +11,24 @@ import torch
 
 import smp_fx as smp
 from smp_fx.parallel.clip import clip_grads
-from smp_fx.world import state
 from tests.helpers.numerics import Pair, init
 
 
 def test_norms_and_clipping_equal_the_unpartitioned_model() -> None:
     init(2, 2, "simple")
-    try:
-        pair = Pair("gpt")
-        pair.compare(1, 2)  # leaves both models' gradients of one step
-        for norm_type in (2.0, 1.0, math.inf, 3.0):
-            got = pair.dm.clip_grad_norm_(math.inf, norm_type)
-            want = torch.nn.utils.clip_grad_norm_(pair.ref.parameters(), math.inf, norm_type)
-            assert math.isclose(float(got), float(want), rel_tol=1e-6), norm_type
-        pair.dm.clip_grad_norm_(0.01)
-        torch.nn.utils.clip_grad_norm_(pair.ref.parameters(), 0.01)
-        ref = dict(pair.ref.named_parameters())
-        for n, p in pair.dm.local_named_parameters():
-            torch.testing.assert_close(p.grad, ref[n].grad, atol=1e-8, rtol=1e-6)
-        with pytest.raises(smp.SMPError, match="norm_type"):
-            pair.dm.clip_grad_norm_(1.0, -1.0)
-    finally:
-        state._reset()
+    pair = Pair("gpt")
+    pair.compare(1, 2)  # leaves both models' gradients of one step
+    for norm_type in (2.0, 1.0, math.inf, 3.0):
+        got = pair.dm.clip_grad_norm_(math.inf, norm_type)
+        want = torch.nn.utils.clip_grad_norm_(pair.ref.parameters(), math.inf, norm_type)
+        assert math.isclose(float(got), float(want), rel_tol=1e-6), norm_type
+    pair.dm.clip_grad_norm_(0.01)
+    torch.nn.utils.clip_grad_norm_(pair.ref.parameters(), 0.01)
+    ref = dict(pair.ref.named_parameters())
+    for n, p in pair.dm.local_named_parameters():
+        torch.testing.assert_close(p.grad, ref[n].grad, atol=1e-8, rtol=1e-6)
+    with pytest.raises(smp.SMPError, match="norm_type"):
+        pair.dm.clip_grad_norm_(1.0, -1.0)
 
 
 def test_counted_and_clipped_sets_differ() -> None:
@@ -46,20 +42,17 @@ def test_counted_and_clipped_sets_differ() -> None:
 
 def test_lamb_in_a_distributed_optimizer_clips_by_the_whole_models_norm() -> None:
     init(2, 2, "simple")
-    try:
-        pair = Pair("mlp")
-        opt = smp.DistributedOptimizer(smp.optimizers.FusedLamb(
-            pair.dm.module.parameters(), lr=0.01, max_grad_norm=0.05))
-        ref_opt = smp.optimizers.FusedLamb(pair.ref.parameters(), lr=0.01, max_grad_norm=0.05)
-        for _ in range(2):
-            opt.zero_grad()
-            ref_opt.zero_grad()
-            pair.train_step(pair.dm, *pair.x, pair.y)
-            pair.ref_step(2)
-            opt.step()
-            ref_opt.step()
-        ref = dict(pair.ref.named_parameters())
-        for n, p in pair.dm.local_named_parameters():
-            torch.testing.assert_close(p, ref[n], atol=1e-6, rtol=1e-5, msg=n)
-    finally:
-        state._reset()
+    pair = Pair("mlp")
+    opt = smp.DistributedOptimizer(smp.optimizers.FusedLamb(
+        pair.dm.module.parameters(), lr=0.01, max_grad_norm=0.05))
+    ref_opt = smp.optimizers.FusedLamb(pair.ref.parameters(), lr=0.01, max_grad_norm=0.05)
+    for _ in range(2):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        pair.train_step(pair.dm, *pair.x, pair.y)
+        pair.ref_step(2)
+        opt.step()
+        ref_opt.step()
+    ref = dict(pair.ref.named_parameters())
+    for n, p in pair.dm.local_named_parameters():
+        torch.testing.assert_close(p, ref[n], atol=1e-6, rtol=1e-5, msg=n)

@@ -32,6 +32,7 @@ from torch import nn
 from tests.helpers.compare import mismatched, mismatched_across
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import example
+from tests.helpers.reference import train_plain
 
 GLOBAL_BATCH = 8
 M = 2  # microbatches per replica step
@@ -69,12 +70,8 @@ def _reference(steps: int, accumulate: int) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     ref = ex.build_model()
     opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=0.9)
-    for i, (x, y) in enumerate(_batches(steps)):
-        ex.loss_fn(ref(x), y).backward()
-        if (i + 1) % accumulate == 0:
-            opt.step()
-            opt.zero_grad()
-    return {n: p.detach().clone() for n, p in ref.named_parameters(remove_duplicate=False)}
+    return train_plain(ref, opt, _batches(steps), lambda m, b: ex.loss_fn(m(b[0]), b[1]),
+                       accumulate=accumulate).params
 
 
 def _train(steps: int, accumulate: int, **model_kwargs: Any) -> tuple[Any, dict[str, Any]]:
@@ -259,7 +256,6 @@ def _body() -> dict[str, Any]:
     out["pure_dp"] = (smp.dp_size(), _reductions(model))
     state._reset()
     out["example"] = _example_scenario()
-    state._reset()
     return out
 
 
@@ -405,16 +401,10 @@ def test_optimizer_step_inside_step_is_rejected(one_rank: Any) -> None:
 
 def test_join_requires_ddp() -> None:
     import smp_fx as smp
-    from smp_fx.world import state
-
-    state._reset()
     smp.init({"pipeline_parallel_degree": 1})
-    try:
-        model = smp.DistributedModel(nn.Linear(4, 2))
-        with pytest.raises(smp.SMPConfigError, match="only with ddp"), model.join():
-            pass
-    finally:
-        state._reset()
+    model = smp.DistributedModel(nn.Linear(4, 2))
+    with pytest.raises(smp.SMPConfigError, match="only with ddp"), model.join():
+        pass
 
 
 def test_buckets_respect_cap_and_order() -> None:

@@ -44,6 +44,7 @@ from passes.tensor_parallel import merge_shards
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import example
+from tests.helpers.reference import train_plain
 
 GLOBAL_BATCH = 8
 STEPS = 3
@@ -206,17 +207,10 @@ def _reference(kind: str, batch: int) -> tuple[list[float], list[dict[str, torch
                                                dict[str, torch.Tensor]]:
     model = _build(kind)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS)
-    losses, grads = [], []
-    for x, y in _batches(kind):
-        loss = _loss(kind, model(x[:batch]), y[:batch])
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
+    run = train_plain(model, opt, _batches(kind),
+                      lambda m, b: _loss(kind, m(b[0][:batch]), b[1][:batch]))
     # every name the plain state_dict() has, tied aliases (GPT's lm_head.weight) included
-    return losses, grads, {n: p.detach().clone()
-                           for n, p in model.named_parameters(remove_duplicate=False)}
+    return run.losses, run.grads, run.params
 
 
 def _gathered(model: Any, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -353,12 +347,14 @@ def _run(kind: str, prescaled: bool, optimize: str = "memory") -> list[Any]:
     return _RESULTS[kind, prescaled, optimize]
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize(("kind", "prescaled"), CASES)
 def test_tp2_matches_single_process_model(kind: str, prescaled: bool) -> None:
     for res in _run(kind, prescaled):
         assert res["bad"] == [], (kind, prescaled)
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize(("kind", "prescaled"), (("gpt", False), ("blocks", True)))
 def test_tp2_optimize_speed_matches_single_process_model(kind: str, prescaled: bool) -> None:
     """``optimize: "speed"``: activations between the pairs replicated (no sequence
@@ -367,6 +363,7 @@ def test_tp2_optimize_speed_matches_single_process_model(kind: str, prescaled: b
         assert res["bad"] == [] and "sequence_parallel" not in res["plan"], (kind, prescaled)
 
 
+@pytest.mark.multiproc
 def test_optimize_memory_chunks_the_sequence_between_pairs() -> None:
     """``optimize: "memory"`` (default): between a row and the next column linear each rank
     holds half the sequence; the layer norms and row biases there have their gradients
@@ -383,6 +380,7 @@ def test_optimize_memory_chunks_the_sequence_between_pairs() -> None:
         assert "model.model.layers.1.input_layernorm.weight" in llama
 
 
+@pytest.mark.multiproc
 def test_tp2_shards_and_plan() -> None:
     mlp = _run("mlp", False)
     # prescaled_batch false: each rank's loss is its own examples'; their mean is global
@@ -432,6 +430,7 @@ def test_tp2_shards_and_plan() -> None:
     assert region == "act,fc1,fc2,head" and "33 out features, not divisible" in why
 
 
+@pytest.mark.multiproc
 def test_pp2_tp2_matches_single_process_model() -> None:
     """4 ranks, pp=2 x tp=2, 2 microbatches: the column-parallel fc1 ends stage 0 and the
     row-parallel fc2 begins stage 1, so a feature-split activation crosses the stages."""
@@ -444,6 +443,7 @@ def test_pp2_tp2_matches_single_process_model() -> None:
                     ("fc2.bias", "fc2.weight", "head.bias", "head.weight")]
 
 
+@pytest.mark.multiproc
 def test_tp4_gqa_with_kv_heads_tp_does_not_divide() -> None:
     """The tiny HF Llama (4 query heads, 2 kv heads) at tp=4 on 4 ranks, each layer's
     attention and MLP marked: q splits by heads (one per rank), k and v stay whole on every

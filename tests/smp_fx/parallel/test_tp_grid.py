@@ -16,12 +16,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
+from tests.helpers.reference import train_plain
 from tests.smp_fx.parallel.test_tensor_parallel import MLP, _gathered
 
 GLOBAL_BATCH, STEPS = 16, 3
@@ -60,13 +62,8 @@ def _reference() -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]
     torch.manual_seed(0)
     model = MLP()
     opt = torch.optim.Adam(model.parameters(), lr=LR)
-    grads = []
-    for x, y in _batches():
-        F.cross_entropy(model(x), y).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-    return grads, {n: p.detach().clone() for n, p in model.named_parameters()}
+    run = train_plain(model, opt, _batches(), lambda m, b: F.cross_entropy(m(b[0]), b[1]))
+    return run.grads, run.params
 
 
 def _config(placement: str, pipeline: str, m: int, prescaled: bool) -> list[str]:
@@ -115,7 +112,6 @@ def _config(placement: str, pipeline: str, m: int, prescaled: bool) -> list[str]
 
 
 def _body() -> list[str]:
-    torch.set_num_threads(1)
     dist.init_process_group("gloo")
     bad: list[str] = []
     for config in CONFIGS:
@@ -123,6 +119,7 @@ def _body() -> list[str]:
     return bad
 
 
+@pytest.mark.multiproc
 def test_pp2_tp2_rdp2_on_8_ranks_equals_one_process() -> None:
     results = run_ranks(_body, 8, timeout=400)
     assert all(r == [] for r in results), [r for r in results if r]

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import example
+from tests.helpers.reference import train_plain
 from tests.smp_fx.parallel.test_tensor_parallel import (
     ADAM_EPS,
     EXAMPLES,
@@ -66,14 +67,8 @@ def _reference(kind: str) -> tuple[list[dict[str, torch.Tensor]], dict[str, torc
     parameters after the steps under every name the plain state_dict() has."""
     model = _build(kind)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS)
-    grads = []
-    for x, y in _batches(kind):
-        _loss(kind, model(x), y).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-    return grads, {n: p.detach().clone()
-                   for n, p in model.named_parameters(remove_duplicate=False)}
+    run = train_plain(model, opt, _batches(kind), lambda m, b: _loss(kind, m(b[0]), b[1]))
+    return run.grads, run.params
 
 
 def _grid(kind: str, ref_grads: list[dict[str, torch.Tensor]],
@@ -136,6 +131,7 @@ def _run(kind: str) -> list[dict[str, Any]]:
     return _RESULTS[kind]
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("kind", list(CONFIGS))
 def test_grid_matches_single_process_model(kind: str) -> None:
     results = _run(kind)
@@ -152,6 +148,7 @@ def test_grid_matches_single_process_model(kind: str) -> None:
         assert any(gathered for _, gathered in marks), marks
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("kind", list(TIED))
 def test_tied_weight_spans_stages_and_tp_shards(kind: str) -> None:
     """The tied embedding / LM head: held by both stages, the stage-1 replica a tied

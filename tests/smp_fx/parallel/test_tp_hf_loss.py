@@ -43,6 +43,7 @@ def _batches(vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x, hf_labels(x)) for x in ids]
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize(("marking", "vocab", "prescaled"), [
     ("pair", 128, False), ("pair", 128, True), ("whole", 128, False), ("whole", 128, True),
     ("pair", 127, False), ("pair", 127, True)])

@@ -30,6 +30,7 @@ from passes.tensor_parallel import loss as tp_loss
 from smp_fx.marking.tp_register import replace_registered
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
+from tests.helpers.reference import train_plain
 from tests.smp_fx.parallel.test_tensor_parallel import ADAM_EPS, STEPS, TOL, _gathered
 
 GLOBAL_BATCH = 8
@@ -149,16 +150,9 @@ def _reference(kind: str, batch: int) -> tuple[list[float], list[dict[str, torch
                                                dict[str, torch.Tensor]]:
     model = replace_registered(_build(kind))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS)
-    losses, grads = [], []
-    for step, (ids, mask, y) in enumerate(_batches()):
-        loss = _forward(kind, model, step, slice(0, batch), ids, mask, y)
-        loss.backward()
-        losses.append(loss.item())
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
-        opt.step()
-        opt.zero_grad()
-    return losses, grads, {n: p.detach().clone()
-                           for n, p in model.named_parameters(remove_duplicate=False)}
+    run = train_plain(model, opt, enumerate(_batches()), lambda m, b: _forward(
+        kind, m, b[0], slice(0, batch), *b[1]))
+    return run.losses, run.grads, run.params
 
 
 _ORIGINAL = tp_loss.tp_vocab_cross_entropy
@@ -224,6 +218,7 @@ def _run(kind: str, prescaled: bool) -> list[Any]:
     return _RESULTS[kind, prescaled]
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("prescaled", [True, False])
 def test_lm_head_tp2_matches_single_process(prescaled: bool) -> None:
     results = _run("lm", prescaled)
@@ -243,6 +238,7 @@ def test_lm_head_tp2_matches_single_process(prescaled: bool) -> None:
                                    **TOL)
 
 
+@pytest.mark.multiproc
 def test_registered_module_tp2_matches_single_process() -> None:
     """smp.tp_register end to end: the marked UserBlocks becomes a DistributedTransformer
     (init / forward / return hooks) that the rewrite shards; training equals one process
@@ -255,6 +251,7 @@ def test_registered_module_tp2_matches_single_process() -> None:
                                                       for n in res["sharded"])
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("prescaled", [True, False])
 def test_cross_attention_lm_head_with_labels_tp2_matches_single_process(prescaled: bool
                                                                          ) -> None:

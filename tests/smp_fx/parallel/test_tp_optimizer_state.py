@@ -14,10 +14,12 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
+from tests.helpers.reference import train_plain
 from tests.smp_fx.parallel.test_tensor_parallel import (
     ADAM_EPS,
     GLOBAL_BATCH,
@@ -40,10 +42,7 @@ def _flat(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
 def _plain() -> tuple[dict[str, Any], torch.nn.Module, torch.optim.Optimizer]:
     model = _build(KIND)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2, eps=ADAM_EPS)
-    for x, y in _batches(KIND):
-        _loss(KIND, model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+    train_plain(model, opt, _batches(KIND), lambda m, b: _loss(KIND, m(b[0]), b[1]))
     return opt.state_dict(), model, opt
 
 
@@ -84,6 +83,7 @@ def _body() -> dict[str, Any]:
     return {"bad": bad, "sharded": len(model.tp_plan.sharded)}
 
 
+@pytest.mark.multiproc
 def test_full_optimizer_state_dict_at_tp2_equals_the_plain_optimizers() -> None:
     results = run_ranks(_body, 2, timeout=180, env={"SMP_FX_DEVICE_SPEC": "a100"})
     for rank, res in enumerate(results):

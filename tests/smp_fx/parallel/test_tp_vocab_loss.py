@@ -42,6 +42,7 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(STEPS)]
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("prescaled", [False, True])
 def test_fused_vocab_parallel_loss_matches_single_process(prescaled: bool) -> None:
     for res in run_at_tp2(_build, _batches, prescaled):

@@ -10,7 +10,6 @@ import torch
 from cost_model.schedule import generate
 from smp_fx.runtime.activations import ActivationKeeper, prefetch_points
 from smp_fx.runtime.lowering import Op
-from smp_fx.world import state
 from tests.helpers.memory import train
 
 
@@ -23,7 +22,6 @@ def test_saved_bytes_equal_the_plan(strategy: str | None, pipeline: str) -> None
         for mb, rec in run.saved[s].items():
             assert rec.saved == st.memory.activations_per_microbatch, (s, mb)
             assert rec.offloaded == 0
-    state._reset()
 
 
 def test_checkpointing_keeps_less_and_offloading_moves_the_rest() -> None:
@@ -38,7 +36,6 @@ def test_checkpointing_keeps_less_and_offloading_moves_the_rest() -> None:
         assert rec.offloaded == st.memory.offloaded_per_microbatch
         assert rec.on_device == st.memory.activations_per_microbatch
         assert st.memory.recompute_transient > 0
-    state._reset()
 
 
 @pytest.mark.parametrize("strategy, offload", [(None, False), ("group_2", False),
@@ -52,7 +49,6 @@ def test_predicted_stage_memory_is_within_5_percent_of_measured(strategy: str | 
     for s, st in enumerate(run.plan.stages):
         predicted = st.memory.total - st.memory.recompute_transient
         assert abs(predicted - run.measured_memory[s]) <= 0.05 * run.measured_memory[s], s
-    state._reset()
 
 
 def test_inputs_come_back_horizon_tasks_before_their_backward() -> None:

@@ -3,7 +3,6 @@ every backward, and a stage that sends nothing still gets the outputs."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -18,18 +17,8 @@ from cost_model.simulate import StageCost, simulate
 from passes import meta
 from passes.split_stages import split_stages
 from smp_fx.runtime.lowering import Op, lower
-from smp_fx.world import state
 from tests.helpers.compare import Checks, mismatched
 from tests.helpers.numerics import init
-
-
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-    state._reset()
 
 
 @pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
@@ -75,7 +64,6 @@ def _two_rank_model(microbatches: int, pipeline: str) -> Any:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    torch.set_num_threads(1)
     init(2, microbatches, pipeline)
     torch.manual_seed(0)
     return smp.DistributedModel(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]))
@@ -110,7 +98,6 @@ def _skip_body() -> tuple[int, list[str]]:
               "skipped backwards change the grads")
     ok.expect(not model.executor.transport._posted, "no receive left posted")
     dist.barrier()
-    state._reset()
     return ok.report()
 
 
@@ -146,7 +133,6 @@ def _mismatch_body() -> list[str]:
         except SMPRuntimeError as exc:
             seen.append(str(exc))
         dist.barrier()
-    state._reset()
     return seen
 
 
@@ -188,7 +174,6 @@ def _slow_first_body(pipeline: str) -> list[float]:
         with torch.no_grad():
             losses.append(train(model, x, slow).reduce_sum().item())
     dist.barrier()
-    state._reset()
     return losses
 
 
@@ -238,7 +223,6 @@ def _dead_end_body() -> list[str]:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    torch.set_num_threads(1)
     init(3, 2, "interleaved", auto_partition=False, default_partition=0)
     torch.manual_seed(0)
     net = _DeadEnd()
@@ -263,7 +247,6 @@ def _dead_end_body() -> list[str]:
         model.local_named_parameters())}
     bad = mismatched({"loss": loss, **got}, {"loss": ref_loss, **want}, atol=1e-5)
     dist.barrier()
-    state._reset()
     return bad
 
 

@@ -19,14 +19,11 @@ def test_timing_nodes_on_the_host_for_a_device_run_is_refused(
     """trace_execution_times with the weights on the host and the rank's device elsewhere
     (a GPU) would plan a GPU run on host times: a clear error, not a silent plan."""
     init(2, 2, "simple")
-    try:
-        on_gpu = dataclasses.replace(state.get(), device=torch.device("meta"))
-        monkeypatch.setattr(planning.state, "get", lambda: on_gpu)
-        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
-        with pytest.raises(smp.SMPNotImplementedError, match="trace_execution_times"):
-            planning.plan_stages(model, (torch.zeros(2, 4),), {}, times=True)
-    finally:
-        state._reset()
+    on_gpu = dataclasses.replace(state.get(), device=torch.device("meta"))
+    monkeypatch.setattr(planning.state, "get", lambda: on_gpu)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    with pytest.raises(smp.SMPNotImplementedError, match="trace_execution_times"):
+        planning.plan_stages(model, (torch.zeros(2, 4),), {}, times=True)
 
 
 def test_the_first_microbatch_is_traced_where_the_weights_are() -> None:

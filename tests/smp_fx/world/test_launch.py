@@ -3,7 +3,6 @@ group the user created, and the smddp backend."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -18,13 +17,6 @@ TORCHRUN = {"RANK": "3", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE
             "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"}
 MPIRUN = {"OMPI_COMM_WORLD_RANK": "5", "OMPI_COMM_WORLD_SIZE": "8",
           "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "8"}
-
-
-@pytest.fixture(autouse=True)
-def _clean() -> Iterator[None]:
-    state._reset()
-    yield
-    state._reset()
 
 
 def test_torchrun_env() -> None:

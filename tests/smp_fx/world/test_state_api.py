@@ -4,8 +4,6 @@ cfg.shard_optimizer_state and module_manager.translate_functions)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 from torch import nn
@@ -13,14 +11,6 @@ from torch import nn
 import smp_fx as smp
 from smp_fx.world import context, state
 from tests.helpers.numerics import init
-
-
-@pytest.fixture(autouse=True)
-def _fresh() -> Iterator[None]:
-    state._reset()
-    yield
-    smp.reset()
-    state._reset()
 
 
 def test_cfg_is_a_read_only_view_of_every_parameter() -> None:

@@ -1,0 +1,207 @@
+"""Every name of SMP's documentation exists in smp-fx with the documented parameters, in the
+documented order, with the documented defaults.
+
+The facts are the project's own test data, ``tests/data/smp_api.json`` (its README says
+which page and version each comes from), written from SMP's documentation pages by
+``tests/data/extract_smp_api.py``; the pages are needed only to refresh it
+(``test_the_data_is_what_the_pages_say`` runs where they are at hand).
+
+A documented parameter must be a parameter of the implementation (or its ``**kwargs`` of
+that name, as ``pickle_load_args``), the documented ones must come first and in the
+documented order, and a documented default must be the implementation's. An entry without
+parameters (``( )`` on a page) has only its name checked. A ``.. data::`` name must exist
+or raise ``SMPNotImplementedError`` (not built yet).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import json
+import pickle
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+import smp_fx
+from smp_fx._compat import SHIM_DIR
+from tests.data import extract_smp_api
+
+DATA = json.loads(extract_smp_api.DATA.read_text())
+NAMES: list[dict[str, Any]] = DATA["names"]
+MISSING = object()
+REFS = {"pickle": pickle, "torch.distributed.ReduceOp.SUM": dist.ReduceOp.SUM}
+"""The documented defaults that are objects, not literals (``default.ref`` in the data)."""
+
+
+def _default(param: dict[str, Any]) -> Any:
+    """A documented default as a Python value; ``MISSING`` when none is documented."""
+    d = param.get("default")
+    if d is None:
+        return MISSING
+    return REFS[d["ref"]] if "ref" in d else d["value"]
+
+
+@contextlib.contextmanager
+def _shims() -> Iterator[None]:
+    """``smdistributed`` importable for the duration (as under ``smp-fx run``), then gone."""
+    before = set(sys.modules)
+    sys.path.insert(0, str(SHIM_DIR))
+    try:
+        yield
+    finally:
+        sys.path.remove(str(SHIM_DIR))
+        for name in set(sys.modules) - before:
+            if name.startswith("smdistributed"):
+                del sys.modules[name]
+
+
+def _resolve(qualname: str) -> Any:
+    """The object a documented name refers to, with ``smp.`` being smp_fx."""
+    parts = qualname.split(".")
+    if parts[0] == "smp":
+        obj: Any = smp_fx
+        rest = parts[1:]
+    else:
+        for cut in range(len(parts), 0, -1):
+            try:
+                obj = importlib.import_module(".".join(parts[:cut]))
+            except ImportError:
+                continue
+            rest = parts[cut:]
+            break
+    for part in rest:
+        obj = getattr(obj, part)
+    return obj
+
+
+def _problems(obj: Any, name: dict[str, Any]) -> list[str]:
+    target = obj.__init__ if inspect.isclass(obj) else obj
+    params = [p for p in inspect.signature(target).parameters.values() if p.name != "self"]
+    by_name = {p.name: p for p in params}
+    var_kw = next((p for p in params if p.kind is p.VAR_KEYWORD), None)
+    problems, order = [], []
+    documented = name["params"] or []
+    for doc in documented:
+        actual = by_name.get(doc["name"])
+        default = _default(doc)
+        if actual is not None and actual.kind not in (actual.VAR_KEYWORD, actual.VAR_POSITIONAL):
+            order.append(doc["name"])
+            if default is not MISSING and not (
+                    actual.default is default or actual.default == default):
+                problems.append(f"{doc['name']}: default {actual.default!r}, "
+                                f"documented {default!r}")
+        elif not (var_kw is not None and var_kw.name == doc["name"]):
+            problems.append(f"no parameter {doc['name']!r}")
+    positional = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY,
+                                                        p.POSITIONAL_OR_KEYWORD)]
+    if positional[:len(order)] != order:
+        problems.append(f"documented order {order}, positional order {positional}")
+    if name["var_args"] and not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                                    for p in params):
+        problems.append("takes no *args / **kwargs")
+    documented_names = {p["name"] for p in documented}
+    required = [p.name for p in params if p.default is p.empty and p.name not in
+                documented_names and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if name["params"] is not None and required:
+        problems.append(f"undocumented required parameters {required}")
+    return problems
+
+
+def test_the_data_holds_what_the_pages_document() -> None:
+    """The data is whole: the pages' names with parameters, kinds and defaults as read."""
+    kinds = {n["name"]: n["kind"] for n in NAMES}
+    assert DATA["schema"] == extract_smp_api.SCHEMA
+    assert len(NAMES) >= 40 and sum(len(n["params"] or []) for n in NAMES) >= 40, NAMES
+    assert kinds["smp.DistributedModel.partitioned"] == "property"
+    assert kinds["smp.DistributedOptimizer.local_state_dict"] == "method"
+    assert {n["name"] for n in NAMES if n["kind"] == "data"} == {
+        "smp.nn.FusedLayerNorm", "smp.optimizers.FusedLamb", "smp.optimizers.FusedNovoGrad",
+        "smp.amp.GradScaler"}
+    model = next(n for n in NAMES if n["name"] == "smp.DistributedModel")
+    assert [p["name"] for p in model["params"]][:3] == ["module", "trace_device",
+                                                       "trace_execution_times"]
+    assert _default(model["params"][1]) == "gpu"
+    assert {n["behaviour"] for n in NAMES} == {"present"}
+    sources = {s for entry in (*NAMES, *DATA["mentions"], *DATA["imports"])
+               for s in entry["sources"]}
+    assert sources == set(DATA["pages"]) == set(extract_smp_api.PAGES)
+
+
+def test_the_data_is_what_the_pages_say() -> None:
+    """Where SMP's documentation pages are at hand, the committed data is what the
+    extraction script writes from them (else: skipped; the other tests need only the data).
+    """
+    folder = extract_smp_api.pages_folder()
+    if not folder.is_dir():
+        pytest.skip(f"SMP's documentation pages are not at {folder} (SMP_FX_SEEDS_DIR)")
+    want = extract_smp_api.dumps(extract_smp_api.extract(folder))
+    assert extract_smp_api.DATA.read_text() == want, (
+        "tests/data/smp_api.json is out of date: run python -m tests.data.extract_smp_api")
+
+
+@pytest.mark.parametrize("name", NAMES, ids=[n["name"] for n in NAMES])
+def test_documented_name(name: dict[str, Any]) -> None:
+    qualname = name["name"]
+    assert name["behaviour"] == "present", f"no check for behaviour {name['behaviour']!r}"
+    with _shims():
+        if name["kind"] == "data":
+            try:
+                _resolve(qualname)
+            except smp_fx.SMPNotImplementedError:
+                return  # documented, not built yet: the documented error, not AttributeError
+            return
+        obj = _resolve(qualname)
+        if name["kind"] == "property":
+            owner = _resolve(qualname.rsplit(".", 1)[0])
+            assert isinstance(inspect.getattr_static(owner, qualname.rsplit(".", 1)[1]),
+                              property)
+            return
+        assert callable(obj), qualname
+        if name["params"] is not None or name["var_args"]:
+            assert _problems(obj, name) == [], f"{qualname} ({name['params_from']})"
+
+
+def test_every_name_mentioned_on_the_pages() -> None:
+    """Every ``smp.<name>`` in the prose and code of every page (``smp.dp_rank``,
+    ``smp.rdp_size``, ``smp.nn.DistributedTransformerLMHead``, ...) is an attribute of
+    smp_fx, or a documented name not built yet that raises ``SMPNotImplementedError``."""
+    mentioned = {m["name"].removeprefix("smp.") for m in DATA["mentions"]}
+    assert {"step", "init", "rdp_rank", "nn.DistributedTransformerLMHead"} <= mentioned
+    assert [m["name"] for m in DATA["left_out"]] == ["smp.set"]  # a typo for smp.step
+    missing, planned = [], []
+    for qualname in sorted(mentioned):
+        try:
+            _resolve(f"smp.{qualname}")
+        except smp_fx.SMPNotImplementedError:
+            planned.append(qualname)
+        except AttributeError:
+            missing.append(qualname)
+    assert missing == [], missing
+    # the pages' smp.nn transformer modules were the last planned names: all are built now
+    assert planned == [], planned
+
+
+def test_every_import_on_the_pages() -> None:
+    """Every ``import smdistributed...`` / ``from smdistributed... import`` line of the pages
+    runs under the ``smdistributed`` shims, and the smddp guide's ``group.WORLD`` exists."""
+    lines = [i["line"] for i in DATA["imports"]]
+    assert any("torch_smddp" in line for line in lines), lines
+    assert "import smdistributed.modelparallel.torch as smp" in lines
+    with _shims():
+        for line in lines:
+            exec(line, {})  # noqa: S102 - the pages' own import lines
+        world = _resolve("smdistributed.dataparallel.torch.distributed.group.WORLD")
+        assert world is None or world is dist.group.WORLD
+
+
+def test_script_page_names_exist() -> None:
+    """Every ``smp.<name>`` in the code of the modify-a-training-script page."""
+    used = sorted(m["name"].removeprefix("smp.") for m in DATA["mentions"]
+                  if m["in_script_code"])
+    assert {"step", "init", "DistributedModel", "DistributedOptimizer"} <= set(used)
+    assert all(hasattr(smp_fx, n) for n in used), used

@@ -48,6 +48,7 @@ from smp_fx.ckpt.unread_state import unread_state
 from smp_fx.marking.delayed_init import allocate, is_delayed, materialize
 from smp_fx.marking.tp_register import replace_registered
 from smp_fx.model_options import ModelOptions
+from smp_fx.module_view import ModuleView, module_chain
 from smp_fx.optimizer import DistributedOptimizer
 from smp_fx.parallel import clip, ddp
 from smp_fx.parallel.build import Parallelized, parallelize
@@ -79,7 +80,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         again for every evaluation, which must run on the same partition and parameters."""
         module = args[0] if args else kwargs.get("module")
         current = context.current_model()
-        if isinstance(current, cls) and type(current) is cls and current.module is module:
+        if isinstance(current, cls) and type(current) is cls and current.get_module() is module:
             return current
         return super().__new__(cls)
 
@@ -104,7 +105,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         super().__init__()
         options.check(module)
         replace_registered(module)  # smp.tp_register: marked instances -> distributed
-        self.module = module
+        self._modules["module"] = module  # get_module() reads it; .module is SMP's view
         self.options = options
         self._parallelized: Parallelized | None = None  # once partitioned
         self._unread: dict[str, torch.Tensor] | None = None
@@ -157,7 +158,14 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         return self.parallelized.executor
 
     def get_module(self) -> nn.Module:
-        return self.module
+        """The module this model wraps (SMP 1.11+)."""
+        return self._modules["module"]  # type: ignore[return-value]
+
+    @property
+    def module(self) -> ModuleView:
+        """SMP v1's wrapper chain above the wrapped module (``smp_fx.module_view``):
+        ``model.module.module`` is the module, under ``FP16_Module`` with fp16."""
+        return module_chain(self.get_module(), self._fp16)
 
     def is_distributed_parameter(self, param: torch.Tensor) -> bool:
         """Whether ``param`` is a tensor-parallel shard (False before partitioning)."""
@@ -295,16 +303,16 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
     # As SMP's: the wrapped module's names, without a "module." prefix, so name-based
     # parameter groups built on the plain model apply unchanged to the DistributedModel.
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.module.named_parameters(*args, **kwargs)
+        return self.get_module().named_parameters(*args, **kwargs)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return self.module.parameters(recurse)
+        return self.get_module().parameters(recurse)
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.module.named_buffers(*args, **kwargs)
+        return self.get_module().named_buffers(*args, **kwargs)
 
     def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
-        return self.module.buffers(recurse)
+        return self.get_module().buffers(recurse)
 
     def local_parameters(self) -> Iterator[nn.Parameter]:
         return (p for _, p in self.local_named_parameters())
@@ -327,7 +335,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         if 0 not in local.runners:
             return {}
         if self._unread is None:
-            self._unread = unread_state(self.module, [s.module for s in local.program.stages])
+            stages = [s.module for s in local.program.stages]
+            self._unread = unread_state(self.get_module(), stages)
         return self._unread
 
     def _local(self) -> Parallelized:
@@ -352,7 +361,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
     def cpu(self) -> nn.Module:  # type: ignore[override]
         """Gather every stage's parameters and buffers onto CPU; returns the full module."""
         if self._parallelized is None or not self._parallelized.multi:
-            return self.module.cpu()
+            return self.get_module().cpu()
         local = {n: t.detach().cpu() for n, t in
                  list(self.local_named_parameters()) + list(self.local_named_buffers())}
         st = state.get()
@@ -361,7 +370,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         merged: dict[str, torch.Tensor] = {}
         for part in gathered:
             merged.update(part)
-        full = self.module.cpu()
+        full = self.get_module().cpu()
         with torch.no_grad():
             for name, t in list(full.named_parameters(remove_duplicate=False)) + \
                     list(full.named_buffers(remove_duplicate=False)):
@@ -381,14 +390,14 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         ``autocast`` is the step function's autocast at its ``model(...)`` call: shapes and
         costs are taken under it, so the plan counts the bytes the stages will hold."""
         st = state.get()
-        initialize = pretrained_files(self.module) is None  # else: loaded per stage
-        if not multi_process(st) and is_delayed(self.module):
+        initialize = pretrained_files(self.get_module()) is None  # else: loaded per stage
+        if not multi_process(st) and is_delayed(self.get_module()):
             # every stage lives in this process: materialise the whole model once, which
             # keeps tied parameters tied (one Parameter shared by the stages)
-            (materialize if initialize else allocate)(self.module, st.device)
+            (materialize if initialize else allocate)(self.get_module(), st.device)
         with context.tracing():
             gm, self.plan, self.tp_plan = plan_stages(
-                self.module, args, kwargs, self.options.trace_execution_times,
+                self.get_module(), args, kwargs, self.options.trace_execution_times,
                 self.options.trace_memory_usage, autocast)
         self._parallelized = parallelize(gm, self.plan, self.tp_plan, self.canonical_names,
                                          self.options, self._early_dp, initialize)

@@ -140,7 +140,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         """Belong to ``model`` (a DistributedModel holding this optimizer's parameters):
         parameters are named by its module's names and narrowed at its partitioning."""
         context.stop_waiting(self)
-        self._names = {id(p): n for n, p in model.module.named_parameters()}
+        self._names = {id(p): n for n, p in model.get_module().named_parameters()}
         self._model_ref = weakref.ref(model)
         self._smp_name_parameters(model)
         model.attach_optimizer(self)

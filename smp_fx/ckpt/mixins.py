@@ -170,8 +170,9 @@ def _merged_partial(state_dict: Mapping[str, Any]) -> StateDict:
 class ModelCheckpointMixin:
     """``local_state_dict`` / ``state_dict`` / ``load_state_dict`` for DistributedModel."""
 
-    module: torch.nn.Module
     if TYPE_CHECKING:  # the host's (read-only on DistributedModel)
+
+        def get_module(self) -> torch.nn.Module: ...
 
         @property
         def partitioned(self) -> bool: ...
@@ -181,7 +182,7 @@ class ModelCheckpointMixin:
     def _smp_layout(self) -> ModelLayout:
         layout = self.__dict__.get("_smp_layout_cache")
         if layout is None:
-            layout = ModelLayout.from_module(self.module)
+            layout = ModelLayout.from_module(self.get_module())
             self.__dict__["_smp_layout_cache"] = layout
         return layout
 
@@ -214,7 +215,7 @@ class ModelCheckpointMixin:
                 "DistributedModel.state_dict() takes only gather_to_rank0", (args, kwargs),
                 fix="call model.state_dict(); use local_state_dict() for this rank's part")
         if not self.partitioned:
-            return self.module.state_dict()
+            return self.get_module().state_dict()
         local = gather_shards(self.__dict__.get("tp_plan"), _to_cpu(self.local_state_dict()))
         parts = _gather_pipeline(local, tp_gathered=True)
         if gather_to_rank0 and _pipeline_rank() != 0:
@@ -416,5 +417,5 @@ def _full_group_names(optimizer: torch.optim.Optimizer,
     """FQN of every parameter of ``optimizer`` in group order (None where it has none)."""
     names: dict[int, str] = {}
     if model is not None:
-        names = {id(p): n for n, p in model.module.named_parameters()}
+        names = {id(p): n for n, p in model.get_module().named_parameters()}
     return [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]

@@ -31,6 +31,9 @@ SCHEMA_VERSION = 1
 IMPLEMENTED = "implemented"
 TOPOLOGY_ONLY = "topology only"
 PLANNED = "planned"
+ENGINE = "engine tuning"
+"""Accepted with any value: it tunes how SMP's own engine runs (its server, its
+communication), which smp-fx's runtime does differently; what is computed is the same."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +90,10 @@ PARAMS: tuple[Param, ...] = (
        doc="ZeRO-1: each stage's optimizer state sharded over its dp group; needs ddp"),
     _P("prescaled_batch", bool, False, used_at="DistributedModel",
        doc="true: tp ranks share the batch; false: each its own"),
-    _P("skip_tracing", bool, False, PLANNED, used_at="DistributedModel"),
+    _P("skip_tracing", bool, False, used_at="DistributedModel",
+       doc="planning never runs the model on real tensors (smp-fx's trace is symbolic or on "
+           "fake tensors anyway; the one real-run fallback of shape propagation is refused, "
+           "and trace_execution_times / trace_memory_usage are rejected)"),
     _P("sharded_data_parallel_degree", int, 1, minimum=1, used_at="DistributedModel",
        doc="FSDP2 over groups of this many dp ranks (docs/precision.md); needs ddp"),
     _P("sdp_reduce_bucket_size", int, 500_000_000, minimum=1, used_at="DistributedModel",
@@ -102,6 +108,18 @@ PARAMS: tuple[Param, ...] = (
            "rejected"),
     _P("sdp_gradient_clipping", float, 1.0, minimum=0.0, used_at="DistributedModel",
        doc="with sdp, the global gradient norm is clipped to this at optimizer.step (0: off)"),
+    # keys AWS's example notebooks write that SMP's parameter page does not list
+    _P("checkpoint_attentions", bool, False, used_at="DistributedModel",
+       doc="every smp.nn DistributedAttentionLayer (SMP's attention inside its "
+           "transformer) is activation-checkpointed, unless a module around it is"),
+    _P("overlapping_allreduce", bool, True,
+       doc="DistributedModel's overlapping_allreduce where the call does not pass it "
+           "(SMP's BERT tutorial sets it here)"),
+    _P("_match_weights", bool, False, ENGINE,
+       doc="SMP's switch giving tensor-parallel shards the unpartitioned model's weights; "
+           "smp-fx cuts every shard from those weights, so they always match"),
+    _P("_fp32_grad_accumulation", bool, False, PLANNED, used_at="DistributedModel",
+       doc="fp32 main_grad buffers accumulating half gradients across microbatches"),
 )
 BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
 ALIASES: dict[str, str] = {"partitions": "pipeline_parallel_degree"}
@@ -139,6 +157,10 @@ class SMPConfig:
     sdp_max_live_parameters: int = 1_000_000_000
     sdp_hierarchical_allgather: bool = True
     sdp_gradient_clipping: float = 1.0
+    checkpoint_attentions: bool = False
+    overlapping_allreduce: bool = True
+    _match_weights: bool = False
+    _fp32_grad_accumulation: bool = False
     explicit: frozenset[str] = field(default=frozenset(), compare=False)
     """Names the user set (a default is never 'in use' for ``require_implemented``)."""
 
@@ -161,7 +183,7 @@ class SMPConfig:
         feature is not built. Call it where the feature would be used (see ``Param.used_at``).
         """
         param = _known(name)
-        if param.status == IMPLEMENTED:
+        if param.status in (IMPLEMENTED, ENGINE):
             return
         value = getattr(self, name)
         if value != param.default:

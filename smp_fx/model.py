@@ -49,6 +49,7 @@ from smp_fx.marking.delayed_init import allocate, is_delayed, materialize
 from smp_fx.marking.tp_register import replace_registered
 from smp_fx.model_options import ModelOptions
 from smp_fx.module_view import ModuleView, module_chain
+from smp_fx.nn.attention_checkpointing import checkpoint_attentions
 from smp_fx.optimizer import DistributedOptimizer
 from smp_fx.parallel import clip, ddp
 from smp_fx.parallel.build import Parallelized, parallelize
@@ -90,6 +91,11 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
                  average_grads_across_microbatches: bool = True, bucket_cap_mb: int = 25,
                  trace_memory_usage: bool = False, broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = False) -> None:
+        cfg = state.get().config if state.is_initialized() else None
+        # SMP's BERT tutorial sets overlapping_allreduce in the configuration: false there
+        # turns the overlap off for the model too
+        overlapping_allreduce = overlapping_allreduce and (cfg is None
+                                                           or cfg.overlapping_allreduce)
         options = ModelOptions(
             trace_device, trace_execution_times, overlapping_allreduce,
             backward_passes_per_step, average_grads_across_microbatches, bucket_cap_mb,
@@ -105,6 +111,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         super().__init__()
         options.check(module)
         replace_registered(module)  # smp.tp_register: marked instances -> distributed
+        if cfg is not None and cfg.checkpoint_attentions:
+            checkpoint_attentions(module)
         self._modules["module"] = module  # get_module() reads it; .module is SMP's view
         self.options = options
         self._parallelized: Parallelized | None = None  # once partitioned
@@ -121,7 +129,6 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
                                 module.named_parameters(remove_duplicate=False)}
         self.plan: PartitionPlan | None = None  # once partitioned
         self.tp_plan: TensorParallelPlan | None = None  # once partitioned, with tp > 1
-        cfg = state.get().config if state.is_initialized() else None
         self._fp16 = bool(cfg is not None and cfg.fp16)
         if cfg is not None and (cfg.fp16 or cfg.fp16_params):
             module.half()  # same Parameter objects: an optimizer built earlier still holds them

@@ -230,7 +230,7 @@ def _save_full(path: str, tag: str, model: ProcessModel | None,
             sd = dict(model.state_dict())
         if rank == 0:
             os.makedirs(path, exist_ok=True)
-            module = getattr(model, "module", None)
+            module = model.get_module() if model is not None else None
             if sd is not None and module is not None and is_pretrained(module):
                 if safetensors_available():
                     save_pretrained_state(path, sd, module)  # what from_pretrained(path) loads

@@ -12,6 +12,7 @@ import pytest
 from cost_model.errors import SMPConfigError, SMPNotImplementedError
 from smp_fx.config import (
     BY_NAME,
+    ENGINE,
     ENV_VAR,
     IMPLEMENTED,
     PARAMS,
@@ -35,6 +36,11 @@ SEED_DEFAULTS: dict[str, Any] = {
     "sdp_reduce_bucket_size": int(5e8), "sdp_param_persistence_threshold": int(1e6),
     "sdp_max_live_parameters": int(1e9), "sdp_hierarchical_allgather": True,
     "sdp_gradient_clipping": 1.0,
+}
+# Keys AWS's example notebooks and scripts write that SMP's parameter page does not list.
+EXAMPLE_DEFAULTS: dict[str, Any] = {
+    "checkpoint_attentions": False, "overlapping_allreduce": True, "_match_weights": False,
+    "_fp32_grad_accumulation": False,
 }
 
 # name -> (valid values, invalid values); each checked alone on top of BASE (+ needs).
@@ -65,6 +71,10 @@ TABLE: dict[str, tuple[list[Any], list[Any]]] = {
     "sdp_max_live_parameters": ([1, 1e9], [0, 0.5]),
     "sdp_hierarchical_allgather": ([True, False], [1]),
     "sdp_gradient_clipping": ([0.0, 1.0, 2], [-1.0, "1"]),
+    "checkpoint_attentions": ([True, False], [1]),
+    "overlapping_allreduce": ([True, False], ["true"]),
+    "_match_weights": ([True, False], [0]),
+    "_fp32_grad_accumulation": ([True, False], [None]),
 }
 NEEDS = {"tensor_parallel_degree": {"ddp": True}, "auto_partition": {"default_partition": 0},
          "shard_optimizer_state": {"ddp": True}, "sharded_data_parallel_degree": {"ddp": True},
@@ -76,12 +86,13 @@ def _load(cfg: Any, env: dict[str, str] | None = None) -> SMPConfig:
 
 
 def test_table_covers_every_parameter() -> None:
-    assert set(TABLE) == set(BY_NAME) == set(SEED_DEFAULTS) | {"pipeline_parallel_degree"}
+    assert set(TABLE) == set(BY_NAME) == \
+        set(SEED_DEFAULTS) | set(EXAMPLE_DEFAULTS) | {"pipeline_parallel_degree"}
 
 
 def test_defaults_match_the_seed() -> None:
     cfg = _load(BASE)
-    for name, value in SEED_DEFAULTS.items():
+    for name, value in {**SEED_DEFAULTS, **EXAMPLE_DEFAULTS}.items():
         assert getattr(cfg, name) == value, name
         assert type(getattr(cfg, name)) is type(value), name
 
@@ -197,7 +208,7 @@ def test_env_overrides_dict_and_file(tmp_path: Path) -> None:
         _load(42)
 
 
-@pytest.mark.parametrize("name", [p.name for p in PARAMS if p.status != IMPLEMENTED
+@pytest.mark.parametrize("name", [p.name for p in PARAMS if p.status not in (IMPLEMENTED, ENGINE)
                                   and p.name != "sharded_data_parallel_degree"])
 def test_unimplemented_fail_at_point_of_use(name: str) -> None:
     param = BY_NAME[name]
@@ -210,6 +221,19 @@ def test_unimplemented_fail_at_point_of_use(name: str) -> None:
         cfg.require_implemented(name)
     with pytest.raises(SMPNotImplementedError, match=name):
         cfg.check_features(param.used_at)
+
+
+def test_keys_the_examples_write_are_accepted() -> None:
+    """What AWS's GPT-Neo / GPT-2-custom / BERT notebooks pass besides SMP's documented keys:
+    accepted; the engine switch at any value, the planned one at its default."""
+    given = {"checkpoint_attentions": True, "_match_weights": True,
+             "_fp32_grad_accumulation": False, "overlapping_allreduce": False}
+    cfg = _load({**BASE, **given})
+    assert all(getattr(cfg, k) == v for k, v in given.items())
+    cfg.check_features("DistributedModel")
+    assert BY_NAME["_match_weights"].status == ENGINE
+    with pytest.raises(SMPNotImplementedError, match="_fp32_grad_accumulation"):
+        _load({**BASE, "_fp32_grad_accumulation": True}).check_features("DistributedModel")
 
 
 def test_implemented_never_raise_and_json_round_trip() -> None:

@@ -38,6 +38,7 @@ Precision and memory (docs/precision.md):
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -98,6 +99,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         self._local_params: list[torch.Tensor] = []
         self._model_ref: weakref.ref[DistributedModel] | None = None
         self.overflow = False
+        self._global_grad_norm: float | None = None  # the last step's, with sdp (SMP's name)
         self.optimizer = optimizer
         guard_optimizer(optimizer)  # optimizer.step() inside smp.step raises (smp_fx.parallel.ddp)
         self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
@@ -246,13 +248,17 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         return counted, [self._shards.group] if self._shards is not None else []
 
     def _clip_for_sdp(self) -> None:
-        """Sharded data parallelism clips the global norm at every step, as SMP does."""
+        """Sharded data parallelism clips the global norm at every step, as SMP does, and
+        keeps the norm (before clipping) in ``_global_grad_norm``, which AWS's ``train.py``
+        scripts log after ``optimizer.step()``; ``sdp_gradient_clipping`` 0 measures it
+        without clipping."""
         model = self._model()
         if model is None or not state.is_initialized():
             return
         cfg = state.get().config
-        if cfg.sharded_data_parallel_degree > 1 and cfg.sdp_gradient_clipping > 0:
-            clip.clip_grad_norm_(model, cfg.sdp_gradient_clipping)
+        if cfg.sharded_data_parallel_degree > 1:
+            limit = cfg.sdp_gradient_clipping if cfg.sdp_gradient_clipping > 0 else math.inf
+            self._global_grad_norm = float(clip.clip_grad_norm_(model, limit))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear the gradients of every local parameter (also those another dp rank owns

@@ -12,7 +12,8 @@ unpartitioned model over the whole batch. One world goes through:
   and a further step still equals plain Adam;
 * sharded data parallelism at pp=2 x sdp=2 (GPT) and pp=1 x dp=4 x sdp=2 (HSDP, MLP, small
   units and replicated small parameters): parameters equal plain Adam's with the global
-  norm clipped to ``sdp_gradient_clipping`` after 3 steps.
+  norm clipped to ``sdp_gradient_clipping`` after 3 steps, and ``optimizer._global_grad_norm``
+  (what AWS's ``train.py`` logs) is the reference's norm before clipping.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tests.helpers.dist import run_ranks
 from tests.helpers.twin import Twin, init
 
 ATOL = 1e-5
-CHECKS = 14  # every rank makes each check of the docstring
+CHECKS = 16  # every rank makes each check of the docstring
 
 
 def _adam(params: Any) -> torch.optim.Optimizer:
@@ -38,16 +39,19 @@ def _adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-2, eps=1e-4)
 
 
-def _train(t: Twin, opt: Any, ref_opt: Any, steps: int, clip: float = 0.0) -> None:
+def _train(t: Twin, opt: Any, ref_opt: Any, steps: int, clip: float = 0.0) -> float:
+    """``steps`` steps of both; the reference's last gradient norm (before clipping)."""
+    norm = 0.0
     for _ in range(steps):
         opt.zero_grad()
         ref_opt.zero_grad()
         t.smp_step()
         t.ref_step()
         if clip:
-            torch.nn.utils.clip_grad_norm_(t.ref.parameters(), clip)
+            norm = float(torch.nn.utils.clip_grad_norm_(t.ref.parameters(), clip))
         opt.step()
         ref_opt.step()
+    return norm
 
 
 def _zero_checks(c: Checks, folder: str) -> tuple[dict[str, Any], dict[str, Any], Twin]:
@@ -113,9 +117,11 @@ def _sdp_checks(c: Checks) -> None:
         init(pp, 2, sharded_data_parallel_degree=sdp, **extra)
         t = Twin(name)
         opt = smp.DistributedOptimizer(_adam(t.dm.parameters()))
-        _train(t, opt, _adam(t.ref.parameters()), 3, clip=1.0)
+        norm = _train(t, opt, _adam(t.ref.parameters()), 3, clip=1.0)
         tag = f"sdp pp={pp} dp={smp.dp_size()}"
         c.expect(not mismatched(t.local(), t.reference(), atol=ATOL), f"{tag}: parameters")
+        c.expect(abs(opt._global_grad_norm - norm) <= 1e-5 * max(norm, 1.0),
+                 f"{tag}: optimizer._global_grad_norm {opt._global_grad_norm} vs {norm}")
         sharded = [p for p in t.dm.local_parameters() if hasattr(p, "full_tensor")]
         c.expect(bool(sharded), f"{tag}: parameters are sharded")
 

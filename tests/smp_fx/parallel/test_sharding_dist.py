@@ -9,7 +9,8 @@ unpartitioned model over the whole batch. One world goes through:
   ``local_state_dict()`` (the stage's merged shards) and ``local_state_dict(gather_if_shard=
   False)`` (this rank's shard) reload at the same dp size; ``smp.save_checkpoint`` there
   resumes at pp=1 x dp=4; the full state and weights load at that layout (ZeRO over 4)
-  and a further step still equals plain Adam;
+  and a further step still equals plain Adam; the per-rank files of
+  ``smp.save(..., v3=True)`` (the Hugging Face Trainer's) reload the whole state;
 * sharded data parallelism at pp=2 x sdp=2 (GPT) and pp=1 x dp=4 x sdp=2 (HSDP, MLP, small
   units and replicated small parameters): parameters equal plain Adam's with the global
   norm clipped to ``sdp_gradient_clipping`` after 3 steps, and ``optimizer._global_grad_norm``
@@ -30,7 +31,7 @@ from tests.helpers.dist import run_ranks
 from tests.helpers.twin import Twin, init
 
 ATOL = 1e-5
-CHECKS = 16  # every rank makes each check of the docstring
+CHECKS = 17  # every rank makes each check of the docstring
 
 
 def _adam(params: Any) -> torch.optim.Optimizer:
@@ -80,7 +81,20 @@ def _zero_checks(c: Checks, folder: str) -> tuple[dict[str, Any], dict[str, Any]
         opt.load_state_dict(saved)
         c.expect(_same_state(opt.state_dict(), full), "zero: local_state_dict reloads")
     smp.save_checkpoint(folder, "zero", model=t.dm, optimizer=opt)
+    # the Hugging Face Trainer's optimizer file: each rank its shard, v3=True
+    path = f"{folder}/optimizer.pt"
+    smp.save(shard, path, partial=True, v3=shard_state(opt))
+    smp.barrier()  # every replica's files are written before any rank reads them
+    opt.optimizer.state.clear()
+    opt.load_state_dict(smp.load(path, partial=True, back_compat=True))
+    c.expect(_same_state(opt.state_dict(), full), "zero: v3 per-rank files reload")
     return full, t.dm.state_dict(), t
+
+
+def shard_state(opt: Any) -> bool:
+    import smp_fx as smp
+
+    return bool(smp.state.cfg.shard_optimizer_state) and opt.shards_state
 
 
 def _zero_other_layout(c: Checks, opt_sd: dict[str, Any], model_sd: dict[str, Any],

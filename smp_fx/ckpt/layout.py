@@ -51,7 +51,7 @@ def replica_path(f: str, rdp_rank: int) -> str:
 def replicas(f: str) -> list[str]:
     """The replicas' partial checkpoints of the per-rank (v3) save ``f``, in rdp order
     (empty when ``f`` is not one)."""
-    found = []
+    found: list[str] = []
     while os.path.exists(index_path(replica_path(f, len(found)))):
         found.append(replica_path(f, len(found)))
     return found

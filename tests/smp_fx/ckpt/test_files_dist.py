@@ -98,6 +98,9 @@ class FakeModel(ModelCheckpointMixin, nn.Module):
         self.hooks: list[Any] = []
         self.optimizers: list[FakeOptimizer] = []
 
+    def get_module(self) -> nn.Module:
+        return self.module
+
     def register_post_partition_hook(self, hook: Any) -> None:
         self.hooks.append(hook)
 

@@ -48,6 +48,7 @@ from smp_fx.ckpt.unread_state import unread_state
 from smp_fx.marking.delayed_init import allocate, is_delayed, materialize
 from smp_fx.marking.tp_register import replace_registered
 from smp_fx.model_options import ModelOptions
+from smp_fx.model_tp_queries import TensorParallelQueries
 from smp_fx.module_view import ModuleView, module_chain
 from smp_fx.nn.attention_checkpointing import checkpoint_attentions
 from smp_fx.optimizer import DistributedOptimizer
@@ -67,7 +68,7 @@ OUTSIDE_STEP = ("The __call__ and backward method calls on the smp.DistributedMo
                 "can only be made inside a smp.step-decorated function")
 
 # SMP's state_dict() (ModelCheckpointMixin) takes none of Module.state_dict's arguments
-class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
+class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module):  # type: ignore[misc]
     """See the module docstring and the SMP API page (``smp.DistributedModel``)."""
 
     # torch DDP reads this in its constructor: wrapping a DistributedModel raises
@@ -173,10 +174,6 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         """SMP v1's wrapper chain above the wrapped module (``smp_fx.module_view``):
         ``model.module.module`` is the module, under ``FP16_Module`` with fp16."""
         return module_chain(self.get_module(), self._fp16)
-
-    def is_distributed_parameter(self, param: torch.Tensor) -> bool:
-        """Whether ``param`` is a tensor-parallel shard (False before partitioning)."""
-        return self._parallelized is not None and self._parallelized.is_distributed(param)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._fp16:  # FP16_Module: half inputs in, fp32 outputs out
@@ -289,6 +286,20 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         else:  # the first step runs inside: the build applies this one
             dp = self._early_dp = self._early_dp or ddp.controller(self.options)
         return ddp.join(dp, throw_on_early_termination)
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """Register a DDP communication hook on every local stage's DDP wrapper (SMP's:
+        ``ddp`` with ``overlapping_allreduce``; the hook then averages, as SMP warns)."""
+        ddp.check_comm_hook(self.options)
+        if self._parallelized is not None:
+            dp = self._parallelized.data_parallel
+        else:  # the build applies this one, with its hooks
+            dp = self._early_dp = self._early_dp or ddp.controller(self.options)
+        if dp is None:  # one replica: DDP is not built, nothing is reduced
+            log.warning("smp-fx: register_comm_hook: one data-parallel replica, so no "
+                        "gradient reduction runs and the hook is never called")
+            return
+        dp.register_comm_hook(state, hook)
 
     def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
         seen: set[int] = set()

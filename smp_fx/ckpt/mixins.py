@@ -299,12 +299,16 @@ class OptimizerCheckpointMixin:
     """``local_state_dict`` / ``state_dict`` / ``load_state_dict`` for DistributedOptimizer."""
 
     optimizer: torch.optim.Optimizer
+    torch_optimizer: torch.optim.Optimizer
+    """The torch optimizer whose state is checkpointed (``optimizer`` itself, or the one a
+    script's own optimizer object holds; ``smp_fx.script_optimizer``)."""
     global_index: dict[int, int]
 
     def __new__(cls, optimizer: torch.optim.Optimizer | None = None, *args: Any,
                 **kwargs: Any) -> Any:
         self = super().__new__(cls)
-        if optimizer is not None:  # None: copy/pickle re-creating the object
+        # None: copy/pickle re-creating the object; no param_groups: __init__ refuses it
+        if optimizer is not None and hasattr(optimizer, "param_groups"):
             self.__dict__["_smp_full_names"] = _full_group_names(optimizer,
                                                                  cls._smp_current_model())
         return self
@@ -325,8 +329,8 @@ class OptimizerCheckpointMixin:
     def _smp_group_names(self, local: bool) -> list[list[str]]:
         full = self.__dict__["_smp_full_names"]
         names = full if not local else [
-            [self._smp_flat_names()[self.global_index[id(p)]] for p in g["params"]]
-            for g in self.optimizer.param_groups]
+            [self._smp_flat_names()[self._smp_index(p)] for p in g["params"]]
+            for g in self.torch_optimizer.param_groups]
         unnamed = [i for g in names for i, n in enumerate(g) if n is None]
         if unnamed:
             raise SMPCheckpointError.build(
@@ -336,6 +340,10 @@ class OptimizerCheckpointMixin:
                 fix="create the model (smp.DistributedModel) before the optimizer, over its "
                 "parameters")
         return cast(list[list[str]], names)
+
+    def _smp_index(self, param: torch.Tensor) -> int:
+        """``param``'s index in the optimizer's original flat parameter order."""
+        return self.global_index[id(param)]
 
     def _smp_is_local(self) -> bool:
         return bool(getattr(self, "_localized", False))
@@ -349,7 +357,7 @@ class OptimizerCheckpointMixin:
         (``shard_optimizer_state``): ``DistributedOptimizer`` gathers the shards; here
         it is unused.
         """
-        local = local_optimizer_state_dict(self.optimizer.state_dict(),
+        local = local_optimizer_state_dict(self.torch_optimizer.state_dict(),
                                            self._smp_group_names(local=True),
                                            self._smp_group_names(local=False))
         model = self._smp_current_model()
@@ -362,7 +370,7 @@ class OptimizerCheckpointMixin:
         dropped), then every pipeline stage's part merged. Collective over the tp and
         pipeline groups: call it on every rank with ``smp.dp_rank() == 0`` (or all)."""
         if not self._smp_is_local():
-            return self.optimizer.state_dict()
+            return self.torch_optimizer.state_dict()
         plan = getattr(self._smp_current_model(), "tp_plan", None)
         local = gather_optimizer_shards(plan, _to_cpu(self.local_state_dict()))
         return merge_optimizer_state_dicts(self._smp_gather_parts(local))
@@ -394,7 +402,7 @@ class OptimizerCheckpointMixin:
 
     def _smp_load_local(self, state_dict: Mapping[str, Any]) -> None:
         if not self._smp_is_local() and not is_partial(state_dict):
-            self.optimizer.load_state_dict(dict(state_dict))  # it is the plain optimizer
+            self.torch_optimizer.load_state_dict(dict(state_dict))  # the plain optimizer
             return
         by_name = (dict(state_dict) if is_partial(state_dict)
                    else optimizer_state_by_name(state_dict, self._smp_group_names(local=False)))
@@ -404,11 +412,11 @@ class OptimizerCheckpointMixin:
             names = [n for g in local for n in g]  # degree) are cut to this rank's shards
             if is_partial(by_name):
                 _refuse_foreign_shards(by_name, plan, names)
-            shapes = {n: p.shape for n, p in zip(names, (p for g in self.optimizer.param_groups
-                                                          for p in g["params"]))}
+            params = (p for g in self.torch_optimizer.param_groups for p in g["params"])
+            shapes = {n: p.shape for n, p in zip(names, params)}
             by_name["state"] = {**by_name["state"], **_cut_shards(
                 {n: v for n, v in by_name["state"].items() if n in shapes}, plan, shapes)}
-        self.optimizer.load_state_dict(optimizer_state_to_torch(by_name, local,
+        self.torch_optimizer.load_state_dict(optimizer_state_to_torch(by_name, local,
                                                                 require_complete=True))
 
 

@@ -37,7 +37,7 @@ SMP_FX_LAYERS: tuple[tuple[str, ...], ...] = (
      "smp_fx.optimizer", "smp_fx.script_optimizer", "smp_fx.step", "smp_fx.reset", "smp_fx.nn",
      "smp_fx.optimizers"),
     ("smp_fx.calibration", "smp_fx.cli"),
-    ("smp_fx", "smp_fx._compat.shims"),
+    ("smp_fx", "smp_fx._compat.shims", "smp_fx._compat.private"),
 )
 
 

@@ -2,7 +2,9 @@
 
 Replacing this module's entry in ``sys.modules`` makes the import system hand out the very
 ``smp_fx`` module object (the parent's ``torch`` attribute included), so there is one smp-fx
-state per process whichever name a script uses.
+state per process whichever name a script uses. SMP's private modules that AWS's examples
+import (``...torch.state_mod``, ``...torch.utils``) are registered under their names first
+(``smp_fx._compat.private``).
 """
 
 from __future__ import annotations
@@ -10,5 +12,7 @@ from __future__ import annotations
 import sys
 
 import smp_fx
+from smp_fx._compat import private
 
+private.register()
 sys.modules[__name__] = smp_fx

@@ -287,9 +287,11 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module): 
             dp = self._early_dp = self._early_dp or ddp.controller(self.options)
         return ddp.join(dp, throw_on_early_termination)
 
-    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+    def register_comm_hook(self, state: object,
+                           callable: Callable[..., Any]) -> None:  # noqa: A002 - SMP's name
         """Register a DDP communication hook on every local stage's DDP wrapper (SMP's:
         ``ddp`` with ``overlapping_allreduce``; the hook then averages, as SMP warns)."""
+        hook = callable
         ddp.check_comm_hook(self.options)
         if self._parallelized is not None:
             dp = self._parallelized.data_parallel

@@ -36,6 +36,7 @@ CREATION_OPS = frozenset({
     "empty_like", "scalar_tensor", "tensor", "new_zeros", "new_ones", "new_empty", "new_full",
     "triu", "tril", "cat", "stack", "sym_size", "eq", "ne", "lt", "le", "gt", "ge",
     "logical_not", "logical_and", "bitwise_not", "finfo", "_assert_tensor_metadata",
+    "assert", "assert_is_none",
     "sym_numel", "floordiv", "index_select", "gather", "repeat", "masked_fill_mask",
     "assert_tensor_metadata", "and", "or", "bitwise_and", "bitwise_or", "any", "all",
     "item", "sym_constrain_range_for_size", "diff",

@@ -36,6 +36,7 @@ dimensions are free is ``gm.meta["smp.input_dims"]`` (``passes.input_dims.InputD
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Literal
@@ -134,15 +135,59 @@ def _record_params(gm: torch.fx.GraphModule) -> None:
             PARAMS.set(node, tuple(dict.fromkeys(names)))
 
 
-def _fx_trace(model: nn.Module, kwargs: Mapping[str, Any], leaf_modules: LeafSpec,
+CONSTANT_TYPES = (type(None), bool, int, float, str)
+
+
+def constant_inputs(model: nn.Module, args: tuple[Any, ...],
+                    kwargs: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``forward`` parameters this call passes as ``None``, a bool, a number or a
+    string, or leaves at such a default: fx traces them as those constants
+    (``concrete_args``), as the call reads them.
+
+    Symbolic tracing otherwise makes every parameter a proxy, so ``if labels is not None``
+    would trace the branch of a call that gives labels even for one that does not, and
+    ``if use_cache:`` cannot be traced at all (a Hugging Face-style
+    ``forward(input_ids=None, attention_mask=None, labels=None, use_cache=None)``). A
+    later call passing another value there fails the trace's assertion, which names the
+    parameter, rather than running a graph specialised to the first call.
+    """
+    try:
+        sig = inspect.signature(model.forward)
+        bound = sig.bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):  # no readable signature, or a call it does not take
+        return {}
+    out: dict[str, Any] = {}
+    for name, param in sig.parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        value = bound.arguments[name] if name in bound.arguments else param.default
+        if value is not param.empty and type(value) in CONSTANT_TYPES:
+            out[name] = value
+    return out
+
+
+def _restore_placeholder_names(graph: torch.fx.Graph, fixed: Mapping[str, Any]) -> None:
+    """fx names a ``concrete_args`` placeholder ``{name}_1``; callers pass it by keyword,
+    so it gets its parameter's name back."""
+    for node in graph.nodes:
+        if node.op == "placeholder" and isinstance(node.target, str) and \
+                node.target.endswith("_1") and node.target[:-2] in fixed:
+            node.target = node.target[:-2]
+            node._rename(node.target)
+
+
+def _fx_trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+              leaf_modules: LeafSpec,
               auto_leaf: bool) -> tuple[torch.fx.GraphModule, list[str]]:
     """Symbolic trace; on failure make the failing submodule a leaf and retry."""
     leaf_types, leaf_paths = _split_leaf_spec(leaf_modules)
+    fixed = constant_inputs(model, args, kwargs)
     auto: list[str] = []
     while True:
         tracer = _LeafTracer(leaf_types, leaf_paths | frozenset(auto))
         try:
-            graph = tracer.trace(model)
+            graph = tracer.trace(model, concrete_args=fixed or None)
+            _restore_placeholder_names(graph, fixed)
         except Exception as exc:  # fx raises many types (TraceError, TypeError, ...)
             where = tracer.failed_path
             if not auto_leaf or not where or len(auto) >= MAX_AUTO_LEAVES:
@@ -291,7 +336,7 @@ def trace(model: nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any
     fx_fail: _FxFailure | None = None
     if frontend in ("auto", "fx"):
         try:
-            fx_gm, auto = _fx_trace(model, kwargs, leaf_modules, auto_leaf=True)
+            fx_gm, auto = _fx_trace(model, args, kwargs, leaf_modules, auto_leaf=True)
             fx_gm.meta["smp.auto_leaves"] = tuple(auto)
             if frontend == "fx" or not auto:
                 return _finish(fx_gm, "fx")

@@ -104,7 +104,7 @@ from smp_fx.marking.activation_checkpointing import (  # noqa: E402
     set_activation_checkpointing,
 )
 
-# --- SMP 1.10 surface real clients use (checkpoint folders, reset, submodule namespaces) ---
+# --- SMP v1 surface real clients use (checkpoint folders, reset, submodule namespaces) ---
 from smp_fx.ckpt.checkpoint_api import resume_from_checkpoint, save_checkpoint  # noqa: E402
 from smp_fx.reset import reset  # noqa: E402
 from smp_fx import amp, nn, optimizers  # noqa: E402
@@ -112,6 +112,7 @@ from smp_fx import amp, nn, optimizers  # noqa: E402
 # --- tensor parallelism: which modules are distributed ---
 from smp_fx.marking.tensor_parallelism import set_tensor_parallelism, tensor_parallelism  # noqa: E402
 from smp_fx.marking.tp_register import tp_register, tp_register_with_module  # noqa: E402
+from smp_fx.marking.model_creation import model_creation  # noqa: E402
 from smp_fx import namespaces as _namespaces  # noqa: E402
 
 

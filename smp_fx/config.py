@@ -108,6 +108,28 @@ PARAMS: tuple[Param, ...] = (
            "rejected"),
     _P("sdp_gradient_clipping", float, 1.0, minimum=0.0, used_at="DistributedModel",
        doc="with sdp, the global gradient norm is clipped to this at optimizer.step (0: off)"),
+    # SMP 1.11-1.15
+    _P("bf16", bool, False, used_at="DistributedModel",
+       doc="bf16 weights, fp32 master weights in DistributedOptimizer, no loss scaling "
+           "(docs/precision.md); excludes fp16"),
+    _P("delayed_parameter_initialization", bool, False,
+       doc="smp.model_creation creates the parameters on the meta device; each stage's are "
+           "initialised on the rank that holds it (smp.delay_param_initialization)"),
+    _P("tensor_parallel_seed", int, 0, PLANNED, minimum=0, used_at="DistributedModel",
+       doc="SMP's separate seed for random ops inside tensor-parallel modules; smp-fx draws "
+           "them from torch's generator, as one process does"),
+    _P("static_mode", bool, False, ENGINE,
+       doc="SMP's server skips per-step request exchange; smp-fx's schedules are static "
+           "action lists already"),
+    _P("fast_mode", bool, False, ENGINE,
+       doc="SMP sends child-to-child instead of through the parent module; smp-fx sends "
+           "stage to stage already"),
+    _P("ddp_port", int, None, ENGINE, minimum=0,
+       doc="port of SMP's DDP process group; smp-fx's data parallelism uses the process "
+           "group smp.init made; needs ddp"),
+    _P("ddp_dist_backend", str, "auto", ENGINE, choices=("auto", "nccl"),
+       doc="SMDDP or NCCL collectives for sharded data parallelism (SMP 1.13); smp-fx uses "
+           "the backend of smp.init (SMP_FX_BACKEND)"),
     # keys AWS's example notebooks write that SMP's parameter page does not list
     _P("checkpoint_attentions", bool, False, used_at="DistributedModel",
        doc="every smp.nn DistributedAttentionLayer (SMP's attention inside its "
@@ -157,6 +179,13 @@ class SMPConfig:
     sdp_max_live_parameters: int = 1_000_000_000
     sdp_hierarchical_allgather: bool = True
     sdp_gradient_clipping: float = 1.0
+    bf16: bool = False
+    delayed_parameter_initialization: bool = False
+    tensor_parallel_seed: int = 0
+    static_mode: bool = False
+    fast_mode: bool = False
+    ddp_port: int | None = None
+    ddp_dist_backend: str = "auto"
     checkpoint_attentions: bool = False
     overlapping_allreduce: bool = True
     _match_weights: bool = False
@@ -369,6 +398,14 @@ def _resolve(given: dict[str, Any]) -> SMPConfig:
     if values["tensor_parallel_degree"] > 1 and not values["ddp"]:
         raise SMPConfigError.build("'tensor_parallel_degree' > 1 requires 'ddp': true",
                                    values["tensor_parallel_degree"], where, "set 'ddp': true")
+    if values["bf16"] and (values["fp16"] or values["fp16_params"]):
+        raise SMPConfigError.build("'bf16' and 'fp16' (or 'fp16_params') exclude each other",
+                                   {"bf16": True, "fp16": values["fp16"],
+                                    "fp16_params": values["fp16_params"]}, where,
+                                   "enable one half-precision type")
+    if "ddp_port" in given and not values["ddp"]:
+        raise SMPConfigError.build("'ddp_port' requires 'ddp': true", values["ddp_port"],
+                                   where, "set 'ddp': true, or drop 'ddp_port'")
     _check_sharding(values, where)
     return SMPConfig(**values, explicit=frozenset(given))
 
@@ -388,8 +425,8 @@ def _check_sharding(values: dict[str, Any], where: str) -> None:
             "'shard_optimizer_state' and 'sharded_data_parallel_degree' > 1 both shard the "
             "optimizer state", sdp, where,
             "drop 'shard_optimizer_state' (sharded data parallelism shards it already)")
-    if sdp > 1 and (values["fp16"] or values["fp16_params"]):
-        raise not_implemented("fp16 with sharded data parallelism",
+    if sdp > 1 and (values["fp16"] or values["fp16_params"] or values["bf16"]):
+        raise not_implemented("fp16 / bf16 with sharded data parallelism",
                               "sharded_data_parallel_degree",
                               "use bf16 autocast in the smp.step function with sharded data "
                               "parallelism")

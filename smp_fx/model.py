@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -82,7 +83,8 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module): 
         again for every evaluation, which must run on the same partition and parameters."""
         module = args[0] if args else kwargs.get("module")
         current = context.current_model()
-        if isinstance(current, cls) and type(current) is cls and current.get_module() is module:
+        if isinstance(current, cls) and type(current) is cls and \
+                (current.get_module() is module or current.script_module() is module):
             return current
         return super().__new__(cls)
 
@@ -111,7 +113,10 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module): 
             return
         super().__init__()
         options.check(module)
-        replace_registered(module)  # smp.tp_register: marked instances -> distributed
+        # what the script built (the root may be replaced below; not kept alive)
+        object.__setattr__(self, "_script_module", weakref.ref(module))
+        # smp.tp_register and SMP's Hugging Face replacements: marked instances -> distributed
+        module = replace_registered(module)
         if cfg is not None and cfg.checkpoint_attentions:
             checkpoint_attentions(module)
         self._modules["module"] = module  # get_module() reads it; .module is SMP's view
@@ -130,9 +135,10 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module): 
                                 module.named_parameters(remove_duplicate=False)}
         self.plan: PartitionPlan | None = None  # once partitioned
         self.tp_plan: TensorParallelPlan | None = None  # once partitioned, with tp > 1
-        self._fp16 = bool(cfg is not None and cfg.fp16)
-        if cfg is not None and (cfg.fp16 or cfg.fp16_params):
-            module.half()  # same Parameter objects: an optimizer built earlier still holds them
+        self._half = fp16.training_dtype(cfg)  # fp16 or bf16 training: half in, fp32 out
+        if cfg is not None and (cfg.fp16 or cfg.fp16_params or cfg.bf16):
+            # same Parameter objects: an optimizer built earlier still holds them
+            module.to(self._half or fp16.HALF)
         context.set_current_model(self)
         files = pretrained_files(module)
         if files is not None:  # from_pretrained under delay_param_initialization
@@ -142,6 +148,12 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module): 
             if isinstance(opt, DistributedOptimizer) and \
                     self.owns_parameters(opt.parameters_held()):
                 opt.join_model(self)
+
+    def script_module(self) -> nn.Module | None:
+        """The module the script passed in (``module`` unless its root was replaced by its
+        distributed version), while it is alive."""
+        ref: weakref.ref[nn.Module] = self.__dict__["_script_module"]
+        return ref()
 
     # ---- properties and the SMP methods ----------------------------------------------
     @property
@@ -173,11 +185,11 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module): 
     def module(self) -> ModuleView:
         """SMP v1's wrapper chain above the wrapped module (``smp_fx.module_view``):
         ``model.module.module`` is the module, under ``FP16_Module`` with fp16."""
-        return module_chain(self.get_module(), self._fp16)
+        return module_chain(self.get_module(), self._half is not None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self._fp16:  # FP16_Module: half inputs in, fp32 outputs out
-            args, kwargs = fp16.half_inputs(args, kwargs)
+        if self._half is not None:  # FP16_Module: half inputs in, fp32 outputs out
+            args, kwargs = fp16.half_inputs(args, kwargs, self._half)
         if context.capturing_inputs():
             raise context.Captured(args, kwargs, autocast_state())
         ctx = context.turn()
@@ -187,7 +199,7 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module): 
                                         "call the model inside an @smp.step function")
         built.shapes.check_call(args, kwargs)
         out = ctx[0].forward_request(ctx[1], args, kwargs)
-        return fp16.float_outputs(out) if self._fp16 else out
+        return fp16.float_outputs(out, self._half) if self._half is not None else out
 
     @property
     def loss_scale(self) -> float:

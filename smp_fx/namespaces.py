@@ -3,19 +3,18 @@ that are known but not built yet.
 
 SMP's API pages name classes under these namespaces (``smp.nn.FusedLayerNorm``,
 ``smp.optimizers.FusedLamb``, ``smp.amp.GradScaler``, the tensor-parallel
-``smp.nn.Distributed*`` modules), and SMP 1.10 has top-level names of features not built
-yet (``smp.model_creation``: ``PLANNED`` below, answered by ``smp_fx.__getattr__``).
+``smp.nn.Distributed*`` modules), and top-level names (``PLANNED`` below, answered by
+``smp_fx.__getattr__``; none are left).
 Each namespace is a real subpackage: built names are ordinary attributes of it, and its
 module ``__getattr__`` answers the others through ``planned``, which raises
 ``SMPNotImplementedError`` with what the name is for, so a script stops where it uses one
 with the reason, not with an ``AttributeError`` that reads like a typo. A name SMP never
 had stays an ``AttributeError``.
 
->>> import smp_fx as smp
->>> smp.model_creation  # doctest: +ELLIPSIS
+>>> planned("smp.nn", "FlashAttentionLayer", {"FlashAttentionLayer": "flash attention"})
 Traceback (most recent call last):
 ...
-smp_fx.SMPNotImplementedError: 'smp.model_creation' (context manager for tensor-parallel...
+smp_fx.SMPNotImplementedError: 'smp.nn.FlashAttentionLayer' (flash attention...
 """
 
 from __future__ import annotations
@@ -25,10 +24,8 @@ from typing import NoReturn
 
 from cost_model.errors import not_implemented
 
-# top-level ``smp.<name>`` of SMP 1.10 not built yet (answered by ``smp_fx.__getattr__``)
-PLANNED: dict[str, str] = {
-    "model_creation": "context manager for tensor-parallel model creation",
-}
+# top-level ``smp.<name>`` of SMP v1 not built yet (answered by ``smp_fx.__getattr__``)
+PLANNED: dict[str, str] = {}
 
 
 def planned(namespace: str, name: str, known: Mapping[str, str]) -> NoReturn:

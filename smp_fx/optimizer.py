@@ -88,8 +88,10 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         nested = dynamic_loss_args.pop("dynamic_loss_args", None)  # SMP scripts pass a dict
         if isinstance(nested, Mapping):
             dynamic_loss_args = {**nested, **dynamic_loss_args}
+        self.fp16 = bool(cfg is not None and (cfg.fp16 or cfg.bf16))  # fp32 masters
+        if cfg is not None and cfg.bf16:  # bf16 has fp32's range: SMP does not scale it
+            static_loss_scale, dynamic_loss_scale, dynamic_loss_args = 1.0, False, {}
         scaler = make_scaler(static_loss_scale, dynamic_loss_scale, dynamic_loss_args)
-        self.fp16 = bool(cfg is not None and cfg.fp16)
         if not self.fp16 and (dynamic_loss_scale or static_loss_scale not in (None, 1.0)):
             log.info("smp-fx: loss-scaling arguments apply with 'fp16': true only; unused")
         self._scaler: LossScaler = scaler
@@ -317,8 +319,8 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
             return
         if self.fp16 and binding.precision is None:
             raise SMPRuntimeError.build(
-                "an fp16 optimizer binds to a model partitioned without fp16", True,
-                "smp.DistributedOptimizer", "keep 'fp16' the same from smp.init on")
+                "an fp16 / bf16 optimizer binds to a model partitioned without it", True,
+                "smp.DistributedOptimizer", "keep 'fp16' / 'bf16' the same from smp.init on")
         local = dict(binding.local_parameters)
         local_ids = {id(p): p for p in local.values()}
         # A local parameter's name may be any alias of a tied one (lm_head.weight for

@@ -28,7 +28,7 @@ import torch
 
 from cost_model.errors import SMPRuntimeError
 from smp_fx.model import DistributedModel
-from smp_fx.runtime.input_check import check_same_inputs
+from smp_fx.runtime.input_check import first_rank_inputs
 from smp_fx.runtime.microbatch import split_inputs
 from smp_fx.world import context, state
 
@@ -124,9 +124,11 @@ def step(non_split_inputs: Callable[..., Any] | Sequence[str] | None = None,
                 "wrap the model with smp.DistributedModel(model) before the first step")
         cfg = state.get().config
         m = cfg.microbatches
+        # the first pipeline rank's inputs (placeholders elsewhere replaced; the first call
+        # of each step function checks that real data agrees)
+        args, kwargs = first_rank_inputs(model, fn, args, kwargs)
         mbs = split_inputs(args, kwargs, m, names, input_split_axes, fn)
         if not model.partitioned:
-            check_same_inputs(args, kwargs, fn.__name__)
             _partition_on(model, fn, mbs[0])
         forward_only = not torch.is_grad_enabled()
         schedule = model.schedule(m, forward_only)

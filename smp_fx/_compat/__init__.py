@@ -10,8 +10,9 @@ from pathlib import Path
 
 SHIM_DIR = Path(__file__).resolve().parent / "shims"
 
-SMP_API_VERSION = "1.10.0"
-"""The SMP release whose PyTorch API smp-fx implements: ``smdistributed.modelparallel.
-__version__`` under ``smp-fx run``, which clients such as the Hugging Face Trainer compare
-against (1.10 introduced ``save_checkpoint`` / ``resume_from_checkpoint`` and
-``state.module_manager.translate_functions``)."""
+SMP_API_VERSION = "1.15.0"
+"""The SMP release whose PyTorch surface smp-fx follows, the last of v1:
+``smdistributed.modelparallel.__version__`` under ``smp-fx run``, which clients compare
+against (the Hugging Face Trainer needs >= 1.10, which introduced ``save_checkpoint`` /
+``resume_from_checkpoint`` and ``state.module_manager.translate_functions``; 1.11-1.15
+added the configuration of docs/parameters.md's last rows and ``smp.model_creation``)."""

@@ -31,18 +31,27 @@ from smp_fx.amp.loss_scaler import LossScaler, agree_found_inf
 HALF = torch.float16
 
 
-def half_inputs(args: tuple[Any, ...], kwargs: dict[str, Any]
+def training_dtype(cfg: Any) -> torch.dtype | None:
+    """The half type the configuration trains in: fp16 (``"fp16": true``), bf16
+    (``"bf16": true``: the same scheme, bf16 weights and fp32 masters, without loss
+    scaling, as SMP's bf16 training), or None."""
+    if cfg is None:
+        return None
+    return HALF if cfg.fp16 else torch.bfloat16 if cfg.bf16 else None
+
+
+def half_inputs(args: tuple[Any, ...], kwargs: dict[str, Any], dtype: torch.dtype = HALF
                 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """fp32 tensors among the model inputs, in half precision (integer inputs untouched)."""
     def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.to(HALF) if t.dtype == torch.float32 else t
+        return t.to(dtype) if t.dtype == torch.float32 else t
     return pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
 
 
-def float_outputs(outputs: Any) -> Any:
+def float_outputs(outputs: Any, dtype: torch.dtype = HALF) -> Any:
     """Half tensors among the model outputs, in fp32 (autograd flows through the cast)."""
     def cast(t: torch.Tensor) -> torch.Tensor:
-        return t.float() if t.dtype == HALF else t
+        return t.float() if t.dtype == dtype else t
     return pytree.tree_map_only(torch.Tensor, cast, outputs)
 
 

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from cost_model.errors import SMPCheckpointError
 from smp_fx._compat import SMP_API_VERSION
@@ -230,18 +231,18 @@ def _save_full(path: str, tag: str, model: ProcessModel | None,
             sd = dict(model.state_dict())
         if rank == 0:
             os.makedirs(path, exist_ok=True)
-            module = model.get_module() if model is not None else None
-            if sd is not None and module is not None and is_pretrained(module):
-                if safetensors_available():
-                    save_pretrained_state(path, sd, module)  # what from_pretrained(path) loads
+            hf_module = _pretrained_module(model)
+            if sd is not None and model is not None and hf_module is not None:
+                if safetensors_available():  # what from_pretrained(path) loads
+                    hf_sd = sd if hf_module is model.get_module() else _to_hf(dict(sd))
+                    save_pretrained_state(path, hf_sd, hf_module)
                 else:  # transformers 4.2x does not install it; SMP's own file is still written
                     log.warning("smp.save_checkpoint(partial=False): no safetensors package, "
                                 "so %s gets no save_pretrained weights (pip install "
                                 "safetensors)", path)
             if sd is not None:
                 if translate:
-                    for smp_to_hf, _ in module_manager.translate_functions:
-                        sd = smp_to_hf(sd)
+                    sd = _to_hf(sd)
                 else:
                     sd[PARTIAL_KEY] = False  # marks smp-format names: never translated back
                 _write_torch(os.path.join(path, tag), sd)
@@ -250,6 +251,26 @@ def _save_full(path: str, tag: str, model: ProcessModel | None,
     except Exception as exc:
         cause = exc
     agree_or_raise(cause, f"writing the full checkpoint {tag}")
+
+
+def _pretrained_module(model: ProcessModel | None) -> nn.Module | None:
+    """The Hugging Face model whose ``save_pretrained`` writes a full checkpoint's weights:
+    the wrapped module, or, where SMP replaced a Hugging Face model by its distributed
+    version (``smp_fx.nn.huggingface``), the model the script built, whose names the
+    translate functions give back."""
+    if model is None:
+        return None
+    for module in (model.get_module(), model.script_module()):
+        if module is not None and is_pretrained(module):
+            return module
+    return None
+
+
+def _to_hf(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` in Hugging Face's names (``smp.state.module_manager``'s smp_to_hf)."""
+    for smp_to_hf, _ in module_manager.translate_functions:
+        state = smp_to_hf(state)
+    return state
 
 
 def _write_torch(path: str, obj: Any) -> None:

@@ -25,6 +25,7 @@ from torch import nn
 from cost_model.errors import SMPCheckpointError
 from smp_fx.ckpt.state_dict import PARTIAL_KEY, ModelLayout
 from smp_fx.ckpt.tp_shards import TP_SHARDS_KEY
+from smp_fx.world.state_api import module_manager
 
 
 def is_pretrained(module: nn.Module) -> bool:
@@ -87,4 +88,5 @@ def save_pretrained_state(folder: str, state: Mapping[str, Any], model: nn.Modul
     if "safe_serialization" in inspect.signature(save).parameters:
         kwargs["safe_serialization"] = True  # transformers 4.2x writes .bin otherwise
     os.makedirs(folder, exist_ok=True)
-    save(folder, **kwargs)
+    with module_manager.suspended():  # ``state`` is in Hugging Face's names already
+        save(folder, **kwargs)

@@ -7,12 +7,26 @@ dicts, numpy arrays and scalars) loads safely; an object holding other Python cl
 ``pickle_module`` asks for that module's unpickler, which the safe loader cannot use, so it
 implies ``weights_only=False`` (trusted files only) unless ``weights_only=True`` is given.
 
+Scripts also save their own objects as ``user_content`` (AWS's GPT-2 example: its
+argument dict, its LR scheduler's state and its ``transformers.GPT2Config``). Beyond
+numpy, the safe loader takes a narrow allowlist of such classes (``trusted_class``): the
+Hugging Face configuration classes (subclasses of ``transformers.PretrainedConfig``, found
+among the checkpoint's globals and imported only from ``transformers``) and
+``argparse.Namespace``; their contents are checked as any other value. A file holding
+anything else loads only with an explicit choice: ``weights_only=False`` where the call
+takes it, or ``SMP_FX_TRUST_CHECKPOINTS=1`` in the environment (for
+``smp.resume_from_checkpoint``, whose SMP signature has no such argument), which logs that
+the unsafe loader ran.
+
 One place for that rule, since ``smp.load`` and ``smp.resume_from_checkpoint`` both read
 files through it.
 """
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import logging
 import os
 import pickle
 from typing import Any
@@ -22,6 +36,8 @@ import torch
 from cost_model.errors import SMPCheckpointError
 from smp_fx.ckpt.layout import partial_path
 from smp_fx.ckpt.validate import load_error
+
+log = logging.getLogger("smp_fx.ckpt")
 
 
 def _numpy_safe_globals() -> list[Any]:
@@ -38,11 +54,45 @@ def _numpy_safe_globals() -> list[Any]:
             *(type(np.dtype(k)) for k in kinds)]
 
 
+TRUST_ENV = "SMP_FX_TRUST_CHECKPOINTS"
+"""``1``: read checkpoints with the unsafe loader where no ``weights_only`` is given."""
+
+
+def trusted_class(name: str) -> type | None:
+    """The class a checkpoint global names, if it is on the allowlist (module docstring):
+    ``argparse.Namespace`` or a ``transformers`` configuration class. Nothing outside
+    ``transformers`` is imported."""
+    if name == "argparse.Namespace":
+        return argparse.Namespace
+    module, _, attr = name.rpartition(".")
+    if not (module == "transformers" or module.startswith("transformers.")):
+        return None
+    try:
+        cls = getattr(importlib.import_module(module), attr)
+        from transformers import PretrainedConfig
+    except (ImportError, AttributeError):
+        return None
+    return cls if isinstance(cls, type) and issubclass(cls, PretrainedConfig) else None
+
+
+def _allowed_globals(path: str) -> list[Any]:
+    """The allowlisted classes among the globals of the checkpoint at ``path`` (the
+    others stay refused by the safe loader, which names them)."""
+    try:
+        names = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+    except Exception:  # not a readable zip: torch.load says what is wrong
+        return []
+    return [cls for cls in map(trusted_class, names) if cls is not None]
+
+
 def resolve_weights_only(weights_only: bool | None, pickle_module: Any) -> bool:
     """``weights_only`` as given, else safe unless a custom ``pickle_module`` was asked for
-    (its own unpickler is what the caller wants, and the safe loader has its own)."""
+    (its own unpickler is what the caller wants, and the safe loader has its own) or the
+    environment trusts checkpoints (``SMP_FX_TRUST_CHECKPOINTS=1``)."""
     if weights_only is not None:
         return weights_only
+    if os.environ.get(TRUST_ENV) == "1":
+        return False
     return pickle_module is None or pickle_module is pickle
 
 
@@ -63,9 +113,13 @@ def read_file(path: str, map_location: Any = None, pickle_module: Any = pickle,
             fix="drop weights_only=True to use the module (only for files you trust)")
     try:
         if safe:
-            with torch.serialization.safe_globals(_numpy_safe_globals()):
+            allowed = [*_numpy_safe_globals(), *_allowed_globals(path)]
+            with torch.serialization.safe_globals(allowed):
                 return torch.load(path, map_location=map_location, weights_only=True,
                                   **pickle_load_args)
+        if weights_only is None and os.environ.get(TRUST_ENV) == "1":
+            log.warning("%s=1: %s read with the unsafe loader (weights_only=False)",
+                        TRUST_ENV, path)
         return torch.load(path, map_location=map_location, weights_only=False,
                           pickle_module=pickle_module or pickle, **pickle_load_args)
     except Exception as exc:

@@ -68,8 +68,9 @@ def load_error(path: str, exc: BaseException, weights_only: bool) -> SMPCheckpoi
     if weights_only and isinstance(exc, pickle.UnpicklingError):
         return SMPCheckpointError.build(
             "the checkpoint holds objects the safe (weights_only) loader refuses", path,
-            fix="if you trust the file, load it with smp.load(..., weights_only=False); "
-            f"torch said: {said}")
+            fix="if you trust the file, load it with smp.load(..., weights_only=False), or "
+            "set SMP_FX_TRUST_CHECKPOINTS=1 (smp.resume_from_checkpoint); Hugging Face "
+            f"configs and argparse.Namespace load without it; torch said: {said}")
     return SMPCheckpointError.build(
         "torch.load cannot read the checkpoint file", said, path,
         "if the file is intact, torch's words say why (a class not importable here, a "

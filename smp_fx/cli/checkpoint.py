@@ -35,6 +35,7 @@ from smp_fx.ckpt.checkpoint_api import MODEL_FILE
 from smp_fx.ckpt.files import load_partial_set, merge_partial_objects
 from smp_fx.ckpt.hf_export import model_from_config, save_pretrained_state
 from smp_fx.ckpt.layout import read_index
+from smp_fx.nn.huggingface.registry import hf_state
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
@@ -88,6 +89,7 @@ def export(prefix: str, output: str, config: str | None = None) -> str:
             fix="pass the checkpoint of model.local_state_dict() (a save_checkpoint "
             "folder's model.pt), not an optimizer's")
     model = model_from_config(config or _config_near(prefix))
+    state = hf_state(state, model)
     save_pretrained_state(output, state, model)
     return (f"exported {len(state)} tensors saved at pp={index['pp_degree']} "
             f"tp={index['tp_degree']} as {type(model).__name__} into {output}")

@@ -24,6 +24,10 @@ if TYPE_CHECKING:
     from smp_fx.config import SMPConfig
 
 ATTR = "_smp_tensor_parallel"
+CREATED = "_smp_tp_created"
+"""Set on a module created inside an enabled ``smp.tensor_parallelism`` context (also
+``smp.model_creation``): SMP's Hugging Face replacements apply to those only
+(``smp_fx.marking.tp_register``)."""
 
 _stack = threading.local()
 _original_init = nn.Module.__init__
@@ -41,6 +45,7 @@ def _marking_init(self: nn.Module, *args: Any, **kwargs: Any) -> None:
     ctx = _contexts()
     if ctx and ATTR not in self.__dict__:
         object.__setattr__(self, ATTR, (ctx[-1][0], dict(ctx[-1][1])))
+        object.__setattr__(self, CREATED, ctx[-1][0])
 
 
 def mark(module: nn.Module, enabled: bool = True, **kwargs: Any) -> None:
@@ -76,6 +81,12 @@ def set_tensor_parallelism(module: nn.Module, enabled: bool = True, **kwargs: An
 def is_marked(module: nn.Module) -> bool:
     value = module.__dict__.get(ATTR)
     return bool(value and value[0])
+
+
+def created_marked(module: nn.Module) -> bool:
+    """Marked, and created inside an enabled ``smp.tensor_parallelism`` context (not only
+    marked afterwards by ``smp.set_tensor_parallelism``)."""
+    return is_marked(module) and bool(module.__dict__.get(CREATED))
 
 
 def marked_paths(model: nn.Module) -> tuple[str, ...]:

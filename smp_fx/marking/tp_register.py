@@ -23,7 +23,16 @@ must come before the instances are built, and the last registration of a class w
 The replacement is built afresh: its parameters are the distributed module's own
 initialisation, not the original module's (SMP's distributed modules are created the
 same way; load a checkpoint after wrapping to start from trained weights), so build the
-optimizer from ``DistributedModel.parameters()``. The model's root cannot be replaced.
+optimizer from ``DistributedModel.parameters()``. A marked root is replaced too:
+``replace_registered`` returns the new root, which the ``DistributedModel`` wraps.
+
+SMP's own replacements of Hugging Face models (``register_predefined``, filled by
+``smp_fx.nn.huggingface``) apply to instances of their classes *created* inside
+``smp.tensor_parallelism()`` / ``smp.model_creation(tensor_parallelism=True)``, after a
+user's registration of the same class; they start from the original's weights. A Hugging
+Face model marked afterwards with ``smp.set_tensor_parallelism`` is not replaced (SMP
+replaced it too): the rewrite distributes its own modules (Hugging Face GPT-2's
+``Conv1D``s, say), which smp-fx's tensor parallelism does directly.
 """
 
 from __future__ import annotations
@@ -36,8 +45,8 @@ from typing import Any, TypeVar
 
 from torch import nn
 
-from cost_model.errors import SMPConfigError, not_implemented
-from smp_fx.marking.tensor_parallelism import is_marked, mark
+from cost_model.errors import SMPConfigError
+from smp_fx.marking.tensor_parallelism import ATTR, created_marked, is_marked, mark
 
 INIT_ARGS = "_smp_tp_init_args"
 _PATCHED = "_smp_tp_patched_init"
@@ -171,26 +180,78 @@ def _distributed(module: nn.Module, reg: Registration, path: str) -> nn.Module:
     return new
 
 
+Predefined = Callable[[nn.Module, dict[str, Any]], nn.Module]
+PREDEFINED_ATTR = "_smp_predefined_replacement"
+"""Set on a module SMP's predefined replacement built."""
+_PREDEFINED: dict[str, Predefined] = {}
+"""SMP's own replacements (Hugging Face models, ``smp_fx.nn.huggingface``), by the class's
+``module.QualName``: ``build(instance, tensor_parallelism kwargs)`` -> its distributed
+version holding the instance's weights."""
+
+
+def register_predefined(class_path: str, build: Predefined) -> None:
+    """Register SMP's own distributed version of the class at ``class_path``."""
+    _PREDEFINED[class_path] = build
+
+
+def _class_path(module: nn.Module) -> str:
+    return f"{type(module).__module__}.{type(module).__qualname__}"
+
+
+def _replace_one(module: nn.Module, path: str) -> nn.Module | None:
+    """The distributed version of a marked ``module``: a user's registration of its exact
+    class first, then SMP's predefined one; None if neither applies."""
+    if not is_marked(module):
+        return None
+    reg = _REGISTRY.get(type(module))
+    if reg is not None:
+        return _distributed(module, reg, path)
+    build = _PREDEFINED.get(_class_path(module))
+    if build is None or not created_marked(module):
+        return None
+    new = build(module, dict(module.__dict__[ATTR][1]))
+    if not is_marked(new):
+        mark(new)
+    object.__setattr__(new, PREDEFINED_ATTR, True)
+    return new
+
+
 def replace_registered(model: nn.Module) -> nn.Module:
-    """Replace, in place, the marked instances of registered classes below ``model`` by
-    their distributed versions (outermost first; a replacement is not searched again)."""
-    if _REGISTRY and type(model) in _REGISTRY and is_marked(model):
-        raise not_implemented("replacing the model's root by its registered distributed "
-                              "version", f"smp.tp_register({type(model).__name__})",
-                              fix="wrap the registered module in a container module")
+    """``model`` with its marked instances of registered classes replaced by their
+    distributed versions (outermost first; a replacement is not searched again): the
+    children in place; a replaced root is returned (``model`` itself otherwise)."""
+    if not (_REGISTRY or _PREDEFINED):
+        return model
+    root = _replace_one(model, "<root>")
+    if root is not None:
+        return root
 
     def visit(module: nn.Module, prefix: str) -> None:
         for name, child in list(module.named_children()):
             path = f"{prefix}{name}"
-            reg = _REGISTRY.get(type(child))
-            if reg is not None and is_marked(child):
-                setattr(module, name, _distributed(child, reg, path))
+            new = _replace_one(child, path)
+            if new is not None:
+                setattr(module, name, new)
             else:
                 visit(child, path + ".")
 
-    if _REGISTRY:
-        visit(model, "")
+    visit(model, "")
+    _only_replacements_distributed(model)
     return model
+
+
+def _only_replacements_distributed(model: nn.Module) -> None:
+    """Where SMP's own replacement took a submodule (BERT's encoder), the rest of what was
+    created with it for tensor parallelism (embeddings, pooler, heads) is left whole, as
+    SMP distributes only the modules it supports; marks set with
+    ``smp.set_tensor_parallelism`` or by ``smp.nn`` modules stay."""
+    inside = {id(m) for r in model.modules() if getattr(r, PREDEFINED_ATTR, False)
+              for m in r.modules()}
+    if not inside:
+        return
+    for m in model.modules():
+        if id(m) not in inside and created_marked(m):
+            mark(m, False, **m.__dict__[ATTR][1])
 
 
 __all__ = ["Registration", "registration", "replace_registered", "tp_register",

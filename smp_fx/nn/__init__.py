@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from smp_fx.namespaces import planned
+from smp_fx.nn import huggingface
 from smp_fx.nn.attention import DistributedAttentionLayer, DistributedTransformerOutputLayer
 from smp_fx.nn.embedding import DistributedEmbedding
 from smp_fx.nn.fused_layer_norm import FusedLayerNorm
@@ -20,7 +21,7 @@ from smp_fx.nn.transformer import (
 __all__ = ["DistributedAttentionLayer", "DistributedEmbedding", "DistributedLinear",
            "DistributedTransformer", "DistributedTransformerLMHead",
            "DistributedTransformerLayer", "DistributedTransformerOutputLayer",
-           "FusedLayerNorm"]
+           "FusedLayerNorm", "huggingface"]
 
 PLANNED: dict[str, str] = {}
 

@@ -46,9 +46,13 @@ MASKED = -10000.0
 
 
 def activation_module(activation: str) -> nn.Module:
-    """SMP's activations: ``"gelu"`` (exact, erf) and ``"relu"``."""
+    """SMP's activations: ``"gelu"`` (exact, erf) and ``"relu"``; and ``"gelu_new"``, the
+    tanh approximation Hugging Face's GPT-2 uses, so that a replaced Hugging Face model
+    computes its own function (``smp_fx.nn.huggingface``)."""
     if activation == "gelu":
         return nn.GELU()
+    if activation == "gelu_new":
+        return nn.GELU(approximate="tanh")
     if activation == "relu":
         return nn.ReLU()
     raise not_implemented(f"activation {activation!r}", "activation",

@@ -31,11 +31,18 @@ logits reach ``F.cross_entropy`` through a ``flatten`` alone and, under tp, the 
 fuses the gather of the tied head's logits and the loss into a vocab-parallel cross
 entropy (``passes.tensor_parallel.loss``): the full logits are never built.
 
-Where SMP's page is silent: with ``pre_layernorm`` and no ``post_layernorm`` (GPT-2's
-layout) the LM head applies a final layer norm to the transformer's output (GPT-2's
-``ln_f``), since the layers leave their sum un-normalised. The position and token-type
-tables are small and stay whole on every rank (a replicated lookup), so only the word
-embedding needs a vocabulary divisible by the degree.
+Layer norms as SMP lays them out: with both ``pre_layernorm`` and ``post_layernorm`` a
+layer's attention keeps only its pre layer norm while its output layer has both, and a
+transformer gives the post layer norm to its last layer only, so its output is normalised
+once (``seq_layers[-1].output.layernorm``: where SMP's GPT-2 keeps ``ln_f``). Where SMP's
+page is silent: with ``pre_layernorm`` and no ``post_layernorm`` the LM head applies a
+final layer norm of its own (``layernorm``) to the transformer's output, since the layers
+leave their sum un-normalised. Token types without a token-type table are looked up in the
+word embedding (SMP's code, as Hugging Face's GPT-2). The position and token-type tables
+are small and stay whole on every rank (a replicated lookup), so only the word embedding
+needs a vocabulary divisible by the degree. ``embed`` and ``body`` are the LM head's two
+halves, which SMP's Hugging Face replacements (``smp_fx.nn.huggingface``) call with their
+own arguments.
 
 Used as the root of a ``DistributedModel``, a tuple argument is one opaque input to fx
 tracing (``SMPTracingError`` below; the ``auto`` front end then captures it with
@@ -94,16 +101,19 @@ class DistributedTransformerLayer(nn.Module):
                  causal_mask_size: int | None = None, add_cross_attention: bool = False,
                  pre_layernorm: bool = False, post_layernorm: bool = True) -> None:
         super().__init__()
+        # SMP's layout: with both layer norms the sublayers before the MLP keep only their
+        # pre layer norm, and the MLP's post layer norm normalises the layer's output
+        inner_post = post_layernorm and not pre_layernorm
         self.attention = DistributedAttentionLayer(
             num_attention_heads, attention_head_size, hidden_size, attention_dropout_prob,
             hidden_dropout_prob, layernorm_epsilon, initializer_range,
             use_normal_initialization, causal_mask_size=causal_mask_size,
-            pre_layernorm=pre_layernorm, post_layernorm=post_layernorm)
+            pre_layernorm=pre_layernorm, post_layernorm=inner_post)
         self.crossattention = DistributedAttentionLayer(
             num_attention_heads, attention_head_size, hidden_size, attention_dropout_prob,
             hidden_dropout_prob, layernorm_epsilon, initializer_range,
             use_normal_initialization, cross_attention=True, pre_layernorm=pre_layernorm,
-            post_layernorm=post_layernorm) if add_cross_attention else None
+            post_layernorm=inner_post) if add_cross_attention else None
         self.output = DistributedTransformerOutputLayer(
             hidden_size, intermediate_size, hidden_dropout_prob, activation,
             layernorm_epsilon, initializer_range, use_normal_initialization,
@@ -139,12 +149,15 @@ class DistributedTransformer(nn.Module):
         super().__init__()
         self.num_layers = num_layers
         self.add_cross_attention = add_cross_attention
-        self.seq_layers = nn.ModuleList([DistributedTransformerLayer(
+        # SMP's layout: with both layer norms only the last layer has the post layer norm
+        # (the transformer's output is normalised once; GPT-2's ln_f)
+        self.seq_layers = nn.Sequential(*[DistributedTransformerLayer(
             num_attention_heads, attention_head_size, hidden_size, intermediate_size,
             attention_dropout_prob, hidden_dropout_prob, activation, layernorm_epsilon,
             initializer_range, use_normal_initialization, causal_mask_size,
-            add_cross_attention, pre_layernorm=pre_layernorm, post_layernorm=post_layernorm)
-            for _ in range(num_layers)])
+            add_cross_attention, pre_layernorm=pre_layernorm,
+            post_layernorm=post_layernorm and (not pre_layernorm or i == num_layers - 1))
+            for i in range(num_layers)])
         mark(self)
 
     def forward(self, inputs: Pair) -> Pair:
@@ -218,28 +231,8 @@ class DistributedTransformerLMHead(nn.Module):
         attention_mask, token_type_ids, position_ids = items[:3]
         cross_states, cross_mask = items[3:5] if self.add_cross_attention else (None, None)
         labels = items[-1]
-        if position_ids is None:
-            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
-        x = self.word_embedding(input_ids) + self.position_embedding(position_ids)
-        if token_type_ids is not None:
-            if self.token_type_embedding is None:
-                raise SMPConfigError.build(
-                    "token_type_ids given to an LM head built with num_token_types=0",
-                    None, "DistributedTransformerLMHead.forward",
-                    "pass num_token_types > 0, or None as token_type_ids")
-            x = x + self.token_type_embedding(token_type_ids)
-        state: Pair = (self.dropout(x), _additive(attention_mask, x.dtype))
-        if self.add_cross_attention:
-            if cross_states is None:
-                raise SMPConfigError.build(
-                    "an LM head built with add_cross_attention=True needs cross_states",
-                    None, "DistributedTransformerLMHead.forward",
-                    "pass (input_ids, attention_mask, token_type_ids, position_ids, "
-                    "cross_states, cross_mask, labels)")
-            state = (state[0], cross_states, state[1], _additive(cross_mask, x.dtype))
-        hidden = self.transformer(state)[0]
-        if self.layernorm is not None:
-            hidden = self.layernorm(hidden)
+        x = self.embed(input_ids, token_type_ids, position_ids)
+        hidden = self.body(x, attention_mask, cross_states, cross_mask)
         if self.lm_head is None:
             if labels is not None:
                 raise SMPConfigError.build(
@@ -249,6 +242,37 @@ class DistributedTransformerLMHead(nn.Module):
             return hidden
         logits = self.lm_head(hidden)
         return logits if labels is None else lm_loss(logits, labels)
+
+    def embed(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Word + position (+ token type) embeddings, before dropout. Without a token-type
+        table, token types are looked up in the word embedding (SMP's, as Hugging Face's
+        GPT-2 does); positions default to ``0 .. S-1``."""
+        if position_ids is None:
+            position_ids = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.word_embedding(input_ids) + self.position_embedding(position_ids)
+        if token_type_ids is not None:
+            table = self.token_type_embedding if self.token_type_embedding is not None \
+                else self.word_embedding
+            x = x + table(token_type_ids)
+        return x
+
+    def body(self, x: torch.Tensor, attention_mask: torch.Tensor | None = None,
+             cross_states: torch.Tensor | None = None,
+             cross_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Dropout, the transformer and the final layer norm on embeddings ``x``; the
+        masks are SMP's 0-1 ones (1 = masked)."""
+        state: Pair = (self.dropout(x), _additive(attention_mask, x.dtype))
+        if self.add_cross_attention:
+            if cross_states is None:
+                raise SMPConfigError.build(
+                    "an LM head built with add_cross_attention=True needs cross_states",
+                    None, "DistributedTransformerLMHead.forward",
+                    "pass (input_ids, attention_mask, token_type_ids, position_ids, "
+                    "cross_states, cross_mask, labels)")
+            state = (state[0], cross_states, state[1], _additive(cross_mask, x.dtype))
+        hidden: torch.Tensor = self.transformer(state)[0]
+        return hidden if self.layernorm is None else self.layernorm(hidden)
 
 
 def _additive(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:

@@ -197,7 +197,7 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
         applied.append(dp)
 
     precision = None
-    if cfg.fp16:
+    if cfg.fp16 or cfg.bf16:  # bf16: fp32 masters too, a loss scale of 1
         precision = MixedPrecision()
         applied.append(precision)
 

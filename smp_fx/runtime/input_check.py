@@ -1,21 +1,36 @@
-"""The first ``smp.step`` call checks that every rank of a pipeline group was given the same
-batch.
+"""A step's inputs come from the first pipeline rank; other pipeline ranks may pass
+placeholders, and real data they pass must be the first rank's.
 
-Each pipeline stage reads the step's arguments on its own rank: the first stage its inputs,
-the last stage (say) its labels. SMP's rule is that the ranks of one pipeline group load
-the same data (data is sharded by ``smp.dp_rank()``, not by the global rank; tensor-parallel
-ranks get different batches unless ``prescaled_batch``). A data loader sharded by the
-global rank breaks it without any error: the stages then train on pieces of different
-batches. That is what a torchrun-launched Hugging Face ``Trainer`` in
-SMP mode does on GPUs, where accelerate sees ``LOCAL_RANK`` and shards its data loaders by
-the world size. So the first step of a model compares a fingerprint of its tensor arguments
-(shape, dtype and three sums per tensor) across the pipeline group, once: one small
-object all-gather, nothing in later steps.
+SMP v1 takes a step's model inputs from the first rank of each pipeline group: AWS's GPT-2
+example reads its data set on pipeline rank 0 only and gives the other ranks batches of
+empty tensors (``DummyDataset``). In smp-fx every rank runs the step function on its own
+arguments and each stage reads the model inputs it consumes on its own rank (the last
+stage its labels, say), so:
+
+* **Placeholders.** A tensor argument with no elements (or ``None``) on a rank other
+  than the first, where the first rank passes a tensor, is a placeholder: that rank's step
+  function receives the first rank's tensor instead, on every call. Only those arguments
+  travel (one object all-gather over the pipeline group per call of a step function that
+  has them; none for a function whose first call had none), so every stage and the step
+  function itself see the first rank's values.
+* **Real data must agree.** Every other tensor argument must equal the first rank's.
+  The first call of each step function compares a fingerprint of them (shape, dtype and
+  three sums per tensor) across the pipeline group and stops with an error naming the
+  argument otherwise. A rank's own data still matters where the step function uses it
+  outside the model (a loss computed from that rank's labels), and a data loader sharded
+  by the global rank gives the stages pieces of different batches without any other error:
+  what a torchrun-launched Hugging Face ``Trainer`` in SMP mode does on GPUs, where
+  accelerate sees ``LOCAL_RANK`` and shards its loaders by the world size.
+
+Placeholders must keep the structure of the first rank's arguments (the same arguments,
+nested alike); their shapes and dtypes are free. Data is sharded by ``smp.dp_rank()``,
+not by the global rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import weakref
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -23,49 +38,190 @@ import torch
 from cost_model.errors import SMPRuntimeError
 from smp_fx.world import comm, state
 
+Path = tuple[Any, ...]
+"""Where a value sits among a step's arguments: the argument (position or name), then the
+keys / indices into its containers."""
+
+
+def _leaves(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[tuple[Path, Any]]:
+    """Every tensor and ``None`` among the arguments, nested ones too, with its path."""
+    out: list[tuple[Path, Any]] = []
+
+    def visit(value: Any, path: Path) -> None:
+        if value is None or isinstance(value, torch.Tensor):
+            out.append((path, value))
+        elif isinstance(value, (list, tuple)):
+            for i, item in enumerate(value):
+                visit(item, (*path, i))
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                visit(item, (*path, key))
+
+    for i, arg in enumerate(args):
+        visit(arg, (i,))
+    for name, arg in kwargs.items():
+        visit(arg, (name,))
+    return out
+
+
+def words(path: Path) -> str:
+    """``argument 1``, ``argument 'batch'['labels'][0]``: a path as the errors say it."""
+    head, rest = path[0], path[1:]
+    return f"argument {head!r}" + "".join(f"[{k!r}]" for k in rest)
+
+
+def _is_placeholder(value: Any) -> bool:
+    return value is None or (isinstance(value, torch.Tensor) and value.numel() == 0)
+
 
 def fingerprint(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> list[tuple[Any, ...]]:
     """(where, shape, dtype, sum, sum of squares, sum weighted by position) of every tensor
     argument, nested ones too; the sums as ``float.hex`` strings, exact and NaN-safe."""
     out: list[tuple[Any, ...]] = []
-
-    def visit(value: Any, where: str) -> None:
-        if isinstance(value, torch.Tensor):
-            v = value.detach().to(torch.float64).flatten()
-            at = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device)
-            sums = (v.sum(), (v * v).sum(), (v * at).sum())
-            out.append((where, tuple(value.shape), str(value.dtype),
-                        *(float(x).hex() for x in sums)))  # hex: NaN equals NaN
-        elif isinstance(value, (list, tuple)):
-            for i, item in enumerate(value):
-                visit(item, f"{where}[{i}]")
-        elif isinstance(value, Mapping):
-            for key, item in value.items():
-                visit(item, f"{where}[{key!r}]")
-
-    for i, arg in enumerate(args):
-        visit(arg, f"argument {i}")
-    for name, arg in kwargs.items():
-        visit(arg, f"argument {name!r}")
+    for path, value in _leaves(args, kwargs):
+        if value is None:
+            continue
+        v = value.detach().to(torch.float64).flatten()
+        at = torch.arange(1, v.numel() + 1, dtype=torch.float64, device=v.device)
+        sums = (v.sum(), (v * v).sum(), (v * at).sum())
+        out.append((words(path), tuple(value.shape), str(value.dtype),
+                    *(float(x).hex() for x in sums)))  # hex: NaN equals NaN
     return out
 
 
-def check_same_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any], where: str) -> None:
-    """Raise on every rank when the ranks of this rank's pipeline group were given different
-    tensors (a collective over that group; nothing to do in one process)."""
+class _Agreement:
+    """What the first call of one step function settled: the paths at which some rank
+    passes placeholders (empty: nothing travels on later calls), and where this rank
+    passed real data."""
+
+    def __init__(self, model: Any, paths: frozenset[Path], real: frozenset[Path]) -> None:
+        self.model = weakref.ref(model)
+        self.paths = paths
+        self.real = real
+
+
+_agreed: weakref.WeakKeyDictionary[Callable[..., Any], _Agreement] = \
+    weakref.WeakKeyDictionary()
+
+
+def first_rank_inputs(model: Any, fn: Callable[..., Any], args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """This call's arguments with the placeholders replaced by the first pipeline rank's
+    (module docstring); the first call of ``fn`` for ``model`` also checks that the real
+    data agrees. A collective over the pipeline group, on every rank; nothing to do in one
+    process."""
     st = state.get()
     if st.in_process or len(st.group_ranks(comm.PP_GROUP.axis)) < 2:
+        return args, kwargs
+    where = getattr(fn, "__name__", "smp.step function")
+    agreed = _agreed.get(fn)
+    if agreed is None or agreed.model() is not model:
+        agreed = _agree(model, args, kwargs, where)
+        _agreed[fn] = agreed
+    if not agreed.paths:
+        _no_new_placeholders(agreed, args, kwargs, where)
+        return args, kwargs
+    return _fetch(agreed.paths, args, kwargs, where)
+
+
+def _no_new_placeholders(agreed: _Agreement, args: tuple[Any, ...],
+                         kwargs: Mapping[str, Any], where: str) -> None:
+    """Without an exchange (no placeholders at the first call), a placeholder where this
+    rank passed real data then is this rank's error; its peers stop on its failure."""
+    for path, value in _leaves(args, kwargs):
+        if path in agreed.real and _is_placeholder(value):
+            raise _stray(path, state.get().rank, where)
+
+
+def _stray(path: Path, rank: int, where: str) -> SMPRuntimeError:
+    return SMPRuntimeError.build(
+        "a placeholder where the first call of this step function had real data",
+        {"where": words(path), "rank": rank}, where,
+        "pass placeholders in the same arguments on every call of a step function")
+
+
+def _agree(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any],
+           where: str) -> _Agreement:
+    leaves = _leaves(args, kwargs)
+    mine = {"paths": [p for p, _ in leaves],
+            "placeholders": [p for p, v in leaves if _is_placeholder(v)],
+            "prints": fingerprint(args, kwargs)}
+    everyone = comm.allgather(mine, comm.PP_GROUP)
+    first = everyone[0]
+    ranks = state.get().group_ranks(comm.PP_GROUP.axis)
+    first_real = set(first["paths"]) - set(first["placeholders"])
+    paths: set[Path] = set()
+    for i, other in enumerate(everyone[1:], start=1):
+        placeholders = set(other["placeholders"]) & first_real
+        _same_structure(first, other, placeholders, ranks[i], where)
+        skip = {words(p) for p in placeholders}
+        theirs = [f for f in other["prints"] if f[0] not in skip]
+        ours = [f for f in first["prints"] if f[0] not in skip]
+        if theirs != ours:
+            differs = next((a[0] for a, b in zip(ours, theirs) if a != b),
+                           "the number of tensor arguments")
+            raise SMPRuntimeError.build(
+                "every rank of a pipeline group must be given the same batch",
+                {"differs": differs, "ranks": [ranks[0], ranks[i]]}, where,
+                "shard the data by smp.dp_rank() / smp.dp_size(), not by the global rank, "
+                "or pass placeholders (empty tensors) on the pipeline ranks after the first "
+                "(the Hugging Face Trainer: run it with the smdistributed shims, see "
+                "docs/clients.md)")
+        paths |= placeholders
+    real = frozenset(p for p, v in leaves if not _is_placeholder(v))
+    return _Agreement(model, frozenset(paths), real)
+
+
+def _same_structure(first: Mapping[str, Any], other: Mapping[str, Any],
+                    placeholders: set[Path], rank: int, where: str) -> None:
+    """Placeholders stand in for arguments the first rank passes, at the same places."""
+    if set(first["paths"]) == set(other["paths"]):
         return
-    mine = fingerprint(args, kwargs)
-    prints = comm.allgather(mine, comm.PP_GROUP)
-    differ = [i for i, other in enumerate(prints) if other != prints[0]]
-    if not differ:
-        return
-    first = next((a[0] for a, b in zip(prints[0], prints[differ[0]]) if a != b),
-                 "the number of tensor arguments")
-    ranks = st.group_ranks(comm.PP_GROUP.axis)
+    extra = sorted(map(words, set(other["paths"]) ^ set(first["paths"])))
     raise SMPRuntimeError.build(
-        "every rank of a pipeline group must be given the same batch",
-        {"differs": first, "ranks": [ranks[0], ranks[differ[0]]]}, where,
-        "shard the data by smp.dp_rank() / smp.dp_size(), not by the global rank (the "
-        "Hugging Face Trainer: run it with the smdistributed shims, see docs/clients.md)")
+        "a pipeline rank's step arguments must have the first rank's structure",
+        {"differs": extra[:3], "rank": rank, "placeholders": len(placeholders)}, where,
+        "pass the same arguments on every pipeline rank (placeholders: empty tensors in "
+        "the places of the first rank's tensors)")
+
+
+def _fetch(paths: frozenset[Path], args: tuple[Any, ...], kwargs: dict[str, Any],
+           where: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """The first rank's tensors at ``paths``, put in place of this rank's."""
+    st = state.get()
+    first = st.axis_rank("pp") == 0
+    leaves = dict(_leaves(args, kwargs))
+    mine = {p: leaves.get(p) for p in paths} if first else \
+        sorted((p for p, v in leaves.items() if _is_placeholder(v) and p not in paths),
+               key=repr)
+    everyone = comm.allgather(mine, comm.PP_GROUP)
+    stray = [(i, p) for i, extra in enumerate(everyone[1:], start=1) for p in extra]
+    if stray:  # every rank sees it: all raise together
+        ranks = st.group_ranks(comm.PP_GROUP.axis)
+        raise _stray(stray[0][1], ranks[stray[0][0]], where)
+    if first:
+        return args, kwargs
+    values: dict[Path, Any] = everyone[0]
+    device = next((v.device for v in leaves.values() if isinstance(v, torch.Tensor)), None)
+    return _replace(args, kwargs, values, device)
+
+
+def _replace(args: tuple[Any, ...], kwargs: dict[str, Any], values: Mapping[Path, Any],
+             device: torch.device | None) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def rebuild(value: Any, path: Path) -> Any:
+        if path in values:
+            got = values[path]
+            return got.to(device) if isinstance(got, torch.Tensor) and device else got
+        if isinstance(value, (list, tuple)) and not isinstance(value, torch.Tensor):
+            items = [rebuild(v, (*path, i)) for i, v in enumerate(value)]
+            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+        if isinstance(value, Mapping):
+            rebuilt = {k: rebuild(v, (*path, k)) for k, v in value.items()}
+            return rebuilt if type(value) is dict else type(value)(rebuilt)  # type: ignore[call-arg]
+        return value
+
+    return (tuple(rebuild(a, (i,)) for i, a in enumerate(args)),
+            {k: rebuild(v, (k,)) for k, v in kwargs.items()})
+
+
+__all__ = ["fingerprint", "first_rank_inputs", "words"]

@@ -16,8 +16,9 @@ two names through this module.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from smp_fx.config import ALIASES, BY_NAME, SMPConfig
@@ -79,6 +80,18 @@ class ModuleManager:
 
     def reset(self) -> None:
         self.translate_functions.clear()
+
+    @contextlib.contextmanager
+    def suspended(self) -> Iterator[None]:
+        """No translation inside the block: transformers' ``save_pretrained`` in SMP mode
+        runs every ``smp_to_hf`` on the state it is given, which would translate a state
+        already in Hugging Face's names a second time."""
+        held = list(self.translate_functions)
+        self.translate_functions.clear()
+        try:
+            yield
+        finally:
+            self.translate_functions[:] = held
 
 
 module_manager = ModuleManager()

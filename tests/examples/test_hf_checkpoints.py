@@ -52,7 +52,7 @@ def test_pp2_tp2_trainer_checkpoints_load_with_from_pretrained(tmp_path: Path) -
     names = None
     for folder in ("final", "full", "exported"):
         weights = load_file(str(tmp_path / folder / "model.safetensors"))
-        assert "lm_head.weight" not in weights and "transformer.wte.weight" in weights
+        assert "lm_head.weight" not in weights and "transformer.wte.weight" in weights, folder
         assert names is None or sorted(weights) == names, folder
         names = sorted(weights)
         model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / folder)

@@ -119,6 +119,40 @@ def test_kwargs_and_nested_inputs(frontend: str) -> None:
     torch.testing.assert_close(gm(x, scale=s), model(x, scale=s))
 
 
+class _HFStyle(nn.Module):
+    """A Hugging Face-style forward: optional tensors and flags that it branches on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, use_cache: bool | None = None,
+                scale: float = 1.0) -> dict[str, torch.Tensor | None]:
+        if use_cache:
+            raise ValueError("no cache")
+        y = self.lin(x) * scale
+        if mask is not None:
+            y = y * mask
+        return {"loss": None if labels is None else (y - labels).square().mean(), "y": y}
+
+
+def test_fx_traces_constant_arguments_as_the_call_passes_them() -> None:
+    """None, bools and numbers the call passes (or leaves at their defaults) are traced as
+    constants: the branches the call takes, placeholders under their own names; a later
+    call passing a tensor where the traced one passed None fails, naming the argument."""
+    model, x, labels = _HFStyle(), torch.randn(2, 4), torch.randn(2, 4)
+    gm = trace(model, (x,), {"labels": labels, "use_cache": False}, frontend="fx")
+    placeholders = [n.target for n in gm.graph.nodes if n.op == "placeholder"]
+    assert placeholders == ["x", "mask", "labels", "use_cache", "scale"]
+    want = model(x, labels=labels, use_cache=False)
+    got = gm(x, labels=labels, use_cache=False)
+    torch.testing.assert_close(got["loss"], want["loss"])
+    torch.testing.assert_close(got["y"], want["y"])
+    with pytest.raises(AssertionError, match="mask has been specialized"):
+        gm(x, mask=torch.ones(2, 4), labels=labels, use_cache=False)
+
+
 def test_meta_model_traces_without_storage() -> None:
     with delay_param_initialization():
         model = example("gpt").build_model(n_layer=3)

@@ -37,6 +37,11 @@ SEED_DEFAULTS: dict[str, Any] = {
     "sdp_max_live_parameters": int(1e9), "sdp_hierarchical_allgather": True,
     "sdp_gradient_clipping": 1.0,
 }
+# The parameters SMP 1.11-1.15 added (SMP's own configuration table of those releases).
+LATER_DEFAULTS: dict[str, Any] = {
+    "bf16": False, "delayed_parameter_initialization": False, "tensor_parallel_seed": 0,
+    "static_mode": False, "fast_mode": False, "ddp_port": None, "ddp_dist_backend": "auto",
+}
 # Keys AWS's example notebooks and scripts write that SMP's parameter page does not list.
 EXAMPLE_DEFAULTS: dict[str, Any] = {
     "checkpoint_attentions": False, "overlapping_allreduce": True, "_match_weights": False,
@@ -71,12 +76,20 @@ TABLE: dict[str, tuple[list[Any], list[Any]]] = {
     "sdp_max_live_parameters": ([1, 1e9], [0, 0.5]),
     "sdp_hierarchical_allgather": ([True, False], [1]),
     "sdp_gradient_clipping": ([0.0, 1.0, 2], [-1.0, "1"]),
+    "bf16": ([True, False], [1]),
+    "delayed_parameter_initialization": ([True, False], ["yes"]),
+    "tensor_parallel_seed": ([0, 7], [-1, 1.5]),
+    "static_mode": ([True, False], [0]),
+    "fast_mode": ([True, False], [None]),
+    "ddp_port": ([0, 29501], [-1, "29501"]),
+    "ddp_dist_backend": (["auto", "nccl"], ["smddp", 1]),
     "checkpoint_attentions": ([True, False], [1]),
     "overlapping_allreduce": ([True, False], ["true"]),
     "_match_weights": ([True, False], [0]),
     "_fp32_grad_accumulation": ([True, False], [None]),
 }
 NEEDS = {"tensor_parallel_degree": {"ddp": True}, "auto_partition": {"default_partition": 0},
+         "ddp_port": {"ddp": True},
          "shard_optimizer_state": {"ddp": True}, "sharded_data_parallel_degree": {"ddp": True},
          "offload_activations": {"microbatches": 2}}
 
@@ -87,12 +100,13 @@ def _load(cfg: Any, env: dict[str, str] | None = None) -> SMPConfig:
 
 def test_table_covers_every_parameter() -> None:
     assert set(TABLE) == set(BY_NAME) == \
-        set(SEED_DEFAULTS) | set(EXAMPLE_DEFAULTS) | {"pipeline_parallel_degree"}
+        set(SEED_DEFAULTS) | set(LATER_DEFAULTS) | set(EXAMPLE_DEFAULTS) | \
+        {"pipeline_parallel_degree"}
 
 
 def test_defaults_match_the_seed() -> None:
     cfg = _load(BASE)
-    for name, value in {**SEED_DEFAULTS, **EXAMPLE_DEFAULTS}.items():
+    for name, value in {**SEED_DEFAULTS, **LATER_DEFAULTS, **EXAMPLE_DEFAULTS}.items():
         assert getattr(cfg, name) == value, name
         assert type(getattr(cfg, name)) is type(value), name
 
@@ -157,8 +171,27 @@ def test_cross_field_rules() -> None:
     assert _load(sharded).sharded_data_parallel_degree == 2
     with pytest.raises(SMPConfigError, match="both shard the optimizer state"):
         _load({**sharded, "shard_optimizer_state": True})
-    with pytest.raises(SMPNotImplementedError, match="fp16 with sharded"):
+    with pytest.raises(SMPNotImplementedError, match="fp16 / bf16 with sharded"):
         _load({**sharded, "fp16": True})
+    with pytest.raises(SMPConfigError, match="'bf16' and 'fp16'"):
+        _load({**BASE, "bf16": True, "fp16": True})
+    with pytest.raises(SMPConfigError, match="'ddp_port' requires 'ddp'"):
+        _load({**BASE, "ddp_port": 29501})
+
+
+def test_engine_tuning_parameters_are_accepted_at_any_value() -> None:
+    """What the script of AWS's GPT-2 example passes, False included, and the rest of SMP's
+    engine switches: accepted, never an error where a feature is used."""
+    given = {"static_mode": True, "fast_mode": True, "ddp": True, "ddp_port": 29501,
+             "ddp_dist_backend": "nccl", "delayed_parameter_initialization": True}
+    cfg = _load({**BASE, **given})
+    assert all(getattr(cfg, k) == v for k, v in given.items())
+    for p in PARAMS:
+        if p.status == ENGINE:
+            cfg.require_implemented(p.name)
+    off = _load({**BASE, "bf16": False, "static_mode": False, "fast_mode": False,
+                 "delayed_parameter_initialization": False})
+    off.check_features("DistributedModel")
 
 
 @pytest.mark.parametrize("world, pp, tp, rdp, in_process", [

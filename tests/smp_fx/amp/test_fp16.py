@@ -80,6 +80,33 @@ def test_default_scale_overflows_fp16_until_it_fits() -> None:
     assert skipped > 0 and opt.loss_scale == 2.0**32 / 2**skipped
 
 
+def test_bf16_configuration_trains_bf16_weights_with_fp32_masters() -> None:
+    """``"bf16": true`` (SMP 1.11+): bf16 weights, fp32 outputs and masters, no loss
+    scaling (the loss-scaling arguments the script passes are unused); it follows the fp32
+    model to bf16's precision."""
+    init(2, 2, "interleaved", bf16=True)
+    ex, ref, dm = twin_models("mlp")
+    assert all(p.dtype == torch.bfloat16 for p in dm.module.parameters())
+    opt = smp.DistributedOptimizer(torch.optim.Adam(dm.parameters(), lr=1e-3),
+                                   static_loss_scale=None, dynamic_loss_scale=True)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-3)
+    step = _step_fn(ex)
+    x, y = ex.example_inputs(8)[0], ex.example_targets(8)
+    for _ in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = step(dm, x, y).reduce_mean()
+        assert loss.dtype == torch.float32 and dm.loss_scale == 1.0
+        want = ex.loss_fn(ref(x), y)
+        want.backward()
+        assert math.isclose(float(loss), float(want.detach()), rel_tol=2e-2)
+        opt.step()
+        ref_opt.step()
+    assert all(m.dtype == torch.float32 for _, m in opt._masters.pairs)
+    for (_, p), (_, m) in zip(dm.local_named_parameters(), opt._masters.pairs):
+        assert torch.equal(p, m.to(torch.bfloat16))
+
+
 def test_bf16_autocast_reaches_the_plan() -> None:
     shapes = {}
     for dtype in (None, torch.bfloat16):

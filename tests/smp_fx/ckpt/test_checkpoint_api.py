@@ -104,6 +104,39 @@ def test_resume_before_the_model_exists_applies_at_creation(tmp_path: Path) -> N
     assert late.step(2) == want_loss
 
 
+class _Script:
+    """An object of a script's own, which no allowlist covers."""
+
+
+def test_user_content_of_the_scripts_own_objects(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """AWS's GPT-2 example saves its argument dict, its scheduler's state and its
+    GPT2Config: they load safely. Another class needs the explicit trust switch."""
+    import argparse
+
+    from transformers import GPT2Config
+
+    path = str(tmp_path / "ck")
+    run = Run(seed=0)
+    run.step(1)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
+    args = argparse.Namespace(lr=1e-3, seed=3)
+    smp.save_checkpoint(path, "a", model=run.model, optimizer=run.opt, user_content={
+        "cli_args": vars(args), "args": args, "model_config": config,
+        "lr_scheduler": {"num_iters": 1, "decay_style": "linear"}, "total_steps": 1})
+    user = smp.resume_from_checkpoint(path)
+    assert isinstance(user["model_config"], GPT2Config)
+    assert user["model_config"].to_dict() == config.to_dict()
+    assert user["args"] == args and user["cli_args"] == vars(args)
+    assert user["lr_scheduler"]["num_iters"] == 1
+    smp.save_checkpoint(path, "b", model=run.model, optimizer=run.opt,
+                        user_content={"mine": _Script()})
+    with pytest.raises(smp.SMPCheckpointError, match="SMP_FX_TRUST_CHECKPOINTS"):
+        smp.resume_from_checkpoint(path, tag="b")
+    monkeypatch.setenv("SMP_FX_TRUST_CHECKPOINTS", "1")
+    assert isinstance(smp.resume_from_checkpoint(path, tag="b")["mine"], _Script)
+
+
 def test_full_checkpoint_translation_and_hugging_face_weights(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 

@@ -143,9 +143,13 @@ def test_lm_head_mask_positions_types_and_without_head() -> None:
         + lm.token_type_embedding.weight[types]
     want = lm.transformer((base, None))[0] @ lm.word_embedding.weight.T
     torch.testing.assert_close(lm((ids, None, types, pos)), want)
-    with pytest.raises(smp.SMPConfigError, match="num_token_types=0"):
-        smp.nn.DistributedTransformerLMHead(num_layers=1, **SMALL, vocab_size=32,
-                                            num_positions=8)((ids, None, types))
+    # without a token-type table the types are word-embedding rows (SMP's, HF GPT-2's)
+    plain = smp.nn.DistributedTransformerLMHead(num_layers=1, **SMALL, intermediate_size=32,
+                                                vocab_size=32, num_positions=8)
+    base = plain.word_embedding(ids) + plain.word_embedding(types) \
+        + plain.position_embedding.weight[:6]
+    want = plain.transformer((base, None))[0] @ plain.word_embedding.weight.T
+    torch.testing.assert_close(plain((ids, None, types)), want)
     bare = smp.nn.DistributedTransformerLMHead(num_layers=1, **SMALL, intermediate_size=32,
                                                vocab_size=32, num_positions=8,
                                                add_lm_head=False)
@@ -329,13 +333,18 @@ def test_cross_layer_and_transformer_thread_the_four_items() -> None:
                                          pre_layernorm=True, post_layernorm=True)
     x, cross, mask, cmask = _cross_inputs()
     h = x
-    for layer in body.seq_layers:
+    for i, layer in enumerate(body.seq_layers):
         assert layer.crossattention.causal_mask_size is None
+        # SMP's layout with both layer norms: pre layer norms everywhere, one post layer
+        # norm, on the last layer's output
+        assert layer.attention.layernorm is None and layer.crossattention.layernorm is None
+        assert (layer.output.layernorm is not None) == (i == len(body.seq_layers) - 1)
         h = _attention_ref(layer.attention, h, mask, True)
         h = _attention_ref(layer.crossattention, h, cmask, False, source=cross)
         out = layer.output
         inner = F.gelu(_ln(h, out.pre_layernorm) @ out.dense1.weight.T + out.dense1.bias)
-        h = _ln(inner @ out.dense2.weight.T + out.dense2.bias + h, out.layernorm)
+        h = inner @ out.dense2.weight.T + out.dense2.bias + h
+        h = h if out.layernorm is None else _ln(h, out.layernorm)
     got = body((x, cross, mask, cmask))
     assert len(got) == 4 and all(a is b for a, b in zip(got[1:], (cross, mask, cmask)))
     torch.testing.assert_close(got[0], h)

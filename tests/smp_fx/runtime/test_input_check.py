@@ -60,3 +60,65 @@ def test_pipeline_ranks_given_other_batches_fail_at_the_first_step(same: bool) -
         assert "every rank of a pipeline group must be given the same batch" in message
         assert "argument 1" in message and "'ranks': [0, 1]" in message
         assert "smp.dp_rank()" in message
+
+
+def _placeholder_body(mode: str) -> list[float] | str:
+    """pp=2: the second rank passes empty tensors (AWS's DummyDataset), or real data that
+    is the first rank's, or (``stray``) a placeholder on the second call only."""
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2})
+    torch.manual_seed(0)
+    model = smp.DistributedModel(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)))
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5))
+
+    @smp.step
+    def train(model: Any, x: torch.Tensor, labels: torch.Tensor) -> Any:
+        loss = nn.functional.cross_entropy(model(x), labels)  # the rank's own labels
+        model.backward(loss)
+        return loss
+
+    data = torch.Generator().manual_seed(1)
+    losses = []
+    for step in range(3):
+        x, labels = torch.randn(4, 4, generator=data), torch.randint(0, 3, (4,), generator=data)
+        empty = mode == "placeholders" or (mode == "stray" and step == 1)
+        if smp.pp_rank() == 1 and empty:
+            x, labels = torch.empty(4, 0), torch.empty(4, 0)
+        optimizer.zero_grad()
+        try:
+            losses.append(train(model, x, labels).reduce_mean().item())
+        except smp.SMPRuntimeError as exc:
+            return str(exc)
+        optimizer.step()
+    return losses
+
+
+def _one_process() -> list[float]:
+    smp.init({"pipeline_parallel_degree": 1})
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    data = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(3):
+        x, labels = torch.randn(4, 4, generator=data), torch.randint(0, 3, (4,), generator=data)
+        optimizer.zero_grad()
+        loss = nn.functional.cross_entropy(model(x), labels)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.multiproc
+def test_placeholders_on_later_pipeline_ranks_take_the_first_ranks_inputs() -> None:
+    """SMP v1's rule: the model inputs come from the first pipeline rank. The second rank's
+    empty tensors are replaced by the first rank's, so the step function's loss from its
+    labels and the last stage's inputs are the first rank's: losses equal one process."""
+    want = run_ranks(_one_process, 1, timeout=60)[0]
+    got = run_ranks(_placeholder_body, 2, "placeholders", timeout=120)
+    assert got[0] == got[1]
+    torch.testing.assert_close(torch.tensor(got[0]), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    first, second = run_ranks(_placeholder_body, 2, "stray", timeout=120)
+    assert "a placeholder where the first call of this step function had real data" \
+        in second and "argument 1" in second and "'rank': 1" in second
+    assert "rank 1" in first  # it stops on its peer's failure, naming it

@@ -1,0 +1,50 @@
+"""``smdistributed.modelparallel.torch.<sub>`` is ``smp_fx.<sub>``: one module object.
+
+The shim makes ``smdistributed.modelparallel.torch`` the ``smp_fx`` module itself; without
+more, a submodule import through that name (``from smdistributed.modelparallel.torch.nn.
+huggingface.gpt2 import ...``, as AWS's GPT-2 example does) would find the file through
+``smp_fx``'s path and run it a second time as a module of another name: a second copy of
+its classes and registrations. ``SubmoduleAlias``, a meta-path finder the shim installs,
+answers such a name with the ``smp_fx`` module of the same path, imported once.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+from collections.abc import Sequence
+from types import ModuleType
+
+ALIASED = "smdistributed.modelparallel.torch."
+TARGET = "smp_fx."
+
+
+class SubmoduleAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``ALIASED + x`` -> the module ``TARGET + x`` (which must exist)."""
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if not fullname.startswith(ALIASED):
+            return None
+        real = TARGET + fullname[len(ALIASED):]
+        if real not in sys.modules and importlib.util.find_spec(real) is None:
+            return None
+        return importlib.util.spec_from_loader(fullname, self)
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
+        return importlib.import_module(TARGET + spec.name[len(ALIASED):])
+
+    def exec_module(self, module: ModuleType) -> None:
+        """The module ran when it was imported under its own name."""
+
+
+def install() -> None:
+    """Put the alias first on ``sys.meta_path`` (once)."""
+    if not any(isinstance(f, SubmoduleAlias) for f in sys.meta_path):
+        sys.meta_path.insert(0, SubmoduleAlias())
+
+
+__all__ = ["SubmoduleAlias", "install"]

@@ -1,0 +1,13 @@
+"""``smp.nn.huggingface``: SMP's distributed versions of Hugging Face models and the
+functions that translate their state dicts (``gpt2``: ``GPT2LMHeadModel``; ``bert`` and
+``roberta``: their encoders).
+
+Importing this package registers the replacements (``registry``); nothing of transformers
+is imported until a model is replaced.
+"""
+
+from __future__ import annotations
+
+from smp_fx.nn.huggingface import bert, gpt2, roberta
+
+__all__ = ["bert", "gpt2", "roberta"]

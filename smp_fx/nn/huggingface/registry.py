@@ -1,0 +1,120 @@
+"""The Hugging Face models SMP replaces by its distributed modules, one entry per class.
+
+A ``Replacement`` names the Hugging Face class by its import path (nothing of transformers
+is imported to find it), the function that builds the distributed version of an instance
+and SMP's two translate functions. ``register`` adds it to the predefined replacements of
+``smp_fx.marking.tp_register``, which ``smp.DistributedModel`` applies to the instances
+marked for tensor parallelism, the model's root included; a ``smp.tp_register`` of the
+same class by the user takes precedence, as a later registration does in SMP.
+
+``rebuild`` is the common part of every builder: the new module takes the original's
+weights through the family's translation (strictly: every weight is accounted for), its
+dtype, device and training mode; an original built on the meta device
+(``delayed_parameter_initialization``) gives a meta replacement that ``DistributedModel``
+materialises per stage like any delayed module. Replacing registers the family's
+translate functions in ``smp.state.module_manager`` (full checkpoints are saved in Hugging
+Face's names and loaded from them, as SMP does).
+
+Families: ``gpt2`` (``GPT2LMHeadModel``), ``bert`` and ``roberta`` (their encoders).
+SMP also replaced GPT-J, GPT-Neo and GPT-NeoX; each would be a module like ``gpt2``: a rule
+table, an ``init_kwargs`` from its config and a ``forward`` taking the Hugging Face
+arguments, once ``smp.nn``'s transformer has what they need (rotary embeddings, GPT-J's
+parallel attention and MLP, GPT-Neo's local attention).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from cost_model.errors import SMPConfigError
+from smp_fx.marking import tp_register
+from smp_fx.marking.delayed_init import DELAYED_ATTR
+from smp_fx.world.state_api import Translator, module_manager
+
+Builder = Callable[[nn.Module, dict[str, Any]], nn.Module]
+
+
+@dataclass(frozen=True)
+class Replacement:
+    """``hf_class`` (``module.QualName``) -> ``build(instance, overrides)``; the pair is
+    ``(smp_to_hf, hf_to_smp)``."""
+
+    hf_class: str
+    build: Builder
+    translate_functions: tuple[Translator, Translator]
+
+
+REPLACEMENTS: dict[str, Replacement] = {}
+
+
+def register(entry: Replacement) -> None:
+    """Make ``entry`` one of the replacements ``smp.DistributedModel`` applies."""
+    REPLACEMENTS[entry.hf_class] = entry
+
+    def build(original: nn.Module, overrides: dict[str, Any]) -> nn.Module:
+        new = entry.build(original, overrides)
+        if entry.translate_functions not in module_manager.translate_functions:
+            module_manager.register_translate_function(entry.translate_functions)
+        return new
+
+    tp_register.register_predefined(entry.hf_class, build)
+
+
+def hf_state(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """``state`` in ``model``'s Hugging Face names: translated by the replacement of
+    ``model``'s class when ``state`` came from SMP's distributed version of it (a partial
+    checkpoint of a replaced model, exported by a process that never replaced one), or of
+    one of its submodules (BERT's encoder)."""
+    if not set(state) - set(model.state_dict()):
+        return state
+    for module in model.modules():
+        cls = type(module)
+        entry = REPLACEMENTS.get(f"{cls.__module__}.{cls.__qualname__}")
+        if entry is not None:
+            return entry.translate_functions[0](state)
+    return state
+
+
+def init_overrides(cls: type[nn.Module], overrides: dict[str, Any]) -> dict[str, Any]:
+    """The keywords of ``smp.tensor_parallelism(**kwargs)`` / ``smp.model_creation`` that
+    are arguments of ``cls``: they override the values taken from the config (SMP's rule);
+    the others concern SMP's kernels (``smp_fx.marking.model_creation`` checks them)."""
+    params = inspect.signature(cls.__init__).parameters
+    return {k: v for k, v in overrides.items() if k in params and k != "self"}
+
+
+def rebuild(original: nn.Module, new: nn.Module,
+            hf_to_smp: Callable[[dict[str, Any]], dict[str, Any]]) -> nn.Module:
+    """``new`` with ``original``'s weights (translated), dtype, device and mode."""
+    tensors = [*original.parameters(), *original.buffers()]
+    floats = [t for t in tensors if t.is_floating_point()]
+    dtype = floats[0].dtype if floats else torch.get_default_dtype()
+    device = tensors[0].device if tensors else torch.device("cpu")
+    new.to(dtype=dtype)
+    new.train(original.training)
+    if device.type == "meta":
+        new.to_empty(device="meta")
+        object.__setattr__(new, DELAYED_ATTR, True)
+        return new
+    state = hf_to_smp(original.state_dict())
+    missing, unexpected = new.load_state_dict(state, strict=False)
+    tied = {n for n, p in new.named_parameters(remove_duplicate=False)} - \
+        {n for n, p in new.named_parameters()}
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise SMPConfigError.build(
+            f"{type(original).__name__}'s weights do not fill its distributed version",
+            {"missing": missing[:5], "unexpected": unexpected[:5]},
+            f"replacing {type(original).__name__}",
+            "build the model from its config unchanged (a modified architecture is not "
+            "the one SMP distributes), or create it outside tensor parallelism")
+    return new.to(device)
+
+
+__all__ = ["Replacement", "rebuild", "register"]

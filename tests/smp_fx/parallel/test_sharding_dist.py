@@ -31,7 +31,7 @@ from tests.helpers.dist import run_ranks
 from tests.helpers.twin import Twin, init
 
 ATOL = 1e-5
-CHECKS = 17  # every rank makes each check of the docstring
+CHECKS = 19  # every rank makes each check of the docstring
 
 
 def _adam(params: Any) -> torch.optim.Optimizer:
@@ -131,13 +131,26 @@ def _sdp_checks(c: Checks) -> None:
         init(pp, 2, sharded_data_parallel_degree=sdp, **extra)
         t = Twin(name)
         opt = smp.DistributedOptimizer(_adam(t.dm.parameters()))
-        norm = _train(t, opt, _adam(t.ref.parameters()), 3, clip=1.0)
+        ref_opt = _adam(t.ref.parameters())
+        norm = _train(t, opt, ref_opt, 3, clip=1.0)
         tag = f"sdp pp={pp} dp={smp.dp_size()}"
         c.expect(not mismatched(t.local(), t.reference(), atol=ATOL), f"{tag}: parameters")
         c.expect(abs(opt._global_grad_norm - norm) <= 1e-5 * max(norm, 1.0),
                  f"{tag}: optimizer._global_grad_norm {opt._global_grad_norm} vs {norm}")
         sharded = [p for p in t.dm.local_parameters() if hasattr(p, "full_tensor")]
         c.expect(bool(sharded), f"{tag}: parameters are sharded")
+        # gradient accumulation (AWS's train.py: two smp.steps, then optimizer.step): the
+        # shards' gradients sum over the steps as the reference's do
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for _ in range(2):
+            t.smp_step()
+            t.ref_step()
+        torch.nn.utils.clip_grad_norm_(t.ref.parameters(), 1.0)
+        opt.step()
+        ref_opt.step()
+        c.expect(not mismatched(t.local(), t.reference(), atol=ATOL),
+                 f"{tag}: two steps accumulated")
 
 
 def _shared_dir() -> str:

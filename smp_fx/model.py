@@ -272,12 +272,9 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module): 
         return self._parallelized is not None and self._parallelized.sharded is not None
 
     def local_state_dict(self) -> dict[str, Any]:
-        """This rank's parameters and buffers (see ``ModelCheckpointMixin``)."""
-        if self.shards_parameters:
-            raise not_implemented(
-                "checkpoints of sharded data parallel models", "sharded_data_parallel_degree",
-                "checkpoint without sharded data parallelism (optimizer-state sharding, "
-                "shard_optimizer_state, checkpoints)")
+        """This rank's parameters and buffers (see ``ModelCheckpointMixin``); under sharded
+        data parallelism whole tensors, gathered over the shard group (a collective:
+        every rank of it calls this; ``smp_fx.ckpt.sdp_shards``)."""
         return super().local_state_dict()
 
     def _smp_load_now(self, state_dict: Any, strict: bool) -> Any:

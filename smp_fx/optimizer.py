@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from cost_model.errors import SMPRuntimeError, not_implemented
+from cost_model.errors import SMPRuntimeError
 from smp_fx.amp.fp16 import MasterWeights
 from smp_fx.amp.loss_scaler import LossScaler, make_scaler
 from smp_fx.ckpt import checkpoint_api
@@ -391,11 +391,6 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         (``loss_scaler``). With optimizer-state sharding, ``gather_if_shard`` merges the
         shards of this stage's dp group (a collective over it: every dp rank calls it);
         ``False`` gives this rank's shard alone."""
-        model = self._model()
-        if model is not None and model.shards_parameters:
-            raise not_implemented(
-                "optimizer checkpoints under sharded data parallelism",
-                "sharded_data_parallel_degree", "use shard_optimizer_state to checkpoint")
         sd = super().local_state_dict(cast_to_cpu, gather_if_shard)
         masters = self._masters
         if masters is not None:

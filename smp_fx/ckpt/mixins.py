@@ -32,7 +32,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from cost_model.errors import SMPCheckpointError, not_implemented
 from passes.tensor_parallel import merge_shards
-from smp_fx.ckpt import tp_shards
+from smp_fx.ckpt import sdp_shards, tp_shards
 from smp_fx.ckpt.state_dict import (
     PARTIAL_KEY,
     ModelLayout,
@@ -199,7 +199,8 @@ class ModelCheckpointMixin:
                 "local_state_dict() needs the partitioned model", "partitioned=False",
                 where="DistributedModel.local_state_dict",
                 fix="call it after the first smp.step call, or use state_dict()")
-        out = local_model_state_dict(self._smp_local_tensors(), self._smp_layout())
+        tensors = sdp_shards.whole(self._smp_local_tensors())  # sdp: whole tensors
+        out = local_model_state_dict(tensors, self._smp_layout())
         return _with_shards(out, self.__dict__.get("tp_plan"), out)
 
     def state_dict(self, *args: Any, gather_to_rank0: bool = False,
@@ -291,7 +292,7 @@ class ModelCheckpointMixin:
                         "shape of a loaded tensor differs from the model's",
                         (tuple(value.shape), tuple(target.shape)), where=name,
                         fix="load a checkpoint of the same model configuration")
-                target.copy_(value)
+                sdp_shards.assign(target, value)  # a sharded parameter takes its shard
         return _IncompatibleKeys(missing, unexpected)
 
 
@@ -357,7 +358,7 @@ class OptimizerCheckpointMixin:
         (``shard_optimizer_state``): ``DistributedOptimizer`` gathers the shards; here
         it is unused.
         """
-        local = local_optimizer_state_dict(self.torch_optimizer.state_dict(),
+        local = local_optimizer_state_dict(sdp_shards.whole(self.torch_optimizer.state_dict()),
                                            self._smp_group_names(local=True),
                                            self._smp_group_names(local=False))
         model = self._smp_current_model()
@@ -403,6 +404,7 @@ class OptimizerCheckpointMixin:
     def _smp_load_local(self, state_dict: Mapping[str, Any]) -> None:
         if not self._smp_is_local() and not is_partial(state_dict):
             self.torch_optimizer.load_state_dict(dict(state_dict))  # the plain optimizer
+            sdp_shards.reshard_optimizer_state(self.torch_optimizer)
             return
         by_name = (dict(state_dict) if is_partial(state_dict)
                    else optimizer_state_by_name(state_dict, self._smp_group_names(local=False)))
@@ -418,6 +420,7 @@ class OptimizerCheckpointMixin:
                 {n: v for n, v in by_name["state"].items() if n in shapes}, plan, shapes)}
         self.torch_optimizer.load_state_dict(optimizer_state_to_torch(by_name, local,
                                                                 require_complete=True))
+        sdp_shards.reshard_optimizer_state(self.torch_optimizer)  # sdp: whole -> shards
 
 
 def _full_group_names(optimizer: torch.optim.Optimizer,

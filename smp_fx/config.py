@@ -425,11 +425,11 @@ def _check_sharding(values: dict[str, Any], where: str) -> None:
             "'shard_optimizer_state' and 'sharded_data_parallel_degree' > 1 both shard the "
             "optimizer state", sdp, where,
             "drop 'shard_optimizer_state' (sharded data parallelism shards it already)")
-    if sdp > 1 and (values["fp16"] or values["fp16_params"] or values["bf16"]):
-        raise not_implemented("fp16 / bf16 with sharded data parallelism",
+    if sdp > 1 and (values["fp16"] or values["fp16_params"]):
+        raise not_implemented("fp16 with sharded data parallelism",
                               "sharded_data_parallel_degree",
-                              "use bf16 autocast in the smp.step function with sharded data "
-                              "parallelism")
+                              "use 'bf16': true (or bf16 autocast in the smp.step function) "
+                              "with sharded data parallelism")
     if sdp > 1 and values["tensor_parallel_degree"] > 1:
         raise not_implemented("sharded data parallelism with tensor parallelism",
                               "sharded_data_parallel_degree",

@@ -272,7 +272,15 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         cfg = state.get().config
         if cfg.sharded_data_parallel_degree > 1:
             limit = cfg.sdp_gradient_clipping if cfg.sdp_gradient_clipping > 0 else math.inf
-            self._global_grad_norm = float(clip.clip_grad_norm_(model, limit))
+            if self._masters is None:
+                self._global_grad_norm = float(clip.clip_grad_norm_(model, limit))
+                return
+            # bf16: the fp32 master gradients are what the step uses
+            params = [p for g in self.param_groups for p in g["params"]]
+            counted, extra = self._norm_terms(params)
+            grads = [p.grad for p in params if p.grad is not None]
+            self._global_grad_norm = float(clip.clip_grads(grads, counted, limit,
+                                                           extra_groups=extra))
 
     def zero_grad(self, set_to_none: bool = True, **kwargs: Any) -> None:
         """Clear the gradients of every local parameter (also those another dp rank owns

@@ -171,8 +171,9 @@ def test_cross_field_rules() -> None:
     assert _load(sharded).sharded_data_parallel_degree == 2
     with pytest.raises(SMPConfigError, match="both shard the optimizer state"):
         _load({**sharded, "shard_optimizer_state": True})
-    with pytest.raises(SMPNotImplementedError, match="fp16 / bf16 with sharded"):
+    with pytest.raises(SMPNotImplementedError, match="fp16 with sharded"):
         _load({**sharded, "fp16": True})
+    assert _load({**sharded, "bf16": True}).bf16  # bf16 shards, fp32 master shards
     with pytest.raises(SMPConfigError, match="'bf16' and 'fp16'"):
         _load({**BASE, "bf16": True, "fp16": True})
     with pytest.raises(SMPConfigError, match="'ddp_port' requires 'ddp'"):

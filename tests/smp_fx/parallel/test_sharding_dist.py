@@ -31,7 +31,7 @@ from tests.helpers.dist import run_ranks
 from tests.helpers.twin import Twin, init
 
 ATOL = 1e-5
-CHECKS = 21  # every rank makes each check of the docstring
+CHECKS = 24  # every rank makes each check of the docstring
 
 
 def _adam(params: Any) -> torch.optim.Optimizer:
@@ -171,6 +171,28 @@ def _sdp_checks(c: Checks) -> None:
                  f"{tag}: checkpoint round trip")
 
 
+def _sdp_bf16_checks(c: Checks) -> None:
+    """bf16 with sharded data parallelism (AWS's train.py notebooks): bf16 shards, fp32
+    master shards stepped by the optimizer and clipped by ``sdp_gradient_clipping``; within
+    bf16's resolution of the fp32 reference after three steps."""
+    import smp_fx as smp
+
+    init(1, 2, sharded_data_parallel_degree=2, bf16=True, sdp_reduce_bucket_size=300,
+         sdp_param_persistence_threshold=40, sdp_gradient_clipping=0.05)
+    t = Twin("mlp")
+    opt = smp.DistributedOptimizer(_adam(t.dm.parameters()))
+    ref_opt = _adam(t.ref.parameters())
+    norm = _train(t, opt, ref_opt, 3, clip=0.05)  # clipping active: the norms are larger
+    tag = f"sdp bf16 dp={smp.dp_size()}"
+    local = {k: v for k, v in t.local().items() if v is not None}
+    c.expect(not mismatched(local, t.reference(), atol=3e-2, rtol=3e-2), f"{tag}: parameters")
+    c.expect(abs(opt._global_grad_norm - norm) <= 3e-2 * norm,
+             f"{tag}: _global_grad_norm {opt._global_grad_norm} vs {norm}")
+    halves = [p for p in t.dm.local_parameters() if hasattr(p, "full_tensor")]
+    c.expect(bool(halves) and all(p.dtype == torch.bfloat16 for p in halves),
+             f"{tag}: bf16 shards")
+
+
 def _shared_dir() -> str:
     """One temporary folder for the world (rank 0 makes it)."""
     import tempfile
@@ -202,6 +224,7 @@ def _body() -> tuple[int, list[str]]:
         opt_sd, model_sd, twin = _zero_checks(c, folder)
         _zero_other_layout(c, opt_sd, model_sd, twin, folder)
         _sdp_checks(c)
+        _sdp_bf16_checks(c)
     finally:
         if dist.get_rank() == 0 and folder:
             shutil.rmtree(folder, ignore_errors=True)

@@ -85,7 +85,8 @@ def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
                   leaf_modules: Sequence[Any] = (),
                   progress: Progress | None = None,
                   traced: torch.fx.GraphModule | None = None,
-                  tp: TensorParallelism | None = None) -> Compiled:
+                  tp: TensorParallelism | None = None,
+                  allow_real_run: bool = True) -> Compiled:
     """Trace, cost and partition ``model`` for one microbatch ``(args, kwargs)``.
 
     ``device`` names a ``cost_model.device`` spec (or is one): analytic costs and boundary
@@ -94,7 +95,8 @@ def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
     ``measured`` replaces analytic node costs (``cost_model.measure``). ``progress`` gets a
     line before each pass (the CLI prints it on stderr). ``traced`` is ``passes.trace``'s
     graph of ``model`` on ``(args, kwargs)`` when the caller has it already (see
-    ``analyse``).
+    ``analyse``). ``allow_real_run=False`` (SMP's ``skip_tracing``) refuses shape
+    propagation's one fallback that runs the model on real tensors (``shape_prop``).
 
     ``Compiled.gm`` is the traced graph's copy with every ``smp.*`` key: same node names,
     same ``gm.meta`` and the same codegen (``torch.export``'s input and output structure),
@@ -108,7 +110,8 @@ def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
     """
     spec = resolve_device(device)
     costed = analyse(model, args, kwargs, device=spec, frontend=frontend, measured=measured,
-                     leaf_modules=leaf_modules, progress=progress, traced=traced)
+                     leaf_modules=leaf_modules, progress=progress, traced=traced,
+                     allow_real_run=allow_real_run)
     return partition(costed, pconfig, device=spec, pins=pins, progress=progress, tp=tp)
 
 
@@ -117,7 +120,8 @@ def analyse(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | N
             measured: Mapping[str, Sequence[float | None]] | None = None,
             leaf_modules: Sequence[Any] = (),
             progress: Progress | None = None,
-            traced: torch.fx.GraphModule | None = None) -> torch.fx.GraphModule:
+            traced: torch.fx.GraphModule | None = None,
+            allow_real_run: bool = True) -> torch.fx.GraphModule:
     """The first half of ``compile_model``: trace -> shape_prop -> annotate_costs.
 
     Separate so that one costed graph can be partitioned under many configurations.
@@ -132,8 +136,9 @@ def analyse(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | N
         Pass("trace", lambda _: trace(model, tuple(args), kw, frontend, tuple(leaf_modules)),
              (), (meta.MODULE_PATH, meta.PARAMS))]
     passes += [
-        Pass("shape_prop", lambda gm: shape_prop(gm, tuple(args), kw), (meta.MODULE_PATH,),
-             (meta.TENSOR,)),
+        Pass("shape_prop", lambda gm: shape_prop(gm, tuple(args), kw,
+                                                 allow_real_run=allow_real_run),
+             (meta.MODULE_PATH,), (meta.TENSOR,)),
         Pass("annotate_costs", lambda gm: annotate_costs(gm, spec, measured), (meta.TENSOR,),
              (meta.COST,)),
     ]

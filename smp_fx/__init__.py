@@ -65,6 +65,7 @@ from smp_fx.world.comm import (  # noqa: E402
     mp_barrier,
     mp_rank,
     mp_size,
+    num_microbatches,
     pp_rank,
     pp_size,
     rank,
@@ -91,6 +92,7 @@ from smp_fx.model import DistributedModel  # noqa: E402
 from smp_fx.world.context import is_tracing  # noqa: E402
 from smp_fx.optimizer import DistributedOptimizer  # noqa: E402
 from smp_fx.step import StepOutput, step  # noqa: E402
+from smp_fx.grad_average import hvd_average_grads  # noqa: E402
 
 # --- checkpointing ---
 from smp_fx.ckpt.files import load, save  # noqa: E402

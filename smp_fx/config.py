@@ -97,7 +97,10 @@ PARAMS: tuple[Param, ...] = (
        doc="ZeRO-1: each stage's optimizer state sharded over its dp group; needs ddp"),
     _P("prescaled_batch", bool, False, used_at="DistributedModel",
        doc="true: tp ranks share the batch; false: each its own"),
-    _P("skip_tracing", bool, False, PLANNED, used_at="DistributedModel"),
+    _P("skip_tracing", bool, False, used_at="DistributedModel",
+       doc="planning never runs the model on real tensors (smp-fx's trace is symbolic or on "
+           "fake tensors anyway; the one real-run fallback of shape propagation is refused, "
+           "and trace_execution_times / trace_memory_usage are rejected)"),
     _P("sharded_data_parallel_degree", int, 1, minimum=1, used_at="DistributedModel",
        doc="FSDP2 over groups of this many dp ranks (docs/precision.md); needs ddp"),
     _P("sdp_reduce_bucket_size", int, 500_000_000, minimum=1, used_at="DistributedModel",
@@ -134,6 +137,18 @@ PARAMS: tuple[Param, ...] = (
     _P("ddp_dist_backend", str, "auto", ENGINE, choices=("auto", "nccl"),
        doc="SMDDP or NCCL collectives for sharded data parallelism (SMP 1.13); smp-fx uses "
            "the backend of smp.init (SMP_FX_BACKEND)"),
+    # keys AWS's example notebooks write that SMP's parameter page does not list
+    _P("checkpoint_attentions", bool, False, used_at="DistributedModel",
+       doc="every smp.nn DistributedAttentionLayer (SMP's attention inside its "
+           "transformer) is activation-checkpointed, unless a module around it is"),
+    _P("overlapping_allreduce", bool, True,
+       doc="DistributedModel's overlapping_allreduce where the call does not pass it "
+           "(SMP's BERT tutorial sets it here)"),
+    _P("_match_weights", bool, False, ENGINE,
+       doc="SMP's switch giving tensor-parallel shards the unpartitioned model's weights; "
+           "smp-fx cuts every shard from those weights, so they always match"),
+    _P("_fp32_grad_accumulation", bool, False, PLANNED, used_at="DistributedModel",
+       doc="fp32 main_grad buffers accumulating half gradients across microbatches"),
 )
 BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
 ALIASES: dict[str, str] = {"partitions": "pipeline_parallel_degree"}
@@ -179,6 +194,10 @@ class SMPConfig:
     fast_mode: bool = False
     ddp_port: int | None = None
     ddp_dist_backend: str = "auto"
+    checkpoint_attentions: bool = False
+    overlapping_allreduce: bool = True
+    _match_weights: bool = False
+    _fp32_grad_accumulation: bool = False
     explicit: frozenset[str] = field(default=frozenset(), compare=False)
     """Names the user set (a default is never 'in use' for ``require_implemented``)."""
 
@@ -419,11 +438,11 @@ def _check_sharding(values: dict[str, Any], where: str) -> None:
             "'shard_optimizer_state' and 'sharded_data_parallel_degree' > 1 both shard the "
             "optimizer state", sdp, where,
             "drop 'shard_optimizer_state' (sharded data parallelism shards it already)")
-    if sdp > 1 and (values["fp16"] or values["fp16_params"] or values["bf16"]):
-        raise not_implemented("fp16 / bf16 with sharded data parallelism",
+    if sdp > 1 and (values["fp16"] or values["fp16_params"]):
+        raise not_implemented("fp16 with sharded data parallelism",
                               "sharded_data_parallel_degree",
-                              "use bf16 autocast in the smp.step function with sharded data "
-                              "parallelism")
+                              "use 'bf16': true (or bf16 autocast in the smp.step function) "
+                              "with sharded data parallelism")
     if sdp > 1 and values["tensor_parallel_degree"] > 1:
         raise not_implemented("sharded data parallelism with tensor parallelism",
                               "sharded_data_parallel_degree",

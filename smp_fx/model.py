@@ -50,6 +50,9 @@ from smp_fx.ckpt.unread_state import unread_state
 from smp_fx.marking.delayed_init import allocate, is_delayed, materialize
 from smp_fx.marking.tp_register import replace_registered
 from smp_fx.model_options import ModelOptions
+from smp_fx.model_tp_queries import TensorParallelQueries
+from smp_fx.module_view import ModuleView, module_chain
+from smp_fx.nn.attention_checkpointing import checkpoint_attentions
 from smp_fx.optimizer import DistributedOptimizer
 from smp_fx.parallel import clip, ddp
 from smp_fx.parallel.build import Parallelized, parallelize
@@ -67,7 +70,7 @@ OUTSIDE_STEP = ("The __call__ and backward method calls on the smp.DistributedMo
                 "can only be made inside a smp.step-decorated function")
 
 # SMP's state_dict() (ModelCheckpointMixin) takes none of Module.state_dict's arguments
-class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
+class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module):  # type: ignore[misc]
     """See the module docstring and the SMP API page (``smp.DistributedModel``)."""
 
     # torch DDP reads this in its constructor: wrapping a DistributedModel raises
@@ -82,7 +85,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         module = args[0] if args else kwargs.get("module")
         current = context.current_model()
         if isinstance(current, cls) and type(current) is cls and \
-                (current.module is module or current.script_module() is module):
+                (current.get_module() is module or current.script_module() is module):
             return current
         return super().__new__(cls)
 
@@ -92,6 +95,11 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
                  average_grads_across_microbatches: bool = True, bucket_cap_mb: int = 25,
                  trace_memory_usage: bool = False, broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = False) -> None:
+        cfg = state.get().config if state.is_initialized() else None
+        # SMP's BERT tutorial sets overlapping_allreduce in the configuration: false there
+        # turns the overlap off for the model too
+        overlapping_allreduce = overlapping_allreduce and (cfg is None
+                                                           or cfg.overlapping_allreduce)
         options = ModelOptions(
             trace_device, trace_execution_times, overlapping_allreduce,
             backward_passes_per_step, average_grads_across_microbatches, bucket_cap_mb,
@@ -110,7 +118,9 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         object.__setattr__(self, "_script_module", weakref.ref(module))
         # smp.tp_register and SMP's Hugging Face replacements: marked instances -> distributed
         module = replace_registered(module)
-        self.module = module
+        if cfg is not None and cfg.checkpoint_attentions:
+            checkpoint_attentions(module)
+        self._modules["module"] = module  # get_module() reads it; .module is SMP's view
         self.options = options
         self._parallelized: Parallelized | None = None  # once partitioned
         self._unread: dict[str, torch.Tensor] | None = None
@@ -126,7 +136,6 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
                                 module.named_parameters(remove_duplicate=False)}
         self.plan: PartitionPlan | None = None  # once partitioned
         self.tp_plan: TensorParallelPlan | None = None  # once partitioned, with tp > 1
-        cfg = state.get().config if state.is_initialized() else None
         self._half = fp16.training_dtype(cfg)  # fp16 or bf16 training: half in, fp32 out
         if cfg is not None and (cfg.fp16 or cfg.fp16_params or cfg.bf16):
             # same Parameter objects: an optimizer built earlier still holds them
@@ -170,7 +179,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         return self.parallelized.executor
 
     def get_module(self) -> nn.Module:
-        return self.module
+        """The module this model wraps (SMP 1.11+)."""
+        return self._modules["module"]  # type: ignore[return-value]
 
     def tp_coverage(self) -> Coverage | None:
         """How much tensor parallelism shards (``passes.tensor_parallel.coverage``): the
@@ -178,9 +188,11 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         lone linear with the reason; None before partitioning or at degree 1."""
         return None if self.tp_plan is None else coverage(self.tp_plan)
 
-    def is_distributed_parameter(self, param: torch.Tensor) -> bool:
-        """Whether ``param`` is a tensor-parallel shard (False before partitioning)."""
-        return self._parallelized is not None and self._parallelized.is_distributed(param)
+    @property
+    def module(self) -> ModuleView:
+        """SMP v1's wrapper chain above the wrapped module (``smp_fx.module_view``):
+        ``model.module.module`` is the module, under ``FP16_Module`` with fp16."""
+        return module_chain(self.get_module(), self._half is not None)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._half is not None:  # FP16_Module: half inputs in, fp32 outputs out
@@ -267,12 +279,9 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         return self._parallelized is not None and self._parallelized.sharded is not None
 
     def local_state_dict(self) -> dict[str, Any]:
-        """This rank's parameters and buffers (see ``ModelCheckpointMixin``)."""
-        if self.shards_parameters:
-            raise not_implemented(
-                "checkpoints of sharded data parallel models", "sharded_data_parallel_degree",
-                "checkpoint without sharded data parallelism (optimizer-state sharding, "
-                "shard_optimizer_state, checkpoints)")
+        """This rank's parameters and buffers (see ``ModelCheckpointMixin``); under sharded
+        data parallelism whole tensors, gathered over the shard group (a collective:
+        every rank of it calls this; ``smp_fx.ckpt.sdp_shards``)."""
         return super().local_state_dict()
 
     def _smp_load_now(self, state_dict: Any, strict: bool) -> Any:
@@ -294,6 +303,22 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
             dp = self._early_dp = self._early_dp or ddp.controller(self.options)
         return ddp.join(dp, throw_on_early_termination)
 
+    def register_comm_hook(self, state: object,
+                           callable: Callable[..., Any]) -> None:  # noqa: A002 - SMP's name
+        """Register a DDP communication hook on every local stage's DDP wrapper (SMP's:
+        ``ddp`` with ``overlapping_allreduce``; the hook then averages, as SMP warns)."""
+        hook = callable
+        ddp.check_comm_hook(self.options)
+        if self._parallelized is not None:
+            dp = self._parallelized.data_parallel
+        else:  # the build applies this one, with its hooks
+            dp = self._early_dp = self._early_dp or ddp.controller(self.options)
+        if dp is None:  # one replica: DDP is not built, nothing is reduced
+            log.warning("smp-fx: register_comm_hook: one data-parallel replica, so no "
+                        "gradient reduction runs and the hook is never called")
+            return
+        dp.register_comm_hook(state, hook)
+
     def local_named_modules(self) -> Iterator[tuple[str, nn.Module]]:
         seen: set[int] = set()
         for r in self._local_runners():
@@ -314,16 +339,16 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
     # As SMP's: the wrapped module's names, without a "module." prefix, so name-based
     # parameter groups built on the plain model apply unchanged to the DistributedModel.
     def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.module.named_parameters(*args, **kwargs)
+        return self.get_module().named_parameters(*args, **kwargs)
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return self.module.parameters(recurse)
+        return self.get_module().parameters(recurse)
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.module.named_buffers(*args, **kwargs)
+        return self.get_module().named_buffers(*args, **kwargs)
 
     def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
-        return self.module.buffers(recurse)
+        return self.get_module().buffers(recurse)
 
     def local_parameters(self) -> Iterator[nn.Parameter]:
         return (p for _, p in self.local_named_parameters())
@@ -346,7 +371,8 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         if 0 not in local.runners:
             return {}
         if self._unread is None:
-            self._unread = unread_state(self.module, [s.module for s in local.program.stages])
+            stages = [s.module for s in local.program.stages]
+            self._unread = unread_state(self.get_module(), stages)
         return self._unread
 
     def _local(self) -> Parallelized:
@@ -371,7 +397,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
     def cpu(self) -> nn.Module:  # type: ignore[override]
         """Gather every stage's parameters and buffers onto CPU; returns the full module."""
         if self._parallelized is None or not self._parallelized.multi:
-            return self.module.cpu()
+            return self.get_module().cpu()
         local = {n: t.detach().cpu() for n, t in
                  list(self.local_named_parameters()) + list(self.local_named_buffers())}
         st = state.get()
@@ -380,7 +406,7 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         merged: dict[str, torch.Tensor] = {}
         for part in gathered:
             merged.update(part)
-        full = self.module.cpu()
+        full = self.get_module().cpu()
         with torch.no_grad():
             for name, t in list(full.named_parameters(remove_duplicate=False)) + \
                     list(full.named_buffers(remove_duplicate=False)):
@@ -400,14 +426,14 @@ class DistributedModel(ModelCheckpointMixin, nn.Module):  # type: ignore[misc]
         ``autocast`` is the step function's autocast at its ``model(...)`` call: shapes and
         costs are taken under it, so the plan counts the bytes the stages will hold."""
         st = state.get()
-        initialize = pretrained_files(self.module) is None  # else: loaded per stage
-        if not multi_process(st) and is_delayed(self.module):
+        initialize = pretrained_files(self.get_module()) is None  # else: loaded per stage
+        if not multi_process(st) and is_delayed(self.get_module()):
             # every stage lives in this process: materialise the whole model once, which
             # keeps tied parameters tied (one Parameter shared by the stages)
-            (materialize if initialize else allocate)(self.module, st.device)
+            (materialize if initialize else allocate)(self.get_module(), st.device)
         with context.tracing():
             gm, self.plan, self.tp_plan = plan_stages(
-                self.module, args, kwargs, self.options.trace_execution_times,
+                self.get_module(), args, kwargs, self.options.trace_execution_times,
                 self.options.trace_memory_usage, autocast)
         self._parallelized = parallelize(gm, self.plan, self.tp_plan, self.canonical_names,
                                          self.options, self._early_dp, initialize)

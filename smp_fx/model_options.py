@@ -50,6 +50,12 @@ class ModelOptions:
                 "trace_execution_times / trace_memory_usage run the model, which a model "
                 "built under smp.delay_param_initialization() cannot do", True,
                 "smp.DistributedModel", "leave both False (analytic costs need no weights)")
+        if (self.trace_execution_times or self.trace_memory_usage) and state.is_initialized() \
+                and state.get().config.skip_tracing:
+            raise SMPConfigError.build(
+                "trace_execution_times / trace_memory_usage measure the tracing step, which "
+                "'skip_tracing': true skips", True, "smp.DistributedModel",
+                "leave both False, or drop 'skip_tracing'")
         if isinstance(module, torch.jit.ScriptModule):
             raise SMPConfigError.build("torch.jit.ScriptModules are not supported",
                                        type(module).__name__, "smp.DistributedModel",

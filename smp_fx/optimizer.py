@@ -38,6 +38,7 @@ Precision and memory (docs/precision.md):
 from __future__ import annotations
 
 import logging
+import math
 import weakref
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping, Sequence
@@ -45,7 +46,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from cost_model.errors import SMPRuntimeError, not_implemented
+from cost_model.errors import SMPRuntimeError
 from smp_fx.amp.fp16 import MasterWeights
 from smp_fx.amp.loss_scaler import LossScaler, make_scaler
 from smp_fx.ckpt import checkpoint_api
@@ -56,6 +57,7 @@ from smp_fx.parallel.build import OptimizerBinding
 from smp_fx.parallel.ddp import guard_optimizer
 from smp_fx.parallel.zero import OptimizerShards
 from smp_fx.runtime.lowering import Op, trains
+from smp_fx.script_optimizer import is_script_optimizer, model_param_ids, torch_optimizer
 from smp_fx.world import comm, context, state
 from smp_fx.world.context import current_model
 
@@ -78,10 +80,8 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
 
     def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: float | None = 1.0,
                  dynamic_loss_scale: bool = False, **dynamic_loss_args: Any) -> None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise SMPRuntimeError.build("DistributedOptimizer wraps a torch.optim.Optimizer",
-                                        type(optimizer).__name__, "smp.DistributedOptimizer",
-                                        "pass an optimizer instance")
+        self.torch_optimizer = torch_optimizer(optimizer)  # a script's object: its optimizer
+        self._script = is_script_optimizer(optimizer)  # (smp_fx.script_optimizer)
         cfg = state.get().config if state.is_initialized() else None
         if cfg is not None:  # a configured feature smp-fx lacks: an error, never ignored
             cfg.check_features("DistributedOptimizer")
@@ -99,9 +99,11 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         self._shards: OptimizerShards | None = None
         self._local_params: list[torch.Tensor] = []
         self._model_ref: weakref.ref[DistributedModel] | None = None
-        self.overflow = False
+        self._overflow = False
+        self._global_grad_norm: float | None = None  # the last step's, with sdp (SMP's name)
         self.optimizer = optimizer
-        guard_optimizer(optimizer)  # optimizer.step() inside smp.step raises (smp_fx.parallel.ddp)
+        # optimizer.step() inside smp.step raises (smp_fx.parallel.ddp)
+        guard_optimizer(self.torch_optimizer)
         self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
@@ -129,6 +131,12 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     _is_accelerate_prepared = True
 
     @property
+    def overflow(self) -> bool:
+        """Whether the last step overflowed (fp16): a script's own optimizer's flag."""
+        own: Any = self.optimizer  # a script's object: its own attributes
+        return bool(own.overflow) if self._script else self._overflow
+
+    @property
     def step_was_skipped(self) -> bool:
         """Whether the last ``step()`` skipped the update (what accelerate asks of its
         optimizers): with fp16, when some rank's gradients overflowed."""
@@ -136,13 +144,13 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
 
     def parameters_held(self) -> list[torch.Tensor]:
         """Every parameter of the wrapped optimizer, in group order."""
-        return [p for g in self.optimizer.param_groups for p in g["params"]]
+        return [p for g in self.torch_optimizer.param_groups for p in g["params"]]
 
     def join_model(self, model: DistributedModel) -> None:
         """Belong to ``model`` (a DistributedModel holding this optimizer's parameters):
         parameters are named by its module's names and narrowed at its partitioning."""
         context.stop_waiting(self)
-        self._names = {id(p): n for n, p in model.module.named_parameters()}
+        self._names = {id(p): n for n, p in model.get_module().named_parameters()}
         self._model_ref = weakref.ref(model)
         self._smp_name_parameters(model)
         model.attach_optimizer(self)
@@ -151,27 +159,27 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     # the wrapped optimizer's containers are this optimizer's
     @property
     def param_groups(self) -> list[dict[str, Any]]:
-        return self.optimizer.param_groups
+        return self.torch_optimizer.param_groups
 
     @param_groups.setter
     def param_groups(self, value: list[dict[str, Any]]) -> None:
-        self.optimizer.param_groups = value
+        self.torch_optimizer.param_groups = value
 
     @property
     def state(self) -> Any:
-        return self.optimizer.state
+        return self.torch_optimizer.state
 
     @state.setter
     def state(self, value: Any) -> None:
-        self.optimizer.state = value
+        self.torch_optimizer.state = value
 
     @property
     def defaults(self) -> dict[str, Any]:
-        return self.optimizer.defaults
+        return self.torch_optimizer.defaults
 
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
-        self.optimizer.defaults = value
+        self.torch_optimizer.defaults = value
 
     def __getattr__(self, name: str) -> Any:
         if name == "optimizer":
@@ -185,6 +193,8 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     @property
     def loss_scale(self) -> float:
         """The loss scale ``model.backward`` multiplies the loss by (1.0 without fp16)."""
+        if self._script:
+            return float(getattr(self.optimizer, "loss_scale", 1.0))
         return self._scaler.loss_scale if self._masters is not None else 1.0
 
     def step(self, closure: Any = None) -> Any:
@@ -193,9 +203,9 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         the dp group: every dp rank calls it)."""
         masters = self._masters
         if masters is not None:
-            self.overflow = masters.prepare()
-            self._scaler.update_scale(self.overflow)
-            if self.overflow:
+            self._overflow = masters.prepare()
+            self._scaler.update_scale(self._overflow)
+            if self._overflow:
                 log.info("smp-fx fp16: gradient overflow, step skipped; loss scale now %g",
                          self._scaler.loss_scale)
                 return None
@@ -211,7 +221,11 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         """Clip the gradients the optimizer steps by the norm of the whole model; returns
         that norm (-1 on an fp16 overflow, whose step is skipped anyway), as Megatron's
         ``FP16_Optimizer.clip_master_grads``. Without fp16 it clips the model's gradients
-        (``DistributedModel.clip_grad_norm_``). A collective: call it on every rank."""
+        (``DistributedModel.clip_grad_norm_``). A collective: call it on every rank. A
+        script's own optimizer object clips by its own method."""
+        if self._script:
+            own: Any = self.optimizer
+            return cast(torch.Tensor, own.clip_master_grads(max_norm, norm_type))
         model = self._model()
         if self._masters is None:
             if model is None:
@@ -248,17 +262,33 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         return counted, [self._shards.group] if self._shards is not None else []
 
     def _clip_for_sdp(self) -> None:
-        """Sharded data parallelism clips the global norm at every step, as SMP does."""
+        """Sharded data parallelism clips the global norm at every step, as SMP does, and
+        keeps the norm (before clipping) in ``_global_grad_norm``, which AWS's ``train.py``
+        scripts log after ``optimizer.step()``; ``sdp_gradient_clipping`` 0 measures it
+        without clipping."""
         model = self._model()
         if model is None or not state.is_initialized():
             return
         cfg = state.get().config
-        if cfg.sharded_data_parallel_degree > 1 and cfg.sdp_gradient_clipping > 0:
-            clip.clip_grad_norm_(model, cfg.sdp_gradient_clipping)
+        if cfg.sharded_data_parallel_degree > 1:
+            limit = cfg.sdp_gradient_clipping if cfg.sdp_gradient_clipping > 0 else math.inf
+            if self._masters is None:
+                self._global_grad_norm = float(clip.clip_grad_norm_(model, limit))
+                return
+            # bf16: the fp32 master gradients are what the step uses
+            params = [p for g in self.param_groups for p in g["params"]]
+            counted, extra = self._norm_terms(params)
+            grads = [p.grad for p in params if p.grad is not None]
+            self._global_grad_norm = float(clip.clip_grads(grads, counted, limit,
+                                                           extra_groups=extra))
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
+    def zero_grad(self, set_to_none: bool = True, **kwargs: Any) -> None:
         """Clear the gradients of every local parameter (also those another dp rank owns
-        under optimizer-state sharding) and of the fp32 masters."""
+        under optimizer-state sharding) and of the fp32 masters. A script's own optimizer
+        object clears them itself, with its own arguments (``set_grads_to_None=True``)."""
+        if self._script:
+            self.optimizer.zero_grad(**kwargs)
+            return
         self.optimizer.zero_grad(set_to_none=set_to_none)
         _zero_grads(self._local_params, set_to_none)
         if self._masters is not None:
@@ -269,7 +299,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         local part), plus the fp32 master weights with fp16. What sharding divides."""
         seen: set[int] = set()
         total = 0
-        tensors = [v for st in self.optimizer.state.values() for v in st.values()]
+        tensors = [v for st in self.torch_optimizer.state.values() for v in st.values()]
         if self._masters is not None:
             tensors += [m for _, m in self._masters.pairs]
         for t in tensors:
@@ -283,7 +313,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         return self._model_ref() if self._model_ref is not None else None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        self.optimizer.add_param_group(param_group)
+        self.torch_optimizer.add_param_group(param_group)
 
     def bind(self, binding: OptimizerBinding) -> None:
         """Step only this rank's part of the partitioned model (its ``binding``; called by
@@ -305,8 +335,15 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         # wte.weight): go through the original object to the optimizer's canonical name.
         canon = binding.canonical_names
         by_name = {canon.get(n, n): q for n, q in local.items()}
+        if self.fp16 and self._script:
+            raise SMPRuntimeError.build(
+                "'fp16': true makes DistributedOptimizer SMP's FP16_Optimizer; it wraps a torch "
+                "optimizer, not a script's own fp16 optimizer object",
+                type(self.optimizer).__name__, "smp.DistributedOptimizer",
+                "pass the torch optimizer (drop the script's FP16_Optimizer), or use "
+                "'fp16_params' with the script's own")
         index: dict[int, int] = {}
-        for group in self.optimizer.param_groups:
+        for group in self.torch_optimizer.param_groups:
             kept: list[torch.Tensor] = []
             for p in group["params"]:
                 q = local_ids.get(id(p))
@@ -322,15 +359,31 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         self._shards = binding.state_shards(self._local_params)
         if self._shards is not None:  # ZeRO-1: keep only the parameters this rank owns
             shards = self._shards
-            for group in self.optimizer.param_groups:
+            for group in self.torch_optimizer.param_groups:
                 group["params"] = [p for p in group["params"] if shards.owns(p)]
         if hasattr(self.optimizer, "set_grad_norm_fn"):  # LAMB: the whole model's norm
             self.optimizer.set_grad_norm_fn(self.global_grad_norm)
         if self.fp16 and binding.precision is not None:
-            self._masters = MasterWeights(self.optimizer, self._scaler)
+            self._masters = MasterWeights(self.torch_optimizer, self._scaler)
             for p, m in self._masters.pairs:
                 self.global_index[id(m)] = self.global_index[id(p)]
             binding.precision.scale_with(self)
+
+    def _smp_index(self, param: torch.Tensor) -> int:
+        """As the mixin's, and a script's fp32 master by the model parameter it masters."""
+        index = self.global_index.get(id(param))
+        if index is None:
+            index = self.global_index[model_param_ids(self.optimizer)[id(param)]]
+        return index
+
+    def _param_id_to_index(self) -> dict[int, int]:
+        """id(parameter) -> its index in the optimizer's original flat order, for every
+        parameter this rank steps (a script's masters included): SMP's private method
+        that AWS's fp16 helpers call."""
+        return {id(p): self._smp_index(p) for g in self.param_groups for p in g["params"]}
+
+    redefined_params = False
+    """SMP's flag that parameters were replaced by virtual ones; never in smp-fx."""
 
     def grads_may_change(self, ops: Sequence[Op]) -> None:
         """Before each step (the model's mixed-precision hook): a training step makes the
@@ -346,11 +399,6 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         (``loss_scaler``). With optimizer-state sharding, ``gather_if_shard`` merges the
         shards of this stage's dp group (a collective over it: every dp rank calls it);
         ``False`` gives this rank's shard alone."""
-        model = self._model()
-        if model is not None and model.shards_parameters:
-            raise not_implemented(
-                "optimizer checkpoints under sharded data parallelism",
-                "sharded_data_parallel_degree", "use shard_optimizer_state to checkpoint")
         sd = super().local_state_dict(cast_to_cpu, gather_if_shard)
         masters = self._masters
         if masters is not None:
@@ -378,14 +426,14 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
             return
         loaded = False
         for _, m in masters.pairs:
-            saved = self.optimizer.state.get(m, {}).pop(MASTER_KEY, None)
+            saved = self.torch_optimizer.state.get(m, {}).pop(MASTER_KEY, None)
             if saved is not None:
                 with torch.no_grad():
                     m.copy_(saved)
                 loaded = True
         if not loaded:
             masters.models_to_masters()
-        for g in self.optimizer.param_groups:
+        for g in self.torch_optimizer.param_groups:
             sc = g.pop(SCALER_KEY, None)
             if sc is not None:
                 self._scaler.load_state_dict(sc)

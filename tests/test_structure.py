@@ -33,10 +33,11 @@ SMP_FX_LAYERS: tuple[tuple[str, ...], ...] = (
     ("smp_fx.marking", "smp_fx.amp"),
     ("smp_fx.runtime",),
     ("smp_fx.parallel",),
-    ("smp_fx.model", "smp_fx.model_options", "smp_fx.optimizer", "smp_fx.step",
-     "smp_fx.reset", "smp_fx.nn", "smp_fx.optimizers"),
+    ("smp_fx.model", "smp_fx.model_options", "smp_fx.model_tp_queries", "smp_fx.module_view",
+     "smp_fx.optimizer", "smp_fx.script_optimizer", "smp_fx.step", "smp_fx.reset", "smp_fx.nn",
+     "smp_fx.optimizers", "smp_fx.grad_average"),
     ("smp_fx.calibration", "smp_fx.cli"),
-    ("smp_fx", "smp_fx._compat.shims"),
+    ("smp_fx", "smp_fx._compat.shims", "smp_fx._compat.private"),
 )
 
 

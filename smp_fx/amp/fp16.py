@@ -103,6 +103,8 @@ class MasterWeights:
         found = torch.zeros(1, dtype=torch.float32, device=device)
         inv = torch.full((1,), 1.0 / self.scaler.loss_scale, dtype=torch.float32,
                          device=device)
+        # a sharded (FSDP2) gradient is checked and unscaled in its local shard
+        grads = [getattr(g, "_local_tensor", g) for g in grads]
         for dev, on_dev in _by_device(grads).items():
             f = found if dev == device else torch.zeros_like(found, device=dev)
             torch._amp_foreach_non_finite_check_and_unscale_(on_dev, f, inv.to(dev))

@@ -169,9 +169,13 @@ def _save_partial(path: str, tag: str, model: ProcessModel | None,
             cause = exc
     agree_or_raise(cause, f"creating {staging}")
     try:  # everything that can fail on one rank, before any collective of a subgroup
-        model_sd = model.local_state_dict() if model is not None and rdp_rank == 0 else None
-        # a sharded optimizer state gathers its stage's shards: every dp rank takes part
-        sharded = bool(getattr(optimizer, "shards_state", False))
+        # sharded data parallelism gathers whole tensors over the shard group, a sharded
+        # optimizer state its stage's shards: then every dp rank takes part
+        sdp = bool(getattr(model, "shards_parameters", False))
+        model_sd = (model.local_state_dict()
+                    if model is not None and (rdp_rank == 0 or sdp) else None)
+        model_sd = model_sd if rdp_rank == 0 else None
+        sharded = bool(getattr(optimizer, "shards_state", False)) or sdp
         opt_sd = (optimizer.local_state_dict()
                   if optimizer is not None and (rdp_rank == 0 or sharded) else None)
         opt_sd = opt_sd if rdp_rank == 0 else None
@@ -227,14 +231,16 @@ def _save_full(path: str, tag: str, model: ProcessModel | None,
     cause: BaseException | None = None
     try:
         sd = None
-        if model is not None and rdp_rank == 0:  # collective over the pipeline group
+        sdp = bool(getattr(model, "shards_parameters", False))  # gathers over the shards too
+        if model is not None and (rdp_rank == 0 or sdp):  # collective over the pipeline group
             sd = dict(model.state_dict())
+            sd = sd if rdp_rank == 0 else None
         if rank == 0:
             os.makedirs(path, exist_ok=True)
             hf_module = _pretrained_module(model)
             if sd is not None and model is not None and hf_module is not None:
                 if safetensors_available():  # what from_pretrained(path) loads
-                    hf_sd = sd if hf_module is model.module else _to_hf(dict(sd))
+                    hf_sd = sd if hf_module is model.get_module() else _to_hf(dict(sd))
                     save_pretrained_state(path, hf_sd, hf_module)
                 else:  # transformers 4.2x does not install it; SMP's own file is still written
                     log.warning("smp.save_checkpoint(partial=False): no safetensors package, "
@@ -260,7 +266,7 @@ def _pretrained_module(model: ProcessModel | None) -> nn.Module | None:
     translate functions give back."""
     if model is None:
         return None
-    for module in (model.module, model.script_module()):
+    for module in (model.get_module(), model.script_module()):
         if module is not None and is_pretrained(module):
             return module
     return None

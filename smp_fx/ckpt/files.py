@@ -22,7 +22,7 @@ import pickle
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cost_model.errors import SMPCheckpointError, not_implemented
+from cost_model.errors import SMPCheckpointError
 from smp_fx.ckpt import tp_shards
 from smp_fx.ckpt.atomic import atomic_write
 from smp_fx.ckpt.commit import save_partial, torch_writer
@@ -32,6 +32,8 @@ from smp_fx.ckpt.layout import (
     partial_path,
     prev_path,
     read_index,
+    replica_path,
+    replicas,
     unwrap,
 )
 from smp_fx.ckpt.ranks import RankInfo, current_rank
@@ -56,10 +58,11 @@ def save(obj: Any, f: str, partial: bool = True, pickle_module: Any = pickle,
     Call it on the ranks with ``smp.dp_rank() == 0`` (every mp rank of that group when
     ``partial=True``: it is collective over the model-parallel group). With
     ``partial=False`` only mp rank 0 writes ``f``; other ranks return at once.
-    ``v3=True`` is SMP 1.10's format for sharded optimizer state (a file per rank, data
-    parallel ranks included), which needs ``shard_optimizer_state``: not built yet, so it
-    raises ``SMPNotImplementedError``; ``v3=False`` (what the Hugging Face Trainer passes
-    without sharding) is the format of ``smp_fx.ckpt.layout``.
+    ``v3=True`` (SMP 1.10's per-rank format, which the Hugging Face Trainer asks for with
+    ``v3=smp.state.cfg.shard_optimizer_state``): every data-parallel replica saves its own
+    partial checkpoint (``smp_fx.ckpt.layout.replica_path``), so each rank's shard of a
+    sharded optimizer state is kept; call it on every rank. ``smp.load(f, partial=True)``
+    reads such a set back, merging the replicas' shards.
 
     Example::
 
@@ -68,12 +71,15 @@ def save(obj: Any, f: str, partial: bool = True, pickle_module: Any = pickle,
                  "/ckpt/checkpoint.pt", partial=True)
     """
     f = _check_path(f)
-    if v3:
-        raise not_implemented("smp.save(..., v3=True): per-rank files of sharded optimizer "
-                              "state", "shard_optimizer_state",
-                              "save with v3=False (the optimizer state is not sharded)")
+    if v3 and not partial:
+        raise SMPCheckpointError.build(
+            "smp.save(..., v3=True) writes per-rank partial files", "partial=False",
+            f, "pass partial=True with v3=True, or v3=False for a full checkpoint")
     if partial:
         info, gather = current_rank()
+        if v3:
+            rdp = smp_state.get().axis_rank("rdp") if smp_state.is_initialized() else 0
+            f = replica_path(f, rdp)
         save_partial(obj, f, info, gather, pickle_module, pickle_protocol)
         return
     if smp_state.is_initialized() and smp_state.get().axis_rank("mp") != 0:
@@ -188,13 +194,19 @@ def load_partial_set(f: str, **load_kw: Any) -> tuple[dict[str, Any], list[Any]]
 
 
 def load(f: str, map_location: Any = None, pickle_module: Any = pickle, partial: bool = True,
-         weights_only: bool | None = None, **pickle_load_args: Any) -> Any:
+         weights_only: bool | None = None, back_compat: bool = False,
+         **pickle_load_args: Any) -> Any:
     """Load what ``smp.save`` wrote; with ``partial`` each mp rank reads its own file.
 
     When the partial checkpoint was saved at another pipeline degree or chunk placement
     (``virtual_pipeline_degree``; its index says so), every file is read and the state
     dicts are merged by name (resharding); the model and optimizer then take their own
-    parameters.
+    parameters. A per-rank (``v3=True``) save is read as the merge of its replicas' files
+    for this rank: a sharded optimizer state comes back whole for the stage, and each rank
+    keeps what it owns at whatever data-parallel size.
+
+    ``back_compat=True`` is how the Hugging Face Trainer asks SMP 1.10+ to read an optimizer
+    state saved by SMP before 1.10; smp-fx has one file format, so it reads it as any.
 
     Safety: by default only tensors, containers, numbers, strings, optimizer and
     LR-scheduler state and numpy values load (``torch.load(weights_only=True)``).
@@ -213,6 +225,7 @@ def load(f: str, map_location: Any = None, pickle_module: Any = pickle, partial:
         optimizer.load_state_dict(ckpt["optimizer_state_dict"])
     """
     f = _check_path(f)
+    del back_compat  # one format (see the docstring)
     load_kw = dict(map_location=map_location, pickle_module=pickle_module,
                    weights_only=weights_only, **pickle_load_args)
     return agreed(f"smp.load({f!r})", lambda: _load(f, partial, load_kw))
@@ -225,6 +238,9 @@ def _load(f: str, partial: bool, load_kw: dict[str, Any]) -> Any:
     info, _ = current_rank()
     index = read_index(f)
     if index is None:
+        per_replica = replicas(f)
+        if per_replica and not os.path.exists(partial_path(f, info.mp_rank)):
+            return merge_partial_objects([_load(r, True, load_kw) for r in per_replica])
         return _load_unindexed(f, info, load_kw)
     if info.same_layout(index):
         entry = next((e for e in index["files"] if e["mp_rank"] == info.mp_rank), None)

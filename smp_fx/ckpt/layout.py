@@ -12,6 +12,11 @@ Naming (one scheme, documented here and in the README):
 
       {"_smp_partial_checkpoint": 1, "save_id": "...", "mp_rank": 0, "object": obj}
 
+* per-rank checkpoint (``smp.save(..., partial=True, v3=True)``, what the Hugging Face
+  Trainer writes for a sharded optimizer state): one partial checkpoint per data-parallel
+  replica, ``f"{f}_rdp{rdp_rank}"`` (files ``f"{f}_rdp{r}_{mp_rank}"`` and an index each);
+  SMP's own names for it are not documented, so these are smp-fx's.
+
 Kept apart from the writing (``smp_fx.ckpt.commit``) and the reading (``smp_fx.ckpt.files``)
 because both sides, and ``smp-fx checkpoint``, must agree on exactly these names.
 """
@@ -36,6 +41,20 @@ WRAP_KEY = "_smp_partial_checkpoint"
 def partial_path(f: str, mp_rank: int) -> str:
     """The file of one model-parallel rank in a partial checkpoint (SMP's naming)."""
     return f"{f}_{mp_rank}"
+
+
+def replica_path(f: str, rdp_rank: int) -> str:
+    """The partial checkpoint of one data-parallel replica in a per-rank (v3) save."""
+    return f"{f}_rdp{rdp_rank}"
+
+
+def replicas(f: str) -> list[str]:
+    """The replicas' partial checkpoints of the per-rank (v3) save ``f``, in rdp order
+    (empty when ``f`` is not one)."""
+    found: list[str] = []
+    while os.path.exists(index_path(replica_path(f, len(found)))):
+        found.append(replica_path(f, len(found)))
+    return found
 
 
 def index_path(f: str) -> str:

@@ -32,7 +32,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 
 from cost_model.errors import SMPCheckpointError, not_implemented
 from passes.tensor_parallel import merge_shards
-from smp_fx.ckpt import tp_shards
+from smp_fx.ckpt import sdp_shards, tp_shards
 from smp_fx.ckpt.state_dict import (
     PARTIAL_KEY,
     ModelLayout,
@@ -170,8 +170,9 @@ def _merged_partial(state_dict: Mapping[str, Any]) -> StateDict:
 class ModelCheckpointMixin:
     """``local_state_dict`` / ``state_dict`` / ``load_state_dict`` for DistributedModel."""
 
-    module: torch.nn.Module
     if TYPE_CHECKING:  # the host's (read-only on DistributedModel)
+
+        def get_module(self) -> torch.nn.Module: ...
 
         @property
         def partitioned(self) -> bool: ...
@@ -181,7 +182,7 @@ class ModelCheckpointMixin:
     def _smp_layout(self) -> ModelLayout:
         layout = self.__dict__.get("_smp_layout_cache")
         if layout is None:
-            layout = ModelLayout.from_module(self.module)
+            layout = ModelLayout.from_module(self.get_module())
             self.__dict__["_smp_layout_cache"] = layout
         return layout
 
@@ -198,7 +199,8 @@ class ModelCheckpointMixin:
                 "local_state_dict() needs the partitioned model", "partitioned=False",
                 where="DistributedModel.local_state_dict",
                 fix="call it after the first smp.step call, or use state_dict()")
-        out = local_model_state_dict(self._smp_local_tensors(), self._smp_layout())
+        tensors = sdp_shards.whole(self._smp_local_tensors())  # sdp: whole tensors
+        out = local_model_state_dict(tensors, self._smp_layout())
         return _with_shards(out, self.__dict__.get("tp_plan"), out)
 
     def state_dict(self, *args: Any, gather_to_rank0: bool = False,
@@ -214,7 +216,7 @@ class ModelCheckpointMixin:
                 "DistributedModel.state_dict() takes only gather_to_rank0", (args, kwargs),
                 fix="call model.state_dict(); use local_state_dict() for this rank's part")
         if not self.partitioned:
-            return self.module.state_dict()
+            return self.get_module().state_dict()
         local = gather_shards(self.__dict__.get("tp_plan"), _to_cpu(self.local_state_dict()))
         parts = _gather_pipeline(local, tp_gathered=True)
         if gather_to_rank0 and _pipeline_rank() != 0:
@@ -290,7 +292,7 @@ class ModelCheckpointMixin:
                         "shape of a loaded tensor differs from the model's",
                         (tuple(value.shape), tuple(target.shape)), where=name,
                         fix="load a checkpoint of the same model configuration")
-                target.copy_(value)
+                sdp_shards.assign(target, value)  # a sharded parameter takes its shard
         return _IncompatibleKeys(missing, unexpected)
 
 
@@ -298,12 +300,16 @@ class OptimizerCheckpointMixin:
     """``local_state_dict`` / ``state_dict`` / ``load_state_dict`` for DistributedOptimizer."""
 
     optimizer: torch.optim.Optimizer
+    torch_optimizer: torch.optim.Optimizer
+    """The torch optimizer whose state is checkpointed (``optimizer`` itself, or the one a
+    script's own optimizer object holds; ``smp_fx.script_optimizer``)."""
     global_index: dict[int, int]
 
     def __new__(cls, optimizer: torch.optim.Optimizer | None = None, *args: Any,
                 **kwargs: Any) -> Any:
         self = super().__new__(cls)
-        if optimizer is not None:  # None: copy/pickle re-creating the object
+        # None: copy/pickle re-creating the object; no param_groups: __init__ refuses it
+        if optimizer is not None and hasattr(optimizer, "param_groups"):
             self.__dict__["_smp_full_names"] = _full_group_names(optimizer,
                                                                  cls._smp_current_model())
         return self
@@ -324,8 +330,8 @@ class OptimizerCheckpointMixin:
     def _smp_group_names(self, local: bool) -> list[list[str]]:
         full = self.__dict__["_smp_full_names"]
         names = full if not local else [
-            [self._smp_flat_names()[self.global_index[id(p)]] for p in g["params"]]
-            for g in self.optimizer.param_groups]
+            [self._smp_flat_names()[self._smp_index(p)] for p in g["params"]]
+            for g in self.torch_optimizer.param_groups]
         unnamed = [i for g in names for i, n in enumerate(g) if n is None]
         if unnamed:
             raise SMPCheckpointError.build(
@@ -335,6 +341,10 @@ class OptimizerCheckpointMixin:
                 fix="create the model (smp.DistributedModel) before the optimizer, over its "
                 "parameters")
         return cast(list[list[str]], names)
+
+    def _smp_index(self, param: torch.Tensor) -> int:
+        """``param``'s index in the optimizer's original flat parameter order."""
+        return self.global_index[id(param)]
 
     def _smp_is_local(self) -> bool:
         return bool(getattr(self, "_localized", False))
@@ -348,7 +358,7 @@ class OptimizerCheckpointMixin:
         (``shard_optimizer_state``): ``DistributedOptimizer`` gathers the shards; here
         it is unused.
         """
-        local = local_optimizer_state_dict(self.optimizer.state_dict(),
+        local = local_optimizer_state_dict(sdp_shards.whole(self.torch_optimizer.state_dict()),
                                            self._smp_group_names(local=True),
                                            self._smp_group_names(local=False))
         model = self._smp_current_model()
@@ -361,7 +371,7 @@ class OptimizerCheckpointMixin:
         dropped), then every pipeline stage's part merged. Collective over the tp and
         pipeline groups: call it on every rank with ``smp.dp_rank() == 0`` (or all)."""
         if not self._smp_is_local():
-            return self.optimizer.state_dict()
+            return self.torch_optimizer.state_dict()
         plan = getattr(self._smp_current_model(), "tp_plan", None)
         local = gather_optimizer_shards(plan, _to_cpu(self.local_state_dict()))
         return merge_optimizer_state_dicts(self._smp_gather_parts(local))
@@ -393,7 +403,8 @@ class OptimizerCheckpointMixin:
 
     def _smp_load_local(self, state_dict: Mapping[str, Any]) -> None:
         if not self._smp_is_local() and not is_partial(state_dict):
-            self.optimizer.load_state_dict(dict(state_dict))  # it is the plain optimizer
+            self.torch_optimizer.load_state_dict(dict(state_dict))  # the plain optimizer
+            sdp_shards.reshard_optimizer_state(self.torch_optimizer)
             return
         by_name = (dict(state_dict) if is_partial(state_dict)
                    else optimizer_state_by_name(state_dict, self._smp_group_names(local=False)))
@@ -403,12 +414,13 @@ class OptimizerCheckpointMixin:
             names = [n for g in local for n in g]  # degree) are cut to this rank's shards
             if is_partial(by_name):
                 _refuse_foreign_shards(by_name, plan, names)
-            shapes = {n: p.shape for n, p in zip(names, (p for g in self.optimizer.param_groups
-                                                          for p in g["params"]))}
+            params = (p for g in self.torch_optimizer.param_groups for p in g["params"])
+            shapes = {n: p.shape for n, p in zip(names, params)}
             by_name["state"] = {**by_name["state"], **_cut_shards(
                 {n: v for n, v in by_name["state"].items() if n in shapes}, plan, shapes)}
-        self.optimizer.load_state_dict(optimizer_state_to_torch(by_name, local,
+        self.torch_optimizer.load_state_dict(optimizer_state_to_torch(by_name, local,
                                                                 require_complete=True))
+        sdp_shards.reshard_optimizer_state(self.torch_optimizer)  # sdp: whole -> shards
 
 
 def _full_group_names(optimizer: torch.optim.Optimizer,
@@ -416,5 +428,5 @@ def _full_group_names(optimizer: torch.optim.Optimizer,
     """FQN of every parameter of ``optimizer`` in group order (None where it has none)."""
     names: dict[int, str] = {}
     if model is not None:
-        names = {id(p): n for n, p in model.module.named_parameters()}
+        names = {id(p): n for n, p in model.get_module().named_parameters()}
     return [[names.get(id(p)) for p in g["params"]] for g in optimizer.param_groups]

@@ -47,8 +47,9 @@ _marks: weakref.WeakKeyDictionary[nn.Module, _Mark] = weakref.WeakKeyDictionary(
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
-    inner = getattr(module, "module", None)  # a DistributedModel: its wrapped module
-    return inner if isinstance(inner, nn.Module) and hasattr(module, "get_module") else module
+    get = getattr(module, "get_module", None)  # a DistributedModel: its wrapped module
+    inner = get() if callable(get) else None
+    return inner if isinstance(inner, nn.Module) else module
 
 
 def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = True,
@@ -81,6 +82,11 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
             type(module).__name__, "smp.set_activation_checkpointing",
             "call it before the first smp.step")
     _marks[module] = _Mark(bool(preserve_rng_state), bool(pack_args_as_tuple), strategy)
+
+
+def is_marked(module: nn.Module) -> bool:
+    """Whether ``module`` is marked for activation checkpointing."""
+    return module in _marks
 
 
 def checkpoint(module: nn.Module, *args: Any, preserve_rng_state: bool = True) -> Any:

@@ -41,15 +41,23 @@ from smp_fx.marking.tensor_parallelism import tensor_parallelism as tp_context
 from smp_fx.world import state
 
 KERNEL_SWITCHES = frozenset({"fused_softmax", "fused_bias_gelu", "fused_dropout",
-                             "query_key_layer_scaling", "attention_in_fp32"})
-"""SMP's keywords that choose kernels or precision tricks, not the function computed."""
+                             "query_key_layer_scaling", "attention_in_fp32", "flash_attention",
+                             "distribute_embedding", "zero_init"})
+"""SMP's keywords that choose kernels, precision tricks or SMP's own bookkeeping, not the
+function computed: ``flash_attention`` (SMP 1.13+: its FlashAttention kernel for the same
+attention), ``distribute_embedding`` (SMP splits the embedding over tp under sharded data
+parallelism; smp-fx's tensor-parallel rewrite splits it by vocabulary rows regardless) and
+``zero_init`` (SMP's initialisation of the replaced modules' weights for its sharded
+data-parallel offsets; a replacement here takes the original model's weights, so nothing
+depends on it)."""
 
 MODULE_ARGUMENTS = frozenset({
     "num_layers", "num_attention_heads", "attention_head_size", "hidden_size",
     "intermediate_size", "vocab_size", "num_positions", "attention_dropout_prob",
     "hidden_dropout_prob", "activation", "layernorm_epsilon", "num_token_types",
     "causal_mask_size", "add_cross_attention", "add_lm_head", "initializer_range",
-    "use_normal_initialization", "pre_layernorm", "post_layernorm"})
+    "use_normal_initialization", "pre_layernorm", "post_layernorm", "scale_attention_scores",
+    "fp32_residual_addition", "use_alibi", "alibi_bias_max"})
 """SMP's distributed-module arguments a keyword may override (``smp.nn``'s signatures)."""
 
 

@@ -10,6 +10,7 @@ from smp_fx.namespaces import planned
 from smp_fx.nn import huggingface
 from smp_fx.nn.attention import DistributedAttentionLayer, DistributedTransformerOutputLayer
 from smp_fx.nn.embedding import DistributedEmbedding
+from smp_fx.nn.flash_attention import FlashAttentionLayer
 from smp_fx.nn.fused_layer_norm import FusedLayerNorm
 from smp_fx.nn.linear import DistributedLinear
 from smp_fx.nn.transformer import (
@@ -21,7 +22,7 @@ from smp_fx.nn.transformer import (
 __all__ = ["DistributedAttentionLayer", "DistributedEmbedding", "DistributedLinear",
            "DistributedTransformer", "DistributedTransformerLMHead",
            "DistributedTransformerLayer", "DistributedTransformerOutputLayer",
-           "FusedLayerNorm", "huggingface"]
+           "FlashAttentionLayer", "FusedLayerNorm", "huggingface"]
 
 PLANNED: dict[str, str] = {}
 

@@ -94,7 +94,8 @@ class DistributedAttentionLayer(nn.Module):
                  hidden_dropout_prob: float = 0.1, layernorm_epsilon: float = 1e-5,
                  initializer_range: float = 0.02, use_normal_initialization: bool = False,
                  cross_attention: bool = False, causal_mask_size: int | None = None,
-                 pre_layernorm: bool = False, post_layernorm: bool = True) -> None:
+                 pre_layernorm: bool = False, post_layernorm: bool = True, *,
+                 scale_attention_scores: bool = True) -> None:
         if cross_attention and causal_mask_size is not None:
             raise SMPConfigError.build(
                 "cross attention attends to another sequence, which has no causal order",
@@ -118,6 +119,9 @@ class DistributedAttentionLayer(nn.Module):
         self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon) \
             if post_layernorm else None
         self.causal_mask_size = causal_mask_size
+        # SMP's scale_attention_scores: False leaves out the 1 / sqrt(d) of the scores
+        self.score_scale = 1.0 / math.sqrt(attention_head_size) if scale_attention_scores \
+            else 1.0
         mark(self)
 
     def _heads(self, x: torch.Tensor, b: Any, s: Any) -> torch.Tensor:
@@ -137,7 +141,7 @@ class DistributedAttentionLayer(nn.Module):
         q = self._heads(self.query(x), b, s)
         k = self._heads(self.key(kv), b, kv.shape[1])
         v = self._heads(self.value(kv), b, kv.shape[1])
-        scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(self.attention_head_size)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * self.score_scale
         if self.causal_mask_size is not None:
             causal = causal_mask(torch.arange(s, device=x.device))
             scores = scores + causal.to(x.dtype)
@@ -156,13 +160,15 @@ class DistributedTransformerOutputLayer(nn.Module):
 
     ``forward(hidden_states)`` -> ``hidden_states`` (``[N, S, hidden_size]``).
     ``pre_layernorm`` / ``post_layernorm`` as in ``DistributedAttentionLayer``.
+    ``fp32_residual_addition``: the residual sum is taken in fp32 and cast back (SMP's guard
+    against fp16 overflow; the same numbers for fp32 activations).
     """
 
     def __init__(self, hidden_size: int = 1024, intermediate_size: int = 4096,
                  hidden_dropout_prob: float = 0.1, activation: str = "gelu",
                  layernorm_epsilon: float = 1e-5, initializer_range: float = 0.02,
                  use_normal_initialization: bool = False, pre_layernorm: bool = False,
-                 post_layernorm: bool = True) -> None:
+                 post_layernorm: bool = True, fp32_residual_addition: bool = False) -> None:
         act = activation_module(activation)
         super().__init__()
         self.dense1 = nn.Linear(hidden_size, intermediate_size)
@@ -175,11 +181,16 @@ class DistributedTransformerOutputLayer(nn.Module):
             if pre_layernorm else None
         self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon) \
             if post_layernorm else None
+        self.fp32_residual_addition = fp32_residual_addition
         mark(self)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         x = hidden_states if self.pre_layernorm is None else self.pre_layernorm(hidden_states)
-        out = self.dropout(self.dense2(self.activation(self.dense1(x)))) + hidden_states
+        mlp = self.dropout(self.dense2(self.activation(self.dense1(x))))
+        if self.fp32_residual_addition:  # SMP's overflow guard for half training
+            out = (mlp.float() + hidden_states.float()).to(hidden_states.dtype)
+        else:
+            out = mlp + hidden_states
         return out if self.layernorm is None else self.layernorm(out)
 
 

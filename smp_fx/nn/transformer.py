@@ -60,7 +60,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from cost_model.errors import SMPConfigError, SMPTracingError
+from cost_model.errors import SMPConfigError, SMPTracingError, not_implemented
 from smp_fx.marking.tensor_parallelism import mark
 from smp_fx.nn.attention import (
     MASKED,
@@ -83,6 +83,17 @@ def lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
                            ignore_index=IGNORE_INDEX)
 
 
+def refuse_alibi(use_alibi: bool, where: str) -> None:
+    """SMP 1.15's ``use_alibi`` (ALiBi attention biases, with ``alibi_bias_max`` the base of
+    the head slopes) is not built: the biases depend on each head's global index, which
+    the tensor-parallel rewrite's split of the heads would have to carry. An error where
+    the module is created; ``alibi_bias_max`` alone is accepted (unused without ALiBi)."""
+    if use_alibi:
+        raise not_implemented("ALiBi attention biases", f"{where}(use_alibi=True)",
+                              "leave use_alibi False (the model's position embeddings "
+                              "give the positions)")
+
+
 class DistributedTransformerLayer(nn.Module):
     """``DistributedAttentionLayer`` then ``DistributedTransformerOutputLayer``; with
     ``add_cross_attention`` a cross ``DistributedAttentionLayer`` (``crossattention``,
@@ -99,7 +110,10 @@ class DistributedTransformerLayer(nn.Module):
                  activation: str = "gelu", layernorm_epsilon: float = 1e-5,
                  initializer_range: float = 0.02, use_normal_initialization: bool = False,
                  causal_mask_size: int | None = None, add_cross_attention: bool = False,
-                 pre_layernorm: bool = False, post_layernorm: bool = True) -> None:
+                 pre_layernorm: bool = False, post_layernorm: bool = True, *,
+                 scale_attention_scores: bool = True, fp32_residual_addition: bool = False,
+                 use_alibi: bool = False, alibi_bias_max: int = 8) -> None:
+        refuse_alibi(use_alibi, "DistributedTransformerLayer")
         super().__init__()
         # SMP's layout: with both layer norms the sublayers before the MLP keep only their
         # pre layer norm, and the MLP's post layer norm normalises the layer's output
@@ -108,16 +122,19 @@ class DistributedTransformerLayer(nn.Module):
             num_attention_heads, attention_head_size, hidden_size, attention_dropout_prob,
             hidden_dropout_prob, layernorm_epsilon, initializer_range,
             use_normal_initialization, causal_mask_size=causal_mask_size,
-            pre_layernorm=pre_layernorm, post_layernorm=inner_post)
+            pre_layernorm=pre_layernorm, post_layernorm=inner_post,
+            scale_attention_scores=scale_attention_scores)
         self.crossattention = DistributedAttentionLayer(
             num_attention_heads, attention_head_size, hidden_size, attention_dropout_prob,
             hidden_dropout_prob, layernorm_epsilon, initializer_range,
             use_normal_initialization, cross_attention=True, pre_layernorm=pre_layernorm,
-            post_layernorm=inner_post) if add_cross_attention else None
+            post_layernorm=inner_post, scale_attention_scores=scale_attention_scores
+        ) if add_cross_attention else None
         self.output = DistributedTransformerOutputLayer(
             hidden_size, intermediate_size, hidden_dropout_prob, activation,
             layernorm_epsilon, initializer_range, use_normal_initialization,
-            pre_layernorm=pre_layernorm, post_layernorm=post_layernorm)
+            pre_layernorm=pre_layernorm, post_layernorm=post_layernorm,
+            fp32_residual_addition=fp32_residual_addition)
         mark(self)
 
     def forward(self, inputs: Pair) -> Pair:
@@ -145,7 +162,10 @@ class DistributedTransformer(nn.Module):
                  layernorm_epsilon: float = 1e-5, initializer_range: float = 0.02,
                  use_normal_initialization: bool = False,
                  causal_mask_size: int | None = None, add_cross_attention: bool = False,
-                 pre_layernorm: bool = False, post_layernorm: bool = True) -> None:
+                 pre_layernorm: bool = False, post_layernorm: bool = True, *,
+                 scale_attention_scores: bool = True, fp32_residual_addition: bool = False,
+                 use_alibi: bool = False, alibi_bias_max: int = 8) -> None:
+        refuse_alibi(use_alibi, "DistributedTransformer")
         super().__init__()
         self.num_layers = num_layers
         self.add_cross_attention = add_cross_attention
@@ -156,7 +176,9 @@ class DistributedTransformer(nn.Module):
             attention_dropout_prob, hidden_dropout_prob, activation, layernorm_epsilon,
             initializer_range, use_normal_initialization, causal_mask_size,
             add_cross_attention, pre_layernorm=pre_layernorm,
-            post_layernorm=post_layernorm and (not pre_layernorm or i == num_layers - 1))
+            post_layernorm=post_layernorm and (not pre_layernorm or i == num_layers - 1),
+            scale_attention_scores=scale_attention_scores,
+            fp32_residual_addition=fp32_residual_addition, alibi_bias_max=alibi_bias_max)
             for i in range(num_layers)])
         mark(self)
 
@@ -193,7 +215,10 @@ class DistributedTransformerLMHead(nn.Module):
                  use_normal_initialization: bool = False,
                  causal_mask_size: int | None = None, add_cross_attention: bool = False,
                  pre_layernorm: bool = False, post_layernorm: bool = True,
-                 num_token_types: int = 0, add_lm_head: bool = True) -> None:
+                 num_token_types: int = 0, add_lm_head: bool = True, *,
+                 scale_attention_scores: bool = True, fp32_residual_addition: bool = False,
+                 use_alibi: bool = False, alibi_bias_max: int = 8) -> None:
+        refuse_alibi(use_alibi, "DistributedTransformerLMHead")
         super().__init__()
         self.add_cross_attention = add_cross_attention
         self.word_embedding = nn.Embedding(vocab_size, hidden_size)
@@ -209,7 +234,8 @@ class DistributedTransformerLMHead(nn.Module):
             intermediate_size, attention_dropout_prob, hidden_dropout_prob, activation,
             layernorm_epsilon, initializer_range, use_normal_initialization,
             causal_mask_size, add_cross_attention, pre_layernorm=pre_layernorm,
-            post_layernorm=post_layernorm)
+            post_layernorm=post_layernorm, scale_attention_scores=scale_attention_scores,
+            fp32_residual_addition=fp32_residual_addition, alibi_bias_max=alibi_bias_max)
         self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon) \
             if pre_layernorm and not post_layernorm else None
         self.lm_head: nn.Linear | None = None

@@ -11,7 +11,11 @@ from smp_fx.optimizers.adam import FusedAdam
 from smp_fx.optimizers.lamb import FusedLamb
 from smp_fx.optimizers.novograd import FusedNovoGrad
 
-__all__ = ["FusedAdam", "FusedLamb", "FusedNovoGrad"]
+FusedLAMB = FusedLamb
+"""apex's spelling (``apex.optimizers.FusedLAMB``), which AWS's BERT scripts import from
+``smdistributed.modelparallel.torch.optimizers``: the same class."""
+
+__all__ = ["FusedAdam", "FusedLAMB", "FusedLamb", "FusedNovoGrad"]
 
 PLANNED: dict[str, str] = {}
 

@@ -133,6 +133,11 @@ class Parallelized:
         """Whether ``param`` is a tensor-parallel shard."""
         return self.tensor_parallel is not None and self.tensor_parallel.is_distributed(param)
 
+    def distribution_axis(self, param: torch.Tensor) -> int | None:
+        """The dimension a tensor-parallel shard is split along; None for a whole one."""
+        return (self.tensor_parallel.distribution_axis(param)
+                if self.tensor_parallel is not None else None)
+
     @property
     def tied_duplicates(self) -> frozenset[str]:
         """Local names of tied parameters a lower pipeline stage also holds (none

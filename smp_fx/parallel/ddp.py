@@ -263,6 +263,14 @@ class DataParallel(Joinable):
         self.armed: set[int] = set()
         self.backward_ran: set[int] = set()
         self.reductions = 0
+        self.comm_hooks: list[tuple[Any, Any]] = []
+
+    def register_comm_hook(self, state: Any, hook: Any) -> None:
+        """DDP's ``register_comm_hook`` on every local stage's wrapper (now, and on those
+        ``wrap`` makes later)."""
+        self.comm_hooks.append((state, hook))
+        for runner in self.runners.values():
+            runner.ddp.register_comm_hook(state, hook)
 
     def wrap(self, runners: Mapping[int, StageRunner]) -> dict[int, StageRunner]:
         """The local stages' runners with each stage wrapped in DDP over the group.
@@ -281,6 +289,8 @@ class DataParallel(Joinable):
                 base.stage.module, process_group=self.group, bucket_cap_mb=opts.bucket_cap_mb,
                 forward_sync_buffers=opts.broadcast_buffers,  # buffers are synced at init anyway
                 gradient_as_bucket_view=opts.gradient_as_bucket_view)
+            for hook_state, hook in self.comm_hooks:
+                wrapper.register_comm_hook(hook_state, hook)
             runner = DDPStageRunner(base, wrapper, self)
             out[s] = self.runners[s] = runner
             self.stage_params[s] = list(base.stage.module.parameters())
@@ -473,6 +483,22 @@ def for_build(options: DataParallelOptions, early: DataParallel | None
                         "set 'ddp': true for data parallelism", st.axis_size("rdp"))
         return None
     return early if early is not None else controller(options)
+
+
+def check_comm_hook(options: DataParallelOptions) -> None:
+    """``DistributedModel.register_comm_hook`` needs DDP's overlapped reduction (SMP's
+    rule): ``ddp`` and ``overlapping_allreduce``, and no sharded data parallelism."""
+    cfg = state.get().config
+    if not cfg.ddp or not options.overlapping_allreduce:
+        raise SMPConfigError.build(
+            "register_comm_hook needs 'ddp': true and overlapping_allreduce=True",
+            {"ddp": cfg.ddp, "overlapping_allreduce": options.overlapping_allreduce},
+            "DistributedModel.register_comm_hook", "set both, or reduce by hand after the step")
+    if cfg.sharded_data_parallel_degree > 1:
+        raise SMPConfigError.build(
+            "register_comm_hook hooks DDP, which sharded data parallelism does not use",
+            cfg.sharded_data_parallel_degree, "DistributedModel.register_comm_hook",
+            "use sharded_data_parallel_degree 1 to hook the gradient reduction")
 
 
 def check_join() -> None:

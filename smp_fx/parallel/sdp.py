@@ -45,7 +45,7 @@ import torch
 import torch.fx
 from torch import nn
 
-from cost_model.errors import SMPConfigError, not_implemented
+from cost_model.errors import SMPConfigError
 from smp_fx.parallel.ddp import DataParallelOptions, allreduce_grads, buckets
 from smp_fx.parallel.zero import broadcast_flat
 from smp_fx.runtime.lowering import Op, trains
@@ -231,11 +231,11 @@ def enable(options: DataParallelOptions, runners: Mapping[int, StageRunner]
     """Shard the local stages of ``runners`` (on every rank, at partitioning; collective
     over the dp groups)."""
     st = state.get()
-    if options.backward_passes_per_step != 1:
-        raise not_implemented("backward_passes_per_step with sharded data parallelism",
-                              "sharded_data_parallel_degree",
-                              "accumulate by calling smp.step several times before "
-                              "optimizer.step (gradients accumulate in their shards)")
+    if options.backward_passes_per_step != 1:  # SMP defers the reduction; the sum is equal
+        log.info("smp-fx sdp: backward_passes_per_step=%d: gradients are reduce-scattered at "
+                 "every backward and accumulate in their shards until optimizer.step (the "
+                 "same sum as reducing every %d steps)", options.backward_passes_per_step,
+                 options.backward_passes_per_step)
     _check_nodes(st)
     sdp = ShardedDataParallel(options, runners, st)
     log.info("smp-fx sdp: stages %s sharded over %d of %d dp ranks; units %s",

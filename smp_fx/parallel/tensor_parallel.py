@@ -43,9 +43,10 @@ class TensorParallelRuntime:
 
     def __init__(self, plan: TensorParallelPlan, distributed: list[nn.Parameter],
                  replicated: list[nn.Parameter], average_replicated: bool,
-                 chunked: list[nn.Parameter]) -> None:
+                 chunked: list[nn.Parameter], axes: dict[int, int] | None = None) -> None:
         self.plan = plan
         self._distributed_ids = {id(p) for p in distributed}
+        self._axes = dict(axes or {})  # id(shard) -> the dimension it is split along
         self.replicated = replicated
         self.average_replicated = average_replicated
         self.chunked = chunked
@@ -61,10 +62,12 @@ class TensorParallelRuntime:
         names = {s.name for s in plan.sharded}
         params = list(local)
         chunked = set(plan.sequence_parallel)
+        specs = {s.name: s for s in plan.sharded}
         rt = TensorParallelRuntime(plan, [p for n, p in params if n in names],
                                    [p for n, p in params if n not in names],
                                    not st.config.prescaled_batch,
-                                   [p for n, p in params if n in chunked])
+                                   [p for n, p in params if n in chunked],
+                                   {id(p): specs[n].dim for n, p in params if n in specs})
         if st.rank == 0:  # one report for the model (every rank's plan is the same)
             report = coverage(plan)
             level = logging.WARNING if plan.replicated else logging.INFO
@@ -77,6 +80,10 @@ class TensorParallelRuntime:
 
     def is_distributed(self, param: torch.Tensor) -> bool:
         return id(param) in self._distributed_ids
+
+    def distribution_axis(self, param: torch.Tensor) -> int | None:
+        """The dimension ``param`` is split along over the tp ranks; None if it is whole."""
+        return self._axes.get(id(param))
 
     def pre_step(self, ops: Sequence[Op]) -> None:
         self._training = trains(ops)

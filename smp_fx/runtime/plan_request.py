@@ -46,6 +46,9 @@ class PlanRequest:
     """``smp.partition`` pins by module path (manual partitioning), None when automatic."""
     tp: TensorParallelism | None
     """This rank's tensor-parallel rewrite, None at degree 1."""
+    real_run: bool = True
+    """Whether planning may run the model on real tensors (SMP's tracing step); False under
+    ``skip_tracing``: shapes come from fake tensors only, or the plan fails naming why."""
 
     def compile(self, model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None,
                 *, frontend: Frontend = "auto", progress: Progress | None = None,
@@ -55,7 +58,7 @@ class PlanRequest:
         return compile_model(model, args, kwargs, self.config, device=self.device,
                              frontend=frontend, pins=None if self.pins is None
                              else dict(self.pins), measured=measured, progress=progress,
-                             traced=traced, tp=self.tp)
+                             traced=traced, tp=self.tp, allow_real_run=self.real_run)
 
 
 def plan_request(cfg: SMPConfig, module: nn.Module, device: DeviceSpec, tp_rank: int, *,
@@ -73,4 +76,4 @@ def plan_request(cfg: SMPConfig, module: nn.Module, device: DeviceSpec, tp_rank:
     pins = None if cfg.auto_partition else tuple(pins_by_module_path(module).items())
     tp = (rewrite_inputs(cfg, tp_rank, module) if cfg.tensor_parallel_degree > 1 else None)
     return PlanRequest(cfg.partition_config(spec.name, optimizer_state_factor, rules), spec,
-                       pins, tp)
+                       pins, tp, real_run=not cfg.skip_tracing)

@@ -21,7 +21,7 @@ from torch import nn
 
 from cost_model.device import DeviceSpec
 from cost_model.devices import DEFAULT_DEVICE, load_device, spec_for_device_name
-from cost_model.errors import SMPConfigError, SMPPartitionError, not_implemented
+from cost_model.errors import SMPConfigError, SMPPartitionError, SMPTracingError, not_implemented
 from cost_model.measure import measure_nodes
 from passes import meta
 from passes.plan import PartitionPlan
@@ -67,8 +67,15 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             measured = measured_costs(gm, args, kwargs, times, memory, st)
     # after the trace: smp.checkpoint inside the forward marks its module while traced
     request = plan_request(cfg, module, device, st.axis_rank("tp"))
-    with thread_modes(torch.is_grad_enabled(), autocast):
-        compiled = request.compile(module, args, kwargs, measured=measured, traced=gm)
+    try:
+        with thread_modes(torch.is_grad_enabled(), autocast):
+            compiled = request.compile(module, args, kwargs, measured=measured, traced=gm)
+    except SMPTracingError as exc:
+        if request.real_run:
+            raise
+        raise SMPTracingError(f"{exc} ('skip_tracing': true refused the one real forward "
+                              "that would measure these shapes: drop 'skip_tracing', or "
+                              "make the module a leaf)") from exc
     return compiled.gm, compiled.plan, compiled.tp_plan
 
 

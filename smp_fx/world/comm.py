@@ -120,6 +120,12 @@ def rdp_rank() -> int:
     return _state.get().axis_rank("rdp")
 
 
+def num_microbatches() -> int:
+    """The configured ``microbatches`` (SMP 1.x's ``smp.num_microbatches()``, which AWS's
+    Mask R-CNN example divides its per-step box counts by)."""
+    return _state.get().config.microbatches
+
+
 def rdp_size() -> int:
     return _state.get().axis_size("rdp")
 

@@ -20,6 +20,12 @@ What is read, page by page (``PAGES`` says which page is which version):
   page typos in ``TYPOS`` (kept in the data under ``left_out``, with the reason);
 * every ``import smdistributed...`` / ``from smdistributed... import`` line (``imports``).
 
+Besides the pages' facts, the data holds ``used``: every SMP name, method, attribute and
+configuration key that AWS's example scripts and the last v1 documentation (SMP 1.11-1.15,
+aws/sagemaker-python-sdk before December 2023) use, gathered by reading them with the
+code-search tools (``used_sources`` names each repository and commit). Those sources are
+not at hand here, so ``used`` is kept as it is when the pages' facts are rewritten.
+
 The format (``SCHEMA``) is meant to grow: each entry of ``names`` says what the
 documentation promises of the name in ``behaviour`` (today always ``"present"``: it exists
 with the documented signature; later sources add ``"accepted"`` for configuration values
@@ -218,8 +224,16 @@ def imports(pages: dict[str, str]) -> list[dict[str, Any]]:
     return [{"line": line, "sources": sorted(found[line])} for line in sorted(found)]
 
 
+def kept_facts() -> dict[str, Any]:
+    """``used_sources`` and ``used`` from the committed data (see the module docstring)."""
+    if not DATA.is_file():
+        return {}
+    old = json.loads(DATA.read_text())
+    return {k: old[k] for k in ("used_sources", "used") if k in old}
+
+
 def extract(folder: Path) -> dict[str, Any]:
-    """The whole data document from the pages in ``folder``."""
+    """The whole data document from the pages in ``folder`` (and the kept facts)."""
     missing = [p for p in PAGES if not (folder / p).is_file()]
     if missing:
         raise FileNotFoundError(f"SMP's documentation pages {missing} are not in {folder}")
@@ -236,6 +250,7 @@ def extract(folder: Path) -> dict[str, Any]:
         "imports": imports(pages),
         "left_out": [{"name": n, "source": src, "reason": why}
                      for n, (src, why) in sorted(TYPOS.items())],
+        **kept_facts(),
     }
 
 

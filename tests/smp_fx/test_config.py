@@ -25,7 +25,7 @@ from smp_fx.config import (
 BASE = {"pipeline_parallel_degree": 2}
 
 # Defaults as the table of SMP's documentation gives them (written out, not read from the code).
-SEED_DEFAULTS: dict[str, Any] = {
+DOC_DEFAULTS: dict[str, Any] = {
     "microbatches": 1, "pipeline": "interleaved", "optimize": "memory",
     "placement_strategy": "cluster", "auto_partition": True, "default_partition": 0,
     "memory_weight": 0.8, "ddp": False, "active_microbatches": 4,
@@ -41,6 +41,11 @@ SEED_DEFAULTS: dict[str, Any] = {
 LATER_DEFAULTS: dict[str, Any] = {
     "bf16": False, "delayed_parameter_initialization": False, "tensor_parallel_seed": 0,
     "static_mode": False, "fast_mode": False, "ddp_port": None, "ddp_dist_backend": "auto",
+}
+# Keys AWS's example notebooks and scripts write that SMP's parameter page does not list.
+EXAMPLE_DEFAULTS: dict[str, Any] = {
+    "checkpoint_attentions": False, "overlapping_allreduce": True, "_match_weights": False,
+    "_fp32_grad_accumulation": False,
 }
 
 # name -> (valid values, invalid values); each checked alone on top of BASE (+ needs).
@@ -79,6 +84,10 @@ TABLE: dict[str, tuple[list[Any], list[Any]]] = {
     "fast_mode": ([True, False], [None]),
     "ddp_port": ([0, 29501], [-1, "29501"]),
     "ddp_dist_backend": (["auto", "nccl"], ["smddp", 1]),
+    "checkpoint_attentions": ([True, False], [1]),
+    "overlapping_allreduce": ([True, False], ["true"]),
+    "_match_weights": ([True, False], [0]),
+    "_fp32_grad_accumulation": ([True, False], [None]),
 }
 NEEDS = {"tensor_parallel_degree": {"ddp": True}, "auto_partition": {"default_partition": 0},
          "ddp_port": {"ddp": True},
@@ -94,13 +103,14 @@ def _load(cfg: Any, env: dict[str, str] | None = None) -> SMPConfig:
 
 
 def test_table_covers_every_parameter() -> None:
-    assert set(TABLE) == set(BY_NAME) == (set(SEED_DEFAULTS) | set(LATER_DEFAULTS)
-                                          | {"pipeline_parallel_degree"} | EXTENSIONS)
+    assert set(TABLE) == set(BY_NAME) == (
+        set(DOC_DEFAULTS) | set(LATER_DEFAULTS) | set(EXAMPLE_DEFAULTS)
+        | {"pipeline_parallel_degree"} | EXTENSIONS)
 
 
-def test_defaults_match_the_seed() -> None:
+def test_defaults_match_smps_documentation() -> None:
     cfg = _load(BASE)
-    for name, value in {**SEED_DEFAULTS, **LATER_DEFAULTS}.items():
+    for name, value in {**DOC_DEFAULTS, **LATER_DEFAULTS, **EXAMPLE_DEFAULTS}.items():
         assert getattr(cfg, name) == value, name
         assert type(getattr(cfg, name)) is type(value), name
 
@@ -165,8 +175,9 @@ def test_cross_field_rules() -> None:
     assert _load(sharded).sharded_data_parallel_degree == 2
     with pytest.raises(SMPConfigError, match="both shard the optimizer state"):
         _load({**sharded, "shard_optimizer_state": True})
-    with pytest.raises(SMPNotImplementedError, match="fp16 / bf16 with sharded"):
+    with pytest.raises(SMPNotImplementedError, match="fp16 with sharded"):
         _load({**sharded, "fp16": True})
+    assert _load({**sharded, "bf16": True}).bf16  # bf16 shards, fp32 master shards
     with pytest.raises(SMPConfigError, match="'bf16' and 'fp16'"):
         _load({**BASE, "bf16": True, "fp16": True})
     with pytest.raises(SMPConfigError, match="'ddp_port' requires 'ddp'"):
@@ -248,6 +259,19 @@ def test_unimplemented_fail_at_point_of_use(name: str) -> None:
         cfg.require_implemented(name)
     with pytest.raises(SMPNotImplementedError, match=name):
         cfg.check_features(param.used_at)
+
+
+def test_keys_the_examples_write_are_accepted() -> None:
+    """What AWS's GPT-Neo / GPT-2-custom / BERT notebooks pass besides SMP's documented keys:
+    accepted; the engine switch at any value, the planned one at its default."""
+    given = {"checkpoint_attentions": True, "_match_weights": True,
+             "_fp32_grad_accumulation": False, "overlapping_allreduce": False}
+    cfg = _load({**BASE, **given})
+    assert all(getattr(cfg, k) == v for k, v in given.items())
+    cfg.check_features("DistributedModel")
+    assert BY_NAME["_match_weights"].status == ENGINE
+    with pytest.raises(SMPNotImplementedError, match="_fp32_grad_accumulation"):
+        _load({**BASE, "_fp32_grad_accumulation": True}).check_features("DistributedModel")
 
 
 def test_implemented_never_raise_and_json_round_trip() -> None:

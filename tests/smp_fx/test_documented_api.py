@@ -205,3 +205,91 @@ def test_script_page_names_exist() -> None:
                   if m["in_script_code"])
     assert {"step", "init", "DistributedModel", "DistributedOptimizer"} <= set(used)
     assert all(hasattr(smp_fx, n) for n in used), used
+
+
+# ---- what AWS's example scripts and the last v1 pages use (``used`` in the data) --------
+USED: list[dict[str, Any]] = DATA["used"]
+
+
+def test_the_used_facts_name_their_sources() -> None:
+    """Every ``used`` entry says where it was read (a repository at a commit) and what the
+    test checks; the scripts' whole surface is there (names, methods, keys)."""
+    sources = DATA["used_sources"]
+    assert all(len(s["commit"]) == 40 for s in sources.values())
+    assert {s for u in USED for s in u["sources"]} == set(sources)
+    assert {u["behaviour"] for u in USED} == {"present", "accepted", "refused"}
+    names = {u["name"] for u in USED}
+    assert len(USED) >= 100 and len(names) == len(USED)
+    assert {"smp.optimizers.FusedLAMB", "smp.DistributedOptimizer._global_grad_norm",
+            "skip_tracing", "smdistributed.modelparallel.torch.utils.rmsg"} <= names
+
+
+@pytest.fixture()
+def instances() -> Iterator[dict[str, Any]]:
+    """One DistributedModel and one DistributedOptimizer (pp=1), for instance attributes."""
+    import torch
+    from torch import nn
+
+    from smp_fx.world import state
+
+    state._reset()
+    smp_fx.init({"pipeline_parallel_degree": 1})
+    net = nn.Linear(2, 2)
+    model = smp_fx.DistributedModel(net)
+    opt = smp_fx.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1))
+    yield {"smp.DistributedModel": model, "smp.DistributedOptimizer": opt}
+    state._reset()
+
+
+def _accepted(entry: dict[str, Any]) -> None:
+    from smp_fx.config import load_config
+
+    base = {} if entry["name"] == "partitions" else {"pipeline_parallel_degree": 1}
+    cfg = load_config({**base, **entry.get("with", {}), entry["name"]: entry["value"]},
+                      env={})
+    cfg.check_features("DistributedModel")
+    cfg.check_features("DistributedOptimizer")
+
+
+@pytest.mark.parametrize("entry", USED, ids=[u["name"] for u in USED])
+def test_used_name(entry: dict[str, Any], request: pytest.FixtureRequest) -> None:
+    """Present with the signature the scripts and pages use, accepted (a configuration key
+    by ``smp.init`` and both wrappers), or refused with the recorded error."""
+    name, kind = entry["name"], entry["kind"]
+    with _shims():
+        if kind == "config":
+            if entry["behaviour"] == "accepted":
+                _accepted(entry)
+                return
+            with pytest.raises(getattr(smp_fx, entry["error"]), match=entry["match"]):
+                _accepted({"name": "pipeline_parallel_degree", "value": 1,
+                           "with": entry["value"]})
+            return
+        if kind in ("instance_attribute", "attribute_after_init"):
+            instances = request.getfixturevalue("instances")  # smp.init'ed, with instances
+            owner, attr = name.rsplit(".", 1)
+            if kind == "attribute_after_init":
+                assert _resolve(name) is not None
+            else:
+                assert hasattr(instances[owner], attr), name
+            return
+        obj = _resolve(name)
+        if entry["behaviour"] == "refused":
+            error = getattr(smp_fx, entry["error"])
+            with pytest.raises(error, match=entry["match"]):
+                obj(*entry["call"])
+            return
+        if kind == "property":
+            owner = _resolve(name.rsplit(".", 1)[0])
+            assert isinstance(inspect.getattr_static(owner, name.rsplit(".", 1)[1]), property)
+            return
+        if kind == "data":
+            return
+        assert callable(obj), name
+        if entry["params"] is not None:
+            checked = {"params": entry["params"], "var_args": entry.get("var_args", False)}
+            problems = [p for p in _problems(obj, checked)
+                        if not p.startswith("undocumented required")]
+            assert problems == [], name
+        params = inspect.signature(obj).parameters
+        assert all(k in params for k in entry.get("keywords", [])), name

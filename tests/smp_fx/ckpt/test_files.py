@@ -132,12 +132,18 @@ def test_what_scripts_save_loads_under_the_safe_default(tmp_path: Path) -> None:
         sched.load_state_dict(state)
 
 
-def test_v3_is_sharded_optimizer_state_not_built(tmp_path: Path) -> None:
+def test_v3_saves_a_partial_checkpoint_per_replica(tmp_path: Path) -> None:
+    """What the Hugging Face Trainer passes: ``v3=smp.state.cfg.shard_optimizer_state``;
+    SMP 1.10+'s ``smp.load(..., back_compat=True)`` reads it as any file."""
     f = str(tmp_path / "opt.pt")
-    with pytest.raises(smp_fx.SMPNotImplementedError, match="shard_optimizer_state"):
-        ckpt.save({"x": 1}, f, partial=True, v3=True)
-    ckpt.save({"x": 1}, f, partial=True, v3=False)  # what the HF Trainer passes
+    ckpt.save({"x": 1}, f, partial=True, v3=True)
+    assert sorted(os.listdir(tmp_path)) == ["opt.pt_rdp0.smp_index.json", "opt.pt_rdp0_0"]
     assert ckpt.load(f, partial=True) == {"x": 1}
+    assert ckpt.load(f, partial=True, back_compat=True) == {"x": 1}
+    ckpt.save({"x": 2}, f, partial=True, v3=False)  # without sharding
+    assert ckpt.load(f, partial=True) == {"x": 2}
+    with pytest.raises(smp_fx.SMPCheckpointError, match="partial=True with v3=True"):
+        ckpt.save({"x": 1}, f, partial=False, v3=True)
 
 
 def test_single_process_partial_save_writes_rank_file_and_index(tmp_path: Path) -> None:

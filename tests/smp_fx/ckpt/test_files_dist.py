@@ -98,6 +98,9 @@ class FakeModel(ModelCheckpointMixin, nn.Module):
         self.hooks: list[Any] = []
         self.optimizers: list[FakeOptimizer] = []
 
+    def get_module(self) -> nn.Module:
+        return self.module
+
     def register_post_partition_hook(self, hook: Any) -> None:
         self.hooks.append(hook)
 
@@ -122,7 +125,8 @@ class FakeModel(ModelCheckpointMixin, nn.Module):
 
 
 class FakeOptimizer(OptimizerCheckpointMixin):
-    """The runtime facts the optimizer mixin uses: optimizer, global_index, _localized.
+    """The runtime facts the optimizer mixin uses: optimizer (also its torch_optimizer),
+    global_index, _localized.
 
     Faked: the binding to the model. ``localize`` (called by ``FakeModel.partition``) drops
     the parameters the stage does not hold from the param groups, the effect of the
@@ -135,7 +139,7 @@ class FakeOptimizer(OptimizerCheckpointMixin):
         return FakeOptimizer.model
 
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
-        self.optimizer = optimizer
+        self.optimizer = self.torch_optimizer = optimizer
         flat = [p for g in optimizer.param_groups for p in g["params"]]
         self.global_index = {id(p): i for i, p in enumerate(flat)}
         self._localized = False

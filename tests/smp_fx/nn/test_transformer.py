@@ -259,20 +259,47 @@ def test_smp_signatures_and_defaults() -> None:
                   "causal_mask_size": None, "add_cross_attention": False,
                   "pre_layernorm": False, "post_layernorm": True}
 
+    later = {"scale_attention_scores": True, "fp32_residual_addition": False,  # SMP 1.13-1.15
+             "use_alibi": False, "alibi_bias_max": 8}
+
     def defaults(cls: type) -> dict[str, Any]:
         return {k: p.default for k, p in inspect.signature(cls).parameters.items()}
 
-    assert defaults(smp.nn.DistributedTransformerLayer) == layer_args
-    assert defaults(smp.nn.DistributedTransformer) == {"num_layers": 12, **layer_args}
+    assert defaults(smp.nn.DistributedTransformerLayer) == {**layer_args, **later}
+    assert defaults(smp.nn.DistributedTransformer) == {"num_layers": 12, **layer_args,
+                                                       **later}
     head = {"num_layers": 12, **layer_args, "vocab_size": 30522, "num_positions": 1024,
-            "num_token_types": 0, "add_lm_head": True}
+            "num_token_types": 0, "add_lm_head": True, **later}
     assert defaults(smp.nn.DistributedTransformerLMHead) == head
     att = defaults(smp.nn.DistributedAttentionLayer)
     assert att["cross_attention"] is False and att["hidden_size"] == 1024
     assert list(defaults(smp.nn.DistributedTransformerOutputLayer)) == [
         "hidden_size", "intermediate_size", "hidden_dropout_prob", "activation",
         "layernorm_epsilon", "initializer_range", "use_normal_initialization",
-        "pre_layernorm", "post_layernorm"]
+        "pre_layernorm", "post_layernorm", "fp32_residual_addition"]
+
+
+def test_scale_attention_scores_and_fp32_residual_addition() -> None:
+    """``scale_attention_scores=False`` leaves the scores unscaled (the same layer with
+    queries scaled by sqrt(d) computes it); ``fp32_residual_addition`` sums in fp32."""
+    torch.manual_seed(0)
+    kw = {"num_attention_heads": 2, "attention_head_size": 4, "hidden_size": 8,
+          "intermediate_size": 16, "attention_dropout_prob": 0.0, "hidden_dropout_prob": 0.0}
+    plain = smp.nn.DistributedTransformerLayer(**kw)
+    unscaled = smp.nn.DistributedTransformerLayer(**kw, scale_attention_scores=False)
+    unscaled.load_state_dict(plain.state_dict())
+    with torch.no_grad():
+        unscaled.attention.query.weight.div_(2.0)  # sqrt(head size 4)
+        unscaled.attention.query.bias.div_(2.0)
+    x, mask = torch.randn(2, 3, 8), torch.zeros(2, 1, 1, 3)
+    torch.testing.assert_close(unscaled((x, mask))[0], plain((x, mask))[0])
+    out16 = smp.nn.DistributedTransformerOutputLayer(8, 16, 0.0, fp32_residual_addition=True)
+    ref16 = smp.nn.DistributedTransformerOutputLayer(8, 16, 0.0)
+    ref16.load_state_dict(out16.state_dict())
+    torch.testing.assert_close(out16(x), ref16(x))  # fp32 activations: the same numbers
+    assert out16.half()(x.half()).dtype == torch.float16
+    with pytest.raises(smp.SMPNotImplementedError, match="use_alibi"):
+        smp.nn.DistributedTransformer(num_layers=1, **kw, use_alibi=True)
 
 
 @pytest.mark.parametrize("build", [

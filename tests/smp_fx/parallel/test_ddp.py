@@ -415,3 +415,59 @@ def test_buckets_respect_cap_and_order() -> None:
     got = buckets([*params, frozen], cap_mb=1.0)  # 1 MiB = 262144 fp32 values
     assert [[id(p) for p in b] for b in got] == \
         [[id(params[3]), id(params[2])], [id(params[1])], [id(params[0])]]
+
+
+
+def _doubling_hook(calls, bucket):  # type: ignore[no-untyped-def]  # DDP reads annotations
+    """A DDP communication hook: the average over the group, doubled (unannotated: DDP
+    refuses a ``bucket`` annotation other than the GradBucket class itself)."""
+    calls.append(1)
+    buf = bucket.buffer()
+    work = dist.all_reduce(buf, async_op=True)
+    return work.get_future().then(lambda fut: fut.value()[0] / dist.get_world_size() * 2)
+
+
+def _comm_hook_scenario() -> dict[str, Any]:
+    import smp_fx as smp
+
+    smp.init({"pipeline_parallel_degree": 1, "ddp": True})
+    torch.manual_seed(0)
+    net = nn.Linear(4, 2)
+    model = smp.DistributedModel(net)
+    calls: list[int] = []
+    model.register_comm_hook(calls, _doubling_hook)
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor) -> Any:
+        loss = model(x).pow(2).mean()
+        model.backward(loss)
+        return loss
+
+    torch.manual_seed(1)
+    x = torch.randn(4, 4)
+    train_step(model, x[2 * smp.rank():2 * smp.rank() + 2])
+    assert net.weight.grad is not None
+    return {"calls": len(calls), "grad": net.weight.grad.tolist()}  # no shared storage
+
+
+@pytest.mark.multiproc
+def test_register_comm_hook_hooks_the_models_ddp() -> None:
+    """``DistributedModel.register_comm_hook`` (SMP's page): registered before the first
+    step, it hooks the DDP wrapper the build makes; the gradients are what it returns."""
+    results = run_ranks(_comm_hook_scenario, 2, timeout=120)
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 2)
+    torch.manual_seed(1)
+    x = torch.randn(4, 4)
+    ref(x).pow(2).mean().backward()
+    assert ref.weight.grad is not None
+    for res in results:
+        assert res["calls"] >= 1
+        torch.testing.assert_close(torch.tensor(res["grad"]), 2 * ref.weight.grad)
+
+
+def test_register_comm_hook_needs_the_overlapped_reduction(one_rank: Any) -> None:
+    smp = one_rank
+    model = smp.DistributedModel(nn.Linear(4, 2), overlapping_allreduce=False)
+    with pytest.raises(smp.SMPConfigError, match="overlapping_allreduce=True"):
+        model.register_comm_hook(None, _doubling_hook)

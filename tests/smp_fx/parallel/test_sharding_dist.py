@@ -9,10 +9,12 @@ unpartitioned model over the whole batch. One world goes through:
   ``local_state_dict()`` (the stage's merged shards) and ``local_state_dict(gather_if_shard=
   False)`` (this rank's shard) reload at the same dp size; ``smp.save_checkpoint`` there
   resumes at pp=1 x dp=4; the full state and weights load at that layout (ZeRO over 4)
-  and a further step still equals plain Adam;
+  and a further step still equals plain Adam; the per-rank files of
+  ``smp.save(..., v3=True)`` (the Hugging Face Trainer's) reload the whole state;
 * sharded data parallelism at pp=2 x sdp=2 (GPT) and pp=1 x dp=4 x sdp=2 (HSDP, MLP, small
   units and replicated small parameters): parameters equal plain Adam's with the global
-  norm clipped to ``sdp_gradient_clipping`` after 3 steps.
+  norm clipped to ``sdp_gradient_clipping`` after 3 steps, and ``optimizer._global_grad_norm``
+  (what AWS's ``train.py`` logs) is the reference's norm before clipping.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from tests.helpers.dist import run_ranks
 from tests.helpers.twin import Twin, init
 
 ATOL = 1e-5
-CHECKS = 14  # every rank makes each check of the docstring
+CHECKS = 24  # every rank makes each check of the docstring
 
 
 def _adam(params: Any) -> torch.optim.Optimizer:
@@ -38,16 +40,19 @@ def _adam(params: Any) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-2, eps=1e-4)
 
 
-def _train(t: Twin, opt: Any, ref_opt: Any, steps: int, clip: float = 0.0) -> None:
+def _train(t: Twin, opt: Any, ref_opt: Any, steps: int, clip: float = 0.0) -> float:
+    """``steps`` steps of both; the reference's last gradient norm (before clipping)."""
+    norm = 0.0
     for _ in range(steps):
         opt.zero_grad()
         ref_opt.zero_grad()
         t.smp_step()
         t.ref_step()
         if clip:
-            torch.nn.utils.clip_grad_norm_(t.ref.parameters(), clip)
+            norm = float(torch.nn.utils.clip_grad_norm_(t.ref.parameters(), clip))
         opt.step()
         ref_opt.step()
+    return norm
 
 
 def _zero_checks(c: Checks, folder: str) -> tuple[dict[str, Any], dict[str, Any], Twin]:
@@ -76,7 +81,20 @@ def _zero_checks(c: Checks, folder: str) -> tuple[dict[str, Any], dict[str, Any]
         opt.load_state_dict(saved)
         c.expect(_same_state(opt.state_dict(), full), "zero: local_state_dict reloads")
     smp.save_checkpoint(folder, "zero", model=t.dm, optimizer=opt)
+    # the Hugging Face Trainer's optimizer file: each rank its shard, v3=True
+    path = f"{folder}/optimizer.pt"
+    smp.save(shard, path, partial=True, v3=shard_state(opt))
+    smp.barrier()  # every replica's files are written before any rank reads them
+    opt.optimizer.state.clear()
+    opt.load_state_dict(smp.load(path, partial=True, back_compat=True))
+    c.expect(_same_state(opt.state_dict(), full), "zero: v3 per-rank files reload")
     return full, t.dm.state_dict(), t
+
+
+def shard_state(opt: Any) -> bool:
+    import smp_fx as smp
+
+    return bool(smp.state.cfg.shard_optimizer_state) and opt.shards_state
 
 
 def _zero_other_layout(c: Checks, opt_sd: dict[str, Any], model_sd: dict[str, Any],
@@ -113,11 +131,66 @@ def _sdp_checks(c: Checks) -> None:
         init(pp, 2, sharded_data_parallel_degree=sdp, **extra)
         t = Twin(name)
         opt = smp.DistributedOptimizer(_adam(t.dm.parameters()))
-        _train(t, opt, _adam(t.ref.parameters()), 3, clip=1.0)
+        ref_opt = _adam(t.ref.parameters())
+        norm = _train(t, opt, ref_opt, 3, clip=1.0)
         tag = f"sdp pp={pp} dp={smp.dp_size()}"
         c.expect(not mismatched(t.local(), t.reference(), atol=ATOL), f"{tag}: parameters")
+        c.expect(abs(opt._global_grad_norm - norm) <= 1e-5 * max(norm, 1.0),
+                 f"{tag}: optimizer._global_grad_norm {opt._global_grad_norm} vs {norm}")
         sharded = [p for p in t.dm.local_parameters() if hasattr(p, "full_tensor")]
         c.expect(bool(sharded), f"{tag}: parameters are sharded")
+        # gradient accumulation (AWS's train.py: two smp.steps, then optimizer.step): the
+        # shards' gradients sum over the steps as the reference's do
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        for _ in range(2):
+            t.smp_step()
+            t.ref_step()
+        torch.nn.utils.clip_grad_norm_(t.ref.parameters(), 1.0)
+        opt.step()
+        ref_opt.step()
+        c.expect(not mismatched(t.local(), t.reference(), atol=ATOL),
+                 f"{tag}: two steps accumulated")
+        # checkpoints hold whole tensors (gathered over the shard group) and load back as
+        # shards: a step after loading repeats the step after saving
+        model_sd = {k: v.clone() if isinstance(v, torch.Tensor) else v
+                    for k, v in t.dm.local_state_dict().items()}
+        opt_sd = copy.deepcopy(opt.local_state_dict())  # as written to a file (Adam's step
+        whole = [k for k, v in model_sd.items() if isinstance(v, torch.Tensor)
+                 and hasattr(dict(t.dm.local_named_parameters()).get(k), "full_tensor")]
+        opt.zero_grad()  # counters are updated in place and CPU tensors are not copied)
+        t.smp_step()
+        opt.step()
+        after = {k: v.clone() for k, v in t.local().items() if v is not None}
+        t.dm.load_state_dict(model_sd)
+        opt.load_state_dict(opt_sd)
+        opt.zero_grad()
+        t.smp_step()
+        opt.step()
+        c.expect(bool(whole) and not mismatched(t.local(), after, atol=ATOL),
+                 f"{tag}: checkpoint round trip")
+
+
+def _sdp_bf16_checks(c: Checks) -> None:
+    """bf16 with sharded data parallelism (AWS's train.py notebooks): bf16 shards, fp32
+    master shards stepped by the optimizer and clipped by ``sdp_gradient_clipping``; within
+    bf16's resolution of the fp32 reference after three steps."""
+    import smp_fx as smp
+
+    init(1, 2, sharded_data_parallel_degree=2, bf16=True, sdp_reduce_bucket_size=300,
+         sdp_param_persistence_threshold=40, sdp_gradient_clipping=0.05)
+    t = Twin("mlp")
+    opt = smp.DistributedOptimizer(_adam(t.dm.parameters()))
+    ref_opt = _adam(t.ref.parameters())
+    norm = _train(t, opt, ref_opt, 3, clip=0.05)  # clipping active: the norms are larger
+    tag = f"sdp bf16 dp={smp.dp_size()}"
+    local = {k: v for k, v in t.local().items() if v is not None}
+    c.expect(not mismatched(local, t.reference(), atol=3e-2, rtol=3e-2), f"{tag}: parameters")
+    c.expect(abs(opt._global_grad_norm - norm) <= 3e-2 * norm,
+             f"{tag}: _global_grad_norm {opt._global_grad_norm} vs {norm}")
+    halves = [p for p in t.dm.local_parameters() if hasattr(p, "full_tensor")]
+    c.expect(bool(halves) and all(p.dtype == torch.bfloat16 for p in halves),
+             f"{tag}: bf16 shards")
 
 
 def _shared_dir() -> str:
@@ -151,6 +224,7 @@ def _body() -> tuple[int, list[str]]:
         opt_sd, model_sd, twin = _zero_checks(c, folder)
         _zero_other_layout(c, opt_sd, model_sd, twin, folder)
         _sdp_checks(c)
+        _sdp_bf16_checks(c)
     finally:
         if dist.get_rank() == 0 and folder:
             shutil.rmtree(folder, ignore_errors=True)

@@ -272,9 +272,17 @@ def _scenario(kind: str, prescaled: bool, pp: int = 1, optimize: str = "memory",
     shapes = {n: tuple(p.shape) for n, p in model.local_named_parameters()}
     distributed = sorted(n for n, p in model.local_named_parameters()
                          if model.is_distributed_parameter(p))
+    named = dict(model.local_named_parameters())
+    queries = {  # SMP's tensor-parallel queries on DistributedModel
+        "axes": {n: model.distribution_axis(p) for n, p in named.items()},
+        "scaled": sorted(n for n, _ in model.scaled_batch_reducer_named_parameters()),
+        "default": sorted(n for n, _ in model.default_reducer_named_parameters()),
+        "modules": len(list(model.distributed_modules())),
+        "buffers": [model.is_distributed_buffer(b) or model.is_scaled_batch_buffer(b)
+                    for b in model.buffers()]}
     return {"losses": losses, "grads": grads, "state_dict": full, "params": params,
             "shapes": shapes, "distributed": distributed, "plan": model.tp_plan.to_json(),
-            "padding": padding}
+            "padding": padding, "queries": queries}
 
 
 def _padding_rows(model: Any, values: dict[str, torch.Tensor]) -> list[float]:
@@ -331,7 +339,7 @@ def _checked(kind: str, prescaled: bool, pp: int = 1, optimize: str = "memory", 
         bad.append(f"padding rows {res['padding']}")
     return {"bad": bad, "losses": res["losses"], "shapes": res["shapes"],
             "distributed": res["distributed"], "plan": res["plan"],
-            "padding": res["padding"]}
+            "padding": res["padding"], "queries": res["queries"]}
 
 
 _RESULTS: dict[tuple[str, bool, str], list[Any]] = {}
@@ -392,6 +400,13 @@ def test_tp2_shards_and_plan() -> None:
     assert mlp[0]["shapes"]["inp.weight"] == (16, 8)
     assert mlp[0]["distributed"] == ["fc1.bias", "fc1.weight", "fc2.weight", "head.bias",
                                      "head.weight"]
+    queries = mlp[0]["queries"]  # SMP's queries answer from the same plan
+    specs = {d["name"]: d["dim"] for d in mlp[0]["plan"]["sharded"]}
+    assert {n: a for n, a in queries["axes"].items() if a is not None} == {
+        n: specs[n] for n in mlp[0]["distributed"]}
+    assert queries["scaled"] == mlp[0]["distributed"]
+    assert sorted(queries["default"] + queries["scaled"]) == sorted(mlp[0]["shapes"])
+    assert queries["modules"] >= 1 and not any(queries["buffers"])
     assert _run("swiglu", False)[0]["plan"]["pairs"] == [["gate", "down"], ["up", "down"]]
     blocks = _run("blocks", True)[0]
     assert blocks["plan"]["replicated"] == []

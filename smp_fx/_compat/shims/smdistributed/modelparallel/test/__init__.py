@@ -1,0 +1,1 @@
+"""Shim: ``smdistributed.modelparallel.test``, SMP's own test helpers (see ``torch.utils``)."""

@@ -1,0 +1,1 @@
+"""Shim: ``smdistributed.modelparallel.test.torch`` (see ``utils``)."""

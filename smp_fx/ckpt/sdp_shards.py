@@ -1,0 +1,66 @@
+"""Checkpoints of a model under sharded data parallelism (FSDP2): shards as whole tensors.
+
+Sharded data parallelism holds each local parameter (and the optimizer state of it) as a
+``DTensor`` sharded over the stage's shard group. A checkpoint holds whole tensors instead,
+so that it is the same file as without sharding and loads at any
+``sharded_data_parallel_degree`` (1 included): ``whole`` gathers a state's ``DTensor``\\ s
+(a collective over each one's mesh: every rank of the shard group saves, in the same
+order, as ``smp.save_checkpoint`` has every rank take part), and ``assign`` /
+``reshard_optimizer_state`` put a loaded whole tensor back as this rank's shard, with no
+communication (every rank holds the whole value). The gathered copy costs the memory of
+one stage's full state for the duration of the save, which is what sharding saves
+otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+
+def whole(value: Any) -> Any:
+    """``value`` (a state dict, nested) with every ``DTensor`` gathered to a plain tensor."""
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, dict):
+        return type(value)((k, whole(v)) for k, v in value.items())
+    if isinstance(value, list):
+        return [whole(v) for v in value]
+    return value
+
+
+def shard_like(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``value`` (whole) as a tensor like ``target``: this rank's shard when ``target`` is a
+    ``DTensor``, else ``value`` itself."""
+    if isinstance(target, DTensor) and not isinstance(value, DTensor):
+        return distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements,
+                                 src_data_rank=None)
+    return value
+
+
+def assign(target: torch.Tensor, value: torch.Tensor) -> None:
+    """Copy a whole ``value`` into ``target`` (a parameter, perhaps a shard)."""
+    if isinstance(target, DTensor):
+        target.to_local().copy_(cast(DTensor, shard_like(target, value)).to_local())
+    else:
+        target.copy_(value)
+
+
+def reshard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """After ``optimizer.load_state_dict`` of whole tensors: each state tensor of a sharded
+    parameter with the parameter's shape becomes the matching shard (step counters and
+    other scalars stay as loaded)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not isinstance(p, DTensor):
+                continue
+            entry = optimizer.state.get(p, {})
+            for key, value in list(entry.items()):
+                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                        and tuple(value.shape) == tuple(p.shape):
+                    entry[key] = shard_like(p, value)
+
+
+__all__ = ["assign", "reshard_optimizer_state", "shard_like", "whole"]

@@ -1,0 +1,42 @@
+"""``"checkpoint_attentions": true``: SMP's attention checkpointing inside its transformer.
+
+AWS's notebooks write the key (``"checkpoint_attentions": False if activation_checkpointing
+else True``): when whole layers are not checkpointed, SMP recomputed the attention
+sublayers of its ``smp.nn`` transformer in backward instead of keeping their activations.
+smp-fx marks every ``DistributedAttentionLayer`` for activation checkpointing (as
+``smp.set_activation_checkpointing`` would), leaving out those inside a module that is
+checkpointed already; the numerics are unchanged, the memory the plan counts drops.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from smp_fx.marking.activation_checkpointing import is_marked, set_activation_checkpointing
+from smp_fx.nn.attention import DistributedAttentionLayer
+
+
+def checkpoint_attentions(module: nn.Module) -> list[str]:
+    """Mark the attention layers of ``module``; returns their paths.
+
+    >>> from smp_fx.nn import DistributedTransformer
+    >>> t = DistributedTransformer(num_layers=2, num_attention_heads=2, attention_head_size=2,
+    ...                            hidden_size=4, intermediate_size=8)
+    >>> checkpoint_attentions(t)
+    ['seq_layers.0.attention', 'seq_layers.1.attention']
+    """
+    marked: list[str] = []
+    covered: list[str] = []
+    for path, mod in module.named_modules():
+        if any(path == c or path.startswith(c + ".") for c in covered):
+            continue
+        if is_marked(mod):
+            covered.append(path)
+        elif isinstance(mod, DistributedAttentionLayer):
+            set_activation_checkpointing(mod)
+            marked.append(path)
+            covered.append(path)
+    return marked
+
+
+__all__ = ["checkpoint_attentions"]

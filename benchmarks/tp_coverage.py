@@ -37,6 +37,7 @@ sys.path.insert(0, str(ROOT))
 from examples.models import hf_zoo  # noqa: E402
 
 GLOBAL_BATCH = 4
+ATTENTION = "eager"  # --attention: the Hugging Face attention implementation built
 
 
 def _optimizer(params: Any, args: argparse.Namespace) -> torch.optim.Optimizer:
@@ -59,7 +60,7 @@ def coverage(name: str, degree: int) -> Any:
     from smp_fx.config import load_config
     from smp_fx.marking.tensor_parallelism import rewrite_inputs
 
-    model = hf_zoo.build(name)
+    model = hf_zoo.build(name, attention=ATTENTION)
     cfg = load_config({"pipeline_parallel_degree": 1, "tensor_parallel_degree": degree,
                        "ddp": True, "prescaled_batch": True}, env={})
     compiled = compile_model(model, hf_zoo.inputs(name, 2), {}, cfg.partition_config("a100"),
@@ -70,7 +71,7 @@ def coverage(name: str, degree: int) -> Any:
 
 def reference(name: str, args: argparse.Namespace) -> dict[str, torch.Tensor]:
     """One process, the plain model, the global batch: the state dict after the steps."""
-    model = hf_zoo.build(name, marked=False)
+    model = hf_zoo.build(name, marked=False, attention=ATTENTION)
     opt = _optimizer(model.parameters(), args)
     for x, y in _batches(name, args.steps):
         opt.zero_grad()
@@ -88,7 +89,7 @@ def worker(args: argparse.Namespace) -> None:
     for name in args.archs.split(","):
         smp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True,
                   "prescaled_batch": True, "microbatches": 1, "optimize": args.optimize})
-        model = smp.DistributedModel(hf_zoo.build(name))
+        model = smp.DistributedModel(hf_zoo.build(name, attention=ATTENTION))
         opt = smp.DistributedOptimizer(_optimizer(model.parameters(), args))
 
         @smp.step
@@ -133,7 +134,7 @@ def _full_grads(model: Any) -> dict[str, torch.Tensor]:
 
 def first_grads(name: str) -> dict[str, torch.Tensor]:
     """One process's first-step gradients on the plain model."""
-    model = hf_zoo.build(name, marked=False)
+    model = hf_zoo.build(name, marked=False, attention=ATTENTION)
     x, y = _batches(name, 1)[0]
     hf_zoo.loss_fn(model(*x), y).backward()
     return {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
@@ -195,9 +196,14 @@ def main() -> None:
     ap.add_argument("--grads", action="store_true",
                     help="also compare the first step's gradients (before the optimizer) "
                          "and show the first gradient at the worst final entry")
+    ap.add_argument("--attention", choices=("eager", "sdpa"), default="eager",
+                    help="the models' attention implementation (sdpa: transformers' "
+                    "default, where a model has it)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    global ATTENTION
+    ATTENTION = args.attention
     _quiet()
     if args.worker:
         worker(args)
@@ -217,6 +223,7 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as out:
             cmd = [sys.executable, "-m", "smp_fx.cli.main", "run", "-n", "2", __file__,
                    "--worker", f"--out={out}", f"--archs={args.archs}",
+                   f"--attention={args.attention}",
                    f"--steps={args.steps}", f"--optimizer={args.optimizer}",
                    f"--lr={args.lr}", f"--eps={args.eps}", f"--optimize={args.optimize}"
                    ] + (["--grads"] if args.grads else [])

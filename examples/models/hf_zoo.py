@@ -128,9 +128,11 @@ class Logits(nn.Module):
         return logits
 
 
-def build(name: str, marked: bool = True, seed: int = 0) -> nn.Module:
+def build(name: str, marked: bool = True, seed: int = 0,
+          attention: str = "eager") -> nn.Module:
     """Architecture ``name`` from its config (seed ``seed``), marked whole for tensor
-    parallelism unless ``marked`` is False; eager attention.
+    parallelism unless ``marked`` is False; ``attention`` is the Hugging Face attention
+    implementation ("eager", or "sdpa", transformers' default where the model has it).
 
     Marked by ``smp.set_tensor_parallelism`` once built, so what is sharded is Hugging
     Face's own model: built inside ``smp.tensor_parallelism()``, as SMP does, GPT-2 and
@@ -143,7 +145,7 @@ def build(name: str, marked: bool = True, seed: int = 0) -> nn.Module:
 
     arch = ARCHITECTURES[name]
     config = getattr(transformers, arch.config)(**arch.kwargs)
-    config._attn_implementation = "eager"
+    config._attn_implementation = attention
     torch.manual_seed(seed)
     model = Logits(getattr(transformers, arch.model)(config), arch.kind)
     if marked:

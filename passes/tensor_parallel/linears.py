@@ -7,7 +7,8 @@ A *linear* is a node computing ``x @ W^T + b`` with ``W`` and ``b`` parameters:
 * ``addmm``: ``addmm(b, x, W)`` on parameters (Hugging Face's GPT-2 ``Conv1D``, on both
   the fx and the torch.export graph): ``W`` is ``(in, out)``;
 * ``matmul``: ``x @ W.T`` on a parameter (Falcon's ``FalconLinear``, whose bias is added
-  after, an element-wise op): ``W`` is ``(out, in)``;
+  after, an element-wise op; ``W.T`` as aten's ``t`` / ``numpy_T`` or, in an fx graph, a
+  ``getattr``): ``W`` is ``(out, in)``;
 * ``grouped``: a grouped matrix product over experts (Hugging Face's MoE experts,
   ``grouped_mm(x, W.transpose(-2, -1), offsets)``): ``W`` is ``(experts, out, in)``, each
   expert's MLP sharded like an MLP.
@@ -20,6 +21,7 @@ dim).
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +34,8 @@ from passes.tensor_parallel import graph
 
 LINEAR_FUNCTIONS: frozenset[Any] = frozenset({F.linear, torch.ops.aten.linear.default})
 ADDMM_FUNCTIONS: frozenset[Any] = frozenset({torch.addmm, torch.ops.aten.addmm.default})
-MATMUL_FUNCTIONS: frozenset[Any] = frozenset({torch.matmul, torch.ops.aten.matmul.default})
+MATMUL_FUNCTIONS: frozenset[Any] = frozenset({torch.matmul, operator.matmul,
+                                             torch.ops.aten.matmul.default})
 TRANSPOSED_2D: frozenset[Any] = frozenset({torch.ops.aten.numpy_T.default,
                                            torch.ops.aten.t.default})
 GROUPED_FUNCTIONS: frozenset[Any] = frozenset(
@@ -148,8 +151,10 @@ def _transposed_param(t: Any) -> bool:
     """``t`` is a 2-D parameter transposed (``W.T``)."""
     if not isinstance(t, torch.fx.Node) or not t.args or not _param(t.args[0]):
         return False
-    if t.target in TRANSPOSED_2D:
+    if t.target in TRANSPOSED_2D or (t.op == "call_method" and t.target == "t"):
         return True
+    if t.target is getattr:  # an fx graph's ``W.T``
+        return len(t.args) == 2 and t.args[1] == "T"
     return t.target is torch.ops.aten.transpose.int and \
         sorted(d % 2 for d in t.args[1:3]) == [0, 1]  # type: ignore[operator]
 

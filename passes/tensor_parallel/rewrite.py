@@ -62,6 +62,25 @@ class TensorParallelism:
 
 
 
+def opaque_leaves(gm: torch.fx.GraphModule, marked: Sequence[str]) -> list[tuple[str, str]]:
+    """The marked modules the fx front end kept whole (``smp.auto_leaves``: their forward
+    could not be traced symbolically, and torch.export did not take the model): the
+    rewrite cannot see the linears inside them, so each stays replicated, said with why."""
+    out = []
+    for path in gm.meta.get("smp.auto_leaves", ()):
+        if not any(analysis.in_region(path, r) for r in marked):
+            continue
+        inner = [n for n, m in gm.get_submodule(path).named_modules()
+                 if isinstance(m, (torch.nn.Linear, torch.nn.Embedding))]
+        if inner:
+            out.append((path, f"traced as one opaque module (fx cannot trace its forward "
+                        f"and torch.export did not take the model), so its {len(inner)} "
+                        "linear or embedding modules are not seen; make its forward "
+                        "traceable (e.g. another attention implementation) or the model "
+                        "exportable"))
+    return out
+
+
 def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
                     comm_time: costs.CommTime | None = None
                     ) -> tuple[torch.fx.GraphModule, TensorParallelPlan]:
@@ -82,6 +101,7 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
     done: list[str] = []
     held_part: list[str] = []  # nodes whose output each rank holds 1/tp of
     lone: list[tuple[str, str]] = []
+    replicated += opaque_leaves(new, tp.marked)
     for region in analysis.tied_regions(new, analysis.regions(tp.marked)):
         found = analysis.analyse(new, region, tp.size, tp.prescaled_batch)
         replicated += found.replicated

@@ -48,3 +48,34 @@ def test_conv1d_is_a_transposed_linear_and_its_shards_sum_to_the_model() -> None
         assert new.state_dict()["c_proj.weight"].shape == (6, 4)
         outs.append(new(x))
     torch.testing.assert_close(outs[0] + outs[1] - model.c_proj.bias, model(x))
+
+
+class TransposedMatmulPair(nn.Module):
+    """``x @ W.T + b`` as Falcon's ``FalconLinear`` writes it; fx records ``W.T`` as a
+    ``getattr`` and ``@`` as ``operator.matmul``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(12, 4))
+        self.down = nn.Parameter(torch.randn(4, 12))
+        self.bias = nn.Parameter(torch.randn(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(x @ self.up.T) @ self.down.T + self.bias
+
+
+def test_an_fx_graphs_matmul_by_a_transposed_parameter_is_a_linear() -> None:
+    torch.manual_seed(0)
+    model = TransposedMatmulPair()
+    x = torch.randn(2, 3, 4)
+    gm = shape_prop(trace(model, (x,), {}, frontend="fx"), (x,))
+    assert gm.meta["smp.frontend"] == "fx"
+    found = [lin for n in gm.graph.nodes if (lin := as_linear(gm, n)) is not None]
+    assert [(lin.kind, lin.in_features, lin.out_features) for lin in found] == [
+        ("matmul", 4, 12), ("matmul", 12, 4)]
+    outs = []
+    for rank in range(2):
+        new, plan = tensor_parallel(gm, TensorParallelism(2, rank, True, ("",)))
+        assert {s.name: s.dim for s in plan.sharded} == {"up": 0, "down": 1}
+        outs.append(new(x))
+    torch.testing.assert_close(outs[0] + outs[1] - model.bias, model(x))

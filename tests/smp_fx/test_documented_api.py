@@ -15,12 +15,10 @@ or raise ``SMPNotImplementedError`` (not built yet).
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import inspect
 import json
 import pickle
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,8 +26,8 @@ import pytest
 import torch.distributed as dist
 
 import smp_fx
-from smp_fx._compat import SHIM_DIR
 from tests.data import extract_smp_api
+from tests.helpers.shims import shims
 
 DATA = json.loads(extract_smp_api.DATA.read_text())
 NAMES: list[dict[str, Any]] = DATA["names"]
@@ -45,19 +43,6 @@ def _default(param: dict[str, Any]) -> Any:
         return MISSING
     return REFS[d["ref"]] if "ref" in d else d["value"]
 
-
-@contextlib.contextmanager
-def _shims() -> Iterator[None]:
-    """``smdistributed`` importable for the duration (as under ``smp-fx run``), then gone."""
-    before = set(sys.modules)
-    sys.path.insert(0, str(SHIM_DIR))
-    try:
-        yield
-    finally:
-        sys.path.remove(str(SHIM_DIR))
-        for name in set(sys.modules) - before:
-            if name.startswith("smdistributed"):
-                del sys.modules[name]
 
 
 def _resolve(qualname: str) -> Any:
@@ -148,7 +133,7 @@ def test_the_data_is_what_the_pages_say() -> None:
 def test_documented_name(name: dict[str, Any]) -> None:
     qualname = name["name"]
     assert name["behaviour"] == "present", f"no check for behaviour {name['behaviour']!r}"
-    with _shims():
+    with shims():
         if name["kind"] == "data":
             try:
                 _resolve(qualname)
@@ -192,7 +177,7 @@ def test_every_import_on_the_pages() -> None:
     lines = [i["line"] for i in DATA["imports"]]
     assert any("torch_smddp" in line for line in lines), lines
     assert "import smdistributed.modelparallel.torch as smp" in lines
-    with _shims():
+    with shims():
         for line in lines:
             exec(line, {})  # noqa: S102 - the pages' own import lines
         world = _resolve("smdistributed.dataparallel.torch.distributed.group.WORLD")
@@ -256,7 +241,7 @@ def test_used_name(entry: dict[str, Any], request: pytest.FixtureRequest) -> Non
     """Present with the signature the scripts and pages use, accepted (a configuration key
     by ``smp.init`` and both wrappers), or refused with the recorded error."""
     name, kind = entry["name"], entry["kind"]
-    with _shims():
+    with shims():
         if kind == "config":
             if entry["behaviour"] == "accepted":
                 _accepted(entry)

@@ -4,7 +4,6 @@ smp-fx's own answers (``smp_fx._compat.private``)."""
 from __future__ import annotations
 
 import importlib
-import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,22 +12,17 @@ import torch
 from torch import nn
 
 import smp_fx as smp
-from smp_fx._compat import SHIM_DIR
 from smp_fx.world import state
 from tests.helpers.numerics import init
+from tests.helpers.shims import shims as shims_active
 
 
 @pytest.fixture()
 def shims() -> Iterator[None]:
-    before = set(sys.modules)
-    sys.path.insert(0, str(SHIM_DIR))
     try:
-        yield
+        with shims_active():
+            yield
     finally:
-        sys.path.remove(str(SHIM_DIR))
-        for name in set(sys.modules) - before:
-            if name.startswith("smdistributed"):
-                del sys.modules[name]
         state._reset()
 
 

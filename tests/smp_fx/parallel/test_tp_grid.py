@@ -66,19 +66,28 @@ def _reference() -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]
     return run.grads, run.params
 
 
+def init_grid(placement: str, pipeline: str, m: int, prescaled: bool) -> list[str]:
+    """``smp.init`` at pp 2 x tp 2 x rdp 2 with ddp; a mismatch if this rank's (rdp, pp,
+    tp) is not where SMP's documented rule puts it (empty when it is)."""
+    import smp_fx as smp
+
+    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True,
+              "placement_strategy": placement, "pipeline": pipeline, "microbatches": m,
+              "prescaled_batch": prescaled})
+    want = expected_ranks(placement, dist.get_rank())
+    got = {"rdp": smp.rdp_rank(), "pp": smp.pp_rank(), "tp": smp.tp_rank()}
+    return [] if got == want else [f"ranks {got} != {want}"]
+
+
 def _config(placement: str, pipeline: str, m: int, prescaled: bool) -> list[str]:
     import smp_fx as smp
     from smp_fx.world import state
 
     state._reset()
-    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True,
-              "placement_strategy": placement, "pipeline": pipeline, "microbatches": m,
-              "prescaled_batch": prescaled})
     tag = f"{placement}/{pipeline}/m{m}/prescaled={prescaled}"
-    want = expected_ranks(placement, dist.get_rank())
-    got = {"rdp": smp.rdp_rank(), "pp": smp.pp_rank(), "tp": smp.tp_rank()}
-    if got != want:
-        return [f"{tag}: ranks {got} != {want}"]
+    wrong = init_grid(placement, pipeline, m, prescaled)
+    if wrong:
+        return [f"{tag}: {wrong[0]}"]
     torch.manual_seed(0)
     model = smp.DistributedModel(MLP())
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=LR))

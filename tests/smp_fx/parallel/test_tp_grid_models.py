@@ -29,7 +29,6 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
@@ -43,7 +42,7 @@ from tests.smp_fx.parallel.test_tensor_parallel import (
     _loss,
     trainable,
 )
-from tests.smp_fx.parallel.test_tp_grid import expected_ranks
+from tests.smp_fx.parallel.test_tp_grid import init_grid
 
 GLOBAL_BATCH, STEPS = 16, 3  # 16: 4 dp ranks x 4 microbatches of one example
 GRAD_TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -78,14 +77,7 @@ def _grid(kind: str, ref_grads: list[dict[str, torch.Tensor]],
     from passes import meta
 
     placement, pipeline, m, prescaled = CONFIGS[kind]
-    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True,
-              "placement_strategy": placement, "pipeline": pipeline, "microbatches": m,
-              "prescaled_batch": prescaled})
-    bad: list[str] = []
-    want = expected_ranks(placement, dist.get_rank())
-    got = {"rdp": smp.rdp_rank(), "pp": smp.pp_rank(), "tp": smp.tp_rank()}
-    if got != want:
-        bad.append(f"ranks {got} != {want}")
+    bad = init_grid(placement, pipeline, m, prescaled)
     model, opt, train_step = trainable(kind)
 
     # prescaled: the tp ranks of a group share the rdp shard; else each dp rank its own

@@ -15,13 +15,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from examples.models import hf_zoo
+from tests.helpers import zoo
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
 from tests.smp_fx.parallel.test_tensor_parallel import _gathered
-from tests.smp_fx.parallel.test_tp_grid import expected_ranks
+from tests.smp_fx.parallel.test_tp_grid import init_grid
 
 GLOBAL_BATCH, STEPS, LR = 8, 3, 0.1
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -32,23 +32,12 @@ CONFIGS = {"bart": ("cluster", "interleaved", 2, False),
            "bloom": ("cluster", "simple", 2, True)}
 
 
-def _batches(arch: str) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
-    torch.manual_seed(1234)
-    return [(hf_zoo.inputs(arch, GLOBAL_BATCH), hf_zoo.targets(arch, GLOBAL_BATCH))
-            for _ in range(STEPS)]
+def _batches(arch: str) -> list[zoo.Batch]:
+    return zoo.batches(arch, GLOBAL_BATCH, STEPS)
 
 
 def _reference(arch: str) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    model = hf_zoo.build(arch, marked=False)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    grads = []
-    for x, y in _batches(arch):
-        opt.zero_grad()
-        hf_zoo.loss_fn(model(*x), y).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
-                      if p.grad is not None})
-        opt.step()
-    return grads, {k: v.clone() for k, v in model.state_dict().items()}
+    return zoo.sgd_reference(arch, GLOBAL_BATCH, STEPS, LR)
 
 
 def _grid(arch: str, path: str) -> dict[str, Any]:
@@ -56,14 +45,7 @@ def _grid(arch: str, path: str) -> dict[str, Any]:
 
     ref_grads, ref_state = torch.load(path, weights_only=True)
     placement, pipeline, m, prescaled = CONFIGS[arch]
-    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True,
-              "placement_strategy": placement, "pipeline": pipeline, "microbatches": m,
-              "prescaled_batch": prescaled})
-    bad: list[str] = []
-    want = expected_ranks(placement, dist.get_rank())
-    got = {"rdp": smp.rdp_rank(), "pp": smp.pp_rank(), "tp": smp.tp_rank()}
-    if got != want:
-        bad.append(f"ranks {got} != {want}")
+    bad = init_grid(placement, pipeline, m, prescaled)
     model = smp.DistributedModel(hf_zoo.build(arch))
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
 

@@ -39,6 +39,7 @@ import pytest
 import torch
 
 from examples.models import hf_zoo
+from tests.helpers import zoo
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
 from tests.smp_fx.parallel.test_tensor_parallel import _gathered
@@ -81,23 +82,12 @@ PAIRS = {"phi3": 4, "gpt_neox": 4, "bloom": 4, "gpt2": 4, "gemma": 6, "qwen3": 1
          "albert": 8}
 
 
-def _batches(arch: str) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
-    torch.manual_seed(1234)
-    return [(hf_zoo.inputs(arch, BATCH), hf_zoo.targets(arch, BATCH)) for _ in range(STEPS)]
+def _batches(arch: str) -> list[zoo.Batch]:
+    return zoo.batches(arch, BATCH, STEPS)
 
 
 def _reference(arch: str) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    """One process, the plain model: per-step gradients and the final state dict."""
-    model = hf_zoo.build(arch, marked=False)
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    grads = []
-    for x, y in _batches(arch):
-        opt.zero_grad()
-        hf_zoo.loss_fn(model(*x), y).backward()
-        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
-                      if p.grad is not None})
-        opt.step()
-    return grads, {k: v.clone() for k, v in model.state_dict().items()}
+    return zoo.sgd_reference(arch, BATCH, STEPS, LR)
 
 
 class _Lines(logging.Handler):

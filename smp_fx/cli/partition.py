@@ -358,12 +358,18 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point: ``smp-fx partition ...``; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    return run_or_report("smp-fx partition", run, build_parser().parse_args(argv))
+
+
+def run_or_report(prog: str, run: Callable[[argparse.Namespace], int],
+                  args: argparse.Namespace) -> int:
+    """``run(args)``; bad input (an SMP error, a file missing, a model file that does not
+    import) becomes its first line on stderr and the exit status ``EXIT_BAD_INPUT``."""
     try:
         return run(args)
     except (SMPError, OSError, ImportError, SyntaxError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"smp-fx partition: error: {message}", file=sys.stderr)
+        print(f"{prog}: error: {message}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

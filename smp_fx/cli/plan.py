@@ -42,7 +42,7 @@ from cost_model.cluster import (
     load_cluster,
 )
 from cost_model.devices import load_device
-from cost_model.errors import SMPConfigError, SMPError
+from cost_model.errors import SMPConfigError
 from passes.cluster.candidate import parse_fix
 from passes.cluster.memory import PRECISIONS
 from passes.cluster.model import Prepared, prepare
@@ -50,10 +50,16 @@ from passes.cluster.planner import Planned, plan
 from passes.cluster.profile import model_dtype
 from passes.cluster.step import Setting
 from smp_fx.cli import plan_render
-from smp_fx.cli.partition import _call, _function, _inputs, _key_values, load_model_file
+from smp_fx.cli.partition import (
+    _call,
+    _function,
+    _inputs,
+    _key_values,
+    load_model_file,
+    run_or_report,
+)
 from smp_fx.cli.plan_config import runtime_refusal, script_notes, smp_config
 
-EXIT_BAD_INPUT = 2
 GiB = 1024**3
 
 
@@ -247,13 +253,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    try:
-        return run(args)
-    except (SMPError, OSError, ImportError, SyntaxError) as exc:
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"smp-fx plan: error: {message}", file=sys.stderr)
-        return EXIT_BAD_INPUT
+    return run_or_report("smp-fx plan", run, build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -37,7 +37,6 @@ sys.path.insert(0, str(ROOT))
 from examples.models import hf_zoo  # noqa: E402
 
 GLOBAL_BATCH = 4
-ATTENTION = "eager"  # --attention: the Hugging Face attention implementation built
 
 
 def _optimizer(params: Any, args: argparse.Namespace) -> torch.optim.Optimizer:
@@ -52,7 +51,7 @@ def _batches(name: str, steps: int) -> list[tuple[tuple[torch.Tensor, ...], torc
             for _ in range(steps)]
 
 
-def coverage(name: str, degree: int) -> Any:
+def coverage(name: str, degree: int, attention: str) -> Any:
     """The tensor-parallel plan's coverage at ``degree`` (rank 0's plan, as the CLI's)."""
     from cost_model.devices import get_device
     from passes.pipeline import compile_model
@@ -60,7 +59,7 @@ def coverage(name: str, degree: int) -> Any:
     from smp_fx.config import load_config
     from smp_fx.marking.tensor_parallelism import rewrite_inputs
 
-    model = hf_zoo.build(name, attention=ATTENTION)
+    model = hf_zoo.build(name, attention=attention)
     cfg = load_config({"pipeline_parallel_degree": 1, "tensor_parallel_degree": degree,
                        "ddp": True, "prescaled_batch": True}, env={})
     compiled = compile_model(model, hf_zoo.inputs(name, 2), {}, cfg.partition_config("a100"),
@@ -71,7 +70,7 @@ def coverage(name: str, degree: int) -> Any:
 
 def reference(name: str, args: argparse.Namespace) -> dict[str, torch.Tensor]:
     """One process, the plain model, the global batch: the state dict after the steps."""
-    model = hf_zoo.build(name, marked=False, attention=ATTENTION)
+    model = hf_zoo.build(name, marked=False, attention=args.attention)
     opt = _optimizer(model.parameters(), args)
     for x, y in _batches(name, args.steps):
         opt.zero_grad()
@@ -89,7 +88,7 @@ def worker(args: argparse.Namespace) -> None:
     for name in args.archs.split(","):
         smp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True,
                   "prescaled_batch": True, "microbatches": 1, "optimize": args.optimize})
-        model = smp.DistributedModel(hf_zoo.build(name, attention=ATTENTION))
+        model = smp.DistributedModel(hf_zoo.build(name, attention=args.attention))
         opt = smp.DistributedOptimizer(_optimizer(model.parameters(), args))
 
         @smp.step
@@ -132,20 +131,20 @@ def _full_grads(model: Any) -> dict[str, torch.Tensor]:
     return out
 
 
-def first_grads(name: str) -> dict[str, torch.Tensor]:
+def first_grads(name: str, attention: str) -> dict[str, torch.Tensor]:
     """One process's first-step gradients on the plain model."""
-    model = hf_zoo.build(name, marked=False, attention=ATTENTION)
+    model = hf_zoo.build(name, marked=False, attention=attention)
     x, y = _batches(name, 1)[0]
     hf_zoo.loss_fn(model(*x), y).backward()
     return {n: p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
             for n, p in model.named_parameters()}
 
 
-def grad_notes(name: str, grads: dict[str, torch.Tensor], worst: str,
+def grad_notes(name: str, attention: str, grads: dict[str, torch.Tensor], worst: str,
                ref_state: dict[str, torch.Tensor], got_state: dict[str, torch.Tensor]) -> str:
     """The largest first-step gradient difference (before any optimizer step) and, at the
     entry of the largest final difference, the size of that entry's first gradient."""
-    ref = first_grads(name)
+    ref = first_grads(name, attention)
     diff = max(((ref[k] - grads[k]).abs().max().item(), k) for k in ref if k in grads)
     note = f"grad diff {diff[0]:.1e} ({diff[1]})"
     if worst in ref:
@@ -202,8 +201,6 @@ def main() -> None:
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    global ATTENTION
-    ATTENTION = args.attention
     _quiet()
     if args.worker:
         worker(args)
@@ -212,7 +209,7 @@ def main() -> None:
     names = args.archs.split(",")
     rows: dict[str, list[Any]] = {}
     for name in names:
-        two, four = coverage(name, 2), coverage(name, 4)
+        two, four = coverage(name, 2, args.attention), coverage(name, 4, args.attention)
         rows[name] = [two, four]
         for module, why in two.replicated + (two.lone if args.lone else ()):
             print(f"  {name}: {'replicated' if (module, why) in two.replicated else 'lone'} "
@@ -240,7 +237,8 @@ def main() -> None:
                 results[name] = compare(ref, got, args.tol)
                 if args.grads:
                     grads = torch.load(Path(out) / f"{name}.grad.pt", weights_only=True)
-                    notes[name] = grad_notes(name, grads, results[name][2], ref, got)
+                    notes[name] = grad_notes(name, args.attention, grads, results[name][2],
+                                             ref, got)
             if proc.returncode != 0:
                 print(f"the tp=2 run failed (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
     opt = args.optimizer if args.optimizer == "sgd" else f"adam eps={args.eps:g}"

@@ -5,9 +5,10 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.smp-fx-installed
 # A second environment with a transformers 4.x (the SMP containers' generation of the
-# Hugging Face Trainer), where `make test` runs the Trainer tests again.
+# Hugging Face Trainer, with the numpy 1.x those environments carry), where `make test` runs
+# the Trainer tests again.
 TF4_VENV ?= .venv-transformers4
-TF4_SPEC ?= transformers==4.46.3 accelerate==1.1.1
+TF4_SPEC ?= transformers==4.46.3 accelerate==1.1.1 "numpy<2"
 TF4_PY := $(TF4_VENV)/bin/python
 TF4_STAMP := $(TF4_VENV)/.smp-fx-installed
 

@@ -19,15 +19,14 @@ test of the model.
 from __future__ import annotations
 
 import dataclasses
-import json
 from dataclasses import MISSING, dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
 from cost_model.collectives import Fabric
 from cost_model.device import GB, DeviceSpec, GiB, Table
 from cost_model.devices import A100, H100, V100, load_device
 from cost_model.errors import SMPConfigError
+from cost_model.serial import read_spec_file
 
 SCHEMA_VERSION = 1
 
@@ -252,19 +251,7 @@ def load_cluster(name_or_path: str) -> ClusterSpec:
     """A built-in cluster by name, or a cluster JSON file (``ClusterSpec.to_json``)."""
     if name_or_path in CLUSTERS:
         return CLUSTERS[name_or_path]
-    path = Path(name_or_path)
-    if not path.is_file():
-        raise SMPConfigError.build("a cluster is a built-in name or a JSON file",
-                                   name_or_path, "--cluster",
-                                   f"use one of {list(CLUSTERS)} or write a file")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SMPConfigError.build("a cluster file must hold a JSON object", str(exc),
-                                   str(path), "fix the JSON") from exc
-    if not isinstance(data, dict):
-        raise SMPConfigError.build("a cluster file must hold a JSON object",
-                                   type(data).__name__, str(path), "write {...}")
+    data = read_spec_file(name_or_path, "a cluster", list(CLUSTERS), "write a file")
     return ClusterSpec.from_json(data)
 
 

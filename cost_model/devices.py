@@ -8,12 +8,10 @@ lookups by name (``get_device``, ``load_device`` for a name or a file written by
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from cost_model.calibrate import quick_cpu_spec
 from cost_model.device import GB, DeviceSpec, GiB, OpOverheads, Table
 from cost_model.errors import SMPConfigError
+from cost_model.serial import read_spec_file
 
 DEFAULT_DEVICE = "a100"
 
@@ -104,20 +102,8 @@ def load_device(name_or_path: str) -> DeviceSpec:
     """A built-in spec by name, or a spec JSON file (``smp-fx calibrate -o FILE.json``)."""
     if name_or_path.lower() in device_names():
         return get_device(name_or_path)
-    path = Path(name_or_path)
-    if not path.is_file():
-        raise SMPConfigError.build("a device spec is a built-in name or a JSON file",
-                                   name_or_path, "device spec",
-                                   f"use one of {list(device_names())} or write a file with "
-                                   "`smp-fx calibrate -o FILE.json`")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as exc:
-        raise SMPConfigError.build("a device spec file must hold a JSON object", str(exc),
-                                   str(path), "re-run `smp-fx calibrate -o FILE.json`") from exc
-    if not isinstance(data, dict):
-        raise SMPConfigError.build("a device spec file must hold a JSON object",
-                                   type(data).__name__, str(path), "re-run smp-fx calibrate")
+    data = read_spec_file(name_or_path, "a device spec", list(device_names()),
+                          "write a file with `smp-fx calibrate -o FILE.json`")
     return DeviceSpec.from_json(data)
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any, TypeVar
 
 from cost_model.errors import SMPConfigError
@@ -23,3 +25,24 @@ def from_versioned_json(cls: type[T], data: dict[str, Any], version: int) -> T:
         raise SMPConfigError.build(f"unsupported {cls.__name__} schema_version", got,
                                    fix=f"regenerate it with this smp-fx (schema {version})")
     return cls(**fields)
+
+
+def read_spec_file(name_or_path: str, what: str, known: list[str], fix: str) -> dict[str, Any]:
+    """The JSON object in the spec file ``name_or_path`` (not one of the ``known`` names).
+
+    ``what`` names the spec in errors ("a cluster", "a device spec"); ``fix`` says how to
+    write a file.
+    """
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise SMPConfigError.build(f"{what} is a built-in name or a JSON file", name_or_path,
+                                   what, f"use one of {known} or {fix}")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SMPConfigError.build(f"{what} file must hold a JSON object", str(exc), str(path),
+                                   f"fix the JSON or {fix}") from exc
+    if not isinstance(data, dict):
+        raise SMPConfigError.build(f"{what} file must hold a JSON object",
+                                   type(data).__name__, str(path), f"write {{...}} or {fix}")
+    return data

@@ -25,6 +25,13 @@ import torch
 from tests.helpers.processes import recording_processes
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    try:
+        import matplotlib.font_manager  # noqa: F401  (builds the font list once per machine)
+    except ImportError:
+        pass
+
+
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)

@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from cost_model.units import human_time
 from passes.cluster.candidate import Candidate
 from passes.cluster.step import Priced
 
@@ -104,25 +105,17 @@ def explain(best: Priced, runner: Priced) -> str:
         "tied-weight reduction": runner.comm.tied - best.comm.tied,
     }
     ranked = sorted(diffs.items(), key=lambda kv: -abs(kv[1]))
-    parts = [f"{name} {'-' if d > 0 else '+'}{_human(abs(d))}" for name, d in ranked[:2]
+    parts = [f"{name} {'-' if d > 0 else '+'}{human_time(abs(d))}" for name, d in ranked[:2]
              if abs(d) > 1e-9]
     changes = [f"{k} {getattr(runner.candidate, k)} -> {getattr(best.candidate, k)}"
                for k in Candidate.__dataclass_fields__
                if getattr(runner.candidate, k) != getattr(best.candidate, k)]
-    inside = (f"tensor-parallel communication {_human(best.comm.tp)} vs "
-              f"{_human(runner.comm.tp)}, bubble {best.bubble_fraction:.1%} vs "
+    inside = (f"tensor-parallel communication {human_time(best.comm.tp)} vs "
+              f"{human_time(runner.comm.tp)}, bubble {best.bubble_fraction:.1%} vs "
               f"{runner.bubble_fraction:.1%}")
-    return (f"{_human(gap)} ({gap / runner.step_time_s:.1%}) faster than the runner-up "
+    return (f"{human_time(gap)} ({gap / runner.step_time_s:.1%}) faster than the runner-up "
             f"({', '.join(changes) or 'same knobs'}): {'; '.join(parts)} "
             f"(within the pipeline: {inside})")
-
-
-def _human(seconds: float) -> str:
-    if seconds >= 1:
-        return f"{seconds:.3f} s"
-    if seconds >= 1e-3:
-        return f"{seconds * 1e3:.2f} ms"
-    return f"{seconds * 1e6:.1f} us"
 
 
 __all__ = ["PLAN_KEYS", "PlanRecord", "explain", "record"]

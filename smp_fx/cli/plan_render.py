@@ -8,10 +8,11 @@ from dataclasses import dataclass
 from cost_model.collectives import p2p_time
 from cost_model.schedule import SCHEDULE_NAMES, generate
 from cost_model.simulate import SimResult, StageCost, simulate
+from cost_model.units import human_bytes, human_time
 from passes.cluster.planner import Planned
 from passes.cluster.result import PlanRecord
 from passes.cluster.step import crosses_node
-from smp_fx.cli.render import _table, human_bytes, human_time
+from smp_fx.cli.render import _table
 
 HEADER = ("#", "tp", "pp", "dp", "mbs", "m", "schedule", "v", "recompute", "sp", "zero",
           "step", "tokens/s", "TF/GPU model", "TF/GPU hw", "MFU", "mem/GPU", "bubble",

@@ -13,6 +13,7 @@ from typing import Any
 import torch.fx
 
 from cost_model.simulate import FORWARD, SimResult
+from cost_model.units import human_bytes, human_count, human_time
 from passes import meta
 from passes.plan import PartitionPlan, summarise_modules
 from passes.tensor_parallel import TensorParallelPlan
@@ -21,29 +22,6 @@ from passes.tensor_parallel.coverage import coverage
 # one fill colour per stage (colour-blind safe Okabe-Ito palette, cycled)
 STAGE_COLOURS = ("#E69F00", "#56B4E9", "#009E73", "#F0E442", "#0072B2", "#D55E00",
                  "#CC79A7", "#999999")
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
-
-
-def human_count(n: float, suffix: str = "") -> str:
-    for unit, scale in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}{suffix}"
-    return f"{n:.0f} {suffix}".rstrip()
-
-
-def human_time(s: float) -> str:
-    if s >= 1:
-        return f"{s:.3f} s"
-    if s >= 1e-3:
-        return f"{s * 1e3:.3f} ms"
-    return f"{s * 1e6:.1f} us"
 
 
 def _modules_cell(modules: Sequence[str], width: int = 36) -> str:

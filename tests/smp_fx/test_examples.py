@@ -22,9 +22,10 @@ def _run(cmd: list[str], timeout: float = 240) -> list[float]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.parametrize("script", ["train_mnist_like.py", "train_mnist_manual.py"])
-def test_mnist_examples_one_process(script: str) -> None:
-    losses = _run([sys.executable, f"examples/{script}", "--steps", "2", "--batch-size", "16"])
+@pytest.mark.parametrize("flags", [[], ["--manual"]])
+def test_mnist_example_one_process(flags: list[str]) -> None:
+    losses = _run([sys.executable, "examples/train_mnist.py", "--steps", "2", "--batch-size",
+                   "16", *flags])
     assert len(losses) == 2
 
 

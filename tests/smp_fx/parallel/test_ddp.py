@@ -14,7 +14,7 @@ runs every scenario one after another (smp is re-initialised in between):
 * spread: ``model.join()`` with one batch fewer on dp_rank 1, against a reference; a
   parameter without a gradient under overlapped reduction is an error on its stage;
 * pp=1 x dp=4 (pure data parallelism) == the reference;
-* examples/train_mnist_like.py runs as pp=2 x dp=2, its stage replicas ending equal.
+* examples/train_mnist.py runs as pp=2 x dp=2, its stage replicas ending equal.
 
 The model is the tiny GPT example, whose tied embedding / LM head sits on both stages, so
 the order "dp average, then pipeline sum of the tied replicas" is exercised too.
@@ -260,7 +260,7 @@ def _body() -> dict[str, Any]:
 
 
 def _example_scenario() -> tuple[int, int, list[str]]:
-    """examples/train_mnist_like.py on these 4 ranks: pp=2 x dp=2, each rank its shard;
+    """examples/train_mnist.py on these 4 ranks: pp=2 x dp=2, each rank its shard;
     the replicas of each stage end equal. Returns (dp size, steps, the parameters that
     differ across replicas)."""
     from pathlib import Path
@@ -269,7 +269,7 @@ def _example_scenario() -> tuple[int, int, list[str]]:
     from smp_fx.cli.partition import load_model_file
 
     script = load_model_file(str(Path(__file__).resolve().parents[3] / "examples" /
-                                 "train_mnist_like.py"))
+                                 "train_mnist.py"))
     # the script's model lives in main(); keep it (the process only holds it weakly)
     held: list[Any] = []
     train = script.train

@@ -1,12 +1,14 @@
-"""Train a GroupedNet (MNIST-style CNN) with smp-fx, following SMP's example script.
+"""Train a GroupedNet (MNIST-style CNN) with smp-fx, following SMP's example scripts.
 
-Synthetic MNIST-shaped data (no download). Auto partitioning over 2 pipeline stages with
-4 microbatches. Any of these runs it::
+Synthetic MNIST-shaped data (no download), 2 pipeline stages, 4 microbatches. Automatic
+partitioning by default; ``--manual`` places the modules as SMP's manual-partitioning
+script does (created inside ``with smp.partition(i):``, ``auto_partition`` false) and prints
+each stage's modules. Any of these runs it::
 
-    python examples/train_mnist_like.py                      # one process, stages in-process
-    smp-fx run -n 2 examples/train_mnist_like.py             # 2 processes (gloo on CPU)
-    torchrun --nproc-per-node 2 examples/train_mnist_like.py
-    torchrun --nproc-per-node 4 examples/train_mnist_like.py  # pp=2 x dp=2 (ddp)
+    python examples/train_mnist.py [--manual]                # one process, stages in-process
+    smp-fx run -n 2 examples/train_mnist.py                  # 2 processes (gloo on CPU)
+    torchrun --nproc-per-node 2 examples/train_mnist.py
+    torchrun --nproc-per-node 4 examples/train_mnist.py      # pp=2 x dp=2 (ddp)
 
 Under ``smp-fx run`` the SageMaker import name works too:
 ``import smdistributed.modelparallel.torch as smp``.
@@ -15,6 +17,7 @@ Under ``smp-fx run`` the SageMaker import name works too:
 from __future__ import annotations
 
 import argparse
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -26,14 +29,20 @@ import smp_fx as smp  # or: import smdistributed.modelparallel.torch as smp (und
 
 
 class GroupedNet(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, manual: bool = False) -> None:
         super().__init__()
-        self.conv1 = nn.Conv2d(1, 32, 3, 1)
-        self.conv2 = nn.Conv2d(32, 64, 3, 1)
-        self.dropout1 = nn.Dropout(0.25)
-        self.dropout2 = nn.Dropout(0.5)
-        self.fc1 = nn.Linear(9216, 128)
-        self.fc2 = nn.Linear(128, 10)
+
+        def partition(i: int) -> contextlib.AbstractContextManager[object]:
+            return smp.partition(i) if manual else contextlib.nullcontext()
+
+        with partition(0):  # the convolutions
+            self.conv1 = nn.Conv2d(1, 32, 3, 1)
+            self.conv2 = nn.Conv2d(32, 64, 3, 1)
+        with partition(1):  # the classifier
+            self.dropout1 = nn.Dropout(0.25)
+            self.dropout2 = nn.Dropout(0.5)
+            self.fc1 = nn.Linear(9216, 128)
+            self.fc2 = nn.Linear(128, 10)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.conv1(x))
@@ -86,13 +95,15 @@ def main(argv: list[str] | None = None) -> list[float]:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--batch-size", type=int, default=64)
+    ap.add_argument("--manual", action="store_true", help="place modules with smp.partition")
     args = ap.parse_args(argv)
     torch.manual_seed(0)
 
     # smdistributed: initialize the backend
     # ("ddp": true: with 4 processes, pp=2 x dp=2 replicas whose gradients are averaged)
+    placement = {"auto_partition": False, "default_partition": 0} if args.manual else {}
     smp.init({"pipeline_parallel_degree": 2, "microbatches": 4, "pipeline": "interleaved",
-              "ddp": True})
+              "ddp": True, **placement})
 
     # smdistributed: Set the device to the GPU ID used by the current process.
     if torch.cuda.is_available():
@@ -109,14 +120,19 @@ def main(argv: list[str] | None = None) -> list[float]:
     # smdistributed: Set drop_last=True so the batch size is divisible by the microbatches
     train_loader = DataLoader(dataset, batch_size=args.batch_size, drop_last=True)
 
-    model = GroupedNet()
+    model = GroupedNet(manual=args.manual)
     optimizer = optim.Adadelta(model.parameters(), lr=1.0)
 
     # smdistributed: Use the DistributedModel container to provide the model to be
     # partitioned; use the returned object in place of the model from here on.
     model = smp.DistributedModel(model)
     optimizer = smp.DistributedOptimizer(optimizer)
-    return train(model, device, train_loader, optimizer, args.steps)
+    losses = train(model, device, train_loader, optimizer, args.steps)
+    if args.manual and smp.rank() == 0:
+        for stage in model.program.stages:
+            owners = sorted({n.split(".")[0] for n, _ in stage.module.named_parameters()})
+            print(f"stage {stage.index}: {owners}")
+    return losses
 
 
 if __name__ == "__main__":

@@ -27,7 +27,8 @@ PACKAGES = ("cost_model", "passes", "smp_fx")
 
 # smp_fx's layers, lowest first; the longest matching prefix places a module.
 SMP_FX_LAYERS: tuple[tuple[str, ...], ...] = (
-    ("smp_fx._compat", "smp_fx.config", "smp_fx.topology", "smp_fx.namespaces"),
+    ("smp_fx.version", "smp_fx._compat", "smp_fx.config", "smp_fx.topology",
+     "smp_fx.namespaces"),
     ("smp_fx.world",),
     ("smp_fx.ckpt",),
     ("smp_fx.marking", "smp_fx.amp"),

@@ -8,11 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from smp_fx.version import SMP_API_VERSION
+
 SHIM_DIR = Path(__file__).resolve().parent / "shims"
 
-SMP_API_VERSION = "1.15.0"
-"""The SMP release whose PyTorch surface smp-fx follows, the last of v1:
-``smdistributed.modelparallel.__version__`` under ``smp-fx run``, which clients compare
-against (the Hugging Face Trainer needs >= 1.10, which introduced ``save_checkpoint`` /
-``resume_from_checkpoint`` and ``state.module_manager.translate_functions``; 1.11-1.15
-added the configuration of docs/parameters.md's last rows and ``smp.model_creation``)."""
+__all__ = ["SHIM_DIR", "SMP_API_VERSION"]

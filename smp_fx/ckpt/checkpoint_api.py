@@ -45,13 +45,13 @@ import torch
 from torch import nn
 
 from cost_model.errors import SMPCheckpointError
-from smp_fx._compat import SMP_API_VERSION
 from smp_fx.ckpt.atomic import atomic_write, fsync_dir
 from smp_fx.ckpt.files import load, save
 from smp_fx.ckpt.hf_export import is_pretrained, safetensors_available, save_pretrained_state
 from smp_fx.ckpt.hf_weights import find_hf_weights, read_hf_weights
 from smp_fx.ckpt.safe_load import read_file
 from smp_fx.ckpt.validate import agree_or_raise, world_gather
+from smp_fx.version import SMP_API_VERSION
 from smp_fx.world import context
 from smp_fx.world import state as smp_state
 from smp_fx.world.context import ProcessModel, ProcessOptimizer

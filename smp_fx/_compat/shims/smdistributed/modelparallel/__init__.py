@@ -4,6 +4,6 @@
 since that is what scripts and libraries check before using an API.
 """
 
-from smp_fx._compat import SMP_API_VERSION as __version__
+from smp_fx.version import SMP_API_VERSION as __version__
 
 __all__ = ["__version__"]

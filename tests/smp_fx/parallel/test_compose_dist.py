@@ -15,7 +15,8 @@ trains on its own slice of the global batch (``prescaled_batch`` false).
 * checkpoints across layouts, each leg resuming the previous leg's checkpoint and taking
   one more step, the last leg's ``state_dict()`` equal to the uninterrupted reference:
   tp 2 x sdp 2 -> tp 1 x sdp 4 -> tp 4 x sdp 1 -> tp 2 x sdp 2 (partial checkpoints), and
-  ZeRO-1 tp 2 x dp 2 -> (full checkpoint) tp 1 x dp 4 -> (partial) tp 2 x dp 2;
+  ZeRO-1 tp 2 x dp 2 -> (the full ``state_dict()`` of model and optimizer) tp 1 x dp 4 ->
+  (a partial checkpoint) tp 2 x dp 2;
 * precision against one smp-fx process under the same precision: fp16 x sdp 2 (HSDP over
   rdp 4) with a dynamic loss scale whose first step overflows, and bf16 x tp 2 x sdp 2:
   losses each step within 1e-3 relative, the overflow step skipped on every rank alike,
@@ -44,7 +45,8 @@ ZERO = {"shard_optimizer_state": True}
 # numerics cases: (model, pp, tp, extra configuration)
 FOUR = (("gpt", 1, 2, ZERO), ("gpt", 1, 2, SDP), ("llama", 1, 2, SDP), ("neox", 1, 2, ZERO))
 EIGHT = (("gpt", 2, 2, SDP),)
-# checkpoint chains: legs of (tp, extra, full checkpoint after the leg)
+# checkpoint chains: legs of (tp, extra, full state dicts after the leg, else a partial
+# checkpoint)
 NO_CLIP = {"sdp_gradient_clipping": 0.0, "sdp_param_persistence_threshold": 64}
 CHAINS = {"sdp": ((2, {"sharded_data_parallel_degree": 2, **NO_CLIP}, False),
                   (1, {"sharded_data_parallel_degree": 4, **NO_CLIP}, False),
@@ -172,15 +174,24 @@ def run_chain(name: str, path: str, folder: str) -> list[str]:
     model: Any = None
     for i, (tp, extra, full) in enumerate(legs):
         model, opt, train_step, sl = start("gpt", 1, tp, extra)
-        if i:
-            smp.resume_from_checkpoint(folder, tag=f"{name}{i - 1}", partial=not legs[i - 1][2])
+        saved = f"{folder}/{name}{i - 1}.pt"
+        if i and legs[i - 1][2]:  # the plain model's and optimizer's state dicts
+            model_sd, opt_sd = torch.load(saved, weights_only=True)
+            model.load_state_dict(model_sd)
+            opt.load_state_dict(opt_sd)
+        elif i:
+            smp.resume_from_checkpoint(folder, tag=f"{name}{i - 1}")
         for x, y in data[:2] if i == 0 else data[i + 1:i + 2]:
             opt.zero_grad()
             train_step(model, x[sl], y[sl])
             opt.step()
-        if i + 1 < len(legs):
-            smp.save_checkpoint(folder, f"{name}{i}", partial=not full, model=model,
-                                optimizer=opt)
+        if i + 1 < len(legs) and full:
+            both = (model.state_dict(), opt.state_dict())  # collectives: every rank
+            if dist.get_rank() == 0:
+                torch.save(both, f"{folder}/{name}{i}.pt")
+            dist.barrier()
+        elif i + 1 < len(legs):
+            smp.save_checkpoint(folder, f"{name}{i}", model=model, optimizer=opt)
     return _state_differs(f"chain {name}", model.state_dict(), ref_state)
 
 

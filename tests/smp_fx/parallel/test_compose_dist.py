@@ -161,7 +161,43 @@ def run_case(kind: str, pp: int, tp: int, extra: dict[str, Any], path: str) -> l
         if ref_norms and abs(opt._global_grad_norm - ref_norms[step]) > 1e-5 * ref_norms[step]:
             bad.append(f"{tag}: _global_grad_norm {opt._global_grad_norm} vs "
                        f"{ref_norms[step]} step {step}")
+    if kind == "gpt" and pp == 1:
+        bad += [f"{tag}: {m}" for m in memory_differs(model, opt, extra)]
     return bad + _state_differs(tag, model.state_dict(), ref_state)
+
+
+def memory_differs(model: Any, opt: Any, extra: dict[str, Any]) -> list[str]:
+    """This rank's parameter, gradient and optimizer-state bytes against the planner's
+    memory model (``passes.cluster.memory``) for its tp shard: sharded data parallelism
+    exactly; ZeRO-1 shards whole parameters, so each rank's state is within one
+    parameter's of the model's 1/dp and the rdp group's sum is the model's whole state."""
+    import smp_fx as smp
+    from passes.cluster.memory import memory_per_gpu
+
+    params = list({id(p): p for _, p in model.local_named_parameters()}.values())
+    threshold = extra.get("sdp_param_persistence_threshold", 0)
+    sdp = "sharded_data_parallel_degree" in extra
+    want = memory_per_gpu(
+        elems=sum(p.numel() for p in params), buffers=0, kept=0, in_flight=0, transient=0,
+        precision="fp32", zero="fsdp" if sdp else "zero1", dp=smp.rdp_size(), layer_elems=0,
+        boundary=0, output_bytes=0, pipelined=False, tensors=len(params),
+        whole=sum(p.numel() for p in params if sdp and p.numel() < threshold))
+    local = [getattr(p, "_local_tensor", p) for p in params]
+    grads = [getattr(p.grad, "_local_tensor", p.grad) for p in params]
+    got = {"params": sum(t.numel() * 4 for t in local),
+           "grads": sum(g.numel() * 4 for g in grads if g is not None),
+           "optimizer": opt.local_state_bytes()}
+    bad = [f"{k} bytes {got[k]} vs the model's {getattr(want, k)}"
+           for k in ("params", "grads", "optimizer" if sdp else "") if k
+           and got[k] != getattr(want, k)]
+    if not sdp:
+        whole = sum(8 * p.numel() + 4 for p in params)
+        total = sum(smp.allgather(got["optimizer"], smp.RDP_GROUP))
+        most = max(8 * p.numel() + 4 for p in params)
+        if total != whole or abs(got["optimizer"] - want.optimizer) > most:
+            bad.append(f"optimizer bytes {got['optimizer']} (rdp sum {total}) vs the "
+                       f"model's {want.optimizer} (whole {whole})")
+    return bad
 
 
 def run_chain(name: str, path: str, folder: str) -> list[str]:

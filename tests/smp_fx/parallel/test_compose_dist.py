@@ -324,7 +324,8 @@ def _references(cases: Any, tmp_path: Any, chains: tuple[str, ...] = (),
     for kind, clip in sorted({(c[0], clip_of(c[3])) for c in cases}, key=str):
         runs[f"{kind}{clip}"] = lambda kind=kind, clip=clip: reference(kind, clip)
     for name in chains:
-        runs[f"chain {name}"] = lambda n=len(CHAINS[name]) + 1: reference("gpt", None, n)
+        legs = len(CHAINS[name])
+        runs[f"chain {name}"] = lambda n=legs: reference("gpt", None, n + 1)
     for name in precisions:
         runs[name] = lambda name=name: precision_reference(name)
     paths = {}

@@ -248,6 +248,12 @@ def run_precision(name: str, path: str) -> dict[str, Any]:
            if abs(a - b) > 1e-3 * abs(b)]
     if skipped != overflows:
         bad.append(f"{name}: overflows {skipped} vs {overflows}")
+    half = torch.float16 if extra.get("fp16") else torch.bfloat16
+    pairs = opt._masters.pairs  # (model parameter, its fp32 master) of this rank's shards
+    sharded = [(p, m) for p, m in pairs if hasattr(p, "full_tensor")]
+    if not sharded or not all(p.dtype == half and m.dtype == torch.float32 and
+                              hasattr(m, "full_tensor") for p, m in sharded):
+        bad.append(f"{name}: not {half} shards with fp32 master shards")
     full = {k: v.float() for k, v in model.state_dict().items()}
     ref = {k: v.float() for k, v in ref_state.items()}
     bad += [f"{name}: state_dict {n} {_diff(full[n], ref[n])}"

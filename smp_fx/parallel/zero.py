@@ -6,7 +6,7 @@ it lives. With tensor parallelism each tp rank's parameters (its shards and its 
 the replicated ones) are divided over its own rdp group, as Megatron's distributed
 optimizer divides each tp rank's state over its dp group. Each
 parameter is *owned* by one rank of the rdp group (``assign_owners``: largest parameters
-first, each to the least-loaded rank, so every rank holds 1/dp of the state within one
+first, each to the least-loaded rank, so every rank holds 1/rdp of the state within one
 parameter). A rank's torch optimizer keeps only the parameters it owns (its param groups
 are narrowed, hyper-parameters and LR schedulers untouched), so it creates state for
 those only; after it steps them, each owner broadcasts its updated parameters to the

@@ -12,6 +12,9 @@ trains on its own slice of the global batch (``prescaled_batch`` false).
   ``lm_head`` split by vocabulary rows); tp 2 x sdp 2 on HF Llama, tp 2 x ZeRO-1 on HF
   GPT-NeoX (both from configs); pp 2 x tp 2 x sdp 2 on 8 ranks (the example GPT, its tie
   across the stages);
+* memory on the example GPT: parameter, gradient and optimizer-state bytes per rank at
+  tp 2 x sdp 2 equal the planner's memory model (``passes.cluster.memory``); at tp 2 x
+  ZeRO-1 parameters and gradients equal it, the state within one parameter's of its 1/rdp;
 * checkpoints across layouts, each leg resuming the previous leg's checkpoint and taking
   one more step, the last leg's ``state_dict()`` equal to the uninterrupted reference:
   tp 2 x sdp 2 -> tp 1 x sdp 4 -> tp 4 x sdp 1 -> tp 2 x sdp 2 (partial checkpoints), and

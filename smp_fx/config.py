@@ -94,7 +94,7 @@ PARAMS: tuple[Param, ...] = (
     _P("fp16_params", bool, False, used_at="DistributedModel",
        doc="parameters held in half precision (implied by fp16)"),
     _P("shard_optimizer_state", bool, False, used_at="DistributedOptimizer",
-       doc="ZeRO-1: each stage's optimizer state sharded over its dp group; needs ddp"),
+       doc="ZeRO-1: each stage's optimizer state sharded over its rdp group; needs ddp"),
     _P("prescaled_batch", bool, False, used_at="DistributedModel",
        doc="true: tp ranks share the batch; false: each its own"),
     _P("skip_tracing", bool, False, used_at="DistributedModel",
@@ -102,7 +102,7 @@ PARAMS: tuple[Param, ...] = (
            "fake tensors anyway; the one real-run fallback of shape propagation is refused, "
            "and trace_execution_times / trace_memory_usage are rejected)"),
     _P("sharded_data_parallel_degree", int, 1, minimum=1, used_at="DistributedModel",
-       doc="FSDP2 over groups of this many dp ranks (docs/precision.md); needs ddp"),
+       doc="FSDP2 over groups of this many rdp ranks (docs/precision.md); needs ddp"),
     _P("sdp_reduce_bucket_size", int, 500_000_000, minimum=1, used_at="DistributedModel",
        doc="elements per FSDP2 unit (one all-gather and one reduce-scatter each)"),
     _P("sdp_param_persistence_threshold", int, 1_000_000, minimum=0,
@@ -408,45 +408,49 @@ def _resolve(given: dict[str, Any]) -> SMPConfig:
             {"microbatches": values["microbatches"],
              "active_microbatches": values["active_microbatches"]}, where,
             "raise 'microbatches' (and 'active_microbatches') or drop 'offload_activations'")
-    if values["tensor_parallel_degree"] > 1 and not values["ddp"]:
-        raise SMPConfigError.build("'tensor_parallel_degree' > 1 requires 'ddp': true",
-                                   values["tensor_parallel_degree"], where, "set 'ddp': true")
-    if values["bf16"] and (values["fp16"] or values["fp16_params"]):
-        raise SMPConfigError.build("'bf16' and 'fp16' (or 'fp16_params') exclude each other",
-                                   {"bf16": True, "fp16": values["fp16"],
-                                    "fp16_params": values["fp16_params"]}, where,
-                                   "enable one half-precision type")
     if "ddp_port" in given and not values["ddp"]:
         raise SMPConfigError.build("'ddp_port' requires 'ddp': true", values["ddp_port"],
                                    where, "set 'ddp': true, or drop 'ddp_port'")
-    _check_sharding(values, where)
+    refused = combination_refusal(values, where)
+    if refused is not None:
+        raise refused
     return SMPConfig(**values, explicit=frozenset(given))
 
 
-def _check_sharding(values: dict[str, Any], where: str) -> None:
-    """The rules of optimizer-state sharding and sharded data parallelism that one rank can
-    check (the dp size is checked in ``resolve_topology``)."""
-    sdp = values["sharded_data_parallel_degree"]
-    if values["shard_optimizer_state"] and not values["ddp"]:
-        raise SMPConfigError.build("'shard_optimizer_state' requires 'ddp': true", True, where,
-                                   "set 'ddp': true (the state is sharded over the dp group)")
-    if sdp > 1 and not values["ddp"]:
-        raise SMPConfigError.build("'sharded_data_parallel_degree' > 1 requires 'ddp': true",
-                                   sdp, where, "set 'ddp': true")
-    if sdp > 1 and values["shard_optimizer_state"]:
-        raise SMPConfigError.build(
+def combination_refusal(values: Mapping[str, Any], where: str = "smp.init"
+                        ) -> SMPConfigError | None:
+    """Why the runtime cannot run this combination of parallelisms and precisions (an
+    error naming the nearest one it runs), or None: the one list of what is refused, read
+    by ``smp.init`` and by the planner's ``--emit-config``. ``values``: parameter -> value;
+    a missing one is its default. The world-size rules are ``resolve_topology``'s."""
+    v = {p.name: values.get(p.name, p.default) for p in PARAMS}
+    tp, sdp = v["tensor_parallel_degree"], v["sharded_data_parallel_degree"]
+    if tp > 1 and not v["ddp"]:
+        return SMPConfigError.build("'tensor_parallel_degree' > 1 requires 'ddp': true", tp,
+                                    where, "set 'ddp': true")
+    if v["bf16"] and (v["fp16"] or v["fp16_params"]):
+        return SMPConfigError.build("'bf16' and 'fp16' (or 'fp16_params') exclude each other",
+                                    {"bf16": True, "fp16": v["fp16"],
+                                     "fp16_params": v["fp16_params"]}, where,
+                                    "enable one half-precision type")
+    if v["shard_optimizer_state"] and not v["ddp"]:
+        return SMPConfigError.build("'shard_optimizer_state' requires 'ddp': true", True,
+                                    where, "set 'ddp': true (the state is sharded over the "
+                                    "rdp group)")
+    if sdp > 1 and not v["ddp"]:
+        return SMPConfigError.build("'sharded_data_parallel_degree' > 1 requires 'ddp': true",
+                                    sdp, where, "set 'ddp': true")
+    if sdp > 1 and v["shard_optimizer_state"]:
+        return SMPConfigError.build(
             "'shard_optimizer_state' and 'sharded_data_parallel_degree' > 1 both shard the "
             "optimizer state", sdp, where,
             "drop 'shard_optimizer_state' (sharded data parallelism shards it already)")
-    if sdp > 1 and (values["fp16"] or values["fp16_params"]):
-        raise not_implemented("fp16 with sharded data parallelism",
-                              "sharded_data_parallel_degree",
-                              "use 'bf16': true (or bf16 autocast in the smp.step function) "
-                              "with sharded data parallelism")
-    if sdp > 1 and values["tensor_parallel_degree"] > 1:
-        raise not_implemented("sharded data parallelism with tensor parallelism",
-                              "sharded_data_parallel_degree",
-                              "use tensor_parallel_degree 1 with sharded data parallelism")
+    if sdp > 1 and v["fp16_params"] and not v["fp16"]:
+        return SMPConfigError.build(
+            "'fp16_params' without 'fp16' leaves the optimizer to the script, which cannot "
+            "step the shards of sharded data parallelism", sdp, where,
+            "set 'fp16': true (smp-fx keeps fp32 master shards) or 'bf16': true")
+    return None
 
 
 def resolve_topology(config: SMPConfig, world_size: int) -> tuple[Topology, bool]:
@@ -470,18 +474,19 @@ def resolve_topology(config: SMPConfig, world_size: int) -> tuple[Topology, bool
             f"tensor_parallel_degree = {pp} x {tp}", world_size, "smp.init",
             f"launch a multiple of {pp * tp} processes, or 1 process for an in-process pipeline")
     rdp = world_size // (pp * tp)
-    _check_sdp_divides(config, rdp * tp, world_size, pp)
+    _check_sdp_divides(config, rdp, world_size, pp * tp)
     return Topology(pp, tp, rdp, config.placement), False
 
 
-def _check_sdp_divides(config: SMPConfig, dp: int, world_size: int, pp: int) -> None:
+def _check_sdp_divides(config: SMPConfig, rdp: int, world_size: int, mp: int) -> None:
+    """Sharded data parallelism shards over the rdp group (ranks of one tp shard)."""
     sdp = config.sharded_data_parallel_degree
-    if sdp > 1 and dp % sdp != 0:
+    if sdp > 1 and rdp % sdp != 0:
         raise SMPConfigError.build(
-            "'sharded_data_parallel_degree' must divide the data-parallel degree "
-            f"(world {world_size} / pipeline {pp} = {dp})", sdp,
+            "'sharded_data_parallel_degree' must divide the reduced data-parallel degree "
+            f"(world {world_size} / (pipeline x tensor parallel) {mp} = {rdp})", sdp,
             "sharded_data_parallel_degree",
-            f"use a divisor of {dp}, or launch more processes")
+            f"use a divisor of {rdp}, or launch more processes")
 
 
 def _known(name: str) -> Param:

@@ -23,8 +23,8 @@ Precision and memory (docs/precision.md):
   ``clip_master_grads`` clips the masters by the whole model's norm. Without ``fp16``
   these arguments are accepted and unused, as in SMP.
 * ``shard_optimizer_state``: the param groups are narrowed further to the parameters this
-  rank owns in its dp group (``smp_fx.parallel.zero``); ``step`` broadcasts them after
-  stepping; ``local_state_dict()`` merges the stage's shards over the dp group
+  rank owns in its rdp group (``smp_fx.parallel.zero``); ``step`` broadcasts them after
+  stepping; ``local_state_dict()`` merges the stage's shards over the rdp group
   (``gather_if_shard=False``: this rank's shard), ``state_dict`` gathers every shard.
 * sharded data parallelism: ``step`` clips the global norm to ``sdp_gradient_clipping``.
 
@@ -200,7 +200,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     def step(self, closure: Any = None) -> Any:
         """Step this rank's parameters; with fp16 skip on every rank if any overflowed;
         with optimizer-state sharding broadcast what this rank owns (a collective over
-        the dp group: every dp rank calls it)."""
+        the rdp group: every rdp rank calls it)."""
         masters = self._masters
         if masters is not None:
             self._overflow = masters.prepare()
@@ -249,7 +249,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     def _norm_terms(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
         """(the gradients of ``params`` this rank counts, the groups to sum over besides
         the model-parallel one): replicas are counted once, by the model's own parameter
-        behind each master; a sharded optimizer state sums over the dp group too."""
+        behind each master; a sharded optimizer state sums over the rdp group too."""
         model = self._model()
         if model is None:
             return [p.grad for p in params if p.grad is not None], []
@@ -320,7 +320,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         ``DistributedModel`` at partitioning, or when attached to a partitioned model).
 
         Keeps this rank's parameters, matched by identity, then by name; with
-        ``shard_optimizer_state`` only those this rank owns in its dp group (ZeRO-1); with
+        ``shard_optimizer_state`` only those this rank owns in its rdp group (ZeRO-1); with
         ``fp16`` steps fp32 masters and gives the model its loss scale. Once: a second call
         changes nothing."""
         if self._localized:
@@ -397,7 +397,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         """This rank's optimizer state by FQN; with fp16 each parameter's state carries its
         fp32 master (``fp32_master``) and each param group the loss scaler's state
         (``loss_scaler``). With optimizer-state sharding, ``gather_if_shard`` merges the
-        shards of this stage's dp group (a collective over it: every dp rank calls it);
+        shards of this stage's rdp group (a collective over it: every rdp rank calls it);
         ``False`` gives this rank's shard alone."""
         sd = super().local_state_dict(cast_to_cpu, gather_if_shard)
         masters = self._masters
@@ -411,7 +411,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
             for g in sd["param_groups"]:
                 g[SCALER_KEY] = self._scaler.state_dict()
         if self._shards is not None and gather_if_shard:
-            sd = merge_partial_optimizer_states(comm.allgather(sd, comm.DP_GROUP))
+            sd = merge_partial_optimizer_states(comm.allgather(sd, comm.RDP_GROUP))
         return sd
 
     @property

@@ -317,7 +317,8 @@ def _reduce_grads(params: list[torch.nn.Parameter], divisor: int) -> None:
     """All-reduce the gradients of ``params`` as one flat buffer, divided by ``divisor``."""
     if not active():
         return
-    grads = [p.grad for p in params if p.grad is not None]
+    # a gradient sharded by sharded data parallelism (a DTensor) reduces its local shard
+    grads = [getattr(p.grad, "_local_tensor", p.grad) for p in params if p.grad is not None]
     if not grads:
         return
     flat = torch.cat([g.reshape(-1) for g in grads])

@@ -99,9 +99,9 @@ class OptimizerBinding:
     precision: MixedPrecision | None
 
     def state_shards(self, params: list[torch.Tensor]) -> OptimizerShards | None:
-        """ZeRO-1: ``params`` divided among the dp ranks (``shard_optimizer_state``), or
+        """ZeRO-1: ``params`` divided among the rdp ranks (``shard_optimizer_state``), or
         None (``smp_fx.parallel.zero.shard_state``)."""
-        return shard_state(params, self.is_distributed)
+        return shard_state(params)
 
 
 @dataclass(frozen=True)
@@ -193,6 +193,8 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
     if cfg.sharded_data_parallel_degree > 1:
         sharded = sdp.enable(options, runners)
         applied.append(sharded)
+        if tp is not None:  # FSDP2 replaced the shards with DTensor parameters
+            tp.holding(local_named_parameters(runners, canonical))
     elif dp is not None:
         runners = dp.wrap(runners)
         applied.append(dp)

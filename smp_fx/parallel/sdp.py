@@ -1,10 +1,14 @@
 """Sharded data parallelism (``sharded_data_parallel_degree``) on FSDP2 ``fully_shard``.
 
 Each local pipeline stage is sharded over groups of ``sharded_data_parallel_degree`` ranks
-of its data-parallel group: parameters, gradients and optimizer state live as ``DTensor``
-shards, gathered for each unit's forward and backward and reduce-scattered after its
-backward. With a degree below the dp size the shard groups are replicated (HSDP, a 2-D
-mesh: replicate x shard). Gradients are averaged over the whole dp group, as with DDP.
+of its reduced data-parallel (rdp) group: parameters, gradients and optimizer state live as
+``DTensor`` shards, gathered for each unit's forward and backward and reduce-scattered
+after its backward. With a degree below the rdp size the shard groups are replicated
+(HSDP, a 2-D mesh: replicate x shard). Gradients are averaged over the rdp group, as DDP
+averages them. With tensor parallelism the rdp group's ranks hold the same tp shard, so
+FSDP2 shards each tp rank's shards further (torchtitan's FSDP2 x tp; with pipelining,
+every stage of its pp rank): the tp sums and averages of ``parallel.tensor_parallel``
+then work on the local shards of the gradients.
 
 How SMP's ``sdp_*`` parameters map onto FSDP2 (docs/precision.md):
 
@@ -16,7 +20,7 @@ How SMP's ``sdp_*`` parameters map onto FSDP2 (docs/precision.md):
   module the graph calls twice) form the stage's root unit.
 * ``sdp_param_persistence_threshold`` (elements): smaller parameters are not sharded
   (FSDP2 ``ignored_params``); they stay whole on every rank and their gradients are
-  averaged over the dp group after the step (sum, then an explicit division).
+  averaged over the rdp group after the step (sum, then an explicit division).
 * ``sdp_max_live_parameters`` (elements): a bound on gathered elements. Units are
   resharded after each forward and backward and FSDP2 prefetches at most the next unit in
   backward, so at most the root unit plus two neighbouring units are gathered at once;
@@ -29,7 +33,7 @@ How SMP's ``sdp_*`` parameters map onto FSDP2 (docs/precision.md):
 
 Reductions use sums with an explicit division (``set_force_sum_reduction_for_comms``):
 gloo's averaging reduce ops are not to be trusted (pytorch issue #162338). Parameters and
-buffers are broadcast from dp rank 0 before sharding (SMP's "broadcast at partitioning");
+buffers are broadcast from rdp rank 0 before sharding (SMP's "broadcast at partitioning");
 buffers again at every step with ``broadcast_buffers``. ``enable`` is the sharded
 data-parallel step of the parallelisms' build (``smp_fx.parallel.build``).
 """
@@ -47,7 +51,7 @@ from torch import nn
 
 from cost_model.errors import SMPConfigError
 from smp_fx.parallel.ddp import DataParallelOptions, allreduce_grads, buckets
-from smp_fx.parallel.zero import broadcast_flat
+from smp_fx.parallel.zero import AXIS, broadcast_flat
 from smp_fx.runtime.lowering import Op, trains
 from smp_fx.runtime.seams import StageRunner, StepHooks
 from smp_fx.world import state
@@ -119,8 +123,12 @@ def plan_units(gm: torch.fx.GraphModule, bucket: int, threshold: int) -> ShardPl
     return ShardPlan(tuple(units), tuple(numels), sharded - taken, persistent)
 
 
+_MESHES: list[int] = []
+"""One entry per mesh this process built (their names' numbers)."""
+
+
 def _mesh(st: state.State) -> Any:
-    """This rank's FSDP2 mesh over its dp group: 1-D (shard) or 2-D (replicate, shard).
+    """This rank's FSDP2 mesh over its rdp group: 1-D (shard) or 2-D (replicate, shard).
 
     Every rank creates every stage's sub-groups, in one order (``new_group`` is collective
     over the world), before building its own mesh from them.
@@ -129,13 +137,19 @@ def _mesh(st: state.State) -> Any:
     from torch.distributed.device_mesh import DeviceMesh
 
     sdp = st.config.sharded_data_parallel_degree
-    mine = st.group_ranks("dp")
+    mine = st.group_ranks(AXIS)
     device_type = st.device.type
+    # DTensor caches sharding results holding meshes by value (ranks, names): a mesh of a
+    # later smp.init over the same ranks would be answered with this one's groups, which
+    # that init destroyed. A name of its own per mesh keeps them apart.
+    _MESHES.append(len(_MESHES))
+    tag = f"_{_MESHES[-1]}"
     if sdp == len(mine):
-        return DeviceMesh.from_group(st.group("dp"), device_type)
+        return DeviceMesh.from_group(st.group(AXIS), device_type,
+                                     mesh_dim_names=("shard" + tag,))
     shard_of: dict[int, Any] = {}
     rep_of: dict[int, Any] = {}
-    for ranks in st.topology.groups("dp"):
+    for ranks in st.topology.groups(AXIS):
         grid = [ranks[i:i + sdp] for i in range(0, len(ranks), sdp)]
         for row in grid:
             g = dist.new_group(row)
@@ -146,7 +160,7 @@ def _mesh(st: state.State) -> Any:
     me = st.rank
     layout = torch.tensor(mine).view(len(mine) // sdp, sdp)
     return DeviceMesh.from_group([rep_of[me], shard_of[me]], device_type, mesh=layout,
-                                 mesh_dim_names=("replicate", "shard"))
+                                 mesh_dim_names=("replicate" + tag, "shard" + tag))
 
 
 def _check_nodes(st: state.State) -> None:
@@ -154,7 +168,7 @@ def _check_nodes(st: state.State) -> None:
     cfg = st.config
     if "sdp_hierarchical_allgather" not in cfg.explicit or not cfg.sdp_hierarchical_allgather:
         return
-    nodes = {r // max(st.local_size, 1) for r in st.group_ranks("dp")}
+    nodes = {r // max(st.local_size, 1) for r in st.group_ranks(AXIS)}
     if len(nodes) > 1:
         raise SMPConfigError.build(
             "sdp_hierarchical_allgather: FSDP2 has no two-level all-gather across nodes",
@@ -172,9 +186,9 @@ class ShardedDataParallel:
         from torch.distributed.fsdp import fully_shard
 
         cfg = st.config
-        self.group = st.group("dp")
-        self.size = len(st.group_ranks("dp"))
-        self.src = st.group_ranks("dp")[0]
+        self.group = st.group(AXIS)
+        self.size = len(st.group_ranks(AXIS))
+        self.src = st.group_ranks(AXIS)[0]
         self.broadcast_buffers = options.broadcast_buffers
         self.plans: dict[int, ShardPlan] = {}
         self.persistent: dict[int, list[nn.Parameter]] = {}
@@ -207,18 +221,18 @@ class ShardedDataParallel:
         self.cap_mb = cfg.sdp_reduce_bucket_size * 4 / 2**20
 
     def hooks(self) -> StepHooks:
-        """Before a step: buffers from dp rank 0; after it: the replicated parameters'
+        """Before a step: buffers from rdp rank 0; after it: the replicated parameters'
         average (before the tied pipeline sum, ``smp_fx.parallel.build.POST_STEP_ORDER``)."""
         return StepHooks(self.pre_step, self.post_step)
 
     def pre_step(self, ops: Sequence[Op]) -> None:
-        """Note whether the step trains; broadcast buffers from dp rank 0 (DDP's default)."""
+        """Note whether the step trains; broadcast buffers from rdp rank 0 (DDP's default)."""
         self._training = trains(ops)
         if self.broadcast_buffers and self.buffers:
             broadcast_flat(self.buffers, self.src, self.group)
 
     def post_step(self) -> None:
-        """Average the replicated (persistent) parameters' gradients over the dp group."""
+        """Average the replicated (persistent) parameters' gradients over the rdp group."""
         if not self._training:
             return
         for s in sorted(self.persistent):
@@ -229,7 +243,7 @@ class ShardedDataParallel:
 def enable(options: DataParallelOptions, runners: Mapping[int, StageRunner]
            ) -> ShardedDataParallel:
     """Shard the local stages of ``runners`` (on every rank, at partitioning; collective
-    over the dp groups)."""
+    over the rdp groups)."""
     st = state.get()
     if options.backward_passes_per_step != 1:  # SMP defers the reduction; the sum is equal
         log.info("smp-fx sdp: backward_passes_per_step=%d: gradients are reduce-scattered at "
@@ -238,7 +252,7 @@ def enable(options: DataParallelOptions, runners: Mapping[int, StageRunner]
                  options.backward_passes_per_step)
     _check_nodes(st)
     sdp = ShardedDataParallel(options, runners, st)
-    log.info("smp-fx sdp: stages %s sharded over %d of %d dp ranks; units %s",
+    log.info("smp-fx sdp: stages %s sharded over %d of %d rdp ranks; units %s",
              sorted(sdp.plans), st.config.sharded_data_parallel_degree, sdp.size,
              {s: len(p.units) for s, p in sdp.plans.items()})
     return sdp

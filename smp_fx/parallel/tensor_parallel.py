@@ -41,17 +41,24 @@ class TensorParallelRuntime:
 
     name: ClassVar[str] = "tensor_parallel"
 
-    def __init__(self, plan: TensorParallelPlan, distributed: list[nn.Parameter],
-                 replicated: list[nn.Parameter], average_replicated: bool,
-                 chunked: list[nn.Parameter], axes: dict[int, int] | None = None) -> None:
+    def __init__(self, plan: TensorParallelPlan, local: Iterable[tuple[str, nn.Parameter]],
+                 average_replicated: bool) -> None:
         self.plan = plan
-        self._distributed_ids = {id(p) for p in distributed}
-        self._axes = dict(axes or {})  # id(shard) -> the dimension it is split along
-        self.replicated = replicated
         self.average_replicated = average_replicated
-        self.chunked = chunked
-        """Read by sequence-chunked ops: gradients summed over tp after each step."""
         self._training = False
+        self.holding(local)
+
+    def holding(self, local: Iterable[tuple[str, nn.Parameter]]) -> None:
+        """Know this rank's parameters by name: at binding, and again after sharded data
+        parallelism replaced them with ``DTensor`` parameters of the same names."""
+        params = list(local)
+        specs = {s.name: s for s in self.plan.sharded}
+        chunked = set(self.plan.sequence_parallel)
+        self._distributed_ids = {id(p) for n, p in params if n in specs}
+        self._axes = {id(p): specs[n].dim for n, p in params if n in specs}
+        self.replicated = [p for n, p in params if n not in specs]
+        self.chunked = [p for n, p in params if n in chunked]
+        """Read by sequence-chunked ops: gradients summed over tp after each step."""
 
     @staticmethod
     def bind(plan: TensorParallelPlan, local: Iterable[tuple[str, nn.Parameter]],
@@ -59,15 +66,7 @@ class TensorParallelRuntime:
         """Bind the collectives to this rank's tp group (called at partitioning); ``local``:
         this rank's parameters by name (``DistributedModel.local_named_parameters``)."""
         tp_collectives.bind(st.group("tp"), st.axis_size("tp"), st.axis_rank("tp"))
-        names = {s.name for s in plan.sharded}
-        params = list(local)
-        chunked = set(plan.sequence_parallel)
-        specs = {s.name: s for s in plan.sharded}
-        rt = TensorParallelRuntime(plan, [p for n, p in params if n in names],
-                                   [p for n, p in params if n not in names],
-                                   not st.config.prescaled_batch,
-                                   [p for n, p in params if n in chunked],
-                                   {id(p): specs[n].dim for n, p in params if n in specs})
+        rt = TensorParallelRuntime(plan, local, not st.config.prescaled_batch)
         if st.rank == 0:  # one report for the model (every rank's plan is the same)
             report = coverage(plan)
             level = logging.WARNING if plan.replicated else logging.INFO

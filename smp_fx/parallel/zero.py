@@ -1,9 +1,12 @@
-"""``shard_optimizer_state``: ZeRO stage 1 over each stage's data-parallel group.
+"""``shard_optimizer_state``: ZeRO stage 1 over each stage's reduced data-parallel group.
 
-Every dp replica of a pipeline stage holds the same parameters and, after the dp
-reduction, the same gradients; only the optimizer state differs in where it lives. Each
-parameter is *owned* by one rank of the dp group (``assign_owners``: largest parameters
-first, each to the least-loaded rank, so every rank holds 1/dp of the state within one
+Every rdp replica of a pipeline stage's tensor-parallel shard holds the same parameters
+and, after the dp reduction, the same gradients; only the optimizer state differs in where
+it lives. With tensor parallelism each tp rank's parameters (its shards and its copies of
+the replicated ones) are divided over its own rdp group, as Megatron's distributed
+optimizer divides each tp rank's state over its dp group. Each
+parameter is *owned* by one rank of the rdp group (``assign_owners``: largest parameters
+first, each to the least-loaded rank, so every rank holds 1/rdp of the state within one
 parameter). A rank's torch optimizer keeps only the parameters it owns (its param groups
 are narrowed, hyper-parameters and LR schedulers untouched), so it creates state for
 those only; after it steps them, each owner broadcasts its updated parameters to the
@@ -20,14 +23,16 @@ scheduler built on it before partitioning keeps working), which ``ZeroRedundancy
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from cost_model.errors import SMPRuntimeError
 from smp_fx.world import state
+
+AXIS = "rdp"
+"""The group a stage's optimizer state is sharded over: the ranks holding equal tensors."""
 
 
 def assign_owners(numels: Sequence[int], n: int) -> list[int]:
@@ -42,23 +47,17 @@ def assign_owners(numels: Sequence[int], n: int) -> list[int]:
     return owner
 
 
-def shard_state(params: Sequence[torch.Tensor],
-                is_distributed: Callable[[torch.Tensor], bool]) -> OptimizerShards | None:
+def shard_state(params: Sequence[torch.Tensor]) -> OptimizerShards | None:
     """ZeRO-1 where an optimizer binds to its model: ``params`` (its local parameters)
-    divided among the dp group's ranks, or None without ``shard_optimizer_state`` or with
-    a single dp rank. Tensor-parallel shards (``is_distributed``) cannot be sharded."""
+    divided among the rdp group's ranks, or None without ``shard_optimizer_state`` or with
+    a single rdp rank. The rdp group's ranks hold the same tensor-parallel shards."""
     if not state.is_initialized() or not state.get().config.shard_optimizer_state:
         return None
     st = state.get()
-    ranks = st.group_ranks("dp")
+    ranks = st.group_ranks(AXIS)
     if len(ranks) == 1:
         return None
-    if any(is_distributed(p) for p in params):
-        raise SMPRuntimeError.build(
-            "optimizer-state sharding of tensor-parallel shards is not built",
-            "shard_optimizer_state", "smp.DistributedOptimizer",
-            "set shard_optimizer_state false with tensor parallelism")
-    return OptimizerShards(params, st.group("dp"), ranks, st.axis_rank("dp"))
+    return OptimizerShards(params, st.group(AXIS), ranks, st.axis_rank(AXIS))
 
 
 def broadcast_flat(tensors: Sequence[torch.Tensor], src: int, group: Any) -> None:
@@ -93,8 +92,8 @@ def _finish(pending: _Pending) -> None:
 
 
 class OptimizerShards:
-    """One stage's parameters divided among the ranks of its dp group (``ranks``, global
-    ranks in dp order; this process is ``ranks[index]``)."""
+    """One stage's parameters divided among the ranks of its rdp group (``ranks``, global
+    ranks in rdp order; this process is ``ranks[index]``)."""
 
     def __init__(self, params: Sequence[torch.Tensor], group: Any, ranks: Sequence[int],
                  index: int) -> None:

@@ -39,15 +39,19 @@ class PlainRun:
     (``named_parameters(remove_duplicate=False)``), as the plain ``state_dict()`` has them."""
     state: dict[str, torch.Tensor]
     """The whole ``state_dict()`` after the last step (buffers too)."""
+    norms: list[float]
+    """Each optimizer step's gradient norm before clipping (with ``clip`` only)."""
 
 
 def train_plain(model: nn.Module, opt: torch.optim.Optimizer, batches: Iterable[B],
                 loss_of: Callable[[nn.Module, B], torch.Tensor],
-                accumulate: int = 1) -> PlainRun:
+                accumulate: int = 1, clip: float | None = None) -> PlainRun:
     """Train ``model`` on ``batches`` in order: ``loss_of(model, batch).backward()``, and an
-    optimizer step (then ``zero_grad``) after every ``accumulate`` batches. Batches are
-    drawn lazily, so a generator may draw random inputs between steps."""
+    optimizer step (then ``zero_grad``) after every ``accumulate`` batches, the gradients
+    clipped to the norm ``clip`` first if given. Batches are drawn lazily, so a generator
+    may draw random inputs between steps."""
     losses: list[float] = []
+    norms: list[float] = []
     grads: list[dict[str, torch.Tensor | None]] = []
     for i, batch in enumerate(batches):
         loss = loss_of(model, batch)
@@ -56,10 +60,12 @@ def train_plain(model: nn.Module, opt: torch.optim.Optimizer, batches: Iterable[
         grads.append({n: None if p.grad is None else p.grad.clone()
                       for n, p in model.named_parameters()})
         if (i + 1) % accumulate == 0:
+            if clip is not None:
+                norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), clip)))
             opt.step()
             opt.zero_grad()
     return PlainRun(losses, grads, _detached(model.named_parameters(remove_duplicate=False)),
-                    _detached(model.state_dict().items()))
+                    _detached(model.state_dict().items()), norms)
 
 
 def _detached(named: Iterable[tuple[str, Any]]) -> dict[str, torch.Tensor]:

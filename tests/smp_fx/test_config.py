@@ -17,6 +17,7 @@ from smp_fx.config import (
     IMPLEMENTED,
     PARAMS,
     SMPConfig,
+    combination_refusal,
     load_config,
     parameter_table,
     resolve_topology,
@@ -175,9 +176,13 @@ def test_cross_field_rules() -> None:
     assert _load(sharded).sharded_data_parallel_degree == 2
     with pytest.raises(SMPConfigError, match="both shard the optimizer state"):
         _load({**sharded, "shard_optimizer_state": True})
-    with pytest.raises(SMPNotImplementedError, match="fp16 with sharded"):
-        _load({**sharded, "fp16": True})
-    assert _load({**sharded, "bf16": True}).bf16  # bf16 shards, fp32 master shards
+    assert _load({**sharded, "fp16": True}).fp16  # fp16 shards, fp32 master shards
+    assert _load({**sharded, "bf16": True}).bf16
+    assert _load({**sharded, "tensor_parallel_degree": 2, "fp16": True}).fp16
+    assert _load({**BASE, "ddp": True, "shard_optimizer_state": True,
+                  "tensor_parallel_degree": 2}).shard_optimizer_state
+    with pytest.raises(SMPConfigError, match="set 'fp16': true"):
+        _load({**sharded, "fp16_params": True})
     with pytest.raises(SMPConfigError, match="'bf16' and 'fp16'"):
         _load({**BASE, "bf16": True, "fp16": True})
     with pytest.raises(SMPConfigError, match="'ddp_port' requires 'ddp'"):
@@ -206,6 +211,41 @@ def test_world_size_rules(world: int, pp: int, tp: int, rdp: int, in_process: bo
     cfg = _load({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "ddp": True})
     topo, inproc = resolve_topology(cfg, world)
     assert (topo.pp_size, topo.tp_size, topo.rdp_size, inproc) == (pp, tp, rdp, in_process)
+
+
+@pytest.mark.parametrize("given", [
+    {"tensor_parallel_degree": 2}, {"bf16": True, "fp16": True},
+    {"shard_optimizer_state": True}, {"sharded_data_parallel_degree": 2},
+    {"ddp": True, "sharded_data_parallel_degree": 2, "shard_optimizer_state": True},
+    {"ddp": True, "sharded_data_parallel_degree": 2, "fp16_params": True}])
+def test_every_refused_combination_is_one_config_error_naming_a_fix(
+        given: dict[str, Any]) -> None:
+    """``combination_refusal`` (what ``smp.init`` and the planner ask) says why, as the
+    SMPConfigError ``smp.init`` raises, with a fix that names what would run."""
+    why = combination_refusal(given)
+    assert isinstance(why, SMPConfigError) and "Fix: " in str(why)
+    fixed = {**given, "ddp": True, "fp16": not given.get("bf16") and given.get("fp16", False),
+             "shard_optimizer_state": given.get("shard_optimizer_state", False)
+             and "sharded_data_parallel_degree" not in given,
+             "fp16_params": False}
+    assert combination_refusal(fixed) is None
+    with pytest.raises(SMPConfigError) as raised:
+        _load({**BASE, **given})
+    assert str(raised.value) == str(why).replace("smp.init", "the smp configuration")
+
+
+@pytest.mark.parametrize("world, tp, sdp, ok", [(8, 2, 2, True), (8, 2, 4, True),
+                                               (8, 4, 4, False), (4, 2, 4, False)])
+def test_sdp_divides_the_reduced_data_parallel_degree(world: int, tp: int, sdp: int,
+                                                       ok: bool) -> None:
+    """Sharded data parallelism shards over the rdp group (world / (pp x tp) at pp 1)."""
+    cfg = _load({"pipeline_parallel_degree": 1, "tensor_parallel_degree": tp, "ddp": True,
+                 "sharded_data_parallel_degree": sdp})
+    if ok:
+        assert resolve_topology(cfg, world)[0].rdp_size % sdp == 0
+    else:
+        with pytest.raises(SMPConfigError, match="reduced data-parallel degree"):
+            resolve_topology(cfg, world)
 
 
 @pytest.mark.parametrize("world, pp, tp", [(3, 2, 1), (4, 2, 4), (2, 4, 1), (1, 2, 2)])

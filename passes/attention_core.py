@@ -22,6 +22,8 @@ CORE_PATH = frozenset({"div", "truediv", "mul", "add", "masked_fill", "where", "
 """Ops a core may hold between its softmax and its matmuls."""
 CORE_ENDS = frozenset({"matmul", "bmm", "baddbmm", "einsum_mm"})
 """Ops that end a core: the scores' and the context's matmuls."""
+META_READS = frozenset({"getattr", "size", "dim", "numel"})
+"""Reads of a value's metadata (a ``.dtype``, a size): they do not keep it outside."""
 
 
 def _op(node: torch.fx.Node) -> str:
@@ -30,7 +32,7 @@ def _op(node: torch.fx.Node) -> str:
 
 def _grow(seed: torch.fx.Node, inside: set[torch.fx.Node]) -> set[torch.fx.Node]:
     """The softmax ``seed`` and the core ops around it, out to the matmuls. Going back, a
-    value something else reads too (a mask every layer adds) stays an input."""
+    value something else computes with too (a mask every layer adds) stays an input."""
     core = {seed}
     for direction in ("in", "out"):
         todo = [seed]
@@ -41,7 +43,8 @@ def _grow(seed: torch.fx.Node, inside: set[torch.fx.Node]) -> set[torch.fx.Node]
                 if m not in inside or m in core or (op not in CORE_PATH
                                                     and op not in CORE_ENDS):
                     continue
-                if direction == "in" and any(u not in core for u in m.users):
+                if direction == "in" and any(u not in core and _op(u) not in META_READS
+                                             for u in m.users):
                     continue
                 core.add(m)
                 if op not in CORE_ENDS:

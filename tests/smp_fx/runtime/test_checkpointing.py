@@ -1,14 +1,21 @@
-"""Outlining a stage's regions: same parameters and names, same values, torch checkpoint."""
+"""Outlining a stage's regions: same parameters and names, same values, torch checkpoint;
+selective recomputation (every attention core a region) against one process, and the
+bytes it keeps against the plan."""
 
 from __future__ import annotations
 
+from typing import Any
+
+import pytest
 import torch
 import torch.fx
 from torch import nn
 
+import smp_fx as smp
 from passes import meta
 from passes.checkpoint_regions import Region
 from smp_fx.runtime.checkpointing import RegionCall, outline_regions
+from tests.helpers.numerics import Pair, init
 
 
 class _Net(nn.Module):
@@ -73,3 +80,55 @@ def test_a_region_saves_only_its_inputs() -> None:
         gm(x)
     # the region's input x, then c's input (the sum); nothing from inside the region
     assert packed == [torch.Size([3, 4]), torch.Size([3, 4])]
+
+
+# ---- selective recomputation: every attention core recomputed, the rest kept ------------
+def _gpt_pair(granularity: str, pipeline: str, full: bool = False) -> Any:
+    """The example GPT at pp 2 in one process, block 0 and what comes before on stage 0."""
+    init(2, 2, pipeline, recompute_granularity=granularity, auto_partition=False,
+         default_partition=0)
+    pair = Pair("gpt")
+    for module in (pair.dm.module.h[1], pair.dm.module.ln_f, pair.dm.module.lm_head):
+        smp.set_partition(module, 1)
+    for block in pair.dm.module.h if full else ():
+        smp.set_activation_checkpointing(block)
+    return pair
+
+
+@pytest.mark.parametrize("pipeline", ["interleaved", "zero_bubble"])
+def test_selective_recomputation_trains_as_one_process(pipeline: str, one_thread: None
+                                                       ) -> None:
+    """``recompute_granularity: selective`` (the split backward's I and W rebuilding each
+    core once under ``zero_bubble``): loss, gradients, parameters of the unpartitioned
+    model at 1e-5."""
+    pair = _gpt_pair("selective", pipeline)
+    pair.compare(2, 2)
+    assert [st.checkpointed for st in pair.dm.plan.stages] == [
+        ("h.0.attn.attention_core",), ("h.1.attn.attention_core",)]
+
+
+def _kept(pair: Any) -> list[tuple[int, int]]:
+    """Per stage: (bytes its forward saved, counted by its hooks, the plan's), the same for
+    every microbatch of the second step."""
+    pair.train_step(pair.dm, *pair.x, pair.y)
+    for keeper in pair.dm.executor.keepers.values():
+        keeper.track = True
+    pair.train_step(pair.dm, *pair.x, pair.y)
+    out = []
+    for s, keeper in sorted(pair.dm.executor.keepers.items()):
+        saved = {rec.saved for rec in keeper.records.values()}
+        assert len(saved) == 1 and len(keeper.records) == 2, saved
+        out.append((saved.pop(), pair.dm.plan.stages[s].memory.activations_per_microbatch))
+    return out
+
+
+def test_selective_keeps_less_than_none_and_more_than_full_as_planned(one_thread: None
+                                                                      ) -> None:
+    """The example GPT, the same stages each way: the bytes every stage's forward saves are
+    the plan's to the byte, and selective lies strictly between none and full."""
+    none, selective = _kept(_gpt_pair("none", "simple")), _kept(_gpt_pair("selective", "simple"))
+    full = _kept(_gpt_pair("none", "simple", full=True))
+    for measured, planned in (*none, *selective, *full):
+        assert measured == planned
+    for s in (0, 1):
+        assert full[s][0] < selective[s][0] < none[s][0], s

@@ -132,3 +132,57 @@ def test_selective_keeps_less_than_none_and_more_than_full_as_planned(one_thread
         assert measured == planned
     for s in (0, 1):
         assert full[s][0] < selective[s][0] < none[s][0], s
+
+
+def _selective_body() -> list[str]:
+    """On 2 ranks: tp 2 (the whole GPT sharded, heads split, each rank's cores recomputed)
+    and pp 2 under ``zero_bubble``; 3 Adam steps against one process on the global batch."""
+    import torch.distributed as dist
+
+    from smp_fx.world import state
+    from tests.helpers.compare import mismatched
+    from tests.helpers.twin import Twin
+    from tests.helpers.twin import init as init_world
+    from tests.smp_fx.parallel.test_tensor_parallel import _gathered
+
+    def whole(t: Twin, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return values if t.dm.tp_plan is None else _gathered(t.dm, values)
+
+    dist.init_process_group("gloo")
+    bad: list[str] = []
+    try:
+        for pp, extra in ((1, {"tensor_parallel_degree": 2}), (2, {"pipeline": "zero_bubble"})):
+            init_world(pp, 2, recompute_granularity="selective", **extra)
+            t = Twin("gpt")
+            if pp == 1:
+                for module in (t.dm.module.wte, t.dm.module.lm_head, *t.dm.module.h):
+                    smp.set_tensor_parallelism(module)
+            opt = smp.DistributedOptimizer(torch.optim.Adam(t.dm.parameters(), lr=1e-3,
+                                                            eps=1e-6))
+            ref_opt = torch.optim.Adam(t.ref.parameters(), lr=1e-3, eps=1e-6)
+            for step in range(3):
+                opt.zero_grad()
+                ref_opt.zero_grad()
+                loss, ref_loss = t.smp_step(), t.ref_step()
+                grads = whole(t, {n: p.grad for n, p in t.dm.local_named_parameters()})
+                bad += [f"pp {pp} {extra}: loss at step {step}"] * (abs(loss - ref_loss) > 1e-5)
+                bad += [f"pp {pp}: grad {n} at step {step}" for n in
+                        mismatched(grads, t.reference(grads=True), atol=1e-5)]
+                opt.step()
+                ref_opt.step()
+            params = whole(t, {n: p.detach() for n, p in t.dm.local_named_parameters()})
+            bad += [f"pp {pp}: parameter {n}" for n in
+                    mismatched(params, t.reference(), atol=1e-5)]
+            if not all(st.checkpointed for st in t.dm.plan.stages):
+                bad.append(f"pp {pp}: a stage without its attention core")
+    finally:
+        state._reset()
+    return bad
+
+
+@pytest.mark.multiproc
+def test_selective_recomputation_across_processes_with_tp_and_a_split_backward() -> None:
+    from tests.helpers.dist import run_ranks
+
+    for bad in run_ranks(_selective_body, 2, timeout=240, env={"SMP_FX_DEVICE_SPEC": "a100"}):
+        assert bad == [], bad

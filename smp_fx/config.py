@@ -483,6 +483,20 @@ def resolve_topology(config: SMPConfig, world_size: int) -> tuple[Topology, bool
     return Topology(pp, tp, rdp, config.placement), False
 
 
+def validate(config: ConfigSource, world_size: int,
+             env: Mapping[str, str] | None = None) -> tuple[SMPConfig, Topology, bool]:
+    """Every check ``smp.init`` makes of ``config`` on ``world_size`` processes before it
+    communicates (``load_config``, then ``resolve_topology``), without starting any: how
+    the planner asks whether a plan runs. ``env`` defaults to no environment override.
+
+    >>> validate({"pipeline_parallel_degree": 8, "ddp": True}, 3072)[1].rdp_size
+    384
+    """
+    cfg = load_config(config, env={} if env is None else env)
+    topology, in_process = resolve_topology(cfg, world_size)
+    return cfg, topology, in_process
+
+
 def _check_sdp_divides(config: SMPConfig, dp: int, world_size: int, pp: int) -> None:
     sdp = config.sharded_data_parallel_degree
     if sdp > 1 and dp % sdp != 0:

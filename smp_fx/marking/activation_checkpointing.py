@@ -156,7 +156,8 @@ def rules_from_patterns(model: nn.Module, patterns: Sequence[str]
                         ) -> tuple[CheckpointRule, ...]:
     """Rules for ``smp-fx partition --activation-checkpointing GLOB[:STRATEGY]``: every
     module whose path matches the glob (``h.*``, ``blocks``; ``''`` is the root), the
-    strategy applying to the matched ``nn.Sequential``s (default ``each``)."""
+    strategy applying to the matched ``nn.Sequential``s (default ``each``;
+    ``attention_core`` to any module)."""
     out: list[CheckpointRule] = []
     for pattern in patterns:
         glob, _, strategy = pattern.partition(":")
@@ -166,7 +167,8 @@ def rules_from_patterns(model: nn.Module, patterns: Sequence[str]
                                        "--activation-checkpointing",
                                        "use a module path or a glob such as 'h.*'")
         for path, mod in found:
-            if strategy and strategy != "each" and not isinstance(mod, nn.Sequential):
+            if strategy not in ("", "each", ATTENTION_CORE) and not isinstance(
+                    mod, nn.Sequential):
                 raise SMPConfigError.build(
                     "strategy applies to an nn.Sequential only", f"{path!r}:{strategy}",
                     "--activation-checkpointing", "drop the strategy for this pattern")

@@ -51,8 +51,8 @@ def test_table_json_and_fix_round_trip(tmp_path: Path, capsys: pytest.CaptureFix
 def test_emit_config_is_what_smp_init_takes(tmp_path: Path,
                                             capsys: pytest.CaptureFixture) -> None:
     cfg_path, json_path = tmp_path / "cfg.json", tmp_path / "plan.json"
-    assert plan_cli.main(_plan("--fix", "pp=2,tp=2", "--emit-config", str(cfg_path),
-                               "--json", str(json_path))) == 0
+    assert plan_cli.main(_plan("--fix", "pp=2,tp=2,recompute=selective", "--emit-config",
+                               str(cfg_path), "--json", str(json_path))) == 0
     text = capsys.readouterr().out
     assert "smp-fx run -n 8 --config" in text and "set_partition" in text
     cfg = json.loads(cfg_path.read_text())
@@ -63,17 +63,8 @@ def test_emit_config_is_what_smp_init_takes(tmp_path: Path,
     assert smp.pipeline == best["schedule"] and smp.prescaled_batch is True
     assert smp.optimize == ("memory" if best["sp"] else "speed")
     assert smp.virtual_pipeline_degree == best["vp"]
-    assert smp.recompute_granularity == (
-        "selective" if best["recompute"] == "selective" else "none")
+    assert best["recompute"] == "selective" and smp.recompute_granularity == "selective"
     validate(cfg, 8)  # smp.init's checks on that many processes
-
-
-def test_emit_config_writes_selective_recomputation(tmp_path: Path) -> None:
-    cfg_path = tmp_path / "cfg.json"
-    assert plan_cli.main(_plan("--fix", "pp=2,recompute=selective", "--emit-config",
-                               str(cfg_path))) == 0
-    cfg = json.loads(cfg_path.read_text())
-    assert cfg["recompute_granularity"] == "selective" and cfg["pipeline_parallel_degree"] == 2
 
 
 def test_a_refusal_is_smp_init_s_own_rule() -> None:

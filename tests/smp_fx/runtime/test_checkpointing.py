@@ -83,10 +83,11 @@ def test_a_region_saves_only_its_inputs() -> None:
 
 
 # ---- selective recomputation: every attention core recomputed, the rest kept ------------
-def _gpt_pair(granularity: str, pipeline: str, full: bool = False) -> Any:
+def _gpt_pair(granularity: str, pipeline: str, full: bool = False, offload: bool = False
+              ) -> Any:
     """The example GPT at pp 2 in one process, block 0 and what comes before on stage 0."""
     init(2, 2, pipeline, recompute_granularity=granularity, auto_partition=False,
-         default_partition=0)
+         default_partition=0, offload_activations=offload)
     pair = Pair("gpt")
     for module in (pair.dm.module.h[1], pair.dm.module.ln_f, pair.dm.module.lm_head):
         smp.set_partition(module, 1)
@@ -95,13 +96,13 @@ def _gpt_pair(granularity: str, pipeline: str, full: bool = False) -> Any:
     return pair
 
 
-@pytest.mark.parametrize("pipeline", ["interleaved", "zero_bubble"])
-def test_selective_recomputation_trains_as_one_process(pipeline: str, one_thread: None
-                                                       ) -> None:
-    """``recompute_granularity: selective`` (the split backward's I and W rebuilding each
-    core once under ``zero_bubble``): loss, gradients, parameters of the unpartitioned
-    model at 1e-5."""
-    pair = _gpt_pair("selective", pipeline)
+@pytest.mark.parametrize("pipeline, offload", [("interleaved", True), ("zero_bubble", False)])
+def test_selective_recomputation_trains_as_one_process(pipeline: str, offload: bool,
+                                                       one_thread: None) -> None:
+    """``recompute_granularity: selective`` (the cores' inputs offloaded; the split
+    backward's I and W rebuilding each core once under ``zero_bubble``): loss, gradients,
+    parameters of the unpartitioned model at 1e-5."""
+    pair = _gpt_pair("selective", pipeline, offload=offload)
     pair.compare(2, 2)
     assert [st.checkpointed for st in pair.dm.plan.stages] == [
         ("h.0.attn.attention_core",), ("h.1.attn.attention_core",)]

@@ -107,10 +107,13 @@ def core_regions(nodes: Sequence[torch.fx.Node], rules: Sequence[CheckpointRule]
     ``attention_core`` rule's module, outside every other region, as a region named after
     the module of its softmax (or ``sdpa``) node."""
     out: dict[str, tuple[Region, list[torch.fx.Node]]] = {}
+    taken: set[torch.fx.Node] = set()  # rules may nest: a core is found once
     for rule in (r for r in rules if r.strategy == ATTENTION_CORE):
         free = [n for n in nodes if n.op in COMPUTE and not meta.CKPT_REGION.has(n)
+                and n not in taken
                 and _under(meta.MODULE_PATH.get(n, "") or "", rule.module_path)]
         for core in attention_cores(free):
+            taken.update(core)
             seed = next(n for n in core if getattr(meta.COST.get(n), "op", "") in
                         ("sdpa", "softmax"))
             base = f"{meta.MODULE_PATH.get(seed, '') or '<root>'}.attention_core"

@@ -56,7 +56,10 @@ def test_an_sdpa_node_is_a_core_and_each_core_a_region() -> None:
     regions = core_regions(list(gm.graph.nodes), SELECTIVE)
     assert sorted(regions) == ["h.0.attn.attention_core", "h.1.attn.attention_core"]
     assert all(_ops(nodes) == ["sdpa"] for _, nodes in regions.values())
-    # a module checkpointed whole keeps its core inside its own region
+    # nested rules find a core once; a module checkpointed whole keeps its core inside
+    # its own region
+    assert core_regions(list(gm.graph.nodes), (CheckpointRule("h", ATTENTION_CORE),
+                                                *SELECTIVE)).keys() == regions.keys()
     marked = mark_regions(gm, (CheckpointRule("h.0"), *SELECTIVE))
     names = {meta.CKPT_REGION.get(n).name for n in marked.graph.nodes
              if meta.CKPT_REGION.has(n)}

@@ -20,6 +20,7 @@ from smp_fx.config import (
     load_config,
     parameter_table,
     resolve_topology,
+    validate,
 )
 
 BASE = {"pipeline_parallel_degree": 2}
@@ -214,6 +215,20 @@ def test_world_size_not_divisible(world: int, pp: int, tp: int) -> None:
     cfg = _load({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "ddp": True})
     with pytest.raises(SMPConfigError, match="world size|tensor parallelism"):
         resolve_topology(cfg, world)
+
+
+def test_validate_is_smp_init_s_checks_on_a_world_size() -> None:
+    """Both halves, on a world no test could start: the parameters, then the world size;
+    the environment override is left out unless given."""
+    cfg, topo, _ = validate({"pipeline_parallel_degree": 8, "tensor_parallel_degree": 8,
+                             "ddp": True, "microbatches": 24}, 3072,
+                            env={ENV_VAR: '{"microbatches": 48}'})
+    assert (topo.rdp_size, cfg.microbatches) == (48, 48)
+    with pytest.raises(SMPConfigError, match="world size"):
+        validate({"pipeline_parallel_degree": 7, "ddp": True}, 3072)
+    with pytest.raises(SMPConfigError, match="must divide"):
+        validate({"pipeline_parallel_degree": 8, "ddp": True,
+                  "sharded_data_parallel_degree": 5}, 3072)
 
 
 @pytest.mark.parametrize("key, suggestion", [

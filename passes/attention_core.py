@@ -70,7 +70,8 @@ def _closed(core: set[torch.fx.Node], order: dict[torch.fx.Node, int],
 
 def attention_cores(nodes: Sequence[torch.fx.Node]) -> list[list[torch.fx.Node]]:
     """Each attention core among ``nodes`` (in graph order), as its nodes in graph order:
-    an ``sdpa`` node alone, or a softmax grown out to its two matmuls (module docstring)."""
+    an ``sdpa`` node alone, or a softmax grown out to its two matmuls (module docstring);
+    a softmax without a matmul on each side (a router's) is not one."""
     inside = set(nodes)
     order = {n: i for i, n in enumerate(nodes)}
     taken: set[torch.fx.Node] = set()
@@ -79,17 +80,18 @@ def attention_cores(nodes: Sequence[torch.fx.Node]) -> list[list[torch.fx.Node]]
         op = _op(n)
         if n in taken or op not in ("sdpa", "softmax"):
             continue
-        core = {n} if op == "sdpa" else _closed(_grow(n, inside), order, inside)
+        if op == "sdpa":
+            core = {n}
+        else:
+            grown = _grow(n, inside)
+            ends = [order[m] for m in grown if _op(m) in CORE_ENDS]
+            if not ends or min(ends) > order[n] or max(ends) < order[n]:
+                continue  # no matmul on one side: a softmax of something else (a router)
+            core = _closed(grown, order, inside)
         core -= taken
         taken |= core
         cores.append(core)
     return [sorted(c, key=order.__getitem__) for c in cores]
 
 
-def attention_core(nodes: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
-    """Every attention core's nodes among ``nodes`` together, in graph order."""
-    found = {n for core in attention_cores(nodes) for n in core}
-    return [n for n in nodes if n in found]
-
-
-__all__ = ["CORE_ENDS", "CORE_PATH", "attention_core", "attention_cores"]
+__all__ = ["CORE_ENDS", "CORE_PATH", "META_READS", "attention_cores"]

@@ -20,12 +20,14 @@ SELECTIVE = (CheckpointRule("", ATTENTION_CORE),)
 
 
 class _Eager(nn.Module):
-    """Two layers of Hugging Face style eager attention sharing one additive mask."""
+    """Two layers of Hugging Face style eager attention sharing one additive mask, then a
+    gate's softmax."""
 
     def __init__(self) -> None:
         super().__init__()
         self.qkv = nn.ModuleList([nn.Linear(8, 24) for _ in range(2)])
         self.drop = nn.Dropout(0.1)
+        self.router = nn.Linear(8, 8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s = x.shape[1]
@@ -35,7 +37,7 @@ class _Eager(nn.Module):
             scores = torch.matmul(q, k.transpose(-1, -2)) / 8**0.5 + mask
             probs = torch.softmax(scores, dim=-1).to(scores.dtype)  # a read off the core
             x = x + torch.matmul(self.drop(probs), v)
-        return x
+        return x * torch.softmax(self.router(x), dim=-1)  # a softmax that is no core
 
 
 def _ops(nodes: list[torch.fx.Node]) -> list[str]:

@@ -9,6 +9,9 @@ For each run (``/work/shared/data/megatron_sc21_table1.csv``, or ``--csv``):
     step), beside the published figure. Targets: median |ratio - 1| <= 0.10, worst <= 0.20.
 (b) the planner's own pick for the same GPUs and batch: its predicted step must not exceed
     (a)'s, and it must fit in 80 GB.
+(c) that pick emitted as it is (``smp-fx plan --emit-config``'s mapping, no fallback to a
+    slower plan) passes ``smp.init``'s validation on that many ranks
+    (``smp_fx.config.validate``; no process is started); the rule it breaks otherwise.
 
 The model is ``examples/models/gpt.py`` at the paper's sizes (vocabulary 51200, sequence
 2048), traced on the meta device. ``--fit`` re-fits the two A100 matmul efficiencies the
@@ -42,9 +45,11 @@ sys.path.insert(0, str(ROOT / "examples"))
 from models.gpt import build_model, example_inputs  # noqa: E402
 
 from cost_model.cluster import MEGATRON_FIT, ClusterSpec, get_cluster  # noqa: E402
+from cost_model.errors import SMPError  # noqa: E402
 from passes.cluster.model import Prepared, prepare  # noqa: E402
 from passes.cluster.planner import plan  # noqa: E402
 from passes.cluster.step import Setting  # noqa: E402
+from smp_fx.cli.plan_config import smp_config  # noqa: E402
 
 CSV = Path("/work/shared/data/megatron_sc21_table1.csv")
 VOCAB, SEQ = 51200, 2048
@@ -163,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{'fix step':>9} {'pick step':>9} {'pick mem':>9}  pick")
     print(header)
     ratios = []
-    ok_b = 0
+    ok_b = ok_c = 0
+    refused: list[str] = []
     for row, prep in zip(rows, preps):
         step = fixed_step(row, prep, cluster)
         pred = row.eq3_flops / row.gpus / step / 1e12
@@ -176,6 +182,14 @@ def main(argv: list[str] | None = None) -> int:
             fits = best.memory_bytes_per_gpu <= 80 * GiB
             ok_b += pick_step <= step * (1 + 1e-9) and fits
             pick_txt = best.candidate.label()
+            try:
+                smp_config(best, "fp16")
+                ok_c += 1
+                pick_txt += "  [emitted]"
+            except SMPError as exc:
+                pick_txt += "  [refused]"
+                refused.append(f"{row.params_b}B on {row.gpus}: "
+                               f"{str(exc).splitlines()[0]}")
         print(f"{row.params_b:>6.1f}B {row.gpus:>5} {row.tp:>2} {row.pp:>3} {row.dp:>3} "
               f"{row.mbs:>3} {row.vp:>2} {row.tflops:>9.1f} {pred:>9.1f} "
               f"{pred / row.tflops:>6.3f} "
@@ -187,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_search:
         print(f"(b) planner's pick no slower than the published configuration and within "
               f"80 GB: {ok_b} of {len(rows)}")
+        print(f"(c) the pick emitted as it is and accepted by smp.init's validation on its "
+              f"GPU count: {ok_c} of {len(rows)}")
+        for line in refused:
+            print(f"    refused: {line}")
     print(f"total {time.perf_counter() - t0:.1f} s")
     return 0
 

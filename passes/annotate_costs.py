@@ -84,6 +84,10 @@ ALIASES = {
 }
 COPY_OPS = frozenset({"contiguous", "clone", "_to_copy", "reshape"})
 """View-like ops that copy when their input is not contiguous."""
+NO_GRAD_OPS = CREATION_OPS - frozenset({"cat", "stack", "triu", "tril", "index_select",
+                                        "gather", "repeat", "diff"})
+"""Ops whose output needs no gradient whatever their inputs (the 0-FLOP creation ops less
+those that carry their inputs' values: a concatenation, a gather, a triangle)."""
 
 
 def op_name(node: torch.fx.Node, gm: torch.fx.GraphModule) -> str:
@@ -228,7 +232,9 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
     if node.op in ("placeholder", "output"):
         st.rg[node.name] = False
         return NodeCost(op=op, output_bytes=out_bytes if node.op == "placeholder" else 0)
-    st.rg[node.name] = (any(in_rg) or params_rg) and op not in CREATION_OPS \
+    # every input counts, those inside a list too (cat, stack)
+    grad_in = any(st.rg.get(a.name, False) for a in node.all_input_nodes)
+    st.rg[node.name] = (grad_in or params_rg) and op not in NO_GRAD_OPS \
         and (_is_float(info) or isinstance(info, tuple))
     param_bytes = 0
     for p in params:

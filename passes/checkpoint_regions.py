@@ -5,7 +5,9 @@ A ``CheckpointRule`` (``smp.set_activation_checkpointing`` / ``smp.checkpoint``,
 *region* that the stage runs under non-reentrant ``torch.utils.checkpoint``
 (``smp_fx.runtime.checkpointing``). For an ``nn.Sequential`` the strategy groups its
 children: ``each`` child is a region, ``group_N`` makes one of every N consecutive
-children, ``contiguous`` one of every run of children that lands on one stage.
+children, ``contiguous`` one of every run of children that lands on one stage. The
+``attention_core`` strategy (selective recomputation) makes each attention core under the
+module a region instead (``passes.attention_core``), keeping the rest.
 
 Two passes, around the partitioner:
 
@@ -38,8 +40,9 @@ import torch.fx
 
 from cost_model.errors import SMPPartitionError
 from passes import meta
+from passes.attention_core import attention_cores
 from passes.graph_utils import copy_graph_module
-from passes.partition_config import CheckpointRule, PartitionConfig
+from passes.partition_config import ATTENTION_CORE, CheckpointRule, PartitionConfig
 from passes.partitioning.extract import problem_from_graph, write_stages
 from passes.partitioning.problem import evaluate, make_objective
 
@@ -74,10 +77,11 @@ def _under(path: str, prefix: str) -> bool:
 
 
 def region_for(path: str, rules: Sequence[CheckpointRule]) -> Region | None:
-    """The region a node of module ``path`` belongs to (the outermost rule wins)."""
+    """The region a node of module ``path`` belongs to (the outermost rule wins);
+    ``attention_core`` rules are the graph's (``core_regions``)."""
     for rule in sorted(rules, key=lambda r: (r.module_path.count(".") if r.module_path
                                              else -1, r.module_path)):
-        if not _under(path, rule.module_path):
+        if rule.strategy == ATTENTION_CORE or not _under(path, rule.module_path):
             continue
         if not rule.children:
             return Region(rule.module_path, rule.preserve_rng_state)
@@ -97,6 +101,27 @@ def region_for(path: str, rules: Sequence[CheckpointRule]) -> Region | None:
     return None
 
 
+def core_regions(nodes: Sequence[torch.fx.Node], rules: Sequence[CheckpointRule]
+                 ) -> dict[str, tuple[Region, list[torch.fx.Node]]]:
+    """Selective recomputation: each attention core (``passes.attention_core``) under an
+    ``attention_core`` rule's module, outside every other region, as a region named after
+    the module of its softmax (or ``sdpa``) node."""
+    out: dict[str, tuple[Region, list[torch.fx.Node]]] = {}
+    taken: set[torch.fx.Node] = set()  # rules may nest: a core is found once
+    for rule in (r for r in rules if r.strategy == ATTENTION_CORE):
+        free = [n for n in nodes if n.op in COMPUTE and not meta.CKPT_REGION.has(n)
+                and n not in taken
+                and _under(meta.MODULE_PATH.get(n, "") or "", rule.module_path)]
+        for core in attention_cores(free):
+            taken.update(core)
+            seed = next(n for n in core if getattr(meta.COST.get(n), "op", "") in
+                        ("sdpa", "softmax"))
+            base = f"{meta.MODULE_PATH.get(seed, '') or '<root>'}.attention_core"
+            name = base if base not in out else f"{base}@{seed.name}"
+            out[name] = (Region(name, rule.preserve_rng_state), core)
+    return out
+
+
 def mark_regions(gm: torch.fx.GraphModule, rules: Sequence[CheckpointRule]
                  ) -> torch.fx.GraphModule:
     """A copy of ``gm`` with ``CKPT_REGION`` and checkpointed costs (see module doc)."""
@@ -109,6 +134,10 @@ def mark_regions(gm: torch.fx.GraphModule, rules: Sequence[CheckpointRule]
         if region is not None:
             meta.CKPT_REGION.set(node, region)
             members.setdefault(region.name, []).append(node)
+    for name, (region, core) in core_regions(list(out.graph.nodes), rules).items():
+        for node in core:
+            meta.CKPT_REGION.set(node, region)
+        members[name] = core
     for nodes in members.values():
         inputs = sum(b for _, b in _input_storages(nodes).items())
         for i, node in enumerate(nodes):

@@ -26,7 +26,10 @@ from cost_model.serial import from_versioned_json, versioned_json
 
 SCHEMA_VERSION = 2
 PIPELINES = sched.SCHEDULE_NAMES
-STRATEGIES = ("each", "contiguous")
+ATTENTION_CORE = "attention_core"
+"""The strategy of selective recomputation: each attention core under the module is a
+region (``passes.attention_core``), the rest of the module is kept."""
+STRATEGIES = ("each", "contiguous", ATTENTION_CORE)
 """Checkpointing strategies besides ``group_N`` (N consecutive children per region)."""
 
 
@@ -37,8 +40,9 @@ class CheckpointRule:
     ``children`` names the module's children in order when it is an ``nn.Sequential``
     (the strategy then groups them: ``each`` child, ``group_N`` children, or every
     ``contiguous`` run of children on one stage); empty for any other module, which is one
-    region. ``preserve_rng_state`` replays the forward's RNG in the recomputation, so
-    dropout draws the same masks twice.
+    region. ``attention_core`` makes a region of each attention core under the module
+    instead (selective recomputation). ``preserve_rng_state`` replays the forward's RNG in
+    the recomputation, so dropout draws the same masks twice.
     """
 
     module_path: str
@@ -52,7 +56,8 @@ class CheckpointRule:
             self.strategy[6:]) >= 1
         if self.strategy not in STRATEGIES and not group:
             raise SMPConfigError.build(
-                "a checkpointing strategy is 'each', 'contiguous' or 'group_N' (N >= 1)",
+                "a checkpointing strategy is 'each', 'contiguous', 'attention_core' or "
+                "'group_N' (N >= 1)",
                 self.strategy, f"module {self.module_path!r}", "use strategy='each'")
 
     @property

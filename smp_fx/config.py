@@ -24,7 +24,7 @@ from typing import Any, Union
 from cost_model import schedule as sched
 from cost_model.errors import SMPConfigError, not_implemented
 from cost_model.schedule import SCHEDULE_NAMES
-from passes.partition_config import CheckpointRule, PartitionConfig
+from passes.partition_config import ATTENTION_CORE, CheckpointRule, PartitionConfig
 from smp_fx.topology import Topology, normalize_placement
 
 ENV_VAR = "SM_HP_MP_PARAMETERS"
@@ -67,6 +67,10 @@ PARAMS: tuple[Param, ...] = (
     _P("virtual_pipeline_degree", int, 1, minimum=1,
        doc="smp-fx extension (SMP has no such key): chunks per pipeline rank "
            "(docs/schedules.md)"),
+    _P("recompute_granularity", str, "none", choices=("none", "selective"),
+       doc="smp-fx extension (SMP has no such key): selective recomputes every attention "
+           "core in backward and keeps the rest (Megatron's selective recomputation; "
+           "docs/memory.md); whole modules: smp.set_activation_checkpointing"),
     _P("optimize", str, "memory", choices=("memory", "speed"),
        doc="sets memory_weight's default; at tp > 1, memory: sequence-parallel activations"
            " between the tp pairs"),
@@ -139,8 +143,9 @@ PARAMS: tuple[Param, ...] = (
            "the backend of smp.init (SMP_FX_BACKEND)"),
     # keys AWS's example notebooks write that SMP's parameter page does not list
     _P("checkpoint_attentions", bool, False, used_at="DistributedModel",
-       doc="every smp.nn DistributedAttentionLayer (SMP's attention inside its "
-           "transformer) is activation-checkpointed, unless a module around it is"),
+       doc="the attention core of every smp.nn DistributedAttentionLayer (SMP's attention "
+           "inside its transformer) is recomputed in backward, unless a module around it is "
+           "checkpointed"),
     _P("overlapping_allreduce", bool, True,
        doc="DistributedModel's overlapping_allreduce where the call does not pass it "
            "(SMP's BERT tutorial sets it here)"),
@@ -165,6 +170,7 @@ class SMPConfig:
     microbatches: int = 1
     pipeline: str = "interleaved"
     virtual_pipeline_degree: int = 1
+    recompute_granularity: str = "none"
     optimize: str = "memory"
     placement_strategy: str = "cluster"
     auto_partition: bool = True
@@ -241,8 +247,11 @@ class SMPConfig:
 
         The one translation from SMP parameters to the compiler's ``PartitionConfig``:
         ``smp-fx partition`` and ``DistributedModel`` both use it, so that they make the
-        same plan from the same configuration.
+        same plan from the same configuration. ``recompute_granularity: selective`` adds
+        the whole model's ``attention_core`` rule to ``checkpointing``.
         """
+        if self.recompute_granularity == "selective":
+            checkpointing = (*checkpointing, CheckpointRule("", ATTENTION_CORE))
         return PartitionConfig(
             num_stages=self.pipeline_parallel_degree, memory_weight=float(self.memory_weight),
             microbatches=self.microbatches, pipeline=self.pipeline,
@@ -476,6 +485,20 @@ def resolve_topology(config: SMPConfig, world_size: int) -> tuple[Topology, bool
     rdp = world_size // (pp * tp)
     _check_sdp_divides(config, rdp, world_size, pp * tp)
     return Topology(pp, tp, rdp, config.placement), False
+
+
+def validate(config: ConfigSource, world_size: int,
+             env: Mapping[str, str] | None = None) -> tuple[SMPConfig, Topology, bool]:
+    """Every check ``smp.init`` makes of ``config`` on ``world_size`` processes before it
+    communicates (``load_config``, then ``resolve_topology``), without starting any: how
+    the planner asks whether a plan runs. ``env`` defaults to no environment override.
+
+    >>> validate({"pipeline_parallel_degree": 8, "ddp": True}, 3072)[1].rdp_size
+    384
+    """
+    cfg = load_config(config, env={} if env is None else env)
+    topology, in_process = resolve_topology(cfg, world_size)
+    return cfg, topology, in_process
 
 
 def _check_sdp_divides(config: SMPConfig, rdp: int, world_size: int, mp: int) -> None:

@@ -16,9 +16,8 @@ microbatch keeps under each recomputation mode, counted by
 - ``none``: what the part's nodes save;
 - ``full``: a layer keeps its inputs; its own saved values exist once more while it is
   recomputed (the transient), and the backward first re-runs its forward;
-- ``selective``: the attention core (Korthikanti et al. 2022, arXiv 2205.05198: the
-  ``softmax(q k^T) v`` between the projections: an ``sdpa`` node, or a softmax with the
-  matmuls around it) keeps its inputs and is re-run.
+- ``selective``: each attention core (``passes.attention_core``, as the runtime's
+  ``recompute_granularity: selective`` finds it) keeps its inputs and is re-run.
 
 The head and the tail are never recomputed. Without repeated layers every computing node
 is a part of its own and only ``none`` applies.
@@ -36,6 +35,7 @@ import torch.fx
 from cost_model.device import DeviceSpec
 from passes import meta
 from passes.annotate_costs import annotate_costs
+from passes.attention_core import attention_cores
 from passes.checkpoint_regions import COMPUTE, Region, stage_activations
 from passes.cluster.layers import KEPT, Repeats, layer_of
 from passes.shape_prop import shape_prop
@@ -48,12 +48,6 @@ PERSISTENCE_THRESHOLD = 1_000_000
 WGRAD_OPS = frozenset({"linear", "matmul", "addmm", "mm", "conv"})
 """Ops whose backward is half input gradient, half weight gradient (when they read a
 parameter)."""
-_CORE_PATH = frozenset({"div", "truediv", "mul", "add", "masked_fill", "where", "dropout",
-                        "softmax", "to", "type_as", "float", "view", "reshape", "expand",
-                        "transpose", "contiguous"})
-_CORE_ENDS = frozenset({"matmul", "bmm", "baddbmm", "einsum_mm"})
-
-
 @dataclass(frozen=True)
 class PartCost:
     """One part for one microbatch on one tensor-parallel rank (module docstring)."""
@@ -149,41 +143,19 @@ def split_parts(gm: torch.fx.GraphModule, repeats: Repeats | None) -> list[list[
     return [nodes[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
-def attention_core(nodes: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
-    """The attention core's nodes among ``nodes`` (module docstring), in graph order."""
-    inside = set(nodes)
-    core: set[torch.fx.Node] = set()
-    for n in nodes:
-        op = getattr(meta.COST.get(n), "op", "")
-        if op == "sdpa":
-            core.add(n)
-        elif op == "softmax":
-            core.add(n)
-            for direction in ("in", "out"):
-                todo = [n]
-                while todo:
-                    cur = todo.pop()
-                    nxt = cur.all_input_nodes if direction == "in" else list(cur.users)
-                    for m in nxt:
-                        mop = getattr(meta.COST.get(m), "op", "")
-                        if m in inside and m not in core and (mop in _CORE_PATH
-                                                              or mop in _CORE_ENDS):
-                            core.add(m)
-                            if mop not in _CORE_ENDS:
-                                todo.append(m)
-    return [n for n in nodes if n in core]
-
-
-def _with_region(nodes: Sequence[torch.fx.Node], region: Sequence[torch.fx.Node],
-                 name: str) -> tuple[int, int]:
-    """(kept, transient) of ``nodes`` with ``region`` recomputed (meta restored after)."""
-    for n in region:
-        meta.CKPT_REGION.set(n, Region(name))
+def _with_regions(nodes: Sequence[torch.fx.Node],
+                  regions: Sequence[Sequence[torch.fx.Node]]) -> tuple[int, int]:
+    """(kept, transient) of ``nodes`` with each of ``regions`` recomputed (meta restored
+    after)."""
+    for i, region in enumerate(regions):
+        for n in region:
+            meta.CKPT_REGION.set(n, Region(f"region {i}"))
     try:
         acts = stage_activations(list(nodes))
     finally:
-        for n in region:
-            n.meta.pop(meta.CKPT_REGION.name, None)
+        for region in regions:
+            for n in region:
+                n.meta.pop(meta.CKPT_REGION.name, None)
     return acts.saved, acts.transient
 
 
@@ -215,12 +187,12 @@ def _part_cost(nodes: list[torch.fx.Node], later: set[torch.fx.Node], layer: boo
     saved_sel, transient_sel, sel_s, sel_flops = saved, 0, 0.0, 0.0
     if layer:
         compute = [n for n in nodes if n.op in COMPUTE]
-        saved_full, transient_full = _with_region(nodes, compute, "layer")
-        core = attention_core(compute)
-        if core:
-            saved_sel, transient_sel = _with_region(nodes, core, "attention core")
-            sel_s = sum(meta.COST.get(n).fwd_time_s for n in core)
-            sel_flops = sum(meta.COST.get(n).fwd_flops for n in core)
+        saved_full, transient_full = _with_regions(nodes, [compute])
+        cores = attention_cores(compute)
+        if cores:
+            saved_sel, transient_sel = _with_regions(nodes, cores)
+            sel_s = sum(meta.COST.get(n).fwd_time_s for c in cores for n in c)
+            sel_flops = sum(meta.COST.get(n).fwd_flops for c in cores for n in c)
     own_elems = own_tensors = buffers = small = 0
     shared: dict[str, int] = {}
     seen: set[int] = set()
@@ -318,5 +290,5 @@ def model_dtype(precision: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
 
 
-__all__ = ["PERSISTENCE_THRESHOLD", "RECOMPUTE", "PartCost", "Profile", "attention_core",
-           "model_dtype", "price_parts", "profile", "split_parts"]
+__all__ = ["PERSISTENCE_THRESHOLD", "RECOMPUTE", "PartCost", "Profile", "model_dtype",
+           "price_parts", "profile", "split_parts"]

@@ -109,7 +109,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--activation-checkpointing", action="append", default=[],
                    metavar="GLOB[:STRATEGY]",
                    help="checkpoint the modules whose path matches (strategy each, contiguous "
-                        "or group_N for an nn.Sequential); repeatable")
+                        "or group_N for an nn.Sequential; attention_core: only the attention "
+                        "cores inside, any module); repeatable")
     p.add_argument("--offload", action="store_true",
                    help="offload_activations: checkpointed regions' inputs leave the device")
     p.add_argument("--memory", action="store_true",

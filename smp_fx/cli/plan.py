@@ -8,7 +8,7 @@ sharding (``passes.cluster``) on a cluster: ``--cluster NAME|FILE.json``, or ``-
 a100|h100|v100|cpu|FILE.json`` with ``--gpus-per-node``, the bandwidths and
 ``--gpu-memory-gib``. It prints the top plans, why the best wins, and optionally writes
 them (``--json``), the best's SMP configuration (``--emit-config``: ``smp-fx run`` and
-``smp.init`` take it; the search then keeps to what the runtime can run), its simulated
+``smp.init`` take it; the search then keeps to what its validation accepts), its simulated
 step (``--timeline``), or, for ``--gpus 64,128,...``, the scaling curve (``--plot``).
 
 Example::
@@ -58,7 +58,7 @@ from smp_fx.cli.partition import (
     load_model_file,
     run_or_report,
 )
-from smp_fx.cli.plan_config import runtime_refusal, script_notes, smp_config
+from smp_fx.cli.plan_config import refusal, script_notes, smp_config
 
 GiB = 1024**3
 
@@ -202,8 +202,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     allowed = None
     if args.emit_config:
         def allowed(c: Any) -> str | None:
-            return runtime_refusal(c, args.precision)
-        progress("--emit-config: keeping to plans smp-fx's runtime can run today")
+            return refusal(c, args.global_batch, args.precision)
+        progress("--emit-config: keeping to plans smp.init's validation accepts")
     points = []
     planned: Planned | None = None
     for gpus in counts:

@@ -31,7 +31,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from cost_model.errors import SMPConfigError
-from passes.partition_config import CheckpointRule
+from passes.partition_config import ATTENTION_CORE, CheckpointRule
 from smp_fx.world import context
 
 
@@ -60,6 +60,8 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
     ``strategy`` applies to an ``nn.Sequential``: ``each`` child is checkpointed on its
     own, ``group_N`` N consecutive children together, ``contiguous`` every run of children
     placed on one stage together. For any other module only ``each`` is valid.
+    ``attention_core`` (an smp-fx extension, any module) recomputes only the attention
+    cores inside ``module`` (selective recomputation, ``passes.attention_core``).
     ``pack_args_as_tuple`` is SMP's flag for children that take a tuple; smp-fx traces
     through tuples, so it only matters to ``checkpoint_sequential`` run outside smp.
     Call it before the first ``smp.step`` (partitioning reads the marks).
@@ -69,7 +71,7 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
                                    type(module).__name__, "smp.set_activation_checkpointing",
                                    "pass a submodule of the model")
     CheckpointRule("", strategy)  # validates the strategy's spelling
-    if strategy != "each" and not isinstance(module, nn.Sequential):
+    if strategy not in ("each", ATTENTION_CORE) and not isinstance(module, nn.Sequential):
         raise SMPConfigError.build(
             "strategy applies to an nn.Sequential only", f"{strategy!r} on "
             f"{type(module).__name__}", "smp.set_activation_checkpointing",
@@ -109,6 +111,11 @@ def checkpoint_sequential(sequential_module: nn.Sequential, input: Any,
                                    type(sequential_module).__name__,
                                    "smp.checkpoint_sequential", "use smp.checkpoint")
     rule = CheckpointRule("", strategy, preserve_rng_state)
+    if strategy == ATTENTION_CORE:
+        raise SMPConfigError.build(
+            "checkpoint_sequential groups children; 'attention_core' is a strategy of "
+            "smp.set_activation_checkpointing", strategy, "smp.checkpoint_sequential",
+            "call smp.set_activation_checkpointing(module, strategy='attention_core')")
     if context.is_tracing():
         _marks[sequential_module] = _Mark(bool(preserve_rng_state), bool(pack_args_as_tuple),
                                           strategy)
@@ -149,7 +156,8 @@ def rules_from_patterns(model: nn.Module, patterns: Sequence[str]
                         ) -> tuple[CheckpointRule, ...]:
     """Rules for ``smp-fx partition --activation-checkpointing GLOB[:STRATEGY]``: every
     module whose path matches the glob (``h.*``, ``blocks``; ``''`` is the root), the
-    strategy applying to the matched ``nn.Sequential``s (default ``each``)."""
+    strategy applying to the matched ``nn.Sequential``s (default ``each``;
+    ``attention_core`` to any module)."""
     out: list[CheckpointRule] = []
     for pattern in patterns:
         glob, _, strategy = pattern.partition(":")
@@ -159,7 +167,8 @@ def rules_from_patterns(model: nn.Module, patterns: Sequence[str]
                                        "--activation-checkpointing",
                                        "use a module path or a glob such as 'h.*'")
         for path, mod in found:
-            if strategy and strategy != "each" and not isinstance(mod, nn.Sequential):
+            if strategy not in ("", "each", ATTENTION_CORE) and not isinstance(
+                    mod, nn.Sequential):
                 raise SMPConfigError.build(
                     "strategy applies to an nn.Sequential only", f"{path!r}:{strategy}",
                     "--activation-checkpointing", "drop the strategy for this pattern")
@@ -170,7 +179,7 @@ def rules_from_patterns(model: nn.Module, patterns: Sequence[str]
 def _rule(path: str, mod: nn.Module, strategy: str, preserve_rng_state: bool,
           whole: bool) -> CheckpointRule:
     children: Sequence[str] = ()
-    if isinstance(mod, nn.Sequential) and not whole:
+    if isinstance(mod, nn.Sequential) and not whole and strategy != ATTENTION_CORE:
         children = tuple(name for name, _ in mod.named_children())
     return CheckpointRule(path, strategy, preserve_rng_state, tuple(children))
 

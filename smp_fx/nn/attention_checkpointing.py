@@ -1,17 +1,20 @@
 """``"checkpoint_attentions": true``: SMP's attention checkpointing inside its transformer.
 
 AWS's notebooks write the key (``"checkpoint_attentions": False if activation_checkpointing
-else True``): when whole layers are not checkpointed, SMP recomputed the attention
-sublayers of its ``smp.nn`` transformer in backward instead of keeping their activations.
-smp-fx marks every ``DistributedAttentionLayer`` for activation checkpointing (as
-``smp.set_activation_checkpointing`` would), leaving out those inside a module that is
-checkpointed already; the numerics are unchanged, the memory the plan counts drops.
+else True``): when whole layers are not checkpointed, SMP recomputed the attention of its
+``smp.nn`` transformer in backward instead of keeping its activations. smp-fx marks every
+``DistributedAttentionLayer`` with the ``attention_core`` strategy (as
+``smp.set_activation_checkpointing(layer, strategy="attention_core")`` would): its
+``softmax(q k^T) v`` is recomputed, its projections kept (selective recomputation), leaving
+out layers inside a module that is checkpointed already; the numerics are unchanged, the
+memory the plan counts drops.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from passes.partition_config import ATTENTION_CORE
 from smp_fx.marking.activation_checkpointing import is_marked, set_activation_checkpointing
 from smp_fx.nn.attention import DistributedAttentionLayer
 
@@ -33,7 +36,7 @@ def checkpoint_attentions(module: nn.Module) -> list[str]:
         if is_marked(mod):
             covered.append(path)
         elif isinstance(mod, DistributedAttentionLayer):
-            set_activation_checkpointing(mod)
+            set_activation_checkpointing(mod, strategy=ATTENTION_CORE)
             marked.append(path)
             covered.append(path)
     return marked

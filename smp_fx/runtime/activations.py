@@ -110,6 +110,7 @@ class ActivationKeeper:
         self._plain: set[int] = set()
         self._region: dict[int, int] = {}
         self._sizes: dict[int, int] = {}
+        self._spans: dict[int, tuple[int, int]] = {}
 
     @property
     def active(self) -> bool:
@@ -122,6 +123,7 @@ class ActivationKeeper:
             yield
             return
         self._mb, self._plain, self._region, self._sizes = microbatch, set(), {}, {}
+        self._spans = {}
         self.excluded = {_key(t) for t in self.state}  # where they live at this forward (model.to)
         self._handles[microbatch] = []
         record = self.records[microbatch] = SavedRecord()
@@ -142,9 +144,12 @@ class ActivationKeeper:
         key = _key(t)
         if key in self.excluded:
             return None
-        # a view's own bytes, the largest per storage: a microbatch is a slice of the
-        # caller's batch, whose storage the caller holds anyway
-        self._sizes[key] = max(self._sizes.get(key, 0), t.numel() * t.element_size())
+        lo, hi = _span(t)
+        was = self._spans.get(key)
+        if was is not None:
+            lo, hi = min(lo, was[0]), max(hi, was[1])
+        self._spans[key] = (lo, hi)
+        self._sizes[key] = hi - lo
         return key
 
     def _pack_plain(self, t: torch.Tensor) -> Any:
@@ -205,6 +210,18 @@ def region_hooks() -> contextlib.AbstractContextManager[Any]:
 
 def _key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes of its storage a saved tensor spans, first element to last: the views a
+    split makes (q, k, v of one fused projection) span their storage together, while a
+    microbatch, a slice of the caller's batch, spans only its own rows."""
+    size = t.element_size()
+    lo = int(t.storage_offset()) * size
+    if t.numel() == 0:
+        return lo, lo
+    last = sum((int(n) - 1) * abs(int(st)) for n, st in zip(t.shape, t.stride()))
+    return lo, lo + (last + 1) * size
 
 
 def prefetch_points(ops: Sequence[Op], stage: int, horizon: int) -> dict[int, list[int]]:

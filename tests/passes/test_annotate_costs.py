@@ -87,6 +87,27 @@ def test_saved_rules_on_a_small_block() -> None:
     assert sum(COST.get(n).saved_bytes for n in gm.graph.nodes) == 0  # nothing needs grad
 
 
+class _Cached(nn.Module):
+    """Keys concatenated behind an empty cache (Hugging Face's ``DynamicCache``): the cat
+    carries the keys' gradient, so the scores' matmul saves both operands."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.q, self.k = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        k = torch.cat([x.new_zeros(x.shape[0], 0, 8), self.k(x)], dim=1)
+        return torch.matmul(self.q(x), k.transpose(1, 2))
+
+
+def test_a_concatenation_carries_the_gradient() -> None:
+    model, x = _Cached(), torch.randn(2, 5, 8)
+    gm = annotate_costs(shape_prop(trace(model, (x,)), (x,)), H100)
+    predicted = sum(COST.get(n).saved_bytes for n in gm.graph.nodes)
+    # x (both linears' input, once), q, and the copy of k^T the matmul makes
+    assert predicted == sum(saved_bytes_by_module(model, (x,)).values()) == 3 * 2 * 5 * 8 * 4
+
+
 class _Opaque(nn.Module):
     """A user leaf with no formula: priced by running it on fake tensors."""
 

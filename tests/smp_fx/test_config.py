@@ -21,6 +21,7 @@ from smp_fx.config import (
     load_config,
     parameter_table,
     resolve_topology,
+    validate,
 )
 
 BASE = {"pipeline_parallel_degree": 2}
@@ -55,6 +56,7 @@ TABLE: dict[str, tuple[list[Any], list[Any]]] = {
     "microbatches": ([1, 4, 64], [0, -2, 2.5, "4", False]),
     "pipeline": (["interleaved", "simple", "zero_bubble"], ["gpipe", 1, None]),
     "virtual_pipeline_degree": ([1, 2, 4], [0, -1, 1.5, "2"]),
+    "recompute_granularity": (["none", "selective"], ["full", True, None]),
     "optimize": (["memory", "speed"], ["fast", 0]),
     "placement_strategy": (["cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD"],
                            ["DP", "ring", 3]),
@@ -95,7 +97,7 @@ NEEDS = {"tensor_parallel_degree": {"ddp": True}, "auto_partition": {"default_pa
          "shard_optimizer_state": {"ddp": True}, "sharded_data_parallel_degree": {"ddp": True},
          "offload_activations": {"microbatches": 2},
          "virtual_pipeline_degree": {"microbatches": 4}}
-EXTENSIONS = {"virtual_pipeline_degree"}
+EXTENSIONS = {"virtual_pipeline_degree", "recompute_granularity"}
 """smp-fx's own parameters: SMP's documentation has no such keys."""
 
 
@@ -253,6 +255,20 @@ def test_world_size_not_divisible(world: int, pp: int, tp: int) -> None:
     cfg = _load({"pipeline_parallel_degree": pp, "tensor_parallel_degree": tp, "ddp": True})
     with pytest.raises(SMPConfigError, match="world size|tensor parallelism"):
         resolve_topology(cfg, world)
+
+
+def test_validate_is_smp_init_s_checks_on_a_world_size() -> None:
+    """Both halves, on a world no test could start: the parameters, then the world size;
+    the environment override is left out unless given."""
+    cfg, topo, _ = validate({"pipeline_parallel_degree": 8, "tensor_parallel_degree": 8,
+                             "ddp": True, "microbatches": 24}, 3072,
+                            env={ENV_VAR: '{"microbatches": 48}'})
+    assert (topo.rdp_size, cfg.microbatches) == (48, 48)
+    with pytest.raises(SMPConfigError, match="world size"):
+        validate({"pipeline_parallel_degree": 7, "ddp": True}, 3072)
+    with pytest.raises(SMPConfigError, match="must divide"):
+        validate({"pipeline_parallel_degree": 8, "ddp": True,
+                  "sharded_data_parallel_degree": 5}, 3072)
 
 
 @pytest.mark.parametrize("key, suggestion", [

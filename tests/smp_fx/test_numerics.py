@@ -115,23 +115,25 @@ def test_checkpointing_is_bitwise_the_plain_pipeline(strategy: str, offload: boo
 
 @pytest.mark.parametrize("name", ["gpt", "hf_gpt2"])
 def test_checkpointed_transformers_match_the_unpartitioned_model(name: str) -> None:
-    """Every transformer block checkpointed (fx-traced, and export-captured aten graphs):
-    the grid's comparison (loss, gradients, parameters against the plain single-process
-    model) still holds."""
+    """Every transformer block but the last checkpointed, and the last one's attention core
+    (``recompute_granularity: selective``: an sdpa node, or Hugging Face's eager chain
+    from matmul to matmul), on fx-traced and export-captured aten graphs: the grid's
+    comparison (loss, gradients, parameters against the plain single-process model)
+    still holds."""
     import re
 
     import smp_fx as smp
 
-    init(2, 2, "interleaved")
+    init(2, 2, "interleaved", recompute_granularity="selective")
     pair = Pair(name)
-    blocks = [m for n, m in pair.dm.module.named_modules()
-              if re.fullmatch(r"(model\.transformer\.)?h\.\d+", n)]
-    for block in blocks:
+    named = [(n, m) for n, m in pair.dm.module.named_modules()
+             if re.fullmatch(r"(model\.transformer\.)?h\.\d+", n)]
+    for _, block in named[:-1]:
         smp.set_activation_checkpointing(block)
     pair.compare(2, 2)
     assert sorted(r for st in pair.dm.plan.stages for r in st.checkpointed) == sorted(
-        n for n, m in pair.dm.module.named_modules() if any(m is b for b in blocks))
-    assert len(blocks) >= 2
+        [n for n, _ in named[:-1]] + [f"{named[-1][0]}.attn.attention_core"])
+    assert len(named) >= 2
 
 
 def _checkpointing_body() -> list[str]:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from cost_model.cluster import ClusterSpec, get_cluster
+from passes.cluster.candidate import Candidate
 from passes.cluster.result import PLAN_KEYS, PlanRecord
 from smp_fx.cli import main as cli_main
 from smp_fx.cli import plan as plan_cli
-from smp_fx.config import load_config
+from smp_fx.cli.plan_config import refusal
+from smp_fx.config import load_config, validate
 
 ROOT = Path(__file__).resolve().parents[3]
 GPT = ["--build-arg", "n_layer=4", "--build-arg", "n_embd=32", "--build-arg", "n_head=4",
@@ -48,8 +51,8 @@ def test_table_json_and_fix_round_trip(tmp_path: Path, capsys: pytest.CaptureFix
 def test_emit_config_is_what_smp_init_takes(tmp_path: Path,
                                             capsys: pytest.CaptureFixture) -> None:
     cfg_path, json_path = tmp_path / "cfg.json", tmp_path / "plan.json"
-    assert plan_cli.main(_plan("--fix", "pp=2,tp=2", "--emit-config", str(cfg_path),
-                               "--json", str(json_path))) == 0
+    assert plan_cli.main(_plan("--fix", "pp=2,tp=2,recompute=selective", "--emit-config",
+                               str(cfg_path), "--json", str(json_path))) == 0
     text = capsys.readouterr().out
     assert "smp-fx run -n 8 --config" in text and "set_partition" in text
     cfg = json.loads(cfg_path.read_text())
@@ -60,16 +63,17 @@ def test_emit_config_is_what_smp_init_takes(tmp_path: Path,
     assert smp.pipeline == best["schedule"] and smp.prescaled_batch is True
     assert smp.optimize == ("memory" if best["sp"] else "speed")
     assert smp.virtual_pipeline_degree == best["vp"]
-    # only what the runtime has: no selective recomputation, no sharding with tp
-    assert best["recompute"] != "selective" and best["zero"] == "none"
+    assert best["recompute"] == "selective" and smp.recompute_granularity == "selective"
+    validate(cfg, 8)  # smp.init's checks on that many processes
 
 
-def test_emit_config_refuses_what_the_runtime_cannot_run(capsys) -> None:
-    assert plan_cli.main(_plan("--fix", "pp=2,recompute=selective", "--emit-config",
-                               "/dev/null")) == 2
-    assert "no configuration can be priced" in capsys.readouterr().err
-    # without --emit-config the same plan is priced (the runtime need not exist)
-    assert plan_cli.main(_plan("--fix", "pp=2,recompute=selective")) == 0
+def test_a_refusal_is_smp_init_s_own_rule() -> None:
+    """What the search leaves out under --emit-config is what ``smp.init`` refuses, in its
+    words: here interleaving at v = 2 with one microbatch per step."""
+    odd = Candidate(tp=1, pp=2, dp=4, mbs=4, vp=2, schedule="interleaved",
+                    recompute="none", sp=False, zero="none")
+    assert "multiple" in (refusal(odd, 16, "fp32") or "")
+    assert refusal(dataclasses.replace(odd, vp=1), 16, "fp32") is None
 
 
 @pytest.mark.parametrize("extra, message", [

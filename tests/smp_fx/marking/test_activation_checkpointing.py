@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import smp_fx as smp
+from passes.partition_config import CheckpointRule
 from smp_fx.marking import activation_checkpointing as ac
 from tests.helpers.memory import mlp_stack
 from tests.helpers.numerics import init
@@ -24,6 +25,20 @@ def test_marks_become_rules_by_module_path() -> None:
     assert rules[0].children == tuple(str(i) for i in range(11)) and rules[1].children == ()
     ac.clear(net)
     assert ac.checkpoint_rules(net) == ()
+
+
+def test_attention_core_marks_any_module_and_is_no_sequential_grouping() -> None:
+    net = nn.Sequential(mlp_stack(), nn.Linear(4, 4))
+    smp.set_activation_checkpointing(net[1], strategy="attention_core")
+    smp.set_activation_checkpointing(net[0], strategy="attention_core")
+    rules = ac.checkpoint_rules(net)
+    assert [(r.module_path, r.strategy, r.children) for r in rules] == [
+        ("0", "attention_core", ()), ("1", "attention_core", ())]
+    assert ac.rules_from_patterns(net, [":attention_core"]) == (
+        CheckpointRule("", "attention_core"),)
+    with pytest.raises(smp.SMPConfigError, match="set_activation_checkpointing"):
+        smp.checkpoint_sequential(net[0], torch.ones(1, 16), strategy="attention_core")
+    ac.clear(net)
 
 
 def test_bad_marks_are_rejected() -> None:

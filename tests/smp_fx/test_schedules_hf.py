@@ -2,8 +2,8 @@
 processes: the numerics grid of ``test_schedules`` on real models' boundaries.
 
 Llama, T5 (its embedding tied to its head), GPT-2 and BERT (``examples/models/hf_zoo.py``)
-at pp 2 on 2 gloo processes, each schedule at v = 1 and 2 on at least one of them and every
-model under a chunked one: many tensors, integer and boolean tensors and plain values cross
+at pp 2 on 2 gloo processes, each schedule at v = 1 and 2 on one of them and every model
+under a chunked one: many tensors, integer and boolean tensors and plain values cross
 between the chunks of one pair of ranks, some from one chunk to both chunks of the other
 rank. A model of the project's own returns, besides its logits, a tensor off the loss's path
 made on the first stage (a cache), an integer and a boolean tensor: they get no gradient.
@@ -33,10 +33,10 @@ BATCH, STEPS, MICROBATCHES = 4, 3, 2
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 # (model, pipeline, virtual_pipeline_degree): every schedule x v on some model, every model
 # under a chunked schedule
-CASES = (("llama", "interleaved", 2), ("llama", "zbv", 2),
-         ("t5", "simple", 2), ("t5", "zbv", 2), ("t5", "interleaved", 1),
-         ("gpt2", "zero_bubble", 2), ("gpt2", "simple", 1),
-         ("bert", "interleaved", 2), ("bert", "zero_bubble", 1),
+CASES = (("llama", "zbv", 2), ("llama", "simple", 1),
+         ("t5", "interleaved", 2), ("t5", "zero_bubble", 1),
+         ("gpt2", "zero_bubble", 2), ("gpt2", "interleaved", 1),
+         ("bert", "simple", 2),
          ("cache", "interleaved", 2))
 
 

@@ -25,7 +25,7 @@ from torch.nn import functional as F
 
 from examples.models import hf_zoo
 from tests.helpers import zoo
-from tests.helpers.compare import mismatched
+from tests.helpers.compare import mismatched, state_dict_mismatches
 from tests.helpers.dist import run_ranks
 from tests.helpers.reference import train_plain
 
@@ -118,11 +118,8 @@ def _case(arch: str, pipeline: str, v: int, ref: Any) -> list[str]:
         grads = {n: p.grad for n, p in model.local_named_parameters() if p.grad is not None}
         bad += [f"{tag}: grad {n} step {step}" for n in mismatched(grads, ref_grads[step], **TOL)]
         opt.step()
-    got = model.state_dict()
-    if list(got) != list(ref_state):
-        bad.append(f"{tag}: state_dict keys {sorted(set(got) ^ set(ref_state))[:4]}")
-    bad += [f"{tag}: state_dict {n}" for n in mismatched(got, ref_state, **TOL)]
-    return bad
+    return bad + [f"{tag}: {m}" for m in state_dict_mismatches(model.state_dict(), ref_state,
+                                                                **TOL)]
 
 
 def _all_cases(path: str) -> list[str]:

@@ -20,7 +20,7 @@ import torch
 
 from examples.models import hf_zoo
 from tests.helpers import zoo
-from tests.helpers.compare import mismatched
+from tests.helpers.compare import mismatched, state_dict_mismatches
 from tests.helpers.dist import run_ranks
 from tests.smp_fx.parallel.test_tensor_parallel import _gathered
 from tests.smp_fx.parallel.test_tp_grid import init_grid
@@ -73,10 +73,7 @@ def _grid(arch: str, ref: Any) -> dict[str, Any]:
                                   if p.grad is not None})
         bad += [f"grad {n} step {step}" for n in mismatched(grads, ref_grads[step], **TOL)]
         opt.step()
-    state = model.state_dict()
-    if list(state) != list(ref_state):
-        bad.append(f"state_dict keys {sorted(set(state) ^ set(ref_state))[:4]}")
-    bad += [f"state_dict {n}" for n in mismatched(state, ref_state, **TOL)]
+    bad += state_dict_mismatches(model.state_dict(), ref_state, **TOL)
     assert model.tp_plan is not None
     return {"bad": bad, "pp": smp.pp_rank(), "replicated": list(model.tp_plan.replicated),
             "pairs": len(model.tp_plan.pairs)}

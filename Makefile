@@ -38,7 +38,8 @@ test: $(STAMP) $(TF4_STAMP)
 	$(MAKE) --no-print-directory test-transformers4
 
 test-transformers4: $(TF4_STAMP)  # the Hugging Face Trainer tests with transformers 4.x
-	$(TF4_PY) -m pytest -q -p no:cacheprovider tests/examples/test_hf_trainer.py
+	$(TF4_PY) -m pytest -q -p no:cacheprovider tests/examples/test_hf_trainer.py \
+		tests/examples/test_hf_use_cache.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check smp_fx passes cost_model tests examples benchmarks conftest.py

@@ -88,6 +88,10 @@ class Rewrites:
     """(consumer, replicated operand with the batch on dim 0) of a split value: gathered
     over the tp group's batches like the split value when not prescaled (an attention
     mask ``[N, 1, t, t]`` added to the scores of the gathered batch)."""
+    reduced: set[torch.fx.Node] = field(default_factory=set)
+    """Whole values computed from a split one (a sum over the split dim completed by
+    ``tp_sum``, and what reads only such values: an RMS norm's ``rsqrt``): they hold the
+    batch the split value holds, gathered already when not prescaled."""
 
 
 def shape(n: Any) -> tuple[int, ...] | None:
@@ -193,9 +197,10 @@ def batched_operand(n: torch.fx.Node, a: torch.fx.Node, out: tuple[int, ...],
     shape (b, 1, t, t)): with ``prescaled_batch`` false the split chain runs on the tp
     group's gathered batch, so the operand is gathered too. A batch of one cannot be told
     from a broadcast: such an operand is gathered as well (tp equal copies of a constant
-    broadcast the same way; a per-example one must be gathered)."""
+    broadcast the same way; a per-example one must be gathered). One computed from the
+    split value (``Rewrites.reduced``) holds the gathered batch already."""
     s = shape(a)
-    if s is not None and len(s) == len(out) and s[0] == out[0]:
+    if a not in rw.reduced and s is not None and len(s) == len(out) and s[0] == out[0]:
         rw.gather.append((n, a))
 
 

@@ -77,9 +77,12 @@ def _view(n: torch.fx.Node, s: Split, rw: Rewrites, size: int) -> Split:
 def _view_dim(src: tuple[int, ...], out: tuple[int, ...], s: Split, size: int) -> int | None:
     """The output dim that holds the split after a reshape of ``src`` into ``out``
     (``_view``), or None. A size-1 dim where the split would start (one kv head) is a
-    refusal, not skipped: the split would land on the head features."""
+    refusal, not skipped: the split would land on the head features. A size-1 dim the
+    source has unchanged before the split (a batch of one) is skipped."""
     a = math.prod(src[:s.dim]) * (src[s.dim] // s.block if s.block else 1)
     for j in range(len(out)):
+        if out[j] == 1 and j < s.dim and out[:j + 1] == src[:j + 1]:
+            continue
         c = math.prod(out[:j])
         if a % c or out[j] % (a // c):
             continue

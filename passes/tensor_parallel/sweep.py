@@ -84,6 +84,8 @@ def sweep(gm: torch.fx.GraphModule, linears: dict[torch.fx.Node, Linear],
             continue
         ins = [a for a in n.all_input_nodes if a in split]
         if not ins:
+            if any(a in rw.reduced for a in n.all_input_nodes):
+                rw.reduced.add(n)
             continue
         if size_read(n):  # the local tensor's sizes, read at run time: already local
             if norm_dim(arg(n, 1, "dim", 0), len(shape(n.args[0]) or (0,))) == 0:
@@ -101,6 +103,8 @@ def sweep(gm: torch.fx.GraphModule, linears: dict[torch.fx.Node, Linear],
                 "rule covers", n, direct or origins(split, ins, by_name))
         if isinstance(out_split, Split):
             split[n] = out_split
+        else:
+            rw.reduced.add(n)
     return split, rw, None
 
 

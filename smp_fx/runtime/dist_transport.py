@@ -43,7 +43,7 @@ from smp_fx.runtime.buffers import BufferPool
 from smp_fx.runtime.failures import wait_failed
 from smp_fx.runtime.lowering import CHANNELS, stage_name
 
-_Key = tuple[int, str]  # (peer stage, channel): one stream
+_Key = tuple[int, int, str]  # (sending stage, receiving stage, channel): one stream
 
 
 @dataclass
@@ -85,9 +85,11 @@ class DistTransport:
 
     ``ranks[s]`` is the global rank holding stage ``s`` of this rank's pipeline (a rank may
     hold several stages, chunks of the model; ``lanes[s]`` is stage ``s``'s index among its
-    rank's). ``groups`` maps a (channel, lane) to its process group; one it does not name
-    uses the world group. The runtime passes ``DistTransport.make_groups()`` (created
-    collectively on every rank): a group, and so a connection, per channel and lane. Under
+    rank's). ``groups`` maps a (channel, sending lane, receiving lane) to its process group;
+    one it does not name uses the world group. The runtime passes
+    ``DistTransport.make_groups()`` (created collectively on every rank): a group, and so a
+    connection, per channel and pair of lanes, so every stream between two ranks has one
+    of its own (see ``make_groups``). Under
     NCCL this keeps the ``"out"`` messages from interleaving with gradients between the
     same two ranks (NCCL matches point-to-point messages by order, per communicator).
     Under gloo it keeps a
@@ -97,13 +99,13 @@ class DistTransport:
     """
 
     def __init__(self, ranks: list[int], stage: int, device: torch.device,
-                 timeout_s: float, groups: Mapping[tuple[str, int], Any] | None = None,
+                 timeout_s: float, groups: Mapping[tuple[str, int, int], Any] | None = None,
                  lanes: tuple[int, ...] | None = None) -> None:
         self.ranks = ranks
         self.stage = stage
         self.device = device
         self.timeout = timedelta(seconds=timeout_s)
-        self.groups: dict[tuple[str, int], Any] = dict(groups or {})
+        self.groups: dict[tuple[str, int, int], Any] = dict(groups or {})
         self.lanes = lanes if lanes is not None else (0,) * len(ranks)
         self._pending: list[tuple[Any, torch.Tensor, int]] = []  # (work, tensor, peer stage)
         self._buffers = BufferPool(device)
@@ -129,20 +131,23 @@ class DistTransport:
         self.where: Callable[[], str] | None = None
 
     @staticmethod
-    def make_groups(backend: str | None = None, lanes: int = 1) -> dict[tuple[str, int], Any]:
-        """A process group per channel and lane; collective: call on every rank in the same
-        order. ``lanes``: the most stages (chunks) a rank holds. A stream between two ranks
-        uses the lane of its sending stage: the chunks of one rank have distinct lanes, so
-        two streams between the same two ranks on one channel (chunks 0 -> 1 and 2 -> 3 of a
-        round robin) never share a group, and each keeps its own order (NCCL matches
-        point-to-point messages by order per communicator, gloo per peer and tag)."""
+    def make_groups(backend: str | None = None, lanes: int = 1
+                    ) -> dict[tuple[str, int, int], Any]:
+        """A process group per channel and pair of lanes (sending stage's, receiving
+        stage's); collective: call on every rank in the same order. ``lanes``: the most
+        stages (chunks) a rank holds. A stage is a (rank, lane), so two streams between the
+        same two ranks on one channel never share a group: not chunks 0 -> 1 and 2 -> 3 of
+        a round robin, nor one chunk's sends to two chunks of one rank (a skip connection,
+        0 -> 1 and 0 -> 2 of a V). Each keeps its own order (NCCL matches point-to-point
+        messages by order per communicator, gloo per peer and tag)."""
         ranks = list(range(dist.get_world_size()))
-        return {(channel, lane): dist.new_group(ranks, backend=backend)
-                for lane in range(lanes) for channel in CHANNELS}
+        return {(channel, src, dst): dist.new_group(ranks, backend=backend)
+                for src in range(lanes) for dst in range(lanes) for channel in CHANNELS}
 
-    def _group(self, channel: str, src: int) -> Any:
-        """The group of the stream ``src`` sends on ``channel`` (its lane's)."""
-        return self.groups.get((channel, self.lanes[src]))
+    def _group(self, key: _Key) -> Any:
+        """The group of stream ``key`` (its pair of lanes')."""
+        src, dst, channel = key
+        return self.groups.get((channel, self.lanes[src], self.lanes[dst]))
 
     def _p2p(self, peer: int, group: Any) -> tuple[Any, int]:
         """The process group object and ``peer``'s rank in it. Point-to-point calls go to
@@ -187,7 +192,8 @@ class DistTransport:
         """Whether a stream on ``channel`` keeps its receives posted ahead (see the module
         doc); sender and receiver decide it alike, so the sender knows how many receives in
         an old layout a header change must fill."""
-        return channel == "out" or dist.get_backend(self._group(channel, self.stage)) == "gloo"
+        group = self._group((self.stage, self.stage, channel))
+        return channel == "out" or dist.get_backend(group) == "gloo"
 
     def _skips(self, channel: str, later: int) -> int:
         """Skip fills after a header change with ``later`` more messages this step: one per
@@ -197,7 +203,7 @@ class DistTransport:
 
     def plan_sends(self, src: int, dst: int, channel: str, count: int) -> None:
         """This step sends ``count`` messages to ``dst`` on ``channel`` (see ``send``)."""
-        self._to_send[(dst, channel)] = count
+        self._to_send[(src, dst, channel)] = count
 
     def send(self, value: Any, src: int, dst: int, channel: str, mb: int) -> None:
         """Send one message. A header change while the stream has another message this
@@ -211,8 +217,8 @@ class DistTransport:
             raise self._failed(exc, dst, receiving=False) from exc
 
     def _send(self, value: Any, src: int, dst: int, channel: str) -> None:
-        key = (dst, channel)
-        peer, group = self.ranks[dst], self._group(channel, src)
+        key = (src, dst, channel)
+        peer, group = self.ranks[dst], self._group(key)
         old = self._sent.get(key)
         to_send = self._to_send.get(key, 0)
         if to_send:
@@ -259,10 +265,10 @@ class DistTransport:
         return out
 
     # ---- receiving ----------------------------------------------------------------------
-    def _post(self, src: int, channel: str) -> _Posted:
-        """Post the receives of the next message from ``src``, shaped by the known header."""
-        peer, group = self.ranks[src], self._group(channel, src)
-        header = self._got.get((src, channel))
+    def _post(self, key: _Key) -> _Posted:
+        """Post the receives of stream ``key``'s next message, shaped by the known header."""
+        peer, group = self.ranks[key[0]], self._group(key)
+        header = self._got.get(key)
         frame = self._buffers.take(wire.frame_size(header))
         work = self._irecv(frame, peer, group)
         large = []
@@ -277,13 +283,11 @@ class DistTransport:
         return _Posted(header, frame, work, large, views, addr)
 
     def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:
-        """Expect ``count`` messages from ``src`` on ``channel`` this step, and post the
-        first one's receives ahead of ``recv`` (where the backend allows, see the module
-        doc). Each channel has its own group, a rank receives at most one channel per peer
-        and group (activations from earlier stages, gradients from later ones, outputs),
-        and gloo matches a peer's messages by order, so receives posted ahead always meet
-        their message."""
-        key = (src, channel)
+        """Expect ``count`` messages from ``src`` to ``dst`` on ``channel`` this step, and
+        post the first one's receives ahead of ``recv`` (where the backend allows, see the
+        module doc). Every stream has a group of its own (``make_groups``) and gloo matches
+        a peer's messages by order, so receives posted ahead always meet their message."""
+        key = (src, dst, channel)
         if count <= 0 or self._posted.get(key):
             return
         self._left[key] = count
@@ -317,12 +321,12 @@ class DistTransport:
         left = self._left.get(key, 0)
         if left:
             self._left[key] = left - 1
-        return self._post(*key)
+        return self._post(key)
 
     def recv(self, src: int, dst: int, channel: str, mb: int) -> Any:
         """Receive one message; where the stream posts ahead (see the module doc), post the
         rest of the step's while waiting for it, else keep the next one posted."""
-        key = (src, channel)
+        key = (src, dst, channel)
         try:
             queue = self._posted.setdefault(key, deque())
             posted = queue.popleft() if queue else self._post_next(key)
@@ -340,7 +344,7 @@ class DistTransport:
 
     def _recv(self, posted: _Posted, queue: deque[_Posted], src: int, dst: int,
               channel: str, mb: int) -> Any:
-        key = (src, channel)
+        key = (src, dst, channel)
         self._wait_all(posted)
         flag = posted.flag()
         if flag > 0:  # a new header, then the message in its layout
@@ -349,17 +353,17 @@ class DistTransport:
                     skip = queue.popleft()
                     self._left[key] += 1
                 else:
-                    skip = self._post(src, channel)
+                    skip = self._post(key)
                 self._wait_all(skip)
                 if skip.flag() != wire.SKIP:
                     raise _lost_step(skip.flag(), f"{channel} from {stage_name(src, self.ranks)}",
                                      dst, mb)
                 self._give_back(skip)
             data = torch.empty(flag, dtype=torch.uint8, device=self.device)
-            self._wait(self._irecv(data, self.ranks[src], self._group(channel, src)))
+            self._wait(self._irecv(data, self.ranks[src], self._group(key)))
             self._got[key] = wire.decode(data.cpu().numpy().tobytes())
             self._give_back(posted)
-            posted = self._post(src, channel)
+            posted = self._post(key)
             self._wait_all(posted)
             flag = posted.flag()
         if flag != 0 or posted.header is None:

@@ -46,7 +46,6 @@ is what it was built with and the lowering cache.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -220,15 +219,9 @@ class Executor:
                 sum(1 for x in run.data if s in x.results or s in x.pending))
         if s == self.last:
             # The user's loss graph hangs off these very tensors, so model.backward(loss)
-            # reaches the stage in one autograd pass; a hook per output records which ones
-            # the loss used (an unused one is an error, as in SMP).
-            got: set[int] = set()
-            need = []
-            for i, t in enumerate(leaves(outs)):
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(functools.partial(_mark_used, got, i))
-                    need.append(i)
-            d.cut, d.used = (sent_copy(outs) if self.multi_process else outs), (got, need)
+            # reaches the stage in one autograd pass. An output off the loss's path (a
+            # cache, an integer tensor) gets no gradient, as in plain autograd.
+            d.cut = sent_copy(outs) if self.multi_process else outs
             self.conductor.publish_outputs(mb, self.program.build_outputs(outs))
         if not req.grad_enabled:
             d.inputs.pop(s, None)
@@ -282,7 +275,6 @@ class Executor:
             if tensors:
                 with thread_modes(True, req.autocast):  # the seam (DDP) sees every pass
                     self.runners[s].backward(tensors, grads, mb)
-            self._check_last(d, s)
         self._finish_backward(run, mb, s)
         self._backward_done(run, mb)
 
@@ -299,7 +291,6 @@ class Executor:
                 with thread_modes(True, req.autocast):
                     got, d.pending[s] = self.runners[s].backward_input(
                         tensors, grads, [t for t in inputs if isinstance(t, torch.Tensor)], mb)
-            self._check_last(d, s)
         self._finish_backward(run, mb, s, iter(got))
 
     def _op_w(self, run: StepRun, op: Op) -> None:
@@ -331,11 +322,6 @@ class Executor:
                     tensors.append(t)
                     grads.append(gs[0] if len(gs) == 1 else torch.stack(gs).sum(0))
         return req, tensors, grads
-
-    def _check_last(self, d: MbData, s: int) -> None:
-        if s == self.last:
-            got, need = d.used
-            self._check_used([i for i in need if i not in got])
 
     def _inputleaves(self, d: MbData, s: int) -> list[Any]:
         """The leaves of every value stage ``s`` received, in ``recvs`` order."""
@@ -415,14 +401,6 @@ class Executor:
                 scaled.append(g * run.scale if run.scale != 1.0 else g)
         return ts, scaled
 
-    def _check_used(self, unused: list[int]) -> None:
-        if unused:
-            raise SMPRuntimeError.build(
-                "the argument to smp.DistributedModel.backward() must depend on all "
-                "model outputs", f"output leaf {unused[0]} of model(...) got no gradient",
-                f"rank {self.rank}",
-                "use every output in the loss, or do not return it from forward")
-
 
 def _inconsistent(op: Op, what: str) -> None:
     raise SMPRuntimeError.build(
@@ -430,7 +408,3 @@ def _inconsistent(op: Op, what: str) -> None:
         f"stage {op.stage} microbatch {op.microbatch}",
         "take the decision to call model.backward the same way on every rank (it may "
         "depend on the model outputs, which every rank sees)")
-
-
-def _mark_used(got: set[int], index: int, grad: torch.Tensor) -> None:
-    got.add(index)

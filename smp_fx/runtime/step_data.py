@@ -28,7 +28,6 @@ class MbData:
     pending: dict[int, PendingW] = field(default_factory=dict)  # stage -> its W, after its I
     b_done: int = 0  # local stages whose backward finished (its B, or its W)
     cut: Any = None  # the last stage's outputs as handed to the user
-    used: Any = None  # (indices of output leaves that got a gradient, those that need one)
 
 
 @dataclass

@@ -57,6 +57,16 @@ def mismatched(got: Mapping[str, torch.Tensor | None], want: Mapping[str, torch.
     return bad
 
 
+def state_dict_mismatches(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor],
+                          *, atol: float = 0.0, rtol: float = 0.0) -> list[str]:
+    """What differs between two full ``state_dict()``s: the names and their order (a line
+    naming up to 4 names on one side only), then each tensor (``mismatched``)."""
+    bad = []
+    if list(got) != list(want):
+        bad.append(f"state_dict keys {sorted(set(got) ^ set(want))[:4]}")
+    return bad + [f"state_dict {n}" for n in mismatched(got, want, atol=atol, rtol=rtol)]
+
+
 def mismatched_across(named: Mapping[str, torch.Tensor], group: Any = None) -> list[str]:
     """Names whose tensor is not bitwise equal on every rank of the process ``group``
     (the world by default): e.g. a stage's parameters across its data-parallel replicas.

@@ -99,15 +99,24 @@ def test_indivisible_batch_is_an_error(model: smp.DistributedModel) -> None:
         train(model, torch.randn(5, 4), torch.randint(0, 3, (5,)))
 
 
-def test_unused_output_is_named(model: smp.DistributedModel) -> None:
+def test_an_output_off_the_loss_path_gets_no_gradient(model: smp.DistributedModel) -> None:
+    """An output the loss does not use (a Hugging Face cache) is accepted, as in plain
+    autograd: the gradients are the loss's alone."""
     @smp.step
-    def bad(model: Any, x: torch.Tensor) -> Any:
+    def partial(model: Any, x: torch.Tensor) -> Any:
         out, aux = model(x)
         model.backward(out.sum())
-        return out
+        return aux
 
-    with pytest.raises(smp.SMPRuntimeError, match="must depend on all model outputs.*leaf 1"):
-        bad(model, torch.randn(4, 4))
+    ref = TwoOut()
+    ref.load_state_dict(model.module.state_dict())
+    x = torch.randn(4, 4)
+    aux = partial(model, x)
+    (ref(x)[0].sum() / 2).backward()  # the mean over the 2 microbatches, as smp.step's
+    assert aux.concat().requires_grad is False
+    for name, p in model.local_named_parameters():
+        want = ref.get_parameter(name).grad
+        torch.testing.assert_close(p.grad, want, msg=name)
 
 
 def test_user_error_propagates_and_next_step_runs(model: smp.DistributedModel) -> None:

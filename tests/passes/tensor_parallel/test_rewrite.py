@@ -207,3 +207,30 @@ def test_a_tied_embedding_and_lm_head_marked_together_share_one_vocab_shard() ->
         assert tuple(params["wte.weight"].shape) == (64, 32)
         targets = [str(getattr(n.target, "__name__", n.target)) for n in compiled.gm.graph.nodes]
         assert "tp_vocab_embedding" in targets and "tp_gather_last" in targets
+
+
+class Normed(nn.Module):
+    """A full-width RMS norm between a pair (OLMo-2's q/k norm): its mean over the split
+    features is completed by ``tp_sum``, and its ``rsqrt`` scales the split value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(4, 8)
+        self.down = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        return self.down(h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6))
+
+
+def test_a_value_reduced_from_the_split_one_is_not_gathered_again() -> None:
+    """With ``prescaled_batch`` false the pair runs on the tp group's gathered batch: only
+    the pair's input is gathered; the norm's ``rsqrt``, computed from the split value,
+    holds that batch already (gathered again, it held tp times the batch)."""
+    model = Normed()
+    x = torch.randn(2, 3, 4)
+    gm = shape_prop(trace(model, (x,), {}), (x,))
+    new, plan = tensor_parallel(gm, TensorParallelism(2, 0, False, ("up", "down")))
+    assert plan.pairs == (("up", "down"),)
+    gathers = [n for n in new.graph.nodes if n.name.startswith("tp_gather_batch")]
+    assert [n.args[0].name for n in gathers] == ["x"]

@@ -64,3 +64,15 @@ def test_first_split_rules_need_the_split_on_their_first_argument() -> None:
     assert rule(gm, method, split, Rewrites(), 2, lambda _: None) is None  # input replicated
     split[method.args[0]] = Split(2, fc.name)
     assert rule(gm, method, split, Rewrites(), 2, lambda _: None) == Split(1, fc.name)
+
+
+def test_a_view_finds_the_split_past_a_batch_of_one_but_not_on_one_head() -> None:
+    """Grouped-query attention's ``(b, kv, rep, t, d) -> (b, kv * rep, t, d)`` with the kv
+    heads split keeps the split on the heads at b = 1 as at b = 2 (a size-1 dim the source
+    has unchanged before the split is not where it starts); a single head ``(b, t, 16) ->
+    (b, t, 1, 16)`` is still refused, at every batch."""
+    heads = Split(1, "k")
+    for b in (1, 2):
+        assert reshapes._view_dim((b, 2, 2, 16, 16), (b, 4, 16, 16), heads, 2) == 1
+        assert reshapes._view_dim((b, 1, 16), (b, 1, 1, 16), Split(2, "k"), 2) is None
+        assert reshapes._view_dim((b, 4, 16), (b, 4, 1, 16), Split(2, "k"), 2) is None

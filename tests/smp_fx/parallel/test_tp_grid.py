@@ -9,7 +9,8 @@ default group; ``smp.init`` / ``state._reset`` per configuration). Each checks:
 * 3 Adam steps of the tensor-parallel MLP (a marked column -> GELU -> row pair and a lone
   ``DistributedLinear`` head, cut into 2 stages) against one process training the plain
   model on the global batch: every local gradient (shards gathered over tp) at every step
-  and every parameter after the steps, fp32, 1e-5. Takes about 10 s.
+  and every parameter after the steps, fp32, 1e-5. Every placement, ``prescaled_batch``
+  both ways.
 """
 
 from __future__ import annotations
@@ -29,9 +30,13 @@ from tests.smp_fx.parallel.test_tensor_parallel import MLP, _gathered
 GLOBAL_BATCH, STEPS = 16, 3
 LR = 1e-3  # Adam at 1e-2 turns the gradients' 1e-7 summation-order noise into 1.7e-5
 SIZES = {"D": 2, "P": 2, "T": 2}
-# (placement, pipeline, microbatches, prescaled_batch): each value of each axis at least once
-CONFIGS = (("cluster", "simple", 2, False), ("spread", "interleaved", 4, True),
-           ("PTD", "interleaved", 2, False), ("TDP", "simple", 4, True))
+# (placement, pipeline, microbatches, prescaled_batch): every placement (cluster = DPT,
+# spread = TPD, and the other four orders) with prescaled_batch both ways, each pipeline
+# and microbatch count several times (``ddp`` is on: tp > 1 requires it, as in SMP)
+PLACEMENTS = ("cluster", "spread", "DTP", "PDT", "PTD", "TDP")
+CONFIGS = tuple((placement, ("simple", "interleaved")[(i + k) % 2], (2, 4)[i % 2], prescaled)
+                for i, placement in enumerate(PLACEMENTS) for k, prescaled in enumerate(
+                    (False, True)))
 
 
 def expected_ranks(placement: str, rank: int) -> dict[str, int]:

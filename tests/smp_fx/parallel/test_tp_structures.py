@@ -40,7 +40,7 @@ import torch
 
 from examples.models import hf_zoo
 from tests.helpers import zoo
-from tests.helpers.compare import mismatched
+from tests.helpers.compare import mismatched, state_dict_mismatches
 from tests.helpers.dist import run_ranks
 from tests.smp_fx.parallel.test_tensor_parallel import _gathered
 
@@ -126,10 +126,7 @@ def _case(arch: str, ref_grads: list[dict[str, torch.Tensor]],
                                   if p.grad is not None})
         bad += [f"grad {n} step {step}" for n in mismatched(grads, ref_grads[step], **TOL)]
         opt.step()
-    state = model.state_dict()
-    if list(state) != list(ref_state):
-        bad.append(f"state_dict keys {sorted(set(state) ^ set(ref_state))[:4]}")
-    bad += [f"state_dict {n}" for n in mismatched(state, ref_state, **TOL)]
+    bad += state_dict_mismatches(model.state_dict(), ref_state, **TOL)
     held = {id(t): t.numel() * t.element_size() for t in model.local_parameters()}
     assert model.tp_plan is not None and model.plan is not None
     coverage = model.tp_coverage()

@@ -38,6 +38,14 @@ MESSAGES: list[Any] = [
 ]
 
 
+def _same(got: Any, msg: Any) -> bool:
+    flat_a, flat_b = torch.utils._pytree.tree_flatten(got), torch.utils._pytree.tree_flatten(msg)
+    return flat_a[1] == flat_b[1] and all(
+        torch.equal(x, y) and x.requires_grad == y.requires_grad
+        if isinstance(x, torch.Tensor) else
+        (x == y and type(x) is type(y)) for x, y in zip(flat_a[0], flat_b[0]))
+
+
 def _body() -> tuple[int, list[str]]:
     import torch.distributed as dist
 
@@ -46,14 +54,6 @@ def _body() -> tuple[int, list[str]]:
     groups = DistTransport.make_groups()
     tr = DistTransport([0, 1], rank, torch.device("cpu"), 30.0, groups)
     ok = Checks()
-
-    def same(got: Any, msg: Any) -> bool:
-        flat_a, flat_b = torch.utils._pytree.tree_flatten(got), \
-            torch.utils._pytree.tree_flatten(msg)
-        return flat_a[1] == flat_b[1] and all(
-            torch.equal(x, y) and x.requires_grad == y.requires_grad
-            if isinstance(x, torch.Tensor) else
-            (x == y and type(x) is type(y)) for x, y in zip(flat_a[0], flat_b[0]))
 
     # Receives posted ahead ("out" always, "act" under gloo: every message of the step),
     # across header changes (all later ones posted in the old layout, then skipped); in the
@@ -82,11 +82,12 @@ def _body() -> tuple[int, list[str]]:
             else:
                 got = tr.recv(0, 1, "act", i)
                 out = tr.recv(0, 1, "out", i)
-                ok.expect(same(got, msg) and same(out, out_msg), f"message {i} (delay {delay})")
+                ok.expect(_same(got, msg) and _same(out, out_msg), f"message {i} (delay {delay})")
         tr.finish()
         dist.barrier()
     if rank == 1:  # every message of the step posted at prefetch, and again after a change
         ok.expect(max(outstanding) == len(MESSAGES) - 1, "all messages posted ahead")
+    _chunk_streams(rank, ok)
     if rank == 1:
         short = DistTransport([0, 1], 1, torch.device("cpu"), 0.5, groups)
         short.where = lambda: "rank 1 (stage 1) in step 0, while receiving microbatch 7"
@@ -101,10 +102,46 @@ def _body() -> tuple[int, list[str]]:
     return ok.report()
 
 
+# Chunks placed as a V (stages 0 and 3 on rank 0, 1 and 2 on rank 1): stage 0 sends to two
+# chunks of rank 1 (a skip connection), and stages 0 and 3 both send to stage 1; each stream
+# with headers of its own, received in another order than sent.
+V_RANKS, V_LANES = [0, 1, 1, 0], (0, 0, 1, 1)
+V_STREAMS = ((0, 1), (0, 2), (3, 1))
+
+
+def _v_message(stream: int, i: int) -> Any:
+    if stream == 0:
+        return (torch.full((2, 3), float(i)), torch.tensor([i, 1]))
+    if stream == 1:
+        return ({"mask": torch.tensor([True, i % 2 == 0])}, BIG + i, "x" * i)
+    return (torch.full((5,), float(-i), dtype=torch.float64), None)
+
+
+def _chunk_streams(rank: int, ok: Checks) -> None:
+    tr = DistTransport(V_RANKS, V_RANKS.index(rank), torch.device("cpu"),
+                       30.0, DistTransport.make_groups(lanes=2), V_LANES)
+    n = 3
+    for src, dst in V_STREAMS:
+        if rank == 0:
+            tr.plan_sends(src, dst, "act", n)
+        else:
+            tr.prefetch(src, dst, "act", n)
+    if rank == 0:  # interleaved, one message of every stream in turn
+        for i in range(n):
+            for k, (src, dst) in enumerate(V_STREAMS):
+                tr.send(_v_message(k, i), src, dst, "act", i)
+    else:  # stream by stream, the last first
+        for k, (src, dst) in reversed(list(enumerate(V_STREAMS))):
+            for i in range(n):
+                got = tr.recv(src, dst, "act", i)
+                ok.expect(_same(got, _v_message(k, i)), f"chunk stream {src}->{dst} message {i}")
+    tr.finish()
+
+
 @pytest.mark.multiproc
 def test_dist_transport_round_trips_and_times_out() -> None:
     _, report = run_ranks(_body, 2, timeout=90)
-    assert report == (2 * len(MESSAGES) + 2, [])
+    assert report == (2 * len(MESSAGES) + 2 + len(V_STREAMS) * 3, [])
 
 
 def _two_messages(tr: DistTransport, rank: int, step: int, shape: tuple[int, ...],
@@ -171,7 +208,7 @@ def _send_frames_body() -> tuple[int, list[str]]:
     for step in range(4):
         _two_messages(tr, rank, step, (8, 8), ok)
         if rank == 0:
-            frames.append([f.frame.data_ptr() for f in tr._send_frames[(1, "act")]])
+            frames.append([f.frame.data_ptr() for f in tr._send_frames[(0, 1, "act")]])
         if step != 1 or rank == 1:  # rank 0's step 1 fails before its finish
             tr.finish()
         dist.barrier()

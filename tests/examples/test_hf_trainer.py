@@ -200,12 +200,19 @@ def test_trainer_tp2_equals_plain_trainer_with_adamw_and_sgd(tmp_path: Path) -> 
                            f"{optim} rank {rank}", tol)
 
 
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
 @pytest.mark.multiproc
-@pytest.mark.xfail(strict=True, reason="needs stage outputs without grad (issue 38 item 3)")
+@pytest.mark.xfail(_transformers_major() < 5, strict=True,
+                   reason="needs stage outputs without grad (issue 38 item 3)")
 def test_trainer_pp2_with_use_cache_at_its_default(tmp_path: Path) -> None:
-    """GPT-2's config left at ``use_cache=True``: the first stage's key/value caches pass
-    through the last stage as outputs no loss depends on; training equals the plain
-    Trainer's."""
+    """GPT-2's config left at ``use_cache=True``: with transformers 4.x every layer's
+    key/value cache is an output of the model that no loss depends on; training equals the
+    plain Trainer's."""
     args = ["--train-only", "--optim", "sgd", "--batch", "4", "--default-cache"]
     plain, ranks = _run_pair(tmp_path, 2, SMP_ENV, args, args)
     for rank, got in enumerate(ranks):

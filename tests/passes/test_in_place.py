@@ -10,6 +10,7 @@ modules, values exchanged as copies) and equals one process.
 from __future__ import annotations
 
 import copy
+import functools
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from cost_model.errors import SMPPartitionError
-from passes import in_place
+from passes import in_place, meta
 from passes.in_place import colocate, groups
 from passes.partitioning.extract import COMPUTE_OPS, write_stages
 from passes.split_stages import StagedProgram, split_stages
@@ -78,17 +79,31 @@ class BufferMask(EmptyMask):
 
 
 def _run_as_processes(prog: StagedProgram, *args: Any) -> Any:
-    """``prog`` as separate processes run it: each stage its own copy of the modules (taken
-    before anything ran), every value it receives a copy."""
-    modules = [copy.deepcopy(st.module) for st in prog.stages]
+    """``prog`` as separate processes run it: each stage its own copy of the buffers (taken
+    before anything ran), every value it receives a copy. A stage module's containers are
+    its own (fx copies the attribute paths), so replacing a buffer there touches no other."""
+    for st in prog.stages:
+        for name, buffer in list(st.module.named_buffers()):
+            path, _, leaf = name.rpartition(".")
+            setattr(st.module.get_submodule(path), leaf, buffer.clone())
     inputs = prog.bind_inputs(args, {})
     env: dict[str, Any] = {}
     last: tuple[Any, ...] = ()
-    for st, module in zip(prog.stages, modules):
+    for st in prog.stages:
         vals = [inputs[n] if n in st.program_inputs else env[n] for n in st.input_names]
-        last = module(*[v.clone() if isinstance(v, torch.Tensor) else v for v in vals])
+        last = st.module(*[v.clone() if isinstance(v, torch.Tensor) else v for v in vals])
         env.update(zip(st.output_names, last))
     return prog.build_outputs(last)
+
+
+@functools.cache
+def _traced(build: type[nn.Module]) -> tuple[nn.Module, torch.Tensor, torch.fx.GraphModule]:
+    """The model (seed 0), its input and its export graph, once per model class; the
+    model's own buffer is never written (each run writes its stages' copies)."""
+    torch.manual_seed(0)
+    model = build()
+    ids = torch.randint(0, 16, (2, SEQ))
+    return model, ids, trace(model, (ids,), frontend="export")
 
 
 def _cuts(gm: torch.fx.GraphModule) -> list[dict[str, int]]:
@@ -99,10 +114,7 @@ def _cuts(gm: torch.fx.GraphModule) -> list[dict[str, int]]:
 # the buffer's readers read the result of export's ``copy_`` into it: data flow orders them
 @pytest.mark.parametrize(("build", "grouped"), [(EmptyMask, True), (BufferMask, False)])
 def test_every_cut_equals_one_process(build: type[nn.Module], grouped: bool) -> None:
-    torch.manual_seed(0)
-    model = build()
-    ids = torch.randint(0, 16, (2, SEQ))
-    gm = trace(model, (ids,), frontend="export")
+    model, ids, gm = _traced(build)
     want = copy.deepcopy(model)(ids)
     assert bool(groups(gm)) == grouped
     moved = []
@@ -123,10 +135,7 @@ def test_every_cut_equals_one_process(build: type[nn.Module], grouped: bool) -> 
 def test_a_split_write_computes_something_else(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the rule (the check skipped) some cut reads the mask unwritten: what the
     test above guards against is real."""
-    torch.manual_seed(0)
-    model = EmptyMask()
-    ids = torch.randint(0, 16, (2, SEQ))
-    gm = trace(model, (ids,), frontend="export")
+    model, ids, gm = _traced(EmptyMask)
     want = model(ids)
     monkeypatch.setattr(in_place, "check", lambda gm, stage_of: None)
     wrong = [cut for cut in _cuts(gm) if colocate(gm, cut) != cut and not torch.allclose(
@@ -135,7 +144,7 @@ def test_a_split_write_computes_something_else(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_pins_decide_and_conflicting_pins_are_refused() -> None:
-    gm = trace(EmptyMask(), (torch.randint(0, 16, (2, SEQ)),), frontend="export")
+    gm = _traced(EmptyMask)[2]
     (group,) = groups(gm)
     write = next(n for n in group if n.startswith("copy_"))
     stages = {n.name: 0 for n in gm.graph.nodes if n.op in COMPUTE_OPS}
@@ -145,3 +154,24 @@ def test_pins_decide_and_conflicting_pins_are_refused() -> None:
     other = next(n for n in sorted(group) if n != write)
     with pytest.raises(SMPPartitionError, match="pin the modules"):
         colocate(gm, stages, movable=lambda name: name not in (write, other))
+
+
+@pytest.mark.parametrize(("auto", "pins"), [
+    (True, {}), (False, {"blocks.1": 1, "head": 1}),  # the mask's glue follows the pins
+])
+def test_the_partitioners_keep_the_mask_with_its_write(auto: bool, pins: dict[str, int]
+                                                       ) -> None:
+    """The compile pipeline (automatic partition, or ``smp.partition`` pins): the group on
+    one stage, the split program equals one process."""
+    from passes.partition_config import PartitionConfig
+    from passes.pipeline import compile_model
+
+    model, ids, gm = _traced(EmptyMask)
+    compiled = compile_model(model, (ids,), None,
+                             PartitionConfig(num_stages=2, auto_partition=auto), pins=pins,
+                             traced=gm)
+    by_name = {n.name: n for n in compiled.gm.graph.nodes}
+    for group in groups(compiled.gm):
+        assert len({meta.STAGE.get(by_name[n]) for n in group}) == 1, group
+    prog = split_stages(compiled.gm, 2)
+    torch.testing.assert_close(_run_as_processes(prog, ids), model(ids), rtol=1e-5, atol=1e-5)

@@ -26,18 +26,22 @@ optimise the same objective (the attribute means nothing to earlier versions).
 ``OUT_DIR/result_{rank}.json`` with the per-step losses of each: ``gas1``
 (gradient_accumulation_steps 1, a checkpoint at step 2, then ``evaluate()`` and
 ``predict()``: ``predict`` holds the logits' shape, then per sample their sum and sum of
-magnitudes, so samples gathered in another order show; with
-``max_grad_norm`` so large that clipping runs but never scales, and ``grad_norm``, the
-norms the Trainer clipped by), ``resumed`` (a fresh model resumed from that checkpoint)
-and ``gas2`` (gradient_accumulation_steps 2, evaluating and saving at steps 2 and 4, then
-loading the best checkpoint: ``gas2_evals`` and ``best``). The checkpoint files are
-listed under ``checkpoint_files``.
+magnitudes, so samples gathered in another order show; ``grad_norm``: the norms the
+Trainer clipped by, at its default ``max_grad_norm`` 1.0), ``resumed`` (a fresh model
+resumed from that checkpoint) and ``gas2`` (gradient_accumulation_steps 2, evaluating and
+saving at steps 2 and 4, then loading the best checkpoint: ``gas2_evals`` and ``best``).
+The checkpoint files are listed under ``checkpoint_files``.
 
-``--train-only --batch B [--optim NAME]`` trains 4 steps at per-device batch ``B`` instead
-(``TrainingArguments.optim``: e.g. ``sgd``, whose parameters show gradient differences that
-Adam would scale up where a gradient is only rounding noise), saves the model
-with ``trainer.save_model(OUT_DIR/final)``, evaluates and predicts, and records the samples
-this rank read for training (``samples``, one list per step).
+``--train-only --batch B [--optim NAME,...]`` trains 4 steps at per-device batch ``B``
+instead, once per optimizer named (``TrainingArguments.optim``: e.g. ``sgd``, whose
+parameters show gradient differences that Adam would scale up where a gradient is only
+rounding noise), saves the model with ``trainer.save_model(OUT_DIR/NAME/final)``, evaluates
+and predicts, and records the samples this rank read for training (``samples``, one list
+per step); the results are keyed by the optimizer's name. ``--default-cache`` leaves
+GPT-2's ``use_cache`` at the config's default (True: every layer's key/value cache is an
+output) instead of turning it off. ``--set-tensor-parallelism``: in SMP mode, mark the model
+with ``smp.set_tensor_parallelism(model)`` after building it, as AWS's GPT-2 Trainer script
+(``run_clm.py``) does; the Trainer is then unchanged.
 """
 
 from __future__ import annotations
@@ -51,8 +55,6 @@ from typing import Any
 import torch
 
 VOCAB, SEQ = 64, 16
-# the Trainer's clipping path runs (and logs the norm it clipped by) without scaling anything
-CLIP_NEVER_SCALES = 1e6
 
 
 class Tokens(torch.utils.data.Dataset):
@@ -71,14 +73,15 @@ class Tokens(torch.utils.data.Dataset):
         return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
-def build_model() -> torch.nn.Module:
+def build_model(default_cache: bool = False) -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
+    cache: dict[str, bool] = {} if default_cache else {"use_cache": False}
     cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=4,
-                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                      bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,
-                     attn_implementation="eager")
+                     attn_implementation="eager", **cache)
     model = GPT2LMHeadModel(cfg)
     model.accepts_loss_kwargs = False  # per-batch mean loss, as the SMP branch computes it
     return model
@@ -98,19 +101,27 @@ def training_args(out: str, **kwargs: Any) -> Any:
 
 
 def trainer_for(out: str, gas: int, steps: int, save_steps: int | None, batch: int = 4,
-                max_grad_norm: float = 0.0, best: bool = False, **extra: Any) -> Any:
-    """A Trainer on a fresh model; ``best``: evaluate at every save and load the best
-    checkpoint at the end."""
+                best: bool = False, default_cache: bool = False, mark_tp: bool = False,
+                **extra: Any) -> Any:
+    """A Trainer on a fresh model, ``max_grad_norm`` at the Trainer's default (1.0);
+    ``best``: evaluate at every save and load the best checkpoint at the end; ``mark_tp``:
+    ``smp.set_tensor_parallelism(model)`` in SMP mode."""
     from transformers import Trainer
+    from transformers.utils import is_sagemaker_mp_enabled
 
     at_saves: dict[str, Any] = dict(eval_strategy="steps", eval_steps=save_steps,
                                     load_best_model_at_end=True) if best else {}
     args = training_args(out, **at_saves, per_device_train_batch_size=batch,
                          per_device_eval_batch_size=4, gradient_accumulation_steps=gas,
-                         max_steps=steps, max_grad_norm=max_grad_norm,
+                         max_steps=steps,
                          save_strategy="steps" if save_steps else "no",
                          save_steps=save_steps or 500, **extra)
-    return Trainer(model=build_model(), args=args, train_dataset=Tokens(64, 1),
+    model = build_model(default_cache)
+    if mark_tp and is_sagemaker_mp_enabled():
+        import smdistributed.modelparallel.torch as smp
+
+        smp.set_tensor_parallelism(model)
+    return Trainer(model=model, args=args, train_dataset=Tokens(64, 1),
                    eval_dataset=Tokens(8, 2))
 
 
@@ -119,8 +130,7 @@ def losses(trainer: Any, key: str = "loss") -> list[float]:
 
 
 def full(out: str) -> dict[str, Any]:
-    first = trainer_for(os.path.join(out, "gas1"), gas=1, steps=4, save_steps=2,
-                        max_grad_norm=CLIP_NEVER_SCALES)
+    first = trainer_for(os.path.join(out, "gas1"), gas=1, steps=4, save_steps=2)
     first.train()
     result: dict[str, Any] = {"gas1": losses(first), "eval": first.evaluate()["eval_loss"],
                               "grad_norm": losses(first, "grad_norm")}
@@ -142,9 +152,11 @@ def full(out: str) -> dict[str, Any]:
     return result
 
 
-def train_only(out: str, batch: int, optim: str) -> dict[str, Any]:
+def train_only(out: str, batch: int, optim: str, default_cache: bool, mark_tp: bool
+               ) -> dict[str, Any]:
     trainer = trainer_for(os.path.join(out, "run"), gas=1, steps=4, save_steps=None,
-                          batch=batch, optim=optim)
+                          batch=batch, optim=optim, default_cache=default_cache,
+                          mark_tp=mark_tp)
     data = trainer.train_dataset
     trainer.train()
     read = list(data.read)
@@ -161,9 +173,14 @@ if __name__ == "__main__":
     cli.add_argument("out")
     cli.add_argument("--train-only", action="store_true")
     cli.add_argument("--batch", type=int, default=4)
-    cli.add_argument("--optim", default="adamw_torch", help="TrainingArguments.optim")
+    cli.add_argument("--optim", default="adamw_torch",
+                     help="TrainingArguments.optim; several, comma-separated")
+    cli.add_argument("--default-cache", action="store_true")
+    cli.add_argument("--set-tensor-parallelism", action="store_true")
     ns = cli.parse_args()
-    found = train_only(ns.out, ns.batch, ns.optim) if ns.train_only else full(ns.out)
+    found = {name: train_only(os.path.join(ns.out, name), ns.batch, name, ns.default_cache,
+                              ns.set_tensor_parallelism)
+             for name in ns.optim.split(",")} if ns.train_only else full(ns.out)
     rank = int(os.environ.get("RANK", "0"))
     # a file per rank: the ranks share one stdout, where another rank's partly flushed line
     # can run into this one

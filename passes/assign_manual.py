@@ -5,6 +5,8 @@ of unpinned modules go to ``default_partition`` (a pin on the root module '' act
 default). Module-less glue (root-level function calls, path '') follows its data: it goes
 to the latest stage among its inputs, so it never forces a value back to an earlier stage
 (an input-less glue node goes to its earliest user, else ``default_partition``).
+A tensor written in place and the reads the write orders are kept on one stage
+(``passes.in_place.colocate``: glue moves, pins do not).
 Placeholders and ``get_attr`` nodes go to their earliest user, the output to its latest
 input. ``PIN`` is written on module nodes (the user's decision) and ``STAGE`` on every node.
 
@@ -28,6 +30,7 @@ import torch.fx
 from cost_model.errors import SMPPartitionError
 from passes import meta
 from passes.graph_utils import copy_graph_module
+from passes.in_place import colocate
 from passes.partitioning.extract import COMPUTE_OPS
 
 
@@ -81,6 +84,11 @@ def assign_manual(gm: torch.fx.GraphModule, pins: Mapping[str, int], default_par
         if not meta.STAGE.has(n):
             users = [meta.STAGE.get(u) for u in n.users if meta.STAGE.has(u)]
             meta.STAGE.set(n, int(min(users, default=root_default)))
+    compute = {n.name: n for n in nodes if n.op in COMPUTE_OPS}
+    kept = colocate(new, {k: int(meta.STAGE.get(n)) for k, n in compute.items()},
+                    lambda name: not meta.PIN.has(compute[name]))
+    for name, n in compute.items():
+        meta.STAGE.set(n, kept[name])
     for n in reversed(nodes):
         if n.op in ("placeholder", "get_attr"):
             users = [meta.STAGE.get(u) for u in n.users if meta.STAGE.has(u)]

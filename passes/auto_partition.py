@@ -24,6 +24,9 @@ Every stage holds at least one node doing real work (FLOPs or parameters,
 when a stage's link time dwarfs the model's compute, plain min-max could otherwise leave the
 sending stages with glue nodes only (getattr, views).
 
+A tensor written in place and the reads the write orders stay on one stage
+(``passes.in_place.colocate``, applied to the solution before it is scored).
+
 Pins (``passes.meta.PIN``, written by ``assign_manual``) are hard constraints. Parameters
 read on several stages (tied embeddings) are replicated on each of those stages, their
 memory is charged to each, and ``PartitionResult.shared_params`` names them: the runtime
@@ -46,6 +49,7 @@ import torch.fx
 
 from cost_model.errors import SMPConfigError, SMPPartitionError
 from passes import meta
+from passes.in_place import colocate
 from passes.partition_config import PartitionConfig
 from passes.partitioning import chain
 from passes.partitioning.extract import COMPUTE_OPS, problem_from_graph, write_stages
@@ -270,7 +274,9 @@ def partition_graph(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
             "lower pipeline_parallel_degree")
     obj = make_objective(problem, pconfig, comm_time)
     stage, strategy = solve_problem(problem, obj)
-    new = write_stages(gm, dict(zip(problem.names, stage.tolist())))
+    kept = colocate(gm, dict(zip(problem.names, stage.tolist())))
+    stage = np.asarray([kept[n] for n in problem.names], dtype=stage.dtype)
+    new = write_stages(gm, kept)
     return new, summarize(problem, obj, stage, strategy)
 
 

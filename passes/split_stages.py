@@ -13,6 +13,8 @@ Rules the splitter owns:
 - Every other node runs on the stage in its ``STAGE`` meta. A value used on later stages is
   sent from its producer directly to each consumer stage (never recomputed); a use on an
   earlier stage is a ``SMPPartitionError`` (stages only send forward).
+- A tensor written in place runs on one stage with the reads the write orders
+  (``passes.in_place``): a split one is a ``SMPPartitionError``.
 - The final outputs all leave from the last stage: values computed earlier are sent to it.
   The last stage then holds everything the caller gets back, which is what the runtime
   broadcasts to the other pipeline ranks.
@@ -44,7 +46,7 @@ import torch.fx
 import torch.utils._pytree as pytree
 
 from cost_model.errors import SMPPartitionError
-from passes import meta
+from passes import in_place, meta
 
 
 @dataclass(frozen=True)
@@ -209,6 +211,7 @@ def split_stages(gm: torch.fx.GraphModule, num_stages: int | None = None) -> Sta
     output = next(n for n in nodes if n.op == "output")
     compute = [n for n in nodes if n.op in ("call_function", "call_method", "call_module")]
     stage: dict[torch.fx.Node, int] = {n: _stage_of(n) for n in compute}
+    in_place.check(gm, stage.__getitem__)
     p = max(stage.values(), default=0) + 1
     if num_stages is not None:
         if num_stages < p:

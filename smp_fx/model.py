@@ -336,13 +336,39 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module): 
         GPT-2's ``transformer.wte.weight``), whichever alias its stage reads it by."""
         return self._local().local_named_parameters()
 
-    # As SMP's: the wrapped module's names, without a "module." prefix, so name-based
-    # parameter groups built on the plain model apply unchanged to the DistributedModel.
-    def named_parameters(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Parameter]]:
-        return self.get_module().named_parameters(*args, **kwargs)
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        """As SMP's: the wrapped module's names, without a "module." prefix, so name-based
+        parameter groups built on the plain model apply unchanged. Once partitioned, a name
+        this rank trains gives the tensor it trains (a tensor-parallel shard, a sharded or
+        materialised parameter), so ``zero_grad``, ``requires_grad_`` and clipping reach it."""
+        trained = dict(self.local_named_parameters()) if self.partitioned else {}
+        cut = len(prefix) + 1 if prefix else 0
+        seen: set[int] = set()
+        for name, p in self.get_module().named_parameters(prefix, recurse, False):
+            plain = name[cut:]
+            p = trained.get(self.canonical_names.get(plain, plain), p)
+            if remove_duplicate and id(p) in seen:
+                continue
+            seen.add(id(p))
+            yield name, p
+        if recurse:  # trained under a name the wrapped module does not have
+            for name, p in trained.items():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    yield (f"{prefix}.{name}" if prefix else name), p
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return self.get_module().parameters(recurse)
+        return (p for _, p in self.named_parameters(recurse=recurse))
+
+    def train(self, mode: bool = True) -> DistributedModel:
+        """The wrapped module's mode, and once partitioned the local stages' (whose
+        tensor-parallel modules replaced the module's)."""
+        super().train(mode)
+        if self._parallelized is not None:
+            for r in self._local_runners():
+                r.stage.module.train(mode)
+        return self
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
         return self.get_module().named_buffers(*args, **kwargs)

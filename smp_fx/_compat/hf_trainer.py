@@ -32,6 +32,14 @@ things would go wrong, none of them in smp-fx's API:
   prepares it with the accelerator as that version prepares one passed in. Versions that
   build their optimizer never reach that case. If none can be built, training stops
   there with an ``SMPConfigError`` naming the version and the one-line fix.
+* **Gradient clipping** (4.3x and later). ``max_grad_norm`` (1.0 by default) clips through
+  ``accelerator.clip_grad_norm_(model.parameters(), ...)`` (5.x: or its own mixed-mesh
+  norm), i.e. each rank by the norm of its own gradients: pipeline stages and tensor-
+  parallel shards by different factors, so a tied weight's copies drift apart. In SMP
+  mode, both go to ``DistributedModel.clip_grad_norm_`` when handed the model's
+  parameters: the whole model's norm, as ``smp.DistributedOptimizer`` clips. (4.2x calls
+  ``model.clip_grad_norm_`` itself; with fp16 every version calls the optimizer's
+  ``clip_master_grads``.)
 
 Everything here runs only in the Trainer's SMP mode (``is_sagemaker_mp_enabled()``), only
 under the shim directory (``smp-fx run``, or ``PYTHONPATH`` set to it), and each
@@ -109,6 +117,7 @@ def after_trainer(module: types.ModuleType) -> None:
     if hasattr(trainer, "create_accelerator_and_postprocess"):
         _accelerate_not_distributed(trainer)
         _train_data_by_dp_rank(trainer)
+        _clip_by_whole_model(trainer)
 
 
 def _build_missing_optimizer(trainer: type) -> None:
@@ -198,3 +207,55 @@ def _train_data_by_dp_rank(trainer: type) -> None:
             _TRAIN_SHARD.reset(token)
 
     trainer.get_train_dataloader = get_train_dataloader  # type: ignore[attr-defined]
+
+
+def _whole_model(params: Any) -> Any:
+    """The partitioned ``DistributedModel`` whose ``parameters()`` are exactly ``params``
+    (a model, or a list of tensors), else None."""
+    from smp_fx.world import context
+
+    model: Any = context.current_model()
+    if model is None or not getattr(model, "partitioned", False):
+        return None
+    if params is model:
+        return model
+    given = params if isinstance(params, list) else None
+    if given is None or {id(p) for p in given} != {id(p) for p in model.parameters()}:
+        return None
+    return model
+
+
+def _clip_by_whole_model(trainer: type) -> None:
+    original = trainer.create_accelerator_and_postprocess  # type: ignore[attr-defined]
+
+    @functools.wraps(original)
+    def create_accelerator_and_postprocess(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        accelerator = self.accelerator
+        clip = accelerator.clip_grad_norm_
+
+        @functools.wraps(clip)
+        def clip_grad_norm_(parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+            params = list(parameters)
+            model = _whole_model(params)
+            if model is None:
+                return clip(params, max_norm, norm_type)
+            return model.clip_grad_norm_(max_norm, norm_type)
+
+        accelerator.clip_grad_norm_ = clip_grad_norm_
+        log.info("SMP mode: the Trainer clips gradients by the whole model's norm "
+                 "(DistributedModel.clip_grad_norm_)")
+        return result
+
+    trainer.create_accelerator_and_postprocess = (  # type: ignore[attr-defined]
+        create_accelerator_and_postprocess)
+    if hasattr(trainer, "_mixed_mesh_grad_norm"):  # 5.x: DTensor gradients of several meshes
+        mixed = trainer._mixed_mesh_grad_norm
+
+        @functools.wraps(mixed)
+        def _mixed_mesh_grad_norm(self: Any, model: Any, max_norm: float) -> Any:
+            whole = _whole_model(model)
+            return mixed(self, model, max_norm) if whole is None else \
+                whole.clip_grad_norm_(max_norm)
+
+        trainer._mixed_mesh_grad_norm = _mixed_mesh_grad_norm

@@ -3,10 +3,11 @@ distributed version that replaces its tensor-parallel instances.
 
 SMP's semantics: ``dist_module`` (an ``smp.nn`` distributed module, or any module class)
 is the distributed version of ``module_cls``. ``init_hook`` takes the arguments of
-``module_cls.__init__`` (its signature must match that ``__init__``'s, without ``self``)
-and returns ``(args, kwargs)`` for ``dist_module.__init__``; ``forward_hook`` does the same
-for ``forward``; ``return_hook`` turns the distributed module's output into what the
-original ``forward`` returns. Absent hooks pass arguments / outputs through unchanged.
+``module_cls.__init__`` (its signature must match that ``__init__``'s, without ``self``;
+defaults may differ, as SMP's runtime allowed) and returns ``(args, kwargs)`` for
+``dist_module.__init__``; ``forward_hook`` does the same for ``forward``;
+``return_hook`` turns the distributed module's output into what the original ``forward``
+returns. Absent hooks pass arguments / outputs through unchanged.
 
 How smp-fx does it: registering wraps ``module_cls.__init__`` so each instance records
 the arguments it was built with. ``smp.DistributedModel`` (before tracing) replaces every
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -48,6 +50,7 @@ from torch import nn
 from cost_model.errors import SMPConfigError
 from smp_fx.marking.tensor_parallelism import ATTR, created_marked, is_marked, mark
 
+log = logging.getLogger("smp_fx.marking.tp_register")
 INIT_ARGS = "_smp_tp_init_args"
 _PATCHED = "_smp_tp_patched_init"
 M = TypeVar("M", bound=type[nn.Module])
@@ -76,19 +79,33 @@ def _check_class(value: Any, what: str, where: str) -> None:
 
 
 def _same_signature(hook: Hook, method: Callable[..., Any], name: str, where: str) -> None:
-    """SMP: the hook's signature is exactly the method's without ``self`` (names, kinds,
-    defaults), so the recorded arguments bind to it as they bound to the method."""
+    """SMP: the hook's signature is the method's without ``self`` (names, kinds), so the
+    recorded arguments bind to it as they bound to the method. Defaults may differ, as
+    SMP's runtime let them (AWS's ViT hooks): logged, since an argument a call omits then
+    takes the hook's default."""
     try:
         want = list(inspect.signature(method).parameters.values())[1:]
         got = list(inspect.signature(hook).parameters.values())
     except (TypeError, ValueError):  # a builtin without a readable signature
         return
-    if [(p.name, p.kind, p.default) for p in got] != \
-            [(p.name, p.kind, p.default) for p in want]:
+    if [(p.name, p.kind) for p in got] != [(p.name, p.kind) for p in want]:
         raise SMPConfigError.build(
             f"{name} must have the signature of {method.__qualname__} without self",
             f"({', '.join(map(str, got))}) for ({', '.join(map(str, want))})", where,
             f"define {name} with exactly the parameters of the original method")
+    differ = [f"{h.name}={h.default!r} (method: {m.default!r})" for h, m in zip(got, want)
+              if not _same_default(h.default, m.default)]
+    if differ:
+        log.debug("%s: %s differs from %s only in defaults, accepted; an argument a call "
+                  "omits takes the hook's: %s", where, name, method.__qualname__,
+                  ", ".join(differ))
+
+
+def _same_default(a: Any, b: Any) -> bool:
+    try:
+        return a is b or bool(a == b)
+    except Exception:  # a default whose == does not give one truth value (a tensor)
+        return False
 
 
 def _replacement(dist_module: type[nn.Module], forward_hook: Hook | None,

@@ -89,18 +89,15 @@ def test_trainer_smp_mode_matches_plain_trainer(tmp_path: Path) -> None:
 
 
 def _check_stage_norms(stage_norms: list[torch.Tensor], plain_norms: list[float]) -> None:
-    """max_grad_norm clips by each stage's local norm (the Trainer's SMP branch without
-    fp16): each stage's norm is at most the global one (a tied weight's gradient is complete
-    on both stages), the stages' norms differ, and together they cover the global norm.
-    transformers 4.2x logs no norm."""
+    """``max_grad_norm`` (the Trainer's default, 1.0) clips by the whole model's norm on
+    every stage, the plain Trainer's (transformers 4.2x logs no norm)."""
     if not plain_norms:
         assert all(len(n) == 0 for n in stage_norms)
         return
     whole = torch.tensor(plain_norms)
-    assert len(whole) == 4 and all(len(n) == 4 for n in stage_norms)
-    assert all(bool((n <= whole * (1 + 1e-5)).all()) for n in stage_norms), (stage_norms, whole)
-    assert not torch.allclose(stage_norms[0], stage_norms[1])
-    assert bool((stage_norms[0] ** 2 + stage_norms[1] ** 2 >= whole ** 2 * (1 - 1e-5)).all())
+    assert len(whole) == 4 and bool((whole > 1.0).any()), whole  # it scales some steps
+    for norms in stage_norms:
+        torch.testing.assert_close(norms, whole, rtol=1e-5, atol=1e-6)
 
 
 def _run_pair(tmp_path: Path, ranks: int, smp_env: dict[str, str], smp_args: list[str],
@@ -146,6 +143,7 @@ def test_trainer_pp2_dp2_trains_each_replica_on_its_shard(tmp_path: Path) -> Non
         {"partitions": 2, "microbatches": 2, "ddp": True})}
     plain, ranks = _run_pair(tmp_path, 4, env, ["--train-only", "--batch", "4", "--optim", "sgd"],
                              ["--train-only", "--batch", "8", "--optim", "sgd"], torchrun=True)
+    plain, ranks = plain["sgd"], [r["sgd"] for r in ranks]
     replicas: dict[str, list[list[int]]] = {}
     for r in ranks:
         steps = r["samples"][:4]
@@ -162,7 +160,61 @@ def test_trainer_pp2_dp2_trains_each_replica_on_its_shard(tmp_path: Path) -> Non
         assert r["predict"][0] == plain["predict"][0] == [8, 16, 64]
         torch.testing.assert_close(r["predict"][1:], plain["predict"][1:], rtol=1e-4,
                                    atol=1e-3)
-    got = load_file(str(tmp_path / "smp" / "final" / "model.safetensors"))
-    want = load_file(str(tmp_path / "plain" / "final" / "model.safetensors"))
+    got = load_file(str(tmp_path / "smp" / "sgd" / "final" / "model.safetensors"))
+    want = load_file(str(tmp_path / "plain" / "sgd" / "final" / "model.safetensors"))
     assert list(got) == list(want)  # the model's own names, the tied head saved once as HF does
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _same_training(got: dict[str, Any], plain: dict[str, Any], weights: tuple[Path, Path],
+                   what: str, weights_tol: float = 1e-5) -> None:
+    """The losses and the evaluation loss agree (1e-5), and so do the weights ``save_model``
+    wrote (``weights_tol``: Adam turns the gradients' 1e-7 summation-order differences into
+    steps of the learning rate where a gradient is that small)."""
+    from safetensors.torch import load_file
+
+    for key in ("losses", "eval"):
+        torch.testing.assert_close(torch.tensor(got[key]), torch.tensor(plain[key]),
+                                   rtol=1e-5, atol=1e-5, msg=lambda m, k=key: f"{what} {k}: {m}")
+    mine, theirs = (load_file(str(w / "final" / "model.safetensors")) for w in weights)
+    assert list(mine) == list(theirs)
+    torch.testing.assert_close(mine, theirs, rtol=weights_tol, atol=weights_tol,
+                               msg=lambda m: f"{what} weights: {m}")
+
+
+@pytest.mark.multiproc
+def test_trainer_tp2_equals_plain_trainer_with_adamw_and_sgd(tmp_path: Path) -> None:
+    """tp=2 as AWS's GPT-2 Trainer script runs it (``smp.set_tensor_parallelism(model)``,
+    nothing else changed: ``ddp``, the Trainer's default ``max_grad_norm`` 1.0), per-device
+    batch 4, AdamW then SGD in one run, against the plain Trainer at batch 8 (what DDP on 2
+    ranks computes): the Trainer clears gradients with ``model.zero_grad()`` only, so that
+    must reach the tensor-parallel shards, and it clips by the whole model's norm."""
+    env = {**SMP_ENV, "SM_HP_MP_PARAMETERS": json.dumps(
+        {"partitions": 1, "tensor_parallel_degree": 2, "ddp": True})}
+    args = ["--train-only", "--optim", "adamw_torch,sgd", "--set-tensor-parallelism"]
+    plain, ranks = _run_pair(tmp_path, 2, env, [*args, "--batch", "4"], [*args, "--batch", "8"])
+    for optim, tol in (("adamw_torch", 1e-4), ("sgd", 1e-5)):
+        for rank, got in enumerate(ranks):
+            _same_training(got[optim], plain[optim], (tmp_path / "smp" / optim,
+                                                      tmp_path / "plain" / optim),
+                           f"{optim} rank {rank}", tol)
+
+
+def _transformers_major() -> int:
+    import transformers
+
+    return int(transformers.__version__.split(".")[0])
+
+
+@pytest.mark.multiproc
+@pytest.mark.xfail(_transformers_major() < 5, strict=True,
+                   reason="needs stage outputs without grad (issue 38 item 3)")
+def test_trainer_pp2_with_use_cache_at_its_default(tmp_path: Path) -> None:
+    """GPT-2's config left at ``use_cache=True``: with transformers 4.x every layer's
+    key/value cache is an output of the model that no loss depends on; training equals the
+    plain Trainer's."""
+    args = ["--train-only", "--optim", "sgd", "--batch", "4", "--default-cache"]
+    plain, ranks = _run_pair(tmp_path, 2, SMP_ENV, args, args)
+    for rank, got in enumerate(ranks):
+        _same_training(got["sgd"], plain["sgd"], (tmp_path / "smp" / "sgd",
+                                                  tmp_path / "plain" / "sgd"), f"rank {rank}")

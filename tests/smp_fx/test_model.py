@@ -344,3 +344,57 @@ def test_wrapping_the_same_module_again_gives_the_same_model(fresh: None) -> Non
         smp.DistributedModel(net)
     other = smp.DistributedModel(_net())
     assert other is not model and not other.partitioned
+
+
+# tp 2 (shards replace the module's parameters), pp 2 (tied replicas), sdp 2 (FSDP2 shards)
+WALK_CONFIGS = ({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True},
+                {"pipeline_parallel_degree": 2, "microbatches": 2},
+                {"pipeline_parallel_degree": 1, "sharded_data_parallel_degree": 2,
+                 "sdp_param_persistence_threshold": 1, "ddp": True})
+
+
+def _walks(cfg: dict[str, Any]) -> list[str]:
+    """After one step: every parameter this rank trains is in ``parameters()`` and has a
+    gradient; none keeps it after ``model.zero_grad()``; ``requires_grad_`` and ``eval``
+    reach them and their modules."""
+    from smp_fx.world import state
+    from tests.smp_fx.parallel.test_tensor_parallel import MLP
+
+    state._reset()
+    smp.init(cfg)
+    torch.manual_seed(0)
+    model = smp.DistributedModel(MLP())
+    smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    @smp.step
+    def step(model: Any, x: torch.Tensor) -> Any:
+        loss = model(x).square().mean()
+        model.backward(loss)
+        return loss
+
+    step(model, torch.randn(8, 8))
+    tag, bad = str(cfg), []
+    trained = dict(model.local_named_parameters())
+    walked = {id(p) for p in model.parameters()}
+    bad += [f"{tag}: {n} not in parameters()" for n, p in trained.items() if id(p) not in walked]
+    bad += [f"{tag}: {n} no gradient" for n, p in trained.items() if p.grad is None]
+    model.zero_grad()
+    bad += [f"{tag}: {n} kept its gradient" for n, p in trained.items() if p.grad is not None]
+    model.requires_grad_(False)
+    bad += [f"{tag}: {n} still requires grad" for n, p in trained.items() if p.requires_grad]
+    model.requires_grad_(True)
+    model.eval()
+    bad += [f"{tag}: {type(m).__name__} training" for m in model.local_modules() if m.training]
+    return bad
+
+
+def _walks_body() -> list[str]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return [b for cfg in WALK_CONFIGS for b in _walks(cfg)]
+
+
+@pytest.mark.multiproc
+def test_module_walks_reach_every_trained_parameter() -> None:
+    assert run_ranks(_walks_body, 2, timeout=180) == [[], []]

@@ -1,7 +1,8 @@
 """The Trainer adjustments on their own (the whole Trainer runs in
 ``tests/examples/test_hf_trainer.py``): the missing optimizer is built or named with the
-fix, the launcher's variables are hidden only while accelerate looks, and the post-import
-hooks run a hook right after a module's first import."""
+fix, the launcher's variables are hidden only while accelerate looks, clipping with the
+model's parameters goes to the model's whole-model clipping, and the post-import hooks run a
+hook right after a module's first import."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from cost_model.errors import SMPConfigError
 from smp_fx._compat import SHIM_DIR, hf_trainer
@@ -48,6 +50,57 @@ def test_missing_optimizer_is_built_or_named() -> None:
     assert given.scheduled_with == "passed in"
     with pytest.raises(SMPConfigError, match=r"transformers \d.*optimizers=\(torch.optim"):
         _Trainer(builds=False).create_scheduler(4)
+
+
+class _Partitioned:
+    """What the clipping reads of a partitioned DistributedModel."""
+
+    partitioned = True
+
+    def __init__(self) -> None:
+        self.params = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))]
+        self.clipped: list[float] = []
+
+    def parameters(self) -> Any:
+        return iter(self.params)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        self.clipped.append(max_norm)
+        return torch.tensor(7.0)
+
+
+class _Accelerator:
+    def clip_grad_norm_(self, parameters: Any, max_norm: float, norm_type: float = 2) -> Any:
+        return "accelerate", len(list(parameters))
+
+
+class _ClipTrainer:
+    def create_accelerator_and_postprocess(self) -> None:
+        self.accelerator = _Accelerator()
+
+    def _mixed_mesh_grad_norm(self, model: Any, max_norm: float) -> Any:
+        return "its own"
+
+
+def test_clipping_with_the_models_parameters_is_the_whole_models() -> None:
+    from smp_fx.world import context
+
+    hf_trainer._clip_by_whole_model(_ClipTrainer)
+    trainer = _ClipTrainer()
+    trainer.create_accelerator_and_postprocess()
+    model = _Partitioned()
+    context.set_current_model(model)  # type: ignore[arg-type]
+    try:
+        assert float(trainer.accelerator.clip_grad_norm_(model.parameters(), 1.0)) == 7.0
+        assert float(trainer._mixed_mesh_grad_norm(model, 2.0)) == 7.0
+        assert model.clipped == [1.0, 2.0]
+        # other tensors than the model's: accelerate's own clipping
+        assert trainer.accelerator.clip_grad_norm_(model.params[:1], 1.0) == ("accelerate", 1)
+        model.partitioned = False  # before the first step: nothing to clip by the model
+        assert trainer.accelerator.clip_grad_norm_(model.parameters(), 1.0) == ("accelerate", 2)
+        assert model.clipped == [1.0, 2.0]
+    finally:
+        context.clear_current_model()
 
 
 def test_launcher_variables_hidden_only_inside(monkeypatch: pytest.MonkeyPatch) -> None:

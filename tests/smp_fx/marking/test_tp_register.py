@@ -5,6 +5,7 @@ fx rewrite then shards it; registration errors name the rule."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -128,6 +129,25 @@ def test_distributed_model_replaces_before_tracing(fresh: None) -> None:
 
     got = torch.cat(run(model, x, mask).outputs)
     torch.testing.assert_close(got, want)
+
+
+def test_hooks_may_differ_from_the_method_in_defaults_only(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """AWS's ViT hooks declare other defaults than the forward's: accepted, logged."""
+    caplog.set_level(logging.DEBUG, "smp_fx.marking.tp_register")
+    smp.tp_register_with_module(
+        MyMLP, smp.nn.DistributedTransformerOutputLayer,
+        init_hook=lambda hidden_size, intermediate_size, hidden_dropout_prob=0.0: ((), {}),
+        forward_hook=lambda x: ((x,), {}))
+    assert "init_hook differs from MyMLP.__init__ only in defaults" in caplog.text
+    assert "hidden_dropout_prob=0.0 (method: 0.1)" in caplog.text
+    assert "forward_hook" not in caplog.text
+    with pytest.raises(smp.SMPConfigError, match="init_hook must have the signature"):
+        smp.tp_register_with_module(  # a keyword-only parameter is another kind
+            MyMLP, smp.nn.DistributedTransformerOutputLayer,
+            init_hook=lambda hidden_size, intermediate_size, *, hidden_dropout_prob=0.1:
+            ((), {}))
+    smp.tp_register_with_module(MyMLP, smp.nn.DistributedTransformerOutputLayer)
 
 
 def test_registration_errors_name_the_rule() -> None:

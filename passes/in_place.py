@@ -1,0 +1,161 @@
+"""In-place writes kept in order across pipeline stages.
+
+Stages exchange copies, so a tensor written in place (transformers 4.26 Bloom's causal
+mask: ``torch.empty`` filled by a slice assignment, ``aten.copy_`` into a view of it) is
+right on other stages only if it leaves its stage after every write that precedes a read.
+A write on another stage than the tensor's changes a copy; a stage receiving the tensor
+from its producer gets it unwritten. So the tensor, every read of it or of its views up
+to its last write (the writes and the views they go through included), and, for a tensor
+each stage holds on its own (a program input, a parameter or buffer cloned into every
+stage), every node reading it directly, form a group that runs on one stage; later reads
+follow by data flow. ``colocate`` applies that to a stage assignment (the partitioners
+call it); ``check`` refuses a split group (``split_stages``).
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+from collections.abc import Callable, Mapping
+
+import torch
+import torch.fx
+
+from cost_model.errors import SMPPartitionError
+from passes.partitioning.extract import COMPUTE_OPS
+
+log = logging.getLogger("smp_fx.passes.in_place")
+
+VIEW_METHODS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "expand", "expand_as", "transpose",
+    "permute", "t", "unsqueeze", "squeeze", "narrow", "select", "flatten", "unflatten",
+    "as_strided", "chunk", "split", "unbind", "diagonal", "unfold", "__getitem__",
+    "contiguous", "detach", "movedim", "swapaxes", "real", "imag"})
+"""Tensor methods whose result may share the storage of the tensor they are called on."""
+VIEW_FUNCTIONS = frozenset({
+    operator.getitem, torch.transpose, torch.flatten, torch.reshape, torch.narrow,
+    torch.select, torch.squeeze, torch.unsqueeze, torch.chunk, torch.split, torch.unbind,
+    torch.permute, torch.t, torch.diagonal, torch.detach, torch.movedim, torch.swapaxes})
+
+
+def _schema(node: torch.fx.Node) -> torch.FunctionSchema | None:
+    target = node.target
+    return target._schema if isinstance(target, torch._ops.OpOverload) else None
+
+
+METADATA_ONLY = frozenset({"detach_", "requires_grad_", "retain_grad"})
+"""In-place methods that change autograd's view of a tensor, not its values."""
+
+
+def written(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The tensors ``node`` writes in place: an ATen op's mutable arguments, ``t[i] = v``,
+    a ``name_`` method's receiver, a function called with ``inplace=True``."""
+    if node.op not in COMPUTE_OPS:
+        return []
+    schema = _schema(node)
+    name = schema.name.split("::")[-1] if schema is not None else str(node.target)
+    if name in METADATA_ONLY:
+        return []
+    if schema is not None:
+        return [a for arg, a in zip(schema.arguments, node.args) if isinstance(a, torch.fx.Node)
+                and arg.alias_info is not None and arg.alias_info.is_write]
+    first = node.args[0] if node.args else None
+    if not isinstance(first, torch.fx.Node):
+        return []
+    if node.op == "call_function" and node.target is operator.setitem:
+        return [first]
+    if node.op == "call_method" and str(node.target).endswith("_") and \
+            not str(node.target).endswith("__"):
+        return [first]
+    return [first] if node.kwargs.get("inplace") is True else []
+
+
+def _view_of(node: torch.fx.Node) -> torch.fx.Node | None:
+    """The tensor whose storage ``node``'s result may share (a view, or the written tensor
+    an in-place op returns), else None."""
+    first = node.args[0] if node.args else None
+    if not isinstance(first, torch.fx.Node):
+        return None
+    schema = _schema(node)
+    if schema is not None:
+        aliased = any(r.alias_info is not None for r in schema.returns)
+        return first if aliased else None
+    if node.op == "call_method" and node.target in VIEW_METHODS or \
+            node.op == "call_function" and node.target in VIEW_FUNCTIONS:
+        return first
+    return written(node)[0] if written(node) else None
+
+
+def groups(gm: torch.fx.GraphModule) -> tuple[frozenset[str], ...]:
+    """The compute nodes (by name) that must share a stage, one group per written tensor."""
+    nodes = list(gm.graph.nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+    root: dict[torch.fx.Node, torch.fx.Node] = {}
+    aliases: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    writes: dict[torch.fx.Node, list[torch.fx.Node]] = {}
+    for n in nodes:
+        source = _view_of(n) if n.op in COMPUTE_OPS else None
+        root[n] = root.get(source, source) if source is not None else n
+        aliases.setdefault(root[n], []).append(n)
+        for t in written(n):
+            writes.setdefault(root.get(t, t), []).append(n)
+    found = []
+    for base, ws in writes.items():
+        last = max(order[w] for w in ws)
+        group = {u for a in aliases[base] for u in (a, *a.users) if order[u] <= last}
+        if base.op in ("placeholder", "get_attr"):  # each stage reads its own copy
+            same = [n for n in nodes if n.op == base.op and n.target == base.target]
+            group |= {u for n in same for u in n.users}
+        names = frozenset(n.name for n in group if n.op in COMPUTE_OPS)
+        if len(names) > 1:
+            found.append(names)
+    return tuple(found)
+
+
+def colocate(gm: torch.fx.GraphModule, stages: Mapping[str, int],
+             movable: Callable[[str], bool] = lambda name: True) -> dict[str, int]:
+    """``stages`` (compute node -> stage) with each group on one stage: its pinned stage
+    (``movable`` false) if it has one, else the latest of its members'; the users of a
+    moved node follow it. Pinned on two stages is an ``SMPPartitionError``."""
+    out = dict(stages)
+    found = groups(gm)
+    if not found:
+        return out
+    compute = [n for n in gm.graph.nodes if n.op in COMPUTE_OPS]
+    changed = True
+    while changed:
+        changed = False
+        for group in found:
+            pinned = {out[n] for n in group if not movable(n)}
+            if len(pinned) > 1:
+                raise SMPPartitionError.build(
+                    "a tensor written in place and the reads ordered by the write must run on "
+                    "one stage", {n: out[n] for n in sorted(group)}, "passes.in_place",
+                    "pin the modules that write and read it to one partition")
+            target = pinned.pop() if pinned else max(out[n] for n in group)
+            for n in group:
+                if out[n] != target:
+                    out[n], changed = target, True
+        for n in compute:
+            late = max((out[m.name] for m in n.all_input_nodes if m.name in out),
+                       default=out[n.name])
+            if late > out[n.name] and movable(n.name):
+                out[n.name], changed = late, True
+    moved = sorted(n for n in out if out[n] != stages[n])
+    if moved:
+        log.info("smp-fx: %d node(s) moved to keep in-place writes in order across stages: "
+                 "%s", len(moved), ", ".join(moved[:8]))
+    return out
+
+
+def check(gm: torch.fx.GraphModule, stage_of: Callable[[torch.fx.Node], int]) -> None:
+    """Refuse a stage assignment that splits a group (module docstring)."""
+    by_name = {n.name: n for n in gm.graph.nodes}
+    for group in groups(gm):
+        where = {n: stage_of(by_name[n]) for n in sorted(group)}
+        if len(set(where.values())) > 1:
+            raise SMPPartitionError.build(
+                "a tensor written in place and the reads ordered by the write must run on one "
+                "stage (stages exchange copies)", where, "split_stages",
+                "assign the stages with auto_partition or assign_manual, which keep them "
+                "together (passes.in_place.colocate)")

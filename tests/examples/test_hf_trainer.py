@@ -136,13 +136,16 @@ def test_trainer_pp2_dp2_trains_each_replica_on_its_shard(tmp_path: Path) -> Non
     (the same global batches): every pipeline's ranks read the same samples, the two
     data-parallel replicas read disjoint halves of each global batch (SMP's rule:
     ``smp.dp_rank()`` / ``smp.dp_size()``), and the parameters saved by ``save_model`` after
-    4 SGD steps, the evaluation loss and the predictions equal the plain Trainer's."""
+    4 SGD steps, the evaluation loss and the predictions equal the plain Trainer's. GPT-2's
+    ``use_cache`` stays at its default: with transformers 4.x every layer's key/value cache
+    is a model output no loss depends on."""
     from safetensors.torch import load_file
 
     env = {**SMP_ENV, "SM_HP_MP_PARAMETERS": json.dumps(
         {"partitions": 2, "microbatches": 2, "ddp": True})}
-    plain, ranks = _run_pair(tmp_path, 4, env, ["--train-only", "--batch", "4", "--optim", "sgd"],
-                             ["--train-only", "--batch", "8", "--optim", "sgd"], torchrun=True)
+    args = ["--train-only", "--optim", "sgd", "--default-cache"]
+    plain, ranks = _run_pair(tmp_path, 4, env, [*args, "--batch", "4"], [*args, "--batch", "8"],
+                             torchrun=True)
     plain, ranks = plain["sgd"], [r["sgd"] for r in ranks]
     replicas: dict[str, list[list[int]]] = {}
     for r in ranks:
@@ -198,23 +201,3 @@ def test_trainer_tp2_equals_plain_trainer_with_adamw_and_sgd(tmp_path: Path) -> 
             _same_training(got[optim], plain[optim], (tmp_path / "smp" / optim,
                                                       tmp_path / "plain" / optim),
                            f"{optim} rank {rank}", tol)
-
-
-def _transformers_major() -> int:
-    import transformers
-
-    return int(transformers.__version__.split(".")[0])
-
-
-@pytest.mark.multiproc
-@pytest.mark.xfail(_transformers_major() < 5, strict=True,
-                   reason="needs stage outputs without grad (issue 38 item 3)")
-def test_trainer_pp2_with_use_cache_at_its_default(tmp_path: Path) -> None:
-    """GPT-2's config left at ``use_cache=True``: with transformers 4.x every layer's
-    key/value cache is an output of the model that no loss depends on; training equals the
-    plain Trainer's."""
-    args = ["--train-only", "--optim", "sgd", "--batch", "4", "--default-cache"]
-    plain, ranks = _run_pair(tmp_path, 2, SMP_ENV, args, args)
-    for rank, got in enumerate(ranks):
-        _same_training(got["sgd"], plain["sgd"], (tmp_path / "smp" / "sgd",
-                                                  tmp_path / "plain" / "sgd"), f"rank {rank}")

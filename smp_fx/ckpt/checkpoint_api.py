@@ -46,6 +46,7 @@ from torch import nn
 
 from cost_model.errors import SMPCheckpointError
 from smp_fx._compat import SMP_API_VERSION
+from smp_fx.ckpt import ds_files
 from smp_fx.ckpt.atomic import atomic_write, fsync_dir
 from smp_fx.ckpt.files import load, save
 from smp_fx.ckpt.hf_export import is_pretrained, safetensors_available, save_pretrained_state
@@ -187,6 +188,8 @@ def _save_partial(path: str, tag: str, model: ProcessModel | None,
             save(model_sd, os.path.join(staging, MODEL_FILE), partial=True)
         if opt_sd is not None:
             save(opt_sd, os.path.join(staging, OPTIMIZER_FILE), partial=True)
+        ds_files.write(staging, model, optimizer, model_sd)  # SMP's sdp files beside
+        user_content = ds_files.with_shapes(user_content, model, optimizer)
         if rank == 0:
             if user_content is not None:
                 _write_torch(os.path.join(staging, USER_CONTENT_FILE), user_content)

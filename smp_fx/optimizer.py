@@ -188,6 +188,15 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         return ds_view.flat_groups(self.param_groups)
 
     @property
+    def fp16_groups(self) -> list[list[torch.Tensor]]:
+        """Per param group, the model's parameters it steps."""
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is None or not hasattr(next(model.parameters(), None), "ds_tensor"):
+            raise AttributeError("fp16_groups exists under sharded data parallelism, for "
+                                 "the parameters of a smp.DistributedModel")
+        return ds_view.model_groups(self.param_groups, model.parameters())
+
+    @property
     def ds_param_shard_group(self) -> Any:
         """The process group the parameters are sharded over."""
         model = self._model_ref() if self._model_ref is not None else None

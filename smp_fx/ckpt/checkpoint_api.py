@@ -9,6 +9,8 @@ Layout under ``path`` (SMP's, with smp-fx's file names inside the partial folder
         model.pt.smp_index.json, optimizer.pt.smp_index.json   (smp.save's indexes)
         user_content.pt        user_content, if given
         smp_config.json        the configuration and SMP API version it was saved with
+        model_0.pt, optimizer_{r}.pt   sharded data parallelism at pp and tp 1: SMP's
+                               DeepSpeed-named files, for consolidation (ckpt.ds_files)
       {tag}                    a full checkpoint: the model's full state dict (torch.save)
       user_content_{tag}       user_content of a full checkpoint
       newest                   partial checkpoints kept, oldest first, one folder a line

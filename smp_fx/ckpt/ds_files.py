@@ -23,7 +23,6 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from smp_fx.parallel.ds_view import SOURCE, coords
 from smp_fx.world import state
 
 log = logging.getLogger(__name__)
@@ -49,12 +48,9 @@ def applies(model: Any, optimizer: Any) -> bool:
 
 def _named_groups(model: Any, optimizer: Any) -> list[list[tuple[str, torch.Tensor]]]:
     """The optimizer's param groups as (model name, tensor stepped) pairs."""
-    names: dict[int, str] = {}
-    for name, p in model.local_named_parameters():
-        names[id(p)] = name
-        if hasattr(p, SOURCE):  # the fp32 master it is stepped through
-            names[id(getattr(p, SOURCE))] = name
-    return [[(names[id(p)], p) for p in g["params"]] for g in optimizer.param_groups]
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[(names[id(o)], p) for o, p in zip(originals, g["params"])]
+            for originals, g in zip(optimizer.fp16_groups, optimizer.param_groups)]
 
 
 def with_shapes(user_content: Any, model: Any, optimizer: Any) -> Any:
@@ -80,7 +76,8 @@ def write(folder: str, model: Any, optimizer: Any, model_state: Any) -> None:
     if not applies(model, optimizer):
         return
     st = state.get()
-    rank, size = coords(st)
+    size = st.config.sharded_data_parallel_degree
+    rank = torch.distributed.get_rank(optimizer.ds_param_shard_group)
     first_replica = st.group_ranks("dp").index(st.rank) < size
     groups = []
     for group in _named_groups(model, optimizer):

@@ -97,19 +97,19 @@ class LivePartition(torch.Tensor):
     Scripts keep it across steps (DeepSpeed's is a view of the masters the optimizer
     updates in place), so every torch operation on it reads the partition at that moment."""
 
-    _param: torch.Tensor
+    param: torch.Tensor
 
     @staticmethod
     def __new__(cls, param: torch.Tensor) -> LivePartition:
         out = torch.Tensor._make_subclass(cls, fp32_partition(param), False)
-        out._param = param
+        out.param = param
         return out
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         args, kwargs = pytree.tree_map_only(
-            LivePartition, lambda t: fp32_partition(t._param), (args, kwargs or {}))
+            LivePartition, lambda t: fp32_partition(t.param), (args, kwargs or {}))
         return func(*args, **kwargs)
 
 
@@ -153,6 +153,20 @@ def flat_groups(param_groups: Sequence[dict[str, Any]]) -> list[FlatGroup]:
     return [FlatGroup(tuple(g["params"])) for g in param_groups]
 
 
+def model_groups(param_groups: Sequence[dict[str, Any]],
+                 originals: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``fp16_groups``: the param groups' tensors as the model's own parameters (what
+    ``model.named_parameters()`` yields), through the sharded parameters and masters that
+    stand for them."""
+    model_of: dict[int, torch.Tensor] = {}
+    for orig in originals:
+        t: Any = orig
+        while t is not None:
+            model_of.setdefault(id(t), orig)
+            t = getattr(t, SOURCE, None)
+    return [[model_of.get(id(p), p) for p in g["params"]] for g in param_groups]
+
+
 def shard_group(st: state.State, mesh: Any) -> Any:
     """The shard group's process group (``ds_param_shard_group``): the mesh's last axis
     once partitioned, else the dp group when it is the shard group."""
@@ -167,5 +181,5 @@ def shard_group(st: state.State, mesh: Any) -> Any:
 
 
 __all__ = ["FlatGroup", "LivePartition", "attach", "attach_masters", "attach_partitioned",
-           "attach_whole", "coords", "flat_groups", "fp32_partition", "partition",
+           "attach_whole", "coords", "flat_groups", "fp32_partition", "model_groups", "partition",
            "shard_group"]

@@ -433,10 +433,13 @@ def _sdp_rank(folder: str) -> dict[str, Any]:
         torch.distributed.all_reduce(detached, group=smp.get_dp_process_group())
         losses.append(detached.item() / smp.dp_size())
     weight, other = _log_param_norms(model, optimizer, buffers)
+    names = {p: n for n, p in model.module.named_parameters()}  # get_param_shapes' walk
+    shapes = {names[p]: p.ds_shape for group in optimizer.fp16_groups for p in group}
     smp.save_checkpoint(folder, tag="total_steps4", partial=True, model=model,
                         optimizer=optimizer, user_content={"total_steps": 4})
     smp.barrier()
     return {"losses": losses, "norms": norms, "weight_norms": weight, "other_norms": other,
+            "shapes": shapes,
             "sharded": sum(isinstance(p, DTensor) for p in model.local_parameters())}
 
 
@@ -473,6 +476,8 @@ def test_train_py_sharded_data_parallel_equals_one_process() -> None:
         # sdp_utils.log_param_norms: fp32 partitions and ds_tensor, summed over the shards
         torch.testing.assert_close(res["weight_norms"], want["param_norms"], **TOL)
         torch.testing.assert_close(res["other_norms"], want["param_norms"], **TOL)
+        assert res["shapes"] == {n: p.shape for n, p in want["state"].items()
+                                 if n != "lm_head.weight"}
     # sharded_data_parallel_checkpoint.py's consolidation of SMP's DeepSpeed-named files
     # (the tied lm_head.weight is wte's: the script notes it loads with strict=False)
     assert set(want["state"]) - set(consolidated) == {"lm_head.weight"}, set(consolidated)

@@ -141,11 +141,12 @@ class GPT2LMHead(DistributedTransformerLMHead):
                 cache: Any = None, logits_to_keep: int = 0) -> Any:
         from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 
-        _refuse(past_key_values=past_key_values, cache=cache, head_mask=head_mask,
-                inputs_embeds=inputs_embeds, encoder_hidden_states=encoder_hidden_states,
-                encoder_attention_mask=encoder_attention_mask, use_cache=use_cache,
-                output_attentions=output_attentions,
-                output_hidden_states=output_hidden_states, logits_to_keep=logits_to_keep)
+        refuse_arguments(
+            "GPT-2", past_key_values=past_key_values, cache=cache, head_mask=head_mask,
+            inputs_embeds=inputs_embeds, encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask, use_cache=use_cache,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+            logits_to_keep=logits_to_keep)
         if return_dict is False:
             raise not_implemented("return_dict=False for the distributed GPT-2",
                                   "return_dict", "leave return_dict unset (outputs are a "
@@ -174,11 +175,12 @@ class GPT2LMHead(DistributedTransformerLMHead):
             raise
 
 
-def _refuse(**values: Any) -> None:
-    """GPT2LMHeadModel arguments the distributed GPT-2 does not take (SMP refused them)."""
+def refuse_arguments(family: str, **values: Any) -> None:
+    """Hugging Face arguments the distributed ``family`` model does not take (SMP refused
+    them): each given one is an error naming it."""
     for name, value in values.items():
         if not (value is None or value is False or (type(value) is int and value == 0)):
-            raise not_implemented(f"{name} in the distributed GPT-2", name,
+            raise not_implemented(f"{name} in the distributed {family}", name,
                                   f"leave {name} unset (training and evaluation calls "
                                   "with input_ids, attention_mask and labels run)")
 

@@ -141,6 +141,12 @@ class DistributedAttentionLayer(nn.Module):
         return x.view(b, s, self.num_attention_heads, self.attention_head_size).transpose(1, 2)
 
     def forward(self, inputs: tuple[Any, ...]) -> torch.Tensor:
+        out = self.attend(inputs) + inputs[0]
+        return out if self.layernorm is None else self.layernorm(out)
+
+    def attend(self, inputs: tuple[Any, ...]) -> torch.Tensor:
+        """The attention's output alone (after ``dense`` and dropout, before the residual):
+        a parallel layer adds it to the MLP's (GPT-J, GPT-NeoX)."""
         hidden_states = inputs[0]
         if self.cross_attention:  # (hidden_states, cross_states, attention_mask, cross_mask)
             source, attention_mask = inputs[1], inputs[3]
@@ -166,8 +172,8 @@ class DistributedAttentionLayer(nn.Module):
         probs = self.attention_dropout(torch.softmax(scores, dim=-1))
         context = torch.matmul(probs, v).transpose(1, 2).contiguous()
         context = context.view(b, s, self.num_attention_heads * self.attention_head_size)
-        out = self.dropout(self.dense(context)) + hidden_states
-        return out if self.layernorm is None else self.layernorm(out)
+        out: torch.Tensor = self.dropout(self.dense(context))
+        return out
 
 
 class DistributedTransformerOutputLayer(nn.Module):

@@ -152,11 +152,11 @@ class DistributedTransformerLayer(nn.Module):
     def forward(self, inputs: Pair) -> Pair:
         if self.parallel_attention_mlp:  # GPT-J / GPT-NeoX: x + attention(x) + mlp(x)
             hidden_states, attention_mask = inputs[0], inputs[1]
-            attended = self.attention((hidden_states, attention_mask))
+            attended = self.attention.attend((hidden_states, attention_mask))
             ln = self.attention.pre_layernorm
             mlp_in = ln(hidden_states) if self.shared_layernorm and ln is not None \
                 else hidden_states
-            out = attended + self.output.mlp(mlp_in)
+            out = attended + self.output.mlp(mlp_in) + hidden_states  # Hugging Face's order
             norm = self.output.layernorm
             return (out if norm is None else norm(out)), attention_mask
         if self.crossattention is None:

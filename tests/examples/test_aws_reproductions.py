@@ -11,12 +11,12 @@ its losses equal one process training the same model on the same batches (rtol 1
   masked-LM plus next-sentence heads; then ``smp.save`` / ``smp.load`` of the partial
   checkpoint the script writes.
 * ``gptj``: the GPT-J tensor-parallel script (SMP 1.10-1.x): ``smp.model_creation`` with the
-  script's kernel switches around a Hugging Face ``GPTJForCausalLM``, tp=2 with
-  ``prescaled_batch``, the layers found at ``model.module.module.transformer.h``,
-  ``smp.DistributedOptimizer(opt, static_loss_scale=None, dynamic_loss_scale=True,
-  dynamic_loss_args=...)``, ``optimizer.zero_grad(set_to_none=True)``. The model uses eager
-  attention, transformers 4.21's (the script's pin) only one: under transformers' newer
-  default (``sdpa``) smp-fx's rewrite keeps GPT-J's attention replicated, saying why.
+  script's kernel switches around a Hugging Face ``GPTJForCausalLM``, which wrapping
+  replaces by SMP's distributed GPT-J (the script's default ``--use_distributed_transformer
+  1``), tp=2 with ``prescaled_batch``, the layers found at
+  ``model.module.module.transformer.seq_layers``, ``smp.DistributedOptimizer(opt,
+  static_loss_scale=None, dynamic_loss_scale=True, dynamic_loss_args=...)``,
+  ``optimizer.zero_grad(set_to_none=True)``.
 * ``sdp``: a ``train.py`` of the 1.11-1.15 family with sharded data parallelism (degree 2):
   ``smp.model_creation`` with ``zero_init``, ``distribute_embedding``, ``use_alibi``,
   ``flash_attention``, ``fp32_residual_addition``; ``skip_tracing``; gradient accumulation
@@ -236,7 +236,8 @@ def _lm_batches(n: int, vocab: int = 64, seq: int = 16) -> list[torch.Tensor]:
 def _decay_groups(module: nn.Module) -> list[dict[str, Any]]:
     decay, no_decay = [], []
     for name, p in module.named_parameters():
-        (no_decay if name.endswith("bias") or "ln" in name else decay).append(p)
+        (no_decay if name.endswith("bias") or "ln" in name or "layernorm" in name
+         else decay).append(p)
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -270,7 +271,8 @@ def _gptj_rank() -> dict[str, Any]:
                             fused_softmax=True, fused_dropout=False, fused_bias_gelu=True):
         model = AutoModelForCausalLM.from_config(_gptj_config())
     model = smp.DistributedModel(model, trace_device="gpu", backward_passes_per_step=1)
-    layers = model.module.module.transformer.h  # the script's walk (fp16 off: m = model)
+    # the script's walk with its default --use_distributed_transformer 1 (fp16 off: m = model)
+    layers = model.module.module.transformer.seq_layers
     optimizer = torch.optim.AdamW(_decay_groups(model.get_module()), lr=1e-3,
                                   weight_decay=0.01)
     optimizer = smp.DistributedOptimizer(

@@ -15,6 +15,7 @@ and, on the layers ``attention_layers`` marks ``local``, a causal window of
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from torch import nn
@@ -25,6 +26,8 @@ from smp_fx.nn.huggingface.causal_lm import CausalLMHead, Layout
 from smp_fx.nn.huggingface.gpt2 import ACTIVATIONS
 from smp_fx.nn.huggingface.translate import Rename, hf_to_smp, smp_to_hf
 from smp_fx.nn.transformer import DistributedTransformerLMHead
+
+log = logging.getLogger(__name__)
 
 HF_CLASS = "transformers.models.gpt_neo.modeling_gpt_neo.GPTNeoForCausalLM"
 FAMILY = "GPT-Neo"
@@ -51,8 +54,20 @@ def translate_hf_state_dict_to_smdistributed_gptneo(state_dict: dict[str, Any]
     return hf_to_smp(state_dict, RULES, FAMILY, "transformer.h", DROPPED)
 
 
-def translate_state_dict_to_hf_gptneo(state_dict: dict[str, Any]) -> dict[str, Any]:
-    """A ``GPTNeoLMHead`` (SMP) state dict in ``GPTNeoForCausalLM``'s names."""
+translate_hf_gptneo_state_dict_to_smdistributed = \
+    translate_hf_state_dict_to_smdistributed_gptneo
+"""The spelling AWS's GPT-Neo script imports."""
+
+
+def translate_state_dict_to_hf_gptneo(state_dict: dict[str, Any],
+                                      max_seq_len: int | None = None) -> dict[str, Any]:
+    """A ``GPTNeoLMHead`` (SMP) state dict in ``GPTNeoForCausalLM``'s names. ``max_seq_len``
+    (AWS's script passes it) asked SMP for transformers 4.2x's mask buffers, which depend
+    on each layer's window: they are not written (transformers 4.3x and later keep none)."""
+    if max_seq_len is not None:
+        log.info("smp-fx: translate_state_dict_to_hf_gptneo writes no attention-mask "
+                 "buffers (max_seq_len=%d); transformers 4.3x and later need none",
+                 max_seq_len)
     return smp_to_hf(state_dict, RULES, FAMILY, "transformer.seq_layers")
 
 
@@ -104,5 +119,6 @@ registry.register(registry.Replacement(
     HF_CLASS, build, (translate_state_dict_to_hf_gptneo,
                       translate_hf_state_dict_to_smdistributed_gptneo)))
 
-__all__ = ["GPTNeoLMHead", "translate_hf_state_dict_to_smdistributed_gptneo",
+__all__ = ["GPTNeoLMHead", "translate_hf_gptneo_state_dict_to_smdistributed",
+           "translate_hf_state_dict_to_smdistributed_gptneo",
            "translate_state_dict_to_hf_gptneo"]

@@ -1,8 +1,8 @@
 """SMP's distributed GPT-J, GPT-Neo and GPT-NeoX: created for tensor parallelism, each
 Hugging Face model is replaced by ``smp.nn``'s transformer with the structure scripts read
 (``transformer.seq_layers``), computes what the original computed, translates both ways,
-trains equal to the Hugging Face model at pp 2 (in one process) and at tp 2 (two ranks,
-the three families in one spawn), and a trained one exports to Hugging Face
+trains equal to the Hugging Face model at pp 2 (in one process) and at pp 2 x tp 2 (four
+ranks, the three families in one spawn), and a trained one exports to Hugging Face
 (``smp.save_checkpoint(partial=False)`` -> ``from_pretrained``) with the trained logits."""
 
 from __future__ import annotations
@@ -157,6 +157,9 @@ def test_replaced_with_the_original_function_and_translated_both_ways(family: st
     assert set(to_smp(hf)) == set(module.state_dict())
     back = to_hf(module.state_dict())
     assert set(back) == set(hf)
+    if family == "gptneo":  # AWS's script's spelling and its max_seq_len argument
+        assert gptneo.translate_hf_gptneo_state_dict_to_smdistributed is to_smp
+        assert set(to_hf(module.state_dict(), 32)) == set(hf)
     for name in hf:
         torch.testing.assert_close(back[name], hf[name], rtol=0, atol=0, msg=name)
 
@@ -185,10 +188,10 @@ def test_pp2_trains_equal_and_exports_to_hugging_face(family: str, tmp_path: Pat
                                    trained, **TOL)
 
 
-def _tp2_rank() -> dict[str, Any]:
-    """The three families in turn, under one ``smp.init``."""
+def _pp2_tp2_rank() -> dict[str, Any]:
+    """The three families in turn, under one ``smp.init`` (pp 2 x tp 2, 4 ranks)."""
     logging.getLogger("transformers").setLevel(logging.ERROR)
-    smp.init({"tensor_parallel_degree": 2, "pipeline_parallel_degree": 1, "microbatches": 1,
+    smp.init({"tensor_parallel_degree": 2, "pipeline_parallel_degree": 2, "microbatches": 2,
               "ddp": True, "prescaled_batch": True})
     out: dict[str, Any] = {}
     for family in ("gptj", "gptneo", "gptneox"):
@@ -200,9 +203,11 @@ def _tp2_rank() -> dict[str, Any]:
 
 
 @pytest.mark.multiproc
-def test_tp2_trains_equal_to_hugging_face_in_one_process() -> None:
+def test_pp2_tp2_trains_equal_to_hugging_face_in_one_process() -> None:
+    """Tensor parallelism inside each of two pipeline stages (GPT-J alone at tp 2 without
+    a pipeline: tests/examples/test_aws_reproductions.py)."""
     wants = {f: reference(f)[0] for f in ("gptj", "gptneo", "gptneox")}
-    for res in run_ranks(_tp2_rank, 2, timeout=240):
+    for res in run_ranks(_pp2_tp2_rank, 4, timeout=240):
         for family, want in wants.items():
             torch.testing.assert_close(res[family]["losses"], want, **TOL, msg=family)
             assert any("attention.query" in n for n in res[family]["sharded"]), family

@@ -19,15 +19,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
 from cost_model.errors import not_implemented
 from smp_fx.nn.huggingface import registry
 from smp_fx.nn.huggingface.causal_lm import CausalLMHead, Layout
 from smp_fx.nn.huggingface.gpt2 import ACTIVATIONS
 from smp_fx.nn.huggingface.translate import Rename, hf_to_smp, smp_to_hf
-from smp_fx.nn.huggingface.unbuilt import refusing
-from smp_fx.nn.transformer import DistributedTransformerLMHead
+from smp_fx.nn.huggingface.unbuilt import layer_hooks
 
 HF_CLASS = "transformers.models.gptj.modeling_gptj.GPTJForCausalLM"
 FAMILY = "GPT-J"
@@ -99,23 +96,11 @@ class GPTJLMHead(CausalLMHead):
         super().__init__(config, layout(config), **overrides)
 
 
-def build(original: nn.Module, overrides: dict[str, Any]) -> nn.Module:
-    """The replacement of ``original`` (a ``GPTJForCausalLM``), holding its weights."""
-    kwargs = registry.init_overrides(DistributedTransformerLMHead, overrides)
-    return registry.rebuild(original, GPTJLMHead(original.config, **kwargs),
-                            translate_hf_state_dict_to_smdistributed_gptj)
+get_hf_gptj_transformer_hooks = layer_hooks(
+    "get_hf_gptj_transformer_hooks", FAMILY, "GPTJBlock", "GPTJForCausalLM", "gptj")
 
-
-get_hf_gptj_transformer_hooks = refusing(  # SMP's hooks for tp_register_with_module
-    "get_hf_gptj_transformer_hooks", "GPT-J block (GPTJBlock -> "
-    "DistributedTransformerLayer)", "gptj",
-    "create the GPTJForCausalLM inside smp.model_creation(tensor_parallelism=True) (the "
-    "whole model is replaced), or mark its blocks with smp.tensor_parallelism() for "
-    "smp-fx's own tensor-parallel rewrite")
-
-registry.register(registry.Replacement(
-    HF_CLASS, build, (translate_state_dict_to_hf_gptj,
-                      translate_hf_state_dict_to_smdistributed_gptj)))
+registry.register_lm(HF_CLASS, GPTJLMHead, (translate_state_dict_to_hf_gptj,
+                                            translate_hf_state_dict_to_smdistributed_gptj))
 
 __all__ = ["GPTJLMHead", "get_hf_gptj_transformer_hooks",
            "translate_hf_gptj_state_dict_to_smdistributed",

@@ -18,14 +18,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from torch import nn
-
 from cost_model.errors import not_implemented
 from smp_fx.nn.huggingface import registry
 from smp_fx.nn.huggingface.causal_lm import CausalLMHead, Layout
 from smp_fx.nn.huggingface.gpt2 import ACTIVATIONS
 from smp_fx.nn.huggingface.translate import Rename, hf_to_smp, smp_to_hf
-from smp_fx.nn.transformer import DistributedTransformerLMHead
 
 log = logging.getLogger(__name__)
 
@@ -108,16 +105,8 @@ class GPTNeoLMHead(CausalLMHead):
         super().__init__(config, layout(config), **overrides)
 
 
-def build(original: nn.Module, overrides: dict[str, Any]) -> nn.Module:
-    """The replacement of ``original`` (a ``GPTNeoForCausalLM``), holding its weights."""
-    kwargs = registry.init_overrides(DistributedTransformerLMHead, overrides)
-    return registry.rebuild(original, GPTNeoLMHead(original.config, **kwargs),
-                            translate_hf_state_dict_to_smdistributed_gptneo)
-
-
-registry.register(registry.Replacement(
-    HF_CLASS, build, (translate_state_dict_to_hf_gptneo,
-                      translate_hf_state_dict_to_smdistributed_gptneo)))
+registry.register_lm(HF_CLASS, GPTNeoLMHead, (translate_state_dict_to_hf_gptneo,
+                                              translate_hf_state_dict_to_smdistributed_gptneo))
 
 __all__ = ["GPTNeoLMHead", "translate_hf_gptneo_state_dict_to_smdistributed",
            "translate_hf_state_dict_to_smdistributed_gptneo",

@@ -21,13 +21,11 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from cost_model.errors import SMPCheckpointError, not_implemented
 from smp_fx.nn.huggingface import registry
 from smp_fx.nn.huggingface.causal_lm import CausalLMHead, Layout
 from smp_fx.nn.huggingface.translate import Rename, hf_to_smp, smp_to_hf
-from smp_fx.nn.transformer import DistributedTransformerLMHead
 from smp_fx.world.state_api import Translator
 
 HF_CLASS = "transformers.models.gpt_neox.modeling_gpt_neox.GPTNeoXForCausalLM"
@@ -164,16 +162,9 @@ class GPTNeoXLMHead(CausalLMHead):
         super().__init__(config, layout(config), **overrides)
 
 
-def build(original: nn.Module, overrides: dict[str, Any]) -> nn.Module:
-    """The replacement of ``original`` (a ``GPTNeoXForCausalLM``), holding its weights."""
-    kwargs = registry.init_overrides(DistributedTransformerLMHead, overrides)
-    return registry.rebuild(original, GPTNeoXLMHead(original.config, **kwargs),
-                            translators(original.config)[1])
-
-
-registry.register(registry.Replacement(
-    HF_CLASS, build, (translate_state_dict_to_hf_gptneox,
-                      translate_hf_state_dict_to_smdistributed_gptneox), translators))
+registry.register_lm(HF_CLASS, GPTNeoXLMHead, (translate_state_dict_to_hf_gptneox,
+                                               translate_hf_state_dict_to_smdistributed_gptneox),
+                     translators)
 
 __all__ = ["GPTNeoXLMHead", "translate_hf_state_dict_to_smdistributed_gptneox",
            "translate_state_dict_to_hf_gptneox"]

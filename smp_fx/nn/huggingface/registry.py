@@ -34,6 +34,7 @@ from torch import nn
 from cost_model.errors import SMPConfigError
 from smp_fx.marking import tp_register
 from smp_fx.marking.delayed_init import DELAYED_ATTR
+from smp_fx.nn.transformer import DistributedTransformerLMHead
 from smp_fx.world.state_api import Translator, module_manager
 
 Builder = Callable[[nn.Module, dict[str, Any]], nn.Module]
@@ -67,6 +68,21 @@ def register(entry: Replacement) -> None:
         return new
 
     tp_register.register_predefined(entry.hf_class, build)
+
+
+def register_lm(hf_class: str, cls: Callable[..., nn.Module],
+                translate_functions: tuple[Translator, Translator],
+                bound: Callable[[Any], tuple[Translator, Translator]] | None = None) -> None:
+    """Register a family whose replacement is ``cls(config, **overrides)``, a
+    ``DistributedTransformerLMHead`` taking the original's weights by the family's
+    ``hf_to_smp`` (bound to the original's config when ``bound`` is given)."""
+    def build(original: nn.Module, overrides: dict[str, Any]) -> nn.Module:
+        config = getattr(original, "config", None)
+        hf_to_smp = (translate_functions if bound is None else bound(config))[1]
+        kwargs = init_overrides(DistributedTransformerLMHead, overrides)
+        return rebuild(original, cls(config, **kwargs), hf_to_smp)
+
+    register(Replacement(hf_class, build, translate_functions, bound))
 
 
 def hf_state(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
@@ -120,4 +136,4 @@ def rebuild(original: nn.Module, new: nn.Module,
     return new.to(device)
 
 
-__all__ = ["Replacement", "rebuild", "register"]
+__all__ = ["Replacement", "rebuild", "register", "register_lm"]

@@ -26,4 +26,14 @@ def refusing(name: str, family: str, module: str, fix: str) -> Callable[..., NoR
     return refused
 
 
-__all__ = ["refusing"]
+def layer_hooks(name: str, family: str, block: str, model: str,
+                module: str) -> Callable[..., NoReturn]:
+    """SMP's ``get_hf_<family>_..._hooks`` for ``smp.tp_register_with_module``: refused,
+    naming the paths that are built."""
+    return refusing(name, f"{family} block ({block} -> DistributedTransformerLayer)", module,
+                    f"create the {model} inside smp.model_creation(tensor_parallelism=True) "
+                    "(the whole model is replaced), or mark its blocks with "
+                    "smp.tensor_parallelism() for smp-fx's own tensor-parallel rewrite")
+
+
+__all__ = ["layer_hooks", "refusing"]

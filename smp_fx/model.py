@@ -54,7 +54,7 @@ from smp_fx.model_tp_queries import TensorParallelQueries
 from smp_fx.module_view import ModuleView, module_chain
 from smp_fx.nn.attention_checkpointing import checkpoint_attentions
 from smp_fx.optimizer import DistributedOptimizer
-from smp_fx.parallel import clip, ddp
+from smp_fx.parallel import clip, ddp, ds_view
 from smp_fx.parallel.build import Parallelized, parallelize
 from smp_fx.runtime import executor as ex
 from smp_fx.runtime.lowering import cached_schedule
@@ -140,6 +140,8 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module): 
         if cfg is not None and (cfg.fp16 or cfg.fp16_params or cfg.bf16):
             # same Parameter objects: an optimizer built earlier still holds them
             module.to(self._half or fp16.HALF)
+        if cfg is not None and cfg.sharded_data_parallel_degree > 1:  # SMP's DeepSpeed view
+            ds_view.attach_whole(module.parameters(), *ds_view.coords(state.get()))
         context.set_current_model(self)
         files = pretrained_files(module)
         if files is not None:  # from_pretrained under delay_param_initialization
@@ -464,6 +466,9 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module): 
         self._parallelized = parallelize(gm, self.plan, self.tp_plan, self.canonical_names,
                                          self.options, self._early_dp, initialize)
         self._early_dp = None
+        if self._parallelized.sharded is not None:
+            ds_view.attach_partitioned(self.get_module().named_parameters(),
+                                       self.local_named_parameters(), *ds_view.coords(st))
         binding = self._parallelized.binding()
         for opt in self._optimizers:
             opt.bind(binding)

@@ -52,7 +52,7 @@ from smp_fx.amp.loss_scaler import LossScaler, make_scaler
 from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import OptimizerCheckpointMixin, StateDict
 from smp_fx.ckpt.state_dict import merge_partial_optimizer_states
-from smp_fx.parallel import clip
+from smp_fx.parallel import clip, ds_view
 from smp_fx.parallel.build import OptimizerBinding
 from smp_fx.parallel.ddp import guard_optimizer
 from smp_fx.parallel.zero import OptimizerShards
@@ -180,6 +180,29 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
         self.torch_optimizer.defaults = value
+
+    # SMP's DeepSpeed ZeRO-3 names under sharded data parallelism (smp_fx.parallel.ds_view)
+    @property
+    def fp32_partitioned_groups_flat(self) -> list[ds_view.FlatGroup]:
+        """Per param group, this rank's fp32 partitions end to end (``ds_view.FlatGroup``)."""
+        return ds_view.flat_groups(self.param_groups)
+
+    @property
+    def fp16_groups(self) -> list[list[torch.Tensor]]:
+        """Per param group, the model's parameters it steps."""
+        model = self._model_ref() if self._model_ref is not None else None
+        if model is None or not hasattr(next(model.parameters(), None), "ds_tensor"):
+            raise AttributeError("fp16_groups exists under sharded data parallelism, for "
+                                 "the parameters of a smp.DistributedModel")
+        return ds_view.model_groups(self.param_groups, model.parameters())
+
+    @property
+    def ds_param_shard_group(self) -> Any:
+        """The process group the parameters are sharded over."""
+        model = self._model_ref() if self._model_ref is not None else None
+        sharded = model.parallelized.sharded if model is not None and model.partitioned \
+            else None
+        return ds_view.shard_group(state.get(), sharded.mesh if sharded else None)
 
     def __getattr__(self, name: str) -> Any:
         if name == "optimizer":
@@ -368,6 +391,8 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
             for p, m in self._masters.pairs:
                 self.global_index[id(m)] = self.global_index[id(p)]
             binding.precision.scale_with(self)
+            if hasattr(next(iter(self._local_params), None), "ds_tensor"):  # sdp's view
+                ds_view.attach_masters(self._masters.pairs, *ds_view.coords(state.get()))
 
     def _smp_index(self, param: torch.Tensor) -> int:
         """As the mixin's, and a script's fp32 master by the model parameter it masters."""

@@ -135,8 +135,9 @@ def build(name: str, marked: bool = True, seed: int = 0,
     implementation ("eager", or "sdpa", transformers' default where the model has it).
 
     Marked by ``smp.set_tensor_parallelism`` once built, so what is sharded is Hugging
-    Face's own model: built inside ``smp.tensor_parallelism()``, as SMP does, GPT-2 and
-    BERT's and RoBERTa's encoders would be replaced by SMP's distributed modules
+    Face's own model: built inside ``smp.tensor_parallelism()``, as SMP does, GPT-2, GPT-J,
+    GPT-Neo, GPT-NeoX and BERT's and RoBERTa's encoders would be replaced by SMP's
+    distributed modules
     (``smp_fx.nn.huggingface``, tested on their own); every other architecture is marked
     alike either way."""
     import transformers

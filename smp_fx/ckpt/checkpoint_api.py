@@ -9,6 +9,8 @@ Layout under ``path`` (SMP's, with smp-fx's file names inside the partial folder
         model.pt.smp_index.json, optimizer.pt.smp_index.json   (smp.save's indexes)
         user_content.pt        user_content, if given
         smp_config.json        the configuration and SMP API version it was saved with
+        model_0.pt, optimizer_{r}.pt   sharded data parallelism at pp and tp 1: SMP's
+                               DeepSpeed-named files, for consolidation (ckpt.ds_files)
       {tag}                    a full checkpoint: the model's full state dict (torch.save)
       user_content_{tag}       user_content of a full checkpoint
       newest                   partial checkpoints kept, oldest first, one folder a line
@@ -45,6 +47,7 @@ import torch
 from torch import nn
 
 from cost_model.errors import SMPCheckpointError
+from smp_fx.ckpt import ds_files
 from smp_fx.ckpt.atomic import atomic_write, fsync_dir
 from smp_fx.ckpt.files import load, save
 from smp_fx.ckpt.hf_export import is_pretrained, safetensors_available, save_pretrained_state
@@ -187,6 +190,8 @@ def _save_partial(path: str, tag: str, model: ProcessModel | None,
             save(model_sd, os.path.join(staging, MODEL_FILE), partial=True)
         if opt_sd is not None:
             save(opt_sd, os.path.join(staging, OPTIMIZER_FILE), partial=True)
+        ds_files.write(staging, model, optimizer, model_sd)  # SMP's sdp files beside
+        user_content = ds_files.with_shapes(user_content, model, optimizer)
         if rank == 0:
             if user_content is not None:
                 _write_torch(os.path.join(staging, USER_CONTENT_FILE), user_content)

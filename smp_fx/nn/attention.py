@@ -40,6 +40,7 @@ from torch import nn
 
 from cost_model.errors import SMPConfigError, not_implemented
 from smp_fx.marking.tensor_parallelism import mark
+from smp_fx.nn import rotary
 
 MASKED = -10000.0
 """The additive score of a masked position (exp() of it is 0 in fp32 and fp16)."""
@@ -69,11 +70,14 @@ def init_linear(linear: nn.Linear, normal: bool, std: float) -> None:
                 linear.bias.zero_()
 
 
-def causal_mask(positions: torch.Tensor) -> torch.Tensor:
-    """``[S, S]`` for the ``S`` positions given: 0 where a query may attend (key <= query),
-    ``MASKED`` after. Built from the sequence at hand (a tensor op, so fx traces it with
-    a symbolic ``S``)."""
-    return (positions[None, :] > positions[:, None]).to(torch.float32) * MASKED
+def causal_mask(positions: torch.Tensor, window: int | None = None) -> torch.Tensor:
+    """``[S, S]`` for the ``S`` positions given: 0 where a query may attend (key <= query,
+    and with ``window`` key > query - window: GPT-Neo's local attention), ``MASKED``
+    elsewhere. Built from the sequence at hand (a tensor op, so fx traces it with a
+    symbolic ``S``)."""
+    ahead = positions[None, :] - positions[:, None]
+    masked = ahead > 0 if window is None else (ahead > 0) | (ahead <= -window)
+    return masked.to(torch.float32) * MASKED
 
 
 class DistributedAttentionLayer(nn.Module):
@@ -95,7 +99,10 @@ class DistributedAttentionLayer(nn.Module):
                  initializer_range: float = 0.02, use_normal_initialization: bool = False,
                  cross_attention: bool = False, causal_mask_size: int | None = None,
                  pre_layernorm: bool = False, post_layernorm: bool = True, *,
-                 scale_attention_scores: bool = True) -> None:
+                 scale_attention_scores: bool = True, rotary_dim: int = 0,
+                 rotary_interleaved: bool = False, rotary_base: float = 10000.0,
+                 window_size: int | None = None, query_key_value_bias: bool = True,
+                 dense_bias: bool = True) -> None:
         if cross_attention and causal_mask_size is not None:
             raise SMPConfigError.build(
                 "cross attention attends to another sequence, which has no causal order",
@@ -106,10 +113,10 @@ class DistributedAttentionLayer(nn.Module):
         self.num_attention_heads = num_attention_heads
         self.attention_head_size = attention_head_size
         inner = num_attention_heads * attention_head_size
-        self.query = nn.Linear(hidden_size, inner)
-        self.key = nn.Linear(hidden_size, inner)
-        self.value = nn.Linear(hidden_size, inner)
-        self.dense = nn.Linear(inner, hidden_size)
+        self.query = nn.Linear(hidden_size, inner, bias=query_key_value_bias)
+        self.key = nn.Linear(hidden_size, inner, bias=query_key_value_bias)
+        self.value = nn.Linear(hidden_size, inner, bias=query_key_value_bias)
+        self.dense = nn.Linear(inner, hidden_size, bias=dense_bias)
         for linear in (self.query, self.key, self.value, self.dense):
             init_linear(linear, use_normal_initialization, initializer_range)
         self.attention_dropout = nn.Dropout(attention_dropout_prob)
@@ -119,6 +126,10 @@ class DistributedAttentionLayer(nn.Module):
         self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon) \
             if post_layernorm else None
         self.causal_mask_size = causal_mask_size
+        self.rotary_dim = rotary_dim
+        self.rotary_interleaved = rotary_interleaved
+        self.rotary_base = rotary_base
+        self.window_size = window_size
         # SMP's scale_attention_scores: False leaves out the 1 / sqrt(d) of the scores
         self.score_scale = 1.0 / math.sqrt(attention_head_size) if scale_attention_scores \
             else 1.0
@@ -130,6 +141,12 @@ class DistributedAttentionLayer(nn.Module):
         return x.view(b, s, self.num_attention_heads, self.attention_head_size).transpose(1, 2)
 
     def forward(self, inputs: tuple[Any, ...]) -> torch.Tensor:
+        out = self.attend(inputs) + inputs[0]
+        return out if self.layernorm is None else self.layernorm(out)
+
+    def attend(self, inputs: tuple[Any, ...]) -> torch.Tensor:
+        """The attention's output alone (after ``dense`` and dropout, before the residual):
+        a parallel layer adds it to the MLP's (GPT-J, GPT-NeoX)."""
         hidden_states = inputs[0]
         if self.cross_attention:  # (hidden_states, cross_states, attention_mask, cross_mask)
             source, attention_mask = inputs[1], inputs[3]
@@ -141,17 +158,22 @@ class DistributedAttentionLayer(nn.Module):
         q = self._heads(self.query(x), b, s)
         k = self._heads(self.key(kv), b, kv.shape[1])
         v = self._heads(self.value(kv), b, kv.shape[1])
+        if self.rotary_dim:
+            cos, sin = rotary.angles(torch.arange(s, device=x.device), self.rotary_dim,
+                                     self.rotary_base, self.rotary_interleaved)
+            q = rotary.apply(q, cos, sin, self.rotary_interleaved)
+            k = rotary.apply(k, cos, sin, self.rotary_interleaved)
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.score_scale
         if self.causal_mask_size is not None:
-            causal = causal_mask(torch.arange(s, device=x.device))
+            causal = causal_mask(torch.arange(s, device=x.device), self.window_size)
             scores = scores + causal.to(x.dtype)
         if attention_mask is not None:
             scores = scores + attention_mask
         probs = self.attention_dropout(torch.softmax(scores, dim=-1))
         context = torch.matmul(probs, v).transpose(1, 2).contiguous()
         context = context.view(b, s, self.num_attention_heads * self.attention_head_size)
-        out = self.dropout(self.dense(context)) + hidden_states
-        return out if self.layernorm is None else self.layernorm(out)
+        out: torch.Tensor = self.dropout(self.dense(context))
+        return out
 
 
 class DistributedTransformerOutputLayer(nn.Module):
@@ -184,9 +206,15 @@ class DistributedTransformerOutputLayer(nn.Module):
         self.fp32_residual_addition = fp32_residual_addition
         mark(self)
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    def mlp(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """The MLP's output alone (pre layer norm included): a parallel layer adds it to
+        the attention's (GPT-J, GPT-NeoX)."""
         x = hidden_states if self.pre_layernorm is None else self.pre_layernorm(hidden_states)
-        mlp = self.dropout(self.dense2(self.activation(self.dense1(x))))
+        out: torch.Tensor = self.dropout(self.dense2(self.activation(self.dense1(x))))
+        return out
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        mlp = self.mlp(hidden_states)
         if self.fp32_residual_addition:  # SMP's overflow guard for half training
             out = (mlp.float() + hidden_states.float()).to(hidden_states.dtype)
         else:

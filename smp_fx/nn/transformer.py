@@ -54,6 +54,7 @@ the LM head replicated, saying why): give the model a ``forward`` that builds th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -112,9 +113,20 @@ class DistributedTransformerLayer(nn.Module):
                  causal_mask_size: int | None = None, add_cross_attention: bool = False,
                  pre_layernorm: bool = False, post_layernorm: bool = True, *,
                  scale_attention_scores: bool = True, fp32_residual_addition: bool = False,
-                 use_alibi: bool = False, alibi_bias_max: int = 8) -> None:
+                 use_alibi: bool = False, alibi_bias_max: int = 8,
+                 parallel_attention_mlp: bool = False, shared_layernorm: bool = False,
+                 **attention_options: Any) -> None:
         refuse_alibi(use_alibi, "DistributedTransformerLayer")
+        if (parallel_attention_mlp or shared_layernorm) and (
+                add_cross_attention or not pre_layernorm):
+            raise SMPConfigError.build(
+                "a parallel attention and MLP takes pre layer norms and no cross attention",
+                {"pre_layernorm": pre_layernorm, "add_cross_attention": add_cross_attention},
+                "DistributedTransformerLayer(parallel_attention_mlp=True)",
+                "set pre_layernorm=True and add_cross_attention=False")
         super().__init__()
+        self.parallel_attention_mlp = parallel_attention_mlp or shared_layernorm
+        self.shared_layernorm = shared_layernorm
         # SMP's layout: with both layer norms the sublayers before the MLP keep only their
         # pre layer norm, and the MLP's post layer norm normalises the layer's output
         inner_post = post_layernorm and not pre_layernorm
@@ -123,7 +135,7 @@ class DistributedTransformerLayer(nn.Module):
             hidden_dropout_prob, layernorm_epsilon, initializer_range,
             use_normal_initialization, causal_mask_size=causal_mask_size,
             pre_layernorm=pre_layernorm, post_layernorm=inner_post,
-            scale_attention_scores=scale_attention_scores)
+            scale_attention_scores=scale_attention_scores, **attention_options)
         self.crossattention = DistributedAttentionLayer(
             num_attention_heads, attention_head_size, hidden_size, attention_dropout_prob,
             hidden_dropout_prob, layernorm_epsilon, initializer_range,
@@ -133,11 +145,20 @@ class DistributedTransformerLayer(nn.Module):
         self.output = DistributedTransformerOutputLayer(
             hidden_size, intermediate_size, hidden_dropout_prob, activation,
             layernorm_epsilon, initializer_range, use_normal_initialization,
-            pre_layernorm=pre_layernorm, post_layernorm=post_layernorm,
-            fp32_residual_addition=fp32_residual_addition)
+            pre_layernorm=pre_layernorm and not shared_layernorm,
+            post_layernorm=post_layernorm, fp32_residual_addition=fp32_residual_addition)
         mark(self)
 
     def forward(self, inputs: Pair) -> Pair:
+        if self.parallel_attention_mlp:  # GPT-J / GPT-NeoX: x + attention(x) + mlp(x)
+            hidden_states, attention_mask = inputs[0], inputs[1]
+            attended = self.attention.attend((hidden_states, attention_mask))
+            ln = self.attention.pre_layernorm
+            mlp_in = ln(hidden_states) if self.shared_layernorm and ln is not None \
+                else hidden_states
+            out = attended + self.output.mlp(mlp_in) + hidden_states  # Hugging Face's order
+            norm = self.output.layernorm
+            return (out if norm is None else norm(out)), attention_mask
         if self.crossattention is None:
             hidden_states, attention_mask = inputs[0], inputs[1]
             attended = self.attention((hidden_states, attention_mask))
@@ -164,7 +185,8 @@ class DistributedTransformer(nn.Module):
                  causal_mask_size: int | None = None, add_cross_attention: bool = False,
                  pre_layernorm: bool = False, post_layernorm: bool = True, *,
                  scale_attention_scores: bool = True, fp32_residual_addition: bool = False,
-                 use_alibi: bool = False, alibi_bias_max: int = 8) -> None:
+                 use_alibi: bool = False, alibi_bias_max: int = 8,
+                 layer_options: Sequence[dict[str, Any]] | None = None) -> None:
         refuse_alibi(use_alibi, "DistributedTransformer")
         super().__init__()
         self.num_layers = num_layers
@@ -178,7 +200,8 @@ class DistributedTransformer(nn.Module):
             add_cross_attention, pre_layernorm=pre_layernorm,
             post_layernorm=post_layernorm and (not pre_layernorm or i == num_layers - 1),
             scale_attention_scores=scale_attention_scores,
-            fp32_residual_addition=fp32_residual_addition, alibi_bias_max=alibi_bias_max)
+            fp32_residual_addition=fp32_residual_addition, alibi_bias_max=alibi_bias_max,
+            **(layer_options[i] if layer_options else {}))
             for i in range(num_layers)])
         mark(self)
 
@@ -217,7 +240,8 @@ class DistributedTransformerLMHead(nn.Module):
                  pre_layernorm: bool = False, post_layernorm: bool = True,
                  num_token_types: int = 0, add_lm_head: bool = True, *,
                  scale_attention_scores: bool = True, fp32_residual_addition: bool = False,
-                 use_alibi: bool = False, alibi_bias_max: int = 8) -> None:
+                 use_alibi: bool = False, alibi_bias_max: int = 8,
+                 layer_options: Sequence[dict[str, Any]] | None = None) -> None:
         refuse_alibi(use_alibi, "DistributedTransformerLMHead")
         super().__init__()
         self.add_cross_attention = add_cross_attention
@@ -235,7 +259,8 @@ class DistributedTransformerLMHead(nn.Module):
             layernorm_epsilon, initializer_range, use_normal_initialization,
             causal_mask_size, add_cross_attention, pre_layernorm=pre_layernorm,
             post_layernorm=post_layernorm, scale_attention_scores=scale_attention_scores,
-            fp32_residual_addition=fp32_residual_addition, alibi_bias_max=alibi_bias_max)
+            fp32_residual_addition=fp32_residual_addition, alibi_bias_max=alibi_bias_max,
+            layer_options=layer_options)
         self.layernorm = nn.LayerNorm(hidden_size, eps=layernorm_epsilon) \
             if pre_layernorm and not post_layernorm else None
         self.lm_head: nn.Linear | None = None

@@ -195,6 +195,7 @@ class ShardedDataParallel:
         self.buffers: list[torch.Tensor] = []
         self._training = False
         mesh = _mesh(st)
+        self.mesh = mesh  # the shard group is its last axis (smp_fx.parallel.ds_view)
         for s in sorted(runners):
             gm = runners[s].stage.module
             plan = plan_units(gm, cfg.sdp_reduce_bucket_size,

@@ -11,18 +11,23 @@ its losses equal one process training the same model on the same batches (rtol 1
   masked-LM plus next-sentence heads; then ``smp.save`` / ``smp.load`` of the partial
   checkpoint the script writes.
 * ``gptj``: the GPT-J tensor-parallel script (SMP 1.10-1.x): ``smp.model_creation`` with the
-  script's kernel switches around a Hugging Face ``GPTJForCausalLM``, tp=2 with
-  ``prescaled_batch``, the layers found at ``model.module.module.transformer.h``,
-  ``smp.DistributedOptimizer(opt, static_loss_scale=None, dynamic_loss_scale=True,
-  dynamic_loss_args=...)``, ``optimizer.zero_grad(set_to_none=True)``. The model uses eager
-  attention, transformers 4.21's (the script's pin) only one: under transformers' newer
-  default (``sdpa``) smp-fx's rewrite keeps GPT-J's attention replicated, saying why.
+  script's kernel switches around a Hugging Face ``GPTJForCausalLM``, which wrapping
+  replaces by SMP's distributed GPT-J (the script's default ``--use_distributed_transformer
+  1``), tp=2 with ``prescaled_batch``, the layers found at
+  ``model.module.module.transformer.seq_layers``, ``smp.DistributedOptimizer(opt,
+  static_loss_scale=None, dynamic_loss_scale=True, dynamic_loss_args=...)``,
+  ``optimizer.zero_grad(set_to_none=True)``.
 * ``sdp``: a ``train.py`` of the 1.11-1.15 family with sharded data parallelism (degree 2):
   ``smp.model_creation`` with ``zero_init``, ``distribute_embedding``, ``use_alibi``,
   ``flash_attention``, ``fp32_residual_addition``; ``skip_tracing``; gradient accumulation
   (``backward_passes_per_step`` 2, two steps per ``optimizer.step()``); the dp-averaged loss
   and ``optimizer._global_grad_norm`` as the script logs them. Each rank trains on its half
   of the batch; the reference on the whole batch with the same accumulation and clipping.
+  ``sdp_utils.py``'s DeepSpeed-style calls in the script's order (offsets from
+  ``ds_tensor.ds_numel`` before the optimizer, buffers from
+  ``fp32_partitioned_groups_flat`` before the first step, ``log_param_norms`` after
+  training) give the reference's parameter norms; a partial ``smp.save_checkpoint``
+  consolidated by ``sharded_data_parallel_checkpoint.py``'s reading equals its state.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from tests.helpers.dist import run_ranks
 
@@ -230,7 +236,8 @@ def _lm_batches(n: int, vocab: int = 64, seq: int = 16) -> list[torch.Tensor]:
 def _decay_groups(module: nn.Module) -> list[dict[str, Any]]:
     decay, no_decay = [], []
     for name, p in module.named_parameters():
-        (no_decay if name.endswith("bias") or "ln" in name else decay).append(p)
+        (no_decay if name.endswith("bias") or "ln" in name or "layernorm" in name
+         else decay).append(p)
     return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -264,7 +271,8 @@ def _gptj_rank() -> dict[str, Any]:
                             fused_softmax=True, fused_dropout=False, fused_bias_gelu=True):
         model = AutoModelForCausalLM.from_config(_gptj_config())
     model = smp.DistributedModel(model, trace_device="gpu", backward_passes_per_step=1)
-    layers = model.module.module.transformer.h  # the script's walk (fp16 off: m = model)
+    # the script's walk with its default --use_distributed_transformer 1 (fp16 off: m = model)
+    layers = model.module.module.transformer.seq_layers
     optimizer = torch.optim.AdamW(_decay_groups(model.get_module()), lr=1e-3,
                                   weight_decay=0.01)
     optimizer = smp.DistributedOptimizer(
@@ -299,7 +307,7 @@ def _gpt2_config() -> Any:
 ACCUMULATE = 2
 
 
-def _sdp_reference() -> tuple[list[float], list[float]]:
+def _sdp_reference() -> dict[str, Any]:
     from transformers import GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -315,10 +323,68 @@ def _sdp_reference() -> tuple[list[float], list[float]]:
         if (i + 1) % ACCUMULATE == 0:
             norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)))
             opt.step()
-    return losses, norms
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    param_norms = {n: float(p.detach().norm()) for n, p in model.named_parameters()}
+    return {"losses": losses, "norms": norms, "state": state, "param_norms": param_norms}
 
 
-def _sdp_rank() -> dict[str, Any]:
+# sdp_utils.py's three functions, as the scripts call them (DeepSpeed ZeRO-3's names)
+def _param_id_to_offset(param_groups: list[dict[str, Any]]) -> list[dict[int, Any]]:
+    out = []
+    for group in param_groups:
+        offsets, offset = {}, 0
+        for p in group["params"]:
+            offsets[id(p)] = (offset, p.ds_tensor.ds_numel)
+            offset += p.ds_tensor.ds_numel
+        out.append(offsets)
+    return out
+
+
+def _param_id_to_buffer(optimizer: Any, offsets: list[dict[int, Any]]) -> dict[int, Any]:
+    return {pid: optimizer.fp32_partitioned_groups_flat[i].narrow(0, start, size)
+            for i, group in enumerate(offsets) for pid, (start, size) in group.items()}
+
+
+def _log_param_norms(model: Any, optimizer: Any, buffers: dict[int, Any]
+                     ) -> tuple[dict[str, float], dict[str, float]]:
+    weight, other = {}, {}
+    for name, param in model.named_parameters():
+        fp32 = torch.linalg.norm(buffers[id(param)]) ** 2
+        partition = torch.linalg.norm(param.ds_tensor.data) ** 2
+        torch.distributed.all_reduce(fp32, group=optimizer.ds_param_shard_group)
+        torch.distributed.all_reduce(partition, group=optimizer.ds_param_shard_group)
+        weight[name] = torch.sqrt(fp32).item()
+        other[name] = torch.sqrt(partition).item()
+    return weight, other
+
+
+def _consolidate(checkpoint_dir: str) -> dict[str, torch.Tensor]:
+    """sharded_data_parallel_checkpoint.py's reading: the folder ``newest`` names,
+    ``optimizer_*.pt`` flat fp32 partitions, ``model_0.pt`` buffers, user_content shapes."""
+    import glob
+
+    with open(os.path.join(checkpoint_dir, "newest")) as fh:
+        folder = os.path.join(checkpoint_dir, fh.read().strip())
+    files = sorted(glob.glob(os.path.join(folder, "optimizer_*.pt")))
+    states = [torch.load(f, weights_only=False) for f in files]
+    size = states[0]["partition_count"]
+    assert size == len(files)
+    flat = [torch.cat(s["fp32_flat_groups"], 0) for s in states]
+    module = torch.load(os.path.join(folder, "model_0.pt"), weights_only=False)["module"]
+    content = torch.load(os.path.join(folder, "user_content.pt"), weights_only=False)
+    out = {k: v for k, v in module.items() if k in content["buffer_names"]}
+    shapes = {k: v for d in content["param_shapes"] for k, v in d.items()}
+    offset = 0
+    for name, shape in shapes.items():
+        part = math.ceil(shape.numel() / size)
+        whole = torch.cat([f.narrow(0, offset, part) for f in flat])
+        out[name] = whole.narrow(0, 0, shape.numel()).view(shape)
+        offset += part
+    assert offset * size == flat[0].numel() * size
+    return out
+
+
+def _sdp_rank(folder: str) -> dict[str, Any]:
     smp = _shim_smp()
     from transformers import AutoModelForCausalLM
 
@@ -330,7 +396,8 @@ def _sdp_rank() -> dict[str, Any]:
               "skip_tracing": True, "auto_partition": True, "default_partition": 0,
               "static_mode": False, "fast_mode": False, "sharded_data_parallel_degree": 2,
               "ddp_dist_backend": "auto", "sdp_hierarchical_allgather": False,
-              "sdp_gradient_clipping": 1.0})
+              "sdp_gradient_clipping": 1.0,
+              "sdp_param_persistence_threshold": 100})  # tiny: most parameters sharded
     torch.manual_seed(0)
     with smp.model_creation(tensor_parallelism=smp.tp_size() > 1, zero_init=True,
                             dtype=torch.float32, distribute_embedding=False, use_alibi=False,
@@ -340,11 +407,13 @@ def _sdp_rank() -> dict[str, Any]:
         model = AutoModelForCausalLM.from_config(_gpt2_config())
     model = smp.DistributedModel(model, trace_device="gpu",
                                  backward_passes_per_step=ACCUMULATE)
-    optimizer = torch.optim.AdamW(_decay_groups(model.get_module()), lr=1e-3,
-                                  weight_decay=0.01)
+    param_groups = _decay_groups(model.get_module())
+    offsets = _param_id_to_offset(param_groups)
+    optimizer = torch.optim.AdamW(param_groups, lr=1e-3, weight_decay=0.01)
     optimizer = smp.DistributedOptimizer(
         optimizer, static_loss_scale=None, dynamic_loss_scale=True,
         dynamic_loss_args={"scale_window": 1000, "min_scale": 1, "delayed_shift": 2})
+    buffers = _param_id_to_buffer(optimizer, offsets)
 
     @smp.step
     def train_step(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
@@ -365,7 +434,15 @@ def _sdp_rank() -> dict[str, Any]:
         detached = loss.detach()  # the script's log_reduced_training_loss
         torch.distributed.all_reduce(detached, group=smp.get_dp_process_group())
         losses.append(detached.item() / smp.dp_size())
-    return {"losses": losses, "norms": norms}
+    weight, other = _log_param_norms(model, optimizer, buffers)
+    names = {p: n for n, p in model.module.named_parameters()}  # get_param_shapes' walk
+    shapes = {names[p]: p.ds_shape for group in optimizer.fp16_groups for p in group}
+    smp.save_checkpoint(folder, tag="total_steps4", partial=True, model=model,
+                        optimizer=optimizer, user_content={"total_steps": 4})
+    smp.barrier()
+    return {"losses": losses, "norms": norms, "weight_norms": weight, "other_norms": other,
+            "shapes": shapes,
+            "sharded": sum(isinstance(p, DTensor) for p in model.local_parameters())}
 
 
 # ---- the tests ------------------------------------------------------------------------------
@@ -390,7 +467,20 @@ def test_gptj_tensor_parallel_script_tp2_equals_one_process() -> None:
 
 @pytest.mark.multiproc
 def test_train_py_sharded_data_parallel_equals_one_process() -> None:
-    want, norms = _sdp_reference()
-    for res in run_ranks(_sdp_rank, 2, timeout=180):
-        torch.testing.assert_close(res["losses"], want, **TOL)
-        torch.testing.assert_close(res["norms"], norms, **TOL)
+    want = _sdp_reference()
+    with tempfile.TemporaryDirectory() as folder:
+        results = run_ranks(_sdp_rank, 2, folder, timeout=180)
+        consolidated = _consolidate(folder)
+    for res in results:
+        torch.testing.assert_close(res["losses"], want["losses"], **TOL)
+        torch.testing.assert_close(res["norms"], want["norms"], **TOL)
+        assert res["sharded"] > 0
+        # sdp_utils.log_param_norms: fp32 partitions and ds_tensor, summed over the shards
+        torch.testing.assert_close(res["weight_norms"], want["param_norms"], **TOL)
+        torch.testing.assert_close(res["other_norms"], want["param_norms"], **TOL)
+        assert res["shapes"] == {n: p.shape for n, p in want["state"].items()
+                                 if n != "lm_head.weight"}
+    # sharded_data_parallel_checkpoint.py's consolidation of SMP's DeepSpeed-named files
+    # (the tied lm_head.weight is wte's: the script notes it loads with strict=False)
+    assert set(want["state"]) - set(consolidated) == {"lm_head.weight"}, set(consolidated)
+    torch.testing.assert_close(consolidated, {k: want["state"][k] for k in consolidated}, **TOL)

@@ -1,7 +1,6 @@
 """``smp.nn.huggingface``: SMP's distributed versions of Hugging Face models and the
-functions that translate their state dicts (``gpt2``: ``GPT2LMHeadModel``; ``bert`` and
-``roberta``: their encoders). ``gptj`` and ``gptneo`` hold SMP's function names for models
-not built here, refused when called (``unbuilt``).
+functions that translate their state dicts (``gpt2``, ``gptj``, ``gptneo``, ``gptneox``:
+their causal LMs; ``bert`` and ``roberta``: their encoders).
 
 Importing this package registers the replacements (``registry``); nothing of transformers
 is imported until a model is replaced.
@@ -9,6 +8,6 @@ is imported until a model is replaced.
 
 from __future__ import annotations
 
-from smp_fx.nn.huggingface import bert, gpt2, gptj, gptneo, roberta
+from smp_fx.nn.huggingface import bert, gpt2, gptj, gptneo, gptneox, roberta
 
-__all__ = ["bert", "gpt2", "gptj", "gptneo", "roberta"]
+__all__ = ["bert", "gpt2", "gptj", "gptneo", "gptneox", "roberta"]

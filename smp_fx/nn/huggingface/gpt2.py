@@ -37,7 +37,7 @@ from torch import nn
 from cost_model.errors import SMPConfigError, not_implemented
 from smp_fx.nn.huggingface import registry
 from smp_fx.nn.huggingface.translate import Fused, Rename, hf_to_smp, smp_to_hf
-from smp_fx.nn.huggingface.unbuilt import refusing
+from smp_fx.nn.huggingface.unbuilt import layer_hooks
 from smp_fx.nn.transformer import DistributedTransformerLMHead, lm_loss
 
 HF_CLASS = "transformers.models.gpt2.modeling_gpt2.GPT2LMHeadModel"
@@ -141,11 +141,12 @@ class GPT2LMHead(DistributedTransformerLMHead):
                 cache: Any = None, logits_to_keep: int = 0) -> Any:
         from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 
-        _refuse(past_key_values=past_key_values, cache=cache, head_mask=head_mask,
-                inputs_embeds=inputs_embeds, encoder_hidden_states=encoder_hidden_states,
-                encoder_attention_mask=encoder_attention_mask, use_cache=use_cache,
-                output_attentions=output_attentions,
-                output_hidden_states=output_hidden_states, logits_to_keep=logits_to_keep)
+        refuse_arguments(
+            "GPT-2", past_key_values=past_key_values, cache=cache, head_mask=head_mask,
+            inputs_embeds=inputs_embeds, encoder_hidden_states=encoder_hidden_states,
+            encoder_attention_mask=encoder_attention_mask, use_cache=use_cache,
+            output_attentions=output_attentions, output_hidden_states=output_hidden_states,
+            logits_to_keep=logits_to_keep)
         if return_dict is False:
             raise not_implemented("return_dict=False for the distributed GPT-2",
                                   "return_dict", "leave return_dict unset (outputs are a "
@@ -174,37 +175,21 @@ class GPT2LMHead(DistributedTransformerLMHead):
             raise
 
 
-def _refuse(**values: Any) -> None:
-    """GPT2LMHeadModel arguments the distributed GPT-2 does not take (SMP refused them)."""
+def refuse_arguments(family: str, **values: Any) -> None:
+    """Hugging Face arguments the distributed ``family`` model does not take (SMP refused
+    them): each given one is an error naming it."""
     for name, value in values.items():
         if not (value is None or value is False or (type(value) is int and value == 0)):
-            raise not_implemented(f"{name} in the distributed GPT-2", name,
+            raise not_implemented(f"{name} in the distributed {family}", name,
                                   f"leave {name} unset (training and evaluation calls "
                                   "with input_ids, attention_mask and labels run)")
 
 
-def build(original: nn.Module, overrides: dict[str, Any]) -> nn.Module:
-    """The replacement of ``original`` (a ``GPT2LMHeadModel``), holding its weights."""
-    kwargs = registry.init_overrides(DistributedTransformerLMHead, overrides)
-    return registry.rebuild(original, GPT2LMHead(original.config, **kwargs),
-                            translate_hf_state_dict_to_smdistributed_gpt2)
+get_hf_gpt2_transformer_layer_hooks = layer_hooks(
+    "get_hf_gpt2_transformer_layer_hooks", FAMILY, "GPT2Block", "GPT2LMHeadModel", "gpt2")
 
-
-get_hf_gpt2_transformer_layer_hooks = refusing(  # SMP's hooks for tp_register_with_module
-    "get_hf_gpt2_transformer_layer_hooks", "GPT-2 block (GPT2Block -> "
-    "DistributedTransformerLayer)", "gpt2",
-    "create the GPT2LMHeadModel inside smp.model_creation(tensor_parallelism=True) (the "
-    "whole model is replaced), or mark its blocks with smp.tensor_parallelism() for "
-    "smp-fx's own tensor-parallel rewrite")
-"""Refused when called: the per-block replacement is not built. What runs instead: the
-whole ``GPT2LMHeadModel`` replaced (create it inside ``smp.model_creation(
-tensor_parallelism=True)``), or its blocks marked with ``smp.tensor_parallelism()`` for
-smp-fx's own tensor-parallel rewrite, which keeps the weights."""
-
-
-registry.register(registry.Replacement(
-    HF_CLASS, build, (translate_state_dict_to_hf_gpt2,
-                      translate_hf_state_dict_to_smdistributed_gpt2)))
+registry.register_lm(HF_CLASS, GPT2LMHead, (translate_state_dict_to_hf_gpt2,
+                                            translate_hf_state_dict_to_smdistributed_gpt2))
 
 __all__ = ["GPT2LMHead", "get_hf_gpt2_transformer_layer_hooks",
            "translate_hf_state_dict_to_smdistributed_gpt2",

@@ -15,11 +15,10 @@ materialises per stage like any delayed module. Replacing registers the family's
 translate functions in ``smp.state.module_manager`` (full checkpoints are saved in Hugging
 Face's names and loaded from them, as SMP does).
 
-Families: ``gpt2`` (``GPT2LMHeadModel``), ``bert`` and ``roberta`` (their encoders).
-SMP also replaced GPT-J, GPT-Neo and GPT-NeoX; each would be a module like ``gpt2``: a rule
-table, an ``init_kwargs`` from its config and a ``forward`` taking the Hugging Face
-arguments, once ``smp.nn``'s transformer has what they need (rotary embeddings, GPT-J's
-parallel attention and MLP, GPT-Neo's local attention).
+Families: ``gpt2`` (``GPT2LMHeadModel``), ``gptj``, ``gptneo`` and ``gptneox`` (their
+``ForCausalLM``, on ``causal_lm``), ``bert`` and ``roberta`` (their encoders): each a rule
+table, the replacement's arguments from the config and a ``forward`` taking the Hugging
+Face arguments.
 """
 
 from __future__ import annotations
@@ -35,6 +34,7 @@ from torch import nn
 from cost_model.errors import SMPConfigError
 from smp_fx.marking import tp_register
 from smp_fx.marking.delayed_init import DELAYED_ATTR
+from smp_fx.nn.transformer import DistributedTransformerLMHead
 from smp_fx.world.state_api import Translator, module_manager
 
 Builder = Callable[[nn.Module, dict[str, Any]], nn.Module]
@@ -43,11 +43,13 @@ Builder = Callable[[nn.Module, dict[str, Any]], nn.Module]
 @dataclass(frozen=True)
 class Replacement:
     """``hf_class`` (``module.QualName``) -> ``build(instance, overrides)``; the pair is
-    ``(smp_to_hf, hf_to_smp)``."""
+    ``(smp_to_hf, hf_to_smp)``; ``bound(config)``, where translating needs the config (GPT-
+    NeoX's head count), the pair ``smp.state.module_manager`` gets instead."""
 
     hf_class: str
     build: Builder
     translate_functions: tuple[Translator, Translator]
+    bound: Callable[[Any], tuple[Translator, Translator]] | None = None
 
 
 REPLACEMENTS: dict[str, Replacement] = {}
@@ -59,11 +61,28 @@ def register(entry: Replacement) -> None:
 
     def build(original: nn.Module, overrides: dict[str, Any]) -> nn.Module:
         new = entry.build(original, overrides)
-        if entry.translate_functions not in module_manager.translate_functions:
-            module_manager.register_translate_function(entry.translate_functions)
+        pair = entry.translate_functions if entry.bound is None else \
+            entry.bound(getattr(original, "config", None))
+        if pair not in module_manager.translate_functions:
+            module_manager.register_translate_function(pair)
         return new
 
     tp_register.register_predefined(entry.hf_class, build)
+
+
+def register_lm(hf_class: str, cls: Callable[..., nn.Module],
+                translate_functions: tuple[Translator, Translator],
+                bound: Callable[[Any], tuple[Translator, Translator]] | None = None) -> None:
+    """Register a family whose replacement is ``cls(config, **overrides)``, a
+    ``DistributedTransformerLMHead`` taking the original's weights by the family's
+    ``hf_to_smp`` (bound to the original's config when ``bound`` is given)."""
+    def build(original: nn.Module, overrides: dict[str, Any]) -> nn.Module:
+        config = getattr(original, "config", None)
+        hf_to_smp = (translate_functions if bound is None else bound(config))[1]
+        kwargs = init_overrides(DistributedTransformerLMHead, overrides)
+        return rebuild(original, cls(config, **kwargs), hf_to_smp)
+
+    register(Replacement(hf_class, build, translate_functions, bound))
 
 
 def hf_state(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
@@ -117,4 +136,4 @@ def rebuild(original: nn.Module, new: nn.Module,
     return new.to(device)
 
 
-__all__ = ["Replacement", "rebuild", "register"]
+__all__ = ["Replacement", "rebuild", "register", "register_lm"]

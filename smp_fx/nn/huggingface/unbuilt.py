@@ -1,15 +1,9 @@
-"""SMP's Hugging Face translate and hook functions whose distributed model smp-fx has not
-built: importable by their names (AWS's GPT-J and GPT-Neo scripts import them at the top,
-and call them only on paths that use SMP's replacement), refused when called.
-
-SMP replaced GPT-J and GPT-Neo by its ``DistributedTransformerLMHead`` with rotary
-embeddings, GPT-J's parallel attention and MLP and GPT-Neo's local attention, which
-``smp.nn``'s transformer does not have (``registry``'s docstring). A state dict in SMP's
-layout of those models has no module here to load into, so translating to or from it
-would produce names nothing reads. What does run: the Hugging Face model itself, wrapped
-as it is (``smp.DistributedModel`` keeps its names, so its checkpoints need no
-translation), and at ``tensor_parallel_degree > 1`` smp-fx's own tensor-parallel rewrite
-of the marked model. ``refusing(name, family)`` makes the function that says so.
+"""Refused when called: SMP's per-layer hook functions for ``smp.tp_register_with_module``
+(GPT-2's, GPT-J's), whose per-block replacement is not built. What runs instead: the
+whole Hugging Face model replaced (create it inside ``smp.model_creation(
+tensor_parallelism=True)``), or its blocks marked with ``smp.tensor_parallelism()`` for
+smp-fx's own tensor-parallel rewrite. ``refusing(name, family, module, fix)`` makes the
+function that says so.
 """
 
 from __future__ import annotations
@@ -20,23 +14,26 @@ from typing import Any, NoReturn
 from cost_model.errors import not_implemented
 
 
-def refusing(name: str, family: str, module: str,
-             fix: str | None = None) -> Callable[..., NoReturn]:
-    """SMP's ``smp.nn.huggingface.<module>.<name>``, raising when called (with ``fix``, or
-    the module docstring's)."""
+def refusing(name: str, family: str, module: str, fix: str) -> Callable[..., NoReturn]:
+    """SMP's ``smp.nn.huggingface.<module>.<name>``, raising ``fix`` when called."""
 
     def refused(*args: Any, **kwargs: Any) -> NoReturn:
-        raise not_implemented(
-            f"SMP's distributed {family} (not built in smp-fx), so its state-dict layout "
-            "does not exist here",
-            f"smp.nn.huggingface.{module}.{name}",
-            fix or (f"use the Hugging Face {family} model as it is (no "
-                    "use_distributed_transformer): smp.DistributedModel keeps its parameter "
-                    "names, so its checkpoints load in Hugging Face without translation"))
+        raise not_implemented(f"SMP's per-layer replacement of a {family} (not built in "
+                              "smp-fx)", f"smp.nn.huggingface.{module}.{name}", fix)
 
     refused.__name__ = refused.__qualname__ = name
     refused.__doc__ = f"SMP's {name} for {family}: refused when called (module docstring)."
     return refused
 
 
-__all__ = ["refusing"]
+def layer_hooks(name: str, family: str, block: str, model: str,
+                module: str) -> Callable[..., NoReturn]:
+    """SMP's ``get_hf_<family>_..._hooks`` for ``smp.tp_register_with_module``: refused,
+    naming the paths that are built."""
+    return refusing(name, f"{family} block ({block} -> DistributedTransformerLayer)", module,
+                    f"create the {model} inside smp.model_creation(tensor_parallelism=True) "
+                    "(the whole model is replaced), or mark its blocks with "
+                    "smp.tensor_parallelism() for smp-fx's own tensor-parallel rewrite")
+
+
+__all__ = ["layer_hooks", "refusing"]

@@ -265,11 +265,16 @@ def test_smp_signatures_and_defaults() -> None:
     def defaults(cls: type) -> dict[str, Any]:
         return {k: p.default for k, p in inspect.signature(cls).parameters.items()}
 
-    assert defaults(smp.nn.DistributedTransformerLayer) == {**layer_args, **later}
+    # smp-fx's keyword-only options, for SMP's GPT-J / GPT-Neo / GPT-NeoX replacements
+    layer_extra = {"parallel_attention_mlp": False, "shared_layernorm": False,
+                   "attention_options": inspect.Parameter.empty}
+    stack_extra = {"layer_options": None}
+    assert defaults(smp.nn.DistributedTransformerLayer) == {**layer_args, **later,
+                                                            **layer_extra}
     assert defaults(smp.nn.DistributedTransformer) == {"num_layers": 12, **layer_args,
-                                                       **later}
+                                                       **later, **stack_extra}
     head = {"num_layers": 12, **layer_args, "vocab_size": 30522, "num_positions": 1024,
-            "num_token_types": 0, "add_lm_head": True, **later}
+            "num_token_types": 0, "add_lm_head": True, **later, **stack_extra}
     assert defaults(smp.nn.DistributedTransformerLMHead) == head
     att = defaults(smp.nn.DistributedAttentionLayer)
     assert att["cross_attention"] is False and att["hidden_size"] == 1024

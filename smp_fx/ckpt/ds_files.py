@@ -1,0 +1,97 @@
+"""SMP's sharded-data-parallel checkpoint files, DeepSpeed's names, written beside
+smp-fx's own in a partial checkpoint folder, for consolidation code such as AWS's
+``sharded_data_parallel_checkpoint.py``:
+
+* ``model_0.pt``: ``{"module": state dict}`` (the buffers are read from it);
+* ``optimizer_{r}.pt`` for each shard rank ``r``: ``{"partition_count": sdp,
+  "fp32_flat_groups": [...]}``, per param group the fp32 values' ``r``-th DeepSpeed
+  partitions end to end (each tensor flattened, zero-padded to a multiple of ``sdp`` and
+  cut in ``sdp`` equal parts);
+* ``param_shapes`` (per param group, name -> shape, in the groups' order) and
+  ``buffer_names`` added to a ``user_content`` dict, as SMP's ``save_checkpoint`` did.
+
+Written at pipeline and tensor degree 1; SMP's names for other layouts are not documented.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from smp_fx.world import state
+
+log = logging.getLogger(__name__)
+
+MODEL_FILE = "model_0.pt"
+
+
+def optimizer_file(shard_rank: int) -> str:
+    return f"optimizer_{shard_rank}.pt"
+
+
+def applies(model: Any, optimizer: Any) -> bool:
+    """Whether this save writes them: sharded data parallelism at pp and tp 1."""
+    if model is None or optimizer is None or not getattr(model, "shards_parameters", False):
+        return False
+    cfg = state.get().config
+    if cfg.pipeline_parallel_degree > 1 or cfg.tensor_parallel_degree > 1:
+        log.info("smp-fx: DeepSpeed-named sdp checkpoint files are written at pp 1 and tp 1 "
+                 "only; this checkpoint has smp-fx's files alone")
+        return False
+    return True
+
+
+def _named_groups(model: Any, optimizer: Any) -> list[list[tuple[str, torch.Tensor]]]:
+    """The optimizer's param groups as (model name, tensor stepped) pairs."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [[(names[id(o)], p) for o, p in zip(originals, g["params"])]
+            for originals, g in zip(optimizer.fp16_groups, optimizer.param_groups)]
+
+
+def with_shapes(user_content: Any, model: Any, optimizer: Any) -> Any:
+    """``user_content`` with ``param_shapes`` and ``buffer_names`` (a dict only)."""
+    if not isinstance(user_content, dict) or not applies(model, optimizer):
+        return user_content
+    shapes = [OrderedDict((n, torch.Size(p.shape)) for n, p in group)
+              for group in _named_groups(model, optimizer)]
+    buffers = [n for n, _ in model.local_named_buffers()]
+    return {"param_shapes": shapes, "buffer_names": buffers, **user_content}
+
+
+def _deepspeed_part(value: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    flat = value.detach().reshape(-1).float()
+    pad = -flat.numel() % size
+    flat = torch.cat([flat, flat.new_zeros(pad)])
+    return flat.chunk(size)[rank].cpu()
+
+
+def write(folder: str, model: Any, optimizer: Any, model_state: Any) -> None:
+    """On every rank of the dp group (whole values are gathered over each shard group):
+    the shard ranks of the first replica write their files, dp rank 0 ``model_0.pt``."""
+    if not applies(model, optimizer):
+        return
+    st = state.get()
+    size = st.config.sharded_data_parallel_degree
+    rank = torch.distributed.get_rank(optimizer.ds_param_shard_group)
+    first_replica = st.group_ranks("dp").index(st.rank) < size
+    groups = []
+    for group in _named_groups(model, optimizer):
+        parts = []
+        for _, p in group:
+            whole = p.full_tensor() if isinstance(p, DTensor) else p
+            parts.append(_deepspeed_part(whole, rank, size))
+        groups.append(torch.cat(parts) if parts else torch.zeros(0))
+    if first_replica:
+        torch.save({"partition_count": size, "fp32_flat_groups": groups},
+                   os.path.join(folder, optimizer_file(rank)))
+    if model_state is not None:
+        plain = {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)}
+        torch.save({"module": plain}, os.path.join(folder, MODEL_FILE))
+
+
+__all__ = ["MODEL_FILE", "applies", "optimizer_file", "with_shapes", "write"]

@@ -10,8 +10,9 @@ same class by the user takes precedence, as a later registration does in SMP.
 ``rebuild`` is the common part of every builder: the new module takes the original's
 weights through the family's translation (strictly: every weight is accounted for), its
 dtype, device and training mode; an original built on the meta device
-(``delayed_parameter_initialization``) gives a meta replacement that ``DistributedModel``
-materialises per stage like any delayed module. Replacing registers the family's
+(``delayed_parameter_initialization``) gives a meta replacement whose translation is
+recorded with the original's construction, so ``DistributedModel`` materialises it per
+stage, as the eagerly built replacement would be. Replacing registers the family's
 translate functions in ``smp.state.module_manager`` (full checkpoints are saved in Hugging
 Face's names and loaded from them, as SMP does).
 
@@ -34,7 +35,7 @@ from torch import nn
 
 from cost_model.errors import SMPConfigError
 from smp_fx.marking import tp_register
-from smp_fx.marking.delayed_init import DELAYED_ATTR
+from smp_fx.marking.delayed_init import DELAYED_ATTR, extending
 from smp_fx.world.state_api import Translator, module_manager
 
 Builder = Callable[[nn.Module, dict[str, Any]], nn.Module]
@@ -89,6 +90,22 @@ def init_overrides(cls: type[nn.Module], overrides: dict[str, Any]) -> dict[str,
     return {k: v for k, v in overrides.items() if k in params and k != "self"}
 
 
+def _to_meta(module: nn.Module) -> None:
+    """``module`` on meta, ties kept: parameters empty (the translation fills them),
+    buffers with their values (computed in ``__init__``, recorded as constants)."""
+    made: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype,
+                                                           device="meta"), p.requires_grad)
+                m._parameters[name] = made[id(p)]
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = b.to("meta")
+
+
 def rebuild(original: nn.Module, new: nn.Module,
             hf_to_smp: Callable[[dict[str, Any]], dict[str, Any]]) -> nn.Module:
     """``new`` with ``original``'s weights (translated), dtype, device and mode."""
@@ -98,12 +115,15 @@ def rebuild(original: nn.Module, new: nn.Module,
     device = tensors[0].device if tensors else torch.device("cpu")
     new.to(dtype=dtype)
     new.train(original.training)
-    if device.type == "meta":
-        new.to_empty(device="meta")
+    if device.type == "meta":  # recorded, so materialising gives the translated weights
+        with extending(original):
+            _to_meta(new)
+            missing, unexpected = new.load_state_dict(hf_to_smp(original.state_dict()),
+                                                      strict=False)
         object.__setattr__(new, DELAYED_ATTR, True)
-        return new
-    state = hf_to_smp(original.state_dict())
-    missing, unexpected = new.load_state_dict(state, strict=False)
+    else:
+        missing, unexpected = new.load_state_dict(hf_to_smp(original.state_dict()),
+                                                  strict=False)
     tied = {n for n, p in new.named_parameters(remove_duplicate=False)} - \
         {n for n, p in new.named_parameters()}
     missing = [k for k in missing if k not in tied]

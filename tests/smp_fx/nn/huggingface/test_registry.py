@@ -114,3 +114,26 @@ def test_return_dict_false_gives_hugging_faces_tuple() -> None:
         assert type(got) is tuple and len(got) == 2  # (loss, logits); no cache is made
         for g, w in zip(got, want[:2]):
             torch.testing.assert_close(g, w)
+
+
+def test_distributed_optimizer_made_before_the_model_trains_the_replacement() -> None:
+    """The other order AWS's scripts use: smp.DistributedOptimizer over the original's
+    parameters, then smp.DistributedModel (one process): every parameter moves."""
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    init(1, 1, "simple")
+    with smp.tensor_parallelism():
+        net = _build("roberta")
+    optimizer = smp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.5))
+    model = smp.DistributedModel(net)
+
+    @smp.step
+    def train(model: Any, ids: torch.Tensor) -> Any:
+        loss = _loss(model, ids)
+        model.backward(loss)
+        return loss
+
+    train(model, _ids())
+    before = {n: p.detach().clone() for n, p in model.local_named_parameters()}
+    optimizer.step()
+    assert any("seq_layers" in n for n in before)  # the encoder was replaced
+    assert [n for n, p in model.local_named_parameters() if torch.equal(p, before[n])] == []

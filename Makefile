@@ -39,7 +39,7 @@ test: $(STAMP) $(TF4_STAMP)
 
 test-transformers4: $(TF4_STAMP)  # the Hugging Face Trainer tests with transformers 4.x
 	$(TF4_PY) -m pytest -q -p no:cacheprovider tests/examples/test_hf_trainer.py \
-		tests/smp_fx/ckpt/test_safe_load.py
+		tests/smp_fx/ckpt/test_safe_load.py tests/examples/test_hf_zoo_pipeline.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check smp_fx passes cost_model tests examples benchmarks conftest.py

@@ -45,6 +45,13 @@ def _ids() -> torch.Tensor:
     return torch.randint(3, 64, (4, 12), generator=torch.Generator().manual_seed(5))
 
 
+@smp.step
+def _train(model: Any, ids: torch.Tensor) -> Any:
+    loss = _loss(model, ids)
+    model.backward(loss)
+    return loss
+
+
 def _optimizer_first_body(families: tuple[str, ...], steps: int) -> dict[str, list[str]]:
     """On each of 2 ranks, per family: the plain model's SGD losses, then the model built
     inside smp.tensor_parallelism() with its optimizer made first, wrapped, trained at
@@ -76,16 +83,10 @@ def _optimizer_first_body(families: tuple[str, ...], steps: int) -> dict[str, li
         model = smp.DistributedModel(net)
         optimizer = smp.DistributedOptimizer(optimizer)
 
-        @smp.step
-        def train(model: Any, ids: torch.Tensor) -> Any:
-            loss = _loss(model, ids)
-            model.backward(loss)
-            return loss
-
         bad = []
         for step in range(steps):
             optimizer.zero_grad()
-            loss = train(model, _ids()).reduce_mean().item()
+            loss = _train(model, _ids()).reduce_mean().item()
             before = {n: p.detach().clone() for n, p in model.local_named_parameters()}
             optimizer.step()
             bad += [f"step {step}: {n} unchanged" for n, p in model.local_named_parameters()
@@ -126,13 +127,7 @@ def test_distributed_optimizer_made_before_the_model_trains_the_replacement() ->
     optimizer = smp.DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.5))
     model = smp.DistributedModel(net)
 
-    @smp.step
-    def train(model: Any, ids: torch.Tensor) -> Any:
-        loss = _loss(model, ids)
-        model.backward(loss)
-        return loss
-
-    train(model, _ids())
+    _train(model, _ids())
     before = {n: p.detach().clone() for n, p in model.local_named_parameters()}
     optimizer.step()
     assert any("seq_layers" in n for n in before)  # the encoder was replaced

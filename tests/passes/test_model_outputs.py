@@ -77,16 +77,14 @@ def test_nested_and_plain_mappings() -> None:
 def test_hugging_face_cache_is_left_out_with_a_log_line(
         caplog: pytest.LogCaptureFixture) -> None:
     """A Hugging Face model at its default use_cache=True returns a cache object (transformers
-    5: ``DynamicCache``): the capture leaves it out, says so, and trains at pp 2 as the
-    plain model computes."""
-    pytest.importorskip("transformers")
-    import smp_fx as smp
+    5: ``DynamicCache``): the capture leaves it out, says so, and computes the rest as the
+    plain model does."""
+    pytest.importorskip("transformers", minversion="5")  # 4.x returns the cache as tuples
     from examples.models import hf_zoo
-    from tests.helpers.numerics import init
 
     plain = hf_zoo.build("gpt2", marked=False).model
     assert plain.config.use_cache
-    ids, y = hf_zoo.inputs("gpt2")[0], hf_zoo.targets("gpt2")
+    ids = hf_zoo.inputs("gpt2")[0]
     want = plain(input_ids=ids)
     with caplog.at_level(logging.WARNING, "smp_fx.passes.trace"):
         gm = trace(plain, (), {"input_ids": ids}, frontend="export")
@@ -94,15 +92,3 @@ def test_hugging_face_cache_is_left_out_with_a_log_line(
     got = gm(input_ids=ids)
     assert got.past_key_values is None and "past_key_values" not in got
     torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
-
-    init(2, 1, "simple")
-    model = smp.DistributedModel(hf_zoo.build("gpt2", marked=False).model)
-
-    @smp.step
-    def train(model: Any, ids: torch.Tensor) -> Any:
-        loss = hf_zoo.loss_fn(model(input_ids=ids).logits, y)
-        model.backward(loss)
-        return loss
-
-    loss = train(model, ids).reduce_mean()
-    torch.testing.assert_close(loss, hf_zoo.loss_fn(want.logits, y), rtol=1e-6, atol=1e-6)

@@ -145,9 +145,9 @@ def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
     build with the same seed gives them (replayed from the construction record); move the
     others there; tied parameters stay tied.
 
-    A meta parameter made outside the record (a tensor-parallel shard cut on meta) is
-    initialised by its module's ``reset_parameters``, with a warning; any other tensor that
-    cannot be rebuilt is an ``SMPRuntimeError`` naming it.
+    A meta parameter made outside the record (a tensor-parallel shard cut on meta, a copy
+    of the model) is initialised by its module's ``reset_parameters``, with a warning; any
+    other tensor that cannot be rebuilt is an ``SMPRuntimeError`` naming it.
     """
     slots = [(f"{path}.{name}" if path else name, m, table, name, value)
              for path, m in module.named_modules()
@@ -191,8 +191,8 @@ def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
         table[leaf] = new
     if resets:
         log.warning("delayed init: %s initialised by reset_parameters(), not as the eager "
-                    "build (their meta parameters were made after the recorded build)",
-                    sorted(resets)[:5])
+                    "build (their meta parameters are not in the construction record: cut "
+                    "or copied after the build)", sorted(resets)[:5])
         for m in resets.values():
             m.reset_parameters()  # type: ignore[operator]
     object.__setattr__(module, DELAYED_ATTR, False)

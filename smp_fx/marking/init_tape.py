@@ -82,6 +82,12 @@ class Tape:
         self.initialised: dict[int, bool] = {}
         weakref.finalize(self, _forget, self._sid)
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> Tape:
+        return self  # a copied model's new meta tensors are not in it: refused by name
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Tape, ())  # a pickled model's tensors are new: an empty record, refused
+
     def holds(self, t: torch.Tensor) -> bool:
         key = _key(t)
         return key is not None and key in self._sid

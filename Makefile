@@ -4,9 +4,9 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.smp-fx-installed
-# A second environment with a transformers 4.x (the SMP containers' generation of the
-# Hugging Face Trainer, with the numpy 1.x those environments carry), where `make test` runs
-# the Trainer tests again.
+# A second environment with a transformers 4.x and a numpy 1.x (the SMP containers'
+# generation of the Hugging Face Trainer), where `make test` runs the Trainer, safe-loader
+# and Hugging Face pipeline tests again.
 TF4_VENV ?= .venv-transformers4
 TF4_SPEC ?= transformers==4.46.3 accelerate==1.1.1 "numpy<2"
 TF4_PY := $(TF4_VENV)/bin/python
@@ -24,7 +24,7 @@ $(STAMP): pyproject.toml
 $(TF4_STAMP): pyproject.toml
 	test -x $(TF4_PY) || $(PYTHON) -m venv $(TF4_VENV)
 	$(TF4_PY) -m pip install -q "$(TORCH_SPEC)"
-	$(TF4_PY) -m pip install -q $(TF4_SPEC) pytest pytest-timeout networkx numpy
+	$(TF4_PY) -m pip install -q $(TF4_SPEC) pytest pytest-timeout networkx "numpy<2"
 	$(TF4_PY) -m pip install -q --no-deps -e .
 	touch $(TF4_STAMP)
 
@@ -39,7 +39,8 @@ test: $(STAMP) $(TF4_STAMP)
 
 test-transformers4: $(TF4_STAMP)  # the Hugging Face Trainer tests with transformers 4.x
 	$(TF4_PY) -m pytest -q -p no:cacheprovider tests/examples/test_hf_trainer.py \
-		tests/examples/test_hf_use_cache.py
+		tests/examples/test_hf_use_cache.py tests/smp_fx/ckpt/test_safe_load.py \
+		tests/examples/test_hf_zoo_pipeline.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check smp_fx passes cost_model tests examples benchmarks conftest.py

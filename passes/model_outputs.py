@@ -14,7 +14,9 @@ values and unflattens to ``cls(**fields)`` (a dataclass such as ``ModelOutput``)
 ``cls(mapping)``. So the captured graph returns flat tensors like any other, its output
 spec remembers the class and the keys, and the program's outputs (``split_stages``'s
 ``build_outputs``, on every rank) are the very class the plain model returns, with the
-same keys in the same order. Types that are already registered are left alone.
+same keys in the same order. Types that are already registered are left alone. A Hugging
+Face cache object (transformers 5 at its default ``use_cache=True``) is no tensor either:
+training reads only the loss and logits, so the capture leaves it out, with a warning.
 
 Example::
 
@@ -32,6 +34,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -62,6 +65,7 @@ def _unflatten(values: Any, context: Any) -> Any:
 
 
 pytree.register_pytree_node(RebuiltOutput, _flatten, _unflatten)
+log = logging.getLogger("smp_fx.passes.trace")
 
 
 def _unknown_mapping(value: Any) -> bool:
@@ -93,13 +97,50 @@ def has_unknown_outputs(value: Any) -> bool:
     return False
 
 
+def is_hf_cache(value: Any) -> bool:
+    """A Hugging Face ``Cache`` (``DynamicCache``, ``EncoderDecoderCache``, ...), known by
+    its class's bases (transformers is not imported)."""
+    return any(c.__name__ == "Cache" and c.__module__ == "transformers.cache_utils"
+               for c in type(value).__mro__)
+
+
+def drop_caches(value: Any, found: list[str]) -> Any:
+    """``value`` with every Hugging Face cache object in it left out (a mapping's entry
+    removed, a tuple's or list's position None); their class names go to ``found``."""
+    if is_hf_cache(value):
+        found.append(type(value).__name__)
+        return None
+    if isinstance(value, Mapping):
+        kept = {k: drop_caches(v, found) for k, v in value.items()}
+        if not any(is_hf_cache(v) for v in value.values()) and \
+                all(kept[k] is v for k, v in value.items()):
+            return value
+        kept = {k: v for k, v in kept.items() if v is not None or value[k] is None}
+        build: Callable[..., Any] = type(value)
+        return build(**kept) if dataclasses.is_dataclass(value) else build(kept)
+    if type(value) in (tuple, list):
+        items = [drop_caches(v, found) for v in value]
+        return value if all(a is b for a, b in zip(items, value)) else type(value)(items)
+    return value
+
+
 def capture_outputs(model: nn.Module) -> Callable[[], None]:
-    """While capturing ``model``: a forward hook (run after the model's own) that wraps its
-    unregistered outputs; returns the function that removes it. The model itself is not
+    """While capturing ``model``: a forward hook (run after the model's own) that leaves
+    out Hugging Face cache objects (``use_cache=True``: training reads only the loss and
+    logits, and the cache is no tensor export can return; logged) and wraps the outputs of
+    unregistered classes; returns the function that removes it. The model itself is not
     changed, and the hook is gone once the capture ends."""
 
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
-        return wrap_unknown_outputs(output) if has_unknown_outputs(output) else None
+        found: list[str] = []
+        kept = drop_caches(output, found)
+        if found:
+            log.warning("%s returned %s (use_cache=True): left out of the captured outputs, "
+                        "which training does not read; pass use_cache=False not to build it",
+                        type(module).__name__, ", ".join(sorted(set(found))))
+        if has_unknown_outputs(kept):
+            return wrap_unknown_outputs(kept)
+        return kept if found else None
 
     handle = model.register_forward_hook(hook)
     return handle.remove

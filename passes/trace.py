@@ -272,10 +272,17 @@ def _meta_to_input_device(graph: torch.fx.Graph, model: nn.Module, args: tuple[A
     device = inputs[0].device
     meta = torch.device("meta")
     moved = 0
-    for node in graph.nodes:
-        if node.kwargs.get("device") == meta:
-            node.update_kwarg("device", device)
+
+    def swap(arg: Any) -> Any:
+        nonlocal moved
+        if isinstance(arg, torch.device) and arg == meta:
             moved += 1
+            return device
+        return arg
+
+    for node in graph.nodes:  # keywords (arange(device=)) and positions (aten.to.device)
+        node.args = torch.fx.node.map_aggregate(node.args, swap)
+        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
     if moved:
         log.info("export: %d device=meta constants of a meta-built model moved to the "
                  "inputs' device %s", moved, device)

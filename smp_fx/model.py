@@ -47,7 +47,7 @@ from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
 from smp_fx.ckpt.pretrained import SafetensorsState, pretrained_files
 from smp_fx.ckpt.unread_state import unread_state
-from smp_fx.marking.delayed_init import allocate, is_delayed, materialize
+from smp_fx.marking.delayed_init import allocate, extending, is_delayed, materialize
 from smp_fx.marking.tp_register import replace_registered
 from smp_fx.model_options import ModelOptions
 from smp_fx.model_tp_queries import TensorParallelQueries
@@ -138,8 +138,10 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module): 
         self.tp_plan: TensorParallelPlan | None = None  # once partitioned, with tp > 1
         self._half = fp16.training_dtype(cfg)  # fp16 or bf16 training: half in, fp32 out
         if cfg is not None and (cfg.fp16 or cfg.fp16_params or cfg.bf16):
-            # same Parameter objects: an optimizer built earlier still holds them
-            module.to(self._half or fp16.HALF)
+            # same Parameter objects: an optimizer built earlier still holds them; a
+            # delayed module's cast is recorded with its construction (materialised cast)
+            with extending(module):
+                module.to(self._half or fp16.HALF)
         if cfg is not None and cfg.sharded_data_parallel_degree > 1:  # SMP's DeepSpeed view
             ds_view.attach_whole(module.parameters(), *ds_view.coords(state.get()))
         context.set_current_model(self)

@@ -52,6 +52,7 @@ from smp_fx.amp.loss_scaler import LossScaler, make_scaler
 from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.mixins import OptimizerCheckpointMixin, StateDict
 from smp_fx.ckpt.state_dict import merge_partial_optimizer_states
+from smp_fx.nn.huggingface.registry import follow_replacements
 from smp_fx.parallel import clip, ds_view
 from smp_fx.parallel.build import OptimizerBinding
 from smp_fx.parallel.ddp import guard_optimizer
@@ -111,8 +112,8 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
         self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
         self._zero_grad_profile_name = "Optimizer.zero_grad"
-        flat = [p for g in optimizer.param_groups for p in g["params"]]
-        self.global_index: dict[int, int] = {id(p): i for i, p in enumerate(flat)}
+        self.global_index: dict[int, int] = {}
+        flat = self.parameters_held()
         self._localized = False
         self._names: dict[int, str] = {}
         self._local_params = flat  # until a model's partitioning narrows them
@@ -143,7 +144,13 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         return self.overflow
 
     def parameters_held(self) -> list[torch.Tensor]:
-        """Every parameter of the wrapped optimizer, in group order."""
+        """Every parameter of the wrapped optimizer, in group order; a parameter of a module
+        ``smp.DistributedModel`` replaced (SMP's Hugging Face replacements) stands for the
+        replacement's (``follow_replacements``: an optimizer made before the wrapping, as
+        SMP's documentation orders it, trains what the model trains)."""
+        if follow_replacements(self.torch_optimizer) or not self.global_index:
+            flat = [p for g in self.torch_optimizer.param_groups for p in g["params"]]
+            self.global_index = {id(p): i for i, p in enumerate(flat)}
         return [p for g in self.torch_optimizer.param_groups for p in g["params"]]
 
     def join_model(self, model: DistributedModel) -> None:

@@ -38,6 +38,7 @@ from torch.nn.modules import module as module_mod
 
 from cost_model.errors import SMPCheckpointError
 from smp_fx.ckpt.hf_weights import find_hf_weights
+from smp_fx.marking.init_tape import paused
 
 PRETRAINED_ATTR = "_smp_pretrained_files"
 """Attribute of a model built by ``meta_from_pretrained``: its safetensors files."""
@@ -106,7 +107,9 @@ def params_on_meta() -> Iterator[None]:
 
     handle = module_mod.register_module_parameter_registration_hook(to_meta)
     try:
-        with torch.device("cpu"):  # inside delay_param_initialization's meta device
+        # inside delay_param_initialization's meta device and record: the weights come
+        # from the files, so their construction is not recorded (nor held as constants)
+        with torch.device("cpu"), paused():
             yield
     finally:
         handle.remove()

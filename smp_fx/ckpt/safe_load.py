@@ -11,7 +11,8 @@ Scripts also save their own objects as ``user_content`` (AWS's GPT-2 example: it
 argument dict, its LR scheduler's state and its ``transformers.GPT2Config``). Beyond
 numpy, the safe loader takes a narrow allowlist of such classes (``trusted_class``): the
 Hugging Face configuration classes (subclasses of ``transformers.PretrainedConfig``, found
-among the checkpoint's globals and imported only from ``transformers``) and
+among the checkpoint's globals and imported only from ``transformers`` or, for a class
+``trust_remote_code`` fetched, from Hugging Face's dynamic-module cache) and
 ``argparse.Namespace``; their contents are checked as any other value. A file holding
 anything else loads only with an explicit choice: ``weights_only=False`` where the call
 takes it, or ``SMP_FX_TRUST_CHECKPOINTS=1`` in the environment (for
@@ -26,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import logging
 import os
 import pickle
+import sys
 from typing import Any
 
 import torch
@@ -43,15 +46,20 @@ log = logging.getLogger("smp_fx.ckpt")
 def _numpy_safe_globals() -> list[Any]:
     """The numpy names an array or scalar is pickled with (its reconstructor and dtypes):
     allowed by the safe loader, as the Hugging Face Trainer allows them for RNG states,
-    since scripts save numpy metrics and RNG states beside their tensors."""
+    since scripts save numpy metrics and RNG states beside their tensors. Under either
+    spelling (``numpy.core`` 1.x, ``numpy._core`` 2.x), so a file saved under one reads
+    under the other."""
     import numpy as np
 
-    core = getattr(np, "_core", None) or np.core
+    # numpy 2 keeps multiarray in np._core; numpy 1.26 has a np._core without it
+    core: Any = next(m for m in (getattr(np, "_core", None), getattr(np, "core", None))
+                     if hasattr(m, "multiarray"))
     kinds = (np.bool_, np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint16,
              np.uint32, np.uint64, np.float16, np.float32, np.float64, np.complex64,
              np.complex128)
-    return [core.multiarray._reconstruct, core.multiarray.scalar, np.ndarray, np.dtype,
-            *(type(np.dtype(k)) for k in kinds)]
+    both = [(getattr(core.multiarray, f), f"numpy.{pkg}.multiarray.{f}")
+            for f in ("_reconstruct", "scalar") for pkg in ("core", "_core")]
+    return [*both, np.ndarray, np.dtype, *(type(np.dtype(k)) for k in kinds)]
 
 
 TRUST_ENV = "SMP_FX_TRUST_CHECKPOINTS"
@@ -60,19 +68,48 @@ TRUST_ENV = "SMP_FX_TRUST_CHECKPOINTS"
 
 def trusted_class(name: str) -> type | None:
     """The class a checkpoint global names, if it is on the allowlist (module docstring):
-    ``argparse.Namespace`` or a ``transformers`` configuration class. Nothing outside
-    ``transformers`` is imported."""
+    ``argparse.Namespace`` or a configuration class of ``transformers`` or of its
+    dynamic-module cache. Nothing else is imported."""
     if name == "argparse.Namespace":
         return argparse.Namespace
     module, _, attr = name.rpartition(".")
-    if not (module == "transformers" or module.startswith("transformers.")):
+    top = module.partition(".")[0]
+    if top not in ("transformers", DYNAMIC):
         return None
     try:
-        cls = getattr(importlib.import_module(module), attr)
+        found = importlib.import_module(module) if top == "transformers" \
+            else _from_dynamic_cache(module)
+        cls = getattr(found, attr)
         from transformers import PretrainedConfig
     except (ImportError, AttributeError):
         return None
     return cls if isinstance(cls, type) and issubclass(cls, PretrainedConfig) else None
+
+
+DYNAMIC = "transformers_modules"
+"""The package of Hugging Face's dynamic-module cache: the code ``trust_remote_code``
+fetched (Falcon's configuration class, saved in its ``user_content``)."""
+
+
+def _from_dynamic_cache(module: str) -> Any:
+    """``module`` (under ``transformers_modules``), imported only if it and every package
+    above it are files of Hugging Face's dynamic-module cache; else ``ImportError``."""
+    from transformers import dynamic_module_utils as dyn
+
+    dyn.init_hf_modules()  # the cache on sys.path, as from_pretrained(trust_remote_code)
+    cache = os.path.realpath(dyn.HF_MODULES_CACHE)
+    parts = module.split(".")
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        loaded = sys.modules.get(name)
+        spec = loaded.__spec__ if loaded is not None else importlib.util.find_spec(name)
+        origin = getattr(spec, "origin", None) or ""
+        locations = list(getattr(spec, "submodule_search_locations", None) or [origin])
+        if not all(os.path.realpath(p).startswith(cache + os.sep) for p in locations if p) \
+                or not any(locations):
+            raise ImportError(f"{name} is not a file of {cache}")
+        importlib.import_module(name)
+    return sys.modules[module]
 
 
 def _allowed_globals(path: str) -> list[Any]:

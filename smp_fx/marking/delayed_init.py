@@ -1,11 +1,12 @@
 """``smp.delay_param_initialization``: build a model too big for host memory on the meta device.
 
-Inside the context every parameter and buffer created is a meta tensor (shape and dtype,
-no storage), via ``torch.device("meta")`` as a default-device context. Every module that
-registers a parameter, buffer or submodule inside the context is marked with the attribute
-``_smp_delayed_init = True`` (an attribute only; ``forward`` is never touched), so
-``DistributedModel`` knows to materialise the weights per stage, on the rank owning it,
-with ``materialize(module, device)`` (``to_empty`` + ``reset_parameters``).
+Inside the context every parameter and buffer created is a meta tensor (shape and dtype, no
+storage) and the construction is recorded (``smp_fx.marking.init_tape``: every op, Hugging
+Face's ``_init_weights`` included, which transformers would otherwise skip on meta). Every
+module registering a parameter, buffer or submodule inside is marked ``_smp_delayed_init``
+(an attribute only), so ``DistributedModel`` materialises each stage on the rank owning it
+(``materialize``): each tensor gets the values an eager build with the same seed gives it,
+replayed from the record; a tensor that cannot be rebuilt is an error naming it.
 
 The compiler front end (``passes.trace`` / ``shape_prop`` / ``annotate_costs``) works on
 such a model without allocating its weights.
@@ -24,8 +25,10 @@ Example::
 
 from __future__ import annotations
 
+import logging
+import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -33,8 +36,13 @@ from torch import nn
 from torch.nn.modules import module as module_mod
 
 from cost_model.errors import SMPRuntimeError
+from smp_fx.marking.init_tape import Tape, recording, tape_of
 
 DELAYED_ATTR = "_smp_delayed_init"
+TAPE_ATTR = "_smp_init_tape"
+"""Attribute of a module built in the context: the record that keeps its tensors
+rebuildable (found again from each tensor's storage, ``init_tape.tape_of``)."""
+log = logging.getLogger("smp_fx.delayed_init")
 
 
 @contextmanager
@@ -44,8 +52,11 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
         yield
         return
 
+    tape = Tape()
+
     def mark(mod: nn.Module, *_: object) -> None:
         object.__setattr__(mod, DELAYED_ATTR, True)
+        object.__setattr__(mod, TAPE_ATTR, tape)
 
     from smp_fx.ckpt.pretrained import meta_from_pretrained
 
@@ -55,11 +66,45 @@ def delay_param_initialization(enabled: bool = True) -> Iterator[None]:
         module_mod.register_module_module_registration_hook(mark),
     ]
     try:
-        with torch.device("meta"), meta_from_pretrained():
+        with torch.device("meta"), meta_from_pretrained(), _hf_initialises_on_meta(), \
+                recording(tape):
             yield
     finally:
         for h in handles:
             h.remove()
+
+
+@contextmanager
+def _hf_initialises_on_meta() -> Iterator[None]:
+    """transformers 5 skips ``_init_weights`` under a meta default device (nothing to fill):
+    inside, it runs it, so the record holds the model's own initialisation."""
+    if "transformers" not in sys.modules:
+        yield
+        return
+    import transformers.modeling_utils as hf
+
+    original = getattr(hf, "get_torch_context_manager_or_global_device", None)
+    if original is None:  # transformers 4: initialises on meta already
+        yield
+        return
+
+    def device() -> Any:
+        found = original()
+        return None if found == torch.device("meta") else found
+
+    hf.get_torch_context_manager_or_global_device = device
+    try:
+        yield
+    finally:
+        hf.get_torch_context_manager_or_global_device = original
+
+
+def extending(module: nn.Module) -> Any:
+    """A context recording onto ``module``'s construction record (a dtype change or a
+    replacement's weights taken on meta after the build), or nothing if it has none."""
+    tape = next((t for t in map(tape_of, (*module.parameters(), *module.buffers()))
+                 if t is not None), None)
+    return recording(tape) if tape is not None else nullcontext()
 
 
 def is_delayed(module: nn.Module) -> bool:
@@ -96,32 +141,59 @@ def allocate(module: nn.Module, device: torch.device | str) -> nn.Module:
 
 
 def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
-    """Allocate ``module``'s meta parameters on ``device`` and initialise them in place.
+    """Give ``module``'s meta parameters and buffers, on ``device``, the values an eager
+    build with the same seed gives them (replayed from the construction record); move the
+    others there; tied parameters stay tied.
 
-    Uses ``to_empty`` then each submodule's own ``reset_parameters`` (the initialisation
-    its constructor would have done); tied parameters stay tied. A submodule holding meta
-    parameters but no ``reset_parameters`` keeps uninitialised memory, so it is reported.
+    A meta parameter made outside the record (a tensor-parallel shard cut on meta, a copy
+    of the model) is initialised by its module's ``reset_parameters``, with a warning; any
+    other tensor that cannot be rebuilt is an ``SMPRuntimeError`` naming it.
     """
-    missing = [name for name, m in module.named_modules()
-               if any(p.is_meta for p in m.parameters(recurse=False))
-               and not hasattr(m, "reset_parameters")]
-    owners: dict[int, list[tuple[nn.Module, str]]] = {}
-    for m in module.modules():
-        for name, p in m.named_parameters(recurse=False):
-            owners.setdefault(id(p), []).append((m, name))
-    module.to_empty(device=device)
-    for group in owners.values():  # to_empty replaces each alias separately: re-tie them
-        first_mod, first_name = group[0]
-        for m, name in group[1:]:
-            setattr(m, name, getattr(first_mod, first_name))
-    for m in module.modules():
-        reset = getattr(m, "reset_parameters", None)
-        if callable(reset):
-            reset()
-    if missing:
+    slots = [(f"{path}.{name}" if path else name, m, table, name, value)
+             for path, m in module.named_modules()
+             for table in (m._parameters, m._buffers)
+             for name, value in table.items() if value is not None]
+    wanted: dict[Tape, dict[int, torch.Tensor]] = {}
+    resets: dict[str, nn.Module] = {}
+    errors: list[str] = []
+    for name, m, table, _, value in slots:
+        if not value.is_meta:
+            continue
+        tape = tape_of(value)
+        why = tape.problem(value) if tape is not None else "it was made outside " \
+            "smp.delay_param_initialization"
+        if why is None:
+            wanted.setdefault(tape, {})[id(value)] = value  # type: ignore[arg-type]
+        elif tape is None and table is m._parameters and \
+                callable(getattr(m, "reset_parameters", None)):
+            resets[name.rpartition(".")[0]] = m
+        else:
+            errors.append(f"{name} ({type(m).__name__}): {why}")
+    if errors:
         raise SMPRuntimeError.build(
-            "delayed-init modules without reset_parameters() cannot be initialised",
-            missing[:5], "smp_fx.marking.delayed_init.materialize",
-            "add reset_parameters() to those modules or load a checkpoint into them")
+            "a delayed-init tensor must be rebuilt as the eager build makes it", errors[:5],
+            "smp_fx.marking.delayed_init.materialize",
+            "build the model inside smp.delay_param_initialization and fill every tensor "
+            "in its constructor (or load a checkpoint into it)")
+    values: dict[int, torch.Tensor] = {}
+    for tape, tensors in wanted.items():
+        values.update(zip(tensors, tape.replay(list(tensors.values()))))
+    moved: dict[int, Any] = {}
+    for _, _, table, leaf, value in slots:
+        new = moved.get(id(value))
+        if new is None:
+            data = (values[id(value)].to(device) if id(value) in values
+                    else torch.empty_like(value, device=device) if value.is_meta
+                    else value.detach().to(device))
+            new = (nn.Parameter(data, requires_grad=value.requires_grad)
+                   if isinstance(value, nn.Parameter) else data)
+            moved[id(value)] = new
+        table[leaf] = new
+    if resets:
+        log.warning("delayed init: %s initialised by reset_parameters(), not as the eager "
+                    "build (their meta parameters are not in the construction record: cut "
+                    "or copied after the build)", sorted(resets)[:5])
+        for m in resets.values():
+            m.reset_parameters()  # type: ignore[operator]
     object.__setattr__(module, DELAYED_ATTR, False)
     return module

@@ -171,11 +171,10 @@ def _retarget_devices(module: nn.Module, traced_on: torch.device | None,
 def _materialise(module: nn.Module, device: torch.device, initialize: bool) -> None:
     """Place one stage's parameters on ``device``; meta (delayed-init) ones are created there.
 
-    Delayed initialisation (``smp.delay_param_initialization``): the stage's modules get
-    ``to_empty`` then ``reset_parameters`` (``smp_fx.marking.delayed_init.materialize``), so only
-    this rank's stage is ever allocated. The values then differ from an eagerly built model
-    with the same seed (the RNG stream is consumed per stage, not for the whole model);
-    tied replicas on several ranks are made equal by a broadcast from the first owner.
+    Delayed initialisation (``smp.delay_param_initialization``): only this rank's stage is
+    ever allocated, each tensor with the eager build's values, replayed from the recorded
+    construction (``smp_fx.marking.delayed_init.materialize``); tied replicas on several
+    ranks are then equal already (the broadcast from the first owner keeps it so).
     """
     if is_delayed(module):
         (materialize if initialize else allocate)(module, device)

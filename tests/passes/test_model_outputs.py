@@ -6,9 +6,11 @@ types are left as they are."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections import OrderedDict
 from typing import Any
 
+import pytest
 import torch
 import torch.utils._pytree as pytree
 from torch import nn
@@ -70,3 +72,23 @@ def test_nested_and_plain_mappings() -> None:
     assert type(back[1][0]["b"]) is Output and list(back[1][0]) == ["a", "b"]
     assert isinstance(wrap_unknown_outputs(Output(logits=t)), RebuiltOutput)
     assert wrap_unknown_outputs({"k": t}) == {"k": t}  # dict is registered: left alone
+
+
+def test_hugging_face_cache_is_left_out_with_a_log_line(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A Hugging Face model at its default use_cache=True returns a cache object (transformers
+    5: ``DynamicCache``): the capture leaves it out, says so, and computes the rest as the
+    plain model does."""
+    pytest.importorskip("transformers", minversion="5")  # 4.x returns the cache as tuples
+    from examples.models import hf_zoo
+
+    plain = hf_zoo.build("gpt2", marked=False).model
+    assert plain.config.use_cache
+    ids = hf_zoo.inputs("gpt2")[0]
+    want = plain(input_ids=ids)
+    with caplog.at_level(logging.WARNING, "smp_fx.passes.trace"):
+        gm = trace(plain, (), {"input_ids": ids}, frontend="export")
+    assert "use_cache=True" in caplog.text and "DynamicCache" in caplog.text
+    got = gm(input_ids=ids)
+    assert got.past_key_values is None and "past_key_values" not in got
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)

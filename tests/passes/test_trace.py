@@ -163,6 +163,24 @@ def test_meta_model_traces_without_storage() -> None:
     assert len([n for n in gm.graph.nodes if n.op == "call_module"]) > 3 * 6
 
 
+def test_meta_hugging_face_model_moves_positional_meta_devices() -> None:
+    """Llama built under delayed init: export bakes ``aten.to.device(inv_freq, meta)`` (a
+    device in a position, not a keyword) into its rotary embedding; moved to the inputs'
+    device with the others, so shape propagation runs."""
+    pytest.importorskip("transformers")
+    from examples.models import hf_zoo
+    from passes.shape_prop import shape_prop
+
+    with delay_param_initialization():
+        model = hf_zoo.build("llama", marked=False)
+    model.model.config.use_cache = False
+    args = hf_zoo.inputs("llama")
+    gm = shape_prop(trace(model, args, frontend="export"), args)
+    assert all(p.is_meta for p in gm.parameters())
+    assert not any(isinstance(a, torch.device) and a.type == "meta"
+                   for n in gm.graph.nodes for a in (*n.args, *n.kwargs.values()))
+
+
 class _Nested(nn.Module):
     def __init__(self) -> None:
         super().__init__()

@@ -132,15 +132,22 @@ def test_tied_parameters_across_processes() -> None:
 
 def _delayed_body() -> list[float]:
     """GPT built under delay_param_initialization, 2 processes: only the local stage is
-    materialised, and the tied embedding/LM head replicas start (and stay) equal."""
+    materialised, with the eager build's values bitwise, and the tied embedding/LM head
+    replicas start (and stay) equal."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     init(2, 2, "interleaved")
     ex = example("gpt")
+    torch.manual_seed(0)
+    eager = dict(ex.build_model().named_parameters(remove_duplicate=False))
+    torch.manual_seed(0)
     with smp.delay_param_initialization():
         net = ex.build_model()
     model = smp.DistributedModel(net)
+    wrong: list[str] = []  # filled once materialised: "checked", then any mismatch
+    model.register_post_partition_hook(lambda m: wrong.extend(["checked", *(
+        n for n, p in m.local_named_parameters() if not torch.equal(p, eager[n]))]))
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
     @smp.step
@@ -154,6 +161,7 @@ def _delayed_body() -> list[float]:
         train(model, ex.example_inputs(4)[0], ex.example_targets(4))
         opt.step()
     local = dict(model.local_named_parameters())
+    assert local and wrong == ["checked"]
     assert not any(p.is_meta for p in local.values())
     assert any(p.is_meta for p in net.parameters())  # the other stage was never allocated
     tied = local.get("wte.weight", local.get("lm_head.weight"))

@@ -140,12 +140,10 @@ class BertTransformer(DistributedTransformer):
         if head_mask is not None and any(m is not None for m in head_mask):
             raise not_implemented("head_mask in the distributed encoder", "head_mask",
                                   "leave head_mask unset")
-        if return_dict is False:
-            raise not_implemented("return_dict=False for the distributed encoder",
-                                  "return_dict", "leave return_dict unset")
         mask = additive_mask(attention_mask, hidden_states.dtype)
         hidden = super().forward((hidden_states, mask))[0]
-        return BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden)
+        out = BaseModelOutputWithPastAndCrossAttentions(last_hidden_state=hidden)
+        return out.to_tuple() if return_dict is False else out  # as BertEncoder's
 
     def __getattr__(self, name: str) -> Any:
         try:

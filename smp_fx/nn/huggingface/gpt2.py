@@ -147,10 +147,6 @@ class GPT2LMHead(DistributedTransformerLMHead):
             encoder_attention_mask=encoder_attention_mask, use_cache=use_cache,
             output_attentions=output_attentions, output_hidden_states=output_hidden_states,
             logits_to_keep=logits_to_keep)
-        if return_dict is False:
-            raise not_implemented("return_dict=False for the distributed GPT-2",
-                                  "return_dict", "leave return_dict unset (outputs are a "
-                                  "CausalLMOutputWithCrossAttentions, as SMP's)")
         if input_ids is None:
             raise SMPConfigError.build("the distributed GPT-2 needs input_ids", None,
                                        "GPT2LMHead.forward", "pass input_ids")
@@ -160,7 +156,8 @@ class GPT2LMHead(DistributedTransformerLMHead):
         assert self.lm_head is not None
         logits = self.lm_head(hidden)
         loss = None if labels is None else lm_loss(logits, labels)
-        return CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
+        out = CausalLMOutputWithCrossAttentions(loss=loss, logits=logits)
+        return out.to_tuple() if return_dict is False else out  # as GPT2LMHeadModel's
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -10,8 +10,9 @@ same class by the user takes precedence, as a later registration does in SMP.
 ``rebuild`` is the common part of every builder: the new module takes the original's
 weights through the family's translation (strictly: every weight is accounted for), its
 dtype, device and training mode; an original built on the meta device
-(``delayed_parameter_initialization``) gives a meta replacement that ``DistributedModel``
-materialises per stage like any delayed module. Replacing registers the family's
+(``delayed_parameter_initialization``) gives a meta replacement whose translation is
+recorded with the original's construction, so ``DistributedModel`` materialises it per
+stage, as the eagerly built replacement would be. Replacing registers the family's
 translate functions in ``smp.state.module_manager`` (full checkpoints are saved in Hugging
 Face's names and loaded from them, as SMP does).
 
@@ -24,19 +25,22 @@ Face arguments.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from cost_model.errors import SMPConfigError
 from smp_fx.marking import tp_register
-from smp_fx.marking.delayed_init import DELAYED_ATTR
+from smp_fx.marking.delayed_init import DELAYED_ATTR, extending
 from smp_fx.nn.transformer import DistributedTransformerLMHead
 from smp_fx.world.state_api import Translator, module_manager
 
+log = logging.getLogger("smp_fx.replacements")
 Builder = Callable[[nn.Module, dict[str, Any]], nn.Module]
 
 
@@ -108,6 +112,65 @@ def init_overrides(cls: type[nn.Module], overrides: dict[str, Any]) -> dict[str,
     return {k: v for k, v in overrides.items() if k in params and k != "self"}
 
 
+REPLACED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""An original's parameter -> the parameters of its replacement that took its values (one,
+or the parts of a fused tensor), for an optimizer made on the original's parameters."""
+
+
+def _storage(t: torch.Tensor) -> int:
+    return int(t.untyped_storage()._cdata)
+
+
+def _record_replaced(original: nn.Module, new: nn.Module,
+                     translated: dict[str, Any]) -> None:
+    """Fill ``REPLACED`` for ``original``: the translated tensors are views of the
+    original's (module ``translate``), so each new parameter's source is found by storage."""
+    sources = {_storage(p): p for p in original.parameters()}
+    params = dict(new.named_parameters())
+    for name, t in translated.items():
+        src, q = sources.get(_storage(t)), params.get(name)
+        if src is not None and q is not None and all(q is not k for k in
+                                                     REPLACED.get(src, [])):
+            REPLACED.setdefault(src, []).append(q)
+
+
+def follow_replacements(optimizer: torch.optim.Optimizer) -> bool:
+    """Put in ``optimizer``'s groups, for each parameter of a replaced original, the
+    replacement's parameters that took its values (in that parameter's group, so its
+    options hold); whether anything changed. State already held for an original is
+    dropped, with a warning (the replacement's parameters start without it)."""
+    changed = False
+    for group in optimizer.param_groups:
+        kept: list[torch.Tensor] = []
+        for p in group["params"]:
+            for q in REPLACED.get(p, [p]):
+                if all(q is not k for k in kept):
+                    kept.append(q)
+            if p in REPLACED:
+                changed = True
+                if optimizer.state.pop(p, None):
+                    log.warning("optimizer state of a replaced parameter %s dropped: its "
+                                "replacement starts without it", tuple(p.shape))
+        group["params"] = kept
+    return changed
+
+
+def _to_meta(module: nn.Module) -> None:
+    """``module`` on meta, ties kept: parameters empty (the translation fills them),
+    buffers with their values (computed in ``__init__``, recorded as constants)."""
+    made: dict[int, nn.Parameter] = {}
+    for m in module.modules():
+        for name, p in m._parameters.items():
+            if p is not None:
+                if id(p) not in made:
+                    made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype,
+                                                           device="meta"), p.requires_grad)
+                m._parameters[name] = made[id(p)]
+        for name, b in m._buffers.items():
+            if b is not None:
+                m._buffers[name] = b.to("meta")
+
+
 def rebuild(original: nn.Module, new: nn.Module,
             hf_to_smp: Callable[[dict[str, Any]], dict[str, Any]]) -> nn.Module:
     """``new`` with ``original``'s weights (translated), dtype, device and mode."""
@@ -117,12 +180,15 @@ def rebuild(original: nn.Module, new: nn.Module,
     device = tensors[0].device if tensors else torch.device("cpu")
     new.to(dtype=dtype)
     new.train(original.training)
-    if device.type == "meta":
-        new.to_empty(device="meta")
+    translated = hf_to_smp(original.state_dict())
+    if device.type == "meta":  # recorded, so materialising gives the translated weights
+        with extending(original):
+            _to_meta(new)
+            missing, unexpected = new.load_state_dict(translated, strict=False)
         object.__setattr__(new, DELAYED_ATTR, True)
-        return new
-    state = hf_to_smp(original.state_dict())
-    missing, unexpected = new.load_state_dict(state, strict=False)
+    else:
+        missing, unexpected = new.load_state_dict(translated, strict=False)
+    _record_replaced(original, new, translated)
     tied = {n for n, p in new.named_parameters(remove_duplicate=False)} - \
         {n for n, p in new.named_parameters()}
     missing = [k for k in missing if k not in tied]
@@ -136,4 +202,5 @@ def rebuild(original: nn.Module, new: nn.Module,
     return new.to(device)
 
 
-__all__ = ["Replacement", "rebuild", "register", "register_lm"]
+__all__ = ["REPLACED", "Replacement", "follow_replacements", "rebuild", "register",
+           "register_lm"]

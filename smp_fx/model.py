@@ -344,9 +344,10 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module): 
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """As SMP's: the wrapped module's names, without a "module." prefix, so name-based
         parameter groups built on the plain model apply unchanged. Once partitioned, a name
-        this rank trains gives the tensor it trains (a tensor-parallel shard, a sharded or
-        materialised parameter), so ``zero_grad``, ``requires_grad_`` and clipping reach it."""
-        trained = dict(self.local_named_parameters()) if self.partitioned else {}
+        this rank trains gives the tensor it trains (a tensor-parallel shard, a materialised
+        parameter), so clipping reaches it; under sharded data parallelism the original
+        object, whose ``ds_tensor`` views the shard (SMP's ZeRO-3 kept its objects)."""
+        trained = {n: p for n, p in self._trained() if not clip.is_sharded(p)}
         cut = len(prefix) + 1 if prefix else 0
         seen: set[int] = set()
         for name, p in self.get_module().named_parameters(prefix, recurse, False):
@@ -364,6 +365,27 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module): 
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return (p for _, p in self.named_parameters(recurse=recurse))
+
+    def _trained(self) -> list[tuple[str, nn.Parameter]]:
+        return list(self.local_named_parameters()) if self.partitioned else []
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Every parameter of ``parameters()`` and every tensor this rank trains (the
+        Hugging Face Trainer clears gradients with this call only)."""
+        super().zero_grad(set_to_none)
+        for _, p in self._trained():
+            if p.grad is None:
+                continue
+            if set_to_none:
+                p.grad = None
+            else:
+                p.grad.detach_().zero_()
+
+    def requires_grad_(self, requires_grad: bool = True) -> DistributedModel:
+        super().requires_grad_(requires_grad)
+        for _, p in self._trained():
+            p.requires_grad_(requires_grad)
+        return self
 
     def train(self, mode: bool = True) -> DistributedModel:
         """The wrapped module's mode, and once partitioned the local stages' (whose

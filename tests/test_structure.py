@@ -27,8 +27,10 @@ PACKAGES = ("cost_model", "passes", "smp_fx")
 
 # smp_fx's layers, lowest first; the longest matching prefix places a module.
 SMP_FX_LAYERS: tuple[tuple[str, ...], ...] = (
+    # init_tape (recording a module's construction on meta) imports nothing of smp_fx:
+    # checkpoints pause it while loading pretrained weights
     ("smp_fx.version", "smp_fx._compat", "smp_fx.config", "smp_fx.topology",
-     "smp_fx.namespaces"),
+     "smp_fx.namespaces", "smp_fx.marking.init_tape"),
     ("smp_fx.world",),
     ("smp_fx.ckpt",),
     ("smp_fx.marking", "smp_fx.amp"),
@@ -38,7 +40,8 @@ SMP_FX_LAYERS: tuple[tuple[str, ...], ...] = (
      "smp_fx.optimizer", "smp_fx.script_optimizer", "smp_fx.step", "smp_fx.reset", "smp_fx.nn",
      "smp_fx.optimizers", "smp_fx.grad_average"),
     ("smp_fx.calibration", "smp_fx.cli"),
-    ("smp_fx", "smp_fx._compat.shims", "smp_fx._compat.private"),
+    # the Trainer's SMP mode calls into the model; only the shims' import hooks load it
+    ("smp_fx", "smp_fx._compat.shims", "smp_fx._compat.private", "smp_fx._compat.hf_trainer"),
 )
 
 
@@ -159,6 +162,8 @@ MUTATORS = {"append", "insert", "extend", "update", "pop", "clear", "remove", "a
 PRIVATE_ALLOWED: dict[tuple[str, str], str] = {
     ("smp_fx/world/smddp.py", "_timeout"): "torch's ProcessGroupNCCL.Options names its "
     "timeout field so; there is no public way to set it",
+    ("smp_fx/_compat/hf_trainer.py", "_mixed_mesh_grad_norm"): "transformers 5's Trainer "
+    "method, wrapped in SMP mode so it clips by the whole model's norm",
 }
 
 

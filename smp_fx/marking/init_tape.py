@@ -290,7 +290,7 @@ def _recorded(original: Callable[..., Any]) -> Callable[..., Any]:
             _RECORDING[-1].call(original, tensor, args, kwargs)
             return tensor
         return original(tensor, *args, **kwargs)
-    init._smp_original = original  # type: ignore[attr-defined]
+    init.smp_fx_original = original  # type: ignore[attr-defined]
     return init
 
 
@@ -303,7 +303,7 @@ def _meta_skipping_inits() -> Iterator[None]:
     if hf is not None and isinstance(getattr(hf, "TORCH_INIT_FUNCTIONS", None), dict):
         tables.append(hf.TORCH_INIT_FUNCTIONS)
     saved = [(t, n, t[n]) for t in tables for n in _SKIP_META
-             if n in t and not hasattr(t[n], "_smp_original")]
+             if n in t and not hasattr(t[n], "smp_fx_original")]
     for table, name, original in saved:
         table[name] = _recorded(original)
     try:

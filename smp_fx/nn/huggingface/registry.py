@@ -160,15 +160,13 @@ def _to_meta(module: nn.Module) -> None:
     buffers with their values (computed in ``__init__``, recorded as constants)."""
     made: dict[int, nn.Parameter] = {}
     for m in module.modules():
-        for name, p in m._parameters.items():
-            if p is not None:
-                if id(p) not in made:
-                    made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype,
-                                                           device="meta"), p.requires_grad)
-                m._parameters[name] = made[id(p)]
-        for name, b in m._buffers.items():
-            if b is not None:
-                m._buffers[name] = b.to("meta")
+        for name, p in list(m.named_parameters(recurse=False, remove_duplicate=False)):
+            if id(p) not in made:
+                made[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"),
+                                           p.requires_grad)
+            setattr(m, name, made[id(p)])
+        for name, b in list(m.named_buffers(recurse=False, remove_duplicate=False)):
+            setattr(m, name, b.to("meta"))  # a buffer stays one, persistent or not
 
 
 def rebuild(original: nn.Module, new: nn.Module,

@@ -26,7 +26,12 @@ import pytest
 import torch
 from torch import nn
 
-from tests.examples.test_aws_reproductions import _shim_smp
+from tests.examples.test_aws_reproductions import (
+    _shim_smp,
+    train_py_config,
+    train_py_optimizer,
+    train_py_step,
+)
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
 
@@ -137,16 +142,8 @@ def _script(model_type: str, keep_state: bool) -> dict[str, Any]:
     optimizer = torch.optim.Adam(param_groups, betas=(0.9, 0.95), lr=1e-4, weight_decay=0.01)
     for layer in layers:
         smp.set_activation_checkpointing(layer)
-    optimizer = smp.DistributedOptimizer(
-        optimizer, static_loss_scale=None, dynamic_loss_scale=True,
-        dynamic_loss_args={"scale_window": 1000, "min_scale": 1, "delayed_shift": 2})
-
-    @smp.step
-    def train_step(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
-        loss = model(input_ids=input_ids, attention_mask=attention_mask,
-                     labels=input_ids)["loss"]
-        model.backward(loss)
-        return loss
+    optimizer = train_py_optimizer(smp, optimizer)
+    train_step = train_py_step(smp)
 
     share = BATCH // smp.dp_size()
     rows = slice(smp.dp_rank() * share, (smp.dp_rank() + 1) * share)
@@ -167,16 +164,8 @@ def _script(model_type: str, keep_state: bool) -> dict[str, Any]:
 def _notebooks(sdp: int, delayed: bool, runs: int) -> dict[str, Any]:
     """Every notebook ``runs`` times under one ``smp.init`` (the notebooks share it)."""
     smp = _shim_smp()
-    smp.init({"ddp": True, "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1,
-              "microbatches": 1, "shard_optimizer_state": False, "prescaled_batch": True,
-              "fp16": False, "bf16": True, "offload_activations": False,
-              "delayed_parameter_initialization": delayed, "optimize": "speed",
-              "placement_strategy": "cluster", "activation_loading_horizon": 4,
-              "skip_tracing": True, "auto_partition": True, "default_partition": 0,
-              "static_mode": False, "fast_mode": False,
-              "sharded_data_parallel_degree": sdp, "ddp_dist_backend": "auto",
-              "sdp_hierarchical_allgather": False, "sdp_gradient_clipping": 1.0,
-              "sdp_param_persistence_threshold": 100})
+    smp.init(train_py_config(bf16=True, delayed_parameter_initialization=delayed,
+                             sharded_data_parallel_degree=sdp))
     out: dict[str, Any] = {}
     for model_type in MODELS:
         out[model_type] = [_script(model_type, run == 0) for run in range(runs)]

@@ -304,7 +304,12 @@ def _meta_weights_on(device: torch.device | None) -> Iterator[None]:
         return
     from torch.export import _trace as export_trace
 
-    fakify = export_trace._fakify_params_buffers
+    fakify = getattr(export_trace, "_fakify_params_buffers", None)
+    if fakify is None:  # a torch without the hook: constants made on meta stay there
+        log.warning("export: torch %s has no _fakify_params_buffers; a meta-built model's "
+                    "weights stay on meta during export", torch.__version__)
+        yield
+        return
 
     def on_device(fake_mode: Any, mod: nn.Module) -> dict[str, torch.Tensor]:
         fakes: dict[str, torch.Tensor] = fakify(fake_mode, mod)

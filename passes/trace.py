@@ -38,7 +38,8 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any, Literal
 
 import torch
@@ -241,7 +242,6 @@ def _export_trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, 
             graph.erase_node(node)
             if hasattr(gm, str(node.target)):
                 delattr(gm, str(node.target))
-    _meta_to_input_device(graph, model, args, kwargs)
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     _order_placeholders(graph, placeholders)
     modules = frozenset(n for n, _ in model.named_modules(remove_duplicate=False))
@@ -257,37 +257,6 @@ def _export_trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, 
     return gm
 
 
-def _meta_to_input_device(graph: torch.fx.Graph, model: nn.Module, args: tuple[Any, ...],
-                          kwargs: Mapping[str, Any]) -> None:
-    """A model built under ``torch.device("meta")`` traced with real inputs: export bakes
-    ``device=meta`` into the tensors the model makes from its weights' device (position
-    ids, masks, dtype asserts). Meta weights stand for weights on the inputs' device (as
-    ``shape_prop`` reads them), so those constants are moved there too."""
-    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
-        return
-    inputs = [x for x in pytree.tree_leaves((args, dict(kwargs)))
-              if isinstance(x, torch.Tensor) and not x.is_meta]
-    if not inputs:
-        return
-    device = inputs[0].device
-    meta = torch.device("meta")
-    moved = 0
-
-    def swap(arg: Any) -> Any:
-        nonlocal moved
-        if isinstance(arg, torch.device) and arg == meta:
-            moved += 1
-            return device
-        return arg
-
-    for node in graph.nodes:  # keywords (arange(device=)) and positions (aten.to.device)
-        node.args = torch.fx.node.map_aggregate(node.args, swap)
-        node.kwargs = torch.fx.node.map_aggregate(node.kwargs, swap)
-    if moved:
-        log.info("export: %d device=meta constants of a meta-built model moved to the "
-                 "inputs' device %s", moved, device)
-
-
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     """Non-strict export with every input dimension symbolic where the model allows
     (``passes.input_dims``).
@@ -299,17 +268,61 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) 
     shapes is refused by name.
     """
     dynamic = auto_dynamic_shapes(model, args, kwargs)
-    for oblivious in (True, False):
-        try:
-            with fx_config.patch(backed_size_oblivious=oblivious):  # type: ignore[attr-defined]
-                return torch.export.export(model, args, dict(kwargs), dynamic_shapes=dynamic,
-                                           strict=False)
-        except Exception as exc:  # export raises many types; the static retry tells the rest
-            log.info("export with symbolic input dimensions (size-oblivious: %s) failed "
-                     "(%s: %s)", oblivious, type(exc).__name__,
-                     str(exc).splitlines()[0][:300] if str(exc) else "")
-    log.info("exporting with the example's shapes")
-    return torch.export.export(model, args, dict(kwargs), strict=False)
+    with _meta_weights_on(_run_device(model, args, kwargs)):
+        for oblivious in (True, False):
+            try:
+                with fx_config.patch(backed_size_oblivious=oblivious):  # type: ignore[attr-defined]
+                    return torch.export.export(model, args, dict(kwargs),
+                                               dynamic_shapes=dynamic, strict=False)
+            except Exception as exc:  # export raises many types; the static retry tells the rest
+                log.info("export with symbolic input dimensions (size-oblivious: %s) failed "
+                         "(%s: %s)", oblivious, type(exc).__name__,
+                         str(exc).splitlines()[0][:300] if str(exc) else "")
+        log.info("exporting with the example's shapes")
+        return torch.export.export(model, args, dict(kwargs), strict=False)
+
+
+def _run_device(model: nn.Module, args: tuple[Any, ...],
+                kwargs: Mapping[str, Any]) -> torch.device | None:
+    """The device a meta-built model's weights stand for: its inputs' (None when the model
+    has no meta tensor or no real input)."""
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return None
+    inputs = [x for x in pytree.tree_leaves((args, dict(kwargs)))
+              if isinstance(x, torch.Tensor) and not x.is_meta]
+    return inputs[0].device if inputs else None
+
+
+@contextmanager
+def _meta_weights_on(device: torch.device | None) -> Iterator[None]:
+    """Export a meta-built model as if its weights lived on ``device``: export's fake copies
+    of the meta weights report that device, so the constants the forward makes on its
+    weights' device (index tensors, a cache's empty tensors) are real tensors there, with
+    their data, and never meta tensors without it."""
+    if device is None:
+        yield
+        return
+    from torch.export import _trace as export_trace
+
+    fakify = getattr(export_trace, "_fakify_params_buffers", None)
+    if fakify is None:  # a torch without the hook: constants made on meta stay there
+        log.warning("export: torch %s has no _fakify_params_buffers; a meta-built model's "
+                    "weights stay on meta during export", torch.__version__)
+        yield
+        return
+
+    def on_device(fake_mode: Any, mod: nn.Module) -> dict[str, torch.Tensor]:
+        fakes: dict[str, torch.Tensor] = fakify(fake_mode, mod)
+        for fake in fakes.values():
+            if fake.is_meta:
+                fake.fake_device = device  # type: ignore[attr-defined]
+        return fakes
+
+    export_trace._fakify_params_buffers = on_device
+    try:
+        yield
+    finally:
+        export_trace._fakify_params_buffers = fakify
 
 
 def _order_placeholders(graph: torch.fx.Graph, placeholders: Sequence[torch.fx.Node]) -> None:

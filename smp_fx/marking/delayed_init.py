@@ -99,12 +99,18 @@ def _hf_initialises_on_meta() -> Iterator[None]:
         hf.get_torch_context_manager_or_global_device = original
 
 
-def extending(module: nn.Module) -> Any:
+def extending(module: nn.Module, keeper: nn.Module | None = None) -> Any:
     """A context recording onto ``module``'s construction record (a dtype change or a
-    replacement's weights taken on meta after the build), or nothing if it has none."""
+    replacement's weights taken on meta after the build), or nothing if it has none.
+    ``keeper`` (``module``'s replacement) holds the record from then on, as the modules
+    built in the context do, so the record outlives the replaced ``module``."""
     tape = next((t for t in map(tape_of, (*module.parameters(), *module.buffers()))
                  if t is not None), None)
-    return recording(tape) if tape is not None else nullcontext()
+    if tape is None:
+        return nullcontext()
+    if keeper is not None:
+        object.__setattr__(keeper, TAPE_ATTR, tape)
+    return recording(tape)
 
 
 def is_delayed(module: nn.Module) -> bool:

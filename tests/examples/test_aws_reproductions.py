@@ -275,16 +275,9 @@ def _gptj_rank() -> dict[str, Any]:
     layers = model.module.module.transformer.seq_layers
     optimizer = torch.optim.AdamW(_decay_groups(model.get_module()), lr=1e-3,
                                   weight_decay=0.01)
-    optimizer = smp.DistributedOptimizer(
-        optimizer, static_loss_scale=None, dynamic_loss_scale=True,
-        dynamic_loss_args={"scale_window": 1000, "min_scale": 1, "delayed_shift": 2})
+    optimizer = train_py_optimizer(smp, optimizer)
 
-    @smp.step
-    def train_step(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
-        loss = model(input_ids=input_ids, attention_mask=attention_mask,
-                     labels=input_ids)["loss"]
-        model.backward(loss)
-        return loss
+    train_step = train_py_step(smp)
 
     losses = []
     for ids in _lm_batches(4)[:STEPS]:
@@ -297,6 +290,42 @@ def _gptj_rank() -> dict[str, Any]:
 
 
 # ---- train.py with sharded data parallelism (SMP 1.11-1.15) ------------------------------
+def train_py_config(**changes: Any) -> dict[str, Any]:
+    """``train.py``'s ``smp.init`` configuration at sdp 2 with skip_tracing, then
+    ``changes`` (a notebook's hyperparameters)."""
+    return {"ddp": True, "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1,
+            "microbatches": 1, "shard_optimizer_state": False, "prescaled_batch": True,
+            "fp16": False, "bf16": False, "offload_activations": False,
+            "delayed_parameter_initialization": False, "optimize": "speed",
+            "placement_strategy": "cluster", "activation_loading_horizon": 4,
+            "skip_tracing": True, "auto_partition": True, "default_partition": 0,
+            "static_mode": False, "fast_mode": False, "sharded_data_parallel_degree": 2,
+            "ddp_dist_backend": "auto", "sdp_hierarchical_allgather": False,
+            "sdp_gradient_clipping": 1.0,
+            "sdp_param_persistence_threshold": 100,  # tiny: most parameters sharded
+            **changes}
+
+
+def train_py_optimizer(smp: Any, optimizer: torch.optim.Optimizer) -> Any:
+    """The scripts' ``smp.DistributedOptimizer`` (dynamic loss scaling, their arguments)."""
+    return smp.DistributedOptimizer(
+        optimizer, static_loss_scale=None, dynamic_loss_scale=True,
+        dynamic_loss_args={"scale_window": 1000, "min_scale": 1, "delayed_shift": 2})
+
+
+def train_py_step(smp: Any) -> Any:
+    """The scripts' ``@smp.step`` ``train_step``: the model's loss on ``labels=input_ids``."""
+
+    @smp.step
+    def train_step(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
+        loss = model(input_ids=input_ids, attention_mask=attention_mask,
+                     labels=input_ids)["loss"]
+        model.backward(loss)
+        return loss
+
+    return train_step
+
+
 def _gpt2_config() -> Any:
     from transformers import GPT2Config
 
@@ -388,16 +417,7 @@ def _sdp_rank(folder: str) -> dict[str, Any]:
     smp = _shim_smp()
     from transformers import AutoModelForCausalLM
 
-    smp.init({"ddp": True, "tensor_parallel_degree": 1, "pipeline_parallel_degree": 1,
-              "microbatches": 1, "shard_optimizer_state": False, "prescaled_batch": True,
-              "fp16": False, "bf16": False, "offload_activations": False,
-              "delayed_parameter_initialization": False, "optimize": "speed",
-              "placement_strategy": "cluster", "activation_loading_horizon": 4,
-              "skip_tracing": True, "auto_partition": True, "default_partition": 0,
-              "static_mode": False, "fast_mode": False, "sharded_data_parallel_degree": 2,
-              "ddp_dist_backend": "auto", "sdp_hierarchical_allgather": False,
-              "sdp_gradient_clipping": 1.0,
-              "sdp_param_persistence_threshold": 100})  # tiny: most parameters sharded
+    smp.init(train_py_config())
     torch.manual_seed(0)
     with smp.model_creation(tensor_parallelism=smp.tp_size() > 1, zero_init=True,
                             dtype=torch.float32, distribute_embedding=False, use_alibi=False,
@@ -410,17 +430,10 @@ def _sdp_rank(folder: str) -> dict[str, Any]:
     param_groups = _decay_groups(model.get_module())
     offsets = _param_id_to_offset(param_groups)
     optimizer = torch.optim.AdamW(param_groups, lr=1e-3, weight_decay=0.01)
-    optimizer = smp.DistributedOptimizer(
-        optimizer, static_loss_scale=None, dynamic_loss_scale=True,
-        dynamic_loss_args={"scale_window": 1000, "min_scale": 1, "delayed_shift": 2})
+    optimizer = train_py_optimizer(smp, optimizer)
     buffers = _param_id_to_buffer(optimizer, offsets)
 
-    @smp.step
-    def train_step(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> Any:
-        loss = model(input_ids=input_ids, attention_mask=attention_mask,
-                     labels=input_ids)["loss"]
-        model.backward(loss)
-        return loss
+    train_step = train_py_step(smp)
 
     half = slice(2 * smp.dp_rank(), 2 * smp.dp_rank() + 2)
     losses, norms = [], []

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import logging
+import operator
 
 import pytest
 import torch
@@ -163,22 +164,38 @@ def test_meta_model_traces_without_storage() -> None:
     assert len([n for n in gm.graph.nodes if n.op == "call_module"]) > 3 * 6
 
 
-def test_meta_hugging_face_model_moves_positional_meta_devices() -> None:
-    """Llama built under delayed init: export bakes ``aten.to.device(inv_freq, meta)`` (a
-    device in a position, not a keyword) into its rotary embedding; moved to the inputs'
-    device with the others, so shape propagation runs."""
+def _made_constants(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """The tensors the forward made, lifted by export (not parameters or buffers)."""
+    state = {n for n, _ in (*gm.named_parameters(remove_duplicate=False),
+                            *gm.named_buffers(remove_duplicate=False))}
+    found = {str(n.target): operator.attrgetter(str(n.target))(gm) for n in gm.graph.nodes
+             if n.op == "get_attr" and n.target not in state}
+    return {k: v for k, v in found.items() if isinstance(v, torch.Tensor)}  # not subgraphs
+
+
+@pytest.mark.parametrize("name", ["llama", "falcon"])
+def test_meta_hugging_face_model_makes_its_constants_on_the_inputs_device(name: str) -> None:
+    """Built under delayed init and exported with CPU inputs: the meta weights stand for
+    weights on the inputs' device, so the tensors the forward makes on its weights' device
+    (Falcon's index tensors, the empty tensors of a transformers 5 cache at
+    ``use_cache=True``; a rotary ``to(device)``) are made there with the eager build's
+    values, never on meta without them, and shape propagation runs."""
     pytest.importorskip("transformers")
     from examples.models import hf_zoo
     from passes.shape_prop import shape_prop
 
     with delay_param_initialization():
-        model = hf_zoo.build("llama", marked=False)
-    model.model.config.use_cache = False
-    args = hf_zoo.inputs("llama")
-    gm = shape_prop(trace(model, args, frontend="export"), args)
+        model = hf_zoo.build(name, marked=False)
+    args = hf_zoo.inputs(name)
+    gm = trace(model, args, frontend="export")
+    shape_prop(gm, args)
+    want = _made_constants(trace(hf_zoo.build(name, marked=False), args, frontend="export"))
     assert all(p.is_meta for p in gm.parameters())
     assert not any(isinstance(a, torch.device) and a.type == "meta"
                    for n in gm.graph.nodes for a in (*n.args, *n.kwargs.values()))
+    got = _made_constants(gm)
+    assert set(got) == set(want) and not any(t.is_meta for t in got.values())
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 class _Nested(nn.Module):

@@ -178,13 +178,14 @@ def rebuild(original: nn.Module, new: nn.Module,
     device = tensors[0].device if tensors else torch.device("cpu")
     new.to(dtype=dtype)
     new.train(original.training)
-    translated = hf_to_smp(original.state_dict())
-    if device.type == "meta":  # recorded, so materialising gives the translated weights
-        with extending(original):
+    if device.type == "meta":  # recorded (copies the translation makes too), so
+        with extending(original, new):  # materialising gives the translated weights
+            translated = hf_to_smp(original.state_dict())
             _to_meta(new)
             missing, unexpected = new.load_state_dict(translated, strict=False)
         object.__setattr__(new, DELAYED_ATTR, True)
     else:
+        translated = hf_to_smp(original.state_dict())
         missing, unexpected = new.load_state_dict(translated, strict=False)
     _record_replaced(original, new, translated)
     tied = {n for n, p in new.named_parameters(remove_duplicate=False)} - \

@@ -60,6 +60,18 @@ class ModuleWalks:
             yield from child.named_modules(memo, f"{prefix}.{name}" if prefix else name,
                                            remove_duplicate)
 
+    def get_submodule(self, target: str) -> nn.Module:
+        """By ``named_modules()``' names: ``""`` is this model."""
+        me: nn.Module = self  # type: ignore[assignment]
+        return me if target == "" else self.get_module().get_submodule(target)
+
+    def get_parameter(self, target: str) -> nn.Parameter:
+        """By ``named_parameters()``' names, giving the tensor ``named_parameters()`` does."""
+        self.get_module().get_parameter(target)  # torch's errors for a name it lacks
+        trained = dict(self.local_named_parameters()) if self.partitioned else {}
+        found = trained.get(self.canonical_names.get(target, target))
+        return found if found is not None else self.get_module().get_parameter(target)
+
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The wrapped module's names; once partitioned, a name this rank trains gives the

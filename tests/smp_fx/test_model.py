@@ -441,13 +441,18 @@ def _walks(cfg: dict[str, Any]) -> list[str]:
 def _names_walked(model: Any, tag: str) -> list[str]:
     """transformers' ``get_parameter_names`` (the Trainer's weight-decay walk over
     ``named_children()`` and ``_parameters``) gives ``named_parameters()``' names, and
-    ``model.module.named_parameters()`` (SMP's wrapper) the same tensors."""
+    ``model.module.named_parameters()`` (SMP's wrapper) the same tensors; ``get_parameter``
+    and ``get_submodule`` read those names."""
     from transformers.trainer_pt_utils import get_parameter_names
 
     named = list(model.named_parameters())
     walked = get_parameter_names(model, [])
     bad = [f"{tag}: get_parameter_names {sorted(set(walked) ^ {n for n, _ in named})}"
            ] if sorted(walked) != sorted(n for n, _ in named) else []
+    bad += [f"{tag}: get_parameter({n!r}) is another tensor" for n, p in named
+            if model.get_parameter(n) is not p]
+    bad += [f"{tag}: get_submodule({n!r})" for n, m in model.named_modules()
+            if model.get_submodule(n) is not m]
     view = [(n, id(p)) for n, p in model.module.named_parameters()]
     return bad + ([f"{tag}: model.module walks other tensors"]
                   if view != [(n, id(p)) for n, p in named] else [])

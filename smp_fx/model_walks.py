@@ -6,7 +6,10 @@ Scripts and the Hugging Face Trainer name parameters by walking the model:
 ``named_modules()``. Every walk gives the wrapped module's names, without a ``module.``
 prefix, so names from one walk find the tensors of another. Once partitioned, a name this
 rank trains gives the tensor it trains (a tensor-parallel shard, a sharded or
-materialised parameter). The wrapped module stays registered as ``module``
+materialised parameter), except under sharded data parallelism, where the original object
+(what the script's dictionaries are keyed by) reads the shard through SMP's DeepSpeed view
+(``smp_fx.parallel.ds_view``) and ``zero_grad``/``requires_grad_`` reach both. The wrapped
+module stays registered as ``module``
 (``get_module()``, checkpoints); operations over the tree (``train``, ``apply``,
 ``half``) reach it, and the local stages, as ``nn.Module`` would.
 """
@@ -19,6 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+
+from smp_fx.parallel import ds_view
 
 if TYPE_CHECKING:
     from smp_fx.runtime.seams import StageRunner
@@ -67,33 +72,55 @@ class ModuleWalks:
 
     def get_parameter(self, target: str) -> nn.Parameter:
         """By ``named_parameters()``' names, giving the tensor ``named_parameters()`` does."""
-        self.get_module().get_parameter(target)  # torch's errors for a name it lacks
-        trained = dict(self.local_named_parameters()) if self.partitioned else {}
-        found = trained.get(self.canonical_names.get(target, target))
-        return found if found is not None else self.get_module().get_parameter(target)
+        original = self.get_module().get_parameter(target)
+        return self._walked(self._trained(), target, original)
+
+    def _trained(self) -> dict[str, nn.Parameter]:
+        return dict(self.local_named_parameters()) if self.partitioned else {}
+
+    def _walked(self, trained: dict[str, nn.Parameter], name: str,
+                original: nn.Parameter) -> nn.Parameter:
+        """What the walks give for the module's ``original`` under ``name``: the tensor
+        trained under it, unless ``original`` is its DeepSpeed view (sdp)."""
+        t = trained.get(self.canonical_names.get(name, name))
+        return original if t is None or getattr(original, ds_view.SOURCE, None) is t else t
 
     def named_parameters(self, prefix: str = "", recurse: bool = True,
                          remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
         """The wrapped module's names; once partitioned, a name this rank trains gives the
         tensor it trains, so ``zero_grad``, ``requires_grad_`` and clipping reach it."""
-        trained = dict(self.local_named_parameters()) if self.partitioned else {}
+        trained = self._trained()
         cut = len(prefix) + 1 if prefix else 0
         seen: set[int] = set()
         for name, p in self.get_module().named_parameters(prefix, recurse, False):
-            plain = name[cut:]
-            p = trained.get(self.canonical_names.get(plain, plain), p)
+            p = self._walked(trained, name[cut:], p)
             if remove_duplicate and id(p) in seen:
                 continue
             seen.add(id(p))
             yield name, p
         if recurse:  # trained under a name the wrapped module does not have
             for name, p in trained.items():
-                if id(p) not in seen:
+                if id(p) not in seen and name not in self.canonical_names:
                     seen.add(id(p))
                     yield (f"{prefix}.{name}" if prefix else name), p
 
     def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
         return (p for _, p in self.named_parameters(recurse=recurse))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        me: nn.Module = self  # type: ignore[assignment]
+        nn.Module.zero_grad(me, set_to_none)
+        if self.partitioned:  # sdp: the shards behind the originals' view
+            for r in self._local_runners():
+                r.stage.module.zero_grad(set_to_none)
+
+    def requires_grad_(self, requires_grad: bool = True) -> Any:
+        me: nn.Module = self  # type: ignore[assignment]
+        nn.Module.requires_grad_(me, requires_grad)
+        if self.partitioned:
+            for r in self._local_runners():
+                r.stage.module.requires_grad_(requires_grad)
+        return self
 
     def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
         return self.get_module().named_buffers(*args, **kwargs)

@@ -407,6 +407,7 @@ def _walks(cfg: dict[str, Any]) -> list[str]:
     """After one step: every parameter this rank trains is in ``parameters()`` and has a
     gradient; none keeps it after ``model.zero_grad()``; ``requires_grad_`` and ``eval``
     reach them and their modules."""
+    from smp_fx.parallel import ds_view
     from smp_fx.world import state
     from tests.smp_fx.parallel.test_tensor_parallel import MLP
 
@@ -425,7 +426,8 @@ def _walks(cfg: dict[str, Any]) -> list[str]:
     step(model, torch.randn(8, 8))
     tag, bad = str(cfg), []
     trained = dict(model.local_named_parameters())
-    walked = {id(p) for p in model.parameters()}
+    # under sdp the original object stands for its shard (SMP's DeepSpeed view reads it)
+    walked = {id(getattr(p, ds_view.SOURCE, p)) for p in model.parameters()}
     bad += [f"{tag}: {n} not in parameters()" for n, p in trained.items() if id(p) not in walked]
     bad += [f"{tag}: {n} no gradient" for n, p in trained.items() if p.grad is None]
     model.zero_grad()

@@ -41,7 +41,12 @@ per step); the results are keyed by the optimizer's name. ``--default-cache`` le
 GPT-2's ``use_cache`` at the config's default (True: every layer's key/value cache is an
 output) instead of turning it off. ``--set-tensor-parallelism``: in SMP mode, mark the model
 with ``smp.set_tensor_parallelism(model)`` after building it, as AWS's GPT-2 Trainer script
-(``run_clm.py``) does; the Trainer is then unchanged.
+(``run_clm.py``) does; the Trainer is then unchanged. ``--weight-decay W``:
+``TrainingArguments.weight_decay`` (0 by default), which the Trainer applies to every
+parameter but biases and LayerNorms (``Trainer.get_decay_parameter_names``).
+``--groups-on-wrapped``: the optimizer's groups are named on the model the Trainer wraps
+(in SMP mode the ``DistributedModel``), as transformers 4.2x's ``create_optimizer`` and
+AWS's Bloom ``smp_trainer.py`` name them; the installed versions name them on the base model.
 """
 
 from __future__ import annotations
@@ -125,6 +130,31 @@ def trainer_for(out: str, gas: int, steps: int, save_steps: int | None, batch: i
                    eval_dataset=Tokens(8, 2))
 
 
+def groups_on_wrapped(trainer: Any) -> None:
+    """``trainer.create_optimizer`` becomes 4.2x's: weight-decay groups by the names
+    ``get_parameter_names`` walks on the wrapped model and its ``named_parameters()``."""
+    from transformers import Trainer
+    from transformers.utils import is_sagemaker_mp_enabled
+
+    def create_optimizer(model: Any = None) -> Any:
+        if trainer.optimizer is None:
+            wrapped = trainer._wrap_model(trainer.model_wrapped)
+            decay = set(trainer.get_decay_parameter_names(wrapped))
+            named = list(wrapped.named_parameters())
+            groups = [{"params": [p for n, p in named if n in decay],
+                       "weight_decay": trainer.args.weight_decay},
+                      {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}]
+            cls, kwargs = Trainer.get_optimizer_cls_and_kwargs(trainer.args)
+            trainer.optimizer = cls(groups, **kwargs)
+            if is_sagemaker_mp_enabled():
+                import smdistributed.modelparallel.torch as smp
+
+                trainer.optimizer = smp.DistributedOptimizer(trainer.optimizer)
+        return trainer.optimizer
+
+    trainer.create_optimizer = create_optimizer
+
+
 def losses(trainer: Any, key: str = "loss") -> list[float]:
     return [h[key] for h in trainer.state.log_history if key in h]
 
@@ -152,11 +182,13 @@ def full(out: str) -> dict[str, Any]:
     return result
 
 
-def train_only(out: str, batch: int, optim: str, default_cache: bool, mark_tp: bool
-               ) -> dict[str, Any]:
+def train_only(out: str, batch: int, optim: str, default_cache: bool, mark_tp: bool,
+               weight_decay: float, on_wrapped: bool) -> dict[str, Any]:
     trainer = trainer_for(os.path.join(out, "run"), gas=1, steps=4, save_steps=None,
                           batch=batch, optim=optim, default_cache=default_cache,
-                          mark_tp=mark_tp)
+                          mark_tp=mark_tp, weight_decay=weight_decay)
+    if on_wrapped:
+        groups_on_wrapped(trainer)
     data = trainer.train_dataset
     trainer.train()
     read = list(data.read)
@@ -177,9 +209,12 @@ if __name__ == "__main__":
                      help="TrainingArguments.optim; several, comma-separated")
     cli.add_argument("--default-cache", action="store_true")
     cli.add_argument("--set-tensor-parallelism", action="store_true")
+    cli.add_argument("--weight-decay", type=float, default=0.0)
+    cli.add_argument("--groups-on-wrapped", action="store_true")
     ns = cli.parse_args()
     found = {name: train_only(os.path.join(ns.out, name), ns.batch, name, ns.default_cache,
-                              ns.set_tensor_parallelism)
+                              ns.set_tensor_parallelism, ns.weight_decay,
+                              ns.groups_on_wrapped)
              for name in ns.optim.split(",")} if ns.train_only else full(ns.out)
     rank = int(os.environ.get("RANK", "0"))
     # a file per rank: the ranks share one stdout, where another rank's partly flushed line

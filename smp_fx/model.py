@@ -51,6 +51,7 @@ from smp_fx.marking.delayed_init import allocate, extending, is_delayed, materia
 from smp_fx.marking.tp_register import replace_registered
 from smp_fx.model_options import ModelOptions
 from smp_fx.model_tp_queries import TensorParallelQueries
+from smp_fx.model_walks import ModuleWalks
 from smp_fx.module_view import ModuleView, module_chain
 from smp_fx.nn.attention_checkpointing import checkpoint_attentions
 from smp_fx.optimizer import DistributedOptimizer
@@ -70,7 +71,8 @@ OUTSIDE_STEP = ("The __call__ and backward method calls on the smp.DistributedMo
                 "can only be made inside a smp.step-decorated function")
 
 # SMP's state_dict() (ModelCheckpointMixin) takes none of Module.state_dict's arguments
-class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module):  # type: ignore[misc]
+class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, ModuleWalks,  # type: ignore[misc]
+                       nn.Module):
     """See the module docstring and the SMP API page (``smp.DistributedModel``)."""
 
     # torch DDP reads this in its constructor: wrapping a DistributedModel raises
@@ -121,6 +123,7 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module): 
         if cfg is not None and cfg.checkpoint_attentions:
             checkpoint_attentions(module)
         self._modules["module"] = module  # get_module() reads it; .module is SMP's view
+        self.stand_in_for_root(module)
         self.options = options
         self._parallelized: Parallelized | None = None  # once partitioned
         self._unread: dict[str, torch.Tensor] | None = None
@@ -196,7 +199,7 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module): 
     def module(self) -> ModuleView:
         """SMP v1's wrapper chain above the wrapped module (``smp_fx.module_view``):
         ``model.module.module`` is the module, under ``FP16_Module`` with fp16."""
-        return module_chain(self.get_module(), self._half is not None)
+        return module_chain(self.get_module(), self._half is not None, self)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self._half is not None:  # FP16_Module: half inputs in, fp32 outputs out
@@ -339,68 +342,6 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, nn.Module): 
         module gives: a tied parameter by its first registration (T5's ``shared.weight``,
         GPT-2's ``transformer.wte.weight``), whichever alias its stage reads it by."""
         return self._local().local_named_parameters()
-
-    def named_parameters(self, prefix: str = "", recurse: bool = True,
-                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
-        """As SMP's: the wrapped module's names, without a "module." prefix, so name-based
-        parameter groups built on the plain model apply unchanged. Once partitioned, a name
-        this rank trains gives the tensor it trains (a tensor-parallel shard, a materialised
-        parameter), so clipping reaches it; under sharded data parallelism the original
-        object, whose ``ds_tensor`` views the shard (SMP's ZeRO-3 kept its objects)."""
-        trained = {n: p for n, p in self._trained() if not clip.is_sharded(p)}
-        cut = len(prefix) + 1 if prefix else 0
-        seen: set[int] = set()
-        for name, p in self.get_module().named_parameters(prefix, recurse, False):
-            plain = name[cut:]
-            p = trained.get(self.canonical_names.get(plain, plain), p)
-            if remove_duplicate and id(p) in seen:
-                continue
-            seen.add(id(p))
-            yield name, p
-        if recurse:  # trained under a name the wrapped module does not have
-            for name, p in trained.items():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    yield (f"{prefix}.{name}" if prefix else name), p
-
-    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
-        return (p for _, p in self.named_parameters(recurse=recurse))
-
-    def _trained(self) -> list[tuple[str, nn.Parameter]]:
-        return list(self.local_named_parameters()) if self.partitioned else []
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Every parameter of ``parameters()`` and every tensor this rank trains (the
-        Hugging Face Trainer clears gradients with this call only)."""
-        super().zero_grad(set_to_none)
-        for _, p in self._trained():
-            if p.grad is None:
-                continue
-            if set_to_none:
-                p.grad = None
-            else:
-                p.grad.detach_().zero_()
-
-    def requires_grad_(self, requires_grad: bool = True) -> DistributedModel:
-        super().requires_grad_(requires_grad)
-        for _, p in self._trained():
-            p.requires_grad_(requires_grad)
-        return self
-
-    def train(self, mode: bool = True) -> DistributedModel:
-        """The wrapped module's mode, and once partitioned the local stages' (whose
-        tensor-parallel modules replaced the module's)."""
-        super().train(mode)
-        if self._parallelized is not None:
-            for r in self._local_runners():
-                r.stage.module.train(mode)
-        return self
-
-    def named_buffers(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, torch.Tensor]]:
-        return self.get_module().named_buffers(*args, **kwargs)
-
-    def buffers(self, recurse: bool = True) -> Iterator[torch.Tensor]:
-        return self.get_module().buffers(recurse)
 
     def local_parameters(self) -> Iterator[nn.Parameter]:
         return (p for _, p in self.local_named_parameters())

@@ -11,20 +11,24 @@ and 1.11+'s ``sharded_data_parallel_checkpoint.py`` names parameters through
 ``model.module.named_parameters()`` (``get_module()`` gives the user's module directly).
 
 A ``ModuleView`` is that layer as a view, not a second module: ``.module`` is the object
-below it, and every other attribute, call and method is the user's module's, so
-``model.module.named_parameters()`` names parameters as ``model.named_parameters()`` does
-(no ``module.`` prefix to strip; the 1.11+ script strips one only where it finds one) and
-nothing is registered twice in the module tree.
+below it, and every other attribute, call and method is the user's module's, except the
+walks over parameters (``named_parameters``, ``parameters``, ``zero_grad``,
+``requires_grad_``, ``train``, ``eval``): those are the ``DistributedModel``'s, as in SMP,
+where the distributed modules had replaced the originals. So
+``model.module.named_parameters()`` gives ``model.named_parameters()`` (no ``module.``
+prefix to strip; the 1.11+ script strips one only where it finds one): the tensors trained
+(tensor-parallel shards), and nothing is registered twice in the module tree.
 
 >>> from torch import nn
 >>> net = nn.Sequential(nn.Linear(2, 2))
->>> view = ModuleView(net, ModuleView(net, net, "wrapper"), "FP16_Module")
+>>> view = ModuleView(net, ModuleView(net, net, "wrapper", net), "FP16_Module", net)
 >>> view.module.module is net, view[0] is net[0], view._smp_layer
 (True, True, 'FP16_Module')
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -33,10 +37,34 @@ from torch import nn
 class ModuleView:
     """One layer of the chain above the user's module (see the module docstring)."""
 
-    def __init__(self, target: nn.Module, below: Any, layer: str) -> None:
+    _owner: nn.Module
+
+    def __init__(self, target: nn.Module, below: Any, layer: str, owner: nn.Module) -> None:
         object.__setattr__(self, "_target", target)
         object.__setattr__(self, "module", below)
         object.__setattr__(self, "_smp_layer", layer)
+        object.__setattr__(self, "_owner", owner)  # whose walks reach the trained tensors
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True,
+                         remove_duplicate: bool = True) -> Iterator[tuple[str, nn.Parameter]]:
+        return self._owner.named_parameters(prefix, recurse, remove_duplicate)
+
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        return self._owner.parameters(recurse)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._owner.zero_grad(set_to_none)
+
+    def requires_grad_(self, requires_grad: bool = True) -> ModuleView:
+        self._owner.requires_grad_(requires_grad)
+        return self
+
+    def train(self, mode: bool = True) -> ModuleView:
+        self._owner.train(mode)
+        return self
+
+    def eval(self) -> ModuleView:
+        return self.train(False)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(object.__getattribute__(self, "_target"), name)
@@ -60,11 +88,12 @@ class ModuleView:
         return f"ModuleView[{self._smp_layer}]({object.__getattribute__(self, '_target')!r})"
 
 
-def module_chain(module: nn.Module, fp16: bool) -> ModuleView:
-    """What ``DistributedModel.module`` gives for ``module``: the wrapper whose ``.module``
-    is ``module``, under SMP's ``FP16_Module`` layer when ``fp16`` is configured."""
-    wrapper = ModuleView(module, module, "wrapper")
-    return ModuleView(module, wrapper, "FP16_Module") if fp16 else wrapper
+def module_chain(module: nn.Module, fp16: bool, owner: nn.Module) -> ModuleView:
+    """What ``DistributedModel.module`` (``owner``) gives for ``module``: the wrapper whose
+    ``.module`` is ``module``, under SMP's ``FP16_Module`` layer when ``fp16`` is
+    configured."""
+    wrapper = ModuleView(module, module, "wrapper", owner)
+    return ModuleView(module, wrapper, "FP16_Module", owner) if fp16 else wrapper
 
 
 __all__ = ["ModuleView", "module_chain"]

@@ -199,10 +199,14 @@ def test_trainer_tp2_equals_plain_trainer_with_adamw_and_sgd(tmp_path: Path) -> 
     nothing else changed: ``ddp``, the Trainer's default ``max_grad_norm`` 1.0), per-device
     batch 4, AdamW then SGD in one run, against the plain Trainer at batch 8 (what DDP on 2
     ranks computes): the Trainer clears gradients with ``model.zero_grad()`` only, so that
-    must reach the tensor-parallel shards, and it clips by the whole model's norm."""
+    must reach the tensor-parallel shards, and it clips by the whole model's norm. Weight
+    decay 0.1, its groups named on the wrapped model (``--groups-on-wrapped``: the
+    ``DistributedModel`` here, as transformers 4.2x and AWS's Bloom ``smp_trainer.py`` name
+    them): ``get_parameter_names``' walk must give ``named_parameters()``' names."""
     env = {**SMP_ENV, "SM_HP_MP_PARAMETERS": json.dumps(
         {"partitions": 1, "tensor_parallel_degree": 2, "ddp": True})}
-    args = ["--train-only", "--optim", "adamw_torch,sgd", "--set-tensor-parallelism"]
+    args = ["--train-only", "--optim", "adamw_torch,sgd", "--set-tensor-parallelism",
+            "--weight-decay", "0.1", "--groups-on-wrapped"]
     plain, ranks = _run_pair(tmp_path, 2, env, [*args, "--batch", "4"], [*args, "--batch", "8"])
     for optim, tol in (("adamw_torch", 1e-4), ("sgd", 1e-5)):
         for rank, got in enumerate(ranks):

@@ -354,6 +354,48 @@ def test_wrapping_the_same_module_again_gives_the_same_model(fresh: None) -> Non
     assert other is not model and not other.partitioned
 
 
+class _Rooted(nn.Module):
+    """A parameter on the root, a LayerNorm and linears: what the Trainer's weight-decay
+    walk tells apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(4))
+        self.inp = nn.Linear(4, 8)
+        self.norm = nn.LayerNorm(8)
+        self.out = nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(torch.relu(self.inp(x * self.scale))))
+
+
+def test_walks_by_name_see_the_wrapped_module_as_root(fresh: None) -> None:
+    """pp 2 in-process, before and after partitioning: transformers' weight-decay names on
+    the model are the plain module's (LayerNorm's left out by type, the root's parameter
+    kept), ``named_modules()`` names modules as the module does, and ``train``/``apply``
+    still reach the module itself."""
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    net = _Rooted()
+    model = smp.DistributedModel(net)
+    decay = get_parameter_names(net, [nn.LayerNorm])
+    assert "scale" in decay and "norm.weight" not in decay
+    for when in ("before", "after"):
+        assert get_parameter_names(model, [nn.LayerNorm]) == decay, when
+        assert [(n, type(m)) for n, m in model.named_modules()][1:] == [
+            (n, type(m)) for n, m in net.named_modules()][1:], when
+        assert _names_walked(model, when) == []
+        _step(model, torch.randn(4, 4))
+    model.eval()
+    assert not net.training and not any(m.training for m in model.local_modules())
+    model.train()
+    assert net.training and model.training
+    visited: list[nn.Module] = []
+    model.apply(visited.append)
+    assert visited[-1] is model and net in visited and net.norm in visited
+    assert list(model.children()) == list(net.children())
+
+
 # tp 2 (shards replace the module's parameters), pp 2 (tied replicas), sdp 2 (FSDP2 shards)
 WALK_CONFIGS = ({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True},
                 {"pipeline_parallel_degree": 2, "microbatches": 2},
@@ -362,11 +404,10 @@ WALK_CONFIGS = ({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "dd
 
 
 def _walks(cfg: dict[str, Any]) -> list[str]:
-    """After one step: every parameter this rank trains is in ``parameters()`` (under
-    sharded data parallelism its original, whose ``ds_tensor`` views the shard: SMP's ZeRO-3
-    kept the objects) and has a gradient; none keeps it after ``model.zero_grad()``;
-    ``requires_grad_`` and ``eval`` reach them and their modules."""
-    from smp_fx.parallel.clip import is_sharded
+    """After one step: every parameter this rank trains is in ``parameters()`` and has a
+    gradient; none keeps it after ``model.zero_grad()``; ``requires_grad_`` and ``eval``
+    reach them and their modules."""
+    from smp_fx.parallel import ds_view
     from smp_fx.world import state
     from tests.smp_fx.parallel.test_tensor_parallel import MLP
 
@@ -385,10 +426,9 @@ def _walks(cfg: dict[str, Any]) -> list[str]:
     step(model, torch.randn(8, 8))
     tag, bad = str(cfg), []
     trained = dict(model.local_named_parameters())
-    named = dict(model.named_parameters())
-    walked = {id(p) for p in named.values()}
-    bad += [f"{tag}: {n} not in parameters()" for n, p in trained.items()
-            if not (hasattr(named.get(n), "ds_tensor") if is_sharded(p) else id(p) in walked)]
+    # under sdp the original object stands for its shard (SMP's DeepSpeed view reads it)
+    walked = {id(getattr(p, ds_view.SOURCE, p)) for p in model.parameters()}
+    bad += [f"{tag}: {n} not in parameters()" for n, p in trained.items() if id(p) not in walked]
     bad += [f"{tag}: {n} no gradient" for n, p in trained.items() if p.grad is None]
     model.zero_grad()
     bad += [f"{tag}: {n} kept its gradient" for n, p in trained.items() if p.grad is not None]
@@ -397,7 +437,27 @@ def _walks(cfg: dict[str, Any]) -> list[str]:
     model.requires_grad_(True)
     model.eval()
     bad += [f"{tag}: {type(m).__name__} training" for m in model.local_modules() if m.training]
-    return bad
+    return bad + _names_walked(model, tag)
+
+
+def _names_walked(model: Any, tag: str) -> list[str]:
+    """transformers' ``get_parameter_names`` (the Trainer's weight-decay walk over
+    ``named_children()`` and ``_parameters``) gives ``named_parameters()``' names, and
+    ``model.module.named_parameters()`` (SMP's wrapper) the same tensors; ``get_parameter``
+    and ``get_submodule`` read those names."""
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    named = list(model.named_parameters())
+    walked = get_parameter_names(model, [])
+    bad = [f"{tag}: get_parameter_names {sorted(set(walked) ^ {n for n, _ in named})}"
+           ] if sorted(walked) != sorted(n for n, _ in named) else []
+    bad += [f"{tag}: get_parameter({n!r}) is another tensor" for n, p in named
+            if model.get_parameter(n) is not p]
+    bad += [f"{tag}: get_submodule({n!r})" for n, m in model.named_modules()
+            if model.get_submodule(n) is not m]
+    view = [(n, id(p)) for n, p in model.module.named_parameters()]
+    return bad + ([f"{tag}: model.module walks other tensors"]
+                  if view != [(n, id(p)) for n, p in named] else [])
 
 
 def _walks_body() -> list[str]:

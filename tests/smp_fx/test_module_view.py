@@ -55,8 +55,11 @@ def test_the_scripts_walk_reaches_the_module(one_thread: None, fp16: bool) -> No
     torch.testing.assert_close(model.module(x), net(x))
     model.module.flag = 3
     assert net.flag == 3 and model.module.transformer.h[1] is net.transformer.h[1]
-    # the module is registered once: no second copy in the tree
-    assert sum(1 for mod in model.modules() if mod is net) == 1
+    # the module is registered once (no second copy in the tree); walks by name see the
+    # model standing in for its root, under the module's own names
+    assert dict(model._modules) == {"module": net}
+    assert [(n, id(m)) for n, m in model.named_modules()][1:] == [
+        (n, id(m)) for n, m in net.named_modules()][1:]
 
 
 def test_a_wrapper_the_script_made_stays_below(one_thread: None) -> None:

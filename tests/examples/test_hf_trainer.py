@@ -75,7 +75,8 @@ def test_trainer_smp_mode_matches_plain_trainer(tmp_path: Path) -> None:
     sums = torch.tensor(plain["predict"][1])
     assert bool(((sums[:, None] - sums[None, :]).abs() + torch.eye(8) * 1e9 > 1e-2).all()), sums
     for run in ("eval", "gas2_evals", "best"):
-        torch.testing.assert_close(got[run], plain[run], rtol=1e-5, atol=1e-5)
+        tol = 1e-3 if run != "eval" and _transformers_major() < 5 else 1e-5  # as gas2 above
+        torch.testing.assert_close(got[run], plain[run], rtol=tol, atol=tol)
     # load_best_model_at_end: the Trainer's SMP branch loads the best checkpoint in full
     assert len(got["gas2_evals"]) == 2 and got["gas2_evals"][0] != got["gas2_evals"][1]
     torch.testing.assert_close(got["best"], min(got["gas2_evals"]), rtol=1e-6, atol=1e-6)

@@ -100,9 +100,16 @@ def init_kwargs(config: Any) -> dict[str, Any]:
             raise not_implemented(f"GPT2Config.{field}={bad} in the distributed GPT-2",
                                   field, f"set {field}={not bad}, or create the model "
                                   "outside smp.model_creation(tensor_parallelism=True)")
+    return gpt2_style_kwargs(config, FAMILY)
+
+
+def gpt2_style_kwargs(config: Any, family: str) -> dict[str, Any]:
+    """The transformer's arguments from GPT-2's field names (``n_layer``, ``n_embd``, ...),
+    which GPT-J's configuration shares; an activation it cannot compute is refused."""
     if config.activation_function not in ACTIVATIONS:
         raise not_implemented(f"activation {config.activation_function!r} in the "
-                              "distributed GPT-2", "GPT2Config.activation_function",
+                              f"distributed {family}",
+                              f"{type(config).__name__}.activation_function",
                               f"use one of {sorted(ACTIVATIONS)}")
     return {"num_layers": config.n_layer, "num_attention_heads": config.n_head,
             "attention_head_size": config.n_embd // config.n_head,

@@ -22,7 +22,7 @@ from typing import Any
 from cost_model.errors import not_implemented
 from smp_fx.nn.huggingface import registry
 from smp_fx.nn.huggingface.causal_lm import CausalLMHead, Layout
-from smp_fx.nn.huggingface.gpt2 import ACTIVATIONS
+from smp_fx.nn.huggingface.gpt2 import gpt2_style_kwargs
 from smp_fx.nn.huggingface.translate import Rename, hf_to_smp, smp_to_hf
 from smp_fx.nn.huggingface.unbuilt import layer_hooks
 
@@ -60,26 +60,11 @@ def translate_state_dict_to_hf_gptj(state_dict: dict[str, Any]) -> dict[str, Any
 
 def layout(config: Any) -> Layout:
     """``GPTJLMHead``'s arguments for a ``GPTJConfig``; what it cannot compute is refused."""
-    if config.activation_function not in ACTIVATIONS:
-        raise not_implemented(f"activation {config.activation_function!r} in the "
-                              "distributed GPT-J", "GPTJConfig.activation_function",
-                              f"use one of {sorted(ACTIVATIONS)}")
+    kwargs = gpt2_style_kwargs(config, FAMILY)
     if not config.rotary_dim:
         raise not_implemented("GPT-J without rotary_dim (Hugging Face's own model needs "
                               "one head then)", "GPTJConfig.rotary_dim",
                               "set rotary_dim (GPT-J 6B: 64)")
-    head = config.n_embd // config.n_head
-    kwargs = {"num_layers": config.n_layer, "num_attention_heads": config.n_head,
-              "attention_head_size": head, "hidden_size": config.n_embd,
-              "intermediate_size": config.n_inner or 4 * config.n_embd,
-              "vocab_size": config.vocab_size, "num_positions": config.n_positions,
-              "attention_dropout_prob": config.attn_pdrop,
-              "hidden_dropout_prob": config.resid_pdrop,
-              "activation": ACTIVATIONS[config.activation_function],
-              "layernorm_epsilon": config.layer_norm_epsilon,
-              "initializer_range": config.initializer_range,
-              "use_normal_initialization": True, "causal_mask_size": config.n_positions,
-              "pre_layernorm": True, "post_layernorm": True}
     options = {"shared_layernorm": True, "rotary_dim": config.rotary_dim,
                "rotary_interleaved": True, "query_key_value_bias": False,
                "dense_bias": False}

@@ -89,7 +89,7 @@ def global_norm(counted: Sequence[torch.Tensor], norm_type: float = 2.0,
         raise SMPRuntimeError.build("norm_type must be > 0 or inf", norm_type,
                                     "smp clip_grad_norm_", "use 2.0 (default), 1.0 or inf")
     device = counted[0].device if counted else _device()
-    plain = [g for g in counted if not is_sharded(g)]
+    plain = [g for g in counted if not _is_dtensor(g)]
     total = _power_sum([g.detach() for g in plain], p, device)
     for group, tensors in _sharded(counted).items():
         part = _power_sum(tensors, p, device)
@@ -152,8 +152,7 @@ def _mp_groups() -> list[Any]:
     return [st.group("mp")]
 
 
-def is_sharded(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a sharded data parallelism's (FSDP2's) ``DTensor``."""
+def _is_dtensor(t: torch.Tensor) -> bool:
     return DTensor is not None and isinstance(t, DTensor)
 
 
@@ -172,7 +171,7 @@ def _sharded(tensors: Sequence[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
     (their local shards, detached)."""
     out: dict[Any, list[torch.Tensor]] = {}
     for t in tensors:
-        if not is_sharded(t):
+        if not _is_dtensor(t):
             continue
         dt: Any = t
         dims = [d for d, pl in enumerate(dt.placements) if isinstance(pl, Shard)]

@@ -46,10 +46,10 @@ from models.gpt import build_model, example_inputs  # noqa: E402
 
 from cost_model.cluster import MEGATRON_FIT, ClusterSpec, get_cluster  # noqa: E402
 from cost_model.errors import SMPError  # noqa: E402
-from passes.cluster.model import Prepared, prepare  # noqa: E402
-from passes.cluster.planner import plan  # noqa: E402
-from passes.cluster.step import Setting  # noqa: E402
-from smp_fx.cli.plan_config import smp_config  # noqa: E402
+from smp_fx.planner.model import Prepared, prepare  # noqa: E402
+from smp_fx.planner.planner import plan  # noqa: E402
+from smp_fx.planner.smp_config import smp_config  # noqa: E402
+from smp_fx.planner.step import Setting  # noqa: E402
 
 CSV = Path("/work/shared/data/megatron_sc21_table1.csv")
 VOCAB, SEQ = 51200, 2048

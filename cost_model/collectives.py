@@ -5,7 +5,7 @@ all-reduces over NVLink inside a node, data-parallel all-reduces (or reduce-scat
 all-gather) over the inter-node fabric, and how many groups share a node's network cards.
 This module is the one place those formulas live; ``passes.tensor_parallel.costs`` prices the
 tensor-parallel collectives of a rewritten graph with ``ring_steps`` and the cluster
-planner (``passes.cluster``) prices every collective of a plan with ``collective_time``.
+planner (``smp_fx.planner``) prices every collective of a plan with ``collective_time``.
 
 The model follows NCCL's own tuning model (``src/graph/tuning.cc``, ``ncclTopoTuneModel``
 and ``ncclTopoGetAlgoTime``): time = latency + bytes / algorithm bandwidth, where

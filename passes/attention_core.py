@@ -2,7 +2,7 @@
 
 Why: Megatron's selective recomputation (Korthikanti et al. 2022, arXiv 2205.05198)
 recomputes only this part of a layer, the part that keeps the most bytes per FLOP (the
-``s x s`` scores and probabilities). The planner prices it (``passes.cluster.profile``)
+``s x s`` scores and probabilities). The planner prices it (``smp_fx.planner.profile``)
 and the runtime recomputes it (``passes.checkpoint_regions``) from this one finder: an
 ``sdpa`` node, or a softmax with the elementwise ops around it out to the two matmuls
 (Hugging Face's eager attention: matmul, scale, mask, softmax, dropout, matmul).

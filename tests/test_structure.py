@@ -31,6 +31,7 @@ SMP_FX_LAYERS: tuple[tuple[str, ...], ...] = (
     # checkpoints pause it while loading pretrained weights
     ("smp_fx.version", "smp_fx._compat", "smp_fx.config", "smp_fx.topology",
      "smp_fx.namespaces", "smp_fx.marking.init_tape"),
+    ("smp_fx.planner",),  # a search over configurations, reading passes and cost_model
     ("smp_fx.world",),
     ("smp_fx.ckpt",),
     ("smp_fx.marking", "smp_fx.amp"),

@@ -4,7 +4,7 @@ Why: "which configuration, and how fast will it be?" is the first question of an
 model and a cluster. The command builds the model (``build_model()``; ``--meta`` on the meta
 device), traces it once, and searches tensor, pipeline and data parallel degrees,
 microbatching, schedule and virtual stages, recomputation, sequence parallelism and
-sharding (``passes.cluster``) on a cluster: ``--cluster NAME|FILE.json``, or ``--device
+sharding (``smp_fx.planner``) on a cluster: ``--cluster NAME|FILE.json``, or ``--device
 a100|h100|v100|cpu|FILE.json`` with ``--gpus-per-node``, the bandwidths and
 ``--gpu-memory-gib``. It prints the top plans, why the best wins, and optionally writes
 them (``--json``), the best's SMP configuration (``--emit-config``: ``smp-fx run`` and
@@ -43,12 +43,7 @@ from cost_model.cluster import (
 )
 from cost_model.devices import load_device
 from cost_model.errors import SMPConfigError
-from passes.cluster.candidate import parse_fix
-from passes.cluster.memory import PRECISIONS
-from passes.cluster.model import Prepared, prepare
-from passes.cluster.planner import Planned, plan
-from passes.cluster.profile import model_dtype
-from passes.cluster.step import Setting
+from cost_model.memory import PRECISIONS
 from smp_fx.cli import plan_render
 from smp_fx.cli.partition import (
     _call,
@@ -58,7 +53,12 @@ from smp_fx.cli.partition import (
     load_model_file,
     run_or_report,
 )
-from smp_fx.cli.plan_config import refusal, script_notes, smp_config
+from smp_fx.planner.candidate import parse_fix
+from smp_fx.planner.model import Prepared, prepare
+from smp_fx.planner.planner import Planned, plan
+from smp_fx.planner.profile import model_dtype
+from smp_fx.planner.smp_config import refusal, script_notes, smp_config
+from smp_fx.planner.step import Setting
 
 GiB = 1024**3
 

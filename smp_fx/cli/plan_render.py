@@ -9,10 +9,10 @@ from cost_model.collectives import p2p_time
 from cost_model.schedule import SCHEDULE_NAMES, generate
 from cost_model.simulate import SimResult, StageCost, simulate
 from cost_model.units import human_bytes, human_time
-from passes.cluster.planner import Planned
-from passes.cluster.result import PlanRecord
-from passes.cluster.step import crosses_node
 from smp_fx.cli.render import _table
+from smp_fx.planner.planner import Planned
+from smp_fx.planner.result import PlanRecord
+from smp_fx.planner.step import crosses_node
 
 HEADER = ("#", "tp", "pp", "dp", "mbs", "m", "schedule", "v", "recompute", "sp", "zero",
           "step", "tokens/s", "TF/GPU model", "TF/GPU hw", "MFU", "mem/GPU", "bubble",

@@ -11,10 +11,10 @@ from torch import nn
 from passes import meta
 from passes.attention_core import attention_cores
 from passes.checkpoint_regions import core_regions, mark_regions
-from passes.cluster.model import Profiler, prepare
 from passes.partition_config import ATTENTION_CORE, CheckpointRule, PartitionConfig
 from passes.pipeline import analyse, compile_model
-from tests.passes.cluster.conftest import gpt_inputs, link_cluster, tiny_gpt
+from smp_fx.planner.model import Profiler, prepare
+from tests.smp_fx.planner.conftest import gpt_inputs, link_cluster, tiny_gpt
 
 SELECTIVE = (CheckpointRule("", ATTENTION_CORE),)
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from cost_model.cluster import ClusterSpec, get_cluster
-from passes.cluster.candidate import Candidate
-from passes.cluster.result import PLAN_KEYS, PlanRecord
 from smp_fx.cli import main as cli_main
 from smp_fx.cli import plan as plan_cli
-from smp_fx.cli.plan_config import refusal
 from smp_fx.config import load_config, validate
+from smp_fx.planner.candidate import Candidate
+from smp_fx.planner.result import PLAN_KEYS, PlanRecord
+from smp_fx.planner.smp_config import refusal
 
 ROOT = Path(__file__).resolve().parents[3]
 GPT = ["--build-arg", "n_layer=4", "--build-arg", "n_embd=32", "--build-arg", "n_head=4",

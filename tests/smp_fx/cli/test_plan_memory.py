@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from passes.cluster.model import prepare
-from passes.cluster.planner import plan
-from passes.cluster.step import Setting, memory_by_rank
-from smp_fx.cli.plan_config import smp_config
+from smp_fx.planner.model import prepare
+from smp_fx.planner.planner import plan
+from smp_fx.planner.smp_config import smp_config
+from smp_fx.planner.step import Setting, memory_by_rank
 from tests.helpers.dist import run_ranks
-from tests.passes.cluster.conftest import link_cluster
+from tests.smp_fx.planner.conftest import link_cluster
 
 SIZES = {"n_layer": 4, "n_embd": 64, "n_head": 4, "vocab_size": 128, "seq_len": 32}
 ARGS = ["--n-layer", "4", "--n-embd", "64", "--n-head", "4", "--vocab-size", "128",

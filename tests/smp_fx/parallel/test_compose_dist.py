@@ -13,7 +13,7 @@ trains on its own slice of the global batch (``prescaled_batch`` false).
   GPT-NeoX (both from configs); pp 2 x tp 2 x sdp 2 on 8 ranks (the example GPT, its tie
   across the stages);
 * memory on the example GPT: parameter, gradient and optimizer-state bytes per rank at
-  tp 2 x sdp 2 equal the planner's memory model (``passes.cluster.memory``); at tp 2 x
+  tp 2 x sdp 2 equal the planner's memory model (``cost_model.memory``); at tp 2 x
   ZeRO-1 parameters and gradients equal it, the state within one parameter's of its 1/rdp;
 * checkpoints across layouts, each leg resuming the previous leg's checkpoint and taking
   one more step, the last leg's ``state_dict()`` equal to the uninterrupted reference:
@@ -171,11 +171,11 @@ def run_case(kind: str, pp: int, tp: int, extra: dict[str, Any], path: str) -> l
 
 def memory_differs(model: Any, opt: Any, extra: dict[str, Any]) -> list[str]:
     """This rank's parameter, gradient and optimizer-state bytes against the planner's
-    memory model (``passes.cluster.memory``) for its tp shard: sharded data parallelism
+    memory model (``cost_model.memory``) for its tp shard: sharded data parallelism
     exactly; ZeRO-1 shards whole parameters, so each rank's state is within one
     parameter's of the model's 1/dp and the rdp group's sum is the model's whole state."""
     import smp_fx as smp
-    from passes.cluster.memory import memory_per_gpu
+    from cost_model.memory import memory_per_gpu
 
     params = list({id(p): p for _, p in model.local_named_parameters()}.values())
     threshold = extra.get("sdp_param_persistence_threshold", 0)

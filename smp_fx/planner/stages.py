@@ -26,8 +26,8 @@ import numpy as np
 
 from cost_model.device import DeviceSpec
 from cost_model.schedule_cost import RankTimes
-from passes.cluster.profile import PartCost, Profile
 from passes.partitioning.chain import solve
+from smp_fx.planner.profile import PartCost, Profile
 
 
 @dataclass(frozen=True)

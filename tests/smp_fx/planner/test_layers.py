@@ -7,10 +7,10 @@ from torch import nn
 
 from examples.models import mlp
 from passes import meta
-from passes.cluster.layers import find_repeats, keep_layers, layer_of
 from passes.shape_prop import shape_prop
 from passes.trace import trace
-from tests.passes.cluster.conftest import gpt_inputs, tiny_gpt
+from smp_fx.planner.layers import find_repeats, keep_layers, layer_of
+from tests.smp_fx.planner.conftest import gpt_inputs, tiny_gpt
 
 
 def _layers(gm: torch.fx.GraphModule) -> set[str]:

@@ -1,6 +1,6 @@
 """``plan``: the one entry of the cluster planner (the CLI and the benchmarks call it).
 
-A prepared model (``passes.cluster.model.prepare``) and a ``Setting`` (cluster, GPU count,
+A prepared model (``smp_fx.planner.model.prepare``) and a ``Setting`` (cluster, GPU count,
 global batch, precision) in; the ranked plans that fit out, as ``PlanRecord``s with the
 reason the best beats the runner-up. A search that finds no plan that fits is an error
 that says how much memory the smallest candidate needs and what would make it fit.
@@ -13,12 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from cost_model.errors import SMPConfigError
-from passes.cluster.candidate import Candidate
-from passes.cluster.model import Prepared, Profiler
-from passes.cluster.result import PlanRecord, explain, record
-from passes.cluster.search import Allowed, Progress, SearchResult, check_fixed, search
-from passes.cluster.stages import Ranks, rank_loads
-from passes.cluster.step import Priced, Setting, model_flops
+from smp_fx.planner.candidate import Candidate
+from smp_fx.planner.model import Prepared, Profiler
+from smp_fx.planner.result import PlanRecord, explain, record
+from smp_fx.planner.search import Allowed, Progress, SearchResult, check_fixed, search
+from smp_fx.planner.stages import Ranks, rank_loads
+from smp_fx.planner.step import Priced, Setting, model_flops
 
 GiB = 1024**3
 
@@ -50,7 +50,7 @@ class Planned:
 def plan(prepared: Prepared, setting: Setting, *, fixed: Mapping[str, Any] | None = None,
          allowed: Allowed | None = None, top_k: int = 5, max_mbs: int = 64,
          profiler: Profiler | None = None, progress: Progress | None = None) -> Planned:
-    """Search and rank (``passes.cluster.search``); raise when nothing fits (module doc)."""
+    """Search and rank (``smp_fx.planner.search``); raise when nothing fits (module doc)."""
     fixed = dict(fixed or {})
     check_fixed(fixed, setting.gpus, setting.global_batch, prepared.info.layers)
     prof = profiler or Profiler(prepared, setting.cluster)

@@ -1,9 +1,9 @@
 """The search over degrees, microbatching, schedules, recomputation and sharding.
 
 Why this order of loops: what is costly is pricing a model's parts (a tenth of a second
-per microbatch size, tp degree and sequence parallelism, ``passes.cluster.model``) and
+per microbatch size, tp degree and sequence parallelism, ``smp_fx.planner.model``) and
 cutting them into stages (cached per recompute mode, chunk count and placement,
-``passes.cluster.stages``); everything inside is closed form (``passes.cluster.step``),
+``smp_fx.planner.stages``); everything inside is closed form (``smp_fx.planner.step``),
 microseconds per candidate. So the loops go tp -> sp -> pp -> microbatch size ->
 recompute -> (schedule, v) -> sharding, and ``--fix`` prunes each as early as it can.
 
@@ -14,7 +14,7 @@ per-replica batch (at most ``max_mbs``); v in 1, 2, 3, 4, 6, 8 for ``interleaved
 ``simple`` (looped BFS) and ``zero_bubble``, 2 for ``zbv``; recompute none, selective,
 full (only none without repeated layers); sp with tp > 1; sharding none, zero1 and fsdp
 with dp > 1. ``allowed`` may refuse more (what the runtime cannot run yet) and says why.
-A candidate fits when its busiest GPU's memory (``passes.cluster.memory``) is within
+A candidate fits when its busiest GPU's memory (``cost_model.memory``) is within
 ``ClusterSpec.usable_memory_bytes``; fitting candidates are ranked by predicted step time.
 """
 
@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from cost_model.errors import SMPConfigError
+from cost_model.memory import ZERO
 from cost_model.schedule_cost import check
-from passes.cluster.candidate import Candidate
-from passes.cluster.memory import ZERO
-from passes.cluster.model import Profiler
-from passes.cluster.stages import Ranks, rank_loads
-from passes.cluster.step import Links, Priced, Setting, links, price
+from smp_fx.planner.candidate import Candidate
+from smp_fx.planner.model import Profiler
+from smp_fx.planner.stages import Ranks, rank_loads
+from smp_fx.planner.step import Links, Priced, Setting, links, price
 
 VIRTUAL = (2, 3, 4, 6, 8)
 Allowed = Callable[[Candidate], "str | None"]

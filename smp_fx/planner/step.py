@@ -4,7 +4,7 @@ Why one function: the search calls ``price`` for every candidate, and ``--fix`` 
 key given calls it once; both must give the same number. How a step is priced, as smp-fx's
 runtime runs it:
 
-1. **Stages** (``passes.cluster.stages``): the parts of ``passes.cluster.profile`` (head,
+1. **Stages** (``smp_fx.planner.stages``): the parts of ``smp_fx.planner.profile`` (head,
    layers, tail) cut into ``pp x vp`` contiguous chunks, the slowest minimised. A rank's
    forward, backward and weight-gradient time per microbatch are its chunks' sums, plus
    the runtime's cost per action and per message (``DeviceSpec.microbatch_overhead_s`` /
@@ -40,11 +40,11 @@ import numpy as np
 
 from cost_model.cluster import ClusterSpec
 from cost_model.collectives import Collective, Fabric, collective_time, p2p_time
+from cost_model.memory import MemoryPerGPU, memory_per_gpu, state_bytes
 from cost_model.schedule_cost import RankTimes, in_flight_at, price_schedule
-from passes.cluster.candidate import Candidate
-from passes.cluster.memory import MemoryPerGPU, memory_per_gpu, state_bytes
-from passes.cluster.profile import Profile
-from passes.cluster.stages import Ranks
+from smp_fx.planner.candidate import Candidate
+from smp_fx.planner.profile import Profile
+from smp_fx.planner.stages import Ranks
 
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 """torch DDP's default ``bucket_cap_mb``: the last bucket's reduction is never hidden."""
@@ -62,7 +62,7 @@ class Setting:
     """How much slower ops run than the spec says (processes sharing a host's cores)."""
     step_temporary: bool = False
     """The optimizer step makes a float32 temporary of the parameters it steps (torch's
-    Adam on CUDA, ``foreach``; ``passes.cluster.memory``)."""
+    Adam on CUDA, ``foreach``; ``cost_model.memory``)."""
 
     @functools.cached_property
     def fabric(self) -> Fabric:
@@ -286,7 +286,7 @@ def peak_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
 
 def memory_by_rank(c: Candidate, ranks: Ranks, profile: Profile,
                    setting: Setting) -> list[MemoryPerGPU]:
-    """Each pipeline rank's peak memory (``passes.cluster.memory``) under ``c``'s schedule."""
+    """Each pipeline rank's peak memory (``cost_model.memory``) under ``c``'s schedule."""
     m = c.microbatches(setting.global_batch)
     boundary = max((g for _, g in ranks.hops), default=0)
     return [_memory(c, ranks, profile, setting, m, r, boundary) for r in range(c.pp)]

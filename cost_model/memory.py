@@ -20,7 +20,7 @@ degree (Adam's per-tensor step counters, 4 bytes each, count too); ``fsdp``
 (``sharded_data_parallel_degree`` = dp) divides everything but the tensors below SMP's
 ``sdp_param_persistence_threshold`` (``whole``: kept on every rank) and gathers
 two layers' parameters at a time (FSDP2 prefetches one unit ahead). Activations are the
-bytes a microbatch keeps on the rank (``passes.cluster.profile``) times the microbatches
+bytes a microbatch keeps on the rank (``smp_fx.planner.profile``) times the microbatches
 the schedule holds in flight there (``cost_model.schedule_cost.in_flight_at``), plus the
 largest recompute transient. Buffers: DDP's gradient buckets (a copy of the gradients:
 ``gradient_as_bucket_view`` is off by default), two frames per pipeline channel, and the

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cost_model.units import human_time
-from passes.cluster.candidate import Candidate
-from passes.cluster.step import Priced
+from smp_fx.planner.candidate import Candidate
+from smp_fx.planner.step import Priced
 
 PLAN_KEYS = ("tp", "pp", "dp", "mbs", "microbatches", "vp", "schedule", "recompute", "sp",
              "zero", "step_time_s", "memory_bytes_per_gpu", "bubble_fraction",

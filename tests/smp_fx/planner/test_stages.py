@@ -7,9 +7,9 @@ import itertools
 import pytest
 
 from cost_model.devices import get_device
-from passes.cluster.model import Profiler, prepare
-from passes.cluster.stages import chunk_ranks, rank_loads, split_layers
-from tests.passes.cluster.conftest import gpt_inputs, link_cluster, tiny_gpt
+from smp_fx.planner.model import Profiler, prepare
+from smp_fx.planner.stages import chunk_ranks, rank_loads, split_layers
+from tests.smp_fx.planner.conftest import gpt_inputs, link_cluster, tiny_gpt
 
 
 def _brute(head: float, first: float, layer: float, tail: float, n: int, k: int) -> float:

@@ -8,13 +8,13 @@ import pytest
 
 from cost_model.collectives import collective_time
 from cost_model.errors import SMPConfigError
-from passes.cluster.candidate import Candidate, parse_fix
-from passes.cluster.model import Profiler, prepare
-from passes.cluster.planner import plan
-from passes.cluster.search import check_fixed, schedule_options, search
-from passes.cluster.stages import rank_loads
-from passes.cluster.step import Setting, price
-from tests.passes.cluster.conftest import gpt_inputs, link_cluster, tiny_gpt
+from smp_fx.planner.candidate import Candidate, parse_fix
+from smp_fx.planner.model import Profiler, prepare
+from smp_fx.planner.planner import plan
+from smp_fx.planner.search import check_fixed, schedule_options, search
+from smp_fx.planner.stages import rank_loads
+from smp_fx.planner.step import Setting, price
+from tests.smp_fx.planner.conftest import gpt_inputs, link_cluster, tiny_gpt
 
 
 @pytest.fixture(scope="module")

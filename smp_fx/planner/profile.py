@@ -2,7 +2,7 @@
 
 Why: the planner must price a plan with the same code that prices ``smp-fx partition`` and
 ``DistributedModel``'s plan. For a microbatch size, a tensor-parallel degree and sequence
-parallelism it runs, on the graph ``passes.cluster.layers`` reduced to two layers,
+parallelism it runs, on the graph ``smp_fx.planner.layers`` reduced to two layers,
 ``shape_prop`` -> ``annotate_costs`` (node times on the device spec: GEMM efficiency by
 shape, attention, memory-bound kernels by bandwidth) -> ``tensor_parallel`` (the rewrite
 the runtime runs: sharded work divided, its all-reduces, all-gathers and reduce-scatters
@@ -37,10 +37,10 @@ from passes import meta
 from passes.annotate_costs import annotate_costs
 from passes.attention_core import attention_cores
 from passes.checkpoint_regions import COMPUTE, Region, stage_activations
-from passes.cluster.layers import KEPT, Repeats, layer_of
 from passes.shape_prop import shape_prop
 from passes.tensor_parallel import TensorParallelism, tensor_parallel
 from passes.tensor_parallel.costs import COLLECTIVES
+from smp_fx.planner.layers import KEPT, Repeats, layer_of
 
 RECOMPUTE = ("none", "selective", "full")
 PERSISTENCE_THRESHOLD = 1_000_000
@@ -265,7 +265,7 @@ def profile(reduced: torch.fx.GraphModule, repeats: Repeats | None,
             inputs: Callable[[int], tuple[Any, ...]], mbs: int, tp: int, sp: bool,
             spec: DeviceSpec, tp_comm: Callable[[float], float] | None,
             marked: tuple[str, ...] = ("",)) -> Profile:
-    """Price ``reduced`` (``passes.cluster.layers.keep_layers``, or the whole graph when
+    """Price ``reduced`` (``smp_fx.planner.layers.keep_layers``, or the whole graph when
     ``repeats`` is None) for one microbatch of ``mbs`` samples (``inputs(mbs)``) at tensor
     parallel degree ``tp`` (Megatron semantics: the tp ranks share the batch; ``marked``
     module paths are sharded, the whole model by default) with ``sp`` sequence

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from passes.cluster.model import Profiler, prepare
 from passes.partition_config import PartitionConfig
 from passes.pipeline import compile_model
 from passes.tensor_parallel import TensorParallelism
-from tests.passes.cluster.conftest import gpt_inputs, link_cluster, tiny_gpt
+from smp_fx.planner.model import Profiler, prepare
+from tests.smp_fx.planner.conftest import gpt_inputs, link_cluster, tiny_gpt
 
 
 def _totals(prof):  # sums over the whole model (layers expanded)

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from cost_model.errors import SMPConfigError
+from cost_model.memory import ZERO
 from cost_model.schedule_cost import SCHEDULES
-from passes.cluster.memory import ZERO
-from passes.cluster.profile import RECOMPUTE
+from smp_fx.planner.profile import RECOMPUTE
 
 FIX_KEYS = ("tp", "pp", "dp", "mbs", "vp", "schedule", "recompute", "sp", "zero")
 _INTS = ("tp", "pp", "dp", "mbs", "vp")

@@ -2,9 +2,9 @@
 
 Why: tracing a 1T-parameter GPT takes a couple of seconds on the meta device; pricing its
 parts takes a tenth of a second per (microbatch size, tp degree, sequence parallelism).
-``prepare`` traces once and keeps two layers (``passes.cluster.layers``); ``Profiler``
+``prepare`` traces once and keeps two layers (``smp_fx.planner.layers``); ``Profiler``
 prices the reduced graph for each setting the search asks for, once
-(``passes.cluster.profile``), on the cluster's device and tensor-parallel link.
+(``smp_fx.planner.profile``), on the cluster's device and tensor-parallel link.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from torch import nn
 
 from cost_model.cluster import ClusterSpec
 from cost_model.collectives import bus_bandwidth
-from passes.cluster.layers import Repeats, find_repeats, keep_layers
-from passes.cluster.profile import Profile, profile
 from passes.trace import Frontend, trace
+from smp_fx.planner.layers import Repeats, find_repeats, keep_layers
+from smp_fx.planner.profile import Profile, profile
 
 Inputs = Callable[[int], tuple[Any, ...]]
 

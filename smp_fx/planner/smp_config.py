@@ -1,6 +1,6 @@
 """A cluster plan as the SMP configuration that runs it, asked of the runtime's validation.
 
-Why here: the planner (``passes.cluster``) knows plans, not SMP's parameters; this module
+Why here: the planner (``smp_fx.planner``) knows plans, not SMP's parameters; this module
 knows both. ``candidate_config`` maps a candidate onto SMP's keys (``smp-fx plan
 --emit-config``); ``refusal`` asks ``smp_fx.config.validate``, the checks ``smp.init``
 makes on that many processes, whether it runs: one source of truth, so the search keeps to
@@ -27,9 +27,9 @@ from __future__ import annotations
 from typing import Any
 
 from cost_model.errors import SMPError
-from passes.cluster.candidate import Candidate
-from passes.cluster.result import PlanRecord
 from smp_fx.config import validate
+from smp_fx.planner.candidate import Candidate
+from smp_fx.planner.result import PlanRecord
 
 
 def candidate_config(c: Candidate, microbatches: int, precision: str) -> dict[str, Any]:

@@ -177,7 +177,7 @@ def predict(name: str, spec_path: str, degrees: tuple[int, ...] = (1, 2)
     from passes.partition_config import PartitionConfig
     from passes.pipeline import analyse, partition
     from passes.trace import trace
-    from smp_fx.runtime.microbatch import split_inputs
+    from smp_fx.runtime.inputs.microbatch import split_inputs
 
     ex = _example(name)
     build, batch = MODELS[name]

@@ -59,9 +59,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     from cost_model import schedule as sched
-    from smp_fx.runtime import wire
-    from smp_fx.runtime.dist_transport import DistTransport
-    from smp_fx.runtime.lowering import LoweredCache, cached_schedule
+    from smp_fx.runtime.executor.lowering import LoweredCache, cached_schedule
+    from smp_fx.runtime.transport import wire
+    from smp_fx.runtime.transport.dist_transport import DistTransport
 
     rows: list[tuple[str, float, float]] = []
     r = args.repeat

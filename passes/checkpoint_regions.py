@@ -3,7 +3,7 @@
 A ``CheckpointRule`` (``smp.set_activation_checkpointing`` / ``smp.checkpoint``, or
 ``smp-fx partition --activation-checkpointing``) names a module; its nodes become a
 *region* that the stage runs under non-reentrant ``torch.utils.checkpoint``
-(``smp_fx.runtime.checkpointing``). For an ``nn.Sequential`` the strategy groups its
+(``smp_fx.runtime.memory.checkpointing``). For an ``nn.Sequential`` the strategy groups its
 children: ``each`` child is a region, ``group_N`` makes one of every N consecutive
 children, ``contiguous`` one of every run of children that lands on one stage. The
 ``attention_core`` strategy (selective recomputation) makes each attention core under the

@@ -2,13 +2,14 @@
 
 Zero-bubble schedules run a chunk's backward as I (the gradients of its inputs) and, later,
 W (the gradients of its parameters), both from the autograd graph the forward recorded
-(``smp_fx.runtime.split_backward``). I keeps that graph: between a microbatch's I and its W
+(``smp_fx.runtime.executor.split_backward``). I keeps that graph: between a microbatch's I and
+its W
 the chunk still holds everything its forward saved, plus
 
 - the gradient each *join* was given during I (an operation where a parameter's path meets
   the input path, a linear's matmul): one tensor the size of the operation's output;
 - in an activation-checkpointed region, what the recompute during I rebuilt: the region's
-  own saved values, kept for the W (``smp_fx.runtime.recompute_once``), so nothing is
+  own saved values, kept for the W (``smp_fx.runtime.memory.recompute_once``), so nothing is
   recomputed twice.
 
 So a pending W holds the chunk's activations per microbatch, plus ``held_bytes`` on top

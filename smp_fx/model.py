@@ -57,12 +57,12 @@ from smp_fx.nn.attention_checkpointing import checkpoint_attentions
 from smp_fx.optimizer import DistributedOptimizer
 from smp_fx.parallel import clip, ddp, ds_view
 from smp_fx.parallel.build import Parallelized, parallelize
-from smp_fx.runtime import executor as ex
-from smp_fx.runtime.lowering import cached_schedule
-from smp_fx.runtime.modes import Autocast, autocast_state
-from smp_fx.runtime.placement import multi_process
-from smp_fx.runtime.planning import plan_stages
-from smp_fx.runtime.seams import StageRunner
+from smp_fx.runtime.executor import executor as ex
+from smp_fx.runtime.executor.lowering import cached_schedule
+from smp_fx.runtime.executor.modes import Autocast, autocast_state
+from smp_fx.runtime.executor.seams import StageRunner
+from smp_fx.runtime.planning.placement import multi_process
+from smp_fx.runtime.planning.planning import plan_stages
 from smp_fx.world import context, state
 
 log = logging.getLogger("smp_fx.model")
@@ -412,7 +412,7 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, ModuleWalks,
                    autocast: Autocast = ()) -> None:
         """Trace on one microbatch's model inputs, plan, then build; same on every rank.
 
-        Planning is ``smp_fx.runtime.planning``; placing the stages and applying the
+        Planning is ``smp_fx.runtime.planning.planning``; placing the stages and applying the
         parallelisms in their order is ``smp_fx.parallel.build.parallelize``. Then the
         optimizers bind and the post-partition hooks run.
 

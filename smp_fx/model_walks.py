@@ -26,7 +26,7 @@ from torch import nn
 from smp_fx.parallel import ds_view
 
 if TYPE_CHECKING:
-    from smp_fx.runtime.seams import StageRunner
+    from smp_fx.runtime.executor.seams import StageRunner
 
 
 class ModuleWalks:

@@ -57,7 +57,7 @@ from smp_fx.parallel import clip, ds_view
 from smp_fx.parallel.build import OptimizerBinding
 from smp_fx.parallel.ddp import guard_optimizer
 from smp_fx.parallel.zero import OptimizerShards
-from smp_fx.runtime.lowering import Op, trains
+from smp_fx.runtime.executor.lowering import Op, trains
 from smp_fx.script_optimizer import is_script_optimizer, model_param_ids, torch_optimizer
 from smp_fx.world import comm, context, state
 from smp_fx.world.context import current_model

@@ -1,8 +1,9 @@
 """``smp.step`` and ``StepOutput``.
 
 The decorated function runs once per microbatch, on every rank, with its tensor arguments
-split along the batch axis (``smp_fx.runtime.microbatch``). Inside it ``model(...)`` and
-``model.backward(...)`` are the pipeline's turns (``smp_fx.runtime.conductor``). Its return
+split along the batch axis (``smp_fx.runtime.inputs.microbatch``). Inside it ``model(...)`` and
+``model.backward(...)`` are the pipeline's turns (``smp_fx.runtime.executor.conductor``). Its
+return
 values come back per microbatch: tensors as ``StepOutput`` (``outputs`` list,
 ``reduce_mean``, ``reduce_sum``, ``concat``, ``stack``), other values as lists, keeping
 tuple/list/dict structure. The first call partitions the model, traced on the first microbatch.
@@ -28,8 +29,8 @@ import torch
 
 from cost_model.errors import SMPRuntimeError
 from smp_fx.model import DistributedModel
-from smp_fx.runtime.input_check import first_rank_inputs
-from smp_fx.runtime.microbatch import split_inputs
+from smp_fx.runtime.inputs.input_check import first_rank_inputs
+from smp_fx.runtime.inputs.microbatch import split_inputs
 from smp_fx.world import context, state
 
 

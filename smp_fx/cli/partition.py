@@ -18,11 +18,11 @@ With ``--virtual-pipeline-degree V`` the table has one row per chunk (and the ra
 it), then one row per rank: its chunks and its memory at the schedule's peak.
 
 Costs are per microbatch: the inputs are built for ``--batch-size`` and split into
-``--microbatches`` parts by ``smp.step``'s own splitter (``smp_fx.runtime.microbatch``:
+``--microbatches`` parts by ``smp.step``'s own splitter (``smp_fx.runtime.inputs.microbatch``:
 every tensor along its batch axis, nested ones too; ``--non-split-input`` and
 ``--input-split-axis`` name the model's ``forward`` parameters, as ``non_split_inputs`` and
 ``input_split_axes`` name the step function's); the plan is made for the first part, from
-the planning request ``DistributedModel`` builds too (``smp_fx.runtime.plan_request``), so
+the planning request ``DistributedModel`` builds too (``smp_fx.runtime.planning.plan_request``), so
 it is the plan ``DistributedModel`` makes at its first step on the same batch (same device
 spec). Bad input exits with status 2 and a one-line message.
 """
@@ -52,8 +52,8 @@ from passes.pipeline import Compiled, baseline_plans
 from smp_fx.cli import render
 from smp_fx.config import SMPConfig, load_config
 from smp_fx.marking.activation_checkpointing import rules_from_patterns
-from smp_fx.runtime.microbatch import split_inputs
-from smp_fx.runtime.plan_request import plan_request
+from smp_fx.runtime.inputs.microbatch import split_inputs
+from smp_fx.runtime.planning.plan_request import plan_request
 
 EXIT_BAD_INPUT = 2
 

@@ -4,7 +4,7 @@
 Each marks a module of the model; at partitioning ``checkpoint_rules`` turns the marks
 into ``passes.partition_config.CheckpointRule``s by module path, the compiler makes
 their nodes regions (``passes.checkpoint_regions``) and each stage runs its regions under
-non-reentrant ``torch.utils.checkpoint`` (``smp_fx.runtime.checkpointing``).
+non-reentrant ``torch.utils.checkpoint`` (``smp_fx.runtime.memory.checkpointing``).
 
 ``smp.checkpoint`` and ``smp.checkpoint_sequential`` are called inside a forward, as in
 SMP: while smp-fx traces the model they mark the module and call it plainly (the trace

@@ -1,8 +1,10 @@
 """One build composes the parallelisms on a planned model, in one order, written down here.
 
-``DistributedModel`` plans at its first step (``smp_fx.runtime.planning``); ``parallelize``
+``DistributedModel`` plans at its first step (``smp_fx.runtime.planning.planning``);
+``parallelize``
 turns that plan into this rank's running model. It splits and places the stages
-(``smp_fx.runtime.placement``), then applies the parallelisms in ``ORDER``, as torchtitan's
+(``smp_fx.runtime.planning.placement``), then applies the parallelisms in ``ORDER``, as
+torchtitan's
 ``parallelize`` applies tensor parallelism, then activation checkpointing, then data
 parallelism:
 
@@ -10,7 +12,7 @@ parallelism:
 2. ``tensor_parallel``: the tp collectives bound to the group, the shards known
    (``parallel.tensor_parallel``; the graphs were rewritten while planning);
 3. ``activation_checkpointing``: checkpointed regions outlined, activations counted and
-   offloaded (``runtime.checkpointing``);
+   offloaded (``runtime.memory.checkpointing``);
 4. ``data_parallel``: DDP over each stage's rdp group, wrapping the stage runners
    (``parallel.ddp``), or sharded data parallelism (``parallel.sdp``); ZeRO-1
    optimizer-state sharding applies where an optimizer binds (``parallel.zero``);
@@ -51,16 +53,16 @@ from smp_fx.parallel.sdp import ShardedDataParallel
 from smp_fx.parallel.tensor_parallel import TensorParallelRuntime
 from smp_fx.parallel.tied import TiedReplicas, tied_duplicates, tied_groups
 from smp_fx.parallel.zero import OptimizerShards, shard_state
-from smp_fx.runtime.checkpointing import ActivationCheckpointing
-from smp_fx.runtime.executor import Executor
-from smp_fx.runtime.placement import (
+from smp_fx.runtime.executor.executor import Executor
+from smp_fx.runtime.executor.seams import PostStep, PreStep, StageRunner, StepHooks
+from smp_fx.runtime.inputs.shapes import ShapeGuard
+from smp_fx.runtime.memory.checkpointing import ActivationCheckpointing
+from smp_fx.runtime.planning.placement import (
     local_named_parameters,
     multi_process,
     place_stages,
     split_for_rank,
 )
-from smp_fx.runtime.seams import PostStep, PreStep, StageRunner, StepHooks
-from smp_fx.runtime.shapes import ShapeGuard
 from smp_fx.world import state
 
 ORDER = ("tied", "tensor_parallel", "activation_checkpointing", "data_parallel",

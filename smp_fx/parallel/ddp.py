@@ -63,9 +63,9 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinCon
 from torch.nn.parallel import DistributedDataParallel
 
 from cost_model.errors import SMPConfigError, SMPRuntimeError
-from smp_fx.runtime.lowering import Op
-from smp_fx.runtime.seams import StageRunner, StepHooks
-from smp_fx.runtime.split_backward import PendingW
+from smp_fx.runtime.executor.lowering import Op
+from smp_fx.runtime.executor.seams import StageRunner, StepHooks
+from smp_fx.runtime.executor.split_backward import PendingW
 from smp_fx.world import context, state
 
 log = logging.getLogger("smp_fx.parallel.ddp")

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import ClassVar, Protocol
 
-from smp_fx.runtime.lowering import Op
-from smp_fx.runtime.seams import StepHooks
+from smp_fx.runtime.executor.lowering import Op
+from smp_fx.runtime.executor.seams import StepHooks
 
 
 class LossScaling(Protocol):

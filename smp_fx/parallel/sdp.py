@@ -52,8 +52,8 @@ from torch import nn
 from cost_model.errors import SMPConfigError
 from smp_fx.parallel.ddp import DataParallelOptions, allreduce_grads, buckets
 from smp_fx.parallel.zero import AXIS, broadcast_flat
-from smp_fx.runtime.lowering import Op, trains
-from smp_fx.runtime.seams import StageRunner, StepHooks
+from smp_fx.runtime.executor.lowering import Op, trains
+from smp_fx.runtime.executor.seams import StageRunner, StepHooks
 from smp_fx.world import state
 
 log = logging.getLogger("smp_fx.parallel.sdp")

@@ -29,8 +29,8 @@ from torch import nn
 from passes.tensor_parallel import TensorParallelPlan
 from passes.tensor_parallel import collectives as tp_collectives
 from passes.tensor_parallel.coverage import coverage
-from smp_fx.runtime.lowering import Op, trains
-from smp_fx.runtime.seams import StepHooks
+from smp_fx.runtime.executor.lowering import Op, trains
+from smp_fx.runtime.executor.seams import StepHooks
 from smp_fx.world import state
 
 log = logging.getLogger("smp_fx.parallel.tensor_parallel")

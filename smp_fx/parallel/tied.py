@@ -18,9 +18,9 @@ import torch.distributed as dist
 from torch import nn
 
 from passes.split_stages import StagedProgram
-from smp_fx.runtime.lowering import Op
-from smp_fx.runtime.placement import local_named_parameters
-from smp_fx.runtime.seams import StageRunner, StepHooks
+from smp_fx.runtime.executor.lowering import Op
+from smp_fx.runtime.executor.seams import StageRunner, StepHooks
+from smp_fx.runtime.planning.placement import local_named_parameters
 from smp_fx.world import state
 
 

@@ -10,7 +10,7 @@ folder per torchrun attempt (``attempt<TORCHELASTIC_RESTART_COUNT>``):
 * ``rank<r>.failed.json`` when an error ends its step or its script (the first one wins):
   the error's type and message and ``peer_rank``, the rank it points at (a peer that died
   or did not answer);
-* ``rank<r>.stalled.json`` when its step made no progress (``smp_fx.runtime.flight``);
+* ``rank<r>.stalled.json`` when its step made no progress (``smp_fx.runtime.executor.flight``);
 
 and the launcher adds ``exits.json``: how torchrun saw each failed process end (exit code,
 signal). ``first_failure`` follows the pointers from rank to rank: rank 0 timed out on

@@ -19,7 +19,7 @@ from torch import nn
 import smp_fx as smp
 from cost_model.devices import load_device
 from smp_fx.marking import activation_checkpointing
-from smp_fx.runtime.activations import SavedRecord
+from smp_fx.runtime.memory.activations import SavedRecord
 from smp_fx.world import state
 from tests.helpers.numerics import init
 

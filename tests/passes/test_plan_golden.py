@@ -19,7 +19,7 @@ import torch
 from passes.partition_config import PartitionConfig
 from passes.pipeline import analyse, partition
 from smp_fx.cli.partition import load_model_file
-from smp_fx.runtime.microbatch import split_inputs
+from smp_fx.runtime.inputs.microbatch import split_inputs
 
 ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "golden"

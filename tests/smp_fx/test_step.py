@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import smp_fx as smp
-from smp_fx.runtime.microbatch import split_inputs
+from smp_fx.runtime.inputs.microbatch import split_inputs
 from tests.helpers.numerics import init
 
 

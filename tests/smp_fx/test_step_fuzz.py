@@ -27,7 +27,7 @@ from torch import nn
 
 import smp_fx as smp
 from smp_fx import SMPError, SMPRuntimeError, SMPTracingError
-from smp_fx.runtime.microbatch import split_inputs
+from smp_fx.runtime.inputs.microbatch import split_inputs
 from tests.helpers.numerics import init
 from tests.helpers.refusals import assert_refusal
 

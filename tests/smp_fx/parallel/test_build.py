@@ -15,7 +15,7 @@ import pytest
 
 from cost_model.errors import SMPInternalError
 from smp_fx.parallel.build import ORDER, POST_STEP_ORDER, PRE_STEP_ORDER, step_hooks
-from smp_fx.runtime.seams import StepHooks
+from smp_fx.runtime.executor.seams import StepHooks
 from tests.helpers.dist import run_ranks
 
 ROOT = Path(__file__).resolve().parents[3]

@@ -1,0 +1,407 @@
+"""The conductor: the step function's threads take turns through one ordered op list.
+
+The user's step function runs once per microbatch. ``model(...)`` posts an F request and
+waits for the model outputs; ``model.backward(...)`` posts a B request and returns once it
+cannot run the next op itself: the backward runs at its turn in the schedule, and gradients
+are complete when ``smp.step`` returns (where SMP's documentation puts optimizer.step()), so a
+step function that has asked for its backward needs no thread of its own any more and the
+calling thread moves on to the next microbatch. Turns are granted strictly by position in
+the op list (``smp_fx.runtime.executor.lowering``), so every rank issues its sends and receives in
+schedule order. The conductor is a baton, not a thread: whichever waiting thread finds the
+next op runnable (its microbatch's request has arrived, or it is a transfer) executes it
+through the ``execute`` callback it was given and keeps going; a driver that hands model
+outputs to another waiting thread stops and lets that thread carry on, so only one thread
+drives at a time. A finished backward is not handed over: its thread only has to return,
+so the driver keeps going.
+
+Step functions start lazily: the calling thread runs each microbatch's function in turn and
+a pool thread starts one only when the next op needs a microbatch while every driver is
+stuck mid-function (a pipeline with several microbatches in flight). On a rank whose
+``model(...)`` waits for outputs computed elsewhere (``next_forward`` given), each forward
+starts the function of the microbatch whose forward comes next, so its request is in
+before its turn and the driver never waits for a thread to start (starting them all at
+once would make them contend with the step's first forward).
+
+Grad mode and autocast captured from the requesting thread travel with its request
+(``smp_fx.runtime.executor.modes``). A failure in any thread aborts the step: the caller re-raises
+the original exception and every thread is released. A thread waiting for its turn while a
+driver performs an op keeps waiting past the timeout: the driver's own wait is bounded (a
+transfer's timeout names the peer it waits for, which says more than "no turn came"), so
+the conductor times out only when no thread is performing an op. ``status`` tells where
+every microbatch's step function is, for the flight record (``smp_fx.runtime.executor.flight``),
+in the words of ``smp_fx.runtime.executor.turns``.
+The conductor knows ops only by kind and microbatch; what an op does, and every value it
+moves, is the executor's.
+
+What a step's turn-taking holds (the requests, who drives, the position in the op list, the
+threads started, a failure) lives in one ``StepTurns``, made for each step and dropped after it,
+so nothing is reset between steps; the conductor itself keeps only its options (timeout,
+rank, the ``execute`` callback), its lock and its thread pool.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from cost_model.errors import SMPInternalError, SMPRuntimeError, SMPTimeoutError
+from smp_fx.runtime.executor.lowering import Op
+from smp_fx.runtime.executor.modes import autocast_state, thread_modes
+from smp_fx.runtime.executor.turns import (
+    Microbatch,
+    Request,
+    StepTurns,
+    Turn,
+    next_op_words,
+    status_lines,
+)
+from smp_fx.world import context
+
+Execute = Callable[[int, Op], None]  # (position in the op list, op): performs one op
+
+
+class _Aborted(BaseException):
+    """Raised in user threads when the step aborts; BaseException so user code cannot eat it."""
+
+
+DRIVER_GRACE = 3  # timeouts a waiting thread gives a driver whose own wait is bounded
+
+
+class Conductor:
+    """Turn-taking over an op list; ``execute(position, op)`` performs each op."""
+
+    def __init__(self, execute: Execute, timeout_s: float = 300.0, rank: int = 0,
+                 describe: Callable[[Op], str] = str) -> None:
+        self.timeout_s = timeout_s
+        self.rank = rank
+        self.describe = describe  # an op in words, for errors and status
+        self._execute = execute
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_size = 0
+        self._step: StepTurns | None = None  # the running step
+        self._last_abort: list[str] = []  # ``status`` of the last step, if it aborted
+
+    # ---- user-thread side -------------------------------------------------------------
+    def forward_request(self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """``model(*args, **kwargs)`` in microbatch ``mb``'s step function: its outputs."""
+        s = self._step
+        assert s is not None  # called during a step only (a turn, an op)
+        t = s.turns[mb]
+        with self._lock:
+            if t.f_request is not None:
+                raise SMPRuntimeError.build(
+                    "the model may be called once per microbatch inside smp.step", mb,
+                    f"rank {self.rank} microbatch {mb}", "call model(...) once per step fn")
+            t.f_request = Request((args, kwargs), torch.is_grad_enabled(), autocast_state())
+            self._drive(s, lambda: t.outputs_ready, mb, "its model outputs")
+        return t.outputs
+
+    def backward_request(self, mb: int, tensors: Any, grad_tensors: Any) -> None:
+        """``model.backward(tensors, grad_tensors)`` in microbatch ``mb``'s step function."""
+        s = self._step
+        assert s is not None  # called during a step only (a turn, an op)
+        t = s.turns[mb]
+        with self._lock:
+            if t.f_request is None or t.b_request is not None:
+                raise SMPRuntimeError.build(
+                    "model.backward must follow model(...) and run once per microbatch", mb,
+                    f"rank {self.rank} microbatch {mb}", "call model.backward(loss) once")
+            t.b_request = Request((tensors, grad_tensors), torch.is_grad_enabled(),
+                                  autocast_state())
+            self._drive(s, lambda: t.backward_done, mb, "its backward pass", wait=False,
+                        lazy=True)
+
+    # ---- executor side: what a turn's op reads and publishes -------------------------
+    def forward_of(self, mb: int, stage: int) -> Request:
+        """Microbatch ``mb``'s F request (its F op is runnable, so it asked or returned)."""
+        s = self._step
+        assert s is not None
+        req = s.turns[mb].f_request
+        if req is None:
+            raise SMPRuntimeError.build(
+                "the smp.step function returned without calling the DistributedModel",
+                f"microbatch {mb}", f"rank {self.rank} stage {stage}",
+                "call model(...) inside every smp.step function")
+        return req
+
+    def backward_of(self, mb: int) -> Request | None:
+        """Microbatch ``mb``'s B request; None if its step function has not asked (yet)."""
+        s = self._step
+        assert s is not None
+        return s.turns[mb].b_request
+
+    def publish_outputs(self, mb: int, outputs: Any, hand: bool = True,
+                        defer: bool = False) -> None:
+        """Give microbatch ``mb``'s ``model(...)`` call its outputs and wake its thread.
+
+        ``hand``: that thread carries on driving (it must run user code to post its next
+        request). ``defer`` (no hand-over): at the driver's next ``flush`` instead, because
+        a woken step function competes for the CPU (and the GIL) with the driver's work;
+        the driver flushes when it would wait anyway (blocking on a message that has not
+        arrived, or the end of its turn)."""
+        s = self._step
+        assert s is not None  # called during a step only (a turn, an op)
+        with self._lock:
+            if defer:
+                s.deferred.append((mb, outputs))
+                return
+            s.give_outputs(mb, outputs)
+            if hand:
+                s.handed_to = mb
+
+    def publish_backward_done(self, mb: int) -> None:
+        """Microbatch ``mb``'s backward is complete on this rank. Not handed over: the
+        thread only returns, so the driver keeps going (a thread switch saved per op)."""
+        s = self._step
+        assert s is not None  # called during a step only (a turn, an op)
+        with self._lock:
+            s.turns[mb].backward_done = True
+            s.conds[mb].notify_all()
+
+    def flush(self) -> None:
+        """Apply the deferred publications (the transport calls this before it blocks)."""
+        s = self._step
+        if s is not None and s.deferred:
+            with self._lock:
+                s.flush()
+
+    # ---- the baton ----------------------------------------------------------------------
+    @staticmethod
+    def _may_drive(s: StepTurns, mb: int) -> bool:
+        """Whether the thread of ``mb`` (< 0: the caller after its own work) runs the next op.
+
+        Only when no other thread is driving or was just handed the baton, and, for a thread
+        whose step function has returned, when no step function is running Python either.
+        """
+        return (not s.driving and s.holder is None and s.next < len(s.ops)
+                and s.runnable(s.ops[s.next]) and (mb >= 0 or s.running == 0))
+
+    def _drive(self, s: StepTurns, ready: Callable[[], bool], mb: int, what: str,
+               wait: bool = True, lazy: bool = False) -> None:
+        """With the lock held: run ops while they can run, until ``ready()``; else sleep
+        (``wait``) or return. ``lazy``: see ``_take_turn``."""
+        cond = s.conds[mb] if mb >= 0 else s.main
+        if s.holder == mb:
+            s.holder = None
+        while True:
+            if s.abort is not None:
+                raise _Aborted()
+            if ready():
+                return
+            if self._may_drive(s, mb):
+                stopped = self._take_turn(s, mb, lazy)
+                if ready() or stopped:
+                    return
+            if not wait:
+                return
+            self._sleep(s, cond, mb, what)
+
+    def _take_turn(self, s: StepTurns, mb: int, lazy: bool) -> bool:
+        """With the lock held: execute ops in order while the next one can run, until the
+        baton is handed to another thread. ``lazy`` (a thread done with its own microbatch):
+        stop before a receive for a microbatch whose step function has not started, so that
+        function's start overlaps the message in flight instead of following it (its
+        ``model(...)`` call drives the receive); returns whether it stopped there."""
+        ops = s.ops
+        s.driving = True
+        try:
+            while s.next < len(ops) and s.runnable(ops[s.next]):
+                op = ops[s.next]
+                if lazy and op.kind.startswith("RECV") and not s.started[op.microbatch]:
+                    return True
+                if op.kind == "F" and s.next_forward is not None:
+                    j = s.next_forward[s.next]
+                    if j >= 0 and not s.started[j]:
+                        self._start(s, j)
+                s.handed_to = -1
+                self._lock.release()
+                try:
+                    self._execute(s.next, op)
+                finally:
+                    self._lock.acquire()
+                s.next += 1
+                k = s.handed_to
+                if k not in (-1, mb) and not s.done[k]:
+                    s.holder = k  # the woken thread carries on from here
+                    break
+        except BaseException as exc:
+            if not isinstance(exc, _Aborted):
+                self._fail(s, exc)
+            s.wake_all()
+            raise
+        finally:
+            s.driving = False
+            if s.deferred:
+                s.flush()
+            s.wake_main()  # the caller may be waiting for the last op
+        return False
+
+    def _sleep(self, s: StepTurns, cond: threading.Condition, mb: int, what: str) -> None:
+        """With the lock held: wait for a wake-up, bounded by the timeout."""
+        if mb < 0 and s.running == 0 and s.holder is None and all(s.done) \
+                and not s.driving and s.next < len(s.ops) and not self._may_drive(s, mb):
+            raise SMPInternalError.build("the step cannot make progress",
+                                         str(s.ops[s.next]), f"rank {self.rank}")
+        if mb >= 0:
+            self._start_needed(s)
+            s.running -= 1
+            if s.running == 0:
+                s.wake_main()
+        else:
+            s.main_waiting += 1
+        try:
+            woke = cond.wait(self.timeout_s)
+            grace = DRIVER_GRACE
+            while not woke and s.driving and s.abort is None and grace:
+                woke, grace = cond.wait(self.timeout_s), grace - 1  # its wait is bounded
+        finally:
+            if mb >= 0:
+                s.running += 1
+            else:
+                s.main_waiting -= 1
+        if not woke:
+            who = f"microbatch {mb}'s step function" if mb >= 0 else "the smp.step call"
+            raise SMPTimeoutError.build(
+                f"{who} waited {self.timeout_s:.0f} s for {what}, and no thread performed an "
+                "op", next_op_words(s.view(), self.describe), f"rank {self.rank}",
+                "a step function blocks (on something outside smp-fx, or on another "
+                "microbatch); see the flight record above")
+
+    def status(self) -> list[str]:
+        """Where the step is, for a flight record: the next op and what keeps it, and each
+        microbatch's step function (the lines of the last aborted step between steps)."""
+        if not self._lock.acquire(timeout=1.0):
+            return ["(the conductor's lock is held: a thread is stuck inside it)"]
+        try:
+            s = self._step
+            if s is None:
+                return list(self._last_abort)
+            if s.abort is not None:
+                return list(s.abort_status)
+            return status_lines(s.view(), self.describe)
+        finally:
+            self._lock.release()
+
+    def performing(self) -> bool:
+        """Whether a thread is performing an op now (its wait, if any, is bounded)."""
+        s = self._step
+        return s is not None and s.driving
+
+    def _fail(self, s: StepTurns, exc: BaseException) -> None:
+        """With the lock held: abort the step with ``exc`` (the first failure wins), keeping
+        ``status`` as it was when it failed, then release every thread."""
+        if s.abort is None:
+            s.abort = exc
+            s.abort_status = status_lines(s.view(), self.describe)
+        s.wake_all()
+
+    # ---- a step -------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], microbatches: Sequence[Microbatch],
+            ops: tuple[Op, ...], next_forward: Sequence[int] | None = None
+            ) -> tuple[list[Any], list[bool]]:
+        """Run ``fn`` once per microbatch while ``ops`` are executed in order.
+
+        Returns ``fn``'s results and, per microbatch, whether its step function called
+        ``model.backward``. ``next_forward`` (``Lowered.next_forward``): start step
+        functions a forward ahead (see the module doc)."""
+        m = len(microbatches)
+        if m > 1 and (self._pool is None or self._pool_size < m - 1):
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
+            self._pool, self._pool_size = ThreadPoolExecutor(m - 1, "smp-step"), m - 1
+        grad, autocast = torch.is_grad_enabled(), autocast_state()
+        s = StepTurns(ops, [Turn() for _ in range(m)],
+                  [threading.Condition(self._lock) for _ in range(m)],
+                  threading.Condition(self._lock), (fn, microbatches, grad, autocast),
+                  threading.current_thread(), next_forward, [False] * m, [False] * m)
+        self._step = s
+        results: list[Any] = [None] * m
+        try:
+            while True:  # the calling thread runs every microbatch nobody else started
+                with self._lock:
+                    j = next((k for k in range(m) if not s.started[k]), None)
+                    if j is not None:
+                        s.started[j] = True
+                if j is None:
+                    break
+                try:
+                    results[j] = self._user_thread(s, j)
+                except _Aborted:
+                    break
+            with self._lock:
+                self._drive(s, lambda: all(s.done) and s.next == len(s.ops), -1,
+                            "every microbatch to finish")
+            for mb, f in sorted(s.futures.items()):
+                results[mb] = f.result(timeout=self.timeout_s)
+            asked = [t.b_request is not None for t in s.turns]
+        except BaseException as exc:
+            with self._lock:
+                self._fail(s, exc)
+            for f in list(s.futures.values()):
+                with contextlib.suppress(BaseException):
+                    f.result(timeout=self.timeout_s)
+            raise (s.abort if s.abort is not None else exc) from None
+        finally:
+            with self._lock:
+                self._last_abort = s.abort_status
+                self._step = None
+        return results, asked
+
+    def _user_thread(self, s: StepTurns, mb: int) -> Any:
+        fn, microbatches, grad, autocast = s.launch
+        args, kwargs = microbatches[mb]
+        context.enter_turn(self, mb)
+        with self._lock:
+            s.running += 1
+        try:
+            with thread_modes(grad, autocast):
+                return fn(*args, **kwargs)
+        except _Aborted:
+            raise
+        except BaseException as exc:
+            with self._lock:
+                self._fail(s, exc)
+            raise
+        finally:
+            context.leave_turn()
+            with self._lock:
+                s.done[mb] = True
+                s.running -= 1
+                if s.holder == mb:
+                    s.holder = None
+                s.wake_main()
+                if s.abort is None and self._may_drive(s, -2):
+                    # this return may unblock the next op (a skipped backward): run it
+                    with contextlib.suppress(_Aborted):
+                        self._drive(s, lambda: not self._may_drive(s, -2), -2, "", lazy=True)
+                if s.abort is None and threading.current_thread() is not s.main_thread:
+                    self._start_needed(s)  # the calling thread may be asleep mid-function
+
+    def _start_needed(self, s: StepTurns) -> None:
+        """With the lock held, by a thread that cannot run it itself: if the next op needs a
+        microbatch whose step function has not started, start it on a pool thread.
+
+        Microbatches start lazily, so a schedule that finishes one microbatch before it
+        needs the next (pp = 1, or the last stage) runs entirely in the calling thread."""
+        if s.driving or s.holder is not None or s.next >= len(s.ops):
+            return
+        op = s.ops[s.next]
+        # a forward, or the receive a lazy driver stopped before (``_take_turn``): with
+        # several stages on a rank the thread waiting for its outputs may be asleep
+        if (op.kind == "F" or op.kind.startswith("RECV")) and not s.started[op.microbatch]:
+            self._start(s, op.microbatch)
+
+    def _start(self, s: StepTurns, j: int) -> None:
+        """With the lock held: run microbatch ``j``'s step function on a pool thread."""
+        s.started[j] = True
+        if self._pool is None:
+            raise SMPInternalError.build("a step function needs a pool thread, but the step "
+                                         "has one microbatch", j, f"rank {self.rank}")
+        s.futures[j] = self._pool.submit(self._user_thread, s, j)
+

@@ -1,0 +1,410 @@
+"""The torch.distributed transport: point-to-point between the ranks holding the stages.
+
+Messages travel in the wire format of ``smp_fx.runtime.transport.wire``: one frame, then each large
+tensor on its own. Both sides cache each stream's header, so the usual message of small
+tensors is a single point-to-point message and the receiver can post its receives before
+the sender sends. A changed header is announced by a frame (and fills for the large
+tensors) in the old layout carrying the new header's length, then one such fill flagged
+``SKIP`` per receive the receiver may have posted in the old layout for the stream's later
+messages this step (``_skips``), then the pickled header, then the message in the new
+layout. Both sides know how many messages each stream carries in a step (``prefetch`` and
+``plan_sends``, from ``smp_fx.runtime.executor.lowering``).
+
+``prefetch`` posts the first expected message's receives, and a ``recv`` about to wait
+posts all the rest of the step's (``_post_all``; otherwise the next one stays posted), so
+data moves while the rank computes: under gloo a send whose receive is already posted is
+written straight to the socket, while one that comes first waits for a round trip through
+both ranks' gloo threads. Posting is done while waiting, not at the step's entry, which in
+1F1B is on the pipeline's critical path. Under NCCL only the ``"out"`` channel is
+posted ahead: NCCL serialises a communicator's point-to-point operations, and a middle
+stage both receives and sends on the ``"act"`` and ``"grad"`` channels, so a receive posted
+early there would hold back its sends; there ``recv`` posts the message it waits for. gloo
+on CPU, NCCL on GPU (frames live on the transport's device). Every wait is bounded. A
+failed transfer raises ``SMPPeerError`` (the peer's process is gone) or
+``SMPTimeoutError`` (it sent nothing), naming the peer's rank and stage and, through
+``where``, what this rank was doing (``smp_fx.runtime.executor.failures``). Why each speed trick is
+there, with its figures: docs/performance.md.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cost_model.errors import SMPError, SMPInternalError
+from smp_fx.runtime.executor.failures import wait_failed
+from smp_fx.runtime.executor.lowering import CHANNELS, stage_name
+from smp_fx.runtime.transport import wire
+from smp_fx.runtime.transport.buffers import BufferPool
+
+_Key = tuple[int, int, str]  # (sending stage, receiving stage, channel): one stream
+
+
+@dataclass
+class _SendFrame:
+    """A reusable frame for one message of a stream, with its tensors' slots viewed out
+    (None: a tensor sent on its own, or an empty one)."""
+
+    header: wire.Header
+    frame: torch.Tensor
+    views: tuple[torch.Tensor | None, ...]
+
+
+@dataclass
+class _Posted:
+    """The receives of one expected message, posted in the layout of ``header``, with the
+    message's tensors already viewed out of their buffers (``views``): made while posting,
+    which is mostly done while this rank waits, instead of after the message arrives,
+    which is on the pipeline's critical path. ``addr``: the frame's address on CPU, where
+    the flag is read directly (``wire.flag_at``)."""
+
+    header: wire.Header | None
+    frame: torch.Tensor
+    frame_work: Any
+    large: list[tuple[Any, torch.Tensor, torch.Tensor]]  # (work, tensor, its buffer)
+    views: tuple[torch.Tensor, ...] = ()
+    addr: int = 0
+
+    def flag(self) -> int:
+        return wire.flag_at(self.addr) if self.addr else wire.read_flag(self.frame)
+
+
+def _lost_step(flag: int, what: str, stage: int, mb: int) -> SMPError:
+    return SMPInternalError.build("the point-to-point protocol lost step", flag,
+                                  f"{what}, stage {stage} microbatch {mb}")
+
+
+class DistTransport:
+    """torch.distributed point-to-point between the ranks holding each stage.
+
+    ``ranks[s]`` is the global rank holding stage ``s`` of this rank's pipeline (a rank may
+    hold several stages, chunks of the model; ``lanes[s]`` is stage ``s``'s index among its
+    rank's). ``groups`` maps a (channel, sending lane, receiving lane) to its process group;
+    one it does not name uses the world group. The runtime passes
+    ``DistTransport.make_groups()`` (created collectively on every rank): a group, and so a
+    connection, per channel and pair of lanes, so every stream between two ranks has one
+    of its own (see ``make_groups``). Under
+    NCCL this keeps the ``"out"`` messages from interleaving with gradients between the
+    same two ranks (NCCL matches point-to-point messages by order, per communicator).
+    Under gloo it keeps a
+    rank's sends off the connection its incoming messages arrive on: gloo locks a
+    connection while its thread reads a message in, and a send that needs the same lock
+    waits (1F1B steps 2-3 % faster with a connection per channel; docs/performance.md).
+    """
+
+    def __init__(self, ranks: list[int], stage: int, device: torch.device,
+                 timeout_s: float, groups: Mapping[tuple[str, int, int], Any] | None = None,
+                 lanes: tuple[int, ...] | None = None) -> None:
+        self.ranks = ranks
+        self.stage = stage
+        self.device = device
+        self.timeout = timedelta(seconds=timeout_s)
+        self.groups: dict[tuple[str, int, int], Any] = dict(groups or {})
+        self.lanes = lanes if lanes is not None else (0,) * len(ranks)
+        self._pending: list[tuple[Any, torch.Tensor, int]] = []  # (work, tensor, peer stage)
+        self._buffers = BufferPool(device)
+        self._p2p_cache: dict[tuple[int, int], tuple[Any, int]] = {}
+        # Per stream: the frames of a step's messages, reused step after step
+        # (``_reused_send_frame``), and how many this step has used.
+        self._send_frames: dict[_Key, list[_SendFrame]] = {}
+        self._send_count: dict[_Key, int] = {}
+        # The last header sent to / received from each stream.
+        self._sent: dict[_Key, wire.Header] = {}
+        self._got: dict[_Key, wire.Header] = {}
+        # Per stream: receives posted ahead (oldest first), how many more messages this
+        # step expects and has not posted, whether it posts ahead (the backend), and how
+        # many messages this step still sends.
+        self._posted: dict[_Key, deque[_Posted]] = {}
+        self._left: dict[_Key, int] = {}
+        self._ahead: dict[_Key, bool] = {}
+        self._to_send: dict[_Key, int] = {}
+        # Called before this rank blocks on a message that has not arrived (the executor
+        # wakes the step functions it held back: they run while this rank waits).
+        self.on_block: Any = None
+        # Where this rank is in its work, for error messages (the executor's flight record).
+        self.where: Callable[[], str] | None = None
+
+    @staticmethod
+    def make_groups(backend: str | None = None, lanes: int = 1
+                    ) -> dict[tuple[str, int, int], Any]:
+        """A process group per channel and pair of lanes (sending stage's, receiving
+        stage's); collective: call on every rank in the same order. ``lanes``: the most
+        stages (chunks) a rank holds. A stage is a (rank, lane), so two streams between the
+        same two ranks on one channel never share a group: not chunks 0 -> 1 and 2 -> 3 of
+        a round robin, nor one chunk's sends to two chunks of one rank (a skip connection,
+        0 -> 1 and 0 -> 2 of a V). Each keeps its own order (NCCL matches point-to-point
+        messages by order per communicator, gloo per peer and tag)."""
+        ranks = list(range(dist.get_world_size()))
+        return {(channel, src, dst): dist.new_group(ranks, backend=backend)
+                for src in range(lanes) for dst in range(lanes) for channel in CHANNELS}
+
+    def _group(self, key: _Key) -> Any:
+        """The group of stream ``key`` (its pair of lanes')."""
+        src, dst, channel = key
+        return self.groups.get((channel, self.lanes[src], self.lanes[dst]))
+
+    def _p2p(self, peer: int, group: Any) -> tuple[Any, int]:
+        """The process group object and ``peer``'s rank in it. Point-to-point calls go to
+        it directly: ``dist.isend``/``irecv`` re-resolve both on every call, a sizeable part
+        of a small message's cost on the pipeline's busiest rank."""
+        key = (peer, id(group))
+        hit = self._p2p_cache.get(key)
+        if hit is None:
+            pg: Any = group if group is not None else dist.group.WORLD
+            hit = self._p2p_cache[key] = (pg, dist.get_group_rank(pg, peer))
+        return hit
+
+    def _irecv(self, t: torch.Tensor, peer: int, group: Any) -> Any:
+        pg, group_rank = self._p2p(peer, group)
+        return pg.recv([torch.view_as_real(t) if t.is_complex() else t], group_rank, 0)
+
+    # ---- sending ------------------------------------------------------------------------
+    def _isend(self, t: torch.Tensor, peer: int, group: Any, stage: int) -> None:
+        pg, group_rank = self._p2p(peer, group)
+        wired = torch.view_as_real(t) if t.is_complex() else t
+        self._pending.append((pg.send([wired], group_rank, 0), t, stage))
+
+    def _failed(self, exc: BaseException, peer_stage: int, receiving: bool) -> SMPError:
+        """The error for a transfer with ``peer_stage`` that raised ``exc`` in the backend."""
+        where = self.where() if self.where is not None else (
+            f"rank {dist.get_rank()} ({stage_name(self.stage)})")
+        return wait_failed(exc, stage_name(peer_stage, self.ranks), self.ranks[peer_stage],
+                           receiving, self.timeout.total_seconds(), where)
+
+    def _send_fill(self, old: wire.Header | None, flag: int, peer: int, group: Any,
+                   stage: int) -> None:
+        """A message in ``old``'s layout that carries only ``flag``, a new header's length
+        (the receiver posted receives shaped by ``old``)."""
+        frame = torch.zeros(wire.frame_size(old), dtype=torch.uint8, device=self.device)
+        wire.write_flag(frame, flag)
+        self._isend(frame, peer, group, stage)
+        for m in wire.large(old):
+            self._isend(torch.zeros(m.shape, dtype=m.dtype, device=self.device), peer, group,
+                        stage)
+
+    def _posts_ahead(self, channel: str) -> bool:
+        """Whether a stream on ``channel`` keeps its receives posted ahead (see the module
+        doc); sender and receiver decide it alike, so the sender knows how many receives in
+        an old layout a header change must fill."""
+        group = self._group((self.stage, self.stage, channel))
+        return channel == "out" or dist.get_backend(group) == "gloo"
+
+    def _skips(self, channel: str, later: int) -> int:
+        """Skip fills after a header change with ``later`` more messages this step: one per
+        receive the other side may have posted for them in the old layout (all of them on a
+        stream posted ahead, else the one a waiting ``recv`` posts)."""
+        return later if self._posts_ahead(channel) else min(later, 1)
+
+    def plan_sends(self, src: int, dst: int, channel: str, count: int) -> None:
+        """This step sends ``count`` messages to ``dst`` on ``channel`` (see ``send``)."""
+        self._to_send[(src, dst, channel)] = count
+
+    def send(self, value: Any, src: int, dst: int, channel: str, mb: int) -> None:
+        """Send one message. A header change while the stream has another message this
+        step (``plan_sends``) is followed by a skip fill for that message's receives, which
+        the receiver may have posted in the old layout."""
+        try:
+            self._send(value, src, dst, channel)
+        except SMPError:
+            raise
+        except RuntimeError as exc:  # posting on a connection the peer closed
+            raise self._failed(exc, dst, receiving=False) from exc
+
+    def _send(self, value: Any, src: int, dst: int, channel: str) -> None:
+        key = (src, dst, channel)
+        peer, group = self.ranks[dst], self._group(key)
+        old = self._sent.get(key)
+        to_send = self._to_send.get(key, 0)
+        if to_send:
+            self._to_send[key] = to_send - 1
+        flat = wire.flatten(value)
+        if old is None or flat.key is None or old.key != flat.key:
+            payload, spec, leaves = wire.payload_of(flat)
+            if old is None or old.payload != payload:
+                self._send_fill(old, len(payload), peer, group, dst)
+                for _ in range(self._skips(channel, to_send - 1)):
+                    self._send_fill(old, wire.SKIP, peer, group, dst)
+                self._isend(torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                            .to(self.device), peer, group, dst)
+                old = self._sent[key] = wire.header(payload, spec, leaves, flat.shape,
+                                                    flat.key)
+        out = self._reused_send_frame(key, old)
+        large = wire.pack(old, out.views, flat.tensors)
+        self._isend(out.frame, peer, group, dst)
+        for t in large:
+            self._isend(t, peer, group, dst)
+
+    def _reused_send_frame(self, key: _Key, header: wire.Header) -> _SendFrame:
+        """The frame for this step's next message on stream ``key``: the k-th message of a
+        step reuses the frame (and slot views) of the k-th message of the last step.
+
+        Buys a frame allocation and a slot view per tensor: 13-37 us per message
+        (``benchmarks/transport_tricks.py``; docs/performance.md).
+        Safe because ``finish`` saw the last step's sends complete: after a step that did
+        not finish (it failed) the count goes on instead, so a frame a send may still read
+        is never written. On an accelerator every frame is new, as the ``BufferPool`` does
+        there (the host does not see when the device is done with one)."""
+        i = self._send_count.get(key, 0)
+        self._send_count[key] = i + 1
+        ring = self._send_frames.setdefault(key, [])
+        if i < len(ring) and ring[i].header is header and self.device.type == "cpu":
+            return ring[i]
+        frame = torch.empty(header.frame_size, dtype=torch.uint8, device=self.device)
+        wire.write_flag(frame, 0)
+        out = _SendFrame(header, frame, wire.send_slots(frame, header))
+        if i < len(ring):
+            ring[i] = out
+        else:
+            ring.append(out)
+        return out
+
+    # ---- receiving ----------------------------------------------------------------------
+    def _post(self, key: _Key) -> _Posted:
+        """Post the receives of stream ``key``'s next message, shaped by the known header."""
+        peer, group = self.ranks[key[0]], self._group(key)
+        header = self._got.get(key)
+        frame = self._buffers.take(wire.frame_size(header))
+        work = self._irecv(frame, peer, group)
+        large = []
+        for m in wire.large(header):
+            buf = self._buffers.take(m.nbytes)
+            t = wire.slot(buf, 0, m.nbytes, m)
+            large.append((self._irecv(t, peer, group), t, buf))
+        views: tuple[torch.Tensor, ...] = ()
+        if header is not None:
+            views = wire.received_views(frame, header, [t for _, t, _ in large])
+        addr = frame.data_ptr() if frame.device.type == "cpu" else 0
+        return _Posted(header, frame, work, large, views, addr)
+
+    def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:
+        """Expect ``count`` messages from ``src`` to ``dst`` on ``channel`` this step, and
+        post the first one's receives ahead of ``recv`` (where the backend allows, see the
+        module doc). Every stream has a group of its own (``make_groups``) and gloo matches
+        a peer's messages by order, so receives posted ahead always meet their message."""
+        key = (src, dst, channel)
+        if count <= 0 or self._posted.get(key):
+            return
+        self._left[key] = count
+        self._ahead[key] = self._posts_ahead(channel)
+        if self._ahead[key]:
+            try:
+                self._posted[key] = deque([self._post_next(key)])
+            except RuntimeError as exc:  # the peer closed the connection already
+                raise self._failed(exc, src, receiving=True) from exc
+
+    def _post_all(self, key: _Key) -> deque[_Posted]:
+        """Post every message the stream still expects this step (``recv`` does it when it
+        is about to wait, and after a header change).
+
+        Why all and not the next one or two: a sender with several messages in a row (the
+        first stage's forwards under the simple schedule) writes each straight to the
+        socket only if its receive is already posted; one that comes first waits for a
+        round trip through both ranks' gloo threads, so a burst is throttled to the
+        receiver's pace. The cost is memory: a buffer per message of the step from its
+        start, which the simple schedule holds anyway; under 1F1B up to one boundary
+        tensor per microbatch more than it would hold at once (small beside the
+        activations a stage saves, and not in the plan's memory). Figures:
+        docs/performance.md."""
+        queue: deque[_Posted] = deque()
+        while self._left.get(key, 0):
+            queue.append(self._post_next(key))
+        return queue
+
+    def _post_next(self, key: _Key) -> _Posted:
+        """Post the stream's next expected message (one fewer left to post)."""
+        left = self._left.get(key, 0)
+        if left:
+            self._left[key] = left - 1
+        return self._post(key)
+
+    def recv(self, src: int, dst: int, channel: str, mb: int) -> Any:
+        """Receive one message; where the stream posts ahead (see the module doc), post the
+        rest of the step's while waiting for it, else keep the next one posted."""
+        key = (src, dst, channel)
+        try:
+            queue = self._posted.setdefault(key, deque())
+            posted = queue.popleft() if queue else self._post_next(key)
+            ahead = self._ahead.get(key, False)
+            if ahead and not posted.frame_work.is_completed():  # about to wait: post the rest
+                queue.extend(self._post_all(key))
+            value = self._recv(posted, queue, src, dst, channel, mb)
+            if ahead and not queue and self._left.get(key, 0):  # keep the next one posted
+                queue.append(self._post_next(key))
+        except SMPError:
+            raise
+        except RuntimeError as exc:  # a lost connection or a timeout, in the backend's words
+            raise self._failed(exc, src, receiving=True) from exc
+        return value
+
+    def _recv(self, posted: _Posted, queue: deque[_Posted], src: int, dst: int,
+              channel: str, mb: int) -> Any:
+        key = (src, dst, channel)
+        self._wait_all(posted)
+        flag = posted.flag()
+        if flag > 0:  # a new header, then the message in its layout
+            for _ in range(self._skips(channel, len(queue) + self._left.get(key, 0))):
+                if queue:  # posted in the old layout for a message still to come
+                    skip = queue.popleft()
+                    self._left[key] += 1
+                else:
+                    skip = self._post(key)
+                self._wait_all(skip)
+                if skip.flag() != wire.SKIP:
+                    raise _lost_step(skip.flag(), f"{channel} from {stage_name(src, self.ranks)}",
+                                     dst, mb)
+                self._give_back(skip)
+            data = torch.empty(flag, dtype=torch.uint8, device=self.device)
+            self._wait(self._irecv(data, self.ranks[src], self._group(key)))
+            self._got[key] = wire.decode(data.cpu().numpy().tobytes())
+            self._give_back(posted)
+            posted = self._post(key)
+            self._wait_all(posted)
+            flag = posted.flag()
+        if flag != 0 or posted.header is None:
+            raise _lost_step(flag, f"{channel} from {stage_name(src, self.ranks)}", dst, mb)
+        value = wire.unpack(posted.header, posted.views)
+        self._give_back(posted)  # reused once the tensors viewing it are gone
+        return value
+
+    def _give_back(self, posted: _Posted) -> None:
+        self._buffers.give(posted.frame)
+        for _, _, buf in posted.large:
+            self._buffers.give(buf)
+
+    def _wait_all(self, posted: _Posted) -> None:
+        self._wait(posted.frame_work)
+        for work, _, _ in posted.large:
+            self._wait(work)
+
+    def _wait(self, work: Any) -> None:
+        """Bounded wait; the backend's error (a lost peer, a timeout) reaches the public
+        method, which knows the peer and says what it means (``_failed``)."""
+        if self.on_block is not None and not work.is_completed():
+            self.on_block()
+        work.wait(self.timeout)
+
+    def finish(self) -> None:
+        """Wait for this step's sends (their buffers stay alive until then)."""
+        pending, self._pending = self._pending, []
+        for work, _, stage in pending:
+            try:
+                self._wait(work)
+            except RuntimeError as exc:
+                raise self._failed(exc, stage, receiving=False) from exc
+        self._send_count.clear()  # not after a failed wait: a send may still read a frame
+        posted = sorted(k for k, q in self._posted.items() if q)
+        unsent = sorted(k for k, n in self._to_send.items() if n)
+        self._posted.clear()
+        self._left.clear()
+        self._to_send.clear()
+        if posted or unsent:
+            raise SMPInternalError.build(
+                "receives were posted ahead for messages that never came" if posted else
+                "fewer messages were sent than planned", posted or unsent,
+                f"rank {dist.get_rank()} end of step")

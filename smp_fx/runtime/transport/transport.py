@@ -1,0 +1,95 @@
+"""Moving values between pipeline stages: the interface, and the in-process transport.
+
+A message is any pytree (tensors, tuples, dicts, ints, ``None``, HF ``ModelOutput``s) sent
+from one stage to another on a *channel* (``lowering.CHANNELS``): ``"act"`` (activations,
+forward), ``"grad"`` (gradients, backward) or ``"out"`` (the last stage's outputs, to every
+other pipeline rank). Received tensors keep the sender's ``requires_grad`` flag but are new
+leaves: the autograd graph is always cut at a stage boundary, so the executor's path is the
+same in-process and across processes.
+
+Two transports implement ``Transport``:
+
+- ``InProcessTransport`` (here): every stage lives in this process; a message is the value
+  itself (detached, moved to the receiving stage's device) held in a mailbox.
+- ``smp_fx.runtime.transport.dist_transport.DistTransport``: torch.distributed point-to-point,
+in the
+  wire format of ``smp_fx.runtime.transport.wire``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+import torch.utils._pytree as pytree
+
+from cost_model.errors import SMPInternalError
+
+
+class Transport(Protocol):
+    """What the executor needs: ordered sends and receives between stages, the per-step
+    message counts of each stream (so receives can be posted ahead), the end of a step, a
+    hook called before a receive blocks (``on_block``), and one that says where this rank is
+    in its work, for the errors of a failed transfer (``where``, the executor's)."""
+
+    on_block: Any
+    where: Any
+
+    def send(self, value: Any, src: int, dst: int, channel: str, mb: int) -> None:
+        """Send ``value`` from stage ``src`` to stage ``dst`` (in schedule order)."""
+
+    def recv(self, src: int, dst: int, channel: str, mb: int) -> Any:
+        """The next message from ``src`` to ``dst`` on ``channel``."""
+
+    def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:
+        """This step receives ``count`` messages on the stream: receives may be posted
+        ahead (``lowering.receive_posts`` says when to call this)."""
+
+    def plan_sends(self, src: int, dst: int, channel: str, count: int) -> None:
+        """This step sends ``count`` messages on the stream (``lowering.send_counts``)."""
+
+    def finish(self) -> None:
+        """The step is over: wait for its sends; raise if a message went astray."""
+
+
+def _cut(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+    out = t.detach()
+    if device is not None and out.device != device:
+        out = out.to(device, non_blocking=True)
+    return out.requires_grad_(t.requires_grad)
+
+
+class InProcessTransport:
+    """All stages in one process: messages are the values, cut from autograd."""
+
+    def __init__(self, devices: dict[int, torch.device] | None = None) -> None:
+        self.devices = devices or {}
+        self._box: dict[tuple[int, int, str, int], Any] = {}
+        self.on_block: Any = None  # never called: nothing here waits
+        self.where: Any = None  # never called: nothing here fails on a peer
+
+    def send(self, value: Any, src: int, dst: int, channel: str, mb: int) -> None:
+        device = self.devices.get(dst)
+        self._box[(src, dst, channel, mb)] = pytree.tree_map_only(
+            torch.Tensor, lambda t: _cut(t, device), value)
+
+    def recv(self, src: int, dst: int, channel: str, mb: int) -> Any:
+        key = (src, dst, channel, mb)
+        if key not in self._box:
+            raise SMPInternalError.build(
+                "in-process receive has no matching send (the lowered order is wrong)",
+                key, f"stage {dst} microbatch {mb}")
+        return self._box.pop(key)
+
+    def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:
+        """Nothing to post ahead in-process."""
+
+    def plan_sends(self, src: int, dst: int, channel: str, count: int) -> None:
+        """Messages are values in-process: nothing to plan."""
+
+    def finish(self) -> None:
+        if self._box:
+            left = sorted(self._box)
+            self._box.clear()
+            raise SMPInternalError.build("messages were sent but never received", left[:4],
+                                         "end of step")

@@ -1,0 +1,49 @@
+"""The values a microbatch's step moves through the executor: placed, flattened, copied.
+
+Small, pure helpers of ``smp_fx.runtime.executor.executor``: a received model input moved to its
+stage's device, a value's tensor leaves (fast paths for the usual shapes), and the two
+copies the last stage's outputs take (what other ranks are sent, what a step function is
+handed) so that a step function may modify its outputs in place.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+
+def to_device(value: Any, device: torch.device) -> Any:
+    """``value``'s tensors on ``device`` (a plain tensor already there, the usual model
+    input, skips the pytree walk)."""
+    if type(value) is torch.Tensor and value.device == device:
+        return value
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(device), value)
+
+
+def leaves(value: Any) -> list[Any]:
+    """``pytree.tree_leaves`` with fast paths for a tensor and a tuple of tensors."""
+    if type(value) is torch.Tensor:
+        return [value]
+    if type(value) is tuple and all(type(v) is torch.Tensor for v in value):
+        return list(value)
+    return pytree.tree_leaves(value)
+
+
+def sent_copy(outputs: tuple[Any, ...]) -> tuple[Any, ...]:
+    """The last stage's outputs as other ranks get them: detached copies (same
+    ``requires_grad``), immune to what the step function does to the originals."""
+    return pytree.tree_map_only(
+        torch.Tensor, lambda t: t.detach().clone().requires_grad_(t.requires_grad), outputs)
+
+
+def user_copy(cut: Any) -> Any:
+    """Received outputs as this rank's step function gets them: its own copies, which it may
+    modify in place (a received tensor that requires grad is a leaf, which could not be)
+    while the received values are relayed on unchanged."""
+    with torch.enable_grad():
+        return pytree.tree_map_only(torch.Tensor, torch.clone, cut)
+
+
+__all__ = ["leaves", "sent_copy", "to_device", "user_copy"]

@@ -1,0 +1,261 @@
+"""The multi-process transport's wire format: headers and frames, as pure functions.
+
+A message is any pytree (tensors, tuples, dicts, ints, ``None``, HF ``ModelOutput``s). On
+the wire it is one *frame* followed by each large tensor as a message of its own. A frame
+is a byte buffer: an int64 *flag*, then every tensor of at most ``PACK_MAX`` bytes copied
+in at an ``ALIGN``-ed offset (any dtype can be viewed in place)::
+
+    offset  0        8 .. 64   64             64 + k * 64 ...
+            | flag  | unused   | tensor 0 ... | tensor 1 ... |        (large tensors: apart)
+
+The layout follows from the message's *header*: its structure (a hand-flattened shape for
+the usual nests of tuples, lists, tensors and ``None``, else a pytree spec), the leaves
+(tensors by shape, dtype and ``requires_grad``; other leaves by value), and from that the
+offsets. Both sides keep the last header per stream. The flag says what a frame carries:
+
+- ``0``: a message in the layout of the last header (the usual case: one frame);
+- ``n > 0``: a new header follows, ``n`` bytes of pickle (this frame and its large-tensor
+  fills carry nothing else); the message itself follows in the new layout;
+- ``SKIP``: a fill that only stands in for a receive the peer posted in the old layout.
+
+Before any header is known a frame is the flag alone (``frame_size(None)``). Nothing here
+sends or receives: ``smp_fx.runtime.transport.dist_transport`` does, so every function here is
+tested on its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+import pickle
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+import torch.utils._pytree as pytree
+
+ALIGN = 64  # frame offsets: any dtype can be viewed in place
+PACK_MAX = 256 * 1024  # bytes; a larger tensor is its own message (copying it costs more)
+NO_HEADER_FRAME = 8  # before any header: the frame is the flag alone
+SKIP = -1  # the flag of a fill that only stands in for an old-layout receive
+# Header leaves compared by == (with their types: 1 == 1.0 == True) instead of by pickles.
+_PLAIN = frozenset((type(None), bool, int, float, str))
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """A tensor leaf as a header lists it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    requires_grad: bool
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+
+class Flat(NamedTuple):
+    """A message flattened for sending: its leaves and tensors, its structure, and ``key``,
+    a value equal to the last message's key exactly when the header is the same (None: only
+    the pickled header can tell). A tuple: it is made for every message sent."""
+
+    leaves: list[Any]
+    tensors: list[torch.Tensor]  # the tensor leaves, detached
+    shape: Any  # the hand-flattened structure (``flatten``), or None: ``spec`` describes it
+    spec: Any
+    key: Any
+    metas: list[Any] | None  # ``header_leaves(leaves)``, when already made
+
+
+@dataclass(frozen=True)
+class Header:
+    """A message's structure and where each tensor travels: ``offsets[i]`` is tensor i's
+    byte offset in the frame, or None when it is a message of its own."""
+
+    payload: bytes  # pickled (spec, leaves, shape): what goes over the wire
+    spec: Any
+    leaves: tuple[Any, ...]  # TensorMeta or plain values
+    shape: Any  # the hand-flattened structure, or None: use ``spec``
+    key: Any  # ``Flat.key`` of the messages it describes (None after ``decode``)
+    metas: tuple[TensorMeta, ...]
+    offsets: tuple[int | None, ...]
+    nbytes: tuple[int, ...]
+    frame_size: int
+    large: tuple[TensorMeta, ...]  # the tensors that are messages of their own, in order
+
+
+def flatten(value: Any) -> Flat:
+    """``value`` flattened, with the key that recognises a repeated header without pickling
+    when every non-tensor leaf is a plain value (whose == is exact and cheap)."""
+    leaves: list[Any] = []
+    shape = _shape_of(value, leaves)
+    if shape is not None:  # every leaf is a tensor
+        return Flat(leaves, [t.detach() for t in leaves], shape, None,
+                    (shape, tuple((t.shape, t.dtype, t.requires_grad) for t in leaves)), None)
+    leaves, spec = pytree.tree_flatten(value)
+    metas = header_leaves(leaves)
+    key = None
+    if all(isinstance(x, TensorMeta) or type(x) in _PLAIN for x in metas):
+        key = (spec, [x if isinstance(x, TensorMeta) else (type(x), x) for x in metas])
+    tensors = [t.detach() for t in leaves if isinstance(t, torch.Tensor)]
+    return Flat(leaves, tensors, None, spec, key, metas)
+
+
+def _shape_of(value: Any, leaves: list[torch.Tensor]) -> Any:
+    """The usual message (tensors and None nested in tuples and lists) flattened by hand:
+    its structure as a hashable value, its tensors appended to ``leaves``; None for anything
+    else (``pytree`` then flattens it; it costs several microseconds per node)."""
+    t = type(value)
+    if t is torch.Tensor:
+        leaves.append(value)
+        return "T"
+    if value is None:
+        return "N"
+    if t is tuple or t is list:
+        inner = []
+        for v in value:
+            sub = _shape_of(v, leaves)
+            if sub is None:
+                return None
+            inner.append(sub)
+        return (t is list, tuple(inner))
+    return None
+
+
+def build(shape: Any, leaves: Iterator[Any]) -> Any:
+    """The inverse of ``flatten``'s hand flattening: ``shape`` filled from ``leaves``."""
+    if shape == "T":
+        return next(leaves)
+    if shape == "N":
+        return None
+    is_list, inner = shape
+    values = [build(sub, leaves) for sub in inner]
+    return values if is_list else tuple(values)
+
+
+@functools.lru_cache(maxsize=256)
+def spec_of(shape: Any) -> Any:
+    """The pytree spec of a hand-flattened structure (tensors are leaves, like the 0s)."""
+    return pytree.tree_flatten(build(shape, iter(lambda: 0, None)))[1]
+
+
+def header_leaves(leaves: Sequence[Any]) -> list[Any]:
+    """The leaves as a header lists them: tensors by their metadata."""
+    return [TensorMeta(tuple(t.shape), t.dtype, t.requires_grad)
+            if isinstance(t, torch.Tensor) else t for t in leaves]
+
+
+def payload_of(flat: Flat) -> tuple[bytes, Any, list[Any]]:
+    """The pickled header of ``flat`` (what a header change sends), its spec and leaves."""
+    spec = spec_of(flat.shape) if flat.shape is not None else flat.spec
+    leaves = flat.metas if flat.metas is not None else header_leaves(flat.leaves)
+    return pickle.dumps((spec, leaves, flat.shape)), spec, leaves
+
+
+def header(payload: bytes, spec: Any, leaves: Sequence[Any], shape: Any, key: Any) -> Header:
+    """The header with its frame layout: small tensors packed at aligned offsets."""
+    metas = tuple(m for m in leaves if isinstance(m, TensorMeta))
+    offsets: list[int | None] = []
+    end = ALIGN
+    for m in metas:
+        if m.nbytes <= PACK_MAX:
+            offsets.append(end)
+            end += -(-m.nbytes // ALIGN) * ALIGN
+        else:
+            offsets.append(None)
+    large = tuple(m for m, off in zip(metas, offsets) if off is None)
+    return Header(payload, spec, tuple(leaves), shape, key, metas, tuple(offsets),
+                  tuple(m.nbytes for m in metas), end, large)
+
+
+def encode(flat: Flat) -> Header:
+    """The header of the message ``flat``."""
+    payload, spec, leaves = payload_of(flat)
+    return header(payload, spec, leaves, flat.shape, flat.key)
+
+
+def decode(payload: bytes) -> Header:
+    """The header a peer sent as ``payload``."""
+    with warnings.catch_warnings():  # unpickling a LeafSpec warns in torch 2.13
+        warnings.simplefilter("ignore", FutureWarning)
+        spec, leaves, shape = pickle.loads(payload)
+    return header(payload, spec, leaves, shape, None)
+
+
+def frame_size(h: Header | None) -> int:
+    return h.frame_size if h is not None else NO_HEADER_FRAME
+
+
+def large(h: Header | None) -> tuple[TensorMeta, ...]:
+    return h.large if h is not None else ()
+
+
+def slot(frame: torch.Tensor, offset: int, nbytes: int, meta: TensorMeta) -> torch.Tensor:
+    """The frame bytes of one tensor, viewed as that tensor (no copy)."""
+    if nbytes == 0:
+        return torch.empty(meta.shape, dtype=meta.dtype, device=frame.device)
+    return frame[offset:offset + nbytes].view(meta.dtype).view(meta.shape)
+
+
+def send_slots(frame: torch.Tensor, h: Header) -> tuple[torch.Tensor | None, ...]:
+    """Per tensor of ``h``, its slot in ``frame`` to copy into (None: sent on its own, or
+    empty)."""
+    return tuple(None if off is None or not n else slot(frame, off, n, m)
+                 for m, off, n in zip(h.metas, h.offsets, h.nbytes))
+
+
+def pack(h: Header, slots: Sequence[torch.Tensor | None],
+         tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Copy ``tensors`` into their ``slots``; returns the large ones (contiguous), which
+    follow the frame as messages of their own, in order."""
+    out = []
+    for t, off, view in zip(tensors, h.offsets, slots):
+        if off is None:
+            out.append(t.contiguous())
+        elif view is not None:
+            view.copy_(t)
+    return out
+
+
+def received_views(frame: torch.Tensor, h: Header,
+                   large_tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The message's tensors, in header order, viewed out of ``frame`` (or the large
+    tensors' own buffers), with the sender's ``requires_grad``."""
+    big = iter(large_tensors)
+    return tuple((next(big) if off is None else slot(frame, off, n, m))
+                 .requires_grad_(m.requires_grad)
+                 for m, off, n in zip(h.metas, h.offsets, h.nbytes))
+
+
+def unpack(h: Header, tensors: Sequence[torch.Tensor]) -> Any:
+    """The message: ``h``'s structure filled with ``tensors`` (``received_views``)."""
+    it = iter(tensors)
+    if h.shape is not None:
+        return build(h.shape, it)
+    values = [next(it) if isinstance(leaf, TensorMeta) else leaf for leaf in h.leaves]
+    return pytree.tree_unflatten(values, h.spec)
+
+
+def write_flag(frame: torch.Tensor, flag: int) -> None:
+    """Set a frame's flag; on CPU through ``flag_at``'s direct memory access."""
+    if frame.device.type == "cpu":
+        ctypes.c_int64.from_address(frame.data_ptr()).value = flag
+    else:
+        frame[:8].view(torch.int64).fill_(flag)
+
+
+def read_flag(frame: torch.Tensor) -> int:
+    """A frame's flag, read with tensor ops (any device; on CPU ``flag_at`` is faster)."""
+    return int(frame[:8].view(torch.int64).item())
+
+
+def flag_at(address: int) -> int:
+    """The flag of the CPU frame at ``address``, read straight from memory through ctypes.
+
+    Buys 3-7 us per received message against slicing and viewing the frame
+    (``benchmarks/transport_tricks.py``; docs/performance.md)."""
+    return ctypes.c_int64.from_address(address).value

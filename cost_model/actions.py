@@ -1,28 +1,10 @@
 """The values a pipeline schedule is made of: ``Action``, per-rank lists, chunk placements.
 
-A model is cut into ``p x v`` *chunks* (virtual stages), numbered in model order: the
-activations of chunk ``c`` feed chunk ``c + 1``. A *placement* gives the pipeline rank of
-every chunk: ``round_robin`` (Megatron's interleaving, chunk ``c`` on rank ``c % p``),
-``v_shape`` (ZB-V: rank ``r`` holds chunks ``r`` and ``2p - 1 - r``), or any other tuple
-(a manual partition may give a rank non-contiguous chunks in the order its pins dictate).
-With ``v = 1`` chunk, stage and rank are one number.
-
-An ``Action`` names its chunk (``stage``: the virtual stage, in model order), its kind and
-its microbatch; its string form is ``"{stage}{kind}{microbatch}"`` (``"5I3"``). Kinds:
-
-- ``F`` forward;
-- ``B`` the full backward (input and weight gradients together);
-- ``I`` the input gradient only (what the chunk before needs: on the critical path);
-- ``W`` the weight gradient only (needed by nothing but the optimizer: it fills bubbles).
-
-A microbatch's backward on a chunk is either one ``B`` or one ``I`` followed (later, on
-the same rank) by one ``W``. A schedule is one tuple of actions per rank, in that rank's
-execution order; the rank of a chunk is the list its actions sit in
-(``placement_of``). What an action needs and what it gives are *tokens*
-(``needs`` / ``gives``): ``F(c, mb)`` gives the activations ``("F", c, mb)``, read by
-``F(c + 1, mb)``; ``B`` or ``I`` of ``(c, mb)`` give the input gradient ``("G", c, mb)``,
-read by the backward of chunk ``c - 1`` (and by ``W(c, mb)``); the last chunk's backward
-reads its own forward.
+A model is cut into ``p x v`` chunks in model order; a placement gives each chunk's rank
+(``round_robin``, ``v_shape`` or any tuple a manual partition dictates). An action is
+``"{chunk}{kind}{microbatch}"`` with kinds F, B, I (input gradient) and W (weight
+gradient); ``needs`` / ``gives`` name the tokens that order them across ranks.
+See docs/schedules.md, 'Schedules are data'.
 """
 
 from __future__ import annotations

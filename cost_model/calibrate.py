@@ -1,16 +1,7 @@
 """Measure the machine this process runs on into a ``DeviceSpec``.
 
-``calibrate`` assembles a spec from the figures ``cost_model.microbench`` measures
-(matmul and element-wise throughput at several sizes, memory bandwidth, the fixed cost and
-the work rate of each op kind, an Adam step), starting from ``LOOPBACK`` for what it does
-not measure; ``with_link`` adds the link between two ranks. The smp-fx runtime's own costs (per
-action, per step) need the runtime, which this layer may not import: ``smp-fx calibrate``
-fits them and fills them in. ``quick_cpu_spec`` is the built-in "cpu" spec.
-
-Example::
-
-    spec = calibrate(quick=True)       # about a second on a CPU
-    spec.to_json()                     # what `smp-fx calibrate -o FILE.json` writes
+The runtime's own costs (per action, per step) need the runtime, which this layer may not
+import: ``smp-fx calibrate`` fits them. See docs/cli.md, 'smp-fx calibrate'.
 """
 
 from __future__ import annotations
@@ -67,10 +58,8 @@ def _memory_bytes(device: torch.device) -> int:
 
 def calibrate(name: str = "cpu", device: torch.device | str = "cpu", *,
               quick: bool = False, base: DeviceSpec | None = None) -> DeviceSpec:
-    """Measure ``device`` into a ``DeviceSpec`` called ``name``.
-
-    The link (``with_link``) and the runtime's overheads keep ``base``'s figures
-    (``LOOPBACK``, gloo-over-loopback estimates, by default).
+    """Measure ``device`` into a ``DeviceSpec`` called ``name``; link and runtime figures
+        stay ``base``'s.
     """
     device = torch.device(device)
     budget = _budget(device, quick)
@@ -130,9 +119,8 @@ def with_link(spec: DeviceSpec, device: torch.device | str = "cpu", *, quick: bo
 def quick_cpu_spec() -> DeviceSpec:
     """The built-in "cpu" spec: a quick calibration of this CPU, once per process.
 
-    Measuring draws random tensors; the global RNG is restored afterwards, so planning
-    (which loads this spec at the first step) leaves the user's random stream (dropout)
-    where it was."""
+        The global RNG is restored afterwards so planning leaves the user's dropout stream.
+    """
     with torch.random.fork_rng(devices=[]):
         return calibrate("cpu", "cpu", quick=True)
 

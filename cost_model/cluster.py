@@ -1,19 +1,9 @@
 """Cluster specs as data: GPUs, their nodes and the links between them, every figure sourced.
 
-Why: a plan for 3072 GPUs is decided by what a node holds and how it is wired as much as
-by the GPU: tensor parallelism stays inside a node's NVLink domain, data parallelism and
-pipeline sends between nodes share the node's network cards. A ``ClusterSpec`` is the
-``DeviceSpec`` of one GPU (``cost_model.device``: the one compute and memory model of
-``smp-fx partition``, ``DistributedModel`` and ``smp-fx plan``) plus the node and the
-fabric; ``fabric()`` gives the ``cost_model.collectives.Fabric`` every collective of a
-plan is priced on.
-
-Built-in clusters (``get_cluster``): ``dgx-a100-80gb``, ``dgx-h100``, ``p4d.24xlarge``,
-``p5.48xlarge`` and ``p3dn.24xlarge`` (V100). Each figure says where it comes from
-(``sources``): a datasheet, NCCL's own tuning model, or a labelled estimate. The A100's
-large-matmul efficiencies are fitted on Megatron-LM's SC'21 Table 1 and on nothing else
-(``benchmarks/megatron_table.py --fit`` prints the fit), so other published runs remain a
-test of the model.
+A plan at scale depends on how a node is wired as much as on its GPU: tensor parallelism
+stays on NVLink, data and pipeline traffic share the node's network cards. A
+``ClusterSpec`` is one GPU's ``DeviceSpec`` plus the node and the fabric.
+See docs/planning.md, 'Clusters'.
 """
 
 from __future__ import annotations
@@ -35,15 +25,8 @@ SCHEMA_VERSION = 1
 class ClusterSpec:
     """One kind of node, repeated: its GPUs (``device``), their links, what memory is usable.
 
-    - ``intra_node_bandwidth``: bytes/s one GPU sends to the others of its node, one
-      direction (NVLink through NVSwitch); ``intra_node_efficiency`` is the fraction NCCL's
-      collectives reach of it (their bus bandwidth).
-    - ``inter_node_bandwidth``: bytes/s one node sends to the others, one direction, all
-      its network cards together; ``inter_node_efficiency`` likewise.
-    - latencies: one hop of a collective or one point-to-point message.
-    - ``memory_reserved_bytes``: device memory that holds no tensor of the model (the CUDA
-      context, cuBLAS workspaces, NCCL communicators' buffers); ``allocator_margin``: the
-      fraction of the rest kept free for the caching allocator's fragmentation.
+        Bandwidths are one direction; ``memory_reserved_bytes`` holds no tensor (CUDA
+        context, cuBLAS, NCCL), ``allocator_margin`` is kept free for fragmentation.
     """
 
     name: str
@@ -261,10 +244,7 @@ def cluster_for_device(device: DeviceSpec, *, gpus_per_node: int | None = None,
                        memory_bytes: int | None = None) -> ClusterSpec:
     """The cluster a plan for ``device`` runs on when no cluster is named.
 
-    A built-in GPU spec starts from its built-in node (``DEVICE_CLUSTER``, whose device is
-    the same GPU with the fitted figures it carries); any other spec (``cpu``, a
-    calibrated file) is one host whose processes talk over the spec's own link, with no
-    reserve or margin. The keyword figures override the node's.
+        A built-in GPU gets its built-in node; any other spec is one host on its own link.
     """
     base = DEVICE_CLUSTER.get(device.name)
     if base is not None and device == _plain(base):

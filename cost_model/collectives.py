@@ -1,33 +1,9 @@
 """Collective communication as NCCL runs it: ring and tree, within and across nodes.
 
-Why: at scale the plan is decided by what the collectives cost: tensor-parallel
-all-reduces over NVLink inside a node, data-parallel all-reduces (or reduce-scatter +
-all-gather) over the inter-node fabric, and how many groups share a node's network cards.
-This module is the one place those formulas live; ``passes.tensor_parallel.costs`` prices the
-tensor-parallel collectives of a rewritten graph with ``ring_steps`` and the cluster
-planner (``smp_fx.planner``) prices every collective of a plan with ``collective_time``.
-
-The model follows NCCL's own tuning model (``src/graph/tuning.cc``, ``ncclTopoTuneModel``
-and ``ncclTopoGetAlgoTime``): time = latency + bytes / algorithm bandwidth, where
-
-- **ring**: ``steps`` = 2 (n - 1) for an all-reduce, n - 1 for an all-gather or a
-  reduce-scatter (``bytes`` is the full tensor, the gathered or the reduced one);
-  algorithm bandwidth = bus bandwidth x n / steps; latency = one hop per step, the steps
-  that cross nodes at the network's latency (2 (nodes - 1) of them for an all-reduce).
-- **tree** (all-reduce only; NCCL's hierarchical algorithm: a chain inside each node, a
-  double binary tree across nodes): algorithm bandwidth = 0.9 x bus bandwidth / 2;
-  latency = 2 ((ranks per node - 1) intra hops + log2(nodes) network hops).
-- the **bus bandwidth** of a group of ``n`` ranks spread over ``nodes`` nodes (``n / nodes``
-  per node) is the per-GPU intra-node bandwidth on one node; across nodes it is the
-  smaller of that and the node's network bandwidth shared by the groups that run at the
-  same time on the node (``concurrent``: a node of 8 GPUs in 8 data-parallel groups of one
-  rank per node gives each group one eighth of the node's network). Per ring step a node
-  sends one ``1 / n`` part of the tensor out whatever its rank count, so the ranks of one
-  group on a node do not divide it further.
-
-NCCL picks the faster algorithm per call; ``collective_time`` does the same and says
-which (``Collective.algorithm``). A point-to-point send (pipeline stages) is
-``p2p_time``.
+At scale a plan is decided by what the collectives cost, so their formulas live here
+once: the tensor-parallel pricing uses ``ring_steps``, the cluster planner
+``collective_time``. The model follows NCCL's tuning model (``src/graph/tuning.cc``).
+See docs/planning.md, 'One cost model'.
 """
 
 from __future__ import annotations
@@ -47,9 +23,7 @@ TREE_BANDWIDTH_FACTOR = 0.9
 class Fabric:
     """The links a collective runs over (bytes/s one direction; seconds per hop).
 
-    ``intra_bandwidth``: what one GPU reaches to the others of its node (NVLink through
-    NVSwitch: NCCL's bus bandwidth); ``inter_bandwidth``: one node's network, all its cards
-    together; ``gpus_per_node``: GPUs sharing that network.
+        ``inter_bandwidth`` is one node's network, all cards together, shared by its GPUs.
     """
 
     intra_bandwidth: float
@@ -97,11 +71,10 @@ def ring_steps(kind: str | None, size: int) -> int:
 
 def ring_over(kind: str | None, nbytes: float, size: int,
               comm_time: Callable[[float], float]) -> float:
-    """A ring collective on one link model: ``steps`` messages of ``nbytes / size`` each,
-    ``comm_time(bytes)`` apiece (latency + bytes / bandwidth: NCCL's ring on one node).
+    """A ring collective on one link model: ``steps`` messages of ``nbytes / size`` each.
 
-    >>> ring_over("all_reduce", 8e6, 2, lambda n: 1e-4 + n / 1e9)
-    0.0082
+        >>> ring_over("all_reduce", 8e6, 2, lambda n: 1e-4 + n / 1e9)
+        0.0082
     """
     steps = ring_steps(kind, size)
     if steps == 0 or nbytes <= 0:
@@ -124,13 +97,12 @@ def bus_bandwidth(fabric: Fabric, size: int, nodes: int, concurrent: int = 1) ->
 
 def collective_time(kind: str, nbytes: float, size: int, fabric: Fabric, *, nodes: int = 1,
                     concurrent: int = 1) -> Collective:
-    """Seconds of one ``kind`` collective of ``nbytes`` (the full tensor) over ``size``
-    ranks on ``nodes`` nodes, ``concurrent`` such groups sharing each node's network;
-    the faster of ring and (all-reduce only) tree, as NCCL's tuner picks.
+    """Seconds of one collective over ``size`` ranks on ``nodes`` nodes: the faster of ring
+        and (all-reduce only) tree, as NCCL's tuner picks.
 
-    >>> f = Fabric(300e9, 0.0, 200e9, 0.0, 8)
-    >>> round(collective_time("all_reduce", 1e9, 8, f).seconds, 6)  # 2 * 7/8 * 1e9 / 3e11
-    0.005833
+        >>> f = Fabric(300e9, 0.0, 200e9, 0.0, 8)
+        >>> round(collective_time("all_reduce", 1e9, 8, f).seconds, 6)  # 2 * 7/8 * 1e9 / 3e11
+        0.005833
     """
     steps = ring_steps(kind, size)
     if steps == 0 or nbytes <= 0:
@@ -156,11 +128,10 @@ def collective_time(kind: str, nbytes: float, size: int, fabric: Fabric, *, node
 
 
 def p2p_time(nbytes: float, fabric: Fabric, *, across_nodes: bool) -> float:
-    """One point-to-point send of ``nbytes``: within a node over NVLink, across nodes on
-    one GPU's share of its node's network (every GPU of a pipeline sends at once).
+    """One point-to-point send; across nodes on one GPU's share of the node's network.
 
-    >>> p2p_time(25e6, Fabric(300e9, 0.0, 200e9, 0.0, 8), across_nodes=True)
-    0.001
+        >>> p2p_time(25e6, Fabric(300e9, 0.0, 200e9, 0.0, 8), across_nodes=True)
+        0.001
     """
     if nbytes <= 0:
         return 0.0

@@ -1,17 +1,9 @@
 """Device specs as data: a plan can be made for a cluster one does not have.
 
-A ``DeviceSpec`` is everything the cost model knows about one accelerator, its link to the
-next pipeline stage and the smp-fx runtime on its host: peak rates, how close small
-matmuls and element-wise ops come to them, the fixed cost of an op, of a message, of a
-microbatch and of a step, and what an optimizer step costs. It is the one source of link
-costs: the partitioner, the plan and the simulator all read them from here.
-
-Built-in specs (``cost_model.devices``): "h100", "a100", "v100" carry datasheet figures
-(SXM parts, dense, no sparsity) and rounded estimates for the rest; each says where its
-numbers come from (``sources``). "cpu" is measured on this machine, once per process, by
-the quick mode of ``cost_model.calibrate``: it is *not* deterministic, so analytic tests
-and golden plans use a fixed spec. ``smp-fx calibrate -o FILE.json`` measures any machine
-fully and ``cost_model.devices.load_device`` reads the file back.
+A ``DeviceSpec`` is everything the cost model knows about one accelerator, its link and
+the runtime on its host; it is the one source of link costs for partitioner, plan and
+simulator. The built-in "cpu" spec is measured per process, so analytic tests and golden
+plans use a fixed spec. See docs/planning.md, 'Device specs'.
 """
 
 from __future__ import annotations
@@ -52,39 +44,8 @@ def _interp_log(table: Table, x: float) -> float:
 class DeviceSpec:
     """Peak rates of one accelerator, its link to the next stage, and fixed costs.
 
-    Fields beyond the peaks (all default to the ideal: no overhead, full efficiency):
-
-    - ``matmul_efficiency``: (smallest matmul dimension, fraction of peak FLOP/s) pairs;
-      a matmul whose smallest of (m, k, n) is ``d`` runs at the interpolated fraction.
-    - ``elementwise_efficiency``: (bytes moved, fraction of ``mem_bandwidth``) pairs;
-      small tensors live in cache and may beat the memory bandwidth (fraction > 1).
-    - ``op_overheads``: (canonical op, forward s, backward s): the fixed time of one op
-      (dispatch, kernel launch, autograd bookkeeping) on top of its roofline time; the
-      entry ``"default"`` serves ops not listed, ``"module"`` is the extra forward cost
-      of calling an ``nn.Module`` (fx leaf modules), ``"view"`` serves view ops.
-    - ``op_rates``: (op kind, forward s, backward s per unit, reference size): what an op
-      of this kind costs per FLOP (matmul kinds) or per output element (the others) at a
-      reference size (smallest matmul dimension, or bytes moved), measured on the machine;
-      the efficiency tables scale it to other sizes. A kind listed here is priced by its
-      rate instead of the roofline (CPU kernels for batch norm or transcendental
-      functions run far below the roofline's peak and bandwidth).
-    - ``message_overhead_s``: time a rank's compute loses per point-to-point message it
-      sends or receives (posting and completing it); ``link_latency_s`` delays arrival.
-    - ``microbatch_overhead_s``: the runtime's work per forward or backward action of a
-      stage (turn-taking, the step function's thread), beyond the model's ops.
-    - ``step_overhead_s``: the runtime's fixed work per training step.
-    - ``optimizer_tensor_s`` / ``optimizer_byte_s``: an optimizer step costs
-      ``tensors * optimizer_tensor_s + parameter bytes * optimizer_byte_s`` (Adam).
-    - ``compute_scale`` / ``overhead_scale``: how much slower a model's ops run inside a
-      real forward and backward than the microbenchmarks above time them alone (colder
-      caches, the allocator, autograd's graph): ``compute_scale`` multiplies each node's
-      work, ``overhead_scale`` its fixed cost (``op_overheads``). Calibration fits both on
-      a reference model at several sizes; 1.0 for datasheet specs.
-    - ``pipelined_scale``: how much slower the ops run again when the ranks of a pipeline
-      share this host's cores (their threads and caches), fitted by ``smp-fx calibrate
-      --nproc N`` on the reference model at pipeline degree N; 1.0 where each rank has its
-      own device. ``for_stages`` folds it into the two scales above.
-    - ``sources``: (field, where its number comes from) pairs.
+        Every field beyond the peaks defaults to the ideal (no overhead, full efficiency);
+        docs/planning.md, 'Device specs', says what each one prices.
     """
 
     name: str

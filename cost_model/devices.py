@@ -1,9 +1,6 @@
-"""The built-in device specs, by name: three GPUs from their datasheets and the host CPU
-measured quickly on first use (``cost_model.calibrate.quick_cpu_spec``).
+"""The built-in device specs by name, and ``load_device`` for a name or a calibrated file.
 
-``DeviceSpec`` itself (``cost_model.device``) knows nothing of names or of measuring; the
-lookups by name (``get_device``, ``load_device`` for a name or a file written by
-``smp-fx calibrate``) live here, above both the spec and the calibration.
+They live above both ``DeviceSpec`` and the calibration, which know nothing of names.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """The smp-fx error hierarchy.
 
-It lives in the lowest layer (``cost_model``) so that every layer can raise it without
-an upward import; ``smp_fx`` re-exports it as the public ``smp_fx.SMPError`` family, and
-each class says ``smp_fx`` is its module, so a traceback names it as users import it
-(``smp_fx.SMPTimeoutError``).
-
-Misuse and failures of the user's job (bad configuration, a model that cannot be traced,
-a peer that timed out) get the area's class; a broken invariant of smp-fx itself gets
-``SMPInternalError``, whose message asks for a bug report.
-
-A message states the rule, the offending value, the place (node, module path, rank)
-and the fix. ``SMPError.build`` keeps that shape uniform.
+It lives in the lowest layer so every layer can raise it without an upward import;
+``smp_fx`` re-exports it and each class names ``smp_fx`` as its module. Failures of the
+user's job get the area's class, a broken invariant ``SMPInternalError``. A message states
+the rule, the value, the place and the fix (``SMPError.build``).
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""FLOP formulas per canonical op. Pure: shapes in, (forward, backward) FLOPs out.
+"""FLOP formulas per canonical op: shapes in, (forward, backward) FLOPs out.
 
-An op is named canonically (``"linear"``, ``"matmul"``, ``"conv"``, ``"sdpa"``, ...); the
-pass that reads a graph maps fx targets, ``nn.Module`` types and aten overloads to these
-names. A multiply-add counts 2 FLOPs. Backward of a contraction is 2x forward (gradient
-of the input and of the other operand); element-wise and normalisation ops count a small
-constant per element. ``op_flops`` returns ``None`` for an op it does not know, so the
-caller can mark the cost unknown instead of silently calling it free.
-
-Example::
-
-    op_flops("linear", [(8, 32)], (8, 64), {})  # (2*8*32*64, 2 * 2*8*32*64)
+A multiply-add counts 2 FLOPs; a contraction's backward is 2x its forward. ``op_flops``
+returns ``None`` for an unknown op so the caller marks the cost unknown, not free.
 """
 
 from __future__ import annotations
@@ -80,20 +72,14 @@ def matmul_flops(a: Shape, b: Shape, out_shape: Shape) -> float:
 
 
 def conv_flops(weight: Shape, out_shape: Shape, groups: int = 1) -> float:
-    """2 * (output elements) * (input channels per group) * (kernel elements).
-
-    ``weight`` is ``(C_out, C_in / groups, *kernel)``, so its trailing dims already hold
-    the per-group input channels; ``groups`` is accepted for clarity only.
-    """
+    """2 * (output elements) * (input channels per group) * (kernel elements)."""
     del groups
     return 2.0 * numel(out_shape) * numel(weight[1:])
 
 
 def sdpa_flops(q: Shape, k: Shape, v: Shape) -> float:
-    """Attention ``softmax(q k^T) v``: 2*B*H*L*S*E (scores) + 2*B*H*L*S*Ev (mix).
-
-    A causal mask is not subtracted (kernels compute the full square on CPU; the GPU
-    flash kernels skip about half: the figure is an upper bound there).
+    """Attention: 2*B*H*L*S*E (scores) + 2*B*H*L*S*Ev (mix); a causal mask is not subtracted
+        (an upper bound for flash kernels).
     """
     batch_heads = numel(q[:-2])
     length, e = q[-2], q[-1]
@@ -103,11 +89,10 @@ def sdpa_flops(q: Shape, k: Shape, v: Shape) -> float:
 
 def gemm_dims(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
               attrs: Mapping[str, Any]) -> tuple[int, int, int] | None:
-    """(m, k, n) of the matmul an op performs (one matrix of a batch), ``None`` if it is no
-    matmul. The smallest of the three sets how close to peak it runs on a real device.
+    """(m, k, n) of the matmul an op performs, ``None`` if it is no matmul.
 
-    >>> gemm_dims("linear", [(16, 512)], (16, 2048), {})
-    (16, 512, 2048)
+        >>> gemm_dims("linear", [(16, 512)], (16, 2048), {})
+        (16, 512, 2048)
     """
     try:
         if op == "linear" and inputs and inputs[0] and output:
@@ -136,12 +121,7 @@ def gemm_dims(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
 
 def op_flops(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
              attrs: Mapping[str, Any]) -> tuple[float, float] | None:
-    """(forward, backward) FLOPs of one op; ``None`` if the op is unknown.
-
-    ``inputs`` are the shapes of the tensor arguments in call order (``None`` for
-    non-tensors); ``attrs`` carries what shapes alone do not say (``weight`` shape of a
-    conv module, ``groups``).
-    """
+    """(forward, backward) FLOPs of one op; ``None`` if the op is unknown."""
     if op in VIEW_OPS or op in CREATION_OPS:
         return 0.0, 0.0
     if output is None and op not in ("sdpa",):

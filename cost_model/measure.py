@@ -1,19 +1,8 @@
 """Measured costs: real forward/backward times and saved-activation bytes.
 
-Used for ``trace_execution_times`` / ``trace_memory_usage``. Measuring runs the model on
-real tensors, so it is done on one rank and the result, a plain mapping
-``node name -> (fwd_s, bwd_s, saved_bytes)``, is broadcast by the runtime so that every
-rank makes the same plan. Analytic costs stay the deterministic default.
-
-Saved bytes are what autograd really keeps: every tensor passed to a
-``torch.autograd.graph.saved_tensors_hooks`` pack hook, parameters excluded, deduplicated
-by storage (a view and its base count once, at the storage's full size). On CUDA the
-measured memory is the ``torch.cuda.max_memory_allocated`` increase instead.
-
-Example::
-
-    measured = measure_nodes(gm, args, repeats=3)
-    gm2 = annotate_costs(gm, spec, measured=measured)
+Measuring runs on one rank and the result is broadcast, so every rank makes the same plan;
+saved bytes are what autograd's pack hooks really see, deduplicated by storage.
+See docs/partitioning.md.
 """
 
 from __future__ import annotations
@@ -84,11 +73,7 @@ def _storage_key(t: torch.Tensor) -> int:
 
 def saved_bytes_by_module(model: nn.Module, args: tuple[Any, ...],
                           kwargs: Mapping[str, Any] | None = None) -> dict[str, int]:
-    """Run ``model`` once for real; bytes saved for backward, attributed to the innermost
-    module running when each tensor was saved ('' = the root's own code).
-
-    Uses the global module forward hooks (removed afterwards), not the model's own hooks.
-    """
+    """Run ``model`` once; bytes saved for backward per innermost running module ('' = root)."""
     paths = {id(m): p for p, m in model.named_modules()}
     state = [*model.parameters(), *model.buffers()]
     counter = SavedCounter(state)
@@ -188,14 +173,9 @@ def _grad_inputs(inputs: Any) -> int:
 
 @dataclass(frozen=True)
 class Harness:
-    """What timing one node adds to the node's own time, taken off every node so that
-    measured and analytic node times mean the same thing (the op's dispatch and work,
-    its autograd node and its parameters' gradient accumulation) and sum to stage times
-    alike: the interpreter's dispatch and the timer, forward; starting the autograd
-    engine and making the output gradient (once per stage backward in the runtime, in
-    ``DeviceSpec.microbatch_overhead_s``) plus each fresh input's clone and
-    accumulation, backward. Measured on views of 1 and 2 inputs (the views' own cost, a
-    microsecond, is taken off too)."""
+    """What timing one node adds to its own time, taken off every node so measured and
+        analytic node times sum to stage times alike.
+    """
 
     forward_s: float
     backward_base_s: float
@@ -234,13 +214,9 @@ class Harness:
 def measure_nodes(gm: torch.fx.GraphModule, args: tuple[Any, ...],
                   kwargs: Mapping[str, Any] | None = None, *, times: bool = True,
                   memory: bool = True, warmup: int = 1, repeats: int = 3) -> Measured:
-    """Time each compute node forward and backward (median of ``repeats`` after ``warmup``)
-    on the device the module and inputs live on, and count its saved bytes. The times are
-    the node's own, as the analytic costs are: what the measuring adds (``Harness``) is
-    taken off, so both kinds of node time sum to stage times the same way.
+    """Time each node forward and backward (median of ``repeats``) and count its saved bytes.
 
-    Returns ``{node name: (fwd_s, bwd_s, saved_bytes)}``; a field not asked for is 0.
-    The model's buffers and gradients are left as they were (``preserved_state``).
+        Returns ``{node name: (fwd_s, bwd_s, saved_bytes)}``; the model's state is preserved.
     """
     with preserved_state(gm):
         return _measure(gm, args, dict(kwargs or {}), times, memory, warmup, repeats)
@@ -307,14 +283,9 @@ def _measure(gm: torch.fx.GraphModule, args: tuple[Any, ...], kwargs: dict[str, 
 def fake_module_cost(module: nn.Module,
                      make_inputs: Callable[[], tuple[tuple[Any, ...], dict[str, Any]]],
                      ) -> tuple[float, float, int]:
-    """(forward FLOPs, backward FLOPs, saved bytes) of one opaque module, on fake tensors.
+    """(forward FLOPs, backward FLOPs, saved bytes) of an opaque module, run on fake tensors.
 
-    How the cost model prices a leaf module it has no formula for: the module runs once
-    under ``FakeTensorMode`` (no real memory, meta weights fine) with ``FlopCounterMode``
-    and the saved-tensor hooks, then a fake backward is counted the same way.
-    ``make_inputs`` is called inside the fake mode and builds the fake inputs (set
-    ``requires_grad`` on those that need gradients). Raises whatever the module raises on
-    fake tensors (data-dependent control flow, for instance).
+        ``make_inputs`` runs inside the fake mode; data-dependent modules raise.
     """
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode

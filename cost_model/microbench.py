@@ -1,25 +1,8 @@
 """How each figure of a calibrated ``DeviceSpec`` is measured: the primitives.
 
-Every timing is the best of several repeats (what else runs on the machine only ever
-adds time) on ``clock(device)``: this process's CPU time with one intra-op thread on a
-CPU, wall time otherwise. Operands rotate through a pool larger than a core's L2, as a
-model's weights do.
-
-- matmul (``measure_matmul``): ``F.linear`` with the smallest of (m, k, n) in
-  ``matmul_dims`` and the other two ``matmul_big`` (each orientation), and ``big`` cubed;
-  the best rate is the peak, each smallest dimension gets its fraction of it.
-- element-wise (``measure_elementwise``): ``a + b`` over several sizes against the
-  streaming bandwidth of ``a + b`` into an existing output at the largest size.
-- per op kind (``measure_op_costs``): the fixed cost, a chain of ``n`` tiny ops against
-  a chain of one, forward and forward + backward; and the work, a chain of 4 ops at a
-  representative size, per FLOP or per output element.
-- optimizer (``measure_optimizer``): Adam steps over many tiny and a few large tensors,
-  solved for a per-tensor and a per-byte cost; each step timed with cold caches (a
-  buffer larger than the last-level cache written first), as a training step's comes
-  after the backward has streamed everything else through the caches.
-- link (``measure_link``, with a process group of two or more ranks): ping-pong between
-  ranks 0 and 1 gives latency and bandwidth (wall time); a stream of tiny messages the
-  time a rank spends per message.
+Every timing is the best of several repeats (other load only adds time), on CPU time with
+one intra-op thread on a CPU, wall time otherwise; operands rotate through a pool larger
+than L2, as a model's weights do. See docs/cli.md, 'smp-fx calibrate'.
 """
 
 from __future__ import annotations
@@ -120,14 +103,10 @@ FLUSH_BYTES = 64 * 2**20
 
 
 def cold_time_per_call(fn: Callable[[], Any], *, repeats: int, device: torch.device) -> float:
-    """Seconds of one call of ``fn`` after the caches were flushed, median of ``repeats``
-    (the median, not the best: how cold the call starts varies from call to call).
+    """Seconds of one call after flushing the caches, median of ``repeats``.
 
-    Why: an optimizer step in training follows the backward, which has pushed the
-    parameters, gradients and optimizer state out of the caches, and its per-tensor work
-    runs cold too. On the development CPU, Adam's per-tensor and per-byte costs fitted
-    hot (``time_per_call``) predicted 0.64-0.98 of the step measured inside the example
-    models' training loops; fitted cold, 0.98-1.18.
+        A training step's optimizer runs cold after the backward; fitted cold, Adam's cost
+        predicts 0.98-1.18 of in-loop steps (0.64-0.98 fitted hot).
     """
     sync, now = _sync(device), clock(device)
     flush = torch.empty(FLUSH_BYTES // 4, device=device)
@@ -247,11 +226,9 @@ def _fwd_bwd_times(run: Callable[[], list[torch.Tensor]], budget: Budget,
 
 
 def measure_op_costs(budget: Budget, device: torch.device) -> tuple[OpOverheads, OpRates]:
-    """Per op kind: (kind, forward s, backward s) of its fixed part, a chain of ``n`` tiny
-    ops against a chain of one; and (kind, forward s, backward s per unit, reference size)
-    of its work, from a chain of 4 representative ops (the fixed part and the chain's own
-    cost taken off). A backward unit is a forward one, times 2 for GEMM kinds (the
-    gradients of both operands), as ``cost_model.flops`` counts them."""
+    """Per op kind: its fixed part (a chain of ``n`` tiny ops against one) and its work per
+        unit at a reference size (a chain of 4); GEMM backward units count twice.
+    """
     n, reps = budget.chain, 4
     fixed: dict[str, tuple[float, float]] = {}
     rates: list[tuple[str, float, float, float]] = []
@@ -302,11 +279,8 @@ def _pool(make: Callable[[], Any], nbytes: int) -> Iterator[Any]:
 
 
 def measure_matmul(budget: Budget, device: torch.device) -> tuple[float, float, Table]:
-    """(peak fp32 FLOP/s, peak half FLOP/s, efficiency by smallest dimension).
-
-    Timed as models run matmuls: ``F.linear`` (a weight stored (out, in), and a bias),
-    less the time of the same call on 1 x 1 matrices (the fixed part, which
-    ``measure_op_overheads`` prices with its autograd bookkeeping).
+    """(peak fp32 FLOP/s, peak half FLOP/s, efficiency by smallest dimension), timed on
+        ``F.linear`` less its 1 x 1 fixed part.
     """
     big = budget.matmul_big
     timed = _timer(budget, device)
@@ -343,12 +317,8 @@ def measure_matmul(budget: Budget, device: torch.device) -> tuple[float, float, 
 
 
 def measure_elementwise(budget: Budget, device: torch.device) -> tuple[float, Table]:
-    """(memory bandwidth, fraction of it each size reaches).
-
-    The bandwidth is ``a + b`` into an existing output at the largest size (streaming
-    memory); the fractions time ``a + b`` as models run it, allocating its output, so
-    they include what allocation costs (page faults of large fresh buffers on a CPU).
-    The time of the same add on one element (the fixed part) is taken off.
+    """(memory bandwidth, fraction of it each size reaches), allocation included as models
+        run it; the fixed part of a one-element add is taken off.
     """
     timed = _timer(budget, device)
     one = torch.ones(1, device=device)

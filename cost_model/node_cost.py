@@ -13,11 +13,7 @@ SCHEMA_VERSION = 1
 class NodeCost:
     """Cost of one graph node for one microbatch.
 
-    ``param_bytes`` counts each parameter/buffer once, at the first node that reads it, so
-    summing it over a graph gives the model's parameter bytes exactly (tied weights once).
-    ``saved_bytes`` is activation memory autograd keeps for backward (parameters excluded).
-    ``measured`` says whether the times came from a real run (``trace_execution_times``)
-    rather than the analytic roofline; analytic costs are deterministic.
+        ``param_bytes`` counts each parameter once (at its first reader), so it sums exactly.
     """
 
     fwd_flops: float = 0.0

@@ -1,12 +1,8 @@
 """Time from work: a roofline with size-dependent efficiency, fixed op costs, link time.
 
-A node's time is ``fixed + max(flops / (peak * matmul fraction), bytes / bandwidth)``:
-the compute and memory terms of one op overlap, those of different ops do not. The
-matmul fraction depends on the smallest matmul dimension and the bandwidth on the bytes
-moved (``DeviceSpec.matmul_efficiency`` / ``elementwise_efficiency``); the fixed part is
-the op's dispatch, launch and autograd bookkeeping (``DeviceSpec.op_overheads``), which
-dominates small models. Link time is the spec's too: one link model for partitioner,
-plan and simulator.
+A node's time is ``fixed + max(compute, memory)``: the two terms of one op overlap, those
+of different ops do not; the fixed part dominates small models. See docs/planning.md,
+'Device specs'.
 """
 
 from __future__ import annotations
@@ -41,13 +37,10 @@ def roofline_time(flops: float, nbytes: float, spec: DeviceSpec, dtype: str = "f
                   gemm_dim: float | None = None) -> float:
     """Seconds to do ``flops`` FLOPs touching ``nbytes`` bytes on ``spec`` (no fixed cost).
 
-    ``gemm_dim`` is the smallest dimension of the matmul(s) doing the FLOPs (None: not a
-    matmul, the peak applies).
-
-    >>> from cost_model.device import DeviceSpec
-    >>> s = DeviceSpec("x", 1e9, 1e9, 1e9, 1, 1e9, 0.0, matmul_efficiency=((8, .5), (64, 1.)))
-    >>> roofline_time(1e9, 0, s), roofline_time(1e9, 0, s, gemm_dim=8)
-    (1.0, 2.0)
+        >>> from cost_model.device import DeviceSpec
+        >>> s = DeviceSpec("x", 1e9, 1e9, 1e9, 1, 1e9, 0.0, matmul_efficiency=((8, .5), (64, 1.)))
+        >>> roofline_time(1e9, 0, s), roofline_time(1e9, 0, s, gemm_dim=8)
+        (1.0, 2.0)
     """
     _check(flops, nbytes)
     peak = spec.peak_flops(dtype)
@@ -80,14 +73,8 @@ def node_times(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
                out_elems: float, moved: float, dtype: str = "float32",
                gemm_dim: float | None = None, module: bool = False,
                backward: bool = True) -> tuple[float, float]:
-    """(forward, backward) seconds of one node: its fixed cost plus its work.
-
-    The work is priced by the spec's measured rate for the op's kind when it has one
-    (per FLOP or per output element at a reference size, scaled to this size by the
-    matmul or element-wise efficiency tables), else by the roofline (backward: its FLOPs
-    and twice the bytes). A view's work is nothing; ``backward`` False: no backward.
-    In place in a model ops run slower than timed alone: the fixed costs are scaled by
-    the spec's ``overhead_scale``, the work by its ``compute_scale``.
+    """(forward, backward) seconds of one node: its fixed cost plus its work (a measured rate
+        where the spec has one, else the roofline), scaled by the spec's in-model factors.
     """
     fixed_f, fixed_b = op_overhead(op, spec, module=module)
     work_f, work_b = _work(op, spec, fwd_flops=fwd_flops, bwd_flops=bwd_flops,

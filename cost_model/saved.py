@@ -1,22 +1,8 @@
 """What autograd saves for backward, per canonical op: the activation-memory model.
 
-A rule names *which values* an op keeps (some of its tensor inputs, its output) plus the
-bytes of small tensors it creates only to save them (layer-norm mean/rstd, the attention
-log-sum-exp, a dropout mask). Naming values rather than bytes lets the caller count a
-tensor saved by two ops once (``relu`` saves its output; the next ``linear`` saves the same
-tensor as its input) and map views to the storage they share, as autograd does.
-
-Parameters never count (they are not activations); an op whose inputs need no gradient
-saves nothing. Rules follow ``tools/autograd/derivatives.yaml`` of PyTorch, for example:
-linear/addmm/conv save the input (the weight is a parameter); matmul/bmm/mm and
-tensor-by-tensor mul save both operands; relu, sigmoid, tanh, softmax, exp save their
-output; gelu, silu, pow save their input; embedding saves its indices; views, adds and
-reductions save nothing.
-
-Example::
-
-    saved_rule("layer_norm", [(8, 64)], (8, 64), {}, (True,), True)
-    # SavedRule(inputs=(0,), output=False, extra_bytes=8 * 2 * 4)
+A rule names which values an op keeps rather than bytes, so a tensor saved by two ops
+counts once and views map to their storage, as in autograd. Rules follow PyTorch's
+``tools/autograd/derivatives.yaml``; parameters never count. See docs/memory.md.
 """
 
 from __future__ import annotations
@@ -53,12 +39,7 @@ NOTHING = SavedRule()
 def saved_rule(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
                attrs: Mapping[str, Any], inputs_require_grad: Sequence[bool],
                params_require_grad: bool) -> SavedRule | None:
-    """The values ``op`` saves for backward; ``None`` if the op is unknown.
-
-    ``inputs_require_grad[i]`` says whether tensor input ``i`` needs a gradient;
-    ``params_require_grad`` whether the op's own parameters (a module's weight) do.
-    Positions refer to tensor inputs; a non-tensor input has shape ``None``.
-    """
+    """The values ``op`` saves for backward; ``None`` if the op is unknown."""
     rg = list(inputs_require_grad) + [False] * (len(inputs) - len(inputs_require_grad))
     any_grad = any(rg) or params_require_grad
     if not any_grad or op in SAVES_NOTHING:

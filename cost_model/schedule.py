@@ -1,53 +1,10 @@
-"""Pipeline schedules as data: per-rank lists of ``Action`` values, and their generators.
+"""Pipeline schedules as data: per-rank tuples of ``Action`` values, and their generators.
 
-A schedule is ``tuple[tuple[Action, ...], ...]``: one tuple per pipeline rank, in the order
-that rank executes its work (``cost_model.actions`` defines the values: chunks, the kinds
-F / B / I / W, placements). The runtime executor and the simulator (``cost_model.simulate``)
-interpret the very same tuples, so there is exactly one source of truth for what a schedule
-does; no schedule has a hand-written loop elsewhere. ``validate`` (``schedule_check``)
-checks any list, generated or written by hand.
-
-Generators, named as SMP's ``pipeline`` parameter names them, with ``v`` chunks per rank
-(``virtual_pipeline_degree``, an smp-fx extension):
-
-``"simple"``: fill-drain. v = 1 is GPipe; v > 1 is looped BFS (Lamy-Poirier, arXiv
-2211.05953): each rank runs every forward of its first chunk, then of its next, and the
-backwards chunk by chunk in reverse. Backwards run in *forward* microbatch order, as SMP's
-step function calls ``model.backward`` for microbatch 0 first. ``active_microbatches``
-splits the batch into waves. Bubble (p - 1) / (v m) of the ideal step (m >= p). p=2, m=2::
-
-    clock   0   1   2   3   4   5
-    stage0  F0  F1  .   .   B0  B1
-    stage1  .   F0  F1  B0  B1  .
-
-``"interleaved"``: backward as soon as possible (1F1B). v = 1: rank ``r`` runs
-``min(p - r, m, active_microbatches)`` forwards, then alternates one backward and one
-forward, and drains; it holds ``min(p - r, m)`` microbatches, against ``m`` for
-``"simple"``. p=2, m=3::
-
-    clock   0   1   2   3   4   5   6   7
-    stage0  F0  F1  .   B0  F2  B1  .   B2
-    stage1  .   F0  B0  F1  B1  F2  B2  .
-
-v > 1 is Megatron's interleaved 1F1B (Narayanan et al., SC'21, section 2.2.2): microbatches
-pass a rank in groups of p, chunk by chunk (forwards in chunk order, backwards in reverse),
-after ``(v - 1) p + 2 (p - 1 - r) + 1`` forwards; m must be a multiple of p. Bubble
-(p - 1) / (v m), at v times the point-to-point messages.
-
-``"zero_bubble"``: each backward split into I (input gradient, on the critical path) and W
-(weight gradient, which nothing in the pipeline waits for). v = 1 is ZB-H1 (Qi et al.,
-ICLR 2024, arXiv 2401.10241): 1F1B's warm-up, each I as early as 1F1B's B, and rank ``r``
-keeping ``r`` weight gradients back to fill the drain, so every rank holds p microbatches
-at most (1F1B's peak); bubble (p - 1)(T_F + T_I - T_W), a third of 1F1B's when
-T_F = T_I = T_W. v > 1 interleaves the same way over Megatron's order, with ``(v - 1) p +
-p - r`` warm-up forwards (m a multiple of p).
-
-``"zbv"``: ZB-V, v = 2 in a V (``actions.v_shape``: rank r holds chunks r and 2p - 1 - r):
-rank r fills its first chunk's pipe, alternates its two chunks' forwards until the first
-input gradient comes back, runs F I W per chunk in steady state, and drains with the input
-gradients first and the weight gradients filling the tail. About zero bubble at 1F1B's
-activation memory when T_F = T_I = T_W and m >= 2p - 1 (fewer microbatches are the same
-pattern with the missing ones left out).
+The runtime executor and the simulator interpret the very same tuples, so a schedule has
+one source of truth and no hand-written loop elsewhere; ``validate`` checks any of them.
+Generators follow SMP's ``pipeline`` names (``simple``, ``interleaved``) plus
+``zero_bubble`` and ``zbv``, with ``v`` chunks per rank.
+See docs/schedules.md, 'The schedules, on a unit clock'.
 """
 
 from __future__ import annotations
@@ -93,21 +50,18 @@ def default_placement(name: str, num_ranks: int, virtual: int) -> Placement:
 
 
 def default_active(name: str, num_ranks: int, num_microbatches: int, virtual: int = 1) -> int:
-    """``active_microbatches`` when it is not set: SMP's ``num_ranks + 2`` where a cap
-    shortens the schedule's warm-up (``simple``; ``interleaved`` and ``zero_bubble`` at
-    v = 1), else ``num_microbatches`` (no cap: the interleaved orders and ZB-V fix their
-    own warm-up, and SMP's default would refuse them at p + 2 < their peak)."""
+    """``active_microbatches`` when unset: SMP's ``num_ranks + 2`` where a cap shortens the
+        warm-up, else ``num_microbatches`` (orders with a fixed warm-up would refuse p + 2).
+    """
     if name == "simple" or name in ("interleaved", "zero_bubble") and virtual == 1:
         return num_ranks + 2
     return max(num_microbatches, 1)
 
 
 def check_virtual(name: str, num_ranks: int, num_microbatches: int, virtual: int) -> None:
-    """The combinations of schedule, chunks per rank and microbatches that cannot run.
+    """Reject schedule, chunk and microbatch combinations that cannot run (``ScheduleError``).
 
-    ``zbv`` needs exactly two chunks per rank; Megatron's interleaving (``interleaved`` and
-    ``zero_bubble`` at v > 1) passes microbatches in groups of p, so m must be a multiple
-    of p. Raised as ``ScheduleError`` (an ``SMPConfigError``) with what would work.
+        ``zbv`` needs v = 2; Megatron's interleaving passes microbatches in groups of p.
     """
     where = f"pipeline={name!r}, virtual_pipeline_degree={virtual}"
     if not isinstance(virtual, int) or virtual < 1:
@@ -164,8 +118,7 @@ def _one_f_one_b(order_f: list[tuple[int, int]], order_b: list[tuple[int, int]],
                  split: bool, keep_back: int) -> list[Action]:
     """``warmup`` forwards, then one backward and one forward in turn, then the drain.
 
-    With ``split`` each backward is an I; the W of the oldest I follows it once more than
-    ``keep_back`` W's are pending, and the W's kept back run at the end, oldest first.
+        With ``split`` each backward is an I; W's beyond ``keep_back`` follow, the rest end it.
     """
     out = [Action(c, FORWARD, mb) for c, mb in order_f[:warmup]]
     pending: deque[tuple[int, int]] = deque()
@@ -205,11 +158,7 @@ def _zero_bubble(mine: Sequence[int], rank: int, p: int, m: int, active: int) ->
 
 
 def _zbv(mine: Sequence[int], rank: int, p: int, m: int) -> list[Action]:
-    """ZB-V on one rank, built for ``max(m, 2p - 1)`` microbatches, the extra ones dropped.
-
-    ``down`` is the rank's chunk on the way down the V (chunk ``rank``), ``up`` the one on
-    the way back (``2p - 1 - rank``); ``nf``, ``ni``, ``nw`` count each chunk's F, I, W.
-    """
+    """ZB-V on one rank, built for ``max(m, 2p - 1)`` microbatches, the extra ones dropped."""
     down, up = mine
     full = max(m, 2 * p - 1)
     nf = {down: 0, up: 0}
@@ -277,27 +226,15 @@ def _check_sizes(num_stages: int, num_microbatches: int, active: int) -> None:
 def generate(name: str, num_stages: int, num_microbatches: int,
              active_microbatches: int | None = None, forward_only: bool = False,
              virtual_stages: int = 1, placement: Placement | None = None) -> Schedule:
-    """Per-rank action lists for SMP's ``pipeline`` = ``name`` on ``num_stages`` ranks with
-    ``virtual_stages`` chunks each.
+    """Per-rank action lists for SMP's ``pipeline`` = ``name`` on ``num_stages`` ranks.
 
-    ``active_microbatches`` (default ``default_active``: SMP's ``num_stages + 2`` where it
-    applies) caps the microbatches in flight on a rank: ``simple`` runs in waves,
-    ``interleaved`` and ``zero_bubble`` at v = 1 shorten their warm-up; the interleaved
-    orders at v > 1 and ``zbv`` fix their warm-up, so a cap below their peak is a
-    ``ScheduleError`` naming the peak. ``placement`` (the
-    rank of each chunk) defaults to ``default_placement``; ``interleaved`` and
-    ``zero_bubble`` on any other placement are list-scheduled (``schedule_greedy``) with
-    their preference, capped at ``p + 2`` microbatches unless a cap is given; ``simple``
-    runs looped BFS over each rank's chunks. A given placement may hold more or fewer
-    chunks on one rank than on another (a manual partition whose modules come back to an
-    earlier rank: ``passes.manual_chunks``); every rank holds one at least.
-    ``forward_only`` (evaluation)
-    emits forwards only, chunk by chunk: nothing is saved for backward.
+        A placement other than the default is list-scheduled (``schedule_greedy``); the
+        ``active_microbatches`` rules are in docs/schedules.md, 'Configuration rules'.
 
-    >>> [" ".join(map(str, s)) for s in generate("interleaved", 2, 2)]
-    ['0F0 0F1 0B0 0B1', '1F0 1B0 1F1 1B1']
-    >>> [" ".join(map(str, s)) for s in generate("zero_bubble", 2, 2)]
-    ['0F0 0F1 0I0 0W0 0I1 0W1', '1F0 1I0 1F1 1I1 1W0 1W1']
+        >>> [" ".join(map(str, s)) for s in generate("interleaved", 2, 2)]
+        ['0F0 0F1 0B0 0B1', '1F0 1B0 1F1 1B1']
+        >>> [" ".join(map(str, s)) for s in generate("zero_bubble", 2, 2)]
+        ['0F0 0F1 0I0 0W0 0I1 0W1', '1F0 1I0 1F1 1I1 1W0 1W1']
     """
     p, m = num_stages, num_microbatches
     if name not in SCHEDULE_NAMES:

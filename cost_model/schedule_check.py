@@ -1,10 +1,7 @@
 """Checking and picturing schedules: the one validator, the unit clock, in-flight counts.
 
-``validate`` is the one place that says what a schedule must be: every action once, each
-chunk on one rank, dependencies respected in each list, at most ``active_microbatches`` in
-flight, and the lists run to completion when every rank executes its own list in order
-(``clock``: lock step, one tick per action, transfers instantaneous; a deadlock is an error
-naming the tick and what each rank waits for). ``draw`` prints that clock as a table.
+``validate`` is the one place that says what a schedule must be; a deadlock is an error
+naming the tick and what each rank waits for.
 """
 
 from __future__ import annotations
@@ -32,12 +29,7 @@ def num_chunks_of(schedule: Sequence[Sequence[Action]]) -> int:
 
 
 def clock(schedule: Sequence[Sequence[Action]]) -> list[list[Action | None]]:
-    """Run the lists in lock step, one time unit per action, transfers instantaneous.
-
-    Returns one row per clock tick with each rank's action (None = idle). A rank runs its
-    next action at tick t when the token it needs was given at a tick before t. Raises
-    ``ScheduleError`` naming the first tick at which no rank can move (a deadlock).
-    """
+    """Run the lists in lock step, one tick per action; ``ScheduleError`` names a deadlock."""
     p = len(schedule)
     n = num_chunks_of(schedule)
     given_at: dict[Token, int] = {}
@@ -74,11 +66,8 @@ def clock(schedule: Sequence[Sequence[Action]]) -> list[list[Action | None]]:
 
 
 def in_flight(actions: Sequence[Action]) -> list[int]:
-    """(chunk, microbatch) activations one rank holds after each of its actions.
-
-    A forward adds one; a full backward or a weight gradient releases it. After an input
-    gradient the activations the weight gradient reads are still held (what a pending W
-    holds: ``cost_model.simulate`` prices it apart), so ``I`` leaves the count unchanged.
+    """(chunk, microbatch) activations one rank holds after each action; an ``I`` leaves its
+        activations held for the pending W.
     """
     count, out = 0, []
     for action in actions:
@@ -175,14 +164,7 @@ def _missing(c: int, seen: set[tuple[int, str, int]], num_microbatches: int,
 def validate(schedule: Sequence[Sequence[Action]], num_stages: int, num_microbatches: int,
              forward_only: bool = False, active_microbatches: int | None = None,
              num_chunks: int | None = None) -> int:
-    """Check a schedule; return its length in unit clock ticks.
-
-    ``num_stages`` is the number of ranks (lists); ``num_chunks`` the number of chunks
-    (default: one per rank). Rules: each chunk's actions on one rank; each (chunk,
-    microbatch) has exactly one F and, unless ``forward_only``, either one B or one I and
-    one W, in that order on the rank; no more than ``active_microbatches`` microbatches in
-    flight on a rank (when given); and the lists run to completion (``clock``).
-    """
+    """Check a schedule; return its length in unit clock ticks."""
     if len(schedule) != num_stages:
         raise ScheduleError.build("a schedule has one action list per rank",
                                   len(schedule), f"num_stages={num_stages}",
@@ -210,11 +192,7 @@ def validate(schedule: Sequence[Sequence[Action]], num_stages: int, num_microbat
 
 
 def draw(schedule: Sequence[Sequence[Action]]) -> str:
-    """ASCII table of the unit-clock execution: one row per rank, one column per tick.
-
-    With one chunk per rank a row is a stage and a cell reads ``F0`` (kind, microbatch);
-    with several a row is a rank and a cell names the chunk too: ``2F0``.
-    """
+    """ASCII table of the unit-clock execution: one row per rank, one column per tick."""
     ticks = clock(schedule)
     several = num_chunks_of(schedule) > len(schedule)
 

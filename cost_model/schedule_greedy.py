@@ -1,21 +1,8 @@
-"""Schedules for any chunk placement: the rank lists a unit-time list scheduler produces.
+"""Schedules for any chunk placement: the lists a unit-time list scheduler produces.
 
-The published schedules (``cost_model.schedule``) are constructions for their own
-placements: Megatron's interleaving for round robin, ZB-V for the V. A manual partition
-may place chunks otherwise (a rank's chunks next to each other, or in the order its pins
-dictate); for those, ``greedy`` builds the lists by running the pipeline on a unit clock
-and letting each idle rank pick, among the actions whose input is there, by the
-schedule's preference:
-
-1. a backward (B, or I when the backward is split), the oldest microbatch first, then the
-   latest chunk (what the ranks before wait for);
-2. a forward, the oldest microbatch first, then the earliest chunk, if it continues a
-   microbatch the rank already holds or the rank holds fewer than ``active`` microbatches;
-3. with a split backward, the oldest pending W (it fills what would be idle time).
-
-The cap counts distinct microbatches, and the forwards of a microbatch a rank holds are
-never held back by it, so the oldest microbatch can always run through every chunk and
-back: the lists never deadlock. They are validated like any other (``validate``).
+The published schedules are constructions for their own placements; a manual partition
+may place chunks otherwise, and ``greedy`` lets each idle rank pick by the schedule's
+preference. See docs/schedules.md, 'Manual partitions with several chunks per rank'.
 """
 
 from __future__ import annotations

@@ -28,11 +28,7 @@ def from_versioned_json(cls: type[T], data: dict[str, Any], version: int) -> T:
 
 
 def read_spec_file(name_or_path: str, what: str, known: list[str], fix: str) -> dict[str, Any]:
-    """The JSON object in the spec file ``name_or_path`` (not one of the ``known`` names).
-
-    ``what`` names the spec in errors ("a cluster", "a device spec"); ``fix`` says how to
-    write a file.
-    """
+    """The JSON object in the spec file ``name_or_path`` (not one of the ``known`` names)."""
     path = Path(name_or_path)
     if not path.is_file():
         raise SMPConfigError.build(f"{what} is a built-in name or a JSON file", name_or_path,

@@ -1,20 +1,8 @@
 """Attach a ``NodeCost`` to every node: FLOPs, bytes, saved activations, time.
 
-Reads ``TENSOR`` (from ``shape_prop``) and ``PARAMS`` (from ``trace``); writes ``COST``.
-Each node is first named canonically (``op_name``) from its fx target, module type or aten
-overload, so one table of formulas (``cost_model.flops``/``cost_model.saved``) serves
-both front ends. Unknown ops get ``known=False`` and are logged once per op name.
-
-Memory accounting follows autograd: a value saved by two ops (relu's output is the next
-linear's input) counts once, at the first op that saves it; views resolve to the value
-they alias; parameters and buffers never count as activations; an op none of whose inputs
-needs a gradient saves nothing. Parameter bytes are counted once per parameter object, at
-the first compute node that reads it, so tied weights count once.
-
-Example::
-
-    gm = annotate_costs(shape_prop(trace(model, args), args), get_device("h100"))
-    sum(COST.get(n).param_bytes for n in gm.graph.nodes)  # == model parameter bytes
+Ops are named canonically first so one table of formulas serves both front ends; unknown
+ops are logged once. Saved values are counted as autograd keeps them: once per storage,
+never for parameters. See docs/partitioning.md, 'Costs'.
 """
 
 from __future__ import annotations
@@ -49,12 +37,8 @@ _warned: set[str] = set()
 class SavedValues:
     """What one node keeps for backward, before deduplication across nodes.
 
-    ``keys`` are (stored value, bytes) pairs: a value is named by the node whose output
-    owns the storage (``name`` or ``name[i]`` for a tuple element), so views and the
-    value itself share a key. ``extra`` counts tensors the op creates only to save them
-    (statistics, masks) and, for an opaque op, all it saves. ``storage`` is the key and
-    bytes of the node's own output. Summing a set of nodes' keys once each plus their
-    extras is what those nodes hold; ``passes.checkpoint_regions`` sums them per stage.
+        ``keys`` name values by the node owning the storage, so views share a key; ``extra``
+        counts tensors created only to be saved.
     """
 
     keys: tuple[tuple[str, int], ...] = ()
@@ -191,11 +175,8 @@ def _is_float(info: Any) -> bool:
 def annotate_costs(gm: torch.fx.GraphModule, device: DeviceSpec,
                    measured: Mapping[str, Sequence[float | None]] | None = None,
                    ) -> torch.fx.GraphModule:
-    """A copy of ``gm`` with ``COST`` on every node; ``gm`` itself is not mutated.
-
-    ``measured`` maps node names to ``(fwd_s, bwd_s, saved_bytes)`` from
-    ``cost_model.measure``; those nodes get the measured numbers and ``measured=True``
-    (a ``None`` field keeps the analytic value: times only, or memory only).
+    """A copy of ``gm`` with ``COST`` on every node; ``measured`` nodes take measured numbers
+        (a ``None`` field keeps the analytic one).
     """
     out = copy_graph_module(gm)
     st = _State(out)

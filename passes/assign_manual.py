@@ -1,24 +1,9 @@
 """``assign_manual``: stages from ``smp.partition`` pins, for ``auto_partition: False``.
 
-A compute node belongs to the innermost pinned module containing its module path; nodes
-of unpinned modules go to ``default_partition`` (a pin on the root module '' acts as that
-default). Module-less glue (root-level function calls, path '') follows its data: it goes
-to the latest stage among its inputs, so it never forces a value back to an earlier stage
-(an input-less glue node goes to its earliest user, else ``default_partition``).
-A tensor written in place and the reads the write orders are kept on one stage
-(``passes.in_place.colocate``: glue moves, pins do not).
-Placeholders and ``get_attr`` nodes go to their earliest user, the output to its latest
-input. ``PIN`` is written on module nodes (the user's decision) and ``STAGE`` on every node.
-
-Pipelines only send forward, so the stage graph must be acyclic: with ``check_forward``, if
-a value must go from a later stage to an earlier one ``SMPPartitionError`` names the
-producer, the consumer, their module paths and stages. ``passes.pipeline`` asks without the
-check and runs such a partition as chunks instead (SMP ran modules that come back to an
-earlier rank: ``passes.manual_chunks``).
-
-Example::
-
-    gm2 = assign_manual(gm, {"layer1": 1}, default_partition=0, num_stages=2)
+A node belongs to its innermost pinned module, else ``default_partition``; glue follows
+its data so it never sends a value back. With ``check_forward`` a value going back is an
+``SMPPartitionError``; without, the pins name ranks and ``passes.manual_chunks`` cuts them
+into chunks. See docs/partitioning.md, 'Manual'.
 """
 
 from __future__ import annotations
@@ -46,12 +31,7 @@ def _pin_for(path: str, pins: Mapping[str, int]) -> int | None:
 
 def assign_manual(gm: torch.fx.GraphModule, pins: Mapping[str, int], default_partition: int,
                   num_stages: int, check_forward: bool = True) -> torch.fx.GraphModule:
-    """New GraphModule with ``STAGE`` on every node (and ``PIN`` on module nodes).
-
-    ``check_forward=False`` leaves values that go back to an earlier partition alone: the
-    pins then name ranks, and the chunks ``passes.manual_chunks`` cuts them into are what
-    must only send forward (with several chunks per rank, or a partition whose modules come
-    back to an earlier rank: ``backward_edge`` finds one)."""
+    """New GraphModule with ``STAGE`` on every node (and ``PIN`` on module nodes)."""
     for path, index in sorted(pins.items()):
         if not isinstance(index, int) or not 0 <= index < num_stages:
             raise SMPPartitionError.build(

@@ -1,11 +1,8 @@
 """The attention core, ``softmax(q k^T) v`` between the projections, found on the graph.
 
-Why: Megatron's selective recomputation (Korthikanti et al. 2022, arXiv 2205.05198)
-recomputes only this part of a layer, the part that keeps the most bytes per FLOP (the
-``s x s`` scores and probabilities). The planner prices it (``smp_fx.planner.profile``)
-and the runtime recomputes it (``passes.checkpoint_regions``) from this one finder: an
-``sdpa`` node, or a softmax with the elementwise ops around it out to the two matmuls
-(Hugging Face's eager attention: matmul, scale, mask, softmax, dropout, matmul).
+Selective recomputation (Korthikanti et al. 2022) recomputes only this part, the one
+keeping the most bytes per FLOP; planner and runtime use this one finder. See
+docs/memory.md, 'Selective recomputation'.
 """
 
 from __future__ import annotations

@@ -1,41 +1,9 @@
 """``auto_partition``: the stage of every node, minimising the largest stage cost.
 
-The pass reduces the graph to numbers and a networkx graph (``partitioning.extract``,
-``DagProblem.graph``), and for each of a few topological orders (``partitioning.order``)
-solves the chain problem exactly along that order, boundary communication included
-(``partitioning.chain``), then refines the assignment by moving boundary nodes between
-neighbouring stages, one at a time or, on a link-bound stage, a group at a minimum cut
-(``partitioning.refine``, ``partitioning.mincut``). Every candidate is scored by the one objective
-(``partitioning.problem.evaluate``) and the best is kept; ties go to the earlier order.
-The winner is then re-solved on its own stage-major order and refined again while that
-improves it (at most 3 rounds), and finally balanced: min-max only cares about the costliest
-stage, so ``chain.solve_lex`` keeps that optimum and minimises the next largest stage cost,
-and so on (lexicographic min-max, accepted only if the sorted stage costs get smaller). The
-plan is a pure function of (graph, costs, config) on every rank and run.
-
-Stage time model (docs/architecture.md): a stage's time per microbatch is
-``max(compute, boundary bytes / link bandwidth)``, since sends are asynchronous and overlap
-the next microbatch's compute; link latency is paid once per hop in pipeline fill / drain
-(the simulator's business), not per stage (``partitioning.problem``). The chain solve stays
-exact under that max.
-
-Every stage holds at least one node doing real work (FLOPs or parameters,
-``DagProblem.heavy``) whenever the graph has at least ``k`` of them and the pins allow it:
-when a stage's link time dwarfs the model's compute, plain min-max could otherwise leave the
-sending stages with glue nodes only (getattr, views).
-
-A tensor written in place and the reads the write orders stay on one stage
-(``passes.in_place.colocate``, applied to the solution before it is scored).
-
-Pins (``passes.meta.PIN``, written by ``assign_manual``) are hard constraints. Parameters
-read on several stages (tied embeddings) are replicated on each of those stages, their
-memory is charged to each, and ``PartitionResult.shared_params`` names them: the runtime
-must sum their gradients across the owning stages.
-
-Example::
-
-    gm2 = auto_partition(gm, PartitionConfig(num_stages=2))
-    {meta.STAGE.get(n) for n in gm2.graph.nodes}  # {0, 1}
+Several topological orders are each solved exactly as chains, refined, scored by the one
+objective and the best kept, then balanced lexicographically. Pins are hard constraints;
+parameters read on several stages are replicated and named in ``shared_params`` (the
+runtime sums their gradients). See docs/partitioning.md, 'The solver in detail'.
 """
 
 from __future__ import annotations
@@ -71,9 +39,8 @@ CommTime = Callable[[float], float]
 class StageCost:
     """One stage of a partition, in seconds / bytes and in objective units (``cost``).
 
-    ``comm_time_s`` is how long one send of the stage's boundary takes (latency included,
-    what the simulator uses); ``link_time_s`` how long it keeps the link busy, which is
-    what the objective weighs against ``time_s``: ``max(time_s, link_time_s)``.
+        ``comm_time_s`` is one send (latency included); ``link_time_s`` what the objective
+        weighs against ``time_s``.
     """
 
     stage: int
@@ -98,11 +65,8 @@ class StageCost:
 
 @dataclass(frozen=True)
 class PartitionResult:
-    """Summary the plan builder reads: per-stage costs, objective, bound, shared parameters.
-
-    ``objective`` is the largest stage cost; ``lower_bound`` is
-    ``max(total / k, largest node)`` in the same units, so ``objective / lower_bound``
-    bounds how far from optimal the plan can be.
+    """Summary the plan builder reads: per-stage costs, objective, bound, shared parameters;
+        ``objective / lower_bound`` bounds the distance from optimal.
     """
 
     num_stages: int
@@ -137,11 +101,8 @@ Solved = dict[tuple[bytes, bool], chain.ChainSolution]
 def _solve_order(problem: DagProblem, obj: Objective, order: np.ndarray,
                  lex: bool = False, replicas: bool = False, solved: Solved | None = None
                  ) -> np.ndarray:
-    """Exact chain solve of ``problem`` laid out along ``order``; the stage of every node.
-
-    ``solved`` keeps plain solves by (order, charging): the balancing pass re-solves the
-    order the last re-solve round tried, and starts from its solution (one full chain solve
-    fewer, about a tenth of a 10,000-node DAG's time at 64 stages).
+    """Exact chain solve of ``problem`` laid out along ``order``; ``solved`` caches plain
+        solves so the balancing pass starts from one.
     """
     cc = chain_arrays(problem, order, obj, replicas=replicas)
     key = (order.tobytes(), replicas)
@@ -160,12 +121,8 @@ def _solve_order(problem: DagProblem, obj: Objective, order: np.ndarray,
 
 
 def _charging(problem: DagProblem) -> tuple[bool, ...]:
-    """How the chain solve charges parameters: first reader only, and, when a parameter is
-    read at several places (a tied embedding and LM head), also at its last reader.
-
-    Neither is exact for every cut: first-reader charging hides the replica of a tied
-    weight (GPT's head stage looks lighter than it is), last-reader charging may count one
-    copy too many. Both are solved and ``evaluate`` (exact) picks; ties keep first-reader.
+    """How the chain solve charges parameters: first reader only, and for a shared parameter
+        also its last reader; neither is exact for every cut, so both are solved.
     """
     shared = any(len(set(readers)) > 1 for readers in problem.param_readers)
     return (False, True) if shared else (False,)
@@ -226,12 +183,8 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
 
 def balance(problem: DagProblem, obj: Objective, stage: np.ndarray,
             solved: Solved | None = None) -> np.ndarray:
-    """Lexicographic min-max on the plan's stage-major order, then refinement.
-
-    Min-max leaves every stage but the bottleneck free; ``chain.solve_lex`` balances them
-    (the bottleneck kept). The result replaces ``stage`` only when its sorted stage-cost
-    vector (exact DAG objective) is lexicographically smaller, so no stage cost ranking
-    ever gets worse.
+    """Lexicographic min-max on the plan's stage-major order, then refinement; kept only when
+        the sorted stage costs get smaller.
     """
     order = np.lexsort((np.arange(problem.n), stage))
     again = min((refine(problem, obj, _solve_order(problem, obj, order, lex=True, replicas=r,
@@ -284,10 +237,7 @@ def auto_partition(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
                    comm_time: CommTime | None = None) -> torch.fx.GraphModule:
     """New GraphModule with ``STAGE`` on every node; ``gm`` is not modified.
 
-    ``comm_time(bytes) -> seconds`` is the device spec's link model (latency + bytes /
-    link bandwidth, ``cost_model.roofline.comm_time``); it defaults to that of
-    ``cost_model.devices.DEFAULT_DEVICE``. The objective charges its link occupancy
-    (``problem.link_occupancy``: the latency cancels).
+        ``comm_time`` defaults to the default device spec's link model.
     """
     return partition_graph(gm, pconfig, comm_time)[0]
 

@@ -1,31 +1,8 @@
 """Activation checkpointing in the compiler: which nodes are recomputed, and what it saves.
 
-A ``CheckpointRule`` (``smp.set_activation_checkpointing`` / ``smp.checkpoint``, or
-``smp-fx partition --activation-checkpointing``) names a module; its nodes become a
-*region* that the stage runs under non-reentrant ``torch.utils.checkpoint``
-(``smp_fx.runtime.memory.checkpointing``). For an ``nn.Sequential`` the strategy groups its
-children: ``each`` child is a region, ``group_N`` makes one of every N consecutive
-children, ``contiguous`` one of every run of children that lands on one stage. The
-``attention_core`` strategy (selective recomputation) makes each attention core under the
-module a region instead (``passes.attention_core``), keeping the rest.
-
-Two passes, around the partitioner:
-
-- ``mark_regions`` (before): writes ``CKPT_REGION`` and a checkpointed ``COST`` (the
-  plain one kept in ``PLAIN_COST``): a region keeps only its inputs (charged to its first
-  node), and its backward first recomputes its forward. The partitioner balances these.
-- ``keep_whole`` (after automatic partitioning): a region the partitioner cut moves whole
-  to one of the stages it touched when the stages stay contiguous.
-- ``settle_regions`` (after): a ``contiguous`` region is cut at the stage boundaries; any
-  other region still split across stages is dropped (its plain costs restored) with a warning
-  under automatic partitioning, and is an error under manual partitioning, where the user
-  placed the modules. A region whose nodes cannot be run as one call (an outside node
-  between them that both reads the region and feeds it) is dropped with a warning.
-
+``mark_regions`` runs before the partitioner, ``keep_whole`` and ``settle_regions`` after;
 ``stage_activations`` is the plan's exact account of what one microbatch keeps on a
-stage: every value saved by a node outside the regions and every region input, each
-storage once, plus the extras; the inputs are what offloading moves off the device; the
-largest region's own saved values exist while it is recomputed (the transient).
+stage. See docs/memory.md, 'In the compiler'.
 """
 
 from __future__ import annotations

@@ -1,16 +1,8 @@
 """Copying a GraphModule without touching the original: the basis of "passes never mutate".
 
-``copy_graph_module`` is the one copy every pass makes before it writes ``smp.*`` metadata
-(``annotate_costs``, ``shape_prop``, ``assign_manual``, ``partitioning.extract``). The copy
-gets new ``Node`` objects with the same names in the same order (callers map nodes across
-by name), node ``meta`` dicts that are shallow copies (safe: every ``smp.*`` value is
-immutable), the output node's meta included, and the graph's code generator (an
-export-captured or ``concrete_args`` graph keeps its pytree input/output specs, so the
-copy is called like the original). It shares the parameter, buffer and submodule objects
-with the original: weights are never duplicated, so copying a meta-device GPT-2-XL graph
-costs nothing. State the graph never reads (e.g. a tied alias such as ``lm_head.weight``)
-is re-registered so ``state_dict()`` keys stay exactly the model's, and ``gm.meta`` is
-copied.
+The copy has new nodes with the same names, shallow-copied meta (every ``smp.*`` value is
+immutable) and the original's codegen, but shares parameters and submodules, so copying a
+meta-device GPT-2-XL costs nothing. See docs/architecture.md, 'node.meta'.
 """
 
 from __future__ import annotations

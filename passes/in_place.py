@@ -1,15 +1,9 @@
 """In-place writes kept in order across pipeline stages.
 
-Stages exchange copies, so a tensor written in place (transformers 4.26 Bloom's causal
-mask: ``torch.empty`` filled by a slice assignment, ``aten.copy_`` into a view of it) is
-right on other stages only if it leaves its stage after every write that precedes a read.
-A write on another stage than the tensor's changes a copy; a stage receiving the tensor
-from its producer gets it unwritten. So the tensor, every read of it or of its views up
-to its last write (the writes and the views they go through included), and, for a tensor
-each stage holds on its own (a program input, a parameter or buffer cloned into every
-stage), every node reading it directly, form a group that runs on one stage; later reads
-follow by data flow. ``colocate`` applies that to a stage assignment (the partitioners
-call it); ``check`` refuses a split group (``split_stages``).
+Stages exchange copies, so a tensor written in place is right elsewhere only if it leaves
+its stage after every write that precedes a read: the tensor, its views and the reads the
+writes order run on one stage (``colocate``; ``check`` refuses a split).
+See docs/architecture.md, 'Stage assignment and splitting'.
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
 """Which input dimensions a captured graph leaves free, and the check against new inputs.
 
-``torch.export`` specialises a graph to the shapes it was traced with unless it is told
-which dimensions may vary. The export front end asks for every dimension of every tensor
-input to be symbolic (``Dim.AUTO``): export keeps a dimension symbolic where the model
-allows it (batch size, sequence length of a Hugging Face model) and fixes it where the
-model needs one value (a feature size read by a weight, a dimension of size 1). One graph
-then serves every batch size and sequence length, so a pipeline partitioned once runs every
-shape the graph admits, and a shape it does not admit is named before anything runs.
-
-``InputDims`` records, per graph input, each dimension as a fixed size or a symbol with its
-range; ``check`` compares new inputs against it and raises an ``SMPRuntimeError`` naming
-the input and the dimension. An fx graph is free in every dimension (symbolic tracing sees
-no sizes), which ``InputDims.free()`` says.
+Export keeps a dimension symbolic where the model allows (batch, sequence), so one graph
+serves every shape it admits, and a shape it does not admit is named before anything runs.
 
 >>> dims = InputDims((DimsOf("x", (Free("s0", 2, None), Fixed(8))),))
 >>> dims.check_shapes({"x": (4, 8)})

@@ -1,33 +1,8 @@
 """``manual_chunks``: a manual partition cut into chunks when a rank holds several.
 
-``smp.partition(i)`` and ``default_partition`` name pipeline *ranks*, as in SMP
-(``assign_manual`` writes them on the nodes). A rank holds several chunks (virtual stages)
-when ``virtual_pipeline_degree`` v > 1, or when the partition's modules come back to it
-after a later rank's (AWS's GPT-2 example pins only the transformer layers, so ``ln_f``
-and ``lm_head`` fall to rank 0 after rank 1's layers: SMP ran that). This pass turns the
-rank pins into chunks, numbered in model order:
-
-1. The model's modules, in execution order, form *runs* of consecutive nodes on one rank:
-   pins ``0 0 1 1 0 0 1 1`` over eight layers are four runs, on ranks 0, 1, 0, 1.
-2. Each rank needs at least v chunks. A rank with fewer runs has its costliest run cut in
-   two (at the node that best balances forward plus backward time) until it has v; a rank
-   with more runs keeps one chunk per run, so ranks may hold different numbers of chunks
-   (pins ``0 0 1 1 0`` at v = 1: chunks on ranks 0, 1, 0). Every rank needs one chunk at
-   least (``SMPPartitionError`` names an empty one).
-3. Chunks are the pieces in execution order; the *placement* is the rank of each. Pins
-   that alternate over the ranks give Megatron's round robin; contiguous pins give each
-   rank v neighbouring chunks (valid, but without interleaving's smaller bubble); any
-   other order is kept as the pins dictate, so a rank may hold non-contiguous chunks in
-   any order, list-scheduled (``cost_model.schedule_greedy``).
-
-Module-less glue follows its data (the latest chunk among its inputs, else its earliest
-user); placeholders and ``get_attr`` nodes go to their earliest user, the output to its
-latest input. Since runs follow the graph's order, every value flows to the same or a
-later chunk.
-
-Example::
-
-    gm2, placement = manual_chunks(assign_manual(gm, pins, 0, 2, check_forward=False), 2, 2)
+Pins name ranks, as in SMP; runs of consecutive modules on one rank become chunks (a
+rank's costliest run cut in two until it has v), placed as the pins dictate.
+See docs/schedules.md, 'Manual partitions with several chunks per rank'.
 """
 
 from __future__ import annotations

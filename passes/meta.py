@@ -1,9 +1,7 @@
 """The ``node.meta`` keys smp-fx writes, declared once, with typed accessors.
 
-Every key is namespaced ``smp.*``. Values are immutable (frozen dataclasses, tuples,
-str, int) because ``Graph.node_copy`` copies ``meta`` shallowly: a mutable value would be
-shared between a pass's input and output graphs. torch's own keys (``val``,
-``tensor_meta``, ``nn_module_stack``) are read, never written.
+Values are immutable because ``Graph.node_copy`` copies ``meta`` shallowly; torch's own
+keys are read, never written.
 """
 
 from __future__ import annotations

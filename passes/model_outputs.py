@@ -1,34 +1,19 @@
 """Model outputs that torch's pytree does not know, captured anyway and rebuilt as returned.
 
-``torch.export`` can only return pytrees: tensors in tuples, lists, dicts and the types
-registered with ``torch.utils._pytree``. Hugging Face models return ``ModelOutput``
-objects (an ``OrderedDict`` subclass and a dataclass); transformers registers every
-``ModelOutput`` class with torch's pytree from 4.3x on, but the 4.2x that SageMaker's SMP
-containers pin does not, and export then fails ("Found <class ...CausalLMOutput...> in
-output, which is not a known type").
+transformers 4.2x does not register ``ModelOutput`` with torch's pytree, so export fails.
+Rather than register another library's classes globally, the capture wraps them in our
+own registered ``RebuiltOutput``, which unflattens to the model's own class. A Hugging
+Face cache object is left out with a warning. See docs/clients.md.
 
-Rather than registering someone else's classes in torch's global registry (which would
-change how other code flattens them), the capture wraps each such output in
-``RebuiltOutput``, a type of our own that *is* registered: it flattens to the output's
-values and unflattens to ``cls(**fields)`` (a dataclass such as ``ModelOutput``) or
-``cls(mapping)``. So the captured graph returns flat tensors like any other, its output
-spec remembers the class and the keys, and the program's outputs (``split_stages``'s
-``build_outputs``, on every rank) are the very class the plain model returns, with the
-same keys in the same order. Types that are already registered are left alone. A Hugging
-Face cache object (transformers 5 at its default ``use_cache=True``) is no tensor either:
-training reads only the loss and logits, so the capture leaves it out, with a warning.
-
-Example::
-
-    >>> from collections import OrderedDict
-    >>> import torch
-    >>> class Out(OrderedDict):
-    ...     pass
-    >>> wrapped = wrap_unknown_outputs((Out(a=torch.ones(1)), torch.zeros(1)))
-    >>> leaves, spec = pytree.tree_flatten(wrapped)
-    >>> rebuilt = pytree.tree_unflatten(leaves, spec)
-    >>> type(rebuilt[0]).__name__, list(rebuilt[0])
-    ('Out', ['a'])
+>>> from collections import OrderedDict
+>>> import torch
+>>> class Out(OrderedDict):
+...     pass
+>>> wrapped = wrap_unknown_outputs((Out(a=torch.ones(1)), torch.zeros(1)))
+>>> leaves, spec = pytree.tree_flatten(wrapped)
+>>> rebuilt = pytree.tree_unflatten(leaves, spec)
+>>> type(rebuilt[0]).__name__, list(rebuilt[0])
+('Out', ['a'])
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """``PartitionConfig``: everything the partitioner needs to know, and nothing else.
 
-``passes`` cannot import ``smp_fx.config`` (imports only go downward), so ``smp_fx`` builds
-this frozen value from its ``SMPConfig``. It is JSON-serialisable so a plan records the
-exact configuration it was made with, and so every rank can check it made the same plan.
-
-The in-flight microbatch counts are read off the schedule itself
-(``cost_model.schedule.chunk_peaks``): the simple (GPipe, fill-drain) schedule keeps every
-microbatch's activations alive on every stage; the interleaved (1F1B) schedule keeps at
-most ``p - s`` on stage ``s``; the zero-bubble and interleaved orders as their lists say.
-``active_microbatches`` caps them (``cost_model.schedule.default_active`` when unset).
-
-With ``virtual_stages`` v > 1 the model is cut into ``num_stages x v`` chunks, placed on
-the ``num_stages`` pipeline ranks by ``placement`` (round robin; the V for ``zbv``).
+``passes`` cannot import ``smp_fx.config``, so ``smp_fx`` builds this frozen, JSON-able
+value; a plan records it and every rank can check it made the same plan. In-flight counts
+are read off the schedule (``cost_model.schedule.chunk_peaks``).
 """
 
 from __future__ import annotations
@@ -35,14 +26,8 @@ STRATEGIES = ("each", "contiguous", ATTENTION_CORE)
 
 @dataclass(frozen=True)
 class CheckpointRule:
-    """One module whose nodes run under activation checkpointing.
-
-    ``children`` names the module's children in order when it is an ``nn.Sequential``
-    (the strategy then groups them: ``each`` child, ``group_N`` children, or every
-    ``contiguous`` run of children on one stage); empty for any other module, which is one
-    region. ``attention_core`` makes a region of each attention core under the module
-    instead (selective recomputation). ``preserve_rng_state`` replays the forward's RNG in
-    the recomputation, so dropout draws the same masks twice.
+    """One module whose nodes run under activation checkpointing; ``children`` names a
+        ``Sequential``'s children for the grouping strategies (docs/memory.md).
     """
 
     module_path: str
@@ -70,13 +55,8 @@ class CheckpointRule:
 
 @dataclass(frozen=True)
 class PartitionConfig:
-    """Configuration of one partitioning run.
-
-    ``device`` records the name of the device spec (``cost_model.device``) the plan is
-    made for; the spec itself, the one source of link and per-message costs, is handed to
-    the passes beside this config (``passes.pipeline.compile_model(device=...)``).
-
-    Example::
+    """Configuration of one partitioning run; ``device`` names the spec, handed to the passes
+        beside it.
 
         >>> PartitionConfig(num_stages=4, microbatches=8).inflight(3)
         1

@@ -1,17 +1,10 @@
-"""``compile_model``: the one readable list of compile passes, from a module to a plan.
-
-The compiler's data flow (docs/architecture.md), in order::
+"""``compile_model``: the one readable list of compile passes, from a module to a plan::
 
     trace -> shape_prop -> annotate_costs -> [mark_regions] -> (assign_manual |
     auto_partition) -> [settle_regions] -> build_plan
 
-(the bracketed passes run with activation checkpointing, ``PartitionConfig.checkpointing``).
-
-Each pass is pure (its input GraphModule is not modified) and runs through
-``passes.runner``, which names, times and logs it and checks the ``smp.*`` metadata it
-requires and provides. ``smp.partition`` pins are honoured only with
-``auto_partition=False``, as in SMP (the contexts are ignored otherwise).
-``compare_baselines`` scores the reference partitioners on the same graph and costs.
+Each pass is pure and runs through ``passes.runner``. See docs/architecture.md, 'The data
+flow'.
 """
 
 from __future__ import annotations
@@ -89,24 +82,14 @@ def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
                   allow_real_run: bool = True) -> Compiled:
     """Trace, cost and partition ``model`` for one microbatch ``(args, kwargs)``.
 
-    ``device`` names a ``cost_model.device`` spec (or is one): analytic costs and boundary
-    transfer times are computed for it. ``pins`` (module path -> stage, from
-    ``smp_fx.marking.manual.pins_by_module_path``) apply when ``pconfig.auto_partition`` is false.
-    ``measured`` replaces analytic node costs (``cost_model.measure``). ``progress`` gets a
-    line before each pass (the CLI prints it on stderr). ``traced`` is ``passes.trace``'s
-    graph of ``model`` on ``(args, kwargs)`` when the caller has it already (see
-    ``analyse``). ``allow_real_run=False`` (SMP's ``skip_tracing``) refuses shape
-    propagation's one fallback that runs the model on real tensors (``shape_prop``).
+        ``allow_real_run=False`` (SMP's ``skip_tracing``) refuses shape propagation's real-run
+        fallback; ``Compiled.gm`` is what ``passes.split_stages`` splits.
 
-    ``Compiled.gm`` is the traced graph's copy with every ``smp.*`` key: same node names,
-    same ``gm.meta`` and the same codegen (``torch.export``'s input and output structure),
-    so it is what ``passes.split_stages`` splits for the runtime.
-
-    >>> from passes.partition_config import PartitionConfig
-    >>> m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    >>> c = compile_model(m, (torch.randn(2, 4),), None, PartitionConfig(num_stages=2))
-    >>> len(c.plan.stages)
-    2
+        >>> from passes.partition_config import PartitionConfig
+        >>> m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+        >>> c = compile_model(m, (torch.randn(2, 4),), None, PartitionConfig(num_stages=2))
+        >>> len(c.plan.stages)
+        2
     """
     spec = resolve_device(device)
     costed = analyse(model, args, kwargs, device=spec, frontend=frontend, measured=measured,

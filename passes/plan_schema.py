@@ -1,9 +1,7 @@
 """The ``PartitionPlan`` value: its dataclasses and their JSON form (``passes.plan`` builds it).
 
-The JSON form is deterministic (sorted keys, floats rounded to 10 significant digits when
-the plan is built) so golden files compare exactly and ``from_json(to_json(p)) == p``.
-Fields marked ``OPTIONAL`` are left out at their default, so plans without a feature read
-as before.
+The JSON is deterministic so golden files compare exactly; ``OPTIONAL`` fields are left
+out at their default.
 """
 
 from __future__ import annotations
@@ -44,14 +42,7 @@ class BoundaryTensor:
 
 @dataclass(frozen=True)
 class MemoryBreakdown:
-    """Bytes one stage needs at its peak (docs/memory.md: static + saved x in flight).
-
-    With activation checkpointing a region keeps only its inputs (in
-    ``activations_per_microbatch``); while one region is recomputed its own saved values
-    exist too: the largest is ``recompute_transient``, counted once. With offloading the
-    region inputs (``offloaded_per_microbatch``) leave the device after each forward and
-    are not in ``activations_per_microbatch``.
-    """
+    """Bytes one stage needs at its peak (docs/memory.md, 'The memory model')."""
 
     params: int
     grads: int
@@ -71,15 +62,8 @@ class MemoryBreakdown:
 
 @dataclass(frozen=True)
 class StagePlan:
-    """One pipeline stage. Times are per microbatch.
-
-    ``out_bytes`` is what crosses the boundary after this stage: every value produced on
-    this or an earlier stage and read on a later one (values are relayed stage to stage).
-    ``comm_time_s`` is one transfer of it, latency included; ``link_time_s`` how long it
-    keeps the link busy. Sends overlap compute, so the stage's steady-state time is
-    ``time_s = max(fwd_time_s + bwd_time_s, link_time_s)`` (architecture.md "Stage time
-    model"). ``sent`` / ``received`` list the crossing values by producer.
-    ``optimizer_time_s`` is the stage's optimizer step, once per training step.
+    """One pipeline stage, times per microbatch; ``time_s = max(fwd + bwd, link_time_s)``
+        (docs/architecture.md, 'Stage time model').
     """
 
     index: int
@@ -131,12 +115,8 @@ class SharedParam:
 
 @dataclass(frozen=True)
 class RankPlan:
-    """One pipeline rank holding several chunks (``virtual_stages`` > 1) or running a
-    split backward: its chunks, and its memory at the schedule's peak.
-
-    ``activations`` is the simulated peak of what the rank's chunks keep for backward
-    along its action list (a pending W holding only its share); ``total`` adds every
-    chunk's parameters, gradients, optimizer state, buffers and recompute transient.
+    """A pipeline rank holding several chunks or running a split backward: its chunks and its
+        memory at the schedule's peak.
     """
 
     index: int
@@ -198,12 +178,7 @@ class PartitionPlan:
         return DeviceSpec.from_json(dict(self.device))
 
     def stage_costs(self) -> tuple[StageCost, ...]:
-        """The simulator's view of the stages (same numbers the plan's step time used).
-
-        Gradients cross the same boundary as the activations did, backwards; the link
-        latency is what a transfer takes beyond its link time. Fixed costs per action and
-        per message come from the device spec.
-        """
+        """The simulator's view of the stages, the same numbers the plan's step time used."""
         spec = self.spec()
         latency = max((st.comm_time_s - st.link_time_s for st in self.stages
                        if st.out_bytes > 0), default=0.0)

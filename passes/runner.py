@@ -1,20 +1,8 @@
 """The one pass runner: names, times and logs each pass and checks what it needs and gives.
 
-Modelled on ``torch/fx/passes/infra/pass_manager.py``: before a pass runs, the ``node.meta``
-keys it *requires* must be present on every node; after it, the keys it *provides* must
-be. A failure (raised by the pass or by a check) names the pass and the passes that ran
-before it. Debug switches live here and only here:
-
-* ``SMP_FX_DUMP_DIR=<dir>``: write each pass's output graph as text, ``NN_<name>.txt``;
-* ``SMP_FX_VERIFY=1``: lint the graph (``Graph.lint``) after every pass and check the pass
-  did not mutate its input graph.
-
-Example::
-
-    gm = run_passes(gm, [
-        Pass("shape_prop", lambda g: shape_prop(g, args), (), (TENSOR,)),
-        Pass("annotate_costs", lambda g: annotate_costs(g, spec), (TENSOR, PARAMS), (COST,)),
-    ])
+After ``torch/fx/passes/infra/pass_manager.py``. Debug switches live here only:
+``SMP_FX_DUMP_DIR`` writes each pass's graph, ``SMP_FX_VERIFY=1`` lints it and checks the
+input was not mutated (docs/parameters.md).
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """Shape propagation on fake tensors: shape, dtype and bytes of every value, no real memory.
 
-Like ``torch.fx.passes.shape_prop.ShapeProp`` (an ``Interpreter`` whose ``run_node`` records
-a small immutable record), but everything runs under ``FakeTensorMode``: parameters,
-buffers and inputs are replaced by fake tensors, so a GPT-2-XL built on the meta device is
-propagated without allocating its weights. The module is never mutated: parameters are
-substituted with ``torch.func.functional_call`` for leaf modules and through ``fetch_attr``
-for ``get_attr`` nodes.
-
-Example::
-
-    gm2 = shape_prop(gm, (torch.randn(4, 32),))
-    TENSOR.get(node)  # TensorInfo(shape=(4, 64), dtype='float32', nbytes=1024)
+Like torch's ``ShapeProp`` but under ``FakeTensorMode``, so a meta-device GPT-2-XL is
+propagated without allocating; the module is never mutated.
 """
 
 from __future__ import annotations
@@ -179,15 +170,8 @@ def shape_prop(gm: torch.fx.GraphModule, args: tuple[Any, ...] = (),
                allow_real_run: bool = True) -> torch.fx.GraphModule:
     """Return a copy of ``gm`` with ``TENSOR`` set on every node; ``gm`` is not mutated.
 
-    ``args``/``kwargs`` may be real or meta tensors (or containers of them); meta tensors,
-    meta parameters and meta buffers are treated as living on ``device``. Nothing is
-    allocated: values are fake tensors throughout.
-
-    A leaf with data-dependent control flow cannot run on fake tensors. Then, if
-    ``allow_real_run`` and every input, parameter and buffer is real, one real forward
-    (``torch.no_grad``) supplies the shapes instead, as SMP's tracing step does; values
-    are only measured, never changed. With meta weights, or ``allow_real_run=False``
-    (``skip_tracing``), the ``SMPTracingError`` is raised.
+        A leaf with data-dependent control flow gets one real no-grad forward when allowed
+        and every weight is real, as SMP's tracing step; else ``SMPTracingError``.
     """
     from passes.graph_utils import copy_graph_module
 

@@ -1,27 +1,9 @@
 """Split a stage-annotated GraphModule into one GraphModule per pipeline stage.
 
-The partitioner decides (it writes ``passes.meta.STAGE``); this module only applies the
-decision, like ``torch.fx.passes.split_module`` separates the rule from the mechanism.
-
-Rules the splitter owns:
-
-- Placeholders are program inputs. They are not sent between stages: every stage that reads
-  one receives it from the caller (each pipeline rank sees the whole microbatch).
-- ``get_attr`` nodes (parameters, buffers, constants) are cloned into every stage that reads
-  them, whatever ``STAGE`` they carry. A parameter read on several stages is therefore held by
-  each (a tied parameter); the runtime sums its gradients across the owners.
-- Every other node runs on the stage in its ``STAGE`` meta. A value used on later stages is
-  sent from its producer directly to each consumer stage (never recomputed); a use on an
-  earlier stage is a ``SMPPartitionError`` (stages only send forward).
-- A tensor written in place runs on one stage with the reads the write orders
-  (``passes.in_place``): a split one is a ``SMPPartitionError``.
-- The final outputs all leave from the last stage: values computed earlier are sent to it.
-  The last stage then holds everything the caller gets back, which is what the runtime
-  broadcasts to the other pipeline ranks.
-
-Each stage module is built from the original root, so ``call_module``/``get_attr`` targets
-keep their paths and ``stage.named_parameters()`` yields the original fully qualified names,
-sharing the very same ``Parameter`` objects as the input model.
+The partitioner decides; this module applies the decision and owns the rules (inputs and
+parameters replicated, values sent forward only, outputs from the last stage). Stages are
+built from the original root, sharing its ``Parameter`` objects and names. See
+docs/architecture.md, 'Stage assignment and splitting'.
 
 >>> import torch, torch.fx
 >>> from passes import meta
@@ -58,11 +40,8 @@ class OutputRef:
 
 @dataclass(frozen=True)
 class Stage:
-    """One pipeline stage.
-
-    ``module`` takes ``input_names`` positionally (program inputs first, then received
-    values) and returns a tuple ordered as ``output_names``. ``recvs``/``sends`` list, per
-    peer stage in ascending order, the value names exchanged with it.
+    """One pipeline stage: ``module`` takes ``input_names`` positionally and returns a tuple
+        ordered as ``output_names``.
     """
 
     index: int
@@ -82,13 +61,7 @@ class Stage:
 
 @dataclass(frozen=True)
 class StagedProgram:
-    """The stages of one program plus how to feed its inputs and rebuild its outputs.
-
-    ``placeholders`` are the original program's inputs in order (name, forward argument name,
-    default-or-``_NO_DEFAULT``). ``output_tree`` is the original output structure with every
-    graph value replaced by an ``OutputRef`` into the last stage's outputs. ``in_spec`` /
-    ``out_spec`` are set when the graph uses a pytree codegen (``torch.export`` front end).
-    """
+    """The stages of one program plus how to feed its inputs and rebuild its outputs."""
 
     stages: tuple[Stage, ...]
     placeholders: tuple[tuple[str, str, Any], ...]

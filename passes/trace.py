@@ -1,37 +1,9 @@
 """Front end: capture a user's ``nn.Module`` as a runnable fx ``GraphModule``.
 
-Two front ends, one contract. ``fx`` is ``torch.fx`` symbolic tracing with a leaf policy
-(torch.nn built-ins + the user's ``leaf_modules``); a submodule whose forward cannot be
-traced symbolically is made a leaf automatically and the reason is logged. ``export`` is
-non-strict ``torch.export`` (Hugging Face models need it). ``auto`` tries fx, then export.
-
-Whatever the front end, the result satisfies the contract downstream passes rely on:
-
-* ``gm(*args, **kwargs)`` computes what ``model(*args, **kwargs)`` computes;
-* parameter/buffer attribute names are the model's original fully qualified names;
-* placeholders for user inputs come first, in order;
-* every node has ``MODULE_PATH`` (innermost module it came from, '' = root) and ``PARAMS``
-  (FQNs of the parameters/buffers it reads; a leaf ``call_module`` lists all of its own).
-
-Example::
-
-    gm = trace(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), (torch.randn(2, 4),))
-    assert MODULE_PATH.get(next(n for n in gm.graph.nodes if n.op == "call_module")) == "0"
-
-Nothing here runs the model on real tensors: fx tracing is symbolic and non-strict export
-runs on fake tensors, so a model built on the meta device traces without allocating.
-
-Outputs of a class torch's pytree does not know (the ``ModelOutput`` of transformers 4.2x)
-are captured through ``passes.model_outputs``: flat in the graph, rebuilt as the model's
-own class by the graph's output spec.
-
-``skip_tracing`` (SMP config) is read as: no example forward on real tensors at all. The
-front end honours it by construction; ``shape_prop(..., allow_real_run=False)`` refuses
-its one real-run fallback, and measured costs (``cost_model.measure``) must not be taken.
-
-Export graphs keep every input dimension symbolic where the model allows it, and are
-specialised to the shapes of ``args`` elsewhere: trace with one *microbatch*. Which
-dimensions are free is ``gm.meta["smp.input_dims"]`` (``passes.input_dims.InputDims``).
+``fx`` (symbolic, untraceable submodules made leaves), ``export`` (non-strict, symbolic
+input dimensions) or ``auto``; either way names, input order, ``MODULE_PATH`` and
+``PARAMS`` follow one contract, and nothing runs on real tensors. See
+docs/partitioning.md, 'Front end', and docs/architecture.md, 'Contracts'.
 """
 
 from __future__ import annotations
@@ -141,16 +113,9 @@ CONSTANT_TYPES = (type(None), bool, int, float, str)
 
 def constant_inputs(model: nn.Module, args: tuple[Any, ...],
                     kwargs: Mapping[str, Any]) -> dict[str, Any]:
-    """The ``forward`` parameters this call passes as ``None``, a bool, a number or a
-    string, or leaves at such a default: fx traces them as those constants
-    (``concrete_args``), as the call reads them.
-
-    Symbolic tracing otherwise makes every parameter a proxy, so ``if labels is not None``
-    would trace the branch of a call that gives labels even for one that does not, and
-    ``if use_cache:`` cannot be traced at all (a Hugging Face-style
-    ``forward(input_ids=None, attention_mask=None, labels=None, use_cache=None)``). A
-    later call passing another value there fails the trace's assertion, which names the
-    parameter, rather than running a graph specialised to the first call.
+    """The ``forward`` parameters this call passes as a constant (None, bool, number, str),
+        traced as constants so ``if labels is not None`` follows the call; another value later
+        fails the trace's assertion by name.
     """
     try:
         sig = inspect.signature(model.forward)
@@ -258,14 +223,8 @@ def _export_trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, 
 
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
-    """Non-strict export with every input dimension symbolic where the model allows
-    (``passes.input_dims``).
-
-    First size-obliviously (a dimension of the example of size 1 stays symbolic, so a
-    graph traced on one sample per microbatch takes more, and one traced on more takes a
-    microbatch of one), then without (sizes 0 and 1 are specialised); a model export cannot
-    trace either way is exported specialised to these shapes, and a later call with other
-    shapes is refused by name.
+    """Non-strict export with every input dimension symbolic where the model allows, first
+        size-obliviously; failing both, specialised to these shapes.
     """
     dynamic = auto_dynamic_shapes(model, args, kwargs)
     with _meta_weights_on(_run_device(model, args, kwargs)):
@@ -338,12 +297,7 @@ def trace(model: nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any
           frontend: Frontend = "auto", leaf_modules: LeafSpec = ()) -> torch.fx.GraphModule:
     """Capture ``model`` as a GraphModule carrying ``MODULE_PATH`` and ``PARAMS`` on every node.
 
-    ``frontend``: ``"fx"`` (symbolic tracing, automatic leaves), ``"export"`` (non-strict
-    torch.export, shapes specialised to ``args``), ``"auto"``: fx if it traces without
-    automatic leaves (opaque leaves hide structure from the partitioner); otherwise export;
-    if export fails too, the fx graph with automatic leaves if there is one. The chosen
-    front end is stored as ``gm.meta["smp.frontend"]``; automatic leaves as
-    ``gm.meta["smp.auto_leaves"]``.
+        ``auto`` prefers fx without automatic leaves (they hide structure), then export.
     """
     kwargs = dict(kwargs or {})
     args = tuple(args)

@@ -1,23 +1,8 @@
 """What a split backward's weight gradient (W) costs and holds, for the plan and simulator.
 
-Zero-bubble schedules run a chunk's backward as I (the gradients of its inputs) and, later,
-W (the gradients of its parameters), both from the autograd graph the forward recorded
-(``smp_fx.runtime.executor.split_backward``). I keeps that graph: between a microbatch's I and
-its W
-the chunk still holds everything its forward saved, plus
-
-- the gradient each *join* was given during I (an operation where a parameter's path meets
-  the input path, a linear's matmul): one tensor the size of the operation's output;
-- in an activation-checkpointed region, what the recompute during I rebuilt: the region's
-  own saved values, kept for the W (``smp_fx.runtime.memory.recompute_once``), so nothing is
-  recomputed twice.
-
-So a pending W holds the chunk's activations per microbatch, plus ``held_bytes`` on top
-(``MemoryBreakdown.pending_w_per_microbatch`` is their sum); W releases all of it.
-
-W's time is estimated as half the backward time of the operations that read a trainable
-parameter: a matmul's backward is two matmuls of its forward's size, one per gradient;
-element-wise parameterised operations (norms, biases) are cheap either way.
+Between a microbatch's I and W a chunk holds its forward's saved values plus each join's
+output gradient (``held_bytes``); W is priced as half the backward of parameter-reading
+ops. See docs/schedules.md, 'Memory: activations in flight, and what a pending W holds'.
 """
 
 from __future__ import annotations

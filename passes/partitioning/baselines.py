@@ -1,40 +1,8 @@
 """Reference partitioners, scored with the same objective as ours (``problem.evaluate``).
 
-Each takes a ``DagProblem`` and ``k`` (the module-tree one also an ``Objective``, since it
-balances cost) and returns a stage per compute node. All are made acyclic by
-``make_monotone`` (a node never runs on a stage before one of its inputs), so every
-result is a valid pipeline plan.
-
-* ``uniform_layers``: equal numbers of "layers". Layers are the integer-named children
-  (``blocks.0``, ``blocks.1``, ...: what ``ModuleList`` / ``Sequential`` produce) of the
-  container holding the most parameter bytes (the deepest on ties). Nodes before the
-  first layer join stage 0, others the stage of the last layer seen. With no such
-  container, or fewer layers than stages, it splits the graph order into equal node counts.
-* ``parameter_balanced``: contiguous split of the graph order minimising the largest
-  stage parameter bytes (DeepSpeed ``partition_method="parameters"``, PiPPy equal size).
-* ``block_partition``: torchgpipe's "balance by time": contiguous blocks of per-node time
-  minimising the largest block sum. Our own iterative version of the idea in Bárány and
-  Grinberg, "Block partitions of sequences": start from the proportional split, then
-  repeatedly move one element across a boundary of the largest block while that lowers
-  the larger of the two blocks.
-* ``module_tree``: SMP's algorithm. Top-down over the module tree; at a module its
-  children (sub-modules and its own nodes) in execution order are cut into contiguous
-  segments minimising the largest segment cost; devices go to segments by D'Hondt
-  (largest cost / (seats + 1) next, capped by the segment's node count). The number of
-  segments (2 .. min(devices, children)) is the one whose largest cost per device is
-  smallest. A segment holding several devices is split again: a one-child segment by
-  recursing into that child, a several-children segment as a module of those children.
-  One more candidate, taken when its largest cost per device is smaller: D'Hondt seats
-  the children themselves and a light child may win none; it shares its neighbour's
-  device (the neighbour's children are then split with it at the end), so GPT's
-  embeddings and head do not hold devices of their own while 48 blocks share the rest.
-  Inherent, and kept: a cut falls only between children of one module (a device boundary
-  never splits a module's child below the level it was seated at); each level balances
-  summed node costs (time, saved activations at the mean in-flight count, parameter
-  memory with a tied weight in every module holding it), so it cannot see the link term
-  or that early stages hold more microbatches (GPT-2-XL, 8 stages, sequence 1024: 1.22x
-  the best, stage costs falling from the first stage to the last); and the rounding of
-  devices to whole seats at each level compounds down the tree.
+``uniform_layers``, ``parameter_balanced`` (DeepSpeed), ``block_partition`` (torchgpipe)
+and ``module_tree`` (SMP's algorithm), each made monotone so every result is a valid
+pipeline plan. See docs/partitioning.md, 'The solver in detail'.
 """
 
 from __future__ import annotations
@@ -206,12 +174,8 @@ def module_tree(problem: DagProblem, k: int, obj: Objective) -> np.ndarray:
               ) -> tuple[float, list[Kids], list[int]]:
         """D'Hondt seats per child, none for a light one; (score, groups, seats).
 
-        A child that wins no seat rides with its neighbour (the previous seated child, or
-        the next one before any): GPT's ``wte`` / ``wpe`` join the first device of ``h``,
-        ``ln_f`` / ``lm_head`` its last. A seated child with several seats is opened (its
-        children with its riders form the group split next). Without this candidate every
-        segment got a device of its own, which spent two of eight GPT-2-XL devices on the
-        embeddings and the head and left the 48 blocks six.
+                A seatless child rides with its neighbour (GPT's embeddings with the first block,
+                the head with the last), so they hold no device of their own.
         """
         seats = _dhondt(list(costs), [len(m) for _, m in kids], devices, minimum=0)
         seated = [i for i, d in enumerate(seats) if d > 0]

@@ -1,35 +1,11 @@
 """Exact min-max partition of a chain into ``k`` contiguous, non-empty stages.
 
-The cost of stage ``s`` covering positions ``[i, j)`` is
+For a fixed stage end the feasible starts under a bottleneck form a suffix, so checking a
+bottleneck is one vectorised sweep and a parametric search finds the optimum to ``rtol``.
+See docs/partitioning.md, 'The solver in detail'.
 
-    cost(s, i, j) = W[j] - W[i] + inflight[s] * (S[j] - S[i]) + max(T[j] - T[i], comm[j])
-
-with ``W``/``S``/``T`` prefix sums of the per-node stage-independent cost ``work``
-(parameter memory), saved activation cost ``saved`` (scaled per stage by the microbatches
-in flight) and compute ``time``, and ``comm[j]`` the link occupancy of what is live across
-cut ``j`` (``comm[n] = tail_comm``, 0 unless the chain is the head of a longer one: the last
-stage sends nothing). Compute and the send overlap (docs/architecture.md "Stage time
-model"), hence the max; with no ``time`` the max is ``comm[j]`` and comm simply adds.
-
-Exactness: with ``C_s = W + inflight[s] * S`` both arguments of the max and ``C_s`` are
-non-decreasing in ``j - i``, so for a fixed end ``j`` the starts ``i`` that keep the stage
-under a bottleneck ``B`` form a suffix ``i >= lo_s(j)``: ``cost <= B`` iff
-``C_s[i] + T[i] >= C_s[j] + T[j] - B`` and ``C_s[i] >= C_s[j] + comm[j] - B``, each a
-threshold on ``i`` (the suffix starts at the larger). So ``j`` is a feasible end iff the
-latest reachable start before it is one of them, i.e. iff the cheapest stage ending at
-``j`` costs <= ``B``. The feasibility of ``B`` is one vectorised sweep over stages,
-restricted to the band of ends the previous stage can reach and the ends from which the
-rest still fits in the remaining stages.
-
-The bottleneck is found by parametric search: ``B`` is bisected between a lower bound and
-the achieved maximum of the best partition found so far, which is always a real stage
-cost. It stops when achieved max and largest infeasible ``B`` agree to ``rtol``, so the
-result is optimal up to that tolerance (floating-point ties aside).
-
-Example::
-
-    >>> solve([1.0, 1.0, 1.0, 1.0], 2).cuts
-    (2,)
+>>> solve([1.0, 1.0, 1.0, 1.0], 2).cuts
+(2,)
 """
 
 from __future__ import annotations
@@ -73,11 +49,7 @@ class _Band:
 def stage_costs(cuts: Sequence[int], work: FloatArray, saved: FloatArray, comm: FloatArray,
                 inflight: FloatArray, time: FloatArray | None = None,
                 tail_comm: float = 0.0) -> np.ndarray:
-    """Cost of every stage of the partition given by ``cuts`` (direct sums, no prefixes).
-
-    ``comm`` is indexed by cut (length ``n + 1``); ``comm[n]`` is ignored, the last stage
-    pays ``tail_comm``.
-    """
+    """Cost of every stage of the partition given by ``cuts`` (direct sums, no prefixes)."""
     work, saved = np.asarray(work, dtype=np.float64), np.asarray(saved, dtype=np.float64)
     n = len(work)
     tm = np.zeros(n) if time is None else np.asarray(time, dtype=np.float64)
@@ -144,10 +116,7 @@ def _pin_windows(pins: FloatArray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _anchors(heavy: np.ndarray | None, n: int) -> tuple[np.ndarray, np.ndarray]:
     """``anchor[j]``: the last position < ``j`` a stage ending at ``j`` must hold (-1: none);
-    ``tail[r]``: the latest end that leaves ``r`` required positions after it.
-
-    Without ``heavy`` every position counts (plain non-empty stages): ``anchor[j] = j - 1``
-    and ``tail[r] = n - r``. With it, only the ``heavy`` positions count.
+        ``tail[r]``: the latest end that leaves ``r`` required (``heavy``) positions after it.
     """
     if heavy is None:
         return np.arange(-1, n, dtype=np.int64), np.arange(n, -1, -1, dtype=np.int64)
@@ -164,13 +133,8 @@ def _check(bound: float, prefixes: list[tuple[FloatArray, FloatArray]], tp: Floa
            ) -> tuple[list[_Band] | None, float]:
     """Bands of reachable stage ends if every stage can stay <= ``bound``.
 
-    When ``bound`` is infeasible it returns ``(None, t)``: no bound below ``t`` is feasible,
-    because ``t`` is the least value at which any end rejected so far would be accepted
-    (ends only ever get accepted as the bound grows). Probing ``t`` next often hits the
-    optimum exactly. ``least`` is the prefix of node costs at their cheapest stage: what
-    is left after an end ``j`` must fit in the remaining stages, which narrows the band.
-    ``prefixes[s]`` is ``(C_s, C_s + T)``; a stage costs at least its ``C_s + T``
-    difference, which bounds the band of ends from above.
+        Infeasible: ``(None, t)``, ``t`` the least bound at which a rejected end would pass
+        (probing it next often hits the optimum exactly).
     """
     n = len(comm) - 1
     bands: list[_Band] = [_Band(0, np.zeros(1, dtype=np.int64))]
@@ -226,12 +190,8 @@ def lower_bound(work: Values, k: int, saved: Values | None = None,
                 inflight: Values | None = None,
                 comm: Values | None = None,
                 time: Values | None = None) -> float:
-    """max(total / k, largest node), each node at its cheapest (least in-flight) stage.
-
-    With ``comm`` (per cut, length n + 1) each of the ``k - 1`` sending stages costs at
-    least the cheapest cut inside its max: the stage costs sum to at least
-    ``sum(work + saved) + max(sum(time), (k - 1) * min comm)``, and stage 0 costs at least
-    ``min comm``.
+    """max(total / k, largest node), each node at its cheapest stage; with ``comm`` each of the
+        ``k - 1`` sending stages pays at least the cheapest cut.
     """
     w = np.asarray(work, dtype=np.float64)
     tm = np.zeros(len(w)) if time is None else np.asarray(time, dtype=np.float64)
@@ -250,17 +210,10 @@ def solve(work: Values, k: int, *, saved: Values | None = None,
           pins: Ints | None = None, heavy: Flags | None = None,
           time: Values | None = None, tail_comm: float = 0.0,
           rtol: float = 1e-9) -> ChainSolution:
-    """Cut ``work`` into ``k`` contiguous non-empty stages minimising the largest stage cost.
+    """Cut a chain into ``k`` contiguous non-empty stages minimising the largest stage cost.
 
-    ``saved[i]`` is multiplied by ``inflight[s]`` on the stage ``s`` holding node ``i``;
-    ``comm`` is per cut (length ``n - 1`` for cuts ``1..n-1``, or ``n + 1`` indexed by cut);
-    ``time[i]`` is compute that overlaps the stage's send (the stage pays the larger of
-    its summed ``time`` and ``comm`` at its end, module docstring); ``tail_comm`` is what
-    the last stage sends (0 for a whole pipeline).
-    ``pins[i] >= 0`` forces node ``i`` onto that stage. ``heavy`` marks the positions that
-    do real work: every stage then holds at least one of them, unless there are fewer than
-    ``k`` or the pins leave no room for it (then stages need only be non-empty). Raises
-    ``SMPPartitionError`` when ``k > n`` or the pins cannot be honoured by contiguous stages.
+        ``pins[i] >= 0`` forces node ``i``'s stage; with ``heavy`` every stage holds one where
+        possible. ``SMPPartitionError`` when ``k > n`` or the pins cannot be honoured.
     """
     w, sv, cm, infl, pn, tm = _prepare(work, k, saved, comm, inflight, pins, time, tail_comm)
     n = len(w)
@@ -341,13 +294,7 @@ def solve_lex(work: Values, k: int, *, saved: Values | None = None,
               first: ChainSolution | None = None) -> ChainSolution:
     """``solve``, then balance the stages the bottleneck leaves free (lexicographic min-max).
 
-    Min-max alone is indifferent to every stage but the costliest: with a latency-bound or
-    one-huge-node bottleneck it may leave the other stages nearly empty. This keeps the
-    optimal bottleneck stage of ``solve`` fixed and re-solves the sub-chains on either side
-    of it with their own stage counts, recursively, so the second-largest cost is minimised
-    next, and so on. The result is kept only if its sorted (descending) cost vector is
-    lexicographically no larger than ``solve``'s, so the bottleneck never gets worse.
-    ``first`` is ``solve``'s result for the same arguments when the caller already has it.
+        Kept only if its sorted costs are no larger, so the bottleneck never gets worse.
     """
     w, sv, cm, infl, pn, tm = _prepare(work, k, saved, comm, inflight, pins, time)
     n = len(w)

@@ -1,17 +1,8 @@
 """From an annotated fx GraphModule to a ``DagProblem``, and stage numbers back onto nodes.
 
-Compute nodes are ``call_function`` / ``call_method`` / ``call_module``. The others carry
-no cost and follow the compute nodes (architecture.md "Stage assignment"): placeholders
-and ``get_attr`` nodes go to the earliest stage among their users, the output node to the
-latest stage among its inputs. ``get_attr`` values (parameters, buffers, constants) are
-never sent between stages: every stage that reads them holds a replica, which the
-objective charges to each of those stages and the result reports as shared.
-
-Parameter bytes come from the module's own tensors (meta tensors work) for the names in
-``passes.meta.PARAMS``, one entry per tensor: tied names (GPT's ``wte.weight`` /
-``lm_head.weight``) are one parameter, counted once in the objective as in the plan. A
-compute node whose names cannot be resolved keeps the ``NodeCost.param_bytes`` the cost
-pass gave it, as a parameter of its own.
+Only compute nodes carry cost; placeholders and ``get_attr`` nodes follow their earliest
+user and are replicated, never sent. Parameters are counted per tensor, so tied names are
+one parameter, as in the plan. See docs/architecture.md, 'Stage assignment and splitting'.
 """
 
 from __future__ import annotations
@@ -40,13 +31,8 @@ def _resolve(gm: torch.fx.GraphModule, name: str) -> torch.Tensor | None:
 
 
 class _TensorIndex:
-    """Attribute names grouped by the tensor they name (tied weights are one tensor).
-
-    The first name of a tensor is its key: ``gm.named_parameters(remove_duplicate=False)``
-    then ``named_buffers`` order, so a tied pair is keyed by the name that
-    ``named_parameters()`` (which deduplicates) reports, e.g. ``transformer.wte.weight``
-    rather than ``lm_head.weight``. Counting by name charged such a tensor twice to ``M``
-    and twice to a stage reading both names, while the plan counted it once.
+    """Attribute names grouped by the tensor they name, keyed by the name
+        ``named_parameters()`` reports, so a tied weight is charged once.
     """
 
     def __init__(self, gm: torch.fx.GraphModule) -> None:

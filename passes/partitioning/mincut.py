@@ -1,40 +1,10 @@
 """Boundary refinement by minimum cut: move a group of nodes between two neighbouring stages
 so that fewer bytes cross the boundary between them.
 
-``refine`` moves one node at a time, and some boundaries only get cheaper when several
-nodes move together: a large value read by two nodes of the next stage keeps crossing
-until both readers move, and moving either one alone adds its own output to the boundary.
-When the costliest stage is link-bound (its send outlasts its compute, ``problem``), the
-bytes across its boundary set its cost, and the cheapest boundary between it and the next
-stage is a minimum s-t cut (``networkx.minimum_cut``) of this network:
-
-* every value touching a free node is a hyperedge: an in-node and an out-node joined by
-  its bytes, each member (producer, readers) -> in-node and out-node -> member unbounded.
-  The cut pays the bytes once iff the value has members on both sides, which is the
-  objective's rule: a value crosses iff it is produced at or before the boundary and read
-  after it (two members: one edge each way instead);
-* convexity: for every edge ``u -> v``, an unbounded edge ``v -> u``, so a node on the
-  earlier side has its predecessors there too and the stages still only send forward;
-* nodes that stay put are the source (the earlier side: stages ``<= s``) or the sink.
-
-The cut ignores time and memory, so the free nodes are a window around the boundary: the
-last fraction ``f`` of stage ``s`` and the first ``f`` of stage ``s + 1`` (node index is a
-topological order), ``f`` in ``WINDOWS``, at most ``MAX_FREE`` nodes a side. Each candidate
-is scored with the exact objective (``problem.evaluate``); the best is kept if it lowers
-the larger of the two stages' costs below the costliest stage's. Nodes that feed the
-output or are pinned stay, and a stage keeps a node doing real work when ``refine`` asks
-it to. The cap bounds the work: networkx's flows are pure Python (about 15 ms for a window
-of 2 x 64 nodes of a 10,000-node DAG, 0.1-0.5 s for 2 x 600), and every improving window
-on the benchmark graphs had fewer than 100 free nodes. For the same reason no flow runs
-when the link's excess over compute is under ``MIN_LINK_SHARE`` of the stage's cost: fewer
-bytes alone save at most that excess, every improving cut on those graphs had at least
-2.7 %, and a 10,000-node DAG at 64 stages otherwise ran five fruitless flows on a stage
-whose link was 0.1 % of its cost.
-
-Capacities are whole bytes, so the flow is exact, and networkx returns the cut whose sink
-side is every node that reaches the sink in the residual graph: the same for every maximum
-flow, so the plan does not depend on the flow algorithm (Boykov-Kolmogorov, the fastest of
-networkx's on these networks) or the networkx version.
+Some boundaries get cheaper only when several nodes move together, which ``refine``'s
+single moves cannot find; a link-bound costliest stage is re-cut at a minimum s-t cut of
+a hyperedge network over a window around its boundary. See docs/partitioning.md,
+'The solver in detail'.
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
 """Topological orders of a DAG's compute nodes, chosen to keep live tensors across cuts small.
 
-The chain solver cuts an order, and a cut's communication is every value produced before
-and consumed after it; an order that interleaves independent branches keeps both live
-across many cuts. Three orders are offered; ``auto_partition`` solves on each and keeps
-the best, because none wins everywhere:
-
-* ``"graph"``: the order the graph was traced in (program order; good for sequential code).
-* ``"dfs"``: reverse postorder of networkx's depth-first search over ``DagProblem.graph``
-  (Tarjan's topological order): a branch, once entered, is finished before its siblings.
-  The search starts from the sources in index order and enters successors in decreasing
-  index order (the order the graph lists them), so the reversal puts a node's
-  lowest-indexed branch first and a later source's nodes before an earlier one's.
-* ``"min_live"``: at every step runs the ready node that adds the fewest live bytes
-  (bytes it produces minus inputs it frees), a greedy register-pressure heuristic.
-
-All are deterministic: ties break by node index. With pins, ``"pins"`` (networkx's
-lexicographical topological sort keyed by the latest stage a node may go to, then the
-earliest it must go to) gives an order in which every pin can be honoured by contiguous
-stages whenever any order can.
-
-``check_dag`` and ``check_pins`` reject a problem no order can serve, naming the cycle or
-the path from a node pinned late to one pinned early (networkx finds both).
+``auto_partition`` solves on each of ``graph``, ``dfs``, ``min_live`` (and ``pins``) and
+keeps the best, because none wins everywhere; ties break by node index.
+See docs/partitioning.md, 'The solver in detail'.
 """
 
 from __future__ import annotations
@@ -42,12 +24,8 @@ def _path_text(problem: DagProblem, path: list[int]) -> str:
 
 
 def check_dag(problem: DagProblem) -> None:
-    """Raise unless every edge goes from a lower to a higher node index.
-
-    ``DagProblem`` numbers its nodes in a topological order (the ``"graph"`` order and the
-    value spans rely on it); a cycle, or an acyclic graph numbered out of order, breaks
-    that. The check is a scan of the edges (once per problem); networkx names the cycle
-    when there is one.
+    """Raise unless every edge goes from a lower to a higher node index (networkx names a
+        cycle when there is one).
     """
     backward = problem.backward_edge
     if backward is None:
@@ -65,12 +43,8 @@ def check_dag(problem: DagProblem) -> None:
 
 
 def pin_bounds(problem: DagProblem) -> tuple[np.ndarray, np.ndarray]:
-    """Per node, the earliest stage it may go to (the largest pin among it and its
-    ancestors) and the latest (the smallest pin among it and its descendants; one past
-    the largest pin when there is none).
-
-    One sweep over the edges in index order and one in reverse: ancestors' pins flow
-    forward, descendants' backward (a per-node ``nx.ancestors`` would be quadratic).
+    """Per node, the earliest stage it may go to (largest pin among its ancestors) and the
+        latest (smallest among its descendants), in two sweeps rather than quadratic searches.
     """
     n = problem.n
     pins = problem.pin_array().tolist()
@@ -90,11 +64,7 @@ def pin_bounds(problem: DagProblem) -> tuple[np.ndarray, np.ndarray]:
 
 
 def check_pins(problem: DagProblem) -> None:
-    """Raise if a value flows from a node pinned to a later stage to one pinned earlier.
-
-    No contiguous plan honours such pins, whatever the order. The message names the path
-    between the two pinned nodes (``nx.ancestors`` and ``nx.shortest_path``).
-    """
+    """Raise if a value flows from a node pinned later to one pinned earlier, naming the path."""
     pins = problem.pin_array()
     if not np.any(pins >= 0):
         return
@@ -114,11 +84,8 @@ def check_pins(problem: DagProblem) -> None:
 
 
 def _min_live(problem: DagProblem) -> list[int]:
-    """List scheduling by live-byte growth.
-
-    Hand-written with ``heapq``: a node's priority is fixed when it becomes ready and
-    depends on which of its inputs still have unscheduled readers at that moment, while
-    networkx's lexicographical sort takes one key per node up front.
+    """List scheduling by live-byte growth, with ``heapq``: a node's priority is fixed only
+        when it becomes ready.
     """
     n = problem.n
     val_bytes = problem.val_bytes.tolist()

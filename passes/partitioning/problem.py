@@ -1,39 +1,9 @@
-"""The partitioning problem as numbers, and the ONE objective every strategy is scored by.
+"""The partitioning problem as numbers, and the one objective every strategy is scored by.
 
-``DagProblem`` is a graph's compute nodes reduced to what partitioning needs: per-node
-time and saved bytes, compute-to-compute edges, the values that may cross stages (with
-their bytes, producer and consumers), parameters with their readers, module paths (for
-the module-tree and layer baselines) and pins. It holds no torch objects, so algorithms
-and benchmarks can build one from random numbers (``DagProblem.chain``).
-
-The objective (docs/architecture.md, "Partitioning") for stage ``s`` is
-
-    (1 - w) * max(time_s, link_time(bytes_s)) / T + w * memory_s / M
-
-* ``time_s``: sum of forward + backward node times on the stage.
-* ``bytes_s``: bytes of every value live across the boundary after stage ``s``: produced
-  on a stage ``<= s`` and consumed on a stage ``> s`` (values are relayed stage to stage,
-  so this depends on the boundary only). The last stage sends nothing.
-* ``link_time(bytes)``: how long the message occupies the link, ``bytes / bandwidth``.
-  Stage time model (docs/architecture.md "Stage time model"): the runtime sends with
-  asynchronous point-to-point ops, so a stage's send of microbatch ``i`` overlaps its
-  compute of microbatch ``i + 1``, and the link is a resource of its own. In steady state
-  a stage is therefore occupied per microbatch by the larger of its compute and its link
-  occupancy, not their sum. The per-message latency is NOT in the objective: it delays
-  the arrival of a message but does not occupy the link (several messages can be in
-  flight), so it is paid once per pipeline hop in fill / drain, which the simulator
-  charges in the predicted step time. Charging it to every sending stage made every plan
-  of a small model latency-bound (5 us of latency against 0.5 us of compute), and the
-  optimum then put almost all of the model on the last stage, the one that sends nothing.
-  ``comm_time(bytes)`` (latency + bytes / bandwidth) is still reported per stage, as the
-  duration of one transfer, for the simulator.
-* ``memory_s = (2 + optimizer_state_factor) * param_bytes_s + saved_s * inflight(s)``;
-  a parameter read on several stages is replicated and counted on each of them. A
-  parameter is a tensor, not a name: tied names are one entry (``param_aliases``).
-* ``T`` = total node time of the graph; ``M`` = ``(2 + f) * total parameter bytes (once)
-  + total saved bytes * min(microbatches, active_microbatches)``. Both are fixed by the
-  graph and config, not by the cut, so the objective of different cuts is comparable;
-  a zero total is replaced by 1.
+``DagProblem`` holds no torch objects, so algorithms and benchmarks can build one from
+random numbers. Stage ``s`` costs ``(1 - w) max(time_s, link_time(bytes_s)) / T + w
+memory_s / M``: sends overlap compute and latency is paid in fill and drain, not per
+stage. See docs/architecture.md, 'Stage time model', and docs/partitioning.md.
 """
 
 from __future__ import annotations
@@ -55,12 +25,8 @@ CommTime = Callable[[float], float]
 
 
 def link_occupancy(comm_time: CommTime) -> CommTime:
-    """The link time of a message from a transfer-time model: ``comm_time(2b) - comm_time(b)``.
-
-    For the affine model ``latency + b / bandwidth`` (``cost_model.roofline.comm_time``)
-    this is exactly ``b / bandwidth``: the latency cancels.
-    For any other model it is the marginal time of ``b`` more bytes, what a busy link
-    spends per message. Used when a caller passes only a ``comm_time``.
+    """The link time of a message: ``comm_time(2b) - comm_time(b)``, exactly ``b / bandwidth``
+        for the affine model (the latency cancels).
     """
 
     def link_time(nbytes: float) -> float:
@@ -75,9 +41,8 @@ def link_occupancy(comm_time: CommTime) -> CommTime:
 class DagProblem:
     """Compute nodes ``0..n-1`` in a topological order (the graph's), and their values.
 
-    ``val_producer[v] == -1`` marks a graph input: it lives from the earliest stage that
-    consumes it. ``val_to_output[v]`` keeps a value live up to the stage of the output,
-    which is the latest stage of ``output_inputs``.
+        ``val_producer[v] == -1`` marks a graph input; ``val_to_output[v]`` keeps a value live
+        up to the output's stage.
     """
 
     names: tuple[str, ...]
@@ -99,10 +64,8 @@ class DagProblem:
     """Per parameter, every name of its tensor (tied weights); empty: the name alone."""
 
     def heavy(self) -> np.ndarray:
-        """Nodes doing real work: FLOPs or parameters (time when FLOPs are not known).
-
-        The solver gives every stage at least one of them when there are enough, so that a
-        link-bound objective cannot leave a stage holding only glue (getattr, view).
+        """Nodes doing real work: FLOPs or parameters (time when FLOPs are not known); every
+                stage gets one when there are enough, so no stage holds only glue.
         """
         work = self.flops > 0 if len(self.flops) == self.n else self.time > 0
         mask = np.array(work, dtype=bool)
@@ -169,17 +132,10 @@ class DagProblem:
 
     @functools.cached_property
     def graph(self) -> nx.DiGraph:
-        """The compute nodes as a ``networkx.DiGraph``, for the graph questions (orders, checks,
-        cuts) the partitioner asks; the cost sums stay on the numpy arrays.
+        """The compute nodes as a ``networkx.DiGraph`` for orders, checks and cuts.
 
-        Node ``i`` has ``name``, ``time`` (forward + backward seconds), ``memory`` (saved bytes
-        per microbatch), ``params`` (bytes of the parameters it reads) and ``pin`` (-1: none);
-        edge ``(u, v)`` has ``bytes``, the size of ``u``'s output. Nodes are in index order,
-        every node's successors in decreasing index order (a depth-first search then enters
-        the lowest-indexed branch last, so its reverse postorder lists it first: the
-        ``"dfs"`` order), so every traversal is deterministic. Built once per problem, bare
-        and then filled through the live attribute dicts, a fifth cheaper than handing
-        networkx a dict per node and edge (about 40 ms for 10,000 nodes on an idle core).
+                Successors are listed in decreasing index order so every traversal (``"dfs"``)
+                is deterministic; cost sums stay on the numpy arrays.
         """
         n = self.n
         out_bytes = [0.0] * n
@@ -271,15 +227,8 @@ def make_objective(problem: DagProblem, cfg: PartitionConfig,
                    comm_time: CommTime | None = None,
                    link_time: CommTime | None = None,
                    placement: Sequence[int] | None = None) -> Objective:
-    """The objective for ``problem`` under ``cfg``.
-
-    ``comm_time(bytes)`` is the duration of one transfer (reported, and simulated);
-    ``link_time(bytes)`` the link occupancy the objective charges. Both come from a device
-    spec, the one link model (``cost_model.roofline.comm_time`` / ``link_time``); without
-    them, the default spec's (``cost_model.devices.DEFAULT_DEVICE``). A ``comm_time`` alone
-    implies ``link_occupancy(comm_time)``. ``placement`` (the rank of every chunk; default
-    the pipeline's, ``PartitionConfig.placement``) decides which boundaries stay on a rank
-    and how many microbatches each chunk holds.
+    """The objective for ``problem`` under ``cfg``: link figures from a device spec (the
+        default spec's without one); ``placement`` decides which boundaries stay on a rank.
     """
     place = tuple(placement) if placement is not None else cfg.placement
     k = len(place)
@@ -368,12 +317,8 @@ def evaluate(problem: DagProblem, stage: Sequence[int] | np.ndarray, obj: Object
 
 @dataclass(frozen=True)
 class ChainCosts:
-    """A problem laid out along an order, in objective units, for ``chain.solve``.
-
-    A stage ``[i, j)`` on stage ``s`` costs
-    ``sum(work[i:j]) + inflight[s] * sum(saved[i:j]) + max(sum(time[i:j]), comm[j])``:
-    ``work`` is parameter memory, ``time`` compute, ``comm[j]`` the link occupancy of
-    what is live across cut ``j`` (``comm[0] = comm[n] = 0``).
+    """A problem laid out along an order, in objective units, for ``chain.solve``; a stage
+        ``[i, j)`` on stage ``s`` costs ``work + inflight[s] saved + max(time, comm[j])``.
     """
 
     work: np.ndarray
@@ -390,15 +335,8 @@ def chain_arrays(problem: DagProblem, order: Ints, obj: Objective,
                  replicas: bool = False) -> ChainCosts:
     """``problem`` laid out along ``order`` (a topological order) as ``ChainCosts``.
 
-    Parameters count at their first reader in the order (replicas of shared parameters are
-    not additive; ``evaluate`` scores them exactly afterwards). That never overcharges, so
-    lower bounds use it, but it hides the replica of a tied weight from the solver: GPT's
-    head stage looks lighter than it is. ``replicas=True`` also charges a parameter read at
-    several positions at its last reader: exact whenever the first and last readers end on
-    different stages (a tied embedding and LM head, for any ``k >= 2``), one copy too many
-    when they share one. A candidate for the solver to try, never a bound: on a 12-block
-    tied GPT at k=4 it finds 0.2141 where first-reader costs give 0.2230 and SMP's module
-    tree 0.2150 (benchmarks/partition_quality.py).
+        Parameters count at their first reader; ``replicas=True`` also charges a shared one
+        at its last reader (docs/partitioning.md, 'Parameters in a chain').
     """
     n = problem.n
     order = np.asarray(order, dtype=np.int64)

@@ -1,22 +1,8 @@
 """Local refinement of a stage assignment: move boundary nodes between adjacent stages.
 
-The chain solve is exact for the order it was given, but a DAG has many orders and the
-chain model counts a shared parameter once; moving a node that sits on a stage boundary
-(all its successors on the next stage, or all its predecessors on the previous one) to
-that neighbour keeps the quotient graph acyclic and can lower the largest stage cost.
-
-Each step takes the costliest stage (lowest index on ties) and applies the single move
-that most lowers ``max(cost of that stage, cost of the neighbour)``; the sorted vector of
-stage costs decreases lexicographically, so it terminates. Costs are kept incrementally:
-a move from ``s`` to ``s +- 1`` changes only those two stages (the bytes across every
-other boundary are unchanged), so one step costs O(nodes on the stage x their degree).
-Nodes feeding the graph output and pinned nodes never move, and when every stage holds a
-node doing real work (``DagProblem.heavy``) no move takes a stage's last one.
-
-When no single move helps and the costliest stage is link-bound (its send outlasts its
-compute), ``mincut.cut_boundary`` re-cuts its boundary at a minimum cut, moving a group
-of nodes at once; the loop then goes on from the new assignment. Compute-bound plans never
-reach it, so it costs nothing there.
+The chain solve is exact for one order, but a DAG has many; moving boundary nodes keeps
+the stages acyclic and can lower the largest stage cost. A link-bound stage falls back to
+``mincut``. See docs/partitioning.md, 'The solver in detail'.
 """
 
 from __future__ import annotations
@@ -28,13 +14,8 @@ from passes.partitioning.problem import DagProblem, Objective, value_spans
 
 
 class _State:
-    """The assignment and its per-stage sums, updated move by move.
-
-    The inner loops read single entries, so the state is kept in Python lists (``st``,
-    per-stage sums) and dicts (each parameter's readers per stage): indexing a numpy array
-    per element costs several times more, and refinement is most of a 10,000-node DAG's
-    partitioning time at 8 stages. Float sums are the same IEEE operations either way.
-    ``stage()`` and ``cost`` are numpy.
+    """The assignment and its per-stage sums, updated move by move, in Python lists: per
+        element numpy indexing costs several times more in these loops.
     """
 
     def __init__(self, problem: DagProblem, obj: Objective, stage: np.ndarray,

@@ -1,10 +1,5 @@
-"""Synthetic partitioning problems for tests and benchmarks (seeded, deterministic).
-
-* ``random_chain(n, kind, rng)``: ``"uniform"`` costs, ``"embedding_blocks_head"`` (a heavy
-  embedding, equal blocks, a heavy head), or ``"heavy_tailed"`` (Pareto) costs.
-* ``transformer_dag(layers, ...)``: a GPT-like graph: embedding, per layer a residual
-  attention (q, k, v branches) and MLP, final norm and an LM head tied to the embedding.
-* ``random_dag(n, rng)``: layered random DAG with skip edges and random costs.
+"""Synthetic partitioning problems for tests and benchmarks (seeded, deterministic):
+random chains, a GPT-like DAG with a tied head, layered random DAGs.
 """
 
 from __future__ import annotations

@@ -1,17 +1,8 @@
 """Tensor parallelism as graph passes: marked regions of a traced model rewritten per rank.
 
-The entry point is ``tensor_parallel`` (``rewrite.py``); its inputs and outputs are
-``TensorParallelism`` and ``TensorParallelPlan``. The modules, in the order the rewrite
-uses them: ``analysis`` (per region, each linear's role and each embedding's split, and
-why the rest is not sharded), ``linears`` (which linears shard, in which layout),
-``propagation`` (a split value and the edits the rules collect), ``rules`` (the table
-from op targets to sharding rules; the op families in ``ops``, the shape ops' rules in
-``reshapes``), ``sweep`` (one pass of the rules over the graph), ``vocab`` and ``loss``
-(vocabulary-parallel embeddings, LM heads and cross entropy), ``sequence``
-(``optimize: "memory"``: activations chunked by sequence), ``graph`` (editing a rank's
-graph), ``collectives`` (the autograd collectives the rewritten graphs call), ``costs``
-(one rank's costs), ``plan`` (shard specs and the plan) and ``coverage`` (the report of
-what is sharded). docs/tensor_parallel.md says what is sharded and why.
+The entry point is ``tensor_parallel`` (``rewrite.py``), taking ``TensorParallelism`` and
+giving ``TensorParallelPlan``. See docs/tensor_parallel.md, 'The rewrite', and
+docs/modules.md for the modules in the order the rewrite uses them.
 """
 
 from passes.tensor_parallel.plan import ShardSpec, TensorParallelPlan, merge_shards

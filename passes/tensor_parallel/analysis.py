@@ -1,25 +1,9 @@
 """Which linears and embeddings of a marked region are sharded, in which role, and why the
 rest are not.
 
-A region is an outermost marked module (siblings marked together form one; so do
-regions holding one tensor: ``tied_regions``). Its candidates are its linears
-(``linears.as_linear``) and embeddings (``vocab.as_embedding``). What cannot be sharded
-is decided per linear or embedding, never per region, so one odd op does not leave a whole
-model replicated:
-
-* an embedding the vocabulary split does not take (an option it does not keep, fewer rows
-  than ranks), or a tensor that a node outside the rewrite also reads (sharding would
-  untie them), stays replicated: ``Analysis.replicated`` says why, naming the module and
-  the node;
-* a sweep of the sharding rules (``sweep``) gives each linear a role; where a split value
-  cannot go on, the column linears it came from become *lone* (column-parallel, output
-  gathered: ``DistributedLinear``), with the reason in ``Analysis.lone``, and the sweep
-  runs again. Each retry turns at least one column linear lone, so this ends;
-* then the checks that need the roles: a size tp does not divide leaves that linear
-  replicated; a linear tied to a vocab-parallel embedding must not be row-parallel;
-  calls of one shared linear (ALBERT's layers) must agree on their role; under
-  ``prescaled_batch`` false no batch size of a split value may be read at run time. Each
-  turns linears lone or replicated and the sweep runs again.
+What cannot be sharded is decided per linear or embedding, never per region, so one odd
+op does not leave a whole model replicated; each retry of the sweep turns at least one
+column linear lone, so the analysis ends. See docs/tensor_parallel.md, 'The rewrite'.
 """
 
 from __future__ import annotations

@@ -1,18 +1,8 @@
 """Per-rank costs of a tensor-parallel graph: split work divided, collectives priced.
 
-Why: ``passes.tensor_parallel`` rewrites each rank's graph after the stages are chosen; the
-plan built on that graph must say what *one rank* does. Parameter bytes follow from the
-sharded tensors themselves; the rest is here:
-
-* ``divide``: a node whose work is split across the tp ranks (a sharded linear, an
-  element-wise op on a feature-split value) does 1/tp of its FLOPs, time, output and saved
-  bytes (and of its parameter bytes, for a sharded linear);
-* ``price_collectives``: each collective node of ``passes.tensor_parallel.collectives`` costs link
-  time on the spec's link model (``comm_time(nbytes)`` = latency + bytes / bandwidth), as ring
-  collectives do: an all-reduce of ``n`` bytes over ``p`` ranks is ``2 (p - 1)`` messages
-  of ``n / p``, an all-gather to ``n`` bytes ``p - 1`` of them. The all-reduce of
-  ``tp_copy`` runs in the backward, that of ``tp_reduce`` in the forward; batch gathers
-  (``prescaled_batch: false``) move the gathered bytes forward and back.
+The plan built on a rewritten graph must say what one rank does: split nodes do 1/tp of
+their work, collectives cost ring time on the spec's link. See docs/tensor_parallel.md,
+'Planning with tp'.
 """
 
 from __future__ import annotations
@@ -101,11 +91,11 @@ def local_info(info: Any, dim: int | None, size: int, grow: bool = False) -> Any
 
 
 def collective_time(kind: str | None, nbytes: float, size: int, comm_time: CommTime) -> float:
-    """Seconds of one ring collective moving ``nbytes`` (the full tensor) over ``size`` ranks
-    (``cost_model.collectives.ring_over``: the one ring formula, the cluster planner's too).
+    """Seconds of one ring collective moving ``nbytes`` over ``size`` ranks (the one ring
+        formula, ``cost_model.collectives.ring_over``).
 
-    >>> collective_time("all_reduce", 8e6, 2, lambda n: 1e-4 + n / 1e9)
-    0.0082
+        >>> collective_time("all_reduce", 8e6, 2, lambda n: 1e-4 + n / 1e9)
+        0.0082
     """
     return ring_over(kind, nbytes, size, comm_time)
 

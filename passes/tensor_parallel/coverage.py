@@ -1,12 +1,5 @@
-"""How much of a model tensor parallelism shards, and why the rest is not: the coverage
-report that ``smp-fx partition --tensor-parallel-degree N`` prints and
-``DistributedModel`` logs (once, on rank 0) and returns (``tp_coverage()``).
-
-It is read off the plan (``TensorParallelPlan``): the share of the model's parameter
-elements that are sharded (each tensor once: a tied embedding and LM head count once),
-every linear or embedding left whole with the reason (the module, the node and the op),
-and every lone linear (sharded, its output gathered because no row-parallel partner
-takes it) with the reason it has none.
+"""How much of a model tensor parallelism shards, and why the rest is not: the report
+``smp-fx partition --tensor-parallel-degree N`` prints and ``tp_coverage()`` returns.
 
 >>> from passes.tensor_parallel.plan import TensorParallelPlan
 >>> plan = TensorParallelPlan(2, elements=(900, 1000),

@@ -1,10 +1,7 @@
 """Editing a tensor-parallel rank's graph: parameters replaced by shards (ties kept),
 collective nodes inserted with their metadata, a node replaced by its sharded form.
 
-Shared by the rewrites of linears (``rewrite``), embeddings (``vocab``), the loss
-(``loss``) and sequence chunks (``sequence``). ``Ties`` maps an original tensor to the
-shard ``Parameter`` that replaced it, so names that shared one tensor (a tied embedding
-and LM head) share the shard.
+``Ties`` maps an original tensor to its shard, so tied names share the shard.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """The linear layers tensor parallelism shards, in the layouts the frontends produce.
 
-A *linear* is a node computing ``x @ W^T + b`` with ``W`` and ``b`` parameters:
-
-* ``linear``: an ``nn.Linear`` leaf (``call_module``) or ``F.linear`` / ``aten.linear``
-  on parameters: ``W`` is ``(out, in)``;
-* ``addmm``: ``addmm(b, x, W)`` on parameters (Hugging Face's GPT-2 ``Conv1D``, on both
-  the fx and the torch.export graph): ``W`` is ``(in, out)``;
-* ``matmul``: ``x @ W.T`` on a parameter (Falcon's ``FalconLinear``, whose bias is added
-  after, an element-wise op; ``W.T`` as aten's ``t`` / ``numpy_T`` or, in an fx graph, a
-  ``getattr``): ``W`` is ``(out, in)``;
-* ``grouped``: a grouped matrix product over experts (Hugging Face's MoE experts,
-  ``grouped_mm(x, W.transpose(-2, -1), offsets)``): ``W`` is ``(experts, out, in)``, each
-  expert's MLP sharded like an MLP.
-
-``Linear`` records the node, its input, the parameters and which weight dims are the
-outputs and the inputs; ``sharded_node`` builds the rank's replacement in the same layout,
-so the shard is still the tensor the module reads (its state-dict shape, split along one
-dim).
+``linear`` (weight ``(out, in)``), ``addmm`` (GPT-2's ``Conv1D``, ``(in, out)``),
+``matmul`` on ``W.T`` (Falcon) and ``grouped`` (MoE experts); ``sharded_node`` keeps the
+layout so a shard is still the tensor the module reads, split along one dim.
 """
 
 from __future__ import annotations

@@ -1,22 +1,9 @@
 """Vocab-parallel cross entropy: the loss of a tied LM head's logits without gathering them.
 
-Why: the logits of a vocab-parallel LM head (``passes.tensor_parallel.vocab``) are ``tokens x V``,
-the largest activation of a language model; gathering them to every rank only to reduce them
-to one number per token wastes link time and memory. When the model's own forward computes
-``F.cross_entropy`` (or ``aten.cross_entropy_loss``) of those logits, ``fuse`` replaces the
-gather and the loss by ``tp_vocab_cross_entropy`` on each rank's columns (Megatron's): the
-row maximum and the sum of exponentials are all-reduced over the tp group and the target's
-logit comes from the rank that owns its column; the padding columns of a padded vocabulary
-are masked out. Per-token losses are then reduced like the original call (``token_loss``).
-
-Fused only where it is exact: the logits flow from the head to the loss through
-``flatten`` / ``view`` / ``reshape`` / ``contiguous`` (methods or torch.export's aten ops)
-and float casts alone (Hugging Face's ``ForCausalLMLoss`` upcasts with ``logits.float()``;
-no other use but torch.export's dtype assertions), the loss sees
-``[tokens, V]`` logits and ``[tokens]`` class targets, with no class weights and no label
-smoothing. Anything else keeps the gathered logits. With ``prescaled_batch`` false the
-targets are gathered like the head's input and the per-token losses split back, so each
-rank's loss is its own examples' (as with the gathered logits).
+The logits are a language model's largest activation; gathering them to reduce them to
+one number per token wastes link and memory. Fused only where exact (views and float
+casts between head and loss, no class weights or label smoothing).
+See docs/tensor_parallel.md, 'The rewrite'.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
 """The op targets tensor parallelism's sharding rules know, by family, as the frontends
-spell them: ``call_method`` names (``x.view``), torch functions (``torch.transpose``,
-``F.softmax``, ``operator.mul``) and aten overloads (torch.export's graphs).
-
-``passes.tensor_parallel.rules`` maps each family to its rule; ``sequence`` reads the
-element-wise and pass-through families too.
+spell them: ``call_method`` names, torch functions and aten overloads.
 """
 
 from __future__ import annotations

@@ -1,8 +1,5 @@
-"""What the tensor-parallel rewrite did, as data: ``ShardSpec`` per distributed parameter,
-``TensorParallelPlan`` for the model, and ``merge_shards`` (the full tensor back).
-
-Kept apart from the rewrite (``passes.tensor_parallel``, which re-exports them) because
-checkpoints, the CLI and the runtime read plans without rewriting anything.
+"""What the tensor-parallel rewrite did, as data: ``ShardSpec``, ``TensorParallelPlan`` and
+``merge_shards``; apart from the rewrite because checkpoints, CLI and runtime read plans.
 """
 
 from __future__ import annotations
@@ -20,14 +17,9 @@ from passes.tensor_parallel import graph
 class ShardSpec:
     """One distributed parameter: split along ``dim`` into ``parts`` equal pieces.
 
-    ``stride`` > 1: along ``dim`` the full tensor is ``stride`` equal blocks (a fused
-    q/k/v projection: 3), each split into ``parts`` pieces; rank r holds piece r of every
-    block, concatenated in block order. Merging: cut each rank's shard into ``stride``
-    blocks, concatenate the ranks' block b pieces, then the blocks.
-
-    ``pad`` > 0: ``pad`` zero rows were appended along ``dim`` before splitting (a
-    vocabulary not divisible by the degree: ``ceil(V / parts)`` rows per rank).
-    ``full_shape`` is the unpadded shape, the one ``state_dict()`` and checkpoints hold."""
+        ``stride`` blocks (fused q/k/v: 3) are each split, rank r holding piece r of every
+        block; ``pad`` zero rows pad an indivisible vocabulary; ``full_shape`` is unpadded.
+    """
 
     name: str
     dim: int

@@ -1,15 +1,8 @@
 """What the sharding rules of ``passes.tensor_parallel`` read and write.
 
-Every value of the graph is *replicated* (the default), or *split* along one dimension
-(each tp rank holds ``1/tp`` of it: ``Split.dim``). A column-parallel linear makes its
-output split along the features; the rules (``rules.RULES``) carry a split through the
-ops between it and the row-parallel linear that consumes it, collecting in ``Rewrites``
-the argument edits the rewrite then applies (``view(b, t, n_head, hd)`` becomes
-``view(b, t, n_head // tp, hd)``). Shapes come from ``passes.shape_prop``
-(``meta.TENSOR``), which the pipeline runs before the rewrite. A rule reads one ``Ctx``.
-
-An op with no rule for a split input raises ``Unsupported`` naming the op: the caller
-leaves the region replicated with that reason.
+A value is replicated or split along one dim; rules carry a column linear's split to the
+row linear that takes it, collecting the argument edits in ``Rewrites``. An op with no
+rule raises ``Unsupported`` naming it, so the caller gives a reason.
 """
 
 from __future__ import annotations
@@ -118,12 +111,9 @@ def size_read(n: Any) -> bool:
 
 def elementwise_out(n: torch.fx.Node, split: dict[torch.fx.Node, Split],
                     rw: Rewrites | None = None, size: int = 1) -> Split:
-    """Broadcasting: split inputs aligned on one dim (counted from the end); a replicated
-    tensor input has size 1 there (RoPE's cos/sin, masks: then it enters by ``tp_copy``
-    when it may carry a gradient), does not reach it (the same), or has the split dim's
-    full size: then each rank reads its part (``slice_operand``: T5's and Swin's relative
-    position biases added to head-split scores). One with the output's batch on dim 0 is
-    noted in ``rw.gather`` (``batched_operand``)."""
+    """Broadcasting: split inputs aligned on one dim; a replicated operand of size 1 there
+        enters by ``tp_copy``, one of full size is sliced per rank (``slice_operand``).
+    """
     out = shape(n)
     if out is None:
         raise Unsupported(f"{n.name} has no static shape")
@@ -193,12 +183,9 @@ def grad_flow(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 
 def batched_operand(n: torch.fx.Node, a: torch.fx.Node, out: tuple[int, ...],
                     rw: Rewrites) -> None:
-    """Record a replicated operand that has the batch on dim 0 (an attention mask of
-    shape (b, 1, t, t)): with ``prescaled_batch`` false the split chain runs on the tp
-    group's gathered batch, so the operand is gathered too. A batch of one cannot be told
-    from a broadcast: such an operand is gathered as well (tp equal copies of a constant
-    broadcast the same way; a per-example one must be gathered). One computed from the
-    split value (``Rewrites.reduced``) holds the gathered batch already."""
+    """Record a replicated operand with the batch on dim 0, gathered like the split chain's
+        batch under ``prescaled_batch`` false (a batch of one is gathered too).
+    """
     s = shape(a)
     if a not in rw.reduced and s is not None and len(s) == len(out) and s[0] == out[0]:
         rw.gather.append((n, a))

@@ -1,11 +1,7 @@
 """The sharding rules of shape ops: transposes, permutes, views and reshapes, ``split`` /
 ``chunk`` of a fused projection, unsqueeze, expand, select, slices, concatenation, stacks.
 
-A reshape keeps a split when the ranks' chunks stay whole rows of one output dim (the
-split's blocks counted in flat order: ``Split.block``); the size arguments the op names
-are then this rank's (``Rewrites.divide``), and the batch a size names is multiplied when
-the tp group's batches are gathered (``Rewrites.batch``). ``rules.RULES`` maps the op
-targets to these functions.
+A reshape keeps a split when each rank's chunk stays whole rows of one output dim.
 """
 
 from __future__ import annotations
@@ -39,13 +35,10 @@ def _moved(s: Split, dim: int) -> Split:
 
 
 def _view(n: torch.fx.Node, s: Split, rw: Rewrites, size: int) -> Split:
-    """A reshape keeps the split when, in flat order, each rank's chunk of every block
-    is whole rows of one output dim ``j``: the blocks before it (``a``) are the output
-    dims before ``j`` times ``o`` blocks of dim ``j``, and a block of dim ``j`` divides by
-    tp (into heads: ``(b, t, c) -> (b, t, h, d)``; merged: ``(b, t, h, d) -> (b, t, c)``;
-    heads into the batch: ``(b, h, t, d) -> (b * h, t, d)``, ``o = b``). The sizes are
-    separate arguments (``x.view(b, t, h, d)``) or one list (``aten.view(x, [b, t, h,
-    d])``)."""
+    """A reshape keeps the split when, in flat order, each rank's chunk of every block is
+        whole rows of one output dim: heads split ``(b, t, c) -> (b, t, h, d)``, merged back,
+        or moved into the batch ``(b, h, t, d) -> (b * h, t, d)``.
+    """
     src, out = shape(n.args[0]), shape(n)
     if src is None or out is None:
         raise Unsupported(f"{n.name} has no static shape")

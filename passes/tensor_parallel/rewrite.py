@@ -1,30 +1,9 @@
 """``tensor_parallel``: shard the linears of marked modules across the tensor-parallel group.
 
-For every marked region (an outermost module marked by ``smp.tensor_parallelism``,
-``smp.set_tensor_parallelism`` or an ``smp.nn`` type; given as module paths), the pass
-finds the linears (``passes.tensor_parallel.linears``) and embeddings and pairs the
-linears Megatron-style (``passes.tensor_parallel.analysis`` decides the roles):
-
-* a *column-parallel* linear (weight rows split: each rank computes ``out/tp`` features)
-  whose output flows through ops the sharding rules of ``passes.tensor_parallel.rules`` carry a
-  split through (element-wise ops, SwiGLU's ``gate * up``, attention's views into heads,
-  transposes, softmax, sdpa; a fused q/k/v ``split`` makes the linear strided) into
-* a *row-parallel* linear (weight columns split) whose partial sums are all-reduced, then
-  its bias is added once.
-
-A linear whose output no rule carries to another linear is a lone linear
-with ``smp.nn.DistributedLinear``'s semantics: column-parallel, its output all-gathered
-along the features. Collectives are ``call_function`` nodes of
-``passes.tensor_parallel.collectives``.
-With ``prescaled_batch`` false each pair (and each lone linear) gathers its input over the
-tp group's batches and keeps this rank's part of the output.
-
-What cannot be sharded is decided per linear and embedding (a size tp does not divide,
-a tensor another node reads): only that one stays replicated, and
-``TensorParallelPlan.replicated`` says why; ``TensorParallelPlan.lone`` says why each
-lone linear has no partner. The result depends on ``rank``: each rank's graph holds its
-own shards, under the original parameter names; every rank's graph has the same nodes,
-names and stages.
+Linears pair Megatron-style (column-parallel into row-parallel through ops the rules
+carry a split through); an unpaired one is lone (column, output gathered). Every rank's
+graph has the same nodes, names and stages, holding its own shards under the original
+names. See docs/tensor_parallel.md, 'The rewrite'.
 """
 
 from __future__ import annotations

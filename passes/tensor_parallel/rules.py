@@ -1,9 +1,7 @@
 """Which sharding rule each op gets: the table ``RULES`` from op targets to rules.
 
-A rule takes a ``Ctx`` (the node and the splits of its inputs) and returns the split of
-its output, None when it does not apply, or raises ``Unsupported`` with the reason
-(``propagation``). Shape ops' rules are in ``reshapes``; attention's products and the
-element-wise ops are here. ``rule`` looks a node's rule up once and applies it.
+A rule returns its output's split, None when it does not apply, or raises
+``Unsupported``; shape ops' rules are in ``reshapes``.
 """
 
 from __future__ import annotations

@@ -1,30 +1,10 @@
 """Sequence parallelism for ``optimize: "memory"``: layer norms, dropout and residuals
 between tensor-parallel pairs work on a chunk of the sequence.
 
-After ``passes.tensor_parallel`` has split the linears, the activations between a
-row-parallel linear and the next column-parallel one are replicated: every tp rank holds
-and saves the whole ``(batch, seq, hidden)`` tensor. Here (Megatron-LM's sequence
-parallelism) each rank keeps ``seq / tp`` of them instead:
-
-* a row linear's ``tp_reduce`` (all-reduce) becomes ``tp_seq_reduce_scatter``: the same
-  bytes on the link, and the result is this rank's chunk;
-* ops that work row by row along the features (element-wise ops, residual adds, dropout,
-  layer norm, casts) inside a marked region compute on the chunk; a replicated operand of
-  the full shape (the residual stream) enters through ``tp_scatter`` (a local slice);
-* a column linear's ``tp_copy`` becomes ``tp_seq_gather`` (all-gather forward,
-  reduce-scatter backward); any other consumer gets the value back through
-  ``tp_seq_unscatter`` (all-gather).
-
-The sequence dim of a value of rank r is r - 2 (``(b, t, h)``: t; ``(tokens, h)``: the
-tokens). With ``prescaled_batch`` false the chunked part keeps the tp group's gathered
-batch: the batch split after a row output and the gather before a column input are
-dropped inside it, and the edges convert (gather the batch then slice; unscatter then
-split the batch). Parameters read by chunked ops (layer norm weights, row biases) see
-only their chunk's gradient: ``sequence_parallel`` returns their names, whose gradients
-the runtime sums over the tp group (``collectives.sum_grads``).
-
-The numbers are the plain model's; what changes is the bytes each rank holds and saves
-between the pairs (1/tp), at no extra link bytes over an all-reduce.
+Megatron-LM's: each rank holds and saves ``seq / tp`` of the activations between the
+pairs at no extra link bytes over an all-reduce; parameters read by chunked ops get their
+gradients summed over the group. See docs/tensor_parallel.md, 'Activations between the
+pairs'.
 """
 
 from __future__ import annotations

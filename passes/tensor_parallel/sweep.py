@@ -1,10 +1,5 @@
-"""One sweep of sharding propagation for ``passes.tensor_parallel``: the roles of a
-region's linears (column, row, lone) and the split each value of the graph gets from the
-rules of ``passes.tensor_parallel.rules``.
-
-A sweep stops at the first op no rule covers (or whose rule refuses this use) and names
-the column linears behind it (``Failure.culprits``); the analysis retries them as lone
-linears (their outputs gathered) and sweeps again, until the sweep goes through.
+"""One sweep of sharding propagation: the roles of a region's linears and the split of each
+value; a failed sweep names the column linears behind it for the analysis to retry.
 """
 
 from __future__ import annotations

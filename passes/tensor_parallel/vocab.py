@@ -1,25 +1,8 @@
 """Vocabulary-parallel embeddings: an embedding's rows split across the tp group.
 
-Why: in a language model the token embedding (and the LM head tied to it) is often the
-largest single tensor. A marked ``nn.Embedding`` (or ``F.embedding`` / ``aten.embedding``
-on a parameter) keeps ``vocab / tp`` rows per rank: each rank looks up the ids that fall in
-its rows, zeroes the others, and the partial embeddings are summed over the group
-(``collectives.tp_vocab_embedding``). An LM head whose weight *is* that embedding's
-(GPT's tied ``lm_head``) is then a lone column-parallel linear over the same rows, so the
-two names keep sharing one shard (``graph.Ties``) and the logits are gathered.
-
-A vocabulary ``V`` the degree does not divide is padded to ``ceil(V / tp) * tp`` rows
-(zero rows appended; ``ShardSpec.pad`` records how many): each rank holds
-``ceil(V / tp)`` rows, the padding rows are never looked up (ids < V) and the tied LM
-head's gathered logits are sliced back to ``V`` columns, so their gradients stay zero and
-``state_dict()`` / checkpoints hold the unpadded table (``merge_shards``, ``tp_shards``).
-
-A ``padding_idx`` (OPT's, RoPE-less BERT-likes', BART's) keeps its meaning: the rank whose
-rows hold it looks it up with that local padding row, so its gradient stays zero there and
-nowhere else. A loss the model's forward takes of those logits is computed without
-gathering them (``passes.tensor_parallel.loss``). Not built: ``max_norm``,
-``scale_grad_by_freq`` and ``sparse``: such an embedding stays replicated, with the
-reason.
+The token embedding (and its tied LM head) is often the largest tensor; a vocabulary the
+degree does not divide is padded and ``state_dict()`` holds it unpadded; ``padding_idx``
+keeps its meaning on the rank holding it. See docs/tensor_parallel.md, 'The rewrite'.
 """
 
 from __future__ import annotations

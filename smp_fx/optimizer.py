@@ -1,32 +1,9 @@
 """``smp.DistributedOptimizer``: any torch optimizer, stepping only this rank's parameters.
 
-The wrapped optimizer is built over the full model's parameters before partitioning (from
-the unwrapped model or from ``DistributedModel.parameters()``). At partitioning the model
-binds it (``bind``, with the ``OptimizerBinding`` of ``smp_fx.parallel.build``): its param
-groups are narrowed, in place, to the parameters of this rank's stages (hyper-parameters
-kept); a parameter is found by its fully qualified name, so parameters that materialisation
-re-created (delayed initialisation) are mapped too. ``global_index`` keeps, for each local
-parameter, its index in the optimizer's original flat parameter order: the seam for
-checkpointing, which will gather and merge optimizer state by that index.
-
-It is a ``torch.optim.Optimizer`` (LR schedulers accept it); attributes it does not define
-are the wrapped optimizer's. An optimizer built before its ``DistributedModel`` (the
-Hugging Face Trainer builds the optimizer, then wraps the model) is adopted by the model
-when the model is created.
-
-Precision and memory (docs/precision.md):
-
-* ``fp16``: the wrapped optimizer steps fp32 master copies of the local parameters
-  (``smp_fx.amp.fp16.MasterWeights``) with a loss scaler built from ``static_loss_scale``,
-  ``dynamic_loss_scale`` and ``dynamic_loss_args`` (Megatron's ``FP16_Optimizer``);
-  ``step`` skips on every rank when any rank overflowed (``overflow``), and
-  ``clip_master_grads`` clips the masters by the whole model's norm. Without ``fp16``
-  these arguments are accepted and unused, as in SMP.
-* ``shard_optimizer_state``: the param groups are narrowed further to the parameters this
-  rank owns in its rdp group (``smp_fx.parallel.zero``); ``step`` broadcasts them after
-  stepping; ``local_state_dict()`` merges the stage's shards over the rdp group
-  (``gather_if_shard=False``: this rank's shard), ``state_dict`` gathers every shard.
-* sharded data parallelism: ``step`` clips the global norm to ``sdp_gradient_clipping``.
+Built over the full model before partitioning and narrowed in place when the model binds
+it (parameters matched by identity, then name, so re-created ones map too); it stays a
+``torch.optim.Optimizer`` so LR schedulers accept it. fp16 masters, ZeRO-1 and sdp
+clipping: docs/precision.md.
 
 >>> import torch
 >>> opt = DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
@@ -248,11 +225,9 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         return out
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients the optimizer steps by the norm of the whole model; returns
-        that norm (-1 on an fp16 overflow, whose step is skipped anyway), as Megatron's
-        ``FP16_Optimizer.clip_master_grads``. Without fp16 it clips the model's gradients
-        (``DistributedModel.clip_grad_norm_``). A collective: call it on every rank. A
-        script's own optimizer object clips by its own method."""
+        """Clip what the optimizer steps by the whole model's norm and return it (-1 on an fp16
+                overflow), as Megatron's ``FP16_Optimizer``; a collective on every rank.
+        """
         if self._script:
             own: Any = self.optimizer
             return cast(torch.Tensor, own.clip_master_grads(max_norm, norm_type))
@@ -346,13 +321,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         self.torch_optimizer.add_param_group(param_group)
 
     def bind(self, binding: OptimizerBinding) -> None:
-        """Step only this rank's part of the partitioned model (its ``binding``; called by
-        ``DistributedModel`` at partitioning, or when attached to a partitioned model).
-
-        Keeps this rank's parameters, matched by identity, then by name; with
-        ``shard_optimizer_state`` only those this rank owns in its rdp group (ZeRO-1); with
-        ``fp16`` steps fp32 masters and gives the model its loss scale. Once: a second call
-        changes nothing."""
+        """Step only this rank's part of the partitioned model (its ``binding``); once only."""
         if self._localized:
             return
         if self.fp16 and binding.precision is None:
@@ -426,11 +395,9 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     # ---- checkpoints: fp16 masters and the loss scaler ride in the optimizer state -------
     def local_state_dict(self, cast_to_cpu: bool = True,
                          gather_if_shard: bool = True) -> StateDict:
-        """This rank's optimizer state by FQN; with fp16 each parameter's state carries its
-        fp32 master (``fp32_master``) and each param group the loss scaler's state
-        (``loss_scaler``). With optimizer-state sharding, ``gather_if_shard`` merges the
-        shards of this stage's rdp group (a collective over it: every rdp rank calls it);
-        ``False`` gives this rank's shard alone."""
+        """This rank's optimizer state by FQN (fp16: with ``fp32_master`` and ``loss_scaler``);
+                ``gather_if_shard`` merges the rdp group's shards, a collective over it.
+        """
         sd = super().local_state_dict(cast_to_cpu, gather_if_shard)
         masters = self._masters
         if masters is not None:

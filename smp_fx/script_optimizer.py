@@ -1,21 +1,9 @@
 """A script's own optimizer object under ``smp.DistributedOptimizer``.
 
-AWS's SMP 1.6-1.9 examples (GPT-2, GPT-J, GPT-Neo, GPT-2-custom, in their fp16 runs) wrap
-their own ``FP16_Optimizer`` (a Megatron-style plain object, not a
-``torch.optim.Optimizer``) in ``smp.DistributedOptimizer`` and go on calling its methods
-through the wrapper: ``backward(loss)``, ``update_master_grads()``,
-``clip_master_grads(norm)``, ``zero_grad(set_grads_to_None=True)``, ``step()``, and
-``init_master_params()`` from a post-step hook once the model is partitioned. Its
-attributes (``overflow``, ``loss_scale``, ``fp16_groups``, ``fp32_from_fp16_groups``) are
-read through the wrapper too.
-
-So the wrapper accepts any object that holds a torch optimizer as ``.optimizer`` and gives
-it ``param_groups`` (SMP's wrapped objects do). Narrowing the param groups to this rank's
-parameters works on that torch optimizer, before the object makes its fp32 masters (it
-makes them over the narrowed groups); checkpoints hold that torch optimizer's state by
-parameter name, a master named as the model parameter behind it
-(``fp32paramid_from_fp16paramid``, the object's own map). What the object does in its
-methods (loss scaling, master weights, clipping) is its own, as under SMP.
+AWS's SMP 1.6-1.9 examples wrap their own ``FP16_Optimizer`` (not a torch optimizer) and
+call its methods through the wrapper; any object holding a torch optimizer as
+``.optimizer`` is accepted, narrowed before it makes its masters. What its methods do is
+its own, as under SMP. See docs/clients.md.
 """
 
 from __future__ import annotations

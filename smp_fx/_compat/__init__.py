@@ -1,8 +1,6 @@
-"""Compatibility shims: ``shims/`` holds a top-level ``smdistributed`` package that
-``smp-fx run`` puts on its children's ``PYTHONPATH`` (and nowhere else; other launchers set
-``PYTHONPATH`` to ``SHIM_DIR`` themselves), so SageMaker scripts import smp-fx under their
-usual names, and a ``sitecustomize`` that registers the post-import hooks with which the
-Hugging Face Trainer's SMP mode runs as SMP ran it (``hf_trainer``)."""
+"""Compatibility shims: the ``smdistributed`` package ``smp-fx run`` puts on its children's
+``PYTHONPATH``, and the post-import hooks the Trainer's SMP mode needs (``hf_trainer``).
+"""
 
 from __future__ import annotations
 

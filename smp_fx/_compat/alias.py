@@ -1,11 +1,8 @@
 """``smdistributed.modelparallel.torch.<sub>`` is ``smp_fx.<sub>``: one module object.
 
-The shim makes ``smdistributed.modelparallel.torch`` the ``smp_fx`` module itself; without
-more, a submodule import through that name (``from smdistributed.modelparallel.torch.nn.
-huggingface.gpt2 import ...``, as AWS's GPT-2 example does) would find the file through
-``smp_fx``'s path and run it a second time as a module of another name: a second copy of
-its classes and registrations. ``SubmoduleAlias``, a meta-path finder the shim installs,
-answers such a name with the ``smp_fx`` module of the same path, imported once.
+Without ``SubmoduleAlias`` (a meta-path finder) a submodule imported through the shim's
+name would run a second time under another name: a second copy of its classes and
+registrations.
 """
 
 from __future__ import annotations

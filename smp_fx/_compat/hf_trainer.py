@@ -1,50 +1,10 @@
 """The Hugging Face Trainer's SMP mode as SMP ran it, for every transformers version.
 
-Each transformers release from 4.2x to 5.x keeps an SMP branch in its ``Trainer``; what
-that branch expects of the world around it drifted. Run unmodified under smp-fx, three
-things would go wrong, none of them in smp-fx's API:
-
-* **The device.** ``TrainingArguments`` in SMP mode hard-codes
-  ``torch.device("cuda", smp.local_rank())`` and ``torch.cuda.set_device``. On a host
-  without CUDA, ``after_training_args`` gives ``transformers.training_args`` (that module
-  only) a view of torch whose ``device("cuda", i)`` is the CPU and whose
-  ``cuda.set_device`` does nothing.
-* **The data** (4.3x and later). The Trainer no longer picks a sampler by
-  ``smp.dp_rank()``: it hands its loaders to accelerate, which shards them by the world
-  size whenever it thinks it runs distributed (``LOCAL_RANK``, ``WORLD_SIZE`` or an MPI
-  size in the environment; on CPU too with accelerate 1.1), so the ranks of one pipeline
-  get different batches; and it gathers evaluation results over the whole world. SMP's
-  rule is that data is sharded by data-parallel rank (``TrainingArguments.world_size`` /
-  ``process_index`` say so in SMP mode: ``smp.dp_size()`` / ``smp.dp_rank()``, the
-  rdp figures under ``prescaled_batch``). So, in SMP mode only, the Trainer's
-  ``Accelerator`` is created without the launcher's variables in sight (accelerate is
-  then not distributed, as the SMP branch of ``TrainingArguments`` intends when it turns
-  accelerate's state off), and the training loader (``get_train_dataloader``) is
-  sharded by accelerate itself over ``args.world_size`` replicas at
-  ``args.process_index``. Evaluation and prediction loaders stay whole: every rank
-  evaluates every sample and nothing needs gathering, so the results equal the plain
-  Trainer's whatever the data-parallel degree.
-* **The optimizer** (5.x). Its SMP branch delays creating the optimizer until the model
-  is wrapped, then skips creating it for a wrapped model, and the scheduler fails on
-  ``None``. ``Trainer.create_scheduler`` is called right after; when it finds no
-  optimizer in SMP mode it now first builds the one the Trainer would have built
-  (``Trainer.create_optimizer``, which wraps it in ``smp.DistributedOptimizer``) and
-  prepares it with the accelerator as that version prepares one passed in. Versions that
-  build their optimizer never reach that case. If none can be built, training stops
-  there with an ``SMPConfigError`` naming the version and the one-line fix.
-* **Gradient clipping** (4.3x and later). ``max_grad_norm`` (1.0 by default) clips through
-  ``accelerator.clip_grad_norm_(model.parameters(), ...)`` (5.x: or its own mixed-mesh
-  norm), i.e. each rank by the norm of its own gradients: pipeline stages and tensor-
-  parallel shards by different factors, so a tied weight's copies drift apart. In SMP
-  mode, both go to ``DistributedModel.clip_grad_norm_`` when handed the model's
-  parameters: the whole model's norm, as ``smp.DistributedOptimizer`` clips. (4.2x calls
-  ``model.clip_grad_norm_`` itself; with fp16 every version calls the optimizer's
-  ``clip_master_grads``.)
-
-Everything here runs only in the Trainer's SMP mode (``is_sagemaker_mp_enabled()``), only
-under the shim directory (``smp-fx run``, or ``PYTHONPATH`` set to it), and each
-adjustment is logged once. The hooks are called by ``smp_fx_import_hooks`` (in the shim
-directory) right after the module is first imported.
+Each release keeps an SMP branch whose expectations drifted: the device (CUDA hard-coded),
+the data (accelerate shards by world size, not dp rank), the optimizer (5.x never builds
+it) and clipping (each rank by its own norm). Each adjustment applies only in SMP mode,
+under the shim directory, and is logged once. See docs/clients.md, 'Running the Trainer in
+SMP mode' and the sections after it.
 """
 
 from __future__ import annotations

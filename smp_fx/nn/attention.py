@@ -1,33 +1,10 @@
 """``smp.nn.DistributedAttentionLayer`` and ``smp.nn.DistributedTransformerOutputLayer``:
 the two halves of SMP's transformer layer, as plain torch modules.
 
-Both are marked for tensor parallelism by construction
-(``smp_fx.marking.tensor_parallelism.mark``) and
-are written so that the fx rewrite (``passes.tensor_parallel``) shards every linear:
-
-* attention: ``query`` / ``key`` / ``value`` are column-parallel, their outputs viewed into
-  ``num_attention_heads`` heads (an explicit count, so the rewrite divides it by tp), the
-  scores are ``softmax(Q K^T / sqrt(d) + masks)``, and ``dense`` is the row-parallel linear
-  that sums the heads' parts: each rank computes ``heads / tp`` heads;
-* output layer: ``dense1`` (column) -> activation -> ``dense2`` (row), Megatron's MLP pair.
-
-Layer norms, dropout after the row linear and the residual act on replicated values.
-At tp=1 (or unmarked) both compute exactly the documented function.
-
-Masks are additive (``-10000`` where masked, as Hugging Face's BERT / GPT-2): the
-``attention_mask`` a layer takes is ``[N, 1, 1, S]`` (or ``[N, 1, S, S]``), added to the
-scores; ``causal_mask_size`` (not None) adds a causal mask (keys after the query masked).
-SMP sizes a stored mask by it; here the mask is built for the sequence at hand (an fx
-trace cannot slice a stored buffer by a symbolic length), so the size is only recorded.
-
-Cross attention (``cross_attention=True``, SMP's encoder-decoder sublayer): the queries
-come from the hidden states, the keys and values from ``cross_states`` (another sequence,
-``[N, S_cross, hidden_size]``, e.g. an encoder's output), masked by the additive
-``cross_mask`` (``[N, 1, 1, S_cross]``). ``key`` / ``value`` are column-parallel all the
-same (the cross states are replicated, like the hidden states), so the rewrite splits the
-sublayer by heads exactly as self attention. ``pre_layernorm`` normalises the queries'
-input only (GPT-2's ``ln_cross_attn``): the cross states are used as given. There is no
-causal mask over another sequence, so ``causal_mask_size`` must stay None.
+Written so the fx rewrite shards every linear: q/k/v column-parallel into ``dense``
+row-parallel (an explicit head count the rewrite divides), the MLP a column -> row pair.
+The mask is built for the sequence at hand (a trace cannot slice a stored buffer by a
+symbolic length). See docs/tensor_parallel.md, 'API'.
 """
 
 from __future__ import annotations
@@ -81,16 +58,8 @@ def causal_mask(positions: torch.Tensor, window: int | None = None) -> torch.Ten
 
 
 class DistributedAttentionLayer(nn.Module):
-    """Multi-head self-attention with residual and layer norms, split by heads under tp.
-
-    ``forward((hidden_states, attention_mask))`` -> ``hidden_states`` (one tensor,
-    ``[N, S, hidden_size]``). ``attention_mask`` is additive (module docstring) or None.
-    ``pre_layernorm`` normalises the input of the attention (the residual is the raw
-    input), ``post_layernorm`` the sum of the residual and the attention's output.
-    With ``cross_attention``: ``forward((hidden_states, cross_states, attention_mask,
-    cross_mask))`` (SMP's order), the keys and values from ``cross_states`` masked by
-    ``cross_mask`` (additive or None); ``attention_mask`` belongs to the self attention
-    and is not used here.
+    """Multi-head self-attention (or, with ``cross_attention``, cross attention) with residual
+        and layer norms, split by heads under tp; inputs as SMP's page orders them.
     """
 
     def __init__(self, num_attention_heads: int = 32, attention_head_size: int = 32,
@@ -177,13 +146,8 @@ class DistributedAttentionLayer(nn.Module):
 
 
 class DistributedTransformerOutputLayer(nn.Module):
-    """The transformer's MLP with residual and layer norms: ``dense1`` -> activation ->
-    ``dense2`` -> dropout, plus the input; a column -> row pair under tp.
-
-    ``forward(hidden_states)`` -> ``hidden_states`` (``[N, S, hidden_size]``).
-    ``pre_layernorm`` / ``post_layernorm`` as in ``DistributedAttentionLayer``.
-    ``fp32_residual_addition``: the residual sum is taken in fp32 and cast back (SMP's guard
-    against fp16 overflow; the same numbers for fp32 activations).
+    """The transformer's MLP with residual and layer norms, a column -> row pair under tp;
+        ``fp32_residual_addition`` is SMP's guard against fp16 overflow.
     """
 
     def __init__(self, hidden_size: int = 1024, intermediate_size: int = 4096,

@@ -1,13 +1,8 @@
 """``"checkpoint_attentions": true``: SMP's attention checkpointing inside its transformer.
 
-AWS's notebooks write the key (``"checkpoint_attentions": False if activation_checkpointing
-else True``): when whole layers are not checkpointed, SMP recomputed the attention of its
-``smp.nn`` transformer in backward instead of keeping its activations. smp-fx marks every
-``DistributedAttentionLayer`` with the ``attention_core`` strategy (as
-``smp.set_activation_checkpointing(layer, strategy="attention_core")`` would): its
-``softmax(q k^T) v`` is recomputed, its projections kept (selective recomputation), leaving
-out layers inside a module that is checkpointed already; the numerics are unchanged, the
-memory the plan counts drops.
+Each ``DistributedAttentionLayer`` gets the ``attention_core`` strategy (selective
+recomputation) unless a checkpointed module holds it already; numerics unchanged.
+See docs/memory.md, 'Selective recomputation'.
 """
 
 from __future__ import annotations
@@ -22,11 +17,11 @@ from smp_fx.nn.attention import DistributedAttentionLayer
 def checkpoint_attentions(module: nn.Module) -> list[str]:
     """Mark the attention layers of ``module``; returns their paths.
 
-    >>> from smp_fx.nn import DistributedTransformer
-    >>> t = DistributedTransformer(num_layers=2, num_attention_heads=2, attention_head_size=2,
-    ...                            hidden_size=4, intermediate_size=8)
-    >>> checkpoint_attentions(t)
-    ['seq_layers.0.attention', 'seq_layers.1.attention']
+        >>> from smp_fx.nn import DistributedTransformer
+        >>> t = DistributedTransformer(num_layers=2, num_attention_heads=2, attention_head_size=2,
+        ...                            hidden_size=4, intermediate_size=8)
+        >>> checkpoint_attentions(t)
+        ['seq_layers.0.attention', 'seq_layers.1.attention']
     """
     marked: list[str] = []
     covered: list[str] = []

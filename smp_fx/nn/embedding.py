@@ -1,13 +1,7 @@
 """``smp.nn.DistributedEmbedding``: an embedding that tensor parallelism distributes.
 
-An ``nn.Embedding`` (same arguments, parameters and function at tp=1) marked for tensor
-parallelism. Under ``tensor_parallel_degree > 1`` the rewrite (``passes.tensor_parallel.vocab``)
-keeps ``num_embeddings / tp`` rows per rank and sums the ranks' partial lookups, so the output
-is replicated like the plain layer's. SMP documents its split along the embedding
-dimension; the function and the user-visible output are the same, the rows split keeps a
-tied LM head on the same shard. ``initializer_range`` is the standard deviation of the
-normal initialisation (SMP's default 0.02). SMP's private ``_skip_allgather`` /
-``_skip_scatter_and_merge`` (an output left split) are not built.
+SMP documents a split along the embedding dimension; smp-fx splits rows (same function and
+output), which keeps a tied LM head on the same shard. See docs/tensor_parallel.md, 'API'.
 """
 
 from __future__ import annotations

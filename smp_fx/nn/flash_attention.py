@@ -1,20 +1,9 @@
 """``smp.nn.FlashAttentionLayer``: SMP 1.13+'s attention core over a packed ``qkv``.
 
-SMP's page: ``FlashAttentionLayer(attention_dropout_prob=0.1, attention_head_size=None,
-scale_attention_scores=True, scale_attn_by_layer_idx=False, layer_idx=None, scale=None,
-triton_flash_attention=False, use_alibi=False)``; ``forward(qkv, attn_mask=None,
-causal=False)`` with ``qkv`` ``[N, S, 3, heads, d]`` returns ``[N, heads, S, d]``. SMP runs
-FlashAttention kernels; smp-fx computes the same function in plain torch:
-``softmax(scale * Q K^T + attn_mask + causal) V`` with dropout on the probabilities while
-training. The scale is ``scale`` when given, else ``1/sqrt(attention_head_size)`` (with
-``scale_attention_scores``) times ``1/(layer_idx + 1)`` (with
-``scale_attn_by_layer_idx``), as SMP's page composes them. ``attn_mask`` is additive
-(SMP's ALiBi mask of ``[N or 1, heads, 1, S]`` biases, ``-inf`` where masked, is one);
-``use_alibi`` only says such a mask is passed. ``triton_flash_attention`` chose SMP's
-Triton kernel, which has no dropout: with it, as there, no dropout is applied.
-
-It has no parameters, so tensor parallelism has nothing of it to split; it computes
-whatever heads its caller's ``qkv`` holds.
+The function SMP's FlashAttention kernels compute, in plain torch, with the scale composed
+as SMP's page says; with ``triton_flash_attention`` no dropout, as SMP's Triton kernel.
+No parameters, so tensor parallelism has nothing of it to split.
+See docs/tensor_parallel.md, 'API'.
 """
 
 from __future__ import annotations

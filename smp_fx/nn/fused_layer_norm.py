@@ -1,11 +1,8 @@
 """``smp.nn.FusedLayerNorm``: apex's ``FusedLayerNorm`` signature on torch's layer norm.
 
-SMP cannot run apex's CUDA extension modules and offers this replacement; so does smp-fx,
-in plain torch: ``torch.nn.functional.layer_norm`` is fused on GPU already, and the module
-traces and partitions like any other. apex's arguments are kept: ``normalized_shape``,
-``eps``, ``elementwise_affine`` (weight ones, bias zeros) and ``memory_efficient``, which
-in apex saves the output instead of the input for backward; here it is accepted and has
-no effect on the numbers (torch's kernel saves what it saves).
+torch's layer norm is fused on GPU already and traces like any module; apex's
+``memory_efficient`` is accepted without effect on the numbers. See docs/precision.md,
+'apex replacements'.
 
 >>> import torch
 >>> ln = FusedLayerNorm(4)

@@ -1,11 +1,7 @@
 """``smp.nn.DistributedLinear``: a linear layer that tensor parallelism distributes.
 
-It is an ``nn.Linear`` (same arguments, same parameters, same function at tp=1) marked for
-tensor parallelism. ``in_features`` and ``out_features`` are the global sizes. Under
-``tensor_parallel_degree > 1`` the fx rewrite (``passes.tensor_parallel``) shards it: as
-the first of a column -> row pair when an element-wise chain carries its output to another
-distributed linear, otherwise column-parallel with its output all-gathered, so its output
-is replicated on every tp rank like the plain layer's.
+An ``nn.Linear`` marked for tensor parallelism, global sizes; the rewrite pairs it or
+gathers its output, so it is replicated on every tp rank like the plain layer's.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
-"""Rotary position embeddings (RoPE) for ``smp.nn``'s attention, as SMP's GPT-NeoX and GPT-J
-replacements apply them: the first ``dim`` features of each query and key head are rotated
-by position-dependent angles ``position / base ** (2i / dim)``; the rest pass unchanged.
-
-Two layouts of the rotated pairs: GPT-NeoX's halves (feature ``i`` paired with
-``i + dim / 2``, ``rotate_half``) and GPT-J's neighbours (``2i`` with ``2i + 1``,
-``interleaved``). The angles are built for the sequence at hand, in fp32, as a tensor op
-(an fx trace sees a symbolic length).
+"""Rotary position embeddings (RoPE) as SMP's GPT-NeoX (halves) and GPT-J (interleaved)
+replacements apply them; the angles are built in fp32 for the sequence at hand, as a
+tensor op, because an fx trace sees a symbolic length.
 """
 
 from __future__ import annotations

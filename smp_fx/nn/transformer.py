@@ -1,55 +1,10 @@
 """``smp.nn.DistributedTransformerLayer``, ``DistributedTransformer`` and
 ``DistributedTransformerLMHead``: SMP's tensor-parallel transformer, as plain torch modules.
 
-Each is marked for tensor parallelism by construction; a model that holds one is traced by
-the fx front end and the rewrite (``passes.tensor_parallel``) splits every attention by
-heads and every MLP as a column -> row pair (``smp_fx.nn.attention``), and the LM head's
-word embedding and the tied output projection by vocabulary rows
-(``passes.tensor_parallel.vocab``).
-
-Inputs and outputs follow SMP: the layer and the transformer take a tuple
-``(hidden_states, attention_mask)`` and return one, so layers chain; ``attention_mask`` is
-additive (``[N, 1, 1, S]``, ``-10000`` where masked) or None. With
-``add_cross_attention`` each layer runs a cross-attention sublayer (queries from the
-hidden states, keys / values from ``cross_states``, ``[N, S_cross, hidden_size]``) between
-its self attention and its MLP, with the same layer-norm layout, and the tuple is SMP's
-``(hidden_states, cross_states, attention_mask, cross_mask)`` in and out (``cross_mask``
-additive ``[N, 1, 1, S_cross]`` or None).
-
-The LM head takes the tuple ``(input_ids, attention_mask, token_type_ids, position_ids,
-labels)``, or with ``add_cross_attention`` ``(input_ids, attention_mask, token_type_ids,
-position_ids, cross_states, cross_mask, labels)`` (SMP's page lists ``cross_states``
-twice; one is read here). Trailing items may be left out, any may be None. Its
-``attention_mask`` and ``cross_mask`` are SMP's 0-1 ``[N, S]`` / ``[N, S_cross]`` tensors
-where **1 marks a masked position** (padding), turned into the additive form inside. It
-returns the logits ``[N, S, vocab_size]`` (``add_lm_head``) or the final hidden states;
-given ``labels`` (``[N, S]`` token ids, ``-100`` ignored) it returns the next-token
-language-model loss instead: the mean cross entropy of position ``i``'s logits against
-``labels[:, i + 1]`` (GPT-2's shift; SMP's page does not say). The shift is applied to the
-labels (the last position's target becomes ``-100``), not by slicing the logits, so the
-logits reach ``F.cross_entropy`` through a ``flatten`` alone and, under tp, the rewrite
-fuses the gather of the tied head's logits and the loss into a vocab-parallel cross
-entropy (``passes.tensor_parallel.loss``): the full logits are never built.
-
-Layer norms as SMP lays them out: with both ``pre_layernorm`` and ``post_layernorm`` a
-layer's attention keeps only its pre layer norm while its output layer has both, and a
-transformer gives the post layer norm to its last layer only, so its output is normalised
-once (``seq_layers[-1].output.layernorm``: where SMP's GPT-2 keeps ``ln_f``). Where SMP's
-page is silent: with ``pre_layernorm`` and no ``post_layernorm`` the LM head applies a
-final layer norm of its own (``layernorm``) to the transformer's output, since the layers
-leave their sum un-normalised. Token types without a token-type table are looked up in the
-word embedding (SMP's code, as Hugging Face's GPT-2). The position and token-type tables
-are small and stay whole on every rank (a replicated lookup), so only the word embedding
-needs a vocabulary divisible by the degree. ``embed`` and ``body`` are the LM head's two
-halves, which SMP's Hugging Face replacements (``smp_fx.nn.huggingface``) call with their
-own arguments.
-
-Used as the root of a ``DistributedModel``, a tuple argument is one opaque input to fx
-tracing (``SMPTracingError`` below; the ``auto`` front end then captures it with
-``torch.export``, whose graph reads the tied weight under one name, so the rewrite leaves
-the LM head replicated, saying why): give the model a ``forward`` that builds the tuple
-(``None`` items then stay ``None`` while tracing), as
-``tests/smp_fx/parallel/test_tp_modules.py`` does.
+Marked for tensor parallelism by construction. The LM head shifts the labels rather than
+slicing the logits, so the logits reach ``F.cross_entropy`` through a flatten alone and the
+rewrite fuses the vocab-parallel loss. As a model's root, a tuple argument is opaque to fx:
+give the model a ``forward`` that builds it. See docs/tensor_parallel.md, 'API'.
 """
 
 from __future__ import annotations
@@ -96,13 +51,9 @@ def refuse_alibi(use_alibi: bool, where: str) -> None:
 
 
 class DistributedTransformerLayer(nn.Module):
-    """``DistributedAttentionLayer`` then ``DistributedTransformerOutputLayer``; with
-    ``add_cross_attention`` a cross ``DistributedAttentionLayer`` (``crossattention``,
-    never causal) between them.
-
-    ``forward((hidden_states, attention_mask))`` -> ``(hidden_states, attention_mask)``;
-    with ``add_cross_attention`` ``forward((hidden_states, cross_states, attention_mask,
-    cross_mask))`` -> the same four, ``hidden_states`` updated.
+    """``DistributedAttentionLayer`` then ``DistributedTransformerOutputLayer`` (with
+        ``add_cross_attention`` a cross attention between them); tuples in and out, so layers
+        chain.
     """
 
     def __init__(self, num_attention_heads: int = 32, attention_head_size: int = 32,
@@ -170,11 +121,7 @@ class DistributedTransformerLayer(nn.Module):
 
 
 class DistributedTransformer(nn.Module):
-    """``num_layers`` ``DistributedTransformerLayer``\\ s in sequence (``seq_layers``).
-
-    ``forward((hidden_states, attention_mask))`` -> ``(hidden_states, attention_mask)``;
-    with ``add_cross_attention`` the layer's four-item tuple in and out.
-    """
+    """``num_layers`` ``DistributedTransformerLayer`` modules in sequence (``seq_layers``)."""
 
     def __init__(self, num_layers: int = 12, num_attention_heads: int = 32,
                  attention_head_size: int = 32, hidden_size: int = 1024,
@@ -221,12 +168,8 @@ class _TableLookup(nn.Embedding):
 
 
 class DistributedTransformerLMHead(nn.Module):
-    """Embeddings, a ``DistributedTransformer`` and an LM head tied to the word embedding.
-
-    ``forward((input_ids, attention_mask, token_type_ids, position_ids, labels))`` ->
-    logits, or the loss when ``labels`` is given; with ``add_cross_attention``
-    ``cross_states, cross_mask`` come before ``labels`` (module docstring for the items;
-    None or left out: no mask, no token types, positions ``0 .. S-1``, logits).
+    """Embeddings, a ``DistributedTransformer`` and an LM head tied to the word embedding;
+        logits, or the loss when ``labels`` is given.
     """
 
     def __init__(self, num_layers: int = 12, num_attention_heads: int = 32,

@@ -1,17 +1,7 @@
 """``smp.optimizers.FusedAdam``: apex's ``FusedAdam`` in plain torch.
 
-As apex's ``multi_tensor_adam``, per parameter ``p`` with gradient ``g``, in fp32, with
-``bc = 1 - beta^step`` when ``bias_correction`` (else 1):
-
-* ``adam_w_mode=False`` (L2): ``g = g + weight_decay * p`` first;
-* ``m = beta1 m + (1 - beta1) g``, ``v = beta2 v + (1 - beta2) g^2``;
-* ``u = (m / bc1) / (sqrt(v / bc2) + eps)``; ``adam_w_mode=True`` (the default, decoupled
-  decay): ``u = u + weight_decay * p``; ``p = p - lr u``.
-
-With bias correction this is ``torch.optim.AdamW`` (``adam_w_mode``) or
-``torch.optim.Adam`` (L2); apex's signature and its ``bias_correction=False`` are why it
-exists. ``step`` counts per param group, as apex does. ``amsgrad`` is rejected, as apex
-rejects it.
+With bias correction it is ``AdamW`` or ``Adam``; apex's signature and
+``bias_correction=False`` are why it exists. See docs/precision.md, 'apex replacements'.
 
 >>> import torch
 >>> w = torch.nn.Parameter(torch.ones(2)); w.grad = torch.ones(2)

@@ -1,9 +1,5 @@
-"""What apex's fused optimizers share, written once for smp-fx's plain-torch ones.
-
-apex's ``FusedLAMB``, ``FusedNovoGrad`` and ``FusedAdam`` all take ``set_grad_none``
-(``zero_grad`` sets gradients to None unless told otherwise) and accept an optional
-closure in ``step``; the update itself is each optimizer's ``_update``. Adam's direction
-(the moments and the bias-corrected step, with L2 or decoupled decay) is LAMB's too.
+"""What apex's fused optimizers share, written once: ``set_grad_none``, the optional closure,
+and Adam's direction (LAMB's too); each optimizer's own update is its ``_update``.
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """``smp.optimizers.FusedLamb``: apex's ``FusedLAMB`` in plain torch, with a global norm.
 
-The algorithm is apex's ``multi_tensor_lamb`` (stage 1 and stage 2), per parameter ``p``
-with gradient ``g``, in fp32:
-
-1. the global gradient norm ``G`` over every parameter; if ``G > max_grad_norm``,
-   ``g = g / (G / max_grad_norm)``;
-2. ``adam_w_mode=False`` (L2): ``g = g + weight_decay * p``;
-3. ``m = beta1 m + beta3 g`` (``beta3 = 1 - beta1`` with ``grad_averaging``, else 1),
-   ``v = beta2 v + (1 - beta2) g^2``;
-   ``u = (m / bc1) / (sqrt(v / bc2) + eps)`` with ``bc = 1 - beta^step`` when
-   ``bias_correction``; ``adam_w_mode=True``: ``u = u + weight_decay * p``;
-4. trust ratio: with ``use_nvlamb`` or ``weight_decay != 0``,
-   ``r = lr * |p| / |u|`` (``lr`` if either norm is 0), else ``r = lr``; ``p = p - r u``.
-
-``step`` counts per param group, as apex does. Differences from apex: ``max_grad_norm <= 0``
-turns the clipping off (apex would divide by zero), and gradients are not overwritten
-with the update.
-
-Why this matters under SMP: step 1 needs the norm of the *whole model's* gradients, and a
-pipeline stage holds only its own. Wrapped in ``smp.DistributedOptimizer``, the norm is
-the global one (``set_grad_norm_fn``: the squares summed over pp and tp ranks, replicas
-counted once, as ``DistributedModel.clip_grad_norm_`` counts them); alone, it is the norm
-of this optimizer's gradients.
+Its first stage needs the whole model's gradient norm, which a pipeline stage cannot see;
+wrapped in ``smp.DistributedOptimizer`` it gets the global one (``set_grad_norm_fn``).
+See docs/precision.md, 'apex replacements'.
 """
 
 from __future__ import annotations

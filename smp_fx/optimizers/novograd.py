@@ -1,21 +1,5 @@
-"""``smp.optimizers.FusedNovoGrad``: apex's ``FusedNovoGrad`` in plain torch.
-
-NovoGrad keeps a first moment per element and a *per-tensor* second moment. As apex's
-``multi_tensor_novograd``, per parameter ``p`` with gradient ``g``, in fp32:
-
-1. ``n = |g|_2`` (``norm_type=2``) or ``max |g|`` (``norm_type=0``);
-   the per-tensor moment ``v`` (stored as a norm, not squared) starts at 0
-   (``init_zero``) or at the first ``n`` (so the first blend changes nothing), then
-   L2: ``v = sqrt(beta2 v^2 + (1 - beta2) n^2)``; inf: ``v = beta2 v + (1 - beta2) n``;
-2. ``bc1 = 1 - beta1^step``, ``bc2 = sqrt(1 - beta2^step)`` with ``bias_correction``;
-   ``beta3 = 1 - beta1`` with ``grad_averaging``, else 1; ``d = v / bc2 + eps``;
-3. ``reg_inside_moment=True``: ``m = beta1 m + beta3 (g / d + wd p)``,
-   ``p = p - lr m / bc1``; otherwise (the default, decoupled decay):
-   ``m = beta1 m + beta3 g``, ``p = p - lr ((m / bc1) / d + wd p)``.
-
-``step`` counts per param group, as apex does. apex keeps the per-tensor moments in a
-list per param group; here each parameter's is in its own state (``exp_avg_sq``, a
-scalar), so a parameter whose first gradient comes later starts from its own first norm.
+"""``smp.optimizers.FusedNovoGrad``: apex's ``FusedNovoGrad`` in plain torch: a first moment
+per element, a second moment per tensor. See docs/precision.md, 'apex replacements'.
 """
 
 from __future__ import annotations

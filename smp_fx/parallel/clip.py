@@ -1,24 +1,8 @@
 """Global gradient norms and clipping over a partitioned model: the unpartitioned model's norm.
 
-A stage holds only its parameters, so ``torch.nn.utils.clip_grad_norm_`` on one rank sees
-a part of the model and clips by a part's norm (each stage by a different factor). Here
-each rank sums the p-th powers of the gradients it *counts* and the sums are all-reduced
-over the model-parallel group (pp x tp), so every rank gets the norm of the whole model
-and scales its gradients by the same factor.
-
-Which local gradients count (the contract between the precision and tensor-parallel work):
-a parameter counts unless it is a replica of a tied parameter also held by a lower pipeline
-stage (``DistributedModel.tied_duplicates``), and, with tensor parallelism, only on
-tp_rank 0 unless it is tensor-parallel-distributed
-(``DistributedModel.is_distributed_parameter``): replicated copies count once.
-Data-parallel replicas are not summed: after the dp reduction their gradients are equal.
-Two exceptions are sums over more ranks: gradients sharded over the dp group (FSDP2's
-``DTensor`` gradients under sharded data parallelism, summed over their shard mesh
-dimensions) and fp32 master gradients held by one dp rank each (optimizer-state sharding
-with fp16; the caller passes the dp group in ``extra_groups``).
-
-The clip factor is torch's, ``max_norm / (total + 1e-6)`` capped at 1, applied to every
-local gradient (counted or not): a tied replica is scaled like its twin.
+A stage sees only its part of the model, so each rank sums the gradients it counts and
+the sums are all-reduced over pp x tp: every rank scales by the whole model's factor.
+Tied replicas and tp copies count once. See docs/precision.md, 'Global gradient clipping'.
 
 >>> import torch
 >>> p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.full((4,), 3.0)
@@ -61,11 +45,7 @@ class PartitionedModel(Protocol):
 
 def counted_parameters(model: PartitionedModel, params: Iterable[torch.Tensor] | None = None
                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(every local parameter with a gradient, the subset this rank counts in the norm).
-
-    ``params`` narrows the local parameters (e.g. a user's list); parameters that are not
-    this rank's are ignored, as they hold no gradient here.
-    """
+    """(every local parameter with a gradient, the subset this rank counts in the norm)."""
     wanted = None if params is None else {id(p) for p in params}
     dup = model.tied_duplicates()
     tp0 = _tp_rank() == 0
@@ -122,10 +102,8 @@ def clip_grads(grads: Sequence[torch.Tensor], counted: Sequence[torch.Tensor],
 def clip_grad_norm_(model: PartitionedModel, max_norm: float, norm_type: float = 2.0,
                     error_if_nonfinite: bool = False,
                     params: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
-    """Clip the partitioned ``model``'s gradients by the norm of the whole model.
-
-    A collective over the model-parallel group: every rank of it calls it, with the same
-    ``params`` selection. Before partitioning (no gradients yet) it is a no-op returning 0.
+    """Clip the partitioned ``model``'s gradients by the norm of the whole model: a collective
+        over the model-parallel group; before partitioning a no-op returning 0.
     """
     if not model.partitioned:
         return torch.zeros((), dtype=torch.float32)

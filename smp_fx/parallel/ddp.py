@@ -1,52 +1,10 @@
 """Hybrid pipeline + data parallelism (``ddp: true``): one DDP wrapper per local stage.
 
-Each stage's module is wrapped, at partitioning, in ``torch.nn.parallel.
-DistributedDataParallel`` over that stage's data-parallel group; its constructor broadcasts
-the stage's parameters and buffers from dp_rank 0, which is SMP's "broadcast when the model
-is partitioned". Gradients are averaged over the group once
-per step, after all microbatches, as SMP documents.
-
-Why the reducer is armed by hand. DDP decides at *forward* time whether the next backward
-reduces (``no_sync`` only changes what ``forward`` does). A pipeline stage runs several
-forwards before their backwards (fill-drain: ``F0 F1 F2 F3 B0 B1 B2 B3``), so running the
-last forward outside ``no_sync`` would arm the reducer for ``B0`` and reduce a partial sum.
-So every forward runs under ``no_sync`` and, on a reducing step, the reducer is armed
-(``prepare_for_backward``, what DDP's forward does) right before the stage's *last* backward
-action in the step's op list, whatever the schedule. Gradients accumulated over the earlier
-microbatches are then reduced bucket by bucket (``bucket_cap_mb``) as that backward produces
-them: the reduction overlaps the last microbatch's backward (``overlapping_allreduce``).
-
-With a split backward (``pipeline`` ``zero_bubble`` or ``zbv``) the weight gradients come
-from a stage's W actions, several autograd passes the reducer cannot follow: there nothing
-is armed, and right after the stage's last W of a reducing step its buckets are all-reduced
-explicitly, without waiting (``start_allreduce``); the step's end waits for them. The
-reduction overlaps the rest of the pipeline, as it starts once the stage's gradients are
-final.
-
-With ``overlapping_allreduce=False`` nothing is armed; after the step the gradients are
-all-reduced explicitly in buckets of ``bucket_cap_mb``, scaled by ``1 / dp`` before the sum
-as DDP's reducer does, so both modes give the same numbers.
-
-``backward_passes_per_step = k`` reduces on every k-th training step only; in between
-gradients accumulate locally (as under ``no_sync``). Buffers are broadcast from dp_rank 0 at
-the first forward of every step when ``broadcast_buffers``. ``gradient_as_bucket_view`` is
-forwarded to DDP (it affects the overlapped reduction). Tied parameters replicated over
-pipeline stages: the dp average happens first (during backward, or in the first post-step
-hook), then the tied pipeline sum (a later post-step hook, which ``TiedReplicas`` skips
-on the accumulating steps of ``backward_passes_per_step``), in both modes.
-
-The reduction group is the *reduced* data-parallel group (rdp): with tensor parallelism,
-tp-sharded parameters must only be averaged over replicas of the same shard, and
-replicated ones have equal gradients across tp ranks, so rdp is right for both; without
-tensor parallelism rdp is the dp group.
-
-Uneven inputs: ``DistributedModel.join()`` enters ``torch.distributed.algorithms.join.Join``
-with one ``Joinable`` per model whose hook shadows a whole step's collectives on ranks that
-ran out of data (see ``_StepJoinHook``).
-
-``DataParallel`` is the data-parallel step of the parallelisms' build
-(``smp_fx.parallel.build``): it wraps the stage runners (``wrap``) and hooks the step
-(``hooks``); ``for_build`` decides whether it applies.
+DDP arms its reducer at forward time, but a stage runs several forwards before their
+backwards, so every forward runs under ``no_sync`` and the reducer is armed by hand before
+the stage's last backward of a reducing step (split backwards reduce explicitly after the
+last W). ``DataParallel`` is the data-parallel step of the parallelisms' build.
+See docs/runtime.md, 'Data parallelism: when the reducer is armed'.
 """
 
 from __future__ import annotations
@@ -96,9 +54,8 @@ class DataParallelOptions(Protocol):
 class RejectDDPWrap:
     """Class attribute of ``DistributedModel`` named ``_ddp_params_and_buffers_to_ignore``.
 
-    DDP's constructor reads that attribute with ``hasattr`` before any collective; ``hasattr``
-    only swallows ``AttributeError``, so raising ``SMPRuntimeError`` here stops the wrap with
-    a clear message on every rank, without a hang.
+        DDP reads it with ``hasattr`` before any collective, so raising ``SMPRuntimeError``
+        (not an ``AttributeError``) stops the wrap clearly on every rank, without a hang.
     """
 
     def __get__(self, obj: object, owner: type | None = None) -> Any:
@@ -150,9 +107,7 @@ def buckets(params: Sequence[nn.Parameter], cap_mb: float) -> list[list[nn.Param
 def allreduce_grads(bucket_list: Sequence[Sequence[nn.Parameter]], group: Any, size: int,
                     zeros: bool = False) -> None:
     """Average ``.grad`` over ``group``: scale by 1/size, sum; all buckets in flight at once.
-
-    A parameter without a gradient contributes zeros and receives the average. ``zeros``
-    (a rank that has joined, i.e. ran out of data) contributes zeros and keeps its grads.
+        Missing gradients and ``zeros`` (a joined rank) contribute zeros.
     """
     finish_allreduce(start_allreduce(bucket_list, group, size, zeros), zeros)
 
@@ -193,10 +148,8 @@ def finish_allreduce(works: Reduction, zeros: bool = False) -> None:
 
 # ---- the stage runner ------------------------------------------------------------------
 class DDPStageRunner(StageRunner):
-    """A ``StageRunner`` whose module is the stage wrapped in DDP (see the module docstring).
-
-    ``stage.module`` stays the plain stage GraphModule (names, optimizer, checkpoints);
-    only the executor's calls go through the wrapper.
+    """A ``StageRunner`` calling the stage through its DDP wrapper; ``stage.module`` stays the
+        plain stage GraphModule (names, optimizer, checkpoints).
     """
 
     def __init__(self, base: StageRunner, wrapper: DistributedDataParallel,
@@ -513,10 +466,7 @@ def join(dp: DataParallel | None, throw_on_early_termination: bool = False
          ) -> Iterator[None]:
     """``DistributedModel.join()``: train with uneven numbers of batches across replicas.
 
-    Every rank must run at least one step inside (or before) it, so that every stage is
-    partitioned and wrapped; a rank that runs out of batches then shadows the others'
-    steps until all have finished, and all replicas end equal to the last one to finish.
-    ``dp`` None (a single replica): nothing can be uneven.
+        Every rank runs one step inside (or before) it; ``dp`` None: nothing can be uneven.
     """
     if dp is None:
         yield

@@ -1,12 +1,8 @@
-"""SMP's DeepSpeed-style view of sharded data parallelism: ``ds_tensor`` (its size
-``ds_tensor.ds_numel``), ``ds_shape`` and ``ds_numel`` on parameters and, on the optimizer,
-``fp32_partitioned_groups_flat`` and ``ds_param_shard_group``.
+"""SMP's DeepSpeed-style view of sharded data parallelism (``ds_tensor``, ``ds_shape``,
+``fp32_partitioned_groups_flat`` ...), which AWS's ``sdp_utils.py`` reads.
 
-SMP's sharded data parallelism was DeepSpeed ZeRO-3, and AWS's ``sdp_utils.py`` reads these
-names (parameter norms). A partition here is FSDP2's: the rank's ``torch.chunk`` of dim 0
-over the shard group, flattened; a view of the FSDP2 shard, or of the whole tensor for a
-parameter sdp keeps whole. DeepSpeed splits the flattened tensor instead, so sizes differ,
-but summed over the shard group the partitions hold the same values (norms agree).
+A partition here is FSDP2's chunk of dim 0, not DeepSpeed's split of the flat tensor, so
+sizes differ but norms summed over the shard group agree. See docs/clients.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Mixed precision's step of the parallelisms' build: the loss scale and stale masters.
 
-With ``fp16`` the model's weights are halved when it is wrapped (``DistributedModel``: an
-optimizer built earlier must keep holding the same objects), and the fp16 optimizer steps
-fp32 master copies (``smp_fx.amp.fp16.MasterWeights``). What the running model needs of
-that optimizer is two things, given here when it binds (``DistributedOptimizer.bind``):
-the loss scale every ``model.backward`` multiplies the loss by, and, before every training
-step, word that its master gradients are stale. Last in the build's order: it reads only
-what the steps before it left.
+What the running model needs of the fp16 optimizer is the loss scale and, before each
+step, word that its master gradients are stale; given when it binds. Last in the build's
+order. See docs/precision.md, 'fp16'.
 """
 
 from __future__ import annotations

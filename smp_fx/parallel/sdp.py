@@ -1,41 +1,10 @@
 """Sharded data parallelism (``sharded_data_parallel_degree``) on FSDP2 ``fully_shard``.
 
-Each local pipeline stage is sharded over groups of ``sharded_data_parallel_degree`` ranks
-of its reduced data-parallel (rdp) group: parameters, gradients and optimizer state live as
-``DTensor`` shards, gathered for each unit's forward and backward and reduce-scattered
-after its backward. With a degree below the rdp size the shard groups are replicated
-(HSDP, a 2-D mesh: replicate x shard). Gradients are averaged over the rdp group, as DDP
-averages them. With tensor parallelism the rdp group's ranks hold the same tp shard, so
-FSDP2 shards each tp rank's shards further (torchtitan's FSDP2 x tp; with pipelining,
-every stage of its pp rank): the tp sums and averages of ``parallel.tensor_parallel``
-then work on the local shards of the gradients.
-
-How SMP's ``sdp_*`` parameters map onto FSDP2 (docs/precision.md):
-
-* ``sdp_reduce_bucket_size`` (elements): the stage's leaf modules, in the order the stage
-  graph calls them, are grouped greedily into FSDP2 units (``fully_shard`` of a list of
-  modules) of at most this many sharded elements; a unit is one all-gather and one
-  reduce-scatter, i.e. one bucket. A single module above it is a unit of its own.
-  Parameters no unit takes (read through ``get_attr``, shared by several modules, or in a
-  module the graph calls twice) form the stage's root unit.
-* ``sdp_param_persistence_threshold`` (elements): smaller parameters are not sharded
-  (FSDP2 ``ignored_params``); they stay whole on every rank and their gradients are
-  averaged over the rdp group after the step (sum, then an explicit division).
-* ``sdp_max_live_parameters`` (elements): a bound on gathered elements. Units are
-  resharded after each forward and backward and FSDP2 prefetches at most the next unit in
-  backward, so at most the root unit plus two neighbouring units are gathered at once;
-  a plan whose bound exceeds the value is rejected (``ShardPlan.live_numel``).
-* ``sdp_hierarchical_allgather``: on one node a hierarchical all-gather is the flat one
-  (the default, true, is honoured); an explicit true across several nodes is rejected,
-  FSDP2 has no two-level all-gather.
-* ``sdp_gradient_clipping``: ``DistributedOptimizer.step`` clips the global norm to it
-  (0 turns it off; ``smp_fx.parallel.clip`` sums the shards' squares over the shard group).
-
-Reductions use sums with an explicit division (``set_force_sum_reduction_for_comms``):
-gloo's averaging reduce ops are not to be trusted (pytorch issue #162338). Parameters and
-buffers are broadcast from rdp rank 0 before sharding (SMP's "broadcast at partitioning");
-buffers again at every step with ``broadcast_buffers``. ``enable`` is the sharded
-data-parallel step of the parallelisms' build (``smp_fx.parallel.build``).
+Each local stage is sharded over groups of its rdp group (HSDP when the degree is below
+it; with tp, each tp rank's shards are sharded further). SMP's ``sdp_*`` parameters map
+onto FSDP2 units, ignored parameters and a live-parameter bound; reductions sum and divide
+explicitly because gloo's averaging ops are not to be trusted (pytorch #162338).
+See docs/precision.md, 'Sharded data parallelism'.
 """
 
 from __future__ import annotations
@@ -78,13 +47,13 @@ class ShardPlan:
 
 def plan_units(gm: torch.fx.GraphModule, bucket: int, threshold: int) -> ShardPlan:
     """Group ``gm``'s called leaf modules into units of at most ``bucket`` sharded elements
-    (parameters of at least ``threshold`` elements are sharded, the rest persist).
+        (parameters below ``threshold`` persist whole).
 
-    >>> import torch.fx
-    >>> seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-    >>> p = plan_units(torch.fx.symbolic_trace(seq), bucket=40, threshold=5)
-    >>> p.units, p.unit_numels, p.persistent
-    ((('0', '1'),), (32,), ('0.bias', '1.bias'))
+        >>> import torch.fx
+        >>> seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        >>> p = plan_units(torch.fx.symbolic_trace(seq), bucket=40, threshold=5)
+        >>> p.units, p.unit_numels, p.persistent
+        ((('0', '1'),), (32,), ('0.bias', '1.bias'))
     """
     names = {id(p): n for n, p in gm.named_parameters()}
     persistent = tuple(n for n, p in gm.named_parameters() if p.numel() < threshold)
@@ -128,10 +97,8 @@ _MESHES: list[int] = []
 
 
 def _mesh(st: state.State) -> Any:
-    """This rank's FSDP2 mesh over its rdp group: 1-D (shard) or 2-D (replicate, shard).
-
-    Every rank creates every stage's sub-groups, in one order (``new_group`` is collective
-    over the world), before building its own mesh from them.
+    """This rank's FSDP2 mesh over its rdp group; every rank creates every stage's sub-groups
+        in one order first (``new_group`` is collective over the world).
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh

@@ -1,20 +1,8 @@
 """The runtime side of tensor parallelism: the group the rewritten graph's collectives use,
 which local parameters are shards, and the gradient averaging ``prescaled_batch`` needs.
 
-``passes.tensor_parallel`` gives each rank a graph holding its own shards. Here:
-
-* the collectives of ``passes.tensor_parallel.collectives`` are bound to this rank's tp group;
-* ``is_distributed(p)``: the local parameters named in the plan's shard specs;
-* gradient reduction: distributed parameters are averaged over the rdp group (replicas of
-  the same shard) and replicated ones over the dp group. ``smp_fx.parallel.ddp`` averages every
-  local parameter over rdp; with ``prescaled_batch: false`` the tp ranks of a group saw
-  different examples, so after each training step the replicated parameters' gradients
-  are averaged over the tp group too, which makes their reduction a dp average. With
-  ``prescaled_batch: true`` the tp ranks saw the same examples and their replicated
-  gradients are already equal.
-
-``TensorParallelRuntime.bind`` is the tensor-parallel step of the parallelisms' build
-(``smp_fx.parallel.build``), after the tied replicas and before activation checkpointing.
+Under ``prescaled_batch: false`` tp ranks saw different examples, so replicated gradients
+are averaged over the tp group too. See docs/tensor_parallel.md, 'Batches and gradients'.
 """
 
 from __future__ import annotations

@@ -1,21 +1,8 @@
 """``shard_optimizer_state``: ZeRO stage 1 over each stage's reduced data-parallel group.
 
-Every rdp replica of a pipeline stage's tensor-parallel shard holds the same parameters
-and, after the dp reduction, the same gradients; only the optimizer state differs in where
-it lives. With tensor parallelism each tp rank's parameters (its shards and its copies of
-the replicated ones) are divided over its own rdp group, as Megatron's distributed
-optimizer divides each tp rank's state over its dp group. Each
-parameter is *owned* by one rank of the rdp group (``assign_owners``: largest parameters
-first, each to the least-loaded rank, so every rank holds 1/rdp of the state within one
-parameter). A rank's torch optimizer keeps only the parameters it owns (its param groups
-are narrowed, hyper-parameters and LR schedulers untouched), so it creates state for
-those only; after it steps them, each owner broadcasts its updated parameters to the
-group (``OptimizerShards.broadcast``, one flat message per owner and dtype).
-
-Whole parameters are the unit, as SMP's "balanced" sharding and torch's
-``ZeroRedundancyOptimizer`` do; the wrapped optimizer stays the user's own object (an LR
-scheduler built on it before partitioning keeps working), which ``ZeroRedundancyOptimizer``
-(it builds its own optimizer from a class) would not allow.
+Each parameter is owned by one rdp rank, whose narrowed torch optimizer steps it and
+broadcasts it; whole parameters are the unit, and the user's optimizer object stays (an
+LR scheduler built on it keeps working). See docs/precision.md, 'shard_optimizer_state'.
 
 >>> assign_owners([10, 7, 5, 3, 1], 2)
 [0, 1, 1, 0, 1]

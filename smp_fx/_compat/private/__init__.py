@@ -1,14 +1,7 @@
 """SMP's private modules that AWS's example scripts import, answered by smp-fx.
 
-AWS's SMP 1.6-1.9 examples carry helpers of their own (``fp16/*``, BERT's
-``modeling.py``) that import from SMP's internals: ``smdistributed.modelparallel.torch.
-state_mod`` (``state``, with the tensor-parallel maps of optimizer indices and parameter
-names), ``smdistributed.modelparallel.torch.utils`` (``get_distribution_axis``, ``rmsg``) and
-SMP's own test helpers ``smdistributed.modelparallel.test.torch.utils`` (``dump_model``,
-``verify``, imported by the BERT script and never called). Each has a module here
-written against smp-fx's own state and model, and ``register`` puts them in
-``sys.modules`` under SMP's names when the ``smdistributed.modelparallel.torch`` shim is
-imported (that name is ``smp_fx`` itself, so files under it cannot be found by path).
+``register`` puts them in ``sys.modules`` under SMP's names, since files under the shim's
+``smdistributed.modelparallel.torch`` (``smp_fx`` itself) cannot be found by path.
 """
 
 from __future__ import annotations

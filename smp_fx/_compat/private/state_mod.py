@@ -1,14 +1,7 @@
 """``smdistributed.modelparallel.torch.state_mod``: SMP's process state as ``state``.
 
-AWS's fp16 helpers (``from smdistributed.modelparallel.torch.state_mod import state as
-smp_state``) read, besides what ``smp.state`` has (``cfg``, ``module_manager``), the
-tensor-parallel maps between the optimizer's parameter indices and the parameters' names,
-one map per tp rank: ``param_index_to_name_tp_group[tp_rank][index]`` and
-``param_name_to_index_tp_group[tp_rank][name]``. The index is the one
-``DistributedOptimizer._param_id_to_index()`` gives (the parameter's place in the
-optimizer's original flat order), the name the parameter's in the wrapped module. They
-are gathered over the tp group when read: a collective, on every tp rank, as the helpers
-read them (at checkpoint save and load).
+Adds the per-tp-rank maps between optimizer parameter indices and names that AWS's fp16
+helpers read; they are gathered over the tp group when read, a collective on every tp rank.
 """
 
 from __future__ import annotations

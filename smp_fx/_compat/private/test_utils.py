@@ -1,8 +1,5 @@
-"""``smdistributed.modelparallel.test.torch.utils``: SMP's own test helpers.
-
-AWS's BERT pretraining script imports ``dump_model`` and ``verify`` from it inside its
-training loop and never calls them. SMP never documented what they do, so smp-fx does not
-guess: the import works, and a call stops with the script-side fix.
+"""``smdistributed.modelparallel.test.torch.utils``: SMP's own test helpers, imported (never
+called) by AWS's BERT script; SMP never documented them, so a call stops with the fix.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""``smdistributed.modelparallel.torch.utils``: what AWS's example helpers import from it.
-
-``get_distribution_axis(param)``: the dimension a tensor-parallel shard is split along
-(None for a whole parameter), asked of the process's ``DistributedModel``; AWS's
-``FP16_Optimizer`` records it for every fp32 master to merge the masters over tp when
-saving. ``rmsg(msg)``: a log message prefixed with this rank's place, as SMP's helpers
-print them.
+"""``smdistributed.modelparallel.torch.utils``: ``get_distribution_axis`` (which AWS's
+``FP16_Optimizer`` records to merge masters over tp) and ``rmsg``.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 """Post-import hooks: run a function on a module right after it is first imported.
 
-The Hugging Face Trainer's SMP mode needs a few adjustments that only make sense once
-``transformers.training_args`` / ``transformers.trainer`` exist
-(``smp_fx._compat.hf_trainer`` says which and why). Those modules import
-``smdistributed`` halfway through their own import, too late to hook them from there, so
-the hooks are registered at interpreter start-up (``sitecustomize`` in this directory)
-and cost nothing until the module is imported. This module imports neither torch nor
-smp-fx; a hook does, when it runs.
+transformers imports ``smdistributed`` halfway through its own import, too late to hook it
+from there, so hooks are registered at start-up (``sitecustomize``). Imports neither torch
+nor smp-fx.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 """``smp.nn.huggingface``: SMP's distributed versions of Hugging Face models and the
-functions that translate their state dicts (``gpt2``, ``gptj``, ``gptneo``, ``gptneox``:
-their causal LMs; ``bert`` and ``roberta``: their encoders).
+functions that translate their state dicts.
 
-Importing this package registers the replacements (``registry``); nothing of transformers
-is imported until a model is replaced.
+Importing registers the replacements; nothing of transformers is imported until a model
+is replaced.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
 """``smp.nn.huggingface.bert``: Hugging Face's BERT encoder as SMP distributes it.
 
-SMP replaces a ``BertEncoder`` created for tensor parallelism (inside
-``smp.model_creation(tensor_parallelism=True)`` or ``smp.tensor_parallelism()``; a
-``BertModel``, ``BertForMaskedLM``, ... created there holds one) by its
-``DistributedTransformer`` when the model is wrapped; the embeddings, the pooler and the
-heads stay Hugging Face's. ``BertTransformer`` is that replacement: post layer norms, the
-layers ``seq_layers`` (SMP's structure), built from the ``BertConfig``, starting from the
-replaced encoder's weights; its ``forward`` takes ``BertEncoder``'s arguments (the
-attention mask as the model prepares it: additive, boolean or None) and returns its
-``BaseModelOutputWithPastAndCrossAttentions``. RoBERTa's encoder is the same module
-(``smp_fx.nn.huggingface.roberta``).
-
-The translate functions are SMP's: ``translate_hf_state_dict_to_smdistributed_bert`` and
-``translate_state_dict_to_hf_bert`` map the encoder's names of a whole model's state dict
-(``bert.encoder.layer.{i}...`` <-> ``bert.encoder.seq_layers.{i}...``) and keep the other
-names.
+A ``BertEncoder`` created for tensor parallelism is replaced by ``BertTransformer``
+(SMP's ``seq_layers``, starting from the encoder's weights, taking its arguments); the
+embeddings, pooler and heads stay Hugging Face's. See docs/tensor_parallel.md.
 
 >>> import torch
 >>> sd = {"bert.encoder.layer.0.intermediate.dense.bias": torch.zeros(8),

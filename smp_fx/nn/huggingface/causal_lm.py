@@ -1,11 +1,6 @@
 """The part SMP's GPT-J, GPT-Neo and GPT-NeoX replacements share: a
-``DistributedTransformerLMHead`` with per-layer options (rotary embeddings, local
-attention, parallel attention and MLP), an LM head tied or its own, position embeddings
-or none (rotary), called with the Hugging Face model's arguments and returning its
-``CausalLMOutputWithPast``. Scripts read ``transformer.seq_layers`` as with GPT-2.
-
-A family module (``gptj``, ``gptneo``, ``gptneox``) gives ``CausalLMHead`` its config's
-keyword arguments (``Layout``) and holds SMP's translate functions.
+``DistributedTransformerLMHead`` with per-layer options, called with the Hugging Face
+model's arguments and returning its ``CausalLMOutputWithPast``.
 """
 
 from __future__ import annotations

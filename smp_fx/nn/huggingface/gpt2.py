@@ -1,25 +1,9 @@
 """``smp.nn.huggingface.gpt2``: Hugging Face's GPT-2 as SMP distributes it.
 
-SMP replaces a ``GPT2LMHeadModel`` created for tensor parallelism (inside
-``smp.model_creation(tensor_parallelism=True)`` or ``smp.tensor_parallelism()``) by its
-``DistributedTransformerLMHead`` when the model is wrapped, and scripts then use that
-structure: ``model.get_module().transformer.seq_layers`` are the layers (AWS's GPT-2
-example pins and checkpoints them). ``GPT2LMHead`` is that replacement here: a
-``DistributedTransformerLMHead`` built from the ``GPT2Config`` with SMP's mapping (pre
-layer norms, the final layer norm as the last layer's ``output.layernorm``, the LM head
-tied to ``word_embedding``), whose ``forward`` takes ``GPT2LMHeadModel``'s arguments and
-returns its ``CausalLMOutputWithCrossAttentions``. It starts from the weights of the model
-it replaces (translated), so wrapping changes nothing of what the model computes; it
-computes Hugging Face's function exactly: the tanh GELU (``gelu_new``; SMP used the erf
-GELU unless ``SMP_USE_HF_GELU=1``), the embedding dropout ``embd_pdrop``, Hugging Face's
-0-1 ``attention_mask`` (1 = attend), the loss of ``labels`` shifted by one.
-
-The two translate functions are SMP's public ones: ``translate_hf_state_dict_to_
-smdistributed_gpt2`` (a ``GPT2LMHeadModel`` state dict -> ``GPT2LMHead``'s, e.g. to start
-from pretrained weights) and ``translate_state_dict_to_hf_gpt2`` (back, e.g. to
-``save_pretrained`` a trained model). With ``max_seq_len`` the latter also writes the
-``attn.bias`` / ``attn.masked_bias`` buffers transformers 4.2x's GPT-2 has; transformers
-4.3x and later have none, so leave it ``None`` there.
+A ``GPT2LMHeadModel`` created for tensor parallelism becomes ``GPT2LMHead`` when wrapped
+(scripts read ``transformer.seq_layers``), starting from its translated weights and
+computing Hugging Face's function exactly (``gelu_new``, not SMP's erf GELU).
+``max_seq_len`` writes transformers 4.2x's attention buffers. See docs/tensor_parallel.md.
 
 >>> import torch
 >>> sd = {"transformer.wte.weight": torch.zeros(8, 4), "lm_head.weight": torch.zeros(8, 4)}

@@ -1,13 +1,7 @@
 """``smp.nn.huggingface.gptj``: Hugging Face's GPT-J as SMP distributes it.
 
-A ``GPTJForCausalLM`` created for tensor parallelism is replaced, when wrapped, by
-``GPTJLMHead``: SMP's ``DistributedTransformerLMHead`` whose layers run GPT-J's parallel
-attention and MLP behind one layer norm (``x + attention(ln(x)) + mlp(ln(x))``), GPT-J's
-rotary embeddings on the first ``rotary_dim`` features of each head (neighbouring pairs),
-no position table, q / k / v / out projections without biases, ``ln_f`` as the last
-layer's ``output.layernorm`` and an LM head of its own (with bias). AWS's GPT-J scripts
-read ``transformer.seq_layers``. The translate functions are SMP's (both spellings of
-the first that AWS's scripts import).
+``GPTJLMHead``: parallel attention and MLP behind one layer norm, interleaved rotary
+embeddings, no position table, an LM head of its own. See docs/tensor_parallel.md.
 
 >>> import torch
 >>> sd = {"transformer.wte.weight": torch.zeros(8, 4), "lm_head.bias": torch.zeros(8)}

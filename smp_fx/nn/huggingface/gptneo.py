@@ -1,11 +1,7 @@
 """``smp.nn.huggingface.gptneo``: Hugging Face's GPT-Neo as SMP distributes it.
 
-A ``GPTNeoForCausalLM`` created for tensor parallelism is replaced, when wrapped, by
-``GPTNeoLMHead``: SMP's ``DistributedTransformerLMHead`` laid out as GPT-2 (pre layer
-norms, ``ln_f`` as the last layer's ``output.layernorm``, the LM head tied to
-``word_embedding``) with GPT-Neo's attention: unscaled scores, q / k / v without biases,
-and, on the layers ``attention_layers`` marks ``local``, a causal window of
-``window_size`` keys. The translate functions are SMP's.
+``GPTNeoLMHead``: GPT-2's layout with GPT-Neo's unscaled scores and local attention
+windows. See docs/tensor_parallel.md.
 
 >>> import torch
 >>> sd = {"transformer.wpe.weight": torch.zeros(8, 4)}

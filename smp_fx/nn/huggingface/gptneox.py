@@ -1,17 +1,8 @@
 """``smp.nn.huggingface.gptneox``: Hugging Face's GPT-NeoX as SMP distributes it.
 
-A ``GPTNeoXForCausalLM`` created for tensor parallelism (AWS's GPT-NeoX script with its
-default ``--use_distributed_transformer 1``) is replaced, when wrapped, by
-``GPTNeoXLMHead``: SMP's ``DistributedTransformerLMHead`` with GPT-NeoX's layers (input
-and post-attention layer norms, with ``use_parallel_residual`` the parallel form
-``x + attention(ln1(x)) + mlp(ln2(x))``), rotary embeddings on the first
-``partial_rotary_factor`` (``rotary_pct``) of each head's features (halves paired), no
-position table, ``final_layer_norm`` as the last layer's ``output.layernorm`` and an LM
-head of its own (``embed_out``). The script reads ``transformer.seq_layers``.
-
-GPT-NeoX fuses q, k and v per head (``query_key_value`` rows: head 0's q, k, v, then head
-1's ...), so translating needs the head count: ``num_attention_heads``. SMP had no public
-GPT-NeoX translate functions; these are named as its others are.
+``GPTNeoXLMHead``: GPT-NeoX's layers (parallel residual optional), half-paired rotary
+embeddings, its own LM head. q, k and v are fused per head, so translating needs the head
+count. SMP had no public GPT-NeoX translate functions; these are named as its others are.
 """
 
 from __future__ import annotations

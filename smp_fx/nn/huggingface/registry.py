@@ -1,25 +1,9 @@
 """The Hugging Face models SMP replaces by its distributed modules, one entry per class.
 
-A ``Replacement`` names the Hugging Face class by its import path (nothing of transformers
-is imported to find it), the function that builds the distributed version of an instance
-and SMP's two translate functions. ``register`` adds it to the predefined replacements of
-``smp_fx.marking.tp_register``, which ``smp.DistributedModel`` applies to the instances
-marked for tensor parallelism, the model's root included; a ``smp.tp_register`` of the
-same class by the user takes precedence, as a later registration does in SMP.
-
-``rebuild`` is the common part of every builder: the new module takes the original's
-weights through the family's translation (strictly: every weight is accounted for), its
-dtype, device and training mode; an original built on the meta device
-(``delayed_parameter_initialization``) gives a meta replacement whose translation is
-recorded with the original's construction, so ``DistributedModel`` materialises it per
-stage, as the eagerly built replacement would be. Replacing registers the family's
-translate functions in ``smp.state.module_manager`` (full checkpoints are saved in Hugging
-Face's names and loaded from them, as SMP does).
-
-Families: ``gpt2`` (``GPT2LMHeadModel``), ``gptj``, ``gptneo`` and ``gptneox`` (their
-``ForCausalLM``, on ``causal_lm``), ``bert`` and ``roberta`` (their encoders): each a rule
-table, the replacement's arguments from the config and a ``forward`` taking the Hugging
-Face arguments.
+Classes are named by import path so nothing of transformers is imported to find them; a
+user's ``smp.tp_register`` of the same class wins. ``rebuild`` carries the original's
+weights (strictly translated), dtype, device and mode; a meta original gives a meta
+replacement materialised per stage. See docs/tensor_parallel.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""``smp.nn.huggingface.roberta``: Hugging Face's RoBERTa encoder as SMP distributes it.
-
-RoBERTa's encoder is BERT's, layer for layer: SMP replaces a ``RobertaEncoder`` created for
-tensor parallelism by the same ``DistributedTransformer`` (``smp_fx.nn.huggingface.bert``,
-``BertTransformer``), and its translate functions map the same names
-(``roberta.encoder.layer.{i}...`` <-> ``roberta.encoder.seq_layers.{i}...``).
+"""``smp.nn.huggingface.roberta``: RoBERTa's encoder is BERT's, layer for layer, so it is
+replaced by the same ``BertTransformer`` with the same name rules.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """State-dict translation between a Hugging Face model and SMP's distributed modules, as
 rules: one table per model family, read in both directions.
 
-A ``Rename`` maps one Hugging Face name pattern to one smp name pattern, a ``Fused`` one
-Hugging Face tensor to several smp tensors (GPT-2's ``c_attn`` holds the query, key and
-value projections side by side). Patterns hold ``{layer}`` (a layer index), ``{kind}``
-(``weight`` or ``bias``), ``{last}`` (the last layer's index: GPT-2's final layer norm
-is the last smp layer's ``output.layernorm``) and ``{prefix}`` (any leading module path,
-e.g. ``bert.``, where SMP replaces a submodule such as BERT's encoder). ``transpose``
-marks Hugging Face's ``Conv1D``, whose weight is ``(in, out)``, the transpose of
-``nn.Linear``'s; a fused
-tensor's parts lie along the output features. Names that match ``dropped`` (Hugging Face
-buffers SMP's modules do not have) are left out; any other name no rule matches is an
-error naming it, so a model of another architecture is never translated half-way, unless
-the family replaces a submodule only (``passthrough``: the rest keeps its names).
-
-The tensors of the result are views of the input where the layout allows (renames,
-transposes, split parts); only fusing builds new tensors. A family's module
-(``smp_fx.nn.huggingface.gpt2``) holds its table and SMP's two public functions.
+A name no rule matches is an error, so another architecture is never translated half-way;
+results are views of the input where the layout allows.
 
 >>> rules = (Rename("h.{layer}.fc.{kind}", "layers.{layer}.dense.{kind}", transpose=True),)
 >>> import torch

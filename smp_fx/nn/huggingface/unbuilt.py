@@ -1,9 +1,5 @@
-"""Refused when called: SMP's per-layer hook functions for ``smp.tp_register_with_module``
-(GPT-2's, GPT-J's), whose per-block replacement is not built. What runs instead: the
-whole Hugging Face model replaced (create it inside ``smp.model_creation(
-tensor_parallelism=True)``), or its blocks marked with ``smp.tensor_parallelism()`` for
-smp-fx's own tensor-parallel rewrite. ``refusing(name, family, module, fix)`` makes the
-function that says so.
+"""Refused when called: SMP's per-layer hook functions for ``smp.tp_register_with_module``,
+whose per-block replacement is not built; the message names what runs instead.
 """
 
 from __future__ import annotations

@@ -1,5 +1,4 @@
-"""Saving and loading: ``smp.save`` / ``smp.load`` files, pure state-dict merging and
-splitting by parameter name, and the state-dict methods of the model and optimizer.
+"""Saving and loading: files, state-dict merging by name, and the state-dict methods.
 
-(Named ``ckpt`` rather than ``checkpoint``: ``smp.checkpoint`` is SMP's activation
-checkpointing function, and a subpackage of that name would shadow it on import.)"""
+Named ``ckpt``: a subpackage ``checkpoint`` would shadow SMP's ``smp.checkpoint`` function.
+"""

@@ -1,10 +1,6 @@
 """Atomic file writes: a file is replaced whole or not at all, and the replacement is durable.
 
-Every checkpoint file smp-fx writes goes through here (``smp.save``, ``smp.save_checkpoint``,
-``smp-fx checkpoint merge``): the bytes go to a temporary sibling, which is flushed and
-fsynced, then renamed over the target, and the directory is fsynced so the rename survives
-a power loss. A process killed mid-write leaves the old file (or none) plus a temporary
-whose name says whose it was.
+See docs/checkpoints.md, 'Files, crash safety and formats'.
 """
 
 from __future__ import annotations
@@ -27,10 +23,8 @@ def fsync_dir(directory: str) -> None:
 
 
 def write_temp(path: str, write: Callable[[IO[bytes]], object]) -> str:
-    """Write a temporary sibling of ``path`` durably and return its name.
-
-    The name starts with ``.`` and contains the pid so concurrent writers never collide
-    and a leftover from a killed process is recognisable (``.NAME.PID.HEX.tmp``).
+    """Write a temporary sibling of ``path`` durably and return its name (pid in it: writers
+        never collide, a killed one's leftover is recognisable).
     """
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory,

@@ -1,13 +1,7 @@
 """Writing a partial checkpoint: the commit protocol over the model-parallel group.
 
-Crash safety: every file is written to a temporary file in the same directory, flushed,
-fsynced, then ``os.replace``d over the target, and the directory is fsynced. A partial save
-runs a small commit protocol over the model-parallel group: all ranks write temporaries;
-only when every rank succeeded does each move its previous file to ``f"{f}_{r}.prev"`` and
-its new one into place; mp rank 0 then writes the index, which is the commit record; then
-the ``.prev`` files are deleted. A process killed at any point leaves a set that ``load``
-reads consistently: the index names the save id, and a file whose id differs is replaced
-by its ``.prev`` twin (``smp_fx.ckpt.files.read_partial_file``).
+A process killed at any point leaves a set that loads consistently.
+See docs/checkpoints.md, 'Files, crash safety and formats'.
 """
 
 from __future__ import annotations
@@ -124,10 +118,8 @@ def _remove_stale_temporaries(target: str) -> None:
 
 
 def _keep_committed(f: str, target: str) -> None:
-    """Move this rank's committed file to ``.prev`` before the new one takes its name.
-
-    If ``.prev`` already exists and ``target`` is not the file the index commits (a save
-    was interrupted after its rename), ``.prev`` is the committed one and is kept.
+    """Move this rank's committed file to ``.prev`` before the new one takes its name (an
+        existing ``.prev`` is kept when it is the committed one).
     """
     if not os.path.exists(target):
         return

@@ -1,16 +1,6 @@
-"""SMP's sharded-data-parallel checkpoint files, DeepSpeed's names, written beside
-smp-fx's own in a partial checkpoint folder, for consolidation code such as AWS's
-``sharded_data_parallel_checkpoint.py``:
-
-* ``model_0.pt``: ``{"module": state dict}`` (the buffers are read from it);
-* ``optimizer_{r}.pt`` for each shard rank ``r``: ``{"partition_count": sdp,
-  "fp32_flat_groups": [...]}``, per param group the fp32 values' ``r``-th DeepSpeed
-  partitions end to end (each tensor flattened, zero-padded to a multiple of ``sdp`` and
-  cut in ``sdp`` equal parts);
-* ``param_shapes`` (per param group, name -> shape, in the groups' order) and
-  ``buffer_names`` added to a ``user_content`` dict, as SMP's ``save_checkpoint`` did.
-
-Written at pipeline and tensor degree 1; SMP's names for other layouts are not documented.
+"""SMP's sharded-data-parallel checkpoint files under DeepSpeed's names, written beside
+smp-fx's own for consolidation code such as AWS's; at pp = tp = 1 only, SMP's names for
+other layouts being undocumented. See docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,8 @@
 """A full model state written as Hugging Face's ``save_pretrained`` writes it, so that
-``from_pretrained`` loads it: the configuration, safetensors weights under the model's own
-names (sharded with an index past transformers' size limit), a tied weight stored once.
+``from_pretrained`` loads it.
 
-Two callers: ``smp.save_checkpoint(..., partial=False)`` of a ``DistributedModel`` that
-wraps a ``PreTrainedModel`` (beside SMP's own full file ``path/tag``), and ``smp-fx
-checkpoint export`` (partial checkpoints of any pp x tp, merged). transformers itself
-writes the files (``save_pretrained(folder, state_dict=...)`` of the wrapped model, or of
-one built on the meta device from the configuration), so the folder is exactly what that
-transformers version writes for the plain model; smp-fx hands it the state with every
-name of a tied tensor on one tensor object, which is how ``save_pretrained`` recognises
-ties and keeps one copy.
+transformers itself writes the folder, handed the state with a tied tensor's names on one
+object (how it recognises ties). See docs/checkpoints.md, 'Checkpoints Hugging Face loads'.
 """
 
 from __future__ import annotations

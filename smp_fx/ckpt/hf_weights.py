@@ -1,10 +1,5 @@
-"""The model weights Hugging Face's ``save_pretrained`` writes, read as one state dict.
-
-``save_pretrained`` (which the Hugging Face Trainer's SMP path calls to save the full model)
-writes ``model.safetensors``, or shards listed in ``model.safetensors.index.json`` for big
-models; transformers 5 writes nothing else. ``smp.resume_from_checkpoint(partial=False)``
-reads them when the file the Trainer names (``pytorch_model.bin``) is not there.
-Safetensors files hold tensors only, so reading them is safe whatever their origin.
+"""The weights ``save_pretrained`` writes (safetensors, sharded or not), read as one state
+dict; safe whatever their origin, since safetensors holds tensors only.
 """
 
 from __future__ import annotations

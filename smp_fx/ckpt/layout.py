@@ -1,24 +1,7 @@
 """The partial-checkpoint layout: file names, format markers, the index, a file's save id.
 
-Naming (one scheme, documented here and in the README):
-
-* full checkpoint (``partial=False``): exactly ``f``, a plain ``torch.save`` file that
-  ``torch.load`` reads without smp-fx; written by model-parallel rank 0 only;
-* partial checkpoint (``partial=True``): one file per model-parallel rank, ``f"{f}_{mp_rank}"``
-  (as SMP: ``checkpoint.pt_0``, ``checkpoint.pt_1``, ...), plus the index
-  ``f"{f}.smp_index.json"``: pipeline and tensor degree, the files and the parameter names
-  in each, so a checkpoint saved at one pipeline degree can be loaded at another (the
-  files are merged by name). A partial file wraps the saved object with its save id::
-
-      {"_smp_partial_checkpoint": 1, "save_id": "...", "mp_rank": 0, "object": obj}
-
-* per-rank checkpoint (``smp.save(..., partial=True, v3=True)``, what the Hugging Face
-  Trainer writes for a sharded optimizer state): one partial checkpoint per data-parallel
-  replica, ``f"{f}_rdp{rdp_rank}"`` (files ``f"{f}_rdp{r}_{mp_rank}"`` and an index each);
-  SMP's own names for it are not documented, so these are smp-fx's.
-
-Kept apart from the writing (``smp_fx.ckpt.commit``) and the reading (``smp_fx.ckpt.files``)
-because both sides, and ``smp-fx checkpoint``, must agree on exactly these names.
+Apart from writing and reading because both, and ``smp-fx checkpoint``, must agree on
+exactly these names. See docs/checkpoints.md, 'Files, crash safety and formats'.
 """
 
 from __future__ import annotations

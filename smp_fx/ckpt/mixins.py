@@ -1,23 +1,9 @@
 """The SMP state-dict methods of ``DistributedModel`` and ``DistributedOptimizer``, as mixins.
 
-Why mixins: the runtime classes own partitioning and stepping; checkpointing needs only a
-few of their facts, used duck-typed here so this module does not import them:
-
-* model: ``module`` (the unwrapped model), ``partitioned``, ``local_named_parameters()``,
-  ``local_named_buffers()`` (original FQNs), ``register_post_partition_hook(hook)``;
-* optimizer: ``optimizer`` (the wrapped torch optimizer; its param groups are narrowed to
-  the local parameters at partitioning), ``global_index`` (id of a held parameter -> its
-  index in the original flat parameter order), ``_localized``.
-
-The optimizer's full parameter order is captured in ``__new__``, before the runtime narrows
-the groups, so a full optimizer state is numbered exactly as the plain optimizer numbers it.
-Full state dicts are gathered over the pipeline group (never the world group), so calling
-``state_dict()`` on the ranks with ``dp_rank() == 0`` only, as the SMP docs say, cannot hang.
-
-Use (the runtime's classes)::
-
-    class DistributedModel(ModelCheckpointMixin, nn.Module): ...
-    class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer): ...
+They use a few facts of the runtime classes duck-typed, so this module imports neither.
+The optimizer's full order is captured before narrowing, so a full state numbers as the
+plain optimizer's; states gather over the pipeline group only, so calling them on
+``dp_rank() == 0`` alone, as SMP says, cannot hang.
 """
 
 from __future__ import annotations
@@ -90,11 +76,9 @@ def gather_shards(plan: Any, local: StateDict) -> StateDict:
 
 
 def gather_optimizer_shards(plan: Any, local: StateDict) -> StateDict:
-    """A partial optimizer state (by FQN) with every field of a tensor-parallel
-    parameter's state (Adam's moments, an fp16 master; not a 0-dim step) gathered over
-    the tp group and merged like the parameter: the unsharded optimizer's state. The
-    ranks of a tp group hold the same names and fields (one stage), so they gather in the
-    same order."""
+    """A partial optimizer state with each tp-distributed parameter's tensor fields gathered
+        over the tp group and merged like the parameter.
+    """
     if plan is None or not plan.sharded:
         return local
     out = dict(local)
@@ -205,11 +189,8 @@ class ModelCheckpointMixin:
 
     def state_dict(self, *args: Any, gather_to_rank0: bool = False,
                    **kwargs: Any) -> StateDict:
-        """The full model's state, exactly as the unwrapped model's ``state_dict()``.
-
-        Collective over the pipeline group once partitioned: call it on every rank with
-        ``smp.dp_rank() == 0`` (or on all ranks). With ``gather_to_rank0`` only pipeline
-        rank 0 gets the state (the others get an empty dict), so one process holds it.
+        """The full model's state, exactly as the unwrapped model's ``state_dict()``; collective
+            over the pipeline group (``gather_to_rank0``: only pipeline rank 0 holds it).
         """
         if args or kwargs:
             raise SMPCheckpointError.build(
@@ -225,14 +206,10 @@ class ModelCheckpointMixin:
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False, same_partition_load: bool = False) -> Any:
-        """Load a full or partial state dict; before partitioning it is applied right after.
+        """Load a full or partial state dict by name (before partitioning: right after it).
 
-        Tensors are matched by name (any tied alias). A partial state dict is first
-        gathered from every pipeline rank and merged (collective: call it on every rank
-        with ``smp.dp_rank() == 0``, as SMP says), so it loads whatever the partition is
-        now; ``same_partition_load=True`` skips that gather and needs this rank's names in
-        its own part (the partition is the one saved). Values are copied into this rank's
-        tensors (``assign=True`` is not supported: stages own them).
+            A partial one is gathered over the pipeline group first (collective) unless
+            ``same_partition_load``; values are copied, never assigned.
         """
         if assign:
             raise not_implemented("load_state_dict(assign=True) on a DistributedModel",
@@ -351,12 +328,8 @@ class OptimizerCheckpointMixin:
 
     def local_state_dict(self, cast_to_cpu: bool = True,
                          gather_if_shard: bool = True) -> StateDict:
-        """This rank's optimizer state keyed by FQN, with ``_smp_is_partial``.
-
-        ``cast_to_cpu``: tensors as CPU copies (SMP's default), else as the optimizer holds
-        them. ``gather_if_shard`` is for a state sharded over the data-parallel ranks
-        (``shard_optimizer_state``): ``DistributedOptimizer`` gathers the shards; here
-        it is unused.
+        """This rank's optimizer state keyed by FQN, with ``_smp_is_partial``; ``cast_to_cpu`` as
+                SMP's default.
         """
         local = local_optimizer_state_dict(sdp_shards.whole(self.torch_optimizer.state_dict()),
                                            self._smp_group_names(local=True),

@@ -1,27 +1,8 @@
-"""Hugging Face ``from_pretrained`` under ``smp.delay_param_initialization``: the model is
-built on the meta device, and each rank reads only its own stage's tensors from the
-safetensors files once the model is partitioned.
+"""Hugging Face ``from_pretrained`` under ``smp.delay_param_initialization``: built on the
+meta device, each rank reading only its own stage's tensors once partitioned.
 
-transformers refuses ``from_pretrained`` under a meta default device (5.x: "an anti-pattern
-as from_pretrained wants to load existing weights"), and loading every weight on every rank
-is what delayed initialisation exists to avoid. Inside ``delay_param_initialization``
-``meta_from_pretrained`` answers ``PreTrainedModel.from_pretrained(folder, ...)`` itself:
-
-* the configuration is read as ``from_pretrained`` reads it, and the model is built from it
-  with its parameters on the meta device and its buffers real (``params_on_meta``: a causal
-  mask or rotary frequencies computed in ``__init__`` are not in the weight files, and the
-  meta device would leave them empty), in evaluation mode as ``from_pretrained`` returns it;
-* the folder's safetensors files (``model.safetensors`` or the shards of its index) are
-  recorded on the model (``PRETRAINED_ATTR``);
-* ``smp.DistributedModel`` then places each stage without initialising it and loads the
-  weights through its own ``load_state_dict`` from ``SafetensorsState``, a mapping that
-  opens a tensor only when asked for it: each rank reads the tensors of its own stages (a
-  tied head found under its embedding's name, as ``save_pretrained`` writes it), one at a
-  time; with tensor parallelism each is cut to the rank's shard as it is read.
-
-Only ``PreTrainedModel.from_pretrained`` changes, only inside the context, and back on
-exit. A folder without safetensors weights is an ``SMPCheckpointError`` (the Hugging Face
-Hub is not searched: pass a local folder, e.g. from ``huggingface_hub.snapshot_download``).
+Only ``PreTrainedModel.from_pretrained`` changes, only inside the context.
+See docs/checkpoints.md, 'Files, crash safety and formats'.
 """
 
 from __future__ import annotations

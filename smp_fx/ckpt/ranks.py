@@ -1,7 +1,5 @@
-"""Where this rank is for checkpointing: the file it writes and the degrees it runs at.
-
-Apart from saving and loading because both ask it, and tests replace ``current_rank`` to
-play a rank of a larger job in one process.
+"""Where this rank is for checkpointing: the file it writes and the degrees it runs at;
+apart so tests can replace ``current_rank`` to play a rank of a larger job.
 """
 
 from __future__ import annotations
@@ -23,11 +21,7 @@ Gather = Callable[[Any], list[Any]]
 
 @dataclass(frozen=True)
 class RankInfo:
-    """This process's place for checkpointing: which file it writes, which degrees it runs.
-
-    ``num_files`` is the number of processes in the model-parallel group (1 when one
-    process runs every stage), so a partial checkpoint has exactly that many files.
-    """
+    """This process's place for checkpointing; ``num_files`` is the model-parallel group's size."""
 
     mp_rank: int = 0
     num_files: int = 1

@@ -1,26 +1,7 @@
 """Reading one checkpoint file: ``torch.load`` with the safe loader unless told otherwise.
 
-Loading uses ``torch.load(weights_only=True)`` unless told otherwise: what SMP scripts
-save (tensors, dicts, lists, tuples, numbers, strings, optimizer and LR-scheduler state
-dicts, numpy arrays and scalars) loads safely; an object holding other Python classes needs
-``smp.load(..., weights_only=False)``, for files you trust only. Passing a custom
-``pickle_module`` asks for that module's unpickler, which the safe loader cannot use, so it
-implies ``weights_only=False`` (trusted files only) unless ``weights_only=True`` is given.
-
-Scripts also save their own objects as ``user_content`` (AWS's GPT-2 example: its
-argument dict, its LR scheduler's state and its ``transformers.GPT2Config``). Beyond
-numpy, the safe loader takes a narrow allowlist of such classes (``trusted_class``): the
-Hugging Face configuration classes (subclasses of ``transformers.PretrainedConfig``, found
-among the checkpoint's globals and imported only from ``transformers`` or, for a class
-``trust_remote_code`` fetched, from Hugging Face's dynamic-module cache) and
-``argparse.Namespace``; their contents are checked as any other value. A file holding
-anything else loads only with an explicit choice: ``weights_only=False`` where the call
-takes it, or ``SMP_FX_TRUST_CHECKPOINTS=1`` in the environment (for
-``smp.resume_from_checkpoint``, whose SMP signature has no such argument), which logs that
-the unsafe loader ran.
-
-One place for that rule, since ``smp.load`` and ``smp.resume_from_checkpoint`` both read
-files through it.
+One place for the rule, since ``smp.load`` and ``smp.resume_from_checkpoint`` both read
+through it. See docs/checkpoints.md, 'Files, crash safety and formats'.
 """
 
 from __future__ import annotations
@@ -44,11 +25,9 @@ log = logging.getLogger("smp_fx.ckpt")
 
 
 def _numpy_safe_globals() -> list[Any]:
-    """The numpy names an array or scalar is pickled with (its reconstructor and dtypes):
-    allowed by the safe loader, as the Hugging Face Trainer allows them for RNG states,
-    since scripts save numpy metrics and RNG states beside their tensors. Under either
-    spelling (``numpy.core`` 1.x, ``numpy._core`` 2.x), so a file saved under one reads
-    under the other."""
+    """The numpy names arrays and scalars are pickled with, under both spellings (``numpy.core``
+        1.x, ``numpy._core`` 2.x), allowed as the Trainer allows them for RNG states.
+    """
     import numpy as np
 
     # numpy 2 keeps multiarray in np._core; numpy 1.26 has a np._core without it

@@ -1,15 +1,6 @@
-"""Checkpoints of a model under sharded data parallelism (FSDP2): shards as whole tensors.
-
-Sharded data parallelism holds each local parameter (and the optimizer state of it) as a
-``DTensor`` sharded over the stage's shard group. A checkpoint holds whole tensors instead,
-so that it is the same file as without sharding and loads at any
-``sharded_data_parallel_degree`` (1 included): ``whole`` gathers a state's ``DTensor``\\ s
-(a collective over each one's mesh: every rank of the shard group saves, in the same
-order, as ``smp.save_checkpoint`` has every rank take part), and ``assign`` /
-``reshard_optimizer_state`` put a loaded whole tensor back as this rank's shard, with no
-communication (every rank holds the whole value). The gathered copy costs the memory of
-one stage's full state for the duration of the save, which is what sharding saves
-otherwise.
+"""Checkpoints of a model under sharded data parallelism (FSDP2): shards as whole tensors,
+so a file is the same as without sharding and loads at any degree; the gathered copy
+costs one stage's full state during the save. See docs/checkpoints.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,14 @@
 """Pure merging and splitting of model and optimizer state dicts by parameter name.
 
-Why by name: a pipeline stage owns a set of parameters whose fully qualified names (FQNs)
-are the original model's names (``passes.split_stages`` keeps them). Names are stable when
-the model is repartitioned, integer optimizer ids are not; so every partial state dict is
-keyed by FQN and only a *full* optimizer state uses torch's integer ids, numbered exactly as
-``torch.optim.Optimizer.state_dict()`` numbers them on the unwrapped model.
+Names survive repartitioning, integer optimizer ids do not. Nothing here touches
+torch.distributed. See docs/checkpoints.md, 'Files, crash safety and formats'.
 
-Two formats, both plain dicts (so ``torch.load(weights_only=True)`` reads them):
-
-* model, partial: ``{fqn: tensor, ..., "_smp_is_partial": True}``; every name under which
-  the plain model's ``state_dict()`` would store a local tensor (tied parameters appear
-  under each of their names, as in the plain model);
-* optimizer, partial::
-
-      {"state": {fqn: {...}}, "param_groups": [{..., "params": [local fqns]}],
-       "_smp_group_params": [[every fqn of group 0 in plain order], ...],
-       "_smp_is_partial": True}
-
-  ``_smp_group_params`` lets any set of partials be turned back into integer ids without
-  the model at hand (``smp-fx checkpoint merge``).
-
-Nothing here touches torch.distributed; gathering is the caller's job.
-
-Example::
-
-    >>> import torch
-    >>> m = torch.nn.Linear(2, 2)
-    >>> layout = ModelLayout.from_module(m)
-    >>> part = local_model_state_dict({"bias": m.bias}, layout)
-    >>> sorted(part)
-    ['_smp_is_partial', 'bias']
+>>> import torch
+>>> m = torch.nn.Linear(2, 2)
+>>> layout = ModelLayout.from_module(m)
+>>> part = local_model_state_dict({"bias": m.bias}, layout)
+>>> sorted(part)
+['_smp_is_partial', 'bias']
 """
 
 from __future__ import annotations
@@ -76,11 +55,8 @@ def _same_value(a: Any, b: Any) -> bool:
 
 @dataclass(frozen=True)
 class ModelLayout:
-    """The key order and tied-name groups of the plain model's ``state_dict()``.
-
-    Taken from the unwrapped module before partitioning (meta tensors are fine), it is what
-    lets a gathered state dict match the plain model's exactly: the same keys, in the same
-    order, tied parameters under each of their names.
+    """The key order and tied-name groups of the plain model's ``state_dict()``, taken before
+        partitioning, so a gathered state matches it exactly.
     """
 
     keys: tuple[str, ...]
@@ -117,11 +93,8 @@ class ModelLayout:
 
 
 def local_model_state_dict(local: Mapping[str, Any], layout: ModelLayout | None) -> StateDict:
-    """This rank's partial model state: ``local`` (name -> tensor) plus every tied alias.
-
-    ``local`` is the stage's parameters and persistent buffers under their FQNs. With a
-    layout, names the plain ``state_dict()`` would not contain (non-persistent buffers) are
-    dropped and the keys follow the plain model's order.
+    """This rank's partial model state: ``local`` (name -> tensor) plus every tied alias, in
+        the layout's order.
     """
     out: StateDict = OrderedDict()
     if layout is None:
@@ -142,12 +115,8 @@ def local_model_state_dict(local: Mapping[str, Any], layout: ModelLayout | None)
 
 def merge_model_state_dicts(parts: Sequence[Mapping[str, Any]],
                             layout: ModelLayout | None = None) -> StateDict:
-    """One full model state dict from partial ones, merged by name.
-
-    A name in several parts (a tied or replicated parameter) must hold the same value in
-    each; a difference means the replicas diverged and is an error, never a silent choice.
-    With a layout the result has exactly the plain model's keys in its order (aliases filled
-    in) and a missing key is an error; without one, keys keep first-seen order.
+    """One full model state dict from partial ones, merged by name; replicas that differ are an
+        error, never a silent choice.
     """
     merged: dict[str, Any] = {}
     shards: dict[str, Any] = {}
@@ -196,12 +165,8 @@ def merge_model_state_dicts(parts: Sequence[Mapping[str, Any]],
 
 
 def merge_orders(orders: Sequence[Sequence[str]]) -> list[str]:
-    """One order of all names that keeps the order of every list (each a sub-sequence of
-    the plain model's key order); among free names the earliest-seen goes first.
-
-    Why: without the model, the partial files' own orders are the only evidence of the
-    plain ``state_dict()`` order; a tied name saved by two stages is placed after its
-    predecessors in both.
+    """One order of all names keeping the order of every list: without the model, the partial
+        files' own orders are the only evidence of the plain order.
     """
     first_seen: dict[str, int] = {}
     after: dict[str, set[str]] = {}
@@ -264,10 +229,8 @@ class Selected(Mapping[str, Any]):
 
 def select_model_state(sd: Mapping[str, Any], wanted: Iterable[str],
                        layout: ModelLayout | None = None) -> tuple[Selected, list[str]]:
-    """The entries of ``sd`` for the names in ``wanted`` (found under any tied alias), as a
-    mapping that reads each when asked (``Selected``).
-
-    Returns (selected, missing). Used to load a full or merged state into one stage.
+    """The entries of ``sd`` for ``wanted`` (under any tied alias), read when asked; returns
+        (selected, missing).
     """
     sources: dict[str, str] = {}
     missing: list[str] = []
@@ -290,11 +253,8 @@ def _group_hyper(group: Mapping[str, Any]) -> dict[str, Any]:
 
 def optimizer_state_by_name(torch_sd: Mapping[str, Any],
                             group_names: Sequence[Sequence[str]]) -> StateDict:
-    """A torch-format optimizer state (integer ids) re-keyed by FQN.
-
-    ``group_names[i]`` names the parameters of group ``i`` in the order the optimizer holds
-    them. The result is in the partial format but not marked partial (it covers exactly the
-    parameters in ``group_names``).
+    """A torch-format optimizer state (integer ids) re-keyed by FQN, ``group_names[i]`` naming
+        group ``i``'s parameters.
     """
     groups = torch_sd["param_groups"]
     if len(groups) != len(group_names):
@@ -325,12 +285,7 @@ def optimizer_state_by_name(torch_sd: Mapping[str, Any],
 def local_optimizer_state_dict(local_torch_sd: Mapping[str, Any],
                                local_group_names: Sequence[Sequence[str]],
                                full_group_names: Sequence[Sequence[str]]) -> StateDict:
-    """This rank's partial optimizer state, keyed by FQN, with the full group order attached.
-
-    ``local_torch_sd`` is the local torch optimizer's ``state_dict()``, whose group ``i``
-    holds the parameters ``local_group_names[i]``; ``full_group_names`` is the plain
-    optimizer's order over the whole model.
-    """
+    """This rank's partial optimizer state, keyed by FQN, with the full group order attached."""
     by_name = optimizer_state_by_name(local_torch_sd, local_group_names)
     if len(full_group_names) != len(local_group_names):
         raise SMPCheckpointError.build(
@@ -349,10 +304,8 @@ def local_optimizer_state_dict(local_torch_sd: Mapping[str, Any],
 
 
 def merge_partial_optimizer_states(parts: Sequence[Mapping[str, Any]]) -> StateDict:
-    """The union of several partial optimizer states, still keyed by FQN and marked partial.
-
-    Hyperparameters and the full group order must agree across parts; a parameter's state
-    present in several parts (a replicated tied weight) must be equal.
+    """The union of several partial optimizer states; hyper-parameters, group order and
+        replicated states must agree.
     """
     if not parts:
         raise SMPCheckpointError.build("no partial optimizer states to merge",
@@ -398,13 +351,8 @@ def merge_partial_optimizer_states(parts: Sequence[Mapping[str, Any]]) -> StateD
 def optimizer_state_to_torch(by_name: Mapping[str, Any],
                              group_names: Sequence[Sequence[str]] | None = None,
                              require_complete: bool = False) -> StateDict:
-    """A by-name optimizer state in torch's integer-id format for an optimizer whose group
-    ``i`` holds ``group_names[i]`` (default: the full order the state carries).
-
-    Ids count over all groups in order, as ``torch.optim.Optimizer.state_dict()`` does, so
-    with the full order the result equals the plain optimizer's ``state_dict()``. State of
-    names not in ``group_names`` is left out; ``require_complete`` makes a name of
-    ``group_names`` that the state does not cover (it is in no group's ``params``) an error.
+    """A by-name optimizer state in torch's integer ids for groups ``group_names`` (default the
+        full order: then it equals the plain optimizer's ``state_dict()``).
     """
     names = group_names if group_names is not None else by_name.get(GROUP_PARAMS_KEY)
     if names is None:

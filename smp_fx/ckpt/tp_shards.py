@@ -1,19 +1,6 @@
-"""Tensor-parallel shards in partial checkpoints: described, joined, re-cut.
-
-Why: at ``tensor_parallel_degree`` N a rank holds 1/N of each distributed parameter (and
-of its optimizer state) under the parameter's own name. A partial checkpoint keeps those
-shards as they are, one file per (pp, tp) rank, and says what each is:
-
-    {"_smp_tp_shards": {name: [dim, parts, index, stride(, pad)]}, ...}
-
-in every partial model and optimizer state dict that holds one. So a checkpoint saved at
-one tensor-parallel degree loads at another: ``join`` rebuilds the full tensors from the
-files of every tp rank (``tp_graph.unshard``: along ``dim`` in ``index`` order, block by
-block when ``stride`` > 1, a fused projection; the ``pad`` zero rows of a padded
-vocabulary dropped), and ``cut`` takes this rank's shard of a full tensor by the model's
-current ``ShardSpec`` (``tp_graph.shard``, after re-padding). A tensor without a
-description is whole (replicated, or saved at tp=1). ``pad`` is written only when set, so
-unpadded descriptions keep their four fields.
+"""Tensor-parallel shards in partial checkpoints: described, joined, re-cut, so a
+checkpoint saved at one tensor-parallel degree loads at another.
+See docs/checkpoints.md, 'Files, crash safety and formats'.
 
 >>> import torch
 >>> parts = [{"w": torch.tensor([[1.], [2.]]), TP_SHARDS_KEY: {"w": [0, 2, 0]}},

@@ -1,12 +1,6 @@
-"""State of the wrapped module that no stage reads, kept by the first pipeline stage.
-
-A model may register persistent state its forward never touches: transformers 4.2x's
-GPT-2 keeps a ``masked_bias`` buffer per attention layer, unused since its attention
-stopped reading it. No traced node reads such a tensor, so no stage holds it; yet
-``state_dict()`` must be exactly the plain model's, and ``load_state_dict`` must accept
-it. The rank of stage 0 keeps it, as the module holds it (never moved, never trained):
-its name joins that rank's local tensors, so it is saved, merged and loaded like any
-other.
+"""State of the wrapped module that no stage reads, kept by the first pipeline stage, so
+``state_dict()`` stays exactly the plain model's (transformers 4.2x GPT-2's
+``masked_bias``).
 """
 
 from __future__ import annotations

@@ -1,20 +1,6 @@
 """Loading a checkpoint safely: a bad file is one clear error, on every rank, never a hang.
 
-Two rules every load path follows (``smp.load``, ``DistributedModel.load_state_dict``,
-``DistributedOptimizer.load_state_dict``, and the resume of full training checkpoints):
-
-* **Say what is wrong with the file.** ``torch.load`` fails on a damaged file in many voices
-  (``PytorchStreamReader failed reading zip archive``, ``[Errno 22] Invalid argument``,
-  ``EOFError``, ``invalid load key``, ``Weights only load failed``). ``load_error`` looks at
-  the file itself (empty, not in ``torch.save``'s format, its end missing) and says which,
-  naming the file and the fix.
-* **Agree before going on.** Each rank loads its own file (a partial checkpoint) or its own
-  parameters (a state dict), so a load can fail on one rank only; that rank raises, the
-  others go on into the next collective and wait there until the timeout, far from the
-  cause. ``agreed`` runs a rank's part of a load, then gathers every rank's outcome (one
-  small all-gather over the world group) and, if any failed, raises the same
-  ``SMPCheckpointError`` on every rank, naming each failed rank with its own message. So a
-  load is collective: as SMP says, call it on every rank.
+See docs/checkpoints.md, 'Files, crash safety and formats'.
 
 >>> agreed("a load", lambda: 42)   # a world of one: nothing to agree with
 42

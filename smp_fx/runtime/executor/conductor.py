@@ -1,42 +1,10 @@
 """The conductor: the step function's threads take turns through one ordered op list.
 
-The user's step function runs once per microbatch. ``model(...)`` posts an F request and
-waits for the model outputs; ``model.backward(...)`` posts a B request and returns once it
-cannot run the next op itself: the backward runs at its turn in the schedule, and gradients
-are complete when ``smp.step`` returns (where SMP's documentation puts optimizer.step()), so a
-step function that has asked for its backward needs no thread of its own any more and the
-calling thread moves on to the next microbatch. Turns are granted strictly by position in
-the op list (``smp_fx.runtime.executor.lowering``), so every rank issues its sends and receives in
-schedule order. The conductor is a baton, not a thread: whichever waiting thread finds the
-next op runnable (its microbatch's request has arrived, or it is a transfer) executes it
-through the ``execute`` callback it was given and keeps going; a driver that hands model
-outputs to another waiting thread stops and lets that thread carry on, so only one thread
-drives at a time. A finished backward is not handed over: its thread only has to return,
-so the driver keeps going.
-
-Step functions start lazily: the calling thread runs each microbatch's function in turn and
-a pool thread starts one only when the next op needs a microbatch while every driver is
-stuck mid-function (a pipeline with several microbatches in flight). On a rank whose
-``model(...)`` waits for outputs computed elsewhere (``next_forward`` given), each forward
-starts the function of the microbatch whose forward comes next, so its request is in
-before its turn and the driver never waits for a thread to start (starting them all at
-once would make them contend with the step's first forward).
-
-Grad mode and autocast captured from the requesting thread travel with its request
-(``smp_fx.runtime.executor.modes``). A failure in any thread aborts the step: the caller re-raises
-the original exception and every thread is released. A thread waiting for its turn while a
-driver performs an op keeps waiting past the timeout: the driver's own wait is bounded (a
-transfer's timeout names the peer it waits for, which says more than "no turn came"), so
-the conductor times out only when no thread is performing an op. ``status`` tells where
-every microbatch's step function is, for the flight record (``smp_fx.runtime.executor.flight``),
-in the words of ``smp_fx.runtime.executor.turns``.
-The conductor knows ops only by kind and microbatch; what an op does, and every value it
-moves, is the executor's.
-
-What a step's turn-taking holds (the requests, who drives, the position in the op list, the
-threads started, a failure) lives in one ``StepTurns``, made for each step and dropped after it,
-so nothing is reset between steps; the conductor itself keeps only its options (timeout,
-rank, the ``execute`` callback), its lock and its thread pool.
+Turns follow the op list, so every rank issues its transfers in schedule order; the
+conductor is a baton, not a thread: whichever waiting thread finds the next op runnable
+performs it. Step functions start lazily. It knows ops by kind and microbatch only; what
+one step's turn-taking holds is a ``StepTurns`` dropped after it.
+See docs/runtime.md ('Threads', 'Per-step state').
 """
 
 from __future__ import annotations
@@ -138,13 +106,10 @@ class Conductor:
 
     def publish_outputs(self, mb: int, outputs: Any, hand: bool = True,
                         defer: bool = False) -> None:
-        """Give microbatch ``mb``'s ``model(...)`` call its outputs and wake its thread.
-
-        ``hand``: that thread carries on driving (it must run user code to post its next
-        request). ``defer`` (no hand-over): at the driver's next ``flush`` instead, because
-        a woken step function competes for the CPU (and the GIL) with the driver's work;
-        the driver flushes when it would wait anyway (blocking on a message that has not
-        arrived, or the end of its turn)."""
+        """Give microbatch ``mb``'s ``model(...)`` call its outputs and wake its thread: ``hand``,
+                it drives on; ``defer``, at the driver's next ``flush``, so a woken step function
+                does not compete with the driver for the CPU.
+        """
         s = self._step
         assert s is not None  # called during a step only (a turn, an op)
         with self._lock:
@@ -174,10 +139,8 @@ class Conductor:
     # ---- the baton ----------------------------------------------------------------------
     @staticmethod
     def _may_drive(s: StepTurns, mb: int) -> bool:
-        """Whether the thread of ``mb`` (< 0: the caller after its own work) runs the next op.
-
-        Only when no other thread is driving or was just handed the baton, and, for a thread
-        whose step function has returned, when no step function is running Python either.
+        """Whether the thread of ``mb`` (< 0: the caller after its own work) runs the next op:
+                only when nobody drives or holds the baton.
         """
         return (not s.driving and s.holder is None and s.next < len(s.ops)
                 and s.runnable(s.ops[s.next]) and (mb >= 0 or s.running == 0))
@@ -203,11 +166,9 @@ class Conductor:
             self._sleep(s, cond, mb, what)
 
     def _take_turn(self, s: StepTurns, mb: int, lazy: bool) -> bool:
-        """With the lock held: execute ops in order while the next one can run, until the
-        baton is handed to another thread. ``lazy`` (a thread done with its own microbatch):
-        stop before a receive for a microbatch whose step function has not started, so that
-        function's start overlaps the message in flight instead of following it (its
-        ``model(...)`` call drives the receive); returns whether it stopped there."""
+        """With the lock held: execute ops while the next can run. ``lazy``: stop before a
+                receive for an unstarted step function, so its start overlaps the message.
+        """
         ops = s.ops
         s.driving = True
         try:
@@ -305,11 +266,9 @@ class Conductor:
     def run(self, fn: Callable[..., Any], microbatches: Sequence[Microbatch],
             ops: tuple[Op, ...], next_forward: Sequence[int] | None = None
             ) -> tuple[list[Any], list[bool]]:
-        """Run ``fn`` once per microbatch while ``ops`` are executed in order.
-
-        Returns ``fn``'s results and, per microbatch, whether its step function called
-        ``model.backward``. ``next_forward`` (``Lowered.next_forward``): start step
-        functions a forward ahead (see the module doc)."""
+        """Run ``fn`` once per microbatch while ``ops`` are executed in order; returns its results
+                and whether each microbatch called ``model.backward``.
+        """
         m = len(microbatches)
         if m > 1 and (self._pool is None or self._pool_size < m - 1):
             if self._pool is not None:
@@ -384,11 +343,7 @@ class Conductor:
                     self._start_needed(s)  # the calling thread may be asleep mid-function
 
     def _start_needed(self, s: StepTurns) -> None:
-        """With the lock held, by a thread that cannot run it itself: if the next op needs a
-        microbatch whose step function has not started, start it on a pool thread.
-
-        Microbatches start lazily, so a schedule that finishes one microbatch before it
-        needs the next (pp = 1, or the last stage) runs entirely in the calling thread."""
+        """With the lock held: start the step function the next op needs on a pool thread."""
         if s.driving or s.holder is not None or s.next >= len(s.ops):
             return
         op = s.ops[s.next]

@@ -1,14 +1,6 @@
 """What a failed wait on a peer rank means, told in words: the peer is gone, or it is silent.
 
-torch.distributed reports both as a ``RuntimeError``: gloo says ``Connection closed by
-peer`` or ``Connection reset by peer`` when the peer's process died (and raises the same
-when a send or receive is posted on that connection afterwards), ``Timed out waiting
-20000ms for recv operation`` when it is alive but sent nothing. The two call for different
-actions: a lost peer failed first and its own log says why; a silent one is stuck or far
-behind, and its flight record (``smp_fx.runtime.executor.flight``) shows where. ``wait_failed``
-turns the backend's error into ``SMPPeerError`` or ``SMPTimeoutError`` naming the peer's
-rank and stage and what this rank was doing, with ``peer_rank`` set so that ``smp-fx run``
-can follow the failures back to the rank that failed first.
+See docs/runtime.md, 'When a step fails'.
 
 >>> err = wait_failed(RuntimeError("[pair.cc:553] Connection closed by peer [127.0.0.1]:1"),
 ...                   "stage 1 (rank 1)", 1, True, 20.0, "rank 0 (stage 0)")

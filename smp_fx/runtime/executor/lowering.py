@@ -1,32 +1,9 @@
 """Lowering: a schedule becomes this rank's op list, with everything a step needs to run it.
 
-Each action of the rank's schedule becomes ops that add the communication it needs
-(data, not code)::
-
-    F(s, mb)  ->  RECV_ACT(s, mb, src)...  F(s, mb)  SEND_ACT(s, mb, dst)...
-    B(s, mb)  ->  [WAIT_B(s, mb)]  RECV_GRAD(s, mb, dst)...  B(s, mb)  SEND_GRAD(s, mb, src)...
-    I(s, mb)  ->  [WAIT_B(s, mb)]  RECV_GRAD(s, mb, dst)...  I(s, mb)  SEND_GRAD(s, mb, src)...
-    W(s, mb)  ->  W(s, mb)
-
-A stage is a chunk of the model (``cost_model.actions``); a rank may hold several, and
-runs its own list of the schedule. A transfer between two chunks of one rank is an op like
-any other, but stays in the process (the executor's own mailbox): it is no stream of the
-transport's (``receive_posts`` and ``send_counts`` leave it out).
-
-``WAIT_B`` (the last stage, and a stage that sends nothing on) waits for the step
-function's decision to call ``model.backward``; other stages learn it from the gradient
-messages (see ``smp_fx.runtime.executor.executor``). Across processes the last stage's outputs
-ride on the gradient messages; a forward-only step has none, so there the last stage sends
-them on their own channel, ``SEND_OUT`` after each forward and ``RECV_OUT`` at the end of
-the other ranks' lists (a stage that sends nothing on gets no gradient messages either: it
-gets ``RECV_OUT`` before its backward). In-process (all stages here) the stages' lists are
-merged in the lock-step order of ``cost_model.schedule.clock`` and need no ``*_OUT`` ops.
-
-``lower`` is a pure function of (schedule, program, this rank's stages) and returns a
-``Lowered``: the ops, where each receive stream is announced to the transport, how many
-messages each send stream carries, the last receive's position and, on a rank that starts
-step functions a forward ahead, the next forward's microbatch at each position.
-``LoweredCache`` keeps one per schedule; its fast path relies on ``cached_schedule``.
+Each action becomes its transfers and itself (``RECV_ACT* F SEND_ACT*``,
+``[WAIT_B] RECV_GRAD* B SEND_GRAD*``); ``lower`` is a pure function of (schedule,
+program, this rank's stages) and ``LoweredCache``'s fast path relies on
+``cached_schedule``. See docs/runtime.md ('Lowering', 'The schedule contract').
 """
 
 from __future__ import annotations
@@ -108,13 +85,8 @@ def describe(op: Op, ranks: Sequence[int] | None = None) -> str:
 
 @dataclass(frozen=True)
 class Lowered:
-    """A schedule lowered for one rank.
-
-    ``posts``: op position -> the receive streams announced to the transport just before
-    that op runs (``receive_posts``). ``sends``: messages per send stream this step
-    (``send_counts``). ``last_recv``: the position of the last receive (-1: none).
-    ``next_forward``: per position, the microbatch of the next forward after it (-1: none),
-    on a rank that starts step functions a forward ahead; else None (``next_forwards``).
+    """A schedule lowered for one rank: its ops, receive streams announced per position
+        (``posts``), messages per send stream, the last receive and ``next_forward``.
     """
 
     ops: tuple[Op, ...]
@@ -142,12 +114,9 @@ class Lowered:
 
 def lower(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int],
           multi_process: bool) -> Lowered:
-    """``schedule`` lowered for the rank holding ``stages`` (its chunks, or all in-process).
-
-    A rank without the last stage, across processes, waits for remote outputs in every
-    ``model(...)`` call: it starts step functions a forward ahead (``next_forward``). A
-    transfer between two stages of this rank (chunks of one rank) stays in the process:
-    it is an op like any other, but no stream of the transport's."""
+    """``schedule`` lowered for the rank holding ``stages`` (its chunks, or all in-process);
+        transfers between this rank's own chunks stay in the process.
+    """
     ops = lower_ops(schedule, program, stages, multi_process)
     ahead = multi_process and program.num_stages - 1 not in stages
     local = frozenset(stages) if multi_process else frozenset()
@@ -280,13 +249,9 @@ class LoweredCache:
             None, (), None)
 
     def get(self, schedule: sched.Schedule, stages: tuple[int, ...]) -> Lowered:
-        """The lowering of ``schedule`` for ``stages``.
-
-        Fast path: the very schedule object of the last call, found by ``is``. Schedules
-        from ``cached_schedule`` are the same object step after step, so every step but a
-        configuration change hits it. Buys hashing the schedule, which hashes every action:
-        4-12 us per step at 2 stages x 4 microbatches (``benchmarks/transport_tricks.py``;
-        docs/performance.md). Any other schedule is still right, found by equality."""
+        """The lowering of ``schedule`` for ``stages``; the last call's very schedule object is
+                found by ``is`` (4-12 us a step saved, docs/performance.md), any other by equality.
+        """
         last_schedule, last_stages, lowered = self._last
         if last_schedule is schedule and last_stages == stages and lowered is not None:
             return lowered

@@ -1,9 +1,5 @@
-"""A thread's grad mode and autocast, captured in one thread and applied in another.
-
-The work a step function asks for (``model(...)``, ``model.backward(...)``) may run in
-whichever thread holds the conductor's baton, so the requesting thread's grad mode and
-autocast state travel with the request and apply where the work runs. Both functions run
-several times per op: the usual case (nothing to change) costs one call each.
+"""A thread's grad mode and autocast, captured in one thread and applied in another, since
+the work a step function asks for runs in whichever thread holds the baton.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""What the parallelisms plug into the executor: the stage runner and the step hooks.
-
-The executor calls a local stage only through its ``StageRunner`` and runs, around every
-step, the hooks it was built with (``StepHooks`` of each parallelism, in the order
-``smp_fx.parallel.build`` composes them). Here, below both, so that a parallelism can name
-them without importing the executor.
+"""What the parallelisms plug into the executor: the stage runner and the step hooks, here
+below both so a parallelism can name them without importing the executor.
 """
 
 from __future__ import annotations
@@ -20,13 +16,8 @@ from smp_fx.runtime.executor.split_backward import PendingW, input_grads, weight
 
 
 class StageRunner:
-    """Runs one stage's module: the seam where data parallelism wraps ``module``.
-
-    The DDP work replaces ``module`` with a ``DistributedDataParallel`` wrapper and uses
-    ``no_sync`` for all microbatches but the last; the executor only calls ``forward`` and
-    ``backward`` (or, for a split backward, ``backward_input`` then ``backward_weight``)
-    here. On the last stage the backward gets the user's loss tensors (and scaled grads):
-    that one autograd pass runs through the loss into the stage.
+    """Runs one stage's module: the seam where data parallelism wraps ``module``; on the last
+        stage the backward starts from the user's loss tensors.
     """
 
     def __init__(self, stage: Stage, device: torch.device) -> None:

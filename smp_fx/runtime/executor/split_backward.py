@@ -1,30 +1,9 @@
 """The split backward: a chunk's input gradients now (I), its weight gradients later (W).
 
-Both come from the autograd graph the chunk's forward recorded; nothing is computed twice.
-The graph, read from the roots of the backward (the chunk's outputs, or the user's loss on
-the last chunk) down, has an *input path*: the nodes through which the chunk's inputs are
-reached. Every parameter's own path (its ``AccumulateGrad`` and the nodes above it that
-lead only to parameters) joins the input path at some nodes, the *joins* (a linear's
-``AddmmBackward``: its input edge is on the input path, its weight edge is not).
-
-- I asks autograd for the gradients of the chunk's inputs only, keeping the graph; on the
-  way, a pre-hook on each join records the gradient it was given. The joins execute only
-  their input-path outputs: nothing of the parameters' paths runs.
-- W asks, per join, for the gradients of the parameters under its parameter-side edges,
-  starting from the recorded gradient: the join executes only its parameter-side outputs
-  (its input-path edge leads to no parameter asked for), so every gradient is computed
-  once. The gradients accumulate into ``.grad`` through each parameter's
-  ``AccumulateGrad``, whose hooks (DDP's reducer) fire as in a full backward.
-
-A parameter used twice in one chunk (reached from two joins) is reached through the input
-path as well, so autograd cannot compute it apart from I: I computes its gradient (asking
-for it at its ``AccumulateGrad``) and W accumulates it, through that node, so its hooks
-still fire at W. A chunk
-whose inputs need no gradient (the first) has no input path: I does nothing and W runs the
-whole backward from the roots.
-
-Between I and W the graph is kept: the chunk holds what its forward saved (and, in a
-checkpointed region, what the recompute rebuilt), plus each join's recorded gradient.
+Both come from the autograd graph the forward recorded, so nothing is computed twice: I
+asks for the input-path gradients and records what each join (where a parameter's path
+meets it) was given; W resumes from those joins. See docs/schedules.md, 'The split
+backward'.
 """
 
 from __future__ import annotations

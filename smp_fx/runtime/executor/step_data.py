@@ -1,11 +1,5 @@
-"""What the executor holds during one step, per microbatch and for the step as a whole.
-
-``MbData`` is every value one microbatch holds on this rank between its ops (per stage:
-received inputs, results, gradients to send, a split backward's pending W); ``StepRun`` is
-one step's lowering, loss scale, microbatches and progress; ``StepStats`` what the last step
-did. The executor (``smp_fx.runtime.executor.executor``) makes one ``StepRun`` per step and
-drops it
-at the step's end, so nothing of a step outlives it.
+"""What the executor holds during one step: ``MbData`` per microbatch, ``StepRun`` for the
+step (dropped at its end), ``StepStats`` for what the last step did.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """The records the conductor grants turns on, and a moment of the step read as words.
 
-One ``Turn`` per microbatch holds what its step function asked for (``model(...)``,
-``model.backward(...)``), each ``Request`` with the grad mode and autocast of the thread that
-made it, since they apply to the work done for it (``smp_fx.runtime.executor.modes``). The words
-(what keeps the next op from running, where every step function is) are what a timeout and
-the flight record (``smp_fx.runtime.executor.flight``) tell a person: they are written from a
-``StepView`` the conductor takes with its lock held, so they can change for clarity without
-touching the turn-taking (``smp_fx.runtime.executor.conductor``). ``StepTurns`` is everything one
-step's turn-taking holds, made for each step.
+The words are written from a ``StepView`` taken under the conductor's lock, so they can
+change without touching the turn-taking.
 """
 
 from __future__ import annotations
@@ -47,10 +41,8 @@ class Turn:
 
 @dataclass(frozen=True)
 class StepView:
-    """The conductor's step at one moment (the lists are its own: read under its lock).
-
-    ``performing``: a thread is performing ``ops[next]`` now. ``runnable``: the conductor's
-    own rule for whether an op can run (one rule, so the words never disagree with it).
+    """The conductor's step at one moment; ``runnable`` is the conductor's own rule, so the
+        words never disagree with it.
     """
 
     ops: tuple[Op, ...]
@@ -68,15 +60,9 @@ Launch = tuple[Callable[..., Any], Sequence[Microbatch], bool, Autocast]
 
 @dataclass(eq=False, slots=True)
 class StepTurns:
-    """One step's turn-taking state, made by ``Conductor.run`` for each step and read and
-    written with the conductor's lock held (``conds`` and ``main`` wait on that lock).
-
-    ``next``: the position of the next op to run; ``driving``: a thread is executing ops;
-    ``handed_to``: the microbatch whose thread the last op handed model outputs to;
-    ``holder``: the thread that carries on driving after a hand-over; ``running``: threads
-    running user code; ``main_waiting``: threads waiting on ``main``; ``deferred``: outputs
-    held back until the driver flushes; ``abort``: the failure that aborted the step, and
-    ``abort_status`` the status lines when it did."""
+    """One step's turn-taking state, made by ``Conductor.run`` for each step and used under
+        the conductor's lock.
+    """
 
     ops: tuple[Op, ...]
     turns: list[Turn]

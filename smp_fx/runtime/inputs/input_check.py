@@ -1,30 +1,7 @@
 """A step's inputs come from the first pipeline rank; other pipeline ranks may pass
 placeholders, and real data they pass must be the first rank's.
 
-SMP v1 takes a step's model inputs from the first rank of each pipeline group: AWS's GPT-2
-example reads its data set on pipeline rank 0 only and gives the other ranks batches of
-empty tensors (``DummyDataset``). In smp-fx every rank runs the step function on its own
-arguments and each stage reads the model inputs it consumes on its own rank (the last
-stage its labels, say), so:
-
-* **Placeholders.** A tensor argument with no elements (or ``None``) on a rank other
-  than the first, where the first rank passes a tensor, is a placeholder: that rank's step
-  function receives the first rank's tensor instead, on every call. Only those arguments
-  travel (one object all-gather over the pipeline group per call of a step function that
-  has them; none for a function whose first call had none), so every stage and the step
-  function itself see the first rank's values.
-* **Real data must agree.** Every other tensor argument must equal the first rank's.
-  The first call of each step function compares a fingerprint of them (shape, dtype and
-  three sums per tensor) across the pipeline group and stops with an error naming the
-  argument otherwise. A rank's own data still matters where the step function uses it
-  outside the model (a loss computed from that rank's labels), and a data loader sharded
-  by the global rank gives the stages pieces of different batches without any other error:
-  what a torchrun-launched Hugging Face ``Trainer`` in SMP mode does on GPUs, where
-  accelerate sees ``LOCAL_RANK`` and shards its loaders by the world size.
-
-Placeholders must keep the structure of the first rank's arguments (the same arguments,
-nested alike); their shapes and dtypes are free. Data is sharded by ``smp.dp_rank()``,
-not by the global rank.
+See docs/runtime.md, 'A step's inputs'.
 """
 
 from __future__ import annotations

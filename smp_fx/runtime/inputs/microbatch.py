@@ -1,15 +1,7 @@
-"""Splitting an ``smp.step`` call's arguments into microbatches.
+"""Splitting an ``smp.step`` call's arguments into microbatches, as SMP splits them.
 
-SMP splits every tensor argument along its batch axis (0 unless ``input_split_axes`` says
-otherwise), including tensors nested in lists, tuples and dicts; an object with an
-``smp_slice(num_mb, mb, axis)`` method slices itself; any other object is passed whole to
-every microbatch, as are the arguments named in ``non_split_inputs``.
-
-This is the one splitter: ``smp.step`` splits with it, and ``smp-fx partition`` plans on
-its first microbatch, so the offline plan is made on exactly the inputs the runtime traces
-and plans on. It lives here, with ``smp.step`` whose rules it implements, and not in
-``passes``: the compiler takes one microbatch and never splits, and both callers that do
-split are in ``smp_fx``.
+The one splitter: ``smp-fx partition`` plans on its first microbatch, so the offline plan
+is made on the inputs the runtime traces.
 
 >>> import torch
 >>> mbs = split_inputs((torch.arange(4), {"y": [torch.zeros(4, 2)]}, "tag"), {}, 2)
@@ -34,10 +26,8 @@ Microbatch = tuple[tuple[Any, ...], dict[str, Any]]
 def split_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any], num_mb: int,
                  non_split_inputs: Sequence[str] = (), input_split_axes: Mapping[str, int]
                  | None = None, fn: Callable[..., Any] | None = None) -> list[Microbatch]:
-    """Return ``num_mb`` ``(args, kwargs)`` pairs, microbatch ``i`` holding slice ``i``.
-
-    Argument names (for ``non_split_inputs`` / ``input_split_axes``) are the parameter names
-    of ``fn``'s signature; keyword arguments are matched by their own names.
+    """Return ``num_mb`` ``(args, kwargs)`` pairs; names for the split options are ``fn``'s
+        parameter names.
     """
     axes = input_split_axes or {}
     names = _positional_names(fn, len(args))

@@ -1,26 +1,7 @@
 """Varying batch sizes and sequence lengths on a pipeline partitioned once.
 
-The graph a model is partitioned on keeps its input dimensions symbolic where the model
-allows (``passes.input_dims``: every dimension of an fx graph, the batch and sequence
-dimensions of an exported Hugging Face model), so the stages run any shape the graph
-admits without re-tracing or re-partitioning. ``ShapeGuard`` is the runtime's side of it:
-
-- ``check_call`` on every ``model(...)`` call: a new shape signature (the shapes of the
-  call's tensors) is checked once against the graph's ``InputDims``, so a shape the graph
-  cannot take is an ``SMPRuntimeError`` naming the input and dimension before anything
-  runs; a signature seen before costs one flatten and a set lookup.
-- ``check_received`` before a stage's forward, across processes: the pipeline's ranks
-  must run each step on inputs of the same shapes. A rank evaluates the symbolic shapes of
-  the values its stage receives with its own inputs' sizes, and a received value of another
-  shape names the input dimension the ranks disagree on instead of failing somewhere
-  inside the stage (or, worse, not failing). Only the dimensions that follow the inputs
-  (symbolic ones) are compared: a static size is the model's own, and tensor parallelism
-  gives each rank its part of it (a head-split attention score crossing the stages has
-  ``heads / tp`` heads; the dim ``passes.meta.TP_SPLIT`` names is not compared, as a
-  symbolic one may hold the heads too, ``batch * heads``). A value computed on the tp
-  group's gathered batch (``passes.meta.TP_GATHERED``, ``prescaled_batch`` false) is not
-  checked: its batch is ``tp`` times the rank's, on a dim the tp region's views may have
-  moved.
+``ShapeGuard`` checks each new call signature against the graph's input dimensions and,
+across processes, the shapes each stage receives. See docs/runtime.md, 'A step's inputs'.
 """
 
 from __future__ import annotations

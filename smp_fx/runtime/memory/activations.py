@@ -1,20 +1,7 @@
 """What a stage keeps for backward: saved-tensor hooks that count it and offload it.
 
-``ActivationKeeper`` (one per stage runner) installs ``torch.autograd.graph`` saved-tensor
-hooks around the stage's forward and, one level deeper, around each checkpointed region
-(``smp_fx.runtime.memory.checkpointing``: inside a region torch's own checkpoint hooks take over,
-so the region level sees exactly the region inputs that checkpoint keeps). Two jobs:
-
-- **Counting** (``track``): bytes kept per microbatch, each storage once, parameters and
-  buffers excluded; the plan's ``MemoryBreakdown.activations_per_microbatch`` predicts it
-  (``offloaded`` is what left the device).
-- **Offloading** (``offload_activations``): region inputs leave the device as they are
-  saved (into pinned host memory on a side stream on a GPU) and come back when
-  ``prefetch`` is called for their microbatch, which the executor does
-  ``activation_loading_horizon`` schedule tasks before that microbatch's backward
-  (``prefetch_points``); one not back in time is loaded when backward asks for it.
-
-Without either job no hook is installed: a plain stage pays nothing.
+Without either job no hook is installed, so a plain stage pays nothing.
+See docs/memory.md, 'At run time'.
 """
 
 from __future__ import annotations
@@ -225,12 +212,8 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 
 def prefetch_points(ops: Sequence[Op], stage: int, horizon: int) -> dict[int, list[int]]:
-    """Op position -> microbatches whose offloaded inputs start back before that op.
-
-    A stage's tasks are its ``F``, ``B``, ``I`` and ``W`` ops in schedule order; microbatch
-    m's inputs start back ``horizon`` tasks before its backward (``B(m)``, or ``I(m)``,
-    which rebuilds the regions), and never before the task after ``F(m)`` (they must have
-    left first).
+    """Op position -> microbatches whose offloaded inputs start back before that op:
+        ``horizon`` tasks before the backward, never before they left.
     """
     tasks = [(i, op) for i, op in enumerate(ops) if op.stage == stage
              and op.kind in ("F", "B", "I", "W")]

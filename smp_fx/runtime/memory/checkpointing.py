@@ -1,30 +1,8 @@
 """Running a stage's checkpointed regions under non-reentrant ``torch.utils.checkpoint``.
 
-The compiler marks region nodes (``passes.checkpoint_regions``: ``smp.ckpt_region``);
-here each region of a stage's GraphModule becomes one call of a ``RegionCall``, which runs
-the region's nodes (a GraphModule of their own over the same parameters) through
-``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. Torch's machinery does
-the rest: the forward saves only the region's inputs (through whatever saved-tensor hooks
-are active outside it: ``smp_fx.runtime.memory.activations`` counts and offloads them there), and
-the backward recomputes the region, replaying the forward's RNG with
-``preserve_rng_state`` so that dropout draws the same masks and gradients are bitwise
-those of the plain run.
-
-The stage module keeps its parameters and submodules where they were (names, optimizer,
-data parallelism and checkpoint files see no difference); only its graph changes. The
-region's GraphModule is deliberately not a registered submodule, so its parameters are
-not listed twice; it refers to the same Parameter objects, so outline after the stage's
-parameters reached their device.
-
-Under a split backward (``pipeline`` ``zero_bubble`` or ``zbv``) a region is rebuilt by
-``smp_fx.runtime.memory.recompute_once`` instead: torch's checkpoint rebuilds it for each backward
-pass, and the I and the W of a microbatch are two; rebuilt once, the region keeps what the
-recompute made from its I to its W.
-
-``ActivationCheckpointing`` is this as one step of the parallelisms' build
-(``smp_fx.parallel.build``): it outlines every local stage's regions and gives each stage
-the saved-tensor hooks (``ActivationKeeper``) that count what its forwards keep and, with
-``offload_activations``, move the regions' inputs off the device.
+Each region becomes one call; the stage keeps its parameters and names (the region's
+module is not registered, so nothing is listed twice). Under a split backward regions
+use ``recompute_once`` instead. See docs/memory.md, 'At run time'.
 """
 
 from __future__ import annotations
@@ -76,11 +54,9 @@ class RegionCall:
 
 
 class ActivationCheckpointing:
-    """Activation checkpointing and offloading on this rank's stages (a build step).
-
-    Nothing to do around a step: the executor drives the keepers it is given
-    (``keepers``: per local stage), which count every forward's saved tensors, checkpointed
-    or not."""
+    """Activation checkpointing and offloading on this rank's stages (a build step); the
+        executor drives the keepers it gives.
+    """
 
     name: ClassVar[str] = "activation_checkpointing"
 
@@ -104,11 +80,8 @@ class ActivationCheckpointing:
 
 
 def outline_regions(module: torch.fx.GraphModule, once: bool = False) -> list[RegionCall]:
-    """Rewrite ``module``'s graph in place: each region's nodes become one region call
-    (``once``: rebuilt once for a split backward's I and W, ``recompute_once``).
-
-    Nodes outside a region that read its outputs move after the call (the compiler
-    checked none of them feeds the region back). Returns the region calls, in order.
+    """Rewrite ``module``'s graph in place: each region's nodes become one region call;
+        readers of its outputs move after it. Returns the calls, in order.
     """
     graph = module.graph
     members: dict[str, list[torch.fx.Node]] = {}

@@ -1,18 +1,7 @@
 """Activation checkpointing whose recompute serves the split backward's I and W alike.
 
-torch's non-reentrant ``checkpoint`` keeps what a recompute rebuilt for one backward pass
-(one autograd graph task): a split backward (``smp_fx.runtime.executor.split_backward``) runs I and
-then W as separate passes, so torch would rebuild the region again for W, and W holds what
-the first rebuild made until it runs anyway. ``checkpoint_once`` rebuilds a region once:
-the first pass that needs one of its saved values recomputes the region's forward (the
-inputs, grad mode, autocast and RNG state of the original forward) and keeps everything
-the recompute saved in the region's *frame* until the frame dies with the autograd graph
-(after W). That is what W of a checkpointed region holds between I and W: the rebuilt
-values, counted by the executor's keeper as the rebuild happens.
-
-The region's inputs are saved through whatever saved-tensor hooks are active outside the
-region (``smp_fx.runtime.memory.activations``: counted, offloaded), as torch's checkpoint saves
-them: a one-node graph whose saved tensors they are.
+torch's checkpoint rebuilds a region per backward pass, and I and W are two; here the
+first pass rebuilds it once and the frame keeps what it saved until W.
 """
 
 from __future__ import annotations

@@ -1,13 +1,7 @@
 """Placing a planned model on this rank: split it, pick the transport, build the runners.
 
-``DistributedModel`` partitions in three parts: deciding (trace and plan,
-``smp_fx.runtime.planning.planning``), placing (this module) and composing the parallelisms
-(``smp_fx.parallel.build``, which calls in here). Placing is: the stages split from the
-planned graph (``split_for_rank``, world rank 0's assignment on every rank), then
-(``place_stages``) the devices and transport (one process runs every stage, or each
-process its own), each local stage's modules materialised on its device, the shape guard
-and the executor's options. The result is a value the build adopts whole; identical on
-every rank, as the plan is.
+Partitioning is deciding (``planning``), placing (here) and composing the parallelisms
+(``smp_fx.parallel.build``); the result is identical on every rank, as the plan is.
 """
 
 from __future__ import annotations
@@ -33,12 +27,7 @@ from smp_fx.world import launch, state
 
 @dataclass(frozen=True)
 class Placement:
-    """This rank's share of the partitioned model, on its devices.
-
-    ``runners``: the local stages' plain runners (the build may wrap them). ``delayed``: a
-    local stage was built under ``smp.delay_param_initialization`` (tied replicas must then
-    be made equal across ranks). ``options``: what the executor runs with.
-    """
+    """This rank's share of the partitioned model, on its devices."""
 
     program: StagedProgram
     runners: dict[int, StageRunner]
@@ -81,12 +70,9 @@ def lanes(rank_of: Sequence[int]) -> tuple[int, ...]:
 
 def place_stages(gm: torch.fx.GraphModule, program: StagedProgram, st: state.State,
                  rank_of: Sequence[int] | None = None, initialize: bool = True) -> Placement:
-    """Place this rank's stages of ``program`` (split from ``gm``): see the module doc.
-
-    ``rank_of``: the pipeline rank of each stage (the plan's placement; default one stage
-    per rank). ``initialize=False``: delayed-init stages are allocated, not initialised
-    (their weights are loaded next: a ``from_pretrained`` model built under
-    ``smp.delay_param_initialization``)."""
+    """Place this rank's stages of ``program``; ``initialize=False`` allocates delayed-init
+        stages without initialising them (their weights are loaded next).
+    """
     cfg = st.config
     p = cfg.pipeline_parallel_degree
     rank_of = tuple(rank_of) if rank_of is not None else tuple(range(p))
@@ -143,13 +129,9 @@ def _in_process_devices(rank_of: Sequence[int], device: torch.device,
 
 def _retarget_devices(module: nn.Module, traced_on: torch.device | None,
                       device: torch.device) -> None:
-    """Point the devices the trace baked into a stage's graph at the stage's ``device``.
-
-    torch.export writes the device it traced on into factory calls and casts
-    (``arange(..., device=cpu)``, ``to(device=cpu)``, ``_assert_tensor_metadata``): a host
-    model traced on the first step, then placed on a GPU, would otherwise make its position
-    ids on the host and assert its activations are there. fx graphs read ``x.device`` at run
-    time and hold none. Delayed-init models (meta weights) traced on the inputs' device."""
+    """Point the devices torch.export baked into a stage's graph at the stage's ``device``,
+        so a host-traced model placed on a GPU makes its tensors there.
+    """
     if not isinstance(module, torch.fx.GraphModule) or traced_on in (None, device):
         return
     changed = False
@@ -169,12 +151,8 @@ def _retarget_devices(module: nn.Module, traced_on: torch.device | None,
 
 
 def _materialise(module: nn.Module, device: torch.device, initialize: bool) -> None:
-    """Place one stage's parameters on ``device``; meta (delayed-init) ones are created there.
-
-    Delayed initialisation (``smp.delay_param_initialization``): only this rank's stage is
-    ever allocated, each tensor with the eager build's values, replayed from the recorded
-    construction (``smp_fx.marking.delayed_init.materialize``); tied replicas on several
-    ranks are then equal already (the broadcast from the first owner keeps it so).
+    """Place one stage's parameters on ``device``; delayed-init ones are replayed there, so
+        only this rank's stage is ever allocated.
     """
     if is_delayed(module):
         (materialize if initialize else allocate)(module, device)

@@ -1,17 +1,8 @@
 """One planning request: everything the compiler is asked for a plan, built in one place.
 
-Why one builder: ``smp-fx partition`` promises the plan ``DistributedModel`` makes at its
-first step (same configuration, model, first microbatch and device spec). Both ask the
-compiler through ``plan_request``, so the translation from the SMP configuration and the
-model's marks (pins from ``smp.partition``, checkpointed modules, tensor-parallel
-modules) cannot drift between them; what differs between the two callers is a parameter
-(this rank's tensor-parallel rank; the CLI's checkpointing patterns and optimizer state
-factor).
-
-Example::
-
-    request = plan_request(load_config({"partitions": 2}, env={}), model, A100, tp_rank=0)
-    compiled = request.compile(model, (x,), {})
+``smp-fx partition`` promises the plan ``DistributedModel`` makes at its first step; both
+ask through ``plan_request``, so the translation from the configuration and the marks
+cannot drift between them.
 """
 
 from __future__ import annotations
@@ -64,13 +55,9 @@ class PlanRequest:
 def plan_request(cfg: SMPConfig, module: nn.Module, device: DeviceSpec, tp_rank: int, *,
                  checkpointing: tuple[CheckpointRule, ...] | None = None,
                  optimizer_state_factor: float = 2.0) -> PlanRequest:
-    """The request for ``module`` under ``cfg``, priced with ``device`` (before
-    ``for_stages``), for tensor-parallel rank ``tp_rank``.
-
-    ``checkpointing`` replaces the modules ``module`` marks for activation checkpointing
-    (``smp-fx partition --activation-checkpointing`` patterns); ``optimizer_state_factor``
-    is optimizer state bytes per parameter byte (Adam: 2). Build it after ``module`` was
-    traced: ``smp.checkpoint`` called in a forward marks its module only then."""
+    """The request for ``module`` under ``cfg``, priced with ``device``, for tp rank
+        ``tp_rank``; build it after tracing (``smp.checkpoint`` marks in a forward).
+    """
     spec = device.for_stages(cfg.pipeline_parallel_degree)
     rules = checkpoint_rules(module) if checkpointing is None else checkpointing
     pins = None if cfg.auto_partition else tuple(pins_by_module_path(module).items())

@@ -1,10 +1,7 @@
 """The first step's plan on this rank: trace once, cost, partition, agree across ranks.
 
-A plan must be the same on every rank, or the stages would not fit together. Everything
-that can differ between ranks is decided on world rank 0 and broadcast: the device spec
-(a measured CPU spec differs per process), measured costs (noisy), and, as a last check,
-the stage of every node. What stays local is deterministic: the trace and the analytic
-costs of the one spec.
+What can differ between ranks (the device spec, measured costs, finally each node's
+stage) is decided on world rank 0 and broadcast; the rest is deterministic.
 """
 
 from __future__ import annotations
@@ -37,15 +34,8 @@ log = logging.getLogger("smp_fx.planning")
 def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 times: bool = False, memory: bool = False, autocast: Autocast = ()
                 ) -> tuple[torch.fx.GraphModule, PartitionPlan, TensorParallelPlan | None]:
-    """Trace once, cost and partition with the compile pipeline; (GraphModule with STAGE, plan).
-
-    Analytic costs for the device spec ``plan_device`` picks (the same on every rank), so
-    the plan is a pure function of the model, the first microbatch, the configuration and
-    that spec (every rank makes the same one); the request is ``plan_request``'s, as
-    ``smp-fx partition``'s is. With ``auto_partition`` false the ``smp.partition`` pins
-    apply. Measured costs are taken on the very graph that is then costed, planned and
-    split (``compile_model``'s ``traced``), which keeps the front end's codegen (export's
-    input and output structure).
+    """Trace once, cost and partition; (GraphModule with STAGE, plan), a pure function of the
+        model, first microbatch, configuration and spec.
     """
     st = state.get()
     cfg = st.config
@@ -86,14 +76,9 @@ def weights_device(module: nn.Module) -> torch.device | None:
 
 
 def on_module_device(module: nn.Module, value: Any) -> Any:
-    """``value``'s tensors on the device of ``module``'s weights, for tracing.
-
-    The SMP way builds the model on the host and puts the batch on the rank's GPU
-    (``data.to(torch.device("cuda", smp.local_rank()))``); the runtime places each stage's
-    weights on its device only after the plan is made, so the first step traces a host
-    model with device inputs. A copy of the first microbatch goes to the weights' device;
-    the training itself reads the batch where it is. Meta weights (delayed initialisation)
-    follow the inputs' device, so nothing moves then."""
+    """``value``'s tensors on the device of ``module``'s weights, for tracing: SMP scripts put
+        the batch on the GPU of a host-built model, whose stages move only after planning.
+    """
     device = weights_device(module)
     if device is None:
         return value
@@ -105,13 +90,8 @@ DEVICE_SPEC_ENV = "SMP_FX_DEVICE_SPEC"
 
 
 def plan_device(st: state.State) -> DeviceSpec:
-    """The ``DeviceSpec`` to plan for, the same on every rank.
-
-    ``SMP_FX_DEVICE_SPEC`` (a built-in name or a file written by ``smp-fx calibrate``)
-    wins; otherwise the built-in spec named in this GPU's name (H100, A100, V100), or
-    "cpu" (measured here, quick) on CPU. World rank 0 resolves it and broadcasts it: a
-    measured spec differs from rank to rank, and every rank must make the same plan. A
-    bad spec is broadcast as its error, so every rank raises it instead of waiting.
+    """The ``DeviceSpec`` to plan for, resolved on world rank 0 and broadcast (an error too,
+        so every rank raises it); ``SMP_FX_DEVICE_SPEC`` wins (docs/parameters.md).
     """
     box: list[Any] = [None]
     if st.rank == 0:

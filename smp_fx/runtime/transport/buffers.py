@@ -1,18 +1,8 @@
 """Reused byte buffers for the multi-process transport's received frames.
 
-Every message the transport receives on CPU lands in a byte buffer (a *frame*, or a large
-tensor's own buffer). Allocating a fresh one per message costs more than the copy into it:
-the C allocator hands frames freed in bulk at the end of a step back to the kernel, and the
-next step's first touches fault every page in again. ``BufferPool`` keeps them instead.
-(Sent frames never leave the transport, which simply reuses them step after step.)
-
-A buffer goes back to the pool when this rank no longer needs it (its message has been
-unpacked), but a received message's tensors are *views* of its buffer that the stage keeps
-until its backward, and that a caller may keep for longer. So a buffer is only handed out
-again once no tensor views its storage any more (``unviewed``). Where that cannot be told
-(another torch version), or on an accelerator (whose caching allocator already reuses
-memory, and where the host cannot tell when a kernel still reads a buffer), every buffer
-is new: only speed differs, never values.
+A fresh buffer per message costs more than the copy into it (page faults); a buffer is
+handed out again once no tensor views it (``unviewed``), and where that cannot be told
+every buffer is new: only speed differs. See docs/performance.md, 'Transport'.
 """
 
 from __future__ import annotations

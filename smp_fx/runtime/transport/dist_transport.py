@@ -1,29 +1,8 @@
 """The torch.distributed transport: point-to-point between the ranks holding the stages.
 
-Messages travel in the wire format of ``smp_fx.runtime.transport.wire``: one frame, then each large
-tensor on its own. Both sides cache each stream's header, so the usual message of small
-tensors is a single point-to-point message and the receiver can post its receives before
-the sender sends. A changed header is announced by a frame (and fills for the large
-tensors) in the old layout carrying the new header's length, then one such fill flagged
-``SKIP`` per receive the receiver may have posted in the old layout for the stream's later
-messages this step (``_skips``), then the pickled header, then the message in the new
-layout. Both sides know how many messages each stream carries in a step (``prefetch`` and
-``plan_sends``, from ``smp_fx.runtime.executor.lowering``).
-
-``prefetch`` posts the first expected message's receives, and a ``recv`` about to wait
-posts all the rest of the step's (``_post_all``; otherwise the next one stays posted), so
-data moves while the rank computes: under gloo a send whose receive is already posted is
-written straight to the socket, while one that comes first waits for a round trip through
-both ranks' gloo threads. Posting is done while waiting, not at the step's entry, which in
-1F1B is on the pipeline's critical path. Under NCCL only the ``"out"`` channel is
-posted ahead: NCCL serialises a communicator's point-to-point operations, and a middle
-stage both receives and sends on the ``"act"`` and ``"grad"`` channels, so a receive posted
-early there would hold back its sends; there ``recv`` posts the message it waits for. gloo
-on CPU, NCCL on GPU (frames live on the transport's device). Every wait is bounded. A
-failed transfer raises ``SMPPeerError`` (the peer's process is gone) or
-``SMPTimeoutError`` (it sent nothing), naming the peer's rank and stage and, through
-``where``, what this rank was doing (``smp_fx.runtime.executor.failures``). Why each speed trick is
-there, with its figures: docs/performance.md.
+Receives are posted ahead while the rank waits, so data moves while it computes (under
+NCCL, which serialises a communicator's point-to-point ops, only the ``out`` channel).
+Every wait is bounded. See docs/runtime.md ('DistTransport') and docs/performance.md.
 """
 
 from __future__ import annotations
@@ -58,11 +37,9 @@ class _SendFrame:
 
 @dataclass
 class _Posted:
-    """The receives of one expected message, posted in the layout of ``header``, with the
-    message's tensors already viewed out of their buffers (``views``): made while posting,
-    which is mostly done while this rank waits, instead of after the message arrives,
-    which is on the pipeline's critical path. ``addr``: the frame's address on CPU, where
-    the flag is read directly (``wire.flag_at``)."""
+    """The receives of one expected message, posted in ``header``'s layout with the tensor
+        views made while posting (off the critical path).
+    """
 
     header: wire.Header | None
     frame: torch.Tensor
@@ -83,19 +60,9 @@ def _lost_step(flag: int, what: str, stage: int, mb: int) -> SMPError:
 class DistTransport:
     """torch.distributed point-to-point between the ranks holding each stage.
 
-    ``ranks[s]`` is the global rank holding stage ``s`` of this rank's pipeline (a rank may
-    hold several stages, chunks of the model; ``lanes[s]`` is stage ``s``'s index among its
-    rank's). ``groups`` maps a (channel, sending lane, receiving lane) to its process group;
-    one it does not name uses the world group. The runtime passes
-    ``DistTransport.make_groups()`` (created collectively on every rank): a group, and so a
-    connection, per channel and pair of lanes, so every stream between two ranks has one
-    of its own (see ``make_groups``). Under
-    NCCL this keeps the ``"out"`` messages from interleaving with gradients between the
-    same two ranks (NCCL matches point-to-point messages by order, per communicator).
-    Under gloo it keeps a
-    rank's sends off the connection its incoming messages arrive on: gloo locks a
-    connection while its thread reads a message in, and a send that needs the same lock
-    waits (1F1B steps 2-3 % faster with a connection per channel; docs/performance.md).
+        A process group (a connection) per channel and pair of lanes: NCCL matches messages
+        by order per communicator, and gloo locks a connection while reading, so a rank's
+        sends stay off its incoming connection (1F1B 2-3 % faster; docs/performance.md).
     """
 
     def __init__(self, ranks: list[int], stage: int, device: torch.device,
@@ -133,13 +100,10 @@ class DistTransport:
     @staticmethod
     def make_groups(backend: str | None = None, lanes: int = 1
                     ) -> dict[tuple[str, int, int], Any]:
-        """A process group per channel and pair of lanes (sending stage's, receiving
-        stage's); collective: call on every rank in the same order. ``lanes``: the most
-        stages (chunks) a rank holds. A stage is a (rank, lane), so two streams between the
-        same two ranks on one channel never share a group: not chunks 0 -> 1 and 2 -> 3 of
-        a round robin, nor one chunk's sends to two chunks of one rank (a skip connection,
-        0 -> 1 and 0 -> 2 of a V). Each keeps its own order (NCCL matches point-to-point
-        messages by order per communicator, gloo per peer and tag)."""
+        """A process group per channel and (sending, receiving) lane; collective, in one order on
+                every rank. Two streams between two ranks never share a group, so each keeps its
+                own order.
+        """
         ranks = list(range(dist.get_world_size()))
         return {(channel, src, dst): dist.new_group(ranks, backend=backend)
                 for src in range(lanes) for dst in range(lanes) for channel in CHANNELS}
@@ -241,15 +205,10 @@ class DistTransport:
             self._isend(t, peer, group, dst)
 
     def _reused_send_frame(self, key: _Key, header: wire.Header) -> _SendFrame:
-        """The frame for this step's next message on stream ``key``: the k-th message of a
-        step reuses the frame (and slot views) of the k-th message of the last step.
-
-        Buys a frame allocation and a slot view per tensor: 13-37 us per message
-        (``benchmarks/transport_tricks.py``; docs/performance.md).
-        Safe because ``finish`` saw the last step's sends complete: after a step that did
-        not finish (it failed) the count goes on instead, so a frame a send may still read
-        is never written. On an accelerator every frame is new, as the ``BufferPool`` does
-        there (the host does not see when the device is done with one)."""
+        """The frame for stream ``key``'s next message, reusing last step's k-th frame (13-37 us
+                a message, docs/performance.md); safe because ``finish`` saw those sends complete.
+                On an accelerator every frame is new.
+        """
         i = self._send_count.get(key, 0)
         self._send_count[key] = i + 1
         ring = self._send_frames.setdefault(key, [])
@@ -299,18 +258,10 @@ class DistTransport:
                 raise self._failed(exc, src, receiving=True) from exc
 
     def _post_all(self, key: _Key) -> deque[_Posted]:
-        """Post every message the stream still expects this step (``recv`` does it when it
-        is about to wait, and after a header change).
-
-        Why all and not the next one or two: a sender with several messages in a row (the
-        first stage's forwards under the simple schedule) writes each straight to the
-        socket only if its receive is already posted; one that comes first waits for a
-        round trip through both ranks' gloo threads, so a burst is throttled to the
-        receiver's pace. The cost is memory: a buffer per message of the step from its
-        start, which the simple schedule holds anyway; under 1F1B up to one boundary
-        tensor per microbatch more than it would hold at once (small beside the
-        activations a stage saves, and not in the plan's memory). Figures:
-        docs/performance.md."""
+        """Post every message the stream still expects this step: a burst of sends is written
+                straight to the socket only if its receives are posted, else it is throttled to
+                the receiver's pace. Costs a buffer per message (docs/performance.md).
+        """
         queue: deque[_Posted] = deque()
         while self._left.get(key, 0):
             queue.append(self._post_next(key))

@@ -1,19 +1,8 @@
 """Moving values between pipeline stages: the interface, and the in-process transport.
 
-A message is any pytree (tensors, tuples, dicts, ints, ``None``, HF ``ModelOutput``s) sent
-from one stage to another on a *channel* (``lowering.CHANNELS``): ``"act"`` (activations,
-forward), ``"grad"`` (gradients, backward) or ``"out"`` (the last stage's outputs, to every
-other pipeline rank). Received tensors keep the sender's ``requires_grad`` flag but are new
-leaves: the autograd graph is always cut at a stage boundary, so the executor's path is the
-same in-process and across processes.
-
-Two transports implement ``Transport``:
-
-- ``InProcessTransport`` (here): every stage lives in this process; a message is the value
-  itself (detached, moved to the receiving stage's device) held in a mailbox.
-- ``smp_fx.runtime.transport.dist_transport.DistTransport``: torch.distributed point-to-point,
-in the
-  wire format of ``smp_fx.runtime.transport.wire``.
+Received tensors are new leaves with the sender's ``requires_grad``: autograd is cut at
+every stage boundary, so the executor's path is the same in-process and across processes.
+See docs/runtime.md, 'The transport contract'.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""The values a microbatch's step moves through the executor: placed, flattened, copied.
-
-Small, pure helpers of ``smp_fx.runtime.executor.executor``: a received model input moved to its
-stage's device, a value's tensor leaves (fast paths for the usual shapes), and the two
-copies the last stage's outputs take (what other ranks are sent, what a step function is
-handed) so that a step function may modify its outputs in place.
+"""The values a microbatch's step moves through the executor: placed, flattened, copied (the
+last stage's outputs are copied so a step function may modify its own in place).
 """
 
 from __future__ import annotations

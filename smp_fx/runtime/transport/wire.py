@@ -1,26 +1,9 @@
 """The multi-process transport's wire format: headers and frames, as pure functions.
 
-A message is any pytree (tensors, tuples, dicts, ints, ``None``, HF ``ModelOutput``s). On
-the wire it is one *frame* followed by each large tensor as a message of its own. A frame
-is a byte buffer: an int64 *flag*, then every tensor of at most ``PACK_MAX`` bytes copied
-in at an ``ALIGN``-ed offset (any dtype can be viewed in place)::
-
-    offset  0        8 .. 64   64             64 + k * 64 ...
-            | flag  | unused   | tensor 0 ... | tensor 1 ... |        (large tensors: apart)
-
-The layout follows from the message's *header*: its structure (a hand-flattened shape for
-the usual nests of tuples, lists, tensors and ``None``, else a pytree spec), the leaves
-(tensors by shape, dtype and ``requires_grad``; other leaves by value), and from that the
-offsets. Both sides keep the last header per stream. The flag says what a frame carries:
-
-- ``0``: a message in the layout of the last header (the usual case: one frame);
-- ``n > 0``: a new header follows, ``n`` bytes of pickle (this frame and its large-tensor
-  fills carry nothing else); the message itself follows in the new layout;
-- ``SKIP``: a fill that only stands in for a receive the peer posted in the old layout.
-
-Before any header is known a frame is the flag alone (``frame_size(None)``). Nothing here
-sends or receives: ``smp_fx.runtime.transport.dist_transport`` does, so every function here is
-tested on its own.
+One frame (an int64 flag, then small tensors at aligned offsets) plus each large tensor
+apart; flag 0 means the last header's layout, ``n > 0`` a new ``n``-byte header, ``SKIP``
+a fill. Nothing here sends, so every function is tested on its own.
+See docs/runtime.md, 'The wire format'.
 """
 
 from __future__ import annotations

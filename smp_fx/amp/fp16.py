@@ -1,22 +1,9 @@
 """fp16 training as SMP's ``"fp16": true`` does it: Megatron's ``FP16_Module`` and
 ``FP16_Optimizer`` semantics on top of the pipeline.
 
-Model side (``half_inputs`` / ``float_outputs``, applied by ``DistributedModel``): the
-model is converted to half precision when it is wrapped; its floating-point inputs are cast
-to half on the way in and its half outputs to fp32 on the way out, so the loss is computed
-in fp32 and the backward pass enters the model through the cast.
-
-Optimizer side (``MasterWeights``, held by ``DistributedOptimizer``): the optimizer steps
-fp32 *master* copies of this rank's parameters; the model keeps half weights. After a
-training step the half gradients (scaled by the loss scale, which ``model.backward``
-applied) become fp32 master gradients, unscaled, with torch's
-``_amp_foreach_non_finite_check_and_unscale_``; the found-inf flag is agreed over every
-rank (``agree_found_inf``). Then ``step`` either skips (overflow: every rank skips) or
-steps the masters and copies them into the half weights.
-
-Every parameter the optimizer holds gets a master, fp32 ones included (a copy), so the
-model's own gradients are never modified and preparing the master gradients is a pure
-function of them: it may run again after any training step without unscaling twice.
+Every parameter gets an fp32 master, so the model's gradients are never modified and
+preparing master gradients may run twice without unscaling twice.
+See docs/precision.md, 'fp16'.
 """
 
 from __future__ import annotations
@@ -56,11 +43,8 @@ def float_outputs(outputs: Any, dtype: torch.dtype = HALF) -> Any:
 
 
 class MasterWeights:
-    """fp32 masters of ``optimizer``'s parameters, swapped into its param groups.
-
-    ``pairs`` holds (model parameter, master) in group order; the optimizer's existing
-    state moves onto the masters (``state_dict`` / ``load_state_dict`` round trip, keyed by
-    position, as Megatron's ``FP16_Optimizer`` does).
+    """fp32 masters of ``optimizer``'s parameters, swapped into its param groups; its state
+        moves onto them by position, as Megatron's ``FP16_Optimizer`` does.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, scaler: LossScaler) -> None:
@@ -84,10 +68,8 @@ class MasterWeights:
         self._stale = True
 
     def prepare(self) -> bool:
-        """Master gradients from the model's (unscaled); True if any rank overflowed.
-
-        Runs once per training step however often it is asked (``clip_master_grads`` then
-        ``step``); a collective over the world group when it runs.
+        """Master gradients from the model's (unscaled); True if any rank overflowed. Once per
+                step however often asked; a collective when it runs.
         """
         if not self._stale:
             return self.overflow

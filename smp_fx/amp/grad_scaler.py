@@ -1,29 +1,9 @@
 """``smp.amp.GradScaler``: ``torch.amp.GradScaler`` whose inf check spans every rank.
 
-torch's scaler decides from the gradients this process holds. A pipeline stage holds only
-its own, so one stage would skip a step that the others take, and their scales would part.
-This subclass changes one thing: after ``unscale_`` finds (or does not find) infs in the
-local gradients, the flag is max-reduced over the world group
-(``smp_fx.amp.loss_scaler.agree_found_inf``), so every pp, tp and dp rank skips the same
-steps and ``update()`` leaves the same scale everywhere. ``step`` and ``update`` are
-torch's. Use it with autocast (fp32 parameters, half activations), as the SMP docs say:
-
-    scaler = smp.amp.GradScaler()
-
-    @smp.step
-    def train_step(model, data, target):
-        with torch.autocast("cuda", dtype=torch.float16):
-            loss = F.nll_loss(model(data), target)
-        model.backward(scaler.scale(loss))
-        return loss
-
-    train_step(model, data, target)
-    scaler.step(optimizer)       # on every rank: the inf check is a collective
-    scaler.update()
-
-The optimizer is stepped through ``unscale_`` + ``optimizer.step()`` always (a
-``DistributedOptimizer`` reports ``_step_supports_amp_scaling = False``), so the agreed
-flag is the one that decides.
+A stage sees only its gradients, so its own check would skip steps others take; the flag
+is max-reduced over the world group, so every rank skips alike and keeps one scale. Use it
+with autocast; ``scaler.step`` on every rank. See docs/precision.md, 'bf16 and
+``smp.amp.GradScaler``'.
 """
 
 from __future__ import annotations
@@ -35,11 +15,8 @@ from smp_fx.world import state
 
 
 class GradScaler(torch.amp.GradScaler):
-    """``torch.amp.GradScaler`` with the inf check agreed over every rank.
-
-    ``device`` defaults to the smp device's type ("cuda" or "cpu"). The scale tensor is
-    created at once (torch creates it at the first ``scale`` call, which smp.step makes
-    from several microbatch threads).
+    """``torch.amp.GradScaler`` with the inf check agreed over every rank; its scale tensor is
+        made at once (``smp.step`` scales from several threads).
     """
 
     def __init__(self, device: str | None = None, init_scale: float = 2.0**16,

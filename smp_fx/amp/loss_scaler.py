@@ -1,18 +1,6 @@
 """Loss scalers for fp16 training, with Megatron's ``FP16_Optimizer`` semantics, and the
-one place every rank agrees on an overflow.
-
-Why every rank must agree: a pipeline stage sees only its own gradients, so an inf in stage
-1's gradients is invisible to stage 0. If stage 0 stepped while stage 1 skipped, the stages
-would hold parameters of different steps and their loss scales would drift apart. So the
-found-inf flag is max-reduced over the world group (every pp, tp and dp rank) before anyone
-decides; then all ranks skip together and update the scale identically.
-
-``DynamicLossScaler`` follows ``smp.DistributedOptimizer``'s ``dynamic_loss_args``
-(Megatron-LM / apex ``fp16_utils``): start at ``init_scale``; on an overflow divide by
-``scale_factor`` (not below ``min_scale``) once ``delayed_shift`` overflows have been
-seen (hysteresis); after ``scale_window`` steps without one, multiply by ``scale_factor``.
-With ``consecutive_hysteresis`` the hysteresis refills after every good step, else only
-when the scale grows.
+one place every rank agrees on an overflow (else stages would step different steps).
+See docs/precision.md, 'fp16'.
 
 >>> s = DynamicLossScaler(init_scale=8.0, scale_window=2)
 >>> for overflow in (True, False, False, False):
@@ -128,10 +116,8 @@ def make_scaler(static_loss_scale: float | None, dynamic_loss_scale: bool,
 
 
 def agree_found_inf(found_inf: torch.Tensor) -> torch.Tensor:
-    """Max-reduce a found-inf flag (any non-zero = overflow) over every rank, in place.
-
-    A collective over the world group when there are several processes: every rank calls
-    it once per step, whether or not it holds gradients.
+    """Max-reduce a found-inf flag over every rank, in place: a collective every rank calls
+        once per step.
     """
     if state.is_initialized():
         st = state.get()

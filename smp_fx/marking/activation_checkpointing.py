@@ -1,21 +1,10 @@
 """SMP's activation-checkpointing API: ``smp.set_activation_checkpointing``,
 ``smp.checkpoint`` and ``smp.checkpoint_sequential``.
 
-Each marks a module of the model; at partitioning ``checkpoint_rules`` turns the marks
-into ``passes.partition_config.CheckpointRule``s by module path, the compiler makes
-their nodes regions (``passes.checkpoint_regions``) and each stage runs its regions under
-non-reentrant ``torch.utils.checkpoint`` (``smp_fx.runtime.memory.checkpointing``).
-
-``smp.checkpoint`` and ``smp.checkpoint_sequential`` are called inside a forward, as in
-SMP: while smp-fx traces the model they mark the module and call it plainly (the trace
-records its nodes); anywhere else (the unpartitioned model, a plain run) they run it under
-``torch.utils.checkpoint`` directly, so the same model code works with and without smp.
-
-Example::
-
-    model = smp.DistributedModel(net)
-    smp.set_activation_checkpointing(net.blocks, strategy="group_2")  # nn.Sequential
-    smp.set_activation_checkpointing(net.head)
+Each marks a module, turned into checkpointed regions at partitioning. Called inside a
+forward while smp-fx traces, ``smp.checkpoint`` marks and calls plainly; anywhere else it
+runs ``torch.utils.checkpoint``, so the same model code works without smp.
+See docs/memory.md, 'Marking modules'.
 """
 
 from __future__ import annotations
@@ -55,16 +44,8 @@ def _unwrap(module: nn.Module) -> nn.Module:
 def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = True,
                                  pack_args_as_tuple: bool = False,
                                  strategy: str = "each") -> None:
-    """Run ``module`` under activation checkpointing (SMP's signature).
-
-    ``strategy`` applies to an ``nn.Sequential``: ``each`` child is checkpointed on its
-    own, ``group_N`` N consecutive children together, ``contiguous`` every run of children
-    placed on one stage together. For any other module only ``each`` is valid.
-    ``attention_core`` (an smp-fx extension, any module) recomputes only the attention
-    cores inside ``module`` (selective recomputation, ``passes.attention_core``).
-    ``pack_args_as_tuple`` is SMP's flag for children that take a tuple; smp-fx traces
-    through tuples, so it only matters to ``checkpoint_sequential`` run outside smp.
-    Call it before the first ``smp.step`` (partitioning reads the marks).
+    """Run ``module`` under activation checkpointing (SMP's signature), before the first
+        ``smp.step``; strategies as docs/memory.md, 'Marking modules', lists them.
     """
     if not isinstance(module, nn.Module):
         raise SMPConfigError.build("set_activation_checkpointing takes an nn.Module",

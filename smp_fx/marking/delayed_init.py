@@ -1,26 +1,9 @@
 """``smp.delay_param_initialization``: build a model too big for host memory on the meta device.
 
-Inside the context every parameter and buffer created is a meta tensor (shape and dtype, no
-storage) and the construction is recorded (``smp_fx.marking.init_tape``: every op, Hugging
-Face's ``_init_weights`` included, which transformers would otherwise skip on meta). Every
-module registering a parameter, buffer or submodule inside is marked ``_smp_delayed_init``
-(an attribute only), so ``DistributedModel`` materialises each stage on the rank owning it
-(``materialize``): each tensor gets the values an eager build with the same seed gives it,
-replayed from the record; a tensor that cannot be rebuilt is an error naming it.
-
-The compiler front end (``passes.trace`` / ``shape_prop`` / ``annotate_costs``) works on
-such a model without allocating its weights.
-
-A Hugging Face ``from_pretrained`` inside the context builds the model on meta too and
-records its safetensors files; ``DistributedModel`` then allocates each stage without
-initialising it (``allocate``) and each rank reads its own stage's weights from the files
-(``smp_fx.ckpt.pretrained``).
-
-Example::
-
-    with smp.delay_param_initialization():
-        model = GPT2XL()          # no weight memory
-    assert is_delayed(model)
+The construction is recorded (``init_tape``), so each stage is materialised on its rank
+with the values an eager build with the same seed gives; a ``from_pretrained`` inside
+reads each stage's weights from the files (``smp_fx.ckpt.pretrained``).
+See docs/memory.md.
 """
 
 from __future__ import annotations
@@ -147,13 +130,9 @@ def allocate(module: nn.Module, device: torch.device | str) -> nn.Module:
 
 
 def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
-    """Give ``module``'s meta parameters and buffers, on ``device``, the values an eager
-    build with the same seed gives them (replayed from the construction record); move the
-    others there; tied parameters stay tied.
-
-    A meta parameter made outside the record (a tensor-parallel shard cut on meta, a copy
-    of the model) is initialised by its module's ``reset_parameters``, with a warning; any
-    other tensor that cannot be rebuilt is an ``SMPRuntimeError`` naming it.
+    """Give ``module``'s meta tensors on ``device`` their eager-build values, replayed from the
+        record; ties stay. A tensor made outside the record gets ``reset_parameters`` with a
+        warning; one that cannot be rebuilt is an ``SMPRuntimeError``.
     """
     slots = [(f"{path}.{name}" if path else name, m, table, name, value)
              for path, m in module.named_modules()

@@ -1,12 +1,8 @@
 """A delayed model's construction, recorded on meta and replayed per tensor as eagerly built.
 
-Inside ``smp.delay_param_initialization`` a dispatch mode records every aten op (tensors by
-storage and view) and the CPU generator's state on entry. ``Tape.replay`` rebuilds only the
-tensors asked for, on the host: the ops that write them (and what those read) run in
-construction order, and every other random op runs on a scratch tensor of the same shape, so
-each kept tensor draws the numbers an eager build with the same seed drew (the caller's
-generator state is put back afterwards). Memory: the kept tensors plus one scratch tensor;
-time: the whole model's random initialisation, on every rank.
+Replay runs the ops writing the wanted tensors in order and every other random op on a
+scratch tensor, so each kept tensor draws the eager build's numbers: memory is the kept
+tensors plus one scratch, time the whole model's initialisation.
 """
 
 from __future__ import annotations

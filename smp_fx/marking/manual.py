@@ -1,32 +1,8 @@
 """Manual partitioning: ``smp.partition(index)`` and ``smp.set_partition(module, index)``.
 
-As in SMP, modules *created* inside ``with smp.partition(i):`` belong to partition ``i``;
-with nested contexts the innermost wins; every other module goes to ``default_partition``;
-the contexts are ignored when ``auto_partition`` is true (the plan builder simply does not
-run ``passes.assign_manual`` then). ``set_partition`` pins a module created elsewhere and
-overrides any context.
-
-How creation is recorded, without touching the user's model: a thread-local stack of open
-indices, and a ``WeakKeyDictionary`` module -> index (modules stay collectable; nothing is
-stored on them). torch has no global *construction* hook: its global
-``register_module_module_registration_hook`` fires when a module is assigned to a parent,
-which is not SMP's rule (a module built inside a context and attached outside it, or
-a root model built inside one, would be missed; one built outside and attached inside
-would be wrongly pinned). So while at least one context is open in any thread,
-``nn.Module.__init__`` is wrapped by a recorder that notes the innermost index of the
-*constructing* thread; the wrapper is installed when the first context opens and removed
-when the last one closes (counted under a lock, so it is re-entrant and thread-safe), and
-modules created with no context open in their thread are not recorded.
-
-The index is checked against the number of partitions when the plan is made
-(``passes.assign_manual``), because SMP scripts may build the model before or after
-``smp.init``; a negative or non-int index is rejected at once.
-
-Example::
-
-    with partition(1):
-        layer = torch.nn.Linear(2, 2)
-    pins_by_module_path(torch.nn.Sequential(layer))  # {'0': 1}
+As in SMP, modules created inside a context belong to its partition (innermost wins);
+torch has no construction hook, so ``nn.Module.__init__`` is wrapped while a context is
+open. See docs/partitioning.md, 'Manual'.
 """
 
 from __future__ import annotations
@@ -120,11 +96,8 @@ def partition_of(module: nn.Module) -> int | None:
 
 
 def pins_by_module_path(model: nn.Module) -> dict[str, int]:
-    """``{module path: index}`` for every pinned module in ``model`` ('' = the root).
-
-    A module reachable under several paths is listed under each. Unpinned modules are
-    absent; ``passes.assign_manual`` gives them their innermost pinned ancestor's index, or
-    ``default_partition``.
+    """``{module path: index}`` for every pinned module in ``model`` ('' = the root), a module
+        reachable by several paths under each.
     """
     out: dict[str, int] = {}
     for path, module in model.named_modules(remove_duplicate=False):

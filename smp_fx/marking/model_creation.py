@@ -1,24 +1,8 @@
 """``smp.model_creation``: SMP's one context for creating a model, combining
 ``smp.tensor_parallelism`` and ``smp.delay_param_initialization`` with a creation dtype.
 
-Inside ``smp.model_creation(tensor_parallelism=..., dtype=..., **tensor_parallel_config)``
-every module created is marked for tensor parallelism with that setting (so a Hugging Face
-model SMP distributes, such as ``GPT2LMHeadModel``, is replaced by its distributed version
-when it is wrapped, at any ``tensor_parallel_degree``, 1 included); its parameters are
-created on the meta device when the configuration's ``delayed_parameter_initialization``
-is true (``smp.init`` must have run to read it; without it nothing is delayed); and
-floating-point tensors are created in ``dtype`` when it is given (SMP's rule; ``None``
-keeps the default dtype).
-
-``tensor_parallel_config`` is SMP's keywords for its distributed modules. Those that are
-arguments of the distributed module (``hidden_dropout_prob``, ...) override the values
-taken from the model's config. SMP's kernel switches (``fused_softmax``,
-``fused_bias_gelu``, ``fused_dropout``) choose how the same function is computed and are
-accepted; ``query_key_layer_scaling`` scales the attention scores down by the layer count
-before the softmax and back up inside it, an fp16 overflow guard that computes the same
-function, and is accepted; ``attention_in_fp32`` asks for the attention scores in fp32
-under fp16 / bf16 training, which smp-fx does not build (an error then; with fp32 weights
-it changes nothing and is accepted). Any other keyword is an error naming it.
+SMP's kernel switches are accepted (same function); ``attention_in_fp32`` under half
+training is not built; any other keyword is an error naming it.
 
 >>> import smp_fx as smp, torch
 >>> with smp.model_creation(tensor_parallelism=True, dtype=torch.float64):

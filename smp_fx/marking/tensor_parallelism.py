@@ -1,12 +1,5 @@
 """Which modules tensor parallelism distributes: ``smp.tensor_parallelism`` and
-``smp.set_tensor_parallelism``.
-
-A module is marked by an attribute holding ``(enabled, kwargs)``. Inside
-``smp.tensor_parallelism(enabled, **kwargs)`` every module created is marked with that
-context's setting (the innermost context wins); ``smp.set_tensor_parallelism(module,
-enabled, **kwargs)`` marks ``module`` and its submodules; ``smp.nn`` distributed types are
-marked by construction. ``marked_paths`` gives the paths of the marked-enabled modules of
-a model, which ``passes.tensor_parallel`` turns into regions (the outermost ones win).
+``smp.set_tensor_parallelism``; a mark is an attribute holding ``(enabled, kwargs)``.
 """
 
 from __future__ import annotations
@@ -55,10 +48,8 @@ def mark(module: nn.Module, enabled: bool = True, **kwargs: Any) -> None:
 
 @contextmanager
 def tensor_parallelism(enabled: bool = True, **kwargs: Any) -> Iterator[None]:
-    """Modules created inside are distributed when ``enabled`` (SMP's context manager).
-
-    ``kwargs`` are kept with the mark (SMP passes them to its distributed modules; the fx
-    rewrite takes its settings from the configuration instead).
+    """Modules created inside are distributed when ``enabled`` (SMP's context manager); the
+        rewrite takes its settings from the configuration, not ``kwargs``.
     """
     ctx = _contexts()
     ctx.append((bool(enabled), dict(kwargs)))

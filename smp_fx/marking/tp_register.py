@@ -1,39 +1,10 @@
 """``smp.tp_register`` and ``smp.tp_register_with_module``: a user's module class gets a
 distributed version that replaces its tensor-parallel instances.
 
-SMP's semantics: ``dist_module`` (an ``smp.nn`` distributed module, or any module class)
-is the distributed version of ``module_cls``. ``init_hook`` takes the arguments of
-``module_cls.__init__`` (its signature must match that ``__init__``'s, without ``self``;
-defaults may differ, as SMP's runtime allowed) and returns ``(args, kwargs)`` for
-``dist_module.__init__``; ``forward_hook`` does the same for ``forward``;
-``return_hook`` turns the distributed module's output into what the original ``forward``
-returns. Absent hooks pass arguments / outputs through unchanged.
-
-How smp-fx does it: registering wraps ``module_cls.__init__`` so each instance records
-the arguments it was built with. ``smp.DistributedModel`` (before tracing) replaces every
-instance of a registered class that is marked for tensor parallelism
-(``smp.tensor_parallelism``, ``smp.set_tensor_parallelism``) by
-``Registered(*init_hook(*args, **kwargs))``, where ``Registered`` is a subclass of
-``dist_module`` whose ``forward`` applies ``forward_hook`` and ``return_hook`` around
-``dist_module.forward``; the fx rewrite then distributes it like any ``smp.nn`` module.
-This happens at every ``tensor_parallel_degree``, 1 included, so a script computes the
-same function whatever the degree.
-The class must be exactly the registered one (a subclass is not replaced), registration
-must come before the instances are built, and the last registration of a class wins.
-
-The replacement is built afresh: its parameters are the distributed module's own
-initialisation, not the original module's (SMP's distributed modules are created the
-same way; load a checkpoint after wrapping to start from trained weights), so build the
-optimizer from ``DistributedModel.parameters()``. A marked root is replaced too:
-``replace_registered`` returns the new root, which the ``DistributedModel`` wraps.
-
-SMP's own replacements of Hugging Face models (``register_predefined``, filled by
-``smp_fx.nn.huggingface``) apply to instances of their classes *created* inside
-``smp.tensor_parallelism()`` / ``smp.model_creation(tensor_parallelism=True)``, after a
-user's registration of the same class; they start from the original's weights. A Hugging
-Face model marked afterwards with ``smp.set_tensor_parallelism`` is not replaced (SMP
-replaced it too): the rewrite distributes its own modules (Hugging Face GPT-2's
-``Conv1D``s, say), which smp-fx's tensor parallelism does directly.
+Registering wraps the class's ``__init__`` to record arguments; marked instances of
+exactly that class are rebuilt as the distributed module (fresh weights, so build the
+optimizer from ``DistributedModel.parameters()``) at every degree, 1 included.
+See docs/tensor_parallel.md, 'API'.
 """
 
 from __future__ import annotations

@@ -1,12 +1,6 @@
-"""``smp.hvd_average_grads()``: average this rank's gradients over its data-parallel replicas.
-
-SMP 1.x scripts written for Horovod-style data parallelism (``"horovod": true``, no DDP
-wrapper) call it after the step, before ``optimizer.step()``, so that every replica steps
-the same gradients. smp-fx averages the gradients of the process's ``DistributedModel``
-(the parameters this rank holds) over the reduced data-parallel group (the ``RDP_GROUP``:
-the replicas of the same pipeline stage and tp shard), summed then divided by its size,
-as DDP's reducer averages. With ``ddp`` the step has already averaged them; averaging
-equal gradients again leaves them as they are, so calling it there changes nothing.
+"""``smp.hvd_average_grads()``: average this rank's gradients over its rdp replicas, for SMP
+1.x Horovod-style scripts; under ``ddp`` the gradients are equal already, so it changes
+nothing.
 """
 
 from __future__ import annotations

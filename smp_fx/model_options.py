@@ -1,8 +1,5 @@
-"""The ``smp.DistributedModel`` arguments and the checks they must pass at wrapping.
-
-Apart from the model because they are a value: compared when the same module is wrapped
-again (which must pass the same arguments), and checked before the model holds any state,
-so a wrong argument fails at ``smp.DistributedModel(...)``, never at the first step.
+"""The ``smp.DistributedModel`` arguments and their checks, a value apart from the model so
+a wrong argument fails at wrapping, never at the first step.
 """
 
 from __future__ import annotations

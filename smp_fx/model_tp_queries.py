@@ -1,15 +1,7 @@
 """The tensor-parallel queries SMP's page lists on ``DistributedModel`` (SMP 1.6+).
 
-SMP's tensor parallelism reduces two kinds of parameters differently: a *distributed*
-parameter (a shard of a tensor-parallel module) operates on the batch of the whole tp
-group (the "scaled batch", gathered under ``prescaled_batch: false``) and is all-reduced
-over the ``RDP_GROUP``; every other parameter is all-reduced over the ``DP_GROUP`` (the
-"default reducer"). smp-fx reduces them the same way (``smp_fx.parallel.tensor_parallel``),
-so the queries read its plan: a parameter is distributed when the tensor-parallel rewrite
-sharded it. smp-fx shards parameters only, never buffers.
-
-Before partitioning nothing is sharded yet: every parameter is replicated and reduced by
-the default reducer.
+A parameter is distributed when the rewrite sharded it (reduced over ``RDP_GROUP``),
+else it goes to the default reducer (``DP_GROUP``); before partitioning nothing is.
 """
 
 from __future__ import annotations

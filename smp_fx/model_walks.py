@@ -1,17 +1,8 @@
 """How ``nn.Module``'s walks see a ``DistributedModel``: as the wrapped module's root.
 
-Scripts and the Hugging Face Trainer name parameters by walking the model:
-``named_parameters()``, but also ``named_children()`` with each module's ``_parameters``
-(transformers' ``get_parameter_names``, which picks the weight-decay group) or
-``named_modules()``. Every walk gives the wrapped module's names, without a ``module.``
-prefix, so names from one walk find the tensors of another. Once partitioned, a name this
-rank trains gives the tensor it trains (a tensor-parallel shard, a sharded or
-materialised parameter), except under sharded data parallelism, where the original object
-(what the script's dictionaries are keyed by) reads the shard through SMP's DeepSpeed view
-(``smp_fx.parallel.ds_view``) and ``zero_grad``/``requires_grad_`` reach both. The wrapped
-module stays registered as ``module``
-(``get_module()``, checkpoints); operations over the tree (``train``, ``apply``,
-``half``) reach it, and the local stages, as ``nn.Module`` would.
+Every walk gives the wrapped module's names without a ``module.`` prefix, so names from
+one walk find another's tensors; once partitioned a name gives the tensor this rank
+trains. See docs/clients.md.
 """
 
 from __future__ import annotations

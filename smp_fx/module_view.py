@@ -1,23 +1,8 @@
 """``DistributedModel.module``: the layer SMP v1 put between the model and the user's module.
 
-In SMP <= 1.9 ``smp.DistributedModel(m).module`` is a wrapper whose ``.module`` is ``m``;
-with ``"fp16": true`` (SMP 1.10+) one more layer, ``FP16_Module``, sits on top. AWS's 1.x
-scripts walk that chain to reach the layers they pin and checkpoint::
-
-    m = model.module if args.fp16 else model
-    transformer_layers = m.module.module.transformer.seq_layers
-
-and 1.11+'s ``sharded_data_parallel_checkpoint.py`` names parameters through
-``model.module.named_parameters()`` (``get_module()`` gives the user's module directly).
-
-A ``ModuleView`` is that layer as a view, not a second module: ``.module`` is the object
-below it, and every other attribute, call and method is the user's module's, except the
-walks over parameters (``named_parameters``, ``parameters``, ``zero_grad``,
-``requires_grad_``, ``train``, ``eval``): those are the ``DistributedModel``'s, as in SMP,
-where the distributed modules had replaced the originals. So
-``model.module.named_parameters()`` gives ``model.named_parameters()`` (no ``module.``
-prefix to strip; the 1.11+ script strips one only where it finds one): the tensors trained
-(tensor-parallel shards), and nothing is registered twice in the module tree.
+AWS's 1.x scripts walk ``model.module.module...`` to reach their layers; a ``ModuleView``
+is that layer as a view, not a second module: attributes are the user's module's, the
+parameter walks the ``DistributedModel``'s, as in SMP. See docs/clients.md.
 
 >>> from torch import nn
 >>> net = nn.Sequential(nn.Linear(2, 2))

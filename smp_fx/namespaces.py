@@ -1,15 +1,6 @@
 """SMP's submodule namespaces (``smp.nn``, ``smp.optimizers``, ``smp.amp``) and their names
-that are known but not built yet.
-
-SMP's API pages name classes under these namespaces (``smp.nn.FusedLayerNorm``,
-``smp.optimizers.FusedLamb``, ``smp.amp.GradScaler``, the tensor-parallel
-``smp.nn.Distributed*`` modules), and top-level names (``PLANNED`` below, answered by
-``smp_fx.__getattr__``; none are left).
-Each namespace is a real subpackage: built names are ordinary attributes of it, and its
-module ``__getattr__`` answers the others through ``planned``, which raises
-``SMPNotImplementedError`` with what the name is for, so a script stops where it uses one
-with the reason, not with an ``AttributeError`` that reads like a typo. A name SMP never
-had stays an ``AttributeError``.
+that are known but not built yet: those raise ``SMPNotImplementedError`` saying what the
+name is for, not an ``AttributeError`` that reads like a typo.
 
 >>> planned("smp.nn", "FlashAttentionLayer", {"FlashAttentionLayer": "flash attention"})
 Traceback (most recent call last):

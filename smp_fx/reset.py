@@ -1,8 +1,5 @@
-"""``smp.reset()``: forget the model-specific state of this process.
-
-It reaches the three places that hold such state (the process's model and optimizers in
-``smp_fx.world.context``, resumes waiting for them in ``smp_fx.ckpt.checkpoint_api``, and
-the translate functions of ``smp.state.module_manager``), so it sits above all three.
+"""``smp.reset()``: forget the model-specific state of this process, above the three places
+holding it (context, pending resumes, translate functions).
 """
 
 from __future__ import annotations

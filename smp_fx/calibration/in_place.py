@@ -1,19 +1,9 @@
 """How much slower ops run inside a model than alone: ``DeviceSpec.overhead_scale`` and
 ``DeviceSpec.compute_scale``, then the convolutions' own factor.
 
-Why: the device figures are microbenchmarks, each op timed alone in a loop with its data
-hot in cache. Inside a real forward and backward the same ops run slower: on the 2-core
-CPU this project is developed on, every example model's training step came out at
-0.59-0.70 of the measured one with the microbenchmarked figures alone. The slowdown is
-not one factor: the reference model's measured / predicted time was 1.78 at batch 1 x 8
-tokens, 1.48 at 2 x 16 and 0.94 at 8 x 32 and 16 x 64, because the ops' fixed costs
-(dispatch, autograd's graph, the allocator) grow about 2.3x in place while their work
-does not. So the fit is two factors, by least squares over the model at several sizes:
-the predicted fixed part times ``overhead_scale`` plus the predicted work times
-``compute_scale`` against the measured time. The per-op figures keep their shape.
-
-``fit_scales(spec, device)`` -> (overhead_scale, compute_scale); ``fit_conv_scale`` then
-fits the convolutions' own factor on ``ConvReference``.
+Fixed costs grow about 2.3x in place while work does not, so one factor cannot fit: two
+are fitted by least squares over the reference model at several sizes
+(docs/performance.md).
 """
 
 from __future__ import annotations
@@ -53,16 +43,10 @@ def fit_scales(spec: DeviceSpec, device: torch.device, repeats: int = 15
 
 
 def fit_conv_scale(spec: DeviceSpec, device: torch.device, repeats: int = 15) -> float:
-    """How much the convolutions' fixed costs must be scaled, beyond ``overhead_scale``,
-    for ``ConvReference``'s predicted forward and backward to equal its measured one
-    (clamped to ``LIMITS``; 1.0 when ``spec`` prices no convolution); ``spec`` carries the
-    fitted scales.
-
-    Why: a convolution's fixed cost on a CPU is mostly its library's per-call setup
-    (oneDNN: 40 us forward, 120 us backward at the smallest shapes that take its path,
-    against 6 and 30 us for the tiny ones that do not), which grows less in place than the
-    dispatch-bound fixed costs ``overhead_scale`` is fitted on: with that factor alone the
-    example CNN was predicted 1.17-1.24 x its measured step."""
+    """The convolutions' fixed-cost factor beyond ``overhead_scale`` that makes
+        ``ConvReference``'s prediction equal its measurement (clamped; 1.0 without
+        convolutions): a library's per-call setup grows less in place than dispatch does.
+    """
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = ConvReference().to(device)

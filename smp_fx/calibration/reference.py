@@ -1,10 +1,5 @@
-"""The models the calibration fits run, and the sizes they run at.
-
-Why fixed models: a fitted factor is only comparable between machines (and between runs)
-when it is fitted on the same work. ``Reference`` is a small transformer LM (the in-place
-factors, the in-step scales, the pipelined scale), ``ConvReference`` a ResNet-style stack
-at CIFAR-like sizes (the convolutions' own factor), ``tiny`` an MLP that is almost all
-runtime actions and messages (the per-action, per-step and per-message costs).
+"""The models the calibration fits run, and the sizes they run at: fixed, so a fitted factor
+is comparable between machines and runs.
 """
 
 from __future__ import annotations

@@ -1,9 +1,5 @@
-"""A model trained and timed with ``smp.step``: what the runtime fits measure.
-
-Why through the real runtime: the runtime's own costs (per action, per step, per
-message) and how the model's ops run inside a real training step exist only there. Each
-run plans for the spec being calibrated (``SMP_FX_DEVICE_SPEC`` pointed at it for the
-plan), so the plan it returns is priced as the fits will price it.
+"""A model trained and timed with ``smp.step``: the runtime's own costs exist only there.
+Each run plans for the spec being calibrated, so it is priced as the fits price it.
 """
 
 from __future__ import annotations

@@ -1,18 +1,6 @@
-"""The figures calibration fits through the smp-fx runtime itself.
-
-Why apart from the device figures: these train small models with ``smp.step`` (one stage,
-or a pipeline across the calibrating processes; ``runs``) and fit the spec's runtime
-figures so that the plans' predicted steps equal the measured ones:
-
-- ``fit_actions``: the runtime's cost per action and per step (``tiny`` at 1 and 8
-  microbatches, one stage; ``fit_runtime`` solves it);
-- ``fit_in_step``: how much slower the model's ops and its Adam step run inside a real
-  training step than the per-microbatch fits say (the reference transformer, one stage);
-- ``fit_pipeline``: the cost per message and ``pipelined_scale`` at pipeline degree N
-  (``solve_pipeline`` solves it).
-
-Each returns figures; ``smp_fx.calibration.spec`` writes them into the spec with their
-sources. ``steps`` is the number of timed steps per run.
+"""The figures calibration fits through the smp-fx runtime itself, so that the plans'
+predicted steps equal the measured ones: per action and step, in-step scales, per message
+and ``pipelined_scale``. See docs/cli.md, 'smp-fx calibrate'.
 """
 
 from __future__ import annotations
@@ -52,14 +40,10 @@ def _tiny_runs(spec: DeviceSpec, device: torch.device, steps: int, stages: int
 
 
 def fit_actions(spec: DeviceSpec, device: torch.device, steps: int) -> tuple[float, float]:
-    """The runtime's cost per action and per step, fitted on one stage.
-
-    Why one stage: there nothing but the runtime's own work separates the measured step
-    from the priced compute, so the two figures are not polluted by waiting or message
-    costs (fitted at pipeline degree 2, the cost per action came out ten times too high
-    and over-predicted every one-stage step by 65 %). Every process runs its own
-    one-stage model (dp = the process count, no ddp); rank 0's steps are timed while the
-    others wait (``spec.from_rank0``)."""
+    """The runtime's cost per action and per step, fitted on one stage, where nothing but the
+        runtime's work separates measurement from priced compute (at pp 2 the action cost came
+        out ten times too high); rank 0 is timed.
+    """
     with runs.replicas_apart():
         timings, plans = _tiny_runs(spec, device, steps, 1)
     return fit_runtime(spec, plans, timings)
@@ -67,12 +51,9 @@ def fit_actions(spec: DeviceSpec, device: torch.device, steps: int) -> tuple[flo
 
 def fit_runtime(spec: DeviceSpec, plans: dict[int, PartitionPlan], timings: dict[int, float]
                 ) -> tuple[float, float]:
-    """(seconds per action, seconds per step) that make the plans' predicted steps (the
-    simulated pipeline plus the fixed step cost; no optimizer step was timed) equal the
-    measured ones. The prediction is linear in the step cost and, along the critical path,
-    in the action cost, so two microbatch counts give a 2 x 2 system. Neither figure goes
-    below 0 (a negative one is noise: the per-step cost is then fitted at the first
-    microbatch count alone)."""
+    """(seconds per action, seconds per step) solving the 2 x 2 system two microbatch counts
+        give; neither goes below 0 (noise).
+    """
     def predicted(m: int, per_action: float) -> float:
         s = dataclasses.replace(spec, microbatch_overhead_s=per_action, step_overhead_s=0.0,
                                 optimizer_tensor_s=0.0, optimizer_byte_s=0.0)
@@ -91,18 +72,9 @@ def fit_runtime(spec: DeviceSpec, plans: dict[int, PartitionPlan], timings: dict
 
 
 def fit_in_step(spec: DeviceSpec, device: torch.device, steps: int) -> tuple[float, float]:
-    """(node scale, optimizer scale): how much slower the reference transformer's ops and
-    its Adam step run in a training step on one stage (``smp.step`` over
-    ``IN_STEP_MICROBATCHES`` microbatches, then ``optimizer.step()``) than ``spec``
-    predicts, each clamped to ``IN_STEP_LIMITS``; rank 0's steps are timed (the other
-    ranks return (1.0, 1.0)).
-
-    Why: the in-place factors are fitted on single forward and backward passes, Adam's
-    figures on Adam alone, and a training step adds what neither sees: gradients
-    accumulated over the microbatches, one microbatch's data evicted by the next, Adam
-    reading gradients just written. On the 2-core development VM the reference's step ran
-    1.09 x its prediction while its single forward and backward ran 1.02-1.05 x theirs,
-    and the example models' Adam steps 0.97-1.32 x theirs."""
+    """(node scale, optimizer scale): how much slower the reference's ops and Adam run in a
+        real training step than predicted (accumulation, eviction), clamped; rank 0 timed.
+    """
     with runs.replicas_apart(), runs.initialized(1, IN_STEP_MICROBATCHES):
         timed = runs.time_steps(spec, device, steps, alone=True, reference=True,
                                 optimizer=True)
@@ -133,17 +105,9 @@ def predicted_step(plan: PartitionPlan, spec: DeviceSpec, scale: float,
 
 def fit_pipeline(spec: DeviceSpec, device: torch.device, steps: int, world: int
                  ) -> tuple[float, float] | None:
-    """(seconds per message, ``pipelined_scale``) at pipeline degree ``world``; None on
-    ranks other than 0.
-
-    The runtime's cost per message (posting and completing a send or receive) and how
-    much slower each rank's ops run when the pipeline's ranks share the host: ``tiny``
-    (almost all messages and actions) at two microbatch counts and the reference
-    transformer (almost all compute) are trained, and both figures are fitted together
-    (``solve_pipeline``). Why the second: on 2 CPU cores the GPT example's ops ran 12-23 %
-    slower at pipeline degree 2 than alone (torch.profiler), which neither the
-    one-process fits nor a tiny model show; fitted one after the other, the per-message
-    cost absorbed it and the scale moved between runs."""
+    """(seconds per message, ``pipelined_scale``) at pipeline degree ``world``, fitted together
+        (fitted one after the other, the message cost absorbed the slowdown); None off rank 0.
+    """
     tiny_times, tiny_plans = _tiny_runs(spec, device, steps, world)
     with runs.initialized(world, PIPELINED_MICROBATCHES):
         ref_time, _, ref_plan = runs.time_steps(spec, device, steps, reference=True)

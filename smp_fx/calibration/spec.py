@@ -1,22 +1,6 @@
-"""``calibrate``: measure this machine into a ``DeviceSpec``, the fits in their order.
-
-1. the device (``cost_model.calibrate``): matmul and element-wise throughput at several
-   sizes, memory bandwidth, the fixed cost of each kind of op, an Adam step; then how
-   much slower ops run inside a model than alone (``in_place``);
-2. with two or more processes, the point-to-point link of the backend between ranks 0
-   and 1: latency, bandwidth and the time a rank spends per message;
-3. the smp-fx runtime (``runtime_fit``): the reference transformer's training step with
-   Adam on one stage, which scales the in-place factors and Adam's figures to a real
-   step; a tiny model trained with ``smp.step`` at 1 and 8 microbatches, first on one
-   stage (each process its own), which fits the runtime's cost per action and per step;
-   then, with two or more processes, at pipeline degree = the number of processes,
-   together with the reference transformer at that degree, which fit the runtime's cost
-   per message and how much slower ops run when the ranks share the host
-   (``pipelined_scale``); each so that the plans' predicted step times equal the
-   measured ones.
-
-Every figure's ``sources`` entry says how it was fitted. Measured with the torch thread
-count the process has: under torchrun one thread per process, as in training.
+"""``calibrate``: measure this machine into a ``DeviceSpec``, the fits in their order: the
+device, the link (two or more processes), then the runtime; every figure's ``sources``
+says how it was fitted. See docs/cli.md, 'smp-fx calibrate'.
 """
 
 from __future__ import annotations
@@ -144,13 +128,9 @@ def _in_step(spec: DeviceSpec, scales: tuple[float, float]) -> DeviceSpec:
 
 def from_rank0(fn: Callable[[], Any], world: int, everyone: Callable[[], Any] | None = None
                ) -> Any:
-    """``fn()`` measured by rank 0 alone (the others wait, or run ``everyone``, which
-    must return what ``fn`` does), its result sent to every rank.
-
-    Why alone: two processes measuring at once on a small machine slow each other down
-    (shared caches and memory bandwidth; op costs came out up to twice as high), and the
-    device and runtime figures must be one process's, as a one-stage run sees them. Every
-    rank must plan with the same figures, so rank 0's are broadcast."""
+    """``fn()`` measured by rank 0 alone and sent to every rank: processes measuring at once
+        slow each other down, and every rank must plan with the same figures.
+    """
     if world == 1:
         return fn()
     result = [fn() if dist.get_rank() == 0 else (everyone() if everyone else None)]

@@ -1,25 +1,7 @@
 """``smp-fx calibrate [-o FILE.json]``: measure this machine into a device spec file.
 
-Why: ``smp-fx partition`` predicts what a plan will cost before one runs it, and those
-predictions are only as good as the device spec they are priced with. The built-in specs
-carry datasheet figures; this command measures the machine it runs on instead: the
-device's throughput, memory bandwidth and fixed costs per op, how much slower ops run
-inside a model than alone, with two or more processes (``--nproc 2``, or under
-``smp-fx run -n 2``) the link between ranks 0 and 1, and the smp-fx runtime's own costs
-on one stage and at pipeline degree = the number of processes. The measuring and fitting
-are the library ``smp_fx.calibration`` (``smp_fx.calibration.spec`` lists the fits in
-their order); this command parses its flags, runs it (through torchrun on ``--nproc``
-processes) and writes or prints the spec.
-
-The spec is written as JSON (``DeviceSpec.to_json``); use it with
-``smp-fx partition --device FILE.json`` or ``SMP_FX_DEVICE_SPEC=FILE.json`` for
-``DistributedModel``. Measured with the torch thread count the process has: under
-``smp-fx run -n 2`` (and ``--nproc 2``) that is one thread per process, as in training.
-
-Example::
-
-    smp-fx calibrate --nproc 2 -o cpu2.json
-    smp-fx partition examples/models/gpt.py --partitions 2 --device cpu2.json
+Parses flags, runs ``smp_fx.calibration`` (through torchrun with ``--nproc``) and writes
+or prints the spec. See docs/cli.md, 'smp-fx calibrate'.
 """
 
 from __future__ import annotations

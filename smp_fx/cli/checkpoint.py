@@ -1,22 +1,6 @@
 """``smp-fx checkpoint``: inspect partial checkpoints, merge them into one full file, or
-export a model's into what Hugging Face's ``from_pretrained`` loads.
-
-Why: a partial checkpoint (``checkpoint.pt_0``, ``checkpoint.pt_1``, ... plus
-``checkpoint.pt.smp_index.json``) needs smp-fx to load; ``merge`` turns it into a single
-file in plain torch formats, usable with ``torch.load`` + ``model.load_state_dict(strict=True)``
-+ ``optimizer.load_state_dict`` on the unwrapped model, no smp-fx needed. ``export`` writes
-a partial model state saved at any pp x tp (``smp.save(model.local_state_dict(), ...,
-partial=True)``, or the ``model.pt`` of a ``smp.save_checkpoint`` folder) as
-``save_pretrained`` writes the model: ``config.json`` and safetensors weights under the
-model's own names, a tied weight once (``smp_fx.ckpt.hf_export``); the configuration comes
-from ``--config`` (a ``config.json`` or the folder holding it), by default from the
-checkpoint's folder or the one above it.
-
-Example::
-
-    smp-fx checkpoint info /ckpt/checkpoint.pt
-    smp-fx checkpoint merge /ckpt/checkpoint.pt -o /ckpt/full.pt
-    smp-fx checkpoint export /ckpt/step100_partial --config /model -o /exported
+export a model's into what Hugging Face's ``from_pretrained`` loads, so no smp-fx is
+needed to use them. See docs/cli.md, 'smp-fx checkpoint merge'.
 """
 
 from __future__ import annotations

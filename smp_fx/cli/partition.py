@@ -1,30 +1,8 @@
 """``smp-fx partition model.py``: make a partition plan offline and explain it.
 
-Why: choosing ``pipeline_parallel_degree``, ``memory_weight`` and ``microbatches`` is easier
-when one can see, without a cluster, which modules land on which stage, what each stage
-costs, where the bottleneck is, and how the plan compares with simpler partitioners. The
-command loads ``build_model()`` and ``example_inputs(batch_size)`` from a Python file, runs
-the compile passes (``passes.pipeline.compile_model``) with analytic costs for a named
-device, and prints a per-stage table.
-
-Example::
-
-    smp-fx partition examples/models/gpt.py --partitions 4 --microbatches 8 \\
-        --json plan.json --dot plan.dot --timeline plan.png --chrome-trace step.json --compare
-    smp-fx partition examples/models/gpt.py --partitions 4 --microbatches 8 \\
-        --virtual-pipeline-degree 2 --pipeline zbv --timeline zbv.png
-
-With ``--virtual-pipeline-degree V`` the table has one row per chunk (and the rank holding
-it), then one row per rank: its chunks and its memory at the schedule's peak.
-
-Costs are per microbatch: the inputs are built for ``--batch-size`` and split into
-``--microbatches`` parts by ``smp.step``'s own splitter (``smp_fx.runtime.inputs.microbatch``:
-every tensor along its batch axis, nested ones too; ``--non-split-input`` and
-``--input-split-axis`` name the model's ``forward`` parameters, as ``non_split_inputs`` and
-``input_split_axes`` name the step function's); the plan is made for the first part, from
-the planning request ``DistributedModel`` builds too (``smp_fx.runtime.planning.plan_request``), so
-it is the plan ``DistributedModel`` makes at its first step on the same batch (same device
-spec). Bad input exits with status 2 and a one-line message.
+It plans on the first microbatch of ``smp.step``'s own splitter, from the request
+``DistributedModel`` builds, so it is the plan the first step makes. Bad input exits 2.
+See docs/cli.md, 'smp-fx partition model.py'.
 """
 
 from __future__ import annotations

@@ -1,26 +1,8 @@
 """``smp-fx run -n N [--config cfg.json] script.py [args...]``: torchrun with SMP's names.
 
-The children get the configuration in ``SM_HP_MP_PARAMETERS`` (what ``smp.init`` reads,
-as on SageMaker) and the shim directory on ``PYTHONPATH``, so inside the script
-``import smdistributed.modelparallel.torch as smp`` is ``smp_fx``,
-``import smdistributed.dataparallel.torch.torch_smddp`` registers the ``smddp`` backend, and
-the Hugging Face Trainer's SMP mode gets its adjustments (``smp_fx._compat.hf_trainer``).
-The launcher's own process and environment are untouched.
-
-When the job fails, ``smp-fx run`` prints which rank failed first: the children leave
-failure reports in ``SMP_FX_REPORT_DIR`` (a temporary folder unless set) and torchrun's
-view of how each ended (``smp_fx.cli.torchrun``); ``smp_fx.world.reports`` follows them from
-the ranks that failed waiting on a peer to the one that failed on its own. With
-``--max-restarts N`` torchrun restarts every worker after a failure (elastic restarts), up to
-N times; a script that resumes from its last checkpoint then finishes the run, and the
-summary names the first failure of each failed attempt.
-
-Single node: torchrun ``--standalone`` (a free rendezvous port). Several nodes: run the
-same command on every node with ``--nnodes``, ``--node-rank`` and ``--rdzv-endpoint``
-(or ``--master-addr``/``--master-port``); they are handed to torchrun unchanged::
-
-    smp-fx run -n 8 --nnodes 2 --node-rank 0 --rdzv-backend c10d \\
-        --rdzv-endpoint host0:29400 --rdzv-id job1 --config cfg.json train.py
+The children get ``SM_HP_MP_PARAMETERS`` and the shim directory, so SageMaker scripts run
+unchanged; on failure it names the rank that failed first. See docs/cli.md and
+docs/launch.md.
 """
 
 from __future__ import annotations

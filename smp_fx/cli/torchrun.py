@@ -1,12 +1,5 @@
-"""torchrun that also records how each failed worker ended, for ``smp-fx run``'s summary.
-
-``smp-fx run`` starts ``python -m smp_fx.cli.torchrun ...`` where it would start
-``python -m torch.distributed.run ...``: the same launcher with the same options. When
-workers fail, torchrun raises ``ChildFailedError`` holding each failed worker's exit code
-(negative: the signal that killed it); those go to ``$SMP_FX_REPORT_DIR/exits.json``
-(``smp_fx.world.reports``) before torchrun reports them as usual, so the summary can tell a
-rank that was killed (SIGKILL, out of memory) from the ranks the launcher stopped after it
-(SIGTERM).
+"""torchrun that also records how each failed worker ended (its exit code or signal), so
+``smp-fx run``'s summary tells a killed rank from those the launcher stopped after it.
 """
 
 from __future__ import annotations

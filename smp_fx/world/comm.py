@@ -1,17 +1,8 @@
 """SMP's rank queries, group getters and object communication (``smp.rank()``, ``smp.send``...).
 
-Objects (anything picklable) travel over gloo groups with the same ranks as the compute
-groups, so they work on CPU and beside NCCL alike. Every wait is bounded by the process
-group's timeout (``SMP_FX_TIMEOUT_S``); a timeout becomes ``SMPTimeoutError`` naming what
-was waited for.
-
-``smp.broadcast(obj, group)`` is SMP's sender side only: the other members of the group
-receive with ``smp.recv_from(sender, rank_type)``, exactly as in SMP::
-
-    if smp.rank() == 0:
-        smp.broadcast({"step": 3}, smp.WORLD)
-    else:
-        obj = smp.recv_from(0, smp.RankType.WORLD_RANK)
+Objects travel over gloo groups mirroring the compute groups, so they work on CPU and
+beside NCCL; every wait is bounded and a timeout names what was awaited.
+``smp.broadcast`` is the sender side only: the others ``smp.recv_from``, as in SMP.
 """
 
 from __future__ import annotations

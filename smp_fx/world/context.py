@@ -1,18 +1,8 @@
 """Who is running: the process's ``DistributedModel``, and what the calling thread is inside.
 
-Three facts are read far from where they are set, so they live here, below every module
-that needs them (the model, ``smp.step``, the conductor, data parallelism, the optimizer
-and the checkpoint methods), which keeps those modules free of import cycles:
-
-- the ``DistributedModel`` of this process (SMP allows one; a new one replaces it), and
-  the ``DistributedOptimizer``s built before it, which it adopts;
-- the calling thread's *turn*: the (conductor, microbatch) whose step function it runs,
-  set by the conductor around each step function call;
-- *capture*: while ``smp.step`` partitions, the first microbatch's step function runs only
-  until it calls the model, whose inputs are captured (``Captured``) to trace on.
-
-Sitting below the model, the optimizer and the conductor, it names them by what the code
-here and below reads of them: ``ProcessModel``, ``ProcessOptimizer`` and ``TurnTaker``.
+The model, the thread's turn and the first step's capture are read far from where they
+are set, so they live below every reader (no import cycles), naming what they hold by
+protocols: ``ProcessModel``, ``ProcessOptimizer``, ``TurnTaker``.
 """
 
 from __future__ import annotations

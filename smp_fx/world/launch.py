@@ -1,18 +1,8 @@
 """How this process was launched, and joining the default torch.distributed group.
 
-Four launchers are recognised from the environment, in this order: torchrun (``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``),
-mpirun (``OMPI_COMM_WORLD_RANK``/``SIZE``/``LOCAL_RANK``/``LOCAL_SIZE``; ``MASTER_ADDR``
-defaults to 127.0.0.1 on one node and is required across nodes), SLURM's ``srun``
-(``SLURM_PROCID`` / ``SLURM_NTASKS`` / ``SLURM_LOCALID``, tasks per node, and the first
-host of the step's node list as ``MASTER_ADDR`` unless it is set: ``smp_fx.world.slurm``)
-and none (a world of one process, joined through an in-memory store so collectives still
-work). ``MASTER_PORT`` defaults to 29500 for mpirun and srun. A process group the user
-already initialised is reused as is.
-
-Reading the environment (``detect``) is separate from joining (``join``) so that
-``smp.init`` can validate the configuration against the world size on every rank before
-the first collective.
+torchrun, mpirun, srun or none, recognised from the environment; reading apart from
+joining so ``smp.init`` validates the configuration first. See docs/launch.md, 'How a
+process joins, and leaves'.
 """
 
 from __future__ import annotations
@@ -140,10 +130,8 @@ def timeout(env: Mapping[str, str] | None = None) -> timedelta:
 
 
 def join(info: LaunchInfo, backend: str, wait: timedelta) -> bool:
-    """Initialise the default process group for ``info``; return True if this call created it.
-
-    A single process joins through an in-memory ``HashStore``: no port, no file, and every
-    collective works on a group of one.
+    """Initialise the default process group for ``info``; return True if this call created it
+        (a single process joins an in-memory store).
     """
     if info.launcher == "existing":
         return False
@@ -174,13 +162,9 @@ def join(info: LaunchInfo, backend: str, wait: timedelta) -> bool:
 
 
 def _attempt_store(wait: timedelta) -> Any:
-    """Under torchrun's restarts (``--max-restarts``), the agent's store with a prefix of
-    this attempt; else None (``env://`` joins the store itself).
-
-    The agent keeps serving one store across the attempts of a job, and ``env://`` joins it
-    without a prefix: the workers of a restart could read the addresses the killed workers
-    of the last attempt published, and fail to connect to them (seen as "Gloo
-    connectFullMesh failed ... Connection refused" in about half of the restarts)."""
+    """Under torchrun's restarts, the agent's store with this attempt's prefix (else None), so
+        a restart never reads the killed attempt's addresses.
+    """
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in (None, "0"):
         return None
@@ -193,14 +177,9 @@ _AT_EXIT: list[bool] = []  # whether ``destroy_at_exit`` registered its handler
 
 
 def destroy_at_exit() -> None:
-    """Destroy the default process group when the interpreter exits, if nobody did before.
-
-    Scripts written for SMP or SMDDP never call ``destroy_process_group``, and a gloo group
-    left to interpreter finalization can abort the process ("terminate called without an
-    active exception", SIGABRT: its threads still hold objects whose release needs the
-    interpreter; torch considered registering the same handler itself in
-    pytorch/pytorch#179291). An ``atexit`` handler runs while the interpreter is whole; it
-    also waits for the backend's threads (``_let_backend_threads_finish``)."""
+    """Destroy the default process group at interpreter exit if nobody did: a gloo group left
+        to finalization can abort the process (docs/launch.md).
+    """
     if not _AT_EXIT:
         atexit.register(_destroy_default_group)
         _AT_EXIT.append(True)
@@ -216,16 +195,9 @@ BACKEND_GRACE_S = 0.05
 
 
 def _let_backend_threads_finish() -> None:
-    """Release the GIL for ``BACKEND_GRACE_S`` before the interpreter is torn down.
-
-    A gloo worker thread frees a finished collective after it has woken the waiting
-    thread, and freeing it drops a Python object the work captured (the autograd thread's
-    state, for DDP's gradient all-reduce), which needs the GIL. A script that ends right
-    after its last backward can reach interpreter finalization first; the worker is then
-    cancelled inside a C++ destructor, which aborts the process ("terminate called without
-    an active exception": gdb shows ``ProcessGroupGloo::runLoop`` ->
-    ``~AsyncAllreduceWork`` -> ``take_gil`` -> ``pthread_exit``). Seen in 5 of 90 runs of
-    the SMDDP guide script on a loaded 2-core machine; the pause gives the worker the GIL."""
+    """Release the GIL for ``BACKEND_GRACE_S`` so gloo's workers free their finished work
+        before finalization, which would abort the process (docs/launch.md).
+    """
     time.sleep(BACKEND_GRACE_S)
 
 

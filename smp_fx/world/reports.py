@@ -1,21 +1,7 @@
 """Failure reports: how ``smp-fx run`` tells which rank failed first.
 
-When one rank of a pipeline fails, the others fail after it (they lose their connection to
-it, or time out waiting), and the launcher stops the rest; every log then holds several
-errors, and the first to be printed is rarely the cause. So each rank of a job launched by
-``smp-fx run`` finds ``SMP_FX_REPORT_DIR`` set and leaves small JSON records there, one
-folder per torchrun attempt (``attempt<TORCHELASTIC_RESTART_COUNT>``):
-
-* ``rank<r>.started.json`` at ``smp.init``: its pipeline stage and pid;
-* ``rank<r>.failed.json`` when an error ends its step or its script (the first one wins):
-  the error's type and message and ``peer_rank``, the rank it points at (a peer that died
-  or did not answer);
-* ``rank<r>.stalled.json`` when its step made no progress (``smp_fx.runtime.executor.flight``);
-
-and the launcher adds ``exits.json``: how torchrun saw each failed process end (exit code,
-signal). ``first_failure`` follows the pointers from rank to rank: rank 0 timed out on
-rank 1, which lost its connection to rank 2, which left no report and was killed by
-SIGKILL: rank 2 failed first.
+The first error printed is rarely the cause, so each rank leaves small JSON records and
+``first_failure`` follows them from rank to rank. See docs/launch.md.
 """
 
 from __future__ import annotations

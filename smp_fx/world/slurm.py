@@ -1,20 +1,10 @@
-"""SLURM's view of a job step launched by ``srun``: ranks, sizes and the rendezvous host.
+"""SLURM's view of a job step launched by ``srun``: ranks, sizes and the rendezvous host
+(the list's first node), as pure functions of the environment.
 
-``srun`` starts every task itself and tells each one where it sits: ``SLURM_PROCID`` (the
-global rank), ``SLURM_NTASKS`` (the world size), ``SLURM_LOCALID`` (the rank on its node),
-``SLURM_NODEID`` (the node's index in the step), ``SLURM_STEP_TASKS_PER_NODE`` /
-``SLURM_TASKS_PER_NODE`` (tasks per node, compressed: ``2(x3),1``) and the step's or
-job's node list (``SLURM_STEP_NODELIST``, ``SLURM_JOB_NODELIST``, ``SLURM_NODELIST``,
-compressed: ``node[01-03,07]``). Rank 0 runs on the first node of the list, so that node
-is the rendezvous address unless ``MASTER_ADDR`` says otherwise.
-
-Pure functions of the environment (``smp_fx.world.launch.detect`` calls them), tested with
-the variables set by hand::
-
-    >>> expand_hostlist("node[01-03,07],login")
-    ['node01', 'node02', 'node03', 'node07', 'login']
-    >>> expand_counts("2(x3),1")
-    [2, 2, 2, 1]
+>>> expand_hostlist("node[01-03,07],login")
+['node01', 'node02', 'node03', 'node07', 'login']
+>>> expand_counts("2(x3),1")
+[2, 2, 2, 1]
 """
 
 from __future__ import annotations

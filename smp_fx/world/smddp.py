@@ -1,11 +1,5 @@
-"""The ``smddp`` torch.distributed backend, so SageMaker data-parallel scripts run unchanged.
-
-Such a script does ``import smdistributed.dataparallel.torch.torch_smddp`` and then
-``dist.init_process_group(backend="smddp")``. Importing this module registers ``smddp``
-with ``torch.distributed.Backend.register_backend``; the creator builds a real NCCL process
-group when CUDA is available and a gloo one otherwise, so the collectives, and DDP on top
-of them, are torch's own, and destroys it at exit (``launch.destroy_at_exit``: such scripts
-never do). Registration is idempotent.
+"""The ``smddp`` torch.distributed backend, so SageMaker data-parallel scripts run unchanged:
+an NCCL group with CUDA, gloo otherwise, destroyed at exit (such scripts never do).
 """
 
 from __future__ import annotations

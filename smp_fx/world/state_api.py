@@ -1,13 +1,5 @@
 """What SMP scripts read from ``smp.state``: ``cfg`` and ``module_manager``.
 
-SMP exposes its process state as ``smp.state``; real clients (the Hugging Face Trainer
-among them) read two things from it: ``smp.state.cfg.<parameter>`` (``fp16``,
-``prescaled_batch``, ``shard_optimizer_state``, ...) and
-``smp.state.module_manager.translate_functions`` (pairs of state-dict translators between
-smp's and Hugging Face's parameter names, applied when full checkpoints are saved and
-loaded). In smp-fx ``smp.state`` is the module ``smp_fx.world.state``, which resolves these
-two names through this module.
-
 >>> from smp_fx.config import load_config
 >>> cfg = ConfigView(load_config({"partitions": 2}, env={}))
 >>> cfg.pipeline_parallel_degree, cfg.partitions, cfg.fp16
@@ -28,12 +20,8 @@ Translator = Callable[[StateDict], StateDict]
 
 
 class ConfigView:
-    """Read-only attribute access to the configuration's parameters, as ``smp.state.cfg``.
-
-    Every parameter of the configuration table and its aliases (``partitions``) reads its
-    resolved value; ``get_config_dict()`` gives them all, as SMP's does. Assigning is an
-    error: the configuration is fixed by ``smp.init`` on every rank alike, and a value
-    changed on one rank would make ranks disagree.
+    """Read-only attribute access to the configuration, as ``smp.state.cfg``: a value changed
+        on one rank would make ranks disagree.
     """
 
     __slots__ = ("_config",)
@@ -62,13 +50,8 @@ class ConfigView:
 
 
 class ModuleManager:
-    """SMP's ``state.module_manager`` as far as clients read it: ``translate_functions``.
-
-    ``translate_functions`` is a list of ``(smp_to_hf, hf_to_smp)`` pairs, each a function
-    from a state dict to a state dict. smp-fx keeps the original module's parameter names
-    in every stage, so it needs no translation of its own and the list starts empty;
-    tensor-parallel modules that rename parameters register theirs here. Full checkpoints
-    run ``smp_to_hf`` on save (``translate_if_full``) and ``hf_to_smp`` on load.
+    """SMP's ``state.module_manager.translate_functions``: ``(smp_to_hf, hf_to_smp)`` pairs
+        that full checkpoints apply on save and load; empty until a module renames.
     """
 
     def __init__(self) -> None:

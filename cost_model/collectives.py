@@ -23,7 +23,7 @@ TREE_BANDWIDTH_FACTOR = 0.9
 class Fabric:
     """The links a collective runs over (bytes/s one direction; seconds per hop).
 
-        ``inter_bandwidth`` is one node's network, all cards together, shared by its GPUs.
+    ``inter_bandwidth`` is one node's network, all cards together, shared by its GPUs.
     """
 
     intra_bandwidth: float
@@ -73,8 +73,8 @@ def ring_over(kind: str | None, nbytes: float, size: int,
               comm_time: Callable[[float], float]) -> float:
     """A ring collective on one link model: ``steps`` messages of ``nbytes / size`` each.
 
-        >>> ring_over("all_reduce", 8e6, 2, lambda n: 1e-4 + n / 1e9)
-        0.0082
+    >>> ring_over("all_reduce", 8e6, 2, lambda n: 1e-4 + n / 1e9)
+    0.0082
     """
     steps = ring_steps(kind, size)
     if steps == 0 or nbytes <= 0:
@@ -98,11 +98,11 @@ def bus_bandwidth(fabric: Fabric, size: int, nodes: int, concurrent: int = 1) ->
 def collective_time(kind: str, nbytes: float, size: int, fabric: Fabric, *, nodes: int = 1,
                     concurrent: int = 1) -> Collective:
     """Seconds of one collective over ``size`` ranks on ``nodes`` nodes: the faster of ring
-        and (all-reduce only) tree, as NCCL's tuner picks.
+    and (all-reduce only) tree, as NCCL's tuner picks.
 
-        >>> f = Fabric(300e9, 0.0, 200e9, 0.0, 8)
-        >>> round(collective_time("all_reduce", 1e9, 8, f).seconds, 6)  # 2 * 7/8 * 1e9 / 3e11
-        0.005833
+    >>> f = Fabric(300e9, 0.0, 200e9, 0.0, 8)
+    >>> round(collective_time("all_reduce", 1e9, 8, f).seconds, 6)  # 2 * 7/8 * 1e9 / 3e11
+    0.005833
     """
     steps = ring_steps(kind, size)
     if steps == 0 or nbytes <= 0:
@@ -130,8 +130,8 @@ def collective_time(kind: str, nbytes: float, size: int, fabric: Fabric, *, node
 def p2p_time(nbytes: float, fabric: Fabric, *, across_nodes: bool) -> float:
     """One point-to-point send; across nodes on one GPU's share of the node's network.
 
-        >>> p2p_time(25e6, Fabric(300e9, 0.0, 200e9, 0.0, 8), across_nodes=True)
-        0.001
+    >>> p2p_time(25e6, Fabric(300e9, 0.0, 200e9, 0.0, 8), across_nodes=True)
+    0.001
     """
     if nbytes <= 0:
         return 0.0

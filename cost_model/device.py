@@ -44,8 +44,8 @@ def _interp_log(table: Table, x: float) -> float:
 class DeviceSpec:
     """Peak rates of one accelerator, its link to the next stage, and fixed costs.
 
-        Every field beyond the peaks defaults to the ideal (no overhead, full efficiency);
-        docs/planning.md, 'Device specs', says what each one prices.
+    Every field beyond the peaks defaults to the ideal (no overhead, full efficiency);
+    docs/planning.md, 'Device specs', says what each one prices.
     """
 
     name: str

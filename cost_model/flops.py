@@ -79,7 +79,7 @@ def conv_flops(weight: Shape, out_shape: Shape, groups: int = 1) -> float:
 
 def sdpa_flops(q: Shape, k: Shape, v: Shape) -> float:
     """Attention: 2*B*H*L*S*E (scores) + 2*B*H*L*S*Ev (mix); a causal mask is not subtracted
-        (an upper bound for flash kernels).
+    (an upper bound for flash kernels).
     """
     batch_heads = numel(q[:-2])
     length, e = q[-2], q[-1]
@@ -91,8 +91,8 @@ def gemm_dims(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
               attrs: Mapping[str, Any]) -> tuple[int, int, int] | None:
     """(m, k, n) of the matmul an op performs, ``None`` if it is no matmul.
 
-        >>> gemm_dims("linear", [(16, 512)], (16, 2048), {})
-        (16, 512, 2048)
+    >>> gemm_dims("linear", [(16, 512)], (16, 2048), {})
+    (16, 512, 2048)
     """
     try:
         if op == "linear" and inputs and inputs[0] and output:

@@ -37,10 +37,10 @@ def roofline_time(flops: float, nbytes: float, spec: DeviceSpec, dtype: str = "f
                   gemm_dim: float | None = None) -> float:
     """Seconds to do ``flops`` FLOPs touching ``nbytes`` bytes on ``spec`` (no fixed cost).
 
-        >>> from cost_model.device import DeviceSpec
-        >>> s = DeviceSpec("x", 1e9, 1e9, 1e9, 1, 1e9, 0.0, matmul_efficiency=((8, .5), (64, 1.)))
-        >>> roofline_time(1e9, 0, s), roofline_time(1e9, 0, s, gemm_dim=8)
-        (1.0, 2.0)
+    >>> from cost_model.device import DeviceSpec
+    >>> s = DeviceSpec("x", 1e9, 1e9, 1e9, 1, 1e9, 0.0, matmul_efficiency=((8, .5), (64, 1.)))
+    >>> roofline_time(1e9, 0, s), roofline_time(1e9, 0, s, gemm_dim=8)
+    (1.0, 2.0)
     """
     _check(flops, nbytes)
     peak = spec.peak_flops(dtype)
@@ -74,7 +74,7 @@ def node_times(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
                gemm_dim: float | None = None, module: bool = False,
                backward: bool = True) -> tuple[float, float]:
     """(forward, backward) seconds of one node: its fixed cost plus its work (a measured rate
-        where the spec has one, else the roofline), scaled by the spec's in-model factors.
+    where the spec has one, else the roofline), scaled by the spec's in-model factors.
     """
     fixed_f, fixed_b = op_overhead(op, spec, module=module)
     work_f, work_b = _work(op, spec, fwd_flops=fwd_flops, bwd_flops=bwd_flops,

@@ -51,7 +51,7 @@ def default_placement(name: str, num_ranks: int, virtual: int) -> Placement:
 
 def default_active(name: str, num_ranks: int, num_microbatches: int, virtual: int = 1) -> int:
     """``active_microbatches`` when unset: SMP's ``num_ranks + 2`` where a cap shortens the
-        warm-up, else ``num_microbatches`` (orders with a fixed warm-up would refuse p + 2).
+    warm-up, else ``num_microbatches`` (orders with a fixed warm-up would refuse p + 2).
     """
     if name == "simple" or name in ("interleaved", "zero_bubble") and virtual == 1:
         return num_ranks + 2
@@ -61,7 +61,7 @@ def default_active(name: str, num_ranks: int, num_microbatches: int, virtual: in
 def check_virtual(name: str, num_ranks: int, num_microbatches: int, virtual: int) -> None:
     """Reject schedule, chunk and microbatch combinations that cannot run (``ScheduleError``).
 
-        ``zbv`` needs v = 2; Megatron's interleaving passes microbatches in groups of p.
+    ``zbv`` needs v = 2; Megatron's interleaving passes microbatches in groups of p.
     """
     where = f"pipeline={name!r}, virtual_pipeline_degree={virtual}"
     if not isinstance(virtual, int) or virtual < 1:
@@ -118,7 +118,7 @@ def _one_f_one_b(order_f: list[tuple[int, int]], order_b: list[tuple[int, int]],
                  split: bool, keep_back: int) -> list[Action]:
     """``warmup`` forwards, then one backward and one forward in turn, then the drain.
 
-        With ``split`` each backward is an I; W's beyond ``keep_back`` follow, the rest end it.
+    With ``split`` each backward is an I; W's beyond ``keep_back`` follow, the rest end it.
     """
     out = [Action(c, FORWARD, mb) for c, mb in order_f[:warmup]]
     pending: deque[tuple[int, int]] = deque()
@@ -228,13 +228,13 @@ def generate(name: str, num_stages: int, num_microbatches: int,
              virtual_stages: int = 1, placement: Placement | None = None) -> Schedule:
     """Per-rank action lists for SMP's ``pipeline`` = ``name`` on ``num_stages`` ranks.
 
-        A placement other than the default is list-scheduled (``schedule_greedy``); the
-        ``active_microbatches`` rules are in docs/schedules.md, 'Configuration rules'.
+    A placement other than the default is list-scheduled (``schedule_greedy``); the
+    ``active_microbatches`` rules are in docs/schedules.md, 'Configuration rules'.
 
-        >>> [" ".join(map(str, s)) for s in generate("interleaved", 2, 2)]
-        ['0F0 0F1 0B0 0B1', '1F0 1B0 1F1 1B1']
-        >>> [" ".join(map(str, s)) for s in generate("zero_bubble", 2, 2)]
-        ['0F0 0F1 0I0 0W0 0I1 0W1', '1F0 1I0 1F1 1I1 1W0 1W1']
+    >>> [" ".join(map(str, s)) for s in generate("interleaved", 2, 2)]
+    ['0F0 0F1 0B0 0B1', '1F0 1B0 1F1 1B1']
+    >>> [" ".join(map(str, s)) for s in generate("zero_bubble", 2, 2)]
+    ['0F0 0F1 0I0 0W0 0I1 0W1', '1F0 1I0 1F1 1I1 1W0 1W1']
     """
     p, m = num_stages, num_microbatches
     if name not in SCHEDULE_NAMES:

@@ -27,7 +27,7 @@ STRATEGIES = ("each", "contiguous", ATTENTION_CORE)
 @dataclass(frozen=True)
 class CheckpointRule:
     """One module whose nodes run under activation checkpointing; ``children`` names a
-        ``Sequential``'s children for the grouping strategies (docs/memory.md).
+    ``Sequential``'s children for the grouping strategies (docs/memory.md).
     """
 
     module_path: str
@@ -56,10 +56,10 @@ class CheckpointRule:
 @dataclass(frozen=True)
 class PartitionConfig:
     """Configuration of one partitioning run; ``device`` names the spec, handed to the passes
-        beside it.
+    beside it.
 
-        >>> PartitionConfig(num_stages=4, microbatches=8).inflight(3)
-        1
+    >>> PartitionConfig(num_stages=4, microbatches=8).inflight(3)
+    1
     """
 
     num_stages: int

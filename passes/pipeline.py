@@ -82,14 +82,14 @@ def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
                   allow_real_run: bool = True) -> Compiled:
     """Trace, cost and partition ``model`` for one microbatch ``(args, kwargs)``.
 
-        ``allow_real_run=False`` (SMP's ``skip_tracing``) refuses shape propagation's real-run
-        fallback; ``Compiled.gm`` is what ``passes.split_stages`` splits.
+    ``allow_real_run=False`` (SMP's ``skip_tracing``) refuses shape propagation's real-run
+    fallback; ``Compiled.gm`` is what ``passes.split_stages`` splits.
 
-        >>> from passes.partition_config import PartitionConfig
-        >>> m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-        >>> c = compile_model(m, (torch.randn(2, 4),), None, PartitionConfig(num_stages=2))
-        >>> len(c.plan.stages)
-        2
+    >>> from passes.partition_config import PartitionConfig
+    >>> m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    >>> c = compile_model(m, (torch.randn(2, 4),), None, PartitionConfig(num_stages=2))
+    >>> len(c.plan.stages)
+    2
     """
     spec = resolve_device(device)
     costed = analyse(model, args, kwargs, device=spec, frontend=frontend, measured=measured,
@@ -105,13 +105,9 @@ def analyse(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | N
             progress: Progress | None = None,
             traced: torch.fx.GraphModule | None = None,
             allow_real_run: bool = True) -> torch.fx.GraphModule:
-    """The first half of ``compile_model``: trace -> shape_prop -> annotate_costs.
-
-    Separate so that one costed graph can be partitioned under many configurations.
-    With ``traced`` (``passes.trace``'s graph of ``model`` on ``(args, kwargs)``) the trace
-    pass is skipped and costing starts from that graph (not modified): the runtime traces
-    once, measures node times on that graph (``measured``, keyed by its node names), and
-    plans and splits that same graph.
+    """The first half of ``compile_model``: trace -> shape_prop -> annotate_costs, apart so one
+    costed graph serves many configurations; with ``traced`` the runtime's own graph is
+    costed, measured and split.
     """
     spec = resolve_device(device)
     kw = dict(kwargs or {})
@@ -134,12 +130,8 @@ def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
               device: str | DeviceSpec = DEFAULT_DEVICE, pins: Mapping[str, int] | None = None,
               progress: Progress | None = None,
               tp: TensorParallelism | None = None) -> Compiled:
-    """The second half of ``compile_model``: (assign_manual | auto_partition) ->
-    tensor_parallel -> build_plan.
-
-    ``costed`` (from ``analyse``) is not modified. ``tp`` (this rank's tensor-parallel
-    degree, rank and marked modules) rewrites the staged graph with this rank's shards; the
-    stages are chosen on the unsharded graph, so every tp rank splits the same way.
+    """The second half of ``compile_model``: stages, then the tp rewrite, then the plan; stages
+    are chosen on the unsharded graph, so every tp rank splits alike.
     """
     spec = resolve_device(device)
     strategy = ["manual"]

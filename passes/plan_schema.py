@@ -63,7 +63,7 @@ class MemoryBreakdown:
 @dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage, times per microbatch; ``time_s = max(fwd + bwd, link_time_s)``
-        (docs/architecture.md, 'Stage time model').
+    (docs/architecture.md, 'Stage time model').
     """
 
     index: int
@@ -116,7 +116,7 @@ class SharedParam:
 @dataclass(frozen=True)
 class RankPlan:
     """A pipeline rank holding several chunks or running a split backward: its chunks and its
-        memory at the schedule's peak.
+    memory at the schedule's peak.
     """
 
     index: int

@@ -41,7 +41,7 @@ class OutputRef:
 @dataclass(frozen=True)
 class Stage:
     """One pipeline stage: ``module`` takes ``input_names`` positionally and returns a tuple
-        ordered as ``output_names``.
+    ordered as ``output_names``.
     """
 
     index: int

@@ -226,7 +226,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip what the optimizer steps by the whole model's norm and return it (-1 on an fp16
-                overflow), as Megatron's ``FP16_Optimizer``; a collective on every rank.
+        overflow), as Megatron's ``FP16_Optimizer``; a collective on every rank.
         """
         if self._script:
             own: Any = self.optimizer
@@ -396,7 +396,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     def local_state_dict(self, cast_to_cpu: bool = True,
                          gather_if_shard: bool = True) -> StateDict:
         """This rank's optimizer state by FQN (fp16: with ``fp32_master`` and ``loss_scaler``);
-                ``gather_if_shard`` merges the rdp group's shards, a collective over it.
+        ``gather_if_shard`` merges the rdp group's shards, a collective over it.
         """
         sd = super().local_state_dict(cast_to_cpu, gather_if_shard)
         masters = self._masters

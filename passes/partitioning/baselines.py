@@ -174,8 +174,8 @@ def module_tree(problem: DagProblem, k: int, obj: Objective) -> np.ndarray:
               ) -> tuple[float, list[Kids], list[int]]:
         """D'Hondt seats per child, none for a light one; (score, groups, seats).
 
-                A seatless child rides with its neighbour (GPT's embeddings with the first block,
-                the head with the last), so they hold no device of their own.
+        A seatless child rides with its neighbour (GPT's embeddings with the first block,
+        the head with the last), so they hold no device of their own.
         """
         seats = _dhondt(list(costs), [len(m) for _, m in kids], devices, minimum=0)
         seated = [i for i, d in enumerate(seats) if d > 0]

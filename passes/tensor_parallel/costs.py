@@ -92,10 +92,10 @@ def local_info(info: Any, dim: int | None, size: int, grow: bool = False) -> Any
 
 def collective_time(kind: str | None, nbytes: float, size: int, comm_time: CommTime) -> float:
     """Seconds of one ring collective moving ``nbytes`` over ``size`` ranks (the one ring
-        formula, ``cost_model.collectives.ring_over``).
+    formula, ``cost_model.collectives.ring_over``).
 
-        >>> collective_time("all_reduce", 8e6, 2, lambda n: 1e-4 + n / 1e9)
-        0.0082
+    >>> collective_time("all_reduce", 8e6, 2, lambda n: 1e-4 + n / 1e9)
+    0.0082
     """
     return ring_over(kind, nbytes, size, comm_time)
 

@@ -17,8 +17,8 @@ from passes.tensor_parallel import graph
 class ShardSpec:
     """One distributed parameter: split along ``dim`` into ``parts`` equal pieces.
 
-        ``stride`` blocks (fused q/k/v: 3) are each split, rank r holding piece r of every
-        block; ``pad`` zero rows pad an indivisible vocabulary; ``full_shape`` is unpadded.
+    ``stride`` blocks (fused q/k/v: 3) are each split, rank r holding piece r of every
+    block; ``pad`` zero rows pad an indivisible vocabulary; ``full_shape`` is unpadded.
     """
 
     name: str

@@ -36,8 +36,8 @@ def _moved(s: Split, dim: int) -> Split:
 
 def _view(n: torch.fx.Node, s: Split, rw: Rewrites, size: int) -> Split:
     """A reshape keeps the split when, in flat order, each rank's chunk of every block is
-        whole rows of one output dim: heads split ``(b, t, c) -> (b, t, h, d)``, merged back,
-        or moved into the batch ``(b, h, t, d) -> (b * h, t, d)``.
+    whole rows of one output dim: heads split ``(b, t, c) -> (b, t, h, d)``, merged back,
+    or moved into the batch ``(b, h, t, d) -> (b * h, t, d)``.
     """
     src, out = shape(n.args[0]), shape(n)
     if src is None or out is None:

@@ -10,10 +10,10 @@ Row = tuple[float, float, float]
 
 def least_squares(rows: list[Row]) -> tuple[float, float] | None:
     """(x, y) minimising the sum of (a x + b y - r)^2 over ``rows``; None when the columns are
-        proportional.
+    proportional.
 
-        >>> least_squares([(1.0, 0.0, 2.0), (0.0, 1.0, 3.0), (1.0, 1.0, 5.0)])
-        (2.0, 3.0)
+    >>> least_squares([(1.0, 0.0, 2.0), (0.0, 1.0, 3.0), (1.0, 1.0, 5.0)])
+    (2.0, 3.0)
     """
     aa = sum(a * a for a, _, _ in rows)
     bb = sum(b * b for _, b, _ in rows)
@@ -29,8 +29,8 @@ def least_squares(rows: list[Row]) -> tuple[float, float] | None:
 def clamp(value: float, limits: tuple[float, float]) -> float:
     """``value`` held inside ``limits``: a fit beyond them is a broken measurement.
 
-        >>> clamp(9.0, (0.25, 8.0)), clamp(0.1, (0.25, 8.0)), clamp(1.5, (0.25, 8.0))
-        (8.0, 0.25, 1.5)
+    >>> clamp(9.0, (0.25, 8.0)), clamp(0.1, (0.25, 8.0)), clamp(1.5, (0.25, 8.0))
+    (8.0, 0.25, 1.5)
     """
     lo, hi = limits
     return min(max(value, lo), hi)

@@ -77,7 +77,7 @@ def gather_shards(plan: Any, local: StateDict) -> StateDict:
 
 def gather_optimizer_shards(plan: Any, local: StateDict) -> StateDict:
     """A partial optimizer state with each tp-distributed parameter's tensor fields gathered
-        over the tp group and merged like the parameter.
+    over the tp group and merged like the parameter.
     """
     if plan is None or not plan.sharded:
         return local
@@ -329,7 +329,7 @@ class OptimizerCheckpointMixin:
     def local_state_dict(self, cast_to_cpu: bool = True,
                          gather_if_shard: bool = True) -> StateDict:
         """This rank's optimizer state keyed by FQN, with ``_smp_is_partial``; ``cast_to_cpu`` as
-                SMP's default.
+        SMP's default.
         """
         local = local_optimizer_state_dict(sdp_shards.whole(self.torch_optimizer.state_dict()),
                                            self._smp_group_names(local=True),

@@ -17,11 +17,11 @@ from smp_fx.nn.attention import DistributedAttentionLayer
 def checkpoint_attentions(module: nn.Module) -> list[str]:
     """Mark the attention layers of ``module``; returns their paths.
 
-        >>> from smp_fx.nn import DistributedTransformer
-        >>> t = DistributedTransformer(num_layers=2, num_attention_heads=2, attention_head_size=2,
-        ...                            hidden_size=4, intermediate_size=8)
-        >>> checkpoint_attentions(t)
-        ['seq_layers.0.attention', 'seq_layers.1.attention']
+    >>> from smp_fx.nn import DistributedTransformer
+    >>> t = DistributedTransformer(num_layers=2, num_attention_heads=2, attention_head_size=2,
+    ...                            hidden_size=4, intermediate_size=8)
+    >>> checkpoint_attentions(t)
+    ['seq_layers.0.attention', 'seq_layers.1.attention']
     """
     marked: list[str] = []
     covered: list[str] = []

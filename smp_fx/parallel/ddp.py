@@ -54,8 +54,8 @@ class DataParallelOptions(Protocol):
 class RejectDDPWrap:
     """Class attribute of ``DistributedModel`` named ``_ddp_params_and_buffers_to_ignore``.
 
-        DDP reads it with ``hasattr`` before any collective, so raising ``SMPRuntimeError``
-        (not an ``AttributeError``) stops the wrap clearly on every rank, without a hang.
+    DDP reads it with ``hasattr`` before any collective, so raising ``SMPRuntimeError``
+    (not an ``AttributeError``) stops the wrap clearly on every rank, without a hang.
     """
 
     def __get__(self, obj: object, owner: type | None = None) -> Any:
@@ -107,7 +107,7 @@ def buckets(params: Sequence[nn.Parameter], cap_mb: float) -> list[list[nn.Param
 def allreduce_grads(bucket_list: Sequence[Sequence[nn.Parameter]], group: Any, size: int,
                     zeros: bool = False) -> None:
     """Average ``.grad`` over ``group``: scale by 1/size, sum; all buckets in flight at once.
-        Missing gradients and ``zeros`` (a joined rank) contribute zeros.
+    Missing gradients and ``zeros`` (a joined rank) contribute zeros.
     """
     finish_allreduce(start_allreduce(bucket_list, group, size, zeros), zeros)
 
@@ -149,7 +149,7 @@ def finish_allreduce(works: Reduction, zeros: bool = False) -> None:
 # ---- the stage runner ------------------------------------------------------------------
 class DDPStageRunner(StageRunner):
     """A ``StageRunner`` calling the stage through its DDP wrapper; ``stage.module`` stays the
-        plain stage GraphModule (names, optimizer, checkpoints).
+    plain stage GraphModule (names, optimizer, checkpoints).
     """
 
     def __init__(self, base: StageRunner, wrapper: DistributedDataParallel,
@@ -466,7 +466,7 @@ def join(dp: DataParallel | None, throw_on_early_termination: bool = False
          ) -> Iterator[None]:
     """``DistributedModel.join()``: train with uneven numbers of batches across replicas.
 
-        Every rank runs one step inside (or before) it; ``dp`` None: nothing can be uneven.
+    Every rank runs one step inside (or before) it; ``dp`` None: nothing can be uneven.
     """
     if dp is None:
         yield

@@ -47,13 +47,13 @@ class ShardPlan:
 
 def plan_units(gm: torch.fx.GraphModule, bucket: int, threshold: int) -> ShardPlan:
     """Group ``gm``'s called leaf modules into units of at most ``bucket`` sharded elements
-        (parameters below ``threshold`` persist whole).
+    (parameters below ``threshold`` persist whole).
 
-        >>> import torch.fx
-        >>> seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
-        >>> p = plan_units(torch.fx.symbolic_trace(seq), bucket=40, threshold=5)
-        >>> p.units, p.unit_numels, p.persistent
-        ((('0', '1'),), (32,), ('0.bias', '1.bias'))
+    >>> import torch.fx
+    >>> seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    >>> p = plan_units(torch.fx.symbolic_trace(seq), bucket=40, threshold=5)
+    >>> p.units, p.unit_numels, p.persistent
+    ((('0', '1'),), (32,), ('0.bias', '1.bias'))
     """
     names = {id(p): n for n, p in gm.named_parameters()}
     persistent = tuple(n for n, p in gm.named_parameters() if p.numel() < threshold)
@@ -98,7 +98,7 @@ _MESHES: list[int] = []
 
 def _mesh(st: state.State) -> Any:
     """This rank's FSDP2 mesh over its rdp group; every rank creates every stage's sub-groups
-        in one order first (``new_group`` is collective over the world).
+    in one order first (``new_group`` is collective over the world).
     """
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh

@@ -35,12 +35,8 @@ class ReductionWindow(Protocol):
 class TiedReplicas:
     """The tied parameters this rank replicates, and the summing of their gradients.
 
-    ``groups`` pairs a process group of the pipeline ranks owning some tied parameters
-    with those parameters' names on this rank; ``duplicates`` are the local names whose
-    tied twin a lower stage holds too (counted once in a norm). ``snapshot`` (before a
-    step's backward) and ``reduce`` (after it) bracket one reduction window; with
-    ``window`` (data parallelism accumulating over several steps) the sum waits for the
-    step that reduces over the data-parallel group.
+    ``snapshot`` and ``reduce`` bracket one reduction window; under data-parallel
+    accumulation the sum waits for the step that reduces over dp.
     """
 
     name: ClassVar[str] = "tied"
@@ -87,12 +83,8 @@ class TiedReplicas:
                       for n, g in grads.items()}
 
     def reduce(self, params: Mapping[str, nn.Parameter]) -> None:
-        """Sum the gradients of parameters replicated on several stages over their owners.
-
-        Only what this reduction window added is summed: a user accumulating over several
-        steps without ``zero_grad`` must not have earlier (already summed) gradients summed
-        again. After a dp reduction the base is equal on every replica, so the dp average
-        of base + local additions is base + the average of the additions.
+        """Sum over their owners only what this window added to replicated parameters' gradients,
+        so gradients accumulated without ``zero_grad`` are never summed twice.
         """
         base = self._base or {}
         self._base = None
@@ -133,13 +125,8 @@ def tied_duplicates(program: StagedProgram, pp_rank: int, canonical: dict[str, s
 
 def tied_groups(program: StagedProgram, st: state.State, canonical: dict[str, str],
                 rank_of: Sequence[int] | None = None) -> list[tuple[Any, list[str]]]:
-    """Groups of the pp ranks owning each tied parameter; created collectively on all ranks.
-
-    Tied-ness comes from the original module's aliases (``canonical``: every name -> its
-    first name), never from parameter identity here: a delayed (meta) model's stages may
-    hold re-created parameters, and every rank must agree on the groups it creates.
-    ``rank_of``: the pipeline rank of each stage; chunks of one rank share one parameter,
-    so a tied parameter only its chunks read needs no group.
+    """Groups of the pp ranks owning each tied parameter, created collectively; tied-ness comes
+    from the module's aliases, not identity (delayed stages hold re-created parameters).
     """
     rank_of = list(rank_of) if rank_of is not None else list(range(len(program.stages)))
     owners: dict[str, list[int]] = {}

@@ -86,7 +86,7 @@ def describe(op: Op, ranks: Sequence[int] | None = None) -> str:
 @dataclass(frozen=True)
 class Lowered:
     """A schedule lowered for one rank: its ops, receive streams announced per position
-        (``posts``), messages per send stream, the last receive and ``next_forward``.
+    (``posts``), messages per send stream, the last receive and ``next_forward``.
     """
 
     ops: tuple[Op, ...]
@@ -115,7 +115,7 @@ class Lowered:
 def lower(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int],
           multi_process: bool) -> Lowered:
     """``schedule`` lowered for the rank holding ``stages`` (its chunks, or all in-process);
-        transfers between this rank's own chunks stay in the process.
+    transfers between this rank's own chunks stay in the process.
     """
     ops = lower_ops(schedule, program, stages, multi_process)
     ahead = multi_process and program.num_stages - 1 not in stages
@@ -171,15 +171,10 @@ def lower_ops(schedule: sched.Schedule, program: StagedProgram, stages: Sequence
 
 def receive_posts(ops: Sequence[Op], local: frozenset[int] = frozenset()
                   ) -> dict[int, tuple[Post, ...]]:
-    """Where each stream of messages ``ops`` receive is announced to the transport
-    (``prefetch``: its receives are then kept posted ahead): op position -> (peer, stage,
-    channel, how many messages this step).
-
-    Before the stream's first receive, or right after this rank's first send if that comes
-    earlier: no peer sends this rank anything that depends on this rank's work before this
-    rank has sent something, so that is early enough. It keeps receives off the start of
-    the step, where posting right after the previous step's end can stall, and off the
-    first send's path, which is the pipeline's fill (docs/performance.md)."""
+    """Where each received stream is announced to the transport: op position -> (peer, stage,
+    channel, messages this step); before its first receive or right after this rank's
+    first send, off the step's start and the fill (docs/performance.md).
+    """
     first_send = next((i for i, op in enumerate(ops)
                        if op.kind.startswith("SEND") and op.peer not in local), len(ops))
     streams: dict[tuple[int, int, str], list[int]] = {}
@@ -250,7 +245,7 @@ class LoweredCache:
 
     def get(self, schedule: sched.Schedule, stages: tuple[int, ...]) -> Lowered:
         """The lowering of ``schedule`` for ``stages``; the last call's very schedule object is
-                found by ``is`` (4-12 us a step saved, docs/performance.md), any other by equality.
+        found by ``is`` (4-12 us a step saved, docs/performance.md), any other by equality.
         """
         last_schedule, last_stages, lowered = self._last
         if last_schedule is schedule and last_stages == stages and lowered is not None:

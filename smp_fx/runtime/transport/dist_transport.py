@@ -38,7 +38,7 @@ class _SendFrame:
 @dataclass
 class _Posted:
     """The receives of one expected message, posted in ``header``'s layout with the tensor
-        views made while posting (off the critical path).
+    views made while posting (off the critical path).
     """
 
     header: wire.Header | None
@@ -60,9 +60,9 @@ def _lost_step(flag: int, what: str, stage: int, mb: int) -> SMPError:
 class DistTransport:
     """torch.distributed point-to-point between the ranks holding each stage.
 
-        A process group (a connection) per channel and pair of lanes: NCCL matches messages
-        by order per communicator, and gloo locks a connection while reading, so a rank's
-        sends stay off its incoming connection (1F1B 2-3 % faster; docs/performance.md).
+    A process group (a connection) per channel and pair of lanes: NCCL matches messages
+    by order per communicator, and gloo locks a connection while reading, so a rank's
+    sends stay off its incoming connection (1F1B 2-3 % faster; docs/performance.md).
     """
 
     def __init__(self, ranks: list[int], stage: int, device: torch.device,
@@ -101,8 +101,8 @@ class DistTransport:
     def make_groups(backend: str | None = None, lanes: int = 1
                     ) -> dict[tuple[str, int, int], Any]:
         """A process group per channel and (sending, receiving) lane; collective, in one order on
-                every rank. Two streams between two ranks never share a group, so each keeps its
-                own order.
+        every rank. Two streams between two ranks never share a group, so each keeps its
+        own order.
         """
         ranks = list(range(dist.get_world_size()))
         return {(channel, src, dst): dist.new_group(ranks, backend=backend)
@@ -206,8 +206,8 @@ class DistTransport:
 
     def _reused_send_frame(self, key: _Key, header: wire.Header) -> _SendFrame:
         """The frame for stream ``key``'s next message, reusing last step's k-th frame (13-37 us
-                a message, docs/performance.md); safe because ``finish`` saw those sends complete.
-                On an accelerator every frame is new.
+        a message, docs/performance.md); safe because ``finish`` saw those sends complete.
+        On an accelerator every frame is new.
         """
         i = self._send_count.get(key, 0)
         self._send_count[key] = i + 1
@@ -259,8 +259,8 @@ class DistTransport:
 
     def _post_all(self, key: _Key) -> deque[_Posted]:
         """Post every message the stream still expects this step: a burst of sends is written
-                straight to the socket only if its receives are posted, else it is throttled to
-                the receiver's pace. Costs a buffer per message (docs/performance.md).
+        straight to the socket only if its receives are posted, else it is throttled to
+        the receiver's pace. Costs a buffer per message (docs/performance.md).
         """
         queue: deque[_Posted] = deque()
         while self._left.get(key, 0):

@@ -127,8 +127,7 @@ def chunks_of(placement: Sequence[int], rank: int) -> tuple[int, ...]:
 def placement_of(schedule: Sequence[Sequence[Action]]) -> Placement:
     """The placement a schedule implies: the rank whose list holds each chunk's actions.
 
-    Raises ``ScheduleError`` when a chunk sits on two ranks or a chunk number is missing.
-    """
+    Raises ``ScheduleError`` when a chunk sits on two ranks or a chunk number is missing."""
     rank_of: dict[int, int] = {}
     for rank, actions in enumerate(schedule):
         for a in actions:

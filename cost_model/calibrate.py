@@ -59,8 +59,7 @@ def _memory_bytes(device: torch.device) -> int:
 def calibrate(name: str = "cpu", device: torch.device | str = "cpu", *,
               quick: bool = False, base: DeviceSpec | None = None) -> DeviceSpec:
     """Measure ``device`` into a ``DeviceSpec`` called ``name``; link and runtime figures
-    stay ``base``'s.
-    """
+    stay ``base``'s."""
     device = torch.device(device)
     budget = _budget(device, quick)
     ops, rates = measure_op_costs(budget, device)
@@ -119,8 +118,7 @@ def with_link(spec: DeviceSpec, device: torch.device | str = "cpu", *, quick: bo
 def quick_cpu_spec() -> DeviceSpec:
     """The built-in "cpu" spec: a quick calibration of this CPU, once per process.
 
-    The global RNG is restored afterwards so planning leaves the user's dropout stream.
-    """
+    The global RNG is restored afterwards so planning leaves the user's dropout stream."""
     with torch.random.fork_rng(devices=[]):
         return calibrate("cpu", "cpu", quick=True)
 

@@ -26,8 +26,7 @@ class ClusterSpec:
     """One kind of node, repeated: its GPUs (``device``), their links, what memory is usable.
 
     Bandwidths are one direction; ``memory_reserved_bytes`` holds no tensor (CUDA
-    context, cuBLAS, NCCL), ``allocator_margin`` is kept free for fragmentation.
-    """
+    context, cuBLAS, NCCL), ``allocator_margin`` is kept free for fragmentation."""
 
     name: str
     device: DeviceSpec
@@ -244,8 +243,7 @@ def cluster_for_device(device: DeviceSpec, *, gpus_per_node: int | None = None,
                        memory_bytes: int | None = None) -> ClusterSpec:
     """The cluster a plan for ``device`` runs on when no cluster is named.
 
-    A built-in GPU gets its built-in node; any other spec is one host on its own link.
-    """
+    A built-in GPU gets its built-in node; any other spec is one host on its own link."""
     base = DEVICE_CLUSTER.get(device.name)
     if base is not None and device == _plain(base):
         cluster = CLUSTERS[base]

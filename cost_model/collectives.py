@@ -23,8 +23,7 @@ TREE_BANDWIDTH_FACTOR = 0.9
 class Fabric:
     """The links a collective runs over (bytes/s one direction; seconds per hop).
 
-    ``inter_bandwidth`` is one node's network, all cards together, shared by its GPUs.
-    """
+    ``inter_bandwidth`` is one node's network, all cards together, shared by its GPUs."""
 
     intra_bandwidth: float
     intra_latency_s: float

@@ -45,8 +45,7 @@ class DeviceSpec:
     """Peak rates of one accelerator, its link to the next stage, and fixed costs.
 
     Every field beyond the peaks defaults to the ideal (no overhead, full efficiency);
-    docs/planning.md, 'Device specs', says what each one prices.
-    """
+    docs/planning.md, 'Device specs', says what each one prices."""
 
     name: str
     peak_flops_fp32: float

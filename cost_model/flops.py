@@ -79,8 +79,7 @@ def conv_flops(weight: Shape, out_shape: Shape, groups: int = 1) -> float:
 
 def sdpa_flops(q: Shape, k: Shape, v: Shape) -> float:
     """Attention: 2*B*H*L*S*E (scores) + 2*B*H*L*S*Ev (mix); a causal mask is not subtracted
-    (an upper bound for flash kernels).
-    """
+    (an upper bound for flash kernels)."""
     batch_heads = numel(q[:-2])
     length, e = q[-2], q[-1]
     s, ev = k[-2], v[-1]

@@ -174,8 +174,7 @@ def _grad_inputs(inputs: Any) -> int:
 @dataclass(frozen=True)
 class Harness:
     """What timing one node adds to its own time, taken off every node so measured and
-    analytic node times sum to stage times alike.
-    """
+    analytic node times sum to stage times alike."""
 
     forward_s: float
     backward_base_s: float
@@ -216,8 +215,7 @@ def measure_nodes(gm: torch.fx.GraphModule, args: tuple[Any, ...],
                   memory: bool = True, warmup: int = 1, repeats: int = 3) -> Measured:
     """Time each node forward and backward (median of ``repeats``) and count its saved bytes.
 
-    Returns ``{node name: (fwd_s, bwd_s, saved_bytes)}``; the model's state is preserved.
-    """
+    Returns ``{node name: (fwd_s, bwd_s, saved_bytes)}``; the model's state is preserved."""
     with preserved_state(gm):
         return _measure(gm, args, dict(kwargs or {}), times, memory, warmup, repeats)
 
@@ -285,8 +283,7 @@ def fake_module_cost(module: nn.Module,
                      ) -> tuple[float, float, int]:
     """(forward FLOPs, backward FLOPs, saved bytes) of an opaque module, run on fake tensors.
 
-    ``make_inputs`` runs inside the fake mode; data-dependent modules raise.
-    """
+    ``make_inputs`` runs inside the fake mode; data-dependent modules raise."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 

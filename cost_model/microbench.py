@@ -106,8 +106,7 @@ def cold_time_per_call(fn: Callable[[], Any], *, repeats: int, device: torch.dev
     """Seconds of one call after flushing the caches, median of ``repeats``.
 
     A training step's optimizer runs cold after the backward; fitted cold, Adam's cost
-    predicts 0.98-1.18 of in-loop steps (0.64-0.98 fitted hot).
-    """
+    predicts 0.98-1.18 of in-loop steps (0.64-0.98 fitted hot)."""
     sync, now = _sync(device), clock(device)
     flush = torch.empty(FLUSH_BYTES // 4, device=device)
     fn()
@@ -227,8 +226,7 @@ def _fwd_bwd_times(run: Callable[[], list[torch.Tensor]], budget: Budget,
 
 def measure_op_costs(budget: Budget, device: torch.device) -> tuple[OpOverheads, OpRates]:
     """Per op kind: its fixed part (a chain of ``n`` tiny ops against one) and its work per
-    unit at a reference size (a chain of 4); GEMM backward units count twice.
-    """
+    unit at a reference size (a chain of 4); GEMM backward units count twice."""
     n, reps = budget.chain, 4
     fixed: dict[str, tuple[float, float]] = {}
     rates: list[tuple[str, float, float, float]] = []
@@ -280,8 +278,7 @@ def _pool(make: Callable[[], Any], nbytes: int) -> Iterator[Any]:
 
 def measure_matmul(budget: Budget, device: torch.device) -> tuple[float, float, Table]:
     """(peak fp32 FLOP/s, peak half FLOP/s, efficiency by smallest dimension), timed on
-    ``F.linear`` less its 1 x 1 fixed part.
-    """
+    ``F.linear`` less its 1 x 1 fixed part."""
     big = budget.matmul_big
     timed = _timer(budget, device)
 
@@ -318,8 +315,7 @@ def measure_matmul(budget: Budget, device: torch.device) -> tuple[float, float, 
 
 def measure_elementwise(budget: Budget, device: torch.device) -> tuple[float, Table]:
     """(memory bandwidth, fraction of it each size reaches), allocation included as models
-    run it; the fixed part of a one-element add is taken off.
-    """
+    run it; the fixed part of a one-element add is taken off."""
     timed = _timer(budget, device)
     one = torch.ones(1, device=device)
     op_s = timed(lambda: torch.add(one, one))
@@ -367,8 +363,7 @@ def measure_link(budget: Budget, device: torch.device, group: Any = None
                  ) -> tuple[float, float, float]:
     """(latency s, bandwidth bytes/s, per-message s) between ranks 0 and 1 of ``group``.
 
-    Every rank of the group must call it; ranks other than 0 and 1 only join the barriers.
-    """
+    Every rank of the group must call it; ranks other than 0 and 1 only join the barriers."""
     rank = dist.get_rank(group)
     peer = {0: 1, 1: 0}.get(rank)
     sync = _sync(device)

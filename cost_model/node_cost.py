@@ -13,8 +13,7 @@ SCHEMA_VERSION = 1
 class NodeCost:
     """Cost of one graph node for one microbatch.
 
-    ``param_bytes`` counts each parameter once (at its first reader), so it sums exactly.
-    """
+    ``param_bytes`` counts each parameter once (at its first reader), so it sums exactly."""
 
     fwd_flops: float = 0.0
     bwd_flops: float = 0.0

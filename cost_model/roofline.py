@@ -74,8 +74,7 @@ def node_times(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
                gemm_dim: float | None = None, module: bool = False,
                backward: bool = True) -> tuple[float, float]:
     """(forward, backward) seconds of one node: its fixed cost plus its work (a measured rate
-    where the spec has one, else the roofline), scaled by the spec's in-model factors.
-    """
+    where the spec has one, else the roofline), scaled by the spec's in-model factors."""
     fixed_f, fixed_b = op_overhead(op, spec, module=module)
     work_f, work_b = _work(op, spec, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
                            out_elems=out_elems, moved=moved, dtype=dtype, gemm_dim=gemm_dim)

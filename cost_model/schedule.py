@@ -1,9 +1,13 @@
 """Pipeline schedules as data: per-rank tuples of ``Action`` values, and their generators.
 
 The runtime executor and the simulator interpret the very same tuples, so a schedule has
-one source of truth and no hand-written loop elsewhere; ``validate`` checks any of them.
-Generators follow SMP's ``pipeline`` names (``simple``, ``interleaved``) plus
-``zero_bubble`` and ``zbv``, with ``v`` chunks per rank.
+one source of truth; ``validate`` checks any of them. Generators follow SMP's
+``pipeline`` names plus ``zero_bubble`` and ``zbv``. ``interleaved`` (1F1B), p=2, m=3::
+
+    clock   0   1   2   3   4   5   6   7
+    stage0  F0  F1  .   B0  F2  B1  .   B2
+    stage1  .   F0  B0  F1  B1  F2  B2  .
+
 See docs/schedules.md, 'The schedules, on a unit clock'.
 """
 
@@ -51,8 +55,7 @@ def default_placement(name: str, num_ranks: int, virtual: int) -> Placement:
 
 def default_active(name: str, num_ranks: int, num_microbatches: int, virtual: int = 1) -> int:
     """``active_microbatches`` when unset: SMP's ``num_ranks + 2`` where a cap shortens the
-    warm-up, else ``num_microbatches`` (orders with a fixed warm-up would refuse p + 2).
-    """
+    warm-up, else ``num_microbatches`` (orders with a fixed warm-up would refuse p + 2)."""
     if name == "simple" or name in ("interleaved", "zero_bubble") and virtual == 1:
         return num_ranks + 2
     return max(num_microbatches, 1)
@@ -61,8 +64,7 @@ def default_active(name: str, num_ranks: int, num_microbatches: int, virtual: in
 def check_virtual(name: str, num_ranks: int, num_microbatches: int, virtual: int) -> None:
     """Reject schedule, chunk and microbatch combinations that cannot run (``ScheduleError``).
 
-    ``zbv`` needs v = 2; Megatron's interleaving passes microbatches in groups of p.
-    """
+    ``zbv`` needs v = 2; Megatron's interleaving passes microbatches in groups of p."""
     where = f"pipeline={name!r}, virtual_pipeline_degree={virtual}"
     if not isinstance(virtual, int) or virtual < 1:
         raise ScheduleError.build("virtual_pipeline_degree must be an integer >= 1", virtual,
@@ -118,8 +120,7 @@ def _one_f_one_b(order_f: list[tuple[int, int]], order_b: list[tuple[int, int]],
                  split: bool, keep_back: int) -> list[Action]:
     """``warmup`` forwards, then one backward and one forward in turn, then the drain.
 
-    With ``split`` each backward is an I; W's beyond ``keep_back`` follow, the rest end it.
-    """
+    With ``split`` each backward is an I; W's beyond ``keep_back`` follow, the rest end it."""
     out = [Action(c, FORWARD, mb) for c, mb in order_f[:warmup]]
     pending: deque[tuple[int, int]] = deque()
     next_f = warmup

@@ -67,8 +67,7 @@ def clock(schedule: Sequence[Sequence[Action]]) -> list[list[Action | None]]:
 
 def in_flight(actions: Sequence[Action]) -> list[int]:
     """(chunk, microbatch) activations one rank holds after each action; an ``I`` leaves its
-    activations held for the pending W.
-    """
+    activations held for the pending W."""
     count, out = 0, []
     for action in actions:
         if action.kind == FORWARD:

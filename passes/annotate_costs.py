@@ -38,8 +38,7 @@ class SavedValues:
     """What one node keeps for backward, before deduplication across nodes.
 
     ``keys`` name values by the node owning the storage, so views share a key; ``extra``
-    counts tensors created only to be saved.
-    """
+    counts tensors created only to be saved."""
 
     keys: tuple[tuple[str, int], ...] = ()
     extra: int = 0
@@ -176,8 +175,7 @@ def annotate_costs(gm: torch.fx.GraphModule, device: DeviceSpec,
                    measured: Mapping[str, Sequence[float | None]] | None = None,
                    ) -> torch.fx.GraphModule:
     """A copy of ``gm`` with ``COST`` on every node; ``measured`` nodes take measured numbers
-    (a ``None`` field keeps the analytic one).
-    """
+    (a ``None`` field keeps the analytic one)."""
     out = copy_graph_module(gm)
     st = _State(out)
     for node in out.graph.nodes:

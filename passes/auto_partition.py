@@ -40,8 +40,7 @@ class StageCost:
     """One stage of a partition, in seconds / bytes and in objective units (``cost``).
 
     ``comm_time_s`` is one send (latency included); ``link_time_s`` what the objective
-    weighs against ``time_s``.
-    """
+    weighs against ``time_s``."""
 
     stage: int
     nodes: tuple[str, ...]
@@ -66,8 +65,7 @@ class StageCost:
 @dataclass(frozen=True)
 class PartitionResult:
     """Summary the plan builder reads: per-stage costs, objective, bound, shared parameters;
-    ``objective / lower_bound`` bounds the distance from optimal.
-    """
+    ``objective / lower_bound`` bounds the distance from optimal."""
 
     num_stages: int
     objective: float
@@ -102,8 +100,7 @@ def _solve_order(problem: DagProblem, obj: Objective, order: np.ndarray,
                  lex: bool = False, replicas: bool = False, solved: Solved | None = None
                  ) -> np.ndarray:
     """Exact chain solve of ``problem`` laid out along ``order``; ``solved`` caches plain
-    solves so the balancing pass starts from one.
-    """
+    solves so the balancing pass starts from one."""
     cc = chain_arrays(problem, order, obj, replicas=replicas)
     key = (order.tobytes(), replicas)
     args = dict(saved=cc.saved, comm=cc.comm, time=cc.time, heavy=problem.heavy()[order],
@@ -122,8 +119,7 @@ def _solve_order(problem: DagProblem, obj: Objective, order: np.ndarray,
 
 def _charging(problem: DagProblem) -> tuple[bool, ...]:
     """How the chain solve charges parameters: first reader only, and for a shared parameter
-    also its last reader; neither is exact for every cut, so both are solved.
-    """
+    also its last reader; neither is exact for every cut, so both are solved."""
     shared = any(len(set(readers)) > 1 for readers in problem.param_readers)
     return (False, True) if shared else (False,)
 
@@ -184,8 +180,7 @@ def solve_problem(problem: DagProblem, obj: Objective, orders: tuple[str, ...] =
 def balance(problem: DagProblem, obj: Objective, stage: np.ndarray,
             solved: Solved | None = None) -> np.ndarray:
     """Lexicographic min-max on the plan's stage-major order, then refinement; kept only when
-    the sorted stage costs get smaller.
-    """
+    the sorted stage costs get smaller."""
     order = np.lexsort((np.arange(problem.n), stage))
     again = min((refine(problem, obj, _solve_order(problem, obj, order, lex=True, replicas=r,
                                                    solved=solved))
@@ -237,8 +232,7 @@ def auto_partition(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
                    comm_time: CommTime | None = None) -> torch.fx.GraphModule:
     """New GraphModule with ``STAGE`` on every node; ``gm`` is not modified.
 
-    ``comm_time`` defaults to the default device spec's link model.
-    """
+    ``comm_time`` defaults to the default device spec's link model."""
     return partition_graph(gm, pconfig, comm_time)[0]
 
 

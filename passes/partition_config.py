@@ -27,8 +27,7 @@ STRATEGIES = ("each", "contiguous", ATTENTION_CORE)
 @dataclass(frozen=True)
 class CheckpointRule:
     """One module whose nodes run under activation checkpointing; ``children`` names a
-    ``Sequential``'s children for the grouping strategies (docs/memory.md).
-    """
+    ``Sequential``'s children for the grouping strategies (docs/memory.md)."""
 
     module_path: str
     strategy: str = "each"

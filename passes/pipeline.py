@@ -107,8 +107,7 @@ def analyse(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | N
             allow_real_run: bool = True) -> torch.fx.GraphModule:
     """The first half of ``compile_model``: trace -> shape_prop -> annotate_costs, apart so one
     costed graph serves many configurations; with ``traced`` the runtime's own graph is
-    costed, measured and split.
-    """
+    costed, measured and split."""
     spec = resolve_device(device)
     kw = dict(kwargs or {})
     passes = [] if traced is not None else [
@@ -131,8 +130,7 @@ def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
               progress: Progress | None = None,
               tp: TensorParallelism | None = None) -> Compiled:
     """The second half of ``compile_model``: stages, then the tp rewrite, then the plan; stages
-    are chosen on the unsharded graph, so every tp rank splits alike.
-    """
+    are chosen on the unsharded graph, so every tp rank splits alike."""
     spec = resolve_device(device)
     strategy = ["manual"]
     placement: list[tuple[int, ...]] = []

@@ -63,8 +63,7 @@ class MemoryBreakdown:
 @dataclass(frozen=True)
 class StagePlan:
     """One pipeline stage, times per microbatch; ``time_s = max(fwd + bwd, link_time_s)``
-    (docs/architecture.md, 'Stage time model').
-    """
+    (docs/architecture.md, 'Stage time model')."""
 
     index: int
     nodes: tuple[str, ...]
@@ -116,8 +115,7 @@ class SharedParam:
 @dataclass(frozen=True)
 class RankPlan:
     """A pipeline rank holding several chunks or running a split backward: its chunks and its
-    memory at the schedule's peak.
-    """
+    memory at the schedule's peak."""
 
     index: int
     chunks: tuple[int, ...]

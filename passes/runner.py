@@ -55,8 +55,7 @@ def run_passes(gm: torch.fx.GraphModule,
     """Run ``passes`` in order on ``gm`` and return the final GraphModule.
 
     ``passes`` holds ``Pass`` objects or ``(name, fn, requires, provides)`` tuples.
-    ``dump_dir`` / ``verify`` default to ``SMP_FX_DUMP_DIR`` / ``SMP_FX_VERIFY``.
-    """
+    ``dump_dir`` / ``verify`` default to ``SMP_FX_DUMP_DIR`` / ``SMP_FX_VERIFY``."""
     dump = dump_dir if dump_dir is not None else os.environ.get("SMP_FX_DUMP_DIR") or None
     check = verify if verify is not None else os.environ.get("SMP_FX_VERIFY", "") not in ("", "0")
     done: list[str] = []

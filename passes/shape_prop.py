@@ -171,8 +171,7 @@ def shape_prop(gm: torch.fx.GraphModule, args: tuple[Any, ...] = (),
     """Return a copy of ``gm`` with ``TENSOR`` set on every node; ``gm`` is not mutated.
 
     A leaf with data-dependent control flow gets one real no-grad forward when allowed
-    and every weight is real, as SMP's tracing step; else ``SMPTracingError``.
-    """
+    and every weight is real, as SMP's tracing step; else ``SMPTracingError``."""
     from passes.graph_utils import copy_graph_module
 
     device = torch.device(device)

@@ -41,8 +41,7 @@ class OutputRef:
 @dataclass(frozen=True)
 class Stage:
     """One pipeline stage: ``module`` takes ``input_names`` positionally and returns a tuple
-    ordered as ``output_names``.
-    """
+    ordered as ``output_names``."""
 
     index: int
     module: torch.fx.GraphModule
@@ -177,8 +176,7 @@ def split_stages(gm: torch.fx.GraphModule, num_stages: int | None = None) -> Sta
     """Build a ``StagedProgram`` from ``gm`` annotated with ``STAGE``; ``gm`` is not mutated.
 
     ``num_stages`` defaults to the largest stage + 1; a larger value leaves trailing stages
-    empty (they pass the final outputs through).
-    """
+    empty (they pass the final outputs through)."""
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output = next(n for n in nodes if n.op == "output")

@@ -115,8 +115,7 @@ def constant_inputs(model: nn.Module, args: tuple[Any, ...],
                     kwargs: Mapping[str, Any]) -> dict[str, Any]:
     """The ``forward`` parameters this call passes as a constant (None, bool, number, str),
     traced as constants so ``if labels is not None`` follows the call; another value later
-    fails the trace's assertion by name.
-    """
+    fails the trace's assertion by name."""
     try:
         sig = inspect.signature(model.forward)
         bound = sig.bind_partial(*args, **kwargs)
@@ -224,8 +223,7 @@ def _export_trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, 
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
     """Non-strict export with every input dimension symbolic where the model allows, first
-    size-obliviously; failing both, specialised to these shapes.
-    """
+    size-obliviously; failing both, specialised to these shapes."""
     dynamic = auto_dynamic_shapes(model, args, kwargs)
     with _meta_weights_on(_run_device(model, args, kwargs)):
         for oblivious in (True, False):
@@ -297,8 +295,7 @@ def trace(model: nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any
           frontend: Frontend = "auto", leaf_modules: LeafSpec = ()) -> torch.fx.GraphModule:
     """Capture ``model`` as a GraphModule carrying ``MODULE_PATH`` and ``PARAMS`` on every node.
 
-    ``auto`` prefers fx without automatic leaves (they hide structure), then export.
-    """
+    ``auto`` prefers fx without automatic leaves (they hide structure), then export."""
     kwargs = dict(kwargs or {})
     args = tuple(args)
     if frontend not in ("auto", "fx", "export"):

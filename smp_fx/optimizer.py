@@ -121,10 +121,9 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         return self.overflow
 
     def parameters_held(self) -> list[torch.Tensor]:
-        """Every parameter of the wrapped optimizer, in group order; a parameter of a module
-        ``smp.DistributedModel`` replaced (SMP's Hugging Face replacements) stands for the
-        replacement's (``follow_replacements``: an optimizer made before the wrapping, as
-        SMP's documentation orders it, trains what the model trains)."""
+        """Every parameter of the wrapped optimizer, in group order; one of a module the wrapping
+        replaced stands for the replacement's, so an optimizer made first trains what the
+        model trains."""
         if follow_replacements(self.torch_optimizer) or not self.global_index:
             flat = [p for g in self.torch_optimizer.param_groups for p in g["params"]]
             self.global_index = {id(p): i for i, p in enumerate(flat)}
@@ -205,9 +204,8 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         return self._scaler.loss_scale if self._masters is not None else 1.0
 
     def step(self, closure: Any = None) -> Any:
-        """Step this rank's parameters; with fp16 skip on every rank if any overflowed;
-        with optimizer-state sharding broadcast what this rank owns (a collective over
-        the rdp group: every rdp rank calls it)."""
+        """Step this rank's parameters (fp16: every rank skips on any overflow; ZeRO-1: owners
+        broadcast, a collective over the rdp group)."""
         masters = self._masters
         if masters is not None:
             self._overflow = masters.prepare()
@@ -226,8 +224,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
 
     def clip_master_grads(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip what the optimizer steps by the whole model's norm and return it (-1 on an fp16
-        overflow), as Megatron's ``FP16_Optimizer``; a collective on every rank.
-        """
+        overflow), as Megatron's ``FP16_Optimizer``; a collective on every rank."""
         if self._script:
             own: Any = self.optimizer
             return cast(torch.Tensor, own.clip_master_grads(max_norm, norm_type))
@@ -245,16 +242,14 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         return clip.clip_grads(grads, counted, max_norm, norm_type, extra_groups=extra)
 
     def global_grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
-        """The L2 norm of the whole model's gradients, from ``params`` (parameters this
-        optimizer holds: fp32 masters, or this rank's shard) on every rank; what
-        ``smp.optimizers.FusedLamb`` clips by when wrapped. A collective."""
+        """The L2 norm of the whole model's gradients from ``params`` (masters, or this rank's
+        shard); what a wrapped ``FusedLamb`` clips by. A collective."""
         counted, extra = self._norm_terms(params)
         return clip.global_norm(counted, 2.0, extra)
 
     def _norm_terms(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
-        """(the gradients of ``params`` this rank counts, the groups to sum over besides
-        the model-parallel one): replicas are counted once, by the model's own parameter
-        behind each master; a sharded optimizer state sums over the rdp group too."""
+        """(gradients this rank counts, groups to sum over besides model-parallel): replicas once,
+        by the model parameter behind each master."""
         model = self._model()
         if model is None:
             return [p.grad for p in params if p.grad is not None], []
@@ -267,10 +262,8 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         return counted, [self._shards.group] if self._shards is not None else []
 
     def _clip_for_sdp(self) -> None:
-        """Sharded data parallelism clips the global norm at every step, as SMP does, and
-        keeps the norm (before clipping) in ``_global_grad_norm``, which AWS's ``train.py``
-        scripts log after ``optimizer.step()``; ``sdp_gradient_clipping`` 0 measures it
-        without clipping."""
+        """Sharded data parallelism clips the global norm every step, as SMP does, keeping the
+        unclipped norm in ``_global_grad_norm`` for AWS's ``train.py`` logs."""
         model = self._model()
         if model is None or not state.is_initialized():
             return
@@ -288,9 +281,8 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
                                                            extra_groups=extra))
 
     def zero_grad(self, set_to_none: bool = True, **kwargs: Any) -> None:
-        """Clear the gradients of every local parameter (also those another dp rank owns
-        under optimizer-state sharding) and of the fp32 masters. A script's own optimizer
-        object clears them itself, with its own arguments (``set_grads_to_None=True``)."""
+        """Clear every local parameter's gradient (others' ZeRO-1 shards too) and the masters'; a
+        script's own optimizer object clears with its own arguments."""
         if self._script:
             self.optimizer.zero_grad(**kwargs)
             return
@@ -378,8 +370,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         return index
 
     def _param_id_to_index(self) -> dict[int, int]:
-        """id(parameter) -> its index in the optimizer's original flat order, for every
-        parameter this rank steps (a script's masters included): SMP's private method
+        """id(parameter) -> index in the optimizer's original flat order: SMP's private method
         that AWS's fp16 helpers call."""
         return {id(p): self._smp_index(p) for g in self.param_groups for p in g["params"]}
 
@@ -396,8 +387,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     def local_state_dict(self, cast_to_cpu: bool = True,
                          gather_if_shard: bool = True) -> StateDict:
         """This rank's optimizer state by FQN (fp16: with ``fp32_master`` and ``loss_scaler``);
-        ``gather_if_shard`` merges the rdp group's shards, a collective over it.
-        """
+        ``gather_if_shard`` merges the rdp group's shards, a collective over it."""
         sd = super().local_state_dict(cast_to_cpu, gather_if_shard)
         masters = self._masters
         if masters is not None:

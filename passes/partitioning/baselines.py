@@ -117,8 +117,7 @@ def block_partition(problem: DagProblem, k: int) -> np.ndarray:
 def _dhondt(costs: list[float], caps: list[int], seats: int, minimum: int = 1) -> list[int]:
     """D'Hondt: the next seat goes to the largest ``cost / (seats so far + 1)`` under its cap.
 
-    ``minimum=0`` lets a light party win no seat at all (it then shares a neighbour's).
-    """
+    ``minimum=0`` lets a light party win no seat at all (it then shares a neighbour's)."""
     got = [min(minimum, c) for c in caps]
     for _ in range(seats - sum(got)):
         open_ = [i for i in range(len(costs)) if got[i] < caps[i]]
@@ -175,8 +174,7 @@ def module_tree(problem: DagProblem, k: int, obj: Objective) -> np.ndarray:
         """D'Hondt seats per child, none for a light one; (score, groups, seats).
 
         A seatless child rides with its neighbour (GPT's embeddings with the first block,
-        the head with the last), so they hold no device of their own.
-        """
+        the head with the last), so they hold no device of their own."""
         seats = _dhondt(list(costs), [len(m) for _, m in kids], devices, minimum=0)
         seated = [i for i, d in enumerate(seats) if d > 0]
         lead: dict[int, Kids] = {i: [] for i in seated}

@@ -116,8 +116,7 @@ def _pin_windows(pins: FloatArray, k: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _anchors(heavy: np.ndarray | None, n: int) -> tuple[np.ndarray, np.ndarray]:
     """``anchor[j]``: the last position < ``j`` a stage ending at ``j`` must hold (-1: none);
-    ``tail[r]``: the latest end that leaves ``r`` required (``heavy``) positions after it.
-    """
+    ``tail[r]``: the latest end that leaves ``r`` required (``heavy``) positions after it."""
     if heavy is None:
         return np.arange(-1, n, dtype=np.int64), np.arange(n, -1, -1, dtype=np.int64)
     pos = np.flatnonzero(heavy)
@@ -134,8 +133,7 @@ def _check(bound: float, prefixes: list[tuple[FloatArray, FloatArray]], tp: Floa
     """Bands of reachable stage ends if every stage can stay <= ``bound``.
 
     Infeasible: ``(None, t)``, ``t`` the least bound at which a rejected end would pass
-    (probing it next often hits the optimum exactly).
-    """
+    (probing it next often hits the optimum exactly)."""
     n = len(comm) - 1
     bands: list[_Band] = [_Band(0, np.zeros(1, dtype=np.int64))]
     first, last = 0, 0
@@ -191,8 +189,7 @@ def lower_bound(work: Values, k: int, saved: Values | None = None,
                 comm: Values | None = None,
                 time: Values | None = None) -> float:
     """max(total / k, largest node), each node at its cheapest stage; with ``comm`` each of the
-    ``k - 1`` sending stages pays at least the cheapest cut.
-    """
+    ``k - 1`` sending stages pays at least the cheapest cut."""
     w = np.asarray(work, dtype=np.float64)
     tm = np.zeros(len(w)) if time is None else np.asarray(time, dtype=np.float64)
     sv = np.zeros(len(w)) if saved is None else np.asarray(saved, dtype=np.float64)
@@ -213,8 +210,7 @@ def solve(work: Values, k: int, *, saved: Values | None = None,
     """Cut a chain into ``k`` contiguous non-empty stages minimising the largest stage cost.
 
     ``pins[i] >= 0`` forces node ``i``'s stage; with ``heavy`` every stage holds one where
-    possible. ``SMPPartitionError`` when ``k > n`` or the pins cannot be honoured.
-    """
+    possible. ``SMPPartitionError`` when ``k > n`` or the pins cannot be honoured."""
     w, sv, cm, infl, pn, tm = _prepare(work, k, saved, comm, inflight, pins, time, tail_comm)
     n = len(w)
     hv = None if heavy is None else np.asarray(heavy, dtype=bool)
@@ -294,8 +290,7 @@ def solve_lex(work: Values, k: int, *, saved: Values | None = None,
               first: ChainSolution | None = None) -> ChainSolution:
     """``solve``, then balance the stages the bottleneck leaves free (lexicographic min-max).
 
-    Kept only if its sorted costs are no larger, so the bottleneck never gets worse.
-    """
+    Kept only if its sorted costs are no larger, so the bottleneck never gets worse."""
     w, sv, cm, infl, pn, tm = _prepare(work, k, saved, comm, inflight, pins, time)
     n = len(w)
     hv = None if heavy is None else np.asarray(heavy, dtype=bool)

@@ -32,8 +32,7 @@ def _resolve(gm: torch.fx.GraphModule, name: str) -> torch.Tensor | None:
 
 class _TensorIndex:
     """Attribute names grouped by the tensor they name, keyed by the name
-    ``named_parameters()`` reports, so a tied weight is charged once.
-    """
+    ``named_parameters()`` reports, so a tied weight is charged once."""
 
     def __init__(self, gm: torch.fx.GraphModule) -> None:
         self.gm = gm

@@ -25,8 +25,7 @@ def _path_text(problem: DagProblem, path: list[int]) -> str:
 
 def check_dag(problem: DagProblem) -> None:
     """Raise unless every edge goes from a lower to a higher node index (networkx names a
-    cycle when there is one).
-    """
+    cycle when there is one)."""
     backward = problem.backward_edge
     if backward is None:
         return
@@ -44,8 +43,7 @@ def check_dag(problem: DagProblem) -> None:
 
 def pin_bounds(problem: DagProblem) -> tuple[np.ndarray, np.ndarray]:
     """Per node, the earliest stage it may go to (largest pin among its ancestors) and the
-    latest (smallest among its descendants), in two sweeps rather than quadratic searches.
-    """
+    latest (smallest among its descendants), in two sweeps rather than quadratic searches."""
     n = problem.n
     pins = problem.pin_array().tolist()
     big = max(pins, default=-1) + 1
@@ -85,8 +83,7 @@ def check_pins(problem: DagProblem) -> None:
 
 def _min_live(problem: DagProblem) -> list[int]:
     """List scheduling by live-byte growth, with ``heapq``: a node's priority is fixed only
-    when it becomes ready.
-    """
+    when it becomes ready."""
     n = problem.n
     val_bytes = problem.val_bytes.tolist()
     succs = problem.succs()

@@ -26,8 +26,7 @@ CommTime = Callable[[float], float]
 
 def link_occupancy(comm_time: CommTime) -> CommTime:
     """The link time of a message: ``comm_time(2b) - comm_time(b)``, exactly ``b / bandwidth``
-    for the affine model (the latency cancels).
-    """
+    for the affine model (the latency cancels)."""
 
     def link_time(nbytes: float) -> float:
         if nbytes <= 0:
@@ -42,8 +41,7 @@ class DagProblem:
     """Compute nodes ``0..n-1`` in a topological order (the graph's), and their values.
 
     ``val_producer[v] == -1`` marks a graph input; ``val_to_output[v]`` keeps a value live
-    up to the output's stage.
-    """
+    up to the output's stage."""
 
     names: tuple[str, ...]
     time: np.ndarray
@@ -65,8 +63,7 @@ class DagProblem:
 
     def heavy(self) -> np.ndarray:
         """Nodes doing real work: FLOPs or parameters (time when FLOPs are not known); every
-        stage gets one when there are enough, so no stage holds only glue.
-        """
+        stage gets one when there are enough, so no stage holds only glue."""
         work = self.flops > 0 if len(self.flops) == self.n else self.time > 0
         mask = np.array(work, dtype=bool)
         rflat, rparam = self._flat[5:]
@@ -135,8 +132,7 @@ class DagProblem:
         """The compute nodes as a ``networkx.DiGraph`` for orders, checks and cuts.
 
         Successors are listed in decreasing index order so every traversal (``"dfs"``)
-        is deterministic; cost sums stay on the numpy arrays.
-        """
+        is deterministic; cost sums stay on the numpy arrays."""
         n = self.n
         out_bytes = [0.0] * n
         for prod, nbytes in zip(self.val_producer, self.val_bytes.tolist()):
@@ -228,8 +224,7 @@ def make_objective(problem: DagProblem, cfg: PartitionConfig,
                    link_time: CommTime | None = None,
                    placement: Sequence[int] | None = None) -> Objective:
     """The objective for ``problem`` under ``cfg``: link figures from a device spec (the
-    default spec's without one); ``placement`` decides which boundaries stay on a rank.
-    """
+    default spec's without one); ``placement`` decides which boundaries stay on a rank."""
     place = tuple(placement) if placement is not None else cfg.placement
     k = len(place)
     factor = 2.0 + cfg.optimizer_state_factor
@@ -318,8 +313,7 @@ def evaluate(problem: DagProblem, stage: Sequence[int] | np.ndarray, obj: Object
 @dataclass(frozen=True)
 class ChainCosts:
     """A problem laid out along an order, in objective units, for ``chain.solve``; a stage
-    ``[i, j)`` on stage ``s`` costs ``work + inflight[s] saved + max(time, comm[j])``.
-    """
+    ``[i, j)`` on stage ``s`` costs ``work + inflight[s] saved + max(time, comm[j])``."""
 
     work: np.ndarray
     time: np.ndarray
@@ -336,8 +330,7 @@ def chain_arrays(problem: DagProblem, order: Ints, obj: Objective,
     """``problem`` laid out along ``order`` (a topological order) as ``ChainCosts``.
 
     Parameters count at their first reader; ``replicas=True`` also charges a shared one
-    at its last reader (docs/partitioning.md, 'Parameters in a chain').
-    """
+    at its last reader (docs/partitioning.md, 'Parameters in a chain')."""
     n = problem.n
     order = np.asarray(order, dtype=np.int64)
     pos = np.empty(n, dtype=np.int64)

@@ -15,8 +15,7 @@ from passes.partitioning.problem import DagProblem, Objective, value_spans
 
 class _State:
     """The assignment and its per-stage sums, updated move by move, in Python lists: per
-    element numpy indexing costs several times more in these loops.
-    """
+    element numpy indexing costs several times more in these loops."""
 
     def __init__(self, problem: DagProblem, obj: Objective, stage: np.ndarray,
                  keep_heavy: bool | None = None) -> None:

@@ -2,7 +2,7 @@
 
 The entry point is ``tensor_parallel`` (``rewrite.py``), taking ``TensorParallelism`` and
 giving ``TensorParallelPlan``. See docs/tensor_parallel.md, 'The rewrite', and
-docs/modules.md for the modules in the order the rewrite uses them.
+docs/modules.md for its modules.
 """
 
 from passes.tensor_parallel.plan import ShardSpec, TensorParallelPlan, merge_shards

@@ -18,8 +18,7 @@ class ShardSpec:
     """One distributed parameter: split along ``dim`` into ``parts`` equal pieces.
 
     ``stride`` blocks (fused q/k/v: 3) are each split, rank r holding piece r of every
-    block; ``pad`` zero rows pad an indivisible vocabulary; ``full_shape`` is unpadded.
-    """
+    block; ``pad`` zero rows pad an indivisible vocabulary; ``full_shape`` is unpadded."""
 
     name: str
     dim: int

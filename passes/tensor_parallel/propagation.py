@@ -112,8 +112,7 @@ def size_read(n: Any) -> bool:
 def elementwise_out(n: torch.fx.Node, split: dict[torch.fx.Node, Split],
                     rw: Rewrites | None = None, size: int = 1) -> Split:
     """Broadcasting: split inputs aligned on one dim; a replicated operand of size 1 there
-    enters by ``tp_copy``, one of full size is sliced per rank (``slice_operand``).
-    """
+    enters by ``tp_copy``, one of full size is sliced per rank (``slice_operand``)."""
     out = shape(n)
     if out is None:
         raise Unsupported(f"{n.name} has no static shape")
@@ -184,8 +183,7 @@ def grad_flow(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
 def batched_operand(n: torch.fx.Node, a: torch.fx.Node, out: tuple[int, ...],
                     rw: Rewrites) -> None:
     """Record a replicated operand with the batch on dim 0, gathered like the split chain's
-    batch under ``prescaled_batch`` false (a batch of one is gathered too).
-    """
+    batch under ``prescaled_batch`` false (a batch of one is gathered too)."""
     s = shape(a)
     if a not in rw.reduced and s is not None and len(s) == len(out) and s[0] == out[0]:
         rw.gather.append((n, a))

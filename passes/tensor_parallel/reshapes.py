@@ -37,8 +37,7 @@ def _moved(s: Split, dim: int) -> Split:
 def _view(n: torch.fx.Node, s: Split, rw: Rewrites, size: int) -> Split:
     """A reshape keeps the split when, in flat order, each rank's chunk of every block is
     whole rows of one output dim: heads split ``(b, t, c) -> (b, t, h, d)``, merged back,
-    or moved into the batch ``(b, h, t, d) -> (b * h, t, d)``.
-    """
+    or moved into the batch ``(b, h, t, d) -> (b * h, t, d)``."""
     src, out = shape(n.args[0]), shape(n)
     if src is None or out is None:
         raise Unsupported(f"{n.name} has no static shape")
@@ -68,10 +67,8 @@ def _view(n: torch.fx.Node, s: Split, rw: Rewrites, size: int) -> Split:
 
 
 def _view_dim(src: tuple[int, ...], out: tuple[int, ...], s: Split, size: int) -> int | None:
-    """The output dim that holds the split after a reshape of ``src`` into ``out``
-    (``_view``), or None. A size-1 dim where the split would start (one kv head) is a
-    refusal, not skipped: the split would land on the head features. A size-1 dim the
-    source has unchanged before the split (a batch of one) is skipped."""
+    """The output dim holding the split after reshaping ``src`` into ``out``, or None; a
+    size-1 dim where the split would start (one kv head) refuses."""
     a = math.prod(src[:s.dim]) * (src[s.dim] // s.block if s.block else 1)
     for j in range(len(out)):
         if out[j] == 1 and j < s.dim and out[:j + 1] == src[:j + 1]:
@@ -100,9 +97,7 @@ def flatten(c: Ctx, s: Split) -> Split:
 
 
 def repeat(c: Ctx, s: Split) -> Split:
-    """``repeat`` (DeBERTa's relative embeddings per example): tiles along other dims keep
-    the split; tiles of the split dim make it blocks of its size (every tile is this
-    rank's chunk)."""
+    """``repeat`` (DeBERTa's relative embeddings): tiles along the split dim make it blocks."""
     src, out = shape(c.x), shape(c.node)
     if src is None or out is None:
         raise Unsupported(f"{c.node.name} has no static shape")
@@ -130,9 +125,8 @@ def gather(c: Ctx, s: Split) -> Split:
 
 def _view_runtime_sizes(n: torch.fx.Node, s: Split, src: tuple[int, ...],
                         out: tuple[int, ...], rw: Rewrites, size: int) -> Split:
-    """A view whose sizes are one tuple computed at run time: only a split that stays the
-    last dim is carried (a linear's 2-D output viewed back to ``(b, t, features)``); the
-    rewrite wraps the tuple in ``local_sizes``."""
+    """A view with run-time sizes carries only a split that stays the last dim (a linear's
+    2-D output viewed back); the rewrite wraps the tuple in ``local_sizes``."""
     if s.dim != len(src) - 1 or out[-1] != src[-1] or out[-1] % size:
         raise Unsupported(f"{n.name} ({n.target}) reshapes the split dim with sizes "
                           "computed at run time")
@@ -170,9 +164,8 @@ def _reads_batch(value: Any) -> bool:
 
 def _note_batch(n: torch.fx.Node, j: int, first: Any, src: tuple[int, ...],
                 out: tuple[int, ...], pos: ArgPos, rw: Rewrites) -> None:
-    """A view or expand that keeps the split off dim 0 names the batch in its first size
-    (unless -1) when dim 0 is unchanged or that size reads the input's batch: it is
-    multiplied by tp when the batch is gathered (``rw.batch``)."""
+    """A view or expand naming the batch in its first size: multiplied by tp when the batch
+    is gathered (``rw.batch``)."""
     if j != 0 and first != -1 and (src[0] == out[0] or _reads_batch(first)):
         rw.batch.append((n, pos))
 
@@ -212,11 +205,8 @@ def reshape(c: Ctx, s: Split) -> Split:
 
 
 def split_fused(c: Ctx, s: Split) -> Split:
-    """``split`` / ``chunk`` along another dim keeps the split (NeoX's and BLOOM's q, k, v
-    interleaved per head); along the split dim it must cut a column linear's own output
-    into equal pieces (a fused projection: GPT's ``c_attn``, Phi-3's ``qkv_proj`` and
-    ``gate_up_proj``): that linear becomes strided (each block sharded alike) and the
-    piece size, or nothing for ``chunk``, is this rank's."""
+    """``split`` / ``chunk`` along another dim keeps the split; along it, it must cut a column
+    linear's own output in equal pieces (a fused projection), which becomes strided."""
     n, x = c.node, c.x
     chunk = _is_chunk(n)
     dim = norm_dim(arg(n, 2, "dim", 0), len(shape(x) or ()))
@@ -259,9 +249,8 @@ def unbind(c: Ctx, s: Split) -> Split:
 
 
 def select(c: Ctx, s: Split) -> Split:
-    """``select`` (BLOOM's and Falcon's q, k, v picked from a per-head fused view) or
-    ``squeeze`` of another dim than the split one: the split dim moves up by one when the
-    dropped dim is before it."""
+    """``select`` or ``squeeze`` of another dim: the split dim moves up when the dropped one
+    is before it."""
     n = c.node
     rank = len(shape(c.x) or ())
     if n.target not in ("select", torch.select, torch.ops.aten.select.int):  # a squeeze
@@ -289,10 +278,8 @@ def expand(c: Ctx, s: Split) -> Split:
 
 
 def narrow(c: Ctx, s: Split) -> Split:
-    """A slice (RoPE's halves) along another dim than the split one keeps the split. Along
-    the split dim it must take one of equal blocks of a column linear's own output (a
-    fused projection cut by slices: Phi-3's ``qkv[..., :q_pos]``): that linear becomes
-    strided, as for ``split``, and the bounds are this rank's."""
+    """A slice along another dim keeps the split; along it, it must take one equal block of a
+    column linear's output (fused projection cut by slices), which becomes strided."""
     n = c.node
     dim = norm_dim(arg(n, 1, "dim", 0), len(shape(c.x) or ()))
     if dim != s.dim:
@@ -328,11 +315,8 @@ def _fused_source(c: Ctx, s: Split) -> Any:
 
 
 def cat(c: Ctx) -> Split:
-    """Values split alike, concatenated along another dim (RoPE's rotated halves); a
-    replicated part with all of the split dim (a key cache's past entries) is read as
-    this rank's part (``slice_operand``); an empty 1-D part (an empty cache: ``cat``
-    skips it) is left as it is. ``stack`` (GPT-J's interleaved rotation) of values all
-    split alike, the new dim counted."""
+    """``cat`` / ``stack`` of values split alike; a replicated part with all of the split dim
+    (a cache's past entries) is read as this rank's part, an empty 1-D part left as is."""
     n = c.node
     listed = n.args[0] if isinstance(n.args[0], (list, tuple)) else ()
     parts = [p for p in listed if isinstance(p, torch.fx.Node) and p in c.split]

@@ -66,8 +66,7 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
     """The rewritten copy of ``gm`` for ``tp.rank`` and the plan (module docstring).
 
     The copy's costs are one rank's (``passes.tensor_parallel.costs``): split work divided by the
-    degree, each collective priced by ``comm_time(nbytes)`` (the link model; None: free).
-    """
+    degree, each collective priced by ``comm_time(nbytes)`` (the link model; None: free)."""
     new = copy_graph_module(gm)
     if tp.size <= 1 or not tp.marked:
         return new, TensorParallelPlan(tp.size)

@@ -44,8 +44,7 @@ def float_outputs(outputs: Any, dtype: torch.dtype = HALF) -> Any:
 
 class MasterWeights:
     """fp32 masters of ``optimizer``'s parameters, swapped into its param groups; its state
-    moves onto them by position, as Megatron's ``FP16_Optimizer`` does.
-    """
+    moves onto them by position, as Megatron's ``FP16_Optimizer`` does."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, scaler: LossScaler) -> None:
         self.scaler = scaler
@@ -69,8 +68,7 @@ class MasterWeights:
 
     def prepare(self) -> bool:
         """Master gradients from the model's (unscaled); True if any rank overflowed. Once per
-        step however often asked; a collective when it runs.
-        """
+        step however often asked; a collective when it runs."""
         if not self._stale:
             return self.overflow
         grads: list[torch.Tensor] = []

@@ -16,8 +16,7 @@ from smp_fx.world import state
 
 class GradScaler(torch.amp.GradScaler):
     """``torch.amp.GradScaler`` with the inf check agreed over every rank; its scale tensor is
-    made at once (``smp.step`` scales from several threads).
-    """
+    made at once (``smp.step`` scales from several threads)."""
 
     def __init__(self, device: str | None = None, init_scale: float = 2.0**16,
                  growth_factor: float = 2.0, backoff_factor: float = 0.5,

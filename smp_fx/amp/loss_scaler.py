@@ -117,8 +117,7 @@ def make_scaler(static_loss_scale: float | None, dynamic_loss_scale: bool,
 
 def agree_found_inf(found_inf: torch.Tensor) -> torch.Tensor:
     """Max-reduce a found-inf flag over every rank, in place: a collective every rank calls
-    once per step.
-    """
+    once per step."""
     if state.is_initialized():
         st = state.get()
         if not st.in_process and st.world_size > 1:

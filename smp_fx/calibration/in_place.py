@@ -45,8 +45,7 @@ def fit_scales(spec: DeviceSpec, device: torch.device, repeats: int = 15
 def fit_conv_scale(spec: DeviceSpec, device: torch.device, repeats: int = 15) -> float:
     """The convolutions' fixed-cost factor beyond ``overhead_scale`` that makes
     ``ConvReference``'s prediction equal its measurement (clamped; 1.0 without
-    convolutions): a library's per-call setup grows less in place than dispatch does.
-    """
+    convolutions): a library's per-call setup grows less in place than dispatch does."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         model = ConvReference().to(device)

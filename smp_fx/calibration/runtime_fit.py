@@ -42,8 +42,7 @@ def _tiny_runs(spec: DeviceSpec, device: torch.device, steps: int, stages: int
 def fit_actions(spec: DeviceSpec, device: torch.device, steps: int) -> tuple[float, float]:
     """The runtime's cost per action and per step, fitted on one stage, where nothing but the
     runtime's work separates measurement from priced compute (at pp 2 the action cost came
-    out ten times too high); rank 0 is timed.
-    """
+    out ten times too high); rank 0 is timed."""
     with runs.replicas_apart():
         timings, plans = _tiny_runs(spec, device, steps, 1)
     return fit_runtime(spec, plans, timings)
@@ -52,8 +51,7 @@ def fit_actions(spec: DeviceSpec, device: torch.device, steps: int) -> tuple[flo
 def fit_runtime(spec: DeviceSpec, plans: dict[int, PartitionPlan], timings: dict[int, float]
                 ) -> tuple[float, float]:
     """(seconds per action, seconds per step) solving the 2 x 2 system two microbatch counts
-    give; neither goes below 0 (noise).
-    """
+    give; neither goes below 0 (noise)."""
     def predicted(m: int, per_action: float) -> float:
         s = dataclasses.replace(spec, microbatch_overhead_s=per_action, step_overhead_s=0.0,
                                 optimizer_tensor_s=0.0, optimizer_byte_s=0.0)
@@ -73,8 +71,7 @@ def fit_runtime(spec: DeviceSpec, plans: dict[int, PartitionPlan], timings: dict
 
 def fit_in_step(spec: DeviceSpec, device: torch.device, steps: int) -> tuple[float, float]:
     """(node scale, optimizer scale): how much slower the reference's ops and Adam run in a
-    real training step than predicted (accumulation, eviction), clamped; rank 0 timed.
-    """
+    real training step than predicted (accumulation, eviction), clamped; rank 0 timed."""
     with runs.replicas_apart(), runs.initialized(1, IN_STEP_MICROBATCHES):
         timed = runs.time_steps(spec, device, steps, alone=True, reference=True,
                                 optimizer=True)
@@ -106,8 +103,7 @@ def predicted_step(plan: PartitionPlan, spec: DeviceSpec, scale: float,
 def fit_pipeline(spec: DeviceSpec, device: torch.device, steps: int, world: int
                  ) -> tuple[float, float] | None:
     """(seconds per message, ``pipelined_scale``) at pipeline degree ``world``, fitted together
-    (fitted one after the other, the message cost absorbed the slowdown); None off rank 0.
-    """
+    (fitted one after the other, the message cost absorbed the slowdown); None off rank 0."""
     tiny_times, tiny_plans = _tiny_runs(spec, device, steps, world)
     with runs.initialized(world, PIPELINED_MICROBATCHES):
         ref_time, _, ref_plan = runs.time_steps(spec, device, steps, reference=True)

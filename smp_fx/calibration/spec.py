@@ -129,8 +129,7 @@ def _in_step(spec: DeviceSpec, scales: tuple[float, float]) -> DeviceSpec:
 def from_rank0(fn: Callable[[], Any], world: int, everyone: Callable[[], Any] | None = None
                ) -> Any:
     """``fn()`` measured by rank 0 alone and sent to every rank: processes measuring at once
-    slow each other down, and every rank must plan with the same figures.
-    """
+    slow each other down, and every rank must plan with the same figures."""
     if world == 1:
         return fn()
     result = [fn() if dist.get_rank() == 0 else (everyone() if everyone else None)]

@@ -24,8 +24,7 @@ def fsync_dir(directory: str) -> None:
 
 def write_temp(path: str, write: Callable[[IO[bytes]], object]) -> str:
     """Write a temporary sibling of ``path`` durably and return its name (pid in it: writers
-    never collide, a killed one's leftover is recognisable).
-    """
+    never collide, a killed one's leftover is recognisable)."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory,
                        f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")

@@ -119,8 +119,7 @@ def _remove_stale_temporaries(target: str) -> None:
 
 def _keep_committed(f: str, target: str) -> None:
     """Move this rank's committed file to ``.prev`` before the new one takes its name (an
-    existing ``.prev`` is kept when it is the committed one).
-    """
+    existing ``.prev`` is kept when it is the committed one)."""
     if not os.path.exists(target):
         return
     index = read_index(f)

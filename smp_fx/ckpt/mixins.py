@@ -77,8 +77,7 @@ def gather_shards(plan: Any, local: StateDict) -> StateDict:
 
 def gather_optimizer_shards(plan: Any, local: StateDict) -> StateDict:
     """A partial optimizer state with each tp-distributed parameter's tensor fields gathered
-    over the tp group and merged like the parameter.
-    """
+    over the tp group and merged like the parameter."""
     if plan is None or not plan.sharded:
         return local
     out = dict(local)
@@ -190,8 +189,7 @@ class ModelCheckpointMixin:
     def state_dict(self, *args: Any, gather_to_rank0: bool = False,
                    **kwargs: Any) -> StateDict:
         """The full model's state, exactly as the unwrapped model's ``state_dict()``; collective
-            over the pipeline group (``gather_to_rank0``: only pipeline rank 0 holds it).
-        """
+            over the pipeline group (``gather_to_rank0``: only pipeline rank 0 holds it)."""
         if args or kwargs:
             raise SMPCheckpointError.build(
                 "DistributedModel.state_dict() takes only gather_to_rank0", (args, kwargs),
@@ -209,8 +207,7 @@ class ModelCheckpointMixin:
         """Load a full or partial state dict by name (before partitioning: right after it).
 
             A partial one is gathered over the pipeline group first (collective) unless
-            ``same_partition_load``; values are copied, never assigned.
-        """
+            ``same_partition_load``; values are copied, never assigned."""
         if assign:
             raise not_implemented("load_state_dict(assign=True) on a DistributedModel",
                                   fix="use the default assign=False (values are copied)")
@@ -329,8 +326,7 @@ class OptimizerCheckpointMixin:
     def local_state_dict(self, cast_to_cpu: bool = True,
                          gather_if_shard: bool = True) -> StateDict:
         """This rank's optimizer state keyed by FQN, with ``_smp_is_partial``; ``cast_to_cpu`` as
-        SMP's default.
-        """
+        SMP's default."""
         local = local_optimizer_state_dict(sdp_shards.whole(self.torch_optimizer.state_dict()),
                                            self._smp_group_names(local=True),
                                            self._smp_group_names(local=False))

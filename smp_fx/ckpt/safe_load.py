@@ -26,8 +26,7 @@ log = logging.getLogger("smp_fx.ckpt")
 
 def _numpy_safe_globals() -> list[Any]:
     """The numpy names arrays and scalars are pickled with, under both spellings (``numpy.core``
-    1.x, ``numpy._core`` 2.x), allowed as the Trainer allows them for RNG states.
-    """
+    1.x, ``numpy._core`` 2.x), allowed as the Trainer allows them for RNG states."""
     import numpy as np
 
     # numpy 2 keeps multiarray in np._core; numpy 1.26 has a np._core without it

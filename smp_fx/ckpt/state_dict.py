@@ -56,8 +56,7 @@ def _same_value(a: Any, b: Any) -> bool:
 @dataclass(frozen=True)
 class ModelLayout:
     """The key order and tied-name groups of the plain model's ``state_dict()``, taken before
-    partitioning, so a gathered state matches it exactly.
-    """
+    partitioning, so a gathered state matches it exactly."""
 
     keys: tuple[str, ...]
     aliases: tuple[tuple[str, ...], ...] = ()
@@ -94,8 +93,7 @@ class ModelLayout:
 
 def local_model_state_dict(local: Mapping[str, Any], layout: ModelLayout | None) -> StateDict:
     """This rank's partial model state: ``local`` (name -> tensor) plus every tied alias, in
-    the layout's order.
-    """
+    the layout's order."""
     out: StateDict = OrderedDict()
     if layout is None:
         for name, value in local.items():
@@ -116,8 +114,7 @@ def local_model_state_dict(local: Mapping[str, Any], layout: ModelLayout | None)
 def merge_model_state_dicts(parts: Sequence[Mapping[str, Any]],
                             layout: ModelLayout | None = None) -> StateDict:
     """One full model state dict from partial ones, merged by name; replicas that differ are an
-    error, never a silent choice.
-    """
+    error, never a silent choice."""
     merged: dict[str, Any] = {}
     shards: dict[str, Any] = {}
     for index, part in enumerate(parts):
@@ -166,8 +163,7 @@ def merge_model_state_dicts(parts: Sequence[Mapping[str, Any]],
 
 def merge_orders(orders: Sequence[Sequence[str]]) -> list[str]:
     """One order of all names keeping the order of every list: without the model, the partial
-    files' own orders are the only evidence of the plain order.
-    """
+    files' own orders are the only evidence of the plain order."""
     first_seen: dict[str, int] = {}
     after: dict[str, set[str]] = {}
     blockers: dict[str, int] = {}
@@ -230,8 +226,7 @@ class Selected(Mapping[str, Any]):
 def select_model_state(sd: Mapping[str, Any], wanted: Iterable[str],
                        layout: ModelLayout | None = None) -> tuple[Selected, list[str]]:
     """The entries of ``sd`` for ``wanted`` (under any tied alias), read when asked; returns
-    (selected, missing).
-    """
+    (selected, missing)."""
     sources: dict[str, str] = {}
     missing: list[str] = []
     for name in wanted:
@@ -254,8 +249,7 @@ def _group_hyper(group: Mapping[str, Any]) -> dict[str, Any]:
 def optimizer_state_by_name(torch_sd: Mapping[str, Any],
                             group_names: Sequence[Sequence[str]]) -> StateDict:
     """A torch-format optimizer state (integer ids) re-keyed by FQN, ``group_names[i]`` naming
-    group ``i``'s parameters.
-    """
+    group ``i``'s parameters."""
     groups = torch_sd["param_groups"]
     if len(groups) != len(group_names):
         raise SMPCheckpointError.build(
@@ -305,8 +299,7 @@ def local_optimizer_state_dict(local_torch_sd: Mapping[str, Any],
 
 def merge_partial_optimizer_states(parts: Sequence[Mapping[str, Any]]) -> StateDict:
     """The union of several partial optimizer states; hyper-parameters, group order and
-    replicated states must agree.
-    """
+    replicated states must agree."""
     if not parts:
         raise SMPCheckpointError.build("no partial optimizer states to merge",
                                        fix="pass at least one")
@@ -352,8 +345,7 @@ def optimizer_state_to_torch(by_name: Mapping[str, Any],
                              group_names: Sequence[Sequence[str]] | None = None,
                              require_complete: bool = False) -> StateDict:
     """A by-name optimizer state in torch's integer ids for groups ``group_names`` (default the
-    full order: then it equals the plain optimizer's ``state_dict()``).
-    """
+    full order: then it equals the plain optimizer's ``state_dict()``)."""
     names = group_names if group_names is not None else by_name.get(GROUP_PARAMS_KEY)
     if names is None:
         names = [list(g["params"]) for g in by_name["param_groups"]]

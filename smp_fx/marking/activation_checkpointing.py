@@ -45,8 +45,7 @@ def set_activation_checkpointing(module: nn.Module, preserve_rng_state: bool = T
                                  pack_args_as_tuple: bool = False,
                                  strategy: str = "each") -> None:
     """Run ``module`` under activation checkpointing (SMP's signature), before the first
-    ``smp.step``; strategies as docs/memory.md, 'Marking modules', lists them.
-    """
+    ``smp.step``; strategies as docs/memory.md, 'Marking modules', lists them."""
     if not isinstance(module, nn.Module):
         raise SMPConfigError.build("set_activation_checkpointing takes an nn.Module",
                                    type(module).__name__, "smp.set_activation_checkpointing",

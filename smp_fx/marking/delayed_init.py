@@ -132,8 +132,7 @@ def allocate(module: nn.Module, device: torch.device | str) -> nn.Module:
 def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
     """Give ``module``'s meta tensors on ``device`` their eager-build values, replayed from the
     record; ties stay. A tensor made outside the record gets ``reset_parameters`` with a
-    warning; one that cannot be rebuilt is an ``SMPRuntimeError``.
-    """
+    warning; one that cannot be rebuilt is an ``SMPRuntimeError``."""
     slots = [(f"{path}.{name}" if path else name, m, table, name, value)
              for path, m in module.named_modules()
              for table in (m._parameters, m._buffers)

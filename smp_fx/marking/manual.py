@@ -97,8 +97,7 @@ def partition_of(module: nn.Module) -> int | None:
 
 def pins_by_module_path(model: nn.Module) -> dict[str, int]:
     """``{module path: index}`` for every pinned module in ``model`` ('' = the root), a module
-    reachable by several paths under each.
-    """
+    reachable by several paths under each."""
     out: dict[str, int] = {}
     for path, module in model.named_modules(remove_duplicate=False):
         index = partition_of(module)

@@ -49,8 +49,7 @@ def mark(module: nn.Module, enabled: bool = True, **kwargs: Any) -> None:
 @contextmanager
 def tensor_parallelism(enabled: bool = True, **kwargs: Any) -> Iterator[None]:
     """Modules created inside are distributed when ``enabled`` (SMP's context manager); the
-    rewrite takes its settings from the configuration, not ``kwargs``.
-    """
+    rewrite takes its settings from the configuration, not ``kwargs``."""
     ctx = _contexts()
     ctx.append((bool(enabled), dict(kwargs)))
     if len(ctx) == 1:

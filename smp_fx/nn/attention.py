@@ -59,8 +59,7 @@ def causal_mask(positions: torch.Tensor, window: int | None = None) -> torch.Ten
 
 class DistributedAttentionLayer(nn.Module):
     """Multi-head self-attention (or, with ``cross_attention``, cross attention) with residual
-    and layer norms, split by heads under tp; inputs as SMP's page orders them.
-    """
+    and layer norms, split by heads under tp; inputs as SMP's page orders them."""
 
     def __init__(self, num_attention_heads: int = 32, attention_head_size: int = 32,
                  hidden_size: int = 1024, attention_dropout_prob: float = 0.1,
@@ -147,8 +146,7 @@ class DistributedAttentionLayer(nn.Module):
 
 class DistributedTransformerOutputLayer(nn.Module):
     """The transformer's MLP with residual and layer norms, a column -> row pair under tp;
-    ``fp32_residual_addition`` is SMP's guard against fp16 overflow.
-    """
+    ``fp32_residual_addition`` is SMP's guard against fp16 overflow."""
 
     def __init__(self, hidden_size: int = 1024, intermediate_size: int = 4096,
                  hidden_dropout_prob: float = 0.1, activation: str = "gelu",

@@ -53,8 +53,7 @@ def refuse_alibi(use_alibi: bool, where: str) -> None:
 class DistributedTransformerLayer(nn.Module):
     """``DistributedAttentionLayer`` then ``DistributedTransformerOutputLayer`` (with
     ``add_cross_attention`` a cross attention between them); tuples in and out, so layers
-    chain.
-    """
+    chain."""
 
     def __init__(self, num_attention_heads: int = 32, attention_head_size: int = 32,
                  hidden_size: int = 1024, intermediate_size: int = 4096,
@@ -169,8 +168,7 @@ class _TableLookup(nn.Embedding):
 
 class DistributedTransformerLMHead(nn.Module):
     """Embeddings, a ``DistributedTransformer`` and an LM head tied to the word embedding;
-    logits, or the loss when ``labels`` is given.
-    """
+    logits, or the loss when ``labels`` is given."""
 
     def __init__(self, num_layers: int = 12, num_attention_heads: int = 32,
                  attention_head_size: int = 32, hidden_size: int = 1024,

@@ -103,8 +103,7 @@ def clip_grad_norm_(model: PartitionedModel, max_norm: float, norm_type: float =
                     error_if_nonfinite: bool = False,
                     params: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
     """Clip the partitioned ``model``'s gradients by the norm of the whole model: a collective
-    over the model-parallel group; before partitioning a no-op returning 0.
-    """
+    over the model-parallel group; before partitioning a no-op returning 0."""
     if not model.partitioned:
         return torch.zeros((), dtype=torch.float32)
     everything, counted = counted_parameters(model, params)

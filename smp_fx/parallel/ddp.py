@@ -55,8 +55,7 @@ class RejectDDPWrap:
     """Class attribute of ``DistributedModel`` named ``_ddp_params_and_buffers_to_ignore``.
 
     DDP reads it with ``hasattr`` before any collective, so raising ``SMPRuntimeError``
-    (not an ``AttributeError``) stops the wrap clearly on every rank, without a hang.
-    """
+    (not an ``AttributeError``) stops the wrap clearly on every rank, without a hang."""
 
     def __get__(self, obj: object, owner: type | None = None) -> Any:
         if obj is None:
@@ -85,9 +84,8 @@ def guard_optimizer(optimizer: torch.optim.Optimizer) -> Any:
 
 # ---- explicit bucketed reduction --------------------------------------------------------
 def buckets(params: Sequence[nn.Parameter], cap_mb: float) -> list[list[nn.Parameter]]:
-    """Parameters in reverse order (the order backward produces them, as DDP assumes) in
-    buckets of at most ``cap_mb`` MiB, one dtype/device per bucket; a larger parameter gets
-    a bucket of its own."""
+    """Parameters in reverse order (as backward produces them) in buckets of at most
+    ``cap_mb`` MiB, one dtype/device each; a larger parameter gets its own."""
     cap = max(1, int(cap_mb * 1024 * 1024))
     out: list[list[nn.Parameter]] = []
     open_: dict[tuple[torch.dtype, torch.device], tuple[list[nn.Parameter], list[int]]] = {}
@@ -107,8 +105,7 @@ def buckets(params: Sequence[nn.Parameter], cap_mb: float) -> list[list[nn.Param
 def allreduce_grads(bucket_list: Sequence[Sequence[nn.Parameter]], group: Any, size: int,
                     zeros: bool = False) -> None:
     """Average ``.grad`` over ``group``: scale by 1/size, sum; all buckets in flight at once.
-    Missing gradients and ``zeros`` (a joined rank) contribute zeros.
-    """
+    Missing gradients and ``zeros`` (a joined rank) contribute zeros."""
     finish_allreduce(start_allreduce(bucket_list, group, size, zeros), zeros)
 
 
@@ -149,8 +146,7 @@ def finish_allreduce(works: Reduction, zeros: bool = False) -> None:
 # ---- the stage runner ------------------------------------------------------------------
 class DDPStageRunner(StageRunner):
     """A ``StageRunner`` calling the stage through its DDP wrapper; ``stage.module`` stays the
-    plain stage GraphModule (names, optimizer, checkpoints).
-    """
+    plain stage GraphModule (names, optimizer, checkpoints)."""
 
     def __init__(self, base: StageRunner, wrapper: DistributedDataParallel,
                  dp: DataParallel) -> None:
@@ -181,9 +177,8 @@ class DDPStageRunner(StageRunner):
         return super().backward_input(tensors, grads, inputs, microbatch)
 
     def backward_weight(self, pending: PendingW, microbatch: int) -> None:
-        """A split backward's W; after the stage's last W of a reducing step, its bucketed
-        all-reduce starts at once (DDP's reducer cannot follow weight gradients computed in
-        several autograd passes) and overlaps the rest of the pipeline."""
+        """A split backward's W; after the stage's last W of a reducing step its bucketed
+        all-reduce starts at once, since DDP's reducer cannot follow several autograd passes."""
         super().backward_weight(pending, microbatch)
         if self.dp.reduce_after_weight(self.stage.index, microbatch):
             self.dp.started[self.stage.index] = start_allreduce(
@@ -226,10 +221,8 @@ class DataParallel(Joinable):
             runner.ddp.register_comm_hook(state, hook)
 
     def wrap(self, runners: Mapping[int, StageRunner]) -> dict[int, StageRunner]:
-        """The local stages' runners with each stage wrapped in DDP over the group.
-
-        Collective over each stage's dp group (DDP's constructor broadcasts the stage from
-        dp_rank 0); ``stage.module`` stays the plain stage (names, optimizer, checkpoints)."""
+        """The local stages' runners with each stage wrapped in DDP over the group (collective:
+        DDP's constructor broadcasts the stage from dp rank 0)."""
         opts = self.options
         out: dict[int, StageRunner] = {}
         for s in sorted(runners):
@@ -289,9 +282,8 @@ class DataParallel(Joinable):
                 r.ddp.require_forward_param_sync = True
 
     def _own_shared(self, ops: Sequence[Op]) -> None:
-        """A parameter several local stages read (a tied embedding and head in ZB-V's V on
-        rank 0) is reduced once, with the stage whose last backward comes last in ``ops``:
-        reduced earlier, the later stage's gradients would be lost."""
+        """A parameter several local stages read is reduced once, with the stage whose last
+        backward comes last (reduced earlier, the later stage's gradients would be lost)."""
         last = {op.stage: i for i, op in enumerate(ops) if op.kind in ("B", "W")}
         owner: dict[int, int] = {}
         for s in sorted(self.stage_params, key=lambda s: last.get(s, -1)):
@@ -369,9 +361,8 @@ def _check_finalized(wrapper: DistributedDataParallel, stage: int) -> None:
 
 
 class _StepJoinHook(JoinHook):
-    """Runs on a rank that ran out of data, once per step of the others: it issues the same
-    collectives as a step on its stages (buffer broadcast, and on reducing steps the gradient
-    reduction with zero contributions)."""
+    """On a rank that ran out of data, once per step of the others: the same collectives as
+    a step, with zero contributions."""
 
     def __init__(self, dp: DataParallel) -> None:
         self.dp = dp
@@ -466,8 +457,7 @@ def join(dp: DataParallel | None, throw_on_early_termination: bool = False
          ) -> Iterator[None]:
     """``DistributedModel.join()``: train with uneven numbers of batches across replicas.
 
-    Every rank runs one step inside (or before) it; ``dp`` None: nothing can be uneven.
-    """
+    Every rank runs one step inside (or before) it; ``dp`` None: nothing can be uneven."""
     if dp is None:
         yield
         return

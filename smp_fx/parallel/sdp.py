@@ -98,8 +98,7 @@ _MESHES: list[int] = []
 
 def _mesh(st: state.State) -> Any:
     """This rank's FSDP2 mesh over its rdp group; every rank creates every stage's sub-groups
-    in one order first (``new_group`` is collective over the world).
-    """
+    in one order first (``new_group`` is collective over the world)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 

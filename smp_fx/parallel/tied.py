@@ -36,8 +36,7 @@ class TiedReplicas:
     """The tied parameters this rank replicates, and the summing of their gradients.
 
     ``snapshot`` and ``reduce`` bracket one reduction window; under data-parallel
-    accumulation the sum waits for the step that reduces over dp.
-    """
+    accumulation the sum waits for the step that reduces over dp."""
 
     name: ClassVar[str] = "tied"
 
@@ -84,8 +83,7 @@ class TiedReplicas:
 
     def reduce(self, params: Mapping[str, nn.Parameter]) -> None:
         """Sum over their owners only what this window added to replicated parameters' gradients,
-        so gradients accumulated without ``zero_grad`` are never summed twice.
-        """
+        so gradients accumulated without ``zero_grad`` are never summed twice."""
         base = self._base or {}
         self._base = None
         for group, names in self.groups:
@@ -126,8 +124,7 @@ def tied_duplicates(program: StagedProgram, pp_rank: int, canonical: dict[str, s
 def tied_groups(program: StagedProgram, st: state.State, canonical: dict[str, str],
                 rank_of: Sequence[int] | None = None) -> list[tuple[Any, list[str]]]:
     """Groups of the pp ranks owning each tied parameter, created collectively; tied-ness comes
-    from the module's aliases, not identity (delayed stages hold re-created parameters).
-    """
+    from the module's aliases, not identity (delayed stages hold re-created parameters)."""
     rank_of = list(rank_of) if rank_of is not None else list(range(len(program.stages)))
     owners: dict[str, list[int]] = {}
     for s, stage in enumerate(program.stages):

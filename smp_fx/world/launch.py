@@ -131,8 +131,7 @@ def timeout(env: Mapping[str, str] | None = None) -> timedelta:
 
 def join(info: LaunchInfo, backend: str, wait: timedelta) -> bool:
     """Initialise the default process group for ``info``; return True if this call created it
-    (a single process joins an in-memory store).
-    """
+    (a single process joins an in-memory store)."""
     if info.launcher == "existing":
         return False
     destroy_at_exit()
@@ -163,8 +162,7 @@ def join(info: LaunchInfo, backend: str, wait: timedelta) -> bool:
 
 def _attempt_store(wait: timedelta) -> Any:
     """Under torchrun's restarts, the agent's store with this attempt's prefix (else None), so
-    a restart never reads the killed attempt's addresses.
-    """
+    a restart never reads the killed attempt's addresses."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or attempt in (None, "0"):
         return None
@@ -178,8 +176,7 @@ _AT_EXIT: list[bool] = []  # whether ``destroy_at_exit`` registered its handler
 
 def destroy_at_exit() -> None:
     """Destroy the default process group at interpreter exit if nobody did: a gloo group left
-    to finalization can abort the process (docs/launch.md).
-    """
+    to finalization can abort the process (docs/launch.md)."""
     if not _AT_EXIT:
         atexit.register(_destroy_default_group)
         _AT_EXIT.append(True)
@@ -196,8 +193,7 @@ BACKEND_GRACE_S = 0.05
 
 def _let_backend_threads_finish() -> None:
     """Release the GIL for ``BACKEND_GRACE_S`` so gloo's workers free their finished work
-    before finalization, which would abort the process (docs/launch.md).
-    """
+    before finalization, which would abort the process (docs/launch.md)."""
     time.sleep(BACKEND_GRACE_S)
 
 

@@ -21,8 +21,7 @@ Translator = Callable[[StateDict], StateDict]
 
 class ConfigView:
     """Read-only attribute access to the configuration, as ``smp.state.cfg``: a value changed
-    on one rank would make ranks disagree.
-    """
+    on one rank would make ranks disagree."""
 
     __slots__ = ("_config",)
 
@@ -51,8 +50,7 @@ class ConfigView:
 
 class ModuleManager:
     """SMP's ``state.module_manager.translate_functions``: ``(smp_to_hf, hf_to_smp)`` pairs
-    that full checkpoints apply on save and load; empty until a module renames.
-    """
+    that full checkpoints apply on save and load; empty until a module renames."""
 
     def __init__(self) -> None:
         self.translate_functions: list[tuple[Translator, Translator]] = []

@@ -108,8 +108,7 @@ class Conductor:
                         defer: bool = False) -> None:
         """Give microbatch ``mb``'s ``model(...)`` call its outputs and wake its thread: ``hand``,
         it drives on; ``defer``, at the driver's next ``flush``, so a woken step function
-        does not compete with the driver for the CPU.
-        """
+        does not compete with the driver for the CPU."""
         s = self._step
         assert s is not None  # called during a step only (a turn, an op)
         with self._lock:
@@ -140,8 +139,7 @@ class Conductor:
     @staticmethod
     def _may_drive(s: StepTurns, mb: int) -> bool:
         """Whether the thread of ``mb`` (< 0: the caller after its own work) runs the next op:
-        only when nobody drives or holds the baton.
-        """
+        only when nobody drives or holds the baton."""
         return (not s.driving and s.holder is None and s.next < len(s.ops)
                 and s.runnable(s.ops[s.next]) and (mb >= 0 or s.running == 0))
 
@@ -167,8 +165,7 @@ class Conductor:
 
     def _take_turn(self, s: StepTurns, mb: int, lazy: bool) -> bool:
         """With the lock held: execute ops while the next can run. ``lazy``: stop before a
-        receive for an unstarted step function, so its start overlaps the message.
-        """
+        receive for an unstarted step function, so its start overlaps the message."""
         ops = s.ops
         s.driving = True
         try:
@@ -267,8 +264,7 @@ class Conductor:
             ops: tuple[Op, ...], next_forward: Sequence[int] | None = None
             ) -> tuple[list[Any], list[bool]]:
         """Run ``fn`` once per microbatch while ``ops`` are executed in order; returns its results
-        and whether each microbatch called ``model.backward``.
-        """
+        and whether each microbatch called ``model.backward``."""
         m = len(microbatches)
         if m > 1 and (self._pool is None or self._pool_size < m - 1):
             if self._pool is not None:

@@ -86,8 +86,7 @@ def describe(op: Op, ranks: Sequence[int] | None = None) -> str:
 @dataclass(frozen=True)
 class Lowered:
     """A schedule lowered for one rank: its ops, receive streams announced per position
-    (``posts``), messages per send stream, the last receive and ``next_forward``.
-    """
+    (``posts``), messages per send stream, the last receive and ``next_forward``."""
 
     ops: tuple[Op, ...]
     posts: Mapping[int, tuple[Post, ...]]
@@ -115,8 +114,7 @@ class Lowered:
 def lower(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int],
           multi_process: bool) -> Lowered:
     """``schedule`` lowered for the rank holding ``stages`` (its chunks, or all in-process);
-    transfers between this rank's own chunks stay in the process.
-    """
+    transfers between this rank's own chunks stay in the process."""
     ops = lower_ops(schedule, program, stages, multi_process)
     ahead = multi_process and program.num_stages - 1 not in stages
     local = frozenset(stages) if multi_process else frozenset()
@@ -173,8 +171,7 @@ def receive_posts(ops: Sequence[Op], local: frozenset[int] = frozenset()
                   ) -> dict[int, tuple[Post, ...]]:
     """Where each received stream is announced to the transport: op position -> (peer, stage,
     channel, messages this step); before its first receive or right after this rank's
-    first send, off the step's start and the fill (docs/performance.md).
-    """
+    first send, off the step's start and the fill (docs/performance.md)."""
     first_send = next((i for i, op in enumerate(ops)
                        if op.kind.startswith("SEND") and op.peer not in local), len(ops))
     streams: dict[tuple[int, int, str], list[int]] = {}
@@ -245,8 +242,7 @@ class LoweredCache:
 
     def get(self, schedule: sched.Schedule, stages: tuple[int, ...]) -> Lowered:
         """The lowering of ``schedule`` for ``stages``; the last call's very schedule object is
-        found by ``is`` (4-12 us a step saved, docs/performance.md), any other by equality.
-        """
+        found by ``is`` (4-12 us a step saved, docs/performance.md), any other by equality."""
         last_schedule, last_stages, lowered = self._last
         if last_schedule is schedule and last_stages == stages and lowered is not None:
             return lowered

@@ -17,8 +17,7 @@ from smp_fx.runtime.executor.split_backward import PendingW, input_grads, weight
 
 class StageRunner:
     """Runs one stage's module: the seam where data parallelism wraps ``module``; on the last
-    stage the backward starts from the user's loss tensors.
-    """
+    stage the backward starts from the user's loss tensors."""
 
     def __init__(self, stage: Stage, device: torch.device) -> None:
         self.stage = stage

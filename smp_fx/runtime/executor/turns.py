@@ -42,8 +42,7 @@ class Turn:
 @dataclass(frozen=True)
 class StepView:
     """The conductor's step at one moment; ``runnable`` is the conductor's own rule, so the
-    words never disagree with it.
-    """
+    words never disagree with it."""
 
     ops: tuple[Op, ...]
     next: int
@@ -61,8 +60,7 @@ Launch = tuple[Callable[..., Any], Sequence[Microbatch], bool, Autocast]
 @dataclass(eq=False, slots=True)
 class StepTurns:
     """One step's turn-taking state, made by ``Conductor.run`` for each step and used under
-    the conductor's lock.
-    """
+    the conductor's lock."""
 
     ops: tuple[Op, ...]
     turns: list[Turn]

@@ -27,8 +27,7 @@ def split_inputs(args: tuple[Any, ...], kwargs: Mapping[str, Any], num_mb: int,
                  non_split_inputs: Sequence[str] = (), input_split_axes: Mapping[str, int]
                  | None = None, fn: Callable[..., Any] | None = None) -> list[Microbatch]:
     """Return ``num_mb`` ``(args, kwargs)`` pairs; names for the split options are ``fn``'s
-    parameter names.
-    """
+    parameter names."""
     axes = input_split_axes or {}
     names = _positional_names(fn, len(args))
     # each value is cut into all its pieces at once (one ``split`` call per tensor)

@@ -213,8 +213,7 @@ def _span(t: torch.Tensor) -> tuple[int, int]:
 
 def prefetch_points(ops: Sequence[Op], stage: int, horizon: int) -> dict[int, list[int]]:
     """Op position -> microbatches whose offloaded inputs start back before that op:
-    ``horizon`` tasks before the backward, never before they left.
-    """
+    ``horizon`` tasks before the backward, never before they left."""
     tasks = [(i, op) for i, op in enumerate(ops) if op.stage == stage
              and op.kind in ("F", "B", "I", "W")]
     forward_at = {op.microbatch: k for k, (_, op) in enumerate(tasks) if op.kind == "F"}

@@ -55,8 +55,7 @@ class RegionCall:
 
 class ActivationCheckpointing:
     """Activation checkpointing and offloading on this rank's stages (a build step); the
-    executor drives the keepers it gives.
-    """
+    executor drives the keepers it gives."""
 
     name: ClassVar[str] = "activation_checkpointing"
 
@@ -81,8 +80,7 @@ class ActivationCheckpointing:
 
 def outline_regions(module: torch.fx.GraphModule, once: bool = False) -> list[RegionCall]:
     """Rewrite ``module``'s graph in place: each region's nodes become one region call;
-    readers of its outputs move after it. Returns the calls, in order.
-    """
+    readers of its outputs move after it. Returns the calls, in order."""
     graph = module.graph
     members: dict[str, list[torch.fx.Node]] = {}
     for node in graph.nodes:

@@ -71,8 +71,7 @@ def lanes(rank_of: Sequence[int]) -> tuple[int, ...]:
 def place_stages(gm: torch.fx.GraphModule, program: StagedProgram, st: state.State,
                  rank_of: Sequence[int] | None = None, initialize: bool = True) -> Placement:
     """Place this rank's stages of ``program``; ``initialize=False`` allocates delayed-init
-    stages without initialising them (their weights are loaded next).
-    """
+    stages without initialising them (their weights are loaded next)."""
     cfg = st.config
     p = cfg.pipeline_parallel_degree
     rank_of = tuple(rank_of) if rank_of is not None else tuple(range(p))
@@ -130,8 +129,7 @@ def _in_process_devices(rank_of: Sequence[int], device: torch.device,
 def _retarget_devices(module: nn.Module, traced_on: torch.device | None,
                       device: torch.device) -> None:
     """Point the devices torch.export baked into a stage's graph at the stage's ``device``,
-    so a host-traced model placed on a GPU makes its tensors there.
-    """
+    so a host-traced model placed on a GPU makes its tensors there."""
     if not isinstance(module, torch.fx.GraphModule) or traced_on in (None, device):
         return
     changed = False
@@ -152,8 +150,7 @@ def _retarget_devices(module: nn.Module, traced_on: torch.device | None,
 
 def _materialise(module: nn.Module, device: torch.device, initialize: bool) -> None:
     """Place one stage's parameters on ``device``; delayed-init ones are replayed there, so
-    only this rank's stage is ever allocated.
-    """
+    only this rank's stage is ever allocated."""
     if is_delayed(module):
         (materialize if initialize else allocate)(module, device)
         return

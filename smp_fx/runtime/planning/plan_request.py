@@ -56,8 +56,7 @@ def plan_request(cfg: SMPConfig, module: nn.Module, device: DeviceSpec, tp_rank:
                  checkpointing: tuple[CheckpointRule, ...] | None = None,
                  optimizer_state_factor: float = 2.0) -> PlanRequest:
     """The request for ``module`` under ``cfg``, priced with ``device``, for tp rank
-    ``tp_rank``; build it after tracing (``smp.checkpoint`` marks in a forward).
-    """
+    ``tp_rank``; build it after tracing (``smp.checkpoint`` marks in a forward)."""
     spec = device.for_stages(cfg.pipeline_parallel_degree)
     rules = checkpoint_rules(module) if checkpointing is None else checkpointing
     pins = None if cfg.auto_partition else tuple(pins_by_module_path(module).items())

@@ -35,8 +35,7 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
                 times: bool = False, memory: bool = False, autocast: Autocast = ()
                 ) -> tuple[torch.fx.GraphModule, PartitionPlan, TensorParallelPlan | None]:
     """Trace once, cost and partition; (GraphModule with STAGE, plan), a pure function of the
-    model, first microbatch, configuration and spec.
-    """
+    model, first microbatch, configuration and spec."""
     st = state.get()
     cfg = st.config
     args, kwargs = on_module_device(module, (args, kwargs))
@@ -77,8 +76,7 @@ def weights_device(module: nn.Module) -> torch.device | None:
 
 def on_module_device(module: nn.Module, value: Any) -> Any:
     """``value``'s tensors on the device of ``module``'s weights, for tracing: SMP scripts put
-    the batch on the GPU of a host-built model, whose stages move only after planning.
-    """
+    the batch on the GPU of a host-built model, whose stages move only after planning."""
     device = weights_device(module)
     if device is None:
         return value
@@ -91,8 +89,7 @@ DEVICE_SPEC_ENV = "SMP_FX_DEVICE_SPEC"
 
 def plan_device(st: state.State) -> DeviceSpec:
     """The ``DeviceSpec`` to plan for, resolved on world rank 0 and broadcast (an error too,
-    so every rank raises it); ``SMP_FX_DEVICE_SPEC`` wins (docs/parameters.md).
-    """
+    so every rank raises it); ``SMP_FX_DEVICE_SPEC`` wins (docs/parameters.md)."""
     box: list[Any] = [None]
     if st.rank == 0:
         name = os.environ.get(DEVICE_SPEC_ENV)

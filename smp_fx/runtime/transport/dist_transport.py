@@ -38,8 +38,7 @@ class _SendFrame:
 @dataclass
 class _Posted:
     """The receives of one expected message, posted in ``header``'s layout with the tensor
-    views made while posting (off the critical path).
-    """
+    views made while posting (off the critical path)."""
 
     header: wire.Header | None
     frame: torch.Tensor
@@ -62,8 +61,7 @@ class DistTransport:
 
     A process group (a connection) per channel and pair of lanes: NCCL matches messages
     by order per communicator, and gloo locks a connection while reading, so a rank's
-    sends stay off its incoming connection (1F1B 2-3 % faster; docs/performance.md).
-    """
+    sends stay off its incoming connection (1F1B 2-3 % faster; docs/performance.md)."""
 
     def __init__(self, ranks: list[int], stage: int, device: torch.device,
                  timeout_s: float, groups: Mapping[tuple[str, int, int], Any] | None = None,
@@ -102,8 +100,7 @@ class DistTransport:
                     ) -> dict[tuple[str, int, int], Any]:
         """A process group per channel and (sending, receiving) lane; collective, in one order on
         every rank. Two streams between two ranks never share a group, so each keeps its
-        own order.
-        """
+        own order."""
         ranks = list(range(dist.get_world_size()))
         return {(channel, src, dst): dist.new_group(ranks, backend=backend)
                 for src in range(lanes) for dst in range(lanes) for channel in CHANNELS}
@@ -114,9 +111,8 @@ class DistTransport:
         return self.groups.get((channel, self.lanes[src], self.lanes[dst]))
 
     def _p2p(self, peer: int, group: Any) -> tuple[Any, int]:
-        """The process group object and ``peer``'s rank in it. Point-to-point calls go to
-        it directly: ``dist.isend``/``irecv`` re-resolve both on every call, a sizeable part
-        of a small message's cost on the pipeline's busiest rank."""
+        """The process group object and ``peer``'s rank in it, resolved once: ``dist.isend``
+        re-resolves both per call, a sizeable part of a small message's cost."""
         key = (peer, id(group))
         hit = self._p2p_cache.get(key)
         if hit is None:
@@ -153,16 +149,14 @@ class DistTransport:
                         stage)
 
     def _posts_ahead(self, channel: str) -> bool:
-        """Whether a stream on ``channel`` keeps its receives posted ahead (see the module
-        doc); sender and receiver decide it alike, so the sender knows how many receives in
-        an old layout a header change must fill."""
+        """Whether a stream on ``channel`` posts its receives ahead; both sides decide alike, so a
+        header change's fills are counted right."""
         group = self._group((self.stage, self.stage, channel))
         return channel == "out" or dist.get_backend(group) == "gloo"
 
     def _skips(self, channel: str, later: int) -> int:
-        """Skip fills after a header change with ``later`` more messages this step: one per
-        receive the other side may have posted for them in the old layout (all of them on a
-        stream posted ahead, else the one a waiting ``recv`` posts)."""
+        """Skip fills after a header change: one per receive the peer may have posted in the old
+        layout for the ``later`` messages."""
         return later if self._posts_ahead(channel) else min(later, 1)
 
     def plan_sends(self, src: int, dst: int, channel: str, count: int) -> None:
@@ -170,9 +164,8 @@ class DistTransport:
         self._to_send[(src, dst, channel)] = count
 
     def send(self, value: Any, src: int, dst: int, channel: str, mb: int) -> None:
-        """Send one message. A header change while the stream has another message this
-        step (``plan_sends``) is followed by a skip fill for that message's receives, which
-        the receiver may have posted in the old layout."""
+        """Send one message, followed by a skip fill when its header changed and the stream has
+        another message this step."""
         try:
             self._send(value, src, dst, channel)
         except SMPError:
@@ -207,8 +200,7 @@ class DistTransport:
     def _reused_send_frame(self, key: _Key, header: wire.Header) -> _SendFrame:
         """The frame for stream ``key``'s next message, reusing last step's k-th frame (13-37 us
         a message, docs/performance.md); safe because ``finish`` saw those sends complete.
-        On an accelerator every frame is new.
-        """
+        On an accelerator every frame is new."""
         i = self._send_count.get(key, 0)
         self._send_count[key] = i + 1
         ring = self._send_frames.setdefault(key, [])
@@ -242,10 +234,8 @@ class DistTransport:
         return _Posted(header, frame, work, large, views, addr)
 
     def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:
-        """Expect ``count`` messages from ``src`` to ``dst`` on ``channel`` this step, and
-        post the first one's receives ahead of ``recv`` (where the backend allows, see the
-        module doc). Every stream has a group of its own (``make_groups``) and gloo matches
-        a peer's messages by order, so receives posted ahead always meet their message."""
+        """Expect ``count`` messages on a stream this step and post the first one's receives where
+        the backend allows; a group per stream means they always meet their message."""
         key = (src, dst, channel)
         if count <= 0 or self._posted.get(key):
             return
@@ -260,8 +250,7 @@ class DistTransport:
     def _post_all(self, key: _Key) -> deque[_Posted]:
         """Post every message the stream still expects this step: a burst of sends is written
         straight to the socket only if its receives are posted, else it is throttled to
-        the receiver's pace. Costs a buffer per message (docs/performance.md).
-        """
+        the receiver's pace. Costs a buffer per message (docs/performance.md)."""
         queue: deque[_Posted] = deque()
         while self._left.get(key, 0):
             queue.append(self._post_next(key))

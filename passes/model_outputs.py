@@ -3,7 +3,7 @@
 transformers 4.2x does not register ``ModelOutput`` with torch's pytree, so export fails.
 Rather than register another library's classes globally, the capture wraps them in our
 own registered ``RebuiltOutput``, which unflattens to the model's own class. A Hugging
-Face cache object is left out with a warning. See docs/clients.md.
+Face cache object is left out with a warning. See docs/architecture.md, 'The captured graph'.
 
 >>> from collections import OrderedDict
 >>> import torch

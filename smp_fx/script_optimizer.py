@@ -3,7 +3,7 @@
 AWS's SMP 1.6-1.9 examples wrap their own ``FP16_Optimizer`` (not a torch optimizer) and
 call its methods through the wrapper; any object holding a torch optimizer as
 ``.optimizer`` is accepted, narrowed before it makes its masters. What its methods do is
-its own, as under SMP. See docs/clients.md.
+its own, as under SMP. See docs/precision.md, 'fp16'.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 The construction is recorded (``init_tape``), so each stage is materialised on its rank
 with the values an eager build with the same seed gives; a ``from_pretrained`` inside
 reads each stage's weights from the files (``smp_fx.ckpt.pretrained``).
-See docs/memory.md.
+See docs/memory.md, 'Delayed parameter initialisation'.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Replay runs the ops writing the wanted tensors in order and every other random op on a
 scratch tensor, so each kept tensor draws the eager build's numbers: memory is the kept
-tensors plus one scratch, time the whole model's initialisation.
+tensors plus one scratch, time the whole model's initialisation. See docs/memory.md.
 """
 
 from __future__ import annotations

@@ -110,11 +110,9 @@ def drop_caches(value: Any, found: list[str]) -> Any:
 
 
 def capture_outputs(model: nn.Module) -> Callable[[], None]:
-    """While capturing ``model``: a forward hook (run after the model's own) that leaves
-    out Hugging Face cache objects (``use_cache=True``: training reads only the loss and
-    logits, and the cache is no tensor export can return; logged) and wraps the outputs of
-    unregistered classes; returns the function that removes it. The model itself is not
-    changed, and the hook is gone once the capture ends."""
+    """While capturing ``model``: a forward hook leaving out Hugging Face cache objects (no
+    tensor export can return; logged) and wrapping unregistered outputs; returns its
+    remover. The model itself is not changed."""
 
     def hook(module: nn.Module, args: Any, output: Any) -> Any:
         found: list[str] = []

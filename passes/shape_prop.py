@@ -82,11 +82,8 @@ _DATA_WORDS = ("data-dependent", "data dependent", "DataDependent", "nonzero", "
 
 
 def diagnose(exc: BaseException) -> tuple[str, str]:
-    """The rule and the fix for an op that failed on fake tensors, by its cause.
-
-    Tensors on different devices (a model built under ``torch.device("meta")`` with
-    tensors the graph made on another device) get their own message; making a module a
-    leaf is the fix only for data-dependent operations, which fake tensors cannot run."""
+    """The rule and the fix for an op that failed on fake tensors: mixed devices get their own
+    message; making a module a leaf fixes only data-dependent operations."""
     text = f"{type(exc).__name__}: {exc}"
     if any(w.lower() in text.lower() for w in _DEVICE_WORDS):
         return ("shape propagation found tensors on different devices (parameters, "

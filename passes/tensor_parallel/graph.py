@@ -210,11 +210,8 @@ def complete_partials(graph: torch.fx.Graph, partial: Mapping[torch.fx.Node, flo
 
 
 def mark_gathered(graph: torch.fx.Graph) -> None:
-    """Mark (``meta.TP_GATHERED``) every value computed on the tp group's gathered batch:
-    a ``tp_gather_batch`` and what reads it, up to the ``tp_split_batch`` that keeps this
-    rank's part. The runtime's shape guard cannot evaluate such a value's batch size from
-    the rank's inputs (it is ``tp`` times theirs, on a dim the region's views may move),
-    which matters once a pipeline cut falls inside a pair."""
+    """Mark (``meta.TP_GATHERED``) every value computed on the tp group's gathered batch, whose
+    batch size the runtime's shape guard cannot evaluate from the rank's inputs."""
     gathered: set[torch.fx.Node] = set()
     for n in graph.nodes:
         n.meta.pop(meta.TP_GATHERED.name, None)  # inserted nodes copied their like's meta

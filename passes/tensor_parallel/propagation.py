@@ -24,11 +24,9 @@ class Unsupported(Exception):
 
 @dataclass(frozen=True)
 class Split:
-    """Split along ``dim`` of the node's output; ``origin``: the column linears' nodes
-    (comma-separated names: SwiGLU's ``gate * up`` has two). ``block`` > 0: the dim is
-    blocks of ``block`` entries, each cut into the ranks' chunks (a batch merged with the
-    heads, BLOOM's and DeBERTa's ``(b * heads, t, d)``: block = heads, and rank r holds its
-    heads of every example); a size in heads, so any batch fits."""
+    """Split along ``dim`` of the node's output; ``origin`` names the column linears behind it;
+    ``block`` > 0: the dim is blocks (a batch merged with heads) each cut into the ranks'
+    chunks."""
 
     dim: int
     origin: str

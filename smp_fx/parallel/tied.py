@@ -1,11 +1,8 @@
 """Tied parameters across pipeline stages: one ``Parameter`` read on several stages.
 
-In one process the stages share the very object, so autograd sums its gradient. Across
-processes each owning rank holds a replica; the replicas start equal (a broadcast from the
-first owner when they were initialised apart) and their gradients are summed over a group
-of the owners after every step, so they stay equal. ``TiedReplicas`` is the first step of
-the parallelisms' build (``smp_fx.parallel.build``); its sum runs after the data-parallel
-average (see ``TiedReplicas.reduce``).
+In one process the stages share the object and autograd sums its gradient; across
+processes each owner holds a replica, started equal and kept equal by summing gradients
+over the owners after every step, after the data-parallel average.
 """
 
 from __future__ import annotations

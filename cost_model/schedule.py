@@ -120,7 +120,8 @@ def _one_f_one_b(order_f: list[tuple[int, int]], order_b: list[tuple[int, int]],
                  split: bool, keep_back: int) -> list[Action]:
     """``warmup`` forwards, then one backward and one forward in turn, then the drain.
 
-    With ``split`` each backward is an I; W's beyond ``keep_back`` follow, the rest end it."""
+    With ``split`` each backward is an I, followed by the oldest pending W once more than
+    ``keep_back`` are pending; the W's kept back end the list, oldest first."""
     out = [Action(c, FORWARD, mb) for c, mb in order_f[:warmup]]
     pending: deque[tuple[int, int]] = deque()
     next_f = warmup

@@ -32,7 +32,7 @@ BATCH, STEPS, MICROBATCHES = 4, 3, 2
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 GPT = {"n_layer": 4}
 # (model, pipeline, virtual_pipeline_degree, backend)
-CASES = (("gpt", "interleaved", 1, "aot_eager"), ("gpt", "interleaved", 2, "aot_eager"),
+CASES = (("gpt", "interleaved", 2, "aot_eager"),
          ("llama", "interleaved", 1, "aot_eager"), ("llama", "interleaved", 2, "aot_eager"),
          ("llama", "zbv", 2, "aot_eager"), ("gpt", "interleaved", 1, "inductor"))
 
@@ -125,6 +125,41 @@ def test_compiled_stages_equal_one_process(tmp_path: Path) -> None:
     path = tmp_path / "references.pt"
     _references(path)
     assert run_ranks(_all_cases, 2, str(path), timeout=600) == [[], []]
+
+
+def _composed() -> tuple[tuple[int, list[str]], list[str], list[str]]:
+    import torch._dynamo.utils
+
+    from smp_fx.world import state
+    from tests.helpers.compare import Checks
+    from tests.smp_fx.test_schedules_compose import _adam, _tp_case
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    told: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: told.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("smp_fx.compile").addHandler(handler)
+    graphs = torch._dynamo.utils.counters["stats"]
+    c = Checks()
+    try:
+        before = graphs["unique_graphs"]
+        _adam(c, "interleaved", 1, shard_optimizer_state=True, compile="aot_eager")
+        c.expect(graphs["unique_graphs"] > before, "ddp, ZeRO-1, checkpointing: compiled")
+        before = graphs["unique_graphs"]
+        bad = _tp_case("interleaved", 1, compile="aot_eager")
+        c.expect(graphs["unique_graphs"] > before, "tp: compiled")
+    finally:
+        state._reset()
+    return c.report(), bad, told
+
+
+@pytest.mark.multiproc
+def test_compiled_stages_with_data_tensor_parallelism_and_checkpointing() -> None:
+    """pp 2 x dp 2 with ddp, ZeRO-1 and activation checkpointing (the GPT example's blocks),
+    and pp 2 x tp 2, both compiled, against one process (``test_schedules_compose``'s runs);
+    the tensor-parallel collectives trace into the stage's graph (no fallback told)."""
+    assert run_ranks(_composed, 4, timeout=600) == [((9, []), [], [])] * 4
 
 
 class _Breaks(nn.Module):

@@ -52,6 +52,8 @@ class CompiledStage(nn.Module):
     """A stage module called through ``torch.compile``; its parameters stay the stage's own
     (``stage`` is its one submodule, so data parallelism wrapping this sees them)."""
 
+    _compiled: Callable[..., Any]
+
     def __init__(self, stage: nn.Module, backend: str, stats: CompileStats) -> None:
         super().__init__()
         self.stage = stage

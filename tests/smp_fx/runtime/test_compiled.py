@@ -6,7 +6,8 @@ the plain model trained in one process.
 Most cases use ``aot_eager``: the same capture and AOTAutograd function as inductor without
 generating C++ (inductor costs ~30 s per stage on 2 cores); one GPT case runs inductor.
 ZB-V compiles the chunk whose inputs need no gradient and runs the others eagerly with the
-reason told. One spawn runs every case in turn.
+reason told. In bf16, compiled steps give the eager steps' losses. One spawn runs every case
+in turn.
 """
 
 from __future__ import annotations
@@ -112,6 +113,41 @@ def _case(arch: str, pipeline: str, v: int, backend: str, ref: Any) -> list[str]
     return bad
 
 
+def _bf16_losses(backend: str) -> tuple[list[float], dict[int, CompileStats]]:
+    """The GPT example's losses over 3 Adam steps in bf16 (fp32 masters), 1F1B."""
+    import smp_fx as smp
+    from smp_fx.world import state
+
+    state._reset()
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES,
+              "pipeline": "interleaved", "bf16": True, "compile": backend})
+    model = smp.DistributedModel(_model("gpt"))
+    opt = smp.DistributedOptimizer(_adam(model.parameters()))
+
+    @smp.step
+    def train_step(model: Any, x: tuple[torch.Tensor, ...], y: torch.Tensor) -> Any:
+        loss = _loss("gpt", model(*x), y)
+        model.backward(loss)
+        return loss
+
+    losses = []
+    for x, y in _batches("gpt"):
+        opt.zero_grad()
+        losses.append(float(train_step(model, x, y).reduce_mean()))
+        opt.step()
+    return losses, dict(model.parallelized.compiled)
+
+
+def _bf16_case() -> list[str]:
+    """bf16 compiled (aot_eager: the eager kernels, no fusion) gives eager's losses."""
+    eager, _ = _bf16_losses("none")
+    compiled, stats = _bf16_losses("aot_eager")
+    bad = [f"bf16: loss step {i} {c} != {e}" for i, (c, e) in enumerate(zip(compiled, eager))
+           if abs(c - e) > 1e-5 * abs(e)]
+    return bad + [f"bf16: stage {s} {st}" for s, st in stats.items()
+                  if st.compiles != 1 or st.fallback is not None]
+
+
 def _all_cases(path: str) -> list[str]:
     from smp_fx.world import state
 
@@ -120,7 +156,7 @@ def _all_cases(path: str) -> list[str]:
     refs = torch.load(path, weights_only=True)
     try:
         return [b for arch, pipeline, v, backend in CASES
-                for b in _case(arch, pipeline, v, backend, refs[arch])]
+                for b in _case(arch, pipeline, v, backend, refs[arch])] + _bf16_case()
     finally:
         state._reset()
 

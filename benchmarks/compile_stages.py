@@ -18,7 +18,6 @@ length) and how many stages run eagerly (ZB-V: the chunks that receive gradients
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -27,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -112,20 +110,11 @@ def _row(name: str, label: str, pipeline: str, v: int, args: argparse.Namespace
             "eager_stages": eager_stages}
 
 
-def _worker(rank: int, port: int, args: argparse.Namespace, out: Any) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every configuration's row, on this rank (one of ``run_ranks``'s two)."""
     dist.init_process_group("gloo")
-    from smp_fx.world import state
-
-    rows = [_row(name, label, pipeline, v, args) for name in args.models.split(",")
+    return [_row(name, label, pipeline, v, args) for name in args.models.split(",")
             for label, pipeline, v in SCHEDULES if label in args.schedules.split(",")]
-    state._reset()
-    if rank == 0:
-        out.put(rows)
-    dist.barrier()
-    dist.destroy_process_group()
 
 
 def main() -> None:
@@ -140,17 +129,9 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--microbatches", type=int, default=4)
     args = ap.parse_args()
-    from tests.helpers.dist import free_port
+    from tests.helpers.dist import run_ranks
 
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, args, out)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    rows = out.get(timeout=3600)
-    for proc in procs:
-        proc.join(timeout=120)
+    rows = run_ranks(_rows, 2, args, timeout=3600)[0]
     print(f"compile={args.backend}, pp 2 on 2 gloo processes, {args.layers} layers, hidden "
           f"{args.hidden}, batch {args.batch} x {args.seq}, {args.microbatches} microbatches; "
           f"medians of {args.steps} steps")

@@ -77,6 +77,18 @@ def _references(path: Path) -> None:
     torch.save(refs, path)
 
 
+def _train_step(arch: str) -> Any:
+    import smp_fx as smp
+
+    @smp.step
+    def train_step(model: Any, x: tuple[torch.Tensor, ...], y: torch.Tensor) -> Any:
+        loss = _loss(arch, model(*x), y)
+        model.backward(loss)
+        return loss
+
+    return train_step
+
+
 def _case(arch: str, pipeline: str, v: int, backend: str, ref: Any) -> list[str]:
     import smp_fx as smp
     from smp_fx.world import state
@@ -86,12 +98,7 @@ def _case(arch: str, pipeline: str, v: int, backend: str, ref: Any) -> list[str]
               "pipeline": pipeline, "virtual_pipeline_degree": v, "compile": backend})
     model = smp.DistributedModel(_model(arch))
     opt = smp.DistributedOptimizer(_adam(model.parameters()))
-
-    @smp.step
-    def train_step(model: Any, x: tuple[torch.Tensor, ...], y: torch.Tensor) -> Any:
-        loss = _loss(arch, model(*x), y)
-        model.backward(loss)
-        return loss
+    train_step = _train_step(arch)
 
     tag = f"{arch} {pipeline} v={v} {backend}"
     ref_losses, ref_grads, ref_state = ref
@@ -123,12 +130,7 @@ def _bf16_losses(backend: str) -> tuple[list[float], dict[int, CompileStats]]:
               "pipeline": "interleaved", "bf16": True, "compile": backend})
     model = smp.DistributedModel(_model("gpt"))
     opt = smp.DistributedOptimizer(_adam(model.parameters()))
-
-    @smp.step
-    def train_step(model: Any, x: tuple[torch.Tensor, ...], y: torch.Tensor) -> Any:
-        loss = _loss("gpt", model(*x), y)
-        model.backward(loss)
-        return loss
+    train_step = _train_step("gpt")
 
     losses = []
     for x, y in _batches("gpt"):

@@ -6,9 +6,10 @@ length recompiles once, then the dimension is dynamic); AOTAutograd makes the fo
 autograd function whose backward is compiled too. Every compile is counted per stage.
 
 What cannot compile runs eagerly from then on, its reason logged in one line and kept in
-``CompileStats.fallback``: a graph break or an untraceable op (raised while tracing, before
-the graph runs, so no collective has started), a split backward's stage that receives
-gradients (its I and W are two autograd passes through one node), sharded data parallelism.
+``CompileStats.fallback``: a graph break or an untraceable op, dynamo's recompile limit
+(raised while tracing, before the graph runs, so no collective has started), a split
+backward's stage that receives gradients (its I and W are two autograd passes through one
+node), sharded data parallelism.
 """
 
 from __future__ import annotations
@@ -58,7 +59,11 @@ class CompiledStage(nn.Module):
         super().__init__()
         self.stage = stage
         self.stats = stats
-        compiled = torch.compile(stage, backend=_counting(backend, stats), fullgraph=True)
+        # its forward, not the module: dynamo caches per code object, and a compiled module's
+        # is one wrapper every compiled module shares (one recompile limit for all stages);
+        # a stage's generated forward is its own, and a stage has no module hooks
+        compiled = torch.compile(stage.forward, backend=_counting(backend, stats),
+                                 fullgraph=True)
         object.__setattr__(self, "_compiled", compiled)  # not a submodule: no second name
 
     def forward(self, *inputs: Any) -> Any:
@@ -67,7 +72,8 @@ class CompiledStage(nn.Module):
         before, start = self.stats.compiles, time.perf_counter()
         try:
             out = self._compiled(*inputs)
-        except torch._dynamo.exc.TorchDynamoException as exc:
+        except (torch._dynamo.exc.TorchDynamoException,
+                torch._dynamo.exc.FailOnRecompileLimitHit) as exc:  # dynamo's recompile limit
             fall_back(self.stats, _reason(exc))
             return self.stage(*inputs)
         if self.stats.compiles != before:
@@ -82,8 +88,9 @@ def _counting(backend: str, stats: CompileStats) -> Callable[..., Any]:
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         stats.compiles += 1
         if stats.compiles > 1:
-            log.info("smp-fx compile: stage %d recompiled (%d compiles): its input "
-                     "signature changed", stats.stage, stats.compiles)
+            log.info("smp-fx compile: stage %d recompiled (%d compiles): a guard failed (a new "
+                     "input shape or dtype, grad mode, a module's mode)", stats.stage,
+                     stats.compiles)
         return real(gm, example_inputs)
 
     return compile_graph

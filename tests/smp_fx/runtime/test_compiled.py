@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch._dynamo
 import torch.distributed as dist
 from torch import nn
 
@@ -223,12 +224,31 @@ def test_a_graph_break_runs_eagerly_and_says_why(caplog: pytest.LogCaptureFixtur
     assert sum("stage 0 runs eagerly" in r.message for r in caplog.records) == 1
 
 
+class _Scale(nn.Module):  # a code object of its own: dynamo's cache and limit are per code
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+
+class _Shift(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+
 def test_recompiles_are_counted_per_stage() -> None:
     stats = CompileStats(3)
-    stage = CompiledStage(nn.Linear(4, 4), "eager", stats)
+    stage = CompiledStage(_Scale(), "eager", stats)
     for rows in (2, 3, 5, 7):  # the second shape recompiles with a dynamic dimension
         stage(torch.ones(rows, 4))
     assert (stats.compiles, stats.recompiles, stats.fallback) == (2, 1, None)
+
+
+def test_the_recompile_limit_runs_the_stage_eagerly() -> None:
+    stats = CompileStats(1)
+    stage = CompiledStage(_Shift(), "eager", stats)
+    with torch._dynamo.config.patch(recompile_limit=2, automatic_dynamic_shapes=False):
+        outs = [stage(torch.ones(rows, 4)) for rows in (2, 3, 5)]
+    assert stats.compiles == 2 and stats.fallback is not None
+    assert "FailOnRecompileLimitHit" in stats.fallback and outs[2].shape == (5, 4)
 
 
 def test_a_split_backward_compiles_only_a_stage_without_received_gradients() -> None:

@@ -91,8 +91,9 @@ PARAMS: tuple[Param, ...] = (
     _P("compile", str, "none", choices=("none", "inductor", "aot_eager"),
        used_at="DistributedModel",
        doc="smp-fx extension (SMP has no such key): each pipeline stage under torch.compile "
-           "with this backend, its backward through AOTAutograd; what cannot compile runs "
-           "eagerly and is logged (docs/runtime.md)"),
+           "with this backend (aot_eager: the capture without code generation), its backward "
+           "through AOTAutograd; what cannot compile runs eagerly and is logged "
+           "(docs/runtime.md)"),
     _P("activation_loading_horizon", int, 4, minimum=1,
        doc="schedule tasks before a microbatch's backward its offloaded inputs start back"),
     _P("tensor_parallel_degree", int, 1, minimum=1, used_at="DistributedModel",

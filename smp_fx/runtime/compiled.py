@@ -29,15 +29,11 @@ from smp_fx.runtime.seams import StageRunner
 
 log = logging.getLogger("smp_fx.compile")
 
-BACKENDS = ("none", "inductor", "aot_eager")
-"""The values of ``compile``: off, torch's default compiler, or AOTAutograd's graphs run
-eagerly (the same capture and autograd function without code generation: fast to build)."""
-
-
 @dataclass
 class CompileStats:
-    """One stage's compilation: ``compiles`` (1 + recompiles), the seconds its compiling
-    calls took (``compile_s``), and why it runs eagerly (``fallback``, None if it does not)."""
+    """One stage's compilation: ``compiles`` (1 + recompiles), the seconds the forwards that
+    compiled took (``compile_s``; a backward inductor compiles at its first call is not in
+    it), and why it runs eagerly (``fallback``, None if it does not)."""
 
     stage: int
     compiles: int = 0

@@ -88,6 +88,12 @@ PARAMS: tuple[Param, ...] = (
     _P("offload_activations", bool, False,
        doc="checkpointed regions' inputs leave the device between forward and backward; "
            "needs microbatches > 1 and activation checkpointing"),
+    _P("compile", str, "none", choices=("none", "inductor", "aot_eager"),
+       used_at="DistributedModel",
+       doc="smp-fx extension (SMP has no such key): each pipeline stage under torch.compile "
+           "with this backend (aot_eager: the capture without code generation), its backward "
+           "through AOTAutograd; what cannot compile runs eagerly and is logged "
+           "(docs/runtime.md)"),
     _P("activation_loading_horizon", int, 4, minimum=1,
        doc="schedule tasks before a microbatch's backward its offloaded inputs start back"),
     _P("tensor_parallel_degree", int, 1, minimum=1, used_at="DistributedModel",
@@ -180,6 +186,7 @@ class SMPConfig:
     active_microbatches: int = 3
     deterministic_server: bool = False
     offload_activations: bool = False
+    compile: str = "none"
     activation_loading_horizon: int = 4
     tensor_parallel_degree: int = 1
     fp16: bool = False

@@ -35,7 +35,7 @@ parallel sums and averages over tp.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -53,6 +53,7 @@ from smp_fx.parallel.sdp import ShardedDataParallel
 from smp_fx.parallel.tensor_parallel import TensorParallelRuntime
 from smp_fx.parallel.tied import TiedReplicas, tied_duplicates, tied_groups
 from smp_fx.parallel.zero import OptimizerShards, shard_state
+from smp_fx.runtime.executor.compiled import CompileStats, compile_stages
 from smp_fx.runtime.executor.executor import Executor
 from smp_fx.runtime.executor.seams import PostStep, PreStep, StageRunner, StepHooks
 from smp_fx.runtime.inputs.shapes import ShapeGuard
@@ -122,6 +123,8 @@ class Parallelized:
     data_parallel: DataParallel | None = None
     sharded: ShardedDataParallel | None = None
     precision: MixedPrecision | None = None
+    compiled: Mapping[int, CompileStats] = field(default_factory=dict)
+    """Per local stage, its compilation (``compile``; empty when off)."""
 
     @property
     def multi(self) -> bool:
@@ -190,6 +193,9 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
 
     checkpointing = ActivationCheckpointing(plan, runners, cfg.offload_activations)
     applied.append(checkpointing)
+    compiled = (compile_stages(runners, cfg.compile, plan.config.pipeline,
+                               sharded=cfg.sharded_data_parallel_degree > 1)
+                if cfg.compile != "none" else {})
 
     sharded = None
     if cfg.sharded_data_parallel_degree > 1:
@@ -212,7 +218,7 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
                         keepers=checkpointing.keepers, check_received=check,
                         pre_step_hooks=pre, post_step_hooks=post)
     return Parallelized(program, runners, executor, placed.shapes, canonical, tuple(applied),
-                        tied, tp, dp, sharded, precision)
+                        tied, tp, dp, sharded, precision, compiled)
 
 
 def step_hooks(applied: list[Parallelism]

@@ -232,7 +232,8 @@ class DataParallel(Joinable):
                     "with ddp, every pipeline stage needs a trainable parameter", f"stage {s}",
                     "smp.DistributedModel", "repartition (smp.partition / default_partition)")
             wrapper = DistributedDataParallel(
-                base.stage.module, process_group=self.group, bucket_cap_mb=opts.bucket_cap_mb,
+                base.module,  # the stage, or its compiled call (smp_fx.runtime.executor.compiled)
+                process_group=self.group, bucket_cap_mb=opts.bucket_cap_mb,
                 forward_sync_buffers=opts.broadcast_buffers,  # buffers are synced at init anyway
                 gradient_as_bucket_view=opts.gradient_as_bucket_view)
             for hook_state, hook in self.comm_hooks:

@@ -169,14 +169,14 @@ def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(3)]
 
 
-def _tp_case(pipe: str, v: int) -> list[str]:
+def _tp_case(pipe: str, v: int, **extra: Any) -> list[str]:
     import smp_fx as smp
     from smp_fx.world import state
     from tests.smp_fx.parallel.test_tensor_parallel import _gathered
 
     state._reset()
     smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "ddp": True,
-              "pipeline": pipe, "virtual_pipeline_degree": v, "microbatches": 4})
+              "pipeline": pipe, "virtual_pipeline_degree": v, "microbatches": 4, **extra})
     torch.manual_seed(0)
     ref = _TPNet()
     torch.manual_seed(0)

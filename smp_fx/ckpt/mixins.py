@@ -47,6 +47,7 @@ from smp_fx.ckpt.state_dict import (
     select_model_state,
 )
 from smp_fx.ckpt.validate import agreed
+from smp_fx.parallel.expert_parallel import gather_full
 from smp_fx.world import comm
 from smp_fx.world import state as smp_state
 from smp_fx.world.context import ProcessModel, current_model
@@ -218,6 +219,7 @@ class ModelCheckpointMixin:
         if not self.partitioned:
             return self.get_module().state_dict()
         local = gather_shards(self.__dict__.get("tp_plan"), _to_cpu(self.local_state_dict()))
+        local = gather_full(local, self.__dict__.get("expert_names", frozenset()))
         parts = _gather_pipeline(local, tp_gathered=True)
         if gather_to_rank0 and _pipeline_rank() != 0:
             return OrderedDict()

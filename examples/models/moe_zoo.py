@@ -6,7 +6,9 @@ renormalised), Qwen3-MoE (``norm_topk_prob``), OLMoE (top-k of softmax, not reno
 and DeepSeek-V3 (sigmoid scores, grouped routing, a shared expert beside the routed ones).
 Each has 2 layers of hidden size 32, 4 experts of which each token uses 2, vocabulary 64,
 sequence 8; ``build(name)`` wraps it so ``forward(input_ids)`` returns the logits
-(``hf_zoo.Logits``), in eval mode (no router jitter, no dropout).
+(``hf_zoo.Logits``), in eval mode (no router jitter, no dropout); ``build(name, aux=True)``
+returns ``(logits, aux_loss)``, the load-balancing loss Hugging Face computes from the
+router logits (the families in ``AUX``; DeepSeek-V3 balances by a bias instead).
 
     model = build("olmoe")
     logits = model(*inputs(2))
@@ -44,6 +46,21 @@ ARCHITECTURES: dict[str, tuple[str, str, dict[str, Any]]] = {
 """name -> (model class, config class, config arguments), names in ``transformers``."""
 
 
+AUX = ("mixtral", "qwen3_moe", "olmoe")
+
+
+class WithAux(nn.Module):
+    """``forward(input_ids) -> (logits, aux_loss)`` over a Hugging Face MoE model."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        out = self.model(input_ids=input_ids)
+        return out.logits, out.aux_loss
+
+
 def config(name: str) -> Any:
     """The tiny config of ``name`` (eager attention)."""
     import transformers
@@ -54,13 +71,16 @@ def config(name: str) -> Any:
     return cfg
 
 
-def build(name: str, seed: int = 0) -> nn.Module:
-    """Architecture ``name`` from its tiny config, weights drawn with ``seed``."""
+def build(name: str, seed: int = 0, aux: bool = False) -> nn.Module:
+    """Architecture ``name`` from its tiny config, weights drawn with ``seed``; with
+    ``aux`` (a family in ``AUX``) it also returns the load-balancing loss."""
     import transformers
 
+    cfg = config(name)
+    cfg.output_router_logits = aux
     torch.manual_seed(seed)
-    model = getattr(transformers, ARCHITECTURES[name][0])(config(name))
-    return Logits(model, "lm").eval()
+    model = getattr(transformers, ARCHITECTURES[name][0])(cfg)
+    return (WithAux(model) if aux else Logits(model, "lm")).eval()
 
 
 def inputs(batch_size: int = 2) -> tuple[torch.Tensor]:

@@ -47,7 +47,7 @@ from smp_fx.ckpt.state_dict import (
     select_model_state,
 )
 from smp_fx.ckpt.validate import agreed
-from smp_fx.parallel.expert_parallel import gather_full
+from smp_fx.parallel.expert_parallel import expert_rows, gather_full, refuse_optimizer_state
 from smp_fx.world import comm
 from smp_fx.world import state as smp_state
 from smp_fx.world.context import ProcessModel, current_model
@@ -193,14 +193,21 @@ class ModelCheckpointMixin:
         tensors.update(self.local_unread_state())
         return tensors
 
+    def _smp_experts(self) -> frozenset[str]:
+        """FQNs of expert slices (``smp_fx.parallel.expert_parallel``); none at ep 1."""
+        names: frozenset[str] = self.__dict__.get("expert_names", frozenset())
+        return names
+
     def local_state_dict(self) -> StateDict:
-        """This rank's parameters and persistent buffers by FQN, with ``_smp_is_partial``."""
+        """This rank's parameters and persistent buffers by FQN, with ``_smp_is_partial``.
+        Expert slices are gathered whole (collective over the ep group at ep > 1)."""
         if not self.partitioned:
             raise SMPCheckpointError.build(
                 "local_state_dict() needs the partitioned model", "partitioned=False",
                 where="DistributedModel.local_state_dict",
                 fix="call it after the first smp.step call, or use state_dict()")
         tensors = sdp_shards.whole(self._smp_local_tensors())  # sdp: whole tensors
+        tensors = gather_full(tensors, self._smp_experts())  # ep: every expert
         out = local_model_state_dict(tensors, self._smp_layout())
         return _with_shards(out, self.__dict__.get("tp_plan"), out)
 
@@ -219,7 +226,6 @@ class ModelCheckpointMixin:
         if not self.partitioned:
             return self.get_module().state_dict()
         local = gather_shards(self.__dict__.get("tp_plan"), _to_cpu(self.local_state_dict()))
-        local = gather_full(local, self.__dict__.get("expert_names", frozenset()))
         parts = _gather_pipeline(local, tp_gathered=True)
         if gather_to_rank0 and _pipeline_rank() != 0:
             return OrderedDict()
@@ -289,6 +295,8 @@ class ModelCheckpointMixin:
                 value = chosen[name]
                 if name in specs:  # a full tensor of a distributed parameter: this rank's cut
                     value = tp_shards.cut(value, specs[name], _tp_rank(), tuple(target.shape))
+                if name in self._smp_experts():  # every expert: this rank's slice
+                    value = expert_rows(value, tuple(target.shape))
                 if tuple(target.shape) != tuple(value.shape):
                     raise SMPCheckpointError.build(
                         "shape of a loaded tensor differs from the model's",
@@ -360,6 +368,7 @@ class OptimizerCheckpointMixin:
         (``shard_optimizer_state``): ``DistributedOptimizer`` gathers the shards; here
         it is unused.
         """
+        refuse_optimizer_state(self._smp_current_model(), "local_state_dict")
         local = local_optimizer_state_dict(sdp_shards.whole(self.torch_optimizer.state_dict()),
                                            self._smp_group_names(local=True),
                                            self._smp_group_names(local=False))
@@ -374,6 +383,7 @@ class OptimizerCheckpointMixin:
         pipeline groups: call it on every rank with ``smp.dp_rank() == 0`` (or all)."""
         if not self._smp_is_local():
             return self.torch_optimizer.state_dict()
+        refuse_optimizer_state(self._smp_current_model(), "state_dict")
         plan = getattr(self._smp_current_model(), "tp_plan", None)
         local = gather_optimizer_shards(plan, _to_cpu(self.local_state_dict()))
         return merge_optimizer_state_dicts(self._smp_gather_parts(local))
@@ -385,6 +395,7 @@ class OptimizerCheckpointMixin:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load full (integer ids) or partial (FQN) state; deferred until partitioning."""
         model = self._smp_current_model()
+        refuse_optimizer_state(model, "load_state_dict")
         if not self._smp_is_local() and model is not None and not model.partitioned:
             pending = self.__dict__.get("_smp_pending_load")
             self.__dict__["_smp_pending_load"] = state_dict

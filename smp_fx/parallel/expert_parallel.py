@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cost_model.errors import SMPNotImplementedError
 from smp_fx.parallel.ddp import DataParallel, allreduce_grads, buckets
 from smp_fx.runtime.seams import StageRunner, StepHooks
 from smp_fx.world import expert_groups, state
@@ -78,3 +79,23 @@ def gather_full(local: Mapping[str, Any], names: frozenset[str]) -> dict[str, An
         dist.all_gather(pieces, piece.contiguous(), group=group)
         out[name] = torch.cat(pieces)
     return out
+
+
+def expert_rows(full: torch.Tensor, local_shape: tuple[int, ...]) -> torch.Tensor:
+    """This ep rank's experts of a tensor holding every expert (one already cut, of
+    ``local_shape``, is returned as it is; the shape check after it tells the rest)."""
+    if tuple(full.shape) == local_shape or full.shape[0] != local_shape[0] * \
+            expert_groups.ep_size():
+        return full
+    return full.chunk(expert_groups.ep_size())[expert_groups.ep_rank()]
+
+
+def refuse_optimizer_state(model: Any, method: str) -> None:
+    """Optimizer checkpoints hold the state of expert slices per ep rank, which the
+    optimizer's state files do not yet gather: refused, not saved half."""
+    if model is not None and getattr(model, "expert_names", None) and \
+            expert_groups.ep_size() > 1:
+        raise SMPNotImplementedError.build(
+            "optimizer state checkpoints at expert_parallel_degree > 1", method,
+            "DistributedOptimizer", "save the model's state_dict() (experts gathered); "
+            "optimizer state with split experts is not built yet")

@@ -2,11 +2,16 @@
 
 The multi-process test: one spawn of 2 gloo ranks (dp 2, ep 2) trains the four MoE
 families of ``examples/models/moe_zoo.py`` (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3 with its
-shared expert) for 3 steps with SGD and with Adam (eps 1e-6), each rank on its half of the
-global batch; every local gradient at every step (an expert slice against its experts'
-rows of the one-process gradient) and the full ``state_dict()`` after them match the plain
-model trained on the whole batch in this process (1e-5). Each rank holds half of the
-experts' parameter bytes and all of the rest, and every MoE block is expert-parallel.
+shared expert) for 3 steps with SGD, and DeepSeek-V3 with Adam too (eps 1e-6; Adam's
+update is per element, so one family shows its state follows the slices), each rank on its
+half of the global batch. Every local gradient at every step (an expert slice against its
+experts' rows of the one-process gradient) and the full ``state_dict()`` after them match
+the plain model trained on the whole batch in this process (1e-5); so does each rank's
+load-balancing loss against the plain model's on that rank's half, every step. Each rank
+holds half of the experts' parameter bytes and all of the rest; every MoE block is
+expert-parallel; the gathered ``state_dict()`` loads into the plain model (ep 1), and the
+plain model's state loads back into the split one (each rank its experts). A second
+spawn of 4 ranks runs Mixtral at ep 2 x pp 2.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ GLOBAL_BATCH, STEPS, LR = 4, 3, 0.05
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=LR),
               "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, eps=1e-6)}
-ARCHS = tuple(moe_zoo.ARCHITECTURES)
+CASES = tuple(f"{a}/sgd" for a in moe_zoo.ARCHITECTURES) + ("deepseek_v3/adam",)
 CE = torch.nn.functional.cross_entropy
 
 
@@ -38,18 +43,30 @@ def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return CE(logits.flatten(0, -2), y.flatten())
 
 
-def _reference(arch: str, opt_name: str) -> tuple[list[dict[str, torch.Tensor]],
-                                                  dict[str, torch.Tensor]]:
-    model = moe_zoo.build(arch)
+def _outputs(model: Any, arch: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, load-balancing loss; 0 for a family without one)."""
+    out = model(x)
+    return out if arch in moe_zoo.AUX else (out, torch.zeros(()))
+
+
+def _reference(case: str, parts: int = 2) -> dict[str, Any]:
+    """The plain model on the global batch: gradients each step, the final state, and
+    each step's load-balancing loss of every microbatch (``parts`` of them: dp x m)."""
+    arch, opt_name = case.split("/")
+    model = moe_zoo.build(arch, aux=arch in moe_zoo.AUX)
     opt = OPTIMIZERS[opt_name](model.parameters())
-    grads = []
+    grads, aux = [], []
     for x, y in _batches():
+        with torch.no_grad():
+            aux.append(torch.stack([_outputs(model, arch, part)[1]
+                                    for part in x.chunk(parts)]))
         opt.zero_grad()
-        _loss(model(x), y).backward()
+        _loss(_outputs(model, arch, x)[0], y).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()
                       if p.grad is not None})
         opt.step()
-    return grads, {k: v.clone() for k, v in model.state_dict().items()}
+    return {"grads": grads, "aux": aux,
+            "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
 def _expert_rows(want: dict[str, torch.Tensor], names: frozenset[str], ep: int,
@@ -58,22 +75,24 @@ def _expert_rows(want: dict[str, torch.Tensor], names: frozenset[str], ep: int,
     return {n: (t.chunk(ep)[rank] if n in names else t) for n, t in want.items()}
 
 
-def _train(arch: str, opt_name: str, ref: Any) -> dict[str, Any]:
+def _train(case: str, ref: dict[str, Any], pp: int = 1) -> dict[str, Any]:
+    """3 steps at ep 2 (pp stages of ``pp`` microbatches); what differs from ``ref``."""
     import smp_fx as smp
     from smp_fx.world import state as smp_state
 
-    ref_grads, ref_state = ref
+    arch, opt_name = case.split("/")
     smp_state._reset()
-    smp.init({"pipeline_parallel_degree": 1, "ddp": True, "expert_parallel_degree": 2})
-    plain = moe_zoo.build(arch)
-    model = smp.DistributedModel(moe_zoo.build(arch))
+    smp.init({"pipeline_parallel_degree": pp, "microbatches": pp, "ddp": True,
+              "expert_parallel_degree": 2})
+    plain = moe_zoo.build(arch, aux=arch in moe_zoo.AUX)
+    model = smp.DistributedModel(moe_zoo.build(arch, aux=arch in moe_zoo.AUX))
     opt = smp.DistributedOptimizer(OPTIMIZERS[opt_name](model.parameters()))
 
     @smp.step
     def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
-        loss = _loss(model(x), y)
-        model.backward(loss)
-        return loss
+        logits, aux = _outputs(model, arch, x)
+        model.backward(_loss(logits, y))
+        return aux
 
     share = GLOBAL_BATCH // smp.dp_size()
     sl = slice(smp.dp_rank() * share, (smp.dp_rank() + 1) * share)
@@ -81,13 +100,21 @@ def _train(arch: str, opt_name: str, ref: Any) -> dict[str, Any]:
     bad = []
     for step, (x, y) in enumerate(_batches()):
         opt.zero_grad()
-        train_step(model, x[sl], y[sl])
+        aux = train_step(model, x[sl], y[sl]).stack()  # one per microbatch
+        want_aux = ref["aux"][step][smp.dp_rank() * pp:(smp.dp_rank() + 1) * pp]
+        if not torch.allclose(aux, want_aux, **TOL):
+            bad.append(f"aux loss step {step}: {aux} != {want_aux}")
         grads = {n: p.grad for n, p in model.local_named_parameters() if p.grad is not None}
-        want = _expert_rows(ref_grads[step], names, ep, rank)
-        bad += [f"{opt_name} grad {n} step {step}" for n in mismatched(grads, want, **TOL)]
+        want = _expert_rows(ref["grads"][step], names, ep, rank)
+        bad += [f"grad {n} step {step}" for n in mismatched(grads, want, **TOL)]
         opt.step()
-    bad += [f"{opt_name} {m}" for m in state_dict_mismatches(model.state_dict(), ref_state,
-                                                             **TOL)]
+    gathered = model.state_dict()
+    bad += state_dict_mismatches(gathered, ref["state"], **TOL)
+    plain.load_state_dict(gathered)  # saved at ep 2, loaded at ep 1
+    fresh = moe_zoo.build(arch, aux=arch in moe_zoo.AUX)
+    model.load_state_dict(fresh.state_dict())  # every expert: each rank takes its own
+    want = _expert_rows({n: p.detach() for n, p in fresh.named_parameters()}, names, ep, rank)
+    bad += [f"loaded {n}" for n in mismatched(dict(model.local_named_parameters()), want)]
     local = dict(model.local_named_parameters())
     expert_bytes = sum(p.numel() * p.element_size() for n, p in local.items() if n in names)
     plain_expert = sum(p.numel() * p.element_size() for n, p in plain.named_parameters()
@@ -96,7 +123,7 @@ def _train(arch: str, opt_name: str, ref: Any) -> dict[str, Any]:
     plain_rest = sum(p.numel() * p.element_size() for n, p in plain.named_parameters()
                      if n not in names)
     return {"bad": bad, "ep": (ep, rank), "coverage": [b.line() for b in model.ep_coverage],
-            "bytes": (expert_bytes, plain_expert, rest, plain_rest)}
+            "bytes": (expert_bytes, plain_expert, rest, plain_rest), "pp": smp.pp_rank()}
 
 
 def _all(path: str) -> dict[str, Any]:
@@ -104,14 +131,14 @@ def _all(path: str) -> dict[str, Any]:
 
     dist.init_process_group("gloo")
     refs = torch.load(path, weights_only=True)
-    return {f"{arch}/{o}": _train(arch, o, refs[f"{arch}/{o}"])
-            for arch in ARCHS for o in OPTIMIZERS}
+    return {case: _train(case, refs[case]) for case in CASES}
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(900)
 def test_ep2_matches_single_process_model(tmp_path: Any) -> None:
     path = str(tmp_path / "reference.pt")
-    torch.save({f"{a}/{o}": _reference(a, o) for a in ARCHS for o in OPTIMIZERS}, path)
+    torch.save({case: _reference(case) for case in CASES}, path)
     results = run_ranks(_all, 2, path, timeout=600)
     for case in results[0]:
         got = [r[case] for r in results]
@@ -124,3 +151,25 @@ def test_ep2_matches_single_process_model(tmp_path: Any) -> None:
             expert, plain_expert, rest, plain_rest = g["bytes"]
             assert plain_expert > 0 and expert * 2 == plain_expert, (case, g["bytes"])
             assert rest == plain_rest, (case, g["bytes"])
+
+
+PIPELINED = "mixtral/sgd"
+
+
+def _pipelined(path: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return _train(PIPELINED, torch.load(path, weights_only=True), pp=2)
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_ep2_pp2_matches_single_process_model(tmp_path: Any) -> None:
+    """4 ranks: 2 pipeline stages of 2 microbatches, each stage's experts split over its 2
+    dp ranks; Mixtral, 3 SGD steps, the same checks."""
+    path = str(tmp_path / "reference.pt")
+    torch.save(_reference(PIPELINED, parts=4), path)
+    results = run_ranks(_pipelined, 4, path, timeout=400)
+    assert [r["bad"] for r in results] == [[]] * 4, [r["bad"] for r in results]
+    assert sorted((r["pp"], r["ep"][1]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]

@@ -25,8 +25,8 @@ from cost_model import schedule as sched
 from cost_model.errors import SMPConfigError, not_implemented
 from cost_model.schedule import SCHEDULE_NAMES
 from passes.partition_config import ATTENTION_CORE, CheckpointRule, PartitionConfig
+from smp_fx.expert_ranks import check_ep_divides, expert_parallel_refusal
 from smp_fx.topology import Topology, normalize_placement
-from smp_fx.world.expert_ranks import check_ep_divides, expert_parallel_refusal
 
 ENV_VAR = "SM_HP_MP_PARAMETERS"
 SCHEMA_VERSION = 1

@@ -33,6 +33,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from cost_model.errors import SMPCheckpointError, not_implemented
 from passes.tensor_parallel import merge_shards
 from smp_fx.ckpt import sdp_shards, tp_shards
+from smp_fx.ckpt.ep_shards import expert_rows, gather_full, refuse_optimizer_state
 from smp_fx.ckpt.state_dict import (
     PARTIAL_KEY,
     ModelLayout,
@@ -47,7 +48,6 @@ from smp_fx.ckpt.state_dict import (
     select_model_state,
 )
 from smp_fx.ckpt.validate import agreed
-from smp_fx.parallel.expert_parallel import expert_rows, gather_full, refuse_optimizer_state
 from smp_fx.world import comm
 from smp_fx.world import state as smp_state
 from smp_fx.world.context import ProcessModel, current_model

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from smp_fx.expert_ranks import check_experts_divide, expert_slice
 from smp_fx.parallel.ep_dispatch import ACTIVATIONS, ep_experts
 from smp_fx.world import state
-from smp_fx.world.expert_ranks import check_experts_divide, expert_slice
 
 log = logging.getLogger("smp_fx.parallel.ep_experts")
 

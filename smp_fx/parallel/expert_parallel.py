@@ -9,20 +9,17 @@ scales it by 1 / rdp: the slice's gradient already holds the tokens of every ran
 ep group (the all-to-all's backward brought them), so the sum over edp covers every dp
 rank once, and 1 / rdp makes it the average data parallelism takes of the rest.
 
-``gather_full`` puts the slices back together for a full ``state_dict()`` (collective over
-the ep group).
+Checkpoints gather the slices whole and cut them on load (``smp_fx.ckpt.ep_shards``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any, ClassVar
+from typing import ClassVar
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_model.errors import SMPNotImplementedError
 from smp_fx.parallel.ddp import DataParallel, allreduce_grads, buckets
 from smp_fx.runtime.seams import StageRunner, StepHooks
 from smp_fx.world import expert_groups, state
@@ -64,38 +61,3 @@ class ExpertParallel:
         if self.dp.reduce_this_step and self.buckets:
             allreduce_grads(self.buckets, self.group, self.rdp_size)
 
-
-def gather_full(local: Mapping[str, Any], names: frozenset[str]) -> dict[str, Any]:
-    """``local`` with each expert slice replaced by every expert (concatenated in ep rank
-    order over the ep group; collective over it)."""
-    out = dict(local)
-    ep = expert_groups.ep_size()
-    if ep == 1:
-        return out
-    group = expert_groups.get_ep_process_group()
-    for name in sorted(n for n in names if n in out):
-        piece: torch.Tensor = out[name]
-        pieces = [torch.empty_like(piece) for _ in range(ep)]
-        dist.all_gather(pieces, piece.contiguous(), group=group)
-        out[name] = torch.cat(pieces)
-    return out
-
-
-def expert_rows(full: torch.Tensor, local_shape: tuple[int, ...]) -> torch.Tensor:
-    """This ep rank's experts of a tensor holding every expert (one already cut, of
-    ``local_shape``, is returned as it is; the shape check after it tells the rest)."""
-    if tuple(full.shape) == local_shape or full.shape[0] != local_shape[0] * \
-            expert_groups.ep_size():
-        return full
-    return full.chunk(expert_groups.ep_size())[expert_groups.ep_rank()]
-
-
-def refuse_optimizer_state(model: Any, method: str) -> None:
-    """Optimizer checkpoints hold the state of expert slices per ep rank, which the
-    optimizer's state files do not yet gather: refused, not saved half."""
-    if model is not None and getattr(model, "expert_names", None) and \
-            expert_groups.ep_size() > 1:
-        raise SMPNotImplementedError.build(
-            "optimizer state checkpoints at expert_parallel_degree > 1", method,
-            "DistributedOptimizer", "save the model's state_dict() (experts gathered); "
-            "optimizer state with split experts is not built yet")

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch.distributed as dist
 
+from smp_fx.expert_ranks import edp_groups, ep_groups
 from smp_fx.topology import Topology
 from smp_fx.world import state as _state
-from smp_fx.world.expert_ranks import edp_groups, ep_groups
 
 AXES = ("ep", "edp")
 

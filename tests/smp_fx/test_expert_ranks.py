@@ -8,7 +8,7 @@ import pytest
 
 from smp_fx import SMPConfigError
 from smp_fx.config import combination_refusal, validate
-from smp_fx.world.expert_ranks import (
+from smp_fx.expert_ranks import (
     check_experts_divide,
     edp_groups,
     ep_groups,

@@ -61,22 +61,23 @@ class WithAux(nn.Module):
         return out.logits, out.aux_loss
 
 
-def config(name: str) -> Any:
-    """The tiny config of ``name`` (eager attention)."""
+def config(name: str, **overrides: Any) -> Any:
+    """The tiny config of ``name`` (eager attention), ``overrides`` applied."""
     import transformers
 
     _, cls, kwargs = ARCHITECTURES[name]
-    cfg = getattr(transformers, cls)(**kwargs)
+    cfg = getattr(transformers, cls)(**{**kwargs, **overrides})
     cfg._attn_implementation = "eager"
     return cfg
 
 
-def build(name: str, seed: int = 0, aux: bool = False) -> nn.Module:
-    """Architecture ``name`` from its tiny config, weights drawn with ``seed``; with
-    ``aux`` (a family in ``AUX``) it also returns the load-balancing loss."""
+def build(name: str, seed: int = 0, aux: bool = False, **overrides: Any) -> nn.Module:
+    """Architecture ``name`` from its tiny config (``overrides`` applied), weights drawn
+    with ``seed``; with ``aux`` (a family in ``AUX``) it also returns the load-balancing
+    loss."""
     import transformers
 
-    cfg = config(name)
+    cfg = config(name, **overrides)
     cfg.output_router_logits = aux
     torch.manual_seed(seed)
     model = getattr(transformers, ARCHITECTURES[name][0])(cfg)

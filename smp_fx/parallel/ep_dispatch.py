@@ -12,11 +12,17 @@ shapes: output like ``hidden``), so torch.export and shape propagation never see
 data-dependent splits. Its backward recomputes ``route`` with autograd on (one dispatch
 and one combine all-to-all more, like activation checkpointing of the experts) and
 differentiates it: an all-to-all's gradient is the all-to-all back (``_AllToAll``).
+
+``counting()`` measures what the op moves (benchmarks/expert_parallel.py): rows and bytes
+each rank sends to the others, and rows per local expert.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -32,6 +38,47 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "relu": F.relu,
 }
 """The experts' activations the op runs, by name (``ep_experts.activation_name``)."""
+
+
+@dataclass
+class Traffic:
+    """What the op moved on this rank while ``counting``: rows and bytes sent to other
+    ranks by every all-to-all of rows (dispatch, combine, their gradients, the backward's
+    recomputation), and rows each local expert ran on (recomputation included)."""
+
+    rows_sent: int = 0
+    bytes_sent: int = 0
+    rows_per_expert: list[int] = field(default_factory=list)
+
+    def add_expert_rows(self, counts: list[int]) -> None:
+        if len(self.rows_per_expert) < len(counts):
+            self.rows_per_expert += [0] * (len(counts) - len(self.rows_per_expert))
+        for i, c in enumerate(counts):
+            self.rows_per_expert[i] += c
+
+
+_COUNTING: list[Traffic] = []
+_LOCK = threading.Lock()  # microbatch threads run the op concurrently
+
+
+@contextmanager
+def counting() -> Iterator[Traffic]:
+    """Count the op's traffic on this rank inside the block."""
+    traffic = Traffic()
+    _COUNTING.append(traffic)
+    try:
+        yield traffic
+    finally:
+        _COUNTING.remove(traffic)
+
+
+def _count(rows: int = 0, nbytes: int = 0, experts: list[int] | None = None) -> None:
+    with _LOCK:
+        for t in _COUNTING:
+            t.rows_sent += rows
+            t.bytes_sent += nbytes
+            if experts is not None:
+                t.add_expert_rows(experts)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -52,6 +99,9 @@ def exchange(x: torch.Tensor, send: list[int], recv: list[int], group: Any) -> t
     """Rows ``send[j]`` of ``x`` to rank j of ``group``; ``recv[j]`` rows from it."""
     out = x.new_empty((sum(recv), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    if _COUNTING:
+        away = sum(send) - send[dist.get_rank(group)]
+        _count(away, away * x[:1].numel() * x.element_size())
     return out
 
 
@@ -96,7 +146,10 @@ def route(hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.
     expert_of_row = torch.repeat_interleave(
         torch.arange(local, device=got.device).repeat(ep), got.reshape(-1))
     perm = torch.argsort(expert_of_row, stable=True)
-    done = _local_experts(rows[perm], got.sum(0).tolist(), gate_up, down, ACTIVATIONS[act])
+    per_expert = got.sum(0).tolist()
+    if _COUNTING:
+        _count(experts=per_expert)
+    done = _local_experts(rows[perm], per_expert, gate_up, down, ACTIVATIONS[act])
     back = torch.empty_like(done).index_copy(0, perm, done)
     if ep > 1:
         back = _AllToAll.apply(back, recv, send, group)

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from cost_model.errors import SMPNotImplementedError
 from smp_fx.expert_ranks import check_experts_divide, expert_slice
 from smp_fx.parallel.ep_dispatch import ACTIVATIONS, ep_experts
 from smp_fx.world import state
@@ -127,6 +128,11 @@ def replace_experts(model: nn.Module, ep: int, ep_rank: int) -> list[BlockCovera
                 continue
             gate_up, down = child.gate_up_proj, child.down_proj
             num = gate_up.shape[0]
+            if gate_up.is_meta or down.is_meta:
+                raise SMPNotImplementedError.build(
+                    "expert_parallel_degree > 1 with parameters on the meta device (delayed "
+                    "initialization)", ep, where, "build the model with real weights, or set "
+                    "'expert_parallel_degree': 1")
             check_experts_divide(ep, num, where)
             keep = expert_slice(num, ep, ep_rank)
             _same_as_rdp_root(gate_up, down)
@@ -151,11 +157,12 @@ def _same_as_rdp_root(*weights: torch.Tensor) -> None:
     """The full weights as rdp rank 0 holds them (data parallelism's broadcast, made here
     because expert slices are cut before that broadcast and not reduced with it)."""
     st = state.get()
-    if st.in_process or st.axis_size("rdp") == 1 or any(w.is_meta for w in weights):
+    if st.in_process or st.axis_size("rdp") == 1:
         return
     root = st.group_ranks("rdp")[0]
-    for w in weights:
-        dist.broadcast(w.data, src=root, group=st.process_group("rdp"))
+    for w in weights:  # still where the script built them: the object group's (gloo) for CPU
+        group = st.object_group("rdp") if w.device.type == "cpu" else st.process_group("rdp")
+        dist.broadcast(w.data, src=root, group=group)
 
 
 def split_experts(model: nn.Module) -> list[BlockCoverage]:

@@ -29,12 +29,11 @@ def expert_parallel_refusal(values: Mapping[str, Any], where: str) -> SMPConfigE
                                     "set 'ddp': true")
     others = {k: values[k] for k in ("tensor_parallel_degree", "sharded_data_parallel_degree")
               if values[k] > 1}
-    if values["shard_optimizer_state"]:
-        others["shard_optimizer_state"] = True
+    others.update({k: True for k in ("shard_optimizer_state", "fp16", "bf16") if values[k]})
     if others:
         return SMPConfigError.build(
             f"'{KEY}' > 1 does not compose with tensor parallelism, sharded data "
-            "parallelism or optimizer-state sharding yet", others, where,
+            "parallelism, optimizer-state sharding or half precision yet", others, where,
             f"drop {', '.join(sorted(others))} or set '{KEY}': 1")
     return None
 

@@ -4,14 +4,16 @@ The multi-process test: one spawn of 2 gloo ranks (dp 2, ep 2) trains the four M
 families of ``examples/models/moe_zoo.py`` (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3 with its
 shared expert) for 3 steps with SGD, and DeepSeek-V3 with Adam too (eps 1e-6; Adam's
 update is per element, so one family shows its state follows the slices), each rank on its
-half of the global batch. Every local gradient at every step (an expert slice against its
-experts' rows of the one-process gradient) and the full ``state_dict()`` after them match
-the plain model trained on the whole batch in this process (1e-5); so does each rank's
-load-balancing loss against the plain model's on that rank's half, every step. Each rank
-holds half of the experts' parameter bytes and all of the rest; every MoE block is
-expert-parallel; the gathered ``state_dict()`` loads into the plain model (ep 1), and the
-plain model's state loads back into the split one (each rank its experts). A second
-spawn of 4 ranks runs Mixtral at ep 2 x pp 2.
+half of the global batch, the gradients clipped to a norm of 0.5 (``clip_grad_norm_``:
+the whole model's norm, equal to one process's, the experts' part summed over the ep
+group). Every local gradient at every step (an expert slice against its experts' rows of
+the one-process gradient) and the full ``state_dict()`` after them match the plain model
+trained on the whole batch in this process (1e-5); so does each rank's load-balancing loss
+against the plain model's on that rank's half, every step. Each rank holds half of the
+experts' parameter bytes and all of the rest; every MoE block is expert-parallel; the
+gathered ``state_dict()`` loads into the plain model (ep 1), and the plain model's state
+loads back into the split one (each rank its experts). A second spawn of 4 ranks runs
+Mixtral at ep 2 x pp 2.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from examples.models import moe_zoo
 from tests.helpers.compare import mismatched, state_dict_mismatches
 from tests.helpers.dist import run_ranks
 
-GLOBAL_BATCH, STEPS, LR = 4, 3, 0.05
+GLOBAL_BATCH, STEPS, LR, MAX_NORM = 4, 3, 0.05, 0.5
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=LR),
               "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, eps=1e-6)}
@@ -55,17 +57,18 @@ def _reference(case: str, parts: int = 2) -> dict[str, Any]:
     arch, opt_name = case.split("/")
     model = moe_zoo.build(arch, aux=arch in moe_zoo.AUX)
     opt = OPTIMIZERS[opt_name](model.parameters())
-    grads, aux = [], []
+    grads, aux, norms = [], [], []
     for x, y in _batches():
         with torch.no_grad():
             aux.append(torch.stack([_outputs(model, arch, part)[1]
                                     for part in x.chunk(parts)]))
         opt.zero_grad()
         _loss(_outputs(model, arch, x)[0], y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()
                       if p.grad is not None})
         opt.step()
-    return {"grads": grads, "aux": aux,
+    return {"grads": grads, "aux": aux, "norms": norms,
             "state": {k: v.clone() for k, v in model.state_dict().items()}}
 
 
@@ -104,6 +107,9 @@ def _train(case: str, ref: dict[str, Any], pp: int = 1) -> dict[str, Any]:
         want_aux = ref["aux"][step][smp.dp_rank() * pp:(smp.dp_rank() + 1) * pp]
         if not torch.allclose(aux, want_aux, **TOL):
             bad.append(f"aux loss step {step}: {aux} != {want_aux}")
+        norm = model.clip_grad_norm_(MAX_NORM)  # the experts' part summed over the ep group
+        if not torch.allclose(norm, ref["norms"][step], **TOL):
+            bad.append(f"norm step {step}: {norm} != {ref['norms'][step]}")
         grads = {n: p.grad for n, p in model.local_named_parameters() if p.grad is not None}
         want = _expert_rows(ref["grads"][step], names, ep, rank)
         bad += [f"grad {n} step {step}" for n in mismatched(grads, want, **TOL)]
@@ -138,7 +144,9 @@ def _all(path: str) -> dict[str, Any]:
 @pytest.mark.timeout(900)
 def test_ep2_matches_single_process_model(tmp_path: Any) -> None:
     path = str(tmp_path / "reference.pt")
-    torch.save({case: _reference(case) for case in CASES}, path)
+    refs = {case: _reference(case) for case in CASES}
+    assert all(r["norms"][0] > MAX_NORM for r in refs.values())  # the clipping clips
+    torch.save(refs, path)
     results = run_ranks(_all, 2, path, timeout=600)
     for case in results[0]:
         got = [r[case] for r in results]

@@ -19,8 +19,6 @@ from smp_fx.expert_ranks import edp_groups, ep_groups
 from smp_fx.topology import Topology
 from smp_fx.world import state as _state
 
-AXES = ("ep", "edp")
-
 
 def build(ep: int, topology: Topology, rank: int, backend: str, in_process: bool,
           wait: timedelta, groups: dict[str, Any], objects: dict[str, Any]

@@ -10,10 +10,10 @@ group). Every local gradient at every step (an expert slice against its experts'
 the one-process gradient) and the full ``state_dict()`` after them match the plain model
 trained on the whole batch in this process (1e-5); so does each rank's load-balancing loss
 against the plain model's on that rank's half, every step. Each rank holds half of the
-experts' parameter bytes and all of the rest; every MoE block is expert-parallel; the
-gathered ``state_dict()`` loads into the plain model (ep 1), and the plain model's state
-loads back into the split one (each rank its experts). A second spawn of 4 ranks runs
-Mixtral at ep 2 x pp 2.
+experts' parameter bytes and all of the rest, as its plan counts them; every MoE block
+is expert-parallel; the gathered ``state_dict()`` loads into the plain model (ep 1), and
+the plain model's state loads back into the split one (each rank its experts). A second
+spawn of 4 ranks runs Mixtral at ep 2 x pp 2.
 """
 
 from __future__ import annotations
@@ -129,7 +129,9 @@ def _train(case: str, ref: dict[str, Any], pp: int = 1) -> dict[str, Any]:
     plain_rest = sum(p.numel() * p.element_size() for n, p in plain.named_parameters()
                      if n not in names)
     return {"bad": bad, "ep": (ep, rank), "coverage": [b.line() for b in model.ep_coverage],
-            "bytes": (expert_bytes, plain_expert, rest, plain_rest), "pp": smp.pp_rank()}
+            "bytes": (expert_bytes, plain_expert, rest, plain_rest), "pp": smp.pp_rank(),
+            "planned": (model.plan.stages[smp.pp_rank()].param_bytes,  # type: ignore[union-attr]
+                        sum(b.numel() * b.element_size() for b in plain.buffers()))}
 
 
 def _all(path: str) -> dict[str, Any]:
@@ -159,6 +161,8 @@ def test_ep2_matches_single_process_model(tmp_path: Any) -> None:
             expert, plain_expert, rest, plain_rest = g["bytes"]
             assert plain_expert > 0 and expert * 2 == plain_expert, (case, g["bytes"])
             assert rest == plain_rest, (case, g["bytes"])
+            planned, buffers = g["planned"]  # the plan (memory model) sees the slices
+            assert planned == expert + rest + buffers, (case, g["planned"], g["bytes"])
 
 
 PIPELINED = "mixtral/sgd"

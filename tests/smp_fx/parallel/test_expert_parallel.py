@@ -13,7 +13,7 @@ against the plain model's on that rank's half, every step. Each rank holds half 
 experts' parameter bytes and all of the rest, as its plan counts them; every MoE block
 is expert-parallel; the gathered ``state_dict()`` loads into the plain model (ep 1), and
 the plain model's state loads back into the split one (each rank its experts). A second
-spawn of 4 ranks runs Mixtral at ep 2 x pp 2.
+spawn of 4 ranks runs Mixtral at ep 2 x pp 2, then at ep 4.
 """
 
 from __future__ import annotations
@@ -78,15 +78,15 @@ def _expert_rows(want: dict[str, torch.Tensor], names: frozenset[str], ep: int,
     return {n: (t.chunk(ep)[rank] if n in names else t) for n, t in want.items()}
 
 
-def _train(case: str, ref: dict[str, Any], pp: int = 1) -> dict[str, Any]:
-    """3 steps at ep 2 (pp stages of ``pp`` microbatches); what differs from ``ref``."""
+def _train(case: str, ref: dict[str, Any], pp: int = 1, ep: int = 2) -> dict[str, Any]:
+    """3 steps at ``ep`` (``pp`` stages of ``pp`` microbatches); what differs from ``ref``."""
     import smp_fx as smp
     from smp_fx.world import state as smp_state
 
     arch, opt_name = case.split("/")
     smp_state._reset()
     smp.init({"pipeline_parallel_degree": pp, "microbatches": pp, "ddp": True,
-              "expert_parallel_degree": 2})
+              "expert_parallel_degree": ep})
     plain = moe_zoo.build(arch, aux=arch in moe_zoo.AUX)
     model = smp.DistributedModel(moe_zoo.build(arch, aux=arch in moe_zoo.AUX))
     opt = smp.DistributedOptimizer(OPTIMIZERS[opt_name](model.parameters()))
@@ -99,7 +99,7 @@ def _train(case: str, ref: dict[str, Any], pp: int = 1) -> dict[str, Any]:
 
     share = GLOBAL_BATCH // smp.dp_size()
     sl = slice(smp.dp_rank() * share, (smp.dp_rank() + 1) * share)
-    names, ep, rank = model.expert_names, smp.ep_size(), smp.ep_rank()
+    names, rank = model.expert_names, smp.ep_rank()
     bad = []
     for step, (x, y) in enumerate(_batches()):
         opt.zero_grad()
@@ -168,20 +168,29 @@ def test_ep2_matches_single_process_model(tmp_path: Any) -> None:
 PIPELINED = "mixtral/sgd"
 
 
-def _pipelined(path: str) -> dict[str, Any]:
+def _four(path: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    return _train(PIPELINED, torch.load(path, weights_only=True), pp=2)
+    ref = torch.load(path, weights_only=True)
+    return {"pp2": _train(PIPELINED, ref, pp=2), "ep4": _train(PIPELINED, ref, ep=4)}
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
-def test_ep2_pp2_matches_single_process_model(tmp_path: Any) -> None:
-    """4 ranks: 2 pipeline stages of 2 microbatches, each stage's experts split over its 2
-    dp ranks; Mixtral, 3 SGD steps, the same checks."""
+def test_ep2_pp2_and_ep4_match_single_process_model(tmp_path: Any) -> None:
+    """4 ranks, Mixtral, 3 SGD steps, the same checks: 2 pipeline stages of 2
+    microbatches, each stage's experts split over its 2 dp ranks; then ep 4 (one expert
+    per rank, every all-to-all over 4 ranks)."""
     path = str(tmp_path / "reference.pt")
-    torch.save(_reference(PIPELINED, parts=4), path)
-    results = run_ranks(_pipelined, 4, path, timeout=400)
-    assert [r["bad"] for r in results] == [[]] * 4, [r["bad"] for r in results]
-    assert sorted((r["pp"], r["ep"][1]) for r in results) == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    torch.save(_reference(PIPELINED, parts=4), path)  # 4 microbatches: dp x m both times
+    results = run_ranks(_four, 4, path, timeout=400)
+    for run in ("pp2", "ep4"):
+        assert [r[run]["bad"] for r in results] == [[]] * 4, [r[run]["bad"] for r in results]
+    assert sorted((r["pp2"]["pp"], r["pp2"]["ep"]) for r in results) == [
+        (0, (2, 0)), (0, (2, 1)), (1, (2, 0)), (1, (2, 1))]
+    assert [r["ep4"]["ep"] for r in results] == [(4, r) for r in range(4)]
+    assert all("expert-parallel, 1 of 4" in line for line in results[0]["ep4"]["coverage"])
+    for r in results:
+        expert, plain_expert, rest, plain_rest = r["ep4"]["bytes"]
+        assert expert * 4 == plain_expert and rest == plain_rest, r["ep4"]["bytes"]

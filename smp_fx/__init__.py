@@ -78,6 +78,12 @@ from smp_fx.world.comm import (  # noqa: E402
     tp_size,
 )
 from smp_fx.config import SMPConfig  # noqa: E402
+from smp_fx.world.expert_groups import (  # noqa: E402
+    ep_rank,
+    ep_size,
+    get_ep_group,
+    get_ep_process_group,
+)
 from smp_fx.world.init import init, is_initialized  # noqa: E402
 from smp_fx.topology import Topology  # noqa: E402
 from smp_fx.world import state  # noqa: E402  (smp.state, as SMP scripts reach it)

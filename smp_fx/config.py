@@ -25,6 +25,7 @@ from cost_model import schedule as sched
 from cost_model.errors import SMPConfigError, not_implemented
 from cost_model.schedule import SCHEDULE_NAMES
 from passes.partition_config import ATTENTION_CORE, CheckpointRule, PartitionConfig
+from smp_fx.expert_ranks import check_ep_divides, expert_parallel_refusal
 from smp_fx.topology import Topology, normalize_placement
 
 ENV_VAR = "SM_HP_MP_PARAMETERS"
@@ -113,6 +114,10 @@ PARAMS: tuple[Param, ...] = (
            "and trace_execution_times / trace_memory_usage are rejected)"),
     _P("sharded_data_parallel_degree", int, 1, minimum=1, used_at="DistributedModel",
        doc="FSDP2 over groups of this many rdp ranks (docs/precision.md); needs ddp"),
+    _P("expert_parallel_degree", int, 1, minimum=1, used_at="DistributedModel",
+       doc="smp-fx extension (SMP v2's name): each MoE block's experts split over groups of "
+           "this many rdp ranks, tokens sent to them by all-to-all (docs/expert_parallel.md); "
+           "must divide the rdp degree and every model's number of experts; needs ddp"),
     _P("sdp_reduce_bucket_size", int, 500_000_000, minimum=1, used_at="DistributedModel",
        doc="elements per FSDP2 unit (one all-gather and one reduce-scatter each)"),
     _P("sdp_param_persistence_threshold", int, 1_000_000, minimum=0,
@@ -195,6 +200,7 @@ class SMPConfig:
     prescaled_batch: bool = False
     skip_tracing: bool = False
     sharded_data_parallel_degree: int = 1
+    expert_parallel_degree: int = 1
     sdp_reduce_bucket_size: int = 500_000_000
     sdp_param_persistence_threshold: int = 1_000_000
     sdp_max_live_parameters: int = 1_000_000_000
@@ -461,6 +467,9 @@ def combination_refusal(values: Mapping[str, Any], where: str = "smp.init"
             "'shard_optimizer_state' and 'sharded_data_parallel_degree' > 1 both shard the "
             "optimizer state", sdp, where,
             "drop 'shard_optimizer_state' (sharded data parallelism shards it already)")
+    ep_refused = expert_parallel_refusal(v, where)
+    if ep_refused is not None:
+        return ep_refused
     if sdp > 1 and v["fp16_params"] and not v["fp16"]:
         return SMPConfigError.build(
             "'fp16_params' without 'fp16' leaves the optimizer to the script, which cannot "
@@ -483,6 +492,7 @@ def resolve_topology(config: SMPConfig, world_size: int) -> tuple[Topology, bool
                 "tensor parallelism", tp, "tensor_parallel_degree",
                 f"launch {pp * tp} (or a multiple) processes, e.g. smp-fx run -n {pp * tp}")
         _check_sdp_divides(config, 1, world_size, pp)
+        check_ep_divides(config.expert_parallel_degree, 1, world_size, pp)
         return Topology(pp, 1, 1, config.placement), True
     if world_size % (pp * tp) != 0:
         raise SMPConfigError.build(
@@ -491,6 +501,7 @@ def resolve_topology(config: SMPConfig, world_size: int) -> tuple[Topology, bool
             f"launch a multiple of {pp * tp} processes, or 1 process for an in-process pipeline")
     rdp = world_size // (pp * tp)
     _check_sdp_divides(config, rdp, world_size, pp * tp)
+    check_ep_divides(config.expert_parallel_degree, rdp, world_size, pp * tp)
     return Topology(pp, tp, rdp, config.placement), False
 
 

@@ -57,6 +57,8 @@ from smp_fx.nn.attention_checkpointing import checkpoint_attentions
 from smp_fx.optimizer import DistributedOptimizer
 from smp_fx.parallel import clip, ddp, ds_view
 from smp_fx.parallel.build import Parallelized, parallelize
+from smp_fx.parallel.ep_experts import split_experts
+from smp_fx.parallel.expert_parallel import expert_names
 from smp_fx.runtime.executor import executor as ex
 from smp_fx.runtime.executor.lowering import cached_schedule
 from smp_fx.runtime.executor.modes import Autocast, autocast_state
@@ -120,6 +122,9 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, ModuleWalks,
         object.__setattr__(self, "_script_module", weakref.ref(module))
         # smp.tp_register and SMP's Hugging Face replacements: marked instances -> distributed
         module = replace_registered(module)
+        # expert_parallel_degree > 1: each MoE block keeps this rank's slice of its experts
+        self.ep_coverage = split_experts(module)
+        self.expert_names = expert_names(b.path for b in self.ep_coverage if not b.reason)
         if cfg is not None and cfg.checkpoint_attentions:
             checkpoint_attentions(module)
         self._modules["module"] = module  # get_module() reads it; .module is SMP's view
@@ -429,7 +434,8 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, ModuleWalks,
                 self.get_module(), args, kwargs, self.options.trace_execution_times,
                 self.options.trace_memory_usage, autocast)
         self._parallelized = parallelize(gm, self.plan, self.tp_plan, self.canonical_names,
-                                         self.options, self._early_dp, initialize)
+                                         self.options, self._early_dp, initialize,
+                                         self.expert_names)
         self._early_dp = None
         if self._parallelized.sharded is not None:
             ds_view.attach_partitioned(self.get_module().named_parameters(),

@@ -30,7 +30,7 @@ SMP_FX_LAYERS: tuple[tuple[str, ...], ...] = (
     # init_tape (recording a module's construction on meta) imports nothing of smp_fx:
     # checkpoints pause it while loading pretrained weights
     ("smp_fx.version", "smp_fx._compat", "smp_fx.config", "smp_fx.topology",
-     "smp_fx.namespaces", "smp_fx.marking.init_tape"),
+     "smp_fx.expert_ranks", "smp_fx.namespaces", "smp_fx.marking.init_tape"),
     ("smp_fx.planner",),  # a search over configurations, reading passes and cost_model
     ("smp_fx.world",),
     ("smp_fx.ckpt",),

@@ -175,8 +175,9 @@ def _save_partial(path: str, tag: str, model: ProcessModel | None,
         # sharded data parallelism gathers whole tensors over the shard group, a sharded
         # optimizer state its stage's shards: then every dp rank takes part
         sdp = bool(getattr(model, "shards_parameters", False))
+        everyone = sdp or bool(getattr(model, "expert_names", ()))  # ep: experts gathered
         model_sd = (model.local_state_dict()
-                    if model is not None and (rdp_rank == 0 or sdp) else None)
+                    if model is not None and (rdp_rank == 0 or everyone) else None)
         model_sd = model_sd if rdp_rank == 0 else None
         sharded = bool(getattr(optimizer, "shards_state", False)) or sdp
         opt_sd = (optimizer.local_state_dict()
@@ -237,6 +238,7 @@ def _save_full(path: str, tag: str, model: ProcessModel | None,
     try:
         sd = None
         sdp = bool(getattr(model, "shards_parameters", False))  # gathers over the shards too
+        sdp = sdp or bool(getattr(model, "expert_names", ()))  # and ep over its experts
         if model is not None and (rdp_rank == 0 or sdp):  # collective over the pipeline group
             sd = dict(model.state_dict())
             sd = sd if rdp_rank == 0 else None

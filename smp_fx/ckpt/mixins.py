@@ -19,6 +19,7 @@ from torch.nn.modules.module import _IncompatibleKeys
 from cost_model.errors import SMPCheckpointError, not_implemented
 from passes.tensor_parallel import merge_shards
 from smp_fx.ckpt import sdp_shards, tp_shards
+from smp_fx.ckpt.ep_shards import expert_rows, gather_full, refuse_optimizer_state
 from smp_fx.ckpt.state_dict import (
     PARTIAL_KEY,
     ModelLayout,
@@ -175,14 +176,21 @@ class ModelCheckpointMixin:
         tensors.update(self.local_unread_state())
         return tensors
 
+    def _smp_experts(self) -> frozenset[str]:
+        """FQNs of expert slices (``smp_fx.parallel.expert_parallel``); none at ep 1."""
+        names: frozenset[str] = self.__dict__.get("expert_names", frozenset())
+        return names
+
     def local_state_dict(self) -> StateDict:
-        """This rank's parameters and persistent buffers by FQN, with ``_smp_is_partial``."""
+        """This rank's parameters and persistent buffers by FQN, with ``_smp_is_partial``.
+        Expert slices are gathered whole (collective over the ep group at ep > 1)."""
         if not self.partitioned:
             raise SMPCheckpointError.build(
                 "local_state_dict() needs the partitioned model", "partitioned=False",
                 where="DistributedModel.local_state_dict",
                 fix="call it after the first smp.step call, or use state_dict()")
         tensors = sdp_shards.whole(self._smp_local_tensors())  # sdp: whole tensors
+        tensors = gather_full(tensors, self._smp_experts())  # ep: every expert
         out = local_model_state_dict(tensors, self._smp_layout())
         return _with_shards(out, self.__dict__.get("tp_plan"), out)
 
@@ -261,6 +269,8 @@ class ModelCheckpointMixin:
                 value = chosen[name]
                 if name in specs:  # a full tensor of a distributed parameter: this rank's cut
                     value = tp_shards.cut(value, specs[name], _tp_rank(), tuple(target.shape))
+                if name in self._smp_experts():  # every expert: this rank's slice
+                    value = expert_rows(value, tuple(target.shape))
                 if tuple(target.shape) != tuple(value.shape):
                     raise SMPCheckpointError.build(
                         "shape of a loaded tensor differs from the model's",
@@ -327,6 +337,7 @@ class OptimizerCheckpointMixin:
                          gather_if_shard: bool = True) -> StateDict:
         """This rank's optimizer state keyed by FQN, with ``_smp_is_partial``; ``cast_to_cpu`` as
         SMP's default."""
+        refuse_optimizer_state(self._smp_current_model(), "local_state_dict")
         local = local_optimizer_state_dict(sdp_shards.whole(self.torch_optimizer.state_dict()),
                                            self._smp_group_names(local=True),
                                            self._smp_group_names(local=False))
@@ -341,6 +352,7 @@ class OptimizerCheckpointMixin:
         pipeline groups: call it on every rank with ``smp.dp_rank() == 0`` (or all)."""
         if not self._smp_is_local():
             return self.torch_optimizer.state_dict()
+        refuse_optimizer_state(self._smp_current_model(), "state_dict")
         plan = getattr(self._smp_current_model(), "tp_plan", None)
         local = gather_optimizer_shards(plan, _to_cpu(self.local_state_dict()))
         return merge_optimizer_state_dicts(self._smp_gather_parts(local))
@@ -352,6 +364,7 @@ class OptimizerCheckpointMixin:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load full (integer ids) or partial (FQN) state; deferred until partitioning."""
         model = self._smp_current_model()
+        refuse_optimizer_state(model, "load_state_dict")
         if not self._smp_is_local() and model is not None and not model.partitioned:
             pending = self.__dict__.get("_smp_pending_load")
             self.__dict__["_smp_pending_load"] = state_dict

@@ -13,10 +13,12 @@ parallelism:
    (``parallel.tensor_parallel``; the graphs were rewritten while planning);
 3. ``activation_checkpointing``: checkpointed regions outlined, activations counted and
    offloaded (``runtime.memory.checkpointing``);
-4. ``data_parallel``: DDP over each stage's rdp group, wrapping the stage runners
+4. ``expert_parallel``: expert slices left out of data parallelism, their gradients
+   reduced over the ranks holding the same experts (``parallel.expert_parallel``);
+5. ``data_parallel``: DDP over each stage's rdp group, wrapping the stage runners
    (``parallel.ddp``), or sharded data parallelism (``parallel.sdp``); ZeRO-1
    optimizer-state sharding applies where an optimizer binds (``parallel.zero``);
-5. ``mixed_precision``: the fp16 loss scale and master gradients (``parallel.precision``).
+6. ``mixed_precision``: the fp16 loss scale and master gradients (``parallel.precision``).
 
 Each is a ``Parallelism``: what it does around a step is its ``hooks()``. What else it may
 touch is what this function hands it: the stage runners (DDP wraps them, sharded data
@@ -48,6 +50,7 @@ from passes.split_stages import StagedProgram
 from passes.tensor_parallel import TensorParallelPlan
 from smp_fx.parallel import ddp, sdp
 from smp_fx.parallel.ddp import DataParallel, DataParallelOptions
+from smp_fx.parallel.expert_parallel import ExpertParallel
 from smp_fx.parallel.precision import MixedPrecision
 from smp_fx.parallel.sdp import ShardedDataParallel
 from smp_fx.parallel.tensor_parallel import TensorParallelRuntime
@@ -66,12 +69,12 @@ from smp_fx.runtime.planning.placement import (
 )
 from smp_fx.world import state
 
-ORDER = ("tied", "tensor_parallel", "activation_checkpointing", "data_parallel",
-         "mixed_precision")
+ORDER = ("tied", "tensor_parallel", "activation_checkpointing", "expert_parallel",
+         "data_parallel", "mixed_precision")
 """The order the build applies the parallelisms in (each applies only where configured)."""
 PRE_STEP_ORDER = ORDER
 """Hooks before a step run in build order."""
-POST_STEP_ORDER = ("data_parallel", "tied", "tensor_parallel")
+POST_STEP_ORDER = ("data_parallel", "expert_parallel", "tied", "tensor_parallel")
 """Hooks after a step: the dp average before the tied pipeline sum (module docstring)."""
 
 
@@ -157,14 +160,16 @@ class Parallelized:
 def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
                 tp_plan: TensorParallelPlan | None, canonical: Mapping[str, str],
                 options: DataParallelOptions, early_dp: DataParallel | None = None,
-                initialize: bool = True) -> Parallelized:
+                initialize: bool = True, experts: frozenset[str] = frozenset()
+                ) -> Parallelized:
     """Place the planned ``gm`` on this rank and apply the parallelisms in ``ORDER``.
 
     Identical on every rank (the collectives it runs come in one order). ``canonical``:
     every alias of a parameter -> its first name, from the module before any
     materialisation replaced parameter objects. ``early_dp``: the ``DataParallel`` that
     ``DistributedModel.join()`` made before the first step, to apply. ``initialize=False``:
-    delayed-init stages are allocated for weights loaded next, not initialised."""
+    delayed-init stages are allocated for weights loaded next, not initialised.
+    ``experts``: FQNs of expert slices (``smp_fx.parallel.expert_parallel``)."""
     st = state.get()
     cfg = st.config
     program = split_for_rank(gm, st, len(plan.rank_of))
@@ -204,6 +209,8 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
         if tp is not None:  # FSDP2 replaced the shards with DTensor parameters
             tp.holding(local_named_parameters(runners, canonical))
     elif dp is not None:
+        if experts:  # before the wrap: data parallelism leaves the slices alone
+            applied.append(ExpertParallel(experts, runners, dp, options.bucket_cap_mb))
         runners = dp.wrap(runners)
         applied.append(dp)
 

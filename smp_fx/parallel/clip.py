@@ -2,7 +2,8 @@
 
 A stage sees only its part of the model, so each rank sums the gradients it counts and
 the sums are all-reduced over pp x tp: every rank scales by the whole model's factor.
-Tied replicas and tp copies count once. See docs/precision.md, 'Global gradient clipping'.
+Tied replicas and tp copies count once; expert slices (``expert_parallel_degree`` > 1)
+are summed over the ep group. See docs/precision.md, 'Global gradient clipping'.
 
 >>> import torch
 >>> p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.full((4,), 3.0)
@@ -23,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cost_model.errors import SMPRuntimeError
-from smp_fx.world import state
+from smp_fx.world import context, expert_groups, state
 
 try:  # FSDP2's gradients; absent on torch builds without torch.distributed.tensor
     from torch.distributed.tensor import DTensor, Shard
@@ -70,8 +71,13 @@ def global_norm(counted: Sequence[torch.Tensor], norm_type: float = 2.0,
                                     "smp clip_grad_norm_", "use 2.0 (default), 1.0 or inf")
     device = counted[0].device if counted else _device()
     plain = [g for g in counted if not _is_dtensor(g)]
-    total = _power_sum([g.detach() for g in plain], p, device)
-    for group, tensors in _sharded(counted).items():
+    experts = _expert_grads()
+    total = _power_sum([g.detach() for g in plain if id(g) not in experts], p, device)
+    sharded = _sharded(counted)
+    if experts:
+        sharded[expert_groups.get_ep_process_group()] = [g.detach() for g in plain
+                                                          if id(g) in experts]
+    for group, tensors in sharded.items():
         part = _power_sum(tensors, p, device)
         _reduce(part, p, group)
         total = torch.maximum(total, part) if math.isinf(p) else total + part
@@ -117,6 +123,16 @@ def _device() -> torch.device:
 
 def _tp_rank() -> int:
     return state.get().axis_rank("tp") if state.is_initialized() else 0
+
+
+def _expert_grads() -> set[int]:
+    """ids of the gradients of this process model's expert slices (none at ep 1)."""
+    model = context.current_model()
+    names = getattr(model, "expert_names", None)
+    if not names or expert_groups.ep_size() == 1 or not getattr(model, "partitioned", False):
+        return set()
+    return {id(p.grad) for n, p in model.local_named_parameters()  # type: ignore[union-attr]
+            if n in names and p.grad is not None}
 
 
 def _mp_groups() -> list[Any]:

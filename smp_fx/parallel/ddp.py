@@ -212,6 +212,12 @@ class DataParallel(Joinable):
         self.backward_ran: set[int] = set()
         self.reductions = 0
         self.comm_hooks: list[tuple[Any, Any]] = []
+        self.ignored: set[int] = set()  # ids of parameters another rule reduces
+
+    def ignore(self, params: Sequence[nn.Parameter]) -> None:
+        """Leave ``params`` out of the reduction (and DDP's broadcast): another
+        parallelism reduces them over its own group (expert slices). Before ``wrap``."""
+        self.ignored.update(id(p) for p in params)
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """DDP's ``register_comm_hook`` on every local stage's wrapper (now, and on those
@@ -231,6 +237,10 @@ class DataParallel(Joinable):
                 raise SMPConfigError.build(
                     "with ddp, every pipeline stage needs a trainable parameter", f"stage {s}",
                     "smp.DistributedModel", "repartition (smp.partition / default_partition)")
+            skip = [n for n, p in base.stage.module.named_parameters() if id(p) in self.ignored]
+            if skip:
+                DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+                    base.stage.module, skip)
             wrapper = DistributedDataParallel(
                 base.module,  # the stage, or its compiled call (smp_fx.runtime.executor.compiled)
                 process_group=self.group, bucket_cap_mb=opts.bucket_cap_mb,
@@ -240,7 +250,8 @@ class DataParallel(Joinable):
                 wrapper.register_comm_hook(hook_state, hook)
             runner = DDPStageRunner(base, wrapper, self)
             out[s] = self.runners[s] = runner
-            self.stage_params[s] = list(base.stage.module.parameters())
+            self.stage_params[s] = [p for p in base.stage.module.parameters()
+                                    if id(p) not in self.ignored]
             self.bucket_lists[s] = buckets(self.stage_params[s], opts.bucket_cap_mb)
         ids = [id(p) for params in self.stage_params.values() for p in params]
         self.shared_local = len(ids) != len(set(ids))

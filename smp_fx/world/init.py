@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from cost_model.errors import SMPConfigError, SMPRuntimeError
 from smp_fx.config import ConfigSource, SMPConfig, load_config, resolve_topology
-from smp_fx.world import launch, reports, state
+from smp_fx.world import expert_groups, launch, reports, state
 
 
 def init(config: ConfigSource = None, backend: str | None = None) -> None:
@@ -53,6 +53,8 @@ def init(config: ConfigSource = None, backend: str | None = None) -> None:
     owns = launch.join(info, chosen, wait)
     groups, objects, created = state.build_groups(topology, info.rank, chosen, in_process,
                                                   wait)
+    created += expert_groups.build(cfg.expert_parallel_degree, topology, info.rank, chosen,
+                                   in_process, wait, groups, objects)
     device = (torch.device("cuda", info.local_rank % max(torch.cuda.device_count(), 1))
               if torch.cuda.is_available() else torch.device("cpu"))
     state._set(state.State(config=cfg, topology=topology, launch=info, backend=chosen,

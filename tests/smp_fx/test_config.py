@@ -58,6 +58,7 @@ TABLE: dict[str, tuple[list[Any], list[Any]]] = {
     "virtual_pipeline_degree": ([1, 2, 4], [0, -1, 1.5, "2"]),
     "recompute_granularity": (["none", "selective"], ["full", True, None]),
     "compile": (["none", "inductor", "aot_eager"], [True, "max-autotune", None]),
+    "expert_parallel_degree": ([1, 2, 8], [0, -1, 1.5, "2", True]),
     "optimize": (["memory", "speed"], ["fast", 0]),
     "placement_strategy": (["cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD"],
                            ["DP", "ring", 3]),
@@ -94,11 +95,12 @@ TABLE: dict[str, tuple[list[Any], list[Any]]] = {
     "_fp32_grad_accumulation": ([True, False], [None]),
 }
 NEEDS = {"tensor_parallel_degree": {"ddp": True}, "auto_partition": {"default_partition": 0},
-         "ddp_port": {"ddp": True},
+         "ddp_port": {"ddp": True}, "expert_parallel_degree": {"ddp": True},
          "shard_optimizer_state": {"ddp": True}, "sharded_data_parallel_degree": {"ddp": True},
          "offload_activations": {"microbatches": 2},
          "virtual_pipeline_degree": {"microbatches": 4}}
-EXTENSIONS = {"virtual_pipeline_degree", "recompute_granularity", "compile"}
+EXTENSIONS = {"virtual_pipeline_degree", "recompute_granularity", "compile",
+              "expert_parallel_degree"}
 """smp-fx's own parameters: SMP's documentation has no such keys."""
 
 

@@ -1,0 +1,196 @@
+"""Expert parallelism (``expert_parallel_degree``) against the one-process model.
+
+The multi-process test: one spawn of 2 gloo ranks (dp 2, ep 2) trains the four MoE
+families of ``examples/models/moe_zoo.py`` (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3 with its
+shared expert) for 3 steps with SGD, and DeepSeek-V3 with Adam too (eps 1e-6; Adam's
+update is per element, so one family shows its state follows the slices), each rank on its
+half of the global batch, the gradients clipped to a norm of 0.5 (``clip_grad_norm_``:
+the whole model's norm, equal to one process's, the experts' part summed over the ep
+group). Every local gradient at every step (an expert slice against its experts' rows of
+the one-process gradient) and the full ``state_dict()`` after them match the plain model
+trained on the whole batch in this process (1e-5); so does each rank's load-balancing loss
+against the plain model's on that rank's half, every step. Each rank holds half of the
+experts' parameter bytes and all of the rest, as its plan counts them; every MoE block
+is expert-parallel; the gathered ``state_dict()`` loads into the plain model (ep 1), and
+the plain model's state loads back into the split one (each rank its experts). A second
+spawn of 4 ranks runs Mixtral at ep 2 x pp 2, then at ep 4.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from examples.models import moe_zoo
+from tests.helpers.compare import mismatched, state_dict_mismatches
+from tests.helpers.dist import run_ranks
+
+GLOBAL_BATCH, STEPS, LR, MAX_NORM = 4, 3, 0.05, 0.5
+TOL = {"atol": 1e-5, "rtol": 1e-5}
+OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=LR),
+              "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, eps=1e-6)}
+CASES = tuple(f"{a}/sgd" for a in moe_zoo.ARCHITECTURES) + ("deepseek_v3/adam",)
+CE = torch.nn.functional.cross_entropy
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(1234)
+    return [(moe_zoo.inputs(GLOBAL_BATCH)[0], moe_zoo.targets(GLOBAL_BATCH))
+            for _ in range(STEPS)]
+
+
+def _loss(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return CE(logits.flatten(0, -2), y.flatten())
+
+
+def _outputs(model: Any, arch: str, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logits, load-balancing loss; 0 for a family without one)."""
+    out = model(x)
+    return out if arch in moe_zoo.AUX else (out, torch.zeros(()))
+
+
+def _reference(case: str, parts: int = 2) -> dict[str, Any]:
+    """The plain model on the global batch: gradients each step, the final state, and
+    each step's load-balancing loss of every microbatch (``parts`` of them: dp x m)."""
+    arch, opt_name = case.split("/")
+    model = moe_zoo.build(arch, aux=arch in moe_zoo.AUX)
+    opt = OPTIMIZERS[opt_name](model.parameters())
+    grads, aux, norms = [], [], []
+    for x, y in _batches():
+        with torch.no_grad():
+            aux.append(torch.stack([_outputs(model, arch, part)[1]
+                                    for part in x.chunk(parts)]))
+        opt.zero_grad()
+        _loss(_outputs(model, arch, x)[0], y).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()
+                      if p.grad is not None})
+        opt.step()
+    return {"grads": grads, "aux": aux, "norms": norms,
+            "state": {k: v.clone() for k, v in model.state_dict().items()}}
+
+
+def _expert_rows(want: dict[str, torch.Tensor], names: frozenset[str], ep: int,
+                 rank: int) -> dict[str, torch.Tensor]:
+    """``want`` with each expert tensor cut to the rows ep rank ``rank`` holds."""
+    return {n: (t.chunk(ep)[rank] if n in names else t) for n, t in want.items()}
+
+
+def _train(case: str, ref: dict[str, Any], pp: int = 1, ep: int = 2) -> dict[str, Any]:
+    """3 steps at ``ep`` (``pp`` stages of ``pp`` microbatches); what differs from ``ref``."""
+    import smp_fx as smp
+    from smp_fx.world import state as smp_state
+
+    arch, opt_name = case.split("/")
+    smp_state._reset()
+    smp.init({"pipeline_parallel_degree": pp, "microbatches": pp, "ddp": True,
+              "expert_parallel_degree": ep})
+    plain = moe_zoo.build(arch, aux=arch in moe_zoo.AUX)
+    model = smp.DistributedModel(moe_zoo.build(arch, aux=arch in moe_zoo.AUX))
+    opt = smp.DistributedOptimizer(OPTIMIZERS[opt_name](model.parameters()))
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        logits, aux = _outputs(model, arch, x)
+        model.backward(_loss(logits, y))
+        return aux
+
+    share = GLOBAL_BATCH // smp.dp_size()
+    sl = slice(smp.dp_rank() * share, (smp.dp_rank() + 1) * share)
+    names, rank = model.expert_names, smp.ep_rank()
+    bad = []
+    for step, (x, y) in enumerate(_batches()):
+        opt.zero_grad()
+        aux = train_step(model, x[sl], y[sl]).stack()  # one per microbatch
+        want_aux = ref["aux"][step][smp.dp_rank() * pp:(smp.dp_rank() + 1) * pp]
+        if not torch.allclose(aux, want_aux, **TOL):
+            bad.append(f"aux loss step {step}: {aux} != {want_aux}")
+        norm = model.clip_grad_norm_(MAX_NORM)  # the experts' part summed over the ep group
+        if not torch.allclose(norm, ref["norms"][step], **TOL):
+            bad.append(f"norm step {step}: {norm} != {ref['norms'][step]}")
+        grads = {n: p.grad for n, p in model.local_named_parameters() if p.grad is not None}
+        want = _expert_rows(ref["grads"][step], names, ep, rank)
+        bad += [f"grad {n} step {step}" for n in mismatched(grads, want, **TOL)]
+        opt.step()
+    gathered = model.state_dict()
+    bad += state_dict_mismatches(gathered, ref["state"], **TOL)
+    plain.load_state_dict(gathered)  # saved at ep 2, loaded at ep 1
+    fresh = moe_zoo.build(arch, aux=arch in moe_zoo.AUX)
+    model.load_state_dict(fresh.state_dict())  # every expert: each rank takes its own
+    want = _expert_rows({n: p.detach() for n, p in fresh.named_parameters()}, names, ep, rank)
+    bad += [f"loaded {n}" for n in mismatched(dict(model.local_named_parameters()), want)]
+    local = dict(model.local_named_parameters())
+    expert_bytes = sum(p.numel() * p.element_size() for n, p in local.items() if n in names)
+    plain_expert = sum(p.numel() * p.element_size() for n, p in plain.named_parameters()
+                       if n in names)
+    rest = sum(p.numel() * p.element_size() for n, p in local.items() if n not in names)
+    plain_rest = sum(p.numel() * p.element_size() for n, p in plain.named_parameters()
+                     if n not in names)
+    return {"bad": bad, "ep": (ep, rank), "coverage": [b.line() for b in model.ep_coverage],
+            "bytes": (expert_bytes, plain_expert, rest, plain_rest), "pp": smp.pp_rank(),
+            "planned": (model.plan.stages[smp.pp_rank()].param_bytes,  # type: ignore[union-attr]
+                        sum(b.numel() * b.element_size() for b in plain.buffers()))}
+
+
+def _all(path: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    refs = torch.load(path, weights_only=True)
+    return {case: _train(case, refs[case]) for case in CASES}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(900)
+def test_ep2_matches_single_process_model(tmp_path: Any) -> None:
+    path = str(tmp_path / "reference.pt")
+    refs = {case: _reference(case) for case in CASES}
+    assert all(r["norms"][0] > MAX_NORM for r in refs.values())  # the clipping clips
+    torch.save(refs, path)
+    results = run_ranks(_all, 2, path, timeout=600)
+    for case in results[0]:
+        got = [r[case] for r in results]
+        assert [g["bad"] for g in got] == [[], []], (case, [g["bad"] for g in got])
+        assert [g["ep"] for g in got] == [(2, 0), (2, 1)], case
+        lines = got[0]["coverage"]
+        assert len(lines) == 2 and all("expert-parallel, 2 of 4" in line
+                                       for line in lines), (case, lines)
+        for g in got:
+            expert, plain_expert, rest, plain_rest = g["bytes"]
+            assert plain_expert > 0 and expert * 2 == plain_expert, (case, g["bytes"])
+            assert rest == plain_rest, (case, g["bytes"])
+            planned, buffers = g["planned"]  # the plan (memory model) sees the slices
+            assert planned == expert + rest + buffers, (case, g["planned"], g["bytes"])
+
+
+PIPELINED = "mixtral/sgd"
+
+
+def _four(path: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    ref = torch.load(path, weights_only=True)
+    return {"pp2": _train(PIPELINED, ref, pp=2), "ep4": _train(PIPELINED, ref, ep=4)}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_ep2_pp2_and_ep4_match_single_process_model(tmp_path: Any) -> None:
+    """4 ranks, Mixtral, 3 SGD steps, the same checks: 2 pipeline stages of 2
+    microbatches, each stage's experts split over its 2 dp ranks; then ep 4 (one expert
+    per rank, every all-to-all over 4 ranks)."""
+    path = str(tmp_path / "reference.pt")
+    torch.save(_reference(PIPELINED, parts=4), path)  # 4 microbatches: dp x m both times
+    results = run_ranks(_four, 4, path, timeout=400)
+    for run in ("pp2", "ep4"):
+        assert [r[run]["bad"] for r in results] == [[]] * 4, [r[run]["bad"] for r in results]
+    assert sorted((r["pp2"]["pp"], r["pp2"]["ep"]) for r in results) == [
+        (0, (2, 0)), (0, (2, 1)), (1, (2, 0)), (1, (2, 1))]
+    assert [r["ep4"]["ep"] for r in results] == [(4, r) for r in range(4)]
+    assert all("expert-parallel, 1 of 4" in line for line in results[0]["ep4"]["coverage"])
+    for r in results:
+        expert, plain_expert, rest, plain_rest = r["ep4"]["bytes"]
+        assert expert * 4 == plain_expert and rest == plain_rest, r["ep4"]["bytes"]

@@ -1,0 +1,54 @@
+"""A Hugging Face config planned from three layers stands for its full depth; bad configs
+are named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from cost_model.errors import SMPConfigError
+from smp_fx.planner import hf_config
+from smp_fx.planner.model import Profiler
+from tests.smp_fx.planner.conftest import link_cluster
+
+pytest.importorskip("transformers")
+
+TINY = Path(__file__).resolve().parents[2] / "data" / "hf_tiny_llama"
+
+
+def test_three_layers_stand_for_six(monkeypatch: pytest.MonkeyPatch) -> None:
+    shallow = hf_config.prepare_config(TINY, 32)
+    monkeypatch.setattr(hf_config, "shallow", lambda config: None)
+    whole = hf_config.prepare_config(TINY / "config.json", 32)
+    assert shallow.info.nodes < whole.info.nodes
+    for p in (shallow, whole):
+        assert (p.info.layers, p.info.tokens_per_sample, p.info.name) == (6, 32, "hf_tiny_llama")
+        assert p.info.layer_path == "model.model.layers.N"
+    assert shallow.info.parameters == whole.info.parameters == 63_904
+    cluster = link_cluster()
+    a, b = (Profiler(p, cluster)(2, 2, True) for p in (shallow, whole))
+    assert (a.repeat, a.layers) == (b.repeat, b.layers) == ((2, 5), 6)
+    assert a.parts == b.parts
+    # every parameter is priced once, in the part that reads it (tp 1: nothing sharded)
+    one = Profiler(shallow, cluster)(1, 1, False)
+    assert sum(u.param_elems for u in one.units()) == 63_904
+
+
+def _write(tmp_path: Path, doc: object) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+@pytest.mark.parametrize("doc, message", [
+    (None, "names a config.json or a directory holding one"),
+    ({"model_type": "llama-9", "hidden_size": 8}, "model_type is one transformers knows"),
+    ([1, 2], "must hold a JSON object"),
+    ({"model_type": "t5"}, "has a causal language model"),
+])
+def test_bad_configs_are_named(tmp_path: Path, doc: object, message: str) -> None:
+    path = tmp_path / "missing.json" if doc is None else _write(tmp_path, doc)
+    with pytest.raises(SMPConfigError, match=message):
+        hf_config.prepare_config(path, 16)

@@ -11,18 +11,28 @@ from smp_fx.cli import plan as plan_cli
 
 ROOT = Path(__file__).resolve().parents[3]
 TINY = ROOT / "tests" / "data" / "hf_tiny_llama"
+MIXTRAL = ROOT / "tests" / "data" / "hf_tiny_mixtral" / "config.json"
 RUN = ["--device", "a100", "--gpus", "2", "--global-batch", "4", "--quiet", "--top", "1"]
 
 
 def test_hf_config_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A Mixtral: its experts share sizes export computes once (``layers.tidy``)."""
     pytest.importorskip("transformers")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from smp_fx.planner.hf_config import load_config
+
     out = tmp_path / "plan.json"
-    assert plan_cli.main(["--hf-config", str(TINY), "--seq-len", "32", *RUN,
+    assert plan_cli.main(["--hf-config", str(MIXTRAL), "--seq-len", "32", *RUN,
                           "--json", str(out)]) == 0
-    assert "plan for hf_tiny_llama on 2 x a100" in capsys.readouterr().out
+    assert "plan for hf_tiny_mixtral on 2 x a100" in capsys.readouterr().out
     model = json.loads(out.read_text())["model"]
-    assert (model["layers"], model["parameters"], model["tokens_per_sample"]) == \
-        (6, 63_904, 32)
+    with torch.device("meta"):
+        whole = AutoModelForCausalLM.from_config(load_config(MIXTRAL))
+    assert (model["layers"], model["layer_path"], model["tokens_per_sample"]) == \
+        (5, "model.model.layers.N", 32)
+    assert model["parameters"] == sum(p.numel() for p in whole.parameters())
 
 
 def test_seq_len_reaches_a_model_file(tmp_path: Path) -> None:

@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from cost_model.errors import SMPConfigError
 from smp_fx.planner import hf_config
-from smp_fx.planner.model import Profiler
+from smp_fx.planner.model import Profiler, prepare
 from tests.smp_fx.planner.conftest import link_cluster
 
 pytest.importorskip("transformers")
@@ -34,6 +35,15 @@ def test_three_layers_stand_for_six(monkeypatch: pytest.MonkeyPatch) -> None:
     # every parameter is priced once, in the part that reads it (tp 1: nothing sharded)
     one = Profiler(shallow, cluster)(1, 1, False)
     assert sum(u.param_elems for u in one.units()) == 63_904
+
+
+def test_fx_hides_the_decoder_in_a_leaf() -> None:
+    """Why the planner traces a Hugging Face model with export (``auto``): fx cannot trace
+    its mask creation, so the whole decoder stack becomes one automatic leaf."""
+    model = hf_config.causal_lm(hf_config.load_config(TINY), "bf16", str(TINY))
+    prepared = prepare(model, lambda b: (torch.randint(0, 128, (b, 16)),), frontend="fx")
+    assert prepared.repeats is None and \
+        prepared.graph.meta["smp.auto_leaves"] == ("model.model",)
 
 
 def _write(tmp_path: Path, doc: object) -> Path:

@@ -2,12 +2,13 @@
 
 Why: "which configuration, and how fast will it be?" is the first question of anyone with a
 model and a cluster. The command builds the model (``build_model()``; ``--meta`` on the meta
-device), traces it once, and searches tensor, pipeline and data parallel degrees,
-microbatching, schedule and virtual stages, recomputation, sequence parallelism and
-sharding (``smp_fx.planner``) on a cluster: ``--cluster NAME|FILE.json``, or ``--device
-a100|h100|v100|cpu|FILE.json`` with ``--gpus-per-node``, the bandwidths and
-``--gpu-memory-gib``. It prints the top plans, why the best wins, and optionally writes
-them (``--json``), the best's SMP configuration (``--emit-config``: ``smp-fx run`` and
+device; or a Hugging Face causal LM from ``--hf-config config.json``, ``--seq-len`` tokens
+per sample: ``smp_fx.planner.hf_config``), traces it once, and searches tensor, pipeline and
+data parallel degrees, microbatching, schedule and virtual stages, recomputation, sequence
+parallelism and sharding (``smp_fx.planner``) on a cluster: ``--cluster NAME|FILE.json``, or
+``--device a100|h100|v100|cpu|FILE.json`` with ``--gpus-per-node``, the bandwidths and
+``--gpu-memory-gib``. It prints the top plans, why the best wins, and optionally writes them
+(``--json``), the best's SMP configuration (``--emit-config``: ``smp-fx run`` and
 ``smp.init`` take it; the search then keeps to what its validation accepts), its simulated
 step (``--timeline``), or, for ``--gpus 64,128,...``, the scaling curve (``--plot``).
 

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import ParamSpec, TypeVar
 
 from cost_model.cluster import load_cluster
 from smp_fx.planner.hf_config import prepare_config
@@ -24,9 +26,12 @@ CONFIGS = Path(__file__).resolve().parents[1] / "examples" / "configs"
 RUNS = (("llama3-8b", 64, 256), ("llama3-70b", 512, 512), ("mixtral-8x7b", 128, 512))
 """(config, GPUs, global batch in samples)."""
 GiB = 1024**3
+P = ParamSpec("P")
+T = TypeVar("T")
 
 
-def timed(fn, *args, **kwargs):  # type: ignore[no-untyped-def]
+def timed(fn: Callable[P, T], *args: P.args, **kwargs: P.kwargs) -> tuple[T, float, float]:
+    """``fn``'s result, wall seconds, this process's CPU seconds."""
     wall, cpu = time.perf_counter(), time.process_time()
     out = fn(*args, **kwargs)
     return out, time.perf_counter() - wall, time.process_time() - cpu

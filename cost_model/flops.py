@@ -31,7 +31,8 @@ CREATION_OPS = frozenset({
     "assert", "assert_is_none",
     "sym_numel", "floordiv", "index_select", "gather", "repeat", "masked_fill_mask",
     "assert_tensor_metadata", "and", "or", "bitwise_and", "bitwise_or", "any", "all",
-    "item", "sym_constrain_range_for_size", "diff",
+    "item", "sym_constrain_range_for_size", "diff", "floor_divide", "histc", "sort",
+    "argsort",
 })
 """Ops producing values without gradient-relevant arithmetic (index math, masks, copies)."""
 
@@ -105,6 +106,10 @@ def gemm_dims(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
             if op == "matmul" and len(b) == 2:
                 m = numel(a[:-1])  # x @ W folds the batch into the rows
             return m, a[-1], n
+        if op == "grouped_mm" and inputs[0] and inputs[1]:
+            a, b = inputs[0], inputs[1]  # (rows of all groups, k) @ (groups, k, n)
+            groups = b[0] if len(b) == 3 else 1
+            return max(1, a[-2] // groups), a[-1], b[-1]
         if op == "conv" and output:
             weight = attrs.get("weight") or inputs[1]
             if weight is None:
@@ -130,7 +135,7 @@ def op_flops(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
         gemm = linear_flops, (inputs[0], output)
     elif op == "addmm":
         gemm = matmul_flops, (inputs[1], inputs[2], output)
-    elif op in ("matmul", "mm", "bmm", "baddbmm", "einsum_mm"):
+    elif op in ("matmul", "mm", "bmm", "baddbmm", "einsum_mm", "grouped_mm"):
         a, b = (inputs[1], inputs[2]) if op == "baddbmm" else (inputs[0], inputs[1])
         gemm = matmul_flops, (a, b, output)
     elif op == "conv":

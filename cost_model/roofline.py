@@ -16,6 +16,7 @@ from cost_model.flops import ELEMENTWISE_COST, REDUCTION_OPS, VIEW_OPS
 
 KIND = {
     "addmm": "linear", "mm": "matmul", "baddbmm": "bmm", "einsum_mm": "matmul",
+    "grouped_mm": "matmul",
     "log_softmax": "softmax", "native_layer_norm": "layer_norm", "group_norm": "layer_norm",
     "rms_norm": "layer_norm", "threshold": "relu", "hardtanh": "relu", "leaky_relu": "relu",
     "silu": "gelu", "sigmoid": "tanh", "exp": "tanh", "log": "tanh", "erf": "tanh",

@@ -17,10 +17,10 @@ from cost_model.flops import CREATION_OPS, REDUCTION_OPS, VIEW_OPS, MaybeShape, 
 SAVES_OUTPUT = frozenset({"relu", "sigmoid", "tanh", "softmax", "log_softmax", "exp", "sqrt",
                           "rsqrt", "hardtanh"})
 SAVES_INPUT = frozenset({"gelu", "silu", "pow", "abs", "log", "erf", "leaky_relu", "clamp",
-                         "adaptive_avg_pool", "avg_pool", "max_pool"})
+                         "adaptive_avg_pool", "avg_pool", "max_pool", "sin", "cos"})
 SAVES_NOTHING = frozenset({"add", "sub", "neg", "rsub", "iadd", "sum", "mean", "cat",
                            "stack", "cumsum", "index"}) | VIEW_OPS | CREATION_OPS
-BINARY_SAVES_OTHER = frozenset({"mul", "imul", "matmul", "mm", "bmm"})
+BINARY_SAVES_OTHER = frozenset({"mul", "imul", "matmul", "mm", "bmm", "grouped_mm"})
 """Each operand is saved if the *other* one needs a gradient (d(ab)/da = b)."""
 
 

@@ -250,10 +250,13 @@ def region_inputs(nodes: Sequence[torch.fx.Node]) -> list[torch.fx.Node]:
 
 
 def _input_storages(nodes: Sequence[torch.fx.Node]) -> dict[str, int]:
+    """The storages a region keeps of its inputs; a view of a parameter or buffer (a
+    causal mask's slice) is held anyway, not kept by the region."""
     out: dict[str, int] = {}
+    attrs = {n.name for n in nodes[0].graph.nodes if n.op == "get_attr"} if nodes else set()
     for m in region_inputs(nodes):
         saved = meta.SAVED.get(m)
-        if saved is not None and saved.storage[1]:
+        if saved is not None and saved.storage[1] and saved.storage[0] not in attrs:
             out[saved.storage[0]] = saved.storage[1]
     return out
 

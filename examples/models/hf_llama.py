@@ -24,20 +24,22 @@ class LlamaLogits(nn.Module):
 
 
 def build_model(num_hidden_layers: int = 2, hidden_size: int = 32,
-                num_attention_heads: int = 4, num_key_value_heads: int = 2) -> nn.Module:
+                num_attention_heads: int = 4, num_key_value_heads: int = 2,
+                seq_len: int = SEQ) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden_size,
                       intermediate_size=2 * hidden_size, num_hidden_layers=num_hidden_layers,
                       num_attention_heads=num_attention_heads,
-                      num_key_value_heads=num_key_value_heads, max_position_embeddings=SEQ * 4,
+                      num_key_value_heads=num_key_value_heads,
+                      max_position_embeddings=max(SEQ * 4, seq_len),
                       bos_token_id=0, eos_token_id=1, pad_token_id=2,
                       attn_implementation="eager")
     return LlamaLogits(LlamaForCausalLM(cfg)).eval()
 
 
-def example_inputs(batch_size: int = 2) -> tuple[torch.Tensor, ...]:
-    return (torch.randint(0, VOCAB, (batch_size, SEQ)),)
+def example_inputs(batch_size: int = 2, seq_len: int = SEQ) -> tuple[torch.Tensor, ...]:
+    return (torch.randint(0, VOCAB, (batch_size, seq_len)),)
 
 
 def example_targets(batch_size: int = 2) -> torch.Tensor:

@@ -6,6 +6,7 @@ collective nodes inserted with their metadata, a node replaced by its sharded fo
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -100,12 +101,22 @@ SHAPES: dict[str, tuple[int | None, bool]] = {
     "tp_gather_batch": (0, True), "tp_split_batch": (0, False)}
 
 
+def _copy_meta(n: torch.fx.Node, like: torch.fx.Node) -> None:
+    """``like``'s metadata on ``n``, but not what ``like`` saves: a column linear's input
+    renamed to the gathered sequence would stay counted as the chunk on its gather."""
+    n.meta = dict(like.meta)
+    saved = meta.SAVED.get(n)
+    if saved is not None:
+        meta.SAVED.set(n, dataclasses.replace(saved, keys=(), extra=0))
+
+
 def insert(graph: torch.fx.Graph, fn: Callable[..., Any], args: Sequence[Any],
            like: torch.fx.Node, size: int = 1) -> torch.fx.Node:
     """A ``call_function`` node of ``fn`` with ``like``'s metadata, its own shape (by
-    ``SHAPES``), no cost yet (``costs.price_collectives``) and no parameters."""
+    ``SHAPES``), no cost yet (``costs.price_collectives``), no parameters and nothing
+    saved (the collectives keep no tensor for backward)."""
     n = graph.call_function(fn, tuple(args))
-    n.meta = dict(like.meta)
+    _copy_meta(n, like)
     src = args[0] if args and isinstance(args[0], torch.fx.Node) else None
     dim, grow = SHAPES.get(getattr(fn, "__name__", ""), (None, False))
     if src is not None:
@@ -118,7 +129,7 @@ def insert(graph: torch.fx.Graph, fn: Callable[..., Any], args: Sequence[Any],
 
 def get_attr(graph: torch.fx.Graph, fqn: str, like: torch.fx.Node) -> torch.fx.Node:
     n = graph.get_attr(fqn)
-    n.meta = dict(like.meta)
+    _copy_meta(n, like)
     meta.COST.set(n, NodeCost())
     meta.PARAMS.set(n, (fqn,))
     return n

@@ -2,12 +2,13 @@
 
 Why: "which configuration, and how fast will it be?" is the first question of anyone with a
 model and a cluster. The command builds the model (``build_model()``; ``--meta`` on the meta
-device), traces it once, and searches tensor, pipeline and data parallel degrees,
-microbatching, schedule and virtual stages, recomputation, sequence parallelism and
-sharding (``smp_fx.planner``) on a cluster: ``--cluster NAME|FILE.json``, or ``--device
-a100|h100|v100|cpu|FILE.json`` with ``--gpus-per-node``, the bandwidths and
-``--gpu-memory-gib``. It prints the top plans, why the best wins, and optionally writes
-them (``--json``), the best's SMP configuration (``--emit-config``: ``smp-fx run`` and
+device; or a Hugging Face causal LM from ``--hf-config config.json``, ``--seq-len`` tokens
+per sample: ``smp_fx.planner.hf_config``), traces it once, and searches tensor, pipeline and
+data parallel degrees, microbatching, schedule and virtual stages, recomputation, sequence
+parallelism and sharding (``smp_fx.planner``) on a cluster: ``--cluster NAME|FILE.json``, or
+``--device a100|h100|v100|cpu|FILE.json`` with ``--gpus-per-node``, the bandwidths and
+``--gpu-memory-gib``. It prints the top plans, why the best wins, and optionally writes them
+(``--json``), the best's SMP configuration (``--emit-config``: ``smp-fx run`` and
 ``smp.init`` take it; the search then keeps to what its validation accepts), its simulated
 step (``--timeline``), or, for ``--gpus 64,128,...``, the scaling curve (``--plot``).
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
 import json
 import os
 import sys
@@ -54,6 +56,7 @@ from smp_fx.cli.partition import (
     run_or_report,
 )
 from smp_fx.planner.candidate import parse_fix
+from smp_fx.planner.hf_config import prepare_config
 from smp_fx.planner.model import Prepared, prepare
 from smp_fx.planner.planner import Planned, plan
 from smp_fx.planner.profile import model_dtype
@@ -67,14 +70,23 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p = parser or argparse.ArgumentParser(
         prog="smp-fx plan", description="Choose tensor, pipeline and data parallel degrees, "
         "microbatching, schedule and recomputation for a GPU cluster, and predict the step.")
-    p.add_argument("model", help="Python file defining build_model() and example_inputs()")
+    p.add_argument("model", nargs="?",
+                   help="Python file defining build_model() and example_inputs()")
+    p.add_argument("--hf-config", metavar="PATH",
+                   help="plan a Hugging Face causal LM from its config.json (or the "
+                   "directory holding it) instead of a model file; built on meta, no download")
+    p.add_argument("--seq-len", type=int, metavar="N",
+                   help="tokens per sample: required with --hf-config; for a model file, "
+                   "passed as seq_len= to its build and inputs functions")
     p.add_argument("--build-fn", default="build_model")
     p.add_argument("--inputs-fn", default="example_inputs",
                    help="f(batch_size) -> inputs; its batch size 1 gives one sample's shape")
     p.add_argument("--build-arg", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--inputs-arg", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--meta", action="store_true", help="build the model on the meta device")
-    p.add_argument("--frontend", choices=("fx", "export", "auto"), default="fx")
+    p.add_argument("--frontend", choices=("fx", "export", "auto"), default="auto",
+                   help="auto: fx, or torch.export where fx would hide submodules in "
+                   "automatic leaves (Hugging Face models)")
     p.add_argument("--gpus", required=True, help="GPU count, or a list 64,128,... (scaling)")
     p.add_argument("--global-batch", type=int, required=True, help="samples per step")
     p.add_argument("--cluster", help=f"built-in ({', '.join(cluster_names())}) or JSON file")
@@ -152,15 +164,51 @@ def host_factor(cluster: ClusterSpec, gpus: int) -> float:
     return max(1.0, per_host / max(os.cpu_count() or 1, 1))
 
 
+def _seq_len_args(fn: Any, seq_len: int | None, where: str,
+                  required: bool) -> dict[str, Any]:
+    """``{"seq_len": N}`` for a function that takes it; ``--seq-len`` for one that does not
+    is an error when ``required`` (the inputs function: its tokens are the plan's)."""
+    if seq_len is None:
+        return {}
+    params = inspect.signature(fn).parameters
+    if "seq_len" in params or any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return {"seq_len": seq_len}
+    if required:
+        raise SMPConfigError.build(f"--seq-len needs {fn.__name__}() to take seq_len",
+                                   str(inspect.signature(fn)), where,
+                                   f"add a seq_len parameter to {fn.__name__}() (its "
+                                   "inputs set the plan's tokens per sample)")
+    return {}
+
+
 def prepare_model(args: argparse.Namespace, progress: Any) -> Prepared:
+    if args.hf_config:
+        if args.model:
+            raise SMPConfigError.build("plan either a model file or --hf-config",
+                                       f"{args.model} and {args.hf_config}", "smp-fx plan",
+                                       "drop one of the two")
+        if args.seq_len is None:
+            raise SMPConfigError.build("--hf-config needs --seq-len (tokens per sample)",
+                                       None, "--seq-len", "e.g. --seq-len 8192")
+        progress(f"building {args.hf_config} on meta, tracing its first layers")
+        prepared = prepare_config(args.hf_config, args.seq_len, args.precision,
+                                  args.frontend)
+        _report(prepared, progress)
+        return prepared
+    if not args.model:
+        raise SMPConfigError.build("smp-fx plan needs a model file or --hf-config", None,
+                                   "smp-fx plan", "pass MODEL.py or --hf-config PATH")
     module = load_model_file(args.model)
     build = _function(module, args.build_fn, args.model)
     make_inputs = _function(module, args.inputs_fn, args.model)
-    extra = _key_values(args.inputs_arg, "--inputs-arg")
+    extra = {**_seq_len_args(make_inputs, args.seq_len, args.model, True),
+             **_key_values(args.inputs_arg, "--inputs-arg")}
+    build_args = {**_seq_len_args(build, args.seq_len, args.model, False),
+                  **_key_values(args.build_arg, "--build-arg")}
     progress(f"building {args.build_fn}() from {args.model}" + (" on meta" if args.meta
                                                                   else ""))
     with torch.device("meta") if args.meta else contextlib.nullcontext():
-        model = _call(build, args.model, **_key_values(args.build_arg, "--build-arg"))
+        model = _call(build, args.model, **build_args)
     if not isinstance(model, nn.Module):
         raise SMPConfigError.build(f"{args.build_fn}() must return a torch.nn.Module",
                                    type(model).__name__, args.model, "return the model")
@@ -171,11 +219,15 @@ def prepare_model(args: argparse.Namespace, progress: Any) -> Prepared:
 
     progress("tracing once, finding repeated layers")
     prepared = prepare(model, inputs, Path(args.model).stem, args.frontend)
+    _report(prepared, progress)
+    return prepared
+
+
+def _report(prepared: Prepared, progress: Any) -> None:
     info = prepared.info
     progress(f"{info.nodes} nodes, {info.parameters:,} parameters, "
              + (f"{info.layers} layers ({info.layer_path}): two priced" if info.layers
                 else "no repeated layers: every node priced"))
-    return prepared
 
 
 def _json_doc(planned: Planned, prepared: Prepared, cluster: ClusterSpec, gpus: int,

@@ -13,12 +13,20 @@ targets and parameter shapes), each layer's segment (its nodes and the glue up t
 layer) is contiguous, and nothing after the layers reads a layer's values other than the
 last layer's, the way each layer reads only its predecessor's. Otherwise ``find_repeats``
 returns None and the planner prices the whole graph (slower, same result).
+
+``torch.export`` graphs need tidying first (``tidy``): export reads every parameter at
+the top of the graph, where the head would own them all, and computes a size the layers
+share once, where the first layer needs it (Mixtral's experts read batch x sequence), so
+that the later layers read the first one's node. ``tidy`` moves each parameter read to
+just before its first reader, in that parameter's module, and such size arithmetic (ints
+computed from the inputs' shapes alone) up to the inputs, where it belongs to the head.
 """
 
 from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.fx
@@ -106,6 +114,54 @@ def _params_of(node: torch.fx.Node, gm: torch.fx.GraphModule) -> list[torch.Tens
     return out
 
 
+SIZE_METHODS = frozenset({"size", "dim", "numel"})
+
+
+def _is_size(node: torch.fx.Node, sizes: set[torch.fx.Node]) -> bool:
+    """Whether ``node`` computes an int from the inputs' shapes alone (``sizes``: the
+    nodes known to do so): export records it as an int value; an fx graph, which records
+    none, as ``x.size()`` / ``x.shape`` of an input and arithmetic on those."""
+    inputs = node.all_input_nodes
+    if node.op not in ("call_function", "call_method") or not inputs or \
+            not all(a.op == "placeholder" or a in sizes for a in inputs):
+        return False
+    val: Any = node.meta.get("val")
+    if val is not None:
+        return isinstance(val, (int, torch.SymInt, torch.SymBool))
+    if node.op == "call_method":
+        return node.target in SIZE_METHODS
+    if node.target is getattr:
+        return len(node.args) > 1 and node.args[1] == "shape"
+    return all(a in sizes for a in inputs) and \
+        getattr(node.target, "__module__", None) in ("_operator", "operator")
+
+
+def tidy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``gm`` with its parameter reads next to their readers and its size
+    arithmetic on the inputs' shapes after the inputs (module docstring)."""
+    out = copy_graph_module(gm)
+    nodes = list(out.graph.nodes)
+    position = {n: i for i, n in enumerate(nodes)}
+    for n in nodes:
+        if n.op == "get_attr" and n.users:
+            first = min(n.users, key=position.__getitem__)
+            if n.next is not first:
+                first.prepend(n)
+            meta.MODULE_PATH.set(n, str(n.target).rpartition(".")[0])
+    anchor = next((n for n in reversed(nodes) if n.op == "placeholder"), None)
+    sizes: set[torch.fx.Node] = set()
+    for n in list(out.graph.nodes):
+        if anchor is not None and _is_size(n, sizes):
+            sizes.add(n)
+            if anchor.next is not n:
+                anchor.append(n)
+            meta.MODULE_PATH.set(n, "")
+            anchor = n
+    out.graph.lint()
+    out.recompile()
+    return out
+
+
 def find_repeats(gm: torch.fx.GraphModule) -> Repeats | None:
     """The repeated layers of ``gm`` (module docstring), or None."""
     found = _segments(gm)
@@ -158,4 +214,4 @@ def keep_layers(gm: torch.fx.GraphModule, repeats: Repeats) -> torch.fx.GraphMod
     return small
 
 
-__all__ = ["KEPT", "Repeats", "find_repeats", "keep_layers", "layer_of"]
+__all__ = ["KEPT", "Repeats", "find_repeats", "keep_layers", "layer_of", "tidy"]

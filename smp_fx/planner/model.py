@@ -21,7 +21,7 @@ from torch import nn
 from cost_model.cluster import ClusterSpec
 from cost_model.collectives import bus_bandwidth
 from passes.trace import Frontend, trace
-from smp_fx.planner.layers import Repeats, find_repeats, keep_layers
+from smp_fx.planner.layers import Repeats, find_repeats, keep_layers, tidy
 from smp_fx.planner.profile import Profile, profile
 
 Inputs = Callable[[int], tuple[Any, ...]]
@@ -65,12 +65,19 @@ def parameter_count(model: nn.Module) -> int:
     return total
 
 
+TRACE_BATCH = 2
+"""Samples the model is traced on: ``torch.export`` fixes a batch dimension of size 1 in
+some models (a Hugging Face Llama's attention views), and the planner prices microbatches
+of every size on the one graph."""
+
+
 def prepare(model: nn.Module, inputs: Inputs, name: str = "model",
-            frontend: Frontend = "fx") -> Prepared:
-    """Trace ``model`` (on the meta device, typically) on one sample, find its repeated
-    layers and keep two (the whole graph when it has none)."""
+            frontend: Frontend = "auto") -> Prepared:
+    """Trace ``model`` (on the meta device, typically), find its repeated layers and keep
+    two (the whole graph when it has none). ``auto``: fx, or ``torch.export`` where fx
+    would hide modules in automatic leaves (a Hugging Face model's decoder stack)."""
     sample = inputs(1)
-    gm = trace(model, tuple(sample), None, frontend)
+    gm = tidy(trace(model, tuple(inputs(TRACE_BATCH)), None, frontend))
     repeats = find_repeats(gm)
     reduced = keep_layers(gm, repeats) if repeats is not None else gm
     first = next((x for x in sample if isinstance(x, torch.Tensor)), None)
@@ -117,4 +124,5 @@ class Profiler:
         return len(self._cache)
 
 
-__all__ = ["Inputs", "ModelInfo", "Prepared", "Profiler", "parameter_count", "prepare"]
+__all__ = ["TRACE_BATCH", "Inputs", "ModelInfo", "Prepared", "Profiler", "parameter_count",
+           "prepare"]

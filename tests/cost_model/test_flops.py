@@ -1,6 +1,13 @@
 from __future__ import annotations
 
-from cost_model.flops import conv_flops, linear_flops, matmul_flops, op_flops, sdpa_flops
+from cost_model.flops import (
+    conv_flops,
+    gemm_dims,
+    linear_flops,
+    matmul_flops,
+    op_flops,
+    sdpa_flops,
+)
 from cost_model.saved import SavedRule, saved_rule
 
 
@@ -11,6 +18,12 @@ def test_contractions() -> None:
     assert matmul_flops((3, 4, 5), (3, 5, 6), (3, 4, 6)) == 2 * 3 * 4 * 6 * 5
     assert op_flops("addmm", [(6,), (4, 5), (5, 6)], (4, 6), {})[0] == 2 * 4 * 5 * 6
     assert op_flops("bmm", [(3, 4, 5), (3, 5, 6)], (3, 4, 6), {})[0] == 2 * 3 * 4 * 6 * 5
+    # a mixture of experts' grouped GEMM: 12 routed rows over 4 experts of (5 -> 6)
+    moe = [(12, 5), (4, 5, 6), (4,)]
+    assert op_flops("grouped_mm", moe, (12, 6), {}) == (2 * 12 * 5 * 6, 2 * 2 * 12 * 5 * 6)
+    assert gemm_dims("grouped_mm", moe, (12, 6), {}) == (3, 5, 6)  # rows per expert
+    assert saved_rule("grouped_mm", moe, (12, 6), {}, [True, True, False],
+                      False) == SavedRule(inputs=(0, 1))
 
 
 def test_conv_and_attention() -> None:

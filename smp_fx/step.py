@@ -30,7 +30,7 @@ from cost_model.errors import SMPRuntimeError
 from smp_fx.model import DistributedModel
 from smp_fx.runtime.input_check import first_rank_inputs
 from smp_fx.runtime.microbatch import split_inputs
-from smp_fx.world import context, state
+from smp_fx.world import context, order_mode, state
 
 
 class StepOutput:
@@ -136,6 +136,7 @@ def step(non_split_inputs: Callable[..., Any] | Sequence[str] | None = None,
         scale *= model.loss_scale  # fp16: the optimizer's loss scale
         results = model.executor.run(fn, mbs, schedule, scale)
         model.run_post_step_hooks()
+        order_mode.at_step_end()  # SMP_FX_CHECK_ORDER: compare the step's collectives
         return _combine(results, detach_outputs)
 
     return wrapper

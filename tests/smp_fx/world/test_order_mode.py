@@ -50,8 +50,9 @@ def _swapped_step() -> dict[str, object]:
 
 
 @pytest.mark.multiproc
+@pytest.mark.usefixtures("check_order")  # the switch as the grid gets it (run_ranks forwards it)
 def test_swapped_all_reduces_are_named_on_every_rank() -> None:
-    out = run_ranks(_swapped_step, 2, timeout=120, env={order_mode.ENV: "1"})
+    out = run_ranks(_swapped_step, 2, timeout=120)
     for rank in out:
         assert rank["wrapped"] and rank["restored"]
         error = str(rank["error"])

@@ -77,3 +77,20 @@ def test_off_wraps_nothing_and_uninstall_restores(monkeypatch: pytest.MonkeyPatc
     assert dist.ProcessGroup.allreduce is not ALLREDUCE
     state._reset()
     assert dist.ProcessGroup.allreduce is ALLREDUCE and order_mode._ACTIVE is None
+
+
+def test_paused_compares_nothing_and_drops_its_calls(caplog: pytest.LogCaptureFixture) -> None:
+    """Inside ``DistributedModel.join()`` ranks step unevenly: no gather there (it would
+    wait for a rank that shadows instead of stepping); the calls are dropped, logged."""
+    smp.init({"pipeline_parallel_degree": 1})
+    order_mode.install(timedelta(seconds=30), state.get().groups, state.get().object_groups)
+    recorder = order_mode._ACTIVE
+    assert recorder is not None
+    with order_mode.paused("a join"):
+        dist.all_reduce(torch.ones(2))
+        order_mode.at_step_end()
+        assert recorder.step == 0
+    assert "1 calls inside a join were not compared" in caplog.text
+    dist.all_reduce(torch.ones(2))
+    order_mode.at_step_end()
+    assert recorder.step == 1 and recorder.take() == {}

@@ -1,6 +1,7 @@
 """``SMP_FX_CHECK_ORDER=1`` on real gloo ranks: a clean step passes, two all-reduces of one
-shape issued in swapped order on two ranks (gloo runs them) are named at the step's end, and
-with the mode off nothing is wrapped."""
+shape issued in swapped order on two ranks (gloo runs them) are named at the step's end;
+torch's methods are wrapped only between ``install`` and the reset; ``DistributedModel.join()``
+pauses the comparison."""
 
 from __future__ import annotations
 
@@ -65,10 +66,10 @@ def test_swapped_all_reduces_are_named_on_every_rank() -> None:
     assert out[0]["error"] == out[1]["error"]
 
 
-def test_off_wraps_nothing_and_uninstall_restores(monkeypatch: pytest.MonkeyPatch) -> None:
-    """One process (nothing to compare, so ``smp.init`` never installs): ``install`` wraps
-    and ``uninstall`` puts torch's methods back; off, ``enabled`` says so."""
-    for value, on in (("1", True), ("0", False), ("", False)):
+def test_only_install_wraps_and_the_reset_restores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The switch's values; one process has nothing to compare, so ``smp.init`` does not
+    install even with it on; ``install`` wraps, the reset puts torch's methods back."""
+    for value, on in (("0", False), ("", False), ("1", True)):
         monkeypatch.setenv(order_mode.ENV, value)
         assert order_mode.enabled() is on
     smp.init({"pipeline_parallel_degree": 1})

@@ -208,14 +208,16 @@ def install(wait: timedelta, groups: dict[str, Any], objects: dict[str, Any]) ->
     if _ACTIVE is not None:
         return
     side = dist.new_group(backend="gloo", timeout=wait)
+    # The class's own entries are kept (a pybind method read through ``getattr`` is an
+    # unbound function, which put back would no longer bind ``self``).
     for name, (op, kind, arg) in _METHODS.items():
-        if hasattr(dist.ProcessGroup, name):
-            _ORIGINALS[(dist.ProcessGroup, name)] = getattr(dist.ProcessGroup, name)
+        if name in vars(dist.ProcessGroup):
+            _ORIGINALS[(dist.ProcessGroup, name)] = vars(dist.ProcessGroup)[name]
             setattr(dist.ProcessGroup, name, _method(name, op, kind, arg))
     for name, op in _FUNCOL.items():
-        if hasattr(funcol, name):
-            _ORIGINALS[(funcol, name)] = getattr(funcol, name)
-            setattr(funcol, name, _functional(getattr(funcol, name), op))
+        if name in vars(funcol):
+            _ORIGINALS[(funcol, name)] = vars(funcol)[name]
+            setattr(funcol, name, _functional(vars(funcol)[name], op))
     _ACTIVE = _Recorder(side, _labels(groups, objects))
 
 

@@ -28,7 +28,7 @@ def _swapped_step() -> dict[str, object]:
     @smp.step
     def step(model: smp.DistributedModel, x: torch.Tensor, swap: bool) -> torch.Tensor:
         a, b = torch.ones(3), torch.ones(3)
-        funcol.all_reduce(torch.ones(2), "sum", group)  # DTensor's path, recorded too
+        funcol.wait_tensor(funcol.all_reduce(torch.ones(2), "sum", group))  # DTensor's path
         if swap and smp.rank() == 1:
             dist.all_reduce(b, group=group)
             dist.all_reduce(a, group=group)
@@ -78,6 +78,10 @@ def test_only_install_wraps_and_the_reset_restores(monkeypatch: pytest.MonkeyPat
     assert dist.ProcessGroup.allreduce is not ALLREDUCE
     state._reset()
     assert dist.ProcessGroup.allreduce is ALLREDUCE and order_mode._ACTIVE is None
+    smp.init({"pipeline_parallel_degree": 1})  # torch's methods still work as before
+    t = torch.ones(2)
+    dist.all_reduce(t)
+    assert funcol.wait_tensor(funcol.all_reduce(t, "sum", dist.group.WORLD)).tolist() == [1, 1]
 
 
 def test_paused_compares_nothing_and_drops_its_calls(caplog: pytest.LogCaptureFixture) -> None:

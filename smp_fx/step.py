@@ -134,9 +134,9 @@ def step(non_split_inputs: Callable[..., Any] | Sequence[str] | None = None,
         schedule = model.schedule(m, forward_only)
         scale = 1.0 / m if model.options.average_grads_across_microbatches else 1.0
         scale *= model.loss_scale  # fp16: the optimizer's loss scale
-        results = model.executor.run(fn, mbs, schedule, scale)
-        model.run_post_step_hooks()
-        order_mode.at_step_end()  # SMP_FX_CHECK_ORDER: compare the step's collectives
+        with order_mode.checked_step():  # SMP_FX_CHECK_ORDER: compare the step's calls
+            results = model.executor.run(fn, mbs, schedule, scale)
+            model.run_post_step_hooks()
         return _combine(results, detach_outputs)
 
     return wrapper

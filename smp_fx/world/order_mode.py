@@ -4,10 +4,10 @@ Off (the default) nothing is wrapped. On, ``smp.init`` wraps the methods of torc
 ``ProcessGroup`` that every ``torch.distributed`` call ends in (the pipeline transport's
 direct sends too) and DTensor's functional collectives: each call is recorded per group at
 issue time (async ones included) with its op, shapes, dtypes and peer or root. At the end
-of each ``smp.step`` every rank's record is gathered over a gloo group of the checker's
-own (its traffic is not recorded) and compared (``smp_fx.world.order_check``): the first
-mismatch raises ``SMPOrderError`` on every rank. Set it on every rank alike.
-"""
+of each ``smp.step`` (``checked_step``) every rank's record is gathered over a gloo group
+of the checker's own (its traffic is not recorded) and compared
+(``smp_fx.world.order_check``): the first mismatch raises ``SMPOrderError`` on every rank.
+Set it on every rank alike."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from cost_model.errors import SMPPeerError, SMPTimeoutError
 from smp_fx.world.order_check import COLLECTIVE, RECV, SEND, Call, GroupLog, first_mismatch
 
 ENV = "SMP_FX_CHECK_ORDER"
@@ -137,14 +138,21 @@ class _Recorder:
             calls, self._calls = self._calls, {}
         return {name: GroupLog(*self._groups[name], tuple(cs)) for name, cs in calls.items()}
 
-    def check(self) -> None:
-        """Gather every rank's calls since the last check; raise on the first mismatch."""
+    def check(self, failed: bool = False) -> None:
+        """Gather every rank's calls since the last check; raise on the first mismatch.
+        A step that failed on some rank (``failed`` there) is not compared: its ranks
+        stopped at different places."""
         if self.paused:
             return
         self.step += 1
         logs: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(logs, self.take(), group=self.side)
-        hit = first_mismatch(logs)
+        dist.all_gather_object(logs, (failed, self.take()), group=self.side)
+        stopped = [r for r, (f, _) in enumerate(logs) if f]
+        if stopped:
+            log.warning("%s: step %d failed on ranks %s; its calls were not compared", ENV,
+                        self.step, stopped)
+            return
+        hit = first_mismatch([calls for _, calls in logs])
         if hit is not None:
             raise hit.error(self.step)
 
@@ -252,7 +260,23 @@ def paused(where: str) -> Iterator[None]:
                         "unevenly)", ENV, dropped, where)
 
 
-def at_step_end() -> None:
-    """The end of an ``smp.step``: compare the step's calls when the mode is on."""
-    if _ACTIVE is not None:
-        _ACTIVE.check()
+@contextlib.contextmanager
+def checked_step() -> Iterator[None]:
+    """Around an ``smp.step``: compare its calls at its end when the mode is on. A rank
+    whose step raised still takes part in the gather (so the others do not wait for it),
+    then re-raises; not after a lost or silent peer, whose gather would only time out."""
+    rec = _ACTIVE
+    if rec is None:
+        yield
+        return
+    try:
+        yield
+    except (SMPPeerError, SMPTimeoutError):
+        raise
+    except BaseException:
+        try:
+            rec.check(failed=True)
+        except Exception as exc:  # the step's own error is the one to see
+            log.warning("%s: the failed step's check failed too: %s", ENV, exc)
+        raise
+    rec.check()

@@ -92,10 +92,14 @@ def test_paused_compares_nothing_and_drops_its_calls(caplog: pytest.LogCaptureFi
     recorder = order_mode._ACTIVE
     assert recorder is not None
     with order_mode.paused("a join"):
-        dist.all_reduce(torch.ones(2))
-        order_mode.at_step_end()
+        with order_mode.checked_step():
+            dist.all_reduce(torch.ones(2))
         assert recorder.step == 0
     assert "1 calls inside a join were not compared" in caplog.text
-    dist.all_reduce(torch.ones(2))
-    order_mode.at_step_end()
+    with order_mode.checked_step():
+        dist.all_reduce(torch.ones(2))
     assert recorder.step == 1 and recorder.take() == {}
+    with pytest.raises(ZeroDivisionError), order_mode.checked_step():
+        dist.all_reduce(torch.ones(2))
+        raise ZeroDivisionError  # a step that failed: gathered, not compared, re-raised
+    assert recorder.step == 2 and "step 2 failed on ranks [0]" in caplog.text

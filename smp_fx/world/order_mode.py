@@ -1,13 +1,11 @@
 """``SMP_FX_CHECK_ORDER=1``: NCCL's ordering rule checked on any backend, gloo included.
 
-Off (the default) nothing is wrapped. On, ``smp.init`` wraps the methods of torch's
-``ProcessGroup`` that every ``torch.distributed`` call ends in (the pipeline transport's
-direct sends too) and DTensor's functional collectives: each call is recorded per group at
-issue time (async ones included) with its op, shapes, dtypes and peer or root. At the end
-of each ``smp.step`` (``checked_step``) every rank's record is gathered over a gloo group
-of the checker's own (its traffic is not recorded) and compared
-(``smp_fx.world.order_check``): the first mismatch raises ``SMPOrderError`` on every rank.
-Set it on every rank alike."""
+Off (the default) nothing is wrapped. On (set on every rank), ``smp.init`` wraps the
+``ProcessGroup`` methods every ``torch.distributed`` call ends in (the transport's direct
+sends too) and DTensor's functional collectives: each call is recorded per group at issue
+time with its op, shapes, dtypes and peer or root. At each ``smp.step``'s end
+(``checked_step``) the records are gathered over a gloo group of the checker's own and
+compared (``order_check``); the first mismatch raises ``SMPOrderError`` on every rank."""
 
 from __future__ import annotations
 

@@ -69,6 +69,11 @@ class SMPPeerError(SMPRuntimeError, ConnectionError):
     The message names that rank and stage, and what this rank was doing."""
 
 
+class SMPOrderError(SMPRuntimeError):
+    """Under ``SMP_FX_CHECK_ORDER=1``: the ranks of a process group issued different
+    collectives, or a pair different sends and receives, in one step; NCCL would hang."""
+
+
 class SMPCheckpointError(SMPError):
     """A checkpoint cannot be saved or loaded as asked."""
 

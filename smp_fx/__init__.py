@@ -17,6 +17,7 @@ from cost_model.errors import (
     SMPError,
     SMPInternalError,
     SMPNotImplementedError,
+    SMPOrderError,
     SMPPartitionError,
     SMPPassError,
     SMPPeerError,

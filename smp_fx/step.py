@@ -31,7 +31,7 @@ from cost_model.errors import SMPRuntimeError
 from smp_fx.model import DistributedModel
 from smp_fx.runtime.inputs.input_check import first_rank_inputs
 from smp_fx.runtime.inputs.microbatch import split_inputs
-from smp_fx.world import context, state
+from smp_fx.world import context, order_mode, state
 
 
 class StepOutput:
@@ -135,8 +135,9 @@ def step(non_split_inputs: Callable[..., Any] | Sequence[str] | None = None,
         schedule = model.schedule(m, forward_only)
         scale = 1.0 / m if model.options.average_grads_across_microbatches else 1.0
         scale *= model.loss_scale  # fp16: the optimizer's loss scale
-        results = model.executor.run(fn, mbs, schedule, scale)
-        model.run_post_step_hooks()
+        with order_mode.checked_step():  # SMP_FX_CHECK_ORDER: compare the step's calls
+            results = model.executor.run(fn, mbs, schedule, scale)
+            model.run_post_step_hooks()
         return _combine(results, detach_outputs)
 
     return wrapper

@@ -9,6 +9,9 @@ intra-op thread where asked, and a check that a test which starts processes is m
   and the in-process pipeline's step threads add their own; ask for it with
   ``pytestmark = pytest.mark.usefixtures("one_thread")`` or as a fixture argument.
   (Ranks started by ``tests.helpers.dist.run_ranks`` get one thread on their own.)
+* ``check_order``: the ranks ``tests.helpers.dist.run_ranks`` starts run under
+  ``SMP_FX_CHECK_ORDER=1`` (NCCL's ordering rule checked at every step's end; a sample of
+  the multi-process tests asks for it, the whole grid runs under it with the variable set).
 * ``_spawning_is_marked``: a test that starts a process (a ``subprocess`` or a
   ``multiprocessing`` process, e.g. the ranks of ``run_ranks``) must carry
   ``@pytest.mark.multiproc``, so ``-m "not multiproc"`` runs in this process only.
@@ -55,6 +58,11 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def check_order(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SMP_FX_CHECK_ORDER", "1")
 
 
 @pytest.fixture(autouse=True)

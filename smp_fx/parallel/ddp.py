@@ -24,7 +24,7 @@ from cost_model.errors import SMPConfigError, SMPRuntimeError
 from smp_fx.runtime.executor.lowering import Op
 from smp_fx.runtime.executor.seams import StageRunner, StepHooks
 from smp_fx.runtime.executor.split_backward import PendingW
-from smp_fx.world import context, state
+from smp_fx.world import context, order_mode, state
 
 log = logging.getLogger("smp_fx.parallel.ddp")
 
@@ -474,7 +474,8 @@ def join(dp: DataParallel | None, throw_on_early_termination: bool = False
         yield
         return
     try:
-        with Join([dp], throw_on_early_termination=throw_on_early_termination):
+        with order_mode.paused("DistributedModel.join()"), \
+                Join([dp], throw_on_early_termination=throw_on_early_termination):
             yield
     finally:
         dp.disable_join()

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from cost_model.errors import SMPConfigError, SMPRuntimeError
 from smp_fx.config import ConfigSource, SMPConfig, load_config, resolve_topology
-from smp_fx.world import expert_groups, launch, reports, state
+from smp_fx.world import expert_groups, launch, order_mode, reports, state
 
 
 def init(config: ConfigSource = None, backend: str | None = None) -> None:
@@ -60,6 +60,8 @@ def init(config: ConfigSource = None, backend: str | None = None) -> None:
     state._set(state.State(config=cfg, topology=topology, launch=info, backend=chosen,
                            device=device, in_process=in_process, owns_default_group=owns,
                            groups=groups, object_groups=objects, created=created))
+    if order_mode.enabled() and not in_process and topology.world_size > 1:
+        order_mode.install(wait, groups, objects)
     stage = state.get().axis_rank("pp")
     reports.started(info.rank, stage)  # under smp-fx run: which rank failed first
     reports.install_excepthook(info.rank, stage)

@@ -21,7 +21,7 @@ from cost_model.errors import SMPRuntimeError
 from passes.tensor_parallel import collectives as tp_collectives
 from smp_fx.config import SMPConfig
 from smp_fx.topology import Topology
-from smp_fx.world import state_api
+from smp_fx.world import order_mode, state_api
 from smp_fx.world.launch import LaunchInfo
 
 AXES_BUILT: tuple[str, ...] = ("mp", "dp", "pp", "tp", "rdp")  # creation order, every rank
@@ -130,6 +130,7 @@ def _reset() -> None:
     to call ``smp.init`` several times in one process)."""
     global _STATE
     state, _STATE = _STATE, None
+    order_mode.uninstall()
     tp_collectives.bind(None, 1, 0)  # the tp group (and its store) must not outlive it
     if state is None or not dist.is_initialized():
         return

@@ -33,6 +33,10 @@ import traceback
 from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
+FORWARDED = ("SMP_FX_CHECK_ORDER",)
+"""Switches read from this process's environment at each call (the forkserver's is the one
+it started with), so a test can turn them on with ``monkeypatch.setenv``."""
+
 
 class RankFailed(AssertionError):
     """One or more ranks raised, crashed, or did not finish in time."""
@@ -80,12 +84,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ctx.set_forkserver_preload(["torch", "torch.distributed", "smp_fx"])
     out = ctx.Queue()
     port = free_port()
+    forwarded = {k: os.environ[k] for k in FORWARDED if k in os.environ}
     procs = []
     for rank in range(world_size):
         rank_env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
                     "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1",
                     "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                    "SMP_FX_TIMEOUT_S": str(timeout), **dict(env or {})}
+                    "SMP_FX_TIMEOUT_S": str(timeout), **forwarded, **dict(env or {})}
         p = ctx.Process(target=_worker, args=(fn, rank, rank_env, args, out), daemon=True)
         p.start()
         procs.append(p)

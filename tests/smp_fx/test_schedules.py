@@ -96,6 +96,7 @@ def _all_cases(pp: int) -> list[str]:
 
 
 @pytest.mark.multiproc
+@pytest.mark.usefixtures("check_order")  # NCCL's ordering rule too (docs/runtime.md)
 @pytest.mark.parametrize("pp", [2, 4])
 def test_across_processes(pp: int) -> None:
     assert run_ranks(_all_cases, pp, pp, timeout=300) == [[]] * pp

@@ -134,6 +134,7 @@ def _body() -> list[str]:
 
 
 @pytest.mark.multiproc
+@pytest.mark.usefixtures("check_order")  # NCCL's ordering rule too (docs/runtime.md)
 def test_pp2_tp2_rdp2_on_8_ranks_equals_one_process() -> None:
     results = run_ranks(_body, 8, timeout=400)
     assert all(r == [] for r in results), [r for r in results if r]

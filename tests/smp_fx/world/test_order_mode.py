@@ -58,7 +58,7 @@ def test_swapped_all_reduces_are_named_on_every_rank() -> None:
         assert rank["wrapped"] and rank["restored"]
         error = str(rank["error"])
         assert "ranks 0 and 1 issued different collectives" in error, error
-        assert "the world/dp/rdp group (group 0, ranks [0, 1])" in error, error
+        assert "the world/dp/rdp/edp group (group 0, ranks [0, 1])" in error, error
         assert "step 2" in error, error
         # position 1: the funcol all-reduce agrees, the first of the swapped pair does not
         assert "position 1 " in error and "all_reduce([3] float32) at world/test_order_mode.py:" \

@@ -24,7 +24,7 @@ from smp_fx.topology import Topology
 from smp_fx.world import state_api
 from smp_fx.world.launch import LaunchInfo
 
-AXES_BUILT: tuple[str, ...] = ("mp", "dp", "pp", "tp", "rdp")  # creation order, every rank
+AXES_BUILT: tuple[str, ...] = ("mp", "dp", "pp", "tp", "rdp", "cp")  # creation order, every rank
 
 
 @dataclass(frozen=True)
@@ -62,7 +62,8 @@ class State:
         return self.launch.local_size
 
     def axis_size(self, axis: str) -> int:
-        """Size of ``axis`` ("world", "mp", "dp", "pp", "tp", "rdp") as smp.*_size reports."""
+        """Size of ``axis`` ("world", "mp", "dp", "pp", "tp", "rdp", "cp") as smp.*_size
+        reports."""
         if self.in_process:
             return {"pp": self.topology.pp_size, "mp": self.topology.mp_size}.get(axis, 1)
         return self.topology.size(axis)

@@ -86,12 +86,38 @@ def _expr(size: Any) -> Any:
     return size.node.expr if isinstance(size, torch.SymInt) else None
 
 
+def _is_seq(size: Any, seq: Any) -> bool:
+    """Whether ``size`` is the sequence length wherever the trace allows it: the symbol,
+    or an expression of it equal to it over its range (``Min(256, s)`` when s <= 256)."""
+    expr = _expr(size)
+    if expr is None or expr.free_symbols != {seq}:
+        return False
+    if expr == seq:
+        return True
+    bounds = size.node.shape_env.var_to_range.get(seq)
+    if bounds is None:
+        return False
+    lower = max(_finite(bounds.lower) or 2, 2)
+    upper = _finite(bounds.upper)
+    samples = {lower, lower + 1} | ({upper} if upper is not None else set())
+    return all(expr.subs(seq, v) == v for v in samples)
+
+
+def _finite(bound: Any) -> int | None:
+    """An integer bound of a symbol's range; None when unbounded."""
+    try:
+        value = int(bound)
+    except (TypeError, ValueError, AttributeError, OverflowError):
+        return None
+    return value if abs(value) < 2**62 else None
+
+
 def seq_dims(node: Any, seq: Any) -> tuple[int, ...]:
-    """Dims of ``node``'s tensor whose size is exactly the sequence length."""
+    """Dims of ``node``'s tensor whose size is the sequence length."""
     val = _val(node)
     if not isinstance(val, torch.Tensor):
         return ()
-    return tuple(i for i, s in enumerate(val.shape) if _expr(s) == seq)
+    return tuple(i for i, s in enumerate(val.shape) if _is_seq(s, seq))
 
 
 def _mentions(node: Any, seq: Any) -> bool:

@@ -76,6 +76,8 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         raise SMPTracingError(f"{exc} ('skip_tracing': true refused the one real forward "
                               "that would measure these shapes: drop 'skip_tracing', or "
                               "make the module a leaf)") from exc
+    if compiled.cp_plan is not None and st.rank == 0:
+        log.info("smp-fx %s", compiled.cp_plan.text())
     return compiled.gm, compiled.plan, compiled.tp_plan
 
 

@@ -453,11 +453,21 @@ def combination_refusal(values: Mapping[str, Any], where: str = "smp.init"
     if sdp > 1 and not v["ddp"]:
         return SMPConfigError.build("'sharded_data_parallel_degree' > 1 requires 'ddp': true",
                                     sdp, where, "set 'ddp': true")
-    if sdp > 1 and v["context_parallel_degree"] > 1:
+    cp = v["context_parallel_degree"]
+    if cp > 1 and (tp > 1 or v["pipeline_parallel_degree"] not in (None, 1)):
+        return SMPConfigError.build(
+            "'context_parallel_degree' > 1 runs with data parallelism only so far (not with "
+            "pipeline or tensor parallelism)", {"context_parallel_degree": cp,
+                                                "tensor_parallel_degree": tp,
+                                                "pipeline_parallel_degree":
+                                                    v["pipeline_parallel_degree"]}, where,
+            "set pipeline_parallel_degree and tensor_parallel_degree to 1, or "
+            "context_parallel_degree to 1")
+    if sdp > 1 and cp > 1:
         return SMPConfigError.build(
             "'context_parallel_degree' > 1 with 'sharded_data_parallel_degree' > 1 is not "
             "built (gradients are summed over cp, not sharded over cp x dp)", sdp, where,
-            "use 'ddp': true with 'shard_optimizer_state' (ZeRO-1), or context_parallel_degree 1")
+            "drop sharded_data_parallel_degree, or set context_parallel_degree to 1")
     if sdp > 1 and v["shard_optimizer_state"]:
         return SMPConfigError.build(
             "'shard_optimizer_state' and 'sharded_data_parallel_degree' > 1 both shard the "

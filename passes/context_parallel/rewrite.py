@@ -172,6 +172,10 @@ def context_parallel(gm: torch.fx.GraphModule, degree: int
     if degree <= 1:
         return new, ContextParallelPlan(degree)
     walk = _Walk(new, sequence_symbol(new), set(), [], [], {})
+    first_input = next(n for n in new.graph.nodes if n.op == "placeholder")
+    traced = meta.TENSOR.get(first_input)
+    if traced is not None:  # the traced microbatch's length: refused here, before a step
+        collectives.local_index(int(traced.shape[1]), degree, 0)
     reach = _reaching(new)
     graph = new.graph
     split: list[str] = []

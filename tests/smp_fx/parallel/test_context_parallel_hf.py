@@ -5,7 +5,10 @@ positions) and BERT (bidirectional, a padding mask with padded tails) from tiny 
 sequence 128, under sdpa. The plain models are trained in the test process on the same
 global batch and shipped to the ranks; each rank runs an unmodified SMP step (its loss
 reads the whole sequence's logits) for 3 Adam steps and checks the loss and every
-gradient at every step and ``state_dict()`` after them (fp32, 1e-5).
+gradient at every step and ``state_dict()`` after them (fp32, 1e-5). Adam normalises each
+element's step, so summation-order noise in a near-zero gradient moves its parameter by
+up to about lr: lr 1e-4 keeps that under the tolerance (at 1e-3 Llama's embedding moved
+1.7e-5 after 3 steps, its gradients within 7e-7 at every step).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import io
 from typing import Any
 
+import pytest
 import torch
 import transformers
 from torch import nn
@@ -21,7 +25,7 @@ from examples.models import hf_zoo
 from tests.helpers.compare import mismatched, state_dict_mismatches
 from tests.helpers.dist import run_ranks
 
-SEQ, BATCH, STEPS, LR = 128, 2, 3, 1e-3
+SEQ, BATCH, STEPS, LR = 128, 2, 3, 1e-4
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 CASES = ("llama", "gpt2", "bert")
 
@@ -115,6 +119,7 @@ def _all(packed: bytes) -> list[str]:
     return bad + ([] if smp.cp_size() == 2 else [f"cp_size {smp.cp_size()}"])
 
 
+@pytest.mark.multiproc
 def test_hf_models_at_cp2_match_one_process() -> None:
     buf = io.BytesIO()  # as bytes: hundreds of tensors would each take a descriptor
     torch.save({arch: reference(arch) for arch in CASES}, buf)

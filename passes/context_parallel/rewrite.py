@@ -61,6 +61,8 @@ class _Walk:
     refused: list[tuple[str, str]]
     localized: list[str]
     twins: dict[torch.fx.Node, torch.fx.Node]
+    bad: set[torch.fx.Node]
+    """Refused nodes and what reads them (refused once, at the first)."""
 
 
 def _val(node: Any) -> Any:
@@ -171,7 +173,7 @@ def context_parallel(gm: torch.fx.GraphModule, degree: int
     new = copy_graph_module(gm)
     if degree <= 1:
         return new, ContextParallelPlan(degree)
-    walk = _Walk(new, sequence_symbol(new), set(), [], [], {})
+    walk = _Walk(new, sequence_symbol(new), set(), [], [], {}, set())
     first_input = next(n for n in new.graph.nodes if n.op == "placeholder")
     traced = meta.TENSOR.get(first_input)
     if traced is not None:  # the traced microbatch's length: refused here, before a step
@@ -197,7 +199,14 @@ def context_parallel(gm: torch.fx.GraphModule, degree: int
                 walk.refused.append((node.name, "its mask is computed from local tokens"))
             continue
         walk.local.add(node)
+        if any(a in walk.bad for a in node.all_input_nodes):
+            walk.bad.add(node)
+            continue
+        refused = len(walk.refused)
         _check(walk, node)
+        if len(walk.refused) > refused:
+            walk.bad.add(node)
+            continue
         _localize_operands(walk, node)
         _local_sizes(walk, node, first_local)
         if node.target in SDPA:

@@ -60,7 +60,8 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             "there), or leave trace_execution_times False (the analytic costs of this "
             "device's spec; `smp-fx calibrate` on it measures one)")
     device = plan_device(st)
-    gm = trace(module, args, kwargs)
+    # context parallelism reads the sequence length as a symbol, which only export keeps
+    gm = trace(module, args, kwargs, "export" if cfg.context_parallel_degree > 1 else "auto")
     measured = None
     if times or memory:
         with thread_modes(torch.is_grad_enabled(), autocast):

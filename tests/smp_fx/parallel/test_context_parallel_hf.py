@@ -120,8 +120,9 @@ def _all(packed: bytes) -> list[str]:
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(900)  # three models traced on each rank: minutes on a loaded machine
 def test_hf_models_at_cp2_match_one_process() -> None:
     buf = io.BytesIO()  # as bytes: hundreds of tensors would each take a descriptor
     torch.save({arch: reference(arch) for arch in CASES}, buf)
-    results = run_ranks(_all, 2, buf.getvalue(), timeout=400)
+    results = run_ranks(_all, 2, buf.getvalue(), timeout=800)
     assert results == [[], []], results

@@ -309,8 +309,9 @@ def _check(walk: _Walk, node: torch.fx.Node) -> None:
 
 
 def _check_cat(walk: _Walk, node: torch.fx.Node) -> None:
-    parts = [p for p in node.args[0] if isinstance(p, torch.fx.Node)]
-    dim = node.args[1] if len(node.args) > 1 else 0
+    operands: Any = node.args[0]
+    parts = [p for p in operands if isinstance(p, torch.fx.Node)]
+    dim: Any = node.args[1] if len(node.args) > 1 else 0
     for p in parts:
         val = _val(p)
         if p in walk.local or not isinstance(val, torch.Tensor):
@@ -358,7 +359,8 @@ def _twin(walk: _Walk, size: torch.fx.Node, first: torch.fx.Node | None) -> torc
         with graph.inserting_after(first):
             twin = _insert(graph, aten.sym_size.int, (first, 1), size, first)
     elif size.target in (operator.mul, operator.add, operator.sub, operator.floordiv):
-        args = [_twin(walk, a, first) if _is_symint(a) else a for a in size.args]
+        args = [_twin(walk, a, first) if isinstance(a, torch.fx.Node) and _is_symint(a) else a
+                for a in size.args]
         with graph.inserting_after(size):
             twin = _insert(graph, size.target, tuple(args), size, size)
     else:

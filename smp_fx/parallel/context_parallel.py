@@ -53,18 +53,16 @@ class ContextParallelRuntime:
     def post_step(self) -> None:
         if not self._training:
             return
-        grads = [p for p in self.params if p.grad is not None]
+        grads = [(p, p.grad) for p in self.params if p.grad is not None]
         if not grads:
             return
-        added = [p.grad - self._before[id(p)] if id(p) in self._before else p.grad
-                 for p in grads]
+        added = [g - self._before[id(p)] if id(p) in self._before else g for p, g in grads]
         flat = torch.cat([g.reshape(-1) for g in added])
         dist.all_reduce(flat, group=self.group)
         offset = 0
-        for p in grads:
-            n = p.grad.numel()
-            total = flat[offset:offset + n].view_as(p.grad)
+        for p, g in grads:
+            total = flat[offset:offset + g.numel()].view_as(g)
             before = self._before.get(id(p))
-            p.grad.copy_(total if before is None else before + total)
-            offset += n
+            g.copy_(total if before is None else before + total)
+            offset += g.numel()
         self._before = {}

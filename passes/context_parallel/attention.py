@@ -32,14 +32,16 @@ def causal_mask(length: int, device: torch.device) -> torch.Tensor:
 def cp_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
             is_causal: bool = False, *, scale: float | None = None,
-            enable_gqa: bool = False) -> torch.Tensor:
+            enable_gqa: bool = False, key_whole: bool = False,
+            value_whole: bool = False) -> torch.Tensor:
     """``aten.scaled_dot_product_attention`` for the local queries of a split sequence
-    (``key``/``value``: the local chunks, gathered here; dim -2 is the sequence)."""
+    (``key``/``value``: the local chunks, gathered here, or already whole: ``*_whole``,
+    gathered before a grouped-query repeat; dim -2 is the sequence)."""
     if not collectives.active():
         return F.scaled_dot_product_attention(query, key, value, attn_mask, dropout_p,
                                               is_causal, scale=scale, enable_gqa=enable_gqa)
-    key = collectives.cp_gather_kv(key, -2)
-    value = collectives.cp_gather_kv(value, -2)
+    key = key if key_whole else collectives.cp_gather_kv(key, -2)
+    value = value if value_whole else collectives.cp_gather_kv(value, -2)
     length = key.shape[-2]
     mask: Any = None if attn_mask is None else _rows(attn_mask, length)
     if is_causal:

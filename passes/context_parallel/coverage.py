@@ -27,6 +27,8 @@ class ContextParallelPlan:
     attention: tuple[str, ...] = ()
     localized: tuple[str, ...] = ()
     gathered: tuple[str, ...] = ()
+    small_kv: tuple[str, ...] = ()
+    """Grouped-query keys and values gathered before their repeat to the query heads."""
 
     def text(self) -> str:
         """The coverage report (module docstring)."""
@@ -35,7 +37,8 @@ class ContextParallelPlan:
                 f"{'s' * (len(self.attention) != 1)} gathering keys and values")
         rows = [("split inputs", self.split), ("attention", self.attention),
                 ("whole values cut to local rows", self.localized),
-                ("outputs gathered", self.gathered)]
+                ("outputs gathered", self.gathered),
+                ("grouped-query keys/values gathered before their repeat", self.small_kv)]
         return "\n".join([head] + [f"  {k}: {', '.join(v)}" for k, v in rows if v])
 
     def to_json(self) -> str:
@@ -45,7 +48,8 @@ class ContextParallelPlan:
     def from_json(cls, text: str) -> ContextParallelPlan:
         data = json.loads(text)
         return cls(data["degree"], *(tuple(data[k]) for k in
-                                     ("split", "attention", "localized", "gathered")))
+                                     ("split", "attention", "localized", "gathered",
+                                      "small_kv")))
 
 
 __all__ = ["ContextParallelPlan"]

@@ -28,6 +28,7 @@ from passes import meta
 from passes.context_parallel import collectives
 from passes.context_parallel.attention import cp_sdpa
 from passes.context_parallel.coverage import ContextParallelPlan
+from passes.context_parallel.gqa import gather_small, repeat_chain
 from passes.graph_utils import copy_graph_module
 
 aten = torch.ops.aten
@@ -63,6 +64,9 @@ class _Walk:
     twins: dict[torch.fx.Node, torch.fx.Node]
     bad: set[torch.fx.Node]
     """Refused nodes and what reads them (refused once, at the first)."""
+    small_kv: list[str]
+    cuts: dict[torch.fx.Node, torch.fx.Node]
+    """Grouped-query keys and values gathered before their repeat to the query heads."""
 
 
 def _val(node: Any) -> Any:
@@ -71,6 +75,24 @@ def _val(node: Any) -> Any:
 
 def _is_tensor(node: Any) -> bool:
     return isinstance(_val(node), torch.Tensor)
+
+
+def _attention(walk: _Walk, node: torch.fx.Node) -> None:
+    """SDPA -> ``cp_sdpa``; a key or value repeated to the query heads is gathered before
+    the repeat (``gqa``)."""
+    node.target = cp_sdpa
+    originals = {twin: whole for whole, twin in walk.twins.items()}
+    kwargs = dict(node.kwargs)
+    for pos, flag in ((1, "key_whole"), (2, "value_whole")):
+        operand = node.args[pos] if len(node.args) > pos else None
+        found = repeat_chain(operand) if isinstance(operand, torch.fx.Node) else None
+        if found is None or found[1] not in walk.local or seq_dims(found[1], walk.seq) != (
+                _val(found[1]).dim() - 2,):
+            continue
+        gather_small(walk.gm.graph, found[0], found[1], originals, _insert)
+        kwargs[flag] = True
+        walk.small_kv.append(found[1].name)
+    node.kwargs = kwargs
 
 
 def _is_data(node: Any) -> bool:
@@ -173,7 +195,7 @@ def context_parallel(gm: torch.fx.GraphModule, degree: int
     new = copy_graph_module(gm)
     if degree <= 1:
         return new, ContextParallelPlan(degree)
-    walk = _Walk(new, sequence_symbol(new), set(), [], [], {}, set())
+    walk = _Walk(new, sequence_symbol(new), set(), [], [], {}, set(), [], {})
     first_input = next(n for n in new.graph.nodes if n.op == "placeholder")
     traced = meta.TENSOR.get(first_input)
     if traced is not None:  # the traced microbatch's length: refused here, before a step
@@ -210,7 +232,7 @@ def context_parallel(gm: torch.fx.GraphModule, degree: int
         _localize_operands(walk, node)
         _local_sizes(walk, node, first_local)
         if node.target in SDPA:
-            node.target = cp_sdpa
+            _attention(walk, node)
     if walk.refused:
         lines = "; ".join(f"{n}: {why}" for n, why in walk.refused)
         raise SMPPassError.build(
@@ -223,7 +245,7 @@ def context_parallel(gm: torch.fx.GraphModule, degree: int
     new.recompile()
     attention = tuple(n.name for n in graph.nodes if n.target is cp_sdpa)
     return new, ContextParallelPlan(degree, tuple(split), attention, tuple(walk.localized),
-                                    gathered)
+                                    gathered, tuple(walk.small_kv))
 
 
 def _insert(graph: torch.fx.Graph, fn: Any, args: tuple[Any, ...], like: torch.fx.Node,
@@ -335,10 +357,14 @@ def _localize_operands(walk: _Walk, node: torch.fx.Node) -> None:
             walk.refused.append((node.name, f"{_name(node.target)} reads a whole-sequence "
                                             f"value ({arg.name}) beside local tokens"))
             continue
-        with walk.gm.graph.inserting_before(node):
-            cut = _insert(walk.gm.graph, collectives.cp_localize, (arg, dims), arg, node)
-        node.replace_input_with(arg, cut)
-        walk.localized.append(arg.name)
+        if arg not in walk.cuts:  # one cut per whole value, shared by its local readers
+            where = walk.gm.graph.inserting_after(arg) if arg.op != "placeholder" \
+                else walk.gm.graph.inserting_before(node)
+            with where:
+                walk.cuts[arg] = _insert(walk.gm.graph, collectives.cp_localize, (arg, dims),
+                                         arg, node)
+            walk.localized.append(arg.name)
+        node.replace_input_with(arg, walk.cuts[arg])
 
 
 def _local_sizes(walk: _Walk, node: torch.fx.Node, first: torch.fx.Node | None) -> None:

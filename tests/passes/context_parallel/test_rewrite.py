@@ -24,7 +24,8 @@ SEQ, HIDDEN = 16, 8
 
 class Tiny(nn.Module):
     """Embedding + learned positions, one attention, a head; ``kind`` picks the attention
-    form ("sdpa", "eager") or a per-sequence mean after it ("mean")."""
+    form ("sdpa", "eager", "gqa": two query heads reading one key/value head repeated as
+    Hugging Face repeats it) or a per-sequence mean after it ("mean")."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -38,7 +39,14 @@ class Tiny(nn.Module):
         positions = torch.arange(ids.shape[1], device=ids.device)
         h = self.emb(ids) + self.pos(positions)[None]
         q, k, v = self.qkv(h).chunk(3, dim=-1)
-        if self.kind == "eager":
+        if self.kind == "gqa":
+            b, s, d = ids.shape[0], ids.shape[1], HIDDEN // 2
+            q = q.view(b, s, 2, d).transpose(1, 2)
+            k, v = (t[..., :d].view(b, s, 1, d).transpose(1, 2)[:, :, None]
+                    .expand(b, 1, 2, s, d).reshape(b, 2, s, d) for t in (k, v))
+            h = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            h = h.transpose(1, 2).reshape(b, s, HIDDEN)
+        elif self.kind == "eager":
             scores = (q @ k.transpose(-1, -2)) / HIDDEN ** 0.5
             h = scores.softmax(-1) @ v
         else:
@@ -68,7 +76,14 @@ def test_sdpa_is_rewritten_and_positions_stay_whole() -> None:
     assert context_parallel(gm, 1)[1] == ContextParallelPlan(1)
 
 
-@pytest.mark.parametrize("kind, reason", [("eager", "matmul contracting the sequence"),
+def test_grouped_query_keys_and_values_are_gathered_before_their_repeat() -> None:
+    model, gm, ids = _traced("gqa")
+    new, plan = context_parallel(gm, 2)
+    assert len(plan.small_kv) == 2 and len(plan.attention) == 1
+    torch.testing.assert_close(new(ids), model(ids))
+
+
+@pytest.mark.parametrize("kind, reason", [("eager", "matmul: holds sequence x sequence"),
                                           ("mean", "along the sequence of a chunk")])
 def test_what_would_be_wrong_on_a_chunk_is_refused_with_node_and_reason(kind: str,
                                                                         reason: str) -> None:

@@ -30,6 +30,7 @@ from passes.context_parallel.attention import cp_sdpa
 from passes.context_parallel.coverage import ContextParallelPlan
 from passes.context_parallel.gqa import gather_small, repeat_chain
 from passes.graph_utils import copy_graph_module
+from passes.tensor_parallel import costs
 
 aten = torch.ops.aten
 SDPA = (aten.scaled_dot_product_attention.default,
@@ -243,9 +244,26 @@ def context_parallel(gm: torch.fx.GraphModule, degree: int
             "or set context_parallel_degree to 1")
     graph.lint()
     new.recompile()
+    _local_costs(walk, degree)
     attention = tuple(n.name for n in graph.nodes if n.target is cp_sdpa)
     return new, ContextParallelPlan(degree, tuple(split), attention, tuple(walk.localized),
                                     gathered, tuple(walk.small_kv))
+
+
+def _local_costs(walk: _Walk, degree: int) -> None:
+    """One rank's costs: a local node's work, output and saved bytes are 1/degree of the
+    whole (the keys and values ``cp_sdpa`` gathers and saves are counted local too)."""
+    local = {n.name for n in walk.local} - {n.name for n in walk.bad}
+    for node in walk.gm.graph.nodes:
+        if node.name not in local:
+            continue
+        cost = meta.COST.get(node)
+        if cost is not None:
+            meta.COST.set(node, costs.divide(cost, degree))
+        dims = seq_dims(node, walk.seq)
+        if dims:
+            meta.TENSOR.set(node, costs.local_info(meta.TENSOR.get(node), dims[0], degree))
+    costs.divide_saved(walk.gm, local, degree)
 
 
 def _insert(graph: torch.fx.Graph, fn: Any, args: tuple[Any, ...], like: torch.fx.Node,

@@ -124,5 +124,5 @@ def _all(packed: bytes) -> list[str]:
 def test_hf_models_at_cp2_match_one_process() -> None:
     buf = io.BytesIO()  # as bytes: hundreds of tensors would each take a descriptor
     torch.save({arch: reference(arch) for arch in CASES}, buf)
-    results = run_ranks(_all, 2, buf.getvalue(), timeout=800)
+    results = run_ranks(_all, 2, buf.getvalue(), timeout=800, env={"SMP_FX_DEVICE_SPEC": "a100"})
     assert results == [[], []], results

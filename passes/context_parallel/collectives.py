@@ -162,6 +162,12 @@ def cp_gather_kv(x: torch.Tensor, dim: int) -> torch.Tensor:
     return out
 
 
+def sum_over_group(x: torch.Tensor) -> None:
+    """``x`` summed in place over the bound cp group (gradients); untouched without one."""
+    if active():
+        dist.all_reduce(x, group=_BOUND.group)
+
+
 def query_positions(length: int, device: torch.device) -> torch.Tensor:
     """Global positions of this rank's queries among ``length`` keys (all, unbound)."""
     if not active():
@@ -170,4 +176,4 @@ def query_positions(length: int, device: torch.device) -> torch.Tensor:
 
 
 __all__ = ["active", "bind", "cp_gather", "cp_gather_kv", "cp_localize", "cp_split",
-           "local_index", "query_positions", "size"]
+           "local_index", "query_positions", "size", "sum_over_group"]

@@ -14,7 +14,6 @@ from collections.abc import Iterable, Sequence
 from typing import ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from passes.context_parallel import collectives as cp_collectives
@@ -28,19 +27,18 @@ class ContextParallelRuntime:
 
     name: ClassVar[str] = "context_parallel"
 
-    def __init__(self, params: Iterable[nn.Parameter], group: object) -> None:
+    def __init__(self, params: Iterable[nn.Parameter]) -> None:
         self.params = list(params)
-        self.group = group
         self._training = False
         self._before: dict[int, torch.Tensor] = {}
 
     @staticmethod
     def bind(local: Iterable[tuple[str, nn.Parameter]], st: state.State
              ) -> ContextParallelRuntime:
-        """Bind the collectives to this rank's cp group; ``local``: this rank's parameters."""
-        group = st.group("cp")
-        cp_collectives.bind(group, st.axis_size("cp"), st.axis_rank("cp"))
-        return ContextParallelRuntime((p for _, p in local), group)
+        """Bind the collectives to this rank's cp group; ``local``: this rank's parameters.
+        The group is held there only, so ``smp_fx.world.state._reset`` can release it."""
+        cp_collectives.bind(st.group("cp"), st.axis_size("cp"), st.axis_rank("cp"))
+        return ContextParallelRuntime(p for _, p in local)
 
     def hooks(self) -> StepHooks:
         return StepHooks(self.pre_step, self.post_step)
@@ -58,7 +56,7 @@ class ContextParallelRuntime:
             return
         added = [g - self._before[id(p)] if id(p) in self._before else g for p, g in grads]
         flat = torch.cat([g.reshape(-1) for g in added])
-        dist.all_reduce(flat, group=self.group)
+        cp_collectives.sum_over_group(flat)
         offset = 0
         for p, g in grads:
             total = flat[offset:offset + g.numel()].view_as(g)

@@ -119,9 +119,10 @@ def _all(packed: bytes) -> list[str]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(900)  # three models traced on each rank: minutes on a loaded machine
+@pytest.mark.timeout(600)  # three models traced on each rank: 56 s at load 10 on 2 cores
 def test_hf_models_at_cp2_match_one_process() -> None:
     buf = io.BytesIO()  # as bytes: hundreds of tensors would each take a descriptor
     torch.save({arch: reference(arch) for arch in CASES}, buf)
-    results = run_ranks(_all, 2, buf.getvalue(), timeout=800, env={"SMP_FX_DEVICE_SPEC": "a100"})
+    # a built-in device spec: planning does not measure this CPU on every rank
+    results = run_ranks(_all, 2, buf.getvalue(), timeout=500, env={"SMP_FX_DEVICE_SPEC": "a100"})
     assert results == [[], []], results

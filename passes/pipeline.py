@@ -27,6 +27,7 @@ from passes.annotate_costs import annotate_costs
 from passes.assign_manual import assign_manual, backward_edge
 from passes.auto_partition import partition_graph
 from passes.checkpoint_regions import keep_whole, mark_regions, settle_regions
+from passes.context_parallel import ContextParallelPlan, context_parallel
 from passes.manual_chunks import manual_chunks
 from passes.partition_config import PartitionConfig
 from passes.partitioning.baselines import BASELINES, run_baseline
@@ -49,6 +50,7 @@ class Compiled:
     plan: PartitionPlan
     device: DeviceSpec
     tp_plan: TensorParallelPlan | None = None
+    cp_plan: ContextParallelPlan | None = None
 
 
 def resolve_device(device: str | DeviceSpec) -> DeviceSpec:
@@ -79,7 +81,7 @@ def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
                   progress: Progress | None = None,
                   traced: torch.fx.GraphModule | None = None,
                   tp: TensorParallelism | None = None,
-                  allow_real_run: bool = True) -> Compiled:
+                  allow_real_run: bool = True, cp: int = 1) -> Compiled:
     """Trace, cost and partition ``model`` for one microbatch ``(args, kwargs)``.
 
     ``allow_real_run=False`` (SMP's ``skip_tracing``) refuses shape propagation's real-run
@@ -95,7 +97,8 @@ def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
     costed = analyse(model, args, kwargs, device=spec, frontend=frontend, measured=measured,
                      leaf_modules=leaf_modules, progress=progress, traced=traced,
                      allow_real_run=allow_real_run)
-    return partition(costed, pconfig, device=spec, pins=pins, progress=progress, tp=tp)
+    return partition(costed, pconfig, device=spec, pins=pins, progress=progress, tp=tp,
+                     cp=cp)
 
 
 def analyse(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None,
@@ -128,8 +131,9 @@ def analyse(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | N
 def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
               device: str | DeviceSpec = DEFAULT_DEVICE, pins: Mapping[str, int] | None = None,
               progress: Progress | None = None,
-              tp: TensorParallelism | None = None) -> Compiled:
-    """The second half of ``compile_model``: stages, then the tp rewrite, then the plan; stages
+              tp: TensorParallelism | None = None, cp: int = 1) -> Compiled:
+    """The second half of ``compile_model``: stages, then the tp rewrite, then the cp
+    rewrite (``cp`` > 1 splits the sequence over that many ranks), then the plan; stages
     are chosen on the unsharded graph, so every tp rank splits alike."""
     spec = resolve_device(device)
     strategy = ["manual"]
@@ -173,12 +177,22 @@ def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
 
     if tp is not None and tp.size > 1:
         passes.append(Pass("tensor_parallel", shard, (meta.STAGE,), (meta.STAGE,)))
+    cp_plan: list[ContextParallelPlan] = []
+
+    def split_sequence(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        new, made = context_parallel(gm, cp)
+        cp_plan.append(made)
+        return new
+
+    if cp > 1:
+        passes.append(Pass("context_parallel", split_sequence, (meta.STAGE,), (meta.STAGE,)))
     gm = run_passes(costed, _announced(passes, progress))
     if progress is not None:
         progress("build_plan")
     plan = build_plan(gm, pconfig, spec, comm_time, strategy[0],
                       placement[0] if placement else None)
-    return Compiled(gm, plan, spec, tp_plan[0] if tp_plan else None)
+    return Compiled(gm, plan, spec, tp_plan[0] if tp_plan else None,
+                    cp_plan[0] if cp_plan else None)
 
 
 @dataclass(frozen=True)

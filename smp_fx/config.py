@@ -99,6 +99,9 @@ PARAMS: tuple[Param, ...] = (
        doc="schedule tasks before a microbatch's backward its offloaded inputs start back"),
     _P("tensor_parallel_degree", int, 1, minimum=1, used_at="DistributedModel",
        doc="linears of marked modules sharded (docs/tensor_parallel.md)"),
+    _P("context_parallel_degree", int, 1, minimum=1, used_at="DistributedModel",
+       doc="smp-fx extension (SMP v2's key, not SMP v1's): the sequence split over this many "
+           "ranks, attention over the whole (docs/context_parallel.md)"),
     _P("fp16", bool, False, used_at="DistributedModel",
        doc="half-precision model, fp32 master weights and loss scaling in "
            "DistributedOptimizer (docs/precision.md)"),
@@ -194,6 +197,7 @@ class SMPConfig:
     compile: str = "none"
     activation_loading_horizon: int = 4
     tensor_parallel_degree: int = 1
+    context_parallel_degree: int = 1
     fp16: bool = False
     fp16_params: bool = False
     shard_optimizer_state: bool = False
@@ -462,6 +466,28 @@ def combination_refusal(values: Mapping[str, Any], where: str = "smp.init"
     if sdp > 1 and not v["ddp"]:
         return SMPConfigError.build("'sharded_data_parallel_degree' > 1 requires 'ddp': true",
                                     sdp, where, "set 'ddp': true")
+    cp = v["context_parallel_degree"]
+    if cp > 1 and (tp > 1 or v["pipeline_parallel_degree"] not in (None, 1)):
+        return SMPConfigError.build(
+            "'context_parallel_degree' > 1 runs with data parallelism only so far (not with "
+            "pipeline or tensor parallelism)", {"context_parallel_degree": cp,
+                                                "tensor_parallel_degree": tp,
+                                                "pipeline_parallel_degree":
+                                                    v["pipeline_parallel_degree"]}, where,
+            "set pipeline_parallel_degree and tensor_parallel_degree to 1, or "
+            "context_parallel_degree to 1")
+    if sdp > 1 and cp > 1:
+        return SMPConfigError.build(
+            "'context_parallel_degree' > 1 with 'sharded_data_parallel_degree' > 1 is not "
+            "built (gradients are summed over cp, not sharded over cp x dp)", sdp, where,
+            "drop sharded_data_parallel_degree, or set context_parallel_degree to 1")
+    if cp > 1 and v["expert_parallel_degree"] > 1:
+        return SMPConfigError.build(
+            "'context_parallel_degree' > 1 with 'expert_parallel_degree' > 1 is not built "
+            "(the ep groups are carved out of dp without a cp axis)",
+            {"context_parallel_degree": cp,
+             "expert_parallel_degree": v["expert_parallel_degree"]}, where,
+            "set one of them to 1")
     if sdp > 1 and v["shard_optimizer_state"]:
         return SMPConfigError.build(
             "'shard_optimizer_state' and 'sharded_data_parallel_degree' > 1 both shard the "
@@ -481,10 +507,17 @@ def combination_refusal(values: Mapping[str, Any], where: str = "smp.init"
 def resolve_topology(config: SMPConfig, world_size: int) -> tuple[Topology, bool]:
     """(Topology, in_process) for ``world_size`` processes; the world-size rules live here.
 
-    World must be divisible by pp x tp (rdp = world / (pp x tp)), except that a single
-    process may run every pipeline stage itself (``in_process``; tp must then be 1).
+    World must be divisible by pp x tp x cp (rdp = world / (pp x tp x cp)), except that a
+    single process may run every pipeline stage itself (``in_process``; tp must then be 1).
     """
     pp, tp = config.pipeline_parallel_degree, config.tensor_parallel_degree
+    cp = config.context_parallel_degree
+    if cp > 1 and world_size % (pp * tp * cp) != 0:
+        raise SMPConfigError.build(
+            f"world size must be divisible by pipeline_parallel_degree x "
+            f"tensor_parallel_degree x context_parallel_degree = {pp} x {tp} x {cp}",
+            world_size, "smp.init",
+            f"launch a multiple of {pp * tp * cp} processes, or lower context_parallel_degree")
     if world_size == 1 and pp > 1:
         if tp > 1:
             raise SMPConfigError.build(
@@ -499,10 +532,10 @@ def resolve_topology(config: SMPConfig, world_size: int) -> tuple[Topology, bool
             f"world size must be divisible by pipeline_parallel_degree x "
             f"tensor_parallel_degree = {pp} x {tp}", world_size, "smp.init",
             f"launch a multiple of {pp * tp} processes, or 1 process for an in-process pipeline")
-    rdp = world_size // (pp * tp)
+    rdp = world_size // (pp * tp * cp)
     _check_sdp_divides(config, rdp, world_size, pp * tp)
     check_ep_divides(config.expert_parallel_degree, rdp, world_size, pp * tp)
-    return Topology(pp, tp, rdp, config.placement), False
+    return Topology(pp, tp, rdp, config.placement, cp), False
 
 
 def validate(config: ConfigSource, world_size: int,

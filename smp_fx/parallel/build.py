@@ -10,7 +10,9 @@ parallelism:
 
 1. ``tied``: tied parameters replicated on several pipeline ranks (``parallel.tied``);
 2. ``tensor_parallel``: the tp collectives bound to the group, the shards known
-   (``parallel.tensor_parallel``; the graphs were rewritten while planning);
+   (``parallel.tensor_parallel``; the graphs were rewritten while planning), then
+   ``context_parallel``: the cp collectives bound, gradients summed over cp after a step
+   (``parallel.context_parallel``);
 3. ``activation_checkpointing``: checkpointed regions outlined, activations counted and
    offloaded (``runtime.memory.checkpointing``);
 4. ``expert_parallel``: expert slices left out of data parallelism, their gradients
@@ -31,7 +33,7 @@ The hooks' order is part of the numerics. Before a step they run in build order.
 the data-parallel average first, then the tied pipeline sum (it sums only what this
 reduction window added, which is equal on every dp replica once averaged, and it waits for
 the step that reduces when ``backward_passes_per_step`` accumulates), then the tensor-
-parallel sums and averages over tp.
+parallel sums and averages over tp, then the context-parallel sum over cp.
 """
 
 from __future__ import annotations
@@ -49,6 +51,7 @@ from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram
 from passes.tensor_parallel import TensorParallelPlan
 from smp_fx.parallel import ddp, sdp
+from smp_fx.parallel.context_parallel import ContextParallelRuntime
 from smp_fx.parallel.ddp import DataParallel, DataParallelOptions
 from smp_fx.parallel.expert_parallel import ExpertParallel
 from smp_fx.parallel.precision import MixedPrecision
@@ -69,12 +72,13 @@ from smp_fx.runtime.planning.placement import (
 )
 from smp_fx.world import state
 
-ORDER = ("tied", "tensor_parallel", "activation_checkpointing", "expert_parallel",
-         "data_parallel", "mixed_precision")
+ORDER = ("tied", "tensor_parallel", "context_parallel", "activation_checkpointing",
+         "expert_parallel", "data_parallel", "mixed_precision")
 """The order the build applies the parallelisms in (each applies only where configured)."""
 PRE_STEP_ORDER = ORDER
 """Hooks before a step run in build order."""
-POST_STEP_ORDER = ("data_parallel", "expert_parallel", "tied", "tensor_parallel")
+POST_STEP_ORDER = ("data_parallel", "expert_parallel", "tied", "tensor_parallel",
+                   "context_parallel")
 """Hooks after a step: the dp average before the tied pipeline sum (module docstring)."""
 
 
@@ -195,6 +199,10 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
         tp = TensorParallelRuntime.bind(tp_plan, local_named_parameters(runners, canonical),
                                         st)
         applied.append(tp)
+
+    if st.axis_size("cp") > 1:
+        applied.append(ContextParallelRuntime.bind(local_named_parameters(runners, canonical),
+                                                   st))
 
     checkpointing = ActivationCheckpointing(plan, runners, cfg.offload_activations)
     applied.append(checkpointing)

@@ -111,6 +111,16 @@ def rdp_rank() -> int:
     return _state.get().axis_rank("rdp")
 
 
+def cp_rank() -> int:
+    """Rank in the context-parallel group (smp-fx extension: ``context_parallel_degree``)."""
+    return _state.get().axis_rank("cp")
+
+
+def cp_size() -> int:
+    """Ranks splitting one sequence (``context_parallel_degree``; 1 without it)."""
+    return _state.get().axis_size("cp")
+
+
 def num_microbatches() -> int:
     """The configured ``microbatches`` (SMP 1.x's ``smp.num_microbatches()``, which AWS's
     Mask R-CNN example divides its per-step box counts by)."""
@@ -144,6 +154,11 @@ def get_rdp_group() -> list[int]:
     return _state.get().group_ranks("rdp")
 
 
+def get_cp_group() -> list[int]:
+    """Global ranks splitting the same sequences as this one (same pp, tp and rdp ranks)."""
+    return _state.get().group_ranks("cp")
+
+
 def get_world_process_group() -> Any:
     return _state.get().process_group(WORLD)
 
@@ -166,6 +181,10 @@ def get_tp_process_group() -> Any:
 
 def get_rdp_process_group() -> Any:
     return _state.get().process_group(RDP_GROUP)
+
+
+def get_cp_process_group() -> Any:
+    return _state.get().process_group("cp")
 
 
 # --- synchronisation and objects ------------------------------------------------------------

@@ -18,13 +18,14 @@ import torch
 import torch.distributed as dist
 
 from cost_model.errors import SMPRuntimeError
+from passes.context_parallel import collectives as cp_collectives
 from passes.tensor_parallel import collectives as tp_collectives
 from smp_fx.config import SMPConfig
 from smp_fx.topology import Topology
 from smp_fx.world import order_mode, state_api
 from smp_fx.world.launch import LaunchInfo
 
-AXES_BUILT: tuple[str, ...] = ("mp", "dp", "pp", "tp", "rdp")  # creation order, every rank
+AXES_BUILT: tuple[str, ...] = ("mp", "dp", "pp", "tp", "rdp", "cp")  # creation order, every rank
 
 
 @dataclass(frozen=True)
@@ -62,7 +63,8 @@ class State:
         return self.launch.local_size
 
     def axis_size(self, axis: str) -> int:
-        """Size of ``axis`` ("world", "mp", "dp", "pp", "tp", "rdp") as smp.*_size reports."""
+        """Size of ``axis`` ("world", "mp", "dp", "pp", "tp", "rdp", "cp") as smp.*_size
+        reports."""
         if self.in_process:
             return {"pp": self.topology.pp_size, "mp": self.topology.mp_size}.get(axis, 1)
         return self.topology.size(axis)
@@ -132,6 +134,7 @@ def _reset() -> None:
     state, _STATE = _STATE, None
     order_mode.uninstall()
     tp_collectives.bind(None, 1, 0)  # the tp group (and its store) must not outlive it
+    cp_collectives.bind(None, 1, 0)
     if state is None or not dist.is_initialized():
         return
     if state.owns_default_group:

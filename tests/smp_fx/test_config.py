@@ -59,6 +59,7 @@ TABLE: dict[str, tuple[list[Any], list[Any]]] = {
     "recompute_granularity": (["none", "selective"], ["full", True, None]),
     "compile": (["none", "inductor", "aot_eager"], [True, "max-autotune", None]),
     "expert_parallel_degree": ([1, 2, 8], [0, -1, 1.5, "2", True]),
+    "context_parallel_degree": ([1, 2, 4], [0, -1, 1.5, "2"]),
     "optimize": (["memory", "speed"], ["fast", 0]),
     "placement_strategy": (["cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD"],
                            ["DP", "ring", 3]),
@@ -98,9 +99,10 @@ NEEDS = {"tensor_parallel_degree": {"ddp": True}, "auto_partition": {"default_pa
          "ddp_port": {"ddp": True}, "expert_parallel_degree": {"ddp": True},
          "shard_optimizer_state": {"ddp": True}, "sharded_data_parallel_degree": {"ddp": True},
          "offload_activations": {"microbatches": 2},
-         "virtual_pipeline_degree": {"microbatches": 4}}
+         "virtual_pipeline_degree": {"microbatches": 4},
+         "context_parallel_degree": {"pipeline_parallel_degree": 1}}
 EXTENSIONS = {"virtual_pipeline_degree", "recompute_granularity", "compile",
-              "expert_parallel_degree"}
+              "expert_parallel_degree", "context_parallel_degree"}
 """smp-fx's own parameters: SMP's documentation has no such keys."""
 
 
@@ -385,3 +387,18 @@ def test_active_microbatches_default_follows_the_schedule() -> None:
         cfg = _load({**BASE, "microbatches": 8, "virtual_pipeline_degree": 2, "pipeline": pipe})
         assert cfg.active_microbatches == 8
         assert cfg.partition_config().virtual_stages == 2
+
+
+def test_context_parallel_divides_the_world_and_runs_with_data_parallelism_only() -> None:
+    cfg = _load({"pipeline_parallel_degree": 1, "context_parallel_degree": 2, "ddp": True})
+    topo, _ = resolve_topology(cfg, 8)
+    assert (topo.cp_size, topo.rdp_size, topo.group("cp", 5)) == (2, 4, [4, 5])
+    with pytest.raises(SMPConfigError, match="multiple of 4 processes") as err:
+        resolve_topology(_load({"pipeline_parallel_degree": 1, "context_parallel_degree": 4}),
+                         6)
+    assert "\n" not in str(err.value)
+    for other in ({"pipeline_parallel_degree": 2}, {"tensor_parallel_degree": 2, "ddp": True},
+                  {"sharded_data_parallel_degree": 2, "ddp": True},
+                  {"expert_parallel_degree": 2, "ddp": True}):
+        with pytest.raises(SMPConfigError, match="context_parallel_degree"):
+            _load({"pipeline_parallel_degree": 1, "context_parallel_degree": 2, **other})

@@ -119,3 +119,23 @@ def test_json_round_trip_and_table() -> None:
     assert Topology.from_json(topo.to_json()) == topo
     lines = Topology(2, 2, 2, "PTD").table().splitlines()
     assert lines[2].split() == ["1", "1", "0", "0"]
+
+
+@pytest.mark.parametrize("placement", ["DPT", "TPD", "PDT"])
+def test_context_parallel_ranks_sit_left_of_tp(placement: str) -> None:
+    t = Topology(pp_size=2, tp_size=2, rdp_size=2, placement=placement, cp_size=2)
+    assert t.world_size == 16 and t.order == placement.replace("T", "CT")
+    for axis, size in (("cp", 2), ("rdp", 2), ("tp", 2), ("pp", 2), ("dp", 4), ("mp", 4)):
+        groups = t.groups(axis)
+        assert sorted(r for g in groups for r in g) == list(range(16))
+        assert {len(g) for g in groups} == {size} == {t.size(axis)}
+    for rank in range(16):
+        pp, tp, rdp = t.coords(rank)
+        assert t.rank_of(pp, tp, rdp, t.cp_coord(rank)) == rank
+        # the cp ranks of a group share every SMP coordinate; SMP's groups share cp
+        assert {t.coords(r) for r in t.group("cp", rank)} == {(pp, tp, rdp)}
+        assert {t.cp_coord(r) for r in t.group("rdp", rank)} == {t.cp_coord(rank)}
+    if placement == "DPT":  # adjacent, strided by tp: inside dp, outside tp
+        assert t.group("cp", 0) == [0, 2] and t.group("tp", 0) == [0, 1]
+    assert Topology.from_json(t.to_json()) == t
+    assert "cp_rank" in t.table() and "cp_rank" not in Topology(2, 2, 2).table()

@@ -40,6 +40,8 @@ class PlanRequest:
     real_run: bool = True
     """Whether planning may run the model on real tensors (SMP's tracing step); False under
     ``skip_tracing``: shapes come from fake tensors only, or the plan fails naming why."""
+    cp: int = 1
+    """The context-parallel degree: the sequence split over this many ranks."""
 
     def compile(self, model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None,
                 *, frontend: Frontend = "auto", progress: Progress | None = None,
@@ -49,7 +51,8 @@ class PlanRequest:
         return compile_model(model, args, kwargs, self.config, device=self.device,
                              frontend=frontend, pins=None if self.pins is None
                              else dict(self.pins), measured=measured, progress=progress,
-                             traced=traced, tp=self.tp, allow_real_run=self.real_run)
+                             traced=traced, tp=self.tp, allow_real_run=self.real_run,
+                             cp=self.cp)
 
 
 def plan_request(cfg: SMPConfig, module: nn.Module, device: DeviceSpec, tp_rank: int, *,
@@ -62,4 +65,5 @@ def plan_request(cfg: SMPConfig, module: nn.Module, device: DeviceSpec, tp_rank:
     pins = None if cfg.auto_partition else tuple(pins_by_module_path(module).items())
     tp = (rewrite_inputs(cfg, tp_rank, module) if cfg.tensor_parallel_degree > 1 else None)
     return PlanRequest(cfg.partition_config(spec.name, optimizer_state_factor, rules), spec,
-                       pins, tp, real_run=not cfg.skip_tracing)
+                       pins, tp, real_run=not cfg.skip_tracing,
+                       cp=cfg.context_parallel_degree)

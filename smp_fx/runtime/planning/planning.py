@@ -49,7 +49,8 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             "there), or leave trace_execution_times False (the analytic costs of this "
             "device's spec; `smp-fx calibrate` on it measures one)")
     device = plan_device(st)
-    gm = trace(module, args, kwargs)
+    # context parallelism reads the sequence length as a symbol, which only export keeps
+    gm = trace(module, args, kwargs, "export" if cfg.context_parallel_degree > 1 else "auto")
     measured = None
     if times or memory:
         with thread_modes(torch.is_grad_enabled(), autocast):
@@ -65,6 +66,8 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         raise SMPTracingError(f"{exc} ('skip_tracing': true refused the one real forward "
                               "that would measure these shapes: drop 'skip_tracing', or "
                               "make the module a leaf)") from exc
+    if compiled.cp_plan is not None and st.rank == 0:
+        log.info("smp-fx %s", compiled.cp_plan.text())
     return compiled.gm, compiled.plan, compiled.tp_plan
 
 

@@ -57,6 +57,7 @@ TABLE: dict[str, tuple[list[Any], list[Any]]] = {
     "pipeline": (["interleaved", "simple", "zero_bubble"], ["gpipe", 1, None]),
     "virtual_pipeline_degree": ([1, 2, 4], [0, -1, 1.5, "2"]),
     "recompute_granularity": (["none", "selective"], ["full", True, None]),
+    "async_checkpoint": ([True, False], ["yes", 1, None]),
     "optimize": (["memory", "speed"], ["fast", 0]),
     "placement_strategy": (["cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD"],
                            ["DP", "ring", 3]),
@@ -97,7 +98,7 @@ NEEDS = {"tensor_parallel_degree": {"ddp": True}, "auto_partition": {"default_pa
          "shard_optimizer_state": {"ddp": True}, "sharded_data_parallel_degree": {"ddp": True},
          "offload_activations": {"microbatches": 2},
          "virtual_pipeline_degree": {"microbatches": 4}}
-EXTENSIONS = {"virtual_pipeline_degree", "recompute_granularity"}
+EXTENSIONS = {"virtual_pipeline_degree", "recompute_granularity", "async_checkpoint"}
 """smp-fx's own parameters: SMP's documentation has no such keys."""
 
 

@@ -61,7 +61,8 @@ from smp_fx.runtime.placement import (
 )
 from smp_fx.runtime.seams import PostStep, PreStep, StageRunner, StepHooks
 from smp_fx.runtime.shapes import ShapeGuard
-from smp_fx.world import state
+from smp_fx.runtime.stragglers import StragglerWatch
+from smp_fx.world import comm, state
 
 ORDER = ("tied", "tensor_parallel", "activation_checkpointing", "data_parallel",
          "mixed_precision")
@@ -208,9 +209,19 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
     check = placed.shapes.check_received if multi and placed.shapes.active else None
     executor = Executor(program, runners, placed.transport, placed.options,
                         keepers=checkpointing.keepers, check_received=check,
-                        pre_step_hooks=pre, post_step_hooks=post)
+                        pre_step_hooks=pre, post_step_hooks=post,
+                        stragglers=straggler_watch(st, dp))
     return Parallelized(program, runners, executor, placed.shapes, canonical, tuple(applied),
                         tied, tp, dp, sharded, precision)
+
+
+def straggler_watch(st: state.State, dp: DataParallel | None) -> StragglerWatch:
+    """This rank's straggler watch: compared with its data-parallel group, exchanging over
+    the world (``smp_fx.runtime.stragglers``); paused while ``join()`` shadows steps."""
+    alone = st.in_process or st.world_size == 1
+    gather = None if alone else (lambda value: comm.allgather(value, comm.WORLD))
+    return StragglerWatch(st.rank, [st.rank] if alone else st.group_ranks("dp"), gather,
+                          paused=dp.joining if dp is not None else lambda: False)
 
 
 def step_hooks(applied: list[Parallelism]

@@ -312,6 +312,10 @@ class DataParallel(Joinable):
         leaves its configuration on the joinable)."""
         self._join_config = _JoinConfig.construct_disabled_join_config()
 
+    def joining(self) -> bool:
+        """Whether steps run inside ``join()`` (a rank out of data shadows them)."""
+        return bool(self._join_config.enable)
+
     # executor hooks
     def pre_step(self, ops: Sequence[Op]) -> None:
         """Find each local stage's last backward action; decide whether this step reduces."""

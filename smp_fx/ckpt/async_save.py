@@ -1,45 +1,36 @@
 """Asynchronous checkpoints: ``save_checkpoint(..., async_save=True)``, ``smp.wait_checkpoint``.
 
 A synchronous save stalls every rank for the whole write. An asynchronous one does at the
-call only what needs the other ranks or the live tensors: the tag check, the staging
-folder, the gathers of sharded state and of the partial index, and a copy of the state
-off the training tensors (``smp_fx.ckpt.snapshot``). One background thread then writes
-this rank's files into the staging folder and a done-marker beside them, while training
-goes on. The background thread never communicates, so it cannot interleave with training
-collectives. The commit (``checkpoint_api.commit``: the staging folder renamed, ``newest``
-rewritten, rotation) is world rank 0's, on the main thread, once every rank's part is
-written; the ranks agree on that at boundaries every rank passes alike: the start of each
-``smp.step`` while a save is in flight (one small all-gather of each writer's state), the
-next save or resume, and ``smp.wait_checkpoint()``. A failed write is raised there on every
-rank. At process exit each rank waits for its writer; rank 0 then commits if every rank's
-done-marker says its part is written. At most one save is in flight: the next one waits.
-Until the commit ``newest`` names the previous checkpoint, so a crash anywhere keeps it.
+call only what needs the other ranks or the live tensors (``checkpoint_api``: the tag
+check, the staging folder, the gathers, a copy of the state off the training tensors by
+``smp_fx.ckpt.snapshot``); the background writer here writes this rank's files into the
+staging folder and a done-marker beside them, while training goes on. It never
+communicates, so it cannot interleave with training collectives. The commit (the staging
+folder renamed, ``newest`` rewritten, rotation) is world rank 0's, on the main thread,
+once every rank's part is written; the ranks agree on that where all pass alike: the
+start of each ``smp.step`` while a save is in flight (one small all-gather of each
+writer's state), the next save or resume, and ``smp.wait_checkpoint()``; a failed write is
+raised there on every rank. At process exit each rank waits for its writer; rank 0 then
+commits if every rank's done-marker says its part is written. At most one save is in
+flight: the next one waits. Until the commit ``newest`` names the previous checkpoint, so a
+crash anywhere keeps it.
 """
 
 from __future__ import annotations
 
 import atexit
-import functools
 import logging
 import os
-import pickle
 import threading
 import time
 from collections.abc import Callable
-from typing import IO, Any
+from typing import IO
 
 from cost_model.errors import SMPCheckpointError
-from smp_fx.ckpt import checkpoint_api as api
-from smp_fx.ckpt import ds_files
 from smp_fx.ckpt.atomic import atomic_write
-from smp_fx.ckpt.commit import index_writer, prepare_partial, torch_writer
-from smp_fx.ckpt.layout import index_path
-from smp_fx.ckpt.ranks import current_rank
-from smp_fx.ckpt.snapshot import Snapshot
 from smp_fx.ckpt.validate import agree_or_raise, world_gather
 from smp_fx.world import launch
 from smp_fx.world import state as smp_state
-from smp_fx.world.context import ProcessModel, ProcessOptimizer
 
 log = logging.getLogger(__name__)
 
@@ -50,33 +41,29 @@ write_file = atomic_write
 """How the writer thread writes one file (tests replace it to simulate a full disk)."""
 
 
-def _write(path: str, writer: Callable[[IO[bytes]], object]) -> None:
+def write(path: str, writer: Callable[[IO[bytes]], object]) -> None:
+    """One file of an asynchronous save, atomically (through ``write_file``)."""
     write_file(path, writer)
 
 
 class Job:
     """One asynchronous save in flight on this rank: its writes and their outcome."""
 
-    def __init__(self, path: str, name: str, partial: bool, num_kept: int | None,
-                 rank: int, world: int, writes: list[Callable[[], None]],
-                 snapshot: Snapshot) -> None:
-        self.path, self.name, self.partial, self.num_kept = path, name, partial, num_kept
-        self.rank, self.world = rank, world
+    def __init__(self, name: str, folder: str | None, rank: int, world: int,
+                 writes: list[Callable[[], None]], commit: Callable[[], None],
+                 ready: Callable[[], None]) -> None:
+        self.name, self.folder, self.rank, self.world = name, folder, rank, world
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.began = time.monotonic()
-        self._writes, self._snapshot = writes, snapshot
+        self._writes, self._commit, self._ready = writes, commit, ready
         self._thread = threading.Thread(target=self._run, name="smp-fx-checkpoint-writer",
                                         daemon=True)
         self._thread.start()
 
-    @property
-    def staging(self) -> str:
-        return os.path.join(self.path, api.staging_dir(self.name))
-
     def _run(self) -> None:
         try:
-            self._snapshot.ready()
+            self._ready()
             for write in self._writes:
                 write()
             self._mark(OK)
@@ -90,104 +77,40 @@ class Job:
             self._writes = []  # the copies go as soon as they are written
             self.done.set()
 
+    def marker(self, rank: int) -> str:
+        return os.path.join(self.folder or "", f"{MARKER}{rank}")
+
     def _mark(self, text: str) -> None:
-        if self.partial:
+        if self.folder is not None:
             data = text.encode()
-            _write(os.path.join(self.staging, f"{MARKER}{self.rank}"), lambda fh: fh.write(data))
+            write(self.marker(self.rank), lambda fh: fh.write(data))
 
     def state(self) -> int:
         """0: writing, 1: written, 2: failed."""
         return 0 if not self.done.is_set() else 1 if self.error is None else 2
 
     def commit(self) -> None:
-        """World rank 0: the staging folder becomes the checkpoint (markers removed)."""
-        if not self.partial:
-            return
-        for r in range(self.world):
-            try:
-                os.unlink(os.path.join(self.staging, f"{MARKER}{r}"))
-            except FileNotFoundError:
-                pass
-        api.commit(self.path, self.name, self.num_kept)
+        """World rank 0: the markers go, then the caller's commit."""
+        if self.folder is not None:
+            for r in range(self.world):
+                try:
+                    os.unlink(self.marker(r))
+                except FileNotFoundError:
+                    pass
+        self._commit()
 
 
 _inflight: Job | None = None
-_snapshot = Snapshot()
 
 
-def start(path: str, tag: str, partial: bool, model: ProcessModel | None,
-          optimizer: ProcessOptimizer | None, user_content: Any, translate: bool,
-          num_kept: int | None, rank: int, rdp_rank: int) -> None:
-    """The asynchronous ``smp.save_checkpoint`` after its argument checks (see the module
-    doc); collective, as the synchronous one."""
+def start(name: str, folder: str | None, rank: int, writes: list[Callable[[], None]],
+          commit: Callable[[], None], ready: Callable[[], None]) -> None:
+    """Write ``writes`` in the background as the save ``name`` (the caller settled the
+    previous one): ``folder``, a partial save's staging folder, gets the done-markers;
+    ``commit`` is world rank 0's once all are written; ``ready`` waits for the copies."""
     global _inflight
-    settle(block=True, next_tag=tag)
     world = 1 if world_gather() is None else smp_state.get().world_size
-    if partial:
-        name = api.partial_dir(tag)
-        writes = _partial_writes(path, name, model, optimizer, user_content, rank, rdp_rank)
-    else:
-        name = tag
-        writes = _full_writes(path, tag, model, optimizer, user_content, translate, rank,
-                              rdp_rank)
-    _inflight = Job(path, name, partial, num_kept, rank, world, writes, _snapshot)
-
-
-def _partial_writes(path: str, name: str, model: ProcessModel | None,
-                    optimizer: ProcessOptimizer | None, user_content: Any, rank: int,
-                    rdp_rank: int) -> list[Callable[[], None]]:
-    """Everything of a partial save that communicates or reads live state, done now; the
-    files' writes returned for the writer thread."""
-    staging = api.make_staging(path, name, rank)
-    model_sd, opt_sd = api.local_states(model, optimizer, rdp_rank)
-    cause: BaseException | None = None
-    writes: list[Callable[[], None]] = []
-    try:
-        ds = ds_files.files(staging, model, optimizer, model_sd)  # sdp gathers, every rank
-        user = ds_files.with_shapes(user_content, model, optimizer) if rank == 0 else None
-        model_sd, opt_sd, ds, user = _snapshot.take((model_sd, opt_sd, ds, user))
-        info, mp_gather = current_rank()
-        for sd, file in ((model_sd, api.MODEL_FILE), (opt_sd, api.OPTIMIZER_FILE)):
-            if sd is None:
-                continue
-            f = os.path.join(staging, file)  # the index: one gather over the mp group
-            target, wrapped, index = prepare_partial(sd, f, info, mp_gather)
-            writes.append(functools.partial(_write, target, torch_writer(wrapped, pickle, 2)))
-            if info.mp_rank == 0:
-                writes.append(functools.partial(_write, index_path(f), index_writer(index)))
-        for file, obj in ds:
-            writes.append(functools.partial(_write, file, torch_writer(obj, pickle, 2)))
-        if rank == 0:
-            if user is not None:
-                writes.append(functools.partial(
-                    _write, os.path.join(staging, api.USER_CONTENT_FILE),
-                    torch_writer(user, pickle, 2)))
-            writes.append(functools.partial(api.write_json,
-                                            os.path.join(staging, api.CONFIG_FILE),
-                                            api.config_record()))
-    except Exception as exc:
-        cause = exc
-    agree_or_raise(cause, f"preparing the asynchronous checkpoint {name}")
-    return writes
-
-
-def _full_writes(path: str, tag: str, model: ProcessModel | None,
-                 optimizer: ProcessOptimizer | None, user_content: Any, translate: bool,
-                 rank: int, rdp_rank: int) -> list[Callable[[], None]]:
-    if optimizer is not None:
-        log.warning("smp.save_checkpoint(partial=False) saves the model only; the optimizer "
-                    "state is saved by partial checkpoints (as in SMP)")
-    cause: BaseException | None = None
-    writes: list[Callable[[], None]] = []
-    try:
-        sd = api.full_state(model, rdp_rank)
-        if rank == 0:
-            sd, user = _snapshot.take((sd, user_content))
-            writes = api.full_writes(path, tag, model, sd, user, translate)
-    except Exception as exc:
-        cause = exc
-    agree_or_raise(cause, f"preparing the asynchronous full checkpoint {tag}")
-    return writes
+    _inflight = Job(name, folder, rank, world, writes, commit, ready)
 
 
 def settle(block: bool, next_tag: str | None = None) -> None:
@@ -212,7 +135,7 @@ def settle(block: bool, next_tag: str | None = None) -> None:
         told = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
         raise SMPCheckpointError.build(
             f"the asynchronous checkpoint {job.name} was not written", told,
-            where=f"{job.path} (raised at the next step, save or wait on every rank)",
+            where="raised at the next step, save or wait on every rank",
             fix="free space or fix the cause, then save again; the previous checkpoint is "
             "unchanged and still the newest") from job.error
     if any(s == 0 for s in states):
@@ -266,7 +189,7 @@ def _at_exit() -> None:
         return
     deadline = time.monotonic() + bound
     while True:
-        marks = [_read_marker(job, r) for r in range(job.world)] if job.partial else [OK]
+        marks = [_read_marker(job, r) for r in range(job.world)] if job.folder else [OK]
         if all(m == OK for m in marks):
             job.commit()
             return
@@ -281,7 +204,7 @@ def _at_exit() -> None:
 
 def _read_marker(job: Job, rank: int) -> str | None:
     try:
-        with open(os.path.join(job.staging, f"{MARKER}{rank}"), encoding="utf-8") as fh:
+        with open(job.marker(rank), encoding="utf-8") as fh:
             return fh.read()
     except FileNotFoundError:
         return None

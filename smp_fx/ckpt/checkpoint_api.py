@@ -40,6 +40,7 @@ import functools
 import json
 import logging
 import os
+import pickle
 import shutil
 from collections.abc import Callable
 from typing import Any
@@ -48,12 +49,17 @@ import torch
 from torch import nn
 
 from cost_model.errors import SMPCheckpointError
+from smp_fx.ckpt import async_save as background
 from smp_fx.ckpt import ds_files
 from smp_fx.ckpt.atomic import atomic_write, fsync_dir
+from smp_fx.ckpt.commit import index_writer, prepare_partial, torch_writer
 from smp_fx.ckpt.files import load, save
 from smp_fx.ckpt.hf_export import is_pretrained, safetensors_available, save_pretrained_state
 from smp_fx.ckpt.hf_weights import find_hf_weights, read_hf_weights
+from smp_fx.ckpt.layout import index_path
+from smp_fx.ckpt.ranks import current_rank
 from smp_fx.ckpt.safe_load import read_file
+from smp_fx.ckpt.snapshot import Snapshot
 from smp_fx.ckpt.validate import agree_or_raise, world_gather
 from smp_fx.version import SMP_API_VERSION
 from smp_fx.world import context
@@ -71,6 +77,8 @@ CONFIG_FILE = "smp_config.json"
 PARTIAL_KEY = "_smp_is_partial"
 
 Translate = Callable[[dict[str, Any]], dict[str, Any]]
+
+_snapshot = Snapshot()  # the host copies of asynchronous saves, reused
 
 
 def partial_dir(tag: str) -> str:
@@ -157,13 +165,11 @@ def save_checkpoint(path: str, tag: str, partial: bool = True,
                     "user_content")
     if async_save is None:
         async_save = smp_state.is_initialized() and smp_state.get().config.async_checkpoint
-    from smp_fx.ckpt import async_save as background  # it builds on this module
-
+    background.settle(block=True, next_tag=tag)  # one save in flight at most
     if async_save:
-        background.start(path, tag, partial, model, optimizer, user_content,
-                         translate_if_full, num_kept_partial_checkpoints, rank, rdp_rank)
+        _save_async(path, tag, partial, model, optimizer, user_content, translate_if_full,
+                    num_kept_partial_checkpoints, rank, rdp_rank)
         return
-    background.settle(block=True, next_tag=tag)
     if partial:
         _save_partial(path, tag, model, optimizer, user_content,
                       num_kept_partial_checkpoints, rank, rdp_rank, gather)
@@ -315,6 +321,82 @@ def full_writes(path: str, tag: str, model: ProcessModel | None, sd: dict[str, A
     return writes
 
 
+def _save_async(path: str, tag: str, partial: bool, model: ProcessModel | None,
+                optimizer: ProcessOptimizer | None, user_content: Any, translate: bool,
+                num_kept: int | None, rank: int, rdp_rank: int) -> None:
+    """``async_save=True``: what communicates or reads live state now, the writes by the
+    background writer (``smp_fx.ckpt.async_save``)."""
+    if partial:
+        name = partial_dir(tag)
+        writes = _partial_writes(path, name, model, optimizer, user_content, rank, rdp_rank)
+        background.start(name, os.path.join(path, staging_dir(name)), rank, writes,
+                         functools.partial(commit, path, name, num_kept), _snapshot.ready)
+    else:
+        writes = _full_writes(path, tag, model, optimizer, user_content, translate, rank,
+                              rdp_rank)
+        background.start(tag, None, rank, writes, lambda: None, _snapshot.ready)
+
+
+def _partial_writes(path: str, name: str, model: ProcessModel | None,
+                    optimizer: ProcessOptimizer | None, user_content: Any, rank: int,
+                    rdp_rank: int) -> list[Callable[[], None]]:
+    """Everything of a partial save that communicates or reads live state, done now; the
+    files' writes returned for the writer thread."""
+    write = background.write
+    staging = make_staging(path, name, rank)
+    model_sd, opt_sd = local_states(model, optimizer, rdp_rank)
+    cause: BaseException | None = None
+    writes: list[Callable[[], None]] = []
+    try:
+        ds = ds_files.files(staging, model, optimizer, model_sd)  # sdp gathers, every rank
+        user = ds_files.with_shapes(user_content, model, optimizer) if rank == 0 else None
+        model_sd, opt_sd, ds, user = _snapshot.take((model_sd, opt_sd, ds, user))
+        info, mp_gather = current_rank()
+        for sd, file in ((model_sd, MODEL_FILE), (opt_sd, OPTIMIZER_FILE)):
+            if sd is None:
+                continue
+            f = os.path.join(staging, file)  # the index: one gather over the mp group
+            target, wrapped, index = prepare_partial(sd, f, info, mp_gather)
+            writes.append(functools.partial(write, target, torch_writer(wrapped, pickle, 2)))
+            if info.mp_rank == 0:
+                writes.append(functools.partial(write, index_path(f), index_writer(index)))
+        for file, obj in ds:
+            writes.append(functools.partial(write, file, torch_writer(obj, pickle, 2)))
+        if rank == 0:
+            if user is not None:
+                writes.append(functools.partial(
+                    write, os.path.join(staging, USER_CONTENT_FILE),
+                    torch_writer(user, pickle, 2)))
+            writes.append(functools.partial(write_json,
+                                            os.path.join(staging, CONFIG_FILE),
+                                            config_record()))
+    except Exception as exc:
+        cause = exc
+    agree_or_raise(cause, f"preparing the asynchronous checkpoint {name}")
+    return writes
+
+
+def _full_writes(path: str, tag: str, model: ProcessModel | None,
+                 optimizer: ProcessOptimizer | None, user_content: Any, translate: bool,
+                 rank: int, rdp_rank: int) -> list[Callable[[], None]]:
+    if optimizer is not None:
+        log.warning("smp.save_checkpoint(partial=False) saves the model only; the optimizer "
+                    "state is saved by partial checkpoints (as in SMP)")
+    cause: BaseException | None = None
+    writes: list[Callable[[], None]] = []
+    try:
+        sd = full_state(model, rdp_rank)
+        if rank == 0:
+            sd, user = _snapshot.take((sd, user_content))
+            writes = full_writes(path, tag, model, sd, user, translate)
+    except Exception as exc:
+        cause = exc
+    agree_or_raise(cause, f"preparing the asynchronous full checkpoint {tag}")
+    return writes
+
+
+
+
 def _pretrained_module(model: ProcessModel | None) -> nn.Module | None:
     """The Hugging Face model whose ``save_pretrained`` writes a full checkpoint's weights:
     the wrapped module, or, where SMP replaced a Hugging Face model by its distributed
@@ -393,8 +475,6 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
         user_content = smp.resume_from_checkpoint("/ckpt", partial=True)
     """
     _rank, _rdp, gather = _world()
-    from smp_fx.ckpt import async_save as background
-
     background.settle(block=True)  # a save in flight is committed (or raised) first
     if partial:
         folder = _partial_folder(path, tag, gather)

@@ -6,7 +6,7 @@ the moment it was called. ``Snapshot.take`` copies every tensor of a (nested) st
 memory: on a GPU into pinned buffers, reused from the previous save when the shapes agree
 (pinning is slow; one save is in flight at a time, so its buffers are free again), with the
 copies queued on the current stream and awaited by the writer (``ready``); on the CPU a
-plain clone. Containers are rebuilt; other values are kept as they are.
+plain clone. Dicts, lists and plain tuples are rebuilt; other values are kept as they are.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ class Snapshot:
             return type(value)((k, self._copy(v)) for k, v in value.items())
         if isinstance(value, list):
             return [self._copy(v) for v in value]
-        if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        if type(value) is tuple:  # a subclass (torch.Size, a named tuple) is kept whole
             return tuple(self._copy(v) for v in value)
         return value
 

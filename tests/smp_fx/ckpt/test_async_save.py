@@ -36,10 +36,10 @@ def _assert_same_folders(a: str, b: str) -> None:
         assert_same(_read(os.path.join(a, name)), _read(os.path.join(b, name)), name)
 
 
-def _same_as_sync(path: str, **config: Any) -> list[str]:
+def _same_as_sync(path: str, pp: int, **config: Any) -> list[str]:
     """Sync and async saves of the same moment, partial and full, with steps in between
     (which change the live tensors); returns ``newest``."""
-    init(2, 2, "interleaved", **config)
+    init(pp, 2, "interleaved", **config)
     run = Run(seed=0)
     run.step(1)
     smp.save_checkpoint(path, "s", model=run.model, optimizer=run.opt, user_content={"n": 1})
@@ -83,7 +83,7 @@ def _write_error(path: str, failing_rank: int) -> str:
 
 def _grid_body(path: str) -> dict[str, Any]:
     """pp 2 x dp 2: async equals sync; then a full disk on rank 1 only."""
-    newest = _same_as_sync(os.path.join(path, "same"), ddp=True)
+    newest = _same_as_sync(os.path.join(path, "same"), 2, ddp=True)
     smp.reset()
     try:
         told = _write_error(os.path.join(path, "err"), 1)
@@ -98,6 +98,19 @@ def test_pp2_dp2_async_equals_sync_and_a_full_disk_on_one_rank(tmp_path: Path) -
     for r in results:
         assert r["newest"] == ["s_partial", "a_partial"]
         assert "rank 1: [Errno 28]" in r["told"] and "rank 0:" not in r["told"]
+
+
+def _sharded_body(path: str) -> dict[str, Any]:
+    newest = _same_as_sync(path, 1, ddp=True, sharded_data_parallel_degree=2)
+    return {"newest": newest, "files": sorted(os.listdir(os.path.join(path, "a_partial")))}
+
+
+@pytest.mark.multiproc
+def test_sharded_data_parallel_async_equals_sync(tmp_path: Path) -> None:
+    """sdp 2 at pp 1: whole tensors gathered at the call, SMP's DeepSpeed-named files too."""
+    for r in run_ranks(_sharded_body, 2, str(tmp_path), timeout=240):
+        assert r["newest"] == ["s_partial", "a_partial"]
+        assert {"model_0.pt", "optimizer_0.pt", "optimizer_1.pt"} <= set(r["files"])
 
 
 def _killed_body(path: str) -> None:

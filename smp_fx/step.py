@@ -123,7 +123,7 @@ def step(non_split_inputs: Callable[..., Any] | Sequence[str] | None = None,
             raise SMPRuntimeError.build(
                 "an smp.step function needs an smp.DistributedModel", None, fn.__name__,
                 "wrap the model with smp.DistributedModel(model) before the first step")
-        async_save.settle(block=False)  # a checkpoint written meanwhile: commit or raise
+        async_save.at_step()  # a checkpoint written meanwhile: commit or raise
         cfg = state.get().config
         m = cfg.microbatches
         # the first pipeline rank's inputs (placeholders elsewhere replaced; the first call

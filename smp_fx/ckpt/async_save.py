@@ -101,6 +101,20 @@ class Job:
 
 
 _inflight: Job | None = None
+_at_steps = True  # whether the step boundary agrees (not after join(): uneven step counts)
+
+
+def stop_at_steps() -> None:
+    """``DistributedModel.join()`` was entered: ranks out of data make no more steps, so
+    from now on only saves, resumes and ``smp.wait_checkpoint()`` agree and commit."""
+    global _at_steps
+    _at_steps = False
+
+
+def at_step() -> None:
+    """The start of an ``smp.step``: ``settle`` without waiting (see the module doc)."""
+    if _at_steps:
+        settle(block=False)
 
 
 def start(name: str, folder: str | None, rank: int, writes: list[Callable[[], None]],

@@ -217,11 +217,12 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
 
 def straggler_watch(st: state.State, dp: DataParallel | None) -> StragglerWatch:
     """This rank's straggler watch: compared with its data-parallel group, exchanging over
-    the world (``smp_fx.runtime.stragglers``); paused while ``join()`` shadows steps."""
+    the world (``smp_fx.runtime.stragglers``); stopped once ``join()`` was entered, after
+    which the ranks' step counts may differ."""
     alone = st.in_process or st.world_size == 1
     gather = None if alone else (lambda value: comm.allgather(value, comm.WORLD))
     return StragglerWatch(st.rank, [st.rank] if alone else st.group_ranks("dp"), gather,
-                          paused=dp.joining if dp is not None else lambda: False)
+                          paused=dp.ever_joined if dp is not None else lambda: False)
 
 
 def step_hooks(applied: list[Parallelism]

@@ -63,6 +63,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinCon
 from torch.nn.parallel import DistributedDataParallel
 
 from cost_model.errors import SMPConfigError, SMPRuntimeError
+from smp_fx.ckpt import async_save
 from smp_fx.runtime.lowering import Op
 from smp_fx.runtime.seams import StageRunner, StepHooks
 from smp_fx.runtime.split_backward import PendingW
@@ -264,6 +265,7 @@ class DataParallel(Joinable):
         self.backward_ran: set[int] = set()
         self.reductions = 0
         self.comm_hooks: list[tuple[Any, Any]] = []
+        self.joined = False  # join() entered: ranks out of data make no steps from then on
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """DDP's ``register_comm_hook`` on every local stage's wrapper (now, and on those
@@ -312,9 +314,10 @@ class DataParallel(Joinable):
         leaves its configuration on the joinable)."""
         self._join_config = _JoinConfig.construct_disabled_join_config()
 
-    def joining(self) -> bool:
-        """Whether steps run inside ``join()`` (a rank out of data shadows them)."""
-        return bool(self._join_config.enable)
+    def ever_joined(self) -> bool:
+        """Whether ``join()`` was entered (every rank enters it at the same point), after
+        which the ranks' step counts may differ."""
+        return self.joined
 
     # executor hooks
     def pre_step(self, ops: Sequence[Op]) -> None:
@@ -525,6 +528,8 @@ def join(dp: DataParallel | None, throw_on_early_termination: bool = False
     if dp is None:
         yield
         return
+    dp.joined = True  # no more exchanges at step boundaries: step counts may differ
+    async_save.stop_at_steps()
     try:
         with Join([dp], throw_on_early_termination=throw_on_early_termination):
             yield

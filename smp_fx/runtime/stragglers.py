@@ -73,8 +73,7 @@ class StragglerWatch:
 
     ``group``: the ranks holding this rank's stages (its data-parallel group);
     ``gather``: the world all-gather (None: this process is the whole job); ``paused``:
-    true while an exchange must not run (ranks out of data under ``join()`` make no
-    steps)."""
+    true once exchanges must stop (after ``join()``, ranks out of data make no steps)."""
 
     def __init__(self, rank: int, group: Sequence[int], gather: Gather | None,
                  paused: Callable[[], bool] = lambda: False) -> None:
@@ -95,7 +94,10 @@ class StragglerWatch:
         self.last_end = time.monotonic()
         self.window.append(parts)
         self.steps += 1
-        if len(self.window) < WINDOW or self.paused():
+        if self.paused():  # for good: the ranks' step counts may differ from now on
+            self.window = []
+            return
+        if len(self.window) < WINDOW:
             return
         mine = {p: statistics.median(w[p] for w in self.window) for p in PARTS}
         # a loaded machine only adds time (a rank waits for a core); a straggler's lag is in

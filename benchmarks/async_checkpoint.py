@@ -35,16 +35,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ddp_overlap import build  # the same MLP chain
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def build(hidden: int, layers: int) -> nn.Module:
-    mods: list[nn.Module] = []
-    for _ in range(layers):
-        mods += [nn.Linear(hidden, hidden), nn.ReLU()]
-    return nn.Sequential(*mods, nn.Linear(hidden, 10))
 
 
 def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:

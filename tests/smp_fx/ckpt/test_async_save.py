@@ -7,6 +7,8 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -144,3 +146,30 @@ def test_a_rank_killed_while_writing_keeps_the_previous_checkpoint(tmp_path: Pat
         for name, value in want.items():
             if isinstance(value, torch.Tensor):
                 torch.testing.assert_close(loaded[name], value, rtol=0, atol=0, msg=name)
+
+
+EXITING = """
+import sys
+import smp_fx as smp
+from tests.helpers.numerics import init
+from tests.smp_fx.ckpt.test_checkpoint_api import Run
+
+init(2, 2, "interleaved")
+run = Run(seed=0)
+run.step(1)
+smp.save_checkpoint(sys.argv[1], "last", model=run.model, optimizer=run.opt, async_save=True)
+"""
+
+
+@pytest.mark.multiproc
+def test_process_exit_waits_for_the_write_and_commits(tmp_path: Path) -> None:
+    """A script that ends right after an asynchronous save: the save is written and
+    committed at exit."""
+    repo = Path(__file__).resolve().parents[3]
+    done = subprocess.run([sys.executable, "-c", EXITING, str(tmp_path)], cwd=repo,
+                          env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert checkpoint_api.read_newest(str(tmp_path)) == ["last_partial"]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
+    assert not [n for n in os.listdir(tmp_path / "last_partial") if n.startswith(".done")]

@@ -11,9 +11,9 @@ pass over its ops. A reduction waited for inside a stage's last backward is esti
 that backward's excess over the stage's other backwards; the post-step hooks (explicit
 reductions) count as waiting.
 
-Every ``WINDOW`` steps the ranks exchange the medians of their split over the window (one
-small all-gather over the world's gloo group) and, from the second window on (the first
-steps warm up unevenly), decide alike: a rank whose own time (its window's least) is
+Every ``WINDOW`` steps the ranks exchange the split of their window's step of least own
+time (one small all-gather over the world's gloo group) and, from the second window on
+(the first steps warm up unevenly), decide alike: a rank whose own time is
 over ``RATIO`` times the median of its peers' (the ranks holding the same stages; all
 other ranks when none does) in ``PERSIST`` windows in a row is named in one warning,
 with the part of its time that exceeds the peers' most; ``smp.straggler_report()``
@@ -99,10 +99,10 @@ class StragglerWatch:
             return
         if len(self.window) < WINDOW:
             return
-        mine = {p: statistics.median(w[p] for w in self.window) for p in PARTS}
         # a loaded machine only adds time (a rank waits for a core); a straggler's lag is in
-        # every step: the window's fastest own time is its least noisy
-        mine["own"] = min(sum(w[p] for p in OWN) for w in self.window)
+        # every step: the window's step of least own time is its least noisy
+        fastest = min(self.window, key=lambda w: sum(w[p] for p in OWN))
+        mine = dict(fastest, own=sum(fastest[p] for p in OWN))
         self.window = []
         told = (mine, self.group, flight.me())
         every = [told] if self.gather is None else self.gather(told)
@@ -149,12 +149,11 @@ class StragglerWatch:
 def straggler_report() -> dict[str, Any]:
     """The straggler figures of the current ``DistributedModel`` (smp-fx extension).
 
-    ``ranks[r]``: rank ``r``'s median seconds per step over the last exchanged window, per
-    part (``forward``, ``backward``: its own work, whose least sum over the window is
-    ``own``; ``in step``: the
-    step function's own code; ``receiving``, ``reducing``: waiting); ``stragglers``: the ranks
-    named so far, each with the step it was named at, its ``ratio`` to its peers, and
-    ``where`` it loses the most time; ``outside``: time between steps, reported only.
+    ``ranks[r]``: rank ``r``'s step of least own time in the last window, in seconds per
+    part (``forward``, ``backward``: its own work, summed in ``own``; ``in step``: the step
+    function's own code; ``receiving``, ``reducing``: waiting; ``outside``: between steps);
+    ``stragglers``: the ranks named so far, each with the step it was named at, its
+    ``ratio`` to its peers and ``where`` it loses the most time.
     Empty figures before the first exchange."""
     from smp_fx.world import context  # the runtime does not otherwise reach the model
 

@@ -112,9 +112,11 @@ def _body(balanced_steps: int, slow_rank: int) -> dict[str, Any]:
     for _ in range(balanced_steps):
         run.step()
     balanced = smp.straggler_report()
-    if smp.rank() == slow_rank:  # its own time again, in its 2 forwards
+    if smp.rank() == slow_rank:  # twice its own time more, in its 2 forwards (the load of
+        # the machine may change between the phases: 50 % is tested on synthetic steps)
         runner = next(iter(run.model.executor.runners.values()))
-        forward, nap = runner.forward, balanced["ranks"][slow_rank]["own"] / 2
+        own = max(f["own"] for f in balanced["ranks"])  # the balanced run's, either rank
+        forward, nap = runner.forward, own
 
         def slow(*args: Any) -> Any:
             time.sleep(nap)
@@ -133,7 +135,7 @@ def _body(balanced_steps: int, slow_rank: int) -> dict[str, Any]:
 
 @pytest.mark.multiproc
 def test_a_rank_slowed_by_a_sleep_is_named_on_two_replicas() -> None:
-    for r in run_ranks(_body, 2, 5, 1, timeout=240):
+    for r in run_ranks(_body, 2, 10, 1, timeout=240):
         slowed = r["slowed"]["stragglers"]
         assert 1 in slowed and slowed[1]["where"] == "forward", r["slowed"]
         assert r["after"] <= 10

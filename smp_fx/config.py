@@ -163,6 +163,9 @@ PARAMS: tuple[Param, ...] = (
     _P("overlapping_allreduce", bool, True,
        doc="DistributedModel's overlapping_allreduce where the call does not pass it "
            "(SMP's BERT tutorial sets it here)"),
+    _P("async_checkpoint", bool, False,
+       doc="smp-fx extension (SMP has no such key): smp.save_checkpoint's async_save "
+           "default; the state is written by a background thread (docs/checkpoints.md)"),
     _P("_match_weights", bool, False, ENGINE,
        doc="SMP's switch giving tensor-parallel shards the unpartitioned model's weights; "
            "smp-fx cuts every shard from those weights, so they always match"),
@@ -219,6 +222,7 @@ class SMPConfig:
     ddp_dist_backend: str = "auto"
     checkpoint_attentions: bool = False
     overlapping_allreduce: bool = True
+    async_checkpoint: bool = False
     _match_weights: bool = False
     _fp32_grad_accumulation: bool = False
     explicit: frozenset[str] = field(default=frozenset(), compare=False)

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from cost_model.errors import SMPRuntimeError
+from smp_fx.ckpt import async_save
 from smp_fx.model import DistributedModel
 from smp_fx.runtime.inputs.input_check import first_rank_inputs
 from smp_fx.runtime.inputs.microbatch import split_inputs
@@ -123,6 +124,7 @@ def step(non_split_inputs: Callable[..., Any] | Sequence[str] | None = None,
             raise SMPRuntimeError.build(
                 "an smp.step function needs an smp.DistributedModel", None, fn.__name__,
                 "wrap the model with smp.DistributedModel(model) before the first step")
+        async_save.at_step()  # a checkpoint written meanwhile: commit or raise
         cfg = state.get().config
         m = cfg.microbatches
         # the first pipeline rank's inputs (placeholders elsewhere replaced; the first call

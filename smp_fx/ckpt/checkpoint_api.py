@@ -36,9 +36,11 @@ Where SMP's page and SMP's behaviour differ, and what smp-fx follows: ``docs/che
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
+import pickle
 import shutil
 from collections.abc import Callable
 from typing import Any
@@ -47,12 +49,17 @@ import torch
 from torch import nn
 
 from cost_model.errors import SMPCheckpointError
+from smp_fx.ckpt import async_save as background
 from smp_fx.ckpt import ds_files
 from smp_fx.ckpt.atomic import atomic_write, fsync_dir
+from smp_fx.ckpt.commit import index_writer, prepare_partial, torch_writer
 from smp_fx.ckpt.files import load, save
 from smp_fx.ckpt.hf_export import is_pretrained, safetensors_available, save_pretrained_state
 from smp_fx.ckpt.hf_weights import find_hf_weights, read_hf_weights
+from smp_fx.ckpt.layout import index_path
+from smp_fx.ckpt.ranks import current_rank
 from smp_fx.ckpt.safe_load import read_file
+from smp_fx.ckpt.snapshot import Snapshot
 from smp_fx.ckpt.validate import agree_or_raise, world_gather
 from smp_fx.version import SMP_API_VERSION
 from smp_fx.world import context
@@ -71,13 +78,15 @@ PARTIAL_KEY = "_smp_is_partial"
 
 Translate = Callable[[dict[str, Any]], dict[str, Any]]
 
+_snapshot = Snapshot()  # the host copies of asynchronous saves, reused
+
 
 def partial_dir(tag: str) -> str:
     """The folder name of a partial checkpoint (SMP's: the tag and ``_partial``)."""
     return f"{tag}_partial"
 
 
-def _staging(name: str) -> str:
+def staging_dir(name: str) -> str:
     return f".{name}.incomplete"
 
 
@@ -115,7 +124,8 @@ def save_checkpoint(path: str, tag: str, partial: bool = True,
                     model: ProcessModel | None = None,
                     optimizer: ProcessOptimizer | None = None, user_content: Any = None,
                     translate_if_full: bool = True,
-                    num_kept_partial_checkpoints: int | None = None) -> None:
+                    num_kept_partial_checkpoints: int | None = None,
+                    async_save: bool | None = None) -> None:
     """Save a checkpoint of ``model`` and ``optimizer`` under ``path`` (see the module doc).
 
     ``partial=True`` saves each model-parallel rank's own parameters and optimizer state
@@ -128,6 +138,11 @@ def save_checkpoint(path: str, tag: str, partial: bool = True,
     into ``path`` as its ``save_pretrained`` writes it (configuration and safetensors
     weights: ``from_pretrained(path)`` loads it; ``smp_fx.ckpt.hf_export``). Collective:
     call it on every rank.
+
+    ``async_save=True`` (an smp-fx extension; None: the configuration's
+    ``async_checkpoint``) copies the state off the training tensors and returns; a
+    background thread writes it while training goes on, and it is committed once every
+    rank's part is written (``smp_fx.ckpt.async_save``; ``smp.wait_checkpoint()`` waits).
 
     Example::
 
@@ -148,6 +163,13 @@ def save_checkpoint(path: str, tag: str, partial: bool = True,
     if model is None and optimizer is None:
         log.warning("smp.save_checkpoint: model and optimizer are both None; saving only "
                     "user_content")
+    if async_save is None:
+        async_save = smp_state.is_initialized() and smp_state.get().config.async_checkpoint
+    background.settle(block=True, next_tag=tag)  # one save in flight at most
+    if async_save:
+        _save_async(path, tag, partial, model, optimizer, user_content, translate_if_full,
+                    num_kept_partial_checkpoints, rank, rdp_rank)
+        return
     if partial:
         _save_partial(path, tag, model, optimizer, user_content,
                       num_kept_partial_checkpoints, rank, rdp_rank, gather)
@@ -161,7 +183,35 @@ def _save_partial(path: str, tag: str, model: ProcessModel | None,
                   num_kept: int | None, rank: int, rdp_rank: int,
                   gather: Callable[[Any], list[Any]]) -> None:
     name = partial_dir(tag)
-    staging = os.path.join(path, _staging(name))
+    staging = make_staging(path, name, rank)
+    model_sd, opt_sd = local_states(model, optimizer, rdp_rank)
+    cause: BaseException | None = None
+    try:
+        if model_sd is not None:  # collective over this replica's model-parallel group
+            save(model_sd, os.path.join(staging, MODEL_FILE), partial=True)
+        if opt_sd is not None:
+            save(opt_sd, os.path.join(staging, OPTIMIZER_FILE), partial=True)
+        ds_files.write(staging, model, optimizer, model_sd)  # SMP's sdp files beside
+        user_content = ds_files.with_shapes(user_content, model, optimizer)
+        if rank == 0:
+            if user_content is not None:
+                write_torch(os.path.join(staging, USER_CONTENT_FILE), user_content)
+            write_json(os.path.join(staging, CONFIG_FILE), config_record())
+    except Exception as exc:
+        cause = exc
+    agree_or_raise(cause, f"writing the partial checkpoint {name}")
+    if rank == 0:
+        try:
+            commit(path, name, num_kept)
+        except OSError as exc:
+            cause = exc
+    agree_or_raise(cause, f"committing the partial checkpoint {name}")
+
+
+def make_staging(path: str, name: str, rank: int) -> str:
+    """World rank 0 creates the empty staging folder of the partial checkpoint ``name``
+    (removing one a killed save left); every rank learns whether it could."""
+    staging = os.path.join(path, staging_dir(name))
     cause: BaseException | None = None
     if rank == 0:
         try:
@@ -171,6 +221,15 @@ def _save_partial(path: str, tag: str, model: ProcessModel | None,
         except OSError as exc:
             cause = exc
     agree_or_raise(cause, f"creating {staging}")
+    return staging
+
+
+def local_states(model: ProcessModel | None, optimizer: ProcessOptimizer | None,
+                 rdp_rank: int) -> tuple[Any, Any]:
+    """The local model and optimizer state dicts a partial save writes (None where this
+    rank writes none); every rank calls it, and a failure on one is raised on all."""
+    cause: BaseException | None = None
+    model_sd = opt_sd = None
     try:  # everything that can fail on one rank, before any collective of a subgroup
         # sharded data parallelism gathers whole tensors over the shard group, a sharded
         # optimizer state its stage's shards: then every dp rank takes part
@@ -186,36 +245,17 @@ def _save_partial(path: str, tag: str, model: ProcessModel | None,
     except Exception as exc:
         cause = exc
     agree_or_raise(cause, "collecting the local state dicts")
-    try:
-        if model_sd is not None:  # collective over this replica's model-parallel group
-            save(model_sd, os.path.join(staging, MODEL_FILE), partial=True)
-        if opt_sd is not None:
-            save(opt_sd, os.path.join(staging, OPTIMIZER_FILE), partial=True)
-        ds_files.write(staging, model, optimizer, model_sd)  # SMP's sdp files beside
-        user_content = ds_files.with_shapes(user_content, model, optimizer)
-        if rank == 0:
-            if user_content is not None:
-                _write_torch(os.path.join(staging, USER_CONTENT_FILE), user_content)
-            _write_json(os.path.join(staging, CONFIG_FILE), _config_record())
-    except Exception as exc:
-        cause = exc
-    agree_or_raise(cause, f"writing the partial checkpoint {name}")
-    if rank == 0:
-        try:
-            _commit(path, name, num_kept)
-        except OSError as exc:
-            cause = exc
-    agree_or_raise(cause, f"committing the partial checkpoint {name}")
+    return model_sd, opt_sd
 
 
-def _commit(path: str, name: str, num_kept: int | None) -> None:
+def commit(path: str, name: str, num_kept: int | None) -> None:
     """Rank 0: staging folder -> ``name``, then ``newest``, then rotation (module doc)."""
     final = os.path.join(path, name)
     replaced = os.path.join(path, _replaced(name))
     if os.path.exists(final):
         shutil.rmtree(replaced, ignore_errors=True)
         os.replace(final, replaced)
-    os.replace(os.path.join(path, _staging(name)), final)
+    os.replace(os.path.join(path, staging_dir(name)), final)
     fsync_dir(path)
     history = [n for n in read_newest(path) if n != name] + [name]
     rotated: list[str] = []
@@ -236,34 +276,127 @@ def _save_full(path: str, tag: str, model: ProcessModel | None,
                     "state is saved by partial checkpoints (as in SMP)")
     cause: BaseException | None = None
     try:
-        sd = None
-        sdp = bool(getattr(model, "shards_parameters", False))  # gathers over the shards too
-        sdp = sdp or bool(getattr(model, "expert_names", ()))  # and ep over its experts
-        if model is not None and (rdp_rank == 0 or sdp):  # collective over the pipeline group
-            sd = dict(model.state_dict())
-            sd = sd if rdp_rank == 0 else None
+        sd = full_state(model, rdp_rank)
         if rank == 0:
-            os.makedirs(path, exist_ok=True)
-            hf_module = _pretrained_module(model)
-            if sd is not None and model is not None and hf_module is not None:
-                if safetensors_available():  # what from_pretrained(path) loads
-                    hf_sd = sd if hf_module is model.get_module() else _to_hf(dict(sd))
-                    save_pretrained_state(path, hf_sd, hf_module)
-                else:  # transformers 4.2x does not install it; SMP's own file is still written
-                    log.warning("smp.save_checkpoint(partial=False): no safetensors package, "
-                                "so %s gets no save_pretrained weights (pip install "
-                                "safetensors)", path)
-            if sd is not None:
-                if translate:
-                    sd = _to_hf(sd)
-                else:
-                    sd[PARTIAL_KEY] = False  # marks smp-format names: never translated back
-                _write_torch(os.path.join(path, tag), sd)
-            if user_content is not None:
-                _write_torch(os.path.join(path, f"user_content_{tag}"), user_content)
+            for write in full_writes(path, tag, model, sd, user_content, translate):
+                write()
     except Exception as exc:
         cause = exc
     agree_or_raise(cause, f"writing the full checkpoint {tag}")
+
+
+def full_state(model: ProcessModel | None, rdp_rank: int) -> dict[str, Any] | None:
+    """The full model state dict a full save writes, on the ranks with rdp rank 0 (a
+    collective over the pipeline group, over the shards under sdp, over the experts at ep)."""
+    every_rank = bool(getattr(model, "shards_parameters", False))
+    every_rank = every_rank or bool(getattr(model, "expert_names", ()))
+    if model is None or not (rdp_rank == 0 or every_rank):
+        return None
+    sd = dict(model.state_dict())
+    return sd if rdp_rank == 0 else None
+
+
+def full_writes(path: str, tag: str, model: ProcessModel | None, sd: dict[str, Any] | None,
+                user_content: Any, translate: bool) -> list[Callable[[], None]]:
+    """World rank 0's writes of a full checkpoint of ``sd``, each an atomic file (or
+    ``save_pretrained``'s set), in order; no collective."""
+    os.makedirs(path, exist_ok=True)
+    writes: list[Callable[[], None]] = []
+    hf_module = _pretrained_module(model)
+    if sd is not None and model is not None and hf_module is not None:
+        if safetensors_available():  # what from_pretrained(path) loads
+            hf_sd = sd if hf_module is model.get_module() else _to_hf(dict(sd))
+            writes.append(lambda: save_pretrained_state(path, hf_sd, hf_module))
+        else:  # transformers 4.2x does not install it; SMP's own file is still written
+            log.warning("smp.save_checkpoint(partial=False): no safetensors package, "
+                        "so %s gets no save_pretrained weights (pip install "
+                        "safetensors)", path)
+    if sd is not None:
+        if translate:
+            sd = _to_hf(sd)
+        else:
+            sd[PARTIAL_KEY] = False  # marks smp-format names: never translated back
+        writes.append(functools.partial(write_torch, os.path.join(path, tag), sd))
+    if user_content is not None:
+        writes.append(functools.partial(write_torch, os.path.join(path, f"user_content_{tag}"),
+                                        user_content))
+    return writes
+
+
+def _save_async(path: str, tag: str, partial: bool, model: ProcessModel | None,
+                optimizer: ProcessOptimizer | None, user_content: Any, translate: bool,
+                num_kept: int | None, rank: int, rdp_rank: int) -> None:
+    """``async_save=True``: what communicates or reads live state now, the writes by the
+    background writer (``smp_fx.ckpt.async_save``)."""
+    if partial:
+        name = partial_dir(tag)
+        writes = _partial_writes(path, name, model, optimizer, user_content, rank, rdp_rank)
+        background.start(name, os.path.join(path, staging_dir(name)), rank, writes,
+                         functools.partial(commit, path, name, num_kept), _snapshot.ready)
+    else:
+        writes = _full_writes(path, tag, model, optimizer, user_content, translate, rank,
+                              rdp_rank)
+        background.start(tag, None, rank, writes, lambda: None, _snapshot.ready)
+
+
+def _partial_writes(path: str, name: str, model: ProcessModel | None,
+                    optimizer: ProcessOptimizer | None, user_content: Any, rank: int,
+                    rdp_rank: int) -> list[Callable[[], None]]:
+    """Everything of a partial save that communicates or reads live state, done now; the
+    files' writes returned for the writer thread."""
+    write = background.write
+    staging = make_staging(path, name, rank)
+    model_sd, opt_sd = local_states(model, optimizer, rdp_rank)
+    cause: BaseException | None = None
+    writes: list[Callable[[], None]] = []
+    try:
+        ds = ds_files.files(staging, model, optimizer, model_sd)  # sdp gathers, every rank
+        user = ds_files.with_shapes(user_content, model, optimizer) if rank == 0 else None
+        model_sd, opt_sd, ds, user = _snapshot.take((model_sd, opt_sd, ds, user))
+        info, mp_gather = current_rank()
+        for sd, file in ((model_sd, MODEL_FILE), (opt_sd, OPTIMIZER_FILE)):
+            if sd is None:
+                continue
+            f = os.path.join(staging, file)  # the index: one gather over the mp group
+            target, wrapped, index = prepare_partial(sd, f, info, mp_gather)
+            writes.append(functools.partial(write, target, torch_writer(wrapped, pickle, 2)))
+            if info.mp_rank == 0:
+                writes.append(functools.partial(write, index_path(f), index_writer(index)))
+        for file, obj in ds:
+            writes.append(functools.partial(write, file, torch_writer(obj, pickle, 2)))
+        if rank == 0:
+            if user is not None:
+                writes.append(functools.partial(
+                    write, os.path.join(staging, USER_CONTENT_FILE),
+                    torch_writer(user, pickle, 2)))
+            writes.append(functools.partial(write_json,
+                                            os.path.join(staging, CONFIG_FILE),
+                                            config_record()))
+    except Exception as exc:
+        cause = exc
+    agree_or_raise(cause, f"preparing the asynchronous checkpoint {name}")
+    return writes
+
+
+def _full_writes(path: str, tag: str, model: ProcessModel | None,
+                 optimizer: ProcessOptimizer | None, user_content: Any, translate: bool,
+                 rank: int, rdp_rank: int) -> list[Callable[[], None]]:
+    if optimizer is not None:
+        log.warning("smp.save_checkpoint(partial=False) saves the model only; the optimizer "
+                    "state is saved by partial checkpoints (as in SMP)")
+    cause: BaseException | None = None
+    writes: list[Callable[[], None]] = []
+    try:
+        sd = full_state(model, rdp_rank)
+        if rank == 0:
+            sd, user = _snapshot.take((sd, user_content))
+            writes = full_writes(path, tag, model, sd, user, translate)
+    except Exception as exc:
+        cause = exc
+    agree_or_raise(cause, f"preparing the asynchronous full checkpoint {tag}")
+    return writes
+
+
 
 
 def _pretrained_module(model: ProcessModel | None) -> nn.Module | None:
@@ -286,16 +419,16 @@ def _to_hf(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
-def _write_torch(path: str, obj: Any) -> None:
+def write_torch(path: str, obj: Any) -> None:
     atomic_write(path, lambda fh: torch.save(obj, fh))
 
 
-def _write_json(path: str, obj: Any) -> None:
+def write_json(path: str, obj: Any) -> None:
     text = json.dumps(obj, indent=1, sort_keys=True).encode()
     atomic_write(path, lambda fh: fh.write(text))
 
 
-def _config_record() -> dict[str, Any]:
+def config_record() -> dict[str, Any]:
     record: dict[str, Any] = {"smp_version": SMP_API_VERSION}
     if smp_state.is_initialized():
         record["config"] = smp_state.get().config.values()
@@ -344,6 +477,7 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
         user_content = smp.resume_from_checkpoint("/ckpt", partial=True)
     """
     _rank, _rdp, gather = _world()
+    background.settle(block=True)  # a save in flight is committed (or raised) first
     if partial:
         folder = _partial_folder(path, tag, gather)
         user = _read_optional(os.path.join(folder, USER_CONTENT_FILE))

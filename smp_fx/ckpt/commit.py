@@ -57,9 +57,10 @@ def entry_names(obj: Any) -> dict[str, list[str]]:
     return {}
 
 
-def save_partial(obj: Any, f: str, info: RankInfo, gather: Gather,
-                 pickle_module: Any = pickle, pickle_protocol: int = 2) -> None:
-    """The partial-save commit protocol (see the module docstring); every mp rank calls it."""
+def prepare_partial(obj: Any, f: str, info: RankInfo, gather: Gather
+                    ) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    """This rank's file name, its wrapped object and the index of a partial save of ``obj``
+    (one gather over the model-parallel group: every mp rank calls it)."""
     me = {"mp_rank": info.mp_rank, "pp_rank": info.pp_rank, "tp_rank": info.tp_rank,
           "file": os.path.basename(partial_path(f, info.mp_rank)),
           "entries": entry_names(obj), "save_id": uuid.uuid4().hex}
@@ -71,9 +72,21 @@ def save_partial(obj: Any, f: str, info: RankInfo, gather: Gather,
              "files": [{k: v for k, v in m.items() if k != "save_id"} for m in files]}
     if info.placement:  # chunks on the ranks (virtual_pipeline_degree > 1)
         index["placement"] = list(info.placement)
-    target = partial_path(f, info.mp_rank)
     wrapped = {WRAP_KEY: PARTIAL_FORMAT, "save_id": save_id, "mp_rank": info.mp_rank,
                "object": obj}
+    return partial_path(f, info.mp_rank), wrapped, index
+
+
+def index_writer(index: dict[str, Any]) -> Callable[[IO[bytes]], object]:
+    """The index file's bytes (what ``atomic_write`` calls)."""
+    text = json.dumps(index, indent=1, sort_keys=True).encode()
+    return lambda fh: fh.write(text)
+
+
+def save_partial(obj: Any, f: str, info: RankInfo, gather: Gather,
+                 pickle_module: Any = pickle, pickle_protocol: int = 2) -> None:
+    """The partial-save commit protocol (see the module docstring); every mp rank calls it."""
+    target, wrapped, index = prepare_partial(obj, f, info, gather)
     tmp: str | None = None
     error: str | None = None
     try:
@@ -99,8 +112,7 @@ def save_partial(obj: Any, f: str, info: RankInfo, gather: Gather,
     fsync_dir(directory)
     gather("renamed")
     if info.mp_rank == 0:
-        text = json.dumps(index, indent=1, sort_keys=True).encode()
-        atomic_write(index_path(f), lambda fh: fh.write(text))
+        atomic_write(index_path(f), index_writer(index))
     gather("committed")
     with suppress(FileNotFoundError):
         os.unlink(prev_path(target))

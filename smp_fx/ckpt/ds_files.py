@@ -63,8 +63,17 @@ def _deepspeed_part(value: torch.Tensor, rank: int, size: int) -> torch.Tensor:
 def write(folder: str, model: Any, optimizer: Any, model_state: Any) -> None:
     """On every rank of the dp group (whole values are gathered over each shard group):
     the shard ranks of the first replica write their files, dp rank 0 ``model_0.pt``."""
+    for path, obj in files(folder, model, optimizer, model_state):
+        torch.save(obj, path)
+
+
+def files(folder: str, model: Any, optimizer: Any, model_state: Any
+          ) -> list[tuple[str, dict[str, Any]]]:
+    """What ``write`` writes, as (path, object) pairs (the gathers happen here; an
+    asynchronous save writes them later)."""
+    out: list[tuple[str, dict[str, Any]]] = []
     if not applies(model, optimizer):
-        return
+        return out
     st = state.get()
     size = st.config.sharded_data_parallel_degree
     rank = torch.distributed.get_rank(optimizer.ds_param_shard_group)
@@ -77,11 +86,12 @@ def write(folder: str, model: Any, optimizer: Any, model_state: Any) -> None:
             parts.append(_deepspeed_part(whole, rank, size))
         groups.append(torch.cat(parts) if parts else torch.zeros(0))
     if first_replica:
-        torch.save({"partition_count": size, "fp32_flat_groups": groups},
-                   os.path.join(folder, optimizer_file(rank)))
+        out.append((os.path.join(folder, optimizer_file(rank)),
+                    {"partition_count": size, "fp32_flat_groups": groups}))
     if model_state is not None:
         plain = {k: v for k, v in model_state.items() if isinstance(v, torch.Tensor)}
-        torch.save({"module": plain}, os.path.join(folder, MODEL_FILE))
+        out.append((os.path.join(folder, MODEL_FILE), {"module": plain}))
+    return out
 
 
-__all__ = ["MODEL_FILE", "applies", "optimizer_file", "with_shapes", "write"]
+__all__ = ["MODEL_FILE", "applies", "files", "optimizer_file", "with_shapes", "write"]

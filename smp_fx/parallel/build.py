@@ -62,6 +62,7 @@ from smp_fx.parallel.zero import OptimizerShards, shard_state
 from smp_fx.runtime.executor.compiled import CompileStats, compile_stages
 from smp_fx.runtime.executor.executor import Executor
 from smp_fx.runtime.executor.seams import PostStep, PreStep, StageRunner, StepHooks
+from smp_fx.runtime.executor.stragglers import StragglerWatch
 from smp_fx.runtime.inputs.shapes import ShapeGuard
 from smp_fx.runtime.memory.checkpointing import ActivationCheckpointing
 from smp_fx.runtime.planning.placement import (
@@ -70,7 +71,7 @@ from smp_fx.runtime.planning.placement import (
     place_stages,
     split_for_rank,
 )
-from smp_fx.world import state
+from smp_fx.world import comm, state
 
 ORDER = ("tied", "tensor_parallel", "context_parallel", "activation_checkpointing",
          "expert_parallel", "data_parallel", "mixed_precision")
@@ -231,9 +232,20 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
     check = placed.shapes.check_received if multi and placed.shapes.active else None
     executor = Executor(program, runners, placed.transport, placed.options,
                         keepers=checkpointing.keepers, check_received=check,
-                        pre_step_hooks=pre, post_step_hooks=post)
+                        pre_step_hooks=pre, post_step_hooks=post,
+                        stragglers=straggler_watch(st, dp))
     return Parallelized(program, runners, executor, placed.shapes, canonical, tuple(applied),
                         tied, tp, dp, sharded, precision, compiled)
+
+
+def straggler_watch(st: state.State, dp: DataParallel | None) -> StragglerWatch:
+    """This rank's straggler watch: compared with its data-parallel group, exchanging over
+    the world (``smp_fx.runtime.executor.stragglers``); stopped once ``join()`` was entered, after
+    which the ranks' step counts may differ."""
+    alone = st.in_process or st.world_size == 1
+    gather = None if alone else (lambda value: comm.allgather(value, comm.WORLD))
+    return StragglerWatch(st.rank, [st.rank] if alone else st.group_ranks("dp"), gather,
+                          paused=dp.ever_joined if dp is not None else lambda: False)
 
 
 def step_hooks(applied: list[Parallelism]

@@ -21,6 +21,7 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinCon
 from torch.nn.parallel import DistributedDataParallel
 
 from cost_model.errors import SMPConfigError, SMPRuntimeError
+from smp_fx.ckpt import async_save
 from smp_fx.runtime.executor.lowering import Op
 from smp_fx.runtime.executor.seams import StageRunner, StepHooks
 from smp_fx.runtime.executor.split_backward import PendingW
@@ -218,6 +219,7 @@ class DataParallel(Joinable):
         """Leave ``params`` out of the reduction (and DDP's broadcast): another
         parallelism reduces them over its own group (expert slices). Before ``wrap``."""
         self.ignored.update(id(p) for p in params)
+        self.joined = False  # join() entered: ranks out of data make no steps from then on
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """DDP's ``register_comm_hook`` on every local stage's wrapper (now, and on those
@@ -269,6 +271,11 @@ class DataParallel(Joinable):
         """Later steps run outside ``join()``: nothing shadows them any more (``Join``
         leaves its configuration on the joinable)."""
         self._join_config = _JoinConfig.construct_disabled_join_config()
+
+    def ever_joined(self) -> bool:
+        """Whether ``join()`` was entered (every rank enters it at the same point), after
+        which the ranks' step counts may differ."""
+        return self.joined
 
     # executor hooks
     def pre_step(self, ops: Sequence[Op]) -> None:
@@ -473,6 +480,8 @@ def join(dp: DataParallel | None, throw_on_early_termination: bool = False
     if dp is None:
         yield
         return
+    dp.joined = True  # no more exchanges at step boundaries: step counts may differ
+    async_save.stop_at_steps()
     try:
         with order_mode.paused("DistributedModel.join()"), \
                 Join([dp], throw_on_early_termination=throw_on_early_termination):

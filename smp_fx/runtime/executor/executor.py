@@ -46,6 +46,7 @@ is what it was built with and the lowering cache.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +62,7 @@ from smp_fx.runtime.executor.lowering import LoweredCache, Op
 from smp_fx.runtime.executor.modes import thread_modes
 from smp_fx.runtime.executor.seams import PostStep, PreStep, StageRunner
 from smp_fx.runtime.executor.step_data import MbData, StepRun, StepStats
+from smp_fx.runtime.executor.stragglers import StragglerWatch
 from smp_fx.runtime.executor.turns import Microbatch, Request
 from smp_fx.runtime.memory.activations import ActivationKeeper, prefetch_points
 from smp_fx.runtime.transport.transport import InProcessTransport, Transport
@@ -96,7 +98,8 @@ class Executor:
                  keepers: Mapping[int, ActivationKeeper] | None = None,
                  check_received: Callable[..., None] | None = None,
                  pre_step_hooks: Sequence[PreStep] = (),
-                 post_step_hooks: Sequence[PostStep] = ()) -> None:
+                 post_step_hooks: Sequence[PostStep] = (),
+                 stragglers: StragglerWatch | None = None) -> None:
         self.program = program
         self.runners: Mapping[int, StageRunner] = dict(runners)
         self.transport = transport
@@ -116,6 +119,7 @@ class Executor:
         self.last = program.num_stages - 1
         self.pre_step_hooks: tuple[PreStep, ...] = tuple(pre_step_hooks)
         self.post_step_hooks: tuple[PostStep, ...] = tuple(post_step_hooks)
+        self.stragglers = stragglers  # told each step's split (smp_fx.runtime.stragglers)
         self.stats = StepStats()
         # checks a stage's received values against this rank's model call before its
         # forward: (stage, received values by name, rank, call args, call kwargs)
@@ -168,8 +172,11 @@ class Executor:
             self.flight.end()
             for keeper in self.keepers.values():
                 keeper.end_step()
+        ended = time.monotonic()
         for hook in self.post_step_hooks:
             hook()
+        if self.stragglers is not None:
+            self.stragglers.step_done(self.flight, ended, time.monotonic() - ended)
         return results
 
     def _execute(self, i: int, op: Op) -> None:

@@ -1,0 +1,162 @@
+"""What a checkpoint costs the training loop: asynchronous save vs synchronous save.
+
+4 processes by default, pp=2 x dp=2 ("cluster", ``ddp: true``), gloo on CPU (or NCCL when
+there is one GPU per process). The model is an MLP chain trained with Adam: parameters
+plus Adam's two moments make ``--hidden``/``--layers``' state (default 2048 x 5: 84 MB
+of parameters, 252 MB of state). Measured, each as the slowest rank's time (a barrier
+before each, the ranks' times max-reduced):
+
+* a plain training step (forward, backward, optimizer step), ``--steps`` of them;
+* the ``save_checkpoint(async_save=True)`` call alone, the step that starts an asynchronous
+  save (that call plus the step after it), and every later step while that save is being
+  written, until its commit at a step's start;
+* the stall of a synchronous ``save_checkpoint`` (the call alone).
+
+Rank 0 prints medians and the ratios to the plain step. Saves go to ``--dir`` (a temporary
+folder by default; use a real disk to measure one).
+
+Run: ``.venv/bin/python benchmarks/async_checkpoint.py [--saves 3 --hidden 2048 ...]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import queue
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from ddp_overlap import build  # the same MLP chain
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)})
+    sys.path.insert(0, str(ROOT))
+    torch.set_num_threads(args.threads)
+    import smp_fx as smp
+    from smp_fx.ckpt import async_save
+    from smp_fx.world import state
+
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": args.microbatches,
+              "ddp": True, "placement_strategy": "cluster"})
+    device = state.get().device
+    per_rank = args.batch // smp.dp_size()
+    torch.manual_seed(0)
+    x = torch.randn(per_rank, args.hidden, device=device)
+    y = torch.randint(0, 10, (per_rank,), device=device)
+    model = smp.DistributedModel(build(args.hidden, args.layers))
+    opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-5))
+    group = smp.get_world_process_group()
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        loss = nn.functional.cross_entropy(model(x), y)
+        model.backward(loss)
+        return loss
+
+    def step() -> None:
+        opt.zero_grad()
+        train_step(model, x, y)
+        opt.step()
+
+    def timed(fn: Any) -> float:
+        dist.barrier(group=group)
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        took = torch.tensor([time.perf_counter() - t0])
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+        return float(took)
+
+    for _ in range(args.warmup):
+        step()
+    state_mb = sum(t.numel() * t.element_size() for t in model.local_state_dict().values()
+                   if isinstance(t, torch.Tensor))
+    state_mb += sum(t.numel() * t.element_size() for s in opt.state.values()
+                    for t in s.values() if isinstance(t, torch.Tensor))
+    totals = [0.0] * smp.size()
+    dist.all_gather_object(totals, state_mb / 1e6, group=group)
+    times: dict[str, list[float]] = {"plain": [], "call": [], "starts": [], "during": [],
+                                     "sync": []}
+    per_phase = max(1, args.steps // args.saves)
+
+    def save(tag: str, background: bool) -> None:
+        smp.save_checkpoint(args.dir, tag, model=model, optimizer=opt, async_save=background)
+
+    for n in range(args.saves):
+        for _ in range(per_phase):
+            times["plain"].append(timed(step))
+        call = timed(functools.partial(save, f"a{n}", True))
+        times["call"].append(call)
+        times["starts"].append(call + timed(step))
+        while async_save.in_flight() == f"a{n}_partial":  # committed at a step's start
+            times["during"].append(timed(step))
+        times["sync"].append(timed(functools.partial(save, f"s{n}", False)))
+    smp.wait_checkpoint()
+    if rank == 0:
+        out.put({"times": times, "state_mb": totals})
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--microbatches", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=12, help="plain steps, over all saves")
+    ap.add_argument("--saves", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dir", default=None, help="where to save (default: a temporary folder)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        args.dir = args.dir or tmp
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = mp.get_context("spawn")
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_worker, args=(r, 4, port, args, out)) for r in range(4)]
+        for p in procs:
+            p.start()
+        try:
+            got = out.get(timeout=1800)
+        except queue.Empty:
+            sys.exit("no result within 1800 s")
+        finally:
+            for p in procs:
+                p.join(timeout=60)
+                if p.is_alive():
+                    p.kill()
+    times, state = got["times"], got["state_mb"]
+    plain = statistics.median(times["plain"])
+    print(f"pp 2 x dp 2, MLP {args.layers} x {args.hidden}, Adam: state {sum(state) / 2:.0f} "
+          f"MB per replica (per rank: {', '.join(f'{s:.0f}' for s in state)} MB)")
+    print(f"{'measured':34s} {'n':>3s} {'median s':>9s} {'x plain':>8s}")
+    rows = (("plain step", "plain"), ("async save call (stall)", "call"),
+            ("step that starts an async save", "starts"),
+            ("steps while it is written", "during"), ("synchronous save (stall)", "sync"))
+    for label, key in rows:
+        if times[key]:
+            med = statistics.median(times[key])
+            print(f"{label:34s} {len(times[key]):3d} {med:9.3f} {med / plain:8.2f}")
+    print(f"steps per async save until committed: {len(times['during']) / args.saves:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,230 @@
+"""Asynchronous checkpoints: ``save_checkpoint(..., async_save=True)``, ``smp.wait_checkpoint``.
+
+A synchronous save stalls every rank for the whole write. An asynchronous one does at the
+call only what needs the other ranks or the live tensors (``checkpoint_api``: the tag
+check, the staging folder, the gathers, a copy of the state off the training tensors by
+``smp_fx.ckpt.snapshot``); the background writer here writes this rank's files into the
+staging folder and a done-marker beside them, while training goes on. It never
+communicates, so it cannot interleave with training collectives. The commit (the staging
+folder renamed, ``newest`` rewritten, rotation) is world rank 0's, on the main thread,
+once every rank's part is written; the ranks agree on that where all pass alike: the
+start of each ``smp.step`` while a save is in flight (one small all-gather of each
+writer's state), the next save or resume, and ``smp.wait_checkpoint()``; a failed write is
+raised there on every rank. At process exit each rank waits for its writer; rank 0 then
+commits if every rank's done-marker says its part is written. At most one save is in
+flight: the next one waits. Until the commit ``newest`` names the previous checkpoint, so a
+crash anywhere keeps it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from typing import IO
+
+from cost_model.errors import SMPCheckpointError
+from smp_fx.ckpt.atomic import atomic_write
+from smp_fx.ckpt.validate import agree_or_raise, world_gather
+from smp_fx.world import launch
+from smp_fx.world import state as smp_state
+
+log = logging.getLogger(__name__)
+
+MARKER = ".done_rank"  # + the world rank: a rank's part of the staging folder is written
+OK = "ok"
+
+write_file = atomic_write
+"""How the writer thread writes one file (tests replace it to simulate a full disk)."""
+
+
+def write(path: str, writer: Callable[[IO[bytes]], object]) -> None:
+    """One file of an asynchronous save, atomically (through ``write_file``)."""
+    write_file(path, writer)
+
+
+class Job:
+    """One asynchronous save in flight on this rank: its writes and their outcome."""
+
+    def __init__(self, name: str, folder: str | None, rank: int, world: int,
+                 writes: list[Callable[[], None]], commit: Callable[[], None],
+                 ready: Callable[[], None]) -> None:
+        self.name, self.folder, self.rank, self.world = name, folder, rank, world
+        self.error: BaseException | None = None
+        self.done = threading.Event()
+        self.began = time.monotonic()
+        self._writes, self._commit, self._ready = writes, commit, ready
+        self._thread = threading.Thread(target=self._run, name="smp-fx-checkpoint-writer",
+                                        daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._ready()
+            for write in self._writes:
+                write()
+            self._mark(OK)
+        except BaseException as exc:  # kept for the next boundary, raised there on every rank
+            self.error = exc
+            try:
+                self._mark(f"{type(exc).__name__}: {exc}")
+            except OSError:
+                pass
+        finally:
+            self._writes = []  # the copies go as soon as they are written
+            self.done.set()
+
+    def marker(self, rank: int) -> str:
+        return os.path.join(self.folder or "", f"{MARKER}{rank}")
+
+    def _mark(self, text: str) -> None:
+        if self.folder is not None:
+            data = text.encode()
+            write(self.marker(self.rank), lambda fh: fh.write(data))
+
+    def state(self) -> int:
+        """0: writing, 1: written, 2: failed."""
+        return 0 if not self.done.is_set() else 1 if self.error is None else 2
+
+    def commit(self) -> None:
+        """World rank 0: the markers go, then the caller's commit."""
+        if self.folder is not None:
+            for r in range(self.world):
+                try:
+                    os.unlink(self.marker(r))
+                except FileNotFoundError:
+                    pass
+        self._commit()
+
+
+_inflight: Job | None = None
+_at_steps = True  # whether the step boundary agrees (not after join(): uneven step counts)
+
+
+def stop_at_steps() -> None:
+    """``DistributedModel.join()`` was entered: ranks out of data make no more steps, so
+    from now on only saves, resumes and ``smp.wait_checkpoint()`` agree and commit."""
+    global _at_steps
+    _at_steps = False
+
+
+def at_step() -> None:
+    """The start of an ``smp.step``: ``settle`` without waiting (see the module doc)."""
+    if _at_steps:
+        settle(block=False)
+
+
+def start(name: str, folder: str | None, rank: int, writes: list[Callable[[], None]],
+          commit: Callable[[], None], ready: Callable[[], None]) -> None:
+    """Write ``writes`` in the background as the save ``name`` (the caller settled the
+    previous one): ``folder``, a partial save's staging folder, gets the done-markers;
+    ``commit`` is world rank 0's once all are written; ``ready`` waits for the copies."""
+    global _inflight
+    world = 1 if world_gather() is None else smp_state.get().world_size
+    _inflight = Job(name, folder, rank, world, writes, commit, ready)
+
+
+def settle(block: bool, next_tag: str | None = None) -> None:
+    """The boundary of the module doc: every rank shares its writer's state; a failure is
+    raised on every rank, a save written everywhere is committed. ``block``: wait for this
+    rank's writer first. Collective when a save is in flight (every rank has one then)."""
+    global _inflight
+    job = _inflight
+    if job is None:
+        return
+    if block and not job.done.is_set():
+        if next_tag is not None:
+            log.warning("smp.save_checkpoint(%r) waits for the asynchronous checkpoint %s "
+                        "to finish writing (one save in flight at a time)", next_tag, job.name)
+        job.done.wait()
+    gather = world_gather()
+    states = [job.state()] if gather is None else gather(job.state())
+    if 2 in states:
+        _inflight = None
+        said = str(job.error) if job.error is not None else None
+        messages = [said] if gather is None else gather(said)
+        told = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
+        raise SMPCheckpointError.build(
+            f"the asynchronous checkpoint {job.name} was not written", told,
+            where="raised at the next step, save or wait on every rank",
+            fix="free space or fix the cause, then save again; the previous checkpoint is "
+            "unchanged and still the newest") from job.error
+    if any(s == 0 for s in states):
+        return
+    _inflight = None
+    cause: BaseException | None = None
+    if job.rank == 0:
+        try:
+            job.commit()
+        except OSError as exc:
+            cause = exc
+    agree_or_raise(cause, f"committing the asynchronous checkpoint {job.name}")
+    log.info("asynchronous checkpoint %s committed, %.1f s after the save began", job.name,
+             time.monotonic() - job.began)
+
+
+def wait_checkpoint() -> None:
+    """Wait until the asynchronous checkpoint in flight (if any) is written on every rank
+    and committed; raise its failure, if it failed, on every rank. Collective: call it on
+    every rank (e.g. before the script ends, or before reading the checkpoint).
+
+    Example::
+
+        smp.save_checkpoint("/ckpt", tag=f"step{step}", model=model, optimizer=optimizer,
+                            async_save=True)
+        ...                       # training goes on while it is written
+        smp.wait_checkpoint()     # newest now names it
+    """
+    settle(block=True)
+
+
+def in_flight() -> str | None:
+    """The name of the asynchronous checkpoint this rank is writing or has not yet
+    committed (None: none)."""
+    return None if _inflight is None else _inflight.name
+
+
+def _at_exit() -> None:
+    """Process exit: wait for this rank's writer; rank 0 commits when every rank's marker
+    says its part is written (no collective: the other ranks may be gone)."""
+    job = _inflight
+    if job is None:
+        return
+    bound = launch.timeout().total_seconds()
+    if not job.done.wait(bound) or job.error is not None:
+        log.error("the asynchronous checkpoint %s was not written on rank %d (%s); the "
+                  "previous checkpoint stays the newest", job.name, job.rank,
+                  job.error or f"still writing after {bound:.0f} s")
+        return
+    if job.rank != 0:
+        return
+    # the other ranks write alike: a marker missing long after this rank's own write is
+    # done belongs to a rank that is gone (killed), not slow
+    took = time.monotonic() - job.began
+    deadline = time.monotonic() + min(bound, max(60.0, 2 * took))
+    while True:
+        marks = [_read_marker(job, r) for r in range(job.world)] if job.folder else [OK]
+        if all(m == OK for m in marks):
+            job.commit()
+            return
+        failed = [r for r, m in enumerate(marks) if m is not None and m != OK]
+        if failed or time.monotonic() > deadline:
+            log.error("the asynchronous checkpoint %s is not committed: rank(s) %s did not "
+                      "write their part; the previous checkpoint stays the newest", job.name,
+                      failed or [r for r, m in enumerate(marks) if m is None])
+            return
+        time.sleep(0.1)
+
+
+def _read_marker(job: Job, rank: int) -> str | None:
+    try:
+        with open(job.marker(rank), encoding="utf-8") as fh:
+            return fh.read()
+    except FileNotFoundError:
+        return None
+
+
+atexit.register(_at_exit)

@@ -1,0 +1,167 @@
+"""Stragglers: a rank persistently slower than the others, named once with where it loses time.
+
+In a synchronous job one slow rank slows every rank, so step times are alike everywhere;
+what differs is how a step's time splits. A rank's *own* time is its stages' forward and
+backward, which no peer can lengthen; the rest is waiting for others (receiving from a
+pipeline peer, the data-parallel reduction) or not comparable across stages (the step
+function's own code and turns, ``in step``; the script between steps, ``outside``, whose
+own collectives wait there): reported, not judged. The flight record
+(``smp_fx.runtime.executor.flight``) already stamps every op, so a step splits at the cost of one
+pass over its ops. A reduction waited for inside a stage's last backward is estimated as
+that backward's excess over the stage's other backwards; the post-step hooks (explicit
+reductions) count as waiting.
+
+Every ``WINDOW`` steps the ranks exchange the split of their window's step of least own
+time (one small all-gather over the world's gloo group) and, from the second window on
+(the first steps warm up unevenly), decide alike: a rank whose own time is
+over ``RATIO`` times the median of its peers' (the ranks holding the same stages; all
+other ranks when none does) in ``PERSIST`` windows in a row is named in one warning,
+with the part of its time that exceeds the peers' most; ``smp.straggler_report()``
+returns the last figures.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from smp_fx.runtime.executor.flight import FlightRecorder
+
+log = logging.getLogger(__name__)
+
+WINDOW = 5  # steps per exchange
+RATIO = 1.3  # own time over the peers' median that names a straggler
+FLOOR_S = 0.002  # and by at least this much per step (timer noise on tiny steps)
+PERSIST = 2  # windows in a row a rank must be over, so a loaded machine's noise is not named
+
+OWN = ("forward", "backward")  # judged
+WAITING = ("receiving", "reducing")
+PARTS = (*OWN, "in step", *WAITING, "outside")
+_KIND_PART = {"F": "forward", "B": "backward", "I": "backward", "W": "backward",
+              "RECV_ACT": "receiving", "RECV_GRAD": "receiving", "RECV_OUT": "receiving"}
+
+Gather = Callable[[Any], list[Any]]
+
+
+def split_step(flight: FlightRecorder, ended: float, hooks_s: float) -> dict[str, float]:
+    """Seconds of the step just recorded in ``flight`` per part (``PARTS``; ``outside`` is
+    the caller's); ``ended``: when it ended, ``hooks_s``: its post-step hooks' time."""
+    parts = dict.fromkeys(PARTS, 0.0)
+    ops, starts = flight.ops, flight.starts
+    backwards: dict[int, list[float]] = {}
+    for i, op in enumerate(ops):
+        took = starts[i + 1] - starts[i]  # starts[len(ops)]: the step's end
+        parts[_KIND_PART.get(op.kind, "in step")] += took
+        if op.kind in ("B", "W"):
+            backwards.setdefault(op.stage, []).append(took)
+    if ops:
+        parts["receiving"] += ended - starts[len(ops)]  # the step's end: its sends complete
+    for times in backwards.values():
+        if len(times) > 1:  # the last one waits for the stage's data-parallel reduction
+            excess = max(0.0, times[-1] - statistics.median(times[:-1]))
+            parts["backward"] -= excess
+            parts["reducing"] += excess
+    parts["reducing"] += hooks_s
+    return parts
+
+
+class StragglerWatch:
+    """Per executor: splits each step, exchanges every ``WINDOW`` steps, names stragglers.
+
+    ``group``: the ranks holding this rank's stages (its data-parallel group);
+    ``gather``: the world all-gather (None: this process is the whole job); ``paused``:
+    true once exchanges must stop (after ``join()``, ranks out of data make no steps)."""
+
+    def __init__(self, rank: int, group: Sequence[int], gather: Gather | None,
+                 paused: Callable[[], bool] = lambda: False) -> None:
+        self.rank, self.group, self.gather, self.paused = rank, tuple(group), gather, paused
+        self.steps = 0
+        self.window: list[dict[str, float]] = []
+        self.last_end: float | None = None
+        self.figures: list[dict[str, float]] = []  # per rank, of the last exchange
+        self.peers: list[list[int]] = []
+        self.names: list[str] = []
+        self.named: dict[int, dict[str, Any]] = {}
+        self.over: dict[int, int] = {}  # windows in a row each rank was over the ratio
+
+    def step_done(self, flight: FlightRecorder, ended: float, hooks_s: float) -> None:
+        """After a step's hooks: record its split; every ``WINDOW`` steps, exchange."""
+        parts = split_step(flight, ended, hooks_s)
+        parts["outside"] = 0.0 if self.last_end is None else flight.began - self.last_end
+        self.last_end = time.monotonic()
+        self.window.append(parts)
+        self.steps += 1
+        if self.paused():  # for good: the ranks' step counts may differ from now on
+            self.window = []
+            return
+        if len(self.window) < WINDOW:
+            return
+        # a loaded machine only adds time (a rank waits for a core); a straggler's lag is in
+        # every step: the window's step of least own time is its least noisy
+        fastest = min(self.window, key=lambda w: sum(w[p] for p in OWN))
+        mine = dict(fastest, own=sum(fastest[p] for p in OWN))
+        self.window = []
+        told = (mine, self.group, flight.me())
+        every = [told] if self.gather is None else self.gather(told)
+        self.figures = [f for f, _, _ in every]
+        self.names = [n for _, _, n in every]
+        world = list(range(len(every)))
+        self.peers = [list(g) if len(g) > 1 else world for _, g, _ in every]
+        if self.steps == WINDOW:  # the first steps warm up (allocations, caches), unevenly
+            return
+        for r in world:
+            if r not in self.named:
+                self._judge(r)
+
+    def _judge(self, r: int) -> None:
+        own = [f["own"] for f in self.figures]
+        others = [q for q in self.peers[r] if q != r]
+        if not others:
+            return
+        base = statistics.median(own[q] for q in others)
+        over = own[r] > RATIO * base and own[r] - base >= FLOOR_S
+        self.over[r] = self.over.get(r, 0) + 1 if over else 0
+        if self.over[r] < PERSIST:
+            return
+        excess = {p: self.figures[r][p] - statistics.median(self.figures[q][p] for q in others)
+                  for p in OWN}
+        where = max(excess, key=lambda p: excess[p])
+        self.named[r] = {"step": self.steps, "ratio": own[r] / base, "where": where,
+                         "own_s": own[r], "peers_s": base, "excess_s": excess[where]}
+        if self.rank == 0:
+            log.warning(
+                "straggler: %s spends %.2fx the time of its peers (ranks %s) on its own work "
+                "(fastest of the last %d steps: %.1f ms vs %.1f ms), most of it in "
+                "%s (+%.1f ms per step); the others wait for it", self.names[r],
+                own[r] / base, ", ".join(map(str, others)), WINDOW, own[r] * 1e3,
+                base * 1e3, where, excess[where] * 1e3)
+
+    def report(self) -> dict[str, Any]:
+        """The figures of the last exchange (see ``smp.straggler_report``)."""
+        return {"steps": self.steps, "window": WINDOW, "ratio": RATIO,
+                "ranks": [dict(f) for f in self.figures],
+                "stragglers": {r: dict(v) for r, v in self.named.items()}}
+
+
+def straggler_report() -> dict[str, Any]:
+    """The straggler figures of the current ``DistributedModel`` (smp-fx extension).
+
+    ``ranks[r]``: rank ``r``'s step of least own time in the last window, in seconds per
+    part (``forward``, ``backward``: its own work, summed in ``own``; ``in step``: the step
+    function's own code; ``receiving``, ``reducing``: waiting; ``outside``: between steps);
+    ``stragglers``: the ranks named so far, each with the step it was named at, its
+    ``ratio`` to its peers and ``where`` it loses the most time.
+    Empty figures before the first exchange."""
+    from smp_fx.world import context  # the runtime does not otherwise reach the model
+
+    model = context.current_model()
+    if model is None or not getattr(model, "partitioned", False):
+        return {"steps": 0, "window": WINDOW, "ratio": RATIO, "ranks": [], "stragglers": {}}
+    watch: StragglerWatch | None = getattr(getattr(model, "executor", None), "stragglers",
+                                           None)
+    if watch is None:
+        return {"steps": 0, "window": WINDOW, "ratio": RATIO, "ranks": [], "stragglers": {}}
+    return watch.report()

@@ -214,12 +214,12 @@ class DataParallel(Joinable):
         self.reductions = 0
         self.comm_hooks: list[tuple[Any, Any]] = []
         self.ignored: set[int] = set()  # ids of parameters another rule reduces
+        self.joined = False  # join() entered: ranks out of data make no steps from then on
 
     def ignore(self, params: Sequence[nn.Parameter]) -> None:
         """Leave ``params`` out of the reduction (and DDP's broadcast): another
         parallelism reduces them over its own group (expert slices). Before ``wrap``."""
         self.ignored.update(id(p) for p in params)
-        self.joined = False  # join() entered: ranks out of data make no steps from then on
 
     def register_comm_hook(self, state: Any, hook: Any) -> None:
         """DDP's ``register_comm_hook`` on every local stage's wrapper (now, and on those

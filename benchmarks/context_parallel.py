@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 
 from cost_model.devices import H100  # noqa: E402
 from cost_model.measure import saved_bytes_by_module  # noqa: E402
-from passes import meta  # noqa: E402
+from passes import axis_groups, meta  # noqa: E402
 from passes.context_parallel import collectives, context_parallel  # noqa: E402
 from passes.pipeline import analyse  # noqa: E402
 from tests.helpers.dist import run_ranks  # noqa: E402
@@ -72,7 +72,7 @@ def _rank(degree: int) -> dict[str, Any]:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     if degree > 1:
         dist.init_process_group("gloo")
-        collectives.bind(dist.group.WORLD, degree, dist.get_rank())
+        axis_groups.bind("cp", dist.group.WORLD, degree, dist.get_rank())
     model, ids = _tiny()
     costed = analyse(model, (ids,), {}, device=H100, frontend="export")
     gm, _ = context_parallel(costed, degree)

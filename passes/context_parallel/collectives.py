@@ -2,8 +2,8 @@
 
 A sequence of length S is cut into 2cp equal chunks; cp rank r holds chunks r and
 2cp - 1 - r (causal load balance: each rank's queries see as many keys in total).
-``local_index`` is the global positions of those tokens. The runtime binds the cp group once
-per rank (``bind``); without a bound group of more than one rank every operation is the
+``local_index`` is the global positions of those tokens. They run on the ``"cp"`` axis's
+group (``passes.axis_groups``); without a bound group of more than one rank every operation is the
 identity, so a rewritten graph computes the original function in one process.
 
 * ``cp_split``: the local tokens of a whole input (backward: the pieces summed over cp);
@@ -16,28 +16,15 @@ identity, so a rewritten graph computes the original function in one process.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from cost_model.errors import SMPRuntimeError
+from passes.axis_groups import axis_group
 
-
-@dataclass
-class _Bound:
-    group: Any = None
-    size: int = 1
-    rank: int = 0
-
-
-_BOUND = _Bound()
-
-
-def bind(group: Any, size: int, rank: int) -> None:
-    """Use ``group`` (this rank's context-parallel group: ``size`` ranks, this one ``rank``)."""
-    _BOUND.group, _BOUND.size, _BOUND.rank = group, size, rank
+_BOUND = axis_group("cp")
 
 
 def size() -> int:
@@ -45,7 +32,7 @@ def size() -> int:
 
 
 def active() -> bool:
-    return _BOUND.size > 1 and dist.is_available() and dist.is_initialized()
+    return _BOUND.active()
 
 
 def local_index(length: int, degree: int, rank: int, device: torch.device | None = None
@@ -175,5 +162,5 @@ def query_positions(length: int, device: torch.device) -> torch.Tensor:
     return _mine(length, device)
 
 
-__all__ = ["active", "bind", "cp_gather", "cp_gather_kv", "cp_localize", "cp_split",
+__all__ = ["active", "cp_gather", "cp_gather_kv", "cp_localize", "cp_split",
            "local_index", "query_positions", "size", "sum_over_group"]

@@ -1,10 +1,10 @@
 """The tensor-parallel collectives the rewritten graph calls, as autograd functions.
 
-``passes.tensor_parallel`` inserts these as ``call_function`` nodes; the runtime binds the
-process group once per rank (``bind``). Every collective smp-fx's tensor parallelism uses is
-built here from ``all_reduce`` and ``all_gather``, which gloo has, plus ``reduce_scatter``
-where the backend has it (else an all-reduce followed by a local slice), so CPU runs need
-nothing gloo lacks.
+``passes.tensor_parallel`` inserts these as ``call_function`` nodes; they run on the
+``"tp"`` axis's group (``passes.axis_groups``). Every collective smp-fx's tensor
+parallelism uses is built here from ``all_reduce`` and ``all_gather``, which gloo has, plus
+``reduce_scatter`` where the backend has it (else an all-reduce followed by a local
+slice), so CPU runs need nothing gloo lacks.
 
 Without a bound group of more than one rank every function is the identity: a graph
 rewritten for tp=1, or run by a pass that only propagates shapes, computes the same
@@ -38,31 +38,19 @@ function as the original.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from passes.axis_groups import axis_group
 
-@dataclass
-class _Bound:
-    group: Any = None
-    size: int = 1
-    rank: int = 0
-
-
-_BOUND = _Bound()
-
-
-def bind(group: Any, size: int, rank: int) -> None:
-    """Use ``group`` (this rank's tensor-parallel group: ``size`` ranks, this one ``rank``)."""
-    _BOUND.group, _BOUND.size, _BOUND.rank = group, size, rank
+_BOUND = axis_group("tp")
 
 
 def active() -> bool:
-    return _BOUND.size > 1 and dist.is_available() and dist.is_initialized()
+    return _BOUND.active()
 
 
 def _all_reduce(x: torch.Tensor, op: Any = None) -> torch.Tensor:

@@ -16,6 +16,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from passes import axis_groups
 from passes.context_parallel import collectives as cp_collectives
 from smp_fx.runtime.executor.lowering import Op, trains
 from smp_fx.runtime.executor.seams import StepHooks
@@ -37,7 +38,7 @@ class ContextParallelRuntime:
              ) -> ContextParallelRuntime:
         """Bind the collectives to this rank's cp group; ``local``: this rank's parameters.
         The group is held there only, so ``smp_fx.world.state._reset`` can release it."""
-        cp_collectives.bind(st.group("cp"), st.axis_size("cp"), st.axis_rank("cp"))
+        axis_groups.bind("cp", st.group("cp"), st.axis_size("cp"), st.axis_rank("cp"))
         return ContextParallelRuntime(p for _, p in local)
 
     def hooks(self) -> StepHooks:

@@ -14,6 +14,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from passes import axis_groups
 from passes.tensor_parallel import TensorParallelPlan
 from passes.tensor_parallel import collectives as tp_collectives
 from passes.tensor_parallel.coverage import coverage
@@ -53,7 +54,7 @@ class TensorParallelRuntime:
              st: state.State) -> TensorParallelRuntime:
         """Bind the collectives to this rank's tp group (called at partitioning); ``local``:
         this rank's parameters by name (``DistributedModel.local_named_parameters``)."""
-        tp_collectives.bind(st.group("tp"), st.axis_size("tp"), st.axis_rank("tp"))
+        axis_groups.bind("tp", st.group("tp"), st.axis_size("tp"), st.axis_rank("tp"))
         rt = TensorParallelRuntime(plan, local, not st.config.prescaled_batch)
         if st.rank == 0:  # one report for the model (every rank's plan is the same)
             report = coverage(plan)

@@ -18,8 +18,7 @@ import torch
 import torch.distributed as dist
 
 from cost_model.errors import SMPRuntimeError
-from passes.context_parallel import collectives as cp_collectives
-from passes.tensor_parallel import collectives as tp_collectives
+from passes import axis_groups
 from smp_fx.config import SMPConfig
 from smp_fx.topology import Topology
 from smp_fx.world import order_mode, state_api
@@ -133,8 +132,7 @@ def _reset() -> None:
     global _STATE
     state, _STATE = _STATE, None
     order_mode.uninstall()
-    tp_collectives.bind(None, 1, 0)  # the tp group (and its store) must not outlive it
-    cp_collectives.bind(None, 1, 0)
+    axis_groups.unbind_all()  # the tp and cp groups (and their stores) must not outlive it
     if state is None or not dist.is_initialized():
         return
     if state.owns_default_group:

@@ -14,11 +14,12 @@ from tests.helpers.dist import run_ranks
 
 
 def _rank_checks() -> dict[str, Any]:
+    from passes import axis_groups
     from passes.tensor_parallel import collectives as c
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()
-    c.bind(None, 2, rank)
+    axis_groups.bind("tp", None, 2, rank)
     x = (torch.arange(24.0).reshape(2, 4, 3) + 100 * rank).requires_grad_()
     out: dict[str, Any] = {}
     native = c._reduce_scatter(x.detach(), 1)
@@ -36,7 +37,7 @@ def _rank_checks() -> dict[str, Any]:
     z.backward(torch.ones_like(z))
     out["scatter"] = torch.equal(z.detach(), x.detach().chunk(2, 1)[rank])
     out["scatter_grad"] = torch.equal(x.grad, torch.ones_like(x))
-    c.bind(None, 1, 0)
+    axis_groups.bind("tp", None, 1, 0)
     return out
 
 

@@ -12,6 +12,8 @@ most ``p - s`` on stage ``s``; the zero-bubble and interleaved orders as their l
 
 With ``virtual_stages`` v > 1 the model is cut into ``num_stages x v`` chunks, placed on
 the ``num_stages`` pipeline ranks by ``placement`` (round robin; the V for ``zbv``).
+``precision``, ``zero`` and ``data_parallel_degree`` say how the model state is held: the
+plan counts it with ``cost_model.memory.model_state``, the planner's count.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Any
 
 from cost_model import schedule as sched
 from cost_model.errors import SMPConfigError
+from cost_model.memory import STATE_MODES, ZERO
 from cost_model.serial import from_versioned_json, versioned_json
 
 SCHEMA_VERSION = 2
@@ -94,6 +97,10 @@ class PartitionConfig:
     checkpointing: tuple[CheckpointRule, ...] = ()
     offload_activations: bool = False
     virtual_stages: int = 1
+    precision: str = "fp32"
+    zero: str = "none"
+    data_parallel_degree: int = 1
+    persistence_threshold: int = 1_000_000
 
     def __post_init__(self) -> None:
         rules = tuple(r if isinstance(r, CheckpointRule) else CheckpointRule(**r)
@@ -124,6 +131,14 @@ class PartitionConfig:
         if self.optimizer_state_factor < 0:
             raise bad("optimizer_state_factor", "optimizer_state_factor must be >= 0",
                       "2.0 for Adam, 1.0 for momentum SGD, 0.0 for plain SGD")
+        if self.precision not in STATE_MODES:
+            raise bad("precision", f"precision must be one of {STATE_MODES}",
+                      "use 'fp32', 'fp16' or 'bf16_params' (SMP's bf16: true)")
+        if self.zero not in ZERO:
+            raise bad("zero", f"zero must be one of {ZERO}", "use 'none', 'zero1' or 'fsdp'")
+        if not isinstance(self.data_parallel_degree, int) or self.data_parallel_degree < 1:
+            raise bad("data_parallel_degree", "data_parallel_degree must be an int >= 1",
+                      "the ranks that shard the state (1: no sharding)")
         sched.check_virtual(self.pipeline, self.num_stages, self.microbatches,
                             self.virtual_stages)
 
@@ -169,8 +184,10 @@ class PartitionConfig:
         for name in ("checkpointing", "offload_activations"):
             if not out[name]:
                 del out[name]
-        if out["virtual_stages"] == 1:
-            del out["virtual_stages"]
+        for name in ("virtual_stages", "precision", "zero", "data_parallel_degree",
+                     "persistence_threshold"):
+            if out[name] == PartitionConfig.__dataclass_fields__[name].default:
+                del out[name]
         return out
 
     @classmethod

@@ -33,6 +33,7 @@ from cost_model import roofline
 from cost_model.device import DeviceSpec
 from cost_model.devices import DEFAULT_DEVICE, load_device
 from cost_model.errors import SMPPartitionError
+from cost_model.memory import ModelState, model_state
 from cost_model.node_cost import NodeCost
 from cost_model.schedule import SPLIT_BACKWARD
 from cost_model.simulate import SimResult
@@ -202,7 +203,6 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
     rank_of = tuple(placement) if placement is not None else pconfig.placement
     p = len(rank_of)
     split = pconfig.pipeline in SPLIT_BACKWARD
-    opt = float(pconfig.optimizer_state_factor)
     stages = _node_stages(gm, p)
     table = _param_table(gm)
     members: list[list[torch.fx.Node]] = [[] for _ in range(p)]
@@ -231,10 +231,14 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
     trainable = {tid: grad for tid, _, grad in table.values()}
     trainable_names = {name for name, (_, _, grad) in table.items() if grad}
 
+    numel_of = {id(t): t.numel() for _, t in gm.named_parameters(remove_duplicate=False)}
+
     def static_of(tids: set[int]) -> tuple[int, int, int, int]:
-        par = sum(bytes_of[t] for t in tids if trainable[t])
+        elems = [numel_of[t] for t in tids if trainable[t]]
+        state = _state(pconfig, sum(elems), len(elems),
+                       sum(n for n in elems if n < pconfig.persistence_threshold))
         buf = sum(bytes_of[t] for t in tids if not trainable[t])
-        return par, par, int(round(opt * par)), buf
+        return state.params, state.grads, state.optimizer, buf
 
     boundaries = _boundaries(stages)
     costs = {n: _cost(n) for n in stages}
@@ -305,6 +309,14 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
                                bubble_rate=_r(sim.bubble_rate) if detail else 0.0)
 
 
+def _state(config: PartitionConfig, elems: int, tensors: int, whole: int) -> ModelState:
+    """The model state of ``elems`` trainable elements in ``tensors`` tensors on one rank
+    (``cost_model.memory.model_state``, the planner's count)."""
+    return model_state(elems, precision=config.precision, zero=config.zero,
+                       dp=config.data_parallel_degree, tensors=tensors, whole=whole,
+                       optimizer_factor=float(config.optimizer_state_factor))
+
+
 def _handling(chunks: Sequence[int], rank_of: Sequence[int]) -> str:
     """How a parameter read by several chunks is held: one copy when they share a rank."""
     ranks = sorted({rank_of[c] for c in chunks})
@@ -318,7 +330,6 @@ def _rank_plans(plan: PartitionPlan, sim: SimResult) -> tuple[RankPlan, ...]:
     """Each rank's chunks and memory: the chunks' static bytes (a parameter two of its
     chunks read counted once), the simulated peak of what they keep for backward (a
     pending W holding its share), their largest transient."""
-    factor = 2.0 + plan.config.optimizer_state_factor
     out = []
     for r in range(plan.num_ranks):
         chunks = tuple(c for c, owner in enumerate(plan.rank_of) if owner == r)
@@ -326,7 +337,10 @@ def _rank_plans(plan: PartitionPlan, sim: SimResult) -> tuple[RankPlan, ...]:
         static = sum(m.params + m.grads + m.optimizer_state + m.buffers for m in mems)
         for sh in plan.shared_params:
             copies = sum(1 for c in sh.stages if plan.rank_of[c] == r)
-            static -= int(round(max(copies - 1, 0) * factor * sh.nbytes))
+            one = _state(plan.config, sh.nbytes // 4, 1,  # a traced fp32 tensor
+                         sh.nbytes // 4 if sh.nbytes // 4 < plan.config.persistence_threshold
+                         else 0)
+            static -= max(copies - 1, 0) * one.total
         transient = max((m.recompute_transient for m in mems), default=0)
         static_sim = sum(plan.stages[c].memory.total - plan.stages[c].memory.activations
                          for c in chunks)

@@ -63,17 +63,20 @@ class PlanRequest:
 
 def plan_request(cfg: SMPConfig, module: nn.Module, device: DeviceSpec, tp_rank: int, *,
                  checkpointing: tuple[CheckpointRule, ...] | None = None,
-                 optimizer_state_factor: float = 2.0) -> PlanRequest:
+                 optimizer_state_factor: float = 2.0,
+                 data_parallel_degree: int = 1) -> PlanRequest:
     """The request for ``module`` under ``cfg``, priced with ``device`` (before
     ``for_stages``), for tensor-parallel rank ``tp_rank``.
 
     ``checkpointing`` replaces the modules ``module`` marks for activation checkpointing
     (``smp-fx partition --activation-checkpointing`` patterns); ``optimizer_state_factor``
-    is optimizer state bytes per parameter byte (Adam: 2). Build it after ``module`` was
+    is optimizer state bytes per parameter byte (Adam: 2), ``data_parallel_degree`` the
+    rdp ranks ``shard_optimizer_state`` divides it over. Build it after ``module`` was
     traced: ``smp.checkpoint`` called in a forward marks its module only then."""
     spec = device.for_stages(cfg.pipeline_parallel_degree)
     rules = checkpoint_rules(module) if checkpointing is None else checkpointing
     pins = None if cfg.auto_partition else tuple(pins_by_module_path(module).items())
     tp = (rewrite_inputs(cfg, tp_rank, module) if cfg.tensor_parallel_degree > 1 else None)
-    return PlanRequest(cfg.partition_config(spec.name, optimizer_state_factor, rules), spec,
+    return PlanRequest(cfg.partition_config(spec.name, optimizer_state_factor, rules,
+                                            data_parallel_degree), spec,
                        pins, tp, real_run=not cfg.skip_tracing)

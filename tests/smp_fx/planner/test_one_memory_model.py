@@ -5,6 +5,7 @@ plan emits, at every precision and sharding (``cost_model.memory.model_state``).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -64,6 +65,6 @@ def test_plan_fix_and_partition_count_the_same_state(
     partition = _partition_state(model, smp_config(best, precision), ranks.layers)
     assert partition == planner
     if zero != "none":  # the sharding is seen, not a no-op
-        unsharded = _partition_state(model, smp_config(best, precision) | {
-            "shard_optimizer_state": False, "sharded_data_parallel_degree": 1}, ranks.layers)
-        assert all(sum(s) < sum(u) for s, u in zip(partition, unsharded))
+        whole = memory_by_rank(dataclasses.replace(c, zero="none"), ranks,
+                               planned.profiler(c.mbs, c.tp, c.sp), setting)
+        assert all(sum(s) < w.state for s, w in zip(partition, whole))

@@ -232,11 +232,11 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
     trainable_names = {name for name, (_, _, grad) in table.items() if grad}
 
     numel_of = {id(t): t.numel() for _, t in gm.named_parameters(remove_duplicate=False)}
+    thr = pconfig.persistence_threshold
 
     def static_of(tids: set[int]) -> tuple[int, int, int, int]:
         elems = [numel_of[t] for t in tids if trainable[t]]
-        state = _state(pconfig, sum(elems), len(elems),
-                       sum(n for n in elems if n < pconfig.persistence_threshold))
+        state = _state(pconfig, sum(elems), len(elems), sum(n for n in elems if n < thr))
         buf = sum(bytes_of[t] for t in tids if not trainable[t])
         return state.params, state.grads, state.optimizer, buf
 
@@ -289,9 +289,11 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
             wgrad_time_s=_r(min(wg.time_s, bwd_t)) if wg is not None else 0.0))
 
     objective = max(sp.cost for sp in stage_plans)
+    tied = [t for t in readers if len(readers[t]) > 1]
     shared = tuple(SharedParam(tuple(names_of[t]), bytes_of[t], tuple(sorted(readers[t])),
-                               _handling(sorted(readers[t]), rank_of))
-                   for t in readers if len(readers[t]) > 1)
+                               _handling(sorted(readers[t]), rank_of)) for t in tied)
+    copy_bytes = [_state(pconfig, numel_of[t], 1, numel_of[t] if numel_of[t] < thr else 0).total
+                  if trainable[t] else bytes_of[t] for t in tied]
     plan = PartitionPlan(
         config=pconfig, device=_to_json(spec.to_json()), stages=tuple(stage_plans),
         objective=_r(objective), lower_bound=_r(scored.lower_bound), strategy=strategy,
@@ -305,7 +307,7 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
     return dataclasses.replace(plan, step_time_s=_r(plan.training_step_s(sim)),
                                pipeline_time_s=_r(sim.step_time_s),
                                bubble_fraction=_r(sim.bubble_fraction),
-                               ranks=_rank_plans(plan, sim) if detail else (),
+                               ranks=_rank_plans(plan, sim, copy_bytes) if detail else (),
                                bubble_rate=_r(sim.bubble_rate) if detail else 0.0)
 
 
@@ -326,21 +328,19 @@ def _handling(chunks: Sequence[int], rank_of: Sequence[int]) -> str:
     return SHARED_HANDLING
 
 
-def _rank_plans(plan: PartitionPlan, sim: SimResult) -> tuple[RankPlan, ...]:
+def _rank_plans(plan: PartitionPlan, sim: SimResult, copy_bytes: Sequence[int]
+                ) -> tuple[RankPlan, ...]:
     """Each rank's chunks and memory: the chunks' static bytes (a parameter two of its
-    chunks read counted once), the simulated peak of what they keep for backward (a
-    pending W holding its share), their largest transient."""
+    chunks read counted once: ``copy_bytes`` of each shared one), the simulated peak of
+    what they keep for backward (a pending W holding its share), their largest transient."""
     out = []
     for r in range(plan.num_ranks):
         chunks = tuple(c for c, owner in enumerate(plan.rank_of) if owner == r)
         mems = [plan.stages[c].memory for c in chunks]
         static = sum(m.params + m.grads + m.optimizer_state + m.buffers for m in mems)
-        for sh in plan.shared_params:
+        for sh, one in zip(plan.shared_params, copy_bytes):
             copies = sum(1 for c in sh.stages if plan.rank_of[c] == r)
-            one = _state(plan.config, sh.nbytes // 4, 1,  # a traced fp32 tensor
-                         sh.nbytes // 4 if sh.nbytes // 4 < plan.config.persistence_threshold
-                         else 0)
-            static -= max(copies - 1, 0) * one.total
+            static -= max(copies - 1, 0) * one
         transient = max((m.recompute_transient for m in mems), default=0)
         static_sim = sum(plan.stages[c].memory.total - plan.stages[c].memory.activations
                          for c in chunks)

@@ -5,16 +5,22 @@ fits is set by smp-fx's runtime, not by a textbook: its precision modes keep dif
 copies of each parameter, its data parallelism holds bucket buffers, its pipeline sends
 the model's outputs to every rank. Bytes per trainable parameter element (``STATE``):
 
-========  =====  =====  ======================  ===========  =================================
-mode      param  grad   master (weights+grads)  Adam (m, v)  as smp-fx runs it
-========  =====  =====  ======================  ===========  =================================
-bf16      4      4      0                       8            autocast over fp32 parameters
-                                                             (docs/precision.md)
-fp16      2      2      8                       8            ``fp16: true``: half model, fp32
-                                                             masters and unscaled master grads
-fp32      4      4      0                       8            plain
-========  =====  =====  ======================  ===========  =================================
+===========  =====  =====  ======================  ===========  ==============================
+mode         param  grad   master (weights+grads)  Adam (m, v)  as smp-fx runs it
+===========  =====  =====  ======================  ===========  ==============================
+bf16         4      4      0                       8            autocast over fp32 parameters
+                                                                (docs/precision.md)
+fp16         2      2      8                       8            ``fp16: true``: half model,
+                                                                fp32 masters and unscaled
+                                                                master grads
+bf16_params  2      2      8                       8            ``bf16: true``: the same in
+                                                                bf16
+fp32         4      4      0                       8            plain
+===========  =====  =====  ======================  ===========  ==============================
 
+Adam's moments scale with the optimizer's state per parameter (``optimizer_factor``: 2 for
+Adam, 1 for momentum SGD). ``model_state`` is the one count of these bytes: the planner,
+the partition plan (``passes.plan``) and the runtime's measured tensors agree on it (tests).
 ``zero1`` (``shard_optimizer_state``) divides masters and Adam state by the data-parallel
 degree (Adam's per-tensor step counters, 4 bytes each, count too); ``fsdp``
 (``sharded_data_parallel_degree`` = dp) divides everything but the tensors below SMP's
@@ -46,6 +52,9 @@ from cost_model.errors import SMPConfigError
 
 ZERO = ("none", "zero1", "fsdp")
 PRECISIONS = ("bf16", "fp16", "fp32")
+"""What the planner searches at (``--precision``)."""
+STATE_MODES = (*PRECISIONS, "bf16_params")
+"""What the state model knows: the precisions and SMP's ``bf16: true`` (bf16 weights)."""
 
 
 @dataclass(frozen=True)
@@ -62,14 +71,60 @@ class StateBytes:
 STEP_BYTES = 4
 """torch's Adam keeps a float32 step counter per parameter tensor."""
 STATE = {"bf16": StateBytes(4, 4, 0, 8, 4), "fp16": StateBytes(2, 2, 8, 8, 2),
-         "fp32": StateBytes(4, 4, 0, 8, 4)}
+         "fp32": StateBytes(4, 4, 0, 8, 4), "bf16_params": StateBytes(2, 2, 8, 8, 2)}
 
 
 def state_bytes(precision: str) -> StateBytes:
     if precision not in STATE:
-        raise SMPConfigError.build("precision is one of " + ", ".join(PRECISIONS), precision,
+        raise SMPConfigError.build("precision is one of " + ", ".join(STATE_MODES), precision,
                                    "--precision", "use bf16, fp16 or fp32")
     return STATE[precision]
+
+
+def precision_of(fp16: bool, bf16: bool) -> str:
+    """The state mode of SMP's precision flags (``fp16``, ``bf16``; neither: fp32)."""
+    return "fp16" if fp16 else "bf16_params" if bf16 else "fp32"
+
+
+@dataclass(frozen=True)
+class ModelState:
+    """Bytes of parameters, gradients and optimizer state (masters included) on one rank."""
+
+    params: int
+    grads: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+
+def model_state(elems: int, *, precision: str, zero: str = "none", dp: int = 1,
+                tensors: int = 0, whole: int = 0, optimizer_factor: float = 2.0
+                ) -> ModelState:
+    """One rank's model state for ``elems`` trainable elements in ``tensors`` tensors
+    (module docstring): ``zero`` shards it over ``dp`` ranks; under ``fsdp`` ``whole``
+    elements (tensors below the persistence threshold) stay on every rank.
+
+    >>> model_state(10, precision="fp16", zero="zero1", dp=2, tensors=2)
+    ModelState(params=20, grads=20, optimizer=84)
+    """
+    if zero not in ZERO:
+        raise SMPConfigError.build("zero is one of " + ", ".join(ZERO), zero, "--fix zero",
+                                   "use none, zero1 or fsdp")
+    s = state_bytes(precision)
+    per_opt = s.master + s.optimizer * optimizer_factor / 2.0
+    params, grads = elems * s.param, elems * s.grad
+    optimizer = int(round(elems * per_opt)) + STEP_BYTES * tensors
+    if zero == "zero1" and dp > 1:
+        optimizer = -(-optimizer // dp)
+    if zero == "fsdp" and dp > 1:
+        part = min(whole, elems)
+        params = part * s.param + -(-(elems - part) * s.param // dp)
+        grads = part * s.grad + -(-(elems - part) * s.grad // dp)
+        optimizer = int(round(part * per_opt)) + STEP_BYTES * tensors \
+            + -(-int(round((elems - part) * per_opt)) // dp)
+    return ModelState(int(params), int(grads), int(optimizer))
 
 
 @dataclass(frozen=True)
@@ -127,21 +182,11 @@ def memory_per_gpu(*, elems: int, buffers: int, kept: int, in_flight: float, tra
     >>> m.params, m.grads, m.optimizer, m.activations, m.total
     (40, 40, 80, 200, 360)
     """
-    if zero not in ZERO:
-        raise SMPConfigError.build("zero is one of " + ", ".join(ZERO), zero, "--fix zero",
-                                   "use none, zero1 or fsdp")
     s = state_bytes(precision)
-    params, grads = elems * s.param, elems * s.grad
-    optimizer = elems * (s.master + s.optimizer) + STEP_BYTES * tensors
+    state = model_state(elems, precision=precision, zero=zero, dp=dp, tensors=tensors,
+                        whole=whole)
     comm = 0
-    if zero == "zero1" and dp > 1:
-        optimizer = -(-optimizer // dp)
-    if zero == "fsdp" and dp > 1:  # ``whole`` elements stay unsharded
-        part = min(whole, elems)
-        params = part * s.param + -(-(elems - part) * s.param // dp)
-        grads = part * s.grad + -(-(elems - part) * s.grad // dp)
-        optimizer = part * (s.master + s.optimizer) + STEP_BYTES * tensors \
-            + -(-(elems - part) * (s.master + s.optimizer) // dp)
+    if zero == "fsdp" and dp > 1:
         comm += 2 * layer_elems * (s.param + s.grad)  # two gathered units and their grads
     elif dp > 1:
         comm += elems * s.grad  # DDP's bucket buffers
@@ -150,10 +195,10 @@ def memory_per_gpu(*, elems: int, buffers: int, kept: int, in_flight: float, tra
     stepped = elems * 4  # float32, as Adam's moments
     if zero != "none" and dp > 1:
         stepped = -(-stepped // dp)
-    return MemoryPerGPU(int(params), int(grads), int(optimizer),
+    return MemoryPerGPU(state.params, state.grads, state.optimizer,
                         int(round(kept * in_flight)), int(transient), int(comm + buffers),
                         2 * int(output_bytes), int(stepped) if step_temporary else 0)
 
 
-__all__ = ["PRECISIONS", "STATE", "ZERO", "MemoryPerGPU", "StateBytes", "memory_per_gpu",
-           "state_bytes"]
+__all__ = ["PRECISIONS", "STATE", "STATE_MODES", "ZERO", "MemoryPerGPU", "ModelState",
+           "StateBytes", "memory_per_gpu", "model_state", "precision_of", "state_bytes"]

@@ -3,6 +3,8 @@
 ``passes`` cannot import ``smp_fx.config``, so ``smp_fx`` builds this frozen, JSON-able
 value; a plan records it and every rank can check it made the same plan. In-flight counts
 are read off the schedule (``cost_model.schedule.chunk_peaks``).
+``precision``, ``zero`` and ``data_parallel_degree`` say how the model state is held: the
+plan counts it with ``cost_model.memory.model_state``, the planner's count.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 
 from cost_model import schedule as sched
 from cost_model.errors import SMPConfigError
+from cost_model.memory import STATE_MODES, ZERO
 from cost_model.serial import from_versioned_json, versioned_json
 
 SCHEMA_VERSION = 2
@@ -73,6 +76,10 @@ class PartitionConfig:
     checkpointing: tuple[CheckpointRule, ...] = ()
     offload_activations: bool = False
     virtual_stages: int = 1
+    precision: str = "fp32"
+    zero: str = "none"
+    data_parallel_degree: int = 1
+    persistence_threshold: int = 1_000_000
 
     def __post_init__(self) -> None:
         rules = tuple(r if isinstance(r, CheckpointRule) else CheckpointRule(**r)
@@ -103,6 +110,14 @@ class PartitionConfig:
         if self.optimizer_state_factor < 0:
             raise bad("optimizer_state_factor", "optimizer_state_factor must be >= 0",
                       "2.0 for Adam, 1.0 for momentum SGD, 0.0 for plain SGD")
+        if self.precision not in STATE_MODES:
+            raise bad("precision", f"precision must be one of {STATE_MODES}",
+                      "use 'fp32', 'fp16' or 'bf16_params' (SMP's bf16: true)")
+        if self.zero not in ZERO:
+            raise bad("zero", f"zero must be one of {ZERO}", "use 'none', 'zero1' or 'fsdp'")
+        if not isinstance(self.data_parallel_degree, int) or self.data_parallel_degree < 1:
+            raise bad("data_parallel_degree", "data_parallel_degree must be an int >= 1",
+                      "the ranks that shard the state (1: no sharding)")
         sched.check_virtual(self.pipeline, self.num_stages, self.microbatches,
                             self.virtual_stages)
 
@@ -148,8 +163,10 @@ class PartitionConfig:
         for name in ("checkpointing", "offload_activations"):
             if not out[name]:
                 del out[name]
-        if out["virtual_stages"] == 1:
-            del out["virtual_stages"]
+        for name in ("virtual_stages", "precision", "zero", "data_parallel_degree",
+                     "persistence_threshold"):
+            if out[name] == PartitionConfig.__dataclass_fields__[name].default:
+                del out[name]
         return out
 
     @classmethod

@@ -33,6 +33,7 @@ from cost_model import roofline
 from cost_model.device import DeviceSpec
 from cost_model.devices import DEFAULT_DEVICE, load_device
 from cost_model.errors import SMPPartitionError
+from cost_model.memory import ModelState, model_state
 from cost_model.node_cost import NodeCost
 from cost_model.schedule import SPLIT_BACKWARD
 from cost_model.simulate import SimResult
@@ -202,7 +203,6 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
     rank_of = tuple(placement) if placement is not None else pconfig.placement
     p = len(rank_of)
     split = pconfig.pipeline in SPLIT_BACKWARD
-    opt = float(pconfig.optimizer_state_factor)
     stages = _node_stages(gm, p)
     table = _param_table(gm)
     members: list[list[torch.fx.Node]] = [[] for _ in range(p)]
@@ -231,10 +231,14 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
     trainable = {tid: grad for tid, _, grad in table.values()}
     trainable_names = {name for name, (_, _, grad) in table.items() if grad}
 
+    numel_of = {id(t): t.numel() for _, t in gm.named_parameters(remove_duplicate=False)}
+    thr = pconfig.persistence_threshold
+
     def static_of(tids: set[int]) -> tuple[int, int, int, int]:
-        par = sum(bytes_of[t] for t in tids if trainable[t])
+        elems = [numel_of[t] for t in tids if trainable[t]]
+        state = _state(pconfig, sum(elems), len(elems), sum(n for n in elems if n < thr))
         buf = sum(bytes_of[t] for t in tids if not trainable[t])
-        return par, par, int(round(opt * par)), buf
+        return state.params, state.grads, state.optimizer, buf
 
     boundaries = _boundaries(stages)
     costs = {n: _cost(n) for n in stages}
@@ -285,9 +289,11 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
             wgrad_time_s=_r(min(wg.time_s, bwd_t)) if wg is not None else 0.0))
 
     objective = max(sp.cost for sp in stage_plans)
+    tied = [t for t in readers if len(readers[t]) > 1]
     shared = tuple(SharedParam(tuple(names_of[t]), bytes_of[t], tuple(sorted(readers[t])),
-                               _handling(sorted(readers[t]), rank_of))
-                   for t in readers if len(readers[t]) > 1)
+                               _handling(sorted(readers[t]), rank_of)) for t in tied)
+    copy_bytes = [_state(pconfig, numel_of[t], 1, numel_of[t] if numel_of[t] < thr else 0).total
+                  if trainable[t] else bytes_of[t] for t in tied]
     plan = PartitionPlan(
         config=pconfig, device=_to_json(spec.to_json()), stages=tuple(stage_plans),
         objective=_r(objective), lower_bound=_r(scored.lower_bound), strategy=strategy,
@@ -301,8 +307,16 @@ def build_plan(gm: torch.fx.GraphModule, pconfig: PartitionConfig,
     return dataclasses.replace(plan, step_time_s=_r(plan.training_step_s(sim)),
                                pipeline_time_s=_r(sim.step_time_s),
                                bubble_fraction=_r(sim.bubble_fraction),
-                               ranks=_rank_plans(plan, sim) if detail else (),
+                               ranks=_rank_plans(plan, sim, copy_bytes) if detail else (),
                                bubble_rate=_r(sim.bubble_rate) if detail else 0.0)
+
+
+def _state(config: PartitionConfig, elems: int, tensors: int, whole: int) -> ModelState:
+    """The model state of ``elems`` trainable elements in ``tensors`` tensors on one rank
+    (``cost_model.memory.model_state``, the planner's count)."""
+    return model_state(elems, precision=config.precision, zero=config.zero,
+                       dp=config.data_parallel_degree, tensors=tensors, whole=whole,
+                       optimizer_factor=float(config.optimizer_state_factor))
 
 
 def _handling(chunks: Sequence[int], rank_of: Sequence[int]) -> str:
@@ -314,19 +328,19 @@ def _handling(chunks: Sequence[int], rank_of: Sequence[int]) -> str:
     return SHARED_HANDLING
 
 
-def _rank_plans(plan: PartitionPlan, sim: SimResult) -> tuple[RankPlan, ...]:
+def _rank_plans(plan: PartitionPlan, sim: SimResult, copy_bytes: Sequence[int]
+                ) -> tuple[RankPlan, ...]:
     """Each rank's chunks and memory: the chunks' static bytes (a parameter two of its
-    chunks read counted once), the simulated peak of what they keep for backward (a
-    pending W holding its share), their largest transient."""
-    factor = 2.0 + plan.config.optimizer_state_factor
+    chunks read counted once: ``copy_bytes`` of each shared one), the simulated peak of
+    what they keep for backward (a pending W holding its share), their largest transient."""
     out = []
     for r in range(plan.num_ranks):
         chunks = tuple(c for c, owner in enumerate(plan.rank_of) if owner == r)
         mems = [plan.stages[c].memory for c in chunks]
         static = sum(m.params + m.grads + m.optimizer_state + m.buffers for m in mems)
-        for sh in plan.shared_params:
+        for sh, one in zip(plan.shared_params, copy_bytes):
             copies = sum(1 for c in sh.stages if plan.rank_of[c] == r)
-            static -= int(round(max(copies - 1, 0) * factor * sh.nbytes))
+            static -= max(copies - 1, 0) * one
         transient = max((m.recompute_transient for m in mems), default=0)
         static_sim = sum(plan.stages[c].memory.total - plan.stages[c].memory.activations
                          for c in chunks)

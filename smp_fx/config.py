@@ -23,6 +23,7 @@ from typing import Any, Union
 
 from cost_model import schedule as sched
 from cost_model.errors import SMPConfigError, not_implemented
+from cost_model.memory import precision_of
 from cost_model.schedule import SCHEDULE_NAMES
 from passes.partition_config import ATTENTION_CORE, CheckpointRule, PartitionConfig
 from smp_fx.expert_ranks import check_ep_divides, expert_parallel_refusal
@@ -263,17 +264,24 @@ class SMPConfig:
 
     def partition_config(self, device: str | None = None,
                          optimizer_state_factor: float = 2.0,
-                         checkpointing: tuple[CheckpointRule, ...] = ()) -> PartitionConfig:
+                         checkpointing: tuple[CheckpointRule, ...] = (),
+                         data_parallel_degree: int = 1) -> PartitionConfig:
         """What the compiler needs of this configuration, planning for the spec ``device``.
 
         The one translation from SMP parameters to the compiler's ``PartitionConfig``:
         ``smp-fx partition`` and ``DistributedModel`` both use it, so that they make the
         same plan from the same configuration. ``recompute_granularity: selective`` adds
-        the whole model's ``attention_core`` rule to ``checkpointing``.
+        the whole model's ``attention_core`` rule to ``checkpointing``; the precision flags
+        and the sharding (over ``data_parallel_degree``, the rdp ranks) set the state model.
         """
         if self.recompute_granularity == "selective":
             checkpointing = (*checkpointing, CheckpointRule("", ATTENTION_CORE))
+        sdp = self.sharded_data_parallel_degree
+        zero = "fsdp" if sdp > 1 else "zero1" if self.shard_optimizer_state else "none"
         return PartitionConfig(
+            precision=precision_of(self.fp16, self.bf16), zero=zero,
+            data_parallel_degree=sdp if sdp > 1 else data_parallel_degree,
+            persistence_threshold=self.sdp_param_persistence_threshold,
             num_stages=self.pipeline_parallel_degree, memory_weight=float(self.memory_weight),
             microbatches=self.microbatches, pipeline=self.pipeline,
             active_microbatches=self.active_microbatches, auto_partition=self.auto_partition,

@@ -95,6 +95,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="print the memory breakdown (always with checkpointing or --offload)")
     p.add_argument("--optimizer-state-factor", type=float, default=2.0,
                    help="optimizer state bytes per parameter byte (Adam: 2)")
+    p.add_argument("--data-parallel-degree", type=int, default=1, metavar="DP",
+                   help="rdp ranks that shard_optimizer_state divides the optimizer over")
     p.add_argument("--batch-size", type=int,
                    help="global batch for example_inputs (default: one sample per microbatch)")
     p.add_argument("--non-split-input", action="append", default=[], metavar="NAME",
@@ -295,7 +297,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     request = plan_request(cfg, model, spec, tp_rank=0,
                            checkpointing=rules_from_patterns(model,
                                                              args.activation_checkpointing),
-                           optimizer_state_factor=args.optimizer_state_factor)
+                           optimizer_state_factor=args.optimizer_state_factor,
+                           data_parallel_degree=args.data_parallel_degree)
     compiled = request.compile(model, mb_args, mb_kwargs, frontend=args.frontend,
                                progress=progress)
     plan = compiled.plan

@@ -263,20 +263,21 @@ def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: i
 
 def peak_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
                 boundary: int | None = None) -> tuple[int, MemoryPerGPU]:
-    """The rank holding the most, and what it holds. Activations in flight never grow with
-    the rank index, so of a run of ranks with equal loads the first holds the most: only
-    those are priced."""
+    """The rank holding the most, and what it holds. Of a run of ranks with equal loads only
+    those holding more in flight than the last one priced are priced (1F1B's fall with
+    the rank index; ZB-V's grow when m < 2p - 1)."""
     m = c.microbatches(setting.global_batch)
     if boundary is None:
         boundary = max((g for _, g in ranks.hops), default=0)
     best: tuple[int, MemoryPerGPU] | None = None
-    last = None
+    last: tuple[tuple[int, ...], float] | None = None
     for r in range(c.pp):
         sig = (ranks.elems[r], ranks.tensors[r], ranks.kept[r], ranks.transient[r],
                ranks.buffers[r])
-        if sig == last:
+        flight = in_flight_at(c.schedule, c.pp, m, c.vp, r)
+        if last is not None and sig == last[0] and flight <= last[1]:
             continue
-        last = sig
+        last = (sig, flight)
         mem = _memory(c, ranks, profile, setting, m, r, boundary)
         if best is None or mem.total > best[1].total:
             best = (r, mem)

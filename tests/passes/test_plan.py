@@ -97,11 +97,12 @@ def test_stage_contents_by_hand(two_stage: torch.fx.GraphModule) -> None:
     assert s1.params[-1] == "head.weight"
     # 320 B embedding (tied with the head, so on both stages) + two 288 B Linear layers
     assert s0.param_bytes == s1.param_bytes == 320 + 2 * 288
-    assert (s0.memory.grads, s0.memory.optimizer_state) == (896, 1792)
+    # Adam: two fp32 moments per element and a 4 B step counter per tensor (5 tensors)
+    assert (s0.memory.grads, s0.memory.optimizer_state) == (896, 1792 + 5 * 4)
     # interleaved, p=2, m=4: stage 0 holds 2 microbatches, stage 1 one
     assert (s0.memory.in_flight, s1.memory.in_flight) == (2, 1)
     assert s0.memory.activations_per_microbatch == 16 * (0 + 1 + 2 + 3)
-    assert s0.memory.total == 896 * 4 + 96 * 2
+    assert s0.memory.total == 896 * 4 + 5 * 4 + 96 * 2
     assert s0.fwd_flops == 600.0 and s1.bwd_flops == 2 * 100.0 * (4 + 5 + 6 + 7)
     assert s0.fwd_time_s == pytest.approx(6e-3) and s1.bwd_time_s == pytest.approx(44e-3)
     (sent,) = s0.sent

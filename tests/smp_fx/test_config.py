@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 
 from cost_model.errors import SMPConfigError, SMPNotImplementedError
+from passes.partition_config import PartitionConfig
 from smp_fx.config import (
     BY_NAME,
     ENGINE,
@@ -404,3 +405,20 @@ def test_context_parallel_divides_the_world_and_runs_with_data_parallelism_only(
                   {"expert_parallel_degree": 2, "ddp": True}):
         with pytest.raises(SMPConfigError, match="context_parallel_degree"):
             _load({"pipeline_parallel_degree": 1, "context_parallel_degree": 2, **other})
+
+
+def test_partition_config_carries_the_state_model() -> None:
+    """The precision flags and the sharding reach the plan's state count (cost_model.memory)."""
+    base = {"pipeline_parallel_degree": 2, "ddp": True}
+    cases = [({}, "fp32", "none", 4), ({"fp16": True}, "fp16", "none", 4),
+             ({"bf16": True}, "bf16_params", "none", 4),
+             ({"fp16": True, "shard_optimizer_state": True}, "fp16", "zero1", 4),
+             ({"sharded_data_parallel_degree": 2}, "fp32", "fsdp", 2)]
+    for extra, precision, zero, dp in cases:
+        pc = load_config({**base, **extra}, env={}).partition_config(data_parallel_degree=4)
+        assert (pc.precision, pc.zero, pc.data_parallel_degree) == (precision, zero, dp)
+        assert PartitionConfig.from_json(pc.to_json()) == pc
+    plain = load_config(base, env={}).partition_config().to_json()
+    assert "precision" not in plain and "zero" not in plain  # plans without them read as before
+    with pytest.raises(SMPConfigError, match="precision"):
+        PartitionConfig(num_stages=2, precision="fp8")

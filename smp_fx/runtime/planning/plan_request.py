@@ -57,13 +57,16 @@ class PlanRequest:
 
 def plan_request(cfg: SMPConfig, module: nn.Module, device: DeviceSpec, tp_rank: int, *,
                  checkpointing: tuple[CheckpointRule, ...] | None = None,
-                 optimizer_state_factor: float = 2.0) -> PlanRequest:
+                 optimizer_state_factor: float = 2.0,
+                 data_parallel_degree: int = 1) -> PlanRequest:
     """The request for ``module`` under ``cfg``, priced with ``device``, for tp rank
-    ``tp_rank``; build it after tracing (``smp.checkpoint`` marks in a forward)."""
+    ``tp_rank``, the state sharded over ``data_parallel_degree`` rdp ranks where the
+    configuration shards it; build it after tracing (``smp.checkpoint`` marks in a forward)."""
     spec = device.for_stages(cfg.pipeline_parallel_degree)
     rules = checkpoint_rules(module) if checkpointing is None else checkpointing
     pins = None if cfg.auto_partition else tuple(pins_by_module_path(module).items())
     tp = (rewrite_inputs(cfg, tp_rank, module) if cfg.tensor_parallel_degree > 1 else None)
-    return PlanRequest(cfg.partition_config(spec.name, optimizer_state_factor, rules), spec,
+    return PlanRequest(cfg.partition_config(spec.name, optimizer_state_factor, rules,
+                                            data_parallel_degree), spec,
                        pins, tp, real_run=not cfg.skip_tracing,
                        cp=cfg.context_parallel_degree)

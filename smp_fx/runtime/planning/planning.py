@@ -56,7 +56,8 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
         with thread_modes(torch.is_grad_enabled(), autocast):
             measured = measured_costs(gm, args, kwargs, times, memory, st)
     # after the trace: smp.checkpoint inside the forward marks its module while traced
-    request = plan_request(cfg, module, device, st.axis_rank("tp"))
+    request = plan_request(cfg, module, device, st.axis_rank("tp"),
+                           data_parallel_degree=st.axis_size("rdp"))
     try:
         with thread_modes(torch.is_grad_enabled(), autocast):
             compiled = request.compile(module, args, kwargs, measured=measured, traced=gm)

@@ -37,10 +37,10 @@ test: $(STAMP) $(TF4_STAMP)
 	$(PY) -m pytest -q --durations=25  # testpaths: tests/ and the packages' docstring examples
 	$(MAKE) --no-print-directory test-transformers4
 
-test-transformers4: $(TF4_STAMP)  # the Hugging Face Trainer tests with transformers 4.x
+test-transformers4: $(TF4_STAMP)  # the Hugging Face Trainer and zoo tests with transformers 4.x
 	$(TF4_PY) -m pytest -q -p no:cacheprovider tests/examples/test_hf_trainer.py \
 		tests/examples/test_hf_use_cache.py tests/smp_fx/ckpt/test_safe_load.py \
-		tests/examples/test_hf_zoo_pipeline.py
+		tests/examples/test_hf_zoo_pipeline.py tests/smp_fx/nn/huggingface/test_gptneox_rope.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check smp_fx passes cost_model tests examples benchmarks conftest.py

@@ -64,7 +64,7 @@ def written(node: torch.fx.Node) -> list[torch.fx.Node]:
     return [first] if node.kwargs.get("inplace") is True else []
 
 
-def _view_of(node: torch.fx.Node) -> torch.fx.Node | None:
+def view_of(node: torch.fx.Node) -> torch.fx.Node | None:
     """The tensor whose storage ``node``'s result may share (a view, or the written tensor
     an in-place op returns), else None."""
     first = node.args[0] if node.args else None
@@ -88,7 +88,7 @@ def groups(gm: torch.fx.GraphModule) -> tuple[frozenset[str], ...]:
     aliases: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     writes: dict[torch.fx.Node, list[torch.fx.Node]] = {}
     for n in nodes:
-        source = _view_of(n) if n.op in COMPUTE_OPS else None
+        source = view_of(n) if n.op in COMPUTE_OPS else None
         root[n] = root.get(source, source) if source is not None else n
         aliases.setdefault(root[n], []).append(n)
         for t in written(n):

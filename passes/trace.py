@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from cost_model.errors import SMPTracingError
+from passes.fresh_writes import make_out_of_place
 from passes.graph_utils import attach_state
 from passes.input_dims import InputDims, auto_dynamic_shapes, input_dims_of, range_constraints
 from passes.meta import MODULE_PATH, PARAMS
@@ -208,6 +209,7 @@ def _export_trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, 
                 delattr(gm, str(node.target))
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
     _order_placeholders(graph, placeholders)
+    make_out_of_place(graph)
     modules = frozenset(n for n, _ in model.named_modules(remove_duplicate=False))
     for node in graph.nodes:
         MODULE_PATH.set(node, _module_path_from_stack(node, leaf_paths, modules))

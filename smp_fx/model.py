@@ -66,6 +66,7 @@ from smp_fx.runtime.executor.seams import StageRunner
 from smp_fx.runtime.planning.placement import multi_process
 from smp_fx.runtime.planning.planning import plan_stages
 from smp_fx.world import context, state
+from smp_fx.world import state as smp_state
 
 log = logging.getLogger("smp_fx.model")
 
@@ -99,7 +100,8 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, ModuleWalks,
                  average_grads_across_microbatches: bool = True, bucket_cap_mb: int = 25,
                  trace_memory_usage: bool = False, broadcast_buffers: bool = True,
                  gradient_as_bucket_view: bool = False) -> None:
-        cfg = state.get().config if state.is_initialized() else None
+        st = state.get() if state.is_initialized() else None
+        cfg = st.config if st is not None else None
         # SMP's BERT tutorial sets overlapping_allreduce in the configuration: false there
         # turns the overlap off for the model too
         overlapping_allreduce = overlapping_allreduce and (cfg is None
@@ -123,7 +125,7 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, ModuleWalks,
         # smp.tp_register and SMP's Hugging Face replacements: marked instances -> distributed
         module = replace_registered(module)
         # expert_parallel_degree > 1: each MoE block keeps this rank's slice of its experts
-        self.ep_coverage = split_experts(module)
+        self.ep_coverage = split_experts(module, st)
         self.expert_names = expert_names(b.path for b in self.ep_coverage if not b.reason)
         if cfg is not None and cfg.checkpoint_attentions:
             checkpoint_attentions(module)
@@ -283,7 +285,8 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, ModuleWalks,
         as FSDP's ``clip_grad_norm_``; returns that norm. Call it on every rank after the
         ``smp.step`` call (it is a collective over the model-parallel group); see
         ``smp_fx.parallel.clip``."""
-        return clip.clip_grad_norm_(self, max_norm, norm_type, error_if_nonfinite)
+        scope = clip.NormScope.of(state.get() if state.is_initialized() else None)
+        return clip.clip_grad_norm_(scope, self, max_norm, norm_type, error_if_nonfinite)
 
     @property
     def shards_parameters(self) -> bool:
@@ -304,15 +307,16 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, ModuleWalks,
 
     def join(self, throw_on_early_termination: bool = False) -> Any:
         """Context manager for uneven numbers of batches across data-parallel ranks (ddp)."""
-        if state.get().config.sharded_data_parallel_degree > 1:
+        st = state.get()
+        if st.config.sharded_data_parallel_degree > 1:
             raise not_implemented("DistributedModel.join() with sharded data parallelism",
                                   "sharded_data_parallel_degree",
                                   "give every data-parallel rank the same number of batches")
-        ddp.check_join()
+        ddp.check_join(st.config)
         if self._parallelized is not None:
             dp = self._parallelized.data_parallel
         else:  # the first step runs inside: the build applies this one
-            dp = self._early_dp = self._early_dp or ddp.controller(self.options)
+            dp = self._early_dp = self._early_dp or ddp.controller(self.options, st)
         return ddp.join(dp, throw_on_early_termination)
 
     def register_comm_hook(self, state: object,
@@ -320,11 +324,12 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, ModuleWalks,
         """Register a DDP communication hook on every local stage's DDP wrapper (SMP's:
         ``ddp`` with ``overlapping_allreduce``; the hook then averages, as SMP warns)."""
         hook = callable
-        ddp.check_comm_hook(self.options)
+        st = smp_state.get()
+        ddp.check_comm_hook(self.options, st.config)
         if self._parallelized is not None:
             dp = self._parallelized.data_parallel
         else:  # the build applies this one, with its hooks
-            dp = self._early_dp = self._early_dp or ddp.controller(self.options)
+            dp = self._early_dp = self._early_dp or ddp.controller(self.options, st)
         if dp is None:  # one replica: DDP is not built, nothing is reduced
             log.warning("smp-fx: register_comm_hook: one data-parallel replica, so no "
                         "gradient reduction runs and the hook is never called")
@@ -432,9 +437,9 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, ModuleWalks,
         with context.tracing():
             gm, self.plan, self.tp_plan = plan_stages(
                 self.get_module(), args, kwargs, self.options.trace_execution_times,
-                self.options.trace_memory_usage, autocast)
+                self.options.trace_memory_usage, autocast, st)
         self._parallelized = parallelize(gm, self.plan, self.tp_plan, self.canonical_names,
-                                         self.options, self._early_dp, initialize,
+                                         self.options, st, self._early_dp, initialize,
                                          self.expert_names)
         self._early_dp = None
         if self._parallelized.sharded is not None:

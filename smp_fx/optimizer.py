@@ -233,19 +233,20 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
             if model is None:
                 params = [p for g in self.param_groups for p in g["params"]]
                 return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-            return clip.clip_grad_norm_(model, max_norm, norm_type)
+            return clip.clip_grad_norm_(_norm_scope(), model, max_norm, norm_type)
         if self._masters.prepare():
             return torch.tensor(-1.0)
         params = [p for g in self.param_groups for p in g["params"]]
         grads = [p.grad for p in params if p.grad is not None]
         counted, extra = self._norm_terms(params)
-        return clip.clip_grads(grads, counted, max_norm, norm_type, extra_groups=extra)
+        return clip.clip_grads(_norm_scope(), grads, counted, max_norm, norm_type,
+                               extra_groups=extra)
 
     def global_grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         """The L2 norm of the whole model's gradients from ``params`` (masters, or this rank's
         shard); what a wrapped ``FusedLamb`` clips by. A collective."""
         counted, extra = self._norm_terms(params)
-        return clip.global_norm(counted, 2.0, extra)
+        return clip.global_norm(_norm_scope(), counted, 2.0, extra)
 
     def _norm_terms(self, params: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[Any]]:
         """(gradients this rank counts, groups to sum over besides model-parallel): replicas once,
@@ -255,7 +256,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
             return [p.grad for p in params if p.grad is not None], []
         model_of = self._masters.model_of if self._masters is not None else {}
         behind = [model_of.get(id(p), p) for p in params]
-        _, chosen = clip.counted_parameters(model, behind)
+        _, chosen = clip.counted_parameters(_norm_scope(), model, behind)
         ids = {id(q) for q in chosen}
         counted = [p.grad for p, q in zip(params, behind)
                    if p.grad is not None and id(q) in ids]
@@ -267,17 +268,19 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         model = self._model()
         if model is None or not state.is_initialized():
             return
-        cfg = state.get().config
+        st = state.get()
+        cfg = st.config
         if cfg.sharded_data_parallel_degree > 1:
             limit = cfg.sdp_gradient_clipping if cfg.sdp_gradient_clipping > 0 else math.inf
+            scope = clip.NormScope.of(st)
             if self._masters is None:
-                self._global_grad_norm = float(clip.clip_grad_norm_(model, limit))
+                self._global_grad_norm = float(clip.clip_grad_norm_(scope, model, limit))
                 return
             # bf16: the fp32 master gradients are what the step uses
             params = [p for g in self.param_groups for p in g["params"]]
             counted, extra = self._norm_terms(params)
             grads = [p.grad for p in params if p.grad is not None]
-            self._global_grad_norm = float(clip.clip_grads(grads, counted, limit,
+            self._global_grad_norm = float(clip.clip_grads(scope, grads, counted, limit,
                                                            extra_groups=extra))
 
     def zero_grad(self, set_to_none: bool = True, **kwargs: Any) -> None:
@@ -431,6 +434,11 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         """The model's weights were loaded: the fp32 masters follow them."""
         if self._masters is not None:
             self._masters.models_to_masters()
+
+
+def _norm_scope() -> clip.NormScope:
+    """Where this process sums gradient norms (one process before ``smp.init``)."""
+    return clip.NormScope.of(state.get() if state.is_initialized() else None)
 
 
 def _zero_grads(params: Iterable[torch.Tensor], set_to_none: bool) -> None:

@@ -125,11 +125,12 @@ def step(non_split_inputs: Callable[..., Any] | Sequence[str] | None = None,
                 "an smp.step function needs an smp.DistributedModel", None, fn.__name__,
                 "wrap the model with smp.DistributedModel(model) before the first step")
         async_save.at_step()  # a checkpoint written meanwhile: commit or raise
-        cfg = state.get().config
+        st = state.get()
+        cfg = st.config
         m = cfg.microbatches
         # the first pipeline rank's inputs (placeholders elsewhere replaced; the first call
         # of each step function checks that real data agrees)
-        args, kwargs = first_rank_inputs(model, fn, args, kwargs)
+        args, kwargs = first_rank_inputs(model, fn, args, kwargs, st)
         mbs = split_inputs(args, kwargs, m, names, input_split_axes, fn)
         if not model.partitioned:
             _partition_on(model, fn, mbs[0])

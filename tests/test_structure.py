@@ -222,9 +222,47 @@ def test_no_private_state_assigned_across_objects() -> None:
     assert not found, "private state reached across objects:\n" + "\n".join(found)
 
 
+# ---- the configuration handed down ---------------------------------------------------------
+HANDED_DOWN = ("smp_fx/parallel", "smp_fx/runtime")
+STATE_READS = {"get", "is_initialized"}
+
+# file: why it must read the process's state itself rather than be handed it.
+STATE_READ_ALLOWED: dict[str, str] = {}
+
+
+def state_reads(path: Path) -> list[int]:
+    """Lines calling ``smp_fx.world.state``'s ``get`` / ``is_initialized``, through the module
+    (``state.get()``, any alias) or the functions imported by name."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    modules, functions = {"state"}, set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module == "smp_fx.world":
+            modules |= {a.asname or a.name for a in node.names if a.name == "state"}
+        elif isinstance(node, ast.ImportFrom) and node.module == "smp_fx.world.state":
+            functions |= {a.asname or a.name for a in node.names if a.name in STATE_READS}
+        elif isinstance(node, ast.Import):
+            modules |= {a.asname for a in node.names
+                        if a.name == "smp_fx.world.state" and a.asname}
+    return [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Call) and (
+        (isinstance(node.func, ast.Attribute) and node.func.attr in STATE_READS
+         and isinstance(node.func.value, ast.Name) and node.func.value.id in modules)
+        or (isinstance(node.func, ast.Name) and node.func.id in functions))]
+
+
+def test_parallelisms_and_runtime_are_handed_their_configuration() -> None:
+    """Nothing under smp_fx/parallel or smp_fx/runtime reads ``smp.init``'s state back: the
+    parallelisms, the executor and the planning step take what they need at construction
+    (the model and the step read the state once and hand it down)."""
+    found = [f"{rel}:{line} reads smp_fx.world.state"
+             for top in HANDED_DOWN for path in sorted((ROOT / top).rglob("*.py"))
+             if (rel := str(path.relative_to(ROOT))) not in STATE_READ_ALLOWED
+             for line in state_reads(path)]
+    assert not found, "hand the state down instead:\n" + "\n".join(found)
+
+
 def test_the_checks_can_fail(tmp_path: Path) -> None:
     """The checks see what they claim to see (a circle through a function-level import, an
-    upward import, a private assignment)."""
+    upward import, a private assignment, a read of the process's state)."""
     modules = {"passes.a": tmp_path / "a.py", "cost_model.b": tmp_path / "b.py",
                "smp_fx.world.c": tmp_path / "c.py"}
     modules["passes.a"].write_text("def f():\n    from cost_model.b import x\n")
@@ -243,3 +281,7 @@ def test_the_checks_can_fail(tmp_path: Path) -> None:
     assert [(i.target, i.type_only) for i in imps] == [("smp_fx.model", True)]
     assert layer_of("smp_fx.model") > layer_of("smp_fx.world.c")
     assert [a for _, a in private_reaches(modules["smp_fx.world.c"])] == ["_runners", "_hooks"]
+    reads = tmp_path / "reads.py"
+    reads.write_text("from smp_fx.world import state as s\nfrom smp_fx.world.state import get\n"
+                     "s.get()\nget()\nstate.is_initialized()\nst.get()\n")
+    assert state_reads(reads) == [3, 4, 5]

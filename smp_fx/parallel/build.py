@@ -58,7 +58,7 @@ from smp_fx.parallel.precision import MixedPrecision
 from smp_fx.parallel.sdp import ShardedDataParallel
 from smp_fx.parallel.tensor_parallel import TensorParallelRuntime
 from smp_fx.parallel.tied import TiedReplicas, tied_duplicates, tied_groups
-from smp_fx.parallel.zero import OptimizerShards, shard_state
+from smp_fx.parallel.zero import OptimizerShards, ZeroGroup, shard_state, zero_group
 from smp_fx.runtime.executor.compiled import CompileStats, compile_stages
 from smp_fx.runtime.executor.executor import Executor
 from smp_fx.runtime.executor.seams import PostStep, PreStep, StageRunner, StepHooks
@@ -101,18 +101,20 @@ class OptimizerBinding:
     ``local_parameters``: this rank's parameters by their plain names;
     ``canonical_names``: every alias of a parameter -> its first name (tied weights);
     ``is_distributed``: whether a parameter is a tensor-parallel shard; ``precision``: the
-    fp16 step the optimizer's loss scale goes to (None without fp16).
+    fp16 step the optimizer's loss scale goes to (None without fp16); ``zero``: the group
+    ZeRO-1 divides the optimizer's state over (None without ``shard_optimizer_state``).
     """
 
     local_parameters: tuple[tuple[str, nn.Parameter], ...]
     canonical_names: Mapping[str, str]
     is_distributed: Callable[[torch.Tensor], bool]
     precision: MixedPrecision | None
+    zero: ZeroGroup | None
 
     def state_shards(self, params: list[torch.Tensor]) -> OptimizerShards | None:
         """ZeRO-1: ``params`` divided among the rdp ranks (``shard_optimizer_state``), or
         None (``smp_fx.parallel.zero.shard_state``)."""
-        return shard_state(params)
+        return shard_state(params, self.zero)
 
 
 @dataclass(frozen=True)
@@ -133,6 +135,8 @@ class Parallelized:
     precision: MixedPrecision | None = None
     compiled: Mapping[int, CompileStats] = field(default_factory=dict)
     """Per local stage, its compilation (``compile``; empty when off)."""
+    zero: ZeroGroup | None = None
+    """The group optimizers bound to this model divide their state over (ZeRO-1)."""
 
     @property
     def multi(self) -> bool:
@@ -159,12 +163,13 @@ class Parallelized:
 
     def binding(self) -> OptimizerBinding:
         return OptimizerBinding(tuple(self.local_named_parameters()), self.canonical_names,
-                                self.is_distributed, self.precision)
+                                self.is_distributed, self.precision, self.zero)
 
 
 def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
                 tp_plan: TensorParallelPlan | None, canonical: Mapping[str, str],
-                options: DataParallelOptions, early_dp: DataParallel | None = None,
+                options: DataParallelOptions, st: state.State,
+                early_dp: DataParallel | None = None,
                 initialize: bool = True, experts: frozenset[str] = frozenset()
                 ) -> Parallelized:
     """Place the planned ``gm`` on this rank and apply the parallelisms in ``ORDER``.
@@ -174,8 +179,8 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
     materialisation replaced parameter objects. ``early_dp``: the ``DataParallel`` that
     ``DistributedModel.join()`` made before the first step, to apply. ``initialize=False``:
     delayed-init stages are allocated for weights loaded next, not initialised.
-    ``experts``: FQNs of expert slices (``smp_fx.parallel.expert_parallel``)."""
-    st = state.get()
+    ``experts``: FQNs of expert slices (``smp_fx.parallel.expert_parallel``). ``st``: what
+    ``smp.init`` established, the one place degrees, groups and device are read from."""
     cfg = st.config
     program = split_for_rank(gm, st, len(plan.rank_of))
     multi = multi_process(st)
@@ -183,7 +188,7 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
     groups = tied_groups(program, st, dict(canonical), plan.rank_of) if multi else []
     placed = place_stages(gm, program, st, plan.rank_of, initialize)
     runners: dict[int, StageRunner] = dict(placed.runners)
-    dp = None if cfg.sharded_data_parallel_degree > 1 else ddp.for_build(options, early_dp)
+    dp = None if cfg.sharded_data_parallel_degree > 1 else ddp.for_build(options, early_dp, st)
     applied: list[Parallelism] = []
 
     tied = None
@@ -213,13 +218,13 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
 
     sharded = None
     if cfg.sharded_data_parallel_degree > 1:
-        sharded = sdp.enable(options, runners)
+        sharded = sdp.enable(options, runners, st)
         applied.append(sharded)
         if tp is not None:  # FSDP2 replaced the shards with DTensor parameters
             tp.holding(local_named_parameters(runners, canonical))
     elif dp is not None:
         if experts:  # before the wrap: data parallelism leaves the slices alone
-            applied.append(ExpertParallel(experts, runners, dp, options.bucket_cap_mb))
+            applied.append(ExpertParallel(experts, runners, dp, options.bucket_cap_mb, st))
         runners = dp.wrap(runners)
         applied.append(dp)
 
@@ -235,7 +240,7 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
                         pre_step_hooks=pre, post_step_hooks=post,
                         stragglers=straggler_watch(st, dp))
     return Parallelized(program, runners, executor, placed.shapes, canonical, tuple(applied),
-                        tied, tp, dp, sharded, precision, compiled)
+                        tied, tp, dp, sharded, precision, compiled, zero_group(st))
 
 
 def straggler_watch(st: state.State, dp: DataParallel | None) -> StragglerWatch:

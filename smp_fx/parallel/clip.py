@@ -7,7 +7,7 @@ are summed over the ep group. See docs/precision.md, 'Global gradient clipping'.
 
 >>> import torch
 >>> p = torch.nn.Parameter(torch.ones(4)); p.grad = torch.full((4,), 3.0)
->>> float(clip_grads([p.grad], [p.grad], max_norm=3.0))  # norm 6 -> halved
+>>> float(clip_grads(NormScope(), [p.grad], [p.grad], max_norm=3.0))  # norm 6 -> halved
 6.0
 >>> [round(g, 5) for g in p.grad.tolist()]  # times 3 / (6 + 1e-6), as torch's
 [1.5, 1.5, 1.5, 1.5]
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -33,6 +34,26 @@ except ImportError:  # pragma: no cover
     Shard = None  # type: ignore[assignment,misc]
 
 
+@dataclass(frozen=True)
+class NormScope:
+    """Where a norm is summed: this rank's tp index (tp rank 0 counts replicated
+    parameters), the device of an empty sum, and the model-parallel groups to reduce over.
+    ``NormScope()``: one process, before or without ``smp.init``."""
+
+    tp_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    groups: tuple[Any, ...] = ()
+
+    @classmethod
+    def of(cls, st: state.State | None) -> NormScope:
+        """This rank's scope under ``st`` (None: not initialised); the model-parallel group
+        only when it spans several processes."""
+        if st is None:
+            return cls()
+        alone = st.in_process or st.world_size == 1 or len(st.group_ranks("mp")) == 1
+        return cls(st.axis_rank("tp"), st.device, () if alone else (st.group("mp"),))
+
+
 class PartitionedModel(Protocol):
     """A ``DistributedModel`` as norms read it: its local parameters and which count."""
 
@@ -44,12 +65,13 @@ class PartitionedModel(Protocol):
     def is_distributed_parameter(self, param: torch.Tensor) -> bool: ...
 
 
-def counted_parameters(model: PartitionedModel, params: Iterable[torch.Tensor] | None = None
+def counted_parameters(scope: NormScope, model: PartitionedModel,
+                       params: Iterable[torch.Tensor] | None = None
                        ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(every local parameter with a gradient, the subset this rank counts in the norm)."""
     wanted = None if params is None else {id(p) for p in params}
     dup = model.tied_duplicates()
-    tp0 = _tp_rank() == 0
+    tp0 = scope.tp_rank == 0
     everything: list[torch.Tensor] = []
     counted: list[torch.Tensor] = []
     for name, p in model.local_named_parameters():
@@ -61,7 +83,7 @@ def counted_parameters(model: PartitionedModel, params: Iterable[torch.Tensor] |
     return everything, counted
 
 
-def global_norm(counted: Sequence[torch.Tensor], norm_type: float = 2.0,
+def global_norm(scope: NormScope, counted: Sequence[torch.Tensor], norm_type: float = 2.0,
                 extra_groups: Sequence[Any] = ()) -> torch.Tensor:
     """The norm of ``counted`` gradient tensors over the model-parallel group (and any
     ``extra_groups``), as an fp32 scalar on the tensors' device (CPU if there are none)."""
@@ -69,7 +91,7 @@ def global_norm(counted: Sequence[torch.Tensor], norm_type: float = 2.0,
     if p <= 0 and not math.isinf(p):
         raise SMPRuntimeError.build("norm_type must be > 0 or inf", norm_type,
                                     "smp clip_grad_norm_", "use 2.0 (default), 1.0 or inf")
-    device = counted[0].device if counted else _device()
+    device = counted[0].device if counted else scope.device
     plain = [g for g in counted if not _is_dtensor(g)]
     experts = _expert_grads()
     total = _power_sum([g.detach() for g in plain if id(g) not in experts], p, device)
@@ -81,18 +103,18 @@ def global_norm(counted: Sequence[torch.Tensor], norm_type: float = 2.0,
         part = _power_sum(tensors, p, device)
         _reduce(part, p, group)
         total = torch.maximum(total, part) if math.isinf(p) else total + part
-    for group in (*extra_groups, *_mp_groups()):
+    for group in (*extra_groups, *scope.groups):
         _reduce(total, p, group)
     norm = total if math.isinf(p) else total.pow(1.0 / p)
     return norm.to(torch.float32)
 
 
-def clip_grads(grads: Sequence[torch.Tensor], counted: Sequence[torch.Tensor],
-               max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False,
-               extra_groups: Sequence[Any] = ()) -> torch.Tensor:
+def clip_grads(scope: NormScope, grads: Sequence[torch.Tensor],
+               counted: Sequence[torch.Tensor], max_norm: float, norm_type: float = 2.0,
+               error_if_nonfinite: bool = False, extra_groups: Sequence[Any] = ()) -> torch.Tensor:
     """Scale every tensor of ``grads`` so that the global norm of ``counted`` is at most
     ``max_norm``; returns that norm (before clipping), as ``clip_grad_norm_`` does."""
-    total = global_norm(counted, norm_type, extra_groups)
+    total = global_norm(scope, counted, norm_type, extra_groups)
     if error_if_nonfinite and not torch.isfinite(total):
         raise SMPRuntimeError.build(
             "the total gradient norm is not finite, so it cannot be clipped", float(total),
@@ -105,24 +127,16 @@ def clip_grads(grads: Sequence[torch.Tensor], counted: Sequence[torch.Tensor],
     return total
 
 
-def clip_grad_norm_(model: PartitionedModel, max_norm: float, norm_type: float = 2.0,
-                    error_if_nonfinite: bool = False,
+def clip_grad_norm_(scope: NormScope, model: PartitionedModel, max_norm: float,
+                    norm_type: float = 2.0, error_if_nonfinite: bool = False,
                     params: Iterable[torch.Tensor] | None = None) -> torch.Tensor:
     """Clip the partitioned ``model``'s gradients by the norm of the whole model: a collective
     over the model-parallel group; before partitioning a no-op returning 0."""
     if not model.partitioned:
         return torch.zeros((), dtype=torch.float32)
-    everything, counted = counted_parameters(model, params)
-    return clip_grads(_grads(everything), _grads(counted), max_norm, norm_type,
+    everything, counted = counted_parameters(scope, model, params)
+    return clip_grads(scope, _grads(everything), _grads(counted), max_norm, norm_type,
                       error_if_nonfinite)
-
-
-def _device() -> torch.device:
-    return state.get().device if state.is_initialized() else torch.device("cpu")
-
-
-def _tp_rank() -> int:
-    return state.get().axis_rank("tp") if state.is_initialized() else 0
 
 
 def _expert_grads() -> set[int]:
@@ -133,16 +147,6 @@ def _expert_grads() -> set[int]:
         return set()
     return {id(p.grad) for n, p in model.local_named_parameters()  # type: ignore[union-attr]
             if n in names and p.grad is not None}
-
-
-def _mp_groups() -> list[Any]:
-    """The model-parallel group when it spans several processes (nothing in-process)."""
-    if not state.is_initialized():
-        return []
-    st = state.get()
-    if st.in_process or st.world_size == 1 or len(st.group_ranks("mp")) == 1:
-        return []
-    return [st.group("mp")]
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:

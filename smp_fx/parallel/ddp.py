@@ -22,6 +22,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from cost_model.errors import SMPConfigError, SMPRuntimeError
 from smp_fx.ckpt import async_save
+from smp_fx.config import SMPConfig
 from smp_fx.runtime.executor.lowering import Op
 from smp_fx.runtime.executor.seams import StageRunner, StepHooks
 from smp_fx.runtime.executor.split_backward import PendingW
@@ -420,10 +421,9 @@ class _StepJoinHook(JoinHook):
 
 
 # ---- the build's data-parallel step -------------------------------------------------------
-def controller(options: DataParallelOptions) -> DataParallel | None:
-    """A ``DataParallel`` for a model with ``options`` on this rank, or None with one
-    replica (nothing to reduce). Creating it runs no collective."""
-    st = state.get()
+def controller(options: DataParallelOptions, st: state.State) -> DataParallel | None:
+    """A ``DataParallel`` for a model with ``options`` on this rank (``st``), or None with
+    one replica (nothing to reduce). Creating it runs no collective."""
     size = st.axis_size("rdp")
     if size == 1:
         return None
@@ -434,24 +434,22 @@ def controller(options: DataParallelOptions) -> DataParallel | None:
     return DataParallel(options, st.group("rdp"), size, st.device)
 
 
-def for_build(options: DataParallelOptions, early: DataParallel | None
+def for_build(options: DataParallelOptions, early: DataParallel | None, st: state.State
               ) -> DataParallel | None:
     """The ``DataParallel`` the build applies (``early``: the one ``join()`` made before the
     first step), or None without ``ddp`` or with a single replica."""
-    st = state.get()
     if not st.config.ddp:
         if st.axis_size("rdp") > 1:
             log.warning("smp-fx: %d data-parallel replicas but 'ddp' is false: their "
                         "gradients are not reduced, so the replicas train independently; "
                         "set 'ddp': true for data parallelism", st.axis_size("rdp"))
         return None
-    return early if early is not None else controller(options)
+    return early if early is not None else controller(options, st)
 
 
-def check_comm_hook(options: DataParallelOptions) -> None:
+def check_comm_hook(options: DataParallelOptions, cfg: SMPConfig) -> None:
     """``DistributedModel.register_comm_hook`` needs DDP's overlapped reduction (SMP's
     rule): ``ddp`` and ``overlapping_allreduce``, and no sharded data parallelism."""
-    cfg = state.get().config
     if not cfg.ddp or not options.overlapping_allreduce:
         raise SMPConfigError.build(
             "register_comm_hook needs 'ddp': true and overlapping_allreduce=True",
@@ -464,9 +462,9 @@ def check_comm_hook(options: DataParallelOptions) -> None:
             "use sharded_data_parallel_degree 1 to hook the gradient reduction")
 
 
-def check_join() -> None:
+def check_join(cfg: SMPConfig) -> None:
     """``DistributedModel.join()`` needs ``ddp``."""
-    if not state.get().config.ddp:
+    if not cfg.ddp:
         raise SMPConfigError.build("DistributedModel.join() is supported only with ddp",
                                    False, "ddp", "set 'ddp': true in the smp config")
 

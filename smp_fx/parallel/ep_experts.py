@@ -111,10 +111,12 @@ def activation_name(act: object) -> str | None:
     return None
 
 
-def replace_experts(model: nn.Module, ep: int, ep_rank: int) -> list[BlockCoverage]:
+def replace_experts(model: nn.Module, ep: int, ep_rank: int, st: state.State | None
+                    ) -> list[BlockCoverage]:
     """Replace, in place, every experts module of ``model`` by ``ExpertParallelExperts``
     holding ep rank ``ep_rank``'s slice; returns a coverage line's data per block (also
-    logged). Weights are taken as rdp rank 0 has them (collective over the rdp group)."""
+    logged). Weights are taken as rdp rank 0 of ``st`` has them (collective over the rdp
+    group); ``st`` None: before ``smp.init``, nothing to take."""
     found: list[BlockCoverage] = []
     for path, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
@@ -135,7 +137,8 @@ def replace_experts(model: nn.Module, ep: int, ep_rank: int) -> list[BlockCovera
                     "'expert_parallel_degree': 1")
             check_experts_divide(ep, num, where)
             keep = expert_slice(num, ep, ep_rank)
-            _same_as_rdp_root(gate_up, down)
+            if st is not None:
+                _same_as_rdp_root(st, gate_up, down)
             new = ExpertParallelExperts(
                 gate_up.detach()[keep.start:keep.stop].clone(),
                 down.detach()[keep.start:keep.stop].clone(), num, keep.start,
@@ -153,10 +156,9 @@ def replace_experts(model: nn.Module, ep: int, ep_rank: int) -> list[BlockCovera
     return found
 
 
-def _same_as_rdp_root(*weights: torch.Tensor) -> None:
+def _same_as_rdp_root(st: state.State, *weights: torch.Tensor) -> None:
     """The full weights as rdp rank 0 holds them (data parallelism's broadcast, made here
     because expert slices are cut before that broadcast and not reduced with it)."""
-    st = state.get()
     if st.in_process or st.axis_size("rdp") == 1:
         return
     root = st.group_ranks("rdp")[0]
@@ -165,10 +167,10 @@ def _same_as_rdp_root(*weights: torch.Tensor) -> None:
         dist.broadcast(w.data, src=root, group=group)
 
 
-def split_experts(model: nn.Module) -> list[BlockCoverage]:
+def split_experts(model: nn.Module, st: state.State | None) -> list[BlockCoverage]:
     """``replace_experts`` at this rank's ep degree and rank (nothing at degree 1)."""
     from smp_fx.world import expert_groups
 
-    if not state.is_initialized() or expert_groups.ep_size() == 1:
+    if st is None or expert_groups.ep_size() == 1:
         return []
-    return replace_experts(model, expert_groups.ep_size(), expert_groups.ep_rank())
+    return replace_experts(model, expert_groups.ep_size(), expert_groups.ep_rank(), st)

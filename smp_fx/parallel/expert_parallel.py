@@ -39,14 +39,13 @@ class ExpertParallel:
     name: ClassVar[str] = "expert_parallel"
 
     def __init__(self, names: frozenset[str], runners: Mapping[int, StageRunner],
-                 dp: DataParallel, bucket_cap_mb: float) -> None:
+                 dp: DataParallel, bucket_cap_mb: float, st: state.State) -> None:
         self.params: list[nn.Parameter] = [
             p for r in runners.values() for n, p in r.stage.module.named_parameters()
             if n in names]
         self.dp = dp
         dp.ignore(self.params)
         self.buckets = buckets(self.params, bucket_cap_mb)
-        st = state.get()
         self.rdp_size = st.axis_size("rdp")
         self.group = expert_groups.get_edp_process_group()
         if not st.in_process and self.rdp_size > 1:  # replicas start as edp rank 0's

@@ -207,11 +207,10 @@ class ShardedDataParallel:
                 allreduce_grads(buckets(self.persistent[s], self.cap_mb), self.group, self.size)
 
 
-def enable(options: DataParallelOptions, runners: Mapping[int, StageRunner]
+def enable(options: DataParallelOptions, runners: Mapping[int, StageRunner], st: state.State
            ) -> ShardedDataParallel:
     """Shard the local stages of ``runners`` (on every rank, at partitioning; collective
     over the rdp groups)."""
-    st = state.get()
     if options.backward_passes_per_step != 1:  # SMP defers the reduction; the sum is equal
         log.info("smp-fx sdp: backward_passes_per_step=%d: gradients are reduce-scattered at "
                  "every backward and accumulate in their shards until optimizer.step (the "

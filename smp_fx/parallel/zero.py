@@ -11,6 +11,7 @@ LR scheduler built on it keeps working). See docs/precision.md, 'shard_optimizer
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -34,17 +35,31 @@ def assign_owners(numels: Sequence[int], n: int) -> list[int]:
     return owner
 
 
-def shard_state(params: Sequence[torch.Tensor]) -> OptimizerShards | None:
-    """ZeRO-1 where an optimizer binds to its model: ``params`` (its local parameters)
-    divided among the rdp group's ranks, or None without ``shard_optimizer_state`` or with
-    a single rdp rank. The rdp group's ranks hold the same tensor-parallel shards."""
-    if not state.is_initialized() or not state.get().config.shard_optimizer_state:
-        return None
-    st = state.get()
+@dataclass(frozen=True)
+class ZeroGroup:
+    """The rdp group ZeRO-1 divides an optimizer's state over, and this rank's index in it."""
+
+    group: Any
+    ranks: tuple[int, ...]
+    index: int
+
+
+def zero_group(st: state.State) -> ZeroGroup | None:
+    """This rank's ZeRO-1 group, or None without ``shard_optimizer_state`` or with a single
+    rdp rank. The rdp group's ranks hold the same tensor-parallel shards."""
     ranks = st.group_ranks(AXIS)
-    if len(ranks) == 1:
+    if not st.config.shard_optimizer_state or len(ranks) == 1:
         return None
-    return OptimizerShards(params, st.group(AXIS), ranks, st.axis_rank(AXIS))
+    return ZeroGroup(st.group(AXIS), tuple(ranks), st.axis_rank(AXIS))
+
+
+def shard_state(params: Sequence[torch.Tensor], zero: ZeroGroup | None
+                ) -> OptimizerShards | None:
+    """ZeRO-1 where an optimizer binds to its model: ``params`` (its local parameters)
+    divided among ``zero``'s ranks, or None without a ZeRO-1 group."""
+    if zero is None:
+        return None
+    return OptimizerShards(params, zero.group, zero.ranks, zero.index)
 
 
 def broadcast_flat(tensors: Sequence[torch.Tensor], src: int, group: Any) -> None:

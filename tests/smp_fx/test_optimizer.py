@@ -16,9 +16,9 @@ from tests.helpers.numerics import init
 
 def _binding(module: nn.Module, local: list[str]) -> OptimizerBinding:
     """What a partitioned model hands its optimizer: here ``local`` of ``module``'s
-    parameters, none of them tensor-parallel shards, without fp16."""
+    parameters, none of them tensor-parallel shards, without fp16 or ZeRO-1."""
     return OptimizerBinding(tuple((n, p) for n, p in module.named_parameters() if n in local),
-                            {}, lambda p: False, None)
+                            {}, lambda p: False, None, None)
 
 
 def test_lr_scheduler_and_hyper_parameters() -> None:

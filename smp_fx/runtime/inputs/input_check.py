@@ -82,32 +82,32 @@ _agreed: weakref.WeakKeyDictionary[Callable[..., Any], _Agreement] = \
 
 
 def first_rank_inputs(model: Any, fn: Callable[..., Any], args: tuple[Any, ...],
-                      kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+                      kwargs: dict[str, Any], st: state.State
+                      ) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """This call's arguments with the placeholders replaced by the first pipeline rank's
     (module docstring); the first call of ``fn`` for ``model`` also checks that the real
     data agrees. A collective over the pipeline group, on every rank; nothing to do in one
-    process."""
-    st = state.get()
+    process (``st``: what ``smp.init`` established)."""
     if st.in_process or len(st.group_ranks(comm.PP_GROUP.axis)) < 2:
         return args, kwargs
     where = getattr(fn, "__name__", "smp.step function")
     agreed = _agreed.get(fn)
     if agreed is None or agreed.model() is not model:
-        agreed = _agree(model, args, kwargs, where)
+        agreed = _agree(model, args, kwargs, where, st.group_ranks(comm.PP_GROUP.axis))
         _agreed[fn] = agreed
     if not agreed.paths:
-        _no_new_placeholders(agreed, args, kwargs, where)
+        _no_new_placeholders(agreed, args, kwargs, where, st.rank)
         return args, kwargs
-    return _fetch(agreed.paths, args, kwargs, where)
+    return _fetch(agreed.paths, args, kwargs, where, st)
 
 
 def _no_new_placeholders(agreed: _Agreement, args: tuple[Any, ...],
-                         kwargs: Mapping[str, Any], where: str) -> None:
+                         kwargs: Mapping[str, Any], where: str, rank: int) -> None:
     """Without an exchange (no placeholders at the first call), a placeholder where this
     rank passed real data then is this rank's error; its peers stop on its failure."""
     for path, value in _leaves(args, kwargs):
         if path in agreed.real and _is_placeholder(value):
-            raise _stray(path, state.get().rank, where)
+            raise _stray(path, rank, where)
 
 
 def _stray(path: Path, rank: int, where: str) -> SMPRuntimeError:
@@ -118,14 +118,13 @@ def _stray(path: Path, rank: int, where: str) -> SMPRuntimeError:
 
 
 def _agree(model: Any, args: tuple[Any, ...], kwargs: Mapping[str, Any],
-           where: str) -> _Agreement:
+           where: str, ranks: list[int]) -> _Agreement:
     leaves = _leaves(args, kwargs)
     mine = {"paths": [p for p, _ in leaves],
             "placeholders": [p for p, v in leaves if _is_placeholder(v)],
             "prints": fingerprint(args, kwargs)}
     everyone = comm.allgather(mine, comm.PP_GROUP)
     first = everyone[0]
-    ranks = state.get().group_ranks(comm.PP_GROUP.axis)
     first_real = set(first["paths"]) - set(first["placeholders"])
     paths: set[Path] = set()
     for i, other in enumerate(everyone[1:], start=1):
@@ -163,9 +162,8 @@ def _same_structure(first: Mapping[str, Any], other: Mapping[str, Any],
 
 
 def _fetch(paths: frozenset[Path], args: tuple[Any, ...], kwargs: dict[str, Any],
-           where: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+           where: str, st: state.State) -> tuple[tuple[Any, ...], dict[str, Any]]:
     """The first rank's tensors at ``paths``, put in place of this rank's."""
-    st = state.get()
     first = st.axis_rank("pp") == 0
     leaves = dict(_leaves(args, kwargs))
     mine = {p: leaves.get(p) for p in paths} if first else \

@@ -32,11 +32,10 @@ log = logging.getLogger("smp_fx.planning")
 
 
 def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-                times: bool = False, memory: bool = False, autocast: Autocast = ()
+                times: bool, memory: bool, autocast: Autocast, st: state.State
                 ) -> tuple[torch.fx.GraphModule, PartitionPlan, TensorParallelPlan | None]:
     """Trace once, cost and partition; (GraphModule with STAGE, plan), a pure function of the
-    model, first microbatch, configuration and spec."""
-    st = state.get()
+    model, first microbatch, configuration (``st``, what ``smp.init`` established) and spec."""
     cfg = st.config
     args, kwargs = on_module_device(module, (args, kwargs))
     weights = weights_device(module) or st.device

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import smp_fx as smp
-from smp_fx.parallel.clip import clip_grads
+from smp_fx.parallel.clip import NormScope, clip_grads
 from tests.helpers.numerics import Pair, init
 
 
@@ -33,11 +33,12 @@ def test_norms_and_clipping_equal_the_unpartitioned_model() -> None:
 
 def test_counted_and_clipped_sets_differ() -> None:
     a, b = torch.full((3,), 4.0), torch.full((4,), 1.0)
-    total = clip_grads([a, b], [a], max_norm=1.0)  # b (a replica, say) scaled, not counted
+    # b (a replica, say) scaled, not counted
+    total = clip_grads(NormScope(), [a, b], [a], max_norm=1.0)
     assert math.isclose(float(total), math.sqrt(48.0), rel_tol=1e-6)
     assert math.isclose(float(b[0]), 1.0 / (math.sqrt(48.0) + 1e-6), rel_tol=1e-6)
     with pytest.raises(smp.SMPError, match="not finite"):
-        clip_grads([a], [torch.tensor([math.nan])], 1.0, error_if_nonfinite=True)
+        clip_grads(NormScope(), [a], [torch.tensor([math.nan])], 1.0, error_if_nonfinite=True)
 
 
 def test_lamb_in_a_distributed_optimizer_clips_by_the_whole_models_norm() -> None:

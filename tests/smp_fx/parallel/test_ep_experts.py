@@ -15,6 +15,7 @@ from torch import nn
 import smp_fx as smp
 from examples.models import moe_zoo
 from smp_fx.parallel.ep_experts import ExpertParallelExperts, activation_name, replace_experts
+from smp_fx.world import state
 
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 
@@ -22,7 +23,7 @@ TOL = {"atol": 1e-5, "rtol": 1e-5}
 def test_replaced_experts_compute_the_plain_model(arch: str = "deepseek_v3") -> None:
     smp.init({"pipeline_parallel_degree": 1})
     plain, split = moe_zoo.build(arch), moe_zoo.build(arch)
-    blocks = replace_experts(split, 1, 0)
+    blocks = replace_experts(split, 1, 0, None)
     assert [b.reason for b in blocks] == ["", ""]
     assert sum(isinstance(m, ExpertParallelExperts) for m in split.modules()) == 2
     x, y = moe_zoo.inputs(3), moe_zoo.targets(3)
@@ -50,7 +51,7 @@ class BiasedExperts(nn.Module):
 def test_experts_in_another_layout_stay_replicated_with_the_reason() -> None:
     smp.init({"pipeline_parallel_degree": 1})
     model = nn.Sequential(BiasedExperts())
-    blocks = replace_experts(model, 2, 0)
+    blocks = replace_experts(model, 2, 0, state.get())
     assert [b.line() for b in blocks] == ["0: replicated (4 experts): experts with biases"]
     assert isinstance(model[0], BiasedExperts)
 

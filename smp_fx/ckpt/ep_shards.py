@@ -24,6 +24,8 @@ def gather_full(local: Mapping[str, Any], names: frozenset[str]) -> dict[str, An
     """``local`` with each expert slice replaced by every expert (concatenated in ep rank
     order over the ep group; collective over it)."""
     out = dict(local)
+    if not names:  # no experts: nothing to gather (also before smp.init)
+        return out
     ep = expert_groups.ep_size()
     if ep == 1:
         return out

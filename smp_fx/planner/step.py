@@ -30,8 +30,10 @@ runtime runs it:
    group spans (ep consecutive dp ranks, tp x pp GPUs apart); each attention all-gathers
    its keys and values over the cp group (tp GPUs apart, ``smp_fx.topology``) in the forward and reduce-scatters their
    gradients in the backward. Both are added to the rank's compute (not overlapped);
-   a cp rank computes 1/cp of each microbatch, and the gradients are reduced over
-   cp x dp ranks (expert gradients priced as the dense ones: an upper bound).
+   a cp rank computes 1/cp of each microbatch at the efficiency of the whole one
+   (optimistic for short sequences, where smaller matmuls run slower), and the gradients
+   are reduced over cp x dp ranks (expert gradients priced as the dense ones: an upper
+   bound).
 5. **Optimizer**: ``DeviceSpec.optimizer_time`` over the rank's (sharded) fp32 state; the
    runtime's fixed cost per step.
 
@@ -230,7 +232,7 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
     s_bytes = state_bytes(setting.precision)
     ep_s, cp_s = exchange_times(c, ranks, fabric, c.gpus)
     if c.ep > 1 or c.cp > 1:
-        lk = _exchanged(lk, c.cp, ep_s, cp_s)
+        lk = _exchanged(lk, c.cp, ep_s, cp_s, v * spec.microbatch_overhead_s)
     sched = price_schedule(c.schedule, lk.times, m, v, hop_s=lk.hop_s)
     pipeline = sched.pipeline_s
     # data parallelism, per distinct load (most ranks carry the same)
@@ -296,11 +298,16 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
                   mem_rank, ranks.layers, hw)
 
 
-def _exchanged(lk: Links, cp: int, ep_s: list[float], cp_s: list[float]) -> Links:
-    """``lk`` with each rank's compute split over ``cp`` and the exchanges added (half to
-    the forward, half to the backward, as they run)."""
-    times = tuple(RankTimes(t.fwd_s / cp + (e + k) / 2, t.bwd_s / cp + (e + k) / 2,
-                            t.wgrad_s / cp) for t, e, k in zip(lk.times, ep_s, cp_s, strict=True))
+def _exchanged(lk: Links, cp: int, ep_s: list[float], cp_s: list[float],
+               fixed_s: float) -> Links:
+    """``lk`` with each rank's compute (all but ``fixed_s`` per microbatch) split over
+    ``cp`` and the exchanges added, half to the forward, half to the backward."""
+    def split(t: float) -> float:
+        return fixed_s + max(0.0, t - fixed_s) / cp
+
+    times = tuple(RankTimes(split(t.fwd_s) + (e + k) / 2, split(t.bwd_s) + (e + k) / 2,
+                            t.wgrad_s / cp)
+                  for t, e, k in zip(lk.times, ep_s, cp_s, strict=True))
     return replace(lk, times=times, bwd=np.array([t.bwd_s for t in times]),
                    total=np.array([t.total_s for t in times]))
 

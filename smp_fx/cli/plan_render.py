@@ -14,7 +14,8 @@ from smp_fx.planner.planner import Planned
 from smp_fx.planner.result import PlanRecord
 from smp_fx.planner.step import crosses_node
 
-HEADER = ("#", "tp", "pp", "dp", "ep", "cp", "mbs", "m", "schedule", "v", "recompute", "sp", "zero",
+HEADER = ("#", "tp", "pp", "dp", "ep", "cp", "mbs", "m", "schedule", "v", "recompute", "sp",
+          "zero",
           "step", "tokens/s", "TF/GPU model", "TF/GPU hw", "MFU", "mem/GPU", "bubble",
           "tp comm", "pp comm", "dp comm (exposed)", "ep a2a", "cp kv")
 """Communication per step on the busiest rank; dp comm is the gradient all-reduce (and
@@ -24,7 +25,8 @@ dispatch's all-to-alls, cp kv context parallelism's K/V all-gathers and reduce-s
 
 def _row(i: int, r: PlanRecord) -> list[str]:
     comm = r.details.get("comm", {})
-    return [str(i), str(r.tp), str(r.pp), str(r.dp), str(r.ep), str(r.cp), str(r.mbs), str(r.microbatches),
+    return [str(i), str(r.tp), str(r.pp), str(r.dp), str(r.ep), str(r.cp), str(r.mbs),
+            str(r.microbatches),
             r.schedule, str(r.vp), r.recompute, "y" if r.sp else "-", r.zero,
             human_time(r.step_time_s), f"{r.tokens_per_s:,.0f}",
             f"{r.model_tflops_per_gpu:.1f}", f"{r.hardware_tflops_per_gpu:.1f}",

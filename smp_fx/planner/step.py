@@ -28,12 +28,12 @@ runtime runs it:
    dispatches its tokens' picks to their experts' ranks and combines them back, an
    all-to-all each way in the forward and two more in the backward, on the link the ep
    group spans (ep consecutive dp ranks, tp x pp GPUs apart); each attention all-gathers
-   its keys and values over the cp group (tp GPUs apart, ``smp_fx.topology``) in the forward and reduce-scatters their
-   gradients in the backward. Both are added to the rank's compute (not overlapped);
-   a cp rank computes 1/cp of each microbatch at the efficiency of the whole one
-   (optimistic for short sequences, where smaller matmuls run slower), and the gradients
-   are reduced over cp x dp ranks (expert gradients priced as the dense ones: an upper
-   bound).
+   its keys and values over the cp group (tp GPUs apart, ``smp_fx.topology``) in the
+   forward and reduce-scatters their gradients in the backward. Both are added to the
+   rank's compute (not overlapped); a cp rank computes 1/cp of each microbatch at the
+   efficiency of the whole one (optimistic for short sequences, where smaller matmuls run
+   slower), and the gradients are reduced over cp x dp ranks (expert gradients priced as
+   the dense ones: an upper bound).
 5. **Optimizer**: ``DeviceSpec.optimizer_time`` over the rank's (sharded) fp32 state; the
    runtime's fixed cost per step.
 

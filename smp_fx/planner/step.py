@@ -29,7 +29,8 @@ runtime runs it:
    all-to-all each way in the forward and two more in the backward, on the link the ep
    group spans (ep consecutive dp ranks, tp x pp GPUs apart); each attention all-gathers
    its keys and values over the cp group (tp GPUs apart, ``smp_fx.topology``) in the
-   forward and reduce-scatters their gradients in the backward. Both are added to the
+   forward and reduce-scatters their gradients in the backward (the gathered keys and
+   values stay saved for the backward unless the layer is recomputed whole). Both are added to the
    rank's compute (not overlapped); a cp rank computes 1/cp of each microbatch at the
    efficiency of the whole one (optimistic for short sequences, where smaller matmuls run
    slower), and the gradients are reduced over cp x dp ranks (expert gradients priced as
@@ -321,7 +322,8 @@ def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: i
         boundary=boundary, output_bytes=profile.output_bytes, pipelined=c.pp > 1,
         tensors=ranks.tensors[r], whole=ranks.small[r] if ranks.small else 0,
         step_temporary=setting.step_temporary,
-        experts=ranks.experts[r] if ranks.experts else 0, ep=c.ep, cp=c.cp)
+        experts=ranks.experts[r] if ranks.experts else 0, ep=c.ep, cp=c.cp,
+        gathered=ranks.kv[r] if ranks.kv and c.recompute != "full" else 0)
 
 
 def peak_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,

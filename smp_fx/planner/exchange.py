@@ -40,6 +40,13 @@ def expert_ids(gm: torch.nn.Module) -> dict[int, int]:
     return out
 
 
+def expert_count(gm: torch.nn.Module) -> int:
+    """The number of experts every MoE block of ``gm`` can split by (the gcd of their
+    expert counts: ep must divide each, ``smp_fx.expert_ranks``); 0 without experts."""
+    counts = {int(t.shape[0]) for name, t in gm.named_parameters() if is_expert(name, t)}
+    return math.gcd(*counts) if counts else 0
+
+
 def _numel(node: object) -> int:
     info = meta.TENSOR.get(node) if isinstance(node, torch.fx.Node) else None
     first = info[0] if isinstance(info, tuple) else info
@@ -82,5 +89,5 @@ def meta_op(node: torch.fx.Node) -> str:
     return str(getattr(cost, "op", "") or "")
 
 
-__all__ = ["EXPERT_TENSORS", "dispatch_bytes", "expert_ids", "is_expert", "kv_bytes",
-           "meta_op"]
+__all__ = ["EXPERT_TENSORS", "dispatch_bytes", "expert_count", "expert_ids", "is_expert",
+           "kv_bytes", "meta_op"]

@@ -13,10 +13,10 @@ layers); dp is the rest and divides the global batch; the microbatch size divide
 per-replica batch (at most ``max_mbs``); v in 1, 2, 3, 4, 6, 8 for ``interleaved``,
 ``simple`` (looped BFS) and ``zero_bubble``, 2 for ``zbv``; recompute none, selective,
 full (only none without repeated layers); sp with tp > 1; sharding none, zero1 and fsdp
-with dp > 1; ep among the divisors of dp for a model with experts, cp among the divisors
-of what tp x pp leave for a model with attention (GPUs = tp x pp x cp x dp; a profile
-of one sample at tp 1 says which). ``allowed`` may refuse more (what the runtime cannot
-run yet) and says why.
+with dp > 1; ep among the divisors of dp that divide every MoE block's expert count, cp
+among the divisors of what tp x pp leave for a model with attention (GPUs = tp x pp x cp
+x dp; a profile of one sample at tp 1 says which). ``allowed`` may refuse more (what the
+runtime cannot run yet) and says why.
 A candidate fits when its busiest GPU's memory (``cost_model.memory``) is within
 ``ClusterSpec.usable_memory_bytes``; fitting candidates are ranked by predicted step time.
 """
@@ -24,6 +24,7 @@ A candidate fits when its busiest GPU's memory (``cost_model.memory``) is within
 from __future__ import annotations
 
 import heapq
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from cost_model.errors import SMPConfigError
 from cost_model.memory import ZERO
 from cost_model.schedule_cost import check
 from smp_fx.planner.candidate import Candidate
+from smp_fx.planner.exchange import expert_count
 from smp_fx.planner.model import Profiler
 from smp_fx.planner.stages import Ranks, rank_loads
 from smp_fx.planner.step import Links, Priced, Setting, links, price
@@ -115,12 +117,15 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
         return key not in fixed or fixed[key] == value
 
     tps = [t for t in divisors(n) if want("tp", t) and (t <= gpn or "tp" in fixed)]
-    probe = profiler(1, 1, False)
-    moe = any(part.expert_elems for part in probe.parts)
-    attention = any(part.kv_bytes for part in probe.parts)
+    attention = any(part.kv_bytes for part in profiler(1, 1, False).parts)
+    experts = expert_count(profiler.prepared.graph)
 
     def eps(dp: int) -> list[int]:
-        return [e for e in (divisors(dp) if moe else [1]) if want("ep", e)]
+        ok = divisors(math.gcd(dp, experts)) if experts else [1]
+        if "ep" in fixed and fixed["ep"] not in ok:
+            refuse(f"ep {fixed['ep']} must divide dp ({dp}) and every MoE block's expert "
+                   f"count ({experts or 'the model has no experts'})")
+        return [e for e in ok if want("ep", e)]
 
     def pp_cp(rest: int) -> Iterator[tuple[int, int]]:
         for pp in divisors(rest):

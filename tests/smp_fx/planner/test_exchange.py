@@ -11,6 +11,7 @@ import pytest
 
 from cost_model.cluster import get_cluster
 from cost_model.collectives import collective_time
+from cost_model.errors import SMPError
 from cost_model.memory import state_bytes
 from smp_fx.cli import plan as plan_cli
 from smp_fx.config import validate
@@ -110,3 +111,15 @@ def test_fixed_degree_round_trips_through_emit_config(tmp_path, model, fix, key)
     validate(cfg, 2)
     best = json.loads(plan_path.read_text())["best"]
     assert best[fix.split("=")[0]] == 2
+
+
+def test_ep_kept_to_divisors_of_the_expert_count(mixtral) -> None:
+    from smp_fx.planner.planner import plan
+
+    profiler = mixtral[0]
+    setting = Setting(CLUSTER, 16, 16 * MBS)
+    fixed = {"tp": 1, "pp": 1, "cp": 1, "mbs": MBS, "recompute": "none", "zero": "none"}
+    planned = plan(profiler.prepared, setting, fixed=fixed, top_k=50)
+    assert {r.ep for r in planned.records} == {1, 2, 4}  # 4 experts, dp 16
+    with pytest.raises(SMPError, match="ep 8 must divide"):
+        plan(profiler.prepared, setting, fixed={**fixed, "ep": 8}, top_k=1)

@@ -4,9 +4,7 @@ A ``Candidate`` is everything a plan decides: the tensor, pipeline and data para
 degrees, the microbatch size (the count follows from the global batch), the virtual
 stages per rank and the schedule, what is recomputed, sequence parallelism and the
 sharding of optimizer state or of everything (``zero1``: SMP's ``shard_optimizer_state``;
-``fsdp``: ``sharded_data_parallel_degree`` = dp), the expert-parallel degree (``ep``: an ep
-group carved out of the dp ranks) and the context-parallel degree (``cp``: GPUs = tp x pp
-x cp x dp, each sequence split over the cp ranks).
+``fsdp``: ``sharded_data_parallel_degree`` = dp).
 """
 
 from __future__ import annotations
@@ -21,8 +19,8 @@ from cost_model.memory import ZERO
 from cost_model.schedule_cost import SCHEDULES
 from smp_fx.planner.profile import RECOMPUTE
 
-FIX_KEYS = ("tp", "pp", "dp", "mbs", "vp", "schedule", "recompute", "sp", "zero", "ep", "cp")
-_INTS = ("tp", "pp", "dp", "mbs", "vp", "ep", "cp")
+FIX_KEYS = ("tp", "pp", "dp", "mbs", "vp", "schedule", "recompute", "sp", "zero")
+_INTS = ("tp", "pp", "dp", "mbs", "vp")
 
 
 @dataclass(frozen=True, order=True)
@@ -38,12 +36,10 @@ class Candidate:
     recompute: str
     sp: bool
     zero: str
-    ep: int = 1
-    cp: int = 1
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.cp * self.dp
+        return self.tp * self.pp * self.dp
 
     def microbatches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.mbs)
@@ -57,7 +53,6 @@ class Candidate:
             parts.append("sp")
         if self.zero != "none":
             parts.append(self.zero)
-        parts.extend(f"{k}{n}" for k, n in (("ep", self.ep), ("cp", self.cp)) if n > 1)
         return " ".join(parts)
 
     def to_json(self) -> dict[str, Any]:

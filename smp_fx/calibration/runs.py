@@ -114,6 +114,9 @@ def time_steps(spec: DeviceSpec, device: torch.device, steps: int, *, alone: boo
     # one stage: the process's CPU time (steady under other load); several: the wall time,
     # which holds the waits for the other stage that the simulator models
     now = microbench.clock(device) if comm.pp_size() == 1 else time.perf_counter
+    watch = model.executor.stragglers
+    if alone and watch is not None:  # rank 0 steps by itself: an exchange would wait
+        watch.stop()
     if alone and comm.rank() != 0:
         comm.barrier()
         return Timed(float("nan"), float("nan"), plan)

@@ -119,7 +119,7 @@ class Executor:
         self.last = program.num_stages - 1
         self.pre_step_hooks: tuple[PreStep, ...] = tuple(pre_step_hooks)
         self.post_step_hooks: tuple[PostStep, ...] = tuple(post_step_hooks)
-        self.stragglers = stragglers  # told each step's split (smp_fx.runtime.stragglers)
+        self.stragglers = stragglers  # told each step's split (smp_fx.runtime.executor.stragglers)
         self.stats = StepStats()
         # checks a stage's received values against this rank's model call before its
         # forward: (stage, received values by name, rank, call args, call kwargs)

@@ -86,6 +86,12 @@ class StragglerWatch:
         self.names: list[str] = []
         self.named: dict[int, dict[str, Any]] = {}
         self.over: dict[int, int] = {}  # windows in a row each rank was over the ratio
+        self.stopped = False
+
+    def stop(self) -> None:
+        """No more exchanges, for good: for a caller that steps some ranks alone (the
+        calibration's one-stage runs), whose exchange would wait for ranks not stepping."""
+        self.stopped = True
 
     def step_done(self, flight: FlightRecorder, ended: float, hooks_s: float) -> None:
         """After a step's hooks: record its split; every ``WINDOW`` steps, exchange."""
@@ -94,7 +100,7 @@ class StragglerWatch:
         self.last_end = time.monotonic()
         self.window.append(parts)
         self.steps += 1
-        if self.paused():  # for good: the ranks' step counts may differ from now on
+        if self.stopped or self.paused():  # for good: step counts may differ from now on
             self.window = []
             return
         if len(self.window) < WINDOW:

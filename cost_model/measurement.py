@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from cost_model.errors import SMPConfigError
+from cost_model.schedule import default_placement
 
 SCHEMA_VERSION = 1
 
@@ -72,7 +73,7 @@ class RankFigures:
     """``cuda_max_allocated`` or ``peak_rss`` (a CPU process: the whole runtime)."""
 
     def action_s(self, kind: str) -> tuple[float, float]:
-        """(seconds per step, ops per step) of ``kind`` over this rank's stages."""
+        """(seconds per step, ops per step) of ``kind`` over this process's stages."""
         rows = [(t, n) for k, _, t, n in self.actions if k == kind]
         return sum(t for t, _ in rows), sum(n for _, n in rows)
 
@@ -87,14 +88,20 @@ class Measurement:
     ranks: tuple[RankFigures, ...]
 
     def by_pp_rank(self, kind: str) -> list[float]:
-        """Seconds per microbatch of op ``kind`` on each pipeline rank (the median over the
-        ranks holding it: its tensor and data parallel replicas)."""
-        m = self.config.microbatches
-        out = []
-        for r in range(self.config.pp):
-            vals = [rf.action_s(kind)[0] / m for rf in self.ranks if rf.pp_rank == r]
-            out.append(statistics.median(vals) if vals else 0.0)
-        return out
+        """Seconds per microbatch of op ``kind`` on each pipeline rank, over its chunks (the
+        schedule's placement: one process may hold every stage); the median over the
+        processes holding them (tensor and data parallel replicas)."""
+        cfg = self.config
+        owner = default_placement(cfg.schedule, cfg.pp, cfg.vp)
+        per: dict[int, list[float]] = {}
+        for rf in self.ranks:
+            mine: dict[int, float] = {}
+            for k, stage, t, _ in rf.actions:
+                if k == kind and stage < len(owner):
+                    mine[owner[stage]] = mine.get(owner[stage], 0.0) + t / cfg.microbatches
+            for r, t in mine.items():
+                per.setdefault(r, []).append(t)
+        return [statistics.median(per[r]) if r in per else 0.0 for r in range(cfg.pp)]
 
     def per_op(self, kinds: tuple[str, ...]) -> float:
         """The median over ranks of seconds per op of ``kinds`` (0 when none ran)."""

@@ -22,6 +22,7 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from cost_model.cluster import ClusterSpec
 
@@ -114,7 +115,7 @@ def scaled(cluster: ClusterSpec, *, compute: float = 1.0, overhead: float = 1.0,
     bandwidth multiplied by ``link``, and the per-message and per-step costs set;
     ``source`` is written as where each changed figure comes from."""
     d = cluster.device
-    changes: dict[str, float] = {}
+    changes: dict[str, Any] = {}
     if compute != 1.0:
         changes["compute_scale"] = d.compute_scale * compute
     if overhead != 1.0:

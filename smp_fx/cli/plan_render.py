@@ -6,11 +6,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cost_model.collectives import p2p_time
+from cost_model.refit import format_moved
 from cost_model.schedule import SCHEDULE_NAMES, generate
 from cost_model.simulate import SimResult, StageCost, simulate
 from cost_model.units import human_bytes, human_time
 from smp_fx.cli.render import _table
-from cost_model.refit import format_moved
 from smp_fx.planner.measured import Refit
 from smp_fx.planner.planner import Planned
 from smp_fx.planner.result import PlanRecord

@@ -83,7 +83,7 @@ def rows(prepared: Prepared, cluster: ClusterSpec, m: Measurement, name: str,
     prediction split into work, fixed cost and the rest (module docstring)."""
     d = cluster.device
 
-    def times(**change: float) -> Ranks:
+    def times(**change: Any) -> Ranks:
         spec = dataclasses.replace(d, **change) if change else d
         return _price(prepared, dataclasses.replace(cluster, device=spec), m, name,
                       setting_of).ranks

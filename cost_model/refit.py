@@ -32,6 +32,28 @@ SEPARABLE = 1e-3
 """Below this |det| of the normalised 2x2 system, work and fixed cost cannot be told apart."""
 
 
+Observation = tuple[float, float, float]
+"""(a, b, r): one observation of r = a x + b y."""
+
+
+def least_squares(rows: Sequence[Observation]) -> tuple[float, float] | None:
+    """(x, y) minimising the sum of (a x + b y - r)^2 over ``rows``; None when the columns are
+    proportional (the calibration's fits share it).
+
+    >>> least_squares([(1.0, 0.0, 2.0), (0.0, 1.0, 3.0), (1.0, 1.0, 5.0)])
+    (2.0, 3.0)
+    """
+    aa = sum(a * a for a, _, _ in rows)
+    bb = sum(b * b for _, b, _ in rows)
+    ab = sum(a * b for a, b, _ in rows)
+    ar = sum(a * r for a, _, r in rows)
+    br = sum(b * r for _, b, r in rows)
+    det = aa * bb - ab * ab
+    if not det > 0:
+        return None
+    return (ar * bb - br * ab) / det, (br * aa - ar * ab) / det
+
+
 @dataclass(frozen=True)
 class Row:
     """One measured action against its prediction split by what each factor scales."""
@@ -68,19 +90,12 @@ def fit_scales(rows: Sequence[Row]) -> tuple[float, float, str]:
     if not use:
         return 1.0, 1.0, "no measured forward or backward: compute factors kept"
     xs = [(r.work / r.measured, r.fixed / r.measured, 1.0 - r.other / r.measured) for r in use]
-    sww = sum(w * w for w, _, _ in xs)
-    sff = sum(f * f for _, f, _ in xs)
-    swf = sum(w * f for w, f, _ in xs)
-    swy = sum(w * y for w, _, y in xs)
-    sfy = sum(f * y for _, f, y in xs)
-    det = sww * sff - swf * swf
-    norm = math.sqrt(sww * sff) if sww > 0 and sff > 0 else 0.0
-    if norm > 0 and det / (norm * norm) > SEPARABLE:
-        a, b = (swy * sff - sfy * swf) / det, (sfy * sww - swy * swf) / det
-        if a > 0 and b > 0:
-            return a, b, ""
-        why = (f"the two-factor fit gave work x{a:.3g}, fixed cost x{b:.3g} (not both > 0): "
-               "one common multiplier")
+    solved = least_squares(xs) if _separable(xs) else None
+    if solved is not None and min(solved) > 0:
+        return solved[0], solved[1], ""
+    if solved is not None:
+        why = (f"the two-factor fit gave work x{solved[0]:.3g}, fixed cost x{solved[1]:.3g} "
+               "(not both > 0): one common multiplier")
     else:
         why = ("work and fixed cost take the same share of every measured action: one "
                "common multiplier")
@@ -88,6 +103,13 @@ def fit_scales(rows: Sequence[Row]) -> tuple[float, float, str]:
     k = max(s, 1e-3)
     log.info("refit: %s (x%.3g)", why, k)
     return k, k, why
+
+
+def _separable(xs: Sequence[Observation]) -> bool:
+    """Whether the two columns point apart by more than ``SEPARABLE`` (1 - cos^2)."""
+    ww, ff = sum(w * w for w, _, _ in xs), sum(f * f for _, f, _ in xs)
+    wf = sum(w * f for w, f, _ in xs)
+    return ww > 0 and ff > 0 and 1.0 - wf * wf / (ww * ff) > SEPARABLE
 
 
 def solve_monotone(f: Callable[[float], float], target: float, lo: float = 1e-3,
@@ -154,4 +176,5 @@ def format_moved(moved: Sequence[Moved]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["Moved", "Row", "fit_scales", "format_moved", "scaled", "solve_monotone"]
+__all__ = ["Moved", "Observation", "Row", "fit_scales", "format_moved", "least_squares", "scaled",
+           "solve_monotone"]

@@ -1,10 +1,12 @@
 """The refit on a measured run: a measurement made by pricing a known cluster gives back
 that cluster's factors, and the refitted cluster prices the measured configuration at the
-measured step; ``smp-fx plan --measured`` prints the moved factors."""
+measured step; ``smp-fx plan --measured`` prints the moved factors and writes the refit
+cluster with ``--json``."""
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -93,7 +95,8 @@ def test_cli_prints_the_moved_factors(prepared, tmp_path: Path,
             "--build-arg", "seq_len=16", "--inputs-arg", "seq_len=16", "--inputs-arg",
             "vocab_size=64", "--device", "a100", "--gpus", "8", "--global-batch", "16",
             "--precision", "fp32", "--fix", "pp=2,dp=4,tp=1,mbs=2,vp=1,schedule=interleaved",
-            "--top", "1", "--quiet", "--measured", str(tmp_path / "m4.json")]
+            "--top", "1", "--quiet", "--measured", str(tmp_path / "m4.json"), "--json",
+            str(tmp_path / "plan.json")]
     assert cli_main.main(["plan", *args]) == 0
     text = capsys.readouterr().out
     header = next(line for line in text.splitlines() if line.startswith("factor"))
@@ -103,3 +106,8 @@ def test_cli_prints_the_moved_factors(prepared, tmp_path: Path,
         assert factor in text
     assert "m4.json at its own configuration" in text
     assert "the best plan before the refit" in text
+    doc = json.loads((tmp_path / "plan.json").read_text())
+    assert [m["factor"] for m in doc["refit"]["moved"]][0] == "compute_scale"
+    assert doc["refit"]["best_before_s"] != doc["best"]["step_time_s"]
+    spec = ClusterSpec.from_json(doc["cluster"]).device  # the refit cluster, reusable
+    assert spec.compute_scale == doc["refit"]["moved"][0]["after"] != 1.0

@@ -67,10 +67,6 @@ class Row:
     other: float
     """The rest (the runtime per action, tensor-parallel collectives)."""
 
-    @property
-    def predicted(self) -> float:
-        return self.work + self.fixed + self.other
-
 
 @dataclass(frozen=True)
 class Moved:
@@ -101,6 +97,8 @@ def fit_scales(rows: Sequence[Row]) -> tuple[float, float, str]:
                "common multiplier")
     s = sum((w + f) * y for w, f, y in xs) / max(sum((w + f) ** 2 for w, f, _ in xs), 1e-30)
     k = max(s, 1e-3)
+    if s < k:
+        why += f" (x{s:.3g} held at x{k:g}: the actions took less than their fixed part)"
     log.info("refit: %s (x%.3g)", why, k)
     return k, k, why
 

@@ -4,8 +4,9 @@ Why: a spec from datasheets or a calibration on another host prices a user's clu
 factors it never saw; one measured step (``cost_model.measurement``) shows them. Each factor
 is refit from the actions that show it, priced at the measured run's own configuration:
 
-- ``compute_scale`` / ``overhead_scale`` (a node's work / fixed cost): from each pipeline
-  rank's forward and backward, by least squares of relative errors (``fit_scales``);
+- ``compute_scale`` / ``overhead_scale`` (a node's work / fixed cost), and with them the
+  runtime's ``microbatch_overhead_s`` where the two cannot be told apart: from each
+  pipeline rank's forward and backward, least squares of relative errors (``fit_scales``);
 - ``message_overhead_s``: the measured time to post one pipeline send;
 - the links' bandwidth: from the data-parallel reduction left exposed (``solve_monotone``);
 - ``step_overhead_s``: what the measured step holds beyond all of these (the script's own
@@ -64,8 +65,10 @@ class Row:
     """Seconds that scale with ``compute_scale``."""
     fixed: float
     """Seconds that scale with ``overhead_scale``."""
+    runtime: float
+    """Seconds that scale with ``microbatch_overhead_s`` (the runtime per action)."""
     other: float
-    """The rest (the runtime per action, tensor-parallel collectives)."""
+    """The rest (tensor-parallel collectives)."""
 
 
 @dataclass(frozen=True)
@@ -78,29 +81,34 @@ class Moved:
     source: str
 
 
-def fit_scales(rows: Sequence[Row]) -> tuple[float, float, str]:
-    """Multipliers (a, b) of work and fixed cost minimising the relative errors
-    ``(a work + b fixed + other) / measured - 1``; one common multiplier, and the reason,
-    when the rows cannot tell the two apart or a multiplier comes out <= 0."""
+def fit_scales(rows: Sequence[Row]) -> tuple[float, float, float, str]:
+    """Multipliers (a, b, c) of work, fixed cost and the runtime's cost per action
+    minimising the relative errors ``(a work + b fixed + c runtime + other) / measured - 1``:
+    first a and b (c = 1); when the rows cannot tell work from fixed cost or a multiplier
+    comes out <= 0, one common multiplier of all three, and the reason."""
     use = [r for r in rows if r.measured > 0 and r.work + r.fixed > 0]
     if not use:
-        return 1.0, 1.0, "no measured forward or backward: compute factors kept"
-    xs = [(r.work / r.measured, r.fixed / r.measured, 1.0 - r.other / r.measured) for r in use]
+        return 1.0, 1.0, 1.0, "no measured forward or backward: compute factors kept"
+    xs = [(r.work / r.measured, r.fixed / r.measured,
+           1.0 - (r.runtime + r.other) / r.measured) for r in use]
     solved = least_squares(xs) if _separable(xs) else None
     if solved is not None and min(solved) > 0:
-        return solved[0], solved[1], ""
+        return solved[0], solved[1], 1.0, ""
     if solved is not None:
         why = (f"the two-factor fit gave work x{solved[0]:.3g}, fixed cost x{solved[1]:.3g} "
-               "(not both > 0): one common multiplier")
+               "(not both > 0): one common multiplier of work, fixed cost and the runtime "
+               "per action")
     else:
         why = ("work and fixed cost take the same share of every measured action: one "
-               "common multiplier")
-    s = sum((w + f) * y for w, f, y in xs) / max(sum((w + f) ** 2 for w, f, _ in xs), 1e-30)
+               "common multiplier of them and the runtime per action")
+    own = [((r.work + r.fixed + r.runtime) / r.measured, 1.0 - r.other / r.measured)
+           for r in use]
+    s = sum(x * y for x, y in own) / max(sum(x * x for x, _ in own), 1e-30)
     k = max(s, 1e-3)
     if s < k:
         why += f" (x{s:.3g} held at x{k:g}: the actions took less than their fixed part)"
     log.info("refit: %s (x%.3g)", why, k)
-    return k, k, why
+    return k, k, k, why
 
 
 def _separable(xs: Sequence[Observation]) -> bool:
@@ -129,10 +137,10 @@ def solve_monotone(f: Callable[[float], float], target: float, lo: float = 1e-3,
 
 
 def scaled(cluster: ClusterSpec, *, compute: float = 1.0, overhead: float = 1.0,
-           message_s: float | None = None, link: float = 1.0,
+           runtime: float = 1.0, message_s: float | None = None, link: float = 1.0,
            step_s: float | None = None, source: str = "") -> ClusterSpec:
-    """``cluster`` with its device's compute and fixed-cost factors multiplied, the links'
-    bandwidth multiplied by ``link``, and the per-message and per-step costs set;
+    """``cluster`` with its device's compute, fixed-cost and per-action factors multiplied,
+    the links' bandwidth multiplied by ``link``, and the per-message and per-step costs set;
     ``source`` is written as where each changed figure comes from."""
     d = cluster.device
     changes: dict[str, Any] = {}
@@ -140,6 +148,8 @@ def scaled(cluster: ClusterSpec, *, compute: float = 1.0, overhead: float = 1.0,
         changes["compute_scale"] = d.compute_scale * compute
     if overhead != 1.0:
         changes["overhead_scale"] = d.overhead_scale * overhead
+    if runtime != 1.0:
+        changes["microbatch_overhead_s"] = d.microbatch_overhead_s * runtime
     if message_s is not None:
         changes["message_overhead_s"] = message_s
     if step_s is not None:

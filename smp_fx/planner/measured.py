@@ -4,7 +4,8 @@ set against the prediction's parts, the factors refit (``cost_model.refit``).
 Why here: the numbers are ``cost_model.refit``'s, but only the planner can price a measured
 configuration and split each rank's predicted forward and backward into what each factor
 scales. The split is exact, not estimated: a rank's time is linear in ``compute_scale``,
-``overhead_scale`` and ``message_overhead_s``, so pricing with each one moved gives its part.
+``overhead_scale``, ``microbatch_overhead_s`` and ``message_overhead_s``, so pricing with
+each one moved gives its part.
 See docs/planning.md, 'Learning from a measured run'.
 """
 
@@ -91,6 +92,7 @@ def rows(prepared: Prepared, cluster: ClusterSpec, m: Measurement, name: str,
     base, work, fixed = times(), times(compute_scale=2 * d.compute_scale), times(
         overhead_scale=2 * d.overhead_scale)
     msg = times(message_overhead_s=d.message_overhead_s + _DELTA_S)
+    act = times(microbatch_overhead_s=d.microbatch_overhead_s + _DELTA_S)
     measured = {"F": m.by_pp_rank("F"),
                 "B": [sum(x) for x in zip(*(m.by_pp_rank(k) for k in BACKWARDS))]}
     out = []
@@ -100,9 +102,10 @@ def rows(prepared: Prepared, cluster: ClusterSpec, m: Measurement, name: str,
             w = getattr(work.times[r], attr) - t0
             f = getattr(fixed.times[r], attr) - t0
             n = (getattr(msg.times[r], attr) - t0) / _DELTA_S
+            runtime = (getattr(act.times[r], attr) - t0) / _DELTA_S * d.microbatch_overhead_s
             # the measured action holds no send: a message's cost is refit on its own
             out.append(Row(f"{kind} on pipeline rank {r} ({name})", measured[kind][r], w, f,
-                           t0 - w - f - n * d.message_overhead_s))
+                           runtime, t0 - w - f - runtime - n * d.message_overhead_s))
     return out
 
 
@@ -113,13 +116,13 @@ def refit(prepared: Prepared, cluster: ClusterSpec,
     d = cluster.device
     names = ", ".join(n for n, _ in measured)
     all_rows = [r for n, m in measured for r in rows(prepared, cluster, m, n, setting_of)]
-    a, b, why = fit_scales(all_rows)
+    a, b, c, why = fit_scales(all_rows)
     notes = [why] if why else []
     per_send = [m.per_op(SENDS) for _, m in measured if m.config.pp > 1]
     per_send = [x for x in per_send if x > 0]
     message = statistics.median(per_send) if per_send else None
     source = f"refit by smp-fx plan --measured {names}"
-    c1 = scaled(cluster, compute=a, overhead=b, message_s=message, source=source)
+    c1 = scaled(cluster, compute=a, overhead=b, runtime=c, message_s=message, source=source)
     links = []
     for name, m in measured:
         if m.config.dp < 2 or m.config.zero == "fsdp":
@@ -145,6 +148,9 @@ def refit(prepared: Prepared, cluster: ClusterSpec,
     fb = f"F, B on {len(all_rows) // 2} pipeline rank(s) of {names}"
     moved = [Moved("compute_scale", d.compute_scale, c3.device.compute_scale, fb),
              Moved("overhead_scale", d.overhead_scale, c3.device.overhead_scale, fb)]
+    if c != 1.0:
+        moved.append(Moved("microbatch_overhead_s", d.microbatch_overhead_s,
+                           c3.device.microbatch_overhead_s, fb))
     if message is not None:
         moved.append(Moved("message_overhead_s", d.message_overhead_s, message,
                            f"median of the pipeline sends ({', '.join(SENDS)})"))

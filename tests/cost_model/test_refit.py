@@ -14,22 +14,27 @@ from cost_model.refit import Moved, Row, fit_scales, format_moved, solve_monoton
 
 
 def _rows(a: float, b: float, shares: list[tuple[float, float, float]]) -> list[Row]:
-    return [Row(f"row {i}", a * w + b * f + o, w, f, o) for i, (w, f, o) in enumerate(shares)]
+    return [Row(f"row {i}", a * w + b * f + 2e-5 + o, w, f, 2e-5, o)
+            for i, (w, f, o) in enumerate(shares)]
 
 
 def test_exact_rows_give_back_both_multipliers() -> None:
     rows = _rows(2.5, 0.4, [(1e-3, 5e-4, 1e-4), (3e-3, 2e-4, 0.0), (1e-4, 1e-3, 5e-5)])
-    a, b, why = fit_scales(rows)
+    a, b, c, why = fit_scales(rows)
     assert a == pytest.approx(2.5, rel=1e-9) and b == pytest.approx(0.4, rel=1e-9)
-    assert why == ""
+    assert c == 1.0 and why == ""
 
 
 def test_rows_that_cannot_tell_work_from_fixed_cost_give_one_multiplier() -> None:
-    rows = _rows(3.0, 3.0, [(1e-3, 1e-3, 0.0), (2e-3, 2e-3, 1e-4)])  # same shares
-    a, b, why = fit_scales(rows)
-    assert a == b == pytest.approx(3.0, rel=1e-9) and "common multiplier" in why
-    assert fit_scales([]) == (1.0, 1.0, "no measured forward or backward: compute factors "
-                                        "kept")
+    shares = [(1e-3, 1e-3, 1e-3), (2e-3, 2e-3, 2e-3)]  # same shares, runtime too
+    rows = [Row(f"row {i}", 3.0 * (w + f + rt), w, f, rt, 0.0)
+            for i, (w, f, rt) in enumerate(shares)]
+    a, b, c, why = fit_scales(rows)
+    assert a == b == c == pytest.approx(3.0, rel=1e-9) and "common multiplier" in why
+    held = fit_scales([Row("short", 1e-4, 1e-3, 1e-3, 0.0, 5e-4)] * 2)  # below its rest
+    assert held[:3] == (1e-3, 1e-3, 1e-3) and "held at x0.001" in held[3]
+    assert fit_scales([]) == (1.0, 1.0, 1.0, "no measured forward or backward: compute "
+                                             "factors kept")
 
 
 def test_bisection_meets_a_non_increasing_target() -> None:

@@ -8,7 +8,8 @@ Where a GPU is lent, one run shows what only a GPU can show:
    autocast, Adam, as ``benchmarks/plan_gpu.py`` runs it: the device calibrated at the
    model's sizes (``cost_model.model_sizes``), the configuration priced by ``smp-fx plan``,
    then trained eager and with ``compile: inductor``: step, MFU and peak memory, predicted
-   beside measured (MFU measured: the plan's model FLOPs over the measured step);
+   beside measured (MFU measured: the plan's model FLOPs over the measured step; the
+   planner prices no compilation, so the compiled row's prediction is the eager one);
 3. the same model at pp 2 with both stages in this process on one device (1F1B,
    ``--pp2-microbatches``): the in-process pipeline's step and peak memory.
 
@@ -23,6 +24,7 @@ the figures.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -78,6 +80,7 @@ def train(pargs: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
     from smp_fx.world import state
 
     state._reset()
+    gc.collect()  # the previous run's model and optimizer, before the peak is reset
     if device.type != "cpu":
         torch.get_device_module(device).empty_cache()
     return plan_gpu.measure(pargs, best, {**cfg, **changes}, device)

@@ -51,7 +51,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                          "--tiny, whose CPU would spend minutes in inductor's codegen)")
     ap.add_argument("--pp2-microbatches", type=int, default=4)
     ap.add_argument("--skip-tests", action="store_true", help="leave out the CUDA tests")
-    ap.add_argument("--tests-timeout", type=float, default=900.0)
+    ap.add_argument("--tests-timeout", type=float, default=480.0)
     ap.add_argument("--out", type=Path, help="write the figures here (JSON)")
     args = ap.parse_args(argv)
     args.compile_backend = args.compile_backend or ("aot_eager" if args.tiny else "inductor")

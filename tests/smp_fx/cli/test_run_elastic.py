@@ -22,8 +22,8 @@ from tests.helpers.dist import free_port
 
 REPO = Path(__file__).resolve().parents[3]
 SCRIPT = REPO / "examples" / "train_elastic.py"
-# a dead node is dropped after 5 missed 2 s heartbeats; a round waits 8 s for late nodes
-RDZV_CONF = "last_call_timeout=8,keep_alive_interval=2,keep_alive_max_attempt=5"
+# a dead node is dropped after 5 missed 1 s heartbeats; a round waits 8 s for late nodes
+RDZV_CONF = "last_call_timeout=8,keep_alive_interval=1,keep_alive_max_attempt=5"
 RESTART_BOUND_S = 60.0  # from the kill to the survivors' resume
 
 

@@ -12,9 +12,10 @@ it, so the data continues from the step the checkpoint was at whatever the new d
 (docs/faults.md, 'Elastic resume'). ``--reference`` trains the same model in one process
 with plain PyTorch on the same global batches.
 
-``--stall-at K`` is for tests: on torchelastic's first attempt, the processes of the node
-started with ``ELASTIC_DOOMED=1`` write ``DIR/doomed_{rank}`` (their pid) at the start of
-step K and stop there, for the test to kill that node.
+``--stall-at K`` and ``--hold-at K`` are for tests: on torchelastic's first attempt, the
+processes of the node started with ``ELASTIC_DOOMED=1`` write ``CKPT/doomed_{rank}`` (their
+pid) at the start of step K and stop there, for the test to kill that node; at dp 1 every
+process stops before step K of ``--hold-at``, until a returning node restarts the job.
 """
 
 from __future__ import annotations

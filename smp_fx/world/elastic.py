@@ -61,6 +61,19 @@ def check_range(config: SMPConfig, nnodes: str | None, nproc: int) -> None:
             "smp-fx run", f"use -n a multiple of {mp}, or a node range without {bad}")
 
 
+def shared_store_advice(env: Mapping[str, str] | None = None) -> str | None:
+    """A line for several nodes under torchrun's restarts with the store shared across rounds:
+    a node that joins a later round (one returning) then waits forever."""
+    env = os.environ if env is None else env
+    if (env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or env.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0"
+            or env.get("GROUP_WORLD_SIZE", "1") == "1"):
+        return None
+    return (f"smp-fx: torchrun shares its rendezvous store across rounds, so a node joining a "
+            f"later round cannot join: export {NO_SHARED_STORE_ENV}=1 before torchrun "
+            "(smp-fx run does) for restarts across nodes")
+
+
 def model_parallel_size(config: SMPConfig) -> int:
     return (config.pipeline_parallel_degree * config.tensor_parallel_degree
             * config.context_parallel_degree)

@@ -66,8 +66,9 @@ def init(config: ConfigSource = None, backend: str | None = None) -> None:
                            groups=groups, object_groups=objects, created=created))
     if order_mode.enabled() and not in_process and topology.world_size > 1:
         order_mode.install(wait, groups, objects)
-    if elastic_note and info.rank == 0:
-        log.warning(elastic_note)
+    for line in (elastic_note, elastic.shared_store_advice()):
+        if line and info.rank == 0:
+            log.warning(line)
     stage = state.get().axis_rank("pp")
     reports.started(info.rank, stage)  # under smp-fx run: which rank failed first
     reports.install_excepthook(info.rank, stage)

@@ -56,3 +56,13 @@ def test_a_node_range_whose_sizes_cannot_all_hold_pp_is_refused() -> None:
     elastic.check_range(pp4, "2:4", 4)
     with pytest.raises(SMPConfigError, match=r"got '3 nodes x 2 = 6'.*without \[3\]"):
         elastic.check_range(pp4, "2:4", 2)
+
+
+def test_advice_for_restarts_across_nodes_on_a_shared_store() -> None:
+    torchrun = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3",
+                "GROUP_WORLD_SIZE": "2"}
+    advice = elastic.shared_store_advice(torchrun)
+    assert advice is not None and f"export {elastic.NO_SHARED_STORE_ENV}=1" in advice
+    assert elastic.shared_store_advice({**torchrun, "GROUP_WORLD_SIZE": "1"}) is None
+    assert elastic.shared_store_advice({**torchrun, "TORCHELASTIC_USE_AGENT_STORE": "False"}
+                                       ) is None

@@ -173,8 +173,11 @@ def main(argv: list[str] | None = None) -> int:
     for line in summary(ratios):
         print(line)
     fitted = sorted({r.source for r in runs if r.fitted})
-    print("constants fitted, and on what: " + "; ".join(
-        f"{gpu} {field}: {how}" for gpu, (field, how) in sorted(FITTED_ON.items())))
+    fits: dict[str, list[str]] = {}
+    for gpu, (field, how) in sorted(FITTED_ON.items()):
+        fits.setdefault(f"{field}: {how}", []).append(gpu)
+    for what, gpus in fits.items():
+        print(f"fitted ({', '.join(gpus)}) {what}")
     for src in fitted:
         print(f"  rows fitted on (not counted above): {src}")
     print(f"total {time.perf_counter() - t0:.1f} s")

@@ -161,7 +161,11 @@ def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
             "in its constructor (or load a checkpoint into it)")
     values: dict[int, torch.Tensor] = {}
     for tape, tensors in wanted.items():
-        values.update(zip(tensors, tape.replay(list(tensors.values()))))
+        whole = {k: t for k, t in tensors.items() if not tape.is_cut(t)}
+        values.update(zip(whole, tape.replay(list(whole.values()))))
+        for k, t in tensors.items():  # a shard: its full source alone, then dropped
+            if k not in whole:
+                values[k] = tape.replay([t])[0].clone()
     moved: dict[int, Any] = {}
     for _, _, table, leaf, value in slots:
         new = moved.get(id(value))

@@ -124,3 +124,32 @@ def test_distributed_model_in_process_pp2_equals_eager(one_thread: None) -> None
 
     loss = train(model, *x).reduce_mean()
     torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_cut_shards_materialise_as_slices_of_the_eager_build(name: str) -> None:
+    """Tensor-parallel shards cut from delayed weights (as the rewrite cuts them, padded
+    and strided) materialise, each alone, as the slices of the eager build's tensors."""
+    pytest.importorskip("transformers")
+    from passes.tensor_parallel import graph
+    from smp_fx.marking.init_tape import cutting
+
+    def cuts(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+        return {n: graph.shard(graph.pad(t, 0, 3), 0, 2, rank, stride=1 + i % 2)
+                for i, (n, t) in enumerate(tensors.items()) if t.dim() == 2}
+
+    eager = _tensors(hf_zoo.build(name, marked=False))
+    with smp_fx.delay_param_initialization():
+        model = hf_zoo.build(name, marked=False)
+    for rank in (0, 1):
+        with cutting():
+            shards = cuts(_tensors(model), rank)
+        holder = nn.Module()
+        for i, t in enumerate(shards.values()):
+            holder.register_parameter(str(i), nn.Parameter(t))
+        materialize(holder, "cpu")
+        built = dict(zip(shards, holder.parameters()))
+        want = cuts(eager, rank)
+        assert built.keys() == want.keys() and len(want) > 4
+        assert [n for n, t in built.items() if not torch.equal(t, want[n])] == []
+    assert all(t.is_meta for t in model.parameters())  # the sources stay unallocated

@@ -65,6 +65,15 @@ def test_tensors_made_outside_the_record_are_refused_by_name() -> None:
         materialize(model, "cpu")
 
 
+def test_parameters_made_outside_the_record_are_refused_not_reset() -> None:
+    """A meta ``nn.Linear`` has ``reset_parameters``, but that is not the eager build's
+    initialisation: refused by name, as any tensor that cannot be replayed."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(smp_fx.SMPRuntimeError, match=r"0\.weight \(Linear\): .*outside"):
+        materialize(model, "cpu")
+
+
 def _halves(model: nn.Module) -> list[nn.Module]:
     """The modules holding tensors, in two halves (a pp 2 cut, one holder per rank)."""
     owners = [m for m in model.modules()

@@ -136,12 +136,19 @@ def test_distributed_model_in_process_pp2_equals_eager(one_thread: None) -> None
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
-def test_cut_shards_materialise_as_slices_of_the_eager_build(name: str) -> None:
+def test_cut_shards_materialise_as_slices_of_the_eager_build(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensor-parallel shards cut from delayed weights (as the rewrite cuts them, padded
-    and strided) materialise, each alone, as the slices of the eager build's tensors."""
+    and strided) materialise as the slices of the eager build's tensors, each replayed
+    alone (one full source held at a time)."""
     pytest.importorskip("transformers")
     from passes.tensor_parallel import graph
-    from smp_fx.marking.init_tape import cutting
+    from smp_fx.marking.init_tape import Tape, cutting
+
+    replayed: list[int] = []
+    replay = Tape.replay
+    monkeypatch.setattr(Tape, "replay", lambda self, wanted: (
+        replayed.append(len(wanted)), replay(self, wanted))[1])
 
     def cuts(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
         return {n: graph.shard(graph.pad(t, 0, 3), 0, 2, rank, stride=1 + i % 2)
@@ -161,4 +168,6 @@ def test_cut_shards_materialise_as_slices_of_the_eager_build(name: str) -> None:
         want = cuts(eager, rank)
         assert built.keys() == want.keys() and len(want) > 4
         assert [n for n, t in built.items() if not torch.equal(t, want[n])] == []
+        assert replayed == [0] + [1] * len(shards)  # nothing whole, then each shard alone
+        replayed.clear()
     assert all(t.is_meta for t in model.parameters())  # the sources stay unallocated

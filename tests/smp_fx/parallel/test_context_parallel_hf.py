@@ -19,12 +19,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 import transformers
 from torch import nn
 
 from examples.models import hf_zoo
 from tests.helpers.compare import mismatched, state_dict_mismatches
 from tests.helpers.dist import run_ranks
+from tests.smp_fx.parallel.test_tensor_parallel import _gathered
 
 SEQ, BATCH, STEPS, LR = 128, 2, 3, 1e-4
 TOL = {"atol": 1e-5, "rtol": 1e-5}
@@ -83,14 +85,21 @@ def reference(arch: str) -> tuple[list[float], list[dict[str, torch.Tensor]],
     return losses, grads, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _case(arch: str, ref: Any) -> list[str]:
+def _case(arch: str, ref: Any, config: dict[str, Any] | None = None) -> list[str]:
+    """Train ``arch`` under ``config`` (default: cp 2 alone) and name what differs from one
+    process; each dp rank reads its share of the global batch."""
     import smp_fx as smp
 
     losses, ref_grads, ref_state = ref
-    # one init for every case (the same configuration)
-    smp.init({"pipeline_parallel_degree": 1, "context_parallel_degree": 2, "ddp": True})
-    model = smp.DistributedModel(build(arch))
+    smp.init(config or {"pipeline_parallel_degree": 1, "context_parallel_degree": 2,
+                        "ddp": True})
+    plain = build(arch)
+    if smp.tp_size() > 1:
+        smp.set_tensor_parallelism(plain)
+    model = smp.DistributedModel(plain)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=LR))
+    share = BATCH // smp.dp_size()
+    mine = slice(smp.dp_rank() * share, (smp.dp_rank() + 1) * share)
 
     @smp.step
     def train_step(model: Any, ids: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> Any:
@@ -99,12 +108,16 @@ def _case(arch: str, ref: Any) -> list[str]:
         return loss
 
     bad = []
-    for step, (ids, mask, y) in enumerate(batches(arch)):
+    for step, batch in enumerate(batches(arch)):
         opt.zero_grad()
-        loss = train_step(model, ids, mask, y).reduce_mean().item()
+        mean = train_step(model, *(t[mine] for t in batch)).reduce_mean().detach()
+        dist.all_reduce(mean, group=smp.get_dp_process_group())  # the global batch's
+        loss = mean.item() / smp.dp_size()
         if abs(loss - losses[step]) > 1e-5:
             bad.append(f"{arch} loss step {step}: {loss} != {losses[step]}")
         grads = {n: p.grad for n, p in model.local_named_parameters() if p.grad is not None}
+        if model.tp_plan is not None:
+            grads = _gathered(model, grads)
         bad += [f"{arch} grad {n} step {step}" for n in mismatched(grads, ref_grads[step], **TOL)]
         opt.step()
     bad += [f"{arch} {m}" for m in state_dict_mismatches(model.state_dict(), ref_state, **TOL)]

@@ -177,6 +177,7 @@ def _local_costs(walk: _Walk, degree: int) -> None:
         dims = seq_dims(node, walk.seq)
         if dims:
             meta.TENSOR.set(node, costs.local_info(meta.TENSOR.get(node), dims[0], degree))
+            meta.CP_LOCAL.set(node, dims)
     costs.divide_saved(walk.gm, local, degree)
 
 

@@ -50,6 +50,8 @@ def build(arch: str) -> nn.Module:
     spec = hf_zoo.ARCHITECTURES[arch]
     kwargs = {k: (2 * SEQ if k in ("max_position_embeddings", "n_positions") else v)
               for k, v in spec.kwargs.items()}
+    if arch == "mistral":  # a window shorter than the sequence, crossing the chunks
+        kwargs["sliding_window"] = SEQ // 4
     config = getattr(transformers, spec.config)(**kwargs)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
@@ -89,8 +91,10 @@ def _case(arch: str, ref: Any, config: dict[str, Any] | None = None) -> list[str
     """Train ``arch`` under ``config`` (default: cp 2 alone) and name what differs from one
     process; each dp rank reads its share of the global batch."""
     import smp_fx as smp
+    from smp_fx.world import state
 
     losses, ref_grads, ref_state = ref
+    state._reset()
     smp.init(config or {"pipeline_parallel_degree": 1, "context_parallel_degree": 2,
                         "ddp": True})
     plain = build(arch)

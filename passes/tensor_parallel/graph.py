@@ -144,8 +144,10 @@ def _set_val(n: torch.fx.Node, fn: Callable[..., Any], args: Sequence[Any],
         if src is not None and "val" in src.meta:
             n.meta["val"] = src.meta["val"]
     elif fn in SIZE_FUNCTIONS:
-        vals = torch.fx.node.map_arg(tuple(args), lambda a: a.meta.get("val"))
-        n.meta["val"] = fn(*vals)
+        read: list[torch.fx.Node] = []
+        torch.fx.node.map_arg(tuple(args), read.append)
+        if all("val" in a.meta for a in read):  # an export graph's (fx's have none)
+            n.meta["val"] = fn(*torch.fx.node.map_arg(tuple(args), lambda a: a.meta["val"]))
 
 
 def get_attr(graph: torch.fx.Graph, fqn: str, like: torch.fx.Node) -> torch.fx.Node:

@@ -25,14 +25,15 @@ import pytest
 import torch
 
 from tests.helpers.dist import run_ranks
-from tests.smp_fx.parallel.test_context_parallel_hf import differences, reference
+from tests.smp_fx.parallel.test_context_parallel_hf import differences, join_world, reference
 
 CP = {"pipeline_parallel_degree": 1, "context_parallel_degree": 2, "ddp": True}
 # name -> (architecture, configuration, decoder layers checkpointed)
 CASES: dict[str, tuple[str, dict[str, Any], bool]] = {
     "tp": ("qwen2", {**CP, "tensor_parallel_degree": 2}, False),
     "pp": ("gpt_neox", {**CP, "pipeline_parallel_degree": 2, "microbatches": 2}, False),
-    "sdp": ("mistral", {**CP, "sharded_data_parallel_degree": 2}, False),
+    "sdp": ("mistral", {**CP, "sharded_data_parallel_degree": 2,
+                        "sdp_param_persistence_threshold": 100}, False),
     "zero": ("llama", {**CP, "shard_optimizer_state": True}, True),
 }
 
@@ -47,13 +48,13 @@ def _one(name: str, ref: Any) -> list[str]:
         bad.append(f"{name}: cp_size {smp.cp_size()}")
     if name == "tp" and (model.tp_plan is None or not model.tp_plan.pairs):
         bad.append("tp: nothing sharded over tp")
-    if name == "sdp" and not any(hasattr(p, "full_tensor")
-                                 for _, p in model.local_named_parameters()):
+    if name == "sdp" and not any(hasattr(p, "full_tensor") for p in model.local_parameters()):
         bad.append("sdp: no parameter sharded")
     return bad
 
 
 def _all(packed: bytes) -> list[str]:
+    join_world()
     refs = torch.load(io.BytesIO(packed))
     return [m for name in CASES for m in _one(name, refs[CASES[name][0]])]
 

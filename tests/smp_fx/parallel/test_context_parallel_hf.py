@@ -178,9 +178,20 @@ def smp_reference(arch: str, config: dict[str, Any]) -> tuple[list[float], None,
         state._reset()
 
 
+def join_world() -> None:
+    """Join the gloo world once for every configuration of a spawn: a world ``smp.init``
+    did not create outlives ``state._reset``, so no rank rejoins between configurations."""
+    import os
+    from datetime import timedelta
+
+    dist.init_process_group("gloo", timeout=timedelta(
+        seconds=float(os.environ.get("SMP_FX_TIMEOUT_S", "300"))))
+
+
 def _all(packed: bytes) -> list[str]:
     import smp_fx as smp
 
+    join_world()
     refs = torch.load(io.BytesIO(packed))
     bad = [m for arch in CASES for m in _case(arch, refs[arch])]
     bad += [f"bf16: {m}" for m in differences("llama", refs["bf16"], {**CP2, **BF16},

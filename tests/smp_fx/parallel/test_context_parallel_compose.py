@@ -35,6 +35,7 @@ CASES: dict[str, tuple[str, dict[str, Any], bool]] = {
     "sdp": ("mistral", {**CP, "sharded_data_parallel_degree": 2,
                         "sdp_param_persistence_threshold": 100}, False),
     "zero": ("llama", {**CP, "shard_optimizer_state": True}, True),
+    "cp4": ("bert", {**CP, "context_parallel_degree": 4}, False),
 }
 
 
@@ -44,7 +45,7 @@ def _one(name: str, ref: Any) -> list[str]:
     arch, config, checkpointed = CASES[name]
     bad, model, _ = differences(arch, ref, config, checkpointed)
     bad = [f"{name}: {m}" for m in bad]
-    if smp.cp_size() != 2:
+    if smp.cp_size() != config["context_parallel_degree"]:
         bad.append(f"{name}: cp_size {smp.cp_size()}")
     if name == "tp" and (model.tp_plan is None or not model.tp_plan.pairs):
         bad.append("tp: nothing sharded over tp")

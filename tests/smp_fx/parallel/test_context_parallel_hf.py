@@ -104,7 +104,8 @@ def train(arch: str, config: dict[str, Any], checkpointed: bool = False
     plain = build(arch)
     if smp.tp_size() > 1:
         smp.set_tensor_parallelism(plain)
-    for layer in plain.model.model.layers if checkpointed else ():
+    layers: Any = plain.model.model.layers if checkpointed else ()  # type: ignore[union-attr]
+    for layer in layers:
         smp.set_activation_checkpointing(layer)
     model = smp.DistributedModel(plain)
     opt = smp.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=LR))
@@ -203,7 +204,7 @@ def _all(packed: bytes) -> list[str]:
 @pytest.mark.timeout(600)  # three models traced on each rank: 40-56 s at load 10 on 2 cores
 def test_hf_models_at_cp2_match_one_process() -> None:
     buf = io.BytesIO()  # as bytes: hundreds of tensors would each take a descriptor
-    refs = {arch: reference(arch) for arch in CASES}
+    refs: dict[str, Any] = {arch: reference(arch) for arch in CASES}
     refs["bf16"] = smp_reference("llama", {"pipeline_parallel_degree": 1, **BF16})
     torch.save(refs, buf)
     # a built-in device spec: planning does not measure this CPU on every rank

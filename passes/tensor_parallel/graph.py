@@ -18,7 +18,6 @@ from torch import nn
 from cost_model.node_cost import NodeCost
 from passes import meta
 from passes.tensor_parallel import collectives, costs
-from passes.tensor_parallel.reshapes import local_sizes
 
 Ties = dict[int, nn.Parameter]
 
@@ -104,7 +103,7 @@ SHAPES: dict[str, tuple[int | None, bool]] = {
 
 
 SIZE_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset({
-    operator.mul, operator.floordiv, torch.t, torch.transpose, local_sizes})
+    operator.mul, operator.floordiv, torch.t, torch.transpose})
 """Inserted functions of sizes or of a weight: their ``val`` is computed from their args'."""
 
 
@@ -125,7 +124,7 @@ def insert(graph: torch.fx.Graph, fn: Callable[..., Any], args: Sequence[Any],
     n = graph.call_function(fn, tuple(args))
     _copy_meta(n, like)
     src = args[0] if args and isinstance(args[0], torch.fx.Node) else None
-    _set_val(n, fn, args, src)
+    _set_val(n, fn, src)
     dim, grow = SHAPES.get(getattr(fn, "__name__", ""), (None, False))
     if src is not None:
         meta.TENSOR.set(n, costs.local_info(meta.TENSOR.get(src), dim, size, grow))
@@ -135,8 +134,7 @@ def insert(graph: torch.fx.Graph, fn: Callable[..., Any], args: Sequence[Any],
     return n
 
 
-def _set_val(n: torch.fx.Node, fn: Callable[..., Any], args: Sequence[Any],
-             src: torch.fx.Node | None) -> None:
+def _set_val(n: torch.fx.Node, fn: Callable[..., Any], src: torch.fx.Node | None) -> None:
     """``n``'s ``val`` keeps the one-process graph's structure (which dims are the batch and
     the sequence, a tensor or a size), which later rewrites read (context parallelism):
     a collective's is its input's, a size's or a weight view's is computed from its args'."""
@@ -144,10 +142,17 @@ def _set_val(n: torch.fx.Node, fn: Callable[..., Any], args: Sequence[Any],
         if src is not None and "val" in src.meta:
             n.meta["val"] = src.meta["val"]
     elif fn in SIZE_FUNCTIONS:
-        read: list[torch.fx.Node] = []
-        torch.fx.node.map_arg(tuple(args), read.append)
-        if all("val" in a.meta for a in read):  # an export graph's (fx's have none)
-            n.meta["val"] = fn(*torch.fx.node.map_arg(tuple(args), lambda a: a.meta["val"]))
+        computed_val(n)
+
+
+def computed_val(n: torch.fx.Node) -> None:
+    """``n``'s ``val`` computed from its args' (a function of sizes or of a weight), where
+    they have one (an export graph's; fx's have none)."""
+    read: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((n.args, n.kwargs), read.append)
+    if callable(n.target) and all("val" in a.meta for a in read):
+        args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
+        n.meta["val"] = n.target(*args, **kwargs)
 
 
 def get_attr(graph: torch.fx.Graph, fqn: str, like: torch.fx.Node) -> torch.fx.Node:

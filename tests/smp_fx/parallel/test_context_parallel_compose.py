@@ -10,7 +10,8 @@ models, batches and training), one spawn going through every configuration in tu
 * cp 2 x sdp 2, Mistral (a sliding window of 32 tokens, shorter than the sequence, so it
   crosses the chunks): gradients reduce-scattered over dp, their shards summed over cp;
 * cp 2 x rdp 2 with ZeRO-1 (``shard_optimizer_state``) and activation checkpointing of
-  every decoder layer, Llama.
+  every decoder layer, Llama;
+* cp 4, Llama: 8 chunks of 16 tokens, rank r holding chunks r and 7 - r.
 
 Loss of the global batch and every (whole) gradient at each of 3 Adam steps, and
 ``state_dict()`` after them, within 1e-5 (fp32).
@@ -35,7 +36,7 @@ CASES: dict[str, tuple[str, dict[str, Any], bool]] = {
     "sdp": ("mistral", {**CP, "sharded_data_parallel_degree": 2,
                         "sdp_param_persistence_threshold": 100}, False),
     "zero": ("llama", {**CP, "shard_optimizer_state": True}, True),
-    "cp4": ("bert", {**CP, "context_parallel_degree": 4}, False),
+    "cp4": ("llama", {**CP, "context_parallel_degree": 4}, False),
 }
 
 
@@ -62,7 +63,7 @@ def _all(packed: bytes) -> list[str]:
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
-def test_cp2_composed_with_tp_pp_sdp_zero_checkpointing_matches_one_process() -> None:
+def test_cp_composed_with_tp_pp_sdp_zero_checkpointing_and_cp4_match_one_process() -> None:
     buf = io.BytesIO()
     torch.save({arch: reference(arch) for arch, _, _ in CASES.values()}, buf)
     results = run_ranks(_all, 4, buf.getvalue(), timeout=550,

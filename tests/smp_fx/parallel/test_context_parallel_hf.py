@@ -201,7 +201,7 @@ def _all(packed: bytes) -> list[str]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(600)  # three models traced on each rank: 40-56 s at load 10 on 2 cores
+@pytest.mark.timeout(600)  # four runs traced on each rank: 42 s at load 10 on 2 cores
 def test_hf_models_at_cp2_match_one_process() -> None:
     buf = io.BytesIO()  # as bytes: hundreds of tensors would each take a descriptor
     refs: dict[str, Any] = {arch: reference(arch) for arch in CASES}

@@ -106,6 +106,7 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
             with new.graph.inserting_before(node):
                 local = graph.insert(new.graph, local_sizes, (sizes, tp.size), node)
             meta.TENSOR.set(local, None)
+            graph.computed_val(local)
             node.update_arg(1, local)
         graph.gather_operands(new.graph, rw.gather if not tp.prescaled_batch else [], tp.size)
         graph.copy_operands(new.graph, rw.copies, tp.size)

@@ -206,9 +206,10 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
                                         st)
         applied.append(tp)
 
+    cp = None
     if st.axis_size("cp") > 1:
-        applied.append(ContextParallelRuntime.bind(local_named_parameters(runners, canonical),
-                                                   st))
+        cp = ContextParallelRuntime.bind(local_named_parameters(runners, canonical), st)
+        applied.append(cp)
 
     checkpointing = ActivationCheckpointing(plan, runners, cfg.offload_activations)
     applied.append(checkpointing)
@@ -222,6 +223,8 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
         applied.append(sharded)
         if tp is not None:  # FSDP2 replaced the shards with DTensor parameters
             tp.holding(local_named_parameters(runners, canonical))
+        if cp is not None:
+            cp.holding(p for _, p in local_named_parameters(runners, canonical))
     elif dp is not None:
         if experts:  # before the wrap: data parallelism leaves the slices alone
             applied.append(ExpertParallel(experts, runners, dp, options.bucket_cap_mb, st))

@@ -27,9 +27,8 @@ def expert_parallel_refusal(values: Mapping[str, Any], where: str) -> SMPConfigE
         return SMPConfigError.build(f"'{KEY}' > 1 requires 'ddp': true (the ep group is "
                                     "carved out of the data-parallel ranks)", ep, where,
                                     "set 'ddp': true")
-    others = {k: values[k] for k in ("tensor_parallel_degree", "sharded_data_parallel_degree")
-              if values[k] > 1}
-    others.update({k: True for k in ("shard_optimizer_state", "fp16", "bf16") if values[k]})
+    others = {k: values[k] for k in ("sharded_data_parallel_degree",) if values[k] > 1}
+    others.update({k: True for k in ("fp16", "bf16") if values[k]})
     if others:
         return SMPConfigError.build(
             f"'{KEY}' > 1 does not compose with tensor parallelism, sharded data "

@@ -1,0 +1,115 @@
+"""Expert parallelism composed with tensor parallelism, ZeRO-1, sdp and bf16.
+
+One spawn of 4 gloo ranks runs each configuration in turn against the plain model trained
+on the global batch in the test process (``test_expert_parallel._reference``): 3 steps,
+the gradients clipped to a norm of 0.5, every local gradient every step (tp shards
+gathered, an expert slice against its rows), the gathered ``state_dict()`` after them and
+each rank's load-balancing loss every step (1e-5).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from examples.models import moe_zoo
+from tests.helpers.compare import mismatched, state_dict_mismatches
+from tests.helpers.dist import run_ranks
+from tests.smp_fx.parallel.test_expert_parallel import (
+    MAX_NORM,
+    OPTIMIZERS,
+    TOL,
+    _batches,
+    _expert_rows,
+    _loss,
+    _outputs,
+    _reference,
+)
+from tests.smp_fx.parallel.test_tensor_parallel import _gathered
+
+RUNS: dict[str, tuple[str, int, dict[str, Any]]] = {
+    "tp2": ("deepseek_v3/adam", 2, {"tensor_parallel_degree": 2, "prescaled_batch": True}),
+    "zero1": ("mixtral/adam", 4, {"shard_optimizer_state": True}),
+}
+"""label -> (case, rdp degree, configuration beside ``expert_parallel_degree`` 2 and
+``ddp``)."""
+
+
+def _run(case: str, extra: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+    import smp_fx as smp
+    from smp_fx.world import state as smp_state
+
+    arch, opt_name = case.split("/")
+    smp_state._reset()
+    smp.init({"pipeline_parallel_degree": 1, "ddp": True, "expert_parallel_degree": 2,
+              **extra})
+    module = moe_zoo.build(arch, aux=arch in moe_zoo.AUX)
+    if smp.tp_size() > 1:
+        smp.set_tensor_parallelism(module)
+    model = smp.DistributedModel(module)
+    opt = smp.DistributedOptimizer(OPTIMIZERS[opt_name](model.parameters()))
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        logits, aux = _outputs(model, arch, x)
+        model.backward(_loss(logits, y))
+        return aux
+
+    share = len(_batches()[0][0]) // smp.rdp_size()
+    sl = slice(smp.rdp_rank() * share, (smp.rdp_rank() + 1) * share)
+    names, rank = model.expert_names, smp.ep_rank()
+    bad = []
+    for step, (x, y) in enumerate(_batches()):
+        opt.zero_grad()
+        aux = train_step(model, x[sl], y[sl]).stack()
+        want_aux = ref["aux"][step][smp.rdp_rank()]
+        if not torch.allclose(aux, want_aux, **TOL):
+            bad.append(f"aux loss step {step}: {aux} != {want_aux}")
+        norm = model.clip_grad_norm_(MAX_NORM)
+        if not torch.allclose(norm, ref["norms"][step], **TOL):
+            bad.append(f"norm step {step}: {norm} != {ref['norms'][step]}")
+        grads = {n: p.grad for n, p in model.local_named_parameters() if p.grad is not None}
+        if model.tp_plan is not None:
+            grads = _gathered(model, grads)
+        want = _expert_rows(ref["grads"][step], names, 2, rank)
+        bad += [f"grad {n} step {step}" for n in mismatched(grads, want, **TOL)]
+        opt.step()
+    bad += state_dict_mismatches(model.state_dict(), ref["state"], **TOL)
+    held = [n for n, p in model.local_named_parameters()
+            if any(p is q for g in opt.param_groups for q in g["params"])]
+    return {"bad": bad, "coverage": [b.line() for b in model.ep_coverage], "held": held,
+            "tp_sharded": [] if model.tp_plan is None else
+            [s.name for s in model.tp_plan.sharded], "experts": sorted(names)}
+
+
+def _all(path: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    refs = torch.load(path, weights_only=True)
+    return {label: _run(case, extra, refs[label]) for label, (case, _, extra) in RUNS.items()}
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(600)
+def test_ep2_composed_matches_single_process_model(tmp_path: Any) -> None:
+    path = str(tmp_path / "reference.pt")
+    torch.save({label: _reference(case, rdp) for label, (case, rdp, _) in RUNS.items()}, path)
+    results = run_ranks(_all, 4, path, timeout=400)
+    for label in RUNS:
+        assert [r[label]["bad"] for r in results] == [[]] * 4, (
+            label, [r[label]["bad"] for r in results])
+        assert all("expert-parallel, 2 of 4" in line
+                   for line in results[0][label]["coverage"]), label
+    sharded, experts = results[0]["tp2"]["tp_sharded"], results[0]["tp2"]["experts"]
+    # dense parts by tp (the shared experts too), the experts by ep, the router whole
+    assert any("shared_experts" in n for n in sharded) and not set(sharded) & set(experts)
+    assert not any(".mlp.gate." in n for n in sharded), sharded
+    # ZeRO-1: each expert slice stepped on one rank of its edp group, the rest on one rdp rank
+    held = [r["zero1"]["held"] for r in results]
+    experts = set(results[0]["zero1"]["experts"])
+    every = sorted(n for h in held for n in h)
+    assert every == sorted(list(experts) * 2 + [n for n in set(every) if n not in experts])
+    assert all(0 < len(h) < len(set(every)) for h in held)

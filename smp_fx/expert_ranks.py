@@ -28,11 +28,11 @@ def expert_parallel_refusal(values: Mapping[str, Any], where: str) -> SMPConfigE
                                     "carved out of the data-parallel ranks)", ep, where,
                                     "set 'ddp': true")
     others = {k: values[k] for k in ("sharded_data_parallel_degree",) if values[k] > 1}
-    others.update({k: True for k in ("fp16", "bf16") if values[k]})
+    others.update({k: True for k in ("fp16",) if values[k]})
     if others:
         return SMPConfigError.build(
-            f"'{KEY}' > 1 does not compose with tensor parallelism, sharded data "
-            "parallelism, optimizer-state sharding or half precision yet", others, where,
+            f"'{KEY}' > 1 does not compose with sharded data parallelism or fp16 yet",
+            others, where,
             f"drop {', '.join(sorted(others))} or set '{KEY}': 1")
     return None
 

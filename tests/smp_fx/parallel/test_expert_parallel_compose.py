@@ -84,23 +84,92 @@ def _run(case: str, extra: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any
             [s.name for s in model.tp_plan.sharded], "experts": sorted(names)}
 
 
+HALF: dict[str, tuple[str, dict[str, Any]]] = {
+    "bf16": ("mixtral/adam", {"bf16": True, "shard_optimizer_state": True}),
+}
+"""label -> (case, configuration); run at ep 2 on 4 ranks against one smp-fx process in the
+same precision (SMP's bf16: bf16 weights, fp32 masters; docs/precision.md)."""
+HALF_TOL = 1.6e-2  # bf16's resolution after 3 steps, as tests/smp_fx/parallel/test_compose_dist
+
+
+def _half(case: str, extra: dict[str, Any], ep: int) -> dict[str, Any]:
+    """3 steps at ``ep`` in ``extra``'s precision, clipped by the optimizer (its fp32
+    masters): each step's loss (the global batch's mean) and norm, the final state."""
+    import torch.distributed as dist
+
+    import smp_fx as smp
+    from smp_fx.world import state as smp_state
+
+    arch, opt_name = case.split("/")
+    smp_state._reset()
+    smp.init({"pipeline_parallel_degree": 1, "ddp": True, "expert_parallel_degree": ep,
+              **extra})
+    model = smp.DistributedModel(moe_zoo.build(arch))
+    opt = smp.DistributedOptimizer(OPTIMIZERS[opt_name](model.parameters()))
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        out = _loss(model(x), y)
+        model.backward(out)
+        return out
+
+    share = len(_batches()[0][0]) // smp.rdp_size()
+    sl = slice(smp.rdp_rank() * share, (smp.rdp_rank() + 1) * share)
+    losses, norms = [], []
+    for x, y in _batches():
+        opt.zero_grad()
+        loss = train_step(model, x[sl], y[sl]).reduce_mean().detach().float()
+        if dist.is_initialized():
+            dist.all_reduce(loss)
+            loss /= smp.rdp_size()
+        losses.append(loss)
+        norms.append(opt.clip_master_grads(MAX_NORM))
+        opt.step()
+    half = {p.dtype for n, p in model.local_named_parameters()}
+    masters = {m.dtype for _, m in opt._masters.pairs}
+    return {"loss": torch.stack(losses), "norm": torch.stack(norms), "dtypes": (half, masters),
+            "state": {k: v.float() for k, v in model.state_dict().items()}}
+
+
+def _half_differs(got: dict[str, Any], ref: dict[str, Any]) -> list[str]:
+    tol = {"atol": HALF_TOL, "rtol": HALF_TOL}
+    bad = [f"{k}: {got[k]} != {ref[k]}" for k in ("loss", "norm")
+           if not torch.allclose(got[k], ref[k], **tol)]
+    return bad + state_dict_mismatches(got["state"], ref["state"], **tol)
+
+
 def _all(path: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     refs = torch.load(path, weights_only=True)
-    return {label: _run(case, extra, refs[label]) for label, (case, _, extra) in RUNS.items()}
+    out = {label: _run(case, extra, refs[label]) for label, (case, _, extra) in RUNS.items()}
+    for label, (case, extra) in HALF.items():
+        got = _half(case, extra, 2)
+        out[label] = {"bad": _half_differs(got, refs[label]), "dtypes": got["dtypes"]}
+    return out
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_ep2_composed_matches_single_process_model(tmp_path: Any) -> None:
+    from smp_fx.world import state as smp_state
+
     path = str(tmp_path / "reference.pt")
-    torch.save({label: _reference(case, rdp) for label, (case, rdp, _) in RUNS.items()}, path)
+    refs = {label: _reference(case, rdp) for label, (case, rdp, _) in RUNS.items()}
+    try:
+        for label, (case, extra) in HALF.items():  # one smp-fx process, the same precision
+            refs[label] = _half(case, {k: v for k, v in extra.items()
+                                       if k != "shard_optimizer_state"}, 1)
+    finally:
+        smp_state._reset()
+    torch.save(refs, path)
     results = run_ranks(_all, 4, path, timeout=400)
-    for label in RUNS:
+    assert [r["bf16"]["dtypes"] for r in results] == [({torch.bfloat16}, {torch.float32})] * 4
+    for label in (*RUNS, *HALF):
         assert [r[label]["bad"] for r in results] == [[]] * 4, (
             label, [r[label]["bad"] for r in results])
+    for label in RUNS:
         assert all("expert-parallel, 2 of 4" in line
                    for line in results[0][label]["coverage"]), label
     sharded, experts = results[0]["tp2"]["tp_sharded"], results[0]["tp2"]["experts"]

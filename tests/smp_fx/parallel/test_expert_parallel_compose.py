@@ -77,9 +77,16 @@ def _run(case: str, extra: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any
         bad += [f"grad {n} step {step}" for n in mismatched(grads, want, **TOL)]
         opt.step()
     bad += state_dict_mismatches(model.state_dict(), ref["state"], **TOL)
+    refused = ""
+    if extra.get("shard_optimizer_state"):  # its state is merged by name over rdp
+        try:
+            opt.state_dict()
+        except smp.SMPNotImplementedError as e:
+            refused = str(e)
     held = [n for n, p in model.local_named_parameters()
             if any(p is q for g in opt.param_groups for q in g["params"])]
     return {"bad": bad, "coverage": [b.line() for b in model.ep_coverage], "held": held,
+            "refused": refused,
             "tp_sharded": [] if model.tp_plan is None else
             [s.name for s in model.tp_plan.sharded], "experts": sorted(names)}
 
@@ -182,3 +189,4 @@ def test_ep2_composed_matches_single_process_model(tmp_path: Any) -> None:
     every = sorted(n for h in held for n in h)
     assert every == sorted(list(experts) * 2 + [n for n in set(every) if n not in experts])
     assert all(0 < len(h) < len(set(every)) for h in held)
+    assert all("shard_optimizer_state" in r["zero1"]["refused"] for r in results)

@@ -1,11 +1,13 @@
 """Checkpoints at ``expert_parallel_degree`` 2 load at ep 4 and at ep 1, model and optimizer.
 
-One spawn of 4 gloo ranks: Mixtral trains 2 Adam steps at ep 2 (2 ep groups) and saves a
-partial checkpoint (``smp.save_checkpoint``) and the full state dicts (``state_dict()`` of
-model and optimizer, every expert gathered). Then the partial one resumes at ep 4 and the
-full ones load at ep 1 (plain data parallelism); each takes the third step. So do the full
-ones in the plain model and torch optimizer of this process. Each final ``state_dict()``
-equals the plain model trained 3 steps on the global batch (1e-5).
+One spawn of 4 gloo ranks: Hugging Face's Mixtral trains 2 Adam steps at ep 2 (2 ep
+groups) and saves a partial checkpoint (``smp.save_checkpoint``) and the full state dicts
+(``state_dict()`` of model and optimizer, every expert gathered). Then the partial one
+resumes at ep 4 and the full ones load at ep 1 (plain data parallelism); each takes the
+third step. So do the full ones in the plain model and torch optimizer of this process.
+Each final ``state_dict()`` equals the plain model trained 3 steps on the global batch
+(1e-5). ``smp-fx checkpoint export`` of the partial one loads with ``from_pretrained``:
+its logits equal the plain model's with the full state.
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ from tests.smp_fx.parallel.test_expert_parallel import (
     TOL,
     _batches,
     _loss,
-    _outputs,
     _reference,
 )
 
 CASE = "mixtral/adam"
 ARCH = CASE.split("/")[0]
+
+
+def _hf_model() -> Any:
+    """Mixtral itself (``save_pretrained``'s names), with its load-balancing loss."""
+    return moe_zoo.build(ARCH, aux=True).model
 
 
 def _start(ep: int) -> tuple[Any, Any, Any]:
@@ -39,12 +45,12 @@ def _start(ep: int) -> tuple[Any, Any, Any]:
 
     smp_state._reset()
     smp.init({"pipeline_parallel_degree": 1, "ddp": True, "expert_parallel_degree": ep})
-    model = smp.DistributedModel(moe_zoo.build(ARCH, aux=True))
+    model = smp.DistributedModel(_hf_model())
     opt = smp.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()))
 
     @smp.step
     def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> None:
-        model.backward(_loss(_outputs(model, ARCH, x)[0], y))
+        model.backward(_loss(model(input_ids=x).logits, y))
 
     return model, opt, train_step
 
@@ -91,17 +97,31 @@ def _body(folder: str, ref_state: dict[str, torch.Tensor]) -> dict[str, Any]:
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_ep2_checkpoints_load_at_ep4_and_ep1(tmp_path: Any) -> None:
-    ref = _reference(CASE, 4)
-    results = run_ranks(_body, 4, str(tmp_path), ref["state"], timeout=400)
+    import transformers
+
+    from smp_fx.cli.checkpoint import export
+
+    want = {k.removeprefix("model."): v for k, v in _reference(CASE, 4)["state"].items()}
+    results = run_ranks(_body, 4, str(tmp_path), want, timeout=400)
     assert results == [{"ep4": [], "ep1": []}] * 4, results
-    plain = moe_zoo.build(ARCH, aux=True)  # the full files in the plain model and optimizer
+    plain = _hf_model()  # the full files in the plain model and optimizer
     opt = OPTIMIZERS["adam"](plain.parameters())
     model_sd, opt_sd = torch.load(tmp_path / "full.pt", weights_only=True)
     plain.load_state_dict(model_sd)
     opt.load_state_dict(opt_sd)
     x, y = _batches()[2]
+    with torch.no_grad():
+        logits = plain(input_ids=x).logits
+    cfg = moe_zoo.config(ARCH, architectures=["MixtralForCausalLM"])
+    cfg.save_pretrained(tmp_path / "config")
+    line = export(str(tmp_path / "ep2_partial"), str(tmp_path / "hf"), str(tmp_path / "config"))
+    assert "saved at pp=1 tp=1" in line, line
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "hf", attn_implementation="eager").eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits, logits, **TOL)
     opt.zero_grad()
-    _loss(_outputs(plain, ARCH, x)[0], y).backward()
+    _loss(plain(input_ids=x).logits, y).backward()
     torch.nn.utils.clip_grad_norm_(plain.parameters(), MAX_NORM)
     opt.step()
-    assert state_dict_mismatches(plain.state_dict(), ref["state"], **TOL) == []
+    assert state_dict_mismatches(plain.state_dict(), want, **TOL) == []

@@ -27,13 +27,9 @@ def expert_parallel_refusal(values: Mapping[str, Any], where: str) -> SMPConfigE
         return SMPConfigError.build(f"'{KEY}' > 1 requires 'ddp': true (the ep group is "
                                     "carved out of the data-parallel ranks)", ep, where,
                                     "set 'ddp': true")
-    others = {k: values[k] for k in ("sharded_data_parallel_degree",) if values[k] > 1}
-    others.update({k: True for k in ("fp16",) if values[k]})
-    if others:
-        return SMPConfigError.build(
-            f"'{KEY}' > 1 does not compose with sharded data parallelism or fp16 yet",
-            others, where,
-            f"drop {', '.join(sorted(others))} or set '{KEY}': 1")
+    if values["fp16"]:
+        return SMPConfigError.build(f"'{KEY}' > 1 does not compose with fp16 yet", ep, where,
+                                    f"use 'bf16' instead of 'fp16', or set '{KEY}': 1")
     return None
 
 

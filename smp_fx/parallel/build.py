@@ -221,14 +221,20 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
                 if cfg.compile != "none" else {})
 
     sharded = None
+    ep = ExpertParallel(experts, runners, options.bucket_cap_mb, st) if experts else None
+    if ep is not None:
+        applied.append(ep)
     if cfg.sharded_data_parallel_degree > 1:
-        sharded = sdp.enable(options, runners, st)
+        sharded = sdp.enable(options, runners, st, ep.params if ep is not None else ())
         applied.append(sharded)
+        if ep is not None:
+            ep.follow(sharded)
         if tp is not None:  # FSDP2 replaced the shards with DTensor parameters
             tp.holding(local_named_parameters(runners, canonical))
     elif dp is not None:
-        if experts:  # before the wrap: data parallelism leaves the slices alone
-            applied.append(ExpertParallel(experts, runners, dp, options.bucket_cap_mb, st))
+        if ep is not None:  # before the wrap: data parallelism leaves the slices alone
+            dp.ignore(ep.params)
+            ep.follow(dp)
         runners = dp.wrap(runners)
         applied.append(dp)
 

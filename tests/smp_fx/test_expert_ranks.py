@@ -36,7 +36,7 @@ def test_ep_not_dividing_the_rdp_ranks_is_refused_at_init() -> None:
 
 
 @pytest.mark.parametrize("given", [
-    {"ddp": False}, {"sharded_data_parallel_degree": 2}, {"fp16": True}])
+    {"ddp": False}, {"fp16": True}])
 def test_combinations_refused_name_the_fix(given: dict[str, Any]) -> None:
     why = combination_refusal({"ddp": True, "expert_parallel_degree": 2, **given})
     assert isinstance(why, SMPConfigError) and "expert_parallel_degree" in str(why)

@@ -32,6 +32,9 @@ from tests.smp_fx.parallel.test_tensor_parallel import _gathered
 RUNS: dict[str, tuple[str, int, dict[str, Any]]] = {
     "tp2": ("deepseek_v3/adam", 2, {"tensor_parallel_degree": 2, "prescaled_batch": True}),
     "zero1": ("mixtral/adam", 4, {"shard_optimizer_state": True}),
+    "sdp2": ("qwen3_moe/adam", 4, {"sharded_data_parallel_degree": 2,
+                                    "sdp_param_persistence_threshold": 64,
+                                    "sdp_reduce_bucket_size": 4096}),
 }
 """label -> (case, rdp degree, configuration beside ``expert_parallel_degree`` 2 and
 ``ddp``)."""
@@ -70,7 +73,8 @@ def _run(case: str, extra: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any
         norm = model.clip_grad_norm_(MAX_NORM)
         if not torch.allclose(norm, ref["norms"][step], **TOL):
             bad.append(f"norm step {step}: {norm} != {ref['norms'][step]}")
-        grads = {n: p.grad for n, p in model.local_named_parameters() if p.grad is not None}
+        grads = {n: getattr(p.grad, "full_tensor", lambda g=p.grad: g)()  # sdp: shards
+                 for n, p in model.local_named_parameters() if p.grad is not None}
         if model.tp_plan is not None:
             grads = _gathered(model, grads)
         want = _expert_rows(ref["grads"][step], names, 2, rank)
@@ -86,7 +90,8 @@ def _run(case: str, extra: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any
     held = [n for n, p in model.local_named_parameters()
             if any(p is q for g in opt.param_groups for q in g["params"])]
     return {"bad": bad, "coverage": [b.line() for b in model.ep_coverage], "held": held,
-            "refused": refused,
+            "refused": refused, "shards": sorted(n for n, p in model.local_named_parameters()
+                                                 if hasattr(p, "full_tensor")),
             "tp_sharded": [] if model.tp_plan is None else
             [s.name for s in model.tp_plan.sharded], "experts": sorted(names)}
 
@@ -190,3 +195,6 @@ def test_ep2_composed_matches_single_process_model(tmp_path: Any) -> None:
     assert every == sorted(list(experts) * 2 + [n for n in set(every) if n not in experts])
     assert all(0 < len(h) < len(set(every)) for h in held)
     assert all("shard_optimizer_state" in r["zero1"]["refused"] for r in results)
+    # sdp: every other parameter an FSDP2 shard, the expert slices whole
+    shards, experts = results[0]["sdp2"]["shards"], results[0]["sdp2"]["experts"]
+    assert shards and not set(shards) & set(experts), (shards, experts)

@@ -21,16 +21,10 @@ KEY = "expert_parallel_degree"
 def expert_parallel_refusal(values: Mapping[str, Any], where: str) -> SMPConfigError | None:
     """Why ``values`` (every parameter, resolved) cannot run expert parallelism, or None."""
     ep = values[KEY]
-    if ep == 1:
+    if ep == 1 or values["ddp"]:
         return None
-    if not values["ddp"]:
-        return SMPConfigError.build(f"'{KEY}' > 1 requires 'ddp': true (the ep group is "
-                                    "carved out of the data-parallel ranks)", ep, where,
-                                    "set 'ddp': true")
-    if values["fp16"]:
-        return SMPConfigError.build(f"'{KEY}' > 1 does not compose with fp16 yet", ep, where,
-                                    f"use 'bf16' instead of 'fp16', or set '{KEY}': 1")
-    return None
+    return SMPConfigError.build(f"'{KEY}' > 1 requires 'ddp': true (the ep group is carved "
+                                "out of the data-parallel ranks)", ep, where, "set 'ddp': true")
 
 
 def check_ep_divides(ep: int, rdp: int, world_size: int, mp: int) -> None:

@@ -1,10 +1,11 @@
-"""Expert parallelism composed with tensor parallelism, ZeRO-1, sdp and bf16.
+"""Expert parallelism composed with tensor parallelism, ZeRO-1, sdp, bf16 and fp16.
 
-One spawn of 4 gloo ranks runs each configuration in turn against the plain model trained
-on the global batch in the test process (``test_expert_parallel._reference``): 3 steps,
-the gradients clipped to a norm of 0.5, every local gradient every step (tp shards
-gathered, an expert slice against its rows), the gathered ``state_dict()`` after them and
-each rank's load-balancing loss every step (1e-5).
+One spawn of 4 gloo ranks runs each configuration of ``RUNS`` at ep 2 in turn against the
+plain model trained on the global batch in the test process
+(``test_expert_parallel._reference``): 3 Adam steps, the gradients clipped to a norm of
+0.5, every local gradient every step (tp and sdp shards gathered, an expert slice against
+its rows), the gathered ``state_dict()`` after them and each rank's load-balancing loss
+every step (1e-5). Then each of ``HALF`` against one smp-fx process in that precision.
 """
 
 from __future__ import annotations
@@ -96,12 +97,13 @@ def _run(case: str, extra: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any
             [s.name for s in model.tp_plan.sharded], "experts": sorted(names)}
 
 
-HALF: dict[str, tuple[str, dict[str, Any]]] = {
-    "bf16": ("mixtral/adam", {"bf16": True, "shard_optimizer_state": True}),
+HALF: dict[str, tuple[str, dict[str, Any], float]] = {
+    "bf16": ("mixtral/adam", {"bf16": True, "shard_optimizer_state": True}, 1.6e-2),
+    "fp16": ("olmoe/adam", {"fp16": True}, 2e-3),
 }
-"""label -> (case, configuration); run at ep 2 on 4 ranks against one smp-fx process in the
-same precision (SMP's bf16: bf16 weights, fp32 masters; docs/precision.md)."""
-HALF_TOL = 1.6e-2  # bf16's resolution after 3 steps, as tests/smp_fx/parallel/test_compose_dist
+"""label -> (case, configuration, tolerance: the precision's resolution after 3 steps, as
+tests/smp_fx/parallel/test_compose_dist.py); run at ep 2 on 4 ranks against one smp-fx
+process in the same precision (SMP's: half weights, fp32 masters; docs/precision.md)."""
 
 
 def _half(case: str, extra: dict[str, Any], ep: int) -> dict[str, Any]:
@@ -143,8 +145,8 @@ def _half(case: str, extra: dict[str, Any], ep: int) -> dict[str, Any]:
             "state": {k: v.float() for k, v in model.state_dict().items()}}
 
 
-def _half_differs(got: dict[str, Any], ref: dict[str, Any]) -> list[str]:
-    tol = {"atol": HALF_TOL, "rtol": HALF_TOL}
+def _half_differs(got: dict[str, Any], ref: dict[str, Any], resolution: float) -> list[str]:
+    tol = {"atol": resolution, "rtol": resolution}
     bad = [f"{k}: {got[k]} != {ref[k]}" for k in ("loss", "norm")
            if not torch.allclose(got[k], ref[k], **tol)]
     return bad + state_dict_mismatches(got["state"], ref["state"], **tol)
@@ -156,9 +158,10 @@ def _all(path: str) -> dict[str, Any]:
     dist.init_process_group("gloo")
     refs = torch.load(path, weights_only=True)
     out = {label: _run(case, extra, refs[label]) for label, (case, _, extra) in RUNS.items()}
-    for label, (case, extra) in HALF.items():
+    for label, (case, extra, resolution) in HALF.items():
         got = _half(case, extra, 2)
-        out[label] = {"bad": _half_differs(got, refs[label]), "dtypes": got["dtypes"]}
+        out[label] = {"bad": _half_differs(got, refs[label], resolution),
+                      "dtypes": got["dtypes"]}
     return out
 
 
@@ -170,7 +173,7 @@ def test_ep2_composed_matches_single_process_model(tmp_path: Any) -> None:
     path = str(tmp_path / "reference.pt")
     refs = {label: _reference(case, rdp) for label, (case, rdp, _) in RUNS.items()}
     try:
-        for label, (case, extra) in HALF.items():  # one smp-fx process, the same precision
+        for label, (case, extra, _) in HALF.items():  # one smp-fx process, the same precision
             refs[label] = _half(case, {k: v for k, v in extra.items()
                                        if k != "shard_optimizer_state"}, 1)
     finally:
@@ -178,6 +181,7 @@ def test_ep2_composed_matches_single_process_model(tmp_path: Any) -> None:
     torch.save(refs, path)
     results = run_ranks(_all, 4, path, timeout=400)
     assert [r["bf16"]["dtypes"] for r in results] == [({torch.bfloat16}, {torch.float32})] * 4
+    assert [r["fp16"]["dtypes"] for r in results] == [({torch.float16}, {torch.float32})] * 4
     for label in (*RUNS, *HALF):
         assert [r[label]["bad"] for r in results] == [[]] * 4, (
             label, [r[label]["bad"] for r in results])

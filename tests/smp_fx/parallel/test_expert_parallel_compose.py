@@ -25,8 +25,8 @@ from tests.smp_fx.parallel.test_expert_parallel import (
     _batches,
     _expert_rows,
     _loss,
-    _outputs,
     _reference,
+    step_function,
 )
 from tests.smp_fx.parallel.test_tensor_parallel import _gathered
 
@@ -54,12 +54,7 @@ def _run(case: str, extra: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any
         smp.set_tensor_parallelism(module)
     model = smp.DistributedModel(module)
     opt = smp.DistributedOptimizer(OPTIMIZERS[opt_name](model.parameters()))
-
-    @smp.step
-    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
-        logits, aux = _outputs(model, arch, x)
-        model.backward(_loss(logits, y))
-        return aux
+    train_step = step_function(arch)
 
     share = len(_batches()[0][0]) // smp.rdp_size()
     sl = slice(smp.rdp_rank() * share, (smp.rdp_rank() + 1) * share)

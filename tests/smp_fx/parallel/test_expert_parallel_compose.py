@@ -39,9 +39,13 @@ RUNS: dict[str, tuple[str, int, dict[str, Any]]] = {
 }
 """label -> (case, rdp degree, configuration beside ``expert_parallel_degree`` 2 and
 ``ddp``)."""
+DELAYED = ("zero1",)
+"""Runs whose model is built under ``smp.delay_param_initialization`` (each rank
+materialises only its experts)."""
 
 
-def _run(case: str, extra: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any]:
+def _run(case: str, extra: dict[str, Any], ref: dict[str, Any], delayed: bool = False
+         ) -> dict[str, Any]:
     import smp_fx as smp
     from smp_fx.world import state as smp_state
 
@@ -49,10 +53,12 @@ def _run(case: str, extra: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any
     smp_state._reset()
     smp.init({"pipeline_parallel_degree": 1, "ddp": True, "expert_parallel_degree": 2,
               **extra})
-    module = moe_zoo.build(arch, aux=arch in moe_zoo.AUX)
+    with smp.delay_param_initialization(enabled=delayed):
+        module = moe_zoo.build(arch, aux=arch in moe_zoo.AUX)
     if smp.tp_size() > 1:
         smp.set_tensor_parallelism(module)
     model = smp.DistributedModel(module)
+    meta = all(p.is_meta for p in model.parameters())  # delayed: materialised when placed
     opt = smp.DistributedOptimizer(OPTIMIZERS[opt_name](model.parameters()))
     train_step = step_function(arch)
 
@@ -86,8 +92,9 @@ def _run(case: str, extra: dict[str, Any], ref: dict[str, Any]) -> dict[str, Any
     held = [n for n, p in model.local_named_parameters()
             if any(p is q for g in opt.param_groups for q in g["params"])]
     return {"bad": bad, "coverage": [b.line() for b in model.ep_coverage], "held": held,
-            "refused": refused, "shards": sorted(n for n, p in model.local_named_parameters()
-                                                 if hasattr(p, "full_tensor")),
+            "refused": refused, "meta": meta,
+            "shards": sorted(n for n, p in model.local_named_parameters()
+                             if hasattr(p, "full_tensor")),
             "tp_sharded": [] if model.tp_plan is None else
             [s.name for s in model.tp_plan.sharded], "experts": sorted(names)}
 
@@ -152,7 +159,8 @@ def _all(path: str) -> dict[str, Any]:
 
     dist.init_process_group("gloo")
     refs = torch.load(path, weights_only=True)
-    out = {label: _run(case, extra, refs[label]) for label, (case, _, extra) in RUNS.items()}
+    out = {label: _run(case, extra, refs[label], label in DELAYED)
+           for label, (case, _, extra) in RUNS.items()}
     for label, (case, extra, resolution) in HALF.items():
         got = _half(case, extra, 2)
         out[label] = {"bad": _half_differs(got, refs[label], resolution),
@@ -194,6 +202,8 @@ def test_ep2_composed_matches_single_process_model(tmp_path: Any) -> None:
     assert every == sorted(list(experts) * 2 + [n for n in set(every) if n not in experts])
     assert all(0 < len(h) < len(set(every)) for h in held)
     assert all("shard_optimizer_state" in r["zero1"]["refused"] for r in results)
+    assert [r[label]["meta"] for r in results for label in RUNS] == [
+        label in DELAYED for _ in results for label in RUNS]
     # sdp: every other parameter an FSDP2 shard, the expert slices whole
     shards, experts = results[0]["sdp2"]["shards"], results[0]["sdp2"]["experts"]
     assert shards and not set(shards) & set(experts), (shards, experts)

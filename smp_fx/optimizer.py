@@ -27,6 +27,7 @@ from cost_model.errors import SMPRuntimeError
 from smp_fx.amp.fp16 import MasterWeights
 from smp_fx.amp.loss_scaler import LossScaler, make_scaler
 from smp_fx.ckpt import checkpoint_api
+from smp_fx.ckpt.ep_shards import gather_optimizer_full
 from smp_fx.ckpt.mixins import OptimizerCheckpointMixin, StateDict
 from smp_fx.ckpt.state_dict import merge_partial_optimizer_states
 from smp_fx.nn.huggingface.registry import follow_replacements
@@ -373,6 +374,8 @@ class DistributedOptimizer(OptimizerCheckpointMixin, ClientViews, torch.optim.Op
                 sd["state"].setdefault(name, {})[MASTER_KEY] = saved.clone()
             for g in sd["param_groups"]:
                 g[SCALER_KEY] = self._scaler.state_dict()
+        # expert_parallel_degree > 1: every expert's state (collective over the ep group)
+        sd = gather_optimizer_full(sd, getattr(self._model(), "expert_names", frozenset()))
         if self._shards is not None and gather_if_shard:
             sd = merge_partial_optimizer_states(comm.allgather(sd, comm.RDP_GROUP))
         return sd

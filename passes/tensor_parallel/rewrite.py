@@ -12,7 +12,7 @@ import dataclasses
 import operator
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -39,10 +39,11 @@ class TensorParallelism:
     sequence_parallel: bool = False
     """``optimize: "memory"``: chunk the activations between pairs by sequence
     (``passes.tensor_parallel.sequence``)."""
-    cutting: Callable[[], AbstractContextManager[object]] = nullcontext
+    cutting: Callable[[], AbstractContextManager[object]] = field(default=nullcontext,
+                                                                  compare=False)
     """A context around cutting the shards from the full parameters (delayed
-    initialisation records the cut there, so a meta shard is rebuilt as its slice)."""
-
+    initialisation records the cut there, so a meta shard is rebuilt as its slice); not
+    part of what the rewrite computes, so not compared."""
 
 
 def opaque_leaves(gm: torch.fx.GraphModule, marked: Sequence[str]) -> list[tuple[str, str]]:

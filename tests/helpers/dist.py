@@ -81,7 +81,8 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
               may_die: Collection[int] = ()) -> list[Any]:
     """Run ``fn(*args)`` on ``world_size`` ranks; return the results ordered by rank."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "smp_fx", "transformers.modeling_utils"])
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "smp_fx",
+                                "transformers.modeling_utils"])
     out = ctx.Queue()
     port = free_port()
     forwarded = {k: os.environ[k] for k in FORWARDED if k in os.environ}

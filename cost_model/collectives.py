@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 from cost_model.errors import SMPConfigError
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+"""``all_to_all``: ``nbytes`` is one rank's buffer, ``1/size`` of it kept, the rest sent."""
 TREE_BANDWIDTH_FACTOR = 0.9
 """NCCL's tree bus bandwidth is 0.9 of the ring's (``tuning.cc``: ``busBw * .9``)."""
 

@@ -49,6 +49,12 @@ class Ranks:
     layer_elems: int
     small: tuple[int, ...] = ()
     """Elements of tensors below the persistence threshold, per rank."""
+    experts: tuple[int, ...] = ()
+    """Of ``elems``, the expert elements expert parallelism splits, per rank."""
+    dispatch: tuple[int, ...] = ()
+    """Bytes each MoE dispatch all-to-all sends each way, summed per rank per microbatch."""
+    kv: tuple[int, ...] = ()
+    """Bytes of keys and values context parallelism gathers, per rank per microbatch."""
 
 
 def chunk_ranks(p: int, v: int, schedule: str) -> list[int]:
@@ -160,6 +166,7 @@ def rank_loads(profile: Profile, recompute: str, p: int, v: int, schedule: str,
     owner = chunk_ranks(p, v, schedule)
     f, b, w, tp, flops = ([0.0] * p for _ in range(5))
     elems, tensors, buffers, kept, transient, layers, small = ([0] * p for _ in range(7))
+    experts, dispatch, kv = ([0] * p for _ in range(3))
     shared: list[dict[str, int]] = [{} for _ in range(p)]
     hops: list[tuple[int, int]] = []
     layer_parts = set(map(id, profile.parts[1:3])) if profile.layers else set()
@@ -177,6 +184,9 @@ def rank_loads(profile: Profile, recompute: str, p: int, v: int, schedule: str,
             tp[r] += n * (part.tp_fwd_s + part.tp_bwd_s + rc_comm)
             elems[r] += n * part.param_elems
             small[r] += n * part.small_elems
+            experts[r] += n * part.expert_elems
+            dispatch[r] += n * part.dispatch_bytes
+            kv[r] += n * part.kv_bytes
             tensors[r] += n * part.param_tensors
             for key, size in part.shared:
                 if key not in shared[r]:
@@ -198,7 +208,8 @@ def rank_loads(profile: Profile, recompute: str, p: int, v: int, schedule: str,
                  tuple(elems[r] + sum(shared[r].values()) for r in range(p)), tuple(tensors),
                  tuple(tuple(sorted(s.items())) for s in shared), tuple(buffers), tuple(kept),
                  tuple(transient), tuple(flops), tuple(layers), tuple(hops),
-                 max(part.param_elems for part in profile.parts), tuple(small))
+                 max(part.param_elems for part in profile.parts), tuple(small), tuple(experts),
+                 tuple(dispatch), tuple(kv))
 
 
 __all__ = ["Ranks", "chunk_ranks", "chunks_of", "rank_loads", "split_layers"]

@@ -24,7 +24,18 @@ runtime runs it:
    with that microbatch's compute, and all-reduces the tensors it keeps whole (below
    ``sdp_param_persistence_threshold``) after the step. Tied weights on two ranks sum
    their gradients.
-4. **Optimizer**: ``DeviceSpec.optimizer_time`` over the rank's (sharded) fp32 state; the
+4. **Expert and context parallelism** (``smp_fx.planner.exchange``): each MoE block
+   dispatches its tokens' picks to their experts' ranks and combines them back, an
+   all-to-all each way in the forward and two more in the backward, on the link the ep
+   group spans (ep consecutive dp ranks, tp x pp GPUs apart); each attention all-gathers
+   its keys and values over the cp group (tp GPUs apart, ``smp_fx.topology``) in the
+   forward and reduce-scatters their gradients in the backward (the gathered keys and
+   values stay saved for the backward unless the layer is recomputed whole). Both are added to the
+   rank's compute (not overlapped); a cp rank computes 1/cp of each microbatch at the
+   efficiency of the whole one (optimistic for short sequences, where smaller matmuls run
+   slower), and the gradients are reduced over cp x dp ranks (expert gradients priced as
+   the dense ones: an upper bound).
+5. **Optimizer**: ``DeviceSpec.optimizer_time`` over the rank's (sharded) fp32 state; the
    runtime's fixed cost per step.
 
 The step ends with the last rank: rank r finishes its last backward ``r`` hops of drain
@@ -34,7 +45,7 @@ earlier than rank 0, which its exposed reduction may fill.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -83,12 +94,14 @@ class CommTimes:
     tied: float
     dp_algorithm: str = "none"
     fsdp_exposed: float = 0.0
+    ep: float = 0.0
+    cp: float = 0.0
 
     def to_json(self) -> dict[str, object]:
         return {"tp_s": self.tp, "pp_s": self.pp, "dp_s": self.dp,
                 "dp_exposed_s": self.dp_exposed, "zero_s": self.zero, "fsdp_s": self.fsdp,
                 "fsdp_exposed_s": self.fsdp_exposed, "tied_s": self.tied,
-                "dp_algorithm": self.dp_algorithm}
+                "dp_algorithm": self.dp_algorithm, "ep_s": self.ep, "cp_s": self.cp}
 
 
 @dataclass(frozen=True)
@@ -121,6 +134,38 @@ def dp_placement(c: Candidate, gpus_per_node: int) -> tuple[int, int]:
     per_node = min(per_node, c.dp)
     nodes = max(1, c.dp // per_node)
     return nodes, max(1, min(gpus_per_node, c.gpus) // per_node)
+
+
+def group_nodes(size: int, stride: int, gpus_per_node: int) -> int:
+    """Nodes a group of ``size`` ranks ``stride`` GPUs apart spans (consecutive placement).
+
+    >>> group_nodes(8, 1, 8), group_nodes(4, 4, 8), group_nodes(2, 16, 8)
+    (1, 2, 2)
+    """
+    per_node = max(1, gpus_per_node // stride) if stride < gpus_per_node else 1
+    return max(1, -(-size // per_node))
+
+
+def exchange_times(c: Candidate, ranks: Ranks, fabric: Fabric, gpus: int
+                   ) -> tuple[list[float], list[float]]:
+    """Per pipeline rank, the seconds per microbatch of expert parallelism's all-to-alls
+    and of context parallelism's K/V exchange (module docstring, 4)."""
+    gpn = fabric.gpus_per_node
+    ep_s, cp_s = [0.0] * c.pp, [0.0] * c.pp
+    if c.ep > 1 and ranks.dispatch:
+        nodes = group_nodes(c.ep, c.tp * c.pp, gpn)
+        for r, nbytes in enumerate(ranks.dispatch):
+            one = collective_time("all_to_all", nbytes, c.ep, fabric, nodes=nodes,
+                                  concurrent=min(gpn, gpus) if nodes > 1 else 1)
+            ep_s[r] = 4 * one.seconds
+    if c.cp > 1 and ranks.kv:
+        nodes = group_nodes(c.cp, c.tp, gpn)
+        for r, nbytes in enumerate(ranks.kv):
+            kw = {"nodes": nodes, "concurrent": min(gpn, gpus) if nodes > 1 else 1}
+            cp_s[r] = (collective_time("all_gather", nbytes, c.cp, fabric, **kw).seconds
+                       + collective_time("reduce_scatter", nbytes, c.cp, fabric,
+                                         **kw).seconds)
+    return ep_s, cp_s
 
 
 def crosses_node(c: Candidate, stage: int, gpus_per_node: int) -> bool:
@@ -186,23 +231,27 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
     m = c.microbatches(setting.global_batch)
     p, v = c.pp, c.vp
     s_bytes = state_bytes(setting.precision)
+    ep_s, cp_s = exchange_times(c, ranks, fabric, c.gpus)
+    if c.ep > 1 or c.cp > 1:
+        lk = _exchanged(lk, c.cp, ep_s, cp_s, v * spec.microbatch_overhead_s)
     sched = price_schedule(c.schedule, lk.times, m, v, hop_s=lk.hop_s)
     pipeline = sched.pipeline_s
     # data parallelism, per distinct load (most ranks carry the same)
-    nodes, concurrent = dp_placement(c, cl.gpus_per_node)
+    reducers = replace(c, dp=c.dp * c.cp, cp=1)
+    nodes, concurrent = dp_placement(reducers, cl.gpus_per_node)
     colls: dict[tuple[str, float], Collective] = {}
 
     def dp(kind: str, nbytes: float) -> Collective:
         if (kind, nbytes) not in colls:
-            colls[(kind, nbytes)] = collective_time(kind, nbytes, c.dp, fabric, nodes=nodes,
-                                                    concurrent=concurrent)
+            colls[(kind, nbytes)] = collective_time(kind, nbytes, reducers.dp, fabric,
+                                                    nodes=nodes, concurrent=concurrent)
         return colls[(kind, nbytes)]
 
     dp_s = zero_s = fsdp_s = tied_s = 0.0
     algorithm = "none"
     exposed = np.zeros(p)
     fsdp_extra = 0.0
-    if c.dp > 1:
+    if reducers.dp > 1:
         per_elems = {e: (e * s_bytes.reduce, e * s_bytes.param) for e in set(ranks.elems)}
         if c.zero == "fsdp":
             for r in range(p):
@@ -244,10 +293,24 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
     tp_step = m * max(ranks.tp_s)
     pp_step = m * max(lk.occupancy) if p > 1 else 0.0
     comm = CommTimes(tp_step, pp_step, dp_s, float(exposed.max()), zero_s, fsdp_s, tied_s,
-                     algorithm, fsdp_extra)
-    hw = sum(ranks.flops) * m * c.tp * c.dp
+                     algorithm, fsdp_extra, m * max(ep_s), m * max(cp_s))
+    hw = sum(ranks.flops) * m * c.tp * c.dp  # a cp group shares each microbatch
     return Priced(c, m, step, pipeline, sched.bubble_fraction, float(opt.max()), comm, mem,
                   mem_rank, ranks.layers, hw)
+
+
+def _exchanged(lk: Links, cp: int, ep_s: list[float], cp_s: list[float],
+               fixed_s: float) -> Links:
+    """``lk`` with each rank's compute (all but ``fixed_s`` per microbatch) split over
+    ``cp`` and the exchanges added, half to the forward, half to the backward."""
+    def split(t: float) -> float:
+        return fixed_s + max(0.0, t - fixed_s) / cp
+
+    times = tuple(RankTimes(split(t.fwd_s) + (e + k) / 2, split(t.bwd_s) + (e + k) / 2,
+                            t.wgrad_s / cp)
+                  for t, e, k in zip(lk.times, ep_s, cp_s, strict=True))
+    return replace(lk, times=times, bwd=np.array([t.bwd_s for t in times]),
+                   total=np.array([t.total_s for t in times]))
 
 
 def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: int,
@@ -258,7 +321,9 @@ def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: i
         precision=setting.precision, zero=c.zero, dp=c.dp, layer_elems=ranks.layer_elems,
         boundary=boundary, output_bytes=profile.output_bytes, pipelined=c.pp > 1,
         tensors=ranks.tensors[r], whole=ranks.small[r] if ranks.small else 0,
-        step_temporary=setting.step_temporary)
+        step_temporary=setting.step_temporary,
+        experts=ranks.experts[r] if ranks.experts else 0, ep=c.ep, cp=c.cp,
+        gathered=ranks.kv[r] if ranks.kv and c.recompute != "full" else 0)
 
 
 def peak_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
@@ -300,4 +365,5 @@ def model_flops(profile: Profile) -> float:
 
 
 __all__ = ["DDP_BUCKET_BYTES", "CommTimes", "Links", "Priced", "Setting", "crosses_node",
-           "dp_placement", "links", "memory_by_rank", "model_flops", "peak_memory", "price"]
+           "dp_placement", "exchange_times", "group_nodes", "links", "memory_by_rank",
+           "model_flops", "peak_memory", "price"]

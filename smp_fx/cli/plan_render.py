@@ -60,6 +60,13 @@ def format_plans(planned: Planned) -> str:
               f"layers per pipeline rank: {best.details.get('layers_per_rank')}",
               f"searched {res.considered:,} candidates ({res.fitting:,} fit) with "
               f"{res.profiles} part pricings in {res.seconds:.1f} s"]
+    if res.runtime_refused:
+        lines.append(f"left out {res.runtime_refused:,} candidates with ep or cp > 1 that "
+                     "smp.init refuses (smp_fx.config.combination_refusal)")
+    for i, r in enumerate(planned.records):
+        if "refused" in r.details:
+            lines.append(f"#{i + 1} is a what-if (--fix): smp.init refuses it today: "
+                         f"{r.details['refused']}")
     for why, n in sorted(res.refused.items(), key=lambda kv: -kv[1])[:4]:
         lines.append(f"left out: {why} ({n:,})")
     return "\n".join(lines)

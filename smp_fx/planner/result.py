@@ -76,9 +76,11 @@ class PlanRecord:
 
 
 def record(p: Priced, *, model_flops_per_sample: float, global_batch: int,
-           tokens_per_sample: int, peak_flops: float) -> PlanRecord:
+           tokens_per_sample: int, peak_flops: float, refused: str | None = None
+           ) -> PlanRecord:
     """The record of a priced candidate; TFLOP/s per GPU counted as the model's FLOPs
-    (forward and backward, once) and as the FLOPs the GPUs execute (recompute included)."""
+    (forward and backward, once) and as the FLOPs the GPUs execute (recompute included);
+    ``refused``: the rule by which ``smp.init`` refuses it (a what-if ``--fix`` priced)."""
     c = p.candidate
     gpus = c.gpus
     step = p.step_time_s
@@ -90,6 +92,8 @@ def record(p: Priced, *, model_flops_per_sample: float, global_batch: int,
         "memory": p.memory.to_json(), "memory_rank": p.memory_rank,
         "layers_per_rank": list(p.layers_per_rank),
     }
+    if refused is not None:
+        details["refused"] = refused
     return PlanRecord(c.tp, c.pp, c.dp, c.mbs, p.microbatches, c.vp, c.schedule, c.recompute,
                       c.sp, c.zero, _r(step), int(p.memory_bytes), _r(p.bubble_fraction),
                       _r(model_tf), _r(hw_tf), _r(model_tf * 1e12 / peak_flops),

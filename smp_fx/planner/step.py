@@ -26,15 +26,16 @@ runtime runs it:
    their gradients.
 4. **Expert and context parallelism** (``smp_fx.planner.exchange``): each MoE block
    dispatches its tokens' picks to their experts' ranks and combines them back, an
-   all-to-all each way in the forward and two more in the backward, on the link the ep
-   group spans (ep consecutive dp ranks, tp x pp GPUs apart); each attention all-gathers
-   its keys and values over the cp group (tp GPUs apart, ``smp_fx.topology``) in the
-   forward and reduce-scatters their gradients in the backward (the gathered keys and
-   values stay saved for the backward unless the layer is recomputed whole). Both are added to the
-   rank's compute (not overlapped); a cp rank computes 1/cp of each microbatch at the
-   efficiency of the whole one (optimistic for short sequences, where smaller matmuls run
-   slower), and the gradients are reduced over cp x dp ranks (expert gradients priced as
-   the dense ones: an upper bound).
+   all-to-all each way in the forward and two more in the backward, on the links the ep
+   group spans (ep consecutive dp ranks); each attention all-gathers its keys and values
+   over the cp group (tp GPUs apart) in the forward and reduce-scatters their gradients
+   in the backward (the gathered keys and values stay saved for the backward unless the
+   layer is recomputed whole). Both are added to the rank's compute (not overlapped); a
+   cp rank computes 1/cp of each microbatch at the efficiency of the whole one
+   (optimistic for short sequences, where smaller matmuls run slower), and the gradients
+   are reduced over cp x dp ranks (expert gradients priced as the dense ones: an upper
+   bound). Each group is priced where the worst one of the layout runs
+   (``smp_fx.planner.placement``: uneven spans over nodes included).
 5. **Optimizer**: ``DeviceSpec.optimizer_time`` over the rank's (sharded) fp32 state; the
    runtime's fixed cost per step.
 
@@ -54,6 +55,7 @@ from cost_model.collectives import Collective, Fabric, collective_time, p2p_time
 from cost_model.memory import MemoryPerGPU, memory_per_gpu, state_bytes
 from cost_model.schedule_cost import RankTimes, in_flight_at, price_schedule
 from smp_fx.planner.candidate import Candidate
+from smp_fx.planner.placement import span
 from smp_fx.planner.profile import Profile
 from smp_fx.planner.stages import Ranks
 
@@ -136,35 +138,24 @@ def dp_placement(c: Candidate, gpus_per_node: int) -> tuple[int, int]:
     return nodes, max(1, min(gpus_per_node, c.gpus) // per_node)
 
 
-def group_nodes(size: int, stride: int, gpus_per_node: int) -> int:
-    """Nodes a group of ``size`` ranks ``stride`` GPUs apart spans (consecutive placement).
-
-    >>> group_nodes(8, 1, 8), group_nodes(4, 4, 8), group_nodes(2, 16, 8)
-    (1, 2, 2)
-    """
-    per_node = max(1, gpus_per_node // stride) if stride < gpus_per_node else 1
-    return max(1, -(-size // per_node))
-
-
-def exchange_times(c: Candidate, ranks: Ranks, fabric: Fabric, gpus: int
+def exchange_times(c: Candidate, ranks: Ranks, fabric: Fabric
                    ) -> tuple[list[float], list[float]]:
     """Per pipeline rank, the seconds per microbatch of expert parallelism's all-to-alls
     and of context parallelism's K/V exchange (module docstring, 4)."""
     gpn = fabric.gpus_per_node
     ep_s, cp_s = [0.0] * c.pp, [0.0] * c.pp
     if c.ep > 1 and ranks.dispatch:
-        nodes = group_nodes(c.ep, c.tp * c.pp, gpn)
+        nodes, concurrent = span(c, "ep", gpn)
         for r, nbytes in enumerate(ranks.dispatch):
             one = collective_time("all_to_all", nbytes, c.ep, fabric, nodes=nodes,
-                                  concurrent=min(gpn, gpus) if nodes > 1 else 1)
+                                  concurrent=concurrent)
             ep_s[r] = 4 * one.seconds
     if c.cp > 1 and ranks.kv:
-        nodes = group_nodes(c.cp, c.tp, gpn)
+        nodes, concurrent = span(c, "cp", gpn)
         for r, nbytes in enumerate(ranks.kv):
-            kw = {"nodes": nodes, "concurrent": min(gpn, gpus) if nodes > 1 else 1}
-            cp_s[r] = (collective_time("all_gather", nbytes, c.cp, fabric, **kw).seconds
-                       + collective_time("reduce_scatter", nbytes, c.cp, fabric,
-                                         **kw).seconds)
+            cp_s[r] = sum(collective_time(kind, nbytes, c.cp, fabric, nodes=nodes,
+                                          concurrent=concurrent).seconds
+                          for kind in ("all_gather", "reduce_scatter"))
     return ep_s, cp_s
 
 
@@ -231,14 +222,15 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
     m = c.microbatches(setting.global_batch)
     p, v = c.pp, c.vp
     s_bytes = state_bytes(setting.precision)
-    ep_s, cp_s = exchange_times(c, ranks, fabric, c.gpus)
+    ep_s, cp_s = exchange_times(c, ranks, fabric)
     if c.ep > 1 or c.cp > 1:
         lk = _exchanged(lk, c.cp, ep_s, cp_s, v * spec.microbatch_overhead_s)
     sched = price_schedule(c.schedule, lk.times, m, v, hop_s=lk.hop_s)
     pipeline = sched.pipeline_s
     # data parallelism, per distinct load (most ranks carry the same)
     reducers = replace(c, dp=c.dp * c.cp, cp=1)
-    nodes, concurrent = dp_placement(reducers, cl.gpus_per_node)
+    nodes, concurrent = (span(c, "cp_dp", cl.gpus_per_node) if c.cp > 1
+                         else dp_placement(c, cl.gpus_per_node))
     colls: dict[tuple[str, float], Collective] = {}
 
     def dp(kind: str, nbytes: float) -> Collective:
@@ -365,5 +357,5 @@ def model_flops(profile: Profile) -> float:
 
 
 __all__ = ["DDP_BUCKET_BYTES", "CommTimes", "Links", "Priced", "Setting", "crosses_node",
-           "dp_placement", "exchange_times", "group_nodes", "links", "memory_by_rank",
+           "dp_placement", "exchange_times", "links", "memory_by_rank",
            "model_flops", "peak_memory", "price"]

@@ -33,8 +33,9 @@ runtime runs it:
    layer is recomputed whole). Both are added to the rank's compute (not overlapped); a
    cp rank computes 1/cp of each microbatch at the efficiency of the whole one
    (optimistic for short sequences, where smaller matmuls run slower), and the gradients
-   are reduced over cp x dp ranks (expert gradients priced as the dense ones: an upper
-   bound). Each group is priced where the worst one of the layout runs
+   are reduced over cp x dp ranks. A rank reduces, gathers and steps its 1/ep of the
+   experts (``held_elems``), priced over all of dp (they reduce over dp / ep ranks: an
+   upper bound). Each group is priced where the worst one of the layout runs
    (``smp_fx.planner.placement``: uneven spans over nodes included).
 5. **Optimizer**: ``DeviceSpec.optimizer_time`` over the rank's (sharded) fp32 state; the
    runtime's fixed cost per step.
@@ -225,6 +226,9 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
     ep_s, cp_s = exchange_times(c, ranks, fabric)
     if c.ep > 1 or c.cp > 1:
         lk = _exchanged(lk, c.cp, ep_s, cp_s, v * spec.microbatch_overhead_s)
+    held = held_elems(ranks, c.ep)
+    if c.ep > 1:
+        lk = replace(lk, elems=np.array(held, dtype=np.float64))
     sched = price_schedule(c.schedule, lk.times, m, v, hop_s=lk.hop_s)
     pipeline = sched.pipeline_s
     # data parallelism, per distinct load (most ranks carry the same)
@@ -244,11 +248,11 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
     exposed = np.zeros(p)
     fsdp_extra = 0.0
     if reducers.dp > 1:
-        per_elems = {e: (e * s_bytes.reduce, e * s_bytes.param) for e in set(ranks.elems)}
+        per_elems = {e: (e * s_bytes.reduce, e * s_bytes.param) for e in set(held)}
         if c.zero == "fsdp":
             for r in range(p):
                 small = ranks.small[r] if ranks.small else 0
-                big = ranks.elems[r] - small
+                big = held[r] - small
                 gather = dp("all_gather", big * s_bytes.param).seconds
                 per_mb = 2 * gather + dp("reduce_scatter", big * s_bytes.reduce).seconds
                 fsdp_s = max(fsdp_s, m * per_mb)
@@ -257,16 +261,14 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
                 # the unsharded small tensors: summed over dp after the step, not hidden
                 exposed[r] = dp("all_reduce", small * s_bytes.reduce).seconds
         else:
-            reduce = np.array([dp("all_reduce", per_elems[e][0]).seconds
-                               for e in ranks.elems])
+            reduce = np.array([dp("all_reduce", per_elems[e][0]).seconds for e in held])
             grads = lk.elems * s_bytes.reduce
             bucket = reduce * np.minimum(1.0, DDP_BUCKET_BYTES / np.maximum(grads, 1.0))
             exposed = np.maximum(reduce - lk.bwd / v, bucket)
             dp_s = float(reduce.max())
-            algorithm = dp("all_reduce", per_elems[ranks.elems[0]][0]).algorithm
+            algorithm = dp("all_reduce", per_elems[held[0]][0]).algorithm
             if c.zero == "zero1":
-                gathers = np.array([dp("all_gather", per_elems[e][1]).seconds
-                                    for e in ranks.elems])
+                gathers = np.array([dp("all_gather", per_elems[e][1]).seconds for e in held])
                 zero_s = float(gathers.max())
                 exposed = exposed + gathers
     for key, elems in {k: n for sh in ranks.shared for k, n in sh}.items():
@@ -305,12 +307,24 @@ def _exchanged(lk: Links, cp: int, ep_s: list[float], cp_s: list[float],
                    total=np.array([t.total_s for t in times]))
 
 
+def held_elems(ranks: Ranks, ep: int) -> tuple[int, ...]:
+    """Per pipeline rank, the parameter elements it holds at ``ep``: 1/ep of its experts
+    and all the rest (what its gradients reduce, its sharding gathers, its optimizer
+    steps)."""
+    if ep == 1 or not ranks.experts:
+        return ranks.elems
+    return tuple(e - x + -(-x // ep) for e, x in zip(ranks.elems, ranks.experts, strict=True))
+
+
 def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: int,
             r: int, boundary: int) -> MemoryPerGPU:
+    layer = ranks.layer_elems  # an FSDP unit holds its experts' 1/ep share, as the rank
+    if c.ep > 1 and ranks.elems[r]:
+        layer = -(-layer * held_elems(ranks, c.ep)[r] // ranks.elems[r])
     return memory_per_gpu(
         elems=ranks.elems[r], buffers=ranks.buffers[r], kept=ranks.kept[r],
         in_flight=in_flight_at(c.schedule, c.pp, m, c.vp, r), transient=ranks.transient[r],
-        precision=setting.precision, zero=c.zero, dp=c.dp, layer_elems=ranks.layer_elems,
+        precision=setting.precision, zero=c.zero, dp=c.dp, layer_elems=layer,
         boundary=boundary, output_bytes=profile.output_bytes, pipelined=c.pp > 1,
         tensors=ranks.tensors[r], whole=ranks.small[r] if ranks.small else 0,
         step_temporary=setting.step_temporary,
@@ -357,5 +371,5 @@ def model_flops(profile: Profile) -> float:
 
 
 __all__ = ["DDP_BUCKET_BYTES", "CommTimes", "Links", "Priced", "Setting", "crosses_node",
-           "dp_placement", "exchange_times", "links", "memory_by_rank",
+           "dp_placement", "exchange_times", "held_elems", "links", "memory_by_rank",
            "model_flops", "peak_memory", "price"]

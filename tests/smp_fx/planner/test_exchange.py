@@ -19,7 +19,7 @@ from smp_fx.planner.candidate import Candidate
 from smp_fx.planner.exchange import is_expert
 from smp_fx.planner.model import Profiler
 from smp_fx.planner.stages import Ranks, rank_loads
-from smp_fx.planner.step import Setting, exchange_times, price
+from smp_fx.planner.step import Setting, exchange_times, held_elems, price
 
 ROOT = Path(__file__).resolve().parents[3]
 MIXTRAL = ROOT / "tests" / "data" / "hf_tiny_mixtral" / "config.json"
@@ -62,6 +62,16 @@ def test_expert_state_halves_at_ep2(mixtral) -> None:
     assert one.params - two.params == experts // 2 * s.param
     assert one.optimizer - two.optimizer == experts // 2 * s.optimizer
     assert one.activations == two.activations
+
+
+def test_a_rank_reduces_its_share_of_the_experts(mixtral) -> None:
+    profiler, ranks, experts, _ = mixtral
+    held = ranks.elems[0] - experts // 2
+    assert held_elems(ranks, 2) == (held,) and held_elems(ranks, 1) == ranks.elems
+    two = price(_cand(4, 2), ranks, profiler(MBS, 1, False), Setting(CLUSTER, 4, 4 * MBS))
+    reduce = collective_time("all_reduce", held * state_bytes("bf16").reduce, 4,
+                             CLUSTER.fabric())
+    assert two.comm.dp == pytest.approx(reduce.seconds)
 
 
 def test_dispatch_is_tokens_times_top_k_times_hidden(mixtral) -> None:

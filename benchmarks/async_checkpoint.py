@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
-import queue
-import socket
 import statistics
 import sys
 import tempfile
@@ -34,18 +31,14 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from ddp_overlap import build  # the same MLP chain
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})
-    sys.path.insert(0, str(ROOT))
+def _worker(args: argparse.Namespace) -> Any:
+    """This rank's part (one of ``run_ranks``'s): the figures, the slowest rank's times."""
     torch.set_num_threads(args.threads)
     import smp_fx as smp
     from smp_fx.ckpt import async_save
@@ -108,8 +101,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
             times["during"].append(timed(step))
         times["sync"].append(timed(functools.partial(save, f"s{n}", False)))
     smp.wait_checkpoint()
-    if rank == 0:
-        out.put({"times": times, "state_mb": totals})
+    return {"times": times, "state_mb": totals}
 
 
 def main() -> None:
@@ -126,23 +118,10 @@ def main() -> None:
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         args.dir = args.dir or tmp
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        ctx = mp.get_context("spawn")
-        out = ctx.Queue()
-        procs = [ctx.Process(target=_worker, args=(r, 4, port, args, out)) for r in range(4)]
-        for p in procs:
-            p.start()
-        try:
-            got = out.get(timeout=1800)
-        except queue.Empty:
-            sys.exit("no result within 1800 s")
-        finally:
-            for p in procs:
-                p.join(timeout=60)
-                if p.is_alive():
-                    p.kill()
+        sys.path.insert(0, str(ROOT))
+        from tests.helpers.dist import run_ranks
+
+        got = run_ranks(_worker, 4, args, timeout=1800)[0]
     times, state = got["times"], got["state_mb"]
     plain = statistics.median(times["plain"])
     print(f"pp 2 x dp 2, MLP {args.layers} x {args.hidden}, Adam: state {sum(state) / 2:.0f} "

@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
-import socket
 import statistics
 import sys
 import time
@@ -28,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,11 +38,8 @@ def build(hidden: int, layers: int) -> nn.Module:
     return nn.Sequential(*mods, nn.Linear(hidden, 10))
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
-                       "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(port)})
-    sys.path.insert(0, str(ROOT))
+def _worker(args: argparse.Namespace) -> Any:
+    """This rank's part (one of ``run_ranks``'s): the figures, the slowest rank's times."""
     torch.set_num_threads(args.threads)
     import smp_fx as smp
     from smp_fx.world import state
@@ -101,10 +95,8 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
         took = torch.tensor([time.perf_counter() - t0])
         dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
         times["reduction alone"].append(took.item())
-    if rank == 0:
-        params = sum(p.numel() for p in build(args.hidden, args.layers).parameters())
-        out.put((params, times))
-    state._reset()
+    params = sum(p.numel() for p in build(args.hidden, args.layers).parameters())
+    return params, times
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -129,29 +121,10 @@ def main() -> int:
     args = ap.parse_args()
     if args.steps < 10:
         ap.error("--steps must be >= 10 (medians of at least 10 steps)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    procs = [ctx.Process(target=_worker, args=(r, args.world, port, args, out))
-             for r in range(args.world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 1800
-    while True:  # a crashed worker ends the run instead of hanging it
-        try:
-            params, times = out.get(timeout=5)
-            break
-        except queue.Empty:
-            failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-            if failed or time.monotonic() > deadline:
-                for p in procs:
-                    p.kill()
-                print(f"ranks {failed or 'all'} failed or timed out", file=sys.stderr)
-                return 1
-    for p in procs:
-        p.join(timeout=60)
+    sys.path.insert(0, str(ROOT))
+    from tests.helpers.dist import run_ranks
+
+    params, times = run_ranks(_worker, args.world, args, timeout=1800)[0]
     dp = args.world // args.pp
     print(f"pp={args.pp} x dp={dp} on {args.world} processes, {params / 1e6:.1f} M params "
           f"({params * 4 / 2**20:.0f} MiB fp32), hidden {args.hidden} x {args.layers} layers, "

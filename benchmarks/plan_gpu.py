@@ -3,8 +3,8 @@
 The GPU check of the cluster planner (docs/planning.md, "On a GPU"):
 
 1. calibrate this device into a ``DeviceSpec``: ``cost_model.calibrate`` (the device
-   figures of ``smp-fx calibrate``), then on CUDA the figures that decide a large bf16 GPT
-   measured again at its sizes (``gpu_figures``): bf16 matmul efficiency by smallest
+   figures of ``smp-fx calibrate --device cuda``), with what decides a large bf16 GPT
+   measured at its sizes (``cost_model.model_sizes``): bf16 matmul efficiency by smallest
    dimension (up to 8192), the fused causal attention's rate at the model's head shape,
    element-wise bandwidth by size, and Adam's step at realistic sizes;
 2. price the GPT with the planner (``smp-fx plan``'s own code: ``smp_fx.cli.plan.main``,
@@ -25,14 +25,11 @@ CPU, which the spec does not price: that run checks the script, not the figures.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import functools
 import json
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,128 +67,22 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ------------------------------------------------------------------------- calibration
-def _gpu_time(fn: Callable[[], Any], iters: int) -> float:
-    """Seconds per call of ``fn`` back to back on the GPU (CUDA events), best of 3 rounds."""
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) / 1e3 / iters)
-    return best
-
-
-def _matmul_table(device: torch.device, big: int = 8192) -> tuple[float, tuple[Any, ...]]:
-    """(bf16 peak, efficiency by smallest dimension): ``F.linear`` as models run it, the
-    three placements of the small dimension averaged as ``cost_model.microbench`` does."""
-    def rate(m: int, k: int, n: int) -> float:
-        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=device, dtype=torch.bfloat16)
-        flops = 2.0 * m * k * n
-        return flops / _gpu_time(lambda: F.linear(x, w), max(3, min(50, int(2e13 / flops))))
-
-    by_dim = {}
-    for d in (16, 64, 128, 256, 512, 1024, 2048, 4096, big):
-        shapes = [(d, big, big), (big, d, big), (big, big, d)] if d < big else [(d, d, d)]
-        seconds = sum(2.0 * m * k * n / rate(m, k, n) for m, k, n in shapes)
-        by_dim[d] = sum(2.0 * m * k * n for m, k, n in shapes) / seconds
-    peak = max(by_dim.values())
-    return peak, tuple((float(d), r / peak) for d, r in sorted(by_dim.items()))
-
-
-def _sdpa_rate(device: torch.device, heads: int, seq: int, head_dim: int
-               ) -> tuple[str, float, float, float]:
-    """The causal fused attention's (kind, fwd s, bwd s per FLOP, reference dimension) at
-    the model's head shape, FLOPs counted as ``cost_model.flops.sdpa_flops`` counts them
-    (the full square: the rate absorbs the causal kernel's skipped half)."""
-    from cost_model.flops import sdpa_flops
-
-    shape = (2, heads, seq, head_dim)
-    q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True)
-               for _ in range(3))
-    flops = sdpa_flops(shape, shape, shape)
-    fwd = _gpu_time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 20)
-    grad = torch.randn(shape, device=device, dtype=torch.bfloat16)
-
-    def both() -> None:
-        F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
-
-    bwd = max(_gpu_time(both, 20) - fwd, 0.0)
-    return "sdpa", fwd / flops, bwd / (2 * flops), float(min(seq, head_dim))
-
-
-def _bandwidth(device: torch.device) -> tuple[float, tuple[Any, ...]]:
-    """(bytes/s, fraction by bytes moved) of ``a + b`` allocating its output, as models do."""
-    rates = []
-    for nbytes in (3 * 2**12, 3 * 2**16, 3 * 2**20, 3 * 2**24, 3 * 2**28):
-        n = nbytes // 12
-        a, b = torch.randn(n, device=device), torch.randn(n, device=device)
-        rates.append((float(nbytes), nbytes / _gpu_time(functools.partial(torch.add, a, b), 50)))
-    peak = max(r for _, r in rates)
-    return peak, tuple((s, r / peak) for s, r in rates)
-
-
-def _adam(device: torch.device) -> tuple[float, float]:
-    """(s per tensor, s per parameter byte) of torch's Adam (its CUDA default, foreach)."""
-    def step_s(count: int, numel: int) -> float:
-        ps = [torch.nn.Parameter(torch.randn(numel, device=device)) for _ in range(count)]
-        for p in ps:
-            p.grad = torch.randn_like(p)
-        return _gpu_time(torch.optim.Adam(ps, lr=1e-3).step, 5)
-
-    (n1, e1), (n2, e2) = (256, 1024), (8, 2**24)
-    t1, t2 = step_s(n1, e1), step_s(n2, e2)
-    b1, b2 = 4.0 * n1 * e1, 4.0 * n2 * e2
-    det = n1 * b2 - n2 * b1
-    return max((t1 * b2 - t2 * b1) / det, 0.0), max((n1 * t2 - n2 * t1) / det, 0.0)
-
-
-def gpu_figures(spec: Any, device: torch.device, heads: int, seq: int, head_dim: int) -> Any:
-    """``spec`` with what decides a large bf16 GPT measured at its sizes (module doc).
-
-    The fixed cost per op is set to zero and the GEMM and element-wise kinds priced by the
-    roofline (peak x efficiency, bandwidth): on a GPU the host queues an op while earlier
-    kernels run, so a large model's step is its kernels' time; the per-op host costs and
-    small-operand rates of ``cost_model.calibrate`` would be added on top of it."""
-    peak, table = _matmul_table(device)
-    say(f"  bf16 matmul peak {peak / 1e12:.0f} TFLOP/s; efficiency by smallest dim "
-        + ", ".join(f"{int(d)}: {f:.0%}" for d, f in table))
-    sdpa = _sdpa_rate(device, heads, seq, head_dim)
-    say(f"  causal sdpa ({heads} heads x {seq} x {head_dim}): {1e-12 / sdpa[1]:.0f} TFLOP/s "
-        f"fwd, {1e-12 / sdpa[2]:.0f} bwd (full-square FLOPs)")
-    bandwidth, ew = _bandwidth(device)
-    say(f"  bandwidth {bandwidth / 1e9:.0f} GB/s; by size "
-        + ", ".join(f"{int(s) >> 10} KiB: {f:.0%}" for s, f in ew))
-    per_tensor, per_byte = _adam(device)
-    say(f"  Adam {per_tensor * 1e6:.1f} us per tensor + {per_byte * 1e12:.2f} ps per byte")
-    how = "measured by benchmarks/plan_gpu.py at the GPT's sizes (CUDA events)"
-    spec = dataclasses.replace(
-        spec, peak_flops_bf16=peak, matmul_efficiency=table, mem_bandwidth=bandwidth,
-        elementwise_efficiency=ew, op_rates=(sdpa,), op_overheads=(),
-        optimizer_tensor_s=per_tensor, optimizer_byte_s=per_byte)
-    return spec.with_sources(
-        peak_flops_bf16=how, matmul_efficiency=how + ", bf16, relative to the bf16 peak",
-        mem_bandwidth=how, elementwise_efficiency=how, op_rates=how + ": causal sdpa only; "
-        "other kinds by the roofline", optimizer_tensor_s=how, optimizer_byte_s=how,
-        op_overheads="zero: the host's per-op cost overlaps the kernels on a GPU")
-
-
 def calibrate(args: argparse.Namespace, device: torch.device) -> Any:
+    """``smp-fx calibrate``'s device figures; on an accelerator measured again at the GPT's
+    sizes (``cost_model.model_sizes``)."""
     from cost_model import calibrate as measure
+    from cost_model.model_sizes import ModelSizes
 
-    if device.type != "cuda":
+    if device.type == "cpu":
         say("calibrating: the quick cpu spec (cost_model.calibrate.quick_cpu_spec)")
         return measure.quick_cpu_spec()
-    name = torch.cuda.get_device_name(device).replace(" ", "-").lower()
-    say(f"calibrating {name}: cost_model.calibrate (smp-fx calibrate's device figures)")
-    spec = measure.calibrate(f"calibrated-{name}", device)
-    say("calibrating: the figures of a large bf16 GPT at its sizes")
-    return gpu_figures(spec, device, args.n_head, args.seq_len, args.n_embd // args.n_head)
+    name = torch.get_device_module(device).get_device_name(device).replace(" ", "-").lower()
+    sizes = ModelSizes(heads=args.n_head, seq=args.seq_len, head_dim=args.n_embd // args.n_head)
+    say(f"calibrating {name} at the GPT's sizes: cost_model.calibrate with {sizes}")
+    spec = measure.calibrate(f"calibrated-{name}", device, sizes=sizes)
+    for key, value in measure.figures(spec):
+        say(f"  {key}: {value}")
+    return spec
 
 
 # ---------------------------------------------------------------------------- planning

@@ -27,6 +27,30 @@ SMP_FX = str(Path(sys.executable).with_name("smp-fx"))
 SIZES = {"n_layer": 4, "n_embd": 64, "n_head": 4, "vocab_size": 128, "seq_len": 32}
 
 
+def plan_command(device: str, gpus: int, global_batch: int, fix: str, cfg: Path,
+                 plan_json: Path) -> list[str]:
+    """``smp-fx plan`` of the GPT example at ``SIZES`` for ``gpus`` processes, fp32."""
+    build = [x for k, v in SIZES.items() for x in ("--build-arg", f"{k}={v}")]
+    build += ["--inputs-arg", f"seq_len={SIZES['seq_len']}", "--inputs-arg",
+              f"vocab_size={SIZES['vocab_size']}"]
+    cmd = [SMP_FX, "plan", str(ROOT / "examples/models/gpt.py"), *build, "--device",
+           device, "--gpus", str(gpus), "--global-batch", str(global_batch), "--precision",
+           "fp32", "--emit-config", str(cfg), "--json", str(plan_json), "--top", "3",
+           "--quiet"]
+    return cmd + (["--fix", fix] if fix else [])
+
+
+def train_command(gpus: int, cfg: Path, plan_json: Path, global_batch: int, steps: int,
+                  *extra: str) -> list[str]:
+    """``smp-fx run`` of ``examples/train_planned.py`` under the plan, at ``SIZES``."""
+    train = [SMP_FX, "run", "-n", str(gpus), "--config", str(cfg),
+             str(ROOT / "examples/train_planned.py"), "--plan", str(plan_json),
+             "--global-batch", str(global_batch), "--steps", str(steps), *extra]
+    for key, value in SIZES.items():
+        train += [f"--{key.replace('_', '-')}", str(value)]
+    return train
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -36,23 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="plan_loop_"))
     cfg, plan_json, out = work / "cfg.json", work / "plan.json", work / "figures"
-    build = [x for k, v in SIZES.items() for x in ("--build-arg", f"{k}={v}")]
-    build += ["--inputs-arg", f"seq_len={SIZES['seq_len']}", "--inputs-arg",
-              f"vocab_size={SIZES['vocab_size']}"]
-    cmd = [SMP_FX, "plan", str(ROOT / "examples/models/gpt.py"), *build, "--device",
-           args.device, "--gpus", "8", "--global-batch", str(args.global_batch), "--precision",
-           "fp32", "--emit-config", str(cfg), "--json", str(plan_json), "--top", "3",
-           "--quiet"]
-    if args.fix:
-        cmd += ["--fix", args.fix]
+    cmd = plan_command(args.device, 8, args.global_batch, args.fix, cfg, plan_json)
     print("$", " ".join(cmd[1:]), flush=True)
     print(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout, flush=True)
-    train = [SMP_FX, "run", "-n", "8", "--config", str(cfg),
-             str(ROOT / "examples/train_planned.py"), "--plan", str(plan_json),
-             "--global-batch", str(args.global_batch), "--steps", str(args.steps),
-             "--reference", "--out", str(out)]
-    for key, value in SIZES.items():
-        train += [f"--{key.replace('_', '-')}", str(value)]
+    train = train_command(8, cfg, plan_json, args.global_batch, args.steps, "--reference",
+                          "--out", str(out))
     print("$", " ".join(train[1:]), flush=True)
     subprocess.run(train, check=True, capture_output=True, text=True)
     best = json.loads(plan_json.read_text())["best"]

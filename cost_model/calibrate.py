@@ -20,12 +20,14 @@ from cost_model.microbench import (
     FULL,
     QUICK,
     Budget,
+    host_overlaps,
     measure_elementwise,
     measure_link,
     measure_matmul,
     measure_op_costs,
     measure_optimizer,
 )
+from cost_model.model_sizes import ModelSizes, at_model_sizes
 from cost_model.roofline import GEMM_KINDS
 
 ADAM_OPS, ADAM_BYTES = 12, 16.0
@@ -48,8 +50,8 @@ LOOPBACK = DeviceSpec(
 
 
 def _memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
+    if device.type != "cpu":
+        return int(torch.get_device_module(device).get_device_properties(device).total_memory)
     try:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
@@ -57,10 +59,22 @@ def _memory_bytes(device: torch.device) -> int:
 
 
 def calibrate(name: str = "cpu", device: torch.device | str = "cpu", *,
-              quick: bool = False, base: DeviceSpec | None = None) -> DeviceSpec:
+              quick: bool = False, base: DeviceSpec | None = None,
+              sizes: ModelSizes | None = None) -> DeviceSpec:
     """Measure ``device`` into a ``DeviceSpec`` called ``name``; link and runtime figures
-    stay ``base``'s."""
+    stay ``base``'s. ``sizes``: then measure again at a model's sizes (``at_model_sizes``;
+    on an accelerator, the 1.3B GPT's when None)."""
     device = torch.device(device)
+    spec = _device_figures(name, device, quick, base)
+    if sizes is None and host_overlaps(device):
+        sizes = ModelSizes()
+    if sizes is None:
+        return spec
+    return at_model_sizes(spec, device, sizes, _budget(device, quick))
+
+
+def _device_figures(name: str, device: torch.device, quick: bool,
+                    base: DeviceSpec | None) -> DeviceSpec:
     budget = _budget(device, quick)
     ops, rates = measure_op_costs(budget, device)
     op_s = dict((k, f) for k, f, _ in ops)

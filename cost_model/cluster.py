@@ -13,9 +13,10 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from cost_model.collectives import Fabric
-from cost_model.device import GB, DeviceSpec, GiB, Table
+from cost_model.device import GB, DeviceSpec, GiB
 from cost_model.devices import A100, H100, V100, load_device
 from cost_model.errors import SMPConfigError
+from cost_model.gpu_specs import A100_40GB, A100_80GB, B200, H100_SXM, H200_SXM, MEGATRON_FIT
 from cost_model.serial import read_spec_file
 
 SCHEMA_VERSION = 1
@@ -126,21 +127,12 @@ class ClusterSpec:
 
 
 # ------------------------------------------------------------------------ built-in clusters
-MEGATRON_FIT: Table = ((16.0, 0.03), (96.0, 0.1163), (160.0, 0.1163), (512.0, 0.7906),
-                       (4096.0, 0.7906))
-"""The A100's matmul efficiency by smallest dimension in the built-in A100 clusters: two
-figures fitted on Megatron-LM SC'21 Table 1 alone (``benchmarks/megatron_table.py --fit``):
-matmuls whose smallest dimension is a head dimension (96-160: attention, 11.6% of peak:
-the unfused softmax, mask and dropout traffic of those runs, which a fused ``sdpa`` node
-does not show, is in it) and large matmuls (512 and up: 79.1%); the 16 entry is the
-device's estimate."""
-_FIT_SOURCE = ("fitted on Megatron-LM SC'21 (arXiv 2104.04473) Table 1 only, by "
-               "benchmarks/megatron_table.py --fit (least squares of log predicted / "
-               "published TFLOP/s over its 10 runs); the 16 entry is the a100 spec's "
-               "estimate")
-
 _NCCL_A100 = ("NCCL's tuning model caps an A100's (sm80) bus bandwidth at 235 GB/s "
               "(src/graph/tuning.cc, ncclTopoTuneModel): 235 / 300")
+_NCCL_H100 = ("nccl-tests all_reduce_perf bus bandwidth on 8 H100 SXM5 over NVLink: "
+              "460-480 GB/s at large sizes, at least the 450 GB/s link (NVLink SHARP), "
+              "docs.alayanew.com tech blog 'NCCL-tests in practice' (2026-05-06); its "
+              "8 x A100 figure, 230-250 GB/s, agrees with NCCL's 235 cap")
 _NET_EFFICIENCY = ("estimate: NCCL's bus bandwidth over InfiniBand / EFA reaches about 90% "
                    "of the cards' line rate; not measured")
 _LATENCY = {"intra_node_latency_s": "order of magnitude of one NCCL hop over NVLink "
@@ -160,46 +152,51 @@ def _node(name: str, device: DeviceSpec, intra: float, inter: float, intra_eff: 
                        2 * GiB, 0.05, tuple(sorted(sources.items())))
 
 
-A100_MEGATRON = dataclasses.replace(A100, matmul_efficiency=MEGATRON_FIT).with_sources(
-    matmul_efficiency=_FIT_SOURCE)
-A100_40GB = dataclasses.replace(A100, name="a100-40gb", mem_bandwidth=1.555e12,
-                                memory_bytes=40 * GiB, optimizer_byte_s=7.0 / 1.555e12,
-                                matmul_efficiency=MEGATRON_FIT).with_sources(
-    mem_bandwidth="NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)",
-    memory_bytes="NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)",
-    matmul_efficiency=_FIT_SOURCE + " (the same silicon as the 80GB part)")
-
 _DGX_A100 = "NVIDIA DGX A100 datasheet"
 _DGX_H100 = "NVIDIA DGX H100 datasheet"
 CLUSTERS: dict[str, ClusterSpec] = {c.name: c for c in (
-    _node("dgx-a100-80gb", A100_MEGATRON, 300 * GB, 200 * GB, 235 / 300, {
+    _node("dgx-a100-80gb", A100_80GB, 300 * GB, 200 * GB, 235 / 300, {
         "gpus_per_node": f"{_DGX_A100}: 8 A100 80GB",
         "intra_node_bandwidth": f"{_DGX_A100}: NVLink 600 GB/s per GPU through NVSwitch, "
                                 "half each way",
         "inter_node_bandwidth": f"{_DGX_A100}: 8 single-port ConnectX-6 200 Gb/s HDR "
                                 "InfiniBand for compute: 8 x 25 GB/s",
         "intra_node_efficiency": _NCCL_A100}),
-    _node("dgx-h100", H100, 450 * GB, 400 * GB, 235 / 300, {
+    _node("dgx-h100", H100_SXM, 450 * GB, 400 * GB, 1.0, {
         "gpus_per_node": f"{_DGX_H100}: 8 H100 SXM5 80GB",
         "intra_node_bandwidth": f"{_DGX_H100}: NVLink 900 GB/s per GPU through NVSwitch, "
                                 "half each way",
         "inter_node_bandwidth": f"{_DGX_H100}: 8 ConnectX-7 400 Gb/s (InfiniBand NDR) for "
                                 "compute: 8 x 50 GB/s",
-        "intra_node_efficiency": "estimate: the A100's NCCL fraction (235 / 300); not "
-                                 "measured on an H100"}),
+        "intra_node_efficiency": _NCCL_H100}),
+    _node("dgx-h200", H200_SXM, 450 * GB, 400 * GB, 1.0, {
+        "gpus_per_node": "NVIDIA DGX H200 datasheet: 8 H200 SXM 141GB",
+        "intra_node_bandwidth": "NVIDIA DGX H200 datasheet: NVLink 900 GB/s per GPU "
+                                "through NVSwitch, half each way",
+        "inter_node_bandwidth": "NVIDIA DGX H200 datasheet: 8 ConnectX-7 400 Gb/s for "
+                                "compute: 8 x 50 GB/s",
+        "intra_node_efficiency": _NCCL_H100 + " (the H200 has the H100's NVLink 4)"}),
+    _node("dgx-b200", B200, 900 * GB, 400 * GB, 1.0, {
+        "gpus_per_node": "NVIDIA DGX B200 datasheet: 8 B200",
+        "intra_node_bandwidth": "docs.vultr.com HGX B200 hardware overview: NVLink 5 / "
+                                "NVSwitch 1.8 TB/s per GPU, half each way",
+        "inter_node_bandwidth": "NVIDIA DGX B200 datasheet: 8 single-port ConnectX-7 "
+                                "400 Gb/s for compute: 8 x 50 GB/s",
+        "intra_node_efficiency": "estimate: the H100's (NVLink SHARP all-reduces reach "
+                                 "the link rate); no published B200 nccl-tests figure "
+                                 "was read"}),
     _node("p4d.24xlarge", A100_40GB, 300 * GB, 50 * GB, 235 / 300, {
         "gpus_per_node": "AWS EC2 P4d instance page: 8 A100 40GB",
         "intra_node_bandwidth": "AWS EC2 P4d instance page: 600 GB/s NVSwitch per GPU, "
                                 "half each way",
         "inter_node_bandwidth": "AWS EC2 P4d instance page: 400 Gbps EFA networking",
         "intra_node_efficiency": _NCCL_A100}),
-    _node("p5.48xlarge", H100, 450 * GB, 400 * GB, 235 / 300, {
+    _node("p5.48xlarge", H100_SXM, 450 * GB, 400 * GB, 1.0, {
         "gpus_per_node": "AWS EC2 P5 instance page: 8 H100 80GB",
         "intra_node_bandwidth": "AWS EC2 P5 instance page: 900 GB/s NVSwitch per GPU, "
                                 "half each way",
         "inter_node_bandwidth": "AWS EC2 P5 instance page: 3200 Gbps EFAv2 networking",
-        "intra_node_efficiency": "estimate: the A100's NCCL fraction (235 / 300); not "
-                                 "measured on an H100"}),
+        "intra_node_efficiency": _NCCL_H100}),
     _node("p3dn.24xlarge", V100, 150 * GB, 12.5 * GB, 0.8, {
         "gpus_per_node": "AWS EC2 P3 instance page: 8 V100 32GB (p3dn.24xlarge)",
         "intra_node_bandwidth": "NVIDIA V100 datasheet: NVLink 300 GB/s per GPU, half each "
@@ -210,6 +207,10 @@ CLUSTERS: dict[str, ClusterSpec] = {c.name: c for c in (
                                  "one GPU's NVLink; not measured"}),
 )}
 DEVICE_CLUSTER = {"a100": "dgx-a100-80gb", "h100": "dgx-h100", "v100": "p3dn.24xlarge"}
+GPU_TYPE = {"dgx-a100-80gb": "A100", "p4d.24xlarge": "A100", "dgx-h100": "H100",
+            "p5.48xlarge": "H100", "dgx-h200": "H200", "dgx-b200": "B200",
+            "p3dn.24xlarge": "V100"}
+"""The GPU type of each built-in cluster, as benchmarks/plan_validation.py groups runs."""
 """The built-in cluster whose node a ``--device NAME`` plan starts from."""
 
 
@@ -274,5 +275,5 @@ def _plain(cluster_name: str) -> DeviceSpec:
     return {"dgx-a100-80gb": A100, "dgx-h100": H100, "p3dn.24xlarge": V100}[cluster_name]
 
 
-__all__ = ["CLUSTERS", "DEVICE_CLUSTER", "MEGATRON_FIT", "ClusterSpec", "cluster_for_device",
-           "cluster_names", "get_cluster", "load_cluster"]
+__all__ = ["CLUSTERS", "DEVICE_CLUSTER", "GPU_TYPE", "MEGATRON_FIT", "ClusterSpec",
+           "cluster_for_device", "cluster_names", "get_cluster", "load_cluster"]

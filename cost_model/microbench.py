@@ -38,6 +38,9 @@ class Budget:
     op_kinds: tuple[str, ...]
     link_bytes: tuple[int, ...]
     rounds: int = 3
+    adam_sizes: tuple[tuple[int, int], tuple[int, int]] = ((32, 16), (4, 2**18))
+    """Two (tensors, elements each) Adam steps the per-tensor and per-byte costs are fitted
+    from."""
 
 
 FULL = Budget(matmul_dims=(4, 8, 16, 32, 64, 128, 256, 512), matmul_big=512,
@@ -56,13 +59,23 @@ matmul hides under its launch and the fitted peak came out at 5x the datasheet's
 QUICK = Budget(matmul_dims=(16, 64, 192), matmul_big=192,
                elementwise_bytes=(3 * 2**16, 3 * 2**22), chain=6, repeats=3, target_s=2e-4,
                op_kinds=("default", "module", "view", "linear"), link_bytes=(4, 2**20),
-               rounds=1)
+               rounds=1, adam_sizes=((32, 16), (4, 2**16)))
 
 
-def _sync(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return functools.partial(torch.cuda.synchronize, device)
-    return lambda: None
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    """Wait for ``device``'s queued work (nothing to wait for on the CPU)."""
+    if device.type == "cpu":
+        return lambda: None
+    if hasattr(torch, "accelerator") and hasattr(torch.accelerator, "synchronize"):
+        return functools.partial(torch.accelerator.synchronize, device)
+    return functools.partial(torch.cuda.synchronize, device)
+
+
+def host_overlaps(device: torch.device) -> bool:
+    """Whether the host queues the next op while ``device`` runs the last (an accelerator):
+    a call then costs the larger of its launch and its kernel, not their sum, so a timed
+    kernel keeps its whole time and a model's step is its kernels' time."""
+    return device.type != "cpu"
 
 
 def clock(device: torch.device) -> Callable[[], float]:
@@ -107,7 +120,7 @@ def cold_time_per_call(fn: Callable[[], Any], *, repeats: int, device: torch.dev
 
     A training step's optimizer runs cold after the backward; fitted cold, Adam's cost
     predicts 0.98-1.18 of in-loop steps (0.64-0.98 fitted hot)."""
-    sync, now = _sync(device), clock(device)
+    sync, now = synchronizer(device), clock(device)
     flush = torch.empty(FLUSH_BYTES // 4, device=device)
     fn()
     times = []
@@ -201,10 +214,10 @@ def _chain(kind: str, n: int, device: torch.device, rep: bool = False) -> Chain:
     raise ValueError(f"unknown op kind {kind!r}")
 
 
-def _timer(budget: Budget, device: torch.device) -> Callable[[Callable[[], Any]], float]:
+def timer(budget: Budget, device: torch.device) -> Callable[[Callable[[], Any]], float]:
     """``time_per_call`` with the budget's repeats and target and the device's clock."""
     return functools.partial(time_per_call, repeats=budget.repeats, target_s=budget.target_s,
-                             sync=_sync(device), now=clock(device))
+                             sync=synchronizer(device), now=clock(device))
 
 
 def _fwd_bwd_times(run: Callable[[], list[torch.Tensor]], budget: Budget,
@@ -218,7 +231,7 @@ def _fwd_bwd_times(run: Callable[[], list[torch.Tensor]], budget: Budget,
             outs = run()
         torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
-    timed = _timer(budget, device)
+    timed = timer(budget, device)
     f = timed(fwd)
     fb = timed(both)
     return f, max(fb - f, 0.0)
@@ -276,49 +289,53 @@ def _pool(make: Callable[[], Any], nbytes: int) -> Iterator[Any]:
     return itertools.cycle([make() for _ in range(copies)])
 
 
-def measure_matmul(budget: Budget, device: torch.device) -> tuple[float, float, Table]:
-    """(peak fp32 FLOP/s, peak half FLOP/s, efficiency by smallest dimension), timed on
-    ``F.linear`` less its 1 x 1 fixed part."""
-    big = budget.matmul_big
-    timed = _timer(budget, device)
-
-    def linear_s(m: int, k: int, n: int, dtype: torch.dtype) -> float:
+def matmul_table(timed: Callable[[Callable[[], Any]], float], device: torch.device,
+                 dims: tuple[int, ...], big: int, dtype: torch.dtype = torch.float32
+                 ) -> tuple[float, Table]:
+    """(peak FLOP/s in ``dtype``, efficiency by smallest dimension): ``F.linear`` as models
+    run it, the small dimension in each of the three places, averaged; on the CPU less the
+    1 x 1 call's fixed part (``host_overlaps``)."""
+    def linear_s(m: int, k: int, n: int) -> float:
         x = torch.randn(m, k, device=device, dtype=dtype)
         weights = _pool(lambda: (torch.randn(n, k, device=device, dtype=dtype),
                                  torch.randn(n, device=device, dtype=dtype)),
                         (n * k + n) * x.element_size())
         return timed(lambda: F.linear(x, *next(weights)))
 
-    fixed = {torch.float32: linear_s(1, 1, 1, torch.float32)}
+    fixed = 0.0 if host_overlaps(device) else linear_s(1, 1, 1)
 
-    def rate(m: int, k: int, n: int, dtype: torch.dtype = torch.float32) -> float:
-        if dtype not in fixed:
-            fixed[dtype] = linear_s(1, 1, 1, dtype)
-        t = linear_s(m, k, n, dtype)
-        return 2.0 * m * k * n / max(t - fixed[dtype], t * 0.05)
+    def rate(m: int, k: int, n: int) -> float:
+        t = linear_s(m, k, n)
+        return 2.0 * m * k * n / max(t - fixed, t * 0.05)
 
     by_dim: dict[int, float] = {}
-    for d in budget.matmul_dims:
+    for d in dims:
         shapes = [(d, big, big), (big, d, big), (big, big, d)] if d < big else [(d, d, d)]
         flops = sum(2.0 * m * k * n for m, k, n in shapes)
-        seconds = sum(2.0 * m * k * n / rate(m, k, n) for m, k, n in shapes)
-        by_dim[d] = flops / seconds
+        by_dim[d] = flops / sum(2.0 * m * k * n / rate(m, k, n) for m, k, n in shapes)
     by_dim[big] = max(by_dim.get(big, 0.0), rate(big, big, big))
     peak = max(by_dim.values())
+    return peak, tuple((float(d), by_dim[d] / peak) for d in sorted(by_dim))
+
+
+def measure_matmul(budget: Budget, device: torch.device) -> tuple[float, float, Table]:
+    """(peak fp32 FLOP/s, peak half FLOP/s, fp32 efficiency by smallest dimension)."""
+    timed = timer(budget, device)
+    peak, table = matmul_table(timed, device, budget.matmul_dims, budget.matmul_big)
+    big = budget.matmul_big
     try:
-        peak_half = rate(big, big, big, torch.bfloat16)
+        peak_half = matmul_table(timed, device, (big,), big, torch.bfloat16)[0]
     except RuntimeError:  # no half matmul on this device: the fp32 figure stands in
         peak_half = peak
-    table = tuple((float(d), by_dim[d] / peak) for d in sorted(by_dim))
     return peak, peak_half, table
 
 
 def measure_elementwise(budget: Budget, device: torch.device) -> tuple[float, Table]:
     """(memory bandwidth, fraction of it each size reaches), allocation included as models
-    run it; the fixed part of a one-element add is taken off."""
-    timed = _timer(budget, device)
+    run it; on the CPU the fixed part of a one-element add is taken off (``host_overlaps``)."""
+    timed = timer(budget, device)
     one = torch.ones(1, device=device)
-    op_s = timed(lambda: torch.add(one, one))
+    op_s = 0.0 if host_overlaps(device) else timed(lambda: torch.add(one, one))
     rates = []
     out = None
     for nbytes in budget.elementwise_bytes:
@@ -345,8 +362,7 @@ def measure_optimizer(budget: Budget, device: torch.device) -> tuple[float, floa
         opt = torch.optim.Adam(params, lr=1e-3)
         return cold_time_per_call(opt.step, repeats=4 * budget.repeats, device=device)
 
-    small_n, small_e = 32, 16
-    large_n, large_e = 4, 2**16 if budget is QUICK else 2**18
+    (small_n, small_e), (large_n, large_e) = budget.adam_sizes
     ts, tl = step_time(small_n, small_e), step_time(large_n, large_e)
     bs, bl = 4.0 * small_n * small_e, 4.0 * large_n * large_e
     # ts = small_n * c + bs * d; tl = large_n * c + bl * d
@@ -366,7 +382,7 @@ def measure_link(budget: Budget, device: torch.device, group: Any = None
     Every rank of the group must call it; ranks other than 0 and 1 only join the barriers."""
     rank = dist.get_rank(group)
     peer = {0: 1, 1: 0}.get(rank)
-    sync = _sync(device)
+    sync = synchronizer(device)
     one_way: list[float] = []
     for nbytes in budget.link_bytes:
         buf = torch.zeros(max(1, nbytes // 4), device=device)

@@ -16,7 +16,8 @@ rank 0 too and compares the losses. Each rank
 writes what it measured (``--out``): the median step time and the bytes it holds at its
 peak, counted as the plan counts them (parameters, gradients, Adam state, and the
 activations its stages keep per microbatch, counted by saved-tensor hooks, times the most
-microbatches they held at once), beside its peak resident set size.
+microbatches they held at once), beside its peak resident set size. ``--measure FILE``
+writes the run's measurement (``smp.write_measurement``) for ``smp-fx plan --measured``.
 """
 
 from __future__ import annotations
@@ -57,6 +58,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--reference", action="store_true",
                     help="compare the losses with plain PyTorch on rank 0")
     ap.add_argument("--out", type=Path, help="folder for each rank's figures (JSON)")
+    ap.add_argument("--measure", type=Path,
+                    help="write the run's measurement (smp.write_measurement) for "
+                         "smp-fx plan --measured")
     return ap.parse_args(argv)
 
 
@@ -172,6 +176,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "step_time_s": statistics.median(times[1:] or times),
         "memory": measured_bytes(model, inner),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    if args.measure is not None:
+        smp.write_measurement(args.measure)
     if reference is not None:
         ref = reference_losses(reference, data)
         figures["reference_losses"] = ref

@@ -51,6 +51,9 @@ TP_GATHERED: MetaKey[bool] = MetaKey(
     "smp.tp_gathered", "the value holds the tensor-parallel group's batches gathered "
     "(prescaled_batch false, between a tp_gather_batch and its tp_split_batch): its batch "
     "is tp times the rank's own")
+CP_LOCAL: MetaKey[tuple[int, ...]] = MetaKey(
+    "smp.cp_local", "dims of the node's value that hold only this rank's tokens (context "
+    "parallelism: 1/cp of the sequence, though the value's traced size is the whole)")
 
 SAVED: MetaKey[Any] = MetaKey(
     "smp.saved", "passes.annotate_costs.SavedValues: the values the node saves for backward "
@@ -63,4 +66,5 @@ PLAIN_COST: MetaKey[Any] = MetaKey(
     "dropped)")
 
 ALL_KEYS: tuple[MetaKey[Any], ...] = (MODULE_PATH, PARAMS, TENSOR, COST, PIN, STAGE, SAVED,
-                                      CKPT_REGION, PLAIN_COST, TP, TP_SPLIT, TP_GATHERED)
+                                      CKPT_REGION, PLAIN_COST, TP, TP_SPLIT, TP_GATHERED,
+                                      CP_LOCAL)

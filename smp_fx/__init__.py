@@ -119,6 +119,7 @@ from smp_fx.marking.activation_checkpointing import (  # noqa: E402
 from smp_fx.ckpt.checkpoint_api import resume_from_checkpoint, save_checkpoint  # noqa: E402
 from smp_fx.ckpt.async_save import wait_checkpoint  # noqa: E402
 from smp_fx.runtime.executor.stragglers import straggler_report  # noqa: E402
+from smp_fx.measured import write_measurement  # noqa: E402
 from smp_fx.reset import reset  # noqa: E402
 from smp_fx import amp, nn, optimizers  # noqa: E402
 

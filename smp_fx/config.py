@@ -479,20 +479,6 @@ def combination_refusal(values: Mapping[str, Any], where: str = "smp.init"
         return SMPConfigError.build("'sharded_data_parallel_degree' > 1 requires 'ddp': true",
                                     sdp, where, "set 'ddp': true")
     cp = v["context_parallel_degree"]
-    if cp > 1 and (tp > 1 or v["pipeline_parallel_degree"] not in (None, 1)):
-        return SMPConfigError.build(
-            "'context_parallel_degree' > 1 runs with data parallelism only so far (not with "
-            "pipeline or tensor parallelism)", {"context_parallel_degree": cp,
-                                                "tensor_parallel_degree": tp,
-                                                "pipeline_parallel_degree":
-                                                    v["pipeline_parallel_degree"]}, where,
-            "set pipeline_parallel_degree and tensor_parallel_degree to 1, or "
-            "context_parallel_degree to 1")
-    if sdp > 1 and cp > 1:
-        return SMPConfigError.build(
-            "'context_parallel_degree' > 1 with 'sharded_data_parallel_degree' > 1 is not "
-            "built (gradients are summed over cp, not sharded over cp x dp)", sdp, where,
-            "drop sharded_data_parallel_degree, or set context_parallel_degree to 1")
     if cp > 1 and v["expert_parallel_degree"] > 1:
         return SMPConfigError.build(
             "'context_parallel_degree' > 1 with 'expert_parallel_degree' > 1 is not built "

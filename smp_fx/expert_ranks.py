@@ -21,21 +21,10 @@ KEY = "expert_parallel_degree"
 def expert_parallel_refusal(values: Mapping[str, Any], where: str) -> SMPConfigError | None:
     """Why ``values`` (every parameter, resolved) cannot run expert parallelism, or None."""
     ep = values[KEY]
-    if ep == 1:
+    if ep == 1 or values["ddp"]:
         return None
-    if not values["ddp"]:
-        return SMPConfigError.build(f"'{KEY}' > 1 requires 'ddp': true (the ep group is "
-                                    "carved out of the data-parallel ranks)", ep, where,
-                                    "set 'ddp': true")
-    others = {k: values[k] for k in ("tensor_parallel_degree", "sharded_data_parallel_degree")
-              if values[k] > 1}
-    others.update({k: True for k in ("shard_optimizer_state", "fp16", "bf16") if values[k]})
-    if others:
-        return SMPConfigError.build(
-            f"'{KEY}' > 1 does not compose with tensor parallelism, sharded data "
-            "parallelism, optimizer-state sharding or half precision yet", others, where,
-            f"drop {', '.join(sorted(others))} or set '{KEY}': 1")
-    return None
+    return SMPConfigError.build(f"'{KEY}' > 1 requires 'ddp': true (the ep group is carved "
+                                "out of the data-parallel ranks)", ep, where, "set 'ddp': true")
 
 
 def check_ep_divides(ep: int, rdp: int, world_size: int, mp: int) -> None:

@@ -27,9 +27,11 @@ from cost_model.errors import SMPRuntimeError
 from smp_fx.amp.fp16 import MasterWeights
 from smp_fx.amp.loss_scaler import LossScaler, make_scaler
 from smp_fx.ckpt import checkpoint_api
+from smp_fx.ckpt.ep_shards import gather_optimizer_full
 from smp_fx.ckpt.mixins import OptimizerCheckpointMixin, StateDict
 from smp_fx.ckpt.state_dict import merge_partial_optimizer_states
 from smp_fx.nn.huggingface.registry import follow_replacements
+from smp_fx.optimizer_compat import ClientViews
 from smp_fx.parallel import clip, ds_view
 from smp_fx.parallel.build import OptimizerBinding
 from smp_fx.parallel.ddp import guard_optimizer
@@ -50,7 +52,7 @@ SCALER_KEY = "loss_scaler"
 """Param-group entry holding the loss scaler's state in a saved fp16 optimizer state."""
 
 
-class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
+class DistributedOptimizer(OptimizerCheckpointMixin, ClientViews, torch.optim.Optimizer):
     """See the module docstring."""
 
     # torch.amp.GradScaler must unscale (and agree on infs) before calling step()
@@ -82,13 +84,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         self.optimizer = optimizer
         # optimizer.step() inside smp.step raises (smp_fx.parallel.ddp)
         guard_optimizer(self.torch_optimizer)
-        self._optimizer_step_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_step_post_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_pre_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._optimizer_load_state_dict_post_hooks: OrderedDict[int, Any] = OrderedDict()
-        self._zero_grad_profile_name = "Optimizer.zero_grad"
+        self._make_torch_hook_tables()
         self.global_index: dict[int, int] = {}
         flat = self.parameters_held()
         self._localized = False
@@ -101,24 +97,23 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
         else:  # a DistributedModel created later adopts it; over other parameters: left whole
             context.wait_for_model(self)
 
-    # accelerate (the Hugging Face Trainer's Accelerator.prepare) wraps every optimizer it
-    # is given unless it says it was prepared already. This one steps exactly this rank's
-    # stage parameters, outside smp.step, and needs none of AcceleratedOptimizer's device
-    # placement or loss scaling; wrapped, the Trainer's SMP checkpointing could not reach
-    # local_state_dict.
-    _is_accelerate_prepared = True
+    def _make_torch_hook_tables(self) -> None:
+        """The hook tables ``torch.optim.Optimizer.__init__`` makes, which this wrapper (its
+        groups and state are the wrapped optimizer's, so it does not call that) still needs
+        for ``register_step_pre_hook`` and the state-dict hooks."""
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._zero_grad_profile_name = "Optimizer.zero_grad"
 
     @property
     def overflow(self) -> bool:
         """Whether the last step overflowed (fp16): a script's own optimizer's flag."""
         own: Any = self.optimizer  # a script's object: its own attributes
         return bool(own.overflow) if self._script else self._overflow
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """Whether the last ``step()`` skipped the update (what accelerate asks of its
-        optimizers): with fp16, when some rank's gradients overflowed."""
-        return self.overflow
 
     def parameters_held(self) -> list[torch.Tensor]:
         """Every parameter of the wrapped optimizer, in group order; one of a module the wrapping
@@ -163,29 +158,6 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
     @defaults.setter
     def defaults(self, value: dict[str, Any]) -> None:
         self.torch_optimizer.defaults = value
-
-    # SMP's DeepSpeed ZeRO-3 names under sharded data parallelism (smp_fx.parallel.ds_view)
-    @property
-    def fp32_partitioned_groups_flat(self) -> list[ds_view.FlatGroup]:
-        """Per param group, this rank's fp32 partitions end to end (``ds_view.FlatGroup``)."""
-        return ds_view.flat_groups(self.param_groups)
-
-    @property
-    def fp16_groups(self) -> list[list[torch.Tensor]]:
-        """Per param group, the model's parameters it steps."""
-        model = self._model_ref() if self._model_ref is not None else None
-        if model is None or not hasattr(next(model.parameters(), None), "ds_tensor"):
-            raise AttributeError("fp16_groups exists under sharded data parallelism, for "
-                                 "the parameters of a smp.DistributedModel")
-        return ds_view.model_groups(self.param_groups, model.parameters())
-
-    @property
-    def ds_param_shard_group(self) -> Any:
-        """The process group the parameters are sharded over."""
-        model = self._model_ref() if self._model_ref is not None else None
-        sharded = model.parallelized.sharded if model is not None and model.partitioned \
-            else None
-        return ds_view.shard_group(state.get(), sharded.mesh if sharded else None)
 
     def __getattr__(self, name: str) -> Any:
         if name == "optimizer":
@@ -402,6 +374,8 @@ class DistributedOptimizer(OptimizerCheckpointMixin, torch.optim.Optimizer):
                 sd["state"].setdefault(name, {})[MASTER_KEY] = saved.clone()
             for g in sd["param_groups"]:
                 g[SCALER_KEY] = self._scaler.state_dict()
+        # expert_parallel_degree > 1: every expert's state (collective over the ep group)
+        sd = gather_optimizer_full(sd, getattr(self._model(), "expert_names", frozenset()))
         if self._shards is not None and gather_if_shard:
             sd = merge_partial_optimizer_states(comm.allgather(sd, comm.RDP_GROUP))
         return sd

@@ -103,6 +103,15 @@ def _reaching(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     return seen
 
 
+def _drop_unread(graph: torch.fx.Graph, reach: set[torch.fx.Node]) -> None:
+    """Erase pure ops whose values nothing reads (a key/value cache the forward fills and
+    does not return): on a chunk they would be refused, though they change no result."""
+    for node in reversed(list(graph.nodes)):
+        if node.op == "call_function" and node not in reach and not node.users \
+                and not node.is_impure():
+            graph.erase_node(node)
+
+
 def context_parallel(gm: torch.fx.GraphModule, degree: int
                      ) -> tuple[torch.fx.GraphModule, ContextParallelPlan]:
     """The rewritten copy of ``gm`` (the same for every cp rank) and what was done.
@@ -117,6 +126,7 @@ def context_parallel(gm: torch.fx.GraphModule, degree: int
         collectives.local_index(int(traced.shape[1]), degree, 0)
     reach = _reaching(new)
     graph = new.graph
+    _drop_unread(graph, reach)
     split: list[str] = []
     gathered: tuple[str, ...] = ()
     first_local: torch.fx.Node | None = None
@@ -177,6 +187,7 @@ def _local_costs(walk: _Walk, degree: int) -> None:
         dims = seq_dims(node, walk.seq)
         if dims:
             meta.TENSOR.set(node, costs.local_info(meta.TENSOR.get(node), dims[0], degree))
+            meta.CP_LOCAL.set(node, dims)
     costs.divide_saved(walk.gm, local, degree)
 
 

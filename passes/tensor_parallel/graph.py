@@ -7,6 +7,7 @@ collective nodes inserted with their metadata, a node replaced by its sharded fo
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -101,6 +102,11 @@ SHAPES: dict[str, tuple[int | None, bool]] = {
     "tp_gather_batch": (0, True), "tp_split_batch": (0, False)}
 
 
+SIZE_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset({
+    operator.mul, operator.floordiv, torch.t, torch.transpose})
+"""Inserted functions of sizes or of a weight: their ``val`` is computed from their args'."""
+
+
 def _copy_meta(n: torch.fx.Node, like: torch.fx.Node) -> None:
     """``like``'s metadata on ``n``, but not what ``like`` saves: a column linear's input
     renamed to the gathered sequence would stay counted as the chunk on its gather."""
@@ -118,6 +124,7 @@ def insert(graph: torch.fx.Graph, fn: Callable[..., Any], args: Sequence[Any],
     n = graph.call_function(fn, tuple(args))
     _copy_meta(n, like)
     src = args[0] if args and isinstance(args[0], torch.fx.Node) else None
+    _set_val(n, fn, src)
     dim, grow = SHAPES.get(getattr(fn, "__name__", ""), (None, False))
     if src is not None:
         meta.TENSOR.set(n, costs.local_info(meta.TENSOR.get(src), dim, size, grow))
@@ -127,9 +134,33 @@ def insert(graph: torch.fx.Graph, fn: Callable[..., Any], args: Sequence[Any],
     return n
 
 
+def _set_val(n: torch.fx.Node, fn: Callable[..., Any], src: torch.fx.Node | None) -> None:
+    """``n``'s ``val`` keeps the one-process graph's structure (which dims are the batch and
+    the sequence, a tensor or a size), which later rewrites read (context parallelism):
+    a collective's is its input's, a size's or a weight view's is computed from its args'."""
+    if getattr(fn, "__module__", None) == collectives.__name__:
+        if src is not None and "val" in src.meta:
+            n.meta["val"] = src.meta["val"]
+    elif fn in SIZE_FUNCTIONS:
+        computed_val(n)
+
+
+def computed_val(n: torch.fx.Node) -> None:
+    """``n``'s ``val`` computed from its args' (a function of sizes or of a weight), where
+    they have one (an export graph's; fx's have none)."""
+    read: list[torch.fx.Node] = []
+    torch.fx.node.map_arg((n.args, n.kwargs), read.append)
+    if callable(n.target) and all("val" in a.meta for a in read):
+        args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
+        n.meta["val"] = n.target(*args, **kwargs)
+
+
 def get_attr(graph: torch.fx.Graph, fqn: str, like: torch.fx.Node) -> torch.fx.Node:
     n = graph.get_attr(fqn)
     _copy_meta(n, like)
+    value = attr(graph.owning_module, fqn) if graph.owning_module is not None else None
+    if isinstance(value, torch.Tensor):  # the shard, not ``like``'s activation
+        n.meta["val"] = torch.empty_like(value, device="meta")
     meta.COST.set(n, NodeCost())
     meta.PARAMS.set(n, (fqn,))
     return n

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,6 +39,9 @@ class TensorParallelism:
     sequence_parallel: bool = False
     """``optimize: "memory"``: chunk the activations between pairs by sequence
     (``passes.tensor_parallel.sequence``)."""
+    cutting: Callable[[], AbstractContextManager[object]] = nullcontext
+    """A context around cutting the shards from the full parameters (delayed
+    initialisation records the cut there, so a meta shard is rebuilt as its slice)."""
 
 
 
@@ -90,8 +94,9 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
         done += region
         vocab_embeds += embeds
         for emb in embeds:
-            sharded.append(vocab.rewrite(new, by_name[emb.node.name], emb, tp.size,
-                                         tp.rank, not tp.prescaled_batch, ties))
+            with tp.cutting():
+                sharded.append(vocab.rewrite(new, by_name[emb.node.name], emb, tp.size,
+                                             tp.rank, not tp.prescaled_batch, ties))
         for node, pos in rw.divide:
             _scale_arg(new.graph, node, pos, operator.floordiv, tp.size)
         for node, pos in rw.batch if not tp.prescaled_batch else ():
@@ -101,6 +106,7 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
             with new.graph.inserting_before(node):
                 local = graph.insert(new.graph, local_sizes, (sizes, tp.size), node)
             meta.TENSOR.set(local, None)
+            graph.computed_val(local)
             node.update_arg(1, local)
         graph.gather_operands(new.graph, rw.gather if not tp.prescaled_batch else [], tp.size)
         graph.copy_operands(new.graph, rw.copies, tp.size)
@@ -116,8 +122,9 @@ def tensor_parallel(gm: torch.fx.GraphModule, tp: TensorParallelism,
         pairs += analysis.pairs(linears, set(split))  # before the linears' nodes are replaced
         held_part += [*split, *(lin.node.name for lin in linears if lin.role != "row")]
         for lin in linears:
-            sharded += _rewrite(new, by_name[lin.node.name], lin, tp, ties,
-                                rw.strided.get(lin.node.name, 1))
+            with tp.cutting():
+                sharded += _rewrite(new, by_name[lin.node.name], lin, tp, ties,
+                                    rw.strided.get(lin.node.name, 1))
     chunked_params: tuple[str, ...] = ()
     if tp.sequence_parallel and done:
         chunked_params, chunked = sequence_parallel(

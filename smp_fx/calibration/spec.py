@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,8 @@ import torch.distributed as dist
 
 from cost_model import calibrate as measure
 from cost_model.device import DeviceSpec
+from cost_model.microbench import host_overlaps
+from cost_model.model_sizes import ModelSizes
 from smp_fx.calibration import in_place, runtime_fit
 from smp_fx.calibration.runtime_fit import (
     FIT_MICROBATCHES,
@@ -23,6 +26,8 @@ from smp_fx.calibration.runtime_fit import (
     PIPELINED_MICROBATCHES,
 )
 from smp_fx.world import launch
+
+log = logging.getLogger("smp_fx.calibration")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +42,9 @@ class CalibrationOptions:
     """Fewer sizes and repeats (about a second for the device figures; for tests)."""
     steps: int = 30
     """Timed ``smp.step`` steps per run in the runtime fits (8 when ``quick``)."""
+    sizes: ModelSizes | None = None
+    """Also measure at a model's sizes (``cost_model.model_sizes``); None: on an
+    accelerator the 1.3B GPT's, on the CPU not at all."""
 
     @property
     def timed_steps(self) -> int:
@@ -62,7 +70,14 @@ def calibrate(options: CalibrationOptions, world: int) -> DeviceSpec | None:
         # groups, which state._reset() removes again (re-creating the default group under
         # torchrun would rendezvous on keys the first one left in the store)
         dist.init_process_group(launch.choose_backend())
-    spec = from_rank0(lambda: measure.calibrate(name, device, quick=options.quick), world)
+    spec = from_rank0(lambda: measure.calibrate(name, device, quick=options.quick,
+                                                sizes=options.sizes), world)
+    if host_overlaps(device):
+        log.info("smp-fx calibrate on %s: the in-place and runtime fits are skipped (they fit "
+                 "a tiny model's host-bound step, while the host queues a large model's "
+                 "kernels as they run); their figures stay estimates", device)
+        return _finish(measure.with_link(spec, device, quick=options.quick)
+                       if world > 1 else spec)
     spec = dataclasses.replace(spec, microbatch_overhead_s=0.0, step_overhead_s=0.0)
     if world > 1:
         spec = measure.with_link(spec, device, quick=options.quick)
@@ -85,6 +100,11 @@ def calibrate(options: CalibrationOptions, world: int) -> DeviceSpec | None:
             spec = dataclasses.replace(spec, message_overhead_s=fitted[0],
                                        pipelined_scale=fitted[1]).with_sources(
                 message_overhead_s=how, pipelined_scale=how)
+    return _finish(spec)
+
+
+def _finish(spec: DeviceSpec) -> DeviceSpec | None:
+    """The spec on rank 0, None elsewhere."""
     return spec if int(os.environ.get("RANK", "0")) == 0 else None
 
 

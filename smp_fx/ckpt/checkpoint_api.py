@@ -238,7 +238,7 @@ def local_states(model: ProcessModel | None, optimizer: ProcessOptimizer | None,
         model_sd = (model.local_state_dict()
                     if model is not None and (rdp_rank == 0 or everyone) else None)
         model_sd = model_sd if rdp_rank == 0 else None
-        sharded = bool(getattr(optimizer, "shards_state", False)) or sdp
+        sharded = bool(getattr(optimizer, "shards_state", False)) or everyone
         opt_sd = (optimizer.local_state_dict()
                   if optimizer is not None and (rdp_rank == 0 or sharded) else None)
         opt_sd = opt_sd if rdp_rank == 0 else None

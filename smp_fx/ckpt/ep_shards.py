@@ -4,8 +4,10 @@ At ``expert_parallel_degree`` > 1 an expert parameter (``...experts.gate_up_proj
 E / ep experts on each rank of an ep group, under the plain model's name. A state dict
 always holds every expert (``gather_full``, collective over the ep group), so files are
 those of the plain model whatever the degree, and a load takes this rank's rows
-(``expert_rows``). The optimizer's state of the slices is not gathered yet: its
-checkpoints are refused at ep > 1 (``refuse_optimizer_state``).
+(``expert_rows``). The optimizer's state of a slice (Adam's moments, an fp32 master: one
+row per expert) is gathered and cut alike (``gather_optimizer_full``,
+``optimizer_rows``); with ZeRO-1 as well, whose state the rdp ranks merge by name, it is
+refused (``refuse_optimizer_state``).
 """
 
 from __future__ import annotations
@@ -29,13 +31,45 @@ def gather_full(local: Mapping[str, Any], names: frozenset[str]) -> dict[str, An
     ep = expert_groups.ep_size()
     if ep == 1:
         return out
-    group = expert_groups.get_ep_process_group()
     for name in sorted(n for n in names if n in out):
-        piece: torch.Tensor = out[name]
-        pieces = [torch.empty_like(piece) for _ in range(ep)]
-        dist.all_gather(pieces, piece.contiguous(), group=group)
-        out[name] = torch.cat(pieces)
+        out[name] = _gathered(out[name])
     return out
+
+
+def _gathered(piece: torch.Tensor) -> torch.Tensor:
+    """Every ep rank's ``piece``, concatenated in ep rank order (collective over ep)."""
+    group = expert_groups.get_ep_process_group()
+    if piece.device.type == "cpu" and dist.get_backend(group) != "gloo":
+        from smp_fx.world import state
+
+        group = state.get().object_group("ep")
+    pieces = [torch.empty_like(piece) for _ in range(expert_groups.ep_size())]
+    dist.all_gather(pieces, piece.contiguous(), group=group)
+    return torch.cat(pieces)
+
+
+def gather_optimizer_full(local: Mapping[str, Any], names: frozenset[str]) -> dict[str, Any]:
+    """A partial optimizer state (by FQN) with each expert slice's state tensors, one row
+    per local expert, replaced by every expert's (collective over the ep group, whose ranks
+    hold the same names: one stage, one tp shard)."""
+    out = dict(local)
+    if not names or expert_groups.ep_size() == 1:
+        return out
+    state = dict(out["state"])
+    for name in sorted(n for n in names if n in state):
+        state[name] = {k: _gathered(v) if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                       for k, v in state[name].items()}
+    out["state"] = state
+    return out
+
+
+def optimizer_rows(state: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]]
+                   ) -> dict[str, Any]:
+    """Optimizer state entries by FQN with each expert slice's tensors (named in
+    ``shapes``, by the local parameter's shape) cut to this ep rank's experts."""
+    return {n: {k: expert_rows(v, shapes[n]) if isinstance(v, torch.Tensor) and v.dim() > 0
+                else v for k, v in entry.items()} if n in shapes else entry
+            for n, entry in state.items()}
 
 
 def expert_rows(full: torch.Tensor, local_shape: tuple[int, ...]) -> torch.Tensor:
@@ -47,12 +81,13 @@ def expert_rows(full: torch.Tensor, local_shape: tuple[int, ...]) -> torch.Tenso
     return full.chunk(expert_groups.ep_size())[expert_groups.ep_rank()]
 
 
-def refuse_optimizer_state(model: Any, method: str) -> None:
-    """Optimizer checkpoints hold the state of expert slices per ep rank, which the
-    optimizer's state files do not yet gather: refused, not saved half."""
-    if model is not None and getattr(model, "expert_names", None) and \
+def refuse_optimizer_state(model: Any, method: str, sharded: bool) -> None:
+    """With ZeRO-1 (``sharded``) the rdp ranks merge their states by name, which would mix
+    the expert slices of different ep ranks: refused, not saved wrong."""
+    if sharded and model is not None and getattr(model, "expert_names", None) and \
             expert_groups.ep_size() > 1:
         raise SMPNotImplementedError.build(
-            "optimizer state checkpoints at expert_parallel_degree > 1", method,
-            "DistributedOptimizer", "save the model's state_dict() (experts gathered); "
-            "optimizer state with split experts is not built yet")
+            "optimizer state checkpoints at expert_parallel_degree > 1 with "
+            "shard_optimizer_state", method, "DistributedOptimizer",
+            "save the model's state_dict() (experts gathered), or train without "
+            "'shard_optimizer_state' where the optimizer's state must be saved")

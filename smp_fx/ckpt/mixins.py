@@ -19,7 +19,12 @@ from torch.nn.modules.module import _IncompatibleKeys
 from cost_model.errors import SMPCheckpointError, not_implemented
 from passes.tensor_parallel import merge_shards
 from smp_fx.ckpt import sdp_shards, tp_shards
-from smp_fx.ckpt.ep_shards import expert_rows, gather_full, refuse_optimizer_state
+from smp_fx.ckpt.ep_shards import (
+    expert_rows,
+    gather_full,
+    optimizer_rows,
+    refuse_optimizer_state,
+)
 from smp_fx.ckpt.state_dict import (
     PARTIAL_KEY,
     ModelLayout,
@@ -333,15 +338,19 @@ class OptimizerCheckpointMixin:
     def _smp_is_local(self) -> bool:
         return bool(getattr(self, "_localized", False))
 
+    def _smp_zero(self) -> bool:
+        """Whether this rank holds a ZeRO-1 shard of the optimizer's state."""
+        return bool(getattr(self, "shards_state", False))
+
     def local_state_dict(self, cast_to_cpu: bool = True,
                          gather_if_shard: bool = True) -> StateDict:
         """This rank's optimizer state keyed by FQN, with ``_smp_is_partial``; ``cast_to_cpu`` as
         SMP's default."""
-        refuse_optimizer_state(self._smp_current_model(), "local_state_dict")
+        model = self._smp_current_model()
+        refuse_optimizer_state(model, "local_state_dict", self._smp_zero())
         local = local_optimizer_state_dict(sdp_shards.whole(self.torch_optimizer.state_dict()),
                                            self._smp_group_names(local=True),
                                            self._smp_group_names(local=False))
-        model = self._smp_current_model()
         local = _with_shards(local, getattr(model, "tp_plan", None), local["state"])
         return _to_cpu(local) if cast_to_cpu else local
 
@@ -352,7 +361,7 @@ class OptimizerCheckpointMixin:
         pipeline groups: call it on every rank with ``smp.dp_rank() == 0`` (or all)."""
         if not self._smp_is_local():
             return self.torch_optimizer.state_dict()
-        refuse_optimizer_state(self._smp_current_model(), "state_dict")
+        refuse_optimizer_state(self._smp_current_model(), "state_dict", self._smp_zero())
         plan = getattr(self._smp_current_model(), "tp_plan", None)
         local = gather_optimizer_shards(plan, _to_cpu(self.local_state_dict()))
         return merge_optimizer_state_dicts(self._smp_gather_parts(local))
@@ -364,7 +373,7 @@ class OptimizerCheckpointMixin:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load full (integer ids) or partial (FQN) state; deferred until partitioning."""
         model = self._smp_current_model()
-        refuse_optimizer_state(model, "load_state_dict")
+        refuse_optimizer_state(model, "load_state_dict", self._smp_zero())
         if not self._smp_is_local() and model is not None and not model.partitioned:
             pending = self.__dict__.get("_smp_pending_load")
             self.__dict__["_smp_pending_load"] = state_dict
@@ -391,7 +400,14 @@ class OptimizerCheckpointMixin:
         by_name = (dict(state_dict) if is_partial(state_dict)
                    else optimizer_state_by_name(state_dict, self._smp_group_names(local=False)))
         local = self._smp_group_names(local=self._smp_is_local())
-        plan = getattr(self._smp_current_model(), "tp_plan", None)
+        model = self._smp_current_model()
+        experts: frozenset[str] = getattr(model, "expert_names", frozenset())
+        if experts and self._smp_is_local():  # every expert's state: this rank's rows
+            params = (p for g in self.torch_optimizer.param_groups for p in g["params"])
+            shapes = {n: tuple(p.shape) for n, p in zip((n for g in local for n in g), params)
+                      if n in experts}
+            by_name["state"] = optimizer_rows(by_name["state"], shapes)
+        plan = getattr(model, "tp_plan", None)
         if plan is not None and plan.sharded:  # full tensors (a full state dict, another
             names = [n for g in local for n in g]  # degree) are cut to this rank's shards
             if is_partial(by_name):

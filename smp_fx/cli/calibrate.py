@@ -14,9 +14,13 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import torch
+
 from cost_model import calibrate as measure
 from cost_model.device import DeviceSpec
 from cost_model.errors import SMPError
+from cost_model.microbench import FULL
+from cost_model.model_sizes import ModelSizes
 from smp_fx.calibration.spec import CalibrationOptions, calibrate
 
 
@@ -37,6 +41,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fewer sizes and repeats (about a second; for tests)")
     p.add_argument("--steps", type=int, default=30,
                    help="timed smp.step steps per microbatch count in the runtime fit")
+    p.add_argument("--attention", metavar="HEADSxSEQxDIM",
+                   help="also measure at a model's sizes: causal attention at this head "
+                        "shape, matmuls up to --matmul-max in --dtype, bandwidth, Adam "
+                        "(default on an accelerator: 16x1024x128, the 1.3B GPT's)")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                   help="the model's dtype (default: bfloat16 on an accelerator, else "
+                        "float32)")
+    p.add_argument("--matmul-max", type=int,
+                   help="largest matmul dimension measured at the model's sizes (default: "
+                        "8192 on an accelerator, else 512)")
     return p
 
 
@@ -62,7 +76,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 def options(args: argparse.Namespace) -> CalibrationOptions:
     """The library's options from the parsed flags."""
     return CalibrationOptions(name=args.name, device=args.device, quick=args.quick,
-                              steps=args.steps)
+                              steps=args.steps, sizes=_sizes(args))
+
+
+def _sizes(args: argparse.Namespace) -> ModelSizes | None:
+    """The model's sizes from the flags; the CPU's defaults are sizes it measures in
+    seconds (``FULL``'s element-wise and Adam sizes, matmuls up to 512)."""
+    accelerator = (args.device or ("cuda" if torch.cuda.is_available() else "cpu")) != "cpu"
+    if args.attention is None and args.dtype is None and args.matmul_max is None:
+        return None  # the library's default: the 1.3B GPT's on an accelerator
+    extra: dict[str, object] = {"dtype": args.dtype or ("bfloat16" if accelerator
+                                                       else "float32")}
+    if not accelerator:
+        extra.update(elementwise_bytes=FULL.elementwise_bytes, adam_sizes=FULL.adam_sizes)
+    top = args.matmul_max or (8192 if accelerator else 512)
+    extra["matmul_dims"] = tuple(d for d in ModelSizes().matmul_dims if d < top) + (top,)
+    return ModelSizes.parse(args.attention or "16x1024x128", **extra)
 
 
 def _relaunch(args: argparse.Namespace, argv: Sequence[str] | None) -> int:

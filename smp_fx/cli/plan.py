@@ -45,6 +45,7 @@ from cost_model.cluster import (
 )
 from cost_model.devices import load_device
 from cost_model.errors import SMPConfigError
+from cost_model.measurement import Measurement
 from cost_model.memory import PRECISIONS
 from smp_fx.cli import plan_render
 from smp_fx.cli.partition import (
@@ -57,6 +58,7 @@ from smp_fx.cli.partition import (
 )
 from smp_fx.planner.candidate import parse_fix
 from smp_fx.planner.hf_config import prepare_config
+from smp_fx.planner.measured import refit
 from smp_fx.planner.model import Prepared, prepare
 from smp_fx.planner.planner import Planned, plan
 from smp_fx.planner.profile import model_dtype
@@ -114,6 +116,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--tokens", type=float, default=3e11,
                    help="tokens of a training run, for the GPU-hours of the scaling curve")
     p.add_argument("--plot", metavar="FILE.png", help="draw the scaling curve (--gpus list)")
+    p.add_argument("--measured", nargs="+", metavar="FILE",
+                   help="refit the cluster's factors on these runs (smp.write_measurement), "
+                   "each priced at its own configuration, then plan with the refit")
     p.add_argument("--quiet", action="store_true", help="no progress on stderr")
     return p
 
@@ -251,6 +256,18 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     counts = gpu_counts(args.gpus)
     cluster = make_cluster(args, max(counts))
     prepared = prepare_model(args, progress)
+
+    def setting_of(cl: ClusterSpec, gpus: int, batch: int, precision: str) -> Setting:
+        return Setting(cl, gpus, batch, precision, host_factor(cl, gpus),
+                       step_temporary=args.adam == "foreach" and "cpu" not in cl.device.name)
+
+    before, refitted = cluster, None
+    if args.measured:
+        progress(f"refitting {cluster.name} on {len(args.measured)} measured run(s)")
+        refitted = refit(prepared, cluster, [(Path(f).name, Measurement.load(f))
+                                             for f in args.measured], setting_of)
+        cluster = refitted.cluster
+        print(plan_render.format_refit(refitted), file=out)
     allowed = None
     if args.emit_config:
         def allowed(c: Any) -> str | None:
@@ -258,10 +275,9 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         progress("--emit-config: keeping to plans smp.init's validation accepts")
     points = []
     planned: Planned | None = None
+    best_before = 0.0
     for gpus in counts:
-        setting = Setting(cluster, gpus, args.global_batch, args.precision,
-                          host_factor(cluster, gpus), step_temporary=args.adam == "foreach"
-                          and "cpu" not in cluster.device.name)
+        setting = setting_of(cluster, gpus, args.global_batch, args.precision)
         if setting.compute_factor > 1:
             progress(f"{min(gpus, cluster.gpus_per_node)} processes share "
                      f"{os.cpu_count()} cores: compute priced {setting.compute_factor:.1f}x "
@@ -272,8 +288,14 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
               f"({cluster.name}, {cluster.gpus_per_node} per node), global batch "
               f"{args.global_batch}, {args.precision}", file=out)
         print(plan_render.format_plans(planned), file=out)
-        print("", file=out)
         best = planned.best
+        if refitted is not None:
+            old = plan(prepared, setting_of(before, gpus, args.global_batch, args.precision),
+                       fixed=best.candidate.to_json(), top_k=1)
+            best_before = old.best.step_time_s
+            print(f"the best plan before the refit: {best_before * 1e3:.2f} ms, after: "
+                  f"{best.step_time_s * 1e3:.2f} ms", file=out)
+        print("", file=out)
         hours = args.tokens / best.tokens_per_s / 3600 * gpus if best.tokens_per_s else 0.0
         points.append(plan_render.ScalePoint(gpus, best, hours))
     assert planned is not None
@@ -286,6 +308,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     gpus = counts[-1]
     if args.json:
         doc = _json_doc(planned, prepared, cluster, gpus, args)
+        if refitted is not None:
+            doc["refit"] = {**refitted.to_json(), "best_before_s": best_before}
         Path(args.json).write_text(json.dumps(doc, indent=1, sort_keys=True) + "\n",
                                    encoding="utf-8")
         progress(f"wrote {args.json}")

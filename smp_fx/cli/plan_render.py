@@ -6,10 +6,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cost_model.collectives import p2p_time
+from cost_model.refit import format_moved
 from cost_model.schedule import SCHEDULE_NAMES, generate
 from cost_model.simulate import SimResult, StageCost, simulate
 from cost_model.units import human_bytes, human_time
 from smp_fx.cli.render import _table
+from smp_fx.planner.measured import Refit
 from smp_fx.planner.planner import Planned
 from smp_fx.planner.result import PlanRecord
 from smp_fx.planner.step import crosses_node
@@ -77,6 +79,16 @@ class ScalePoint:
     gpus: int
     record: PlanRecord
     gpu_hours: float
+
+
+def format_refit(r: Refit) -> str:
+    """The refit's moved factors, then each measured run's step before / after / measured."""
+    lines = [f"refit on measured runs: {r.cluster.name}", format_moved(r.moved)]
+    lines += [f"  note: {n}" for n in r.notes]
+    for name, before, after, measured in r.checks:
+        lines.append(f"{name} at its own configuration: predicted {before * 1e3:.2f} ms "
+                     f"before, {after * 1e3:.2f} ms after; measured {measured * 1e3:.2f} ms")
+    return "\n".join(lines) + "\n"
 
 
 def format_scaling(points: Sequence[ScalePoint], tokens: float) -> str:

@@ -19,18 +19,20 @@ from collections.abc import Mapping, Sequence
 from cost_model.errors import SMPConfigError
 from smp_fx._compat import SHIM_DIR
 from smp_fx.config import ENV_VAR, load_config, resolve_topology
-from smp_fx.world import reports
+from smp_fx.world import elastic, reports
 
 # smp-fx run option -> torchrun option, passed through when given.
 PASS_THROUGH: dict[str, str] = {
     "--nnodes": "--nnodes", "--node-rank": "--node-rank", "--rdzv-backend": "--rdzv-backend",
     "--rdzv-endpoint": "--rdzv-endpoint", "--rdzv-id": "--rdzv-id",
     "--master-addr": "--master-addr", "--master-port": "--master-port",
-    "--max-restarts": "--max-restarts",
+    "--max-restarts": "--max-restarts", "--rdzv-conf": "--rdzv-conf",
 }
 
 HELP = {"--max-restarts": "restart every worker up to N times after a failure (torchrun's "
-        "elastic restarts); a script that resumes from its last checkpoint goes on from there"}
+        "elastic restarts); a script that resumes from its last checkpoint goes on from there",
+        "--nnodes": "nodes: N, or MIN:MAX for a job that goes on with fewer nodes and grows "
+        "back (docs/faults.md, 'Elastic resume')"}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -68,6 +70,7 @@ def build(ns: argparse.Namespace,
         cfg = load_config(params, env={})  # fail here, once, rather than in N children
         if ns.nnodes is None or str(ns.nnodes).isdigit():
             resolve_topology(cfg, ns.nproc_per_node * int(ns.nnodes or 1))
+        elastic.check_range(cfg, ns.nnodes, ns.nproc_per_node)
         added[ENV_VAR] = json.dumps(params, sort_keys=True)
     old = environ.get("PYTHONPATH")
     added["PYTHONPATH"] = str(SHIM_DIR) + (os.pathsep + old if old else "")
@@ -79,6 +82,9 @@ def build(ns: argparse.Namespace,
                      for f in ("--nnodes", "--rdzv-endpoint", "--master-addr"))
     if not multi_node:
         cmd.append("--standalone")
+    else:
+        added.update(elastic.launch_env(ns.nnodes, ns.nproc_per_node,
+                                        int(ns.max_restarts or 0) > 0))
     for flag, target in PASS_THROUGH.items():
         value = getattr(ns, flag[2:].replace("-", "_"))
         if value is not None:

@@ -8,7 +8,6 @@ See docs/memory.md, 'Delayed parameter initialisation'.
 
 from __future__ import annotations
 
-import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -25,7 +24,6 @@ DELAYED_ATTR = "_smp_delayed_init"
 TAPE_ATTR = "_smp_init_tape"
 """Attribute of a module built in the context: the record that keeps its tensors
 rebuildable (found again from each tensor's storage, ``init_tape.tape_of``)."""
-log = logging.getLogger("smp_fx.delayed_init")
 
 
 @contextmanager
@@ -131,16 +129,15 @@ def allocate(module: nn.Module, device: torch.device | str) -> nn.Module:
 
 def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
     """Give ``module``'s meta tensors on ``device`` their eager-build values, replayed from the
-    record; ties stay. A tensor made outside the record gets ``reset_parameters`` with a
-    warning; one that cannot be rebuilt is an ``SMPRuntimeError``."""
+    record (a tensor-parallel shard as the slice of its source, one source at a time); ties
+    stay. One that cannot be rebuilt is an ``SMPRuntimeError`` naming it."""
     slots = [(f"{path}.{name}" if path else name, m, table, name, value)
              for path, m in module.named_modules()
              for table in (m._parameters, m._buffers)
              for name, value in table.items() if value is not None]
     wanted: dict[Tape, dict[int, torch.Tensor]] = {}
-    resets: dict[str, nn.Module] = {}
     errors: list[str] = []
-    for name, m, table, _, value in slots:
+    for name, m, _, _, value in slots:
         if not value.is_meta:
             continue
         tape = tape_of(value)
@@ -148,9 +145,6 @@ def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
             "smp.delay_param_initialization"
         if why is None:
             wanted.setdefault(tape, {})[id(value)] = value  # type: ignore[arg-type]
-        elif tape is None and table is m._parameters and \
-                callable(getattr(m, "reset_parameters", None)):
-            resets[name.rpartition(".")[0]] = m
         else:
             errors.append(f"{name} ({type(m).__name__}): {why}")
     if errors:
@@ -161,23 +155,19 @@ def materialize(module: nn.Module, device: torch.device | str) -> nn.Module:
             "in its constructor (or load a checkpoint into it)")
     values: dict[int, torch.Tensor] = {}
     for tape, tensors in wanted.items():
-        values.update(zip(tensors, tape.replay(list(tensors.values()))))
+        whole = {k: t for k, t in tensors.items() if not tape.is_cut(t)}
+        values.update(zip(whole, tape.replay(list(whole.values()))))
+        for k, t in tensors.items():  # a shard: its full source alone, then dropped
+            if k not in whole:
+                values[k] = tape.replay([t])[0].clone()
     moved: dict[int, Any] = {}
     for _, _, table, leaf, value in slots:
         new = moved.get(id(value))
         if new is None:
-            data = (values[id(value)].to(device) if id(value) in values
-                    else torch.empty_like(value, device=device) if value.is_meta
-                    else value.detach().to(device))
+            data = (values[id(value)] if value.is_meta else value.detach()).to(device)
             new = (nn.Parameter(data, requires_grad=value.requires_grad)
                    if isinstance(value, nn.Parameter) else data)
             moved[id(value)] = new
         table[leaf] = new
-    if resets:
-        log.warning("delayed init: %s initialised by reset_parameters(), not as the eager "
-                    "build (their meta parameters are not in the construction record: cut "
-                    "or copied after the build)", sorted(resets)[:5])
-        for m in resets.values():
-            m.reset_parameters()  # type: ignore[operator]
     object.__setattr__(module, DELAYED_ATTR, False)
     return module

@@ -1,8 +1,10 @@
 """A delayed model's construction, recorded on meta and replayed per tensor as eagerly built.
 
-Replay runs the ops writing the wanted tensors in order and every other random op on a
-scratch tensor, so each kept tensor draws the eager build's numbers: memory is the kept
-tensors plus one scratch, time the whole model's initialisation. See docs/memory.md.
+Replay runs the ops writing the wanted tensors in order and, the first time, every other
+random op on a scratch tensor, so each kept tensor draws the eager build's numbers; the
+generator state before each random op is kept, so later replays run only their own ops.
+Memory is the kept tensors plus one scratch. A tensor cut from a recorded one (a
+tensor-parallel shard, ``cutting``) is rebuilt from its source. See docs/memory.md.
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ class Tape:
         self._consts: dict[int, torch.UntypedStorage] = {}
         self._unknown: set[int] = set()
         self.initialised: dict[int, bool] = {}
+        self.cut: set[int] = set()
+        """Storages made by ``cutting`` from recorded ones (replayed one at a time)."""
+        self._states: list[torch.Tensor | None] = []  # generator state before ops[i]
+        self._after: torch.Tensor | None = None  # the state after ops[:len(_states)]
         weakref.finalize(self, _forget, self._sid)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> Tape:
@@ -128,9 +134,9 @@ class Tape:
         self._last_rng = torch.get_rng_state()
 
     def record(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
-               out: Any, rng: torch.Tensor | None = None) -> None:
+               out: Any, rng: torch.Tensor | None = None, cut: bool = False) -> None:
         """Append ``func(*args, **kwargs) -> out`` (arguments already registered; ``rng``
-        from ``rng_before``)."""
+        from ``rng_before``; ``cut``: its new storages are cut from recorded ones)."""
         rargs, rkwargs = tree_map(self._arg, (args, kwargs))
         reads = frozenset(r.sid for r in tree_flatten((rargs, rkwargs))[0]
                           if isinstance(r, Ref))
@@ -143,6 +149,8 @@ class Tape:
                 self.initialised[sid] = func.overloadpacket not in _EMPTY and \
                     all(self.initialised[r] for r in reads)
                 fresh.append((i, sid))
+                if cut:
+                    self.cut.add(sid)
         for sid in writes:
             self.initialised[sid] = True
         random = torch.Tag.nondeterministic_seeded in func.tags
@@ -165,6 +173,9 @@ class Tape:
             return "its construction leaves it uninitialised (torch.empty, never written)"
         return None
 
+    def is_cut(self, t: torch.Tensor) -> bool:
+        return self.holds(t) and self.ref(t).sid in self.cut
+
     def replay(self, wanted: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Host tensors equal to ``wanted`` (tensors this tape holds) as an eager build with
         the same seed makes them; see the module docstring."""
@@ -181,15 +192,29 @@ class Tape:
             raise LookupError(f"storages {sorted(unknown)[:5]} were made outside the tape")
         storages = {s: st for s, st in self._consts.items() if s in need}
         saved = torch.get_rng_state()
+        known = len(self._states)
+        states = list(self._states)
         try:
             with torch.no_grad():
-                for op, kept in zip(self.ops, keep):
+                for i, (op, kept) in enumerate(zip(self.ops, keep)):
+                    if i < known:  # the generator state this op drew from is known
+                        state = self._states[i]
+                        if kept and state is not None:
+                            torch.set_rng_state(state)
+                        if kept:
+                            _run(op, storages, scratch=False)
+                        continue
+                    if i == known and self._after is not None:
+                        torch.set_rng_state(self._after)
                     if op.rng is not None:
                         torch.set_rng_state(op.rng)
+                    states.append(torch.get_rng_state() if op.random else None)
                     if kept:
                         _run(op, storages, scratch=False)
                     elif op.random:
                         _run(op, storages, scratch=True)
+                if len(states) > known:
+                    self._states, self._after = states, torch.get_rng_state()
         finally:
             torch.set_rng_state(saved)
         return [_view(storages[r.sid], r) for r in refs]
@@ -263,6 +288,33 @@ class _Recorder(TorchDispatchMode):
             self.tape.rng_after()
         self.tape.record(func, args, kwargs, out, rng)
         return out
+
+
+class _Cutter(TorchDispatchMode):
+    """Records an op reading recorded meta tensors onto their tape (a tensor-parallel
+    shard cut from a delayed weight); every other op runs unrecorded."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
+                           kwargs: dict[str, Any] | None = None) -> Any:
+        kwargs = kwargs or {}
+        tapes = {t for t in map(tape_of, (a for a in tree_flatten((args, kwargs))[0]
+                                          if isinstance(a, torch.Tensor) and a.is_meta))
+                 if t is not None}
+        if len(tapes) != 1 or torch.Tag.nondeterministic_seeded in func.tags:
+            return func(*args, **kwargs)
+        tape = tapes.pop()
+        tree_map(tape._arg, (args, kwargs))
+        out = func(*args, **kwargs)
+        tape.record(func, args, kwargs, out, cut=True)
+        return out
+
+
+@contextmanager
+def cutting() -> Iterator[None]:
+    """Inside, a tensor made from a recorded meta tensor (a shard of a delayed weight) is
+    recorded too, so materialising it gives the slice of the eager build's tensor."""
+    with _Cutter():
+        yield
 
 
 class _FromData(TorchFunctionMode):

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from passes.tensor_parallel import TensorParallelism
+from smp_fx.marking.init_tape import cutting
 
 if TYPE_CHECKING:
     from smp_fx.config import SMPConfig
@@ -93,6 +94,7 @@ def rewrite_inputs(cfg: SMPConfig, rank: int, model: nn.Module) -> TensorParalle
     """What the tensor-parallel rewrite needs of a configuration and a model for tp rank
     ``rank``: the one translation ``DistributedModel`` and ``smp-fx partition`` share
     (degree, batch semantics, the marked modules, ``optimize: "memory"`` -> sequence
-    chunks)."""
+    chunks; shards of delayed-init weights recorded as cut from them)."""
     return TensorParallelism(cfg.tensor_parallel_degree, rank, cfg.prescaled_batch,
-                             marked_paths(model), sequence_parallel=cfg.optimize == "memory")
+                             marked_paths(model), sequence_parallel=cfg.optimize == "memory",
+                             cutting=cutting)

@@ -50,7 +50,7 @@ from cost_model.errors import SMPInternalError
 from passes.plan import PartitionPlan
 from passes.split_stages import StagedProgram
 from passes.tensor_parallel import TensorParallelPlan
-from smp_fx.parallel import ddp, sdp
+from smp_fx.parallel import ddp, ep_zero, sdp
 from smp_fx.parallel.context_parallel import ContextParallelRuntime
 from smp_fx.parallel.ddp import DataParallel, DataParallelOptions
 from smp_fx.parallel.expert_parallel import ExpertParallel
@@ -58,7 +58,7 @@ from smp_fx.parallel.precision import MixedPrecision
 from smp_fx.parallel.sdp import ShardedDataParallel
 from smp_fx.parallel.tensor_parallel import TensorParallelRuntime
 from smp_fx.parallel.tied import TiedReplicas, tied_duplicates, tied_groups
-from smp_fx.parallel.zero import OptimizerShards, ZeroGroup, shard_state, zero_group
+from smp_fx.parallel.zero import OptimizerShards, ZeroGroup, zero_group
 from smp_fx.runtime.executor.compiled import CompileStats, compile_stages
 from smp_fx.runtime.executor.executor import Executor
 from smp_fx.runtime.executor.seams import PostStep, PreStep, StageRunner, StepHooks
@@ -110,11 +110,13 @@ class OptimizerBinding:
     is_distributed: Callable[[torch.Tensor], bool]
     precision: MixedPrecision | None
     zero: ZeroGroup | None
+    experts: frozenset[int] = frozenset()
+    """ids of the expert slices (``expert_parallel_degree`` > 1)."""
 
     def state_shards(self, params: list[torch.Tensor]) -> OptimizerShards | None:
-        """ZeRO-1: ``params`` divided among the rdp ranks (``shard_optimizer_state``), or
-        None (``smp_fx.parallel.zero.shard_state``)."""
-        return shard_state(params, self.zero)
+        """ZeRO-1: ``params`` divided among the rdp ranks, expert slices among their edp
+        ranks (``shard_optimizer_state``), or None (``smp_fx.parallel.ep_zero``)."""
+        return ep_zero.shard_state(params, self.zero, self.experts)
 
 
 @dataclass(frozen=True)
@@ -162,8 +164,10 @@ class Parallelized:
         return self.tied.duplicates if self.tied is not None else frozenset()
 
     def binding(self) -> OptimizerBinding:
+        experts = frozenset(id(p) for a in self.applied if isinstance(a, ExpertParallel)
+                            for p in a.params)
         return OptimizerBinding(tuple(self.local_named_parameters()), self.canonical_names,
-                                self.is_distributed, self.precision, self.zero)
+                                self.is_distributed, self.precision, self.zero, experts)
 
 
 def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
@@ -206,9 +210,10 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
                                         st)
         applied.append(tp)
 
+    cp = None
     if st.axis_size("cp") > 1:
-        applied.append(ContextParallelRuntime.bind(local_named_parameters(runners, canonical),
-                                                   st))
+        cp = ContextParallelRuntime.bind(local_named_parameters(runners, canonical), st)
+        applied.append(cp)
 
     checkpointing = ActivationCheckpointing(plan, runners, cfg.offload_activations)
     applied.append(checkpointing)
@@ -217,14 +222,22 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
                 if cfg.compile != "none" else {})
 
     sharded = None
+    ep = ExpertParallel(experts, runners, options.bucket_cap_mb, st) if experts else None
+    if ep is not None:
+        applied.append(ep)
     if cfg.sharded_data_parallel_degree > 1:
-        sharded = sdp.enable(options, runners, st)
+        sharded = sdp.enable(options, runners, st, ep.params if ep is not None else ())
         applied.append(sharded)
+        if ep is not None:
+            ep.follow(sharded)
         if tp is not None:  # FSDP2 replaced the shards with DTensor parameters
             tp.holding(local_named_parameters(runners, canonical))
+        if cp is not None:
+            cp.holding(p for _, p in local_named_parameters(runners, canonical))
     elif dp is not None:
-        if experts:  # before the wrap: data parallelism leaves the slices alone
-            applied.append(ExpertParallel(experts, runners, dp, options.bucket_cap_mb, st))
+        if ep is not None:  # before the wrap: data parallelism leaves the slices alone
+            dp.ignore(ep.params)
+            ep.follow(dp)
         runners = dp.wrap(runners)
         applied.append(dp)
 

@@ -93,7 +93,8 @@ def global_norm(scope: NormScope, counted: Sequence[torch.Tensor], norm_type: fl
                                     "smp clip_grad_norm_", "use 2.0 (default), 1.0 or inf")
     device = counted[0].device if counted else scope.device
     plain = [g for g in counted if not _is_dtensor(g)]
-    experts = _expert_grads()
+    # ZeRO-1 (``extra_groups``): each expert slice is counted by its one owner per edp group
+    experts = set() if extra_groups else _expert_grads()
     total = _power_sum([g.detach() for g in plain if id(g) not in experts], p, device)
     sharded = _sharded(counted)
     if experts:

@@ -33,6 +33,12 @@ class ContextParallelRuntime:
         self._training = False
         self._before: dict[int, torch.Tensor] = {}
 
+    def holding(self, params: Iterable[nn.Parameter]) -> None:
+        """Sum these parameters' gradients: sharded data parallelism replaced the bound ones
+        with ``DTensor`` parameters, whose gradients are this rank's reduce-scattered shard
+        (summing the shards over cp equals reduce-scattering the cp sum: both are linear)."""
+        self.params = list(params)
+
     @staticmethod
     def bind(local: Iterable[tuple[str, nn.Parameter]], st: state.State
              ) -> ContextParallelRuntime:
@@ -46,13 +52,13 @@ class ContextParallelRuntime:
 
     def pre_step(self, ops: Sequence[Op]) -> None:
         self._training = trains(ops)
-        self._before = {id(p): p.grad.detach().clone() for p in self.params
+        self._before = {id(p): _local(p.grad).detach().clone() for p in self.params
                         if self._training and p.grad is not None}
 
     def post_step(self) -> None:
         if not self._training:
             return
-        grads = [(p, p.grad) for p in self.params if p.grad is not None]
+        grads = [(p, _local(p.grad)) for p in self.params if p.grad is not None]
         if not grads:
             return
         added = [g - self._before[id(p)] if id(p) in self._before else g for p, g in grads]
@@ -65,3 +71,9 @@ class ContextParallelRuntime:
             g.copy_(total if before is None else before + total)
             offset += g.numel()
         self._before = {}
+
+
+def _local(grad: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds of ``grad``: a ``DTensor``'s shard (in place), else itself."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if callable(to_local) else grad

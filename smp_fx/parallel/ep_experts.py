@@ -17,14 +17,15 @@ with biases, a list of expert modules) stays replicated and the coverage says wh
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from cost_model.errors import SMPNotImplementedError
 from smp_fx.expert_ranks import check_experts_divide, expert_slice
+from smp_fx.marking.delayed_init import DELAYED_ATTR, TAPE_ATTR, extending
 from smp_fx.parallel.ep_dispatch import ACTIVATIONS, ep_experts
 from smp_fx.world import state
 
@@ -130,19 +131,19 @@ def replace_experts(model: nn.Module, ep: int, ep_rank: int, st: state.State | N
                 continue
             gate_up, down = child.gate_up_proj, child.down_proj
             num = gate_up.shape[0]
-            if gate_up.is_meta or down.is_meta:
-                raise SMPNotImplementedError.build(
-                    "expert_parallel_degree > 1 with parameters on the meta device (delayed "
-                    "initialization)", ep, where, "build the model with real weights, or set "
-                    "'expert_parallel_degree': 1")
             check_experts_divide(ep, num, where)
             keep = expert_slice(num, ep, ep_rank)
-            if st is not None:
+            delayed = gate_up.is_meta or down.is_meta
+            if st is not None and not delayed:  # delayed: each rank replays the same values
                 _same_as_rdp_root(st, gate_up, down)
-            new = ExpertParallelExperts(
-                gate_up.detach()[keep.start:keep.stop].clone(),
-                down.detach()[keep.start:keep.stop].clone(), num, keep.start,
-                activation_name(child.act_fn) or "")
+            with extending(child) if delayed else nullcontext():  # materialised: the rows
+                new = ExpertParallelExperts(
+                    gate_up.detach()[keep.start:keep.stop].clone(),
+                    down.detach()[keep.start:keep.stop].clone(), num, keep.start,
+                    activation_name(child.act_fn) or "")
+            if delayed:  # the record outlives the replaced module
+                object.__setattr__(new, TAPE_ATTR, getattr(child, TAPE_ATTR, None))
+                object.__setattr__(new, DELAYED_ATTR, True)
             new.gate_up_proj.requires_grad_(gate_up.requires_grad)
             new.down_proj.requires_grad_(down.requires_grad)
             new.train(child.training)

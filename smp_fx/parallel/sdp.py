@@ -148,7 +148,7 @@ class ShardedDataParallel:
     name: ClassVar[str] = "data_parallel"
 
     def __init__(self, options: DataParallelOptions, runners: Mapping[int, StageRunner],
-                 st: state.State) -> None:
+                 st: state.State, whole: Sequence[nn.Parameter] = ()) -> None:
         from torch.distributed.fsdp import fully_shard
 
         cfg = st.config
@@ -174,18 +174,26 @@ class ShardedDataParallel:
                     f"stage {s}", "raise sdp_max_live_parameters or lower "
                     "sdp_reduce_bucket_size")
             named = dict(gm.named_parameters())
-            keep = [named[n] for n in plan.persistent]
-            broadcast_flat([*gm.parameters(), *gm.buffers()], self.src, self.group)
+            apart = {id(p) for p in whole}  # another parallelism's (expert slices)
+            keep = [named[n] for n in plan.persistent if id(named[n]) not in apart]
+            ignored = set(keep) | {p for p in gm.parameters() if id(p) in apart}
+            broadcast_flat([*(p for p in gm.parameters() if id(p) not in apart),
+                            *gm.buffers()], self.src, self.group)
             for unit in plan.units:
                 mods = [gm.get_submodule(t) for t in unit]
-                sharded = fully_shard(mods, mesh=mesh, ignored_params=set(keep))
+                sharded = fully_shard(mods, mesh=mesh, ignored_params=ignored)
                 sharded[0].set_force_sum_reduction_for_comms(True)  # the unit's one state
-            root = fully_shard(gm, mesh=mesh, ignored_params=set(keep))
+            root = fully_shard(gm, mesh=mesh, ignored_params=ignored)
             root.set_force_sum_reduction_for_comms(True)
             self.plans[s] = plan
             self.persistent[s] = keep
             self.buffers += list(gm.buffers())
         self.cap_mb = cfg.sdp_reduce_bucket_size * 4 / 2**20
+
+    @property
+    def reduce_this_step(self) -> bool:
+        """Gradients are reduced at every training step (reduce-scattered by FSDP2)."""
+        return self._training
 
     def hooks(self) -> StepHooks:
         """Before a step: buffers from rdp rank 0; after it: the replicated parameters'
@@ -207,17 +215,18 @@ class ShardedDataParallel:
                 allreduce_grads(buckets(self.persistent[s], self.cap_mb), self.group, self.size)
 
 
-def enable(options: DataParallelOptions, runners: Mapping[int, StageRunner], st: state.State
-           ) -> ShardedDataParallel:
+def enable(options: DataParallelOptions, runners: Mapping[int, StageRunner], st: state.State,
+           whole: Sequence[nn.Parameter] = ()) -> ShardedDataParallel:
     """Shard the local stages of ``runners`` (on every rank, at partitioning; collective
-    over the rdp groups)."""
+    over the rdp groups); ``whole``: parameters left unsharded and unreduced, which another
+    parallelism reduces (expert slices)."""
     if options.backward_passes_per_step != 1:  # SMP defers the reduction; the sum is equal
         log.info("smp-fx sdp: backward_passes_per_step=%d: gradients are reduce-scattered at "
                  "every backward and accumulate in their shards until optimizer.step (the "
                  "same sum as reducing every %d steps)", options.backward_passes_per_step,
                  options.backward_passes_per_step)
     _check_nodes(st)
-    sdp = ShardedDataParallel(options, runners, st)
+    sdp = ShardedDataParallel(options, runners, st, whole)
     log.info("smp-fx sdp: stages %s sharded over %d of %d rdp ranks; units %s",
              sorted(sdp.plans), st.config.sharded_data_parallel_degree, sdp.size,
              {s: len(p.units) for s, p in sdp.plans.items()})

@@ -89,14 +89,16 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def schedule_options(pp: int, m: int, layers: int) -> Iterator[tuple[str, int]]:
-    """(schedule, v) pairs worth pricing at this pipeline degree (module docstring)."""
+def schedule_options(pp: int, m: int, layers: int,
+                     virtual: tuple[int, ...] = VIRTUAL) -> Iterator[tuple[str, int]]:
+    """(schedule, v) pairs worth pricing at this pipeline degree (module docstring);
+    ``virtual``: the v > 1 tried (a fixed v outside ``VIRTUAL`` is tried alone)."""
     if pp == 1:
         yield "interleaved", 1
         return
     for name in ("simple", "interleaved", "zero_bubble"):
         yield name, 1
-    for v in VIRTUAL:
+    for v in virtual:
         if pp * v > max(layers, 1):
             break
         for name in ("interleaved", "simple", "zero_bubble"):
@@ -116,6 +118,7 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
     """Price every candidate of the space (module docstring) not excluded by ``fixed`` or
     ``allowed``; keep the ``top_k`` fastest that fit."""
     fixed = dict(fixed or {})
+    virtual = (int(fixed["vp"]),) if int(fixed.get("vp", 1)) > 1 else VIRTUAL
     start = time.perf_counter()
     n, batch = setting.gpus, setting.global_batch
     gpn = setting.cluster.gpus_per_node
@@ -193,7 +196,8 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
                     for rc in prof.recompute_modes:
                         if not want("recompute", rc):
                             continue
-                        for sched, v in schedule_options(pp, m, layers or 10**9):
+                        for sched, v in schedule_options(pp, m, layers or 10**9,
+                                                         virtual):
                             if not (want("schedule", sched) and want("vp", v)):
                                 continue
                             key = (mbs, tp, sp, rc, pp, v, sched == "zbv")

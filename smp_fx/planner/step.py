@@ -47,6 +47,7 @@ earlier than rank 0, which its exposed reduction may fill.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -56,6 +57,14 @@ from cost_model.collectives import Collective, Fabric, collective_time, p2p_time
 from cost_model.memory import MemoryPerGPU, memory_per_gpu, state_bytes
 from cost_model.schedule_cost import RankTimes, in_flight_at, price_schedule
 from smp_fx.planner.candidate import Candidate
+from smp_fx.planner.overlap import (
+    MEGATRON_CORE,
+    hide_tp,
+    megatron_bucket_elems,
+    megatron_memory,
+    megatron_precision,
+    overlapped,
+)
 from smp_fx.planner.placement import span
 from smp_fx.planner.profile import Profile
 from smp_fx.planner.stages import Ranks
@@ -77,6 +86,9 @@ class Setting:
     step_temporary: bool = False
     """The optimizer step makes a float32 temporary of the parameters it steps (torch's
     Adam on CUDA, ``foreach``; ``cost_model.memory``)."""
+    runtime: str = "smp-fx"
+    """Whose overlaps price the step: smp-fx's, or ``"megatron-core"``'s
+    (``smp_fx.planner.overlap``), to price runs published with Megatron-Core."""
 
     @functools.cached_property
     def fabric(self) -> Fabric:
@@ -191,6 +203,8 @@ def links(c: Candidate, ranks: Ranks, setting: Setting) -> Links:
     occupancy = [0.0] * p
     sends: dict[tuple[int, bool], float] = {}
     for i, (act, grad) in enumerate(ranks.hops):
+        if setting.runtime == MEGATRON_CORE:
+            grad = act  # the loss stays on the last stage: no outputs travel back
         stage = i % p
         across = crosses_node(c, stage, gpn)
         for nbytes in (act, grad):
@@ -202,7 +216,9 @@ def links(c: Candidate, ranks: Ranks, setting: Setting) -> Links:
         occupancy[(stage + 1) % p] += tb
     hop = (send_f + send_b) / (2 * len(ranks.hops)) if ranks.hops else 0.0
     times = []
-    for r, t in enumerate(ranks.times):
+    base = ranks.times if setting.runtime != MEGATRON_CORE else hide_tp(ranks.times,
+                                                                         ranks.tp_s)
+    for r, t in enumerate(base):
         scale = occupancy[r] / t.total_s if t.total_s > 0 and occupancy[r] > t.total_s else 1.0
         times.append(RankTimes(t.fwd_s * scale, t.bwd_s * scale, t.wgrad_s * scale))
     return Links(tuple(times), hop, tuple(occupancy),
@@ -260,6 +276,9 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
                                  + gather / max(ranks.layers[r], 1))
                 # the unsharded small tensors: summed over dp after the step, not hidden
                 exposed[r] = dp("all_reduce", small * s_bytes.reduce).seconds
+        elif setting.runtime == MEGATRON_CORE:
+            exposed, dp_s, zero_s, algorithm = _megatron_dp(c, ranks, lk, dp, s_bytes.reduce,
+                                                             setting.precision)
         else:
             reduce = np.array([dp("all_reduce", per_elems[e][0]).seconds for e in held])
             grads = lk.elems * s_bytes.reduce
@@ -316,15 +335,48 @@ def held_elems(ranks: Ranks, ep: int) -> tuple[int, ...]:
     return tuple(e - x + -(-x // ep) for e, x in zip(ranks.elems, ranks.experts, strict=True))
 
 
+def _megatron_dp(c: Candidate, ranks: Ranks, lk: Links,
+                 dp: Callable[[str, float], Collective], reduce_bytes: int,
+                 precision: str) -> tuple[np.ndarray, float, float, str]:
+    """(exposed per rank, reduction s, gather s, algorithm) of Megatron-Core's data
+    parallelism: gradients reduce-scattered (``zero1``, the distributed optimizer) or
+    all-reduced in buckets beside the last backward, parameters all-gathered beside the
+    first forward (``--overlap-param-gather``), in half precision when training in it."""
+    kind = "reduce_scatter" if c.zero == "zero1" else "all_reduce"
+    param_bytes = 4 if precision == "fp32" else 2
+    bucket = megatron_bucket_elems(c.dp)
+    fwd = lk.total - lk.bwd
+    exposed = np.zeros(len(ranks.elems))
+    reduce_s = gather_s = 0.0
+    for r, e in enumerate(ranks.elems):
+        share = bucket / max(e, 1)
+        red = dp(kind, e * reduce_bytes).seconds
+        exposed[r] = overlapped(red, float(lk.bwd[r]) / c.vp, share)
+        reduce_s = max(reduce_s, red)
+        if c.zero == "zero1":
+            gat = dp("all_gather", e * param_bytes).seconds
+            exposed[r] += overlapped(gat, float(fwd[r]) / c.vp, share)
+            gather_s = max(gather_s, gat)
+    return exposed, reduce_s, gather_s, dp(kind, ranks.elems[0] * reduce_bytes).algorithm
+
+
 def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: int,
             r: int, boundary: int) -> MemoryPerGPU:
+    if setting.runtime == MEGATRON_CORE:
+        return megatron_memory(c.dp, c.zero, ranks.elems[r], setting.precision, _smp_memory(
+            c, ranks, profile, setting, m, r, boundary, megatron_precision(setting.precision)))
+    return _smp_memory(c, ranks, profile, setting, m, r, boundary, setting.precision)
+
+
+def _smp_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: int,
+                r: int, boundary: int, precision: str) -> MemoryPerGPU:
     layer = ranks.layer_elems  # an FSDP unit holds its experts' 1/ep share, as the rank
     if c.ep > 1 and ranks.elems[r]:
         layer = -(-layer * held_elems(ranks, c.ep)[r] // ranks.elems[r])
     return memory_per_gpu(
         elems=ranks.elems[r], buffers=ranks.buffers[r], kept=ranks.kept[r],
         in_flight=in_flight_at(c.schedule, c.pp, m, c.vp, r), transient=ranks.transient[r],
-        precision=setting.precision, zero=c.zero, dp=c.dp, layer_elems=layer,
+        precision=precision, zero=c.zero, dp=c.dp, layer_elems=layer,
         boundary=boundary, output_bytes=profile.output_bytes, pipelined=c.pp > 1,
         tensors=ranks.tensors[r], whole=ranks.small[r] if ranks.small else 0,
         step_temporary=setting.step_temporary,

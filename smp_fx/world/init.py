@@ -8,6 +8,7 @@ leaving some of them blocked in a rendezvous.
 
 from __future__ import annotations
 
+import logging
 import warnings
 
 import torch
@@ -15,7 +16,9 @@ import torch.distributed as dist
 
 from cost_model.errors import SMPConfigError, SMPRuntimeError
 from smp_fx.config import ConfigSource, SMPConfig, load_config, resolve_topology
-from smp_fx.world import expert_groups, launch, order_mode, reports, state
+from smp_fx.world import elastic, expert_groups, launch, order_mode, reports, state
+
+log = logging.getLogger(__name__)
 
 
 def init(config: ConfigSource = None, backend: str | None = None) -> None:
@@ -32,6 +35,7 @@ def init(config: ConfigSource = None, backend: str | None = None) -> None:
     """
     cfg = load_config(config)
     info = launch.detect()
+    cfg, elastic_note = elastic.adjust(cfg, info.world_size)  # a node range's restart
     topology, in_process = resolve_topology(cfg, info.world_size)
     if info.launcher == "existing":
         chosen = str(dist.get_backend())
@@ -62,6 +66,9 @@ def init(config: ConfigSource = None, backend: str | None = None) -> None:
                            groups=groups, object_groups=objects, created=created))
     if order_mode.enabled() and not in_process and topology.world_size > 1:
         order_mode.install(wait, groups, objects)
+    for line in (elastic_note, elastic.shared_store_advice()):
+        if line and info.rank == 0:
+            log.warning(line)
     stage = state.get().axis_rank("pp")
     reports.started(info.rank, stage)  # under smp-fx run: which rank failed first
     reports.install_excepthook(info.rank, stage)

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing.process
+import os
 import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 
@@ -38,3 +41,15 @@ def recording_processes() -> Iterator[list[str]]:
     finally:
         subprocess.Popen.__init__ = popen_init  # type: ignore[method-assign]
         multiprocessing.process.BaseProcess.start = process_start  # type: ignore[method-assign]
+
+
+def run_script_on_cpu(script: str, *args: str, cwd: Path, timeout: float = 300.0
+                      ) -> subprocess.CompletedProcess[str]:
+    """Run the repository's ``script`` (a path from its root) with the GPUs hidden, in its
+    own process; fails the test with its output's tail when it exits non-zero."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, str(root / script), *args], capture_output=True,
+                         text=True, env=env, timeout=timeout, cwd=cwd, check=False)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    return run

@@ -392,7 +392,7 @@ def test_active_microbatches_default_follows_the_schedule() -> None:
         assert cfg.partition_config().virtual_stages == 2
 
 
-def test_context_parallel_divides_the_world_and_runs_with_data_parallelism_only() -> None:
+def test_context_parallel_divides_the_world_and_composes_but_not_with_ep() -> None:
     cfg = _load({"pipeline_parallel_degree": 1, "context_parallel_degree": 2, "ddp": True})
     topo, _ = resolve_topology(cfg, 8)
     assert (topo.cp_size, topo.rdp_size, topo.group("cp", 5)) == (2, 4, [4, 5])
@@ -401,8 +401,9 @@ def test_context_parallel_divides_the_world_and_runs_with_data_parallelism_only(
                          6)
     assert "\n" not in str(err.value)
     for other in ({"pipeline_parallel_degree": 2}, {"tensor_parallel_degree": 2, "ddp": True},
-                  {"sharded_data_parallel_degree": 2, "ddp": True},
-                  {"expert_parallel_degree": 2, "ddp": True}):
+                  {"sharded_data_parallel_degree": 2, "ddp": True}):
+        _load({"pipeline_parallel_degree": 1, "context_parallel_degree": 2, **other})
+    for other in ({"expert_parallel_degree": 2, "ddp": True},):
         with pytest.raises(SMPConfigError, match="context_parallel_degree"):
             _load({"pipeline_parallel_degree": 1, "context_parallel_degree": 2, **other})
 

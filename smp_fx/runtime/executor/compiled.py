@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch._dynamo
 from torch import nn
 
 from cost_model.schedule import SPLIT_BACKWARD

@@ -59,9 +59,10 @@ from passes.split_stages import StagedProgram
 from smp_fx.runtime.executor.conductor import Conductor
 from smp_fx.runtime.executor.flight import FlightRecorder
 from smp_fx.runtime.executor.lowering import LoweredCache, Op
-from smp_fx.runtime.executor.modes import thread_modes
+from smp_fx.runtime.executor.modes import autocast_state, thread_modes
 from smp_fx.runtime.executor.seams import PostStep, PreStep, StageRunner
 from smp_fx.runtime.executor.step_data import MbData, StepRun, StepStats
+from smp_fx.runtime.executor.step_log import StepLog
 from smp_fx.runtime.executor.stragglers import StragglerWatch
 from smp_fx.runtime.executor.turns import Microbatch, Request
 from smp_fx.runtime.memory.activations import ActivationKeeper, prefetch_points
@@ -121,6 +122,7 @@ class Executor:
         self.post_step_hooks: tuple[PostStep, ...] = tuple(post_step_hooks)
         self.stragglers = stragglers  # told each step's split (smp_fx.runtime.executor.stragglers)
         self.stats = StepStats()
+        self.step_log = StepLog()  # each step's time per op (smp.write_measurement)
         # checks a stage's received values against this rank's model call before its
         # forward: (stage, received values by name, rank, call args, call kwargs)
         self.check_received = check_received
@@ -156,6 +158,7 @@ class Executor:
                 for i, mbs in prefetch_points(step.ops, s, self.loading_horizon).items():
                     prefetch.setdefault(i, []).extend((s, mb) for mb in mbs)
         self.stats = StepStats({s: 0 for s in stages}, step.ops)
+        self.step_log.note_inputs(microbatches, autocast_state())
         run = self._run = StepRun(step, scale, [MbData() for _ in microbatches], prefetch,
                                    self.stats)
         self.flight.begin(step.ops)
@@ -175,8 +178,10 @@ class Executor:
         ended = time.monotonic()
         for hook in self.post_step_hooks:
             hook()
+        hooks_s = time.monotonic() - ended
+        self.step_log.step_done(self.flight, ended, hooks_s)
         if self.stragglers is not None:
-            self.stragglers.step_done(self.flight, ended, time.monotonic() - ended)
+            self.stragglers.step_done(self.flight, ended, hooks_s)
         return results
 
     def _execute(self, i: int, op: Op) -> None:

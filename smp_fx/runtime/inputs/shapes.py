@@ -106,8 +106,9 @@ class ShapeGuard:
             shape, exprs = _evaluate(val.shape, values)
             split = meta.TP_SPLIT.get(node)
             split = None if split is None else split % val.dim()
+            local = meta.CP_LOCAL.get(node) or ()  # this rank's tokens: 1/cp of the whole
             symbolic = tuple(i for i, d in enumerate(val.shape)
-                             if not isinstance(d, int) and i != split)
+                             if not isinstance(d, int) and i != split and i not in local)
             out[node.name] = None if shape is None else (shape, exprs, symbolic)
         return out
 

@@ -7,24 +7,18 @@ end at a tiny size so the one GPU run does not fail on plumbing.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[3]
+from tests.helpers.processes import run_script_on_cpu
 
 
 @pytest.mark.multiproc
 def test_plan_gpu_tiny_on_cpu(tmp_path: Path) -> None:
     out = tmp_path / "plan_gpu.json"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, str(ROOT / "benchmarks/plan_gpu.py"), "--tiny",
-                          "--out", str(out)], capture_output=True, text=True, env=env,
-                         timeout=240, cwd=tmp_path)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    run = run_script_on_cpu("benchmarks/plan_gpu.py", "--tiny", "--out", str(out),
+                            cwd=tmp_path, timeout=240)
     assert "step time:  predicted" in run.stdout
     figures = json.loads(out.read_text())
     plan = figures["plan"]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from cost_model.errors import SMPConfigError
 from smp_fx.cli.main import main as cli_main
 from smp_fx.cli.run import build, parser
 
@@ -145,6 +146,19 @@ def test_build_multi_node_passes_through() -> None:
     for part in ("--nnodes 2", "--node-rank 1", "--rdzv-backend c10d",
                  "--rdzv-endpoint h0:29400", "--rdzv-id j1"):
         assert part in joined
+
+
+def test_build_node_range_exports_the_full_world(tmp_path: Path) -> None:
+    cfg = tmp_path / "c.json"
+    cfg.write_text(json.dumps({"pipeline_parallel_degree": 2}))
+    cmd, env = build(_ns("-n", "2", "--nnodes", "1:2", "--rdzv-conf", "last_call_timeout=5",
+                         "--rdzv-endpoint", "h0:29400", "--config", str(cfg), "t.py"), {})
+    assert "--nnodes 1:2" in " ".join(cmd) and "--rdzv-conf last_call_timeout=5" in " ".join(cmd)
+    assert env["SMP_FX_FULL_WORLD_SIZE"] == "4"
+    assert env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
+    cfg.write_text(json.dumps({"pipeline_parallel_degree": 4}))
+    with pytest.raises(SMPConfigError, match="every node count of --nnodes"):
+        build(_ns("-n", "2", "--nnodes", "1:2", "--config", str(cfg), "t.py"), {})
 
 
 def test_bad_config_rejected_by_launcher(tmp_path: Path, capsys: pytest.CaptureFixture[str]

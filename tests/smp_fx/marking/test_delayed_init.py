@@ -65,6 +65,15 @@ def test_tensors_made_outside_the_record_are_refused_by_name() -> None:
         materialize(model, "cpu")
 
 
+def test_parameters_made_outside_the_record_are_refused_not_reset() -> None:
+    """A meta ``nn.Linear`` has ``reset_parameters``, but that is not the eager build's
+    initialisation: refused by name, as any tensor that cannot be replayed."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(2, 2))
+    with pytest.raises(smp_fx.SMPRuntimeError, match=r"0\.weight \(Linear\): .*outside"):
+        materialize(model, "cpu")
+
+
 def _halves(model: nn.Module) -> list[nn.Module]:
     """The modules holding tensors, in two halves (a pp 2 cut, one holder per rank)."""
     owners = [m for m in model.modules()
@@ -124,3 +133,41 @@ def test_distributed_model_in_process_pp2_equals_eager(one_thread: None) -> None
 
     loss = train(model, *x).reduce_mean()
     torch.testing.assert_close(loss, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_cut_shards_materialise_as_slices_of_the_eager_build(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tensor-parallel shards cut from delayed weights (as the rewrite cuts them, padded
+    and strided) materialise as the slices of the eager build's tensors, each replayed
+    alone (one full source held at a time)."""
+    pytest.importorskip("transformers")
+    from passes.tensor_parallel import graph
+    from smp_fx.marking.init_tape import Tape, cutting
+
+    replayed: list[int] = []
+    replay = Tape.replay
+    monkeypatch.setattr(Tape, "replay", lambda self, wanted: (
+        replayed.append(len(wanted)), replay(self, wanted))[1])
+
+    def cuts(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, torch.Tensor]:
+        return {n: graph.shard(graph.pad(t, 0, 3), 0, 2, rank, stride=1 + i % 2)
+                for i, (n, t) in enumerate(tensors.items()) if t.dim() == 2}
+
+    eager = _tensors(hf_zoo.build(name, marked=False))
+    with smp_fx.delay_param_initialization():
+        model = hf_zoo.build(name, marked=False)
+    for rank in (0, 1):
+        with cutting():
+            shards = cuts(_tensors(model), rank)
+        holder = nn.Module()
+        for i, t in enumerate(shards.values()):
+            holder.register_parameter(str(i), nn.Parameter(t))
+        materialize(holder, "cpu")
+        built = dict(zip(shards, holder.parameters()))
+        want = cuts(eager, rank)
+        assert built.keys() == want.keys() and len(want) > 4
+        assert [n for n, t in built.items() if not torch.equal(t, want[n])] == []
+        assert replayed == [0] + [1] * len(shards)  # nothing whole, then each shard alone
+        replayed.clear()
+    assert all(t.is_meta for t in model.parameters())  # the sources stay unallocated

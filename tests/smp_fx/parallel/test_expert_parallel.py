@@ -51,6 +51,19 @@ def _outputs(model: Any, arch: str, x: torch.Tensor) -> tuple[torch.Tensor, torc
     return out if arch in moe_zoo.AUX else (out, torch.zeros(()))
 
 
+def step_function(arch: str) -> Any:
+    """The ``smp.step`` training ``arch`` on cross entropy; it returns the aux loss."""
+    import smp_fx as smp
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        logits, aux = _outputs(model, arch, x)
+        model.backward(_loss(logits, y))
+        return aux
+
+    return train_step
+
+
 def _reference(case: str, parts: int = 2) -> dict[str, Any]:
     """The plain model on the global batch: gradients each step, the final state, and
     each step's load-balancing loss of every microbatch (``parts`` of them: dp x m)."""
@@ -90,12 +103,7 @@ def _train(case: str, ref: dict[str, Any], pp: int = 1, ep: int = 2) -> dict[str
     plain = moe_zoo.build(arch, aux=arch in moe_zoo.AUX)
     model = smp.DistributedModel(moe_zoo.build(arch, aux=arch in moe_zoo.AUX))
     opt = smp.DistributedOptimizer(OPTIMIZERS[opt_name](model.parameters()))
-
-    @smp.step
-    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
-        logits, aux = _outputs(model, arch, x)
-        model.backward(_loss(logits, y))
-        return aux
+    train_step = step_function(arch)
 
     share = GLOBAL_BATCH // smp.dp_size()
     sl = slice(smp.dp_rank() * share, (smp.dp_rank() + 1) * share)

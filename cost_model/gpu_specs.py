@@ -1,0 +1,115 @@
+"""The GPUs the built-in clusters run, from public figures: datasheets, GEMM and attention
+benchmarks, nccl-tests; each number names its source in ``sources``.
+
+The plain ``a100``/``h100``/``v100`` device specs (``cost_model.devices``) stay the rounded
+estimates the golden plans were made with; a cluster carries the sourced GPU. Nothing here
+is fitted on the training runs ``benchmarks/plan_validation.py`` judges; the A100's two
+matmul efficiencies are fitted on Megatron-LM SC'21 Table 1 (``MEGATRON_FIT``, declared).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from cost_model.device import GB, DeviceSpec, GiB, OpRates, Table
+from cost_model.devices import A100, H100
+
+MEGATRON_FIT: Table = ((16.0, 0.03), (96.0, 0.1163), (160.0, 0.1163), (512.0, 0.7906),
+                       (4096.0, 0.7906))
+"""The A100's matmul efficiency by smallest dimension: two figures fitted on Megatron-LM
+SC'21 Table 1 alone (``benchmarks/megatron_table.py --fit``): head-dimension matmuls
+(96-160: attention with the unfused softmax, mask and dropout of those runs) and large
+matmuls (512 and up); the 16 entry is the device's estimate."""
+_FIT_SOURCE = ("fitted on Megatron-LM SC'21 (arXiv 2104.04473) Table 1 only, by "
+               "benchmarks/megatron_table.py --fit (least squares of log predicted / "
+               "published TFLOP/s over its 10 runs); the 16 entry is the a100 spec's "
+               "estimate")
+
+_GH100_CAL = ("smp-fx's own GEMM microbenchmark (benchmarks/plan_gpu.py's calibration, CUDA "
+              "events, torch 2.11 + CUDA 13.0) on an H200 SXM, the H100's GH100 compute die "
+              "at the same 700 W, 2026-11-28 (docs/planning.md, 'On a GPU')")
+HOPPER_MATMUL: Table = ((16.0, 0.058), (128.0, 0.41), (512.0, 0.69), (8192.0, 0.72))
+"""bf16 cuBLAS matmuls on GH100 by smallest dimension, as a fraction of the 989 TFLOP/s
+dense peak: 713 TFLOP/s at large sizes (0.72), 96 % of that from 512, 57 % at 128, 8 % at
+16 (``_GH100_CAL``)."""
+HOPPER_SDPA: OpRates = (("sdpa", 1 / 544e12, 1 / 252e12, 128.0),)
+"""Causal fused attention (PyTorch sdpa, FlashAttention backend) at head dimension 128,
+sequence 1024: 544 TFLOP/s forward, 252 backward, FLOPs counted full-square as
+``cost_model.flops.sdpa_flops`` counts them (``_GH100_CAL``). FlashAttention-3's paper
+(arXiv 2407.08608) reports up to 740 TFLOP/s forward (fp16, 75 % of peak) on H100:
+longer sequences run faster than this rate says."""
+BLACKWELL_MATMUL: Table = ((16.0, 0.037), (128.0, 0.26), (512.0, 0.44), (2048.0, 0.447),
+                           (4096.0, 0.681), (8192.0, 0.716))
+"""bf16 cuBLAS on B200 (PyTorch 2.8, CUDA 12.8) as a fraction of the 2250 TFLOP/s dense
+peak: 1006 TFLOP/s at 2048^3, 1532 at 4096^3, 1610 at 8192^3 (pyptx.dev/performance,
+'Blackwell GEMM' table, cuBLAS column); below 2048 no published figure was found: the
+entries are GH100's curve scaled to meet the B200's 0.447 at 2048 (estimate)."""
+
+_GPU_ELEMENTWISE: Table = ((1e5, 0.1), (1e7, 0.6), (1e8, 0.85))
+_HOST_HIDDEN = ("zero: on a GPU the host enqueues kernels ahead of the device, so eager "
+                "PyTorch's per-op host time hides behind kernels of these sizes; "
+                "benchmarks/plan_gpu.py prices its H200 step within 2 % with it zero")
+_ELEMENTWISE = ("estimate: small kernels are launch-bound, large streaming kernels reach "
+                "about 85-90 % of HBM peak (the H200 calibration measured 4.3 of 4.8 TB/s)")
+
+
+def _sourced(spec: DeviceSpec, notes: dict[str, str]) -> DeviceSpec:
+    return spec.with_sources(op_overheads=_HOST_HIDDEN, elementwise_efficiency=_ELEMENTWISE,
+                             **notes)
+
+
+def _hopper(name: str, bandwidth: float, memory: int, sheet: str) -> DeviceSpec:
+    spec = dataclasses.replace(
+        H100, name=name, mem_bandwidth=bandwidth, memory_bytes=memory,
+        matmul_efficiency=HOPPER_MATMUL, elementwise_efficiency=_GPU_ELEMENTWISE,
+        op_rates=HOPPER_SDPA, op_overheads=(), optimizer_byte_s=7.0 / bandwidth)
+    return _sourced(spec, {
+        "peak_flops_bf16": f"{sheet}: 1,979 TFLOPS BF16 with sparsity, 989.4 dense",
+        "peak_flops_fp32": f"{sheet}: 67 TFLOPS FP32",
+        "mem_bandwidth": sheet, "memory_bytes": sheet,
+        "link_bandwidth": f"{sheet}: NVLink 900 GB/s, half each way",
+        "matmul_efficiency": f"{HOPPER_MATMUL} from {_GH100_CAL}",
+        "op_rates": f"causal sdpa 544 / 252 TFLOP/s (full-square FLOPs) from {_GH100_CAL}"})
+
+
+H100_SXM = _hopper("h100", 3.35e12, 80 * GiB,
+                   "NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB)")
+H200_SXM = _hopper("h200", 4.8e12, int(141 * GB), "NVIDIA H200 Tensor Core GPU datasheet "
+                   "(SXM, 141 GB HBM3e, 4.8 TB/s; the H100's compute)")
+
+_B200_SHEET = ("glennklockwood.com/garden/processors/B200 (HGX B200 at 1000 W: BF16 2250 "
+               "TFLOPS dense, FP32 80)")
+B200 = _sourced(dataclasses.replace(
+    H100, name="b200", peak_flops_fp32=80e12, peak_flops_bf16=2250e12, mem_bandwidth=8e12,
+    memory_bytes=int(179 * GB), link_bandwidth=900 * GB, matmul_efficiency=BLACKWELL_MATMUL,
+    elementwise_efficiency=_GPU_ELEMENTWISE, op_overheads=(),
+    op_rates=(("sdpa", 989.4 / 2250 / 544e12, 989.4 / 2250 / 252e12, 128.0),),
+    optimizer_byte_s=7.0 / 8e12), {
+    "peak_flops_bf16": _B200_SHEET, "peak_flops_fp32": _B200_SHEET,
+    "mem_bandwidth": "docs.vultr.com HGX B200 hardware overview: 8.0 TB/s HBM3e",
+    "memory_bytes": "docs.vultr.com HGX B200 hardware overview: 179 GB as nvidia-smi "
+                    "reports it",
+    "link_bandwidth": "docs.vultr.com HGX B200 hardware overview: NVLink 5 1.8 TB/s "
+                      "bidirectional, half each way",
+    "matmul_efficiency": f"{BLACKWELL_MATMUL} from pyptx.dev/performance's cuBLAS column "
+                         "(bf16 on B200, 2048-8192 cubed); below 2048 GH100's curve "
+                         "scaled (estimate)",
+    "op_rates": "estimate: GH100's measured causal sdpa rates (544 / 252 TFLOP/s) times "
+                "the peak ratio 2250 / 989; no published B200 attention figure was read"})
+
+A100_80GB = dataclasses.replace(A100, matmul_efficiency=MEGATRON_FIT).with_sources(
+    matmul_efficiency=_FIT_SOURCE)
+A100_40GB = dataclasses.replace(A100, name="a100-40gb", mem_bandwidth=1.555e12,
+                                memory_bytes=40 * GiB, optimizer_byte_s=7.0 / 1.555e12,
+                                matmul_efficiency=MEGATRON_FIT).with_sources(
+    mem_bandwidth="NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)",
+    memory_bytes="NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)",
+    matmul_efficiency=_FIT_SOURCE + " (the same silicon as the 80GB part)")
+
+SOURCED_GPUS: dict[str, DeviceSpec] = {
+    "a100-40gb": A100_40GB, "a100-80gb": A100_80GB, "h100-sxm": H100_SXM,
+    "h200-sxm": H200_SXM, "b200": B200}
+"""The GPUs of the built-in clusters; every numeric field names where it comes from."""
+FITTED_ON = {"a100-80gb": ("matmul_efficiency", _FIT_SOURCE),
+             "a100-40gb": ("matmul_efficiency", _FIT_SOURCE)}
+"""Which figure of which GPU is fitted, and on what (the rest are read, not fitted)."""

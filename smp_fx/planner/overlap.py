@@ -1,0 +1,67 @@
+"""Communication as Megatron-Core overlaps it, for pricing runs made with Megatron-Core.
+
+smp-fx's runtime exposes tensor-parallel collectives, reduces gradients from the last
+backward and hands the model's outputs to every pipeline rank (``smp_fx.planner.step``).
+Megatron-Core (``--tp-comm-overlap --overlap-grad-reduce --overlap-param-gather`` and
+its distributed optimizer) does less in the open; these functions price its step, each
+assumption named in docs/planning.md, 'Megatron-Core's overlaps'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from cost_model.memory import MemoryPerGPU, state_bytes
+from cost_model.schedule_cost import RankTimes
+
+SMP_FX = "smp-fx"
+MEGATRON_CORE = "megatron-core"
+RUNTIMES = (SMP_FX, MEGATRON_CORE)
+"""Whose runtime a plan is priced as (``Setting.runtime``)."""
+
+
+def megatron_bucket_elems(dp: int) -> int:
+    """Megatron-Core's default gradient bucket: max(40M, 1M x dp) elements
+    (megatron/core/distributed/distributed_data_parallel.py, core_r0.8.0)."""
+    return max(40_000_000, 1_000_000 * dp)
+
+
+def hide_tp(times: Sequence[RankTimes], tp_s: Sequence[float]) -> tuple[RankTimes, ...]:
+    """Each rank's times with its tensor-parallel collectives run beside its GEMMs
+    (``--tp-comm-overlap``): per microbatch max(compute, communication), not their sum."""
+    out = []
+    for t, comm in zip(times, tp_s):
+        total = t.total_s
+        if total <= 0 or comm <= 0:
+            out.append(t)
+            continue
+        scale = max(total - comm, comm) / total
+        out.append(RankTimes(t.fwd_s * scale, t.bwd_s * scale, t.wgrad_s * scale))
+    return tuple(out)
+
+
+def overlapped(comm: float, beside: float, bucket_share: float) -> float:
+    """What a bucketed collective of ``comm`` seconds leaves exposed when it runs beside
+    ``beside`` seconds of compute: the rest, and never less than its last bucket."""
+    return max(comm - beside, comm * min(1.0, bucket_share))
+
+
+def megatron_precision(precision: str) -> str:
+    """The state Megatron-Core keeps at a precision: bf16 weights with fp32 main gradients
+    and masters (``cost_model.memory.STATE``); fp16 and fp32 as smp-fx keeps them."""
+    return "megatron_bf16" if precision == "bf16" else precision
+
+
+def megatron_memory(dp: int, zero: str, elems: int, precision: str,
+                    mem: MemoryPerGPU) -> MemoryPerGPU:
+    """``mem`` without DDP's bucket copy of the gradients: Megatron-Core's buckets are views
+    of its contiguous main-gradient buffer, already counted as the gradients."""
+    if dp <= 1 or zero == "fsdp":
+        return mem
+    copy = elems * state_bytes(megatron_precision(precision)).grad
+    return dataclasses.replace(mem, buffers=max(0, mem.buffers - copy))
+
+
+__all__ = ["MEGATRON_CORE", "RUNTIMES", "SMP_FX", "hide_tp", "megatron_bucket_elems",
+           "megatron_memory", "megatron_precision", "overlapped"]

@@ -1,0 +1,32 @@
+"""``benchmarks/gpu_check.py --tiny`` on the CPU: every part runs and its table is printed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.processes import run_script_on_cpu
+
+
+@pytest.mark.multiproc
+def test_gpu_check_tiny_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "gpu_check.json"
+    run = run_script_on_cpu("benchmarks/gpu_check.py", "--tiny", "--out", str(out),
+                            cwd=tmp_path)
+    figures = json.loads(out.read_text())
+    assert figures["cuda_tests"]["returncode"] == 0 and figures["cuda_tests"]["skipped"] > 0
+    checks = [r["check"] for r in figures["rows"]]
+    assert checks == ["GPT pp 1, eager", "GPT pp 1, compile: aot_eager",
+                      "GPT pp 2 in one process, 4 microbatches"]
+    eager, compiled, pp2 = figures["rows"]
+    assert eager["predicted_step_s"] == compiled["predicted_step_s"] > 0
+    assert pp2["predicted_step_s"] is None
+    for r in figures["rows"]:
+        assert r["measured_step_s"] > 0 and r["losses"][-1] < r["losses"][0]  # it trained
+        assert r["peak_memory_bytes"] is None  # CPU: not measured
+    # one model, one batch, one seed: the three runs agree (bf16 autocast, hence loose)
+    for r in (compiled, pp2):
+        assert r["losses"] == pytest.approx(eager["losses"], rel=1e-2)
+    assert figures["table"] in run.stdout and "| CUDA tests" in figures["table"]

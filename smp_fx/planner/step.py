@@ -35,7 +35,8 @@ runtime runs it:
    (optimistic for short sequences, where smaller matmuls run slower), and the gradients
    are reduced over cp x dp ranks. A rank reduces, gathers and steps its 1/ep of the
    experts (``held_elems``), priced over all of dp (they reduce over dp / ep ranks: an
-   upper bound). Each group is priced where the worst one of the layout runs
+   upper bound); under ``fsdp`` its expert slices stay whole, all-reduced after the
+   step. Each group is priced where the worst one of the layout runs
    (``smp_fx.planner.placement``: uneven spans over nodes included).
 5. **Optimizer**: ``DeviceSpec.optimizer_time`` over the rank's (sharded) fp32 state; the
    runtime's fixed cost per step.
@@ -268,14 +269,16 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
         if c.zero == "fsdp":
             for r in range(p):
                 small = ranks.small[r] if ranks.small else 0
-                big = held[r] - small
+                whole = held[r] - ranks.elems[r] + ranks.experts[r] if c.ep > 1 else 0
+                big = held[r] - small - whole
                 gather = dp("all_gather", big * s_bytes.param).seconds
                 per_mb = 2 * gather + dp("reduce_scatter", big * s_bytes.reduce).seconds
                 fsdp_s = max(fsdp_s, m * per_mb)
                 fsdp_extra = max(fsdp_extra, m * max(0.0, per_mb - float(lk.total[r]))
                                  + gather / max(ranks.layers[r], 1))
-                # the unsharded small tensors: summed over dp after the step, not hidden
-                exposed[r] = dp("all_reduce", small * s_bytes.reduce).seconds
+                # the unsharded small tensors and expert slices (kept whole at ep > 1):
+                # summed over dp after the step, not hidden
+                exposed[r] = dp("all_reduce", (small + whole) * s_bytes.reduce).seconds
         elif setting.runtime == MEGATRON_CORE:
             exposed, dp_s, zero_s, algorithm = _megatron_dp(c, ranks, lk, dp, s_bytes.reduce,
                                                              setting.precision)
@@ -370,9 +373,9 @@ def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: i
 
 def _smp_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: int,
                 r: int, boundary: int, precision: str) -> MemoryPerGPU:
-    layer = ranks.layer_elems  # an FSDP unit holds its experts' 1/ep share, as the rank
+    layer = ranks.layer_elems  # an FSDP unit at ep > 1 gathers all but its expert slices
     if c.ep > 1 and ranks.elems[r]:
-        layer = -(-layer * held_elems(ranks, c.ep)[r] // ranks.elems[r])
+        layer = -(-layer * (ranks.elems[r] - ranks.experts[r]) // ranks.elems[r])
     return memory_per_gpu(
         elems=ranks.elems[r], buffers=ranks.buffers[r], kept=ranks.kept[r],
         in_flight=in_flight_at(c.schedule, c.pp, m, c.vp, r), transient=ranks.transient[r],

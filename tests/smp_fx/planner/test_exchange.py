@@ -74,6 +74,16 @@ def test_a_rank_reduces_its_share_of_the_experts(mixtral) -> None:
     assert two.comm.dp == pytest.approx(reduce.seconds)
 
 
+def test_expert_slices_stay_whole_under_fsdp(mixtral) -> None:
+    profiler, ranks, experts, _ = mixtral
+    setting = Setting(CLUSTER, 4, 4 * MBS)
+    prof = profiler(MBS, 1, False)
+    sharded = Candidate(1, 1, 4, MBS, 1, "interleaved", "none", False, "fsdp", 2, 1)
+    mem = price(sharded, ranks, prof, setting).memory
+    s = state_bytes("bf16")
+    assert mem.params >= experts // 2 * s.param and mem.optimizer >= experts // 2 * s.optimizer
+
+
 def test_dispatch_is_tokens_times_top_k_times_hidden(mixtral) -> None:
     _, ranks, _, cfg = mixtral
     picks = MBS * SEQ * cfg["num_experts_per_tok"]

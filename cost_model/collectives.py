@@ -14,7 +14,9 @@ from dataclasses import dataclass
 
 from cost_model.errors import SMPConfigError
 
-KINDS = ("all_reduce", "all_gather", "reduce_scatter")
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+"""``all_to_all``: ``nbytes`` is one rank's buffer, ``1/size`` of it kept, the rest sent
+to the other ranks directly (``algorithm`` ``direct``), not around a ring."""
 TREE_BANDWIDTH_FACTOR = 0.9
 """NCCL's tree bus bandwidth is 0.9 of the ring's (``tuning.cc``: ``busBw * .9``)."""
 
@@ -50,7 +52,7 @@ class Collective:
     """The time of one collective and how NCCL would run it."""
 
     seconds: float
-    algorithm: str  # "ring", "tree" or "none" (one rank, no bytes)
+    algorithm: str  # "ring", "tree", "direct" (all-to-all) or "none" (one rank, no bytes)
     bus_bandwidth: float
 
 
@@ -106,10 +108,12 @@ def collective_time(kind: str, nbytes: float, size: int, fabric: Fabric, *, node
     steps = ring_steps(kind, size)
     if steps == 0 or nbytes <= 0:
         return Collective(0.0, "none", 0.0)
-    if nodes < 1 or nodes > size or size % nodes:
-        raise SMPConfigError.build("a group spreads evenly over its nodes", (size, nodes),
+    if nodes < 1 or nodes > size:
+        raise SMPConfigError.build("a group spans 1 to size nodes", (size, nodes),
                                    "cost_model.collectives.collective_time",
-                                   "give nodes dividing the group size")
+                                   "give nodes between 1 and the group size")
+    if kind == "all_to_all":
+        return _all_to_all(nbytes, size, fabric, nodes, concurrent)
     bus = bus_bandwidth(fabric, size, nodes, concurrent)
     inter_steps = ring_steps(kind, nodes)
     ring_lat = (steps - inter_steps) * fabric.intra_latency_s \
@@ -117,13 +121,33 @@ def collective_time(kind: str, nbytes: float, size: int, fabric: Fabric, *, node
     ring = ring_lat + nbytes * steps / (size * bus)
     best = Collective(ring, "ring", bus)
     if kind == "all_reduce" and nodes > 1:
-        per_node = size // nodes
+        per_node = -(-size // nodes)  # the fullest node's chain
         tree_lat = 2 * ((per_node - 1) * fabric.intra_latency_s
                         + math.log2(nodes) * fabric.inter_latency_s)
         tree = tree_lat + nbytes / (TREE_BANDWIDTH_FACTOR * bus / 2)
         if tree < ring:
             best = Collective(tree, "tree", TREE_BANDWIDTH_FACTOR * bus)
     return best
+
+
+def _all_to_all(nbytes: float, size: int, fabric: Fabric, nodes: int,
+                concurrent: int) -> Collective:
+    """Every rank sends ``1/size`` of ``nbytes`` to each other rank at once: each GPU's
+    NVLink carries its ``(size - 1)/size``; the fullest node's network (shared by
+    ``concurrent`` crossing groups) carries what its ranks send off the node.
+
+    >>> f = Fabric(300e9, 0.0, 200e9, 0.0, 8)
+    >>> collective_time("all_to_all", 8e9, 16, f, nodes=2).seconds  # 8 x 8e9 x 8/16 / 2e11
+    0.16
+    """
+    local = -(-size // nodes)
+    intra = nbytes * (size - 1) / size / fabric.intra_bandwidth
+    if nodes == 1:
+        return Collective(fabric.intra_latency_s + intra, "direct", fabric.intra_bandwidth)
+    off_node = local * nbytes * (size - local) / size
+    inter = off_node * max(concurrent, 1) / fabric.inter_bandwidth
+    return Collective(fabric.inter_latency_s + max(intra, inter), "direct",
+                      fabric.inter_bandwidth / max(concurrent, 1))
 
 
 def p2p_time(nbytes: float, fabric: Fabric, *, across_nodes: bool) -> float:

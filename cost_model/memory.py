@@ -25,7 +25,12 @@ the partition plan (``passes.plan``) and the runtime's measured tensors agree on
 degree (Adam's per-tensor step counters, 4 bytes each, count too); ``fsdp``
 (``sharded_data_parallel_degree`` = dp) divides everything but the tensors below SMP's
 ``sdp_param_persistence_threshold`` (``whole``: kept on every rank) and gathers
-two layers' parameters at a time (FSDP2 prefetches one unit ahead). Activations are the
+two layers' parameters at a time (FSDP2 prefetches one unit ahead). Expert parallelism
+(``ep``) keeps 1/ep of the ``experts`` elements, their state sharded over the dp / ep
+ranks holding the same experts (under ``fsdp`` at ep > 1 they stay whole, as the runtime
+keeps its expert slices); context parallelism (``cp``) keeps 1/cp of each
+microbatch's activations (the sequence is split) and the rest of the keys and values its
+attentions gathered (``gathered``: their bytes at the whole sequence). Activations are the
 bytes a microbatch keeps on the rank (``smp_fx.planner.profile``) times the microbatches
 the schedule holds in flight there (``cost_model.schedule_cost.in_flight_at``), plus the
 largest recompute transient. Buffers: DDP's gradient buckets (a copy of the gradients:
@@ -173,11 +178,14 @@ class MemoryPerGPU:
 def memory_per_gpu(*, elems: int, buffers: int, kept: int, in_flight: float, transient: int,
                    precision: str, zero: str, dp: int, layer_elems: int, boundary: int,
                    output_bytes: int, pipelined: bool, tensors: int = 0,
-                   whole: int = 0, step_temporary: bool = False) -> MemoryPerGPU:
+                   whole: int = 0, step_temporary: bool = False, experts: int = 0,
+                   ep: int = 1, cp: int = 1, gathered: int = 0) -> MemoryPerGPU:
     """One rank's peak: ``elems`` trainable parameter elements, ``buffers`` bytes of
     buffers, ``kept`` activation bytes per microbatch held ``in_flight`` times,
     ``boundary`` the bytes of one pipeline message; ``step_temporary``: the optimizer
-    makes a float32 temporary of the parameters it steps (torch's foreach Adam).
+    makes a float32 temporary of the parameters it steps (torch's foreach Adam);
+    ``experts`` of ``elems`` split over ``ep`` ranks, activations over ``cp`` (less the
+    ``gathered`` keys and values, kept whole).
 
     >>> m = memory_per_gpu(elems=10, buffers=0, kept=100, in_flight=2, transient=0,
     ...                    precision="bf16", zero="none", dp=1, layer_elems=10, boundary=0,
@@ -186,8 +194,15 @@ def memory_per_gpu(*, elems: int, buffers: int, kept: int, in_flight: float, tra
     (40, 40, 80, 200, 360)
     """
     s = state_bytes(precision)
-    state = model_state(elems, precision=precision, zero=zero, dp=dp, tensors=tensors,
-                        whole=whole)
+    local_experts = -(-experts // ep)
+    state = model_state(elems - experts, precision=precision, zero=zero, dp=dp,
+                        tensors=tensors, whole=whole)
+    if experts:
+        held = model_state(local_experts, precision=precision,
+                           zero="none" if zero == "fsdp" and ep > 1 else zero, dp=dp // ep)
+        state = ModelState(state.params + held.params, state.grads + held.grads,
+                           state.optimizer + held.optimizer)
+    elems = elems - experts + local_experts
     comm = 0
     if zero == "fsdp" and dp > 1:
         comm += 2 * layer_elems * (s.param + s.grad)  # two gathered units and their grads
@@ -199,7 +214,9 @@ def memory_per_gpu(*, elems: int, buffers: int, kept: int, in_flight: float, tra
     if zero != "none" and dp > 1:
         stepped = -(-stepped // dp)
     return MemoryPerGPU(state.params, state.grads, state.optimizer,
-                        int(round(kept * in_flight)), int(transient), int(comm + buffers),
+                        int(round((kept + gathered * (cp - 1)) * in_flight / cp)),
+                        -(-int(transient) // cp),
+                        int(comm + buffers),
                         2 * int(output_bytes), int(stepped) if step_temporary else 0)
 
 

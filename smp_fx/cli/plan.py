@@ -106,7 +106,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    "(foreach: a float32 temporary of the parameters at the step) or a fused "
                    "one (apex, torch's fused=True: none)")
     p.add_argument("--fix", help="tp=8,pp=8,... (keys tp pp dp mbs vp schedule recompute sp "
-                                 "zero): price these, search the rest")
+                                 "zero ep cp): price these, search the rest")
     p.add_argument("--top", type=int, default=5, help="plans to show")
     p.add_argument("--max-mbs", type=int, default=64, help="largest microbatch size tried")
     p.add_argument("--json", metavar="FILE", help="write model, cluster, best and candidates")

@@ -16,22 +16,26 @@ from smp_fx.planner.planner import Planned
 from smp_fx.planner.result import PlanRecord
 from smp_fx.planner.step import crosses_node
 
-HEADER = ("#", "tp", "pp", "dp", "mbs", "m", "schedule", "v", "recompute", "sp", "zero",
+HEADER = ("#", "tp", "pp", "dp", "ep", "cp", "mbs", "m", "schedule", "v", "recompute", "sp",
+          "zero",
           "step", "tokens/s", "TF/GPU model", "TF/GPU hw", "MFU", "mem/GPU", "bubble",
-          "tp comm", "pp comm", "dp comm (exposed)")
+          "tp comm", "pp comm", "dp comm (exposed)", "ep a2a", "cp kv")
 """Communication per step on the busiest rank; dp comm is the gradient all-reduce (and
-ZeRO-1's parameter broadcast), or FSDP's gathers and reduce-scatters."""
+ZeRO-1's parameter broadcast), or FSDP's gathers and reduce-scatters; ep a2a the expert
+dispatch's all-to-alls, cp kv context parallelism's K/V all-gathers and reduce-scatters."""
 
 
 def _row(i: int, r: PlanRecord) -> list[str]:
     comm = r.details.get("comm", {})
-    return [str(i), str(r.tp), str(r.pp), str(r.dp), str(r.mbs), str(r.microbatches),
+    return [str(i), str(r.tp), str(r.pp), str(r.dp), str(r.ep), str(r.cp), str(r.mbs),
+            str(r.microbatches),
             r.schedule, str(r.vp), r.recompute, "y" if r.sp else "-", r.zero,
             human_time(r.step_time_s), f"{r.tokens_per_s:,.0f}",
             f"{r.model_tflops_per_gpu:.1f}", f"{r.hardware_tflops_per_gpu:.1f}",
             f"{r.mfu:.1%}", human_bytes(r.memory_bytes_per_gpu), f"{r.bubble_fraction:.1%}",
             human_time(comm.get("tp_s", 0.0)), human_time(comm.get("pp_s", 0.0)),
-            _dp_cell(r.zero, comm)]
+            _dp_cell(r.zero, comm), human_time(comm.get("ep_s", 0.0)),
+            human_time(comm.get("cp_s", 0.0))]
 
 
 def _dp_cell(zero: str, comm: dict) -> str:
@@ -45,7 +49,7 @@ def _dp_cell(zero: str, comm: dict) -> str:
 def format_plans(planned: Planned) -> str:
     """The top plans, best first, then why the best wins and what the search did."""
     rows = [_row(i + 1, r) for i, r in enumerate(planned.records)]
-    right = [True] * 6 + [False] + [True] + [False] * 3 + [True] * 10
+    right = [True] * 8 + [False] + [True] + [False] * 3 + [True] * 12
     lines = _table(HEADER, rows, right)
     res, setting = planned.result, planned.setting
     best = planned.best
@@ -58,6 +62,13 @@ def format_plans(planned: Planned) -> str:
               f"layers per pipeline rank: {best.details.get('layers_per_rank')}",
               f"searched {res.considered:,} candidates ({res.fitting:,} fit) with "
               f"{res.profiles} part pricings in {res.seconds:.1f} s"]
+    if res.runtime_refused:
+        lines.append(f"left out {res.runtime_refused:,} candidates with ep or cp > 1 that "
+                     "smp.init refuses (smp_fx.config.combination_refusal)")
+    for i, r in enumerate(planned.records):
+        if "refused" in r.details:
+            lines.append(f"#{i + 1} is a what-if (--fix): smp.init refuses it today: "
+                         f"{r.details['refused']}")
     for why, n in sorted(res.refused.items(), key=lambda kv: -kv[1])[:4]:
         lines.append(f"left out: {why} ({n:,})")
     return "\n".join(lines)

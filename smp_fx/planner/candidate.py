@@ -4,7 +4,9 @@ A ``Candidate`` is everything a plan decides: the tensor, pipeline and data para
 degrees, the microbatch size (the count follows from the global batch), the virtual
 stages per rank and the schedule, what is recomputed, sequence parallelism and the
 sharding of optimizer state or of everything (``zero1``: SMP's ``shard_optimizer_state``;
-``fsdp``: ``sharded_data_parallel_degree`` = dp).
+``fsdp``: ``sharded_data_parallel_degree`` = dp), the expert-parallel degree (``ep``: an ep
+group carved out of the dp ranks) and the context-parallel degree (``cp``: GPUs = tp x pp
+x cp x dp, each sequence split over the cp ranks).
 """
 
 from __future__ import annotations
@@ -19,8 +21,8 @@ from cost_model.memory import ZERO
 from cost_model.schedule_cost import SCHEDULES
 from smp_fx.planner.profile import RECOMPUTE
 
-FIX_KEYS = ("tp", "pp", "dp", "mbs", "vp", "schedule", "recompute", "sp", "zero")
-_INTS = ("tp", "pp", "dp", "mbs", "vp")
+FIX_KEYS = ("tp", "pp", "dp", "mbs", "vp", "schedule", "recompute", "sp", "zero", "ep", "cp")
+_INTS = ("tp", "pp", "dp", "mbs", "vp", "ep", "cp")
 
 
 @dataclass(frozen=True, order=True)
@@ -36,10 +38,12 @@ class Candidate:
     recompute: str
     sp: bool
     zero: str
+    ep: int = 1
+    cp: int = 1
 
     @property
     def gpus(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.cp * self.dp
 
     def microbatches(self, global_batch: int) -> int:
         return global_batch // (self.dp * self.mbs)
@@ -53,6 +57,7 @@ class Candidate:
             parts.append("sp")
         if self.zero != "none":
             parts.append(self.zero)
+        parts.extend(f"{k}{n}" for k, n in (("ep", self.ep), ("cp", self.cp)) if n > 1)
         return " ".join(parts)
 
     def to_json(self) -> dict[str, Any]:

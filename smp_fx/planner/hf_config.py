@@ -7,7 +7,8 @@ decoder layers, not all of them: ``torch.export`` takes about a second per layer
 planner prices two layers whatever the depth. The prepared model then stands for the full
 depth (``deepen``): its repeated layer counts ``num_hidden_layers - 1`` times and its
 parameters are the full model's. A config whose layers differ by index (a per-layer list
-whose entries differ, as Gemma 2's alternating attention) is built and traced whole.
+whose entries differ, as Gemma 2's alternating attention) is built and traced whole, but
+for DeepSeek's few dense layers before the MoE ones, priced as MoE layers (logged).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ from smp_fx.planner.profile import model_dtype
 
 log = logging.getLogger("smp_fx.planner.hf_config")
 
+DENSE_PREFIX = "first_k_dense_replace"
+"""DeepSeek's count of dense layers before the MoE ones (``shallow`` keeps MoE layers)."""
 ATTENTION = "sdpa"
 """The attention kernel the model is built with: what training runs (fused, no s x s
 scores kept for backward), not the eager reference."""
@@ -103,6 +106,12 @@ def shallow(config: Any) -> Any | None:
                 return None
             setattr(out, key, type(value)(value[:KEPT + 1]))
     out.num_hidden_layers = KEPT + 1
+    dense = int(getattr(config, DENSE_PREFIX, 0) or 0)
+    if dense:
+        log.warning("%s = %d: the dense layers before the MoE ones are priced as MoE layers "
+                    "(their FLOPs per token about equal by design; the experts' parameters "
+                    "over-counted by %d layers' worth)", DENSE_PREFIX, dense, dense)
+        setattr(out, DENSE_PREFIX, 0)
     return out
 
 
@@ -163,5 +172,5 @@ def prepare_config(path: str | Path, seq_len: int, precision: str = "bf16",
     return prepare(causal_lm(config, precision, where), inputs, name, frontend)
 
 
-__all__ = ["ATTENTION", "CausalLMLogits", "causal_lm", "config_file", "deepen",
-           "load_config", "prepare_config", "shallow"]
+__all__ = ["ATTENTION", "DENSE_PREFIX", "CausalLMLogits", "causal_lm", "config_file",
+           "deepen", "load_config", "prepare_config", "shallow"]

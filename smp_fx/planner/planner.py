@@ -62,7 +62,8 @@ def plan(prepared: Prepared, setting: Setting, *, fixed: Mapping[str, Any] | Non
     peak = setting.cluster.device.peak_flops("float32" if setting.precision == "fp32"
                                              else "bfloat16")
     records = [record(p, model_flops_per_sample=flops, global_batch=setting.global_batch,
-                      tokens_per_sample=prepared.info.tokens_per_sample, peak_flops=peak)
+                      tokens_per_sample=prepared.info.tokens_per_sample, peak_flops=peak,
+                      refused=result.what_if.get(p.candidate))
                for p in result.ranked]
     reason = explain(result.ranked[0], result.ranked[1]) if len(result.ranked) > 1 else \
         "the only candidate that fits"

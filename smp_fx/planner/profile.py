@@ -40,6 +40,7 @@ from passes.checkpoint_regions import COMPUTE, Region, stage_activations
 from passes.shape_prop import shape_prop
 from passes.tensor_parallel import TensorParallelism, tensor_parallel
 from passes.tensor_parallel.costs import COLLECTIVES
+from smp_fx.planner.exchange import dispatch_bytes, expert_ids, kv_bytes
 from smp_fx.planner.layers import KEPT, Repeats, layer_of
 
 RECOMPUTE = ("none", "selective", "full")
@@ -76,6 +77,12 @@ class PartCost:
     small_elems: int = 0
     """Elements of its trainable tensors below ``PERSISTENCE_THRESHOLD`` (shared ones
     included): sharded data parallelism keeps them whole."""
+    expert_elems: int = 0
+    """Of ``param_elems``, the experts expert parallelism splits (``exchange``)."""
+    dispatch_bytes: int = 0
+    """Bytes its MoE blocks' all-to-all sends each way per dispatch (``exchange``)."""
+    kv_bytes: int = 0
+    """Bytes of its attentions' keys and values at the whole sequence (``exchange``)."""
 
     def times(self, recompute: str) -> tuple[float, float]:
         """(forward, backward) seconds; the backward re-runs what is recomputed."""
@@ -171,7 +178,7 @@ def _param_table(gm: torch.fx.GraphModule) -> dict[str, tuple[int, int, bool]]:
 
 def _part_cost(nodes: list[torch.fx.Node], later: set[torch.fx.Node], layer: bool,
                table: dict[str, tuple[int, int, bool]], readers: dict[int, int],
-               names: dict[int, str]) -> PartCost:
+               names: dict[int, str], experts: dict[int, int]) -> PartCost:
     costs = [meta.COST.get(n) for n in nodes if meta.COST.get(n) is not None]
     tp_f = tp_b = wgrad = 0.0
     for n in nodes:
@@ -193,7 +200,7 @@ def _part_cost(nodes: list[torch.fx.Node], later: set[torch.fx.Node], layer: boo
             saved_sel, transient_sel = _with_regions(nodes, cores)
             sel_s = sum(meta.COST.get(n).fwd_time_s for c in cores for n in c)
             sel_flops = sum(meta.COST.get(n).fwd_flops for c in cores for n in c)
-    own_elems = own_tensors = buffers = small = 0
+    own_elems = own_tensors = buffers = small = expert_elems = pick = 0
     shared: dict[str, int] = {}
     seen: set[int] = set()
     for n in nodes:
@@ -213,6 +220,8 @@ def _part_cost(nodes: list[torch.fx.Node], later: set[torch.fx.Node], layer: boo
                 shared[names[tid]] = size
             else:
                 own_elems, own_tensors = own_elems + size, own_tensors + 1
+                if tid in experts:
+                    expert_elems, pick = expert_elems + size, max(pick, experts[tid])
     out_bytes = sum(_nbytes(n) for n in nodes if any(u in later for u in n.users))
     return PartCost(
         fwd_s=sum(c.fwd_time_s for c in costs), bwd_s=sum(c.bwd_time_s for c in costs),
@@ -222,7 +231,8 @@ def _part_cost(nodes: list[torch.fx.Node], later: set[torch.fx.Node], layer: boo
         saved_selective=saved_sel, transient_selective=transient_sel, selective_fwd_s=sel_s,
         selective_flops=sel_flops, param_elems=own_elems, param_tensors=own_tensors,
         shared=tuple(sorted(shared.items())), buffer_bytes=buffers, out_bytes=out_bytes,
-        small_elems=small)
+        small_elems=small, expert_elems=expert_elems,
+        dispatch_bytes=dispatch_bytes(nodes, pick), kv_bytes=kv_bytes(nodes))
 
 
 def _nbytes(node: torch.fx.Node) -> int:
@@ -237,6 +247,7 @@ def price_parts(gm: torch.fx.GraphModule, repeats: Repeats | None
     bytes of head values the repeated layer reads and of the model's outputs."""
     parts = split_parts(gm, repeats)
     table = _param_table(gm)
+    experts = expert_ids(gm)
     part_of = {n: i for i, nodes in enumerate(parts) for n in nodes}
     readers: dict[int, set[int]] = {}
     names: dict[int, str] = {}
@@ -252,7 +263,7 @@ def price_parts(gm: torch.fx.GraphModule, repeats: Repeats | None
     for i, nodes in enumerate(parts):
         later = {n for n, j in part_of.items() if j > i}
         layer = repeats is not None and 1 <= i <= KEPT
-        out.append(_part_cost(nodes, later, layer, table, counts, names))
+        out.append(_part_cost(nodes, later, layer, table, counts, names, experts))
     relay = 0
     if repeats is not None:
         repeated = set(parts[KEPT])

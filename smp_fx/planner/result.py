@@ -17,8 +17,8 @@ from cost_model.units import human_time
 from smp_fx.planner.candidate import Candidate
 from smp_fx.planner.step import Priced
 
-PLAN_KEYS = ("tp", "pp", "dp", "mbs", "microbatches", "vp", "schedule", "recompute", "sp",
-             "zero", "step_time_s", "memory_bytes_per_gpu", "bubble_fraction",
+PLAN_KEYS = ("tp", "pp", "dp", "ep", "cp", "mbs", "microbatches", "vp", "schedule",
+             "recompute", "sp", "zero", "step_time_s", "memory_bytes_per_gpu", "bubble_fraction",
              "model_tflops_per_gpu", "hardware_tflops_per_gpu", "mfu")
 
 
@@ -47,18 +47,21 @@ class PlanRecord:
     hardware_tflops_per_gpu: float
     mfu: float
     tokens_per_s: float = 0.0
+    ep: int = 1
+    cp: int = 1
     details: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     @property
     def candidate(self) -> Candidate:
         return Candidate(self.tp, self.pp, self.dp, self.mbs, self.vp, self.schedule,
-                         self.recompute, self.sp, self.zero)
+                         self.recompute, self.sp, self.zero, self.ep, self.cp)
 
     def fix_text(self) -> str:
         """The ``--fix`` argument that prices exactly this plan again."""
         c = self.candidate
         return (f"tp={c.tp},pp={c.pp},dp={c.dp},mbs={c.mbs},vp={c.vp},schedule={c.schedule},"
-                f"recompute={c.recompute},sp={str(c.sp).lower()},zero={c.zero}")
+                f"recompute={c.recompute},sp={str(c.sp).lower()},zero={c.zero},ep={c.ep},"
+                f"cp={c.cp}")
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -73,9 +76,11 @@ class PlanRecord:
 
 
 def record(p: Priced, *, model_flops_per_sample: float, global_batch: int,
-           tokens_per_sample: int, peak_flops: float) -> PlanRecord:
+           tokens_per_sample: int, peak_flops: float, refused: str | None = None
+           ) -> PlanRecord:
     """The record of a priced candidate; TFLOP/s per GPU counted as the model's FLOPs
-    (forward and backward, once) and as the FLOPs the GPUs execute (recompute included)."""
+    (forward and backward, once) and as the FLOPs the GPUs execute (recompute included);
+    ``refused``: the rule by which ``smp.init`` refuses it (a what-if ``--fix`` priced)."""
     c = p.candidate
     gpus = c.gpus
     step = p.step_time_s
@@ -87,10 +92,12 @@ def record(p: Priced, *, model_flops_per_sample: float, global_batch: int,
         "memory": p.memory.to_json(), "memory_rank": p.memory_rank,
         "layers_per_rank": list(p.layers_per_rank),
     }
+    if refused is not None:
+        details["refused"] = refused
     return PlanRecord(c.tp, c.pp, c.dp, c.mbs, p.microbatches, c.vp, c.schedule, c.recompute,
                       c.sp, c.zero, _r(step), int(p.memory_bytes), _r(p.bubble_fraction),
                       _r(model_tf), _r(hw_tf), _r(model_tf * 1e12 / peak_flops),
-                      _r(global_batch * tokens_per_sample / step), details)
+                      _r(global_batch * tokens_per_sample / step), c.ep, c.cp, details)
 
 
 def explain(best: Priced, runner: Priced) -> str:

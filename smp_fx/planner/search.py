@@ -13,24 +13,42 @@ layers); dp is the rest and divides the global batch; the microbatch size divide
 per-replica batch (at most ``max_mbs``); v in 1, 2, 3, 4, 6, 8 for ``interleaved``,
 ``simple`` (looped BFS) and ``zero_bubble``, 2 for ``zbv``; recompute none, selective,
 full (only none without repeated layers); sp with tp > 1; sharding none, zero1 and fsdp
-with dp > 1. ``allowed`` may refuse more (what the runtime cannot run yet) and says why.
+with dp > 1; ep among the divisors of dp that divide every MoE block's expert count, cp
+among the divisors of what tp x pp leave for a model with attention (GPUs = tp x pp x cp
+x dp; a profile of one sample at tp 1 says which) whose sequence the runtime can cut into
+2 cp chunks (``sequence_refusal``; the others counted as left out).
+
+Every candidate with ep or cp > 1 is first put to ``smp.init``'s validation
+(``smp_fx.planner.smp_config.refusal``, which reads ``smp_fx.config.combination_refusal``:
+the runtime's one list of what it refuses) and left out, counted by rule, when refused;
+with ep or cp fixed above 1 (``--fix``) they are priced instead as what-ifs, each marked
+with its refusal (``SearchResult.what_if``), so the model's figure for a combination the
+runtime does not run yet can be read. ``allowed`` may refuse more (``--emit-config``:
+every candidate) and says why.
 A candidate fits when its busiest GPU's memory (``cost_model.memory``) is within
 ``ClusterSpec.usable_memory_bytes``; fitting candidates are ranked by predicted step time.
 """
 
 from __future__ import annotations
 
+import functools
 import heapq
+import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from cost_model.errors import SMPConfigError
+import torch
+
+from cost_model.errors import SMPConfigError, SMPError
 from cost_model.memory import ZERO
 from cost_model.schedule_cost import check
+from passes.context_parallel.collectives import local_index
 from smp_fx.planner.candidate import Candidate
+from smp_fx.planner.exchange import expert_count
 from smp_fx.planner.model import Profiler
+from smp_fx.planner.smp_config import refusal
 from smp_fx.planner.stages import Ranks, rank_loads
 from smp_fx.planner.step import Links, Priced, Setting, links, price
 
@@ -52,6 +70,10 @@ class SearchResult:
     """Why candidates were left out (``allowed``'s reasons, profile problems), counted."""
     seconds: float = 0.0
     profiles: int = 0
+    runtime_refused: int = 0
+    """Candidates with ep or cp > 1 that ``smp.init`` refuses, left out (in ``refused``)."""
+    what_if: dict[Candidate, str] = field(default_factory=dict)
+    """Ranked candidates ``smp.init`` refuses, priced because ``--fix`` asked: the rule."""
 
     @property
     def best(self) -> Priced | None:
@@ -114,15 +136,46 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
     def want(key: str, value: Any) -> bool:
         return key not in fixed or fixed[key] == value
 
+    what_if = fixed.get("ep", 1) > 1 or fixed.get("cp", 1) > 1
+    refused_by: dict[Candidate, str] = {}
+
+    def runtime_refusal(c: Candidate) -> str | None:
+        if c.ep == 1 and c.cp == 1:
+            return None
+        why = refusal(c, batch, setting.precision)
+        return None if why is None else why.split(" (got ")[0]
+
     tps = [t for t in divisors(n) if want("tp", t) and (t <= gpn or "tp" in fixed)]
+    attention = any(part.kv_bytes for part in profiler(1, 1, False).parts)
+    experts = expert_count(profiler.prepared.graph)
+
+    def eps(dp: int) -> list[int]:
+        ok = divisors(math.gcd(dp, experts)) if experts else [1]
+        if "ep" in fixed and fixed["ep"] not in ok:
+            refuse(f"ep {fixed['ep']} must divide dp ({dp}) and every MoE block's expert "
+                   f"count ({experts or 'the model has no experts'})")
+        return [e for e in ok if want("ep", e)]
+
+    tokens = profiler.prepared.info.tokens_per_sample
+
+    def pp_cp(rest: int) -> Iterator[tuple[int, int]]:
+        for pp in divisors(rest):
+            for cp in divisors(rest // pp) if attention else [1]:
+                if not (want("pp", pp) and want("cp", cp)):
+                    continue
+                why = sequence_refusal(tokens, cp)
+                if why is None:
+                    yield pp, cp
+                else:
+                    refuse(why)
     unshardable: set[int] = set()
     for tp in tps:
         for sp in ((False, True) if tp > 1 else (False,)):
             if not want("sp", sp) or tp in unshardable:
                 continue
-            for pp in divisors(n // tp):
-                dp = n // (tp * pp)
-                if not (want("pp", pp) and want("dp", dp)) or (layers and pp > layers):
+            for pp, cp in pp_cp(n // tp):
+                dp = n // (tp * pp * cp)
+                if not want("dp", dp) or (layers and pp > layers):
                     continue
                 if batch % dp:
                     refuse(f"global batch {batch} not divisible by dp {dp}")
@@ -157,13 +210,19 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
                                 refuse(f"pp x vp = {pp * v} chunks exceed the model's parts")
                                 continue
                             link = link_of.get(key)
-                            for zero in _zeros(dp):
+                            for zero, ep in ((z, e) for z in _zeros(dp) for e in eps(dp)):
                                 if not want("zero", zero):
                                     continue
-                                cand = Candidate(tp, pp, dp, mbs, v, sched, rc, sp, zero)
+                                cand = Candidate(tp, pp, dp, mbs, v, sched, rc, sp, zero,
+                                                 ep, cp)
                                 why = allowed(cand) if allowed is not None else None
                                 if why is not None:
                                     refuse(why)
+                                    continue
+                                runtime = runtime_refusal(cand)
+                                if runtime is not None and not what_if:
+                                    result.runtime_refused += 1
+                                    refuse(f"smp.init refuses {runtime}")
                                     continue
                                 if link is None:
                                     link = link_of[key] = links(cand, ranks, setting)
@@ -175,6 +234,8 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
                                 if priced.memory_bytes > usable:
                                     continue
                                 result.fitting += 1
+                                if runtime is not None:
+                                    refused_by[cand] = runtime
                                 item = (-priced.step_time_s, result.fitting, priced)
                                 if len(heap) < top_k:
                                     heapq.heappush(heap, item)
@@ -184,13 +245,28 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
                 if progress is not None and now - last_report > 2.0:
                     last_report = now
                     best = max(heap)[2].step_time_s if heap else float("nan")
-                    progress(f"tp {tp}{' sp' if sp else ''} pp {pp}: {result.considered} "
+                    progress(f"tp {tp}{' sp' if sp else ''} pp {pp} cp {cp}: {result.considered} "
                              f"candidates priced, {result.fitting} fit, best step "
                              f"{best:.4g} s")
     result.ranked = [item[2] for item in sorted(heap, key=lambda x: (-x[0], x[1]))]
+    result.what_if = {p.candidate: refused_by[p.candidate] for p in result.ranked
+                      if p.candidate in refused_by}
     result.seconds = time.perf_counter() - start
     result.profiles = profiler.priced
     return result
+
+
+@functools.lru_cache(maxsize=256)
+def sequence_refusal(tokens: int, cp: int) -> str | None:
+    """Why context parallelism over ``cp`` ranks cannot cut a ``tokens``-long sequence
+    (the runtime's rule, ``passes.context_parallel.collectives.local_index``), or None."""
+    if cp == 1 or tokens <= 0:
+        return None
+    try:
+        local_index(tokens, cp, 0, torch.device("meta"))
+    except SMPError as exc:
+        return f"cp {cp}: {str(exc).split(' (got ')[0]} ({tokens} tokens)"
+    return None
 
 
 def check_fixed(fixed: Mapping[str, Any], gpus: int, global_batch: int, layers: int) -> None:
@@ -198,18 +274,21 @@ def check_fixed(fixed: Mapping[str, Any], gpus: int, global_batch: int, layers: 
     def bad(rule: str, value: Any, fix: str) -> SMPConfigError:
         return SMPConfigError.build(rule, value, "--fix", fix)
 
-    for key in ("tp", "pp", "dp"):
+    for key in ("tp", "pp", "dp", "cp"):
         if key in fixed and gpus % fixed[key]:
             raise bad(f"{key} divides the GPU count ({gpus})", fixed[key],
                       f"pick {key} among {divisors(gpus)}")
-    degrees = [fixed[k] for k in ("tp", "pp", "dp") if k in fixed]
+    degrees = [fixed[k] for k in ("tp", "pp", "cp", "dp") if k in fixed]
     prod = 1
     for d in degrees:
         prod *= d
-    if gpus % prod or (len(degrees) == 3 and prod != gpus):
-        raise bad("tp x pp x dp equals the GPU count", {k: fixed[k] for k in ("tp", "pp", "dp")
-                                                        if k in fixed},
+    if gpus % prod or (len(degrees) == 4 and prod != gpus):
+        raise bad("tp x pp x cp x dp equals the GPU count",
+                  {k: fixed[k] for k in ("tp", "pp", "cp", "dp") if k in fixed},
                   f"make their product {gpus}")
+    if "ep" in fixed and "dp" in fixed and fixed["dp"] % fixed["ep"]:
+        raise bad("ep divides dp (the ep group is carved out of the dp ranks)",
+                  (fixed["ep"], fixed["dp"]), "pick ep among the divisors of dp")
     if "dp" in fixed and global_batch % fixed["dp"]:
         raise bad(f"dp divides the global batch ({global_batch})", fixed["dp"],
                   "change dp or --global-batch")
@@ -228,4 +307,4 @@ def check_fixed(fixed: Mapping[str, Any], gpus: int, global_batch: int, layers: 
 
 
 __all__ = ["VIRTUAL", "SearchResult", "check_fixed", "divisors", "schedule_options",
-           "search"]
+           "search", "sequence_refusal"]

@@ -17,7 +17,8 @@ the plan gives it, ``layers_per_rank``, with ``smp.set_partition``: the stages r
 stages priced), ``shard_optimizer_state`` (``zero1``), ``sharded_data_parallel_degree``
 (``fsdp``, with ``sdp_gradient_clipping`` 0: SMP clips the gradients' norm to 1.0 by
 default there, which would make the sharded run train differently from the unsharded one)
-and ``fp16``. bf16 is autocast in the step function and full recomputation
+``expert_parallel_degree``, ``context_parallel_degree`` and ``fp16``. bf16 is autocast in
+the step function and full recomputation
 ``smp.set_activation_checkpointing`` on each layer: SMP has no configuration key for
 either, so ``script_notes`` says what the script does.
 """
@@ -37,7 +38,7 @@ def candidate_config(c: Candidate, microbatches: int, precision: str) -> dict[st
     cfg: dict[str, Any] = {
         "pipeline_parallel_degree": c.pp, "tensor_parallel_degree": c.tp,
         "microbatches": microbatches, "pipeline": c.schedule if c.pp > 1 else "interleaved",
-        "ddp": c.dp > 1 or c.tp > 1, "optimize": "memory" if c.sp else "speed",
+        "ddp": c.dp > 1 or c.tp > 1 or c.cp > 1, "optimize": "memory" if c.sp else "speed",
     }
     if c.pp > 1:  # the plan's stages: its layers pinned to ranks by the script
         cfg["auto_partition"] = False
@@ -53,6 +54,10 @@ def candidate_config(c: Candidate, microbatches: int, precision: str) -> dict[st
     if c.zero == "fsdp":
         cfg["sharded_data_parallel_degree"] = c.dp
         cfg["sdp_gradient_clipping"] = 0.0  # SMP clips at 1.0 there; the plan changes no math
+    if c.ep > 1:
+        cfg["expert_parallel_degree"] = c.ep
+    if c.cp > 1:
+        cfg["context_parallel_degree"] = c.cp
     if precision == "fp16":
         cfg["fp16"] = True
     return cfg
@@ -70,7 +75,7 @@ def refusal(c: Candidate, global_batch: int, precision: str) -> str | None:
 
 def smp_config(rec: PlanRecord, precision: str) -> dict[str, Any]:
     """The SMP configuration of a plan, validated as ``smp.init`` would on
-    ``tp x pp x dp`` processes (its error, naming the rule, when it would not run)."""
+    ``tp x pp x cp x dp`` processes (its error, naming the rule, when it would not run)."""
     cfg = candidate_config(rec.candidate, rec.microbatches, precision)
     validate(dict(cfg), rec.candidate.gpus)
     return cfg

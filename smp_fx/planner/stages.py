@@ -13,7 +13,9 @@ thousands of such cuts, so both must be cheap.
   solver cuts them (``passes.partitioning.chain.solve``, slowest chunk minimised).
 
 Chunk ``c`` goes to rank ``c mod p``; for ``zbv`` the chunks form a V (rank ``r`` holds
-chunks ``r`` and ``2p - 1 - r``).
+chunks ``r`` and ``2p - 1 - r``). A rank's recomputed layers keep the head's values they
+read (the causal mask a traced Hugging Face model computes, sequence x sequence): one
+tensor they share, counted once per rank.
 """
 
 from __future__ import annotations
@@ -49,6 +51,12 @@ class Ranks:
     layer_elems: int
     small: tuple[int, ...] = ()
     """Elements of tensors below the persistence threshold, per rank."""
+    experts: tuple[int, ...] = ()
+    """Of ``elems``, the expert elements expert parallelism splits, per rank."""
+    dispatch: tuple[int, ...] = ()
+    """Bytes each MoE dispatch all-to-all sends each way, summed per rank per microbatch."""
+    kv: tuple[int, ...] = ()
+    """Bytes of keys and values context parallelism gathers, per rank per microbatch."""
 
 
 def chunk_ranks(p: int, v: int, schedule: str) -> list[int]:
@@ -160,6 +168,7 @@ def rank_loads(profile: Profile, recompute: str, p: int, v: int, schedule: str,
     owner = chunk_ranks(p, v, schedule)
     f, b, w, tp, flops = ([0.0] * p for _ in range(5))
     elems, tensors, buffers, kept, transient, layers, small = ([0] * p for _ in range(7))
+    experts, dispatch, kv, relayed = ([0] * p for _ in range(4))
     shared: list[dict[str, int]] = [{} for _ in range(p)]
     hops: list[tuple[int, int]] = []
     layer_parts = set(map(id, profile.parts[1:3])) if profile.layers else set()
@@ -177,6 +186,9 @@ def rank_loads(profile: Profile, recompute: str, p: int, v: int, schedule: str,
             tp[r] += n * (part.tp_fwd_s + part.tp_bwd_s + rc_comm)
             elems[r] += n * part.param_elems
             small[r] += n * part.small_elems
+            experts[r] += n * part.expert_elems
+            dispatch[r] += n * part.dispatch_bytes
+            kv[r] += n * part.kv_bytes
             tensors[r] += n * part.param_tensors
             for key, size in part.shared:
                 if key not in shared[r]:
@@ -184,6 +196,12 @@ def rank_loads(profile: Profile, recompute: str, p: int, v: int, schedule: str,
                     tensors[r] += 1
             buffers[r] += n * part.buffer_bytes
             kb, kt = part.kept(recompute)
+            if recompute == "full" and id(part) in layer_parts:
+                # each recomputed layer keeps the head's values it reads (a causal mask):
+                # one tensor the rank's layers share, held once
+                once = min(profile.relay_bytes, kb)
+                kb -= once
+                relayed[r] = max(relayed[r], once)
             kept[r] += n * kb
             transient[r] = max(transient[r], kt)
             flops[r] += n * (part.fwd_flops + part.bwd_flops + part.recompute_flops(recompute))
@@ -196,9 +214,11 @@ def rank_loads(profile: Profile, recompute: str, p: int, v: int, schedule: str,
             hops.append((act, act + profile.output_bytes))
     return Ranks(tuple(RankTimes(f[r], b[r], w[r]) for r in range(p)), tuple(tp),
                  tuple(elems[r] + sum(shared[r].values()) for r in range(p)), tuple(tensors),
-                 tuple(tuple(sorted(s.items())) for s in shared), tuple(buffers), tuple(kept),
+                 tuple(tuple(sorted(s.items())) for s in shared), tuple(buffers),
+                 tuple(k + once for k, once in zip(kept, relayed, strict=True)),
                  tuple(transient), tuple(flops), tuple(layers), tuple(hops),
-                 max(part.param_elems for part in profile.parts), tuple(small))
+                 max(part.param_elems for part in profile.parts), tuple(small), tuple(experts),
+                 tuple(dispatch), tuple(kv))
 
 
 __all__ = ["Ranks", "chunk_ranks", "chunks_of", "rank_loads", "split_layers"]

@@ -24,7 +24,21 @@ runtime runs it:
    with that microbatch's compute, and all-reduces the tensors it keeps whole (below
    ``sdp_param_persistence_threshold``) after the step. Tied weights on two ranks sum
    their gradients.
-4. **Optimizer**: ``DeviceSpec.optimizer_time`` over the rank's (sharded) fp32 state; the
+4. **Expert and context parallelism** (``smp_fx.planner.exchange``): each MoE block
+   dispatches its tokens' picks to their experts' ranks and combines them back, an
+   all-to-all each way in the forward and two more in the backward, on the links the ep
+   group spans (ep consecutive dp ranks); each attention all-gathers its keys and values
+   over the cp group (tp GPUs apart) in the forward and reduce-scatters their gradients
+   in the backward (the gathered keys and values stay saved for the backward unless the
+   layer is recomputed whole). Both are added to the rank's compute (not overlapped); a
+   cp rank computes 1/cp of each microbatch at the efficiency of the whole one
+   (optimistic for short sequences, where smaller matmuls run slower), and the gradients
+   are reduced over cp x dp ranks. A rank reduces, gathers and steps its 1/ep of the
+   experts (``held_elems``), priced over all of dp (they reduce over dp / ep ranks: an
+   upper bound); under ``fsdp`` its expert slices stay whole, all-reduced after the
+   step. Each group is priced where the worst one of the layout runs
+   (``smp_fx.planner.placement``: uneven spans over nodes included).
+5. **Optimizer**: ``DeviceSpec.optimizer_time`` over the rank's (sharded) fp32 state; the
    runtime's fixed cost per step.
 
 The step ends with the last rank: rank r finishes its last backward ``r`` hops of drain
@@ -35,7 +49,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -52,6 +66,7 @@ from smp_fx.planner.overlap import (
     megatron_precision,
     overlapped,
 )
+from smp_fx.planner.placement import span
 from smp_fx.planner.profile import Profile
 from smp_fx.planner.stages import Ranks
 
@@ -95,12 +110,14 @@ class CommTimes:
     tied: float
     dp_algorithm: str = "none"
     fsdp_exposed: float = 0.0
+    ep: float = 0.0
+    cp: float = 0.0
 
     def to_json(self) -> dict[str, object]:
         return {"tp_s": self.tp, "pp_s": self.pp, "dp_s": self.dp,
                 "dp_exposed_s": self.dp_exposed, "zero_s": self.zero, "fsdp_s": self.fsdp,
                 "fsdp_exposed_s": self.fsdp_exposed, "tied_s": self.tied,
-                "dp_algorithm": self.dp_algorithm}
+                "dp_algorithm": self.dp_algorithm, "ep_s": self.ep, "cp_s": self.cp}
 
 
 @dataclass(frozen=True)
@@ -133,6 +150,27 @@ def dp_placement(c: Candidate, gpus_per_node: int) -> tuple[int, int]:
     per_node = min(per_node, c.dp)
     nodes = max(1, c.dp // per_node)
     return nodes, max(1, min(gpus_per_node, c.gpus) // per_node)
+
+
+def exchange_times(c: Candidate, ranks: Ranks, fabric: Fabric
+                   ) -> tuple[list[float], list[float]]:
+    """Per pipeline rank, the seconds per microbatch of expert parallelism's all-to-alls
+    and of context parallelism's K/V exchange (module docstring, 4)."""
+    gpn = fabric.gpus_per_node
+    ep_s, cp_s = [0.0] * c.pp, [0.0] * c.pp
+    if c.ep > 1 and ranks.dispatch:
+        nodes, concurrent = span(c, "ep", gpn)
+        for r, nbytes in enumerate(ranks.dispatch):
+            one = collective_time("all_to_all", nbytes, c.ep, fabric, nodes=nodes,
+                                  concurrent=concurrent)
+            ep_s[r] = 4 * one.seconds
+    if c.cp > 1 and ranks.kv:
+        nodes, concurrent = span(c, "cp", gpn)
+        for r, nbytes in enumerate(ranks.kv):
+            cp_s[r] = sum(collective_time(kind, nbytes, c.cp, fabric, nodes=nodes,
+                                          concurrent=concurrent).seconds
+                          for kind in ("all_gather", "reduce_scatter"))
+    return ep_s, cp_s
 
 
 def crosses_node(c: Candidate, stage: int, gpus_per_node: int) -> bool:
@@ -202,49 +240,57 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
     m = c.microbatches(setting.global_batch)
     p, v = c.pp, c.vp
     s_bytes = state_bytes(setting.precision)
+    ep_s, cp_s = exchange_times(c, ranks, fabric)
+    if c.ep > 1 or c.cp > 1:
+        lk = _exchanged(lk, c.cp, ep_s, cp_s, v * spec.microbatch_overhead_s)
+    held = held_elems(ranks, c.ep)
+    if c.ep > 1:
+        lk = replace(lk, elems=np.array(held, dtype=np.float64))
     sched = price_schedule(c.schedule, lk.times, m, v, hop_s=lk.hop_s)
     pipeline = sched.pipeline_s
     # data parallelism, per distinct load (most ranks carry the same)
-    nodes, concurrent = dp_placement(c, cl.gpus_per_node)
+    reducers = replace(c, dp=c.dp * c.cp, cp=1)
+    nodes, concurrent = (span(c, "cp_dp", cl.gpus_per_node) if c.cp > 1
+                         else dp_placement(c, cl.gpus_per_node))
     colls: dict[tuple[str, float], Collective] = {}
 
     def dp(kind: str, nbytes: float) -> Collective:
         if (kind, nbytes) not in colls:
-            colls[(kind, nbytes)] = collective_time(kind, nbytes, c.dp, fabric, nodes=nodes,
-                                                    concurrent=concurrent)
+            colls[(kind, nbytes)] = collective_time(kind, nbytes, reducers.dp, fabric,
+                                                    nodes=nodes, concurrent=concurrent)
         return colls[(kind, nbytes)]
 
     dp_s = zero_s = fsdp_s = tied_s = 0.0
     algorithm = "none"
     exposed = np.zeros(p)
     fsdp_extra = 0.0
-    if c.dp > 1:
-        per_elems = {e: (e * s_bytes.reduce, e * s_bytes.param) for e in set(ranks.elems)}
+    if reducers.dp > 1:
+        per_elems = {e: (e * s_bytes.reduce, e * s_bytes.param) for e in set(held)}
         if c.zero == "fsdp":
             for r in range(p):
                 small = ranks.small[r] if ranks.small else 0
-                big = ranks.elems[r] - small
+                whole = held[r] - ranks.elems[r] + ranks.experts[r] if c.ep > 1 else 0
+                big = held[r] - small - whole
                 gather = dp("all_gather", big * s_bytes.param).seconds
                 per_mb = 2 * gather + dp("reduce_scatter", big * s_bytes.reduce).seconds
                 fsdp_s = max(fsdp_s, m * per_mb)
                 fsdp_extra = max(fsdp_extra, m * max(0.0, per_mb - float(lk.total[r]))
                                  + gather / max(ranks.layers[r], 1))
-                # the unsharded small tensors: summed over dp after the step, not hidden
-                exposed[r] = dp("all_reduce", small * s_bytes.reduce).seconds
+                # the unsharded small tensors and expert slices (kept whole at ep > 1):
+                # summed over dp after the step, not hidden
+                exposed[r] = dp("all_reduce", (small + whole) * s_bytes.reduce).seconds
         elif setting.runtime == MEGATRON_CORE:
             exposed, dp_s, zero_s, algorithm = _megatron_dp(c, ranks, lk, dp, s_bytes.reduce,
                                                              setting.precision)
         else:
-            reduce = np.array([dp("all_reduce", per_elems[e][0]).seconds
-                               for e in ranks.elems])
+            reduce = np.array([dp("all_reduce", per_elems[e][0]).seconds for e in held])
             grads = lk.elems * s_bytes.reduce
             bucket = reduce * np.minimum(1.0, DDP_BUCKET_BYTES / np.maximum(grads, 1.0))
             exposed = np.maximum(reduce - lk.bwd / v, bucket)
             dp_s = float(reduce.max())
-            algorithm = dp("all_reduce", per_elems[ranks.elems[0]][0]).algorithm
+            algorithm = dp("all_reduce", per_elems[held[0]][0]).algorithm
             if c.zero == "zero1":
-                gathers = np.array([dp("all_gather", per_elems[e][1]).seconds
-                                    for e in ranks.elems])
+                gathers = np.array([dp("all_gather", per_elems[e][1]).seconds for e in held])
                 zero_s = float(gathers.max())
                 exposed = exposed + gathers
     for key, elems in {k: n for sh in ranks.shared for k, n in sh}.items():
@@ -263,10 +309,33 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
     tp_step = m * max(ranks.tp_s)
     pp_step = m * max(lk.occupancy) if p > 1 else 0.0
     comm = CommTimes(tp_step, pp_step, dp_s, float(exposed.max()), zero_s, fsdp_s, tied_s,
-                     algorithm, fsdp_extra)
-    hw = sum(ranks.flops) * m * c.tp * c.dp
+                     algorithm, fsdp_extra, m * max(ep_s), m * max(cp_s))
+    hw = sum(ranks.flops) * m * c.tp * c.dp  # a cp group shares each microbatch
     return Priced(c, m, step, pipeline, sched.bubble_fraction, float(opt.max()), comm, mem,
                   mem_rank, ranks.layers, hw)
+
+
+def _exchanged(lk: Links, cp: int, ep_s: list[float], cp_s: list[float],
+               fixed_s: float) -> Links:
+    """``lk`` with each rank's compute (all but ``fixed_s`` per microbatch) split over
+    ``cp`` and the exchanges added, half to the forward, half to the backward."""
+    def split(t: float) -> float:
+        return fixed_s + max(0.0, t - fixed_s) / cp
+
+    times = tuple(RankTimes(split(t.fwd_s) + (e + k) / 2, split(t.bwd_s) + (e + k) / 2,
+                            t.wgrad_s / cp)
+                  for t, e, k in zip(lk.times, ep_s, cp_s, strict=True))
+    return replace(lk, times=times, bwd=np.array([t.bwd_s for t in times]),
+                   total=np.array([t.total_s for t in times]))
+
+
+def held_elems(ranks: Ranks, ep: int) -> tuple[int, ...]:
+    """Per pipeline rank, the parameter elements it holds at ``ep``: 1/ep of its experts
+    and all the rest (what its gradients reduce, its sharding gathers, its optimizer
+    steps)."""
+    if ep == 1 or not ranks.experts:
+        return ranks.elems
+    return tuple(e - x + -(-x // ep) for e, x in zip(ranks.elems, ranks.experts, strict=True))
 
 
 def _megatron_dp(c: Candidate, ranks: Ranks, lk: Links,
@@ -304,13 +373,18 @@ def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: i
 
 def _smp_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: int,
                 r: int, boundary: int, precision: str) -> MemoryPerGPU:
+    layer = ranks.layer_elems  # an FSDP unit at ep > 1 gathers all but its expert slices
+    if c.ep > 1 and ranks.elems[r]:
+        layer = -(-layer * (ranks.elems[r] - ranks.experts[r]) // ranks.elems[r])
     return memory_per_gpu(
         elems=ranks.elems[r], buffers=ranks.buffers[r], kept=ranks.kept[r],
         in_flight=in_flight_at(c.schedule, c.pp, m, c.vp, r), transient=ranks.transient[r],
-        precision=precision, zero=c.zero, dp=c.dp, layer_elems=ranks.layer_elems,
+        precision=precision, zero=c.zero, dp=c.dp, layer_elems=layer,
         boundary=boundary, output_bytes=profile.output_bytes, pipelined=c.pp > 1,
         tensors=ranks.tensors[r], whole=ranks.small[r] if ranks.small else 0,
-        step_temporary=setting.step_temporary)
+        step_temporary=setting.step_temporary,
+        experts=ranks.experts[r] if ranks.experts else 0, ep=c.ep, cp=c.cp,
+        gathered=ranks.kv[r] if ranks.kv and c.recompute != "full" else 0)
 
 
 def peak_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
@@ -352,4 +426,5 @@ def model_flops(profile: Profile) -> float:
 
 
 __all__ = ["DDP_BUCKET_BYTES", "CommTimes", "Links", "Priced", "Setting", "crosses_node",
-           "dp_placement", "links", "memory_by_rank", "model_flops", "peak_memory", "price"]
+           "dp_placement", "exchange_times", "held_elems", "links", "memory_by_rank",
+           "model_flops", "peak_memory", "price"]

@@ -94,5 +94,25 @@ def test_bad_fabric_and_group_rejected() -> None:
         Fabric(1.0, -1.0, 1.0, 0.0, 8)
     with pytest.raises(SMPConfigError, match="gpus_per_node"):
         Fabric(1.0, 0.0, 1.0, 0.0, 0)
-    with pytest.raises(SMPConfigError, match="spreads evenly"):
-        collective_time("all_reduce", 1e6, 6, DGX, nodes=4)
+    with pytest.raises(SMPConfigError, match="spans 1 to size nodes"):
+        collective_time("all_reduce", 1e6, 6, DGX, nodes=7)
+
+
+def test_a_group_spanning_nodes_unevenly_runs_at_the_network_s_pace() -> None:
+    n = 1e8
+    uneven = collective_time("all_gather", n, 3, DGX, nodes=2)  # e.g. ranks 0, 4, 8
+    assert uneven.bus_bandwidth == min(DGX.intra_bandwidth, DGX.inter_bandwidth)
+    assert uneven.seconds > collective_time("all_gather", n, 3, DGX).seconds
+    tree = collective_time("all_reduce", 1e3, 6, DGX, nodes=4)  # fullest node holds 2
+    assert tree.seconds > 0
+
+
+def test_all_to_all_sends_directly_and_crosses_the_fullest_node_s_network() -> None:
+    n = 1e8
+    inside = collective_time("all_to_all", n, 8, DGX)
+    assert inside.seconds == pytest.approx(DGX.intra_latency_s + n * 7 / 8 / DGX.intra_bandwidth)
+    across = collective_time("all_to_all", n, 16, DGX, nodes=2, concurrent=1)
+    assert across.seconds == pytest.approx(DGX.inter_latency_s
+                                           + 8 * n * 8 / 16 / DGX.inter_bandwidth)
+    assert collective_time("all_to_all", n, 16, DGX, nodes=2, concurrent=2).seconds > \
+        across.seconds

@@ -78,7 +78,7 @@ def test_a_refusal_is_smp_init_s_own_rule() -> None:
 
 @pytest.mark.parametrize("extra, message", [
     (["--fix", "tp=3"], "tp divides the GPU count"),
-    (["--fix", "pp=2,tp=2,dp=4"], "tp x pp x dp equals the GPU count"),
+    (["--fix", "pp=2,tp=2,dp=4"], "tp x pp x cp x dp equals the GPU count"),
     (["--fix", "warp=9"], "--fix takes KEY=VALUE"),
     (["--gpu-memory-gib", "2.0001"], "no plan fits in GPU memory"),
     (["--gpu-memory-gib", "1"], "memory_reserved_bytes must be >= 0 and below"),

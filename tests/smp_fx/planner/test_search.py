@@ -30,7 +30,7 @@ def test_ranked_and_fitting(prepared) -> None:
     assert all(r.memory_bytes_per_gpu <= setting.cluster.usable_memory_bytes
                for r in planned.records)
     for r in planned.records:
-        assert r.tp * r.pp * r.dp == 8 and r.dp * r.mbs * r.microbatches == 32
+        assert r.tp * r.pp * r.cp * r.dp == 8 and r.dp * r.mbs * r.microbatches == 32
     assert planned.result.considered >= planned.result.fitting >= 6
     assert "faster than the runner-up" in planned.reason
 
@@ -73,7 +73,10 @@ def test_nothing_fits_says_how_much_and_what_would(prepared) -> None:
 
 @pytest.mark.parametrize("fixed, message", [
     ({"tp": 3}, "tp divides the GPU count"),
-    ({"tp": 2, "pp": 2, "dp": 4}, "tp x pp x dp equals the GPU count"),
+    ({"tp": 2, "pp": 2, "dp": 4}, "tp x pp x cp x dp equals the GPU count"),
+    ({"tp": 1, "pp": 2, "cp": 2, "dp": 1}, "tp x pp x cp x dp equals the GPU count"),
+    ({"cp": 3}, "cp divides the GPU count"),
+    ({"ep": 4, "dp": 2}, "ep divides dp"),
     ({"dp": 8, "mbs": 3}, "microbatch size divides"),
     ({"pp": 4, "vp": 4}, "each hold a layer"),
     ({"sp": True, "tp": 1}, "sequence parallelism needs tp > 1"),

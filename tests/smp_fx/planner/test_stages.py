@@ -65,3 +65,21 @@ def test_rank_loads_sum_to_the_model() -> None:
         assert "wte.weight" in shared[0] and "wte.weight" in shared[-1 if sched != "zbv" else 0]
         assert len(ranks.hops) == pp * v - 1
     assert rank_loads(prof, "none", 4, 4, "interleaved", spec) is None  # 16 chunks, 8 layers
+
+
+def test_recomputed_layers_share_the_causal_mask_they_keep() -> None:
+    pytest.importorskip("transformers")
+    from pathlib import Path
+
+    from smp_fx.planner.hf_config import prepare_config
+
+    seq = 256
+    llama = Path(__file__).resolve().parents[2] / "data" / "hf_tiny_llama"
+    prof = Profiler(prepare_config(llama, seq), link_cluster())(1, 1, False)
+    relay = prof.relay_bytes
+    assert min(p.saved_full for p in prof.parts[1:3]) > relay >= seq * seq  # the s x s mask
+    each = sum(u.kept("full")[0] for u in prof.units())  # every layer its own copy
+    for pp in (1, 2):
+        ranks = rank_loads(prof, "full", pp, 1, "simple", get_device("h100"))
+        assert ranks is not None and sum(ranks.layers) == 4
+        assert sum(ranks.kept) == each - (4 - pp) * relay  # one copy per rank

@@ -1,0 +1,63 @@
+"""Which nodes the groups of a plan's exchanges span, from the runtime's own rank layout.
+
+Why exact: a group whose size the GPUs per node do not divide (a cp of 3 at tp 4 on
+8-GPU nodes: ranks 0, 4, 8) spans nodes unevenly, and some groups of a layout straddle one
+node more than others. The collectives are priced on the worst group (the step waits for
+it): the most nodes any group spans and the most crossing groups sharing one node's
+network. The groups are ``smp_fx.topology``'s (cp adjacent, strided by tp, inside dp)
+and ``smp_fx.expert_ranks``'s (ep consecutive rdp ranks), under SMP's ``cluster``
+placement.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+from cost_model.errors import SMPConfigError
+from smp_fx.expert_ranks import ep_groups
+from smp_fx.planner.candidate import Candidate
+from smp_fx.topology import Topology
+
+AXES = ("cp", "ep", "cp_dp")
+"""``cp_dp``: the ranks that reduce a parameter's gradients under context parallelism."""
+
+
+def span(c: Candidate, axis: str, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, concurrent) of ``c``'s ``axis`` groups (module docstring): the most nodes
+    one group spans and the most node-crossing groups with ranks on one node.
+
+    >>> c = Candidate(4, 1, 1, 1, 1, "interleaved", "none", False, "none", 1, 3)
+    >>> span(c, "cp", 8)  # ranks 0, 4, 8 and 1, 5, 9 ...: two nodes, 4 groups cross
+    (2, 4)
+    """
+    return _span(c.pp, c.tp, c.dp, c.cp, c.ep, axis, gpus_per_node)
+
+
+@functools.lru_cache(maxsize=4096)
+def _span(pp: int, tp: int, dp: int, cp: int, ep: int, axis: str, gpn: int
+          ) -> tuple[int, int]:
+    nodes, crossing = 1, [0] * -(-(pp * tp * dp * cp) // gpn)
+    for g in _groups(Topology(pp, tp, dp, "DPT", cp), axis, ep):
+        held = {r // gpn for r in g}
+        nodes = max(nodes, len(held))
+        if len(held) > 1:
+            for node in held:
+                crossing[node] += 1
+    return nodes, max(1, max(crossing))
+
+
+def _groups(topo: Topology, axis: str, ep: int) -> list[list[int]]:
+    if axis == "cp":
+        return topo.groups("cp")
+    if axis == "ep":
+        return [g for rdp in topo.groups("rdp") for g in ep_groups(rdp, ep)]
+    if axis != "cp_dp":
+        raise SMPConfigError.build(f"a group axis is one of {', '.join(AXES)}", axis,
+                                   "smp_fx.planner.placement.span", "name a known axis")
+    coords = itertools.product(range(topo.pp_size), range(topo.tp_size))
+    return [sorted(topo.rank_of(p, t, d, k) for d in range(topo.rdp_size)
+                   for k in range(topo.cp_size)) for p, t in coords]
+
+
+__all__ = ["AXES", "span"]

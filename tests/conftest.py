@@ -75,3 +75,15 @@ def _spawning_is_marked(request: pytest.FixtureRequest) -> Iterator[None]:
         pytest.fail(f"{request.node.nodeid} started {len(started)} process(es) "
                     f"({started[0]}, ...) without @pytest.mark.multiproc: mark it, so "
                     "-m 'not multiproc' runs in one process", pytrace=False)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under pytest-xdist (``-n 2 --dist loadgroup``, as ``make test`` runs), the tests that
+    start processes run on one worker, one after another (their ranks are sized for this
+    machine's cores and their timeouts for that load), while the other worker takes the
+    in-process tests."""
+    if not config.pluginmanager.hasplugin("xdist"):
+        return
+    for item in items:
+        if item.get_closest_marker("multiproc") is not None:
+            item.add_marker(pytest.mark.xdist_group("processes"))

@@ -21,10 +21,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
-$(TF4_STAMP): pyproject.toml
+$(TF4_STAMP): pyproject.toml Makefile
 	test -x $(TF4_PY) || $(PYTHON) -m venv $(TF4_VENV)
 	$(TF4_PY) -m pip install -q "$(TORCH_SPEC)"
-	$(TF4_PY) -m pip install -q $(TF4_SPEC) pytest pytest-timeout networkx "numpy<2"
+	$(TF4_PY) -m pip install -q $(TF4_SPEC) pytest pytest-timeout pytest-xdist networkx "numpy<2"
 	$(TF4_PY) -m pip install -q --no-deps -e .
 	touch $(TF4_STAMP)
 
@@ -38,7 +38,7 @@ test: $(STAMP) $(TF4_STAMP)
 	$(MAKE) --no-print-directory test-transformers4
 
 test-transformers4: $(TF4_STAMP)  # the Hugging Face Trainer and zoo tests with transformers 4.x
-	$(TF4_PY) -m pytest -q -p no:cacheprovider tests/examples/test_hf_trainer.py \
+	$(TF4_PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup tests/examples/test_hf_trainer.py \
 		tests/examples/test_hf_use_cache.py tests/smp_fx/ckpt/test_safe_load.py \
 		tests/examples/test_hf_zoo_pipeline.py tests/smp_fx/nn/huggingface/test_gptneox_rope.py
 

@@ -63,7 +63,7 @@ from smp_fx.runtime.executor.modes import autocast_state, thread_modes
 from smp_fx.runtime.executor.seams import PostStep, PreStep, StageRunner
 from smp_fx.runtime.executor.step_data import MbData, StepRun, StepStats
 from smp_fx.runtime.executor.step_log import StepLog
-from smp_fx.runtime.executor.stragglers import StragglerWatch
+from smp_fx.runtime.executor.stragglers import StragglerWatch, split_step
 from smp_fx.runtime.executor.turns import Microbatch, Request
 from smp_fx.runtime.memory.activations import ActivationKeeper, prefetch_points
 from smp_fx.runtime.transport.transport import InProcessTransport, Transport
@@ -179,9 +179,10 @@ class Executor:
         for hook in self.post_step_hooks:
             hook()
         hooks_s = time.monotonic() - ended
-        self.step_log.step_done(self.flight, ended, hooks_s)
+        split = split_step(self.flight, ended, hooks_s)  # one pass over the step's ops
+        self.step_log.step_done(self.flight, split)
         if self.stragglers is not None:
-            self.stragglers.step_done(self.flight, ended, hooks_s)
+            self.stragglers.step_done(self.flight, split)
         return results
 
     def _execute(self, i: int, op: Op) -> None:

@@ -18,7 +18,6 @@ import torch
 from smp_fx.runtime.executor.flight import FlightRecorder
 from smp_fx.runtime.executor.lowering import BACKWARD_OPS
 from smp_fx.runtime.executor.modes import Autocast
-from smp_fx.runtime.executor.stragglers import split_step
 from smp_fx.runtime.transport.values import leaves
 
 KEEP = 1000
@@ -52,15 +51,15 @@ class StepLog:
         self.mbs = int(first.shape[0]) if first is not None else 1
         self.autocast = str(autocast[0][1]).replace("torch.", "") if autocast else ""
 
-    def step_done(self, flight: FlightRecorder, ended: float, hooks_s: float) -> None:
+    def step_done(self, flight: FlightRecorder, split: dict[str, float]) -> None:
+        """Log the step just recorded in ``flight``; ``split``: its ``split_step``."""
         actions: dict[tuple[str, int], tuple[float, int]] = {}
         ops, starts = flight.ops, flight.starts
         for i, op in enumerate(ops):
             t, n = actions.get((op.kind, op.stage), (0.0, 0))
             actions[(op.kind, op.stage)] = (t + starts[i + 1] - starts[i], n + 1)
-        parts = split_step(flight, ended, hooks_s)
-        self.steps.append(LoggedStep(flight.began, actions, parts["receiving"],
-                                     parts["reducing"]))
+        self.steps.append(LoggedStep(flight.began, actions, split["receiving"],
+                                     split["reducing"]))
 
     def figures(self, skip: int = 1) -> tuple[float, list[tuple[str, int, float, float]],
                                               float, float, int]:

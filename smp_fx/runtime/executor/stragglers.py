@@ -93,9 +93,10 @@ class StragglerWatch:
         calibration's one-stage runs), whose exchange would wait for ranks not stepping."""
         self.stopped = True
 
-    def step_done(self, flight: FlightRecorder, ended: float, hooks_s: float) -> None:
-        """After a step's hooks: record its split; every ``WINDOW`` steps, exchange."""
-        parts = split_step(flight, ended, hooks_s)
+    def step_done(self, flight: FlightRecorder, split: dict[str, float]) -> None:
+        """After a step's hooks: record its ``split`` (``split_step``'s); every ``WINDOW``
+        steps, exchange."""
+        parts = dict(split)
         parts["outside"] = 0.0 if self.last_end is None else flight.began - self.last_end
         self.last_end = time.monotonic()
         self.window.append(parts)

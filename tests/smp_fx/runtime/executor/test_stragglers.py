@@ -84,7 +84,7 @@ def _watch_ranks(slow_from: int, steps: int, seed: int) -> list[dict[str, Any]]:
             flight.begin(ops)
             f, b = fwd * rng.uniform(0.75, 1.25), 0.020 * rng.uniform(0.75, 1.25)
             flight.starts = [0.0, f, f + b]
-            watch.step_done(flight, f + b, 0.0)
+            watch.step_done(flight, split_step(flight, f + b, 0.0))
         reports[rank] = dict(watch.report(), first=min(
             (v["step"] for v in watch.named.values()), default=None))
 

@@ -78,10 +78,10 @@ def _spawning_is_marked(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n 2 --dist loadgroup``, as ``make test`` runs), the tests that
-    start processes run on one worker, one after another (their ranks are sized for this
-    machine's cores and their timeouts for that load), while the other worker takes the
-    in-process tests."""
+    """Under pytest-xdist (``-n 2 --dist loadgroup``, as ``make test-transformers4`` runs),
+    the tests that start processes run on one worker, one after another (their ranks are
+    sized for this machine's cores and their timeouts for that load), while the other worker
+    takes the in-process tests."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:

@@ -34,7 +34,7 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP) $(TF4_STAMP)
-	$(PY) -m pytest -q --durations=25  # testpaths: tests/ and the packages' docstring examples
+	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25  # testpaths: tests/ and the packages' docstring examples; two workers, tests/conftest.py
 	$(MAKE) --no-print-directory test-transformers4
 
 test-transformers4: $(TF4_STAMP)  # the Hugging Face Trainer and zoo tests with transformers 4.x

@@ -78,12 +78,12 @@ def _spawning_is_marked(request: pytest.FixtureRequest) -> Iterator[None]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n 2 --dist loadgroup``, as ``make test-transformers4`` runs),
-    the tests that start processes run on one worker, one after another (their ranks are
-    sized for this machine's cores and their timeouts for that load), while the other worker
-    takes the in-process tests."""
+    """Under pytest-xdist (``-n 2 --dist loadgroup``, as ``make test`` runs) the suite is two
+    groups, one per worker: the tests that start processes (their ranks are sized for this
+    machine's cores and their timeouts for that load) and the in-process ones. Each worker
+    then runs its tests in the order a serial run takes them, never interleaved."""
     if not config.pluginmanager.hasplugin("xdist"):
         return
     for item in items:
-        if item.get_closest_marker("multiproc") is not None:
-            item.add_marker(pytest.mark.xdist_group("processes"))
+        starts = item.get_closest_marker("multiproc") is not None
+        item.add_marker(pytest.mark.xdist_group("processes" if starts else "in_process"))

@@ -1,13 +1,16 @@
 """The planner against public training runs it was not fitted on: predicted / published.
 
 Each row of ``benchmarks/data/public_runs.csv`` is one published run (its source in the
-row): hardware (a built-in cluster), a GPT shape (``examples/models/gpt.py`` on the meta
-device), tp / pp / dp, batch, sequence and what else the source says. The planner prices
-the published configuration (``--fix`` of every published key; keys the source leaves
-out, blank in the file, are the planner's pick), the predicted step becomes TFLOP/s per
-GPU by the source's own FLOP count, and the table prints predicted / published with the
-median and worst |ratio - 1| per GPU type. Rows marked ``fitted`` are those a constant of
-smp-fx was fitted on: printed, listed, and left out of the statistics.
+row): hardware (a built-in cluster), the model (a GPT shape built by
+``examples/models/gpt.py``, or a ``config.json`` under ``examples/configs/`` built as
+``smp-fx plan --hf-config`` builds it), both on the meta device, tp / pp / cp / dp, batch,
+sequence and what else the source says. The planner prices the published configuration
+(``--fix`` of every published key; keys the source leaves out, blank in the file, are the
+planner's pick), the predicted step becomes TFLOP/s per GPU by the source's own FLOP
+count, and the table prints predicted / published with the median and worst |ratio - 1|
+per GPU type. A row the planner refuses is printed with the reason and counted. Rows
+marked ``fitted`` are those a constant of smp-fx was fitted on: printed, listed, and left
+out of the statistics.
 
     .venv/bin/python benchmarks/plan_validation.py [--rows ID,ID] [--gpu H100]
 """
@@ -18,6 +21,7 @@ import argparse
 import csv
 import dataclasses
 import functools
+import json
 import statistics
 import sys
 import time
@@ -34,12 +38,23 @@ from models.gpt import build_model, example_inputs  # noqa: E402
 from cost_model.cluster import get_cluster  # noqa: E402
 from cost_model.errors import SMPError  # noqa: E402
 from cost_model.gpu_specs import FITTED_ON  # noqa: E402
+from smp_fx.planner.hf_config import prepare_config  # noqa: E402
 from smp_fx.planner.model import Prepared, prepare  # noqa: E402
 from smp_fx.planner.planner import plan  # noqa: E402
 from smp_fx.planner.step import Setting  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "data" / "public_runs.csv"
+CONFIGS = ROOT / "examples" / "configs"
 FLOAT = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def config_shape(name: str) -> dict[str, int]:
+    """A config's shape under the FLOP counts' names (its ``config.json`` keys)."""
+    doc = json.loads((CONFIGS / name).read_text())
+    heads = int(doc["num_attention_heads"])
+    return {"layers": int(doc["num_hidden_layers"]), "hidden": int(doc["hidden_size"]),
+            "heads": heads, "groups": int(doc.get("num_key_value_heads") or heads),
+            "ffn": int(doc["intermediate_size"]), "vocab": int(doc["vocab_size"])}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +64,7 @@ class Run:
     id: str
     gpu: str
     cluster: str
+    config: str | None
     layers: int
     hidden: int
     heads: int
@@ -57,18 +73,21 @@ class Run:
     gpus: int
     tp: int
     pp: int
+    cp: int
+    ep: int
     dp: int
     global_batch: int
     mbs: int | None
     vp: int | None
     recompute: str | None
     sp: bool | None
-    zero: str
+    zero: str | None
     precision: str
     runtime: str
     flops: str
     metric: str
     published: float
+    tokens_per_gpu_s: float | None
     fitted: bool
     source: str
 
@@ -79,8 +98,16 @@ class Run:
             return 72 * b * s * n * h * h * (1 + s / (6 * h) + v / (12 * n * h))
         if self.flops == "eq3":
             return 96 * b * s * n * h * h * (1 + s / (6 * h) + v / (16 * n * h))
+        if self.flops == "nemo-llama" and self.config:
+            g = config_shape(self.config)
+            return b * s * (12 * n * h * h * (1 + g["groups"] / g["heads"] + s / h)
+                            + 18 * n * g["ffn"] * h + 6 * v * h)
+        if self.flops == "implied" and self.metric == "tflops_per_gpu" \
+                and self.tokens_per_gpu_s:
+            return self.published * 1e12 * b * s / self.tokens_per_gpu_s
         raise ValueError(f"row {self.id}: unknown flops count {self.flops!r} "
-                         "(use 'megatron' or 'eq3', the file's header)")
+                         "(use 'megatron', 'eq3', 'nemo-llama' for a config row, or "
+                         "'implied' with tokens_per_gpu_s: the file's header)")
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -94,9 +121,9 @@ class Run:
 
     def fix(self) -> dict[str, object]:
         """The published keys; Megatron's 1F1B (interleaved when v > 1) schedule."""
-        out: dict[str, object] = {"tp": self.tp, "pp": self.pp, "dp": self.dp,
-                                  "zero": self.zero, "schedule": "interleaved"}
-        for key, value in (("mbs", self.mbs), ("vp", self.vp),
+        out: dict[str, object] = {"tp": self.tp, "pp": self.pp, "cp": self.cp,
+                                  "ep": self.ep, "dp": self.dp, "schedule": "interleaved"}
+        for key, value in (("mbs", self.mbs), ("vp", self.vp), ("zero", self.zero),
                            ("recompute", self.recompute), ("sp", self.sp)):
             if value is not None:
                 out[key] = value
@@ -110,22 +137,39 @@ def read_runs(path: Path = DATA) -> list[Run]:
     for r in csv.DictReader(lines):
         def opt(key: str, row: dict[str, str] = r) -> int | None:
             return int(row[key]) if row[key].strip() else None
+        config = r["config"].strip() or None
+        shape = config_shape(config) if config else {
+            k: int(r[k]) for k in ("layers", "hidden", "heads", "vocab")}
         out.append(Run(
-            r["id"], r["gpu"], r["cluster"], int(r["layers"]), int(r["hidden"]),
-            int(r["heads"]), int(r["vocab"]), int(r["seq"]), int(r["gpus"]), int(r["tp"]),
-            int(r["pp"]), int(r["dp"]), int(r["global_batch"]), opt("mbs"), opt("vp"),
+            r["id"], r["gpu"], r["cluster"], config, shape["layers"], shape["hidden"],
+            shape["heads"], shape["vocab"],
+            int(r["seq"]), int(r["gpus"]), int(r["tp"]), int(r["pp"]), opt("cp") or 1,
+            opt("ep") or 1, int(r["dp"]), int(r["global_batch"]), opt("mbs"), opt("vp"),
             r["recompute"].strip() or None, {"true": True, "false": False}.get(r["sp"]),
-            r["zero"], r["precision"], r["runtime"], r["flops"], r["metric"],
-            float(r["published"]), r["fitted"] == "yes", r["source"]))
+            r["zero"].strip() or None, r["precision"], r["runtime"], r["flops"],
+            r["metric"], float(r["published"]),
+            float(r["tokens_per_gpu_s"]) if r["tokens_per_gpu_s"].strip() else None,
+            r["fitted"] == "yes", r["source"]))
     return out
 
 
-def prepared_for(run: Run) -> Prepared:
+@functools.lru_cache(maxsize=4)
+def _prepared(config: str | None, layers: int, hidden: int, heads: int, vocab: int,
+              seq: int, precision: str, name: str) -> Prepared:
+    if config:
+        return prepare_config(CONFIGS / config, seq, precision)
     with torch.device("meta"):
-        model = build_model(n_layer=run.layers, n_embd=run.hidden, n_head=run.heads,
-                            vocab_size=run.vocab, seq_len=run.seq).to(FLOAT[run.precision])
-    inputs = functools.partial(example_inputs, seq_len=run.seq, vocab_size=run.vocab)
-    return prepare(model, inputs, run.id)
+        model = build_model(n_layer=layers, n_embd=hidden, n_head=heads, vocab_size=vocab,
+                            seq_len=seq).to(FLOAT[precision])
+    inputs = functools.partial(example_inputs, seq_len=seq, vocab_size=vocab)
+    return prepare(model, inputs, name)
+
+
+def prepared_for(run: Run) -> Prepared:
+    """The run's model on meta: its config as ``--hf-config`` builds it, or a GPT shape
+    (rows of one model, sequence and precision share it)."""
+    return _prepared(run.config, run.layers, run.hidden, run.heads, run.vocab, run.seq,
+                     run.precision, run.config or f"gpt {run.layers}x{run.hidden}")
 
 
 def price(run: Run, prep: Prepared | None = None) -> tuple[float, str]:
@@ -136,12 +180,16 @@ def price(run: Run, prep: Prepared | None = None) -> tuple[float, str]:
     return run.step_flops() / run.gpus / best.step_time_s / 1e12, best.candidate.label()
 
 
-def summary(ratios: dict[str, list[float]]) -> list[str]:
-    """Median and worst |ratio - 1| per GPU type."""
-    return [f"{gpu}: {len(r)} runs, median |ratio - 1| "
-            f"{statistics.median(abs(x - 1) for x in r):.3f} (target 0.10), worst "
-            f"{max(abs(x - 1) for x in r):.3f} (target 0.25)"
-            for gpu, r in sorted(ratios.items())]
+def summary(ratios: dict[str, list[float]], refused: dict[str, int]) -> list[str]:
+    """Median and worst |ratio - 1| per GPU type, and how many of its runs were refused."""
+    out = []
+    for gpu in sorted(set(ratios) | set(refused)):
+        r = ratios.get(gpu, [])
+        figures = (f"median |ratio - 1| {statistics.median(abs(x - 1) for x in r):.3f} "
+                   f"(target 0.10), worst {max(abs(x - 1) for x in r):.3f} (target 0.25)"
+                   if r else "none priced")
+        out.append(f"{gpu}: {len(r)} runs priced, {refused.get(gpu, 0)} refused; {figures}")
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,23 +202,26 @@ def main(argv: list[str] | None = None) -> int:
             if (not args.rows or r.id in args.rows.split(","))
             and (not args.gpu or r.gpu == args.gpu)]
     t0 = time.perf_counter()
-    print(f"{'run':<28} {'GPUs':>5} {'tp':>2} {'pp':>3} {'dp':>3} {'published':>9} "
-          f"{'predicted':>9} {'ratio':>6}  plan priced")
+    print(f"{'run':<28} {'GPUs':>5} {'tp':>2} {'pp':>3} {'cp':>2} {'dp':>3} "
+          f"{'published':>9} {'predicted':>9} {'ratio':>6}  plan priced")
     ratios: dict[str, list[float]] = {}
+    refused: dict[str, int] = {}
     for run in runs:
         try:
             pred, label = price(run)
         except SMPError as exc:
-            print(f"{run.id:<28} refused: {str(exc).splitlines()[0]}")
+            if not run.fitted:
+                refused[run.gpu] = refused.get(run.gpu, 0) + 1
+            print(f"{run.id:<28} refused: {' '.join(str(exc).split())}", flush=True)
             continue
         ratio = pred / run.tflops_per_gpu
         if not run.fitted:
             ratios.setdefault(run.gpu, []).append(ratio)
         mark = "  [fitted on]" if run.fitted else ""
-        print(f"{run.id:<28} {run.gpus:>5} {run.tp:>2} {run.pp:>3} {run.dp:>3} "
+        print(f"{run.id:<28} {run.gpus:>5} {run.tp:>2} {run.pp:>3} {run.cp:>2} {run.dp:>3} "
               f"{run.tflops_per_gpu:>9.1f} {pred:>9.1f} {ratio:>6.3f}  {label}{mark}",
               flush=True)
-    for line in summary(ratios):
+    for line in summary(ratios, refused):
         print(line)
     fitted = sorted({r.source for r in runs if r.fitted})
     fits: dict[str, list[str]] = {}

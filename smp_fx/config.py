@@ -103,6 +103,10 @@ PARAMS: tuple[Param, ...] = (
     _P("context_parallel_degree", int, 1, minimum=1, used_at="DistributedModel",
        doc="smp-fx extension (SMP v2's key, not SMP v1's): the sequence split over this many "
            "ranks, attention over the whole (docs/context_parallel.md)"),
+    _P("context_parallel_local_outputs", bool, False, used_at="DistributedModel",
+       doc="smp-fx extension (SMP has no such key): at context_parallel_degree > 1 the "
+           "model's outputs stay this rank's tokens (smp.cp_positions names them) instead "
+           "of being gathered whole (docs/context_parallel.md)"),
     _P("fp16", bool, False, used_at="DistributedModel",
        doc="half-precision model, fp32 master weights and loss scaling in "
            "DistributedOptimizer (docs/precision.md)"),
@@ -202,6 +206,7 @@ class SMPConfig:
     activation_loading_horizon: int = 4
     tensor_parallel_degree: int = 1
     context_parallel_degree: int = 1
+    context_parallel_local_outputs: bool = False
     fp16: bool = False
     fp16_params: bool = False
     shard_optimizer_state: bool = False

@@ -61,6 +61,7 @@ TABLE: dict[str, tuple[list[Any], list[Any]]] = {
     "compile": (["none", "inductor", "aot_eager"], [True, "max-autotune", None]),
     "expert_parallel_degree": ([1, 2, 8], [0, -1, 1.5, "2", True]),
     "context_parallel_degree": ([1, 2, 4], [0, -1, 1.5, "2"]),
+    "context_parallel_local_outputs": ([True, False], ["yes", 1, None]),
     "async_checkpoint": ([True, False], ["yes", 1, None]),
     "optimize": (["memory", "speed"], ["fast", 0]),
     "placement_strategy": (["cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD"],
@@ -105,7 +106,7 @@ NEEDS = {"tensor_parallel_degree": {"ddp": True}, "auto_partition": {"default_pa
          "context_parallel_degree": {"pipeline_parallel_degree": 1}}
 EXTENSIONS = {"virtual_pipeline_degree", "recompute_granularity", "compile",
               "expert_parallel_degree", "context_parallel_degree",
-              "async_checkpoint"}
+              "context_parallel_local_outputs", "async_checkpoint"}
 """smp-fx's own parameters: SMP's documentation has no such keys."""
 
 

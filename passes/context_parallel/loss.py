@@ -6,6 +6,8 @@ class weights, if any) are summed over cp, and the loss is one over the other. T
 targets are computed whole (Hugging Face shifts the labels inside the loss: a pad and a
 slice of the whole sequence, so the chunks' boundaries get their next tokens) and cut to
 the local tokens where the loss reads them, before they are flattened (``target_cut``).
+transformers 4.x shifts the other way (the scores' last position sliced off, the labels'
+first): ``pad_shifted_labels`` rewrites that into the padded labels first, the same loss.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ FLATTEN = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.
                      aten.to.dtype_layout, aten._to_copy.default, aten.flatten.using_ints,
                      aten.alias.default})
 """Ops between the (batch, sequence) labels or scores and the flat rows a loss reads."""
+SAME_SHAPE = frozenset({aten.contiguous.default, aten.clone.default, aten.to.dtype,
+                        aten.to.dtype_layout, aten._to_copy.default, aten.alias.default})
 _SUM = 2
+_END = 2**62
 
 
 def _reduction(node: torch.fx.Node) -> Any:
@@ -101,6 +106,76 @@ def cp_loss(op: Any, scores: torch.Tensor, target: torch.Tensor, *args: Any,
     return collectives.cp_sum(total) / collectives.cp_sum(count.detach())
 
 
+def _slice_under(node: Any, dim: int, start: int, end: int
+                 ) -> tuple[torch.fx.Node, torch.fx.Node] | None:
+    """(the slice ``[start:end]`` along ``dim`` that ``node`` reads through ops keeping its
+    shape, the op reading that slice), or None."""
+    reader = None
+    while isinstance(node, torch.fx.Node) and node.target in SAME_SHAPE:
+        reader, node = node, node.args[0]
+    if not isinstance(node, torch.fx.Node) or node.target is not aten.slice.Tensor \
+            or reader is None or len(node.users) != 1:
+        return None
+    args: tuple[Any, ...] = (*node.args, 0, 0, None)[:4] if len(node.args) < 4 \
+        else tuple(node.args)
+    stop = args[3] if args[3] is not None else _END
+    if not all(isinstance(a, int) for a in (args[1], args[2], stop)):
+        return None
+    at_end = stop >= _END if end == _END else stop == end
+    if args[1] % val_of(node).dim() != dim or args[2] != start or not at_end:
+        return None
+    return node, reader
+
+
+def _between(starts: set[torch.fx.Node], end: torch.fx.Node) -> list[torch.fx.Node]:
+    """Nodes from ``starts`` to ``end`` (both included), in graph order."""
+    before: set[torch.fx.Node] = set()
+    todo = [end]
+    while todo:
+        n = todo.pop()
+        if n not in before:
+            before.add(n)
+            todo += n.all_input_nodes
+    out: list[torch.fx.Node] = []
+    for n in end.graph.nodes:
+        if n in before and (n in starts or any(a in out for a in n.all_input_nodes)):
+            out.append(n)
+    return out
+
+
+def _refake(nodes: list[torch.fx.Node]) -> None:
+    """Recompute the traced values (fake tensors) of ``nodes``, in order."""
+    for n in nodes:
+        args, kwargs = torch.fx.node.map_arg((n.args, n.kwargs), val_of)
+        n.meta["val"] = n.target(*args, **kwargs)  # type: ignore[operator]
+
+
+def pad_shifted_labels(gm: torch.fx.GraphModule) -> list[str]:
+    """transformers 4.x's shift, ``loss(scores[:, :-1], labels[:, 1:])``, rewritten as
+    ``loss(scores, pad(labels[:, 1:], ignored))``: the same sum and count, the scores'
+    sequence whole. The names of the losses rewritten."""
+    done = []
+    for loss in [n for n in gm.graph.nodes if n.target in LOSSES]:
+        scores_chain, scores = _unflattened(loss.args[0])
+        labels_chain, labels = _unflattened(loss.args[1])
+        if not scores_chain or not labels_chain:
+            continue
+        cut = _slice_under(scores, 1, 0, -1)
+        shifted = _slice_under(labels, 1, 1, _END)
+        if cut is None or shifted is None:
+            continue
+        ignore = loss.args[4] if len(loss.args) > 4 else loss.kwargs.get("ignore_index", -100)
+        cut[1].replace_input_with(cut[0], cut[0].args[0])  # type: ignore[arg-type]
+        with gm.graph.inserting_after(shifted[0]):
+            pad = gm.graph.call_function(aten.constant_pad_nd.default,
+                                         (shifted[0], [0, 1], ignore))
+        pad.meta = dict(shifted[0].meta)
+        shifted[1].replace_input_with(shifted[0], pad)
+        _refake(_between({pad, cut[1]}, loss))
+        done.append(loss.name)
+    return done
+
+
 def loss_targets(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     """Nodes a loss's targets derive from: computed whole (inputs among them not split)."""
     todo = [n.args[1] for n in gm.graph.nodes if n.target in LOSSES
@@ -114,4 +189,5 @@ def loss_targets(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
     return seen
 
 
-__all__ = ["LOSSES", "cp_loss", "loss_parts", "loss_targets", "target_cut"]
+__all__ = ["LOSSES", "cp_loss", "loss_parts", "loss_targets", "pad_shifted_labels",
+           "target_cut"]

@@ -41,7 +41,13 @@ from passes.context_parallel.dims import (
     val_of,
 )
 from passes.context_parallel.gqa import gather_small, repeat_chain
-from passes.context_parallel.loss import LOSSES, cp_loss, loss_targets, target_cut
+from passes.context_parallel.loss import (
+    LOSSES,
+    cp_loss,
+    loss_targets,
+    pad_shifted_labels,
+    target_cut,
+)
 from passes.context_parallel.refusals import refusal
 from passes.graph_utils import copy_graph_module
 from passes.tensor_parallel import costs
@@ -147,6 +153,7 @@ def context_parallel(gm: torch.fx.GraphModule, degree: int, local_outputs: bool 
     traced = meta.TENSOR.get(first_input)
     if traced is not None:  # the traced microbatch's length: refused here, before a step
         collectives.local_index(int(traced.shape[1]), degree, 0)
+    pad_shifted_labels(new)
     reach = _reaching(new)
     graph = new.graph
     _drop_unread(graph, reach)

@@ -1,11 +1,13 @@
 """A loss inside the model under context parallelism, in one process (``loss``).
 
 The rewrite of a tiny attention model whose forward computes a cross-entropy from labels
-it shifts itself, as Hugging Face does (padded with -100, then the next token's): the
-loss becomes ``cp_loss``, the labels are not split at the input but shifted whole and cut
-to the local rows at the loss, nothing is gathered. ``loss_parts`` over each cp rank's
-tokens, summed, gives one process's loss (ignored targets, class weights, label
-smoothing); ranks over real groups: tests/smp_fx/parallel/test_context_parallel_hf.py.
+it shifts itself, as Hugging Face does (padded with -100, then the next token's; or, as
+transformers 4.x does, the logits' last position sliced off, which the rewrite turns into
+the padded labels): the loss becomes ``cp_loss``, the labels are not split at the input
+but shifted whole and cut to the local rows at the loss, nothing is gathered.
+``loss_parts`` over each cp rank's tokens, summed, gives one process's loss (ignored
+targets, class weights, label smoothing); ranks over real groups:
+tests/smp_fx/parallel/test_context_parallel_hf.py.
 """
 
 from __future__ import annotations
@@ -26,33 +28,44 @@ VOCAB = 32
 
 
 class WithLoss(nn.Module):
-    """``Tiny`` and Hugging Face's causal-LM loss of its logits (labels shifted inside)."""
+    """``Tiny`` and Hugging Face's causal-LM loss of its logits (labels shifted inside):
+    transformers 5's (the labels padded, then shifted) or 4.x's (``sliced``: the logits'
+    last position and the labels' first sliced off)."""
 
-    def __init__(self, reduction: str = "mean") -> None:
+    def __init__(self, reduction: str = "mean", sliced: bool = False) -> None:
         super().__init__()
-        self.tiny, self.reduction = Tiny("sdpa"), reduction
+        self.tiny, self.reduction, self.sliced = Tiny("sdpa"), reduction, sliced
 
     def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         logits = self.tiny(ids)
-        shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
+        if self.sliced:
+            logits = logits[..., :-1, :].contiguous()
+            shifted = labels[..., 1:].contiguous()
+        else:
+            shifted = F.pad(labels, (0, 1), value=-100)[..., 1:].contiguous()
         return F.cross_entropy(logits.view(-1, VOCAB), shifted.view(-1),
                                reduction=self.reduction)
 
 
-def _traced(reduction: str = "mean") -> tuple[nn.Module, torch.fx.GraphModule,
-                                              tuple[torch.Tensor, torch.Tensor]]:
+def _traced(reduction: str = "mean", sliced: bool = False
+            ) -> tuple[nn.Module, torch.fx.GraphModule, tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(0)
-    model = WithLoss(reduction)
+    model = WithLoss(reduction, sliced)
     ids, labels = torch.randint(0, VOCAB, (2, SEQ)), torch.randint(0, VOCAB, (2, SEQ))
     labels[1, 3:9] = -100
     return model, trace(model, (ids, labels), {}, "export"), (ids, labels)
 
 
-def test_a_loss_inside_the_model_is_reduced_over_cp_and_its_labels_shifted_whole() -> None:
-    model, gm, inputs = _traced()
+@pytest.mark.parametrize("sliced", [False, True])
+def test_a_loss_inside_the_model_is_reduced_over_cp_and_its_labels_shifted_whole(
+        sliced: bool) -> None:
+    model, gm, inputs = _traced(sliced=sliced)
     new, plan = context_parallel(gm, 2)
     assert len(plan.losses) == 1 and plan.gathered == () and len(plan.split) == 1
     assert "losses reduced over cp" in plan.text()
+    slices = [n for n in new.graph.nodes if n.target is torch.ops.aten.slice.Tensor
+              and n.args[1:4] == (1, 0, -1)]
+    assert not slices  # 4.x's slice of the logits is gone: the labels are padded instead
     torch.testing.assert_close(new(*inputs), model(*inputs))
 
 

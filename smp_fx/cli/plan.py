@@ -320,7 +320,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         progress(f"wrote {args.json}")
     if args.emit_config:
         cfg = smp_config(planned.best, args.precision)
-        if args.cp_local_outputs and planned.best.candidate.cp > 1:
+        best = planned.best.candidate
+        if args.cp_local_outputs and best.cp > 1 and best.pp == 1:
             cfg["context_parallel_local_outputs"] = True  # the memory priced
         Path(args.emit_config).write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n",
                                           encoding="utf-8")
@@ -331,6 +332,9 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
             notes.append("the step function reads its cp rank's tokens of the outputs: pick "
                          "their targets with smp.cp_positions, reduce with smp.cp_mean (or "
                          "compute the loss inside the model)")
+        elif args.cp_local_outputs and best.cp > 1:
+            notes.append("compute the loss inside the model (the memory priced: "
+                         "context_parallel_local_outputs is refused with pipeline parallelism)")
         for note in notes:
             print(f"  in the script: {note}", file=out)
     if args.timeline:

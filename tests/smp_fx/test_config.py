@@ -409,6 +409,15 @@ def test_context_parallel_divides_the_world_and_composes_but_not_with_ep() -> No
             _load({"pipeline_parallel_degree": 1, "context_parallel_degree": 2, **other})
 
 
+def test_local_outputs_are_refused_with_a_pipeline_and_accepted_without() -> None:
+    local = {"context_parallel_degree": 2, "context_parallel_local_outputs": True}
+    _load({"pipeline_parallel_degree": 1, **local})
+    _load({"pipeline_parallel_degree": 2, "context_parallel_local_outputs": True})  # cp 1
+    with pytest.raises(SMPConfigError, match="local_outputs.*loss inside the model") as err:
+        _load({"pipeline_parallel_degree": 2, **local})
+    assert "\n" not in str(err.value)
+
+
 def test_partition_config_carries_the_state_model() -> None:
     """The precision flags and the sharding reach the plan's state count (cost_model.memory)."""
     base = {"pipeline_parallel_degree": 2, "ddp": True}

@@ -25,13 +25,11 @@ LOSSES = frozenset({aten.cross_entropy_loss.default, aten.nll_loss.default,
                     aten.nll_loss_nd.default})
 """Losses over class scores and integer targets: (input, target, weight, reduction,
 ignore_index[, label_smoothing]), reduction 0 none, 1 mean, 2 sum."""
-FLATTEN = frozenset({aten.view.default, aten.reshape.default, aten._unsafe_view.default,
-                     aten.contiguous.default, aten.clone.default, aten.to.dtype,
-                     aten.to.dtype_layout, aten._to_copy.default, aten.flatten.using_ints,
-                     aten.alias.default})
-"""Ops between the (batch, sequence) labels or scores and the flat rows a loss reads."""
 SAME_SHAPE = frozenset({aten.contiguous.default, aten.clone.default, aten.to.dtype,
                         aten.to.dtype_layout, aten._to_copy.default, aten.alias.default})
+FLATTEN = SAME_SHAPE | {aten.view.default, aten.reshape.default, aten._unsafe_view.default,
+                        aten.flatten.using_ints}
+"""Ops between the (batch, sequence) labels or scores and the flat rows a loss reads."""
 _SUM = 2
 _END = 2**62
 

@@ -36,7 +36,9 @@ the schedule holds in flight there (``cost_model.schedule_cost.in_flight_at``), 
 largest recompute transient. Buffers: DDP's gradient buckets (a copy of the gradients:
 ``gradient_as_bucket_view`` is off by default), two frames per pipeline channel, and the
 model's outputs, which smp-fx hands to the step function on every pipeline rank (with the
-loss's log-softmax of them). The cluster's reserve and allocator margin are taken off the
+loss's log-softmax of them), whole under context parallelism unless they stay the rank's
+tokens (``local_outputs``: a loss inside the model, or ``context_parallel_local_outputs``;
+then 1/cp of them). The cluster's reserve and allocator margin are taken off the
 GPU's memory before comparing (``ClusterSpec.usable_memory_bytes``).
 
 The peak is the larger of two moments: the forward and backward (all of the above), and
@@ -179,13 +181,14 @@ def memory_per_gpu(*, elems: int, buffers: int, kept: int, in_flight: float, tra
                    precision: str, zero: str, dp: int, layer_elems: int, boundary: int,
                    output_bytes: int, pipelined: bool, tensors: int = 0,
                    whole: int = 0, step_temporary: bool = False, experts: int = 0,
-                   ep: int = 1, cp: int = 1, gathered: int = 0) -> MemoryPerGPU:
+                   ep: int = 1, cp: int = 1, gathered: int = 0,
+                   local_outputs: bool = False) -> MemoryPerGPU:
     """One rank's peak: ``elems`` trainable parameter elements, ``buffers`` bytes of
     buffers, ``kept`` activation bytes per microbatch held ``in_flight`` times,
     ``boundary`` the bytes of one pipeline message; ``step_temporary``: the optimizer
     makes a float32 temporary of the parameters it steps (torch's foreach Adam);
     ``experts`` of ``elems`` split over ``ep`` ranks, activations over ``cp`` (less the
-    ``gathered`` keys and values, kept whole).
+    ``gathered`` keys and values, kept whole), the outputs too if ``local_outputs``.
 
     >>> m = memory_per_gpu(elems=10, buffers=0, kept=100, in_flight=2, transient=0,
     ...                    precision="bf16", zero="none", dp=1, layer_elems=10, boundary=0,
@@ -217,7 +220,8 @@ def memory_per_gpu(*, elems: int, buffers: int, kept: int, in_flight: float, tra
                         int(round((kept + gathered * (cp - 1)) * in_flight / cp)),
                         -(-int(transient) // cp),
                         int(comm + buffers),
-                        2 * int(output_bytes), int(stepped) if step_temporary else 0)
+                        2 * int(output_bytes) // (cp if local_outputs else 1),
+                        int(stepped) if step_temporary else 0)
 
 
 __all__ = ["PRECISIONS", "STATE", "STATE_MODES", "ZERO", "MemoryPerGPU", "ModelState",

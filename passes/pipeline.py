@@ -81,7 +81,8 @@ def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
                   progress: Progress | None = None,
                   traced: torch.fx.GraphModule | None = None,
                   tp: TensorParallelism | None = None,
-                  allow_real_run: bool = True, cp: int = 1) -> Compiled:
+                  allow_real_run: bool = True, cp: int = 1,
+                  cp_local_outputs: bool = False) -> Compiled:
     """Trace, cost and partition ``model`` for one microbatch ``(args, kwargs)``.
 
     ``allow_real_run=False`` (SMP's ``skip_tracing``) refuses shape propagation's real-run
@@ -98,7 +99,7 @@ def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
                      leaf_modules=leaf_modules, progress=progress, traced=traced,
                      allow_real_run=allow_real_run)
     return partition(costed, pconfig, device=spec, pins=pins, progress=progress, tp=tp,
-                     cp=cp)
+                     cp=cp, cp_local_outputs=cp_local_outputs)
 
 
 def analyse(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None = None,
@@ -131,9 +132,11 @@ def analyse(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | N
 def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
               device: str | DeviceSpec = DEFAULT_DEVICE, pins: Mapping[str, int] | None = None,
               progress: Progress | None = None,
-              tp: TensorParallelism | None = None, cp: int = 1) -> Compiled:
+              tp: TensorParallelism | None = None, cp: int = 1,
+              cp_local_outputs: bool = False) -> Compiled:
     """The second half of ``compile_model``: stages, then the tp rewrite, then the cp
-    rewrite (``cp`` > 1 splits the sequence over that many ranks), then the plan; stages
+    rewrite (``cp`` > 1 splits the sequence over that many ranks; ``cp_local_outputs``
+    leaves the outputs each rank's tokens), then the plan; stages
     are chosen on the unsharded graph, so every tp rank splits alike."""
     spec = resolve_device(device)
     strategy = ["manual"]
@@ -180,7 +183,7 @@ def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
     cp_plan: list[ContextParallelPlan] = []
 
     def split_sequence(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
-        new, made = context_parallel(gm, cp)
+        new, made = context_parallel(gm, cp, cp_local_outputs)
         cp_plan.append(made)
         return new
 

@@ -103,6 +103,10 @@ PARAMS: tuple[Param, ...] = (
     _P("context_parallel_degree", int, 1, minimum=1, used_at="DistributedModel",
        doc="smp-fx extension (SMP v2's key, not SMP v1's): the sequence split over this many "
            "ranks, attention over the whole (docs/context_parallel.md)"),
+    _P("context_parallel_local_outputs", bool, False, used_at="DistributedModel",
+       doc="smp-fx extension (SMP has no such key): at context_parallel_degree > 1 the "
+           "model's outputs stay this rank's tokens (smp.cp_positions names them) instead "
+           "of being gathered whole (docs/context_parallel.md)"),
     _P("fp16", bool, False, used_at="DistributedModel",
        doc="half-precision model, fp32 master weights and loss scaling in "
            "DistributedOptimizer (docs/precision.md)"),
@@ -202,6 +206,7 @@ class SMPConfig:
     activation_loading_horizon: int = 4
     tensor_parallel_degree: int = 1
     context_parallel_degree: int = 1
+    context_parallel_local_outputs: bool = False
     fp16: bool = False
     fp16_params: bool = False
     shard_optimizer_state: bool = False
@@ -486,6 +491,15 @@ def combination_refusal(values: Mapping[str, Any], where: str = "smp.init"
             {"context_parallel_degree": cp,
              "expert_parallel_degree": v["expert_parallel_degree"]}, where,
             "set one of them to 1")
+    pp = v["pipeline_parallel_degree"] or 1
+    if cp > 1 and v["context_parallel_local_outputs"] and pp > 1:
+        return SMPConfigError.build(
+            "'context_parallel_local_outputs' with 'pipeline_parallel_degree' > 1 is not built "
+            "(ranks without the last stage run their step functions beside the pipeline's cp "
+            "collectives, which smp.cp_mean could meet in a different order on each cp rank)",
+            {"context_parallel_local_outputs": True, "pipeline_parallel_degree": pp}, where,
+            "compute the loss inside the model (a Hugging Face model given labels), or set "
+            "pipeline_parallel_degree to 1")
     if sdp > 1 and v["shard_optimizer_state"]:
         return SMPConfigError.build(
             "'shard_optimizer_state' and 'sharded_data_parallel_degree' > 1 both shard the "

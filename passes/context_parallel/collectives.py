@@ -11,7 +11,9 @@ identity, so a rewritten graph computes the original function in one process.
 * ``cp_gather``: the whole sequence from the chunks, in order (a model output; backward:
   this rank's rows of the gradient, which every rank computes whole from the same loss);
 * ``cp_gather_kv``: the same forward for keys and values; backward sums every rank's
-  gradient of them before keeping the local rows (every rank's queries read every key).
+  gradient of them before keeping the local rows (every rank's queries read every key);
+* ``cp_sum``: a per-rank sum (a loss over the rank's tokens) summed over cp; its gradient
+  passes through (every rank's backward covers its own tokens' part of the same total).
 """
 
 from __future__ import annotations
@@ -93,6 +95,16 @@ class _Split(torch.autograd.Function):
         return _all_reduce(whole), None
 
 
+class _Sum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
 class _Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, summed: bool) -> torch.Tensor:
@@ -149,6 +161,14 @@ def cp_gather_kv(x: torch.Tensor, dim: int) -> torch.Tensor:
     return out
 
 
+def cp_sum(x: torch.Tensor) -> torch.Tensor:
+    """``x`` summed over the cp group; the gradient of each rank's ``x`` is the sum's."""
+    if not active():
+        return x
+    out: torch.Tensor = _Sum.apply(x)
+    return out
+
+
 def sum_over_group(x: torch.Tensor) -> None:
     """``x`` summed in place over the bound cp group (gradients); untouched without one."""
     if active():
@@ -162,5 +182,5 @@ def query_positions(length: int, device: torch.device) -> torch.Tensor:
     return _mine(length, device)
 
 
-__all__ = ["active", "cp_gather", "cp_gather_kv", "cp_localize", "cp_split",
+__all__ = ["active", "cp_gather", "cp_gather_kv", "cp_localize", "cp_split", "cp_sum",
            "local_index", "query_positions", "size", "sum_over_group"]

@@ -29,6 +29,10 @@ class ContextParallelPlan:
     gathered: tuple[str, ...] = ()
     small_kv: tuple[str, ...] = ()
     """Grouped-query keys and values gathered before their repeat to the query heads."""
+    losses: tuple[str, ...] = ()
+    """Losses inside the model, reduced over every cp rank's tokens."""
+    local_outputs: tuple[str, ...] = ()
+    """Outputs left as the rank's tokens (``context_parallel_local_outputs``)."""
 
     def text(self) -> str:
         """The coverage report (module docstring)."""
@@ -38,7 +42,9 @@ class ContextParallelPlan:
         rows = [("split inputs", self.split), ("attention", self.attention),
                 ("whole values cut to local rows", self.localized),
                 ("outputs gathered", self.gathered),
-                ("grouped-query keys/values gathered before their repeat", self.small_kv)]
+                ("grouped-query keys/values gathered before their repeat", self.small_kv),
+                ("losses reduced over cp", self.losses),
+                ("outputs left local", self.local_outputs)]
         return "\n".join([head] + [f"  {k}: {', '.join(v)}" for k, v in rows if v])
 
     def to_json(self) -> str:
@@ -49,7 +55,7 @@ class ContextParallelPlan:
         data = json.loads(text)
         return cls(data["degree"], *(tuple(data[k]) for k in
                                      ("split", "attention", "localized", "gathered",
-                                      "small_kv")))
+                                      "small_kv", "losses", "local_outputs")))
 
 
 __all__ = ["ContextParallelPlan"]

@@ -7,7 +7,8 @@ read; the rest stays *whole*: masks and positions every rank computes from the w
 inputs, which is how positions stay global. Where a whole value meets a local one in an
 elementwise op it is cut to the local rows (``cp_localize``); a sequence size a local op
 reads becomes the local length; ``scaled_dot_product_attention`` becomes ``cp_sdpa``;
-local outputs are gathered back in order (``cp_gather``). An op that would mix tokens
+local outputs are gathered back in order (``cp_gather``), or kept local when asked; a
+cross-entropy inside the model becomes ``cp_loss`` (``loss``). An op that would mix tokens
 on a chunk (a softmax, a reduction or a matmul over the sequence, attention not written
 as SDPA) is refused with the node and the reason: never a silent wrong answer.
 """
@@ -40,6 +41,13 @@ from passes.context_parallel.dims import (
     val_of,
 )
 from passes.context_parallel.gqa import gather_small, repeat_chain
+from passes.context_parallel.loss import (
+    LOSSES,
+    cp_loss,
+    loss_targets,
+    pad_shifted_labels,
+    target_cut,
+)
 from passes.context_parallel.refusals import refusal
 from passes.graph_utils import copy_graph_module
 from passes.tensor_parallel import costs
@@ -69,6 +77,8 @@ class _Walk:
     """Grouped-query keys and values gathered before their repeat to the query heads."""
     cuts: dict[torch.fx.Node, torch.fx.Node]
     """A whole value -> its local rows (one cut shared by its local readers)."""
+    losses: list[torch.fx.Node]
+    """Losses over the local tokens, reduced over cp (``cp_loss``)."""
 
 
 def _attention(walk: _Walk, node: torch.fx.Node) -> None:
@@ -87,6 +97,24 @@ def _attention(walk: _Walk, node: torch.fx.Node) -> None:
         kwargs[flag] = True
         walk.small_kv.append(found[1].name)
     node.kwargs = kwargs
+
+
+def _loss(walk: _Walk, node: torch.fx.Node) -> None:
+    """A loss over local scores -> ``cp_loss``, its whole targets cut to the local rows."""
+    found = target_cut(node, walk.local, walk.seq)
+    if isinstance(found, str):
+        walk.refused.append((node.name, found))
+        walk.bad.add(node)
+        return
+    labels, reader = found
+    with walk.gm.graph.inserting_before(reader):
+        cut = _insert(walk.gm.graph, collectives.cp_localize, (labels, (1,)), labels, reader)
+    reader.replace_input_with(labels, cut)
+    walk.localized.append(labels.name)
+    op: Any = node.target
+    node.args = (op, *node.args)
+    node.target = cp_loss
+    walk.losses.append(node)
 
 
 def _reaching(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
@@ -112,32 +140,35 @@ def _drop_unread(graph: torch.fx.Graph, reach: set[torch.fx.Node]) -> None:
             graph.erase_node(node)
 
 
-def context_parallel(gm: torch.fx.GraphModule, degree: int
+def context_parallel(gm: torch.fx.GraphModule, degree: int, local_outputs: bool = False
                      ) -> tuple[torch.fx.GraphModule, ContextParallelPlan]:
-    """The rewritten copy of ``gm`` (the same for every cp rank) and what was done.
+    """The rewritten copy of ``gm`` (the same for every cp rank) and what was done;
+    ``local_outputs``: the outputs stay the rank's tokens (not gathered).
     Raises ``SMPPassError`` listing every node it refuses, with the reason."""
     new = copy_graph_module(gm)
     if degree <= 1:
         return new, ContextParallelPlan(degree)
-    walk = _Walk(new, sequence_symbol(new), set(), [], [], {}, set(), [], {})
+    walk = _Walk(new, sequence_symbol(new), set(), [], [], {}, set(), [], {}, [])
     first_input = next(n for n in new.graph.nodes if n.op == "placeholder")
     traced = meta.TENSOR.get(first_input)
     if traced is not None:  # the traced microbatch's length: refused here, before a step
         collectives.local_index(int(traced.shape[1]), degree, 0)
+    pad_shifted_labels(new)
     reach = _reaching(new)
     graph = new.graph
     _drop_unread(graph, reach)
+    targets = loss_targets(new)
     split: list[str] = []
     gathered: tuple[str, ...] = ()
     first_local: torch.fx.Node | None = None
     for node in list(graph.nodes):
         if node.op == "placeholder":
             dims = seq_dims(node, walk.seq)
-            if dims and node in reach:
+            if dims and node in reach and node not in targets:
                 first_local = first_local or _split_input(walk, node, dims, split)
             continue
         if node.op == "output":
-            gathered = _gather_outputs(walk, node)
+            gathered = _gather_outputs(walk, node, local_outputs)
             break
         if node.op != "call_function" or not is_data(node):
             continue
@@ -145,10 +176,14 @@ def context_parallel(gm: torch.fx.GraphModule, degree: int
             if node.target in SDPA and any(a in walk.local for a in node.all_input_nodes):
                 walk.refused.append((node.name, "its mask is computed from local tokens"))
             continue
-        walk.local.add(node)
         if any(a in walk.bad for a in node.all_input_nodes):
+            walk.local.add(node)
             walk.bad.add(node)
             continue
+        if node.target in LOSSES:  # its value is the whole sequence's loss, not local
+            _loss(walk, node)
+            continue
+        walk.local.add(node)
         why = refusal(node, walk.local, walk.seq)
         if why is not None:
             walk.refused.append((node.name, why))
@@ -170,14 +205,16 @@ def context_parallel(gm: torch.fx.GraphModule, degree: int
     new.recompile()
     _local_costs(walk, degree)
     attention = tuple(n.name for n in graph.nodes if n.target is cp_sdpa)
+    kept = _local_outputs(walk) if local_outputs else ()
     return new, ContextParallelPlan(degree, tuple(split), attention, tuple(walk.localized),
-                                    gathered, tuple(walk.small_kv))
+                                    gathered, tuple(walk.small_kv),
+                                    tuple(n.name for n in walk.losses), kept)
 
 
 def _local_costs(walk: _Walk, degree: int) -> None:
     """One rank's costs: a local node's work, output and saved bytes are 1/degree of the
     whole (the keys and values ``cp_sdpa`` gathers and saves are counted local too)."""
-    local = {n.name for n in walk.local} - {n.name for n in walk.bad}
+    local = {n.name for n in (*walk.local, *walk.losses)} - {n.name for n in walk.bad}
     for node in walk.gm.graph.nodes:
         if node.name not in local:
             continue
@@ -276,7 +313,14 @@ def _twin(walk: _Walk, size: torch.fx.Node, first: torch.fx.Node | None) -> torc
     return twin
 
 
-def _gather_outputs(walk: _Walk, output: torch.fx.Node) -> tuple[str, ...]:
+def _local_outputs(walk: _Walk) -> tuple[str, ...]:
+    output = next(n for n in reversed(walk.gm.graph.nodes) if n.op == "output")
+    return tuple(a.name for a in output.all_input_nodes if a in walk.local)
+
+
+def _gather_outputs(walk: _Walk, output: torch.fx.Node, local_outputs: bool
+                    ) -> tuple[str, ...]:
+    """Local outputs gathered whole (unless ``local_outputs``: left as the rank's tokens)."""
     graph = walk.gm.graph
     done: list[str] = []
     for arg in list(output.all_input_nodes):
@@ -286,6 +330,8 @@ def _gather_outputs(walk: _Walk, output: torch.fx.Node) -> tuple[str, ...]:
         if len(dims) != 1:
             walk.refused.append((arg.name, "a model output computed from local tokens without "
                                            "one sequence dim to gather along"))
+            continue
+        if local_outputs:
             continue
         with graph.inserting_before(output):
             whole = _insert(graph, collectives.cp_gather, (arg, dims[0]), arg, arg)

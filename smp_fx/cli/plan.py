@@ -107,6 +107,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    "one (apex, torch's fused=True: none)")
     p.add_argument("--fix", help="tp=8,pp=8,... (keys tp pp dp mbs vp schedule recompute sp "
                                  "zero ep cp): price these, search the rest")
+    p.add_argument("--cp-local-outputs", action="store_true",
+                   help="under cp, price each rank holding its own tokens of the logits "
+                   "(a loss inside the model, or context_parallel_local_outputs, which "
+                   "--emit-config then writes), not the whole gathered logits")
     p.add_argument("--top", type=int, default=5, help="plans to show")
     p.add_argument("--max-mbs", type=int, default=64, help="largest microbatch size tried")
     p.add_argument("--json", metavar="FILE", help="write model, cluster, best and candidates")
@@ -259,7 +263,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
 
     def setting_of(cl: ClusterSpec, gpus: int, batch: int, precision: str) -> Setting:
         return Setting(cl, gpus, batch, precision, host_factor(cl, gpus),
-                       step_temporary=args.adam == "foreach" and "cpu" not in cl.device.name)
+                       step_temporary=args.adam == "foreach" and "cpu" not in cl.device.name,
+                       cp_local_outputs=args.cp_local_outputs)
 
     before, refitted = cluster, None
     if args.measured:
@@ -315,11 +320,22 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         progress(f"wrote {args.json}")
     if args.emit_config:
         cfg = smp_config(planned.best, args.precision)
+        best = planned.best.candidate
+        if args.cp_local_outputs and best.cp > 1 and best.pp == 1:
+            cfg["context_parallel_local_outputs"] = True  # the memory priced
         Path(args.emit_config).write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n",
                                           encoding="utf-8")
         print(f"wrote {args.emit_config}: smp-fx run -n {gpus} --config {args.emit_config} "
               "SCRIPT.py", file=out)
-        for note in script_notes(planned.best, args.precision, prepared.info.layer_path):
+        notes = script_notes(planned.best, args.precision, prepared.info.layer_path)
+        if cfg.get("context_parallel_local_outputs"):
+            notes.append("the step function reads its cp rank's tokens of the outputs: pick "
+                         "their targets with smp.cp_positions, reduce with smp.cp_mean (or "
+                         "compute the loss inside the model)")
+        elif args.cp_local_outputs and best.cp > 1:
+            notes.append("compute the loss inside the model (the memory priced: "
+                         "context_parallel_local_outputs is refused with pipeline parallelism)")
+        for note in notes:
             print(f"  in the script: {note}", file=out)
     if args.timeline:
         why = plan_render.draw(planned, args.timeline, f"{prepared.info.name}: "

@@ -90,6 +90,9 @@ class Setting:
     runtime: str = "smp-fx"
     """Whose overlaps price the step: smp-fx's, or ``"megatron-core"``'s
     (``smp_fx.planner.overlap``), to price runs published with Megatron-Core."""
+    cp_local_outputs: bool = False
+    """Under cp the outputs stay each rank's tokens (a loss inside the model, or
+    ``context_parallel_local_outputs``): 1/cp of them held (``cost_model.memory``)."""
 
     @functools.cached_property
     def fabric(self) -> Fabric:
@@ -384,7 +387,8 @@ def _smp_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, 
         tensors=ranks.tensors[r], whole=ranks.small[r] if ranks.small else 0,
         step_temporary=setting.step_temporary,
         experts=ranks.experts[r] if ranks.experts else 0, ep=c.ep, cp=c.cp,
-        gathered=ranks.kv[r] if ranks.kv and c.recompute != "full" else 0)
+        gathered=ranks.kv[r] if ranks.kv and c.recompute != "full" else 0,
+        local_outputs=setting.cp_local_outputs)
 
 
 def peak_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,

@@ -61,6 +61,7 @@ TABLE: dict[str, tuple[list[Any], list[Any]]] = {
     "compile": (["none", "inductor", "aot_eager"], [True, "max-autotune", None]),
     "expert_parallel_degree": ([1, 2, 8], [0, -1, 1.5, "2", True]),
     "context_parallel_degree": ([1, 2, 4], [0, -1, 1.5, "2"]),
+    "context_parallel_local_outputs": ([True, False], ["yes", 1, None]),
     "async_checkpoint": ([True, False], ["yes", 1, None]),
     "optimize": (["memory", "speed"], ["fast", 0]),
     "placement_strategy": (["cluster", "spread", "DPT", "DTP", "PDT", "PTD", "TDP", "TPD"],
@@ -105,7 +106,7 @@ NEEDS = {"tensor_parallel_degree": {"ddp": True}, "auto_partition": {"default_pa
          "context_parallel_degree": {"pipeline_parallel_degree": 1}}
 EXTENSIONS = {"virtual_pipeline_degree", "recompute_granularity", "compile",
               "expert_parallel_degree", "context_parallel_degree",
-              "async_checkpoint"}
+              "context_parallel_local_outputs", "async_checkpoint"}
 """smp-fx's own parameters: SMP's documentation has no such keys."""
 
 
@@ -406,6 +407,15 @@ def test_context_parallel_divides_the_world_and_composes_but_not_with_ep() -> No
     for other in ({"expert_parallel_degree": 2, "ddp": True},):
         with pytest.raises(SMPConfigError, match="context_parallel_degree"):
             _load({"pipeline_parallel_degree": 1, "context_parallel_degree": 2, **other})
+
+
+def test_local_outputs_are_refused_with_a_pipeline_and_accepted_without() -> None:
+    local = {"context_parallel_degree": 2, "context_parallel_local_outputs": True}
+    _load({"pipeline_parallel_degree": 1, **local})
+    _load({"pipeline_parallel_degree": 2, "context_parallel_local_outputs": True})  # cp 1
+    with pytest.raises(SMPConfigError, match="local_outputs.*loss inside the model") as err:
+        _load({"pipeline_parallel_degree": 2, **local})
+    assert "\n" not in str(err.value)
 
 
 def test_partition_config_carries_the_state_model() -> None:

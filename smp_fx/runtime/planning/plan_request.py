@@ -42,6 +42,8 @@ class PlanRequest:
     ``skip_tracing``: shapes come from fake tensors only, or the plan fails naming why."""
     cp: int = 1
     """The context-parallel degree: the sequence split over this many ranks."""
+    cp_local_outputs: bool = False
+    """The model's outputs stay each cp rank's tokens (``context_parallel_local_outputs``)."""
 
     def compile(self, model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | None,
                 *, frontend: Frontend = "auto", progress: Progress | None = None,
@@ -52,7 +54,7 @@ class PlanRequest:
                              frontend=frontend, pins=None if self.pins is None
                              else dict(self.pins), measured=measured, progress=progress,
                              traced=traced, tp=self.tp, allow_real_run=self.real_run,
-                             cp=self.cp)
+                             cp=self.cp, cp_local_outputs=self.cp_local_outputs)
 
 
 def plan_request(cfg: SMPConfig, module: nn.Module, device: DeviceSpec, tp_rank: int, *,
@@ -69,4 +71,5 @@ def plan_request(cfg: SMPConfig, module: nn.Module, device: DeviceSpec, tp_rank:
     return PlanRequest(cfg.partition_config(spec.name, optimizer_state_factor, rules,
                                             data_parallel_degree), spec,
                        pins, tp, real_run=not cfg.skip_tracing,
-                       cp=cfg.context_parallel_degree)
+                       cp=cfg.context_parallel_degree,
+                       cp_local_outputs=cfg.context_parallel_local_outputs)

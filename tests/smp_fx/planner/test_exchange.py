@@ -1,11 +1,13 @@
 """Expert and context parallelism in the planner: the experts found, their state divided by
-ep, activations by cp, the exchanges priced on the link their group spans, and ``--fix
-ep=N`` / ``--fix cp=N`` written by ``--emit-config`` as a configuration smp.init accepts."""
+ep, activations by cp (the outputs too under ``--cp-local-outputs``), the exchanges priced on
+the link their group spans, and ``--fix ep=N`` / ``--fix cp=N`` written by ``--emit-config``
+as a configuration smp.init accepts."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -114,9 +116,24 @@ def test_cp_divides_activations_and_prices_the_kv_exchange(mixtral) -> None:
     assert two.comm.cp == pytest.approx(two.microbatches * kv) and one.comm.cp == 0.0
 
 
+def test_cp_local_outputs_hold_a_cp_th_of_the_outputs(
+        mixtral: tuple[Profiler, Ranks, int, dict[str, Any]]) -> None:
+    profiler, ranks, _, _ = mixtral
+    prof = profiler(MBS, 1, False)
+    assert prof.output_bytes > 0
+    gathered, local = (Setting(CLUSTER, 4, 4 * MBS, cp_local_outputs=flag)
+                       for flag in (False, True))
+    for cp in (1, 2):
+        whole, mine = (price(_cand(4 // cp, cp=cp), ranks, prof, s).memory
+                       for s in (gathered, local))
+        assert whole.outputs == 2 * prof.output_bytes
+        assert mine.outputs == 2 * prof.output_bytes // cp
+        assert whole.total - mine.total == whole.outputs - mine.outputs
+
+
 @pytest.mark.parametrize("model, fix, key", [
     (["--hf-config", str(MIXTRAL)], "ep=2", "expert_parallel_degree"),
-    (["--hf-config", str(LLAMA)], "cp=2", "context_parallel_degree"),
+    (["--hf-config", str(LLAMA), "--cp-local-outputs"], "cp=2", "context_parallel_degree"),
 ])
 def test_fixed_degree_round_trips_through_emit_config(tmp_path, model, fix, key) -> None:
     pytest.importorskip("transformers")
@@ -127,6 +144,7 @@ def test_fixed_degree_round_trips_through_emit_config(tmp_path, model, fix, key)
     assert plan_cli.main(args) == 0
     cfg = json.loads(cfg_path.read_text())
     assert cfg[key] == 2
+    assert cfg.get("context_parallel_local_outputs", False) == ("--cp-local-outputs" in model)
     validate(cfg, 2)
     best = json.loads(plan_path.read_text())["best"]
     assert best[fix.split("=")[0]] == 2

@@ -129,7 +129,7 @@ from smp_fx.marking.tp_register import tp_register, tp_register_with_module  # n
 from smp_fx.marking.model_creation import model_creation  # noqa: E402
 
 # --- context parallelism: a step function reading each rank's tokens of the outputs ---
-from smp_fx.parallel.cp_outputs import cp_mean, cp_positions  # noqa: E402
+from smp_fx.cp_outputs import cp_mean, cp_positions  # noqa: E402
 from smp_fx import namespaces as _namespaces  # noqa: E402
 
 

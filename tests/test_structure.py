@@ -42,7 +42,7 @@ SMP_FX_LAYERS: tuple[tuple[str, ...], ...] = (
      "smp_fx.optimizer", "smp_fx.optimizer_compat", "smp_fx.script_optimizer", "smp_fx.step",
      "smp_fx.reset", "smp_fx.nn",
      "smp_fx.optimizers", "smp_fx.grad_average",
-     "smp_fx.measured"),
+     "smp_fx.measured", "smp_fx.cp_outputs"),
     ("smp_fx.calibration", "smp_fx.cli"),
     # the Trainer's SMP mode calls into the model; only the shims' import hooks load it
     ("smp_fx", "smp_fx._compat.shims", "smp_fx._compat.private", "smp_fx._compat.hf_trainer"),

@@ -43,7 +43,7 @@ from passes.split_stages import StagedProgram
 from passes.tensor_parallel import TensorParallelPlan
 from passes.tensor_parallel.coverage import Coverage, coverage
 from smp_fx.amp import fp16
-from smp_fx.ckpt import checkpoint_api
+from smp_fx.ckpt import async_save, checkpoint_api
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
 from smp_fx.ckpt.pretrained import SafetensorsState, pretrained_files
 from smp_fx.ckpt.state_dict import ModelLayout
@@ -329,6 +329,8 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, ModuleWalks,
             dp = self._parallelized.data_parallel
         else:  # the first step runs inside: the build applies this one
             dp = self._early_dp = self._early_dp or ddp.controller(self.options, st)
+        if dp is not None:  # step counts may differ from here: saves agree elsewhere
+            async_save.stop_at_steps()
         return ddp.join(dp, throw_on_early_termination)
 
     def register_comm_hook(self, state: object,

@@ -33,10 +33,13 @@ SMP_FX_LAYERS: tuple[tuple[str, ...], ...] = (
      "smp_fx.expert_ranks", "smp_fx.namespaces", "smp_fx.marking.init_tape"),
     ("smp_fx.planner",),  # a search over configurations, reading passes and cost_model
     ("smp_fx.world",),
-    ("smp_fx.ckpt",),
+    # weights read while a model is built (delayed initialisation's from_pretrained)
+    ("smp_fx.ckpt.pretrained", "smp_fx.ckpt.hf_weights"),
     ("smp_fx.marking", "smp_fx.amp"),
     ("smp_fx.runtime",),
     ("smp_fx.parallel",),
+    # checkpoints above the parallelisms they save, reading them through smp_fx.ckpt.view
+    ("smp_fx.ckpt",),
     ("smp_fx.model", "smp_fx.model_options", "smp_fx.model_tp_queries", "smp_fx.model_walks",
      "smp_fx.module_view",
      "smp_fx.optimizer", "smp_fx.optimizer_compat", "smp_fx.script_optimizer", "smp_fx.step",

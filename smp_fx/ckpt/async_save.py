@@ -38,7 +38,8 @@ MARKER = ".done_rank"  # + the world rank: a rank's part of the staging folder i
 OK = "ok"
 
 write_file = atomic_write
-"""How the writer thread writes one file (tests replace it to simulate a full disk)."""
+"""How the writer thread writes one file (tests replace it: a full disk, a write held
+half-written while a rank is killed)."""
 
 
 def write(path: str, writer: Callable[[IO[bytes]], object]) -> None:

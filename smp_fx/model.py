@@ -212,7 +212,7 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, ModuleWalks,
         if self._layout is None:
             self._layout = ModelLayout.from_module(self.get_module())
         return CheckpointView(self._checkpoint_ranks, self._layout, self.tp_plan,
-                              self.expert_names)
+                              self.expert_names, self.shards_parameters)
 
     @property
     def module(self) -> ModuleView:

@@ -61,10 +61,10 @@ from smp_fx.ckpt.ranks import current_rank
 from smp_fx.ckpt.safe_load import read_file
 from smp_fx.ckpt.snapshot import Snapshot
 from smp_fx.ckpt.validate import agree_or_raise
-from smp_fx.ckpt.view import Ranks
+from smp_fx.ckpt.view import Ranks, ViewedModel
 from smp_fx.version import SMP_API_VERSION
 from smp_fx.world import context
-from smp_fx.world.context import ProcessModel, ProcessOptimizer
+from smp_fx.world.context import ProcessOptimizer
 from smp_fx.world.state_api import module_manager
 
 log = logging.getLogger(__name__)
@@ -113,7 +113,7 @@ def _check_tag(tag: Any, ranks: Ranks) -> str:
 
 
 def save_checkpoint(path: str, tag: str, partial: bool = True,
-                    model: ProcessModel | None = None,
+                    model: ViewedModel | None = None,
                     optimizer: ProcessOptimizer | None = None, user_content: Any = None,
                     translate_if_full: bool = True,
                     num_kept_partial_checkpoints: int | None = None,
@@ -169,7 +169,7 @@ def save_checkpoint(path: str, tag: str, partial: bool = True,
         _save_full(path, tag, model, optimizer, user_content, translate_if_full, ranks)
 
 
-def _save_partial(path: str, tag: str, model: ProcessModel | None,
+def _save_partial(path: str, tag: str, model: ViewedModel | None,
                   optimizer: ProcessOptimizer | None, user_content: Any,
                   num_kept: int | None, ranks: Ranks) -> None:
     name = partial_dir(tag)
@@ -214,7 +214,7 @@ def make_staging(path: str, name: str, ranks: Ranks) -> str:
     return staging
 
 
-def local_states(model: ProcessModel | None, optimizer: ProcessOptimizer | None,
+def local_states(model: ViewedModel | None, optimizer: ProcessOptimizer | None,
                  ranks: Ranks) -> tuple[Any, Any]:
     """The local model and optimizer state dicts a partial save writes (None where this
     rank writes none); every rank calls it, and a failure on one is raised on all."""
@@ -224,8 +224,7 @@ def local_states(model: ProcessModel | None, optimizer: ProcessOptimizer | None,
     try:  # everything that can fail on one rank, before any collective of a subgroup
         # sharded data parallelism gathers whole tensors over the shard group, a sharded
         # optimizer state its stage's shards: then every dp rank takes part
-        sdp = bool(getattr(model, "shards_parameters", False))
-        everyone = sdp or bool(getattr(model, "expert_names", ()))  # ep: experts gathered
+        everyone = _every_rank(model)
         model_sd = (model.local_state_dict()
                     if model is not None and (rdp_rank == 0 or everyone) else None)
         model_sd = model_sd if rdp_rank == 0 else None
@@ -237,6 +236,15 @@ def local_states(model: ProcessModel | None, optimizer: ProcessOptimizer | None,
         cause = exc
     agree_or_raise(cause, "collecting the local state dicts", ranks)
     return model_sd, opt_sd
+
+
+def _every_rank(model: ViewedModel | None) -> bool:
+    """Whether every data-parallel rank takes part in the model's state: sharded data
+    parallelism gathers its shards, expert parallelism its experts."""
+    if model is None:
+        return False
+    view = model.checkpoint_view()
+    return view.shards_parameters or bool(view.experts)
 
 
 def commit(path: str, name: str, num_kept: int | None) -> None:
@@ -258,7 +266,7 @@ def commit(path: str, name: str, num_kept: int | None) -> None:
         shutil.rmtree(os.path.join(path, old), ignore_errors=True)
 
 
-def _save_full(path: str, tag: str, model: ProcessModel | None,
+def _save_full(path: str, tag: str, model: ViewedModel | None,
                optimizer: ProcessOptimizer | None, user_content: Any,
                translate: bool, ranks: Ranks) -> None:
     if optimizer is not None:
@@ -275,18 +283,16 @@ def _save_full(path: str, tag: str, model: ProcessModel | None,
     agree_or_raise(cause, f"writing the full checkpoint {tag}", ranks)
 
 
-def full_state(model: ProcessModel | None, rdp_rank: int) -> dict[str, Any] | None:
+def full_state(model: ViewedModel | None, rdp_rank: int) -> dict[str, Any] | None:
     """The full model state dict a full save writes, on the ranks with rdp rank 0 (a
     collective over the pipeline group, over the shards under sdp, over the experts at ep)."""
-    every_rank = bool(getattr(model, "shards_parameters", False))
-    every_rank = every_rank or bool(getattr(model, "expert_names", ()))
-    if model is None or not (rdp_rank == 0 or every_rank):
+    if model is None or not (rdp_rank == 0 or _every_rank(model)):
         return None
     sd = dict(model.state_dict())
     return sd if rdp_rank == 0 else None
 
 
-def full_writes(path: str, tag: str, model: ProcessModel | None, sd: dict[str, Any] | None,
+def full_writes(path: str, tag: str, model: ViewedModel | None, sd: dict[str, Any] | None,
                 user_content: Any, translate: bool) -> list[Callable[[], None]]:
     """World rank 0's writes of a full checkpoint of ``sd``, each an atomic file (or
     ``save_pretrained``'s set), in order; no collective."""
@@ -313,7 +319,7 @@ def full_writes(path: str, tag: str, model: ProcessModel | None, sd: dict[str, A
     return writes
 
 
-def _save_async(path: str, tag: str, partial: bool, model: ProcessModel | None,
+def _save_async(path: str, tag: str, partial: bool, model: ViewedModel | None,
                 optimizer: ProcessOptimizer | None, user_content: Any, translate: bool,
                 num_kept: int | None, ranks: Ranks) -> None:
     """``async_save=True``: what communicates or reads live state now, the writes by the
@@ -328,7 +334,7 @@ def _save_async(path: str, tag: str, partial: bool, model: ProcessModel | None,
         background.start(tag, None, ranks, writes, lambda: None, _snapshot.ready)
 
 
-def _partial_writes(path: str, name: str, model: ProcessModel | None,
+def _partial_writes(path: str, name: str, model: ViewedModel | None,
                     optimizer: ProcessOptimizer | None, user_content: Any,
                     ranks: Ranks) -> list[Callable[[], None]]:
     """Everything of a partial save that communicates or reads live state, done now; the
@@ -368,7 +374,7 @@ def _partial_writes(path: str, name: str, model: ProcessModel | None,
     return writes
 
 
-def _full_writes(path: str, tag: str, model: ProcessModel | None,
+def _full_writes(path: str, tag: str, model: ViewedModel | None,
                  optimizer: ProcessOptimizer | None, user_content: Any, translate: bool,
                  ranks: Ranks) -> list[Callable[[], None]]:
     if optimizer is not None:
@@ -392,7 +398,7 @@ def _rdp_rank(ranks: Ranks) -> int:
     return 0 if ranks.alone else ranks.axis_rank("rdp")
 
 
-def _pretrained_module(model: ProcessModel | None) -> nn.Module | None:
+def _pretrained_module(model: ViewedModel | None) -> nn.Module | None:
     """The Hugging Face model whose ``save_pretrained`` writes a full checkpoint's weights:
     the wrapped module, or, where SMP replaced a Hugging Face model by its distributed
     version (``smp_fx.nn.huggingface``), the model the script built, whose names the
@@ -585,7 +591,7 @@ def _belongs(optimizer: ProcessOptimizer) -> bool:
     return optimizer not in context.waiting_optimizers()
 
 
-def adopt_pending(model: ProcessModel | None = None,
+def adopt_pending(model: ViewedModel | None = None,
                   optimizer: ProcessOptimizer | None = None) -> None:
     """Apply a resume that came before ``model`` / ``optimizer`` existed (called by the
     DistributedModel when it is created and by a DistributedOptimizer joining a model)."""

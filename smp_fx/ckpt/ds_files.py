@@ -26,7 +26,7 @@ def optimizer_file(shard_rank: int) -> str:
 
 def applies(model: Any, optimizer: Any, ranks: Ranks) -> bool:
     """Whether this save writes them: sharded data parallelism at pp and tp 1."""
-    if model is None or optimizer is None or not getattr(model, "shards_parameters", False):
+    if model is None or optimizer is None or not model.checkpoint_view().shards_parameters:
         return False
     cfg = ranks.config
     assert cfg is not None, "sharded data parallelism runs after smp.init"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -39,17 +39,11 @@ from smp_fx.ckpt.state_dict import (
     select_model_state,
 )
 from smp_fx.ckpt.validate import agreed
-from smp_fx.ckpt.view import CheckpointView, Ranks
+from smp_fx.ckpt.view import CheckpointView, Ranks, ViewedModel
 from smp_fx.world import comm
 from smp_fx.world.context import ProcessModel, current_model
 
 StateDict = dict[str, Any]
-
-
-class ViewedModel(ProcessModel, Protocol):
-    """A model as its optimizer's checkpoints read it."""
-
-    def checkpoint_view(self) -> CheckpointView: ...
 
 
 def _gather_pipeline(local: Any, ranks: Ranks) -> list[Any]:

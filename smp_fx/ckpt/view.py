@@ -1,21 +1,22 @@
 """What the checkpoint code knows of the job and of the model: values handed to it.
 
 ``Ranks`` is this process's place (ranks, group sizes, object groups, the configuration);
-``CheckpointView`` adds what a model's state dicts need (its layout, tensor-parallel plan
-and expert names). The model and the optimizer build them from the resolved configuration
-and pass them down; ``Ranks.current`` serves the API calls that get no model (``smp.save``,
-``smp.load``, ``smp.save_checkpoint``...). See docs/checkpoints.md.
+``CheckpointView`` adds what a model's state dicts need (its layout, tensor-parallel plan,
+expert names, sdp sharding). The model and the optimizer build them from the resolved
+configuration and pass them down; ``Ranks.current`` serves the API calls that may get no
+model (``smp.save``, ``smp.load``, ``smp.save_checkpoint``...). See docs/checkpoints.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from smp_fx.ckpt.state_dict import ModelLayout
 from smp_fx.world import comm
 from smp_fx.world import state as smp_state
+from smp_fx.world.context import ProcessModel
 
 if TYPE_CHECKING:
     from passes.tensor_parallel import TensorParallelPlan
@@ -92,7 +93,15 @@ class CheckpointView:
     """Set once partitioned at ``tensor_parallel_degree`` > 1."""
     experts: frozenset[str] = frozenset()
     """FQNs of expert slices (``expert_parallel_degree`` > 1)."""
+    shards_parameters: bool = False
+    """Whether sharded data parallelism holds the local parameters as shards."""
 
     @property
     def tp_rank(self) -> int:
         return self.ranks.axis_rank("tp")
+
+
+class ViewedModel(ProcessModel, Protocol):
+    """A model as checkpoints read it: ``smp.DistributedModel``."""
+
+    def checkpoint_view(self) -> CheckpointView: ...

@@ -43,10 +43,12 @@ from passes.split_stages import StagedProgram
 from passes.tensor_parallel import TensorParallelPlan
 from passes.tensor_parallel.coverage import Coverage, coverage
 from smp_fx.amp import fp16
-from smp_fx.ckpt import checkpoint_api
+from smp_fx.ckpt import async_save, checkpoint_api
 from smp_fx.ckpt.mixins import ModelCheckpointMixin
 from smp_fx.ckpt.pretrained import SafetensorsState, pretrained_files
+from smp_fx.ckpt.state_dict import ModelLayout
 from smp_fx.ckpt.unread_state import unread_state
+from smp_fx.ckpt.view import CheckpointView, Ranks
 from smp_fx.marking.delayed_init import allocate, extending, is_delayed, materialize
 from smp_fx.marking.tp_register import replace_registered
 from smp_fx.model_options import ModelOptions
@@ -127,6 +129,8 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, ModuleWalks,
         # expert_parallel_degree > 1: each MoE block keeps this rank's slice of its experts
         self.ep_coverage = split_experts(module, st)
         self.expert_names = expert_names(b.path for b in self.ep_coverage if not b.reason)
+        self._checkpoint_ranks = Ranks(st)
+        self._layout: ModelLayout | None = None  # taken at the first checkpoint_view()
         if cfg is not None and cfg.checkpoint_attentions:
             checkpoint_attentions(module)
         self._modules["module"] = module  # get_module() reads it; .module is SMP's view
@@ -201,6 +205,14 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, ModuleWalks,
         share of parameter elements sharded, each replicated linear or embedding and each
         lone linear with the reason; None before partitioning or at degree 1."""
         return None if self.tp_plan is None else coverage(self.tp_plan)
+
+    def checkpoint_view(self) -> CheckpointView:
+        """What checkpoints read of this model (``smp_fx.ckpt.view``); the layout is the
+        plain model's, taken before partitioning when a load comes first."""
+        if self._layout is None:
+            self._layout = ModelLayout.from_module(self.get_module())
+        return CheckpointView(self._checkpoint_ranks, self._layout, self.tp_plan,
+                              self.expert_names, self.shards_parameters)
 
     @property
     def module(self) -> ModuleView:
@@ -317,6 +329,8 @@ class DistributedModel(ModelCheckpointMixin, TensorParallelQueries, ModuleWalks,
             dp = self._parallelized.data_parallel
         else:  # the first step runs inside: the build applies this one
             dp = self._early_dp = self._early_dp or ddp.controller(self.options, st)
+        if dp is not None:  # step counts may differ from here: saves agree elsewhere
+            async_save.stop_at_steps()
         return ddp.join(dp, throw_on_early_termination)
 
     def register_comm_hook(self, state: object,

@@ -30,6 +30,7 @@ from smp_fx.ckpt import checkpoint_api
 from smp_fx.ckpt.ep_shards import gather_optimizer_full
 from smp_fx.ckpt.mixins import OptimizerCheckpointMixin, StateDict
 from smp_fx.ckpt.state_dict import merge_partial_optimizer_states
+from smp_fx.ckpt.view import Ranks
 from smp_fx.nn.huggingface.registry import follow_replacements
 from smp_fx.optimizer_compat import ClientViews
 from smp_fx.parallel import clip, ds_view
@@ -60,6 +61,7 @@ class DistributedOptimizer(OptimizerCheckpointMixin, ClientViews, torch.optim.Op
 
     def __init__(self, optimizer: torch.optim.Optimizer, static_loss_scale: float | None = 1.0,
                  dynamic_loss_scale: bool = False, **dynamic_loss_args: Any) -> None:
+        self.checkpoint_ranks = Ranks.current()  # as smp.init resolved it (smp_fx.ckpt.view)
         self.torch_optimizer = torch_optimizer(optimizer)  # a script's object: its optimizer
         self._script = is_script_optimizer(optimizer)  # (smp_fx.script_optimizer)
         cfg = state.get().config if state.is_initialized() else None

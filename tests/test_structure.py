@@ -33,10 +33,13 @@ SMP_FX_LAYERS: tuple[tuple[str, ...], ...] = (
      "smp_fx.expert_ranks", "smp_fx.namespaces", "smp_fx.marking.init_tape"),
     ("smp_fx.planner",),  # a search over configurations, reading passes and cost_model
     ("smp_fx.world",),
-    ("smp_fx.ckpt",),
+    # weights read while a model is built (delayed initialisation's from_pretrained)
+    ("smp_fx.ckpt.pretrained", "smp_fx.ckpt.hf_weights"),
     ("smp_fx.marking", "smp_fx.amp"),
     ("smp_fx.runtime",),
     ("smp_fx.parallel",),
+    # checkpoints above the parallelisms they save, reading them through smp_fx.ckpt.view
+    ("smp_fx.ckpt",),
     ("smp_fx.model", "smp_fx.model_options", "smp_fx.model_tp_queries", "smp_fx.model_walks",
      "smp_fx.module_view",
      "smp_fx.optimizer", "smp_fx.optimizer_compat", "smp_fx.script_optimizer", "smp_fx.step",
@@ -262,6 +265,46 @@ def test_parallelisms_and_runtime_are_handed_their_configuration() -> None:
     assert not found, "hand the state down instead:\n" + "\n".join(found)
 
 
+# ---- checkpoints read what they are handed ---------------------------------------------------
+CKPT = "smp_fx/ckpt"
+
+# file: why it reads an object's ``__dict__``.
+CKPT_DICT_ALLOWED: dict[str, str] = {
+    "smp_fx/ckpt/pretrained.py": "PreTrainedModel's own from_pretrained, unbound, so that "
+    "the classmethod put in its place for a while can be put back exactly",
+}
+
+# file: why it reads the process's state itself.
+CKPT_STATE_READ_ALLOWED: dict[str, str] = {
+    "smp_fx/ckpt/view.py": "Ranks.current: where smp.save, smp.load, smp.save_checkpoint and "
+    "smp.resume_from_checkpoint, which are given no model, learn this process's place",
+    "smp_fx/ckpt/ep_shards.py": "the gloo twin of the ep group, for CPU tensors beside NCCL; "
+    "its ep group and ep rank come from smp_fx.world.expert_groups, which reads the state "
+    "too",
+}
+
+
+def dict_reads(path: Path) -> list[int]:
+    """Lines reading some object's ``__dict__``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Attribute) and node.attr == "__dict__"]
+
+
+def test_checkpoints_read_the_model_through_its_view() -> None:
+    """smp_fx/ckpt reads the model and the job through what it is handed
+    (``smp_fx.ckpt.view``: the model's ``checkpoint_view()``, the optimizer's
+    ``checkpoint_ranks``), not through ``__dict__`` or the process's state."""
+    found = []
+    for path in sorted((ROOT / CKPT).rglob("*.py")):
+        rel = str(path.relative_to(ROOT))
+        if rel not in CKPT_DICT_ALLOWED:
+            found += [f"{rel}:{line} reads __dict__" for line in dict_reads(path)]
+        if rel not in CKPT_STATE_READ_ALLOWED:
+            found += [f"{rel}:{line} reads smp_fx.world.state" for line in state_reads(path)]
+    assert not found, "hand it a CheckpointView / Ranks instead:\n" + "\n".join(found)
+
+
 def test_the_checks_can_fail(tmp_path: Path) -> None:
     """The checks see what they claim to see (a circle through a function-level import, an
     upward import, a private assignment, a read of the process's state)."""
@@ -287,3 +330,5 @@ def test_the_checks_can_fail(tmp_path: Path) -> None:
     reads.write_text("from smp_fx.world import state as s\nfrom smp_fx.world.state import get\n"
                      "s.get()\nget()\nstate.is_initialized()\nst.get()\n")
     assert state_reads(reads) == [3, 4, 5]
+    reads.write_text("x = m.__dict__['a']\nm.__dict__['b'] = 1\ny = vars(m)\n")
+    assert dict_reads(reads) == [1, 2]

@@ -28,9 +28,9 @@ from typing import IO
 
 from cost_model.errors import SMPCheckpointError
 from smp_fx.ckpt.atomic import atomic_write
-from smp_fx.ckpt.validate import agree_or_raise, world_gather
+from smp_fx.ckpt.validate import agree_or_raise
+from smp_fx.ckpt.view import Ranks
 from smp_fx.world import launch
-from smp_fx.world import state as smp_state
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,8 @@ MARKER = ".done_rank"  # + the world rank: a rank's part of the staging folder i
 OK = "ok"
 
 write_file = atomic_write
-"""How the writer thread writes one file (tests replace it to simulate a full disk)."""
+"""How the writer thread writes one file (tests replace it: a full disk, a write held
+half-written while a rank is killed)."""
 
 
 def write(path: str, writer: Callable[[IO[bytes]], object]) -> None:
@@ -49,10 +50,11 @@ def write(path: str, writer: Callable[[IO[bytes]], object]) -> None:
 class Job:
     """One asynchronous save in flight on this rank: its writes and their outcome."""
 
-    def __init__(self, name: str, folder: str | None, rank: int, world: int,
+    def __init__(self, name: str, folder: str | None, ranks: Ranks,
                  writes: list[Callable[[], None]], commit: Callable[[], None],
                  ready: Callable[[], None]) -> None:
-        self.name, self.folder, self.rank, self.world = name, folder, rank, world
+        self.name, self.folder, self.ranks = name, folder, ranks
+        self.rank, self.world = (0, 1) if ranks.alone else (ranks.rank, ranks.world_size)
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.began = time.monotonic()
@@ -117,14 +119,13 @@ def at_step() -> None:
         settle(block=False)
 
 
-def start(name: str, folder: str | None, rank: int, writes: list[Callable[[], None]],
+def start(name: str, folder: str | None, ranks: Ranks, writes: list[Callable[[], None]],
           commit: Callable[[], None], ready: Callable[[], None]) -> None:
     """Write ``writes`` in the background as the save ``name`` (the caller settled the
     previous one): ``folder``, a partial save's staging folder, gets the done-markers;
     ``commit`` is world rank 0's once all are written; ``ready`` waits for the copies."""
     global _inflight
-    world = 1 if world_gather() is None else smp_state.get().world_size
-    _inflight = Job(name, folder, rank, world, writes, commit, ready)
+    _inflight = Job(name, folder, ranks, writes, commit, ready)
 
 
 def settle(block: bool, next_tag: str | None = None) -> None:
@@ -140,7 +141,7 @@ def settle(block: bool, next_tag: str | None = None) -> None:
             log.warning("smp.save_checkpoint(%r) waits for the asynchronous checkpoint %s "
                         "to finish writing (one save in flight at a time)", next_tag, job.name)
         job.done.wait()
-    gather = world_gather()
+    gather = job.ranks.world_gather()
     states = [job.state()] if gather is None else gather(job.state())
     if 2 in states:
         _inflight = None
@@ -161,7 +162,7 @@ def settle(block: bool, next_tag: str | None = None) -> None:
             job.commit()
         except OSError as exc:
             cause = exc
-    agree_or_raise(cause, f"committing the asynchronous checkpoint {job.name}")
+    agree_or_raise(cause, f"committing the asynchronous checkpoint {job.name}", job.ranks)
     log.info("asynchronous checkpoint %s committed, %.1f s after the save began", job.name,
              time.monotonic() - job.began)
 

@@ -53,18 +53,18 @@ from smp_fx.ckpt import async_save as background
 from smp_fx.ckpt import ds_files
 from smp_fx.ckpt.atomic import atomic_write, fsync_dir
 from smp_fx.ckpt.commit import index_writer, prepare_partial, torch_writer
-from smp_fx.ckpt.files import load, save
+from smp_fx.ckpt.files import load_at, save_at
 from smp_fx.ckpt.hf_export import is_pretrained, safetensors_available, save_pretrained_state
 from smp_fx.ckpt.hf_weights import find_hf_weights, read_hf_weights
 from smp_fx.ckpt.layout import index_path
 from smp_fx.ckpt.ranks import current_rank
 from smp_fx.ckpt.safe_load import read_file
 from smp_fx.ckpt.snapshot import Snapshot
-from smp_fx.ckpt.validate import agree_or_raise, world_gather
+from smp_fx.ckpt.validate import agree_or_raise
+from smp_fx.ckpt.view import Ranks, ViewedModel
 from smp_fx.version import SMP_API_VERSION
 from smp_fx.world import context
-from smp_fx.world import state as smp_state
-from smp_fx.world.context import ProcessModel, ProcessOptimizer
+from smp_fx.world.context import ProcessOptimizer
 from smp_fx.world.state_api import module_manager
 
 log = logging.getLogger(__name__)
@@ -97,18 +97,10 @@ def _replaced(name: str) -> str:
 # ---------------------------------------------------------------- where this rank is
 
 
-def _world() -> tuple[int, int, Callable[[Any], list[Any]]]:
-    """(world rank, rdp rank, gather over the world): a world of one before smp.init."""
-    gather = world_gather()
-    if gather is None:
-        return 0, 0, lambda value: [value]
-    st = smp_state.get()
-    return st.rank, st.axis_rank("rdp"), gather
-
-
-def _check_tag(tag: Any, gather: Callable[[Any], list[Any]]) -> str:
+def _check_tag(tag: Any, ranks: Ranks) -> str:
     ok = isinstance(tag, str) and tag not in ("", ".", "..") and os.sep not in tag
-    tags = gather(tag if ok else None)
+    gather = ranks.world_gather()
+    tags = [tag if ok else None] if gather is None else gather(tag if ok else None)
     if not ok or any(t != tags[0] for t in tags):
         raise SMPCheckpointError.build(
             "a checkpoint tag must be the same non-empty file name (str) on every rank",
@@ -121,7 +113,7 @@ def _check_tag(tag: Any, gather: Callable[[Any], list[Any]]) -> str:
 
 
 def save_checkpoint(path: str, tag: str, partial: bool = True,
-                    model: ProcessModel | None = None,
+                    model: ViewedModel | None = None,
                     optimizer: ProcessOptimizer | None = None, user_content: Any = None,
                     translate_if_full: bool = True,
                     num_kept_partial_checkpoints: int | None = None,
@@ -150,8 +142,8 @@ def save_checkpoint(path: str, tag: str, partial: bool = True,
                             optimizer=optimizer, user_content={"step": step},
                             num_kept_partial_checkpoints=2)
     """
-    rank, rdp_rank, gather = _world()
-    tag = _check_tag(tag, gather)
+    ranks = Ranks.current()
+    tag = _check_tag(tag, ranks)
     if num_kept_partial_checkpoints is not None and (
             isinstance(num_kept_partial_checkpoints, bool)
             or not isinstance(num_kept_partial_checkpoints, int)
@@ -164,77 +156,75 @@ def save_checkpoint(path: str, tag: str, partial: bool = True,
         log.warning("smp.save_checkpoint: model and optimizer are both None; saving only "
                     "user_content")
     if async_save is None:
-        async_save = smp_state.is_initialized() and smp_state.get().config.async_checkpoint
+        async_save = ranks.config is not None and ranks.config.async_checkpoint
     background.settle(block=True, next_tag=tag)  # one save in flight at most
     if async_save:
         _save_async(path, tag, partial, model, optimizer, user_content, translate_if_full,
-                    num_kept_partial_checkpoints, rank, rdp_rank)
+                    num_kept_partial_checkpoints, ranks)
         return
     if partial:
         _save_partial(path, tag, model, optimizer, user_content,
-                      num_kept_partial_checkpoints, rank, rdp_rank, gather)
+                      num_kept_partial_checkpoints, ranks)
     else:
-        _save_full(path, tag, model, optimizer, user_content, translate_if_full, rank,
-                   rdp_rank, gather)
+        _save_full(path, tag, model, optimizer, user_content, translate_if_full, ranks)
 
 
-def _save_partial(path: str, tag: str, model: ProcessModel | None,
+def _save_partial(path: str, tag: str, model: ViewedModel | None,
                   optimizer: ProcessOptimizer | None, user_content: Any,
-                  num_kept: int | None, rank: int, rdp_rank: int,
-                  gather: Callable[[Any], list[Any]]) -> None:
+                  num_kept: int | None, ranks: Ranks) -> None:
     name = partial_dir(tag)
-    staging = make_staging(path, name, rank)
-    model_sd, opt_sd = local_states(model, optimizer, rdp_rank)
+    staging = make_staging(path, name, ranks)
+    model_sd, opt_sd = local_states(model, optimizer, ranks)
     cause: BaseException | None = None
     try:
         if model_sd is not None:  # collective over this replica's model-parallel group
-            save(model_sd, os.path.join(staging, MODEL_FILE), partial=True)
+            save_at(ranks, model_sd, os.path.join(staging, MODEL_FILE), partial=True)
         if opt_sd is not None:
-            save(opt_sd, os.path.join(staging, OPTIMIZER_FILE), partial=True)
-        ds_files.write(staging, model, optimizer, model_sd)  # SMP's sdp files beside
-        user_content = ds_files.with_shapes(user_content, model, optimizer)
-        if rank == 0:
+            save_at(ranks, opt_sd, os.path.join(staging, OPTIMIZER_FILE), partial=True)
+        ds_files.write(staging, model, optimizer, model_sd, ranks)  # SMP's sdp files beside
+        user_content = ds_files.with_shapes(user_content, model, optimizer, ranks)
+        if ranks.rank == 0:
             if user_content is not None:
                 write_torch(os.path.join(staging, USER_CONTENT_FILE), user_content)
-            write_json(os.path.join(staging, CONFIG_FILE), config_record())
+            write_json(os.path.join(staging, CONFIG_FILE), config_record(ranks))
     except Exception as exc:
         cause = exc
-    agree_or_raise(cause, f"writing the partial checkpoint {name}")
-    if rank == 0:
+    agree_or_raise(cause, f"writing the partial checkpoint {name}", ranks)
+    if ranks.rank == 0:
         try:
             commit(path, name, num_kept)
         except OSError as exc:
             cause = exc
-    agree_or_raise(cause, f"committing the partial checkpoint {name}")
+    agree_or_raise(cause, f"committing the partial checkpoint {name}", ranks)
 
 
-def make_staging(path: str, name: str, rank: int) -> str:
+def make_staging(path: str, name: str, ranks: Ranks) -> str:
     """World rank 0 creates the empty staging folder of the partial checkpoint ``name``
     (removing one a killed save left); every rank learns whether it could."""
     staging = os.path.join(path, staging_dir(name))
     cause: BaseException | None = None
-    if rank == 0:
+    if ranks.rank == 0:
         try:
             os.makedirs(path, exist_ok=True)
             shutil.rmtree(staging, ignore_errors=True)  # left by a killed save
             os.makedirs(staging)
         except OSError as exc:
             cause = exc
-    agree_or_raise(cause, f"creating {staging}")
+    agree_or_raise(cause, f"creating {staging}", ranks)
     return staging
 
 
-def local_states(model: ProcessModel | None, optimizer: ProcessOptimizer | None,
-                 rdp_rank: int) -> tuple[Any, Any]:
+def local_states(model: ViewedModel | None, optimizer: ProcessOptimizer | None,
+                 ranks: Ranks) -> tuple[Any, Any]:
     """The local model and optimizer state dicts a partial save writes (None where this
     rank writes none); every rank calls it, and a failure on one is raised on all."""
     cause: BaseException | None = None
     model_sd = opt_sd = None
+    rdp_rank = _rdp_rank(ranks)
     try:  # everything that can fail on one rank, before any collective of a subgroup
         # sharded data parallelism gathers whole tensors over the shard group, a sharded
         # optimizer state its stage's shards: then every dp rank takes part
-        sdp = bool(getattr(model, "shards_parameters", False))
-        everyone = sdp or bool(getattr(model, "expert_names", ()))  # ep: experts gathered
+        everyone = _every_rank(model)
         model_sd = (model.local_state_dict()
                     if model is not None and (rdp_rank == 0 or everyone) else None)
         model_sd = model_sd if rdp_rank == 0 else None
@@ -244,8 +234,17 @@ def local_states(model: ProcessModel | None, optimizer: ProcessOptimizer | None,
         opt_sd = opt_sd if rdp_rank == 0 else None
     except Exception as exc:
         cause = exc
-    agree_or_raise(cause, "collecting the local state dicts")
+    agree_or_raise(cause, "collecting the local state dicts", ranks)
     return model_sd, opt_sd
+
+
+def _every_rank(model: ViewedModel | None) -> bool:
+    """Whether every data-parallel rank takes part in the model's state: sharded data
+    parallelism gathers its shards, expert parallelism its experts."""
+    if model is None:
+        return False
+    view = model.checkpoint_view()
+    return view.shards_parameters or bool(view.experts)
 
 
 def commit(path: str, name: str, num_kept: int | None) -> None:
@@ -267,36 +266,33 @@ def commit(path: str, name: str, num_kept: int | None) -> None:
         shutil.rmtree(os.path.join(path, old), ignore_errors=True)
 
 
-def _save_full(path: str, tag: str, model: ProcessModel | None,
+def _save_full(path: str, tag: str, model: ViewedModel | None,
                optimizer: ProcessOptimizer | None, user_content: Any,
-               translate: bool, rank: int, rdp_rank: int,
-               gather: Callable[[Any], list[Any]]) -> None:
+               translate: bool, ranks: Ranks) -> None:
     if optimizer is not None:
         log.warning("smp.save_checkpoint(partial=False) saves the model only; the optimizer "
                     "state is saved by partial checkpoints (as in SMP)")
     cause: BaseException | None = None
     try:
-        sd = full_state(model, rdp_rank)
-        if rank == 0:
+        sd = full_state(model, _rdp_rank(ranks))
+        if ranks.rank == 0:
             for write in full_writes(path, tag, model, sd, user_content, translate):
                 write()
     except Exception as exc:
         cause = exc
-    agree_or_raise(cause, f"writing the full checkpoint {tag}")
+    agree_or_raise(cause, f"writing the full checkpoint {tag}", ranks)
 
 
-def full_state(model: ProcessModel | None, rdp_rank: int) -> dict[str, Any] | None:
+def full_state(model: ViewedModel | None, rdp_rank: int) -> dict[str, Any] | None:
     """The full model state dict a full save writes, on the ranks with rdp rank 0 (a
     collective over the pipeline group, over the shards under sdp, over the experts at ep)."""
-    every_rank = bool(getattr(model, "shards_parameters", False))
-    every_rank = every_rank or bool(getattr(model, "expert_names", ()))
-    if model is None or not (rdp_rank == 0 or every_rank):
+    if model is None or not (rdp_rank == 0 or _every_rank(model)):
         return None
     sd = dict(model.state_dict())
     return sd if rdp_rank == 0 else None
 
 
-def full_writes(path: str, tag: str, model: ProcessModel | None, sd: dict[str, Any] | None,
+def full_writes(path: str, tag: str, model: ViewedModel | None, sd: dict[str, Any] | None,
                 user_content: Any, translate: bool) -> list[Callable[[], None]]:
     """World rank 0's writes of a full checkpoint of ``sd``, each an atomic file (or
     ``save_pretrained``'s set), in order; no collective."""
@@ -323,37 +319,37 @@ def full_writes(path: str, tag: str, model: ProcessModel | None, sd: dict[str, A
     return writes
 
 
-def _save_async(path: str, tag: str, partial: bool, model: ProcessModel | None,
+def _save_async(path: str, tag: str, partial: bool, model: ViewedModel | None,
                 optimizer: ProcessOptimizer | None, user_content: Any, translate: bool,
-                num_kept: int | None, rank: int, rdp_rank: int) -> None:
+                num_kept: int | None, ranks: Ranks) -> None:
     """``async_save=True``: what communicates or reads live state now, the writes by the
     background writer (``smp_fx.ckpt.async_save``)."""
     if partial:
         name = partial_dir(tag)
-        writes = _partial_writes(path, name, model, optimizer, user_content, rank, rdp_rank)
-        background.start(name, os.path.join(path, staging_dir(name)), rank, writes,
+        writes = _partial_writes(path, name, model, optimizer, user_content, ranks)
+        background.start(name, os.path.join(path, staging_dir(name)), ranks, writes,
                          functools.partial(commit, path, name, num_kept), _snapshot.ready)
     else:
-        writes = _full_writes(path, tag, model, optimizer, user_content, translate, rank,
-                              rdp_rank)
-        background.start(tag, None, rank, writes, lambda: None, _snapshot.ready)
+        writes = _full_writes(path, tag, model, optimizer, user_content, translate, ranks)
+        background.start(tag, None, ranks, writes, lambda: None, _snapshot.ready)
 
 
-def _partial_writes(path: str, name: str, model: ProcessModel | None,
-                    optimizer: ProcessOptimizer | None, user_content: Any, rank: int,
-                    rdp_rank: int) -> list[Callable[[], None]]:
+def _partial_writes(path: str, name: str, model: ViewedModel | None,
+                    optimizer: ProcessOptimizer | None, user_content: Any,
+                    ranks: Ranks) -> list[Callable[[], None]]:
     """Everything of a partial save that communicates or reads live state, done now; the
     files' writes returned for the writer thread."""
     write = background.write
-    staging = make_staging(path, name, rank)
-    model_sd, opt_sd = local_states(model, optimizer, rdp_rank)
+    staging = make_staging(path, name, ranks)
+    model_sd, opt_sd = local_states(model, optimizer, ranks)
     cause: BaseException | None = None
     writes: list[Callable[[], None]] = []
     try:
-        ds = ds_files.files(staging, model, optimizer, model_sd)  # sdp gathers, every rank
-        user = ds_files.with_shapes(user_content, model, optimizer) if rank == 0 else None
+        ds = ds_files.files(staging, model, optimizer, model_sd, ranks)  # sdp: every rank
+        user = (ds_files.with_shapes(user_content, model, optimizer, ranks)
+                if ranks.rank == 0 else None)
         model_sd, opt_sd, ds, user = _snapshot.take((model_sd, opt_sd, ds, user))
-        info, mp_gather = current_rank()
+        info, mp_gather = current_rank(ranks)
         for sd, file in ((model_sd, MODEL_FILE), (opt_sd, OPTIMIZER_FILE)):
             if sd is None:
                 continue
@@ -364,42 +360,45 @@ def _partial_writes(path: str, name: str, model: ProcessModel | None,
                 writes.append(functools.partial(write, index_path(f), index_writer(index)))
         for file, obj in ds:
             writes.append(functools.partial(write, file, torch_writer(obj, pickle, 2)))
-        if rank == 0:
+        if ranks.rank == 0:
             if user is not None:
                 writes.append(functools.partial(
                     write, os.path.join(staging, USER_CONTENT_FILE),
                     torch_writer(user, pickle, 2)))
             writes.append(functools.partial(write_json,
                                             os.path.join(staging, CONFIG_FILE),
-                                            config_record()))
+                                            config_record(ranks)))
     except Exception as exc:
         cause = exc
-    agree_or_raise(cause, f"preparing the asynchronous checkpoint {name}")
+    agree_or_raise(cause, f"preparing the asynchronous checkpoint {name}", ranks)
     return writes
 
 
-def _full_writes(path: str, tag: str, model: ProcessModel | None,
+def _full_writes(path: str, tag: str, model: ViewedModel | None,
                  optimizer: ProcessOptimizer | None, user_content: Any, translate: bool,
-                 rank: int, rdp_rank: int) -> list[Callable[[], None]]:
+                 ranks: Ranks) -> list[Callable[[], None]]:
     if optimizer is not None:
         log.warning("smp.save_checkpoint(partial=False) saves the model only; the optimizer "
                     "state is saved by partial checkpoints (as in SMP)")
     cause: BaseException | None = None
     writes: list[Callable[[], None]] = []
     try:
-        sd = full_state(model, rdp_rank)
-        if rank == 0:
+        sd = full_state(model, _rdp_rank(ranks))
+        if ranks.rank == 0:
             sd, user = _snapshot.take((sd, user_content))
             writes = full_writes(path, tag, model, sd, user, translate)
     except Exception as exc:
         cause = exc
-    agree_or_raise(cause, f"preparing the asynchronous full checkpoint {tag}")
+    agree_or_raise(cause, f"preparing the asynchronous full checkpoint {tag}", ranks)
     return writes
 
 
+def _rdp_rank(ranks: Ranks) -> int:
+    """Which replica this rank is in (0: the one whose ranks write); 0 alone."""
+    return 0 if ranks.alone else ranks.axis_rank("rdp")
 
 
-def _pretrained_module(model: ProcessModel | None) -> nn.Module | None:
+def _pretrained_module(model: ViewedModel | None) -> nn.Module | None:
     """The Hugging Face model whose ``save_pretrained`` writes a full checkpoint's weights:
     the wrapped module, or, where SMP replaced a Hugging Face model by its distributed
     version (``smp_fx.nn.huggingface``), the model the script built, whose names the
@@ -428,10 +427,10 @@ def write_json(path: str, obj: Any) -> None:
     atomic_write(path, lambda fh: fh.write(text))
 
 
-def config_record() -> dict[str, Any]:
+def config_record(ranks: Ranks) -> dict[str, Any]:
     record: dict[str, Any] = {"smp_version": SMP_API_VERSION}
-    if smp_state.is_initialized():
-        record["config"] = smp_state.get().config.values()
+    if ranks.config is not None:
+        record["config"] = ranks.config.values()
     return record
 
 
@@ -476,15 +475,16 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
 
         user_content = smp.resume_from_checkpoint("/ckpt", partial=True)
     """
-    _rank, _rdp, gather = _world()
+    ranks = Ranks.current()
     background.settle(block=True)  # a save in flight is committed (or raised) first
     if partial:
-        folder = _partial_folder(path, tag, gather)
+        folder = _partial_folder(path, tag, ranks)
         user = _read_optional(os.path.join(folder, USER_CONTENT_FILE))
-        model_state = _read_partial(folder, MODEL_FILE, context.current_model())
+        model_state = _read_partial(folder, MODEL_FILE, context.current_model(), ranks)
         opt_state = None
         if load_optimizer:
-            opt_state = _read_partial(folder, OPTIMIZER_FILE, context.current_optimizer())
+            opt_state = _read_partial(folder, OPTIMIZER_FILE, context.current_optimizer(),
+                                      ranks)
         _apply_model(model_state, strict)
         if opt_state is not None:
             _apply_optimizer(opt_state)
@@ -493,7 +493,7 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
         raise SMPCheckpointError.build("tag is required to load a full checkpoint", None,
                                        where="smp.resume_from_checkpoint(partial=False)",
                                        fix="pass the tag (the file name) it was saved with")
-    tag = _check_tag(tag, gather)
+    tag = _check_tag(tag, ranks)
     state = _read_full(path, tag)
     if state.pop(PARTIAL_KEY, None) is not False:  # not saved untranslated by smp
         if translate_function is not None:
@@ -508,7 +508,7 @@ def resume_from_checkpoint(path: str, tag: str | None = None, partial: bool = Tr
     return _read_optional(os.path.join(path, f"user_content_{tag}"))
 
 
-def _partial_folder(path: str, tag: str | None, gather: Callable[[Any], list[Any]]) -> str:
+def _partial_folder(path: str, tag: str | None, ranks: Ranks) -> str:
     if tag is None:
         listed = read_newest(path)
         if not listed:
@@ -517,7 +517,7 @@ def _partial_folder(path: str, tag: str | None, gather: Callable[[Any], list[Any
                 fix="pass tag=..., or save with smp.save_checkpoint(partial=True) first")
         name = listed[-1]
     else:
-        name = partial_dir(_check_tag(tag, gather))
+        name = partial_dir(_check_tag(tag, ranks))
     folder = os.path.join(path, name)
     if not os.path.isdir(folder):
         interrupted = os.path.join(path, _replaced(name))
@@ -534,12 +534,12 @@ def _read_optional(file: str) -> Any:
     return read_file(file) if os.path.exists(file) else None
 
 
-def _read_partial(folder: str, file: str, target: Any) -> Any:
+def _read_partial(folder: str, file: str, target: Any, ranks: Ranks) -> Any:
     """This rank's part of ``file`` (None when the checkpoint has none and nothing exists
     to load it into; an error when ``target``, a model or optimizer, would go without)."""
     prefix = os.path.join(folder, file)
     if os.path.exists(f"{prefix}.smp_index.json"):
-        return load(prefix, partial=True)
+        return load_at(ranks, prefix, partial=True)
     if target is not None:
         raise SMPCheckpointError.build(
             "the checkpoint holds no state for the " + type(target).__name__, prefix,
@@ -591,7 +591,7 @@ def _belongs(optimizer: ProcessOptimizer) -> bool:
     return optimizer not in context.waiting_optimizers()
 
 
-def adopt_pending(model: ProcessModel | None = None,
+def adopt_pending(model: ViewedModel | None = None,
                   optimizer: ProcessOptimizer | None = None) -> None:
     """Apply a resume that came before ``model`` / ``optimizer`` existed (called by the
     DistributedModel when it is created and by a DistributedOptimizer joining a model)."""

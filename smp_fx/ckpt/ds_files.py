@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from smp_fx.world import state
+from smp_fx.ckpt.view import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -24,11 +24,12 @@ def optimizer_file(shard_rank: int) -> str:
     return f"optimizer_{shard_rank}.pt"
 
 
-def applies(model: Any, optimizer: Any) -> bool:
+def applies(model: Any, optimizer: Any, ranks: Ranks) -> bool:
     """Whether this save writes them: sharded data parallelism at pp and tp 1."""
-    if model is None or optimizer is None or not getattr(model, "shards_parameters", False):
+    if model is None or optimizer is None or not model.checkpoint_view().shards_parameters:
         return False
-    cfg = state.get().config
+    cfg = ranks.config
+    assert cfg is not None, "sharded data parallelism runs after smp.init"
     if cfg.pipeline_parallel_degree > 1 or cfg.tensor_parallel_degree > 1:
         log.info("smp-fx: DeepSpeed-named sdp checkpoint files are written at pp 1 and tp 1 "
                  "only; this checkpoint has smp-fx's files alone")
@@ -43,9 +44,9 @@ def _named_groups(model: Any, optimizer: Any) -> list[list[tuple[str, torch.Tens
             for originals, g in zip(optimizer.fp16_groups, optimizer.param_groups)]
 
 
-def with_shapes(user_content: Any, model: Any, optimizer: Any) -> Any:
+def with_shapes(user_content: Any, model: Any, optimizer: Any, ranks: Ranks) -> Any:
     """``user_content`` with ``param_shapes`` and ``buffer_names`` (a dict only)."""
-    if not isinstance(user_content, dict) or not applies(model, optimizer):
+    if not isinstance(user_content, dict) or not applies(model, optimizer, ranks):
         return user_content
     shapes = [OrderedDict((n, torch.Size(p.shape)) for n, p in group)
               for group in _named_groups(model, optimizer)]
@@ -60,24 +61,24 @@ def _deepspeed_part(value: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     return flat.chunk(size)[rank].cpu()
 
 
-def write(folder: str, model: Any, optimizer: Any, model_state: Any) -> None:
+def write(folder: str, model: Any, optimizer: Any, model_state: Any, ranks: Ranks) -> None:
     """On every rank of the dp group (whole values are gathered over each shard group):
     the shard ranks of the first replica write their files, dp rank 0 ``model_0.pt``."""
-    for path, obj in files(folder, model, optimizer, model_state):
+    for path, obj in files(folder, model, optimizer, model_state, ranks):
         torch.save(obj, path)
 
 
-def files(folder: str, model: Any, optimizer: Any, model_state: Any
+def files(folder: str, model: Any, optimizer: Any, model_state: Any, ranks: Ranks
           ) -> list[tuple[str, dict[str, Any]]]:
     """What ``write`` writes, as (path, object) pairs (the gathers happen here; an
     asynchronous save writes them later)."""
     out: list[tuple[str, dict[str, Any]]] = []
-    if not applies(model, optimizer):
+    if not applies(model, optimizer, ranks):
         return out
-    st = state.get()
-    size = st.config.sharded_data_parallel_degree
+    assert ranks.config is not None  # applies: after smp.init
+    size = ranks.config.sharded_data_parallel_degree
     rank = torch.distributed.get_rank(optimizer.ds_param_shard_group)
-    first_replica = st.group_ranks("dp").index(st.rank) < size
+    first_replica = ranks.group_ranks("dp").index(ranks.rank) < size
     groups = []
     for group in _named_groups(model, optimizer):
         parts = []

@@ -46,7 +46,7 @@ from smp_fx.ckpt.state_dict import (
     merge_partial_optimizer_states,
 )
 from smp_fx.ckpt.validate import agreed
-from smp_fx.world import state as smp_state
+from smp_fx.ckpt.view import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -70,19 +70,24 @@ def save(obj: Any, f: str, partial: bool = True, pickle_module: Any = pickle,
                   "optimizer_state_dict": optimizer.local_state_dict()},
                  "/ckpt/checkpoint.pt", partial=True)
     """
+    save_at(Ranks.current(), obj, f, partial, pickle_module, pickle_protocol, v3)
+
+
+def save_at(ranks: Ranks, obj: Any, f: str, partial: bool = True, pickle_module: Any = pickle,
+            pickle_protocol: int = 2, v3: bool = False) -> None:
+    """``save`` as the process at ``ranks``."""
     f = _check_path(f)
     if v3 and not partial:
         raise SMPCheckpointError.build(
             "smp.save(..., v3=True) writes per-rank partial files", "partial=False",
             f, "pass partial=True with v3=True, or v3=False for a full checkpoint")
     if partial:
-        info, gather = current_rank()
+        info, gather = current_rank(ranks)
         if v3:
-            rdp = smp_state.get().axis_rank("rdp") if smp_state.is_initialized() else 0
-            f = replica_path(f, rdp)
+            f = replica_path(f, ranks.axis_rank("rdp"))
         save_partial(obj, f, info, gather, pickle_module, pickle_protocol)
         return
-    if smp_state.is_initialized() and smp_state.get().axis_rank("mp") != 0:
+    if ranks.axis_rank("mp") != 0:
         return
     atomic_write(f, torch_writer(obj, pickle_module, pickle_protocol))
 
@@ -224,23 +229,28 @@ def load(f: str, map_location: Any = None, pickle_module: Any = pickle, partial:
         model.load_state_dict(ckpt["model_state_dict"])
         optimizer.load_state_dict(ckpt["optimizer_state_dict"])
     """
-    f = _check_path(f)
     del back_compat  # one format (see the docstring)
-    load_kw = dict(map_location=map_location, pickle_module=pickle_module,
-                   weights_only=weights_only, **pickle_load_args)
-    return agreed(f"smp.load({f!r})", lambda: _load(f, partial, load_kw))
+    return load_at(Ranks.current(), f, partial, map_location=map_location,
+                   pickle_module=pickle_module, weights_only=weights_only, **pickle_load_args)
 
 
-def _load(f: str, partial: bool, load_kw: dict[str, Any]) -> Any:
+def load_at(ranks: Ranks, f: str, partial: bool = True, **load_kw: Any) -> Any:
+    """``load`` as the process at ``ranks`` (``load_kw``: ``torch.load``'s)."""
+    f = _check_path(f)
+    return agreed(f"smp.load({f!r})", lambda: _load(f, partial, load_kw, ranks), ranks)
+
+
+def _load(f: str, partial: bool, load_kw: dict[str, Any], ranks: Ranks) -> Any:
     """This rank's part of ``load``."""
     if not partial:
         return read_file(f, **load_kw)
-    info, _ = current_rank()
+    info, _ = current_rank(ranks)
     index = read_index(f)
     if index is None:
         per_replica = replicas(f)
         if per_replica and not os.path.exists(partial_path(f, info.mp_rank)):
-            return merge_partial_objects([_load(r, True, load_kw) for r in per_replica])
+            return merge_partial_objects([_load(r, True, load_kw, ranks)
+                                          for r in per_replica])
         return _load_unindexed(f, info, load_kw)
     if info.same_layout(index):
         entry = next((e for e in index["files"] if e["mp_rank"] == info.mp_rank), None)

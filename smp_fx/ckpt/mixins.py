@@ -1,9 +1,10 @@
 """The SMP state-dict methods of ``DistributedModel`` and ``DistributedOptimizer``, as mixins.
 
-They use a few facts of the runtime classes duck-typed, so this module imports neither.
-The optimizer's full order is captured before narrowing, so a full state numbers as the
-plain optimizer's; states gather over the pipeline group only, so calling them on
-``dp_rank() == 0`` alone, as SMP says, cannot hang.
+What they read of the model comes from its ``checkpoint_view()`` (``smp_fx.ckpt.view``), so
+this module imports neither class and reads no global. The optimizer's full order is
+captured before narrowing, so a full state numbers as the plain optimizer's; states gather
+over the pipeline group only, so calling them on ``dp_rank() == 0`` alone, as SMP says,
+cannot hang.
 """
 
 from __future__ import annotations
@@ -27,7 +28,6 @@ from smp_fx.ckpt.ep_shards import (
 )
 from smp_fx.ckpt.state_dict import (
     PARTIAL_KEY,
-    ModelLayout,
     check_model_keys,
     is_partial,
     local_model_state_dict,
@@ -39,79 +39,73 @@ from smp_fx.ckpt.state_dict import (
     select_model_state,
 )
 from smp_fx.ckpt.validate import agreed
+from smp_fx.ckpt.view import CheckpointView, Ranks, ViewedModel
 from smp_fx.world import comm
-from smp_fx.world import state as smp_state
 from smp_fx.world.context import ProcessModel, current_model
 
 StateDict = dict[str, Any]
 
 
-def _gather_pipeline(local: Any, tp_gathered: bool = False) -> list[Any]:
-    """Every pipeline stage's ``local`` (one process per stage), or ``[local]`` in-process.
-    ``tp_gathered``: ``local``'s tensor-parallel shards are full tensors already."""
-    if not smp_state.is_initialized():
-        return [local]
-    st = smp_state.get()
-    if st.in_process or len(st.group_ranks("pp")) == 1:
-        return [local]
-    if st.axis_size("tp") > 1 and not tp_gathered:
-        raise not_implemented("full state dicts of tensor-parallel models",
-                              fix="save partial checkpoints (local_state_dict) instead")
-    return comm.allgather(local, comm.PP_GROUP)
+def _gather_pipeline(local: Any, ranks: Ranks) -> list[Any]:
+    """Every pipeline stage's ``local`` (one process per stage), or ``[local]`` in-process;
+    ``local``'s tensor-parallel shards are full tensors already."""
+    return ranks.gather(comm.PP_GROUP)(local)
 
 
-def _gather_tensor(spec: Any, t: torch.Tensor) -> torch.Tensor:
+def _gather_tensor(spec: Any, t: torch.Tensor, ranks: Ranks) -> torch.Tensor:
     """The full tensor of this rank's shard ``t`` (collective over the tp group)."""
     t = t.contiguous()
     parts = [torch.empty_like(t) for _ in range(spec.parts)]
-    dist.all_gather(parts, t, group=smp_state.get().object_group("tp"))
+    dist.all_gather(parts, t, group=ranks.object_group("tp"))
     return merge_shards(spec, parts)
 
 
-def gather_shards(plan: Any, local: StateDict) -> StateDict:
+def gather_shards(view: CheckpointView, local: StateDict) -> StateDict:
     """``local`` with every tensor-parallel shard replaced by the full tensor (collective
     over the tp group): ``state_dict()`` is exactly the unsharded model's."""
-    if plan is None:
+    if view.tp_plan is None:
         return local
     out = dict(local)
     out.pop(tp_shards.TP_SHARDS_KEY, None)  # shards are full tensors below
-    for spec in plan.sharded:
+    for spec in view.tp_plan.sharded:
         if spec.name in out:
-            out[spec.name] = _gather_tensor(spec, out[spec.name])
+            out[spec.name] = _gather_tensor(spec, out[spec.name], view.ranks)
     return out
 
 
-def gather_optimizer_shards(plan: Any, local: StateDict) -> StateDict:
+def gather_optimizer_shards(view: CheckpointView | None, local: StateDict) -> StateDict:
     """A partial optimizer state with each tp-distributed parameter's tensor fields gathered
     over the tp group and merged like the parameter."""
-    if plan is None or not plan.sharded:
+    plan = None if view is None else view.tp_plan
+    if view is None or plan is None or not plan.sharded:
         return local
     out = dict(local)
     out.pop(tp_shards.TP_SHARDS_KEY, None)
-    state = dict(out["state"])
+    entries = dict(out["state"])
     for spec in plan.sharded:
-        entry = state.get(spec.name)
+        entry = entries.get(spec.name)
         if isinstance(entry, Mapping):
-            state[spec.name] = {k: _gather_tensor(spec, v) if isinstance(v, torch.Tensor)
-                                and v.dim() > 0 else v for k, v in entry.items()}
-    out["state"] = state
+            entries[spec.name] = {k: _gather_tensor(spec, v, view.ranks)
+                                  if isinstance(v, torch.Tensor) and v.dim() > 0 else v
+                                  for k, v in entry.items()}
+    out["state"] = entries
     return out
 
 
-def _tp_rank() -> int:
-    return smp_state.get().axis_rank("tp") if smp_state.is_initialized() else 0
-
-
-def _with_shards(sd: StateDict, plan: Any, entries: Mapping[str, Any]) -> StateDict:
+def _with_shards(sd: StateDict, view: CheckpointView | None,
+                 entries: Mapping[str, Any]) -> StateDict:
     """``sd`` saying which of its ``entries`` are this rank's tensor-parallel shards."""
-    table = tp_shards.describe(getattr(plan, "sharded", ()), _tp_rank(), entries)
+    if view is None or view.tp_plan is None:
+        return sd
+    table = tp_shards.describe(view.tp_plan.sharded, view.tp_rank, entries)
     if table:
         sd[tp_shards.TP_SHARDS_KEY] = table
     return sd
 
 
-def _refuse_foreign_shards(sd: Mapping[str, Any], plan: Any, names: list[str]) -> None:
-    bad = sorted(set(tp_shards.foreign(sd, plan, _tp_rank())) & set(names))
+def _refuse_foreign_shards(sd: Mapping[str, Any], view: CheckpointView,
+                           names: list[str]) -> None:
+    bad = sorted(set(tp_shards.foreign(sd, view.tp_plan, view.tp_rank)) & set(names))
     if bad:
         raise SMPCheckpointError.build(
             "the state holds tensor-parallel shards of another rank or degree", bad[:5],
@@ -119,13 +113,19 @@ def _refuse_foreign_shards(sd: Mapping[str, Any], plan: Any, names: list[str]) -
             "smp.resume_from_checkpoint), which re-cuts the shards for this layout")
 
 
-def _cut_shards(chosen: Mapping[str, Any], plan: Any,
+def _shard_specs(view: CheckpointView | None) -> dict[str, Any]:
+    """The tensor-parallel split of each distributed parameter, by name."""
+    plan = None if view is None else view.tp_plan
+    return {} if plan is None else {s.name: s for s in plan.sharded}
+
+
+def _cut_shards(chosen: Mapping[str, Any], view: CheckpointView,
                 shapes: Mapping[str, Any]) -> dict[str, Any]:
     """Full tensors of distributed parameters cut to this rank's shard (a full state dict,
     or a checkpoint saved at another tensor-parallel degree)."""
-    specs = {s.name: s for s in getattr(plan, "sharded", ())}
-    return {n: tp_shards.cut(v, specs[n], _tp_rank(), tuple(shapes[n])) if n in specs else v
-            for n, v in chosen.items()}
+    specs = _shard_specs(view)
+    return {n: tp_shards.cut(v, specs[n], view.tp_rank, tuple(shapes[n])) if n in specs
+            else v for n, v in chosen.items()}
 
 
 def _to_cpu(value: Any) -> Any:
@@ -140,15 +140,10 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def _pipeline_rank() -> int:
-    st = smp_state.get() if smp_state.is_initialized() else None
-    return 0 if st is None else st.axis_rank("pp")
-
-
-def _merged_partial(state_dict: Mapping[str, Any]) -> StateDict:
+def _merged_partial(state_dict: Mapping[str, Any], ranks: Ranks) -> StateDict:
     """Every pipeline rank's partial state dict merged by name (still marked partial)."""
     # the pipeline group shares one tp rank: its shards are of one kind, merged by name
-    parts = _gather_pipeline(_to_cpu(dict(state_dict)), tp_gathered=True)
+    parts = _gather_pipeline(_to_cpu(dict(state_dict)), ranks)
     if len(parts) == 1:
         return dict(state_dict)
     merged = merge_model_state_dicts(parts)
@@ -159,6 +154,9 @@ def _merged_partial(state_dict: Mapping[str, Any]) -> StateDict:
 class ModelCheckpointMixin:
     """``local_state_dict`` / ``state_dict`` / ``load_state_dict`` for DistributedModel."""
 
+    _smp_pending_load: tuple[Mapping[str, Any], bool] | None = None
+    """A load asked for before partitioning, applied right after it."""
+
     if TYPE_CHECKING:  # the host's (read-only on DistributedModel)
 
         def get_module(self) -> torch.nn.Module: ...
@@ -168,23 +166,13 @@ class ModelCheckpointMixin:
 
         def local_unread_state(self) -> dict[str, torch.Tensor]: ...
 
-    def _smp_layout(self) -> ModelLayout:
-        layout = self.__dict__.get("_smp_layout_cache")
-        if layout is None:
-            layout = ModelLayout.from_module(self.get_module())
-            self.__dict__["_smp_layout_cache"] = layout
-        return layout
+        def checkpoint_view(self) -> CheckpointView: ...
 
     def _smp_local_tensors(self) -> dict[str, torch.Tensor]:
         tensors = dict(self.local_named_parameters())  # type: ignore[attr-defined]
         tensors.update(self.local_named_buffers())  # type: ignore[attr-defined]
         tensors.update(self.local_unread_state())
         return tensors
-
-    def _smp_experts(self) -> frozenset[str]:
-        """FQNs of expert slices (``smp_fx.parallel.expert_parallel``); none at ep 1."""
-        names: frozenset[str] = self.__dict__.get("expert_names", frozenset())
-        return names
 
     def local_state_dict(self) -> StateDict:
         """This rank's parameters and persistent buffers by FQN, with ``_smp_is_partial``.
@@ -194,10 +182,11 @@ class ModelCheckpointMixin:
                 "local_state_dict() needs the partitioned model", "partitioned=False",
                 where="DistributedModel.local_state_dict",
                 fix="call it after the first smp.step call, or use state_dict()")
+        view = self.checkpoint_view()
         tensors = sdp_shards.whole(self._smp_local_tensors())  # sdp: whole tensors
-        tensors = gather_full(tensors, self._smp_experts())  # ep: every expert
-        out = local_model_state_dict(tensors, self._smp_layout())
-        return _with_shards(out, self.__dict__.get("tp_plan"), out)
+        tensors = gather_full(tensors, view.experts)  # ep: every expert
+        out = local_model_state_dict(tensors, view.layout)
+        return _with_shards(out, view, out)
 
     def state_dict(self, *args: Any, gather_to_rank0: bool = False,
                    **kwargs: Any) -> StateDict:
@@ -209,11 +198,12 @@ class ModelCheckpointMixin:
                 fix="call model.state_dict(); use local_state_dict() for this rank's part")
         if not self.partitioned:
             return self.get_module().state_dict()
-        local = gather_shards(self.__dict__.get("tp_plan"), _to_cpu(self.local_state_dict()))
-        parts = _gather_pipeline(local, tp_gathered=True)
-        if gather_to_rank0 and _pipeline_rank() != 0:
+        view = self.checkpoint_view()
+        local = gather_shards(view, _to_cpu(self.local_state_dict()))
+        parts = _gather_pipeline(local, view.ranks)
+        if gather_to_rank0 and view.ranks.axis_rank("pp") != 0:
             return OrderedDict()
-        return merge_model_state_dicts(parts, self._smp_layout())
+        return merge_model_state_dicts(parts, view.layout)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True,
                         assign: bool = False, same_partition_load: bool = False) -> Any:
@@ -225,10 +215,10 @@ class ModelCheckpointMixin:
             raise not_implemented("load_state_dict(assign=True) on a DistributedModel",
                                   fix="use the default assign=False (values are copied)")
         if is_partial(state_dict) and not same_partition_load:
-            state_dict = _merged_partial(state_dict)
+            state_dict = _merged_partial(state_dict, self.checkpoint_view().ranks)
         if not self.partitioned:
-            pending = self.__dict__.get("_smp_pending_load")
-            self.__dict__["_smp_pending_load"] = (state_dict, strict)
+            pending = self._smp_pending_load
+            self._smp_pending_load = (state_dict, strict)
             if pending is None:
                 self.register_post_partition_hook(  # type: ignore[attr-defined]
                     lambda model: model._smp_apply_pending())
@@ -236,18 +226,20 @@ class ModelCheckpointMixin:
         return self._smp_load_now(state_dict, strict)
 
     def _smp_apply_pending(self) -> None:
-        pending = self.__dict__.pop("_smp_pending_load", None)
+        pending, self._smp_pending_load = self._smp_pending_load, None
         if pending is not None:
             self._smp_load_now(*pending)
 
     def _smp_load_now(self, state_dict: Mapping[str, Any], strict: bool) -> Any:
         """Load on every rank, or fail on every rank (a state dict of another model fails
         on the ranks whose parameters it lacks: the others must not go on and wait)."""
+        view = self.checkpoint_view()
         return agreed("DistributedModel.load_state_dict",
-                      lambda: self._smp_load_local(state_dict, strict))
+                      lambda: self._smp_load_local(state_dict, strict, view), view.ranks)
 
-    def _smp_load_local(self, state_dict: Mapping[str, Any], strict: bool) -> Any:
-        layout = self._smp_layout()
+    def _smp_load_local(self, state_dict: Mapping[str, Any], strict: bool,
+                        view: CheckpointView) -> Any:
+        layout = view.layout
         partial = is_partial(state_dict)
         missing: list[str] = []
         unexpected: list[str] = []
@@ -256,10 +248,9 @@ class ModelCheckpointMixin:
         keys = set(layout.keys)  # persistent state only (non-persistent buffers excluded)
         local = {n: t for n, t in self._smp_local_tensors().items()
                  if any(a in keys for a in layout.names_of(n))}
-        plan = self.__dict__.get("tp_plan")
-        _refuse_foreign_shards(state_dict, plan, list(local))
+        _refuse_foreign_shards(state_dict, view, list(local))
         chosen, local_missing = select_model_state(state_dict, list(local), layout)
-        specs = {s.name: s for s in getattr(plan, "sharded", ())}
+        specs = _shard_specs(view)
         if partial:
             missing = local_missing
         if strict and (missing or unexpected):
@@ -273,8 +264,9 @@ class ModelCheckpointMixin:
                 target = local[name]
                 value = chosen[name]
                 if name in specs:  # a full tensor of a distributed parameter: this rank's cut
-                    value = tp_shards.cut(value, specs[name], _tp_rank(), tuple(target.shape))
-                if name in self._smp_experts():  # every expert: this rank's slice
+                    value = tp_shards.cut(value, specs[name], view.tp_rank,
+                                          tuple(target.shape))
+                if name in view.experts:  # every expert: this rank's slice
                     value = expert_rows(value, tuple(target.shape))
                 if tuple(target.shape) != tuple(value.shape):
                     raise SMPCheckpointError.build(
@@ -293,31 +285,40 @@ class OptimizerCheckpointMixin:
     """The torch optimizer whose state is checkpointed (``optimizer`` itself, or the one a
     script's own optimizer object holds; ``smp_fx.script_optimizer``)."""
     global_index: dict[int, int]
+    checkpoint_ranks = Ranks()
+    """Where this process is (the host sets it from the resolved configuration)."""
+    _localized = False  # the host's: narrowed to this rank's parameters
+    _smp_full_names: list[list[str | None]]
+    _smp_pending_load: Mapping[str, Any] | None = None
 
     def __new__(cls, optimizer: torch.optim.Optimizer | None = None, *args: Any,
                 **kwargs: Any) -> Any:
         self = super().__new__(cls)
         # None: copy/pickle re-creating the object; no param_groups: __init__ refuses it
         if optimizer is not None and hasattr(optimizer, "param_groups"):
-            self.__dict__["_smp_full_names"] = _full_group_names(optimizer,
-                                                                 cls._smp_current_model())
+            self._smp_full_names = _full_group_names(optimizer, cls._smp_current_model())
         return self
 
     def _smp_name_parameters(self, model: ProcessModel) -> None:
         """Name this optimizer's parameters by ``model``'s module (an optimizer built before
         its DistributedModel is named when the model adopts it)."""
-        self.__dict__["_smp_full_names"] = _full_group_names(self.optimizer, model)
+        self._smp_full_names = _full_group_names(self.optimizer, model)
 
     @staticmethod
-    def _smp_current_model() -> ProcessModel | None:
+    def _smp_current_model() -> ViewedModel | None:
         """The DistributedModel this optimizer belongs to (the last one created)."""
-        return current_model()
+        return cast("ViewedModel | None", current_model())
+
+    def _smp_view(self) -> CheckpointView | None:
+        """What checkpoints read of this optimizer's model (None: no model)."""
+        model = self._smp_current_model()
+        return None if model is None else model.checkpoint_view()
 
     def _smp_flat_names(self) -> list[str | None]:
-        return [n for g in self.__dict__["_smp_full_names"] for n in g]
+        return [n for g in self._smp_full_names for n in g]
 
     def _smp_group_names(self, local: bool) -> list[list[str]]:
-        full = self.__dict__["_smp_full_names"]
+        full = self._smp_full_names
         names = full if not local else [
             [self._smp_flat_names()[self._smp_index(p)] for p in g["params"]]
             for g in self.torch_optimizer.param_groups]
@@ -336,11 +337,15 @@ class OptimizerCheckpointMixin:
         return self.global_index[id(param)]
 
     def _smp_is_local(self) -> bool:
-        return bool(getattr(self, "_localized", False))
+        return bool(self._localized)
+
+    @property
+    def shards_state(self) -> bool:
+        """Whether this rank holds a ZeRO-1 shard of the optimizer's state (the host's)."""
+        return False
 
     def _smp_zero(self) -> bool:
-        """Whether this rank holds a ZeRO-1 shard of the optimizer's state."""
-        return bool(getattr(self, "shards_state", False))
+        return self.shards_state
 
     def local_state_dict(self, cast_to_cpu: bool = True,
                          gather_if_shard: bool = True) -> StateDict:
@@ -351,7 +356,7 @@ class OptimizerCheckpointMixin:
         local = local_optimizer_state_dict(sdp_shards.whole(self.torch_optimizer.state_dict()),
                                            self._smp_group_names(local=True),
                                            self._smp_group_names(local=False))
-        local = _with_shards(local, getattr(model, "tp_plan", None), local["state"])
+        local = _with_shards(local, self._smp_view(), local["state"])
         return _to_cpu(local) if cast_to_cpu else local
 
     def state_dict(self) -> StateDict:
@@ -362,35 +367,34 @@ class OptimizerCheckpointMixin:
         if not self._smp_is_local():
             return self.torch_optimizer.state_dict()
         refuse_optimizer_state(self._smp_current_model(), "state_dict", self._smp_zero())
-        plan = getattr(self._smp_current_model(), "tp_plan", None)
-        local = gather_optimizer_shards(plan, _to_cpu(self.local_state_dict()))
+        local = gather_optimizer_shards(self._smp_view(), _to_cpu(self.local_state_dict()))
         return merge_optimizer_state_dicts(self._smp_gather_parts(local))
 
     def _smp_gather_parts(self, local: StateDict) -> list[Any]:
         """Every pipeline stage's partial state, its tp shards already gathered."""
-        return _gather_pipeline(local, tp_gathered=True)
+        return _gather_pipeline(local, self.checkpoint_ranks)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load full (integer ids) or partial (FQN) state; deferred until partitioning."""
         model = self._smp_current_model()
         refuse_optimizer_state(model, "load_state_dict", self._smp_zero())
         if not self._smp_is_local() and model is not None and not model.partitioned:
-            pending = self.__dict__.get("_smp_pending_load")
-            self.__dict__["_smp_pending_load"] = state_dict
+            pending = self._smp_pending_load
+            self._smp_pending_load = state_dict
             if pending is None:
                 model.register_post_partition_hook(lambda m: self._smp_apply_pending())
             return
         self._smp_load_now(state_dict)
 
     def _smp_apply_pending(self) -> None:
-        pending = self.__dict__.pop("_smp_pending_load", None)
+        pending, self._smp_pending_load = self._smp_pending_load, None
         if pending is not None:
             self._smp_load_now(pending)
 
     def _smp_load_now(self, state_dict: Mapping[str, Any]) -> None:
         """Load on every rank, or fail on every rank (see the model's)."""
         agreed("DistributedOptimizer.load_state_dict",
-               lambda: self._smp_load_local(state_dict))
+               lambda: self._smp_load_local(state_dict), self.checkpoint_ranks)
 
     def _smp_load_local(self, state_dict: Mapping[str, Any]) -> None:
         if not self._smp_is_local() and not is_partial(state_dict):
@@ -400,22 +404,21 @@ class OptimizerCheckpointMixin:
         by_name = (dict(state_dict) if is_partial(state_dict)
                    else optimizer_state_by_name(state_dict, self._smp_group_names(local=False)))
         local = self._smp_group_names(local=self._smp_is_local())
-        model = self._smp_current_model()
-        experts: frozenset[str] = getattr(model, "expert_names", frozenset())
+        view = self._smp_view()
+        experts = frozenset() if view is None else view.experts
         if experts and self._smp_is_local():  # every expert's state: this rank's rows
             params = (p for g in self.torch_optimizer.param_groups for p in g["params"])
             shapes = {n: tuple(p.shape) for n, p in zip((n for g in local for n in g), params)
                       if n in experts}
             by_name["state"] = optimizer_rows(by_name["state"], shapes)
-        plan = getattr(model, "tp_plan", None)
-        if plan is not None and plan.sharded:  # full tensors (a full state dict, another
-            names = [n for g in local for n in g]  # degree) are cut to this rank's shards
+        if view is not None and _shard_specs(view):  # full tensors (a full state dict,
+            names = [n for g in local for n in g]  # another degree) are cut to the shards
             if is_partial(by_name):
-                _refuse_foreign_shards(by_name, plan, names)
+                _refuse_foreign_shards(by_name, view, names)
             params = (p for g in self.torch_optimizer.param_groups for p in g["params"])
             shapes = {n: p.shape for n, p in zip(names, params)}
             by_name["state"] = {**by_name["state"], **_cut_shards(
-                {n: v for n, v in by_name["state"].items() if n in shapes}, plan, shapes)}
+                {n: v for n, v in by_name["state"].items() if n in shapes}, view, shapes)}
         self.torch_optimizer.load_state_dict(optimizer_state_to_torch(by_name, local,
                                                                 require_complete=True))
         sdp_shards.reshard_optimizer_state(self.torch_optimizer)  # sdp: whole -> shards

@@ -4,7 +4,6 @@ apart so tests can replace ``current_rank`` to play a rank of a larger job.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -12,11 +11,10 @@ import torch.distributed as dist
 
 from cost_model import schedule as sched
 from cost_model.errors import SMPCheckpointError
+from smp_fx.ckpt.view import Gather, Ranks
 from smp_fx.world import comm
-from smp_fx.world import state as smp_state
 
-Gather = Callable[[Any], list[Any]]
-"""all_gather_object over the model-parallel group: this rank's value -> every rank's."""
+__all__ = ["Gather", "RankInfo", "current_rank"]
 
 
 @dataclass(frozen=True)
@@ -42,23 +40,20 @@ class RankInfo:
                 and tuple(index.get("placement", ())) == self.placement)
 
 
-def current_rank() -> tuple[RankInfo, Gather]:
+def current_rank(ranks: Ranks) -> tuple[RankInfo, Gather]:
     """RankInfo and the mp-group gather for this process (a world of one before smp.init)."""
-    if not smp_state.is_initialized():
+    cfg = ranks.config
+    if cfg is None:
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             raise SMPCheckpointError.build(
                 "partial checkpoints in a multi-process job need smp.init",
                 f"world size {dist.get_world_size()}", where="smp.save/smp.load",
                 fix="call smp.init(config) before saving or loading")
         return RankInfo(), lambda value: [value]
-    st = smp_state.get()
-    cfg = st.config
     v = cfg.virtual_pipeline_degree
-    info = RankInfo(mp_rank=st.axis_rank("mp"), num_files=len(st.group_ranks("mp")),
-                    pp_degree=st.axis_size("pp"), pp_rank=st.axis_rank("pp"),
-                    tp_degree=st.axis_size("tp"), tp_rank=st.axis_rank("tp"),
-                    placement=sched.default_placement(cfg.pipeline, st.axis_size("pp"), v)
+    info = RankInfo(mp_rank=ranks.axis_rank("mp"), num_files=len(ranks.group_ranks("mp")),
+                    pp_degree=ranks.axis_size("pp"), pp_rank=ranks.axis_rank("pp"),
+                    tp_degree=ranks.axis_size("tp"), tp_rank=ranks.axis_rank("tp"),
+                    placement=sched.default_placement(cfg.pipeline, ranks.axis_size("pp"), v)
                     if v > 1 else ())
-    if info.num_files == 1:
-        return info, lambda value: [value]
-    return info, lambda value: comm.allgather(value, comm.MP_GROUP)  # bounded, named waits
+    return info, ranks.gather(comm.MP_GROUP)  # bounded, named waits

@@ -2,7 +2,7 @@
 
 See docs/checkpoints.md, 'Files, crash safety and formats'.
 
->>> agreed("a load", lambda: 42)   # a world of one: nothing to agree with
+>>> agreed("a load", lambda: 42, Ranks())   # a world of one: nothing to agree with
 42
 """
 
@@ -14,8 +14,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from cost_model.errors import SMPCheckpointError
-from smp_fx.world import comm
-from smp_fx.world import state as smp_state
+from smp_fx.ckpt.view import Ranks
 
 T = TypeVar("T")
 
@@ -63,20 +62,10 @@ def load_error(path: str, exc: BaseException, weights_only: bool) -> SMPCheckpoi
         f"device this machine lacks: see map_location); if it is damaged, {RESTORE}")
 
 
-def world_gather() -> Callable[[object], list[object]] | None:
-    """All-gather over the world group, or None when this process is the whole job."""
-    if not smp_state.is_initialized():
-        return None
-    st = smp_state.get()
-    if st.in_process or st.world_size == 1:
-        return None
-    return lambda value: comm.allgather(value, comm.WORLD)
-
-
-def agree_or_raise(error: BaseException | None, what: str) -> None:
+def agree_or_raise(error: BaseException | None, what: str, ranks: Ranks) -> None:
     """Every rank learns whether ``what`` failed anywhere; if it did, every rank raises the
     same ``SMPCheckpointError`` naming the failed ranks (collective over the world group)."""
-    gather = world_gather()
+    gather = ranks.world_gather()
     mine = None if error is None else (str(error) if isinstance(error, SMPCheckpointError)
                                        else f"{type(error).__name__}: {error}")
     outcomes = [mine] if gather is None else gather(mine)
@@ -91,12 +80,12 @@ def agree_or_raise(error: BaseException | None, what: str) -> None:
         f"{what} failed on {len(failed)} of {len(outcomes)} rank(s){here}; {told}") from error
 
 
-def agreed(what: str, fn: Callable[[], T]) -> T:
+def agreed(what: str, fn: Callable[[], T], ranks: Ranks) -> T:
     """Run this rank's part of a load, then ``agree_or_raise`` on the outcome."""
     try:
         result = fn()
     except Exception as exc:  # shared with every rank below, then raised on every rank
-        agree_or_raise(exc, what)
+        agree_or_raise(exc, what, ranks)
         raise
-    agree_or_raise(None, what)
+    agree_or_raise(None, what, ranks)
     return result

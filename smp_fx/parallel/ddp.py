@@ -21,7 +21,6 @@ from torch.distributed.algorithms.join import Join, Joinable, JoinHook, _JoinCon
 from torch.nn.parallel import DistributedDataParallel
 
 from cost_model.errors import SMPConfigError, SMPRuntimeError
-from smp_fx.ckpt import async_save
 from smp_fx.config import SMPConfig
 from smp_fx.runtime.executor.lowering import Op
 from smp_fx.runtime.executor.seams import StageRunner, StepHooks
@@ -479,7 +478,6 @@ def join(dp: DataParallel | None, throw_on_early_termination: bool = False
         yield
         return
     dp.joined = True  # no more exchanges at step boundaries: step counts may differ
-    async_save.stop_at_steps()
     try:
         with order_mode.paused("DistributedModel.join()"), \
                 Join([dp], throw_on_early_termination=throw_on_early_termination):

@@ -1,14 +1,17 @@
 """Asynchronous checkpoints: the same files as a synchronous save of the same moment
 (partial and full, training going on meanwhile), a failed write raised at the next step on
-every rank with the previous checkpoint kept, and a rank killed while writing."""
+every rank with the previous checkpoint kept, and a rank killed while writing: the previous
+checkpoint loads and the resumed run equals the uninterrupted one."""
 
 from __future__ import annotations
 
 import errno
+import io
 import os
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +21,7 @@ import torch
 import smp_fx as smp
 from cost_model.errors import SMPCheckpointError
 from smp_fx.ckpt import async_save, checkpoint_api
+from smp_fx.ckpt.atomic import atomic_write
 from tests.helpers.ckpt import assert_same
 from tests.helpers.dist import run_ranks
 from tests.helpers.numerics import init
@@ -173,3 +177,81 @@ def test_process_exit_waits_for_the_write_and_commits(tmp_path: Path) -> None:
     assert checkpoint_api.read_newest(str(tmp_path)) == ["last_partial"]
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]
     assert not [n for n in os.listdir(tmp_path / "last_partial") if n.startswith(".done")]
+
+
+K, N = 2, 6  # the checkpoint that stays the newest; the step both runs reach
+_held, _release = threading.Event(), threading.Event()
+
+
+def _held_write(path: str, writer: Any) -> None:
+    """Test-only stand-in for ``async_save.write_file``: half of the file's bytes go into
+    its temporary, then the write is held (``_held`` set) until released or the rank dies;
+    so the kill below lands deterministically while the write is in flight."""
+    whole = io.BytesIO()
+    writer(whole)
+
+    def half(fh: Any) -> None:
+        fh.write(whole.getvalue()[: whole.tell() // 2])
+        fh.flush()
+        _held.set()
+        assert _release.wait(60), "the held write was never released"
+
+    atomic_write(path, half)
+
+
+def _killed_in_flight_body(path: str) -> None:
+    """pp 2: async saves at steps K and K + 2; rank 1 is SIGKILLed while its write of the
+    second is held half-written; rank 0 (its own part written) fails on its lost peer."""
+    init(2, 2, "interleaved")
+    run = Run(seed=0)
+    for n in range(1, K + 3):
+        run.step(n)
+        if n == K:
+            smp.save_checkpoint(path, f"step{n}", model=run.model, optimizer=run.opt,
+                                user_content={"step": n}, async_save=True)
+            smp.wait_checkpoint()
+    if smp.rank() == 1:
+        async_save.write_file = _held_write  # type: ignore[assignment]
+    smp.save_checkpoint(path, f"step{K + 2}", model=run.model, optimizer=run.opt,
+                        user_content={"step": K + 2}, async_save=True)
+    if smp.rank() == 1:
+        assert _held.wait(60), "the write was never held"
+        os.kill(os.getpid(), signal.SIGKILL)
+    smp.wait_checkpoint()
+
+
+def _resumed_and_uninterrupted_body(path: str) -> int:
+    """A fresh launch resumes from the newest complete checkpoint and trains to step N,
+    then saves again under the tag the killed save left half-written; an uninterrupted run
+    trains steps 1..N; this rank's parameters of both are compared (returns their count)."""
+    init(2, 2, "interleaved")
+    resumed = Run(seed=1)  # other initial weights: all must come from the checkpoint
+    assert smp.resume_from_checkpoint(path)["step"] == K
+    for n in range(K + 1, N + 1):
+        resumed.step(n)
+    smp.save_checkpoint(path, f"step{K + 2}", model=resumed.model, optimizer=resumed.opt,
+                        user_content={"step": N}, async_save=True)
+    smp.wait_checkpoint()
+    smp.reset()
+    straight = Run(seed=0)
+    for n in range(1, N + 1):
+        straight.step(n)
+    got, want = resumed.params(), straight.params()
+    assert list(got) == list(want)
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-5, msg=name)
+    return len(want)
+
+
+@pytest.mark.multiproc
+def test_a_rank_killed_in_flight_resumes_from_the_previous_and_equals_uninterrupted(
+        tmp_path: Path) -> None:
+    path = str(tmp_path)
+    with pytest.raises(Exception, match="rank 0"):
+        run_ranks(_killed_in_flight_body, 2, path, timeout=60, may_die=(1,))
+    assert checkpoint_api.read_newest(path) == [f"step{K}_partial"]
+    staging = os.path.join(path, f".step{K + 2}_partial.incomplete")
+    assert [n for n in os.listdir(staging) if n.endswith(".tmp")], "no half-written file"
+    assert all(run_ranks(_resumed_and_uninterrupted_body, 2, path, timeout=120))
+    assert checkpoint_api.read_newest(path) == [f"step{K}_partial", f"step{K + 2}_partial"]
+    assert not os.path.exists(staging)

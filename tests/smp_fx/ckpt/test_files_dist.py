@@ -31,6 +31,7 @@ from smp_fx.ckpt.state_dict import (
     merge_model_state_dicts,
     merge_optimizer_state_dicts,
 )
+from smp_fx.ckpt.view import CheckpointView, Ranks
 from tests.helpers.ckpt import STAGES_2, STAGES_3, Tied, assert_same, plain_setup
 from tests.helpers.dist import run_ranks
 from tests.helpers.models import example
@@ -100,6 +101,9 @@ class FakeModel(ModelCheckpointMixin, nn.Module):
 
     def get_module(self) -> nn.Module:
         return self.module
+
+    def checkpoint_view(self) -> CheckpointView:
+        return CheckpointView(Ranks(), ModelLayout.from_module(self.module))
 
     def register_post_partition_hook(self, hook: Any) -> None:
         self.hooks.append(hook)

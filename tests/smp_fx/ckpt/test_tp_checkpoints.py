@@ -118,6 +118,7 @@ def _case(path: str, saved_tp: int, loaded_tp: int, kind: str = "mlp") -> list[s
     import smp_fx as smp
 
     run = Run(saved_tp, seed=0, kind=kind)
+    tp_rank = smp.tp_rank()  # the model's, also after the next Run's smp.init
     run.step(0)
     run.step(1)
     smp.save_checkpoint(path, f"tp{saved_tp}", model=run.model, optimizer=run.opt)
@@ -142,7 +143,7 @@ def _case(path: str, saved_tp: int, loaded_tp: int, kind: str = "mlp") -> list[s
     if kind == "vocab" and saved_tp == 2:  # the partial state holds padded shards
         local = run.model.local_state_dict()
         if tuple(local["wte.weight"].shape) != (4, 8) or local["_smp_tp_shards"][
-                "wte.weight"] != [0, 2, smp.tp_rank(), 1, 1]:
+                "wte.weight"] != [0, 2, tp_rank, 1, 1]:
             bad.append(f"vocab partial {local['_smp_tp_shards']}")
     return bad
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from smp_fx.ckpt import files, layout, validate
 from smp_fx.ckpt.commit import save_partial
 from smp_fx.ckpt.files import load_partial_set
 from smp_fx.ckpt.ranks import RankInfo
+from smp_fx.ckpt.view import Ranks
 from tests.helpers.threads import run_thread_ranks
 
 
@@ -95,7 +98,7 @@ def test_unindexed_files_of_other_degrees(tmp_path: Path, monkeypatch: pytest.Mo
     for r in range(3):  # SMP's own partial files: no index
         torch.save({"w": torch.zeros(1)}, f"{prefix}_{r}")
     two = RankInfo(mp_rank=1, num_files=2, pp_degree=2, pp_rank=1)
-    monkeypatch.setattr(files, "current_rank", lambda: (two, lambda v: [v]))
+    monkeypatch.setattr(files, "current_rank", lambda ranks: (two, lambda v: [v]))
     with pytest.raises(smp.SMPCheckpointError, match="more files than this job has"):
         smp.load(prefix)
     os.unlink(f"{prefix}_2")
@@ -104,35 +107,42 @@ def test_unindexed_files_of_other_degrees(tmp_path: Path, monkeypatch: pytest.Mo
         smp.load(prefix)
 
 
-def _fake_world(monkeypatch: pytest.MonkeyPatch, others: list[Any]) -> None:
+@dataclass(frozen=True)
+class _FakeWorld(Ranks):
+    """Rank 0 of a world whose ranks report what ``reports`` returns."""
+
+    reports: Callable[[Any], list[Any]] | None = None
+
+    def world_gather(self) -> Callable[[Any], list[Any]] | None:
+        return self.reports
+
+
+def _fake_world(others: list[Any]) -> Ranks:
     """This rank is rank 0 of a world whose other ranks report ``others``."""
-    monkeypatch.setattr(validate, "world_gather", lambda: lambda mine: [mine, *others])
+    return _FakeWorld(reports=lambda mine: [mine, *others])
 
 
-def test_a_failure_on_another_rank_fails_this_one(monkeypatch: pytest.MonkeyPatch) -> None:
-    _fake_world(monkeypatch, [None, "the checkpoint file is empty (got 'ck.pt_2')"])
+def test_a_failure_on_another_rank_fails_this_one() -> None:
+    world = _fake_world([None, "the checkpoint file is empty (got 'ck.pt_2')"])
     with pytest.raises(smp.SMPCheckpointError) as info:
-        validate.agreed("smp.load('ck.pt')", lambda: {"w": 1})
+        validate.agreed("smp.load('ck.pt')", lambda: {"w": 1}, world)
     assert str(info.value) == ("smp.load('ck.pt') failed on 1 of 3 rank(s) (this rank's part "
                                "loaded); rank 2: the checkpoint file is empty (got 'ck.pt_2')")
-    _fake_world(monkeypatch, [None])
-    assert validate.agreed("x", lambda: 7) == 7
+    assert validate.agreed("x", lambda: 7, _fake_world([None])) == 7
 
 
-def test_this_ranks_own_failure_is_shared_and_raised(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_this_ranks_own_failure_is_shared_and_raised() -> None:
     seen: list[Any] = []
 
     def gather(mine: Any) -> list[Any]:
         seen.append(mine)
         return [mine, None]
 
-    monkeypatch.setattr(validate, "world_gather", lambda: gather)
-
     def bad() -> None:
         raise KeyError("w")
 
     with pytest.raises(smp.SMPCheckpointError, match="rank 0: KeyError: 'w'") as info:
-        validate.agreed("load", bad)
+        validate.agreed("load", bad, _FakeWorld(reports=gather))
     assert seen == ["KeyError: 'w'"] and isinstance(info.value.__cause__, KeyError)
 
 
@@ -143,5 +153,5 @@ def test_a_world_of_one_raises_its_error_as_it_is() -> None:
         raise err
 
     with pytest.raises(smp.SMPCheckpointError) as info:
-        validate.agreed("load", bad)
+        validate.agreed("load", bad, Ranks())
     assert info.value is err

@@ -91,8 +91,11 @@ def _run(case: str, extra: dict[str, Any], ref: dict[str, Any], delayed: bool = 
             refused = str(e)
     held = [n for n, p in model.local_named_parameters()
             if any(p is q for g in opt.param_groups for q in g["params"])]
+    local = {n: getattr(p, "to_local", lambda p=p: p)() for n, p in
+             model.local_named_parameters()}  # sdp: this rank's shard
+    expert_bytes = sum(t.numel() * t.element_size() for n, t in local.items() if n in names)
     return {"bad": bad, "coverage": [b.line() for b in model.ep_coverage], "held": held,
-            "refused": refused, "meta": meta,
+            "refused": refused, "meta": meta, "expert_bytes": expert_bytes,
             "shards": sorted(n for n, p in model.local_named_parameters()
                              if hasattr(p, "full_tensor")),
             "tp_sharded": [] if model.tp_plan is None else
@@ -204,6 +207,10 @@ def test_ep2_composed_matches_single_process_model(tmp_path: Any) -> None:
     assert all("shard_optimizer_state" in r["zero1"]["refused"] for r in results)
     assert [r[label]["meta"] for r in results for label in RUNS] == [
         label in DELAYED for _ in results for label in RUNS]
-    # sdp: every other parameter an FSDP2 shard, the expert slices whole
+    # sdp: every parameter an FSDP2 shard, the expert slices over their edp group: each
+    # rank holds the experts' bytes / (ep x sdp)
     shards, experts = results[0]["sdp2"]["shards"], results[0]["sdp2"]["experts"]
-    assert shards and not set(shards) & set(experts), (shards, experts)
+    assert set(experts) < set(shards), (shards, experts)
+    full = moe_zoo.build("qwen3_moe").state_dict()
+    every = sum(full[n].numel() * full[n].element_size() for n in experts)
+    assert [r["sdp2"]["expert_bytes"] for r in results] == [every // 4] * 4

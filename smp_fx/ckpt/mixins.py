@@ -23,7 +23,6 @@ from smp_fx.ckpt.ep_shards import (
     expert_rows,
     gather_full,
     optimizer_rows,
-    refuse_optimizer_state,
 )
 from smp_fx.ckpt.state_dict import (
     PARTIAL_KEY,
@@ -338,16 +337,11 @@ class OptimizerCheckpointMixin:
     def _smp_is_local(self) -> bool:
         return bool(getattr(self, "_localized", False))
 
-    def _smp_zero(self) -> bool:
-        """Whether this rank holds a ZeRO-1 shard of the optimizer's state."""
-        return bool(getattr(self, "shards_state", False))
-
     def local_state_dict(self, cast_to_cpu: bool = True,
                          gather_if_shard: bool = True) -> StateDict:
         """This rank's optimizer state keyed by FQN, with ``_smp_is_partial``; ``cast_to_cpu`` as
         SMP's default."""
         model = self._smp_current_model()
-        refuse_optimizer_state(model, "local_state_dict", self._smp_zero())
         local = local_optimizer_state_dict(sdp_shards.whole(self.torch_optimizer.state_dict()),
                                            self._smp_group_names(local=True),
                                            self._smp_group_names(local=False))
@@ -361,7 +355,6 @@ class OptimizerCheckpointMixin:
         pipeline groups: call it on every rank with ``smp.dp_rank() == 0`` (or all)."""
         if not self._smp_is_local():
             return self.torch_optimizer.state_dict()
-        refuse_optimizer_state(self._smp_current_model(), "state_dict", self._smp_zero())
         plan = getattr(self._smp_current_model(), "tp_plan", None)
         local = gather_optimizer_shards(plan, _to_cpu(self.local_state_dict()))
         return merge_optimizer_state_dicts(self._smp_gather_parts(local))
@@ -373,7 +366,6 @@ class OptimizerCheckpointMixin:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load full (integer ids) or partial (FQN) state; deferred until partitioning."""
         model = self._smp_current_model()
-        refuse_optimizer_state(model, "load_state_dict", self._smp_zero())
         if not self._smp_is_local() and model is not None and not model.partitioned:
             pending = self.__dict__.get("_smp_pending_load")
             self.__dict__["_smp_pending_load"] = state_dict

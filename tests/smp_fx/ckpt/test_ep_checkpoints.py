@@ -7,9 +7,10 @@ ZeRO-1 (``shard_optimizer_state``: a slice's state on one rank of its edp group)
 partial one, and its full optimizer state equals the first's. Then the partial ones
 resume at ep 4 (the ZeRO-1 one with ZeRO-1) and the full ones load at ep 1 (plain data
 parallelism); each takes the third step. So do the full ones in the plain model and
-torch optimizer of this process. Each final ``state_dict()`` equals the plain model trained 3 steps on the global batch
-(1e-5). ``smp-fx checkpoint export`` of the partial one loads with ``from_pretrained``:
-its logits equal the plain model's with the full state.
+torch optimizer of this process. Each final ``state_dict()`` equals the plain model
+trained 3 steps on the global batch (1e-5). ``smp-fx checkpoint export`` of the partial
+one loads with ``from_pretrained``: its logits equal the plain model's with the full
+state.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import torch
 
 from examples.models import moe_zoo
-from tests.helpers.compare import state_dict_mismatches
+from tests.helpers.compare import optimizer_state_mismatches, state_dict_mismatches
 from tests.helpers.dist import run_ranks
 from tests.smp_fx.parallel.test_expert_parallel import (
     MAX_NORM,
@@ -71,14 +72,6 @@ def _steps(model: Any, opt: Any, train_step: Any, steps: range) -> None:
         opt.step()
 
 
-def _state_mismatches(got: dict[str, Any], want: dict[str, Any]) -> list[str]:
-    """Where two full optimizer states differ (1e-5): groups and every state tensor."""
-    if got["param_groups"] != want["param_groups"] or set(got["state"]) != set(want["state"]):
-        return ["param groups or state keys"]
-    return [f"{i}.{k}" for i, entry in want["state"].items() for k, v in entry.items()
-            if not torch.allclose(got["state"][i][k], v, **TOL)]
-
-
 def _body(folder: str, ref_state: dict[str, torch.Tensor]) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -96,7 +89,7 @@ def _body(folder: str, ref_state: dict[str, torch.Tensor]) -> dict[str, Any]:
     model, opt, train_step = _start(2, zero=True)  # each slice's state on one edp rank
     _steps(model, opt, train_step, range(2))
     smp.save_checkpoint(folder, "ep2_zero", partial=True, model=model, optimizer=opt)
-    bad["zero"] = _state_mismatches(opt.state_dict(), full[1])
+    bad["zero"] = optimizer_state_mismatches(opt.state_dict(), full[1], **TOL)
     model, opt, train_step = _start(4)
     smp.resume_from_checkpoint(folder, "ep2", partial=True)
     _steps(model, opt, train_step, range(2, 3))

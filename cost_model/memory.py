@@ -27,8 +27,9 @@ degree (Adam's per-tensor step counters, 4 bytes each, count too); ``fsdp``
 ``sdp_param_persistence_threshold`` (``whole``: kept on every rank) and gathers
 two layers' parameters at a time (FSDP2 prefetches one unit ahead). Expert parallelism
 (``ep``) keeps 1/ep of the ``experts`` elements, their state sharded over the dp / ep
-ranks holding the same experts (under ``fsdp`` at ep > 1 they stay whole, as the runtime
-keeps its expert slices); context parallelism (``cp``) keeps 1/cp of each
+ranks holding the same experts (under ``fsdp`` the slices too, gathered whole with their
+gradients for the step, as the runtime's root unit holds them);
+context parallelism (``cp``) keeps 1/cp of each
 microbatch's activations (the sequence is split) and the rest of the keys and values its
 attentions gathered (``gathered``: their bytes at the whole sequence). Activations are the
 bytes a microbatch keeps on the rank (``smp_fx.planner.profile``) times the microbatches
@@ -201,14 +202,15 @@ def memory_per_gpu(*, elems: int, buffers: int, kept: int, in_flight: float, tra
     state = model_state(elems - experts, precision=precision, zero=zero, dp=dp,
                         tensors=tensors, whole=whole)
     if experts:
-        held = model_state(local_experts, precision=precision,
-                           zero="none" if zero == "fsdp" and ep > 1 else zero, dp=dp // ep)
+        held = model_state(local_experts, precision=precision, zero=zero, dp=dp // ep)
         state = ModelState(state.params + held.params, state.grads + held.grads,
                            state.optimizer + held.optimizer)
     elems = elems - experts + local_experts
     comm = 0
     if zero == "fsdp" and dp > 1:
         comm += 2 * layer_elems * (s.param + s.grad)  # two gathered units and their grads
+        if 1 < ep < dp:  # the expert slices, gathered for the whole step
+            comm += local_experts * (s.param + s.grad)
     elif dp > 1:
         comm += elems * s.grad  # DDP's bucket buffers
     if pipelined:

@@ -6,8 +6,9 @@ always holds every expert (``gather_full``, collective over the ep group), so fi
 those of the plain model whatever the degree, and a load takes this rank's rows
 (``expert_rows``). The optimizer's state of a slice (Adam's moments, an fp32 master: one
 row per expert) is gathered and cut alike (``gather_optimizer_full``,
-``optimizer_rows``); with ZeRO-1 as well, whose state the rdp ranks merge by name, it is
-refused (``refuse_optimizer_state``).
+``optimizer_rows``). Under ZeRO-1 the ep ranks of a group own the same slices' state
+(ownership is a function of the sizes), so each ep group gathers a slice's state whole or
+holds none of it, and the rdp ranks' merge by name meets whole states only.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cost_model.errors import SMPNotImplementedError
 from smp_fx.world import expert_groups
 
 
@@ -79,15 +79,3 @@ def expert_rows(full: torch.Tensor, local_shape: tuple[int, ...]) -> torch.Tenso
             expert_groups.ep_size():
         return full
     return full.chunk(expert_groups.ep_size())[expert_groups.ep_rank()]
-
-
-def refuse_optimizer_state(model: Any, method: str, sharded: bool) -> None:
-    """With ZeRO-1 (``sharded``) the rdp ranks merge their states by name, which would mix
-    the expert slices of different ep ranks: refused, not saved wrong."""
-    if sharded and model is not None and getattr(model, "expert_names", None) and \
-            expert_groups.ep_size() > 1:
-        raise SMPNotImplementedError.build(
-            "optimizer state checkpoints at expert_parallel_degree > 1 with "
-            "shard_optimizer_state", method, "DistributedOptimizer",
-            "save the model's state_dict() (experts gathered), or train without "
-            "'shard_optimizer_state' where the optimizer's state must be saved")

@@ -24,7 +24,6 @@ from smp_fx.ckpt.ep_shards import (
     expert_rows,
     gather_full,
     optimizer_rows,
-    refuse_optimizer_state,
 )
 from smp_fx.ckpt.state_dict import (
     PARTIAL_KEY,
@@ -344,15 +343,11 @@ class OptimizerCheckpointMixin:
         """Whether this rank holds a ZeRO-1 shard of the optimizer's state (the host's)."""
         return False
 
-    def _smp_zero(self) -> bool:
-        return self.shards_state
-
     def local_state_dict(self, cast_to_cpu: bool = True,
                          gather_if_shard: bool = True) -> StateDict:
         """This rank's optimizer state keyed by FQN, with ``_smp_is_partial``; ``cast_to_cpu`` as
         SMP's default."""
         model = self._smp_current_model()
-        refuse_optimizer_state(model, "local_state_dict", self._smp_zero())
         local = local_optimizer_state_dict(sdp_shards.whole(self.torch_optimizer.state_dict()),
                                            self._smp_group_names(local=True),
                                            self._smp_group_names(local=False))
@@ -366,7 +361,6 @@ class OptimizerCheckpointMixin:
         pipeline groups: call it on every rank with ``smp.dp_rank() == 0`` (or all)."""
         if not self._smp_is_local():
             return self.torch_optimizer.state_dict()
-        refuse_optimizer_state(self._smp_current_model(), "state_dict", self._smp_zero())
         local = gather_optimizer_shards(self._smp_view(), _to_cpu(self.local_state_dict()))
         return merge_optimizer_state_dicts(self._smp_gather_parts(local))
 
@@ -377,7 +371,6 @@ class OptimizerCheckpointMixin:
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load full (integer ids) or partial (FQN) state; deferred until partitioning."""
         model = self._smp_current_model()
-        refuse_optimizer_state(model, "load_state_dict", self._smp_zero())
         if not self._smp_is_local() and model is not None and not model.partitioned:
             pending = self._smp_pending_load
             self._smp_pending_load = state_dict

@@ -228,7 +228,9 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
     if cfg.sharded_data_parallel_degree > 1:
         sharded = sdp.enable(options, runners, st, ep.params if ep is not None else ())
         applied.append(sharded)
-        if ep is not None:
+        if ep is not None and sharded.experts_sharded:
+            ep.handed_over(runners)
+        elif ep is not None:
             ep.follow(sharded)
         if tp is not None:  # FSDP2 replaced the shards with DTensor parameters
             tp.holding(local_named_parameters(runners, canonical))

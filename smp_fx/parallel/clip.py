@@ -96,13 +96,16 @@ def global_norm(scope: NormScope, counted: Sequence[torch.Tensor], norm_type: fl
     # ZeRO-1 (``extra_groups``): each expert slice is counted by its one owner per edp group
     experts = set() if extra_groups else _expert_grads()
     total = _power_sum([g.detach() for g in plain if id(g) not in experts], p, device)
-    sharded = _sharded(counted)
-    if experts:
-        sharded[expert_groups.get_ep_process_group()] = [g.detach() for g in plain
-                                                          if id(g) in experts]
-    for group, tensors in sharded.items():
+    parts = [(tensors, [group]) for group, tensors in
+             _sharded([g for g in counted if id(g) not in experts]).items()]
+    if experts:  # sharded (sdp) over their edp shard group first, then over ep
+        mine = [g for g in counted if id(g) in experts]
+        parts.append(([_local(g).detach() for g in mine],
+                      [*_sharded(mine), expert_groups.get_ep_process_group()]))
+    for tensors, groups in parts:
         part = _power_sum(tensors, p, device)
-        _reduce(part, p, group)
+        for group in groups:
+            _reduce(part, p, group)
         total = torch.maximum(total, part) if math.isinf(p) else total + part
     for group in (*extra_groups, *scope.groups):
         _reduce(total, p, group)

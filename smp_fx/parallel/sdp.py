@@ -19,6 +19,7 @@ import torch.fx
 from torch import nn
 
 from cost_model.errors import SMPConfigError
+from smp_fx.parallel import ep_sdp
 from smp_fx.parallel.ddp import DataParallelOptions, allreduce_grads, buckets
 from smp_fx.parallel.zero import AXIS, broadcast_flat
 from smp_fx.runtime.executor.lowering import Op, trains
@@ -97,36 +98,42 @@ _MESHES: list[int] = []
 
 
 def _mesh(st: state.State) -> Any:
-    """This rank's FSDP2 mesh over its rdp group; every rank creates every stage's sub-groups
-    in one order first (``new_group`` is collective over the world)."""
+    """This rank's FSDP2 mesh over its rdp group."""
+    return hybrid_mesh(st.topology.groups(AXIS), st.config.sharded_data_parallel_degree,
+                       st.rank, st.group(AXIS), st.device.type, "")
+
+
+def hybrid_mesh(groups: Sequence[Sequence[int]], shard: int, rank: int, whole: Any,
+                device_type: str, prefix: str) -> Any:
+    """This rank's FSDP2 mesh over its group of ``groups`` (every such group of the world,
+    in creation order): sharded over consecutive ``shard`` of its ranks, replicated over
+    the rest (HSDP); ``whole`` is the process group of the whole group. Every rank creates
+    every sub-group in one order first (``new_group`` is collective over the world)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
 
-    sdp = st.config.sharded_data_parallel_degree
-    mine = st.group_ranks(AXIS)
-    device_type = st.device.type
+    mine = next(list(g) for g in groups if rank in g)
     # DTensor caches sharding results holding meshes by value (ranks, names): a mesh of a
     # later smp.init over the same ranks would be answered with this one's groups, which
     # that init destroyed. A name of its own per mesh keeps them apart.
     _MESHES.append(len(_MESHES))
     tag = f"_{_MESHES[-1]}"
-    if sdp == len(mine):
-        return DeviceMesh.from_group(st.group(AXIS), device_type,
-                                     mesh_dim_names=("shard" + tag,))
+    if shard == len(mine):
+        return DeviceMesh.from_group(whole, device_type, mesh_dim_names=(prefix + "shard" + tag,))
     shard_of: dict[int, Any] = {}
     rep_of: dict[int, Any] = {}
-    for ranks in st.topology.groups(AXIS):
-        grid = [ranks[i:i + sdp] for i in range(0, len(ranks), sdp)]
+    for ranks in groups:
+        grid = [list(ranks[i:i + shard]) for i in range(0, len(ranks), shard)]
         for row in grid:
             g = dist.new_group(row)
             shard_of.update({r: g for r in row})
         for col in zip(*grid):
             g = dist.new_group(list(col))
             rep_of.update({r: g for r in col})
-    me = st.rank
-    layout = torch.tensor(mine).view(len(mine) // sdp, sdp)
-    return DeviceMesh.from_group([rep_of[me], shard_of[me]], device_type, mesh=layout,
-                                 mesh_dim_names=("replicate" + tag, "shard" + tag))
+    layout = torch.tensor(mine).view(len(mine) // shard, shard)
+    return DeviceMesh.from_group([rep_of[rank], shard_of[rank]], device_type, mesh=layout,
+                                 mesh_dim_names=(prefix + "replicate" + tag,
+                                                 prefix + "shard" + tag))
 
 
 def _check_nodes(st: state.State) -> None:
@@ -148,7 +155,8 @@ class ShardedDataParallel:
     name: ClassVar[str] = "data_parallel"
 
     def __init__(self, options: DataParallelOptions, runners: Mapping[int, StageRunner],
-                 st: state.State, whole: Sequence[nn.Parameter] = ()) -> None:
+                 st: state.State, whole: Sequence[nn.Parameter] = (),
+                 experts: Any = None) -> None:
         from torch.distributed.fsdp import fully_shard
 
         cfg = st.config
@@ -160,6 +168,8 @@ class ShardedDataParallel:
         self.persistent: dict[int, list[nn.Parameter]] = {}
         self.buffers: list[torch.Tensor] = []
         self._training = False
+        self.experts_sharded = experts is not None
+        """Whether the expert slices (``whole``) are sharded on the mesh ``experts``."""
         mesh = _mesh(st)
         self.mesh = mesh  # the shard group is its last axis (smp_fx.parallel.ds_view)
         for s in sorted(runners):
@@ -183,7 +193,12 @@ class ShardedDataParallel:
                 mods = [gm.get_submodule(t) for t in unit]
                 sharded = fully_shard(mods, mesh=mesh, ignored_params=ignored)
                 sharded[0].set_force_sum_reduction_for_comms(True)  # the unit's one state
-            root = fully_shard(gm, mesh=mesh, ignored_params=ignored)
+            if experts is None:
+                root = fully_shard(gm, mesh=mesh, ignored_params=ignored)
+            else:  # the slices in the root unit, on their own mesh (smp_fx.parallel.ep_sdp)
+                root = fully_shard(gm, mesh=mesh, ignored_params=set(keep),
+                                   shard_placement_fn=ep_sdp.placement(apart, experts))
+                root.set_gradient_divide_factor(float(self.size))  # experts' edp sum / rdp
             root.set_force_sum_reduction_for_comms(True)
             self.plans[s] = plan
             self.persistent[s] = keep
@@ -218,15 +233,17 @@ class ShardedDataParallel:
 def enable(options: DataParallelOptions, runners: Mapping[int, StageRunner], st: state.State,
            whole: Sequence[nn.Parameter] = ()) -> ShardedDataParallel:
     """Shard the local stages of ``runners`` (on every rank, at partitioning; collective
-    over the rdp groups); ``whole``: parameters left unsharded and unreduced, which another
-    parallelism reduces (expert slices)."""
+    over the rdp groups); ``whole``: expert slices, sharded over their edp group in the root
+    unit (``smp_fx.parallel.ep_sdp``), or, where that shards nothing, left unsharded and
+    unreduced for expert parallelism to reduce."""
     if options.backward_passes_per_step != 1:  # SMP defers the reduction; the sum is equal
         log.info("smp-fx sdp: backward_passes_per_step=%d: gradients are reduce-scattered at "
                  "every backward and accumulate in their shards until optimizer.step (the "
                  "same sum as reducing every %d steps)", options.backward_passes_per_step,
                  options.backward_passes_per_step)
     _check_nodes(st)
-    sdp = ShardedDataParallel(options, runners, st, whole)
+    experts = ep_sdp.expert_mesh(st) if whole and ep_sdp.shard_degree(st) > 1 else None
+    sdp = ShardedDataParallel(options, runners, st, whole, experts)
     log.info("smp-fx sdp: stages %s sharded over %d of %d rdp ranks; units %s",
              sorted(sdp.plans), st.config.sharded_data_parallel_degree, sdp.size,
              {s: len(p.units) for s, p in sdp.plans.items()})

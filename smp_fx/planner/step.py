@@ -35,8 +35,9 @@ runtime runs it:
    (optimistic for short sequences, where smaller matmuls run slower), and the gradients
    are reduced over cp x dp ranks. A rank reduces, gathers and steps its 1/ep of the
    experts (``held_elems``), priced over all of dp (they reduce over dp / ep ranks: an
-   upper bound); under ``fsdp`` its expert slices stay whole, all-reduced after the
-   step. Each group is priced where the worst one of the layout runs
+   upper bound); under ``fsdp`` they are sharded over those ranks too, gathered and
+   reduce-scattered once per microbatch, not hidden (the runtime's root unit).
+   Each group is priced where the worst one of the layout runs
    (``smp_fx.planner.placement``: uneven spans over nodes included).
 5. **Optimizer**: ``DeviceSpec.optimizer_time`` over the rank's (sharded) fp32 state; the
    runtime's fixed cost per step.
@@ -272,16 +273,20 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
         if c.zero == "fsdp":
             for r in range(p):
                 small = ranks.small[r] if ranks.small else 0
-                whole = held[r] - ranks.elems[r] + ranks.experts[r] if c.ep > 1 else 0
-                big = held[r] - small - whole
+                experts = held[r] - ranks.elems[r] + ranks.experts[r] if c.ep > 1 else 0
+                big = held[r] - small - experts
                 gather = dp("all_gather", big * s_bytes.param).seconds
                 per_mb = 2 * gather + dp("reduce_scatter", big * s_bytes.reduce).seconds
-                fsdp_s = max(fsdp_s, m * per_mb)
+                root = 0.0  # expert slices sharded over dp / ep ranks (else whole): in the
+                if experts and c.dp > c.ep:  # root unit, gathered before each microbatch
+                    root = m * (dp("all_gather", experts * s_bytes.param).seconds
+                                + dp("reduce_scatter", experts * s_bytes.reduce).seconds)
+                fsdp_s = max(fsdp_s, m * per_mb + root)
                 fsdp_extra = max(fsdp_extra, m * max(0.0, per_mb - float(lk.total[r]))
                                  + gather / max(ranks.layers[r], 1))
-                # the unsharded small tensors and expert slices (kept whole at ep > 1):
-                # summed over dp after the step, not hidden
-                exposed[r] = dp("all_reduce", (small + whole) * s_bytes.reduce).seconds
+                # the unsharded small tensors, summed over dp after the step, and the
+                # root unit's experts: not hidden
+                exposed[r] = dp("all_reduce", small * s_bytes.reduce).seconds + root
         elif setting.runtime == MEGATRON_CORE:
             exposed, dp_s, zero_s, algorithm = _megatron_dp(c, ranks, lk, dp, s_bytes.reduce,
                                                              setting.precision)

@@ -67,6 +67,21 @@ def state_dict_mismatches(got: Mapping[str, torch.Tensor], want: Mapping[str, to
     return bad + [f"state_dict {n}" for n in mismatched(got, want, atol=atol, rtol=rtol)]
 
 
+def optimizer_state_mismatches(got: Mapping[str, Any], want: Mapping[str, Any], *,
+                               atol: float = 0.0, rtol: float = 0.0) -> list[str]:
+    """What differs between two full optimizer ``state_dict()``s: the param groups, the
+    parameters holding state, then each state tensor (``mismatched``, named ``id.key``)."""
+    if got["param_groups"] != want["param_groups"]:
+        return ["param_groups"]
+    if set(got["state"]) != set(want["state"]):
+        return [f"state of parameters {sorted(set(got['state']) ^ set(want['state']))[:4]}"]
+
+    def flat(sd: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+        return {f"{i}.{k}": v for i, entry in sd["state"].items() for k, v in entry.items()}
+
+    return [f"optimizer {n}" for n in mismatched(flat(got), flat(want), atol=atol, rtol=rtol)]
+
+
 def mismatched_across(named: Mapping[str, torch.Tensor], group: Any = None) -> list[str]:
     """Names whose tensor is not bitwise equal on every rank of the process ``group``
     (the world by default): e.g. a stage's parameters across its data-parallel replicas.

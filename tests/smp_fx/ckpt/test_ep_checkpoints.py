@@ -2,12 +2,15 @@
 
 One spawn of 4 gloo ranks: Hugging Face's Mixtral trains 2 Adam steps at ep 2 (2 ep
 groups) and saves a partial checkpoint (``smp.save_checkpoint``) and the full state dicts
-(``state_dict()`` of model and optimizer, every expert gathered). Then the partial one
-resumes at ep 4 and the full ones load at ep 1 (plain data parallelism); each takes the
-third step. So do the full ones in the plain model and torch optimizer of this process.
-Each final ``state_dict()`` equals the plain model trained 3 steps on the global batch
-(1e-5). ``smp-fx checkpoint export`` of the partial one loads with ``from_pretrained``:
-its logits equal the plain model's with the full state.
+(``state_dict()`` of model and optimizer, every expert gathered). The same training with
+ZeRO-1 (``shard_optimizer_state``: a slice's state on one rank of its edp group) saves a
+partial one, and its full optimizer state equals the first's. Then the partial ones
+resume at ep 4 (the ZeRO-1 one with ZeRO-1) and the full ones load at ep 1 (plain data
+parallelism); each takes the third step. So do the full ones in the plain model and
+torch optimizer of this process. Each final ``state_dict()`` equals the plain model
+trained 3 steps on the global batch (1e-5). ``smp-fx checkpoint export`` of the partial
+one loads with ``from_pretrained``: its logits equal the plain model's with the full
+state.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import pytest
 import torch
 
 from examples.models import moe_zoo
-from tests.helpers.compare import state_dict_mismatches
+from tests.helpers.compare import optimizer_state_mismatches, state_dict_mismatches
 from tests.helpers.dist import run_ranks
 from tests.smp_fx.parallel.test_expert_parallel import (
     MAX_NORM,
@@ -38,13 +41,15 @@ def _hf_model() -> Any:
     return moe_zoo.build(ARCH, aux=True).model
 
 
-def _start(ep: int) -> tuple[Any, Any, Any]:
-    """``smp.init`` at ``ep`` over 4 rdp ranks: (model, optimizer, step function)."""
+def _start(ep: int, zero: bool = False) -> tuple[Any, Any, Any]:
+    """``smp.init`` at ``ep`` over 4 rdp ranks (``zero``: with ZeRO-1): (model, optimizer,
+    step function)."""
     import smp_fx as smp
     from smp_fx.world import state as smp_state
 
     smp_state._reset()
-    smp.init({"pipeline_parallel_degree": 1, "ddp": True, "expert_parallel_degree": ep})
+    smp.init({"pipeline_parallel_degree": 1, "ddp": True, "expert_parallel_degree": ep,
+              "shard_optimizer_state": zero})
     model = smp.DistributedModel(_hf_model())
     opt = smp.DistributedOptimizer(OPTIMIZERS["adam"](model.parameters()))
 
@@ -81,10 +86,18 @@ def _body(folder: str, ref_state: dict[str, torch.Tensor]) -> dict[str, Any]:
         torch.save(full, f"{folder}/full.pt")
     dist.barrier()
     bad = {}
+    model, opt, train_step = _start(2, zero=True)  # each slice's state on one edp rank
+    _steps(model, opt, train_step, range(2))
+    smp.save_checkpoint(folder, "ep2_zero", partial=True, model=model, optimizer=opt)
+    bad["zero"] = optimizer_state_mismatches(opt.state_dict(), full[1], **TOL)
     model, opt, train_step = _start(4)
     smp.resume_from_checkpoint(folder, "ep2", partial=True)
     _steps(model, opt, train_step, range(2, 3))
     bad["ep4"] = state_dict_mismatches(model.state_dict(), ref_state, **TOL)
+    model, opt, train_step = _start(4, zero=True)
+    smp.resume_from_checkpoint(folder, "ep2_zero", partial=True)
+    _steps(model, opt, train_step, range(2, 3))
+    bad["zero_ep4"] = state_dict_mismatches(model.state_dict(), ref_state, **TOL)
     model, opt, train_step = _start(1)
     model_sd, opt_sd = torch.load(f"{folder}/full.pt", weights_only=True)
     model.load_state_dict(model_sd)
@@ -103,7 +116,7 @@ def test_ep2_checkpoints_load_at_ep4_and_ep1(tmp_path: Any) -> None:
 
     want = {k.removeprefix("model."): v for k, v in _reference(CASE, 4)["state"].items()}
     results = run_ranks(_body, 4, str(tmp_path), want, timeout=400)
-    assert results == [{"ep4": [], "ep1": []}] * 4, results
+    assert results == [{"zero": [], "ep4": [], "zero_ep4": [], "ep1": []}] * 4, results
     plain = _hf_model()  # the full files in the plain model and optimizer
     opt = OPTIMIZERS["adam"](plain.parameters())
     model_sd, opt_sd = torch.load(tmp_path / "full.pt", weights_only=True)

@@ -82,7 +82,8 @@ def _reference(case: str, parts: int = 2) -> dict[str, Any]:
                       if p.grad is not None})
         opt.step()
     return {"grads": grads, "aux": aux, "norms": norms,
-            "state": {k: v.clone() for k, v in model.state_dict().items()}}
+            "state": {k: v.clone() for k, v in model.state_dict().items()},
+            "optimizer": opt.state_dict()}
 
 
 def _expert_rows(want: dict[str, torch.Tensor], names: frozenset[str], ep: int,

@@ -16,7 +16,11 @@ import pytest
 import torch
 
 from examples.models import moe_zoo
-from tests.helpers.compare import mismatched, state_dict_mismatches
+from tests.helpers.compare import (
+    mismatched,
+    optimizer_state_mismatches,
+    state_dict_mismatches,
+)
 from tests.helpers.dist import run_ranks
 from tests.smp_fx.parallel.test_expert_parallel import (
     MAX_NORM,
@@ -39,21 +43,23 @@ RUNS: dict[str, tuple[str, int, dict[str, Any]]] = {
 }
 """label -> (case, rdp degree, configuration beside ``expert_parallel_degree`` 2 and
 ``ddp``)."""
+SAVED = ("zero1", "sdp2")
+"""Runs whose full optimizer ``state_dict()`` is compared with the plain Adam's."""
 DELAYED = ("zero1",)
 """Runs whose model is built under ``smp.delay_param_initialization`` (each rank
 materialises only its experts)."""
 
 
-def _run(case: str, extra: dict[str, Any], ref: dict[str, Any], delayed: bool = False
-         ) -> dict[str, Any]:
+def _run(label: str, ref: dict[str, Any]) -> dict[str, Any]:
     import smp_fx as smp
     from smp_fx.world import state as smp_state
 
+    case, _, extra = RUNS[label]
     arch, opt_name = case.split("/")
     smp_state._reset()
     smp.init({"pipeline_parallel_degree": 1, "ddp": True, "expert_parallel_degree": 2,
               **extra})
-    with smp.delay_param_initialization(enabled=delayed):
+    with smp.delay_param_initialization(enabled=label in DELAYED):
         module = moe_zoo.build(arch, aux=arch in moe_zoo.AUX)
     if smp.tp_size() > 1:
         smp.set_tensor_parallelism(module)
@@ -83,16 +89,15 @@ def _run(case: str, extra: dict[str, Any], ref: dict[str, Any], delayed: bool = 
         bad += [f"grad {n} step {step}" for n in mismatched(grads, want, **TOL)]
         opt.step()
     bad += state_dict_mismatches(model.state_dict(), ref["state"], **TOL)
-    refused = ""
-    if extra.get("shard_optimizer_state"):  # its state is merged by name over rdp
-        try:
-            opt.state_dict()
-        except smp.SMPNotImplementedError as e:
-            refused = str(e)
+    if label in SAVED:  # every expert's optimizer state, gathered over ep (and edp shards)
+        bad += optimizer_state_mismatches(opt.state_dict(), ref["optimizer"], **TOL)
     held = [n for n, p in model.local_named_parameters()
             if any(p is q for g in opt.param_groups for q in g["params"])]
+    local = {n: getattr(p, "to_local", lambda p=p: p)() for n, p in
+             model.local_named_parameters()}  # sdp: this rank's shard
+    expert_bytes = sum(t.numel() * t.element_size() for n, t in local.items() if n in names)
     return {"bad": bad, "coverage": [b.line() for b in model.ep_coverage], "held": held,
-            "refused": refused, "meta": meta,
+            "meta": meta, "expert_bytes": expert_bytes,
             "shards": sorted(n for n, p in model.local_named_parameters()
                              if hasattr(p, "full_tensor")),
             "tp_sharded": [] if model.tp_plan is None else
@@ -159,8 +164,7 @@ def _all(path: str) -> dict[str, Any]:
 
     dist.init_process_group("gloo")
     refs = torch.load(path, weights_only=True)
-    out = {label: _run(case, extra, refs[label], label in DELAYED)
-           for label, (case, _, extra) in RUNS.items()}
+    out = {label: _run(label, refs[label]) for label in RUNS}
     for label, (case, extra, resolution) in HALF.items():
         got = _half(case, extra, 2)
         out[label] = {"bad": _half_differs(got, refs[label], resolution),
@@ -201,9 +205,12 @@ def test_ep2_composed_matches_single_process_model(tmp_path: Any) -> None:
     every = sorted(n for h in held for n in h)
     assert every == sorted(list(experts) * 2 + [n for n in set(every) if n not in experts])
     assert all(0 < len(h) < len(set(every)) for h in held)
-    assert all("shard_optimizer_state" in r["zero1"]["refused"] for r in results)
     assert [r[label]["meta"] for r in results for label in RUNS] == [
         label in DELAYED for _ in results for label in RUNS]
-    # sdp: every other parameter an FSDP2 shard, the expert slices whole
+    # sdp: every parameter an FSDP2 shard, the expert slices over their edp group: each
+    # rank holds the experts' bytes / (ep x sdp)
     shards, experts = results[0]["sdp2"]["shards"], results[0]["sdp2"]["experts"]
-    assert shards and not set(shards) & set(experts), (shards, experts)
+    assert set(experts) < set(shards), (shards, experts)
+    full = moe_zoo.build("qwen3_moe").state_dict()
+    every = sum(full[n].numel() * full[n].element_size() for n in experts)
+    assert [r["sdp2"]["expert_bytes"] for r in results] == [every // 4] * 4

@@ -76,14 +76,28 @@ def test_a_rank_reduces_its_share_of_the_experts(mixtral) -> None:
     assert two.comm.dp == pytest.approx(reduce.seconds)
 
 
-def test_expert_slices_stay_whole_under_fsdp(mixtral) -> None:
+def test_expert_slices_sharded_over_their_replicas_under_fsdp(mixtral) -> None:
+    """fsdp at dp 4, ep 2: a rank keeps experts / (ep x dp / ep) of the experts' state and
+    gathers its slice whole (and its gradient) for the step, as the runtime's root unit:
+    a gather and a reduce-scatter per microbatch, not hidden."""
     profiler, ranks, experts, _ = mixtral
     setting = Setting(CLUSTER, 4, 4 * MBS)
     prof = profiler(MBS, 1, False)
-    sharded = Candidate(1, 1, 4, MBS, 1, "interleaved", "none", False, "fsdp", 2, 1)
-    mem = price(sharded, ranks, prof, setting).memory
+    priced = {ep: price(Candidate(1, 1, 4, MBS, 1, "interleaved", "none", False, "fsdp", ep,
+                                  1), ranks, prof, setting) for ep in (1, 2)}
+    mem = {ep: p.memory for ep, p in priced.items()}
     s = state_bytes("bf16")
-    assert mem.params >= experts // 2 * s.param and mem.optimizer >= experts // 2 * s.optimizer
+    small = ranks.small[0] if ranks.small else 0
+    root = sum(collective_time(kind, experts // 2 * b, 4, CLUSTER.fabric()).seconds
+               for kind, b in (("all_gather", s.param), ("reduce_scatter", s.reduce)))
+    alone = collective_time("all_reduce", small * s.reduce, 4, CLUSTER.fabric()).seconds
+    assert priced[2].comm.dp_exposed == pytest.approx(alone + priced[2].microbatches * root)
+    assert mem[1].params == mem[2].params and mem[1].optimizer == mem[2].optimizer
+    pair = 2 * (s.param + s.grad)  # two gathered units: at ep 2 without their experts
+    layer = ranks.layer_elems
+    layer2 = -(-layer * (ranks.elems[0] - experts) // ranks.elems[0])
+    assert mem[2].buffers - layer2 * pair - experts // 2 * (s.param + s.grad) \
+        == mem[1].buffers - layer * pair
 
 
 def test_dispatch_is_tokens_times_top_k_times_hidden(mixtral) -> None:

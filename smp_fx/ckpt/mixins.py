@@ -347,7 +347,6 @@ class OptimizerCheckpointMixin:
                          gather_if_shard: bool = True) -> StateDict:
         """This rank's optimizer state keyed by FQN, with ``_smp_is_partial``; ``cast_to_cpu`` as
         SMP's default."""
-        model = self._smp_current_model()
         local = local_optimizer_state_dict(sdp_shards.whole(self.torch_optimizer.state_dict()),
                                            self._smp_group_names(local=True),
                                            self._smp_group_names(local=False))

@@ -320,8 +320,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
         progress(f"wrote {args.json}")
     if args.emit_config:
         cfg = smp_config(planned.best, args.precision)
-        best = planned.best.candidate
-        if args.cp_local_outputs and best.cp > 1 and best.pp == 1:
+        chosen = planned.best.candidate
+        if args.cp_local_outputs and chosen.cp > 1 and chosen.pp == 1:
             cfg["context_parallel_local_outputs"] = True  # the memory priced
         Path(args.emit_config).write_text(json.dumps(cfg, indent=1, sort_keys=True) + "\n",
                                           encoding="utf-8")

@@ -17,6 +17,7 @@ from typing import Any
 from torch import nn
 
 from smp_fx.expert_ranks import edp_groups
+from smp_fx.parallel.meshes import hybrid_mesh
 from smp_fx.world import expert_groups, state
 
 
@@ -41,8 +42,6 @@ def shard_degree(st: state.State) -> int:
 def expert_mesh(st: state.State) -> Any:
     """This rank's mesh over its edp group, sharded over ``shard_degree`` of its ranks
     (collective over the world: every edp group's sub-groups are created)."""
-    from smp_fx.parallel.sdp import hybrid_mesh
-
     ep = expert_groups.ep_size()
     groups = [g for rdp in st.topology.groups("rdp") for g in edp_groups(rdp, ep)]
     return hybrid_mesh(groups, shard_degree(st), st.rank,

@@ -394,8 +394,11 @@ def _full_writes(path: str, tag: str, model: ViewedModel | None,
 
 
 def _rdp_rank(ranks: Ranks) -> int:
-    """Which replica this rank is in (0: the one whose ranks write); 0 alone."""
-    return 0 if ranks.alone else ranks.axis_rank("rdp")
+    """Which replica this rank is in (0: the one whose ranks write; a cp rank other than 0
+    counts as 1: its state is cp rank 0's); 0 alone."""
+    if ranks.alone:
+        return 0
+    return ranks.axis_rank("rdp") if ranks.cp_writer else 1
 
 
 def _pretrained_module(model: ViewedModel | None) -> nn.Module | None:

@@ -78,7 +78,7 @@ def files(folder: str, model: Any, optimizer: Any, model_state: Any, ranks: Rank
     assert ranks.config is not None  # applies: after smp.init
     size = ranks.config.sharded_data_parallel_degree
     rank = torch.distributed.get_rank(optimizer.ds_param_shard_group)
-    first_replica = ranks.group_ranks("dp").index(ranks.rank) < size
+    first_replica = ranks.group_ranks("dp").index(ranks.rank) < size and ranks.cp_writer
     groups = []
     for group in _named_groups(model, optimizer):
         parts = []

@@ -57,7 +57,9 @@ def save(obj: Any, f: str, partial: bool = True, pickle_module: Any = pickle,
 
     Call it on the ranks with ``smp.dp_rank() == 0`` (every mp rank of that group when
     ``partial=True``: it is collective over the model-parallel group). With
-    ``partial=False`` only mp rank 0 writes ``f``; other ranks return at once.
+    ``partial=False`` only mp rank 0 writes ``f``; other ranks return at once. At
+    ``context_parallel_degree`` > 1 the cp ranks of a replica hold the same state: cp rank 0
+    writes, the others return at once.
     ``v3=True`` (SMP 1.10's per-rank format, which the Hugging Face Trainer asks for with
     ``v3=smp.state.cfg.shard_optimizer_state``): every data-parallel replica saves its own
     partial checkpoint (``smp_fx.ckpt.layout.replica_path``), so each rank's shard of a
@@ -77,6 +79,8 @@ def save_at(ranks: Ranks, obj: Any, f: str, partial: bool = True, pickle_module:
             pickle_protocol: int = 2, v3: bool = False) -> None:
     """``save`` as the process at ``ranks``."""
     f = _check_path(f)
+    if not ranks.cp_writer:  # its objects are cp rank 0's, which writes them
+        return
     if v3 and not partial:
         raise SMPCheckpointError.build(
             "smp.save(..., v3=True) writes per-rank partial files", "partial=False",

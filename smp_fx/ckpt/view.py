@@ -62,6 +62,13 @@ class Ranks:
         """The degree of ``axis`` (in-process: the configured pipeline degree)."""
         return 1 if self.state is None else self.state.axis_size(axis)
 
+    @property
+    def cp_writer(self) -> bool:
+        """Whether this rank writes its state's files: the ranks of a context-parallel group
+        hold the same parameters and optimizer state, and cp rank 0 alone writes them (two
+        writers of one file would race over its temporary)."""
+        return self.axis_rank("cp") == 0
+
     def group_ranks(self, axis: str) -> list[int]:
         """World ranks of this process's ``axis`` group (``[0]`` in-process)."""
         return [0] if self.state is None else self.state.group_ranks(axis)

@@ -29,7 +29,7 @@ from tests.helpers.compare import mismatched, state_dict_mismatches
 from tests.helpers.dist import run_ranks
 
 GLOBAL_BATCH, STEPS, LR, MAX_NORM = 4, 3, 0.05, 0.5
-TOL = {"atol": 1e-5, "rtol": 1e-5}
+TOL: dict[str, Any] = {"atol": 1e-5, "rtol": 1e-5}
 OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=LR),
               "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, eps=1e-6)}
 CASES = tuple(f"{a}/{o}" for o in OPTIMIZERS for a in moe_zoo.ARCHITECTURES)

@@ -2,18 +2,19 @@
 
 The multi-process test: one spawn of 2 gloo ranks (dp 2, ep 2) trains the four MoE
 families of ``examples/models/moe_zoo.py`` (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3 with its
-shared expert) for 3 steps with SGD, and DeepSeek-V3 with Adam too (eps 1e-6; Adam's
-update is per element, so one family shows its state follows the slices), each rank on its
-half of the global batch, the gradients clipped to a norm of 0.5 (``clip_grad_norm_``:
-the whole model's norm, equal to one process's, the experts' part summed over the ep
-group). Every local gradient at every step (an expert slice against its experts' rows of
-the one-process gradient) and the full ``state_dict()`` after them match the plain model
-trained on the whole batch in this process (1e-5); so does each rank's load-balancing loss
-against the plain model's on that rank's half, every step. Each rank holds half of the
-experts' parameter bytes and all of the rest, as its plan counts them; every MoE block
-is expert-parallel; the gathered ``state_dict()`` loads into the plain model (ep 1), and
-the plain model's state loads back into the split one (each rank its experts). A second
-spawn of 4 ranks runs Mixtral at ep 2 x pp 2, then at ep 4.
+shared expert) for 3 steps with SGD and again with Adam (eps 1e-6; Adam's update is per
+element, so its state must follow the slices), each rank on its half of the global batch,
+the gradients clipped to a norm of 0.5 (``clip_grad_norm_``: the whole model's norm, equal
+to one process's, the experts' part summed over the ep group). Every local gradient at
+every step (an expert slice against its experts' rows of the one-process gradient) and the
+full ``state_dict()`` after them match the plain model trained on the whole batch in this
+process (1e-5); so does each rank's load-balancing loss against the plain model's on that
+rank's part, every step. Each rank holds 1/ep of the experts' parameter bytes and all of
+the rest, as its plan counts them; every MoE block is expert-parallel; the gathered
+``state_dict()`` loads into the plain model (ep 1), and the plain model's state loads back
+into the split one (each rank its experts). A second spawn of 4 ranks runs Mixtral at
+ep 2 x pp 2, then Mixtral with SGD and the four families with Adam at ep 4 (one expert per
+rank), the same checks.
 """
 
 from __future__ import annotations
@@ -28,10 +29,10 @@ from tests.helpers.compare import mismatched, state_dict_mismatches
 from tests.helpers.dist import run_ranks
 
 GLOBAL_BATCH, STEPS, LR, MAX_NORM = 4, 3, 0.05, 0.5
-TOL = {"atol": 1e-5, "rtol": 1e-5}
+TOL: dict[str, Any] = {"atol": 1e-5, "rtol": 1e-5}
 OPTIMIZERS = {"sgd": lambda ps: torch.optim.SGD(ps, lr=LR),
               "adam": lambda ps: torch.optim.Adam(ps, lr=1e-3, eps=1e-6)}
-CASES = tuple(f"{a}/sgd" for a in moe_zoo.ARCHITECTURES) + ("deepseek_v3/adam",)
+CASES = tuple(f"{a}/{o}" for o in OPTIMIZERS for a in moe_zoo.ARCHITECTURES)
 CE = torch.nn.functional.cross_entropy
 
 
@@ -160,46 +161,49 @@ def test_ep2_matches_single_process_model(tmp_path: Any) -> None:
     torch.save(refs, path)
     results = run_ranks(_all, 2, path, timeout=600)
     for case in results[0]:
-        got = [r[case] for r in results]
-        assert [g["bad"] for g in got] == [[], []], (case, [g["bad"] for g in got])
-        assert [g["ep"] for g in got] == [(2, 0), (2, 1)], case
-        lines = got[0]["coverage"]
-        assert len(lines) == 2 and all("expert-parallel, 2 of 4" in line
-                                       for line in lines), (case, lines)
-        for g in got:
-            expert, plain_expert, rest, plain_rest = g["bytes"]
-            assert plain_expert > 0 and expert * 2 == plain_expert, (case, g["bytes"])
-            assert rest == plain_rest, (case, g["bytes"])
-            planned, buffers = g["planned"]  # the plan (memory model) sees the slices
-            assert planned == expert + rest + buffers, (case, g["planned"], g["bytes"])
+        _check(case, [r[case] for r in results], ep=2)
+
+def _check(case: str, got: list[dict[str, Any]], ep: int) -> None:
+    """Every rank of a run at ``ep`` (dp = ep, one stage): nothing differs from one
+    process, every MoE block expert-parallel, 1/ep of the expert bytes as planned."""
+    assert [g["bad"] for g in got] == [[]] * ep, (case, [g["bad"] for g in got])
+    assert [g["ep"] for g in got] == [(ep, r) for r in range(ep)], case
+    lines = got[0]["coverage"]
+    assert len(lines) == 2 and all(f"expert-parallel, {moe_zoo.EXPERTS // ep} of 4" in line
+                                   for line in lines), (case, lines)
+    for g in got:
+        expert, plain_expert, rest, plain_rest = g["bytes"]
+        assert plain_expert > 0 and expert * ep == plain_expert, (case, g["bytes"])
+        assert rest == plain_rest, (case, g["bytes"])
+        planned, buffers = g["planned"]  # the plan (memory model) sees the slices
+        assert planned == expert + rest + buffers, (case, g["planned"], g["bytes"])
 
 
 PIPELINED = "mixtral/sgd"
+EP4 = (PIPELINED,) + tuple(f"{a}/adam" for a in moe_zoo.ARCHITECTURES)
 
 
 def _four(path: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    ref = torch.load(path, weights_only=True)
-    return {"pp2": _train(PIPELINED, ref, pp=2), "ep4": _train(PIPELINED, ref, ep=4)}
+    refs = torch.load(path, weights_only=True)
+    return {"pp2": _train(PIPELINED, refs[PIPELINED], pp=2),
+            **{case: _train(case, refs[case], ep=4) for case in EP4}}
 
 
 @pytest.mark.multiproc
 @pytest.mark.timeout(600)
 def test_ep2_pp2_and_ep4_match_single_process_model(tmp_path: Any) -> None:
-    """4 ranks, Mixtral, 3 SGD steps, the same checks: 2 pipeline stages of 2
-    microbatches, each stage's experts split over its 2 dp ranks; then ep 4 (one expert
-    per rank, every all-to-all over 4 ranks)."""
+    """4 ranks, 3 steps, the same checks: Mixtral (SGD) at 2 pipeline stages of 2
+    microbatches, each stage's experts split over its 2 dp ranks; then at ep 4 (one expert
+    per rank, every all-to-all over 4 ranks) Mixtral with SGD and the four families with
+    Adam."""
     path = str(tmp_path / "reference.pt")
-    torch.save(_reference(PIPELINED, parts=4), path)  # 4 microbatches: dp x m both times
+    torch.save({case: _reference(case, parts=4) for case in EP4}, path)  # dp x m = 4
     results = run_ranks(_four, 4, path, timeout=400)
-    for run in ("pp2", "ep4"):
-        assert [r[run]["bad"] for r in results] == [[]] * 4, [r[run]["bad"] for r in results]
+    assert [r["pp2"]["bad"] for r in results] == [[]] * 4, [r["pp2"]["bad"] for r in results]
     assert sorted((r["pp2"]["pp"], r["pp2"]["ep"]) for r in results) == [
         (0, (2, 0)), (0, (2, 1)), (1, (2, 0)), (1, (2, 1))]
-    assert [r["ep4"]["ep"] for r in results] == [(4, r) for r in range(4)]
-    assert all("expert-parallel, 1 of 4" in line for line in results[0]["ep4"]["coverage"])
-    for r in results:
-        expert, plain_expert, rest, plain_rest = r["ep4"]["bytes"]
-        assert expert * 4 == plain_expert and rest == plain_rest, r["ep4"]["bytes"]
+    for case in EP4:
+        _check(case, [r[case] for r in results], ep=4)

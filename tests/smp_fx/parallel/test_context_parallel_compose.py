@@ -11,7 +11,9 @@ models, batches and training), one spawn going through every configuration in tu
   crosses the chunks): gradients reduce-scattered over dp, their shards summed over cp;
 * cp 2 x rdp 2 with ZeRO-1 (``shard_optimizer_state``) and activation checkpointing of
   every decoder layer, Llama;
-* cp 4, Llama: 8 chunks of 16 tokens, rank r holding chunks r and 7 - r.
+* cp 4 alone, 8 chunks of 16 tokens, rank r holding chunks r and 7 - r: Llama, Qwen2,
+  Mistral (the window of 32 tokens spans three chunks), GPT-NeoX, GPT-2 and BERT (its
+  second example padded after 100 tokens: rank 0's chunk 7 is all padding).
 
 Loss of the global batch and every (whole) gradient at each of 3 Adam steps, and
 ``state_dict()`` after them, within 1e-5 (fp32).
@@ -29,6 +31,8 @@ from tests.helpers.dist import run_ranks
 from tests.smp_fx.parallel.test_context_parallel_hf import differences, join_world, reference
 
 CP = {"pipeline_parallel_degree": 1, "context_parallel_degree": 2, "ddp": True}
+CP4 = ("llama", "qwen2", "mistral", "gpt_neox", "gpt2", "bert")
+"""The architectures run at cp 4 alone."""
 # name -> (architecture, configuration, decoder layers checkpointed)
 CASES: dict[str, tuple[str, dict[str, Any], bool]] = {
     "tp": ("qwen2", {**CP, "tensor_parallel_degree": 2}, False),
@@ -36,7 +40,7 @@ CASES: dict[str, tuple[str, dict[str, Any], bool]] = {
     "sdp": ("mistral", {**CP, "sharded_data_parallel_degree": 2,
                         "sdp_param_persistence_threshold": 100}, False),
     "zero": ("llama", {**CP, "shard_optimizer_state": True}, True),
-    "cp4": ("llama", {**CP, "context_parallel_degree": 4}, False),
+    **{f"cp4 {arch}": (arch, {**CP, "context_parallel_degree": 4}, False) for arch in CP4},
 }
 
 
@@ -62,7 +66,7 @@ def _all(packed: bytes) -> list[str]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(600)  # five models traced on 4 ranks: 89-107 s at load 10-15 on 2 cores
+@pytest.mark.timeout(600)  # ten runs traced on 4 ranks: 88-113 s at load 7-19 on 2 cores
 def test_cp_composed_with_tp_pp_sdp_zero_checkpointing_and_cp4_match_one_process() -> None:
     buf = io.BytesIO()
     torch.save({arch: reference(arch) for arch, _, _ in CASES.values()}, buf)

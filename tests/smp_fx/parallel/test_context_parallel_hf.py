@@ -1,21 +1,23 @@
 """Context parallelism at cp 2 on 2 gloo ranks against one process, Hugging Face models.
 
-One spawn runs every case in turn: Llama (grouped-query attention, RoPE), GPT-2 (learned
-positions) and BERT (bidirectional, a padding mask with padded tails) from tiny configs at
-sequence 128, under sdpa. The plain models are trained in the test process on the same
-global batch and shipped to the ranks; each rank runs an unmodified SMP step (its loss
-reads the whole sequence's logits) for 3 Adam steps and checks the loss and every
-gradient at every step and ``state_dict()`` after them (fp32, 1e-5); then a batch of
-length 126 (not a multiple of 2cp) is refused in one line naming the multiple. Then, at
-1e-5 too: Llama computing its loss inside the model (Hugging Face shifts the labels; some
-labels are ignored, so the ranks count different numbers of tokens), and GPT-2 under
-``context_parallel_local_outputs`` (the step function reads its rank's logits and reduces
-the loss with ``smp.cp_positions`` and ``smp.cp_mean``). Then Llama under bf16 and under
-fp16 (loss scaling) at cp 2 against one smp-fx process in the same precision (losses and
-``state_dict()`` within 1.6e-2, bf16's resolution; 1e-3, fp16's, under fp16). Adam normalises each
-element's step, so summation-order noise in a near-zero gradient moves its parameter by
-up to about lr: lr 1e-4 keeps that under the tolerance (at 1e-3 Llama's embedding moved
-1.7e-5 after 3 steps, its gradients within 7e-7 at every step).
+One spawn runs every case in turn: Llama (grouped-query attention, RoPE), Qwen2
+(grouped-query attention with biases), Mistral (a sliding window of 32 tokens crossing the
+chunks), GPT-NeoX (partial RoPE), GPT-2 (learned positions) and BERT (bidirectional, a
+padding mask with padded tails) from tiny configs at sequence 128, under sdpa. The plain
+models are trained in the test process on the same global batch and shipped to the ranks;
+each rank runs an unmodified SMP step (its loss reads the whole sequence's logits) for 3
+Adam steps and checks the loss and every gradient at every step and ``state_dict()`` after
+them (fp32, 1e-5); then a batch of length 126 (not a multiple of 2cp) is refused in one
+line naming the multiple. Then, at 1e-5 too: Llama computing its loss inside the model
+(Hugging Face shifts the labels; some labels are ignored, so the ranks count different
+numbers of tokens), and GPT-2 under ``context_parallel_local_outputs`` (the step function
+reads its rank's logits and reduces the loss with ``smp.cp_positions`` and
+``smp.cp_mean``). Then Llama under bf16 and under fp16 (loss scaling) at cp 2 against one
+smp-fx process in the same precision (losses and ``state_dict()`` within 1.6e-2, bf16's
+resolution; 1e-3, fp16's, under fp16). Adam normalises each element's step, so
+summation-order noise in a near-zero gradient moves its parameter by up to about lr: lr
+1e-4 keeps that under the tolerance (at 1e-3 Llama's embedding moved 1.7e-5 after 3 steps,
+its gradients within 7e-7 at every step).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from tests.smp_fx.parallel.test_tensor_parallel import _gathered
 
 SEQ, BATCH, STEPS, LR = 128, 2, 3, 1e-4
 TOL = {"atol": 1e-5, "rtol": 1e-5}
-CASES = ("llama", "gpt2", "bert")
+CASES = ("llama", "qwen2", "mistral", "gpt_neox", "gpt2", "bert")
 BF16, BF16_TOL = {"bf16": True}, 1.6e-2  # bf16's resolution near 1 is 7.8e-3
 FP16, FP16_TOL = {"fp16": True}, 1e-3  # fp16 resolution near 1; 2e-4 measured
 CP2 = {"pipeline_parallel_degree": 1, "context_parallel_degree": 2, "ddp": True}
@@ -247,7 +249,7 @@ def _all(packed: bytes) -> list[str]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(600)  # seven runs traced on each rank: 85-89 s at load 6-10 on 2 cores
+@pytest.mark.timeout(600)  # ten runs traced on each rank: 48-132 s at load 5-16 on 2 cores
 def test_hf_models_at_cp2_match_one_process() -> None:
     buf = io.BytesIO()  # as bytes: hundreds of tensors would each take a descriptor
     refs: dict[str, Any] = {arch: reference(arch) for arch in CASES}

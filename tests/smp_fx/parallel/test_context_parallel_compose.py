@@ -6,7 +6,9 @@ models, batches and training), one spawn going through every configuration in tu
   and then context parallelism's on one graph; the keys and values gathered over cp are
   the rank's own heads, gathered before their repeat;
 * cp 2 x pp 2, GPT-NeoX (partial RoPE): 2 microbatches, each stage's activations the
-  rank's tokens, the last stage's outputs gathered over cp;
+  rank's tokens, the last stage's outputs gathered over cp; then under the other
+  schedules: ``simple`` and ``zero_bubble`` (its split backward) on GPT-NeoX, ``zbv`` and
+  interleaved 1F1B at 2 virtual stages per rank on Llama;
 * cp 2 x sdp 2, Mistral (a sliding window of 32 tokens, shorter than the sequence, so it
   crosses the chunks): gradients reduce-scattered over dp, their shards summed over cp;
 * cp 2 x rdp 2 with ZeRO-1 (``shard_optimizer_state``) and activation checkpointing of
@@ -31,12 +33,18 @@ from tests.helpers.dist import run_ranks
 from tests.smp_fx.parallel.test_context_parallel_hf import differences, join_world, reference
 
 CP = {"pipeline_parallel_degree": 1, "context_parallel_degree": 2, "ddp": True}
+SCHEDULES = (("simple", 1, "gpt_neox"), ("zero_bubble", 1, "gpt_neox"), ("zbv", 2, "llama"),
+             ("interleaved", 2, "llama"))
+"""The other schedules at cp 2 x pp 2: (``pipeline``, virtual stages per rank, model)."""
 CP4 = ("llama", "qwen2", "mistral", "gpt_neox", "gpt2", "bert")
 """The architectures run at cp 4 alone."""
 # name -> (architecture, configuration, decoder layers checkpointed)
 CASES: dict[str, tuple[str, dict[str, Any], bool]] = {
     "tp": ("qwen2", {**CP, "tensor_parallel_degree": 2}, False),
     "pp": ("gpt_neox", {**CP, "pipeline_parallel_degree": 2, "microbatches": 2}, False),
+    **{f"pp {sched}": (arch, {**CP, "pipeline_parallel_degree": 2, "microbatches": 2,
+                              "pipeline": sched, "virtual_pipeline_degree": v}, False)
+       for sched, v, arch in SCHEDULES},
     "sdp": ("mistral", {**CP, "sharded_data_parallel_degree": 2,
                         "sdp_param_persistence_threshold": 100}, False),
     "zero": ("llama", {**CP, "shard_optimizer_state": True}, True),

@@ -25,6 +25,7 @@ either, so ``script_notes`` says what the script does.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from cost_model.errors import SMPError
@@ -66,8 +67,17 @@ def candidate_config(c: Candidate, microbatches: int, precision: str) -> dict[st
 def refusal(c: Candidate, global_batch: int, precision: str) -> str | None:
     """Why ``smp.init`` refuses ``c``'s configuration on ``c.gpus`` processes (its rule, in
     its own words), or None when it runs."""
+    cfg = candidate_config(c, c.microbatches(global_batch), precision)
+    return config_refusal(tuple(sorted(cfg.items())), c.gpus)
+
+
+@functools.lru_cache(maxsize=65536)
+def config_refusal(items: tuple[tuple[str, Any], ...], gpus: int) -> str | None:
+    """``smp_fx.config.validate``'s verdict on a configuration (as sorted items), once
+    each: candidates that differ only in what SMP's keys do not hold (full recompute is
+    the script's) share it."""
     try:
-        validate(candidate_config(c, c.microbatches(global_batch), precision), c.gpus)
+        validate(dict(items), gpus)
     except SMPError as exc:
         return str(exc).splitlines()[0]
     return None
@@ -103,4 +113,4 @@ def script_notes(rec: PlanRecord, precision: str, layer_path: str) -> list[str]:
     return notes
 
 
-__all__ = ["candidate_config", "refusal", "script_notes", "smp_config"]
+__all__ = ["candidate_config", "config_refusal", "refusal", "script_notes", "smp_config"]

@@ -52,12 +52,13 @@ def main() -> None:
         cpu = time.process_time() - cpu
         best = planned.best
         print(f"{name:13s} {gpus:5d} GPUs: {cpu:6.1f} CPU s, "
-              f"{planned.result.considered:7,d} priced, {planned.result.profiles:3d} part "
+              f"{planned.result.considered:7,d} priced, {planned.result.fitting:6,d} fit, "
+              f"{planned.result.stepped:6,d} steps, {planned.result.profiles:3d} part "
               f"pricings; {best.candidate.label()}: {best.step_time_s:.4f} s, "
               f"{best.memory_bytes_per_gpu / 1024**3:.1f} GiB", flush=True)
         out.append({"config": name, "gpus": gpus, "cpu_s": cpu,
                     "considered": planned.result.considered,
-                    "fitting": planned.result.fitting,
+                    "fitting": planned.result.fitting, "stepped": planned.result.stepped,
                     "ranked": [[p.candidate.label(), p.step_time_s, p.memory_bytes]
                                for p in planned.result.ranked]})
     if args.json:

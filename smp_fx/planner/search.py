@@ -94,13 +94,14 @@ class SearchResult:
         return self.ranked[0] if self.ranked else None
 
 
-def divisors(n: int) -> list[int]:
-    """Every divisor of ``n``, ascending.
+@functools.lru_cache(maxsize=1024)
+def divisors(n: int) -> tuple[int, ...]:
+    """Every divisor of ``n``, ascending (kept: the search asks for the same few often).
 
     >>> divisors(12)
-    [1, 2, 3, 4, 6, 12]
+    (1, 2, 3, 4, 6, 12)
     """
-    return [d for d in range(1, n + 1) if n % d == 0]
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def schedule_options(pp: int, m: int, layers: int,
@@ -153,6 +154,7 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
         return key not in fixed or fixed[key] == value
 
     smallest: tuple[tuple[int, MemoryPerGPU], Candidate, Ranks, Profile, Links] | None = None
+    least = math.inf
     what_if = fixed.get("ep", 1) > 1 or fixed.get("cp", 1) > 1
     refused_by: dict[Candidate, str] = {}
 
@@ -167,7 +169,7 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
     experts = expert_count(profiler.prepared.graph)
 
     def eps(dp: int) -> list[int]:
-        ok = divisors(math.gcd(dp, experts)) if experts else [1]
+        ok = divisors(math.gcd(dp, experts)) if experts else (1,)
         if "ep" in fixed and fixed["ep"] not in ok:
             refuse(f"ep {fixed['ep']} must divide dp ({dp}) and every MoE block's expert "
                    f"count ({experts or 'the model has no experts'})")
@@ -177,7 +179,7 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
 
     def pp_cp(rest: int) -> Iterator[tuple[int, int]]:
         for pp in divisors(rest):
-            for cp in divisors(rest // pp) if attention else [1]:
+            for cp in divisors(rest // pp) if attention else (1,):
                 if not (want("pp", pp) and want("cp", cp)):
                     continue
                 why = sequence_refusal(tokens, cp)
@@ -244,11 +246,13 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
                                     continue
                                 if link is None:
                                     link = link_of[key] = links(cand, ranks, setting)
-                                mem = peak_memory(cand, ranks, prof, setting, link.boundary)
+                                mem = peak_memory(cand, ranks, prof, setting, link.boundary,
+                                                  max(usable, least) if prune else None)
                                 result.considered += 1
-                                if smallest is None or mem[1].total < smallest[0][1].total:
-                                    smallest = (mem, cand, ranks, prof, link)
-                                if mem[1].total > usable:
+                                total = mem[1].total
+                                if total < least:
+                                    smallest, least = (mem, cand, ranks, prof, link), total
+                                if total > usable:
                                     continue
                                 result.fitting += 1
                                 if ep not in pipes:
@@ -305,7 +309,7 @@ def check_fixed(fixed: Mapping[str, Any], gpus: int, global_batch: int, layers: 
     for key in ("tp", "pp", "dp", "cp"):
         if key in fixed and gpus % fixed[key]:
             raise bad(f"{key} divides the GPU count ({gpus})", fixed[key],
-                      f"pick {key} among {divisors(gpus)}")
+                      f"pick {key} among {list(divisors(gpus))}")
     degrees = [fixed[k] for k in ("tp", "pp", "cp", "dp") if k in fixed]
     prod = 1
     for d in degrees:

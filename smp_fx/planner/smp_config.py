@@ -68,14 +68,15 @@ def refusal(c: Candidate, global_batch: int, precision: str) -> str | None:
     """Why ``smp.init`` refuses ``c``'s configuration on ``c.gpus`` processes (its rule, in
     its own words), or None when it runs."""
     cfg = candidate_config(c, c.microbatches(global_batch), precision)
-    return config_refusal(tuple(sorted(cfg.items())), c.gpus)
+    return config_refusal(tuple(cfg.items()), c.gpus)
 
 
 @functools.lru_cache(maxsize=65536)
 def config_refusal(items: tuple[tuple[str, Any], ...], gpus: int) -> str | None:
-    """``smp_fx.config.validate``'s verdict on a configuration (as sorted items), once
-    each: candidates that differ only in what SMP's keys do not hold (full recompute is
-    the script's) share it."""
+    """``smp_fx.config.validate``'s verdict on a configuration (its items as
+    ``candidate_config`` orders them), once each: candidates that differ only in what
+    SMP's keys do not hold (full recompute is the script's) share it (a third of the
+    validations of a search at ep or cp > 1)."""
     try:
         validate(dict(items), gpus)
     except SMPError as exc:

@@ -423,10 +423,13 @@ def _smp_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, 
 
 
 def peak_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
-                boundary: int | None = None) -> tuple[int, MemoryPerGPU]:
+                boundary: int | None = None, stop_above: float | None = None
+                ) -> tuple[int, MemoryPerGPU]:
     """The rank holding the most, and what it holds. Of a run of ranks with equal loads only
     those holding more in flight than the last one priced are priced (1F1B's fall with
-    the rank index; ZB-V's grow when m < 2p - 1)."""
+    the rank index; ZB-V's grow when m < 2p - 1). ``stop_above``: the first rank found
+    holding more bytes instead (the search wants no more of a candidate that neither
+    fits nor needs the least: half its memory pricing at pp > 1)."""
     m = c.microbatches(setting.global_batch)
     if boundary is None:
         boundary = max((g for _, g in ranks.hops), default=0)
@@ -440,8 +443,11 @@ def peak_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
             continue
         last = (sig, flight)
         mem = _memory(c, ranks, profile, setting, m, r, boundary)
-        if best is None or mem.total > best[1].total:
+        total = mem.total
+        if best is None or total > best[1].total:
             best = (r, mem)
+        if stop_above is not None and total > stop_above:
+            break
     assert best is not None
     return best
 

@@ -27,6 +27,9 @@ runtime does not run yet can be read. ``allowed`` may refuse more (``--emit-conf
 every candidate) and says why.
 A candidate fits when its busiest GPU's memory (``cost_model.memory``) is within
 ``ClusterSpec.usable_memory_bytes``; fitting candidates are ranked by predicted step time.
+Memory is priced first, for every candidate (the counts stay exact); a fitting one's step
+only when its ``step_floor`` may reach the top k (docs/performance.md, "The planner's
+search").
 """
 
 from __future__ import annotations

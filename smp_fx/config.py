@@ -178,6 +178,9 @@ PARAMS: tuple[Param, ...] = (
        doc="fp32 main_grad buffers accumulating half gradients across microbatches"),
 )
 BY_NAME: dict[str, Param] = {p.name: p for p in PARAMS}
+DEFAULTS: dict[str, Any] = {p.name: p.default for p in PARAMS}
+"""Every parameter's default, copied to fill a configuration in (the planner validates
+hundreds of thousands of configurations per search)."""
 ALIASES: dict[str, str] = {"partitions": "pipeline_parallel_degree"}
 TENSORFLOW_ONLY: tuple[str, ...] = ("contiguous", "horovod")
 
@@ -425,7 +428,7 @@ def _resolve(given: dict[str, Any]) -> SMPConfig:
             "'pipeline_parallel_degree' (or 'partitions') is required", None, where,
             "add e.g. {\"pipeline_parallel_degree\": 1} (pass it to smp.init, --config or "
             f"{ENV_VAR})")
-    values = {p.name: p.default for p in PARAMS}
+    values = dict(DEFAULTS)
     values.update(given)
     pp = values["pipeline_parallel_degree"]
     if values["memory_weight"] is None:
@@ -466,7 +469,7 @@ def combination_refusal(values: Mapping[str, Any], where: str = "smp.init"
     error naming the nearest one it runs), or None: the one list of what is refused, read
     by ``smp.init`` and by the planner's ``--emit-config``. ``values``: parameter -> value;
     a missing one is its default. The world-size rules are ``resolve_topology``'s."""
-    v = {p.name: values.get(p.name, p.default) for p in PARAMS}
+    v = {**DEFAULTS, **values}
     tp, sdp = v["tensor_parallel_degree"], v["sharded_data_parallel_degree"]
     if tp > 1 and not v["ddp"]:
         return SMPConfigError.build("'tensor_parallel_degree' > 1 requires 'ddp': true", tp,

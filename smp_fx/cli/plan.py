@@ -59,7 +59,7 @@ from smp_fx.cli.partition import (
 from smp_fx.planner.candidate import parse_fix
 from smp_fx.planner.hf_config import prepare_config
 from smp_fx.planner.measured import refit
-from smp_fx.planner.model import Prepared, prepare
+from smp_fx.planner.model import Prepared, Profiler, prepare
 from smp_fx.planner.planner import Planned, plan
 from smp_fx.planner.profile import model_dtype
 from smp_fx.planner.smp_config import refusal, script_notes, smp_config
@@ -281,6 +281,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     points = []
     planned: Planned | None = None
     best_before = 0.0
+    profiler = Profiler(prepared, cluster)  # part pricings shared by every --gpus count
     for gpus in counts:
         setting = setting_of(cluster, gpus, args.global_batch, args.precision)
         if setting.compute_factor > 1:
@@ -288,7 +289,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
                      f"{os.cpu_count()} cores: compute priced {setting.compute_factor:.1f}x "
                      "slower")
         planned = plan(prepared, setting, fixed=fixed, allowed=allowed, top_k=args.top,
-                       max_mbs=args.max_mbs, progress=progress)
+                       max_mbs=args.max_mbs, profiler=profiler, progress=progress)
         print(f"plan for {prepared.info.name} on {gpus} x {cluster.device.name} "
               f"({cluster.name}, {cluster.gpus_per_node} per node), global batch "
               f"{args.global_batch}, {args.precision}", file=out)

@@ -22,7 +22,7 @@ from cost_model.cluster import ClusterSpec
 from cost_model.collectives import bus_bandwidth
 from passes.trace import Frontend, trace
 from smp_fx.planner.layers import Repeats, find_repeats, keep_layers, tidy
-from smp_fx.planner.profile import Profile, profile
+from smp_fx.planner.profile import Profile, costed, profile
 
 Inputs = Callable[[int], tuple[Any, ...]]
 
@@ -96,6 +96,7 @@ class Profiler:
         self.cluster = cluster
         self.marked = marked
         self._cache: dict[tuple[int, int, bool], Profile] = {}
+        self._costed: dict[int, torch.fx.GraphModule] = {}
 
     def tp_comm(self, tp: int) -> Callable[[float], float]:
         """One message of a tp ring: NVLink inside a node, the network beyond one."""
@@ -116,8 +117,17 @@ class Profiler:
         if key not in self._cache:
             p = self.prepared
             self._cache[key] = profile(p.graph, p.repeats, p.inputs, mbs, tp, sp,
-                                       self.cluster.device, self.tp_comm(tp), self.marked)
+                                       self.cluster.device, self.tp_comm(tp), self.marked,
+                                       self.costed(mbs))
         return self._cache[key]
+
+    def costed(self, mbs: int) -> torch.fx.GraphModule:
+        """The reduced graph costed at ``mbs`` samples, made once and shared by every tp
+        degree and sp priced at that size (``smp_fx.planner.profile.costed``)."""
+        if mbs not in self._costed:
+            p = self.prepared
+            self._costed[mbs] = costed(p.graph, p.inputs, mbs, self.cluster.device)
+        return self._costed[mbs]
 
     @property
     def priced(self) -> int:

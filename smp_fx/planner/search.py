@@ -27,6 +27,9 @@ runtime does not run yet can be read. ``allowed`` may refuse more (``--emit-conf
 every candidate) and says why.
 A candidate fits when its busiest GPU's memory (``cost_model.memory``) is within
 ``ClusterSpec.usable_memory_bytes``; fitting candidates are ranked by predicted step time.
+Memory is priced first, for every candidate (the counts stay exact); a fitting one's step
+only when its ``step_floor`` may reach the top k (docs/performance.md, "The planner's
+search").
 """
 
 from __future__ import annotations
@@ -42,15 +45,26 @@ from typing import Any
 import torch
 
 from cost_model.errors import SMPConfigError, SMPError
-from cost_model.memory import ZERO
+from cost_model.memory import ZERO, MemoryPerGPU
 from cost_model.schedule_cost import check
 from passes.context_parallel.collectives import local_index
 from smp_fx.planner.candidate import Candidate
 from smp_fx.planner.exchange import expert_count
 from smp_fx.planner.model import Profiler
+from smp_fx.planner.profile import Profile
 from smp_fx.planner.smp_config import refusal
 from smp_fx.planner.stages import Ranks, rank_loads
-from smp_fx.planner.step import Links, Priced, Setting, links, price
+from smp_fx.planner.step import (
+    Links,
+    Pipeline,
+    Priced,
+    Setting,
+    links,
+    peak_memory,
+    pipeline,
+    price,
+    step_floor,
+)
 
 VIRTUAL = (2, 3, 4, 6, 8)
 Allowed = Callable[[Candidate], "str | None"]
@@ -74,19 +88,23 @@ class SearchResult:
     """Candidates with ep or cp > 1 that ``smp.init`` refuses, left out (in ``refused``)."""
     what_if: dict[Candidate, str] = field(default_factory=dict)
     """Ranked candidates ``smp.init`` refuses, priced because ``--fix`` asked: the rule."""
+    stepped: int = 0
+    """Fitting candidates whose step was priced (the others' ``step_floor`` was above the
+    ``top_k``-th step)."""
 
     @property
     def best(self) -> Priced | None:
         return self.ranked[0] if self.ranked else None
 
 
-def divisors(n: int) -> list[int]:
-    """Every divisor of ``n``, ascending.
+@functools.lru_cache(maxsize=1024)
+def divisors(n: int) -> tuple[int, ...]:
+    """Every divisor of ``n``, ascending (kept: the search asks for the same few often).
 
     >>> divisors(12)
-    [1, 2, 3, 4, 6, 12]
+    (1, 2, 3, 4, 6, 12)
     """
-    return [d for d in range(1, n + 1) if n % d == 0]
+    return tuple(d for d in range(1, n + 1) if n % d == 0)
 
 
 def schedule_options(pp: int, m: int, layers: int,
@@ -114,9 +132,11 @@ def _zeros(dp: int) -> tuple[str, ...]:
 
 def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | None = None,
            allowed: Allowed | None = None, top_k: int = 10, max_mbs: int = 64,
-           progress: Progress | None = None) -> SearchResult:
+           progress: Progress | None = None, prune: bool = True) -> SearchResult:
     """Price every candidate of the space (module docstring) not excluded by ``fixed`` or
-    ``allowed``; keep the ``top_k`` fastest that fit."""
+    ``allowed``; keep the ``top_k`` fastest that fit. ``prune``: skip the step of a
+    fitting candidate whose ``step_floor`` is above the ``top_k``-th step (the same result;
+    False prices each, the check of that)."""
     fixed = dict(fixed or {})
     virtual = (int(fixed["vp"]),) if int(fixed.get("vp", 1)) > 1 else VIRTUAL
     start = time.perf_counter()
@@ -136,6 +156,8 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
     def want(key: str, value: Any) -> bool:
         return key not in fixed or fixed[key] == value
 
+    smallest: tuple[tuple[int, MemoryPerGPU], Candidate, Ranks, Profile, Links] | None = None
+    least = math.inf
     what_if = fixed.get("ep", 1) > 1 or fixed.get("cp", 1) > 1
     refused_by: dict[Candidate, str] = {}
 
@@ -150,7 +172,7 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
     experts = expert_count(profiler.prepared.graph)
 
     def eps(dp: int) -> list[int]:
-        ok = divisors(math.gcd(dp, experts)) if experts else [1]
+        ok = divisors(math.gcd(dp, experts)) if experts else (1,)
         if "ep" in fixed and fixed["ep"] not in ok:
             refuse(f"ep {fixed['ep']} must divide dp ({dp}) and every MoE block's expert "
                    f"count ({experts or 'the model has no experts'})")
@@ -160,7 +182,7 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
 
     def pp_cp(rest: int) -> Iterator[tuple[int, int]]:
         for pp in divisors(rest):
-            for cp in divisors(rest // pp) if attention else [1]:
+            for cp in divisors(rest // pp) if attention else (1,):
                 if not (want("pp", pp) and want("cp", cp)):
                     continue
                 why = sequence_refusal(tokens, cp)
@@ -210,6 +232,7 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
                                 refuse(f"pp x vp = {pp * v} chunks exceed the model's parts")
                                 continue
                             link = link_of.get(key)
+                            pipes: dict[int, Pipeline] = {}
                             for zero, ep in ((z, e) for z in _zeros(dp) for e in eps(dp)):
                                 if not want("zero", zero):
                                     continue
@@ -226,14 +249,23 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
                                     continue
                                 if link is None:
                                     link = link_of[key] = links(cand, ranks, setting)
-                                priced = price(cand, ranks, prof, setting, link)
+                                mem = peak_memory(cand, ranks, prof, setting, link.boundary,
+                                                  max(usable, least) if prune else None)
                                 result.considered += 1
-                                if (result.smallest is None or priced.memory_bytes
-                                        < result.smallest.memory_bytes):
-                                    result.smallest = priced
-                                if priced.memory_bytes > usable:
+                                total = mem[1].total
+                                if total < least:
+                                    smallest, least = (mem, cand, ranks, prof, link), total
+                                if total > usable:
                                     continue
                                 result.fitting += 1
+                                if ep not in pipes:
+                                    pipes[ep] = pipeline(cand, ranks, setting, link)
+                                if (prune and len(heap) == top_k
+                                        and step_floor(pipes[ep], setting) > -heap[0][0]):
+                                    continue
+                                priced = price(cand, ranks, prof, setting, link, pipes[ep],
+                                               mem)
+                                result.stepped += 1
                                 if runtime is not None:
                                     refused_by[cand] = runtime
                                 item = (-priced.step_time_s, result.fitting, priced)
@@ -248,6 +280,9 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
                     progress(f"tp {tp}{' sp' if sp else ''} pp {pp} cp {cp}: {result.considered} "
                              f"candidates priced, {result.fitting} fit, best step "
                              f"{best:.4g} s")
+    if smallest is not None:
+        mem, cand, ranks, prof, link = smallest
+        result.smallest = price(cand, ranks, prof, setting, link, memory=mem)
     result.ranked = [item[2] for item in sorted(heap, key=lambda x: (-x[0], x[1]))]
     result.what_if = {p.candidate: refused_by[p.candidate] for p in result.ranked
                       if p.candidate in refused_by}
@@ -277,7 +312,7 @@ def check_fixed(fixed: Mapping[str, Any], gpus: int, global_batch: int, layers: 
     for key in ("tp", "pp", "dp", "cp"):
         if key in fixed and gpus % fixed[key]:
             raise bad(f"{key} divides the GPU count ({gpus})", fixed[key],
-                      f"pick {key} among {divisors(gpus)}")
+                      f"pick {key} among {list(divisors(gpus))}")
     degrees = [fixed[k] for k in ("tp", "pp", "cp", "dp") if k in fixed]
     prod = 1
     for d in degrees:

@@ -25,6 +25,7 @@ either, so ``script_notes`` says what the script does.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from cost_model.errors import SMPError
@@ -66,8 +67,18 @@ def candidate_config(c: Candidate, microbatches: int, precision: str) -> dict[st
 def refusal(c: Candidate, global_batch: int, precision: str) -> str | None:
     """Why ``smp.init`` refuses ``c``'s configuration on ``c.gpus`` processes (its rule, in
     its own words), or None when it runs."""
+    cfg = candidate_config(c, c.microbatches(global_batch), precision)
+    return config_refusal(tuple(cfg.items()), c.gpus)
+
+
+@functools.lru_cache(maxsize=65536)
+def config_refusal(items: tuple[tuple[str, Any], ...], gpus: int) -> str | None:
+    """``smp_fx.config.validate``'s verdict on a configuration (its items as
+    ``candidate_config`` orders them), once each: candidates that differ only in what
+    SMP's keys do not hold (full recompute is the script's) share it (a third of the
+    validations of a search at ep or cp > 1)."""
     try:
-        validate(candidate_config(c, c.microbatches(global_batch), precision), c.gpus)
+        validate(dict(items), gpus)
     except SMPError as exc:
         return str(exc).splitlines()[0]
     return None
@@ -103,4 +114,4 @@ def script_notes(rec: PlanRecord, precision: str, layer_path: str) -> list[str]:
     return notes
 
 
-__all__ = ["candidate_config", "refusal", "script_notes", "smp_config"]
+__all__ = ["candidate_config", "config_refusal", "refusal", "script_notes", "smp_config"]

@@ -57,7 +57,7 @@ import numpy as np
 from cost_model.cluster import ClusterSpec
 from cost_model.collectives import Collective, Fabric, collective_time, p2p_time
 from cost_model.memory import MemoryPerGPU, memory_per_gpu, state_bytes
-from cost_model.schedule_cost import RankTimes, in_flight_at, price_schedule
+from cost_model.schedule_cost import RankTimes, ScheduleCost, in_flight_at, price_schedule
 from smp_fx.planner.candidate import Candidate
 from smp_fx.planner.overlap import (
     MEGATRON_CORE,
@@ -234,24 +234,58 @@ def links(c: Candidate, ranks: Ranks, setting: Setting) -> Links:
                  max((g for _, g in ranks.hops), default=0))
 
 
-def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
-          link: Links | None = None) -> Priced:
-    """The step of candidate ``c`` (module docstring); ``ranks`` is ``rank_loads`` of it and
-    ``link`` its ``links`` (computed here when not given)."""
-    cl, spec = setting.cluster, setting.cluster.device
-    fabric = setting.fabric
+@dataclass(frozen=True)
+class Pipeline:
+    """What a step's pipeline costs (``pipeline``): the links with the exchanges added,
+    the schedule's price, the exchanges per rank and microbatch, the elements held."""
+
+    links: Links
+    schedule: ScheduleCost
+    ep_s: tuple[float, ...]
+    cp_s: tuple[float, ...]
+    held: tuple[int, ...]
+
+
+def pipeline(c: Candidate, ranks: Ranks, setting: Setting, link: Links | None = None
+             ) -> Pipeline:
+    """The part of ``c``'s step its sharding (``zero``) does not change: the exchanges
+    (module docstring, 4) and the schedule; the search prices it once for none, zero1
+    and fsdp (11,753 for 22,802 fitting candidates: Mixtral-8x7B, 64 GPUs)."""
+    spec = setting.cluster.device
     lk = link if link is not None else links(c, ranks, setting)
-    m = c.microbatches(setting.global_batch)
-    p, v = c.pp, c.vp
-    s_bytes = state_bytes(setting.precision)
-    ep_s, cp_s = exchange_times(c, ranks, fabric)
+    ep_s, cp_s = exchange_times(c, ranks, setting.fabric)
     if c.ep > 1 or c.cp > 1:
-        lk = _exchanged(lk, c.cp, ep_s, cp_s, v * spec.microbatch_overhead_s)
+        lk = _exchanged(lk, c.cp, ep_s, cp_s, c.vp * spec.microbatch_overhead_s)
     held = held_elems(ranks, c.ep)
     if c.ep > 1:
         lk = replace(lk, elems=np.array(held, dtype=np.float64))
-    sched = price_schedule(c.schedule, lk.times, m, v, hop_s=lk.hop_s)
-    pipeline = sched.pipeline_s
+    sched = price_schedule(c.schedule, lk.times, c.microbatches(setting.global_batch), c.vp,
+                           hop_s=lk.hop_s)
+    return Pipeline(lk, sched, tuple(ep_s), tuple(cp_s), held)
+
+
+def step_floor(pipe: Pipeline, setting: Setting) -> float:
+    """A lower bound of ``price(...).step_time_s`` for any sharding of ``pipe``'s
+    candidate, in floating point too: the step is rank 0's pipeline plus non-negative
+    terms (exposed reductions, tied sums, optimizer). The search prices the rest only
+    where it may reach the top k: 2-10 % of the fitting (docs/performance.md)."""
+    return pipe.schedule.pipeline_s + setting.cluster.device.step_overhead_s
+
+
+def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
+          link: Links | None = None, pipe: Pipeline | None = None,
+          memory: tuple[int, MemoryPerGPU] | None = None) -> Priced:
+    """The step of candidate ``c`` (module docstring); ``ranks`` is ``rank_loads`` of it,
+    ``link`` its ``links``, ``pipe`` its ``pipeline`` and ``memory`` its ``peak_memory``
+    (each computed here when not given)."""
+    cl, spec = setting.cluster, setting.cluster.device
+    fabric = setting.fabric
+    m = c.microbatches(setting.global_batch)
+    p, v = c.pp, c.vp
+    s_bytes = state_bytes(setting.precision)
+    pipe = pipe if pipe is not None else pipeline(c, ranks, setting, link)
+    lk, sched, ep_s, cp_s, held = pipe.links, pipe.schedule, pipe.ep_s, pipe.cp_s, pipe.held
+    pipeline_s = sched.pipeline_s
     # data parallelism, per distinct load (most ranks carry the same)
     reducers = replace(c, dp=c.dp * c.cp, cp=1)
     nodes, concurrent = (span(c, "cp_dp", cl.gpus_per_node) if c.cp > 1
@@ -307,19 +341,20 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
             tied = collective_time("all_reduce", elems * s_bytes.reduce, holders, fabric,
                                    nodes=holders if c.pp * c.tp > cl.gpus_per_node else 1)
             tied_s = max(tied_s, tied.seconds)
-    pipeline += fsdp_extra
+    pipeline_s += fsdp_extra
     shard = c.dp if c.zero != "none" and c.dp > 1 else 1
     opt = (np.maximum(1.0, np.floor(lk.tensors / shard)) * spec.optimizer_tensor_s
            + lk.elems * 4 / shard * spec.optimizer_byte_s)
     drain = np.concatenate([[0.0], np.cumsum(lk.bwd / v + lk.hop_s)[:-1]])
-    step = float(np.max(pipeline - drain + exposed + tied_s + opt)) + spec.step_overhead_s
-    mem_rank, mem = peak_memory(c, ranks, profile, setting, lk.boundary)
+    step = float(np.max(pipeline_s - drain + exposed + tied_s + opt)) + spec.step_overhead_s
+    mem_rank, mem = memory if memory is not None else peak_memory(c, ranks, profile, setting,
+                                                                  lk.boundary)
     tp_step = m * max(ranks.tp_s)
     pp_step = m * max(lk.occupancy) if p > 1 else 0.0
     comm = CommTimes(tp_step, pp_step, dp_s, float(exposed.max()), zero_s, fsdp_s, tied_s,
                      algorithm, fsdp_extra, m * max(ep_s), m * max(cp_s))
     hw = sum(ranks.flops) * m * c.tp * c.dp  # a cp group shares each microbatch
-    return Priced(c, m, step, pipeline, sched.bubble_fraction, float(opt.max()), comm, mem,
+    return Priced(c, m, step, pipeline_s, sched.bubble_fraction, float(opt.max()), comm, mem,
                   mem_rank, ranks.layers, hw)
 
 
@@ -397,10 +432,13 @@ def _smp_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, 
 
 
 def peak_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
-                boundary: int | None = None) -> tuple[int, MemoryPerGPU]:
+                boundary: int | None = None, stop_above: float | None = None
+                ) -> tuple[int, MemoryPerGPU]:
     """The rank holding the most, and what it holds. Of a run of ranks with equal loads only
     those holding more in flight than the last one priced are priced (1F1B's fall with
-    the rank index; ZB-V's grow when m < 2p - 1)."""
+    the rank index; ZB-V's grow when m < 2p - 1). ``stop_above``: the first rank found
+    holding more bytes instead (the search wants no more of a candidate that neither
+    fits nor needs the least: 152,000 ranks priced for 285,000, Mixtral-8x7B, 64 GPUs)."""
     m = c.microbatches(setting.global_batch)
     if boundary is None:
         boundary = max((g for _, g in ranks.hops), default=0)
@@ -414,8 +452,11 @@ def peak_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
             continue
         last = (sig, flight)
         mem = _memory(c, ranks, profile, setting, m, r, boundary)
-        if best is None or mem.total > best[1].total:
+        total = mem.total
+        if best is None or total > best[1].total:
             best = (r, mem)
+        if stop_above is not None and total > stop_above:
+            break
     assert best is not None
     return best
 
@@ -434,6 +475,6 @@ def model_flops(profile: Profile) -> float:
     return sum(u.fwd_flops + u.bwd_flops for u in profile.units())
 
 
-__all__ = ["DDP_BUCKET_BYTES", "CommTimes", "Links", "Priced", "Setting", "crosses_node",
-           "dp_placement", "exchange_times", "held_elems", "links", "memory_by_rank",
-           "model_flops", "peak_memory", "price"]
+__all__ = ["DDP_BUCKET_BYTES", "CommTimes", "Links", "Pipeline", "Priced", "Setting",
+           "crosses_node", "dp_placement", "exchange_times", "held_elems", "links",
+           "memory_by_rank", "model_flops", "peak_memory", "pipeline", "price", "step_floor"]

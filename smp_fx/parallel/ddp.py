@@ -240,6 +240,12 @@ class DataParallel(Joinable):
                     "with ddp, every pipeline stage needs a trainable parameter", f"stage {s}",
                     "smp.DistributedModel", "repartition (smp.partition / default_partition)")
             skip = [n for n, p in base.stage.module.named_parameters() if id(p) in self.ignored]
+            if not any(p.requires_grad and id(p) not in self.ignored
+                       for p in base.stage.module.parameters()):
+                log.info("smp-fx ddp: stage %d holds only parameters another rule reduces "
+                         "(%d, e.g. %s): not wrapped in DDP", s, len(skip), skip[0])
+                out[s] = base
+                continue
             if skip:
                 DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
                     base.stage.module, skip)

@@ -93,17 +93,22 @@ def _expert_rows(want: dict[str, torch.Tensor], names: frozenset[str], ep: int,
     return {n: (t.chunk(ep)[rank] if n in names else t) for n, t in want.items()}
 
 
-def _train(case: str, ref: dict[str, Any], pp: int = 1, ep: int = 2) -> dict[str, Any]:
-    """3 steps at ``ep`` (``pp`` stages of ``pp`` microbatches); what differs from ``ref``."""
+def _train(case: str, ref: dict[str, Any], pp: int = 1, ep: int = 2,
+           extra: dict[str, Any] | None = None, checkpointed: bool = False) -> dict[str, Any]:
+    """3 steps at ``ep`` (``pp`` stages of ``pp`` microbatches, ``extra`` configuration,
+    every decoder layer checkpointed if asked); what differs from ``ref``."""
     import smp_fx as smp
     from smp_fx.world import state as smp_state
 
     arch, opt_name = case.split("/")
     smp_state._reset()
     smp.init({"pipeline_parallel_degree": pp, "microbatches": pp, "ddp": True,
-              "expert_parallel_degree": ep})
+              "expert_parallel_degree": ep, **(extra or {})})
     plain = moe_zoo.build(arch, aux=arch in moe_zoo.AUX)
-    model = smp.DistributedModel(moe_zoo.build(arch, aux=arch in moe_zoo.AUX))
+    module = moe_zoo.build(arch, aux=arch in moe_zoo.AUX)
+    for layer in module.model.model.layers if checkpointed else ():  # type: ignore[union-attr]
+        smp.set_activation_checkpointing(layer)
+    model = smp.DistributedModel(module)
     opt = smp.DistributedOptimizer(OPTIMIZERS[opt_name](model.parameters()))
     train_step = step_function(arch)
 
@@ -183,12 +188,24 @@ PIPELINED = "mixtral/sgd"
 EP4 = (PIPELINED,) + tuple(f"{a}/adam" for a in moe_zoo.ARCHITECTURES)
 
 
+PIPELINES: dict[str, dict[str, Any]] = {
+    "zero_bubble": {"pipeline": "zero_bubble"},
+    "zbv": {"pipeline": "zbv", "virtual_pipeline_degree": 2},
+    "checkpointed": {},
+}
+"""ep 2 x pp 2 again: the split backward (ZB-H1), ZB-V at 2 virtual stages per rank (a
+stage holding only expert slices among them), every decoder layer checkpointed."""
+
+
 def _four(path: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
     refs = torch.load(path, weights_only=True)
     return {"pp2": _train(PIPELINED, refs[PIPELINED], pp=2),
+            **{f"pp2 {label}": _train(PIPELINED, refs[PIPELINED], pp=2, extra=extra,
+                                      checkpointed=label == "checkpointed")
+               for label, extra in PIPELINES.items()},
             **{case: _train(case, refs[case], ep=4) for case in EP4}}
 
 
@@ -196,13 +213,16 @@ def _four(path: str) -> dict[str, Any]:
 @pytest.mark.timeout(600)
 def test_ep2_pp2_and_ep4_match_single_process_model(tmp_path: Any) -> None:
     """4 ranks, 3 steps, the same checks: Mixtral (SGD) at 2 pipeline stages of 2
-    microbatches, each stage's experts split over its 2 dp ranks; then at ep 4 (one expert
+    microbatches, each stage's experts split over its 2 dp ranks (under 1F1B, then each of
+    ``PIPELINES``); then at ep 4 (one expert
     per rank, every all-to-all over 4 ranks) Mixtral with SGD and the four families with
     Adam."""
     path = str(tmp_path / "reference.pt")
     torch.save({case: _reference(case, parts=4) for case in EP4}, path)  # dp x m = 4
     results = run_ranks(_four, 4, path, timeout=400)
-    assert [r["pp2"]["bad"] for r in results] == [[]] * 4, [r["pp2"]["bad"] for r in results]
+    for run in ("pp2", *(f"pp2 {label}" for label in PIPELINES)):
+        assert [r[run]["bad"] for r in results] == [[]] * 4, (run, [r[run]["bad"]
+                                                                   for r in results])
     assert sorted((r["pp2"]["pp"], r["pp2"]["ep"]) for r in results) == [
         (0, (2, 0)), (0, (2, 1)), (1, (2, 0)), (1, (2, 1))]
     for case in EP4:

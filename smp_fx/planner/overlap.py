@@ -54,9 +54,13 @@ def megatron_precision(precision: str) -> str:
 
 
 def megatron_memory(dp: int, zero: str, elems: int, precision: str,
-                    mem: MemoryPerGPU) -> MemoryPerGPU:
-    """``mem`` without DDP's bucket copy of the gradients: Megatron-Core's buckets are views
-    of its contiguous main-gradient buffer, already counted as the gradients."""
+                    mem: MemoryPerGPU, cp: int = 1) -> MemoryPerGPU:
+    """``mem`` without DDP's bucket copy of the gradients (buckets are views of the main
+    gradients), its distributed optimizer (``zero1``) sharding masters and moments over
+    dp x cp (``get_megatron_optimizer`` hands it ``intra_dp_cp_group``:
+    megatron/core/optimizer/__init__.py, Megatron-LM d98e8a6)."""
+    if zero == "zero1" and cp > 1:
+        mem = dataclasses.replace(mem, optimizer=-(-mem.optimizer // cp))
     if dp <= 1 or zero == "fsdp":
         return mem
     copy = elems * state_bytes(megatron_precision(precision)).grad

@@ -309,6 +309,8 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
             tied_s = max(tied_s, tied.seconds)
     pipeline += fsdp_extra
     shard = c.dp if c.zero != "none" and c.dp > 1 else 1
+    if setting.runtime == MEGATRON_CORE and c.zero == "zero1":
+        shard *= c.cp  # its distributed optimizer shards over dp x cp (overlap.py)
     opt = (np.maximum(1.0, np.floor(lk.tensors / shard)) * spec.optimizer_tensor_s
            + lk.elems * 4 / shard * spec.optimizer_byte_s)
     drain = np.concatenate([[0.0], np.cumsum(lk.bwd / v + lk.hop_s)[:-1]])
@@ -375,7 +377,8 @@ def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: i
             r: int, boundary: int) -> MemoryPerGPU:
     if setting.runtime == MEGATRON_CORE:
         return megatron_memory(c.dp, c.zero, ranks.elems[r], setting.precision, _smp_memory(
-            c, ranks, profile, setting, m, r, boundary, megatron_precision(setting.precision)))
+            c, ranks, profile, setting, m, r, boundary, megatron_precision(setting.precision)),
+            c.cp)
     return _smp_memory(c, ranks, profile, setting, m, r, boundary, setting.precision)
 
 

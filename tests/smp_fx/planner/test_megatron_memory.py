@@ -1,14 +1,32 @@
 """What Megatron-Core keeps, as the planner prices runs made with it: its distributed
-optimizer sharded over dp x cp (smp-fx's ZeRO-1 over dp only)."""
+optimizer sharded over dp x cp (smp-fx's ZeRO-1 over dp only); a Llama layer's activations
+as its fused kernels keep them, against a closed form in the manner of Korthikanti et al.
+2022 (section 4), per layer and tensor-parallel rank, 2-byte activations (s sequence, b
+microbatch, h hidden, f FFN width, a heads, g key-value heads, t tensor-parallel degree):
+
+- attention: the RMSNorm's input 2sbh, the QKV GEMMs' input 2sbh (one tensor for the
+  three), flash attention's q 2sbh/t, k and v 4sbh g/(at) (grouped heads, not repeated)
+  and output 2sbh/t (the projection's input too), its log-sum-exp 4asb/t (float32);
+- MLP: the RMSNorm's input 2sbh, the gate and up GEMMs' input 2sbh, SwiGLU's gate and up
+  4sbf/t and the down projection's input 2sbf/t;
+- with sequence parallelism the norms' and GEMMs' inputs are the 1/t chunk (gathered again
+  in backward): ``sbh/t (12 + 4g/a + 6f/h) + 4asb/t``; without it
+  ``sbh (8 + (4 + 4g/a + 6f/h)/t) + 4asb/t``.
+
+The rotary tables (the head's values) are shared by every layer and not counted per layer;
+the norms' float32 reciprocal deviations (4sb each, /t under sp) are left out of both.
+"""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
 from cost_model.cluster import get_cluster
 from smp_fx.planner.candidate import Candidate
+from smp_fx.planner.layers import KEPT
 from smp_fx.planner.model import Profiler
 from smp_fx.planner.stages import rank_loads
 from smp_fx.planner.step import Setting, memory_by_rank
@@ -39,3 +57,56 @@ def test_distributed_optimizer_shards_over_cp_under_megatron_only(
         setting = Setting(CLUSTER, 2 * cp, 2 * MBS, runtime=runtime)
         opt[cp] = memory_by_rank(c, ranks, prof, setting)[0].optimizer
     assert opt[2] == -(-opt[1] // divided)
+
+
+S, H, F, A, G = 64, 64, 224, 16, 4
+"""A Llama shape with Llama-3-70B's ratios of FFN width (3.5 h) and one key-value head per
+four query heads."""
+
+
+def closed_form(tp: int, sp: bool, b: int = 1) -> float:
+    """The module docstring's bytes per layer and rank."""
+    sbh, lse = S * b * H, 4 * A * S * b / tp
+    own = 4 + 4 * G / A + 6 * F / H
+    return sbh * (8 + own) / tp + lse if sp else sbh * (8 + own / tp) + lse
+
+
+@pytest.fixture(scope="module")
+def llama_shaped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Profiler]:
+    pytest.importorskip("transformers")
+    from smp_fx.planner.hf_config import prepare_config
+
+    doc = json.loads((LLAMA / "config.json").read_text())
+    doc.update(hidden_size=H, intermediate_size=F, num_attention_heads=A,
+               num_key_value_heads=G, max_position_embeddings=S)
+    path = tmp_path_factory.mktemp("llama") / "config.json"
+    path.write_text(json.dumps(doc))
+    prep = prepare_config(path, S)
+    return {rt: Profiler(prep, CLUSTER, runtime=rt) for rt in ("megatron-core", "smp-fx")}
+
+
+@pytest.mark.parametrize("tp, sp", [(1, False), (4, True), (4, False)])
+def test_a_llama_layer_keeps_the_closed_form_under_megatron(
+        llama_shaped: dict[str, Profiler], tp: int, sp: bool) -> None:
+    layer = llama_shaped["megatron-core"](1, tp, sp).parts[KEPT]
+    assert layer.kept("none")[0] == pytest.approx(closed_form(tp, sp), rel=0.01)
+    assert layer.kept("selective")[0] == layer.kept("none")[0]  # flash keeps no scores
+    full = layer.kept("full")
+    assert full[1] == layer.kept("none")[0]  # the layer's values again while recomputed
+    eager = llama_shaped["smp-fx"](1, tp, sp).parts[KEPT].kept("none")[0]
+    assert eager > 1.5 * closed_form(tp, sp)  # float32 norms, repeated k and v, silu's output
+
+
+def test_megatron_holds_logits_on_the_last_stage_split_and_sends_no_outputs(
+        llama: Profiler) -> None:
+    prof = llama(MBS, 2, True)
+    ranks = rank_loads(prof, "none", 2, 1, "interleaved", CLUSTER.device)
+    assert ranks is not None and prof.output_bytes > 0
+    c = Candidate(2, 2, 1, MBS, 1, "interleaved", "none", True, "zero1", cp=2)
+    mega, smp = (memory_by_rank(c, ranks, prof, Setting(CLUSTER, 8, 2 * MBS, runtime=rt))
+                 for rt in ("megatron-core", "smp-fx"))
+    assert [m.outputs for m in mega] == [0, 2 * prof.output_bytes // 4]
+    assert all(m.outputs == 2 * prof.output_bytes for m in smp)
+    act = max(a for a, _ in ranks.hops)
+    assert mega[0].buffers == 4 * act + ranks.buffers[0]
+    assert mega[0].activations == round(ranks.kept[0] * 2 / 2)  # no gathered k and v

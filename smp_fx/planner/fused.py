@@ -12,6 +12,9 @@ of that on a Llama layer. The rules, on the same graph and saved-value account:
 - element-wise ops between them (RMSNorm, RoPE, SwiGLU: fused kernels) keep the values
   they read from outside their group, not its intermediates; a residual add ends a group;
 - a layer does not count the head's values (rotary tables): every layer shares them.
+
+``elementwise_saving`` prices each fused group as one kernel: one read of what it reads
+from outside, one write of what leaves it, against the ops one by one.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from collections.abc import Collection, Sequence
 
 import torch.fx
 
+from cost_model.device import DeviceSpec
+from cost_model.roofline import node_times
 from passes import meta
 from passes.checkpoint_regions import COMPUTE
 from passes.tensor_parallel.costs import COLLECTIVES
@@ -124,4 +129,32 @@ def fused_saved(nodes: Sequence[torch.fx.Node], head: Collection[str] = ()) -> i
     return sum(kept.values()) + extra
 
 
-__all__ = ["KERNELS", "LAYOUT", "fused_saved"]
+def elementwise_saving(nodes: Sequence[torch.fx.Node], spec: DeviceSpec
+                       ) -> tuple[float, float]:
+    """(forward, backward) seconds saved by running each element-wise group of ``nodes``
+    as one fused kernel (Megatron-Core's RMSNorm, SwiGLU, RoPE) instead of op by op: the
+    group's node times less one kernel's moving its inputs and outputs once."""
+    group = _groups(nodes, ())
+    members: dict[int, list[torch.fx.Node]] = {}
+    for n in nodes:
+        if n.name in group:
+            members.setdefault(group[n.name], []).append(n)
+    fwd = bwd = 0.0
+    for grp in members.values():
+        inside = {n.name for n in grp}
+        costs = [meta.COST.get(n) for n in grp if meta.COST.has(n)]
+        reads = {a.name: _nbytes(a) for n in grp for a in n.all_input_nodes
+                 if a.name not in inside and a.op != "get_attr"}
+        writes = sum(_nbytes(n) for n in grp if any(u.name not in inside for u in n.users))
+        moved = sum(reads.values()) + writes
+        if not moved:
+            continue
+        elems = writes / 2
+        one_f, one_b = node_times("add", spec, fwd_flops=0.0, bwd_flops=0.0,
+                                  out_elems=elems, moved=moved)
+        fwd += max(0.0, sum(c.fwd_time_s for c in costs) - one_f)
+        bwd += max(0.0, sum(c.bwd_time_s for c in costs) - one_b)
+    return fwd, bwd
+
+
+__all__ = ["KERNELS", "LAYOUT", "elementwise_saving", "fused_saved"]

@@ -25,6 +25,7 @@ is a part of its own and only ``none`` applies.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,7 @@ from passes.shape_prop import shape_prop
 from passes.tensor_parallel import TensorParallelism, tensor_parallel
 from passes.tensor_parallel.costs import COLLECTIVES
 from smp_fx.planner.exchange import dispatch_bytes, expert_ids, kv_bytes
-from smp_fx.planner.fused import fused_saved
+from smp_fx.planner.fused import elementwise_saving, fused_saved
 from smp_fx.planner.layers import KEPT, Repeats, layer_of
 
 RECOMPUTE = ("none", "selective", "full")
@@ -300,10 +301,19 @@ def profile(reduced: torch.fx.GraphModule, repeats: Repeats | None,
         gm, plan = tensor_parallel(gm, TensorParallelism(tp, 0, True, marked, sp), tp_comm)
         replicated = tuple(plan.replicated)
     parts, relay, output = price_parts(gm, repeats, fused)
+    if fused:
+        parts = [_fused_times(part, nodes, spec)
+                 for part, nodes in zip(parts, split_parts(gm, repeats), strict=True)]
     if repeats is None:
         return Profile(mbs, tp, sp, tuple(parts), (0, 1), 0, 0, output, replicated)
     return Profile(mbs, tp, sp, tuple(parts), (KEPT, repeats.count - KEPT + 1),
                    repeats.count, relay, output, replicated)
+
+
+def _fused_times(part: PartCost, nodes: list[torch.fx.Node], spec: DeviceSpec) -> PartCost:
+    """``part`` with its element-wise ops run as Megatron-Core's fused kernels."""
+    fwd, bwd = elementwise_saving(nodes, spec)
+    return dataclasses.replace(part, fwd_s=part.fwd_s - fwd, bwd_s=part.bwd_s - bwd)
 
 
 def model_dtype(precision: str) -> torch.dtype:

@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from cost_model.cluster import get_cluster
 from smp_fx.planner.candidate import Candidate
@@ -110,3 +111,44 @@ def test_megatron_holds_logits_on_the_last_stage_split_and_sends_no_outputs(
     act = max(a for a, _ in ranks.hops)
     assert mega[0].buffers == 4 * act + ranks.buffers[0]
     assert mega[0].activations == round(ranks.kept[0] * 2 / 2)  # no gathered k and v
+
+
+class _Norm(torch.nn.Module):
+    """An RMSNorm op by op (as Hugging Face writes it) between two linears."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(H))
+        self.inp = torch.nn.Linear(H, H, bias=False)
+        self.fc = torch.nn.Linear(H, H, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return self.fc(self.w * y.to(x.dtype))
+
+
+def test_an_elementwise_group_fused_moves_its_input_and_output_once() -> None:
+    from cost_model.device import DeviceSpec
+    from passes import meta
+    from passes.annotate_costs import annotate_costs
+    from passes.shape_prop import shape_prop
+    from passes.trace import trace
+    from smp_fx.planner.fused import elementwise_saving
+
+    spec = DeviceSpec("ideal", 1e15, 1e15, 1e12, 2**30, 1e11, 0.0)
+    x = torch.randn(S, H, dtype=torch.bfloat16, requires_grad=True)
+    model = _Norm().bfloat16()
+    gm = annotate_costs(shape_prop(trace(model, (x,)), (x,)), spec)
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    group = [n for n in nodes if n.op in ("call_function", "call_method")
+             and meta.COST.get(n).op != "linear"]
+    assert len(group) >= 6
+    op_by_op = [sum(meta.COST.get(n).fwd_time_s for n in group),
+                sum(meta.COST.get(n).bwd_time_s for n in group)]
+    saved = elementwise_saving(nodes, spec)
+    once = 2 * x.numel() * 2 / spec.mem_bandwidth  # read the input, write the bf16 output
+    assert op_by_op[0] - saved[0] == pytest.approx(once)
+    assert op_by_op[1] - saved[1] == pytest.approx(2 * once)
+    assert op_by_op[0] > 3 * once  # float32 copies, a square, a mean, two products

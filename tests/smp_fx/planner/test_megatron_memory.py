@@ -152,3 +152,29 @@ def test_an_elementwise_group_fused_moves_its_input_and_output_once() -> None:
     assert op_by_op[0] - saved[0] == pytest.approx(once)
     assert op_by_op[1] - saved[1] == pytest.approx(2 * once)
     assert op_by_op[0] > 3 * once  # float32 copies, a square, a mean, two products
+
+
+def test_gpt_oss_built_eager_and_its_attention_kept_as_flash_under_megatron(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """transformers has no sdpa for GPT-OSS (its sinks): built eager, logged; under
+    Megatron-Core a layer's bytes grow with the sequence, not its square (no scores)."""
+    pytest.importorskip("transformers")
+    from smp_fx.planner.hf_config import prepare_config
+
+    doc = json.loads((ROOT / "examples" / "configs" / "gpt-oss-120b.json").read_text())
+    doc.update(hidden_size=32, intermediate_size=32, head_dim=8, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+               num_hidden_layers=4, layer_types=["full_attention"] * 4, vocab_size=128,
+               sliding_window=8, pad_token_id=0, eos_token_id=1)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(doc))
+    kept = {}
+    with caplog.at_level("WARNING", logger="smp_fx.planner.hf_config"):
+        for seq in (32, 64):
+            prep = prepare_config(path, seq)
+            for rt in ("megatron-core", "smp-fx"):
+                layer = Profiler(prep, CLUSTER, runtime=rt)(1, 1, False).parts[KEPT]
+                kept[rt, seq] = layer.kept("none")[0]
+    assert "built with eager attention" in caplog.text
+    assert kept["megatron-core", 64] == pytest.approx(2 * kept["megatron-core", 32], rel=0.01)
+    assert kept["smp-fx", 64] > 2.2 * kept["smp-fx", 32]  # eager keeps s x s scores

@@ -36,6 +36,8 @@ DENSE_PREFIX = "first_k_dense_replace"
 ATTENTION = "sdpa"
 """The attention kernel the model is built with: what training runs (fused, no s x s
 scores kept for backward), not the eager reference."""
+EAGER = "eager"
+"""The fallback where transformers has no sdpa attention for a model (GPT-OSS's sinks)."""
 
 
 class CausalLMLogits(nn.Module):
@@ -116,12 +118,21 @@ def shallow(config: Any) -> Any | None:
 
 
 def causal_lm(config: Any, precision: str, where: str) -> nn.Module:
-    """The config's causal LM on the meta device, in the plan's precision."""
+    """The config's causal LM on the meta device, in the plan's precision; with eager
+    attention where transformers has no sdpa for it (logged: its scores are then kept and
+    priced as matmuls, but as a fused kernel under ``Setting(runtime="megatron-core")``)."""
     from transformers import AutoModelForCausalLM
 
     try:
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION)
+            try:
+                model = AutoModelForCausalLM.from_config(config, attn_implementation=ATTENTION)
+            except ValueError as exc:
+                if "scaled_dot_product_attention" not in str(exc):
+                    raise
+                log.warning("%s: transformers has no %s attention for %s; built with eager "
+                            "attention", where, ATTENTION, type(config).__name__)
+                model = AutoModelForCausalLM.from_config(config, attn_implementation=EAGER)
     except ValueError as exc:
         raise SMPConfigError.build("the config has a causal language model in transformers",
                                    str(exc).splitlines()[0], where,
@@ -172,5 +183,5 @@ def prepare_config(path: str | Path, seq_len: int, precision: str = "bf16",
     return prepare(causal_lm(config, precision, where), inputs, name, frontend)
 
 
-__all__ = ["ATTENTION", "DENSE_PREFIX", "CausalLMLogits", "causal_lm", "config_file",
+__all__ = ["ATTENTION", "DENSE_PREFIX", "EAGER", "CausalLMLogits", "causal_lm", "config_file",
            "deepen", "load_config", "prepare_config", "shallow"]

@@ -22,6 +22,7 @@ from cost_model.cluster import ClusterSpec
 from cost_model.collectives import bus_bandwidth
 from passes.trace import Frontend, trace
 from smp_fx.planner.layers import Repeats, find_repeats, keep_layers, tidy
+from smp_fx.planner.overlap import MEGATRON_CORE, SMP_FX
 from smp_fx.planner.profile import Profile, costed, profile
 
 Inputs = Callable[[int], tuple[Any, ...]]
@@ -91,10 +92,12 @@ class Profiler:
     """``Profile``s of a prepared model on a cluster, each priced once (module docstring)."""
 
     def __init__(self, prepared: Prepared, cluster: ClusterSpec,
-                 marked: tuple[str, ...] = ("",)) -> None:
+                 marked: tuple[str, ...] = ("",), runtime: str = SMP_FX) -> None:
         self.prepared = prepared
         self.cluster = cluster
         self.marked = marked
+        self.runtime = runtime
+        """Whose runtime runs the plans (``Setting.runtime``): what activations it keeps."""
         self._cache: dict[tuple[int, int, bool], Profile] = {}
         self._costed: dict[int, torch.fx.GraphModule] = {}
 
@@ -118,7 +121,7 @@ class Profiler:
             p = self.prepared
             self._cache[key] = profile(p.graph, p.repeats, p.inputs, mbs, tp, sp,
                                        self.cluster.device, self.tp_comm(tp), self.marked,
-                                       self.costed(mbs))
+                                       self.runtime == MEGATRON_CORE, self.costed(mbs))
         return self._cache[key]
 
     def costed(self, mbs: int) -> torch.fx.GraphModule:

@@ -54,14 +54,28 @@ def megatron_precision(precision: str) -> str:
 
 
 def megatron_memory(dp: int, zero: str, elems: int, precision: str,
-                    mem: MemoryPerGPU) -> MemoryPerGPU:
-    """``mem`` without DDP's bucket copy of the gradients: Megatron-Core's buckets are views
-    of its contiguous main-gradient buffer, already counted as the gradients."""
+                    mem: MemoryPerGPU, cp: int = 1, outputs: int | None = None
+                    ) -> MemoryPerGPU:
+    """``mem`` without DDP's bucket copy of the gradients (buckets are views of the main
+    gradients), its distributed optimizer (``zero1``) sharding masters and moments over
+    dp x cp (``get_megatron_optimizer`` hands it ``intra_dp_cp_group``: Megatron-LM
+    d98e8a6, megatron/core/optimizer/__init__.py), holding ``outputs`` bytes of logits."""
+    if outputs is not None:
+        mem = dataclasses.replace(mem, outputs=outputs)
+    if zero == "zero1" and cp > 1:
+        mem = dataclasses.replace(mem, optimizer=-(-mem.optimizer // cp))
     if dp <= 1 or zero == "fsdp":
         return mem
     copy = elems * state_bytes(megatron_precision(precision)).grad
     return dataclasses.replace(mem, buffers=max(0, mem.buffers - copy))
 
 
+def megatron_logits(output_bytes: int, tp: int, cp: int, last: bool) -> int:
+    """The logits Megatron-Core holds on a rank: on the last stage only (the loss is
+    computed there), split over the vocabulary (tp) and the sequence (cp), with the
+    cross entropy's copy of them."""
+    return 2 * output_bytes // (tp * cp) if last else 0
+
+
 __all__ = ["MEGATRON_CORE", "RUNTIMES", "SMP_FX", "hide_tp", "megatron_bucket_elems",
-           "megatron_memory", "megatron_precision", "overlapped"]
+           "megatron_logits", "megatron_memory", "megatron_precision", "overlapped"]

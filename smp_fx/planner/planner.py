@@ -53,7 +53,7 @@ def plan(prepared: Prepared, setting: Setting, *, fixed: Mapping[str, Any] | Non
     """Search and rank (``smp_fx.planner.search``); raise when nothing fits (module doc)."""
     fixed = dict(fixed or {})
     check_fixed(fixed, setting.gpus, setting.global_batch, prepared.info.layers)
-    prof = profiler or Profiler(prepared, setting.cluster)
+    prof = profiler or Profiler(prepared, setting.cluster, runtime=setting.runtime)
     result = search(prof, setting, fixed=fixed, allowed=allowed, top_k=top_k,
                     max_mbs=max_mbs, progress=progress)
     if not result.ranked:

@@ -25,6 +25,7 @@ is a part of its own and only ``none`` applies.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +42,7 @@ from passes.shape_prop import shape_prop
 from passes.tensor_parallel import TensorParallelism, tensor_parallel
 from passes.tensor_parallel.costs import COLLECTIVES
 from smp_fx.planner.exchange import dispatch_bytes, expert_ids, kv_bytes
+from smp_fx.planner.fused import elementwise_saving, fused_saved
 from smp_fx.planner.layers import KEPT, Repeats, layer_of
 
 RECOMPUTE = ("none", "selective", "full")
@@ -178,7 +180,8 @@ def _param_table(gm: torch.fx.GraphModule) -> dict[str, tuple[int, int, bool]]:
 
 def _part_cost(nodes: list[torch.fx.Node], later: set[torch.fx.Node], layer: bool,
                table: dict[str, tuple[int, int, bool]], readers: dict[int, int],
-               names: dict[int, str], experts: dict[int, int]) -> PartCost:
+               names: dict[int, str], experts: dict[int, int],
+               fused: frozenset[str] | None = None) -> PartCost:
     costs = [meta.COST.get(n) for n in nodes if meta.COST.get(n) is not None]
     tp_f = tp_b = wgrad = 0.0
     for n in nodes:
@@ -200,6 +203,10 @@ def _part_cost(nodes: list[torch.fx.Node], later: set[torch.fx.Node], layer: boo
             saved_sel, transient_sel = _with_regions(nodes, cores)
             sel_s = sum(meta.COST.get(n).fwd_time_s for c in cores for n in c)
             sel_flops = sum(meta.COST.get(n).fwd_flops for c in cores for n in c)
+    if fused is not None:  # Megatron-Core's kernels; its flash attention keeps no scores
+        saved = fused_saved(nodes, fused if layer else ())
+        if layer:
+            transient_full, saved_sel = saved, saved
     own_elems = own_tensors = buffers = small = expert_elems = pick = 0
     shared: dict[str, int] = {}
     seen: set[int] = set()
@@ -241,10 +248,11 @@ def _nbytes(node: torch.fx.Node) -> int:
     return sum(int(getattr(x, "nbytes", 0) or 0) for x in infos)
 
 
-def price_parts(gm: torch.fx.GraphModule, repeats: Repeats | None
+def price_parts(gm: torch.fx.GraphModule, repeats: Repeats | None, fused: bool = False
                 ) -> tuple[list[PartCost], int, int]:
     """Sum a costed (and maybe tensor-parallel) graph's nodes into its parts; also the
-    bytes of head values the repeated layer reads and of the model's outputs."""
+    bytes of head values the repeated layer reads and of the model's outputs; ``fused``:
+    activations as Megatron-Core keeps them (``smp_fx.planner.fused``)."""
     parts = split_parts(gm, repeats)
     table = _param_table(gm)
     experts = expert_ids(gm)
@@ -259,11 +267,13 @@ def price_parts(gm: torch.fx.GraphModule, repeats: Repeats | None
     # the two kept layers read their own tensors: a tie is a tensor of several parts that
     # are not both layers
     counts = {tid: len(ps) for tid, ps in readers.items()}
+    head = frozenset(n.name for n in parts[0]) if fused and repeats is not None else \
+        frozenset() if fused else None
     out = []
     for i, nodes in enumerate(parts):
         later = {n for n, j in part_of.items() if j > i}
         layer = repeats is not None and 1 <= i <= KEPT
-        out.append(_part_cost(nodes, later, layer, table, counts, names, experts))
+        out.append(_part_cost(nodes, later, layer, table, counts, names, experts, head))
     relay = 0
     if repeats is not None:
         repeated = set(parts[KEPT])
@@ -283,14 +293,15 @@ def costed(reduced: torch.fx.GraphModule, inputs: Callable[[int], tuple[Any, ...
 def profile(reduced: torch.fx.GraphModule, repeats: Repeats | None,
             inputs: Callable[[int], tuple[Any, ...]], mbs: int, tp: int, sp: bool,
             spec: DeviceSpec, tp_comm: Callable[[float], float] | None,
-            marked: tuple[str, ...] = ("",),
+            marked: tuple[str, ...] = ("",), fused: bool = False,
             graph: torch.fx.GraphModule | None = None) -> Profile:
     """Price ``reduced`` (``smp_fx.planner.layers.keep_layers``, or the whole graph when
     ``repeats`` is None) for one microbatch of ``mbs`` samples (``inputs(mbs)``) at tensor
     parallel degree ``tp`` (Megatron semantics: the tp ranks share the batch; ``marked``
     module paths are sharded, the whole model by default) with ``sp`` sequence
-    parallelism; ``tp_comm(bytes)`` is one message on the tensor-parallel link;
-    ``graph``: ``costed(reduced, inputs, mbs, spec)`` when the caller has it."""
+    parallelism; ``tp_comm(bytes)`` is one message on the tensor-parallel link; ``fused``:
+    as Megatron-Core runs it (``price_parts``); ``graph``: ``costed(reduced, inputs, mbs,
+    spec)`` when the caller has it."""
     gm = graph if graph is not None else costed(reduced, inputs, mbs, spec)
     replicated: tuple[tuple[str, str], ...] = ()
     if tp > 1:
@@ -298,11 +309,20 @@ def profile(reduced: torch.fx.GraphModule, repeats: Repeats | None,
             meta.STAGE.set(n, 0)
         gm, plan = tensor_parallel(gm, TensorParallelism(tp, 0, True, marked, sp), tp_comm)
         replicated = tuple(plan.replicated)
-    parts, relay, output = price_parts(gm, repeats)
+    parts, relay, output = price_parts(gm, repeats, fused)
+    if fused:
+        parts = [_fused_times(part, nodes, spec)
+                 for part, nodes in zip(parts, split_parts(gm, repeats), strict=True)]
     if repeats is None:
         return Profile(mbs, tp, sp, tuple(parts), (0, 1), 0, 0, output, replicated)
     return Profile(mbs, tp, sp, tuple(parts), (KEPT, repeats.count - KEPT + 1),
                    repeats.count, relay, output, replicated)
+
+
+def _fused_times(part: PartCost, nodes: list[torch.fx.Node], spec: DeviceSpec) -> PartCost:
+    """``part`` with its element-wise ops run as Megatron-Core's fused kernels."""
+    fwd, bwd = elementwise_saving(nodes, spec)
+    return dataclasses.replace(part, fwd_s=part.fwd_s - fwd, bwd_s=part.bwd_s - bwd)
 
 
 def model_dtype(precision: str) -> torch.dtype:

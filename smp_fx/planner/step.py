@@ -63,13 +63,14 @@ from smp_fx.planner.overlap import (
     MEGATRON_CORE,
     hide_tp,
     megatron_bucket_elems,
+    megatron_logits,
     megatron_memory,
     megatron_precision,
     overlapped,
 )
 from smp_fx.planner.placement import span
 from smp_fx.planner.profile import Profile
-from smp_fx.planner.stages import Ranks
+from smp_fx.planner.stages import Ranks, chunk_ranks
 
 DDP_BUCKET_BYTES = 25 * 1024 * 1024
 """torch DDP's default ``bucket_cap_mb``: the last bucket's reduction is never hidden."""
@@ -343,6 +344,8 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
             tied_s = max(tied_s, tied.seconds)
     pipeline_s += fsdp_extra
     shard = c.dp if c.zero != "none" and c.dp > 1 else 1
+    if setting.runtime == MEGATRON_CORE and c.zero == "zero1":
+        shard *= c.cp  # its distributed optimizer shards over dp x cp (overlap.py)
     opt = (np.maximum(1.0, np.floor(lk.tensors / shard)) * spec.optimizer_tensor_s
            + lk.elems * 4 / shard * spec.optimizer_byte_s)
     drain = np.concatenate([[0.0], np.cumsum(lk.bwd / v + lk.hop_s)[:-1]])
@@ -408,9 +411,13 @@ def _megatron_dp(c: Candidate, ranks: Ranks, lk: Links,
 
 def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: int,
             r: int, boundary: int) -> MemoryPerGPU:
-    if setting.runtime == MEGATRON_CORE:
-        return megatron_memory(c.dp, c.zero, ranks.elems[r], setting.precision, _smp_memory(
-            c, ranks, profile, setting, m, r, boundary, megatron_precision(setting.precision)))
+    if setting.runtime == MEGATRON_CORE:  # the loss stays on the last stage: messages
+        sends = max((act for act, _ in ranks.hops), default=0)  # carry no outputs
+        last = chunk_ranks(c.pp, c.vp, c.schedule)[-1] == r
+        mem = _smp_memory(c, ranks, profile, setting, m, r, sends,
+                          megatron_precision(setting.precision))
+        return megatron_memory(c.dp, c.zero, ranks.elems[r], setting.precision, mem, c.cp,
+                               megatron_logits(profile.output_bytes, c.tp, c.cp, last))
     return _smp_memory(c, ranks, profile, setting, m, r, boundary, setting.precision)
 
 
@@ -427,7 +434,8 @@ def _smp_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, 
         tensors=ranks.tensors[r], whole=ranks.small[r] if ranks.small else 0,
         step_temporary=setting.step_temporary,
         experts=ranks.experts[r] if ranks.experts else 0, ep=c.ep, cp=c.cp,
-        gathered=ranks.kv[r] if ranks.kv and c.recompute != "full" else 0,
+        gathered=ranks.kv[r] if ranks.kv and c.recompute != "full"
+        and setting.runtime != MEGATRON_CORE else 0,  # its ring attention re-sends them
         local_outputs=setting.cp_local_outputs)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -64,8 +65,16 @@ def test_a_row_prices_at_its_published_configuration(row: str) -> None:
         assert pv.price(mine, prep)[0] < pv.price(theirs, prep)[0]
 
 
-def test_a_refused_row_is_printed_and_counted(capsys: pytest.CaptureFixture[str]) -> None:
-    assert pv.main(["--rows", "megatron-bridge-25.11-b200-gpt-oss-120b"]) == 0
+def test_a_refused_row_is_printed_and_counted(capsys: pytest.CaptureFixture[str],
+                                              tmp_path: Path) -> None:
+    lines = pv.DATA.read_text().splitlines()
+    row = next(x for x in lines if x.startswith("nemo-24.11-h100-175b-128,"))
+    fields = row.split(",")  # GPT-3 175B on two nodes: its state alone outgrows 16 GPUs
+    fields[0], fields[10:19] = "gpt3-on-16", ["16", "8", "1", "", "", "2", "8", "1", ""]
+    data = tmp_path / "runs.csv"
+    data.write_text("\n".join([*(x for x in lines if x.startswith("#") or x.startswith("id,")),
+                               ",".join(fields)]) + "\n")
+    assert pv.main(["--csv", str(data)]) == 0
     out = capsys.readouterr().out
-    assert "megatron-bridge-25.11-b200-gpt-oss-120b refused: " in out
-    assert "B200: 0 runs priced, 1 refused; none priced" in out
+    assert re.search(r"gpt3-on-16 +refused: no plan fits in GPU memory", out), out
+    assert "H100: 0 runs priced, 1 refused; none priced" in out

@@ -37,3 +37,11 @@ def test_megatron_memory_keeps_fp32_main_grads_and_no_bucket_copy() -> None:
     assert megatron_memory(8, "zero1", 10, "bf16", mem).buffers == 7
     assert megatron_memory(1, "none", 10, "bf16", mem) == mem
     assert megatron_memory(8, "fsdp", 10, "bf16", mem) == mem
+
+
+def test_megatron_distributed_optimizer_shards_over_dp_and_cp() -> None:
+    mem = MemoryPerGPU(2, 4, 13, 0, 0, buffers=0, outputs=0)
+    assert megatron_memory(4, "zero1", 10, "bf16", mem, cp=2).optimizer == 7
+    assert megatron_memory(4, "zero1", 10, "bf16", mem, cp=1).optimizer == 13
+    assert megatron_memory(4, "none", 10, "bf16", mem, cp=2).optimizer == 13
+    assert megatron_memory(4, "fsdp", 10, "bf16", mem, cp=2) == mem

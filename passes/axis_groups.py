@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -25,6 +26,25 @@ class AxisGroup:
 
     def active(self) -> bool:
         return self.size > 1 and dist.is_available() and dist.is_initialized()
+
+    def all_reduce(self, x: torch.Tensor, op: Any = None) -> torch.Tensor:
+        """``x`` reduced over the group (a sum, or ``op``), as a new tensor."""
+        out = x.contiguous().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM if op is None else op, group=self.group)
+        return out
+
+
+class Summed(torch.autograd.Function):
+    """``x`` summed over an axis's group; the gradient passes through (each rank's backward
+    covers its own part of the same sum): ``Summed.apply(x, axis_group(...))``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, axis: AxisGroup) -> torch.Tensor:
+        return axis.all_reduce(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
 
 
 _AXES: dict[str, AxisGroup] = {}

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from cost_model.errors import SMPRuntimeError
-from passes.axis_groups import axis_group
+from passes.axis_groups import Summed, axis_group
 
 _BOUND = axis_group("cp")
 
@@ -75,12 +75,6 @@ def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
     return whole.index_select(dim, _order(x.shape[dim], x.device))
 
 
-def _all_reduce(x: torch.Tensor) -> torch.Tensor:
-    out = x.contiguous().clone()
-    dist.all_reduce(out, group=_BOUND.group)
-    return out
-
-
 class _Split(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -92,17 +86,7 @@ class _Split(torch.autograd.Function):
         shape = list(grad.shape)
         shape[ctx.dim] = ctx.length
         whole = grad.new_zeros(shape).index_copy(ctx.dim, _mine(ctx.length, grad.device), grad)
-        return _all_reduce(whole), None
-
-
-class _Sum(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad
+        return _BOUND.all_reduce(whole), None
 
 
 class _Gather(torch.autograd.Function):
@@ -113,7 +97,7 @@ class _Gather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        full = _all_reduce(grad) if ctx.summed else grad
+        full = _BOUND.all_reduce(grad) if ctx.summed else grad
         return full.index_select(ctx.dim, _mine(grad.shape[ctx.dim], grad.device)), None, None
 
 
@@ -165,7 +149,7 @@ def cp_sum(x: torch.Tensor) -> torch.Tensor:
     """``x`` summed over the cp group; the gradient of each rank's ``x`` is the sum's."""
     if not active():
         return x
-    out: torch.Tensor = _Sum.apply(x)
+    out: torch.Tensor = Summed.apply(x, _BOUND)
     return out
 
 

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
-from passes.axis_groups import axis_group
+from passes.axis_groups import Summed, axis_group
 
 _BOUND = axis_group("tp")
 
@@ -53,19 +53,13 @@ def active() -> bool:
     return _BOUND.active()
 
 
-def _all_reduce(x: torch.Tensor, op: Any = None) -> torch.Tensor:
-    out = x.contiguous().clone()
-    dist.all_reduce(out, op=dist.ReduceOp.SUM if op is None else op, group=_BOUND.group)
-    return out
-
-
 def group_all_reduce(x: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """``x`` reduced (``"sum"`` or ``"max"``) over the bound tp group, no autograd; ``x``
     itself without a group (for ops that build their own backward: the vocab-parallel
     cross entropy)."""
     if not active():
         return x
-    return _all_reduce(x, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+    return _BOUND.all_reduce(x, dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
 
 
 def _all_gather(x: torch.Tensor, dim: int, block: int = 0) -> torch.Tensor:
@@ -95,17 +89,7 @@ class _Copy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(g)
-
-
-class _Reduce(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return _all_reduce(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
-        return g
+        return _BOUND.all_reduce(g)
 
 
 class _GatherLast(torch.autograd.Function):
@@ -146,7 +130,7 @@ def tp_copy(x: torch.Tensor) -> torch.Tensor:
 
 
 def tp_reduce(x: torch.Tensor) -> torch.Tensor:
-    return _Reduce.apply(x) if active() else x
+    return Summed.apply(x, _BOUND) if active() else x
 
 
 def tp_gather_last(x: torch.Tensor, full: int | None = None) -> torch.Tensor:
@@ -183,7 +167,7 @@ def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
             return out.movedim(0, dim).contiguous()
         except (RuntimeError, NotImplementedError, AttributeError):
             _NATIVE_REDUCE_SCATTER[backend] = False
-    return _local(_all_reduce(x), dim)
+    return _local(_BOUND.all_reduce(x), dim)
 
 
 def _along_dim(name: str, forward: Callable[[torch.Tensor, int], torch.Tensor],
@@ -223,7 +207,7 @@ class _Sum(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
         ctx.scale = scale
-        out = _all_reduce(x)
+        out = _BOUND.all_reduce(x)
         return out * scale if scale != 1.0 else out
 
     @staticmethod
@@ -286,7 +270,7 @@ def tp_vocab_embedding(ids: torch.Tensor, weight: torch.Tensor, start: int | Non
         else padding_idx - first
     out = F.embedding(local.masked_fill(outside, 0), weight, pad).masked_fill(
         outside.unsqueeze(-1), 0.0)
-    return _Reduce.apply(out) if active() else out
+    return Summed.apply(out, _BOUND) if active() else out
 
 
 def average_grads(params: list[torch.nn.Parameter]) -> None:

@@ -12,12 +12,21 @@ compiled model steps once at each of 5 other sequence lengths: the recompiles th
 (summed over the stages of both ranks; dynamo makes the dimension dynamic at the first new
 length) and how many stages run eagerly (ZB-V: the chunks that receive gradients).
 
+Beside it, the compiled model against torch.distributed.pipelining's counterpart schedule
+(``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``) built from the
+same chunk GraphModules, placed alike and compiled the same way (``torch.compile``, the
+same backend, ``fullgraph``): one training step each (no optimizer step), the two
+alternating, the fastest of ``--retries``. torch refuses its zero-bubble schedules with
+compiled stages, and passes each chunk's outputs to the next chunk only: such rows print
+torch's reason instead of a figure.
+
     python benchmarks/compile_stages.py [--backend inductor] [--steps 7] [--models gpt,llama]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -30,8 +39,9 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SCHEDULES = (("1F1B", "interleaved", 1), ("interleaved v=2", "interleaved", 2),
-             ("ZB-V", "zbv", 2))
+SCHEDULES = (("1F1B", "interleaved", 1, "Schedule1F1B"),
+             ("interleaved v=2", "interleaved", 2, "ScheduleInterleaved1F1B"),
+             ("ZB-V", "zbv", 2, "ScheduleZBVZeroBubble"))
 LENGTHS = (48, 40, 56, 24, 32)  # after --seq (64): 5 new sequence lengths
 
 
@@ -72,10 +82,13 @@ class _Run:
         self.train_step = train_step
         self.args = args
 
-    def step(self, length: int) -> float:
+    def batch(self, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         g = torch.Generator().manual_seed(length)
         x = torch.randint(0, self.vocab, (self.args.batch, length), generator=g)
-        y = torch.randint(0, self.vocab, (self.args.batch, length), generator=g)
+        return x, torch.randint(0, self.vocab, (self.args.batch, length), generator=g)
+
+    def step(self, length: int) -> float:
+        x, y = self.batch(length)
         dist.barrier()
         start = time.perf_counter()
         self.train_step(self.model, x, y)
@@ -93,8 +106,55 @@ class _Run:
         return int(got[0]), int(got[1])
 
 
-def _row(name: str, label: str, pipeline: str, v: int, args: argparse.Namespace
-         ) -> dict[str, Any]:
+def _unlike_torch(program: Any) -> str | None:
+    """Why torch's ``PipelineStage`` cannot run ``program``'s chunks, or None: it feeds each
+    chunk the previous chunk's tensor outputs (the first chunk the batch) and nothing else."""
+    from passes.meta import TENSOR
+
+    for st in program.stages:
+        peers = [peer for peer, _ in st.recvs]
+        if peers not in ([], [st.index - 1]) or (st.index and st.program_inputs):
+            return (f"not comparable: chunk {st.index} receives from chunks {peers}; torch "
+                    "passes each chunk's outputs to the next one only")
+        out = next(n for n in st.module.graph.nodes if n.op == "output")
+        if st.index < program.num_stages - 1 and any(
+                TENSOR.get(a) is None for a in out.all_input_nodes):
+            return (f"not comparable: chunk {st.index} sends values that are not tensors "
+                    "(sizes); torch's stages send tensors only")
+    return None
+
+
+def _beside_torch(compiled: _Run, torch_name: str, args: argparse.Namespace
+                  ) -> tuple[float, float] | str:
+    """(smp-fx's, torch's) fastest step with both compiled alike, or why torch cannot run."""
+    from benchmarks.schedules_vs_torch import _alternating, _torch_schedule, _torch_step
+
+    program, rank_of = compiled.model.program, tuple(compiled.model.plan.rank_of)
+    ex = compiled.ex
+
+    def loss(out: Any, y: torch.Tensor) -> torch.Tensor:
+        return ex.loss_fn(program.build_outputs(out if isinstance(out, tuple) else (out,)), y)
+
+    def wrap(module: torch.nn.Module) -> torch.nn.Module:
+        return torch.compile(module, backend=args.backend, fullgraph=True)  # type: ignore[return-value]
+
+    try:
+        sched = _torch_schedule(torch_name, program, rank_of, args.microbatches, loss, wrap)
+    except RuntimeError as exc:  # torch's own refusal (zero bubble with compiled stages)
+        return f"refused by torch: {exc}"
+    reason = _unlike_torch(program)
+    if reason is not None:
+        return reason
+    x, y = compiled.batch(args.seq)
+    smp_best, torch_best = _alternating(
+        functools.partial(compiled.train_step, compiled.model, x, y),
+        _torch_step(sched, rank_of, x, y), 2, args.retries, None)
+    compiled.opt.zero_grad()
+    return smp_best[0], torch_best[0]
+
+
+def _row(name: str, label: str, pipeline: str, v: int, torch_name: str,
+         args: argparse.Namespace) -> dict[str, Any]:
     eager = _Run(name, pipeline, v, "none", args)
     eager.step(args.seq)
     e = statistics.median(eager.step(args.seq) for _ in range(args.steps))
@@ -105,16 +165,19 @@ def _row(name: str, label: str, pipeline: str, v: int, args: argparse.Namespace
     for n in LENGTHS:
         compiled.step(n)
     after, eager_stages = compiled.counts()
+    beside = _beside_torch(compiled, torch_name, args) if args.retries else "not run"
     return {"model": name, "schedule": label, "eager_ms": e * 1e3, "compiled_ms": c * 1e3,
             "ratio": c / e, "compile_s": first - c, "recompiles": after - before,
-            "eager_stages": eager_stages}
+            "eager_stages": eager_stages, "torch": torch_name, "beside": beside}
 
 
 def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every configuration's row, on this rank (one of ``run_ranks``'s two)."""
     dist.init_process_group("gloo")
-    return [_row(name, label, pipeline, v, args) for name in args.models.split(",")
-            for label, pipeline, v in SCHEDULES if label in args.schedules.split(",")]
+    return [_row(name, label, pipeline, v, torch_name, args)
+            for name in args.models.split(",")
+            for label, pipeline, v, torch_name in SCHEDULES
+            if label in args.schedules.split(",")]
 
 
 def main() -> None:
@@ -122,12 +185,14 @@ def main() -> None:
     ap.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager"))
     ap.add_argument("--steps", type=int, default=7)
     ap.add_argument("--models", default="gpt,hf_llama")
-    ap.add_argument("--schedules", default=",".join(label for label, _, _ in SCHEDULES))
+    ap.add_argument("--schedules", default=",".join(label for label, *_ in SCHEDULES))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--retries", type=int, default=7,
+                    help="alternated steps beside torch's schedule (0: skip that comparison)")
     args = ap.parse_args()
     from tests.helpers.dist import run_ranks
 
@@ -141,6 +206,18 @@ def main() -> None:
         print(f"{r['model']:<9} {r['schedule']:<16} {r['eager_ms']:>9.1f} "
               f"{r['compiled_ms']:>12.1f} {r['ratio']:>6.2f} {r['compile_s']:>10.1f} "
               f"{r['recompiles']:>21d} {r['eager_stages']:>13d}")
+    print(f"\nsmp-fx compiled beside torch.distributed.pipelining with the same chunks compiled "
+          f"(torch.compile, backend {args.backend}, fullgraph); one training step without the "
+          f"optimizer, fastest of {args.retries} alternated")
+    print(f"{'model':<9} {'schedule':<16} {'torch':<24} {'smp-fx ms':>10} {'torch ms':>9} "
+          f"{'ratio':>6}")
+    for r in rows:
+        head = f"{r['model']:<9} {r['schedule']:<16} {r['torch']:<24}"
+        if isinstance(r["beside"], str):
+            print(f"{head} {r['beside']}")
+        else:
+            smp_s, torch_s = r["beside"]
+            print(f"{head} {smp_s * 1e3:>10.1f} {torch_s * 1e3:>9.1f} {smp_s / torch_s:>6.3f}")
 
 
 if __name__ == "__main__":

@@ -25,11 +25,12 @@ each chunk's actions priced by their median measured duration: the two differ on
 the executor adds between actions. Each figure is the fastest of
 ``--retries`` steps after a warm-up step, smp-fx's and torch's alternating.
 
-Then, without a target, the real-compute MLP of ``benchmarks/pipeline_vs_torch.py`` (no
-sleeps) at p = 2 under each schedule.
+Then the real-compute MLP of ``benchmarks/pipeline_vs_torch.py`` (no sleeps) at the same
+world size under each schedule (target: smp-fx's step <= torch's on each).
 
     python benchmarks/schedules_vs_torch.py                 # both world sizes, all schedules
     python benchmarks/schedules_vs_torch.py --ranks 4 --retries 2
+    python benchmarks/schedules_vs_torch.py --ranks 2 --schedules none   # the MLP only
 """
 
 from __future__ import annotations
@@ -207,15 +208,20 @@ def _smp_model(m: int, pipeline: str, v: int, model: nn.Module, active: int | No
     return dm, train_step
 
 
-def _torch_schedule(name: str, program: Any, rank_of: tuple[int, ...], m: int) -> Any:
+def _torch_schedule(name: str, program: Any, rank_of: tuple[int, ...], m: int,
+                    loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None,
+                    wrap: Callable[[nn.Module], nn.Module] | None = None) -> Any:
+    """torch's ``name`` schedule over smp-fx's own chunk modules, placed as ``rank_of``
+    places them (each module passed through ``wrap`` first, e.g. ``torch.compile``)."""
     from torch.distributed.pipelining import PipelineStage, schedules
 
     rank = dist.get_rank()
     mine = [c for c, r in enumerate(rank_of) if r == rank]
-    stages = [PipelineStage(program.stages[c].module, c, len(rank_of), torch.device("cpu"))
-              for c in mine]
+    modules = [program.stages[c].module for c in mine]
+    stages = [PipelineStage(wrap(mod) if wrap else mod, c, len(rank_of), torch.device("cpu"))
+              for c, mod in zip(mine, modules)]
     cls = getattr(schedules, name)
-    return cls(stages[0] if name in SINGLE else stages, m, loss_fn=_loss)
+    return cls(stages[0] if name in SINGLE else stages, m, loss_fn=loss or _loss)
 
 
 def _loss(out: Any, target: torch.Tensor) -> torch.Tensor:
@@ -310,7 +316,7 @@ def _sleep_rows(args: argparse.Namespace) -> list[Row]:
 
 
 def _mlp_rows(args: argparse.Namespace) -> list[tuple[str, int, str, float, float]]:
-    """The real-compute MLP of pipeline_vs_torch.py at p = 2 under each schedule."""
+    """The real-compute MLP of pipeline_vs_torch.py at this world size under each schedule."""
     from benchmarks.pipeline_vs_torch import build_model
 
     rows = []
@@ -325,8 +331,8 @@ def _mlp_rows(args: argparse.Namespace) -> list[tuple[str, int, str, float, floa
         program, rank_of = dm.program, tuple(dm.plan.rank_of)
         sched = _torch_schedule(torch_name, program, rank_of, MLP_MICROBATCHES)
         (smp_s, _, _), (torch_s, _, _) = _alternating(
-            functools.partial(train_step, dm, x, y), _torch_step(sched, rank_of, x, y), 2,
-            args.retries * 3, None)
+            functools.partial(train_step, dm, x, y), _torch_step(sched, rank_of, x, y),
+            dist.get_world_size(), args.retries * 3, None)
         rows.append((pipeline, v, torch_name, smp_s, torch_s))
     return rows
 
@@ -338,7 +344,7 @@ def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     result: dict[str, Any] = {"sleep": _sleep_rows(args)}
-    if world == 2 and not args.no_mlp:
+    if not args.no_mlp:
         result["mlp"] = _mlp_rows(args)
     if rank == 0:
         out.put(result)
@@ -385,7 +391,7 @@ def _print(world: int, args: argparse.Namespace, result: dict[str, Any]) -> None
               f"{zbv.torch_s / one.torch_s:.3f} (torch)")
     if "mlp" in result:
         print(f"\nreal-compute MLP (pipeline_vs_torch.py: width 512, depth 8, batch "
-              f"{args.mlp_batch}, {MLP_MICROBATCHES} microbatches), p = 2, min of "
+              f"{args.mlp_batch}, {MLP_MICROBATCHES} microbatches), p = {world}, min of "
               f"{args.retries * 3}")
         for pipeline, v, torch_name, smp_s, torch_s in result["mlp"]:
             print(f"{pipeline + f' v={v}':<17} {torch_name:<30} {smp_s * 1e3:>8.2f} ms "

@@ -16,9 +16,9 @@ Beside it, the compiled model against torch.distributed.pipelining's counterpart
 (``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``) built from the
 same chunk GraphModules, placed alike and compiled the same way (``torch.compile``, the
 same backend, ``fullgraph``): one training step each (no optimizer step), the two
-alternating, the fastest of ``--retries``. torch refuses its zero-bubble schedules with
-compiled stages, and passes each chunk's outputs to the next chunk only: such rows print
-torch's reason instead of a figure.
+alternating, the fastest of ``--retries`` and the median of the paired ratios. torch
+refuses its zero-bubble schedules with compiled stages, and passes each chunk's outputs to
+the next chunk only: such rows print torch's reason instead of a figure.
 
     python benchmarks/compile_stages.py [--backend inductor] [--steps 7] [--models gpt,llama]
 """
@@ -125,8 +125,9 @@ def _unlike_torch(program: Any) -> str | None:
 
 
 def _beside_torch(compiled: _Run, torch_name: str, args: argparse.Namespace
-                  ) -> tuple[float, float] | str:
-    """(smp-fx's, torch's) fastest step with both compiled alike, or why torch cannot run."""
+                  ) -> tuple[float, float, float] | str:
+    """(smp-fx's, torch's) fastest step with both compiled alike and the median of paired
+    ratios, or why torch cannot run them."""
     from benchmarks.schedules_vs_torch import _alternating, _torch_schedule, _torch_step
 
     program, rank_of = compiled.model.program, tuple(compiled.model.plan.rank_of)
@@ -146,11 +147,11 @@ def _beside_torch(compiled: _Run, torch_name: str, args: argparse.Namespace
     if reason is not None:
         return reason
     x, y = compiled.batch(args.seq)
-    smp_best, torch_best = _alternating(
+    smp_best, torch_best, paired = _alternating(
         functools.partial(compiled.train_step, compiled.model, x, y),
         _torch_step(sched, rank_of, x, y), 2, args.retries, None)
     compiled.opt.zero_grad()
-    return smp_best[0], torch_best[0]
+    return smp_best[0], torch_best[0], paired
 
 
 def _row(name: str, label: str, pipeline: str, v: int, torch_name: str,
@@ -210,14 +211,15 @@ def main() -> None:
           f"(torch.compile, backend {args.backend}, fullgraph); one training step without the "
           f"optimizer, fastest of {args.retries} alternated")
     print(f"{'model':<9} {'schedule':<16} {'torch':<24} {'smp-fx ms':>10} {'torch ms':>9} "
-          f"{'ratio':>6}")
+          f"{'ratio':>6} {'paired':>7}")
     for r in rows:
         head = f"{r['model']:<9} {r['schedule']:<16} {r['torch']:<24}"
         if isinstance(r["beside"], str):
             print(f"{head} {r['beside']}")
         else:
-            smp_s, torch_s = r["beside"]
-            print(f"{head} {smp_s * 1e3:>10.1f} {torch_s * 1e3:>9.1f} {smp_s / torch_s:>6.3f}")
+            smp_s, torch_s, paired = r["beside"]
+            print(f"{head} {smp_s * 1e3:>10.1f} {torch_s * 1e3:>9.1f} {smp_s / torch_s:>6.3f} "
+                  f"{paired:>7.3f}")
 
 
 if __name__ == "__main__":

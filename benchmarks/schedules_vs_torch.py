@@ -171,19 +171,24 @@ def _timed(step: Callable[[], Any], ranks: int, executor: Any = None
 
 def _alternating(smp_step: Callable[[], Any], torch_step: Callable[[], Any], ranks: int,
                  retries: int, executor: Any
-                 ) -> tuple[tuple[float, float, Durations], tuple[float, float, Durations]]:
+                 ) -> tuple[tuple[float, float, Durations], tuple[float, float, Durations],
+                            float]:
     """The fastest of ``retries`` steps of each after one warm-up each, the two alternating
-    (a shared machine's load changes then favour neither)."""
+    (a shared machine's load changes then favour neither), and the median of the paired
+    ratios (each smp-fx step over the torch step right after it), which load that changes
+    within the run biases less than it does the fastest steps."""
     smp_step()
     torch_step()
     best_smp = best_torch = None
+    paired = []
     for _ in range(retries):
         a = _timed(smp_step, ranks, executor)
         b = _timed(torch_step, ranks)
+        paired.append(a[0] / b[0])
         best_smp = a if best_smp is None or a[0] < best_smp[0] else best_smp
         best_torch = b if best_torch is None or b[0] < best_torch[0] else best_torch
     assert best_smp is not None and best_torch is not None
-    return best_smp, best_torch
+    return best_smp, best_torch, statistics.median(paired)
 
 
 def _smp_model(m: int, pipeline: str, v: int, model: nn.Module, active: int | None = None
@@ -303,7 +308,7 @@ def _sleep_rows(args: argparse.Namespace) -> list[Row]:
         train_step(dm, x, y)  # partitions
         program, rank_of = dm.program, tuple(dm.plan.rank_of)
         sched = _torch_schedule(torch_name, program, rank_of, m)
-        (smp_s, smp_bubble, durations), (torch_s, torch_bubble, _) = _alternating(
+        (smp_s, smp_bubble, durations), (torch_s, torch_bubble, _), _ = _alternating(
             functools.partial(train_step, dm, x, y), _torch_step(sched, rank_of, x, y), p,
             args.retries, dm.executor)
         sim_bubble, sim_s = _simulated(pipeline, v, p, m, rank_of, durations)
@@ -315,7 +320,7 @@ def _sleep_rows(args: argparse.Namespace) -> list[Row]:
     return rows
 
 
-def _mlp_rows(args: argparse.Namespace) -> list[tuple[str, int, str, float, float]]:
+def _mlp_rows(args: argparse.Namespace) -> list[tuple[str, int, str, float, float, float]]:
     """The real-compute MLP of pipeline_vs_torch.py at this world size under each schedule."""
     from benchmarks.pipeline_vs_torch import build_model
 
@@ -330,10 +335,10 @@ def _mlp_rows(args: argparse.Namespace) -> list[tuple[str, int, str, float, floa
         train_step(dm, x, y)  # partitions
         program, rank_of = dm.program, tuple(dm.plan.rank_of)
         sched = _torch_schedule(torch_name, program, rank_of, MLP_MICROBATCHES)
-        (smp_s, _, _), (torch_s, _, _) = _alternating(
+        (smp_s, _, _), (torch_s, _, _), paired = _alternating(
             functools.partial(train_step, dm, x, y), _torch_step(sched, rank_of, x, y),
             dist.get_world_size(), args.retries * 3, None)
-        rows.append((pipeline, v, torch_name, smp_s, torch_s))
+        rows.append((pipeline, v, torch_name, smp_s, torch_s, paired))
     return rows
 
 
@@ -392,10 +397,10 @@ def _print(world: int, args: argparse.Namespace, result: dict[str, Any]) -> None
     if "mlp" in result:
         print(f"\nreal-compute MLP (pipeline_vs_torch.py: width 512, depth 8, batch "
               f"{args.mlp_batch}, {MLP_MICROBATCHES} microbatches), p = {world}, min of "
-              f"{args.retries * 3}")
-        for pipeline, v, torch_name, smp_s, torch_s in result["mlp"]:
+              f"{args.retries * 3} alternated; ratio of the fastest, median of paired ratios")
+        for pipeline, v, torch_name, smp_s, torch_s, paired in result["mlp"]:
             print(f"{pipeline + f' v={v}':<17} {torch_name:<30} {smp_s * 1e3:>8.2f} ms "
-                  f"{torch_s * 1e3:>8.2f} ms {smp_s / torch_s:>6.3f}")
+                  f"{torch_s * 1e3:>8.2f} ms {smp_s / torch_s:>6.3f} {paired:>6.3f}")
 
 
 def main() -> None:

@@ -12,7 +12,12 @@ import torch
 
 from passes.split_stages import Stage
 from smp_fx.runtime.executor.lowering import Op
-from smp_fx.runtime.executor.split_backward import PendingW, input_grads, weight_grads
+from smp_fx.runtime.executor.split_backward import (
+    Accumulators,
+    PendingW,
+    input_grads,
+    weight_grads,
+)
 
 
 class StageRunner:
@@ -23,6 +28,7 @@ class StageRunner:
         self.stage = stage
         self.module: torch.nn.Module = stage.module
         self.device = device
+        self.accumulators = Accumulators()  # the split backward's, for this stage's I
 
     def forward(self, inputs: Sequence[Any], microbatch: int) -> tuple[Any, ...]:
         return tuple(self.module(*inputs))
@@ -36,7 +42,8 @@ class StageRunner:
                        ) -> tuple[list[torch.Tensor | None], PendingW]:
         """A split backward's I (``smp_fx.runtime.executor.split_backward``): the gradients of
         ``inputs`` only, and what the W of this microbatch needs."""
-        return input_grads(tensors, grads, inputs, list(self.stage.module.parameters()))
+        return input_grads(tensors, grads, inputs, list(self.stage.module.parameters()),
+                           self.accumulators)
 
     def backward_weight(self, pending: PendingW, microbatch: int) -> None:
         """A split backward's W: the stage's weight gradients, accumulated into ``.grad``."""

@@ -50,6 +50,24 @@ def _edge(t: torch.Tensor) -> GradientEdge:
     return get_gradient_edge(t)
 
 
+class Accumulators:
+    """One chunk's parameters' AccumulateGrad nodes, each looked up once instead of twice per
+    I (a lookup builds a view, ~9 us): I of a 2-Linear chunk 31-48 us faster
+    (docs/performance.md). Holding a node keeps it its parameter's for later forwards, as
+    DDP's reducer does; a parameter whose tensor was swapped is looked up again."""
+
+    def __init__(self) -> None:
+        self._nodes: dict[int, tuple[torch.Tensor, Node]] = {}
+
+    def of(self, p: torch.Tensor) -> Node:
+        hit = self._nodes.get(id(p))
+        if hit is not None and hit[0] is p and hit[1].variable is p:  # type: ignore[attr-defined]
+            return hit[1]
+        node = _edge(p).node
+        self._nodes[id(p)] = (p, node)
+        return node
+
+
 def _parents(roots: Sequence[Node]) -> dict[Node, list[Node]]:
     """Every node under ``roots`` -> the nodes whose next functions name it."""
     parents: dict[Node, list[Node]] = {r: [] for r in roots}
@@ -79,9 +97,11 @@ def _above(starts: Sequence[Node], parents: dict[Node, list[Node]]) -> set[Node]
 
 
 def input_grads(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor],
-                inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor]
+                inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+                accumulators: Accumulators | None = None
                 ) -> tuple[list[torch.Tensor | None], PendingW]:
-    """I: the gradients of ``inputs`` (None where one needs none), and what W needs."""
+    """I: the gradients of ``inputs`` (None where one needs none), and what W needs
+    (``accumulators``: the chunk's, kept between calls)."""
     used = [(r, g) for r, g in zip(roots, root_grads) if r.requires_grad]
     wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     trainable = [p for p in params if p.requires_grad]
@@ -91,21 +111,22 @@ def input_grads(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor
     parents = _parents(root_nodes)
     input_nodes = [_edge(t).node for t in wanted]
     path = _above(input_nodes, parents)
+    node_of = (accumulators or Accumulators()).of
+    accs = [node_of(p) for p in trainable]
     if not path:  # nothing to give back: W is the whole backward
         return [None] * len(inputs), PendingW(
             [], [r for r, _ in used], [g for _, g in used],
-            [p for p in trainable if _edge(p).node in parents])
+            [p for p, acc in zip(trainable, accs) if acc in parents])
     joins: dict[Node, _Join] = {}
     reached: dict[Node, int] = {}
-    for p in trainable:
-        acc = _edge(p).node
+    for p, acc in zip(trainable, accs):
         if acc not in parents:
             continue  # the chunk's outputs do not depend on it
         todo, seen = [acc], {acc}
         while todo:
             node = todo.pop()
             if not parents[node] and node not in path:  # a root made of parameters alone
-                mine = [(r, g) for r, g in used if _edge(r).node is node]
+                mine = [(r, g) for (r, g), rn in zip(used, root_nodes) if rn is node]
                 join = joins.setdefault(node, _Join(node, roots=[r for r, _ in mine]))
                 join.grads = tuple(g for _, g in mine)
                 if all(q is not p for q in join.params):
@@ -120,7 +141,7 @@ def input_grads(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor
                 elif up not in seen:
                     seen.add(up)
                     todo.append(up)
-    shared = [p for p in trainable if reached.get(_edge(p).node, 0) > 1]
+    shared = [p for p, acc in zip(trainable, accs) if reached.get(acc, 0) > 1]
     for join in joins.values():
         join.params = [p for p in join.params if all(p is not q for q in shared)]
     handles = [j.node.register_prehook(_recorder(j)) for j in joins.values()

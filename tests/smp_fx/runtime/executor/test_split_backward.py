@@ -9,7 +9,12 @@ import pytest
 import torch
 from torch import nn
 
-from smp_fx.runtime.executor.split_backward import _parents, input_grads, weight_grads
+from smp_fx.runtime.executor.split_backward import (
+    Accumulators,
+    _parents,
+    input_grads,
+    weight_grads,
+)
 from smp_fx.runtime.memory.recompute_once import checkpoint_once
 
 
@@ -130,3 +135,32 @@ def test_a_checkpointed_region_is_rebuilt_once_with_its_rng() -> None:
     assert m.runs == 2  # W reads what the rebuild kept
     for got, exp in zip([p.grad for p in m.parameters()] + [gx[0]], want):
         torch.testing.assert_close(got, exp)
+
+
+def test_accumulators_keep_each_parameters_node_and_follow_a_swapped_tensor() -> None:
+    acc = Accumulators()
+    p, q = nn.Parameter(torch.ones(3)), nn.Parameter(torch.zeros(3))
+    node = acc.of(p)
+    (p * 2).sum().backward()  # a later forward reaches the very node held
+    assert torch.autograd.graph.get_gradient_edge(p).node is node
+    torch.utils.swap_tensors(p, q)  # p's tensor, and with it its accumulator, is another
+    assert acc.of(p) is not node
+    assert acc.of(p) is torch.autograd.graph.get_gradient_edge(p).node
+
+
+def test_input_grads_with_kept_accumulators_equals_a_fresh_lookup() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    acc = Accumulators()
+    grads = []
+    for kept in (None, acc, acc):  # the second call with ``acc`` reuses its nodes
+        model.zero_grad()
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        y = model(x)
+        got, pending = input_grads([y], [torch.ones_like(y)], [x], list(model.parameters()),
+                                   kept)
+        weight_grads(pending)
+        grads.append([got[0], *(p.grad for p in model.parameters())])
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            assert a is not None and b is not None and torch.equal(a, b)

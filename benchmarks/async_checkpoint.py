@@ -12,7 +12,11 @@ before each, the ranks' times max-reduced):
   written, until its commit at a step's start;
 * the stall of a synchronous ``save_checkpoint`` (the call alone).
 
-Rank 0 prints medians and the ratios to the plain step. Saves go to ``--dir`` (a temporary
+Rank 0 prints medians and the ratios to the plain step, then where each rank's time goes
+(``_clock``: wall and thread CPU seconds per save of the call's parts on the training thread,
+of the writer thread's copy wait and file writes, and of the per-step agreement while a
+save is in flight). A thread's CPU seconds bound the time it holds the GIL: the writer's
+large writes (``torch.save``'s tensor records, ``os.fsync``) release it. Saves go to ``--dir`` (a temporary
 folder by default; use a real disk to measure one).
 
 Run: ``.venv/bin/python benchmarks/async_checkpoint.py [--saves 3 --hidden 2048 ...]``
@@ -37,11 +41,37 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _clock(parts: dict[str, list[float]], owner: Any, name: str, key: str) -> None:
+    """Replace ``owner.name`` by a wrapper that adds its wall and thread CPU seconds to
+    ``parts[key]`` (the caller's thread: the training or the writer thread)."""
+    fn = getattr(owner, name)
+
+    def timed(*a: Any, **k: Any) -> Any:
+        w0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            got = parts.setdefault(key, [0.0, 0.0])
+            got[0] += time.perf_counter() - w0
+            got[1] += time.thread_time() - c0
+
+    setattr(owner, name, timed)
+
+
+PARTS = (  # (label, key): the call's parts on the training thread, then the writer thread's
+    ("call: tag check", "tag"),
+    ("call: staging folder", "staging"), ("call: local state dicts", "states"),
+    ("call: copy off the live tensors", "copy"), ("call: index gather", "index"),
+    ("writer: wait for the copies", "ready"), ("writer: files (serialize, write, fsync)",
+                                               "write"),
+    ("step start: agreement all-gather", "at_step"))
+
+
 def _worker(args: argparse.Namespace) -> Any:
     """This rank's part (one of ``run_ranks``'s): the figures, the slowest rank's times."""
     torch.set_num_threads(args.threads)
     import smp_fx as smp
-    from smp_fx.ckpt import async_save
+    from smp_fx.ckpt import async_save, checkpoint_api
     from smp_fx.world import state
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": args.microbatches,
@@ -91,6 +121,22 @@ def _worker(args: argparse.Namespace) -> Any:
     def save(tag: str, background: bool) -> None:
         smp.save_checkpoint(args.dir, tag, model=model, optimizer=opt, async_save=background)
 
+    parts: dict[str, list[float]] = {}
+    api = checkpoint_api
+    for owner, name, key in ((api, "_check_tag", "tag"),
+                             (api, "make_staging", "staging"), (api, "local_states", "states"),
+                             (api._snapshot, "take", "copy"), (api, "prepare_partial", "index"),
+                             (api._snapshot, "ready", "ready"),
+                             (async_save, "write_file", "write"),
+                             (async_save, "at_step", "at_step")):
+        _clock(parts, owner, name, key)
+
+    def saved(n: int) -> None:
+        """The parts of the asynchronous save a{n}, this rank's, kept; the clocks reset."""
+        per_save.append({k: tuple(v) for k, v in parts.items()})
+        parts.clear()
+
+    per_save: list[dict[str, tuple[float, ...]]] = []
     for n in range(args.saves):
         for _ in range(per_phase):
             times["plain"].append(timed(step))
@@ -99,9 +145,15 @@ def _worker(args: argparse.Namespace) -> Any:
         times["starts"].append(call + timed(step))
         while async_save.in_flight() == f"a{n}_partial":  # committed at a step's start
             times["during"].append(timed(step))
+        saved(n)
         times["sync"].append(timed(functools.partial(save, f"s{n}", False)))
+        parts.clear()
     smp.wait_checkpoint()
-    return {"times": times, "state_mb": totals}
+    breakdown = {k: [statistics.median(s.get(k, (0.0, 0.0))[i] for s in per_save)
+                     for i in (0, 1)] for _, k in PARTS}
+    every: list[Any] = [None] * smp.size()
+    dist.all_gather_object(every, breakdown, group=group)
+    return {"times": times, "state_mb": totals, "parts": every}
 
 
 def main() -> None:
@@ -135,6 +187,11 @@ def main() -> None:
             med = statistics.median(times[key])
             print(f"{label:34s} {len(times[key]):3d} {med:9.3f} {med / plain:8.2f}")
     print(f"steps per async save until committed: {len(times['during']) / args.saves:.1f}")
+    print("where the time goes, per asynchronous save (medians), wall / thread CPU s, "
+          "ranks " + ", ".join(str(r) for r in range(len(got["parts"]))))
+    for label, key in PARTS:
+        cells = "  ".join(f"{p[key][0]:6.3f} /{p[key][1]:6.3f}" for p in got["parts"])
+        print(f"{label:42s} {cells}")
 
 
 if __name__ == "__main__":

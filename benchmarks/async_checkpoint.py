@@ -16,8 +16,8 @@ Rank 0 prints medians and the ratios to the plain step, then where each rank's t
 (``_clock``: wall and thread CPU seconds per save of the call's parts on the training thread,
 of the writer thread's copy wait and file writes, and of the per-step agreement while a
 save is in flight). A thread's CPU seconds bound the time it holds the GIL: the writer's
-large writes (``torch.save``'s tensor records, ``os.fsync``) release it. Saves go to ``--dir`` (a temporary
-folder by default; use a real disk to measure one).
+large writes (``torch.save``'s tensor records, ``os.fsync``) release it. Saves go to
+``--dir`` (a temporary folder by default; use a real disk to measure one).
 
 Run: ``.venv/bin/python benchmarks/async_checkpoint.py [--saves 3 --hidden 2048 ...]``
 """
@@ -64,7 +64,8 @@ PARTS = (  # (label, key): the call's parts on the training thread, then the wri
     ("call: copy off the live tensors", "copy"), ("call: index gather", "index"),
     ("writer: wait for the copies", "ready"), ("writer: files (serialize, write, fsync)",
                                                "write"),
-    ("step start: agreement all-gather", "at_step"))
+    ("steps: the writers' agreement", "agree"), ("steps: commit (world rank 0)", "commit"),
+    ("steps: the commit's agreement", "committed"))
 
 
 def _worker(args: argparse.Namespace) -> Any:
@@ -121,6 +122,11 @@ def _worker(args: argparse.Namespace) -> Any:
     def save(tag: str, background: bool) -> None:
         smp.save_checkpoint(args.dir, tag, model=model, optimizer=opt, async_save=background)
 
+    import os
+    if os.environ.get("ABL") == "nowrite":
+        async_save.write_file = lambda path, w: None
+    if os.environ.get("ABL") == "nocrc":
+        torch.serialization.set_crc32_options(False)
     parts: dict[str, list[float]] = {}
     api = checkpoint_api
     for owner, name, key in ((api, "_check_tag", "tag"),
@@ -128,7 +134,9 @@ def _worker(args: argparse.Namespace) -> Any:
                              (api._snapshot, "take", "copy"), (api, "prepare_partial", "index"),
                              (api._snapshot, "ready", "ready"),
                              (async_save, "write_file", "write"),
-                             (async_save, "at_step", "at_step")):
+                             (async_save, "at_step", "agree"),
+                             (async_save, "after_step", "agree"), (api, "commit", "commit"),
+                             (async_save, "agree_or_raise", "committed")):
         _clock(parts, owner, name, key)
 
     def saved(n: int) -> None:

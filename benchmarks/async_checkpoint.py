@@ -9,14 +9,15 @@ before each, the ranks' times max-reduced):
 * a plain training step (forward, backward, optimizer step), ``--steps`` of them;
 * the ``save_checkpoint(async_save=True)`` call alone, the step that starts an asynchronous
   save (that call plus the step after it), and every later step while that save is being
-  written, until its commit at a step's start;
+  written, until its commit at a step's end;
 * the stall of a synchronous ``save_checkpoint`` (the call alone).
 
 Rank 0 prints medians and the ratios to the plain step, then where each rank's time goes
 (``_clock``: wall and thread CPU seconds per save of the call's parts on the training thread,
-of the writer thread's copy wait and file writes, and of the per-step agreement while a
-save is in flight). A thread's CPU seconds bound the time it holds the GIL: the writer's
-large writes (``torch.save``'s tensor records, ``os.fsync``) release it. Saves go to
+of the writer thread's copies and file writes, of the optimizer step's wait for those
+copies, and of the agreement and commit at the steps while a save is in flight). A
+thread's CPU seconds bound the time it holds the GIL: the writer's copies and large writes
+(``torch.save``'s tensor records, ``os.pwrite``, ``os.fsync``) release it. Saves go to
 ``--dir`` (a temporary folder by default; use a real disk to measure one).
 
 Run: ``.venv/bin/python benchmarks/async_checkpoint.py [--saves 3 --hidden 2048 ...]``
@@ -59,11 +60,12 @@ def _clock(parts: dict[str, list[float]], owner: Any, name: str, key: str) -> No
 
 
 PARTS = (  # (label, key): the call's parts on the training thread, then the writer thread's
-    ("call: tag check", "tag"),
-    ("call: staging folder", "staging"), ("call: local state dicts", "states"),
-    ("call: copy off the live tensors", "copy"), ("call: index gather", "index"),
-    ("writer: wait for the copies", "ready"), ("writer: files (serialize, write, fsync)",
-                                               "write"),
+    ("call: tag check", "tag"), ("call: staging folder", "staging"),
+    ("call: local state dicts", "states"), ("call: copy off the live tensors", "copy"),
+    ("call: index gather", "index"),
+    ("writer: the copies (deferred ones taken)", "ready"),
+    ("step: the optimizer waits for the copies", "copywait"),
+    ("writer: files (serialize, write, fsync)", "write"),
     ("steps: the writers' agreement", "agree"), ("steps: commit (world rank 0)", "commit"),
     ("steps: the commit's agreement", "committed"))
 
@@ -72,7 +74,7 @@ def _worker(args: argparse.Namespace) -> Any:
     """This rank's part (one of ``run_ranks``'s): the figures, the slowest rank's times."""
     torch.set_num_threads(args.threads)
     import smp_fx as smp
-    from smp_fx.ckpt import async_save, checkpoint_api
+    from smp_fx.ckpt import async_save, checkpoint_api, snapshot
     from smp_fx.world import state
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": args.microbatches,
@@ -122,17 +124,13 @@ def _worker(args: argparse.Namespace) -> Any:
     def save(tag: str, background: bool) -> None:
         smp.save_checkpoint(args.dir, tag, model=model, optimizer=opt, async_save=background)
 
-    import os
-    if os.environ.get("ABL") == "nowrite":
-        async_save.write_file = lambda path, w: None
-    if os.environ.get("ABL") == "nocrc":
-        torch.serialization.set_crc32_options(False)
     parts: dict[str, list[float]] = {}
     api = checkpoint_api
     for owner, name, key in ((api, "_check_tag", "tag"),
                              (api, "make_staging", "staging"), (api, "local_states", "states"),
                              (api._snapshot, "take", "copy"), (api, "prepare_partial", "index"),
                              (api._snapshot, "ready", "ready"),
+                             (snapshot, "wait_copied", "copywait"),
                              (async_save, "write_file", "write"),
                              (async_save, "at_step", "agree"),
                              (async_save, "after_step", "agree"), (api, "commit", "commit"),

@@ -3,17 +3,18 @@
 A synchronous save stalls every rank for the whole write. An asynchronous one does at the
 call only what needs the other ranks or the live tensors (``checkpoint_api``: the tag
 check, the staging folder, the gathers, a copy of the state off the training tensors by
-``smp_fx.ckpt.snapshot``); the background writer here writes this rank's files into the
-staging folder and a done-marker beside them, while training goes on. It never
-communicates, so it cannot interleave with training collectives. The commit (the staging
-folder renamed, ``newest`` rewritten, rotation) is world rank 0's, on the main thread,
-once every rank's part is written; the ranks agree on that where all pass alike: the
-start of each ``smp.step`` while a save is in flight (one small all-gather of each
-writer's state), the next save or resume, and ``smp.wait_checkpoint()``; a failed write is
-raised there on every rank. At process exit each rank waits for its writer; rank 0 then
-commits if every rank's done-marker says its part is written. At most one save is in
-flight: the next one waits. Until the commit ``newest`` names the previous checkpoint, so a
-crash anywhere keeps it.
+``smp_fx.ckpt.snapshot``); the background writer here takes the copies it was left, then
+writes this rank's files into the staging folder (``smp_fx.ckpt.direct_io``) and a
+done-marker beside them, while training goes on. It never communicates, so it cannot
+interleave with training collectives. The commit (the staging folder renamed, ``newest``
+rewritten, rotation) is world rank 0's, on the main thread, once every rank's part is
+written; the ranks agree on that where all pass alike: each ``smp.step`` while a save is in
+flight (an all-reduce of the writers' states launched at its start, acted on at its end),
+the next save or resume, and ``smp.wait_checkpoint()``; a failed write is raised there on
+every rank. At process exit each rank waits for its writer; rank 0 then commits if every
+rank's done-marker says its part is written. At most one save is in flight: the next one
+waits. Until the commit ``newest`` names the previous checkpoint, so a crash anywhere
+keeps it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -70,7 +70,6 @@ class Job:
     def _run(self) -> None:
         try:
             self._ready()
-            yield_cpu()
             for write in self._writes:
                 write()
             self._mark(OK)
@@ -105,21 +104,6 @@ class Job:
                 except FileNotFoundError:
                     pass
         self._commit()
-
-
-def yield_cpu() -> None:
-    """Put the calling (writer) thread at the lowest CPU priority, nice 19 (Linux: a
-    thread's own priority), so that training threads win a contended CPU and the writer
-    runs on what they leave. The writer's CPU (the files' CRCs, filling the page cache:
-    0.2-0.3 s per 151 MB here) otherwise comes out of training on an oversubscribed host."""
-    if sys.platform != "linux":
-        log.info("the checkpoint writer keeps its CPU priority: a thread's own priority "
-                 "is Linux's (here %s)", sys.platform)
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-    except OSError as exc:
-        log.info("the checkpoint writer keeps its CPU priority: %s", exc)
 
 
 _inflight: Job | None = None

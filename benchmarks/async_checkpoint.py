@@ -12,7 +12,9 @@ before each, the ranks' times max-reduced):
   written, until its commit at a step's end;
 * the stall of a synchronous ``save_checkpoint`` (the call alone).
 
-Rank 0 prints medians and the ratios to the plain step, then where each rank's time goes
+Rank 0 prints medians and their ratios to the plain step's, and the paired ratios (the
+median over saves of each save's figure over the median of the plain steps just before it,
+which the machine's drifting load biases less), then where each rank's time goes
 (``_clock``: wall and thread CPU seconds per save of the call's parts on the training thread,
 of the writer thread's copies and file writes, of the optimizer step's wait for those
 copies, and of the agreement and commit at the steps while a save is in flight). A
@@ -143,23 +145,32 @@ def _worker(args: argparse.Namespace) -> Any:
         parts.clear()
 
     per_save: list[dict[str, tuple[float, ...]]] = []
+    paired: dict[str, list[float]] = {k: [] for k in ("call", "starts", "during", "sync")}
     for n in range(args.saves):
-        for _ in range(per_phase):
-            times["plain"].append(timed(step))
+        plain = [timed(step) for _ in range(per_phase)]
+        times["plain"] += plain
         call = timed(functools.partial(save, f"a{n}", True))
         times["call"].append(call)
         times["starts"].append(call + timed(step))
-        while async_save.in_flight() == f"a{n}_partial":  # committed at a step's start
-            times["during"].append(timed(step))
+        during = []
+        while async_save.in_flight() == f"a{n}_partial":  # committed at a step's end
+            during.append(timed(step))
+        times["during"] += during
         saved(n)
         times["sync"].append(timed(functools.partial(save, f"s{n}", False)))
         parts.clear()
+        base = statistics.median(plain)  # the plain steps just before: the load drifts
+        for key, took in (("call", call), ("starts", times["starts"][-1]),
+                          ("during", statistics.median(during) if during else None),
+                          ("sync", times["sync"][-1])):
+            if took is not None:
+                paired[key].append(took / base)
     smp.wait_checkpoint()
     breakdown = {k: [statistics.median(s.get(k, (0.0, 0.0))[i] for s in per_save)
                      for i in (0, 1)] for _, k in PARTS}
     every: list[Any] = [None] * smp.size()
     dist.all_gather_object(every, breakdown, group=group)
-    return {"times": times, "state_mb": totals, "parts": every}
+    return {"times": times, "state_mb": totals, "parts": every, "paired": paired}
 
 
 def main() -> None:
@@ -184,14 +195,16 @@ def main() -> None:
     plain = statistics.median(times["plain"])
     print(f"pp 2 x dp 2, MLP {args.layers} x {args.hidden}, Adam: state {sum(state) / 2:.0f} "
           f"MB per replica (per rank: {', '.join(f'{s:.0f}' for s in state)} MB)")
-    print(f"{'measured':34s} {'n':>3s} {'median s':>9s} {'x plain':>8s}")
+    print(f"{'measured':34s} {'n':>3s} {'median s':>9s} {'x plain':>8s} {'paired':>7s}")
     rows = (("plain step", "plain"), ("async save call (stall)", "call"),
             ("step that starts an async save", "starts"),
             ("steps while it is written", "during"), ("synchronous save (stall)", "sync"))
     for label, key in rows:
         if times[key]:
             med = statistics.median(times[key])
-            print(f"{label:34s} {len(times[key]):3d} {med:9.3f} {med / plain:8.2f}")
+            pair = got["paired"].get(key)
+            told = f"{statistics.median(pair):7.2f}" if pair else f"{1.0:7.2f}"
+            print(f"{label:34s} {len(times[key]):3d} {med:9.3f} {med / plain:8.2f} {told}")
     print(f"steps per async save until committed: {len(times['during']) / args.saves:.1f}")
     print("where the time goes, per asynchronous save (medians), wall / thread CPU s, "
           "ranks " + ", ".join(str(r) for r in range(len(got["parts"]))))

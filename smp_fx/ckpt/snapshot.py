@@ -27,9 +27,11 @@ _hooked = False
 
 
 def copy_into(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """The deferred copies, source into destination (tests hold them back)."""
-    for src, dst in pairs:
-        dst.copy_(src)
+    """The deferred copies, source into destination, in one call that releases the GIL once
+    (tests hold them back): each GIL hand-over between the writer and the training thread
+    waits for the other's turn on a contended CPU."""
+    if pairs:
+        torch._foreach_copy_([d for _, d in pairs], [s for s, _ in pairs])
 
 
 def wait_copied() -> None:

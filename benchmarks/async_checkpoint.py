@@ -9,11 +9,18 @@ before each, the ranks' times max-reduced):
 * a plain training step (forward, backward, optimizer step), ``--steps`` of them;
 * the ``save_checkpoint(async_save=True)`` call alone, the step that starts an asynchronous
   save (that call plus the step after it), and every later step while that save is being
-  written, until its commit at a step's start;
+  written, until its commit at a step's end;
 * the stall of a synchronous ``save_checkpoint`` (the call alone).
 
-Rank 0 prints medians and the ratios to the plain step. Saves go to ``--dir`` (a temporary
-folder by default; use a real disk to measure one).
+Rank 0 prints medians and their ratios to the plain step's, and the paired ratios (the
+median over saves of each save's figure over the median of the plain steps just before it,
+which the machine's drifting load biases less), then where each rank's time goes
+(``_clock``: wall and thread CPU seconds per save of the call's parts on the training thread,
+of the writer thread's copies and file writes, of the optimizer step's wait for those
+copies, and of the agreement and commit at the steps while a save is in flight). A
+thread's CPU seconds bound the time it holds the GIL: the writer's copies and large writes
+(``torch.save``'s tensor records, ``os.pwrite``, ``os.fsync``) release it. Saves go to
+``--dir`` (a temporary folder by default; use a real disk to measure one).
 
 Run: ``.venv/bin/python benchmarks/async_checkpoint.py [--saves 3 --hidden 2048 ...]``
 """
@@ -37,11 +44,39 @@ from torch import nn
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _clock(parts: dict[str, list[float]], owner: Any, name: str, key: str) -> None:
+    """Replace ``owner.name`` by a wrapper that adds its wall and thread CPU seconds to
+    ``parts[key]`` (the caller's thread: the training or the writer thread)."""
+    fn = getattr(owner, name)
+
+    def timed(*a: Any, **k: Any) -> Any:
+        w0, c0 = time.perf_counter(), time.thread_time()
+        try:
+            return fn(*a, **k)
+        finally:
+            got = parts.setdefault(key, [0.0, 0.0])
+            got[0] += time.perf_counter() - w0
+            got[1] += time.thread_time() - c0
+
+    setattr(owner, name, timed)
+
+
+PARTS = (  # (label, key): the call's parts on the training thread, then the writer thread's
+    ("call: tag check", "tag"), ("call: staging folder", "staging"),
+    ("call: local state dicts", "states"), ("call: copy off the live tensors", "copy"),
+    ("call: index gather", "index"),
+    ("writer: the copies (deferred ones taken)", "ready"),
+    ("step: the optimizer waits for the copies", "copywait"),
+    ("writer: files (serialize, write, fsync)", "write"),
+    ("steps: the writers' agreement", "agree"), ("steps: commit (world rank 0)", "commit"),
+    ("steps: the commit's agreement", "committed"))
+
+
 def _worker(args: argparse.Namespace) -> Any:
     """This rank's part (one of ``run_ranks``'s): the figures, the slowest rank's times."""
     torch.set_num_threads(args.threads)
     import smp_fx as smp
-    from smp_fx.ckpt import async_save
+    from smp_fx.ckpt import async_save, checkpoint_api, snapshot
     from smp_fx.world import state
 
     smp.init({"pipeline_parallel_degree": 2, "microbatches": args.microbatches,
@@ -91,17 +126,51 @@ def _worker(args: argparse.Namespace) -> Any:
     def save(tag: str, background: bool) -> None:
         smp.save_checkpoint(args.dir, tag, model=model, optimizer=opt, async_save=background)
 
+    parts: dict[str, list[float]] = {}
+    api = checkpoint_api
+    for owner, name, key in ((api, "_check_tag", "tag"),
+                             (api, "make_staging", "staging"), (api, "local_states", "states"),
+                             (api._snapshot, "take", "copy"), (api, "prepare_partial", "index"),
+                             (api._snapshot, "ready", "ready"),
+                             (snapshot, "wait_copied", "copywait"),
+                             (async_save, "write_file", "write"),
+                             (async_save, "at_step", "agree"),
+                             (async_save, "after_step", "agree"), (api, "commit", "commit"),
+                             (async_save, "agree_or_raise", "committed")):
+        _clock(parts, owner, name, key)
+
+    def saved(n: int) -> None:
+        """The parts of the asynchronous save a{n}, this rank's, kept; the clocks reset."""
+        per_save.append({k: tuple(v) for k, v in parts.items()})
+        parts.clear()
+
+    per_save: list[dict[str, tuple[float, ...]]] = []
+    paired: dict[str, list[float]] = {k: [] for k in ("call", "starts", "during", "sync")}
     for n in range(args.saves):
-        for _ in range(per_phase):
-            times["plain"].append(timed(step))
+        plain = [timed(step) for _ in range(per_phase)]
+        times["plain"] += plain
         call = timed(functools.partial(save, f"a{n}", True))
         times["call"].append(call)
         times["starts"].append(call + timed(step))
-        while async_save.in_flight() == f"a{n}_partial":  # committed at a step's start
-            times["during"].append(timed(step))
+        during = []
+        while async_save.in_flight() == f"a{n}_partial":  # committed at a step's end
+            during.append(timed(step))
+        times["during"] += during
+        saved(n)
         times["sync"].append(timed(functools.partial(save, f"s{n}", False)))
+        parts.clear()
+        base = statistics.median(plain)  # the plain steps just before: the load drifts
+        for key, took in (("call", call), ("starts", times["starts"][-1]),
+                          ("during", statistics.median(during) if during else None),
+                          ("sync", times["sync"][-1])):
+            if took is not None:
+                paired[key].append(took / base)
     smp.wait_checkpoint()
-    return {"times": times, "state_mb": totals}
+    breakdown = {k: [statistics.median(s.get(k, (0.0, 0.0))[i] for s in per_save)
+                     for i in (0, 1)] for _, k in PARTS}
+    every: list[Any] = [None] * smp.size()
+    dist.all_gather_object(every, breakdown, group=group)
+    return {"times": times, "state_mb": totals, "parts": every, "paired": paired}
 
 
 def main() -> None:
@@ -126,15 +195,22 @@ def main() -> None:
     plain = statistics.median(times["plain"])
     print(f"pp 2 x dp 2, MLP {args.layers} x {args.hidden}, Adam: state {sum(state) / 2:.0f} "
           f"MB per replica (per rank: {', '.join(f'{s:.0f}' for s in state)} MB)")
-    print(f"{'measured':34s} {'n':>3s} {'median s':>9s} {'x plain':>8s}")
+    print(f"{'measured':34s} {'n':>3s} {'median s':>9s} {'x plain':>8s} {'paired':>7s}")
     rows = (("plain step", "plain"), ("async save call (stall)", "call"),
             ("step that starts an async save", "starts"),
             ("steps while it is written", "during"), ("synchronous save (stall)", "sync"))
     for label, key in rows:
         if times[key]:
             med = statistics.median(times[key])
-            print(f"{label:34s} {len(times[key]):3d} {med:9.3f} {med / plain:8.2f}")
+            pair = got["paired"].get(key)
+            told = f"{statistics.median(pair):7.2f}" if pair else f"{1.0:7.2f}"
+            print(f"{label:34s} {len(times[key]):3d} {med:9.3f} {med / plain:8.2f} {told}")
     print(f"steps per async save until committed: {len(times['during']) / args.saves:.1f}")
+    print("where the time goes, per asynchronous save (medians), wall / thread CPU s, "
+          "ranks " + ", ".join(str(r) for r in range(len(got["parts"]))))
+    for label, key in PARTS:
+        cells = "  ".join(f"{p[key][0]:6.3f} /{p[key][1]:6.3f}" for p in got["parts"])
+        print(f"{label:42s} {cells}")
 
 
 if __name__ == "__main__":

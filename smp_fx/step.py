@@ -124,7 +124,7 @@ def step(non_split_inputs: Callable[..., Any] | Sequence[str] | None = None,
             raise SMPRuntimeError.build(
                 "an smp.step function needs an smp.DistributedModel", None, fn.__name__,
                 "wrap the model with smp.DistributedModel(model) before the first step")
-        async_save.at_step()  # a checkpoint written meanwhile: commit or raise
+        async_save.at_step()  # a checkpoint in flight: its writers' agreement launched
         st = state.get()
         cfg = st.config
         m = cfg.microbatches
@@ -141,6 +141,7 @@ def step(non_split_inputs: Callable[..., Any] | Sequence[str] | None = None,
         with order_mode.checked_step():  # SMP_FX_CHECK_ORDER: compare the step's calls
             results = model.executor.run(fn, mbs, schedule, scale)
             model.run_post_step_hooks()
+        async_save.after_step()  # a checkpoint written meanwhile: commit or raise
         return _combine(results, detach_outputs)
 
     return wrapper

@@ -8,8 +8,11 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable
-from contextlib import suppress
+from contextlib import AbstractContextManager, suppress
 from typing import IO
+
+Stream = Callable[[int], AbstractContextManager[IO[bytes]]]
+"""What an open file descriptor is written through (default: a buffered file)."""
 
 
 def fsync_dir(directory: str) -> None:
@@ -22,15 +25,16 @@ def fsync_dir(directory: str) -> None:
             os.close(fd)
 
 
-def write_temp(path: str, write: Callable[[IO[bytes]], object]) -> str:
+def write_temp(path: str, write: Callable[[IO[bytes]], object],
+               stream: Stream | None = None) -> str:
     """Write a temporary sibling of ``path`` durably and return its name (pid in it: writers
-    never collide, a killed one's leftover is recognisable)."""
+    never collide, a killed one's leftover is recognisable); ``stream``: through what."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory,
                        f".{os.path.basename(path)}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        with os.fdopen(fd, "wb") as fh:
+        with (stream or _buffered)(fd) as fh:
             write(fh)
             fh.flush()
             os.fsync(fh.fileno())
@@ -41,9 +45,14 @@ def write_temp(path: str, write: Callable[[IO[bytes]], object]) -> str:
     return tmp
 
 
-def atomic_write(path: str, write: Callable[[IO[bytes]], object]) -> None:
+def _buffered(fd: int) -> IO[bytes]:
+    return os.fdopen(fd, "wb")
+
+
+def atomic_write(path: str, write: Callable[[IO[bytes]], object],
+                 stream: Stream | None = None) -> None:
     """Replace ``path`` with what ``write`` produces, all or nothing."""
-    tmp = write_temp(path, write)
+    tmp = write_temp(path, write, stream)
     try:
         os.replace(tmp, path)
     except BaseException:

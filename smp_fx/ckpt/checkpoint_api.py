@@ -348,7 +348,8 @@ def _partial_writes(path: str, name: str, model: ViewedModel | None,
         ds = ds_files.files(staging, model, optimizer, model_sd, ranks)  # sdp: every rank
         user = (ds_files.with_shapes(user_content, model, optimizer, ranks)
                 if ranks.rank == 0 else None)
-        model_sd, opt_sd, ds, user = _snapshot.take((model_sd, opt_sd, ds, user))
+        model_sd, opt_sd, ds, user = _snapshot.take((model_sd, opt_sd, ds, user),
+                                                    _stepped(model, optimizer))
         info, mp_gather = current_rank(ranks)
         for sd, file in ((model_sd, MODEL_FILE), (opt_sd, OPTIMIZER_FILE)):
             if sd is None:
@@ -370,8 +371,23 @@ def _partial_writes(path: str, name: str, model: ViewedModel | None,
                                             config_record(ranks)))
     except Exception as exc:
         cause = exc
-    agree_or_raise(cause, f"preparing the asynchronous checkpoint {name}", ranks)
+    try:
+        agree_or_raise(cause, f"preparing the asynchronous checkpoint {name}", ranks)
+    except BaseException:
+        _snapshot.drop()  # no writer will take the copies
+        raise
     return writes
+
+
+def _stepped(model: ViewedModel | None, optimizer: ProcessOptimizer | None) -> set[int]:
+    """The storages only an optimizer step or a load changes (``Snapshot.defer``): the
+    model's parameters and the optimizer's state; buffers (changed by forward) are not."""
+    held: list[torch.Tensor] = [] if model is None else list(model.get_module().parameters())
+    torch_optimizer = getattr(optimizer, "torch_optimizer", None)
+    if torch_optimizer is not None:
+        held += [v for s in torch_optimizer.state.values() for v in s.values()
+                 if isinstance(v, torch.Tensor)]
+    return {t.untyped_storage().data_ptr() for t in held}
 
 
 def _full_writes(path: str, tag: str, model: ViewedModel | None,

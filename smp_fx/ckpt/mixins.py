@@ -25,6 +25,7 @@ from smp_fx.ckpt.ep_shards import (
     gather_full,
     optimizer_rows,
 )
+from smp_fx.ckpt.snapshot import wait_copied
 from smp_fx.ckpt.state_dict import (
     PARTIAL_KEY,
     check_model_keys,
@@ -210,6 +211,7 @@ class ModelCheckpointMixin:
 
             A partial one is gathered over the pipeline group first (collective) unless
             ``same_partition_load``; values are copied, never assigned."""
+        wait_copied()  # an asynchronous save's copy of the parameters is taken first
         if assign:
             raise not_implemented("load_state_dict(assign=True) on a DistributedModel",
                                   fix="use the default assign=False (values are copied)")
@@ -369,6 +371,7 @@ class OptimizerCheckpointMixin:
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load full (integer ids) or partial (FQN) state; deferred until partitioning."""
+        wait_copied()  # an asynchronous save's copy of the state is taken first
         model = self._smp_current_model()
         if not self._smp_is_local() and model is not None and not model.partitioned:
             pending = self._smp_pending_load

@@ -34,7 +34,7 @@ from cost_model.errors import SMPCheckpointError
 from smp_fx.ckpt.direct_io import write_direct
 from smp_fx.ckpt.validate import agree_or_raise
 from smp_fx.ckpt.view import Ranks
-from smp_fx.world import comm, launch, state
+from smp_fx.world import comm, launch
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +154,7 @@ def agree_in_background() -> None:
     assert _inflight is not None
     mine = _inflight.state()
     counts = torch.tensor([int(mine == 0), int(mine == 2)], dtype=torch.int64)
-    group = state.get().object_group(comm.WORLD)
+    group = _inflight.ranks.object_group(comm.WORLD)
     _agreement = (dist.all_reduce(counts, group=group, async_op=True), counts)
 
 

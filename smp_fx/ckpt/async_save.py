@@ -154,7 +154,7 @@ def agree_in_background() -> None:
     assert _inflight is not None
     mine = _inflight.state()
     counts = torch.tensor([int(mine == 0), int(mine == 2)], dtype=torch.int64)
-    group = _inflight.ranks.object_group(comm.WORLD)
+    group = _inflight.ranks.object_group(comm.WORLD.axis)
     _agreement = (dist.all_reduce(counts, group=group, async_op=True), counts)
 
 

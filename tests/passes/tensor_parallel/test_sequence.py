@@ -66,3 +66,27 @@ def test_a_sequence_tp_does_not_divide_stays_replicated() -> None:
                                                          sequence_parallel=True))
     assert plan.sequence_parallel == () and "tp_reduce" in _roles(memory)
     assert not any(r.startswith("tp_seq") for r in _roles(memory))
+
+
+def test_linears_sharing_a_sequence_gather_save_the_gathered_input_only() -> None:
+    """q, k and v (gate and up) read one gather of the sequence chunk: each saves what it
+    reads, the gathered value, and none keeps the chunk counted beside it."""
+    from cost_model.devices import load_device
+    from passes.annotate_costs import annotate_costs
+    from tests.helpers.models import example
+
+    ex = example("hf_llama")
+    torch.manual_seed(0)
+    args = ex.example_inputs(2)
+    gm = annotate_costs(shape_prop(trace(ex.build_model(), args), args), load_device("a100"))
+    memory, _ = tensor_parallel(gm, TensorParallelism(2, 0, True, ("",),
+                                                      sequence_parallel=True))
+    gathers = [n for n in memory.graph.nodes if meta.TP.get(n) == "tp_seq_gather"]
+    shared = [g for g in gathers if len(g.users) > 1]
+    assert shared  # k_proj and v_proj beside q_proj, up_proj beside gate_proj
+    for g in gathers:
+        full = meta.TENSOR.get(g).nbytes
+        for linear in g.users:
+            keys = meta.SAVED.get(linear).keys
+            assert (g.name, full) in keys, (linear.name, keys)
+            assert all(k.split("[")[0] != g.args[0].name for k, _ in keys), (linear.name, keys)

@@ -168,6 +168,8 @@ class DeviceSpec:
     def to_json(self) -> dict[str, Any]:
         data = versioned_json(self, SCHEMA_VERSION)
         data["sources"] = dict(self.sources)
+        if not self.attention_rates:  # optional: specs without it read as before
+            del data["attention_rates"]
         return data
 
     @classmethod

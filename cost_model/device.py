@@ -23,6 +23,7 @@ SCHEMA_VERSION = 2
 Table = tuple[tuple[float, float], ...]
 OpOverheads = tuple[tuple[str, float, float], ...]
 OpRates = tuple[tuple[str, float, float, float], ...]
+AttentionRates = tuple[tuple[float, float, float], ...]
 
 
 def _interp_log(table: Table, x: float) -> float:
@@ -66,6 +67,11 @@ class DeviceSpec:
     compute_scale: float = 1.0
     overhead_scale: float = 1.0
     pipelined_scale: float = 1.0
+    attention_rates: AttentionRates = ()
+    """(key sequence length, forward, backward FLOP/s on full-square FLOPs) of causal fused
+    attention, sorted by length; where given, ``sdpa`` runs at these (log-interpolated),
+    not at ``op_rates``' one reference size: published kernels run faster on longer
+    sequences."""
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -89,6 +95,13 @@ class DeviceSpec:
             raise bad("op_overheads", "op_overheads needs times >= 0")
         if any(f < 0 or b < 0 or r < 0 for _, f, b, r in self.op_rates):
             raise bad("op_rates", "op_rates needs rates and reference sizes >= 0")
+        rates = self.attention_rates
+        if any(s <= 0 or f <= 0 or b <= 0 for s, f, b in rates) or \
+                [r[0] for r in rates] != sorted(r[0] for r in rates):
+            raise bad("attention_rates", "attention_rates needs (length > 0, forward > 0, "
+                      "backward > 0) rows sorted by length")
+        object.__setattr__(self, "attention_rates", tuple(
+            (float(s), float(f), float(b)) for s, f, b in rates))
         # tables hold floats, as JSON gives them back: a spec equals its round trip
         for name in ("matmul_efficiency", "elementwise_efficiency"):
             object.__setattr__(self, name, tuple((float(x), float(y))
@@ -134,6 +147,15 @@ class DeviceSpec:
                 return fwd, bwd, ref
         return None
 
+    def attention_rate(self, seq: float) -> tuple[float, float] | None:
+        """(forward, backward) FLOP/s of causal fused attention over ``seq`` keys, if the
+        spec has published rates by length (``attention_rates``)."""
+        if not self.attention_rates:
+            return None
+        rows = self.attention_rates
+        return (_interp_log(tuple((s, f) for s, f, _ in rows), max(float(seq), 1.0)),
+                _interp_log(tuple((s, b) for s, _, b in rows), max(float(seq), 1.0)))
+
     def optimizer_time(self, tensors: int, nbytes: float) -> float:
         """Seconds of one optimizer step over ``tensors`` parameters of ``nbytes`` bytes."""
         if tensors <= 0:
@@ -146,6 +168,8 @@ class DeviceSpec:
     def to_json(self) -> dict[str, Any]:
         data = versioned_json(self, SCHEMA_VERSION)
         data["sources"] = dict(self.sources)
+        if not self.attention_rates:  # optional: specs without it read as before
+            del data["attention_rates"]
         return data
 
     @classmethod
@@ -166,7 +190,8 @@ class DeviceSpec:
             raise SMPConfigError.build("a DeviceSpec has exactly the documented fields",
                                        {"unknown": unknown, "missing": missing},
                                        "DeviceSpec.from_json", "re-run `smp-fx calibrate`")
-        for key in ("matmul_efficiency", "elementwise_efficiency", "op_overheads", "op_rates"):
+        for key in ("matmul_efficiency", "elementwise_efficiency", "op_overheads", "op_rates",
+                    "attention_rates"):
             d[key] = tuple(tuple(row) for row in d.get(key, ()))
         d["sources"] = tuple(sorted(dict(d.get("sources", {})).items()))
         return cls(**d)

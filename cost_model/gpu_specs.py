@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from cost_model.device import GB, DeviceSpec, GiB, OpRates, Table
+from cost_model.device import GB, AttentionRates, DeviceSpec, GiB, OpRates, Table
 from cost_model.devices import A100, H100
 
 MEGATRON_FIT: Table = ((16.0, 0.03), (96.0, 0.1163), (160.0, 0.1163), (512.0, 0.7906),
@@ -38,6 +38,38 @@ sequence 1024: 544 TFLOP/s forward, 252 backward, FLOPs counted full-square as
 ``cost_model.flops.sdpa_flops`` counts them (``_GH100_CAL``). FlashAttention-3's paper
 (arXiv 2407.08608) reports up to 740 TFLOP/s forward (fp16, 75 % of peak) on H100:
 longer sequences run faster than this rate says."""
+_FA3_FIGURES = ("FlashAttention-3, Shah et al., arXiv 2407.08608, Figure 5 (forward, causal "
+                "mask, head dimension 128) and Figure 6 (backward, head dimension 128) on "
+                "H100 80GB SXM5, the cuDNN bars at sequence 512-16k")
+HOPPER_TE_ATTENTION: AttentionRates = (
+    (512.0, 630e12, 488e12), (1024.0, 820e12, 652.8e12), (2048.0, 968e12, 744e12),
+    (4096.0, 1036e12, 798.4e12), (8192.0, 1058e12, 828.8e12),
+    (16384.0, 1078e12, 825.6e12))
+"""Causal attention as Transformer Engine runs it on Hopper (cuDNN fused attention: NeMo's
+recipes set ``NVTE_FUSED_ATTN=1``, ``NVTE_FLASH_ATTN=0``, dgxc-benchmarking
+llama3.1/configure.sh), by key length, on full-square FLOPs (``cost_model.flops``): the
+published forward (causal, 315 / 410 / 484 / 518 / 529 / 539 TFLOP/s, counted on half the
+square) times 2; the published backward (305 / 408 / 465 / 499 / 518 / 516, counted as 2.5
+forwards, without mask: no causal backward is published, taken at the same rate per
+FLOP done) times 2 x 2 / 2.5 (``_FA3_FIGURES``)."""
+TE_ATTENTION: dict[str, AttentionRates] = {"h100": HOPPER_TE_ATTENTION,
+                                           "h200": HOPPER_TE_ATTENTION}
+"""The GPUs with published fused-attention rates by sequence length (the H200: the H100's
+compute die)."""
+
+
+def with_te_attention(spec: DeviceSpec) -> DeviceSpec:
+    """``spec`` with Transformer Engine's attention by sequence length where it is published
+    (``TE_ATTENTION``), to price runs made with Megatron-Core; smp-fx's own runs keep the
+    sdpa rate its calibration measured (PyTorch's flash backend)."""
+    rates = TE_ATTENTION.get(spec.name)
+    if rates is None or spec.attention_rates:
+        return spec
+    return dataclasses.replace(spec, attention_rates=rates).with_sources(
+        attention_rates=f"{_FA3_FIGURES}: cuDNN fused attention "
+                        "(what Transformer Engine runs in NeMo's recipes)")
+
+
 BLACKWELL_MATMUL: Table = ((16.0, 0.037), (128.0, 0.26), (512.0, 0.44), (2048.0, 0.447),
                            (4096.0, 0.681), (8192.0, 0.716))
 """bf16 cuBLAS on B200 (PyTorch 2.8, CUDA 12.8) as a fraction of the 2250 TFLOP/s dense

@@ -73,24 +73,29 @@ def op_overhead(op: str, spec: DeviceSpec, *, module: bool = False) -> tuple[flo
 def node_times(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
                out_elems: float, moved: float, dtype: str = "float32",
                gemm_dim: float | None = None, module: bool = False,
-               backward: bool = True) -> tuple[float, float]:
+               backward: bool = True, seq: float | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of one node: its fixed cost plus its work (a measured rate
-    where the spec has one, else the roofline), scaled by the spec's in-model factors."""
+    where the spec has one, else the roofline), scaled by the spec's in-model factors;
+    ``seq``: an attention's key length (``DeviceSpec.attention_rates``)."""
     fixed_f, fixed_b = op_overhead(op, spec, module=module)
     work_f, work_b = _work(op, spec, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
-                           out_elems=out_elems, moved=moved, dtype=dtype, gemm_dim=gemm_dim)
+                           out_elems=out_elems, moved=moved, dtype=dtype, gemm_dim=gemm_dim,
+                           seq=seq)
     fwd = fixed_f * spec.overhead_scale + work_f * spec.compute_scale
     bwd = fixed_b * spec.overhead_scale + work_b * spec.compute_scale
     return fwd, bwd if backward else 0.0
 
 
 def _work(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
-          out_elems: float, moved: float, dtype: str, gemm_dim: float | None
-          ) -> tuple[float, float]:
+          out_elems: float, moved: float, dtype: str, gemm_dim: float | None,
+          seq: float | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of the node's work, its fixed cost left out."""
     kind = kind_of(op)
     if kind == "view":
         return 0.0, 0.0
+    by_length = spec.attention_rate(seq) if kind == "sdpa" and seq else None
+    if by_length is not None:
+        return fwd_flops / by_length[0], bwd_flops / by_length[1]
     rate = spec.op_rate(kind)
     if rate is not None:
         fwd_rate, bwd_rate, ref = rate

@@ -258,7 +258,8 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
         fwd_t, bwd_t = node_times(op, device, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
                                   out_elems=_elements(info), moved=moved, dtype=dtype,
                                   gemm_dim=min(gemm) if gemm else None,
-                                  module=node.op == "call_module", backward=st.rg[node.name])
+                                  module=node.op == "call_module", backward=st.rg[node.name],
+                                  seq=gemm[2] if gemm and op == "sdpa" else None)
     cost = NodeCost(fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_time_s=fwd_t,
                     bwd_time_s=bwd_t, param_bytes=param_bytes, output_bytes=out_bytes,
                     saved_bytes=saved, op=op, known=known)

@@ -223,7 +223,10 @@ def _exits(gm: torch.fx.GraphModule, v: torch.fx.Node, d: int,
             g.erase_node(user)
             continue
         if meta.TP.get(user) == "tp_copy" and gather is not None:
-            user.replace_all_uses_with(gather)  # q, k and v share one gather of the chunk
+            nbytes = int(getattr(meta.TENSOR.get(gather), "nbytes", 0) or 0)
+            for linear in user.users:  # q, k and v share one gather of the chunk: each
+                costs.rename_saved(linear, v.name, gather.name, nbytes)  # saves it, once
+            user.replace_all_uses_with(gather)
             g.erase_node(user)
             continue
         if meta.TP.get(user) == "tp_copy":

@@ -197,10 +197,21 @@ def elementwise_saving(nodes: Sequence[torch.fx.Node], spec: DeviceSpec
         flops = sum(x.fwd_flops for x in costs if x.op in KERNELS)
         out = _nbytes(c[-1])
         one_f, one_b = node_times("sdpa", spec, fwd_flops=flops, bwd_flops=2 * flops,
-                                  out_elems=out / 2, moved=4 * out, dtype="bfloat16")
+                                  out_elems=out / 2, moved=4 * out, dtype="bfloat16",
+                                  seq=_keys(c))
         fwd += sum(x.fwd_time_s for x in costs) - one_f
         bwd += sum(x.bwd_time_s for x in costs) - one_b
     return fwd, bwd
+
+
+def _keys(core: Sequence[torch.fx.Node]) -> float | None:
+    """The key length of an eager attention core: its softmax's last dimension."""
+    for n in core:
+        info = meta.TENSOR.get(n)
+        shape = getattr(info, "shape", None)
+        if _op(n) == "softmax" and shape:
+            return float(shape[-1])
+    return None
 
 
 __all__ = ["KERNELS", "LAYOUT", "eager_cores", "elementwise_saving", "fused_saved"]

@@ -20,6 +20,8 @@ from torch import nn
 
 from cost_model.cluster import ClusterSpec
 from cost_model.collectives import bus_bandwidth
+from cost_model.device import DeviceSpec
+from cost_model.gpu_specs import with_te_attention
 from passes.trace import Frontend, trace
 from smp_fx.planner.layers import Repeats, find_repeats, keep_layers, tidy
 from smp_fx.planner.overlap import MEGATRON_CORE, SMP_FX
@@ -98,6 +100,10 @@ class Profiler:
         self.marked = marked
         self.runtime = runtime
         """Whose runtime runs the plans (``Setting.runtime``): what activations it keeps."""
+        self.device: DeviceSpec = (with_te_attention(cluster.device)
+                                   if runtime == MEGATRON_CORE else cluster.device)
+        """The spec ops are priced on: Megatron-Core's runs take Transformer Engine's
+        attention (``cost_model.gpu_specs.with_te_attention``)."""
         self._cache: dict[tuple[int, int, bool], Profile] = {}
         self._costed: dict[int, torch.fx.GraphModule] = {}
 
@@ -120,7 +126,7 @@ class Profiler:
         if key not in self._cache:
             p = self.prepared
             self._cache[key] = profile(p.graph, p.repeats, p.inputs, mbs, tp, sp,
-                                       self.cluster.device, self.tp_comm(tp), self.marked,
+                                       self.device, self.tp_comm(tp), self.marked,
                                        self.runtime == MEGATRON_CORE, self.costed(mbs))
         return self._cache[key]
 
@@ -129,7 +135,7 @@ class Profiler:
         degree and sp priced at that size (``smp_fx.planner.profile.costed``)."""
         if mbs not in self._costed:
             p = self.prepared
-            self._costed[mbs] = costed(p.graph, p.inputs, mbs, self.cluster.device)
+            self._costed[mbs] = costed(p.graph, p.inputs, mbs, self.device)
         return self._costed[mbs]
 
     @property

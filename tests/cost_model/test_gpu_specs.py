@@ -8,7 +8,12 @@ import pytest
 
 from cost_model.cluster import CLUSTERS, GPU_TYPE
 from cost_model.device import DeviceSpec
-from cost_model.gpu_specs import FITTED_ON, SOURCED_GPUS
+from cost_model.gpu_specs import (
+    FITTED_ON,
+    HOPPER_TE_ATTENTION,
+    SOURCED_GPUS,
+    with_te_attention,
+)
 
 # numbers a GPU's spec holds that a plan at scale reads; the ideal defaults (scales 1.0,
 # no runtime overheads) are not figures and need no source
@@ -47,3 +52,18 @@ def test_every_cluster_runs_a_sourced_gpu_and_has_a_type() -> None:
         assert name in GPU_TYPE
         if GPU_TYPE[name] != "V100":
             assert id(cluster.device) in gpus, name
+
+
+def test_megatron_core_runs_take_transformer_engine_attention_where_published() -> None:
+    """Hopper: cuDNN's causal attention by sequence length (FlashAttention-3's paper),
+    sourced; 8K tokens run faster than 1K; GPUs without a published table are unchanged."""
+    for name in ("h100-sxm", "h200-sxm"):
+        spec = with_te_attention(SOURCED_GPUS[name])
+        assert spec.attention_rates == HOPPER_TE_ATTENTION
+        assert "2407.08608" in spec.source("attention_rates")
+        fwd_1k, bwd_1k = spec.attention_rate(1024) or (0.0, 0.0)
+        fwd_8k, bwd_8k = spec.attention_rate(8192) or (0.0, 0.0)
+        assert fwd_8k > fwd_1k > 0 and bwd_8k > bwd_1k > 0
+        assert not SOURCED_GPUS[name].attention_rates  # smp-fx's own runs: measured sdpa
+    for name in ("a100-80gb", "b200"):
+        assert with_te_attention(SOURCED_GPUS[name]) is SOURCED_GPUS[name]

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 
 from cost_model.device import DeviceSpec
-from cost_model.errors import SMPInternalError
+from cost_model.errors import SMPConfigError, SMPInternalError
 from cost_model.roofline import (
     comm_time,
     kind_of,
@@ -64,3 +65,22 @@ def test_node_times_fixed_part_efficiency_and_rates() -> None:
                       moved=8000) == (pytest.approx(3e-6 + 1.5e-6), pytest.approx(6e-6 + 3e-6))
     assert node_times("transpose", scaled, fwd_flops=0, bwd_flops=0, out_elems=10,
                       moved=80) == (pytest.approx(1.5e-6), pytest.approx(1.5e-6))
+
+
+def test_attention_runs_at_its_published_rate_by_key_length() -> None:
+    rates = ((1024.0, 1e12, 0.5e12), (4096.0, 2e12, 1e12))
+    spec = dataclasses.replace(SPEC, op_rates=(("sdpa", 1e-12, 1e-12, 64.0),),
+                               attention_rates=rates)
+    assert spec.attention_rate(1024) == (1e12, 0.5e12)
+    assert spec.attention_rate(2048) == pytest.approx((1.5e12, 0.75e12))  # log-midway
+    assert spec.attention_rate(65536) == (2e12, 1e12)  # clamped at the longest
+    at = functools.partial(node_times, "sdpa", spec, fwd_flops=2e12, bwd_flops=4e12,
+                           out_elems=0.0, moved=0.0, gemm_dim=64)
+    assert at(seq=4096) == pytest.approx((1.0, 4.0))
+    assert at(seq=1024) == pytest.approx((2.0, 8.0))
+    assert at() == pytest.approx((2.0, 4.0))  # no length: the op_rates entry
+    # a table out of order or with a zero rate is refused where the spec is made
+    for bad in (rates[::-1], ((1024.0, 0.0, 1e12),)):
+        with pytest.raises(SMPConfigError, match="attention_rates"):
+            dataclasses.replace(SPEC, attention_rates=bad)
+    assert DeviceSpec.from_json(spec.to_json()) == spec

@@ -66,3 +66,46 @@ def test_a_sequence_tp_does_not_divide_stays_replicated() -> None:
                                                          sequence_parallel=True))
     assert plan.sequence_parallel == () and "tp_reduce" in _roles(memory)
     assert not any(r.startswith("tp_seq") for r in _roles(memory))
+
+
+class _Split(nn.Module):
+    """A Llama-shaped block: q, k, v and gate, up read one normed input each."""
+
+    def __init__(self, w: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln_1, self.ln_2 = nn.LayerNorm(w), nn.LayerNorm(w)
+        self.q, self.k, self.v, self.o = (nn.Linear(w, w) for _ in range(4))
+        self.gate, self.up, self.down = nn.Linear(w, 2 * w), nn.Linear(w, 2 * w), \
+            nn.Linear(2 * w, w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, w = x.shape
+        h = self.ln_1(x)
+        q, k, v = (p(h).view(b, s, self.heads, -1).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.o(a.transpose(1, 2).reshape(b, s, w))
+        h = self.ln_2(x)
+        return x + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+def test_linears_sharing_a_sequence_gather_save_the_gathered_input_only() -> None:
+    """q, k and v (gate and up) read one gather of the sequence chunk: each saves what it
+    reads, the gathered value, and none keeps the chunk counted beside it."""
+    from cost_model.devices import load_device
+    from passes.annotate_costs import annotate_costs
+
+    torch.manual_seed(0)
+    model, x = nn.Sequential(_Split(), _Split()), torch.randn(2, 8, 16)
+    gm = annotate_costs(shape_prop(trace(model, (x,), {}), (x,)), load_device("a100"))
+    memory, _ = tensor_parallel(gm, TensorParallelism(2, 0, True, ("0", "1"),
+                                                      sequence_parallel=True))
+    gathers = [n for n in memory.graph.nodes if meta.TP.get(n) == "tp_seq_gather"]
+    assert sum(len(g.users) for g in gathers) == 7  # q, k, v of block 1; gate, up of both
+    for g in gathers:
+        full = meta.TENSOR.get(g).nbytes
+        for linear in g.users:
+            keys = meta.SAVED.get(linear).keys
+            assert (g.name, full) in keys, (linear.name, keys)
+            assert all(k.split("[")[0] != g.args[0].name for k, _ in keys), (linear.name, keys)

@@ -178,3 +178,13 @@ def test_gpt_oss_built_eager_and_its_attention_kept_as_flash_under_megatron(
     assert "built with eager attention" in caplog.text
     assert kept["megatron-core", 64] == pytest.approx(2 * kept["megatron-core", 32], rel=0.01)
     assert kept["smp-fx", 64] > 2.2 * kept["smp-fx", 32]  # eager keeps s x s scores
+
+
+def test_megatron_runs_price_attention_as_transformer_engine_runs_it(
+        llama_shaped: dict[str, Profiler]) -> None:
+    """Megatron-Core's runs take cuDNN's published attention by sequence length; smp-fx's
+    keep the sdpa rate its calibration measured."""
+    mc, own = llama_shaped["megatron-core"], llama_shaped["smp-fx"]
+    assert mc.device.attention_rates and not own.device.attention_rates
+    assert mc.device.attention_rate(S) != own.device.attention_rate(S)
+    assert own.device is CLUSTER.device

@@ -34,11 +34,11 @@ demo: $(STAMP)
 	$(PY) examples/demo.py
 
 test: $(STAMP) $(TF4_STAMP)
-	$(PY) -m pytest -q -n 2 --dist loadgroup --durations=25  # testpaths: tests/ and the packages' docstring examples; two workers, tests/conftest.py
+	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25  # testpaths: tests/ and the packages' docstring examples; two workers, tests/conftest.py
 	$(MAKE) --no-print-directory test-transformers4
 
 test-transformers4: $(TF4_STAMP)  # the Hugging Face Trainer and zoo tests with transformers 4.x
-	$(TF4_PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadgroup tests/examples/test_hf_trainer.py \
+	$(TF4_PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests/examples/test_hf_trainer.py \
 		tests/examples/test_hf_use_cache.py tests/smp_fx/ckpt/test_safe_load.py \
 		tests/examples/test_hf_zoo_pipeline.py tests/smp_fx/nn/huggingface/test_gptneox_rope.py
 

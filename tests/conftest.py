@@ -15,6 +15,12 @@ intra-op thread where asked, and a check that a test which starts processes is m
 * ``_spawning_is_marked``: a test that starts a process (a ``subprocess`` or a
   ``multiprocessing`` process, e.g. the ranks of ``run_ranks``) must carry
   ``@pytest.mark.multiproc``, so ``-m "not multiproc"`` runs in this process only.
+
+``make test`` runs the suite on two pytest-xdist workers with ``--dist loadfile``: each test
+file runs whole on one worker, so a file's batched spawn (``run_ranks`` results kept in a
+module-level cache for its parametrized tests) runs once. (``--dist loadgroup`` with
+``xdist_group`` marks groups nothing under pytest 9.2, pytest-xdist issue 1386: the tests
+went one by one to either worker, and such a spawn ran once on each.)
 """
 
 from __future__ import annotations
@@ -75,15 +81,3 @@ def _spawning_is_marked(request: pytest.FixtureRequest) -> Iterator[None]:
         pytest.fail(f"{request.node.nodeid} started {len(started)} process(es) "
                     f"({started[0]}, ...) without @pytest.mark.multiproc: mark it, so "
                     "-m 'not multiproc' runs in one process", pytrace=False)
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (``-n 2 --dist loadgroup``, as ``make test`` runs) the suite is two
-    groups, one per worker: the tests that start processes (their ranks are sized for this
-    machine's cores and their timeouts for that load) and the in-process ones. Each worker
-    then runs its tests in the order a serial run takes them, never interleaved."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        starts = item.get_closest_marker("multiproc") is not None
-        item.add_marker(pytest.mark.xdist_group("processes" if starts else "in_process"))

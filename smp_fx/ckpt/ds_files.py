@@ -11,9 +11,9 @@ from collections import OrderedDict
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from smp_fx.ckpt.view import Ranks
+from smp_fx.parallel.dtensor_check import is_dtensor
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ def files(folder: str, model: Any, optimizer: Any, model_state: Any, ranks: Rank
     for group in _named_groups(model, optimizer):
         parts = []
         for _, p in group:
-            whole = p.full_tensor() if isinstance(p, DTensor) else p
+            whole = p.full_tensor() if is_dtensor(p) else p
             parts.append(_deepspeed_part(whole, rank, size))
         groups.append(torch.cat(parts) if parts else torch.zeros(0))
     if first_replica:

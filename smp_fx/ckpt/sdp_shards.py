@@ -5,15 +5,19 @@ costs one stage's full state during the save. See docs/checkpoints.md.
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
-from torch.distributed.tensor import DTensor, distribute_tensor
+
+from smp_fx.parallel.dtensor_check import is_dtensor
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def whole(value: Any) -> Any:
     """``value`` (a state dict, nested) with every ``DTensor`` gathered to a plain tensor."""
-    if isinstance(value, DTensor):
+    if is_dtensor(value):
         return value.full_tensor()
     if isinstance(value, dict):
         return type(value)((k, whole(v)) for k, v in value.items())
@@ -25,7 +29,9 @@ def whole(value: Any) -> Any:
 def shard_like(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     """``value`` (whole) as a tensor like ``target``: this rank's shard when ``target`` is a
     ``DTensor``, else ``value`` itself."""
-    if isinstance(target, DTensor) and not isinstance(value, DTensor):
+    if is_dtensor(target) and not is_dtensor(value):
+        from torch.distributed.tensor import distribute_tensor  # loaded: target is one
+
         return distribute_tensor(value.to(target.dtype), target.device_mesh, target.placements,
                                  src_data_rank=None)
     return value
@@ -33,8 +39,8 @@ def shard_like(target: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 def assign(target: torch.Tensor, value: torch.Tensor) -> None:
     """Copy a whole ``value`` into ``target`` (a parameter, perhaps a shard)."""
-    if isinstance(target, DTensor):
-        target.to_local().copy_(cast(DTensor, shard_like(target, value)).to_local())
+    if is_dtensor(target):
+        target.to_local().copy_(cast("DTensor", shard_like(target, value)).to_local())
     else:
         target.copy_(value)
 
@@ -45,11 +51,11 @@ def reshard_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
     other scalars stay as loaded)."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if not isinstance(p, DTensor):
+            if not is_dtensor(p):
                 continue
             entry = optimizer.state.get(p, {})
             for key, value in list(entry.items()):
-                if isinstance(value, torch.Tensor) and not isinstance(value, DTensor) \
+                if isinstance(value, torch.Tensor) and not is_dtensor(value) \
                         and tuple(value.shape) == tuple(p.shape):
                     entry[key] = shard_like(p, value)
 

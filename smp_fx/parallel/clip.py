@@ -25,13 +25,8 @@ import torch.distributed as dist
 from torch import nn
 
 from cost_model.errors import SMPRuntimeError
+from smp_fx.parallel.dtensor_check import is_dtensor
 from smp_fx.world import context, expert_groups, state
-
-try:  # FSDP2's gradients; absent on torch builds without torch.distributed.tensor
-    from torch.distributed.tensor import DTensor, Shard
-except ImportError:  # pragma: no cover
-    DTensor = None  # type: ignore[assignment,misc]
-    Shard = None  # type: ignore[assignment,misc]
 
 
 @dataclass(frozen=True)
@@ -92,7 +87,7 @@ def global_norm(scope: NormScope, counted: Sequence[torch.Tensor], norm_type: fl
         raise SMPRuntimeError.build("norm_type must be > 0 or inf", norm_type,
                                     "smp clip_grad_norm_", "use 2.0 (default), 1.0 or inf")
     device = counted[0].device if counted else scope.device
-    plain = [g for g in counted if not _is_dtensor(g)]
+    plain = [g for g in counted if not is_dtensor(g)]
     # ZeRO-1 (``extra_groups``): each expert slice is counted by its one owner per edp group
     experts = set() if extra_groups else _expert_grads()
     total = _power_sum([g.detach() for g in plain if id(g) not in experts], p, device)
@@ -153,10 +148,6 @@ def _expert_grads() -> set[int]:
             if n in names and p.grad is not None}
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return DTensor is not None and isinstance(t, DTensor)
-
-
 def _local(t: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``t`` (a DTensor's local shard, else ``t`` itself)."""
     local: torch.Tensor = getattr(t, "_local_tensor", t)
@@ -172,8 +163,10 @@ def _sharded(tensors: Sequence[torch.Tensor]) -> dict[Any, list[torch.Tensor]]:
     (their local shards, detached)."""
     out: dict[Any, list[torch.Tensor]] = {}
     for t in tensors:
-        if not _is_dtensor(t):
+        if not is_dtensor(t):
             continue
+        from torch.distributed.tensor import Shard  # loaded: t is a DTensor
+
         dt: Any = t
         dims = [d for d, pl in enumerate(dt.placements) if isinstance(pl, Shard)]
         if len(dims) != 1:

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
-from torch.distributed.tensor import DTensor
 
 from cost_model.errors import SMPConfigError
+from smp_fx.parallel.dtensor_check import is_dtensor
 from smp_fx.world import state
 
 SOURCE = "_smp_fx_ds_source"
@@ -33,7 +33,7 @@ def coords(st: state.State) -> tuple[int, int]:
 def partition(t: torch.Tensor, rank: int, size: int) -> torch.Tensor:
     """The flat partition of ``t`` on shard ``rank`` of ``size`` (module docstring): a view."""
     with torch.no_grad():
-        if isinstance(t, DTensor):
+        if is_dtensor(t):
             return t.to_local().detach().view(-1)
         whole = t.detach().reshape(1) if t.dim() == 0 else t.detach()
         rows = -(-whole.shape[0] // size)

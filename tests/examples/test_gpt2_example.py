@@ -64,8 +64,10 @@ def _close(got: dict[str, Any], want: dict[str, Any], steps: list[int], what: st
 @pytest.mark.multiproc
 @pytest.mark.timeout(900)
 def test_example_trains_like_one_process_and_resumes_exactly(tmp_path: Path) -> None:
+    from examples.train_gpt2_smp import make_data  # what --make_data runs, one process less
+
     data = tmp_path / "data"
-    subprocess.run([sys.executable, SCRIPT, "--make_data", str(data)], cwd=REPO, check=True)
+    make_data(str(data))
     common = ["--training-dir", str(data), "--max_steps", "5"]
     ref_proc = _start(1, common, tmp_path / "ref.json")
     runs = {

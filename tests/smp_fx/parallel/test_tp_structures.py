@@ -162,7 +162,7 @@ def _results() -> list[dict[str, dict[str, Any]]]:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(700)  # the first parameter runs the 13-model spawn (run_ranks timeout 600): 37-141 s at load 2-20
+@pytest.mark.timeout(700)  # the first parameter runs the 13-model spawn (run_ranks: 600 s)
 @pytest.mark.parametrize("arch", list(SHAPES))
 def test_structure_matches_one_process_with_its_shards(arch: str) -> None:
     for rank, results in enumerate(_results()):

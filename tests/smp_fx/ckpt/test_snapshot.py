@@ -24,10 +24,11 @@ def _fresh(one_thread: None) -> None:
     init(2, 2, "interleaved")
 
 
+@pytest.mark.parametrize("name", ["gpt", "hf_llama", "hf_bert", "cnn"])
 def test_the_step_after_an_async_save_runs_before_its_copy_and_the_checkpoint_is_exact(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     path = str(tmp_path)
-    run = Run(seed=0)
+    run = Run(seed=0, name=name)
     run.step(1)
     order: list[str] = []
     go = threading.Event()

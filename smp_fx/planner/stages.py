@@ -57,6 +57,8 @@ class Ranks:
     """Bytes each MoE dispatch all-to-all sends each way, summed per rank per microbatch."""
     kv: tuple[int, ...] = ()
     """Bytes of keys and values context parallelism gathers, per rank per microbatch."""
+    output_bytes: int = 0
+    """The model's outputs per microbatch (``Profile.output_bytes``)."""
 
 
 def chunk_ranks(p: int, v: int, schedule: str) -> list[int]:
@@ -218,7 +220,7 @@ def rank_loads(profile: Profile, recompute: str, p: int, v: int, schedule: str,
                  tuple(k + once for k, once in zip(kept, relayed, strict=True)),
                  tuple(transient), tuple(flops), tuple(layers), tuple(hops),
                  max(part.param_elems for part in profile.parts), tuple(small), tuple(experts),
-                 tuple(dispatch), tuple(kv))
+                 tuple(dispatch), tuple(kv), profile.output_bytes)
 
 
 __all__ = ["Ranks", "chunk_ranks", "chunks_of", "rank_loads", "split_layers"]

@@ -59,6 +59,7 @@ from cost_model.collectives import Collective, Fabric, collective_time, p2p_time
 from cost_model.memory import MemoryPerGPU, memory_per_gpu, state_bytes
 from cost_model.schedule_cost import RankTimes, ScheduleCost, in_flight_at, price_schedule
 from smp_fx.planner.candidate import Candidate
+from smp_fx.planner.megatron_loss import loss_times
 from smp_fx.planner.overlap import (
     MEGATRON_CORE,
     hide_tp,
@@ -222,8 +223,8 @@ def links(c: Candidate, ranks: Ranks, setting: Setting) -> Links:
         occupancy[(stage + 1) % p] += tb
     hop = (send_f + send_b) / (2 * len(ranks.hops)) if ranks.hops else 0.0
     times = []
-    base = ranks.times if setting.runtime != MEGATRON_CORE else hide_tp(ranks.times,
-                                                                         ranks.tp_s)
+    base = ranks.times if setting.runtime != MEGATRON_CORE else _with_loss(
+        hide_tp(ranks.times, ranks.tp_s), c, ranks, setting)
     for r, t in enumerate(base):
         scale = occupancy[r] / t.total_s if t.total_s > 0 and occupancy[r] > t.total_s else 1.0
         times.append(RankTimes(t.fwd_s * scale, t.bwd_s * scale, t.wgrad_s * scale))
@@ -233,6 +234,17 @@ def links(c: Candidate, ranks: Ranks, setting: Setting) -> Links:
                  np.array(ranks.tensors, dtype=np.float64),
                  np.array(ranks.layers, dtype=np.float64),
                  max((g for _, g in ranks.hops), default=0))
+
+
+def _with_loss(times: tuple[RankTimes, ...], c: Candidate, ranks: Ranks,
+               setting: Setting) -> tuple[RankTimes, ...]:
+    """``times`` with Megatron-Core's cross entropy (``smp_fx.planner.megatron_loss``) on
+    the rank holding the last chunk, per microbatch."""
+    size = 4 if setting.precision == "fp32" else 2
+    fwd, bwd = loss_times(ranks.output_bytes, size, c.tp, setting.cluster.device)
+    last = chunk_ranks(c.pp, c.vp, c.schedule)[-1]
+    return tuple(RankTimes(t.fwd_s + fwd, t.bwd_s + bwd, t.wgrad_s) if r == last else t
+                 for r, t in enumerate(times))
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from plan_validation import Run, prepared_for, read_runs  # noqa: E402
+from plan_validation import Run, cluster_for, prepared_for, read_runs  # noqa: E402
 
-from cost_model.cluster import get_cluster  # noqa: E402
 from cost_model.errors import SMPError  # noqa: E402
 from cost_model.roofline import GEMM_KINDS, kind_of  # noqa: E402
 from passes import meta  # noqa: E402
@@ -57,7 +56,7 @@ def layer_kinds(planned: Planned, mbs: int) -> dict[str, float]:
 
 def diagnose(run: Run) -> str:
     """One row: ratio and where its predicted step goes (module docstring)."""
-    setting = Setting(get_cluster(run.cluster), run.gpus, run.global_batch, run.precision,
+    setting = Setting(cluster_for(run), run.gpus, run.global_batch, run.precision,
                       runtime=run.runtime)
     planned = plan(prepared_for(run), setting, fixed=run.fix(), top_k=1)
     best = planned.result.ranked[0]

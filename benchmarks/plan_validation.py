@@ -35,9 +35,9 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from models.gpt import build_model, example_inputs  # noqa: E402
 
-from cost_model.cluster import get_cluster  # noqa: E402
+from cost_model.cluster import ClusterSpec, get_cluster  # noqa: E402
 from cost_model.errors import SMPError  # noqa: E402
-from cost_model.gpu_specs import FITTED_ON  # noqa: E402
+from cost_model.gpu_specs import FITTED_ON, with_attention  # noqa: E402
 from smp_fx.planner.hf_config import prepare_config  # noqa: E402
 from smp_fx.planner.model import Prepared, prepare  # noqa: E402
 from smp_fx.planner.planner import plan  # noqa: E402
@@ -90,6 +90,9 @@ class Run:
     tokens_per_gpu_s: float | None
     fitted: bool
     source: str
+    attention: str | None = None
+    """Transformer Engine's attention backend where the recipe picks one
+    (``cost_model.gpu_specs.ATTENTION_BACKENDS``); blank: the GPU's default."""
 
     def step_flops(self) -> float:
         """FLOPs per step as the source counts them (the file's header)."""
@@ -149,7 +152,7 @@ def read_runs(path: Path = DATA) -> list[Run]:
             r["zero"].strip() or None, r["precision"], r["runtime"], r["flops"],
             r["metric"], float(r["published"]),
             float(r["tokens_per_gpu_s"]) if r["tokens_per_gpu_s"].strip() else None,
-            r["fitted"] == "yes", r["source"]))
+            r["fitted"] == "yes", r["source"], (r.get("attention") or "").strip() or None))
     return out
 
 
@@ -172,9 +175,17 @@ def prepared_for(run: Run) -> Prepared:
                      run.precision, run.config or f"gpt {run.layers}x{run.hidden}")
 
 
+def cluster_for(run: Run) -> ClusterSpec:
+    """The run's cluster, its GPU with the attention backend the run's recipe picks."""
+    cluster = get_cluster(run.cluster)
+    if run.attention is None:
+        return cluster
+    return dataclasses.replace(cluster, device=with_attention(cluster.device, run.attention))
+
+
 def price(run: Run, prep: Prepared | None = None) -> tuple[float, str]:
     """(predicted TFLOP/s per GPU by the source's count, the plan priced)."""
-    setting = Setting(get_cluster(run.cluster), run.gpus, run.global_batch, run.precision,
+    setting = Setting(cluster_for(run), run.gpus, run.global_batch, run.precision,
                       runtime=run.runtime)
     best = plan(prep or prepared_for(run), setting, fixed=run.fix(), top_k=1).best
     return run.step_flops() / run.gpus / best.step_time_s / 1e12, best.candidate.label()

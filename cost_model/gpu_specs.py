@@ -58,6 +58,36 @@ TE_ATTENTION: dict[str, AttentionRates] = {"h100": HOPPER_TE_ATTENTION,
 compute die)."""
 
 
+HOPPER_FLASH2_ATTENTION: AttentionRates = (
+    (512.0, 382e12, 342.4e12), (1024.0, 520e12, 416e12), (2048.0, 596e12, 465.6e12),
+    (4096.0, 638e12, 496e12), (8192.0, 666e12, 508.8e12), (16384.0, 670e12, 515.2e12))
+"""Causal attention as Transformer Engine runs it on Hopper with ``NVTE_FUSED_ATTN=0``: its
+FlashAttention backend (flash-attn 2), by key length, on full-square FLOPs: the
+FlashAttention-2 bars of the figures ``HOPPER_TE_ATTENTION`` reads (forward, causal: 191 /
+260 / 298 / 319 / 333 / 335 TFLOP/s, times 2; backward: 214 / 260 / 291 / 310 / 318 / 322,
+times 2 x 2 / 2.5), with the same conversions (``_FA3_FIGURES``)."""
+ATTENTION_BACKENDS: dict[str, dict[str, AttentionRates]] = {
+    "cudnn": TE_ATTENTION,
+    "flash2": {"h100": HOPPER_FLASH2_ATTENTION, "h200": HOPPER_FLASH2_ATTENTION}}
+"""Transformer Engine's attention backends with published Hopper rates: ``cudnn`` (its
+FusedAttention, preferred on Hopper by TE's ``get_attention_backend``) and ``flash2``."""
+
+
+def with_attention(spec: DeviceSpec, backend: str) -> DeviceSpec:
+    """``spec`` with the published rates of one of Transformer Engine's attention backends
+    (``ATTENTION_BACKENDS``), for a run whose recipe picks it; an error for a backend or
+    GPU without published rates."""
+    rates = ATTENTION_BACKENDS.get(backend, {}).get(spec.name)
+    if rates is None:
+        raise ValueError(f"attention backend {backend!r} on {spec.name!r}: no published "
+                         f"rates (known: {sorted(ATTENTION_BACKENDS)} on h100, h200); "
+                         "leave the backend blank for the GPU's default")
+    where = _FA3_FIGURES + (": cuDNN fused attention" if backend == "cudnn"
+                            else ": the FlashAttention-2 bars")
+    return dataclasses.replace(spec, attention_rates=rates).with_sources(
+        attention_rates=where)
+
+
 def with_te_attention(spec: DeviceSpec) -> DeviceSpec:
     """``spec`` with Transformer Engine's attention by sequence length where it is published
     (``TE_ATTENTION``), to price runs made with Megatron-Core; smp-fx's own runs keep the

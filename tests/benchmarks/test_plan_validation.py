@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import plan_validation as pv  # noqa: E402
 
 from cost_model.cluster import GPU_TYPE, get_cluster  # noqa: E402
+from cost_model.gpu_specs import with_attention  # noqa: E402
 
 
 def test_every_row_parses_and_names_its_source() -> None:
@@ -29,6 +30,20 @@ def test_every_row_parses_and_names_its_source() -> None:
             < 0.7, r.id  # a published MFU, whatever the metric (MoE runs publish 7-16 %)
     assert {r.gpu for r in runs if r.fitted} == {"A100"}
     assert len({r.gpu for r in runs if not r.fitted}) >= 3
+
+
+def test_a_recipes_attention_backend_is_read_and_priced() -> None:
+    """NeMo's GPT-3 175B recipe sets NVTE_FUSED_ATTN=0 (flash attention); the rest run
+    Transformer Engine's default (blank)."""
+    runs = pv.read_runs()
+    assert {r.id for r in runs if r.attention == "flash2"} == {
+        r.id for r in runs if r.id.startswith("nemo-24.11-h100-175b-")}
+    assert {r.attention for r in runs} == {None, "flash2"}
+    gpt3 = next(r for r in runs if r.attention)
+    assert pv.cluster_for(gpt3).device.attention_rates == \
+        with_attention(get_cluster(gpt3.cluster).device, "flash2").attention_rates
+    plain = next(r for r in runs if r.id == "megatron-core-h100-1.7b")
+    assert pv.cluster_for(plain) == get_cluster(plain.cluster)
 
 
 def test_the_flop_counts_are_the_sources() -> None:

@@ -10,8 +10,10 @@ from cost_model.cluster import CLUSTERS, GPU_TYPE
 from cost_model.device import DeviceSpec
 from cost_model.gpu_specs import (
     FITTED_ON,
+    HOPPER_FLASH2_ATTENTION,
     HOPPER_TE_ATTENTION,
     SOURCED_GPUS,
+    with_attention,
     with_te_attention,
 )
 
@@ -67,3 +69,26 @@ def test_megatron_core_runs_take_transformer_engine_attention_where_published() 
         assert not SOURCED_GPUS[name].attention_rates  # smp-fx's own runs: measured sdpa
     for name in ("a100-80gb", "b200"):
         assert with_te_attention(SOURCED_GPUS[name]) is SOURCED_GPUS[name]
+
+
+def test_a_recipe_that_turns_cudnn_off_takes_flash_attention_2s_published_rates() -> None:
+    """FlashAttention-3's paper's FlashAttention-2 bars (causal forward, backward) on
+    full-square FLOPs: forward x 2, backward x 2 x 2 / 2.5; slower than cuDNN at every
+    length; no table for other GPUs or backends: an error, not a silent default."""
+    fwd_bars = (191, 260, 298, 319, 333, 335)
+    bwd_bars = (214, 260, 291, 310, 318, 322)
+    for (seq, fwd, bwd), f, b in zip(HOPPER_FLASH2_ATTENTION, fwd_bars, bwd_bars,
+                                     strict=True):
+        assert fwd == pytest.approx(2 * f * 1e12) and bwd == pytest.approx(1.6 * b * 1e12)
+    spec = with_attention(SOURCED_GPUS["h100-sxm"], "flash2")
+    assert spec.attention_rates == HOPPER_FLASH2_ATTENTION
+    assert "FlashAttention-2" in spec.source("attention_rates")
+    assert with_te_attention(spec) is spec  # Megatron-Core's runs keep the recipe's pick
+    assert with_attention(SOURCED_GPUS["h200-sxm"], "cudnn").attention_rates == \
+        HOPPER_TE_ATTENTION
+    for (_, f2, b2), (_, fc, bc) in zip(HOPPER_FLASH2_ATTENTION, HOPPER_TE_ATTENTION,
+                                        strict=True):
+        assert f2 < fc and b2 < bc
+    for name, backend in (("a100-80gb", "flash2"), ("h100-sxm", "flash3")):
+        with pytest.raises(ValueError, match="no published rates"):
+            with_attention(SOURCED_GPUS[name], backend)

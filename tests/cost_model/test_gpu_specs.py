@@ -77,8 +77,9 @@ def test_a_recipe_that_turns_cudnn_off_takes_flash_attention_2s_published_rates(
     length; no table for other GPUs or backends: an error, not a silent default."""
     fwd_bars = (191, 260, 298, 319, 333, 335)
     bwd_bars = (214, 260, 291, 310, 318, 322)
-    for (seq, fwd, bwd), f, b in zip(HOPPER_FLASH2_ATTENTION, fwd_bars, bwd_bars,
-                                     strict=True):
+    for i, ((seq, fwd, bwd), f, b) in enumerate(zip(HOPPER_FLASH2_ATTENTION, fwd_bars,
+                                                    bwd_bars, strict=True)):
+        assert seq == 512 * 2**i  # the figures' lengths, 512 to 16K
         assert fwd == pytest.approx(2 * f * 1e12) and bwd == pytest.approx(1.6 * b * 1e12)
     spec = with_attention(SOURCED_GPUS["h100-sxm"], "flash2")
     assert spec.attention_rates == HOPPER_FLASH2_ATTENTION

@@ -15,6 +15,7 @@ from typing import Any
 from cost_model.errors import SMPConfigError
 from smp_fx.planner.candidate import Candidate
 from smp_fx.planner.model import Prepared, Profiler
+from smp_fx.planner.overlap import MEGATRON_CORE
 from smp_fx.planner.result import PlanRecord, explain, record
 from smp_fx.planner.search import Allowed, Progress, SearchResult, check_fixed, search
 from smp_fx.planner.stages import Ranks, rank_loads
@@ -42,7 +43,8 @@ class Planned:
         """What each pipeline rank of candidate ``c`` holds (for the timeline)."""
         prof = self.profiler(c.mbs, c.tp, c.sp)
         out = rank_loads(prof, c.recompute, c.pp, c.vp, c.schedule,
-                         self.setting.cluster.device, self.setting.compute_factor)
+                         self.setting.cluster.device, self.setting.compute_factor,
+                         self.setting.runtime == MEGATRON_CORE)
         assert out is not None
         return out
 

@@ -51,6 +51,7 @@ from passes.context_parallel.collectives import local_index
 from smp_fx.planner.candidate import Candidate
 from smp_fx.planner.exchange import expert_count
 from smp_fx.planner.model import Profiler
+from smp_fx.planner.overlap import MEGATRON_CORE
 from smp_fx.planner.profile import Profile
 from smp_fx.planner.smp_config import refusal
 from smp_fx.planner.stages import Ranks, rank_loads
@@ -144,6 +145,7 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
     gpn = setting.cluster.gpus_per_node
     usable = setting.cluster.usable_memory_bytes
     layers = profiler.prepared.info.layers
+    even = setting.runtime == MEGATRON_CORE  # its layer split (smp_fx.planner.stages)
     heap: list[tuple[float, int, Priced]] = []
     result = SearchResult([], 0, 0, None)
     loads: dict[tuple[Any, ...], Ranks | None] = {}
@@ -226,10 +228,13 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
                             if key not in loads:
                                 loads[key] = rank_loads(prof, rc, pp, v, sched,
                                                         setting.cluster.device,
-                                                        setting.compute_factor)
+                                                        setting.compute_factor, even)
                             ranks = loads[key]
                             if ranks is None:
-                                refuse(f"pp x vp = {pp * v} chunks exceed the model's parts")
+                                refuse(f"pp x vp = {pp * v} chunks exceed the model's parts"
+                                       if not even or pp * v > layers else
+                                       f"Megatron-Core splits the {layers} layers evenly: "
+                                       f"pp x vp = {pp * v} chunks do not divide them")
                                 continue
                             link = link_of.get(key)
                             pipes: dict[int, Pipeline] = {}

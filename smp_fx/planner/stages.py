@@ -124,16 +124,20 @@ def _chain_cuts(times: tuple[float, ...], k: int) -> tuple[int, ...]:
     return solve(np.zeros(len(times)), k, time=np.asarray(times)).cuts
 
 
-def chunks_of(profile: Profile, recompute: str, k: int) -> list[list[tuple[PartCost, int]]] | None:
+def chunks_of(profile: Profile, recompute: str, k: int, even: bool = False
+              ) -> list[list[tuple[PartCost, int]]] | None:
     """Each chunk's parts as (part, copies), or None when the model has fewer parts than
-    ``k`` chunks need."""
+    ``k`` chunks need. ``even``: every chunk takes n / k layers, as Megatron-Core builds
+    them (``get_num_layers_to_build``, core_r0.8.0; its arguments require k to divide
+    n), None where it does not; the head and tail ride on the first and last chunk."""
     if profile.layers:
         head, first, layer, tail = profile.parts
         n = profile.layers
-        if k > n:
+        if k > n or (even and n % k):
             return None
         t = [sum(p.times(recompute)) for p in profile.parts]
-        counts = split_layers(t[0], t[1], t[2], t[3], n, k)
+        counts = ((n // k,) * k if even else
+                  split_layers(t[0], t[1], t[2], t[3], n, k))
         out, start = [], 0
         for i, c in enumerate(counts):
             chunk: list[tuple[PartCost, int]] = []
@@ -158,12 +162,14 @@ def chunks_of(profile: Profile, recompute: str, k: int) -> list[list[tuple[PartC
 
 
 def rank_loads(profile: Profile, recompute: str, p: int, v: int, schedule: str,
-               spec: DeviceSpec, compute_factor: float = 1.0) -> Ranks | None:
+               spec: DeviceSpec, compute_factor: float = 1.0, even: bool = False
+               ) -> Ranks | None:
     """Each rank's share (module docstring) with the runtime's cost per action and message;
     ``compute_factor`` slows compute (not collectives) down, times the spec's
-    ``pipelined_scale`` past one stage."""
+    ``pipelined_scale`` past one stage; ``even``: Megatron-Core's layer split
+    (``chunks_of``)."""
     k = p * v
-    chunks = chunks_of(profile, recompute, k)
+    chunks = chunks_of(profile, recompute, k, even)
     if chunks is None:
         return None
     factor = compute_factor * (spec.pipelined_scale if p > 1 else 1.0)

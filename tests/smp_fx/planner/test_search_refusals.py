@@ -78,3 +78,16 @@ def test_a_sequence_cp_cannot_cut_is_skipped_with_the_runtime_s_reason(llama) ->
     assert 8 in {r.cp for r in planned.records}
     assert any(why.startswith("cp 16:") and "multiple of 32" in why
                for why in planned.result.refused)
+
+
+def test_megatron_core_runs_only_splits_that_divide_the_layers(llama) -> None:
+    """Its four layers over pp 3 leave a remainder: Megatron-Core does not build that
+    (get_num_layers_to_build, and its arguments' check); smp-fx's own runtime does."""
+    fixed = {**SMALL, "tp": 1, "cp": 1, "ep": 1}
+    core = plan(llama, Setting(CLUSTER, 12, 12, runtime="megatron-core"), fixed=fixed,
+                top_k=10**6)
+    mine = plan(llama, Setting(CLUSTER, 12, 12), fixed=fixed, top_k=10**6)
+    assert 3 in {r.pp for r in mine.records} and 3 not in {r.pp for r in core.records}
+    assert core.result.refused.get(
+        "Megatron-Core splits the 4 layers evenly: pp x vp = 3 chunks do not divide them")
+    assert {r.pp for r in core.records} == {1, 2, 4}

@@ -67,6 +67,19 @@ def test_rank_loads_sum_to_the_model() -> None:
     assert rank_loads(prof, "none", 4, 4, "interleaved", spec) is None  # 16 chunks, 8 layers
 
 
+def test_megatron_cores_split_gives_every_chunk_the_same_layers() -> None:
+    """Megatron-Core builds n / (pp x vp) layers per chunk whatever the head and tail
+    weigh (get_num_layers_to_build), and does not run a split that leaves a remainder."""
+    prof = Profiler(prepare(tiny_gpt(8), gpt_inputs), link_cluster())(2, 1, False)
+    spec = get_device("a100")
+    for pp, v, sched in ((2, 1, "interleaved"), (4, 1, "interleaved"), (2, 2, "interleaved"),
+                         (2, 2, "zbv"), (8, 1, "interleaved")):
+        ranks = rank_loads(prof, "none", pp, v, sched, spec, even=True)
+        assert ranks is not None and ranks.layers == (8 // pp,) * pp
+    for pp, v in ((3, 1), (2, 3), (4, 4)):
+        assert rank_loads(prof, "none", pp, v, "interleaved", spec, even=True) is None
+
+
 def test_recomputed_layers_share_the_causal_mask_they_keep() -> None:
     pytest.importorskip("transformers")
     from pathlib import Path

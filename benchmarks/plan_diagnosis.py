@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from plan_validation import Run, cluster_for, prepared_for, read_runs  # noqa: E402
+from plan_validation import Run, prepared_for, read_runs, setting_for  # noqa: E402
 
 from cost_model.errors import SMPError  # noqa: E402
 from cost_model.roofline import GEMM_KINDS, kind_of  # noqa: E402
@@ -28,7 +28,7 @@ from passes.tensor_parallel.costs import COLLECTIVES  # noqa: E402
 from smp_fx.planner.layers import KEPT  # noqa: E402
 from smp_fx.planner.planner import Planned, plan  # noqa: E402
 from smp_fx.planner.profile import split_parts  # noqa: E402
-from smp_fx.planner.step import Setting, links, price  # noqa: E402
+from smp_fx.planner.step import links, price  # noqa: E402
 
 
 def layer_kinds(planned: Planned, mbs: int) -> dict[str, float]:
@@ -56,8 +56,7 @@ def layer_kinds(planned: Planned, mbs: int) -> dict[str, float]:
 
 def diagnose(run: Run) -> str:
     """One row: ratio and where its predicted step goes (module docstring)."""
-    setting = Setting(cluster_for(run), run.gpus, run.global_batch, run.precision,
-                      runtime=run.runtime)
+    setting = setting_for(run)
     planned = plan(prepared_for(run), setting, fixed=run.fix(), top_k=1)
     best = planned.result.ranked[0]
     c = best.candidate

@@ -93,6 +93,9 @@ class Run:
     attention: str | None = None
     """Transformer Engine's attention backend where the recipe picks one
     (``cost_model.gpu_specs.ATTENTION_BACKENDS``); blank: the GPU's default."""
+    grads: str = "fp32"
+    """Megatron-Core's gradient buffer and reduction dtype (``Setting.megatron_grads``);
+    blank: fp32, its default."""
 
     def step_flops(self) -> float:
         """FLOPs per step as the source counts them (the file's header)."""
@@ -152,7 +155,8 @@ def read_runs(path: Path = DATA) -> list[Run]:
             r["zero"].strip() or None, r["precision"], r["runtime"], r["flops"],
             r["metric"], float(r["published"]),
             float(r["tokens_per_gpu_s"]) if r["tokens_per_gpu_s"].strip() else None,
-            r["fitted"] == "yes", r["source"], (r.get("attention") or "").strip() or None))
+            r["fitted"] == "yes", r["source"], (r.get("attention") or "").strip() or None,
+            (r.get("grads") or "").strip() or "fp32"))
     return out
 
 
@@ -183,11 +187,15 @@ def cluster_for(run: Run) -> ClusterSpec:
     return dataclasses.replace(cluster, device=with_attention(cluster.device, run.attention))
 
 
+def setting_for(run: Run) -> Setting:
+    """What the planner holds fixed for the run: its cluster, size, batch and runtime."""
+    return Setting(cluster_for(run), run.gpus, run.global_batch, run.precision,
+                   runtime=run.runtime, megatron_grads=run.grads)
+
+
 def price(run: Run, prep: Prepared | None = None) -> tuple[float, str]:
     """(predicted TFLOP/s per GPU by the source's count, the plan priced)."""
-    setting = Setting(cluster_for(run), run.gpus, run.global_batch, run.precision,
-                      runtime=run.runtime)
-    best = plan(prep or prepared_for(run), setting, fixed=run.fix(), top_k=1).best
+    best = plan(prep or prepared_for(run), setting_for(run), fixed=run.fix(), top_k=1).best
     return run.step_flops() / run.gpus / best.step_time_s / 1e12, best.candidate.label()
 
 

@@ -81,9 +81,11 @@ STEP_BYTES = 4
 """torch's Adam keeps a float32 step counter per parameter tensor."""
 STATE = {"bf16": StateBytes(4, 4, 0, 8, 4), "fp16": StateBytes(2, 2, 8, 8, 2),
          "fp32": StateBytes(4, 4, 0, 8, 4), "bf16_params": StateBytes(2, 2, 8, 8, 2),
-         "megatron_bf16": StateBytes(2, 4, 4, 8, 4)}
+         "megatron_bf16": StateBytes(2, 4, 4, 8, 4), "nemo_bf16": StateBytes(2, 2, 4, 8, 2)}
 """``megatron_bf16``: Megatron-Core's bf16 (bf16 weights, fp32 main gradients reduced in
-fp32, fp32 master weights; ``smp_fx.planner.overlap``)."""
+fp32, fp32 master weights; ``smp_fx.planner.overlap``). ``nemo_bf16``: NeMo's
+``distributed_fused_adam`` with ``grad_sync_dtype: bf16`` and ``contiguous_grad_buffer``
+(a bf16 gradient buffer reduced in bf16; fp32 masters and moments sharded)."""
 
 
 def state_bytes(precision: str) -> StateBytes:

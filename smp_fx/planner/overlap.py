@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
+from cost_model.errors import SMPConfigError
 from cost_model.memory import MemoryPerGPU, state_bytes
 from cost_model.schedule_cost import RankTimes
 
@@ -47,10 +48,21 @@ def overlapped(comm: float, beside: float, bucket_share: float) -> float:
     return max(comm - beside, comm * min(1.0, bucket_share))
 
 
-def megatron_precision(precision: str) -> str:
+GRADS = ("fp32", "bf16")
+"""The dtype of Megatron-Core's gradient buffer and its reduction under bf16: fp32, its
+default, or bf16 (NeMo's ``distributed_fused_adam`` with ``grad_sync_dtype: bf16``)."""
+
+
+def megatron_precision(precision: str, grads: str = "fp32") -> str:
     """The state Megatron-Core keeps at a precision: bf16 weights with fp32 main gradients
-    and masters (``cost_model.memory.STATE``); fp16 and fp32 as smp-fx keeps them."""
-    return "megatron_bf16" if precision == "bf16" else precision
+    (bf16 ones with ``grads="bf16"``) and fp32 masters (``cost_model.memory.STATE``);
+    fp16 and fp32 as smp-fx keeps them."""
+    if grads not in GRADS:
+        raise SMPConfigError.build(f"Megatron-Core's gradients are one of {GRADS}", grads,
+                                   "megatron_grads", "use fp32 (its default) or bf16")
+    if precision != "bf16":
+        return precision
+    return "nemo_bf16" if grads == "bf16" else "megatron_bf16"
 
 
 def megatron_memory(dp: int, zero: str, elems: int, precision: str,
@@ -77,5 +89,5 @@ def megatron_logits(output_bytes: int, tp: int, cp: int, last: bool) -> int:
     return 2 * output_bytes // (tp * cp) if last else 0
 
 
-__all__ = ["MEGATRON_CORE", "RUNTIMES", "SMP_FX", "hide_tp", "megatron_bucket_elems",
+__all__ = ["GRADS", "MEGATRON_CORE", "RUNTIMES", "SMP_FX", "hide_tp", "megatron_bucket_elems",
            "megatron_logits", "megatron_memory", "megatron_precision", "overlapped"]

@@ -96,6 +96,9 @@ class Setting:
     cp_local_outputs: bool = False
     """Under cp the outputs stay each rank's tokens (a loss inside the model, or
     ``context_parallel_local_outputs``): 1/cp of them held (``cost_model.memory``)."""
+    megatron_grads: str = "fp32"
+    """Under ``"megatron-core"`` at bf16: the gradients' buffer and reduction dtype
+    (``smp_fx.planner.overlap.GRADS``)."""
 
     @functools.cached_property
     def fabric(self) -> Fabric:
@@ -335,7 +338,9 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
                 # root unit's experts: not hidden
                 exposed[r] = dp("all_reduce", small * s_bytes.reduce).seconds + root
         elif setting.runtime == MEGATRON_CORE:
-            exposed, dp_s, zero_s, algorithm = _megatron_dp(c, ranks, lk, dp, s_bytes.reduce,
+            grad_bytes = state_bytes(megatron_precision(setting.precision,
+                                                        setting.megatron_grads)).reduce
+            exposed, dp_s, zero_s, algorithm = _megatron_dp(c, ranks, lk, dp, grad_bytes,
                                                              setting.precision)
         else:
             reduce = np.array([dp("all_reduce", per_elems[e][0]).seconds for e in held])
@@ -426,9 +431,9 @@ def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: i
     if setting.runtime == MEGATRON_CORE:  # the loss stays on the last stage: messages
         sends = max((act for act, _ in ranks.hops), default=0)  # carry no outputs
         last = chunk_ranks(c.pp, c.vp, c.schedule)[-1] == r
-        mem = _smp_memory(c, ranks, profile, setting, m, r, sends,
-                          megatron_precision(setting.precision))
-        return megatron_memory(c.dp, c.zero, ranks.elems[r], setting.precision, mem, c.cp,
+        state = megatron_precision(setting.precision, setting.megatron_grads)
+        mem = _smp_memory(c, ranks, profile, setting, m, r, sends, state)
+        return megatron_memory(c.dp, c.zero, ranks.elems[r], state, mem, c.cp,
                                megatron_logits(profile.output_bytes, c.tp, c.cp, last))
     return _smp_memory(c, ranks, profile, setting, m, r, boundary, setting.precision)
 

@@ -19,6 +19,7 @@ the norms' float32 reciprocal deviations (4sb each, /t under sp) are left out of
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -26,11 +27,12 @@ import pytest
 import torch
 
 from cost_model.cluster import get_cluster
+from cost_model.errors import SMPConfigError
 from smp_fx.planner.candidate import Candidate
 from smp_fx.planner.layers import KEPT
 from smp_fx.planner.model import Profiler
 from smp_fx.planner.stages import rank_loads
-from smp_fx.planner.step import Setting, memory_by_rank
+from smp_fx.planner.step import Setting, memory_by_rank, price
 
 ROOT = Path(__file__).resolve().parents[3]
 LLAMA = ROOT / "tests" / "data" / "hf_tiny_llama"
@@ -96,6 +98,25 @@ def test_a_llama_layer_keeps_the_closed_form_under_megatron(
     assert full[1] == layer.kept("none")[0]  # the layer's values again while recomputed
     eager = llama_shaped["smp-fx"](1, tp, sp).parts[KEPT].kept("none")[0]
     assert eager > 1.5 * closed_form(tp, sp)  # float32 norms, repeated k and v, silu's output
+
+
+def test_bf16_gradients_hold_and_reduce_half_of_fp32_main_gradients(llama: Profiler) -> None:
+    """NeMo's ``grad_sync_dtype: bf16``: a bf16 gradient buffer (2 bytes a parameter, not
+    Megatron-Core's fp32 4), reduce-scattered in bf16; the rest of the state unchanged."""
+    prof = llama(MBS, 1, False)
+    ranks = rank_loads(prof, "none", 1, 1, "interleaved", CLUSTER.device)
+    assert ranks is not None
+    c = Candidate(1, 1, 8, MBS, 1, "interleaved", "none", False, "zero1")
+    fp32, bf16 = (Setting(CLUSTER, 8, 8 * MBS, runtime="megatron-core", megatron_grads=g)
+                  for g in ("fp32", "bf16"))
+    m32, m16 = (memory_by_rank(c, ranks, prof, s)[0] for s in (fp32, bf16))
+    assert m32.grads - m16.grads == 2 * ranks.elems[0]
+    assert (m32.params, m32.optimizer, m32.activations) == (
+        m16.params, m16.optimizer, m16.activations)
+    d32, d16 = (price(c, ranks, prof, s).comm.dp for s in (fp32, bf16))
+    assert d16 < d32
+    with pytest.raises(SMPConfigError, match="megatron_grads"):
+        memory_by_rank(c, ranks, prof, dataclasses.replace(bf16, megatron_grads="fp8"))
 
 
 def test_megatron_holds_logits_on_the_last_stage_split_and_sends_no_outputs(

@@ -39,7 +39,7 @@ def _sent(t: torch.Tensor) -> torch.Tensor:
 def sent_copy(outputs: tuple[Any, ...]) -> tuple[Any, ...]:
     """The last stage's outputs as other ranks get them: detached copies (same
     ``requires_grad``), immune to what the step function does to the originals.
-    A tuple of tensors skips the pytree walk: 22 -> 5 us per forward of the last stage
+    A tuple of tensors skips the pytree walk: 22 -> 5-7 us per forward of the last stage
     (docs/performance.md)."""
     if _tensors_only(outputs):
         return tuple(_sent(t) for t in outputs)

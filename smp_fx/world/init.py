@@ -66,6 +66,8 @@ def init(config: ConfigSource = None, backend: str | None = None) -> None:
                            groups=groups, object_groups=objects, created=created))
     if order_mode.enabled() and not in_process and topology.world_size > 1:
         order_mode.install(wait, groups, objects)
+        if cfg.compile != "none" and info.rank == 0:
+            log.warning(order_mode.COMPILED)
     for line in (elastic_note, elastic.shared_store_advice()):
         if line and info.rank == 0:
             log.warning(line)

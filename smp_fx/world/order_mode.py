@@ -26,6 +26,9 @@ from cost_model.errors import SMPPeerError, SMPTimeoutError
 from smp_fx.world.order_check import COLLECTIVE, RECV, SEND, Call, GroupLog, first_mismatch
 
 ENV = "SMP_FX_CHECK_ORDER"
+COMPILED = (f"{ENV}: collectives traced into compiled stages (tensor parallelism under "
+            "`compile`) run inside the stage's graph and are not recorded; the ones around "
+            "them are. Set `compile: none` to check them too.")
 log = logging.getLogger(__name__)
 
 # ProcessGroup method -> (op, kind, position of the argument whose tensors every rank of
@@ -182,7 +185,7 @@ def _functional(fn: Callable[..., Any], op: str) -> Callable[..., Any]:
 
     def recorded(*args: Any, **kwargs: Any) -> Any:
         rec = _ACTIVE
-        if rec is not None:
+        if rec is not None and not torch.compiler.is_compiling():  # see COMPILED
             bound = signature.bind(*args, **kwargs).arguments
             name = funcol._resolve_group_name(bound["group"], bound.get("tag", ""))
             pg = c10d._resolve_process_group(name)

@@ -51,6 +51,8 @@ def free_port() -> int:
 
 def _worker(fn: Callable[..., Any], rank: int, env: dict[str, str], args: tuple[Any, ...],
             out: Any) -> None:
+    for key in FORWARDED:  # the forkserver keeps the switches of the run that started it
+        os.environ.pop(key, None)
     os.environ.update(env)
     try:
         import torch

@@ -62,14 +62,14 @@ def _clock(parts: dict[str, list[float]], owner: Any, name: str, key: str) -> No
 
 
 PARTS = (  # (label, key): the call's parts on the training thread, then the writer thread's
-    ("call: tag check", "tag"), ("call: staging folder", "staging"),
-    ("call: local state dicts", "states"), ("call: copy off the live tensors", "copy"),
-    ("call: index gather", "index"),
+    ("call: staging folder (rank 0)", "staging"), ("call: local state dicts", "states"),
+    ("call: copy off the live tensors", "copy"), ("call: the one gather", "gather"),
     ("writer: the copies (deferred ones taken)", "ready"),
+    ("writer: held until the next step", "hold"),
     ("step: the optimizer waits for the copies", "copywait"),
     ("writer: files (serialize, write, fsync)", "write"),
-    ("steps: the writers' agreement", "agree"), ("steps: commit (world rank 0)", "commit"),
-    ("steps: the commit's agreement", "committed"))
+    ("steps: the writers' agreement", "agree"),
+    ("commit thread: commit (world rank 0)", "commit"))
 
 
 def _worker(args: argparse.Namespace) -> Any:
@@ -128,15 +128,15 @@ def _worker(args: argparse.Namespace) -> Any:
 
     parts: dict[str, list[float]] = {}
     api = checkpoint_api
-    for owner, name, key in ((api, "_check_tag", "tag"),
-                             (api, "make_staging", "staging"), (api, "local_states", "states"),
-                             (api._snapshot, "take", "copy"), (api, "prepare_partial", "index"),
+    for owner, name, key in ((api, "_fresh_folder", "staging"),
+                             (api, "_collect_states", "states"),
+                             (api._snapshot, "take", "copy"), (api, "one_gather", "gather"),
                              (api._snapshot, "ready", "ready"),
+                             (async_save, "hold_writes", "hold"),
                              (snapshot, "wait_copied", "copywait"),
                              (async_save, "write_file", "write"),
                              (async_save, "at_step", "agree"),
-                             (async_save, "after_step", "agree"), (api, "commit", "commit"),
-                             (async_save, "agree_or_raise", "committed")):
+                             (async_save, "after_step", "agree"), (api, "commit", "commit")):
         _clock(parts, owner, name, key)
 
     def saved(n: int) -> None:

@@ -55,7 +55,7 @@ class Snapshot:
     """Host copies of a state's tensors (see the module doc); one per process, reused."""
 
     def __init__(self) -> None:
-        self._pinned: list[torch.Tensor] = []
+        self._buffers: list[torch.Tensor] = []
         self._used = 0
         self._event: Any = None
         self._stepped: Collection[int] = ()
@@ -70,7 +70,7 @@ class Snapshot:
         wait_copied()
         self._used, self._stepped, self._later = 0, stepped, []
         copied = self._copy(value)
-        del self._pinned[self._used:]  # buffers of a larger earlier state go
+        del self._buffers[self._used:]  # buffers of a larger earlier state go
         if self._event is not None:
             self._event.record()
         if self._later:
@@ -124,24 +124,36 @@ class Snapshot:
         return value
 
     def _tensor(self, t: torch.Tensor) -> torch.Tensor:
+        buf = self._buffer(t)
         if t.device.type != "cuda":
-            if t.untyped_storage().data_ptr() not in self._stepped:
-                return t.clone()
-            out = torch.empty_like(t, memory_format=torch.preserve_format)
-            self._later.append((t, out))
-            return out
+            if t.untyped_storage().data_ptr() in self._stepped:
+                self._later.append((t, buf))
+            else:
+                buf.copy_(t)
+            return buf
         if self._event is None:
             self._event = torch.cuda.Event()
+        buf.copy_(t, non_blocking=True)
+        return buf
+
+    def _buffer(self, t: torch.Tensor) -> torch.Tensor:
+        """The host buffer the copy of ``t`` goes into: the previous save's at the same
+        place when it has the same layout (one save is in flight at a time), else a new
+        one, pinned for a GPU's tensor. Reusing them spares the CPU the page faults of
+        fresh memory: the deferred copy of 151 MB took 0.042 s of CPU into new tensors
+        and 0.011 s into reused ones (``benchmarks/async_checkpoint.py``, rank 0)."""
         i = self._used
         self._used += 1
-        if i < len(self._pinned) and self._pinned[i].shape == t.shape \
-                and self._pinned[i].dtype == t.dtype:
-            buf = self._pinned[i]
+        pin = t.device.type == "cuda"
+        if i < len(self._buffers):
+            old = self._buffers[i]
+            if old.shape == t.shape and old.dtype == t.dtype and (
+                    pin or old.stride() == t.stride()):
+                return old
+        buf = (torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True) if pin
+               else torch.empty_like(t, memory_format=torch.preserve_format))
+        if i < len(self._buffers):
+            self._buffers[i] = buf
         else:
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-            if i < len(self._pinned):
-                self._pinned[i] = buf
-            else:
-                self._pinned.append(buf)
-        buf.copy_(t, non_blocking=True)
+            self._buffers.append(buf)
         return buf

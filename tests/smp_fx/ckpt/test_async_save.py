@@ -72,6 +72,7 @@ def _failing_writer(path: str, writer: Any) -> None:
 def _write_error(path: str, failing_rank: int) -> str:
     """A write fails on ``failing_rank``: every rank raises at its next step, the previous
     checkpoint stays the newest and loads (smp initialised by the caller)."""
+    async_save.HOLD_S = 0.0  # no step comes until the write is done: write at once
     run = Run(seed=0)
     run.step(1)
     smp.save_checkpoint(path, "ok", model=run.model, optimizer=run.opt, async_save=True)
@@ -212,6 +213,7 @@ def _killed_in_flight_body(path: str) -> None:
             smp.wait_checkpoint()
     if smp.rank() == 1:
         async_save.write_file = _held_write  # type: ignore[assignment]
+        async_save.HOLD_S = 0.0  # no step comes until the write is held: write at once
     smp.save_checkpoint(path, f"step{K + 2}", model=run.model, optimizer=run.opt,
                         user_content={"step": K + 2}, async_save=True)
     if smp.rank() == 1:

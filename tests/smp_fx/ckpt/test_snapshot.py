@@ -64,9 +64,9 @@ def test_a_save_that_fails_after_its_copy_was_deferred_does_not_hold_the_optimiz
     run.step(1)
 
     def broken(*_: Any) -> Any:
-        raise OSError("index gather failed (simulated)")
+        raise OSError("index entry failed (simulated)")
 
-    monkeypatch.setattr("smp_fx.ckpt.checkpoint_api.prepare_partial", broken)
+    monkeypatch.setattr("smp_fx.ckpt.checkpoint_api.index_entry", broken)
     with pytest.raises(smp.SMPCheckpointError, match="simulated"):
         smp.save_checkpoint(str(tmp_path), "a", model=run.model, optimizer=run.opt,
                             async_save=True)

@@ -75,6 +75,8 @@ PARTS = (  # (label, key): the call's parts on the training thread, then the wri
 def _worker(args: argparse.Namespace) -> Any:
     """This rank's part (one of ``run_ranks``'s): the figures, the slowest rank's times."""
     torch.set_num_threads(args.threads)
+    if args.nocrc:
+        torch.serialization.set_crc32_options(False)
     import smp_fx as smp
     from smp_fx.ckpt import async_save, checkpoint_api, snapshot
     from smp_fx.world import state
@@ -183,6 +185,7 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--nocrc", action="store_true")
     ap.add_argument("--dir", default=None, help="where to save (default: a temporary folder)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from cost_model.errors import SMPCheckpointError
-from smp_fx.ckpt.direct_io import write_direct
+from smp_fx.ckpt.direct_io import lean_serialization, write_direct
 from smp_fx.ckpt.view import Ranks
 from smp_fx.world import comm, launch
 
@@ -76,6 +76,7 @@ class Job:
 
     def _run(self) -> None:
         try:
+            lean_serialization()
             self._ready()
             self.copied = True
             hold_writes(self)

@@ -13,6 +13,7 @@ plain tuples are rebuilt; other values are kept as they are.
 
 from __future__ import annotations
 
+import mmap
 import threading
 from collections.abc import Collection
 from typing import Any
@@ -21,6 +22,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from cost_model.errors import SMPTimeoutError
+from smp_fx.ckpt import direct_io
 from smp_fx.world import launch
 
 _copying: Snapshot | None = None  # the snapshot whose deferred copies are not all taken
@@ -49,6 +51,16 @@ def wait_copied() -> None:
 
 def _before_optimizer_step(*_: Any) -> None:
     wait_copied()
+
+
+def aligned_like(t: torch.Tensor) -> torch.Tensor:
+    """An uninitialised CPU tensor like ``t`` whose bytes begin on a page (anonymous
+    memory), so ``direct_io.DirectFile`` writes it without a copy (``aligned_storages``);
+    small or non-contiguous tensors are allocated as ``torch.empty_like`` does."""
+    size = t.numel() * t.element_size()
+    if size < direct_io.CHUNK or not t.is_contiguous():
+        return torch.empty_like(t, memory_format=torch.preserve_format, device="cpu")
+    return torch.frombuffer(mmap.mmap(-1, size), dtype=t.dtype, count=t.numel()).view(t.shape)
 
 
 class Snapshot:
@@ -151,7 +163,7 @@ class Snapshot:
                     pin or old.stride() == t.stride()):
                 return old
         buf = (torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True) if pin
-               else torch.empty_like(t, memory_format=torch.preserve_format))
+               else aligned_like(t))
         if i < len(self._buffers):
             self._buffers[i] = buf
         else:

@@ -75,8 +75,6 @@ PARTS = (  # (label, key): the call's parts on the training thread, then the wri
 def _worker(args: argparse.Namespace) -> Any:
     """This rank's part (one of ``run_ranks``'s): the figures, the slowest rank's times."""
     torch.set_num_threads(args.threads)
-    if args.nocrc:
-        torch.serialization.set_crc32_options(False)
     import smp_fx as smp
     from smp_fx.ckpt import async_save, checkpoint_api, snapshot
     from smp_fx.world import state
@@ -185,7 +183,7 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--nocrc", action="store_true")
+    ap.add_argument("--each", action="store_true", help="print each save's paired ratios")
     ap.add_argument("--dir", default=None, help="where to save (default: a temporary folder)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -208,6 +206,9 @@ def main() -> None:
             pair = got["paired"].get(key)
             told = f"{statistics.median(pair):7.2f}" if pair else f"{1.0:7.2f}"
             print(f"{label:34s} {len(times[key]):3d} {med:9.3f} {med / plain:8.2f} {told}")
+    if args.each:
+        for key in ("call", "starts", "during", "sync"):
+            print(key, " ".join(f"{v:.2f}" for v in got["paired"][key]))
     print(f"steps per async save until committed: {len(times['during']) / args.saves:.1f}")
     print("where the time goes, per asynchronous save (medians), wall / thread CPU s, "
           "ranks " + ", ".join(str(r) for r in range(len(got["parts"]))))

@@ -3,9 +3,10 @@
 A buffered ``write`` of a new file spends its CPU in the kernel, allocating and filling
 page-cache pages: 0.30 s per 151 MB on this project's 2-core VM, taken from training. With
 ``O_DIRECT`` the disk reads the bytes from an aligned user buffer: 0.005 s of CPU, plus
-copying the stream into that buffer. The bytes on disk are the same. Where the file
-system refuses ``O_DIRECT`` (tmpfs, some network file systems) the file is written through
-the page cache and the reason logged once per folder.
+copying the stream into that buffer, which a tensor in page-aligned memory written at an
+aligned offset skips (``lean_serialization``). The bytes on disk are the same. Where the
+file system refuses ``O_DIRECT`` (tmpfs, some network file systems) the file is written
+through the page cache and the reason logged once per folder.
 """
 
 from __future__ import annotations
@@ -146,8 +147,10 @@ def aligned_storages(config: Any) -> None:
     """``torch.save`` puts each tensor's bytes at a file offset that is a multiple of
     ``BLOCK`` (padding before it, recorded in the file; ``torch.load`` reads it): a
     ``DirectFile`` then writes a tensor of an aligned buffer (``Snapshot``'s) straight from
-    its memory, without copying it into its own. What it buys: see docs/performance.md,
-    "Asynchronous checkpoints"."""
+    its memory, without copying it into its own. With ``skip_crc32``, a ``torch.save`` of
+    151 MB took 0.039 s of CPU from unaligned tensors and 0.013 s from aligned ones; the
+    writer's CPU per save at pp 2 x dp 2 (``benchmarks/async_checkpoint.py``, rank 0):
+    0.085 s with neither, 0.050 s without the CRC32, 0.014 s with both."""
     config.save.storage_alignment = BLOCK
 
 

@@ -3,12 +3,13 @@
 An asynchronous save (``smp_fx.ckpt.async_save``) writes from a background thread while the
 next steps update the parameters and optimizer state in place; it must write the values of
 the moment it was called. ``Snapshot.take`` copies every tensor of a (nested) state to host
-memory: on a GPU into pinned buffers, reused from the previous save when the shapes agree
-(pinning is slow; one save is in flight at a time, so its buffers are free again), with the
-copies queued on the current stream and awaited by the writer (``ready``); on the CPU a
-copy, of the tensors only an optimizer step or a load changes taken by the writer thread
-while the next step's forward and backward run (``Snapshot.defer``). Dicts, lists and
-plain tuples are rebuilt; other values are kept as they are.
+memory, into buffers reused from the previous save when the layouts agree (one save is in
+flight at a time, so its buffers are free again; ``Snapshot._buffer``): on a GPU pinned
+ones, the copies queued on the current stream and awaited by the writer (``ready``); on the
+CPU page-aligned ones (``aligned_like``), the copies of the tensors only an optimizer step
+or a load changes taken by the writer thread while the next step's forward and backward
+run (``Snapshot.defer``). Dicts, lists and plain tuples are rebuilt; other values are kept
+as they are.
 """
 
 from __future__ import annotations
@@ -152,8 +153,9 @@ class Snapshot:
         """The host buffer the copy of ``t`` goes into: the previous save's at the same
         place when it has the same layout (one save is in flight at a time), else a new
         one, pinned for a GPU's tensor. Reusing them spares the CPU the page faults of
-        fresh memory: the deferred copy of 151 MB took 0.042 s of CPU into new tensors
-        and 0.011 s into reused ones (``benchmarks/async_checkpoint.py``, rank 0)."""
+        fresh memory: the deferred copy of 151 MB took 0.042 s of the writer's CPU into
+        new tensors and 0.013 s into reused ones (``benchmarks/async_checkpoint.py``,
+        rank 0); the buffers stay allocated between saves."""
         i = self._used
         self._used += 1
         pin = t.device.type == "cuda"

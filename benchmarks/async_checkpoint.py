@@ -159,7 +159,7 @@ def _worker(args: argparse.Namespace) -> Any:
         call = timed(functools.partial(save, f"a{n}", True) if not args.control else list)
         times["call"].append(call)
         times["starts"].append(call + timed(step))
-        during = []
+        during: list[float] = []
         while (async_save.in_flight() == f"a{n}_partial" if not args.control  # committed
                else len(during) < 3):  # at a step's end
             during.append(timed(step))

@@ -98,3 +98,15 @@ def test_the_writes_wait_for_the_step_after_the_one_that_starts_the_save(
     assert written.wait(60)
     smp.wait_checkpoint()
     assert checkpoint_api.read_newest(str(tmp_path)) == ["a_partial"]
+
+
+def test_an_invalid_tag_is_refused_by_the_asynchronous_call_with_nothing_left_in_flight(
+        tmp_path: Path) -> None:
+    run = Run(seed=0)
+    run.step(1)
+    with pytest.raises(smp.SMPCheckpointError, match="same non-empty file name"):
+        smp.save_checkpoint(str(tmp_path), "", model=run.model, optimizer=run.opt,
+                            async_save=True)
+    assert async_save.in_flight() is None and snapshot._copying is None
+    assert os.listdir(tmp_path) == []
+    run.step(2)

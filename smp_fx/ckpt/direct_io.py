@@ -156,20 +156,20 @@ def aligned_storages(config: Any) -> None:
 
 def _thread_local(config: Any) -> bool:
     """Whether a setting made in one thread stays in it (torch's config overrides are
-    thread-local since they exist; checked once, on a thread of its own)."""
-    if _local:
-        return _local[0]
-    seen: list[bool] = []
+    thread-local where they exist; checked once, on a thread of its own, the setting put
+    back where it is not)."""
+    if not _local:
+        before = bool(config.save.compute_crc32)
 
-    def probe() -> None:
-        config.save.compute_crc32 = False
+        def probe() -> None:
+            config.save.compute_crc32 = not before
 
-    worker = threading.Thread(target=probe)
-    worker.start()
-    worker.join()
-    seen.append(bool(config.save.compute_crc32))
-    _local.append(seen[0])
-    return seen[0]
+        worker = threading.Thread(target=probe)
+        worker.start()
+        worker.join()
+        _local.append(bool(config.save.compute_crc32) == before)
+        config.save.compute_crc32 = before
+    return _local[0]
 
 
 def write_direct(path: str, write: Callable[[IO[bytes]], object]) -> None:

@@ -65,7 +65,6 @@ class Job:
         self.error: BaseException | None = None
         self.done = threading.Event()
         self.go = threading.Event()  # set: write now (``hold_writes``)
-        self.copied = False
         self.steps = 0  # smp.step starts seen since the save began
         self.committing = False  # every rank's part written: world rank 0 commits
         self.began = time.monotonic()
@@ -78,7 +77,6 @@ class Job:
         try:
             lean_serialization()
             self._ready()
-            self.copied = True
             hold_writes(self)
             for write in self._writes:
                 write()

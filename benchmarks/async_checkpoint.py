@@ -10,14 +10,20 @@ before each, the ranks' times max-reduced):
 * the ``save_checkpoint(async_save=True)`` call alone, the step that starts an asynchronous
   save (that call plus the step after it), and every later step while that save is being
   written, until its commit at a step's end;
-* the stall of a synchronous ``save_checkpoint`` (the call alone).
+* the stall of a synchronous ``save_checkpoint`` (the call alone), its dirty pages then
+  written back (``os.sync``, untimed) so that they do not slow the next plain steps.
+
+``--control`` makes no asynchronous save (the call does nothing, three steps follow): the
+same ratios then read the noise floor of the machine (1.00 on a quiet one).
 
 Rank 0 prints medians and their ratios to the plain step's, and the paired ratios (the
 median over saves of each save's figure over the median of the plain steps just before it,
 which the machine's drifting load biases less), then where each rank's time goes
 (``_clock``: wall and thread CPU seconds per save of the call's parts on the training thread,
-of the writer thread's copies and file writes, of the optimizer step's wait for those
-copies, and of the agreement and commit at the steps while a save is in flight). A
+of the writer thread's copies, its wait for the next step and its file writes, of the
+optimizer step's wait for those copies, of the agreement at the steps while a save is in
+flight and of world rank 0's commit on its thread); ``--each`` prints each save's paired
+ratios too. A
 thread's CPU seconds bound the time it holds the GIL: the writer's copies and large writes
 (``torch.save``'s tensor records, ``os.pwrite``, ``os.fsync``) release it. Saves go to
 ``--dir`` (a temporary folder by default; use a real disk to measure one).
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import statistics
 import sys
 import tempfile
@@ -62,14 +69,14 @@ def _clock(parts: dict[str, list[float]], owner: Any, name: str, key: str) -> No
 
 
 PARTS = (  # (label, key): the call's parts on the training thread, then the writer thread's
-    ("call: tag check", "tag"), ("call: staging folder", "staging"),
-    ("call: local state dicts", "states"), ("call: copy off the live tensors", "copy"),
-    ("call: index gather", "index"),
+    ("call: staging folder (rank 0)", "staging"), ("call: local state dicts", "states"),
+    ("call: copy off the live tensors", "copy"), ("call: the one gather", "gather"),
     ("writer: the copies (deferred ones taken)", "ready"),
+    ("writer: held until the next step", "hold"),
     ("step: the optimizer waits for the copies", "copywait"),
     ("writer: files (serialize, write, fsync)", "write"),
-    ("steps: the writers' agreement", "agree"), ("steps: commit (world rank 0)", "commit"),
-    ("steps: the commit's agreement", "committed"))
+    ("steps: the writers' agreement", "agree"),
+    ("commit thread: commit (world rank 0)", "commit"))
 
 
 def _worker(args: argparse.Namespace) -> Any:
@@ -128,15 +135,15 @@ def _worker(args: argparse.Namespace) -> Any:
 
     parts: dict[str, list[float]] = {}
     api = checkpoint_api
-    for owner, name, key in ((api, "_check_tag", "tag"),
-                             (api, "make_staging", "staging"), (api, "local_states", "states"),
-                             (api._snapshot, "take", "copy"), (api, "prepare_partial", "index"),
+    for owner, name, key in ((api, "_fresh_folder", "staging"),
+                             (api, "_collect_states", "states"),
+                             (api._snapshot, "take", "copy"), (api, "one_gather", "gather"),
                              (api._snapshot, "ready", "ready"),
+                             (async_save, "hold_writes", "hold"),
                              (snapshot, "wait_copied", "copywait"),
                              (async_save, "write_file", "write"),
                              (async_save, "at_step", "agree"),
-                             (async_save, "after_step", "agree"), (api, "commit", "commit"),
-                             (async_save, "agree_or_raise", "committed")):
+                             (async_save, "after_step", "agree"), (api, "commit", "commit")):
         _clock(parts, owner, name, key)
 
     def saved(n: int) -> None:
@@ -149,15 +156,17 @@ def _worker(args: argparse.Namespace) -> Any:
     for n in range(args.saves):
         plain = [timed(step) for _ in range(per_phase)]
         times["plain"] += plain
-        call = timed(functools.partial(save, f"a{n}", True))
+        call = timed(functools.partial(save, f"a{n}", True) if not args.control else list)
         times["call"].append(call)
         times["starts"].append(call + timed(step))
-        during = []
-        while async_save.in_flight() == f"a{n}_partial":  # committed at a step's end
+        during: list[float] = []
+        while (async_save.in_flight() == f"a{n}_partial" if not args.control  # committed
+               else len(during) < 3):  # at a step's end
             during.append(timed(step))
         times["during"] += during
         saved(n)
         times["sync"].append(timed(functools.partial(save, f"s{n}", False)))
+        os.sync()  # its dirty pages written back now, not during the next plain steps
         parts.clear()
         base = statistics.median(plain)  # the plain steps just before: the load drifts
         for key, took in (("call", call), ("starts", times["starts"][-1]),
@@ -183,6 +192,9 @@ def main() -> None:
     ap.add_argument("--saves", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--control", action="store_true",
+                    help="no asynchronous save: the same timings read the noise floor")
+    ap.add_argument("--each", action="store_true", help="print each save's paired ratios")
     ap.add_argument("--dir", default=None, help="where to save (default: a temporary folder)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -205,6 +217,9 @@ def main() -> None:
             pair = got["paired"].get(key)
             told = f"{statistics.median(pair):7.2f}" if pair else f"{1.0:7.2f}"
             print(f"{label:34s} {len(times[key]):3d} {med:9.3f} {med / plain:8.2f} {told}")
+    if args.each:
+        for key in ("call", "starts", "during", "sync"):
+            print(key, " ".join(f"{v:.2f}" for v in got["paired"][key]))
     print(f"steps per async save until committed: {len(times['during']) / args.saves:.1f}")
     print("where the time goes, per asynchronous save (medians), wall / thread CPU s, "
           "ranks " + ", ".join(str(r) for r in range(len(got["parts"]))))

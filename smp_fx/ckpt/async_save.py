@@ -1,20 +1,20 @@
 """Asynchronous checkpoints: ``save_checkpoint(..., async_save=True)``, ``smp.wait_checkpoint``.
 
 A synchronous save stalls every rank for the whole write. An asynchronous one does at the
-call only what needs the other ranks or the live tensors (``checkpoint_api``: the tag
-check, the staging folder, the gathers, a copy of the state off the training tensors by
-``smp_fx.ckpt.snapshot``); the background writer here takes the copies it was left, then
+call only what needs the other ranks or the live tensors (``checkpoint_api``: one gather, a
+copy of the state off the training tensors by ``smp_fx.ckpt.snapshot``); the background
+writer here takes the copies it was left, waits for the next step (``hold_writes``), then
 writes this rank's files into the staging folder (``smp_fx.ckpt.direct_io``) and a
 done-marker beside them, while training goes on. It never communicates, so it cannot
-interleave with training collectives. The commit (the staging folder renamed, ``newest``
-rewritten, rotation) is world rank 0's, on the main thread, once every rank's part is
-written; the ranks agree on that where all pass alike: each ``smp.step`` while a save is in
-flight (an all-reduce of the writers' states launched at its start, acted on at its end),
-the next save or resume, and ``smp.wait_checkpoint()``; a failed write is raised there on
-every rank. At process exit each rank waits for its writer; rank 0 then commits if every
-rank's done-marker says its part is written. At most one save is in flight: the next one
-waits. Until the commit ``newest`` names the previous checkpoint, so a crash anywhere
-keeps it.
+interleave with training collectives. The ranks agree on their writers where all pass
+alike: each ``smp.step`` while a save is in flight (an all-reduce launched at its start,
+acted on at its end), the next save or resume, and ``smp.wait_checkpoint()``. Once every
+rank's part is written, world rank 0 commits (the staging folder renamed, ``newest``
+rewritten, rotation) on a thread of its own, and the next agreement says how that went; a
+failed write or commit is raised there on every rank. At process exit each rank waits for
+its writer; rank 0 then commits if every rank's done-marker says its part is written. At
+most one save is in flight: the next one waits. Until the commit ``newest`` names the
+previous checkpoint, so a crash anywhere keeps it.
 """
 
 from __future__ import annotations
@@ -31,8 +31,7 @@ import torch
 import torch.distributed as dist
 
 from cost_model.errors import SMPCheckpointError
-from smp_fx.ckpt.direct_io import write_direct
-from smp_fx.ckpt.validate import agree_or_raise
+from smp_fx.ckpt.direct_io import lean_serialization, write_direct
 from smp_fx.ckpt.view import Ranks
 from smp_fx.world import comm, launch
 
@@ -51,8 +50,12 @@ def write(path: str, writer: Callable[[IO[bytes]], object]) -> None:
     write_file(path, writer)
 
 
+HOLD_S = 3.0  # the longest the writer waits for the next step before writing anyway
+
+
 class Job:
-    """One asynchronous save in flight on this rank: its writes and their outcome."""
+    """One asynchronous save in flight on this rank: its copies, writes, commit (world rank
+    0) and their outcome."""
 
     def __init__(self, name: str, folder: str | None, ranks: Ranks,
                  writes: list[Callable[[], None]], commit: Callable[[], None],
@@ -61,6 +64,9 @@ class Job:
         self.rank, self.world = (0, 1) if ranks.alone else (ranks.rank, ranks.world_size)
         self.error: BaseException | None = None
         self.done = threading.Event()
+        self.go = threading.Event()  # set: write now (``hold_writes``)
+        self.steps = 0  # smp.step starts seen since the save began
+        self.committing = False  # every rank's part written: world rank 0 commits
         self.began = time.monotonic()
         self._writes, self._commit, self._ready = writes, commit, ready
         self._thread = threading.Thread(target=self._run, name="smp-fx-checkpoint-writer",
@@ -69,7 +75,9 @@ class Job:
 
     def _run(self) -> None:
         try:
+            lean_serialization()
             self._ready()
+            hold_writes(self)
             for write in self._writes:
                 write()
             self._mark(OK)
@@ -92,7 +100,7 @@ class Job:
             write(self.marker(self.rank), lambda fh: fh.write(data))
 
     def state(self) -> int:
-        """0: writing, 1: written, 2: failed."""
+        """0: writing (or committing), 1: written (committed), 2: failed."""
         return 0 if not self.done.is_set() else 1 if self.error is None else 2
 
     def commit(self) -> None:
@@ -105,6 +113,33 @@ class Job:
                     pass
         self._commit()
 
+    def commit_in_background(self) -> None:
+        """Every rank's part is written: from now on ``state`` says how the commit goes,
+        which world rank 0 runs on a thread of its own (``commit_off_the_step``)."""
+        self.committing = True
+        if self.rank != 0:
+            return
+        self.done.clear()
+        threading.Thread(target=self._run_commit, name="smp-fx-checkpoint-commit",
+                         daemon=True).start()
+
+    def _run_commit(self) -> None:
+        try:
+            self.commit()
+        except BaseException as exc:  # raised at the next boundary on every rank
+            self.error = exc
+        finally:
+            self.done.set()
+
+
+def hold_writes(job: Job) -> None:
+    """The writer, its copies taken, waits for the start of the step after the one that
+    started the save (or ``HOLD_S``, or a wait for the save) before it writes: the step
+    that starts a save then carries the copy alone, and the writing runs beside the next
+    step: the writer's CPU in that step 0.027 -> 0.013 s on rank 0 at pp 2 x dp 2
+    (``benchmarks/async_checkpoint.py``), its disk burst a step later."""
+    job.go.wait(HOLD_S)
+
 
 _inflight: Job | None = None
 _agreement: tuple[Any, torch.Tensor] | None = None  # launched at a step's start (below)
@@ -116,14 +151,21 @@ def stop_at_steps() -> None:
     from now on only saves, resumes and ``smp.wait_checkpoint()`` agree and commit."""
     global _at_steps
     _at_steps = False
+    if _inflight is not None:
+        _inflight.go.set()
 
 
 def at_step() -> None:
-    """The start of an ``smp.step`` while a save is in flight: launch the writers' agreement
+    """The start of an ``smp.step`` while a save is in flight: release its writes from the
+    second step on (``hold_writes``), and launch the writers' agreement
     (``agree_in_background``; alone: ``settle`` without waiting)."""
-    if not _at_steps or _inflight is None:
+    job = _inflight
+    if not _at_steps or job is None:
         return
-    if _inflight.ranks.alone:
+    job.steps += 1
+    if job.steps >= 2:
+        job.go.set()
+    if job.ranks.alone:
         settle(block=False)
         return
     _drain()  # a step that raised before its end left one
@@ -178,48 +220,61 @@ def start(name: str, folder: str | None, ranks: Ranks, writes: list[Callable[[],
 def settle(block: bool, next_tag: str | None = None) -> None:
     """The boundary of the module doc: every rank shares its writer's state; a failure is
     raised on every rank, a save written everywhere is committed. ``block``: wait for this
-    rank's writer first. Collective when a save is in flight (every rank has one then)."""
+    rank's writer and the commit. Collective when a save is in flight (every rank has one
+    then)."""
     job = _inflight
     if job is None:
         return
     _drain()
-    if block and not job.done.is_set():
-        if next_tag is not None:
+    if block:
+        job.go.set()
+        if not job.done.is_set() and next_tag is not None:
             log.warning("smp.save_checkpoint(%r) waits for the asynchronous checkpoint %s "
                         "to finish writing (one save in flight at a time)", next_tag, job.name)
-        job.done.wait()
-    gather = job.ranks.world_gather()
-    states = [job.state()] if gather is None else gather(job.state())
-    _decide(job, 2 in states, 0 in states)
+    while _inflight is job:
+        if block:
+            job.done.wait()
+        gather = job.ranks.world_gather()
+        states = [job.state()] if gather is None else gather(job.state())
+        _decide(job, 2 in states, 0 in states)
+        if not block:
+            return
 
 
 def _decide(job: Job, failed: bool, writing: bool) -> None:
     """What every rank does once the ranks agreed on their writers (alike on every rank):
-    raise a failure anywhere, wait while any writes, else commit (world rank 0)."""
+    raise a failure anywhere, wait while any writes, else start the commit (world rank 0,
+    ``commit_off_the_step``), or, once it is done, forget the save."""
     global _inflight
-    gather = job.ranks.world_gather()
     if failed:
         _inflight = None
+        gather = job.ranks.world_gather()
         said = str(job.error) if job.error is not None else None
         messages = [said] if gather is None else gather(said)
         told = "; ".join(f"rank {r}: {m}" for r, m in enumerate(messages) if m is not None)
         raise SMPCheckpointError.build(
-            f"the asynchronous checkpoint {job.name} was not written", told,
+            f"the asynchronous checkpoint {job.name} was not "
+            f"{'committed' if job.committing else 'written'}", told,
             where="raised at the next step, save or wait on every rank",
             fix="free space or fix the cause, then save again; the previous checkpoint is "
             "unchanged and still the newest") from job.error
     if writing:
         return
+    if not job.committing:
+        commit_off_the_step(job)
+        return
     _inflight = None
-    cause: BaseException | None = None
-    if job.rank == 0:
-        try:
-            job.commit()
-        except OSError as exc:
-            cause = exc
-    agree_or_raise(cause, f"committing the asynchronous checkpoint {job.name}", job.ranks)
     log.info("asynchronous checkpoint %s committed, %.1f s after the save began", job.name,
              time.monotonic() - job.began)
+
+
+def commit_off_the_step(job: Job) -> None:
+    """Every rank's part is written: world rank 0 commits on a thread of its own, and the
+    next agreement (the next step's, or a wait's) says how it went, a failure raised on
+    every rank there. Committing on the main thread, then agreeing at once (a blocking
+    gather), cost the ranks of pipeline stage 1 0.13 s once per save at pp 2 x dp 2
+    (``benchmarks/async_checkpoint.py``), waiting for stage 0 and rank 0's fsyncs."""
+    job.commit_in_background()
 
 
 def wait_checkpoint() -> None:
@@ -245,17 +300,20 @@ def in_flight() -> str | None:
 
 def _at_exit() -> None:
     """Process exit: wait for this rank's writer; rank 0 commits when every rank's marker
-    says its part is written (no collective: the other ranks may be gone)."""
+    says its part is written (no collective: the other ranks may be gone), or waits for the
+    commit it began."""
     job = _inflight
     if job is None:
         return
+    job.go.set()
     bound = launch.timeout().total_seconds()
     if not job.done.wait(bound) or job.error is not None:
-        log.error("the asynchronous checkpoint %s was not written on rank %d (%s); the "
-                  "previous checkpoint stays the newest", job.name, job.rank,
+        log.error("the asynchronous checkpoint %s was not %s on rank %d (%s); the "
+                  "previous checkpoint stays the newest", job.name,
+                  "committed" if job.committing else "written", job.rank,
                   job.error or f"still writing after {bound:.0f} s")
         return
-    if job.rank != 0:
+    if job.rank != 0 or job.committing:
         return
     # the other ranks write alike: a marker missing long after this rank's own write is
     # done belongs to a rank that is gone (killed), not slow

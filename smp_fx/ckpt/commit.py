@@ -57,14 +57,19 @@ def entry_names(obj: Any) -> dict[str, list[str]]:
     return {}
 
 
+def index_entry(obj: Any, f: str, info: RankInfo) -> dict[str, Any]:
+    """This rank's entry in the index of a partial save of ``obj`` (what the model-parallel
+    ranks gather)."""
+    return {"mp_rank": info.mp_rank, "pp_rank": info.pp_rank, "tp_rank": info.tp_rank,
+            "file": os.path.basename(partial_path(f, info.mp_rank)),
+            "entries": entry_names(obj), "save_id": uuid.uuid4().hex}
+
+
 def prepare_partial(obj: Any, f: str, info: RankInfo, gather: Gather
                     ) -> tuple[str, dict[str, Any], dict[str, Any]]:
     """This rank's file name, its wrapped object and the index of a partial save of ``obj``
     (one gather over the model-parallel group: every mp rank calls it)."""
-    me = {"mp_rank": info.mp_rank, "pp_rank": info.pp_rank, "tp_rank": info.tp_rank,
-          "file": os.path.basename(partial_path(f, info.mp_rank)),
-          "entries": entry_names(obj), "save_id": uuid.uuid4().hex}
-    files = sorted(gather(me), key=lambda m: m["mp_rank"])
+    files = sorted(gather(index_entry(obj, f, info)), key=lambda m: m["mp_rank"])
     save_id = files[0]["save_id"]
     index = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "save_id": save_id,
              "pp_degree": info.pp_degree, "tp_degree": info.tp_degree,

@@ -66,13 +66,26 @@ def agree_or_raise(error: BaseException | None, what: str, ranks: Ranks) -> None
     """Every rank learns whether ``what`` failed anywhere; if it did, every rank raises the
     same ``SMPCheckpointError`` naming the failed ranks (collective over the world group)."""
     gather = ranks.world_gather()
-    mine = None if error is None else (str(error) if isinstance(error, SMPCheckpointError)
-                                       else f"{type(error).__name__}: {error}")
-    outcomes = [mine] if gather is None else gather(mine)
+    mine = said(error)
+    raise_failures([mine] if gather is None else gather(mine), error, what)
+
+
+def said(error: BaseException | None) -> str | None:
+    """What a rank tells the others of its failure (None: none)."""
+    if error is None:
+        return None
+    return str(error) if isinstance(error, SMPCheckpointError) else \
+        f"{type(error).__name__}: {error}"
+
+
+def raise_failures(outcomes: list[str | None], error: BaseException | None,
+                   what: str) -> None:
+    """The same ``SMPCheckpointError`` on every rank naming the ranks whose outcome (from
+    ``said``, gathered in world-rank order) is a failure; nothing when none is."""
     failed = {r: m for r, m in enumerate(outcomes) if m is not None}
     if not failed:
         return
-    if gather is None and isinstance(error, SMPCheckpointError):
+    if len(outcomes) == 1 and isinstance(error, SMPCheckpointError):
         raise error
     told = "; ".join(f"rank {r}: {m}" for r, m in failed.items())
     here = "" if error is not None else " (this rank's part loaded)"

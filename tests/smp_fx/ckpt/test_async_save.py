@@ -72,6 +72,7 @@ def _failing_writer(path: str, writer: Any) -> None:
 def _write_error(path: str, failing_rank: int) -> str:
     """A write fails on ``failing_rank``: every rank raises at its next step, the previous
     checkpoint stays the newest and loads (smp initialised by the caller)."""
+    async_save.HOLD_S = 0.0  # no step comes until the write is done: write at once
     run = Run(seed=0)
     run.step(1)
     smp.save_checkpoint(path, "ok", model=run.model, optimizer=run.opt, async_save=True)
@@ -87,23 +88,57 @@ def _write_error(path: str, failing_rank: int) -> str:
     return str(info.value)
 
 
+def _commit_error(path: str) -> tuple[str, int]:
+    """World rank 0's commit, on its own thread, fails: every rank raises it within the
+    next steps (returns the message and the steps it took), the previous checkpoint kept."""
+    run = Run(seed=0)
+    run.step(1)
+    smp.save_checkpoint(path, "ok", model=run.model, optimizer=run.opt, async_save=True)
+    smp.wait_checkpoint()
+
+    def failing(*_: Any) -> None:
+        raise OSError(errno.EIO, "Input/output error (simulated)", path)
+
+    if smp.rank() == 0:
+        checkpoint_api.commit = failing  # type: ignore[assignment]
+    smp.save_checkpoint(path, "second", model=run.model, optimizer=run.opt, async_save=True)
+    for n in range(2, 12):  # written, then committed: a few steps, alike on every rank
+        try:
+            run.step(n)
+        except SMPCheckpointError as exc:
+            assert checkpoint_api.read_newest(path) == ["ok_partial"]
+            return str(exc), n
+    raise AssertionError("the commit's failure was never raised")
+
+
 def _grid_body(path: str) -> dict[str, Any]:
-    """pp 2 x dp 2: async equals sync; then a full disk on rank 1 only."""
+    """pp 2 x dp 2: async equals sync; then a full disk on rank 1 only; then a failed
+    commit on rank 0."""
     newest = _same_as_sync(os.path.join(path, "same"), 2, ddp=True)
     smp.reset()
+    commit = checkpoint_api.commit
     try:
         told = _write_error(os.path.join(path, "err"), 1)
+        async_save.write_file = checkpoint_api.atomic_write
+        smp.reset()
+        committed = _commit_error(os.path.join(path, "commit"))
     finally:
         async_save.write_file = checkpoint_api.atomic_write
-    return {"newest": newest, "told": told}
+        checkpoint_api.commit = commit
+    return {"newest": newest, "told": told, "committed": committed}
 
 
 @pytest.mark.multiproc
-def test_pp2_dp2_async_equals_sync_and_a_full_disk_on_one_rank(tmp_path: Path) -> None:
+def test_pp2_dp2_async_equals_sync_a_full_disk_on_one_rank_and_a_failed_commit(
+        tmp_path: Path) -> None:
     results = run_ranks(_grid_body, 4, str(tmp_path), timeout=240)
     for r in results:
         assert r["newest"] == ["s_partial", "a_partial"]
         assert "rank 1: [Errno 28]" in r["told"] and "rank 0:" not in r["told"]
+        said, step = r["committed"]
+        assert "not committed" in said and "rank 0: [Errno 5]" in said, said
+        assert "rank 1:" not in said
+    assert len({r["committed"][1] for r in results}) == 1  # the same step on every rank
 
 
 def _sharded_body(path: str) -> dict[str, Any]:
@@ -212,6 +247,7 @@ def _killed_in_flight_body(path: str) -> None:
             smp.wait_checkpoint()
     if smp.rank() == 1:
         async_save.write_file = _held_write  # type: ignore[assignment]
+        async_save.HOLD_S = 0.0  # no step comes until the write is held: write at once
     smp.save_checkpoint(path, f"step{K + 2}", model=run.model, optimizer=run.opt,
                         user_content={"step": K + 2}, async_save=True)
     if smp.rank() == 1:

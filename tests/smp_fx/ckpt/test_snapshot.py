@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import smp_fx as smp
-from smp_fx.ckpt import snapshot
+from smp_fx.ckpt import async_save, checkpoint_api, snapshot
 from tests.helpers.numerics import init
 from tests.smp_fx.ckpt.test_async_save import _assert_same_folders
 from tests.smp_fx.ckpt.test_checkpoint_api import Run
@@ -64,11 +64,49 @@ def test_a_save_that_fails_after_its_copy_was_deferred_does_not_hold_the_optimiz
     run.step(1)
 
     def broken(*_: Any) -> Any:
-        raise OSError("index gather failed (simulated)")
+        raise OSError("index entry failed (simulated)")
 
-    monkeypatch.setattr("smp_fx.ckpt.checkpoint_api.prepare_partial", broken)
+    monkeypatch.setattr("smp_fx.ckpt.checkpoint_api.index_entry", broken)
     with pytest.raises(smp.SMPCheckpointError, match="simulated"):
         smp.save_checkpoint(str(tmp_path), "a", model=run.model, optimizer=run.opt,
                             async_save=True)
     assert snapshot._copying is None
     run.step(2)  # would wait for a copy nobody takes
+
+
+def test_the_writes_wait_for_the_step_after_the_one_that_starts_the_save(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step that starts a save carries its copy only; the next step's start releases
+    the writes (``async_save.hold_writes``)."""
+    monkeypatch.setattr(async_save, "HOLD_S", 60.0)
+    written = threading.Event()
+    real = async_save.write_file
+
+    def recorded(path: str, writer: Any) -> None:
+        written.set()
+        real(path, writer)
+
+    monkeypatch.setattr(async_save, "write_file", recorded)
+    run = Run(seed=0)
+    run.step(1)
+    smp.save_checkpoint(str(tmp_path), "a", model=run.model, optimizer=run.opt,
+                        async_save=True)
+    run.step(2)
+    assert snapshot._copying is None  # the copy was taken before its optimizer step
+    assert not written.wait(0.5)
+    run.step(3)
+    assert written.wait(60)
+    smp.wait_checkpoint()
+    assert checkpoint_api.read_newest(str(tmp_path)) == ["a_partial"]
+
+
+def test_an_invalid_tag_is_refused_by_the_asynchronous_call_with_nothing_left_in_flight(
+        tmp_path: Path) -> None:
+    run = Run(seed=0)
+    run.step(1)
+    with pytest.raises(smp.SMPCheckpointError, match="same non-empty file name"):
+        smp.save_checkpoint(str(tmp_path), "", model=run.model, optimizer=run.opt,
+                            async_save=True)
+    assert async_save.in_flight() is None and snapshot._copying is None
+    assert os.listdir(tmp_path) == []
+    run.step(2)

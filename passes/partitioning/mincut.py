@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from math import ceil
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
-import networkx as nx
 import numpy as np
-from networkx.algorithms.flow import boykov_kolmogorov
 
 from passes.partitioning.problem import DagProblem, Objective, evaluate
+
+if TYPE_CHECKING:  # imported where used (passes.partitioning.problem says why)
+    import networkx as nx
 
 WINDOWS = (0.125, 0.25, 0.5, 1.0)
 MAX_FREE = 64
@@ -68,6 +69,8 @@ def _network(problem: DagProblem, stage: np.ndarray, s: int, free: set[int]) -> 
         for end in ends:
             cap[(end, e_in)] = np.inf
             cap[(e_out, end)] = np.inf
+    import networkx as nx
+
     net = nx.DiGraph()
     net.add_nodes_from((SOURCE, SINK))
     for (a, b), c in cap.items():
@@ -84,6 +87,9 @@ def min_cut_assignment(problem: DagProblem, stage: np.ndarray, s: int,
                        free: Collection[int]) -> np.ndarray:
     """``stage`` with the ``free`` nodes (all on stages ``s`` and ``s + 1``) re-split between
     the two at a convex cut of least bytes across the boundary after stage ``s``."""
+    import networkx as nx
+    from networkx.algorithms.flow import boykov_kolmogorov
+
     st = np.asarray(stage, dtype=np.int64)
     net = _network(problem, st, s, set(free))
     _, (_, sink_side) = nx.minimum_cut(net, SOURCE, SINK, flow_func=boykov_kolmogorov)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import heapq
 
-import networkx as nx
 import numpy as np
 
 from cost_model.errors import SMPPartitionError
@@ -29,6 +28,8 @@ def check_dag(problem: DagProblem) -> None:
     backward = problem.backward_edge
     if backward is None:
         return
+    import networkx as nx  # here, not at import (passes.partitioning.problem)
+
     try:
         cycle = [u for u, _ in nx.find_cycle(problem.graph)]
     except nx.NetworkXNoCycle:
@@ -70,6 +71,8 @@ def check_pins(problem: DagProblem) -> None:
     late = np.flatnonzero((pins >= 0) & (lo > pins))
     if not late.size:
         return
+    import networkx as nx
+
     v = int(late[0])
     graph = problem.graph
     u = min(a for a in nx.ancestors(graph, v) if pins[a] == lo[v])
@@ -124,6 +127,8 @@ def _min_live(problem: DagProblem) -> list[int]:
 
 def topological_order(problem: DagProblem, kind: str) -> np.ndarray:
     """A permutation of ``0..n-1`` in which every node follows its predecessors."""
+    import networkx as nx
+
     n = problem.n
     check_dag(problem)
     if kind == "graph":

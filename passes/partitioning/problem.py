@@ -11,8 +11,8 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import networkx as nx
 import numpy as np
 
 from cost_model import roofline
@@ -20,6 +20,9 @@ from cost_model import schedule as sched
 from cost_model.devices import DEFAULT_DEVICE, get_device
 from passes.partition_config import PartitionConfig
 from passes.partitioning.chain import Ints, Values
+
+if TYPE_CHECKING:  # imported where a graph is built: every process importing smp_fx
+    import networkx as nx  # would pay for it (0.17 CPU s) otherwise
 
 CommTime = Callable[[float], float]
 
@@ -140,6 +143,8 @@ class DagProblem:
                 out_bytes[prod] = nbytes
         rflat, rparam = self._flat[5:]
         params = np.bincount(rflat, weights=self.param_bytes[rparam], minlength=n)
+        import networkx as nx
+
         graph = nx.DiGraph()
         graph.add_nodes_from(range(n))
         for (_, data), name, t, m, p, pin in zip(

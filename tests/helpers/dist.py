@@ -1,8 +1,9 @@
 """Run a function on N real torch.distributed ranks (separate processes) and collect results.
 
 Each rank is a new process forked from a ``forkserver`` that has imported torch and smp_fx
-once (fast start on a loaded machine, and no state inherited from the test process: the
-server never ran ``smp.init``), with the torchrun environment set (``RANK``,
+once and measured this CPU's quick device spec (``tests.helpers.rank_warmup``; fast start
+on a loaded machine, and no state inherited from the test process: the server never ran
+``smp.init``), with the torchrun environment set (``RANK``,
 ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``MASTER_ADDR``, a free
 ``MASTER_PORT``), one intra-op thread, and ``SMP_FX_TIMEOUT_S`` equal to the test's
 timeout, so ``smp.init()`` inside ``fn`` joins a gloo world exactly as under torchrun.
@@ -84,7 +85,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """Run ``fn(*args)`` on ``world_size`` ranks; return the results ordered by rank."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "smp_fx",
-                                "transformers.modeling_utils"])
+                                "transformers.modeling_utils", "tests.helpers.rank_warmup"])
     out = ctx.Queue()
     port = free_port()
     forwarded = {k: os.environ[k] for k in FORWARDED if k in os.environ}

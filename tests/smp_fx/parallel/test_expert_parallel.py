@@ -3,7 +3,9 @@
 The multi-process test: one spawn of 2 gloo ranks (dp 2, ep 2) trains the four MoE
 families of ``examples/models/moe_zoo.py`` (Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3 with its
 shared expert) for 3 steps with SGD and again with Adam (eps 1e-6; Adam's update is per
-element, so its state must follow the slices), each rank on its half of the global batch,
+element, so its state must follow the slices; the Adam run trains the same
+``DistributedModel`` after a fresh build's state was loaded into it, one trace a family),
+each rank on its half of the global batch,
 the gradients clipped to a norm of 0.5 (``clip_grad_norm_``: the whole model's norm, equal
 to one process's, the experts' part summed over the ep group). Every local gradient at
 every step (an expert slice against its experts' rows of the one-process gradient) and the
@@ -93,14 +95,16 @@ def _expert_rows(want: dict[str, torch.Tensor], names: frozenset[str], ep: int,
     return {n: (t.chunk(ep)[rank] if n in names else t) for n, t in want.items()}
 
 
-def _train(case: str, ref: dict[str, Any], pp: int = 1, ep: int = 2,
-           extra: dict[str, Any] | None = None, checkpointed: bool = False) -> dict[str, Any]:
+def _train(arch: str, refs: dict[str, Any], pp: int = 1, ep: int = 2,
+           extra: dict[str, Any] | None = None, checkpointed: bool = False,
+           opt_names: tuple[str, ...] = ("sgd",)) -> dict[str, Any]:
     """3 steps at ``ep`` (``pp`` stages of ``pp`` microbatches, ``extra`` configuration,
-    every decoder layer checkpointed if asked); what differs from ``ref``."""
+    every decoder layer checkpointed if asked) for each of ``opt_names`` in turn on one
+    ``DistributedModel`` (one trace): what differs from ``refs[f"{arch}/{opt}"]``. Each
+    run ends by loading a fresh build's state, where the next optimizer's run starts."""
     import smp_fx as smp
     from smp_fx.world import state as smp_state
 
-    arch, opt_name = case.split("/")
     smp_state._reset()
     smp.init({"pipeline_parallel_degree": pp, "microbatches": pp, "ddp": True,
               "expert_parallel_degree": ep, **(extra or {})})
@@ -109,33 +113,47 @@ def _train(case: str, ref: dict[str, Any], pp: int = 1, ep: int = 2,
     for layer in module.model.model.layers if checkpointed else ():  # type: ignore[union-attr]
         smp.set_activation_checkpointing(layer)
     model = smp.DistributedModel(module)
-    opt = smp.DistributedOptimizer(OPTIMIZERS[opt_name](model.parameters()))
     train_step = step_function(arch)
-
     share = GLOBAL_BATCH // smp.dp_size()
     sl = slice(smp.dp_rank() * share, (smp.dp_rank() + 1) * share)
-    names, rank = model.expert_names, smp.ep_rank()
-    bad = []
-    for step, (x, y) in enumerate(_batches()):
-        opt.zero_grad()
-        aux = train_step(model, x[sl], y[sl]).stack()  # one per microbatch
-        want_aux = ref["aux"][step][smp.dp_rank() * pp:(smp.dp_rank() + 1) * pp]
-        if not torch.allclose(aux, want_aux, **TOL):
-            bad.append(f"aux loss step {step}: {aux} != {want_aux}")
-        norm = model.clip_grad_norm_(MAX_NORM)  # the experts' part summed over the ep group
-        if not torch.allclose(norm, ref["norms"][step], **TOL):
-            bad.append(f"norm step {step}: {norm} != {ref['norms'][step]}")
-        grads = {n: p.grad for n, p in model.local_named_parameters() if p.grad is not None}
-        want = _expert_rows(ref["grads"][step], names, ep, rank)
-        bad += [f"grad {n} step {step}" for n in mismatched(grads, want, **TOL)]
-        opt.step()
-    gathered = model.state_dict()
-    bad += state_dict_mismatches(gathered, ref["state"], **TOL)
-    plain.load_state_dict(gathered)  # saved at ep 2, loaded at ep 1
-    fresh = moe_zoo.build(arch, aux=arch in moe_zoo.AUX)
-    model.load_state_dict(fresh.state_dict())  # every expert: each rank takes its own
-    want = _expert_rows({n: p.detach() for n, p in fresh.named_parameters()}, names, ep, rank)
-    bad += [f"loaded {n}" for n in mismatched(dict(model.local_named_parameters()), want)]
+    out = {}
+    for opt_name in opt_names:
+        ref = refs[f"{arch}/{opt_name}"]
+        opt = smp.DistributedOptimizer(OPTIMIZERS[opt_name](model.parameters()))
+        names, rank = model.expert_names, smp.ep_rank()
+        bad = []
+        for step, (x, y) in enumerate(_batches()):
+            opt.zero_grad()
+            aux = train_step(model, x[sl], y[sl]).stack()  # one per microbatch
+            want_aux = ref["aux"][step][smp.dp_rank() * pp:(smp.dp_rank() + 1) * pp]
+            if not torch.allclose(aux, want_aux, **TOL):
+                bad.append(f"aux loss step {step}: {aux} != {want_aux}")
+            norm = model.clip_grad_norm_(MAX_NORM)  # the experts' part summed over ep
+            if not torch.allclose(norm, ref["norms"][step], **TOL):
+                bad.append(f"norm step {step}: {norm} != {ref['norms'][step]}")
+            grads = {n: p.grad for n, p in model.local_named_parameters()
+                     if p.grad is not None}
+            want = _expert_rows(ref["grads"][step], names, ep, rank)
+            bad += [f"grad {n} step {step}" for n in mismatched(grads, want, **TOL)]
+            opt.step()
+        gathered = model.state_dict()
+        bad += state_dict_mismatches(gathered, ref["state"], **TOL)
+        plain.load_state_dict(gathered)  # saved at ep 2, loaded at ep 1
+        fresh = moe_zoo.build(arch, aux=arch in moe_zoo.AUX)
+        model.load_state_dict(fresh.state_dict())  # every expert: each rank takes its own
+        want = _expert_rows({n: p.detach() for n, p in fresh.named_parameters()}, names, ep,
+                            rank)
+        bad += [f"loaded {n}" for n in mismatched(dict(model.local_named_parameters()), want)]
+        out[f"{arch}/{opt_name}"] = _held(model, plain, bad, ep)
+    return out
+
+
+def _held(model: Any, plain: Any, bad: list[str], ep: int) -> dict[str, Any]:
+    """What the checks read of a rank's split model beside ``bad``: its ep coordinates,
+    coverage, parameter bytes (experts, the rest; the plain model's) and planned bytes."""
+    import smp_fx as smp
+
+    names = model.expert_names
     local = dict(model.local_named_parameters())
     expert_bytes = sum(p.numel() * p.element_size() for n, p in local.items() if n in names)
     plain_expert = sum(p.numel() * p.element_size() for n, p in plain.named_parameters()
@@ -143,9 +161,10 @@ def _train(case: str, ref: dict[str, Any], pp: int = 1, ep: int = 2,
     rest = sum(p.numel() * p.element_size() for n, p in local.items() if n not in names)
     plain_rest = sum(p.numel() * p.element_size() for n, p in plain.named_parameters()
                      if n not in names)
-    return {"bad": bad, "ep": (ep, rank), "coverage": [b.line() for b in model.ep_coverage],
+    return {"bad": bad, "ep": (ep, smp.ep_rank()),
+            "coverage": [b.line() for b in model.ep_coverage],
             "bytes": (expert_bytes, plain_expert, rest, plain_rest), "pp": smp.pp_rank(),
-            "planned": (model.plan.stages[smp.pp_rank()].param_bytes,  # type: ignore[union-attr]
+            "planned": (model.plan.stages[smp.pp_rank()].param_bytes,
                         sum(b.numel() * b.element_size() for b in plain.buffers()))}
 
 
@@ -154,7 +173,8 @@ def _all(path: str) -> dict[str, Any]:
 
     dist.init_process_group("gloo")
     refs = torch.load(path, weights_only=True)
-    return {case: _train(case, refs[case]) for case in CASES}
+    return {case: result for arch in moe_zoo.ARCHITECTURES
+            for case, result in _train(arch, refs, opt_names=tuple(OPTIMIZERS)).items()}
 
 
 @pytest.mark.multiproc
@@ -202,11 +222,14 @@ def _four(path: str) -> dict[str, Any]:
 
     dist.init_process_group("gloo")
     refs = torch.load(path, weights_only=True)
-    return {"pp2": _train(PIPELINED, refs[PIPELINED], pp=2),
-            **{f"pp2 {label}": _train(PIPELINED, refs[PIPELINED], pp=2, extra=extra,
-                                      checkpointed=label == "checkpointed")
+    arch = PIPELINED.split("/")[0]
+    return {"pp2": _train(arch, refs, pp=2)[PIPELINED],
+            **{f"pp2 {label}": _train(arch, refs, pp=2, extra=extra,
+                                      checkpointed=label == "checkpointed")[PIPELINED]
                for label, extra in PIPELINES.items()},
-            **{case: _train(case, refs[case], ep=4) for case in EP4}}
+            **{case: result for arch in moe_zoo.ARCHITECTURES
+               for case, result in _train(arch, refs, ep=4,
+                                          opt_names=tuple(OPTIMIZERS)).items()}}
 
 
 @pytest.mark.multiproc

@@ -283,8 +283,8 @@ RowsRead = Callable[[], list[list[float]]]
 def row_gather(group: CommGroup, width: int) -> Callable[[Sequence[float]], RowsRead]:
     """Launch: all-gather a row of ``width`` floats over ``group`` without waiting; the
     returned read waits (bounded) and gives one row per rank. One preallocated tensor, not
-    ``allgather``'s pickles: 0.1-0.17 ms of CPU per exchange (launch and read) against
-    0.45-0.8 ms, whose wall time is 1.2-1.9 (2 ranks, ``benchmarks/row_gather.py``); and no
+    ``allgather``'s pickles: 0.1-0.15 ms of CPU per exchange (launch and read) against
+    0.45-0.7 ms, whose wall time is 1.2-2.7 (2 ranks, ``benchmarks/row_gather.py``); and no
     rank waits for the others at the launch."""
     st = _state.get()
     pg = st.object_group(_group(group))

@@ -62,7 +62,7 @@ from smp_fx.parallel.zero import OptimizerShards, ZeroGroup, zero_group
 from smp_fx.runtime.executor.compiled import CompileStats, compile_stages
 from smp_fx.runtime.executor.executor import Executor
 from smp_fx.runtime.executor.seams import PostStep, PreStep, StageRunner, StepHooks
-from smp_fx.runtime.executor.stragglers import StragglerWatch
+from smp_fx.runtime.executor.stragglers import ROW, StragglerWatch
 from smp_fx.runtime.inputs.shapes import ShapeGuard
 from smp_fx.runtime.memory.checkpointing import ActivationCheckpointing
 from smp_fx.runtime.planning.placement import (
@@ -264,8 +264,9 @@ def straggler_watch(st: state.State, dp: DataParallel | None) -> StragglerWatch:
     which the ranks' step counts may differ."""
     alone = st.in_process or st.world_size == 1
     gather = None if alone else (lambda value: comm.allgather(value, comm.WORLD))
+    launch = None if alone else comm.row_gather(comm.WORLD, len(ROW))
     return StragglerWatch(st.rank, [st.rank] if alone else st.group_ranks("dp"), gather,
-                          paused=dp.ever_joined if dp is not None else lambda: False)
+                          launch, paused=dp.ever_joined if dp is not None else lambda: False)
 
 
 def step_hooks(applied: list[Parallelism]

@@ -11,13 +11,14 @@ pass over its ops. A reduction waited for inside a stage's last backward is esti
 that backward's excess over the stage's other backwards; the post-step hooks (explicit
 reductions) count as waiting.
 
-Every ``WINDOW`` steps the ranks exchange the split of their window's step of least own
-time (one small all-gather over the world's gloo group) and, from the second window on
-(the first steps warm up unevenly), decide alike: a rank whose own time is
-over ``RATIO`` times the median of its peers' (the ranks holding the same stages; all
-other ranks when none does) in ``PERSIST`` windows in a row is named in one warning,
-with the part of its time that exceeds the peers' most; ``smp.straggler_report()``
-returns the last figures.
+Every ``WINDOW`` steps the ranks launch the exchange of the split of their window's step of
+least own time (a row of floats, all-gathered over the world's gloo group without waiting;
+the names and groups go once, at the first) and read it at the next window's end, so no
+step waits for it; from the second window on (the first steps warm up unevenly) they decide
+alike, one window late: a rank whose own time is over ``RATIO`` times the median of its
+peers' (the ranks holding the same stages; all other ranks when none does) in ``PERSIST``
+windows in a row is named in one warning, with the part of its time that exceeds the
+peers' most; ``smp.straggler_report()`` returns the last figures.
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ _KIND_PART = {"F": "forward", "B": "backward", "I": "backward", "W": "backward",
               "RECV_ACT": "receiving", "RECV_GRAD": "receiving", "RECV_OUT": "receiving"}
 
 Gather = Callable[[Any], list[Any]]
+Launch = Callable[[Sequence[float]], Callable[[], list[list[float]]]]
+ROW = (*PARTS, "own")  # an exchanged row's floats
 
 
 def split_step(flight: FlightRecorder, ended: float, hooks_s: float) -> dict[str, float]:
@@ -72,16 +75,22 @@ class StragglerWatch:
     """Per executor: splits each step, exchanges every ``WINDOW`` steps, names stragglers.
 
     ``group``: the ranks holding this rank's stages (its data-parallel group);
-    ``gather``: the world all-gather (None: this process is the whole job); ``paused``:
-    true once exchanges must stop (after ``join()``, ranks out of data make no steps)."""
+    ``gather``: the world object all-gather and ``launch`` the world row gather
+    (``smp_fx.world.comm.row_gather``; both None: this process is the whole job);
+    ``paused``: true once exchanges must stop (after ``join()``, ranks out of data make no
+    steps)."""
 
     def __init__(self, rank: int, group: Sequence[int], gather: Gather | None,
+                 launch: Launch | None = None,
                  paused: Callable[[], bool] = lambda: False) -> None:
         self.rank, self.group, self.gather, self.paused = rank, tuple(group), gather, paused
+        self.launch: Launch = launch or (lambda row: lambda: [list(row)])
         self.steps = 0
         self.window: list[dict[str, float]] = []
         self.last_end: float | None = None
-        self.figures: list[dict[str, float]] = []  # per rank, of the last exchange
+        self.pending: tuple[int, Callable[[], list[list[float]]]] | None = None
+        self.at = 0  # the step ending the window that ``figures`` describe
+        self.figures: list[dict[str, float]] = []  # per rank, of the last exchange read
         self.peers: list[list[int]] = []
         self.names: list[str] = []
         self.named: dict[int, dict[str, Any]] = {}
@@ -92,34 +101,47 @@ class StragglerWatch:
         """No more exchanges, for good: for a caller that steps some ranks alone (the
         calibration's one-stage runs), whose exchange would wait for ranks not stepping."""
         self.stopped = True
+        self.pending = None
 
     def step_done(self, flight: FlightRecorder, split: dict[str, float]) -> None:
         """After a step's hooks: record its ``split`` (``split_step``'s); every ``WINDOW``
-        steps, exchange."""
+        steps, read the last window's exchange, judge it, and launch this window's."""
         parts = dict(split)
         parts["outside"] = 0.0 if self.last_end is None else flight.began - self.last_end
         self.last_end = time.monotonic()
         self.window.append(parts)
         self.steps += 1
         if self.stopped or self.paused():  # for good: step counts may differ from now on
-            self.window = []
+            # every rank launched the pending exchange, so it completes unread; ranks that
+            # stop stepping could not read it, so none does
+            self.window, self.pending = [], None
             return
         if len(self.window) < WINDOW:
             return
         # a loaded machine only adds time (a rank waits for a core); a straggler's lag is in
         # every step: the window's step of least own time is its least noisy
         fastest = min(self.window, key=lambda w: sum(w[p] for p in OWN))
-        mine = dict(fastest, own=sum(fastest[p] for p in OWN))
+        row = [*(fastest[p] for p in PARTS), sum(fastest[p] for p in OWN)]
         self.window = []
-        told = (mine, self.group, flight.me())
-        every = [told] if self.gather is None else self.gather(told)
-        self.figures = [f for f, _, _ in every]
-        self.names = [n for _, _, n in every]
-        world = list(range(len(every)))
-        self.peers = [list(g) if len(g) > 1 else world for _, g, _ in every]
-        if self.steps == WINDOW:  # the first steps warm up (allocations, caches), unevenly
+        if self.pending is not None:
+            self._read(*self.pending)
+        if not self.names:  # once: who is who
+            every = [(self.group, flight.me())] if self.gather is None else self.gather(
+                (self.group, flight.me()))
+            self.names = [n for _, n in every]
+            world = list(range(len(every)))
+            self.peers = [list(g) if len(g) > 1 else world for g, _ in every]
+        self.pending = (self.steps, self.launch(row))
+
+    def _read(self, at: int, read: Callable[[], list[list[float]]]) -> None:
+        """Wait for the exchange of the window ending at step ``at`` (launched a window ago:
+        done unless a rank is a window behind) and judge it."""
+        self.pending = None
+        self.figures = [dict(zip(ROW, r, strict=True)) for r in read()]
+        self.at = at
+        if at == WINDOW:  # the first steps warm up (allocations, caches), unevenly
             return
-        for r in world:
+        for r in range(len(self.figures)):
             if r not in self.named:
                 self._judge(r)
 
@@ -136,19 +158,19 @@ class StragglerWatch:
         excess = {p: self.figures[r][p] - statistics.median(self.figures[q][p] for q in others)
                   for p in OWN}
         where = max(excess, key=lambda p: excess[p])
-        self.named[r] = {"step": self.steps, "ratio": own[r] / base, "where": where,
+        self.named[r] = {"step": self.at, "ratio": own[r] / base, "where": where,
                          "own_s": own[r], "peers_s": base, "excess_s": excess[where]}
         if self.rank == 0:
             log.warning(
                 "straggler: %s spends %.2fx the time of its peers (ranks %s) on its own work "
-                "(fastest of the last %d steps: %.1f ms vs %.1f ms), most of it in "
+                "(fastest of steps %d-%d: %.1f ms vs %.1f ms), most of it in "
                 "%s (+%.1f ms per step); the others wait for it", self.names[r],
-                own[r] / base, ", ".join(map(str, others)), WINDOW, own[r] * 1e3,
-                base * 1e3, where, excess[where] * 1e3)
+                own[r] / base, ", ".join(map(str, others)), self.at - WINDOW + 1, self.at,
+                own[r] * 1e3, base * 1e3, where, excess[where] * 1e3)
 
     def report(self) -> dict[str, Any]:
-        """The figures of the last exchange (see ``smp.straggler_report``)."""
-        return {"steps": self.steps, "window": WINDOW, "ratio": RATIO,
+        """The figures of the last exchange read (see ``smp.straggler_report``)."""
+        return {"steps": self.steps, "at": self.at, "window": WINDOW, "ratio": RATIO,
                 "ranks": [dict(f) for f in self.figures],
                 "stragglers": {r: dict(v) for r, v in self.named.items()}}
 
@@ -156,19 +178,21 @@ class StragglerWatch:
 def straggler_report() -> dict[str, Any]:
     """The straggler figures of the current ``DistributedModel`` (smp-fx extension).
 
-    ``ranks[r]``: rank ``r``'s step of least own time in the last window, in seconds per
+    ``ranks[r]``: rank ``r``'s step of least own time in the window ending at step ``at``
+    (the last exchange read, a window before the last one launched), in seconds per
     part (``forward``, ``backward``: its own work, summed in ``own``; ``in step``: the step
     function's own code; ``receiving``, ``reducing``: waiting; ``outside``: between steps);
-    ``stragglers``: the ranks named so far, each with the step it was named at, its
-    ``ratio`` to its peers and ``where`` it loses the most time.
+    ``stragglers``: the ranks named so far, each with the step ending the window it was
+    named for (the warning comes a window later), its ``ratio`` to its peers and
+    ``where`` it loses the most time.
     Empty figures before the first exchange."""
     from smp_fx.world import context  # the runtime does not otherwise reach the model
 
     model = context.current_model()
-    if model is None or not getattr(model, "partitioned", False):
-        return {"steps": 0, "window": WINDOW, "ratio": RATIO, "ranks": [], "stragglers": {}}
-    watch: StragglerWatch | None = getattr(getattr(model, "executor", None), "stragglers",
-                                           None)
+    watch: StragglerWatch | None = None
+    if model is not None and getattr(model, "partitioned", False):
+        watch = getattr(getattr(model, "executor", None), "stragglers", None)
     if watch is None:
-        return {"steps": 0, "window": WINDOW, "ratio": RATIO, "ranks": [], "stragglers": {}}
+        return {"steps": 0, "at": 0, "window": WINDOW, "ratio": RATIO, "ranks": [],
+                "stragglers": {}}
     return watch.report()

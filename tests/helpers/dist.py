@@ -28,6 +28,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import random
 import socket
 import time
 import traceback
@@ -43,8 +44,30 @@ class RankFailed(AssertionError):
     """One or more ranks raised, crashed, or did not finish in time."""
 
 
+def _ephemeral_low() -> int:
+    """The lowest port the kernel hands out to outgoing connections and to port 0."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
 def free_port() -> int:
-    """A TCP port that was free a moment ago (bound to port 0 and released)."""
+    """A TCP port that was free a moment ago, drawn from below the kernel's ephemeral range:
+    a port bound to 0 and released is one the kernel may give the next outgoing connection
+    (the other worker's ranks open hundreds), so a launcher could find it taken; a port
+    below that range only another explicit pick can take."""
+    low = _ephemeral_low()
+    rng = random.Random()  # not the global one, which tests seed alike
+    for _ in range(200):
+        port = rng.randrange(max(1024, low - 12000), low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

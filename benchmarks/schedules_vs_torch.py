@@ -342,34 +342,42 @@ def _mlp_rows(args: argparse.Namespace) -> list[tuple[str, int, str, float, floa
     return rows
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
+def _worker(rank: int, world: int, port: int, body: Callable[[argparse.Namespace], Any],
+            args: argparse.Namespace, out: Any) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    result: dict[str, Any] = {"sleep": _sleep_rows(args)}
-    if not args.no_mlp:
-        result["mlp"] = _mlp_rows(args)
+    result = body(args)
     if rank == 0:
         out.put(result)
     dist.barrier()
     dist.destroy_process_group()
 
 
-def _run(world: int, args: argparse.Namespace) -> dict[str, Any]:
+def spawn_ranks(world: int, body: Callable[[argparse.Namespace], Any],
+                args: argparse.Namespace, timeout: float) -> Any:
+    """``body(args)`` on ``world`` fresh gloo ranks, one thread each; rank 0's result."""
     from tests.helpers.dist import free_port
 
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, out))
+    procs = [ctx.Process(target=_worker, args=(r, world, port, body, args, out))
              for r in range(world)]
     for proc in procs:
         proc.start()
-    result = out.get(timeout=3600)
+    result = out.get(timeout=timeout)
     for proc in procs:
         proc.join(timeout=120)
+    return result
+
+
+def _schedules(args: argparse.Namespace) -> dict[str, Any]:
+    result: dict[str, Any] = {"sleep": _sleep_rows(args)}
+    if not args.no_mlp:
+        result["mlp"] = _mlp_rows(args)
     return result
 
 
@@ -417,7 +425,7 @@ def main() -> None:
                     help="only these sleep rows, e.g. zero_bubble:2 interleaved:1")
     args = ap.parse_args()
     for world in args.ranks:
-        _print(world, args, _run(world, args))
+        _print(world, args, spawn_ranks(world, _schedules, args, timeout=3600))
 
 
 if __name__ == "__main__":

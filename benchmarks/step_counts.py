@@ -21,7 +21,6 @@ import argparse
 import collections
 import contextlib
 import functools
-import os
 import resource
 import statistics
 import sys
@@ -33,7 +32,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -43,6 +41,7 @@ from benchmarks.schedules_vs_torch import (  # noqa: E402
     _smp_model,
     _torch_schedule,
     _torch_step,
+    spawn_ranks,
 )
 
 Counts = collections.Counter[str]
@@ -225,35 +224,10 @@ def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def _worker(rank: int, world: int, port: int, args: argparse.Namespace, out: Any) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rows = _rows(args)
-    everyone: list[Any] = [None] * world
-    dist.all_gather_object(everyone, rows)
-    if rank == 0:
-        out.put(everyone)
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _run(world: int, args: argparse.Namespace) -> list[list[dict[str, Any]]]:
-    from tests.helpers.dist import free_port
-
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, args, out))
-             for r in range(world)]
-    for proc in procs:
-        proc.start()
-    result: list[list[dict[str, Any]]] = out.get(timeout=1800)
-    for proc in procs:
-        proc.join(timeout=120)
-    return result
+def _everyones_rows(args: argparse.Namespace) -> list[list[dict[str, Any]]]:
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, _rows(args))
+    return everyone
 
 
 TOTALS = ("calls: python", "calls: C", "ops: top-level", "ops: all", "autograd nodes")
@@ -296,7 +270,7 @@ def main() -> None:
     ap.add_argument("--detail", type=int, default=0, metavar="N")
     args = ap.parse_args()
     for world in args.ranks:
-        _print(world, args, _run(world, args))
+        _print(world, args, spawn_ranks(world, _everyones_rows, args, timeout=1800))
 
 
 if __name__ == "__main__":

@@ -44,13 +44,27 @@ def test_a_recipes_attention_backend_and_gradient_dtype_are_read() -> None:
         with_attention(get_cluster(gpt3.cluster).device, "flash2").attention_rates
     plain = next(r for r in runs if r.id == "megatron-core-h100-1.7b")
     assert pv.cluster_for(plain) == get_cluster(plain.cluster)
-    # NeMo's Llama 3.1 recipes reduce bf16 gradients; the rest keep fp32 main gradients
+    # NeMo's Llama 3.1 and GPT-3 175B recipes reduce bf16 gradients (grad_sync_dtype:
+    # bf16); the rest keep fp32 main gradients
     assert {r.id for r in runs if r.grads == "bf16"} == {
-        r.id for r in runs if r.id.startswith("nemo-24.09-h100-llama3.1-")}
+        r.id for r in runs if r.id.startswith(("nemo-24.09-h100-llama3.1-",
+                                               "nemo-24.11-h100-175b-"))}
     assert {r.grads for r in runs} == {"fp32", "bf16"}
     assert pv.setting_for(runs[0]).megatron_grads == runs[0].grads
     llama = next(r for r in runs if r.grads == "bf16")
     assert pv.setting_for(llama).megatron_grads == "bf16"
+
+
+def test_the_readme_tables_unpublished_keys_are_megatron_lms_defaults() -> None:
+    """Megatron-LM's README table publishes no microbatch size or virtual stages: its rows
+    take 1 and 1 (no interleaving flag; its GPT-3 example's --micro-batch-size 1), not the
+    planner's fastest pick, and say so in their source."""
+    readme = [r for r in pv.read_runs() if r.id.startswith("megatron-core-h100-")]
+    assert len(readme) == 9
+    for r in readme:
+        assert (r.mbs, r.vp) == (1, 1), r.id
+        assert "train_gpt3_175b_distributed.sh" in r.source, r.id
+        assert r.fix()["mbs"] == 1 and r.fix()["vp"] == 1
 
 
 def test_the_flop_counts_are_the_sources() -> None:

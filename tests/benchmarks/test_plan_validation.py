@@ -44,13 +44,31 @@ def test_a_recipes_attention_backend_and_gradient_dtype_are_read() -> None:
         with_attention(get_cluster(gpt3.cluster).device, "flash2").attention_rates
     plain = next(r for r in runs if r.id == "megatron-core-h100-1.7b")
     assert pv.cluster_for(plain) == get_cluster(plain.cluster)
-    # NeMo's Llama 3.1 recipes reduce bf16 gradients; the rest keep fp32 main gradients
+    # NeMo's Llama 3.1 and GPT-3 175B recipes reduce bf16 gradients (grad_sync_dtype:
+    # bf16); the rest keep fp32 main gradients
     assert {r.id for r in runs if r.grads == "bf16"} == {
-        r.id for r in runs if r.id.startswith("nemo-24.09-h100-llama3.1-")}
+        r.id for r in runs if r.id.startswith(("nemo-24.09-h100-llama3.1-",
+                                               "nemo-24.11-h100-175b-"))}
     assert {r.grads for r in runs} == {"fp32", "bf16"}
     assert pv.setting_for(runs[0]).megatron_grads == runs[0].grads
     llama = next(r for r in runs if r.grads == "bf16")
     assert pv.setting_for(llama).megatron_grads == "bf16"
+
+
+def test_the_readme_tables_unpublished_keys_are_read_from_megatron_lm() -> None:
+    """Megatron-LM's README table publishes no microbatch size: its rows take 1, as
+    Megatron-LM's GPT-3 example sets it, not the planner's fastest pick. Its pipelined rows
+    overlap pipeline communication, which core_r0.8.0 allows only interleaved: their
+    virtual stages stay the planner's pick (blank), the others have none."""
+    readme = [r for r in pv.read_runs() if r.id.startswith("megatron-core-h100-")]
+    assert len(readme) == 9
+    for r in readme:
+        assert r.mbs == 1 and r.fix()["mbs"] == 1, r.id
+        assert "train_gpt3_175b_distributed.sh" in r.source, r.id
+        if r.pp == 1:
+            assert r.vp == 1, r.id
+        else:
+            assert r.vp is None and "vp" not in r.fix() and "interleaved" in r.source, r.id
 
 
 def test_the_flop_counts_are_the_sources() -> None:

@@ -30,7 +30,9 @@ def test_every_public_name_resolves() -> None:
 
 def test_a_submodule_bound_later_keeps_the_public_name() -> None:
     for name in ("step", "reset"):
-        setattr(smp_fx, name, sys.modules[f"smp_fx.{name}"])  # what importing it does
+        # what importing the submodule does (importlib's _find_and_load) when it is first
+        # imported after ``import smp_fx``
+        setattr(smp_fx, name, sys.modules[f"smp_fx.{name}"])
         assert callable(getattr(smp_fx, name)), name
         assert not isinstance(getattr(smp_fx, name), types.ModuleType), name
 
@@ -44,9 +46,7 @@ def test_other_submodules_are_attributes_and_unknown_names_are_not() -> None:
 @pytest.mark.multiproc
 def test_the_launcher_imports_no_torch() -> None:
     code = ("import sys, smp_fx, smp_fx.cli.main, smp_fx.cli.run\n"
-            "assert 'torch' not in sys.modules, 'torch imported'\n"
-            "import smp_fx.step\n"
-            "assert smp_fx.step.__module__ == 'smp_fx.step', smp_fx.step\n")
+            "assert 'torch' not in sys.modules, 'torch imported'\n")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          env=env, timeout=120, check=False)

@@ -14,6 +14,9 @@ from collections.abc import Iterator
 import pytest
 from _pytest.doctest import DoctestItem
 
+# the longest test files first (the order two pytest-xdist workers finish together in)
+pytest_plugins = ["tests.helpers.file_order"]
+
 GPU_TESTS_ENV = "SMP_FX_TEST_GPU"
 """``1``: keep the GPUs visible and run ``tests/smp_fx/test_cuda.py`` on them.
 

@@ -20,7 +20,8 @@ intra-op thread where asked, and a check that a test which starts processes is m
 file runs whole on one worker, so a file's batched spawn (``run_ranks`` results kept in a
 module-level cache for its parametrized tests) runs once. (``--dist loadgroup`` with
 ``xdist_group`` marks groups nothing under pytest 9.2, pytest-xdist issue 1386: the tests
-went one by one to either worker, and such a spawn ran once on each.)
+went one by one to either worker, and such a spawn ran once on each.) The files go longest
+first (``tests/helpers/file_order.py``, a plugin of the root ``conftest.py``).
 """
 
 from __future__ import annotations

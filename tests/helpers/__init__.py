@@ -7,5 +7,6 @@
 * ``dist``: run a function on real torch.distributed ranks (processes);
 * ``threads``: ranks played by threads, for the checkpoint commit protocol;
 * ``ckpt``: a tied model, a trained plain optimizer, stage layouts and a save killed
-  half-way, for checkpoint tests.
+  half-way, for checkpoint tests;
+* ``file_order``: the plugin (registered by ``conftest.py``) running the longest files first.
 """

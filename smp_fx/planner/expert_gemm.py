@@ -40,7 +40,8 @@ class GroupedGemm:
     dtype: str
     fwd_s: float
     bwd_s: float
-    """Its time as traced (``passes.annotate_costs``)."""
+    """Its time as traced (``passes.annotate_costs``, which counts the weight twice: an
+    input and a parameter; ``at_ep`` reads it once)."""
 
 
 def _shape(node: object) -> tuple[int, ...]:

@@ -37,8 +37,13 @@ def span(c: Candidate, axis: str, gpus_per_node: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=4096)
 def _span(pp: int, tp: int, dp: int, cp: int, ep: int, axis: str, gpn: int
           ) -> tuple[int, int]:
-    nodes, crossing = 1, [0] * -(-(pp * tp * dp * cp) // gpn)
-    for g in _groups(Topology(pp, tp, dp, "DPT", cp), axis, ep):
+    return _worst(_groups(Topology(pp, tp, dp, "DPT", cp), axis, ep), pp * tp * dp * cp, gpn)
+
+
+def _worst(groups: list[list[int]], world: int, gpn: int) -> tuple[int, int]:
+    """(the most nodes one group spans, the most node-crossing groups on one node)."""
+    nodes, crossing = 1, [0] * -(-world // gpn)
+    for g in groups:
         held = {r // gpn for r in g}
         nodes = max(nodes, len(held))
         if len(held) > 1:
@@ -75,14 +80,7 @@ def _megatron_expert(world: int, pp: int, ep: int, axis: str, gpn: int
                for d in range(edp)] if axis == "ep" else
               [[s * block + d * ep + e for d in range(edp)] for s in range(pp)
                for e in range(ep)])
-    nodes, crossing = 1, [0] * -(-world // gpn)
-    for g in groups:
-        held = {r // gpn for r in g}
-        nodes = max(nodes, len(held))
-        if len(held) > 1:
-            for node in held:
-                crossing[node] += 1
-    return nodes, max(1, max(crossing))
+    return _worst(groups, world, gpn)
 
 
 def _groups(topo: Topology, axis: str, ep: int) -> list[list[int]]:

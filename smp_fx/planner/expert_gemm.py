@@ -76,7 +76,7 @@ def grouped_gemms(nodes: Sequence[torch.fx.Node]) -> tuple[GroupedGemm, ...]:
 
 def at_ep(g: GroupedGemm, ep: int, spec: DeviceSpec) -> tuple[float, float]:
     """(forward, backward) seconds of ``g`` on one rank of an ep group (module docstring);
-    at ep 1 its time as traced."""
+    at ep 1 the traced shapes, the weight read once."""
     return node_times(OP, spec, fwd_flops=g.fwd_flops, bwd_flops=g.bwd_flops,
                       out_elems=0.0, moved=g.other_bytes + g.weight_bytes / ep,
                       dtype=g.dtype, gemm_dim=min(g.rows * ep, g.k, g.n))

@@ -32,12 +32,40 @@ def is_expert(name: str, tensor: torch.Tensor) -> bool:
 
 def expert_ids(gm: torch.nn.Module) -> dict[int, int]:
     """Expert tensors of ``gm``: id -> bytes per token of one pick (H x element size)."""
+    found = [(name, t) for name, t in gm.named_parameters(remove_duplicate=False)
+             if is_expert(name, t)]
+    blocks: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in found:
+        path, _, leaf = name.rpartition(".")
+        blocks.setdefault(path, {})[leaf] = t
     out: dict[int, int] = {}
-    for name, t in gm.named_parameters(remove_duplicate=False):
-        if is_expert(name, t):
-            hidden = t.shape[-1] if name.endswith("gate_up_proj") else t.shape[1]
-            out[id(t)] = int(hidden) * t.element_size()
+    for name, t in found:
+        hidden = hidden_size(blocks[name.rpartition(".")[0]])
+        out[id(t)] = hidden * t.element_size()
     return out
+
+
+def hidden_size(block: dict[str, torch.Tensor]) -> int:
+    """H of one MoE block's experts, in either layout transformers uses: Mixtral's
+    gate_up (E, 2I, H) and down (E, H, I), or GPT-OSS's transposed (E, H, 2I), (E, I, H).
+
+    >>> hidden_size({"gate_up_proj": torch.empty(4, 6, 3, device="meta"),
+    ...              "down_proj": torch.empty(4, 5, 3, device="meta")})
+    3
+    >>> hidden_size({"gate_up_proj": torch.empty(4, 3, 10, device="meta"),
+    ...              "down_proj": torch.empty(4, 5, 3, device="meta")})
+    3
+    """
+    gate_up, down = block.get("gate_up_proj"), block.get("down_proj")
+    if gate_up is None or down is None:
+        t = gate_up if gate_up is not None else down
+        assert t is not None
+        return int(t.shape[-1] if gate_up is not None else t.shape[1])
+    a, b = int(gate_up.shape[1]), int(gate_up.shape[2])
+    c, d = int(down.shape[1]), int(down.shape[2])
+    if a == d and b == 2 * c:
+        return a  # transposed: (E, H, 2I), (E, I, H)
+    return b
 
 
 def expert_count(gm: torch.nn.Module) -> int:
@@ -89,5 +117,5 @@ def meta_op(node: torch.fx.Node) -> str:
     return str(getattr(cost, "op", "") or "")
 
 
-__all__ = ["EXPERT_TENSORS", "dispatch_bytes", "expert_count", "expert_ids", "is_expert",
-           "kv_bytes", "meta_op"]
+__all__ = ["EXPERT_TENSORS", "dispatch_bytes", "expert_count", "expert_ids", "hidden_size",
+           "is_expert", "kv_bytes", "meta_op"]

@@ -37,14 +37,50 @@ def span(c: Candidate, axis: str, gpus_per_node: int) -> tuple[int, int]:
 @functools.lru_cache(maxsize=4096)
 def _span(pp: int, tp: int, dp: int, cp: int, ep: int, axis: str, gpn: int
           ) -> tuple[int, int]:
-    nodes, crossing = 1, [0] * -(-(pp * tp * dp * cp) // gpn)
-    for g in _groups(Topology(pp, tp, dp, "DPT", cp), axis, ep):
+    return _worst(_groups(Topology(pp, tp, dp, "DPT", cp), axis, ep), pp * tp * dp * cp, gpn)
+
+
+def _worst(groups: list[list[int]], world: int, gpn: int) -> tuple[int, int]:
+    """(the most nodes one group spans, the most node-crossing groups on one node)."""
+    nodes, crossing = 1, [0] * -(-world // gpn)
+    for g in groups:
         held = {r // gpn for r in g}
         nodes = max(nodes, len(held))
         if len(held) > 1:
             for node in held:
                 crossing[node] += 1
     return nodes, max(1, max(crossing))
+
+
+def megatron_expert_span(c: Candidate, axis: str, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, concurrent) of ``c``'s ``axis`` groups of Megatron-Core's expert grid:
+    ``ep`` (the ranks exchanging tokens) or ``edp`` (the dp / ep ranks holding the same
+    experts, reducing their gradients). Its default order ``tp-cp-ep-dp-pp``
+    (``parallel_state.initialize_model_parallel``) at expert tensor parallelism 1
+    (Megatron-Bridge's recipes) makes each ep group ``ep`` consecutive ranks of one
+    pipeline stage, and each edp group ranks ``ep`` apart.
+
+    >>> c = Candidate(1, 4, 16, 1, 1, "interleaved", "none", False, "none", 8)
+    >>> megatron_expert_span(c, "ep", 8), megatron_expert_span(c, "edp", 8)
+    ((1, 1), (2, 8))
+    """
+    if axis not in ("ep", "edp"):
+        raise SMPConfigError.build("an expert grid axis is ep or edp", axis,
+                                   "smp_fx.planner.placement.megatron_expert_span",
+                                   "name ep or edp")
+    return _megatron_expert(c.gpus, c.pp, c.ep, axis, gpus_per_node)
+
+
+@functools.lru_cache(maxsize=1024)
+def _megatron_expert(world: int, pp: int, ep: int, axis: str, gpn: int
+                     ) -> tuple[int, int]:
+    block = world // pp  # one pipeline stage's ranks
+    edp = block // ep
+    groups = ([[s * block + d * ep + e for e in range(ep)] for s in range(pp)
+               for d in range(edp)] if axis == "ep" else
+              [[s * block + d * ep + e for d in range(edp)] for s in range(pp)
+               for e in range(ep)])
+    return _worst(groups, world, gpn)
 
 
 def _groups(topo: Topology, axis: str, ep: int) -> list[list[int]]:
@@ -60,4 +96,4 @@ def _groups(topo: Topology, axis: str, ep: int) -> list[list[int]]:
                    for k in range(topo.cp_size)) for p, t in coords]
 
 
-__all__ = ["AXES", "span"]
+__all__ = ["AXES", "megatron_expert_span", "span"]

@@ -42,6 +42,7 @@ from passes.shape_prop import shape_prop
 from passes.tensor_parallel import TensorParallelism, tensor_parallel
 from passes.tensor_parallel.costs import COLLECTIVES
 from smp_fx.planner.exchange import dispatch_bytes, expert_ids, kv_bytes
+from smp_fx.planner.expert_gemm import GroupedGemm, grouped_gemms
 from smp_fx.planner.fused import elementwise_saving, fused_saved
 from smp_fx.planner.layers import KEPT, Repeats, layer_of
 
@@ -85,6 +86,8 @@ class PartCost:
     """Bytes its MoE blocks' all-to-all sends each way per dispatch (``exchange``)."""
     kv_bytes: int = 0
     """Bytes of its attentions' keys and values at the whole sequence (``exchange``)."""
+    grouped: tuple[GroupedGemm, ...] = ()
+    """Its experts' grouped GEMMs, repriced per ep (``expert_gemm``)."""
 
     def times(self, recompute: str) -> tuple[float, float]:
         """(forward, backward) seconds; the backward re-runs what is recomputed."""
@@ -239,7 +242,8 @@ def _part_cost(nodes: list[torch.fx.Node], later: set[torch.fx.Node], layer: boo
         selective_flops=sel_flops, param_elems=own_elems, param_tensors=own_tensors,
         shared=tuple(sorted(shared.items())), buffer_bytes=buffers, out_bytes=out_bytes,
         small_elems=small, expert_elems=expert_elems,
-        dispatch_bytes=dispatch_bytes(nodes, pick), kv_bytes=kv_bytes(nodes))
+        dispatch_bytes=dispatch_bytes(nodes, pick), kv_bytes=kv_bytes(nodes),
+        grouped=grouped_gemms(nodes))
 
 
 def _nbytes(node: torch.fx.Node) -> int:

@@ -29,6 +29,7 @@ import numpy as np
 from cost_model.device import DeviceSpec
 from cost_model.schedule_cost import RankTimes
 from passes.partitioning.chain import solve
+from smp_fx.planner.expert_gemm import GroupedGemm
 from smp_fx.planner.profile import PartCost, Profile
 
 
@@ -59,6 +60,9 @@ class Ranks:
     """Bytes of keys and values context parallelism gathers, per rank per microbatch."""
     output_bytes: int = 0
     """The model's outputs per microbatch (``Profile.output_bytes``)."""
+    grouped: tuple[tuple[tuple[GroupedGemm, int, int], ...], ...] = ()
+    """Per rank, its experts' grouped GEMMs: (GEMM, forwards, forwards re-run in the
+    backward) per microbatch (``smp_fx.planner.expert_gemm.ep_change``)."""
 
 
 def chunk_ranks(p: int, v: int, schedule: str) -> list[int]:
@@ -178,6 +182,7 @@ def rank_loads(profile: Profile, recompute: str, p: int, v: int, schedule: str,
     elems, tensors, buffers, kept, transient, layers, small = ([0] * p for _ in range(7))
     experts, dispatch, kv, relayed = ([0] * p for _ in range(4))
     shared: list[dict[str, int]] = [{} for _ in range(p)]
+    grouped: list[list[tuple[GroupedGemm, int, int]]] = [[] for _ in range(p)]
     hops: list[tuple[int, int]] = []
     layer_parts = set(map(id, profile.parts[1:3])) if profile.layers else set()
     for c, chunk in enumerate(chunks):
@@ -197,6 +202,8 @@ def rank_loads(profile: Profile, recompute: str, p: int, v: int, schedule: str,
             experts[r] += n * part.expert_elems
             dispatch[r] += n * part.dispatch_bytes
             kv[r] += n * part.kv_bytes
+            grouped[r] += [(g, n, n if pb - part.bwd_s > 0 and recompute == "full" else 0)
+                           for g in part.grouped]
             tensors[r] += n * part.param_tensors
             for key, size in part.shared:
                 if key not in shared[r]:
@@ -226,7 +233,8 @@ def rank_loads(profile: Profile, recompute: str, p: int, v: int, schedule: str,
                  tuple(k + once for k, once in zip(kept, relayed, strict=True)),
                  tuple(transient), tuple(flops), tuple(layers), tuple(hops),
                  max(part.param_elems for part in profile.parts), tuple(small), tuple(experts),
-                 tuple(dispatch), tuple(kv), profile.output_bytes)
+                 tuple(dispatch), tuple(kv), profile.output_bytes,
+                 tuple(tuple(g) for g in grouped))
 
 
 __all__ = ["Ranks", "chunk_ranks", "chunks_of", "rank_loads", "split_layers"]

@@ -49,7 +49,7 @@ earlier than rank 0, which its exposed reduction may fill.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -59,9 +59,11 @@ from cost_model.collectives import Collective, Fabric, collective_time, p2p_time
 from cost_model.memory import MemoryPerGPU, memory_per_gpu, state_bytes
 from cost_model.schedule_cost import RankTimes, ScheduleCost, in_flight_at, price_schedule
 from smp_fx.planner.candidate import Candidate
+from smp_fx.planner.expert_gemm import ep_change
 from smp_fx.planner.megatron_loss import loss_times
 from smp_fx.planner.overlap import (
     MEGATRON_CORE,
+    SMP_FX,
     hide_tp,
     megatron_bucket_elems,
     megatron_logits,
@@ -69,7 +71,7 @@ from smp_fx.planner.overlap import (
     megatron_precision,
     overlapped,
 )
-from smp_fx.planner.placement import span
+from smp_fx.planner.placement import megatron_expert_span, span
 from smp_fx.planner.profile import Profile
 from smp_fx.planner.stages import Ranks, chunk_ranks
 
@@ -161,14 +163,16 @@ def dp_placement(c: Candidate, gpus_per_node: int) -> tuple[int, int]:
     return nodes, max(1, min(gpus_per_node, c.gpus) // per_node)
 
 
-def exchange_times(c: Candidate, ranks: Ranks, fabric: Fabric
+def exchange_times(c: Candidate, ranks: Ranks, fabric: Fabric, runtime: str = SMP_FX
                    ) -> tuple[list[float], list[float]]:
     """Per pipeline rank, the seconds per microbatch of expert parallelism's all-to-alls
-    and of context parallelism's K/V exchange (module docstring, 4)."""
+    (over the ep groups of ``runtime``'s layout) and of context parallelism's K/V
+    exchange (module docstring, 4)."""
     gpn = fabric.gpus_per_node
     ep_s, cp_s = [0.0] * c.pp, [0.0] * c.pp
     if c.ep > 1 and ranks.dispatch:
-        nodes, concurrent = span(c, "ep", gpn)
+        nodes, concurrent = (megatron_expert_span(c, "ep", gpn) if runtime == MEGATRON_CORE
+                             else span(c, "ep", gpn))
         for r, nbytes in enumerate(ranks.dispatch):
             one = collective_time("all_to_all", nbytes, c.ep, fabric, nodes=nodes,
                                   concurrent=concurrent)
@@ -269,9 +273,10 @@ def pipeline(c: Candidate, ranks: Ranks, setting: Setting, link: Links | None = 
     and fsdp (11,753 for 22,802 fitting candidates: Mixtral-8x7B, 64 GPUs)."""
     spec = setting.cluster.device
     lk = link if link is not None else links(c, ranks, setting)
-    ep_s, cp_s = exchange_times(c, ranks, setting.fabric)
+    ep_s, cp_s = exchange_times(c, ranks, setting.fabric, setting.runtime)
     if c.ep > 1 or c.cp > 1:
-        lk = _exchanged(lk, c.cp, ep_s, cp_s, c.vp * spec.microbatch_overhead_s)
+        gemm = [ep_change(g, c.ep, spec) for g in ranks.grouped] if c.ep > 1 else []
+        lk = _exchanged(lk, c.cp, ep_s, cp_s, c.vp * spec.microbatch_overhead_s, gemm)
     held = held_elems(ranks, c.ep)
     if c.ep > 1:
         lk = replace(lk, elems=np.array(held, dtype=np.float64))
@@ -340,8 +345,9 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
         elif setting.runtime == MEGATRON_CORE:
             grad_bytes = state_bytes(megatron_precision(setting.precision,
                                                         setting.megatron_grads)).reduce
-            exposed, dp_s, zero_s, algorithm = _megatron_dp(c, ranks, lk, dp, grad_bytes,
-                                                             setting.precision)
+            exposed, dp_s, zero_s, algorithm = _megatron_dp(
+                c, ranks, lk, dp, grad_bytes, setting.precision,
+                _expert_dp(c, fabric, cl.gpus_per_node))
         else:
             reduce = np.array([dp("all_reduce", per_elems[e][0]).seconds for e in held])
             grads = lk.elems * s_bytes.reduce
@@ -379,15 +385,18 @@ def price(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
 
 
 def _exchanged(lk: Links, cp: int, ep_s: list[float], cp_s: list[float],
-               fixed_s: float) -> Links:
+               fixed_s: float, gemm: Sequence[tuple[float, float]] = ()) -> Links:
     """``lk`` with each rank's compute (all but ``fixed_s`` per microbatch) split over
-    ``cp`` and the exchanges added, half to the forward, half to the backward."""
+    ``cp``, its experts' grouped GEMMs repriced at ep (``gemm``: per rank, the forward
+    and backward change, ``expert_gemm.ep_change``) and the exchanges added, half to the
+    forward, half to the backward."""
     def split(t: float) -> float:
         return fixed_s + max(0.0, t - fixed_s) / cp
 
-    times = tuple(RankTimes(split(t.fwd_s) + (e + k) / 2, split(t.bwd_s) + (e + k) / 2,
-                            t.wgrad_s / cp)
-                  for t, e, k in zip(lk.times, ep_s, cp_s, strict=True))
+    change = list(gemm) or [(0.0, 0.0)] * len(lk.times)
+    times = tuple(RankTimes(split(t.fwd_s) + g[0] / cp + (e + k) / 2,
+                            split(t.bwd_s) + g[1] / cp + (e + k) / 2, t.wgrad_s / cp)
+                  for t, e, k, g in zip(lk.times, ep_s, cp_s, change, strict=True))
     return replace(lk, times=times, bwd=np.array([t.bwd_s for t in times]),
                    total=np.array([t.total_s for t in times]))
 
@@ -401,26 +410,54 @@ def held_elems(ranks: Ranks, ep: int) -> tuple[int, ...]:
     return tuple(e - x + -(-x // ep) for e, x in zip(ranks.elems, ranks.experts, strict=True))
 
 
+def _expert_dp(c: Candidate, fabric: Fabric, gpus_per_node: int
+               ) -> Callable[[str, float], Collective] | None:
+    """Megatron-Core's expert data-parallel collectives: the dp / ep ranks holding the
+    same experts (its expert grid, ``placement.megatron_expert_span``); None without."""
+    size = c.dp // c.ep if c.ep > 1 else 1
+    if size <= 1:
+        return None
+    nodes, concurrent = megatron_expert_span(c, "edp", gpus_per_node)
+
+    @functools.lru_cache(maxsize=64)
+    def edp(kind: str, nbytes: float) -> Collective:
+        return collective_time(kind, nbytes, size, fabric, nodes=nodes,
+                               concurrent=concurrent)
+    return edp
+
+
 def _megatron_dp(c: Candidate, ranks: Ranks, lk: Links,
                  dp: Callable[[str, float], Collective], reduce_bytes: int,
-                 precision: str) -> tuple[np.ndarray, float, float, str]:
+                 precision: str, edp: Callable[[str, float], Collective] | None = None
+                 ) -> tuple[np.ndarray, float, float, str]:
     """(exposed per rank, reduction s, gather s, algorithm) of Megatron-Core's data
     parallelism: gradients reduce-scattered (``zero1``, the distributed optimizer) or
     all-reduced in buckets beside the last backward, parameters all-gathered beside the
-    first forward (``--overlap-param-gather``), in half precision when training in it."""
+    first forward (``--overlap-param-gather``), in half precision when training in it;
+    at ep > 1 a rank's 1/ep of the experts over their ``edp`` ranks, the rest over dp."""
     kind = "reduce_scatter" if c.zero == "zero1" else "all_reduce"
     param_bytes = 4 if precision == "fp32" else 2
     bucket = megatron_bucket_elems(c.dp)
     fwd = lk.total - lk.bwd
     exposed = np.zeros(len(ranks.elems))
     reduce_s = gather_s = 0.0
-    for r, e in enumerate(ranks.elems):
+
+    def both(kind: str, e: int, x: int, nbytes: int) -> float:
+        """Seconds of one collective over a rank's dense part and its experts' slice."""
+        if c.ep <= 1 or not x:
+            return dp(kind, e * nbytes).seconds
+        own = -(-x // c.ep)
+        return dp(kind, (e - x) * nbytes).seconds + (
+            edp(kind, own * nbytes).seconds if edp is not None else 0.0)
+
+    experts = ranks.experts or (0,) * len(ranks.elems)
+    for r, (e, x) in enumerate(zip(ranks.elems, experts, strict=True)):
         share = bucket / max(e, 1)
-        red = dp(kind, e * reduce_bytes).seconds
+        red = both(kind, e, x, reduce_bytes)
         exposed[r] = overlapped(red, float(lk.bwd[r]) / c.vp, share)
         reduce_s = max(reduce_s, red)
         if c.zero == "zero1":
-            gat = dp("all_gather", e * param_bytes).seconds
+            gat = both("all_gather", e, x, param_bytes)
             exposed[r] += overlapped(gat, float(fwd[r]) / c.vp, share)
             gather_s = max(gather_s, gat)
     return exposed, reduce_s, gather_s, dp(kind, ranks.elems[0] * reduce_bytes).algorithm
@@ -433,7 +470,7 @@ def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: i
         last = chunk_ranks(c.pp, c.vp, c.schedule)[-1] == r
         state = megatron_precision(setting.precision, setting.megatron_grads)
         mem = _smp_memory(c, ranks, profile, setting, m, r, sends, state)
-        return megatron_memory(c.dp, c.zero, ranks.elems[r], state, mem, c.cp,
+        return megatron_memory(c.dp, c.zero, held_elems(ranks, c.ep)[r], state, mem, c.cp,
                                megatron_logits(profile.output_bytes, c.tp, c.cp, last))
     return _smp_memory(c, ranks, profile, setting, m, r, boundary, setting.precision)
 

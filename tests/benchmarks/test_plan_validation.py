@@ -45,10 +45,11 @@ def test_a_recipes_attention_backend_and_gradient_dtype_are_read() -> None:
     plain = next(r for r in runs if r.id == "megatron-core-h100-1.7b")
     assert pv.cluster_for(plain) == get_cluster(plain.cluster)
     # NeMo's Llama 3.1 and GPT-3 175B recipes reduce bf16 gradients (grad_sync_dtype:
-    # bf16); the rest keep fp32 main gradients
+    # bf16), Megatron-Bridge's GPT-OSS ones too (grad_reduce_in_fp32 False); the rest keep
+    # fp32 main gradients
     assert {r.id for r in runs if r.grads == "bf16"} == {
         r.id for r in runs if r.id.startswith(("nemo-24.09-h100-llama3.1-",
-                                               "nemo-24.11-h100-175b-"))}
+                                               "nemo-24.11-h100-175b-", "megatron-bridge-"))}
     assert {r.grads for r in runs} == {"fp32", "bf16"}
     assert pv.setting_for(runs[0]).megatron_grads == runs[0].grads
     llama = next(r for r in runs if r.grads == "bf16")
@@ -87,6 +88,25 @@ def test_the_flop_counts_are_the_sources() -> None:
     oss = [r for r in runs.values() if r.flops == "implied"]
     per_token = [r.step_flops() / (r.global_batch * r.seq) for r in oss]
     assert len(oss) == 4 and max(per_token) / min(per_token) < 1.01
+    # ... and it is Megatron-Bridge's num_floating_point_operations for GPT-OSS 120B: its
+    # experts counted without the gated third matrix (quick_gelu is not F.silu), attention
+    # at full length with the causal half, logits at the vocabulary (flop_utils.py, v0.3.0)
+    h, layers, heads, groups, seq, vocab, ffn, k = 2880, 36, 64, 8, 4096, 201088, 2880, 4
+    bridge = (12 * layers * h * ffn * k
+              + 12 * layers * h * h * (1 + groups / heads + seq / h / 2) * (heads * 64 / h)
+              + 6 * h * vocab)
+    assert all(abs(x / bridge - 1) < 0.005 for x in per_token)
+
+
+def test_gpt_oss_rows_read_their_recipes() -> None:
+    """Megatron-Bridge's GPT-OSS performance recipes (r0.2.0, v0.3.0): selective
+    recomputation, the distributed optimizer, no virtual stages; H100 at microbatch 1,
+    B200 at ep 64 and microbatch 4."""
+    oss = {r.id: r for r in pv.read_runs() if r.id.startswith("megatron-bridge-")}
+    assert len(oss) == 4
+    for r in oss.values():
+        assert (r.recompute, r.zero, r.vp) == ("selective", "zero1", 1), r.id
+        assert (r.mbs, r.ep) == ((1, 8) if r.gpu == "H100" else (4, 64)), r.id
 
 
 @pytest.mark.parametrize("row", ["megatron-core-h100-7.1b", "sc21-table1-a100-1.7b",

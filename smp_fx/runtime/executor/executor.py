@@ -64,6 +64,7 @@ from smp_fx.runtime.executor.seams import PostStep, PreStep, StageRunner
 from smp_fx.runtime.executor.step_data import MbData, StepRun, StepStats
 from smp_fx.runtime.executor.step_log import StepLog
 from smp_fx.runtime.executor.stragglers import StragglerWatch, split_step
+from smp_fx.runtime.executor.straight import ModeMemo
 from smp_fx.runtime.executor.turns import Microbatch, Request
 from smp_fx.runtime.memory.activations import ActivationKeeper, prefetch_points
 from smp_fx.runtime.transport.transport import InProcessTransport, Transport
@@ -114,6 +115,8 @@ class Executor:
                                    self.flight.describe)
         self.flight.status, self.flight.busy = self.conductor.status, self.conductor.performing
         transport.on_block = self.conductor.flush  # held-back step functions run meanwhile
+        self.conductor.on_straight_call = self._check_late
+        self._modes = ModeMemo()  # the modes straight steps' forwards take
         transport.where = self.flight.where
         if options.multi_process:
             self.flight.watch()  # a stalled step is told even if this rank waits on no peer
@@ -162,8 +165,13 @@ class Executor:
         run = self._run = StepRun(step, scale, [MbData() for _ in microbatches], prefetch,
                                    self.stats)
         self.flight.begin(step.ops)
+        launch = (torch.is_grad_enabled(), autocast_state())
+        straight = self._modes.get(fn, launch) if step.straight else None
         try:
-            results, asked = self.conductor.run(fn, microbatches, step.ops, step.next_forward)
+            results, asked = self.conductor.run(fn, microbatches, step.ops, step.next_forward,
+                                                straight)
+            if step.straight and not self._modes.known(fn, launch):
+                self._modes.learn(fn, launch, self.conductor.last_calls)
             self.flight.mark(len(step.ops))
             self.transport.finish()
             self._check_step(run, asked)  # after finish: the transport is ready for the next
@@ -220,7 +228,12 @@ class Executor:
             for name in stage.program_inputs:
                 received[name] = to_device(bound[name], runner.device)
         if self.check_received is not None and stage.recvs:
-            self.check_received(s, received, self.rank, *req.args)
+            if req.args is None:  # a straight step: at its model(...) call (_check_late)
+                d.late_checks.append((s, {n: torch.empty(v.shape, device="meta")
+                                          for n, v in received.items()
+                                          if isinstance(v, torch.Tensor)}))
+            else:
+                self.check_received(s, received, self.rank, *req.args)
         keeper = self.keepers.get(s)
         with thread_modes(req.grad_enabled, req.autocast), \
                 keeper.forward(mb) if keeper is not None else contextlib.nullcontext():
@@ -238,6 +251,14 @@ class Executor:
             self.conductor.publish_outputs(mb, self.program.build_outputs(outs))
         if not req.grad_enabled:
             d.inputs.pop(s, None)
+
+    def _check_late(self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A straight step's received shapes against its ``model(...)`` call, which came
+        after the forwards (a mismatch fails the step after its ops)."""
+        run = self._run
+        if run is not None and self.check_received is not None:
+            for s, shapes in run.data[mb].late_checks:
+                self.check_received(s, shapes, self.rank, args, kwargs)
 
     def _op_send_act(self, run: StepRun, op: Op) -> None:
         names = self._send_names[(op.stage, op.peer)]

@@ -58,6 +58,7 @@ class Conductor:
         self._last_abort: list[str] = []  # ``status`` of the last step, if it aborted
         self.threads_started = 0  # step functions run on pool threads, all steps
         self.straight_steps = 0  # steps run straight through
+        self.ops_done = False  # whether the last straight step performed every op
         self.last_calls: list[Modes | None] = []  # the last step's model(...) call modes
         # a straight step's model(...) call (microbatch, args, kwargs): checks made late
         self.on_straight_call: Callable[[int, tuple[Any, ...], dict[str, Any]], None] | None = None
@@ -382,12 +383,13 @@ class Conductor:
         the ops, so this rank's peers get every message; it is raised after them."""
         m = len(s.turns)
         s.results = [None] * m
+        self.ops_done = False
         try:
             s.driving = True
             for i, op in enumerate(s.ops):
                 s.next = i
                 self._execute(i, op)
-            s.next, s.driving = len(s.ops), False
+            s.next, s.driving, self.ops_done = len(s.ops), False, True
             s.ready.extend(k for k in range(m) if not s.started[k] and k not in s.ready)
             self._run_ready(s)
             if s.abort is not None:

@@ -11,25 +11,14 @@ from typing import Any
 
 import pytest
 import torch
-import torch.fx
-from torch import nn
 
 from cost_model import schedule as sched
 from cost_model.errors import SMPRuntimeError
-from passes import meta
-from passes.split_stages import split_stages
 from smp_fx.runtime.executor.conductor import Conductor
 from smp_fx.runtime.executor.lowering import Op, lower
 from smp_fx.runtime.executor.straight import ModeMemo
 from smp_fx.world import context
-
-
-def _program(p: int) -> Any:
-    gm = torch.fx.symbolic_trace(nn.Sequential(*[nn.Linear(4, 4) for _ in range(p)]))
-    for n in gm.graph.nodes:
-        if n.op == "call_module":
-            meta.STAGE.set(n, int(n.target))
-    return split_stages(gm)
+from tests.smp_fx.runtime.executor.test_lowering import _program
 
 
 def test_only_ranks_between_the_first_and_last_stage_run_straight() -> None:

@@ -106,6 +106,15 @@ def test_a_middle_rank_runs_its_ops_and_step_functions_on_the_calling_thread() -
                                straight=(False, ()))
     assert results == ["out0", "out1"] and asked == [False, False]
     assert "F0 grad=False" in log
+    bf16 = (True, (("cpu", torch.bfloat16),))  # a first step that called under autocast
+
+    def amp(x: int) -> Any:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _call(x)
+
+    assert c.run(amp, [((0,), {}), ((1,), {})], OPS, straight=bf16)[0] == ["out0", "out1"]
+    with pytest.raises(SMPRuntimeError, match=r"autocast \[\].*autocast \[\('cpu', torch"):
+        c.run(_call, [((0,), {}), ((1,), {})], OPS, straight=bf16)
 
 
 def _fails(fn: Any, match: str) -> list[str]:

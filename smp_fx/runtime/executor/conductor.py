@@ -81,8 +81,9 @@ class Conductor:
             want = (s.straight.grad_enabled, s.straight.autocast)
             got = (t.f_request.grad_enabled, t.f_request.autocast)
             if got != want:  # kept too: the step fails even if the step function catches it
-                self._keep(s, call_mismatch(mb, self.rank, want, got))
-                raise s.abort  # type: ignore[misc]
+                exc = call_mismatch(mb, self.rank, want, got)
+                self._keep(s, exc)
+                raise exc
             if not t.outputs_ready:
                 raise SMPInternalError.build("a straight step function ran before its "
                                              "outputs", mb, f"rank {self.rank}")

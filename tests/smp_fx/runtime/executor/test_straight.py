@@ -2,7 +2,7 @@
 modes their forwards take, and the conductor running a middle rank's ops and step
 functions on the calling thread, with every step function's misstep an error raised
 after this rank's ops (so its peers get every message). Across processes:
-tests/smp_fx/test_schedules.py (numerics) and test_straight_dist.py (the errors)."""
+tests/smp_fx/test_schedules.py and test_straight_dist.py (GPT-2, the errors)."""
 
 from __future__ import annotations
 

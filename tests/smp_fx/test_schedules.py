@@ -1,11 +1,14 @@
 """Every schedule equals one process on the global batch: the numerics grid.
 
 Every schedule (``simple``, ``interleaved``, ``zero_bubble`` at v = 1 and 2, ``zbv`` at 2)
-x pp {2, 4} x microbatches {4, 8}: 3 Adam steps of a tiny MLP, every gradient after every
-step and every parameter after the last within 1e-5 of the unpartitioned model trained in
-one process on the global batch. In one process (every chunk here), and across processes
-(one launch per pipeline degree runs all of its cases in turn). ``active_microbatches``
-caps the warm-up of the schedules that take one; the numbers stay the same.
+x pp {2, 4} x microbatches {4, 8}: 3 Adam steps of a tiny MLP, the loss and every gradient
+after every step and every parameter after the last within 1e-5 of the unpartitioned model
+trained in one process on the global batch. In one process (every chunk here), and across
+processes (one launch per pipeline degree runs all of its cases in turn), where a rank
+holding neither the first nor the last stage runs its steps after the first straight
+through (``smp_fx.runtime.executor.straight``: no step-function thread started).
+``active_microbatches`` caps the warm-up of the schedules that take one; the numbers stay
+the same.
 """
 
 from __future__ import annotations
@@ -51,12 +54,18 @@ def _case(pp: int, name: str, v: int, m: int, **extra: Any) -> list[str]:
     g = torch.Generator().manual_seed(1)
     tag = f"pp={pp} {name} v={v} m={m} {extra or ''}"
     bad: list[str] = []
+    conductor, threads = None, 0
     for step in range(3):
         x, y = torch.randn(16, 8, generator=g), torch.randint(0, 3, (16,), generator=g)
         opt.zero_grad()
         ref_opt.zero_grad()
-        train_step(model, x, y)
-        F.cross_entropy(ref(x), y).backward()
+        loss = train_step(model, x, y).reduce_mean()
+        if dist.is_initialized() and step == 0:
+            conductor = model.executor.conductor
+            threads = conductor.threads_started
+        want_loss = F.cross_entropy(ref(x), y)
+        want_loss.backward()
+        bad += [f"{tag}: loss step {step}"] * (not torch.allclose(loss, want_loss, atol=1e-5))
         want = dict(ref.named_parameters())
         bad += [f"{tag}: grad {n} step {step}" for n, p in model.local_named_parameters()
                 if not torch.allclose(p.grad, want[n].grad, rtol=0, atol=1e-5)]
@@ -65,6 +74,11 @@ def _case(pp: int, name: str, v: int, m: int, **extra: Any) -> list[str]:
     want = dict(ref.named_parameters())
     bad += [f"{tag}: param {n}" for n, p in model.local_named_parameters()
             if not torch.allclose(p, want[n], rtol=0, atol=1e-5)]
+    if conductor is not None:  # the first step learns the modes its forwards take
+        straight = 0 < smp.pp_rank() < pp - 1 or (name == "zbv" and smp.pp_rank() > 0)
+        got = (conductor.straight_steps, conductor.threads_started - threads)
+        if got != ((2, 0) if straight else (0, got[1])):
+            bad.append(f"{tag}: rank {smp.pp_rank()} straight steps, threads {got}")
     return bad
 
 

@@ -2,8 +2,9 @@
 
 Turns follow the op list, so every rank issues its transfers in schedule order; the
 conductor is a baton, not a thread: whichever waiting thread finds the next op runnable
-performs it. Step functions start lazily. It knows ops by kind and microbatch only; what
-one step's turn-taking holds is a ``StepTurns`` dropped after it.
+performs it. Step functions start lazily. A straight-through step (``straight.py``) runs
+the ops on the calling thread, each step function there once its outputs are. It knows
+ops by kind and microbatch only; what one step holds is a ``StepTurns`` dropped after it.
 See docs/runtime.md ('Threads', 'Per-step state').
 """
 
@@ -20,6 +21,7 @@ import torch
 from cost_model.errors import SMPInternalError, SMPRuntimeError, SMPTimeoutError
 from smp_fx.runtime.executor.lowering import Op
 from smp_fx.runtime.executor.modes import autocast_state, thread_modes
+from smp_fx.runtime.executor.straight import Modes, call_mismatch, not_called
 from smp_fx.runtime.executor.turns import (
     Microbatch,
     Request,
@@ -54,6 +56,12 @@ class Conductor:
         self._pool_size = 0
         self._step: StepTurns | None = None  # the running step
         self._last_abort: list[str] = []  # ``status`` of the last step, if it aborted
+        self.threads_started = 0  # step functions run on pool threads, all steps
+        self.straight_steps = 0  # steps run straight through
+        self.ops_done = False  # whether the last straight step performed every op
+        self.last_calls: list[Modes | None] = []  # the last step's model(...) call modes
+        # a straight step's model(...) call (microbatch, args, kwargs): checks made late
+        self.on_straight_call: Callable[[int, tuple[Any, ...], dict[str, Any]], None] | None = None
 
     # ---- user-thread side -------------------------------------------------------------
     def forward_request(self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -67,7 +75,20 @@ class Conductor:
                     "the model may be called once per microbatch inside smp.step", mb,
                     f"rank {self.rank} microbatch {mb}", "call model(...) once per step fn")
             t.f_request = Request((args, kwargs), torch.is_grad_enabled(), autocast_state())
-            self._drive(s, lambda: t.outputs_ready, mb, "its model outputs")
+            if s.straight is None:
+                self._drive(s, lambda: t.outputs_ready, mb, "its model outputs")
+                return t.outputs
+            want = (s.straight.grad_enabled, s.straight.autocast)
+            got = (t.f_request.grad_enabled, t.f_request.autocast)
+            if got != want:  # kept too: the step fails even if the step function catches it
+                exc = call_mismatch(mb, self.rank, want, got)
+                self._keep(s, exc)
+                raise exc
+            if not t.outputs_ready:
+                raise SMPInternalError.build("a straight step function ran before its "
+                                             "outputs", mb, f"rank {self.rank}")
+        if self.on_straight_call is not None:
+            self.on_straight_call(mb, args, kwargs)
         return t.outputs
 
     def backward_request(self, mb: int, tensors: Any, grad_tensors: Any) -> None:
@@ -82,6 +103,8 @@ class Conductor:
                     f"rank {self.rank} microbatch {mb}", "call model.backward(loss) once")
             t.b_request = Request((tensors, grad_tensors), torch.is_grad_enabled(),
                                   autocast_state())
+            if s.straight is not None:
+                return  # checked at the step's end against the gradient messages
             self._drive(s, lambda: t.backward_done, mb, "its backward pass", wait=False,
                         lazy=True)
 
@@ -90,6 +113,8 @@ class Conductor:
         """Microbatch ``mb``'s F request (its F op is runnable, so it asked or returned)."""
         s = self._step
         assert s is not None
+        if s.straight is not None:
+            return s.straight
         req = s.turns[mb].f_request
         if req is None:
             raise SMPRuntimeError.build(
@@ -112,6 +137,10 @@ class Conductor:
         s = self._step
         assert s is not None  # called during a step only (a turn, an op)
         with self._lock:
+            if s.straight is not None:
+                s.give_outputs(mb, outputs)
+                s.ready.append(mb)
+                return
             if defer:
                 s.deferred.append((mb, outputs))
                 return
@@ -131,7 +160,9 @@ class Conductor:
     def flush(self) -> None:
         """Apply the deferred publications (the transport calls this before it blocks)."""
         s = self._step
-        if s is not None and s.deferred:
+        if s is not None and s.ready:
+            self._run_ready(s)
+        elif s is not None and s.deferred:
             with self._lock:
                 s.flush()
 
@@ -251,22 +282,27 @@ class Conductor:
         s = self._step
         return s is not None and s.driving
 
-    def _fail(self, s: StepTurns, exc: BaseException) -> None:
-        """With the lock held: abort the step with ``exc`` (the first failure wins), keeping
-        ``status`` as it was when it failed, then release every thread."""
+    def _keep(self, s: StepTurns, exc: BaseException) -> None:
+        """With the lock held: ``exc`` is the step's failure unless one came first."""
         if s.abort is None:
             s.abort = exc
             s.abort_status = status_lines(s.view(), self.describe)
+
+    def _fail(self, s: StepTurns, exc: BaseException) -> None:
+        """With the lock held: abort the step with ``exc`` (the first failure wins), keeping
+        ``status`` as it was when it failed, then release every thread."""
+        self._keep(s, exc)
         s.wake_all()
 
     # ---- a step -------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], microbatches: Sequence[Microbatch],
-            ops: tuple[Op, ...], next_forward: Sequence[int] | None = None
-            ) -> tuple[list[Any], list[bool]]:
+            ops: tuple[Op, ...], next_forward: Sequence[int] | None = None,
+            straight: Modes | None = None) -> tuple[list[Any], list[bool]]:
         """Run ``fn`` once per microbatch while ``ops`` are executed in order; returns its results
-        and whether each microbatch called ``model.backward``."""
+        and whether each microbatch called ``model.backward``. ``straight``: run straight
+        through, the forwards under these modes (``straight.py``)."""
         m = len(microbatches)
-        if m > 1 and (self._pool is None or self._pool_size < m - 1):
+        if straight is None and m > 1 and (self._pool is None or self._pool_size < m - 1):
             if self._pool is not None:
                 self._pool.shutdown(wait=False)
             self._pool, self._pool_size = ThreadPoolExecutor(m - 1, "smp-step"), m - 1
@@ -276,6 +312,9 @@ class Conductor:
                   threading.Condition(self._lock), (fn, microbatches, grad, autocast),
                   threading.current_thread(), next_forward, [False] * m, [False] * m)
         self._step = s
+        if straight is not None:
+            s.straight = Request(None, *straight)
+            return self._run_straight(s)
         results: list[Any] = [None] * m
         try:
             while True:  # the calling thread runs every microbatch nobody else started
@@ -295,6 +334,7 @@ class Conductor:
             for mb, f in sorted(s.futures.items()):
                 results[mb] = f.result(timeout=self.timeout_s)
             asked = [t.b_request is not None for t in s.turns]
+            self.last_calls = _call_modes(s)
         except BaseException as exc:
             with self._lock:
                 self._fail(s, exc)
@@ -338,6 +378,60 @@ class Conductor:
                 if s.abort is None and threading.current_thread() is not s.main_thread:
                     self._start_needed(s)  # the calling thread may be asleep mid-function
 
+    def _run_straight(self, s: StepTurns) -> tuple[list[Any], list[bool]]:
+        """Every op in order on this thread, then the step functions not run yet (they ran
+        when the transport would block, ``flush``). A step function's failure does not stop
+        the ops, so this rank's peers get every message; it is raised after them."""
+        m = len(s.turns)
+        s.results = [None] * m
+        self.ops_done = False
+        try:
+            s.driving = True
+            for i, op in enumerate(s.ops):
+                s.next = i
+                self._execute(i, op)
+            s.next, s.driving, self.ops_done = len(s.ops), False, True
+            s.ready.extend(k for k in range(m) if not s.started[k] and k not in s.ready)
+            self._run_ready(s)
+            if s.abort is not None:
+                raise s.abort
+            missing = next((k for k, t in enumerate(s.turns) if t.f_request is None), None)
+            if missing is not None:
+                raise not_called(missing, self.rank)
+            self.straight_steps += 1
+            self.last_calls = _call_modes(s)
+            return s.results, [t.b_request is not None for t in s.turns]
+        except BaseException as exc:
+            with self._lock:
+                self._keep(s, exc)
+            raise s.abort from None  # type: ignore[misc]
+        finally:
+            with self._lock:
+                s.driving = False
+                self._last_abort = s.abort_status
+                self._step = None
+
+    def _run_ready(self, s: StepTurns) -> None:
+        """Run the step functions whose outputs are there, on this thread; a failure is kept
+        (``abort``) for the step's end."""
+        fn, microbatches, grad, autocast = s.launch
+        while s.ready:
+            mb = s.ready.pop(0)
+            if s.started[mb]:
+                continue
+            s.started[mb] = True
+            args, kwargs = microbatches[mb]
+            context.enter_turn(self, mb)
+            try:
+                with thread_modes(grad, autocast):
+                    s.results[mb] = fn(*args, **kwargs)
+            except Exception as exc:  # raised after the ops (``_run_straight``)
+                with self._lock:
+                    self._keep(s, exc)
+            finally:
+                context.leave_turn()
+                s.done[mb] = True
+
     def _start_needed(self, s: StepTurns) -> None:
         """With the lock held: start the step function the next op needs on a pool thread."""
         if s.driving or s.holder is not None or s.next >= len(s.ops):
@@ -351,8 +445,15 @@ class Conductor:
     def _start(self, s: StepTurns, j: int) -> None:
         """With the lock held: run microbatch ``j``'s step function on a pool thread."""
         s.started[j] = True
+        self.threads_started += 1
         if self._pool is None:
             raise SMPInternalError.build("a step function needs a pool thread, but the step "
                                          "has one microbatch", j, f"rank {self.rank}")
         s.futures[j] = self._pool.submit(self._user_thread, s, j)
 
+
+
+def _call_modes(s: StepTurns) -> list[Modes | None]:
+    """The grad mode and autocast of each microbatch's ``model(...)`` call (None: none)."""
+    return [None if t.f_request is None else (t.f_request.grad_enabled, t.f_request.autocast)
+            for t in s.turns]

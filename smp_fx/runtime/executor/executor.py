@@ -64,6 +64,7 @@ from smp_fx.runtime.executor.seams import PostStep, PreStep, StageRunner
 from smp_fx.runtime.executor.step_data import MbData, StepRun, StepStats
 from smp_fx.runtime.executor.step_log import StepLog
 from smp_fx.runtime.executor.stragglers import StragglerWatch, split_step
+from smp_fx.runtime.executor.straight import ModeMemo
 from smp_fx.runtime.executor.turns import Microbatch, Request
 from smp_fx.runtime.memory.activations import ActivationKeeper, prefetch_points
 from smp_fx.runtime.transport.transport import InProcessTransport, Transport
@@ -114,6 +115,8 @@ class Executor:
                                    self.flight.describe)
         self.flight.status, self.flight.busy = self.conductor.status, self.conductor.performing
         transport.on_block = self.conductor.flush  # held-back step functions run meanwhile
+        self.conductor.on_straight_call = self._check_late
+        self._modes = ModeMemo()  # the modes straight steps' forwards take
         transport.where = self.flight.where
         if options.multi_process:
             self.flight.watch()  # a stalled step is told even if this rank waits on no peer
@@ -162,11 +165,23 @@ class Executor:
         run = self._run = StepRun(step, scale, [MbData() for _ in microbatches], prefetch,
                                    self.stats)
         self.flight.begin(step.ops)
+        launch = (torch.is_grad_enabled(), autocast_state())
+        straight = self._modes.get(fn, launch) if step.straight else None
+        late: Exception | None = None  # a failure after every op: raised after the hooks
         try:
-            results, asked = self.conductor.run(fn, microbatches, step.ops, step.next_forward)
+            try:
+                results, asked = self.conductor.run(fn, microbatches, step.ops,
+                                                    step.next_forward, straight)
+            except Exception as exc:
+                if straight is None or not self.conductor.ops_done:
+                    raise
+                late, results, asked = exc, [], []
+            if step.straight and not self._modes.known(fn, launch):
+                self._modes.learn(fn, launch, self.conductor.last_calls)
             self.flight.mark(len(step.ops))
             self.transport.finish()
-            self._check_step(run, asked)  # after finish: the transport is ready for the next
+            if late is None:
+                late = self._check_step(run, asked)  # after finish: ready for the next
         except BaseException as exc:
             self.flight.failed(exc)
             raise
@@ -175,6 +190,8 @@ class Executor:
             self.flight.end()
             for keeper in self.keepers.values():
                 keeper.end_step()
+        if late is not None:  # the peers finished this step: so does this rank's collectives
+            self.flight.failed(late)
         ended = time.monotonic()
         for hook in self.post_step_hooks:
             hook()
@@ -183,6 +200,8 @@ class Executor:
         self.step_log.step_done(self.flight, split)
         if self.stragglers is not None:
             self.stragglers.step_done(self.flight, split)
+        if late is not None:
+            raise late
         return results
 
     def _execute(self, i: int, op: Op) -> None:
@@ -220,7 +239,12 @@ class Executor:
             for name in stage.program_inputs:
                 received[name] = to_device(bound[name], runner.device)
         if self.check_received is not None and stage.recvs:
-            self.check_received(s, received, self.rank, *req.args)
+            if req.args is None:  # a straight step: at its model(...) call (_check_late)
+                d.late_checks.append((s, {n: torch.empty(v.shape, device="meta")
+                                          for n, v in received.items()
+                                          if isinstance(v, torch.Tensor)}))
+            else:
+                self.check_received(s, received, self.rank, *req.args)
         keeper = self.keepers.get(s)
         with thread_modes(req.grad_enabled, req.autocast), \
                 keeper.forward(mb) if keeper is not None else contextlib.nullcontext():
@@ -238,6 +262,14 @@ class Executor:
             self.conductor.publish_outputs(mb, self.program.build_outputs(outs))
         if not req.grad_enabled:
             d.inputs.pop(s, None)
+
+    def _check_late(self, mb: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """A straight step's received shapes against its ``model(...)`` call, which came
+        after the forwards (a mismatch fails the step after its ops)."""
+        run = self._run
+        if run is not None and self.check_received is not None:
+            for s, shapes in run.data[mb].late_checks:
+                self.check_received(s, shapes, self.rank, args, kwargs)
 
     def _op_send_act(self, run: StepRun, op: Op) -> None:
         names = self._send_names[(op.stage, op.peer)]
@@ -271,8 +303,9 @@ class Executor:
             self._deliver_outputs(run, op.microbatch, cut, defer=run.at != run.lowered.last_recv)
         skipped = grads is None
         if d.skip.setdefault(op.stage, skipped) != skipped:
-            _inconsistent(op, "the gradient messages from later stages disagree (stage "
-                              f"{op.peer}'s rank {'skipped' if skipped else 'ran'} it)")
+            raise _inconsistent(op, "the gradient messages from later stages disagree "
+                                    f"(stage {op.peer}'s rank {'skipped' if skipped else 'ran'} "
+                                    "it)")
         if skipped:
             return
         names = self._send_names[(op.stage, op.peer)]
@@ -378,16 +411,18 @@ class Executor:
         self._via(op.peer).send((grads, d.cut if self.multi_process else None), op.stage,
                                 op.peer, "grad", op.microbatch)
 
-    def _check_step(self, run: StepRun, asked: list[bool]) -> None:
+    def _check_step(self, run: StepRun, asked: list[bool]) -> SMPRuntimeError | None:
         """A stage whose backward followed the gradient messages: its step function must
         have decided alike (``asked``: per microbatch, whether it called model.backward)."""
         for mb, d in enumerate(run.data):
             for s, skipped in d.skip.items():
                 if skipped == asked[mb]:
-                    _inconsistent(Op("B", s, mb),
-                                  f"this rank's step function {'did' if skipped else 'did not'}"
-                                  " call it, yet the gradient messages say the backward was "
-                                  f"{'skipped' if skipped else 'run'}")
+                    did = "did" if skipped else "did not"
+                    return _inconsistent(
+                        Op("B", s, mb), f"this rank's step function {did} call it, yet the "
+                        f"gradient messages say the backward was "
+                        f"{'skipped' if skipped else 'run'}")
+        return None
 
     def _loss_roots(self, run: StepRun, mb: int, req: Request
                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -415,8 +450,8 @@ class Executor:
         return ts, scaled
 
 
-def _inconsistent(op: Op, what: str) -> None:
-    raise SMPRuntimeError.build(
+def _inconsistent(op: Op, what: str) -> SMPRuntimeError:
+    return SMPRuntimeError.build(
         "every pipeline rank must call model.backward for the same microbatches", what,
         f"stage {op.stage} microbatch {op.microbatch}",
         "take the decision to call model.backward the same way on every rank (it may "

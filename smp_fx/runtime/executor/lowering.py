@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from cost_model import schedule as sched
 from passes.split_stages import StagedProgram
+from smp_fx.runtime.executor.straight import runs_straight
 
 OP_KINDS = ("RECV_ACT", "F", "SEND_ACT", "SEND_OUT", "RECV_OUT", "WAIT_B", "RECV_GRAD", "B",
             "I", "W", "SEND_GRAD")
@@ -86,13 +87,15 @@ def describe(op: Op, ranks: Sequence[int] | None = None) -> str:
 @dataclass(frozen=True)
 class Lowered:
     """A schedule lowered for one rank: its ops, receive streams announced per position
-    (``posts``), messages per send stream, the last receive and ``next_forward``."""
+    (``posts``), messages per send stream, the last receive, ``next_forward`` and whether
+    it runs straight through (``straight.runs_straight``)."""
 
     ops: tuple[Op, ...]
     posts: Mapping[int, tuple[Post, ...]]
     sends: Mapping[Stream, int]
     last_recv: int
     next_forward: tuple[int, ...] | None
+    straight: bool = False
 
     def lines(self) -> list[str]:
         """The lowering as text: one line per op, followed by what happens at its position
@@ -119,7 +122,8 @@ def lower(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int
     ahead = multi_process and program.num_stages - 1 not in stages
     local = frozenset(stages) if multi_process else frozenset()
     return Lowered(ops, receive_posts(ops, local), send_counts(ops, local), last_receive(ops),
-                   next_forwards(ops) if ahead else None)
+                   next_forwards(ops) if ahead else None,
+                   runs_straight(ops, program, stages, multi_process))
 
 
 def lower_ops(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int],

@@ -23,6 +23,8 @@ class MbData:
     pending: dict[int, PendingW] = field(default_factory=dict)  # stage -> its W, after its I
     b_done: int = 0  # local stages whose backward finished (its B, or its W)
     cut: Any = None  # the last stage's outputs as handed to the user
+    # straight steps: (stage, received shapes) to check at the model(...) call
+    late_checks: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
 
 
 @dataclass

@@ -81,6 +81,9 @@ class StepTurns:
     deferred: list[tuple[int, Any]] = field(default_factory=list)
     abort: BaseException | None = None
     abort_status: list[str] = field(default_factory=list)
+    straight: Request | None = None  # straight-through (``straight.py``): what F ops take
+    ready: list[int] = field(default_factory=list)  # straight: outputs there, not started
+    results: list[Any] = field(default_factory=list)  # straight: the step functions' results
 
     def runnable(self, op: Op) -> bool:
         """Whether ``op`` can run now: a forward once its step function asked (or returned),

@@ -1,8 +1,9 @@
 """The multi-process transport's wire format: headers and frames, as pure functions.
 
 One frame (an int64 flag, then small tensors at aligned offsets) plus each large tensor
-apart; flag 0 means the last header's layout, ``n > 0`` a new ``n``-byte header, ``SKIP``
-a fill. Nothing here sends, so every function is tested on its own.
+apart, or, for a message of one tensor where the stream allows it, the tensor itself
+(``direct``); flag 0 means the last header's layout, ``n > 0`` a new ``n``-byte header,
+``SKIP`` a fill. Nothing here sends, so every function is tested on its own.
 See docs/runtime.md, 'The wire format'.
 """
 
@@ -24,6 +25,7 @@ ALIGN = 64  # frame offsets: any dtype can be viewed in place
 PACK_MAX = 256 * 1024  # bytes; a larger tensor is its own message (copying it costs more)
 NO_HEADER_FRAME = 8  # before any header: the frame is the flag alone
 SKIP = -1  # the flag of a fill that only stands in for an old-layout receive
+DIRECT_ALIGN = 16  # a direct frame's flag offset and tail: every dtype's itemsize divides it
 # Header leaves compared by == (with their types: 1 == 1.0 == True) instead of by pickles.
 _PLAIN = frozenset((type(None), bool, int, float, str))
 
@@ -69,6 +71,8 @@ class Header:
     nbytes: tuple[int, ...]
     frame_size: int
     large: tuple[TensorMeta, ...]  # the tensors that are messages of their own, in order
+    direct: bool = False  # one tensor sent as itself; the receive frame holds it, then the flag
+    flag_offset: int = 0  # where the receive frame's flag is
 
 
 def flatten(value: Any) -> Flat:
@@ -132,16 +136,22 @@ def header_leaves(leaves: Sequence[Any]) -> list[Any]:
             if isinstance(t, torch.Tensor) else t for t in leaves]
 
 
-def payload_of(flat: Flat) -> tuple[bytes, Any, list[Any]]:
-    """The pickled header of ``flat`` (what a header change sends), its spec and leaves."""
+def payload_of(flat: Flat, direct: bool = False) -> tuple[bytes, Any, list[Any]]:
+    """The pickled header of ``flat`` (what a header change sends), its spec and leaves;
+    ``direct``: the sender may send a message of one tensor as itself (``direct_layout``),
+    which the receiver learns from the header."""
     spec = spec_of(flat.shape) if flat.shape is not None else flat.spec
     leaves = flat.metas if flat.metas is not None else header_leaves(flat.leaves)
-    return pickle.dumps((spec, leaves, flat.shape)), spec, leaves
+    return pickle.dumps((spec, leaves, flat.shape, direct)), spec, leaves
 
 
-def header(payload: bytes, spec: Any, leaves: Sequence[Any], shape: Any, key: Any) -> Header:
-    """The header with its frame layout: small tensors packed at aligned offsets."""
+def header(payload: bytes, spec: Any, leaves: Sequence[Any], shape: Any, key: Any,
+           direct: bool = False) -> Header:
+    """The header with its frame layout: small tensors packed at aligned offsets, or, where
+    the sender allows ``direct`` and the message has one tensor, the ``direct_layout``."""
     metas = tuple(m for m in leaves if isinstance(m, TensorMeta))
+    if direct and len(metas) == 1 and metas[0].nbytes:
+        return direct_layout(payload, spec, tuple(leaves), shape, key, metas[0])
     offsets: list[int | None] = []
     end = ALIGN
     for m in metas:
@@ -155,18 +165,31 @@ def header(payload: bytes, spec: Any, leaves: Sequence[Any], shape: Any, key: An
                   tuple(m.nbytes for m in metas), end, large)
 
 
-def encode(flat: Flat) -> Header:
+def direct_layout(payload: bytes, spec: Any, leaves: tuple[Any, ...], shape: Any, key: Any,
+                  meta: TensorMeta) -> Header:
+    """A message of one tensor, sent as the tensor itself: no copy into a frame, and one
+    message whatever its size. The receiver posts a frame one flag longer, the flag zeroed
+    at posting; the tensor's message is shorter, so a flag other than 0 can only come from
+    a fill (gloo takes a shorter message into a longer receive; NCCL does not, so only
+    gloo streams on CPU use it). Saves the sender's copy: 6 -> 0 us per 64 KiB message
+    (``benchmarks/transport_tricks.py``; docs/performance.md)."""
+    flag_offset = -(-meta.nbytes // DIRECT_ALIGN) * DIRECT_ALIGN
+    return Header(payload, spec, leaves, shape, key, (meta,), (0,), (meta.nbytes,),
+                  flag_offset + DIRECT_ALIGN, (), True, flag_offset)
+
+
+def encode(flat: Flat, direct: bool = False) -> Header:
     """The header of the message ``flat``."""
-    payload, spec, leaves = payload_of(flat)
-    return header(payload, spec, leaves, flat.shape, flat.key)
+    payload, spec, leaves = payload_of(flat, direct)
+    return header(payload, spec, leaves, flat.shape, flat.key, direct)
 
 
 def decode(payload: bytes) -> Header:
     """The header a peer sent as ``payload``."""
     with warnings.catch_warnings():  # unpickling a LeafSpec warns in torch 2.13
         warnings.simplefilter("ignore", FutureWarning)
-        spec, leaves, shape = pickle.loads(payload)
-    return header(payload, spec, leaves, shape, None)
+        spec, leaves, shape, direct = pickle.loads(payload)
+    return header(payload, spec, leaves, shape, None, direct)
 
 
 def frame_size(h: Header | None) -> int:
@@ -175,6 +198,26 @@ def frame_size(h: Header | None) -> int:
 
 def large(h: Header | None) -> tuple[TensorMeta, ...]:
     return h.large if h is not None else ()
+
+
+def flag_offset(h: Header | None) -> int:
+    return h.flag_offset if h is not None else 0
+
+
+def contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
+
+
+def direct_view(frame: torch.Tensor, h: Header) -> torch.Tensor:
+    """The tensor of a direct frame (``direct_layout``), a frame of its dtype: one
+    ``as_strided`` instead of ``slot``'s slice and two views."""
+    m = h.metas[0]
+    return frame.as_strided(m.shape, contiguous_strides(m.shape)).requires_grad_(
+        m.requires_grad)
 
 
 def slot(frame: torch.Tensor, offset: int, nbytes: int, meta: TensorMeta) -> torch.Tensor:
@@ -223,17 +266,19 @@ def unpack(h: Header, tensors: Sequence[torch.Tensor]) -> Any:
     return pytree.tree_unflatten(values, h.spec)
 
 
-def write_flag(frame: torch.Tensor, flag: int) -> None:
-    """Set a frame's flag; on CPU through ``flag_at``'s direct memory access."""
+def write_flag(frame: torch.Tensor, flag: int, offset: int = 0) -> None:
+    """Set a uint8 frame's flag at byte ``offset``; on CPU through ``flag_at``'s direct
+    memory access."""
     if frame.device.type == "cpu":
-        ctypes.c_int64.from_address(frame.data_ptr()).value = flag
+        ctypes.c_int64.from_address(frame.data_ptr() + offset).value = flag
     else:
-        frame[:8].view(torch.int64).fill_(flag)
+        frame[offset:offset + 8].view(torch.int64).fill_(flag)
 
 
-def read_flag(frame: torch.Tensor) -> int:
-    """A frame's flag, read with tensor ops (any device; on CPU ``flag_at`` is faster)."""
-    return int(frame[:8].view(torch.int64).item())
+def read_flag(frame: torch.Tensor, offset: int = 0) -> int:
+    """A uint8 frame's flag, read with tensor ops (any device; on CPU ``flag_at`` is
+    faster)."""
+    return int(frame[offset:offset + 8].view(torch.int64).item())
 
 
 def flag_at(address: int) -> int:

@@ -21,6 +21,7 @@ from smp_fx.runtime.executor.failures import wait_failed
 from smp_fx.runtime.executor.lowering import CHANNELS, stage_name
 from smp_fx.runtime.transport import wire
 from smp_fx.runtime.transport.buffers import BufferPool
+from smp_fx.world import order_mode
 
 _Key = tuple[int, int, str]  # (sending stage, receiving stage, channel): one stream
 
@@ -152,8 +153,10 @@ class DistTransport:
 
     def _direct(self, key: _Key) -> bool:
         """Whether this rank sends a stream's one-tensor messages as the tensors themselves
-        (``wire.direct_layout``: gloo takes a short message into a longer receive)."""
-        return self.device.type == "cpu" and dist.get_backend(self._group(key)) == "gloo"
+        (``wire.direct_layout``): gloo takes a short message into a longer receive, NCCL
+        does not, and neither does its rule as ``SMP_FX_CHECK_ORDER`` checks it."""
+        return (self.device.type == "cpu" and not order_mode.enabled()
+                and dist.get_backend(self._group(key)) == "gloo")
 
     def _posts_ahead(self, channel: str) -> bool:
         """Whether a stream on ``channel`` posts its receives ahead; both sides decide alike, so a

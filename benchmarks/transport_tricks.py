@@ -95,7 +95,7 @@ def main() -> None:
 
     def reused() -> None:
         tr._send_count.clear()
-        tr._reused_send_frame((1, "act"), header)
+        tr._reused_send_frame((0, 1, "act"), header)
 
     def fresh() -> None:
         frame = torch.empty(header.frame_size, dtype=torch.uint8)
@@ -106,7 +106,7 @@ def main() -> None:
 
     def framed() -> None:
         tr._send_count.clear()
-        out = tr._reused_send_frame((1, "act"), header)
+        out = tr._reused_send_frame((0, 1, "act"), header)
         wire.pack(header, out.views, (act,))
 
     rows.append(("one-tensor send", _per_call(lambda: act if act.is_contiguous() else

@@ -8,7 +8,13 @@ fp32 activation, 64 KiB, per message), median of ``--repeat`` rounds:
 - *lowering lookup*: ``LoweredCache.get`` on the step's very schedule object (identity) vs
   a lookup that hashes the schedule (an equal, distinct object);
 - *send frame*: ``DistTransport._reused_send_frame`` reusing the last step's frame vs a
-  new frame with its slot views.
+  new frame with its slot views;
+- *one-tensor send*: ``DistTransport._send_direct``'s work before the send (the tensor
+  itself) vs a reused frame and the copy into it;
+- *one-tensor receive*: the received tensor made at posting, ``wire.direct_view`` (one
+  ``as_strided`` of a frame of its dtype) vs ``wire.slot`` (slice and two views);
+- *frame views*: a gradient message's two tensors (32 x 512 and 32 x 10) viewed out of
+  its frame at posting, ``wire.received_views`` (``strided_slot``) vs a ``slot`` each.
 
 (The receive side's ``BufferPool`` is measured on the pipeline benchmark itself: what it
 saves is the page faults of a whole step's frames freed in bulk, which a loop here does
@@ -89,7 +95,7 @@ def main() -> None:
 
     def reused() -> None:
         tr._send_count.clear()
-        tr._reused_send_frame((1, "act"), header)
+        tr._reused_send_frame((0, 1, "act"), header)
 
     def fresh() -> None:
         frame = torch.empty(header.frame_size, dtype=torch.uint8)
@@ -97,6 +103,31 @@ def main() -> None:
         wire.send_slots(frame, header)
 
     rows.append(("send frame", _per_call(reused, 20000, r), _per_call(fresh, 20000, r)))
+
+    def framed() -> None:
+        tr._send_count.clear()
+        out = tr._reused_send_frame((0, 1, "act"), header)
+        wire.pack(header, out.views, (act,))
+
+    rows.append(("one-tensor send", _per_call(lambda: act if act.is_contiguous() else
+                                              act.contiguous(), 20000, r),
+                 _per_call(framed, 5000, r)))
+    direct = wire.encode(wire.flatten((act,)), direct=True)
+    typed = torch.empty(direct.frame_size // 4)
+    raw = torch.empty(header.frame_size, dtype=torch.uint8)
+    meta = header.metas[0]
+    rows.append(("one-tensor receive", _per_call(lambda: wire.direct_view(typed, direct),
+                                                 20000, r),
+                 _per_call(lambda: wire.slot(raw, 64, meta.nbytes, meta), 20000, r)))
+    grad = wire.encode(wire.flatten(((act,), (torch.randn(32, 10),))))
+    graw = torch.empty(grad.frame_size, dtype=torch.uint8)
+
+    def slots() -> None:
+        for m, off, n in zip(grad.metas, grad.offsets, grad.nbytes):
+            wire.slot(graw, off or 0, n, m)
+
+    rows.append(("frame views", _per_call(lambda: wire.received_views(graw, grad, ()),
+                                          20000, r), _per_call(slots, 20000, r)))
 
     print(f"median of {r} rounds, one thread; us per call")
     print(f"{'trick':<22} {'with':>9} {'without':>9} {'saves':>9}")

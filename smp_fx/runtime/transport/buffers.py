@@ -49,28 +49,29 @@ def unviewed(buf: torch.Tensor) -> bool:
 
 
 class BufferPool:
-    """Byte buffers of one device, handed out again once nothing views them."""
+    """Buffers of one device, by size and dtype, handed out again once nothing views them."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.reuse = device.type == "cpu" and _VIEWS is not None
-        self._kept: dict[int, list[torch.Tensor]] = {}
+        self._kept: dict[tuple[int, torch.dtype], list[torch.Tensor]] = {}
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A uint8 buffer of ``nbytes`` that no tensor views (its contents are garbage)."""
-        kept = self._kept.get(nbytes)
+    def take(self, nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """A flat buffer of ``nbytes`` (a multiple of ``dtype``'s size) that no tensor views
+        (its contents are garbage)."""
+        kept = self._kept.get((nbytes, dtype))
         if kept:
             for i, buf in enumerate(kept):
                 if unviewed(buf):
                     return kept.pop(i)
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        return torch.empty(nbytes // dtype.itemsize, dtype=dtype, device=self.device)
 
     def give(self, buf: torch.Tensor) -> None:
         """Return a buffer this pool handed out and this rank is done with (views of it may
         still be alive: it is reused only after they are gone)."""
         if not self.reuse:
             return
-        kept = self._kept.setdefault(buf.numel(), [])
+        kept = self._kept.setdefault((buf.numel() * buf.dtype.itemsize, buf.dtype), [])
         kept.append(buf)
         if len(kept) > _MAX_KEPT:
             del kept[0]

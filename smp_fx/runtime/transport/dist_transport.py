@@ -21,6 +21,7 @@ from smp_fx.runtime.executor.failures import wait_failed
 from smp_fx.runtime.executor.lowering import CHANNELS, stage_name
 from smp_fx.runtime.transport import wire
 from smp_fx.runtime.transport.buffers import BufferPool
+from smp_fx.world import order_mode
 
 _Key = tuple[int, int, str]  # (sending stage, receiving stage, channel): one stream
 
@@ -48,7 +49,9 @@ class _Posted:
     addr: int = 0
 
     def flag(self) -> int:
-        return wire.flag_at(self.addr) if self.addr else wire.read_flag(self.frame)
+        if self.addr:
+            return wire.flag_at(self.addr)
+        return wire.read_flag(self.frame.view(torch.uint8), wire.flag_offset(self.header))
 
 
 def _lost_step(flag: int, what: str, stage: int, mb: int) -> SMPError:
@@ -142,11 +145,18 @@ class DistTransport:
         """A message in ``old``'s layout that carries only ``flag``, a new header's length
         (the receiver posted receives shaped by ``old``)."""
         frame = torch.zeros(wire.frame_size(old), dtype=torch.uint8, device=self.device)
-        wire.write_flag(frame, flag)
+        wire.write_flag(frame, flag, wire.flag_offset(old))
         self._isend(frame, peer, group, stage)
         for m in wire.large(old):
             self._isend(torch.zeros(m.shape, dtype=m.dtype, device=self.device), peer, group,
                         stage)
+
+    def _direct(self, key: _Key) -> bool:
+        """Whether this rank sends a stream's one-tensor messages as the tensors themselves
+        (``wire.direct_layout``): gloo takes a short message into a longer receive, NCCL
+        does not, and neither does its rule as ``SMP_FX_CHECK_ORDER`` checks it."""
+        return (self.device.type == "cpu" and not order_mode.enabled()
+                and dist.get_backend(self._group(key)) == "gloo")
 
     def _posts_ahead(self, channel: str) -> bool:
         """Whether a stream on ``channel`` posts its receives ahead; both sides decide alike, so a
@@ -182,7 +192,8 @@ class DistTransport:
             self._to_send[key] = to_send - 1
         flat = wire.flatten(value)
         if old is None or flat.key is None or old.key != flat.key:
-            payload, spec, leaves = wire.payload_of(flat)
+            direct = self._direct(key)
+            payload, spec, leaves = wire.payload_of(flat, direct)
             if old is None or old.payload != payload:
                 self._send_fill(old, len(payload), peer, group, dst)
                 for _ in range(self._skips(channel, to_send - 1)):
@@ -190,12 +201,21 @@ class DistTransport:
                 self._isend(torch.frombuffer(bytearray(payload), dtype=torch.uint8)
                             .to(self.device), peer, group, dst)
                 old = self._sent[key] = wire.header(payload, spec, leaves, flat.shape,
-                                                    flat.key)
+                                                    flat.key, direct)
+        if old.direct:
+            self._send_direct(flat.tensors[0], peer, group, dst)
+            return
         out = self._reused_send_frame(key, old)
         large = wire.pack(old, out.views, flat.tensors)
         self._isend(out.frame, peer, group, dst)
         for t in large:
             self._isend(t, peer, group, dst)
+
+    def _send_direct(self, t: torch.Tensor, peer: int, group: Any, stage: int) -> None:
+        """A one-tensor message sent as the tensor itself, no frame (``wire.direct_layout``);
+        like torch's pipelining, it relies on nothing changing a sent tensor (a stage's
+        output or input gradient) in place before ``finish``."""
+        self._isend(t if t.is_contiguous() else t.contiguous(), peer, group, stage)
 
     def _reused_send_frame(self, key: _Key, header: wire.Header) -> _SendFrame:
         """The frame for stream ``key``'s next message, reusing last step's k-th frame (13-37 us
@@ -220,6 +240,8 @@ class DistTransport:
         """Post the receives of stream ``key``'s next message, shaped by the known header."""
         peer, group = self.ranks[key[0]], self._group(key)
         header = self._got.get(key)
+        if header is not None and header.direct:
+            return self._post_direct(header, peer, group)
         frame = self._buffers.take(wire.frame_size(header))
         work = self._irecv(frame, peer, group)
         large = []
@@ -232,6 +254,15 @@ class DistTransport:
             views = wire.received_views(frame, header, [t for _, t, _ in large])
         addr = frame.data_ptr() if frame.device.type == "cpu" else 0
         return _Posted(header, frame, work, large, views, addr)
+
+    def _post_direct(self, header: wire.Header, peer: int, group: Any) -> _Posted:
+        """Post a direct frame (``wire.direct_layout``) of the tensor's dtype, its flag zeroed
+        first (a tensor's message leaves it untouched), its tensor one ``as_strided`` of it."""
+        frame = self._buffers.take(header.frame_size, header.metas[0].dtype)
+        addr = frame.data_ptr() + header.flag_offset
+        wire.write_flag(frame, 0, header.flag_offset)
+        work = self._irecv(frame, peer, group)
+        return _Posted(header, frame, work, [], (wire.direct_view(frame, header),), addr)
 
     def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:
         """Expect ``count`` messages on a stream this step and post the first one's receives where

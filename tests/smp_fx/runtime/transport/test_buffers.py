@@ -33,14 +33,14 @@ def test_kept_buffers_are_bounded_and_viewed_ones_stay_out() -> None:
     for h in held:
         pool.give(h)
     del held, h  # from here only the views (and the pool) hold the buffers
-    assert len(pool._kept[8]) == 64
+    assert len(pool._kept[8, torch.uint8]) == 64
     # every view is alive (so no address of ours is free): a new buffer, the pool untouched
-    assert pool.take(8).data_ptr() not in ptrs and len(pool._kept[8]) == 64
+    assert pool.take(8).data_ptr() not in ptrs and len(pool._kept[8, torch.uint8]) == 64
     freed = range(37, 100, 2)  # every other kept buffer loses its view
     for i in freed:
         views[i] = None
     out = [pool.take(8) for _ in freed]
     assert sorted(t.data_ptr() for t in out) == sorted(ptrs[i] for i in freed)
-    assert len(pool._kept[8]) == 64 - len(freed)
+    assert len(pool._kept[8, torch.uint8]) == 64 - len(freed)
     # the rest are still viewed: the next one is new again
     assert pool.take(8).data_ptr() not in ptrs

@@ -35,6 +35,17 @@ MESSAGES: list[Any] = [
     ([None, torch.ones(2)], (torch.ones(1),)),       # another structure, same tensors
     (torch.zeros(2), 1),
     (torch.zeros(2), True),                          # 1 == True, yet a new header
+    # One tensor: sent as itself (``wire.direct_layout``), whatever its size or layout.
+    (BIG.t(),),                                      # large and not contiguous
+    (BIG + 3,),                                      # same header, contiguous
+    (torch.arange(6.0).view(2, 3).t(),),             # small and not contiguous
+    (torch.ones(3, dtype=torch.bfloat16) / 3,),
+    (torch.ones(3, dtype=torch.float16) / 3,),
+    (torch.tensor([True, False, True]),),
+    (torch.tensor(2.5),),                            # no dimensions
+    (torch.arange(4.0) * (1 + 2j),),                  # complex: sent as its real view
+    (torch.ones(5, requires_grad=True),),
+    (torch.full((5,), 7.0, requires_grad=True),),    # same header again
 ]
 
 
@@ -87,6 +98,8 @@ def _body() -> tuple[int, list[str]]:
         dist.barrier()
     if rank == 1:  # every message of the step posted at prefetch, and again after a change
         ok.expect(max(outstanding) == len(MESSAGES) - 1, "all messages posted ahead")
+        ok.expect(tr._got[(0, 1, "act")].direct and tr._got[(0, 1, "out")].direct,
+                  "one-tensor messages travel as themselves")
     _chunk_streams(rank, ok)
     if rank == 1:
         short = DistTransport([0, 1], 1, torch.device("cpu"), 0.5, groups)
@@ -141,21 +154,24 @@ def _chunk_streams(rank: int, ok: Checks) -> None:
 @pytest.mark.multiproc
 def test_dist_transport_round_trips_and_times_out() -> None:
     _, report = run_ranks(_body, 2, timeout=90)
-    assert report == (2 * len(MESSAGES) + 2 + len(V_STREAMS) * 3, [])
+    assert report == (2 * len(MESSAGES) + 3 + len(V_STREAMS) * 3, [])
 
 
 def _two_messages(tr: DistTransport, rank: int, step: int, shape: tuple[int, ...],
-                  ok: Checks) -> list[torch.Tensor]:
-    """Rank 0 sends step ``step``'s two activations; rank 1 receives them, checks their
-    values into ``ok`` and returns them."""
+                  ok: Checks, tensors: int = 1) -> list[torch.Tensor]:
+    """Rank 0 sends step ``step``'s two activations of ``tensors`` tensors each (one: no
+    frame, ``wire.direct_layout``); rank 1 receives them, checks their values into ``ok``
+    and returns their first tensors."""
     got = []
     for i in range(2):
-        value = torch.full(shape, float(10 * step + i))
+        value = tuple(torch.full(shape, float(10 * step + i + k)) for k in range(tensors))
         if rank == 0:
-            tr.send((value,), 0, 1, "act", i)
+            tr.send(value, 0, 1, "act", i)
         else:
-            got.append(tr.recv(0, 1, "act", i)[0])
-            ok.expect(torch.equal(got[-1], value), f"step {step} message {len(got) - 1}")
+            msg = tr.recv(0, 1, "act", i)
+            got.append(msg[0])
+            ok.expect(all(torch.equal(a, b) for a, b in zip(msg, value, strict=True)),
+                      f"step {step} message {len(got) - 1}")
     return got
 
 
@@ -206,7 +222,7 @@ def _send_frames_body() -> tuple[int, list[str]]:
     ok = Checks()
     frames: list[list[int]] = []
     for step in range(4):
-        _two_messages(tr, rank, step, (8, 8), ok)
+        _two_messages(tr, rank, step, (8, 8), ok, tensors=2)
         if rank == 0:
             frames.append([f.frame.data_ptr() for f in tr._send_frames[(0, 1, "act")]])
         if step != 1 or rank == 1:  # rank 0's step 1 fails before its finish

@@ -92,3 +92,37 @@ def test_a_decoded_header_lays_out_the_frame_as_the_sender_did() -> None:
     assert (got.offsets, got.frame_size, got.large) == (sent.offsets, sent.frame_size,
                                                         sent.large)
     assert got.leaves == sent.leaves and got.key is None
+
+
+@pytest.mark.parametrize("tensor", [
+    torch.arange(6.0).view(2, 3).t(), BIG, torch.tensor(3.5), torch.tensor([True, False]),
+    torch.ones(3, dtype=torch.bfloat16) / 3, torch.arange(3.0) * (1 + 2j),
+    torch.ones(5, dtype=torch.float64, requires_grad=True),
+])
+def test_a_one_tensor_message_travels_as_itself(tensor: torch.Tensor) -> None:
+    """The tensor's own bytes land at the start of a longer receive frame whose flag was
+    zeroed (a shorter message leaves it so); a fill, the whole frame, sets it."""
+    flat = wire.flatten((tensor, 4))
+    sent = wire.encode(flat, direct=True)
+    got = wire.decode(sent.payload)
+    assert sent.direct and got.direct and wire.encode(flat).direct is False
+    assert (got.frame_size, got.flag_offset, got.large) == (sent.frame_size,
+                                                           sent.flag_offset, ())
+    assert got.flag_offset >= tensor.nbytes and got.frame_size % wire.DIRECT_ALIGN == 0
+    frame = torch.empty(got.frame_size // tensor.itemsize, dtype=tensor.dtype)
+    raw = frame.view(torch.uint8)
+    wire.write_flag(raw, 0, got.flag_offset)
+    data = flat.tensors[0].contiguous().view(-1).view(torch.uint8) if tensor.dim() else \
+        flat.tensors[0].reshape(1).view(torch.uint8)
+    raw[:data.numel()].copy_(data)  # what gloo writes of the sender's message
+    assert wire.flag_at(frame.data_ptr() + got.flag_offset) == 0
+    assert _same(wire.unpack(got, (wire.direct_view(frame, got),)), (tensor, 4))
+    fill = torch.zeros(got.frame_size, dtype=torch.uint8)
+    wire.write_flag(fill, wire.SKIP, got.flag_offset)
+    raw.copy_(fill)
+    assert wire.read_flag(raw, got.flag_offset) == wire.SKIP
+
+
+def test_only_a_message_of_one_nonempty_tensor_travels_as_itself() -> None:
+    for value in ((torch.ones(2), torch.ones(2)), (None, 4), (torch.zeros(0),)):
+        assert not wire.encode(wire.flatten(value), direct=True).direct

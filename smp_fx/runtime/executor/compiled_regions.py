@@ -20,6 +20,7 @@ import torch.fx
 from torch import nn
 from torch.fx.passes.split_module import split_module
 
+from passes import meta
 from passes.tensor_parallel.linears import as_linear
 
 if TYPE_CHECKING:
@@ -29,17 +30,20 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class Cut:
     """A stage cut at its GEMMs: ``module`` calls the submodules ``gemms`` (one GEMM each)
-    and ``regions`` (the runs between them) in the stage's order."""
+    and ``regions`` (the runs between them) in the stage's order; ``sizes``: the runs that
+    compute no tensor (shapes read for views), not worth a compiled call."""
 
     module: torch.fx.GraphModule
     gemms: tuple[str, ...]
     regions: tuple[str, ...]
+    sizes: tuple[str, ...] = ()
 
 
 def cut_at_gemms(gm: torch.fx.GraphModule) -> Cut:
     """``gm`` cut into GEMM submodules and region submodules (``gm`` is left as it was)."""
     part: dict[torch.fx.Node, int] = {}
     gemm_parts: set[int] = set()
+    tensors: set[int] = set()
     pid, in_region = 0, False
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr", "output"):
@@ -54,10 +58,14 @@ def cut_at_gemms(gm: torch.fx.GraphModule) -> Cut:
             if not in_region:
                 pid, in_region = pid + 1, True
             part[n] = pid
+            if not meta.TENSOR.has(n) or meta.TENSOR.get(n) is not None:
+                tensors.add(pid)
     module = split_module(gm, gm, lambda n: part[n], keep_original_order=True)
     names = [str(n.target) for n in module.graph.nodes if n.op == "call_module"]
     gemms = tuple(f"submod_{p}" for p in sorted(gemm_parts))
-    return Cut(module, gemms, tuple(m for m in names if m not in gemms))
+    sizes = tuple(f"submod_{p}" for p in range(1, pid + 1) if p not in gemm_parts | tensors)
+    return Cut(module, gemms, tuple(m for m in names if m not in gemms + sizes),
+               tuple(m for m in names if m in sizes))
 
 
 Compile = Callable[[str, nn.Module], nn.Module]

@@ -36,8 +36,9 @@ class CompileStats:
     compiled took (``compile_s``; a backward inductor compiles at its first call is not in
     it), and why it runs eagerly (``fallback``, None if it does not). A stage compiled in
     regions (``compiled_regions``) counts its regions' compiles and keeps each region's own
-    statistics (``regions``), and how many of its ``params`` (tensors) are read inside them
-    (``region_params``; ``region_share`` of the elements): I computes their gradients."""
+    statistics (``regions``, each with its own ``params``), its eager ``gemms``, and how many
+    of its ``params`` (trainable tensors) are read inside the regions (``region_params``;
+    ``region_share`` of the elements): I computes their gradients."""
 
     stage: int
     compiles: int = 0
@@ -46,6 +47,7 @@ class CompileStats:
     region: str | None = None
     regions: list[CompileStats] = field(default_factory=list)
     params: int = 0
+    gemms: int = 0
     region_params: int = 0
     region_share: float = 0.0
 
@@ -62,6 +64,17 @@ class CompileStats:
     @property
     def where(self) -> str:
         return f"stage {self.stage}" + (f" region {self.region}" if self.region else "")
+
+    def summary(self) -> str:
+        """One line: what of the stage runs compiled, what eagerly (and its parameters)."""
+        if self.fallback is not None:
+            return f"{self.where}: eager, {self.params} parameters ({self.fallback})"
+        if not self.regions:
+            return f"{self.where}: compiled whole, {self.params} parameters"
+        compiled = sum(r.params for r in self.regions if r.fallback is None)
+        return (f"{self.where}: {len(self.regions) - self.eager_regions} regions compiled, "
+                f"{self.eager_regions} eager, {self.gemms} GEMMs eager; parameters "
+                f"{compiled} compiled, {self.params - compiled} eager")
 
 
 class CompiledStage(nn.Module):
@@ -139,6 +152,19 @@ def eager_reason(sharded: bool) -> str | None:
     return None
 
 
+def _no_donated_buffers() -> None:
+    """I runs a region's compiled backward with the graph kept for W, which AOTAutograd refuses
+    for a backward allowed to reuse its saved buffers (donated buffers: memory, not values).
+    The setting is read in the thread running the backward (the engine's, on a GPU) and a
+    setting made in Python holds for its thread only, so the default changes, process-wide."""
+    entry = torch._functorch.config._config["donated_buffer"]
+    torch._functorch.config.donated_buffer = False  # this thread, if set here before
+    if entry.default:
+        entry.default = False
+        log.info("smp-fx compile: AOTAutograd's donated buffers off in this process: a split "
+                 "backward's I keeps the compiled regions' graphs for W")
+
+
 def compile_in_regions(runner: StageRunner, backend: str, stats: CompileStats) -> str | None:
     """Compile a split backward's stage between its GEMMs (``compiled_regions``): it buys
     compiled norms, activations and attention while the GEMMs' weight gradients still wait
@@ -149,15 +175,18 @@ def compile_in_regions(runner: StageRunner, backend: str, stats: CompileStats) -
                 "be cut into compiled regions between its GEMMs, and compiled whole its input "
                 "and weight gradients would be one autograd pass")
     cut = cut_at_gemms(gm)
+    _no_donated_buffers()
+    held = region_params(cut)
 
     def compile_region(name: str, region: nn.Module) -> nn.Module:
-        stats.regions.append(CompileStats(stats.stage, region=name))
+        trainable = sum(p.requires_grad for p in held[name])
+        stats.regions.append(CompileStats(stats.stage, region=name, params=trainable))
         return CompiledStage(region, backend, stats.regions[-1], counts=stats)
 
     runner.module = CompiledRegions(gm, cut, compile_region, stats)
     params = [p for p in gm.parameters() if p.requires_grad]
-    inside = {id(p) for p in region_params(cut)}
-    stats.params, stats.region_params = len(params), sum(id(p) in inside for p in params)
+    inside = {id(p) for ps in held.values() for p in ps}
+    stats.gemms, stats.region_params = len(cut.gemms), sum(id(p) in inside for p in params)
     total = sum(p.numel() for p in params)
     stats.region_share = sum(p.numel() for p in params if id(p) in inside) / max(total, 1)
     runner.input_path_params = tuple(p for p in params if id(p) in inside)
@@ -174,7 +203,8 @@ def compile_stages(runners: Mapping[int, StageRunner], backend: str, pipeline: s
     it) and return the per-stage statistics; a stage that cannot compile is told now."""
     stats: dict[int, CompileStats] = {}
     for s, runner in sorted(runners.items()):
-        stats[s] = CompileStats(s)
+        stats[s] = CompileStats(s, params=sum(p.requires_grad
+                                              for p in runner.module.parameters()))
         reason = eager_reason(sharded)
         if reason is None and pipeline in SPLIT_BACKWARD and runner.stage.recvs:
             reason = compile_in_regions(runner, backend, stats[s])

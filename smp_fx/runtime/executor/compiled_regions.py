@@ -21,6 +21,7 @@ from torch import nn
 from torch.fx.passes.split_module import split_module
 
 from passes import meta
+from passes.tensor_parallel.graph import attr
 from passes.tensor_parallel.linears import as_linear
 
 if TYPE_CHECKING:
@@ -96,8 +97,16 @@ class CompiledRegions(nn.Module):
         return out
 
 
-def region_params(cut: Cut) -> list[nn.Parameter]:
-    """The parameters read inside ``cut``'s regions: autograd reaches them through the input
-    path only, so a split backward's I computes their gradients."""
-    seen = {id(p): p for name in cut.regions for p in getattr(cut.module, name).parameters()}
-    return list(seen.values())
+def region_params(cut: Cut) -> dict[str, list[nn.Parameter]]:
+    """Each region's parameters (held, or handed in by the cut module): autograd reaches them
+    through the input path only, so a split backward's I computes their gradients."""
+    params: dict[str, list[nn.Parameter]] = {}
+    for n in cut.module.graph.nodes:
+        if n.op != "call_module" or n.target not in cut.regions:
+            continue
+        handed = [attr(cut.module, str(a.target)) for a in n.all_input_nodes
+                  if a.op == "get_attr"]
+        own = cut.module.get_submodule(str(n.target)).parameters()
+        mine = {id(p): p for p in (*own, *handed) if isinstance(p, nn.Parameter)}
+        params[str(n.target)] = list(mine.values())
+    return params

@@ -157,8 +157,9 @@ def _no_donated_buffers() -> None:
     for a backward allowed to reuse its saved buffers (donated buffers: memory, not values).
     The setting is read in the thread running the backward (the engine's, on a GPU) and a
     setting made in Python holds for its thread only, so the default changes, process-wide."""
-    entry = torch._functorch.config._config["donated_buffer"]
-    torch._functorch.config.donated_buffer = False  # this thread, if set here before
+    config: Any = torch._functorch.config
+    entry = config._config["donated_buffer"]
+    config.donated_buffer = False  # this thread, if set here before
     if entry.default:
         entry.default = False
         log.info("smp-fx compile: AOTAutograd's donated buffers off in this process: a split "

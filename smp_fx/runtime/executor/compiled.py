@@ -195,6 +195,10 @@ def compile_in_regions(runner: StageRunner, backend: str, stats: CompileStats) -
              "%d of its %d parameters (%.1f %% of the elements) are read inside them, "
              "their gradients computed in I", stats.stage, len(cut.regions), len(cut.gemms),
              stats.region_params, stats.params, 100 * stats.region_share)
+    if cut.checkpointed:
+        log.warning("smp-fx compile: stage %d: %d checkpointed regions run eagerly: under a "
+                    "split backward each is rebuilt once for its I and W (recompute_once), "
+                    "which dynamo does not trace", stats.stage, len(cut.checkpointed))
     return None
 
 

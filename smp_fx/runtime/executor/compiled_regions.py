@@ -23,6 +23,7 @@ from torch.fx.passes.split_module import split_module
 from passes import meta
 from passes.tensor_parallel.graph import attr
 from passes.tensor_parallel.linears import as_linear
+from smp_fx.runtime.memory.checkpointing import RegionCall
 
 if TYPE_CHECKING:
     from smp_fx.runtime.executor.compiled import CompileStats
@@ -32,28 +33,31 @@ if TYPE_CHECKING:
 class Cut:
     """A stage cut at its GEMMs: ``module`` calls the submodules ``gemms`` (one GEMM each)
     and ``regions`` (the runs between them) in the stage's order; ``sizes``: the runs that
-    compute no tensor (shapes read for views), not worth a compiled call."""
+    compute no tensor (shapes read for views), not worth a compiled call; ``checkpointed``:
+    its checkpointed regions, eager (rebuilt once for I and W, which dynamo cannot trace)."""
 
     module: torch.fx.GraphModule
     gemms: tuple[str, ...]
     regions: tuple[str, ...]
     sizes: tuple[str, ...] = ()
+    checkpointed: tuple[str, ...] = ()
 
 
 def cut_at_gemms(gm: torch.fx.GraphModule) -> Cut:
     """``gm`` cut into GEMM submodules and region submodules (``gm`` is left as it was)."""
     part: dict[torch.fx.Node, int] = {}
     gemm_parts: set[int] = set()
+    checkpointed: set[int] = set()
     tensors: set[int] = set()
     pid, in_region = 0, False
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr", "output"):
             continue
         lin = as_linear(gm, n)
-        if lin is not None:
+        if lin is not None or isinstance(n.target, RegionCall):
             pid, in_region = pid + 1, False
-            gemm_parts.add(pid)
-            for node in (*lin.views, n):  # a transposed weight goes with its GEMM
+            (gemm_parts if lin is not None else checkpointed).add(pid)
+            for node in (*(lin.views if lin is not None else ()), n):  # W.T with its GEMM
                 part[node] = pid
         elif n not in part:
             if not in_region:
@@ -64,9 +68,11 @@ def cut_at_gemms(gm: torch.fx.GraphModule) -> Cut:
     module = split_module(gm, gm, lambda n: part[n], keep_original_order=True)
     names = [str(n.target) for n in module.graph.nodes if n.op == "call_module"]
     gemms = tuple(f"submod_{p}" for p in sorted(gemm_parts))
-    sizes = tuple(f"submod_{p}" for p in range(1, pid + 1) if p not in gemm_parts | tensors)
-    return Cut(module, gemms, tuple(m for m in names if m not in gemms + sizes),
-               tuple(m for m in names if m in sizes))
+    kept = tuple(f"submod_{p}" for p in sorted(checkpointed))
+    sizes = tuple(f"submod_{p}" for p in range(1, pid + 1)
+                  if p not in gemm_parts | checkpointed | tensors)
+    return Cut(module, gemms, tuple(m for m in names if m not in gemms + sizes + kept),
+               tuple(m for m in names if m in sizes), kept)
 
 
 Compile = Callable[[str, nn.Module], nn.Module]

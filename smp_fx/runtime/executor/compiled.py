@@ -159,7 +159,7 @@ def _no_donated_buffers() -> None:
     setting made in Python holds for its thread only, so the default changes, process-wide."""
     config: Any = torch._functorch.config
     entry = config._config["donated_buffer"]
-    config.donated_buffer = False  # this thread, if set here before
+    config.donated_buffer = False  # a value set in this thread would hide the default
     if entry.default:
         entry.default = False
         log.info("smp-fx compile: AOTAutograd's donated buffers off in this process: a split "
@@ -204,8 +204,9 @@ def compile_in_regions(runner: StageRunner, backend: str, stats: CompileStats) -
 
 def compile_stages(runners: Mapping[int, StageRunner], backend: str, pipeline: str,
                    sharded: bool = False) -> dict[int, CompileStats]:
-    """Give each runner a ``CompiledStage`` module (in place; before data parallelism wraps
-    it) and return the per-stage statistics; a stage that cannot compile is told now."""
+    """Give each runner a ``CompiledStage`` module, or under a split backward a stage that
+    receives gradients ``compile_in_regions``'s (in place; before data parallelism wraps it),
+    and return the per-stage statistics; a stage that cannot compile is told now."""
     stats: dict[int, CompileStats] = {}
     for s, runner in sorted(runners.items()):
         stats[s] = CompileStats(s, params=sum(p.requires_grad

@@ -200,6 +200,11 @@ def _composed() -> tuple[tuple[int, list[str]], list[str], list[str]]:
         before = graphs["unique_graphs"]
         bad = _tp_case("interleaved", 1, compile="aot_eager")
         c.expect(graphs["unique_graphs"] > before, "tp: compiled")
+        quiet = len(told)
+        _adam(c, "zbv", 2, compile="aot_eager")  # ddp after W; chunks in regions
+        c.expect(all("recompute_once" in t for t in told[quiet:]),  # rebuilt once: eager
+                 f"zbv: only the checkpointed regions told eager {told[quiet:]}")
+        del told[quiet:]
     finally:
         state._reset()
     return c.report(), bad, told
@@ -208,9 +213,10 @@ def _composed() -> tuple[tuple[int, list[str]], list[str], list[str]]:
 @pytest.mark.multiproc
 def test_compiled_stages_with_data_tensor_parallelism_and_checkpointing() -> None:
     """pp 2 x dp 2 with ddp, ZeRO-1 and activation checkpointing (the GPT example's blocks),
-    and pp 2 x tp 2, both compiled, against one process (``test_schedules_compose``'s runs);
-    the tensor-parallel collectives trace into the stage's graph (no fallback told)."""
-    assert run_ranks(_composed, 4, timeout=600) == [((9, []), [], [])] * 4
+    the same under ZB-V, and pp 2 x tp 2, all compiled, against one process
+    (``test_schedules_compose``'s runs); the tensor-parallel collectives trace into the
+    stage's graph (no fallback told); under ZB-V only the checkpointed blocks run eagerly."""
+    assert run_ranks(_composed, 4, timeout=600) == [((17, []), [], [])] * 4
 
 
 class _Breaks(nn.Module):

@@ -10,7 +10,9 @@ the median over those steps. The first
 step's compile time is the compiled model's first step less its median step. Then the
 compiled model steps once at each of 5 other sequence lengths: the recompiles that adds
 (summed over the stages of both ranks; dynamo makes the dimension dynamic at the first new
-length) and how many stages run eagerly (ZB-V: the chunks that receive gradients).
+length) and how many stages run eagerly; then each stage compiled whole or, under ZB-V for
+the chunks that receive gradients, in regions between eager GEMMs (regions and parameters
+compiled and eager).
 
 Beside it, the compiled model against torch.distributed.pipelining's counterpart schedule
 (``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``) built from the
@@ -97,6 +99,14 @@ class _Run:
         dist.barrier()
         return time.perf_counter() - start
 
+    def stage_lines(self) -> list[str]:
+        """Each stage of both ranks in one line: compiled whole, in regions (how many regions
+        and parameters compiled, how many eager) or eagerly."""
+        mine = [(s, st.summary()) for s, st in self.model.parallelized.compiled.items()]
+        got: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(got, mine)
+        return [line for _, line in sorted(pair for part in got for pair in part)]
+
     def counts(self) -> tuple[int, int]:
         """(recompiles, stages running eagerly) over both ranks."""
         stats = self.model.parallelized.compiled.values()
@@ -166,10 +176,12 @@ def _row(name: str, label: str, pipeline: str, v: int, torch_name: str,
     for n in LENGTHS:
         compiled.step(n)
     after, eager_stages = compiled.counts()
+    stages = compiled.stage_lines()
     beside = _beside_torch(compiled, torch_name, args) if args.retries else "not run"
     return {"model": name, "schedule": label, "eager_ms": e * 1e3, "compiled_ms": c * 1e3,
             "ratio": c / e, "compile_s": first - c, "recompiles": after - before,
-            "eager_stages": eager_stages, "torch": torch_name, "beside": beside}
+            "eager_stages": eager_stages, "stages": stages, "torch": torch_name,
+            "beside": beside}
 
 
 def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -207,6 +219,11 @@ def main() -> None:
         print(f"{r['model']:<9} {r['schedule']:<16} {r['eager_ms']:>9.1f} "
               f"{r['compiled_ms']:>12.1f} {r['ratio']:>6.2f} {r['compile_s']:>10.1f} "
               f"{r['recompiles']:>21d} {r['eager_stages']:>13d}")
+    print("\nper stage (a split backward's stage that receives gradients: compiled in regions "
+          "between its eager GEMMs)")
+    for r in rows:
+        for line in r["stages"]:
+            print(f"{r['model']:<9} {r['schedule']:<16} {line}")
     print(f"\nsmp-fx compiled beside torch.distributed.pipelining with the same chunks compiled "
           f"(torch.compile, backend {args.backend}, fullgraph); one training step without the "
           f"optimizer, fastest of {args.retries} alternated")

@@ -153,6 +153,7 @@ class DDPStageRunner(StageRunner):
                  dp: DataParallel) -> None:
         super().__init__(base.stage, base.device)
         self.module = wrapper
+        self.input_path_params = base.input_path_params  # compiled regions' (compiled.py)
         self.ddp = wrapper
         self.dp = dp
 

@@ -3,13 +3,14 @@
 A stage is an fx ``GraphModule`` already, the form dynamo takes best. Its forward is
 compiled whole (``fullgraph``) once per input signature (dynamo's guards; a new sequence
 length recompiles once, then the dimension is dynamic); AOTAutograd makes the forward one
-autograd function whose backward is compiled too. Every compile is counted per stage.
+autograd function whose backward is compiled too. Under a split backward a stage that
+receives gradients is compiled in regions between its GEMMs instead (``compiled_regions``),
+so its I and W stay two passes. Every compile is counted per stage (and region).
 
 What cannot compile runs eagerly from then on, its reason logged in one line and kept in
-``CompileStats.fallback``: a graph break or an untraceable op, dynamo's recompile limit
-(raised while tracing, before the graph runs, so no collective has started), a split
-backward's stage that receives gradients (its I and W are two autograd passes through one
-node), sharded data parallelism.
+``CompileStats.fallback`` (a region's in its own): a graph break or an untraceable op,
+dynamo's recompile limit (raised while tracing, before the graph runs, so no collective has
+started), sharded data parallelism.
 """
 
 from __future__ import annotations
@@ -17,13 +18,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from cost_model.schedule import SPLIT_BACKWARD
+from smp_fx.runtime.executor.compiled_regions import CompiledRegions, cut_at_gemms, region_params
 from smp_fx.runtime.executor.seams import StageRunner
 
 log = logging.getLogger("smp_fx.compile")
@@ -32,33 +34,66 @@ log = logging.getLogger("smp_fx.compile")
 class CompileStats:
     """One stage's compilation: ``compiles`` (1 + recompiles), the seconds the forwards that
     compiled took (``compile_s``; a backward inductor compiles at its first call is not in
-    it), and why it runs eagerly (``fallback``, None if it does not)."""
+    it), and why it runs eagerly (``fallback``, None if it does not). A stage compiled in
+    regions (``compiled_regions``) counts its regions' compiles and keeps each region's own
+    statistics (``regions``, each with its own ``params``), its eager ``gemms``, and how many
+    of its ``params`` (trainable tensors) are read inside the regions (``region_params``;
+    ``region_share`` of the elements): I computes their gradients."""
 
     stage: int
     compiles: int = 0
     compile_s: float = 0.0
     fallback: str | None = None
+    region: str | None = None
+    regions: list[CompileStats] = field(default_factory=list)
+    params: int = 0
+    gemms: int = 0
+    region_params: int = 0
+    region_share: float = 0.0
 
     @property
     def recompiles(self) -> int:
+        if self.regions:
+            return sum(r.recompiles for r in self.regions)
         return max(self.compiles - 1, 0)
+
+    @property
+    def eager_regions(self) -> int:
+        return sum(r.fallback is not None for r in self.regions)
+
+    @property
+    def where(self) -> str:
+        return f"stage {self.stage}" + (f" region {self.region}" if self.region else "")
+
+    def summary(self) -> str:
+        """One line: what of the stage runs compiled, what eagerly (and its parameters)."""
+        if self.fallback is not None:
+            return f"{self.where}: eager, {self.params} parameters ({self.fallback})"
+        if not self.regions:
+            return f"{self.where}: compiled whole, {self.params} parameters"
+        compiled = sum(r.params for r in self.regions if r.fallback is None)
+        return (f"{self.where}: {len(self.regions) - self.eager_regions} regions compiled, "
+                f"{self.eager_regions} eager, {self.gemms} GEMMs eager; parameters "
+                f"{compiled} compiled, {self.params - compiled} eager")
 
 
 class CompiledStage(nn.Module):
     """A stage module called through ``torch.compile``; its parameters stay the stage's own
-    (``stage`` is its one submodule, so data parallelism wrapping this sees them)."""
+    (``stage`` is its one submodule, so data parallelism wrapping this sees them); a region's
+    compiles are counted in its stage's ``counts`` too."""
 
     _compiled: Callable[..., Any]
 
-    def __init__(self, stage: nn.Module, backend: str, stats: CompileStats) -> None:
+    def __init__(self, stage: nn.Module, backend: str, stats: CompileStats,
+                 counts: CompileStats | None = None) -> None:
         super().__init__()
         self.stage = stage
         self.stats = stats
         # its forward, not the module: dynamo caches per code object, and a compiled module's
         # is one wrapper every compiled module shares (one recompile limit for all stages);
         # a stage's generated forward is its own, and a stage has no module hooks
-        compiled = torch.compile(stage.forward, backend=_counting(backend, stats),
-                                 fullgraph=True)
+        compiled = torch.compile(stage.forward, fullgraph=True,
+                                 backend=_counting(backend, stats, counts))
         object.__setattr__(self, "_compiled", compiled)  # not a submodule: no second name
 
     def forward(self, *inputs: Any) -> Any:
@@ -76,15 +111,18 @@ class CompiledStage(nn.Module):
         return out
 
 
-def _counting(backend: str, stats: CompileStats) -> Callable[..., Any]:
-    """``backend`` that counts (and logs) each graph it compiles for the stage."""
+def _counting(backend: str, stats: CompileStats, counts: CompileStats | None
+              ) -> Callable[..., Any]:
+    """``backend`` that counts (and logs) each graph it compiles for the stage (or region)."""
     real = torch._dynamo.lookup_backend(backend)
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         stats.compiles += 1
+        if counts is not None:
+            counts.compiles += 1
         if stats.compiles > 1:
-            log.info("smp-fx compile: stage %d recompiled (%d compiles): a guard failed (a new "
-                     "input shape or dtype, grad mode, a module's mode)", stats.stage,
+            log.info("smp-fx compile: %s recompiled (%d compiles): a guard failed (a new "
+                     "input shape or dtype, grad mode, a module's mode)", stats.where,
                      stats.compiles)
         return real(gm, example_inputs)
 
@@ -92,9 +130,9 @@ def _counting(backend: str, stats: CompileStats) -> Callable[..., Any]:
 
 
 def fall_back(stats: CompileStats, reason: str) -> None:
-    """Stage ``stats.stage`` runs eagerly from now on, for ``reason`` (logged once)."""
+    """``stats``'s stage (or region) runs eagerly from now on, for ``reason`` (logged once)."""
     stats.fallback = reason
-    log.warning("smp-fx compile: stage %d runs eagerly: %s", stats.stage, reason)
+    log.warning("smp-fx compile: %s runs eagerly: %s", stats.where, reason)
 
 
 def _reason(exc: BaseException) -> str:
@@ -106,26 +144,78 @@ def _reason(exc: BaseException) -> str:
     return "; ".join(words)
 
 
-def eager_reason(runner: StageRunner, pipeline: str, sharded: bool) -> str | None:
-    """Why ``runner``'s stage cannot run compiled in this configuration, or None."""
+def eager_reason(sharded: bool) -> str | None:
+    """Why no stage can run compiled in this configuration, or None."""
     if sharded:
         return ("sharded data parallelism (FSDP2) gathers parameters in module hooks that "
                 "the stage's compiled graph does not take in")
-    if pipeline in SPLIT_BACKWARD and runner.stage.recvs:
-        return (f"pipeline '{pipeline}' splits the backward into input and weight gradients, "
-                "two autograd passes through a compiled stage's one backward node, which "
-                "would compute both in each")
+    return None
+
+
+def _no_donated_buffers() -> None:
+    """I runs a region's compiled backward with the graph kept for W, which AOTAutograd refuses
+    for a backward allowed to reuse its saved buffers (donated buffers: memory, not values).
+    The setting is read in the thread running the backward (the engine's, on a GPU) and a
+    setting made in Python holds for its thread only, so the default changes, process-wide."""
+    config: Any = torch._functorch.config
+    entry = config._config["donated_buffer"]
+    config.donated_buffer = False  # a value set in this thread would hide the default
+    if entry.default:
+        entry.default = False
+        log.info("smp-fx compile: AOTAutograd's donated buffers off in this process: a split "
+                 "backward's I keeps the compiled regions' graphs for W")
+
+
+def compile_in_regions(runner: StageRunner, backend: str, stats: CompileStats) -> str | None:
+    """Compile a split backward's stage between its GEMMs (``compiled_regions``): it buys
+    compiled norms, activations and attention while the GEMMs' weight gradients still wait
+    for W. Gives ``runner`` the regions' module, or returns why its stage cannot be cut."""
+    gm = runner.module
+    if not isinstance(gm, torch.fx.GraphModule) or gm is not runner.stage.module:
+        return (f"its module is a {type(gm).__name__}, not the stage's GraphModule: it cannot "
+                "be cut into compiled regions between its GEMMs, and compiled whole its input "
+                "and weight gradients would be one autograd pass")
+    cut = cut_at_gemms(gm)
+    _no_donated_buffers()
+    held = region_params(cut)
+
+    def compile_region(name: str, region: nn.Module) -> nn.Module:
+        trainable = sum(p.requires_grad for p in held[name])
+        stats.regions.append(CompileStats(stats.stage, region=name, params=trainable))
+        return CompiledStage(region, backend, stats.regions[-1], counts=stats)
+
+    runner.module = CompiledRegions(gm, cut, compile_region, stats)
+    params = [p for p in gm.parameters() if p.requires_grad]
+    inside = {id(p) for ps in held.values() for p in ps}
+    stats.gemms, stats.region_params = len(cut.gemms), sum(id(p) in inside for p in params)
+    total = sum(p.numel() for p in params)
+    stats.region_share = sum(p.numel() for p in params if id(p) in inside) / max(total, 1)
+    runner.input_path_params = tuple(p for p in params if id(p) in inside)
+    log.info("smp-fx compile: stage %d compiled in %d regions between %d eager GEMMs; "
+             "%d of its %d parameters (%.1f %% of the elements) are read inside them, "
+             "their gradients computed in I", stats.stage, len(cut.regions), len(cut.gemms),
+             stats.region_params, stats.params, 100 * stats.region_share)
+    if cut.checkpointed:
+        log.warning("smp-fx compile: stage %d: %d checkpointed regions run eagerly: under a "
+                    "split backward each is rebuilt once for its I and W (recompute_once), "
+                    "which dynamo does not trace", stats.stage, len(cut.checkpointed))
     return None
 
 
 def compile_stages(runners: Mapping[int, StageRunner], backend: str, pipeline: str,
                    sharded: bool = False) -> dict[int, CompileStats]:
-    """Give each runner a ``CompiledStage`` module (in place; before data parallelism wraps
-    it) and return the per-stage statistics; a stage that cannot compile is told now."""
+    """Give each runner a ``CompiledStage`` module, or under a split backward a stage that
+    receives gradients ``compile_in_regions``'s (in place; before data parallelism wraps it),
+    and return the per-stage statistics; a stage that cannot compile is told now."""
     stats: dict[int, CompileStats] = {}
     for s, runner in sorted(runners.items()):
-        stats[s] = CompileStats(s)
-        reason = eager_reason(runner, pipeline, sharded)
+        stats[s] = CompileStats(s, params=sum(p.requires_grad
+                                              for p in runner.module.parameters()))
+        reason = eager_reason(sharded)
+        if reason is None and pipeline in SPLIT_BACKWARD and runner.stage.recvs:
+            reason = compile_in_regions(runner, backend, stats[s])
+            if reason is None:
+                continue
         if reason is not None:
             fall_back(stats[s], reason)
         runner.module = CompiledStage(runner.module, backend, stats[s])

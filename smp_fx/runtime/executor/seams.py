@@ -29,6 +29,7 @@ class StageRunner:
         self.module: torch.nn.Module = stage.module
         self.device = device
         self.accumulators = Accumulators()  # the split backward's, for this stage's I
+        self.input_path_params: tuple[torch.Tensor, ...] = ()  # I computes their gradients
 
     def forward(self, inputs: Sequence[Any], microbatch: int) -> tuple[Any, ...]:
         return tuple(self.module(*inputs))
@@ -43,7 +44,7 @@ class StageRunner:
         """A split backward's I (``smp_fx.runtime.executor.split_backward``): the gradients of
         ``inputs`` only, and what the W of this microbatch needs."""
         return input_grads(tensors, grads, inputs, list(self.stage.module.parameters()),
-                           self.accumulators)
+                           self.accumulators, self.input_path_params)
 
     def backward_weight(self, pending: PendingW, microbatch: int) -> None:
         """A split backward's W: the stage's weight gradients, accumulated into ``.grad``."""

@@ -98,10 +98,12 @@ def _above(starts: Sequence[Node], parents: dict[Node, list[Node]]) -> set[Node]
 
 def input_grads(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor],
                 inputs: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
-                accumulators: Accumulators | None = None
+                accumulators: Accumulators | None = None,
+                in_input_pass: Sequence[torch.Tensor] = ()
                 ) -> tuple[list[torch.Tensor | None], PendingW]:
     """I: the gradients of ``inputs`` (None where one needs none), and what W needs
-    (``accumulators``: the chunk's, kept between calls)."""
+    (``accumulators``: the chunk's, kept between calls). ``in_input_pass``: parameters whose
+    gradients I computes, as for ``shared`` ones (read inside a compiled region)."""
     used = [(r, g) for r, g in zip(roots, root_grads) if r.requires_grad]
     wanted = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     trainable = [p for p in params if p.requires_grad]
@@ -141,7 +143,9 @@ def input_grads(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor
                 elif up not in seen:
                     seen.add(up)
                     todo.append(up)
-    shared = [p for p, acc in zip(trainable, accs) if reached.get(acc, 0) > 1]
+    forced = {id(p) for p in in_input_pass}
+    shared = [p for p, acc in zip(trainable, accs)
+              if reached.get(acc, 0) > 1 or (id(p) in forced and acc in reached)]
     for join in joins.values():
         join.params = [p for p in join.params if all(p is not q for q in shared)]
     handles = [j.node.register_prehook(_recorder(j)) for j in joins.values()

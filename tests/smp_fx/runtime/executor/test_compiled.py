@@ -1,13 +1,13 @@
 """Compiled stages equal one process: the example GPT and Hugging Face Llama at pp 2 on 2 gloo
-processes, under 1F1B and interleaved v = 2, compiled (``compile``): the loss of every step,
-every gradient after every step and the ``state_dict()`` after 3 Adam steps within 1e-5 of
-the plain model trained in one process.
+processes, under 1F1B, interleaved v = 2, ZB-V, interleaved zero bubble v = 2 and (GPT) ZB-H1,
+compiled (``compile``): the loss of every step, every gradient after every step and the
+``state_dict()`` after 3 Adam steps within 1e-5 of the plain model trained in one process.
 
 Most cases use ``aot_eager``: the same capture and AOTAutograd function as inductor without
 generating C++ (inductor costs ~30 s per stage on 2 cores); one GPT case runs inductor.
-ZB-V compiles the chunk whose inputs need no gradient and runs the others eagerly with the
-reason told. In bf16, compiled steps give the eager steps' losses. One spawn runs every case
-in turn.
+Under a split backward the chunk whose inputs need no gradient is compiled whole, the others
+in regions between their eager GEMMs (``compiled_regions``). In bf16, compiled steps give the
+eager steps' losses. One spawn runs every case in turn.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from torch import nn
 
 from examples.models import hf_zoo
 from smp_fx.runtime.executor.compiled import CompiledStage, CompileStats, compile_stages
+from smp_fx.runtime.executor.compiled_regions import CompiledRegions
+from smp_fx.runtime.executor.seams import StageRunner
 from tests.helpers import zoo
 from tests.helpers.compare import mismatched, state_dict_mismatches
 from tests.helpers.dist import run_ranks
@@ -37,7 +39,9 @@ GPT = {"n_layer": 4}
 # (model, pipeline, virtual_pipeline_degree, backend)
 CASES = (("gpt", "interleaved", 2, "aot_eager"),
          ("llama", "interleaved", 1, "aot_eager"), ("llama", "interleaved", 2, "aot_eager"),
-         ("llama", "zbv", 2, "aot_eager"), ("gpt", "interleaved", 1, "inductor"))
+         ("llama", "zbv", 2, "aot_eager"), ("gpt", "zbv", 2, "aot_eager"),
+         ("llama", "zero_bubble", 2, "aot_eager"), ("gpt", "zero_bubble", 2, "aot_eager"),
+         ("gpt", "zero_bubble", 1, "aot_eager"), ("gpt", "interleaved", 1, "inductor"))
 
 
 def _adam(params: Any) -> torch.optim.Optimizer:
@@ -115,9 +119,12 @@ def _case(arch: str, pipeline: str, v: int, backend: str, ref: Any) -> list[str]
     bad += [f"{tag}: {m}" for m in state_dict_mismatches(model.state_dict(), ref_state, **TOL)]
     stats = model.parallelized.compiled
     for s, st in stats.items():
-        eager = pipeline == "zbv" and s != 0  # its I and W: two passes (compiled.eager_reason)
-        if eager != (st.fallback is not None) or (not eager and st.compiles != 1):
-            bad.append(f"{tag}: stage {s} compiled {st.compiles} times, fallback {st.fallback}")
+        cut = pipeline in ("zbv", "zero_bubble") and s != 0  # compiled in regions
+        if (st.fallback is not None or st.recompiles or st.eager_regions
+                or (len(st.regions) if cut else 1) != st.compiles or cut != bool(st.regions)
+                or cut != (st.region_params > 0)):  # a norm's weight: its gradient in I
+            bad.append(f"{tag}: stage {s} compiled {st.compiles} times in {len(st.regions)} "
+                       f"regions ({st.eager_regions} eager), fallback {st.fallback}")
     return bad
 
 
@@ -193,6 +200,11 @@ def _composed() -> tuple[tuple[int, list[str]], list[str], list[str]]:
         before = graphs["unique_graphs"]
         bad = _tp_case("interleaved", 1, compile="aot_eager")
         c.expect(graphs["unique_graphs"] > before, "tp: compiled")
+        quiet = len(told)
+        _adam(c, "zbv", 2, compile="aot_eager")  # ddp after W; chunks in regions
+        c.expect(all("recompute_once" in t for t in told[quiet:]),  # rebuilt once: eager
+                 f"zbv: only the checkpointed regions told eager {told[quiet:]}")
+        del told[quiet:]
     finally:
         state._reset()
     return c.report(), bad, told
@@ -201,9 +213,10 @@ def _composed() -> tuple[tuple[int, list[str]], list[str], list[str]]:
 @pytest.mark.multiproc
 def test_compiled_stages_with_data_tensor_parallelism_and_checkpointing() -> None:
     """pp 2 x dp 2 with ddp, ZeRO-1 and activation checkpointing (the GPT example's blocks),
-    and pp 2 x tp 2, both compiled, against one process (``test_schedules_compose``'s runs);
-    the tensor-parallel collectives trace into the stage's graph (no fallback told)."""
-    assert run_ranks(_composed, 4, timeout=600) == [((9, []), [], [])] * 4
+    the same under ZB-V, and pp 2 x tp 2, all compiled, against one process
+    (``test_schedules_compose``'s runs); the tensor-parallel collectives trace into the
+    stage's graph (no fallback told); under ZB-V only the checkpointed blocks run eagerly."""
+    assert run_ranks(_composed, 4, timeout=600) == [((17, []), [], [])] * 4
 
 
 class _Breaks(nn.Module):
@@ -251,14 +264,62 @@ def test_the_recompile_limit_runs_the_stage_eagerly() -> None:
     assert "FailOnRecompileLimitHit" in stats.fallback and outs[2].shape == (5, 4)
 
 
-def test_a_split_backward_compiles_only_a_stage_without_received_gradients() -> None:
-    class Runner:
-        def __init__(self, recvs: tuple[Any, ...]) -> None:
-            self.stage = type("Stage", (), {"recvs": recvs})()
-            self.module: nn.Module = nn.Linear(2, 2)
+@torch.fx.wrap
+def _noisy(x: torch.Tensor) -> torch.Tensor:
+    print("a graph break in a region")  # dynamo cannot put a print in a graph
+    return x * 2
 
-    runners: Any = {0: Runner(()), 1: Runner(((0, ("x",)),))}
+
+class _Block(nn.Module):
+    """Two GEMMs, a norm and an activation between them, a residual; ``noisy``: a graph
+    break in the region between the GEMMs."""
+
+    def __init__(self, noisy: bool) -> None:
+        super().__init__()
+        self.ln, self.up, self.down = nn.LayerNorm(8), nn.Linear(8, 16), nn.Linear(16, 8)
+        self.noisy = noisy
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        h = torch.nn.functional.gelu(self.up(self.ln(x)))
+        return (x + self.down(_noisy(h) if self.noisy else h),)
+
+
+class _Runner(StageRunner):
+    def __init__(self, module: nn.Module) -> None:
+        gm = torch.fx.symbolic_trace(module)
+        super().__init__(type("Stage", (), {"recvs": ((0, ("x",)),), "module": gm})(),
+                         torch.device("cpu"))
+
+
+@pytest.mark.parametrize("noisy", [False, True])
+def test_a_split_backward_stage_compiles_in_regions_with_eager_gemms(noisy: bool) -> None:
+    """Its I gives the input gradient with the norm's parameters' (read in a compiled
+    region), W the GEMMs' from their joins: together the plain backward's."""
+    torch.manual_seed(0)
+    plain = _Block(noisy)
+    runners: Any = {0: _Runner(_Block(noisy)), 1: _Runner(_Block(noisy))}
+    for r in runners.values():
+        r.stage.module.load_state_dict(plain.state_dict())
+    runners[0].stage.recvs = ()
     stats = compile_stages(runners, "aot_eager", "zero_bubble")
-    assert stats[0].fallback is None
-    assert stats[1].fallback is not None and "input and weight" in stats[1].fallback
-    assert all(isinstance(r.module, CompiledStage) for r in runners.values())
+    assert isinstance(runners[0].module, CompiledStage) and not stats[0].regions
+    r, st = runners[1], stats[1]
+    assert isinstance(r.module, CompiledRegions) and st.fallback is None
+    assert (len(st.regions), st.params, st.region_params) == (3, 6, 2)  # ln's weight, bias
+
+    for rows in (4, 6):  # the second recompiles with a dynamic dimension
+        x, g = torch.randn(rows, 8, requires_grad=True), torch.randn(rows, 8)
+        (out,) = r.forward([x], 0)
+        (gx,), pending = r.backward_input([out], [g], [x], 0)
+        assert [p.shape for _, p in pending.shared] == [(8,), (8,)]  # the norm's, from I
+        assert sorted(len(j.params) for j in pending.joins) == [2, 2]  # GEMMs' weight, bias
+        r.backward_weight(pending, 0)
+        x0 = x.detach().requires_grad_()
+        (expected,) = plain(x0)
+        expected.backward(g)
+        torch.testing.assert_close(out, expected)
+        torch.testing.assert_close(gx, x0.grad)
+        for (name, p), q in zip(r.stage.module.named_parameters(), plain.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, msg=name)
+    assert [rs.fallback is not None for rs in st.regions] == [False, noisy, False]
+    assert (st.compiles, st.recompiles, st.eager_regions) == (6 - 2 * noisy, 3 - noisy, noisy)

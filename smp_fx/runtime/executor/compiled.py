@@ -158,7 +158,9 @@ def _no_donated_buffers() -> None:
     The setting is read in the thread running the backward (the engine's, on a GPU) and a
     setting made in Python holds for its thread only, so the default changes, process-wide."""
     config: Any = torch._functorch.config
-    entry = config._config["donated_buffer"]
+    entry = getattr(config, "_config", {}).get("donated_buffer")
+    if entry is None:  # a torch without donated buffers (or another config layout)
+        return
     config.donated_buffer = False  # a value set in this thread would hide the default
     if entry.default:
         entry.default = False

@@ -125,7 +125,7 @@ def two_devices(pargs: argparse.Namespace, best: dict[str, Any], cfg: dict[str, 
 
 def one_device_note(gpus: int) -> str:
     """Why the transfer-stream rows are not run here."""
-    return (f"not run: the transfer streams need two devices, {gpus} GPU here (the stages "
+    return (f"not run: the transfer streams need two devices, GPUs here: {gpus} (the stages "
             "of one device hand values over by reference: nothing to copy)")
 
 

@@ -1,11 +1,12 @@
-"""The transfer streams' chooser, switch and fallback; the CPU and one-device paths unchanged.
-
-The stream path itself needs two accelerators: tests/smp_fx/test_cuda.py runs it.
+"""The transfer streams' chooser, switch and fallback; the CPU and one-device paths unchanged;
+the order of the stream path's calls, on stand-ins (running it needs two accelerators:
+tests/smp_fx/test_cuda.py does).
 """
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -69,3 +70,65 @@ def test_a_same_device_message_is_the_sent_storage_and_a_cross_device_one_a_plai
     (moved,) = tr.recv(1, 2, "act", 0)
     assert moved.device == meta and moved.requires_grad and moved.is_leaf
     assert tr.streams.copies == 0
+
+
+class _Log:
+    """Stand-ins for streams, events and tensors that write what is done to them, in order
+    (no accelerator here: the order of the calls is what can be checked)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def stream(self, name: str) -> _Stream:
+        return _Stream(name, self)
+
+
+class _Stream:
+    def __init__(self, name: str, log: _Log) -> None:
+        self.name, self.log = name, log
+
+    def wait_stream(self, other: _Stream) -> None:
+        self.log.calls.append(f"{self.name} waits {other.name}")
+
+    def wait_event(self, event: str) -> None:
+        self.log.calls.append(f"{self.name} waits {event}")
+
+    def record_event(self) -> str:
+        self.log.calls.append(f"event on {self.name}")
+        return f"event({self.name})"
+
+    def __enter__(self) -> None:
+        self.log.calls.append(f"enter {self.name}")
+
+    def __exit__(self, *exc: object) -> None:
+        self.log.calls.append(f"exit {self.name}")
+
+
+class _Tensor:
+    def __init__(self, name: str, device: torch.device, log: _Log) -> None:
+        self.name, self.device, self.log = name, device, log
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> _Tensor:
+        self.log.calls.append(f"copy {self.name} to {device} non_blocking={non_blocking}")
+        return _Tensor("copy", device, self.log)
+
+    def record_stream(self, stream: _Stream) -> None:
+        self.log.calls.append(f"{self.name} kept for {stream.name}")
+
+
+def test_the_copy_waits_for_the_producer_and_the_consumer_waits_for_the_copy(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    log = _Log()
+    compute = {cuda0: log.stream("compute0"), cuda1: log.stream("compute1")}
+    monkeypatch.setattr(torch.accelerator, "current_stream", lambda d: compute[d])
+    streams = ts.TransferStreams(env={})
+    monkeypatch.setattr(streams, "stream", lambda d: log.stream(f"side{d.index}"))
+    act: Any = _Tensor("act", cuda0, log)
+    out, done = ts.copy_on_transfer_streams(act, cuda1, streams)
+    assert log.calls == ["side0 waits compute0", "enter side0", "enter side1",
+                         "copy act to cuda:1 non_blocking=True", "event on side1",
+                         "exit side1", "exit side0", "act kept for side0"]
+    assert streams.copies == 1
+    log.calls.clear()
+    ts.consume([(out, done)], cuda1)
+    assert log.calls == ["compute1 waits event(side1)", "copy kept for compute1"]

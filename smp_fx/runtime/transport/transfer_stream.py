@@ -109,8 +109,8 @@ def copy_on_transfer_streams(t: torch.Tensor, dst: torch.device,
 
 
 def consume(received: Pending, device: torch.device) -> None:
-    """The consumer's compute stream waits for its copies' events; each copy's memory, made
-    on the transfer stream, is kept until that stream's work on it is done."""
+    """The consumer's current (compute) stream waits for its copies' events, at its turn;
+    each copy, allocated on a transfer stream, is not reused before that stream is done."""
     if not received:
         return
     compute = torch.accelerator.current_stream(device)

@@ -11,7 +11,11 @@ Where a GPU is lent, one run shows what only a GPU can show:
    beside measured (MFU measured: the plan's model FLOPs over the measured step; the
    planner prices no compilation, so the compiled row's prediction is the eager one);
 3. the same model at pp 2 with both stages in this process on one device (1F1B,
-   ``--pp2-microbatches``): the in-process pipeline's step and peak memory.
+   ``--pp2-microbatches``): the in-process pipeline's step and peak memory;
+4. where two or more GPUs are present, pp 2 across ``cuda:0`` and ``cuda:1`` (the LM head
+   untied, so the stages may sit on two devices) with the copies between the stages on
+   their transfer streams and, as the baseline, on the current stream
+   (``SMP_FX_TRANSFER_STREAM=0``): a step each. On one GPU the table says why this is not run.
 
     PYTHONPATH=. python3 benchmarks/gpu_check.py --out $OUT/gpu_check.json      # a GPU
     .venv/bin/python benchmarks/gpu_check.py --tiny                             # CPU, seconds
@@ -24,6 +28,7 @@ the figures.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -31,6 +36,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +81,7 @@ def cuda_tests(timeout: float) -> dict[str, Any]:
 
 
 def train(pargs: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
-          device: torch.device, **changes: Any) -> dict[str, Any]:
+          device: torch.device, untied: bool = False, **changes: Any) -> dict[str, Any]:
     """``plan_gpu.measure`` on a fresh ``smp.init`` of ``cfg`` with ``changes``."""
     from smp_fx.world import state
 
@@ -83,7 +89,44 @@ def train(pargs: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
     gc.collect()  # the previous run's model and optimizer, before the peak is reset
     if device.type != "cpu":
         torch.get_device_module(device).empty_cache()
-    return plan_gpu.measure(pargs, best, {**cfg, **changes}, device)
+    return plan_gpu.measure(pargs, best, {**cfg, **changes}, device, untied=untied)
+
+
+@contextlib.contextmanager
+def transfer_streams(on: bool) -> Iterator[None]:
+    """``SMP_FX_TRANSFER_STREAM`` set for the runs inside (their transports read it)."""
+    from smp_fx.runtime.transport.transfer_stream import ENV
+
+    saved = os.environ.get(ENV)
+    os.environ[ENV] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[ENV]
+        else:
+            os.environ[ENV] = saved
+
+
+def two_devices(pargs: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
+                device: torch.device, pp2: dict[str, Any]) -> list[dict[str, Any]]:
+    """pp 2 on ``cuda:0`` and ``cuda:1``, the copies on the transfer streams, then on the
+    current stream: one row each, naming the devices the stages took and the copies made
+    on transfer streams (so a run that did not take the path says so)."""
+    rows = []
+    for on, how in ((True, "transfer streams"), (False, "current stream")):
+        with transfer_streams(on):
+            got = train(pargs, best, cfg, device, untied=True, **pp2)
+        name = (f"GPT pp 2 in one process on {' and '.join(got['devices'])}, copies on the "
+                f"{how} ({got['transfer_copies']} on transfer streams)")
+        rows.append({**row(name, best, got, False), "transfer_copies": got["transfer_copies"]})
+    return rows
+
+
+def one_device_note(gpus: int) -> str:
+    """Why the transfer-stream rows are not run here."""
+    return (f"not run: the transfer streams need two devices, GPUs here: {gpus} (the stages "
+            "of one device hand values over by reference: nothing to copy)")
 
 
 def row(name: str, best: dict[str, Any], got: dict[str, Any], predicted: bool) -> dict[str, Any]:
@@ -107,14 +150,17 @@ def _cell(value: float | None, unit: str) -> str:
     return f"{value:.1%}"
 
 
-def table(rows: list[dict[str, Any]], tests: dict[str, Any] | None) -> str:
+def table(rows: list[dict[str, Any]], tests: dict[str, Any] | None,
+          notes: dict[str, str]) -> str:
+    """The figures, one row per run; ``notes`` (check -> text): rows with no figures."""
     head = ("check", "predicted step", "measured step", "ratio", "MFU pred / meas",
             "predicted memory", "peak memory")
     lines = ["| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     if tests is not None:
         counts = ", ".join(f"{v} {k}" for k, v in tests.items() if k != "returncode")
-        lines.append(f"| CUDA tests (tests/smp_fx/test_cuda.py) | {counts or 'no summary'} "
-                     f"(exit {tests['returncode']}) | | | | | |")
+        notes = {"CUDA tests (tests/smp_fx/test_cuda.py)":
+                 f"{counts or 'no summary'} (exit {tests['returncode']})", **notes}
+    lines += [f"| {check} | {text} | | | | | |" for check, text in notes.items()]
     for r in rows:
         ratio = (f"{r['measured_step_s'] / r['predicted_step_s']:.3f}"
                  if r["predicted_step_s"] else "-")
@@ -149,13 +195,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "pipeline": "interleaved"}
     rows.append(row(f"GPT pp 2 in one process, {args.pp2_microbatches} microbatches", best,
                     train(pargs, best, cfg, device, **pp2), False))
-    text = table(rows, tests)
+    gpus = torch.cuda.device_count() if gpu else 0
+    notes = {}
+    if gpus >= 2:
+        rows += two_devices(pargs, best, cfg, device, pp2)
+    else:
+        notes["GPT pp 2 on cuda:0 and cuda:1, transfer streams vs current stream"] = \
+            one_device_note(gpus)
+    text = table(rows, tests, notes)
     print(text, flush=True)
     figures = {"device": spec.name, "torch": torch.__version__, "tiny": args.tiny,
                "model": {k: getattr(pargs, k) for k in ("n_layer", "n_embd", "n_head",
                                                          "vocab_size", "seq_len",
                                                          "global_batch")},
-               "configuration": cfg, "cuda_tests": tests, "rows": rows, "table": text}
+               "configuration": cfg, "cuda_tests": tests, "rows": rows, "notes": notes,
+               "table": text}
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(figures, indent=1, sort_keys=True) + "\n")

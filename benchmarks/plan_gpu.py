@@ -13,7 +13,8 @@ The GPU check of the cluster planner (docs/planning.md, "On a GPU"):
    configuration, ``smp.set_activation_checkpointing`` on each block, the step function
    under ``torch.autocast(device, torch.bfloat16)``: bf16 as the planner prices it, autocast
    over fp32 weights, docs/planning.md), Adam; the median of the timed steps after warm-up
-   (synchronized) and ``torch.cuda.max_memory_allocated`` beside the prediction.
+   (synchronized) and ``torch.cuda.max_memory_allocated`` (the busiest GPU's) beside the
+   prediction.
 
     PYTHONPATH=. python3 benchmarks/plan_gpu.py --out plan_gpu.json          # a GPU
     .venv/bin/python benchmarks/plan_gpu.py --tiny --out /tmp/plan_gpu.json  # CPU, seconds
@@ -107,7 +108,10 @@ def plan(args: argparse.Namespace, spec_file: Path, work: Path) -> tuple[dict[st
 
 # ----------------------------------------------------------------------------- measuring
 def measure(args: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
-            device: torch.device) -> dict[str, Any]:
+            device: torch.device, untied: bool = False) -> dict[str, Any]:
+    """Train ``cfg`` and time it. ``untied``: the LM head gets its own copy of the embedding,
+    so the in-process pipeline may put its stages on several GPUs (a parameter two stages
+    share keeps them on one)."""
     from models.gpt import build_model
 
     import smp_fx as smp
@@ -117,6 +121,8 @@ def measure(args: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
     with device:
         net = build_model(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
                           vocab_size=args.vocab_size, seq_len=args.seq_len)
+    if untied:
+        net.lm_head.weight = torch.nn.Parameter(net.wte.weight.detach().clone())
     if best["recompute"] == "full":
         for block in net.h:
             smp.set_activation_checkpointing(block)
@@ -127,18 +133,25 @@ def measure(args: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
     @smp.step
     def train_step(model: Any, ids: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         with torch.autocast(device.type, torch.bfloat16):  # the planner's bf16
-            loss = F.cross_entropy(model(ids).flatten(0, 1), target.flatten())
+            logits = model(ids)  # on the last stage's device
+            loss = F.cross_entropy(logits.flatten(0, 1), target.to(logits.device).flatten())
         model.backward(loss)
         return loss
 
     g = torch.Generator().manual_seed(1)
     seq = torch.randint(0, args.vocab_size, (args.global_batch, args.seq_len + 1), generator=g)
     ids, target = seq[:, :-1].to(device), seq[:, 1:].to(device)
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    gpus = range(torch.cuda.device_count() if device.type == "cuda" else 0)
+
+    def sync() -> None:  # every GPU: the stages may be on several
+        for d in gpus:
+            torch.cuda.synchronize(d)
+
     times, losses = [], []
     for i in range(args.warmup + args.steps):
         if i == args.warmup and device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
+            for d in gpus:
+                torch.cuda.reset_peak_memory_stats(d)
         sync()
         t0 = time.perf_counter()
         optimizer.zero_grad()
@@ -151,9 +164,12 @@ def measure(args: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
             times.append(took)
         say(f"  step {i}{' (warm-up)' if i < args.warmup else ''}: {took * 1e3:.1f} ms, "
             f"loss {losses[-1]:.3f}")
-    peak = int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
+    peak = max((int(torch.cuda.max_memory_allocated(d)) for d in gpus), default=None)
+    streams = getattr(model.executor.transport, "streams", None)  # in-process only
     return {"step_time_s": statistics.median(times), "step_times_s": times,
-            "peak_memory_bytes": peak, "losses": losses}
+            "peak_memory_bytes": peak, "losses": losses,
+            "devices": sorted({str(p.device) for _, p in model.local_named_parameters()}),
+            "transfer_copies": None if streams is None else streams.copies}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

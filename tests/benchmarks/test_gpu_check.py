@@ -30,3 +30,6 @@ def test_gpu_check_tiny_runs_every_part_on_the_cpu(tmp_path: Path) -> None:
     for r in (compiled, pp2):
         assert r["losses"] == pytest.approx(eager["losses"], rel=1e-2)
     assert figures["table"] in run.stdout and "| CUDA tests" in figures["table"]
+    # the transfer streams need two devices: the CPU's row says so instead of a figure
+    (note,) = figures["notes"].values()
+    assert "need two devices, GPUs here: 0" in note and note in figures["table"]

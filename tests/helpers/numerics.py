@@ -115,10 +115,11 @@ class Pair:
             worst = max(worst, abs(loss - ref_loss))
             for name, p in self.dm.local_named_parameters():
                 ref = ref_params[name]
-                assert p.grad is not None, name
-                torch.testing.assert_close(p.grad, ref.grad, atol=1e-5, rtol=0,
+                assert p.grad is not None and ref.grad is not None, name
+                grad = p.grad.to(ref.grad.device)  # a stage on another GPU keeps it there
+                torch.testing.assert_close(grad, ref.grad, atol=1e-5, rtol=0,
                                            msg=_naming(f"gradient of {name}"))
-                worst = max(worst, (p.grad - ref.grad).abs().max().item())
+                worst = max(worst, (grad - ref.grad).abs().max().item())
             ref_opt.step()
             opt.step()
         ref_state = {**ref_params, **dict(self.ref.named_buffers(remove_duplicate=False))}
@@ -126,7 +127,8 @@ class Pair:
                 list(self.dm.local_named_buffers()):
             if name not in ref_state and "lifted_tensor" in name:
                 continue  # a constant torch.export lifted into a buffer (torch 2.11)
-            torch.testing.assert_close(t.detach(), ref_state[name].detach(), atol=1e-5, rtol=0,
+            ref_t = ref_state[name].detach()
+            torch.testing.assert_close(t.detach().to(ref_t.device), ref_t, atol=1e-5, rtol=0,
                                        msg=_naming(name))
         return worst
 

@@ -6,6 +6,8 @@ and the numerics there equal to the plain model on the same device (TF32 off, cu
 deterministic, fp32, 1e-5); fp16 with the loss scaler's tensors on the GPU; bf16 autocast
 carried from the step function's thread into the threads that run the work; activation
 offloading through pinned host memory and a side stream, which must not change a number.
+With two GPUs, the stages on ``cuda:0`` and ``cuda:1`` copy between them on their transfer
+streams, which must not change a number either (skipped on one GPU).
 NCCL between processes needs a GPU per rank and is not covered by one GPU. Run with
 ``SMP_FX_TEST_GPU=1 pytest -m gpu`` (``make test`` hides the GPUs: see conftest.py).
 """
@@ -13,11 +15,13 @@ NCCL between processes needs a GPU per rank and is not covered by one GPU. Run w
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
 
 import smp_fx as smp
+from smp_fx.runtime.transport.transport import InProcessTransport
 from smp_fx.world import state
 from tests.helpers.memory import train
 from tests.helpers.numerics import Pair, init, train_step_of, twin_models
@@ -63,6 +67,32 @@ def test_chunked_and_zero_bubble_schedules_on_the_gpu(name: str, pipeline: str,
     assert len(pair.dm.program.stages) == 2 * v
     for n, p in pair.dm.local_named_parameters():
         assert p.device.type == "cuda" and p.grad is not None and p.grad.device.type == "cuda", n
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason=(
+    "the transfer streams copy between two GPUs; with one, both stages sit on cuda:0 and "
+    "hand their values over by reference (nothing to copy)"))
+@pytest.mark.parametrize("pipeline", ["simple", "interleaved"])
+def test_transfer_streams_between_two_gpus_equal_the_plain_model(pipeline: str) -> None:
+    init(2, 4, pipeline)
+    pair = Pair("mlp", device="cuda")
+    loss_fn = pair.ex.loss_fn
+
+    @smp.step
+    def train_step(model: Any, x: torch.Tensor, y: torch.Tensor) -> Any:
+        out = model(x)  # on the last stage's GPU, cuda:1
+        loss = loss_fn(out, y.to(out.device))
+        model.backward(loss)
+        return out, loss
+
+    pair.train_step = train_step
+    pair.compare(3, 4)
+    executor = pair.dm.executor
+    assert {r.device for r in executor.runners.values()} == {torch.device("cuda", 0),
+                                                             torch.device("cuda", 1)}
+    transport = executor.transport
+    assert isinstance(transport, InProcessTransport) and transport.streams.off is None
+    assert transport.streams.copies >= 2 * 4 * 3  # an activation and a gradient per microbatch
 
 
 def test_fp16_trains_with_the_loss_scaler_on_the_gpu() -> None:

@@ -2,17 +2,22 @@
 
 Received tensors are new leaves with the sender's ``requires_grad``: autograd is cut at
 every stage boundary, so the executor's path is the same in-process and across processes.
-See docs/runtime.md, 'The transport contract'.
+See docs/runtime.md, 'The transport contract'. In-process copies between two accelerators
+run on transfer streams (``transfer_stream.py``).
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.utils._pytree as pytree
 
 from cost_model.errors import SMPInternalError
+from smp_fx.runtime.transport import transfer_stream as ts
+
+if TYPE_CHECKING:
+    from smp_fx.runtime.transport.transfer_stream import Pending
 
 
 class Transport(Protocol):
@@ -41,26 +46,34 @@ class Transport(Protocol):
         """The step is over: wait for its sends; raise if a message went astray."""
 
 
-def _cut(t: torch.Tensor, device: torch.device | None) -> torch.Tensor:
+def _cut(t: torch.Tensor, device: torch.device | None, streams: ts.TransferStreams,
+         pending: Pending) -> torch.Tensor:
     out = t.detach()
     if device is not None and out.device != device:
-        out = out.to(device, non_blocking=True)
+        if streams.usable(out.device, device):
+            out, done = ts.copy_on_transfer_streams(out, device, streams)
+            pending.append((out, done))
+        else:
+            out = out.to(device, non_blocking=True)
     return out.requires_grad_(t.requires_grad)
 
 
 class InProcessTransport:
-    """All stages in one process: messages are the values, cut from autograd."""
+    """All stages in one process: messages are the values, cut from autograd (copied where
+    the receiver's device differs)."""
 
     def __init__(self, devices: dict[int, torch.device] | None = None) -> None:
         self.devices = devices or {}
-        self._box: dict[tuple[int, int, str, int], Any] = {}
+        self.streams = ts.TransferStreams()
+        self._box: dict[tuple[int, int, str, int], tuple[Any, Pending]] = {}
         self.on_block: Any = None  # never called: nothing here waits
         self.where: Any = None  # never called: nothing here fails on a peer
 
     def send(self, value: Any, src: int, dst: int, channel: str, mb: int) -> None:
         device = self.devices.get(dst)
-        self._box[(src, dst, channel, mb)] = pytree.tree_map_only(
-            torch.Tensor, lambda t: _cut(t, device), value)
+        pending: Pending = []
+        self._box[(src, dst, channel, mb)] = (pytree.tree_map_only(
+            torch.Tensor, lambda t: _cut(t, device, self.streams, pending), value), pending)
 
     def recv(self, src: int, dst: int, channel: str, mb: int) -> Any:
         key = (src, dst, channel, mb)
@@ -68,7 +81,10 @@ class InProcessTransport:
             raise SMPInternalError.build(
                 "in-process receive has no matching send (the lowered order is wrong)",
                 key, f"stage {dst} microbatch {mb}")
-        return self._box.pop(key)
+        value, pending = self._box.pop(key)
+        if pending:
+            ts.consume(pending, self.devices[dst])
+        return value
 
     def prefetch(self, src: int, dst: int, channel: str, count: int) -> None:
         """Nothing to post ahead in-process."""

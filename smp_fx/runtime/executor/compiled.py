@@ -5,7 +5,8 @@ compiled whole (``fullgraph``) once per input signature (dynamo's guards; a new 
 length recompiles once, then the dimension is dynamic); AOTAutograd makes the forward one
 autograd function whose backward is compiled too. Under a split backward a stage that
 receives gradients is compiled in regions between its GEMMs instead (``compiled_regions``),
-so its I and W stay two passes. Every compile is counted per stage (and region).
+so its I and W stay two passes, and a first chunk with checkpointed regions (rebuilt once,
+untraceable) between those. Every compile is counted per stage (and region).
 
 What cannot compile runs eagerly from then on, its reason logged in one line and kept in
 ``CompileStats.fallback`` (a region's in its own): a graph break or an untraceable op,

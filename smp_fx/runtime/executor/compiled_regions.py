@@ -6,6 +6,7 @@ each GEMM on a stage parameter, the GEMMs stay eager autograd nodes, the I/W joi
 weight gradients (most of W's work) still wait for W, while each run of nodes between them
 (norms, activations, attention, residuals) is compiled. A compiled region's own parameters
 (norm weights, unfused biases) are reached through the input path: I computes their gradients.
+Checkpointed regions rebuilt once (``recompute_once``) are cut out too, and stay eager.
 """
 
 from __future__ import annotations

@@ -181,6 +181,7 @@ def test_a_first_chunk_compiles_around_its_checkpointed_block() -> None:
     st = compile_stages({0: runner}, "aot_eager", "zbv")[0]
     assert isinstance(runner.module, CompiledRegions)
     assert (st.fallback, st.gemms, st.checkpointed, st.region_params) == (None, 0, 1, 0)
+    assert "0 GEMMs eager, 1 checkpointed eager" in st.summary()
 
     x, g = torch.randn(4, 8), torch.randn(4, 8)
     (out,) = runner.forward([x], 0)

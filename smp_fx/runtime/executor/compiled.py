@@ -5,7 +5,8 @@ compiled whole (``fullgraph``) once per input signature (dynamo's guards; a new 
 length recompiles once, then the dimension is dynamic); AOTAutograd makes the forward one
 autograd function whose backward is compiled too. Under a split backward a stage that
 receives gradients is compiled in regions between its GEMMs instead (``compiled_regions``),
-so its I and W stay two passes. Every compile is counted per stage (and region).
+so its I and W stay two passes, and a first chunk with checkpointed regions (rebuilt once,
+untraceable) between those. Every compile is counted per stage (and region).
 
 What cannot compile runs eagerly from then on, its reason logged in one line and kept in
 ``CompileStats.fallback`` (a region's in its own): a graph break or an untraceable op,
@@ -27,6 +28,7 @@ from torch import nn
 from cost_model.schedule import SPLIT_BACKWARD
 from smp_fx.runtime.executor.compiled_regions import CompiledRegions, cut_at_gemms, region_params
 from smp_fx.runtime.executor.seams import StageRunner
+from smp_fx.runtime.memory.checkpointing import RegionCall
 
 log = logging.getLogger("smp_fx.compile")
 
@@ -36,9 +38,10 @@ class CompileStats:
     compiled took (``compile_s``; a backward inductor compiles at its first call is not in
     it), and why it runs eagerly (``fallback``, None if it does not). A stage compiled in
     regions (``compiled_regions``) counts its regions' compiles and keeps each region's own
-    statistics (``regions``, each with its own ``params``), its eager ``gemms``, and how many
-    of its ``params`` (trainable tensors) are read inside the regions (``region_params``;
-    ``region_share`` of the elements): I computes their gradients."""
+    statistics (``regions``, each with its own ``params``), its eager ``gemms`` and
+    ``checkpointed`` regions, and how many of its ``params`` (trainable tensors) are read
+    inside the regions (``region_params``; ``region_share`` of the elements): I computes
+    their gradients."""
 
     stage: int
     compiles: int = 0
@@ -48,6 +51,7 @@ class CompileStats:
     regions: list[CompileStats] = field(default_factory=list)
     params: int = 0
     gemms: int = 0
+    checkpointed: int = 0
     region_params: int = 0
     region_share: float = 0.0
 
@@ -69,11 +73,12 @@ class CompileStats:
         """One line: what of the stage runs compiled, what eagerly (and its parameters)."""
         if self.fallback is not None:
             return f"{self.where}: eager, {self.params} parameters ({self.fallback})"
-        if not self.regions:
+        if not self.regions and not self.checkpointed:
             return f"{self.where}: compiled whole, {self.params} parameters"
         compiled = sum(r.params for r in self.regions if r.fallback is None)
+        kept = f", {self.checkpointed} checkpointed eager" if self.checkpointed else ""
         return (f"{self.where}: {len(self.regions) - self.eager_regions} regions compiled, "
-                f"{self.eager_regions} eager, {self.gemms} GEMMs eager; parameters "
+                f"{self.eager_regions} eager, {self.gemms} GEMMs eager{kept}; parameters "
                 f"{compiled} compiled, {self.params - compiled} eager")
 
 
@@ -168,17 +173,21 @@ def _no_donated_buffers() -> None:
                  "backward's I keeps the compiled regions' graphs for W")
 
 
-def compile_in_regions(runner: StageRunner, backend: str, stats: CompileStats) -> str | None:
+def compile_in_regions(runner: StageRunner, backend: str, stats: CompileStats,
+                       gemms: bool = True) -> str | None:
     """Compile a split backward's stage between its GEMMs (``compiled_regions``): it buys
     compiled norms, activations and attention while the GEMMs' weight gradients still wait
-    for W. Gives ``runner`` the regions' module, or returns why its stage cannot be cut."""
+    for W. ``gemms`` False: between its checkpointed regions only. Gives ``runner`` the
+    regions' module, or returns why its stage cannot be cut."""
     gm = runner.module
     if not isinstance(gm, torch.fx.GraphModule) or gm is not runner.stage.module:
         return (f"its module is a {type(gm).__name__}, not the stage's GraphModule: it cannot "
-                "be cut into compiled regions between its GEMMs, and compiled whole its input "
-                "and weight gradients would be one autograd pass")
-    cut = cut_at_gemms(gm)
-    _no_donated_buffers()
+                "be cut into compiled regions, and compiled whole "
+                + ("its input and weight gradients would be one autograd pass" if gemms else
+                   "its checkpointed regions, rebuilt once (recompute_once), do not trace"))
+    cut = cut_at_gemms(gm, gemms)
+    if gemms:  # I keeps the graph for W only where there is an input path
+        _no_donated_buffers()
     held = region_params(cut)
 
     def compile_region(name: str, region: nn.Module) -> nn.Module:
@@ -187,6 +196,15 @@ def compile_in_regions(runner: StageRunner, backend: str, stats: CompileStats) -
         return CompiledStage(region, backend, stats.regions[-1], counts=stats)
 
     runner.module = CompiledRegions(gm, cut, compile_region, stats)
+    stats.checkpointed = len(cut.checkpointed)
+    if cut.checkpointed:
+        log.warning("smp-fx compile: stage %d: %d checkpointed regions run eagerly: under a "
+                    "split backward each is rebuilt once for its I and W (recompute_once), "
+                    "which dynamo does not trace", stats.stage, len(cut.checkpointed))
+    if not gemms:  # no input path: W computes every gradient, none moves to I
+        log.info("smp-fx compile: stage %d compiled in %d regions between its %d checkpointed "
+                 "regions", stats.stage, len(cut.regions), len(cut.checkpointed))
+        return None
     params = [p for p in gm.parameters() if p.requires_grad]
     inside = {id(p) for ps in held.values() for p in ps}
     stats.gemms, stats.region_params = len(cut.gemms), sum(id(p) in inside for p in params)
@@ -197,25 +215,30 @@ def compile_in_regions(runner: StageRunner, backend: str, stats: CompileStats) -
              "%d of its %d parameters (%.1f %% of the elements) are read inside them, "
              "their gradients computed in I", stats.stage, len(cut.regions), len(cut.gemms),
              stats.region_params, stats.params, 100 * stats.region_share)
-    if cut.checkpointed:
-        log.warning("smp-fx compile: stage %d: %d checkpointed regions run eagerly: under a "
-                    "split backward each is rebuilt once for its I and W (recompute_once), "
-                    "which dynamo does not trace", stats.stage, len(cut.checkpointed))
     return None
+
+
+def rebuilt_once(runner: StageRunner) -> bool:
+    """Whether ``runner``'s stage has checkpointed regions rebuilt once (``recompute_once``),
+    which dynamo does not trace: compiled whole, the stage would run eagerly."""
+    return any(isinstance(n.target, RegionCall) and n.target.once
+               for n in runner.stage.module.graph.nodes)
 
 
 def compile_stages(runners: Mapping[int, StageRunner], backend: str, pipeline: str,
                    sharded: bool = False) -> dict[int, CompileStats]:
     """Give each runner a ``CompiledStage`` module, or under a split backward a stage that
-    receives gradients ``compile_in_regions``'s (in place; before data parallelism wraps it),
-    and return the per-stage statistics; a stage that cannot compile is told now."""
+    receives gradients (or holds regions rebuilt once) ``compile_in_regions``'s (in place;
+    before data parallelism wraps it), and return the per-stage statistics; a stage that
+    cannot compile is told now."""
     stats: dict[int, CompileStats] = {}
     for s, runner in sorted(runners.items()):
         stats[s] = CompileStats(s, params=sum(p.requires_grad
                                               for p in runner.module.parameters()))
         reason = eager_reason(sharded)
-        if reason is None and pipeline in SPLIT_BACKWARD and runner.stage.recvs:
-            reason = compile_in_regions(runner, backend, stats[s])
+        gemms = bool(runner.stage.recvs)  # the first chunk's backward is all W
+        if reason is None and pipeline in SPLIT_BACKWARD and (gemms or rebuilt_once(runner)):
+            reason = compile_in_regions(runner, backend, stats[s], gemms)
             if reason is None:
                 continue
         if reason is not None:

@@ -6,6 +6,7 @@ each GEMM on a stage parameter, the GEMMs stay eager autograd nodes, the I/W joi
 weight gradients (most of W's work) still wait for W, while each run of nodes between them
 (norms, activations, attention, residuals) is compiled. A compiled region's own parameters
 (norm weights, unfused biases) are reached through the input path: I computes their gradients.
+Checkpointed regions rebuilt once (``recompute_once``) are cut out too, and stay eager.
 """
 
 from __future__ import annotations
@@ -43,8 +44,9 @@ class Cut:
     checkpointed: tuple[str, ...] = ()
 
 
-def cut_at_gemms(gm: torch.fx.GraphModule) -> Cut:
-    """``gm`` cut into GEMM submodules and region submodules (``gm`` is left as it was)."""
+def cut_at_gemms(gm: torch.fx.GraphModule, at_gemms: bool = True) -> Cut:
+    """``gm`` cut into GEMM submodules and region submodules (``gm`` is left as it was);
+    ``at_gemms`` False: at its checkpointed regions only (a stage whose backward is all W)."""
     part: dict[torch.fx.Node, int] = {}
     gemm_parts: set[int] = set()
     checkpointed: set[int] = set()
@@ -53,7 +55,7 @@ def cut_at_gemms(gm: torch.fx.GraphModule) -> Cut:
     for n in gm.graph.nodes:
         if n.op in ("placeholder", "get_attr", "output"):
             continue
-        lin = as_linear(gm, n)
+        lin = as_linear(gm, n) if at_gemms else None
         if lin is not None or isinstance(n.target, RegionCall):
             pid, in_region = pid + 1, False
             (gemm_parts if lin is not None else checkpointed).add(pid)

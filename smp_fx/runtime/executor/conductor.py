@@ -380,8 +380,9 @@ class Conductor:
 
     def _run_straight(self, s: StepTurns) -> tuple[list[Any], list[bool]]:
         """Every op in order on this thread, then the step functions not run yet (they ran
-        when the transport would block, ``flush``). A step function's failure does not stop
-        the ops, so this rank's peers get every message; it is raised after them."""
+        when the transport would block, ``flush``, or before their backward decision). A
+        step function's failure does not stop the ops, so this rank's peers get every
+        message; it is raised after them."""
         m = len(s.turns)
         s.results = [None] * m
         self.ops_done = False
@@ -389,6 +390,8 @@ class Conductor:
             s.driving = True
             for i, op in enumerate(s.ops):
                 s.next = i
+                if op.kind == "WAIT_B":  # the step function decides the backward
+                    self._run_ready(s)
                 self._execute(i, op)
             s.next, s.driving, self.ops_done = len(s.ops), False, True
             s.ready.extend(k for k in range(m) if not s.started[k] and k not in s.ready)

@@ -123,7 +123,7 @@ def lower(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int
     local = frozenset(stages) if multi_process else frozenset()
     return Lowered(ops, receive_posts(ops, local), send_counts(ops, local), last_receive(ops),
                    next_forwards(ops) if ahead else None,
-                   runs_straight(ops, program, stages, multi_process))
+                   runs_straight(program, stages, multi_process))
 
 
 def lower_ops(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int],

@@ -1,5 +1,6 @@
-"""Straight-through steps: a rank whose ops need nothing from its step function runs them
-on the calling thread, and each step function after its outputs are there.
+"""Straight-through steps: a rank whose ops need nothing from its step function but the
+backward decision runs them on the calling thread, and each step function there once its
+outputs are (before the decision is read, on the last stage's rank).
 
 ``runs_straight`` chooses the mode per lowering; ``ModeMemo`` says which grad mode and
 autocast the forwards take (learned from the step function's threaded first step);
@@ -17,21 +18,18 @@ from smp_fx.runtime.executor.modes import Autocast
 
 if TYPE_CHECKING:  # lowering calls ``runs_straight``
     from passes.split_stages import StagedProgram
-    from smp_fx.runtime.executor.lowering import Op
 
 Modes = tuple[bool, Autocast]  # (grad enabled, autocast) of a model(...) call
 
 
-def runs_straight(ops: Sequence[Op], program: StagedProgram, stages: Sequence[int],
-                  multi_process: bool) -> bool:
+def runs_straight(program: StagedProgram, stages: Sequence[int], multi_process: bool) -> bool:
     """Whether this rank runs its ops without step-function threads: across processes,
-    no stage takes ``model(...)``'s arguments, none waits for a backward decision (the
-    last stage's). Buys, 1F1B p = 4 middle ranks per step (step_counts.py --ranks 4,
+    no stage takes ``model(...)``'s arguments. The last stage's rank runs each step
+    function once its forward is done and before the op that reads its backward decision
+    (``WAIT_B``). Buys, 1F1B p = 4 middle ranks per step (step_counts.py --ranks 4,
     smp-fx / torch): Python CPU outside compute 5.2-7.7 / 2.8-4.6 -> 4.2-5.1 / 2.5-3.2 ms,
     step-function threads' 0.7-1.2 -> 0 ms, voluntary switches 56-68 / 43-53 -> 34-40."""
-    return (multi_process and program.num_stages - 1 not in stages
-            and not any(program.stages[s].program_inputs for s in stages)
-            and not any(op.kind == "WAIT_B" for op in ops))
+    return multi_process and not any(program.stages[s].program_inputs for s in stages)
 
 
 class ModeMemo:

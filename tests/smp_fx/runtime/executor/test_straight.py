@@ -21,12 +21,12 @@ from smp_fx.world import context
 from tests.smp_fx.runtime.executor.test_lowering import _program
 
 
-def test_only_ranks_between_the_first_and_last_stage_run_straight() -> None:
+def test_every_rank_without_the_first_stage_runs_straight() -> None:
     prog = _program(4)
     for name, fwd in (("interleaved", False), ("simple", True), ("zero_bubble", False)):
         s = sched.generate(name, 4, 4, forward_only=fwd)
         assert [lower(s, prog, [r], True).straight for r in range(4)] == [
-            False, True, True, False], name
+            False, True, True, True], name
         assert not lower(s, prog, [0, 1, 2, 3], False).straight  # one process: no peers
     v = _program(8)
     zbv = sched.generate("zbv", 4, 4, virtual_stages=2)

@@ -25,10 +25,10 @@ from smp_fx.runtime.executor.straight import (
     ArgMap,
     Learned,
     Modes,
+    Pieces,
     args_mismatch,
     call_mismatch,
     not_called,
-    tensor_versions,
 )
 from smp_fx.runtime.executor.turns import (
     Microbatch,
@@ -87,7 +87,7 @@ class Conductor:
             t.f_request = Request((args, kwargs), torch.is_grad_enabled(), autocast_state())
             if s.straight is None:
                 if s.learn_args:
-                    t.arg_map = ArgMap.learn((args, kwargs), s.launch[1][mb], s.versions[mb])
+                    t.arg_map = ArgMap.learn((args, kwargs), s.pieces[mb])
                 self._drive(s, lambda: t.outputs_ready, mb, "its model outputs")
                 return t.outputs
             want = (s.straight.grad_enabled, s.straight.autocast)
@@ -95,8 +95,7 @@ class Conductor:
             exc: SMPRuntimeError | None = None
             if got != want:
                 exc = call_mismatch(mb, self.rank, want, got)
-            elif s.arg_map is not None and not s.arg_map.matches(
-                    (args, kwargs), s.launch[1][mb], s.versions[mb]):
+            elif s.arg_map is not None and not s.arg_map.matches((args, kwargs), s.pieces[mb]):
                 exc, self.args_strayed = args_mismatch(mb, self.rank), True
             if exc is not None:  # kept too: the step fails even if the step function catches it
                 self._keep(s, exc)
@@ -135,7 +134,7 @@ class Conductor:
                 return s.straight
             t = s.turns[mb]
             if t.built is None:
-                t.built = Request(s.arg_map.build(s.launch[1][mb]), s.straight.grad_enabled,
+                t.built = Request(s.arg_map.build(s.pieces[mb]), s.straight.grad_enabled,
                                   s.straight.autocast)
             return t.built
         req = s.turns[mb].f_request
@@ -340,7 +339,7 @@ class Conductor:
         self.args_strayed = False
         s.learn_args = learn_args and straight is None
         if s.learn_args or (straight is not None and straight[1] is not None):
-            s.versions = [tensor_versions(mb) for mb in microbatches]
+            s.pieces = [Pieces.of(mb) for mb in microbatches]
         if straight is not None:
             s.straight, s.arg_map = Request(None, *straight[0]), straight[1]
             return self._run_straight(s)

@@ -16,7 +16,7 @@ from smp_fx.runtime.executor.lowering import Op
 from smp_fx.runtime.executor.modes import Autocast
 
 if TYPE_CHECKING:  # straight.py imports ``Microbatch`` from here
-    from smp_fx.runtime.executor.straight import ArgMap
+    from smp_fx.runtime.executor.straight import ArgMap, Pieces
 
 Microbatch = tuple[tuple[Any, ...], dict[str, Any]]  # a step function's (args, kwargs)
 
@@ -89,7 +89,7 @@ class StepTurns:
     straight: Request | None = None  # straight-through (``straight.py``): what F ops take
     arg_map: ArgMap | None = None  # straight: where the F ops' model arguments come from
     learn_args: bool = False  # threaded: learn each call's ``ArgMap``
-    versions: list[list[int]] = field(default_factory=list)  # microbatch tensors' versions
+    pieces: list[Pieces] = field(default_factory=list)  # the microbatches' leaves, versions
     ready: list[int] = field(default_factory=list)  # straight: outputs there, not started
     results: list[Any] = field(default_factory=list)  # straight: the step functions' results
 

@@ -16,7 +16,7 @@ from cost_model import schedule as sched
 from cost_model.errors import SMPRuntimeError
 from smp_fx.runtime.executor.conductor import Conductor
 from smp_fx.runtime.executor.lowering import Op, lower
-from smp_fx.runtime.executor.straight import ArgMap, ModeMemo, tensor_versions
+from smp_fx.runtime.executor.straight import ArgMap, ModeMemo, Pieces
 from smp_fx.runtime.executor.turns import Microbatch
 from smp_fx.world import context
 from tests.smp_fx.runtime.executor.test_lowering import _program
@@ -155,32 +155,34 @@ def test_a_step_function_that_calls_the_model_otherwise_fails_after_every_op() -
 def test_an_arg_map_rebuilds_the_call_from_the_microbatch_and_catches_strays() -> None:
     x, mask = torch.ones(2, 3), torch.zeros(2, 3)
     micro: Microbatch = (("model", {"ids": x, "mask": mask}), {"labels": None})
-    versions = tensor_versions(micro)
+    pieces = Pieces.of(micro)
     call = ((x,), {"attention_mask": mask, "use_cache": False})
-    m = ArgMap.learn(call, micro, versions)
-    assert m is not None and m.agree(ArgMap.learn(call, micro, versions))
-    args, kwargs = m.build(micro)
+    m = ArgMap.learn(call, pieces)
+    assert m is not None and m.agree(ArgMap.learn(call, pieces))
+    args, kwargs = m.build(pieces)
     assert args[0] is x and kwargs["attention_mask"] is mask and kwargs["use_cache"] is False
-    assert m.matches(call, micro, versions)
-    assert not m.matches(((x,), {"attention_mask": mask, "use_cache": True}), micro, versions)
-    assert not m.matches(((mask,), {"attention_mask": x, "use_cache": False}), micro, versions)
-    assert not m.matches(((x.clone(),), {"attention_mask": mask, "use_cache": False}), micro,
-                         versions)
+    assert type(args) is tuple and list(kwargs) == ["attention_mask", "use_cache"]
+    assert m.matches(call, pieces)
+    assert not m.matches(((x,), {"attention_mask": mask, "use_cache": True}), pieces)
+    assert not m.matches(((mask,), {"attention_mask": x, "use_cache": False}), pieces)
+    assert not m.matches(((x.clone(),), {"attention_mask": mask, "use_cache": False}), pieces)
+    as_list: Any = ([x], {"attention_mask": mask, "use_cache": False})
+    assert not m.matches(as_list, pieces)
     assert not m.agree(ArgMap.learn(((x,), {"attention_mask": mask, "use_cache": True}),
-                                    micro, versions))
+                                    pieces))
     x.mul_(2)  # changed in place after the forwards took it
-    assert not m.matches(call, micro, versions)
+    assert not m.matches(call, pieces)
     # what is not the microbatch's own, as the step began, is not learned
-    assert ArgMap.learn(call, micro, versions) is None  # x changed in place since
-    assert ArgMap.learn(((x.float(),), {}), micro, tensor_versions(micro)) is not None
-    assert ArgMap.learn(((x + 1,), {}), micro, tensor_versions(micro)) is None
+    assert ArgMap.learn(call, pieces) is None  # x changed in place since
+    assert ArgMap.learn(((x.float(),), {}), Pieces.of(micro)) is not None  # float: itself
+    assert ArgMap.learn(((x + 1,), {}), Pieces.of(micro)) is None
 
 
 def test_the_memo_keeps_a_map_only_when_every_microbatch_agreed() -> None:
     memo, launch, x = ModeMemo(), (True, ()), torch.ones(1)
     def fn() -> None: ...
     micro: Microbatch = ((x,), {})
-    m = ArgMap.learn(((x,), {}), micro, tensor_versions(micro))
+    m = ArgMap.learn(((x,), {}), Pieces.of(micro))
     memo.learn(fn, launch, [(True, ())] * 2, [m, m])
     assert memo.get(fn, launch) == ((True, ()), m)
     memo.learn(fn, launch, [(True, ())] * 2, [m, None])

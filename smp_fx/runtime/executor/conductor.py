@@ -21,7 +21,15 @@ import torch
 from cost_model.errors import SMPInternalError, SMPRuntimeError, SMPTimeoutError
 from smp_fx.runtime.executor.lowering import Op
 from smp_fx.runtime.executor.modes import autocast_state, thread_modes
-from smp_fx.runtime.executor.straight import Modes, call_mismatch, not_called
+from smp_fx.runtime.executor.straight import (
+    ArgMap,
+    Learned,
+    Modes,
+    Pieces,
+    args_mismatch,
+    call_mismatch,
+    not_called,
+)
 from smp_fx.runtime.executor.turns import (
     Microbatch,
     Request,
@@ -60,6 +68,8 @@ class Conductor:
         self.straight_steps = 0  # steps run straight through
         self.ops_done = False  # whether the last straight step performed every op
         self.last_calls: list[Modes | None] = []  # the last step's model(...) call modes
+        self.last_maps: list[ArgMap | None] = []  # and their maps, where learned
+        self.args_strayed = False  # the last step's call strayed from its map
         # a straight step's model(...) call (microbatch, args, kwargs): checks made late
         self.on_straight_call: Callable[[int, tuple[Any, ...], dict[str, Any]], None] | None = None
 
@@ -76,12 +86,18 @@ class Conductor:
                     f"rank {self.rank} microbatch {mb}", "call model(...) once per step fn")
             t.f_request = Request((args, kwargs), torch.is_grad_enabled(), autocast_state())
             if s.straight is None:
+                if s.learn_args:
+                    t.arg_map = ArgMap.learn((args, kwargs), s.pieces[mb])
                 self._drive(s, lambda: t.outputs_ready, mb, "its model outputs")
                 return t.outputs
             want = (s.straight.grad_enabled, s.straight.autocast)
             got = (t.f_request.grad_enabled, t.f_request.autocast)
-            if got != want:  # kept too: the step fails even if the step function catches it
+            exc: SMPRuntimeError | None = None
+            if got != want:
                 exc = call_mismatch(mb, self.rank, want, got)
+            elif s.arg_map is not None and not s.arg_map.matches((args, kwargs), s.pieces[mb]):
+                exc, self.args_strayed = args_mismatch(mb, self.rank), True
+            if exc is not None:  # kept too: the step fails even if the step function catches it
                 self._keep(s, exc)
                 raise exc
             if not t.outputs_ready:
@@ -114,7 +130,13 @@ class Conductor:
         s = self._step
         assert s is not None
         if s.straight is not None:
-            return s.straight
+            if s.arg_map is None:
+                return s.straight
+            t = s.turns[mb]
+            if t.built is None:
+                t.built = Request(s.arg_map.build(s.pieces[mb]), s.straight.grad_enabled,
+                                  s.straight.autocast)
+            return t.built
         req = s.turns[mb].f_request
         if req is None:
             raise SMPRuntimeError.build(
@@ -297,10 +319,12 @@ class Conductor:
     # ---- a step -------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], microbatches: Sequence[Microbatch],
             ops: tuple[Op, ...], next_forward: Sequence[int] | None = None,
-            straight: Modes | None = None) -> tuple[list[Any], list[bool]]:
+            straight: Learned | None = None, learn_args: bool = False
+            ) -> tuple[list[Any], list[bool]]:
         """Run ``fn`` once per microbatch while ``ops`` are executed in order; returns its results
         and whether each microbatch called ``model.backward``. ``straight``: run straight
-        through, the forwards under these modes (``straight.py``)."""
+        through, the forwards under these modes and with these arguments (``straight.py``);
+        ``learn_args``: learn where each call's arguments come from (``last_maps``)."""
         m = len(microbatches)
         if straight is None and m > 1 and (self._pool is None or self._pool_size < m - 1):
             if self._pool is not None:
@@ -312,8 +336,12 @@ class Conductor:
                   threading.Condition(self._lock), (fn, microbatches, grad, autocast),
                   threading.current_thread(), next_forward, [False] * m, [False] * m)
         self._step = s
+        self.args_strayed = False
+        s.learn_args = learn_args and straight is None
+        if s.learn_args or (straight is not None and straight[1] is not None):
+            s.pieces = [Pieces.of(mb) for mb in microbatches]
         if straight is not None:
-            s.straight = Request(None, *straight)
+            s.straight, s.arg_map = Request(None, *straight[0]), straight[1]
             return self._run_straight(s)
         results: list[Any] = [None] * m
         try:
@@ -335,6 +363,7 @@ class Conductor:
                 results[mb] = f.result(timeout=self.timeout_s)
             asked = [t.b_request is not None for t in s.turns]
             self.last_calls = _call_modes(s)
+            self.last_maps = [t.arg_map for t in s.turns]
         except BaseException as exc:
             with self._lock:
                 self._fail(s, exc)
@@ -380,8 +409,9 @@ class Conductor:
 
     def _run_straight(self, s: StepTurns) -> tuple[list[Any], list[bool]]:
         """Every op in order on this thread, then the step functions not run yet (they ran
-        when the transport would block, ``flush``). A step function's failure does not stop
-        the ops, so this rank's peers get every message; it is raised after them."""
+        when the transport would block, ``flush``, or before their backward decision). A
+        step function's failure does not stop the ops, so this rank's peers get every
+        message; it is raised after them."""
         m = len(s.turns)
         s.results = [None] * m
         self.ops_done = False
@@ -389,6 +419,8 @@ class Conductor:
             s.driving = True
             for i, op in enumerate(s.ops):
                 s.next = i
+                if op.kind == "WAIT_B":  # the step function decides the backward
+                    self._run_ready(s)
                 self._execute(i, op)
             s.next, s.driving, self.ops_done = len(s.ops), False, True
             s.ready.extend(k for k in range(m) if not s.started[k] and k not in s.ready)

@@ -167,17 +167,24 @@ class Executor:
         self.flight.begin(step.ops)
         launch = (torch.is_grad_enabled(), autocast_state())
         straight = self._modes.get(fn, launch) if step.straight else None
+        if straight is not None and step.takes_args and straight[1] is None:
+            straight = None  # where its arguments come from was not learned
+        learn = step.straight and not self._modes.known(fn, launch)
         late: Exception | None = None  # a failure after every op: raised after the hooks
         try:
             try:
                 results, asked = self.conductor.run(fn, microbatches, step.ops,
-                                                    step.next_forward, straight)
+                                                    step.next_forward, straight,
+                                                    learn and step.takes_args)
             except Exception as exc:
                 if straight is None or not self.conductor.ops_done:
                     raise
                 late, results, asked = exc, [], []
-            if step.straight and not self._modes.known(fn, launch):
-                self._modes.learn(fn, launch, self.conductor.last_calls)
+                if self.conductor.args_strayed:
+                    self._modes.forget(fn, launch)
+            if learn:
+                self._modes.learn(fn, launch, self.conductor.last_calls,
+                                  self.conductor.last_maps if step.takes_args else ())
             self.flight.mark(len(step.ops))
             self.transport.finish()
             if late is None:

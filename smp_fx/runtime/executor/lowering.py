@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from cost_model import schedule as sched
 from passes.split_stages import StagedProgram
-from smp_fx.runtime.executor.straight import runs_straight
 
 OP_KINDS = ("RECV_ACT", "F", "SEND_ACT", "SEND_OUT", "RECV_OUT", "WAIT_B", "RECV_GRAD", "B",
             "I", "W", "SEND_GRAD")
@@ -87,8 +86,9 @@ def describe(op: Op, ranks: Sequence[int] | None = None) -> str:
 @dataclass(frozen=True)
 class Lowered:
     """A schedule lowered for one rank: its ops, receive streams announced per position
-    (``posts``), messages per send stream, the last receive, ``next_forward`` and whether
-    it runs straight through (``straight.runs_straight``)."""
+    (``posts``), messages per send stream, the last receive, ``next_forward``, whether it
+    may run straight through (across processes: ``straight.py``) and whether its stages
+    take ``model(...)``'s arguments (then only with a learned ``straight.ArgMap``)."""
 
     ops: tuple[Op, ...]
     posts: Mapping[int, tuple[Post, ...]]
@@ -96,6 +96,7 @@ class Lowered:
     last_recv: int
     next_forward: tuple[int, ...] | None
     straight: bool = False
+    takes_args: bool = False
 
     def lines(self) -> list[str]:
         """The lowering as text: one line per op, followed by what happens at its position
@@ -122,8 +123,8 @@ def lower(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int
     ahead = multi_process and program.num_stages - 1 not in stages
     local = frozenset(stages) if multi_process else frozenset()
     return Lowered(ops, receive_posts(ops, local), send_counts(ops, local), last_receive(ops),
-                   next_forwards(ops) if ahead else None,
-                   runs_straight(ops, program, stages, multi_process))
+                   next_forwards(ops) if ahead else None, multi_process,
+                   any(program.stages[s].program_inputs for s in stages))
 
 
 def lower_ops(schedule: sched.Schedule, program: StagedProgram, stages: Sequence[int],

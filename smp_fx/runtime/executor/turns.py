@@ -10,10 +10,13 @@ import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from smp_fx.runtime.executor.lowering import Op
 from smp_fx.runtime.executor.modes import Autocast
+
+if TYPE_CHECKING:  # straight.py imports ``Microbatch`` from here
+    from smp_fx.runtime.executor.straight import ArgMap, Pieces
 
 Microbatch = tuple[tuple[Any, ...], dict[str, Any]]  # a step function's (args, kwargs)
 
@@ -37,6 +40,8 @@ class Turn:
     outputs: Any = None
     outputs_ready: bool = False
     backward_done: bool = False
+    arg_map: ArgMap | None = None  # a threaded step's call, learned (``straight.ArgMap``)
+    built: Request | None = None  # a straight step's forward request, built from its map
 
 
 @dataclass(frozen=True)
@@ -82,6 +87,9 @@ class StepTurns:
     abort: BaseException | None = None
     abort_status: list[str] = field(default_factory=list)
     straight: Request | None = None  # straight-through (``straight.py``): what F ops take
+    arg_map: ArgMap | None = None  # straight: where the F ops' model arguments come from
+    learn_args: bool = False  # threaded: learn each call's ``ArgMap``
+    pieces: list[Pieces] = field(default_factory=list)  # the microbatches' leaves, versions
     ready: list[int] = field(default_factory=list)  # straight: outputs there, not started
     results: list[Any] = field(default_factory=list)  # straight: the step functions' results
 

@@ -1,6 +1,7 @@
-"""A straight-through middle rank across 3 gloo processes. Hugging Face GPT-2 (export-
-captured, so received shapes are checked) on varying sequence lengths equals plain
-PyTorch in loss, gradients and parameters, its middle rank straight after the first step;
+"""Straight-through ranks (the middle and the last) across 3 gloo processes. Hugging Face
+GPT-2 (export-captured, so received shapes are checked) on varying sequence lengths equals
+plain PyTorch in loss, gradients and parameters, every rank straight after the first
+step (the first stage's with the step function's microbatch tensors, as learned);
 a rank given a shorter sequence than the others names it at its model(...) call. A step
 function that calls the model under another grad mode than its first step, or not at
 all, fails that rank's step with the rule after its ops and this step's collectives (the
@@ -81,17 +82,19 @@ def _body() -> list[Any]:
 
 
 @pytest.mark.multiproc
-def test_a_straight_middle_rank_trains_as_torch_and_fails_alone_when_it_strays() -> None:
+def test_straight_ranks_train_as_torch_and_fail_alone_when_they_stray() -> None:
     from tests.helpers.dist import run_ranks
 
     (gpt0, first), (gpt1, middle), (gpt2, last) = run_ranks(_body, 3, timeout=240)
     assert all(g[0] <= 1e-5 for g in (gpt0, gpt1, gpt2))
-    assert [g[1:] for g in (gpt0, gpt2)] == [[0, "ok", "ok"]] * 2
+    assert gpt0[1:] == gpt2[1:] == [2, "ok", "ok"], (gpt0, gpt2)
     assert gpt1[1] == 2 and gpt1[3] == "ok", gpt1
     assert "different shapes" in gpt1[2] and "input 'input_ids' dimension 1: 12 on this " \
         "rank, 16 on the sending rank" in gpt1[2], gpt1[2]
-    assert first == last == ["ok"] * 5 + ["straight 0"]
     assert middle[0] == middle[2] == middle[4] == "ok" and middle[5] == "straight 2"
-    assert "same torch.no_grad/autocast in every step" in middle[1]
-    assert "grad enabled False" in middle[1] and "rank 1 microbatch 0" in middle[1]
+    for seen in (first, last):
+        assert seen[0] == seen[2] == seen[3] == seen[4] == "ok" and seen[5] == "straight 3"
+    for rank, seen in ((0, first), (1, middle), (2, last)):
+        assert "same torch.no_grad/autocast in every step" in seen[1]
+        assert "grad enabled False" in seen[1] and f"rank {rank} microbatch 0" in seen[1]
     assert "returned without calling the DistributedModel" in middle[3]

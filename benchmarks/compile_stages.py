@@ -1,13 +1,13 @@
 """Compiled stages (``compile``) beside eager ones: the step, the first step's compile time
 and the recompiles of varying sequence lengths, at pp 2 on 2 gloo processes.
 
-The example GPT (``examples/models/gpt.py``) and the tiny Hugging Face Llama
-(``examples/models/hf_llama.py``), each under 1F1B (``interleaved`` v = 1), interleaved
-v = 2 and ZB-V, one intra-op thread per process, SGD. Per configuration: an eager model,
-then a compiled one (each its own ``smp.init``: one configuration per process at a time, so
-they cannot alternate), each stepped ``--steps`` times after its first step; each figure is
-the median over those steps. The first
-step's compile time is the compiled model's first step less its median step. Then the
+The example GPT (``examples/models/gpt.py``), the tiny Hugging Face Llama
+(``examples/models/hf_llama.py``) and BERT (``examples/models/hf_bert.py``), each under
+1F1B (``interleaved`` v = 1), interleaved v = 2 and ZB-V, one intra-op thread per process,
+SGD. Per configuration: an eager model, then a compiled one (each its own ``smp.init``: one
+configuration per process at a time, so they cannot alternate), each stepped ``--steps``
+times after its first step; each figure is the median over those steps. The first step's
+compile time is the compiled model's first step less its median step. Then the
 compiled model steps once at each of 5 other sequence lengths: the recompiles that adds
 (summed over the stages of both ranks; dynamo makes the dimension dynamic at the first new
 length) and how many stages run eagerly; then each stage compiled whole or, under ZB-V for
@@ -22,7 +22,7 @@ alternating, the fastest of ``--retries`` and the median of the paired ratios. t
 refuses its zero-bubble schedules with compiled stages, and passes each chunk's outputs to
 the next chunk only: such rows print torch's reason instead of a figure.
 
-    python benchmarks/compile_stages.py [--backend inductor] [--steps 7] [--models gpt,llama]
+    python benchmarks/compile_stages.py [--backend inductor] [--models gpt,hf_llama,hf_bert]
 """
 
 from __future__ import annotations
@@ -55,7 +55,8 @@ def _model(name: str, args: argparse.Namespace) -> tuple[Any, torch.nn.Module]:
     if name == "gpt":
         return ex, ex.build_model(n_layer=args.layers, n_embd=args.hidden, n_head=4,
                                   seq_len=args.seq)
-    return ex, ex.build_model(num_hidden_layers=args.layers, hidden_size=args.hidden)
+    return ex, ex.build_model(num_hidden_layers=args.layers, hidden_size=args.hidden,
+                              seq_len=max(args.seq, *LENGTHS))
 
 
 class _Run:
@@ -197,7 +198,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager"))
     ap.add_argument("--steps", type=int, default=7)
-    ap.add_argument("--models", default="gpt,hf_llama")
+    ap.add_argument("--models", default="gpt,hf_llama,hf_bert")
     ap.add_argument("--schedules", default=",".join(label for label, *_ in SCHEDULES))
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=128)

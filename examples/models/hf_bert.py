@@ -23,13 +23,14 @@ class BertLogits(nn.Module):
 
 
 def build_model(num_hidden_layers: int = 2, hidden_size: int = 32,
-                num_attention_heads: int = 4) -> nn.Module:
+                num_attention_heads: int = 4, seq_len: int = SEQ) -> nn.Module:
+    """``seq_len``: the longest sequence it takes (its position embeddings)."""
     from transformers import BertConfig, BertForMaskedLM
 
     cfg = BertConfig(vocab_size=VOCAB, hidden_size=hidden_size,
                      num_hidden_layers=num_hidden_layers,
                      num_attention_heads=num_attention_heads, intermediate_size=4 * hidden_size,
-                     max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                     max_position_embeddings=max(SEQ, seq_len), hidden_dropout_prob=0.0,
                      attention_probs_dropout_prob=0.0, attn_implementation="eager")
     return BertLogits(BertForMaskedLM(cfg)).eval()
 

@@ -174,20 +174,23 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER
 
 
 def _script_main(script: str, argv: list[str], env: dict[str, str],
-                 unset: tuple[str, ...]) -> None:
+                 unset: tuple[str, ...], cwd: str) -> None:
     for key in (*TORCHRUN_VARS, *unset):
         os.environ.pop(key, None)
     os.environ.update(env)
+    os.chdir(cwd)  # not the folder the forkserver started in, which a test may have removed
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(script))  # as ``python script.py`` puts it first
     runpy.run_path(script, run_name="__main__")
 
 
 def run_script(script: str, *argv: str, env: Mapping[str, str] | None = None,
-               unset: Collection[str] = (), timeout: float = 300.0) -> None:
+               unset: Collection[str] = (), cwd: str | None = None,
+               timeout: float = 300.0) -> None:
     """Run ``script`` as its own one-process job (``__main__``, ``sys.argv``) forked from
     the forkserver, which saves a fresh interpreter's imports of torch and transformers;
-    ``env`` added and ``unset`` removed from its environment. Raises ``RankFailed`` with
-    its traceback if it raises."""
+    ``env`` added and ``unset`` removed from its environment, in ``cwd`` (the repository's
+    root by default). Raises ``RankFailed`` with its traceback if it raises."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     run_ranks(_script_main, 1, str(script), list(argv), dict(env or {}), tuple(unset),
-              timeout=timeout)
+              cwd or root, timeout=timeout)

@@ -15,8 +15,10 @@ the script in one process, step by step (rtol 1e-5 on the loss of the whole batc
   ``GPT2Config``, the argument dict and the scheduler's state), then resumed from it in a
   new job: steps 4 and 5 equal the uninterrupted run's.
 
-The runs start one after another (the reference beside the first); on a loaded 2-core
-machine the whole test takes three to five minutes (most of it starting processes). The
+The runs start one after another (the reference beside the first, forked from the
+forkserver of ``tests.helpers.dist``, which has imported torch and transformers); on a
+loaded 2-core machine the whole test takes three to five minutes (most of it starting
+processes). The
 Hugging Face model itself at pp=2 (``--use_distributed_transformer 0``) is run by AWS's
 script in docs/clients.md.
 """
@@ -33,16 +35,20 @@ from typing import Any
 import pytest
 import torch
 
+from tests.helpers.dist import run_script
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = str(REPO / "examples" / "train_gpt2_smp.py")
 
 
+ENV = {"OMP_NUM_THREADS": "1", "SMP_FX_TIMEOUT_S": "300", "SMP_FX_DEVICE_SPEC": "a100",
+       "TOKENIZERS_PARALLELISM": "false"}
+
+
 def _start(nproc: int, args: list[str], out: Path) -> subprocess.Popen[str]:
     env = {k: v for k, v in os.environ.items() if k != "SM_HP_MP_PARAMETERS"}
-    env.update(OMP_NUM_THREADS="1", SMP_FX_TIMEOUT_S="300", SMP_FX_DEVICE_SPEC="a100",
-               TOKENIZERS_PARALLELISM="false")
-    launch = [sys.executable, SCRIPT] if nproc == 1 else \
-        [sys.executable, "-m", "smp_fx.cli.main", "run", "-n", str(nproc), SCRIPT]
+    env.update(ENV)
+    launch = [sys.executable, "-m", "smp_fx.cli.main", "run", "-n", str(nproc), SCRIPT]
     return subprocess.Popen([*launch, *args, "--out", str(out)], cwd=REPO, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -69,7 +75,6 @@ def test_example_trains_like_one_process_and_resumes_exactly(tmp_path: Path) -> 
     data = tmp_path / "data"
     make_data(str(data))
     common = ["--training-dir", str(data), "--max_steps", "5"]
-    ref_proc = _start(1, common, tmp_path / "ref.json")
     runs = {
         "pp2 distributed transformer": (2, ["--pipeline_parallel_degree", "2"]),
         "pp2, the notebook's manual partition": (2, ["--pipeline_parallel_degree", "2",
@@ -83,18 +88,22 @@ def test_example_trains_like_one_process_and_resumes_exactly(tmp_path: Path) -> 
                                            str(tmp_path / "ck")]),
     }
     results: dict[str, dict[str, Any]] = {}
-    try:
-        for i, (name, (nproc, extra)) in enumerate(runs.items()):
-            out = tmp_path / f"run{i}.json"
-            results[name] = _result(_start(nproc, [*common, *extra], out), out)
-        resumed = _start(4, [*common, *runs["pp2 x tp2, saving at step 3"][1],
-                             "--load_partial", "1"], tmp_path / "resumed.json")
-        results["resumed from step 3"] = _result(resumed, tmp_path / "resumed.json")
-        reference = _result(ref_proc, tmp_path / "ref.json")
-    finally:
-        if ref_proc.poll() is None:
-            ref_proc.kill()
-            ref_proc.communicate()
+    for i, (name, (nproc, extra)) in enumerate(runs.items()):
+        out = tmp_path / f"run{i}.json"
+        proc = _start(nproc, [*common, *extra], out)
+        try:
+            if i == 0:  # the reference, one process forked beside the first run
+                run_script(SCRIPT, *common, "--out", str(tmp_path / "ref.json"), env=ENV,
+                           unset=("SM_HP_MP_PARAMETERS",), timeout=600)
+            results[name] = _result(proc, out)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    resumed = _start(4, [*common, *runs["pp2 x tp2, saving at step 3"][1],
+                         "--load_partial", "1"], tmp_path / "resumed.json")
+    results["resumed from step 3"] = _result(resumed, tmp_path / "resumed.json")
+    reference = json.loads((tmp_path / "ref.json").read_text(encoding="utf-8"))
     steps = [1, 2, 3, 4, 5]
     assert reference["steps"] == steps
     for name in runs:

@@ -16,12 +16,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from smp_fx.cli import main as cli
+
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "hf_trainer_tp.py"
 
 
 @pytest.mark.multiproc
-def test_pp2_tp2_trainer_checkpoints_load_with_from_pretrained(tmp_path: Path) -> None:
+def test_pp2_tp2_trainer_checkpoints_load_with_from_pretrained(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     transformers = pytest.importorskip("transformers")
     from safetensors.torch import load_file
 
@@ -34,18 +37,15 @@ def test_pp2_tp2_trainer_checkpoints_load_with_from_pretrained(tmp_path: Path) -
                           str(SCRIPT), str(tmp_path)], cwd=REPO, env=env, text=True,
                          capture_output=True, timeout=500)
     assert run.returncode == 0, run.stderr[-6000:]
-    export = subprocess.run(
-        [sys.executable, "-m", "smp_fx.cli.main", "checkpoint", "export",
-         str(tmp_path / "partial" / "step4_partial"), "-o", str(tmp_path / "exported")],
-        cwd=REPO, env=env, text=True, capture_output=True, timeout=120)
-    assert export.returncode != 0 and "--config" in export.stderr  # none beside the checkpoint
-    export = subprocess.run(
-        [sys.executable, "-m", "smp_fx.cli.main", "checkpoint", "export",
-         str(tmp_path / "partial" / "step4_partial"), "-o", str(tmp_path / "exported"),
-         "--config", str(tmp_path / "final" / "config.json")],
-        cwd=REPO, env=env, text=True, capture_output=True, timeout=120)
-    assert export.returncode == 0, export.stderr[-3000:]
-    assert "saved at pp=2 tp=2" in export.stdout
+    export = ["checkpoint", "export", str(tmp_path / "partial" / "step4_partial"), "-o",
+              str(tmp_path / "exported")]  # in this process: the command reads no variable
+    capsys.readouterr()
+    code = cli.main(export)
+    assert code != 0 and "--config" in capsys.readouterr().err  # none beside the checkpoint
+    code = cli.main([*export, "--config", str(tmp_path / "final" / "config.json")])
+    out, err = capsys.readouterr()
+    assert code == 0, err[-3000:]
+    assert "saved at pp=2 tp=2" in out
     found = json.loads((tmp_path / "logits.json").read_text(encoding="utf-8"))
     assert found["tp_sharded"] > 0  # the attention, MLP and vocabulary were split
     got, ids = torch.tensor(found["logits"]), torch.tensor(found["ids"])

@@ -6,8 +6,9 @@ does in one process, with the transformers of the environment (``make test`` run
 with the project's pin and again in a virtual environment with a 4.x,
 ``make test-transformers4``).
 
-Both runs start at once (the plain one in its own process, so its ``transformers`` import
-never sees the SMP variables) and each writes one JSON file of results per rank. The SMP
+Both runs start at once (the plain one in its own process, forked from the forkserver of
+``tests.helpers.dist``, whose ``transformers`` import never saw the SMP variables) and each
+writes one JSON file of results per rank. The SMP
 run goes through everything of the Trainer's SMP branch: ``smp.init()`` at import,
 ``smp.state.cfg``, ``smp.DistributedModel(model, backward_passes_per_step=...)``,
 ``@smp.step()`` (``smp_forward_backward`` divides the loss in place on every rank),
@@ -32,11 +33,15 @@ import pytest
 import torch
 
 from smp_fx._compat import SHIM_DIR
+from tests.helpers.dist import run_script
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "examples" / "hf_trainer.py"
 SMP_ENV = {"SM_HP_MP_PARAMETERS": json.dumps({"partitions": 2, "microbatches": 2}),
            "SM_FRAMEWORK_PARAMS": json.dumps({"sagemaker_mpi_enabled": True})}
+# transformers 4.x reads its own RNG-state files with torch.load's pre-2.6 default
+PLAIN_ENV = {"OMP_NUM_THREADS": "1", "SMP_FX_TIMEOUT_S": "300",
+             "TOKENIZERS_PARALLELISM": "false", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD": "1"}
 
 
 def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
@@ -47,8 +52,12 @@ def _start(cmd: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
 def _results(proc: subprocess.Popen[str], out_dir: Path, ranks: int) -> list[dict[str, Any]]:
     out, err = proc.communicate(timeout=400)
     assert proc.returncode == 0, err[-6000:]
+    return _read(out_dir, ranks, out[-2000:] + err[-4000:])
+
+
+def _read(out_dir: Path, ranks: int, output: str = "") -> list[dict[str, Any]]:
     files = [out_dir / f"result_{r}.json" for r in range(ranks)]
-    assert all(f.exists() for f in files), out[-2000:] + err[-4000:]
+    assert all(f.exists() for f in files), output
     return [json.loads(f.read_text(encoding="utf-8")) for f in files]
 
 
@@ -115,9 +124,7 @@ def _run_pair(tmp_path: Path, ranks: int, smp_env: dict[str, str], smp_args: lis
     """The script in SMP mode on ``ranks`` processes (``smp-fx run``, or plain torchrun
     with the shim directory on ``PYTHONPATH``) beside the plain Trainer in one."""
     base = {k: v for k, v in os.environ.items() if k not in SMP_ENV}
-    # transformers 4.x reads its own RNG-state files with torch.load's pre-2.6 default
-    base.update(OMP_NUM_THREADS="1", SMP_FX_TIMEOUT_S="300", TOKENIZERS_PARALLELISM="false",
-                TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD="1")
+    base.update(PLAIN_ENV)
     launch = [sys.executable, "-m", "smp_fx.cli.main", "run", "-n", str(ranks)]
     if torchrun:
         launch = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -126,16 +133,15 @@ def _run_pair(tmp_path: Path, ranks: int, smp_env: dict[str, str], smp_args: lis
             p for p in (str(SHIM_DIR), os.environ.get("PYTHONPATH")) if p)}
     smp_run = _start([*launch, str(SCRIPT), str(tmp_path / "smp"), *smp_args],
                      {**base, **smp_env})
-    plain_run = _start([sys.executable, str(SCRIPT), str(tmp_path / "plain"), *plain_args],
-                       base)
     try:
-        (plain,) = _results(plain_run, tmp_path / "plain", 1)
+        run_script(str(SCRIPT), str(tmp_path / "plain"), *plain_args, env=PLAIN_ENV,
+                   unset=tuple(SMP_ENV), timeout=400)
+        (plain,) = _read(tmp_path / "plain", 1)
         return plain, _results(smp_run, tmp_path / "smp", ranks)
     finally:
-        for proc in (smp_run, plain_run):
-            if proc.poll() is None:
-                proc.kill()
-                proc.communicate()
+        if smp_run.poll() is None:
+            smp_run.kill()
+            smp_run.communicate()
 
 
 @pytest.mark.multiproc

@@ -17,6 +17,9 @@ not clean up.
 
     assert run_ranks(_body, 2, 10) == [0, 10]
 
+``run_script`` runs a script as ``python script.py args`` would, in one process forked from
+the same server (torch and transformers imported already), without the torchrun variables.
+
 A failing rank raises ``RankFailed`` carrying that rank's traceback; a rank that does not
 report within ``timeout`` seconds raises ``RankFailed`` naming it; a rank listed in
 ``may_die`` may end without a result (a fault test kills it): its result is None. Every
@@ -29,7 +32,9 @@ import multiprocessing as mp
 import os
 import queue
 import random
+import runpy
 import socket
+import sys
 import time
 import traceback
 from collections.abc import Callable, Collection, Mapping
@@ -162,3 +167,30 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     if missing:
         raise RankFailed(f"ranks {missing} of {world_size} did not finish within {timeout} s")
     return [results[r] for r in range(world_size)]
+
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                 "MASTER_PORT")
+
+
+def _script_main(script: str, argv: list[str], env: dict[str, str],
+                 unset: tuple[str, ...], cwd: str) -> None:
+    for key in (*TORCHRUN_VARS, *unset):
+        os.environ.pop(key, None)
+    os.environ.update(env)
+    os.chdir(cwd)  # not the folder the forkserver started in, which a test may have removed
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(script))  # as ``python script.py`` puts it first
+    runpy.run_path(script, run_name="__main__")
+
+
+def run_script(script: str, *argv: str, env: Mapping[str, str] | None = None,
+               unset: Collection[str] = (), cwd: str | None = None,
+               timeout: float = 300.0) -> None:
+    """Run ``script`` as its own one-process job (``__main__``, ``sys.argv``) forked from
+    the forkserver, which saves a fresh interpreter's imports of torch and transformers;
+    ``env`` added and ``unset`` removed from its environment, in ``cwd`` (the repository's
+    root by default). Raises ``RankFailed`` with its traceback if it raises."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    run_ranks(_script_main, 1, str(script), list(argv), dict(env or {}), tuple(unset),
+              cwd or root, timeout=timeout)

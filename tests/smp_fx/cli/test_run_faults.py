@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.dist import run_script
+
 REPO = Path(__file__).resolve().parents[3]
 
 HANG_SCRIPT = """
@@ -68,10 +70,8 @@ def test_a_stuck_rank_is_named_by_every_log(tmp_path: Path) -> None:
 def test_killed_mid_step_restarts_and_resumes_to_the_uninterrupted_result(tmp_path: Path
                                                                           ) -> None:
     script = str(REPO / "examples" / "train_resume.py")
-    ref = subprocess.run([sys.executable, script, "--ckpt", str(tmp_path / "ref.pt"),
-                          "--steps", "5", "--out", str(tmp_path / "ref_final.pt")],
-                         capture_output=True, text=True, timeout=120)
-    assert ref.returncode == 0, ref.stderr[-3000:]
+    run_script(script, "--ckpt", str(tmp_path / "ref.pt"), "--steps", "5", "--out",
+               str(tmp_path / "ref_final.pt"), timeout=120)  # the reference: one process
     res = _run(["--max-restarts", "1", script, "--ckpt", str(tmp_path / "ck.pt"), "--steps",
                 "5", "--crash-at", "2", "--out", str(tmp_path / "final.pt")], tmp_path)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -208,45 +208,17 @@ def _checked(kind: str, prescaled: bool) -> dict[str, Any]:
             "local": {n: tuple(p.shape) for n, p in model.local_named_parameters()}}
 
 
-RUNS = (("lm", True), ("lm", False), ("registered", True), ("cross", True), ("cross", False))
-"""Every case of the 2-rank spawn: (kind, prescaled_batch)."""
-
-
-def _all_runs() -> dict[tuple[str, bool], Any]:
-    """Every run in turn on one gloo world (joined once), each under its own ``smp.init``
-    and with its own record of the fused loss's widths; a run that raises is reported as
-    its traceback, named by its case."""
-    import traceback
-
-    import torch.distributed as dist
-
-    from smp_fx.world import state
-
-    dist.init_process_group("gloo")
-    out: dict[tuple[str, bool], Any] = {}
-    for kind, prescaled in RUNS:
-        state._reset()
-        WIDTHS.clear()
-        try:
-            out[kind, prescaled] = {**_checked(kind, prescaled), "widths": list(WIDTHS)}
-        except Exception:
-            out[kind, prescaled] = {"bad": [traceback.format_exc()]}
-    return out
-
-
 _RESULTS: dict[tuple[str, bool], list[Any]] = {}
 
 
 def _run(kind: str, prescaled: bool) -> list[Any]:
-    """Every run's results from one spawn of 2 ranks, kept for the module's tests."""
-    if not _RESULTS:
-        results = run_ranks(_all_runs, 2, timeout=350, env={"SMP_FX_DEVICE_SPEC": "a100"})
-        _RESULTS.update({run: [r[run] for r in results] for run in RUNS})
+    if (kind, prescaled) not in _RESULTS:
+        _RESULTS[kind, prescaled] = run_ranks(_checked, 2, kind, prescaled, timeout=180,
+                                              env={"SMP_FX_DEVICE_SPEC": "a100"})
     return _RESULTS[kind, prescaled]
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(400)  # the first runs the spawn of every case
 @pytest.mark.parametrize("prescaled", [True, False])
 def test_lm_head_tp2_matches_single_process(prescaled: bool) -> None:
     results = _run("lm", prescaled)
@@ -267,7 +239,6 @@ def test_lm_head_tp2_matches_single_process(prescaled: bool) -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(400)
 def test_registered_module_tp2_matches_single_process() -> None:
     """smp.tp_register end to end: the marked UserBlocks becomes a DistributedTransformer
     (init / forward / return hooks) that the rewrite shards; training equals one process
@@ -281,7 +252,6 @@ def test_registered_module_tp2_matches_single_process() -> None:
 
 
 @pytest.mark.multiproc
-@pytest.mark.timeout(400)
 @pytest.mark.parametrize("prescaled", [True, False])
 def test_cross_attention_lm_head_with_labels_tp2_matches_single_process(prescaled: bool
                                                                          ) -> None:

@@ -95,17 +95,54 @@ def compare_at_tp2(build: Callable[[], nn.Module], batches: Callable[[], Batches
             "sharded": len(model.tp_plan.sharded)}
 
 
+Case = tuple[Callable[[], nn.Module], Callable[[], Batches], bool]
+"""What ``compare_at_tp2`` takes: (build, batches, prescaled)."""
+
+
+def compare_each_at_tp2(cases: dict[str, Case]) -> dict[str, Any]:
+    """``compare_at_tp2`` for every case in turn on one gloo world (joined once), each
+    under its own ``smp.init`` and record of widths; a case that raises is reported as its
+    traceback."""
+    import traceback
+
+    import torch.distributed as dist
+
+    from smp_fx.world import state
+
+    dist.init_process_group("gloo")
+    out: dict[str, Any] = {}
+    for name, case in cases.items():
+        state._reset()
+        WIDTHS.clear()
+        try:
+            out[name] = compare_at_tp2(*case)
+        except Exception:
+            out[name] = traceback.format_exc()
+    return out
+
+
 def run_at_tp2(build: Callable[[], nn.Module], batches: Callable[[], Batches],
                prescaled: bool) -> list[dict[str, Any]]:
     """``compare_at_tp2`` on 2 gloo ranks (plans priced with the ``a100`` spec); each rank's
     result, checked for what every such test requires: nothing differs from one process
     and no region stayed replicated."""
+    return checked("", run_each_at_tp2({"": (build, batches, prescaled)})[""])
+
+
+def run_each_at_tp2(cases: dict[str, Case], timeout: float = 180) -> dict[str, list[Any]]:
+    """``compare_at_tp2`` of every case, all in one spawn of 2 ranks: each case's results
+    by rank, unchecked (``checked`` checks one case)."""
     from tests.helpers.dist import run_ranks
 
-    results = run_ranks(compare_at_tp2, 2, build, batches, prescaled, timeout=180,
+    results = run_ranks(compare_each_at_tp2, 2, cases, timeout=timeout,
                         env={"SMP_FX_DEVICE_SPEC": "a100"})
+    return {name: [r[name] for r in results] for name in cases}
+
+
+def checked(name: str, results: list[Any]) -> list[dict[str, Any]]:
+    """Case ``name``'s results by rank, checked for what every such test requires."""
     for rank, res in enumerate(results):
-        assert isinstance(res, dict), f"rank {rank}: {res}"
-        assert res["bad"] == [], f"rank {rank}: {res['bad']}"
-        assert res["replicated"] == (), f"rank {rank}: {res['replicated']}"
+        assert isinstance(res, dict), f"{name} rank {rank}: {res}"
+        assert res["bad"] == [], f"{name} rank {rank}: {res['bad']}"
+        assert res["replicated"] == (), f"{name} rank {rank}: {res['replicated']}"
     return results

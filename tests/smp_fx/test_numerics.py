@@ -16,6 +16,7 @@ compared by ``named_buffers``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -73,10 +74,7 @@ def _eval_matches(pair: Pair) -> str:
 
 
 def _multi_body(pp: int) -> list[str]:
-    """Runs on every rank: both schedules, mb 4, two models, one world."""
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo")
+    """Runs on every rank: both schedules, mb 4, two models, one world (joined already)."""
     done = []
     for name in ("cnn", "gpt"):
         init(pp, 4, "simple")
@@ -90,10 +88,32 @@ def _multi_body(pp: int) -> list[str]:
     return done
 
 
+def _on_world(*bodies: tuple[Callable[..., list[str]], tuple[Any, ...]]) -> list[list[str]]:
+    """Each ``(body, args)`` in turn on one gloo world, joined once."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    return [body(*args) for body, args in bodies]
+
+
+_FOUR: list[list[list[str]]] = []
+
+
+def _four_ranks() -> list[list[list[str]]]:
+    """Each rank's results of ``_multi_body(4)`` and ``_checkpointing_body()``: one spawn of
+    4 ranks for both tests."""
+    if not _FOUR:
+        _FOUR.extend(run_ranks(_on_world, 4, (_multi_body, (4,)), (_checkpointing_body, ()),
+                               timeout=400))
+    return _FOUR
+
+
 @pytest.mark.multiproc
+@pytest.mark.timeout(450)
 @pytest.mark.parametrize("pp", [2, 4])
 def test_multi_process_gloo(pp: int) -> None:
-    results = run_ranks(_multi_body, pp, pp, timeout=240)
+    results = ([r[0] for r in _four_ranks()] if pp == 4 else
+               [r[0] for r in run_ranks(_on_world, 2, (_multi_body, (2,)), timeout=240)])
     assert all(r == ["cnn/simple", "cnn/interleaved", "eval", "gpt/simple", "gpt/interleaved",
                      "eval"] for r in results)
 
@@ -143,7 +163,6 @@ def _checkpointing_body() -> list[str]:
 
     from tests.helpers.memory import train
 
-    dist.init_process_group("gloo")
     plain = train(None, ddp=True, seed=dist.get_rank() // 2)
     run = train("group_2", offload=True, ddp=True, seed=dist.get_rank() // 2)
     bad = [n for n, p in run.params.items() if not torch.equal(p, plain.params[n])]
@@ -155,6 +174,7 @@ def _checkpointing_body() -> list[str]:
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(450)
 def test_checkpointing_across_processes_with_data_parallelism() -> None:
-    for bad in run_ranks(_checkpointing_body, 4, timeout=240):
+    for _, bad in _four_ranks():
         assert bad == [], bad

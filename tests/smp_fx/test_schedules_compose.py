@@ -118,7 +118,6 @@ def _poison(t: Twin) -> None:
 def _data_parallel_body() -> tuple[int, list[str]]:
     from smp_fx.world import state
 
-    dist.init_process_group("gloo")
     c = Checks()
     try:
         for pipe, v in NEW:
@@ -131,9 +130,21 @@ def _data_parallel_body() -> tuple[int, list[str]]:
     return c.report()
 
 
+_FOUR: list[tuple[tuple[int, list[str]], list[str]]] = []
+
+
+def _four_ranks() -> list[tuple[tuple[int, list[str]], list[str]]]:
+    """Each rank's (data-parallel report, tensor-parallel mismatches) from one spawn of 4
+    ranks that runs both bodies, kept for the module's two tests."""
+    if not _FOUR:
+        _FOUR.extend(run_ranks(_four_body, 4, timeout=600))
+    return _FOUR
+
+
 @pytest.mark.multiproc
+@pytest.mark.timeout(700)  # the first runs the spawn of both
 def test_data_parallel_zero_checkpointing_offloading_fp16_clipping_tied() -> None:
-    results = run_ranks(_data_parallel_body, 4, timeout=600)
+    results = [dp for dp, _ in _four_ranks()]
     assert all(not failed for _, failed in results), [f for _, f in results if f]
     assert all(n == 5 * (3 * 7 + 10) for n, _ in results)  # every check ran
 
@@ -215,16 +226,23 @@ def _tp_case(pipe: str, v: int, **extra: Any) -> list[str]:
 def _tensor_parallel_body() -> list[str]:
     from smp_fx.world import state
 
-    dist.init_process_group("gloo")
     try:
         return [b for pipe, v in NEW for b in _tp_case(pipe, v)]
     finally:
         state._reset()
 
 
+def _four_body() -> tuple[tuple[int, list[str]], list[str]]:
+    """``_data_parallel_body`` and then ``_tensor_parallel_body`` on one world of 4 ranks
+    (joined once)."""
+    dist.init_process_group("gloo")
+    return _data_parallel_body(), _tensor_parallel_body()
+
+
 @pytest.mark.multiproc
+@pytest.mark.timeout(700)
 def test_tensor_parallel() -> None:
-    assert run_ranks(_tensor_parallel_body, 4, timeout=400) == [[]] * 4
+    assert [tp for _, tp in _four_ranks()] == [[]] * 4
 
 
 # ---- partial checkpoints across chunk placements and pipeline degrees ---------------------
@@ -273,14 +291,29 @@ def _resume(pp: int, v: int, pipe: str, prefix: str) -> bytes:
     return buf.getvalue()
 
 
+RESUMED = ((2, 1, "interleaved", "v2"), (2, 2, "zbv", "v1"))
+"""The resumes on the 2 ranks that saved: (pp, v, pipeline, the checkpoint's chunks)."""
+
+
+def _saved_and_resumed(prefixes: dict[str, str]) -> list[bytes]:
+    """Both checkpoints saved (at v = 2 and at v = 1), then ``RESUMED`` in turn, on one
+    world of 2 ranks."""
+    _save(2, 2, "interleaved", prefixes["v2"])
+    _save(2, 1, "interleaved", prefixes["v1"])
+    dist.barrier()  # every rank's partial file written before any is read
+    return [_resume(pp, v, pipe, prefixes[src]) for pp, v, pipe, src in RESUMED]
+
+
 @pytest.mark.multiproc
 def test_checkpoints_across_chunks_and_degrees(tmp_path: Path) -> None:
-    at_v2, at_v1 = str(tmp_path / "v2.pt"), str(tmp_path / "v1.pt")
-    run_ranks(_save, 2, 2, 2, "interleaved", at_v2, timeout=200)
-    run_ranks(_save, 2, 2, 1, "interleaved", at_v1, timeout=200)
-    for pp, v, pipe, src in ((2, 1, "interleaved", at_v2), (4, 1, "interleaved", at_v2),
-                             (2, 2, "zbv", at_v1)):
-        data = run_ranks(_resume, pp, pp, v, pipe, src, timeout=200)[0]
+    prefixes = {"v2": str(tmp_path / "v2.pt"), "v1": str(tmp_path / "v1.pt")}
+    resumed = run_ranks(_saved_and_resumed, 2, prefixes, timeout=250)[0]
+    at_pp4 = run_ranks(_resume, 4, 4, 1, "interleaved", prefixes["v2"], timeout=200)[0]
+    for (pp, v, pipe, src), data in zip((*RESUMED, (4, 1, "interleaved", "v2")),
+                                        (*resumed, at_pp4)):
         got, want = torch.load(io.BytesIO(data), weights_only=True)
-        torch.testing.assert_close(dict(got[0]), dict(want[0]), rtol=0, atol=1e-6)
-        torch.testing.assert_close(got[1]["state"], want[1]["state"], rtol=0, atol=1e-6)
+        tag = f"saved at {src}, resumed at pp {pp} v {v} {pipe}"
+        torch.testing.assert_close(dict(got[0]), dict(want[0]), rtol=0, atol=1e-6,
+                                   msg=lambda m, tag=tag: f"{tag}: {m}")
+        torch.testing.assert_close(got[1]["state"], want[1]["state"], rtol=0, atol=1e-6,
+                                   msg=lambda m, tag=tag: f"{tag}: {m}")

@@ -1,7 +1,7 @@
 """pp=2 x tp=2 x rdp=2 on 8 gloo ranks with real models, tied weights across stages and shards.
 
 ``test_tp_grid`` runs the grid on an MLP; ``test_tensor_parallel`` runs these models at tp=2
-on 2 ranks. Here each model trains on the full grid (one spawn of 8 ranks per model): 3
+on 2 ranks. Here each model trains on the full grid (one spawn of 8 ranks runs them in turn): 3
 Adam steps against one process training the plain model on the global batch (computed
 once in the test process and shipped to the ranks), fp32. Every rank checks every local
 gradient at every step (shards all-gathered over tp, 1e-5), every local parameter after
@@ -25,6 +25,7 @@ the steps and ``state_dict()`` (the plain model's names, order and values; 1e-4 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -112,21 +113,41 @@ def _grid(kind: str, ref_grads: list[dict[str, torch.Tensor]],
             "specs": {s.name: s.dim for s in model.tp_plan.sharded}}
 
 
+def _all_grids(path: str) -> dict[str, dict[str, Any]]:
+    """Every model in turn on one world of 8 ranks, each under its own ``smp.init``."""
+    import torch.distributed as dist
+
+    from smp_fx.world import state
+
+    dist.init_process_group("gloo")
+    refs = torch.load(path, weights_only=True)
+    out = {}
+    for kind in CONFIGS:
+        state._reset()
+        out[kind] = _grid(kind, *refs[kind])
+    return out
+
+
 _RESULTS: dict[str, list[dict[str, Any]]] = {}
 
 
-def _run(kind: str) -> list[dict[str, Any]]:
-    """One spawn of 8 ranks per model (a built-in device spec: measuring is slow here)."""
-    if kind not in _RESULTS:
-        _RESULTS[kind] = run_ranks(_grid, 8, kind, *_reference(kind), timeout=400,
-                                   env={"SMP_FX_DEVICE_SPEC": "a100"})
+def _run(kind: str, tmp: Path) -> list[dict[str, Any]]:
+    """One spawn of 8 ranks for every model (a built-in device spec: measuring is slow
+    here), kept for the module's tests; the references shipped by file."""
+    if not _RESULTS:
+        path = tmp / "references.pt"
+        torch.save({k: _reference(k) for k in CONFIGS}, path)
+        results = run_ranks(_all_grids, 8, str(path), timeout=600,
+                            env={"SMP_FX_DEVICE_SPEC": "a100"})
+        _RESULTS.update({k: [r[k] for r in results] for k in CONFIGS})
     return _RESULTS[kind]
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(600)  # the first test runs the spawn of every model
 @pytest.mark.parametrize("kind", list(CONFIGS))
-def test_grid_matches_single_process_model(kind: str) -> None:
-    results = _run(kind)
+def test_grid_matches_single_process_model(kind: str, tmp_path: Path) -> None:
+    results = _run(kind, tmp_path)
     assert [r["bad"] for r in results] == [[]] * 8, [r["bad"] for r in results]
     assert all(r["replicated"] == [] for r in results)  # everything marked is sharded
     stages = sorted({tuple(r["local"]) for r in results})
@@ -141,12 +162,13 @@ def test_grid_matches_single_process_model(kind: str) -> None:
 
 
 @pytest.mark.multiproc
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("kind", list(TIED))
-def test_tied_weight_spans_stages_and_tp_shards(kind: str) -> None:
+def test_tied_weight_spans_stages_and_tp_shards(kind: str, tmp_path: Path) -> None:
     """The tied embedding / LM head: held by both stages, the stage-1 replica a tied
     duplicate, split by vocabulary rows on both, so each tp rank holds half the rows."""
     tied = TIED[kind]
-    for res in _run(kind):
+    for res in _run(kind, tmp_path):
         assert tied in res["local"], res["pp"]
         assert res["specs"][tied] == 0
         assert res["shapes"][tied][0] == 64  # 128 vocabulary rows over tp=2

@@ -17,11 +17,12 @@ microbatch); true: both ranks the first half.
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import pytest
 import torch
 
-from tests.helpers.tp_loss_run import run_at_tp2
+from tests.helpers.tp_loss_run import checked, run_each_at_tp2
 from tests.passes.tensor_parallel.test_vocab import HFLoss, hf_labels
 from tests.smp_fx.parallel.test_tensor_parallel import GLOBAL_BATCH, STEPS
 
@@ -43,13 +44,27 @@ def _batches(vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(x, hf_labels(x)) for x in ids]
 
 
+CASES = (("pair", 128, False), ("pair", 128, True), ("whole", 128, False),
+         ("whole", 128, True), ("pair", 127, False), ("pair", 127, True))
+"""(marking, vocabulary, prescaled_batch): every case runs in one spawn of 2 ranks."""
+_RESULTS: dict[str, list[Any]] = {}
+
+
+def _name(marking: str, vocab: int, prescaled: bool) -> str:
+    return f"{marking} {vocab} prescaled={prescaled}"
+
+
 @pytest.mark.multiproc
-@pytest.mark.parametrize(("marking", "vocab", "prescaled"), [
-    ("pair", 128, False), ("pair", 128, True), ("whole", 128, False), ("whole", 128, True),
-    ("pair", 127, False), ("pair", 127, True)])
+@pytest.mark.timeout(400)  # the first runs the spawn of every case
+@pytest.mark.parametrize(("marking", "vocab", "prescaled"), CASES)
 def test_hf_causal_lm_loss_with_labels_matches_single_process(marking: str, vocab: int,
                                                               prescaled: bool) -> None:
-    for res in run_at_tp2(functools.partial(_build, marking, vocab),
-                          functools.partial(_batches, vocab), prescaled):
+    if not _RESULTS:
+        _RESULTS.update(run_each_at_tp2(
+            {_name(*case): (functools.partial(_build, *case[:2]),
+                            functools.partial(_batches, case[1]), case[2]) for case in CASES},
+            timeout=350))
+    name = _name(marking, vocab, prescaled)
+    for res in checked(name, _RESULTS[name]):
         assert res["widths"] == [64]  # the fused loss ran, on this rank's 64 columns only
         assert res["sharded"] == (15 if marking == "whole" else 2)  # whole: wpe, 2 blocks too

@@ -94,6 +94,25 @@ def _train_step(arch: str) -> Any:
     return train_step
 
 
+def _train_and_compare(tag: str, arch: str, model: Any, opt: Any, train_step: Any,
+                       ref_losses: list[float], ref_grads: list[dict[str, torch.Tensor]],
+                       gather: Any = None) -> list[str]:
+    """Train on ``_batches``: each step's loss and gradients (``gather``: the full ones
+    from this rank's shards) against the one-process run's; the mismatches."""
+    bad: list[str] = []
+    for step, (x, y) in enumerate(_batches(arch)):
+        opt.zero_grad()
+        loss = train_step(model, x, y).reduce_mean()
+        if not torch.allclose(loss, torch.tensor(ref_losses[step]), rtol=1e-5, atol=1e-5):
+            bad.append(f"{tag}: loss step {step} {loss.item()} != {ref_losses[step]}")
+        grads = {n: p.grad for n, p in model.local_named_parameters() if p.grad is not None}
+        if gather is not None:
+            grads = gather(model, grads)
+        bad += [f"{tag}: grad {n} step {step}" for n in mismatched(grads, ref_grads[step], **TOL)]
+        opt.step()
+    return bad
+
+
 def _case(arch: str, pipeline: str, v: int, backend: str, ref: Any) -> list[str]:
     import smp_fx as smp
     from smp_fx.world import state
@@ -107,15 +126,7 @@ def _case(arch: str, pipeline: str, v: int, backend: str, ref: Any) -> list[str]
 
     tag = f"{arch} {pipeline} v={v} {backend}"
     ref_losses, ref_grads, ref_state = ref
-    bad: list[str] = []
-    for step, (x, y) in enumerate(_batches(arch)):
-        opt.zero_grad()
-        loss = train_step(model, x, y).reduce_mean()
-        if not torch.allclose(loss, torch.tensor(ref_losses[step]), rtol=1e-5, atol=1e-5):
-            bad.append(f"{tag}: loss step {step} {loss.item()} != {ref_losses[step]}")
-        grads = {n: p.grad for n, p in model.local_named_parameters() if p.grad is not None}
-        bad += [f"{tag}: grad {n} step {step}" for n in mismatched(grads, ref_grads[step], **TOL)]
-        opt.step()
+    bad = _train_and_compare(tag, arch, model, opt, train_step, ref_losses, ref_grads)
     bad += [f"{tag}: {m}" for m in state_dict_mismatches(model.state_dict(), ref_state, **TOL)]
     stats = model.parallelized.compiled
     for s, st in stats.items():

@@ -38,6 +38,7 @@ from tests.smp_fx.runtime.executor.test_compiled import (
     _batches,
     _Block,
     _Runner,
+    _train_and_compare,
     _train_step,
 )
 
@@ -103,16 +104,8 @@ def _case(arch: str, pipeline: str, v: int, checkpointed: bool, ref: Any) -> lis
     train_step = _train_step(arch)
     tag = f"{arch} {pipeline} v={v} tp=2"
     ref_losses, ref_grads, ref_params = ref
-    bad: list[str] = []
-    for step, (x, y) in enumerate(_batches(arch)):
-        opt.zero_grad()
-        loss = train_step(model, x, y).reduce_mean()
-        if not torch.allclose(loss, torch.tensor(ref_losses[step]), rtol=1e-5, atol=1e-5):
-            bad.append(f"{tag}: loss step {step} {loss.item()} != {ref_losses[step]}")
-        grads = _gathered(model, {n: p.grad for n, p in model.local_named_parameters()
-                                  if p.grad is not None})
-        bad += [f"{tag}: grad {n} step {step}" for n in mismatched(grads, ref_grads[step], **TOL)]
-        opt.step()
+    bad = _train_and_compare(tag, arch, model, opt, train_step, ref_losses, ref_grads,
+                             gather=_gathered)
     params = _gathered(model, {n: p.detach() for n, p in model.local_named_parameters()})
     bad += [f"{tag}: param {n}" for n in mismatched(params, ref_params, **TOL)]
     if model.tp_plan is None or not model.tp_plan.sharded or not _collectives_compiled(model):

@@ -189,6 +189,15 @@ def test_compiled_stages_equal_one_process(tmp_path: Path) -> None:
     assert run_ranks(_all_cases, 2, str(path), timeout=600) == [[], []]
 
 
+def _compile_warnings() -> list[str]:
+    """The ``smp_fx.compile`` log's warnings from now on, as they are said."""
+    told: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: told.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("smp_fx.compile").addHandler(handler)
+    return told
+
+
 def _composed() -> tuple[tuple[int, list[str]], list[str], list[str]]:
     import torch._dynamo.utils
 
@@ -198,10 +207,7 @@ def _composed() -> tuple[tuple[int, list[str]], list[str], list[str]]:
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    told: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: told.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("smp_fx.compile").addHandler(handler)
+    told = _compile_warnings()
     graphs = torch._dynamo.utils.counters["stats"]
     c = Checks()
     try:

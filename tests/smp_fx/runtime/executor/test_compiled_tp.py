@@ -13,7 +13,6 @@ graphs.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -37,6 +36,7 @@ from tests.smp_fx.runtime.executor.test_compiled import (
     _batch_loss,
     _batches,
     _Block,
+    _compile_warnings,
     _Runner,
     _train_and_compare,
     _train_step,
@@ -126,10 +126,7 @@ def _all_cases(path: str) -> tuple[list[str], list[str]]:
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
-    told: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: told.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("smp_fx.compile").addHandler(handler)
+    told = _compile_warnings()
     refs = torch.load(path, weights_only=True)
     try:
         bad = [b for arch, pipeline, v, ckpt in CASES

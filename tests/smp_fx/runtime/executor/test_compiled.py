@@ -71,9 +71,9 @@ def _batch_loss(arch: str, model: nn.Module, batch: Any) -> torch.Tensor:
     return _loss(arch, model(*batch[0]), batch[1])
 
 
-def _references(path: Path) -> None:
+def _references(path: Path, cases: tuple[tuple[str, str, int, str], ...] = CASES) -> None:
     refs = {}
-    for arch in sorted({a for a, *_ in CASES}):
+    for arch in sorted({a for a, *_ in cases}):
         model = _model(arch)
         run = train_plain(model, _adam(model.parameters()), _batches(arch),
                           functools.partial(_batch_loss, arch))
@@ -169,15 +169,18 @@ def _bf16_case() -> list[str]:
                   if st.compiles != 1 or st.fallback is not None]
 
 
-def _all_cases(path: str) -> list[str]:
+def _all_cases(path: str, cases: tuple[tuple[str, str, int, str], ...] = CASES,
+               bf16: bool = True) -> list[str]:
+    """Every case in turn on one gloo world (and ``_bf16_case``): the mismatches."""
     from smp_fx.world import state
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     refs = torch.load(path, weights_only=True)
     try:
-        return [b for arch, pipeline, v, backend in CASES
-                for b in _case(arch, pipeline, v, backend, refs[arch])] + _bf16_case()
+        return [b for arch, pipeline, v, backend in cases
+                for b in _case(arch, pipeline, v, backend, refs[arch])] + (
+                    _bf16_case() if bf16 else [])
     finally:
         state._reset()
 

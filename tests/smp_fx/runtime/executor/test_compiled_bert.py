@@ -8,44 +8,19 @@ eager GEMMs), none falling back, none recompiling (``test_compiled``'s checks).
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
 
 from tests.helpers.dist import run_ranks
-from tests.helpers.reference import train_plain
-from tests.smp_fx.runtime.executor.test_compiled import _adam, _batch_loss, _batches, _case, _model
+from tests.smp_fx.runtime.executor.test_compiled import _all_cases, _references
 
-# (pipeline, virtual_pipeline_degree)
-SCHEDULES = (("interleaved", 1), ("interleaved", 2), ("zbv", 2))
-
-
-def _references(path: Path) -> None:
-    model = _model("bert")
-    run = train_plain(model, _adam(model.parameters()), _batches("bert"),
-                      functools.partial(_batch_loss, "bert"))
-    torch.save((run.losses, [{n: g for n, g in s.items() if g is not None} for s in run.grads],
-                run.state), path)
-
-
-def _all_cases(path: str) -> list[str]:
-    from smp_fx.world import state
-
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    ref = torch.load(path, weights_only=True)
-    try:
-        return [b for pipeline, v in SCHEDULES
-                for b in _case("bert", pipeline, v, "aot_eager", ref)]
-    finally:
-        state._reset()
+CASES = tuple(("bert", pipeline, v, "aot_eager")
+              for pipeline, v in (("interleaved", 1), ("interleaved", 2), ("zbv", 2)))
 
 
 @pytest.mark.multiproc
 def test_compiled_bert_equals_one_process(tmp_path: Path) -> None:
     path = tmp_path / "references.pt"
-    _references(path)
-    assert run_ranks(_all_cases, 2, str(path), timeout=600) == [[], []]
+    _references(path, CASES)
+    assert run_ranks(_all_cases, 2, str(path), CASES, False, timeout=600) == [[], []]

@@ -194,3 +194,23 @@ def run_script(script: str, *argv: str, env: Mapping[str, str] | None = None,
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     run_ranks(_script_main, 1, str(script), list(argv), dict(env or {}), tuple(unset),
               cwd or root, timeout=timeout)
+
+
+def each_on_one_world(cases: Mapping[Any, Callable[[], Any]],
+                      failed: Callable[[str], Any]) -> dict[Any, Any]:
+    """Inside a rank: every case in turn on one gloo world (joined once: re-initialising
+    gloo inside one spawn races on the store), each after smp's state is reset; a case that
+    raises gives ``failed(its traceback)``, so the others still run and report."""
+    import torch.distributed as dist
+
+    from smp_fx.world import state
+
+    dist.init_process_group("gloo")
+    out: dict[Any, Any] = {}
+    for name, run in cases.items():
+        state._reset()
+        try:
+            out[name] = run()
+        except Exception:
+            out[name] = failed(traceback.format_exc())
+    return out

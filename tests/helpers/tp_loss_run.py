@@ -100,25 +100,17 @@ Case = tuple[Callable[[], nn.Module], Callable[[], Batches], bool]
 
 
 def compare_each_at_tp2(cases: dict[str, Case]) -> dict[str, Any]:
-    """``compare_at_tp2`` for every case in turn on one gloo world (joined once), each
-    under its own ``smp.init`` and record of widths; a case that raises is reported as its
-    traceback."""
-    import traceback
+    """``compare_at_tp2`` for every case in turn on one gloo world, each under its own
+    ``smp.init`` and record of widths; a case that raises is reported as its traceback."""
+    from tests.helpers.dist import each_on_one_world
 
-    import torch.distributed as dist
+    def fresh(case: Case) -> Callable[[], Any]:
+        def run() -> Any:
+            WIDTHS.clear()
+            return compare_at_tp2(*case)
+        return run
 
-    from smp_fx.world import state
-
-    dist.init_process_group("gloo")
-    out: dict[str, Any] = {}
-    for name, case in cases.items():
-        state._reset()
-        WIDTHS.clear()
-        try:
-            out[name] = compare_at_tp2(*case)
-        except Exception:
-            out[name] = traceback.format_exc()
-    return out
+    return each_on_one_world({name: fresh(case) for name, case in cases.items()}, str)
 
 
 def run_at_tp2(build: Callable[[], nn.Module], batches: Callable[[], Batches],

@@ -32,6 +32,7 @@ parameters after the steps and ``state_dict()`` (gathered: the unsharded model's
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import pytest
@@ -348,22 +349,13 @@ RUNS = (*((kind, prescaled, "memory") for kind, prescaled in CASES),
 
 
 def _all_runs() -> dict[tuple[str, bool, str], Any]:
-    """Every run in turn on one gloo world (joined once: re-initialising gloo inside one
-    spawn races on the store), each under its own ``smp.init``; a run that raises is
-    reported as its traceback, named by its case."""
-    import traceback
+    """Every run in turn on one gloo world, each under its own ``smp.init``; a run that
+    raises is reported as its traceback, named by its case."""
+    from tests.helpers.dist import each_on_one_world
 
-    from smp_fx.world import state
-
-    dist.init_process_group("gloo")
-    out: dict[tuple[str, bool, str], Any] = {}
-    for kind, prescaled, optimize in RUNS:
-        state._reset()
-        try:
-            out[kind, prescaled, optimize] = _checked(kind, prescaled, 1, optimize)
-        except Exception:
-            out[kind, prescaled, optimize] = {"bad": [traceback.format_exc()]}
-    return out
+    return each_on_one_world(
+        {run: functools.partial(_checked, run[0], run[1], 1, run[2]) for run in RUNS},
+        lambda tb: {"bad": [tb]})
 
 
 _RESULTS: dict[tuple[str, bool, str], list[Any]] = {}

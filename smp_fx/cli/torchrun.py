@@ -4,9 +4,12 @@
 
 from __future__ import annotations
 
+import atexit
+import logging
 import os
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
 from torch.distributed import run as torch_run
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -25,5 +28,22 @@ def main(argv: Sequence[str]) -> None:
         raise
 
 
+def exit_without_teardown(code: int) -> NoReturn:
+    """End the agent once torchrun has returned, skipping the interpreter's teardown.
+
+    The workers are reaped, the rendezvous is shut down and the reports are written; what
+    is left is freeing the ~800 modules torch imported, which buys nothing: 0.45 CPU s and
+    1-2 s of wall time per launch on a loaded 2-core machine (docs/performance.md). The
+    ``atexit`` handlers still run and every stream and log handler is flushed, so nothing
+    the agent wrote or registered is lost.
+    """
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     main(sys.argv[1:])
+    exit_without_teardown(0)

@@ -9,7 +9,8 @@ with ``zero_init``; activation checkpointing of the script's layers; the script'
 groups in ``smp.DistributedOptimizer``; its ``train_step`` (``labels=input_ids``).
 
 The three run in sequence in one 2-process spawn, each twice (two runs of a script give
-the same losses). Against the same script in one process with eager construction: the
+the same losses). Against the same script in one process with eager construction (a spawn
+of its own, run beside the 2-process one): the
 delayed, sharded model's parameters and buffers equal the eager build's bitwise, and the
 losses are finite and equal at bf16's resolution. Dropout is 0 in the tiny configs (the
 ranks' and the reference's random streams differ); FLAN-T5's CUDA flash attention
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import io
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -174,8 +176,10 @@ def _notebooks(sdp: int, delayed: bool, runs: int) -> dict[str, Any]:
 
 @pytest.mark.multiproc
 def test_notebooks_sdp2_bf16_delayed_equal_one_eager_process() -> None:
-    want = run_ranks(_notebooks, 1, 1, False, 1, timeout=300)[0]
-    results = run_ranks(_notebooks, 2, 2, True, 2, timeout=300)
+    with ThreadPoolExecutor(1) as beside:  # the reference runs while the ranks do
+        reference = beside.submit(run_ranks, _notebooks, 1, 1, False, 1, timeout=300)
+        results = run_ranks(_notebooks, 2, 2, True, 2, timeout=300)
+        want = reference.result()[0]
     for model_type in MODELS:
         ref = want[model_type][0]
         assert all(math.isfinite(x) for x in ref["losses"]), (model_type, ref["losses"])

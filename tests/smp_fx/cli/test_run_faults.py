@@ -43,10 +43,24 @@ for k in range(3):
 """
 
 
+def _start(args: list[str], cwd: Path, **env: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "smp_fx.cli.main", "run", "-n", "2", *args],
+                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "SMP_FX_TIMEOUT_S": "60", **env})
+
+
+def _finish(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    try:
+        out, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def _run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "smp_fx.cli.main", "run", "-n", "2", *args],
-                          cwd=cwd, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "SMP_FX_TIMEOUT_S": "60", **env})
+    return _finish(_start(args, cwd, **env))
 
 
 @pytest.mark.multiproc
@@ -70,10 +84,17 @@ def test_a_stuck_rank_is_named_by_every_log(tmp_path: Path) -> None:
 def test_killed_mid_step_restarts_and_resumes_to_the_uninterrupted_result(tmp_path: Path
                                                                           ) -> None:
     script = str(REPO / "examples" / "train_resume.py")
-    run_script(script, "--ckpt", str(tmp_path / "ref.pt"), "--steps", "5", "--out",
-               str(tmp_path / "ref_final.pt"), timeout=120)  # the reference: one process
-    res = _run(["--max-restarts", "1", script, "--ckpt", str(tmp_path / "ck.pt"), "--steps",
-                "5", "--crash-at", "2", "--out", str(tmp_path / "final.pt")], tmp_path)
+    launch = _start(["--max-restarts", "1", script, "--ckpt", str(tmp_path / "ck.pt"),
+                     "--steps", "5", "--crash-at", "2", "--out", str(tmp_path / "final.pt")],
+                    tmp_path)
+    try:  # the reference, one process, runs while the launch does
+        run_script(script, "--ckpt", str(tmp_path / "ref.pt"), "--steps", "5", "--out",
+                   str(tmp_path / "ref_final.pt"), timeout=120)
+    except BaseException:
+        launch.kill()
+        launch.communicate()
+        raise
+    res = _finish(launch)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "rank 0: resumed at step 2" in res.stdout and "rank 1: resumed at step 2" in res.stdout
     assert "smp-fx run: attempt0: " in res.stderr  # the line names rank 1 if rank 0 reported

@@ -29,13 +29,15 @@ def main(argv: Sequence[str]) -> None:
 
 
 def exit_without_teardown(code: int) -> NoReturn:
-    """End the agent once torchrun has returned, skipping the interpreter's teardown.
+    """End a single-node agent once torchrun has returned, skipping the interpreter's
+    teardown.
 
     The workers are reaped, the rendezvous is shut down and the reports are written; what
     is left is freeing the ~800 modules torch imported, which buys nothing: 0.45 CPU s and
     1-2 s of wall time per launch on a loaded 2-core machine (docs/performance.md). The
     ``atexit`` handlers still run and every stream and log handler is flushed, so nothing
-    the agent wrote or registered is lost.
+    the agent wrote or registered is lost. Only with ``--standalone``: an agent of a
+    multi-node job may host the rendezvous store the other agents still close theirs on.
     """
     atexit._run_exitfuncs()
     logging.shutdown()
@@ -46,4 +48,5 @@ def exit_without_teardown(code: int) -> NoReturn:
 
 if __name__ == "__main__":
     main(sys.argv[1:])
-    exit_without_teardown(0)
+    if torch_run.parse_args(sys.argv[1:]).standalone:
+        exit_without_teardown(0)

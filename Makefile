@@ -12,7 +12,7 @@ TF4_SPEC ?= transformers==4.46.3 accelerate==1.1.1 "numpy<2"
 TF4_PY := $(TF4_VENV)/bin/python
 TF4_STAMP := $(TF4_VENV)/.smp-fx-installed
 
-.PHONY: setup demo test test-transformers4 lint bench clean
+.PHONY: setup demo test test-transformers4 bytecode lint bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,7 +33,12 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) examples/demo.py
 
-test: $(STAMP) $(TF4_STAMP)
+# The project's modules compiled once: every rank and launched script imports them, and
+# where PYTHONDONTWRITEBYTECODE is set each process would compile them again.
+bytecode: $(STAMP)
+	$(PY) -m compileall -q -j 0 smp_fx passes cost_model examples benchmarks tests conftest.py > /dev/null
+
+test: $(STAMP) $(TF4_STAMP) bytecode
 	$(PY) -m pytest -q -n 2 --dist loadfile --durations=25  # testpaths: tests/ and the packages' docstring examples; two workers, tests/conftest.py
 	$(MAKE) --no-print-directory test-transformers4
 

@@ -14,12 +14,13 @@ import dataclasses
 from cost_model.device import GB, AttentionRates, DeviceSpec, GiB, OpRates, Table
 from cost_model.devices import A100, H100
 
-MEGATRON_FIT: Table = ((16.0, 0.03), (96.0, 0.1163), (160.0, 0.1163), (512.0, 0.7906),
-                       (4096.0, 0.7906))
+MEGATRON_FIT: Table = ((16.0, 0.03), (96.0, 0.1141), (160.0, 0.1141), (512.0, 0.8333),
+                       (4096.0, 0.8333))
 """The A100's matmul efficiency by smallest dimension: two figures fitted on Megatron-LM
 SC'21 Table 1 alone (``benchmarks/megatron_table.py --fit``): head-dimension matmuls
 (96-160: attention with the unfused softmax, mask and dropout of those runs) and large
-matmuls (512 and up); the 16 entry is the device's estimate."""
+matmuls (512 and up); the 16 entry is the device's estimate. Fitted with each GEMM's wave
+quantization priced (``cost_model.waves``), so they are the rates of whole waves."""
 _FIT_SOURCE = ("fitted on Megatron-LM SC'21 (arXiv 2104.04473) Table 1 only, by "
                "benchmarks/megatron_table.py --fit (least squares of log predicted / "
                "published TFLOP/s over its 10 runs); the 16 entry is the a100 spec's "

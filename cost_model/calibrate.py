@@ -34,6 +34,8 @@ ADAM_OPS, ADAM_BYTES = 12, 16.0
 """A single-tensor Adam step: about 12 ops per tensor moving 16 bytes per parameter byte
 (lerp, mul, addcmul, sqrt, div, addcdiv, the step counter); the quick estimate."""
 
+NO_WAVES = ("not known (0): GEMMs are priced by matmul_efficiency alone, without wave "
+            "quantization (cost_model.waves); a spec file may set sm_count and gemm_tile")
 LOOPBACK = DeviceSpec(
     "cpu", 1e11, 1e11, 1e10, 16 * GiB, 5e9, 50e-6, message_overhead_s=50e-6,
     microbatch_overhead_s=150e-6, step_overhead_s=500e-6,
@@ -45,7 +47,8 @@ LOOPBACK = DeviceSpec(
              ("microbatch_overhead_s", "estimate of the smp-fx runtime per action on a "
                                        "small CPU; `smp-fx calibrate` measures it"),
              ("step_overhead_s", "estimate of the smp-fx runtime per step on a small CPU; "
-                                 "`smp-fx calibrate` measures it")))
+                                 "`smp-fx calibrate` measures it"),
+             ("sm_count", NO_WAVES)))
 """Starting point of a CPU calibration: what is not measured keeps these estimates."""
 
 
@@ -91,7 +94,8 @@ def _device_figures(name: str, device: torch.device, quick: bool,
     spec = dataclasses.replace(
         start, name=name, peak_flops_fp32=peak, peak_flops_bf16=peak_half,
         mem_bandwidth=bandwidth, memory_bytes=_memory_bytes(device),
-        matmul_efficiency=mm_table, elementwise_efficiency=ew_table, op_overheads=ops,
+        matmul_efficiency=mm_table, matmul_shapes=f"linear:{budget.matmul_big}",
+        elementwise_efficiency=ew_table, op_overheads=ops,
         op_rates=rates,
         optimizer_tensor_s=opt_tensor, optimizer_byte_s=opt_byte)
     measured = ["peak_flops_fp32", "peak_flops_bf16", "mem_bandwidth", "memory_bytes",

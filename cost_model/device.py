@@ -26,7 +26,7 @@ OpRates = tuple[tuple[str, float, float, float], ...]
 AttentionRates = tuple[tuple[float, float, float], ...]
 
 
-def _interp_log(table: Table, x: float) -> float:
+def interp_log(table: Table, x: float) -> float:
     """Piecewise-linear in ``log(x)`` through ``table`` ((x, y) sorted by x), clamped."""
     if not table:
         return 1.0
@@ -72,6 +72,19 @@ class DeviceSpec:
     attention, sorted by length; where given, ``sdpa`` runs at these (log-interpolated),
     not at ``op_rates``' one reference size: published kernels run faster on longer
     sequences."""
+    sm_count: int = 0
+    """Streaming multiprocessors: a GEMM's output tiles run in waves of this many
+    (``cost_model.waves``); 0 where not known, and GEMMs are priced by
+    ``matmul_efficiency`` alone."""
+    gemm_tile: tuple[int, ...] = ()
+    """(rows, columns) of the output tile the vendor's library runs large half-precision
+    GEMMs with; () where not known."""
+    matmul_shapes: str = ""
+    """The shapes ``matmul_efficiency`` was measured on, so that the table's own wave
+    quantization is divided out (``cost_model.waves.table_quantization``): ``"linear:B"``
+    (``cost_model.microbench.matmul_table``: the smallest dimension in each of a linear's
+    three places against B), ``"cube"`` (d x d x d), or ``""`` (a fitted or estimated
+    table, taken to carry no quantization of its own)."""
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +115,17 @@ class DeviceSpec:
                       "backward > 0) rows sorted by length")
         object.__setattr__(self, "attention_rates", tuple(
             (float(s), float(f), float(b)) for s, f, b in rates))
+        if int(self.sm_count) < 0:
+            raise bad("sm_count", "sm_count must be >= 0 (0: not known)")
+        tile = tuple(int(x) for x in self.gemm_tile)
+        if tile and (len(tile) != 2 or min(tile) <= 0):
+            raise bad("gemm_tile", "gemm_tile needs (rows > 0, columns > 0), or ()")
+        object.__setattr__(self, "sm_count", int(self.sm_count))
+        object.__setattr__(self, "gemm_tile", tile)
+        shapes = self.matmul_shapes
+        if shapes not in ("", "cube") and not (
+                shapes.startswith("linear:") and shapes[7:].isdigit() and int(shapes[7:]) > 0):
+            raise bad("matmul_shapes", 'matmul_shapes is "", "cube" or "linear:B" (B > 0)')
         # tables hold floats, as JSON gives them back: a spec equals its round trip
         for name in ("matmul_efficiency", "elementwise_efficiency"):
             object.__setattr__(self, name, tuple((float(x), float(y))
@@ -128,11 +152,11 @@ class DeviceSpec:
 
     def matmul_fraction(self, smallest_dim: float) -> float:
         """Fraction of peak FLOP/s a matmul reaches when its smallest dimension is this."""
-        return _interp_log(self.matmul_efficiency, max(float(smallest_dim), 1.0))
+        return interp_log(self.matmul_efficiency, max(float(smallest_dim), 1.0))
 
     def bandwidth(self, nbytes: float) -> float:
         """Bytes/s an element-wise op moving ``nbytes`` reaches."""
-        return self.mem_bandwidth * _interp_log(self.elementwise_efficiency,
+        return self.mem_bandwidth * interp_log(self.elementwise_efficiency,
                                                 max(float(nbytes), 1.0))
 
     def op_overhead(self, op: str) -> tuple[float, float]:
@@ -153,8 +177,8 @@ class DeviceSpec:
         if not self.attention_rates:
             return None
         rows = self.attention_rates
-        return (_interp_log(tuple((s, f) for s, f, _ in rows), max(float(seq), 1.0)),
-                _interp_log(tuple((s, b) for s, _, b in rows), max(float(seq), 1.0)))
+        return (interp_log(tuple((s, f) for s, f, _ in rows), max(float(seq), 1.0)),
+                interp_log(tuple((s, b) for s, _, b in rows), max(float(seq), 1.0)))
 
     def optimizer_time(self, tensors: int, nbytes: float) -> float:
         """Seconds of one optimizer step over ``tensors`` parameters of ``nbytes`` bytes."""
@@ -168,8 +192,9 @@ class DeviceSpec:
     def to_json(self) -> dict[str, Any]:
         data = versioned_json(self, SCHEMA_VERSION)
         data["sources"] = dict(self.sources)
-        if not self.attention_rates:  # optional: specs without it read as before
-            del data["attention_rates"]
+        for name in ("attention_rates", "sm_count", "gemm_tile", "matmul_shapes"):
+            if not data[name]:  # optional: specs without them read as before
+                del data[name]
         return data
 
     @classmethod
@@ -193,6 +218,7 @@ class DeviceSpec:
         for key in ("matmul_efficiency", "elementwise_efficiency", "op_overheads", "op_rates",
                     "attention_rates"):
             d[key] = tuple(tuple(row) for row in d.get(key, ()))
+        d["gemm_tile"] = tuple(d.get("gemm_tile", ()))
         d["sources"] = tuple(sorted(dict(d.get("sources", {})).items()))
         return cls(**d)
 

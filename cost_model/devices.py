@@ -5,7 +5,7 @@ They live above both ``DeviceSpec`` and the calibration, which know nothing of n
 
 from __future__ import annotations
 
-from cost_model.calibrate import quick_cpu_spec
+from cost_model.calibrate import NO_WAVES, quick_cpu_spec
 from cost_model.device import GB, DeviceSpec, GiB, OpOverheads, Table
 from cost_model.errors import SMPConfigError
 from cost_model.serial import read_spec_file
@@ -50,6 +50,8 @@ _GPU_SOURCES = {
                           "11.5 and 12.8 us per tensor",
     "optimizer_byte_s": "Adam streams 7 bytes per parameter byte (read param, grad, two "
                         "moments; write param, two moments) at mem_bandwidth",
+    "sm_count": f"{NO_WAVES}; the rounded estimates the golden plans are made with (the "
+                "sourced GPUs of cost_model.gpu_specs have one)",
 }
 
 

@@ -14,12 +14,13 @@ import dataclasses
 from cost_model.device import GB, AttentionRates, DeviceSpec, GiB, OpRates, Table
 from cost_model.devices import A100, H100
 
-MEGATRON_FIT: Table = ((16.0, 0.03), (96.0, 0.1163), (160.0, 0.1163), (512.0, 0.7906),
-                       (4096.0, 0.7906))
+MEGATRON_FIT: Table = ((16.0, 0.03), (96.0, 0.1141), (160.0, 0.1141), (512.0, 0.8333),
+                       (4096.0, 0.8333))
 """The A100's matmul efficiency by smallest dimension: two figures fitted on Megatron-LM
 SC'21 Table 1 alone (``benchmarks/megatron_table.py --fit``): head-dimension matmuls
 (96-160: attention with the unfused softmax, mask and dropout of those runs) and large
-matmuls (512 and up); the 16 entry is the device's estimate."""
+matmuls (512 and up); the 16 entry is the device's estimate. Fitted with each GEMM's wave
+quantization priced (``cost_model.waves``), so they are the rates of whole waves."""
 _FIT_SOURCE = ("fitted on Megatron-LM SC'21 (arXiv 2104.04473) Table 1 only, by "
                "benchmarks/megatron_table.py --fit (least squares of log predicted / "
                "published TFLOP/s over its 10 runs); the 16 entry is the a100 spec's "
@@ -107,6 +108,16 @@ peak: 1006 TFLOP/s at 2048^3, 1532 at 4096^3, 1610 at 8192^3 (pyptx.dev/performa
 'Blackwell GEMM' table, cuBLAS column); below 2048 no published figure was found: the
 entries are GH100's curve scaled to meet the B200's 0.447 at 2048 (estimate)."""
 
+_WAVES_GUIDE = ("NVIDIA's 'Matrix Multiplication Background User's Guide' (DU-09799-001, "
+                "docs.nvidia.com/deeplearning/performance), 'Wave Quantization'")
+_GH100_SMS = ("NVIDIA H100 Tensor Core GPU Architecture whitepaper: 132 SMs on H100 SXM5 "
+              "(of the full GH100's 144)")
+_HOPPER_TILE = ("estimate: 128 x 256 output tiles, the tile of cuBLAS's large bf16 Hopper "
+                "kernels (named sm90_xmma_gemm_..._tilesize128x256x64_warpgroupsize2x1x1 in "
+                "Nsight traces) and of CUTLASS 3's cooperative warp-specialized kernel; "
+                "cuBLAS's heuristics pick among several per shape, which is not published")
+HOPPER_SHAPES = "linear:8192"
+"""``HOPPER_MATMUL``'s shapes: smp-fx's microbenchmark (``matmul_table``) against 8192."""
 _GPU_ELEMENTWISE: Table = ((1e5, 0.1), (1e7, 0.6), (1e8, 0.85))
 _HOST_HIDDEN = ("zero: on a GPU the host enqueues kernels ahead of the device, so eager "
                 "PyTorch's per-op host time hides behind kernels of these sizes; "
@@ -120,12 +131,17 @@ def _sourced(spec: DeviceSpec, notes: dict[str, str]) -> DeviceSpec:
                              **notes)
 
 
-def _hopper(name: str, bandwidth: float, memory: int, sheet: str) -> DeviceSpec:
+def _hopper(name: str, bandwidth: float, memory: int, sheet: str, sms: str) -> DeviceSpec:
     spec = dataclasses.replace(
         H100, name=name, mem_bandwidth=bandwidth, memory_bytes=memory,
         matmul_efficiency=HOPPER_MATMUL, elementwise_efficiency=_GPU_ELEMENTWISE,
-        op_rates=HOPPER_SDPA, op_overheads=(), optimizer_byte_s=7.0 / bandwidth)
+        op_rates=HOPPER_SDPA, op_overheads=(), optimizer_byte_s=7.0 / bandwidth,
+        sm_count=132, gemm_tile=(128, 256), matmul_shapes=HOPPER_SHAPES)
     return _sourced(spec, {
+        "sm_count": f"{sms}; waves as {_WAVES_GUIDE} documents them",
+        "gemm_tile": _HOPPER_TILE,
+        "matmul_shapes": f"how {_GH100_CAL} measured HOPPER_MATMUL: each size in a linear's "
+                         "three places against 8192 (cost_model.microbench.matmul_table)",
         "peak_flops_bf16": f"{sheet}: 1,979 TFLOPS BF16 with sparsity, 989.4 dense",
         "peak_flops_fp32": f"{sheet}: 67 TFLOPS FP32",
         "mem_bandwidth": sheet, "memory_bytes": sheet,
@@ -135,9 +151,11 @@ def _hopper(name: str, bandwidth: float, memory: int, sheet: str) -> DeviceSpec:
 
 
 H100_SXM = _hopper("h100", 3.35e12, 80 * GiB,
-                   "NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB)")
+                   "NVIDIA H100 Tensor Core GPU datasheet (SXM5 80GB)", _GH100_SMS)
 H200_SXM = _hopper("h200", 4.8e12, int(141 * GB), "NVIDIA H200 Tensor Core GPU datasheet "
-                   "(SXM, 141 GB HBM3e, 4.8 TB/s; the H100's compute)")
+                   "(SXM, 141 GB HBM3e, 4.8 TB/s; the H100's compute)",
+                   f"{_GH100_SMS}; the H200 datasheet gives no SM count: the H100 SXM5's "
+                   "GH100 configuration, as its equal compute figures say (estimate)")
 
 _B200_SHEET = ("glennklockwood.com/garden/processors/B200 (HGX B200 at 1000 W: BF16 2250 "
                "TFLOPS dense, FP32 80)")
@@ -146,7 +164,14 @@ B200 = _sourced(dataclasses.replace(
     memory_bytes=int(179 * GB), link_bandwidth=900 * GB, matmul_efficiency=BLACKWELL_MATMUL,
     elementwise_efficiency=_GPU_ELEMENTWISE, op_overheads=(),
     op_rates=(("sdpa", 989.4 / 2250 / 544e12, 989.4 / 2250 / 252e12, 128.0),),
-    optimizer_byte_s=7.0 / 8e12), {
+    optimizer_byte_s=7.0 / 8e12, sm_count=148, gemm_tile=(128, 256), matmul_shapes="cube"), {
+    "sm_count": "Chips and Cheese, 'Nvidia's B200: Keeping the CUDA Juggernaut Rolling' "
+                "(2025): 74 SMs enabled on each of its two dies, 148 in all (NVIDIA's B200 "
+                f"datasheet gives no SM count); waves as {_WAVES_GUIDE} documents them",
+    "gemm_tile": "estimate: 128 x 256 per SM, half of the 256 x 256 tile that Blackwell's "
+                 "two-SM tensor-core instructions compute per SM pair in CUTLASS's and "
+                 "cuBLAS's large bf16 kernels; not published per shape",
+    "matmul_shapes": "cubes: pyptx.dev's cuBLAS column times d x d x d GEMMs",
     "peak_flops_bf16": _B200_SHEET, "peak_flops_fp32": _B200_SHEET,
     "mem_bandwidth": "docs.vultr.com HGX B200 hardware overview: 8.0 TB/s HBM3e",
     "memory_bytes": "docs.vultr.com HGX B200 hardware overview: 179 GB as nvidia-smi "
@@ -159,14 +184,24 @@ B200 = _sourced(dataclasses.replace(
     "op_rates": "estimate: GH100's measured causal sdpa rates (544 / 252 TFLOP/s) times "
                 "the peak ratio 2250 / 989; no published B200 attention figure was read"})
 
-A100_80GB = dataclasses.replace(A100, matmul_efficiency=MEGATRON_FIT).with_sources(
-    matmul_efficiency=_FIT_SOURCE)
+_GA100_WAVES = {
+    "sm_count": "NVIDIA A100 Tensor Core GPU Architecture whitepaper: 108 SMs on A100 (of "
+                f"the full GA100's 128); {_WAVES_GUIDE} works its example on these 108",
+    "gemm_tile": f"{_WAVES_GUIDE}: 256 x 128 thread-block tiles, one per SM on A100, in "
+                 "its wave-quantization example ('Typical Tile Dimensions In cuBLAS And "
+                 "Performance': the larger tiles are the most efficient)",
+    "matmul_shapes": "none: MEGATRON_FIT is fitted with the waves priced, so it carries no "
+                     "quantization of its own"}
+A100_80GB = dataclasses.replace(A100, matmul_efficiency=MEGATRON_FIT, sm_count=108,
+                                gemm_tile=(256, 128)).with_sources(
+    matmul_efficiency=_FIT_SOURCE, **_GA100_WAVES)
 A100_40GB = dataclasses.replace(A100, name="a100-40gb", mem_bandwidth=1.555e12,
                                 memory_bytes=40 * GiB, optimizer_byte_s=7.0 / 1.555e12,
-                                matmul_efficiency=MEGATRON_FIT).with_sources(
+                                matmul_efficiency=MEGATRON_FIT, sm_count=108,
+                                gemm_tile=(256, 128)).with_sources(
     mem_bandwidth="NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)",
     memory_bytes="NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB)",
-    matmul_efficiency=_FIT_SOURCE + " (the same silicon as the 80GB part)")
+    matmul_efficiency=_FIT_SOURCE + " (the same silicon as the 80GB part)", **_GA100_WAVES)
 
 SOURCED_GPUS: dict[str, DeviceSpec] = {
     "a100-40gb": A100_40GB, "a100-80gb": A100_80GB, "h100-sxm": H100_SXM,

@@ -101,8 +101,8 @@ def at_model_sizes(spec: DeviceSpec, device: torch.device, sizes: ModelSizes,
            f"({sizes.dtype}, matmuls up to {big}, attention {sizes.heads} x {sizes.seq} x "
            f"{sizes.head_dim})")
     spec = dataclasses.replace(spec, mem_bandwidth=bandwidth, elementwise_efficiency=ew,
-                               matmul_efficiency=table, optimizer_tensor_s=per_tensor,
-                               optimizer_byte_s=per_byte)
+                               matmul_efficiency=table, matmul_shapes=f"linear:{big}",
+                               optimizer_tensor_s=per_tensor, optimizer_byte_s=per_byte)
     if dtype == torch.float32:
         spec = dataclasses.replace(spec, peak_flops_fp32=peak)
     else:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from cost_model.device import DeviceSpec
 from cost_model.errors import SMPInternalError
 from cost_model.flops import ELEMENTWISE_COST, REDUCTION_OPS, VIEW_OPS
+from cost_model.waves import Gemm, gemm_factors
 
 KIND = {
     "addmm": "linear", "mm": "matmul", "baddbmm": "bmm", "einsum_mm": "matmul",
@@ -35,8 +36,9 @@ def _check(flops: float, nbytes: float) -> None:
 
 
 def roofline_time(flops: float, nbytes: float, spec: DeviceSpec, dtype: str = "float32",
-                  gemm_dim: float | None = None) -> float:
-    """Seconds to do ``flops`` FLOPs touching ``nbytes`` bytes on ``spec`` (no fixed cost).
+                  gemm_dim: float | None = None, waves: float = 1.0) -> float:
+    """Seconds to do ``flops`` FLOPs touching ``nbytes`` bytes on ``spec`` (no fixed cost);
+    ``waves``: the GEMM's wave-quantization factor (``cost_model.waves.gemm_factors``).
 
     >>> from cost_model.device import DeviceSpec
     >>> s = DeviceSpec("x", 1e9, 1e9, 1e9, 1, 1e9, 0.0, matmul_efficiency=((8, .5), (64, 1.)))
@@ -46,7 +48,7 @@ def roofline_time(flops: float, nbytes: float, spec: DeviceSpec, dtype: str = "f
     _check(flops, nbytes)
     peak = spec.peak_flops(dtype)
     if gemm_dim is not None:
-        peak *= spec.matmul_fraction(gemm_dim)
+        peak *= spec.matmul_fraction(gemm_dim) * waves
     memory = nbytes / spec.bandwidth(nbytes) if nbytes else 0.0
     return max(flops / peak, memory)
 
@@ -73,14 +75,20 @@ def op_overhead(op: str, spec: DeviceSpec, *, module: bool = False) -> tuple[flo
 def node_times(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
                out_elems: float, moved: float, dtype: str = "float32",
                gemm_dim: float | None = None, module: bool = False,
-               backward: bool = True, seq: float | None = None) -> tuple[float, float]:
+               backward: bool = True, seq: float | None = None,
+               gemm: Gemm | None = None) -> tuple[float, float]:
     """(forward, backward) seconds of one node: its fixed cost plus its work (a measured rate
     where the spec has one, else the roofline), scaled by the spec's in-model factors;
-    ``seq``: an attention's key length (``DeviceSpec.attention_rates``)."""
+    ``seq``: an attention's key length (``DeviceSpec.attention_rates``); ``gemm``: the
+    GEMM's shape, priced with its waves (``cost_model.waves``) where the spec has an SM
+    count (its smallest dimension is then ``gemm_dim``)."""
     fixed_f, fixed_b = op_overhead(op, spec, module=module)
+    if gemm is not None:
+        gemm_dim = min(gemm.m, gemm.k, gemm.n)
+    waves = gemm_factors(gemm, spec) if gemm is not None else (1.0, 1.0)
     work_f, work_b = _work(op, spec, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
                            out_elems=out_elems, moved=moved, dtype=dtype, gemm_dim=gemm_dim,
-                           seq=seq)
+                           seq=seq, waves=waves)
     fwd = fixed_f * spec.overhead_scale + work_f * spec.compute_scale
     bwd = fixed_b * spec.overhead_scale + work_b * spec.compute_scale
     return fwd, bwd if backward else 0.0
@@ -88,7 +96,8 @@ def node_times(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
 
 def _work(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
           out_elems: float, moved: float, dtype: str, gemm_dim: float | None,
-          seq: float | None = None) -> tuple[float, float]:
+          seq: float | None = None, waves: tuple[float, float] = (1.0, 1.0)
+          ) -> tuple[float, float]:
     """(forward, backward) seconds of the node's work, its fixed cost left out."""
     kind = kind_of(op)
     if kind == "view":
@@ -105,9 +114,10 @@ def _work(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
         else:
             units_f = units_b = out_elems
             scale = spec.bandwidth(ref) / spec.bandwidth(moved) if moved and ref else 1.0
-        return units_f * fwd_rate * scale, units_b * bwd_rate * scale
-    return (roofline_time(fwd_flops, moved, spec, dtype, gemm_dim),
-            roofline_time(bwd_flops, 2 * moved, spec, dtype, gemm_dim))
+        return (units_f * fwd_rate * scale / waves[0],
+                units_b * bwd_rate * scale / waves[1])
+    return (roofline_time(fwd_flops, moved, spec, dtype, gemm_dim, waves[0]),
+            roofline_time(bwd_flops, 2 * moved, spec, dtype, gemm_dim, waves[1]))
 
 
 def comm_time(nbytes: float, spec: DeviceSpec) -> float:

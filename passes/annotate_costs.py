@@ -25,8 +25,9 @@ from cost_model.measure import fake_module_cost
 from cost_model.node_cost import NodeCost
 from cost_model.roofline import node_times
 from cost_model.saved import saved_rule
+from cost_model.waves import wave_gemm
 from passes.graph_utils import copy_graph_module
-from passes.meta import COST, PARAMS, SAVED, TENSOR
+from passes.meta import COST, GEMM, PARAMS, SAVED, TENSOR
 from passes.shape_prop import TensorInfo, total_nbytes
 
 log = logging.getLogger("smp_fx.cost")
@@ -252,6 +253,9 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
     moved += sum(p.numel() * p.element_size() for p in params)
     dtype = info.dtype if isinstance(info, TensorInfo) else "float32"
     gemm = gemm_dims(op, shapes, out_shape, attrs)
+    waved = wave_gemm(op, gemm, out_shape)
+    if waved is not None:
+        GEMM.set(node, (waved, waved))
     if _plain_getitem(node, op):
         fwd_t = bwd_t = 0.0
     else:
@@ -259,7 +263,7 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
                                   out_elems=_elements(info), moved=moved, dtype=dtype,
                                   gemm_dim=min(gemm) if gemm else None,
                                   module=node.op == "call_module", backward=st.rg[node.name],
-                                  seq=gemm[2] if gemm and op == "sdpa" else None)
+                                  seq=gemm[2] if gemm and op == "sdpa" else None, gemm=waved)
     cost = NodeCost(fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_time_s=fwd_t,
                     bwd_time_s=bwd_t, param_bytes=param_bytes, output_bytes=out_bytes,
                     saved_bytes=saved, op=op, known=known)

@@ -61,10 +61,14 @@ SAVED: MetaKey[Any] = MetaKey(
 CKPT_REGION: MetaKey[Any] = MetaKey(
     "smp.ckpt_region", "passes.checkpoint_regions.Region the node is recomputed in "
     "(activation checkpointing)")
+GEMM: MetaKey[Any] = MetaKey(
+    "smp.gemm", "(priced, runs): the cost_model.waves.Gemm the node's COST was priced at and "
+    "the one this rank runs (a tensor-parallel shard); passes.annotate_costs.reprice_gemms "
+    "brings the first to the second")
 PLAIN_COST: MetaKey[Any] = MetaKey(
     "smp.plain_cost", "the node's COST without checkpointing (restored if its region is "
     "dropped)")
 
 ALL_KEYS: tuple[MetaKey[Any], ...] = (MODULE_PATH, PARAMS, TENSOR, COST, PIN, STAGE, SAVED,
                                       CKPT_REGION, PLAIN_COST, TP, TP_SPLIT, TP_GATHERED,
-                                      CP_LOCAL)
+                                      CP_LOCAL, GEMM)

@@ -34,6 +34,7 @@ from passes.partitioning.baselines import BASELINES, run_baseline
 from passes.partitioning.extract import problem_from_graph, write_stages
 from passes.partitioning.problem import make_objective
 from passes.plan import PartitionPlan, build_plan
+from passes.reprice_gemms import reprice_gemms
 from passes.runner import Pass, run_passes
 from passes.shape_prop import shape_prop
 from passes.tensor_parallel import TensorParallelism, TensorParallelPlan, tensor_parallel
@@ -176,7 +177,7 @@ def partition(costed: torch.fx.GraphModule, pconfig: PartitionConfig, *,
         assert tp is not None
         new, made = tensor_parallel(gm, tp, comm_time)
         tp_plan.append(made)
-        return new
+        return reprice_gemms(new, spec)
 
     if tp is not None and tp.size > 1:
         passes.append(Pass("tensor_parallel", shard, (meta.STAGE,), (meta.STAGE,)))

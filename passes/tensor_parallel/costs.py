@@ -15,6 +15,7 @@ import torch.fx
 
 from cost_model.collectives import ring_over
 from cost_model.node_cost import NodeCost
+from cost_model.waves import Gemm
 from passes import meta
 
 CommTime = Callable[[float], float]
@@ -47,6 +48,14 @@ def divide(cost: NodeCost, size: int, params: bool = False) -> NodeCost:
         fwd_time_s=cost.fwd_time_s / size, bwd_time_s=cost.bwd_time_s / size,
         output_bytes=cost.output_bytes // size, saved_bytes=cost.saved_bytes // size,
         param_bytes=cost.param_bytes // size if params else cost.param_bytes)
+
+
+def shard_gemm(shapes: tuple[Gemm, Gemm], row: bool, size: int) -> tuple[Gemm, Gemm]:
+    """``meta.GEMM`` of a linear's shard: the contraction split (a ``row`` linear) or the
+    outputs (column, lone), the shape it was priced at kept for
+    ``passes.reprice_gemms``."""
+    priced, runs = shapes
+    return priced, runs.shard(k_parts=size) if row else runs.shard(n_parts=size)
 
 
 def divide_saved(gm: torch.fx.GraphModule, split: Collection[str], size: int) -> None:

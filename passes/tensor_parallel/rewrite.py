@@ -233,6 +233,8 @@ def _rewrite(gm: torch.fx.GraphModule, node: torch.fx.Node, lin: Linear,
             meta.COST.set(y, cost if not pad else dataclasses.replace(  # the padded shard
                 cost, param_bytes=cost.param_bytes * (lin.out_features + pad)
                 // lin.out_features))
+        if meta.GEMM.has(node):
+            meta.GEMM.set(y, costs.shard_gemm(meta.GEMM.get(node), lin.role == "row", size))
         if lin.role != "row":  # a row linear's partial sums have the full shape
             meta.TENSOR.set(y, costs.local_info(meta.TENSOR.get(node), -1, size))
             meta.TP_SPLIT.set(y, -1)

@@ -6,7 +6,8 @@ parallelism it runs, on the graph ``smp_fx.planner.layers`` reduced to two layer
 ``shape_prop`` -> ``annotate_costs`` (node times on the device spec: GEMM efficiency by
 shape, attention, memory-bound kernels by bandwidth) -> ``tensor_parallel`` (the rewrite
 the runtime runs: sharded work divided, its all-reduces, all-gathers and reduce-scatters
-priced on the NVLink link by ``cost_model.collectives``), then sums the nodes of each part
+priced on the NVLink link by ``cost_model.collectives``) -> ``reprice_gemms`` (each
+shard's GEMMs with their own waves), then sums the nodes of each part
 (head, first layer, one repeated layer, tail) into a ``PartCost``: forward and backward
 time, the tensor-parallel share of it, the weight-gradient share (what a zero-bubble
 schedule defers: half a linear's backward), FLOPs, parameters, and the activations a
@@ -38,6 +39,7 @@ from passes import meta
 from passes.annotate_costs import annotate_costs
 from passes.attention_core import attention_cores
 from passes.checkpoint_regions import COMPUTE, Region, stage_activations
+from passes.reprice_gemms import reprice_gemms
 from passes.shape_prop import shape_prop
 from passes.tensor_parallel import TensorParallelism, tensor_parallel
 from passes.tensor_parallel.costs import COLLECTIVES
@@ -312,6 +314,7 @@ def profile(reduced: torch.fx.GraphModule, repeats: Repeats | None,
         for n in gm.graph.nodes:
             meta.STAGE.set(n, 0)
         gm, plan = tensor_parallel(gm, TensorParallelism(tp, 0, True, marked, sp), tp_comm)
+        gm = reprice_gemms(gm, spec)
         replicated = tuple(plan.replicated)
     parts, relay, output = price_parts(gm, repeats, fused)
     if fused:

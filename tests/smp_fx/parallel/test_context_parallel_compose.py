@@ -17,7 +17,8 @@ models, batches and training), one spawn going through every configuration in tu
   Mistral (the window of 32 tokens spans three chunks), GPT-NeoX, GPT-2 and BERT (its
   second example padded after 100 tokens: rank 0's chunk 7 is all padding).
 
-Loss of the global batch and every (whole) gradient at each of 3 Adam steps, and
+Loss of the global batch and every (whole) gradient at each of 3 Adam steps
+(``test_context_parallel_hf.adam``: why its eps is 1e-6), and
 ``state_dict()`` after them, within 1e-5 (fp32).
 """
 

@@ -37,7 +37,10 @@ from tests.helpers.dist import run_ranks
 from tests.helpers.twin import Twin, agree, init, on_rank
 
 FP16_TOL = 2e-3  # loss and parameters after 4 steps, fp16 weights vs the fp32 reference
-BF16_TOL = 1e-4  # each step's loss against the plain model under bf16 autocast (5e-6 seen)
+# each step's loss against the plain model under bf16 autocast: bf16 gradients rounded in
+# other orders (5e-6 seen on one CPU, 1.2e-4 on one with AMX, SGD alike), 30x under a
+# skipped step's 3e-2
+BF16_TOL = 1e-3
 CHECKS = 21
 
 

@@ -63,7 +63,7 @@ CKPT_REGION: MetaKey[Any] = MetaKey(
     "(activation checkpointing)")
 GEMM: MetaKey[Any] = MetaKey(
     "smp.gemm", "(priced, runs): the cost_model.waves.Gemm the node's COST was priced at and "
-    "the one this rank runs (a tensor-parallel shard); passes.annotate_costs.reprice_gemms "
+    "the one this rank runs (a tensor-parallel shard); passes.reprice_gemms "
     "brings the first to the second")
 PLAIN_COST: MetaKey[Any] = MetaKey(
     "smp.plain_cost", "the node's COST without checkpointing (restored if its region is "

@@ -8,6 +8,8 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -43,24 +45,29 @@ for k in range(3):
 """
 
 
-def _start(args: list[str], cwd: Path, **env: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-m", "smp_fx.cli.main", "run", "-n", "2", *args],
+@contextmanager
+def _launch(args: list[str], cwd: Path, **env: str) -> Iterator[subprocess.Popen[str]]:
+    """``smp-fx run -n 2`` with ``args``; killed on leaving if it still runs (a failure or
+    a timeout while waiting on it)."""
+    proc = subprocess.Popen([sys.executable, "-m", "smp_fx.cli.main", "run", "-n", "2", *args],
                             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "SMP_FX_TIMEOUT_S": "60", **env})
-
-
-def _finish(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
     try:
-        out, err = proc.communicate(timeout=240)
+        yield proc
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
+
+
+def _finish(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+    out, err = proc.communicate(timeout=240)
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 def _run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    return _finish(_start(args, cwd, **env))
+    with _launch(args, cwd, **env) as proc:
+        return _finish(proc)
 
 
 @pytest.mark.multiproc
@@ -84,17 +91,12 @@ def test_a_stuck_rank_is_named_by_every_log(tmp_path: Path) -> None:
 def test_killed_mid_step_restarts_and_resumes_to_the_uninterrupted_result(tmp_path: Path
                                                                           ) -> None:
     script = str(REPO / "examples" / "train_resume.py")
-    launch = _start(["--max-restarts", "1", script, "--ckpt", str(tmp_path / "ck.pt"),
-                     "--steps", "5", "--crash-at", "2", "--out", str(tmp_path / "final.pt")],
-                    tmp_path)
-    try:  # the reference, one process, runs while the launch does
+    with _launch(["--max-restarts", "1", script, "--ckpt", str(tmp_path / "ck.pt"), "--steps",
+                  "5", "--crash-at", "2", "--out", str(tmp_path / "final.pt")],
+                 tmp_path) as launch:  # the reference, one process, runs while the launch does
         run_script(script, "--ckpt", str(tmp_path / "ref.pt"), "--steps", "5", "--out",
                    str(tmp_path / "ref_final.pt"), timeout=120)
-    except BaseException:
-        launch.kill()
-        launch.communicate()
-        raise
-    res = _finish(launch)
+        res = _finish(launch)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "rank 0: resumed at step 2" in res.stdout and "rank 1: resumed at step 2" in res.stdout
     assert "smp-fx run: attempt0: " in res.stderr  # the line names rank 1 if rank 0 reported

@@ -71,7 +71,7 @@ def get_ep_process_group() -> Any:
     st = _state.get()
     if "ep" not in st.groups:  # degree 1: a group of this rank alone
         st.groups["ep"] = st.groups["world"] if st.world_size == 1 else \
-            dist.new_group([st.rank], use_local_synchronization=True)
+            _state.new_group([st.rank], use_local_synchronization=True)
     return st.groups["ep"]
 
 

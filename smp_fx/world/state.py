@@ -10,6 +10,7 @@ process group is the world group of one.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -44,6 +45,9 @@ class State:
     """axis -> a gloo ProcessGroup with the same ranks, for pickled Python objects."""
     created: tuple[Any, ...] = field(default=(), repr=False)
     """The non-default groups this init created (destroyed by ``_reset``)."""
+    owned: list[Any] = field(default_factory=list, repr=False, compare=False)
+    """The groups created for this state after ``smp.init`` (``new_group``: pipeline
+    channels, sharding meshes, tied weights), destroyed by ``_reset`` with ``created``."""
 
     @property
     def rank(self) -> int:
@@ -138,8 +142,21 @@ def _reset() -> None:
     if state.owns_default_group:
         dist.destroy_process_group()
         return
-    for pg in state.created:
+    for pg in (*state.created, *state.owned):
         dist.destroy_process_group(pg)
+    state.owned.clear()
+
+
+def new_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
+    """``dist.new_group`` (collective over the world: every rank calls it, in one order)
+    for a part of the runtime built after ``smp.init``; ``_reset`` destroys it on its
+    members. A group left alive keeps gloo's connection thread and workers: idle, 300
+    groups cost a rank 15 % of a core (a process that calls ``smp.init`` again, as the
+    tests do, would pile them up)."""
+    pg = dist.new_group(None if ranks is None else list(ranks), **kwargs)
+    if _STATE is not None and pg is not None and pg is not dist.GroupMember.NON_GROUP_MEMBER:
+        _STATE.owned.append(pg)
+    return pg
 
 
 def build_groups(topology: Topology, rank: int, backend: str, in_process: bool,

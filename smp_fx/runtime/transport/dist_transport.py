@@ -21,7 +21,7 @@ from smp_fx.runtime.executor.failures import wait_failed
 from smp_fx.runtime.executor.lowering import CHANNELS, stage_name
 from smp_fx.runtime.transport import wire
 from smp_fx.runtime.transport.buffers import BufferPool
-from smp_fx.world import order_mode
+from smp_fx.world import order_mode, state
 
 _Key = tuple[int, int, str]  # (sending stage, receiving stage, channel): one stream
 
@@ -105,7 +105,7 @@ class DistTransport:
         every rank. Two streams between two ranks never share a group, so each keeps its
         own order."""
         ranks = list(range(dist.get_world_size()))
-        return {(channel, src, dst): dist.new_group(ranks, backend=backend)
+        return {(channel, src, dst): state.new_group(ranks, backend=backend)
                 for src in range(lanes) for dst in range(lanes) for channel in CHANNELS}
 
     def _group(self, key: _Key) -> Any:

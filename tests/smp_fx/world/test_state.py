@@ -1,7 +1,8 @@
-"""``smp.reset()`` on real gloo ranks destroys every process group smp-fx made for the state
-it ends: ``smp.init``'s axis groups and the ones made after it (the pipeline's channels,
-tied weights' groups), so a process that calls ``smp.init`` again does not pile up gloo's
-connection threads; the world group the script made stays."""
+"""The state's reset (``smp_fx.world.state._reset``, what a process that calls ``smp.init``
+again starts from) on real gloo ranks destroys every process group smp-fx made for that
+state: ``smp.init``'s axis groups and the ones made after it (the pipeline's channels, tied
+weights' groups), so such a process does not pile up gloo's connection threads; the world
+group the script made stays."""
 
 from __future__ import annotations
 
@@ -51,7 +52,6 @@ def _one_init() -> dict[str, int]:
     owned = len(state.get().owned)
     loops = _gloo_loops()
     del model, step
-    smp.reset()
     state._reset()
     gc.collect()
     return {"owned": owned, "loops": loops, "after": _gloo_loops()}

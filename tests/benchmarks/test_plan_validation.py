@@ -139,3 +139,24 @@ def test_a_refused_row_is_printed_and_counted(capsys: pytest.CaptureFixture[str]
     out = capsys.readouterr().out
     assert re.search(r"gpt3-on-16 +refused: no plan fits in GPU memory", out), out
     assert "H100: 0 runs priced, 1 refused; none priced" in out
+
+
+def test_korthikanti_rows_read_tables_3_and_5() -> None:
+    """Korthikanti et al. (arXiv 2205.05198): Table 3's four configurations at Table 5's
+    iteration times, with sequence parallelism and selective recomputation and with full
+    recomputation alone, and the 530B at 8-way data parallelism (section 6.3); their step
+    times under Megatron's model FLOP count give the MFU the paper states (of the A100's
+    312 TFLOP/s)."""
+    rows = {r.id: r for r in pv.read_runs() if r.id.startswith("korthikanti-")}
+    assert len(rows) == 9
+    for r in rows.values():
+        assert (r.seq, r.vocab, r.tp) == (2048, 51200, 8), r.id
+        assert r.mbs == (4 if r.layers == 48 else 1), r.id  # the 22B: one microbatch of 4
+        assert r.dp == r.gpus // (r.tp * r.pp) == (8 if r.id.endswith("-dp8") else 1), r.id
+        assert r.global_batch == r.dp * {48: 4, 96: 64, 105: 280, 128: 512}[r.layers], r.id
+        assert (r.recompute, r.sp) in (("selective", True), ("full", False)), r.id
+        assert r.vp == (3 if r.layers in (96, 105) else 1), r.id
+    for size, mfu in (("22b", 0.415), ("175b", 0.514), ("530b", 0.560), ("1t", 0.563),
+                      ("530b", 0.542)):
+        row = rows[f"korthikanti-a100-{size}-selective-sp" + ("-dp8" if mfu == 0.542 else "")]
+        assert abs(row.tflops_per_gpu / 312 - mfu) < 0.003, (row.id, row.tflops_per_gpu / 312)

@@ -40,6 +40,7 @@ from cost_model.errors import SMPError  # noqa: E402
 from cost_model.gpu_specs import FITTED_ON, with_attention  # noqa: E402
 from smp_fx.planner.hf_config import prepare_config  # noqa: E402
 from smp_fx.planner.model import Prepared, prepare  # noqa: E402
+from smp_fx.planner.overlap import RUNTIMES  # noqa: E402
 from smp_fx.planner.planner import plan  # noqa: E402
 from smp_fx.planner.step import Setting  # noqa: E402
 
@@ -143,6 +144,9 @@ def read_runs(path: Path = DATA) -> list[Run]:
     for r in csv.DictReader(lines):
         def opt(key: str, row: dict[str, str] = r) -> int | None:
             return int(row[key]) if row[key].strip() else None
+        if r["runtime"] not in RUNTIMES:
+            raise ValueError(f"row {r['id']}: runtime {r['runtime']!r} is none of {RUNTIMES} "
+                             "(the file's header says what each prices)")
         config = r["config"].strip() or None
         shape = config_shape(config) if config else {
             k: int(r[k]) for k in ("layers", "hidden", "heads", "vocab")}

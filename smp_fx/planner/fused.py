@@ -166,6 +166,27 @@ def fused_saved(nodes: Sequence[torch.fx.Node], head: Collection[str] = ()) -> i
     return sum(kept.values()) + extra
 
 
+def gathered_surplus(nodes: Sequence[torch.fx.Node],
+                     skip: Collection[torch.fx.Node] = ()) -> int:
+    """Bytes the ops of ``nodes`` (but ``skip``) keep of a gathered sequence beyond its
+    chunk: smp-fx's linear saves the sequence-parallel input it gathered, Megatron keeps
+    the 1/t chunk and gathers it again in backward (Korthikanti et al. 2022, section
+    4.2.2), ``4sbh (1 - 1/t)`` a GPT layer (its QKV and first MLP linears). The rule that
+    ``fused_saved`` applies under Megatron-Core's kernels, for Megatron-LM's op-by-op
+    accounting (``smp_fx.planner.overlap.MEGATRON_LM``)."""
+    graph = {n.name: n for n in nodes[0].graph.nodes} if nodes else {}
+    surplus: dict[str, int] = {}
+    for n in nodes:
+        saved = meta.SAVED.get(n) if n.op in COMPUTE and n not in skip else None
+        for key, nbytes in saved.keys if saved is not None else ():
+            owner = graph.get(key.split("[", 1)[0].split("#", 1)[0])
+            if owner is None or meta.TP.get(owner) != GATHER or key in surplus:
+                continue
+            chunk = _laid_out(owner, ())
+            surplus[key] = max(0, nbytes - (_nbytes(chunk) if chunk is not owner else nbytes))
+    return sum(surplus.values())
+
+
 def elementwise_saving(nodes: Sequence[torch.fx.Node], spec: DeviceSpec
                        ) -> tuple[float, float]:
     """(forward, backward) seconds saved by running each element-wise group of ``nodes``
@@ -214,4 +235,5 @@ def _keys(core: Sequence[torch.fx.Node]) -> float | None:
     return None
 
 
-__all__ = ["KERNELS", "LAYOUT", "eager_cores", "elementwise_saving", "fused_saved"]
+__all__ = ["KERNELS", "LAYOUT", "eager_cores", "elementwise_saving", "fused_saved",
+           "gathered_surplus"]

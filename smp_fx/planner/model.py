@@ -24,7 +24,7 @@ from cost_model.device import DeviceSpec
 from cost_model.gpu_specs import with_te_attention
 from passes.trace import Frontend, trace
 from smp_fx.planner.layers import Repeats, find_repeats, keep_layers, tidy
-from smp_fx.planner.overlap import MEGATRON_CORE, SMP_FX
+from smp_fx.planner.overlap import MEGATRON_CORE, MEGATRON_LM, SMP_FX
 from smp_fx.planner.profile import Profile, costed, profile
 
 Inputs = Callable[[int], tuple[Any, ...]]
@@ -127,7 +127,8 @@ class Profiler:
             p = self.prepared
             self._cache[key] = profile(p.graph, p.repeats, p.inputs, mbs, tp, sp,
                                        self.device, self.tp_comm(tp), self.marked,
-                                       self.runtime == MEGATRON_CORE, self.costed(mbs))
+                                       self.runtime == MEGATRON_CORE, self.costed(mbs),
+                                       self.runtime == MEGATRON_LM)
         return self._cache[key]
 
     def costed(self, mbs: int) -> torch.fx.GraphModule:

@@ -18,7 +18,12 @@ from cost_model.schedule_cost import RankTimes
 
 SMP_FX = "smp-fx"
 MEGATRON_CORE = "megatron-core"
-RUNTIMES = (SMP_FX, MEGATRON_CORE)
+MEGATRON_LM = "megatron-lm"
+"""Megatron-LM as its SC'21 and 2022 papers ran it: priced as smp-fx's runtime (op by op,
+its overlaps), but for the activations a sequence-parallel linear keeps: the 1/t chunk
+it gathers again in backward, as Megatron does (``smp_fx.planner.fused.gathered_surplus``),
+not the gathered sequence smp-fx's linear saves."""
+RUNTIMES = (SMP_FX, MEGATRON_CORE, MEGATRON_LM)
 """Whose runtime a plan is priced as (``Setting.runtime``)."""
 
 
@@ -89,5 +94,6 @@ def megatron_logits(output_bytes: int, tp: int, cp: int, last: bool) -> int:
     return 2 * output_bytes // (tp * cp) if last else 0
 
 
-__all__ = ["GRADS", "MEGATRON_CORE", "RUNTIMES", "SMP_FX", "hide_tp", "megatron_bucket_elems",
-           "megatron_logits", "megatron_memory", "megatron_precision", "overlapped"]
+__all__ = ["GRADS", "MEGATRON_CORE", "MEGATRON_LM", "RUNTIMES", "SMP_FX", "hide_tp",
+           "megatron_bucket_elems", "megatron_logits", "megatron_memory", "megatron_precision",
+           "overlapped"]

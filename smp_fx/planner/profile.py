@@ -45,7 +45,7 @@ from passes.tensor_parallel import TensorParallelism, tensor_parallel
 from passes.tensor_parallel.costs import COLLECTIVES
 from smp_fx.planner.exchange import dispatch_bytes, expert_ids, kv_bytes
 from smp_fx.planner.expert_gemm import GroupedGemm, grouped_gemms
-from smp_fx.planner.fused import elementwise_saving, fused_saved
+from smp_fx.planner.fused import elementwise_saving, fused_saved, gathered_surplus
 from smp_fx.planner.layers import KEPT, Repeats, layer_of
 
 RECOMPUTE = ("none", "selective", "full")
@@ -186,7 +186,7 @@ def _param_table(gm: torch.fx.GraphModule) -> dict[str, tuple[int, int, bool]]:
 def _part_cost(nodes: list[torch.fx.Node], later: set[torch.fx.Node], layer: bool,
                table: dict[str, tuple[int, int, bool]], readers: dict[int, int],
                names: dict[int, str], experts: dict[int, int],
-               fused: frozenset[str] | None = None) -> PartCost:
+               fused: frozenset[str] | None = None, sp_chunk: bool = False) -> PartCost:
     costs = [meta.COST.get(n) for n in nodes if meta.COST.get(n) is not None]
     tp_f = tp_b = wgrad = 0.0
     for n in nodes:
@@ -200,6 +200,7 @@ def _part_cost(nodes: list[torch.fx.Node], later: set[torch.fx.Node], layer: boo
     saved = stage_activations(list(nodes)).saved
     saved_full = transient_full = saved
     saved_sel, transient_sel, sel_s, sel_flops = saved, 0, 0.0, 0.0
+    recomputed: set[torch.fx.Node] = set()
     if layer:
         compute = [n for n in nodes if n.op in COMPUTE]
         saved_full, transient_full = _with_regions(nodes, [compute])
@@ -208,6 +209,10 @@ def _part_cost(nodes: list[torch.fx.Node], later: set[torch.fx.Node], layer: boo
             saved_sel, transient_sel = _with_regions(nodes, cores)
             sel_s = sum(meta.COST.get(n).fwd_time_s for c in cores for n in c)
             sel_flops = sum(meta.COST.get(n).fwd_flops for c in cores for n in c)
+            recomputed = {n for c in cores for n in c}
+    if sp_chunk and fused is None:  # Megatron-LM keeps a gathered sequence's chunk
+        saved_sel -= gathered_surplus(nodes, recomputed)
+        saved -= gathered_surplus(nodes)
     if fused is not None:  # Megatron-Core's kernels; its flash attention keeps no scores
         saved = fused_saved(nodes, fused if layer else ())
         if layer:
@@ -254,11 +259,13 @@ def _nbytes(node: torch.fx.Node) -> int:
     return sum(int(getattr(x, "nbytes", 0) or 0) for x in infos)
 
 
-def price_parts(gm: torch.fx.GraphModule, repeats: Repeats | None, fused: bool = False
-                ) -> tuple[list[PartCost], int, int]:
+def price_parts(gm: torch.fx.GraphModule, repeats: Repeats | None, fused: bool = False,
+                sp_chunk: bool = False) -> tuple[list[PartCost], int, int]:
     """Sum a costed (and maybe tensor-parallel) graph's nodes into its parts; also the
     bytes of head values the repeated layer reads and of the model's outputs; ``fused``:
-    activations as Megatron-Core keeps them (``smp_fx.planner.fused``)."""
+    activations as Megatron-Core keeps them (``smp_fx.planner.fused``); ``sp_chunk``: op
+    by op, but a gathered sequence kept as its chunk, as Megatron-LM keeps it
+    (``smp_fx.planner.fused.gathered_surplus``)."""
     parts = split_parts(gm, repeats)
     table = _param_table(gm)
     experts = expert_ids(gm)
@@ -279,7 +286,8 @@ def price_parts(gm: torch.fx.GraphModule, repeats: Repeats | None, fused: bool =
     for i, nodes in enumerate(parts):
         later = {n for n, j in part_of.items() if j > i}
         layer = repeats is not None and 1 <= i <= KEPT
-        out.append(_part_cost(nodes, later, layer, table, counts, names, experts, head))
+        out.append(_part_cost(nodes, later, layer, table, counts, names, experts, head,
+                              sp_chunk))
     relay = 0
     if repeats is not None:
         repeated = set(parts[KEPT])
@@ -300,14 +308,15 @@ def profile(reduced: torch.fx.GraphModule, repeats: Repeats | None,
             inputs: Callable[[int], tuple[Any, ...]], mbs: int, tp: int, sp: bool,
             spec: DeviceSpec, tp_comm: Callable[[float], float] | None,
             marked: tuple[str, ...] = ("",), fused: bool = False,
-            graph: torch.fx.GraphModule | None = None) -> Profile:
+            graph: torch.fx.GraphModule | None = None, sp_chunk: bool = False) -> Profile:
     """Price ``reduced`` (``smp_fx.planner.layers.keep_layers``, or the whole graph when
     ``repeats`` is None) for one microbatch of ``mbs`` samples (``inputs(mbs)``) at tensor
     parallel degree ``tp`` (Megatron semantics: the tp ranks share the batch; ``marked``
     module paths are sharded, the whole model by default) with ``sp`` sequence
     parallelism; ``tp_comm(bytes)`` is one message on the tensor-parallel link; ``fused``:
     as Megatron-Core runs it (``price_parts``); ``graph``: ``costed(reduced, inputs, mbs,
-    spec)`` when the caller has it."""
+    spec)`` when the caller has it; ``sp_chunk``: a gathered sequence kept as its chunk
+    (``price_parts``)."""
     gm = graph if graph is not None else costed(reduced, inputs, mbs, spec)
     replicated: tuple[tuple[str, str], ...] = ()
     if tp > 1:
@@ -316,7 +325,7 @@ def profile(reduced: torch.fx.GraphModule, repeats: Repeats | None,
         gm, plan = tensor_parallel(gm, TensorParallelism(tp, 0, True, marked, sp), tp_comm)
         gm = reprice_gemms(gm, spec)
         replicated = tuple(plan.replicated)
-    parts, relay, output = price_parts(gm, repeats, fused)
+    parts, relay, output = price_parts(gm, repeats, fused, sp_chunk)
     if fused:
         parts = [_fused_times(part, nodes, spec)
                  for part, nodes in zip(parts, split_parts(gm, repeats), strict=True)]

@@ -94,7 +94,9 @@ class Setting:
     Adam on CUDA, ``foreach``; ``cost_model.memory``)."""
     runtime: str = "smp-fx"
     """Whose overlaps price the step: smp-fx's, or ``"megatron-core"``'s
-    (``smp_fx.planner.overlap``), to price runs published with Megatron-Core."""
+    (``smp_fx.planner.overlap``), to price runs published with Megatron-Core; or
+    ``"megatron-lm"`` (smp-fx's, with Megatron's sequence-parallel activations) for runs
+    published with Megatron-LM (``overlap.MEGATRON_LM``)."""
     cp_local_outputs: bool = False
     """Under cp the outputs stay each rank's tokens (a loss inside the model, or
     ``context_parallel_local_outputs``): 1/cp of them held (``cost_model.memory``)."""

@@ -126,6 +126,16 @@ def test_a_row_prices_at_its_published_configuration(row: str) -> None:
         assert pv.price(mine, prep)[0] < pv.price(theirs, prep)[0]
 
 
+def test_a_row_of_an_unknown_runtime_is_an_error(tmp_path: Path) -> None:
+    lines = pv.DATA.read_text().splitlines()
+    row = next(x for x in lines if x.startswith("korthikanti-a100-22b-full,"))
+    data = tmp_path / "runs.csv"
+    data.write_text("\n".join([*(x for x in lines if x.startswith(("#", "id,"))),
+                               row.replace(",megatron-lm,", ",megatron,")]) + "\n")
+    with pytest.raises(ValueError, match="runtime 'megatron' is none of"):
+        pv.read_runs(data)
+
+
 def test_a_refused_row_is_printed_and_counted(capsys: pytest.CaptureFixture[str],
                                               tmp_path: Path) -> None:
     lines = pv.DATA.read_text().splitlines()
@@ -156,6 +166,7 @@ def test_korthikanti_rows_read_tables_3_and_5() -> None:
         assert r.global_batch == r.dp * {48: 4, 96: 64, 105: 280, 128: 512}[r.layers], r.id
         assert (r.recompute, r.sp) in (("selective", True), ("full", False)), r.id
         assert r.vp == (3 if r.layers in (96, 105) else 1), r.id
+        assert r.runtime == "megatron-lm", r.id  # its sequence-parallel activations
     for size, mfu in (("22b", 0.415), ("175b", 0.514), ("530b", 0.560), ("1t", 0.563),
                       ("530b", 0.542)):
         row = rows[f"korthikanti-a100-{size}-selective-sp" + ("-dp8" if mfu == 0.542 else "")]

@@ -18,9 +18,8 @@ def hybrid_mesh(groups: Sequence[Sequence[int]], shard: int, rank: int, whole: A
     in creation order): sharded over consecutive ``shard`` of its ranks, replicated over
     the rest (HSDP); ``whole`` is the process group of the whole group. Every rank creates
     every sub-group in one order first (``new_group`` is collective over the world)."""
+    import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
-
-    from smp_fx.world import state
 
     mine = next(list(g) for g in groups if rank in g)
     # DTensor caches sharding results holding meshes by value (ranks, names): a mesh of a
@@ -35,10 +34,10 @@ def hybrid_mesh(groups: Sequence[Sequence[int]], shard: int, rank: int, whole: A
     for ranks in groups:
         grid = [list(ranks[i:i + shard]) for i in range(0, len(ranks), shard)]
         for row in grid:
-            g = state.new_group(row)
+            g = dist.new_group(row)
             shard_of.update({r: g for r in row})
         for col in zip(*grid):
-            g = state.new_group(col)
+            g = dist.new_group(list(col))
             rep_of.update({r: g for r in col})
     layout = torch.tensor(mine).view(len(mine) // shard, shard)
     return DeviceMesh.from_group([rep_of[rank], shard_of[rank]], device_type, mesh=layout,

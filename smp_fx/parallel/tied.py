@@ -138,7 +138,7 @@ def tied_groups(program: StagedProgram, st: state.State, canonical: dict[str, st
     for owner_ranks, canons in sorted(by_owner_set.items()):
         for pipeline in st.topology.groups("pp"):
             ranks = [pipeline[r] for r in sorted(owner_ranks)]
-            group = state.new_group(ranks)
+            group = dist.new_group(ranks)
             if st.rank in ranks:  # local_named_parameters() names them canonically too
                 out.append((group, list(canons)))
     return out

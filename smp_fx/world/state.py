@@ -46,8 +46,8 @@ class State:
     created: tuple[Any, ...] = field(default=(), repr=False)
     """The non-default groups this init created (destroyed by ``_reset``)."""
     owned: list[Any] = field(default_factory=list, repr=False, compare=False)
-    """The groups created for this state after ``smp.init`` (``new_group``: pipeline
-    channels, sharding meshes, tied weights), destroyed by ``_reset`` with ``created``."""
+    """Groups made for this state after ``smp.init`` (``new_group``: a lone ep group),
+    destroyed by ``_reset`` with ``created``."""
 
     @property
     def rank(self) -> int:
@@ -149,14 +149,36 @@ def _reset() -> None:
 
 def new_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
     """``dist.new_group`` (collective over the world: every rank calls it, in one order)
-    for a part of the runtime built after ``smp.init``; ``_reset`` destroys it on its
-    members. A group left alive keeps gloo's connection thread and workers: idle, 300
-    groups cost a rank 15 % of a core (a process that calls ``smp.init`` again, as the
-    tests do, would pile them up)."""
+    for the state's own use after ``smp.init``; ``_reset`` destroys it on its members."""
     pg = dist.new_group(None if ranks is None else list(ranks), **kwargs)
     if _STATE is not None and pg is not None and pg is not dist.GroupMember.NON_GROUP_MEMBER:
         _STATE.owned.append(pg)
     return pg
+
+
+_SHARED: dict[tuple[Any, ...], Any] = {}
+_SHARED_WORLD: list[Any] = []
+
+
+def shared_group(tag: tuple[Any, ...], ranks: Sequence[int] | None = None,
+                 backend: str | None = None) -> Any:
+    """A process group of ``ranks`` (the world's by default) made once per default group
+    and ``tag`` and handed to every later caller: the pipeline's channel groups, which
+    every ``DistributedModel`` of the process shares. Each is quiescent between steps (a
+    step ends with every receive met and every send waited: ``DistTransport.finish``), so
+    models whose steps run one after another can share it; a model still used after the
+    state's reset keeps working, and a process that calls ``smp.init`` again holds one set,
+    not one per model (a gloo group keeps a connection thread and two workers alive: 300
+    idle groups cost a rank 15 % of a core). Collective on first use, as ``new_group``."""
+    world = dist.group.WORLD
+    if not _SHARED_WORLD or _SHARED_WORLD[0] is not world:  # a new default group
+        _SHARED.clear()
+        _SHARED_WORLD[:] = [world]
+    key = (backend, tuple(ranks) if ranks is not None else None, *tag)
+    if key not in _SHARED:
+        _SHARED[key] = dist.new_group(None if ranks is None else list(ranks),
+                                      backend=backend)
+    return _SHARED[key]
 
 
 def build_groups(topology: Topology, rank: int, backend: str, in_process: bool,

@@ -103,9 +103,10 @@ class DistTransport:
                     ) -> dict[tuple[str, int, int], Any]:
         """A process group per channel and (sending, receiving) lane; collective, in one order on
         every rank. Two streams between two ranks never share a group, so each keeps its
-        own order."""
+        own order; the models of a process share them (``state.shared_group``)."""
         ranks = list(range(dist.get_world_size()))
-        return {(channel, src, dst): state.new_group(ranks, backend=backend)
+        return {(channel, src, dst): state.shared_group(("pipeline", channel, src, dst), ranks,
+                                                        backend)
                 for src in range(lanes) for dst in range(lanes) for channel in CHANNELS}
 
     def _group(self, key: _Key) -> Any:

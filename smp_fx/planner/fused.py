@@ -22,7 +22,7 @@ core at the device's attention rate (``sdpa``) on its two matmuls' FLOPs.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch.fx
 
@@ -63,6 +63,13 @@ def _nbytes(n: torch.fx.Node) -> int:
     info = meta.TENSOR.get(n)
     infos = info if isinstance(info, tuple) else (info,)
     return sum(int(getattr(x, "nbytes", 0) or 0) for x in infos)
+
+
+def _owners(nodes: Sequence[torch.fx.Node]) -> Callable[[str], torch.fx.Node | None]:
+    """The node a saved-value key of ``nodes``' graph names (``passes.annotate_costs``'s
+    ``name[index]`` / ``name#version`` keys), or None for one the graph no longer has."""
+    graph = {n.name: n for n in nodes[0].graph.nodes} if nodes else {}
+    return lambda key: graph.get(key.split("[", 1)[0].split("#", 1)[0])
 
 
 def _laid_out(n: torch.fx.Node, head: Collection[str]) -> torch.fx.Node:
@@ -131,7 +138,7 @@ def _groups(nodes: Sequence[torch.fx.Node], head: Collection[str],
 def fused_saved(nodes: Sequence[torch.fx.Node], head: Collection[str] = ()) -> int:
     """Bytes one microbatch keeps on ``nodes`` under Megatron-Core's kernels (module
     docstring); ``head``: names of the head's nodes, whose values a layer does not count."""
-    graph = {n.name: n for n in nodes[0].graph.nodes} if nodes else {}
+    owner_of = _owners(nodes)
     core = {n.name: i for i, c in enumerate(eager_cores(nodes)) for n in c}
     group = _groups(nodes, head, core)
     kept: dict[str, int] = {}
@@ -146,7 +153,7 @@ def fused_saved(nodes: Sequence[torch.fx.Node], head: Collection[str] = ()) -> i
             continue
         extra += 0 if in_core else saved.extra
         for key, nbytes in saved.keys:
-            owner = graph.get(key.split("[", 1)[0].split("#", 1)[0])
+            owner = owner_of(key)
             if owner is None:  # a node the tensor-parallel rewrite replaced: a linear's
                 kept[key] = nbytes  # output, its bytes already this rank's
                 continue
@@ -174,16 +181,16 @@ def gathered_surplus(nodes: Sequence[torch.fx.Node],
     4.2.2), ``4sbh (1 - 1/t)`` a GPT layer (its QKV and first MLP linears). The rule that
     ``fused_saved`` applies under Megatron-Core's kernels, for Megatron-LM's op-by-op
     accounting (``smp_fx.planner.overlap.MEGATRON_LM``)."""
-    graph = {n.name: n for n in nodes[0].graph.nodes} if nodes else {}
+    owner_of = _owners(nodes)
     surplus: dict[str, int] = {}
     for n in nodes:
         saved = meta.SAVED.get(n) if n.op in COMPUTE and n not in skip else None
         for key, nbytes in saved.keys if saved is not None else ():
-            owner = graph.get(key.split("[", 1)[0].split("#", 1)[0])
+            owner = owner_of(key)
             if owner is None or meta.TP.get(owner) != GATHER or key in surplus:
                 continue
-            chunk = _laid_out(owner, ())
-            surplus[key] = max(0, nbytes - (_nbytes(chunk) if chunk is not owner else nbytes))
+            chunk = _laid_out(owner, ())  # the gather's input: what Megatron keeps
+            surplus[key] = 0 if chunk is owner else max(0, nbytes - _nbytes(chunk))
     return sum(surplus.values())
 
 

@@ -211,8 +211,9 @@ def _part_cost(nodes: list[torch.fx.Node], later: set[torch.fx.Node], layer: boo
             sel_flops = sum(meta.COST.get(n).fwd_flops for c in cores for n in c)
             recomputed = {n for c in cores for n in c}
     if sp_chunk and fused is None:  # Megatron-LM keeps a gathered sequence's chunk
-        saved_sel -= gathered_surplus(nodes, recomputed)
-        saved -= gathered_surplus(nodes)
+        surplus = gathered_surplus(nodes)
+        saved_sel -= gathered_surplus(nodes, recomputed) if recomputed else surplus
+        saved -= surplus
     if fused is not None:  # Megatron-Core's kernels; its flash attention keeps no scores
         saved = fused_saved(nodes, fused if layer else ())
         if layer:

@@ -18,6 +18,7 @@ from torch import nn
 import smp_fx as smp
 from smp_fx.world import state
 from tests.helpers.dist import run_ranks
+from tests.helpers.numerics import init
 
 
 def _gloo_loops() -> int:
@@ -42,9 +43,7 @@ def _gloo_loops() -> int:
 
 
 def _init() -> None:
-    state._reset()
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "pipeline": "interleaved",
-              "virtual_pipeline_degree": 2})
+    init(2, 2, "interleaved", virtual_pipeline_degree=2)  # resets the state first
 
 
 @smp.step

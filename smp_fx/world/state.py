@@ -10,6 +10,7 @@ process group is the world group of one.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -24,6 +25,8 @@ from smp_fx.config import SMPConfig
 from smp_fx.topology import Topology
 from smp_fx.world import order_mode, state_api
 from smp_fx.world.launch import LaunchInfo
+
+log = logging.getLogger(__name__)
 
 AXES_BUILT: tuple[str, ...] = ("mp", "dp", "pp", "tp", "rdp", "cp")  # creation order, every rank
 
@@ -158,6 +161,8 @@ def new_group(ranks: Sequence[int] | None = None, **kwargs: Any) -> Any:
 
 _SHARED: dict[tuple[Any, ...], Any] = {}
 _SHARED_WORLD: list[Any] = []
+_SHARED_SPOILT: list[str] = []
+"""Why the shared groups may not serve another model (empty: they may)."""
 
 
 def shared_group(tag: tuple[Any, ...], ranks: Sequence[int] | None = None,
@@ -169,7 +174,8 @@ def shared_group(tag: tuple[Any, ...], ranks: Sequence[int] | None = None,
     models whose steps run one after another can share it; a model still used after the
     state's reset keeps working, and a process that calls ``smp.init`` again holds one set,
     not one per model (a gloo group keeps a connection thread and two workers alive: 300
-    idle groups cost a rank 15 % of a core). Collective on first use, as ``new_group``."""
+    idle groups cost a rank 15 % of a core). Collective on first use, as ``new_group``;
+    ``renew_spoilt_shared`` replaces them after a failed step."""
     world = dist.group.WORLD
     if not _SHARED_WORLD or _SHARED_WORLD[0] is not world:  # a new default group
         _SHARED.clear()
@@ -179,6 +185,36 @@ def shared_group(tag: tuple[Any, ...], ranks: Sequence[int] | None = None,
         _SHARED[key] = dist.new_group(None if ranks is None else list(ranks),
                                       backend=backend)
     return _SHARED[key]
+
+
+def spoil_shared(reason: str) -> None:
+    """Mark the shared groups as unfit for another model: a step failed while they carried
+    its messages (a receive left posted, a send unmet, or a connection that gloo closed on
+    a timeout), which a later model's step would meet instead of its own."""
+    if not _SHARED_SPOILT:
+        _SHARED_SPOILT.append(reason)
+
+
+def renew_spoilt_shared(group: Any = None) -> bool:
+    """Collective over the world (every rank, before it takes shared groups for a model):
+    if a step failed on any rank since the last call (``spoil_shared``), every rank drops
+    its shared groups, so the groups handed out next are new ones, made in one order on
+    every rank. The dropped ones stay with the models that hold them (their pending work
+    is not waited on). ``group``: the world's gloo group for the flag (default: the state's
+    object group, or the default group without ``smp.init``). True when they were
+    dropped."""
+    if group is None:
+        group = _STATE.object_group("world") if _STATE is not None else dist.group.WORLD
+    flag = torch.tensor([1 if _SHARED_SPOILT else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    reason = _SHARED_SPOILT[0] if _SHARED_SPOILT else "a step failed on another rank"
+    _SHARED_SPOILT.clear()
+    if not int(flag.item()):
+        return False
+    log.warning("smp-fx: the pipeline's process groups are made anew for this model: %s; "
+                "the earlier ones may still hold that step's messages", reason)
+    _SHARED.clear()
+    return True
 
 
 def build_groups(topology: Topology, rank: int, backend: str, in_process: bool,

@@ -190,6 +190,8 @@ class Executor:
             if late is None:
                 late = self._check_step(run, asked)  # after finish: ready for the next
         except BaseException as exc:
+            self.transport.abandon(f"a step failed on rank {self.options.rank} "
+                                   f"({type(exc).__name__})")
             self.flight.failed(exc)
             raise
         finally:

@@ -103,7 +103,9 @@ class DistTransport:
                     ) -> dict[tuple[str, int, int], Any]:
         """A process group per channel and (sending, receiving) lane; collective, in one order on
         every rank. Two streams between two ranks never share a group, so each keeps its
-        own order; the models of a process share them (``state.shared_group``)."""
+        own order; the models of a process share them (``state.shared_group``), new ones
+        after a step failed on any rank (``state.renew_spoilt_shared``)."""
+        state.renew_spoilt_shared()
         ranks = list(range(dist.get_world_size()))
         return {(channel, src, dst): state.shared_group(("pipeline", channel, src, dst), ranks,
                                                         backend)
@@ -360,6 +362,15 @@ class DistTransport:
         if self.on_block is not None and not work.is_completed():
             self.on_block()
         work.wait(self.timeout)
+
+    def abandon(self, reason: str) -> None:
+        """The step failed: its receives posted ahead and its unmet sends stay on the shared
+        groups (and gloo closes a group's connection on a timeout), so the groups serve no
+        later model (``state.spoil_shared``); this transport forgets the step's streams."""
+        state.spoil_shared(reason)
+        self._posted.clear()
+        self._left.clear()
+        self._to_send.clear()
 
     def finish(self) -> None:
         """Wait for this step's sends (their buffers stay alive until then)."""

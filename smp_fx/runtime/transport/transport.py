@@ -45,6 +45,9 @@ class Transport(Protocol):
     def finish(self) -> None:
         """The step is over: wait for its sends; raise if a message went astray."""
 
+    def abandon(self, reason: str) -> None:
+        """The step failed: nothing it left in flight may meet a later step's message."""
+
 
 def _cut(t: torch.Tensor, device: torch.device | None, streams: ts.TransferStreams,
          pending: Pending) -> torch.Tensor:
@@ -91,6 +94,10 @@ class InProcessTransport:
 
     def plan_sends(self, src: int, dst: int, channel: str, count: int) -> None:
         """Messages are values in-process: nothing to plan."""
+
+    def abandon(self, reason: str) -> None:
+        """The failed step's messages go: the next step sends its own."""
+        self._box.clear()
 
     def finish(self) -> None:
         if self._box:

@@ -2,7 +2,9 @@
 groups are made once per process and shared by every model (``state.shared_group``), so a
 process that calls ``smp.init`` again (after the state's reset, as tests do) does not pile
 up gloo's connection threads, and a model built before a reset still trains after it; the
-groups of the state (``smp.init``'s, ``state.new_group``'s) go with it."""
+groups of the state (``smp.init``'s, ``state.new_group``'s) go with it. After a step that
+failed midway (its peer timed out: gloo closed the connection), the next model gets new
+groups on every rank and trains as the plain model."""
 
 from __future__ import annotations
 
@@ -86,3 +88,52 @@ def test_channel_groups_are_made_once_and_a_models_groups_outlive_a_reset() -> N
         assert r["after"] == [r["after"][0]] * 3, (rank, r)  # type: ignore[index]
         assert r["end"] == r["base"] + 12, (rank, r)  # type: ignore[operator]
         assert r["lone_gone"] and r["loss"] == r["loss"], (rank, r)
+
+
+_CALLS = [0]
+
+
+@smp.step
+def _failing_step(model: smp.DistributedModel, x: torch.Tensor, fail_rank: int
+                  ) -> torch.Tensor:
+    _CALLS[0] += 1
+    out = model(x)
+    if smp.rank() == fail_rank and _CALLS[0] == 2:  # the second microbatch's step function
+        raise ValueError("deliberate")
+    loss = out.sum()
+    model.backward(loss)
+    return loss
+
+
+def _layers(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+
+
+def _after_failure() -> dict[str, object]:
+    dist.init_process_group("gloo")
+    init(2, 4, "interleaved")
+    x = torch.arange(32.0).reshape(8, 4) / 10
+    failed = ""
+    try:
+        _failing_step(smp.DistributedModel(_layers(0)), x, 1)
+    except Exception as exc:  # rank 1: the step function's error; rank 0: its peer's silence
+        failed = type(exc).__name__
+    spoilt = dict(state._SHARED)
+    model = smp.DistributedModel(_layers(1))
+    loss = _failing_step(model, x, -1)
+    with torch.no_grad():
+        want = float(_layers(1)(x).sum())
+    renewed = not any(g is spoilt.get(k) for k, g in state._SHARED.items())
+    return {"failed": failed, "loss": float(loss.reduce_mean()) * 4, "want": want,
+            "renewed": renewed, "groups": len(state._SHARED)}
+
+
+@pytest.mark.multiproc
+def test_after_a_failed_step_the_next_model_gets_new_groups_and_trains() -> None:
+    results = run_ranks(_after_failure, 2, timeout=90, env={"SMP_FX_TIMEOUT_S": "6"})
+    assert results[1]["failed"] == "ValueError", results
+    assert results[0]["failed"] == "SMPTimeoutError", results
+    for rank, r in enumerate(results):
+        assert r["renewed"] and r["groups"] == 3, (rank, r)  # 3 channels, one lane
+        torch.testing.assert_close(r["loss"], r["want"], rtol=1e-5, atol=1e-5)

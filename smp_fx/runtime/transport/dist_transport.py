@@ -366,11 +366,9 @@ class DistTransport:
     def abandon(self, reason: str) -> None:
         """The step failed: its receives posted ahead and its unmet sends stay on the shared
         groups (and gloo closes a group's connection on a timeout), so the groups serve no
-        later model (``state.spoil_shared``); this transport forgets the step's streams."""
+        later model (``state.spoil_shared``). The posted receives stay referenced here: the
+        backend may still write into their buffers."""
         state.spoil_shared(reason)
-        self._posted.clear()
-        self._left.clear()
-        self._to_send.clear()
 
     def finish(self) -> None:
         """Wait for this step's sends (their buffers stay alive until then)."""

@@ -8,6 +8,8 @@ built once under ``--venvs``, the pin's is the running interpreter), and in it
 in SMP mode at pp = 2 on 2 processes (``smp-fx run -n 2``). Prints, per version and run
 (``gas1``: gradient accumulation 1; ``resumed``: resumed from step 2; ``gas2``: accumulation
 2; then the evaluation losses), the plain losses, smp-fx's and their largest difference.
+Under 4.46 the plain run divides the accumulated losses as the other versions do
+(``--average-accumulation``, docs/clients.md).
 
     python benchmarks/trainer_versions.py [--versions 4.26.1 4.46.3 pin] [--venvs DIR]
 """
@@ -61,8 +63,12 @@ def run_pair(py: str, out: Path) -> tuple[dict, dict]:
     smp = subprocess.Popen([py, "-m", "smp_fx.cli.main", "run", "-n", "2", str(SCRIPT),
                             str(out / "smp")], cwd=REPO, env={**base, **SMP_ENV},
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    plain = subprocess.run([py, str(SCRIPT), str(out / "plain")], cwd=REPO, env=base,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # 4.46's plain Trainer sums accumulated gradients; its SMP branch averages them
+    # (docs/clients.md): the plain run that averages is the one to compare with
+    average = ["--average-accumulation"] if version_of(py).startswith("4.46.") else []
+    plain = subprocess.run([py, str(SCRIPT), str(out / "plain"), *average], cwd=REPO,
+                           env=base, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                           text=True)
     _, smp_err = smp.communicate(timeout=1800)
     for name, code, err in (("plain", plain.returncode, plain.stderr),
                             ("smp-fx", smp.returncode, smp_err)):

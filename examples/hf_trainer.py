@@ -29,8 +29,16 @@ optimise the same objective (the attribute means nothing to earlier versions).
 magnitudes, so samples gathered in another order show; ``grad_norm``: the norms the
 Trainer clipped by, at its default ``max_grad_norm`` 1.0), ``resumed`` (a fresh model
 resumed from that checkpoint) and ``gas2`` (gradient_accumulation_steps 2, evaluating and
-saving at steps 2 and 4, then loading the best checkpoint: ``gas2_evals`` and ``best``).
+saving at steps 2 and 4, then loading the best checkpoint: ``gas2_evals`` and ``best``;
+``gas2_grad_norm``: the norms it clipped by).
 The checkpoint files are listed under ``checkpoint_files``.
+
+``--average-accumulation`` (transformers 4.46 only): the plain Trainer divides each
+accumulated batch's loss by ``gradient_accumulation_steps`` before its backward, as its SMP
+branch and transformers 4.26 and 5.x do. 4.46's plain branch backpropagates the undivided
+mean when the model takes no loss kwargs (transformers issue 37766: it leaves the division
+to an ``Accelerator`` it never tells of the accumulation), so its gradients are that many
+times its SMP branch's, and clipping at ``max_grad_norm`` then moves the two runs apart.
 
 ``--train-only --batch B [--optim NAME,...]`` trains 4 steps at per-device batch ``B``
 instead, once per optimizer named (``TrainingArguments.optim``: e.g. ``sgd``, whose
@@ -105,12 +113,44 @@ def training_args(out: str, **kwargs: Any) -> Any:
                              **kwargs)
 
 
+def averaging_trainer() -> type:
+    """A ``Trainer`` whose training step backpropagates each accumulated batch's loss
+    divided by ``gradient_accumulation_steps`` and reports it as the undivided one does
+    (``--average-accumulation``, module docstring); transformers 4.46 only."""
+    import transformers
+    from transformers import Trainer
+
+    if not transformers.__version__.startswith("4.46."):
+        raise SystemExit(f"--average-accumulation is for transformers 4.46, not "
+                         f"{transformers.__version__}: its Trainer divides already")
+
+    class AveragingTrainer(Trainer):  # type: ignore[misc]
+        dividing = False
+
+        def training_step(self, *args: Any, **kwargs: Any) -> Any:
+            self.dividing = True
+            try:
+                return super().training_step(*args, **kwargs) * \
+                    self.args.gradient_accumulation_steps
+            finally:
+                self.dividing = False
+
+        def compute_loss(self, *args: Any, **kwargs: Any) -> Any:
+            out = super().compute_loss(*args, **kwargs)
+            if not self.dividing:
+                return out
+            gas = self.args.gradient_accumulation_steps
+            return (out[0] / gas, *out[1:]) if isinstance(out, tuple) else out / gas
+
+    return AveragingTrainer
+
+
 def trainer_for(out: str, gas: int, steps: int, save_steps: int | None, batch: int = 4,
                 best: bool = False, default_cache: bool = False, mark_tp: bool = False,
-                **extra: Any) -> Any:
+                average: bool = False, **extra: Any) -> Any:
     """A Trainer on a fresh model, ``max_grad_norm`` at the Trainer's default (1.0);
     ``best``: evaluate at every save and load the best checkpoint at the end; ``mark_tp``:
-    ``smp.set_tensor_parallelism(model)`` in SMP mode."""
+    ``smp.set_tensor_parallelism(model)`` in SMP mode; ``average``: ``averaging_trainer``'s."""
     from transformers import Trainer
     from transformers.utils import is_sagemaker_mp_enabled
 
@@ -126,8 +166,8 @@ def trainer_for(out: str, gas: int, steps: int, save_steps: int | None, batch: i
         import smdistributed.modelparallel.torch as smp
 
         smp.set_tensor_parallelism(model)
-    return Trainer(model=model, args=args, train_dataset=Tokens(64, 1),
-                   eval_dataset=Tokens(8, 2))
+    cls = averaging_trainer() if average else Trainer
+    return cls(model=model, args=args, train_dataset=Tokens(64, 1), eval_dataset=Tokens(8, 2))
 
 
 def groups_on_wrapped(trainer: Any) -> None:
@@ -159,7 +199,7 @@ def losses(trainer: Any, key: str = "loss") -> list[float]:
     return [h[key] for h in trainer.state.log_history if key in h]
 
 
-def full(out: str) -> dict[str, Any]:
+def full(out: str, average: bool = False) -> dict[str, Any]:
     first = trainer_for(os.path.join(out, "gas1"), gas=1, steps=4, save_steps=2)
     first.train()
     result: dict[str, Any] = {"gas1": losses(first), "eval": first.evaluate()["eval_loss"],
@@ -174,9 +214,10 @@ def full(out: str) -> dict[str, Any]:
     resumed.train(resume_from_checkpoint=checkpoint)
     result["resumed"] = losses(resumed)
     accumulated = trainer_for(os.path.join(out, "gas2"), gas=2, steps=4, save_steps=2,
-                              best=True)
+                              best=True, average=average)
     accumulated.train()
     result["gas2"] = losses(accumulated)
+    result["gas2_grad_norm"] = losses(accumulated, "grad_norm")
     result["gas2_evals"] = losses(accumulated, "eval_loss")
     result["best"] = accumulated.evaluate()["eval_loss"]
     return result
@@ -211,11 +252,13 @@ if __name__ == "__main__":
     cli.add_argument("--set-tensor-parallelism", action="store_true")
     cli.add_argument("--weight-decay", type=float, default=0.0)
     cli.add_argument("--groups-on-wrapped", action="store_true")
+    cli.add_argument("--average-accumulation", action="store_true")
     ns = cli.parse_args()
     found = {name: train_only(os.path.join(ns.out, name), ns.batch, name, ns.default_cache,
                               ns.set_tensor_parallelism, ns.weight_decay,
                               ns.groups_on_wrapped)
-             for name in ns.optim.split(",")} if ns.train_only else full(ns.out)
+             for name in ns.optim.split(",")} if ns.train_only else full(
+                 ns.out, ns.average_accumulation)
     rank = int(os.environ.get("RANK", "0"))
     # a file per rank: the ranks share one stdout, where another rank's partly flushed line
     # can run into this one

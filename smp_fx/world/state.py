@@ -195,26 +195,22 @@ def spoil_shared(reason: str) -> None:
         _SHARED_SPOILT.append(reason)
 
 
-def renew_spoilt_shared(group: Any = None) -> bool:
+def renew_spoilt_shared() -> None:
     """Collective over the world (every rank, before it takes shared groups for a model):
     if a step failed on any rank since the last call (``spoil_shared``), every rank drops
     its shared groups, so the groups handed out next are new ones, made in one order on
     every rank. The dropped ones stay with the models that hold them (their pending work
-    is not waited on). ``group``: the world's gloo group for the flag (default: the state's
-    object group, or the default group without ``smp.init``). True when they were
-    dropped."""
-    if group is None:
-        group = _STATE.object_group("world") if _STATE is not None else dist.group.WORLD
+    is not waited on). The flag goes over the world's gloo group: the state's object
+    group, or the default group without ``smp.init``."""
+    group = _STATE.object_group("world") if _STATE is not None else dist.group.WORLD
     flag = torch.tensor([1 if _SHARED_SPOILT else 0], dtype=torch.int32)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     reason = _SHARED_SPOILT[0] if _SHARED_SPOILT else "a step failed on another rank"
     _SHARED_SPOILT.clear()
-    if not int(flag.item()):
-        return False
-    log.warning("smp-fx: the pipeline's process groups are made anew for this model: %s; "
-                "the earlier ones may still hold that step's messages", reason)
-    _SHARED.clear()
-    return True
+    if int(flag.item()):
+        log.warning("smp-fx: the pipeline's process groups are made anew for this model: "
+                    "%s; the earlier ones may still hold that step's messages", reason)
+        _SHARED.clear()
 
 
 def build_groups(topology: Topology, rank: int, backend: str, in_process: bool,

@@ -55,9 +55,13 @@ def _step(model: smp.DistributedModel, x: torch.Tensor) -> torch.Tensor:
     return loss
 
 
+def _layers(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+
+
 def _model() -> smp.DistributedModel:
-    torch.manual_seed(0)
-    return smp.DistributedModel(nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)]))
+    return smp.DistributedModel(_layers(0))
 
 
 def _body() -> dict[str, object]:
@@ -94,20 +98,14 @@ _CALLS = [0]
 
 
 @smp.step
-def _failing_step(model: smp.DistributedModel, x: torch.Tensor, fail_rank: int
-                  ) -> torch.Tensor:
+def _failing_step(model: smp.DistributedModel, x: torch.Tensor) -> torch.Tensor:
     _CALLS[0] += 1
     out = model(x)
-    if smp.rank() == fail_rank and _CALLS[0] == 2:  # the second microbatch's step function
+    if smp.rank() == 1 and _CALLS[0] == 2:  # rank 1, the second microbatch's step function
         raise ValueError("deliberate")
     loss = out.sum()
     model.backward(loss)
     return loss
-
-
-def _layers(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
 
 
 def _after_failure() -> dict[str, object]:
@@ -116,12 +114,12 @@ def _after_failure() -> dict[str, object]:
     x = torch.arange(32.0).reshape(8, 4) / 10
     failed = ""
     try:
-        _failing_step(smp.DistributedModel(_layers(0)), x, 1)
+        _failing_step(smp.DistributedModel(_layers(0)), x)
     except Exception as exc:  # rank 1: the step function's error; rank 0: its peer's silence
         failed = type(exc).__name__
     spoilt = dict(state._SHARED)
     model = smp.DistributedModel(_layers(1))
-    loss = _failing_step(model, x, -1)
+    loss = _step(model, x)
     with torch.no_grad():
         want = float(_layers(1)(x).sum())
     renewed = not any(g is spoilt.get(k) for k, g in state._SHARED.items())

@@ -25,6 +25,10 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from examples.hf_trainer import plain_sums_accumulation  # noqa: E402
+
 SCRIPT = REPO / "examples" / "hf_trainer.py"
 TORCH_SPEC = "torch==2.13.0"
 EXTRA = {  # what each transformers version is installed with
@@ -65,7 +69,7 @@ def run_pair(py: str, out: Path) -> tuple[dict, dict]:
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     # 4.46's plain Trainer sums accumulated gradients; its SMP branch averages them
     # (docs/clients.md): the plain run that averages is the one to compare with
-    average = ["--average-accumulation"] if version_of(py).startswith("4.46.") else []
+    average = ["--average-accumulation"] if plain_sums_accumulation(version_of(py)) else []
     plain = subprocess.run([py, str(SCRIPT), str(out / "plain"), *average], cwd=REPO,
                            env=base, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                            text=True)

@@ -113,6 +113,13 @@ def training_args(out: str, **kwargs: Any) -> Any:
                              **kwargs)
 
 
+def plain_sums_accumulation(version: str) -> bool:
+    """Whether transformers ``version``'s plain Trainer backpropagates each accumulated
+    batch's loss undivided for a model that takes no loss kwargs (4.46: transformers issue
+    37766), so that only ``averaging_trainer`` optimises what its SMP branch does."""
+    return version.startswith("4.46.")
+
+
 def averaging_trainer() -> type:
     """A ``Trainer`` whose training step backpropagates each accumulated batch's loss
     divided by ``gradient_accumulation_steps`` and reports it as the undivided one does
@@ -120,7 +127,7 @@ def averaging_trainer() -> type:
     import transformers
     from transformers import Trainer
 
-    if not transformers.__version__.startswith("4.46."):
+    if not plain_sums_accumulation(transformers.__version__):
         raise SystemExit(f"--average-accumulation is for transformers 4.46, not "
                          f"{transformers.__version__}: its Trainer divides already")
 

@@ -104,11 +104,12 @@ def test_trainer_smp_mode_matches_plain_trainer(tmp_path: Path) -> None:
 
 
 def _plain_sums_accumulation() -> bool:
-    """Whether the plain Trainer of the installed transformers backpropagates each
-    accumulated batch's loss undivided (4.46: transformers issue 37766)."""
+    """``plain_sums_accumulation`` for the installed transformers."""
     import transformers
 
-    return transformers.__version__.startswith("4.46.")
+    from examples.hf_trainer import plain_sums_accumulation
+
+    return plain_sums_accumulation(transformers.__version__)
 
 
 def _check_stage_norms(stage_norms: list[torch.Tensor], plain_norms: list[float]) -> None:

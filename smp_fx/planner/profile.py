@@ -319,13 +319,7 @@ def profile(reduced: torch.fx.GraphModule, repeats: Repeats | None,
     spec)`` when the caller has it; ``sp_chunk``: a gathered sequence kept as its chunk
     (``price_parts``)."""
     gm = graph if graph is not None else costed(reduced, inputs, mbs, spec)
-    replicated: tuple[tuple[str, str], ...] = ()
-    if tp > 1:
-        for n in gm.graph.nodes:
-            meta.STAGE.set(n, 0)
-        gm, plan = tensor_parallel(gm, TensorParallelism(tp, 0, True, marked, sp), tp_comm)
-        gm = reprice_gemms(gm, spec)
-        replicated = tuple(plan.replicated)
+    gm, replicated = rank_graph(gm, tp, sp, spec, tp_comm, marked)
     parts, relay, output = price_parts(gm, repeats, fused, sp_chunk)
     if fused:
         parts = [_fused_times(part, nodes, spec)
@@ -334,6 +328,21 @@ def profile(reduced: torch.fx.GraphModule, repeats: Repeats | None,
         return Profile(mbs, tp, sp, tuple(parts), (0, 1), 0, 0, output, replicated)
     return Profile(mbs, tp, sp, tuple(parts), (KEPT, repeats.count - KEPT + 1),
                    repeats.count, relay, output, replicated)
+
+
+def rank_graph(gm: torch.fx.GraphModule, tp: int, sp: bool, spec: DeviceSpec,
+               tp_comm: Callable[[float], float] | None, marked: tuple[str, ...] = ("",)
+               ) -> tuple[torch.fx.GraphModule, tuple[tuple[str, str], ...]]:
+    """A costed graph (``costed``) as one tensor-parallel rank of ``tp`` runs it: the
+    rewrite's shards, collectives and GEMMs at the shape each runs, and the modules it left
+    replicated; ``gm`` itself at tp 1. What ``profile`` sums, and what a caller reads to
+    see each node's price (``benchmarks/gemm_shapes.py``: every GEMM's shape and time)."""
+    if tp <= 1:
+        return gm, ()
+    for n in gm.graph.nodes:
+        meta.STAGE.set(n, 0)
+    out, plan = tensor_parallel(gm, TensorParallelism(tp, 0, True, marked, sp), tp_comm)
+    return reprice_gemms(out, spec), tuple(plan.replicated)
 
 
 def _fused_times(part: PartCost, nodes: list[torch.fx.Node], spec: DeviceSpec) -> PartCost:
@@ -348,4 +357,4 @@ def model_dtype(precision: str) -> torch.dtype:
 
 
 __all__ = ["PERSISTENCE_THRESHOLD", "RECOMPUTE", "PartCost", "Profile", "costed",
-           "model_dtype", "price_parts", "profile", "split_parts"]
+           "model_dtype", "price_parts", "profile", "rank_graph", "split_parts"]

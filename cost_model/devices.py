@@ -75,14 +75,18 @@ A100 = _gpu("a100", 19.5e12, 312e12, 2.039e12, 80 * GiB, 300 * GB)
 V100 = _gpu("v100", 15.7e12, 125e12, 0.9e12, 32 * GiB, 150 * GB)
 
 _FIXED: dict[str, DeviceSpec] = {s.name: s for s in (H100, A100, V100)}
+SOURCED = ("h200", "b200")
+"""GPUs without a rounded estimate here: their specs are the sourced ones the built-in
+clusters carry (``cost_model.gpu_specs``), so the runtime plans for the GPU it finds."""
 
 
 def device_names() -> tuple[str, ...]:
-    return (*_FIXED, "cpu")
+    return (*_FIXED, *SOURCED, "cpu")
 
 
 def get_device(name: str) -> DeviceSpec:
-    """A spec by name: "h100", "a100", "v100" (datasheet) or "cpu" (measured here, quick).
+    """A spec by name: "h100", "a100", "v100" (datasheet), "h200", "b200" (sourced) or
+    "cpu" (measured here, quick).
 
     >>> get_device("a100").link_bandwidth
     300000000000.0
@@ -90,6 +94,10 @@ def get_device(name: str) -> DeviceSpec:
     key = name.lower()
     if key == "cpu":
         return quick_cpu_spec()
+    if key in SOURCED:
+        from cost_model import gpu_specs  # built on this module's specs: imported here
+
+        return {"h200": gpu_specs.H200_SXM, "b200": gpu_specs.B200}[key]
     if key not in _FIXED:
         raise SMPConfigError.build("unknown device spec name", name, "cost_model.get_device",
                                    f"use one of {list(device_names())}, a spec file "
@@ -110,7 +118,7 @@ def spec_for_device_name(device_name: str) -> str | None:
     """The built-in spec for an accelerator's marketing name (``torch.cuda.get_device_name``):
     "NVIDIA H100 80GB HBM3" -> "h100"; ``None`` if no built-in matches."""
     upper = device_name.upper()
-    for key in _FIXED:
+    for key in (*SOURCED, *_FIXED):
         if key.upper() in upper:
             return key
     return None

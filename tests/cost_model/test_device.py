@@ -70,6 +70,15 @@ def test_spec_for_device_name() -> None:
     assert spec_for_device_name("NVIDIA GeForce RTX 4090") is None
 
 
+def test_an_h200_or_b200_is_planned_for_with_its_sourced_spec_not_the_default() -> None:
+    from cost_model.gpu_specs import B200, H200_SXM
+
+    assert spec_for_device_name("NVIDIA H200") == "h200"  # torch.cuda's name on an H200 SXM
+    assert spec_for_device_name("NVIDIA B200") == "b200"
+    assert load_device("h200") is H200_SXM and get_device("B200") is B200
+    assert H200_SXM.memory_bytes > A100.memory_bytes  # the default would refuse what fits
+
+
 def test_a_pipeline_folds_the_pipelined_scale_in_once() -> None:
     spec = dataclasses.replace(A100, compute_scale=1.5, overhead_scale=2.0, pipelined_scale=1.2)
     assert spec.for_stages(1) is spec

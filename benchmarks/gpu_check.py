@@ -11,7 +11,8 @@ Where a GPU is lent, one run shows what only a GPU can show:
    beside measured (MFU measured: the plan's model FLOPs over the measured step; the
    planner prices no compilation, so the compiled row's prediction is the eager one);
 3. the same model at pp 2 with both stages in this process on one device (1F1B,
-   ``--pp2-microbatches``): the in-process pipeline's step and peak memory;
+   ``--pp2-microbatches``): the in-process pipeline's step and peak memory, and beside it
+   pp 1 with the same microbatches (what the microbatching costs without the pipeline);
 4. where two or more GPUs are present, pp 2 across ``cuda:0`` and ``cuda:1`` (the LM head
    untied, so the stages may sit on two devices) with the copies between the stages on
    their transfer streams and, as the baseline, on the current stream
@@ -22,7 +23,8 @@ Where a GPU is lent, one run shows what only a GPU can show:
 
 ``--tiny`` runs every part on the CPU with a 4-layer GPT, two timed steps each, the
 compiled row through ``aot_eager`` (the CUDA tests then skip): it checks the script, not
-the figures.
+the figures. ``--profile``: each run takes one more step under the profiler and a second
+table says how much of it the GPU spent in kernels (``plan_gpu.busy_share``).
 """
 
 from __future__ import annotations
@@ -57,6 +59,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                          "--tiny, whose CPU would spend minutes in inductor's codegen)")
     ap.add_argument("--pp2-microbatches", type=int, default=4)
     ap.add_argument("--skip-tests", action="store_true", help="leave out the CUDA tests")
+    ap.add_argument("--profile", action="store_true",
+                    help="one more step of each run under the profiler: the GPU's busy share")
+    ap.add_argument("--traces", type=Path,
+                    help="with --profile: write each profiled step's trace here (gzipped)")
     ap.add_argument("--tests-timeout", type=float, default=480.0)
     ap.add_argument("--out", type=Path, help="write the figures here (JSON)")
     args = ap.parse_args(argv)
@@ -82,14 +88,20 @@ def cuda_tests(timeout: float) -> dict[str, Any]:
 
 def train(pargs: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
           device: torch.device, untied: bool = False, **changes: Any) -> dict[str, Any]:
-    """``plan_gpu.measure`` on a fresh ``smp.init`` of ``cfg`` with ``changes``."""
+    """``plan_gpu.measure`` on a fresh ``smp.init`` of ``cfg`` with ``changes`` (profiled
+    when ``pargs.profile``)."""
     from smp_fx.world import state
 
     state._reset()
     gc.collect()  # the previous run's model and optimizer, before the peak is reset
     if device.type != "cpu":
         torch.get_device_module(device).empty_cache()
-    return plan_gpu.measure(pargs, best, {**cfg, **changes}, device, untied=untied)
+    trace = None
+    if pargs.profile and pargs.traces is not None:
+        pargs.traces.mkdir(parents=True, exist_ok=True)
+        trace = pargs.traces / f"trace_{len(list(pargs.traces.iterdir()))}.json.gz"
+    return plan_gpu.measure(pargs, best, {**cfg, **changes}, device, untied=untied,
+                            profiled=pargs.profile, trace=trace)
 
 
 @contextlib.contextmanager
@@ -137,7 +149,8 @@ def row(name: str, best: dict[str, Any], got: dict[str, Any], predicted: bool) -
             "peak_memory_bytes": got["peak_memory_bytes"], "losses": got["losses"],
             "predicted_step_s": best["step_time_s"] if predicted else None,
             "predicted_mfu": best["mfu"] if predicted else None,
-            "predicted_memory_bytes": best["memory_bytes_per_gpu"] if predicted else None}
+            "predicted_memory_bytes": best["memory_bytes_per_gpu"] if predicted else None,
+            "profile": got.get("profile")}
 
 
 def _cell(value: float | None, unit: str) -> str:
@@ -172,9 +185,23 @@ def table(rows: list[dict[str, Any]], tests: dict[str, Any] | None,
     return "\n".join(lines)
 
 
+def busy_table(rows: list[dict[str, Any]]) -> str:
+    """The profiled step of each run: wall time, the GPU's time in kernels, aten calls."""
+    lines = ["| check | profiled step | GPU in kernels | share | aten calls |",
+             "| --- | --- | --- | --- | --- |"]
+    for r in rows:
+        p = r.get("profile")
+        if p:
+            lines.append(f"| {r['check']} | {p['wall_s'] * 1e3:.1f} ms | "
+                         f"{p['gpu_kernels_s'] * 1e3:.1f} ms | "
+                         f"{p['gpu_kernels_s'] / p['wall_s']:.1%} | {p['aten_calls']} |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
     pargs = plan_gpu.parse(["--tiny"] if args.tiny else [])
+    pargs.profile, pargs.traces = args.profile, args.traces
     if args.tiny:  # one thread: a shared CPU's second thread only waits on the first
         pargs.steps = 2
         torch.set_num_threads(1)
@@ -195,6 +222,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
            "pipeline": "interleaved"}
     rows.append(row(f"GPT pp 2 in one process, {args.pp2_microbatches} microbatches", best,
                     train(pargs, best, cfg, device, **pp2), False))
+    rows.append(row(f"GPT pp 1, {args.pp2_microbatches} microbatches", best,
+                    train(pargs, best, cfg, device, microbatches=args.pp2_microbatches),
+                    False))
     gpus = torch.cuda.device_count() if gpu else 0
     notes = {}
     if gpus >= 2:
@@ -203,6 +233,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         notes["GPT pp 2 on cuda:0 and cuda:1, transfer streams vs current stream"] = \
             one_device_note(gpus)
     text = table(rows, tests, notes)
+    if args.profile:
+        text += "\n\n" + busy_table(rows)
+        for r in rows:
+            print(f"{r['check']}: the ops of most host time\n{r['profile']['top']}", flush=True)
     print(text, flush=True)
     figures = {"device": spec.name, "torch": torch.__version__, "tiny": args.tiny,
                "model": {k: getattr(pargs, k) for k in ("n_layer", "n_embd", "n_head",

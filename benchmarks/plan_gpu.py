@@ -107,11 +107,45 @@ def plan(args: argparse.Namespace, spec_file: Path, work: Path) -> tuple[dict[st
 
 
 # ----------------------------------------------------------------------------- measuring
+def busy_share(step: Any, sync: Any, trace: Path | None = None) -> dict[str, Any]:
+    """One more ``step()`` under ``torch.profiler``: its wall time, the time the GPU spent
+    in kernels (their device time summed) and the ops that took the most host time. Why:
+    a step whose GPU idles is bound by the host's dispatch, which the planner prices as
+    hidden on a GPU (``cost_model.gpu_specs``: ``op_overheads`` zero). ``trace``: the step's
+    Chrome trace is written there, gzipped."""
+    import gzip
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + (
+        [ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step()
+        sync()
+        wall = time.perf_counter() - t0
+    if trace is not None:
+        raw = trace.with_suffix("")
+        prof.export_chrome_trace(str(raw))
+        trace.write_bytes(gzip.compress(raw.read_bytes()))
+        raw.unlink()
+    events = prof.key_averages()
+    kernels = sum(e.self_device_time_total for e in events  # kernels, not the ops' sums
+                  if e.device_type != DeviceType.CPU and not e.is_user_annotation) / 1e6
+    calls = sum(e.count for e in events if e.key.startswith("aten::"))
+    top = events.table(sort_by="self_cpu_time_total", row_limit=12, max_name_column_width=48)
+    return {"wall_s": wall, "gpu_kernels_s": kernels, "aten_calls": calls, "top": top}
+
+
 def measure(args: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
-            device: torch.device, untied: bool = False) -> dict[str, Any]:
+            device: torch.device, untied: bool = False, profiled: bool = False,
+            trace: Path | None = None) -> dict[str, Any]:
     """Train ``cfg`` and time it. ``untied``: the LM head gets its own copy of the embedding,
     so the in-process pipeline may put its stages on several GPUs (a parameter two stages
-    share keeps them on one)."""
+    share keeps them on one); ``profiled``: one more step under the profiler
+    (``busy_share``, its trace written to ``trace``)."""
     from models.gpt import build_model
 
     import smp_fx as smp
@@ -147,6 +181,12 @@ def measure(args: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
         for d in gpus:
             torch.cuda.synchronize(d)
 
+    def step() -> Any:
+        optimizer.zero_grad()
+        out = train_step(model, ids, target)
+        optimizer.step()
+        return out
+
     times, losses = [], []
     for i in range(args.warmup + args.steps):
         if i == args.warmup and device.type == "cuda":
@@ -154,9 +194,7 @@ def measure(args: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
                 torch.cuda.reset_peak_memory_stats(d)
         sync()
         t0 = time.perf_counter()
-        optimizer.zero_grad()
-        out = train_step(model, ids, target)
-        optimizer.step()
+        out = step()
         sync()
         took = time.perf_counter() - t0
         losses.append(float(out.reduce_mean().item()))
@@ -168,6 +206,7 @@ def measure(args: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
     streams = getattr(model.executor.transport, "streams", None)  # in-process only
     return {"step_time_s": statistics.median(times), "step_times_s": times,
             "peak_memory_bytes": peak, "losses": losses,
+            "profile": busy_share(step, sync, trace) if profiled else None,
             "devices": sorted({str(p.device) for _, p in model.local_named_parameters()}),
             "transfer_copies": None if streams is None else streams.copies}
 

@@ -206,7 +206,8 @@ CLUSTERS: dict[str, ClusterSpec] = {c.name: c for c in (
         "intra_node_efficiency": "estimate: NCCL rings on the cube mesh reach ~80% of "
                                  "one GPU's NVLink; not measured"}),
 )}
-DEVICE_CLUSTER = {"a100": "dgx-a100-80gb", "h100": "dgx-h100", "v100": "p3dn.24xlarge"}
+DEVICE_CLUSTER = {"a100": "dgx-a100-80gb", "h100": "dgx-h100", "v100": "p3dn.24xlarge",
+                  "h200": "dgx-h200", "b200": "dgx-b200"}
 GPU_TYPE = {"dgx-a100-80gb": "A100", "p4d.24xlarge": "A100", "dgx-h100": "H100",
             "p5.48xlarge": "H100", "dgx-h200": "H200", "dgx-b200": "B200",
             "p3dn.24xlarge": "V100"}
@@ -272,7 +273,8 @@ def cluster_for_device(device: DeviceSpec, *, gpus_per_node: int | None = None,
 
 def _plain(cluster_name: str) -> DeviceSpec:
     """The built-in device spec behind a built-in cluster's GPU."""
-    return {"dgx-a100-80gb": A100, "dgx-h100": H100, "p3dn.24xlarge": V100}[cluster_name]
+    return {"dgx-a100-80gb": A100, "dgx-h100": H100, "p3dn.24xlarge": V100,
+            "dgx-h200": H200_SXM, "dgx-b200": B200}[cluster_name]
 
 
 __all__ = ["CLUSTERS", "DEVICE_CLUSTER", "GPU_TYPE", "MEGATRON_FIT", "ClusterSpec",

@@ -105,8 +105,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="forward parameter split along AXIS instead of 0 (repeatable)")
     p.add_argument("--frontend", choices=("auto", "fx", "export"), default="auto")
     p.add_argument("--device", default=DEFAULT_DEVICE,
-                   help="device spec: h100, a100, v100, cpu (measured here, quick), or a "
-                        "spec file written by `smp-fx calibrate -o FILE.json`")
+                   help="device spec: h100, a100, v100, h200, b200, cpu (measured here, "
+                        "quick), or a spec file written by `smp-fx calibrate -o FILE.json`")
     p.add_argument("--json", metavar="FILE", help="write the plan as JSON")
     p.add_argument("--dot", metavar="FILE", help="write the graph coloured by stage (dot)")
     p.add_argument("--timeline", metavar="FILE.png", help="draw the simulated pipeline")

@@ -6,7 +6,7 @@ device; or a Hugging Face causal LM from ``--hf-config config.json``, ``--seq-le
 per sample: ``smp_fx.planner.hf_config``), traces it once, and searches tensor, pipeline and
 data parallel degrees, microbatching, schedule and virtual stages, recomputation, sequence
 parallelism and sharding (``smp_fx.planner``) on a cluster: ``--cluster NAME|FILE.json``, or
-``--device a100|h100|v100|cpu|FILE.json`` with ``--gpus-per-node``, the bandwidths and
+``--device a100|h100|v100|h200|b200|cpu|FILE.json`` with ``--gpus-per-node``, the bandwidths and
 ``--gpu-memory-gib``. It prints the top plans, why the best wins, and optionally writes them
 (``--json``), the best's SMP configuration (``--emit-config``: ``smp-fx run`` and
 ``smp.init`` take it; the search then keeps to what its validation accepts), its simulated
@@ -93,7 +93,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--global-batch", type=int, required=True, help="samples per step")
     p.add_argument("--cluster", help=f"built-in ({', '.join(cluster_names())}) or JSON file")
     p.add_argument("--device", default="a100",
-                   help="a100, h100, v100 (their built-in node), cpu, or a spec file")
+                   help="a100, h100, v100, h200, b200 (their built-in node), cpu, or a spec file")
     p.add_argument("--gpu-memory-gib", type=float)
     p.add_argument("--gpus-per-node", type=int)
     p.add_argument("--intra-node-bandwidth", type=float,

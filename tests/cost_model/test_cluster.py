@@ -100,3 +100,6 @@ def test_cluster_for_device() -> None:
     host = cluster_for_device(other, gpus_per_node=8)
     assert host.intra_node_bandwidth == 1e10 and host.memory_reserved_bytes == 0
     assert isinstance(host, ClusterSpec)
+    # the sourced GPUs by name: their own node, as --device h100 gets dgx-h100
+    assert cluster_for_device(get_device("h200")) is get_cluster("dgx-h200")
+    assert cluster_for_device(get_device("b200")) is get_cluster("dgx-b200")

@@ -112,7 +112,9 @@ def busy_share(step: Any, sync: Any, trace: Path | None = None) -> dict[str, Any
     in kernels (their device time summed) and the ops that took the most host time. Why:
     a step whose GPU idles is bound by the host's dispatch, which the planner prices as
     hidden on a GPU (``cost_model.gpu_specs``: ``op_overheads`` zero). ``trace``: the step's
-    Chrome trace is written there, gzipped."""
+    Chrome trace is written there, gzipped. The kernels are all the device's; the host's
+    ops are those of the threads the profiler follows (a step whose microbatches run in the
+    executor's pool threads shows fewer aten calls than it makes)."""
     import gzip
 
     from torch.autograd import DeviceType

@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -141,22 +142,34 @@ def busy_share(step: Any, sync: Any, trace: Path | None = None) -> dict[str, Any
     return {"wall_s": wall, "gpu_kernels_s": kernels, "aten_calls": calls, "top": top}
 
 
-def measure(args: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
-            device: torch.device, untied: bool = False, profiled: bool = False,
-            trace: Path | None = None) -> dict[str, Any]:
-    """Train ``cfg`` and time it. ``untied``: the LM head gets its own copy of the embedding,
-    so the in-process pipeline may put its stages on several GPUs (a parameter two stages
-    share keeps them on one); ``profiled``: one more step under the profiler
-    (``busy_share``, its trace written to ``trace``)."""
+def gpt(args: argparse.Namespace, device: torch.device) -> torch.nn.Module:
+    """The GPT of ``args`` on ``device``, seed 0."""
     from models.gpt import build_model
 
+    torch.manual_seed(0)
+    with device:
+        return build_model(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
+                           vocab_size=args.vocab_size, seq_len=args.seq_len)
+
+
+def batch(args: argparse.Namespace, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one global batch every step trains on: (token ids, next-token targets)."""
+    g = torch.Generator().manual_seed(1)
+    seq = torch.randint(0, args.vocab_size, (args.global_batch, args.seq_len + 1), generator=g)
+    return seq[:, :-1].to(device), seq[:, 1:].to(device)
+
+
+def smp_step(args: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
+             device: torch.device, untied: bool = False) -> tuple[Callable[[], Any], Any]:
+    """(one training step of ``cfg`` through smp-fx, the ``DistributedModel``): the GPT,
+    each block checkpointed when ``best`` recomputes, Adam, the step function under bf16
+    autocast. ``untied``: the LM head gets its own copy of the embedding, so the in-process
+    pipeline may put its stages on several GPUs (a parameter two stages share keeps them
+    on one)."""
     import smp_fx as smp
 
     smp.init(cfg)
-    torch.manual_seed(0)
-    with device:
-        net = build_model(n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head,
-                          vocab_size=args.vocab_size, seq_len=args.seq_len)
+    net = gpt(args, device)
     if untied:
         net.lm_head.weight = torch.nn.Parameter(net.wte.weight.detach().clone())
     if best["recompute"] == "full":
@@ -174,20 +187,28 @@ def measure(args: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
         model.backward(loss)
         return loss
 
-    g = torch.Generator().manual_seed(1)
-    seq = torch.randint(0, args.vocab_size, (args.global_batch, args.seq_len + 1), generator=g)
-    ids, target = seq[:, :-1].to(device), seq[:, 1:].to(device)
-    gpus = range(torch.cuda.device_count() if device.type == "cuda" else 0)
-
-    def sync() -> None:  # every GPU: the stages may be on several
-        for d in gpus:
-            torch.cuda.synchronize(d)
+    ids, target = batch(args, device)
 
     def step() -> Any:
         optimizer.zero_grad()
         out = train_step(model, ids, target)
         optimizer.step()
         return out
+
+    return step, model
+
+
+def measure(args: argparse.Namespace, best: dict[str, Any], cfg: dict[str, Any],
+            device: torch.device, untied: bool = False, profiled: bool = False,
+            trace: Path | None = None) -> dict[str, Any]:
+    """Train ``cfg`` (``smp_step``) and time it; ``profiled``: one more step under the
+    profiler (``busy_share``, its trace written to ``trace``)."""
+    step, model = smp_step(args, best, cfg, device, untied)
+    gpus = range(torch.cuda.device_count() if device.type == "cuda" else 0)
+
+    def sync() -> None:  # every GPU: the stages may be on several
+        for d in gpus:
+            torch.cuda.synchronize(d)
 
     times, losses = [], []
     for i in range(args.warmup + args.steps):

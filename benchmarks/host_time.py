@@ -53,6 +53,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Namespac
     ap.add_argument("--compile", action="store_true", help="also each under inductor")
     ap.add_argument("--calls", action="store_true",
                     help="Python calls of one step, smp-fx's and a plain loop's")
+    ap.add_argument("--calls-only", action="store_true",
+                    help="--calls without the timed runs (any device, seconds)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     pargs = plan_gpu.parse(["--tiny"] if args.tiny else [])
@@ -129,13 +131,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             "pipeline": "interleaved", "optimize": "speed"}
     best = {"recompute": "full"}
     rows: list[dict[str, Any]] = []
-    runs: list[tuple[str | None, int]] = [(None, m) for m in args.microbatches]
-    if args.compile:  # the most microbatches only: each compile of 24 layers costs a minute
+    runs: list[tuple[str | None, int]] = [] if args.calls_only else [
+        (None, m) for m in args.microbatches]
+    if args.compile and runs:  # at the most microbatches: a compile of 24 layers takes a minute
         runs.append(("inductor" if gpu else "aot_eager", max(args.microbatches)))
     plan_gpu.say(f"GPT {pargs.n_layer} x {pargs.n_embd} (heads {pargs.n_head}, vocab "
                  f"{pargs.vocab_size}, seq {pargs.seq_len}), batch {pargs.global_batch}")
-    print(f"{'run':<28} {'step ms':>8} {'kernels ms':>10} {'per microbatch ms':>17}",
-          flush=True)
+    if runs:
+        print(f"{'run':<28} {'step ms':>8} {'kernels ms':>10} {'per microbatch ms':>17}",
+              flush=True)
     for backend, m in runs:
         cfg = {**base, "microbatches": m, **({"compile": backend} if backend else {})}
         got = gpu_check.train(pargs, best, cfg, device)
@@ -150,7 +154,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               f"{row['per_microbatch_s'] * 1e3:>17.1f}", flush=True)
         if args.out is not None:
             write(args.out, pargs, device, rows, None)
-    calls = call_counts(pargs, base, args.microbatches, device) if args.calls else None
+    calls = (call_counts(pargs, base, args.microbatches, device)
+             if args.calls or args.calls_only else None)
     if args.out is not None:
         write(args.out, pargs, device, rows, calls)
     return rows

@@ -1,7 +1,7 @@
 """The GPUs the built-in clusters run, from public figures: datasheets, GEMM and attention
 benchmarks, nccl-tests; each number names its source in ``sources``.
 
-The plain ``a100``/``h100``/``v100`` device specs (``cost_model.devices``) stay the rounded
+The plain ``a100``/``h100``/``v100`` device specs (``cost_model.datasheets``) stay the rounded
 estimates the golden plans were made with; a cluster carries the sourced GPU. Nothing here
 is fitted on the training runs ``benchmarks/plan_validation.py`` judges; the A100's two
 matmul efficiencies are fitted on Megatron-LM SC'21 Table 1 (``MEGATRON_FIT``, declared).
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from cost_model.datasheets import A100, H100
 from cost_model.device import GB, AttentionRates, DeviceSpec, GiB, OpRates, Table
-from cost_model.devices import A100, H100
 
 MEGATRON_FIT: Table = ((16.0, 0.03), (96.0, 0.1141), (160.0, 0.1141), (512.0, 0.8333),
                        (4096.0, 0.8333))

@@ -13,8 +13,9 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from cost_model.collectives import Fabric
+from cost_model.datasheets import V100
 from cost_model.device import GB, DeviceSpec, GiB
-from cost_model.devices import A100, H100, V100, load_device
+from cost_model.devices import get_device, load_device
 from cost_model.errors import SMPConfigError
 from cost_model.gpu_specs import A100_40GB, A100_80GB, B200, H100_SXM, H200_SXM, MEGATRON_FIT
 from cost_model.serial import read_spec_file
@@ -247,7 +248,7 @@ def cluster_for_device(device: DeviceSpec, *, gpus_per_node: int | None = None,
 
     A built-in GPU gets its built-in node; any other spec is one host on its own link."""
     base = DEVICE_CLUSTER.get(device.name)
-    if base is not None and device == _plain(base):
+    if base is not None and device == get_device(device.name):
         cluster = CLUSTERS[base]
     else:
         link = device.link_bandwidth
@@ -270,11 +271,6 @@ def cluster_for_device(device: DeviceSpec, *, gpus_per_node: int | None = None,
         cluster = dataclasses.replace(cluster, name=f"{cluster.name} (modified)", **changes)
     return cluster.with_sources(**notes) if notes else cluster
 
-
-def _plain(cluster_name: str) -> DeviceSpec:
-    """The built-in device spec behind a built-in cluster's GPU."""
-    return {"dgx-a100-80gb": A100, "dgx-h100": H100, "p3dn.24xlarge": V100,
-            "dgx-h200": H200_SXM, "dgx-b200": B200}[cluster_name]
 
 
 __all__ = ["CLUSTERS", "DEVICE_CLUSTER", "GPU_TYPE", "MEGATRON_FIT", "ClusterSpec",

@@ -14,15 +14,15 @@ from cost_model.serial import read_spec_file
 
 DEFAULT_DEVICE = "a100"
 
-_FIXED: dict[str, DeviceSpec] = {s.name: s for s in (H100, A100, V100)}
-SOURCED = ("h200", "b200")
-"""GPUs without a rounded datasheet spec (``cost_model.datasheets``): their specs are the
-sourced ones the built-in clusters carry (``cost_model.gpu_specs``), so the runtime plans
-for the GPU it finds."""
+_BUILT_IN: dict[str, DeviceSpec] = {
+    s.name: s for s in (H100, A100, V100, gpu_specs.H200_SXM, gpu_specs.B200)}
+"""The GPUs by name: the rounded datasheet specs (``cost_model.datasheets``), and for the
+H200 and B200, which have none, the sourced specs the built-in clusters carry
+(``cost_model.gpu_specs``), so the runtime plans for the GPU it finds."""
 
 
 def device_names() -> tuple[str, ...]:
-    return (*_FIXED, *SOURCED, "cpu")
+    return (*_BUILT_IN, "cpu")
 
 
 def get_device(name: str) -> DeviceSpec:
@@ -35,13 +35,11 @@ def get_device(name: str) -> DeviceSpec:
     key = name.lower()
     if key == "cpu":
         return quick_cpu_spec()
-    if key in SOURCED:
-        return {"h200": gpu_specs.H200_SXM, "b200": gpu_specs.B200}[key]
-    if key not in _FIXED:
+    if key not in _BUILT_IN:
         raise SMPConfigError.build("unknown device spec name", name, "cost_model.get_device",
                                    f"use one of {list(device_names())}, a spec file "
                                    "written by `smp-fx calibrate`, or build a DeviceSpec")
-    return _FIXED[key]
+    return _BUILT_IN[key]
 
 
 def load_device(name_or_path: str) -> DeviceSpec:
@@ -57,7 +55,7 @@ def spec_for_device_name(device_name: str) -> str | None:
     """The built-in spec for an accelerator's marketing name (``torch.cuda.get_device_name``):
     "NVIDIA H100 80GB HBM3" -> "h100"; ``None`` if no built-in matches."""
     upper = device_name.upper()
-    for key in (*SOURCED, *_FIXED):
+    for key in _BUILT_IN:
         if key.upper() in upper:
             return key
     return None

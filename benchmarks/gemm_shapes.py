@@ -64,10 +64,9 @@ def collect_run(run: Any) -> dict[str, Any]:
     from smp_fx.planner.planner import plan
     from smp_fx.planner.profile import rank_graph, split_parts
 
-    prep = pv.prepared_for(run)
-    best = plan(prep, pv.setting_for(run), fixed=run.fix(), top_k=1).best
-    c = best.candidate
-    prof = Profiler(prep, pv.cluster_for(run), runtime=run.runtime)
+    prep, setting = pv.prepared_for(run), pv.setting_for(run)
+    prof = Profiler(prep, setting.cluster, runtime=setting.runtime)  # the plan's, reused
+    c = plan(prep, setting, fixed=run.fix(), top_k=1, profiler=prof).best.candidate
     gm, _ = rank_graph(prof.costed(c.mbs), c.tp, c.sp, prof.device, prof.tp_comm(c.tp))
     parts = split_parts(gm, prep.repeats)
     names = PART_NAMES if prep.repeats is not None and len(parts) == 4 else tuple(

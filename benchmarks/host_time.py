@@ -50,7 +50,8 @@ def parse(argv: list[str] | None) -> tuple[argparse.Namespace, argparse.Namespac
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--vocab-size", type=int, default=512)
     ap.add_argument("--microbatches", type=int, nargs="+", default=[1, 2, 4])
-    ap.add_argument("--compile", action="store_true", help="also each under inductor")
+    ap.add_argument("--compile", action="store_true",
+                    help="also the most microbatches under inductor")
     ap.add_argument("--calls", action="store_true",
                     help="Python calls of one step, smp-fx's and a plain loop's")
     ap.add_argument("--calls-only", action="store_true",
@@ -99,8 +100,8 @@ def python_calls(step: Callable[[], Any], warmup: int = 3) -> int:
     return int(pstats.Stats(prof).total_calls)  # type: ignore[attr-defined]
 
 
-def call_counts(pargs: argparse.Namespace, base: dict[str, Any], microbatches: list[int],
-                device: torch.device) -> list[dict[str, Any]]:
+def call_counts(pargs: argparse.Namespace, best: dict[str, Any], base: dict[str, Any],
+                microbatches: list[int], device: torch.device) -> list[dict[str, Any]]:
     """``python_calls`` of smp-fx's step and the plain loop's at each microbatch count."""
     from smp_fx.world import state
 
@@ -109,8 +110,7 @@ def call_counts(pargs: argparse.Namespace, base: dict[str, Any], microbatches: l
           flush=True)
     for m in microbatches:
         state._reset()
-        step, _ = plan_gpu.smp_step(pargs, {"recompute": "full"},
-                                    {**base, "microbatches": m}, device)
+        step, _ = plan_gpu.smp_step(pargs, best, {**base, "microbatches": m}, device)
         ours = python_calls(step)
         state._reset()
         plain = python_calls(plain_step(pargs, m, device))
@@ -154,7 +154,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
               f"{row['per_microbatch_s'] * 1e3:>17.1f}", flush=True)
         if args.out is not None:
             write(args.out, pargs, device, rows, None)
-    calls = (call_counts(pargs, base, args.microbatches, device)
+    calls = (call_counts(pargs, best, base, args.microbatches, device)
              if args.calls or args.calls_only else None)
     if args.out is not None:
         write(args.out, pargs, device, rows, calls)

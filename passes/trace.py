@@ -21,6 +21,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from cost_model.errors import SMPTracingError
+from passes import trace_memo
 from passes.fresh_writes import make_out_of_place
 from passes.graph_utils import attach_state
 from passes.input_dims import InputDims, auto_dynamic_shapes, input_dims_of, range_constraints
@@ -194,11 +195,7 @@ def _export_trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, 
                   leaf_modules: LeafSpec) -> torch.fx.GraphModule:
     """Non-strict export; normalised to the trace contract (inputs first, no guard node)."""
     _, leaf_paths = _split_leaf_spec(leaf_modules)
-    remove_hook = capture_outputs(model)  # outputs torch's pytree does not know (4.2x HF)
-    try:
-        ep = _export(model, args, kwargs)
-    finally:
-        remove_hook()
+    ep = _export_or_recall(model, args, kwargs)
     gm = ep.module()
     gm.meta["smp.range_constraints"] = range_constraints(ep)
     graph = gm.graph
@@ -221,6 +218,30 @@ def _export_trace(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, 
             sorted(set(gm.state_dict()) ^ set(model.state_dict()))[:5], "export front end",
             "use frontend='fx' with leaf_modules for the offending submodules")
     return gm
+
+
+def _export_or_recall(model: nn.Module, args: tuple[Any, ...],
+                      kwargs: Mapping[str, Any]) -> Any:
+    """The program of an earlier export of a model of the same structure at the same
+    inputs, holding this model's tensors (``passes.trace_memo``); else a new export."""
+    key, why = trace_memo.model_key(model, args, kwargs) if trace_memo.enabled() \
+        else (None, f"{trace_memo.ENV}=0")
+    if key is not None:
+        ep = trace_memo.recall(key, model)
+        if ep is not None:
+            log.info("export: reused the program of a model of the same structure and inputs "
+                     "exported earlier in this process")
+            return ep
+    remove_hook = capture_outputs(model)  # outputs torch's pytree does not know (4.2x HF)
+    try:
+        ep = _export(model, args, kwargs)
+    finally:
+        remove_hook()
+    if key is not None:
+        trace_memo.remember(key, ep, model)
+    else:
+        trace_memo.unkeyed(why)
+    return ep
 
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:

@@ -12,6 +12,9 @@ intra-op thread where asked, and a check that a test which starts processes is m
 * ``check_order``: the ranks ``tests.helpers.dist.run_ranks`` starts run under
   ``SMP_FX_CHECK_ORDER=1`` (NCCL's ordering rule checked at every step's end; a sample of
   the multi-process tests asks for it, the whole grid runs under it with the variable set).
+* ``_trace_memo_per_file``: the programs ``passes.trace_memo`` remembers are forgotten at
+  each test file's start, so what a file's tests see of the memo does not depend on which
+  file ran before it on the worker.
 * ``_spawning_is_marked``: a test that starts a process (a ``subprocess`` or a
   ``multiprocessing`` process, e.g. the ranks of ``run_ranks``) must carry
   ``@pytest.mark.multiproc``, so ``-m "not multiproc"`` runs in this process only.
@@ -57,6 +60,15 @@ def _no_smp_state_left() -> Iterator[None]:
 
     smp_fx.reset()
     state._reset()
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _trace_memo_per_file() -> Iterator[None]:
+    """A test file starts without programs another file's tests exported
+    (``passes.trace_memo``): its tests share them, as one process of a user's would."""
+    if "passes.trace_memo" in sys.modules:
+        sys.modules["passes.trace_memo"].clear()
+    yield
 
 
 @pytest.fixture

@@ -15,6 +15,7 @@ from torch import nn
 import smp_fx
 from cost_model.calibrate import quick_cpu_spec
 from examples.models import hf_zoo
+from passes import trace_memo
 from passes.trace import trace
 
 
@@ -39,6 +40,7 @@ def warm() -> None:
     if tqdm.monitor is not None:  # one thread, so the ranks do not inherit a dead one
         tqdm.monitor.exit()
         tqdm.monitor = None
+    trace_memo.clear()  # a rank starts with no program remembered, as a new process does
 
 
 torch.set_num_threads(1)

@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.smp-fx-installed
 # A second environment with a transformers 4.x and a numpy 1.x (the SMP containers'
 # generation of the Hugging Face Trainer), where `make test` runs the Trainer, safe-loader
-# and Hugging Face pipeline tests again.
+# and Hugging Face pipeline tests again, and the trace memo on its model outputs.
 TF4_VENV ?= .venv-transformers4
 TF4_SPEC ?= transformers==4.46.3 accelerate==1.1.1 "numpy<2"
 TF4_PY := $(TF4_VENV)/bin/python
@@ -45,7 +45,8 @@ test: $(STAMP) $(TF4_STAMP) bytecode
 test-transformers4: $(TF4_STAMP)  # the Hugging Face Trainer and zoo tests with transformers 4.x
 	$(TF4_PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests/examples/test_hf_trainer.py \
 		tests/examples/test_hf_use_cache.py tests/smp_fx/ckpt/test_safe_load.py \
-		tests/examples/test_hf_zoo_pipeline.py tests/smp_fx/nn/huggingface/test_gptneox_rope.py
+		tests/examples/test_hf_zoo_pipeline.py tests/smp_fx/nn/huggingface/test_gptneox_rope.py \
+		tests/passes/test_trace_memo.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check smp_fx passes cost_model tests examples benchmarks conftest.py

@@ -1,17 +1,18 @@
 """torch.export's program reused for a model of the same structure at the same inputs.
 
-Why: a process that builds the same model again (a notebook cell run twice, a grid of
-configurations in one world, a model rebuilt after ``smp.reset()``) would pay torch.export
-again: 0.6-3.3 CPU-s for a tiny Hugging Face model, far more for a large one
-(docs/performance.md, 'The whole suite'). What export produces depends on the model's
-code, its modules' attributes, its parameters' and buffers' shapes, dtypes, devices and
-ties, the inputs' shapes and the autograd / autocast state, not on any weight's value.
-``model_key`` is all of that, or a reason why a model has no key (a hook, a closure, an
-attribute of a type it cannot read); ``recall`` hands back the remembered program with the
-new model's own parameters, buffers and tensor attributes in it, so the graph smp-fx
-builds from it reads the new model, never the one first exported. The programs kept hold
-no weights (fake tensors only), at most ``CAPACITY`` of them, most recent kept.
-``SMP_FX_TRACE_MEMO=0`` turns it off.
+Why: a process that builds the same model again (a notebook cell building a Hugging Face
+model run twice, a grid of configurations in one world, a model rebuilt after
+``smp.reset()``) would pay torch.export again: 0.6-1.9 CPU-s for a tiny Hugging Face model
+(``benchmarks/trace_memo.py``), far more for a large one, against 0.03-0.14 to reuse it.
+What export produces depends on the model's code (its classes and functions as objects:
+one redefined is another), its modules' attributes, its parameters' and buffers' shapes,
+dtypes, devices and ties, the inputs' shapes and the autograd / autocast state, not on
+any weight's value. ``model_key`` is all of that, or a reason why a model has no key (a
+hook, a closure, an attribute of a type it cannot read, a class defined in ``__main__``);
+``recall`` hands back the remembered program with the new model's own parameters, buffers
+and tensor attributes in it, so the graph smp-fx builds from it reads the new model, never
+the one first exported. The programs kept hold no weights (fake tensors only), at most
+``CAPACITY`` of them, the most recently used. ``SMP_FX_TRACE_MEMO=0`` turns it off.
 """
 
 from __future__ import annotations
@@ -84,6 +85,16 @@ def _name(obj: Any) -> str:
     return f"{getattr(obj, '__module__', '?')}.{getattr(obj, '__qualname__', repr(obj))}"
 
 
+def _code(obj: type | types.FunctionType, where: str) -> Hashable:
+    """A class or function as itself (its identity: one redefined or reloaded is another
+    object); one defined in ``__main__`` (a script's or a notebook's, whose cells can
+    redefine what it calls without redefining it) gives no key."""
+    if getattr(obj, "__module__", None) == "__main__":
+        raise Unkeyable(f"{where}: {obj.__qualname__} is defined in __main__, where what it "
+                        "calls can be redefined without it")
+    return obj
+
+
 class _Keyer:
     """Turns values into hashable keys; an object met twice is keyed once (and kept
     alive meanwhile, so no later object can take its id)."""
@@ -121,17 +132,17 @@ class _Keyer:
                                                                     depth + 1))
                  for k, x in v.items()), key=lambda kv: kv[0])))
         if isinstance(v, type):
-            return ("type", _name(v))
+            return ("type", _code(v, where))
         if isinstance(v, types.FunctionType):
             if v.__closure__:
                 raise Unkeyable(f"{where} is a closure ({_name(v)})")
-            return ("function", _name(v))
+            return ("function", _code(v, where))
         if isinstance(v, (types.BuiltinFunctionType, types.BuiltinMethodType)):
             return ("builtin", _name(v))
         if isinstance(v, nn.Module):
             raise Unkeyable(f"{where} holds a module outside the module tree")
         if hasattr(v, "__dict__") and not isinstance(v, types.ModuleType):
-            return (_name(type(v)), self.value(dict(vars(v)), where, depth + 1))
+            return (_code(type(v), where), self.value(dict(vars(v)), where, depth + 1))
         raise Unkeyable(f"{where} is a {type(v).__name__}, which the key cannot read")
 
     def tensor_attr(self, t: torch.Tensor, where: str) -> Hashable:
@@ -184,7 +195,7 @@ def model_key(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
                     tensors.append((kind, name, tuple(t.shape), str(t.dtype), t.device.type,
                                     t.requires_grad, name in mod._non_persistent_buffers_set,
                                     first_tensor.setdefault(id(t), full)))
-            parts.append((path, _name(type(mod)), mod.training,
+            parts.append((path, _code(type(mod), f"module {path or '<root>'!r}"), mod.training,
                           first_module.setdefault(id(mod), path),
                           k.value(attrs, f"module {path or '<root>'!r}"), tuple(tensors)))
         leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
@@ -223,8 +234,8 @@ def remember(key: Hashable, ep: Any, model: nn.Module) -> None:
     constants that are the model's own (non-persistent buffers, tensor attributes) are
     dropped too and read from the next model."""
     kept = _without_state(ep)
-    kept._constants = {name: (None if isinstance(_resolve(model, name), torch.Tensor)
-                              else value) for name, value in ep.constants.items()}
+    kept._constants = {name: (None if _resolve(model, name) is value else value)
+                       for name, value in ep.constants.items()}
     _PROGRAMS[key] = kept
     _PROGRAMS.move_to_end(key)
     while len(_PROGRAMS) > CAPACITY:

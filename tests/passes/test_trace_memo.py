@@ -99,6 +99,23 @@ def test_another_shape_or_size_misses() -> None:
     assert trace_memo.STATS.hits == 0 and trace_memo.STATS.stored == 3
 
 
+def test_a_class_defined_again_is_another_key_and_main_gives_none() -> None:
+    class Scale(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+    first = Scale
+    class Scale(nn.Module):  # type: ignore[no-redef]  # the same name, another forward
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 3
+
+    x = torch.ones(2)
+    assert trace_memo.model_key(first(), (x,), {})[0] != trace_memo.model_key(Scale(), (x,), {})[0]
+    Scale.__module__ = "__main__"
+    key, why = trace_memo.model_key(Scale(), (x,), {})
+    assert key is None and "defined in __main__" in why, why
+
+
 def test_a_tie_is_part_of_the_key() -> None:
     tied = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False))
     tied[1].weight = tied[0].weight

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import enum
+import functools
 import logging
 import os
 import types
@@ -95,6 +96,15 @@ def _code(obj: type | types.FunctionType, where: str) -> Hashable:
     return obj
 
 
+def _state_in_dict(cls: type) -> bool:
+    """Whether an instance's state is its ``__dict__``: a class defined in Python (a heap
+    type) without ``__slots__``; not a bound method, a C type or a module, whose state
+    lives elsewhere."""
+    heap = bool(cls.__flags__ & (1 << 9))  # Py_TPFLAGS_HEAPTYPE
+    return heap and not issubclass(cls, (types.ModuleType, types.MethodType)) and not any(
+        "__slots__" in vars(c) for c in cls.__mro__ if c is not object)
+
+
 class _Keyer:
     """Turns values into hashable keys; an object met twice is keyed once (and kept
     alive meanwhile, so no later object can take its id)."""
@@ -137,11 +147,16 @@ class _Keyer:
             if v.__closure__:
                 raise Unkeyable(f"{where} is a closure ({_name(v)})")
             return ("function", _code(v, where))
-        if isinstance(v, (types.BuiltinFunctionType, types.BuiltinMethodType)):
-            return ("builtin", _name(v))
+        if isinstance(v, types.BuiltinFunctionType):
+            if not isinstance(getattr(v, "__self__", None), (type(None), types.ModuleType, type)):
+                raise Unkeyable(f"{where} is a method bound to a {type(v.__self__).__name__}")
+            return ("builtin", v)
+        if isinstance(v, functools.partial):
+            return ("partial", self.value(v.func, where, depth + 1),
+                    self.value(v.args, where, depth + 1), self.value(v.keywords, where, depth + 1))
         if isinstance(v, nn.Module):
             raise Unkeyable(f"{where} holds a module outside the module tree")
-        if hasattr(v, "__dict__") and not isinstance(v, types.ModuleType):
+        if _state_in_dict(type(v)):
             return (_code(type(v), where), self.value(dict(vars(v)), where, depth + 1))
         raise Unkeyable(f"{where} is a {type(v).__name__}, which the key cannot read")
 
@@ -232,7 +247,11 @@ def _resolve(model: nn.Module, fqn: str) -> Any:
 def remember(key: Hashable, ep: Any, model: nn.Module) -> None:
     """Keep ``ep`` (exported from ``model``) under ``key``, without its tensors; the
     constants that are the model's own (non-persistent buffers, tensor attributes) are
-    dropped too and read from the next model."""
+    dropped too and read from the next model. A program that keeps its tensors other
+    than where this torch's does (``_state_dict``, ``_constants``) is not kept."""
+    if not all(isinstance(getattr(ep, a, None), dict) for a in ("_state_dict", "_constants")):
+        unkeyed(f"torch {torch.__version__}'s ExportedProgram keeps its tensors elsewhere")
+        return
     kept = _without_state(ep)
     kept._constants = {name: (None if _resolve(model, name) is value else value)
                        for name, value in ep.constants.items()}

@@ -6,9 +6,10 @@ counted with its reason; the memo keeps no model alive."""
 
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 
 import pytest
 import torch
@@ -114,6 +115,23 @@ def test_a_class_defined_again_is_another_key_and_main_gives_none() -> None:
     Scale.__module__ = "__main__"
     key, why = trace_memo.model_key(Scale(), (x,), {})
     assert key is None and "defined in __main__" in why, why
+
+
+def _key_of(**attrs: object) -> tuple[Hashable | None, str]:
+    model = nn.Linear(2, 2)
+    for name, value in attrs.items():
+        setattr(model, name, value)
+    return trace_memo.model_key(model, (torch.ones(1, 2),), {})
+
+
+def test_partials_and_methods_are_keyed_by_what_they_hold() -> None:
+    assert _key_of(f=functools.partial(torch.add, alpha=2))[0] != \
+        _key_of(f=functools.partial(torch.add, alpha=3))[0]
+    assert _key_of(f=functools.partial(torch.add, alpha=2))[0] == \
+        _key_of(f=functools.partial(torch.add, alpha=2))[0]
+    holder = nn.Linear(2, 2)
+    assert _key_of(f=[].append)[0] is None and _key_of(f=holder.forward)[0] is None
+    assert _key_of(f=torch.relu)[0] == _key_of(f=torch.relu)[0] != _key_of(f=torch.tanh)[0]
 
 
 def test_a_tie_is_part_of_the_key() -> None:

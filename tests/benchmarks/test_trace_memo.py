@@ -17,7 +17,9 @@ from passes import trace_memo  # noqa: E402
 
 
 @pytest.mark.usefixtures("one_thread")
-def test_two_architectures_reuse_their_programs(capsys: pytest.CaptureFixture[str]) -> None:
+def test_two_architectures_reuse_their_programs(capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(trace_memo.ENV, raising=False)
     rows = bench.main(["--archs", "llama", "bert", "--rounds", "1"])
     trace_memo.clear()
     assert [r["arch"] for r in rows] == ["llama", "bert"]

@@ -23,7 +23,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(autouse=True)
-def _fresh_memo() -> Iterator[None]:
+def _fresh_memo(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.delenv(trace_memo.ENV, raising=False)  # on, whatever the run's setting
     trace_memo.clear()
     yield
     trace_memo.clear()

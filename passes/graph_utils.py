@@ -35,6 +35,17 @@ def copy_graph_module(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return out
 
 
+def tensor_at(root: nn.Module, fqn: str) -> torch.Tensor | None:
+    """The tensor at a dotted attribute path of ``root`` (a parameter, a buffer or a plain
+    tensor attribute), or None where the path ends early or names no tensor."""
+    obj: object = root
+    for part in fqn.split("."):
+        obj = getattr(obj, part, None)
+        if obj is None:
+            return None
+    return obj if isinstance(obj, torch.Tensor) else None
+
+
 def attach_state(dst: nn.Module, src: nn.Module) -> None:
     """Register on ``dst`` every parameter/buffer of ``src`` it lacks (same objects)."""
     have = set(dst.state_dict(keep_vars=True))

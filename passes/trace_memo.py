@@ -32,6 +32,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from passes.graph_utils import tensor_at
+
 log = logging.getLogger("smp_fx.passes.trace")
 
 CAPACITY = 8
@@ -224,38 +226,27 @@ def model_key(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]
     return key, ""
 
 
-def _without_state(ep: Any) -> Any:
-    """A copy of the program that holds none of the model's tensors: what ``recall`` fills
-    with another model's. Constants the forward made (lifted ``torch.tensor(...)`` values)
-    stay: they follow from the code and the key."""
+def _without_state(ep: Any, model: nn.Module) -> Any:
+    """A copy of the program exported from ``model`` that holds none of its tensors: what
+    ``recall`` fills with another model's. The constants that are the model's own
+    (non-persistent buffers, tensor attributes) are dropped too; those the forward made
+    (lifted ``torch.tensor(...)`` values) stay: they follow from the code and the key."""
     kept = copy.copy(ep)
     kept._state_dict = {name: None for name in ep.state_dict}
-    kept._constants = dict(ep.constants)
+    kept._constants = {name: (None if tensor_at(model, name) is value else value)
+                       for name, value in ep.constants.items()}
     kept._example_inputs = None
     return kept
 
 
-def _resolve(model: nn.Module, fqn: str) -> Any:
-    obj: Any = model
-    for part in fqn.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj
-
-
 def remember(key: Hashable, ep: Any, model: nn.Module) -> None:
-    """Keep ``ep`` (exported from ``model``) under ``key``, without its tensors; the
-    constants that are the model's own (non-persistent buffers, tensor attributes) are
-    dropped too and read from the next model. A program that keeps its tensors other
-    than where this torch's does (``_state_dict``, ``_constants``) is not kept."""
+    """Keep ``ep`` (exported from ``model``) under ``key``, without its tensors
+    (``_without_state``). A program that keeps its tensors other than where this torch's
+    does (``_state_dict``, ``_constants``) is not kept."""
     if not all(isinstance(getattr(ep, a, None), dict) for a in ("_state_dict", "_constants")):
         unkeyed(f"torch {torch.__version__}'s ExportedProgram keeps its tensors elsewhere")
         return
-    kept = _without_state(ep)
-    kept._constants = {name: (None if _resolve(model, name) is value else value)
-                       for name, value in ep.constants.items()}
-    _PROGRAMS[key] = kept
+    _PROGRAMS[key] = _without_state(ep, model)
     _PROGRAMS.move_to_end(key)
     while len(_PROGRAMS) > CAPACITY:
         _PROGRAMS.popitem(last=False)
@@ -270,13 +261,13 @@ def recall(key: Hashable, model: nn.Module) -> Any | None:
     ep = copy.copy(kept)
     state: dict[str, torch.Tensor] = {}
     for name in kept.state_dict:
-        tensor = _resolve(model, name)
-        if not isinstance(tensor, torch.Tensor):
+        tensor = tensor_at(model, name)
+        if tensor is None:
             return None
         state[name] = tensor
     constants: dict[str, Any] = {}
     for name, value in kept.constants.items():
-        constants[name] = _resolve(model, name) if value is None else value
+        constants[name] = tensor_at(model, name) if value is None else value
         if constants[name] is None:
             return None
     ep._state_dict = state

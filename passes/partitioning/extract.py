@@ -15,19 +15,10 @@ import torch.fx
 
 from cost_model.errors import SMPPartitionError
 from passes import meta
-from passes.graph_utils import copy_graph_module
+from passes.graph_utils import copy_graph_module, tensor_at
 from passes.partitioning.problem import DagProblem
 
 COMPUTE_OPS = ("call_function", "call_method", "call_module")
-
-
-def _resolve(gm: torch.fx.GraphModule, name: str) -> torch.Tensor | None:
-    obj: object = gm
-    for part in name.split("."):
-        obj = getattr(obj, part, None)
-        if obj is None:
-            return None
-    return obj if isinstance(obj, torch.Tensor) else None
 
 
 class _TensorIndex:
@@ -62,7 +53,7 @@ class _TensorIndex:
         """The key of the tensor ``name`` resolves to, or None if it names no tensor."""
         if name in self.key_of_name:
             return self.key_of_name[name]
-        t = _resolve(self.gm, name)
+        t = tensor_at(self.gm, name)
         return None if t is None else self._add(name, t)
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.fx
 
 from passes import meta
+from passes.graph_utils import tensor_at
 from passes.tensor_parallel.ops import SIZE_READS
 
 
@@ -167,10 +168,7 @@ def grad_flow(gm: torch.fx.GraphModule) -> set[torch.fx.Node]:
         if n.op == "placeholder":
             need = False
         elif n.op == "get_attr":
-            obj: Any = gm
-            for part in str(n.target).split("."):
-                obj = getattr(obj, part, None)
-            need = bool(getattr(obj, "requires_grad", False))
+            need = bool(getattr(tensor_at(gm, str(n.target)), "requires_grad", False))
         else:
             need = n.target not in NO_GRAD and any(a in out for a in n.all_input_nodes)
         if need:

@@ -35,6 +35,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from passes import trace_memo
 from tests.helpers.processes import recording_processes
 
 
@@ -66,8 +67,7 @@ def _no_smp_state_left() -> Iterator[None]:
 def _trace_memo_per_file() -> Iterator[None]:
     """A test file starts without programs another file's tests exported
     (``passes.trace_memo``): its tests share them, as one process of a user's would."""
-    if "passes.trace_memo" in sys.modules:
-        sys.modules["passes.trace_memo"].clear()
+    trace_memo.clear()
     yield
 
 

@@ -272,6 +272,5 @@ def cluster_for_device(device: DeviceSpec, *, gpus_per_node: int | None = None,
     return cluster.with_sources(**notes) if notes else cluster
 
 
-
 __all__ = ["CLUSTERS", "DEVICE_CLUSTER", "GPU_TYPE", "MEGATRON_FIT", "ClusterSpec",
            "cluster_for_device", "cluster_names", "get_cluster", "load_cluster"]

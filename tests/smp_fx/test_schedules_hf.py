@@ -1,15 +1,16 @@
 """Every schedule equals one process on Hugging Face models built from configs, across
 processes: the numerics grid of ``test_schedules`` on real models' boundaries.
 
-Llama, T5 (its embedding tied to its head), GPT-2 and BERT (``examples/models/hf_zoo.py``)
-at pp 2 on 2 gloo processes, each schedule at v = 1 and 2 on one of them and every model
-under a chunked one: many tensors, integer and boolean tensors and plain values cross
-between the chunks of one pair of ranks, some from one chunk to both chunks of the other
-rank. A model of the project's own returns, besides its logits, a tensor off the loss's path
-made on the first stage (a cache), an integer and a boolean tensor: they get no gradient.
-One spawn runs every case in turn; 3 Adam steps, every gradient after every step and the
-full ``state_dict()`` after them within 1e-5 of the plain model trained in one process on
-the global batch.
+Llama, T5 (its embedding tied to its head), GPT-2, BERT, and the vision models ViT (a class
+token and position embeddings) and Swin (shifted windows, patch merging)
+(``examples/models/hf_zoo.py``) at pp 2 on 2 gloo processes, each schedule at v = 1 and 2 on
+one of them and every model under a chunked one: many tensors, integer and boolean tensors
+and plain values cross between the chunks of one pair of ranks, some from one chunk to both
+chunks of the other rank. A model of the project's own returns, besides its logits, a tensor
+off the loss's path made on the first stage (a cache), an integer and a boolean tensor: they
+get no gradient. One spawn runs every case in turn; 3 Adam steps, every gradient after every
+step and the full ``state_dict()`` after them within 1e-5 of the plain model trained in one
+process on the global batch.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ CASES = (("llama", "zbv", 2), ("llama", "simple", 1),
          ("t5", "interleaved", 2), ("t5", "zero_bubble", 1),
          ("gpt2", "zero_bubble", 2), ("gpt2", "interleaved", 1),
          ("bert", "simple", 2),
+         ("vit", "interleaved", 2), ("swin", "zbv", 2),
          ("cache", "interleaved", 2))
 
 

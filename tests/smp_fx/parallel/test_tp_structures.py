@@ -25,7 +25,11 @@ holds (shards and replicated parameters), and the shard shapes the structure imp
 * encoder-decoder with cross-attention (T5); MoE experts (Mixtral: ``grouped_mm`` over
   ``(experts, out, in)`` weights, gate/up strided; the router lone);
 * embeddings with ``padding_idx`` (OPT: the padding row's gradient stays zero on the rank
-  that holds it); layers shared across depth (ALBERT: one shard, both calls).
+  that holds it); layers shared across depth (ALBERT: one shard, both calls);
+* vision transformers: ViT (a convolution's patches, a class token and position
+  embeddings, replicated), Swin (shifted-window attention whose relative position bias
+  table, replicated, each rank indexes for its heads; patch merging's reduction, lone
+  between the stages' widths).
 """
 
 from __future__ import annotations
@@ -75,11 +79,18 @@ SHAPES: dict[str, dict[str, tuple[int, ...]]] = {
     "opt": {"model.model.decoder.embed_tokens.weight": (64, 64)},
     "albert": {"model.albert.encoder.albert_layer_groups.0.albert_layers.0.attention.query"
                ".weight": (32, 64)},
+    "vit": {"model.vit.layers.0.attention.q_proj.weight": (32, 64),
+            "model.vit.layers.0.mlp.fc2.weight": (64, 128),
+            "model.vit.embeddings.cls_token": (1, 1, 64)},
+    "swin": {"model.swin.encoder.layers.0.blocks.0.attention.q_proj.weight": (16, 32),
+             "model.swin.encoder.layers.0.blocks.0.attention.relative_position_bias"
+             ".relative_position_bias_table": (49, 4),
+             "model.swin.encoder.layers.0.downsample.reduction.weight": (32, 128)},
 }
 # arch -> (pairs, lone linears) the plan must have at least / exactly
 PAIRS = {"phi3": 4, "gpt_neox": 4, "bloom": 4, "gpt2": 4, "gemma": 6, "qwen3": 10,
          "olmo2": 10, "gptj": 8, "t5": 22, "deberta_v2": 12, "mixtral": 8, "opt": 8,
-         "albert": 8}
+         "albert": 8, "vit": 8, "swin": 8}
 
 
 def _batches(arch: str) -> list[zoo.Batch]:

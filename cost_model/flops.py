@@ -32,7 +32,8 @@ CREATION_OPS = frozenset({
     "sym_numel", "floordiv", "index_select", "gather", "repeat", "masked_fill_mask",
     "assert_tensor_metadata", "and", "or", "bitwise_and", "bitwise_or", "any", "all",
     "item", "sym_constrain_range_for_size", "diff", "floor_divide", "histc", "sort",
-    "argsort",
+    "argsort", "pad", "constant_pad_nd", "mod", "sym_min", "sym_max", "sym_not", "sym_float",
+    "sym_int", "sym_ite",
 })
 """Ops producing values without gradient-relevant arithmetic (index math, masks, copies)."""
 

@@ -108,6 +108,19 @@ def test_a_concatenation_carries_the_gradient() -> None:
     assert predicted == sum(saved_bytes_by_module(model, (x,)).values()) == 3 * 2 * 5 * 8 * 4
 
 
+@pytest.mark.parametrize("arch", ["swin", "vit"])
+def test_vision_transformers_are_fully_costed(arch: str) -> None:
+    """Swin's window padding and its symbolic index math (``mod``, ``sym_min``) have
+    formulas: no op priced blind, saved bytes as autograd keeps them."""
+    hf_zoo = pytest.importorskip("examples.models.hf_zoo")
+    model, args = hf_zoo.build(arch, marked=False), hf_zoo.inputs(arch, 2)
+    gm = annotate_costs(shape_prop(trace(model, args), args), H100)
+    costs = [COST.get(n) for n in gm.graph.nodes]
+    assert all(c.known for c in costs), sorted({c.op for c in costs if not c.known})
+    actual = sum(saved_bytes_by_module(model, args).values())
+    assert abs(sum(c.saved_bytes for c in costs) - actual) <= 0.05 * actual
+
+
 class _Opaque(nn.Module):
     """A user leaf with no formula: priced by running it on fake tensors."""
 

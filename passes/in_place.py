@@ -2,7 +2,8 @@
 
 Stages exchange copies, so a tensor written in place is right elsewhere only if it leaves
 its stage after every write that precedes a read: the tensor, its views and the reads the
-writes order run on one stage (``colocate``; ``check`` refuses a split).
+writes order run on one stage (``colocate``; ``check`` refuses a split). A tensor detached
+in place stays with its producer too (a received copy is a view).
 See docs/architecture.md, 'Stage assignment and splitting'.
 """
 
@@ -41,14 +42,32 @@ METADATA_ONLY = frozenset({"detach_", "requires_grad_", "retain_grad"})
 """In-place methods that change autograd's view of a tensor, not its values."""
 
 
+def _op_name(node: torch.fx.Node) -> str:
+    schema = _schema(node)
+    return schema.name.split("::")[-1] if schema is not None else str(node.target)
+
+
+def _metadata_pairs(nodes: list[torch.fx.Node]) -> list[frozenset[str]]:
+    """Each in-place metadata op (``detach_``) with the compute node whose tensor it
+    changes: a stage receives a view of the transport's buffer, which autograd refuses to
+    detach in place (export writes ``torch.tensor(c)`` in a forward as ``lift_fresh_copy``
+    then ``detach_``: a cut between the two would fail the step)."""
+    pairs = []
+    for n in nodes:
+        first = n.args[0] if n.op in COMPUTE_OPS and n.args else None
+        if isinstance(first, torch.fx.Node) and first.op in COMPUTE_OPS \
+                and _op_name(n) in METADATA_ONLY:
+            pairs.append(frozenset((first.name, n.name)))
+    return pairs
+
+
 def written(node: torch.fx.Node) -> list[torch.fx.Node]:
     """The tensors ``node`` writes in place: an ATen op's mutable arguments, ``t[i] = v``,
     a ``name_`` method's receiver, a function called with ``inplace=True``."""
     if node.op not in COMPUTE_OPS:
         return []
     schema = _schema(node)
-    name = schema.name.split("::")[-1] if schema is not None else str(node.target)
-    if name in METADATA_ONLY:
+    if _op_name(node) in METADATA_ONLY:
         return []
     if schema is not None:
         return [a for arg, a in zip(schema.arguments, node.args) if isinstance(a, torch.fx.Node)
@@ -81,7 +100,8 @@ def view_of(node: torch.fx.Node) -> torch.fx.Node | None:
 
 
 def groups(gm: torch.fx.GraphModule) -> tuple[frozenset[str], ...]:
-    """The compute nodes (by name) that must share a stage, one group per written tensor."""
+    """The compute nodes (by name) that must share a stage: one group per written tensor,
+    and each in-place metadata op with its tensor (``_metadata_pairs``)."""
     nodes = list(gm.graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}
     root: dict[torch.fx.Node, torch.fx.Node] = {}
@@ -103,7 +123,7 @@ def groups(gm: torch.fx.GraphModule) -> tuple[frozenset[str], ...]:
         names = frozenset(n.name for n in group if n.op in COMPUTE_OPS)
         if len(names) > 1:
             found.append(names)
-    return tuple(found)
+    return tuple(found + _metadata_pairs(nodes))
 
 
 def colocate(gm: torch.fx.GraphModule, stages: Mapping[str, int],

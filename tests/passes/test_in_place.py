@@ -2,7 +2,8 @@
 
 The models mimic transformers 4.26 Bloom's causal mask (``torch.empty`` filled by a slice
 assignment in forward, then read by every layer), once as a tensor made in forward
-(Bloom's) and once as a registered buffer. Every cut of the graph into 2 stages, as the
+(Bloom's) and once as a registered buffer; a third model makes a constant in forward, which
+export detaches in place. Every cut of the graph into 2 stages, as the
 partitioners leave it, runs as separate processes would (each stage its own copy of the
 modules, values exchanged as copies) and equals one process.
 """
@@ -78,9 +79,24 @@ class BufferMask(EmptyMask):
         return self.mask[None, None].expand(b, 1, t, t)
 
 
+class ScaledByConstant(EmptyMask):
+    """A constant made in forward (``torch.tensor``: export's ``lift_fresh_copy`` then an
+    in-place ``detach_``), read after the blocks: a cut between the two hands the
+    ``detach_`` a received tensor."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        mask = self.causal(ids)
+        h = self.emb(ids)
+        scale = torch.tensor(0.5)
+        for block in self.blocks:
+            h = block(h, mask)
+        return self.head(h) * scale
+
+
 def _run_as_processes(prog: StagedProgram, *args: Any) -> Any:
     """``prog`` as separate processes run it: each stage its own copy of the buffers (taken
-    before anything ran), every value it receives a copy. A stage module's containers are
+    before anything ran), every value it receives a copy, viewed as the transport's
+    receive buffers view it. A stage module's containers are
     its own (fx copies the attribute paths), so replacing a buffer there touches no other."""
     for st in prog.stages:
         for name, buffer in list(st.module.named_buffers()):
@@ -91,7 +107,8 @@ def _run_as_processes(prog: StagedProgram, *args: Any) -> Any:
     last: tuple[Any, ...] = ()
     for st in prog.stages:
         vals = [inputs[n] if n in st.program_inputs else env[n] for n in st.input_names]
-        last = st.module(*[v.clone() if isinstance(v, torch.Tensor) else v for v in vals])
+        last = st.module(*[v.clone().view_as(v) if isinstance(v, torch.Tensor) else v
+                           for v in vals])
         env.update(zip(st.output_names, last))
     return prog.build_outputs(last)
 
@@ -112,7 +129,8 @@ def _cuts(gm: torch.fx.GraphModule) -> list[dict[str, int]]:
 
 
 # the buffer's readers read the result of export's ``copy_`` into it: data flow orders them
-@pytest.mark.parametrize(("build", "grouped"), [(EmptyMask, True), (BufferMask, False)])
+@pytest.mark.parametrize(("build", "grouped"), [(EmptyMask, True), (BufferMask, False),
+                                                (ScaledByConstant, True)])
 def test_every_cut_equals_one_process(build: type[nn.Module], grouped: bool) -> None:
     model, ids, gm = _traced(build)
     want = copy.deepcopy(model)(ids)

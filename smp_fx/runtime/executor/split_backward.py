@@ -121,13 +121,16 @@ def input_grads(roots: Sequence[torch.Tensor], root_grads: Sequence[torch.Tensor
             [p for p, acc in zip(trainable, accs) if acc in parents])
     joins: dict[Node, _Join] = {}
     reached: dict[Node, int] = {}
+    rooted = set(root_nodes)
     for p, acc in zip(trainable, accs):
         if acc not in parents:
             continue  # the chunk's outputs do not depend on it
         todo, seen = [acc], {acc}
         while todo:
             node = todo.pop()
-            if not parents[node] and node not in path:  # a root made of parameters alone
+            # a root made of parameters alone, whose own gradient W starts from; one that
+            # also feeds the input path is joined there too (the parameter is then shared)
+            if node in rooted and node not in path:
                 mine = [(r, g) for (r, g), rn in zip(used, root_nodes) if rn is node]
                 join = joins.setdefault(node, _Join(node, roots=[r for r, _ in mine]))
                 join.grads = tuple(g for _, g in mine)

@@ -20,15 +20,19 @@ from smp_fx.runtime.memory.recompute_once import checkpoint_once
 
 class Chunk(nn.Module):
     """Linear, LayerNorm, a parameter multiplied in; optionally a layer used twice, an
-    output made of a parameter alone, a checkpointed body."""
+    output made of a parameter alone, a checkpointed body, or a value made of a parameter
+    alone that is both added onto the input path and an output (``tee``: T5's position
+    bias, computed in the first decoder layer, sent on to the later ones)."""
 
-    def __init__(self, shared: bool = False, side: bool = False, ckpt: bool = False) -> None:
+    def __init__(self, shared: bool = False, side: bool = False, ckpt: bool = False,
+                 tee: bool = False) -> None:
         super().__init__()
         self.a = nn.Linear(8, 8)
         self.ln = nn.LayerNorm(8)
         self.b = nn.Linear(8, 8)
         self.p = nn.Parameter(torch.randn(8))
-        self.shared, self.side, self.ckpt = shared, side, ckpt
+        self.q = nn.Parameter(torch.randn(8))
+        self.shared, self.side, self.ckpt, self.tee = shared, side, ckpt, tee
         self.runs = 0
 
     def body(self, x: torch.Tensor) -> torch.Tensor:
@@ -38,6 +42,9 @@ class Chunk(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         h = checkpoint_once(self.body, x) if self.ckpt else self.body(x)
+        if self.tee:
+            bias = self.q * 2.0
+            return h + bias, bias
         return (h, self.p * 3.0) if self.side else (h,)
 
 
@@ -50,7 +57,7 @@ def _twins(**kw: Any) -> tuple[Chunk, Chunk]:
 
 
 @pytest.mark.parametrize("kw", [{}, {"shared": True}, {"side": True}, {"ckpt": True},
-                                {"ckpt": True, "shared": True}])
+                                {"ckpt": True, "shared": True}, {"tee": True}])
 @pytest.mark.parametrize("needs_grad", [True, False])
 def test_i_then_w_equal_one_backward(kw: dict[str, Any], needs_grad: bool) -> None:
     split, whole = _twins(**kw)

@@ -141,6 +141,13 @@ def _checks(linears: dict[torch.fx.Node, Linear], embeds: Sequence[vocab.Embeddi
             "false (each rank's examples gathered) does not build")))
     rows_split = {id(e.value) for e in embeds}
     drop: dict[torch.fx.Node, str] = {}
+    if not prescaled:
+        drop.update({n: f"{lin.weight} is a grouped (expert) matmul whose row groups are "
+                        "this rank's own tokens, sorted by its routing; prescaled_batch "
+                        "false gives each tp rank other tokens, which a gather would mix "
+                        f"across the groups ({where(n)}; set prescaled_batch true to shard "
+                        "the experts)"
+                     for n, lin in linears.items() if lin.kind == "grouped"})
     for n, lin in linears.items():
         if id(lin.weight_value) in rows_split:
             if lin.role == "row":

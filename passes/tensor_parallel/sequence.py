@@ -87,9 +87,28 @@ def sequence_parallel(gm: torch.fx.GraphModule, inside: Callable[[torch.fx.Node]
     gradients need summing over the tp group, and of the nodes whose values are chunked.
     ``inside``: whether a node belongs to a sharded region; ``gathered``:
     ``prescaled_batch`` false (the regions see the tp group's batch)."""
+    kept_whole: set[torch.fx.Node] = set()
+    while True:
+        chunked, entries = _regions(gm, inside, size, gathered, kept_whole)
+        mixed = _mixed_readers(gm, chunked)
+        if not mixed:
+            break
+        kept_whole |= mixed
+    if not any(meta.TP.get(n) is None for n in chunked) or _exits_outnumber(chunked):
+        return (), ()  # nothing but collectives chunked, or more gathers than it saves
+    return _rewrite(gm, chunked, entries, size, gathered)
+
+
+def _regions(gm: torch.fx.GraphModule, inside: Callable[[torch.fx.Node], bool], size: int,
+             gathered: bool, kept_whole: set[torch.fx.Node]
+             ) -> tuple[dict[torch.fx.Node, int], list[tuple[torch.fx.Node, torch.fx.Node]]]:
+    """The chunked nodes (-> their sequence dim) and the operands entering them, no node of
+    ``kept_whole`` among them."""
     chunked: dict[torch.fx.Node, int] = {}
     entries: list[tuple[torch.fx.Node, torch.fx.Node]] = []
     for n in gm.graph.nodes:
+        if n in kept_whole:
+            continue
         role = meta.TP.get(n)
         if role == "tp_reduce":
             d = _seq_dim(n, size, gathered)
@@ -111,9 +130,31 @@ def sequence_parallel(gm: torch.fx.GraphModule, inside: Callable[[torch.fx.Node]
             if d is not None and d == chunked[ins[0]]:
                 chunked[n] = d
                 entries += mine
-    if not any(meta.TP.get(n) is None for n in chunked) or _exits_outnumber(chunked):
-        return (), ()  # nothing but collectives chunked, or more gathers than it saves
-    return _rewrite(gm, chunked, entries, size, gathered)
+    return chunked, entries
+
+
+def _params_read(n: torch.fx.Node) -> list[str]:
+    """The parameters and buffers ``n`` reads."""
+    names = [str(a.target) for a in n.all_input_nodes if a.op == "get_attr"]
+    return names + (list(meta.PARAMS.get(n, ()) or ()) if n.op == "call_module" else [])
+
+
+def _mixed_readers(gm: torch.fx.GraphModule, chunked: dict[torch.fx.Node, int]
+                   ) -> set[torch.fx.Node]:
+    """The chunked readers of a parameter that a whole-sequence op reads too (a layer
+    shared across depth, ALBERT's, chunked in one call only): its gradient would be summed
+    over tp for both, so those readers stay whole."""
+    readers: dict[str, list[torch.fx.Node]] = {}
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method", "call_module"):
+            for name in _params_read(n):
+                readers.setdefault(name, []).append(n)
+    mixed: set[torch.fx.Node] = set()
+    for ns in readers.values():
+        inner = [n for n in ns if n in chunked]
+        if inner and len(inner) < len(ns):
+            mixed.update(inner)
+    return mixed
 
 
 def _exits_outnumber(chunked: dict[torch.fx.Node, int]) -> bool:
@@ -169,8 +210,7 @@ def _rewrite(gm: torch.fx.GraphModule, chunked: dict[torch.fx.Node, int],
             cost = meta.COST.get(n)
             if cost is not None:
                 meta.COST.set(n, costs.divide(cost, size))
-            params += [str(a.target) for a in n.all_input_nodes if a.op == "get_attr"]
-            params += list(meta.PARAMS.get(n, ()) or ()) if n.op == "call_module" else []
+            params += _params_read(n)
         meta.TENSOR.set(n, costs.local_info(meta.TENSOR.get(n), d, size))
         meta.TP_SPLIT.set(n, d)
     names = tuple(n.name for n in chunked)

@@ -26,8 +26,9 @@ holds (shards and replicated parameters), and the shard shapes the structure imp
   ``(experts, out, in)`` weights, gate/up strided; the router lone);
 * embeddings with ``padding_idx`` (OPT: the padding row's gradient stays zero on the rank
   that holds it); layers shared across depth (ALBERT: one shard, both calls);
-* MoE experts with ``prescaled_batch: false`` (each tp rank its own examples, SMP's
-  default): kept whole with the reason, the rest sharded, equal to one process;
+* ``prescaled_batch: false`` (each tp rank its own examples, SMP's default): MoE experts
+  kept whole with the reason, the rest sharded; ALBERT's shared layer, whose norm one call
+  reads in a sequence-chunked region and the other whole; both equal to one process;
 * vision transformers: ViT (a convolution's patches, a class token and position
   embeddings, replicated), Swin (shifted-window attention whose relative position bias
   table, replicated, each rank indexes for its heads; patch merging's reduction, lone
@@ -112,9 +113,11 @@ class _Lines(logging.Handler):
         self.lines.append(record.getMessage())
 
 
-OWN_BATCH = "mixtral/own-batch"
-"""Mixtral with ``prescaled_batch: false`` (SMP's default: each tp rank its own examples):
-its experts' row groups are each rank's own routed tokens, so they stay whole."""
+OWN_BATCH = ("mixtral/own-batch", "albert/own-batch")
+"""Cases with ``prescaled_batch: false`` (SMP's default: each tp rank its own examples):
+Mixtral, whose experts' row groups are each rank's own routed tokens (they stay whole), and
+ALBERT, whose shared layer's norm is read by a sequence-chunked op in one call and a whole
+one in the other (both stay whole)."""
 
 
 def _case(arch: str, ref_grads: list[dict[str, torch.Tensor]],
@@ -125,12 +128,8 @@ def _case(arch: str, ref_grads: list[dict[str, torch.Tensor]],
     lines = _Lines()
     log.addHandler(lines)
     log.setLevel(logging.INFO)
-    prescaled = arch != OWN_BATCH
+    prescaled = arch not in OWN_BATCH
     arch = arch.split("/")[0]
-    if not prescaled:  # another configuration: smp.init anew (the last case)
-        from smp_fx.world import state
-
-        state._reset()
     smp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True,
               "prescaled_batch": prescaled, "microbatches": 1})
     model = smp.DistributedModel(hf_zoo.build(arch))
@@ -174,6 +173,18 @@ def _body(path: str) -> dict[str, dict[str, Any]]:
 
 
 _RESULTS: list[dict[str, dict[str, Any]]] = []
+_OWN: list[dict[str, dict[str, Any]]] = []
+
+
+def _own_batch_results() -> list[dict[str, dict[str, Any]]]:
+    """``OWN_BATCH``'s cases in a spawn of their own (another ``smp.init`` configuration)."""
+    if not _OWN:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "refs.pt")
+            torch.save({case: _reference(case.split("/")[0]) for case in OWN_BATCH}, path)
+            _OWN.extend(run_ranks(_body, 2, path, timeout=600,
+                                  env={"SMP_FX_DEVICE_SPEC": "a100"}))
+    return _OWN
 
 
 def _results() -> list[dict[str, dict[str, Any]]]:
@@ -183,7 +194,7 @@ def _results() -> list[dict[str, dict[str, Any]]]:
         with tempfile.TemporaryDirectory() as tmp:
             path = os.path.join(tmp, "refs.pt")
             refs = {arch: _reference(arch) for arch in SHAPES}
-            torch.save({**refs, OWN_BATCH: refs["mixtral"]}, path)
+            torch.save(refs, path)
             _RESULTS.extend(run_ranks(_body, 2, path, timeout=600,
                                       env={"SMP_FX_DEVICE_SPEC": "a100"}))
     return _RESULTS
@@ -209,11 +220,20 @@ def test_structure_matches_one_process_with_its_shards(arch: str) -> None:
 @pytest.mark.multiproc
 @pytest.mark.timeout(700)
 def test_experts_stay_whole_when_each_tp_rank_has_its_own_examples() -> None:
-    for rank, results in enumerate(_results()):
-        r = results[OWN_BATCH]
+    for rank, results in enumerate(_own_batch_results()):
+        r = results[OWN_BATCH[0]]
         assert r["bad"] == [], f"rank {rank}: {r['bad']}"
         whole = dict(r["replicated"])
         assert sorted(whole) == ["model.model.layers.0.mlp.experts",
                                  "model.model.layers.1.mlp.experts"], whole
         assert all("prescaled_batch true" in why for why in whole.values())
         assert r["pairs"] == PAIRS["mixtral"] - 2  # the attention's pairs stay
+
+
+@pytest.mark.multiproc
+@pytest.mark.timeout(700)
+def test_a_shared_layer_read_chunked_and_whole_equals_one_process() -> None:
+    for rank, results in enumerate(_own_batch_results()):
+        r = results[OWN_BATCH[1]]
+        assert r["bad"] == [], f"rank {rank}: {r['bad']}"
+        assert r["replicated"] == [] and r["pairs"] == PAIRS["albert"], r

@@ -236,15 +236,12 @@ class DataParallel(Joinable):
         out: dict[int, StageRunner] = {}
         for s in sorted(runners):
             base = runners[s]
-            if not any(p.requires_grad for p in base.stage.module.parameters()):
-                raise SMPConfigError.build(
-                    "with ddp, every pipeline stage needs a trainable parameter", f"stage {s}",
-                    "smp.DistributedModel", "repartition (smp.partition / default_partition)")
             skip = [n for n, p in base.stage.module.named_parameters() if id(p) in self.ignored]
             if not any(p.requires_grad and id(p) not in self.ignored
                        for p in base.stage.module.parameters()):
-                log.info("smp-fx ddp: stage %d holds only parameters another rule reduces "
-                         "(%d, e.g. %s): not wrapped in DDP", s, len(skip), skip[0])
+                log.info("smp-fx ddp: stage %d has no gradient for DDP to reduce (%s): not "
+                         "wrapped in DDP", s, f"only parameters another rule reduces: {len(skip)}"
+                         f", e.g. {skip[0]}" if skip else "no trainable parameter")
                 out[s] = base
                 continue
             if skip:

@@ -88,9 +88,10 @@ def sequence_parallel(gm: torch.fx.GraphModule, inside: Callable[[torch.fx.Node]
     ``inside``: whether a node belongs to a sharded region; ``gathered``:
     ``prescaled_batch`` false (the regions see the tp group's batch)."""
     kept_whole: set[torch.fx.Node] = set()
+    readers = _param_readers(gm)
     while True:
         chunked, entries = _regions(gm, inside, size, gathered, kept_whole)
-        mixed = _mixed_readers(gm, chunked)
+        mixed = _mixed_readers(readers, chunked)
         if not mixed:
             break
         kept_whole |= mixed
@@ -139,16 +140,21 @@ def _params_read(n: torch.fx.Node) -> list[str]:
     return names + (list(meta.PARAMS.get(n, ()) or ()) if n.op == "call_module" else [])
 
 
-def _mixed_readers(gm: torch.fx.GraphModule, chunked: dict[torch.fx.Node, int]
-                   ) -> set[torch.fx.Node]:
-    """The chunked readers of a parameter that a whole-sequence op reads too (a layer
-    shared across depth, ALBERT's, chunked in one call only): its gradient would be summed
-    over tp for both, so those readers stay whole."""
+def _param_readers(gm: torch.fx.GraphModule) -> dict[str, list[torch.fx.Node]]:
+    """Each parameter or buffer -> the ops that read it."""
     readers: dict[str, list[torch.fx.Node]] = {}
     for n in gm.graph.nodes:
         if n.op in ("call_function", "call_method", "call_module"):
             for name in _params_read(n):
                 readers.setdefault(name, []).append(n)
+    return readers
+
+
+def _mixed_readers(readers: dict[str, list[torch.fx.Node]],
+                   chunked: dict[torch.fx.Node, int]) -> set[torch.fx.Node]:
+    """The chunked readers of a parameter that a whole-sequence op reads too (a layer
+    shared across depth, ALBERT's, chunked in one call only): its gradient would be summed
+    over tp for both, so those readers stay whole."""
     mixed: set[torch.fx.Node] = set()
     for ns in readers.values():
         inner = [n for n in ns if n in chunked]

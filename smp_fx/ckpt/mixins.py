@@ -34,6 +34,7 @@ from smp_fx.ckpt.state_dict import (
     local_optimizer_state_dict,
     merge_model_state_dicts,
     merge_optimizer_state_dicts,
+    merge_partial_optimizer_states,
     optimizer_state_by_name,
     optimizer_state_to_torch,
     select_model_state,
@@ -388,8 +389,24 @@ class OptimizerCheckpointMixin:
 
     def _smp_load_now(self, state_dict: Mapping[str, Any]) -> None:
         """Load on every rank, or fail on every rank (see the model's)."""
+        if is_partial(state_dict) and self._smp_is_local():
+            state_dict = self._smp_covering(state_dict)
         agreed("DistributedOptimizer.load_state_dict",
                lambda: self._smp_load_local(state_dict), self.checkpoint_ranks)
+
+    def _smp_covering(self, state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
+        """``state_dict``, this rank's part of a partial checkpoint, or every pipeline
+        stage's part merged when some stage's part lacks a parameter that stage now holds:
+        a checkpoint saved at these degrees on another cut (an automatic partition follows
+        measured costs, so a restarted job may cut the same model otherwise). The model's
+        partial state is always merged so (``_merged_partial``); the optimizer's, twice the
+        bytes under Adam, only when the cut moved. Collective over the pipeline group."""
+        saved = {n for g in state_dict.get("param_groups", ()) for n in g["params"]}
+        held = {n for g in self._smp_group_names(local=True) for n in g}
+        if not any(_gather_pipeline(bool(held - saved), self.checkpoint_ranks)):
+            return state_dict
+        return merge_partial_optimizer_states(
+            _gather_pipeline(_to_cpu(dict(state_dict)), self.checkpoint_ranks))
 
     def _smp_load_local(self, state_dict: Mapping[str, Any]) -> None:
         if not self._smp_is_local() and not is_partial(state_dict):

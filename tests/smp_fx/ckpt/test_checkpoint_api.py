@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +32,14 @@ class Run:
     """The gpt example (tied embedding) as a DistributedModel with Adam, one step at a time;
     batches are a function of the step, so two runs can be compared step for step."""
 
-    def __init__(self, seed: int, name: str = "gpt") -> None:
+    def __init__(self, seed: int, name: str = "gpt",
+                 place: Callable[[torch.nn.Module], None] | None = None) -> None:
         self.ex = example(name)
         torch.manual_seed(seed)
-        self.model = smp.DistributedModel(self.ex.build_model())
+        module = self.ex.build_model()
+        if place is not None:  # a manual cut (``auto_partition: False``)
+            place(module)
+        self.model = smp.DistributedModel(module)
         self.opt = smp.DistributedOptimizer(torch.optim.Adam(self.model.parameters(), lr=0.01))
         ex = self.ex
 
@@ -346,3 +351,45 @@ def test_two_pipeline_ranks_save_and_resume(tmp_path: Path) -> None:
     assert r1["full_keys"] == 0  # gather_to_rank0: only pipeline rank 0 holds it
     assert {"model.pt_0", "model.pt_1", "optimizer.pt_0", "optimizer.pt_1"} <= set(r0["files"])
     assert not os.path.exists(tmp_path / "ck" / "s1_partial")
+
+
+def _first_block_on(stage: int) -> Callable[[torch.nn.Module], None]:
+    """A cut of the 2-block gpt example: the embeddings on stage 0, the first block on
+    ``stage``, the rest on stage 1."""
+    def place(module: Any) -> None:
+        smp.set_partition(module.h[0], stage)
+        for part in (module.h[1], module.ln_f, module.lm_head):
+            smp.set_partition(part, 1)
+    return place
+
+
+def _another_cut_body(path: str) -> dict[str, Any]:
+    """pp=2 on 2 processes, Adam: save with the first block on stage 0, resume into a model
+    cut with it on stage 1 (the same degrees, another partition: what an automatic cut
+    measured on another run gives), take the same step. The world is joined once, so each
+    ``smp.init`` only builds its groups."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    init(2, 2, "interleaved", auto_partition=False, default_partition=0)
+    run = Run(seed=0, place=_first_block_on(0))
+    run.step(1)
+    smp.save_checkpoint(path, "s1", model=run.model, optimizer=run.opt)
+    want_loss = run.step(2)
+    want = run.model.state_dict()
+    smp.reset()
+    init(2, 2, "interleaved", auto_partition=False, default_partition=0)
+    resumed = Run(seed=1, place=_first_block_on(1))
+    smp.resume_from_checkpoint(path, "s1")
+    got_loss = resumed.step(2)
+    got = resumed.model.state_dict()
+    held = [sorted(n for n, _ in r.model.local_named_parameters()) for r in (run, resumed)]
+    return {"losses": (want_loss, got_loss), "moved": held[0] != held[1],
+            "mismatched": [n for n in want if not torch.equal(want[n], got[n])]}
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_resumes_on_another_cut_at_the_same_degrees(tmp_path: Path) -> None:
+    for r in run_ranks(_another_cut_body, 2, str(tmp_path / "ck"), timeout=240):
+        assert r["moved"], "the two cuts must put a block on different stages"
+        assert r["losses"][0] == r["losses"][1] and r["mismatched"] == []

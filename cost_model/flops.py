@@ -33,7 +33,8 @@ CREATION_OPS = frozenset({
     "assert_tensor_metadata", "and", "or", "bitwise_and", "bitwise_or", "any", "all",
     "item", "sym_constrain_range_for_size", "diff", "floor_divide", "histc", "sort",
     "argsort", "pad", "constant_pad_nd", "mod", "sym_min", "sym_max", "sym_not", "sym_float",
-    "sym_int", "sym_ite",
+    "sym_int", "sym_ite", "sign", "ceil", "floor", "round", "repeat_interleave", "topk",
+    "index_put",
 })
 """Ops producing values without gradient-relevant arithmetic (index math, masks, copies)."""
 

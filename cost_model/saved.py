@@ -18,8 +18,12 @@ SAVES_OUTPUT = frozenset({"relu", "sigmoid", "tanh", "softmax", "log_softmax", "
                           "rsqrt", "hardtanh"})
 SAVES_INPUT = frozenset({"gelu", "silu", "pow", "abs", "log", "erf", "leaky_relu", "clamp",
                          "adaptive_avg_pool", "avg_pool", "max_pool", "sin", "cos"})
-SAVES_NOTHING = frozenset({"add", "sub", "neg", "rsub", "iadd", "sum", "mean", "cat",
-                           "stack", "cumsum", "index"}) | VIEW_OPS | CREATION_OPS
+SAVES_INDEX = frozenset({"gather", "index_select"})
+"""Ops whose backward scatters by their index tensor (their second tensor input), kept;
+autograd's ``gather`` keeps its input too (derivatives.yaml passes ``self``, not its
+sizes)."""
+SAVES_NOTHING = (frozenset({"add", "sub", "neg", "rsub", "iadd", "sum", "mean", "cat",
+                            "stack", "cumsum", "index"}) | VIEW_OPS | CREATION_OPS) - SAVES_INDEX
 BINARY_SAVES_OTHER = frozenset({"mul", "imul", "matmul", "mm", "bmm", "grouped_mm"})
 """Each operand is saved if the *other* one needs a gradient (d(ab)/da = b)."""
 
@@ -44,7 +48,7 @@ def saved_rule(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
     any_grad = any(rg) or params_require_grad
     if not any_grad or op in SAVES_NOTHING:
         return NOTHING if (op in SAVES_NOTHING or op in _KNOWN or op in REDUCTION_OPS
-                           or op in SAVES_OUTPUT or op in SAVES_INPUT
+                           or op in SAVES_OUTPUT or op in SAVES_INPUT or op in SAVES_INDEX
                            or op in BINARY_SAVES_OTHER) else None
     tensor = [i for i, s in enumerate(inputs) if s is not None]
     if op in SAVES_OUTPUT:
@@ -57,6 +61,10 @@ def saved_rule(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
         return SavedRule(inputs=(0,) if weight_grad and tensor[:1] == [0] else ())
     if op == "addmm":  # addmm(bias, x, W): saves x for W's gradient
         return SavedRule(inputs=(1,) if len(rg) > 2 and rg[2] else ())
+    if op == "baddbmm":  # baddbmm(bias, a, b): a batched matmul's operands, as bmm's
+        a, b = 1, 2
+        return SavedRule(inputs=tuple(i for i, other in ((a, b), (b, a))
+                                      if len(rg) > other and rg[other]))
     if op in BINARY_SAVES_OTHER:
         if len(tensor) < 2:  # tensor * scalar: the scalar is kept, not a tensor
             return NOTHING
@@ -69,6 +77,8 @@ def saved_rule(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
         a, b = tensor[0], tensor[1]
         keep = (b,) if not rg[b] else (a, b)
         return SavedRule(inputs=keep)
+    if op in SAVES_INDEX:
+        return SavedRule(inputs=tuple(tensor[:2] if op == "gather" else tensor[1:2]))
     if op == "where":  # where(cond, a, b): the boolean condition
         return SavedRule(inputs=tuple(tensor[:1]))
     if op == "masked_fill":  # masked_fill(x, mask, value): the mask
@@ -98,6 +108,6 @@ def saved_rule(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
     return None
 
 
-_KNOWN = frozenset({"linear", "conv", "addmm", "div", "truediv", "where", "masked_fill",
+_KNOWN = frozenset({"linear", "conv", "addmm", "baddbmm", "div", "truediv", "where", "masked_fill",
                     "embedding", "layer_norm", "rms_norm", "group_norm", "batch_norm",
                     "dropout", "sdpa"})

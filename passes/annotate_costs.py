@@ -20,7 +20,7 @@ from torch import nn
 
 from cost_model.device import DeviceSpec
 from cost_model.errors import SMPTracingError
-from cost_model.flops import CREATION_OPS, VIEW_OPS, gemm_dims, op_flops
+from cost_model.flops import CREATION_OPS, VIEW_OPS, gemm_dims, numel, op_flops
 from cost_model.measure import fake_module_cost
 from cost_model.node_cost import NodeCost
 from cost_model.roofline import node_times
@@ -65,11 +65,13 @@ ALIASES = {
     "avg_pool2d": "avg_pool", "max_pool2d": "max_pool", "max_pool2d_with_indices": "max_pool",
     "softmax_int": "softmax", "safe_softmax": "softmax", "split_tensor": "split",
     "unsafe_view": "view", "contiguous": "contiguous", "sym_size_int": "sym_size",
+    "numpy_T": "permute", "grouped_mm_fallback": "grouped_mm",
 }
 COPY_OPS = frozenset({"contiguous", "clone", "_to_copy", "reshape"})
 """View-like ops that copy when their input is not contiguous."""
 NO_GRAD_OPS = CREATION_OPS - frozenset({"cat", "stack", "triu", "tril", "index_select",
-                                        "gather", "repeat", "diff"})
+                                        "gather", "repeat", "diff", "repeat_interleave",
+                                        "topk", "index_put"})
 """Ops whose output needs no gradient whatever their inputs (the 0-FLOP creation ops less
 those that carry their inputs' values: a concatenation, a gather, a triangle)."""
 
@@ -357,6 +359,20 @@ def _track_alias(node: torch.fx.Node, op: str, st: _State) -> None:
     st.base[node.name] = own
 
 
+def _matmul_copy(node: torch.fx.Node, arg: torch.fx.Node, st: _State) -> int | None:
+    """Bytes of the copy a batched matmul makes of operand ``arg`` and saves in its place
+    (None: it saves ``arg`` itself). ``torch.matmul`` folds its operands into 3-D ones by
+    reshaping: a non-contiguous operand is copied, and one broadcast over the other's batch
+    dimensions (a key or value shared by several heads: multi-query and grouped-query
+    attention) is copied at the broadcast size."""
+    shape, out = _shape(arg), _shape(node)
+    size = st.key_bytes((arg.name, None))
+    if shape and out and len(shape) >= 3 and len(out) >= 3 and numel(shape) \
+            and numel(shape[:-2]) < numel(out[:-2]):
+        return size // numel(shape) * numel(out[:-2]) * shape[-2] * shape[-1]
+    return None if _contiguous(arg) else size
+
+
 def _saved_bytes(node: torch.fx.Node, rule: Any, in_nodes: list[Any], st: _State) -> int:
     keys: list[tuple[str, Any]] = []
     for pos in rule.inputs:
@@ -367,8 +383,9 @@ def _saved_bytes(node: torch.fx.Node, rule: Any, in_nodes: list[Any], st: _State
         if st.nodes[base[0]].op == "get_attr":
             continue  # parameters and buffers are not activations
         op = op_name(node, st.gm)
-        if op in ("matmul", "bmm") and not _contiguous(arg):  # folded by a copying reshape
-            keys.append((node.name, ("copy", st.key_bytes((arg.name, None)), pos)))
+        copied = _matmul_copy(node, arg, st) if op in ("matmul", "bmm") else None
+        if copied is not None:
+            keys.append((node.name, ("copy", copied, pos)))
             continue
         keys.append(base)
     if rule.output:

@@ -15,6 +15,7 @@ as SDPA) is refused with the node and the reason: never a silent wrong answer.
 
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass
 from typing import Any
@@ -48,10 +49,11 @@ from passes.context_parallel.loss import (
     pad_shifted_labels,
     target_cut,
 )
-from passes.context_parallel.refusals import refusal
+from passes.context_parallel.refusals import DIM_OPS, refusal
 from passes.graph_utils import copy_graph_module
 from passes.tensor_parallel import costs
 
+log = logging.getLogger("smp_fx.passes.context_parallel")
 aten = torch.ops.aten
 ELEMENTWISE = frozenset({
     aten.add.Tensor, aten.sub.Tensor, aten.mul.Tensor, aten.div.Tensor, aten.where.self,
@@ -244,16 +246,43 @@ def _insert(graph: torch.fx.Graph, fn: Any, args: tuple[Any, ...], like: torch.f
     return n
 
 
+def _position_readers(node: torch.fx.Node, seq: Any) -> set[torch.fx.Node]:
+    """Readers of input ``node`` that compute positions from it: a path of ops reading no
+    parameter or buffer leads from the reader to a cumulative or other sequence-mixing op
+    (RoBERTa numbers the non-padding tokens with a ``cumsum`` over the input ids). They
+    read the whole input, so the positions stay global; what they compute meets the local
+    tokens through ``cp_localize`` as any whole value does. Empty when every reader would
+    stay whole: the tokens must be split somewhere."""
+    keep: set[torch.fx.Node] = set()
+    for user in node.users:
+        cone, todo = {node}, [user]
+        while todo and user not in keep:
+            n = todo.pop()
+            if n in cone or n.op != "call_function" or meta.PARAMS.get(n, ()) or any(
+                    a.op == "get_attr" for a in n.all_input_nodes):
+                continue
+            cone.add(n)
+            if n.target in DIM_OPS and refusal(n, cone, seq) is not None:
+                keep.add(user)
+            todo += list(n.users)
+    readers = [u for u in node.users if u.target is not aten.sym_size.int]
+    return keep if len(keep) < len(readers) else set()
+
+
 def _split_input(walk: _Walk, node: torch.fx.Node, dims: tuple[int, ...],
                  split: list[str]) -> torch.fx.Node:
     graph = walk.gm.graph
     users = list(node.users)
+    whole = _position_readers(node, walk.seq)
     with graph.inserting_after(node):
         cut = _insert(graph, collectives.cp_split, (node, dims[0]), node, users[0])
     if len(dims) > 1:
         walk.refused.append((node.name, f"input has the sequence length in dims {dims}"))
     for user in users:
-        if user.target is not aten.sym_size.int:
+        if user in whole:
+            log.info("context parallelism: %s reads the whole %s (positions computed from "
+                     "the tokens)", user.name, node.name)
+        elif user.target is not aten.sym_size.int:
             user.replace_input_with(node, cut)
     walk.local.add(cut)
     split.append(node.name)

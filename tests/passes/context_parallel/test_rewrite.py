@@ -25,7 +25,8 @@ SEQ, HIDDEN = 16, 8
 class Tiny(nn.Module):
     """Embedding + learned positions, one attention, a head; ``kind`` picks the attention
     form ("sdpa", "eager", "gqa": two query heads reading one key/value head repeated as
-    Hugging Face repeats it) or a per-sequence mean after it ("mean")."""
+    Hugging Face repeats it), a per-sequence mean after it ("mean"), or positions numbered
+    from the tokens by a cumulative sum ("numbered")."""
 
     def __init__(self, kind: str) -> None:
         super().__init__()
@@ -36,8 +37,11 @@ class Tiny(nn.Module):
         self.head = nn.Linear(HIDDEN, 32)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], device=ids.device)
-        h = self.emb(ids) + self.pos(positions)[None]
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]
+        if self.kind == "numbered":  # RoBERTa's: the non-padding tokens numbered from 1
+            kept = ids.ne(0).int()
+            positions = torch.cumsum(kept, dim=1) * kept
+        h = self.emb(ids) + self.pos(positions)
         q, k, v = self.qkv(h).chunk(3, dim=-1)
         if self.kind == "gqa":
             b, s, d = ids.shape[0], ids.shape[1], HIDDEN // 2
@@ -74,6 +78,17 @@ def test_sdpa_is_rewritten_and_positions_stay_whole() -> None:
     assert ContextParallelPlan.from_json(plan.to_json()) == plan
     torch.testing.assert_close(new(ids), model(ids))
     assert context_parallel(gm, 1)[1] == ContextParallelPlan(1)
+
+
+def test_positions_numbered_from_the_tokens_read_the_whole_input() -> None:
+    """RoBERTa's positions: a ``cumsum`` over the ids, which on a chunk would restart at
+    each rank's first token. That reader keeps the whole ids; the embedding's reads the
+    split; the positions meet the local tokens cut to their rows."""
+    model, gm, ids = _traced("numbered")
+    ids[1, 10:] = 0  # a padded tail: its positions stay 0
+    new, plan = context_parallel(gm, 2)
+    assert len(plan.split) == 1 and len(plan.attention) == 1 and plan.localized
+    torch.testing.assert_close(new(ids), model(ids))
 
 
 def test_grouped_query_keys_and_values_are_gathered_before_their_repeat() -> None:

@@ -2,7 +2,8 @@
 
 One spawn runs every case in turn: Llama (grouped-query attention, RoPE), Qwen2
 (grouped-query attention with biases), Mistral (a sliding window of 32 tokens crossing the
-chunks), GPT-NeoX (partial RoPE), GPT-2 (learned positions) and BERT (bidirectional, a
+chunks), GPT-NeoX (partial RoPE), GPT-2 (learned positions), RoBERTa (positions numbered
+by a cumulative sum over the non-padding ids, padded tails) and BERT (bidirectional, a
 padding mask with padded tails) from tiny configs at sequence 128, under sdpa. The plain
 models are trained in the test process on the same global batch and shipped to the ranks;
 each rank runs an unmodified SMP step (its loss reads the whole sequence's logits) for 3
@@ -47,7 +48,7 @@ def adam(params: Any) -> torch.optim.Adam:
     """The cases' optimizer: Adam at ``LR`` with ``ADAM_EPS`` (module docstring: why)."""
     return torch.optim.Adam(params, lr=LR, eps=ADAM_EPS)
 TOL = {"atol": 1e-5, "rtol": 1e-5}
-CASES = ("llama", "qwen2", "mistral", "gpt_neox", "gpt2", "bert")
+CASES = ("llama", "qwen2", "mistral", "gpt_neox", "gpt2", "roberta", "bert")
 BF16, BF16_TOL = {"bf16": True}, 1.6e-2  # bf16's resolution near 1 is 7.8e-3
 FP16, FP16_TOL = {"fp16": True}, 1e-3  # fp16 resolution near 1; 2e-4 measured
 CP2 = {"pipeline_parallel_degree": 1, "context_parallel_degree": 2, "ddp": True}
@@ -95,7 +96,8 @@ def build(arch: str, loss: str = "") -> nn.Module:
 
 
 def batches(arch: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(ids, mask, targets) per step; BERT's second example is padded after 100 tokens;
+    """(ids, mask, targets) per step; BERT's and RoBERTa's second example is padded after
+    100 tokens;
     the targets of 20 tokens of each example are ignored (-100), so the cp ranks (tokens
     0-31 and 96-127 | 32-95) count different numbers of them (the same in each example:
     data-parallel ranks' means average to the global batch's)."""
@@ -104,8 +106,10 @@ def batches(arch: str) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
     for _ in range(STEPS):
         ids = torch.randint(0, hf_zoo.VOCAB, (BATCH, SEQ))
         mask = torch.ones(BATCH, SEQ, dtype=torch.long)
-        if arch == "bert":
+        if arch in ("bert", "roberta"):
             mask[1, 100:] = 0
+        if arch == "roberta":  # padding ids: its positions number the other tokens only
+            ids[1, 100:] = hf_zoo.ARCHITECTURES[arch].kwargs["pad_token_id"]
         y = torch.randint(0, hf_zoo.VOCAB, (BATCH, SEQ))
         y[:, 50:70] = -100
         out.append((ids, mask, y))

@@ -35,6 +35,7 @@ from passes.context_parallel.dims import (
     is_data,
     is_symint,
     is_tensor,
+    mentions,
     name_of,
     seq_dims,
     sequence_symbol,
@@ -177,6 +178,9 @@ def context_parallel(gm: torch.fx.GraphModule, degree: int, local_outputs: bool 
         if not any(a in walk.local for a in tensor_inputs(node)):
             if node.target in SDPA and any(a in walk.local for a in node.all_input_nodes):
                 walk.refused.append((node.name, "its mask is computed from local tokens"))
+            if _of_flat_tokens(walk, node):
+                walk.local.add(node)
+                _local_sizes(walk, node, first_local)
             continue
         if any(a in walk.bad for a in node.all_input_nodes):
             walk.local.add(node)
@@ -311,6 +315,15 @@ def _localize_operands(walk: _Walk, node: torch.fx.Node) -> None:
         node.replace_input_with(arg, walk.cuts[arg])
 
 
+def _of_flat_tokens(walk: _Walk, node: torch.fx.Node) -> bool:
+    """Whether ``node`` creates a value over the flattened tokens from sizes alone (no
+    tensor read): Mixtral numbers its batch x length x top-k routed tokens with an
+    ``arange``. No dim is the length, so no cut could make it local afterwards; it is built
+    at the local length, as the tokens it numbers are."""
+    return is_tensor(node) and not tensor_inputs(node) and mentions(node, walk.seq) \
+        and not seq_dims(node, walk.seq)
+
+
 def _local_sizes(walk: _Walk, node: torch.fx.Node, first: torch.fx.Node | None) -> None:
     """Sequence sizes ``node`` reads (views, expands) become the local length."""
     for arg in list(node.all_input_nodes):
@@ -322,6 +335,8 @@ def _twin(walk: _Walk, size: torch.fx.Node, first: torch.fx.Node | None) -> torc
     """The node computing ``size`` with the local sequence length for the whole one."""
     if size in walk.twins:
         return walk.twins[size]
+    if walk.seq not in expr_of(val_of(size)).free_symbols:  # the batch in batch x length
+        return size
     graph = walk.gm.graph
     if size.target is aten.sym_size.int and size.args[0] in walk.local:
         return size

@@ -2,7 +2,8 @@
 
 One spawn runs every case in turn: Llama (grouped-query attention, RoPE), Qwen2
 (grouped-query attention with biases), Mistral (a sliding window of 32 tokens crossing the
-chunks), GPT-NeoX (partial RoPE), GPT-2 (learned positions), RoBERTa (positions numbered
+chunks), Mixtral (experts routed per token: a rank routes its own tokens, numbered over
+the flattened batch x length x top-k), GPT-NeoX (partial RoPE), GPT-2 (learned positions), RoBERTa (positions numbered
 by a cumulative sum over the non-padding ids, padded tails) and BERT (bidirectional, a
 padding mask with padded tails) from tiny configs at sequence 128, under sdpa. The plain
 models are trained in the test process on the same global batch and shipped to the ranks;
@@ -48,7 +49,7 @@ def adam(params: Any) -> torch.optim.Adam:
     """The cases' optimizer: Adam at ``LR`` with ``ADAM_EPS`` (module docstring: why)."""
     return torch.optim.Adam(params, lr=LR, eps=ADAM_EPS)
 TOL = {"atol": 1e-5, "rtol": 1e-5}
-CASES = ("llama", "qwen2", "mistral", "gpt_neox", "gpt2", "roberta", "bert")
+CASES = ("llama", "qwen2", "mistral", "mixtral", "gpt_neox", "gpt2", "roberta", "bert")
 BF16, BF16_TOL = {"bf16": True}, 1.6e-2  # bf16's resolution near 1 is 7.8e-3
 FP16, FP16_TOL = {"fp16": True}, 1e-3  # fp16 resolution near 1; 2e-4 measured
 CP2 = {"pipeline_parallel_degree": 1, "context_parallel_degree": 2, "ddp": True}

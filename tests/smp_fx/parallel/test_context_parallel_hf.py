@@ -3,9 +3,10 @@
 One spawn runs every case in turn: Llama (grouped-query attention, RoPE), Qwen2
 (grouped-query attention with biases), Mistral (a sliding window of 32 tokens crossing the
 chunks), Mixtral (experts routed per token: a rank routes its own tokens, numbered over
-the flattened batch x length x top-k), GPT-NeoX (partial RoPE), GPT-2 (learned positions), RoBERTa (positions numbered
-by a cumulative sum over the non-padding ids, padded tails) and BERT (bidirectional, a
-padding mask with padded tails) from tiny configs at sequence 128, under sdpa. The plain
+the flattened batch x length x top-k), GPT-NeoX (partial RoPE), GPT-2 (learned
+positions), RoBERTa (positions numbered by a cumulative sum over the non-padding ids,
+padded tails) and BERT (bidirectional, a padding mask with padded tails) from tiny
+configs at sequence 128, under sdpa. The plain
 models are trained in the test process on the same global batch and shipped to the ranks;
 each rank runs an unmodified SMP step (its loss reads the whole sequence's logits) for 3
 Adam steps and checks the loss and every gradient at every step and ``state_dict()`` after

@@ -10,6 +10,11 @@ ZB-V (I then W) across 2 gloo processes: every gradient after every step and the
 ``state_dict()`` after 3 Adam steps within 1e-5 of the plain model. Mistral, whose forward
 makes a constant that export detaches in place, and T5, whose position bias (a parameter's
 value alone) feeds later layers and its own layer's scores, failed on some such cuts.
+
+A restarted job may cut the same model elsewhere too: a partial checkpoint saved on one
+cut (a third of the graph's nodes on stage 0) resumes on another (two thirds) at the same
+degrees (Adam's state of a parameter that moved
+stage comes from the stage that saved it) and takes the next step as the uninterrupted run.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from tests.helpers.dist import run_ranks
 from tests.smp_fx import test_schedules_hf as hf_grid
 
 ARCHS = ("mistral", "t5", "bart", "swin")
+RESUMED = ("t5", "llama")
 CUTS = 2  # per model
 SEED = 2026
 
@@ -68,3 +74,79 @@ def test_random_cuts_equal_one_process_under_zbv(tmp_path: Path,
     path = tmp_path / "references.pt"
     hf_grid._references(path)
     assert run_ranks(_cases, 2, str(path), timeout=600) == [[], []]
+
+
+def _cut_at(fraction: float) -> Any:
+    """A solver cutting 2 stages at ``fraction`` of the graph's nodes."""
+
+    def solve(problem: Any, obj: Any) -> tuple[np.ndarray, str]:
+        stage = np.zeros(len(problem.names), dtype=np.int64)
+        stage[int(len(problem.names) * fraction):] = 1
+        return stage, "fixed"
+
+    return solve
+
+
+class _Run:
+    """``arch`` at pp 2 (1F1B, 2 microbatches) with Adam, cut by the current solver."""
+
+    def __init__(self, arch: str, seed: int) -> None:
+        import smp_fx as smp
+        from examples.models import hf_zoo
+        from smp_fx.world import state
+
+        smp.reset()
+        state._reset()
+        smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True})
+        self.model = smp.DistributedModel(hf_zoo.build(arch, marked=False, seed=seed))
+        self.opt = smp.DistributedOptimizer(torch.optim.Adam(self.model.parameters(),
+                                                             lr=1e-3))
+
+        @smp.step
+        def train(model: Any, x: tuple[torch.Tensor, ...], y: torch.Tensor) -> Any:
+            loss = hf_zoo.loss_fn(model(*x), y)
+            model.backward(loss)
+            return loss
+
+        self.train = train
+
+    def step(self, batch: tuple[tuple[torch.Tensor, ...], torch.Tensor]) -> None:
+        self.opt.zero_grad()
+        self.train(self.model, *batch)
+        self.opt.step()
+
+    def held(self) -> list[str]:
+        return sorted(n for n, _ in self.model.local_named_parameters())
+
+
+def _resumed(path: str) -> list[str]:
+    import passes.auto_partition as auto
+    import smp_fx as smp
+    from tests.helpers.compare import mismatched
+    from tests.helpers.zoo import batches
+
+    dist.init_process_group("gloo")
+    bad = []
+    for arch in RESUMED:
+        data = batches(arch, 4, 3)
+        auto.solve_problem = _cut_at(1 / 3)
+        run = _Run(arch, seed=0)
+        run.step(data[0])
+        run.step(data[1])
+        smp.save_checkpoint(f"{path}/{arch}", "s", model=run.model, optimizer=run.opt)
+        run.step(data[2])
+        want = run.model.state_dict()
+        auto.solve_problem = _cut_at(2 / 3)
+        other = _Run(arch, seed=1)  # other weights, another cut
+        smp.resume_from_checkpoint(f"{path}/{arch}", "s")
+        other.step(data[2])
+        if other.held() == run.held():
+            bad.append(f"{arch}: both cuts put the same parameters on this rank")
+        bad += [f"{arch} resumed on another cut: {n}" for n in
+                mismatched(other.model.state_dict(), want, atol=1e-6, rtol=1e-6)]
+    return bad
+
+
+@pytest.mark.multiproc
+def test_a_checkpoint_resumes_on_another_random_cut(tmp_path: Path) -> None:
+    assert run_ranks(_resumed, 2, str(tmp_path), timeout=600) == [[], []]

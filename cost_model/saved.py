@@ -22,8 +22,11 @@ SAVES_INDEX = frozenset({"gather", "index_select"})
 """Ops whose backward scatters by their index tensor (their second tensor input), kept;
 autograd's ``gather`` keeps its input too (derivatives.yaml passes ``self``, not its
 sizes)."""
+SAVES_INDICES = frozenset({"topk", "sort"})
+"""Ops returning (values, indices) whose backward scatters by the indices, kept."""
 SAVES_NOTHING = (frozenset({"add", "sub", "neg", "rsub", "iadd", "sum", "mean", "cat",
-                            "stack", "cumsum", "index"}) | VIEW_OPS | CREATION_OPS) - SAVES_INDEX
+                            "stack", "cumsum", "index"}) | VIEW_OPS | CREATION_OPS) \
+    - SAVES_INDEX - SAVES_INDICES
 BINARY_SAVES_OTHER = frozenset({"mul", "imul", "matmul", "mm", "bmm", "grouped_mm"})
 """Each operand is saved if the *other* one needs a gradient (d(ab)/da = b)."""
 
@@ -35,6 +38,8 @@ class SavedRule:
     inputs: tuple[int, ...] = ()
     output: bool = False
     extra_bytes: int = 0
+    output_items: tuple[int, ...] = ()
+    """Positions of a tuple output saved (``max.dim``'s and ``topk``'s indices)."""
 
 
 NOTHING = SavedRule()
@@ -49,6 +54,7 @@ def saved_rule(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
     if not any_grad or op in SAVES_NOTHING:
         return NOTHING if (op in SAVES_NOTHING or op in _KNOWN or op in REDUCTION_OPS
                            or op in SAVES_OUTPUT or op in SAVES_INPUT or op in SAVES_INDEX
+                           or op in SAVES_INDICES
                            or op in BINARY_SAVES_OTHER) else None
     tensor = [i for i, s in enumerate(inputs) if s is not None]
     if op in SAVES_OUTPUT:
@@ -77,6 +83,12 @@ def saved_rule(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
         a, b = tensor[0], tensor[1]
         keep = (b,) if not rg[b] else (a, b)
         return SavedRule(inputs=keep)
+    if op in SAVES_INDICES or op in ("max", "min") and output is None:  # (values, indices)
+        return SavedRule(output_items=(1,))
+    if op in ("amax", "amin", "max", "min"):  # a whole reduction: the input and the result
+        return SavedRule(inputs=tuple(tensor[:1]), output=True)
+    if op in ("var", "std", "norm"):
+        return SavedRule(inputs=tuple(tensor[:1]), output=op != "var")
     if op in SAVES_INDEX:
         return SavedRule(inputs=tuple(tensor[:2] if op == "gather" else tensor[1:2]))
     if op == "where":  # where(cond, a, b): the boolean condition

@@ -388,6 +388,7 @@ def _saved_bytes(node: torch.fx.Node, rule: Any, in_nodes: list[Any], st: _State
             keys.append((node.name, ("copy", copied, pos)))
             continue
         keys.append(base)
+    keys += [(node.name, i) for i in rule.output_items]
     if rule.output:
         keys.append(st.base.get(node.name, (node.name, None)))
     st.saved[node.name] = (tuple((_key_name(k), st.key_bytes(k)) for k in dict.fromkeys(keys)),

@@ -130,6 +130,31 @@ def test_hugging_face_graphs_are_fully_costed(arch: str) -> None:
     assert abs(sum(c.saved_bytes for c in costs) - actual) <= 0.05 * actual
 
 
+class _Reductions(nn.Module):
+    """Reductions that keep their input, their result or their indices for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        top = h.topk(3, dim=-1).values.sum(-1, keepdim=True)
+        spread = h.std(dim=-1, keepdim=True) + h.var(dim=-1, keepdim=True)
+        out: torch.Tensor = h - h.max(dim=-1, keepdim=True).values + h.amax(-1, True) + top
+        return out * spread
+
+
+def test_reductions_keep_their_input_result_or_indices() -> None:
+    """``max.dim`` / ``topk`` keep their indices, ``amax`` its input and result, ``std`` its
+    input and result, ``var`` its input: priced as the traced graph's autograd keeps them."""
+    x = torch.randn(4, 8)
+    gm = shape_prop(trace(_Reductions(), (x,)), (x,))
+    costs = [COST.get(n) for n in annotate_costs(gm, H100).graph.nodes]
+    assert all(c.known for c in costs), sorted({c.op for c in costs if not c.known})
+    assert sum(c.saved_bytes for c in costs) == sum(saved_bytes_by_module(gm, (x,)).values())
+
+
 class _Opaque(nn.Module):
     """A user leaf with no formula: priced by running it on fake tensors."""
 

@@ -1,0 +1,254 @@
+"""Every Hugging Face architecture of ``examples/models/hf_zoo.py``, cut at random, under each
+feature, across gloo processes, against the plain model: how many match, how many are
+refused (with the reason), how many are wrong.
+
+The automatic partitioner's cut follows measured costs, so a model is cut differently on
+another machine, under other load, or after a restart; any cut in graph order is one it may
+return. Here the solver is replaced by a seeded random cut (``--seed``), and each feature
+trains every architecture for 4 Adam steps (a global batch of 4) against the plain model
+trained in this process on the same batches, ``state_dict()`` within 1e-5 (1e-4
+relative):
+
+* ``zbv``: pp 2 under ZB-V (2 chunks a rank, the split backward), 2 ranks;
+* ``zero1_resume``: pp 2 x dp 2 with ZeRO-1 (4 ranks), a partial checkpoint after 2
+  steps; the run itself, and resumed on another random cut at pp 2 x dp 2 and at pp 1 x
+  dp 4, each taking the last 2 steps;
+* ``sdp``: pp 2 x sharded data parallelism 2 (4 ranks, no gradient clipping);
+* ``cp``: pp 2 x context parallelism 2 (4 ranks), SDPA where transformers has it;
+* ``delayed``: pp 2 x tp 2 (4 ranks) built under ``smp.delay_param_initialization``:
+  every materialised parameter and buffer equal to the eager build with the same seed.
+
+A refusal is an ``SMPError`` raised before training (``smp.SMPPassError`` or
+``smp.SMPConfigError``: the rewrite or the configuration says what it cannot do); any
+other exception, or a state that differs, is counted wrong. Exit status 1 when any case is
+wrong. ``--archs``, ``--features`` pick a subset. Takes about 12 minutes for all of them
+on 2 CPU cores.
+
+    python benchmarks/random_cuts.py
+    python benchmarks/random_cuts.py --features cp --archs mixtral,roberta --seed 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+BATCH, STEPS, LR = 4, 4, 1e-3
+TOL = {"atol": 1e-5, "rtol": 1e-4}
+SDP = {"sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.0,
+       "sdp_param_persistence_threshold": 64}
+FEATURES: dict[str, int] = {"zbv": 2, "zero1_resume": 4, "sdp": 4, "cp": 4, "delayed": 4}
+"""Each feature and the ranks it runs on."""
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=LR, eps=1e-6)
+
+
+def attention_of(arch: str) -> str:
+    """``sdpa`` where transformers builds ``arch`` with it, else ``eager``."""
+    from examples.models import hf_zoo
+
+    try:
+        hf_zoo.build(arch, marked=False, attention="sdpa")
+    except (ValueError, ImportError):
+        return "eager"
+    return "sdpa"
+
+
+class Run:
+    """``arch`` as a DistributedModel under ``config`` with Adam, one step at a time on its
+    data-parallel slice of the global batch."""
+
+    def __init__(self, arch: str, config: dict[str, Any], seed: int = 0,
+                 attention: str = "eager") -> None:
+        import smp_fx as smp
+        from examples.models import hf_zoo
+        from smp_fx.world import state
+
+        smp.reset()
+        state._reset()  # each case its own configuration and groups; the world stays
+        pipelined = config.get("pipeline_parallel_degree", 1) > 1
+        smp.init({"ddp": True, "microbatches": 2 if pipelined else 1, **config})
+        module = hf_zoo.build(arch, marked=smp.tp_size() > 1, seed=seed, attention=attention)
+        self.model = smp.DistributedModel(module)
+        self.opt = smp.DistributedOptimizer(_adam(self.model.parameters()))
+
+        @smp.step
+        def train(model: Any, x: tuple[torch.Tensor, ...], y: torch.Tensor) -> Any:
+            loss = hf_zoo.loss_fn(model(*x), y)
+            model.backward(loss)
+            return loss
+
+        self.train = train
+
+    def step(self, batch: tuple[tuple[torch.Tensor, ...], torch.Tensor]) -> None:
+        import smp_fx as smp
+
+        share = BATCH // smp.rdp_size()
+        rows = slice(smp.rdp_rank() * share, (smp.rdp_rank() + 1) * share)
+        x, y = batch
+        self.opt.zero_grad()
+        self.train(self.model, tuple(t[rows] for t in x), y[rows])
+        self.opt.step()
+
+    def wrong(self, want: dict[str, torch.Tensor], what: str) -> list[str]:
+        from tests.helpers.compare import mismatched
+
+        got = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
+        return [f"{what}: {n}" for n in mismatched(got, want, **TOL)[:3]]
+
+
+def _zbv(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
+    run = Run(arch, {"pipeline_parallel_degree": 2, "pipeline": "zbv",
+                     "virtual_pipeline_degree": 2})
+    for batch in data:
+        run.step(batch)
+    return run.wrong(want, "zbv")
+
+
+def _zero1_resume(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
+    import smp_fx as smp
+
+    zero = {"pipeline_parallel_degree": 2, "shard_optimizer_state": True}
+    run = Run(arch, zero)
+    run.step(data[0])
+    run.step(data[1])
+    smp.save_checkpoint(path, "half", model=run.model, optimizer=run.opt)
+    run.step(data[2])
+    run.step(data[3])
+    bad = run.wrong(want, "uninterrupted")
+    for name, config in (("resumed on another cut", zero),
+                         ("resumed at pp 1 x dp 4", {"pipeline_parallel_degree": 1})):
+        resumed = Run(arch, config, seed=1)  # other weights: all must come from the files
+        smp.resume_from_checkpoint(path, "half")
+        resumed.step(data[2])
+        resumed.step(data[3])
+        bad += resumed.wrong(want, name)
+    return bad
+
+
+def _sdp(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
+    run = Run(arch, {"pipeline_parallel_degree": 2, **SDP})
+    for batch in data:
+        run.step(batch)
+    return run.wrong(want, "sdp")
+
+
+def _cp(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
+    run = Run(arch, {"pipeline_parallel_degree": 2, "context_parallel_degree": 2},
+              attention=attention_of(arch))
+    for batch in data:
+        run.step(batch)
+    return run.wrong(want, "cp")
+
+
+def _delayed(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
+    import smp_fx as smp
+    from smp_fx.world import state
+    from tests.smp_fx.marking.test_delayed_init_dist import _wrong
+
+    state._reset()
+    smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 1,
+              "ddp": True})
+    return _wrong(arch)
+
+
+CASES: dict[str, Callable[[str, Any, list[Any], str], list[str]]] = {
+    "zbv": _zbv, "zero1_resume": _zero1_resume, "sdp": _sdp, "cp": _cp, "delayed": _delayed}
+
+
+def _ranks(feature: str, archs: list[str], refs_file: str, seed: int, folder: str
+           ) -> dict[str, str]:
+    """One rank's verdict per architecture: ``ok``, ``refused: ...`` or ``WRONG: ...``."""
+    import torch.distributed as dist
+
+    import passes.auto_partition as auto
+    import smp_fx as smp
+    from tests.helpers import zoo
+    from tests.smp_fx.test_schedules_cuts import _random_cuts
+
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    refs = torch.load(refs_file, weights_only=True)
+    auto.solve_problem = _random_cuts(seed)
+    out: dict[str, str] = {}
+    for arch in archs:
+        data = zoo.batches(arch, BATCH, STEPS)
+        try:
+            bad = CASES[feature](arch, refs.get(arch), data, os.path.join(folder, arch))
+            out[arch] = "ok" if not bad else "WRONG: " + "; ".join(bad)
+        except (smp.SMPPassError, smp.SMPConfigError) as exc:
+            out[arch] = "refused: " + str(exc).split(" (got")[0][:160]
+        except Exception as exc:  # reported, counted wrong
+            out[arch] = f"WRONG: {type(exc).__name__}: {str(exc)[:200]}"
+    return out
+
+
+def _references(feature: str, archs: list[str], path: str) -> None:
+    """The plain model's ``state_dict()`` after the 4 Adam steps, per architecture."""
+    from tests.helpers import zoo
+
+    refs = {}
+    for arch in archs:
+        if feature == "delayed":
+            continue  # compared with the eager build inside the ranks
+        attention = attention_of(arch) if feature == "cp" else "eager"
+        refs[arch] = zoo.reference(arch, BATCH, STEPS, _adam, attention=attention)[1]
+    torch.save(refs, path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from examples.models import hf_zoo
+    from tests.helpers.dist import run_ranks
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--archs", default=",".join(hf_zoo.ARCHITECTURES))
+    parser.add_argument("--features", default=",".join(FEATURES))
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    archs, features = args.archs.split(","), args.features.split(",")
+    unknown = sorted(set(features) - set(FEATURES)) + sorted(
+        set(archs) - set(hf_zoo.ARCHITECTURES))
+    if unknown:
+        parser.error(f"unknown feature or architecture {unknown}; features: {list(FEATURES)}")
+    torch.set_num_threads(1)
+    verdicts: dict[str, dict[str, str]] = {}
+    for feature in features:
+        start = time.monotonic()
+        with tempfile.TemporaryDirectory() as tmp:
+            refs = os.path.join(tmp, "refs.pt")
+            _references(feature, archs, refs)
+            results = run_ranks(_ranks, FEATURES[feature], feature, archs, refs, args.seed, tmp,
+                                timeout=3600, env={"SMP_FX_TIMEOUT_S": "120",
+                                                   "SMP_FX_DEVICE_SPEC": "a100"})
+        # a case is wrong if any rank saw it wrong, refused if every rank refused it
+        verdicts[feature] = {a: next((r[a] for r in results if r[a].startswith("WRONG")),
+                                     results[0][a]) for a in archs}
+        counts = [sum(v.split(":")[0] == k for v in verdicts[feature].values())
+                  for k in ("ok", "refused", "WRONG")]
+        print(f"{feature}: {counts[0]} ok, {counts[1]} refused, {counts[2]} wrong "
+              f"({time.monotonic() - start:.0f} s)", flush=True)
+    width = max(map(len, archs))
+    print("\n" + "arch".ljust(width) + "  " + "  ".join(f.ljust(12) for f in features))
+    for arch in archs:
+        print(arch.ljust(width) + "  " + "  ".join(
+            verdicts[f][arch].split(":")[0].ljust(12) for f in features))
+    notes = [(f, a, v) for f in features for a, v in verdicts[f].items() if v != "ok"]
+    for feature, arch, verdict in notes:
+        print(f"- {feature} {arch}: {verdict}")
+    return 1 if any(v.startswith("WRONG") for _, _, v in notes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,8 +16,12 @@ relative):
 * ``sdp``: pp 2 x sharded data parallelism 2 (4 ranks, no gradient clipping);
 * ``cp``: pp 2 x context parallelism 2 (4 ranks), SDPA where transformers has it;
 * ``delayed``: pp 2 x tp 2 (4 ranks) built under ``smp.delay_param_initialization``:
-  every materialised parameter and buffer equal to the eager build with the same seed.
+  every materialised parameter and buffer equal to the eager build with the same seed;
+* ``offload``: pp 2 (2 ranks), every layer (a module named ``...layers.N``, ``h.N``,
+  ``block.N``, ...) checkpointed, its inputs offloaded between forward and backward.
 
+A case that ran but fell back (a checkpointed layer the cut split runs without
+checkpointing, with a warning) is counted ok and listed with what fell back and why.
 A refusal is an ``SMPError`` raised before training (``smp.SMPPassError`` or
 ``smp.SMPConfigError``: the rewrite or the configuration says what it cannot do); any
 other exception, or a state that differs, is counted wrong. Exit status 1 when any case is
@@ -32,7 +36,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import os
+import re
 import sys
 import tempfile
 import time
@@ -48,7 +54,12 @@ BATCH, STEPS, LR = 4, 4, 1e-3
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 SDP = {"sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.0,
        "sdp_param_persistence_threshold": 64}
-FEATURES: dict[str, int] = {"zbv": 2, "zero1_resume": 4, "sdp": 4, "cp": 4, "delayed": 4}
+LAYER = re.compile(r"(layers?|h|block|blocks)\.\d+$")
+"""The names of a model's repeated layers (Hugging Face's conventions)."""
+FELL_BACK: list[str] = []
+"""What the current case ran otherwise than asked (with the reason), reported beside it."""
+FEATURES: dict[str, int] = {"zbv": 2, "zero1_resume": 4, "sdp": 4, "cp": 4, "delayed": 4,
+                            "offload": 2}
 """Each feature and the ranks it runs on."""
 
 
@@ -72,7 +83,7 @@ class Run:
     data-parallel slice of the global batch."""
 
     def __init__(self, arch: str, config: dict[str, Any], seed: int = 0,
-                 attention: str = "eager") -> None:
+                 attention: str = "eager", checkpointed: bool = False) -> None:
         import smp_fx as smp
         from examples.models import hf_zoo
         from smp_fx.world import state
@@ -83,6 +94,12 @@ class Run:
         smp.init({"ddp": True, "microbatches": 2 if pipelined else 1, **config})
         module = hf_zoo.build(arch, marked=smp.tp_size() > 1, seed=seed, attention=attention)
         self.model = smp.DistributedModel(module)
+        if checkpointed:
+            layers = [m for name, m in module.named_modules() if LAYER.search(name)]
+            if not layers:
+                raise ValueError(f"{arch}: no module named like a layer to checkpoint")
+            for layer in layers:
+                smp.set_activation_checkpointing(layer)
         self.opt = smp.DistributedOptimizer(_adam(self.model.parameters()))
 
         @smp.step
@@ -154,6 +171,35 @@ def _cp(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
     return run.wrong(want, "cp")
 
 
+class _Skipped(logging.Handler):
+    """The checkpointed modules the partitioner's cut split, which run without
+    checkpointing (``passes.checkpoint_regions`` warns of each)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.names: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        args = record.args if isinstance(record.args, tuple) else ()
+        self.names.append(str(args[0]) if args else record.getMessage())
+
+
+def _offload(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
+    skipped = _Skipped()
+    logger = logging.getLogger("smp_fx.checkpointing")
+    logger.addHandler(skipped)
+    try:
+        run = Run(arch, {"pipeline_parallel_degree": 2, "offload_activations": True},
+                  checkpointed=True)
+        for batch in data:
+            run.step(batch)
+    finally:
+        logger.removeHandler(skipped)
+    FELL_BACK.extend(f"{name} not checkpointed (cut by the partition)"
+                     for name in dict.fromkeys(skipped.names))
+    return run.wrong(want, "offload")
+
+
 def _delayed(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
     import smp_fx as smp
     from smp_fx.world import state
@@ -166,7 +212,8 @@ def _delayed(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
 
 
 CASES: dict[str, Callable[[str, Any, list[Any], str], list[str]]] = {
-    "zbv": _zbv, "zero1_resume": _zero1_resume, "sdp": _sdp, "cp": _cp, "delayed": _delayed}
+    "zbv": _zbv, "zero1_resume": _zero1_resume, "sdp": _sdp, "cp": _cp, "delayed": _delayed,
+    "offload": _offload}
 
 
 def _ranks(feature: str, archs: list[str], refs_file: str, seed: int, folder: str
@@ -185,9 +232,11 @@ def _ranks(feature: str, archs: list[str], refs_file: str, seed: int, folder: st
     out: dict[str, str] = {}
     for arch in archs:
         data = zoo.batches(arch, BATCH, STEPS)
+        FELL_BACK.clear()
         try:
             bad = CASES[feature](arch, refs.get(arch), data, os.path.join(folder, arch))
-            out[arch] = "ok" if not bad else "WRONG: " + "; ".join(bad)
+            out[arch] = "WRONG: " + "; ".join(bad) if bad else (
+                f"ok, fell back: {'; '.join(FELL_BACK)}" if FELL_BACK else "ok")
         except (smp.SMPPassError, smp.SMPConfigError) as exc:
             out[arch] = "refused: " + str(exc).split(" (got")[0][:160]
         except Exception as exc:  # reported, counted wrong
@@ -235,15 +284,17 @@ def main(argv: list[str] | None = None) -> int:
         # a case is wrong if any rank saw it wrong, refused if every rank refused it
         verdicts[feature] = {a: next((r[a] for r in results if r[a].startswith("WRONG")),
                                      results[0][a]) for a in archs}
-        counts = [sum(v.split(":")[0] == k for v in verdicts[feature].values())
-                  for k in ("ok", "refused", "WRONG")]
-        print(f"{feature}: {counts[0]} ok, {counts[1]} refused, {counts[2]} wrong "
-              f"({time.monotonic() - start:.0f} s)", flush=True)
+        counts = [sum(v.startswith(k) for v in verdicts[feature].values())
+                  for k in ("ok", "refused", "WRONG", "ok, fell back")]
+        print(f"{feature}: {counts[0]} ok ({counts[3]} of them falling back), {counts[1]} "
+              f"refused, {counts[2]} wrong ({time.monotonic() - start:.0f} s)", flush=True)
     width = max(map(len, archs))
     print("\n" + "arch".ljust(width) + "  " + "  ".join(f.ljust(12) for f in features))
     for arch in archs:
         print(arch.ljust(width) + "  " + "  ".join(
-            verdicts[f][arch].split(":")[0].ljust(12) for f in features))
+            verdicts[f][arch].split(":")[0].replace(", fell back", "*").ljust(12)
+            for f in features))
+    print("(* ran, but fell back: below)")
     notes = [(f, a, v) for f in features for a, v in verdicts[f].items() if v != "ok"]
     for feature, arch, verdict in notes:
         print(f"- {feature} {arch}: {verdict}")

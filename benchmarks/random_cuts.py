@@ -38,7 +38,6 @@ import argparse
 import datetime
 import logging
 import os
-import re
 import sys
 import tempfile
 import time
@@ -54,8 +53,6 @@ BATCH, STEPS, LR = 4, 4, 1e-3
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 SDP = {"sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.0,
        "sdp_param_persistence_threshold": 64}
-LAYER = re.compile(r"(layers?|h|block|blocks)\.\d+$")
-"""The names of a model's repeated layers (Hugging Face's conventions)."""
 FELL_BACK: list[str] = []
 """What the current case ran otherwise than asked (with the reason), reported beside it."""
 FEATURES: dict[str, int] = {"zbv": 2, "zero1_resume": 4, "sdp": 4, "cp": 4, "delayed": 4,
@@ -78,97 +75,60 @@ def attention_of(arch: str) -> str:
     return "sdpa"
 
 
-class Run:
-    """``arch`` as a DistributedModel under ``config`` with Adam, one step at a time on its
-    data-parallel slice of the global batch."""
+def _run(arch: str, config: dict[str, Any], **kwargs: Any) -> Any:
+    from tests.helpers.zoo import DistributedRun
 
-    def __init__(self, arch: str, config: dict[str, Any], seed: int = 0,
-                 attention: str = "eager", checkpointed: bool = False) -> None:
-        import smp_fx as smp
-        from examples.models import hf_zoo
-        from smp_fx.world import state
+    return DistributedRun(arch, config, _adam, **kwargs)
 
-        smp.reset()
-        state._reset()  # each case its own configuration and groups; the world stays
-        pipelined = config.get("pipeline_parallel_degree", 1) > 1
-        smp.init({"ddp": True, "microbatches": 2 if pipelined else 1, **config})
-        module = hf_zoo.build(arch, marked=smp.tp_size() > 1, seed=seed, attention=attention)
-        self.model = smp.DistributedModel(module)
-        if checkpointed:
-            layers = [m for name, m in module.named_modules() if LAYER.search(name)]
-            if not layers:
-                raise ValueError(f"{arch}: no module named like a layer to checkpoint")
-            for layer in layers:
-                smp.set_activation_checkpointing(layer)
-        self.opt = smp.DistributedOptimizer(_adam(self.model.parameters()))
 
-        @smp.step
-        def train(model: Any, x: tuple[torch.Tensor, ...], y: torch.Tensor) -> Any:
-            loss = hf_zoo.loss_fn(model(*x), y)
-            model.backward(loss)
-            return loss
+def _wrong(run: Any, want: dict[str, torch.Tensor], what: str) -> list[str]:
+    from tests.helpers.compare import mismatched
 
-        self.train = train
-
-    def step(self, batch: tuple[tuple[torch.Tensor, ...], torch.Tensor]) -> None:
-        import smp_fx as smp
-
-        share = BATCH // smp.rdp_size()
-        rows = slice(smp.rdp_rank() * share, (smp.rdp_rank() + 1) * share)
-        x, y = batch
-        self.opt.zero_grad()
-        self.train(self.model, tuple(t[rows] for t in x), y[rows])
-        self.opt.step()
-
-    def wrong(self, want: dict[str, torch.Tensor], what: str) -> list[str]:
-        from tests.helpers.compare import mismatched
-
-        got = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        return [f"{what}: {n}" for n in mismatched(got, want, **TOL)[:3]]
+    return [f"{what}: {n}" for n in mismatched(run.state(), want, **TOL)[:3]]
 
 
 def _zbv(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
-    run = Run(arch, {"pipeline_parallel_degree": 2, "pipeline": "zbv",
+    run = _run(arch, {"pipeline_parallel_degree": 2, "pipeline": "zbv",
                      "virtual_pipeline_degree": 2})
     for batch in data:
         run.step(batch)
-    return run.wrong(want, "zbv")
+    return _wrong(run, want, "zbv")
 
 
 def _zero1_resume(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
     import smp_fx as smp
 
     zero = {"pipeline_parallel_degree": 2, "shard_optimizer_state": True}
-    run = Run(arch, zero)
+    run = _run(arch, zero)
     run.step(data[0])
     run.step(data[1])
     smp.save_checkpoint(path, "half", model=run.model, optimizer=run.opt)
     run.step(data[2])
     run.step(data[3])
-    bad = run.wrong(want, "uninterrupted")
+    bad = _wrong(run, want, "uninterrupted")
     for name, config in (("resumed on another cut", zero),
                          ("resumed at pp 1 x dp 4", {"pipeline_parallel_degree": 1})):
-        resumed = Run(arch, config, seed=1)  # other weights: all must come from the files
+        resumed = _run(arch, config, seed=1)  # other weights: all must come from the files
         smp.resume_from_checkpoint(path, "half")
         resumed.step(data[2])
         resumed.step(data[3])
-        bad += resumed.wrong(want, name)
+        bad += _wrong(resumed, want, name)
     return bad
 
 
 def _sdp(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
-    run = Run(arch, {"pipeline_parallel_degree": 2, **SDP})
+    run = _run(arch, {"pipeline_parallel_degree": 2, **SDP})
     for batch in data:
         run.step(batch)
-    return run.wrong(want, "sdp")
+    return _wrong(run, want, "sdp")
 
 
 def _cp(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
-    run = Run(arch, {"pipeline_parallel_degree": 2, "context_parallel_degree": 2},
+    run = _run(arch, {"pipeline_parallel_degree": 2, "context_parallel_degree": 2},
               attention=attention_of(arch))
     for batch in data:
         run.step(batch)
-    return run.wrong(want, "cp")
+    return _wrong(run, want, "cp")
 
 
 class _Skipped(logging.Handler):
@@ -189,7 +149,7 @@ def _offload(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
     logger = logging.getLogger("smp_fx.checkpointing")
     logger.addHandler(skipped)
     try:
-        run = Run(arch, {"pipeline_parallel_degree": 2, "offload_activations": True},
+        run = _run(arch, {"pipeline_parallel_degree": 2, "offload_activations": True},
                   checkpointed=True)
         for batch in data:
             run.step(batch)
@@ -197,18 +157,18 @@ def _offload(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
         logger.removeHandler(skipped)
     FELL_BACK.extend(f"{name} not checkpointed (cut by the partition)"
                      for name in dict.fromkeys(skipped.names))
-    return run.wrong(want, "offload")
+    return _wrong(run, want, "offload")
 
 
 def _delayed(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
     import smp_fx as smp
     from smp_fx.world import state
-    from tests.smp_fx.marking.test_delayed_init_dist import _wrong
+    from tests.smp_fx.marking.test_delayed_init_dist import _wrong as unlike_eager
 
     state._reset()
     smp.init({"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2, "microbatches": 1,
               "ddp": True})
-    return _wrong(arch)
+    return unlike_eager(arch)
 
 
 CASES: dict[str, Callable[[str, Any, list[Any], str], list[str]]] = {

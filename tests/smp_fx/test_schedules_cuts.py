@@ -87,63 +87,35 @@ def _cut_at(fraction: float) -> Any:
     return solve
 
 
-class _Run:
-    """``arch`` at pp 2 (1F1B, 2 microbatches) with Adam, cut by the current solver."""
-
-    def __init__(self, arch: str, seed: int) -> None:
-        import smp_fx as smp
-        from examples.models import hf_zoo
-        from smp_fx.world import state
-
-        smp.reset()
-        state._reset()
-        smp.init({"pipeline_parallel_degree": 2, "microbatches": 2, "ddp": True})
-        self.model = smp.DistributedModel(hf_zoo.build(arch, marked=False, seed=seed))
-        self.opt = smp.DistributedOptimizer(torch.optim.Adam(self.model.parameters(),
-                                                             lr=1e-3))
-
-        @smp.step
-        def train(model: Any, x: tuple[torch.Tensor, ...], y: torch.Tensor) -> Any:
-            loss = hf_zoo.loss_fn(model(*x), y)
-            model.backward(loss)
-            return loss
-
-        self.train = train
-
-    def step(self, batch: tuple[tuple[torch.Tensor, ...], torch.Tensor]) -> None:
-        self.opt.zero_grad()
-        self.train(self.model, *batch)
-        self.opt.step()
-
-    def held(self) -> list[str]:
-        return sorted(n for n, _ in self.model.local_named_parameters())
-
-
 def _resumed(path: str) -> list[str]:
     import passes.auto_partition as auto
     import smp_fx as smp
     from tests.helpers.compare import mismatched
-    from tests.helpers.zoo import batches
+    from tests.helpers.zoo import DistributedRun, batches
+
+    def adam(params: Any) -> torch.optim.Optimizer:
+        return torch.optim.Adam(params, lr=1e-3)
 
     dist.init_process_group("gloo")
     bad = []
+    pp2 = {"pipeline_parallel_degree": 2}
     for arch in RESUMED:
         data = batches(arch, 4, 3)
         auto.solve_problem = _cut_at(1 / 3)
-        run = _Run(arch, seed=0)
+        run = DistributedRun(arch, pp2, adam)
         run.step(data[0])
         run.step(data[1])
         smp.save_checkpoint(f"{path}/{arch}", "s", model=run.model, optimizer=run.opt)
         run.step(data[2])
-        want = run.model.state_dict()
+        want = run.state()
         auto.solve_problem = _cut_at(2 / 3)
-        other = _Run(arch, seed=1)  # other weights, another cut
+        other = DistributedRun(arch, pp2, adam, seed=1)  # other weights, another cut
         smp.resume_from_checkpoint(f"{path}/{arch}", "s")
         other.step(data[2])
         if other.held() == run.held():
             bad.append(f"{arch}: both cuts put the same parameters on this rank")
         bad += [f"{arch} resumed on another cut: {n}" for n in
-                mismatched(other.model.state_dict(), want, atol=1e-6, rtol=1e-6)]
+                mismatched(other.state(), want, atol=1e-6, rtol=1e-6)]
     return bad
 
 

@@ -10,11 +10,13 @@ trained in this process on the same batches, ``state_dict()`` within 1e-5 (1e-4
 relative):
 
 * ``zbv``: pp 2 under ZB-V (2 chunks a rank, the split backward), 2 ranks;
+* ``tp_zbv``: pp 2 x tp 2 under ZB-V (4 ranks, the tp ranks sharing the batch);
 * ``zero1_resume``: pp 2 x dp 2 with ZeRO-1 (4 ranks), a partial checkpoint after 2
   steps; the run itself, and resumed on another random cut at pp 2 x dp 2 and at pp 1 x
   dp 4, each taking the last 2 steps;
 * ``sdp``: pp 2 x sharded data parallelism 2 (4 ranks, no gradient clipping);
 * ``cp``: pp 2 x context parallelism 2 (4 ranks), SDPA where transformers has it;
+* ``cp_tp``: cp 2 x tp 2 (4 ranks, no pipeline), SDPA where transformers has it;
 * ``delayed``: pp 2 x tp 2 (4 ranks) built under ``smp.delay_param_initialization``:
   every materialised parameter and buffer equal to the eager build with the same seed;
 * ``offload``: pp 2 (2 ranks), every layer (a module named ``...layers.N``, ``h.N``,
@@ -25,7 +27,7 @@ checkpointing, with a warning) is counted ok and listed with what fell back and 
 A refusal is an ``SMPError`` raised before training (``smp.SMPPassError`` or
 ``smp.SMPConfigError``: the rewrite or the configuration says what it cannot do); any
 other exception, or a state that differs, is counted wrong. Exit status 1 when any case is
-wrong. ``--archs``, ``--features`` pick a subset. Takes about 12 minutes for all of them
+wrong. ``--archs``, ``--features`` pick a subset. Takes about 17 minutes for all of them
 on 2 CPU cores.
 
     python benchmarks/random_cuts.py
@@ -55,8 +57,8 @@ SDP = {"sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.0,
        "sdp_param_persistence_threshold": 64}
 FELL_BACK: list[str] = []
 """What the current case ran otherwise than asked (with the reason), reported beside it."""
-FEATURES: dict[str, int] = {"zbv": 2, "zero1_resume": 4, "sdp": 4, "cp": 4, "delayed": 4,
-                            "offload": 2}
+FEATURES: dict[str, int] = {"zbv": 2, "tp_zbv": 4, "zero1_resume": 4, "sdp": 4, "cp": 4,
+                            "cp_tp": 4, "delayed": 4, "offload": 2}
 """Each feature and the ranks it runs on."""
 
 
@@ -93,6 +95,15 @@ def _zbv(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
     for batch in data:
         run.step(batch)
     return _wrong(run, want, "zbv")
+
+
+def _tp_zbv(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
+    run = _run(arch, {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2,
+                      "prescaled_batch": True, "pipeline": "zbv",
+                      "virtual_pipeline_degree": 2})
+    for batch in data:
+        run.step(batch)
+    return _wrong(run, want, "tp_zbv")
 
 
 def _zero1_resume(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
@@ -160,6 +171,15 @@ def _offload(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
     return _wrong(run, want, "offload")
 
 
+def _cp_tp(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
+    run = _run(arch, {"pipeline_parallel_degree": 1, "context_parallel_degree": 2,
+                      "tensor_parallel_degree": 2, "prescaled_batch": True},
+               attention=attention_of(arch))
+    for batch in data:
+        run.step(batch)
+    return _wrong(run, want, "cp_tp")
+
+
 def _delayed(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
     import smp_fx as smp
     from smp_fx.world import state
@@ -172,8 +192,8 @@ def _delayed(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
 
 
 CASES: dict[str, Callable[[str, Any, list[Any], str], list[str]]] = {
-    "zbv": _zbv, "zero1_resume": _zero1_resume, "sdp": _sdp, "cp": _cp, "delayed": _delayed,
-    "offload": _offload}
+    "zbv": _zbv, "tp_zbv": _tp_zbv, "zero1_resume": _zero1_resume, "sdp": _sdp, "cp": _cp,
+    "cp_tp": _cp_tp, "delayed": _delayed, "offload": _offload}
 
 
 def _ranks(feature: str, archs: list[str], refs_file: str, seed: int, folder: str
@@ -212,7 +232,7 @@ def _references(feature: str, archs: list[str], path: str) -> None:
     for arch in archs:
         if feature == "delayed":
             continue  # compared with the eager build inside the ranks
-        attention = attention_of(arch) if feature == "cp" else "eager"
+        attention = attention_of(arch) if feature.startswith("cp") else "eager"
         refs[arch] = zoo.reference(arch, BATCH, STEPS, _adam, attention=attention)[1]
     torch.save(refs, path)
 

@@ -224,6 +224,14 @@ def _ranks(feature: str, archs: list[str], refs_file: str, seed: int, folder: st
     return out
 
 
+def _verdict(ranks: list[str]) -> str:
+    """One case's verdict from every rank's: wrong if any rank saw it wrong, with the cause
+    (a rank's own error before another rank's report of losing or waiting for it)."""
+    wrong = [v for v in ranks if v.startswith("WRONG")]
+    causes = [v for v in wrong if "SMPPeerError" not in v and "SMPTimeoutError" not in v]
+    return (causes or wrong or ranks)[0]
+
+
 def _references(feature: str, archs: list[str], path: str) -> None:
     """The plain model's ``state_dict()`` after the 4 Adam steps, per architecture."""
     from tests.helpers import zoo
@@ -261,9 +269,7 @@ def main(argv: list[str] | None = None) -> int:
             results = run_ranks(_ranks, FEATURES[feature], feature, archs, refs, args.seed, tmp,
                                 timeout=3600, env={"SMP_FX_TIMEOUT_S": "120",
                                                    "SMP_FX_DEVICE_SPEC": "a100"})
-        # a case is wrong if any rank saw it wrong, refused if every rank refused it
-        verdicts[feature] = {a: next((r[a] for r in results if r[a].startswith("WRONG")),
-                                     results[0][a]) for a in archs}
+        verdicts[feature] = {a: _verdict([r[a] for r in results]) for a in archs}
         counts = [sum(v.startswith(k) for v in verdicts[feature].values())
                   for k in ("ok", "refused", "WRONG", "ok, fell back")]
         print(f"{feature}: {counts[0]} ok ({counts[3]} of them falling back), {counts[1]} "

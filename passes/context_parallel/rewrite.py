@@ -112,6 +112,7 @@ def _loss(walk: _Walk, node: torch.fx.Node) -> None:
     labels, reader = found
     with walk.gm.graph.inserting_before(reader):
         cut = _insert(walk.gm.graph, collectives.cp_localize, (labels, (1,)), labels, reader)
+    walk.local.add(cut)
     reader.replace_input_with(labels, cut)
     walk.localized.append(labels.name)
     op: Any = node.target
@@ -311,6 +312,7 @@ def _localize_operands(walk: _Walk, node: torch.fx.Node) -> None:
             with where:
                 walk.cuts[arg] = _insert(walk.gm.graph, collectives.cp_localize, (arg, dims),
                                          arg, node)
+            walk.local.add(walk.cuts[arg])  # its rows are local: so its shape, if sent
             walk.localized.append(arg.name)
         node.replace_input_with(arg, walk.cuts[arg])
 

@@ -15,7 +15,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from cost_model.errors import SMPPassError, SMPRuntimeError
-from passes.context_parallel import ContextParallelPlan, context_parallel
+from passes import meta
+from passes.context_parallel import ContextParallelPlan, collectives, context_parallel
 from passes.context_parallel.collectives import local_index
 from passes.trace import trace
 
@@ -78,6 +79,17 @@ def test_sdpa_is_rewritten_and_positions_stay_whole() -> None:
     assert ContextParallelPlan.from_json(plan.to_json()) == plan
     torch.testing.assert_close(new(ids), model(ids))
     assert context_parallel(gm, 1)[1] == ContextParallelPlan(1)
+
+
+def test_a_cut_to_the_local_rows_is_described_as_local() -> None:
+    """A whole value cut to the local tokens (``cp_localize``) has the local length: a
+    pipeline stage receiving it checks its shape against that, not the whole length (a
+    cut right after it had the receiving ranks refuse the sender's shape)."""
+    _, gm, _ = _traced("sdpa")
+    new, plan = context_parallel(gm, 2)
+    cuts = [n for n in new.graph.nodes if n.target is collectives.cp_localize]
+    assert cuts and plan.localized
+    assert all(meta.CP_LOCAL.get(n) == (1,) for n in cuts), [n.meta for n in cuts]
 
 
 def test_positions_numbered_from_the_tokens_read_the_whole_input() -> None:

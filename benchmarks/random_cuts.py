@@ -89,21 +89,35 @@ def _wrong(run: Any, want: dict[str, torch.Tensor], what: str) -> list[str]:
     return [f"{what}: {n}" for n in mismatched(run.state(), want, **TOL)[:3]]
 
 
-def _zbv(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
-    run = _run(arch, {"pipeline_parallel_degree": 2, "pipeline": "zbv",
-                     "virtual_pipeline_degree": 2})
-    for batch in data:
-        run.step(batch)
-    return _wrong(run, want, "zbv")
+TRAINED: dict[str, dict[str, Any]] = {
+    "zbv": {"pipeline_parallel_degree": 2, "pipeline": "zbv", "virtual_pipeline_degree": 2},
+    "tp_zbv": {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2,
+               "prescaled_batch": True, "pipeline": "zbv", "virtual_pipeline_degree": 2},
+    "sdp": {"pipeline_parallel_degree": 2, **SDP},
+    "cp": {"pipeline_parallel_degree": 2, "context_parallel_degree": 2},
+    "cp_tp": {"pipeline_parallel_degree": 1, "context_parallel_degree": 2,
+              "tensor_parallel_degree": 2, "prescaled_batch": True},
+    "offload": {"pipeline_parallel_degree": 2, "offload_activations": True},
+}
+"""The features that train under one configuration: each its configuration."""
 
 
-def _tp_zbv(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
-    run = _run(arch, {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2,
-                      "prescaled_batch": True, "pipeline": "zbv",
-                      "virtual_pipeline_degree": 2})
-    for batch in data:
-        run.step(batch)
-    return _wrong(run, want, "tp_zbv")
+def _attention(feature: str, arch: str) -> str:
+    """The attention a feature builds ``arch`` with: SDPA for context parallelism."""
+    return attention_of(arch) if feature.startswith("cp") else "eager"
+
+
+def _trained(feature: str) -> Callable[[str, Any, list[Any], str], list[str]]:
+    """The case of a ``TRAINED`` feature: every step, then the state against ``want``."""
+
+    def case(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
+        run = _run(arch, TRAINED[feature], attention=_attention(feature, arch),
+                   checkpointed=feature == "offload")
+        for batch in data:
+            run.step(batch)
+        return _wrong(run, want, feature)
+
+    return case
 
 
 def _zero1_resume(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
@@ -127,21 +141,6 @@ def _zero1_resume(arch: str, want: Any, data: list[Any], path: str) -> list[str]
     return bad
 
 
-def _sdp(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
-    run = _run(arch, {"pipeline_parallel_degree": 2, **SDP})
-    for batch in data:
-        run.step(batch)
-    return _wrong(run, want, "sdp")
-
-
-def _cp(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
-    run = _run(arch, {"pipeline_parallel_degree": 2, "context_parallel_degree": 2},
-              attention=attention_of(arch))
-    for batch in data:
-        run.step(batch)
-    return _wrong(run, want, "cp")
-
-
 class _Skipped(logging.Handler):
     """The checkpointed modules the partitioner's cut split, which run without
     checkpointing (``passes.checkpoint_regions`` warns of each)."""
@@ -160,24 +159,12 @@ def _offload(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
     logger = logging.getLogger("smp_fx.checkpointing")
     logger.addHandler(skipped)
     try:
-        run = _run(arch, {"pipeline_parallel_degree": 2, "offload_activations": True},
-                  checkpointed=True)
-        for batch in data:
-            run.step(batch)
+        bad = _trained("offload")(arch, want, data, path)
     finally:
         logger.removeHandler(skipped)
     FELL_BACK.extend(f"{name} not checkpointed (cut by the partition)"
                      for name in dict.fromkeys(skipped.names))
-    return _wrong(run, want, "offload")
-
-
-def _cp_tp(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
-    run = _run(arch, {"pipeline_parallel_degree": 1, "context_parallel_degree": 2,
-                      "tensor_parallel_degree": 2, "prescaled_batch": True},
-               attention=attention_of(arch))
-    for batch in data:
-        run.step(batch)
-    return _wrong(run, want, "cp_tp")
+    return bad
 
 
 def _delayed(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
@@ -192,8 +179,8 @@ def _delayed(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
 
 
 CASES: dict[str, Callable[[str, Any, list[Any], str], list[str]]] = {
-    "zbv": _zbv, "tp_zbv": _tp_zbv, "zero1_resume": _zero1_resume, "sdp": _sdp, "cp": _cp,
-    "cp_tp": _cp_tp, "delayed": _delayed, "offload": _offload}
+    **{feature: _trained(feature) for feature in TRAINED}, "zero1_resume": _zero1_resume,
+    "delayed": _delayed, "offload": _offload}
 
 
 def _ranks(feature: str, archs: list[str], refs_file: str, seed: int, folder: str
@@ -240,8 +227,8 @@ def _references(feature: str, archs: list[str], path: str) -> None:
     for arch in archs:
         if feature == "delayed":
             continue  # compared with the eager build inside the ranks
-        attention = attention_of(arch) if feature.startswith("cp") else "eager"
-        refs[arch] = zoo.reference(arch, BATCH, STEPS, _adam, attention=attention)[1]
+        refs[arch] = zoo.reference(arch, BATCH, STEPS, _adam,
+                                   attention=_attention(feature, arch))[1]
     torch.save(refs, path)
 
 

@@ -73,7 +73,10 @@ class CompileStats:
         """One line: what of the stage runs compiled, what eagerly (and its parameters)."""
         if self.fallback is not None:
             return f"{self.where}: eager, {self.params} parameters ({self.fallback})"
-        if not self.regions and not self.checkpointed:
+        if not self.regions and not self.checkpointed and not self.gemms:
+            if self.compiles == 0:
+                return (f"{self.where}: nothing compiled yet, {self.params} parameters (not "
+                        "run, or no tensor operation reached the compiler)")
             return f"{self.where}: compiled whole, {self.params} parameters"
         compiled = sum(r.params for r in self.regions if r.fallback is None)
         kept = f", {self.checkpointed} checkpointed eager" if self.checkpointed else ""

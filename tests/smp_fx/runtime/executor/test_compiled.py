@@ -343,3 +343,29 @@ def test_a_split_backward_stage_compiles_in_regions_with_eager_gemms(noisy: bool
             torch.testing.assert_close(p.grad, q.grad, msg=name)
     assert [rs.fallback is not None for rs in st.regions] == [False, noisy, False]
     assert (st.compiles, st.recompiles, st.eager_regions) == (6 - 2 * noisy, 3 - noisy, noisy)
+
+
+class _Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.proj(x),)
+
+
+def test_a_stage_of_one_gemm_says_it_compiled_nothing_under_a_split_backward() -> None:
+    """A chunk holding a GEMM alone (a language model's head on a random cut) has no region
+    to compile: its summary says so rather than "compiled whole", and nothing falls back."""
+    runner = _Runner(_Head())
+    st = compile_stages({1: runner}, "aot_eager", "zero_bubble")[1]
+    x = torch.randn(4, 8, requires_grad=True)
+    (out,) = runner.forward([x], 0)
+    (_,), pending = runner.backward_input([out], [torch.ones_like(out)], [x], 0)
+    runner.backward_weight(pending, 0)
+    assert (st.fallback, st.regions, st.gemms, st.compiles) == (None, [], 1, 0)
+    assert st.summary() == ("stage 1: 0 regions compiled, 0 eager, 1 GEMMs eager; parameters "
+                            "0 compiled, 2 eager")
+    assert CompileStats(0, params=3).summary() == (
+        "stage 0: nothing compiled yet, 3 parameters (not run, or no tensor operation reached "
+        "the compiler)")

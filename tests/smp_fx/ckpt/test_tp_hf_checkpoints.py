@@ -25,73 +25,41 @@ import torch
 import torch.distributed as dist
 
 from examples.models import hf_zoo
+from tests.helpers import zoo
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
+from tests.helpers.zoo import DistributedRun
 
 BATCH, STEPS, LR = 4, 4, 0.1
 ARCHS = ("mixtral", "phi3", "t5")
 
 
-def _batches(arch: str) -> list[tuple[tuple[torch.Tensor, ...], torch.Tensor]]:
-    torch.manual_seed(7)
-    return [(hf_zoo.inputs(arch, BATCH), hf_zoo.targets(arch, BATCH)) for _ in range(STEPS)]
-
-
-class Run:
+def _run(arch: str, tp: int, seed: int) -> DistributedRun:
     """A DistributedModel of ``arch`` and its SGD at one tp degree (rdp = 4 / tp)."""
-
-    def __init__(self, arch: str, tp: int, seed: int) -> None:
-        import smp_fx as smp
-        from smp_fx.world import state
-
-        smp.reset()
-        state._reset()  # a new degree: a new configuration and groups
-        smp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": tp, "ddp": True,
-                  "prescaled_batch": True, "microbatches": 1})
-        self.arch = arch
-        self.model = smp.DistributedModel(hf_zoo.build(arch, seed=seed))
-        self.opt = smp.DistributedOptimizer(torch.optim.SGD(self.model.parameters(), lr=LR))
-
-        @smp.step
-        def train_step(model: Any, x: tuple[torch.Tensor, ...], y: torch.Tensor) -> Any:
-            loss = hf_zoo.loss_fn(model(*x), y)
-            model.backward(loss)
-            return loss
-
-        self.train_step = train_step
-
-    def step(self, i: int) -> None:
-        import smp_fx as smp
-
-        x, y = _batches(self.arch)[i]
-        share = BATCH // smp.rdp_size()
-        sl = slice(smp.rdp_rank() * share, (smp.rdp_rank() + 1) * share)
-        self.opt.zero_grad()
-        self.train_step(self.model, tuple(t[sl] for t in x), y[sl])
-        self.opt.step()
-
-    def state(self) -> dict[str, torch.Tensor]:
-        return {k: v.clone() for k, v in self.model.state_dict().items()}
+    return DistributedRun(arch, {"pipeline_parallel_degree": 1, "tensor_parallel_degree": tp,
+                                 "prescaled_batch": True},
+                          lambda ps: torch.optim.SGD(ps, lr=LR), seed=seed)
 
 
 def _case(path: str, arch: str) -> list[str]:
     import smp_fx as smp
 
-    run = Run(arch, 2, seed=0)
-    run.step(0)
-    run.step(1)
+    data = zoo.batches(arch, BATCH, STEPS)
+    run = _run(arch, 2, seed=0)
+    run.step(data[0])
+    run.step(data[1])
     smp.save_checkpoint(path, "tp2", model=run.model, optimizer=run.opt)
     smp.save_checkpoint(path, "full", partial=False, model=run.model)
     at_save = run.state()
-    run.step(2)
-    run.step(3)
+    run.step(data[2])
+    run.step(data[3])
     want = run.state()
     bad = []
     for tp in (1, 4):
-        resumed = Run(arch, tp, seed=1)  # other weights: all must come from the checkpoint
+        resumed = _run(arch, tp, seed=1)  # other weights: all must come from the checkpoint
         smp.resume_from_checkpoint(path, tag="tp2")
-        resumed.step(2)
-        resumed.step(3)
+        resumed.step(data[2])
+        resumed.step(data[3])
         bad += [f"{arch} tp2->tp{tp} {n}"
                 for n in mismatched(resumed.state(), want, atol=1e-5, rtol=1e-5)]
     if dist.get_rank() == 0:

@@ -20,15 +20,24 @@ relative):
 * ``delayed``: pp 2 x tp 2 (4 ranks) built under ``smp.delay_param_initialization``:
   every materialised parameter and buffer equal to the eager build with the same seed;
 * ``offload``: pp 2 (2 ranks), every layer (a module named ``...layers.N``, ``h.N``,
-  ``block.N``, ...) checkpointed, its inputs offloaded between forward and backward.
+  ``block.N``, ...) checkpointed, its inputs offloaded between forward and backward;
+* ``interleaved``: pp 2 under interleaved 1F1B (2 chunks a rank), 2 ranks;
+* ``tp_sdp``: tp 2 x sharded data parallelism 2 (4 ranks, no pipeline);
+* ``tp_zero1``: tp 2 x dp 2 with ZeRO-1 (4 ranks, no pipeline);
+* ``pp_tp_rdp``: pp 2 x tp 2 x dp 2 with ZeRO-1 (8 ranks);
+* ``tp_checkpointed``: pp 2 x tp 2 (4 ranks), every layer checkpointed;
+* ``pp_cp_tp``: pp 2 x cp 2 x tp 2 (8 ranks), SDPA where transformers has it;
+* ``compile``, ``compile_zbv``: pp 2 with each stage under ``torch.compile`` (inductor),
+  under 1F1B and under ZB-V (its chunks compiled in regions between their GEMMs); a stage
+  or region that ran eagerly is listed as fallen back, with the reason.
 
 A case that ran but fell back (a checkpointed layer the cut split runs without
-checkpointing, with a warning) is counted ok and listed with what fell back and why.
-A refusal is an ``SMPError`` raised before training (``smp.SMPPassError`` or
-``smp.SMPConfigError``: the rewrite or the configuration says what it cannot do); any
-other exception, or a state that differs, is counted wrong. Exit status 1 when any case is
-wrong. ``--archs``, ``--features`` pick a subset. Takes about 17 minutes for all of them
-on 2 CPU cores.
+checkpointing, with a warning; a stage that could not compile runs eagerly) is counted ok
+and listed with what fell back and why. A refusal is an ``SMPError`` raised before
+training (``smp.SMPPassError`` or ``smp.SMPConfigError``: the rewrite or the configuration
+says what it cannot do); any other exception, or a state that differs, is counted wrong.
+Exit status 1 when any case is wrong. ``--archs``, ``--features`` pick a subset. Takes
+about 45 minutes for all of them on 2 CPU cores.
 
     python benchmarks/random_cuts.py
     python benchmarks/random_cuts.py --features cp --archs mixtral,roberta --seed 3
@@ -58,7 +67,10 @@ SDP = {"sharded_data_parallel_degree": 2, "sdp_gradient_clipping": 0.0,
 FELL_BACK: list[str] = []
 """What the current case ran otherwise than asked (with the reason), reported beside it."""
 FEATURES: dict[str, int] = {"zbv": 2, "tp_zbv": 4, "zero1_resume": 4, "sdp": 4, "cp": 4,
-                            "cp_tp": 4, "delayed": 4, "offload": 2}
+                            "cp_tp": 4, "delayed": 4, "offload": 2, "interleaved": 2,
+                            "tp_sdp": 4, "tp_zero1": 4, "pp_tp_rdp": 8,
+                            "tp_checkpointed": 4, "pp_cp_tp": 8, "compile": 2,
+                            "compile_zbv": 2}
 """Each feature and the ranks it runs on."""
 
 
@@ -98,26 +110,31 @@ TRAINED: dict[str, dict[str, Any]] = {
     "cp_tp": {"pipeline_parallel_degree": 1, "context_parallel_degree": 2,
               "tensor_parallel_degree": 2, "prescaled_batch": True},
     "offload": {"pipeline_parallel_degree": 2, "offload_activations": True},
+    "interleaved": {"pipeline_parallel_degree": 2, "pipeline": "interleaved",
+                    "virtual_pipeline_degree": 2},
+    "tp_sdp": {"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2,
+               "prescaled_batch": True, **SDP},
+    "tp_zero1": {"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2,
+                 "prescaled_batch": True, "shard_optimizer_state": True},
+    "pp_tp_rdp": {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2,
+                  "prescaled_batch": True, "shard_optimizer_state": True},
+    "tp_checkpointed": {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2,
+                        "prescaled_batch": True},
+    "pp_cp_tp": {"pipeline_parallel_degree": 2, "context_parallel_degree": 2,
+                 "tensor_parallel_degree": 2, "prescaled_batch": True},
+    "compile": {"pipeline_parallel_degree": 2, "compile": "inductor"},
+    "compile_zbv": {"pipeline_parallel_degree": 2, "compile": "inductor", "pipeline": "zbv",
+                    "virtual_pipeline_degree": 2},
 }
 """The features that train under one configuration: each its configuration."""
+CHECKPOINTED = {"offload", "tp_checkpointed"}
+"""The features that checkpoint every layer (``tests.helpers.zoo.LAYER``)."""
 
 
 def _attention(feature: str, arch: str) -> str:
     """The attention a feature builds ``arch`` with: SDPA for context parallelism."""
-    return attention_of(arch) if feature.startswith("cp") else "eager"
-
-
-def _trained(feature: str) -> Callable[[str, Any, list[Any], str], list[str]]:
-    """The case of a ``TRAINED`` feature: every step, then the state against ``want``."""
-
-    def case(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
-        run = _run(arch, TRAINED[feature], attention=_attention(feature, arch),
-                   checkpointed=feature == "offload")
-        for batch in data:
-            run.step(batch)
-        return _wrong(run, want, feature)
-
-    return case
+    cp = TRAINED.get(feature, {}).get("context_parallel_degree", 1) > 1
+    return attention_of(arch) if cp else "eager"
 
 
 def _zero1_resume(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
@@ -154,17 +171,42 @@ class _Skipped(logging.Handler):
         self.names.append(str(args[0]) if args else record.getMessage())
 
 
-def _offload(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
-    skipped = _Skipped()
-    logger = logging.getLogger("smp_fx.checkpointing")
-    logger.addHandler(skipped)
-    try:
-        bad = _trained("offload")(arch, want, data, path)
-    finally:
-        logger.removeHandler(skipped)
-    FELL_BACK.extend(f"{name} not checkpointed (cut by the partition)"
-                     for name in dict.fromkeys(skipped.names))
-    return bad
+def _not_compiled(model: Any) -> list[str]:
+    """The stages (or regions of them) of this rank that ran eagerly under ``compile``; a
+    rank that compiled nothing at all is listed too (a stage whose graph reached the
+    compiler without a tensor operation, or a GEMM alone under a split backward, compiles
+    nothing by design)."""
+    compiled = list(model.parallelized.compiled.values())
+    out = [f"{s.where} eager ({s.fallback})" for stats in compiled
+           for s in [stats, *stats.regions] if s.fallback is not None]
+    if not sum(stats.compiles for stats in compiled):
+        out.append("nothing compiled on this rank: "
+                   + "; ".join(stats.summary() for stats in compiled))
+    return out
+
+
+def _trained(feature: str) -> Callable[[str, Any, list[Any], str], list[str]]:
+    """The case of a ``TRAINED`` feature: every step, then the state against ``want``; what
+    fell back (a checkpointed layer the cut split, a stage that did not compile) listed."""
+
+    def case(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
+        skipped = _Skipped()
+        logger = logging.getLogger("smp_fx.checkpointing")
+        logger.addHandler(skipped)
+        try:
+            run = _run(arch, TRAINED[feature], attention=_attention(feature, arch),
+                       checkpointed=feature in CHECKPOINTED)
+            for batch in data:
+                run.step(batch)
+        finally:
+            logger.removeHandler(skipped)
+        FELL_BACK.extend(f"{name} not checkpointed (cut by the partition)"
+                         for name in dict.fromkeys(skipped.names))
+        if TRAINED[feature].get("compile", "none") != "none":
+            FELL_BACK.extend(_not_compiled(run.model))
+        return _wrong(run, want, feature)
+
+    return case
 
 
 def _delayed(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
@@ -180,7 +222,7 @@ def _delayed(arch: str, want: Any, data: list[Any], path: str) -> list[str]:
 
 CASES: dict[str, Callable[[str, Any, list[Any], str], list[str]]] = {
     **{feature: _trained(feature) for feature in TRAINED}, "zero1_resume": _zero1_resume,
-    "delayed": _delayed, "offload": _offload}
+    "delayed": _delayed}
 
 
 def _ranks(feature: str, archs: list[str], refs_file: str, seed: int, folder: str
@@ -213,10 +255,16 @@ def _ranks(feature: str, archs: list[str], refs_file: str, seed: int, folder: st
 
 def _verdict(ranks: list[str]) -> str:
     """One case's verdict from every rank's: wrong if any rank saw it wrong, with the cause
-    (a rank's own error before another rank's report of losing or waiting for it)."""
+    (a rank's own error before another rank's report of losing or waiting for it); ok
+    with what fell back on any rank."""
     wrong = [v for v in ranks if v.startswith("WRONG")]
     causes = [v for v in wrong if "SMPPeerError" not in v and "SMPTimeoutError" not in v]
-    return (causes or wrong or ranks)[0]
+    refused = [v for v in ranks if not v.startswith("ok")]
+    if causes or wrong or refused:
+        return (causes or wrong or refused)[0]
+    fell = [f for v in ranks if v.startswith("ok, fell back: ")
+            for f in v.removeprefix("ok, fell back: ").split("; ")]
+    return f"ok, fell back: {'; '.join(dict.fromkeys(fell))}" if fell else "ok"
 
 
 def _references(feature: str, archs: list[str], path: str) -> None:

@@ -21,3 +21,17 @@ def test_unknown_names_are_refused_before_anything_runs() -> None:
 
     with pytest.raises(SystemExit):
         random_cuts.main(["--features", "zbv,fsdp3"])
+
+
+def test_a_verdict_names_the_cause_and_what_fell_back_on_any_rank() -> None:
+    from benchmarks.random_cuts import _verdict
+
+    lost = "WRONG: SMPPeerError: rank 1 exited"
+    assert _verdict(["ok", lost, "WRONG: ValueError: shapes"]) == "WRONG: ValueError: shapes"
+    assert _verdict(["ok", lost]) == lost
+    assert _verdict(["ok", "refused: no sequence input"]) == "refused: no sequence input"
+    assert _verdict(["ok, fell back: stage 0 eager (graph break)",
+                     "ok, fell back: stage 1 eager (graph break); stage 0 eager (graph break)"]
+                    ) == ("ok, fell back: stage 0 eager (graph break); stage 1 eager (graph "
+                          "break)")
+    assert _verdict(["ok", "ok"]) == "ok"

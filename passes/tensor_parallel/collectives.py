@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from torch.nn import functional as F
 
+from cost_model.errors import SMPRuntimeError
 from passes.axis_groups import Summed, axis_group
 
 _BOUND = axis_group("tp")
@@ -154,10 +155,27 @@ _NATIVE_REDUCE_SCATTER: dict[str, bool] = {}
 """Per backend: whether the reduce-scatter works (gloo gained it in recent torch)."""
 
 
+def _divides(x: torch.Tensor, dim: int) -> None:
+    """Refuse a sequence that does not divide over the group before any rank calls the
+    collective that would chunk it: every tp rank holds the same length here, so all raise
+    alike, where a collective of unequal chunks would abort the process (gloo) or hang."""
+    n, size = x.shape[dim], _BOUND.size
+    if n % size:
+        raise SMPRuntimeError.build(
+            f"sequence parallelism ('optimize': 'memory') holds 1/{size} of the sequence on "
+            f"each tensor-parallel rank: dim {dim} of a value of shape {tuple(x.shape)} does "
+            f"not divide over tensor_parallel_degree {size}", n, "a sequence-parallel "
+            "collective of this step",
+            f"pad every batch to a multiple of {size} tokens (transformers' "
+            f"DataCollatorWithPadding(tokenizer, pad_to_multiple_of={size})), or set "
+            "'optimize': 'speed' (no sequence parallelism)")
+
+
 def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
     """Sum over the group, keep this rank's chunk of ``dim``: the backend's reduce-scatter
     (half an all-reduce's traffic), else, where it has none (gloo of older torch), an
     all-reduce and a slice: the same sums."""
+    _divides(x, dim)
     backend = str(dist.get_backend(_BOUND.group))
     if _reduce_scatter_into is not None and _NATIVE_REDUCE_SCATTER.get(backend, True):
         src = x.movedim(dim, 0).contiguous()
@@ -196,6 +214,8 @@ class _Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, dim: int, block: int) -> torch.Tensor:
         ctx.dim, ctx.block = dim, block
+        if not block:  # a block of heads divides by construction (the rewrite checked it)
+            _divides(x, dim)
         return _local(x, dim, block)
 
     @staticmethod

@@ -1,6 +1,7 @@
 """``passes.tensor_parallel.collectives`` on 2 gloo ranks: the sequence-parallel collectives move
 what they say forward and backward, and the reduce-scatter gives the same sums with the
-backend's own collective and with the all-reduce-and-slice it falls back to."""
+backend's own collective and with the all-reduce-and-slice it falls back to; a sequence
+that does not divide over the group is refused on every rank before any collective."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tests.helpers.dist import run_ranks
 
 
 def _rank_checks() -> dict[str, Any]:
+    from cost_model.errors import SMPRuntimeError
     from passes import axis_groups
     from passes.tensor_parallel import collectives as c
 
@@ -37,6 +39,14 @@ def _rank_checks() -> dict[str, Any]:
     z.backward(torch.ones_like(z))
     out["scatter"] = torch.equal(z.detach(), x.detach().chunk(2, 1)[rank])
     out["scatter_grad"] = torch.equal(x.grad, torch.ones_like(x))
+    odd = torch.ones(2, 5, 3)  # a length that does not divide over tp 2: refused on each
+    out["refused"] = []  # rank before the collective (gloo aborted the process on it)
+    for chunk in (c.tp_seq_reduce_scatter, c.tp_scatter):
+        try:
+            chunk(odd, 1)
+        except SMPRuntimeError as exc:
+            out["refused"].append("pad_to_multiple_of=2" in str(exc))
+    dist.barrier()  # still in step: no collective was left half done
     axis_groups.bind("tp", None, 1, 0)
     return out
 
@@ -45,4 +55,5 @@ def _rank_checks() -> dict[str, Any]:
 def test_sequence_collectives_and_reduce_scatter_fallback() -> None:
     for res in run_ranks(_rank_checks, 2, timeout=60):
         assert res == {"same_sums": True, "reduce_scatter": True, "gather_shape": (2, 8, 3),
-                       "gather_grad": True, "scatter": True, "scatter_grad": True}
+                       "gather_grad": True, "scatter": True, "scatter_grad": True,
+                       "refused": [True, True]}

@@ -1,5 +1,6 @@
 """A step's inputs come from the first pipeline rank; other pipeline ranks may pass
-placeholders, and real data they pass must be the first rank's.
+placeholders, and real data they pass must be the first rank's. With ``prescaled_batch``
+false the tensor-parallel ranks' batches must have the same shapes.
 
 See docs/runtime.md, 'A step's inputs'.
 """
@@ -7,10 +8,12 @@ See docs/runtime.md, 'A step's inputs'.
 from __future__ import annotations
 
 import weakref
+import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from cost_model.errors import SMPRuntimeError
 from smp_fx.world import comm, state
@@ -200,3 +203,37 @@ def _replace(args: tuple[Any, ...], kwargs: dict[str, Any], values: Mapping[Path
 
 
 __all__ = ["fingerprint", "first_rank_inputs", "words"]
+
+
+def same_shapes_over_tp(args: tuple[Any, ...], kwargs: Mapping[str, Any], where: str,
+                        st: state.State) -> None:
+    """With ``prescaled_batch`` false a marked module sees its tensor-parallel group's
+    batches concatenated, so every tp rank's tensors must have the same shapes (a
+    dynamically padded batch of another length on one rank would abort gloo's gather, or
+    hang NCCL's, inside the model). A 4-byte digest of this step's shapes is exchanged over
+    the group's CPU group (about 0.1 ms); where they differ, every rank raises the same
+    error naming the argument and both shapes."""
+    if st.in_process or st.config.prescaled_batch or len(st.group_ranks("tp")) < 2:
+        return
+    shapes = [(words(p), tuple(v.shape)) for p, v in _leaves(args, kwargs)
+              if isinstance(v, torch.Tensor)]
+    digest = torch.tensor([zlib.crc32(repr(shapes).encode())], dtype=torch.int64)
+    pg = st.object_group("tp")
+    got = torch.empty(len(st.group_ranks("tp")), dtype=torch.int64)
+    comm._bounded("the tp group's batch shapes",
+                  lambda: dist.all_gather_into_tensor(got, digest, group=pg))
+    if bool((got == digest).all()):
+        return
+    everyone = comm.allgather(shapes, comm.TP_GROUP)
+    ranks = st.group_ranks("tp")
+    i = next(i for i, s in enumerate(everyone) if s != everyone[0])
+    differs = next(((a, b) for a, b in zip(everyone[0], everyone[i]) if a != b),
+                   (everyone[0], everyone[i]))
+    raise SMPRuntimeError.build(
+        "with prescaled_batch false the ranks of a tensor-parallel group must be given "
+        "batches of the same shapes (a marked module concatenates them)",
+        {"ranks": [ranks[0], ranks[i]], "differs": differs}, where,
+        "pad every batch to one length (padding='max_length' in the tokenizer, or "
+        "pad_to_multiple_of with a fixed max length), or set prescaled_batch: true and give "
+        "the tensor-parallel ranks the same batch (shard the data by smp.rdp_rank() / "
+        "smp.rdp_size())")

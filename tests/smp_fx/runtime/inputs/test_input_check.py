@@ -122,3 +122,38 @@ def test_placeholders_on_later_pipeline_ranks_take_the_first_ranks_inputs() -> N
     assert "a placeholder where the first call of this step function had real data" \
         in second and "argument 1" in second and "'rank': 1" in second
     assert "rank 1" in first  # it stops on its peer's failure, naming it
+
+
+def _tp_body() -> list[str]:
+    smp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True,
+              "microbatches": 1, "prescaled_batch": False})
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
+    smp.set_tensor_parallelism(module)
+    model = smp.DistributedModel(module)
+
+    @smp.step
+    def train(model: Any, x: torch.Tensor) -> Any:
+        loss = model(x).square().mean()
+        model.backward(loss)
+        return loss
+
+    out = []
+    for length in (6, 6 + 2 * smp.tp_rank(), 4):  # the second: a longer batch on tp rank 1
+        try:
+            train(model, torch.randn(2, length, 8))
+            out.append("trained")
+        except smp.SMPRuntimeError as exc:
+            out.append(str(exc))
+    return out
+
+
+@pytest.mark.multiproc
+def test_tensor_parallel_ranks_given_batches_of_other_shapes_fail_alike() -> None:
+    """With prescaled_batch false a marked module concatenates the tp ranks' batches: other
+    lengths are refused on both ranks before the model runs (gloo aborted the process), and
+    the next step of equal shapes trains."""
+    for steps in run_ranks(_tp_body, 2, timeout=120):
+        assert steps[0] == steps[2] == "trained"
+        assert "must be given batches of the same shapes" in steps[1], steps[1]
+        assert "(2, 6, 8)" in steps[1] and "(2, 8, 8)" in steps[1]

@@ -27,6 +27,10 @@ relative):
 * ``pp_tp_rdp``: pp 2 x tp 2 x dp 2 with ZeRO-1 (8 ranks);
 * ``tp_checkpointed``: pp 2 x tp 2 (4 ranks), every layer checkpointed;
 * ``pp_cp_tp``: pp 2 x cp 2 x tp 2 (8 ranks), SDPA where transformers has it;
+* ``varying``, ``varying_sp``, ``varying_cp``: pp 2 x tp 2 (``optimize: speed``, then
+  ``memory``: sequence parallelism) and pp 2 x cp 2 (4 ranks), each step of another
+  sequence length (16, 11, 7, 20 tokens; 16, 10, 6, 20 with sequence parallelism; 16, 12,
+  8, 20 under cp), as a dynamically padded batch is;
 * ``compile``, ``compile_zbv``: pp 2 with each stage under ``torch.compile`` (inductor),
   under 1F1B and under ZB-V (its chunks compiled in regions between their GEMMs); a stage
   or region that ran eagerly is listed as fallen back, with the reason.
@@ -70,7 +74,8 @@ FEATURES: dict[str, int] = {"zbv": 2, "tp_zbv": 4, "zero1_resume": 4, "sdp": 4, 
                             "cp_tp": 4, "delayed": 4, "offload": 2, "interleaved": 2,
                             "tp_sdp": 4, "tp_zero1": 4, "pp_tp_rdp": 8,
                             "tp_checkpointed": 4, "pp_cp_tp": 8, "compile": 2,
-                            "compile_zbv": 2}
+                            "compile_zbv": 2, "varying": 4, "varying_sp": 4,
+                            "varying_cp": 4}
 """Each feature and the ranks it runs on."""
 
 
@@ -122,6 +127,11 @@ TRAINED: dict[str, dict[str, Any]] = {
                         "prescaled_batch": True},
     "pp_cp_tp": {"pipeline_parallel_degree": 2, "context_parallel_degree": 2,
                  "tensor_parallel_degree": 2, "prescaled_batch": True},
+    "varying": {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2,
+                "prescaled_batch": True, "optimize": "speed"},
+    "varying_sp": {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2,
+                   "prescaled_batch": True},
+    "varying_cp": {"pipeline_parallel_degree": 2, "context_parallel_degree": 2},
     "compile": {"pipeline_parallel_degree": 2, "compile": "inductor"},
     "compile_zbv": {"pipeline_parallel_degree": 2, "compile": "inductor", "pipeline": "zbv",
                     "virtual_pipeline_degree": 2},
@@ -129,6 +139,17 @@ TRAINED: dict[str, dict[str, Any]] = {
 """The features that train under one configuration: each its configuration."""
 CHECKPOINTED = {"offload", "tp_checkpointed"}
 """The features that checkpoint every layer (``tests.helpers.zoo.LAYER``)."""
+LENGTHS: dict[str, tuple[int, ...]] = {"varying": (16, 11, 7, 20), "varying_sp": (16, 10, 6, 20),
+                                       "varying_cp": (16, 12, 8, 20)}
+"""The features whose steps change the sequence length (a dynamically padded batch): each
+step's length (under sequence parallelism a multiple of tp, under cp of 2 x cp)."""
+
+
+def _lengths(feature: str) -> tuple[int, ...]:
+    """Each step's sequence length under ``feature`` (cycled)."""
+    from examples.models import hf_zoo
+
+    return LENGTHS.get(feature, (hf_zoo.SEQ,))
 
 
 def _attention(feature: str, arch: str) -> str:
@@ -240,7 +261,7 @@ def _ranks(feature: str, archs: list[str], refs_file: str, seed: int, folder: st
     auto.solve_problem = _random_cuts(seed)
     out: dict[str, str] = {}
     for arch in archs:
-        data = zoo.batches(arch, BATCH, STEPS)
+        data = zoo.batches(arch, BATCH, STEPS, _lengths(feature))
         FELL_BACK.clear()
         try:
             bad = CASES[feature](arch, refs.get(arch), data, os.path.join(folder, arch))
@@ -276,7 +297,8 @@ def _references(feature: str, archs: list[str], path: str) -> None:
         if feature == "delayed":
             continue  # compared with the eager build inside the ranks
         refs[arch] = zoo.reference(arch, BATCH, STEPS, _adam,
-                                   attention=_attention(feature, arch))[1]
+                                   attention=_attention(feature, arch),
+                                   lengths=_lengths(feature))[1]
     torch.save(refs, path)
 
 

@@ -154,20 +154,20 @@ def build(name: str, marked: bool = True, seed: int = 0,
     return model.eval()
 
 
-def inputs(name: str, batch_size: int = 2) -> tuple[torch.Tensor, ...]:
-    """A batch for architecture ``name``."""
+def inputs(name: str, batch_size: int = 2, seq: int = SEQ) -> tuple[torch.Tensor, ...]:
+    """A batch for architecture ``name``, of ``seq`` tokens (an image model's is an image)."""
     kind = ARCHITECTURES[name].kind
     if kind == "image":
         return (torch.randn(batch_size, 3, IMAGE, IMAGE),)
-    ids = (torch.randint(0, VOCAB, (batch_size, SEQ)),)
+    ids = (torch.randint(0, VOCAB, (batch_size, seq)),)
     return ids * 2 if kind == "seq2seq" else ids
 
 
-def targets(name: str, batch_size: int = 2) -> torch.Tensor:
-    """Class targets for ``inputs(name, batch_size)``'s logits."""
+def targets(name: str, batch_size: int = 2, seq: int = SEQ) -> torch.Tensor:
+    """Class targets for ``inputs(name, batch_size, seq)``'s logits."""
     if ARCHITECTURES[name].kind == "image":
         return torch.randint(0, 10, (batch_size,))
-    return torch.randint(0, VOCAB, (batch_size, SEQ))
+    return torch.randint(0, VOCAB, (batch_size, seq))
 
 
 def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

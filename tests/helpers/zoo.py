@@ -10,7 +10,7 @@ trains it as a ``DistributedModel`` under a configuration, a step at a time.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -20,9 +20,15 @@ from examples.models import hf_zoo
 Batch = tuple[tuple[torch.Tensor, ...], torch.Tensor]
 
 
-def batches(arch: str, batch: int, steps: int) -> list[Batch]:
+def batches(arch: str, batch: int, steps: int, lengths: Sequence[int] = (hf_zoo.SEQ,)
+            ) -> list[Batch]:
+    """``steps`` seeded batches, step ``i`` of ``lengths[i % len(lengths)]`` tokens."""
     torch.manual_seed(1234)
-    return [(hf_zoo.inputs(arch, batch), hf_zoo.targets(arch, batch)) for _ in range(steps)]
+    out = []
+    for i in range(steps):
+        seq = lengths[i % len(lengths)]
+        out.append((hf_zoo.inputs(arch, batch, seq), hf_zoo.targets(arch, batch, seq)))
+    return out
 
 
 Optimizer = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -36,14 +42,15 @@ def sgd_reference(arch: str, batch: int, steps: int, lr: float
 
 
 def reference(arch: str, batch: int, steps: int, optimizer: Optimizer,
-              attention: str = "eager"
+              attention: str = "eager", lengths: Sequence[int] = (hf_zoo.SEQ,)
               ) -> tuple[list[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
     """One process, the plain model (``attention``: ``hf_zoo.build``'s), trained by
-    ``optimizer(parameters)``: per-step gradients and the final state dict."""
+    ``optimizer(parameters)`` on ``batches(arch, batch, steps, lengths)``: per-step
+    gradients and the final state dict."""
     model = hf_zoo.build(arch, marked=False, attention=attention)
     opt = optimizer(model.parameters())
     grads = []
-    for x, y in batches(arch, batch, steps):
+    for x, y in batches(arch, batch, steps, lengths):
         opt.zero_grad()
         hf_zoo.loss_fn(model(*x), y).backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()

@@ -30,7 +30,7 @@ import torch
 from cost_model.errors import SMPRuntimeError
 from smp_fx.ckpt import async_save
 from smp_fx.model import DistributedModel
-from smp_fx.runtime.inputs.input_check import first_rank_inputs, same_shapes_over_tp
+from smp_fx.runtime.inputs.input_check import batch_agrees_over_groups, first_rank_inputs
 from smp_fx.runtime.inputs.microbatch import split_inputs
 from smp_fx.world import context, order_mode, state
 
@@ -131,7 +131,7 @@ def step(non_split_inputs: Callable[..., Any] | Sequence[str] | None = None,
         # the first pipeline rank's inputs (placeholders elsewhere replaced; the first call
         # of each step function checks that real data agrees)
         args, kwargs = first_rank_inputs(model, fn, args, kwargs, st)
-        same_shapes_over_tp(args, kwargs, getattr(fn, "__name__", "smp.step function"), st)
+        batch_agrees_over_groups(model, fn, args, kwargs, st)
         mbs = split_inputs(args, kwargs, m, names, input_split_axes, fn)
         if not model.partitioned:
             _partition_on(model, fn, mbs[0])

@@ -1,6 +1,7 @@
 """A step's inputs come from the first pipeline rank; other pipeline ranks may pass
-placeholders, and real data they pass must be the first rank's. With ``prescaled_batch``
-false the tensor-parallel ranks' batches must have the same shapes.
+placeholders, and real data they pass must be the first rank's. The ranks of a
+context-parallel group (and of a tensor-parallel group with ``prescaled_batch``) must be
+given the same batch, those of a tensor-parallel group without it batches of one shape.
 
 See docs/runtime.md, 'A step's inputs'.
 """
@@ -205,35 +206,69 @@ def _replace(args: tuple[Any, ...], kwargs: dict[str, Any], values: Mapping[Path
 __all__ = ["fingerprint", "first_rank_inputs", "words"]
 
 
-def same_shapes_over_tp(args: tuple[Any, ...], kwargs: Mapping[str, Any], where: str,
-                        st: state.State) -> None:
-    """With ``prescaled_batch`` false a marked module sees its tensor-parallel group's
-    batches concatenated, so every tp rank's tensors must have the same shapes (a
-    dynamically padded batch of another length on one rank would abort gloo's gather, or
-    hang NCCL's, inside the model). A 4-byte digest of this step's shapes is exchanged over
-    the group's CPU group (about 0.1 ms); where they differ, every rank raises the same
-    error naming the argument and both shapes."""
-    if st.in_process or st.config.prescaled_batch or len(st.group_ranks("tp")) < 2:
+_SHARED_BATCH = {
+    "cp": "every rank of a context-parallel group must be given the same batch (each takes "
+          "its chunks of the sequence)",
+    "tp": "with prescaled_batch true the ranks of a tensor-parallel group must be given the "
+          "same batch (each takes its slice of it)"}
+_SAME_SHAPES = ("with prescaled_batch false the ranks of a tensor-parallel group must be "
+                "given batches of the same shapes (a marked module concatenates them)")
+_checked: weakref.WeakKeyDictionary[Callable[..., Any], Any] = weakref.WeakKeyDictionary()
+"""Per step function: the model whose first call compared the shared batches' data."""
+
+
+def batch_agrees_over_groups(model: Any, fn: Callable[..., Any], args: tuple[Any, ...],
+                             kwargs: Mapping[str, Any], st: state.State) -> None:
+    """The groups that split or concatenate a batch are given batches that fit: the same
+    batch on the ranks of a context-parallel group, and of a tensor-parallel group with
+    ``prescaled_batch`` (its data compared at the first call of ``fn``: a loader sharded
+    by the global rank gives them different examples, which train without an error, on a
+    mix of sequences), and batches of the same shapes on every such group, tp without
+    ``prescaled_batch`` too (compared at every call: a dynamically padded batch of another
+    length on one rank would abort gloo's collective, or hang NCCL's, inside the model).
+    Every call exchanges a 4-byte digest of the shapes over each group's CPU group (about
+    0.1 ms); where anything differs, every rank of the group raises the same error."""
+    if st.in_process:
         return
+    shared = [axis for axis in ("cp", "tp") if len(st.group_ranks(axis)) > 1
+              and (axis == "cp" or st.config.prescaled_batch)]
+    shaped = shared + ["tp"] * (len(st.group_ranks("tp")) > 1 and not st.config.prescaled_batch)
+    if not shaped:
+        return
+    where = getattr(fn, "__name__", "smp.step function")
     shapes = [(words(p), tuple(v.shape)) for p, v in _leaves(args, kwargs)
               if isinstance(v, torch.Tensor)]
-    digest = torch.tensor([zlib.crc32(repr(shapes).encode())], dtype=torch.int64)
-    pg = st.object_group("tp")
-    got = torch.empty(len(st.group_ranks("tp")), dtype=torch.int64)
-    comm._bounded("the tp group's batch shapes",
-                  lambda: dist.all_gather_into_tensor(got, digest, group=pg))
+    for axis in shaped:
+        _same_over(axis, shapes, _SHARED_BATCH.get(axis, _SAME_SHAPES) if axis in shared
+                   else _SAME_SHAPES, where, st)
+    if shared and _checked.get(fn) is not model:
+        prints = fingerprint(args, kwargs)
+        for axis in shared:
+            _same_over(axis, prints, _SHARED_BATCH[axis], where, st)
+        _checked[fn] = model
+
+
+def _same_over(axis: str, mine: list[tuple[Any, ...]], rule: str, where: str,
+               st: state.State) -> None:
+    """Raise ``rule`` on every rank of ``axis``'s group unless all hold ``mine`` alike (a
+    digest compared first; the values exchanged only to say what differs)."""
+    digest = torch.tensor([zlib.crc32(repr(mine).encode())], dtype=torch.int64)
+    ranks, pg = st.group_ranks(axis), st.object_group(axis)
+    got = torch.empty(len(ranks), dtype=torch.int64)
+    what = f"the {axis} group's batches"
+    comm._bounded(what, lambda: dist.all_gather_into_tensor(got, digest, group=pg))
     if bool((got == digest).all()):
         return
-    everyone = comm.allgather(shapes, comm.TP_GROUP)
-    ranks = st.group_ranks("tp")
-    i = next(i for i, s in enumerate(everyone) if s != everyone[0])
-    differs = next(((a, b) for a, b in zip(everyone[0], everyone[i]) if a != b),
-                   (everyone[0], everyone[i]))
-    raise SMPRuntimeError.build(
-        "with prescaled_batch false the ranks of a tensor-parallel group must be given "
-        "batches of the same shapes (a marked module concatenates them)",
-        {"ranks": [ranks[0], ranks[i]], "differs": differs}, where,
-        "pad every batch to one length (padding='max_length' in the tokenizer, or "
-        "pad_to_multiple_of with a fixed max length), or set prescaled_batch: true and give "
-        "the tensor-parallel ranks the same batch (shard the data by smp.rdp_rank() / "
-        "smp.rdp_size())")
+    everyone: list[Any] = [None] * len(ranks)
+    comm._bounded(what, lambda: dist.all_gather_object(everyone, mine, group=pg))
+    i = next(i for i, other in enumerate(everyone) if other != everyone[0])
+    differs: Any = next(((a, b) for a, b in zip(everyone[0], everyone[i]) if a != b),
+                        (len(everyone[0]), len(everyone[i])))
+    if isinstance(differs[0], tuple) and differs[0][:3] == differs[1][:3]:
+        differs = f"{differs[0][0]}: the same shape, other values"
+    fix = ("pad every batch to one length (padding='max_length' in the tokenizer), or set "
+           "prescaled_batch: true and give the tensor-parallel ranks the same batch"
+           if rule == _SAME_SHAPES else
+           "shard the data by smp.rdp_rank() / smp.rdp_size(), not by the global rank")
+    raise SMPRuntimeError.build(rule, {"ranks": [ranks[0], ranks[i]], "differs": differs},
+                                where, f"{fix} (docs/runtime.md, 'A step's inputs')")

@@ -124,12 +124,12 @@ def test_placeholders_on_later_pipeline_ranks_take_the_first_ranks_inputs() -> N
     assert "rank 1" in first  # it stops on its peer's failure, naming it
 
 
-def _tp_body() -> list[str]:
-    smp.init({"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2, "ddp": True,
-              "microbatches": 1, "prescaled_batch": False})
+def _group_body(config: dict[str, Any]) -> list[str]:
+    smp.init({"pipeline_parallel_degree": 1, "ddp": True, "microbatches": 1, **config})
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
-    smp.set_tensor_parallelism(module)
+    if smp.tp_size() > 1:
+        smp.set_tensor_parallelism(module)
     model = smp.DistributedModel(module)
 
     @smp.step
@@ -139,7 +139,11 @@ def _tp_body() -> list[str]:
         return loss
 
     out = []
-    for length in (6, 6 + 2 * smp.tp_rank(), 4):  # the second: a longer batch on tp rank 1
+    mine = smp.tp_rank() + smp.cp_rank()  # 1 on the second rank of the group
+    # other examples on the group's second rank (a loader sharded by the global rank); the
+    # same batch; a longer one on the second rank; the same batch again
+    for length, seed in ((8, mine), (8, 0), (8 + 4 * mine, 0), (4, 0)):
+        torch.manual_seed(seed)
         try:
             train(model, torch.randn(2, length, 8))
             out.append("trained")
@@ -149,11 +153,20 @@ def _tp_body() -> list[str]:
 
 
 @pytest.mark.multiproc
-def test_tensor_parallel_ranks_given_batches_of_other_shapes_fail_alike() -> None:
-    """With prescaled_batch false a marked module concatenates the tp ranks' batches: other
-    lengths are refused on both ranks before the model runs (gloo aborted the process), and
-    the next step of equal shapes trains."""
-    for steps in run_ranks(_tp_body, 2, timeout=120):
-        assert steps[0] == steps[2] == "trained"
-        assert "must be given batches of the same shapes" in steps[1], steps[1]
-        assert "(2, 6, 8)" in steps[1] and "(2, 8, 8)" in steps[1]
+@pytest.mark.parametrize("group", ["tp", "cp"])
+def test_ranks_splitting_a_batch_given_other_batches_fail_alike(group: str) -> None:
+    """tp without prescaled_batch concatenates its ranks' batches: other shapes are refused
+    on both ranks before the model runs (gloo aborted the process), other examples train.
+    cp splits one batch's sequence: other shapes are refused, and other examples at the
+    first call of the step function (they trained silently on a mix of sequences)."""
+    config = ({"tensor_parallel_degree": 2, "prescaled_batch": False} if group == "tp"
+              else {"context_parallel_degree": 2})
+    for steps in run_ranks(_group_body, 2, config, timeout=120):
+        assert steps[1] == steps[3] == "trained", steps
+        rule = ("must be given batches of the same shapes" if group == "tp" else
+                "every rank of a context-parallel group must be given the same batch")
+        assert rule in steps[2] and "(2, 8, 8)" in steps[2] and "(2, 12, 8)" in steps[2]
+        if group == "tp":
+            assert steps[0] == "trained"
+        else:
+            assert rule in steps[0] and "the same shape, other values" in steps[0]

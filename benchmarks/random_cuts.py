@@ -194,13 +194,13 @@ class _Skipped(logging.Handler):
 
 def _not_compiled(model: Any) -> list[str]:
     """The stages (or regions of them) of this rank that ran eagerly under ``compile``; a
-    rank that compiled nothing at all is listed too (a stage whose graph reached the
-    compiler without a tensor operation, or a GEMM alone under a split backward, compiles
-    nothing by design)."""
+    rank holding parameters that compiled nothing at all is listed too (a stage whose
+    graph reached the compiler without a tensor operation, or a GEMM alone under a split
+    backward, compiles nothing by design)."""
     compiled = list(model.parallelized.compiled.values())
     out = [f"{s.where} eager ({s.fallback})" for stats in compiled
            for s in [stats, *stats.regions] if s.fallback is not None]
-    if not sum(stats.compiles for stats in compiled):
+    if not sum(stats.compiles for stats in compiled) and any(s.params for s in compiled):
         out.append("nothing compiled on this rank: "
                    + "; ".join(stats.summary() for stats in compiled))
     return out

@@ -15,6 +15,10 @@ A restarted job may cut the same model elsewhere too: a partial checkpoint saved
 cut (a third of the graph's nodes on stage 0) resumes on another (two thirds) at the same
 degrees (Adam's state of a parameter that moved
 stage comes from the stage that saved it) and takes the next step as the uninterrupted run.
+
+And a batch whose length changes every step (dynamic padding) trains at pp 2 x tp 2 on a
+random cut as one process does on the same batches (Llama at odd lengths, Mistral under
+sequence parallelism).
 """
 
 from __future__ import annotations
@@ -122,3 +126,42 @@ def _resumed(path: str) -> list[str]:
 @pytest.mark.multiproc
 def test_a_checkpoint_resumes_on_another_random_cut(tmp_path: Path) -> None:
     assert run_ranks(_resumed, 2, str(tmp_path), timeout=600) == [[], []]
+
+
+VARYING = (("llama", "speed", (16, 11, 7)), ("mistral", "memory", (16, 10, 6)))
+"""A dynamically padded batch changes length every step: odd lengths at ``optimize:
+speed``, multiples of tp under sequence parallelism (``memory``)."""
+
+
+def _varying(refs_path: str) -> list[str]:
+    import passes.auto_partition as auto
+    from tests.helpers.compare import mismatched
+    from tests.helpers.zoo import DistributedRun, batches
+
+    dist.init_process_group("gloo")
+    refs = torch.load(refs_path, weights_only=True)
+    auto.solve_problem = _random_cuts(SEED)
+    bad = []
+    for arch, optimize, lengths in VARYING:
+        run = DistributedRun(arch, {"pipeline_parallel_degree": 2, "tensor_parallel_degree": 2,
+                                    "prescaled_batch": True, "optimize": optimize}, _adam)
+        for batch in batches(arch, 4, len(lengths), lengths):
+            run.step(batch)
+        bad += [f"{arch} ({optimize}): {n}" for n in
+                mismatched(run.state(), refs[arch], atol=1e-5, rtol=1e-4)]
+    return bad
+
+
+def _adam(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3, eps=1e-6)
+
+
+@pytest.mark.multiproc
+def test_lengths_changing_every_step_on_a_random_cut_at_tp_2(tmp_path: Path) -> None:
+    """pp 2 x tp 2 across 4 processes, each step another length, against one process."""
+    from tests.helpers.zoo import reference
+
+    path = tmp_path / "references.pt"
+    torch.save({arch: reference(arch, 4, len(lengths), _adam, lengths=lengths)[1]
+                for arch, _, lengths in VARYING}, path)
+    assert run_ranks(_varying, 4, str(path), timeout=600) == [[]] * 4

@@ -203,9 +203,6 @@ def _replace(args: tuple[Any, ...], kwargs: dict[str, Any], values: Mapping[Path
             {k: rebuild(v, (k,)) for k, v in kwargs.items()})
 
 
-__all__ = ["fingerprint", "first_rank_inputs", "words"]
-
-
 _SHARED_BATCH = {
     "cp": "every rank of a context-parallel group must be given the same batch (each takes "
           "its chunks of the sequence)",
@@ -226,8 +223,9 @@ def batch_agrees_over_groups(model: Any, fn: Callable[..., Any], args: tuple[Any
     mix of sequences), and batches of the same shapes on every such group, tp without
     ``prescaled_batch`` too (compared at every call: a dynamically padded batch of another
     length on one rank would abort gloo's collective, or hang NCCL's, inside the model).
-    Every call exchanges a 4-byte digest of the shapes over each group's CPU group (about
-    0.1 ms); where anything differs, every rank of the group raises the same error."""
+    Every call exchanges a digest of the shapes over each group's gloo group (a median
+    0.26 ms a call on 2 CPU processes); where anything differs, every rank of the group
+    raises the same error."""
     if st.in_process:
         return
     shared = [axis for axis in ("cp", "tp") if len(st.group_ranks(axis)) > 1
@@ -239,8 +237,8 @@ def batch_agrees_over_groups(model: Any, fn: Callable[..., Any], args: tuple[Any
     shapes = [(words(p), tuple(v.shape)) for p, v in _leaves(args, kwargs)
               if isinstance(v, torch.Tensor)]
     for axis in shaped:
-        _same_over(axis, shapes, _SHARED_BATCH.get(axis, _SAME_SHAPES) if axis in shared
-                   else _SAME_SHAPES, where, st)
+        _same_over(axis, shapes, _SHARED_BATCH[axis] if axis in shared else _SAME_SHAPES,
+                   where, st)
     if shared and _checked.get(fn) is not model:
         prints = fingerprint(args, kwargs)
         for axis in shared:
@@ -272,3 +270,6 @@ def _same_over(axis: str, mine: list[tuple[Any, ...]], rule: str, where: str,
            "shard the data by smp.rdp_rank() / smp.rdp_size(), not by the global rank")
     raise SMPRuntimeError.build(rule, {"ranks": [ranks[0], ranks[i]], "differs": differs},
                                 where, f"{fix} (docs/runtime.md, 'A step's inputs')")
+
+
+__all__ = ["batch_agrees_over_groups", "fingerprint", "first_rank_inputs", "words"]

@@ -33,7 +33,8 @@ relative):
   8, 20 under cp), as a dynamically padded batch is;
 * ``compile``, ``compile_zbv``: pp 2 with each stage under ``torch.compile`` (inductor),
   under 1F1B and under ZB-V (its chunks compiled in regions between their GEMMs); a stage
-  or region that ran eagerly is listed as fallen back, with the reason.
+  or region that ran eagerly is listed as fallen back, with the reason;
+  ``varying_compile``: compiled under 1F1B, each step of another length (16, 11, 7, 20).
 
 A case that ran but fell back (a checkpointed layer the cut split runs without
 checkpointing, with a warning; a stage that could not compile runs eagerly) is counted ok
@@ -75,7 +76,7 @@ FEATURES: dict[str, int] = {"zbv": 2, "tp_zbv": 4, "zero1_resume": 4, "sdp": 4, 
                             "tp_sdp": 4, "tp_zero1": 4, "pp_tp_rdp": 8,
                             "tp_checkpointed": 4, "pp_cp_tp": 8, "compile": 2,
                             "compile_zbv": 2, "varying": 4, "varying_sp": 4,
-                            "varying_cp": 4}
+                            "varying_cp": 4, "varying_compile": 2}
 """Each feature and the ranks it runs on."""
 
 
@@ -133,6 +134,7 @@ TRAINED: dict[str, dict[str, Any]] = {
                    "prescaled_batch": True},
     "varying_cp": {"pipeline_parallel_degree": 2, "context_parallel_degree": 2},
     "compile": {"pipeline_parallel_degree": 2, "compile": "inductor"},
+    "varying_compile": {"pipeline_parallel_degree": 2, "compile": "inductor"},
     "compile_zbv": {"pipeline_parallel_degree": 2, "compile": "inductor", "pipeline": "zbv",
                     "virtual_pipeline_degree": 2},
 }
@@ -140,7 +142,8 @@ TRAINED: dict[str, dict[str, Any]] = {
 CHECKPOINTED = {"offload", "tp_checkpointed"}
 """The features that checkpoint every layer (``tests.helpers.zoo.LAYER``)."""
 LENGTHS: dict[str, tuple[int, ...]] = {"varying": (16, 11, 7, 20), "varying_sp": (16, 10, 6, 20),
-                                       "varying_cp": (16, 12, 8, 20)}
+                                       "varying_cp": (16, 12, 8, 20),
+                                       "varying_compile": (16, 11, 7, 20)}
 """The features whose steps change the sequence length (a dynamically padded batch): each
 step's length (under sequence parallelism a multiple of tp, under cp of 2 x cp)."""
 

@@ -42,7 +42,7 @@ and listed with what fell back and why. A refusal is an ``SMPError`` raised befo
 training (``smp.SMPPassError`` or ``smp.SMPConfigError``: the rewrite or the configuration
 says what it cannot do); any other exception, or a state that differs, is counted wrong.
 Exit status 1 when any case is wrong. ``--archs``, ``--features`` pick a subset. Takes
-about 45 minutes for all of them on 2 CPU cores.
+about 50 minutes for all of them on 2 CPU cores.
 
     python benchmarks/random_cuts.py
     python benchmarks/random_cuts.py --features cp --archs mixtral,roberta --seed 3

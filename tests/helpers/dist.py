@@ -20,7 +20,9 @@ not clean up.
 ``run_script`` runs a script as ``python script.py args`` would, in one process forked from
 the same server (torch and transformers imported already), without the torchrun variables.
 
-A failing rank raises ``RankFailed`` carrying that rank's traceback; a rank that does not
+A failing rank raises ``RankFailed`` carrying the traceback of the rank that failed first
+(the others usually fail because of it: a peer's closed connection, a timeout), then the
+ends of the other failed ranks' tracebacks; a rank that does not
 report within ``timeout`` seconds raises ``RankFailed`` naming it; a rank listed in
 ``may_die`` may end without a result (a fault test kills it): its result is None. Every
 process is reaped before returning.
@@ -43,6 +45,9 @@ from typing import Any
 FORWARDED = ("SMP_FX_CHECK_ORDER",)
 """Switches read from this process's environment at each call (the forkserver's is the one
 it started with), so a test can turn them on with ``monkeypatch.setenv``."""
+
+
+_DIED = "process exited with code"
 
 
 class RankFailed(AssertionError):
@@ -146,10 +151,13 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                     if r in may_die:
                         results[r] = None
                         continue
-                    errors[r] = f"process exited with code {procs[r].exitcode} without a result"
+                    errors[r] = f"{_DIED} {procs[r].exitcode} without a result"
                     grace_until = min(grace_until, time.monotonic() + 3.0)
                 continue
-            (results if ok else errors)[rank] = value
+            if ok:
+                results[rank] = value
+            else:
+                errors[rank] = value
             if not ok and len(errors) == 1:
                 grace_until = time.monotonic() + 3.0
     finally:
@@ -160,13 +168,27 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 p.kill()
                 p.join(timeout=5)
     if errors:
-        first = min(errors)
-        raise RankFailed(f"{len(errors)} of {world_size} ranks failed; rank {first}:\n"
-                         f"{errors[first]}")
+        raise RankFailed(_failure_report(errors, world_size))
     missing = [r for r in range(world_size) if r not in results]
     if missing:
         raise RankFailed(f"ranks {missing} of {world_size} did not finish within {timeout} s")
     return [results[r] for r in range(world_size)]
+
+
+def _failure_report(errors: dict[int, str], world_size: int, tail: int = 12) -> str:
+    """The first failed rank's traceback in full and the last ``tail`` lines of the others',
+    in the order they failed (``errors`` keeps arrival order; a process that died without a
+    report, seen only once the queue is quiet, goes first): the first is most often the
+    cause, the others its peers' "connection closed" or timeout."""
+    order = sorted(errors, key=lambda r: not errors[r].startswith(_DIED))
+    first = order[0]
+    parts = [f"{len(errors)} of {world_size} ranks failed (in this order: {order}); "
+             f"rank {first}, the first:\n{errors[first]}"]
+    for rank in order[1:]:
+        lines = errors[rank].rstrip().splitlines()
+        parts.append(f"rank {rank} (last {min(tail, len(lines))} lines):\n"
+                     + "\n".join(lines[-tail:]))
+    return "\n".join(parts)
 
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",

@@ -10,9 +10,9 @@ times after its first step; each figure is the median over those steps. The firs
 compile time is the compiled model's first step less its median step. Then the
 compiled model steps once at each of 5 other sequence lengths: the recompiles that adds
 (summed over the stages of both ranks; dynamo makes the dimension dynamic at the first new
-length) and how many stages run eagerly; then each stage compiled whole or, under ZB-V for
-the chunks that receive gradients, in regions between eager GEMMs (regions and parameters
-compiled and eager).
+length) and how many stages run eagerly; then each stage's line: compiled whole (under ZB-V
+the chunks that receive gradients with their GEMMs' weight gradients deferred to W), in
+regions, or eagerly with the reason.
 
 Beside it, the compiled model against torch.distributed.pipelining's counterpart schedule
 (``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``) built from the
@@ -101,8 +101,7 @@ class _Run:
         return time.perf_counter() - start
 
     def stage_lines(self) -> list[str]:
-        """Each stage of both ranks in one line: compiled whole, in regions (how many regions
-        and parameters compiled, how many eager) or eagerly."""
+        """Each stage of both ranks in one line (``CompileStats.summary``)."""
         mine = [(s, st.summary()) for s, st in self.model.parallelized.compiled.items()]
         got: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(got, mine)
@@ -220,8 +219,8 @@ def main() -> None:
         print(f"{r['model']:<9} {r['schedule']:<16} {r['eager_ms']:>9.1f} "
               f"{r['compiled_ms']:>12.1f} {r['ratio']:>6.2f} {r['compile_s']:>10.1f} "
               f"{r['recompiles']:>21d} {r['eager_stages']:>13d}")
-    print("\nper stage (a split backward's stage that receives gradients: compiled in regions "
-          "between its eager GEMMs)")
+    print("\nper stage (a split backward's stage that receives gradients: compiled whole, its "
+          "GEMMs' weight gradients deferred to W)")
     for r in rows:
         for line in r["stages"]:
             print(f"{r['model']:<9} {r['schedule']:<16} {line}")

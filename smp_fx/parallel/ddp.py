@@ -154,12 +154,15 @@ class DDPStageRunner(StageRunner):
         super().__init__(base.stage, base.device)
         self.module = wrapper
         self.input_path_params = base.input_path_params  # compiled regions' (compiled.py)
+        self.deferred = base.deferred
         self.ddp = wrapper
         self.dp = dp
 
     def forward(self, inputs: Sequence[Any], microbatch: int) -> tuple[Any, ...]:
         with self.ddp.no_sync():
-            return tuple(self.ddp(*inputs))
+            out = tuple(self.ddp(*inputs))
+        self.took(microbatch)
+        return out
 
     def backward(self, tensors: list[torch.Tensor], grads: list[torch.Tensor],
                  microbatch: int) -> None:
@@ -169,7 +172,7 @@ class DDPStageRunner(StageRunner):
             self.ddp.reducer.prepare_for_backward([])
             self.dp.armed.add(self.stage.index)
         self.dp.backward_ran.add(self.stage.index)
-        torch.autograd.backward(tensors, grads)
+        super().backward(tensors, grads, microbatch)
 
     def backward_input(self, tensors: list[torch.Tensor], grads: list[torch.Tensor],
                        inputs: list[torch.Tensor], microbatch: int

@@ -43,12 +43,12 @@ NEW = (("simple", 2), ("interleaved", 2), ("zero_bubble", 1), ("zero_bubble", 2)
 FP16_TOL = 2e-3
 
 
-def _adam(c: Checks, pipe: str, v: int, **extra: Any) -> None:
+def _adam(c: Checks, pipe: str, v: int, checkpointed: bool = True, **extra: Any) -> Twin:
     import smp_fx as smp
 
     init(2, 4, pipeline=pipe, virtual_pipeline_degree=v, **extra)
     t = Twin("gpt", model_kwargs={"n_layer": 8})
-    if "sharded_data_parallel_degree" not in extra:
+    if checkpointed and "sharded_data_parallel_degree" not in extra:
         for block in t.dm.module.h:
             smp.set_activation_checkpointing(block)
     opt = smp.DistributedOptimizer(torch.optim.Adam(t.dm.parameters(), lr=1e-3, eps=1e-6))
@@ -65,6 +65,7 @@ def _adam(c: Checks, pipe: str, v: int, **extra: Any) -> None:
         ref_opt.step()
     bad = mismatched(t.local(), t.reference(), atol=1e-5)
     c.expect(not bad, f"{tag}: parameters {bad[:3]}")
+    return t
 
 
 def _fp16_and_clipping(c: Checks, pipe: str, v: int) -> None:

@@ -4,9 +4,10 @@ A stage is an fx ``GraphModule`` already, the form dynamo takes best. Its forwar
 compiled whole (``fullgraph``) once per input signature (dynamo's guards; a new sequence
 length recompiles once, then the dimension is dynamic); AOTAutograd makes the forward one
 autograd function whose backward is compiled too. Under a split backward a stage that
-receives gradients is compiled in regions between its GEMMs instead (``compiled_regions``),
-so its I and W stay two passes, and a first chunk with checkpointed regions (rebuilt once,
-untraceable) between those. Every compile is counted per stage (and region).
+receives gradients is compiled whole with its GEMMs' weight gradients deferred to W
+(``deferred_gemms``), so its I and W stay two passes; a stage with checkpointed regions
+rebuilt once (untraceable) is compiled in regions between those and, if it receives
+gradients, its GEMMs (``compiled_regions``). Every compile is counted per stage (and region).
 
 What cannot compile runs eagerly from then on, its reason logged in one line and kept in
 ``CompileStats.fallback`` (a region's in its own): a graph break or an untraceable op,
@@ -27,6 +28,7 @@ from torch import nn
 
 from cost_model.schedule import SPLIT_BACKWARD
 from smp_fx.runtime.executor.compiled_regions import CompiledRegions, cut_at_gemms, region_params
+from smp_fx.runtime.executor.deferred_gemms import DeferredStage, defer_gemms
 from smp_fx.runtime.executor.seams import StageRunner
 from smp_fx.runtime.memory.checkpointing import RegionCall
 
@@ -41,7 +43,8 @@ class CompileStats:
     statistics (``regions``, each with its own ``params``), its eager ``gemms`` and
     ``checkpointed`` regions, and how many of its ``params`` (trainable tensors) are read
     inside the regions (``region_params``; ``region_share`` of the elements): I computes
-    their gradients."""
+    their gradients. A stage compiled whole with ``deferred`` GEMMs (``deferred_gemms``)
+    counts the parameters read inside its graph in ``region_params`` too."""
 
     stage: int
     compiles: int = 0
@@ -54,6 +57,7 @@ class CompileStats:
     checkpointed: int = 0
     region_params: int = 0
     region_share: float = 0.0
+    deferred: int = 0
 
     @property
     def recompiles(self) -> int:
@@ -73,6 +77,10 @@ class CompileStats:
         """One line: what of the stage runs compiled, what eagerly (and its parameters)."""
         if self.fallback is not None:
             return f"{self.where}: eager, {self.params} parameters ({self.fallback})"
+        if self.deferred:
+            return (f"{self.where}: compiled whole, {self.deferred} GEMMs' weight gradients "
+                    f"deferred to W; parameters {self.region_params} in I, "
+                    f"{self.params - self.region_params} in W")
         if not self.regions and not self.checkpointed and not self.gemms:
             if self.compiles == 0:
                 return (f"{self.where}: nothing compiled yet, {self.params} parameters (not "
@@ -221,6 +229,25 @@ def compile_in_regions(runner: StageRunner, backend: str, stats: CompileStats,
     return None
 
 
+def compile_deferred(runner: StageRunner, backend: str, stats: CompileStats) -> str | None:
+    """Compile a split backward's stage whole with its GEMMs' weight gradients deferred to W
+    (``deferred_gemms``): nothing of it leaves the compiled graph but those GEMMs' ``dW``.
+    Gives ``runner`` the stage's module, or returns why its stage cannot be rewritten."""
+    gm = runner.module
+    if not isinstance(gm, torch.fx.GraphModule) or gm is not runner.stage.module:
+        return (f"its module is a {type(gm).__name__}, not the stage's GraphModule: its GEMMs "
+                "cannot be deferred, and compiled whole its input and weight gradients would "
+                "be one autograd pass")
+    deferred = defer_gemms(gm)
+    stage = DeferredStage(gm, deferred, CompiledStage(deferred.module, backend, stats))
+    runner.module = runner.deferred = stage
+    stats.deferred, stats.region_params = len(deferred.weights), len(stage.graph_params)
+    log.info("smp-fx compile: stage %d compiled whole with %d GEMMs' weight gradients deferred "
+             "to W; the gradients of the %d parameters read inside it come from I",
+             stats.stage, stats.deferred, stats.region_params)
+    return None
+
+
 def rebuilt_once(runner: StageRunner) -> bool:
     """Whether ``runner``'s stage has checkpointed regions rebuilt once (``recompute_once``),
     which dynamo does not trace: compiled whole, the stage would run eagerly."""
@@ -231,17 +258,19 @@ def rebuilt_once(runner: StageRunner) -> bool:
 def compile_stages(runners: Mapping[int, StageRunner], backend: str, pipeline: str,
                    sharded: bool = False) -> dict[int, CompileStats]:
     """Give each runner a ``CompiledStage`` module, or under a split backward a stage that
-    receives gradients (or holds regions rebuilt once) ``compile_in_regions``'s (in place;
-    before data parallelism wraps it), and return the per-stage statistics; a stage that
-    cannot compile is told now."""
+    receives gradients ``compile_deferred``'s, one that holds regions rebuilt once
+    ``compile_in_regions``'s (in place; before data parallelism wraps it), and return the
+    per-stage statistics; a stage that cannot compile is told now."""
     stats: dict[int, CompileStats] = {}
     for s, runner in sorted(runners.items()):
         stats[s] = CompileStats(s, params=sum(p.requires_grad
                                               for p in runner.module.parameters()))
         reason = eager_reason(sharded)
         gemms = bool(runner.stage.recvs)  # the first chunk's backward is all W
-        if reason is None and pipeline in SPLIT_BACKWARD and (gemms or rebuilt_once(runner)):
-            reason = compile_in_regions(runner, backend, stats[s], gemms)
+        once = rebuilt_once(runner)
+        if reason is None and pipeline in SPLIT_BACKWARD and (gemms or once):
+            reason = (compile_in_regions(runner, backend, stats[s], gemms) if once
+                      else compile_deferred(runner, backend, stats[s]))
             if reason is None:
                 continue
         if reason is not None:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from passes.split_stages import Stage
+from smp_fx.runtime.executor.deferred_gemms import DeferredStage
 from smp_fx.runtime.executor.lowering import Op
 from smp_fx.runtime.executor.split_backward import (
     Accumulators,
@@ -30,12 +31,22 @@ class StageRunner:
         self.device = device
         self.accumulators = Accumulators()  # the split backward's, for this stage's I
         self.input_path_params: tuple[torch.Tensor, ...] = ()  # I computes their gradients
+        self.deferred: DeferredStage | None = None  # compiled whole under a split backward
 
     def forward(self, inputs: Sequence[Any], microbatch: int) -> tuple[Any, ...]:
-        return tuple(self.module(*inputs))
+        out = tuple(self.module(*inputs))
+        self.took(microbatch)
+        return out
+
+    def took(self, microbatch: int) -> None:
+        """After a forward: a deferred stage files what its I will need."""
+        if self.deferred is not None:
+            self.deferred.take(microbatch)
 
     def backward(self, tensors: list[torch.Tensor], grads: list[torch.Tensor],
                  microbatch: int) -> None:
+        if self.deferred is not None:
+            self.deferred.drop(microbatch)
         torch.autograd.backward(tensors, grads)
 
     def backward_input(self, tensors: list[torch.Tensor], grads: list[torch.Tensor],
@@ -43,6 +54,8 @@ class StageRunner:
                        ) -> tuple[list[torch.Tensor | None], PendingW]:
         """A split backward's I (``smp_fx.runtime.executor.split_backward``): the gradients of
         ``inputs`` only, and what the W of this microbatch needs."""
+        if self.deferred is not None:
+            return self.deferred.input_grads(tensors, grads, inputs, microbatch)
         return input_grads(tensors, grads, inputs, list(self.stage.module.parameters()),
                            self.accumulators, self.input_path_params)
 

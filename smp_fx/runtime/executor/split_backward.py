@@ -177,11 +177,11 @@ def _recorder(join: _Join) -> Any:
 
 def weight_grads(pending: PendingW) -> None:
     """W: accumulate every parameter's gradient from what ``input_grads`` kept."""
+    for edge, grad in pending.shared:  # through its AccumulateGrad: its hooks fire
+        torch.autograd.backward([edge], [grad])
     if pending.roots:
         torch.autograd.backward(pending.roots, pending.root_grads, inputs=pending.root_params)
         return
-    for edge, grad in pending.shared:  # through its AccumulateGrad: its hooks fire
-        torch.autograd.backward([edge], [grad])
     for join in pending.joins:
         if join.grads is None:
             continue  # the join got no gradient: its parameters get none this microbatch

@@ -6,7 +6,9 @@ compiled (``compile``): the loss of every step, every gradient after every step 
 Most cases use ``aot_eager``: the same capture and AOTAutograd function as inductor without
 generating C++ (inductor costs ~30 s per stage on 2 cores); one GPT case runs inductor.
 Under a split backward the chunk whose inputs need no gradient is compiled whole, the others
-in regions between their eager GEMMs (``compiled_regions``). In bf16, compiled steps give the
+whole with their GEMMs' weight gradients deferred to W (``deferred_gemms``; its own tests);
+the regions between eager GEMMs (``compiled_regions``), which a stage with checkpointed
+regions rebuilt once takes, are tested here on their own. In bf16, compiled steps give the
 eager steps' losses. One spawn runs every case in turn.
 """
 
@@ -24,7 +26,12 @@ import torch.distributed as dist
 from torch import nn
 
 from examples.models import hf_zoo
-from smp_fx.runtime.executor.compiled import CompiledStage, CompileStats, compile_stages
+from smp_fx.runtime.executor.compiled import (
+    CompiledStage,
+    CompileStats,
+    compile_in_regions,
+    compile_stages,
+)
 from smp_fx.runtime.executor.compiled_regions import CompiledRegions
 from smp_fx.runtime.executor.seams import StageRunner
 from tests.helpers import zoo
@@ -130,12 +137,11 @@ def _case(arch: str, pipeline: str, v: int, backend: str, ref: Any) -> list[str]
     bad += [f"{tag}: {m}" for m in state_dict_mismatches(model.state_dict(), ref_state, **TOL)]
     stats = model.parallelized.compiled
     for s, st in stats.items():
-        cut = pipeline in ("zbv", "zero_bubble") and s != 0  # compiled in regions
-        if (st.fallback is not None or st.recompiles or st.eager_regions
-                or (len(st.regions) if cut else 1) != st.compiles or cut != bool(st.regions)
-                or cut != (st.region_params > 0)):  # a norm's weight: its gradient in I
-            bad.append(f"{tag}: stage {s} compiled {st.compiles} times in {len(st.regions)} "
-                       f"regions ({st.eager_regions} eager), fallback {st.fallback}")
+        deferred = pipeline in ("zbv", "zero_bubble") and s != 0  # GEMMs' dW deferred to W
+        if (st.fallback is not None or st.recompiles or st.regions or st.compiles != 1
+                or deferred != (st.deferred > 0)
+                or deferred != (st.region_params > 0)):  # a norm's weight: its gradient in I
+            bad.append(f"{tag}: stage {s}: {st.summary()}, {st.compiles} compiles")
     return bad
 
 
@@ -225,6 +231,11 @@ def _composed() -> tuple[tuple[int, list[str]], list[str], list[str]]:
         c.expect(all("recompute_once" in t for t in told[quiet:]),  # rebuilt once: eager
                  f"zbv: only the checkpointed regions told eager {told[quiet:]}")
         del told[quiet:]
+        t = _adam(c, "zbv", 2, checkpointed=False, shard_optimizer_state=True,
+                  compile="aot_eager")  # ddp and ZeRO-1 after W from the deferred GEMMs' sinks
+        stats = t.dm.parallelized.compiled
+        c.expect(all((st.deferred > 0) == (s != 0) and st.fallback is None
+                     for s, st in stats.items()), f"zbv: deferred {stats}")
     finally:
         state._reset()
     return c.report(), bad, told
@@ -233,10 +244,11 @@ def _composed() -> tuple[tuple[int, list[str]], list[str], list[str]]:
 @pytest.mark.multiproc
 def test_compiled_stages_with_data_tensor_parallelism_and_checkpointing() -> None:
     """pp 2 x dp 2 with ddp, ZeRO-1 and activation checkpointing (the GPT example's blocks),
-    the same under ZB-V, and pp 2 x tp 2, all compiled, against one process
+    the same under ZB-V, and without checkpointing (its GEMMs deferred), and pp 2 x tp 2, all
+    compiled, against one process
     (``test_schedules_compose``'s runs); the tensor-parallel collectives trace into the
     stage's graph (no fallback told); under ZB-V only the checkpointed blocks run eagerly."""
-    assert run_ranks(_composed, 4, timeout=600) == [((17, []), [], [])] * 4
+    assert run_ranks(_composed, 4, timeout=600) == [((25, []), [], [])] * 4
 
 
 class _Breaks(nn.Module):
@@ -321,9 +333,10 @@ def test_a_split_backward_stage_compiles_in_regions_with_eager_gemms(noisy: bool
     for r in runners.values():
         r.stage.module.load_state_dict(plain.state_dict())
     runners[0].stage.recvs = ()
-    stats = compile_stages(runners, "aot_eager", "zero_bubble")
+    stats = compile_stages({0: runners[0]}, "aot_eager", "zero_bubble")
     assert isinstance(runners[0].module, CompiledStage) and not stats[0].regions
-    r, st = runners[1], stats[1]
+    r, st = runners[1], CompileStats(1, params=6)
+    assert compile_in_regions(r, "aot_eager", st) is None  # as a stage rebuilt once is
     assert isinstance(r.module, CompiledRegions) and st.fallback is None
     assert (len(st.regions), st.params, st.region_params) == (3, 6, 2)  # ln's weight, bias
 
@@ -357,8 +370,8 @@ class _Head(nn.Module):
 def test_a_stage_of_one_gemm_says_it_compiled_nothing_under_a_split_backward() -> None:
     """A chunk holding a GEMM alone (a language model's head on a random cut) has no region
     to compile: its summary says so rather than "compiled whole", and nothing falls back."""
-    runner = _Runner(_Head())
-    st = compile_stages({1: runner}, "aot_eager", "zero_bubble")[1]
+    runner, st = _Runner(_Head()), CompileStats(1, params=2)
+    assert compile_in_regions(runner, "aot_eager", st) is None
     x = torch.randn(4, 8, requires_grad=True)
     (out,) = runner.forward([x], 0)
     (_,), pending = runner.backward_input([out], [torch.ones_like(out)], [x], 0)

@@ -5,7 +5,8 @@ the plain model trained in one process.
 
 The GPT example runs under ZB-V with chunk 0's block checkpointed: chunk 0 (no input
 path, its backward all W) is compiled in regions around the checkpointed block, which runs
-eagerly (rebuilt once for I and W), the later chunks between their eager GEMMs. Nothing
+eagerly (rebuilt once for I and W), the later chunks whole with their GEMMs' weight
+gradients deferred to W (``deferred_gemms``), the tensor-parallel GEMMs among them. Nothing
 falls back, nothing recompiles, and the tensor-parallel collectives sit inside compiled
 graphs.
 """
@@ -26,6 +27,7 @@ from passes import meta
 from passes.checkpoint_regions import Region
 from smp_fx.runtime.executor.compiled import CompiledStage, compile_stages
 from smp_fx.runtime.executor.compiled_regions import CompiledRegions
+from smp_fx.runtime.executor.deferred_gemms import DeferredStage
 from smp_fx.runtime.memory.checkpointing import outline_regions
 from tests.helpers.compare import mismatched
 from tests.helpers.dist import run_ranks
@@ -74,7 +76,8 @@ def _compiled_graphs(model: Any) -> Iterator[CompiledStage]:
     """This rank's compiled stages and regions (those that did not fall back)."""
     for runner in model.parallelized.runners.values():
         for m in runner.module.modules():
-            inner = m._cut.children() if isinstance(m, CompiledRegions) else (m,)
+            inner = (m._cut.children() if isinstance(m, CompiledRegions)
+                     else (m._run,) if isinstance(m, DeferredStage) else (m,))
             yield from (c for c in inner
                         if isinstance(c, CompiledStage) and c.stats.fallback is None)
 
@@ -111,11 +114,12 @@ def _case(arch: str, pipeline: str, v: int, checkpointed: bool, ref: Any) -> lis
     if model.tp_plan is None or not model.tp_plan.sharded or not _collectives_compiled(model):
         bad.append(f"{tag}: no tensor-parallel collective inside a compiled graph")
     for s, st in model.parallelized.compiled.items():
-        cut = s != 0 or checkpointed  # compiled in regions
-        kept = checkpointed and s == 0
+        cut = checkpointed and s == 0  # in regions around the block rebuilt once
+        deferred = s != 0  # whole, its GEMMs' weight gradients deferred to W
         if (st.fallback is not None or st.recompiles or st.eager_regions
                 or cut != bool(st.regions) or (len(st.regions) if cut else 1) != st.compiles
-                or kept != (st.checkpointed == 1) or (s == 0) != (st.gemms == 0)):
+                or cut != (st.checkpointed == 1) or deferred != (st.deferred > 0)
+                or st.gemms != 0):
             bad.append(f"{tag}: {st.summary()}, {st.compiles} compiles, "
                        f"{st.checkpointed} checkpointed")
     return bad

@@ -239,7 +239,8 @@ def compile_deferred(runner: StageRunner, backend: str, stats: CompileStats) -> 
                 "cannot be deferred, and compiled whole its input and weight gradients would "
                 "be one autograd pass")
     deferred = defer_gemms(gm)
-    stage = DeferredStage(gm, deferred, CompiledStage(deferred.module, backend, stats))
+    stage = DeferredStage(gm, deferred, CompiledStage(deferred.module, backend, stats),
+                          lambda reason: fall_back(stats, reason))
     runner.module = runner.deferred = stage
     stats.deferred, stats.region_params = len(deferred.weights), len(stage.graph_params)
     log.info("smp-fx compile: stage %d compiled whole with %d GEMMs' weight gradients deferred "

@@ -16,18 +16,20 @@ inside the graph: norms, biases, embeddings), which runs the compiled backward o
 frees it; W runs ``_Sink``'s backward from the sinks with the ``dy`` I got, each computing
 ``dW = dy^T x`` into the weight's ``.grad`` through its accumulator (data parallelism's
 hooks fire as in any backward). The GEMMs' weight gradients, most of W's work, still wait
-for W, and nothing else of the stage leaves the compiled graph: on the Hugging Face Llama
-example under ZB-V this runs a step in about half the time the stage cut into compiled
-regions between eager GEMMs does (docs/performance.md, 'Compiled stages').
+for W, and nothing else of the stage leaves the compiled graph: the Llama example's second
+stage runs a microbatch's forward, I and W in 0.58 of the time it takes cut into compiled
+regions between eager GEMMs (``compiled_regions``), 0.55 of eager's
+(``benchmarks/split_compile.py``; docs/performance.md, 'Compiled stages').
 
 A sink must have the GEMM output's shape before the graph runs; the shapes come from
-running the plain stage on fake tensors once per input signature (``SinkShapes``).
+running the plain stage on fake tensors once per input signature (``SinkShapes``); where
+they cannot, the stage runs eagerly, its I and W from its autograd graph, and says why.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.autograd.graph import get_gradient_edge
 
 from passes.tensor_parallel.linears import as_linear
-from smp_fx.runtime.executor.split_backward import PendingW
+from smp_fx.runtime.executor.split_backward import Accumulators, PendingW, input_grads
 
 _KINDS = ("linear", "addmm", "matmul")
 """``as_linear``'s layouts deferred (``grouped`` experts stay inside the graph)."""
@@ -171,8 +173,12 @@ class SinkShapes:
         self._cache: dict[Any, tuple[tuple[tuple[int, ...], torch.dtype], ...]] = {}
 
     def __call__(self, inputs: Sequence[Any]) -> tuple[tuple[tuple[int, ...], torch.dtype], ...]:
-        key = tuple((tuple(t.shape), t.dtype, t.requires_grad) if isinstance(t, torch.Tensor)
-                    else t for t in inputs)
+        key: Any = tuple((tuple(t.shape), t.dtype, t.requires_grad)
+                         if isinstance(t, torch.Tensor) else t for t in inputs)
+        try:
+            hash(key)
+        except TypeError:  # a list among the values
+            key = repr(key)
         hit = self._cache.get(key)
         if hit is None:
             hit = self._cache[key] = self._propagate(inputs)
@@ -199,16 +205,24 @@ class SinkShapes:
 class DeferredStage(nn.Module):
     """A stage run as its ``Deferred`` rewrite through ``run`` (its compiled call, which falls
     back to the rewrite run eagerly); ``stage`` stays the one submodule, so its parameters
-    keep their names. Each forward's sinks wait in ``taken`` until the runner files them
-    under their microbatch (``take``), for ``input_grads``."""
+    keep their names. Each forward's sinks wait in the thread's slot until the runner files
+    them under their microbatch (``take``), for ``input_grads``.
+
+    Where the GEMMs' shapes cannot be found on fake tensors (an op without a fake kernel, a
+    shape that depends on values), the stage runs as it is, eagerly, from then on, I and W
+    taken from its autograd graph (``split_backward``); ``fall_back`` is told why once."""
 
     _run: nn.Module
 
-    def __init__(self, stage: torch.fx.GraphModule, deferred: Deferred, run: nn.Module) -> None:
+    def __init__(self, stage: torch.fx.GraphModule, deferred: Deferred, run: nn.Module,
+                 fall_back: Callable[[str], None]) -> None:
         super().__init__()
         self.stage = stage
         self.deferred = deferred
         object.__setattr__(self, "_run", run)  # not a submodule: no second name
+        self.fall_back = fall_back
+        self.fallback: str | None = None
+        self.accumulators = Accumulators()
         self.shapes = SinkShapes(stage, deferred.nodes)
         ids = {id(w) for w in deferred.weights}
         self.graph_params = tuple(p for p in stage.parameters()
@@ -218,15 +232,33 @@ class DeferredStage(nn.Module):
 
     def forward(self, *inputs: Any) -> Any:
         d = self.deferred
+        shapes = self._shapes(inputs)
+        if shapes is None:
+            self._last.sinks = None
+            return self.stage(*inputs)
         held = [_Held() for _ in d.weights]
         sinks = [_Sink.apply(w, h, shape, dtype, oi) for w, h, (shape, dtype), oi
-                 in zip(d.weights, held, self.shapes(inputs), d.out_in)]
+                 in zip(d.weights, held, shapes, d.out_in)]
         values = self._run(*inputs, *sinks)
         for h, x in zip(held, values[d.outputs:]):
             h.x = x.detach()
         self._last.sinks = sinks if torch.is_grad_enabled() else None
         outs = tuple(values[:d.outputs])
         return outs if d.tupled else outs[0]
+
+    def _shapes(self, inputs: Sequence[Any]
+                ) -> tuple[tuple[tuple[int, ...], torch.dtype], ...] | None:
+        """The sinks' shapes, or None once they could not be found (then told, once)."""
+        if self.fallback is None:
+            try:
+                return self.shapes(inputs)
+            except Exception as exc:  # whatever fake tensors could not run
+                first = (str(exc).strip().splitlines() or [""])[0]
+                self.fallback = (f"its GEMMs' output shapes could not be found on fake "
+                                 f"tensors ({type(exc).__name__}: {first}); the stage runs "
+                                 "eagerly, its I and W from its autograd graph")
+                self.fall_back(self.fallback)
+        return None
 
     def take(self, microbatch: int) -> None:
         """File the sinks of this thread's last forward under ``microbatch``."""
@@ -245,6 +277,9 @@ class DeferredStage(nn.Module):
         """I: the inputs' gradients, and W's work: each sink with its ``dy``, and the
         gradients of the parameters read inside the graph (accumulated by W, so their
         hooks fire with the rest)."""
+        if microbatch not in self._sinks and self.fallback is not None:
+            return input_grads(roots, root_grads, inputs, list(self.stage.parameters()),
+                               self.accumulators)
         sinks = self._sinks.pop(microbatch, [])
         used = [(r, g) for r, g in zip(roots, root_grads) if r.requires_grad]
         if not used:

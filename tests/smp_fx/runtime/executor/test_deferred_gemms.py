@@ -151,3 +151,39 @@ def test_the_first_chunk_is_compiled_whole_without_deferring() -> None:
     assert CompileStats(0, params=3).summary() == (
         "stage 0: nothing compiled yet, 3 parameters (not run, or no tensor operation reached "
         "the compiler)")
+
+
+class _ValueShaped(nn.Module):
+    """A GEMM on rows picked by value: its output's shape is not known before the values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor]:
+        return (self.lin(x[x[:, 0] > -100.0]),)
+
+
+def test_shapes_fake_tensors_cannot_find_run_the_stage_eagerly_still_split(
+        caplog: pytest.LogCaptureFixture) -> None:
+    torch.manual_seed(0)
+    plain, runner = _ValueShaped(), _runner(_ValueShaped())
+    runner.stage.module.load_state_dict(plain.state_dict())
+    with caplog.at_level(logging.WARNING, "smp_fx.compile"):
+        st = compile_stages({1: runner}, "aot_eager", "zero_bubble")[1]
+        for rows in (4, 5):
+            x, g = torch.randn(rows, 8, requires_grad=True), torch.randn(rows, 8)
+            (out,) = runner.forward([x], 0)
+            (gx,), pending = runner.backward_input([out], [g], [x], 0)
+            assert all(p.grad is None for p in runner.stage.module.parameters())
+            runner.backward_weight(pending, 0)
+            x0 = x.detach().requires_grad_()
+            (want,) = plain(x0)
+            want.backward(g)
+            torch.testing.assert_close(gx, x0.grad)
+            _same_grads(runner, plain)
+            for p in [*runner.stage.module.parameters(), *plain.parameters()]:
+                p.grad = None
+    assert st.fallback is not None and st.fallback.startswith(
+        "its GEMMs' output shapes could not be found on fake tensors"), st.fallback
+    assert sum("stage 1 runs eagerly" in r.message for r in caplog.records) == 1

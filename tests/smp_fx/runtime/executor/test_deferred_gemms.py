@@ -187,3 +187,27 @@ def test_shapes_fake_tensors_cannot_find_run_the_stage_eagerly_still_split(
     assert st.fallback is not None and st.fallback.startswith(
         "its GEMMs' output shapes could not be found on fake tensors"), st.fallback
     assert sum("stage 1 runs eagerly" in r.message for r in caplog.records) == 1
+
+
+def test_under_bf16_autocast_the_weights_get_fp32_gradients_of_the_plain_backward() -> None:
+    """Autocast runs the GEMMs in bf16 (forward, I's input gradients, W's weight gradients);
+    the fp32 weights get fp32 gradients, as under the plain backward (bf16 rounding apart)."""
+    torch.manual_seed(0)
+    plain, runner = _Layouts(), _runner(_Layouts())
+    runner.stage.module.load_state_dict(plain.state_dict())
+    compile_stages({1: runner}, "aot_eager", "zero_bubble")
+    x = torch.randn(2, 4, 8, requires_grad=True)
+    g = [torch.randn(2, 4, 8), torch.randn(2, 4, 16)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        outs = list(runner.forward([x], 0))
+        (gx,), pending = runner.backward_input(outs, g, [x], 0)
+        runner.backward_weight(pending, 0)
+        x0 = x.detach().requires_grad_()
+        torch.autograd.backward(plain(x0), g)
+    assert gx is not None and gx.dtype == torch.float32
+    want = dict(plain.named_parameters())
+    for name, p in runner.stage.module.named_parameters():
+        if p.requires_grad:
+            assert p.grad is not None and p.grad.dtype == torch.float32, name
+            torch.testing.assert_close(p.grad, want[name].grad, atol=5e-2, rtol=5e-2, msg=name)
+    torch.testing.assert_close(gx, x0.grad, atol=5e-2, rtol=5e-2)

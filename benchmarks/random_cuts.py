@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import logging
 import os
 import sys
@@ -259,11 +260,14 @@ def _ranks(feature: str, archs: list[str], refs_file: str, seed: int, folder: st
     from tests.helpers import zoo
     from tests.smp_fx.test_schedules_cuts import _random_cuts
 
+    faulthandler.enable()  # a rank that crashes says where
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     refs = torch.load(refs_file, weights_only=True)
     auto.solve_problem = _random_cuts(seed)
     out: dict[str, str] = {}
-    for arch in archs:
+    for i, arch in enumerate(archs):
+        if dist.get_rank() == 0:
+            print(f"{feature}: {arch} ({i + 1} of {len(archs)})", file=sys.stderr, flush=True)
         data = zoo.batches(arch, BATCH, STEPS, _lengths(feature))
         FELL_BACK.clear()
         try:

@@ -13,10 +13,14 @@ What cannot compile runs eagerly from then on, its reason logged in one line and
 ``CompileStats.fallback`` (a region's in its own): a graph break or an untraceable op,
 dynamo's recompile limit (raised while tracing, before the graph runs, so no collective has
 started), sharded data parallelism.
+
+AOTAutograd's on-disk cache is off while a stage compiles (``without_autograd_cache``: a
+lazily compiled backward saving its entry can crash the process).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -140,9 +144,28 @@ def _counting(backend: str, stats: CompileStats, counts: CompileStats | None
             log.info("smp-fx compile: %s recompiled (%d compiles): a guard failed (a new "
                      "input shape or dtype, grad mode, a module's mode)", stats.where,
                      stats.compiles)
-        return real(gm, example_inputs)
+        with without_autograd_cache():
+            return real(gm, example_inputs)
 
     return compile_graph
+
+
+def without_autograd_cache() -> contextlib.AbstractContextManager[Any]:
+    """AOTAutograd's on-disk cache off while a stage's graph compiles (one flag, read at
+    compile time only: no cost per call).
+
+    Why: with it on, a backward compiled lazily (at its first run: the first chunk's under a
+    split backward runs in W) pickles its cache entry there, and that ``pickle.dumps``
+    crashes the process now and then (SIGSEGV; PyTorch issue #177442, open: 10-30 % of runs
+    with a cold inductor cache in its report; here rank 0 of ``benchmarks/random_cuts.py
+    --features compile_zbv`` in two of four full sweeps from a cold cache). What it costs:
+    AOTAutograd's own cache hits in a later process; inductor's compiled-code cache still
+    serves them. A stage's first step with the caches warm (``benchmarks/split_compile.py``):
+    compiled in regions 4.4 -> 6.5-6.9 s, compiled whole with deferred GEMMs 3.7 -> 2.9-3.2 s.
+    """
+    patched: contextlib.AbstractContextManager[Any] = torch._functorch.config.patch(
+        enable_autograd_cache=False)
+    return patched
 
 
 def fall_back(stats: CompileStats, reason: str) -> None:

@@ -287,6 +287,34 @@ def test_recompiles_are_counted_per_stage() -> None:
     assert (stats.compiles, stats.recompiles, stats.fallback) == (2, 1, None)
 
 
+class _Cube(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * x * x).sum(dim=-1)
+
+
+@pytest.mark.multiproc
+def test_a_stage_compiles_without_aot_autograds_cache() -> None:
+    """Its lazily compiled backward saving a cache entry can crash the process (PyTorch issue
+    #177442): with the cache on for the process, a compiled stage neither reads nor writes
+    it, and its gradients are eager's."""
+    from torch._dynamo.utils import counters
+
+    def cache_events() -> dict[str, int]:
+        return {k: v for k, v in counters["aot_autograd"].items() if "autograd_cache" in k}
+
+    x = torch.randn(3, 5, requires_grad=True)
+    want = torch.autograd.grad(_Cube()(x).sum(), x)[0]
+    with torch._functorch.config.patch(enable_autograd_cache=True), \
+            torch._inductor.config.patch(fx_graph_cache=True):
+        before = cache_events()
+        stats = CompileStats(0)
+        out = CompiledStage(_Cube(), "inductor", stats)(x)
+        got = torch.autograd.grad(out.sum(), x)[0]  # the backward compiles here
+        assert cache_events() == before
+    assert stats.compiles == 1 and stats.fallback is None
+    torch.testing.assert_close(got, want)
+
+
 def test_the_recompile_limit_runs_the_stage_eagerly() -> None:
     stats = CompileStats(1)
     stage = CompiledStage(_Shift(), "eager", stats)

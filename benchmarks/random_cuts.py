@@ -34,7 +34,9 @@ relative):
 * ``compile``, ``compile_zbv``: pp 2 with each stage under ``torch.compile`` (inductor),
   under 1F1B and under ZB-V (its chunks compiled in regions between their GEMMs); a stage
   or region that ran eagerly is listed as fallen back, with the reason;
-  ``varying_compile``: compiled under 1F1B, each step of another length (16, 11, 7, 20).
+  ``varying_compile``: compiled under 1F1B, each step of another length (16, 11, 7, 20);
+  ``compile_sdp``: pp 2 x sharded data parallelism 2 (4 ranks) compiled under 1F1B, each
+  stage one FSDP2 unit;
 
 A case that ran but fell back (a checkpointed layer the cut split runs without
 checkpointing, with a warning; a stage that could not compile runs eagerly) is counted ok
@@ -77,7 +79,7 @@ FEATURES: dict[str, int] = {"zbv": 2, "tp_zbv": 4, "zero1_resume": 4, "sdp": 4, 
                             "tp_sdp": 4, "tp_zero1": 4, "pp_tp_rdp": 8,
                             "tp_checkpointed": 4, "pp_cp_tp": 8, "compile": 2,
                             "compile_zbv": 2, "varying": 4, "varying_sp": 4,
-                            "varying_cp": 4, "varying_compile": 2}
+                            "varying_cp": 4, "varying_compile": 2, "compile_sdp": 4}
 """Each feature and the ranks it runs on."""
 
 
@@ -138,6 +140,7 @@ TRAINED: dict[str, dict[str, Any]] = {
     "varying_compile": {"pipeline_parallel_degree": 2, "compile": "inductor"},
     "compile_zbv": {"pipeline_parallel_degree": 2, "compile": "inductor", "pipeline": "zbv",
                     "virtual_pipeline_degree": 2},
+    "compile_sdp": {"pipeline_parallel_degree": 2, "compile": "inductor", **SDP},
 }
 """The features that train under one configuration: each its configuration."""
 CHECKPOINTED = {"offload", "tp_checkpointed"}

@@ -38,6 +38,7 @@ parallel sums and averages over tp, then the context-parallel sum over cp.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -59,7 +60,7 @@ from smp_fx.parallel.sdp import ShardedDataParallel
 from smp_fx.parallel.tensor_parallel import TensorParallelRuntime
 from smp_fx.parallel.tied import TiedReplicas, tied_duplicates, tied_groups
 from smp_fx.parallel.zero import OptimizerShards, ZeroGroup, zero_group
-from smp_fx.runtime.executor.compiled import CompileStats, compile_stages
+from smp_fx.runtime.executor.compiled import CompileStats, compile_stages, one_unit_stages
 from smp_fx.runtime.executor.executor import Executor
 from smp_fx.runtime.executor.seams import PostStep, PreStep, StageRunner, StepHooks
 from smp_fx.runtime.executor.stragglers import ROW, StragglerWatch
@@ -217,8 +218,9 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
 
     checkpointing = ActivationCheckpointing(plan, runners, cfg.offload_activations)
     applied.append(checkpointing)
-    compiled = (compile_stages(runners, cfg.compile, plan.config.pipeline,
-                               sharded=cfg.sharded_data_parallel_degree > 1)
+    one_unit = (functools.partial(sdp.one_unit_refusal, st=st)
+                if cfg.sharded_data_parallel_degree > 1 else None)
+    compiled = (compile_stages(runners, cfg.compile, plan.config.pipeline, sharded=one_unit)
                 if cfg.compile != "none" else {})
 
     sharded = None
@@ -226,7 +228,8 @@ def parallelize(gm: torch.fx.GraphModule, plan: PartitionPlan,
     if ep is not None:
         applied.append(ep)
     if cfg.sharded_data_parallel_degree > 1:
-        sharded = sdp.enable(options, runners, st, ep.params if ep is not None else ())
+        sharded = sdp.enable(options, runners, st, ep.params if ep is not None else (),
+                             one_unit_stages(compiled))
         applied.append(sharded)
         if ep is not None and sharded.experts_sharded:
             ep.handed_over(runners)

@@ -47,9 +47,11 @@ class ShardPlan:
         return self.root_numel + pair
 
 
-def plan_units(gm: torch.fx.GraphModule, bucket: int, threshold: int) -> ShardPlan:
+def plan_units(gm: torch.fx.GraphModule, bucket: int, threshold: int,
+               one_unit: bool = False) -> ShardPlan:
     """Group ``gm``'s called leaf modules into units of at most ``bucket`` sharded elements
-    (parameters below ``threshold`` persist whole).
+    (parameters below ``threshold`` persist whole); ``one_unit``: none, every sharded
+    parameter in the root unit (a compiled stage: ``one_unit_refusal``).
 
     >>> import torch.fx
     >>> seq = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
@@ -73,7 +75,7 @@ def plan_units(gm: torch.fx.GraphModule, bucket: int, threshold: int) -> ShardPl
     current: list[str] = []
     size = 0
     taken = 0
-    for target, count in calls.items():
+    for target, count in calls.items() if not one_unit else ():
         mod = gm.get_submodule(target)
         params = [p for p in mod.parameters() if p.numel() >= threshold]
         if count > 1 or not params or any(
@@ -92,6 +94,21 @@ def plan_units(gm: torch.fx.GraphModule, bucket: int, threshold: int) -> ShardPl
         numels.append(size)
     sharded = sum(p.numel() for p in gm.parameters() if p.numel() >= threshold)
     return ShardPlan(tuple(units), tuple(numels), sharded - taken, persistent)
+
+
+def one_unit_refusal(gm: torch.fx.GraphModule, st: state.State) -> str | None:
+    """Why ``gm`` cannot be sharded as one unit (its graph compiled whole, FSDP2's hooks on
+    the stage outside it: ``compile``), or None. One unit gathers every sharded parameter
+    of the stage at once, which ``sdp_max_live_parameters`` bounds."""
+    cfg = st.config
+    live = plan_units(gm, cfg.sdp_reduce_bucket_size, cfg.sdp_param_persistence_threshold,
+                      one_unit=True).live_numel
+    if live <= cfg.sdp_max_live_parameters:
+        return None
+    return (f"sharded data parallelism: compiled, the stage is one FSDP2 unit, which gathers "
+            f"its {live} sharded parameter elements at once, over sdp_max_live_parameters "
+            f"({cfg.sdp_max_live_parameters}); raise it (or use more pipeline stages) to "
+            "compile the stage")
 
 
 def _mesh(st: state.State) -> Any:
@@ -120,7 +137,7 @@ class ShardedDataParallel:
 
     def __init__(self, options: DataParallelOptions, runners: Mapping[int, StageRunner],
                  st: state.State, whole: Sequence[nn.Parameter] = (),
-                 experts: Any = None) -> None:
+                 experts: Any = None, one_unit: frozenset[int] = frozenset()) -> None:
         from torch.distributed.fsdp import fully_shard
 
         cfg = st.config
@@ -139,7 +156,7 @@ class ShardedDataParallel:
         for s in sorted(runners):
             gm = runners[s].stage.module
             plan = plan_units(gm, cfg.sdp_reduce_bucket_size,
-                              cfg.sdp_param_persistence_threshold)
+                              cfg.sdp_param_persistence_threshold, one_unit=s in one_unit)
             if plan.live_numel > cfg.sdp_max_live_parameters:
                 raise SMPConfigError.build(
                     "the sharding plan gathers more parameters at once than "
@@ -195,11 +212,13 @@ class ShardedDataParallel:
 
 
 def enable(options: DataParallelOptions, runners: Mapping[int, StageRunner], st: state.State,
-           whole: Sequence[nn.Parameter] = ()) -> ShardedDataParallel:
+           whole: Sequence[nn.Parameter] = (), one_unit: frozenset[int] = frozenset()
+           ) -> ShardedDataParallel:
     """Shard the local stages of ``runners`` (on every rank, at partitioning; collective
     over the rdp groups); ``whole``: expert slices, sharded over their edp group in the root
     unit (``smp_fx.parallel.ep_sdp``), or, where that shards nothing, left unsharded and
-    unreduced for expert parallelism to reduce."""
+    unreduced for expert parallelism to reduce; ``one_unit``: the stages sharded as one unit
+    (compiled whole, ``one_unit_refusal``)."""
     if options.backward_passes_per_step != 1:  # SMP defers the reduction; the sum is equal
         log.info("smp-fx sdp: backward_passes_per_step=%d: gradients are reduce-scattered at "
                  "every backward and accumulate in their shards until optimizer.step (the "
@@ -207,7 +226,7 @@ def enable(options: DataParallelOptions, runners: Mapping[int, StageRunner], st:
                  options.backward_passes_per_step)
     _check_nodes(st)
     experts = ep_sdp.expert_mesh(st) if whole and ep_sdp.shard_degree(st) > 1 else None
-    sdp = ShardedDataParallel(options, runners, st, whole, experts)
+    sdp = ShardedDataParallel(options, runners, st, whole, experts, one_unit)
     log.info("smp-fx sdp: stages %s sharded over %d of %d rdp ranks; units %s",
              sorted(sdp.plans), st.config.sharded_data_parallel_degree, sdp.size,
              {s: len(p.units) for s, p in sdp.plans.items()})

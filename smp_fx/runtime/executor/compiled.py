@@ -12,7 +12,10 @@ gradients, its GEMMs (``compiled_regions``). Every compile is counted per stage 
 What cannot compile runs eagerly from then on, its reason logged in one line and kept in
 ``CompileStats.fallback`` (a region's in its own): a graph break or an untraceable op,
 dynamo's recompile limit (raised while tracing, before the graph runs, so no collective has
-started), sharded data parallelism.
+started). Under sharded data parallelism a stage compiles whole as one FSDP2 unit, its
+hooks outside the graph; a stage that cannot (a split backward's that receives gradients,
+one whose parameters gathered at once exceed ``sdp_max_live_parameters``) runs eagerly,
+sharded in units.
 
 AOTAutograd's on-disk cache is off while a stage compiles (``without_autograd_cache``: a
 lazily compiled backward saving its entry can crash the process).
@@ -100,32 +103,44 @@ class CompileStats:
 class CompiledStage(nn.Module):
     """A stage module called through ``torch.compile``; its parameters stay the stage's own
     (``stage`` is its one submodule, so data parallelism wrapping this sees them); a region's
-    compiles are counted in its stage's ``counts`` too."""
+    compiles are counted in its stage's ``counts`` too. ``hooked``: the stage is called
+    through its module hooks (sharded data parallelism's, which gather its parameters
+    before the compiled forward runs): its ``forward`` becomes the compiled one."""
 
     _compiled: Callable[..., Any]
+    _eager: Callable[..., Any]
 
     def __init__(self, stage: nn.Module, backend: str, stats: CompileStats,
-                 counts: CompileStats | None = None) -> None:
+                 counts: CompileStats | None = None, hooked: bool = False) -> None:
         super().__init__()
         self.stage = stage
         self.stats = stats
+        self.hooked = hooked
         # its forward, not the module: dynamo caches per code object, and a compiled module's
         # is one wrapper every compiled module shares (one recompile limit for all stages);
-        # a stage's generated forward is its own, and a stage has no module hooks
-        compiled = torch.compile(stage.forward, fullgraph=True,
+        # a stage's generated forward is its own; hooks stay outside the graph
+        eager = stage.forward
+        compiled = torch.compile(eager, fullgraph=True,
                                  backend=_counting(backend, stats, counts))
         object.__setattr__(self, "_compiled", compiled)  # not a submodule: no second name
+        object.__setattr__(self, "_eager", eager if hooked else stage)
+        if hooked:  # the instance's forward: __call__ runs the hooks, then this
+            object.__setattr__(stage, "forward", self._run)
 
     def forward(self, *inputs: Any) -> Any:
+        return self.stage(*inputs) if self.hooked else self._run(*inputs)
+
+    def _run(self, *inputs: Any) -> Any:
+        """The compiled forward, or the eager one once the stage has fallen back."""
         if self.stats.fallback is not None:
-            return self.stage(*inputs)
+            return self._eager(*inputs)
         before, start = self.stats.compiles, time.perf_counter()
         try:
             out = self._compiled(*inputs)
         except (torch._dynamo.exc.TorchDynamoException,
                 torch._dynamo.exc.FailOnRecompileLimitHit) as exc:  # dynamo's recompile limit
             fall_back(self.stats, _reason(exc))
-            return self.stage(*inputs)
+            return self._eager(*inputs)
         if self.stats.compiles != before:
             self.stats.compile_s += time.perf_counter() - start
         return out
@@ -183,12 +198,24 @@ def _reason(exc: BaseException) -> str:
     return "; ".join(words)
 
 
-def eager_reason(sharded: bool) -> str | None:
-    """Why no stage can run compiled in this configuration, or None."""
-    if sharded:
-        return ("sharded data parallelism (FSDP2) gathers parameters in module hooks that "
-                "the stage's compiled graph does not take in")
-    return None
+OneUnit = Callable[[torch.fx.GraphModule], "str | None"]
+"""Under sharded data parallelism: why a stage cannot be sharded as one unit, or None
+(``smp_fx.parallel.sdp.one_unit_refusal``)."""
+
+
+def sharded_reason(runner: StageRunner, split: bool, one_unit: OneUnit) -> str | None:
+    """Why ``runner``'s stage cannot compile under sharded data parallelism, or None: it
+    compiles whole as one FSDP2 unit, the hooks that gather and free its parameters on the
+    stage module, outside the graph (as torchtitan compiles each FSDP2-wrapped block)."""
+    gm = runner.module
+    if split:
+        return ("sharded data parallelism with a split backward: a stage that receives "
+                "gradients is compiled with its GEMMs' weight gradients deferred to W, "
+                "outside the module FSDP2 hooks; it runs eagerly, sharded in units")
+    if not isinstance(gm, torch.fx.GraphModule) or gm is not runner.stage.module:
+        return (f"sharded data parallelism: its module is a {type(gm).__name__}, not the "
+                "stage's GraphModule that FSDP2 hooks")
+    return one_unit(gm)
 
 
 def _no_donated_buffers() -> None:
@@ -280,25 +307,38 @@ def rebuilt_once(runner: StageRunner) -> bool:
 
 
 def compile_stages(runners: Mapping[int, StageRunner], backend: str, pipeline: str,
-                   sharded: bool = False) -> dict[int, CompileStats]:
+                   sharded: OneUnit | None = None) -> dict[int, CompileStats]:
     """Give each runner a ``CompiledStage`` module, or under a split backward a stage that
     receives gradients ``compile_deferred``'s, one that holds regions rebuilt once
     ``compile_in_regions``'s (in place; before data parallelism wraps it), and return the
-    per-stage statistics; a stage that cannot compile is told now."""
+    per-stage statistics; a stage that cannot compile is told now. ``sharded``: under
+    sharded data parallelism, a stage compiles whole through its module hooks
+    (``sharded_reason``; ``one_unit_stages`` names them for the sharding)."""
     stats: dict[int, CompileStats] = {}
     for s, runner in sorted(runners.items()):
         stats[s] = CompileStats(s, params=sum(p.requires_grad
                                               for p in runner.module.parameters()))
-        reason = eager_reason(sharded)
         gemms = bool(runner.stage.recvs)  # the first chunk's backward is all W
         once = rebuilt_once(runner)
-        if reason is None and pipeline in SPLIT_BACKWARD and (gemms or once):
+        split = pipeline in SPLIT_BACKWARD and (gemms or once)
+        if sharded is not None:
+            reason = sharded_reason(runner, split, sharded)
+            if reason is not None:
+                fall_back(stats[s], reason)
+            runner.module = CompiledStage(runner.module, backend, stats[s],
+                                          hooked=reason is None)
+            continue
+        if split:
             reason = (compile_in_regions(runner, backend, stats[s], gemms) if once
                       else compile_deferred(runner, backend, stats[s]))
             if reason is None:
                 continue
-        if reason is not None:
             fall_back(stats[s], reason)
         runner.module = CompiledStage(runner.module, backend, stats[s])
     log.info("smp-fx compile: stages %s with backend %s", sorted(runners), backend)
     return stats
+
+
+def one_unit_stages(stats: Mapping[int, CompileStats]) -> frozenset[int]:
+    """The stages compiled under sharded data parallelism: each sharded as one unit."""
+    return frozenset(s for s, st in stats.items() if st.fallback is None)

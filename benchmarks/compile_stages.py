@@ -4,17 +4,23 @@ and the recompiles of varying sequence lengths, at pp 2 on 2 gloo processes.
 The example GPT (``examples/models/gpt.py``), the tiny Hugging Face Llama
 (``examples/models/hf_llama.py``) and BERT (``examples/models/hf_bert.py``), each under
 1F1B (``interleaved`` v = 1), interleaved v = 2 and ZB-V, one intra-op thread per process,
-SGD. Per configuration: an eager model, then a compiled one (each its own ``smp.init``: one
-configuration per process at a time, so they cannot alternate), each stepped ``--steps``
-times after its first step; each figure is the median over those steps. The first step's
-compile time is the compiled model's first step less its median step. Then the
+SGD. Per configuration: ``--blocks`` eager models and as many compiled ones, alternated
+(eager, compiled, eager, ...; each its own ``smp.init``: one configuration per process at
+a time, so single steps cannot alternate), each stepped ``--steps`` times after its first
+step; a block's figure is the median over its steps, the ratio the median over blocks of
+each compiled block over the eager one before it (an eager block then a compiled one, not
+alternated, read the GPT example's compiled step 1.13-1.21 of eager where alternated blocks
+read 0.94-1.00: the machine's state drifts between blocks). The first step's compile time
+is the first compiled model's first step less its median step. Then the last
 compiled model steps once at each of 5 other sequence lengths: the recompiles that adds
 (summed over the stages of both ranks; dynamo makes the dimension dynamic at the first new
 length) and how many stages run eagerly; then each stage's line: compiled whole (under ZB-V
 the chunks that receive gradients with their GEMMs' weight gradients deferred to W), in
 regions, or eagerly with the reason.
 
-Beside it, the compiled model against torch.distributed.pipelining's counterpart schedule
+Beside it, the compiled model (the GPT with its LM head untied: torch's stages do not sum a
+tied weight's gradients over the stages holding it, which smp-fx does with an all-reduce
+at the end of the step) against torch.distributed.pipelining's counterpart schedule
 (``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``) built from the
 same chunk GraphModules, placed alike and compiled the same way (``torch.compile``, the
 same backend, ``fullgraph``): one training step each (no optimizer step), the two
@@ -47,14 +53,19 @@ SCHEDULES = (("1F1B", "interleaved", 1, "Schedule1F1B"),
 LENGTHS = (48, 40, 56, 24, 32)  # after --seq (64): 5 new sequence lengths
 
 
-def _model(name: str, args: argparse.Namespace) -> tuple[Any, torch.nn.Module]:
+def _model(name: str, args: argparse.Namespace, untied: bool = False
+           ) -> tuple[Any, torch.nn.Module]:
+    """``untied``: the GPT's LM head gets its own copy of the embedding (beside torch)."""
     from smp_fx.cli.partition import load_model_file
 
     ex = load_model_file(str(ROOT / "examples/models" / f"{name}.py"))
     torch.manual_seed(0)
     if name == "gpt":
-        return ex, ex.build_model(n_layer=args.layers, n_embd=args.hidden, n_head=4,
-                                  seq_len=args.seq)
+        gpt = ex.build_model(n_layer=args.layers, n_embd=args.hidden, n_head=4,
+                             seq_len=args.seq)
+        if untied:
+            gpt.lm_head.weight = torch.nn.Parameter(gpt.wte.weight.detach().clone())
+        return ex, gpt
     return ex, ex.build_model(num_hidden_layers=args.layers, hidden_size=args.hidden,
                               seq_len=max(args.seq, *LENGTHS))
 
@@ -63,14 +74,14 @@ class _Run:
     """One DistributedModel (eager or compiled) and its step on a batch of a given length."""
 
     def __init__(self, name: str, pipeline: str, v: int, backend: str,
-                 args: argparse.Namespace) -> None:
+                 args: argparse.Namespace, untied: bool = False) -> None:
         import smp_fx as smp
         from smp_fx.world import state
 
         state._reset()
         smp.init({"pipeline_parallel_degree": 2, "microbatches": args.microbatches,
                   "pipeline": pipeline, "virtual_pipeline_degree": v, "compile": backend})
-        self.ex, model = _model(name, args)
+        self.ex, model = _model(name, args, untied)
         self.model = smp.DistributedModel(model)
         self.opt = smp.DistributedOptimizer(torch.optim.SGD(self.model.parameters(), lr=1e-3))
         self.vocab = 128
@@ -164,22 +175,35 @@ def _beside_torch(compiled: _Run, torch_name: str, args: argparse.Namespace
     return smp_best[0], torch_best[0], paired
 
 
+def _block(run: _Run, args: argparse.Namespace) -> tuple[float, float]:
+    """(the first step, the median of ``args.steps`` after it) of one model."""
+    first = run.step(args.seq)
+    return first, statistics.median(run.step(args.seq) for _ in range(args.steps))
+
+
 def _row(name: str, label: str, pipeline: str, v: int, torch_name: str,
          args: argparse.Namespace) -> dict[str, Any]:
-    eager = _Run(name, pipeline, v, "none", args)
-    eager.step(args.seq)
-    e = statistics.median(eager.step(args.seq) for _ in range(args.steps))
-    compiled = _Run(name, pipeline, v, args.backend, args)  # smp.init anew: eager is done
-    first = compiled.step(args.seq)
-    c = statistics.median(compiled.step(args.seq) for _ in range(args.steps))
+    eager_ms, compiled_ms, ratios, compile_s = [], [], [], []
+    for _ in range(args.blocks):  # eager, compiled, eager, ...: each its own smp.init
+        _, e = _block(_Run(name, pipeline, v, "none", args), args)
+        compiled = _Run(name, pipeline, v, args.backend, args)
+        first, c = _block(compiled, args)
+        eager_ms.append(e * 1e3)
+        compiled_ms.append(c * 1e3)
+        ratios.append(c / e)
+        compile_s.append(first - c)
     before, _ = compiled.counts()
     for n in LENGTHS:
         compiled.step(n)
     after, eager_stages = compiled.counts()
     stages = compiled.stage_lines()
+    if args.retries and name == "gpt":  # torch's stages would not sum the tied gradients
+        compiled = _Run(name, pipeline, v, args.backend, args, untied=True)
+        compiled.step(args.seq)
     beside = _beside_torch(compiled, torch_name, args) if args.retries else "not run"
-    return {"model": name, "schedule": label, "eager_ms": e * 1e3, "compiled_ms": c * 1e3,
-            "ratio": c / e, "compile_s": first - c, "recompiles": after - before,
+    return {"model": name, "schedule": label, "eager_ms": statistics.median(eager_ms),
+            "compiled_ms": statistics.median(compiled_ms), "ratio": statistics.median(ratios),
+            "ratios": ratios, "compile_s": compile_s[0], "recompiles": after - before,
             "eager_stages": eager_stages, "stages": stages, "torch": torch_name,
             "beside": beside}
 
@@ -197,6 +221,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager"))
     ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--blocks", type=int, default=3,
+                    help="eager and compiled blocks, alternated (each a new model)")
     ap.add_argument("--models", default="gpt,hf_llama,hf_bert")
     ap.add_argument("--schedules", default=",".join(label for label, *_ in SCHEDULES))
     ap.add_argument("--layers", type=int, default=4)
@@ -204,7 +230,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--microbatches", type=int, default=4)
-    ap.add_argument("--retries", type=int, default=7,
+    ap.add_argument("--retries", type=int, default=15,
                     help="alternated steps beside torch's schedule (0: skip that comparison)")
     args = ap.parse_args()
     from tests.helpers.dist import run_ranks
@@ -212,21 +238,24 @@ def main() -> None:
     rows = run_ranks(_rows, 2, args, timeout=3600)[0]
     print(f"compile={args.backend}, pp 2 on 2 gloo processes, {args.layers} layers, hidden "
           f"{args.hidden}, batch {args.batch} x {args.seq}, {args.microbatches} microbatches; "
-          f"medians of {args.steps} steps")
+          f"{args.blocks} eager and {args.blocks} compiled blocks alternated, each the median "
+          f"of {args.steps} steps; ratio: the median of each compiled block over the eager "
+          "block before it (each block's ratio after it)")
     print(f"{'model':<9} {'schedule':<16} {'eager ms':>9} {'compiled ms':>12} {'ratio':>6} "
-          f"{'compile s':>10} {'recompiles/5 lengths':>21} {'eager stages':>13}")
+          f"{'compile s':>10} {'recompiles/5 lengths':>21} {'eager stages':>13}  blocks")
     for r in rows:
+        blocks = " ".join(f"{x:.2f}" for x in r["ratios"])
         print(f"{r['model']:<9} {r['schedule']:<16} {r['eager_ms']:>9.1f} "
               f"{r['compiled_ms']:>12.1f} {r['ratio']:>6.2f} {r['compile_s']:>10.1f} "
-              f"{r['recompiles']:>21d} {r['eager_stages']:>13d}")
+              f"{r['recompiles']:>21d} {r['eager_stages']:>13d}  {blocks}")
     print("\nper stage (a split backward's stage that receives gradients: compiled whole, its "
           "GEMMs' weight gradients deferred to W)")
     for r in rows:
         for line in r["stages"]:
             print(f"{r['model']:<9} {r['schedule']:<16} {line}")
     print(f"\nsmp-fx compiled beside torch.distributed.pipelining with the same chunks compiled "
-          f"(torch.compile, backend {args.backend}, fullgraph); one training step without the "
-          f"optimizer, fastest of {args.retries} alternated")
+          f"(torch.compile, backend {args.backend}, fullgraph; the GPT's LM head untied); one "
+          f"training step without the optimizer, fastest of {args.retries} alternated")
     print(f"{'model':<9} {'schedule':<16} {'torch':<24} {'smp-fx ms':>10} {'torch ms':>9} "
           f"{'ratio':>6} {'paired':>7}")
     for r in rows:

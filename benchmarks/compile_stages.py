@@ -1,17 +1,20 @@
 """Compiled stages (``compile``) beside eager ones: the step, the first step's compile time
-and the recompiles of varying sequence lengths, at pp 2 on 2 gloo processes.
+and the recompiles of varying sequence lengths, at pp 2 (and pp 1 x sdp 2) on 2 gloo
+processes.
 
 The example GPT (``examples/models/gpt.py``), the tiny Hugging Face Llama
-(``examples/models/hf_llama.py``) and BERT (``examples/models/hf_bert.py``), each under
-1F1B (``interleaved`` v = 1), interleaved v = 2 and ZB-V, one intra-op thread per process,
-SGD. Per configuration: ``--blocks`` eager models and as many compiled ones, alternated
-(eager, compiled, eager, ...; each its own ``smp.init``: one configuration per process at
-a time, so single steps cannot alternate), each stepped ``--steps`` times after its first
-step; a block's figure is the median over its steps, the ratio the median over blocks of
-each compiled block over the eager one before it (an eager block then a compiled one, not
-alternated, read the GPT example's compiled step 1.13-1.21 of eager where alternated blocks
-read 0.94-1.00: the machine's state drifts between blocks). The first step's compile time
-is the first compiled model's first step less its median step. Then the last
+(``examples/models/hf_llama.py``) and BERT (``examples/models/hf_bert.py``), each at pp 2
+under 1F1B (``interleaved`` v = 1), interleaved v = 2 and ZB-V, and at pp 1 with sharded
+data parallelism 2 (the stage compiled as one FSDP2 unit, eager in the units of SMP's
+default ``sdp_*``), one intra-op thread per process, SGD. Per configuration: ``--blocks``
+eager models and as many compiled ones, alternated (eager, compiled, eager, ...; each its
+own ``smp.init``: one configuration per process at a time, so single steps cannot
+alternate), each stepped ``--steps`` times after its first step; a block's figure is the
+median over its steps, the ratio the median over blocks of each compiled block over the
+eager one before it (an eager block then a compiled one, not alternated, read the GPT
+example's compiled step 1.13-1.21 of eager where alternated blocks read a median of
+0.94-1.02 over the same day's runs: the machine drifts between blocks). The first step's
+compile time is the first compiled model's first step less its median step. Then the last
 compiled model steps once at each of 5 other sequence lengths: the recompiles that adds
 (summed over the stages of both ranks; dynamo makes the dimension dynamic at the first new
 length) and how many stages run eagerly; then each stage's line: compiled whole (under ZB-V
@@ -47,9 +50,15 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SCHEDULES = (("1F1B", "interleaved", 1, "Schedule1F1B"),
-             ("interleaved v=2", "interleaved", 2, "ScheduleInterleaved1F1B"),
-             ("ZB-V", "zbv", 2, "ScheduleZBVZeroBubble"))
+PP2 = {"pipeline_parallel_degree": 2}
+SCHEDULES: tuple[tuple[str, dict[str, Any], str | None], ...] = (
+    ("1F1B", {**PP2, "pipeline": "interleaved"}, "Schedule1F1B"),
+    ("interleaved v=2", {**PP2, "pipeline": "interleaved", "virtual_pipeline_degree": 2},
+     "ScheduleInterleaved1F1B"),
+    ("ZB-V", {**PP2, "pipeline": "zbv", "virtual_pipeline_degree": 2}, "ScheduleZBVZeroBubble"),
+    ("pp 1 x sdp 2", {"pipeline_parallel_degree": 1, "ddp": True,
+                      "sharded_data_parallel_degree": 2}, None))
+"""Each row's label, its configuration beside ``compile``, torch's counterpart schedule."""
 LENGTHS = (48, 40, 56, 24, 32)  # after --seq (64): 5 new sequence lengths
 
 
@@ -73,14 +82,13 @@ def _model(name: str, args: argparse.Namespace, untied: bool = False
 class _Run:
     """One DistributedModel (eager or compiled) and its step on a batch of a given length."""
 
-    def __init__(self, name: str, pipeline: str, v: int, backend: str,
+    def __init__(self, name: str, config: dict[str, Any], backend: str,
                  args: argparse.Namespace, untied: bool = False) -> None:
         import smp_fx as smp
         from smp_fx.world import state
 
         state._reset()
-        smp.init({"pipeline_parallel_degree": 2, "microbatches": args.microbatches,
-                  "pipeline": pipeline, "virtual_pipeline_degree": v, "compile": backend})
+        smp.init({**config, "microbatches": args.microbatches, "compile": backend})
         self.ex, model = _model(name, args, untied)
         self.model = smp.DistributedModel(model)
         self.opt = smp.DistributedOptimizer(torch.optim.SGD(self.model.parameters(), lr=1e-3))
@@ -181,12 +189,12 @@ def _block(run: _Run, args: argparse.Namespace) -> tuple[float, float]:
     return first, statistics.median(run.step(args.seq) for _ in range(args.steps))
 
 
-def _row(name: str, label: str, pipeline: str, v: int, torch_name: str,
+def _row(name: str, label: str, config: dict[str, Any], torch_name: str | None,
          args: argparse.Namespace) -> dict[str, Any]:
     eager_ms, compiled_ms, ratios, compile_s = [], [], [], []
     for _ in range(args.blocks):  # eager, compiled, eager, ...: each its own smp.init
-        _, e = _block(_Run(name, pipeline, v, "none", args), args)
-        compiled = _Run(name, pipeline, v, args.backend, args)
+        _, e = _block(_Run(name, config, "none", args), args)
+        compiled = _Run(name, config, args.backend, args)
         first, c = _block(compiled, args)
         eager_ms.append(e * 1e3)
         compiled_ms.append(c * 1e3)
@@ -197,23 +205,28 @@ def _row(name: str, label: str, pipeline: str, v: int, torch_name: str,
         compiled.step(n)
     after, eager_stages = compiled.counts()
     stages = compiled.stage_lines()
-    if args.retries and name == "gpt":  # torch's stages would not sum the tied gradients
-        compiled = _Run(name, pipeline, v, args.backend, args, untied=True)
-        compiled.step(args.seq)
-    beside = _beside_torch(compiled, torch_name, args) if args.retries else "not run"
+    if torch_name is None:
+        beside = "no pipeline: nothing of torch.distributed.pipelining's to compare"
+    elif not args.retries:
+        beside = "not run"
+    else:
+        if name == "gpt":  # torch's stages would not sum the tied gradients
+            compiled = _Run(name, config, args.backend, args, untied=True)
+            compiled.step(args.seq)
+        beside = _beside_torch(compiled, torch_name, args)
     return {"model": name, "schedule": label, "eager_ms": statistics.median(eager_ms),
             "compiled_ms": statistics.median(compiled_ms), "ratio": statistics.median(ratios),
             "ratios": ratios, "compile_s": compile_s[0], "recompiles": after - before,
-            "eager_stages": eager_stages, "stages": stages, "torch": torch_name,
+            "eager_stages": eager_stages, "stages": stages, "torch": torch_name or "-",
             "beside": beside}
 
 
 def _rows(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Every configuration's row, on this rank (one of ``run_ranks``'s two)."""
     dist.init_process_group("gloo")
-    return [_row(name, label, pipeline, v, torch_name, args)
+    return [_row(name, label, config, torch_name, args)
             for name in args.models.split(",")
-            for label, pipeline, v, torch_name in SCHEDULES
+            for label, config, torch_name in SCHEDULES
             if label in args.schedules.split(",")]
 
 
@@ -236,8 +249,9 @@ def main() -> None:
     from tests.helpers.dist import run_ranks
 
     rows = run_ranks(_rows, 2, args, timeout=3600)[0]
-    print(f"compile={args.backend}, pp 2 on 2 gloo processes, {args.layers} layers, hidden "
-          f"{args.hidden}, batch {args.batch} x {args.seq}, {args.microbatches} microbatches; "
+    print(f"compile={args.backend}, pp 2 (or pp 1 x sdp 2) on 2 gloo processes, "
+          f"{args.layers} layers, hidden {args.hidden}, batch {args.batch} x {args.seq}, "
+          f"{args.microbatches} microbatches; "
           f"{args.blocks} eager and {args.blocks} compiled blocks alternated, each the median "
           f"of {args.steps} steps; ratio: the median of each compiled block over the eager "
           "block before it (each block's ratio after it)")

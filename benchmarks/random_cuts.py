@@ -36,7 +36,7 @@ relative):
   or region that ran eagerly is listed as fallen back, with the reason;
   ``varying_compile``: compiled under 1F1B, each step of another length (16, 11, 7, 20);
   ``compile_sdp``: pp 2 x sharded data parallelism 2 (4 ranks) compiled under 1F1B, each
-  stage one FSDP2 unit;
+  stage one FSDP2 unit; ``compile_tp_sdp``: tp 2 x sdp 2 (4 ranks, no pipeline) compiled;
 
 A case that ran but fell back (a checkpointed layer the cut split runs without
 checkpointing, with a warning; a stage that could not compile runs eagerly) is counted ok
@@ -79,7 +79,8 @@ FEATURES: dict[str, int] = {"zbv": 2, "tp_zbv": 4, "zero1_resume": 4, "sdp": 4, 
                             "tp_sdp": 4, "tp_zero1": 4, "pp_tp_rdp": 8,
                             "tp_checkpointed": 4, "pp_cp_tp": 8, "compile": 2,
                             "compile_zbv": 2, "varying": 4, "varying_sp": 4,
-                            "varying_cp": 4, "varying_compile": 2, "compile_sdp": 4}
+                            "varying_cp": 4, "varying_compile": 2, "compile_sdp": 4,
+                            "compile_tp_sdp": 4}
 """Each feature and the ranks it runs on."""
 
 
@@ -141,6 +142,8 @@ TRAINED: dict[str, dict[str, Any]] = {
     "compile_zbv": {"pipeline_parallel_degree": 2, "compile": "inductor", "pipeline": "zbv",
                     "virtual_pipeline_degree": 2},
     "compile_sdp": {"pipeline_parallel_degree": 2, "compile": "inductor", **SDP},
+    "compile_tp_sdp": {"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2,
+                       "prescaled_batch": True, "compile": "inductor", **SDP},
 }
 """The features that train under one configuration: each its configuration."""
 CHECKPOINTED = {"offload", "tp_checkpointed"}

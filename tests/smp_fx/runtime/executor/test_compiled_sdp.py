@@ -3,12 +3,15 @@
 FSDP2 unit, its hooks (gather, free, reduce-scatter) on the stage module outside the graph.
 
 On 4 gloo processes: the example GPT at pp 2 x sdp 2 under 1F1B and interleaved v = 2
-(every stage compiled whole, sharded as one unit), and under ZB-V (the chunk whose inputs
-need no gradient compiled, those that receive gradients eager with the reason told); the
+(every stage compiled whole, sharded as one unit), with every block checkpointed, and under
+ZB-V (the chunk whose inputs need no gradient compiled, those that receive gradients eager
+with the reason told); the
 MLP at pp 1 x sdp 2 with a unit per linear when eager (``sdp_reduce_bucket_size``),
 compiled as one unit, with gradient clipping; and the same with ``sdp_max_live_parameters``
 below the stage's parameters: eager, sharded in units, the reason told. Losses, gradients
-and parameters after 3 Adam steps within 1e-5 of the plain model's.
+and parameters after 3 Adam steps within 1e-5 of the plain model's. Hugging Face Llama from
+its config at tp 2 x sdp 2: compiled (tensor parallelism's collectives inside the graph,
+FSDP2's hooks outside) equals eager after 3 Adam steps.
 """
 
 from __future__ import annotations
@@ -50,6 +53,28 @@ def _pipelined(c: Checks) -> None:
                  f"zbv: stage {s} {st.summary()}")
 
 
+def _checkpointed(c: Checks) -> None:
+    """The GPT at pp 2 x sdp 2, each block checkpointed (the recompute in the graph)."""
+    import smp_fx as smp
+
+    init(2, 4, pipeline="interleaved", **SDP)
+    t = Twin("gpt", model_kwargs={"n_layer": 8})
+    for block in t.dm.module.h:
+        smp.set_activation_checkpointing(block)
+    opt = smp.DistributedOptimizer(torch.optim.Adam(t.dm.parameters(), lr=1e-3, eps=1e-6))
+    ref_opt = torch.optim.Adam(t.ref.parameters(), lr=1e-3, eps=1e-6)
+    for i in range(3):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        c.expect(abs(t.smp_step() - t.ref_step()) < 1e-5, f"checkpointed: loss at step {i}")
+        opt.step()
+        ref_opt.step()
+    c.expect(not mismatched(t.local(), t.reference(), atol=1e-5), "checkpointed: parameters")
+    stats = t.dm.parallelized.compiled.values()
+    c.expect(all(st.fallback is None and st.compiles == 1 for st in stats),
+             f"checkpointed: compiled {[st.summary() for st in stats]}")
+
+
 def _mlp(c: Checks, **extra: Any) -> Twin:
     """The MLP at pp 1 x sdp 2, compiled, 3 Adam steps with clipping against the plain one."""
     import smp_fx as smp
@@ -65,6 +90,32 @@ def _mlp(c: Checks, **extra: Any) -> Twin:
     return t
 
 
+def _hf_tp(c: Checks) -> None:
+    """Llama at tp 2 x sdp 2, compiled against eager: the state after 3 Adam steps."""
+    from tests.helpers.zoo import DistributedRun, batches
+
+    config = {"pipeline_parallel_degree": 1, "tensor_parallel_degree": 2,
+              "prescaled_batch": True, "sharded_data_parallel_degree": 2,
+              "sdp_param_persistence_threshold": 64}
+
+    def trained(compile: str) -> DistributedRun:
+        run = DistributedRun("llama", {**config, "compile": compile}, _adam_hf)
+        for batch in batches("llama", 4, 3):
+            run.step(batch)
+        return run
+
+    want = trained("none").state()
+    run = trained("aot_eager")
+    (st,) = run.model.parallelized.compiled.values()
+    c.expect(st.fallback is None and st.compiles == 1, f"llama tp 2 x sdp 2: {st.summary()}")
+    bad = mismatched(run.state(), want, atol=1e-5, rtol=1e-4)
+    c.expect(not bad, f"llama tp 2 x sdp 2: compiled against eager {bad[:3]}")
+
+
+def _adam_hf(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3, eps=1e-6)
+
+
 def _body() -> tuple[int, list[str]]:
     from smp_fx.world import state
 
@@ -73,6 +124,7 @@ def _body() -> tuple[int, list[str]]:
     c = Checks()
     try:
         _pipelined(c)
+        _checkpointed(c)
         t = _mlp(c)
         (st,) = t.dm.parallelized.compiled.values()
         gm = t.dm.parallelized.runners[0].stage.module
@@ -85,6 +137,7 @@ def _body() -> tuple[int, list[str]]:
         c.expect(st.fallback is not None and "sdp_max_live_parameters" in st.fallback
                  and "31872" in st.fallback, f"mlp: over the live bound {st.summary()}")
         c.expect(_units(t) == {0: 9}, f"mlp: over the live bound, units {_units(t)}")
+        _hf_tp(c)
     finally:
         state._reset()
     return c.report()

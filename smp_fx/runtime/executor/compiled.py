@@ -209,9 +209,10 @@ def sharded_reason(runner: StageRunner, split: bool, one_unit: OneUnit) -> str |
     stage module, outside the graph (as torchtitan compiles each FSDP2-wrapped block)."""
     gm = runner.module
     if split:
-        return ("sharded data parallelism with a split backward: a stage that receives "
-                "gradients is compiled with its GEMMs' weight gradients deferred to W, "
-                "outside the module FSDP2 hooks; it runs eagerly, sharded in units")
+        return ("sharded data parallelism with a split backward: this stage would compile "
+                "in parts (its GEMMs' weight gradients deferred to W, or regions between "
+                "checkpointed ones rebuilt once), outside the module FSDP2 hooks; it runs "
+                "eagerly, sharded in units")
     if not isinstance(gm, torch.fx.GraphModule) or gm is not runner.stage.module:
         return (f"sharded data parallelism: its module is a {type(gm).__name__}, not the "
                 "stage's GraphModule that FSDP2 hooks")

@@ -43,12 +43,17 @@ NEW = (("simple", 2), ("interleaved", 2), ("zero_bubble", 1), ("zero_bubble", 2)
 FP16_TOL = 2e-3
 
 
-def _adam(c: Checks, pipe: str, v: int, checkpointed: bool = True, **extra: Any) -> Twin:
+def _adam(c: Checks, pipe: str, v: int, checkpointed: bool | None = None,
+          **extra: Any) -> Twin:
+    """3 Adam steps of the GPT against one process; ``checkpointed`` None: every block
+    checkpointed unless sharded data parallelism is on."""
     import smp_fx as smp
 
     init(2, 4, pipeline=pipe, virtual_pipeline_degree=v, **extra)
     t = Twin("gpt", model_kwargs={"n_layer": 8})
-    if checkpointed and "sharded_data_parallel_degree" not in extra:
+    if checkpointed is None:
+        checkpointed = "sharded_data_parallel_degree" not in extra
+    if checkpointed:
         for block in t.dm.module.h:
             smp.set_activation_checkpointing(block)
     opt = smp.DistributedOptimizer(torch.optim.Adam(t.dm.parameters(), lr=1e-3, eps=1e-6))

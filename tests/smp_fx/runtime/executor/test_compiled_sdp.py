@@ -55,21 +55,9 @@ def _pipelined(c: Checks) -> None:
 
 def _checkpointed(c: Checks) -> None:
     """The GPT at pp 2 x sdp 2, each block checkpointed (the recompute in the graph)."""
-    import smp_fx as smp
+    from tests.smp_fx.test_schedules_compose import _adam
 
-    init(2, 4, pipeline="interleaved", **SDP)
-    t = Twin("gpt", model_kwargs={"n_layer": 8})
-    for block in t.dm.module.h:
-        smp.set_activation_checkpointing(block)
-    opt = smp.DistributedOptimizer(torch.optim.Adam(t.dm.parameters(), lr=1e-3, eps=1e-6))
-    ref_opt = torch.optim.Adam(t.ref.parameters(), lr=1e-3, eps=1e-6)
-    for i in range(3):
-        opt.zero_grad()
-        ref_opt.zero_grad()
-        c.expect(abs(t.smp_step() - t.ref_step()) < 1e-5, f"checkpointed: loss at step {i}")
-        opt.step()
-        ref_opt.step()
-    c.expect(not mismatched(t.local(), t.reference(), atol=1e-5), "checkpointed: parameters")
+    t = _adam(c, "interleaved", 1, checkpointed=True, **SDP)
     stats = t.dm.parallelized.compiled.values()
     c.expect(all(st.fallback is None and st.compiles == 1 for st in stats),
              f"checkpointed: compiled {[st.summary() for st in stats]}")

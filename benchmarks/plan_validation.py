@@ -98,6 +98,11 @@ class Run:
     """Megatron-Core's gradient buffer and reduction dtype (``Setting.megatron_grads``);
     blank: fp32, its default."""
 
+    @property
+    def values(self) -> str:
+        """The precision the run's values are in (an FP8 run's: bf16, its GEMMs in FP8)."""
+        return "bf16" if self.precision == "fp8" else self.precision
+
     def step_flops(self) -> float:
         """FLOPs per step as the source counts them (the file's header)."""
         b, s, n, h, v = self.global_batch, self.seq, self.layers, self.hidden, self.vocab
@@ -178,9 +183,9 @@ def _prepared(config: str | None, layers: int, hidden: int, heads: int, vocab: i
 
 def prepared_for(run: Run) -> Prepared:
     """The run's model on meta: its config as ``--hf-config`` builds it, or a GPT shape
-    (rows of one model, sequence and precision share it)."""
+    (rows of one model, sequence and values' precision share it)."""
     return _prepared(run.config, run.layers, run.hidden, run.heads, run.vocab, run.seq,
-                     run.precision, run.config or f"gpt {run.layers}x{run.hidden}")
+                     run.values, run.config or f"gpt {run.layers}x{run.hidden}")
 
 
 def cluster_for(run: Run) -> ClusterSpec:
@@ -193,8 +198,8 @@ def cluster_for(run: Run) -> ClusterSpec:
 
 def setting_for(run: Run) -> Setting:
     """What the planner holds fixed for the run: its cluster, size, batch and runtime."""
-    return Setting(cluster_for(run), run.gpus, run.global_batch, run.precision,
-                   runtime=run.runtime, megatron_grads=run.grads)
+    return Setting(cluster_for(run), run.gpus, run.global_batch, run.values,
+                   runtime=run.runtime, megatron_grads=run.grads, fp8=run.precision == "fp8")
 
 
 def price(run: Run, prep: Prepared | None = None) -> tuple[float, str]:

@@ -85,6 +85,10 @@ class DeviceSpec:
     (``cost_model.microbench.matmul_table``: the smallest dimension in each of a linear's
     three places against B), ``"cube"`` (d x d x d), or ``""`` (a fitted or estimated
     table, taken to carry no quantization of its own)."""
+    peak_flops_fp8: float = 0.0
+    """Dense FP8 tensor-core FLOP/s; 0 where the device has none (before Hopper). What a
+    GEMM marked to run in FP8 (``passes.meta.GEMM_DTYPE``) is priced against, at
+    ``matmul_efficiency``'s fraction."""
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -96,6 +100,8 @@ class DeviceSpec:
                      "compute_scale", "overhead_scale", "pipelined_scale"):
             if not float(getattr(self, name)) > 0:
                 raise bad(name, f"{name} must be > 0")
+        if not float(self.peak_flops_fp8) >= 0:
+            raise bad("peak_flops_fp8", "peak_flops_fp8 must be >= 0 (0: no FP8 tensor cores)")
         for name in ("link_latency_s", "message_overhead_s", "microbatch_overhead_s",
                      "step_overhead_s", "optimizer_tensor_s", "optimizer_byte_s"):
             if not float(getattr(self, name)) >= 0:
@@ -147,7 +153,14 @@ class DeviceSpec:
                                    pipelined_scale=1.0)
 
     def peak_flops(self, dtype: str = "float32") -> float:
-        """Peak FLOP/s for a value dtype name (half types use the bf16 tensor-core peak)."""
+        """Peak FLOP/s for a value dtype name (half types use the bf16 tensor-core peak,
+        ``float8*`` the FP8 one: an error on a device without FP8 tensor cores)."""
+        if dtype.startswith("float8"):
+            if not self.peak_flops_fp8:
+                raise SMPConfigError.build(
+                    "FP8 GEMMs need FP8 tensor cores", self.name, "DeviceSpec.peak_flops_fp8",
+                    "plan in bf16 on this device, or give its spec a peak_flops_fp8")
+            return self.peak_flops_fp8
         return self.peak_flops_bf16 if dtype in ("bfloat16", "float16") else self.peak_flops_fp32
 
     def matmul_fraction(self, smallest_dim: float) -> float:
@@ -192,7 +205,8 @@ class DeviceSpec:
     def to_json(self) -> dict[str, Any]:
         data = versioned_json(self, SCHEMA_VERSION)
         data["sources"] = dict(self.sources)
-        for name in ("attention_rates", "sm_count", "gemm_tile", "matmul_shapes"):
+        for name in ("attention_rates", "sm_count", "gemm_tile", "matmul_shapes",
+                     "peak_flops_fp8"):
             if not data[name]:  # optional: specs without them read as before
                 del data[name]
         return data

@@ -33,6 +33,9 @@ HOPPER_MATMUL: Table = ((16.0, 0.058), (128.0, 0.41), (512.0, 0.69), (8192.0, 0.
 """bf16 cuBLAS matmuls on GH100 by smallest dimension, as a fraction of the 989 TFLOP/s
 dense peak: 713 TFLOP/s at large sizes (0.72), 96 % of that from 512, 57 % at 128, 8 % at
 16 (``_GH100_CAL``)."""
+_FP8_CURVE = ("estimate: no published FP8 GEMM curve by size was read, so FP8 GEMMs are "
+              "priced at the bf16 table's fraction of the FP8 peak (twice the bf16 rate)")
+
 HOPPER_SDPA: OpRates = (("sdpa", 1 / 544e12, 1 / 252e12, 128.0),)
 """Causal fused attention (PyTorch sdpa, FlashAttention backend) at head dimension 128,
 sequence 1024: 544 TFLOP/s forward, 252 backward, FLOPs counted full-square as
@@ -136,17 +139,20 @@ def _hopper(name: str, bandwidth: float, memory: int, sheet: str, sms: str) -> D
         H100, name=name, mem_bandwidth=bandwidth, memory_bytes=memory,
         matmul_efficiency=HOPPER_MATMUL, elementwise_efficiency=_GPU_ELEMENTWISE,
         op_rates=HOPPER_SDPA, op_overheads=(), optimizer_byte_s=7.0 / bandwidth,
-        sm_count=132, gemm_tile=(128, 256), matmul_shapes=HOPPER_SHAPES)
+        sm_count=132, gemm_tile=(128, 256), matmul_shapes=HOPPER_SHAPES,
+        peak_flops_fp8=1979e12)
     return _sourced(spec, {
         "sm_count": f"{sms}; waves as {_WAVES_GUIDE} documents them",
         "gemm_tile": _HOPPER_TILE,
         "matmul_shapes": f"how {_GH100_CAL} measured HOPPER_MATMUL: each size in a linear's "
                          "three places against 8192 (cost_model.microbench.matmul_table)",
         "peak_flops_bf16": f"{sheet}: 1,979 TFLOPS BF16 with sparsity, 989.4 dense",
+        "peak_flops_fp8": f"{sheet}: 3,958 TFLOPS FP8 with sparsity, 1,979 dense",
         "peak_flops_fp32": f"{sheet}: 67 TFLOPS FP32",
         "mem_bandwidth": sheet, "memory_bytes": sheet,
         "link_bandwidth": f"{sheet}: NVLink 900 GB/s, half each way",
-        "matmul_efficiency": f"{HOPPER_MATMUL} from {_GH100_CAL}",
+        "matmul_efficiency": f"{HOPPER_MATMUL} from {_GH100_CAL}; FP8 GEMMs at the same "
+                             f"fraction of the FP8 peak: {_FP8_CURVE}",
         "op_rates": f"causal sdpa 544 / 252 TFLOP/s (full-square FLOPs) from {_GH100_CAL}"})
 
 
@@ -160,7 +166,8 @@ H200_SXM = _hopper("h200", 4.8e12, int(141 * GB), "NVIDIA H200 Tensor Core GPU d
 _B200_SHEET = ("glennklockwood.com/garden/processors/B200 (HGX B200 at 1000 W: BF16 2250 "
                "TFLOPS dense, FP32 80)")
 B200 = _sourced(dataclasses.replace(
-    H100, name="b200", peak_flops_fp32=80e12, peak_flops_bf16=2250e12, mem_bandwidth=8e12,
+    H100, name="b200", peak_flops_fp32=80e12, peak_flops_bf16=2250e12, peak_flops_fp8=4500e12,
+    mem_bandwidth=8e12,
     memory_bytes=int(179 * GB), link_bandwidth=900 * GB, matmul_efficiency=BLACKWELL_MATMUL,
     elementwise_efficiency=_GPU_ELEMENTWISE, op_overheads=(),
     op_rates=(("sdpa", 989.4 / 2250 / 544e12, 989.4 / 2250 / 252e12, 128.0),),
@@ -173,6 +180,8 @@ B200 = _sourced(dataclasses.replace(
                  "cuBLAS's large bf16 kernels; not published per shape",
     "matmul_shapes": "cubes: pyptx.dev's cuBLAS column times d x d x d GEMMs",
     "peak_flops_bf16": _B200_SHEET, "peak_flops_fp32": _B200_SHEET,
+    "peak_flops_fp8": "estimate: twice the dense BF16 peak, as on Hopper (the Blackwell "
+                      "tensor core's FP8 rate; not read from a B200 datasheet)",
     "mem_bandwidth": "docs.vultr.com HGX B200 hardware overview: 8.0 TB/s HBM3e",
     "memory_bytes": "docs.vultr.com HGX B200 hardware overview: 179 GB as nvidia-smi "
                     "reports it",
@@ -180,7 +189,7 @@ B200 = _sourced(dataclasses.replace(
                       "bidirectional, half each way",
     "matmul_efficiency": f"{BLACKWELL_MATMUL} from pyptx.dev/performance's cuBLAS column "
                          "(bf16 on B200, 2048-8192 cubed); below 2048 GH100's curve "
-                         "scaled (estimate)",
+                         f"scaled (estimate); FP8 GEMMs at the same fraction: {_FP8_CURVE}",
     "op_rates": "estimate: GH100's measured causal sdpa rates (544 / 252 TFLOP/s) times "
                 "the peak ratio 2250 / 989; no published B200 attention figure was read"})
 

@@ -120,6 +120,27 @@ def _work(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
             roofline_time(bwd_flops, 2 * moved, spec, dtype, gemm_dim, waves[1]))
 
 
+FP8_CAST_BYTES = 4.0
+"""Bytes an element of an FP8 GEMM's operand moves to be cast: Transformer Engine's
+cast-transpose reads it in bf16 (2) and writes it in FP8 twice (1 + 1: as is, and
+transposed for the GEMM that reads it the other way round)."""
+
+
+def fp8_cast_times(in_elems: float, out_elems: float, spec: DeviceSpec
+                   ) -> tuple[float, float]:
+    """(forward, backward) seconds an FP8 linear spends casting its operands, besides its
+    GEMMs: its input in the forward, its output gradient in the backward, each
+    ``FP8_CAST_BYTES`` an element at the device's element-wise bandwidth. The weight's
+    cast, once a step for every microbatch, is not counted; nor is the saving where a
+    recipe fuses the cast into the op before (a layer norm's output): an upper bound on
+    the casts' traffic."""
+    def cast(elems: float) -> float:
+        nbytes = FP8_CAST_BYTES * elems
+        return nbytes / spec.bandwidth(nbytes) if nbytes > 0 else 0.0
+
+    return cast(in_elems) * spec.compute_scale, cast(out_elems) * spec.compute_scale
+
+
 def comm_time(nbytes: float, spec: DeviceSpec) -> float:
     """Seconds to send ``nbytes`` over one link: latency + bytes / link bandwidth (0 for 0)."""
     _check(0.0, nbytes)

@@ -23,11 +23,11 @@ from cost_model.errors import SMPTracingError
 from cost_model.flops import CREATION_OPS, VIEW_OPS, gemm_dims, numel, op_flops
 from cost_model.measure import fake_module_cost
 from cost_model.node_cost import NodeCost
-from cost_model.roofline import node_times
+from cost_model.roofline import fp8_cast_times, node_times
 from cost_model.saved import saved_rule
 from cost_model.waves import wave_gemm
 from passes.graph_utils import copy_graph_module
-from passes.meta import COST, GEMM, PARAMS, SAVED, TENSOR
+from passes.meta import COST, GEMM, GEMM_DTYPE, PARAMS, SAVED, TENSOR
 from passes.shape_prop import TensorInfo, total_nbytes
 
 log = logging.getLogger("smp_fx.cost")
@@ -254,6 +254,7 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
                 if isinstance(a, torch.fx.Node)) + out_bytes
     moved += sum(p.numel() * p.element_size() for p in params)
     dtype = info.dtype if isinstance(info, TensorInfo) else "float32"
+    math_dtype = GEMM_DTYPE.get(node)  # an FP8 linear (passes.fp8_linears)
     gemm = gemm_dims(op, shapes, out_shape, attrs)
     waved = wave_gemm(op, gemm, out_shape)
     if waved is not None:
@@ -262,10 +263,15 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
         fwd_t = bwd_t = 0.0
     else:
         fwd_t, bwd_t = node_times(op, device, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
-                                  out_elems=_elements(info), moved=moved, dtype=dtype,
+                                  out_elems=_elements(info), moved=moved,
+                                  dtype=math_dtype or dtype,
                                   gemm_dim=min(gemm) if gemm else None,
                                   module=node.op == "call_module", backward=st.rg[node.name],
                                   seq=gemm[2] if gemm and op == "sdpa" else None, gemm=waved)
+        if math_dtype:
+            cast_f, cast_b = fp8_cast_times(math.prod(shapes[0]) if shapes and shapes[0]
+                                            else 0, _elements(info), device)
+            fwd_t, bwd_t = fwd_t + cast_f, bwd_t + (cast_b if st.rg[node.name] else 0.0)
     cost = NodeCost(fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_time_s=fwd_t,
                     bwd_time_s=bwd_t, param_bytes=param_bytes, output_bytes=out_bytes,
                     saved_bytes=saved, op=op, known=known)

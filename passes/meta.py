@@ -65,10 +65,14 @@ GEMM: MetaKey[Any] = MetaKey(
     "smp.gemm", "(priced, runs): the cost_model.waves.Gemm the node's COST was priced at and "
     "the one this rank runs (a tensor-parallel shard); passes.reprice_gemms "
     "brings the first to the second")
+GEMM_DTYPE: MetaKey[str] = MetaKey(
+    "smp.gemm_dtype", "the dtype a weight GEMM does its math in where not its values' own "
+    "('float8': a linear run as Transformer Engine's FP8 recipes run it; "
+    "passes.fp8_linears)")
 PLAIN_COST: MetaKey[Any] = MetaKey(
     "smp.plain_cost", "the node's COST without checkpointing (restored if its region is "
     "dropped)")
 
 ALL_KEYS: tuple[MetaKey[Any], ...] = (MODULE_PATH, PARAMS, TENSOR, COST, PIN, STAGE, SAVED,
                                       CKPT_REGION, PLAIN_COST, TP, TP_SPLIT, TP_GATHERED,
-                                      CP_LOCAL, GEMM)
+                                      CP_LOCAL, GEMM, GEMM_DTYPE)

@@ -101,6 +101,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     p.add_argument("--inter-node-bandwidth", type=float,
                    help="bytes/s per node, one direction, all network cards together")
     p.add_argument("--precision", choices=PRECISIONS, default="bf16")
+    p.add_argument("--fp8", action="store_true",
+                   help="price the repeated layers' linears in FP8, as Transformer Engine's "
+                   "FP8 recipes run them (the rest in --precision); smp-fx's runtime does "
+                   "not train in FP8, so no --emit-config")
     p.add_argument("--adam", choices=("foreach", "fused"), default="foreach",
                    help="the Adam the script steps with on a GPU: torch's default "
                    "(foreach: a float32 temporary of the parameters at the step) or a fused "
@@ -242,7 +246,7 @@ def _report(prepared: Prepared, progress: Any) -> None:
 def _json_doc(planned: Planned, prepared: Prepared, cluster: ClusterSpec, gpus: int,
               args: argparse.Namespace) -> dict[str, Any]:
     return {"model": {**prepared.info.to_json(), "global_batch": args.global_batch,
-                      "precision": args.precision, "gpus": gpus},
+                      "precision": args.precision, "fp8_linears": args.fp8, "gpus": gpus},
             "cluster": cluster.to_json(), "best": planned.best.to_json(),
             "candidates": [r.to_json() for r in planned.records]}
 
@@ -256,6 +260,12 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
             print(f"[{time.perf_counter() - t0:6.2f}s] {message}", file=sys.stderr,
                   flush=True)
 
+    if args.fp8 and args.emit_config:
+        raise SMPConfigError.build(
+            "--emit-config writes what smp-fx's runtime runs, and it does not train in FP8",
+            "--fp8 --emit-config", "smp-fx plan",
+            "drop --fp8 to emit a configuration (it then plans in --precision), or drop "
+            "--emit-config to price FP8")
     fixed = parse_fix(args.fix)
     counts = gpu_counts(args.gpus)
     cluster = make_cluster(args, max(counts))
@@ -264,7 +274,7 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     def setting_of(cl: ClusterSpec, gpus: int, batch: int, precision: str) -> Setting:
         return Setting(cl, gpus, batch, precision, host_factor(cl, gpus),
                        step_temporary=args.adam == "foreach" and "cpu" not in cl.device.name,
-                       cp_local_outputs=args.cp_local_outputs)
+                       cp_local_outputs=args.cp_local_outputs, fp8=args.fp8)
 
     before, refitted = cluster, None
     if args.measured:
@@ -281,7 +291,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     points = []
     planned: Planned | None = None
     best_before = 0.0
-    profiler = Profiler(prepared, cluster)  # part pricings shared by every --gpus count
+    # part pricings shared by every --gpus count
+    profiler = Profiler(prepared, cluster, fp8=args.fp8)
     for gpus in counts:
         setting = setting_of(cluster, gpus, args.global_batch, args.precision)
         if setting.compute_factor > 1:
@@ -292,7 +303,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
                        max_mbs=args.max_mbs, profiler=profiler, progress=progress)
         print(f"plan for {prepared.info.name} on {gpus} x {cluster.device.name} "
               f"({cluster.name}, {cluster.gpus_per_node} per node), global batch "
-              f"{args.global_batch}, {args.precision}", file=out)
+              f"{args.global_batch}, {args.precision}"
+              f"{' with FP8 linears' if args.fp8 else ''}", file=out)
         print(plan_render.format_plans(planned), file=out)
         best = planned.best
         if refitted is not None:

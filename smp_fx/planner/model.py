@@ -22,6 +22,7 @@ from cost_model.cluster import ClusterSpec
 from cost_model.collectives import bus_bandwidth
 from cost_model.device import DeviceSpec
 from cost_model.gpu_specs import with_te_attention
+from passes.fp8_linears import mark_fp8_linears
 from passes.trace import Frontend, trace
 from smp_fx.planner.layers import Repeats, find_repeats, keep_layers, tidy
 from smp_fx.planner.overlap import MEGATRON_CORE, MEGATRON_LM, SMP_FX
@@ -94,7 +95,8 @@ class Profiler:
     """``Profile``s of a prepared model on a cluster, each priced once (module docstring)."""
 
     def __init__(self, prepared: Prepared, cluster: ClusterSpec,
-                 marked: tuple[str, ...] = ("",), runtime: str = SMP_FX) -> None:
+                 marked: tuple[str, ...] = ("",), runtime: str = SMP_FX,
+                 fp8: bool = False) -> None:
         self.prepared = prepared
         self.cluster = cluster
         self.marked = marked
@@ -104,6 +106,10 @@ class Profiler:
                                    if runtime == MEGATRON_CORE else cluster.device)
         """The spec ops are priced on: Megatron-Core's runs take Transformer Engine's
         attention (``cost_model.gpu_specs.with_te_attention``)."""
+        self.fp8 = fp8
+        """The repeated layers' linears run in FP8 (``Setting.fp8``)."""
+        if fp8:
+            self.device.peak_flops("float8")  # a GPU without FP8 tensor cores: said now
         self._cache: dict[tuple[int, int, bool], Profile] = {}
         self._costed: dict[int, torch.fx.GraphModule] = {}
 
@@ -136,7 +142,10 @@ class Profiler:
         degree and sp priced at that size (``smp_fx.planner.profile.costed``)."""
         if mbs not in self._costed:
             p = self.prepared
-            self._costed[mbs] = costed(p.graph, p.inputs, mbs, self.device)
+            graph = p.graph
+            if self.fp8:
+                graph = mark_fp8_linears(graph, p.repeats.parent if p.repeats else "")
+            self._costed[mbs] = costed(graph, p.inputs, mbs, self.device)
         return self._costed[mbs]
 
     @property

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from cost_model.errors import SMPConfigError
+from cost_model.errors import SMPConfigError, SMPInternalError
 from smp_fx.planner.candidate import Candidate
 from smp_fx.planner.model import Prepared, Profiler
 from smp_fx.planner.overlap import MEGATRON_CORE
@@ -55,14 +55,19 @@ def plan(prepared: Prepared, setting: Setting, *, fixed: Mapping[str, Any] | Non
     """Search and rank (``smp_fx.planner.search``); raise when nothing fits (module doc)."""
     fixed = dict(fixed or {})
     check_fixed(fixed, setting.gpus, setting.global_batch, prepared.info.layers)
-    prof = profiler or Profiler(prepared, setting.cluster, runtime=setting.runtime)
+    prof = profiler or Profiler(prepared, setting.cluster, runtime=setting.runtime,
+                                fp8=setting.fp8)
+    if prof.fp8 != setting.fp8:
+        raise SMPInternalError.build("a profiler prices FP8 linears as its setting does",
+                                     prof.fp8, "smp_fx.planner.planner.plan",
+                                     "make the Profiler with fp8=setting.fp8")
     result = search(prof, setting, fixed=fixed, allowed=allowed, top_k=top_k,
                     max_mbs=max_mbs, progress=progress)
     if not result.ranked:
         raise no_plan(result, setting, fixed)
     flops = model_flops(prof(1, 1, False))
-    peak = setting.cluster.device.peak_flops("float32" if setting.precision == "fp32"
-                                             else "bfloat16")
+    peak = setting.cluster.device.peak_flops(
+        "float8" if setting.fp8 else "float32" if setting.precision == "fp32" else "bfloat16")
     records = [record(p, model_flops_per_sample=flops, global_batch=setting.global_batch,
                       tokens_per_sample=prepared.info.tokens_per_sample, peak_flops=peak,
                       refused=result.what_if.get(p.candidate))

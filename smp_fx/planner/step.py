@@ -103,6 +103,10 @@ class Setting:
     megatron_grads: str = "fp32"
     """Under ``"megatron-core"`` at bf16: the gradients' buffer and reduction dtype
     (``smp_fx.planner.overlap.GRADS``)."""
+    fp8: bool = False
+    """The repeated layers' linears do their GEMMs in FP8, as Transformer Engine's FP8
+    recipes run them (``passes.fp8_linears``); the weights, activations and state stay
+    in ``precision``."""
 
     @functools.cached_property
     def fabric(self) -> Fabric:

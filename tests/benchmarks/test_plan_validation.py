@@ -25,9 +25,10 @@ def test_every_row_parses_and_names_its_source() -> None:
         assert len(r.source) > 30 and r.gpu == GPU_TYPE[r.cluster], r.id
         assert r.tp * r.pp * r.cp * r.dp == r.gpus and r.global_batch % r.dp == 0, r.id
         assert r.config is None or (pv.CONFIGS / r.config).is_file(), r.id
-        assert get_cluster(r.cluster).device.peak_flops_bf16 > 0
-        assert 0.05 < r.tflops_per_gpu * 1e12 / get_cluster(r.cluster).device.peak_flops_bf16 \
-            < 0.7, r.id  # a published MFU, whatever the metric (MoE runs publish 7-16 %)
+        peak = get_cluster(r.cluster).device.peak_flops(
+            "float8" if r.precision == "fp8" else "bfloat16")
+        assert 0.05 < r.tflops_per_gpu * 1e12 / peak < 0.7, r.id
+        # a published MFU, whatever the metric (MoE runs publish 7-16 %)
     assert {r.gpu for r in runs if r.fitted} == {"A100"}
     assert len({r.gpu for r in runs if not r.fitted}) >= 3
 
@@ -54,6 +55,27 @@ def test_a_recipes_attention_backend_and_gradient_dtype_are_read() -> None:
     assert pv.setting_for(runs[0]).megatron_grads == runs[0].grads
     llama = next(r for r in runs if r.grads == "bf16")
     assert pv.setting_for(llama).megatron_grads == "bf16"
+
+
+def test_fp8_rows_are_the_bf16_tables_runs_with_fp8_linears() -> None:
+    """dgxc-benchmarking's Llama 3.1 READMEs publish each configuration in BF16 and FP8: an
+    FP8 row is its BF16 row (same keys, same model in bf16) priced with FP8 linears, and
+    its step time gives the MFU the README states of the 1979 TFLOP/s FP8 peak."""
+    runs = {r.id: r for r in pv.read_runs()}
+    fp8 = [r for r in runs.values() if r.precision == "fp8"]
+    assert len(fp8) == 14
+    for r in fp8:
+        twin = runs[r.id.replace("-fp8-", "-")]
+        assert dataclasses.replace(r, id=twin.id, precision="bf16", published=twin.published,
+                                   source=twin.source) == twin, r.id
+        assert r.published < twin.published, r.id  # FP8 steps are faster
+        setting = pv.setting_for(r)
+        assert setting.fp8 and setting.precision == "bf16" and not pv.setting_for(twin).fp8
+        assert pv.prepared_for(r) is pv.prepared_for(twin)  # one model, its values in bf16
+    # (the 405B README's MFU counts 16 query groups in its Notes; the model has 8)
+    for row, mfu in (("nemo-24.09-h100-llama3.1-8b-fp8-8", 0.3963),
+                     ("nemo-24.09-h100-llama3.1-70b-fp8-64", 0.3617)):
+        assert abs(runs[row].tflops_per_gpu / 1979 - mfu) < 0.003, row
 
 
 def test_the_readme_tables_unpublished_keys_are_read_from_megatron_lm() -> None:

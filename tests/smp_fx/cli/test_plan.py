@@ -109,3 +109,21 @@ def test_scaling_curve_and_timeline(tmp_path: Path, capsys) -> None:
     assert plan_cli.main(args) == 0
     text = capsys.readouterr().out
     assert "GPU-hours (1e+09 tok)" in text and curve.stat().st_size > 0
+
+
+def test_fp8_prices_on_an_fp8_gpu_and_refuses_what_it_cannot(
+        tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out = tmp_path / "plan.json"
+    args = [*_plan("--fix", "tp=1,pp=1,mbs=2", "--json", str(out))]
+    h100 = [a if a != "a100" else "h100" for a in args]
+    assert plan_cli.main([*h100, "--fp8"]) == 0
+    assert "bf16 with FP8 linears" in capsys.readouterr().out
+    assert json.loads(out.read_text())["model"]["fp8_linears"] is True
+    assert plan_cli.main(h100) == 0
+    assert json.loads(out.read_text())["model"]["fp8_linears"] is False
+    capsys.readouterr()
+    assert plan_cli.main([*args, "--fp8"]) == 2  # an A100 has no FP8 tensor cores
+    assert "FP8 GEMMs need FP8 tensor cores" in capsys.readouterr().err
+    assert plan_cli.main([*h100, "--fp8", "--emit-config", str(tmp_path / "c.json")]) == 2
+    assert "does not train in FP8" in capsys.readouterr().err
+    assert not (tmp_path / "c.json").exists()

@@ -139,3 +139,33 @@ def test_search_covers_the_space_without_fixes(prepared) -> None:
     assert {s for s, *_ in seen} == {"simple", "interleaved", "zero_bubble", "zbv"}
     assert {z for *_, z, _ in seen} == {"none", "zero1", "fsdp"}
     assert {r for _, _, r, _, _ in seen} == {"none", "selective", "full"}
+
+
+def test_fp8_linears_price_large_gemms_faster_and_tiny_ones_slower() -> None:
+    """Large GEMMs run at twice the rate; a tiny model's memory-bound GEMMs gain nothing
+    and pay for their casts."""
+    import functools
+
+    import torch
+
+    from cost_model.cluster import get_cluster
+    from examples.models import gpt
+
+    h100 = get_cluster("dgx-h100")
+    with torch.device("meta"):
+        wide = gpt.build_model(n_layer=3, n_embd=2048, n_head=16, vocab_size=64,
+                               seq_len=1024).to(torch.bfloat16)
+    for model, faster in ((prepare(wide, functools.partial(gpt.example_inputs, seq_len=1024,
+                                                              vocab_size=64)), True),
+                          (prepare(tiny_gpt(4).to(torch.bfloat16), gpt_inputs), False)):
+        fixed = {"tp": 1, "pp": 1, "mbs": 4}
+        bf16 = plan(model, Setting(h100, 8, 64), fixed=fixed, top_k=1).best
+        fp8 = plan(model, Setting(h100, 8, 64, fp8=True), fixed=fixed, top_k=1).best
+        assert fp8.candidate == bf16.candidate
+        assert (fp8.step_time_s < 0.8 * bf16.step_time_s) if faster else (
+            fp8.step_time_s > bf16.step_time_s)
+        assert fp8.mfu == pytest.approx(fp8.model_tflops_per_gpu * 1e12 / 1979e12, rel=1e-3)
+    with pytest.raises(SMPConfigError, match="FP8 tensor cores"):
+        Profiler(model, get_cluster("dgx-a100-80gb"), fp8=True)
+    with pytest.raises(Exception, match="fp8=setting.fp8"):
+        plan(model, Setting(h100, 8, 64, fp8=True), profiler=Profiler(model, h100))

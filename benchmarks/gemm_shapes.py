@@ -65,7 +65,8 @@ def collect_run(run: Any) -> dict[str, Any]:
     from smp_fx.planner.profile import rank_graph, split_parts
 
     prep, setting = pv.prepared_for(run), pv.setting_for(run)
-    prof = Profiler(prep, setting.cluster, runtime=setting.runtime)  # the plan's, reused
+    prof = Profiler(prep, setting.cluster, runtime=setting.runtime,
+                    fp8=setting.fp8)  # the plan's, reused
     c = plan(prep, setting, fixed=run.fix(), top_k=1, profiler=prof).best.candidate
     gm, _ = rank_graph(prof.costed(c.mbs), c.tp, c.sp, prof.device, prof.tp_comm(c.tp))
     parts = split_parts(gm, prep.repeats)
@@ -97,6 +98,9 @@ def collect(gpu: str, rows: str) -> dict[str, Any]:
     out = []
     for run in pv.read_runs():
         if (rows and run.id not in rows.split(",")) or (gpu and run.gpu != gpu):
+            continue
+        if run.precision == "fp8":
+            print(f"{run.id}: FP8 linears; left out (this times bf16 GEMMs)", flush=True)
             continue
         try:
             out.append(collect_run(run))

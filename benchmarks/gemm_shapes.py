@@ -14,7 +14,11 @@ by timing them, which this does in three steps:
 - ``time`` (a GPU): each distinct shape timed in bf16 in the three GEMMs a linear runs
   (forward ``x W^T``, input gradient ``g W``, weight gradient ``g^T x``), CUDA events, the
   median of ``--repeats`` means of ``--calls`` calls; ``--grid`` adds a grid of shapes
-  (tokens x contraction x outputs) that no run chose;
+  (tokens x contraction x outputs) that no run chose. A GEMM an FP8 row runs in FP8
+  (``passes.fp8_linears``) is timed as ``torch._scaled_mm`` in float8_e4m3fn with the
+  casts priced beside it (``cost_model.roofline.fp8_cast_times``): the forward with its
+  input's, the input gradient with the output gradient's (each cast and transposed copy
+  a kernel of its own, where Transformer Engine runs one: an upper bound);
 - ``compare``: per run, the GEMMs of a layer priced and measured, and per shape the
   measured share of the dense bf16 peak beside the priced one.
 
@@ -50,8 +54,10 @@ PART_NAMES = ("head", "first layer", "layer", "tail")
 """``split_parts``' parts of a graph with repeated layers, in order."""
 
 
-def _key(m: int, k: int, n: int, batch: int) -> str:
-    return f"{m}x{k}x{n}" + (f"x{batch}" if batch > 1 else "")
+def _key(m: int, k: int, n: int, batch: int, fp8: bool = False, casts: bool = True) -> str:
+    """A shape's name; an FP8 one's says whether its input's cast is timed with it."""
+    return f"{m}x{k}x{n}" + (f"x{batch}" if batch > 1 else "") + (
+        (" fp8" if casts else " fp8 uncast") if fp8 else "")
 
 
 def collect_run(run: Any) -> dict[str, Any]:
@@ -59,7 +65,8 @@ def collect_run(run: Any) -> dict[str, Any]:
     import plan_validation as pv
 
     from cost_model.waves import WAVE_OPS
-    from passes.meta import COST, GEMM
+    from passes.fp8_linears import FP8
+    from passes.meta import COST, GEMM, GEMM_DTYPE
     from smp_fx.planner.model import Profiler
     from smp_fx.planner.planner import plan
     from smp_fx.planner.profile import rank_graph, split_parts
@@ -73,6 +80,7 @@ def collect_run(run: Any) -> dict[str, Any]:
     names = PART_NAMES if prep.repeats is not None and len(parts) == 4 else tuple(
         f"part {i}" for i in range(len(parts)))
     gemms = []
+    cast: set[str] = set()  # inputs an FP8 GEMM already cast (annotate_costs' rule)
     for name, nodes in zip(names, parts, strict=True):
         if name == "first layer":
             continue  # the repeated layer stands for every layer
@@ -81,8 +89,14 @@ def collect_run(run: Any) -> dict[str, Any]:
             if shapes is None or cost is None or cost.op not in WAVE_OPS:
                 continue  # the rewrite's own nodes carry the linear's meta too
             g = shapes[1]
+            fp8 = GEMM_DTYPE.get(node) == FP8
+            x = node.args[0].name if node.args else ""
+            casts = fp8 and x not in cast
+            if casts:
+                cast.add(x)
             gemms.append({"part": name, "node": node.name, "m": g.m, "k": g.k, "n": g.n,
                           "batch": g.batch, "flops": 2.0 * g.m * g.k * g.n * g.batch,
+                          "fp8": fp8, "casts_input": casts,
                           "priced_forward_s": cost.fwd_time_s,
                           "priced_backward_s": cost.bwd_time_s})
     return {"run": run.id, "plan": c.label(), "device": prof.device.name,
@@ -99,9 +113,6 @@ def collect(gpu: str, rows: str) -> dict[str, Any]:
     for run in pv.read_runs():
         if (rows and run.id not in rows.split(",")) or (gpu and run.gpu != gpu):
             continue
-        if run.precision == "fp8":
-            print(f"{run.id}: FP8 linears; left out (this times bf16 GEMMs)", flush=True)
-            continue
         try:
             out.append(collect_run(run))
         except SMPError as exc:
@@ -112,17 +123,58 @@ def collect(gpu: str, rows: str) -> dict[str, Any]:
 
 
 def shapes_of(collected: dict[str, Any], grid: bool) -> list[tuple[int, int, int, int]]:
-    """The distinct (m, k, n, batch) of the collected runs, then the grid's."""
+    """The distinct (m, k, n, batch) the collected runs run in bf16, then the grid's."""
     seen: dict[tuple[int, int, int, int], None] = {}
     for run in collected["runs"]:
         for g in run["gemms"]:
-            seen[(g["m"], g["k"], g["n"], g["batch"])] = None
+            if not g.get("fp8"):
+                seen[(g["m"], g["k"], g["n"], g["batch"])] = None
     if grid:
         for m in GRID_M:
             for k in GRID_KN:
                 for n in GRID_KN:
                     seen[(m, k, n, 1)] = None
     return list(seen)
+
+
+def fp8_shapes_of(collected: dict[str, Any]) -> list[tuple[int, int, int, bool]]:
+    """The distinct (m, k, n, whether it casts its input) the collected runs run in FP8."""
+    return list(dict.fromkeys((g["m"], g["k"], g["n"], g["casts_input"])
+                              for run in collected["runs"] for g in run["gemms"]
+                              if g.get("fp8")))
+
+
+def _fp8_forms(m: int, k: int, n: int, device: torch.device, casts_input: bool = True
+               ) -> dict[str, Callable[[], torch.Tensor]]:
+    """The three GEMMs of an FP8 linear of this shape, as ``torch._scaled_mm`` takes them
+    (its second operand column-major, hence the transposed copies), the forward with its
+    input's casts (unless another linear cast that input) and the input gradient with the
+    output gradient's; the weight's casts happen once a step and are left out, as the
+    pricing leaves them out."""
+    f8, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    one = torch.ones((), device=device)
+    x, g = (torch.randn(*s, dtype=bf16, device=device) for s in ((m, k), (m, n)))
+    w8 = torch.randn(n, k, dtype=bf16, device=device).to(f8)
+    w8t = w8.t().contiguous()
+    x8t, g8t = x.t().contiguous().to(f8), g.t().contiguous().to(f8)
+
+    def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=bf16)
+
+    x8 = x.to(f8)
+
+    def forward() -> torch.Tensor:
+        if not casts_input:
+            return mm(x8, w8.t())
+        fresh, _ = x.to(f8), x.t().contiguous().to(f8)
+        return mm(fresh, w8.t())
+
+    def input_grad() -> torch.Tensor:
+        g8, _ = g.to(f8), g.t().contiguous().to(f8)
+        return mm(g8, w8t.t())
+
+    return {"forward": forward, "input_grad": input_grad,
+            "weight_grad": lambda: mm(g8t, x8t.t())}
 
 
 def _forms(m: int, k: int, n: int, batch: int, dtype: torch.dtype, device: torch.device
@@ -169,14 +221,19 @@ def time_call(fn: Callable[[], Any], calls: int, repeats: int, device: torch.dev
 
 
 def time_shapes(shapes: Iterable[tuple[int, int, int, int]], calls: int, repeats: int,
-                dtype: torch.dtype, device: torch.device) -> list[dict[str, Any]]:
-    """Each shape's three GEMMs timed (``time_call``), with the FLOP/s each reached."""
+                dtype: torch.dtype, device: torch.device, fp8: bool = False
+                ) -> list[dict[str, Any]]:
+    """Each shape's three GEMMs timed (``time_call``), with the FLOP/s each reached; with
+    ``fp8``, each (m, k, n, casts its input) as an FP8 linear runs it (``_fp8_forms``)."""
     out = []
     shapes = list(shapes)
-    for i, (m, k, n, batch) in enumerate(shapes):
-        forms = _forms(m, k, n, batch, dtype, device)
+    for i, (m, k, n, fourth) in enumerate(shapes):
+        batch, casts = (1, bool(fourth)) if fp8 else (fourth, True)
+        forms = (_fp8_forms(m, k, n, device, casts) if fp8
+                 else _forms(m, k, n, batch, dtype, device))
         flops = 2.0 * m * k * n * batch
-        row: dict[str, Any] = {"m": m, "k": k, "n": n, "batch": batch}
+        row: dict[str, Any] = {"m": m, "k": k, "n": n, "batch": batch, "fp8": fp8,
+                               "casts_input": casts}
         for form, fn in forms.items():
             s = time_call(fn, calls, repeats, device)
             row[f"{form}_s"], row[f"{form}_flops_per_s"] = s, flops / s
@@ -193,11 +250,14 @@ def time_main(args: argparse.Namespace) -> dict[str, Any]:
     device = torch.device("cuda", 0) if gpu else torch.device("cpu")
     dtype = torch.bfloat16 if gpu else torch.float32
     shapes = shapes_of(collected, args.grid and not args.tiny)
+    fp8 = [(m, k, n, int(c)) for m, k, n, c in fp8_shapes_of(collected)]
     if args.tiny:
-        shapes = [(64, 32, 48, 1), (32, 16, 24, 2)]
+        shapes, fp8 = [(64, 32, 48, 1), (32, 16, 24, 2)], [(64, 32, 48, 1), (64, 32, 16, 0)]
     name = torch.cuda.get_device_name(device) if gpu else "cpu"
-    print(f"timing {len(shapes)} shapes x {len(FORMS)} GEMMs on {name} ({dtype})", flush=True)
+    print(f"timing {len(shapes)} shapes x {len(FORMS)} GEMMs on {name} ({dtype}), "
+          f"{len(fp8)} in FP8", flush=True)
     rows = time_shapes(shapes, args.calls, args.repeats, dtype, device)
+    rows += time_shapes(fp8, args.calls, args.repeats, dtype, device, fp8=True)
     return {"device": name, "torch": torch.__version__,
             "cuda": torch.version.cuda, "dtype": str(dtype).split(".")[-1],
             "calls": args.calls, "repeats": args.repeats, "shapes": rows}
@@ -206,7 +266,8 @@ def time_main(args: argparse.Namespace) -> dict[str, Any]:
 def compare(collected: dict[str, Any], timed: dict[str, Any]) -> list[str]:
     """Per run, its layer's and head/tail's GEMMs priced against measured (forward and
     backward, seconds a microbatch), and the worst shapes by measured / priced."""
-    measured = {_key(r["m"], r["k"], r["n"], r["batch"]): r for r in timed["shapes"]}
+    measured = {_key(r["m"], r["k"], r["n"], r["batch"], r.get("fp8", False),
+                     r.get("casts_input", True)): r for r in timed["shapes"]}
     lines = [f"measured on {timed['device']} ({timed['dtype']}, torch {timed['torch']}, "
              f"CUDA {timed['cuda']}); priced on each run's spec",
              f"{'run':<36} {'part':<6} {'GEMMs':>5} {'priced ms':>10} {'measured ms':>11} "
@@ -218,7 +279,8 @@ def compare(collected: dict[str, Any], timed: dict[str, Any]) -> list[str]:
             if not gemms:
                 continue
             priced = sum(g["priced_forward_s"] + g["priced_backward_s"] for g in gemms)
-            got = [measured.get(_key(g["m"], g["k"], g["n"], g["batch"])) for g in gemms]
+            got = [measured.get(_key(g["m"], g["k"], g["n"], g["batch"], g.get("fp8", False),
+                                     g.get("casts_input", True))) for g in gemms]
             if any(t is None for t in got) or priced <= 0:
                 lines.append(f"{run['run']:<36} {part:<6} not timed")
                 continue
@@ -235,11 +297,15 @@ def compare(collected: dict[str, Any], timed: dict[str, Any]) -> list[str]:
 
 
 def efficiency_lines(timed: dict[str, Any], peak: float) -> list[str]:
-    """Each timed shape's three GEMMs as a share of ``peak``."""
+    """Each timed shape's three GEMMs as a share of ``peak`` (an FP8 shape's: of twice it,
+    Hopper's FP8 peak)."""
     lines = [f"{'m x k x n (x batch)':<24} " + " ".join(f"{f:>11}" for f in FORMS)]
     for r in timed["shapes"]:
-        cells = " ".join(f"{r[f'{f}_flops_per_s'] / peak:>11.3f}" for f in FORMS)
-        lines.append(f"{_key(r['m'], r['k'], r['n'], r['batch']):<24} {cells}")
+        of = peak * (2.0 if r.get("fp8") else 1.0)
+        cells = " ".join(f"{r[f'{f}_flops_per_s'] / of:>11.3f}" for f in FORMS)
+        name = _key(r["m"], r["k"], r["n"], r["batch"], r.get("fp8", False),
+                    r.get("casts_input", True))
+        lines.append(f"{name:<24} {cells}")
     return lines
 
 

@@ -129,7 +129,8 @@ transposed for the GEMM that reads it the other way round)."""
 def fp8_cast_times(in_elems: float, out_elems: float, spec: DeviceSpec
                    ) -> tuple[float, float]:
     """(forward, backward) seconds an FP8 linear spends casting its operands, besides its
-    GEMMs: its input in the forward, its output gradient in the backward, each
+    GEMMs: its input in the forward (``in_elems``: 0 where another FP8 linear cast the same
+    input, as q, k and v share theirs), its output gradient in the backward, each
     ``FP8_CAST_BYTES`` an element at the device's element-wise bandwidth. The weight's
     cast, once a step for every microbatch, is not counted; nor is the saving where a
     recipe fuses the cast into the op before (a layer norm's output): an upper bound on

@@ -151,6 +151,7 @@ class _State:
         self.saved: dict[str, tuple[tuple[tuple[str, int], ...], int]] = {}
         self.seen_params: set[int] = set()
         self.nodes: dict[str, torch.fx.Node] = {n.name: n for n in gm.graph.nodes}
+        self.fp8_cast: set[str] = set()  # values already cast to FP8 by an FP8 linear
 
     def tensor_of(self, name: str) -> torch.Tensor:
         try:
@@ -268,8 +269,13 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
                                   gemm_dim=min(gemm) if gemm else None,
                                   module=node.op == "call_module", backward=st.rg[node.name],
                                   seq=gemm[2] if gemm and op == "sdpa" else None, gemm=waved)
-        if math_dtype:
-            cast_f, cast_b = fp8_cast_times(math.prod(shapes[0]) if shapes and shapes[0]
+        if math_dtype:  # an input several FP8 linears read (q, k, v) is cast once
+            x = node.args[0] if node.args else None
+            read = x.name if isinstance(x, torch.fx.Node) else ""
+            first = bool(read) and read not in st.fp8_cast
+            if first:
+                st.fp8_cast.add(read)
+            cast_f, cast_b = fp8_cast_times(math.prod(shapes[0]) if first and shapes[0]
                                             else 0, _elements(info), device)
             fwd_t, bwd_t = fwd_t + cast_f, bwd_t + (cast_b if st.rg[node.name] else 0.0)
     cost = NodeCost(fwd_flops=fwd_flops, bwd_flops=bwd_flops, fwd_time_s=fwd_t,

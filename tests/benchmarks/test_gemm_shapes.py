@@ -83,6 +83,30 @@ def test_time_tiny_runs_on_the_cpu(tmp_path: Path, collected: dict[str, Any]) ->
     run_script_on_cpu("benchmarks/gemm_shapes.py", "time", str(src), "--tiny", "--out",
                       str(out), cwd=tmp_path)
     timed = json.loads(out.read_text())
-    assert timed["device"] == "cpu" and len(timed["shapes"]) == 2
+    assert timed["device"] == "cpu" and len(timed["shapes"]) == 4
+    assert [(r["fp8"], r["casts_input"]) for r in timed["shapes"]] == [
+        (False, True), (False, True), (True, True), (True, False)]  # torch._scaled_mm
     for row in timed["shapes"]:
         assert all(row[f"{f}_s"] > 0 for f in gs.FORMS)
+
+
+def test_an_fp8_rows_layer_gemms_are_timed_in_fp8_and_its_head_in_bf16() -> None:
+    fp8, bf16 = (gs.collect_run(_run(r)) for r in ("nemo-24.09-h100-llama3.1-8b-fp8-8",
+                                                   "nemo-24.09-h100-llama3.1-8b-8"))
+    shape = [(g["part"], g["m"], g["k"], g["n"]) for g in fp8["gemms"]]
+    assert shape == [(g["part"], g["m"], g["k"], g["n"]) for g in bf16["gemms"]]
+    assert {g["part"] for g in fp8["gemms"] if g["fp8"]} == {"layer"}
+    assert [g for g in fp8["gemms"] if g["part"] == "tail"] and not any(
+        g["fp8"] for g in fp8["gemms"] if g["part"] != "layer")
+    assert not any(g["fp8"] for g in bf16["gemms"])
+    # q, k and v read one input, gate and up another: each cast once, by the first
+    layer = [g for g in fp8["gemms"] if g["part"] == "layer"]
+    assert [g["casts_input"] for g in layer] == [True, False, False, True, True, False, True]
+    for a, b in zip(fp8["gemms"], bf16["gemms"], strict=True):
+        if a["fp8"] and a["n"] >= a["k"]:  # large GEMMs: about half the time, plus casts
+            assert 0.45 < a["priced_forward_s"] / b["priced_forward_s"] < 0.8, a
+    both = {"runs": [fp8]}
+    assert {(g["m"], g["k"], g["n"], g["casts_input"]) for g in layer} == set(
+        gs.fp8_shapes_of(both))
+    assert gs.shapes_of(both, grid=False) == [
+        (g["m"], g["k"], g["n"], g["batch"]) for g in fp8["gemms"] if g["part"] != "layer"]

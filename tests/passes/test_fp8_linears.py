@@ -82,3 +82,23 @@ def test_a_gpu_without_fp8_tensor_cores_says_so() -> None:
     gm, parent = _graph()
     with pytest.raises(SMPConfigError, match="peak_flops_fp8"):
         annotate_costs(mark_fp8_linears(gm, parent), A100_80GB)
+
+
+def test_an_input_several_fp8_linears_read_is_cast_once() -> None:
+    class QK(torch.nn.Module):  # two projections of one input, as q, k and v are
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k = torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.q(x) + self.k(x)
+
+    x = torch.randn(32, 64, dtype=torch.bfloat16)
+    gm = shape_prop(trace(QK().to(torch.bfloat16), (x,), {}), (x,))
+    out = annotate_costs(mark_fp8_linears(gm, ""), SLOW_MATH)
+    q, k = (n for n in out.graph.nodes if meta.GEMM_DTYPE.has(n))
+    cast_f, cast_b = fp8_cast_times(32 * 64, 32 * 64, SLOW_MATH)
+    gemm = meta.COST.get(q).fwd_flops / (0.5 * 4e9)
+    assert meta.COST.get(q).fwd_time_s == pytest.approx(gemm + cast_f, rel=1e-12)
+    assert meta.COST.get(k).fwd_time_s == pytest.approx(gemm, rel=1e-12)  # already cast
+    assert meta.COST.get(k).bwd_time_s == pytest.approx(meta.COST.get(q).bwd_time_s)

@@ -469,6 +469,22 @@ def _megatron_dp(c: Candidate, ranks: Ranks, lk: Links,
     return exposed, reduce_s, gather_s, dp(kind, ranks.elems[0] * reduce_bytes).algorithm
 
 
+FP8_WEIGHT_BYTES = 2
+"""Bytes an FP8 linear's weight element adds (``Setting.fp8``): Transformer Engine keeps
+its FP8 copy and the copy's transpose (1 byte each) beside the weight itself."""
+
+
+def fp8_weights(c: Candidate, ranks: Ranks, profile: Profile, r: int) -> int:
+    """Bytes of the FP8 weight copies rank ``r`` holds: its repeated layers' (every element
+    of a layer counted as a linear's), under FSDP one layer's, gathered for its turn; a
+    model without repeated layers, whose every linear runs in FP8: all its elements (its
+    largest unit's under FSDP)."""
+    if not profile.layers:
+        return FP8_WEIGHT_BYTES * (ranks.layer_elems if c.zero == "fsdp" else ranks.elems[r])
+    layers = min(1, ranks.layers[r]) if c.zero == "fsdp" else ranks.layers[r]
+    return FP8_WEIGHT_BYTES * profile.parts[2].param_elems * layers
+
+
 def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: int,
             r: int, boundary: int) -> MemoryPerGPU:
     if setting.runtime == MEGATRON_CORE:  # the loss stays on the last stage: messages
@@ -476,9 +492,13 @@ def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: i
         last = chunk_ranks(c.pp, c.vp, c.schedule)[-1] == r
         state = megatron_precision(setting.precision, setting.megatron_grads)
         mem = _smp_memory(c, ranks, profile, setting, m, r, sends, state)
-        return megatron_memory(c.dp, c.zero, held_elems(ranks, c.ep)[r], state, mem, c.cp,
-                               megatron_logits(profile.output_bytes, c.tp, c.cp, last))
-    return _smp_memory(c, ranks, profile, setting, m, r, boundary, setting.precision)
+        mem = megatron_memory(c.dp, c.zero, held_elems(ranks, c.ep)[r], state, mem, c.cp,
+                              megatron_logits(profile.output_bytes, c.tp, c.cp, last))
+    else:
+        mem = _smp_memory(c, ranks, profile, setting, m, r, boundary, setting.precision)
+    if setting.fp8:
+        mem = replace(mem, params=mem.params + fp8_weights(c, ranks, profile, r))
+    return mem
 
 
 def _smp_memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: int,
@@ -543,6 +563,7 @@ def model_flops(profile: Profile) -> float:
     return sum(u.fwd_flops + u.bwd_flops for u in profile.units())
 
 
-__all__ = ["DDP_BUCKET_BYTES", "CommTimes", "Links", "Pipeline", "Priced", "Setting",
-           "crosses_node", "dp_placement", "exchange_times", "held_elems", "links",
+__all__ = ["DDP_BUCKET_BYTES", "FP8_WEIGHT_BYTES", "CommTimes", "Links", "Pipeline", "Priced",
+           "Setting", "crosses_node", "dp_placement", "exchange_times", "fp8_weights",
+           "held_elems", "links",
            "memory_by_rank", "model_flops", "peak_memory", "pipeline", "price", "step_floor"]

@@ -13,7 +13,7 @@ from smp_fx.planner.model import Profiler, prepare
 from smp_fx.planner.planner import plan
 from smp_fx.planner.search import check_fixed, schedule_options, search
 from smp_fx.planner.stages import rank_loads
-from smp_fx.planner.step import Setting, price
+from smp_fx.planner.step import FP8_WEIGHT_BYTES, Setting, price
 from tests.smp_fx.planner.conftest import gpt_inputs, link_cluster, tiny_gpt
 
 
@@ -165,6 +165,15 @@ def test_fp8_linears_price_large_gemms_faster_and_tiny_ones_slower() -> None:
         assert (fp8.step_time_s < 0.8 * bf16.step_time_s) if faster else (
             fp8.step_time_s > bf16.step_time_s)
         assert fp8.mfu == pytest.approx(fp8.model_tflops_per_gpu * 1e12 / 1979e12, rel=1e-3)
+    # Transformer Engine's FP8 weight copies (and their transposes): 2 bytes a layer
+    # element on every layer a rank holds, one unit's under FSDP
+    for zero, layers in (("zero1", 4), ("fsdp", 1)):
+        fixed = {"tp": 1, "pp": 1, "mbs": 4, "zero": zero}
+        planned = plan(model, Setting(h100, 8, 64, fp8=True), fixed=fixed, top_k=1)
+        one = planned.profiler(4, 1, False).parts[2].param_elems  # one layer's
+        bf16 = plan(model, Setting(h100, 8, 64), fixed=fixed, top_k=1).best
+        params = [r.details["memory"]["params"] for r in (planned.best, bf16)]
+        assert params[0] - params[1] == FP8_WEIGHT_BYTES * one * layers, zero
     with pytest.raises(SMPConfigError, match="FP8 tensor cores"):
         Profiler(model, get_cluster("dgx-a100-80gb"), fp8=True)
     with pytest.raises(Exception, match="fp8=setting.fp8"):

@@ -97,6 +97,8 @@ class Run:
     grads: str = "fp32"
     """Megatron-Core's gradient buffer and reduction dtype (``Setting.megatron_grads``);
     blank: fp32, its default."""
+    fp8_params: bool = False
+    """An FP8 recipe keeps the layers' weights in FP8 alone (``Setting.fp8_params``)."""
 
     @property
     def values(self) -> str:
@@ -165,7 +167,8 @@ def read_runs(path: Path = DATA) -> list[Run]:
             r["metric"], float(r["published"]),
             float(r["tokens_per_gpu_s"]) if r["tokens_per_gpu_s"].strip() else None,
             r["fitted"] == "yes", r["source"], (r.get("attention") or "").strip() or None,
-            (r.get("grads") or "").strip() or "fp32"))
+            (r.get("grads") or "").strip() or "fp32",
+            (r.get("fp8_params") or "").strip() == "true"))
     return out
 
 
@@ -199,7 +202,8 @@ def cluster_for(run: Run) -> ClusterSpec:
 def setting_for(run: Run) -> Setting:
     """What the planner holds fixed for the run: its cluster, size, batch and runtime."""
     return Setting(cluster_for(run), run.gpus, run.global_batch, run.values,
-                   runtime=run.runtime, megatron_grads=run.grads, fp8=run.precision == "fp8")
+                   runtime=run.runtime, megatron_grads=run.grads, fp8=run.precision == "fp8",
+                   fp8_params=run.fp8_params)
 
 
 def price(run: Run, prep: Prepared | None = None) -> tuple[float, str]:

@@ -105,6 +105,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                    help="price the repeated layers' linears in FP8, as Transformer Engine's "
                    "FP8 recipes run them (the rest in --precision); smp-fx's runtime does "
                    "not train in FP8, so no --emit-config")
+    p.add_argument("--fp8-params", action="store_true",
+                   help="with --fp8: the layers' weights kept in FP8 alone (Transformer "
+                   "Engine's FP8 parameters, NeMo's fp8_params), no copy in --precision")
     p.add_argument("--adam", choices=("foreach", "fused"), default="foreach",
                    help="the Adam the script steps with on a GPU: torch's default "
                    "(foreach: a float32 temporary of the parameters at the step) or a fused "
@@ -274,7 +277,8 @@ def run(args: argparse.Namespace, out: Any = None) -> int:
     def setting_of(cl: ClusterSpec, gpus: int, batch: int, precision: str) -> Setting:
         return Setting(cl, gpus, batch, precision, host_factor(cl, gpus),
                        step_temporary=args.adam == "foreach" and "cpu" not in cl.device.name,
-                       cp_local_outputs=args.cp_local_outputs, fp8=args.fp8)
+                       cp_local_outputs=args.cp_local_outputs, fp8=args.fp8,
+                       fp8_params=args.fp8_params)
 
     before, refitted = cluster, None
     if args.measured:

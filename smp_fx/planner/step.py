@@ -56,6 +56,7 @@ import numpy as np
 
 from cost_model.cluster import ClusterSpec
 from cost_model.collectives import Collective, Fabric, collective_time, p2p_time
+from cost_model.errors import SMPConfigError
 from cost_model.memory import MemoryPerGPU, memory_per_gpu, state_bytes
 from cost_model.schedule_cost import RankTimes, ScheduleCost, in_flight_at, price_schedule
 from smp_fx.planner.candidate import Candidate
@@ -106,7 +107,16 @@ class Setting:
     fp8: bool = False
     """The repeated layers' linears do their GEMMs in FP8, as Transformer Engine's FP8
     recipes run them (``passes.fp8_linears``); the weights, activations and state stay
-    in ``precision``."""
+    in ``precision``, beside the weights' FP8 copies (``fp8_weights``)."""
+    fp8_params: bool = False
+    """With ``fp8``: the layers' weights kept in FP8 alone (Transformer Engine's FP8
+    parameters, NeMo's ``fp8_params``), their copy in ``precision`` not held."""
+
+    def __post_init__(self) -> None:
+        if self.fp8_params and not self.fp8:
+            raise SMPConfigError.build(
+                "FP8 parameters are the weights of FP8 linears", "fp8_params without fp8",
+                "Setting", "set fp8 too (smp-fx plan --fp8 --fp8-params)")
 
     @functools.cached_property
     def fabric(self) -> Fabric:
@@ -474,15 +484,21 @@ FP8_WEIGHT_BYTES = 2
 its FP8 copy and the copy's transpose (1 byte each) beside the weight itself."""
 
 
-def fp8_weights(c: Candidate, ranks: Ranks, profile: Profile, r: int) -> int:
-    """Bytes of the FP8 weight copies rank ``r`` holds: its repeated layers' (every element
-    of a layer counted as a linear's), under FSDP one layer's, gathered for its turn; a
-    model without repeated layers, whose every linear runs in FP8: all its elements (its
-    largest unit's under FSDP)."""
+def fp8_weights(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting,
+                r: int) -> int:
+    """Bytes the FP8 weights add on rank ``r``: ``FP8_WEIGHT_BYTES`` an element of its
+    repeated layers (every element of a layer counted as a linear's), under FSDP of one
+    layer, gathered for its turn; a model without repeated layers, whose every linear runs
+    in FP8: of all its elements (its largest unit's under FSDP). With ``fp8_params`` less
+    the copy they replace: the weights as the runtime holds them (Megatron-Core: bf16).
+    Negative where that copy is larger (fp32 weights)."""
+    held = (megatron_precision(setting.precision, setting.megatron_grads)
+            if setting.runtime == MEGATRON_CORE else setting.precision)
+    per = FP8_WEIGHT_BYTES - (state_bytes(held).param if setting.fp8_params else 0)
     if not profile.layers:
-        return FP8_WEIGHT_BYTES * (ranks.layer_elems if c.zero == "fsdp" else ranks.elems[r])
+        return per * (ranks.layer_elems if c.zero == "fsdp" else ranks.elems[r])
     layers = min(1, ranks.layers[r]) if c.zero == "fsdp" else ranks.layers[r]
-    return FP8_WEIGHT_BYTES * profile.parts[2].param_elems * layers
+    return per * profile.parts[2].param_elems * layers
 
 
 def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: int,
@@ -497,7 +513,7 @@ def _memory(c: Candidate, ranks: Ranks, profile: Profile, setting: Setting, m: i
     else:
         mem = _smp_memory(c, ranks, profile, setting, m, r, boundary, setting.precision)
     if setting.fp8:
-        mem = replace(mem, params=mem.params + fp8_weights(c, ranks, profile, r))
+        mem = replace(mem, params=mem.params + fp8_weights(c, ranks, profile, setting, r))
     return mem
 
 

@@ -67,10 +67,12 @@ def test_fp8_rows_are_the_bf16_tables_runs_with_fp8_linears() -> None:
     for r in fp8:
         twin = runs[r.id.replace("-fp8-", "-")]
         assert dataclasses.replace(r, id=twin.id, precision="bf16", published=twin.published,
-                                   source=twin.source) == twin, r.id
+                                   source=twin.source, fp8_params=False) == twin, r.id
         assert r.published < twin.published, r.id  # FP8 steps are faster
         setting = pv.setting_for(r)
         assert setting.fp8 and setting.precision == "bf16" and not pv.setting_for(twin).fp8
+        # dgxc-benchmarking's configure.sh sets +model.fp8_params=$FP8_ENABLED
+        assert r.fp8_params and setting.fp8_params and not twin.fp8_params
         assert pv.prepared_for(r) is pv.prepared_for(twin)  # one model, its values in bf16
     # (the 405B README's MFU counts 16 query groups in its Notes; the model has 8)
     for row, mfu in (("nemo-24.09-h100-llama3.1-8b-fp8-8", 0.3963),

@@ -124,6 +124,10 @@ def test_fp8_prices_on_an_fp8_gpu_and_refuses_what_it_cannot(
     capsys.readouterr()
     assert plan_cli.main([*args, "--fp8"]) == 2  # an A100 has no FP8 tensor cores
     assert "FP8 GEMMs need FP8 tensor cores" in capsys.readouterr().err
+    assert plan_cli.main([*h100, "--fp8-params"]) == 2
+    assert "FP8 parameters are the weights of FP8 linears" in capsys.readouterr().err
+    assert plan_cli.main([*h100, "--fp8", "--fp8-params"]) == 0
+    capsys.readouterr()
     assert plan_cli.main([*h100, "--fp8", "--emit-config", str(tmp_path / "c.json")]) == 2
     assert "does not train in FP8" in capsys.readouterr().err
     assert not (tmp_path / "c.json").exists()

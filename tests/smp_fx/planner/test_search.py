@@ -174,6 +174,13 @@ def test_fp8_linears_price_large_gemms_faster_and_tiny_ones_slower() -> None:
         bf16 = plan(model, Setting(h100, 8, 64), fixed=fixed, top_k=1).best
         params = [r.details["memory"]["params"] for r in (planned.best, bf16)]
         assert params[0] - params[1] == FP8_WEIGHT_BYTES * one * layers, zero
+        # FP8 parameters: no copy of the weights in the model's precision (fp32 here, as
+        # smp-fx's runtime holds them under bf16 autocast)
+        kept = plan(model, Setting(h100, 8, 64, fp8=True, fp8_params=True), fixed=fixed,
+                    top_k=1).best.details["memory"]["params"]
+        assert kept - params[1] == (FP8_WEIGHT_BYTES - 4) * one * layers, zero
+    with pytest.raises(SMPConfigError, match="FP8 parameters are the weights of FP8"):
+        Setting(h100, 8, 64, fp8_params=True)
     with pytest.raises(SMPConfigError, match="FP8 tensor cores"):
         Profiler(model, get_cluster("dgx-a100-80gb"), fp8=True)
     with pytest.raises(Exception, match="fp8=setting.fp8"):

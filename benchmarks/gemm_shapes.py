@@ -65,6 +65,7 @@ def collect_run(run: Any) -> dict[str, Any]:
     import plan_validation as pv
 
     from cost_model.waves import WAVE_OPS
+    from passes.annotate_costs import casts_fp8_input
     from passes.fp8_linears import FP8
     from passes.meta import COST, GEMM, GEMM_DTYPE
     from smp_fx.planner.model import Profiler
@@ -80,7 +81,7 @@ def collect_run(run: Any) -> dict[str, Any]:
     names = PART_NAMES if prep.repeats is not None and len(parts) == 4 else tuple(
         f"part {i}" for i in range(len(parts)))
     gemms = []
-    cast: set[str] = set()  # inputs an FP8 GEMM already cast (annotate_costs' rule)
+    cast: set[str] = set()  # inputs an FP8 GEMM already cast
     for name, nodes in zip(names, parts, strict=True):
         if name == "first layer":
             continue  # the repeated layer stands for every layer
@@ -90,10 +91,7 @@ def collect_run(run: Any) -> dict[str, Any]:
                 continue  # the rewrite's own nodes carry the linear's meta too
             g = shapes[1]
             fp8 = GEMM_DTYPE.get(node) == FP8
-            x = node.args[0].name if node.args else ""
-            casts = fp8 and x not in cast
-            if casts:
-                cast.add(x)
+            casts = fp8 and casts_fp8_input(node, cast)
             gemms.append({"part": name, "node": node.name, "m": g.m, "k": g.k, "n": g.n,
                           "batch": g.batch, "flops": 2.0 * g.m * g.k * g.n * g.batch,
                           "fp8": fp8, "casts_input": casts,

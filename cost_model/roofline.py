@@ -135,11 +135,8 @@ def fp8_cast_times(in_elems: float, out_elems: float, spec: DeviceSpec
     cast, once a step for every microbatch, is not counted; nor is the saving where a
     recipe fuses the cast into the op before (a layer norm's output): an upper bound on
     the casts' traffic."""
-    def cast(elems: float) -> float:
-        nbytes = FP8_CAST_BYTES * elems
-        return nbytes / spec.bandwidth(nbytes) if nbytes > 0 else 0.0
-
-    return cast(in_elems) * spec.compute_scale, cast(out_elems) * spec.compute_scale
+    return (roofline_time(0.0, FP8_CAST_BYTES * in_elems, spec) * spec.compute_scale,
+            roofline_time(0.0, FP8_CAST_BYTES * out_elems, spec) * spec.compute_scale)
 
 
 def comm_time(nbytes: float, spec: DeviceSpec) -> float:

@@ -269,12 +269,8 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
                                   gemm_dim=min(gemm) if gemm else None,
                                   module=node.op == "call_module", backward=st.rg[node.name],
                                   seq=gemm[2] if gemm and op == "sdpa" else None, gemm=waved)
-        if math_dtype:  # an input several FP8 linears read (q, k, v) is cast once
-            x = node.args[0] if node.args else None
-            read = x.name if isinstance(x, torch.fx.Node) else ""
-            first = bool(read) and read not in st.fp8_cast
-            if first:
-                st.fp8_cast.add(read)
+        if math_dtype:
+            first = casts_fp8_input(node, st.fp8_cast)
             cast_f, cast_b = fp8_cast_times(math.prod(shapes[0]) if first and shapes[0]
                                             else 0, _elements(info), device)
             fwd_t, bwd_t = fwd_t + cast_f, bwd_t + (cast_b if st.rg[node.name] else 0.0)
@@ -292,6 +288,18 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
                         output_bytes=out_bytes, saved_bytes=int(mem_bytes), measured=True,
                         op=op, known=known)
     return cost
+
+
+def casts_fp8_input(node: torch.fx.Node, cast: set[str]) -> bool:
+    """Whether FP8 linear ``node`` casts its input, the first of those reading it (q, k and
+    v share one cast), recording the input in ``cast`` (the values cast so far, in graph
+    order); what ``annotate_costs`` prices and ``benchmarks/gemm_shapes.py`` times."""
+    x = node.args[0] if node.args else None
+    read = x.name if isinstance(x, torch.fx.Node) else ""
+    if not read or read in cast:
+        return False
+    cast.add(read)
+    return True
 
 
 def _plain_getitem(node: torch.fx.Node, op: str) -> bool:

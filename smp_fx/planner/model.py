@@ -108,8 +108,12 @@ class Profiler:
         attention (``cost_model.gpu_specs.with_te_attention``)."""
         self.fp8 = fp8
         """The repeated layers' linears run in FP8 (``Setting.fp8``)."""
+        self._graph = prepared.graph
+        """What is costed: the reduced graph, its layers' linears marked when ``fp8``."""
         if fp8:
             self.device.peak_flops("float8")  # a GPU without FP8 tensor cores: said now
+            self._graph = mark_fp8_linears(
+                prepared.graph, prepared.repeats.parent if prepared.repeats else "")
         self._cache: dict[tuple[int, int, bool], Profile] = {}
         self._costed: dict[int, torch.fx.GraphModule] = {}
 
@@ -141,11 +145,7 @@ class Profiler:
         """The reduced graph costed at ``mbs`` samples, made once and shared by every tp
         degree and sp priced at that size (``smp_fx.planner.profile.costed``)."""
         if mbs not in self._costed:
-            p = self.prepared
-            graph = p.graph
-            if self.fp8:
-                graph = mark_fp8_linears(graph, p.repeats.parent if p.repeats else "")
-            self._costed[mbs] = costed(graph, p.inputs, mbs, self.device)
+            self._costed[mbs] = costed(self._graph, self.prepared.inputs, mbs, self.device)
         return self._costed[mbs]
 
     @property

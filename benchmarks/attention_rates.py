@@ -78,14 +78,14 @@ def time_length(length: int, backend: str, dtype: torch.dtype, device: torch.dev
 
 
 def priced(length: int) -> dict[str, tuple[float, float]]:
-    """The (forward, backward) rates the Hopper specs price at ``length``."""
-    from cost_model.device import interp_log
-    from cost_model.gpu_specs import HOPPER_FLASH2_ATTENTION, HOPPER_TE_ATTENTION
+    """The (forward, backward) rates the Hopper specs price at ``length`` and ``HEAD_DIM``."""
+    from cost_model.gpu_specs import SOURCED_GPUS, with_attention
 
     out = {}
-    for name, table in (("cudnn", HOPPER_TE_ATTENTION), ("flash", HOPPER_FLASH2_ATTENTION)):
-        out[name] = (interp_log(tuple((x, f) for x, f, _ in table), float(length)),
-                     interp_log(tuple((x, b) for x, _, b in table), float(length)))
+    for name, backend in (("cudnn", "cudnn"), ("flash", "flash2")):
+        rate = with_attention(SOURCED_GPUS["h100-sxm"], backend).attention_rate(length, HEAD_DIM)
+        assert rate is not None
+        out[name] = rate
     return out
 
 

@@ -23,7 +23,9 @@ SCHEMA_VERSION = 2
 Table = tuple[tuple[float, float], ...]
 OpOverheads = tuple[tuple[str, float, float], ...]
 OpRates = tuple[tuple[str, float, float, float], ...]
-AttentionRates = tuple[tuple[float, float, float], ...]
+AttentionRates = tuple[tuple[float, ...], ...]
+"""Rows (key length, forward, backward FLOP/s[, head dimension]):
+``DeviceSpec.attention_rates``."""
 
 
 def interp_log(table: Table, x: float) -> float:
@@ -68,10 +70,11 @@ class DeviceSpec:
     overhead_scale: float = 1.0
     pipelined_scale: float = 1.0
     attention_rates: AttentionRates = ()
-    """(key sequence length, forward, backward FLOP/s on full-square FLOPs) of causal fused
-    attention, sorted by length; where given, ``sdpa`` runs at these (log-interpolated),
-    not at ``op_rates``' one reference size: published kernels run faster on longer
-    sequences."""
+    """(key sequence length, forward, backward FLOP/s on full-square FLOPs, head dimension)
+    of causal fused attention, sorted by head dimension, then length; where given,
+    ``sdpa`` runs at these (log-interpolated in both), not at ``op_rates``' one reference
+    size: published kernels run faster on longer sequences and wider heads. A row without
+    its fourth entry holds at every head dimension."""
     sm_count: int = 0
     """Streaming multiprocessors: a GEMM's output tiles run in waves of this many
     (``cost_model.waves``); 0 where not known, and GEMMs are priced by
@@ -114,13 +117,15 @@ class DeviceSpec:
             raise bad("op_overheads", "op_overheads needs times >= 0")
         if any(f < 0 or b < 0 or r < 0 for _, f, b, r in self.op_rates):
             raise bad("op_rates", "op_rates needs rates and reference sizes >= 0")
-        rates = self.attention_rates
-        if any(s <= 0 or f <= 0 or b <= 0 for s, f, b in rates) or \
-                [r[0] for r in rates] != sorted(r[0] for r in rates):
+        rates = tuple(tuple(float(x) for x in (*r, 0.0)[:4]) if len(r) == 3 else
+                      tuple(float(x) for x in r) for r in self.attention_rates)
+        if any(len(r) != 4 or min(r[:3]) <= 0 or r[3] < 0 for r in rates) or \
+                [(r[3], r[0]) for r in rates] != sorted((r[3], r[0]) for r in rates) or \
+                (len({r[3] for r in rates}) > 1 and any(r[3] == 0 for r in rates)):
             raise bad("attention_rates", "attention_rates needs (length > 0, forward > 0, "
-                      "backward > 0) rows sorted by length")
-        object.__setattr__(self, "attention_rates", tuple(
-            (float(s), float(f), float(b)) for s, f, b in rates))
+                      "backward > 0[, head dimension > 0]) rows sorted by head dimension, "
+                      "then length; every row with a head dimension, or none")
+        object.__setattr__(self, "attention_rates", rates)
         if int(self.sm_count) < 0:
             raise bad("sm_count", "sm_count must be >= 0 (0: not known)")
         tile = tuple(int(x) for x in self.gemm_tile)
@@ -184,14 +189,26 @@ class DeviceSpec:
                 return fwd, bwd, ref
         return None
 
-    def attention_rate(self, seq: float) -> tuple[float, float] | None:
-        """(forward, backward) FLOP/s of causal fused attention over ``seq`` keys, if the
-        spec has published rates by length (``attention_rates``)."""
+    def attention_rate(self, seq: float, head_dim: float | None = None
+                       ) -> tuple[float, float] | None:
+        """(forward, backward) FLOP/s of causal fused attention over ``seq`` keys at
+        ``head_dim`` (log-interpolated between the published head dimensions, clamped;
+        unknown: the widest published), if the spec has published rates by length
+        (``attention_rates``)."""
         if not self.attention_rates:
             return None
-        rows = self.attention_rates
-        return (interp_log(tuple((s, f) for s, f, _ in rows), max(float(seq), 1.0)),
-                interp_log(tuple((s, b) for s, _, b in rows), max(float(seq), 1.0)))
+        groups: dict[float, list[tuple[float, ...]]] = {}
+        for row in self.attention_rates:
+            groups.setdefault(row[3], []).append(row)
+        x = max(float(seq), 1.0)
+        by_dim = tuple((d, (interp_log(tuple((r[0], r[1]) for r in rows), x),
+                            interp_log(tuple((r[0], r[2]) for r in rows), x)))
+                       for d, rows in sorted(groups.items()))
+        if len(by_dim) == 1 or not head_dim:
+            return by_dim[-1][1]
+        dim = float(head_dim)
+        return (interp_log(tuple((d, f) for d, (f, _) in by_dim), dim),
+                interp_log(tuple((d, b) for d, (_, b) in by_dim), dim))
 
     def optimizer_time(self, tensors: int, nbytes: float) -> float:
         """Seconds of one optimizer step over ``tensors`` parameters of ``nbytes`` bytes."""

@@ -76,10 +76,12 @@ def node_times(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
                out_elems: float, moved: float, dtype: str = "float32",
                gemm_dim: float | None = None, module: bool = False,
                backward: bool = True, seq: float | None = None,
-               gemm: Gemm | None = None) -> tuple[float, float]:
+               head_dim: float | None = None, gemm: Gemm | None = None
+               ) -> tuple[float, float]:
     """(forward, backward) seconds of one node: its fixed cost plus its work (a measured rate
     where the spec has one, else the roofline), scaled by the spec's in-model factors;
-    ``seq``: an attention's key length (``DeviceSpec.attention_rates``); ``gemm``: the
+    ``seq``, ``head_dim``: an attention's key length and head dimension
+    (``DeviceSpec.attention_rates``); ``gemm``: the
     GEMM's shape, priced with its waves (``cost_model.waves``) where the spec has an SM
     count (its smallest dimension is then ``gemm_dim``)."""
     fixed_f, fixed_b = op_overhead(op, spec, module=module)
@@ -88,7 +90,7 @@ def node_times(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
     waves = gemm_factors(gemm, spec) if gemm is not None else (1.0, 1.0)
     work_f, work_b = _work(op, spec, fwd_flops=fwd_flops, bwd_flops=bwd_flops,
                            out_elems=out_elems, moved=moved, dtype=dtype, gemm_dim=gemm_dim,
-                           seq=seq, waves=waves)
+                           seq=seq, head_dim=head_dim, waves=waves)
     fwd = fixed_f * spec.overhead_scale + work_f * spec.compute_scale
     bwd = fixed_b * spec.overhead_scale + work_b * spec.compute_scale
     return fwd, bwd if backward else 0.0
@@ -96,13 +98,13 @@ def node_times(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
 
 def _work(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
           out_elems: float, moved: float, dtype: str, gemm_dim: float | None,
-          seq: float | None = None, waves: tuple[float, float] = (1.0, 1.0)
-          ) -> tuple[float, float]:
+          seq: float | None = None, head_dim: float | None = None,
+          waves: tuple[float, float] = (1.0, 1.0)) -> tuple[float, float]:
     """(forward, backward) seconds of the node's work, its fixed cost left out."""
     kind = kind_of(op)
     if kind == "view":
         return 0.0, 0.0
-    by_length = spec.attention_rate(seq) if kind == "sdpa" and seq else None
+    by_length = spec.attention_rate(seq, head_dim) if kind == "sdpa" and seq else None
     if by_length is not None:
         return fwd_flops / by_length[0], bwd_flops / by_length[1]
     rate = spec.op_rate(kind)

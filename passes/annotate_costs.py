@@ -268,7 +268,9 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
                                   dtype=math_dtype or dtype,
                                   gemm_dim=min(gemm) if gemm else None,
                                   module=node.op == "call_module", backward=st.rg[node.name],
-                                  seq=gemm[2] if gemm and op == "sdpa" else None, gemm=waved)
+                                  seq=gemm[2] if gemm and op == "sdpa" else None,
+                                  head_dim=gemm[1] if gemm and op == "sdpa" else None,
+                                  gemm=waved)
         if math_dtype:
             first = casts_fp8_input(node, st.fp8_cast)
             cast_f, cast_b = fp8_cast_times(math.prod(shapes[0]) if first and shapes[0]

@@ -226,7 +226,7 @@ def elementwise_saving(nodes: Sequence[torch.fx.Node], spec: DeviceSpec
         out = _nbytes(c[-1])
         one_f, one_b = node_times("sdpa", spec, fwd_flops=flops, bwd_flops=2 * flops,
                                   out_elems=out / 2, moved=4 * out, dtype="bfloat16",
-                                  seq=_keys(c))
+                                  seq=_keys(c), head_dim=_head_dim(c))
         fwd += sum(x.fwd_time_s for x in costs) - one_f
         bwd += sum(x.bwd_time_s for x in costs) - one_b
     return fwd, bwd
@@ -239,6 +239,16 @@ def _keys(core: Sequence[torch.fx.Node]) -> float | None:
         shape = getattr(info, "shape", None)
         if _op(n) == "softmax" and shape:
             return float(shape[-1])
+    return None
+
+
+def _head_dim(core: Sequence[torch.fx.Node]) -> float | None:
+    """The head dimension of an eager attention core: the last dimension of the queries its
+    scores matmul reads."""
+    for n in core:
+        if _op(n) == "matmul" and n.all_input_nodes:
+            shape = getattr(meta.TENSOR.get(n.all_input_nodes[0]), "shape", None)
+            return float(shape[-1]) if shape else None
     return None
 
 

@@ -71,24 +71,41 @@ def test_megatron_core_runs_take_transformer_engine_attention_where_published() 
         assert with_te_attention(SOURCED_GPUS[name]) is SOURCED_GPUS[name]
 
 
+def test_attention_runs_at_its_head_dimensions_published_rates() -> None:
+    """Narrow heads run slower (head dimension 64: cuDNN's causal forward 363 TFLOP/s at 4K
+    against 518 at 128, counted on half the square); a width between the published ones
+    is interpolated, one outside them clamped, an unknown one priced at the widest."""
+    spec = with_te_attention(SOURCED_GPUS["h100-sxm"])
+    narrow, wide = spec.attention_rate(4096, 64), spec.attention_rate(4096, 128)
+    assert narrow == pytest.approx((2 * 363e12, 1.6 * 417e12))
+    assert wide == pytest.approx((2 * 518e12, 1.6 * 499e12))
+    between = spec.attention_rate(4096, 96) or (0.0, 0.0)
+    assert narrow[0] < between[0] < wide[0] and narrow[1] < between[1] < wide[1]
+    assert spec.attention_rate(4096, 32) == narrow
+    assert spec.attention_rate(4096, 256) == spec.attention_rate(4096) == wide
+
+
 def test_a_recipe_that_turns_cudnn_off_takes_flash_attention_2s_published_rates() -> None:
     """FlashAttention-3's paper's FlashAttention-2 bars (causal forward, backward) on
     full-square FLOPs: forward x 2, backward x 2 x 2 / 2.5; slower than cuDNN at every
     length; no table for other GPUs or backends: an error, not a silent default."""
-    fwd_bars = (191, 260, 298, 319, 333, 335)
-    bwd_bars = (214, 260, 291, 310, 318, 322)
-    for i, ((seq, fwd, bwd), f, b) in enumerate(zip(HOPPER_FLASH2_ATTENTION, fwd_bars,
-                                                    bwd_bars, strict=True)):
-        assert seq == 512 * 2**i  # the figures' lengths, 512 to 16K
-        assert fwd == pytest.approx(2 * f * 1e12) and bwd == pytest.approx(1.6 * b * 1e12)
+    fwd_bars = {64: (180, 229, 262, 284, 295, 299), 128: (191, 260, 298, 319, 333, 335)}
+    bwd_bars = {64: (198, 238, 264, 279, 287, 291), 128: (214, 260, 291, 310, 318, 322)}
+    assert len(HOPPER_FLASH2_ATTENTION) == 12
+    for j, dim in enumerate((64, 128)):
+        rows = HOPPER_FLASH2_ATTENTION[6 * j:6 * j + 6]
+        for i, ((seq, fwd, bwd, d), f, b) in enumerate(zip(rows, fwd_bars[dim], bwd_bars[dim],
+                                                           strict=True)):
+            assert (seq, d) == (512 * 2**i, dim)  # the figures' lengths, 512 to 16K
+            assert fwd == pytest.approx(2 * f * 1e12) and bwd == pytest.approx(1.6 * b * 1e12)
     spec = with_attention(SOURCED_GPUS["h100-sxm"], "flash2")
     assert spec.attention_rates == HOPPER_FLASH2_ATTENTION
     assert "FlashAttention-2" in spec.source("attention_rates")
     assert with_te_attention(spec) is spec  # Megatron-Core's runs keep the recipe's pick
     assert with_attention(SOURCED_GPUS["h200-sxm"], "cudnn").attention_rates == \
         HOPPER_TE_ATTENTION
-    for (_, f2, b2), (_, fc, bc) in zip(HOPPER_FLASH2_ATTENTION, HOPPER_TE_ATTENTION,
-                                        strict=True):
+    for (_, f2, b2, _), (_, fc, bc, _) in zip(HOPPER_FLASH2_ATTENTION, HOPPER_TE_ATTENTION,
+                                              strict=True):
         assert f2 < fc and b2 < bc
     for name, backend in (("a100-80gb", "flash2"), ("h100-sxm", "flash3")):
         with pytest.raises(ValueError, match="no published rates"):

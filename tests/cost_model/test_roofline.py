@@ -80,7 +80,16 @@ def test_attention_runs_at_its_published_rate_by_key_length() -> None:
     assert at(seq=1024) == pytest.approx((2.0, 8.0))
     assert at() == pytest.approx((2.0, 4.0))  # no length: the op_rates entry
     # a table out of order or with a zero rate is refused where the spec is made
-    for bad in (rates[::-1], ((1024.0, 0.0, 1e12),)):
+    mixed = ((1024.0, 1e12, 1e12), (1024.0, 1e12, 1e12, 64.0))  # some rows with a width
+    for bad in (rates[::-1], ((1024.0, 0.0, 1e12),), mixed):
         with pytest.raises(SMPConfigError, match="attention_rates"):
             dataclasses.replace(SPEC, attention_rates=bad)
     assert DeviceSpec.from_json(spec.to_json()) == spec
+    widths = dataclasses.replace(spec, attention_rates=tuple(
+        (*r, 64.0) for r in rates) + tuple((s, 2 * f, 2 * b, 128.0) for s, f, b in rates))
+    assert at(seq=4096, head_dim=128) == pytest.approx((1.0, 4.0))  # rows of every width
+    by_width = functools.partial(node_times, "sdpa", widths, fwd_flops=2e12, bwd_flops=4e12,
+                                 out_elems=0.0, moved=0.0, seq=4096)
+    assert by_width(head_dim=64) == pytest.approx((1.0, 4.0))
+    assert by_width(head_dim=128) == by_width() == pytest.approx((0.5, 2.0))
+    assert DeviceSpec.from_json(widths.to_json()) == widths

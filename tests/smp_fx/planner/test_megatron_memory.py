@@ -209,3 +209,46 @@ def test_megatron_runs_price_attention_as_transformer_engine_runs_it(
     assert mc.device.attention_rates and not own.device.attention_rates
     assert mc.device.attention_rate(S) != own.device.attention_rate(S)
     assert own.device is CLUSTER.device
+
+
+class _Attention(torch.nn.Module):
+    """Causal attention over (batch, heads, seq, head dimension): fused (sdpa) or written op
+    by op (scores, softmax, context), as transformers builds a model without sdpa."""
+
+    def __init__(self, eager: bool) -> None:
+        super().__init__()
+        self.eager = eager
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if not self.eager:
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        scores = torch.matmul(q, k.transpose(-1, -2)) * q.shape[-1] ** -0.5
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+
+
+@pytest.mark.parametrize("eager", [False, True])
+def test_attention_is_priced_at_its_head_dimensions_rate(eager: bool) -> None:
+    """The same FLOPs at head dimension 64 take longer than at 128 on a GPU whose published
+    rates say so: the fused op (``annotate_costs``) and an eager core priced as one flash
+    kernel under Megatron-Core (``elementwise_saving``) alike."""
+    from cost_model.gpu_specs import SOURCED_GPUS, with_te_attention
+    from passes import meta
+    from passes.annotate_costs import annotate_costs
+    from passes.shape_prop import shape_prop
+    from passes.trace import trace
+    from smp_fx.planner.fused import elementwise_saving
+
+    spec = with_te_attention(SOURCED_GPUS["h100-sxm"])
+    rate = {}
+    for heads, dim in ((8, 64), (4, 128)):  # the same width: the same FLOPs
+        qkv = [torch.randn(1, heads, 4096, dim, dtype=torch.bfloat16, requires_grad=True,
+                           device="meta") for _ in range(3)]
+        gm = annotate_costs(shape_prop(trace(_Attention(eager), tuple(qkv)), tuple(qkv)), spec)
+        nodes = [n for n in gm.graph.nodes if n.op != "output"]
+        costs = [meta.COST.get(n) for n in nodes if meta.COST.has(n)]
+        flops = sum(c.fwd_flops for c in costs if c.op in ("sdpa", "matmul"))
+        fwd = sum(c.fwd_time_s for c in costs) - (elementwise_saving(nodes, spec)[0]
+                                                   if eager else 0.0)
+        rate[dim] = flops / fwd
+    assert rate[128] == pytest.approx(2 * 518e12, rel=0.02)  # cuDNN's causal rate at 4K
+    assert rate[64] == pytest.approx(2 * 363e12, rel=0.02)

@@ -161,7 +161,9 @@ def test_hooks_and_closures_have_no_key_and_are_counted() -> None:
     assert trace_memo.STATS.stored == 0
 
 
-def test_the_memo_keeps_no_model_and_at_most_its_capacity() -> None:
+def test_the_memo_keeps_no_model_and_at_most_its_capacity(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(trace_memo, "CAPACITY", 2)  # each program kept is an export
     model = hf_zoo.build("llama")
     trace(model, hf_zoo.inputs("llama", 4))
     weight = weakref.ref(next(model.parameters()))

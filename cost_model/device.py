@@ -117,8 +117,8 @@ class DeviceSpec:
             raise bad("op_overheads", "op_overheads needs times >= 0")
         if any(f < 0 or b < 0 or r < 0 for _, f, b, r in self.op_rates):
             raise bad("op_rates", "op_rates needs rates and reference sizes >= 0")
-        rates = tuple(tuple(float(x) for x in (*r, 0.0)[:4]) if len(r) == 3 else
-                      tuple(float(x) for x in r) for r in self.attention_rates)
+        rates = tuple(tuple(float(x) for x in ((*r, 0.0) if len(r) == 3 else r))
+                      for r in self.attention_rates)  # a row without a head dimension: 0
         if any(len(r) != 4 or min(r[:3]) <= 0 or r[3] < 0 for r in rates) or \
                 [(r[3], r[0]) for r in rates] != sorted((r[3], r[0]) for r in rates) or \
                 (len({r[3] for r in rates}) > 1 and any(r[3] == 0 for r in rates)):

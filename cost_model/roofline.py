@@ -81,9 +81,9 @@ def node_times(op: str, spec: DeviceSpec, *, fwd_flops: float, bwd_flops: float,
     """(forward, backward) seconds of one node: its fixed cost plus its work (a measured rate
     where the spec has one, else the roofline), scaled by the spec's in-model factors;
     ``seq``, ``head_dim``: an attention's key length and head dimension
-    (``DeviceSpec.attention_rates``); ``gemm``: the
-    GEMM's shape, priced with its waves (``cost_model.waves``) where the spec has an SM
-    count (its smallest dimension is then ``gemm_dim``)."""
+    (``DeviceSpec.attention_rates``); ``gemm``: the GEMM's shape, priced with its waves
+    (``cost_model.waves``) where the spec has an SM count (its smallest dimension is then
+    ``gemm_dim``)."""
     fixed_f, fixed_b = op_overhead(op, spec, module=module)
     if gemm is not None:
         gemm_dim = min(gemm.m, gemm.k, gemm.n)

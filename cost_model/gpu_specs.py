@@ -45,41 +45,42 @@ longer sequences run faster than this rate says."""
 _FA3_FIGURES = ("FlashAttention-3, Shah et al., arXiv 2407.08608, Figure 5 (forward, causal "
                 "mask, head dimensions 64 and 128) and Figure 6 (backward, head dimensions 64 "
                 "and 128) on H100 80GB SXM5, the cuDNN bars at sequence 512-16k")
-HOPPER_TE_ATTENTION: AttentionRates = (
-    (512.0, 450e12, 425.6e12, 64.0), (1024.0, 576e12, 556.8e12, 64.0),
-    (2048.0, 668e12, 632e12, 64.0), (4096.0, 726e12, 667.2e12, 64.0),
-    (8192.0, 758e12, 691.2e12, 64.0), (16384.0, 776e12, 692.8e12, 64.0),
-    (512.0, 630e12, 488e12, 128.0), (1024.0, 820e12, 652.8e12, 128.0),
-    (2048.0, 968e12, 744e12, 128.0), (4096.0, 1036e12, 798.4e12, 128.0),
-    (8192.0, 1058e12, 828.8e12, 128.0), (16384.0, 1078e12, 825.6e12, 128.0))
+_FA3_LENGTHS = (512.0, 1024.0, 2048.0, 4096.0, 8192.0, 16384.0)
+"""The key lengths of ``_FA3_FIGURES``' bars."""
+Bars = dict[int, tuple[tuple[int, ...], tuple[int, ...]]]
+"""head dimension -> (causal forward, backward) TFLOP/s as a figure prints them, one a
+length of ``_FA3_LENGTHS``."""
+
+
+def full_square(bars: Bars) -> AttentionRates:
+    """``DeviceSpec.attention_rates`` rows from ``_FA3_FIGURES``' bars, on full-square FLOPs
+    (``cost_model.flops``): the forward, causal and counted on half the square, times 2;
+    the backward, counted as 2.5 forwards and published without mask (a causal backward
+    is taken at the same rate per FLOP done), times 2 x 2 / 2.5."""
+    return tuple((length, 2 * f * 1e12, 4 * b * 1e12 / 2.5, float(dim))
+                 for dim, (fwd, bwd) in sorted(bars.items())
+                 for length, f, b in zip(_FA3_LENGTHS, fwd, bwd, strict=True))
+
+
+HOPPER_TE_ATTENTION: AttentionRates = full_square({
+    64: ((225, 288, 334, 363, 379, 388), (266, 348, 395, 417, 432, 433)),
+    128: ((315, 410, 484, 518, 529, 539), (305, 408, 465, 499, 518, 516))})
 """Causal attention as Transformer Engine runs it on Hopper (cuDNN fused attention: NeMo's
 recipes set ``NVTE_FUSED_ATTN=1``, ``NVTE_FLASH_ATTN=0``, dgxc-benchmarking
-llama3.1/configure.sh), by head dimension and key length, on full-square FLOPs
-(``cost_model.flops``): the published forward (causal; head dimension 64: 225 / 288 / 334 /
-363 / 379 / 388 TFLOP/s, 128: 315 / 410 / 484 / 518 / 529 / 539, counted on half the
-square) times 2; the published backward (64: 266 / 348 / 395 / 417 / 432 / 433, 128: 305 /
-408 / 465 / 499 / 518 / 516, counted as 2.5 forwards, without mask: no causal backward is
-published, taken at the same rate per FLOP done) times 2 x 2 / 2.5 (``_FA3_FIGURES``)."""
+llama3.1/configure.sh), by head dimension and key length: the cuDNN bars of
+``_FA3_FIGURES`` (``full_square``)."""
 TE_ATTENTION: dict[str, AttentionRates] = {"h100": HOPPER_TE_ATTENTION,
                                            "h200": HOPPER_TE_ATTENTION}
 """The GPUs with published fused-attention rates by sequence length (the H200: the H100's
 compute die)."""
 
 
-HOPPER_FLASH2_ATTENTION: AttentionRates = (
-    (512.0, 360e12, 316.8e12, 64.0), (1024.0, 458e12, 380.8e12, 64.0),
-    (2048.0, 524e12, 422.4e12, 64.0), (4096.0, 568e12, 446.4e12, 64.0),
-    (8192.0, 590e12, 459.2e12, 64.0), (16384.0, 598e12, 465.6e12, 64.0),
-    (512.0, 382e12, 342.4e12, 128.0), (1024.0, 520e12, 416e12, 128.0),
-    (2048.0, 596e12, 465.6e12, 128.0), (4096.0, 638e12, 496e12, 128.0),
-    (8192.0, 666e12, 508.8e12, 128.0), (16384.0, 670e12, 515.2e12, 128.0))
+HOPPER_FLASH2_ATTENTION: AttentionRates = full_square({
+    64: ((180, 229, 262, 284, 295, 299), (198, 238, 264, 279, 287, 291)),
+    128: ((191, 260, 298, 319, 333, 335), (214, 260, 291, 310, 318, 322))})
 """Causal attention as Transformer Engine runs it on Hopper with ``NVTE_FUSED_ATTN=0``: its
-FlashAttention backend (flash-attn 2), by head dimension and key length, on full-square
-FLOPs: the FlashAttention-2 bars of the figures ``HOPPER_TE_ATTENTION`` reads (forward,
-causal; head dimension 64: 180 / 229 / 262 / 284 / 295 / 299 TFLOP/s, 128: 191 / 260 / 298
-/ 319 / 333 / 335, times 2; backward; 64: 198 / 238 / 264 / 279 / 287 / 291, 128: 214 /
-260 / 291 / 310 / 318 / 322, times 2 x 2 / 2.5), with the same conversions
-(``_FA3_FIGURES``)."""
+FlashAttention backend (flash-attn 2), by head dimension and key length: the
+FlashAttention-2 bars of the figures ``HOPPER_TE_ATTENTION`` reads (``full_square``)."""
 ATTENTION_BACKENDS: dict[str, dict[str, AttentionRates]] = {
     "cudnn": TE_ATTENTION,
     "flash2": {"h100": HOPPER_FLASH2_ATTENTION, "h200": HOPPER_FLASH2_ATTENTION}}

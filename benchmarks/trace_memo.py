@@ -1,8 +1,10 @@
 """A model exported again in one process: the first export against the reuse.
 
 For each architecture of ``examples/models/hf_zoo.py``: two models of it (other seeds) are
-captured by ``passes.trace.trace`` in turn, each timed by the process's CPU clock (the
-median of ``--rounds``, the memo cleared before each round). Printed per architecture:
+captured by ``passes.trace.trace`` in turn, each timed by the calling thread's CPU clock
+after a garbage collection, so neither another thread's work (one a caller left running)
+nor collecting a caller's garbage counts (the median of ``--rounds``, the memo cleared
+before each round). Printed per architecture:
 the first capture, the second, their ratio, whether the second reused the first's program,
 and the models the memo gave no key (exported as before) with the reason: the fallbacks.
 
@@ -12,6 +14,7 @@ and the models the memo gave no key (exported as before) with the reason: the fa
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -31,9 +34,10 @@ from passes.trace import trace  # noqa: E402
 
 
 def _capture_cpu(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> float:
-    start = time.process_time()
+    gc.collect()
+    start = time.thread_time()
     trace(model, inputs)
-    return time.process_time() - start
+    return time.thread_time() - start
 
 
 def measure(arch: str, rounds: int) -> dict[str, Any]:

@@ -321,8 +321,9 @@ def _checked(kind: str, prescaled: bool, pp: int = 1, optimize: str = "memory", 
         bad += [f"grad {n} step {step}" for n in mismatched(got, want, **TOL)]
     # Llama and GPT have gradient entries of ~1e-9 that Adam normalises to a full step, so the
     # summation-order differences of the sharded matmuls (gradients equal to 1e-5) show
-    # as up to 1 % of one lr=1e-2 step in the parameters
-    param_tol = {"atol": 1e-4, "rtol": 1e-4} if kind in EXAMPLES else TOL
+    # as up to 1 % of one lr=1e-2 step in the parameters; the residual blocks' second down
+    # projection likewise (1.2e-5 after 3 steps on an AVX2-only CPU, gradients within 4e-7)
+    param_tol = {"atol": 1e-4, "rtol": 1e-4} if kind in (*EXAMPLES, "resmlp") else TOL
     if kind == "blocks":  # the key bias's gradient is 0 analytically (softmax ignores a
         # per-query constant): Adam turns its ~1e-9 rounding into full steps; the
         # gradients above are compared whole, the parameters without that block

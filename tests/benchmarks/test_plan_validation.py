@@ -62,7 +62,7 @@ def test_fp8_rows_are_the_bf16_tables_runs_with_fp8_linears() -> None:
     FP8 row is its BF16 row (same keys, same model in bf16) priced with FP8 linears, and
     its step time gives the MFU the README states of the 1979 TFLOP/s FP8 peak."""
     runs = {r.id: r for r in pv.read_runs()}
-    fp8 = [r for r in runs.values() if r.precision == "fp8"]
+    fp8 = [r for r in runs.values() if r.precision == "fp8" and r.id.startswith("nemo-")]
     assert len(fp8) == 14
     for r in fp8:
         twin = runs[r.id.replace("-fp8-", "-")]
@@ -109,9 +109,12 @@ def test_the_flop_counts_are_the_sources() -> None:
         assert abs(run.step_flops() / run.global_batch / per_sample - 1) < 0.005, row
         assert abs(run.tflops_per_gpu / 989 - mfu) < 0.003, row
     # the count Megatron-Bridge's TFLOP/s and tokens/s imply: one model, one count per token
-    oss = [r for r in runs.values() if r.flops == "implied"]
+    for model, rows in (("gpt-oss-120b", 4), ("llama3-70b", 2)):
+        implied = [r for r in runs.values() if r.flops == "implied" and model in r.id]
+        per_token = [r.step_flops() / (r.global_batch * r.seq) for r in implied]
+        assert len(implied) == rows and max(per_token) / min(per_token) < 1.01, model
+    oss = [r for r in runs.values() if r.flops == "implied" and "gpt-oss" in r.id]
     per_token = [r.step_flops() / (r.global_batch * r.seq) for r in oss]
-    assert len(oss) == 4 and max(per_token) / min(per_token) < 1.01
     # ... and it is Megatron-Bridge's num_floating_point_operations for GPT-OSS 120B: its
     # experts counted without the gated third matrix (quick_gelu is not F.silu), attention
     # at full length with the causal half, logits at the vocabulary (flop_utils.py, v0.3.0)
@@ -126,7 +129,8 @@ def test_gpt_oss_rows_read_their_recipes() -> None:
     """Megatron-Bridge's GPT-OSS performance recipes (r0.2.0, v0.3.0): selective
     recomputation, the distributed optimizer, no virtual stages; H100 at microbatch 1,
     B200 at ep 64 and microbatch 4."""
-    oss = {r.id: r for r in pv.read_runs() if r.id.startswith("megatron-bridge-")}
+    oss = {r.id: r for r in pv.read_runs()
+           if r.id.startswith("megatron-bridge-") and "gpt-oss" in r.id}
     assert len(oss) == 4
     for r in oss.values():
         assert (r.recompute, r.zero, r.vp) == ("selective", "zero1", 1), r.id
@@ -195,3 +199,18 @@ def test_korthikanti_rows_read_tables_3_and_5() -> None:
                       ("530b", 0.542)):
         row = rows[f"korthikanti-a100-{size}-selective-sp" + ("-dp8" if mfu == 0.542 else "")]
         assert abs(row.tflops_per_gpu / 312 - mfu) < 0.003, (row.id, row.tflops_per_gpu / 312)
+
+
+def test_megatron_bridge_llama_rows_read_their_recipes() -> None:
+    """Megatron-Bridge's Llama 3 70B FP8 (current scaling) H100 recipe (v0.2.0, v0.3.0):
+    tensor 4, pipeline 8, virtual 5, sequence parallelism, no recomputation, the
+    distributed optimizer with bf16 gradients, the weights kept in FP8."""
+    rows = [r for r in pv.read_runs() if r.id.startswith("megatron-bridge-")
+            and "llama3-70b" in r.id]
+    assert sorted(r.global_batch for r in rows) == [128, 256]
+    for r in rows:
+        assert (r.tp, r.pp, r.vp, r.cp, r.dp, r.mbs) == (4, 8, 5, 1, 2, 1), r.id
+        assert (r.recompute, r.sp, r.zero, r.grads) == ("none", True, "zero1", "bf16"), r.id
+        assert r.precision == "fp8" and r.fp8_params and pv.setting_for(r).fp8, r.id
+        # Megatron-Bridge's count per token: 6 x 70.6B parameters and attention, ~4.49e11
+        assert abs(r.step_flops() / (r.global_batch * r.seq) / 4.49e11 - 1) < 0.01, r.id

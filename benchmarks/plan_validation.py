@@ -99,6 +99,9 @@ class Run:
     blank: fp32, its default."""
     fp8_params: bool = False
     """An FP8 recipe keeps the layers' weights in FP8 alone (``Setting.fp8_params``)."""
+    split_ends: bool = False
+    """Megatron-Core's layer split counts the embedding and the loss as layers
+    (``Setting.split_ends``)."""
 
     @property
     def values(self) -> str:
@@ -168,7 +171,8 @@ def read_runs(path: Path = DATA) -> list[Run]:
             float(r["tokens_per_gpu_s"]) if r["tokens_per_gpu_s"].strip() else None,
             r["fitted"] == "yes", r["source"], (r.get("attention") or "").strip() or None,
             (r.get("grads") or "").strip() or "fp32",
-            (r.get("fp8_params") or "").strip() == "true"))
+            (r.get("fp8_params") or "").strip() == "true",
+            (r.get("split_ends") or "").strip() == "true"))
     return out
 
 
@@ -203,7 +207,7 @@ def setting_for(run: Run) -> Setting:
     """What the planner holds fixed for the run: its cluster, size, batch and runtime."""
     return Setting(cluster_for(run), run.gpus, run.global_batch, run.values,
                    runtime=run.runtime, megatron_grads=run.grads, fp8=run.precision == "fp8",
-                   fp8_params=run.fp8_params)
+                   fp8_params=run.fp8_params, split_ends=run.split_ends)
 
 
 def price(run: Run, prep: Prepared | None = None) -> tuple[float, str]:

@@ -44,7 +44,7 @@ class Planned:
         prof = self.profiler(c.mbs, c.tp, c.sp)
         out = rank_loads(prof, c.recompute, c.pp, c.vp, c.schedule,
                          self.setting.cluster.device, self.setting.compute_factor,
-                         self.setting.runtime == MEGATRON_CORE)
+                         self.setting.runtime == MEGATRON_CORE, self.setting.split_ends)
         assert out is not None
         return out
 

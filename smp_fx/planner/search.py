@@ -228,13 +228,17 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
                             if key not in loads:
                                 loads[key] = rank_loads(prof, rc, pp, v, sched,
                                                         setting.cluster.device,
-                                                        setting.compute_factor, even)
+                                                        setting.compute_factor, even,
+                                                        setting.split_ends)
                             ranks = loads[key]
                             if ranks is None:
                                 refuse(f"pp x vp = {pp * v} chunks exceed the model's parts"
                                        if not even or pp * v > layers else
-                                       f"Megatron-Core splits the {layers} layers evenly: "
-                                       f"pp x vp = {pp * v} chunks do not divide them")
+                                       f"Megatron-Core splits the {layers} layers"
+                                       + (" with the embedding and the loss"
+                                          if setting.split_ends else "")
+                                       + f" evenly: pp x vp = {pp * v} chunks do not "
+                                       "divide them")
                                 continue
                             link = link_of.get(key)
                             pipes: dict[int, Pipeline] = {}

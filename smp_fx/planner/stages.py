@@ -128,20 +128,44 @@ def _chain_cuts(times: tuple[float, ...], k: int) -> tuple[int, ...]:
     return solve(np.zeros(len(times)), k, time=np.asarray(times)).cuts
 
 
-def chunks_of(profile: Profile, recompute: str, k: int, even: bool = False
-              ) -> list[list[tuple[PartCost, int]]] | None:
+def even_counts(n: int, k: int, ends: bool = False) -> tuple[int, ...] | None:
+    """Megatron-Core's layers per chunk: n / k each (``get_num_layers_to_build``,
+    core_r0.8.0; its arguments require k to divide n); with ``ends``
+    (``account_for_embedding_in_pipeline_split`` and ``..._loss_...``) the embedding and
+    the loss each count as a layer, so the first and last chunks build one layer fewer
+    of (n + 2) / k. None where k does not divide them.
+
+    >>> even_counts(8, 4), even_counts(126, 64, ends=True)[:2], even_counts(8, 3)
+    ((2, 2, 2, 2), (1, 2), None)
+    """
+    total = n + 2 if ends else n
+    if k > total or total % k:
+        return None
+    counts = [total // k] * k
+    if ends:
+        counts[0] -= 1
+        counts[-1] -= 1
+    return tuple(counts)
+
+
+def chunks_of(profile: Profile, recompute: str, k: int, even: bool = False,
+              ends: bool = False) -> list[list[tuple[PartCost, int]]] | None:
     """Each chunk's parts as (part, copies), or None when the model has fewer parts than
-    ``k`` chunks need. ``even``: every chunk takes n / k layers, as Megatron-Core builds
-    them (``get_num_layers_to_build``, core_r0.8.0; its arguments require k to divide
-    n), None where it does not; the head and tail ride on the first and last chunk."""
+    ``k`` chunks need. ``even``: Megatron-Core's split (``even_counts``, ``ends`` its
+    embedding and loss counted as layers), None where it does not divide; the head and
+    tail ride on the first and last chunk."""
     if profile.layers:
         head, first, layer, tail = profile.parts
         n = profile.layers
-        if k > n or (even and n % k):
+        if even:
+            counts = even_counts(n, k, ends)
+            if counts is None:
+                return None
+        elif k > n:
             return None
-        t = [sum(p.times(recompute)) for p in profile.parts]
-        counts = ((n // k,) * k if even else
-                  split_layers(t[0], t[1], t[2], t[3], n, k))
+        else:
+            t = [sum(p.times(recompute)) for p in profile.parts]
+            counts = split_layers(t[0], t[1], t[2], t[3], n, k)
         out, start = [], 0
         for i, c in enumerate(counts):
             chunk: list[tuple[PartCost, int]] = []
@@ -166,14 +190,14 @@ def chunks_of(profile: Profile, recompute: str, k: int, even: bool = False
 
 
 def rank_loads(profile: Profile, recompute: str, p: int, v: int, schedule: str,
-               spec: DeviceSpec, compute_factor: float = 1.0, even: bool = False
-               ) -> Ranks | None:
+               spec: DeviceSpec, compute_factor: float = 1.0, even: bool = False,
+               ends: bool = False) -> Ranks | None:
     """Each rank's share (module docstring) with the runtime's cost per action and message;
     ``compute_factor`` slows compute (not collectives) down, times the spec's
-    ``pipelined_scale`` past one stage; ``even``: Megatron-Core's layer split
+    ``pipelined_scale`` past one stage; ``even``, ``ends``: Megatron-Core's layer split
     (``chunks_of``)."""
     k = p * v
-    chunks = chunks_of(profile, recompute, k, even)
+    chunks = chunks_of(profile, recompute, k, even, ends)
     if chunks is None:
         return None
     factor = compute_factor * (spec.pipelined_scale if p > 1 else 1.0)

@@ -111,12 +111,22 @@ class Setting:
     fp8_params: bool = False
     """With ``fp8``: the layers' weights kept in FP8 alone (Transformer Engine's FP8
     parameters, NeMo's ``fp8_params``), their copy in ``precision`` not held."""
+    split_ends: bool = False
+    """Under ``"megatron-core"``: its even layer split counts the embedding and the loss
+    as a layer each (``account_for_embedding_in_pipeline_split`` and
+    ``account_for_loss_in_pipeline_split``; ``smp_fx.planner.stages.even_counts``)."""
 
     def __post_init__(self) -> None:
         if self.fp8_params and not self.fp8:
             raise SMPConfigError.build(
                 "FP8 parameters are the weights of FP8 linears", "fp8_params without fp8",
                 "Setting", "set fp8 too (smp-fx plan --fp8 --fp8-params)")
+        if self.split_ends and self.runtime != MEGATRON_CORE:
+            raise SMPConfigError.build(
+                "the embedding and the loss are counted as layers by Megatron-Core's split",
+                f"split_ends with runtime {self.runtime!r}", "Setting",
+                "price the run as runtime 'megatron-core', or leave split_ends off "
+                "(smp-fx's runtime splits by cost)")
 
     @functools.cached_property
     def fabric(self) -> Fabric:

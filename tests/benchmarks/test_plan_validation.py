@@ -15,6 +15,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import plan_validation as pv  # noqa: E402
 
 from cost_model.cluster import GPU_TYPE, get_cluster  # noqa: E402
+from cost_model.errors import SMPError  # noqa: E402
 from cost_model.gpu_specs import with_attention  # noqa: E402
 
 
@@ -214,3 +215,21 @@ def test_megatron_bridge_llama_rows_read_their_recipes() -> None:
         assert r.precision == "fp8" and r.fp8_params and pv.setting_for(r).fp8, r.id
         # Megatron-Bridge's count per token: 6 x 70.6B parameters and attention, ~4.49e11
         assert abs(r.step_flops() / (r.global_batch * r.seq) / 4.49e11 - 1) < 0.01, r.id
+
+
+def test_megatron_bridge_405b_rows_count_the_ends_as_layers() -> None:
+    """Megatron-Bridge's Llama 3.1 405B recipes (v0.2.0, v0.3.0; H100 and B200) split its
+    126 layers with the embedding and the loss as layers
+    (account_for_embedding_in_pipeline_split and ..._loss_...): 128 over pp 8 x v 8,
+    which the plain even split refuses."""
+    rows = [r for r in pv.read_runs() if r.split_ends]
+    assert sorted(r.id for r in rows) == ["megatron-bridge-25.11-b200-llama3.1-405b-fp8",
+                                          "megatron-bridge-25.11-h100-llama3.1-405b-fp8",
+                                          "megatron-bridge-26.02-h100-llama3.1-405b-fp8"]
+    for r in rows:
+        tp, dp = (8, 8) if r.gpu == "H100" else (4, 2)
+        assert (r.layers, r.tp, r.pp, r.vp, r.cp, r.dp) == (126, tp, 8, 8, 2, dp), r.id
+        assert pv.setting_for(r).split_ends and r.fp8_params, r.id
+    plain = dataclasses.replace(rows[0], split_ends=False)
+    with pytest.raises(SMPError, match="do not divide them"):
+        pv.price(plain)

@@ -181,6 +181,8 @@ def test_fp8_linears_price_large_gemms_faster_and_tiny_ones_slower() -> None:
         assert kept - params[1] == (FP8_WEIGHT_BYTES - 4) * one * layers, zero
     with pytest.raises(SMPConfigError, match="FP8 parameters are the weights of FP8"):
         Setting(h100, 8, 64, fp8_params=True)
+    with pytest.raises(SMPConfigError, match="counted as layers by Megatron-Core's split"):
+        Setting(h100, 8, 64, split_ends=True)
     with pytest.raises(SMPConfigError, match="FP8 tensor cores"):
         Profiler(model, get_cluster("dgx-a100-80gb"), fp8=True)
     with pytest.raises(Exception, match="fp8=setting.fp8"):

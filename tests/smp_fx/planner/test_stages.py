@@ -80,6 +80,23 @@ def test_megatron_cores_split_gives_every_chunk_the_same_layers() -> None:
         assert rank_loads(prof, "none", pp, v, "interleaved", spec, even=True) is None
 
 
+def test_megatron_cores_split_can_count_the_embedding_and_the_loss_as_layers() -> None:
+    """With ``account_for_embedding_in_pipeline_split`` and ``..._loss_...`` Megatron-Core
+    splits n + 2 evenly and the first and last chunks build one layer fewer: 8 layers
+    on 5 chunks (1, 2, 2, 2, 1), on 10 chunks the ends none; 8 chunks do not divide 10."""
+    prof = Profiler(prepare(tiny_gpt(8), gpt_inputs), link_cluster())(2, 1, False)
+    spec = get_device("a100")
+    ranks = rank_loads(prof, "none", 5, 1, "interleaved", spec, even=True, ends=True)
+    assert ranks is not None and ranks.layers == (1, 2, 2, 2, 1)
+    plain = rank_loads(prof, "none", 4, 1, "interleaved", spec, even=True)
+    assert plain is not None
+    ends = rank_loads(prof, "none", 2, 5, "interleaved", spec, even=True, ends=True)
+    assert ends is not None and sum(ends.layers) == 8
+    assert sum(ends.flops) == pytest.approx(sum(plain.flops))  # the same model, cut elsewhere
+    assert rank_loads(prof, "none", 8, 1, "interleaved", spec, even=True, ends=True) is None
+    assert rank_loads(prof, "none", 5, 1, "interleaved", spec, even=True) is None
+
+
 def test_recomputed_layers_share_the_causal_mask_they_keep() -> None:
     pytest.importorskip("transformers")
     from pathlib import Path

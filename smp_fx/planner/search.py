@@ -233,7 +233,8 @@ def search(profiler: Profiler, setting: Setting, *, fixed: Mapping[str, Any] | N
                             ranks = loads[key]
                             if ranks is None:
                                 refuse(f"pp x vp = {pp * v} chunks exceed the model's parts"
-                                       if not even or pp * v > layers else
+                                       if not even or pp * v > layers + 2 * setting.split_ends
+                                       else
                                        f"Megatron-Core splits the {layers} layers"
                                        + (" with the embedding and the loss"
                                           if setting.split_ends else "")

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,7 +52,8 @@ class CompileStats:
     ``checkpointed`` regions, and how many of its ``params`` (trainable tensors) are read
     inside the regions (``region_params``; ``region_share`` of the elements): I computes
     their gradients. A stage compiled whole with ``deferred`` GEMMs (``deferred_gemms``)
-    counts the parameters read inside its graph in ``region_params`` too."""
+    counts the parameters read inside its graph in ``region_params`` too. ``unaliased``:
+    the gradients ``unalias_gradients`` copied before autograd kept them."""
 
     stage: int
     compiles: int = 0
@@ -65,6 +67,7 @@ class CompileStats:
     region_params: int = 0
     region_share: float = 0.0
     deferred: int = 0
+    unaliased: int = 0
 
     @property
     def recompiles(self) -> int:
@@ -81,7 +84,13 @@ class CompileStats:
         return f"stage {self.stage}" + (f" region {self.region}" if self.region else "")
 
     def summary(self) -> str:
-        """One line: what of the stage runs compiled, what eagerly (and its parameters)."""
+        """One line: what of the stage runs compiled, what eagerly (and its parameters), and
+        how many gradients ``unalias_gradients`` copied."""
+        copied = (f"; {self.unaliased} gradients copied out of another's memory"
+                  if self.unaliased else "")
+        return self._parts() + copied
+
+    def _parts(self) -> str:
         if self.fallback is not None:
             return f"{self.where}: eager, {self.params} parameters ({self.fallback})"
         if self.deferred:
@@ -124,6 +133,7 @@ class CompiledStage(nn.Module):
                                  backend=_counting(backend, stats, counts))
         object.__setattr__(self, "_compiled", compiled)  # not a submodule: no second name
         object.__setattr__(self, "_eager", eager if hooked else stage)
+        unalias_gradients([p for p in stage.parameters() if p.requires_grad], stats)
         if hooked:  # the instance's forward: __call__ runs the hooks, then this
             object.__setattr__(stage, "forward", self._run)
 
@@ -181,6 +191,55 @@ def without_autograd_cache() -> contextlib.AbstractContextManager[Any]:
     patched: contextlib.AbstractContextManager[Any] = torch._functorch.config.patch(
         enable_autograd_cache=False)
     return patched
+
+
+def unalias_gradients(params: list[nn.Parameter], stats: CompileStats) -> None:
+    """Copy a compiled backward's gradient that shares its storage with another parameter's
+    gradient of the same backward, before autograd accumulates it.
+
+    Why: AOTAutograd may return one parameter's gradient as a view of another's (ViT's
+    ``cls_token`` gradient is the first row of ``position_embeddings``' when a microbatch
+    holds one image), and autograd keeps a gradient it is handed whole as ``.grad`` without
+    copying it, even a view (PyTorch issue #34082, open). The two ``.grad`` then share
+    memory, and the next microbatch's in-place accumulation into one adds to the other: ViT
+    compiled at two microbatches of one image counted the second image's ``cls_token``
+    gradient twice. What it costs: a copy of each such gradient in a step's first backward
+    (one 64-element tensor on that ViT); later microbatches accumulate in place, no copy.
+    Each copy is counted in ``stats.unaliased`` and logged once per stage."""
+    claims: dict[int, tuple[nn.Parameter, weakref.ref[torch.Tensor]]] = {}  # address ->
+    held: dict[int, int] = {}  # id(parameter) -> the address it claimed last (bounds claims)
+
+    def shared(key: int, param: nn.Parameter) -> bool:
+        """Whether another parameter keeps storage ``key``: as its ``.grad``, or in a
+        gradient of this backward not accumulated yet (still alive)."""
+        other, grad = claims.get(key, (param, None))
+        if other is param:
+            return False
+        kept = other.grad
+        return (kept.untyped_storage().data_ptr() == key if kept is not None
+                else grad is not None and grad() is not None)
+
+    def hook_for(param: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor | None]:
+        def hook(grad: torch.Tensor) -> torch.Tensor | None:
+            if param.grad is not None or grad.numel() == 0:
+                return None  # accumulated into .grad in place: nothing of it is kept
+            key = grad.untyped_storage().data_ptr()
+            if shared(key, param):
+                if stats.unaliased == 0:
+                    log.warning("smp-fx compile: %s: the compiled backward gave a parameter's "
+                                "gradient in another's memory (PyTorch issue #34082); it is "
+                                "copied before it is accumulated", stats.where)
+                stats.unaliased += 1
+                return grad.clone()
+            if claims.get(held.get(id(param), -1), (None,))[0] is param:
+                del claims[held[id(param)]]
+            claims[key], held[id(param)] = (param, weakref.ref(grad)), key
+            return None
+
+        return hook
+
+    for param in params:
+        param.register_hook(hook_for(param))
 
 
 def fall_back(stats: CompileStats, reason: str) -> None:

@@ -31,6 +31,7 @@ from smp_fx.runtime.executor.compiled import (
     CompileStats,
     compile_in_regions,
     compile_stages,
+    unalias_gradients,
 )
 from smp_fx.runtime.executor.compiled_regions import CompiledRegions
 from smp_fx.runtime.executor.seams import StageRunner
@@ -120,12 +121,13 @@ def _train_and_compare(tag: str, arch: str, model: Any, opt: Any, train_step: An
     return bad
 
 
-def _case(arch: str, pipeline: str, v: int, backend: str, ref: Any) -> list[str]:
+def _case(arch: str, pipeline: str, v: int, backend: str, ref: Any,
+          microbatches: int = MICROBATCHES) -> list[str]:
     import smp_fx as smp
     from smp_fx.world import state
 
     state._reset()
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES,
+    smp.init({"pipeline_parallel_degree": 2, "microbatches": microbatches,
               "pipeline": pipeline, "virtual_pipeline_degree": v, "compile": backend})
     model = smp.DistributedModel(_model(arch))
     opt = smp.DistributedOptimizer(_adam(model.parameters()))
@@ -176,7 +178,7 @@ def _bf16_case() -> list[str]:
 
 
 def _all_cases(path: str, cases: tuple[tuple[str, str, int, str], ...] = CASES,
-               bf16: bool = True) -> list[str]:
+               bf16: bool = True, microbatches: int = MICROBATCHES) -> list[str]:
     """Every case in turn on one gloo world (and ``_bf16_case``): the mismatches."""
     from smp_fx.world import state
 
@@ -185,7 +187,7 @@ def _all_cases(path: str, cases: tuple[tuple[str, str, int, str], ...] = CASES,
     refs = torch.load(path, weights_only=True)
     try:
         return [b for arch, pipeline, v, backend in cases
-                for b in _case(arch, pipeline, v, backend, refs[arch])] + (
+                for b in _case(arch, pipeline, v, backend, refs[arch], microbatches)] + (
                     _bf16_case() if bf16 else [])
     finally:
         state._reset()
@@ -410,3 +412,41 @@ def test_a_stage_of_one_gemm_says_it_compiled_nothing_under_a_split_backward() -
     assert CompileStats(0, params=3).summary() == (
         "stage 0: nothing compiled yet, 3 parameters (not run, or no tensor operation reached "
         "the compiler)")
+
+
+class _AliasedGradients(torch.autograd.Function):
+    """``a + b`` whose backward hands ``b``'s gradient in ``a``'s memory, as AOTAutograd's
+    compiled backward may (a view of another output, not tracked as one)."""
+
+    @staticmethod
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a + b
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        base = g.sum(0)
+        return base, base.detach().view(1, -1)
+
+
+@pytest.mark.parametrize("order", ["a first", "b first"])
+def test_gradients_in_one_memory_are_accumulated_apart(order: str) -> None:
+    a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(1, 3))
+    stats = CompileStats(0)
+    unalias_gradients([a, b] if order == "a first" else [b, a], stats)
+    for k in (1.0, 2.0):  # two microbatches: the second accumulates into .grad
+        (_AliasedGradients.apply(a, b) * torch.full((2, 3), k)).sum().backward()
+    torch.testing.assert_close(a.grad, torch.full((3,), 6.0))
+    torch.testing.assert_close(b.grad, torch.full((1, 3), 6.0))
+    assert stats.unaliased == 1  # the first microbatch's; the second adds in place
+    assert "1 gradients copied" in stats.summary()
+
+
+def test_gradients_in_their_own_memory_are_not_copied() -> None:
+    lin = nn.Linear(3, 3)
+    stats = CompileStats(0)
+    unalias_gradients(list(lin.parameters()), stats)
+    for _ in range(3):
+        lin.zero_grad()
+        for _ in range(2):
+            lin(torch.randn(2, 3)).sum().backward()
+    assert stats.unaliased == 0

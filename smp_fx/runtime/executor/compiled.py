@@ -219,9 +219,11 @@ def unalias_gradients(params: list[nn.Parameter], stats: CompileStats) -> None:
         return (kept.untyped_storage().data_ptr() == key if kept is not None
                 else grad is not None and grad() is not None)
 
-    def hook_for(param: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor | None]:
-        def hook(grad: torch.Tensor) -> torch.Tensor | None:
-            if param.grad is not None or grad.numel() == 0:
+    def hook_for(param: nn.Parameter) -> Callable[[torch.Tensor | None], torch.Tensor | None]:
+        def hook(grad: torch.Tensor | None) -> torch.Tensor | None:
+            if grad is None or grad.numel() == 0:  # no gradient (a graph output left unused)
+                return None
+            if param.grad is not None:
                 return None  # accumulated into .grad in place: nothing of it is kept
             key = grad.untyped_storage().data_ptr()
             if shared(key, param):

@@ -416,27 +416,30 @@ def test_a_stage_of_one_gemm_says_it_compiled_nothing_under_a_split_backward() -
 
 class _AliasedGradients(torch.autograd.Function):
     """``a + b`` whose backward hands ``b``'s gradient in ``a``'s memory, as AOTAutograd's
-    compiled backward may (a view of another output, not tracked as one)."""
+    compiled backward may (a view of another output, not tracked as one), and no gradient
+    for ``c`` (autograd then calls ``c``'s hooks with None)."""
 
     @staticmethod
-    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
         return a + b
 
     @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
         base = g.sum(0)
-        return base, base.detach().view(1, -1)
+        return base, base.detach().view(1, -1), None
 
 
 @pytest.mark.parametrize("order", ["a first", "b first"])
 def test_gradients_in_one_memory_are_accumulated_apart(order: str) -> None:
-    a, b = nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(1, 3))
+    a, b, c = (nn.Parameter(torch.zeros(3)), nn.Parameter(torch.zeros(1, 3)),
+               nn.Parameter(torch.zeros(2)))
     stats = CompileStats(0)
-    unalias_gradients([a, b] if order == "a first" else [b, a], stats)
+    unalias_gradients([a, b, c] if order == "a first" else [c, b, a], stats)
     for k in (1.0, 2.0):  # two microbatches: the second accumulates into .grad
-        (_AliasedGradients.apply(a, b) * torch.full((2, 3), k)).sum().backward()
+        (_AliasedGradients.apply(a, b, c) * torch.full((2, 3), k)).sum().backward()
     torch.testing.assert_close(a.grad, torch.full((3,), 6.0))
     torch.testing.assert_close(b.grad, torch.full((1, 3), 6.0))
+    assert c.grad is None
     assert stats.unaliased == 1  # the first microbatch's; the second adds in place
     assert "1 gradients copied" in stats.summary()
 

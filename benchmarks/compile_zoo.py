@@ -10,11 +10,17 @@ batch of two split into two microbatches of one sample each (where a size-1 batc
 dimension lets the compiler hand one gradient as a view of another's), one intra-op thread.
 A row reads ``ok`` when every parameter is within 1e-5 of the one-process run's, else the
 number that are not and the worst absolute difference; then the stages compiled whole or
-in parts, those running eagerly (each reason below the table), recompiles, copied
+in parts, the stages and regions running eagerly (a fallback, or a split backward's
+checkpointed region; each reason below the table), recompiles, copied
 gradients and the seconds the row took (its compiles included). Architectures the
 installed transformers lacks are listed as absent. Exits 1 if any row mismatches.
 
+``--checkpointed`` checkpoints every layer; ``--lengths`` steps at each sequence length in
+turn (at least ``STEPS`` steps), so each new length is a new input shape for the compiled
+stages (image models keep their image).
+
     python benchmarks/compile_zoo.py [--backend aot_eager|inductor] [--archs llama,vit]
+        [--checkpointed] [--lengths 16,24,12]
 """
 
 from __future__ import annotations
@@ -64,21 +70,31 @@ HEADER = (f"{'arch':<12} {'sched':<5} {'vs one process':<22} {'compiled':>8} {'e
           f"{'recompiles':>10} {'copied':>7} {'s':>6}")
 
 
-def run_row(arch: str, schedule: str, pipeline: str, v: int, backend: str) -> Row:
-    """``arch`` compiled under ``pipeline`` against ``tests.helpers.zoo``'s one-process run."""
+def run_row(arch: str, schedule: str, pipeline: str, v: int, backend: str,
+            checkpointed: bool = False, lengths: tuple[int, ...] = ()) -> Row:
+    """``arch`` compiled under ``pipeline`` against ``tests.helpers.zoo``'s one-process run;
+    ``checkpointed``: every layer activation-checkpointed; ``lengths``: each step's sequence
+    length in turn (``STEPS`` of them), so the compiled stages see new shapes."""
     import smp_fx as smp
     from examples.models import hf_zoo
     from smp_fx.world import state
     from tests.helpers import zoo
 
     row, start = Row(arch, schedule), time.perf_counter()
-    _, want = zoo.sgd_reference(arch, BATCH, STEPS, LR)
+    lengths = lengths or (hf_zoo.SEQ,)
+    steps = max(STEPS, len(lengths))
+    _, want = zoo.reference(arch, BATCH, steps, lambda ps: torch.optim.SGD(ps, lr=LR),
+                            lengths=lengths)
     state._reset()
     smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES,
               "active_microbatches": MICROBATCHES, "pipeline": pipeline,
               "virtual_pipeline_degree": v, "compile": backend})
     net = hf_zoo.build(arch, marked=False)
     model = smp.DistributedModel(net)
+    if checkpointed:
+        for name, layer in net.named_modules():
+            if zoo.LAYER.search(name):
+                smp.set_activation_checkpointing(layer)
     opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
 
     @smp.step
@@ -87,7 +103,7 @@ def run_row(arch: str, schedule: str, pipeline: str, v: int, backend: str) -> Ro
         model.backward(loss)
         return loss
 
-    for x, y in zoo.batches(arch, BATCH, STEPS):
+    for x, y in zoo.batches(arch, BATCH, steps, lengths):
         opt.zero_grad()
         train(model, y, *x)
         opt.step()
@@ -104,6 +120,9 @@ def run_row(arch: str, schedule: str, pipeline: str, v: int, backend: str) -> Ro
             row.compiled += 1
         row.eager += [f"stage {s} region {r.region}: {r.fallback}" for r in st.regions
                       if r.fallback is not None]
+        if st.checkpointed:
+            row.eager.append(f"stage {s}: {st.checkpointed} checkpointed regions (rebuilt once "
+                             "for I and W, recompute_once, which dynamo does not trace)")
         row.recompiles += st.recompiles
         row.copied += st.unaliased + sum(r.unaliased for r in st.regions)
     row.seconds = time.perf_counter() - start
@@ -117,7 +136,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backend", default="aot_eager", choices=("aot_eager", "inductor"))
     ap.add_argument("--archs", default=",".join(hf_zoo.ARCHITECTURES),
                     help="comma-separated hf_zoo architectures (default: all)")
+    ap.add_argument("--checkpointed", action="store_true",
+                    help="every layer activation-checkpointed (smp.set_activation_checkpointing)")
+    ap.add_argument("--lengths", default="",
+                    help="comma-separated sequence lengths, one per step in turn (e.g. 16,24,"
+                         "12: each new length a new input shape for the compiled stages)")
     args = ap.parse_args(argv)
+    try:
+        lengths = tuple(int(n) for n in args.lengths.split(",") if n)
+    except ValueError:
+        ap.error(f"--lengths {args.lengths!r}: give whole numbers separated by commas")
     archs = [a for a in args.archs.split(",") if a]
     unknown = sorted(set(archs) - set(hf_zoo.ARCHITECTURES))
     if unknown:
@@ -127,18 +155,21 @@ def main(argv: list[str] | None = None) -> int:
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # the reasons go below the table
     try:
-        return _table(archs, args.backend)
+        return _table(archs, args.backend, args.checkpointed, lengths)
     finally:
         quiet.setLevel(level)
 
 
-def _table(archs: list[str], backend: str) -> int:
+def _table(archs: list[str], backend: str, checkpointed: bool = False,
+           lengths: tuple[int, ...] = ()) -> int:
     """Print the rows, the summary and the eager stages' reasons; 1 if a row mismatches."""
     import transformers
 
     from examples.models import hf_zoo
 
-    print(f"compiled ({backend}) vs one process, pp 2 in one process, transformers "
+    extra = ("every layer checkpointed, " if checkpointed else "") + (
+        f"sequence lengths {list(lengths)}, " if lengths else "")
+    print(f"compiled ({backend}) vs one process, pp 2 in one process, {extra}transformers "
           f"{transformers.__version__}, torch {torch.__version__}", flush=True)
     print(HEADER, flush=True)
     rows: list[Row] = []
@@ -146,7 +177,7 @@ def _table(archs: list[str], backend: str) -> int:
     for arch in (a for a in archs if a not in absent):
         for schedule, pipeline, v in SCHEDULES:
             try:
-                row = run_row(arch, schedule, pipeline, v, backend)
+                row = run_row(arch, schedule, pipeline, v, backend, checkpointed, lengths)
             except Exception as exc:  # a row that fails says so; the others still run
                 row = Row(arch, schedule, error=f"{type(exc).__name__}: "
                           f"{str(exc).splitlines()[0][:200] if str(exc) else ''}")

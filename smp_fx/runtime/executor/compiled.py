@@ -204,7 +204,9 @@ def unalias_gradients(params: list[nn.Parameter], stats: CompileStats) -> None:
     memory, and the next microbatch's in-place accumulation into one adds to the other: ViT
     compiled at two microbatches of one image counted the second image's ``cls_token``
     gradient twice. What it costs: a copy of each such gradient in a step's first backward
-    (one 64-element tensor on that ViT); later microbatches accumulate in place, no copy.
+    (one 64-element tensor on that ViT; later microbatches accumulate in place, no copy),
+    and a Python hook call per parameter per backward: ~1 us each on this CPU (a 30-parameter
+    stack's backward 335 -> 366 us).
     Each copy is counted in ``stats.unaliased`` and logged once per stage."""
     claims: dict[int, tuple[nn.Parameter, weakref.ref[torch.Tensor]]] = {}  # address ->
     held: dict[int, int] = {}  # id(parameter) -> the address it claimed last (bounds claims)

@@ -218,7 +218,7 @@ def unalias_gradients(params: list[nn.Parameter], stats: CompileStats) -> None:
         if other is param:
             return False
         kept = other.grad
-        return (kept.untyped_storage().data_ptr() == key if kept is not None
+        return (_address(kept) == key if kept is not None
                 else grad is not None and grad() is not None)
 
     def hook_for(param: nn.Parameter) -> Callable[[torch.Tensor | None], torch.Tensor | None]:
@@ -227,7 +227,9 @@ def unalias_gradients(params: list[nn.Parameter], stats: CompileStats) -> None:
                 return None
             if param.grad is not None:
                 return None  # accumulated into .grad in place: nothing of it is kept
-            key = grad.untyped_storage().data_ptr()
+            key = _address(grad)
+            if key is None:
+                return None
             if shared(key, param):
                 if stats.unaliased == 0:
                     log.warning("smp-fx compile: %s: the compiled backward gave a parameter's "
@@ -244,6 +246,17 @@ def unalias_gradients(params: list[nn.Parameter], stats: CompileStats) -> None:
 
     for param in params:
         param.register_hook(hook_for(param))
+
+
+def _address(t: torch.Tensor) -> int | None:
+    """Where ``t``'s memory starts, or None for a tensor without plain storage (sparse, a
+    tensor subclass such as DTensor): those ``unalias_gradients`` leaves alone."""
+    if t.layout != torch.strided:
+        return None
+    try:
+        return int(t.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def fall_back(stats: CompileStats, reason: str) -> None:

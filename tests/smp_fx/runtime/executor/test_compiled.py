@@ -453,3 +453,13 @@ def test_gradients_in_their_own_memory_are_not_copied() -> None:
         for _ in range(2):
             lin(torch.randn(2, 3)).sum().backward()
     assert stats.unaliased == 0
+
+
+def test_sparse_gradients_are_left_alone() -> None:
+    emb = nn.Embedding(8, 3, sparse=True)
+    stats = CompileStats(0)
+    unalias_gradients(list(emb.parameters()), stats)
+    for _ in range(2):
+        emb(torch.tensor([1, 2, 1])).sum().backward()
+    assert emb.weight.grad is not None and emb.weight.grad.is_sparse
+    assert stats.unaliased == 0

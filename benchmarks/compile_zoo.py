@@ -26,12 +26,12 @@ stages (image models keep their image).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -75,45 +75,27 @@ def run_row(arch: str, schedule: str, pipeline: str, v: int, backend: str,
     """``arch`` compiled under ``pipeline`` against ``tests.helpers.zoo``'s one-process run;
     ``checkpointed``: every layer activation-checkpointed; ``lengths``: each step's sequence
     length in turn (``STEPS`` of them), so the compiled stages see new shapes."""
-    import smp_fx as smp
     from examples.models import hf_zoo
-    from smp_fx.world import state
     from tests.helpers import zoo
 
     row, start = Row(arch, schedule), time.perf_counter()
     lengths = lengths or (hf_zoo.SEQ,)
     steps = max(STEPS, len(lengths))
-    _, want = zoo.reference(arch, BATCH, steps, lambda ps: torch.optim.SGD(ps, lr=LR),
-                            lengths=lengths)
-    state._reset()
-    smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES,
-              "active_microbatches": MICROBATCHES, "pipeline": pipeline,
-              "virtual_pipeline_degree": v, "compile": backend})
-    net = hf_zoo.build(arch, marked=False)
-    model = smp.DistributedModel(net)
-    if checkpointed:
-        for name, layer in net.named_modules():
-            if zoo.LAYER.search(name):
-                smp.set_activation_checkpointing(layer)
-    opt = smp.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LR))
-
-    @smp.step
-    def train(model: Any, y: torch.Tensor, *x: torch.Tensor) -> Any:
-        loss = hf_zoo.loss_fn(model(*x), y)
-        model.backward(loss)
-        return loss
-
-    for x, y in zoo.batches(arch, BATCH, steps, lengths):
-        opt.zero_grad()
-        train(model, y, *x)
-        opt.step()
-    got = net.state_dict()
+    sgd = functools.partial(torch.optim.SGD, lr=LR)
+    _, want = zoo.reference(arch, BATCH, steps, sgd, lengths=lengths)
+    run = zoo.DistributedRun(arch, {"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES,
+                                    "active_microbatches": MICROBATCHES, "pipeline": pipeline,
+                                    "virtual_pipeline_degree": v, "compile": backend},
+                             sgd, checkpointed=checkpointed)
+    for batch in zoo.batches(arch, BATCH, steps, lengths):
+        run.step(batch)
+    got = run.state()
     for name, value in want.items():
         diff = (got[name].double() - value.double()).abs()
         if not torch.all(diff <= TOL + TOL * value.double().abs()):
             row.mismatched += 1
             row.worst = max(row.worst, float(diff.max()))
-    for s, st in sorted(model.parallelized.compiled.items()):
+    for s, st in sorted(run.model.parallelized.compiled.items()):
         if st.fallback is not None:
             row.eager.append(f"stage {s}: {st.fallback}")
         else:

@@ -237,8 +237,9 @@ def unalias_gradients(params: list[nn.Parameter], stats: CompileStats) -> None:
                                 "copied before it is accumulated", stats.where)
                 stats.unaliased += 1
                 return grad.clone()
-            if claims.get(held.get(id(param), -1), (None,))[0] is param:
-                del claims[held[id(param)]]
+            last = held.get(id(param))  # its claim from an earlier step, if still its own
+            if last is not None and claims.get(last, (None,))[0] is param:
+                del claims[last]
             claims[key], held[id(param)] = (param, weakref.ref(grad)), key
             return None
 

@@ -9,9 +9,11 @@ docs/partitioning.md, 'Front end', and docs/architecture.md, 'Contracts'.
 from __future__ import annotations
 
 import inspect
+import io
 import logging
+import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stderr
 from typing import Any, Literal
 
 import torch
@@ -251,7 +253,8 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) 
     with _meta_weights_on(_run_device(model, args, kwargs)):
         for oblivious in (True, False):
             try:
-                with fx_config.patch(backed_size_oblivious=oblivious):  # type: ignore[attr-defined]
+                patch = fx_config.patch(backed_size_oblivious=oblivious)  # type: ignore[attr-defined]
+                with patch, partial_graph_to_debug():
                     return torch.export.export(model, args, dict(kwargs),
                                                dynamic_shapes=dynamic, strict=False)
             except Exception as exc:  # export raises many types; the static retry tells the rest
@@ -259,7 +262,32 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) 
                          "(%s: %s)", oblivious, type(exc).__name__,
                          str(exc).splitlines()[0][:300] if str(exc) else "")
         log.info("exporting with the example's shapes")
-        return torch.export.export(model, args, dict(kwargs), strict=False)
+        with partial_graph_to_debug():
+            return torch.export.export(model, args, dict(kwargs), strict=False)
+
+
+@contextmanager
+def partial_graph_to_debug() -> Iterator[None]:
+    """One export attempt, with the partial graph ``torch.export`` prints to stderr when it
+    fails (~1400 lines for a tiny Hugging Face BART in fp16, whose layers branch on their
+    values; three attempts a model) sent to this module's DEBUG log instead: smp-fx
+    retries and logs each failure itself, so a handled failure prints one INFO line.
+    Whatever else is written to stderr meanwhile is passed on after the attempt."""
+    held = io.StringIO()
+    graph = None
+    try:
+        with redirect_stderr(held):
+            yield
+    except Exception as exc:
+        graph = getattr(exc, "partial_fx_graph", None)
+        raise
+    finally:
+        text = held.getvalue()
+        if isinstance(graph, str) and graph in text:
+            text = text.replace(graph + "\n", "")  # printed once per wrapper it leaves
+            log.debug("the failed export's partial graph:\n%s", graph)
+        if text:
+            sys.stderr.write(text)
 
 
 def _run_device(model: nn.Module, args: tuple[Any, ...],

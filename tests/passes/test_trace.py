@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import sys
 
 import pytest
 import torch
@@ -87,6 +88,26 @@ def test_untraceable_model_raises_documented_error() -> None:
     assert "DataDependent" in text and "<root>" in text
     assert "leaf_modules" in text and "smp.partition" in text
     assert "fx:" in text and "export:" in text
+
+
+class _Talking(DataDependent):
+    """Writes to stderr, then branches on a value: export fails after the write."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        print("a line the model writes", file=sys.stderr)
+        return super().forward(x)
+
+
+def test_a_failed_export_logs_its_partial_graph_and_keeps_other_stderr(
+        capfd: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.DEBUG, logger="smp_fx.passes.trace"), \
+            pytest.raises(SMPTracingError):
+        trace(_Talking(), (torch.randn(2, 8),), frontend="export")
+    err = capfd.readouterr().err
+    graphs = [r.getMessage() for r in caplog.records if "partial graph" in r.getMessage()]
+    assert graphs and all("def forward" in g for g in graphs)
+    assert "def forward" not in err
+    assert err.count("a line the model writes") == 3  # each of the three attempts passed on
 
 
 def test_frontend_choice_is_honoured() -> None:

@@ -8,8 +8,8 @@ generating C++ (inductor costs ~30 s per stage on 2 cores); one GPT case runs in
 Under a split backward the chunk whose inputs need no gradient is compiled whole, the others
 whole with their GEMMs' weight gradients deferred to W (``deferred_gemms``; its own tests);
 the regions between eager GEMMs (``compiled_regions``), which a stage with checkpointed
-regions rebuilt once takes, are tested here on their own. In bf16, compiled steps give the
-eager steps' losses. One spawn runs every case in turn.
+regions rebuilt once takes, are tested here on their own. In bf16 and in fp16 (loss
+scaling), compiled steps give the eager steps' losses. One spawn runs every case in turn.
 """
 
 from __future__ import annotations
@@ -147,14 +147,15 @@ def _case(arch: str, pipeline: str, v: int, backend: str, ref: Any,
     return bad
 
 
-def _bf16_losses(backend: str) -> tuple[list[float], dict[int, CompileStats]]:
-    """The GPT example's losses over 3 Adam steps in bf16 (fp32 masters), 1F1B."""
+def _half_losses(backend: str, precision: str) -> tuple[list[float], dict[int, CompileStats]]:
+    """The GPT example's losses over 3 Adam steps in ``precision`` (bf16 or fp16, fp32
+    masters; fp16 with SMP's loss scaling), 1F1B."""
     import smp_fx as smp
     from smp_fx.world import state
 
     state._reset()
     smp.init({"pipeline_parallel_degree": 2, "microbatches": MICROBATCHES,
-              "pipeline": "interleaved", "bf16": True, "compile": backend})
+              "pipeline": "interleaved", precision: True, "compile": backend})
     model = smp.DistributedModel(_model("gpt"))
     opt = smp.DistributedOptimizer(_adam(model.parameters()))
     train_step = _train_step("gpt")
@@ -167,19 +168,22 @@ def _bf16_losses(backend: str) -> tuple[list[float], dict[int, CompileStats]]:
     return losses, dict(model.parallelized.compiled)
 
 
-def _bf16_case() -> list[str]:
-    """bf16 compiled (aot_eager: the eager kernels, no fusion) gives eager's losses."""
-    eager, _ = _bf16_losses("none")
-    compiled, stats = _bf16_losses("aot_eager")
-    bad = [f"bf16: loss step {i} {c} != {e}" for i, (c, e) in enumerate(zip(compiled, eager))
-           if abs(c - e) > 1e-5 * abs(e)]
-    return bad + [f"bf16: stage {s} {st}" for s, st in stats.items()
-                  if st.compiles != 1 or st.fallback is not None]
+def _half_cases() -> list[str]:
+    """bf16 and fp16 compiled (aot_eager: the eager kernels, no fusion) give eager's losses."""
+    bad = []
+    for precision in ("bf16", "fp16"):
+        eager, _ = _half_losses("none", precision)
+        compiled, stats = _half_losses("aot_eager", precision)
+        bad += [f"{precision}: loss step {i} {c} != {e}"
+                for i, (c, e) in enumerate(zip(compiled, eager)) if abs(c - e) > 1e-5 * abs(e)]
+        bad += [f"{precision}: stage {s} {st}" for s, st in stats.items()
+                if st.compiles != 1 or st.fallback is not None]
+    return bad
 
 
 def _all_cases(path: str, cases: tuple[tuple[str, str, int, str], ...] = CASES,
-               bf16: bool = True, microbatches: int = MICROBATCHES) -> list[str]:
-    """Every case in turn on one gloo world (and ``_bf16_case``): the mismatches."""
+               half: bool = True, microbatches: int = MICROBATCHES) -> list[str]:
+    """Every case in turn on one gloo world (and ``_half_cases``): the mismatches."""
     from smp_fx.world import state
 
     dist.init_process_group("gloo")
@@ -188,7 +192,7 @@ def _all_cases(path: str, cases: tuple[tuple[str, str, int, str], ...] = CASES,
     try:
         return [b for arch, pipeline, v, backend in cases
                 for b in _case(arch, pipeline, v, backend, refs[arch], microbatches)] + (
-                    _bf16_case() if bf16 else [])
+                    _half_cases() if half else [])
     finally:
         state._reset()
 

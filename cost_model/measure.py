@@ -285,7 +285,6 @@ def fake_module_cost(module: nn.Module,
 
     ``make_inputs`` runs inside the fake mode; data-dependent modules raise."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
 
     mode = FakeTensorMode()
     memo: dict[int, torch.Tensor] = {}
@@ -298,6 +297,37 @@ def fake_module_cost(module: nn.Module,
             memo[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(
                 t, nn.Parameter) else fake
         state[name] = memo[id(t)]
+    with mode:
+        return _counted(module, state, make_inputs)
+
+
+def real_module_cost(module: nn.Module,
+                     make_inputs: Callable[[], tuple[tuple[Any, ...], dict[str, Any]]],
+                     ) -> tuple[float, float, int]:
+    """``fake_module_cost`` for a module that branches on its values and so cannot run on
+    fake tensors: one forward and backward on real tensors (``make_inputs``' values, e.g.
+    zeros), its weights read in place, its buffers copied, the random state put back, so
+    the model and its training are untouched. Its FLOPs are those of the branches these
+    values take."""
+    memo: dict[int, torch.Tensor] = {}
+    state: dict[str, torch.Tensor] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        state[name] = memo.setdefault(id(p), p.detach().requires_grad_(p.requires_grad))
+    for name, b in module.named_buffers(remove_duplicate=False):
+        state[name] = memo.setdefault(id(b), b.detach().clone())
+    devices = sorted({t.device.index for t in memo.values()
+                      if t.device.type == "cuda" and t.device.index is not None})
+    with torch.random.fork_rng(devices=devices):
+        return _counted(module, state, make_inputs)
+
+
+def _counted(module: nn.Module, state: dict[str, torch.Tensor],
+             make_inputs: Callable[[], tuple[tuple[Any, ...], dict[str, Any]]],
+             ) -> tuple[float, float, int]:
+    """FLOPs of one forward and one backward of ``module`` with ``state`` for its tensors,
+    and the bytes autograd saves that are not ``state``'s."""
+    from torch.utils.flop_counter import FlopCounterMode
+
     excluded = {v.untyped_storage()._cdata for v in state.values()}
     seen: set[int] = set()
     saved = 0
@@ -310,17 +340,15 @@ def fake_module_cost(module: nn.Module,
             saved += t.untyped_storage().nbytes()
         return t
 
-    with mode:
-        args, kwargs = make_inputs()
-        fwd_counter = FlopCounterMode(display=False)
-        with fwd_counter, torch.enable_grad(), \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            out = torch.func.functional_call(module, state, args, kwargs, strict=False)
-        outs = [t for t in pytree.tree_leaves(out)
-                if isinstance(t, torch.Tensor) and t.requires_grad]
-        bwd_counter = FlopCounterMode(display=False)
-        if outs:
-            with bwd_counter:
-                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+    args, kwargs = make_inputs()
+    fwd_counter = FlopCounterMode(display=False)
+    with fwd_counter, torch.enable_grad(), \
+            torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = torch.func.functional_call(module, state, args, kwargs, strict=False)
+    outs = [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    bwd_counter = FlopCounterMode(display=False)
+    if outs:
+        with bwd_counter:
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
     return (float(fwd_counter.get_total_flops()), float(bwd_counter.get_total_flops()),
             int(saved))

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +21,7 @@ from torch import nn
 from cost_model.device import DeviceSpec
 from cost_model.errors import SMPTracingError
 from cost_model.flops import CREATION_OPS, VIEW_OPS, gemm_dims, numel, op_flops
-from cost_model.measure import fake_module_cost
+from cost_model.measure import fake_module_cost, real_module_cost
 from cost_model.node_cost import NodeCost
 from cost_model.roofline import fp8_cast_times, node_times
 from cost_model.saved import saved_rule
@@ -143,8 +143,9 @@ def _shape(value: Any) -> tuple[int, ...] | None:
 class _State:
     """Walks the graph once, tracking grad-requirement, storage aliasing and first uses."""
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
+    def __init__(self, gm: torch.fx.GraphModule, real_run: bool = True) -> None:
         self.gm = gm
+        self.real_run = real_run  # a leaf fakes cannot run may run on real zeros
         self.rg: dict[str, bool] = {}
         self.base: dict[str, tuple[str, Any]] = {}
         self.counted: set[tuple[str, Any]] = set()
@@ -177,11 +178,13 @@ def _is_float(info: Any) -> bool:
 
 def annotate_costs(gm: torch.fx.GraphModule, device: DeviceSpec,
                    measured: Mapping[str, Sequence[float | None]] | None = None,
-                   ) -> torch.fx.GraphModule:
+                   allow_real_run: bool = True) -> torch.fx.GraphModule:
     """A copy of ``gm`` with ``COST`` on every node; ``measured`` nodes take measured numbers
-    (a ``None`` field keeps the analytic one)."""
+    (a ``None`` field keeps the analytic one). ``allow_real_run=False`` (SMP's
+    ``skip_tracing``): a leaf that fake tensors cannot run keeps an unknown cost instead of
+    being run on real zeros."""
     out = copy_graph_module(gm)
-    st = _State(out)
+    st = _State(out, allow_real_run)
     for node in out.graph.nodes:
         cost = _node_cost(node, st, device, measured or {})
         COST.set(node, cost)
@@ -322,10 +325,15 @@ def _elements(info: Any) -> int:
 def _leaf_cost(node: torch.fx.Node, in_rg: list[bool], st: _State
                ) -> tuple[float, float, int] | None:
     """Price a leaf module with no formula by running it on fake tensors (see
-    ``cost_model.measure.fake_module_cost``); ``None`` if it cannot run on fakes."""
+    ``cost_model.measure.fake_module_cost``); one that branches on its values (fakes have
+    none) on real zeros where its weights are real (``real_module_cost``); ``None`` if
+    neither can run it."""
     rg = dict(zip(node.args, in_rg))
+    module = st.gm.get_submodule(str(node.target))
+    tensors = [*module.parameters(), *module.buffers()]
+    device = tensors[0].device if tensors else torch.device("cpu")
 
-    def fake(a: Any) -> Any:
+    def value(a: Any, real: bool) -> Any:
         info = TENSOR.get(a) if isinstance(a, torch.fx.Node) else None
         if isinstance(a, torch.fx.Node) and not isinstance(info, TensorInfo):
             raise SMPTracingError.build("a leaf priced on fake tensors takes single tensors",
@@ -333,19 +341,34 @@ def _leaf_cost(node: torch.fx.Node, in_rg: list[bool], st: _State
                                         "it keeps an unknown cost (a formula can price it)")
         if info is None:
             return a
-        t = torch.empty(info.shape, dtype=getattr(torch, info.dtype))
+        dtype = getattr(torch, info.dtype)
+        t = torch.zeros(info.shape, dtype=dtype, device=device) if real else torch.empty(
+            info.shape, dtype=dtype)
         return t.requires_grad_(rg.get(a, False) and t.is_floating_point())
 
-    def make_inputs() -> tuple[tuple[Any, ...], dict[str, Any]]:
-        return (tuple(fake(a) for a in node.args),
-                {k: fake(v) for k, v in node.kwargs.items()})
+    def inputs(real: bool) -> Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]:
+        return lambda: (tuple(value(a, real) for a in node.args),
+                        {k: value(v, real) for k, v in node.kwargs.items()})
 
     try:
-        return fake_module_cost(st.gm.get_submodule(str(node.target)), make_inputs)
-    except Exception as exc:  # data-dependent code cannot run on fakes: stays unknown
-        log.info("cannot decompose leaf %s on fake tensors: %s: %s", node.target,
-                 type(exc).__name__, exc)
+        return fake_module_cost(module, inputs(False))
+    except Exception as exc:  # data-dependent code cannot run on fakes
+        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+    if not st.real_run or any(t.is_meta for t in tensors):
+        log.info("cannot decompose leaf %s on fake tensors (%s), nor on real ones: %s",
+                 node.target, why, "skip_tracing" if not st.real_run else
+                 "its weights are on meta")
         return None
+    try:
+        cost = real_module_cost(module, inputs(True))
+    except Exception as exc:
+        log.info("cannot decompose leaf %s on fake tensors (%s), nor on real zeros (%s: %s)",
+                 node.target, why, type(exc).__name__, str(exc).splitlines()[0][:200]
+                 if str(exc) else "")
+        return None
+    log.info("leaf %s decomposed on real zeros: fake tensors cannot run it (%s)",
+             node.target, why)
+    return cost
 
 
 def _contiguous(node: Any) -> bool:

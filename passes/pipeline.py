@@ -87,7 +87,8 @@ def compile_model(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, An
     """Trace, cost and partition ``model`` for one microbatch ``(args, kwargs)``.
 
     ``allow_real_run=False`` (SMP's ``skip_tracing``) refuses shape propagation's real-run
-    fallback; ``Compiled.gm`` is what ``passes.split_stages`` splits.
+    fallback and the costing of a leaf on real zeros; ``Compiled.gm`` is what
+    ``passes.split_stages`` splits.
 
     >>> from passes.partition_config import PartitionConfig
     >>> m = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
@@ -122,8 +123,8 @@ def analyse(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any] | N
         Pass("shape_prop", lambda gm: shape_prop(gm, tuple(args), kw,
                                                  allow_real_run=allow_real_run),
              (meta.MODULE_PATH,), (meta.TENSOR,)),
-        Pass("annotate_costs", lambda gm: annotate_costs(gm, spec, measured), (meta.TENSOR,),
-             (meta.COST,)),
+        Pass("annotate_costs", lambda gm: annotate_costs(gm, spec, measured, allow_real_run),
+             (meta.TENSOR,), (meta.COST,)),
     ]
     # without ``traced`` the front end turns the empty graph into the model's graph
     start = traced if traced is not None else torch.fx.GraphModule(nn.Module(), torch.fx.Graph())

@@ -177,18 +177,64 @@ def test_opaque_leaf_is_decomposed_on_fake_tensors() -> None:
     assert cost.param_bytes == (4 * 6 + 6) * 4
 
 
-def test_unknown_op_marked_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
-    model = nn.Sequential(DataDependent(), nn.Linear(8, 8), DataDependent())
+class _NeedsData(DataDependent):
+    """Branches on its values and refuses all-zero ones: no run prices it."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not bool(x.any()):
+            raise ValueError("all-zero input")
+        return super().forward(x)
+
+
+class _Counting(DataDependent):
+    """Branches on its values, draws random numbers and counts its calls in a buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(nn.functional.dropout(x, 0.5))
+
+
+def test_a_value_branching_leaf_is_decomposed_on_real_zeros(
+        caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(_Counting(), nn.Linear(8, 8))
     x = torch.randn(2, 8)
     gm = shape_prop(trace(model, (x,)), (x,))  # weights are real: one real run for shapes
-    annotate_costs_module._warned.discard("module:DataDependent")
+    rng, calls = torch.get_rng_state(), model[0].calls.clone()
+    with caplog.at_level(logging.INFO, logger="smp_fx.cost"):
+        out = annotate_costs(gm, H100)
+    cost = COST.get(next(n for n in out.graph.nodes if n.target == "0"))
+    assert cost.known and cost.op == "module:_Counting"
+    assert cost.fwd_flops == 2 * 2 * 8 * 8 and cost.bwd_flops == 2 * 2 * 8 * 8  # no input grad
+    assert any("real zeros" in r.getMessage() for r in caplog.records)
+    # the model and its training are untouched: random state, buffers, gradients
+    assert torch.equal(torch.get_rng_state(), rng) and torch.equal(model[0].calls, calls)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_skip_tracing_leaves_a_value_branching_leaf_unknown() -> None:
+    model = nn.Sequential(_Counting(), nn.Linear(8, 8))
+    x = torch.randn(2, 8)
+    gm = shape_prop(trace(model, (x,)), (x,))
+    out = annotate_costs(gm, H100, allow_real_run=False)
+    assert not COST.get(next(n for n in out.graph.nodes if n.target == "0")).known
+
+
+def test_unknown_op_marked_and_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    model = nn.Sequential(_NeedsData(), nn.Linear(8, 8), _NeedsData())
+    x = torch.randn(2, 8)
+    gm = shape_prop(trace(model, (x,)), (x,))
+    annotate_costs_module._warned.discard("module:_NeedsData")
     with caplog.at_level(logging.WARNING, logger="smp_fx.cost"):
         out = annotate_costs(gm, H100)
         annotate_costs(gm, H100)
     unknown = [COST.get(n) for n in out.graph.nodes if n.op == "call_module" and n.target != "1"]
     assert [c.known for c in unknown] == [False, False]
-    assert unknown[0].op == "module:DataDependent" and unknown[0].fwd_flops == 0
-    assert sum("module:DataDependent" in r.getMessage() for r in caplog.records) == 1
+    assert unknown[0].op == "module:_NeedsData" and unknown[0].fwd_flops == 0
+    assert sum("module:_NeedsData" in r.getMessage() for r in caplog.records) == 1
 
 
 def test_measured_numbers_replace_analytic_ones() -> None:

@@ -33,14 +33,16 @@ class Run:
     batches are a function of the step, so two runs can be compared step for step."""
 
     def __init__(self, seed: int, name: str = "gpt",
-                 place: Callable[[torch.nn.Module], None] | None = None) -> None:
+                 place: Callable[[torch.nn.Module], None] | None = None,
+                 **opt_args: Any) -> None:
         self.ex = example(name)
         torch.manual_seed(seed)
         module = self.ex.build_model()
         if place is not None:  # a manual cut (``auto_partition: False``)
             place(module)
         self.model = smp.DistributedModel(module)
-        self.opt = smp.DistributedOptimizer(torch.optim.Adam(self.model.parameters(), lr=0.01))
+        self.opt = smp.DistributedOptimizer(torch.optim.Adam(self.model.parameters(), lr=0.01),
+                                            **opt_args)
         ex = self.ex
 
         @smp.step
@@ -95,6 +97,30 @@ def test_resume_continues_exactly_with_rotation_and_newest(tmp_path: Path) -> No
     assert smp.resume_from_checkpoint(path, tag="step2")["step"] == 2
     older.step(3)
     assert older.step(4) == want_loss
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_a_half_precision_run_resumes_exactly(tmp_path: Path, precision: str) -> None:
+    """The fp32 masters, Adam's state and, in fp16, the loss scale come back: the resumed
+    steps equal the uninterrupted ones bitwise (fp16 starts at a scale that overflows)."""
+    init(2, 2, "interleaved", **{precision: True})
+    scale = {"dynamic_loss_scale": True, "dynamic_loss_args": {
+        "init_scale": 2.0**24, "scale_factor": 2.0**8}} if precision == "fp16" else {}
+    path = str(tmp_path / "ck")
+    run = Run(seed=0, **scale)
+    skipped = [run.step(n) is None or run.opt.overflow for n in (1, 2, 3)]
+    assert skipped == [precision == "fp16", False, False]
+    smp.save_checkpoint(path, "s3", model=run.model, optimizer=run.opt)
+    want = [run.step(4), run.step(5)]
+    want_params = run.params()
+
+    smp.reset()
+    resumed = Run(seed=1, **scale)
+    smp.resume_from_checkpoint(path)
+    assert [resumed.step(4), resumed.step(5)] == want and not resumed.opt.overflow
+    _assert_same_params(resumed.params(), want_params)
+    assert all(p.dtype == getattr(torch, {"fp16": "float16", "bf16": "bfloat16"}[precision])
+               for p in resumed.params().values())
 
 
 def test_resume_before_the_model_exists_applies_at_creation(tmp_path: Path) -> None:

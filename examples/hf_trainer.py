@@ -215,6 +215,7 @@ def full(out: str, average: bool = False) -> dict[str, Any]:
     per_sample = logits.flatten(1)
     result["predict"] = [list(logits.shape), per_sample.sum(1).tolist(),
                          per_sample.abs().sum(1).tolist()]
+    result["param_dtypes"] = sorted({str(p.dtype) for p in first.model.parameters()})
     checkpoint = os.path.join(out, "gas1", "checkpoint-2")
     result["checkpoint_files"] = sorted(os.listdir(checkpoint))
     resumed = trainer_for(os.path.join(out, "gas1"), gas=1, steps=4, save_steps=None)

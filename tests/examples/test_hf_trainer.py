@@ -103,6 +103,26 @@ def test_trainer_smp_mode_matches_plain_trainer(tmp_path: Path) -> None:
         got["checkpoint_files"])
 
 
+@pytest.mark.multiproc
+def test_trainer_smp_fp16_trains_as_the_plain_trainer_at_fp16_resolution(
+        tmp_path: Path) -> None:
+    """``fp16`` in SM_HP_MP_PARAMETERS (the Trainer takes its own ``fp16`` from it and
+    unwraps SMP's fp16 optimizer for its scheduler): at pp=2 the model runs in half, its
+    losses are the plain fp32 Trainer's within fp16's resolution, and a resumed run repeats
+    the uninterrupted one."""
+    env = {**SMP_ENV, "SM_HP_MP_PARAMETERS": json.dumps(
+        {"partitions": 2, "microbatches": 2, "fp16": True})}
+    plain_args = ["--average-accumulation"] if _plain_sums_accumulation() else []
+    plain, smp_ranks = _run_pair(tmp_path, 2, env, [], plain_args)
+    assert smp_ranks[0]["gas1"] == smp_ranks[1]["gas1"]
+    got = smp_ranks[0]
+    assert (got["param_dtypes"], plain["param_dtypes"]) == (["torch.float16"], ["torch.float32"])
+    for run in ("gas1", "gas2"):  # 5e-5 relative seen (transformers 5.x)
+        torch.testing.assert_close(torch.tensor(got[run]), torch.tensor(plain[run]),
+                                   rtol=1e-3, atol=0, msg=lambda m, r=run: f"{r}: {m}")
+    assert got["resumed"][2:] == got["gas1"][2:]
+
+
 def _plain_sums_accumulation() -> bool:
     """``plain_sums_accumulation`` for the installed transformers."""
     import transformers

@@ -119,7 +119,8 @@ PARAMS: tuple[Param, ...] = (
     _P("skip_tracing", bool, False, used_at="DistributedModel",
        doc="planning never runs the model on real tensors (smp-fx's trace is symbolic or on "
            "fake tensors anyway; the one real-run fallback of shape propagation is refused, "
-           "and trace_execution_times / trace_memory_usage are rejected)"),
+           "a leaf that fake tensors cannot run is not costed on real zeros, and "
+           "trace_execution_times / trace_memory_usage are rejected)"),
     _P("sharded_data_parallel_degree", int, 1, minimum=1, used_at="DistributedModel",
        doc="FSDP2 over groups of this many rdp ranks (docs/precision.md); needs ddp"),
     _P("expert_parallel_degree", int, 1, minimum=1, used_at="DistributedModel",

@@ -44,6 +44,7 @@ test: $(STAMP) $(TF4_STAMP) bytecode
 
 test-transformers4: $(TF4_STAMP)  # the Hugging Face Trainer and zoo tests with transformers 4.x
 	$(TF4_PY) -m pytest -q -p no:cacheprovider -n 2 --dist loadfile tests/examples/test_hf_trainer.py \
+		tests/examples/test_hf_trainer_fp16.py \
 		tests/examples/test_hf_use_cache.py tests/smp_fx/ckpt/test_safe_load.py \
 		tests/examples/test_hf_zoo_pipeline.py tests/smp_fx/nn/huggingface/test_gptneox_rope.py \
 		tests/passes/test_trace_memo.py

@@ -353,7 +353,7 @@ def _leaf_cost(node: torch.fx.Node, in_rg: list[bool], st: _State
     try:
         return fake_module_cost(module, inputs(False))
     except Exception as exc:  # data-dependent code cannot run on fakes
-        why = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+        why = _said(exc)
     if not st.real_run or any(t.is_meta for t in tensors):
         log.info("cannot decompose leaf %s on fake tensors (%s), nor on real ones: %s",
                  node.target, why, "skip_tracing" if not st.real_run else
@@ -362,13 +362,18 @@ def _leaf_cost(node: torch.fx.Node, in_rg: list[bool], st: _State
     try:
         cost = real_module_cost(module, inputs(True))
     except Exception as exc:
-        log.info("cannot decompose leaf %s on fake tensors (%s), nor on real zeros (%s: %s)",
-                 node.target, why, type(exc).__name__, str(exc).splitlines()[0][:200]
-                 if str(exc) else "")
+        log.info("cannot decompose leaf %s on fake tensors (%s), nor on real zeros (%s)",
+                 node.target, why, _said(exc))
         return None
     log.info("leaf %s decomposed on real zeros: fake tensors cannot run it (%s)",
              node.target, why)
     return cost
+
+
+def _said(exc: Exception) -> str:
+    """An exception in one line for the log: its type and its message's first line."""
+    text = str(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def _contiguous(node: Any) -> bool:

@@ -96,15 +96,17 @@ class DistributedRun:
 
         self.train = train
 
-    def step(self, batch: Batch) -> None:
+    def step(self, batch: Batch) -> Any:
+        """One optimizer step on this rdp rank's slice of ``batch``: the step's outputs."""
         import smp_fx as smp
 
         x, y = batch
         share = y.shape[0] // smp.rdp_size()
         rows = slice(smp.rdp_rank() * share, (smp.rdp_rank() + 1) * share)
         self.opt.zero_grad()
-        self.train(self.model, tuple(t[rows] for t in x), y[rows])
+        out = self.train(self.model, tuple(t[rows] for t in x), y[rows])
         self.opt.step()
+        return out
 
     def state(self) -> dict[str, torch.Tensor]:
         """The whole model's ``state_dict()`` (collective)."""

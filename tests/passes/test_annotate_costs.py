@@ -198,11 +198,17 @@ class _Counting(DataDependent):
         return super().forward(nn.functional.dropout(x, 0.5))
 
 
-def test_a_value_branching_leaf_is_decomposed_on_real_zeros(
-        caplog: pytest.LogCaptureFixture) -> None:
+def _counting() -> tuple[nn.Module, torch.fx.GraphModule]:
+    """A model whose first module is ``_Counting``, traced and shape-propagated (its weights
+    are real: one real run for shapes)."""
     model = nn.Sequential(_Counting(), nn.Linear(8, 8))
     x = torch.randn(2, 8)
-    gm = shape_prop(trace(model, (x,)), (x,))  # weights are real: one real run for shapes
+    return model, shape_prop(trace(model, (x,)), (x,))
+
+
+def test_a_value_branching_leaf_is_decomposed_on_real_zeros(
+        caplog: pytest.LogCaptureFixture) -> None:
+    model, gm = _counting()
     rng, calls = torch.get_rng_state(), model[0].calls.clone()
     with caplog.at_level(logging.INFO, logger="smp_fx.cost"):
         out = annotate_costs(gm, H100)
@@ -216,9 +222,7 @@ def test_a_value_branching_leaf_is_decomposed_on_real_zeros(
 
 
 def test_skip_tracing_leaves_a_value_branching_leaf_unknown() -> None:
-    model = nn.Sequential(_Counting(), nn.Linear(8, 8))
-    x = torch.randn(2, 8)
-    gm = shape_prop(trace(model, (x,)), (x,))
+    _, gm = _counting()
     out = annotate_costs(gm, H100, allow_real_run=False)
     assert not COST.get(next(n for n in out.graph.nodes if n.target == "0")).known
 

@@ -107,3 +107,19 @@ def not_implemented(feature: str, parameter: str | None = None,
         f"{what} is not implemented in smp-fx yet. "
         + (fix or "Remove the setting or use its default; see README 'Not supported yet'.")
     )
+
+
+def first_line(exc: BaseException, limit: int | None = None) -> str:
+    """What a log line or a command's error quotes of an exception: its message's first
+    line (at most ``limit`` characters), or its type's name when it says nothing. A
+    traceback's worth of text (torch.export's, transformers') stays in the exception."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else type(exc).__name__
+
+
+def one_line(exc: BaseException, limit: int | None = 300) -> str:
+    """An exception in one line for a log that names what failed: its type, then its
+    message's first line (``first_line``)."""
+    said = first_line(exc, limit)
+    name = type(exc).__name__
+    return name if said == name else f"{name}: {said}"

@@ -19,7 +19,7 @@ import torch.fx
 from torch import nn
 
 from cost_model.device import DeviceSpec
-from cost_model.errors import SMPTracingError
+from cost_model.errors import SMPTracingError, one_line
 from cost_model.flops import CREATION_OPS, VIEW_OPS, gemm_dims, numel, op_flops
 from cost_model.measure import fake_module_cost, real_module_cost
 from cost_model.node_cost import NodeCost
@@ -353,7 +353,7 @@ def _leaf_cost(node: torch.fx.Node, in_rg: list[bool], st: _State
     try:
         return fake_module_cost(module, inputs(False))
     except Exception as exc:  # data-dependent code cannot run on fakes
-        why = _said(exc)
+        why = one_line(exc, 200)
     if not st.real_run or any(t.is_meta for t in tensors):
         log.info("cannot decompose leaf %s on fake tensors (%s), nor on real ones: %s",
                  node.target, why, "skip_tracing" if not st.real_run else
@@ -363,17 +363,11 @@ def _leaf_cost(node: torch.fx.Node, in_rg: list[bool], st: _State
         cost = real_module_cost(module, inputs(True))
     except Exception as exc:
         log.info("cannot decompose leaf %s on fake tensors (%s), nor on real zeros (%s)",
-                 node.target, why, _said(exc))
+                 node.target, why, one_line(exc, 200))
         return None
     log.info("leaf %s decomposed on real zeros: fake tensors cannot run it (%s)",
              node.target, why)
     return cost
-
-
-def _said(exc: Exception) -> str:
-    """An exception in one line for the log: its type and its message's first line."""
-    text = str(exc)
-    return f"{type(exc).__name__}: {text.splitlines()[0][:200] if text else ''}"
 
 
 def _contiguous(node: Any) -> bool:

@@ -22,7 +22,7 @@ import torch.fx.experimental._config as fx_config
 import torch.utils._pytree as pytree
 from torch import nn
 
-from cost_model.errors import SMPTracingError
+from cost_model.errors import SMPTracingError, one_line
 from passes import trace_memo
 from passes.fresh_writes import make_out_of_place
 from passes.graph_utils import attach_state
@@ -259,8 +259,7 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: Mapping[str, Any]) 
                                                dynamic_shapes=dynamic, strict=False)
             except Exception as exc:  # export raises many types; the static retry tells the rest
                 log.info("export with symbolic input dimensions (size-oblivious: %s) failed "
-                         "(%s: %s)", oblivious, type(exc).__name__,
-                         str(exc).splitlines()[0][:300] if str(exc) else "")
+                         "(%s)", oblivious, one_line(exc))
         log.info("exporting with the example's shapes")
         with partial_graph_to_debug():
             return torch.export.export(model, args, dict(kwargs), strict=False)
@@ -374,7 +373,7 @@ def trace(model: nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any
         except SMPTracingError:
             raise
         except Exception as exc:
-            errors.append(f"export: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}")
+            errors.append(f"export: {one_line(exc)}")
             log.info("export failed: %s", errors[-1])
     if fx_gm is not None:
         log.info("auto: falling back to the fx graph with automatic leaves")

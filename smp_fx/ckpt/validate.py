@@ -13,7 +13,7 @@ import pickle
 from collections.abc import Callable
 from typing import TypeVar
 
-from cost_model.errors import SMPCheckpointError
+from cost_model.errors import SMPCheckpointError, first_line
 from smp_fx.ckpt.view import Ranks
 
 T = TypeVar("T")
@@ -26,7 +26,7 @@ RESTORE = "restore it from a good copy, or load the previous checkpoint"
 
 def load_error(path: str, exc: BaseException, weights_only: bool) -> SMPCheckpointError:
     """What is wrong with the file at ``path`` that ``torch.load`` failed on with ``exc``."""
-    said = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    said = first_line(exc)
     try:
         size = os.path.getsize(path)
         with open(path, "rb") as fh:

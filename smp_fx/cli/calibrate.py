@@ -18,7 +18,7 @@ import torch
 
 from cost_model import calibrate as measure
 from cost_model.device import DeviceSpec
-from cost_model.errors import SMPError
+from cost_model.errors import SMPError, first_line
 from cost_model.microbench import FULL
 from cost_model.model_sizes import ModelSizes
 from smp_fx.calibration.spec import CalibrationOptions, calibrate
@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _relaunch(args, argv)
         spec = calibrate(options(args), world)
     except SMPError as exc:
-        print(f"smp-fx calibrate: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        print(f"smp-fx calibrate: error: {first_line(exc)}", file=sys.stderr)
         return 2
     if spec is not None:
         _report(spec, args.output)

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from cost_model.devices import DEFAULT_DEVICE, load_device
-from cost_model.errors import SMPConfigError, SMPError
+from cost_model.errors import SMPConfigError, SMPError, first_line
 from cost_model.schedule import SCHEDULE_NAMES
 from passes.pipeline import Compiled, baseline_plans
 from smp_fx.cli import render
@@ -350,8 +350,7 @@ def run_or_report(prog: str, run: Callable[[argparse.Namespace], int],
     try:
         return run(args)
     except (SMPError, OSError, ImportError, SyntaxError) as exc:
-        message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        print(f"{prog}: error: {message}", file=sys.stderr)
+        print(f"{prog}: error: {first_line(exc)}", file=sys.stderr)
         return EXIT_BAD_INPUT
 
 

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from cost_model.errors import SMPConfigError
+from cost_model.errors import SMPConfigError, first_line
 from passes.trace import Frontend
 from smp_fx.planner.layers import KEPT
 from smp_fx.planner.model import Prepared, prepare
@@ -89,8 +89,7 @@ def load_config(path: str | Path) -> Any:
         return CONFIG_MAPPING[kind].from_dict(doc)
     except (TypeError, ValueError) as exc:
         raise SMPConfigError.build(f"transformers rejects this {kind} config",
-                                   str(exc).splitlines()[0] if str(exc) else
-                                   type(exc).__name__, str(file), "fix the named field") \
+                                   first_line(exc), str(file), "fix the named field") \
             from exc
 
 
@@ -135,7 +134,7 @@ def causal_lm(config: Any, precision: str, where: str) -> nn.Module:
                 model = AutoModelForCausalLM.from_config(config, attn_implementation=EAGER)
     except ValueError as exc:
         raise SMPConfigError.build("the config has a causal language model in transformers",
-                                   str(exc).splitlines()[0], where,
+                                   first_line(exc), where,
                                    "plan a decoder-only model (Llama, Mistral, Mixtral, "
                                    "Qwen, GPT-2, ...)") from exc
     return CausalLMLogits(model).to(model_dtype(precision)).eval()

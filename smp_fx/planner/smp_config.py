@@ -28,7 +28,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from cost_model.errors import SMPError
+from cost_model.errors import SMPError, first_line
 from smp_fx.config import validate
 from smp_fx.planner.candidate import Candidate
 from smp_fx.planner.result import PlanRecord
@@ -80,7 +80,7 @@ def config_refusal(items: tuple[tuple[str, Any], ...], gpus: int) -> str | None:
     try:
         validate(dict(items), gpus)
     except SMPError as exc:
-        return str(exc).splitlines()[0]
+        return first_line(exc)
     return None
 
 

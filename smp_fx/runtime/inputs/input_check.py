@@ -249,6 +249,11 @@ def batch_agrees_over_groups(model: Any, fn: Callable[..., Any], args: tuple[Any
         _checked[fn] = model
 
 
+_all_gather_into: Any = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+"""torch 2.13 renamed ``all_gather_into_tensor`` (now deprecated, a FutureWarning on every
+rank) ``all_gather_single``."""
+
+
 def _same_over(axis: str, mine: list[tuple[Any, ...]], rule: str, where: str,
                st: state.State) -> None:
     """Raise ``rule`` on every rank of ``axis``'s group unless all hold ``mine`` alike (a
@@ -257,7 +262,7 @@ def _same_over(axis: str, mine: list[tuple[Any, ...]], rule: str, where: str,
     ranks, pg = st.group_ranks(axis), st.object_group(axis)
     got = torch.empty(len(ranks), dtype=torch.int64)
     what = f"the {axis} group's batches"
-    comm._bounded(what, lambda: dist.all_gather_into_tensor(got, digest, group=pg))
+    comm._bounded(what, lambda: _all_gather_into(got, digest, group=pg))
     if bool((got == digest).all()):
         return
     everyone: list[Any] = [None] * len(ranks)

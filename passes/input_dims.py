@@ -70,6 +70,19 @@ class InputDims:
         return self.inputs is not None and any(
             isinstance(d, Fixed) for i in self.inputs for d in i.dims)
 
+    def free_words(self) -> str:
+        """The symbolic dimensions in words, ``"input_ids[0, 1]"`` per input that has any:
+        what one graph serves, and what the capture paid for (each symbolic dimension
+        costs torch.export symbolic reasoning: Swin's image height and width most)."""
+        if self.inputs is None:
+            return "every dimension (an fx graph)"
+        words = []
+        for inp in self.inputs:
+            free = [str(k) for k, d in enumerate(inp.dims) if isinstance(d, Free)]
+            if free:
+                words.append(f"{inp.name}[{', '.join(free)}]")
+        return ", ".join(words) or "none"
+
     def check_shapes(self, shapes: Mapping[str, tuple[int, ...] | None]) -> None:
         """Raise naming the first input and dimension the graph cannot take; ``shapes``
         maps placeholder names to the new tensors' shapes (None: not a tensor)."""

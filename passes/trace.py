@@ -12,6 +12,7 @@ import inspect
 import io
 import logging
 import sys
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager, redirect_stderr
 from typing import Any, Literal
@@ -352,6 +353,7 @@ def trace(model: nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any
         raise SMPTracingError.build("frontend must be 'auto', 'fx' or 'export'", frontend,
                                     fix="pick one of the three")
     leaf_modules = tuple(leaf_modules)
+    start = time.perf_counter()
     errors: list[str] = []
     fx_gm: torch.fx.GraphModule | None = None
     fx_fail: _FxFailure | None = None
@@ -360,7 +362,7 @@ def trace(model: nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any
             fx_gm, auto = _fx_trace(model, args, kwargs, leaf_modules, auto_leaf=True)
             fx_gm.meta["smp.auto_leaves"] = tuple(auto)
             if frontend == "fx" or not auto:
-                return _finish(fx_gm, "fx")
+                return _finish(fx_gm, "fx", start)
             errors.append(f"fx: needed automatic leaves {auto}")
             log.info("auto: fx graph rejected (%s); trying torch.export", errors[-1])
         except _FxFailure as fail:
@@ -369,7 +371,7 @@ def trace(model: nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any
             log.info("auto: fx failed (%s); trying torch.export", errors[-1])
     if frontend in ("auto", "export"):
         try:
-            return _finish(_export_trace(model, args, kwargs, leaf_modules), "export")
+            return _finish(_export_trace(model, args, kwargs, leaf_modules), "export", start)
         except SMPTracingError:
             raise
         except Exception as exc:
@@ -377,7 +379,7 @@ def trace(model: nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any
             log.info("export failed: %s", errors[-1])
     if fx_gm is not None:
         log.info("auto: falling back to the fx graph with automatic leaves")
-        return _finish(fx_gm, "fx")
+        return _finish(fx_gm, "fx", start)
     where = fx_fail.path if fx_fail and fx_fail.path else "<root>"
     mod_type = type(model.get_submodule(fx_fail.path)).__name__ if fx_fail and fx_fail.path \
         else type(model).__name__
@@ -398,10 +400,12 @@ def _capture_fix(errors: Sequence[str]) -> str:
             "manually with smp.partition")
 
 
-def _finish(gm: torch.fx.GraphModule, frontend: str) -> torch.fx.GraphModule:
+def _finish(gm: torch.fx.GraphModule, frontend: str, start: float) -> torch.fx.GraphModule:
     _record_params(gm)
     gm.meta["smp.frontend"] = frontend
     gm.meta["smp.input_dims"] = input_dims_of(gm) if frontend == "export" else InputDims.free()
     gm.meta.setdefault("smp.auto_leaves", ())
-    log.info("traced with %s: %d nodes", frontend, len(gm.graph.nodes))
+    log.info("traced with %s in %.1f s: %d nodes; symbolic input dimensions: %s", frontend,
+             time.perf_counter() - start, len(gm.graph.nodes),
+             gm.meta["smp.input_dims"].free_words())
     return gm

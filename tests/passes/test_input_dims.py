@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -37,10 +39,14 @@ class _Masked(nn.Module):
         return h * mask.unsqueeze(-1) if mask is not None else h
 
 
-def test_export_keeps_batch_and_length_free_and_fixes_what_a_weight_reads() -> None:
+def test_export_keeps_batch_and_length_free_and_fixes_what_a_weight_reads(
+        caplog: pytest.LogCaptureFixture) -> None:
     model = _Masked()
     x, mask = torch.randn(4, 5, 6), torch.ones(4, 5)
-    gm = trace(model, (x,), {"mask": mask})
+    with caplog.at_level(logging.INFO, "smp_fx.passes.trace"):
+        gm = trace(model, (x,), {"mask": mask})
+    said = [r.getMessage() for r in caplog.records if "traced with" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith("symbolic input dimensions: x[0, 1], mask[0, 1]")
     assert gm.meta["smp.frontend"] == "export"
     dims = gm.meta["smp.input_dims"]
     by_name = {i.name: i.dims for i in dims.inputs}
@@ -52,6 +58,16 @@ def test_export_keeps_batch_and_length_free_and_fixes_what_a_weight_reads() -> N
     dims.check(gm, (x2,), {"mask": mask2})
     with pytest.raises(SMPRuntimeError, match="input 'x' dimension 2"):
         dims.check(gm, (torch.randn(2, 9, 7),), {"mask": mask2})
+
+
+def test_free_words_name_each_input_s_symbolic_dimensions() -> None:
+    dims = InputDims((DimsOf("ids", (Free("s0", 2, None), Fixed(16))),
+                      DimsOf("pixels", (Free("s0", 2, None), Fixed(3), Free("s1", 2, None),
+                                        Free("s2", 2, None))),
+                      DimsOf("scale", (Fixed(1),))))
+    assert dims.free_words() == "ids[0], pixels[0, 2, 3]"
+    assert InputDims((DimsOf("x", (Fixed(2),)),)).free_words() == "none"
+    assert InputDims.free().free_words() == "every dimension (an fx graph)"
 
 
 def test_fx_graphs_take_every_shape() -> None:

@@ -30,6 +30,7 @@ from passes.graph_utils import attach_state
 from passes.input_dims import InputDims, auto_dynamic_shapes, input_dims_of, range_constraints
 from passes.meta import MODULE_PATH, PARAMS
 from passes.model_outputs import capture_outputs
+from passes.trace_share import ExportShare
 
 log = logging.getLogger("smp_fx.passes.trace")
 
@@ -343,10 +344,13 @@ def _order_placeholders(graph: torch.fx.Graph, placeholders: Sequence[torch.fx.N
 
 
 def trace(model: nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any] | None = None,
-          frontend: Frontend = "auto", leaf_modules: LeafSpec = ()) -> torch.fx.GraphModule:
+          frontend: Frontend = "auto", leaf_modules: LeafSpec = (),
+          share: ExportShare | None = None) -> torch.fx.GraphModule:
     """Capture ``model`` as a GraphModule carrying ``MODULE_PATH`` and ``PARAMS`` on every node.
 
-    ``auto`` prefers fx without automatic leaves (they hide structure), then export."""
+    ``auto`` prefers fx without automatic leaves (they hide structure), then export.
+    ``share``: the export runs through it (``passes.trace_share``: processes holding the
+    same model export it once)."""
     kwargs = dict(kwargs or {})
     args = tuple(args)
     if frontend not in ("auto", "fx", "export"):
@@ -371,7 +375,11 @@ def trace(model: nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any
             log.info("auto: fx failed (%s); trying torch.export", errors[-1])
     if frontend in ("auto", "export"):
         try:
-            return _finish(_export_trace(model, args, kwargs, leaf_modules), "export", start)
+            def export() -> torch.fx.GraphModule:
+                return _export_trace(model, args, kwargs, leaf_modules)
+
+            gm = export() if share is None else share.run(model, args, kwargs, export)
+            return _finish(gm, "export", start)
         except SMPTracingError:
             raise
         except Exception as exc:

@@ -26,6 +26,7 @@ from passes.tensor_parallel import TensorParallelPlan
 from passes.trace import trace
 from smp_fx.runtime.executor.modes import Autocast, thread_modes
 from smp_fx.runtime.planning.plan_request import plan_request
+from smp_fx.runtime.planning.shared_export import host_share
 from smp_fx.world import state
 
 log = logging.getLogger("smp_fx.planning")
@@ -49,7 +50,8 @@ def plan_stages(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
             "device's spec; `smp-fx calibrate` on it measures one)")
     device = plan_device(st)
     # context parallelism reads the sequence length as a symbol, which only export keeps
-    gm = trace(module, args, kwargs, "export" if cfg.context_parallel_degree > 1 else "auto")
+    gm = trace(module, args, kwargs, "export" if cfg.context_parallel_degree > 1 else "auto",
+               share=host_share(st))
     measured = None
     if times or memory:
         with thread_modes(torch.is_grad_enabled(), autocast):

@@ -61,24 +61,37 @@ def _failing_body() -> dict[str, Any]:
     x = hf_zoo.inputs("llama")
     share = shared_export.host_share(state.get())
     assert share is not None
+    out: dict[str, Any] = {}
 
-    def export() -> torch.fx.GraphModule:
+    def failing_on_rank_0() -> torch.fx.GraphModule:
         if smp.rank() == 0:
             raise RuntimeError("this export fails")
         return trace(model, x, frontend="export")
 
     try:
-        share.run(model, x, {}, export)
+        share.run(model, x, {}, failing_on_rank_0)
     except RuntimeError as exc:
-        return {"raised": str(exc)}
-    return {"own": dict(shared_export.STATS.own)}
+        out["raised"] = str(exc)
+
+    def unreadable(data: bytes, model: Any) -> Any:
+        raise ValueError("these bytes do not load")
+
+    if smp.rank() == 1:  # the next graph rank 0 sends does not load here
+        shared_export.from_bytes = unreadable  # type: ignore[assignment]
+    gm = share.run(model, x, {}, lambda: trace(model, x, frontend="export"))
+    out["exact"] = bool(torch.equal(gm(*x), model(*x)))
+    out["own"] = dict(shared_export.STATS.own)
+    return out
 
 
 @pytest.mark.multiproc
-def test_after_a_failed_export_each_rank_exports_for_itself() -> None:
+def test_after_a_failed_export_or_load_a_rank_exports_for_itself() -> None:
     first, second = run_ranks(_failing_body, 2, timeout=300)
-    assert first == {"raised": "this export fails"}
-    assert "rank 0's export failed or could not be handed on" in second["own"], second
+    assert first["raised"] == "this export fails" and "raised" not in second
+    assert first["exact"] and second["exact"]
+    assert second["own"] == {"rank 0's export failed or could not be handed on": 1,
+                             "rank 0's graph did not load here (ValueError: these bytes do "
+                             "not load)": 1}, second
 
 
 def test_one_process_and_the_switch_share_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -36,7 +36,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from passes import trace_memo
-from passes.graph_utils import tensor_at
+from passes.graph_utils import copy_graph_module, tensor_at
 
 DROPPED_META = frozenset({"source_fn_stack", "fwd_source_fn_stack"})
 """Node metadata not carried over (it holds functions; nothing downstream reads it)."""
@@ -71,18 +71,23 @@ def digest(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
     return hashlib.sha256(repr((key, devices)).encode()).hexdigest(), ""
 
 
+def _graph_tensors(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
+    """Every tensor the graph holds by name: parameters, buffers (tied names each) and the
+    tensor attributes its ``get_attr`` nodes read."""
+    named: dict[str, torch.Tensor] = dict(gm.named_parameters(remove_duplicate=False))
+    named.update(gm.named_buffers(remove_duplicate=False))
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = tensor_at(gm, str(node.target))
+            if isinstance(value, torch.Tensor):
+                named[str(node.target)] = value
+    return named
+
+
 def _model_tensors(gm: torch.fx.GraphModule, model: nn.Module) -> dict[str, torch.Tensor]:
-    """The graph's tensors (parameters, buffers, tensor attributes it reads) that are the
-    model's own, by name: what is left out of the bytes and rebound on arrival."""
-    names = {n for n, _ in gm.named_parameters(remove_duplicate=False)}
-    names |= {n for n, _ in gm.named_buffers(remove_duplicate=False)}
-    names |= {str(n.target) for n in gm.graph.nodes if n.op == "get_attr"}
-    out: dict[str, torch.Tensor] = {}
-    for name in sorted(names):
-        mine, theirs = tensor_at(gm, name), tensor_at(model, name)
-        if isinstance(mine, torch.Tensor) and theirs is mine:
-            out[name] = mine
-    return out
+    """The graph's tensors that are the model's own, by name: what is left out of the
+    bytes and rebound on arrival."""
+    return {name: t for name, t in _graph_tensors(gm).items() if tensor_at(model, name) is t}
 
 
 def _set(gm: nn.Module, name: str, tensor: torch.Tensor) -> None:
@@ -101,8 +106,7 @@ def to_bytes(gm: torch.fx.GraphModule, model: nn.Module) -> bytes:
     stand-ins of their shapes); ``gm`` itself is not changed."""
     from torch.fx._graph_pickler import GraphPickler, Options
 
-    plain = torch.fx.GraphModule(gm, gm.graph)
-    plain.meta = dict(gm.meta)
+    plain = copy_graph_module(gm)  # over a copy of the graph: gm's stays gm's
     for name, tensor in _model_tensors(gm, model).items():
         stand_in = torch.empty_like(tensor, device="meta")
         if isinstance(tensor, nn.Parameter):
@@ -136,14 +140,7 @@ def from_bytes(data: bytes, model: nn.Module) -> torch.fx.GraphModule:
 
 def _stand_ins(gm: torch.fx.GraphModule) -> dict[str, torch.Tensor]:
     """The meta tensors ``to_bytes`` put where the sender's model's tensors were."""
-    named: dict[str, torch.Tensor] = dict(gm.named_parameters(remove_duplicate=False))
-    named.update(gm.named_buffers(remove_duplicate=False))
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            value = tensor_at(gm, str(node.target))
-            if isinstance(value, torch.Tensor):
-                named[str(node.target)] = value
-    return {name: t for name, t in named.items() if t.is_meta}
+    return {name: t for name, t in _graph_tensors(gm).items() if t.is_meta}
 
 
 __all__ = ["DROPPED_META", "ExportShare", "available", "digest", "from_bytes", "to_bytes"]

@@ -26,6 +26,7 @@ def test_the_graph_rebuilt_holds_the_receiver_s_tensors(arch: str) -> None:
     gm = trace(sender, x, frontend="export")
     data = trace_share.to_bytes(gm, sender)
     assert all(gm.get_parameter(n) is p for n, p in sender.named_parameters())  # untouched
+    assert gm.graph.owning_module is gm
     rebuilt = trace_share.from_bytes(data, receiver)
     assert all(rebuilt.get_parameter(n) is p for n, p in receiver.named_parameters())
     assert all(rebuilt.get_buffer(n) is b for n, b in receiver.named_buffers())

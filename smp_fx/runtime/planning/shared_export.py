@@ -7,8 +7,8 @@ group); the lowest such rank exports and sends the graph to the others, which re
 around their own tensors (``passes.trace_share.from_bytes``) instead of exporting. A rank
 alone with its model on its host, a model without a digest, a failed export or a graph
 that does not load: that rank exports for itself, and says why once per reason (INFO).
-``SMP_FX_TRACE_SHARE=0`` turns it off. ``STATS`` counts what this process did
-(``benchmarks/trace_share.py`` prints it).
+``SMP_FX_TRACE_SHARE=0`` turns it off. ``STATS`` counts what this process did: graphs
+sent, graphs received, and its own exports by reason.
 """
 
 from __future__ import annotations

@@ -12,7 +12,14 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cost_model.flops import CREATION_OPS, REDUCTION_OPS, VIEW_OPS, MaybeShape, numel
+from cost_model.flops import (
+    CREATION_OPS,
+    LOSS_COST,
+    REDUCTION_OPS,
+    VIEW_OPS,
+    MaybeShape,
+    numel,
+)
 
 SAVES_OUTPUT = frozenset({"relu", "sigmoid", "tanh", "softmax", "log_softmax", "exp", "sqrt",
                           "rsqrt", "hardtanh"})
@@ -113,6 +120,16 @@ def saved_rule(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
         p, training = float(attrs.get("p", 0.5)), bool(attrs.get("training", True))
         mask = int(attrs.get("mask_itemsize", 1))
         return SavedRule(extra_bytes=mask * numel(output) if training and p > 0 else 0)
+    if op in LOSS_COST:  # the log-probabilities (nll_loss's input; cross-entropy's
+        # log-softmax output, the logits' size and dtype), the targets, the total weight
+        item = int(attrs.get("logits_itemsize", 4))
+        if op == "nll_loss":
+            return SavedRule(inputs=tuple(tensor[:2]), extra_bytes=item)
+        logits = item * numel(inputs[0]) if inputs else 0
+        if op == "tp_vocab_cross_entropy":  # softmax, column index (int64), two token masks
+            tokens = numel(inputs[1]) if len(inputs) > 1 else 0
+            return SavedRule(extra_bytes=logits + 10 * tokens)
+        return SavedRule(inputs=tuple(tensor[1:2]), extra_bytes=logits + item)
     if op == "sdpa":  # CPU/flash kernels: q, k, v, output, log-sum-exp (fp32, B*H*L)
         q = inputs[0] or ()
         lse = 4 * math.prod(q[:-1]) if q else 0
@@ -122,4 +139,4 @@ def saved_rule(op: str, inputs: Sequence[MaybeShape], output: MaybeShape,
 
 _KNOWN = frozenset({"linear", "conv", "addmm", "baddbmm", "div", "truediv", "where", "masked_fill",
                     "embedding", "layer_norm", "rms_norm", "group_norm", "batch_norm",
-                    "dropout", "sdpa"})
+                    "dropout", "sdpa"}) | frozenset(LOSS_COST)

@@ -20,7 +20,7 @@ from torch import nn
 
 from cost_model.device import DeviceSpec
 from cost_model.errors import SMPTracingError, one_line
-from cost_model.flops import CREATION_OPS, VIEW_OPS, gemm_dims, numel, op_flops
+from cost_model.flops import CREATION_OPS, LOSS_COST, VIEW_OPS, gemm_dims, numel, op_flops
 from cost_model.measure import fake_module_cost, real_module_cost
 from cost_model.node_cost import NodeCost
 from cost_model.roofline import fp8_cast_times, node_times
@@ -233,6 +233,8 @@ def _node_cost(node: torch.fx.Node, st: _State, device: DeviceSpec,
     if op == "dropout" and device.name == "cpu" and isinstance(info, TensorInfo):
         # torch's CPU dropout multiplies by a noise tensor of the input's dtype
         attrs["mask_itemsize"] = getattr(torch, info.dtype).itemsize
+    if op in LOSS_COST and isinstance(info, TensorInfo):  # the loss is in the logits' dtype
+        attrs["logits_itemsize"] = getattr(torch, info.dtype).itemsize
     flops = op_flops(op, shapes, out_shape, attrs)
     rule = saved_rule(op, shapes, out_shape, attrs, in_rg, params_rg)
     known = flops is not None and rule is not None

@@ -285,3 +285,36 @@ def test_unmeasured_fields_keep_analytic_values() -> None:
     mem = COST.get(_node(annotate_costs(gm, H100, measured={"_0": (None, None, 7)}), "_0"))
     assert (mem.fwd_time_s, mem.bwd_time_s) == (analytic.fwd_time_s, analytic.bwd_time_s)
     assert mem.saved_bytes == 7
+
+
+class _WithLoss(nn.Module):
+    """A language-model head whose loss is inside the model, as Hugging Face's are when
+    given labels: cross-entropy, or NLL over an explicit log-softmax."""
+
+    def __init__(self, nll: bool) -> None:
+        super().__init__()
+        self.head, self.nll = nn.Linear(8, 50), nll
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        logits = self.head(x).flatten(0, 1)
+        if self.nll:
+            return nn.functional.nll_loss(logits.log_softmax(-1), target.flatten())
+        return nn.functional.cross_entropy(logits, target.flatten())
+
+
+@pytest.mark.parametrize("nll", [False, True], ids=["cross_entropy", "nll_loss"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_loss_inside_the_model_is_priced_and_keeps_what_autograd_keeps(
+        nll: bool, dtype: torch.dtype, caplog: pytest.LogCaptureFixture) -> None:
+    model = _WithLoss(nll).to(dtype)
+    args = (torch.randn(3, 7, 8, dtype=dtype), torch.randint(0, 50, (3, 7)))
+    with caplog.at_level(logging.WARNING, logger="smp_fx"):
+        gm = annotate_costs(shape_prop(trace(model, args), args), H100)
+    costs = {n.name: COST.get(n) for n in gm.graph.nodes}
+    assert all(c.known for c in costs.values()), sorted(
+        c.op for c in costs.values() if not c.known)
+    assert not [r for r in caplog.records if "no formula" in r.getMessage()]
+    loss = next(c for c in costs.values() if c.op in ("cross_entropy", "nll_loss"))
+    assert loss.fwd_flops > 0
+    actual = sum(saved_bytes_by_module(model, args).values())
+    assert sum(c.saved_bytes for c in costs.values()) == actual

@@ -26,6 +26,7 @@ exports for itself.
 from __future__ import annotations
 
 import hashlib
+import pickle
 import warnings
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -90,6 +91,35 @@ def _model_tensors(gm: torch.fx.GraphModule, model: nn.Module) -> dict[str, torc
     return {name: t for name, t in _graph_tensors(gm).items() if tensor_at(model, name) is t}
 
 
+def _kinds(gm: torch.fx.GraphModule) -> dict[str, str]:
+    """How the graph holds each of its tensors: ``parameter``, ``buffer``, ``non-persistent``
+    (a buffer left out of ``state_dict()``) or ``attribute`` (a plain tensor attribute:
+    export's lifted constants). Torch's graph pickler brings every tensor that is not a
+    parameter back as a persistent buffer, which would put the model's non-persistent
+    buffers and the lifted constants into the graph's ``state_dict()``."""
+    kinds: dict[str, str] = {}
+    for name in _graph_tensors(gm):
+        owner_path, _, leaf = name.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        kinds[name] = ("parameter" if leaf in owner._parameters else
+                       "attribute" if leaf not in owner._buffers else
+                       "non-persistent" if leaf in owner._non_persistent_buffers_set else
+                       "buffer")
+    return kinds
+
+
+def _restore_kinds(gm: torch.fx.GraphModule, kinds: dict[str, str]) -> None:
+    for name, kind in kinds.items():
+        owner_path, _, leaf = name.rpartition(".")
+        owner = gm.get_submodule(owner_path) if owner_path else gm
+        if kind == "attribute" and leaf in owner._buffers:
+            value = owner._buffers.pop(leaf)
+            owner._non_persistent_buffers_set.discard(leaf)
+            object.__setattr__(owner, leaf, value)
+        elif kind == "non-persistent" and leaf in owner._buffers:
+            owner._non_persistent_buffers_set.add(leaf)
+
+
 def _set(gm: nn.Module, name: str, tensor: torch.Tensor) -> None:
     owner_path, _, leaf = name.rpartition(".")
     owner = gm.get_submodule(owner_path) if owner_path else gm
@@ -113,7 +143,7 @@ def to_bytes(gm: torch.fx.GraphModule, model: nn.Module) -> bytes:
             stand_in = nn.Parameter(stand_in, requires_grad=tensor.requires_grad)
         _set(plain, name, stand_in)
     options = Options(ops_filter=None, node_metadata_key_filter=lambda k: k not in DROPPED_META)
-    return GraphPickler.dumps(plain, options)
+    return pickle.dumps((GraphPickler.dumps(plain, options), _kinds(gm)))
 
 
 def from_bytes(data: bytes, model: nn.Module) -> torch.fx.GraphModule:
@@ -123,10 +153,12 @@ def from_bytes(data: bytes, model: nn.Module) -> torch.fx.GraphModule:
     from torch.fx._graph_pickler import GraphPickler
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
+    graph, kinds = pickle.loads(data)
     with warnings.catch_warnings():  # torch's unpickler reading its own TreeSpecs
         warnings.filterwarnings("ignore", r"`isinstance\(treespec, LeafSpec\)`", FutureWarning)
-        gm = GraphPickler.loads(data, FakeTensorMode(shape_env=ShapeEnv()))
+        gm = GraphPickler.loads(graph, FakeTensorMode(shape_env=ShapeEnv()))
     assert isinstance(gm, torch.fx.GraphModule)
+    _restore_kinds(gm, kinds)
     for name, stand_in in _stand_ins(gm).items():
         mine = tensor_at(model, name)
         if not isinstance(mine, torch.Tensor) or mine.shape != stand_in.shape \

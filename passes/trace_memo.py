@@ -43,6 +43,15 @@ MAX_TENSOR_ATTR = 4096
 """A plain tensor attribute (not a parameter or buffer) is keyed by its values up to this
 many elements (export may read them); a larger one gives the model no key."""
 MAX_DEPTH = 6
+NOT_TRACED = "__smp_not_traced__"
+"""A class attribute: true on a class whose instances a forward never reads (smp-fx's
+delayed-initialisation tape on a model built under it, which records how the weights
+were made); such an attribute is keyed by its class alone, not its contents (a random
+generator's state, every recorded op)."""
+PROCESS_HASHES = frozenset({"_original_object_hash"})
+"""Object attributes left out of the key: Python's hash of the object's own other
+attributes (transformers' ``GenerationConfig`` keeps one), which string hashing makes
+differ between processes while the attributes it hashes are keyed themselves."""
 
 _MODULE_INTERNALS = frozenset({
     "_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "training",
@@ -158,8 +167,11 @@ class _Keyer:
                     self.value(v.args, where, depth + 1), self.value(v.keywords, where, depth + 1))
         if isinstance(v, nn.Module):
             raise Unkeyable(f"{where} holds a module outside the module tree")
+        if getattr(type(v), NOT_TRACED, False):
+            return ("not traced", _name(type(v)))
         if _state_in_dict(type(v)):
-            return (_code(type(v), where), self.value(dict(vars(v)), where, depth + 1))
+            state = {a: x for a, x in vars(v).items() if a not in PROCESS_HASHES}
+            return (_code(type(v), where), self.value(state, where, depth + 1))
         raise Unkeyable(f"{where} is a {type(v).__name__}, which the key cannot read")
 
     def tensor_attr(self, t: torch.Tensor, where: str) -> Hashable:

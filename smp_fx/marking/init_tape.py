@@ -70,6 +70,8 @@ def _key(t: torch.Tensor) -> int | None:
 class Tape:
     """The recorded construction: ops, storages and the generator states they drew from."""
 
+    __smp_not_traced__ = True  # passes.trace_memo.NOT_TRACED: no forward reads it
+
     def __init__(self) -> None:
         self._last_rng: torch.Tensor | None = None
         self.ops: list[Op] = []

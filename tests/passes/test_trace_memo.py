@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from examples.models import hf_zoo
-from passes import trace_memo
+from passes import export_cache, trace_memo
 from passes.trace import trace
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -25,6 +25,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 @pytest.fixture(autouse=True)
 def _fresh_memo(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     monkeypatch.delenv(trace_memo.ENV, raising=False)  # on, whatever the run's setting
+    monkeypatch.setenv(export_cache.ENV, "")  # every capture the memo does not serve exports
     trace_memo.clear()
     yield
     trace_memo.clear()
@@ -53,6 +54,26 @@ def test_the_same_structure_reuses_the_program_with_its_own_tensors(
     monkeypatch.setenv(trace_memo.ENV, "0")
     assert reused.code == trace(second, x).code  # what a new export gives
     assert trace_memo.STATS.hits == 1 and trace_memo.STATS.unkeyed[f"{trace_memo.ENV}=0"] == 1
+
+
+def test_a_model_built_under_delayed_init_is_keyed_without_its_construction_record() -> None:
+    """The tape recording how the weights were made (its random generator's state alone
+    exceeds what a key reads of a tensor) is no part of what a forward computes: two
+    models built under ``delay_param_initialization`` with other seeds share one key."""
+    from smp_fx.marking.delayed_init import TAPE_ATTR, delay_param_initialization
+
+    with delay_param_initialization():
+        first = hf_zoo.build("llama", marked=False, seed=0)
+    with delay_param_initialization():
+        second = hf_zoo.build("llama", marked=False, seed=1)
+    assert getattr(first, TAPE_ATTR, None) is not None
+    x = hf_zoo.inputs("llama")
+    (a, why), (b, _) = trace_memo.model_key(first, x, {}), trace_memo.model_key(second, x, {})
+    assert a is not None and a == b, why
+    trace(first, x, frontend="export")
+    reused = trace(second, x, frontend="export")
+    assert trace_memo.STATS.hits == 1 and not trace_memo.STATS.unkeyed
+    assert all(p.is_meta for p in reused.parameters())
 
 
 def test_tied_weights_stay_tied_to_the_new_model() -> None:

@@ -9,6 +9,8 @@ of side effects, which holds for all of them but the compatibility shims, ignore
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from collections.abc import Iterator
 
 import pytest
@@ -31,6 +33,34 @@ if os.environ.get(GPU_TESTS_ENV) != "1":
 # register a torch.distributed backend when imported; only ``smp-fx run``'s children import
 # them (tests/smp_fx/cli/test_run.py runs scripts through them).
 collect_ignore = ["smp_fx/_compat/shims"]
+
+
+_CACHE = pytest.StashKey[str]()
+"""The run's export cache directory, on the controlling process."""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """One export cache for the run (``passes.export_cache``), made by the controlling
+    process before it starts the workers, so both workers, the ranks they start and the
+    scripts they launch share it: a model exported once in the run is loaded after. It is
+    set whatever the caller's environment holds, and removed at the end;
+    ``SMP_FX_TEST_EXPORT_CACHE=0`` runs without one (every capture exports)."""
+    if hasattr(config, "workerinput"):
+        return  # a pytest-xdist worker: the controller's variable is in its environment
+    from passes.export_cache import ENV
+
+    if os.environ.get("SMP_FX_TEST_EXPORT_CACHE") == "0":
+        os.environ[ENV] = ""
+        return
+    where = tempfile.mkdtemp(prefix="smp_fx_export_cache_")
+    os.environ[ENV] = where
+    config.stash[_CACHE] = where
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    where = config.stash.get(_CACHE, None)
+    if where is not None:
+        shutil.rmtree(where, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -32,7 +33,7 @@ if str(ROOT) not in sys.path:
 
 from cost_model.errors import one_line  # noqa: E402
 from examples.models import hf_zoo  # noqa: E402
-from passes import trace_memo, trace_share  # noqa: E402
+from passes import export_cache, trace_memo, trace_share  # noqa: E402
 from passes.trace import trace  # noqa: E402
 
 
@@ -77,15 +78,8 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(f"graphs cannot be handed on here: {why_not}")
         return []
     torch.set_num_threads(1)
-    before = os.environ.get(trace_memo.ENV)
-    os.environ[trace_memo.ENV] = "0"  # every export a real one
-    try:
-        return _table(args.archs, args.rounds)
-    finally:
-        if before is None:
-            del os.environ[trace_memo.ENV]
-        else:
-            os.environ[trace_memo.ENV] = before
+    with mock.patch.dict(os.environ, {trace_memo.ENV: "0", export_cache.ENV: ""}):
+        return _table(args.archs, args.rounds)  # every export a real one
 
 
 def _table(archs: list[str], rounds: int) -> list[dict[str, Any]]:

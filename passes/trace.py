@@ -24,7 +24,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from cost_model.errors import SMPTracingError, one_line
-from passes import trace_memo
+from passes import export_cache, trace_memo
 from passes.fresh_writes import make_out_of_place
 from passes.graph_utils import attach_state
 from passes.input_dims import InputDims, auto_dynamic_shapes, input_dims_of, range_constraints
@@ -350,7 +350,8 @@ def trace(model: nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any
 
     ``auto`` prefers fx without automatic leaves (they hide structure), then export.
     ``share``: the export runs through it (``passes.trace_share``: processes holding the
-    same model export it once)."""
+    same model export it once); with ``SMP_FX_EXPORT_CACHE`` set, the export is loaded
+    from, or stored in, that directory (``passes.export_cache``)."""
     kwargs = dict(kwargs or {})
     args = tuple(args)
     if frontend not in ("auto", "fx", "export"):
@@ -378,6 +379,7 @@ def trace(model: nn.Module, args: tuple[Any, ...] = (), kwargs: Mapping[str, Any
             def export() -> torch.fx.GraphModule:
                 return _export_trace(model, args, kwargs, leaf_modules)
 
+            export = export_cache.cached(export, model, args, kwargs)
             gm = export() if share is None else share.run(model, args, kwargs, export)
             return _finish(gm, "export", start)
         except SMPTracingError:

@@ -34,7 +34,7 @@ def _gloo_loops() -> int:
         for t in Path("/proc/self/task").iterdir():
             try:
                 names.append((t / "comm").read_text().strip())
-            except FileNotFoundError:  # a thread that just ended
+            except (FileNotFoundError, ProcessLookupError):  # a thread that just ended
                 continue
         count = names.count("gloo_tcp_loop")
         if count == seen:

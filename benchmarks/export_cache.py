@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -86,7 +87,7 @@ def _table(first: list[dict[str, Any]], again: list[dict[str, Any]]) -> list[dic
     ratios = sorted(r["restart"] / r["export"] for r in rows)
     print(f"loaded in the new process: {loaded} of {len(rows)} architectures (fallbacks "
           f"{len(rows) - loaded}); restart / export {ratios[0]:.3f}-{ratios[-1]:.3f}, "
-          f"median {ratios[len(ratios) // 2]:.3f}")
+          f"median {statistics.median(ratios):.3f}")
     return rows
 
 

@@ -40,14 +40,13 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-import torch.fx
-from torch import nn
+from typing import TYPE_CHECKING, Any
 
 from cost_model.errors import one_line
-from passes.trace_share import available, digest, from_bytes, to_bytes
+
+if TYPE_CHECKING:  # torch is imported where a graph is made or read, so that a launcher
+    import torch.fx  # can name the cache without importing it (``smp_fx.cli.run``)
+    from torch import nn
 
 log = logging.getLogger("smp_fx.passes.trace")
 
@@ -106,6 +105,8 @@ def cached(export: Callable[[], torch.fx.GraphModule], model: nn.Module,
 def cache_key(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
               ) -> tuple[str | None, str]:
     """(file stem, "") for this model at these inputs, or (None, why it has none)."""
+    from passes.trace_share import available, digest
+
     why = available()
     if why is not None:
         return None, why
@@ -161,6 +162,8 @@ def _stats(files: list[Path], base: Path) -> tuple[Any, ...]:
 
 def _load(path: Path, model: nn.Module) -> tuple[torch.fx.GraphModule | None, str]:
     """The graph stored at ``path`` around ``model``'s tensors, or (None, why not)."""
+    from passes.trace_share import from_bytes
+
     start = time.perf_counter()
     try:
         data = path.read_bytes()
@@ -195,6 +198,8 @@ def _missed(export: Callable[[], torch.fx.GraphModule], why: str) -> torch.fx.Gr
 def _store(where: Path, path: Path, gm: torch.fx.GraphModule, model: nn.Module) -> None:
     """Write the graph whole (a temporary file renamed), then prune; a failure is said
     once and costs only the next process its load."""
+    from passes.trace_share import to_bytes
+
     temp: str | None = None
     try:
         data = to_bytes(gm, model)

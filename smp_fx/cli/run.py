@@ -17,6 +17,7 @@ import tempfile
 from collections.abc import Mapping, Sequence
 
 from cost_model.errors import SMPConfigError
+from passes import export_cache
 from smp_fx._compat import SHIM_DIR
 from smp_fx.config import ENV_VAR, load_config, resolve_topology
 from smp_fx.world import elastic, reports
@@ -93,6 +94,16 @@ def build(ns: argparse.Namespace,
     return cmd, added
 
 
+def run_export_cache(root: str) -> dict[str, str]:
+    """The export cache of one run, unless the caller chose one (or none, with an empty
+    ``SMP_FX_EXPORT_CACHE``): a directory in the run's own, removed with it. A restart
+    within the run (after a fault, or an elastic change of world) loads the graphs its
+    first attempt exported instead of exporting them again (``passes.export_cache``)."""
+    if export_cache.ENV in os.environ:
+        return {}
+    return {export_cache.ENV: os.path.join(root, "export_cache")}
+
+
 def main(argv: Sequence[str]) -> int:
     ns = parser().parse_args(list(argv))
     try:
@@ -108,7 +119,7 @@ def main(argv: Sequence[str]) -> int:
     own = not os.environ.get(reports.ENV)
     root = tempfile.mkdtemp(prefix="smp-fx-run-") if own else os.environ[reports.ENV]
     try:
-        env = {**os.environ, **added, reports.ENV: root}
+        env = {**os.environ, **added, reports.ENV: root, **run_export_cache(root)}
         code = subprocess.run(cmd, env=env, check=False).returncode
         for line in reports.summary(root):
             print(f"smp-fx run: {line}", file=sys.stderr)

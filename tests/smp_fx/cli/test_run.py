@@ -15,7 +15,7 @@ import pytest
 
 from cost_model.errors import SMPConfigError
 from smp_fx.cli.main import main as cli_main
-from smp_fx.cli.run import build, parser
+from smp_fx.cli.run import build, parser, run_export_cache
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -136,6 +136,17 @@ def test_build_single_node_and_environment(tmp_path: Path) -> None:
     assert env["PYTHONPATH"].endswith(os.pathsep + "/x")
     assert Path(env["PYTHONPATH"].split(os.pathsep)[0], "smdistributed").is_dir()
     assert env["SMP_FX_BACKEND"] == "gloo"
+
+
+def test_a_run_keeps_its_exports_for_its_restarts_unless_the_caller_chose(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from passes.export_cache import ENV
+
+    monkeypatch.delenv(ENV, raising=False)
+    assert run_export_cache(str(tmp_path)) == {ENV: str(tmp_path / "export_cache")}
+    for chosen in ("", "/elsewhere"):  # off, or the caller's own directory
+        monkeypatch.setenv(ENV, chosen)
+        assert run_export_cache(str(tmp_path)) == {}
 
 
 def test_build_multi_node_passes_through() -> None:

@@ -46,6 +46,13 @@ def tensor_at(root: nn.Module, fqn: str) -> torch.Tensor | None:
     return obj if isinstance(obj, torch.Tensor) else None
 
 
+def owner_of(root: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    """(the module holding the attribute at dotted path ``fqn`` of ``root``, its last
+    name): where a parameter, buffer or tensor attribute is registered."""
+    owner_path, _, leaf = fqn.rpartition(".")
+    return (root.get_submodule(owner_path) if owner_path else root), leaf
+
+
 def attach_state(dst: nn.Module, src: nn.Module) -> None:
     """Register on ``dst`` every parameter/buffer of ``src`` it lacks (same objects)."""
     have = set(dst.state_dict(keep_vars=True))

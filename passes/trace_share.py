@@ -37,7 +37,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from passes import trace_memo
-from passes.graph_utils import copy_graph_module, tensor_at
+from passes.graph_utils import copy_graph_module, owner_of, tensor_at
 
 DROPPED_META = frozenset({"source_fn_stack", "fwd_source_fn_stack"})
 """Node metadata not carried over (it holds functions; nothing downstream reads it)."""
@@ -99,8 +99,7 @@ def _kinds(gm: torch.fx.GraphModule) -> dict[str, str]:
     buffers and the lifted constants into the graph's ``state_dict()``."""
     kinds: dict[str, str] = {}
     for name in _graph_tensors(gm):
-        owner_path, _, leaf = name.rpartition(".")
-        owner = gm.get_submodule(owner_path) if owner_path else gm
+        owner, leaf = owner_of(gm, name)
         kinds[name] = ("parameter" if leaf in owner._parameters else
                        "attribute" if leaf not in owner._buffers else
                        "non-persistent" if leaf in owner._non_persistent_buffers_set else
@@ -110,8 +109,7 @@ def _kinds(gm: torch.fx.GraphModule) -> dict[str, str]:
 
 def _restore_kinds(gm: torch.fx.GraphModule, kinds: dict[str, str]) -> None:
     for name, kind in kinds.items():
-        owner_path, _, leaf = name.rpartition(".")
-        owner = gm.get_submodule(owner_path) if owner_path else gm
+        owner, leaf = owner_of(gm, name)
         if kind == "attribute" and leaf in owner._buffers:
             value = owner._buffers.pop(leaf)
             owner._non_persistent_buffers_set.discard(leaf)
@@ -121,8 +119,7 @@ def _restore_kinds(gm: torch.fx.GraphModule, kinds: dict[str, str]) -> None:
 
 
 def _set(gm: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    owner_path, _, leaf = name.rpartition(".")
-    owner = gm.get_submodule(owner_path) if owner_path else gm
+    owner, leaf = owner_of(gm, name)
     if leaf in owner._parameters:
         owner._parameters[leaf] = tensor  # type: ignore[assignment]
     elif leaf in owner._buffers:

@@ -17,6 +17,7 @@ from torch import nn
 
 from cost_model.node_cost import NodeCost
 from passes import meta
+from passes.graph_utils import owner_of
 from passes.tensor_parallel import collectives, costs
 
 Ties = dict[int, nn.Parameter]
@@ -33,10 +34,7 @@ def set_param(gm: torch.fx.GraphModule, fqn: str, value: torch.Tensor,
               original: torch.Tensor | None = None, ties: Ties | None = None) -> None:
     """Register ``value`` as the parameter ``fqn``; with ``original`` and ``ties``, a
     tensor already replaced under another name gets the same Parameter back."""
-    owner_path, _, leaf = fqn.rpartition(".")
-    owner: nn.Module = gm
-    for part in owner_path.split(".") if owner_path else ():
-        owner = getattr(owner, part)
+    owner, leaf = owner_of(gm, fqn)
     if original is not None and ties is not None and id(original) in ties:
         owner.register_parameter(leaf, ties[id(original)])
         return
@@ -57,10 +55,7 @@ def retie(gm: torch.fx.GraphModule, ties: Ties) -> None:
 
 def replace_module(gm: torch.fx.GraphModule, path: str) -> None:
     """Put a fresh container at ``path`` (the original leaf module is the user's)."""
-    owner_path, _, leaf = path.rpartition(".")
-    owner: nn.Module = gm
-    for part in owner_path.split(".") if owner_path else ():
-        owner = getattr(owner, part)
+    owner, leaf = owner_of(gm, path)
     setattr(owner, leaf, nn.Module())
 
 
